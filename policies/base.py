@@ -1,0 +1,276 @@
+"""Types shared by every routing policy, and the registry of policies by name.
+
+Everything here is pure: no I/O, no clock reads (time arrives in ``RouteRequest.now``), and randomness only
+through seeded generators owned by a policy. The router service and the simulator build the same
+``RouteRequest`` / ``Candidate`` objects and call the same ``Policy.choose``.
+
+Units: tokens are counts of prompt tokens, times are seconds, sizes are bytes, rates are per second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+Objective = Literal["mean", "tail"]
+
+#: Tier names, fastest first. ``gpu`` is the engine's HBM prefix cache (L1), ``cpu`` host memory (L2),
+#: ``disk`` local SSD (L3), ``remote`` a shared store reached over the network (L4).
+TIER_NAMES: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """One request to place.
+
+    Attributes:
+        model: model id requested by the client.
+        prompt_tokens: prompt length in tokens.
+        block_keys: chained 64-bit block keys of the prompt's full blocks (``index.hashing``).
+        block_size: tokens per block used for ``block_keys``.
+        now: the caller's clock in seconds (policies never read a clock themselves).
+        lora: LoRA adapter name, or None for the base model.
+        session_id: client session id (``X-Session-Id``) when given.
+        objective: ``mean`` (minimise expected TTFT) or ``tail`` (penalise uncertain hits, p99-aware).
+        expected_output_tokens: expected decode length in tokens (0 when unknown).
+        request_id: opaque id for logs.
+    """
+
+    model: str
+    prompt_tokens: int
+    block_keys: Sequence[int]
+    block_size: int = 16
+    now: float = 0.0
+    lora: str | None = None
+    session_id: str | None = None
+    objective: Objective = "mean"
+    expected_output_tokens: int = 0
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class LoadView:
+    """What the router knows about a replica's load, and how fresh it is.
+
+    ``None`` means unknown (a gauge the engine does not export, or no scrape yet), never zero.
+
+    Attributes:
+        queued_requests: requests waiting in the engine's queue (scraped).
+        running_requests: requests in the engine's running batch (scraped).
+        queued_prefill_tokens: uncached prompt tokens waiting to be prefilled (scraped or estimated), tokens.
+        inflight_requests: requests this router dispatched to the replica and that have not completed.
+        inflight_prefill_tokens: uncached prompt tokens this router dispatched since the last scrape, tokens.
+        kv_usage: fraction of the replica's KV cache in use, 0..1.
+        age_s: seconds since the scraped values were taken (None when never scraped).
+    """
+
+    queued_requests: int | None = None
+    running_requests: int | None = None
+    queued_prefill_tokens: int | None = None
+    inflight_requests: int = 0
+    inflight_prefill_tokens: int = 0
+    kv_usage: float | None = None
+    age_s: float | None = None
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """Leading prompt tokens a replica holds, split by tier (from ``PrefixIndex.match``).
+
+    Each matched block is counted once, in the fastest tier that holds it.
+
+    Attributes:
+        gpu, cpu, disk, remote: matched leading tokens per tier, tokens.
+        predicted: of the matched tokens, how many are known only from this router's own routing decisions
+            (no engine event confirmed them), tokens.
+        age_s: seconds since the deepest matched block was last stored or confirmed.
+    """
+
+    gpu: int = 0
+    cpu: int = 0
+    disk: int = 0
+    remote: int = 0
+    predicted: int = 0
+    age_s: float = 0.0
+
+    @property
+    def total(self) -> int:
+        """All matched leading tokens, any tier."""
+        return self.gpu + self.cpu + self.disk + self.remote
+
+
+@dataclass(slots=True)
+class TierLink:
+    """How fast a replica can fetch reused KV from one non-GPU tier.
+
+    Attributes:
+        bandwidth_bytes_per_s: sustained fetch bandwidth, bytes per second.
+        lookup_latency_s: fixed cost of a fetch (lookup, setup), seconds.
+    """
+
+    bandwidth_bytes_per_s: float
+    lookup_latency_s: float = 0.0
+
+
+@dataclass(slots=True)
+class ReplicaProfile:
+    """Performance profile of a replica (from config, refined online by calibration).
+
+    Attributes:
+        prefill_tokens_per_s: linear prefill throughput, tokens per second.
+        fixed_overhead_s: fixed per-request cost before the first token (scheduling, sampling), seconds.
+        attention_s_per_token2: quadratic attention cost, seconds per (new token x context token); 0 ignores it.
+        bytes_per_token: KV-cache bytes per token (all layers), bytes.
+        tiers: fetch links for non-GPU tiers by tier name (``cpu``, ``disk``, ``remote``).
+        fetch_overlaps_queue: True when the engine fetches reused state while the request waits in its queue
+            (then ``T = max(Q, R) + C``), else ``T = Q + R + C``.
+        decode_interference_s: extra queueing per running request (decode steps interleaved with prefill),
+            seconds.
+        max_context_tokens: longest prompt the replica accepts, tokens (0 = unknown).
+    """
+
+    prefill_tokens_per_s: float = 10_000.0
+    fixed_overhead_s: float = 0.0
+    attention_s_per_token2: float = 0.0
+    bytes_per_token: float = 147_456.0
+    tiers: dict[str, TierLink] = field(default_factory=dict)
+    fetch_overlaps_queue: bool = True
+    decode_interference_s: float = 0.0
+    max_context_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One replica that could serve the request.
+
+    Attributes:
+        index: the replica's stable small integer index (the bit in index bitmaps).
+        name: the replica's name (pod name or configured name).
+        state: membership state (``ready``, ``draining``, ...); policies only see routable replicas.
+        load: the replica's load view.
+        hit: the prompt prefix the replica holds, per tier.
+        profile: the replica's performance profile.
+    """
+
+    index: int
+    name: str
+    load: LoadView = field(default_factory=LoadView)
+    hit: PrefixHit = field(default_factory=PrefixHit)
+    profile: ReplicaProfile = field(default_factory=ReplicaProfile)
+    state: str = "ready"
+
+
+@dataclass(slots=True)
+class CandidateScore:
+    """A candidate's score in one decision (lower is better unless the policy says otherwise).
+
+    Attributes:
+        index: replica index.
+        name: replica name.
+        score: the policy's score for this candidate (``ttft``: expected TTFT in seconds).
+        parts: named components, e.g. ``Q``, ``R``, ``C``, ``p``, ``T`` (seconds / probability) and matched
+            tokens per tier, so the decision can be explained.
+    """
+
+    index: int
+    name: str
+    score: float
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Decision:
+    """The outcome of ``Policy.choose``.
+
+    Attributes:
+        chosen: index of the chosen replica.
+        ranking: replica indices, best first (the chosen one first); retries walk it in order.
+        scores: one entry per candidate, in the order the candidates were given.
+        policy: name of the policy that decided.
+        branch: which branch of the policy decided (e.g. ``cache_hit``, ``shortest_queue``), for metrics.
+    """
+
+    chosen: int
+    ranking: list[int]
+    scores: list[CandidateScore]
+    policy: str
+    branch: str = "default"
+
+
+@dataclass(slots=True)
+class Observation:
+    """Feedback after a request finished its prefill, for calibration and stateful policies.
+
+    Attributes:
+        index: replica index that served the request.
+        prompt_tokens: prompt length, tokens.
+        cached_tokens: tokens the engine reported as reused from cache (or the router's estimate), tokens.
+        queue_wait_s: time the request waited before its prefill started, seconds (estimate when unknown).
+        ttft_s: observed time to first token, seconds.
+        now: the caller's clock, seconds.
+    """
+
+    index: int
+    prompt_tokens: int
+    cached_tokens: int
+    queue_wait_s: float
+    ttft_s: float
+    now: float = 0.0
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A routing policy: picks one candidate for a request."""
+
+    name: str
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """Return the decision for ``request`` among ``candidates`` (non-empty, all routable)."""
+        ...
+
+    def observe(self, observation: Observation) -> None:
+        """Take feedback about a finished prefill (calibration); may do nothing."""
+        ...
+
+
+PolicyFactory = Callable[..., Policy]
+
+_REGISTRY: dict[str, PolicyFactory] = {}
+
+
+def register(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    """Class decorator: register a policy factory under ``name``."""
+
+    def deco(factory: PolicyFactory) -> PolicyFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"policy {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def policy_names() -> list[str]:
+    """Names of every registered policy, sorted."""
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, **params: Any) -> Policy:
+    """Build the policy registered as ``name`` with keyword ``params``.
+
+    Raises:
+        KeyError: with the list of known names when ``name`` is unknown.
+    """
+    _load_builtin()
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return factory(**params)
+
+
+def _load_builtin() -> None:
+    """Import the built-in policy modules so they register themselves."""
+    import policies  # noqa: F401  (policies/__init__.py imports every policy module)

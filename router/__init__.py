@@ -1,0 +1,1 @@
+"""The kvroute service: configuration, HTTP app, proxy, tokenizer, telemetry and CLI."""

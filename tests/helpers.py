@@ -1,0 +1,91 @@
+"""Helpers for tests that start real processes and sockets: free ports, condition polling, process guards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 10.0, interval: float = 0.02,
+               what: str = "condition") -> object:
+    """Poll ``cond`` until it returns a truthy value or ``timeout`` seconds pass (then AssertionError)."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = cond()
+            if value:
+                return value
+        except Exception as exc:  # the condition may fail while a service is starting
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc!r})")
+
+
+def wait_http_ok(url: str, timeout: float = 20.0) -> None:
+    """Wait until GET ``url`` answers 2xx."""
+    wait_until(lambda: httpx.get(url, timeout=1.0).status_code < 300, timeout=timeout, what=f"GET {url}")
+
+
+class Proc:
+    """A child process that is always stopped: use as a context manager or call ``stop``."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, name: str = "") -> None:
+        self.name = name or args[0]
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self.popen = subprocess.Popen(list(args), env=full_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO))
+
+    @classmethod
+    def kvroute(cls, *args: str, env: dict[str, str] | None = None) -> Proc:
+        """Start ``python -m router.cli <args>`` with this interpreter."""
+        return cls([sys.executable, "-m", "router.cli", *args], env=env, name=f"kvroute {args[0]}")
+
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> str:
+        """Stop the process (its whole session) and return what it printed."""
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout=5)
+        out = self.popen.stdout.read().decode(errors="replace") if self.popen.stdout else ""
+        return out
+
+    def kill(self) -> None:
+        """SIGKILL the process group (simulates a crash)."""
+        self.stop(signal.SIGKILL)
+
+    def __enter__(self) -> Proc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
