@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,7 +54,8 @@ class Proc:
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
-        self.popen = subprocess.Popen(list(args), env=full_env, stdout=subprocess.PIPE,
+        self._log = tempfile.TemporaryFile()
+        self.popen = subprocess.Popen(list(args), env=full_env, stdout=self._log,
                                       stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO))
 
     @classmethod
@@ -77,8 +79,12 @@ class Proc:
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(timeout=5)
-        out = self.popen.stdout.read().decode(errors="replace") if self.popen.stdout else ""
-        return out
+        return self.output()
+
+    def output(self) -> str:
+        """Everything the process printed so far (stdout and stderr)."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
 
     def kill(self) -> None:
         """SIGKILL the process group (simulates a crash)."""
