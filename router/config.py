@@ -1,0 +1,500 @@
+"""Settings: THE single source of every kvroute router option, its default and its description.
+
+Everything else derives from the ``Settings`` class below:
+
+* command-line flags (``kvroute serve --kebab-case-name``; ``build_arg_parser``),
+* environment variables (``KVROUTE_<FIELD_NAME>``),
+* the YAML config file (``--config FILE``; keys are the field names, snake_case or kebab-case),
+* the Helm chart's ``values.yaml`` (generated from ``settings_fields()``).
+
+Precedence, highest first: CLI flags > environment > YAML file > defaults (``load_settings``).
+
+Units are in the field names: ``_s`` seconds, ``_bytes`` bytes, ``_tokens`` tokens.
+
+Other helpers add their options as fields at the end of the class, in the clearly commented section, each with a
+default and ``Field(description=...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import types
+import typing
+from collections.abc import Sequence
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "KVROUTE_"
+
+#: keys accepted in a replica spec string, mapped to ReplicaSpec field names
+_SPEC_KEYS = {
+    "name": "name", "url": "url", "events": "events", "replay": "replay", "dialect": "dialect",
+    "model": "model", "models": "model", "topic": "topic", "profile": "profile", "lora": "loras",
+    "loras": "loras", "role": "role", "metrics": "metrics_path", "metrics_path": "metrics_path",
+}
+
+
+class ReplicaSpec(BaseModel):
+    """One statically configured engine replica.
+
+    As a string (``--replica`` flag, ``KVROUTE_REPLICAS``): comma-separated ``key=value`` pairs, e.g.
+    ``name=r0,url=http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,dialect=vllm,model=m``
+    with optional ``topic=``, ``profile=``, ``lora=a|b``, ``role=``, ``metrics=/metrics``. Several models or LoRA
+    adapters are separated by ``|``. In YAML / JSON it is a mapping with the same keys.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="unique replica name (also the key of its stable index)")
+    url: str = Field(description="base HTTP URL of the engine, e.g. http://127.0.0.1:8001")
+    events: str | None = Field(default=None, description="ZMQ endpoint publishing KV events (tcp://host:port)")
+    replay: str | None = Field(default=None, description="ZMQ ROUTER endpoint for KV-event replay")
+    dialect: Literal["vllm", "sglang"] = Field(default="vllm", description="engine kind")
+    model: list[str] = Field(default_factory=list,
+                             description="model ids served (empty = learn from GET /v1/models)")
+    topic: str = Field(default="", description="ZMQ topic to subscribe to ('' = all)")
+    profile: str | None = Field(default=None, description="performance profile name (default_profile if unset)")
+    loras: list[str] = Field(default_factory=list, description="LoRA adapters loaded on the replica")
+    role: Literal["both", "prefill", "decode"] = Field(default="both", description="disaggregation role")
+    metrics_path: str = Field(default="/metrics", description="path of the engine's Prometheus endpoint")
+
+    @field_validator("model", "loras", mode="before")
+    @classmethod
+    def _split_bars(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [p for p in v.split("|") if p]
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        if not (v.startswith("http://") or v.startswith("https://")):
+            raise ValueError(f"replica url must start with http:// or https://, got {v!r}")
+        return v.rstrip("/")
+
+    @classmethod
+    def parse(cls, spec: str) -> ReplicaSpec:
+        """Parse the ``key=value,...`` string form; raises ValueError naming the bad part."""
+        values: dict[str, str] = {}
+        for part in (p.strip() for p in spec.split(",")):
+            if not part:
+                continue
+            key, sep, value = part.partition("=")
+            key = key.strip().lower()
+            if not sep:
+                raise ValueError(f"replica spec part {part!r} is not key=value (spec {spec!r})")
+            if key not in _SPEC_KEYS:
+                raise ValueError(f"unknown replica spec key {key!r}; known: {', '.join(sorted(_SPEC_KEYS))}")
+            values[_SPEC_KEYS[key]] = value.strip()
+        if "url" not in values:
+            raise ValueError(f"replica spec {spec!r} has no url=")
+        values.setdefault("name", values["url"].split("://", 1)[-1])
+        return cls.model_validate(values)
+
+
+def _split_list(v: Any) -> Any:
+    """Env / CLI helper: a JSON list, or a comma-separated string, becomes a list of strings."""
+    if isinstance(v, str):
+        s = v.strip()
+        if s.startswith("["):
+            return json.loads(s)
+        return [p.strip() for p in s.split(",") if p.strip()]
+    return v
+
+
+_yaml_path: ContextVar[str | None] = ContextVar("kvroute_yaml_path", default=None)
+
+
+class Settings(BaseSettings):
+    """Every option of the kvroute router. See the module docstring for how flags, env and YAML derive."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
+                                      case_sensitive=False)
+
+    # -- HTTP server -----------------------------------------------------------------------------------
+    host: str = Field(default="0.0.0.0", description="address the router listens on")
+    port: int = Field(default=8080, ge=0, le=65535, description="TCP port the router listens on")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
+    log_format: Literal["json", "text"] = Field(default="json", description="structured JSON logs or plain text")
+    access_log: bool = Field(default=False, description="log one line per HTTP request (uvicorn access log)")
+
+    # -- routing ---------------------------------------------------------------------------------------
+    policy: str = Field(default="ttft", description="routing policy name (see policies.policy_names())")
+    policy_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword parameters for the policy; CLI: --policy-param key=value (repeatable, values "
+                    "parsed as JSON when possible); env: a JSON object")
+    objective: Literal["mean", "tail"] = Field(
+        default="mean", description="TTFT objective: mean, or tail (penalise uncertain cache hits)")
+    block_size: int = Field(default=16, ge=1, le=4096,
+                            description="tokens per block for block keys (must equal the engines' block size)")
+    default_profile: str = Field(default="a100",
+                                 description="performance profile of replicas that name none (a100|h20|rtx6000)")
+    profiles: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="profile overrides by name: {name: {prefill_tokens_per_s: .., fixed_overhead_s: .., ...}}")
+    session_header: str = Field(default="x-session-id", description="HTTP header carrying a client session id")
+
+    # -- block-key root seed ---------------------------------------------------------------------------
+    seed_model: str | None = Field(
+        default=None, description="model id folded into the block-key root seed (default: the request's model)")
+    seed_include_lora: bool = Field(default=True, description="fold the LoRA adapter name into the root seed")
+    seed_namespace: str | None = Field(default=None,
+                                       description="tenant namespace folded into the root seed (None = none)")
+
+    # -- tokenizer -------------------------------------------------------------------------------------
+    tokenizer_mode: Literal["auto", "hf", "engine", "bytes"] = Field(
+        default="auto",
+        description="prompt -> token ids: hf (local tokenizer.json + chat template), engine (replica's "
+                    "/tokenize), bytes (approximate chunks); auto = hf when tokenizer_path is set, else bytes")
+    tokenizer_path: str | None = Field(
+        default=None, description="directory with tokenizer.json and tokenizer_config.json (hf mode)")
+    chat_template_path: str | None = Field(
+        default=None, description="jinja2 chat template file overriding tokenizer_config.json's chat_template")
+    tokenize_timeout_s: float = Field(default=2.0, gt=0, description="timeout of an engine /tokenize call (s)")
+
+    # -- static replicas / membership ------------------------------------------------------------------
+    replicas: Annotated[list[ReplicaSpec], NoDecode] = Field(
+        default_factory=list,
+        description="static replicas; CLI: --replica 'name=r0,url=http://h:p,events=tcp://h:z,replay=tcp://h:r,"
+                    "dialect=vllm,model=m' (repeatable); env: ';'-separated specs or a JSON list")
+    probe_interval_s: float = Field(default=1.0, gt=0, description="active health probe period per replica (s)")
+    probe_timeout_s: float = Field(default=1.0, gt=0, description="timeout of one health probe (s)")
+    unhealthy_after: int = Field(default=3, ge=1, description="consecutive failed probes before unhealthy")
+    healthy_after: int = Field(default=2, ge=1,
+                               description="consecutive successful probes before an unhealthy replica is ready")
+    scrape_interval_s: float = Field(default=2.0, gt=0, description="engine /metrics scrape period (s)")
+    scrape_timeout_s: float = Field(default=1.0, gt=0, description="timeout of one /metrics scrape (s)")
+
+    # -- KV events and the index -----------------------------------------------------------------------
+    kv_events: bool = Field(default=True, description="subscribe to replicas' KV events (ZMQ) when configured")
+    predict_mode: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="record predicted index entries after routing: auto = only for replicas without healthy "
+                    "KV events, always, or never")
+    predicted_ttl_s: float = Field(default=120.0, gt=0,
+                                   description="lifetime of a predicted (unconfirmed) index entry (s)")
+    index_max_nodes: int | None = Field(default=4_000_000, ge=1,
+                                        description="global index budget in nodes (None = unlimited)")
+    index_max_bytes: int | None = Field(default=None, ge=1,
+                                        description="global index budget in bytes (None = unlimited)")
+    index_expire_interval_s: float = Field(default=5.0, gt=0,
+                                           description="period of expiring stale predicted entries (s)")
+
+    # -- proxy -----------------------------------------------------------------------------------------
+    connect_timeout_s: float = Field(default=2.0, gt=0, description="engine TCP connect timeout (s)")
+    first_byte_timeout_s: float = Field(default=120.0, gt=0,
+                                        description="max wait for the engine's response headers (s)")
+    total_timeout_s: float = Field(default=600.0, gt=0, description="max duration of one proxied request (s)")
+    idle_timeout_s: float = Field(default=60.0, gt=0,
+                                  description="max silence between two chunks of a streamed response (s)")
+    max_retries: int = Field(default=2, ge=0, le=10,
+                             description="extra attempts on other replicas after a failure before the first byte")
+    max_request_bytes: int = Field(default=16 * 1024 * 1024, ge=1024,
+                                   description="largest accepted request body (bytes); larger -> 413")
+    max_connections: int = Field(default=1000, ge=1, description="pooled connections to all engines")
+    max_keepalive_connections: int = Field(default=200, ge=0, description="idle pooled connections kept")
+
+    # -- backpressure ----------------------------------------------------------------------------------
+    max_inflight_per_replica: int = Field(default=512, ge=1,
+                                          description="requests in flight per replica; over it -> next replica")
+    max_inflight_total: int = Field(default=8192, ge=1,
+                                    description="requests in flight through the router; over it -> 429")
+    retry_after_s: int = Field(default=1, ge=0, description="Retry-After header value on 429 / 503 (s)")
+    shutdown_grace_s: float = Field(default=30.0, ge=0,
+                                    description="on SIGTERM, time to finish in-flight requests (s)")
+
+    # -- security --------------------------------------------------------------------------------------
+    admin_token: SecretStr | None = Field(
+        default=None, description="bearer token required on admin / mutating endpoints (None = open)")
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="client API keys accepted as 'Authorization: Bearer <key>' (empty = no auth); "
+                    "env: comma-separated")
+    engine_api_key: SecretStr | None = Field(default=None,
+                                             description="API key sent to engines as a bearer token")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="allowed CORS origins (empty = CORS off)")
+
+    # ===================================================================================================
+    # Options added by other components (each: default + Field(description=...)). Keep additions below.
+    # ===================================================================================================
+
+    # -- validators ------------------------------------------------------------------------------------
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _parse_replicas(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            s = v.strip()
+            if s.startswith("["):
+                v = json.loads(s)
+            else:
+                v = [p for p in s.replace("\n", ";").split(";") if p.strip()]
+        if isinstance(v, list):
+            return [ReplicaSpec.parse(x) if isinstance(x, str) else x for x in v]
+        return v
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _parse_lists(cls, v: Any) -> Any:
+        return _split_list(v)
+
+    @field_validator("policy_params", "profiles", mode="before")
+    @classmethod
+    def _parse_dicts(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return json.loads(v) if v.strip() else {}
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Precedence: init kwargs (= CLI flags) > environment > YAML config file > defaults."""
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def safe_dict(self) -> dict[str, Any]:
+        """All settings as plain JSON-able values with secrets masked (for logs and /config views)."""
+        out: dict[str, Any] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, SecretStr):
+                out[name] = "***"
+            elif isinstance(value, list) and value and isinstance(value[0], SecretStr):
+                out[name] = ["***"] * len(value)
+            elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+                out[name] = [x.model_dump() for x in value]
+            else:
+                out[name] = value
+        return out
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Settings source reading the YAML file named by ``load_settings`` (keys: field names, '-' or '_')."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        self._data = read_yaml_config(_yaml_path.get())
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        """Return the YAML value of ``field_name`` (unused: ``__call__`` returns everything at once)."""
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+def read_yaml_config(path: str | None) -> dict[str, Any]:
+    """Read a YAML config file into a dict keyed by field name; ``{}`` when ``path`` is None.
+
+    Raises:
+        ValueError: the file is not a YAML mapping (message names the file).
+        OSError: the file cannot be read.
+    """
+    if not path:
+        return {}
+    text = Path(path).read_text(encoding="utf-8")
+    data = yaml.safe_load(text) if text.strip() else {}
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a mapping of option -> value, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI derivation
+# ---------------------------------------------------------------------------------------------------------
+
+#: field name -> flag name when it is not simply --kebab-case(field)
+CLI_FLAG_OVERRIDES: dict[str, str] = {"replicas": "--replica", "policy_params": "--policy-param",
+                                      "api_keys": "--api-key", "cors_origins": "--cors-origin"}
+
+
+def flag_name(field_name: str) -> str:
+    """The CLI flag of a Settings field (``--kebab-case``, or the override in ``CLI_FLAG_OVERRIDES``)."""
+    return CLI_FLAG_OVERRIDES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable of a Settings field (``KVROUTE_FIELD_NAME``)."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    """(inner type, is_optional) for ``X | None`` annotations; Annotated metadata removed."""
+    if typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _kind(tp: Any) -> str:
+    """Coarse kind of a field type for the CLI: bool, int, float, str, literal, list, dict, other."""
+    inner, _ = _strip_optional(tp)
+    origin = typing.get_origin(inner)
+    if inner is bool:
+        return "bool"
+    if inner in (int, float, str):
+        return inner.__name__
+    if inner is SecretStr:
+        return "str"
+    if origin is Literal:
+        return "literal"
+    if origin is list:
+        return "list"
+    if origin is dict:
+        return "dict"
+    return "other"
+
+
+def _default_of(info: FieldInfo) -> Any:
+    if info.default_factory is not None:
+        return info.default_factory()  # type: ignore[call-arg]
+    return info.default
+
+
+def _parse_none(text: str) -> str | None:
+    return None if text.lower() in ("none", "null", "") else text
+
+
+def build_arg_parser(prog: str = "kvroute serve", settings_cls: type[Settings] = Settings) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per Settings field (help = description, default and env var shown).
+
+    Flags default to ``argparse.SUPPRESS`` so only flags actually given override env / YAML / defaults.
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="kvroute router. Every option can also be set with the environment variable shown or as a "
+                    "key in the YAML file given with --config. Precedence: flags > env > YAML > defaults.")
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help=f"YAML config file (keys = option names) (env: {ENV_PREFIX}CONFIG)")
+    for name, info in settings_cls.model_fields.items():
+        flag = flag_name(name)
+        kind = _kind(info.annotation)
+        default = _default_of(info)
+        shown = "***" if "token" in name or "key" in name else default
+        if isinstance(shown, list) and shown and isinstance(shown[0], BaseModel):
+            shown = [x.model_dump() for x in shown]
+        help_text = f"{info.description or ''} (default: {shown!r}; env: {env_name(name)})".replace("%", "%%")
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        inner, optional = _strip_optional(info.annotation)
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif kind == "literal":
+            choices = [str(c) for c in typing.get_args(inner)]
+            parser.add_argument(flag, choices=choices, metavar="{" + "|".join(choices) + "}", **kw)
+        elif kind in ("int", "float"):
+            conv = int if kind == "int" else float
+
+            def _num(text: str, conv: Any = conv, optional: bool = optional) -> Any:
+                if optional and text.lower() in ("none", "null"):
+                    return None
+                return conv(text)
+
+            parser.add_argument(flag, type=_num, metavar=kind.upper(), **kw)
+        elif kind == "list":
+            parser.add_argument(flag, action="append", metavar="VALUE", **kw)
+        elif kind == "dict":
+            parser.add_argument(flag, action="append", metavar="KEY=VALUE", **kw)
+        else:
+            parser.add_argument(flag, type=_parse_none if optional else str, metavar="TEXT", **kw)
+    return parser
+
+
+def _dict_from_pairs(name: str, items: list[str]) -> dict[str, Any]:
+    """``['a=1', 'b=x']`` (or one JSON object) -> ``{'a': 1, 'b': 'x'}``; values parsed as JSON when possible."""
+    out: dict[str, Any] = {}
+    for item in items:
+        s = item.strip()
+        if s.startswith("{"):
+            out.update(json.loads(s))
+            continue
+        key, sep, value = s.partition("=")
+        if not sep:
+            raise ValueError(f"{flag_name(name)}: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def load_settings(argv: Sequence[str] | None = None, settings_cls: type[Settings] = Settings,
+                  prog: str = "kvroute serve") -> Settings:
+    """Parse ``argv`` and build Settings with precedence CLI > env > YAML (``--config`` or
+    ``KVROUTE_CONFIG``) > defaults.
+
+    Raises:
+        SystemExit: on bad flags (argparse prints the usage).
+        pydantic.ValidationError / ValueError: on invalid values (message names the option).
+    """
+    parser = build_arg_parser(prog, settings_cls)
+    ns = vars(parser.parse_args(list(argv or [])))
+    config = ns.pop("config", None) or os.environ.get(ENV_PREFIX + "CONFIG")
+    kwargs: dict[str, Any] = {}
+    for name, value in ns.items():
+        kind = _kind(settings_cls.model_fields[name].annotation)
+        if kind == "dict":
+            value = _dict_from_pairs(name, value)
+        elif kind == "list" and name != "replicas":
+            flat: list[Any] = []
+            for v in value:
+                flat.extend(_split_list(v))
+            value = flat
+        kwargs[name] = value
+    token = _yaml_path.set(config)
+    try:
+        return settings_cls(**kwargs)
+    finally:
+        _yaml_path.reset(token)
+
+
+def settings_fields(settings_cls: type[Settings] = Settings) -> list[dict[str, Any]]:
+    """Every option with its metadata, in declaration order (used to generate Helm values and docs).
+
+    Each entry: ``name``, ``flag``, ``env``, ``type`` (annotation text), ``default`` (JSON-able), ``description``.
+    """
+    out = []
+    for name, info in settings_cls.model_fields.items():
+        default = _default_of(info)
+        if isinstance(default, SecretStr):
+            default = None
+        out.append({"name": name, "flag": flag_name(name), "env": env_name(name),
+                    "type": _type_text(info.annotation), "default": default,
+                    "description": info.description or ""})
+    return out
+
+
+def default_values(settings_cls: type[Settings] = Settings) -> dict[str, Any]:
+    """``{field name: default}`` for every option (JSON-able)."""
+    return {f["name"]: f["default"] for f in settings_fields(settings_cls)}
+
+
+def _type_text(tp: Any) -> str:
+    inner, optional = _strip_optional(tp)
+    if typing.get_origin(inner) is Literal:
+        text = "|".join(str(a) for a in typing.get_args(inner))
+    elif isinstance(inner, type) and typing.get_origin(inner) is None:
+        text = inner.__name__
+    else:
+        text = str(inner).replace("typing.", "").replace("router.config.", "")
+    return f"{text} | None" if optional else text
