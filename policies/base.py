@@ -63,6 +63,9 @@ class LoadView:
         inflight_prefill_tokens: uncached prompt tokens this router dispatched since the last scrape, tokens.
         kv_usage: fraction of the replica's KV cache in use, 0..1.
         age_s: seconds since the scraped values were taken (None when never scraped).
+        active_kv_blocks: KV blocks held by the replica's running requests (router-tracked or reported), blocks;
+            None when unknown (``dynamo_kv`` then uses ``kv_usage * total_kv_blocks``).
+        total_kv_blocks: the replica's KV-cache capacity (``cache_config_info``), blocks; None when unknown.
     """
 
     queued_requests: int | None = None
@@ -72,6 +75,8 @@ class LoadView:
     inflight_prefill_tokens: int = 0
     kv_usage: float | None = None
     age_s: float | None = None
+    active_kv_blocks: int | None = None
+    total_kv_blocks: int | None = None
 
 
 @dataclass(slots=True)
