@@ -1,0 +1,399 @@
+"""A local fake fleet: K fake engines plus one router process on free loopback ports, always stopped.
+
+Used by the end-to-end benchmark, the proxy-overhead benchmark, the demo and soak tests::
+
+    with Fleet(replicas=4, engine=EngineOptions(time_scale=0.1)) as fleet:
+        fleet.start_engines()
+        router = fleet.start_kvroute(policy="ttft")          # or fleet.start_sglang_router()
+        ...  # send traffic to router.url
+        hits, queries = fleet.prefix_cache_counters()
+        fleet.restart_engines()                              # cold caches for the next run
+
+Every process runs in its own session and is killed with its whole process group by ``stop()`` / ``__exit__``
+(also on exceptions and Ctrl-C); an ``atexit`` hook kills anything still alive if the caller forgot. Output of
+each process goes to a log file under ``log_dir`` (a temporary directory unless given), so a failure can show
+its tail. Only 127.0.0.1 is ever used.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+HOST = "127.0.0.1"
+REPO = Path(__file__).resolve().parent.parent
+
+_LIVE: weakref.WeakSet[ManagedProcess] = weakref.WeakSet()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class FleetError(RuntimeError):
+    """A fleet process failed to start or become ready (the message carries its log tail)."""
+
+
+class ManagedProcess:
+    """A child process in its own session, logging to a file; ``stop`` kills its whole process group."""
+
+    def __init__(self, args: Sequence[str], name: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.args = list(args)
+        self.log_path = log_dir / f"{name}.log"
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        self.popen = subprocess.Popen(self.args, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
+        self.pid = self.popen.pid
+        _LIVE.add(self)
+
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.popen.poll() is None
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds used so far by the process and its live children."""
+        try:
+            proc = psutil.Process(self.pid)
+            total = 0.0
+            for p in [proc, *proc.children(recursive=True)]:
+                try:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+            return total
+        except psutil.Error:
+            return 0.0
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``timeout_s`` seconds; idempotent."""
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.popen.wait(timeout=5)
+        # children that left the group are not ours to chase; the group kill covers the usual cases
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if not self._log.closed:
+            self._log.close()
+        _LIVE.discard(self)
+
+    def tail(self, n_bytes: int = 3000) -> str:
+        """The last ``n_bytes`` of what the process printed."""
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-n_bytes:].decode(errors="replace")
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for proc in list(_LIVE):
+        proc.stop(timeout_s=2.0)
+
+
+def wait_ready(url: str, proc: ManagedProcess, timeout_s: float, check: object = None) -> None:
+    """Poll GET ``url`` until it answers 2xx (and ``check(response)`` is truthy when given).
+
+    Raises:
+        FleetError: the process died or ``timeout_s`` seconds passed (message includes its log tail).
+    """
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise FleetError(f"{proc.name} exited with {proc.popen.returncode} before ready:\n{proc.tail()}")
+            try:
+                r = client.get(url)
+                if r.status_code < 300 and (check is None or check(r)):  # type: ignore[operator]
+                    return
+                last = f"HTTP {r.status_code} {r.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            time.sleep(0.05)
+    raise FleetError(f"{proc.name} not ready at {url} after {timeout_s}s (last: {last}):\n{proc.tail()}")
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    """How to start each fake engine (``kvroute fake-engine`` flags).
+
+    Attributes:
+        model: model id the engines serve.
+        dialect: ``vllm`` or ``sglang`` HTTP / metrics dialect.
+        kv_events_format: KV-event wire format (``vllm``, ``vllm-legacy``, ``sglang``); None disables events.
+        time_scale: multiplier on simulated engine delays (1 = realistic, 0 = no delay).
+        profile: timing profile name (``a100``, ``h20``, ``rtx6000``).
+        gpu_blocks: KV cache size per engine, blocks (None = the engine's default).
+        block_size: tokens per KV block.
+        model_path: local directory reported as the model / tokenizer path (never a hub id), or None.
+        seed: base random seed (engine i gets seed + i).
+        extra_args: more flags appended to every engine's command line.
+    """
+
+    model: str = "kvroute-fake"
+    dialect: str = "vllm"
+    kv_events_format: str | None = "vllm"
+    time_scale: float = 1.0
+    profile: str = "a100"
+    gpu_blocks: int | None = None
+    block_size: int = 16
+    model_path: str | None = None
+    seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineHandle:
+    """One running fake engine: its name, ports and process."""
+
+    name: str
+    port: int
+    events_port: int
+    replay_port: int
+    proc: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        """Base HTTP URL."""
+        return f"http://{HOST}:{self.port}"
+
+
+@dataclass(slots=True)
+class RouterHandle:
+    """One running router (kvroute or sglang-router): kind, policy, URL and process."""
+
+    kind: str
+    policy: str
+    port: int
+    proc: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        """Base HTTP URL."""
+        return f"http://{HOST}:{self.port}"
+
+
+class Fleet:
+    """K fake engines and at most one router, all on loopback, all stopped by ``stop()``.
+
+    Args:
+        replicas: number of fake engines.
+        engine: engine options shared by all engines.
+        log_dir: where process logs go (default: a temporary directory removed by ``stop`` unless
+            ``keep_logs``).
+        ready_timeout_s: how long a process may take to become ready, seconds.
+    """
+
+    def __init__(self, replicas: int, engine: EngineOptions | None = None, log_dir: str | Path | None = None,
+                 ready_timeout_s: float = 60.0, keep_logs: bool = False) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        self.replicas = replicas
+        self.engine = engine or EngineOptions()
+        self._own_log_dir = log_dir is None
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.keep_logs = keep_logs
+        self.ready_timeout_s = ready_timeout_s
+        self.engines: list[EngineHandle] = []
+        self.router: RouterHandle | None = None
+        self._generation = 0
+
+    # -- engines -----------------------------------------------------------------------------------------
+    def engine_args(self, i: int, port: int, events_port: int, replay_port: int) -> list[str]:
+        """The ``kvroute fake-engine`` command line of engine ``i``."""
+        e = self.engine
+        args = [sys.executable, "-m", "router.cli", "fake-engine", "--host", HOST, "--port", str(port),
+                "--model", e.model, "--dialect", e.dialect, "--time-scale", repr(e.time_scale),
+                "--profile", e.profile, "--block-size", str(e.block_size), "--seed", str(e.seed + i)]
+        if e.kv_events_format:
+            args += ["--kv-events-format", e.kv_events_format, "--kv-events-port", str(events_port),
+                     "--kv-replay-port", str(replay_port)]
+        if e.gpu_blocks is not None:
+            args += ["--gpu-blocks", str(e.gpu_blocks)]
+        if e.model_path:
+            args += ["--model-path", e.model_path]
+        return args + list(e.extra_args)
+
+    def start_engines(self) -> list[EngineHandle]:
+        """Start the K engines (fresh caches) and wait until each answers GET /health."""
+        if self.engines:
+            raise RuntimeError("engines already running; use restart_engines()")
+        self._generation += 1
+        try:
+            for i in range(self.replicas):
+                port, ev, rp = free_port(), free_port(), free_port()
+                name = f"engine{i}"
+                proc = ManagedProcess(self.engine_args(i, port, ev, rp), f"{name}-g{self._generation}", self.log_dir)
+                self.engines.append(EngineHandle(name, port, ev, rp, proc))
+            for eh in self.engines:
+                wait_ready(eh.url + "/health", eh.proc, self.ready_timeout_s)
+        except BaseException:
+            self.stop_engines()
+            raise
+        return self.engines
+
+    def stop_engines(self) -> None:
+        """Stop every engine."""
+        for eh in self.engines:
+            eh.proc.stop()
+        self.engines = []
+
+    def restart_engines(self) -> list[EngineHandle]:
+        """Stop and start all engines so their caches and counters start cold."""
+        self.stop_engines()
+        return self.start_engines()
+
+    # -- routers -----------------------------------------------------------------------------------------
+    def replica_spec(self, eh: EngineHandle) -> str:
+        """The ``kvroute serve --replica`` spec of an engine."""
+        parts = [f"name={eh.name}", f"url={eh.url}", f"dialect={self.engine.dialect}", f"model={self.engine.model}"]
+        if self.engine.kv_events_format:
+            parts += [f"events=tcp://{HOST}:{eh.events_port}", f"replay=tcp://{HOST}:{eh.replay_port}"]
+        return ",".join(parts)
+
+    def start_kvroute(self, policy: str = "ttft", extra_args: Sequence[str] = (),
+                      tokenizer_path: str | None = None) -> RouterHandle:
+        """Start ``kvroute serve`` in front of the engines and wait for GET /readyz."""
+        self._require_engines()
+        port = free_port()
+        args = [sys.executable, "-m", "router.cli", "serve", "--host", HOST, "--port", str(port),
+                "--policy", policy, "--block-size", str(self.engine.block_size), "--log-level", "warning"]
+        for eh in self.engines:
+            args += ["--replica", self.replica_spec(eh)]
+        tok = tokenizer_path or self.engine.model_path
+        if tok:
+            args += ["--tokenizer-mode", "hf", "--tokenizer-path", tok]
+        args += list(extra_args)
+        return self._start_router("kvroute", policy, port, args, "/readyz", None)
+
+    def start_sglang_router(self, policy: str = "cache_aware", extra_args: Sequence[str] = ()) -> RouterHandle:
+        """Start sglang-router (PyPI) with ``policy`` and its default thresholds; wait until all workers are
+        registered and healthy (its own /health answers before workers register, so GET /workers is polled)."""
+        self._require_engines()
+        port, prom = free_port(), free_port()
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
+                "--policy", policy, "--prometheus-host", HOST, "--prometheus-port", str(prom),
+                "--log-level", "warn", "--worker-urls", *[eh.url for eh in self.engines], *extra_args]
+        n = len(self.engines)
+
+        def all_workers(r: httpx.Response) -> bool:
+            ws = r.json().get("workers", [])
+            return len(ws) == n and all(w.get("is_healthy") for w in ws)
+
+        return self._start_router("sglang", policy, port, args, "/workers", all_workers)
+
+    def _start_router(self, kind: str, policy: str, port: int, args: list[str], ready_path: str,
+                      check: object) -> RouterHandle:
+        if self.router is not None:
+            raise RuntimeError("a router is already running; stop_router() first")
+        proc = ManagedProcess(args, f"router-{kind}-{policy}-g{self._generation}", self.log_dir)
+        handle = RouterHandle(kind, policy, port, proc)
+        self.router = handle
+        try:
+            wait_ready(handle.url + ready_path, proc, self.ready_timeout_s, check)
+        except BaseException:
+            self.stop_router()
+            raise
+        return handle
+
+    def stop_router(self) -> None:
+        """Stop the router if one runs."""
+        if self.router is not None:
+            self.router.proc.stop()
+            self.router = None
+
+    def _require_engines(self) -> None:
+        if not self.engines:
+            raise RuntimeError("start_engines() first")
+
+    # -- engine metrics ----------------------------------------------------------------------------------
+    def scrape(self, eh: EngineHandle, timeout_s: float = 5.0) -> dict[str, float]:
+        """One engine's Prometheus samples summed by sample name (labels dropped)."""
+        text = httpx.get(eh.url + "/metrics", timeout=timeout_s).text
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[s.name] = out.get(s.name, 0.0) + float(s.value)
+        return out
+
+    def prefix_cache_counters(self) -> tuple[float, float]:
+        """Fleet-wide engine-reported prefix cache (hit tokens, queried tokens), summed over engines.
+
+        Reads vLLM's ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries`` counters (``_total`` samples) or
+        SGLang-style ``*prefix_cache_hits*`` / ``*prefix_cache_queries*`` counters, whichever the engine exports.
+        """
+        hits = queries = 0.0
+        for eh in self.engines:
+            h, q = prefix_counters(self.scrape(eh))
+            hits += h
+            queries += q
+        return hits, queries
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop the router and every engine; remove the temporary log directory unless ``keep_logs``."""
+        try:
+            self.stop_router()
+        finally:
+            self.stop_engines()
+            if self._own_log_dir and not self.keep_logs:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def prefix_counters(samples: dict[str, float]) -> tuple[float, float]:
+    """(hits, queries) prefix-cache token counters from a scrape (see ``Fleet.prefix_cache_counters``)."""
+    hits = queries = 0.0
+    for name, value in samples.items():
+        if name.endswith("_created"):
+            continue
+        if "prefix_cache_hits" in name and not name.endswith("_hits"):
+            hits += value
+        elif "prefix_cache_queries" in name and not name.endswith("_queries"):
+            queries += value
+    if hits == 0.0 and queries == 0.0:  # counters exported without the _total suffix
+        hits = sum(v for k, v in samples.items() if k.endswith("prefix_cache_hits"))
+        queries = sum(v for k, v in samples.items() if k.endswith("prefix_cache_queries"))
+    return hits, queries
