@@ -11,17 +11,19 @@ Listeners are told when a replica leaves so the index can be cleared.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Protocol
 
 from policies.base import LoadView, ReplicaProfile
 
 
-class ReplicaState(str, Enum):
+class ReplicaState(StrEnum):
     """Lifecycle of a replica as seen by the router."""
 
     JOINING = "joining"  # known, not yet confirmed healthy
@@ -96,35 +98,74 @@ class IndexAllocator(Protocol):
         ...
 
 
-_ORDINAL = re.compile(r"-(\d+)$")
+DEFAULT_ORDINAL_PATTERN = r"-(\d+)$"
+_ORDINAL = re.compile(DEFAULT_ORDINAL_PATTERN)
 
 
-def ordinal_of(name: str, pattern: re.Pattern[str] = _ORDINAL) -> int | None:
-    """StatefulSet ordinal of a pod name (``vllm-3`` -> 3), or None when the name has none."""
-    m = pattern.search(name)
-    return int(m.group(1)) if m else None
+def compile_ordinal_pattern(pattern: str | re.Pattern[str] | None) -> re.Pattern[str] | None:
+    """Compile an ordinal regex (its first group, or the whole match, must be the digits); None/"" disables."""
+    if pattern is None or pattern == "":
+        return None
+    rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+    return rx
+
+
+def ordinal_of(name: str, pattern: re.Pattern[str] | None = _ORDINAL) -> int | None:
+    """StatefulSet ordinal of a pod name (``vllm-3`` -> 3), or None when the name has none.
+
+    ``pattern`` is searched in the name; its first group (or the whole match without groups) is the ordinal.
+    Names of the form ``namespace/pod`` are matched on the pod part.
+    """
+    if pattern is None:
+        return None
+    m = pattern.search(name.rsplit("/", 1)[-1])
+    if not m:
+        return None
+    text = m.group(1) if m.groups() else m.group(0)
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return None
 
 
 class InMemoryIndexAllocator:
     """Lowest-free-index allocation in process memory (one router; no Redis).
 
-    Names with a StatefulSet ordinal get that ordinal when ``use_ordinals`` is true; other names get the lowest
-    index not in use, starting at ``dynamic_base`` so they never collide with ordinals.
+    Names with a StatefulSet ordinal get that ordinal when ``use_ordinals`` is true (the ordinal is found with
+    ``ordinal_pattern``); other names get the lowest index not in use, starting at ``dynamic_base`` (set it
+    above your largest ordinal so dynamic names never take an ordinal's place).
+
+    ``release_grace_s``: a released name keeps its index for this many seconds; if the same name comes back
+    within the grace period it gets the same index, and nobody else can take it meanwhile. 0 frees at once.
+    ``clock`` returns seconds (monotonic); injectable for tests.
     """
 
-    def __init__(self, use_ordinals: bool = True, dynamic_base: int = 0) -> None:
-        self._use_ordinals = use_ordinals
+    def __init__(self, use_ordinals: bool = True, dynamic_base: int = 0, *,
+                 ordinal_pattern: str | re.Pattern[str] | None = DEFAULT_ORDINAL_PATTERN,
+                 release_grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._pattern = compile_ordinal_pattern(ordinal_pattern) if use_ordinals else None
         self._dynamic_base = dynamic_base
+        self._grace = release_grace_s
+        self._clock = clock
         self._by_name: dict[str, int] = {}
+        self._released: dict[str, float] = {}  # name -> time (clock) when its index becomes free
         self._lock = threading.Lock()
 
+    def _purge(self) -> None:
+        now = self._clock()
+        for name in [n for n, t in self._released.items() if t <= now]:
+            del self._released[name]
+            self._by_name.pop(name, None)
+
     def allocate(self, name: str) -> int:
-        """Return the index of ``name``: its ordinal, its previous index, or the lowest free one."""
+        """Return the index of ``name``: its previous index, its ordinal, or the lowest free one."""
         with self._lock:
+            self._purge()
             if name in self._by_name:
+                self._released.pop(name, None)
                 return self._by_name[name]
             used = set(self._by_name.values())
-            ordinal = ordinal_of(name) if self._use_ordinals else None
+            ordinal = ordinal_of(name, self._pattern)
             if ordinal is not None and ordinal not in used:
                 idx = ordinal
             else:
@@ -135,9 +176,19 @@ class InMemoryIndexAllocator:
             return idx
 
     def release(self, name: str) -> None:
-        """Forget ``name``; its index becomes free."""
+        """Free the index of ``name`` now, or after the grace period."""
         with self._lock:
-            self._by_name.pop(name, None)
+            if self._grace <= 0:
+                self._by_name.pop(name, None)
+                self._released.pop(name, None)
+            elif name in self._by_name:
+                self._released[name] = self._clock() + self._grace
+
+    def assignments(self) -> dict[str, int]:
+        """Current name -> index map, including names inside their release grace period."""
+        with self._lock:
+            self._purge()
+            return dict(self._by_name)
 
 
 RemovalListener = Callable[[Replica], None]
@@ -220,6 +271,33 @@ class ReplicaTable:
         for cb in self._on_remove:
             cb(rep)
         return rep
+
+    def reindex(self, name: str) -> tuple[int, int] | None:
+        """Ask the allocator again for ``name``'s index and move the replica if it changed.
+
+        Used when a provisional index (allocated locally while Redis was down) is reconciled with the shared
+        registry. Removal listeners get a copy of the replica with its old index (so the prefix index clears
+        it), then change listeners get the moved replica. Returns ``(old, new)`` or None when unchanged.
+        """
+        with self._lock:
+            rep = self._by_name.get(name)
+            if rep is None:
+                return None
+            new = self._allocator.allocate(name)
+            if new == rep.index:
+                return None
+            other = self._by_index.get(new)
+            if other is not None and other is not rep:
+                raise ValueError(f"index {new} of {name!r} is already used by {other.name!r}")
+            old_copy = dataclasses.replace(rep)
+            self._by_index.pop(rep.index, None)
+            rep.index = new
+            self._by_index[new] = rep
+        for cb in self._on_remove:
+            cb(old_copy)
+        for cb in self._on_change:
+            cb(rep)
+        return old_copy.index, new
 
     # -- reads -----------------------------------------------------------------------------------------
     def get(self, name: str) -> Replica | None:
