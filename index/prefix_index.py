@@ -1,0 +1,785 @@
+"""The prefix index: a Merkle map from block key to which replicas hold that block, in which tier.
+
+Keys are chained (``index.hashing``), so equal keys mean equal token paths and a lookup walks the prompt's keys
+with one dict probe each; no child maps are needed.
+
+Layout (chosen for memory and for a fast ``match`` in pure Python):
+
+* ``_ids``: block key -> node id (a small int). Per node id, parallel containers hold the node's *state id*
+  (``_sidl``), the time it was last stored / confirmed / predicted (``_ts``, seconds of the injected clock) and
+  its key (``_keys``, for deletion by id).
+* A *state* is the node's full membership: one replica bitmask (a Python int, bit = replica *slot*) per tier
+  (``gpu``, ``cpu``, ``disk``, ``remote``) plus one mask of replicas holding the block only as a *predicted*
+  entry (from a routing decision, not yet confirmed by the engine). States are interned: most nodes share a
+  handful of states, so a node costs a dict slot and three list/array cells, and a state change is a memoised
+  transition ``(state, op, slot, tier) -> state``.
+* ``match`` maps the prompt's keys to node ids and state ids with C-level ``map`` calls, then walks only the
+  *runs* of equal states (the live replica set can only shrink at a state change), recording the depth at which
+  each replica drops out. Per-tier counting happens only for states that have non-GPU or predicted entries.
+* ``clear(replica)`` is O(1): the replica gets a fresh slot, the old slot is marked dead and masked out of every
+  match; dead bits are swept incrementally by ``expire()`` and fully by budget eviction.
+* One global memory budget (``max_nodes`` and/or ``max_bytes``): when the estimate passes the high-water mark
+  (the budget), the least recently stored/predicted nodes, and the oldest engine-hash map entries, are evicted
+  down to the low-water mark (90 % of the budget).
+
+Units: depths and counts are in blocks, times in seconds of the injected clock, sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Any
+
+from .hashing import DEFAULT_BLOCK_SIZE, block_keys, block_keys_packed, pack_tokens
+
+__all__ = ["TIERS", "PrefixIndex", "ReplicaMatch", "StoreResult"]
+
+#: Tier names, fastest first.
+TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
+_TIER_INDEX = {name: i for i, name in enumerate(TIERS)}
+_PRED = 4  # position of the predicted mask in a state tuple
+
+_OP_STORE = 0
+_OP_REMOVE = 1
+_OP_PREDICT = 2
+_OP_UNPREDICT = 3
+
+#: Estimated bytes per node (dict slot + key int + id int + state/time/key cells), used for ``max_bytes``.
+NODE_BYTES = 176
+#: Estimated bytes per engine-hash map entry.
+ENGINE_ENTRY_BYTES = 120
+#: Estimated bytes per predicted entry (ordered dict slot + expiry float).
+PRED_ENTRY_BYTES = 110
+#: Fraction of the budget that eviction brings the index down to.
+LOW_WATER = 0.9
+#: Nodes processed per ``expire()`` call by the incremental sweep of cleared replicas.
+SWEEP_CHUNK = 65536
+
+_StateT = tuple[int, int, int, int, int]
+_EngineEntry = int | tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class ReplicaMatch:
+    """How much of a prompt one replica holds.
+
+    Attributes:
+        blocks: leading blocks of the prompt the replica holds (any tier, confirmed or predicted).
+        gpu: of those, blocks whose fastest confirmed copy is on the GPU (blocks).
+        cpu: ... whose fastest confirmed copy is in CPU memory (blocks).
+        disk: ... whose fastest confirmed copy is on local disk (blocks).
+        remote: ... whose fastest confirmed copy is in remote storage (blocks).
+        predicted: ... held only as predicted entries (a routing decision, not yet confirmed), blocks.
+        age_s: seconds since the deepest matched block was last stored, confirmed or predicted (any replica).
+    """
+
+    blocks: int
+    gpu: int
+    cpu: int
+    disk: int
+    remote: int
+    predicted: int
+    age_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class StoreResult:
+    """Outcome of :meth:`PrefixIndex.apply_stored`.
+
+    Attributes:
+        stored_blocks: router blocks (of ``block_size`` tokens) stored by the event.
+        orphan: the event's parent engine hash was unknown; nothing was stored (request a replay).
+        error: why the event was rejected (counted in ``stats()['invalid_events']``), else None.
+    """
+
+    stored_blocks: int
+    orphan: bool
+    error: str | None = None
+
+
+def _bits(mask: int) -> Iterable[int]:
+    """Yield the positions of the set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class PrefixIndex:
+    """Which replicas hold which prompt blocks, in which tier; global memory budget with LRU eviction.
+
+    Args:
+        block_size: tokens per block (must match the keys given to ``match`` / ``store``).
+        max_nodes: high-water mark in nodes (None = unlimited).
+        max_bytes: high-water mark in estimated bytes, nodes + engine maps + predicted entries (None = unlimited).
+        predicted_ttl_s: seconds a predicted entry lives unless an engine confirms it.
+        clock: time source in seconds (injectable; tests pass a fake clock).
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_nodes: int | None = None,
+        max_bytes: int | None = None,
+        predicted_ttl_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if max_nodes is not None and max_nodes <= 0:
+            raise ValueError(f"max_nodes must be positive, got {max_nodes}")
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.block_size = block_size
+        self.max_nodes = max_nodes
+        self.max_bytes = max_bytes
+        self.predicted_ttl_s = float(predicted_ttl_s)
+        self._clock = clock
+        # nodes
+        self._ids: dict[int, int] = {}
+        self._keys: list[int | None] = []
+        self._sidl: list[int] = []
+        self._ts = array("d")
+        self._free: list[int] = []
+        # interned states
+        self._states: list[_StateT] = []
+        self._all: list[int] = []  # per state: union of all masks
+        self._confirmed: list[int] = []  # per state: union of the tier masks
+        self._special: list[tuple[tuple[int, int], ...]] = []  # per state: (exclusive mask, category) non-gpu
+        self._refs: list[int] = []  # per state: number of nodes in it
+        self._intern: dict[_StateT, int] = {}
+        self._trans: dict[tuple[int, int, int], dict[int, int]] = {}
+        self._intern_state((0, 0, 0, 0, 0))  # state 0 = empty
+        # replicas <-> slots
+        self._slot_of: dict[int, int] = {}
+        self._replica_of_slot: dict[int, int] = {}
+        self._active = 0  # mask of slots owned by a replica
+        self._dead = 0  # mask of cleared slots not yet swept
+        self._sweeping = 0  # dead slots the current sweep removes
+        self._sweep_cursor = 0
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        # predicted entries: per slot, node id -> expiry time (insertion order == expiry order)
+        self._pred: dict[int, OrderedDict[int, float]] = {}
+        self._next_expiry = float("inf")
+        # engine hash maps: per replica, engine hash -> int router key | (last key, leftover tokens, covered keys)
+        self._engine: dict[int, dict[int, _EngineEntry]] = {}
+        # counters
+        self._evictions = 0
+        self._engine_evictions = 0
+        self._orphans = 0
+        self._invalid = 0
+        self._unknown_removed = 0
+        self._expired = 0
+
+    # ------------------------------------------------------------------ states
+
+    def _intern_state(self, st: _StateT) -> int:
+        sid = self._intern.get(st)
+        if sid is not None:
+            return sid
+        sid = len(self._states)
+        g, c, d, r, p = st
+        confirmed = g | c | d | r
+        special: list[tuple[int, int]] = []
+        seen = g
+        for cat, m in ((1, c), (2, d), (3, r)):
+            x = m & ~seen
+            if x:
+                special.append((x, cat))
+            seen |= m
+        px = p & ~confirmed
+        if px:
+            special.append((px, _PRED))
+        self._states.append(st)
+        self._all.append(confirmed | p)
+        self._confirmed.append(confirmed)
+        self._special.append(tuple(special))
+        self._refs.append(0)
+        self._intern[st] = sid
+        return sid
+
+    def _table(self, op: int, slot: int, tier: int) -> dict[int, int]:
+        key = (op, slot, tier)
+        t = self._trans.get(key)
+        if t is None:
+            t = self._trans[key] = {}
+        return t
+
+    def _transition(self, sid: int, op: int, slot: int, tier: int) -> int:
+        g, c, d, r, p = self._states[sid]
+        m = [g, c, d, r, p]
+        bit = 1 << slot
+        if op == _OP_STORE:
+            m[tier] |= bit
+            m[_PRED] &= ~bit
+        elif op == _OP_REMOVE:
+            m[tier] &= ~bit
+        elif op == _OP_PREDICT:
+            if not (bit & (g | c | d | r)):
+                m[_PRED] |= bit
+        else:  # _OP_UNPREDICT
+            m[_PRED] &= ~bit
+        return self._intern_state((m[0], m[1], m[2], m[3], m[4]))
+
+    # ------------------------------------------------------------------ slots
+
+    def _slot_for(self, replica: int) -> int:
+        slot = self._slot_of.get(replica)
+        if slot is None:
+            if self._free_slots:
+                self._free_slots.sort()
+                slot = self._free_slots.pop(0)
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+            self._slot_of[replica] = slot
+            self._replica_of_slot[slot] = replica
+            self._active |= 1 << slot
+        return slot
+
+    # ------------------------------------------------------------------ nodes
+
+    def _new_node(self, key: int, sid: int, now: float) -> int:
+        if self._free:
+            nid = self._free.pop()
+            self._keys[nid] = key
+            self._sidl[nid] = sid
+            self._ts[nid] = now
+        else:
+            nid = len(self._keys)
+            self._keys.append(key)
+            self._sidl.append(sid)
+            self._ts.append(now)
+        self._ids[key] = nid
+        return nid
+
+    def _delete_node(self, nid: int) -> None:
+        key = self._keys[nid]
+        if key is None:
+            return
+        sid = self._sidl[nid]
+        pmask = self._states[sid][_PRED] & self._active
+        for slot in _bits(pmask):
+            pd = self._pred.get(slot)
+            if pd is not None:
+                pd.pop(nid, None)
+        self._refs[sid] -= 1
+        del self._ids[key]
+        self._keys[nid] = None
+        self._sidl[nid] = 0
+        self._free.append(nid)
+
+    # ------------------------------------------------------------------ queries
+
+    def match(self, keys: Sequence[int], replicas: AbstractSet[int] | None = None) -> dict[int, ReplicaMatch]:
+        """Per replica, how many leading blocks of ``keys`` it holds, split by tier.
+
+        Args:
+            keys: the prompt's chained block keys (``index.hashing.block_keys``).
+            replicas: restrict the answer to these replica indices (None = every replica).
+
+        Returns:
+            replica index -> :class:`ReplicaMatch`, only for replicas holding at least the first block.
+        """
+        now = self._clock()
+        if now >= self._next_expiry:
+            self.expire()
+        if replicas is None:
+            live = self._active
+        else:
+            live = 0
+            slot_of = self._slot_of
+            for r in replicas:
+                s = slot_of.get(r)
+                if s is not None:
+                    live |= 1 << s
+        if not live or not keys:
+            return {}
+        nids = list(iter(map(self._ids.get, keys).__next__, None))
+        if not nids:
+            return {}
+        sidl = self._sidl
+        sids = list(map(sidl.__getitem__, nids))
+        allm = self._all
+        special = self._special
+        drop: dict[int, int] = {}
+        counts: dict[int, list[int]] | None = None
+        depth = 0
+        first = True
+        for sid, grp in groupby(sids):
+            nl = live & allm[sid]
+            if nl != live:
+                if not first:
+                    for s in _bits(live ^ nl):
+                        drop[s] = depth
+                live = nl
+                if not live:
+                    break
+            first = False
+            run = len(list(grp))
+            sp = special[sid]
+            if sp:
+                if counts is None:
+                    counts = {}
+                for m, cat in sp:
+                    x = m & live
+                    while x:
+                        low = x & -x
+                        s = low.bit_length() - 1
+                        x ^= low
+                        c = counts.get(s)
+                        if c is None:
+                            c = counts[s] = [0, 0, 0, 0, 0]
+                        c[cat] += run
+            depth += run
+        for s in _bits(live):
+            drop[s] = depth
+        ts = self._ts
+        rep = self._replica_of_slot
+        out: dict[int, ReplicaMatch] = {}
+        for s, d in drop.items():
+            if d <= 0:
+                continue
+            age = now - ts[nids[d - 1]]
+            c = counts.get(s) if counts is not None else None
+            if c is None:
+                out[rep[s]] = ReplicaMatch(d, d, 0, 0, 0, 0, age)
+            else:
+                out[rep[s]] = ReplicaMatch(d, d - c[1] - c[2] - c[3] - c[4], c[1], c[2], c[3], c[4], age)
+        return out
+
+    # ------------------------------------------------------------------ updates
+
+    def store(self, replica: int, parent_key: int | None, keys: Sequence[int], tier: str = "gpu") -> None:
+        """Record that ``replica`` holds ``keys`` in ``tier`` (confirmed by the engine).
+
+        Confirms predicted entries of that replica on those blocks. ``parent_key`` is the key of the block
+        before ``keys[0]`` (None at the root); chained keys already encode the path, so it is informational.
+        """
+        t = _TIER_INDEX.get(tier)
+        if t is None:
+            raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+        if not keys:
+            return
+        slot = self._slot_for(replica)
+        now = self._clock()
+        self._apply(slot, keys, _OP_STORE, t, now, create=True)
+        self._check_budget()
+
+    def predict(self, replica: int, keys: Sequence[int]) -> None:
+        """Record a routing decision: ``replica`` will probably hold ``keys`` soon (predicted entries).
+
+        Predicted entries expire ``predicted_ttl_s`` seconds after the last prediction unless an engine
+        confirms them; a prediction never downgrades a confirmed entry (it only refreshes its time).
+        """
+        if not keys:
+            return
+        slot = self._slot_for(replica)
+        now = self._clock()
+        self._apply(slot, keys, _OP_PREDICT, 0, now, create=True)
+        self._check_budget()
+
+    def remove(self, replica: int, keys: Sequence[int], tier: str = "gpu") -> None:
+        """Record that ``replica`` no longer holds ``keys`` in ``tier`` (predicted entries are untouched)."""
+        t = _TIER_INDEX.get(tier)
+        if t is None:
+            raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+        slot = self._slot_of.get(replica)
+        if slot is None or not keys:
+            return
+        self._apply(slot, keys, _OP_REMOVE, t, 0.0, create=False)
+
+    def _apply(self, slot: int, keys: Sequence[int], op: int, tier: int, now: float, *, create: bool) -> int:
+        """Apply one state transition to the nodes of ``keys``; return how many nodes changed state."""
+        ids = self._ids
+        sidl = self._sidl
+        ts = self._ts
+        refs = self._refs
+        table = self._table(op, slot, tier)
+        bit = 1 << slot
+        touch = op != _OP_REMOVE
+        pd: OrderedDict[int, float] | None = None
+        exp = 0.0
+        if op == _OP_PREDICT:
+            pd = self._pred.get(slot)
+            if pd is None:
+                pd = self._pred[slot] = OrderedDict()
+            exp = now + self.predicted_ttl_s
+            if exp < self._next_expiry:
+                self._next_expiry = exp
+        elif op == _OP_STORE:
+            pd = self._pred.get(slot)
+        fresh = table.get(0)
+        if fresh is None:
+            fresh = table[0] = self._transition(0, op, slot, tier)
+        changed = 0
+        created = 0
+        for k in keys:
+            nid = ids.get(k)
+            if nid is None:
+                if not create:
+                    continue
+                nid = self._new_node(k, fresh, now)
+                created += 1
+                if op == _OP_PREDICT:
+                    pd[nid] = exp  # type: ignore[index]
+                continue
+            sid = sidl[nid]
+            nsid = table.get(sid)
+            if nsid is None:
+                nsid = table[sid] = self._transition(sid, op, slot, tier)
+            if touch:
+                ts[nid] = now
+            if nsid != sid:
+                changed += 1
+                if nsid == 0:
+                    self._delete_node(nid)
+                    continue
+                refs[sid] -= 1
+                refs[nsid] += 1
+                sidl[nid] = nsid
+                if op == _OP_STORE:
+                    if pd is not None and self._states[sid][_PRED] & bit:
+                        pd.pop(nid, None)
+                elif op == _OP_PREDICT:
+                    pd[nid] = exp  # type: ignore[index]
+            elif op == _OP_PREDICT and nid in pd:  # type: ignore[operator]
+                pd.move_to_end(nid)  # type: ignore[union-attr]
+                pd[nid] = exp  # type: ignore[index]
+        refs[fresh] += created
+        return changed + created
+
+    def clear(self, replica: int) -> None:
+        """Forget everything ``replica`` holds (engine restart, replica left). O(1): its slot is retired."""
+        slot = self._slot_of.pop(replica, None)
+        self._engine.pop(replica, None)
+        if slot is None:
+            return
+        del self._replica_of_slot[slot]
+        bit = 1 << slot
+        self._active &= ~bit
+        self._dead |= bit
+        self._pred.pop(slot, None)
+
+    def expire(self) -> int:
+        """Drop predicted entries whose TTL has passed; also advance the sweep of cleared replicas.
+
+        Returns:
+            the number of predicted entries dropped.
+        """
+        now = self._clock()
+        dropped = 0
+        nxt = float("inf")
+        sidl = self._sidl
+        refs = self._refs
+        for slot, pd in list(self._pred.items()):
+            table = self._table(_OP_UNPREDICT, slot, 0)
+            while pd:
+                nid, exp = next(iter(pd.items()))
+                if exp > now:
+                    if exp < nxt:
+                        nxt = exp
+                    break
+                pd.popitem(last=False)
+                dropped += 1
+                sid = sidl[nid]
+                nsid = table.get(sid)
+                if nsid is None:
+                    nsid = table[sid] = self._transition(sid, _OP_UNPREDICT, slot, 0)
+                if nsid == sid:
+                    continue
+                if nsid == 0:
+                    self._delete_node(nid)
+                else:
+                    refs[sid] -= 1
+                    refs[nsid] += 1
+                    sidl[nid] = nsid
+        self._next_expiry = nxt
+        self._expired += dropped
+        if self._dead or self._sweeping:
+            self._sweep(SWEEP_CHUNK)
+        return dropped
+
+    def _sweep(self, budget: int | None) -> None:
+        """Remove dead (cleared) slots' bits from up to ``budget`` nodes (None = all); free finished slots."""
+        if not self._sweeping:
+            if not self._dead:
+                return
+            self._sweeping = self._dead
+            self._dead = 0
+            self._sweep_cursor = 0
+        keep = ~self._sweeping
+        remap: dict[int, int] = {}
+        sidl = self._sidl
+        keys = self._keys
+        refs = self._refs
+        states = self._states
+        end = len(keys)
+        start = self._sweep_cursor
+        stop = end if budget is None else min(end, start + budget)
+        for nid in range(start, stop):
+            if keys[nid] is None:
+                continue
+            sid = sidl[nid]
+            nsid = remap.get(sid)
+            if nsid is None:
+                g, c, d, r, p = states[sid]
+                nsid = remap[sid] = self._intern_state((g & keep, c & keep, d & keep, r & keep, p & keep))
+            if nsid != sid:
+                if nsid == 0:
+                    self._delete_node(nid)
+                else:
+                    refs[sid] -= 1
+                    refs[nsid] += 1
+                    sidl[nid] = nsid
+        self._sweep_cursor = stop
+        if stop >= end:
+            done = self._sweeping
+            self._sweeping = 0
+            self._sweep_cursor = 0
+            for s in _bits(done):
+                self._free_slots.append(s)
+            self._trans = {k: v for k, v in self._trans.items() if not (done >> k[1]) & 1}
+
+    # ------------------------------------------------------------------ engine hashes
+
+    def apply_stored(
+        self,
+        replica: int,
+        engine_hashes: Sequence[int],
+        engine_parent: int | None,
+        token_ids: Sequence[int],
+        seed: int,
+        tier: str = "gpu",
+    ) -> StoreResult:
+        """Apply an engine ``BlockStored`` event (engine pages identified by the engine's own hashes).
+
+        ``token_ids`` covers all pages of the event and is split evenly over ``engine_hashes`` (the engine's
+        page size may differ from ``block_size``). Router keys chain from the router state recorded for
+        ``engine_parent`` (from ``seed`` when it is None); every router block completed along the way is stored.
+
+        Returns:
+            StoreResult: ``orphan=True`` (nothing stored, counted) when ``engine_parent`` is unknown;
+            ``error`` set (counted as invalid) when the tokens do not split evenly over the pages.
+        """
+        if tier not in _TIER_INDEX:
+            self._invalid += 1
+            return StoreResult(0, False, f"unknown tier {tier!r}")
+        n = len(engine_hashes)
+        if n == 0:
+            return StoreResult(0, False)
+        ntok = len(token_ids)
+        if ntok == 0 or ntok % n:
+            self._invalid += 1
+            return StoreResult(0, False, f"{ntok} token ids do not split evenly over {n} engine pages")
+        page = ntok // n
+        emap = self._engine.get(replica)
+        if engine_parent is None:
+            last = seed
+            left: tuple[int, ...] = ()
+        else:
+            e = emap.get(engine_parent) if emap is not None else None
+            if e is None:
+                self._orphans += 1
+                return StoreResult(0, True)
+            if isinstance(e, int):
+                last, left = e, ()
+            else:
+                last, left = e[0], e[1]
+        if emap is None:
+            emap = self._engine[replica] = {}
+        bs = self.block_size
+        if not left and page == bs:
+            keys = block_keys_packed(pack_tokens(token_ids), bs, last)
+            for eh, k in zip(engine_hashes, keys, strict=True):
+                emap[eh] = k
+        else:
+            toks = list(left)
+            toks.extend(token_ids)
+            keys = block_keys(toks, bs, last)
+            nleft = len(left)
+            j = 0
+            for i, eh in enumerate(engine_hashes):
+                end = nleft + (i + 1) * page
+                nfull = end // bs
+                covered = tuple(keys[j:nfull])
+                j = nfull
+                leftover = tuple(toks[nfull * bs : end])
+                if not leftover and len(covered) == 1:
+                    emap[eh] = covered[0]
+                else:
+                    emap[eh] = (keys[nfull - 1] if nfull else last, leftover, covered)
+        if keys:
+            self.store(replica, None, keys, tier)
+        else:
+            self._check_budget()
+        return StoreResult(len(keys), False)
+
+    def apply_removed(self, replica: int, engine_hashes: Sequence[int], tier: str = "gpu") -> int:
+        """Apply an engine ``BlockRemoved`` event; return how many router blocks the replica stopped holding.
+
+        Unknown engine hashes are counted (``stats()['unknown_removed']``) and ignored. A page's mapping is
+        dropped once the replica holds its blocks in no confirmed tier.
+        """
+        t = _TIER_INDEX.get(tier)
+        if t is None:
+            self._invalid += 1
+            return 0
+        emap = self._engine.get(replica)
+        if emap is None:
+            self._unknown_removed += len(engine_hashes)
+            return 0
+        slot = self._slot_of.get(replica)
+        removed = 0
+        for eh in engine_hashes:
+            e = emap.get(eh)
+            if e is None:
+                self._unknown_removed += 1
+                continue
+            covered = (e,) if isinstance(e, int) else e[2]
+            if covered and slot is not None:
+                removed += self._apply(slot, covered, _OP_REMOVE, t, 0.0, create=False)
+            if not covered or slot is None or not self._holds_confirmed(slot, covered[-1]):
+                del emap[eh]
+        return removed
+
+    def _holds_confirmed(self, slot: int, key: int) -> bool:
+        nid = self._ids.get(key)
+        if nid is None:
+            return False
+        return bool(self._confirmed[self._sidl[nid]] >> slot & 1)
+
+    # ------------------------------------------------------------------ budget
+
+    def _engine_entries(self) -> int:
+        return sum(len(m) for m in self._engine.values())
+
+    def _pred_entries(self) -> int:
+        return sum(len(p) for p in self._pred.values())
+
+    def estimated_bytes(self) -> int:
+        """Estimated memory of the index in bytes (nodes + engine-hash maps + predicted entries)."""
+        return (
+            len(self._ids) * NODE_BYTES
+            + self._engine_entries() * ENGINE_ENTRY_BYTES
+            + self._pred_entries() * PRED_ENTRY_BYTES
+        )
+
+    def _byte_budget(self) -> int | None:
+        budgets = []
+        if self.max_bytes is not None:
+            budgets.append(self.max_bytes)
+        if self.max_nodes is not None:
+            budgets.append(self.max_nodes * NODE_BYTES)
+        return min(budgets) if budgets else None
+
+    def _over(self, water: float) -> bool:
+        if self.max_nodes is not None and len(self._ids) > self.max_nodes * water:
+            return True
+        bb = self._byte_budget()
+        return bb is not None and self.estimated_bytes() > bb * water
+
+    def _check_budget(self) -> None:
+        if (self.max_nodes is not None or self.max_bytes is not None) and self._over(1.0):
+            self._evict()
+
+    def _evict(self) -> None:
+        """Evict least recently stored/predicted nodes and oldest engine-map entries to the low-water mark."""
+        if self._dead or self._sweeping:
+            self._sweep(None)
+        guard = 0
+        while self._over(LOW_WATER) and guard < 64:
+            guard += 1
+            n = len(self._ids)
+            frac = 0.0
+            if self.max_nodes is not None:
+                frac = max(frac, 1.0 - self.max_nodes * LOW_WATER / max(n, 1))
+            bb = self._byte_budget()
+            if bb is not None:
+                frac = max(frac, 1.0 - bb * LOW_WATER / max(self.estimated_bytes(), 1))
+            frac = min(1.0, max(frac, 0.0))
+            self._evict_nodes(int(n * frac) + 1 if n else 0)
+            for replica, emap in list(self._engine.items()):
+                drop = int(len(emap) * frac) + (1 if emap else 0)
+                if drop >= len(emap):
+                    self._engine_evictions += len(emap)
+                    self._engine[replica] = {}
+                elif drop:
+                    items = list(emap.items())
+                    self._engine[replica] = dict(items[drop:])
+                    self._engine_evictions += drop
+
+    def _evict_nodes(self, count: int) -> None:
+        """Delete the ``count`` nodes with the oldest timestamps (ties broken by node id)."""
+        if count <= 0:
+            return
+        ids = self._ids
+        ts = self._ts
+        n = len(ids)
+        if count >= n:
+            victims = list(ids.values())
+        else:
+            nids = list(ids.values())
+            stamps = list(map(ts.__getitem__, nids))
+            step = max(1, n // 4096)
+            sample = sorted(stamps[::step])
+            q = min(len(sample) - 1, int(len(sample) * count / n))
+            thr = sample[q]
+            victims = [nid for nid, t in zip(nids, stamps, strict=True) if t < thr]
+            if len(victims) < count:
+                ties = [nid for nid, t in zip(nids, stamps, strict=True) if t == thr]
+                victims.extend(ties[: count - len(victims)])
+            if len(victims) < count:
+                rest = sorted((t, nid) for nid, t in zip(nids, stamps, strict=True) if t > thr)
+                victims.extend(nid for _, nid in rest[: count - len(victims)])
+            else:
+                del victims[count:]
+        for nid in victims:
+            self._delete_node(nid)
+        self._evictions += len(victims)
+
+    # ------------------------------------------------------------------ stats
+
+    def __len__(self) -> int:
+        """Number of nodes (distinct block keys held by at least one replica entry)."""
+        return len(self._ids)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes: nodes, estimated_bytes, blocks per replica and tier, evictions, orphans, ..."""
+        blocks: dict[int, dict[str, int]] = {r: dict.fromkeys(TIERS, 0) for r in self._slot_of}
+        predicted: dict[int, int] = dict.fromkeys(self._slot_of, 0)
+        active = self._active
+        rep = self._replica_of_slot
+        for sid, refs in enumerate(self._refs):
+            if refs <= 0:
+                continue
+            st = self._states[sid]
+            for t, name in enumerate(TIERS):
+                for s in _bits(st[t] & active):
+                    blocks[rep[s]][name] += refs
+            for s in _bits(st[_PRED] & active):
+                predicted[rep[s]] += refs
+        return {
+            "nodes": len(self._ids),
+            "estimated_bytes": self.estimated_bytes(),
+            "blocks": blocks,
+            "predicted_blocks": predicted,
+            "predicted_entries": self._pred_entries(),
+            "engine_entries": self._engine_entries(),
+            "evictions": self._evictions,
+            "engine_evictions": self._engine_evictions,
+            "orphan_events": self._orphans,
+            "invalid_events": self._invalid,
+            "unknown_removed": self._unknown_removed,
+            "expired": self._expired,
+            "states": sum(1 for r in self._refs if r > 0),
+            "replicas": len(self._slot_of),
+        }
