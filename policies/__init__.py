@@ -4,7 +4,14 @@ Importing this package registers every built-in policy (``policies.base.policy_n
 """
 
 from policies import (  # noqa: F401  (imported for their @register side effect)
+    consistent_hash,
+    dynamo_kv,
     least_load,
+    llmd_weighted,
+    power_of_two,
+    preble_e2,
+    random_policy,
     round_robin,
+    sglang_cache_aware,
     ttft,
 )
