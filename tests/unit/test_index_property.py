@@ -1,0 +1,170 @@
+"""Property test: PrefixIndex against a brute-force reference model.
+
+Random sequences of store / remove / clear / predict / expire (with a fake clock) / match over small token
+alphabets and 4 replicas must give identical match results, including tier split, predicted counts and ages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from index.hashing import block_keys
+from index.prefix_index import TIERS, PrefixIndex, ReplicaMatch
+
+BS = 2
+REPLICAS = (0, 1, 2, 3)
+TTL = 10.0
+
+
+class FakeClock:
+    """A clock the test advances by hand (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Entry:
+    tiers: set[str] = field(default_factory=set)
+    pred_exp: float | None = None
+
+
+class Reference:
+    """Brute force: a dict per (replica, key), a timestamp per key, linear scans everywhere."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.entries: dict[tuple[int, int], Entry] = {}
+        self.ts: dict[int, float] = {}
+
+    def _alive(self, e: Entry) -> bool:
+        return bool(e.tiers) or (e.pred_exp is not None and e.pred_exp > self.clock.now)
+
+    def _gc(self) -> None:
+        for rk in [rk for rk, e in self.entries.items() if not self._alive(e)]:
+            del self.entries[rk]
+        held = {k for (_, k) in self.entries}
+        for k in [k for k in self.ts if k not in held]:
+            del self.ts[k]
+
+    def store(self, r: int, keys: list[int], tier: str) -> None:
+        for k in keys:
+            e = self.entries.setdefault((r, k), Entry())
+            e.tiers.add(tier)
+            e.pred_exp = None
+            self.ts[k] = self.clock.now
+
+    def predict(self, r: int, keys: list[int]) -> None:
+        self._gc()
+        for k in keys:
+            e = self.entries.setdefault((r, k), Entry())
+            if not e.tiers:
+                e.pred_exp = self.clock.now + TTL
+            self.ts[k] = self.clock.now
+
+    def remove(self, r: int, keys: list[int], tier: str) -> None:
+        for k in keys:
+            e = self.entries.get((r, k))
+            if e is not None:
+                e.tiers.discard(tier)
+        self._gc()
+
+    def clear(self, r: int) -> None:
+        for rk in [rk for rk in self.entries if rk[0] == r]:
+            del self.entries[rk]
+        self._gc()
+
+    def match(self, keys: list[int], replicas: set[int] | None) -> dict[int, ReplicaMatch]:
+        self._gc()
+        out: dict[int, ReplicaMatch] = {}
+        for r in REPLICAS:
+            if replicas is not None and r not in replicas:
+                continue
+            cnt = dict.fromkeys((*TIERS, "predicted"), 0)
+            d = 0
+            for k in keys:
+                e = self.entries.get((r, k))
+                if e is None or not self._alive(e):
+                    break
+                cat = next((t for t in TIERS if t in e.tiers), "predicted")
+                cnt[cat] += 1
+                d += 1
+            if d:
+                age = self.clock.now - self.ts[keys[d - 1]]
+                out[r] = ReplicaMatch(d, cnt["gpu"], cnt["cpu"], cnt["disk"], cnt["remote"], cnt["predicted"], age)
+        return out
+
+
+tokens = st.lists(st.integers(0, 2), min_size=0, max_size=5 * BS)
+replica = st.sampled_from(REPLICAS)
+tier = st.sampled_from(TIERS)
+ops = st.one_of(
+    st.tuples(st.just("store"), replica, tokens, tier, st.integers(0, 3)),
+    st.tuples(st.just("remove"), replica, tokens, tier, st.integers(0, 3)),
+    st.tuples(st.just("predict"), replica, tokens),
+    st.tuples(st.just("clear"), replica),
+    st.tuples(st.just("advance"), st.sampled_from([0.5, 3.0, 6.0, 11.0])),
+    st.tuples(st.just("expire")),
+    st.tuples(st.just("match"), tokens, st.one_of(st.none(), st.sets(replica))),
+)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(ops, min_size=1, max_size=40), st.lists(tokens, min_size=1, max_size=6))
+def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[int]]) -> None:
+    clock = FakeClock()
+    idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock)
+    ref = Reference(clock)
+
+    def check(keys: list[int], replicas: set[int] | None) -> None:
+        got = idx.match(keys, replicas)
+        want = ref.match(keys, replicas)
+        assert got == want, (keys, replicas, got, want)
+
+    for op in program:
+        kind = op[0]
+        if kind == "store":
+            _, r, toks, t, skip = op
+            keys = block_keys(toks, BS, 7)[skip:]  # type: ignore[arg-type,misc]
+            idx.store(r, None, keys, t)  # type: ignore[arg-type]
+            ref.store(r, keys, t)  # type: ignore[arg-type]
+        elif kind == "remove":
+            _, r, toks, t, skip = op
+            keys = block_keys(toks, BS, 7)[skip:]  # type: ignore[arg-type,misc]
+            idx.remove(r, keys, t)  # type: ignore[arg-type]
+            ref.remove(r, keys, t)  # type: ignore[arg-type]
+        elif kind == "predict":
+            _, r, toks = op
+            keys = block_keys(toks, BS, 7)  # type: ignore[arg-type]
+            idx.predict(r, keys)  # type: ignore[arg-type]
+            ref.predict(r, keys)  # type: ignore[arg-type]
+        elif kind == "clear":
+            idx.clear(op[1])  # type: ignore[arg-type]
+            ref.clear(op[1])  # type: ignore[arg-type]
+        elif kind == "advance":
+            clock.now += op[1]  # type: ignore[operator]
+        elif kind == "expire":
+            idx.expire()
+        else:
+            _, toks, reps = op
+            check(block_keys(toks, BS, 7), reps)  # type: ignore[arg-type]
+        for toks in probes:
+            check(block_keys(toks, BS, 7), None)
+    for toks in probes:
+        check(block_keys(toks, BS, 7), None)
+    # After a full expire + sweep, node count equals the reference's distinct held keys.
+    for _ in range(3):
+        idx.expire()
+    ref._gc()
+    assert len(idx) == len(ref.ts)
+    stats = idx.stats()
+    for r in REPLICAS:
+        for t in TIERS:
+            want = sum(1 for (rr, _), e in ref.entries.items() if rr == r and t in e.tiers)
+            assert stats["blocks"].get(r, dict.fromkeys(TIERS, 0))[t] == want
