@@ -1,0 +1,343 @@
+"""The ``ttft`` policy and the cost model against the seed test vectors (reference/seeds-digest.md)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.base import (
+    Candidate,
+    LoadView,
+    Observation,
+    PrefixHit,
+    ReplicaProfile,
+    RouteRequest,
+    TierLink,
+    make_policy,
+)
+from policies.cost_model import combine, recompute_s, serial_link, ttft_given
+from policies.ttft import TTFTPolicy
+
+BPT_QWEN3_8B = 147_456  # bytes per token, seeds 004 §8.1.2
+
+
+def _pairs(new: int, ctx: int) -> float:
+    return new * ctx + new * (new + 1) / 2
+
+
+def tv1_profile(**kw: object) -> ReplicaProfile:
+    """A100 at 50 % of peak: 8448-token recompute 887.18 ms, 256 tokens after an 8192 hit 30.83 ms (TV-1).
+
+    Solves the linear + attention model for those two numbers.
+    """
+    full, post = 0.88718, 0.03083
+    p_full, p_post = _pairs(8448, 0), _pairs(256, 8192)
+    # 8448 u + a p_full = full ; 256 u + a p_post = post
+    a = (33 * post - full) / (33 * p_post - p_full)
+    u = (post - a * p_post) / 256
+    prof = ReplicaProfile(prefill_tokens_per_s=1.0 / u, attention_s_per_token2=a, bytes_per_token=BPT_QWEN3_8B)
+    for k, v in kw.items():
+        setattr(prof, k, v)
+    return prof
+
+
+def cand(index: int, profile: ReplicaProfile, queue_s: float = 0.0, **hit: int) -> Candidate:
+    tokens = round(queue_s * profile.prefill_tokens_per_s)
+    return Candidate(
+        index=index,
+        name=f"r{index}",
+        load=LoadView(queued_requests=0, running_requests=0, queued_prefill_tokens=tokens, kv_usage=0.1),
+        hit=PrefixHit(**hit),
+        profile=profile,
+    )
+
+
+REQ = RouteRequest(model="qwen3-8b", prompt_tokens=8448, block_keys=list(range(528)))
+
+
+def test_tv1_model_calibrated_to_the_seed() -> None:
+    prof = tv1_profile()
+    assert recompute_s(8448, 0, prof.prefill_tokens_per_s, prof.attention_s_per_token2) == pytest.approx(0.88718)
+    assert recompute_s(256, 8192, prof.prefill_tokens_per_s, prof.attention_s_per_token2) == pytest.approx(0.03083)
+
+
+@pytest.mark.parametrize(
+    ("net_bw", "b_ttft_ms", "winner"),
+    [(6.25e9, 282.4, 0), (25e9, 137.5, 1)],  # 50 GbE -> A narrowly; 200 GbE -> B
+)
+def test_tv1_example_9_7(net_bw: float, b_ttft_ms: float, winner: int) -> None:
+    policy = TTFTPolicy(p_confirmed=1.0)  # the seed's example treats the cached copies as certain
+    a = cand(0, tv1_profile(), queue_s=0.250, gpu=8192)
+    remote = serial_link(net_bw, 25e9, lookup_latency_s=0.010)  # network then PCIe 4.0 x16, serial
+    b = cand(1, tv1_profile(tiers={"remote": remote}), queue_s=0.020, remote=8192)
+    d = policy.choose(REQ, [a, b])
+    sa, sb = d.scores
+    assert sa.parts["T"] * 1e3 == pytest.approx(280.9, abs=0.5)  # 250 + 30.9 ≈ 281 ms
+    assert sb.parts["T"] * 1e3 == pytest.approx(b_ttft_ms, abs=0.5)
+    assert sb.parts["R"] * 1e3 == pytest.approx(b_ttft_ms - 30.83, abs=0.5)  # 251.6 / 106.6 ms
+    assert sb.parts["matched_remote"] == 8192 and sb.parts["usable"] == 8192
+    assert d.chosen == winner
+    assert d.ranking == [winner, 1 - winner]
+
+
+def test_tv1_b_recompute_907ms() -> None:
+    d = TTFTPolicy().choose(REQ, [cand(0, tv1_profile(), queue_s=0.250, gpu=8192), cand(1, tv1_profile(), 0.020)])
+    assert d.scores[1].parts["T"] * 1e3 == pytest.approx(907.2, abs=0.5)
+    assert d.chosen == 0
+
+
+def test_tv2_overlap_rule() -> None:
+    assert combine(0.080, 0.060, 0.010, overlap=True) == pytest.approx(0.090)
+    assert combine(0.080, 0.060, 0.010, overlap=False) == pytest.approx(0.150)
+    # same through the model: 60 ms CPU-tier fetch, 10 ms remaining compute, 80 ms queue
+    rate = 10_000.0
+    cpu_tokens = 1000
+    link = TierLink(bandwidth_bytes_per_s=cpu_tokens * 1000.0 / 0.060)
+    for overlap, expected in ((True, 0.090), (False, 0.150)):
+        prof = ReplicaProfile(
+            prefill_tokens_per_s=rate, bytes_per_token=1000.0, tiers={"cpu": link}, fetch_overlaps_queue=overlap
+        )
+        t, r, c, usable = ttft_given(1100, 0, cpu_tokens, 0, 0, 0.080, prof, rate, 0.0)
+        assert (r, c, usable) == (pytest.approx(0.060), pytest.approx(0.010), 1000)
+        assert t == pytest.approx(expected)
+
+
+def _tv5(p: float, objective: str = "mean", **kw: object) -> tuple[int, list[float]]:
+    policy = TTFTPolicy(p_predicted=p, **kw)  # type: ignore[arg-type]
+    a = cand(0, tv1_profile(), queue_s=0.080, gpu=8192, predicted=8192)
+    b = cand(1, tv1_profile(), queue_s=0.020)
+    req = RouteRequest(
+        model="qwen3-8b", prompt_tokens=8448, block_keys=[], objective=objective  # type: ignore[arg-type]
+    )
+    d = policy.choose(req, [a, b])
+    return d.chosen, [s.score for s in d.scores]
+
+
+def test_tv5_expected_time_is_linear_in_p() -> None:
+    for p in (0.05, 0.5, 0.9, 0.99):
+        _, (ea, eb) = _tv5(p)
+        assert ea * 1e3 == pytest.approx(967.2 - 856.3 * p, abs=0.5)
+        assert eb * 1e3 == pytest.approx(907.2, abs=0.5)
+    assert _tv5(0.5)[1][0] * 1e3 == pytest.approx(539.05, abs=0.5)
+    assert _tv5(0.9)[1][0] * 1e3 == pytest.approx(196.5, abs=0.5)
+
+
+def test_tv5_a_beats_b_iff_p_above_7_percent() -> None:
+    assert _tv5(0.065)[0] == 1
+    assert _tv5(0.075)[0] == 0
+
+
+def test_tv5_tail_objective_scores_uncertain_hit_by_its_miss_path() -> None:
+    assert _tv5(0.9, "mean")[0] == 0  # mean 196.5 ms < 907 ms
+    chosen, (ta, tb) = _tv5(0.9, "tail", slo_ttft_s=0.220)
+    assert chosen == 1  # A's p99 is 967 ms; the 220 ms target needs p >= 99 %
+    assert ta * 1e3 == pytest.approx(967.2, abs=0.5)
+    assert _tv5(0.9, "tail")[0] == 1  # without an SLO too
+    assert _tv5(0.995, "tail", slo_ttft_s=0.220)[0] == 0  # certain enough: A's p99 is its hit path
+    # objective fixed on the policy overrides the request's
+    p = TTFTPolicy(objective="tail", p_predicted=0.9)
+    d = p.choose(REQ, [cand(0, tv1_profile(), 0.080, gpu=8192, predicted=8192), cand(1, tv1_profile(), 0.020)])
+    assert d.chosen == 1
+
+
+def test_tv6_flip_at_12_666_ms() -> None:
+    rate = 10_000.0
+    prefix, n = 4096, 4352
+    bpt = 147_456.0
+    link = TierLink(bandwidth_bytes_per_s=prefix * bpt / 0.004666, lookup_latency_s=0.008)
+    prof_a = ReplicaProfile(prefill_tokens_per_s=rate, bytes_per_token=bpt)
+    prof_b = ReplicaProfile(
+        prefill_tokens_per_s=rate, bytes_per_token=bpt, tiers={"remote": link}, fetch_overlaps_queue=False
+    )
+    req = RouteRequest(model="m", prompt_tokens=n, block_keys=[])
+    policy = TTFTPolicy(p_confirmed=1.0)
+    b = Candidate(1, "b", LoadView(0, 0, 0, kv_usage=0.1), PrefixHit(remote=prefix), prof_b)
+
+    def a_with_queue(tokens: int) -> Candidate:
+        return Candidate(0, "a", LoadView(0, 0, tokens, kv_usage=0.1), PrefixHit(gpu=prefix), prof_a)
+
+    assert policy.choose(req, [a_with_queue(100), b]).chosen == 0  # A queue 10 ms: A starts first
+    assert policy.choose(req, [a_with_queue(200), b]).chosen == 1  # 20 ms: B
+    assert policy.choose(req, [a_with_queue(126), b]).chosen == 0  # 12.6 ms
+    assert policy.choose(req, [a_with_queue(127), b]).chosen == 1  # 12.7 ms
+    d = policy.choose(req, [a_with_queue(127), b])
+    assert d.scores[1].parts["R"] * 1e3 == pytest.approx(12.666, abs=1e-3)
+
+
+def test_tv13_longest_prefix_loses_and_slow_tier_is_ignored() -> None:
+    rate = 1.0 / 35e-6
+    bpt = 327_680.0
+    l3 = TierLink(bandwidth_bytes_per_s=bpt / 33e-6)
+    l4 = TierLink(bandwidth_bytes_per_s=bpt / 50e-6)
+    prof = ReplicaProfile(
+        prefill_tokens_per_s=rate, bytes_per_token=bpt, tiers={"disk": l3, "remote": l4}, fetch_overlaps_queue=False
+    )
+    queued = round(0.020 * rate)
+    load = LoadView(0, 0, queued, kv_usage=0.1)
+    x = Candidate(0, "x", load, PrefixHit(disk=3584), prof)
+    y = Candidate(1, "y", load, PrefixHit(gpu=2048), prof)
+    req = RouteRequest(model="m", prompt_tokens=4096, block_keys=list(range(256)))
+    d = TTFTPolicy(p_confirmed=1.0).choose(req, [x, y])
+    assert d.scores[0].parts["T"] * 1e3 == pytest.approx(156.2, abs=0.1)
+    assert d.scores[1].parts["T"] * 1e3 == pytest.approx(91.7, abs=0.1)
+    assert d.chosen == 1
+    # a longest-prefix router picks X
+    assert make_policy("preble_e2").choose(req, [x, y]).chosen == 0
+    assert max((x, y), key=lambda c: c.hit.total) is x
+    # L4 at 50 µs/token > 35 µs recompute: contributes nothing (4096 x 50 µs = 204.8 ms would be a liability)
+    z = Candidate(2, "z", load, PrefixHit(remote=4096), prof)
+    sz = TTFTPolicy(p_confirmed=1.0).choose(req, [z]).scores[0]
+    assert sz.parts["usable"] == 0 and sz.parts["R"] == 0.0
+    assert sz.parts["T"] * 1e3 == pytest.approx(20.0 + 143.36, abs=0.1)
+    nothing = Candidate(3, "n", load, PrefixHit(), prof)
+    assert TTFTPolicy().choose(req, [nothing]).scores[0].parts["T"] == pytest.approx(sz.parts["T"])
+
+
+def _burst(shared_tokens: int, prompt_tokens: int, replicas: int = 8, requests: int = 200) -> list[int]:
+    """Route a burst whose prompts all start with the same ``shared_tokens``; update state as the router does."""
+    policy = make_policy("ttft")
+    prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
+    loads = [LoadView(queued_requests=0, running_requests=0, queued_prefill_tokens=0, kv_usage=0.0) for _ in range(8)]
+    hits = [PrefixHit() for _ in range(replicas)]
+    counts = [0] * replicas
+    rng = random.Random(7)
+    for i in range(requests):
+        keys = [1000 + b for b in range(shared_tokens // 16)] + [rng.getrandbits(64) for _ in range(4)]
+        cands = [Candidate(r, f"r{r}", loads[r], hits[r], prof) for r in range(replicas)]
+        req = RouteRequest(model="m", prompt_tokens=prompt_tokens, block_keys=keys, now=i * 0.001)
+        d = policy.choose(req, cands)
+        r = d.chosen
+        counts[r] += 1
+        usable = int(next(s for s in d.scores if s.index == r).parts["usable"])
+        loads[r].inflight_requests += 1
+        loads[r].inflight_prefill_tokens += prompt_tokens - usable  # the router's in-flight accounting
+        hits[r] = PrefixHit(gpu=shared_tokens, predicted=shared_tokens)  # predicted entry after routing
+    return counts
+
+
+@pytest.mark.parametrize(("shared", "prompt"), [(16, 1024), (2048, 2304)])
+def test_hot_spot_burst_spreads(shared: int, prompt: int) -> None:
+    counts = _burst(shared, prompt)
+    assert sum(counts) == 200
+    assert max(counts) <= 2 * 200 / 8, counts
+    assert min(counts) > 0, counts
+
+
+def test_unknown_load_is_not_read_as_idle() -> None:
+    prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
+    known = Candidate(0, "k", LoadView(queued_requests=2, running_requests=1, queued_prefill_tokens=5000), profile=prof)
+    blind = Candidate(1, "b", LoadView(), profile=prof)
+    req = RouteRequest(model="m", prompt_tokens=500, block_keys=[])
+    d = TTFTPolicy().choose(req, [known, blind])
+    assert d.scores[1].parts["Q"] >= d.scores[0].parts["Q"]
+    assert d.chosen == 0  # ties go to the candidate that reports its load
+    # only a request count: mean_prefill_tokens per queued request
+    counted = Candidate(2, "c", LoadView(queued_requests=3), profile=prof)
+    d2 = TTFTPolicy(mean_prefill_tokens=1000).choose(req, [counted])
+    assert d2.scores[0].parts["Q"] == pytest.approx(0.3)
+
+
+def test_kv_pressure_penalty() -> None:
+    prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
+    req = RouteRequest(model="m", prompt_tokens=1000, block_keys=[])
+    full = Candidate(0, "full", LoadView(0, 0, 0, kv_usage=0.98), PrefixHit(gpu=320), prof)
+    calm = Candidate(1, "calm", LoadView(0, 0, 0, kv_usage=0.5), PrefixHit(), prof)
+    d = TTFTPolicy().choose(req, [full, calm])
+    assert d.scores[0].parts["kv_penalty"] > 0.1
+    assert d.scores[1].parts["kv_penalty"] == 0.0
+    assert d.chosen == 1  # a 32 ms saving does not pay for preemption risk at 98 % KV
+    full.load.kv_usage = 0.6
+    assert TTFTPolicy().choose(req, [full, calm]).chosen == 0
+
+
+def test_predicted_hit_probability_decays_with_age() -> None:
+    prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
+    req = RouteRequest(model="m", prompt_tokens=2000, block_keys=[])
+    ps = []
+    for age in (0.0, 60.0, 240.0):
+        c = Candidate(0, "a", LoadView(0, 0, 0), PrefixHit(gpu=1600, predicted=1600, age_s=age), prof)
+        ps.append(TTFTPolicy().choose(req, [c]).scores[0].parts["p"])
+    assert ps[0] == pytest.approx(0.8)
+    assert ps[0] > ps[1] > ps[2]
+    confirmed = Candidate(0, "a", LoadView(0, 0, 0), PrefixHit(gpu=1600, age_s=240.0), prof)
+    assert TTFTPolicy().choose(req, [confirmed]).scores[0].parts["p"] == pytest.approx(0.995)
+    mixed = Candidate(0, "a", LoadView(0, 0, 0), PrefixHit(gpu=1600, predicted=800), prof)
+    s = TTFTPolicy().choose(req, [mixed]).scores[0].parts
+    assert s["p"] == pytest.approx(0.995 * 0.8)
+    assert s["T"] < s["E"] < s["T_miss"]
+
+
+def _noisy_observations(rng: random.Random, index: int, rate: float, overhead: float) -> Observation:
+    x = rng.randint(100, 4000)
+    cached = rng.choice([0, 0, 512, 1024])
+    wait = rng.uniform(0.0, 0.3)
+    prefill = (overhead + x / rate) * rng.gauss(1.0, 0.05)
+    if rng.random() < 0.1:  # outliers: preemptions, mis-estimated queue waits
+        prefill *= rng.uniform(2.0, 6.0)
+    return Observation(index, x + cached, cached, wait, wait + prefill)
+
+
+def test_calibration_learns_two_replicas_2x_apart() -> None:
+    rng = random.Random(42)
+    policy = TTFTPolicy()
+    truth = {0: 12_000.0, 1: 6_000.0}
+    for _ in range(200):
+        for idx, rate in truth.items():
+            policy.observe(_noisy_observations(rng, idx, rate, 0.02))
+    for idx, rate in truth.items():
+        got = policy.calibrated(idx)
+        assert got is not None
+        assert got[0] == pytest.approx(rate, rel=0.10)
+        assert got[1] == pytest.approx(0.02, abs=0.01)
+    # the calibrated rates override the (wrong, equal) profiles
+    prof = ReplicaProfile(prefill_tokens_per_s=9000.0)
+    req = RouteRequest(model="m", prompt_tokens=2000, block_keys=[])
+    d = policy.choose(req, [Candidate(1, "slow", LoadView(0, 0, 0), profile=prof), Candidate(0, "fast", profile=prof)])
+    assert d.chosen == 0
+    assert d.scores[1].parts["rate"] == pytest.approx(12_000.0, rel=0.10)
+
+
+def test_calibration_waits_for_enough_samples_and_rejects_garbage() -> None:
+    policy = TTFTPolicy(calibration_min_samples=16)
+    for i in range(10):
+        policy.observe(Observation(0, 1000 + 100 * i, 0, 0.0, 0.1 + 0.01 * i))
+    assert policy.calibrated(0) is None
+    policy.observe(Observation(0, 1000, 0, 0.5, 0.2))  # TTFT before its queue wait ended: dropped
+    assert policy.calibrator.rejected == 1
+    policy.forget(0)
+    assert policy.calibrator.snapshot() == {}
+
+
+def test_decision_shape_and_determinism() -> None:
+    rng = random.Random(1)
+    cands = [
+        Candidate(
+            i,
+            f"r{i}",
+            LoadView(rng.randint(0, 5), rng.randint(0, 20), rng.randint(0, 20_000), kv_usage=rng.random()),
+            PrefixHit(gpu=rng.choice([0, 512, 1024]), cpu=rng.choice([0, 256])),
+            ReplicaProfile(tiers={"cpu": TierLink(32e9, 0.001)}),
+        )
+        for i in range(16)
+    ]
+    req = RouteRequest(model="m", prompt_tokens=3000, block_keys=list(range(187)))
+    d1 = make_policy("ttft").choose(req, cands)
+    d2 = make_policy("ttft").choose(req, cands)
+    assert d1 == d2
+    assert sorted(d1.ranking) == list(range(16)) and d1.ranking[0] == d1.chosen
+    assert [s.index for s in d1.scores] == list(range(16))
+    for s in d1.scores:
+        for k in ("Q", "R", "C", "p", "T", "E", "matched_gpu", "matched_cpu", "matched_disk", "matched_remote"):
+            assert k in s.parts
+    ordered = [next(s.score for s in d1.scores if s.index == i) for i in d1.ranking]
+    assert ordered == sorted(ordered)
+
+
+def test_bad_parameters_raise() -> None:
+    with pytest.raises(ValueError):
+        TTFTPolicy(objective="median")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        TTFTPolicy(p_predicted=1.5)
+    with pytest.raises(ValueError):
+        TTFTPolicy().choose(REQ, [])
