@@ -15,7 +15,7 @@ import asyncio
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import httpx
@@ -264,9 +264,9 @@ class Summary:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict with rounded values."""
         out: dict[str, Any] = {}
-        for name in self.__slots__:  # type: ignore[attr-defined]
-            v = getattr(self, name)
-            out[name] = round(v, 6) if isinstance(v, float) else v
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = round(v, 6) if isinstance(v, float) else v
         return out
 
 

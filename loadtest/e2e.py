@@ -1,0 +1,216 @@
+"""End-to-end benchmark: kvroute (ttft, round_robin) vs sglang-router (cache_aware) on one fake fleet.
+
+    python -m loadtest.e2e [--trace PATH] [--replicas 4] [--duration 60] [--time-scale 0.1] [--json]
+                           [--routers kvroute_ttft,kvroute_round_robin,sglang_cache_aware]
+
+Starts K fake engines (realistic timing multiplied by ``--time-scale``, KV events on), then for each router,
+one after another on the same workload: restarts the engines (cold caches, zeroed counters), starts the router
+in front of them, replays the workload open loop with a streaming async client, and collects
+
+* ``hit_rate``: engine-reported prefix cache hit rate = sum of the engines' prefix-cache hit tokens / queried
+  tokens (their own ``/metrics`` counters),
+* ``ttft_p50_s`` / ``ttft_p99_s``: client-side time to first streamed chunk, seconds,
+* ``throughput_rps``: completed requests per wall second, ``errors``: failed requests,
+* ``router_cpu_s_per_1k``: router process CPU seconds (user + system, psutil) per 1000 requests.
+
+The workload is the first ``--duration / --time-scale`` trace seconds of the trace (from ``--trace-start-s``),
+with arrivals at trace time x ``--time-scale`` / ``--load-scale``. JSON on stdout (one object keyed by run name),
+a human table on stderr. Every process is stopped at the end, also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.fleet import EngineOptions, Fleet, RouterHandle
+from loadtest.replay import ReplayRequest, make_client, replay, summarize
+from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
+
+#: run name -> (router kind, policy)
+RUNS: dict[str, tuple[str, str]] = {
+    "kvroute_ttft": ("kvroute", "ttft"),
+    "kvroute_round_robin": ("kvroute", "round_robin"),
+    "sglang_cache_aware": ("sglang", "cache_aware"),
+}
+
+#: keys every run object carries in the JSON output
+RESULT_KEYS = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "throughput_rps", "errors", "router_cpu_s_per_1k",
+               "requests")
+
+
+@dataclass(slots=True)
+class RunConfig:
+    """Knobs of one benchmark invocation (see ``build_parser`` for meanings and units)."""
+
+    replicas: int
+    time_scale: float
+    load_scale: float
+    drain_timeout_s: float
+    model: str
+    endpoint: str
+
+
+def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: RunConfig,
+            fresh_engines: bool) -> dict[str, Any]:
+    """Run one router over ``workload`` on cold engines and return its result object."""
+    kind, policy = RUNS[name]
+    if fresh_engines:
+        fleet.restart_engines() if fleet.engines else fleet.start_engines()
+    router: RouterHandle = (fleet.start_kvroute(policy=policy) if kind == "kvroute"
+                            else fleet.start_sglang_router(policy=policy))
+    try:
+        h0, q0 = fleet.prefix_cache_counters()
+        cpu0 = router.proc.cpu_seconds()
+        last = max((r.arrival_s for r in workload), default=0.0)
+
+        async def go() -> tuple[list[Any], float]:
+            async with make_client() as client:
+                return await replay(router.url, workload, model=cfg.model, endpoint=cfg.endpoint,  # type: ignore[arg-type]
+                                    client=client, deadline_s=last + cfg.drain_timeout_s)
+
+        results, wall = asyncio.run(go())
+        cpu1 = router.proc.cpu_seconds()
+        h1, q1 = fleet.prefix_cache_counters()
+        if not router.proc.alive():
+            raise RuntimeError(f"{name}: router died during the run:\n{router.proc.tail()}")
+    finally:
+        fleet.stop_router()
+    s = summarize(results, wall)
+    hits, queries = h1 - h0, q1 - q0
+    out: dict[str, Any] = {
+        "hit_rate": round(hits / queries, 6) if queries > 0 else None,
+        "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s, "ttft_mean_s": s.ttft_mean_s,
+        "e2e_p50_s": s.e2e_p50_s, "e2e_p99_s": s.e2e_p99_s,
+        "throughput_rps": round(s.throughput_rps, 4), "errors": s.errors,
+        "router_cpu_s_per_1k": round((cpu1 - cpu0) / len(results) * 1000.0, 4) if results else None,
+        "requests": s.requests, "completed": s.completed, "wall_s": round(wall, 3),
+        "max_client_lag_s": round(s.max_lag_s, 4), "prefix_hit_tokens": hits, "prefix_query_tokens": queries,
+        "router": kind, "policy": policy,
+    }
+    if s.error_samples:
+        out["error_samples"] = s.error_samples
+    for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "e2e_p50_s", "e2e_p99_s"):
+        if out[k] is not None:
+            out[k] = round(out[k], 6)
+    return out
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """A fixed-width table of the runs, plus kvroute_ttft / sglang_cache_aware ratios when both ran."""
+    def f(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    lines = [f"{'run':<22} {'hit_rate':>8} {'ttft_p50':>9} {'ttft_p99':>9} {'req/s':>7} {'errors':>6} "
+             f"{'cpu_s/1k':>8} {'requests':>8}"]
+    for name, r in results.items():
+        lines.append(f"{name:<22} {f(r['hit_rate'], '.3f'):>8} {f(r['ttft_p50_s'], '.3f'):>9} "
+                     f"{f(r['ttft_p99_s'], '.3f'):>9} {f(r['throughput_rps'], '.2f'):>7} {r['errors']:>6} "
+                     f"{f(r['router_cpu_s_per_1k'], '.2f'):>8} {r['requests']:>8}")
+    a, b = results.get("kvroute_ttft"), results.get("sglang_cache_aware")
+    if a and b:
+        def ratio(x: Any, y: Any) -> str:
+            return f"{x / y:.2f}" if x is not None and y else "-"
+        lines.append(f"kvroute_ttft / sglang_cache_aware: hit_rate x{ratio(a['hit_rate'], b['hit_rate'])}, "
+                     f"ttft_p99 x{ratio(a['ttft_p99_s'], b['ttft_p99_s'])}, "
+                     f"ttft_p50 x{ratio(a['ttft_p50_s'], b['ttft_p50_s'])}, "
+                     f"throughput x{ratio(a['throughput_rps'], b['throughput_rps'])}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags of ``python -m loadtest.e2e``."""
+    p = argparse.ArgumentParser(prog="python -m loadtest.e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default=None,
+                   help="Mooncake-format JSONL trace (default: ../shared/traces/mooncake_conversation_trace.jsonl "
+                        "or $KVROUTE_TRACE_DIR; 'generated' or a missing file: a generated chat workload)")
+    p.add_argument("--workload", default="chat", help="generated workload name when no trace is used")
+    p.add_argument("--replicas", type=int, default=4, help="fake engines")
+    p.add_argument("--duration", type=float, default=60.0, help="wall seconds of arrivals per run")
+    p.add_argument("--time-scale", type=float, default=0.1,
+                   help="wall seconds per trace second, for arrivals and for the engines' simulated delays")
+    p.add_argument("--load-scale", type=float, default=1.0,
+                   help="extra arrival-rate multiplier (2 = twice the trace's rate)")
+    p.add_argument("--trace-start-s", type=float, default=0.0, help="trace time where the slice starts (s)")
+    p.add_argument("--max-requests", type=int, default=0, help="at most this many requests (0 = no cap)")
+    p.add_argument("--max-output-tokens", type=int, default=0,
+                   help="cap each request's output length, tokens (0 = as in the trace)")
+    p.add_argument("--routers", default=",".join(RUNS),
+                   help=f"comma-separated runs, from: {', '.join(RUNS)}")
+    p.add_argument("--profile", default="a100", help="fake engine timing profile")
+    p.add_argument("--gpu-blocks", type=int, default=0, help="KV blocks per engine (0 = engine default)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--dialect", default="vllm", choices=["vllm", "sglang"], help="fake engine dialect")
+    p.add_argument("--model", default="kvroute-fake", help="model id")
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    p.add_argument("--drain-timeout-s", type=float, default=120.0,
+                   help="after the last arrival, wait at most this long for answers (s)")
+    p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary, removed)")
+    p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    return p
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the exit code (0 when every run completed, even with request errors)."""
+    args = build_parser().parse_args(argv)
+    runs = [r.strip() for r in args.routers.split(",") if r.strip()]
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown or not runs:
+        print(f"unknown run(s) {unknown}; choose from {', '.join(RUNS)}", file=sys.stderr)
+        return 2
+    if args.time_scale <= 0 or args.load_scale <= 0 or args.duration <= 0:
+        print("--time-scale, --load-scale and --duration must be > 0", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _sigterm)
+
+    trace = None if args.trace == "generated" else (Path(args.trace) if args.trace else default_trace_path())
+    if trace is not None and not trace.exists():
+        print(f"trace {trace} not found: using the generated '{args.workload}' workload", file=sys.stderr)
+        trace = None
+    wall_per_trace_s = args.time_scale / args.load_scale
+    workload = build_workload(WorkloadOptions(
+        trace=trace, workload=args.workload, time_scale=wall_per_trace_s, start_s=args.trace_start_s,
+        duration_s=args.duration / wall_per_trace_s, max_requests=args.max_requests or None,
+        max_output_tokens=args.max_output_tokens or None))
+    if not workload:
+        print("the workload slice is empty", file=sys.stderr)
+        return 2
+    model_dir = ensure_model_dir()
+    cfg = RunConfig(replicas=args.replicas, time_scale=args.time_scale, load_scale=args.load_scale,
+                    drain_timeout_s=args.drain_timeout_s, model=args.model, endpoint=args.endpoint)
+    engine = EngineOptions(model=args.model, dialect=args.dialect, time_scale=args.time_scale,
+                           profile=args.profile, gpu_blocks=args.gpu_blocks or None, block_size=args.block_size,
+                           model_path=str(model_dir),
+                           kv_events_format="vllm" if args.dialect == "vllm" else "sglang")
+    print(f"e2e: {len(workload)} requests over {workload[-1].arrival_s:.1f} s wall "
+          f"({'trace ' + str(trace) if trace else 'generated ' + args.workload}), {args.replicas} fake engines "
+          f"({args.profile}, time-scale {args.time_scale}), runs: {', '.join(runs)}", file=sys.stderr)
+    results: dict[str, dict[str, Any]] = {}
+    fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
+    try:
+        for name in runs:
+            t = time.monotonic()
+            results[name] = run_one(fleet, name, workload, cfg, fresh_engines=True)
+            print(f"  {name}: done in {time.monotonic() - t:.1f} s", file=sys.stderr)
+    finally:
+        fleet.stop()
+    print(format_table(results), file=sys.stderr)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
