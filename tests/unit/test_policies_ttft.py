@@ -36,7 +36,9 @@ def tv1_profile(**kw: object) -> ReplicaProfile:
     # 8448 u + a p_full = full ; 256 u + a p_post = post
     a = (33 * post - full) / (33 * p_post - p_full)
     u = (post - a * p_post) / 256
-    prof = ReplicaProfile(prefill_tokens_per_s=1.0 / u, attention_s_per_token2=a, bytes_per_token=BPT_QWEN3_8B)
+    prof = ReplicaProfile(
+        prefill_tokens_per_s=1.0 / u, attention_s_per_token2=a, bytes_per_token=BPT_QWEN3_8B
+    )
     for k, v in kw.items():
         setattr(prof, k, v)
     return prof
@@ -58,8 +60,12 @@ REQ = RouteRequest(model="qwen3-8b", prompt_tokens=8448, block_keys=list(range(5
 
 def test_tv1_model_calibrated_to_the_seed() -> None:
     prof = tv1_profile()
-    assert recompute_s(8448, 0, prof.prefill_tokens_per_s, prof.attention_s_per_token2) == pytest.approx(0.88718)
-    assert recompute_s(256, 8192, prof.prefill_tokens_per_s, prof.attention_s_per_token2) == pytest.approx(0.03083)
+    assert recompute_s(8448, 0, prof.prefill_tokens_per_s, prof.attention_s_per_token2) == pytest.approx(
+        0.88718
+    )
+    assert recompute_s(256, 8192, prof.prefill_tokens_per_s, prof.attention_s_per_token2) == pytest.approx(
+        0.03083
+    )
 
 
 @pytest.mark.parametrize(
@@ -82,7 +88,9 @@ def test_tv1_example_9_7(net_bw: float, b_ttft_ms: float, winner: int) -> None:
 
 
 def test_tv1_b_recompute_907ms() -> None:
-    d = TTFTPolicy().choose(REQ, [cand(0, tv1_profile(), queue_s=0.250, gpu=8192), cand(1, tv1_profile(), 0.020)])
+    d = TTFTPolicy().choose(
+        REQ, [cand(0, tv1_profile(), queue_s=0.250, gpu=8192), cand(1, tv1_profile(), 0.020)]
+    )
     assert d.scores[1].parts["T"] * 1e3 == pytest.approx(907.2, abs=0.5)
     assert d.chosen == 0
 
@@ -96,7 +104,10 @@ def test_tv2_overlap_rule() -> None:
     link = TierLink(bandwidth_bytes_per_s=cpu_tokens * 1000.0 / 0.060)
     for overlap, expected in ((True, 0.090), (False, 0.150)):
         prof = ReplicaProfile(
-            prefill_tokens_per_s=rate, bytes_per_token=1000.0, tiers={"cpu": link}, fetch_overlaps_queue=overlap
+            prefill_tokens_per_s=rate,
+            bytes_per_token=1000.0,
+            tiers={"cpu": link},
+            fetch_overlaps_queue=overlap,
         )
         t, r, c, usable = ttft_given(1100, 0, cpu_tokens, 0, 0, 0.080, prof, rate, 0.0)
         assert (r, c, usable) == (pytest.approx(0.060), pytest.approx(0.010), 1000)
@@ -108,7 +119,10 @@ def _tv5(p: float, objective: str = "mean", **kw: object) -> tuple[int, list[flo
     a = cand(0, tv1_profile(), queue_s=0.080, gpu=8192, predicted=8192)
     b = cand(1, tv1_profile(), queue_s=0.020)
     req = RouteRequest(
-        model="qwen3-8b", prompt_tokens=8448, block_keys=[], objective=objective  # type: ignore[arg-type]
+        model="qwen3-8b",
+        prompt_tokens=8448,
+        block_keys=[],
+        objective=objective,  # type: ignore[arg-type]
     )
     d = policy.choose(req, [a, b])
     return d.chosen, [s.score for s in d.scores]
@@ -137,7 +151,9 @@ def test_tv5_tail_objective_scores_uncertain_hit_by_its_miss_path() -> None:
     assert _tv5(0.995, "tail", slo_ttft_s=0.220)[0] == 0  # certain enough: A's p99 is its hit path
     # objective fixed on the policy overrides the request's
     p = TTFTPolicy(objective="tail", p_predicted=0.9)
-    d = p.choose(REQ, [cand(0, tv1_profile(), 0.080, gpu=8192, predicted=8192), cand(1, tv1_profile(), 0.020)])
+    d = p.choose(
+        REQ, [cand(0, tv1_profile(), 0.080, gpu=8192, predicted=8192), cand(1, tv1_profile(), 0.020)]
+    )
     assert d.chosen == 1
 
 
@@ -171,7 +187,10 @@ def test_tv13_longest_prefix_loses_and_slow_tier_is_ignored() -> None:
     l3 = TierLink(bandwidth_bytes_per_s=bpt / 33e-6)
     l4 = TierLink(bandwidth_bytes_per_s=bpt / 50e-6)
     prof = ReplicaProfile(
-        prefill_tokens_per_s=rate, bytes_per_token=bpt, tiers={"disk": l3, "remote": l4}, fetch_overlaps_queue=False
+        prefill_tokens_per_s=rate,
+        bytes_per_token=bpt,
+        tiers={"disk": l3, "remote": l4},
+        fetch_overlaps_queue=False,
     )
     queued = round(0.020 * rate)
     load = LoadView(0, 0, queued, kv_usage=0.1)
@@ -198,7 +217,10 @@ def _burst(shared_tokens: int, prompt_tokens: int, replicas: int = 8, requests: 
     """Route a burst whose prompts all start with the same ``shared_tokens``; update state as the router does."""
     policy = make_policy("ttft")
     prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
-    loads = [LoadView(queued_requests=0, running_requests=0, queued_prefill_tokens=0, kv_usage=0.0) for _ in range(8)]
+    loads = [
+        LoadView(queued_requests=0, running_requests=0, queued_prefill_tokens=0, kv_usage=0.0)
+        for _ in range(8)
+    ]
     hits = [PrefixHit() for _ in range(replicas)]
     counts = [0] * replicas
     rng = random.Random(7)
@@ -226,7 +248,9 @@ def test_hot_spot_burst_spreads(shared: int, prompt: int) -> None:
 
 def test_unknown_load_is_not_read_as_idle() -> None:
     prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
-    known = Candidate(0, "k", LoadView(queued_requests=2, running_requests=1, queued_prefill_tokens=5000), profile=prof)
+    known = Candidate(
+        0, "k", LoadView(queued_requests=2, running_requests=1, queued_prefill_tokens=5000), profile=prof
+    )
     blind = Candidate(1, "b", LoadView(), profile=prof)
     req = RouteRequest(model="m", prompt_tokens=500, block_keys=[])
     d = TTFTPolicy().choose(req, [known, blind])
@@ -293,7 +317,9 @@ def test_calibration_learns_two_replicas_2x_apart() -> None:
     # the calibrated rates override the (wrong, equal) profiles
     prof = ReplicaProfile(prefill_tokens_per_s=9000.0)
     req = RouteRequest(model="m", prompt_tokens=2000, block_keys=[])
-    d = policy.choose(req, [Candidate(1, "slow", LoadView(0, 0, 0), profile=prof), Candidate(0, "fast", profile=prof)])
+    d = policy.choose(
+        req, [Candidate(1, "slow", LoadView(0, 0, 0), profile=prof), Candidate(0, "fast", profile=prof)]
+    )
     assert d.chosen == 0
     assert d.scores[1].parts["rate"] == pytest.approx(12_000.0, rel=0.10)
 
@@ -328,7 +354,18 @@ def test_decision_shape_and_determinism() -> None:
     assert sorted(d1.ranking) == list(range(16)) and d1.ranking[0] == d1.chosen
     assert [s.index for s in d1.scores] == list(range(16))
     for s in d1.scores:
-        for k in ("Q", "R", "C", "p", "T", "E", "matched_gpu", "matched_cpu", "matched_disk", "matched_remote"):
+        for k in (
+            "Q",
+            "R",
+            "C",
+            "p",
+            "T",
+            "E",
+            "matched_gpu",
+            "matched_cpu",
+            "matched_disk",
+            "matched_remote",
+        ):
             assert k in s.parts
     ordered = [next(s.score for s in d1.scores if s.index == i) for i in d1.ranking]
     assert ordered == sorted(ordered)
