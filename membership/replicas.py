@@ -2,8 +2,9 @@
 
 A replica is one engine instance owning one KV cache. Its *index* is the bit it occupies in the prefix index's
 bitmaps, so it must be stable across restarts and address changes and agree between router replicas:
-StatefulSet ordinal when the name ends in ``-<n>``, otherwise an allocator (in memory here; Redis-backed in
-``membership.shared_state``). Never derived from an IP.
+StatefulSet ordinal when the name ends in ``-<n>``, otherwise an allocator: ``InMemoryIndexAllocator`` (one
+router) or ``RedisIndexAllocator`` (shared by all router replicas, atomic Lua allocation, release after a grace
+period). Never derived from an IP.
 
 Sources of membership (static config, Kubernetes) call ``upsert`` / ``remove``; the router reads ``routable``.
 Listeners are told when a replica leaves so the index can be cleared.
@@ -12,15 +13,18 @@ Listeners are told when a replica leaves so the index can be cleared.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from policies.base import LoadView, ReplicaProfile
+
+_log = logging.getLogger("kvroute.membership.replicas")
 
 
 class ReplicaState(StrEnum):
@@ -323,3 +327,249 @@ class ReplicaTable:
 
     def __len__(self) -> int:
         return len(self._by_name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Redis-backed allocator (shared by every router replica)
+
+_ALLOCATE_LUA = """
+-- KEYS: name->idx hash, idx->name hash, released zset (name -> free-at), seen zset (name -> last seen)
+-- ARGV: name, ordinal (-1 = none), dynamic_base, stale_s (0 = never), preferred (-1 = none),
+--       preferred_only (1 = return -1 instead of allocating when the preferred index is taken)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function drop(n)
+  local i = redis.call('HGET', KEYS[1], n)
+  if i then
+    if redis.call('HGET', KEYS[2], i) == n then redis.call('HDEL', KEYS[2], i) end
+  end
+  redis.call('HDEL', KEYS[1], n)
+  redis.call('ZREM', KEYS[3], n)
+  redis.call('ZREM', KEYS[4], n)
+end
+for _, n in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)) do drop(n) end
+local stale = tonumber(ARGV[4])
+if stale > 0 then
+  for _, n in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now - stale)) do drop(n) end
+end
+local name = ARGV[1]
+local cur = redis.call('HGET', KEYS[1], name)
+if cur then
+  redis.call('ZREM', KEYS[3], name)
+  redis.call('ZADD', KEYS[4], now, name)
+  return tonumber(cur)
+end
+local idx = -1
+local preferred = tonumber(ARGV[5] or '-1')
+if preferred >= 0 and redis.call('HEXISTS', KEYS[2], tostring(preferred)) == 0 then idx = preferred end
+if idx < 0 and ARGV[6] == '1' then return -1 end
+local ordinal = tonumber(ARGV[2])
+if idx < 0 and ordinal >= 0 and redis.call('HEXISTS', KEYS[2], tostring(ordinal)) == 0 then idx = ordinal end
+if idx < 0 then
+  idx = tonumber(ARGV[3])
+  while redis.call('HEXISTS', KEYS[2], tostring(idx)) == 1 do idx = idx + 1 end
+end
+redis.call('HSET', KEYS[1], name, idx)
+redis.call('HSET', KEYS[2], tostring(idx), name)
+redis.call('ZADD', KEYS[4], now, name)
+return idx
+"""
+
+_RELEASE_LUA = """
+-- KEYS as above; ARGV: name, grace_s
+local name = ARGV[1]
+if redis.call('HEXISTS', KEYS[1], name) == 0 then return 0 end
+local grace = tonumber(ARGV[2])
+if grace <= 0 then
+  local i = redis.call('HGET', KEYS[1], name)
+  if redis.call('HGET', KEYS[2], i) == name then redis.call('HDEL', KEYS[2], i) end
+  redis.call('HDEL', KEYS[1], name)
+  redis.call('ZREM', KEYS[3], name)
+  redis.call('ZREM', KEYS[4], name)
+  return 1
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZADD', KEYS[3], now + grace, name)
+return 1
+"""
+
+_TOUCH_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local n = 0
+for _, name in ipairs(ARGV) do
+  if redis.call('HEXISTS', KEYS[1], name) == 1 then redis.call('ZADD', KEYS[2], now, name); n = n + 1 end
+end
+return n
+"""
+
+
+class RedisIndexAllocator:
+    """Lowest-free-index allocation recorded in Redis, so every router replica gives a name the same index.
+
+    Allocation is one Lua script (atomic on the server): a name already registered gets its index back (and
+    any pending release is cancelled); otherwise its StatefulSet ordinal if free, else the lowest free index
+    ``>= dynamic_base``. ``release`` frees an index after ``release_grace_s`` seconds (Redis server time), so a
+    pod that comes back in time keeps its index and nobody else takes it meanwhile. Names not ``touch``-ed for
+    ``stale_s`` seconds (routers crashed without releasing) are freed too (0 disables).
+
+    When Redis cannot be reached the allocator keeps routing possible: it answers from its local cache, or
+    allocates a *provisional* index locally that avoids every index it has seen in Redis; ``reconcile`` (called
+    when Redis is back) registers provisional names and returns those whose index differs (callers then use
+    ``ReplicaTable.reindex``). ``available`` tells whether the last Redis call succeeded.
+    """
+
+    def __init__(self, client: object, *, key_prefix: str = "kvroute:", use_ordinals: bool = True,
+                 ordinal_pattern: str | re.Pattern[str] | None = DEFAULT_ORDINAL_PATTERN,
+                 dynamic_base: int = 0, release_grace_s: float = 120.0, stale_s: float = 3600.0) -> None:
+        self._r: Any = client
+        self._keys = [f"{key_prefix}idx:by_name", f"{key_prefix}idx:by_index", f"{key_prefix}idx:released",
+                      f"{key_prefix}idx:seen"]
+        self._pattern = compile_ordinal_pattern(ordinal_pattern) if use_ordinals else None
+        self._base = dynamic_base
+        self._grace = release_grace_s
+        self._stale = stale_s
+        self._alloc = self._r.register_script(_ALLOCATE_LUA)
+        self._release = self._r.register_script(_RELEASE_LUA)
+        self._touch = self._r.register_script(_TOUCH_LUA)
+        self._lock = threading.Lock()
+        self._local: dict[str, int] = {}  # name -> index as last confirmed (or provisionally chosen)
+        self._provisional: set[str] = set()
+        self._pending_release: set[str] = set()
+        self._remote_used: set[int] = set()
+        self.available = True
+        self.errors = 0
+
+    @property
+    def keys(self) -> list[str]:
+        """The Redis keys of the registry (by_name hash, by_index hash, released zset, seen zset)."""
+        return list(self._keys)
+
+    def _failed(self, exc: Exception) -> None:
+        self.errors += 1
+        if self.available:
+            _log.warning("index registry: Redis unavailable (%s); allocating provisional indices", exc)
+        self.available = False
+
+    def allocate(self, name: str) -> int:
+        """Return the shared index of ``name`` (provisional local index while Redis is down)."""
+        ordinal = ordinal_of(name, self._pattern)
+        try:
+            idx = int(self._alloc(keys=self._keys, args=[name, -1 if ordinal is None else ordinal,
+                                                          self._base, self._stale, -1, 0]))
+        except Exception as exc:  # redis.RedisError, OSError: fall back to local state
+            self._failed(exc)
+            with self._lock:
+                if name in self._local:
+                    self._pending_release.discard(name)
+                    return self._local[name]
+                used = set(self._local.values()) | self._remote_used
+                if ordinal is not None and ordinal not in used:
+                    idx = ordinal
+                else:
+                    idx = self._base
+                    while idx in used:
+                        idx += 1
+                self._local[name] = idx
+                self._provisional.add(name)
+                return idx
+        self.available = True
+        with self._lock:
+            self._local[name] = idx
+            self._provisional.discard(name)
+            self._pending_release.discard(name)
+            self._remote_used.add(idx)
+        return idx
+
+    def release(self, name: str) -> None:
+        """Free ``name``'s index after the grace period (queued until Redis is reachable)."""
+        with self._lock:
+            provisional = name in self._provisional
+            self._local.pop(name, None)
+            self._provisional.discard(name)
+        if provisional:
+            return
+        try:
+            self._release(keys=self._keys, args=[name, self._grace])
+            self.available = True
+        except Exception as exc:
+            self._failed(exc)
+            with self._lock:
+                self._pending_release.add(name)
+
+    def touch(self, names: Iterable[str]) -> int:
+        """Mark ``names`` as still in use (keeps them from being freed as stale). Returns how many exist."""
+        args = list(names)
+        if not args:
+            return 0
+        try:
+            n = int(self._touch(keys=[self._keys[0], self._keys[3]], args=args))
+            self.available = True
+            return n
+        except Exception as exc:
+            self._failed(exc)
+            return 0
+
+    def snapshot(self) -> dict[str, int]:
+        """The shared registry, name -> index (empty when Redis is down)."""
+        try:
+            raw = self._r.hgetall(self._keys[0])
+        except Exception as exc:
+            self._failed(exc)
+            return {}
+        out = {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
+        with self._lock:
+            self._remote_used = set(out.values())
+        return out
+
+    def reconcile(self) -> dict[str, tuple[int, int]]:
+        """Re-register every name this router holds; call periodically and after an outage.
+
+        Flushes releases queued while Redis was down, then registers each held name with its current index as
+        the preferred one (so a Redis restart that lost the registry keeps indices stable when routers
+        re-register before new pods arrive). Also refreshes "seen" times (see ``stale_s``). Returns
+        ``{name: (held, shared)}`` for names whose index must move (call ``ReplicaTable.reindex(name)`` for
+        each). Raises nothing; leaves state as is while Redis is down.
+        """
+        with self._lock:
+            releases = list(self._pending_release)
+            held = dict(self._local)
+        moved: dict[str, tuple[int, int]] = {}
+        try:
+            for name in releases:
+                self._release(keys=self._keys, args=[name, self._grace])
+                with self._lock:
+                    self._pending_release.discard(name)
+            # pass 1: names whose held index is still free keep it; pass 2: the rest get the lowest free one
+            pending = sorted(held.items(), key=lambda kv: kv[1])
+            results: dict[str, int] = {}
+            for only in (1, 0):
+                for name, old in pending:
+                    if name in results:
+                        continue
+                    ordinal = ordinal_of(name, self._pattern)
+                    new = int(self._alloc(keys=self._keys, args=[name, -1 if ordinal is None else ordinal,
+                                                                  self._base, self._stale, old, only]))
+                    if new >= 0:
+                        results[name] = new
+            for name, old in pending:
+                new = results[name]
+                with self._lock:
+                    if name not in self._local:
+                        continue  # released meanwhile
+                    self._provisional.discard(name)
+                    self._remote_used.add(new)
+                    self._local[name] = new
+                if new != old:
+                    moved[name] = (old, new)
+            self.available = True
+        except Exception as exc:
+            self._failed(exc)
+        return moved
+
+    @property
+    def provisional(self) -> set[str]:
+        """Names holding a locally chosen index not yet confirmed by Redis."""
+        with self._lock:
+            return set(self._provisional)
