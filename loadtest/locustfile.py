@@ -34,7 +34,7 @@ from typing import Any
 import gevent
 import requests
 from gevent.pool import Group
-from locust import User, constant, events
+from locust import User, constant, events, task
 from locust.exception import StopUser
 
 from loadtest.replay import (
@@ -128,7 +128,8 @@ class TraceReplayUser(User):
             exception=RuntimeError(res.error) if res.error else None, context={})
         results.append(res)
 
-    def on_start(self) -> None:
+    @task
+    def replay_workload(self) -> None:
         """Replay the workload once (first user only), write the CSVs, then quit locust."""
         global _started
         if _started:
