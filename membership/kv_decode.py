@@ -1,0 +1,547 @@
+"""Pure decoding of engine KV-cache events (vLLM, SGLang) from ZMQ frames into normalised Python objects.
+
+Nothing here does I/O or reads a clock. ``decode_live_frames`` / ``decode_replay_frames`` take the raw ZMQ
+frames and return either a :class:`DecodedBatch` or a :class:`DecodeFailure` naming the reason (a short
+``snake_case`` string the caller counts). No exception escapes for any input; a batch whose envelope is fine
+but whose individual events are bad keeps the good events and counts the bad ones in ``DecodedBatch.dropped``.
+
+Wire forms accepted (see ``../shared/reference/engine-wire-facts.md``):
+
+- live PUB message: ``[topic, seq (8-byte big-endian), payload]``;
+- replay reply as received by a DEALER: ``[b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang) or
+  ``[b"", seq, payload]`` (vLLM <= 0.23); end marker ``seq = ff x 8`` with an empty payload;
+- payload = msgpack batch: the positional array ``[ts, [events...], dp_rank]`` (``dp_rank`` optional) or a map
+  ``{"ts", "events", "data_parallel_rank" | "attn_dp_rank"}``;
+- events as ``type``-keyed maps (vLLM >= 0.24, SGLang) or positional arrays with the tag first (vLLM <= 0.23,
+  old SGLang), with any number of trailing fields;
+- block hashes as uint64, negative int64 (-> two's complement uint64) or bytes (-> the full digest as a
+  big-endian int, so different digests never collide);
+- ``medium`` case-insensitively: GPU -> gpu; CPU, CPU_PINNED -> cpu; DISK, STORAGE -> disk; EXTERNAL -> remote;
+  absent or nil -> gpu;
+- SGLang multi-page ``BlockStored`` (several hashes, ``block_size`` = page size, ``token_ids`` covering all
+  pages); EAGLE bigram token pairs ``[[a, b], ...]`` (first element of each pair kept, or the event skipped,
+  see ``DecodeLimits.bigram``).
+
+Units: ``block_size`` is tokens per engine block (page); hashes are engine block hashes (ints), never our keys.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgpack
+
+#: the replay end marker's sequence frame (seq = -1 as a signed 8-byte big-endian int)
+END_SEQ_FRAME = b"\xff" * 8
+END_SEQ = (1 << 64) - 1
+_U64 = 1 << 64
+_I64_MIN = -(1 << 63)
+
+#: engine medium names (upper-cased) -> our tier names
+MEDIUM_TO_TIER: dict[str, str] = {
+    "GPU": "gpu",
+    "HBM": "gpu",
+    "DEVICE": "gpu",
+    "CPU": "cpu",
+    "CPU_PINNED": "cpu",
+    "HOST": "cpu",
+    "DISK": "disk",
+    "STORAGE": "disk",
+    "SSD": "disk",
+    "EXTERNAL": "remote",
+    "REMOTE": "remote",
+}
+
+STORED = "BlockStored"
+REMOVED = "BlockRemoved"
+CLEARED = "AllBlocksCleared"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """Bounds that protect the decoder from absurd inputs; anything beyond is dropped and counted.
+
+    Attributes:
+        max_payload_bytes: largest msgpack payload accepted, bytes.
+        max_events: most events in one batch.
+        max_hashes: most block hashes in one event.
+        max_tokens: most token ids in one event, tokens.
+        max_block_size: largest engine block (page) size, tokens.
+        bigram: what to do with EAGLE bigram token pairs: ``first`` keeps the first element of each pair,
+            ``skip`` drops the event (counted as ``bigram_tokens``).
+        group_idx: the KV-cache group whose events are used (hybrid models announce one event per group);
+            events of other groups are dropped and counted as ``other_kv_group``. None accepts every group.
+    """
+
+    max_payload_bytes: int = 64 << 20
+    max_events: int = 1 << 16
+    max_hashes: int = 1 << 20
+    max_tokens: int = 1 << 22
+    max_block_size: int = 1 << 16
+    bigram: Literal["first", "skip"] = "first"
+    group_idx: int | None = 0
+
+
+DEFAULT_LIMITS = DecodeLimits()
+
+
+@dataclass(slots=True)
+class StoredEvent:
+    """``BlockStored``: the engine now holds ``len(hashes)`` consecutive blocks in ``tier``.
+
+    Attributes:
+        hashes: engine block hashes, one per engine block (page), root side first.
+        parent: engine hash of the block before ``hashes[0]``, or None when ``hashes[0]`` is the first block.
+        token_ids: the tokens of those blocks (``len(hashes) * block_size`` of them).
+        block_size: tokens per engine block (SGLang: page size).
+        tier: ``gpu``, ``cpu``, ``disk`` or ``remote``.
+        lora_name: LoRA adapter name, or None for the base model.
+        lora_id: deprecated integer LoRA id (vLLM), or None.
+        cache_salt: the request's cache salt when the event carries it (vLLM ``extra_keys`` of the first block,
+            SGLang ``cache_salt`` / ``metadata.cache_salt``), else None.
+        multimodal: True when ``extra_keys`` show multimodal or prompt-embedding content (token ids alone do not
+            identify such blocks).
+    """
+
+    hashes: list[int]
+    parent: int | None
+    token_ids: Any  # array('I') or list[int]: a Sequence[int]
+    block_size: int
+    tier: str = "gpu"
+    lora_name: str | None = None
+    lora_id: int | None = None
+    cache_salt: str | None = None
+    multimodal: bool = False
+
+
+@dataclass(slots=True)
+class RemovedEvent:
+    """``BlockRemoved``: the engine dropped these blocks from ``tier``.
+
+    Attributes:
+        hashes: engine block hashes.
+        tier: ``gpu``, ``cpu``, ``disk`` or ``remote``.
+    """
+
+    hashes: list[int]
+    tier: str = "gpu"
+
+
+@dataclass(slots=True)
+class ClearedEvent:
+    """``AllBlocksCleared``: the engine dropped its whole prefix cache."""
+
+
+Event = StoredEvent | RemovedEvent | ClearedEvent
+
+
+@dataclass(slots=True)
+class DecodedBatch:
+    """One decoded event batch (one engine scheduler step).
+
+    Attributes:
+        seq: the batch's sequence number (from 0 per engine process).
+        topic: the ZMQ topic frame (b"" when absent).
+        ts: engine wall-clock timestamp of the batch, seconds (None when missing or not a number).
+        dp_rank: data-parallel rank of the publishing engine, or None.
+        events: the well-formed events, in order.
+        dropped: per-event drop reasons -> count (events that were malformed, unknown or filtered).
+        notes: non-fatal observations -> count (e.g. ``bigram_tokens_converted``).
+        payload_digest: a digest of the raw payload, used to recognise the same batch again in a replay.
+    """
+
+    seq: int
+    topic: bytes
+    ts: float | None
+    dp_rank: int | None
+    events: list[Event]
+    dropped: Counter[str] = field(default_factory=Counter)
+    notes: Counter[str] = field(default_factory=Counter)
+    payload_digest: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFailure:
+    """A message that could not be used at all.
+
+    Attributes:
+        reason: short snake_case reason, used as a metric label (``truncated_frames``, ``bad_msgpack``, ...).
+        detail: human-readable detail for logs (bounded length).
+        seq: the sequence number when the envelope was readable, else None.
+    """
+
+    reason: str
+    detail: str = ""
+    seq: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayEnd:
+    """The end marker of a replay stream."""
+
+
+class _Bad(Exception):
+    """Internal: a field failed validation; ``reason`` is the counted label."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# -- envelopes --------------------------------------------------------------------------------------------------
+
+
+def parse_seq(frame: object) -> int | None:
+    """The sequence number in an 8-byte big-endian frame, or None when the frame is not 8 bytes."""
+    if not isinstance(frame, bytes | bytearray | memoryview) or len(frame) != 8:
+        return None
+    return int.from_bytes(bytes(frame), "big")
+
+
+def decode_live_frames(frames: list[bytes], limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedBatch | DecodeFailure:
+    """Decode one live PUB message ``[topic, seq, payload]``.
+
+    Returns:
+        the decoded batch, or a failure with its reason (``wrong_frame_count``, ``bad_seq_frame``, payload
+        reasons from :func:`decode_payload`).
+    """
+    try:
+        if len(frames) != 3:
+            return DecodeFailure("wrong_frame_count", f"{len(frames)} frames")
+        topic, seq_frame, payload = frames
+        seq = parse_seq(seq_frame)
+        if seq is None:
+            return DecodeFailure("bad_seq_frame", f"seq frame of {len(seq_frame)} bytes")
+        return decode_payload(bytes(payload), seq=seq, topic=bytes(topic), limits=limits)
+    except Exception as exc:  # pragma: no cover - defensive: nothing may escape
+        return DecodeFailure("internal_error", repr(exc)[:200])
+
+
+def decode_replay_frames(frames: list[bytes],
+                         limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedBatch | ReplayEnd | DecodeFailure:
+    """Decode one replay reply as received by a DEALER socket.
+
+    Accepts ``[b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang) and ``[b"", seq, payload]`` (vLLM <= 0.23);
+    ``seq = ff x 8`` with an empty payload is the end marker (its topic frame, when present, is empty).
+    """
+    try:
+        n = len(frames)
+        if n == 4:
+            if frames[0]:
+                return DecodeFailure("bad_replay_delimiter", "first frame not empty")
+            topic, seq_frame, payload = frames[1], frames[2], frames[3]
+        elif n == 3:
+            topic, seq_frame, payload = b"", frames[1], frames[2]
+            if frames[0] and parse_seq(frames[1]) is None:
+                return DecodeFailure("bad_replay_delimiter", "first frame not empty")
+        else:
+            return DecodeFailure("wrong_frame_count", f"{n} replay frames")
+        if bytes(seq_frame) == END_SEQ_FRAME:
+            if payload:
+                return DecodeFailure("bad_end_marker", "end marker with a payload")
+            return ReplayEnd()
+        seq = parse_seq(seq_frame)
+        if seq is None:
+            return DecodeFailure("bad_seq_frame", f"seq frame of {len(seq_frame)} bytes")
+        return decode_payload(bytes(payload), seq=seq, topic=bytes(topic), limits=limits)
+    except Exception as exc:  # pragma: no cover - defensive
+        return DecodeFailure("internal_error", repr(exc)[:200])
+
+
+def payload_digest(payload: bytes) -> int:
+    """A 64-bit digest of a payload (replayed payloads are byte-identical to live ones)."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+# -- payload ----------------------------------------------------------------------------------------------------
+
+
+def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"",
+                   limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedBatch | DecodeFailure:
+    """Decode a msgpack event batch.
+
+    Returns:
+        the batch (good events kept, bad ones counted in ``dropped``), or a failure (``empty_payload``,
+        ``payload_too_large``, ``bad_msgpack``, ``batch_not_array_or_map``, ``bad_batch``, ``too_many_events``).
+    """
+    try:
+        return _decode_payload(payload, seq, topic, limits)
+    except Exception as exc:  # pragma: no cover - defensive: nothing may escape
+        return DecodeFailure("internal_error", repr(exc)[:200], seq)
+
+
+def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits) -> DecodedBatch | DecodeFailure:
+    if not payload:
+        return DecodeFailure("empty_payload", "", seq)
+    if len(payload) > limits.max_payload_bytes:
+        return DecodeFailure("payload_too_large", f"{len(payload)} bytes", seq)
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # ExtraData, FormatError, StackError, ValueError, UnicodeDecodeError, ...
+        return DecodeFailure("bad_msgpack", f"{type(exc).__name__}: {str(exc)[:120]}", seq)
+    if isinstance(obj, list):
+        if len(obj) < 2:
+            return DecodeFailure("bad_batch", f"batch array of {len(obj)} elements", seq)
+        ts_raw, events_raw = obj[0], obj[1]
+        rank_raw = obj[2] if len(obj) > 2 else None
+    elif isinstance(obj, dict):
+        if "events" not in obj:
+            return DecodeFailure("bad_batch", "batch map without 'events'", seq)
+        ts_raw, events_raw = obj.get("ts"), obj["events"]
+        rank_raw = obj.get("data_parallel_rank", obj.get("attn_dp_rank", obj.get("dp_rank")))
+    else:
+        return DecodeFailure("batch_not_array_or_map", type(obj).__name__, seq)
+    if not isinstance(events_raw, list):
+        return DecodeFailure("bad_batch", f"events is {type(events_raw).__name__}", seq)
+    if len(events_raw) > limits.max_events:
+        return DecodeFailure("too_many_events", f"{len(events_raw)} events", seq)
+    ts = float(ts_raw) if _is_number(ts_raw) and math.isfinite(float(ts_raw)) else None
+    rank = rank_raw if isinstance(rank_raw, int) and not isinstance(rank_raw, bool) else None
+    batch = DecodedBatch(seq=seq, topic=topic, ts=ts, dp_rank=rank, events=[],
+                         payload_digest=payload_digest(payload))
+    if ts is None:
+        batch.notes["missing_ts"] += 1
+    for raw in events_raw:
+        try:
+            ev = _decode_event(raw, limits, batch.notes)
+        except _Bad as bad:
+            batch.dropped[bad.reason] += 1
+            continue
+        if ev is not None:
+            batch.events.append(ev)
+    return batch
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _tag_of(raw: object) -> tuple[str, dict[str, Any] | None, list[Any] | None]:
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if isinstance(tag, bytes):
+            tag = tag.decode("utf-8", "replace")
+        if not isinstance(tag, str):
+            raise _Bad("event_without_type")
+        return tag, raw, None
+    if isinstance(raw, list):
+        if not raw:
+            raise _Bad("empty_event")
+        tag = raw[0]
+        if isinstance(tag, bytes):
+            tag = tag.decode("utf-8", "replace")
+        if not isinstance(tag, str):
+            raise _Bad("event_without_type")
+        return tag, None, raw
+    raise _Bad("event_not_array_or_map")
+
+
+# positional field order (tag at index 0), vLLM <= 0.23 and old SGLang
+_STORED_POS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+               "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+_REMOVED_POS = ("block_hashes", "medium", "group_idx")
+_MISSING = object()
+
+
+def _field(m: dict[str, Any] | None, a: list[Any] | None, names: tuple[str, ...], name: str) -> Any:
+    if m is not None:
+        return m.get(name, _MISSING)
+    assert a is not None
+    i = names.index(name) + 1
+    return a[i] if i < len(a) else _MISSING
+
+
+def _decode_event(raw: object, limits: DecodeLimits, notes: Counter[str]) -> Event | None:
+    tag, m, a = _tag_of(raw)
+    if tag == STORED:
+        return _decode_stored(m, a, limits, notes)
+    if tag == REMOVED:
+        return _decode_removed(m, a, limits)
+    if tag == CLEARED:
+        return ClearedEvent()
+    raise _Bad("unknown_event_type")
+
+
+def _check_group(m: dict[str, Any] | None, a: list[Any] | None, names: tuple[str, ...],
+                 limits: DecodeLimits) -> None:
+    if limits.group_idx is None:
+        return
+    g = _field(m, a, names, "group_idx")
+    if g is _MISSING or g is None:
+        return
+    if not isinstance(g, int) or isinstance(g, bool):
+        raise _Bad("bad_group_idx")
+    if g != limits.group_idx:
+        raise _Bad("other_kv_group")
+
+
+def _decode_stored(m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits,
+                   notes: Counter[str]) -> StoredEvent:
+    names = _STORED_POS
+    hashes = _hashes(_field(m, a, names, "block_hashes"), limits)
+    if not hashes:
+        raise _Bad("empty_block_hashes")
+    parent_raw = _field(m, a, names, "parent_block_hash")
+    parent = None if parent_raw is _MISSING or parent_raw is None else _hash(parent_raw)
+    block_size = _field(m, a, names, "block_size")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 0 < block_size <= limits.max_block_size:
+        raise _Bad("bad_block_size")
+    tokens = _tokens(_field(m, a, names, "token_ids"), limits, notes)
+    if len(tokens) != len(hashes) * block_size:
+        raise _Bad("token_count_mismatch")
+    _check_group(m, a, names, limits)
+    tier = _tier(_field(m, a, names, "medium"))
+    lora_name = _opt_str(_field(m, a, names, "lora_name"), "bad_lora_name")
+    lora_id_raw = _field(m, a, names, "lora_id")
+    lora_id = None
+    if lora_id_raw is not _MISSING and lora_id_raw is not None:
+        if not isinstance(lora_id_raw, int) or isinstance(lora_id_raw, bool):
+            raise _Bad("bad_lora_id")
+        lora_id = lora_id_raw
+    salt: str | None = None
+    multimodal = False
+    extra = _field(m, a, names, "extra_keys")
+    if extra is not _MISSING and extra is not None:
+        salt, multimodal = _extra_keys(extra, lora_name, parent is None)
+    if m is not None:
+        s = m.get("cache_salt")
+        if s is None:
+            meta = m.get("metadata")
+            s = meta.get("cache_salt") if isinstance(meta, dict) else None
+        if s is not None:
+            salt = _opt_str(s, "bad_cache_salt")
+    return StoredEvent(hashes=hashes, parent=parent, token_ids=tokens, block_size=block_size, tier=tier,
+                       lora_name=lora_name, lora_id=lora_id, cache_salt=salt, multimodal=multimodal)
+
+
+def _decode_removed(m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits) -> RemovedEvent:
+    names = _REMOVED_POS
+    hashes = _hashes(_field(m, a, names, "block_hashes"), limits)
+    if not hashes:
+        raise _Bad("empty_block_hashes")
+    _check_group(m, a, names, limits)
+    return RemovedEvent(hashes=hashes, tier=_tier(_field(m, a, names, "medium")))
+
+
+def _hash(h: object) -> int:
+    """Normalise one engine block hash to a non-negative int."""
+    if type(h) is int:
+        if 0 <= h < _U64:
+            return h
+        if _I64_MIN <= h < 0:
+            return h + _U64
+        raise _Bad("hash_out_of_range")
+    if isinstance(h, bytes):
+        if not h or len(h) > 64:
+            raise _Bad("bad_hash_bytes")
+        return int.from_bytes(h, "big")
+    raise _Bad("bad_hash_type")
+
+
+def _hashes(raw: object, limits: DecodeLimits) -> list[int]:
+    if raw is _MISSING:
+        raise _Bad("missing_block_hashes")
+    if not isinstance(raw, list):
+        raise _Bad("bad_block_hashes")
+    if len(raw) > limits.max_hashes:
+        raise _Bad("too_many_hashes")
+    out = []
+    for h in raw:
+        if type(h) is int and 0 <= h < _U64:
+            out.append(h)
+        else:
+            out.append(_hash(h))
+    return out
+
+
+def _tokens(raw: object, limits: DecodeLimits, notes: Counter[str]) -> Any:
+    if raw is _MISSING or not isinstance(raw, list):
+        raise _Bad("bad_token_ids")
+    if len(raw) > limits.max_tokens:
+        raise _Bad("too_many_tokens")
+    try:
+        return array("I", raw)  # validates int-ness and 0 <= t < 2**32 in C
+    except (TypeError, OverflowError, ValueError):
+        pass
+    if raw and all(isinstance(p, list) and len(p) == 2 for p in raw):
+        if limits.bigram == "skip":
+            raise _Bad("bigram_tokens")
+        try:
+            firsts = array("I", [p[0] for p in raw])
+        except (TypeError, OverflowError, ValueError):
+            raise _Bad("bad_token_ids") from None
+        notes["bigram_tokens_converted"] += 1
+        return firsts
+    raise _Bad("bad_token_ids")
+
+
+def medium_to_tier(medium: object) -> str | None:
+    """Our tier for an engine ``medium`` value (None/absent -> ``gpu``); None when the value is unknown."""
+    if medium is None or medium is _MISSING:
+        return "gpu"
+    if isinstance(medium, bytes):
+        medium = medium.decode("utf-8", "replace")
+    if not isinstance(medium, str):
+        return None
+    key = medium.strip().upper()
+    tier = MEDIUM_TO_TIER.get(key)
+    if tier is None and key.startswith("CPU"):
+        tier = "cpu"
+    return tier
+
+
+def _tier(medium: object) -> str:
+    tier = medium_to_tier(medium)
+    if tier is None:
+        raise _Bad("unknown_medium")
+    return tier
+
+
+def _opt_str(v: object, reason: str) -> str | None:
+    if v is _MISSING or v is None:
+        return None
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    if not isinstance(v, str):
+        raise _Bad(reason)
+    return v
+
+
+def _extra_keys(extra: object, lora_name: str | None, starts_at_root: bool) -> tuple[str | None, bool]:
+    """(cache_salt, multimodal) from vLLM ``extra_keys`` (one entry per block: a tuple/list or None).
+
+    Per block, vLLM concatenates ``[lora_name] + mm keys (tuples, or bare strings in some releases) +
+    [cache_salt] (first block only) + prompt-embedding digests (bytes)``. Any tuple/list or bytes element means
+    the block's content is not identified by its token ids alone (``multimodal``). The salt is read from the
+    first block of an event that starts at the root: its last string element that is not the LoRA name.
+    """
+    if not isinstance(extra, list):
+        raise _Bad("bad_extra_keys")
+    salt: str | None = None
+    multimodal = False
+    for i, keys in enumerate(extra):
+        if keys is None:
+            continue
+        if not isinstance(keys, list):
+            raise _Bad("bad_extra_keys")
+        strs = []
+        for k in keys:
+            if isinstance(k, list | dict | bytes):
+                multimodal = True
+            elif isinstance(k, str):
+                strs.append(k)
+        if i == 0 and starts_at_root:
+            rest = [s for s in strs if s != lora_name]
+            if len(rest) == 1:
+                salt = rest[0]
+            elif len(rest) > 1:  # bare-string mm hashes plus a salt: ambiguous
+                multimodal = True
+        elif any(s != lora_name for s in strs):
+            multimodal = True
+    return salt, multimodal
