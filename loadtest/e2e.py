@@ -131,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=None,
                    help="Mooncake-format JSONL trace (default: ../shared/traces/mooncake_conversation_trace.jsonl "
-                        "or $KVROUTE_TRACE_DIR; 'generated' or a missing file: a generated chat workload)")
-    p.add_argument("--workload", default="chat", help="generated workload name when no trace is used")
+                        "or $KVROUTE_TRACE_DIR; 'generated' or a missing file: a generated workload)")
+    p.add_argument("--workload", default="agent",
+                   help="generated workload name (loadtest.traces.WORKLOADS) when no trace is used")
     p.add_argument("--replicas", type=int, default=4, help="fake engines")
     p.add_argument("--duration", type=float, default=60.0, help="wall seconds of arrivals per run")
     p.add_argument("--time-scale", type=float, default=0.1,

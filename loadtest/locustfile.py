@@ -6,8 +6,8 @@ Run locust as its own process (it monkey-patches with gevent; never import it ne
         --trace ../shared/traces/mooncake_conversation_trace.jsonl --time-scale 0.1 --max-requests 500 \\
         --replay-csv results/replay.csv --csv results/locust
 
-or ``make loadtest HOST=http://127.0.0.1:8080 TRACE=path/to/trace.jsonl``. Without ``--trace`` a generated
-multi-turn chat workload (``--workload``) is used.
+or ``make loadtest HOST=http://127.0.0.1:8080 TRACE=path/to/trace.jsonl``. Without ``--trace`` a
+generated workload (``--workload``, see ``loadtest.traces.WORKLOADS``) is used.
 
 One locust user is the dispatcher: it walks the workload and sends every request at ``arrival_s`` (trace time
 multiplied by ``--time-scale``), each on its own greenlet, whatever happened to earlier ones (open loop). Every
@@ -57,7 +57,7 @@ def _add_arguments(parser: Any) -> None:
     g = parser.add_argument_group("kvroute trace replay")
     g.add_argument("--trace", default="", env_var="KVROUTE_LOADTEST_TRACE",
                    help="Mooncake-format JSONL trace (empty: generated workload)")
-    g.add_argument("--workload", default="chat", env_var="KVROUTE_LOADTEST_WORKLOAD",
+    g.add_argument("--workload", default="agent", env_var="KVROUTE_LOADTEST_WORKLOAD",
                    help="generated workload name when --trace is empty")
     g.add_argument("--time-scale", type=float, default=1.0, env_var="KVROUTE_LOADTEST_TIME_SCALE",
                    help="wall seconds per trace second (0.1 = 10x faster than the trace)")

@@ -1,7 +1,6 @@
 """Benchmark workloads as ``ReplayRequest`` lists, and the local model directory the fake fleet uses.
 
-Requests come from ``loadtest.traces`` (Mooncake JSONL, or a generated workload) when that module provides
-them; each request's token ids become prompt *text* through a word-level vocabulary (token id ``i`` is the
+Requests come from ``loadtest.traces`` (Mooncake JSONL, or a generated workload); each request's token ids become prompt *text* through a word-level vocabulary (token id ``i`` is the
 word ``t<i>``), and ``ensure_model_dir`` writes the matching ``tokenizer.json`` (HF ``tokenizers`` WordLevel,
 whitespace split, no special tokens) into a local directory. Engines, kvroute (``--tokenizer-path``) and
 sglang-router all read that directory, so text -> ids is exact everywhere and nothing is downloaded.
@@ -12,22 +11,19 @@ text, so it must see text to be compared fairly.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
 import tempfile
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtest import traces
 from loadtest.replay import ReplayRequest
 
-#: distinct words of the benchmark vocabulary (token ids are reduced modulo this)
-VOCAB_SIZE = 32_000
-#: tokens per Mooncake hash id
-MOONCAKE_BLOCK_TOKENS = 512
+#: distinct words of the benchmark vocabulary (= the range of ``loadtest.traces`` token ids)
+VOCAB_SIZE = 1 << traces.TOKEN_BITS
 
 _WORDS = [f"t{i}" for i in range(VOCAB_SIZE)]
 
@@ -88,7 +84,8 @@ class WorkloadOptions:
 
     Attributes:
         trace: Mooncake-format JSONL path, or None for a generated workload.
-        workload: generated workload name (``chat``: multi-turn chats sharing system prompts).
+        workload: generated workload name (``loadtest.traces.WORKLOADS``: shared-prefix, llmd-precise,
+            chapter8, agent).
         time_scale: wall seconds per trace second (arrival offsets are multiplied by it).
         start_s: first trace second of the slice.
         duration_s: trace seconds in the slice (None = to the end).
@@ -98,7 +95,7 @@ class WorkloadOptions:
     """
 
     trace: str | Path | None = None
-    workload: str = "chat"
+    workload: str = "agent"
     time_scale: float = 1.0
     start_s: float = 0.0
     duration_s: float | None = None
@@ -107,86 +104,43 @@ class WorkloadOptions:
     seed: int = 0
 
 
-def _chunk(hash_id: int) -> list[int]:
-    """The fixed pseudo-random 512 token ids standing for Mooncake block ``hash_id``."""
-    rng = random.Random(int.from_bytes(hashlib.blake2b(hash_id.to_bytes(8, "little", signed=False),
-                                                       digest_size=8).digest(), "little"))
-    words = array("H", rng.randbytes(2 * MOONCAKE_BLOCK_TOKENS))
-    return [w % VOCAB_SIZE for w in words]
+def _segment_text(seg: tuple[int, int], cache: dict[tuple[int, int], str]) -> str:
+    """Prompt text of one ``loadtest.traces`` segment (memoised: segments repeat across requests)."""
+    text = cache.get(seg)
+    if text is None:
+        ids = array("I")
+        ids.frombytes(traces.segment_tokens(seg[0], seg[1]))
+        text = cache[seg] = token_text(ids)
+    return text
 
 
-def _mooncake(opts: WorkloadOptions) -> list[ReplayRequest]:
-    """Read a slice of a Mooncake JSONL trace (timestamps in ms) into requests."""
-    out: list[ReplayRequest] = []
-    end = None if opts.duration_s is None else opts.start_s + opts.duration_s
-    cache: dict[int, str] = {}
-    with open(opts.trace, encoding="utf-8") as f:  # type: ignore[arg-type]
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            t = float(rec["timestamp"]) / 1000.0
-            if t < opts.start_s:
-                continue
-            if end is not None and t >= end:
-                break
-            n_tokens = int(rec["input_length"])
-            full, rest = divmod(n_tokens, MOONCAKE_BLOCK_TOKENS)
-            hash_ids = [int(h) for h in rec["hash_ids"]]
-            parts: list[str] = []
-            for h in hash_ids[:full]:
-                text = cache.get(h)
-                if text is None:
-                    text = cache[h] = token_text(_chunk(h))
-                parts.append(text)
-            if rest and len(hash_ids) > full:
-                parts.append(token_text(_chunk(hash_ids[full])[:rest]))
-            prompt = " ".join(parts)
-            out_len = int(rec.get("output_length", 1)) or 1
-            if opts.max_output_tokens:
-                out_len = min(out_len, opts.max_output_tokens)
-            out.append(ReplayRequest(request_id=f"r{n}", arrival_s=(t - opts.start_s) * opts.time_scale,
-                                     prompt=prompt, max_tokens=out_len, prompt_tokens=n_tokens))
-            if opts.max_requests and len(out) >= opts.max_requests:
-                break
+def to_replay(requests: Sequence[traces.Request], time_scale: float = 1.0,
+              max_output_tokens: int | None = None) -> list[ReplayRequest]:
+    """``loadtest.traces`` requests -> replay requests with text prompts; arrivals multiplied by ``time_scale``."""
+    cache: dict[tuple[int, int], str] = {}
+    out = []
+    for r in requests:
+        out_len = max(1, r.output_tokens)
+        if max_output_tokens:
+            out_len = min(out_len, max_output_tokens)
+        out.append(ReplayRequest(
+            request_id=r.request_id, arrival_s=r.arrival_s * time_scale,
+            prompt=" ".join([_segment_text(seg, cache) for seg in r.segments]), max_tokens=out_len,
+            prompt_tokens=r.prompt_tokens, session_id=r.session_id))
     return out
 
 
-def _generated_chat(opts: WorkloadOptions) -> list[ReplayRequest]:
-    """Multi-turn chats sharing a few system prompts; Poisson session starts, each turn extends its context."""
-    rng = random.Random(opts.seed)
-    duration = opts.duration_s if opts.duration_s is not None else 120.0
-    systems = [[rng.randrange(VOCAB_SIZE) for _ in range(1024)] for _ in range(4)]
-    out: list[ReplayRequest] = []
-    t, sid = 0.0, 0
-    while t < duration:
-        ctx = list(systems[sid % len(systems)])
-        turn_t = t
-        for turn in range(rng.randint(2, 6)):
-            ctx += [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(64, 512))]
-            if turn_t >= duration:
-                break
-            out_len = rng.randint(32, 256)
-            if opts.max_output_tokens:
-                out_len = min(out_len, opts.max_output_tokens)
-            out.append(ReplayRequest(request_id=f"s{sid}t{turn}", arrival_s=turn_t * opts.time_scale,
-                                     prompt=token_text(ctx), max_tokens=out_len, prompt_tokens=len(ctx),
-                                     session_id=f"s{sid}"))
-            ctx += [rng.randrange(VOCAB_SIZE) for _ in range(out_len)]
-            turn_t += rng.uniform(5.0, 20.0)
-        sid += 1
-        t += rng.expovariate(1.0)
-    out.sort(key=lambda r: r.arrival_s)
-    return out[: opts.max_requests] if opts.max_requests else out
-
-
 def build_workload(opts: WorkloadOptions) -> list[ReplayRequest]:
-    """The requests of ``opts``, sorted by arrival (wall seconds from the replay start)."""
+    """The requests of ``opts``, sorted by arrival (wall seconds from the replay start).
+
+    Raises:
+        KeyError: unknown generated workload name (the message lists the known ones).
+    """
     if opts.trace is not None:
-        reqs = _mooncake(opts)
-    elif opts.workload == "chat":
-        reqs = _generated_chat(opts)
+        reqs = traces.load_mooncake(opts.trace)
     else:
-        raise ValueError(f"unknown generated workload {opts.workload!r}; known: chat")
-    reqs.sort(key=lambda r: r.arrival_s)
-    return reqs
+        reqs = traces.make_workload(opts.workload, seed=opts.seed)
+        reqs.sort(key=lambda r: r.arrival_s)
+    end = None if opts.duration_s is None else opts.start_s + opts.duration_s
+    reqs = traces.limit(traces.slice_time(reqs, opts.start_s, end), opts.max_requests)
+    return to_replay(reqs, opts.time_scale, opts.max_output_tokens)
