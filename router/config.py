@@ -228,6 +228,50 @@ class Settings(BaseSettings):
     # Options added by other components (each: default + Field(description=...)). Keep additions below.
     # ===================================================================================================
 
+    # --- membership: kubernetes / health / redis ---
+    kubernetes_enabled: bool = Field(
+        default=False, description="discover engine pods with the Kubernetes API (LIST + WATCH by label selector)")
+    kubernetes_namespace: str = Field(
+        default="default", description="namespace to watch for engine pods ('*' or '' = all namespaces)")
+    kubernetes_label_selector: str = Field(
+        default="kvroute.io/engine", description="label selector of engine pods (e.g. 'app=vllm,tier!=canary')")
+    kubernetes_resync_interval_s: float = Field(
+        default=30.0, gt=0, description="full re-LIST period repairing missed watch events (s)")
+    kubernetes_api_host: str | None = Field(
+        default=None, description="Kubernetes API URL (default: in-cluster service account, else kubeconfig)")
+    kubernetes_kubeconfig: str | None = Field(
+        default=None, description="kubeconfig path when running outside a cluster (default locations if unset)")
+    kubernetes_default_port: int = Field(
+        default=8000, ge=1, le=65535, description="engine HTTP port when a pod sets no kvroute.io/port")
+    kubernetes_default_kv_events_port: int = Field(
+        default=5557, ge=0, le=65535, description="KV-event ZMQ PUB port when a pod sets none (0 = no events)")
+    kubernetes_default_kv_replay_port: int = Field(
+        default=0, ge=0, le=65535, description="KV-event replay ROUTER port when a pod sets none (0 = no replay)")
+    kubernetes_default_kv_topic: str = Field(
+        default="", description="KV-event topic when a pod sets none ('' = all; {ip} {pod} {model} expand)")
+    health_probe_path: str = Field(
+        default="/health", description="path probed on discovered (Kubernetes) replicas every probe_interval_s")
+    index_ordinal_regex: str = Field(
+        default=r"-(\d+)$", description="regex whose group 1 is a pod's StatefulSet ordinal = its index ('' = off)")
+    index_dynamic_base: int = Field(
+        default=0, ge=0, description="first index given to names without an ordinal (set above your ordinals)")
+    index_release_grace_s: float = Field(
+        default=120.0, ge=0, description="a departed replica's index stays reserved this long for its return (s)")
+    index_stale_s: float = Field(
+        default=3600.0, ge=0, description="Redis registry names no router refreshed for this long are freed (s)")
+    redis_url: str | None = Field(
+        default=None, description="Redis URL for state shared by router replicas (indices, sessions, decisions)")
+    redis_key_prefix: str = Field(default="kvroute:", description="prefix of every Redis key and channel")
+    redis_timeout_s: float = Field(default=0.5, gt=0, description="Redis connect / command timeout (s)")
+    redis_retry_max_s: float = Field(
+        default=5.0, gt=0, description="longest backoff between Redis reconnect attempts (s)")
+    session_ttl_s: float = Field(
+        default=600.0, gt=0, description="session affinity lifetime after the last request of a session (s)")
+    broadcast_decisions: bool = Field(
+        default=True, description="publish routing decisions to peer routers (Redis pub/sub) so predictions agree")
+    idempotency_ttl_s: float = Field(
+        default=600.0, gt=0, description="how long an Idempotency-Key and its stored response are kept (s)")
+
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
     @classmethod
