@@ -1,0 +1,336 @@
+"""Prefix-index benchmark on the workload of ``reference/bench-workload.md``.
+
+Builds exactly that workload (same RNG draw order: 50 system prompts, multi-turn conversations over 64
+replicas, stopped at ``--target-nodes`` distinct blocks), stores its event stream with ``PrefixIndex.store``,
+then times ``match`` (hashing with ``index.hashing`` included) on 1k / 8k / 32k-token queries whose expected hit
+length is known, and finally removes every stored block.
+
+Usage::
+
+    python -m loadtest.bench_index --json [--target-nodes N] [--queries-1k N] [--queries-8k N] [--queries-32k N]
+
+One JSON object on stdout; a human table on stderr. Times in microseconds, rates in blocks per second, sizes in
+bytes. Not part of the test suite (timings on shared machines are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import sys
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from index.hashing import block_keys, block_keys_packed, pack_tokens, root_seed
+from index.prefix_index import PrefixIndex
+
+SEED = 20250101
+BLOCK = 16
+WORKERS = 64
+SYS_PROMPTS = 50
+SYS_LEN = 1024
+SYS_BLOCKS = SYS_LEN // BLOCK
+LENGTHS = (1024, 8192, 32768)
+WARMUP = 50
+
+
+def u16(b: bytes) -> list[int]:
+    """2 random bytes -> one token id in [0, 65535] (little-endian host, as the workload defines)."""
+    return list(array("H", b))
+
+
+@dataclass(slots=True)
+class Conversation:
+    """One conversation of the workload: system prompt, turns, sticky replicas, body token bytes (uint16)."""
+
+    sys_id: int
+    turns: int
+    workers: list[int]
+    appends: list[int]
+    body: bytes  # uint16 little-endian token ids after the system prompt
+    keys: list[int]  # chained keys of the full prompt's full blocks
+
+    def n_blocks(self, t: int) -> int:
+        """Full blocks in the prompt of turn ``t`` (1-based)."""
+        return (SYS_LEN + sum(self.appends[:t])) // BLOCK
+
+    @property
+    def full_len(self) -> int:
+        """Tokens in the final prompt."""
+        return SYS_LEN + sum(self.appends)
+
+
+def build_workload(
+    target_nodes: int, seed_key: int
+) -> tuple[list[list[int]], list[Conversation], int, float]:
+    """Draw system prompts and conversations; return (sys prompts, conversations, nodes, hash seconds)."""
+    rng = random.Random(SEED)
+    sys_prompts = [u16(rng.randbytes(2 * SYS_LEN)) for _ in range(SYS_PROMPTS)]
+    sys_packed = [pack_tokens(s) for s in sys_prompts]
+    convs: list[Conversation] = []
+    used: set[int] = set()
+    extra = 0
+    hash_s = 0.0
+    while True:
+        sys_id = rng.randrange(SYS_PROMPTS)
+        turns = rng.randint(1, 80)
+        k = rng.randint(1, 3)
+        workers = rng.sample(range(WORKERS), k)
+        appends = [rng.randint(200, 800) for _ in range(turns)]
+        body = rng.randbytes(2 * sum(appends))
+        t0 = time.perf_counter()
+        packed = sys_packed[sys_id] + pack_tokens(array("H", body))
+        keys = block_keys_packed(packed, BLOCK, seed_key)
+        hash_s += time.perf_counter() - t0
+        conv = Conversation(sys_id, turns, workers, appends, body, keys)
+        convs.append(conv)
+        used.add(sys_id)
+        extra += conv.n_blocks(turns) - SYS_BLOCKS
+        if SYS_BLOCKS * len(used) + extra >= target_nodes:
+            return sys_prompts, convs, SYS_BLOCKS * len(used) + extra, hash_s
+
+
+def build_events(convs: list[Conversation]) -> list[tuple[int, int | None, list[int]]]:
+    """The store event stream in the workload's order: (replica, parent key, keys to store)."""
+    events: list[tuple[int, int | None, list[int]]] = []
+    held: set[tuple[int, int]] = set()
+    for t in range(1, 81):
+        for c in convs:
+            if c.turns < t:
+                continue
+            n_t = c.n_blocks(t)
+            n_prev = c.n_blocks(t - 1) if t > 1 else 0
+            for w in c.workers:
+                if t > 1:
+                    events.append((w, c.keys[n_prev - 1], c.keys[n_prev:n_t]))
+                elif (w, c.sys_id) in held:
+                    events.append((w, c.keys[SYS_BLOCKS - 1], c.keys[SYS_BLOCKS:n_t]))
+                else:
+                    held.add((w, c.sys_id))
+                    events.append((w, None, c.keys[:n_t]))
+    return events
+
+
+@dataclass(slots=True)
+class Query:
+    """One timed query: conversation, hit length in tokens, random tail bytes (uint16)."""
+
+    conv: int
+    hit_tokens: int
+    tail: bytes
+
+
+def draw_queries(convs: list[Conversation], counts: dict[int, int]) -> dict[int, list[Query]]:
+    """Queries in the workload's draw order (qrng = Random(SEED + 1); lengths 1k, 8k, 32k)."""
+    qrng = random.Random(SEED + 1)
+    out: dict[int, list[Query]] = {}
+    for length in LENGTHS:
+        elig = [i for i, c in enumerate(convs) if c.full_len >= length]
+        qs: list[Query] = []
+        for _ in range(counts[length]):
+            ci = elig[qrng.randrange(len(elig))]
+            hit = 16 * qrng.randint(length // 32, length // 16)
+            qs.append(Query(ci, hit, qrng.randbytes(2 * (length - hit))))
+        out[length] = qs
+    return out
+
+
+def query_tokens(q: Query, sys_prompts: list[list[int]], convs: list[Conversation]) -> list[int]:
+    """The query's token list: the conversation's full prompt cut at the hit length, then the random tail."""
+    c = convs[q.conv]
+    prompt = sys_prompts[c.sys_id][: q.hit_tokens]
+    if q.hit_tokens > SYS_LEN:
+        prompt = prompt + u16(c.body[: 2 * (q.hit_tokens - SYS_LEN)])
+    return prompt + u16(q.tail)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (VmRSS), bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")
+
+
+def pct(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile: sorted[ceil(p/100*n)-1]."""
+    s = sorted(values)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+def deep_bytes_per_node(idx: PrefixIndex) -> dict[str, float]:
+    """Structure bytes per node computed from object sizes (dict, lists, arrays, node-id ints, key ints)."""
+    n = max(len(idx), 1)
+    base = (
+        sys.getsizeof(idx._ids)
+        + sys.getsizeof(idx._keys)
+        + sys.getsizeof(idx._sidl)
+        + idx._ts.buffer_info()[1] * idx._ts.itemsize
+    )
+    id_ints = sum(16 * math.ceil(sys.getsizeof(v) / 16) for v in idx._ids.values() if v > 256)
+    key_ints = sum(16 * math.ceil(sys.getsizeof(k) / 16) for k in idx._ids)
+    return {
+        "struct_bytes_per_node": round((base + id_ints) / n, 1),
+        "key_int_bytes_per_node": round(key_ints / n, 1),
+    }
+
+
+def time_queries(
+    idx: PrefixIndex,
+    qs: list[Query],
+    sys_prompts: list[list[int]],
+    convs: list[Conversation],
+    seed_key: int,
+) -> tuple[list[float], list[float], list[float], int]:
+    """Time hashing + match per query; return (total µs, hash µs, find µs, check failures)."""
+    total: list[float] = []
+    hashing: list[float] = []
+    find: list[float] = []
+    failures = 0
+    clock = time.perf_counter_ns
+    for i, q in enumerate([*qs[:WARMUP], *qs]):
+        toks = query_tokens(q, sys_prompts, convs)
+        t0 = clock()
+        keys = block_keys(toks, BLOCK, seed_key)
+        t1 = clock()
+        res = idx.match(keys)
+        t2 = clock()
+        if i < min(WARMUP, len(qs)):
+            continue
+        total.append((t2 - t0) / 1000)
+        hashing.append((t1 - t0) / 1000)
+        find.append((t2 - t1) / 1000)
+        want = q.hit_tokens // BLOCK
+        best = max((m.blocks for m in res.values()), default=0)
+        if best != want or any(res.get(w) is None or res[w].blocks != want for w in convs[q.conv].workers):
+            failures += 1
+    return total, hashing, find, failures
+
+
+def run(target_nodes: int, counts: dict[int, int], log: Callable[[str], None]) -> dict[str, Any]:
+    """Build the workload, run every measurement, return the result object."""
+    seed_key = root_seed("bench-model")
+    t0 = time.perf_counter()
+    sys_prompts, convs, expected_nodes, hash_s = build_workload(target_nodes, seed_key)
+    events = build_events(convs)
+    queries = draw_queries(convs, counts)
+    entries = sum(len(k) for _, _, k in events)
+    hashed_blocks = sum(len(c.keys) for c in convs)
+    log(
+        f"workload: {len(convs)} conversations, {expected_nodes} nodes, {len(events)} events, "
+        f"{entries} stored block entries ({time.perf_counter() - t0:.1f} s)"
+    )
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    rss0 = rss_bytes()
+    idx = PrefixIndex(block_size=BLOCK)
+    store = idx.store
+    t0 = time.perf_counter()
+    for w, parent, keys in events:
+        store(w, parent, keys)
+    store_s = time.perf_counter() - t0
+    rss1 = rss_bytes()
+    nodes = len(idx)
+    log(f"stored in {store_s:.2f} s; nodes {nodes}")
+    result: dict[str, Any] = {
+        "nodes": nodes,
+        "expected_nodes": expected_nodes,
+        "replicas": WORKERS,
+        "conversations": len(convs),
+        "events": len(events),
+        "stored_block_entries": entries,
+    }
+    failures = 0
+    for length in LENGTHS:
+        qs = queries[length]
+        if not qs:
+            continue
+        total, hashing, find, fails = time_queries(idx, qs, sys_prompts, convs, seed_key)
+        failures += fails
+        tag = f"{length // 1024}k"
+        result[f"match_{tag}_p50_us"] = round(pct(total, 50), 1)
+        result[f"match_{tag}_p99_us"] = round(pct(total, 99), 1)
+        result[f"hash_{tag}_p50_us"] = round(pct(hashing, 50), 1)
+        result[f"hash_{tag}_p99_us"] = round(pct(hashing, 99), 1)
+        result[f"find_{tag}_p50_us"] = round(pct(find, 50), 1)
+        result[f"find_{tag}_p99_us"] = round(pct(find, 99), 1)
+        result[f"queries_{tag}"] = len(qs)
+    t0 = time.perf_counter_ns()
+    for _ in range(1000):
+        idx.match([12345])
+    result["call_floor_p50_us"] = round((time.perf_counter_ns() - t0) / 1000 / 1000, 2)
+    result["store_blocks_per_s"] = round(entries / store_s)
+    hash_rate = hashed_blocks / hash_s if hash_s > 0 else float("inf")
+    result["hash_blocks_per_s"] = round(hash_rate)
+    result["store_blocks_per_s_incl_hash"] = round(1 / (1 / result["store_blocks_per_s"] + 1 / hash_rate))
+    result["bytes_per_node"] = round((rss1 - rss0) / max(nodes, 1), 1)
+    result.update(deep_bytes_per_node(idx))
+    result["estimated_bytes"] = idx.estimated_bytes()
+    result["match_check_failures"] = failures + (0 if nodes == expected_nodes else 1)
+    remove = idx.remove
+    t0 = time.perf_counter()
+    for w, _, keys in reversed(events):
+        remove(w, keys)
+    remove_s = time.perf_counter() - t0
+    result["remove_blocks_per_s"] = round(entries / remove_s)
+    result["nodes_after_remove"] = len(idx)
+    gc.enable()
+    gc.unfreeze()
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    """Human-readable summary with the targets and the Dynamo reference figures."""
+    rows = [
+        ("nodes", result["nodes"], "1M", "1M"),
+        ("match 1k p50 / p99 (µs)", f"{result.get('match_1k_p50_us')} / {result.get('match_1k_p99_us')}", "<= 40", "68"),
+        ("match 8k p50 / p99 (µs)", f"{result.get('match_8k_p50_us')} / {result.get('match_8k_p99_us')}", "<= 150", "144"),
+        ("match 32k p50 / p99 (µs)", f"{result.get('match_32k_p50_us')} / {result.get('match_32k_p99_us')}", "<= 450", "391"),
+        ("hash 1k / 8k / 32k p50 (µs)", f"{result.get('hash_1k_p50_us')} / {result.get('hash_8k_p50_us')} / {result.get('hash_32k_p50_us')}", "", ""),
+        ("find 1k / 8k / 32k p50 (µs)", f"{result.get('find_1k_p50_us')} / {result.get('find_8k_p50_us')} / {result.get('find_32k_p50_us')}", "", ""),
+        ("store (blocks/s)", result["store_blocks_per_s"], ">= 600k", "610k"),
+        ("store incl. hashing (blocks/s)", result["store_blocks_per_s_incl_hash"], "", ""),
+        ("remove (blocks/s)", result["remove_blocks_per_s"], "", ""),
+        ("bytes/node (RSS growth)", result["bytes_per_node"], "<= 200", "128"),
+        ("bytes/node (structures; + key ints)", f"{result['struct_bytes_per_node']} + {result['key_int_bytes_per_node']}", "", ""),
+        ("match check failures", result["match_check_failures"], "0", ""),
+    ]
+    w = max(len(r[0]) for r in rows)
+    lines = [f"{'metric':<{w}}  {'kvroute':>22}  {'target':>8}  {'dynamo':>7}"]
+    lines += [f"{a:<{w}}  {b!s:>22}  {c:>8}  {d:>7}" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse options, run, print JSON (stdout) and a table (stderr)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--json", action="store_true", help="print the result object as JSON on stdout")
+    ap.add_argument("--target-nodes", type=int, default=1_000_000, help="stop drawing conversations here")
+    ap.add_argument("--queries-1k", type=int, default=2000)
+    ap.add_argument("--queries-8k", type=int, default=1000)
+    ap.add_argument("--queries-32k", type=int, default=400)
+    args = ap.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    counts = {1024: args.queries_1k, 8192: args.queries_8k, 32768: args.queries_32k}
+    result = run(args.target_nodes, counts, log)
+    log(table(result))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0 if result["match_check_failures"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
