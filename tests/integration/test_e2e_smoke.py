@@ -1,0 +1,43 @@
+"""Smoke run of the end-to-end benchmark: 2 fake engines + kvroute (ttft), ~20 s, real processes on loopback.
+
+Not a timing test: it checks the benchmark completes with 0 errors and prints the documented JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from loadtest.e2e import RESULT_KEYS
+from tests.helpers import REPO
+
+
+def test_e2e_smoke_kvroute_only(tmp_path):
+    cmd = [sys.executable, "-m", "loadtest.e2e", "--routers", "kvroute_ttft", "--replicas", "2",
+           "--duration", "20", "--trace", "generated", "--workload", "agent", "--time-scale", "1",
+           "--max-output-tokens", "16", "--drain-timeout-s", "60", "--log-dir", str(tmp_path / "logs"), "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"e2e failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    data = json.loads(proc.stdout)
+    assert list(data) == ["kvroute_ttft"]
+    run = data["kvroute_ttft"]
+    for key in RESULT_KEYS:
+        assert key in run, f"missing {key} in {run}"
+    assert run["requests"] >= 10
+    assert run["errors"] == 0, run.get("error_samples")
+    assert run["completed"] == run["requests"]
+    assert 0.0 <= run["hit_rate"] <= 1.0
+    # multi-turn sessions share their context: the engines must have reused something
+    assert run["hit_rate"] > 0.0
+    assert 0.0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
+    assert run["throughput_rps"] > 0.0
+    assert run["router_cpu_s_per_1k"] > 0.0
+    assert "kvroute_ttft" in proc.stderr  # the human table
+
+
+def test_e2e_rejects_unknown_router():
+    proc = subprocess.run([sys.executable, "-m", "loadtest.e2e", "--routers", "nope"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "unknown run" in proc.stderr
