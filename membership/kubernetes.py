@@ -230,12 +230,18 @@ class PodWatcher:
 
     ``is_healthy(name)`` (from the health checker) decides whether a routable pod becomes ``ready`` or stays
     ``unhealthy``; without it routable pods are ``ready``.
+
+    ``dispatch(fn)`` runs a table mutation; by default it runs it at once on the watcher thread. The service
+    passes ``loop.call_soon_threadsafe`` so every table change (and the index clearing its removal listeners
+    do) happens on the event loop thread, in order.
     """
 
     def __init__(self, table: ReplicaTable, options: KubernetesOptions | None = None, *,
                  is_healthy: Callable[[str], bool] | None = None,
-                 api_client: Any | None = None) -> None:
+                 api_client: Any | None = None,
+                 dispatch: Callable[[Callable[[], None]], Any] | None = None) -> None:
         self.table = table
+        self._dispatch = dispatch
         self.options = options or KubernetesOptions()
         self.is_healthy = is_healthy
         self.stats = WatcherStats()
@@ -450,9 +456,22 @@ class PodWatcher:
             self.stats.resync_repairs += 1
         if from_list and prev is None and self._synced.is_set():
             self.stats.resync_repairs += 1
+        self._run_on_table(lambda: self._apply_to_table(view))
+        return view
+
+    def _run_on_table(self, fn: Callable[[], None]) -> None:
+        if self._dispatch is None:
+            fn()
+        else:
+            try:
+                self._dispatch(fn)
+            except RuntimeError as exc:  # event loop closed during shutdown
+                log.debug("dispatch failed: %s", exc)
+
+    def _apply_to_table(self, view: PodView) -> None:
         rep = self.table.get(view.name)
         if rep is None and not view.url:
-            return view  # never had an address: nothing to route to yet
+            return  # never had an address: nothing to route to yet
         try:
             url = view.url or (rep.url if rep is not None else "")
             attrs = dict(view.attrs)
@@ -463,9 +482,8 @@ class PodWatcher:
         except Exception as exc:
             self.stats.bad_pods += 1
             log.warning("cannot add replica %s: %s", view.name, exc)
-            return view
+            return
         self._set_state(view)
-        return view
 
     def _set_state(self, view: PodView) -> None:
         rep = self.table.get(view.name)
@@ -483,5 +501,9 @@ class PodWatcher:
     def _forget(self, name: str) -> None:
         with self._lock:
             self._known.pop(name, None)
-        if self.table.get(name) is not None:
-            self.table.remove(name)
+
+        def remove() -> None:
+            if self.table.get(name) is not None:
+                self.table.remove(name)
+
+        self._run_on_table(remove)
