@@ -147,8 +147,6 @@ class Settings(BaseSettings):
     seed_model: str | None = Field(
         default=None, description="model id folded into the block-key root seed (default: the request's model)")
     seed_include_lora: bool = Field(default=True, description="fold the LoRA adapter name into the root seed")
-    seed_namespace: str | None = Field(default=None,
-                                       description="tenant namespace folded into the root seed (None = none)")
 
     # -- tokenizer -------------------------------------------------------------------------------------
     tokenizer_mode: Literal["auto", "hf", "engine", "bytes"] = Field(

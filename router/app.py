@@ -1,0 +1,699 @@
+"""The kvroute HTTP service: FastAPI app, request models, routes and the wiring of every component.
+
+Routes (OpenAPI at ``/openapi.json``):
+
+* ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI-compatible; routed by ``router.routing`` and
+  forwarded by ``router.proxy`` (streaming SSE and not).
+* ``GET /v1/models``: the union of the replicas' models and LoRA adapters.
+* ``POST /route``: the same body as completions or chat, or ``{"model": ..., "token_ids": [...]}``; returns the
+  decision (chosen replica name and URL; every candidate's predicted TTFT with Q, R, C, p and matched tokens per
+  tier) without forwarding.
+* ``GET /replicas``, ``GET /index/stats``, ``GET /metrics``, ``GET /healthz`` (alive), ``GET /readyz`` (at least
+  one replica routable).
+
+Errors are OpenAI-style JSON ``{"error": {"message", "type", "code", "param"}}``: invalid JSON -> 400, missing or
+invalid fields -> 422 naming the field, unknown model -> 404, body over ``max_request_bytes`` -> 413, router
+at its in-flight limit -> 429 with ``Retry-After``, no routable replica -> 503 with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.json_schema import models_json_schema
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from index.prefix_index import PrefixIndex
+from membership.replicas import Replica, ReplicaState, ReplicaTable
+from membership.static import StaticMembership
+from policies.base import Policy, make_policy
+from router.config import Settings
+from router.proxy import Proxy, ProxyConfig, error_response, new_request_id
+from router.routing import Router, RoutingError, RoutingInput, build_profile, decision_json
+from router.telemetry import CONTENT_TYPE, Telemetry, gauge
+from router.tokenizer import Tokenizer, TokenizerError, make_tokenizer
+
+log = logging.getLogger("kvroute.app")
+_M = TypeVar("_M", bound=BaseModel)
+
+# ---------------------------------------------------------------------------------------------------------
+# request models (documented in OpenAPI; unknown fields are kept and forwarded to the engine)
+# ---------------------------------------------------------------------------------------------------------
+
+PromptT = str | list[int] | list[str] | list[list[int]]
+
+
+class ChatMessage(BaseModel):
+    """One chat message (``content`` is text or a list of ``{"type": "text", "text": ...}`` parts)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(description="system | user | assistant | tool | ...")
+    content: str | list[dict[str, Any]] | None = Field(default=None, description="message text or parts")
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1, description="model id (or LoRA adapter name) to serve the request")
+    stream: bool = Field(default=False, description="stream the answer as server-sent events")
+    max_tokens: int | None = Field(default=None, ge=0, description="maximum tokens to generate")
+    cache_salt: str | None = Field(default=None, description="isolates the prefix cache (vLLM cache_salt)")
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions`` body (OpenAI completions; extra fields are forwarded unchanged)."""
+
+    prompt: PromptT = Field(description="prompt text or token ids (a batch is routed by its first prompt)")
+
+
+class ChatRequest(_Common):
+    """``POST /v1/chat/completions`` body (OpenAI chat; extra fields are forwarded unchanged)."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
+    max_completion_tokens: int | None = Field(default=None, ge=0, description="maximum tokens to generate")
+    add_generation_prompt: bool = Field(default=True, description="append the assistant turn header")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="tool definitions for the template")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="extra template variables")
+
+
+class RouteBody(_Common):
+    """``POST /route`` body: a completions body (``prompt``), a chat body (``messages``) or ``token_ids``."""
+
+    prompt: PromptT | None = Field(default=None, description="completions prompt")
+    messages: list[ChatMessage] | None = Field(default=None, description="chat messages")
+    token_ids: list[int] | None = Field(default=None, description="prompt token ids (already tokenized)")
+    add_generation_prompt: bool = Field(default=True, description="chat: append the assistant turn header")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="chat: tool definitions")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="chat: template variables")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> RouteBody:
+        given = [k for k in ("prompt", "messages", "token_ids") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("exactly one of 'prompt', 'messages' or 'token_ids' is required"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+
+class ErrorDetail(BaseModel):
+    """An error."""
+
+    message: str
+    type: str
+    code: str | int | None = None
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI-style error body."""
+
+    error: ErrorDetail
+
+
+class MatchedTokens(BaseModel):
+    """Matched leading prompt tokens per tier on one candidate."""
+
+    gpu: int
+    cpu: int
+    disk: int
+    remote: int
+    predicted: int
+    total: int
+
+
+class CandidateOut(BaseModel):
+    """One candidate of a decision: predicted TTFT and its parts (seconds; p = hit probability)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    index: int
+    url: str | None
+    score: float | None
+    predicted_ttft_s: float | None
+    Q: float | None
+    R: float | None
+    C: float | None
+    p: float | None
+    parts: dict[str, float | None]
+    matched_tokens: MatchedTokens
+    cached_tokens: int
+    load: dict[str, Any] | None
+
+
+class ChosenOut(BaseModel):
+    """The chosen replica."""
+
+    name: str | None
+    index: int
+    url: str | None
+
+
+class DecisionOut(BaseModel):
+    """``POST /route`` answer."""
+
+    model_config = ConfigDict(extra="allow")
+    chosen: ChosenOut
+    policy: str
+    branch: str
+    ranking: list[str]
+    model: str
+    lora: str | None
+    prompt_tokens: int
+    blocks: int
+    block_size: int
+    decision_s: float
+    candidates: list[CandidateOut]
+
+
+class ModelOut(BaseModel):
+    """One served model."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: str = "model"
+    owned_by: str = "kvroute"
+    root: str | None = None
+    parent: str | None = None
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models`` answer."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelOut]
+
+
+class ReplicaOut(BaseModel):
+    """One replica in ``GET /replicas``."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    index: int
+    url: str
+    state: str
+    dialect: str
+    role: str
+    models: list[str]
+    loras: list[str]
+    load: dict[str, Any]
+    kv_events: dict[str, Any] | None = None
+    health: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReplicaList(BaseModel):
+    """``GET /replicas`` answer."""
+
+    replicas: list[ReplicaOut]
+
+
+class Status(BaseModel):
+    """Health / readiness answer."""
+
+    model_config = ConfigDict(extra="allow")
+    status: str
+    reason: str | None = None
+
+
+_ERR = {"model": ErrorResponse}
+_ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _ERR, 401: _ERR, 404: _ERR, 413: _ERR, 422: _ERR, 429: _ERR, 502: _ERR, 503: _ERR, 504: _ERR}
+
+# ---------------------------------------------------------------------------------------------------------
+# services
+# ---------------------------------------------------------------------------------------------------------
+
+#: A background component started with the app: ``start()`` / ``stop()`` coroutines.
+StartStop = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]
+
+
+@dataclass
+class Services:
+    """Everything the routes use, built from Settings by ``build_services``."""
+
+    settings: Settings
+    table: ReplicaTable
+    index: PrefixIndex
+    policy: Policy
+    tokenizer: Tokenizer
+    telemetry: Telemetry
+    router: Router
+    proxy: Proxy
+    membership: StaticMembership
+    background: list[StartStop] = field(default_factory=list)
+    #: replica name -> callable returning the KV-event subscriber's status dict (for /replicas)
+    event_status: dict[str, Callable[[], dict[str, Any]]] = field(default_factory=dict)
+    #: other components by name (``kv_events``, ``engine_metrics``), for tests and introspection
+    extras: dict[str, Any] = field(default_factory=dict)
+    inflight: int = 0
+    started_at: float = field(default_factory=time.time)
+
+
+def build_services(settings: Settings) -> Services:
+    """Build every component from ``settings`` (nothing is started; see ``create_app``'s lifespan).
+
+    Raises:
+        ValueError / KeyError / TokenizerError: invalid configuration (message names the option).
+    """
+    telemetry = Telemetry()
+    table = ReplicaTable()
+    index = PrefixIndex(block_size=settings.block_size, max_nodes=settings.index_max_nodes,
+                        max_bytes=settings.index_max_bytes, predicted_ttl_s=settings.predicted_ttl_s)
+    policy = make_policy(settings.policy, **settings.policy_params)
+    engine_headers = ({"authorization": f"Bearer {settings.engine_api_key.get_secret_value()}"}
+                      if settings.engine_api_key else {})
+    tokenizer = make_tokenizer(settings.tokenizer_mode, settings.tokenizer_path, settings.chat_template_path,
+                               settings.tokenize_timeout_s, engine_headers)
+    svc_holder: dict[str, Services] = {}
+
+    def events_healthy(rep: Replica) -> bool:
+        status = svc_holder["svc"].event_status.get(rep.name) if svc_holder else None
+        if status is None:
+            return False
+        try:
+            return bool(status().get("healthy", False))
+        except Exception:
+            return False
+
+    router = Router(table, index, policy, block_size=settings.block_size, seed_model=settings.seed_model,
+                    seed_include_lora=settings.seed_include_lora,
+                    objective=settings.objective, predict_mode=settings.predict_mode,
+                    events_healthy=events_healthy, max_inflight_per_replica=settings.max_inflight_per_replica)
+
+    def profile_for(name: str | None) -> Any:
+        return build_profile(name, settings.profiles, settings.default_profile)
+
+    membership = StaticMembership(
+        table, [s.model_dump() for s in settings.replicas], profile_for,
+        probe_interval_s=settings.probe_interval_s, probe_timeout_s=settings.probe_timeout_s,
+        unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after, headers=engine_headers)
+    membership.load()
+    proxy = Proxy(router, telemetry, ProxyConfig(
+        connect_timeout_s=settings.connect_timeout_s, first_byte_timeout_s=settings.first_byte_timeout_s,
+        total_timeout_s=settings.total_timeout_s, idle_timeout_s=settings.idle_timeout_s,
+        max_retries=settings.max_retries, max_connections=settings.max_connections,
+        max_keepalive_connections=settings.max_keepalive_connections,
+        engine_api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
+        retry_after_s=settings.retry_after_s),
+        on_connection_failure=lambda rep, err: membership.report_failure(rep.name, err))
+    svc = Services(settings=settings, table=table, index=index, policy=policy, tokenizer=tokenizer,
+                   telemetry=telemetry, router=router, proxy=proxy, membership=membership)
+    svc_holder["svc"] = svc
+
+    # a replica that comes back from unhealthy without KV events: its predicted entries are stale
+    def on_change(rep: Replica) -> None:
+        if rep.state == ReplicaState.UNHEALTHY and not events_healthy(rep):
+            index.clear(rep.index)
+
+    table.on_change(on_change)
+    table.on_remove(lambda rep: index.clear(rep.index))
+    telemetry.add_gauges(lambda: _gauges(svc))
+    from router import signals  # KV events + engine metrics wiring (adapters to membership modules)
+
+    signals.attach(svc)
+    return svc
+
+
+def _gauges(svc: Services) -> Iterable[Any]:
+    """Gauge families computed at scrape time."""
+    stats = svc.index.stats()
+    for key, value in stats.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            yield gauge(f"kvroute_index_{key}", f"PrefixIndex.stats()[{key!r}]", float(value))
+    reps = svc.table.all()
+    yield gauge("kvroute_replica_state", "1 for the replica's current state", labels=["replica", "state"],
+                samples=[([r.name, s.value], 1.0 if r.state == s else 0.0) for r in reps for s in ReplicaState])
+    yield gauge("kvroute_replica_inflight_requests", "requests in flight per replica", labels=["replica"],
+                samples=[([r.name], float(r.load.inflight_requests)) for r in reps])
+    yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# middleware
+# ---------------------------------------------------------------------------------------------------------
+
+_KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/route", "/replicas", "/index/stats",
+                 "/metrics", "/healthz", "/readyz", "/openapi.json", "/docs")
+
+
+class _Edge:
+    """Pure ASGI middleware: request body limit (413) and per-route request counters."""
+
+    def __init__(self, app: ASGIApp, telemetry: Telemetry, max_body: int) -> None:
+        self.app = app
+        self.telemetry = telemetry
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in _KNOWN_ROUTES else "other"
+        status = {"code": 500}
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.max_body
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await _send_error(send, 413, f"request body over {self.max_body} bytes (max_request_bytes)",
+                                      "body_too_large")
+                    self.telemetry.requests.labels(route, "413").inc()
+                    return
+        seen = 0
+        limit = self.max_body
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge()
+            return message
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, counting_send)
+        except _BodyTooLarge:
+            status["code"] = 413
+            await _send_error(send, 413, f"request body over {self.max_body} bytes (max_request_bytes)",
+                              "body_too_large")
+        self.telemetry.requests.labels(route, str(status["code"])).inc()
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _send_error(send: Send, status: int, message: str, code: str) -> None:
+    resp = error_response(status, message, code)
+    await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the app
+# ---------------------------------------------------------------------------------------------------------
+
+def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
+    """The FastAPI app for ``settings``; background components start and stop with its lifespan."""
+    svc = services or build_services(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await svc.membership.start()
+        started: list[StartStop] = []
+        try:
+            for start, stop in svc.background:
+                await start()
+                started.append((start, stop))
+            expire_task = asyncio.create_task(_expire_loop(svc), name="kvroute-index-expire")
+            log.info("kvroute started", extra={"settings": svc.settings.safe_dict()})
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                expire_task.cancel()
+            for _, stop in reversed(started):
+                with contextlib.suppress(Exception):
+                    await stop()
+            await svc.membership.stop()
+            await svc.proxy.aclose()
+            await svc.tokenizer.aclose()
+
+    app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan,
+                  description="Cache-aware router for LLM inference fleets (OpenAI-compatible).")
+    app.state.services = svc
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(_Edge, telemetry=svc.telemetry, max_body=settings.max_request_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        if any(e.get("type") in ("json_invalid", "json_type") for e in errors):
+            msg = next((str(e.get("msg")) for e in errors if e.get("type") == "json_invalid"), "invalid JSON")
+            return error_response(400, f"request body is not valid JSON: {msg}", "invalid_json")
+        parts, first_param = [], None
+        for e in errors:
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            name = ".".join(loc) or "body"
+            first_param = first_param or name
+            parts.append(f"{name}: {e.get('msg')}")
+        body = orjson.loads(error_response(422, "; ".join(parts), "invalid_request", first_param).body)
+        body["detail"] = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg")), "type": e.get("type")}
+                          for e in errors]
+        return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(RoutingError)
+    async def _routing(request: Request, exc: RoutingError) -> Response:
+        headers = {"retry-after": str(settings.retry_after_s)} if exc.status in (429, 503) else None
+        return error_response(exc.status, exc.message, exc.code, exc.param, headers=headers)
+
+    @app.exception_handler(TokenizerError)
+    async def _tok(request: Request, exc: TokenizerError) -> Response:
+        return error_response(400, str(exc), "tokenization_failed")
+
+    # -- auth --------------------------------------------------------------------------------------------
+    api_keys = {k.get_secret_value() for k in settings.api_keys}
+
+    def check_client(request: Request) -> None:
+        if not api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer ") or auth[7:].strip() not in api_keys:
+            raise _AuthError()
+
+    @app.exception_handler(_AuthError)
+    async def _auth(request: Request, exc: _AuthError) -> Response:
+        return error_response(401, "missing or invalid API key (Authorization: Bearer <key>)", "unauthorized",
+                              headers={"www-authenticate": "Bearer"})
+
+    # -- data plane --------------------------------------------------------------------------------------
+    async def routing_input(request: Request, body: _Common, *, prompt: Any = None,
+                            messages: list[ChatMessage] | None = None, token_ids: list[int] | None = None,
+                            chat: dict[str, Any] | None = None) -> RoutingInput:
+        model, lora, base = svc.router.resolve_model(body.model)
+        if token_ids is None:
+            url = _tokenize_url(svc, model, lora)
+            if messages is not None:
+                chat = chat or {}
+                token_ids = await svc.tokenizer.encode_chat(
+                    [m.model_dump(exclude_none=True) for m in messages], model=body.model, url=url,
+                    add_generation_prompt=chat.get("add_generation_prompt", True), tools=chat.get("tools"),
+                    template_kwargs=chat.get("chat_template_kwargs"))
+            else:
+                first = prompt[0] if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
+                    else prompt
+                if isinstance(first, list):
+                    token_ids = [int(t) for t in first]
+                elif isinstance(first, str):
+                    token_ids = await svc.tokenizer.encode_prompt(first, model=body.model, url=url)
+                else:
+                    token_ids = list(first or [])
+        if any(t < 0 or t >= 1 << 32 for t in token_ids):
+            raise _BadTokens()
+        max_out = getattr(body, "max_completion_tokens", None) or body.max_tokens or 0
+        return svc.router.make_input(model, lora, token_ids, base_model=base, cache_salt=body.cache_salt,
+                                     session_id=request.headers.get(settings.session_header),
+                                     request_id=new_request_id(request.headers.get("x-request-id")),
+                                     expected_output_tokens=max_out)
+
+    @app.exception_handler(_BadTokens)
+    async def _bad_tokens(request: Request, exc: _BadTokens) -> Response:
+        return error_response(422, "token ids must be integers in [0, 2**32)", "invalid_request", "token_ids")
+
+    async def serve(request: Request, inp: RoutingInput, path: str, stream: bool) -> Response:
+        if svc.inflight >= settings.max_inflight_total:
+            svc.telemetry.rejected.labels("router_inflight_limit").inc()
+            return error_response(429, f"router has {settings.max_inflight_total} requests in flight "
+                                  "(max_inflight_total)", "overloaded",
+                                  headers={"retry-after": str(settings.retry_after_s)})
+        svc.inflight += 1
+        try:
+            routed = svc.router.decide(inp)
+            svc.telemetry.decision_seconds.observe(routed.decision_s)
+            chosen = svc.table.by_index(routed.decision.chosen)
+            svc.telemetry.routed.labels(routed.decision.policy, routed.decision.branch,
+                                        chosen.name if chosen else "?").inc()
+            body = await request.body()
+            return await svc.proxy.forward(request, routed, path, body, stream=stream,
+                                           request_id=inp.request_id)
+        finally:
+            svc.inflight -= 1
+
+    @app.post("/v1/completions", responses=_ROUTE_ERRORS, response_model=None,
+              openapi_extra=_body_doc(CompletionRequest),
+              summary="OpenAI completions, routed to the replica with the lowest expected TTFT")
+    async def completions(request: Request) -> Response:
+        check_client(request)
+        body = await _parse(request, CompletionRequest)
+        inp = await routing_input(request, body, prompt=body.prompt)
+        return await serve(request, inp, "/v1/completions", body.stream)
+
+    @app.post("/v1/chat/completions", responses=_ROUTE_ERRORS, response_model=None,
+              openapi_extra=_body_doc(ChatRequest),
+              summary="OpenAI chat completions, routed through the chat template")
+    async def chat_completions(request: Request) -> Response:
+        check_client(request)
+        body = await _parse(request, ChatRequest)
+        inp = await routing_input(request, body, messages=body.messages, chat={
+            "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
+            "chat_template_kwargs": body.chat_template_kwargs})
+        return await serve(request, inp, "/v1/chat/completions", body.stream)
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERR},
+             summary="models served by the replicas (union)")
+    async def models(request: Request) -> Any:
+        check_client(request)
+        return {"object": "list", "data": svc.router.served_models()}
+
+    @app.post("/route", response_model=DecisionOut, responses=_ROUTE_ERRORS, openapi_extra=_body_doc(RouteBody),
+              summary="where would this request go? (decision with every candidate's predicted TTFT)")
+    async def route(request: Request) -> Any:
+        check_client(request)
+        body = await _parse(request, RouteBody)
+        inp = await routing_input(request, body, prompt=body.prompt, messages=body.messages,
+                                  token_ids=body.token_ids, chat={
+                                      "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
+                                      "chat_template_kwargs": body.chat_template_kwargs})
+        routed = svc.router.decide(inp)
+        svc.telemetry.decision_seconds.observe(routed.decision_s)
+        return decision_json(routed, svc.table, settings.block_size)
+
+    # -- control plane -----------------------------------------------------------------------------------
+    @app.get("/replicas", response_model=ReplicaList, summary="replicas with state, load view and freshness")
+    async def replicas() -> Any:
+        out = []
+        for r in svc.table.all():
+            ev = svc.event_status.get(r.name)
+            out.append({
+                "name": r.name, "index": r.index, "url": r.url, "state": r.state.value, "dialect": r.dialect,
+                "role": r.role, "models": r.models, "loras": r.loras,
+                "load": {k: getattr(r.load, k) for k in r.load.__slots__},  # type: ignore[attr-defined]
+                "kv_events": _safe_call(ev) if ev else None,
+                "health": svc.membership.health_of(r.name),
+            })
+        return {"replicas": out}
+
+    @app.get("/index/stats", summary="prefix index sizes and counters (blocks per replica and tier)")
+    async def index_stats() -> Any:
+        stats = svc.index.stats()
+        names = {r.index: r.name for r in svc.table.all()}
+        for key in ("blocks", "predicted_blocks"):
+            if isinstance(stats.get(key), dict):
+                stats[key] = {names.get(i, str(i)): v for i, v in stats[key].items()}
+        return stats
+
+    @app.get("/metrics", response_class=Response, summary="Prometheus metrics of the router",
+             responses={200: {"content": {"text/plain": {}}}})
+    async def metrics() -> Response:
+        return Response(svc.telemetry.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/healthz", response_model=Status, summary="liveness")
+    async def healthz() -> Any:
+        return {"status": "ok"}
+
+    @app.get("/readyz", response_model=Status, responses={503: {"model": Status}},
+             summary="readiness: at least one replica is routable")
+    async def readyz() -> Any:
+        n = sum(1 for r in svc.table.all() if r.routable)
+        if n:
+            return {"status": "ready", "routable_replicas": n}
+        states = {r.name: r.state.value for r in svc.table.all()}
+        reason = "no replicas configured" if not states else f"no routable replica (states: {states})"
+        return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in _BODY_MODELS],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+_BODY_MODELS: list[type[BaseModel]] = [CompletionRequest, ChatRequest, RouteBody]
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI requestBody for a route that parses its JSON body itself (any content type accepted)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+async def _parse(request: Request, model: type[_M]) -> _M:
+    """Parse the request body as JSON (whatever the content type) and validate it against ``model``.
+
+    Raises:
+        RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
+    """
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": str(exc),
+                                       "input": None}]) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+
+class _AuthError(Exception):
+    pass
+
+
+class _BadTokens(Exception):
+    pass
+
+
+def _tokenize_url(svc: Services, model: str, lora: str | None) -> str | None:
+    """For ``engine`` tokenizer mode: the URL of a routable replica serving the model (fewest in flight)."""
+    if svc.tokenizer.mode != "engine":
+        return None
+    reps = svc.table.routable(None if lora else model, lora)
+    if not reps:
+        return None
+    return min(reps, key=lambda r: r.load.inflight_requests).url
+
+
+def _safe_call(fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    try:
+        return fn()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+async def _expire_loop(svc: Services) -> None:
+    """Expire stale predicted entries periodically (match() also expires lazily)."""
+    while True:
+        await asyncio.sleep(svc.settings.index_expire_interval_s)
+        try:
+            svc.index.expire()
+        except Exception:
+            log.exception("index expire failed")

@@ -1,0 +1,434 @@
+"""Forwarding to engines: pooled HTTP, in-flight accounting, retries before the first byte, SSE passthrough,
+cancellation, timeouts, request ids, and feedback (observed TTFT, engine-reported cached tokens).
+
+One attempt = one replica. For each attempt, in order:
+
+1. the replica is counted as in flight (``Router.acquire``: requests + uncached prefill tokens) BEFORE the
+   request is sent, and predicted index entries are recorded when the replica has no healthy KV events;
+2. the request is sent and the proxy waits for the response headers AND the first body chunk
+   (``first_byte_timeout_s``); nothing has reached the client yet, so
+3. a connection error, a dropped connection or a 5xx status before that first chunk is retried on the next
+   replica of the decision's ranking, the failed ones excluded (at most ``1 + max_retries`` attempts; when the
+   ranking is exhausted the router decides again without the failed replicas);
+4. once the first chunk arrives the answer is committed: engine 4xx are passed through unchanged; streams are
+   relayed chunk by chunk (an idle gap over ``idle_timeout_s``, the total deadline or an engine failure ends
+   the stream with an SSE ``error`` event); the accounting is released when the response ends, whatever the
+   outcome.
+
+A client that disconnects cancels the upstream request (the engine sees the connection close and aborts).
+
+Errors are OpenAI-style JSON: ``{"error": {"message", "type", "code", "param"}}``.
+
+Units: seconds, bytes, tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from membership.replicas import Replica
+from policies.base import Observation
+from router.routing import Routed, Router, RoutingError
+from router.telemetry import Telemetry
+
+log = logging.getLogger("kvroute.proxy")
+
+#: bytes of the end of a stream kept to find the final ``usage`` chunk
+_TAIL_BYTES = 16384
+#: largest error body read from an engine 5xx (bytes)
+_ERR_BODY_BYTES = 2048
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None,
+               err_type: str | None = None) -> bytes:
+    """OpenAI-style error JSON bytes."""
+    if err_type is None:
+        err_type = "invalid_request_error" if status < 500 else "server_error"
+    return orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": param}})
+
+
+def error_response(status: int, message: str, code: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    """An OpenAI-style JSON error response."""
+    return Response(error_body(status, message, code, param), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+def new_request_id(given: str | None) -> str:
+    """The client's ``X-Request-Id`` when sane (<= 128 printable chars), else a fresh one."""
+    if given and len(given) <= 128 and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+class _AttemptFailed(Exception):
+    """One attempt failed before the first byte. ``retry``: another replica may succeed."""
+
+    def __init__(self, reason: str, message: str, *, retry: bool, status: int = 502,
+                 connection: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry = retry
+        self.status = status
+        self.connection = connection
+
+
+@dataclass(slots=True)
+class ProxyConfig:
+    """Proxy knobs (from Settings). Seconds, bytes."""
+
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 120.0
+    total_timeout_s: float = 600.0
+    idle_timeout_s: float = 60.0
+    max_retries: int = 2
+    max_connections: int = 1000
+    max_keepalive_connections: int = 200
+    engine_api_key: str | None = None
+    retry_after_s: int = 1
+
+
+class Proxy:
+    """Forwards requests to engines for a ``Router``.
+
+    Args:
+        router: makes decisions and keeps the in-flight accounting.
+        telemetry: metrics.
+        config: timeouts, retries, pool sizes.
+        on_connection_failure: ``f(replica, error)`` called when a connection to a replica fails (passive
+            health signal).
+    """
+
+    def __init__(self, router: Router, telemetry: Telemetry, config: ProxyConfig,
+                 on_connection_failure: Callable[[Replica, str], None] | None = None) -> None:
+        self.router = router
+        self.telemetry = telemetry
+        self.cfg = config
+        self.on_connection_failure = on_connection_failure or (lambda rep, err: None)
+        headers = {}
+        if config.engine_api_key:
+            headers["authorization"] = f"Bearer {config.engine_api_key}"
+        self.client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(connect=config.connect_timeout_s, read=config.idle_timeout_s,
+                                  write=config.idle_timeout_s, pool=config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=config.max_connections,
+                                max_keepalive_connections=config.max_keepalive_connections),
+        )
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self.client.aclose()
+
+    # -- entry point -----------------------------------------------------------------------------------
+    async def forward(self, request: Request, routed: Routed, path: str, body: bytes, *, stream: bool,
+                      request_id: str) -> Response:
+        """Send ``body`` to ``path`` on the best replica of ``routed`` (retrying as described above).
+
+        Returns the response for the client; never raises for engine or network failures.
+        """
+        work = asyncio.ensure_future(self._attempts(routed, path, body, stream, request_id))
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            watch.cancel()
+            raise
+        if work in done:
+            watch.cancel()
+            return work.result()
+        # the client went away before the answer started: cancel the upstream request
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await work
+        self.telemetry.upstream_errors.labels("client_disconnected").inc()
+        return Response(status_code=499)
+
+    async def _attempts(self, routed: Routed, path: str, body: bytes, stream: bool,
+                        request_id: str) -> Response:
+        router = self.router
+        inp = routed.inp
+        deadline = time.monotonic() + self.cfg.total_timeout_s
+        ranking = list(routed.decision.ranking)
+        cached = dict(routed.cached_tokens)
+        tried: list[int] = []
+        errors: list[str] = []
+        last: _AttemptFailed | None = None
+        attempts = 0
+        headers = {"content-type": "application/json", "x-request-id": request_id,
+                   "accept": "text/event-stream" if stream else "application/json"}
+        while attempts <= self.cfg.max_retries:
+            idx = next((i for i in ranking if i not in tried), None)
+            if idx is None:
+                try:  # ranking exhausted: decide again among what is left
+                    again = router.decide(inp, exclude=tried)
+                except RoutingError:
+                    break
+                ranking.extend(i for i in again.decision.ranking if i not in ranking)
+                cached.update(again.cached_tokens)
+                continue
+            tried.append(idx)
+            rep = router.table.by_index(idx)
+            if rep is None or not rep.routable:
+                continue
+            if attempts:
+                self.telemetry.retries.labels(last.reason if last else "unknown").inc()
+            attempts += 1
+            uncached = inp.prompt_tokens - cached.get(idx, 0)
+            router.acquire(rep, uncached)
+            router.record_prediction(rep, inp.keys)
+            t0 = time.monotonic()
+            try:
+                resp, it, first = await self._open(rep, path, body, headers, deadline)
+            except _AttemptFailed as exc:
+                router.prefill_done(rep, uncached)
+                router.release(rep)
+                last = exc
+                errors.append(f"{rep.name}: {exc.message}")
+                log.warning("attempt failed", extra={"request_id": request_id, "replica": rep.name,
+                                                     "reason": exc.reason, "error": exc.message})
+                if exc.connection:
+                    self.on_connection_failure(rep, exc.message)
+                if not exc.retry:
+                    break
+                continue
+            except BaseException:
+                router.prefill_done(rep, uncached)
+                router.release(rep)
+                raise
+            ttft = time.monotonic() - t0
+            router.prefill_done(rep, uncached)
+            return await self._commit(rep, routed, resp, it, first, ttft, deadline, stream, request_id,
+                                      cached.get(idx, 0))
+        # every attempt failed
+        if last is None:
+            self.telemetry.upstream_errors.labels("no_replica").inc()
+            return error_response(503, f"no routable replica left for model {inp.model!r}",
+                                  "no_routable_replica", headers={"retry-after": str(self.cfg.retry_after_s),
+                                                                  "x-request-id": request_id})
+        self.telemetry.upstream_errors.labels(last.reason).inc()
+        msg = f"request failed after {attempts} attempt(s): " + "; ".join(errors)
+        return error_response(last.status, msg, last.reason, headers={"x-request-id": request_id})
+
+    async def _open(self, rep: Replica, path: str, body: bytes, headers: dict[str, str],
+                    deadline: float) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+        """Send the request and wait for headers + the first body chunk. Raises _AttemptFailed."""
+        req = self.client.build_request("POST", rep.url + path, content=body, headers=headers)
+        budget = min(self.cfg.first_byte_timeout_s, deadline - time.monotonic())
+        resp: httpx.Response | None = None
+        try:
+            async with asyncio.timeout(max(0.001, budget)):
+                resp = await self.client.send(req, stream=True)
+                it = resp.aiter_raw()
+                if resp.status_code >= 500:
+                    data = b""
+                    async for chunk in it:
+                        data += chunk
+                        if len(data) >= _ERR_BODY_BYTES:
+                            break
+                    await resp.aclose()
+                    raise _AttemptFailed(f"engine_{resp.status_code}",
+                                         f"engine answered {resp.status_code}: "
+                                         f"{data[:300].decode(errors='replace')}",
+                                         retry=True, status=502)
+                first = b""
+                async for chunk in it:
+                    if chunk:
+                        first = chunk
+                        break
+                return resp, it, first
+        except _AttemptFailed:
+            raise
+        except TimeoutError:
+            if resp is not None:
+                await _close_quietly(resp)
+            raise _AttemptFailed("first_byte_timeout",
+                                 f"no response within {budget:.3g}s (first_byte_timeout_s)",
+                                 retry=False, status=504) from None
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise _AttemptFailed("connect_error", f"cannot connect: {type(exc).__name__}: {exc}",
+                                 retry=True, connection=True) from None
+        except httpx.PoolTimeout as exc:
+            raise _AttemptFailed("pool_timeout", f"connection pool exhausted: {exc}", retry=True) from None
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ReadTimeout) as exc:
+            if resp is not None:
+                await _close_quietly(resp)
+            raise _AttemptFailed("connection_lost", f"connection lost before the first byte: "
+                                 f"{type(exc).__name__}: {exc}", retry=True, connection=True) from None
+        except httpx.HTTPError as exc:
+            if resp is not None:
+                await _close_quietly(resp)
+            raise _AttemptFailed("upstream_error", f"{type(exc).__name__}: {exc}", retry=True) from None
+        except BaseException:
+            if resp is not None:
+                await _close_quietly(resp)
+            raise
+
+    # -- committed answers -----------------------------------------------------------------------------
+    async def _commit(self, rep: Replica, routed: Routed, resp: httpx.Response, it: AsyncIterator[bytes],
+                      first: bytes, ttft: float,
+                      deadline: float, stream: bool, request_id: str, predicted_cached: int) -> Response:
+        out_headers = {"x-request-id": request_id, "x-kvroute-replica": rep.name}
+        ctype = resp.headers.get("content-type", "application/json")
+        is_sse = ctype.startswith("text/event-stream")
+        if resp.status_code < 400:
+            self.telemetry.ttft.labels(rep.name).observe(ttft)
+        if is_sse and resp.status_code < 400:
+            return StreamingResponse(self._relay(rep, routed, resp, it, first, ttft, deadline, request_id,
+                                                 predicted_cached),
+                                     status_code=resp.status_code, media_type=ctype, headers=out_headers)
+        # non-streaming: read the rest now
+        chunks = [first]
+        try:
+            async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
+                async for chunk in it:
+                    chunks.append(chunk)
+        except (TimeoutError, httpx.HTTPError) as exc:
+            self.router.release(rep)
+            await _close_quietly(resp)
+            self.telemetry.upstream_errors.labels("body_failed").inc()
+            return error_response(502, f"engine {rep.name} failed while sending the response: "
+                                  f"{type(exc).__name__}", "upstream_body_failed", headers=out_headers)
+        except BaseException:
+            self.router.release(rep)
+            await _close_quietly(resp)
+            raise
+        self.router.release(rep)
+        await _close_quietly(resp)
+        content = b"".join(chunks)
+        if resp.status_code < 400:
+            usage = _usage_from_json(content)
+            self._feedback(rep, routed, usage, ttft, predicted_cached, single_chunk=not stream)
+        return Response(content, status_code=resp.status_code, media_type=ctype, headers=out_headers)
+
+    async def _relay(self, rep: Replica, routed: Routed, resp: httpx.Response, it: AsyncIterator[bytes],
+                     first: bytes, ttft: float,
+                     deadline: float, request_id: str, predicted_cached: int) -> AsyncIterator[bytes]:
+        """Yield the engine's SSE stream; always releases the accounting and closes the upstream response."""
+        tail = bytearray(first[-_TAIL_BYTES:])
+        ok = False
+        try:
+            yield first
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.telemetry.upstream_errors.labels("total_timeout").inc()
+                    yield _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
+                    break
+                try:
+                    async with asyncio.timeout(remaining):
+                        chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    ok = True
+                    break
+                except TimeoutError:
+                    self.telemetry.upstream_errors.labels("total_timeout").inc()
+                    yield _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
+                    break
+                except httpx.HTTPError as exc:
+                    reason = "idle_timeout" if isinstance(exc, httpx.ReadTimeout) else "stream_broken"
+                    self.telemetry.upstream_errors.labels(reason).inc()
+                    log.warning("stream failed", extra={"request_id": request_id, "replica": rep.name,
+                                                        "error": f"{type(exc).__name__}: {exc}"})
+                    yield _sse_error(502, f"engine {rep.name} failed mid-stream: {type(exc).__name__}", reason)
+                    break
+                if chunk:
+                    tail += chunk
+                    if len(tail) > 2 * _TAIL_BYTES:
+                        del tail[:-_TAIL_BYTES]
+                    yield chunk
+        finally:
+            self.router.release(rep)
+            with anyio.CancelScope(shield=True):
+                await _close_quietly(resp)
+        if ok:
+            self._feedback(rep, routed, _usage_from_sse(bytes(tail)), ttft, predicted_cached,
+                           single_chunk=False)
+
+    def _feedback(self, rep: Replica, routed: Routed, usage: dict[str, Any] | None, ttft: float,
+                  predicted_cached: int, *, single_chunk: bool) -> None:
+        """Telemetry (predicted vs reported cached tokens) and policy calibration after a response."""
+        n = routed.inp.prompt_tokens
+        reported = _cached_tokens(usage)
+        if reported is not None:
+            self.telemetry.observe_cached(n, predicted_cached, reported)
+        completion = usage.get("completion_tokens") if usage else None
+        if single_chunk and not (isinstance(completion, int) and completion <= 1):
+            return  # the time of a whole non-streamed answer is not a TTFT
+        q = 0.0
+        for s in routed.decision.scores:
+            if s.index == rep.index:
+                q = float(s.parts.get("Q", 0.0) or 0.0)
+        self.router.observe(Observation(index=rep.index, prompt_tokens=n,
+                                        cached_tokens=reported if reported is not None else predicted_cached,
+                                        queue_wait_s=q, ttft_s=ttft, now=self.router.clock()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+async def _close_quietly(resp: httpx.Response) -> None:
+    with contextlib.suppress(Exception):
+        await resp.aclose()
+
+
+def _sse_error(status: int, message: str, code: str) -> bytes:
+    """A terminal SSE error event (``event: error`` with an OpenAI-style error as data)."""
+    return b"event: error\ndata: " + error_body(status, message, code) + b"\n\n"
+
+
+def _usage_from_json(content: bytes) -> dict[str, Any] | None:
+    try:
+        obj = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _usage_from_sse(tail: bytes) -> dict[str, Any] | None:
+    """The last ``usage`` object in the tail of an SSE stream, or None."""
+    if b'"usage"' not in tail:
+        return None
+    for event in reversed(tail.split(b"\n\n")):
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:") or b'"usage"' not in line:
+                continue
+            usage = _usage_from_json(line[5:].strip())
+            if usage:
+                return usage
+    return None
+
+
+def _cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (vLLM / OpenAI), or None when absent."""
+    if not usage:
+        return None
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return int(details["cached_tokens"])
+    return None

@@ -1,0 +1,435 @@
+"""The routing glue: request -> token ids -> block keys -> index match -> candidates -> policy -> Decision.
+
+Also owns what the proxy needs around a decision: in-flight accounting on ``Replica.load`` (taken BEFORE the
+request is dispatched, released at the end), predicted index entries for replicas without KV events, the
+replica profiles used by the cost model, and the errors the HTTP layer turns into 4xx / 5xx answers.
+
+Everything here runs on the event loop thread; the index and the replica table are only mutated from it (or
+under their own locks).
+
+Units: tokens, blocks (``block_size`` tokens), seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from index.hashing import block_keys, root_seed
+from index.prefix_index import PrefixIndex, ReplicaMatch
+from membership.replicas import Replica, ReplicaTable
+from policies.base import (
+    Candidate,
+    Decision,
+    Observation,
+    Policy,
+    PrefixHit,
+    ReplicaProfile,
+    RouteRequest,
+    TierLink,
+)
+
+log = logging.getLogger("kvroute.routing")
+
+#: Built-in replica profiles by name, matching the stand-in engine's hardware profiles
+#: (``loadtest.engine_model.PROFILES[name].replica_profile()``; a unit test checks they agree).
+BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
+    "a100": {"prefill_tokens_per_s": 11231.10151187905, "fixed_overhead_s": 0.0,
+             "attention_s_per_token2": 3.780923076923077e-09, "bytes_per_token": 147456.0,
+             "decode_interference_s": 8.903846153846154e-05},
+    "h20": {"prefill_tokens_per_s": 5327.573794096472, "fixed_overhead_s": 0.0,
+            "attention_s_per_token2": 7.970594594594595e-09, "bytes_per_token": 147456.0,
+            "decode_interference_s": 0.0001877027027027027},
+    "rtx6000": {"prefill_tokens_per_s": 32894.73684210526, "fixed_overhead_s": 0.02622,
+                "attention_s_per_token2": 3e-09, "bytes_per_token": 147456.0,
+                "decode_interference_s": 3.04e-05},
+}
+
+_PROFILE_FIELDS = {f.name for f in fields(ReplicaProfile)}
+
+
+def build_profile(name: str | None, overrides: dict[str, dict[str, Any]] | None = None,
+                  default: str = "a100") -> ReplicaProfile:
+    """The ReplicaProfile called ``name`` (built-in, updated by ``overrides[name]``; ``default`` when None).
+
+    Raises:
+        ValueError: unknown profile name or unknown profile field (message lists the known ones).
+    """
+    name = (name or default).lower()
+    overrides = overrides or {}
+    if name not in BUILTIN_PROFILES and name not in overrides:
+        known = sorted(set(BUILTIN_PROFILES) | set(overrides))
+        raise ValueError(f"unknown replica profile {name!r}; known: {', '.join(known)}")
+    params: dict[str, Any] = dict(BUILTIN_PROFILES.get(name, {}))
+    params.update(overrides.get(name, {}))
+    unknown = set(params) - _PROFILE_FIELDS
+    if unknown:
+        raise ValueError(f"profile {name!r}: unknown fields {sorted(unknown)}; known: {sorted(_PROFILE_FIELDS)}")
+    tiers = params.pop("tiers", {}) or {}
+    prof = ReplicaProfile(**params)
+    prof.tiers = {t: v if isinstance(v, TierLink) else TierLink(**v) for t, v in tiers.items()}
+    return prof
+
+
+# ---------------------------------------------------------------------------------------------------------
+# errors the HTTP layer maps to responses
+# ---------------------------------------------------------------------------------------------------------
+
+class RoutingError(Exception):
+    """A request cannot be routed. ``status`` is the HTTP status, ``code`` a stable machine-readable reason."""
+
+    status = 503
+    code = "routing_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class UnknownModel(RoutingError):
+    """No known replica serves the requested model / LoRA adapter (404)."""
+
+    status = 404
+    code = "model_not_found"
+
+
+class NoReplica(RoutingError):
+    """Replicas serve the model but none is routable right now (503)."""
+
+    status = 503
+    code = "no_routable_replica"
+
+
+class Overloaded(RoutingError):
+    """Every candidate (or the router) is at its in-flight limit (429, with Retry-After)."""
+
+    status = 429
+    code = "overloaded"
+
+
+class BadRequest(RoutingError):
+    """The request is well-formed JSON but cannot be served (400), e.g. a prompt longer than any context."""
+
+    status = 400
+    code = "invalid_request"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decisions
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class RoutingInput:
+    """What a request contributes to a decision.
+
+    Attributes:
+        model: the model id as requested (a LoRA adapter name when ``lora`` is set).
+        lora: the LoRA adapter requested, or None.
+        token_ids: the prompt's token ids.
+        keys: chained block keys of the prompt's full blocks.
+        seed: the root seed used for ``keys``.
+        session_id, request_id: from headers.
+        expected_output_tokens: ``max_tokens`` when given, else 0, tokens.
+    """
+
+    model: str
+    lora: str | None
+    token_ids: list[int]
+    keys: list[int]
+    seed: int
+    session_id: str | None = None
+    request_id: str = ""
+    expected_output_tokens: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length, tokens."""
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class Routed:
+    """A decision plus what the proxy and /route need to act on it and explain it.
+
+    Attributes:
+        inp: the routing input.
+        decision: the policy's decision.
+        candidates: the candidates given to the policy (routable replicas serving the model).
+        cached_tokens: per candidate index, prompt tokens the engine is expected to reuse there, tokens.
+        decision_s: time spent tokenizing + hashing + matching + choosing, seconds.
+    """
+
+    inp: RoutingInput
+    decision: Decision
+    candidates: list[Candidate]
+    cached_tokens: dict[int, int]
+    decision_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def usable_cached_tokens(matched_tokens: int, prompt_tokens: int, block_size: int) -> int:
+    """Prompt tokens an engine reuses when it holds ``matched_tokens`` leading tokens, tokens.
+
+    Engines always recompute the last prompt token (its logits are needed), so at most
+    ``(prompt_tokens - 1) // block_size`` full blocks are reused.
+    """
+    if prompt_tokens <= 0:
+        return 0
+    cap = ((prompt_tokens - 1) // block_size) * block_size
+    return min(matched_tokens, cap)
+
+
+def hit_from_match(m: ReplicaMatch | None, prompt_tokens: int, block_size: int) -> PrefixHit:
+    """Convert an index match (blocks) into a PrefixHit (tokens), capped at what an engine can reuse."""
+    if m is None:
+        return PrefixHit()
+    bs = block_size
+    hit = PrefixHit(gpu=m.gpu * bs, cpu=m.cpu * bs, disk=m.disk * bs, remote=m.remote * bs,
+                    predicted=m.predicted * bs, age_s=m.age_s)
+    # predicted blocks are not in the tier counts: they count as GPU (routing predictions are GPU entries)
+    hit.gpu += hit.predicted
+    excess = hit.total - usable_cached_tokens(hit.total, prompt_tokens, bs)
+    for tier in ("remote", "disk", "cpu", "gpu"):
+        if excess <= 0:
+            break
+        take = min(excess, getattr(hit, tier))
+        setattr(hit, tier, getattr(hit, tier) - take)
+        excess -= take
+    hit.predicted = min(hit.predicted, hit.total)
+    return hit
+
+
+class Router:
+    """Makes routing decisions and keeps the per-replica accounting around them.
+
+    Args:
+        table: the replica table (membership).
+        index: the prefix index.
+        policy: the routing policy.
+        block_size: tokens per block.
+        seed_model: model id folded into the root seed instead of the request's (None = the request's).
+        seed_include_lora: fold the LoRA adapter into the root seed.
+        objective: ``mean`` or ``tail``.
+        predict_mode: ``auto`` (predicted entries only for replicas without healthy events), ``always``, ``never``.
+        events_healthy: ``f(replica) -> bool``: True when the replica's KV events feed the index reliably.
+        max_inflight_per_replica: replicas at this many in-flight requests are skipped.
+        clock: seconds (monotonic) for ``RouteRequest.now``.
+    """
+
+    def __init__(self, table: ReplicaTable, index: PrefixIndex, policy: Policy, *, block_size: int = 16,
+                 seed_model: str | None = None, seed_include_lora: bool = True,
+                 objective: str = "mean", predict_mode: str = "auto",
+                 events_healthy: Callable[[Replica], bool] | None = None,
+                 max_inflight_per_replica: int = 512, clock: Callable[[], float] = time.monotonic) -> None:
+        self.table = table
+        self.index = index
+        self.policy = policy
+        self.block_size = block_size
+        self.seed_model = seed_model
+        self.seed_include_lora = seed_include_lora
+        self.objective = objective
+        self.predict_mode = predict_mode
+        self.events_healthy = events_healthy or (lambda rep: False)
+        self.max_inflight_per_replica = max_inflight_per_replica
+        self.clock = clock
+        self._seed_cache: dict[tuple[str, str | None, str | None], int] = {}
+
+    # -- models ----------------------------------------------------------------------------------------
+    def resolve_model(self, model: str) -> tuple[str, str | None, str]:
+        """Split a requested model id into (model, lora, base model).
+
+        A name listed only as a LoRA adapter is a LoRA request; its base model (the first model of a replica
+        holding the adapter) is what the root seed uses, as the KV-event side does.
+
+        Raises:
+            UnknownModel: no known replica (any state) serves ``model``.
+        """
+        reps = self.table.all()
+        if not reps:
+            raise NoReplica("no replicas are configured")
+        if any(model in r.models for r in reps):
+            return model, None, model
+        holders = [r for r in reps if model in r.loras]
+        if holders:
+            base = next((r.models[0] for r in holders if r.models), model)
+            return model, model, base
+        if any(not r.models for r in reps):  # a replica whose models are unknown may serve it
+            return model, None, model
+        known = sorted({m for r in reps for m in (*r.models, *r.loras)})
+        raise UnknownModel(f"model {model!r} is not served by any replica; known: {', '.join(known)}",
+                           param="model")
+
+    def served_models(self) -> list[dict[str, Any]]:
+        """The union of the replicas' models and LoRA adapters, OpenAI ``/v1/models`` entries."""
+        seen: dict[str, dict[str, Any]] = {}
+        for r in self.table.all():
+            for m in r.models:
+                seen.setdefault(m, {"id": m, "object": "model", "owned_by": "kvroute", "root": m, "parent": None})
+            for lo in r.loras:
+                parent = r.models[0] if r.models else None
+                seen.setdefault(lo, {"id": lo, "object": "model", "owned_by": "kvroute", "root": lo,
+                                     "parent": parent})
+        return list(seen.values())
+
+    # -- keys ------------------------------------------------------------------------------------------
+    def seed_for(self, model: str, lora: str | None = None, cache_salt: str | None = None) -> int:
+        """The root seed of prompts for ``model`` / ``lora`` / ``cache_salt`` (cached)."""
+        key = (model, lora, cache_salt)
+        seed = self._seed_cache.get(key)
+        if seed is None:
+            if len(self._seed_cache) > 10_000:
+                self._seed_cache.clear()
+            seed = root_seed(self.seed_model or model, lora if self.seed_include_lora else None, cache_salt)
+            self._seed_cache[key] = seed
+        return seed
+
+    def make_input(self, model: str, lora: str | None, token_ids: list[int], *, base_model: str | None = None,
+                   cache_salt: str | None = None,
+                   session_id: str | None = None, request_id: str = "",
+                   expected_output_tokens: int = 0) -> RoutingInput:
+        """Hash ``token_ids`` into block keys and bundle the routing input."""
+        seed = self.seed_for(base_model or model, lora, cache_salt)
+        keys = block_keys(token_ids, self.block_size, seed)
+        return RoutingInput(model=model, lora=lora, token_ids=token_ids, keys=keys, seed=seed,
+                            session_id=session_id, request_id=request_id,
+                            expected_output_tokens=expected_output_tokens)
+
+    # -- decisions -------------------------------------------------------------------------------------
+    def candidates_for(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> list[Replica]:
+        """Routable replicas serving the request's model / LoRA, minus ``exclude``.
+
+        Raises:
+            NoReplica: none is routable; Overloaded: all are at their in-flight limit;
+            BadRequest: the prompt exceeds every candidate's context length.
+        """
+        reps = self.table.routable(None if inp.lora else inp.model, inp.lora, exclude)
+        if not reps:
+            states = {r.name: r.state.value for r in self.table.all()
+                      if r.serves(None if inp.lora else inp.model, inp.lora)}
+            raise NoReplica(f"no routable replica for model {inp.model!r} (replica states: {states or 'none'})")
+        fits = [r for r in reps
+                if not r.profile.max_context_tokens or inp.prompt_tokens <= r.profile.max_context_tokens]
+        if not fits:
+            longest = max(r.profile.max_context_tokens for r in reps)
+            raise BadRequest(f"prompt of {inp.prompt_tokens} tokens is longer than any replica's context "
+                             f"({longest} tokens)", param="prompt")
+        limit = self.max_inflight_per_replica
+        free = [r for r in fits if r.load.inflight_requests < limit]
+        if not free:
+            raise Overloaded(f"every replica for model {inp.model!r} has {limit} requests in flight")
+        return free
+
+    def decide(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
+        """Match the prompt in the index, build candidates and ask the policy.
+
+        Raises:
+            RoutingError subclasses (see ``candidates_for``).
+        """
+        t0 = time.perf_counter()
+        reps = self.candidates_for(inp, exclude)
+        bs = self.block_size
+        n = inp.prompt_tokens
+        matches = self.index.match(inp.keys, {r.index for r in reps}) if inp.keys else {}
+        cands: list[Candidate] = []
+        cached: dict[int, int] = {}
+        for r in reps:
+            hit = hit_from_match(matches.get(r.index), n, bs)
+            cached[r.index] = hit.total
+            cands.append(Candidate(index=r.index, name=r.name, load=r.load, hit=hit, profile=r.profile,
+                                   state=r.state.value))
+        req = RouteRequest(model=inp.model, prompt_tokens=n, block_keys=inp.keys, block_size=bs,
+                           now=self.clock(), lora=inp.lora, session_id=inp.session_id,
+                           objective=self.objective,  # type: ignore[arg-type]
+                           expected_output_tokens=inp.expected_output_tokens, request_id=inp.request_id)
+        decision = self.policy.choose(req, cands)
+        return Routed(inp=inp, decision=decision, candidates=cands, cached_tokens=cached,
+                      decision_s=time.perf_counter() - t0)
+
+    # -- accounting ------------------------------------------------------------------------------------
+    def acquire(self, rep: Replica, uncached_tokens: int) -> None:
+        """Count a request as in flight on ``rep`` BEFORE it is dispatched (uncached prefill tokens)."""
+        rep.load.inflight_requests += 1
+        rep.load.inflight_prefill_tokens += max(0, uncached_tokens)
+
+    def prefill_done(self, rep: Replica, uncached_tokens: int) -> None:
+        """The request's prefill finished (first byte) or failed: stop counting its prefill tokens."""
+        rep.load.inflight_prefill_tokens = max(0, rep.load.inflight_prefill_tokens - max(0, uncached_tokens))
+
+    def release(self, rep: Replica) -> None:
+        """The request finished on ``rep`` (any outcome)."""
+        rep.load.inflight_requests = max(0, rep.load.inflight_requests - 1)
+
+    def wants_prediction(self, rep: Replica) -> bool:
+        """True when routing to ``rep`` should record predicted index entries."""
+        if self.predict_mode == "always":
+            return True
+        if self.predict_mode == "never":
+            return False
+        return not self.events_healthy(rep)
+
+    def record_prediction(self, rep: Replica, keys: Sequence[int]) -> None:
+        """Record that ``rep`` will hold ``keys`` (predicted entries, expire after the TTL unless confirmed)."""
+        if keys and self.wants_prediction(rep):
+            self.index.predict(rep.index, keys)
+
+    def observe(self, obs: Observation) -> None:
+        """Feed an observation to the policy (never raises)."""
+        try:
+            self.policy.observe(obs)
+        except Exception:
+            log.exception("policy.observe failed")
+
+
+def decision_json(routed: Routed, table: ReplicaTable, block_size: int) -> dict[str, Any]:
+    """The JSON form of a decision for ``POST /route``: chosen replica, ranking, every candidate's parts."""
+    d = routed.decision
+    chosen = table.by_index(d.chosen)
+    by_index = {c.index: c for c in routed.candidates}
+    cands = []
+    for s in d.scores:
+        c = by_index.get(s.index)
+        rep = table.by_index(s.index)
+        hit = c.hit if c else PrefixHit()
+        cands.append({
+            "name": s.name, "index": s.index, "url": rep.url if rep else None,
+            "score": _finite(s.score),
+            "predicted_ttft_s": _finite(s.parts.get("T", s.score)),
+            "Q": _finite(s.parts.get("Q")), "R": _finite(s.parts.get("R")), "C": _finite(s.parts.get("C")),
+            "p": _finite(s.parts.get("p")),
+            "parts": {k: _finite(v) for k, v in s.parts.items()},
+            "matched_tokens": {"gpu": hit.gpu, "cpu": hit.cpu, "disk": hit.disk, "remote": hit.remote,
+                               "predicted": hit.predicted, "total": hit.total},
+            "cached_tokens": routed.cached_tokens.get(s.index, 0),
+            "load": _load_json(c.load) if c else None,
+        })
+    return {
+        "chosen": {"name": chosen.name if chosen else None, "index": d.chosen,
+                   "url": chosen.url if chosen else None},
+        "policy": d.policy, "branch": d.branch,
+        "ranking": [_name(table, i) for i in d.ranking],
+        "model": routed.inp.model, "lora": routed.inp.lora,
+        "prompt_tokens": routed.inp.prompt_tokens, "blocks": len(routed.inp.keys),
+        "block_size": block_size,
+        "decision_s": routed.decision_s,
+        "candidates": cands,
+    }
+
+
+def _name(table: ReplicaTable, index: int) -> str:
+    rep = table.by_index(index)
+    return rep.name if rep else str(index)
+
+
+def _finite(v: float | None) -> float | None:
+    if v is None:
+        return None
+    v = float(v)
+    return v if v == v and v not in (float("inf"), float("-inf")) else None
+
+
+def _load_json(load: Any) -> dict[str, Any]:
+    return {f.name: getattr(load, f.name) for f in fields(load)}

@@ -1,0 +1,69 @@
+"""``kvroute serve``: parse Settings (flags > env > YAML > defaults), build the app, run uvicorn.
+
+uvicorn runs with ``loop="uvloop"`` and ``http="httptools"`` (falling back to the defaults when those extras
+are missing). SIGTERM stops accepting connections and lets in-flight requests finish for
+``shutdown_grace_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from router.config import load_settings
+from router.telemetry import setup_logging
+
+log = logging.getLogger("kvroute.server")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the router until SIGINT / SIGTERM. Returns the process exit code (2 = bad configuration)."""
+    try:
+        settings = load_settings(argv)
+    except ValidationError as exc:
+        print(f"kvroute serve: invalid configuration:\n{_explain(exc)}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
+        print(f"kvroute serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_format)
+
+    import uvicorn
+
+    from router.app import create_app
+
+    try:
+        app = create_app(settings)
+    except (ValueError, KeyError, OSError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"kvroute serve: cannot start: {msg}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # e.g. TokenizerError
+        print(f"kvroute serve: cannot start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "auto"
+    http = "httptools" if importlib.util.find_spec("httptools") else "auto"
+    uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http,
+                log_level=settings.log_level, access_log=settings.access_log,
+                timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+                limit_concurrency=settings.max_inflight_total * 2, backlog=2048, log_config=None)
+    return 0
+
+
+def _explain(exc: ValidationError) -> str:
+    """One line per invalid option: ``--flag: message``."""
+    lines = []
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ())]
+        name = loc[0] if loc else "?"
+        flag = "--" + name.replace("_", "-")
+        lines.append(f"  {flag} ({'.'.join(loc)}): {err.get('msg')}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

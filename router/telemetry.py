@@ -1,0 +1,168 @@
+"""The router's own Prometheus metrics (one private registry, never the global one) and structured logs.
+
+Metric names (all prefixed ``kvroute_``):
+
+* ``requests_total{route,status}``: HTTP requests answered, by route template and status code.
+* ``decision_seconds``: time to tokenize + hash + match + choose, seconds (histogram).
+* ``routed_total{policy,branch,replica}``: decisions by policy branch and chosen replica.
+* ``ttft_seconds{replica}``: router-measured time to first byte of the response body, seconds (histogram).
+* ``retries_total{reason}``, ``upstream_errors_total{reason}``: failed attempts, and requests that failed for good.
+* ``prompt_tokens_total``, ``predicted_cached_tokens_total``, ``engine_cached_tokens_total``: for requests where
+  the engine reported cached tokens, the router's prediction vs the engine's report, tokens.
+* ``cached_tokens_match_total{result}``: per request, ``exact`` when the prediction equals the engine's report,
+  ``over`` / ``under`` otherwise.
+* gauges collected at scrape time: ``index_nodes``, ``index_bytes`` (and every numeric ``PrefixIndex.stats()``
+  value as ``index_<name>``), ``replica_state{replica,state}``, ``replica_inflight_requests{replica}``,
+  ``inflight_requests``.
+* KV-event and scrape counters are owned by ``membership.kv_events`` / ``membership.engine_metrics``; when they
+  expose a ``collect``-able object or a stats dict, ``Telemetry.add_collector`` registers it here.
+
+Logs: one JSON object per line (``log_format=json``) via ``setup_logging``; secrets are never logged (settings are
+logged through ``Settings.safe_dict``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class _FnCollector(Collector):
+    """Adapts a function returning metric families into a registry collector."""
+
+    def __init__(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        self._fn = fn
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            yield from self._fn()
+        except Exception:  # a broken gauge source must never break /metrics
+            logging.getLogger("kvroute.telemetry").exception("metrics collector failed")
+
+
+class Telemetry:
+    """Holds the router's metrics registry and counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvroute_requests", "HTTP requests answered by route and status",
+                                ["route", "status"], registry=r)
+        self.decision_seconds = Histogram("kvroute_decision_seconds",
+                                          "time to tokenize, hash, match and choose a replica (s)",
+                                          buckets=_DECISION_BUCKETS, registry=r)
+        self.routed = Counter("kvroute_routed", "routing decisions by policy, branch and chosen replica",
+                              ["policy", "branch", "replica"], registry=r)
+        self.ttft = Histogram("kvroute_ttft_seconds", "router-measured time to first response byte (s)",
+                              ["replica"], buckets=_TTFT_BUCKETS, registry=r)
+        self.retries = Counter("kvroute_retries", "attempts retried on another replica, by reason",
+                               ["reason"], registry=r)
+        self.upstream_errors = Counter("kvroute_upstream_errors",
+                                       "requests that failed after all attempts, by reason", ["reason"],
+                                       registry=r)
+        self.prompt_tokens = Counter("kvroute_prompt_tokens", "prompt tokens of requests with an engine "
+                                     "cached-token report", registry=r)
+        self.predicted_cached = Counter("kvroute_predicted_cached_tokens",
+                                        "cached tokens the router predicted on the chosen replica", registry=r)
+        self.engine_cached = Counter("kvroute_engine_cached_tokens",
+                                     "cached tokens the engine reported (usage.prompt_tokens_details)",
+                                     registry=r)
+        self.cached_match = Counter("kvroute_cached_tokens_match",
+                                    "per request: router prediction vs engine report (exact|over|under)",
+                                    ["result"], registry=r)
+        self.rejected = Counter("kvroute_rejected", "requests rejected before routing, by reason", ["reason"],
+                                registry=r)
+
+    def add_gauges(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        """Register ``fn`` to produce gauge families at every scrape (index size, replica states, ...)."""
+        self.registry.register(_FnCollector(fn))
+
+    def add_collector(self, collector: Collector) -> None:
+        """Register another component's collector (e.g. KV-event counters) in the router registry."""
+        self.registry.register(collector)
+
+    def observe_cached(self, prompt_tokens: int, predicted: int, reported: int) -> None:
+        """Record one request's predicted vs engine-reported cached tokens (tokens)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.predicted_cached.inc(predicted)
+        self.engine_cached.inc(reported)
+        self.cached_match.labels("exact" if predicted == reported else
+                                 "over" if predicted > reported else "under").inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+def gauge(name: str, doc: str, value: float | None = None,
+          labels: list[str] | None = None, samples: Iterable[tuple[list[str], float]] = ()) -> GaugeMetricFamily:
+    """Build a gauge family: one unlabelled ``value``, or labelled ``samples`` [(label values, value)]."""
+    g = GaugeMetricFamily(name, doc, value=value, labels=labels) if labels is None else \
+        GaugeMetricFamily(name, doc, labels=labels)
+    if labels is not None:
+        for lv, v in samples:
+            g.add_metric(lv, v)
+    return g
+
+
+# ---------------------------------------------------------------------------------------------------------
+# logs
+# ---------------------------------------------------------------------------------------------------------
+
+_SECRET_KEYS = ("token", "api_key", "authorization", "password", "secret")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, and the record's ``extra`` fields (secrets masked)."""
+
+    _std = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key in self._std or key.startswith("_"):
+                continue
+            out[key] = "***" if any(s in key.lower() for s in _SECRET_KEYS) else value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "info", fmt: str = "json") -> None:
+    """Configure the root logger (stderr) once: JSON lines or plain text."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+def monotonic() -> float:
+    """The router's clock for latencies, seconds."""
+    return time.monotonic()
