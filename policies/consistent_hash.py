@@ -134,9 +134,8 @@ class ConsistentHashPolicy:
         if chosen is None:  # unreachable by the bound's arithmetic; keep a safe answer
             chosen = min(range(n), key=loads.__getitem__)
         branch = source if chosen == walk[0] else "bounded_load"
-        keys = [
-            float(n + 1) + fl[i] / (1.0 + max(fl)) for i in range(n)
-        ]  # not walked: by load, after the walk
+        top = 1.0 + max(fl)
+        keys = [float(n + 1) + x / top for x in fl]  # not walked: by load, after the walk
         for r, p in enumerate(walk):
             keys[p] = float(r)
         return simple_decision(self.name, candidates, chosen, fl, branch, rank_keys=keys)

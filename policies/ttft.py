@@ -22,18 +22,20 @@ Prefill rate and fixed overhead come from the candidate's profile until online c
 ``calibration_min_samples`` samples for that replica; then the calibrated values are used.
 
 Ties are broken by candidate order (deterministic). The decision's parts per candidate: ``Q``, ``R``, ``C``,
-``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``matched_gpu/cpu/disk/remote``,
-``predicted``, ``usable`` (tokens) and ``rate`` (tokens/s).
+``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty`` (seconds / probability),
+``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). ``calibrated(index)`` gives the rate in use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import exp
 
 from policies.base import (
     Candidate,
     CandidateScore,
     Decision,
+    LoadView,
     Objective,
     Observation,
     RouteRequest,
@@ -110,24 +112,34 @@ class TTFTPolicy:
     # ------------------------------------------------------------------ decision
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        """Estimate every candidate's TTFT and pick the lowest (see the module docstring)."""
+        """Estimate every candidate's TTFT and pick the lowest (see the module docstring).
+
+        The loop is written for speed (it runs for every request over every candidate): GPU-only and empty
+        matches are evaluated inline; matches with non-GPU tiers go through ``cost_model.estimate``. A unit test
+        checks the inline path against ``estimate``.
+        """
         require_candidates(candidates)
         params = self.params
         tail = (self.objective or request.objective) == "tail"
         n = request.prompt_tokens
-        mean_tokens = params.mean_prefill_tokens
         k0 = params.kv_pressure_threshold
+        kw = params.kv_pressure_weight_s
+        pc0 = params.p_confirmed
+        cdecay = params.confirmed_decay_s
+        pp0 = params.p_predicted
+        pdecay = params.predicted_decay_s
+        qt_q = params.tail_quantile - 1e-12
         rates = self._rates
         overheads = self._overheads
         drain = self.drain_stale_queue
-        worst: tuple[float, float, float] | None = None
+        slo = params.slo_ttft_s if tail else None
+
+        loads = [c.load for c in candidates]
+        backlog_l, running_l, kv_l = _gauges(loads, params.mean_prefill_tokens)
 
         scores: list[CandidateScore] = []
         keys: list[float] = []
-        slo_ok: list[bool] = []
-        slo = params.slo_ttft_s if tail else None
-        for cand in candidates:
-            load = cand.load
+        for cand, load, qt, running, kv in zip(candidates, loads, backlog_l, running_l, kv_l, strict=True):
             prof = cand.profile
             hit = cand.hit
             idx = cand.index
@@ -136,94 +148,108 @@ class TTFTPolicy:
             att = prof.attention_s_per_token2
             if att:
                 self._attention[idx] = att
-
-            qt: float | None = load.queued_prefill_tokens
-            if qt is None and load.queued_requests is not None:
-                qt = load.queued_requests * mean_tokens
-            running: float | None = load.running_requests
-            kv = load.kv_usage
-            if qt is None or running is None or kv is None:
-                if worst is None:
-                    worst = _worst_known(candidates, mean_tokens)
-                if qt is None:
-                    qt = worst[0]
-                if running is None:
-                    running = max(worst[1], load.inflight_requests)
-                if kv is None:
-                    kv = worst[2]
             if drain and load.age_s:
                 qt = max(0.0, qt - rate * load.age_s)
+            if running < load.inflight_requests and load.running_requests is None:
+                running = load.inflight_requests
             q = (qt + load.inflight_prefill_tokens) / rate + prof.decode_interference_s * running
-
-            if hit.gpu == 0 and hit.cpu == 0 and hit.disk == 0 and hit.remote == 0 and kv <= k0:
-                # fast path: nothing cached, no KV pressure
-                c = ov + (recompute_s(n, 0, rate, att) if att else n / rate)
-                t = q + c
-                keys.append(t)
-                slo_ok.append(slo is None or t <= slo)
-                scores.append(
-                    CandidateScore(
-                        idx,
-                        cand.name,
-                        t,
-                        {
-                            "Q": q,
-                            "R": 0.0,
-                            "C": c,
-                            "p": 1.0,
-                            "T": t,
-                            "T_miss": t,
-                            "E": t,
-                            "tail": t,
-                            "kv_penalty": 0.0,
-                            "matched_gpu": 0.0,
-                            "matched_cpu": 0.0,
-                            "matched_disk": 0.0,
-                            "matched_remote": 0.0,
-                            "predicted": 0.0,
-                            "usable": 0.0,
-                            "rate": rate,
-                        },
-                    )
-                )
-                continue
-
-            est = estimate(n, hit, q, prof, rate, ov, params, kv)
-            score = est.tail if tail else est.expected
+            pen = 0.0 if kv <= k0 else kw * (kv - k0) / (1.0 - kv if kv < 0.999 else 1e-3)
+            t_miss = q + ov + (recompute_s(n, 0, rate, att) if att else n / rate)
+            g = hit.gpu
+            if hit.cpu or hit.disk or hit.remote:
+                est = estimate(n, hit, q, prof, rate, ov, params, kv)
+                score = est.tail if tail else est.expected
+                parts = {
+                    "Q": q,
+                    "R": est.r,
+                    "C": est.c,
+                    "p": est.p,
+                    "T": est.t_hit,
+                    "T_miss": est.t_miss,
+                    "E": est.expected,
+                    "tail": est.tail,
+                    "kv_penalty": pen,
+                    "matched_gpu": float(g),
+                    "matched_cpu": float(hit.cpu),
+                    "matched_disk": float(hit.disk),
+                    "matched_remote": float(hit.remote),
+                    "usable": float(est.usable_tokens),
+                }
+            elif not g:
+                score = t_miss + pen
+                parts = {
+                    "Q": q,
+                    "R": 0.0,
+                    "C": t_miss - q,
+                    "p": 1.0,
+                    "T": t_miss,
+                    "T_miss": t_miss,
+                    "E": score,
+                    "tail": score,
+                    "kv_penalty": pen,
+                    "matched_gpu": 0.0,
+                    "matched_cpu": 0.0,
+                    "matched_disk": 0.0,
+                    "matched_remote": 0.0,
+                    "usable": 0.0,
+                }
+            else:
+                usable = g if g < n else n
+                new = n - usable
+                c = ov + (recompute_s(new, usable, rate, att) if att else new / rate)
+                t_hit = q + c
+                pred = hit.predicted
+                age = hit.age_s if hit.age_s > 0.0 else 0.0
+                if pred <= 0:
+                    p = pc0 * exp(-age / cdecay) if cdecay > 0 else pc0
+                    e = p * t_hit + (1.0 - p) * t_miss
+                    tl = t_hit if p >= qt_q else t_miss
+                else:
+                    pp = pp0 * exp(-age / pdecay) if pdecay > 0 else pp0
+                    if pred >= g:
+                        p = pp
+                        e = p * t_hit + (1.0 - p) * t_miss
+                        tl = t_hit if p >= qt_q else t_miss
+                    else:
+                        pc = pc0 * exp(-age / cdecay) if cdecay > 0 else pc0
+                        conf = g - pred if g - pred < n else n
+                        cc = ov + (recompute_s(n - conf, conf, rate, att) if att else (n - conf) / rate)
+                        t_conf = q + cc
+                        p = pc * pp
+                        e = p * t_hit + (pc - p) * t_conf + (1.0 - pc) * t_miss
+                        tl = t_hit if p >= qt_q else (t_conf if pc >= qt_q else t_miss)
+                e += pen
+                tl += pen
+                score = tl if tail else e
+                parts = {
+                    "Q": q,
+                    "R": 0.0,
+                    "C": c,
+                    "p": p,
+                    "T": t_hit,
+                    "T_miss": t_miss,
+                    "E": e,
+                    "tail": tl,
+                    "kv_penalty": pen,
+                    "matched_gpu": float(g),
+                    "matched_cpu": 0.0,
+                    "matched_disk": 0.0,
+                    "matched_remote": 0.0,
+                    "usable": float(usable),
+                }
             keys.append(score)
-            slo_ok.append(slo is None or est.tail <= slo)
-            scores.append(
-                CandidateScore(
-                    idx,
-                    cand.name,
-                    score,
-                    {
-                        "Q": q,
-                        "R": est.r,
-                        "C": est.c,
-                        "p": est.p,
-                        "T": est.t_hit,
-                        "T_miss": est.t_miss,
-                        "E": est.expected,
-                        "tail": est.tail,
-                        "kv_penalty": est.kv_penalty,
-                        "matched_gpu": float(hit.gpu),
-                        "matched_cpu": float(hit.cpu),
-                        "matched_disk": float(hit.disk),
-                        "matched_remote": float(hit.remote),
-                        "predicted": float(hit.predicted),
-                        "usable": float(est.usable_tokens),
-                        "rate": rate,
-                    },
-                )
-            )
+            scores.append(CandidateScore(idx, cand.name, score, parts))
 
-        if slo is not None and any(slo_ok):
-            # tail objective with an SLO: candidates meeting it first, by mean; the rest by tail
-            for i, ok in enumerate(slo_ok):
-                if ok:
-                    keys[i] = scores[i].parts["E"]
-            order = sorted(range(len(candidates)), key=lambda i: (not slo_ok[i], keys[i]))
+        if slo is not None:
+            ok = [s.parts["tail"] <= slo for s in scores]
+            if any(ok):
+                # tail objective with an SLO: candidates meeting it first, by mean; the rest by tail
+                rank_keys = [
+                    (0, s.parts["E"]) if good else (1, s.score) for s, good in zip(scores, ok, strict=True)
+                ]
+                order = sorted(range(len(candidates)), key=rank_keys.__getitem__)
+            else:
+                order = sorted(range(len(candidates)), key=keys.__getitem__)
         else:
             order = sorted(range(len(candidates)), key=keys.__getitem__)
         best = order[0]
@@ -271,19 +297,30 @@ class TTFTPolicy:
         return self._rates[index], self._overheads.get(index, 0.0)
 
 
-def _worst_known(candidates: Sequence[Candidate], mean_tokens: int) -> tuple[float, float, float]:
-    """Largest known (backlog tokens, running requests, KV usage) among ``candidates`` (0 when none known)."""
-    backlog = 0.0
-    running = 0.0
-    kv = 0.0
-    for c in candidates:
-        load = c.load
-        if load.queued_prefill_tokens is not None:
-            backlog = max(backlog, float(load.queued_prefill_tokens))
-        elif load.queued_requests is not None:
-            backlog = max(backlog, float(load.queued_requests * mean_tokens))
-        if load.running_requests is not None:
-            running = max(running, float(load.running_requests))
-        if load.kv_usage is not None:
-            kv = max(kv, load.kv_usage)
+def _gauges(loads: Sequence[LoadView], mean_tokens: int) -> tuple[list[float], list[float], list[float]]:
+    """Per candidate: scraped backlog tokens, running requests, KV usage, with unknowns made conservative.
+
+    Backlog: ``queued_prefill_tokens``, else ``queued_requests * mean_tokens``, else the largest known backlog;
+    running requests and KV usage: the largest known value. 0 when no candidate reports the value.
+    """
+    backlog: list[float] = [x.queued_prefill_tokens for x in loads]  # type: ignore[misc]
+    if None in backlog:
+        for i in [i for i, b in enumerate(backlog) if b is None]:
+            qr = loads[i].queued_requests
+            if qr is not None:
+                backlog[i] = qr * mean_tokens
+        if None in backlog:
+            known = [b for b in backlog if b is not None]
+            worst = max(known) if known else 0.0
+            backlog = [worst if b is None else b for b in backlog]
+    running: list[float] = [x.running_requests for x in loads]  # type: ignore[misc]
+    if None in running:
+        known = [r for r in running if r is not None]
+        worst = max(known) if known else 0.0
+        running = [worst if r is None else r for r in running]
+    kv: list[float] = [x.kv_usage for x in loads]  # type: ignore[misc]
+    if None in kv:
+        known = [k for k in kv if k is not None]
+        worst = max(known) if known else 0.0
+        kv = [worst if k is None else k for k in kv]
     return backlog, running, kv

@@ -16,7 +16,7 @@ from policies.base import (
     TierLink,
     make_policy,
 )
-from policies.cost_model import combine, recompute_s, serial_link, ttft_given
+from policies.cost_model import combine, estimate, recompute_s, serial_link, ttft_given
 from policies.ttft import TTFTPolicy
 
 BPT_QWEN3_8B = 147_456  # bytes per token, seeds 004 §8.1.2
@@ -321,7 +321,7 @@ def test_calibration_learns_two_replicas_2x_apart() -> None:
         req, [Candidate(1, "slow", LoadView(0, 0, 0), profile=prof), Candidate(0, "fast", profile=prof)]
     )
     assert d.chosen == 0
-    assert d.scores[1].parts["rate"] == pytest.approx(12_000.0, rel=0.10)
+    assert d.scores[1].parts["C"] == pytest.approx(0.02 + 2000 / 12_000.0, rel=0.10)
 
 
 def test_calibration_waits_for_enough_samples_and_rejects_garbage() -> None:
@@ -378,3 +378,59 @@ def test_bad_parameters_raise() -> None:
         TTFTPolicy(p_predicted=1.5)
     with pytest.raises(ValueError):
         TTFTPolicy().choose(REQ, [])
+
+
+def test_inline_fast_path_matches_the_reference_estimate() -> None:
+    """``TTFTPolicy.choose`` evaluates GPU-only matches inline; it must agree with ``cost_model.estimate``."""
+    rng = random.Random(5)
+    link = {"cpu": TierLink(25e9, 0.001), "disk": TierLink(5e9, 0.002)}
+    for trial in range(300):
+        n = rng.randint(16, 9000)
+        prof = ReplicaProfile(
+            prefill_tokens_per_s=rng.choice([5000.0, 12000.0]),
+            fixed_overhead_s=rng.choice([0.0, 0.02]),
+            attention_s_per_token2=rng.choice([0.0, 3e-9]),
+            tiers=link,
+            decode_interference_s=rng.choice([0.0, 0.001]),
+        )
+        g = 16 * rng.randint(0, n // 16)
+        hit = PrefixHit(
+            gpu=g,
+            cpu=16 * rng.randint(0, 4) if trial % 3 == 0 else 0,
+            predicted=rng.choice([0, g // 2, g]),
+            age_s=rng.uniform(0, 200),
+        )
+        load = LoadView(
+            rng.randint(0, 5),
+            rng.randint(0, 30),
+            rng.randint(0, 9000),
+            rng.randint(0, 3),
+            rng.randint(0, 3000),
+            rng.uniform(0, 1),
+        )
+        params = dict(p_confirmed=rng.choice([0.995, 0.9]), confirmed_decay_s=rng.choice([0.0, 300.0]))
+        for objective in ("mean", "tail"):
+            policy = TTFTPolicy(**params)  # type: ignore[arg-type]
+            req = RouteRequest(model="m", prompt_tokens=n, block_keys=[], objective=objective)  # type: ignore[arg-type]
+            s = policy.choose(req, [Candidate(0, "a", load, hit, prof)]).scores[0]
+            q = (load.queued_prefill_tokens + load.inflight_prefill_tokens) / prof.prefill_tokens_per_s + (
+                prof.decode_interference_s * load.running_requests
+            )
+            ref = estimate(
+                n,
+                hit,
+                q,
+                prof,
+                prof.prefill_tokens_per_s,
+                prof.fixed_overhead_s,
+                policy.params,
+                load.kv_usage or 0.0,
+            )
+            assert s.parts["Q"] == pytest.approx(q)
+            assert s.parts["T"] == pytest.approx(ref.t_hit)
+            assert s.parts["T_miss"] == pytest.approx(ref.t_miss)
+            assert s.parts["E"] == pytest.approx(ref.expected)
+            assert s.parts["tail"] == pytest.approx(ref.tail)
+            assert s.parts["p"] == pytest.approx(ref.p)
+            assert s.parts["usable"] == ref.usable_tokens
+            assert s.score == pytest.approx(ref.tail if objective == "tail" else ref.expected)
