@@ -88,17 +88,45 @@ app.kubernetes.io/component: redis
 {{- end }}
 
 {{/*
+Kubernetes discovery in the chart. It is on when config.kubernetes_enabled is true, and also whenever
+config.replicas is empty: a router in a cluster without static replicas has nothing else to route to.
+*/}}
+{{- define "kvroute.discoveryEnabled" -}}
+{{- if or .Values.config.kubernetes_enabled (empty .Values.config.replicas) }}true{{ end }}
+{{- end }}
+
+{{/* Non-empty when the router watches every namespace: watchAllNamespaces, or config namespace '*' / ''. */}}
+{{- define "kvroute.watchAll" -}}
+{{- if or .Values.watchAllNamespaces (has (.Values.config.kubernetes_namespace | default "" | toString) (list "" "*")) }}true{{ end }}
+{{- end }}
+
+{{/*
+The namespace the router watches: "*" for all; config.kubernetes_namespace when set to something other than
+its Settings default; else the release namespace.
+*/}}
+{{- define "kvroute.watchNamespace" -}}
+{{- $defaults := include "kvroute.settingsDefaults" . | fromJson }}
+{{- if include "kvroute.watchAll" . }}*
+{{- else if ne .Values.config.kubernetes_namespace $defaults.kubernetes_namespace }}{{ .Values.config.kubernetes_namespace }}
+{{- else }}{{ .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/*
 Settings the chart derives from the deployment itself, rendered as explicit env entries of the router
-container (they take precedence over the ConfigMap's envFrom): the Redis URL of the in-chart Redis or
-redis.url. Everything else comes from config: unchanged.
+container (they take precedence over the ConfigMap's envFrom, which holds config: unchanged):
+  KVROUTE_KUBERNETES_ENABLED / KVROUTE_KUBERNETES_NAMESPACE  when discovery is on (see above)
+  KVROUTE_REDIS_URL                                          with redis.enabled or redis.url
 */}}
 {{- define "kvroute.deploymentEnv" -}}
-{{- $redisUrl := include "kvroute.redisUrl" . }}
-{{- if $redisUrl }}
-{{- if not (hasKey .Values.config "redis_url") }}
-{{- fail "redis.enabled / redis.url need the router setting redis_url, which this router version does not have" }}
+{{- if include "kvroute.discoveryEnabled" . }}
+- name: KVROUTE_KUBERNETES_ENABLED
+  value: "true"
+- name: KVROUTE_KUBERNETES_NAMESPACE
+  value: {{ include "kvroute.watchNamespace" . | quote }}
 {{- end }}
+{{- with include "kvroute.redisUrl" . }}
 - name: KVROUTE_REDIS_URL
-  value: {{ $redisUrl | quote }}
+  value: {{ . | quote }}
 {{- end }}
 {{- end }}
