@@ -23,9 +23,15 @@ class LeastLoadPolicy:
 
     Ties go to the earliest candidate in the list (deterministic, like the peers' ``min_by``). Score = that load
     in requests; ranking = ascending load.
+
+    Args:
+        seed: accepted so every policy takes ``seed``; least-load is deterministic and ignores it.
     """
 
     name = "least_load"
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self.seed = seed
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         """Pick the least-loaded candidate."""

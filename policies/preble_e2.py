@@ -31,12 +31,18 @@ class PrebleE2Policy:
         window_s: sliding window H of the prefill history, seconds (180).
         tpot_s: time per output token used in the decode cost, seconds (0.15, Preble's seed value).
         default_output_tokens: output length assumed when the request gives none, tokens (128).
+        seed: accepted so every policy takes ``seed``; E2 is deterministic and ignores it.
     """
 
     name = "preble_e2"
 
     def __init__(
-        self, *, window_s: float = 180.0, tpot_s: float = 0.15, default_output_tokens: int = 128
+        self,
+        *,
+        window_s: float = 180.0,
+        tpot_s: float = 0.15,
+        default_output_tokens: int = 128,
+        seed: int = 0,
     ) -> None:
         self.window_s = window_s
         self.tpot_s = tpot_s

@@ -18,11 +18,12 @@ class RoundRobinPolicy:
 
     Args:
         start: initial counter value (0 = the first request goes to the first candidate).
+        seed: accepted so every policy takes ``seed``; round-robin is deterministic and ignores it.
     """
 
     name = "round_robin"
 
-    def __init__(self, *, start: int = 0) -> None:
+    def __init__(self, *, start: int = 0, seed: int = 0) -> None:
         self._counter = int(start)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:

@@ -39,6 +39,7 @@ class SGLangCacheAwarePolicy:
         max_tree_size: per-replica tree budget, tokens.
         miss_policy: ``smallest_tree`` (default) or ``min_load``.
         forget_after_s: drop a replica's tree after it was absent from the candidates this long, seconds.
+        seed: accepted so every policy takes ``seed``; this port is deterministic (ties: candidate order).
     """
 
     name = "sglang_cache_aware"
@@ -53,6 +54,7 @@ class SGLangCacheAwarePolicy:
         max_tree_size: int = 2**26,
         miss_policy: str = "smallest_tree",
         forget_after_s: float = 600.0,
+        seed: int = 0,
     ) -> None:
         if miss_policy not in ("smallest_tree", "min_load"):
             raise ValueError(f"miss_policy must be 'smallest_tree' or 'min_load', got {miss_policy!r}")

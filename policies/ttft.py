@@ -57,6 +57,7 @@ class TTFTPolicy:
         calibrate: learn prefill rate and overhead per replica from ``observe``.
         calibration_window, calibration_min_samples, calibration_refit_every: see ``PrefillCalibrator``.
         drain_stale_queue: subtract what the replica prefilled since the scrape from the scraped backlog.
+        seed: accepted so every policy takes ``seed``; ``ttft`` is deterministic (ties: candidate order).
     """
 
     name = "ttft"
@@ -79,6 +80,7 @@ class TTFTPolicy:
         calibration_min_samples: int = 16,
         calibration_refit_every: int = 8,
         drain_stale_queue: bool = False,
+        seed: int = 0,
     ) -> None:
         if objective not in (None, "mean", "tail"):
             raise ValueError(f"objective must be 'mean' or 'tail', got {objective!r}")

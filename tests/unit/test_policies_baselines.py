@@ -372,3 +372,9 @@ def test_preble_load_cost_counts_windowed_prefill_history() -> None:
     assert second.scores[first.chosen].score == pytest.approx(0.4)
     later = p.choose(req(4000, now=400.0), cands)  # both histories left the window
     assert [s.score for s in later.scores] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_policy_accepts_a_seed(name: str) -> None:
+    d = make_policy(name, seed=123).choose(req(), fleet(3))
+    assert d.chosen in (0, 1, 2)
