@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -58,6 +59,8 @@ ENGINE_ENTRY_BYTES = 120
 PRED_ENTRY_BYTES = 110
 #: Fraction of the budget that eviction brings the index down to.
 LOW_WATER = 0.9
+#: Dead node ids needed (besides a quarter of all ids) before the node arrays are compacted.
+COMPACT_MIN_DEAD = 4096
 #: Nodes processed per ``expire()`` call by the incremental sweep of cleared replicas.
 SWEEP_CHUNK = 65536
 
@@ -147,7 +150,11 @@ class PrefixIndex:
         self._keys: list[int | None] = []
         self._sidl: list[int] = []
         self._ts = array("d")
-        self._free: list[int] = []
+        # per node id: how many consecutive node ids from this one were created as one chain (a hint that
+        # ``match`` verifies against ``_keys``; it lets a walk skip the dict probe for most blocks)
+        self._run = array("I")
+        self._dead_nodes = 0  # deleted node ids not yet compacted away
+        self._compact_min = COMPACT_MIN_DEAD
         # interned states
         self._states: list[_StateT] = []
         self._all: list[int] = []  # per state: union of all masks
@@ -247,20 +254,6 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ nodes
 
-    def _new_node(self, key: int, sid: int, now: float) -> int:
-        if self._free:
-            nid = self._free.pop()
-            self._keys[nid] = key
-            self._sidl[nid] = sid
-            self._ts[nid] = now
-        else:
-            nid = len(self._keys)
-            self._keys.append(key)
-            self._sidl.append(sid)
-            self._ts.append(now)
-        self._ids[key] = nid
-        return nid
-
     def _delete_node(self, nid: int) -> None:
         key = self._keys[nid]
         if key is None:
@@ -275,7 +268,30 @@ class PrefixIndex:
         del self._ids[key]
         self._keys[nid] = None
         self._sidl[nid] = 0
-        self._free.append(nid)
+        self._dead_nodes += 1
+
+    def _maybe_compact(self) -> None:
+        """Renumber live nodes densely once a quarter of the node ids are dead (amortised O(1) per delete)."""
+        dead = self._dead_nodes
+        if dead < self._compact_min or dead * 4 < len(self._keys):
+            return
+        keys = self._keys
+        alive = [i for i, k in enumerate(keys) if k is not None]
+        new_keys: list[int | None] = [keys[i] for i in alive]
+        sidl = self._sidl
+        ts = self._ts
+        run = self._run
+        self._sidl = [sidl[i] for i in alive]
+        self._ts = array("d", [ts[i] for i in alive])
+        self._run = array("I", [run[i] for i in alive])
+        self._keys = new_keys
+        self._ids.update(zip(new_keys, range(len(new_keys)), strict=True))  # type: ignore[arg-type]
+        if self._pred:
+            where = dict(zip(alive, range(len(alive)), strict=True))
+            for slot, pd in self._pred.items():
+                self._pred[slot] = OrderedDict((where[nid], exp) for nid, exp in pd.items())
+        self._dead_nodes = 0
+        self._sweep_cursor = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -303,11 +319,41 @@ class PrefixIndex:
                     live |= 1 << s
         if not live or not keys:
             return {}
-        nids = list(iter(map(self._ids.get, keys).__next__, None))
-        if not nids:
-            return {}
+        if type(keys) is not list:
+            keys = list(keys)
+        # Walk the path in segments of consecutive node ids (verified against the stored keys with C-level
+        # list comparisons), probing the dict only at segment starts.
+        ids_get = self._ids.get
+        kl = self._keys
         sidl = self._sidl
-        sids = list(map(sidl.__getitem__, nids))
+        runs = self._run
+        n = len(keys)
+        i = 0
+        seg_depth: list[int] = []
+        seg_nid: list[int] = []
+        sids: list[int] = []
+        while i < n:
+            nid = ids_get(keys[i])
+            if nid is None:
+                break
+            m = runs[nid]
+            if m > n - i:
+                m = n - i
+            if m > 1 and kl[nid + 1 : nid + m] != keys[i + 1 : i + m]:
+                lo, hi = 1, m
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    if kl[nid + lo : nid + mid] == keys[i + lo : i + mid]:
+                        lo = mid
+                    else:
+                        hi = mid
+                m = lo
+            seg_depth.append(i)
+            seg_nid.append(nid)
+            sids += sidl[nid : nid + m]
+            i += m
+        if not sids:
+            return {}
         allm = self._all
         special = self._special
         drop: dict[int, int] = {}
@@ -348,7 +394,8 @@ class PrefixIndex:
         for s, d in drop.items():
             if d <= 0:
                 continue
-            age = now - ts[nids[d - 1]]
+            j = bisect_right(seg_depth, d - 1) - 1
+            age = now - ts[seg_nid[j] + d - 1 - seg_depth[j]]
             c = counts.get(s) if counts is not None else None
             if c is None:
                 out[rep[s]] = ReplicaMatch(d, d, 0, 0, 0, 0, age)
@@ -396,6 +443,7 @@ class PrefixIndex:
         if slot is None or not keys:
             return
         self._apply(slot, keys, _OP_REMOVE, t, 0.0, create=False)
+        self._maybe_compact()
 
     def _apply(self, slot: int, keys: Sequence[int], op: int, tier: int, now: float, *, create: bool) -> int:
         """Apply one state transition to the nodes of ``keys``; return how many nodes changed state."""
@@ -422,16 +470,29 @@ class PrefixIndex:
             fresh = table[0] = self._transition(0, op, slot, tier)
         changed = 0
         created = 0
+        kl = self._keys
+        runs = self._run
+        streak = -1  # first node id of the current chain of nodes created back to back
         for k in keys:
             nid = ids.get(k)
             if nid is None:
                 if not create:
                     continue
-                nid = self._new_node(k, fresh, now)
+                nid = len(kl)
+                kl.append(k)
+                sidl.append(fresh)
+                ts.append(now)
+                runs.append(1)
+                ids[k] = nid
+                if streak < 0:
+                    streak = nid
                 created += 1
                 if op == _OP_PREDICT:
                     pd[nid] = exp  # type: ignore[index]
                 continue
+            if streak >= 0:
+                self._set_run(streak, len(kl))
+                streak = -1
             sid = sidl[nid]
             nsid = table.get(sid)
             if nsid is None:
@@ -454,8 +515,16 @@ class PrefixIndex:
             elif op == _OP_PREDICT and nid in pd:  # type: ignore[operator]
                 pd.move_to_end(nid)  # type: ignore[union-attr]
                 pd[nid] = exp  # type: ignore[index]
+        if streak >= 0:
+            self._set_run(streak, len(kl))
         refs[fresh] += created
         return changed + created
+
+    def _set_run(self, start: int, end: int) -> None:
+        """Record that node ids ``start..end-1`` were created as one chain (run hints for ``match``)."""
+        length = end - start
+        if length > 1:
+            self._run[start:end] = array("I", range(length, 0, -1))
 
     def clear(self, replica: int) -> None:
         """Forget everything ``replica`` holds (engine restart, replica left). O(1): its slot is retired."""
@@ -506,6 +575,7 @@ class PrefixIndex:
         self._expired += dropped
         if self._dead or self._sweeping:
             self._sweep(SWEEP_CHUNK)
+        self._maybe_compact()
         return dropped
 
     def _sweep(self, budget: int | None) -> None:
@@ -649,6 +719,7 @@ class PrefixIndex:
                 removed += self._apply(slot, covered, _OP_REMOVE, t, 0.0, create=False)
             if not covered or slot is None or not self._holds_confirmed(slot, covered[-1]):
                 del emap[eh]
+        self._maybe_compact()
         return removed
 
     def _holds_confirmed(self, slot: int, key: int) -> bool:
@@ -745,6 +816,7 @@ class PrefixIndex:
         for nid in victims:
             self._delete_node(nid)
         self._evictions += len(victims)
+        self._maybe_compact()
 
     # ------------------------------------------------------------------ stats
 

@@ -116,10 +116,15 @@ ops = st.one_of(
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(ops, min_size=1, max_size=40), st.lists(tokens, min_size=1, max_size=6))
-def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[int]]) -> None:
+@given(
+    st.lists(ops, min_size=1, max_size=40),
+    st.lists(tokens, min_size=1, max_size=6),
+    st.sampled_from([1, 2, 1 << 30]),
+)
+def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[int]], compact_min: int) -> None:
     clock = FakeClock()
     idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock)
+    idx._compact_min = compact_min  # exercise node-id compaction on tiny indexes too
     ref = Reference(clock)
 
     def check(keys: list[int], replicas: set[int] | None) -> None:
