@@ -1,0 +1,517 @@
+"""State shared by router replicas through Redis (optional): decisions broadcast, sessions, idempotency.
+
+Every router replica keeps its own prefix index. What must agree between them:
+
+- **Replica indices**: the registry lives in Redis too (``membership.replicas.RedisIndexAllocator``, keys
+  ``<prefix>idx:*``); ``registry()`` reads it.
+- **Predicted entries**: when a router routes a request to a replica without KV events it records predicted
+  blocks. ``publish_decision(replica, keys)`` broadcasts that on the pub/sub channel ``<prefix>decisions``;
+  every other router receives it and calls its ``on_decision`` callbacks (the service calls
+  ``PrefixIndex.predict(replica_index, keys)``), so all routers predict the same cache contents and make the
+  same next decision.
+- **Session affinity**: ``X-Session-Id`` -> replica name, with a TTL refreshed on use (``<prefix>session:<id>``);
+  ``session_replica`` drops a mapping whose replica is no longer routable.
+- **Idempotency**: ``Idempotency-Key`` -> in-flight marker or stored response (10 min TTL,
+  ``<prefix>idem:<key>``), used by the reliability layer.
+
+Redis down: routing never waits for it or fails because of it. Operations fall back to local state (sessions
+in a bounded local map, broadcasts skipped and counted), a warning is logged at most once per
+``warn_interval_s``, ``available`` is False (exported as ``kvroute_redis_available``), and a supervisor task
+reconnects with exponential backoff (up to ``retry_max_s``) and runs the ``on_reconnect`` callbacks (index
+registry reconciliation, session re-publication) when Redis is back. Idempotency alone cannot work without
+Redis: it raises ``SharedStateUnavailable`` with a clear message so the caller can answer 503.
+
+Wire format of a decision message (msgpack array): ``[1, origin_router_id, replica_name, keys, ts]`` where
+``keys`` is the block keys as little-endian uint64 bytes and ``ts`` the sender's wall clock in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import os
+import struct
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger("kvroute.membership.shared_state")
+
+DecisionCallback = Callable[[str, list[int]], None]
+ReconnectCallback = Callable[[], Awaitable[None] | None]
+
+_MAX_KEYS = 1 << 16  # a decision message never carries more than this many block keys
+
+
+class SharedStateUnavailable(RuntimeError):
+    """Redis is not configured or not reachable for an operation that needs it (idempotency)."""
+
+
+@dataclass
+class SharedStateStats:
+    """Counters (monotonic since start) and the availability flag."""
+
+    available: bool = False
+    errors: int = 0
+    reconnects: int = 0
+    published: int = 0
+    publish_skipped: int = 0
+    publish_dropped: int = 0
+    received: int = 0
+    received_own: int = 0
+    bad_messages: int = 0
+    callback_errors: int = 0
+    session_local_fallbacks: int = 0
+    down_since: float | None = None
+    last_error: str = ""
+
+
+@dataclass(slots=True)
+class IdempotencyEntry:
+    """What an Idempotency-Key currently maps to.
+
+    Attributes:
+        state: ``new`` (the caller now owns the key), ``in_flight`` (another request holds it) or ``done``.
+        response: the stored response when ``done`` (whatever ``idempotency_finish`` stored).
+        fingerprint: request fingerprint stored with the key (to detect a reused key with another body).
+    """
+
+    state: str
+    response: dict[str, Any] | None = None
+    fingerprint: str = ""
+
+
+def encode_decision(origin: str, replica: str, keys: Sequence[int], ts: float) -> bytes:
+    """Encode one decision message (see module docstring)."""
+    n = min(len(keys), _MAX_KEYS)
+    packed = struct.pack(f"<{n}Q", *(k & 0xFFFF_FFFF_FFFF_FFFF for k in keys[:n]))
+    return bytes(msgpack.packb([1, origin, replica, packed, ts], use_bin_type=True))
+
+
+def decode_decision(data: bytes) -> tuple[str, str, list[int], float]:
+    """Decode a decision message -> (origin, replica, keys, ts). Raises ValueError when malformed."""
+    try:
+        msg = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ValueError(f"not msgpack: {exc}") from exc
+    if not isinstance(msg, list) or len(msg) < 5 or msg[0] != 1:
+        raise ValueError("not a version-1 decision message")
+    _, origin, replica, packed, ts = msg[:5]
+    if not isinstance(origin, str) or not isinstance(replica, str) or not isinstance(packed, bytes):
+        raise ValueError("bad field types")
+    if len(packed) % 8 or len(packed) > 8 * _MAX_KEYS:
+        raise ValueError("keys length is not a multiple of 8 bytes or too long")
+    keys = list(struct.unpack(f"<{len(packed) // 8}Q", packed))
+    return origin, replica, keys, float(ts) if isinstance(ts, int | float) else 0.0
+
+
+class SharedState:
+    """Redis-backed state shared by router replicas (asyncio; ``start``/``stop`` from the event loop).
+
+    Args:
+        url: Redis URL, e.g. ``redis://127.0.0.1:6379/0``.
+        key_prefix: prefix of every key and channel.
+        router_id: this router's id in broadcasts (default: hostname-pid-random).
+        timeout_s: connect and command timeout, seconds.
+        retry_max_s: longest reconnect backoff, seconds.
+        session_ttl_s: session mapping lifetime after last use, seconds.
+        idempotency_ttl_s: idempotency key lifetime, seconds.
+        broadcast: publish and receive routing decisions.
+        warn_interval_s: at most one "Redis down" warning per this many seconds.
+        local_session_max: size bound of the local session map (LRU).
+    """
+
+    def __init__(self, url: str, *, key_prefix: str = "kvroute:", router_id: str | None = None,
+                 timeout_s: float = 0.5, retry_max_s: float = 5.0, session_ttl_s: float = 600.0,
+                 idempotency_ttl_s: float = 600.0, broadcast: bool = True, warn_interval_s: float = 30.0,
+                 local_session_max: int = 100_000) -> None:
+        self.url = url
+        self.prefix = key_prefix
+        self.router_id = router_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.timeout_s = timeout_s
+        self.retry_max_s = retry_max_s
+        self.session_ttl_s = session_ttl_s
+        self.idempotency_ttl_s = idempotency_ttl_s
+        self.broadcast = broadcast
+        self.warn_interval_s = warn_interval_s
+        self.channel = f"{key_prefix}decisions"
+        self.stats = SharedStateStats()
+        self._client: Any = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._publisher: asyncio.Task[None] | None = None
+        self._queue: asyncio.Queue[bytes] | None = None
+        self._on_decision: list[DecisionCallback] = []
+        self._on_reconnect: list[ReconnectCallback] = []
+        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._local_session_max = local_session_max
+        self._last_warn = -1e18
+        self._ever_connected = False
+        self._connected = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        """True while Redis answers (the last operation or subscription check succeeded)."""
+        return self.stats.available
+
+    def on_decision(self, cb: DecisionCallback) -> None:
+        """Call ``cb(replica_name, keys)`` for every decision broadcast by another router."""
+        self._on_decision.append(cb)
+
+    def on_reconnect(self, cb: ReconnectCallback) -> None:
+        """Call ``cb()`` (sync or async) each time Redis becomes reachable again after an outage."""
+        self._on_reconnect.append(cb)
+
+    async def start(self) -> None:
+        """Create the client and start the supervisor (subscription + reconnects) and publisher tasks."""
+        import redis.asyncio as aioredis
+
+        self._client = aioredis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
+                                               socket_connect_timeout=self.timeout_s, retry_on_timeout=False)
+        self._queue = asyncio.Queue(maxsize=10_000)
+        self._supervisor = asyncio.create_task(self._supervise(), name="kvroute-redis-supervisor")
+        self._publisher = asyncio.create_task(self._publish_loop(), name="kvroute-redis-publisher")
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """Wait until the first successful connection (True) or ``timeout`` seconds (False)."""
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        """Stop the tasks and close the connections."""
+        for task in (self._supervisor, self._publisher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._supervisor = self._publisher = None
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+            self._client = None
+
+    # -- availability ----------------------------------------------------------------------------------
+    def _down(self, exc: BaseException, what: str) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = f"{what}: {type(exc).__name__}: {exc}"[:300]
+        if self.stats.available or self.stats.down_since is None:
+            self.stats.down_since = time.monotonic()
+        self.stats.available = False
+        now = time.monotonic()
+        if now - self._last_warn >= self.warn_interval_s:
+            self._last_warn = now
+            log.warning("Redis unavailable (%s); routing continues on local state", self.stats.last_error)
+
+    async def _up(self) -> None:
+        was_down = not self.stats.available
+        self.stats.available = True
+        self._connected.set()
+        if was_down:
+            if self._ever_connected:
+                self.stats.reconnects += 1
+                log.info("Redis reachable again after %.1fs; resynchronising",
+                         time.monotonic() - (self.stats.down_since or time.monotonic()))
+                await self._resync()
+            self._ever_connected = True
+            self.stats.down_since = None
+
+    async def _resync(self) -> None:
+        # re-publish local sessions so peers see them again (a restarted Redis lost them)
+        if self._client is not None:
+            now = time.monotonic()
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                for sid, (name, exp) in list(self._sessions.items()):
+                    if exp > now:
+                        pipe.set(self._session_key(sid), name, ex=max(1, int(exp - now)), nx=True)
+                await pipe.execute()
+            except Exception as exc:
+                self._down(exc, "session resync")
+        for cb in list(self._on_reconnect):
+            try:
+                res = cb()
+                if inspect.isawaitable(res):
+                    await res
+            except Exception:
+                log.exception("on_reconnect callback failed")
+
+    async def _supervise(self) -> None:
+        backoff = 0.1
+        while True:
+            pubsub = None
+            try:
+                await self._client.ping()
+                if self.broadcast:
+                    pubsub = self._client.pubsub()
+                    await pubsub.subscribe(self.channel)
+                await self._up()
+                backoff = 0.1
+                while True:
+                    if pubsub is not None:
+                        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                        if msg is not None and msg.get("type") == "message":
+                            self._handle(msg.get("data"))
+                    else:
+                        await asyncio.sleep(1.0)
+                        await self._client.ping()
+                    if not self.stats.available:  # an operation failed meanwhile: verify now
+                        await self._client.ping()
+                        await self._up()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._down(exc, "connection")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.retry_max_s)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
+
+    # -- decisions broadcast ---------------------------------------------------------------------------
+    def publish_decision(self, replica: str, keys: Sequence[int]) -> bool:
+        """Queue a broadcast of "``replica`` will hold ``keys``" (never blocks; False when skipped)."""
+        if not self.broadcast or not keys or self._queue is None:
+            return False
+        if not self.stats.available:
+            self.stats.publish_skipped += 1
+            return False
+        try:
+            self._queue.put_nowait(encode_decision(self.router_id, replica, keys, time.time()))
+            return True
+        except asyncio.QueueFull:
+            self.stats.publish_dropped += 1
+            return False
+
+    async def _publish_loop(self) -> None:
+        assert self._queue is not None
+        while True:
+            first = await self._queue.get()
+            batch = [first]
+            while not self._queue.empty() and len(batch) < 256:
+                batch.append(self._queue.get_nowait())
+            if not self.stats.available:
+                self.stats.publish_skipped += len(batch)
+                continue
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                for data in batch:
+                    pipe.publish(self.channel, data)
+                await pipe.execute()
+                self.stats.published += len(batch)
+            except Exception as exc:
+                self.stats.publish_skipped += len(batch)
+                self._down(exc, "publish")
+
+    def _handle(self, data: Any) -> None:
+        if not isinstance(data, bytes):
+            self.stats.bad_messages += 1
+            return
+        try:
+            origin, replica, keys, _ts = decode_decision(data)
+        except ValueError as exc:
+            self.stats.bad_messages += 1
+            log.debug("bad decision message: %s", exc)
+            return
+        if origin == self.router_id:
+            self.stats.received_own += 1
+            return
+        self.stats.received += 1
+        for cb in self._on_decision:
+            try:
+                cb(replica, keys)
+            except Exception:
+                self.stats.callback_errors += 1
+                log.exception("decision callback failed")
+
+    # -- sessions --------------------------------------------------------------------------------------
+    def _session_key(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}"
+
+    def _local_get(self, session_id: str) -> str | None:
+        hit = self._sessions.get(session_id)
+        if hit is None:
+            return None
+        name, exp = hit
+        if exp <= time.monotonic():
+            self._sessions.pop(session_id, None)
+            return None
+        self._sessions[session_id] = (name, time.monotonic() + self.session_ttl_s)
+        self._sessions.move_to_end(session_id)
+        return name
+
+    def _local_set(self, session_id: str, replica: str) -> None:
+        self._sessions[session_id] = (replica, time.monotonic() + self.session_ttl_s)
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > self._local_session_max:
+            self._sessions.popitem(last=False)
+
+    async def get_session(self, session_id: str) -> str | None:
+        """Replica name of ``session_id`` (TTL refreshed), from Redis or, when down, the local map."""
+        if self.stats.available and self._client is not None:
+            try:
+                raw = await self._client.getex(self._session_key(session_id), ex=int(self.session_ttl_s))
+                if raw is not None:
+                    name = raw.decode() if isinstance(raw, bytes) else str(raw)
+                    self._local_set(session_id, name)
+                    return name
+                self._sessions.pop(session_id, None)
+                return None
+            except Exception as exc:
+                self._down(exc, "get_session")
+        self.stats.session_local_fallbacks += 1
+        return self._local_get(session_id)
+
+    async def set_session(self, session_id: str, replica: str) -> None:
+        """Map ``session_id`` to ``replica`` for ``session_ttl_s`` seconds (locally at least; never raises)."""
+        self._local_set(session_id, replica)
+        if self.stats.available and self._client is not None:
+            try:
+                await self._client.set(self._session_key(session_id), replica, ex=int(self.session_ttl_s))
+            except Exception as exc:
+                self._down(exc, "set_session")
+
+    async def drop_session(self, session_id: str) -> None:
+        """Forget ``session_id`` (never raises)."""
+        self._sessions.pop(session_id, None)
+        if self.stats.available and self._client is not None:
+            try:
+                await self._client.delete(self._session_key(session_id))
+            except Exception as exc:
+                self._down(exc, "drop_session")
+
+    async def session_replica(self, session_id: str, routable: Callable[[str], bool]) -> str | None:
+        """The session's replica if it can still take requests (``routable(name)``), else None (mapping dropped).
+
+        The affinity is kept while the replica is healthy; when it is not, the caller routes normally and
+        calls ``set_session`` with the new choice.
+        """
+        name = await self.get_session(session_id)
+        if name is None:
+            return None
+        if not routable(name):
+            await self.drop_session(session_id)
+            return None
+        return name
+
+    # -- index registry --------------------------------------------------------------------------------
+    async def registry(self) -> dict[str, int]:
+        """The shared replica index registry (name -> index); empty when Redis is down."""
+        if self._client is None:
+            return {}
+        try:
+            raw = await self._client.hgetall(f"{self.prefix}idx:by_name")
+        except Exception as exc:
+            self._down(exc, "registry")
+            return {}
+        return {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
+
+    # -- idempotency -----------------------------------------------------------------------------------
+    def _idem_key(self, key: str) -> str:
+        return f"{self.prefix}idem:{key}"
+
+    def _need_redis(self) -> Any:
+        if self._client is None:
+            raise SharedStateUnavailable("idempotency keys need Redis: set redis_url")
+        if not self.stats.available:
+            raise SharedStateUnavailable("idempotency keys need Redis, which is unreachable right now")
+        return self._client
+
+    async def idempotency_begin(self, key: str, fingerprint: str = "") -> IdempotencyEntry:
+        """Claim ``key``: ``new`` when this call now owns it (an in-flight marker was stored), else the current
+        entry (``in_flight`` or ``done`` with its stored response).
+
+        Raises:
+            SharedStateUnavailable: Redis not configured or unreachable.
+        """
+        client = self._need_redis()
+        marker = json.dumps({"state": "in_flight", "owner": self.router_id, "fp": fingerprint, "t": time.time()})
+        try:
+            if await client.set(self._idem_key(key), marker, nx=True, ex=int(self.idempotency_ttl_s)):
+                return IdempotencyEntry("new", None, fingerprint)
+            raw = await client.get(self._idem_key(key))
+        except Exception as exc:
+            self._down(exc, "idempotency")
+            raise SharedStateUnavailable(f"idempotency store failed: {exc}") from exc
+        if raw is None:  # expired between SET NX and GET: claim again
+            return await self.idempotency_begin(key, fingerprint)
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return IdempotencyEntry("in_flight")
+        return IdempotencyEntry(str(doc.get("state", "in_flight")), doc.get("response"), str(doc.get("fp", "")))
+
+    async def idempotency_finish(self, key: str, response: dict[str, Any], fingerprint: str = "") -> None:
+        """Store the final ``response`` (JSON-able dict) for ``key`` for ``idempotency_ttl_s`` seconds.
+
+        Raises:
+            SharedStateUnavailable: Redis not configured or unreachable.
+        """
+        client = self._need_redis()
+        doc = json.dumps({"state": "done", "response": response, "fp": fingerprint, "t": time.time()})
+        try:
+            await client.set(self._idem_key(key), doc, ex=int(self.idempotency_ttl_s))
+        except Exception as exc:
+            self._down(exc, "idempotency")
+            raise SharedStateUnavailable(f"idempotency store failed: {exc}") from exc
+
+    async def idempotency_abort(self, key: str) -> None:
+        """Release an in-flight claim (the request failed before a storable response); never raises."""
+        if self._client is None:
+            return
+        try:
+            raw = await self._client.get(self._idem_key(key))
+            if raw is not None and json.loads(raw).get("state") == "in_flight":
+                await self._client.delete(self._idem_key(key))
+        except Exception as exc:
+            self._down(exc, "idempotency")
+
+    # -- metrics ---------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and flags as a plain dict (for /replicas-style views and tests)."""
+        out = asdict(self.stats)
+        out["router_id"] = self.router_id
+        out["local_sessions"] = len(self._sessions)
+        return out
+
+    def register_metrics(self, registry: Any) -> None:
+        """Export availability and counters on a ``prometheus_client`` registry (collected at scrape time)."""
+        registry.register(_Collector(self))
+
+
+class _Collector:
+    """prometheus_client custom collector over ``SharedState`` counters."""
+
+    def __init__(self, state: SharedState) -> None:
+        self._s = state
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self._s.stats
+        yield GaugeMetricFamily("kvroute_redis_available", "1 when Redis (shared state) is reachable",
+                                value=1.0 if st.available else 0.0)
+        for name, value, doc in (
+            ("kvroute_redis_errors", st.errors, "failed Redis operations"),
+            ("kvroute_redis_reconnects", st.reconnects, "times Redis became reachable again after an outage"),
+            ("kvroute_shared_decisions_published", st.published, "routing decisions broadcast to peer routers"),
+            ("kvroute_shared_decisions_skipped", st.publish_skipped + st.publish_dropped,
+             "decision broadcasts skipped (Redis down or queue full)"),
+            ("kvroute_shared_decisions_received", st.received, "decisions received from peer routers"),
+            ("kvroute_shared_bad_messages", st.bad_messages, "malformed messages on the decisions channel"),
+        ):
+            yield CounterMetricFamily(name, doc, value=float(value))
