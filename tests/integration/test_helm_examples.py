@@ -1,0 +1,140 @@
+"""The example fleets are discoverable: engine pods rendered by the chart, served by the fake Kubernetes API,
+are found by the real router discovery (membership.kubernetes.PodWatcher) configured from the env the chart
+renders, with the KV-event endpoints the engines' own --kv-events-config publishes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from membership.kubernetes import KubernetesOptions, PodWatcher
+from membership.replicas import ReplicaTable
+from router.config import ENV_PREFIX, Settings
+from tests.fakes.k8s_api import FakeKubeAPI
+from tests.helpers import wait_until
+from tests.integration.test_helm_chart import CHART, FULLNAME, NAMESPACE, one, render, settings_env
+
+EXAMPLES = CHART / "examples"
+
+
+@pytest.fixture
+def api() -> Iterator[FakeKubeAPI]:
+    with FakeKubeAPI() as server:
+        yield server
+
+
+def chart_settings(objects: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """The router's Settings built from exactly the KVROUTE_* env the chart gives the router container."""
+    for key in list(os.environ):
+        if key.upper().startswith(ENV_PREFIX):
+            monkeypatch.delenv(key)
+    for key, value in settings_env(objects).items():
+        monkeypatch.setenv(key, value)
+    return Settings()
+
+
+def options_from(settings: Settings, api_url: str) -> KubernetesOptions:
+    """KubernetesOptions from the kubernetes_* settings (the router's wiring), pointed at the fake API."""
+    assert settings.kubernetes_enabled
+    return KubernetesOptions(
+        namespace=settings.kubernetes_namespace, label_selector=settings.kubernetes_label_selector,
+        resync_interval_s=settings.kubernetes_resync_interval_s, api_host=api_url,
+        default_port=settings.kubernetes_default_port,
+        default_kv_events_port=settings.kubernetes_default_kv_events_port,
+        default_kv_replay_port=settings.kubernetes_default_kv_replay_port,
+        default_kv_topic=settings.kubernetes_default_kv_topic,
+        backoff_initial_s=0.05, backoff_max_s=0.2)
+
+
+def kv_events_config(container: dict[str, Any]) -> dict[str, Any]:
+    """The JSON given to the engine's --kv-events-config flag."""
+    args = container["args"]
+    return dict(json.loads(args[args.index("--kv-events-config") + 1]))
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize(("example", "kind"), [("vllm-fleet.yaml", "vllm"), ("sglang-fleet.yaml", "sglang")])
+def test_engine_fleet_is_discovered_with_its_kv_event_endpoints(example: str, kind: str, api: FakeKubeAPI,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pods of the example's StatefulSet become ready replicas named by pod, indexed by ordinal, with the
+    dialect, model and the ZMQ endpoints/topic their engine flags publish on; unlabelled pods are ignored."""
+    objects = render([EXAMPLES / example])
+    settings = chart_settings(objects, monkeypatch)
+    sts = one(objects, "StatefulSet", f"{FULLNAME}-{kind}")
+    template = sts["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    cfg = kv_events_config(container)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert cfg["publisher"] == "zmq" and cfg["endpoint"].startswith("tcp://*:")
+    assert _port(cfg["endpoint"]) == ports["kv-events"]
+    assert _port(cfg["replay_endpoint"]) == ports["kv-replay"]
+    if kind == "vllm":
+        assert cfg["enable_kv_cache_events"] is True
+        assert "--enable-prefix-caching" in container["args"]
+        assert f"--block-size={settings.block_size}" in container["args"]
+    else:
+        assert "--enable-metrics" in container["args"]
+        assert f"--page-size={settings.block_size}" in container["args"]
+    assert settings.kubernetes_namespace == NAMESPACE
+
+    replicas = sts["spec"]["replicas"]
+    for i in range(replicas):
+        api.add_pod(f"{sts['metadata']['name']}-{i}", NAMESPACE, labels=template["metadata"]["labels"],
+                    annotations=template["metadata"]["annotations"], ip=f"10.1.0.{10 + i}",
+                    container_port=ports["http"])
+    api.add_pod("unrelated-0", NAMESPACE, labels={"app": "other"}, ip="10.1.0.99")
+    api.add_pod(f"{sts['metadata']['name']}-9", "elsewhere", labels=template["metadata"]["labels"], ip="10.2.0.1")
+
+    table = ReplicaTable()
+    watcher = PodWatcher(table, options_from(settings, api.url)).start()
+    try:
+        wait_until(lambda: len([r for r in table.all() if r.routable]) == replicas, timeout=5.0,
+                   what=f"{replicas} routable replicas")
+        by_name = {r.name: r for r in table.all()}
+        assert set(by_name) == {f"{sts['metadata']['name']}-{i}" for i in range(replicas)}
+        for i in range(replicas):
+            r = by_name[f"{sts['metadata']['name']}-{i}"]
+            ip = f"10.1.0.{10 + i}"
+            assert r.index == i, "StatefulSet ordinal is the stable index"
+            assert r.url == f"http://{ip}:{ports['http']}"
+            assert r.dialect == kind
+            assert r.models == [template["metadata"]["annotations"]["kvroute.io/model"]]
+            assert r.kv_events_endpoint == f"tcp://{ip}:{_port(cfg['endpoint'])}"
+            assert r.kv_replay_endpoint == f"tcp://{ip}:{_port(cfg['replay_endpoint'])}"
+            assert r.kv_events_topic == cfg["topic"]
+    finally:
+        watcher.stop()
+
+
+def test_router_only_example_finds_existing_pods_by_selector(api: FakeKubeAPI,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """router-only.yaml: existing pods matching the configured selector, without kvroute annotations, get the
+    configured default ports and topic; pods outside the selector are ignored; no engines are rendered."""
+    objects = render([EXAMPLES / "router-only.yaml"])
+    assert not [o for o in objects if o["kind"] == "StatefulSet"]
+    settings = chart_settings(objects, monkeypatch)
+    assert settings.redis_url == "redis://redis.infra.svc:6379/0"
+    api.add_pod("serving-a", NAMESPACE, labels={"app": "vllm", "tier": "serving"}, ip="10.3.0.1")
+    api.add_pod("serving-b", NAMESPACE, labels={"app": "vllm", "tier": "serving"}, ip="10.3.0.2")
+    api.add_pod("canary-a", NAMESPACE, labels={"app": "vllm", "tier": "canary"}, ip="10.3.0.3")
+    table = ReplicaTable()
+    watcher = PodWatcher(table, options_from(settings, api.url)).start()
+    try:
+        wait_until(lambda: len([r for r in table.all() if r.routable]) == 2, timeout=5.0, what="2 replicas")
+        assert {r.name for r in table.all()} == {"serving-a", "serving-b"}
+        r = table.get("serving-a")
+        assert r is not None
+        assert r.url == "http://10.3.0.1:8000"
+        assert r.kv_events_endpoint == "tcp://10.3.0.1:5557"
+        assert r.kv_replay_endpoint == "tcp://10.3.0.1:5558"
+        assert r.kv_events_topic == "kv"
+    finally:
+        watcher.stop()
