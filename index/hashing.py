@@ -97,15 +97,12 @@ def block_keys_packed(packed: bytes | bytearray | memoryview, block_size: int, s
         raise ValueError(f"block_size must be positive, got {block_size}")
     stride = 4 * block_size
     end = (len(packed) // stride) * stride
-    mv = memoryview(packed)
+    if isinstance(packed, memoryview):
+        packed = packed.tobytes()
     h = _xxh3
-    keys: list[int] = []
-    append = keys.append
     k = seed
-    for off in range(0, end, stride):
-        k = h(mv[off : off + stride], k)
-        append(k)
-    return keys
+    # A comprehension over bytes slices is the fastest pure-Python form of the chained loop.
+    return [k := h(packed[off : off + stride], k) for off in range(0, end, stride)]
 
 
 def block_keys(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0) -> list[int]:

@@ -166,7 +166,8 @@ class PrefixIndex:
         self._intern_state((0, 0, 0, 0, 0))  # state 0 = empty
         # replicas <-> slots
         self._slot_of: dict[int, int] = {}
-        self._replica_of_slot: dict[int, int] = {}
+        self._replica_of_slot: list[int] = []  # slot -> replica index (-1 = free)
+        self._bits_cache: dict[int, tuple[int, ...]] = {}
         self._active = 0  # mask of slots owned by a replica
         self._dead = 0  # mask of cleared slots not yet swept
         self._sweeping = 0  # dead slots the current sweep removes
@@ -248,6 +249,8 @@ class PrefixIndex:
                 slot = self._next_slot
                 self._next_slot += 1
             self._slot_of[replica] = slot
+            while len(self._replica_of_slot) <= slot:
+                self._replica_of_slot.append(-1)
             self._replica_of_slot[slot] = replica
             self._active |= 1 << slot
         return slot
@@ -321,17 +324,31 @@ class PrefixIndex:
             return {}
         if type(keys) is not list:
             keys = list(keys)
-        # Walk the path in segments of consecutive node ids (verified against the stored keys with C-level
-        # list comparisons), probing the dict only at segment starts.
+        return self._walk(keys, live, now)
+
+    def _walk(self, keys: list[int], live: int, now: float) -> dict[int, ReplicaMatch]:
+        """The match walk (see ``match``) for the slots in ``live``.
+
+        The path is walked in *segments* of consecutive node ids created as one chain (``_run`` hints),
+        verified against the stored keys with C-level list comparisons, so the dict is probed only at segment
+        starts. Within a segment, states are taken as runs of equal state ids; the live slot set is
+        intersected only when the state changes, and tier counting happens only for states with non-GPU or
+        predicted entries.
+        """
         ids_get = self._ids.get
         kl = self._keys
         sidl = self._sidl
         runs = self._run
+        allm = self._all
+        special = self._special
         n = len(keys)
         i = 0
         seg_depth: list[int] = []
         seg_nid: list[int] = []
-        sids: list[int] = []
+        drops: list[tuple[int, int]] = []  # (slots whose leading run ends here, depth in blocks)
+        counts: dict[int, list[int]] | None = None
+        groups: Sequence[tuple[int, int]]
+        prev = -1
         while i < n:
             nid = ids_get(keys[i])
             if nid is None:
@@ -350,58 +367,76 @@ class PrefixIndex:
                 m = lo
             seg_depth.append(i)
             seg_nid.append(nid)
-            sids += sidl[nid : nid + m]
+            if m == 1:
+                groups = ((sidl[nid], 1),)
+            else:
+                seg = sidl[nid : nid + m]
+                s0 = seg[0]
+                if seg.count(s0) == m:
+                    groups = ((s0, m),)
+                else:
+                    groups = [(sid, len(list(g))) for sid, g in groupby(seg)]
+            depth = i
+            for sid, run in groups:
+                if sid != prev:
+                    prev = sid
+                    nl = live & allm[sid]
+                    if nl != live:
+                        drops.append((live ^ nl, depth))
+                        live = nl
+                        if not live:
+                            break
+                    sp = special[sid]
+                if sp:
+                    if counts is None:
+                        counts = {}
+                    for mask, cat in sp:
+                        x = mask & live
+                        while x:
+                            low = x & -x
+                            s = low.bit_length() - 1
+                            x ^= low
+                            c = counts.get(s)
+                            if c is None:
+                                c = counts[s] = [0, 0, 0, 0, 0]
+                            c[cat] += run
+                depth += run
+            if not live:
+                break
             i += m
-        if not sids:
-            return {}
-        allm = self._all
-        special = self._special
-        drop: dict[int, int] = {}
-        counts: dict[int, list[int]] | None = None
-        depth = 0
-        first = True
-        for sid, grp in groupby(sids):
-            nl = live & allm[sid]
-            if nl != live:
-                if not first:
-                    for s in _bits(live ^ nl):
-                        drop[s] = depth
-                live = nl
-                if not live:
-                    break
-            first = False
-            run = len(list(grp))
-            sp = special[sid]
-            if sp:
-                if counts is None:
-                    counts = {}
-                for m, cat in sp:
-                    x = m & live
-                    while x:
-                        low = x & -x
-                        s = low.bit_length() - 1
-                        x ^= low
-                        c = counts.get(s)
-                        if c is None:
-                            c = counts[s] = [0, 0, 0, 0, 0]
-                        c[cat] += run
-            depth += run
-        for s in _bits(live):
-            drop[s] = depth
+        if live:
+            drops.append((live, i))
         ts = self._ts
         rep = self._replica_of_slot
+        bits = self._bits_cache
         out: dict[int, ReplicaMatch] = {}
-        for s, d in drop.items():
+        for mask, d in drops:
             if d <= 0:
                 continue
             j = bisect_right(seg_depth, d - 1) - 1
             age = now - ts[seg_nid[j] + d - 1 - seg_depth[j]]
-            c = counts.get(s) if counts is not None else None
-            if c is None:
-                out[rep[s]] = ReplicaMatch(d, d, 0, 0, 0, 0, age)
+            slots = bits.get(mask)
+            if slots is None:
+                slots = self._slots_of(mask)
+            if counts is None:
+                for s in slots:
+                    out[rep[s]] = ReplicaMatch(d, d, 0, 0, 0, 0, age)
             else:
-                out[rep[s]] = ReplicaMatch(d, d - c[1] - c[2] - c[3] - c[4], c[1], c[2], c[3], c[4], age)
+                for s in slots:
+                    c = counts.get(s)
+                    if c is None:
+                        out[rep[s]] = ReplicaMatch(d, d, 0, 0, 0, 0, age)
+                    else:
+                        g = d - c[1] - c[2] - c[3] - c[4]
+                        out[rep[s]] = ReplicaMatch(d, g, c[1], c[2], c[3], c[4], age)
         return out
+
+    def _slots_of(self, mask: int) -> tuple[int, ...]:
+        """The set bits of ``mask`` as a tuple (memoised; masks recur because states are interned)."""
+        if len(self._bits_cache) > 65536:
+            self._bits_cache.clear()
+        slots = self._bits_cache[mask] = tuple(_bits(mask))
+        return slots
 
     # ------------------------------------------------------------------ updates
 
@@ -532,7 +567,7 @@ class PrefixIndex:
         self._engine.pop(replica, None)
         if slot is None:
             return
-        del self._replica_of_slot[slot]
+        self._replica_of_slot[slot] = -1
         bit = 1 << slot
         self._active &= ~bit
         self._dead |= bit
