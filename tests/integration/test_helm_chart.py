@@ -369,3 +369,34 @@ def test_dashboard_router_metrics_exist_in_the_router() -> None:
 
     missing = sorted(m for m in used if not declared(m))
     assert not missing, f"dashboard metrics not declared by the router: {missing}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the image the chart runs (the Dockerfile cannot be built here: check it agrees with the chart and project)
+# ---------------------------------------------------------------------------------------------------------
+
+def test_dockerfile_agrees_with_chart_and_project() -> None:
+    """python:3.11-slim multi-stage build of every package, non-root uid = the chart's, ENTRYPOINT kvroute +
+    CMD serve (the chart passes args [serve]), EXPOSE = the default port; .dockerignore keeps what the build
+    copies."""
+    import tomllib
+
+    from router.config import Settings
+
+    text = (REPO / "Dockerfile").read_text(encoding="utf-8")
+    assert "python:3.11-slim" in text
+    assert len(re.findall(r"^FROM ", text, re.M)) >= 2, "multi-stage"
+    packages = {p.rstrip("*") for p in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", text, re.M))
+    assert packages <= copied, f"packages not copied into the build stage: {packages - copied}"
+    values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    uid, gid = values["podSecurityContext"]["runAsUser"], values["podSecurityContext"]["runAsGroup"]
+    assert re.search(rf"^USER {uid}:{gid}$", text, re.M)
+    assert uid != 0
+    assert '\nENTRYPOINT ["kvroute"]\n' in text and '\nCMD ["serve"]\n' in text
+    assert re.search(rf"^EXPOSE {Settings().port}$", text, re.M)
+    ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")}
+    assert not ignored & (packages | {"pyproject.toml", "README.md"}), "the build needs these"
+    assert {".venv", ".tools", ".git"} <= ignored
