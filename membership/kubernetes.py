@@ -233,15 +233,18 @@ class PodWatcher:
 
     ``dispatch(fn)`` runs a table mutation; by default it runs it at once on the watcher thread. The service
     passes ``loop.call_soon_threadsafe`` so every table change (and the index clearing its removal listeners
-    do) happens on the event loop thread, in order.
+    do) happens on the event loop thread, in order. ``profile_for(name)`` maps a pod's ``kvroute.io/profile``
+    (or None) to the ``ReplicaProfile`` given to a newly discovered replica.
     """
 
     def __init__(self, table: ReplicaTable, options: KubernetesOptions | None = None, *,
                  is_healthy: Callable[[str], bool] | None = None,
                  api_client: Any | None = None,
-                 dispatch: Callable[[Callable[[], None]], Any] | None = None) -> None:
+                 dispatch: Callable[[Callable[[], None]], Any] | None = None,
+                 profile_for: Callable[[str | None], Any] | None = None) -> None:
         self.table = table
         self._dispatch = dispatch
+        self._profile_for = profile_for
         self.options = options or KubernetesOptions()
         self.is_healthy = is_healthy
         self.stats = WatcherStats()
@@ -478,6 +481,13 @@ class PodWatcher:
             if not view.url and rep is not None:
                 attrs["kv_events_endpoint"] = rep.kv_events_endpoint
                 attrs["kv_replay_endpoint"] = rep.kv_replay_endpoint
+            if rep is None and self._profile_for is not None:
+                wanted = view.attrs["labels"].get(KEYS["profile"])
+                try:
+                    attrs["profile"] = self._profile_for(wanted)
+                except (KeyError, ValueError) as exc:
+                    log.warning("pod %s: unknown profile %r (%s); using the default", view.name, wanted, exc)
+                    attrs["profile"] = self._profile_for(None)
             self.table.upsert(view.name, url, **attrs)
         except Exception as exc:
             self.stats.bad_pods += 1

@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from index.prefix_index import PrefixIndex
 from membership.replicas import Replica, ReplicaState, ReplicaTable
+from membership.runtime import Membership, make_allocator
 from membership.static import StaticMembership
 from policies.base import Policy, make_policy
 from router.config import Settings
@@ -268,7 +269,7 @@ def build_services(settings: Settings) -> Services:
         ValueError / KeyError / TokenizerError: invalid configuration (message names the option).
     """
     telemetry = Telemetry()
-    table = ReplicaTable()
+    table = ReplicaTable(make_allocator(settings))  # membership: ordinals / Redis registry / grace
     index = PrefixIndex(block_size=settings.block_size, max_nodes=settings.index_max_nodes,
                         max_bytes=settings.index_max_bytes, predicted_ttl_s=settings.predicted_ttl_s)
     policy = make_policy(settings.policy, **settings.policy_params)
@@ -300,6 +301,14 @@ def build_services(settings: Settings) -> Services:
         probe_interval_s=settings.probe_interval_s, probe_timeout_s=settings.probe_timeout_s,
         unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after, headers=engine_headers)
     membership.load()
+    # --- membership: kubernetes / health / redis (membership.runtime) ---
+    dynamic = Membership(settings, table, index, headers=engine_headers, profile_for=profile_for)
+    router.on_prediction.append(dynamic.publish_prediction)
+
+    def on_connection_failure(rep: Replica, err: str) -> None:
+        membership.report_failure(rep.name, err)
+        dynamic.record_failure(rep.name, err)
+
     proxy = Proxy(router, telemetry, ProxyConfig(
         connect_timeout_s=settings.connect_timeout_s, first_byte_timeout_s=settings.first_byte_timeout_s,
         total_timeout_s=settings.total_timeout_s, idle_timeout_s=settings.idle_timeout_s,
@@ -307,10 +316,13 @@ def build_services(settings: Settings) -> Services:
         max_keepalive_connections=settings.max_keepalive_connections,
         engine_api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
         retry_after_s=settings.retry_after_s),
-        on_connection_failure=lambda rep, err: membership.report_failure(rep.name, err))
+        on_connection_failure=on_connection_failure)
     svc = Services(settings=settings, table=table, index=index, policy=policy, tokenizer=tokenizer,
                    telemetry=telemetry, router=router, proxy=proxy, membership=membership)
     svc_holder["svc"] = svc
+    svc.background.append((dynamic.start, dynamic.stop))  # membership: kubernetes / health / redis
+    svc.extras["membership"] = dynamic
+    dynamic.register_metrics(telemetry.registry)
 
     # a replica that comes back from unhealthy without KV events: its predicted entries are stale
     def on_change(rep: Replica) -> None:

@@ -237,6 +237,8 @@ class Router:
         self.max_inflight_per_replica = max_inflight_per_replica
         self.clock = clock
         self._seed_cache: dict[tuple[str, str | None, str | None], int] = {}
+        #: called with (replica, keys) after predicted entries are recorded (membership broadcasts them to peers)
+        self.on_prediction: list[Callable[[Replica, Sequence[int]], None]] = []
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -375,6 +377,8 @@ class Router:
         """Record that ``rep`` will hold ``keys`` (predicted entries, expire after the TTL unless confirmed)."""
         if keys and self.wants_prediction(rep):
             self.index.predict(rep.index, keys)
+            for listener in self.on_prediction:
+                listener(rep, keys)
 
     def observe(self, obs: Observation) -> None:
         """Feed an observation to the policy (never raises)."""

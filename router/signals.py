@@ -23,7 +23,8 @@ log = logging.getLogger("kvroute.signals")
 
 def attach(svc: Services) -> None:
     """Attach KV-event subscription and engine-metrics scraping to ``svc`` (when enabled / available)."""
-    if svc.settings.kv_events and any(r.kv_events_endpoint for r in svc.table.all()):
+    if svc.settings.kv_events and (any(r.kv_events_endpoint for r in svc.table.all())
+                                   or getattr(svc.settings, "kubernetes_enabled", False)):
         _attach_kv_events(svc)
     _attach_engine_metrics(svc)
 
@@ -62,6 +63,16 @@ def _attach_kv_events(svc: Services) -> None:
     for rep in svc.table.all():
         if rep.kv_events_endpoint:
             svc.event_status[rep.name] = status_for(rep.index, rep.name)
+
+    # replicas discovered later (Kubernetes) or moved to another index (membership: shared registry)
+    def track(rep: Any) -> None:
+        if rep.kv_events_endpoint:
+            svc.event_status[rep.name] = status_for(rep.index, rep.name)
+        else:
+            svc.event_status.pop(rep.name, None)
+
+    svc.table.on_change(track)
+    svc.table.on_remove(lambda rep: svc.event_status.pop(rep.name, None))
 
     async def start() -> None:
         await sub.start()
