@@ -551,3 +551,7 @@ class _Collector:
             if a is not None:
                 age.add_metric([name], a)
         yield from (ok, err, age)
+
+
+#: the name ``router.signals`` looks up
+EngineMetricsScraper = MetricsScraper

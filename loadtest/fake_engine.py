@@ -1,0 +1,1057 @@
+"""``kvroute fake-engine``: a stand-in vLLM / SGLang engine process (no GPU) built on ``loadtest.engine_model``.
+
+It speaks the engines' HTTP API, metric names and KV-event wire formats, and simulates a paged prefix cache with
+realistic prefill / decode timing; real sleeps are the model's times multiplied by ``--time-scale`` (0 = as fast as
+possible, model time then advances by itself).
+
+HTTP (FastAPI on uvicorn):
+
+* ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI schema, streaming SSE or not; ``prompt`` may be
+  text or token ids; ``max_tokens`` tokens are generated (default ``--default-max-tokens``); ``usage`` carries
+  ``prompt_tokens_details.cached_tokens`` (prompt tokens reused from the prefix cache, as vLLM reports it); the
+  streaming usage chunk is sent when ``stream_options.include_usage`` is set, or always unless
+  ``--no-force-include-usage`` (vLLM's ``--enable-force-include-usage``). ``cache_salt`` (vLLM) is honoured.
+  ``model`` may name a ``--lora`` adapter.
+* ``POST /tokenize``, ``POST /detokenize`` (vLLM API), ``GET /v1/models`` (``root`` = the local model path),
+  ``GET /health``, ``GET /health_generate``, ``GET /version``, ``GET /metrics`` (in ``--dialect``'s names),
+  ``POST /reset_prefix_cache`` (vLLM) / ``POST /flush_cache`` (SGLang): drop the prefix cache (events follow).
+* What sglang-router (0.3.x) probes when a worker is added: ``GET /health``, ``/server_info`` and ``/model_info``
+  (older releases: ``/get_server_info``, ``/get_model_info``), plus ``/get_load`` for its load monitor; all served.
+* ``POST /generate`` (SGLang native, minimal: ``text`` or ``input_ids`` + ``sampling_params.max_new_tokens``).
+* Fault injection: ``GET/POST /admin/faults`` (JSON, keys of ``HttpFaults`` and ``loadtest.kv_publisher.Faults``),
+  ``POST /admin/restart`` (cache dropped silently, event sequence restarts at 0, like a process restart).
+
+Tokenizer: ``--tokenizer-path`` (or ``--model-path``) with a ``tokenizer.json`` uses HF ``tokenizers`` and the
+chat template of ``tokenizer_config.json`` / ``chat_template.jinja`` rendered with jinja2 like HF does; otherwise
+a byte tokenizer (one id per UTF-8 byte) and a ChatML template.
+
+Engine block hashes are xxh3 chains seeded by a per-process random seed (like vLLM's random ``NONE_HASH``), with
+the LoRA name and cache salt folded in: they never equal router keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from loadtest.engine_model import (
+    PROFILES,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineModel,
+    EngineRequest,
+    Finished,
+    FirstToken,
+    Token,
+    engine_block_hashes,
+    get_profile,
+)
+from loadtest.kv_publisher import (
+    FORMATS,
+    Faults,
+    KVEventPublisher,
+    PubCleared,
+    PubEvent,
+    PubRemoved,
+    PubStored,
+)
+
+log = logging.getLogger("kvroute.fake_engine")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_WORDS = ("the", " cache", " is", " warm", " and", " the", " answer", " is", " ready", ".", " More", " tokens",
+          " follow", " here", ",", " then")
+VERSION = {"vllm": "0.33.0", "sglang": "0.5.23"}
+
+
+# -- tokenizer ---------------------------------------------------------------------------------------------------
+
+
+class EngineTokenizer:
+    """The fake engine's tokenizer: HF ``tokenizer.json`` + chat template when a path is given, else bytes.
+
+    Args:
+        path: a directory with ``tokenizer.json`` (and ``tokenizer_config.json``), or None for the byte tokenizer.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self._tok: Any = None
+        self.special: dict[str, str] = {}
+        template = CHATML_TEMPLATE
+        if path:
+            d = Path(path)
+            tok_file = d / "tokenizer.json" if d.is_dir() else d
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_file(str(tok_file))
+            cfg_file = tok_file.parent / "tokenizer_config.json"
+            cfg: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                v = cfg.get(key)
+                if isinstance(v, dict):
+                    v = v.get("content")
+                if isinstance(v, str):
+                    self.special[key] = v
+            jinja_file = tok_file.parent / "chat_template.jinja"
+            raw = cfg.get("chat_template")
+            if jinja_file.is_file():
+                template = jinja_file.read_text()
+            elif isinstance(raw, str):
+                template = raw
+            elif isinstance(raw, list):  # named templates: use "default"
+                named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+                template = named.get("default") or next(iter(named.values()), CHATML_TEMPLATE)
+        self._template = _compile(template)
+
+    @property
+    def mode(self) -> str:
+        """``hf`` or ``bytes``."""
+        return "hf" if self._tok is not None else "bytes"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``."""
+        if self._tok is None:
+            return list(text.encode("utf-8"))
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+        if self._tok is None:
+            return bytes(i & 0xFF for i in ids).decode("utf-8", "replace")
+        return str(self._tok.decode(list(ids)))
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> str:
+        """The chat template applied to ``messages`` (text, like HF ``apply_chat_template(tokenize=False)``)."""
+        return str(self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special, **kwargs))
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Ids of a chat request: template rendered, then tokenized without adding special tokens again."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _compile(source: str) -> Any:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+        json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+    return env.from_string(source)
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return "" if content is None else str(content)
+
+
+# -- faults ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class HttpFaults:
+    """HTTP-side fault injection (0 / False = off).
+
+    Attributes:
+        stall_s: every generation request waits this long before it is even queued, seconds (< 0: forever).
+        error_every: every Nth generation request answers 500.
+        garbage_every: every Nth generation request answers 200 with a body that is not JSON / not SSE.
+        die_after_tokens: the process exits (``os._exit(1)``) after streaming this many tokens in total.
+        health_fail: ``/health`` answers 503.
+    """
+
+    stall_s: float = 0.0
+    error_every: int = 0
+    garbage_every: int = 0
+    die_after_tokens: int = 0
+    health_fail: bool = False
+
+    def update(self, values: dict[str, Any]) -> None:
+        """Set fields from a dict (unknown keys -> ValueError)."""
+        unknown = [k for k in values if k not in self.__slots__]  # type: ignore[attr-defined]
+        if unknown:
+            raise ValueError(f"unknown fault fields: {', '.join(unknown)}")
+        for k, v in values.items():
+            cur = getattr(self, k)
+            if isinstance(cur, bool):
+                setattr(self, k, bool(v))
+            elif isinstance(cur, int):
+                setattr(self, k, max(0, int(v)))
+            else:
+                setattr(self, k, float(v))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Current settings."""
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+# -- engine driver -----------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Req:
+    """Per-request state shared between the driver and the HTTP handler."""
+
+    prompt_tokens: int
+    max_tokens: int
+    queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    cached_tokens: int = 0
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+
+
+class FakeEngine:
+    """The engine model driven in real time (scaled), with its events published and its metrics exposed.
+
+    Args:
+        opts: the parsed command line (see ``build_parser``).
+    """
+
+    def __init__(self, opts: argparse.Namespace) -> None:
+        self.opts = opts
+        self.scale = max(0.0, float(opts.time_scale))
+        if opts.deterministic_hashes:
+            self.hash_seed = xxhash.xxh3_64_intdigest(f"fake-engine:{opts.seed}".encode())
+        else:  # like vLLM's random NONE_HASH: a new seed per process
+            self.hash_seed = xxhash.xxh3_64_intdigest(os.urandom(16))
+        self.model = EngineModel(
+            get_profile(opts.profile), num_gpu_blocks=opts.gpu_blocks, block_size=opts.block_size,
+            cpu_blocks=opts.cpu_blocks, max_batch_tokens=opts.max_batch_tokens, max_running=opts.max_running,
+            emit_tokens=True, emit_kv_events=opts.kv_events_port is not None, hash_seed=self.hash_seed,
+            name=opts.model)
+        self.kv_faults = Faults(drop_every=opts.fault_drop_every, drop_unbuffered=opts.fault_drop_unbuffered,
+                                duplicate_every=opts.fault_duplicate_every, garbage_every=opts.fault_kv_garbage_every,
+                                replay_delay_s=opts.fault_replay_delay_s, replay_disabled=opts.fault_replay_disabled)
+        self.http_faults = HttpFaults(stall_s=opts.fault_stall_s, error_every=opts.fault_error_every,
+                                      garbage_every=opts.fault_garbage_every,
+                                      die_after_tokens=opts.fault_die_after_tokens)
+        self.publisher: KVEventPublisher | None = None
+        if opts.kv_events_port is not None:
+            host = opts.kv_host or opts.host
+            self.publisher = KVEventPublisher(
+                opts.kv_events_format, f"tcp://{host}:{opts.kv_events_port}",
+                f"tcp://{host}:{opts.kv_replay_port}" if opts.kv_replay_port is not None else None,
+                topic=opts.kv_topic, buffer_steps=opts.kv_buffer_steps, dp_rank=opts.dp_rank,
+                hash_bytes=opts.kv_hash_bytes, faults=self.kv_faults)
+        self.tokenizer = EngineTokenizer(opts.tokenizer_path or _tokenizer_dir(opts.model_path))
+        self.loras: set[str] = set(opts.lora or [])
+        self.served: list[str] = [opts.model, *(opts.served_model_name or [])]
+        self._meta: dict[int, tuple[str | None, str | None]] = {}
+        self._real0 = time.monotonic()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._counter = 0
+        self._streamed_tokens = 0
+        self.requests_total = 0
+        self.requests_running_http = 0
+        self.started_at = time.time()
+        self.exporter = MetricsExporter(self)
+
+    # -- time ----------------------------------------------------------------------------------------------
+    def now(self) -> float:
+        """The model's current time, seconds."""
+        if self.scale > 0:
+            return max(self.model.now, (time.monotonic() - self._real0) / self.scale)
+        return self.model.now
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind the event sockets and start the driver task."""
+        if self.publisher is not None:
+            self.publisher.start()
+        self._wake = asyncio.Event()
+        self._task = asyncio.ensure_future(self._drive())
+
+    async def stop(self) -> None:
+        """Stop the driver and close the event sockets."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        if self.publisher is not None:
+            self.publisher.stop()
+
+    async def _drive(self) -> None:
+        model = self.model
+        while True:
+            nxt = model.next_event_time()
+            if nxt is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self.scale > 0:
+                delay = (nxt - self.now()) * self.scale
+                if delay > 0:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), delay)
+                    continue
+                events = model.advance(self.now())
+            else:
+                events = model.advance(nxt)
+            self._dispatch(events)
+            await asyncio.sleep(0)
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def _chain_seed(self, lora: str | None, salt: str | None) -> int:
+        if lora is None and salt is None:
+            return self.hash_seed
+        return xxhash.xxh3_64_intdigest(f"{lora}\x00{salt}".encode(), self.hash_seed)
+
+    def submit(self, token_ids: list[int], max_tokens: int, lora: str | None = None,
+               salt: str | None = None) -> _Req:
+        """Queue a request in the model now; returns its state (events arrive on ``state.queue``)."""
+        now = self.now()
+        self._dispatch(self.model.advance(now))
+        self._counter += 1
+        self.requests_total += 1
+        state = _Req(prompt_tokens=len(token_ids), max_tokens=max_tokens, arrival_s=now)
+        bs = self.model.block_size
+        hashes = engine_block_hashes(token_ids, bs, self._chain_seed(lora, salt))
+        if lora is not None or salt is not None:
+            for h in hashes:
+                self._meta[h] = (lora, salt)
+        req = EngineRequest(request_id=str(self._counter), prompt_tokens=len(token_ids), output_tokens=max_tokens,
+                            block_hashes=hashes, token_ids=token_ids, tag=state)
+        self.model.submit(req, now)
+        self._wake.set()
+        return state
+
+    def _dispatch(self, events: list[Any]) -> None:
+        kv: list[PubEvent] = []
+        for ev in events:
+            if isinstance(ev, Token):
+                st = ev.request.tag
+                if isinstance(st, _Req):
+                    st.queue.put_nowait(("token", ev.index))
+            elif isinstance(ev, FirstToken):
+                st = ev.request.tag
+                if isinstance(st, _Req):
+                    st.cached_tokens = ev.cached_tokens
+                    st.first_token_s = ev.time
+                    st.queue.put_nowait(("first", ev))
+                self.exporter.observe_first_token(ev)
+            elif isinstance(ev, Finished):
+                st = ev.request.tag
+                if isinstance(st, _Req):
+                    st.queue.put_nowait(("done", ev))
+                self.exporter.observe_finished(ev, self.scale)
+            elif isinstance(ev, BlockStored):
+                if ev.token_ids is None:
+                    continue
+                lora, salt = self._meta.get(ev.block_hashes[0], (None, None))
+                kv.append(PubStored(list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
+                                    ev.block_size, ev.tier, lora, salt))
+            elif isinstance(ev, BlockRemoved):
+                kv.append(PubRemoved(list(ev.block_hashes), ev.tier))
+                if self._meta:
+                    for h in ev.block_hashes:
+                        if h in self._meta and self.model.lookup([h]) == (0, 0):
+                            del self._meta[h]
+            elif isinstance(ev, AllBlocksCleared):
+                kv.append(PubCleared())
+                self._meta.clear()
+        if kv and self.publisher is not None:
+            self.publisher.publish(kv)
+
+    def clear_cache(self) -> None:
+        """Drop the prefix cache (vLLM ``reset_prefix_cache``): events are published."""
+        self._dispatch(self.model.clear_cache(self.now()))
+
+    def restart(self) -> None:
+        """Simulate a process restart: cache dropped without events, event sequence back to 0."""
+        self.model.clear_cache(self.now())  # events discarded: a dead process announces nothing
+        self._meta.clear()
+        if self.publisher is not None:
+            self.publisher.restart()
+        self.hash_seed = xxhash.xxh3_64_intdigest(os.urandom(16))
+
+    def note_streamed_token(self) -> None:
+        """Count a streamed token; die when the ``die_after_tokens`` fault says so."""
+        self._streamed_tokens += 1
+        n = self.http_faults.die_after_tokens
+        if n and self._streamed_tokens >= n:
+            log.error("fault injection: dying after %d streamed tokens", self._streamed_tokens)
+            os._exit(1)
+
+    def word(self, i: int) -> str:
+        """The text of output token ``i``."""
+        return _WORDS[(i + self.opts.seed) % len(_WORDS)]
+
+
+def _tokenizer_dir(model_path: str | None) -> str | None:
+    if model_path and (Path(model_path) / "tokenizer.json").is_file():
+        return model_path
+    return None
+
+
+# -- /metrics ----------------------------------------------------------------------------------------------------
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+REQ_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class MetricsExporter:
+    """The fake engine's ``/metrics`` in its dialect's names (vLLM v1, or SGLang with ``--metrics-prefix``).
+
+    Gauges and counters are read from the engine model at scrape time; latency histograms are observed as
+    requests progress, in real seconds (model seconds x ``--time-scale``; model seconds when the scale is 0).
+    """
+
+    def __init__(self, engine: FakeEngine) -> None:
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.engine = engine
+        opts = engine.opts
+        self.dialect = opts.dialect
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.finished = 0
+        if self.dialect == "vllm":
+            p = "vllm:"
+            self.labels = {"model_name": opts.model, "engine": "0"}
+            names = {"ttft": p + "time_to_first_token_seconds", "queue": p + "request_queue_time_seconds",
+                     "prefill": p + "request_prefill_time_seconds", "e2e": p + "e2e_request_latency_seconds",
+                     "prompt": p + "request_prompt_tokens"}
+        else:
+            p = opts.metrics_prefix
+            self.labels = {"model_name": opts.model}
+            names = {"ttft": p + "time_to_first_token_seconds", "queue": p + "queue_time_seconds",
+                     "e2e": p + "e2e_request_latency_seconds"}
+        self.prefix = p
+        lab = list(self.labels)
+
+        def hist(key: str, doc: str, buckets: Sequence[float]) -> Any:
+            if key not in names:
+                return None
+            return Histogram(names[key], doc, lab, buckets=buckets, registry=self.registry).labels(**self.labels)
+
+        self.h_ttft = hist("ttft", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.h_queue = hist("queue", "Histogram of time spent in WAITING phase for request.", REQ_TIME_BUCKETS)
+        self.h_prefill = hist("prefill", "Histogram of time spent in PREFILL phase for request.", REQ_TIME_BUCKETS)
+        self.h_e2e = hist("e2e", "Histogram of end to end request latency in seconds.", REQ_TIME_BUCKETS)
+        self.h_prompt = hist("prompt", "Number of prefill tokens processed.", TOKEN_BUCKETS)
+        self.registry.register(self)
+
+    def _t(self, model_s: float) -> float:
+        scale = self.engine.scale
+        return model_s * scale if scale > 0 else model_s
+
+    def observe_first_token(self, ev: FirstToken) -> None:
+        """Record a first token (TTFT, queue and prefill time, prompt length)."""
+        self.h_ttft.observe(self._t(ev.ttft_s))
+        if self.h_queue is not None:
+            self.h_queue.observe(self._t(ev.queue_wait_s))
+        if self.h_prefill is not None:
+            self.h_prefill.observe(self._t(max(0.0, ev.ttft_s - ev.queue_wait_s)))
+        if self.h_prompt is not None:
+            self.h_prompt.observe(ev.request.prompt_tokens)
+
+    def observe_finished(self, ev: Finished, scale: float) -> None:
+        """Record a finished request (end-to-end latency)."""
+        self.finished += 1
+        self.h_e2e.observe(self._t(max(0.0, ev.time - ev.request.arrival)))
+
+    def describe(self) -> list[Any]:
+        """Nothing to pre-describe (collected at scrape time)."""
+        return []
+
+    def collect(self) -> Any:
+        """Gauges and counters from the engine model's current snapshot."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        m = self.engine.model.metrics()
+        lab = list(self.labels)
+        val = list(self.labels.values())
+
+        def gauge(name: str, doc: str, v: float) -> Any:
+            g = GaugeMetricFamily(self.prefix + name, doc, labels=lab)
+            g.add_metric(val, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> Any:
+            c = CounterMetricFamily(self.prefix + name, doc, labels=lab)
+            c.add_metric(val, v)
+            return c
+
+        if self.dialect == "vllm":
+            yield gauge("num_requests_running", "Number of requests in model execution batches.",
+                        m.num_requests_running)
+            yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+                        m.num_requests_waiting)
+            yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage)
+            yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                          m.prefix_cache_queries)
+            yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                          m.prefix_cache_hits)
+            if m.num_cpu_blocks:
+                yield counter("external_prefix_cache_queries",
+                              "External prefix cache queries from KV connector cross-instance cache sharing, in "
+                              "terms of number of queried tokens.", m.prefix_cache_queries)
+                yield counter("external_prefix_cache_hits",
+                              "External prefix cache hits from KV connector cross-instance cache sharing, in "
+                              "terms of number of cached tokens.", m.cpu_cache_hits)
+            yield counter("num_preemptions", "Cumulative number of preemption from the engine.", m.preempted)
+            yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens_total)
+            yield counter("generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total)
+            rs = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                     labels=[*lab, "finished_reason"])
+            rs.add_metric([*val, "length"], m.requests_finished)
+            yield rs
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=["block_size", "cache_dtype", "enable_prefix_caching", "engine",
+                                             "gpu_memory_utilization", "num_cpu_blocks", "num_gpu_blocks",
+                                             "prefix_caching_hash_algo"])
+            info.add_metric([str(m.block_size), "auto", "True", "0", "0.9",
+                             str(m.num_cpu_blocks) if m.num_cpu_blocks else "None", str(m.num_gpu_blocks),
+                             "sha256"], 1.0)
+            yield info
+        else:
+            cap_tokens = m.num_gpu_blocks * m.block_size
+            yield gauge("num_running_reqs", "The number of running requests.", m.num_requests_running)
+            yield gauge("num_queue_reqs", "The number of requests in the waiting queue.", m.num_requests_waiting)
+            yield gauge("num_used_tokens", "The number of used tokens.", round(m.kv_usage * cap_tokens))
+            yield gauge("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", cap_tokens)
+            yield gauge("token_usage", "The token usage.", m.kv_usage)
+            hit = (m.prefix_cache_hits + m.cpu_cache_hits) / m.prefix_cache_queries if m.prefix_cache_queries else 0.0
+            yield gauge("cache_hit_rate", "The prefix cache hit rate.", hit)
+            yield gauge("gen_throughput", "The generation throughput (token/s).", 0.0)
+            yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens_total)
+            yield counter("generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total)
+            yield counter("cached_tokens", "Number of cached prompt tokens.", m.prefix_cache_hits + m.cpu_cache_hits)
+            yield counter("num_requests", "Number of requests processed.", m.requests_finished)
+            info = GaugeMetricFamily(self.prefix + "cache_config_info", "Cache configuration",
+                                     labels=["page_size", "num_pages"])
+            info.add_metric([str(m.block_size), str(m.num_gpu_blocks)], 1.0)
+            yield info
+
+    def render(self) -> bytes:
+        """The exposition text."""
+        from prometheus_client import generate_latest
+
+        return bytes(generate_latest(self.registry))
+
+
+# -- HTTP app ----------------------------------------------------------------------------------------------------
+
+
+class BadRequest(Exception):
+    """A client error with an HTTP status and message (rendered like vLLM's ErrorResponse)."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+
+
+def build_app(engine: FakeEngine) -> Any:
+    """The FastAPI application of one fake engine."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="kvroute fake engine", lifespan=lifespan)
+    opts = engine.opts
+    dialect = opts.dialect
+
+    def err(message: str, status: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
+        return JSONResponse({"object": "error", "message": message, "type": err_type, "param": None,
+                             "code": status, "error": {"message": message, "type": err_type, "code": status}},
+                            status_code=status)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
+        return err(exc.message, exc.status, exc.err_type)
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError as exc:
+            raise BadRequest(f"invalid JSON body: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
+
+    def resolve_model(body: dict[str, Any]) -> str | None:
+        """The LoRA adapter named by ``model`` (None for the base model); 404 for unknown names."""
+        name = body.get("model")
+        if name is None or name in engine.served:
+            return None
+        if isinstance(name, str) and name in engine.loras:
+            return name
+        raise BadRequest(f"The model `{name}` does not exist.", 404, "NotFoundError")
+
+    def max_tokens_of(body: dict[str, Any], prompt_len: int) -> int:
+        mt = body.get("max_tokens", body.get("max_completion_tokens"))
+        if mt is None:
+            mt = opts.default_max_tokens
+        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+            raise BadRequest("max_tokens must be a positive integer")
+        if prompt_len < 1:
+            raise BadRequest("the prompt must contain at least one token")
+        if prompt_len + mt > opts.max_model_len:
+            raise BadRequest(f"This model's maximum context length is {opts.max_model_len} tokens. However, you "
+                             f"requested {prompt_len + mt} tokens ({prompt_len} in the messages, {mt} in the "
+                             f"completion). Please reduce the length of the messages or completion.")
+        return mt
+
+    def prompt_ids(body: dict[str, Any]) -> list[int]:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+            p = p[0]
+        if isinstance(p, str):
+            return engine.tokenizer.encode(p, add_special_tokens=bool(body.get("add_special_tokens", True)))
+        if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
+                                       for t in p):
+            return list(p)
+        raise BadRequest("'prompt' must be a string or a list of token ids")
+
+    def chat_ids(body: dict[str, Any]) -> list[int]:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise BadRequest("'messages' must be a non-empty list of message objects")
+        norm = [{**m, "content": _message_text(m.get("content"))} for m in msgs]
+        try:
+            return engine.tokenizer.encode_chat(norm, bool(body.get("add_generation_prompt", True)))
+        except Exception as exc:
+            raise BadRequest(f"chat template failed: {exc}") from None
+
+    def salt_of(body: dict[str, Any]) -> str | None:
+        s = body.get("cache_salt")
+        if s is not None and not isinstance(s, str):
+            raise BadRequest("cache_salt must be a string")
+        return s or None
+
+    def usage(st: _Req, completion: int) -> dict[str, Any]:
+        return {"prompt_tokens": st.prompt_tokens, "total_tokens": st.prompt_tokens + completion,
+                "completion_tokens": completion, "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
+
+    async def faults_before() -> Response | None:
+        f = engine.http_faults
+        n = engine.requests_total + 1
+        if f.stall_s < 0:
+            await asyncio.Event().wait()  # hang until the client gives up
+        elif f.stall_s > 0:
+            await asyncio.sleep(f.stall_s)
+        if f.error_every and n % f.error_every == 0:
+            engine.requests_total += 1
+            return err("fault injection: internal error", 500, "InternalServerError")
+        if f.garbage_every and n % f.garbage_every == 0:
+            engine.requests_total += 1
+            return Response(b"\x00\xffnot json{{{", media_type="application/json")
+        return None
+
+    async def generate(body: dict[str, Any], ids: list[int], chat: bool) -> Response:
+        lora = resolve_model(body)
+        mt = max_tokens_of(body, len(ids))
+        salt = salt_of(body)
+        faulty = await faults_before()
+        if faulty is not None:
+            return faulty
+        model_name = body.get("model") or opts.model
+        stream = bool(body.get("stream", False))
+        so = body.get("stream_options")
+        include_usage = opts.force_include_usage or (isinstance(so, dict) and bool(so.get("include_usage")))
+        st = engine.submit(ids, mt, lora, salt)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        if stream:
+            return StreamingResponse(_stream(st, rid, created, model_name, chat, include_usage),
+                                     media_type="text/event-stream")
+        engine.requests_running_http += 1
+        try:
+            n = 0
+            while True:
+                kind, _ = await st.queue.get()
+                if kind == "token":
+                    n += 1
+                elif kind == "done":
+                    break
+        finally:
+            engine.requests_running_http -= 1
+        text = "".join(engine.word(i) for i in range(n))
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text,
+                                                              "tool_calls": []},
+                                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                      "prompt_logprobs": None}
+            obj = "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
+                             "choices": [choice], "usage": usage(st, n)})
+
+    async def _stream(st: _Req, rid: str, created: int, model_name: str, chat: bool,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        n = 0
+        first = True
+        engine.requests_running_http += 1
+        try:
+            while True:
+                kind, _ = await st.queue.get()
+                if kind == "token":
+                    text = engine.word(n)
+                    n += 1
+                    last = n >= st.max_tokens
+                    fin = "length" if last else None
+                    if chat:
+                        delta: dict[str, Any] = {"content": text}
+                        if first:
+                            delta = {"role": "assistant", "content": text}
+                        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                                  "finish_reason": fin}
+                    else:
+                        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fin,
+                                  "stop_reason": None}
+                    first = False
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
+                                "choices": [choice]})
+                    engine.note_streamed_token()
+                elif kind == "done":
+                    break
+            if include_usage:
+                yield _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
+                            "usage": usage(st, n)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            engine.requests_running_http -= 1
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await body_of(request)
+        return await generate(body, prompt_ids(body), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await body_of(request)
+        return await generate(body, chat_ids(body), chat=True)
+
+    @app.post("/generate")
+    async def sglang_generate(request: Request) -> Response:
+        body = await body_of(request)
+        if isinstance(body.get("input_ids"), list):
+            ids = prompt_ids({"prompt": body["input_ids"]})
+        elif isinstance(body.get("text"), str):
+            ids = engine.tokenizer.encode(body["text"])
+        else:
+            raise BadRequest("'text' or 'input_ids' is required")
+        sp = body.get("sampling_params") or {}
+        mt = sp.get("max_new_tokens", opts.default_max_tokens) if isinstance(sp, dict) else opts.default_max_tokens
+        faulty = await faults_before()
+        if faulty is not None:
+            return faulty
+        st = engine.submit(ids, max_tokens_of({"max_tokens": mt}, len(ids)))
+        n = 0
+        while True:
+            kind, _ = await st.queue.get()
+            if kind == "token":
+                n += 1
+            elif kind == "done":
+                break
+        return JSONResponse({"text": "".join(engine.word(i) for i in range(n)),
+                             "meta_info": {"id": uuid.uuid4().hex, "prompt_tokens": st.prompt_tokens,
+                                           "completion_tokens": n, "cached_tokens": st.cached_tokens,
+                                           "finish_reason": {"type": "length", "length": n}}})
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await body_of(request)
+        if "messages" in body:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+                raise BadRequest("'messages' must be a list of message objects")
+            norm = [{**m, "content": _message_text(m.get("content"))} for m in msgs]
+            try:
+                text = engine.tokenizer.render_chat(norm, bool(body.get("add_generation_prompt", True)))
+            except Exception as exc:
+                raise BadRequest(f"chat template failed: {exc}") from None
+            ids = engine.tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+        elif isinstance(body.get("prompt"), str):
+            ids = engine.tokenizer.encode(body["prompt"],
+                                          add_special_tokens=bool(body.get("add_special_tokens", True)))
+        else:
+            raise BadRequest("'prompt' (string) or 'messages' is required")
+        return JSONResponse({"count": len(ids), "max_model_len": opts.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await body_of(request)
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            raise BadRequest("'tokens' must be a list of token ids")
+        return JSONResponse({"prompt": engine.tokenizer.decode(toks)})
+
+    model_path = opts.model_path or opts.model
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [{"id": name, "object": "model", "created": int(engine.started_at), "owned_by": dialect,
+                 "root": model_path, "parent": None, "max_model_len": opts.max_model_len,
+                 "permission": [{"id": "modelperm-" + name, "object": "model_permission",
+                                 "allow_sampling": True, "allow_logprobs": True, "is_blocking": False}]}
+                for name in engine.served]
+        data += [{"id": name, "object": "model", "created": int(engine.started_at), "owned_by": dialect,
+                  "root": name, "parent": opts.model, "max_model_len": opts.max_model_len, "permission": []}
+                 for name in sorted(engine.loras)]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.http_faults.health_fail:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if engine.http_faults.health_fail:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": VERSION[dialect]})
+
+    def model_info() -> dict[str, Any]:
+        return {"model_path": model_path, "tokenizer_path": opts.tokenizer_path or model_path,
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": "fake", "architectures": ["FakeForCausalLM"]}
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info() -> Response:
+        return JSONResponse(model_info())
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def get_server_info() -> Response:
+        m = engine.model.metrics()
+        info = {**model_info(), "served_model_name": opts.model, "host": opts.host, "port": opts.port,
+                "page_size": m.block_size, "max_total_num_tokens": m.num_gpu_blocks * m.block_size,
+                "context_length": opts.max_model_len, "dp_size": 1, "tp_size": 1, "version": VERSION[dialect],
+                "kv_events_config": None if engine.publisher is None else json.dumps(
+                    {"publisher": "zmq", "endpoint": engine.publisher.endpoint,
+                     "replay_endpoint": engine.publisher.replay_endpoint, "topic": opts.kv_topic}),
+                "internal_states": [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}],
+                "fake_engine": {"profile": opts.profile, "time_scale": engine.scale,
+                                "kv_events_format": opts.kv_events_format if engine.publisher else None}}
+        return JSONResponse(info)
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        m = engine.model.metrics()
+        return JSONResponse([{"dp_rank": 0, "num_reqs": m.num_requests_running + m.num_requests_waiting,
+                              "num_waiting_reqs": m.num_requests_waiting,
+                              "num_tokens": int(m.kv_usage * m.num_gpu_blocks * m.block_size)}])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.exporter.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/reset_prefix_cache")
+    @app.post("/flush_cache")
+    async def reset_prefix_cache() -> Response:
+        engine.clear_cache()
+        return PlainTextResponse("Cache flushed.\n" if dialect == "sglang" else "")
+
+    @app.get("/admin/faults")
+    async def get_faults() -> Response:
+        return JSONResponse({"http": engine.http_faults.as_dict(), "kv": engine.kv_faults.as_dict()})
+
+    @app.post("/admin/faults")
+    async def set_faults(request: Request) -> Response:
+        body = await body_of(request)
+        try:
+            http = {k: v for k, v in body.items() if k in HttpFaults.__slots__}  # type: ignore[attr-defined]
+            kvf = {k: v for k, v in body.items() if k in Faults.__slots__}  # type: ignore[attr-defined]
+            unknown = set(body) - set(http) - set(kvf)
+            if unknown:
+                raise ValueError(f"unknown fault fields: {', '.join(sorted(unknown))}")
+            engine.http_faults.update(http)
+            engine.kv_faults.update(kvf)
+        except (TypeError, ValueError) as exc:
+            raise BadRequest(str(exc)) from None
+        return JSONResponse({"http": engine.http_faults.as_dict(), "kv": engine.kv_faults.as_dict()})
+
+    @app.post("/admin/restart")
+    async def restart() -> Response:
+        engine.restart()
+        return JSONResponse({"restarted": True,
+                             "next_seq": engine.publisher.next_seq if engine.publisher else None})
+
+    @app.get("/admin/state")
+    async def state() -> Response:
+        m = engine.model.metrics()
+        return JSONResponse({"metrics": {k: getattr(m, k) for k in m.__slots__ if k != "extra"},
+                             "hash_seed": engine.hash_seed,
+                             "publisher": None if engine.publisher is None else {
+                                 "next_seq": engine.publisher.next_seq,
+                                 "published": engine.publisher.stats.published,
+                                 "dropped": engine.publisher.stats.dropped,
+                                 "replay_requests": engine.publisher.stats.replay_requests}})
+
+    return app
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+# -- command line ------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvroute fake-engine`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="kvroute fake-engine",
+        description="A stand-in vLLM / SGLang engine without a GPU: OpenAI API, /metrics in the engine's names, "
+                    "KV events over ZMQ in a chosen release's wire format, simulated prefix cache and timing. "
+                    "Ready when GET /health answers 200; stops cleanly on SIGTERM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port")
+    g.add_argument("--model", default="kvroute-fake", help="model id served (the OpenAI 'model' field)")
+    g.add_argument("--served-model-name", action="append", help="extra model ids accepted (repeatable)")
+    g.add_argument("--lora", action="append", help="LoRA adapter names accepted as 'model' (repeatable)")
+    g.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm",
+                   help="metric names and server-info flavour")
+    g.add_argument("--model-path", default=None,
+                   help="local model directory reported as model_path / root (its tokenizer.json is used)")
+    g.add_argument("--tokenizer-path", default=None,
+                   help="directory with tokenizer.json (+ tokenizer_config.json chat template); default: "
+                        "--model-path when it has one, else a byte tokenizer")
+    g.add_argument("--max-model-len", type=int, default=131072, help="longest prompt + output, tokens")
+    g.add_argument("--default-max-tokens", type=int, default=16, help="output tokens when max_tokens is absent")
+    g.add_argument("--no-force-include-usage", dest="force_include_usage", action="store_false",
+                   help="send the streaming usage chunk only when stream_options.include_usage is set (vLLM "
+                        "default); by default it is always sent (vLLM --enable-force-include-usage)")
+    g.add_argument("--metrics-prefix", choices=("sglang:", "sglang_"), default="sglang:",
+                   help="SGLang dialect: metric name prefix (releases used both)")
+    g.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    g = p.add_argument_group("engine model")
+    g.add_argument("--profile", default="a100", choices=sorted(PROFILES), help="hardware timing profile")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="real seconds per simulated second (0 = no sleeping at all)")
+    g.add_argument("--gpu-blocks", type=int, default=None, help="GPU KV blocks (default: from the profile)")
+    g.add_argument("--cpu-blocks", type=int, default=0, help="CPU-tier KV blocks (0 = no CPU tier)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (SGLang: page size)")
+    g.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per engine step")
+    g.add_argument("--max-running", type=int, default=256, help="requests running at once")
+    g.add_argument("--seed", type=int, default=0, help="seed of the output text (and of hashes with "
+                                                      "--deterministic-hashes)")
+    g.add_argument("--deterministic-hashes", action="store_true",
+                   help="derive engine block hashes from --seed instead of a random per-process seed")
+    g = p.add_argument_group("KV events")
+    g.add_argument("--kv-events-format", choices=FORMATS, default=None,
+                   help="wire format: vllm (0.33: map events), vllm-legacy (0.23: array events), sglang "
+                        "(int64 hashes, CPU_PINNED, multi-page events); default: the dialect's")
+    g.add_argument("--kv-events-port", type=int, default=None, help="ZMQ PUB port (events off when absent)")
+    g.add_argument("--kv-replay-port", type=int, default=None, help="ZMQ ROUTER replay port (none when absent)")
+    g.add_argument("--kv-host", default=None, help="address the ZMQ sockets bind to (default: --host)")
+    g.add_argument("--kv-topic", default="", help="topic frame of every event message")
+    g.add_argument("--kv-buffer-steps", type=int, default=10_000, help="batches kept for replay")
+    g.add_argument("--kv-hash-bytes", action="store_true",
+                   help="vLLM formats: send hashes as 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
+    g.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank reported in vLLM batches")
+    g = p.add_argument_group("fault injection (also settable at run time: POST /admin/faults)")
+    g.add_argument("--fault-drop-every", type=int, default=0, help="do not send every Nth event batch live")
+    g.add_argument("--fault-drop-unbuffered", action="store_true",
+                   help="dropped batches are not replayable either")
+    g.add_argument("--fault-duplicate-every", type=int, default=0, help="send every Nth event batch twice")
+    g.add_argument("--fault-kv-garbage-every", type=int, default=0, help="every Nth event payload is garbage")
+    g.add_argument("--fault-replay-delay-s", type=float, default=0.0, help="delay before answering a replay")
+    g.add_argument("--fault-replay-disabled", action="store_true", help="never answer replay requests")
+    g.add_argument("--fault-stall-s", type=float, default=0.0,
+                   help="each generation request stalls this long first (< 0: forever)")
+    g.add_argument("--fault-error-every", type=int, default=0, help="every Nth generation request answers 500")
+    g.add_argument("--fault-garbage-every", type=int, default=0,
+                   help="every Nth generation request answers a non-JSON body")
+    g.add_argument("--fault-die-after-tokens", type=int, default=0,
+                   help="exit the process after streaming this many tokens in total (dies mid-stream)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse and validate the command line."""
+    p = build_parser()
+    opts = p.parse_args(list(argv) if argv is not None else None)
+    if opts.kv_events_format is None:
+        opts.kv_events_format = "sglang" if opts.dialect == "sglang" else "vllm"
+    if opts.block_size <= 0:
+        p.error("--block-size must be positive")
+    if opts.gpu_blocks is not None and opts.gpu_blocks <= 0:
+        p.error("--gpu-blocks must be positive")
+    if opts.kv_replay_port is not None and opts.kv_events_port is None:
+        p.error("--kv-replay-port needs --kv-events-port")
+    if opts.time_scale < 0:
+        p.error("--time-scale must be >= 0")
+    return opts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvroute fake-engine``: run one stand-in engine until SIGTERM / SIGINT; returns the exit code."""
+    opts = parse_args(argv)
+    logging.basicConfig(level=opts.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    try:
+        engine = FakeEngine(opts)
+    except Exception as exc:
+        print(f"kvroute fake-engine: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(engine)
+    config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level, access_log=False,
+                            timeout_graceful_shutdown=3, lifespan="on")
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
