@@ -354,11 +354,12 @@ class Proxy:
                     yield chunk
         finally:
             self.router.release(rep)
+            # feedback here too: a client that closes right after the last chunk never resumes the generator
+            usage = _usage_from_sse(bytes(tail))
+            if ok or usage:
+                self._feedback(rep, routed, usage, ttft, predicted_cached, single_chunk=False)
             with anyio.CancelScope(shield=True):
                 await _close_quietly(resp)
-        if ok:
-            self._feedback(rep, routed, _usage_from_sse(bytes(tail)), ttft, predicted_cached,
-                           single_chunk=False)
 
     def _feedback(self, rep: Replica, routed: Routed, usage: dict[str, Any] | None, ttft: float,
                   predicted_cached: int, *, single_chunk: bool) -> None:

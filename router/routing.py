@@ -237,6 +237,9 @@ class Router:
         self.max_inflight_per_replica = max_inflight_per_replica
         self.clock = clock
         self._seed_cache: dict[tuple[str, str | None, str | None], int] = {}
+        #: True: a request's prefill tokens stop counting at its first byte. False when an engine-metrics
+        #: scraper owns ``inflight_prefill_tokens`` (it subtracts what was dispatched before each scrape).
+        self.prefill_release_on_first_byte = True
         #: called with (replica, keys) after predicted entries are recorded (membership broadcasts them to peers)
         self.on_prediction: list[Callable[[Replica, Sequence[int]], None]] = []
 
@@ -359,6 +362,8 @@ class Router:
 
     def prefill_done(self, rep: Replica, uncached_tokens: int) -> None:
         """The request's prefill finished (first byte) or failed: stop counting its prefill tokens."""
+        if not self.prefill_release_on_first_byte:
+            return
         rep.load.inflight_prefill_tokens = max(0, rep.load.inflight_prefill_tokens - max(0, uncached_tokens))
 
     def release(self, rep: Replica) -> None:

@@ -88,13 +88,17 @@ def _attach_engine_metrics(svc: Services) -> None:
     except ImportError:
         log.warning("membership.engine_metrics is not available: load views come from in-flight counts only")
         return
-    factory = getattr(mod, "EngineMetricsScraper", None)
+    factory = getattr(mod, "MetricsScraper", None)
     if factory is None:
-        log.warning("membership.engine_metrics has no EngineMetricsScraper: not scraping engine metrics")
+        log.warning("membership.engine_metrics has no MetricsScraper: not scraping engine metrics")
         return
+    key = svc.settings.engine_api_key
+    headers = {"authorization": f"Bearer {key.get_secret_value()}"} if key else None
     scraper = factory(svc.table, interval_s=svc.settings.scrape_interval_s,
-                      timeout_s=svc.settings.scrape_timeout_s)
+                      timeout_s=svc.settings.scrape_timeout_s, headers=headers)
     if hasattr(scraper, "register_metrics"):
         scraper.register_metrics(svc.telemetry.registry)
+    # the scraper owns inflight_prefill_tokens from now on: it subtracts what was dispatched before each scrape
+    svc.router.prefill_release_on_first_byte = False
     svc.background.append((scraper.start, scraper.stop))
     svc.extras["engine_metrics"] = scraper

@@ -1,0 +1,160 @@
+"""Settings derivation: CLI flags, KVROUTE_* env, YAML file, precedence, replica specs, field listing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from router.config import (
+    ReplicaSpec,
+    Settings,
+    build_arg_parser,
+    default_values,
+    env_name,
+    flag_name,
+    load_settings,
+    settings_fields,
+)
+
+SPEC = ("name=r0,url=http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,"
+        "dialect=vllm,model=m")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("KVROUTE_"):
+            monkeypatch.delenv(key)
+
+
+def test_defaults_without_sources() -> None:
+    s = load_settings([])
+    assert s.policy == "ttft"
+    assert s.port == 8080
+    assert s.block_size == 16
+    assert s.replicas == []
+    assert s.cors_origins == []
+    assert s.admin_token is None
+
+
+def test_replica_spec_string() -> None:
+    r = ReplicaSpec.parse(SPEC + ",topic=kv,profile=h20,lora=a|b")
+    assert r.name == "r0" and r.url == "http://127.0.0.1:8001"
+    assert r.events == "tcp://127.0.0.1:5557" and r.replay == "tcp://127.0.0.1:5558"
+    assert r.model == ["m"] and r.loras == ["a", "b"] and r.topic == "kv" and r.profile == "h20"
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ("name=r0", "no url"),
+    ("name=r0,url=http://x:1,colour=red", "unknown replica spec key 'colour'"),
+    ("name=r0,url", "not key=value"),
+    ("name=r0,url=ftp://x", "http:// or https://"),
+    ("name=r0,url=http://x:1,dialect=trt", "dialect"),
+])
+def test_replica_spec_errors_name_the_problem(bad: str, needle: str) -> None:
+    with pytest.raises((ValueError, ValidationError)) as info:
+        load_settings(["--replica", bad])
+    assert needle in str(info.value)
+
+
+def test_cli_flags_cover_every_field_and_parse_types() -> None:
+    parser = build_arg_parser()
+    flags = {opt for a in parser._actions for opt in a.option_strings}
+    for name in Settings.model_fields:
+        assert flag_name(name) in flags, name
+    s = load_settings(["--replica", SPEC, "--replica", "name=r1,url=http://127.0.0.1:8002",
+                       "--policy-param", "alpha=0.5", "--policy-param", "mode=fast", "--port", "9000",
+                       "--no-kv-events", "--index-max-nodes", "none", "--api-key", "k1,k2",
+                       "--predicted-ttl-s", "30.5", "--tokenizer-mode", "bytes"])
+    assert [r.name for r in s.replicas] == ["r0", "r1"]
+    assert s.policy_params == {"alpha": 0.5, "mode": "fast"}
+    assert s.port == 9000 and s.kv_events is False and s.index_max_nodes is None
+    assert [k.get_secret_value() for k in s.api_keys] == ["k1", "k2"]
+    assert s.predicted_ttl_s == 30.5 and s.tokenizer_mode == "bytes"
+
+
+def test_bad_flag_value_exits() -> None:
+    with pytest.raises(SystemExit):
+        load_settings(["--port", "notanumber"])
+    with pytest.raises(SystemExit):
+        load_settings(["--tokenizer-mode", "magic"])
+    with pytest.raises(ValidationError, match="port"):
+        load_settings(["--port", "70000"])
+
+
+def test_precedence_cli_over_env_over_yaml_over_default(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "kvroute.yaml"
+    cfg.write_text("port: 9200\npolicy: round_robin\nblock-size: 32\nmax_retries: 4\n"
+                   "replicas:\n  - name: y0\n    url: http://127.0.0.1:7000\n    model: [m]\n"
+                   "  - " + SPEC.replace("r0", "y1") + "\n")
+    # YAML alone over defaults
+    s = load_settings(["--config", str(cfg)])
+    assert (s.port, s.policy, s.block_size, s.max_retries) == (9200, "round_robin", 32, 4)
+    assert [r.name for r in s.replicas] == ["y0", "y1"] and s.replicas[0].model == ["m"]
+    assert s.connect_timeout_s == Settings.model_fields["connect_timeout_s"].default
+    # env over YAML
+    monkeypatch.setenv("KVROUTE_PORT", "9100")
+    monkeypatch.setenv("KVROUTE_POLICY", "least_load")
+    monkeypatch.setenv("KVROUTE_REPLICAS", "name=e0,url=http://127.0.0.1:1;name=e1,url=http://127.0.0.1:2")
+    s = load_settings(["--config", str(cfg)])
+    assert (s.port, s.policy, s.block_size) == (9100, "least_load", 32)
+    assert [r.name for r in s.replicas] == ["e0", "e1"]
+    # CLI over env
+    s = load_settings(["--config", str(cfg), "--port", "9000", "--replica", "name=c0,url=http://127.0.0.1:3"])
+    assert (s.port, s.policy, s.block_size) == (9000, "least_load", 32)
+    assert [r.name for r in s.replicas] == ["c0"]
+    # the config file can also come from the environment
+    monkeypatch.setenv("KVROUTE_CONFIG", str(cfg))
+    assert load_settings([]).max_retries == 4
+
+
+def test_yaml_unknown_key_is_an_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("port: 1\nno_such_option: 3\n")
+    with pytest.raises(ValidationError, match="no_such_option"):
+        load_settings(["--config", str(cfg)])
+    cfg.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_settings(["--config", str(cfg)])
+
+
+def test_env_json_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVROUTE_POLICY_PARAMS", '{"alpha": 2}')
+    monkeypatch.setenv("KVROUTE_REPLICAS", '[{"name": "j0", "url": "http://127.0.0.1:5"}]')
+    monkeypatch.setenv("KVROUTE_CORS_ORIGINS", "https://a.example,https://b.example")
+    s = load_settings([])
+    assert s.policy_params == {"alpha": 2}
+    assert s.replicas[0].name == "j0"
+    assert s.cors_origins == ["https://a.example", "https://b.example"]
+
+
+def test_settings_fields_listing_matches_the_class() -> None:
+    fields = settings_fields()
+    assert [f["name"] for f in fields] == list(Settings.model_fields)
+    by_name = {f["name"]: f for f in fields}
+    assert by_name["port"] == {"name": "port", "flag": "--port", "env": "KVROUTE_PORT", "type": "int",
+                               "default": 8080, "description": Settings.model_fields["port"].description}
+    assert by_name["replicas"]["flag"] == "--replica"
+    assert env_name("max_retries") == "KVROUTE_MAX_RETRIES"
+    for f in fields:
+        assert f["description"], f"{f['name']} has no description"
+    assert default_values()["policy"] == "ttft"
+
+
+def test_help_shows_descriptions_and_defaults() -> None:
+    text = build_arg_parser().format_help()
+    assert "--first-byte-timeout-s" in text
+    assert "KVROUTE_FIRST_BYTE_TIMEOUT_S" in text
+    assert "default: 'ttft'" in text
+
+
+def test_safe_dict_masks_secrets() -> None:
+    s = load_settings(["--admin-token", "s3cret", "--api-key", "k1", "--engine-api-key", "e2"])
+    d = s.safe_dict()
+    assert d["admin_token"] == "***" and d["api_keys"] == ["***"] and d["engine_api_key"] == "***"
+    assert "s3cret" not in repr(d) and "e2'" not in repr(d)

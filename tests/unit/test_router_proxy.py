@@ -1,0 +1,342 @@
+"""Proxy behaviour against real tiny HTTP servers on loopback: retries before the first byte, 4xx passthrough,
+timeouts, SSE passthrough and mid-stream failure, cancellation, request ids, in-flight accounting.
+
+The router runs in-process (uvicorn in a thread); the engines are tiny Starlette apps (uvicorn threads) or a
+raw asyncio server that drops connections. No module of ours is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from router.app import create_app
+from router.config import load_settings
+from tests.helpers import free_port, wait_until
+
+
+class ServerThread:
+    """Run an ASGI app with uvicorn on 127.0.0.1:<free port> in a background thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        wait_until(lambda: self.server.started, timeout=10, what="server start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@dataclass
+class EngineState:
+    mode: str = "ok"  # ok | 500 | 400 | hang | midstream_fail
+    posts: int = 0
+    request_ids: list[str] = field(default_factory=list)
+    cancelled: int = 0
+    cached_tokens: int = 0
+
+
+def tiny_engine(state: EngineState) -> Starlette:
+    async def health(request: Request) -> Response:
+        return JSONResponse({})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        state.posts += 1
+        state.request_ids.append(request.headers.get("x-request-id", ""))
+        usage = {"prompt_tokens": 10, "completion_tokens": 3,
+                 "prompt_tokens_details": {"cached_tokens": state.cached_tokens}}
+        if state.mode == "500":
+            return JSONResponse({"error": "engine exploded"}, status_code=500)
+        if state.mode == "400":
+            return JSONResponse({"error": {"message": "max_tokens too large"}}, status_code=400)
+        if state.mode == "hang":  # like vLLM's @with_cancellation: abort when the client goes away
+            sleeper = asyncio.ensure_future(asyncio.sleep(30))
+            watcher = asyncio.ensure_future(_disconnected(request))
+            await asyncio.wait({sleeper, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            sleeper.cancel()
+            watcher.cancel()
+            if watcher.done() and not watcher.cancelled():
+                state.cancelled += 1
+                return Response(status_code=499)
+        if body.get("stream"):
+            async def gen() -> Any:
+                try:
+                    for i in range(3):
+                        yield f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode()
+                        await asyncio.sleep(0.01)
+                    if state.mode == "midstream_fail":
+                        raise RuntimeError("engine died mid-stream")
+                    if state.mode == "slow_stream":
+                        await asyncio.sleep(30)
+                    yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+                    yield b"data: [DONE]\n\n"
+                except asyncio.CancelledError:
+                    state.cancelled += 1
+                    raise
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        return JSONResponse({"choices": [{"text": "ok"}], "usage": usage})
+
+    return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                             Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/chat/completions", completions, methods=["POST"])])
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class DroppingEngine:
+    """Raw asyncio HTTP server: answers GET /health and /v1/models, drops every POST without answering."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.posts = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                line = head.split(b"\r\n", 1)[0]
+                length = 0
+                for h in head.split(b"\r\n")[1:]:
+                    if h.lower().startswith(b"content-length:"):
+                        length = int(h.split(b":", 1)[1])
+                if length:
+                    await reader.readexactly(length)
+                if line.startswith(b"POST"):
+                    self.posts += 1
+                    writer.close()
+                    return
+                body = b'{"object":"list","data":[{"id":"m"}]}' if b"/v1/models" in line else b"{}"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    def __enter__(self) -> DroppingEngine:
+        self.thread.start()
+        fut = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._handle, "127.0.0.1", self.port), self.loop)
+        self.server = fut.result(timeout=5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+def router_for(urls: list[str], *extra: str) -> ServerThread:
+    args = ["--host", "127.0.0.1", "--policy", "round_robin", "--probe-interval-s", "0.2",
+            "--tokenizer-mode", "bytes", "--max-retries", "2", "--log-level", "warning", "--log-format", "text"]
+    for i, url in enumerate(urls):
+        args += ["--replica", f"name=e{i},url={url},model=m"]
+    settings = load_settings([*args, *extra])
+    return ServerThread(create_app(settings))
+
+
+def metric(router: ServerThread, name: str, labels: dict[str, str] | None = None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(router.url + "/metrics").text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += s.value
+    return total
+
+
+def ready(router: ServerThread, n: int) -> None:
+    wait_until(lambda: httpx.get(router.url + "/readyz").json().get("routable_replicas") == n, timeout=10,
+               what=f"{n} routable replicas")
+
+
+def inflight(router: ServerThread) -> list[int]:
+    return [r["load"]["inflight_requests"] for r in httpx.get(router.url + "/replicas").json()["replicas"]]
+
+
+@pytest.fixture
+def good() -> Iterator[tuple[EngineState, ServerThread]]:
+    st = EngineState()
+    with ServerThread(tiny_engine(st)) as srv:
+        yield st, srv
+
+
+BODY = {"model": "m", "prompt": "hello there, a prompt long enough to have a few blocks" * 3, "max_tokens": 3}
+
+
+def test_5xx_before_first_byte_is_retried_on_another_replica(good: tuple[EngineState, ServerThread]) -> None:
+    gst, gsrv = good
+    bst = EngineState(mode="500")
+    with ServerThread(tiny_engine(bst)) as bsrv, router_for([bsrv.url, gsrv.url]) as router:
+        ready(router, 2)
+        for _ in range(4):
+            r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-replica"] == "e1"
+        assert bst.posts >= 1 and gst.posts == 4
+        assert metric(router, "kvroute_retries_total", {"reason": "engine_500"}) == bst.posts
+        assert inflight(router) == [0, 0]
+
+
+def test_dropped_and_refused_connections_are_retried(good: tuple[EngineState, ServerThread]) -> None:
+    gst, gsrv = good
+    refused = f"http://127.0.0.1:{free_port()}"
+    with DroppingEngine() as drop, router_for([drop.url, gsrv.url, refused]) as router:
+        ready(router, 2)
+        for stream in (False, True, False, True):
+            r = httpx.post(router.url + "/v1/completions", json={**BODY, "stream": stream}, timeout=10)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-replica"] == "e1"
+        assert drop.posts >= 1
+        assert metric(router, "kvroute_retries_total", {"reason": "connection_lost"}) == drop.posts
+        assert inflight(router) == [0, 0, 0]
+
+
+def test_all_attempts_fail_is_a_clear_502_with_bounded_attempts() -> None:
+    states = [EngineState(mode="500") for _ in range(4)]
+    servers = [ServerThread(tiny_engine(s)) for s in states]
+    for s in servers:
+        s.__enter__()
+    try:
+        with router_for([s.url for s in servers], "--max-retries", "2") as router:
+            ready(router, 4)
+            r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+            assert r.status_code == 502
+            err = r.json()["error"]
+            assert "after 3 attempt(s)" in err["message"] and "engine answered 500" in err["message"]
+            assert sum(s.posts for s in states) == 3
+            assert metric(router, "kvroute_upstream_errors_total", {"reason": "engine_500"}) == 1
+            assert inflight(router) == [0, 0, 0, 0]
+    finally:
+        for s in servers:
+            s.__exit__()
+
+
+def test_engine_4xx_is_passed_through_without_retry(good: tuple[EngineState, ServerThread]) -> None:
+    gst, gsrv = good
+    bst = EngineState(mode="400")
+    with ServerThread(tiny_engine(bst)) as bsrv, router_for([bsrv.url, gsrv.url]) as router:
+        ready(router, 2)
+        codes = Counter()
+        for _ in range(2):
+            r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+            codes[r.status_code] += 1
+            if r.status_code == 400:
+                assert r.json() == {"error": {"message": "max_tokens too large"}}
+        assert codes == {400: 1, 200: 1}
+        assert bst.posts == 1 and gst.posts == 1
+
+
+def test_first_byte_timeout_is_a_clear_504_and_cancels_upstream() -> None:
+    st = EngineState(mode="hang")
+    with ServerThread(tiny_engine(st)) as srv, router_for([srv.url], "--first-byte-timeout-s", "0.5") as router:
+        ready(router, 1)
+        r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+        assert r.status_code == 504
+        assert "first_byte_timeout_s" in r.json()["error"]["message"]
+        assert st.posts == 1  # a timeout is not retried (the engine may still be working on it)
+        wait_until(lambda: st.cancelled == 1, timeout=5, what="engine saw the cancellation")
+        assert inflight(router) == [0]
+
+
+def test_streaming_passthrough_usage_and_request_id(good: tuple[EngineState, ServerThread]) -> None:
+    gst, gsrv = good
+    gst.cached_tokens = 0
+    with router_for([gsrv.url]) as router:
+        ready(router, 1)
+        with httpx.stream("POST", router.url + "/v1/completions", json={**BODY, "stream": True},
+                          headers={"x-request-id": "req-123"}, timeout=10) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-request-id"] == "req-123"
+            text = "".join(r.iter_text())
+        events = [e for e in text.split("\n\n") if e]
+        assert events[0] == 'data: {"choices": [{"text": "0"}]}' and events[-1] == "data: [DONE]"
+        assert gst.request_ids[-1] == "req-123"
+        r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+        generated = r.headers["x-request-id"]
+        assert len(generated) == 32 and gst.request_ids[-1] == generated
+        # engine-reported cached tokens were compared with the prediction: the first request was cold (0 = 0);
+        # the second was predicted to hit (no KV events -> predicted entries) but this engine reports 0
+        assert metric(router, "kvroute_cached_tokens_match_total", {"result": "exact"}) == 1
+        assert metric(router, "kvroute_cached_tokens_match_total", {"result": "over"}) == 1
+        assert metric(router, "kvroute_predicted_cached_tokens_total") > 0
+        assert metric(router, "kvroute_engine_cached_tokens_total") == 0
+        assert metric(router, "kvroute_ttft_seconds_count", {"replica": "e0"}) == 2
+
+
+def test_mid_stream_failure_ends_with_an_sse_error_event() -> None:
+    st = EngineState(mode="midstream_fail")
+    with ServerThread(tiny_engine(st)) as srv, router_for([srv.url]) as router:
+        ready(router, 1)
+        with httpx.stream("POST", router.url + "/v1/completions", json={**BODY, "stream": True},
+                          timeout=10) as r:
+            assert r.status_code == 200
+            text = "".join(r.iter_text())
+        assert text.startswith('data: {"choices": [{"text": "0"}]}')
+        assert "event: error\ndata: " in text
+        err = json.loads(text.split("event: error\ndata: ", 1)[1].split("\n", 1)[0])
+        assert err["error"]["code"] == "stream_broken" and "mid-stream" in err["error"]["message"]
+        assert inflight(router) == [0]
+
+
+def test_client_disconnect_cancels_the_upstream_stream() -> None:
+    st = EngineState(mode="slow_stream")
+    with ServerThread(tiny_engine(st)) as srv, router_for([srv.url]) as router:
+        ready(router, 1)
+        with httpx.stream("POST", router.url + "/v1/completions", json={**BODY, "stream": True},
+                          timeout=10) as r:
+            it = r.iter_raw()
+            assert next(it).startswith(b"data: ")
+        wait_until(lambda: st.cancelled == 1, timeout=5, what="engine saw the stream cancelled")
+        wait_until(lambda: inflight(router) == [0], timeout=5, what="in-flight released")
+
+
+def test_client_disconnect_cancels_a_queued_request() -> None:
+    st = EngineState(mode="hang")
+    with ServerThread(tiny_engine(st)) as srv, router_for([srv.url]) as router:
+        ready(router, 1)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(router.url + "/v1/completions", json=BODY, timeout=0.5)
+        wait_until(lambda: st.cancelled == 1, timeout=5, what="engine saw the request cancelled")
+        wait_until(lambda: inflight(router) == [0], timeout=5, what="in-flight released")

@@ -1,0 +1,194 @@
+"""The routing glue with the real index, replica table and policies (no mocks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from index.hashing import block_keys, root_seed
+from index.prefix_index import PrefixIndex
+from membership.replicas import ReplicaState, ReplicaTable
+from policies.base import make_policy
+from router.routing import (
+    BUILTIN_PROFILES,
+    BadRequest,
+    NoReplica,
+    Overloaded,
+    Router,
+    UnknownModel,
+    build_profile,
+    decision_json,
+    hit_from_match,
+    usable_cached_tokens,
+)
+
+BS = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_router(n: int = 3, policy: str = "ttft", predict_mode: str = "auto",
+                events: set[int] | None = None, **kw: object) -> Router:
+    clock = Clock()
+    table = ReplicaTable()
+    for i in range(n):
+        table.upsert(f"r{i}", f"http://127.0.0.1:{9000 + i}", models=["m"], profile=build_profile("a100"))
+        table.set_state(f"r{i}", ReplicaState.READY)
+    index = PrefixIndex(block_size=BS, clock=clock)
+    healthy = events or set()
+    return Router(table, index, make_policy(policy), block_size=BS, predict_mode=predict_mode,
+                  events_healthy=lambda rep: rep.index in healthy, clock=clock, **kw)  # type: ignore[arg-type]
+
+
+def prompt(n: int, base: int = 1) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def test_usable_cached_tokens_keeps_last_token_uncached() -> None:
+    assert usable_cached_tokens(64, 64, 16) == 48
+    assert usable_cached_tokens(64, 65, 16) == 64
+    assert usable_cached_tokens(32, 100, 16) == 32
+    assert usable_cached_tokens(0, 0, 16) == 0
+
+
+def test_prefix_holder_is_chosen_and_explained() -> None:
+    router = make_router()
+    toks = prompt(4096)
+    inp = router.make_input("m", None, toks)
+    assert inp.keys == block_keys(toks, BS, root_seed("m"))
+    router.index.store(1, None, inp.keys[:200])  # replica r1 holds 200 blocks (3200 tokens)
+    routed = router.decide(inp)
+    assert routed.decision.chosen == 1
+    assert routed.cached_tokens == {0: 0, 1: 3200, 2: 0}
+    c1 = next(c for c in routed.candidates if c.index == 1)
+    assert c1.hit.gpu == 3200 and c1.hit.predicted == 0
+    out = decision_json(routed, router.table, BS)
+    assert out["chosen"] == {"name": "r1", "index": 1, "url": "http://127.0.0.1:9001"}
+    assert out["ranking"][0] == "r1" and out["prompt_tokens"] == 4096 and out["blocks"] == 256
+    cand = {c["name"]: c for c in out["candidates"]}
+    assert cand["r1"]["matched_tokens"]["gpu"] == 3200
+    assert cand["r1"]["predicted_ttft_s"] < cand["r0"]["predicted_ttft_s"]
+    for c in out["candidates"]:
+        assert c["Q"] is not None and c["C"] is not None and c["p"] is not None
+
+
+def test_full_match_is_capped_at_what_an_engine_reuses() -> None:
+    router = make_router()
+    toks = prompt(64)
+    inp = router.make_input("m", None, toks)
+    router.index.store(2, None, inp.keys)
+    routed = router.decide(inp)
+    assert routed.cached_tokens[2] == 48  # 4 blocks held, the last token must be recomputed
+    m = router.index.match(inp.keys)[2]
+    hit = hit_from_match(m, 64, BS)
+    assert hit.total == 48 and hit.gpu == 48
+
+
+def test_predicted_entries_only_without_healthy_events() -> None:
+    router = make_router(events={0})
+    toks = prompt(256)
+    inp = router.make_input("m", None, toks)
+    rep0, rep1 = router.table.by_index(0), router.table.by_index(1)
+    assert rep0 is not None and rep1 is not None
+    router.record_prediction(rep0, inp.keys)  # r0 has healthy events: no prediction
+    assert router.index.match(inp.keys) == {}
+    router.record_prediction(rep1, inp.keys)  # r1 has none: predicted entries
+    m = router.index.match(inp.keys)
+    assert set(m) == {1} and m[1].predicted == 16
+    routed = router.decide(router.make_input("m", None, toks + [7, 7, 7]))
+    assert routed.decision.chosen == 1
+    hit = next(c.hit for c in routed.candidates if c.index == 1)
+    assert hit.predicted == 256 and hit.total == 256
+
+
+def test_predict_mode_never_and_always() -> None:
+    never = make_router(predict_mode="never")
+    inp = never.make_input("m", None, prompt(64))
+    rep = never.table.by_index(0)
+    assert rep is not None
+    never.record_prediction(rep, inp.keys)
+    assert never.index.match(inp.keys) == {}
+    always = make_router(predict_mode="always", events={0})
+    rep = always.table.by_index(0)
+    assert rep is not None
+    always.record_prediction(rep, inp.keys)
+    assert set(always.index.match(inp.keys)) == {0}
+
+
+def test_models_and_lora_filtering() -> None:
+    router = make_router(3)
+    router.table.upsert("r2", "http://127.0.0.1:9002", loras=["sql-adapter"])
+    assert router.resolve_model("m") == ("m", None, "m")
+    assert router.resolve_model("sql-adapter") == ("sql-adapter", "sql-adapter", "m")
+    inp = router.make_input("sql-adapter", "sql-adapter", prompt(64), base_model="m")
+    assert inp.seed == root_seed("m", "sql-adapter")
+    assert [r.name for r in router.candidates_for(inp)] == ["r2"]
+    with pytest.raises(UnknownModel) as info:
+        router.resolve_model("other")
+    assert info.value.status == 404 and "known: m, sql-adapter" in info.value.message
+    ids = {m["id"]: m for m in router.served_models()}
+    assert set(ids) == {"m", "sql-adapter"} and ids["sql-adapter"]["parent"] == "m"
+
+
+def test_cache_salt_changes_keys() -> None:
+    router = make_router()
+    a = router.make_input("m", None, prompt(64))
+    b = router.make_input("m", None, prompt(64), cache_salt="tenant-a")
+    assert a.keys != b.keys and b.seed == root_seed("m", None, "tenant-a")
+
+
+def test_no_routable_overloaded_and_too_long() -> None:
+    router = make_router(2, max_inflight_per_replica=1)
+    inp = router.make_input("m", None, prompt(64))
+    for r in router.table.all():
+        router.acquire(r, 64)
+    with pytest.raises(Overloaded) as over:
+        router.decide(inp)
+    assert over.value.status == 429
+    for r in router.table.all():
+        router.prefill_done(r, 64)
+        router.release(r)
+        assert r.load.inflight_requests == 0 and r.load.inflight_prefill_tokens == 0
+    router.table.set_state("r0", ReplicaState.UNHEALTHY)
+    assert router.decide(inp).decision.chosen == 1
+    with pytest.raises(NoReplica, match="r0.*unhealthy"):
+        router.decide(inp, exclude=[1])
+    router.table.set_state("r0", ReplicaState.READY)
+    for r in router.table.all():
+        r.profile.max_context_tokens = 32
+    with pytest.raises(BadRequest, match="longer than any replica's context"):
+        router.decide(inp)
+
+
+def test_accounting_before_dispatch_steers_the_next_decision() -> None:
+    router = make_router(2, policy="least_load")
+    inp = router.make_input("m", None, prompt(64))
+    first = router.decide(inp)
+    rep = router.table.by_index(first.decision.chosen)
+    assert rep is not None
+    router.acquire(rep, 64)
+    assert rep.load.inflight_requests == 1 and rep.load.inflight_prefill_tokens == 64
+    second = router.decide(inp)
+    assert second.decision.chosen != first.decision.chosen
+
+
+def test_builtin_profiles_match_the_engine_model() -> None:
+    from loadtest.engine_model import PROFILES
+
+    for name, hw in PROFILES.items():
+        want = hw.replica_profile()
+        got = build_profile(name)
+        for field in BUILTIN_PROFILES[name]:
+            assert getattr(got, field) == pytest.approx(getattr(want, field)), (name, field)
+    custom = build_profile("a100", {"a100": {"prefill_tokens_per_s": 5.0,
+                                             "tiers": {"cpu": {"bandwidth_bytes_per_s": 1e9}}}})
+    assert custom.prefill_tokens_per_s == 5.0 and custom.tiers["cpu"].bandwidth_bytes_per_s == 1e9
+    with pytest.raises(ValueError, match="unknown replica profile"):
+        build_profile("tpu")
+    with pytest.raises(ValueError, match="unknown fields"):
+        build_profile("x", {"x": {"speed": 1}})
