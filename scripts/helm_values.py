@@ -100,7 +100,9 @@ def config_block(settings_cls: type[Settings] = Settings) -> str:
         "#   .venv/bin/python scripts/helm_values.py --write",
         "# Every router option, with its default. Override any key in your own values file; the chart renders",
         f"# each one as the environment variable {ENV_PREFIX}<KEY> (ConfigMap, or a Secret for secret keys).",
-        "# A null value leaves the variable unset, so the router's default (None) applies.",
+        "# A null value leaves the variable unset, so the router's default applies. The Deployment derives",
+        "# kubernetes_enabled, kubernetes_namespace and redis_url from the release (watchAllNamespaces, redis.*);",
+        "# see docs/deploy.md section 7.",
         "config:",
     ]
     last_section = None
