@@ -259,8 +259,11 @@ def test_feature_flags_render_expected_objects() -> None:
 
 
 def test_single_replica_has_no_pdb() -> None:
-    """A PDB with minAvailable 1 over one pod would block node drains: not rendered for replicaCount=1."""
+    """A PDB with minAvailable 1 over one pod would block node drains: not rendered for one router pod."""
     assert "PodDisruptionBudget" not in kinds(render(sets={"replicaCount": "1"}))
+    assert "PodDisruptionBudget" not in kinds(render(sets={"autoscaling.enabled": "true",
+                                                           "autoscaling.minReplicas": "1"}))
+    assert "PodDisruptionBudget" in kinds(render(sets={"autoscaling.enabled": "true", "replicaCount": "1"}))
 
 
 def test_network_policy_opens_only_the_router_port() -> None:
