@@ -72,6 +72,8 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat, starmap, takewhile
+from operator import add, itemgetter, not_, sub
 from typing import Any
 
 import xxhash
@@ -572,10 +574,11 @@ class EngineModel:
         ref = self._ref
         cpu = self._cpu
         n = len(block_hashes) if cap is None else min(cap, len(block_hashes))
-        i = 0
-        while i < n and block_hashes[i] in ref:
-            i += 1
-        g = i
+        if n <= 0:
+            return 0, 0
+        hs = block_hashes[:n] if n < len(block_hashes) else block_hashes
+        g = len(list(takewhile(ref.__contains__, hs)))
+        i = g
         if cpu:
             while i < n and (block_hashes[i] in cpu or block_hashes[i] in ref):
                 i += 1
@@ -705,24 +708,19 @@ class EngineModel:
         total_blocks = self._blocks_for(r.prompt_tokens + r.output_tokens)
         need = total_blocks - gpu
         # evictable blocks this request would pin itself do not count as free
-        pinned_free = 0
-        for i in range(gpu):
-            if hashes[i] in self._free:
-                pinned_free += 1
+        hits = hashes[:gpu]
+        in_free = list(filter(self._free.__contains__, hits)) if gpu else []
+        pinned_free = len(in_free)
         held = len(self._ref) - len(self._free) + self._private
         available = self.num_gpu_blocks - held - pinned_free
         running = len(self._prefilling) + len(self._decoding) + len(self._loading)
         if need > available and running > 0:
             return False
-        # pin GPU hits
+        # pin GPU hits (bulk, C-level iteration)
         ref = self._ref
-        free = self._free
-        for i in range(gpu):
-            h = hashes[i]
-            c = ref[h]
-            if c == 0:
-                del free[h]
-            ref[h] = c + 1
+        if gpu:
+            deque(map(self._free.pop, in_free), maxlen=0)
+            ref.update(zip(hits, map(add, map(ref.__getitem__, hits), repeat(1)), strict=False))
         self._private += need
         self._evict_to_capacity(t)
         r.gpu_hit_blocks = gpu
@@ -759,20 +757,26 @@ class EngineModel:
         """Blocks ``lo..hi-1`` of ``r`` are computed: cache them (held by ``r``); returns how many."""
         hashes = r.block_hashes or []
         ref = self._ref
-        free = self._free
-        parent = self._parent
-        n = 0
-        for i in range(lo, hi):
-            h = hashes[i]
-            c = ref.get(h)
-            if c is None:
-                ref[h] = 1
-                parent[h] = hashes[i - 1] if i else None
-            else:
-                if c == 0:
-                    del free[h]
-                ref[h] = c + 1
-            n += 1
+        n = hi - lo
+        if n <= 0:
+            return 0
+        seg = hashes[lo:hi]
+        if ref.keys().isdisjoint(seg):
+            ref.update(dict.fromkeys(seg, 1))
+        else:  # some blocks were computed concurrently by another request: share them
+            free = self._free
+            for h in seg:
+                c = ref.get(h)
+                if c is None:
+                    ref[h] = 1
+                else:
+                    if c == 0:
+                        del free[h]
+                    ref[h] = c + 1
+        if self.num_cpu_blocks:
+            parent = self._parent
+            for i in range(lo, hi):
+                parent.setdefault(hashes[i], hashes[i - 1] if i else None)
         self._private -= n
         r.private_blocks -= n
         r.held_blocks += n
@@ -863,13 +867,13 @@ class EngineModel:
         self._finished += 1
         hashes = r.block_hashes or []
         ref = self._ref
-        free = self._free
-        for i in range(r.held_blocks - 1, -1, -1):
-            h = hashes[i]
-            c = ref[h] - 1
-            ref[h] = c
-            if c == 0:
-                free[h] = None
+        held = r.held_blocks
+        if held:
+            rev = hashes[held - 1::-1]
+            counts = list(map(sub, map(ref.__getitem__, rev), repeat(1)))
+            ref.update(zip(rev, counts, strict=True))
+            # tail first into the LRU queue: a block is queued no earlier than its descendants
+            self._free.update(dict.fromkeys(compress(rev, map(not_, counts))))
         r.held_blocks = 0
         self._private -= r.private_blocks
         r.private_blocks = 0
@@ -882,12 +886,8 @@ class EngineModel:
             return
         free = self._free
         ref = self._ref
-        removed: list[int] = []
-        while over > 0 and free:
-            h, _ = free.popitem(last=False)
-            del ref[h]
-            removed.append(h)
-            over -= 1
+        removed = list(map(itemgetter(0), starmap(free.popitem, repeat((False,), min(over, len(free))))))
+        deque(map(ref.pop, removed), maxlen=0)
         if self.emit_kv_events:
             self._events.append(BlockRemoved(t, removed, "gpu"))
         if self.num_cpu_blocks:
@@ -920,7 +920,6 @@ class EngineModel:
                 if h not in ref:
                     self._parent.pop(h, None)
                     self._tokens.pop(h, None)
-        else:
+        elif self._tokens:
             for h in removed:
-                self._parent.pop(h, None)
                 self._tokens.pop(h, None)

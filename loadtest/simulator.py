@@ -1,0 +1,801 @@
+"""Discrete-event fleet simulator: a trace through ``index/`` + ``policies/`` (unchanged) onto engine models.
+
+``kvroute simulate`` (``main(argv)``) replays a workload on N simulated replicas (``loadtest.engine_model``) and
+routes every request with the same code path the router service uses:
+
+1. the prompt's router block keys (``index.hashing`` chaining, memoised per segment by
+   ``loadtest.traces.BlockKeyCache``),
+2. ``PrefixIndex.match`` -> per replica ``PrefixHit`` in tokens (capped at what an engine can reuse: the last
+   prompt token is always recomputed; predicted blocks count as GPU, as in ``router.routing.hit_from_match``),
+3. ``Candidate(load=LoadView, hit=PrefixHit, profile=ReplicaProfile)`` -> ``policy.choose``,
+4. in-flight accounting exactly like the service: ``inflight_requests`` +1 at dispatch, -1 at the end;
+   ``inflight_prefill_tokens`` += the router's uncached estimate at dispatch, -= it at the first token,
+5. predicted index entries (``index.predict``) when the replica publishes no KV events (``--events-delay
+   none``) or ``--predict always``,
+6. engine KV events (``BlockStored`` / ``BlockRemoved`` with tier) reach ``index.store`` / ``index.remove``
+   after ``--events-delay`` seconds (the engines are given the router keys as their block hashes, which skips
+   engine-side hashing and the engine-hash -> router-key map; the keys and tiers the index sees are the same),
+7. load views refreshed every ``--scrape-interval`` seconds from the engines' metrics (``--scrape-fields
+   vllm``: waiting / running requests and KV usage, what vLLM exports; ``full`` adds queued prefill tokens),
+8. ``policy.observe(Observation)`` at each first token (engine-reported cached tokens, queue wait, TTFT).
+
+Every request completes (conservation is checked). Results per (policy, load): hit rate (token-weighted,
+engine-side: tokens the engines actually reused / prompt tokens), ``hit_rate_bound`` (one shared LRU cache with
+the fleet's total capacity, same trace, same block size), TTFT mean / p50 / p90 / p99, end-to-end p50,
+throughput, goodput (share of requests with TTFT <= the SLO), ``max_over_mean_load`` (prefill tokens the
+busiest replica computed / the mean), wall time.
+
+``--load X``: arrival rate = X x the fleet's estimated capacity. As in the seeds' co-located accounting
+(000 §9.2.3: one A100 occupies 0.856 + 1.764 GPU-s per 8192-in / 1025-out request), a request occupies its
+prefill time with nothing cached (linear + quadratic attention terms of the replica's profile) plus its share
+of its decode steps at a batch of 32; a replica's capacity is 1 / the workload's mean of that, summed over
+replicas. The estimate ignores cache reuse (so a cache-aware policy has extra headroom) and the overlap of
+decode with compute-bound chunked prefill steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from index.hashing import root_seed
+from index.prefix_index import PrefixIndex, ReplicaMatch
+from loadtest.engine_model import (
+    BlockRemoved,
+    BlockStored,
+    EngineMetrics,
+    EngineModel,
+    EngineRequest,
+    Finished,
+    FirstToken,
+    default_gpu_blocks,
+    get_profile,
+)
+from loadtest.traces import (
+    WORKLOADS,
+    BlockKeyCache,
+    Request,
+    load_mooncake,
+    make_workload,
+    scale_rate,
+    slice_time,
+)
+from policies.base import Candidate, LoadView, Observation, PrefixHit, RouteRequest, make_policy, policy_names
+
+_KV = 0
+_FIRST = 1
+_FINISH = 2
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    """The simulated fleet and the router's view of it.
+
+    Attributes:
+        profiles: one hardware profile name per replica (``a100``, ``h20``, ``rtx6000``).
+        gpu_blocks: GPU KV blocks per replica (None = the profile's HBM capacity).
+        cpu_blocks: CPU-tier blocks per replica (0 = none).
+        cpu_bytes_per_s: CPU->GPU fetch bandwidth (None = the profile's link), bytes/s.
+        block_size: tokens per block (router keys and engine pages).
+        max_batch_tokens: engine token budget per step.
+        max_running: engine running-request limit.
+        events_delay_s: KV event delivery delay, seconds; None = engines publish no events.
+        predict: ``auto`` (predicted entries only without events), ``always`` or ``never``.
+        scrape_interval_s: seconds between metric scrapes.
+        scrape_fields: ``vllm`` (waiting, running, KV usage) or ``full`` (+ queued prefill tokens).
+        slo_ttft_s: TTFT SLO for goodput, seconds.
+        model: model id folded into the root seed.
+        predicted_ttl_s: lifetime of predicted index entries, seconds.
+    """
+
+    profiles: list[str] = field(default_factory=lambda: ["a100"] * 8)
+    gpu_blocks: int | None = None
+    cpu_blocks: int = 0
+    cpu_bytes_per_s: float | None = None
+    block_size: int = 16
+    max_batch_tokens: int = 8192
+    max_running: int = 256
+    events_delay_s: float | None = 0.05
+    predict: str = "auto"
+    scrape_interval_s: float = 2.0
+    scrape_fields: str = "vllm"
+    slo_ttft_s: float = 2.0
+    model: str = "sim-model"
+    predicted_ttl_s: float = 120.0
+
+    @property
+    def replicas(self) -> int:
+        """Number of replicas."""
+        return len(self.profiles)
+
+    def gpu_blocks_of(self, i: int) -> int:
+        """GPU blocks of replica ``i``."""
+        if self.gpu_blocks is not None:
+            return self.gpu_blocks
+        return default_gpu_blocks(get_profile(self.profiles[i]), self.block_size)
+
+    def total_cache_blocks(self) -> int:
+        """GPU + CPU blocks of the whole fleet."""
+        return sum(self.gpu_blocks_of(i) + self.cpu_blocks for i in range(self.replicas))
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Outcome of one simulation run (see ``summary`` for the JSON fields)."""
+
+    policy: str
+    load: float | None
+    requests: int
+    completed: int
+    prompt_tokens: int
+    cached_tokens: int
+    ttft: list[float]
+    e2e: list[float]
+    replica_of: list[int]
+    prefill_tokens_by_replica: list[int]
+    requests_by_replica: list[int]
+    output_tokens: int
+    makespan_s: float
+    wall_s: float
+    slo_ttft_s: float
+    hit_rate_bound: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON object of this run (one element of ``kvroute simulate --json``)."""
+        tt = sorted(self.ttft)
+        ee = sorted(self.e2e)
+        pre = self.prefill_tokens_by_replica
+        mean_pre = sum(pre) / len(pre) if pre else 0.0
+        done_tokens = self.prompt_tokens + self.output_tokens
+        return {
+            "policy": self.policy,
+            "load": self.load,
+            "requests": self.requests,
+            "completed": self.completed,
+            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "hit_rate_bound": self.hit_rate_bound,
+            "ttft_mean_s": sum(tt) / len(tt) if tt else None,
+            "ttft_p50_s": percentile(tt, 50),
+            "ttft_p90_s": percentile(tt, 90),
+            "ttft_p99_s": percentile(tt, 99),
+            "e2e_p50_s": percentile(ee, 50),
+            "throughput_tok_s": done_tokens / self.makespan_s if self.makespan_s > 0 else None,
+            "output_tok_s": self.output_tokens / self.makespan_s if self.makespan_s > 0 else None,
+            "goodput": sum(1 for x in tt if x <= self.slo_ttft_s) / len(tt) if tt else None,
+            "slo_ttft_s": self.slo_ttft_s,
+            "max_over_mean_load": max(pre) / mean_pre if mean_pre > 0 else None,
+            "requests_by_replica": self.requests_by_replica,
+            "wall_s": self.wall_s,
+            **self.extra,
+        }
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank, ceiling of the position) of already sorted values."""
+    if not sorted_values:
+        return None
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values)) - 1))
+    return float(sorted_values[k])
+
+
+def usable_cached_tokens(matched_tokens: int, prompt_tokens: int, block_size: int) -> int:
+    """Prompt tokens an engine reuses when it holds ``matched_tokens`` leading tokens (last token recomputed)."""
+    if prompt_tokens <= 0:
+        return 0
+    return min(matched_tokens, ((prompt_tokens - 1) // block_size) * block_size)
+
+
+def hit_from_match(m: ReplicaMatch | None, prompt_tokens: int, block_size: int) -> PrefixHit:
+    """Index match (blocks) -> PrefixHit (tokens), as the router service builds it (predicted counts as GPU,
+    capped at what an engine can reuse, the excess taken from the slowest tiers first)."""
+    if m is None:
+        return PrefixHit()
+    bs = block_size
+    hit = PrefixHit(gpu=(m.gpu + m.predicted) * bs, cpu=m.cpu * bs, disk=m.disk * bs, remote=m.remote * bs,
+                    predicted=m.predicted * bs, age_s=m.age_s)
+    excess = hit.total - usable_cached_tokens(hit.total, prompt_tokens, bs)
+    for tier in ("remote", "disk", "cpu", "gpu"):
+        if excess <= 0:
+            break
+        take = min(excess, getattr(hit, tier))
+        setattr(hit, tier, getattr(hit, tier) - take)
+        excess -= take
+    hit.predicted = min(hit.predicted, hit.total)
+    return hit
+
+
+# ------------------------------------------------------------------------------------------- estimates
+
+
+#: Decode batch used by the capacity estimate (seeds 000 §9.2.3 derive r_D at batch 32).
+CAPACITY_DECODE_BATCH = 32
+
+
+def request_gpu_seconds(profile: str, prompt_tokens: int, output_tokens: int,
+                        batch: int = CAPACITY_DECODE_BATCH) -> float:
+    """GPU-seconds one request occupies on a replica with nothing cached (seeds 000 §9.2.3 co-located
+    accounting): its prefill time plus its share of ``output_tokens - 1`` decode steps at ``batch`` requests of
+    the mean context ``prompt + output / 2``, seconds."""
+    hw = get_profile(profile)
+    ctx = prompt_tokens + output_tokens // 2
+    step = hw.step_time(batch, batch * (ctx + 1.0), batch * ctx)
+    return hw.prefill_time(prompt_tokens, 0) + max(0, output_tokens - 1) * step / batch
+
+
+def fleet_capacity_rps(requests: Sequence[Request], profiles: Sequence[str]) -> float:
+    """Estimated fleet capacity, requests per second: the sum over replicas of 1 / (mean GPU-seconds per
+    request of this workload, ``request_gpu_seconds``). Cache-blind: reuse only adds headroom."""
+    if not requests:
+        return 0.0
+    total = 0.0
+    cache: dict[str, float] = {}
+    for name in profiles:
+        if name not in cache:
+            mean_s = sum(request_gpu_seconds(name, r.prompt_tokens, r.output_tokens) for r in requests)
+            cache[name] = len(requests) / mean_s
+        total += cache[name]
+    return total
+
+
+def arrival_rate_rps(requests: Sequence[Request]) -> float:
+    """Mean arrival rate of a workload, requests per second."""
+    if len(requests) < 2:
+        return 0.0
+    span = requests[-1].arrival_s - requests[0].arrival_s
+    return (len(requests) - 1) / span if span > 0 else float("inf")
+
+
+def lru_hit_rate(requests: Sequence[Request], keys: BlockKeyCache, capacity_blocks: int | None) -> float:
+    """Token-weighted hit rate of ONE shared LRU block cache of ``capacity_blocks`` (None = unlimited).
+
+    Requests in arrival order; a request reuses its longest cached leading run of blocks (at most
+    ``(prompt - 1) // block_size`` blocks, like an engine), then all its full blocks are inserted / touched,
+    tail first so eviction is leaf first. This is ``hit_rate_bound``.
+    """
+    bs = keys.block_size
+    hit = 0
+    total = 0
+    if capacity_blocks is None:
+        seen: set[int] = set()
+        for r in requests:
+            ks = keys.keys(r)
+            cap = min(len(ks), (r.prompt_tokens - 1) // bs)
+            i = 0
+            while i < cap and ks[i] in seen:
+                i += 1
+            hit += i * bs
+            total += r.prompt_tokens
+            seen.update(ks)
+        return hit / total if total else 0.0
+    cache: OrderedDict[int, None] = OrderedDict()
+    move = cache.move_to_end
+    for r in requests:
+        ks = keys.keys(r)
+        cap = min(len(ks), (r.prompt_tokens - 1) // bs)
+        i = 0
+        while i < cap and ks[i] in cache:
+            i += 1
+        hit += i * bs
+        total += r.prompt_tokens
+        for k in reversed(ks):
+            if k in cache:
+                move(k)
+            else:
+                cache[k] = None
+        over = len(cache) - capacity_blocks
+        while over > 0:
+            cache.popitem(last=False)
+            over -= 1
+    return hit / total if total else 0.0
+
+
+# ------------------------------------------------------------------------------------------- the fleet
+
+
+class Fleet:
+    """One simulation: engines, the index, the policy and the router's accounting (virtual time)."""
+
+    def __init__(self, config: FleetConfig, policy: str, keys: BlockKeyCache,
+                 policy_params: dict[str, Any] | None = None, seed: int = 0) -> None:
+        """Build the fleet with empty caches; ``keys`` must use ``config.block_size`` and the model's root."""
+        if keys.block_size != config.block_size:
+            raise ValueError("key cache block size differs from the fleet's")
+        self.cfg = config
+        self.keys = keys
+        self.now = 0.0
+        self.index = PrefixIndex(block_size=config.block_size, predicted_ttl_s=config.predicted_ttl_s,
+                                 clock=lambda: self.now)
+        params = dict(policy_params or {})
+        if policy in ("random", "power_of_two") and "seed" not in params:
+            params["seed"] = seed
+        try:
+            self.policy = make_policy(policy, **params)
+        except TypeError:
+            params.pop("seed", None)
+            self.policy = make_policy(policy, **params)
+        self.policy_name = policy
+        n = config.replicas
+        self.engines = [
+            EngineModel(config.profiles[i], num_gpu_blocks=config.gpu_blocks_of(i), block_size=config.block_size,
+                        cpu_blocks=config.cpu_blocks, cpu_bytes_per_s=config.cpu_bytes_per_s,
+                        max_batch_tokens=config.max_batch_tokens, max_running=config.max_running,
+                        emit_tokens=False, emit_kv_events=config.events_delay_s is not None, name=f"r{i}")
+            for i in range(n)
+        ]
+        cpu_bw = None
+        if config.cpu_blocks:
+            cpu_bw = config.cpu_bytes_per_s or get_profile(config.profiles[0]).cpu_link_bytes_per_s
+        self.profiles = [get_profile(p).replica_profile(cpu_bytes_per_s=(
+            (config.cpu_bytes_per_s or get_profile(p).cpu_link_bytes_per_s) if cpu_bw else None))
+            for p in config.profiles]
+        self.names = [f"r{i}" for i in range(n)]
+        self.inflight = [0] * n
+        self.inflight_prefill = [0] * n
+        self.snap: list[EngineMetrics | None] = [None] * n
+        self.snap_time = [0.0] * n
+        self.next_scrape = 0.0
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self.predict = config.predict == "always" or (config.predict == "auto" and config.events_delay_s is None)
+        self.delay = config.events_delay_s or 0.0
+        self.observations = 0
+
+    # -- time --------------------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, data: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, data))
+
+    def _collect(self, i: int, events: list[Any]) -> None:
+        for ev in events:
+            if isinstance(ev, FirstToken):
+                self._push(ev.time, _FIRST, (i, ev))
+            elif isinstance(ev, Finished):
+                self._push(ev.time, _FINISH, (i, ev))
+            elif isinstance(ev, BlockStored | BlockRemoved):
+                self._push(ev.time + self.delay, _KV, (i, ev))
+
+    def advance_to(self, t: float) -> None:
+        """Run engines up to ``t`` and apply every router-side event due by then."""
+        for i, eng in enumerate(self.engines):
+            nxt = eng.next_event_time()
+            if nxt is not None and nxt <= t:
+                self._collect(i, eng.advance(t))
+        heap = self._heap
+        while heap and heap[0][0] <= t:
+            te, _, kind, (i, ev) = heapq.heappop(heap)
+            self.now = max(self.now, te)
+            if kind == _KV:
+                if isinstance(ev, BlockStored):
+                    self.index.store(i, ev.parent_block_hash, ev.block_hashes, ev.tier)
+                else:
+                    self.index.remove(i, ev.block_hashes, ev.tier)
+            elif kind == _FIRST:
+                rec: _Rec = ev.request.tag
+                self.inflight_prefill[i] = max(0, self.inflight_prefill[i] - rec.uncached_est)
+                rec.ttft = ev.ttft_s
+                rec.cached = ev.cached_tokens
+                self.policy.observe(Observation(index=i, prompt_tokens=ev.request.prompt_tokens,
+                                                cached_tokens=ev.cached_tokens, queue_wait_s=ev.queue_wait_s,
+                                                ttft_s=ev.ttft_s, now=te))
+                self.observations += 1
+            else:
+                rec = ev.request.tag
+                self.inflight[i] = max(0, self.inflight[i] - 1)
+                rec.finish = te
+        self.now = max(self.now, t)
+
+    def scrape(self, t: float) -> None:
+        """Take every replica's metrics at ``t``."""
+        for i, eng in enumerate(self.engines):
+            self.snap[i] = eng.metrics()
+            self.snap_time[i] = t
+
+    def run_until(self, t: float) -> None:
+        """Advance to ``t``, scraping on the way."""
+        while self.next_scrape <= t:
+            self.advance_to(self.next_scrape)
+            self.scrape(self.next_scrape)
+            self.next_scrape += self.cfg.scrape_interval_s
+        self.advance_to(t)
+
+    # -- routing -----------------------------------------------------------------------------------
+
+    def _load(self, i: int, t: float) -> LoadView:
+        s = self.snap[i]
+        if s is None:
+            return LoadView(inflight_requests=self.inflight[i], inflight_prefill_tokens=self.inflight_prefill[i])
+        return LoadView(
+            queued_requests=s.num_requests_waiting,
+            running_requests=s.num_requests_running,
+            queued_prefill_tokens=s.queued_prefill_tokens if self.cfg.scrape_fields == "full" else None,
+            inflight_requests=self.inflight[i],
+            inflight_prefill_tokens=self.inflight_prefill[i],
+            kv_usage=s.kv_usage,
+            age_s=t - self.snap_time[i],
+            total_kv_blocks=s.num_gpu_blocks,
+        )
+
+    def route(self, req: Request, rec: _Rec) -> int:
+        """Route ``req`` at ``req.arrival_s`` (after ``run_until``) and submit it; returns the replica."""
+        t = req.arrival_s
+        bs = self.cfg.block_size
+        keys = self.keys.keys(req)
+        n = req.prompt_tokens
+        matches = self.index.match(keys) if len(keys) else {}
+        cands = []
+        for i in range(self.cfg.replicas):
+            cands.append(Candidate(index=i, name=self.names[i], load=self._load(i, t),
+                                   hit=hit_from_match(matches.get(i), n, bs), profile=self.profiles[i]))
+        rr = RouteRequest(model=self.cfg.model, prompt_tokens=n, block_keys=keys, block_size=bs, now=t,
+                          session_id=req.session_id, request_id=req.request_id)
+        decision = self.policy.choose(rr, cands)
+        i = decision.chosen
+        rec.replica = i
+        rec.uncached_est = max(0, n - cands[i].hit.total)
+        self.inflight[i] += 1
+        self.inflight_prefill[i] += rec.uncached_est
+        if self.predict and len(keys):
+            self.index.predict(i, keys)
+        self.engines[i].submit(EngineRequest(req.request_id, n, req.output_tokens, block_hashes=keys, tag=rec), t)
+        return i
+
+    def drain(self) -> None:
+        """Run every engine until all requests completed, applying the remaining events."""
+        while True:
+            times = [e.next_event_time() for e in self.engines]
+            pending = [x for x in times if x is not None]
+            if not pending:
+                break
+            self.run_until(max(pending))
+        if self._heap:
+            self.advance_to(max(x[0] for x in self._heap))
+
+
+@dataclass(slots=True)
+class _Rec:
+    arrival: float
+    prompt: int
+    output: int
+    replica: int = -1
+    uncached_est: int = 0
+    ttft: float = -1.0
+    cached: int = -1
+    finish: float = -1.0
+
+
+def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, keys: BlockKeyCache | None = None,
+             policy_params: dict[str, Any] | None = None, seed: int = 0, load: float | None = None,
+             hit_rate_bound: float | None = None) -> SimResult:
+    """Simulate ``requests`` (sorted by arrival) routed by ``policy`` on the fleet ``config``.
+
+    Raises:
+        RuntimeError: when a request did not complete exactly once (conservation).
+    """
+    wall0 = time.perf_counter()
+    if keys is None:
+        keys = BlockKeyCache(config.block_size, root_seed(config.model))
+    fleet = Fleet(config, policy, keys, policy_params, seed)
+    recs: list[_Rec] = []
+    if requests:
+        fleet.next_scrape = requests[0].arrival_s
+    for req in requests:
+        fleet.run_until(req.arrival_s)
+        rec = _Rec(req.arrival_s, req.prompt_tokens, req.output_tokens)
+        fleet.route(req, rec)
+        recs.append(rec)
+    fleet.drain()
+    n = config.replicas
+    bad = [i for i, r in enumerate(recs) if r.ttft < 0 or r.finish < 0 or r.replica < 0]
+    if bad or any(not e.idle for e in fleet.engines):
+        raise RuntimeError(f"conservation violated: {len(bad)} requests did not complete (first: {bad[:5]})")
+    finished = sum(e.metrics().requests_finished for e in fleet.engines)
+    if finished != len(recs):
+        raise RuntimeError(f"conservation violated: engines finished {finished} of {len(recs)} requests")
+    pre = [0] * n
+    per = [0] * n
+    for r in recs:
+        pre[r.replica] += r.prompt - r.cached
+        per[r.replica] += 1
+    start = requests[0].arrival_s if requests else 0.0
+    makespan = max((r.finish for r in recs), default=0.0) - start
+    return SimResult(
+        policy=policy,
+        load=load,
+        requests=len(recs),
+        completed=len(recs) - len(bad),
+        prompt_tokens=sum(r.prompt for r in recs),
+        cached_tokens=sum(r.cached for r in recs),
+        ttft=[r.ttft for r in recs],
+        e2e=[r.finish - r.arrival for r in recs],
+        replica_of=[r.replica for r in recs],
+        prefill_tokens_by_replica=pre,
+        requests_by_replica=per,
+        output_tokens=sum(r.output for r in recs),
+        makespan_s=makespan,
+        wall_s=time.perf_counter() - wall0,
+        slo_ttft_s=config.slo_ttft_s,
+        hit_rate_bound=hit_rate_bound,
+        extra={"index_nodes": len(fleet.index), "observations": fleet.observations},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def parse_profiles(spec: str, replicas: int | None) -> list[str]:
+    """``a100:4,h20:4`` (or ``a100``) -> one profile name per replica.
+
+    Raises:
+        ValueError: unknown profile, bad count, or a total that disagrees with ``replicas``.
+    """
+    out: list[str] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, count = part.partition(":")
+        get_profile(name)
+        if count:
+            if not count.isdigit() or int(count) <= 0:
+                raise ValueError(f"bad replica count in {part!r}")
+            out += [name.lower()] * int(count)
+        else:
+            out.append(name.lower())
+    if not out:
+        raise ValueError("empty --profiles")
+    if len(out) == 1 and replicas:
+        out = out * replicas
+    if replicas is not None and len(out) != replicas:
+        raise ValueError(f"--profiles describes {len(out)} replicas but --replicas is {replicas}")
+    return out
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return vals
+
+
+def _param_value(v: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    if v.lower() == "none":
+        return None
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvroute simulate`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="kvroute simulate",
+        description="Simulate a fleet of LLM engine replicas on a trace and compare routing policies. The router "
+                    "side is index/ + policies/ unchanged; engines are loadtest.engine_model (paged prefix cache, "
+                    "chunked continuous batching, prefill timing of the A100 / H20 / RTX PRO 6000 profiles).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake-format JSONL trace (timestamp ms, input_length, output_length, "
+                                     "hash_ids of 512-token blocks), any path")
+    src.add_argument("--workload", choices=sorted(WORKLOADS),
+                     help="generated workload: " + "; ".join(f"{k}: {v[1]}" for k, v in WORKLOADS.items()))
+    p.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="generator parameter for --workload (repeatable), e.g. rate=20")
+    p.add_argument("--replicas", type=int, default=None, help="number of replicas (default 8, or from --profiles)")
+    p.add_argument("--profiles", default="a100",
+                   help="hardware profile per replica: NAME or NAME:COUNT,... e.g. a100:4,h20:4 "
+                        "(profiles: a100, h20, rtx6000)")
+    p.add_argument("--policies", default="all",
+                   help="comma-separated policy names, or 'all' (" + ", ".join(policy_names()) + ")")
+    p.add_argument("--policy-param", action="append", default=[], metavar="POLICY.KEY=VALUE",
+                   help="constructor parameter of a policy (repeatable), e.g. ttft.p_confirmed=0.9")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--load", type=_floats, default=None,
+                      help="arrival rate(s) as a fraction of the fleet's estimated capacity, e.g. 0.5,0.7,0.9. "
+                           "Capacity = sum over replicas of 1 / mean GPU-seconds per request with nothing cached "
+                           "(prefill: linear + attention terms of the profile; decode: the request's share of "
+                           "its decode steps at batch 32), the seeds' co-located accounting")
+    rate.add_argument("--rate-scale", type=_floats, default=None,
+                      help="multiply the workload's arrival rate (time compression), e.g. 2")
+    p.add_argument("--gpu-blocks", type=int, default=None,
+                   help="GPU KV blocks per replica (default: the profile's HBM KV capacity, e.g. 23312 for a100 "
+                        "at block size 16)")
+    p.add_argument("--cpu-blocks", type=int, default=0, help="CPU-tier KV blocks per replica (0 = no CPU tier)")
+    p.add_argument("--cpu-gbps", type=float, default=None,
+                   help="CPU->GPU fetch bandwidth in GB/s (default: the profile's link, 25)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block / router block")
+    p.add_argument("--max-batch-tokens", type=int, default=8192, help="engine token budget per step")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO for goodput, seconds")
+    p.add_argument("--events-delay", default="0.05",
+                   help="seconds before engine KV events reach the router's index; 'none' = engines publish "
+                        "no events (the router records predicted entries instead)")
+    p.add_argument("--predict", choices=["auto", "always", "never"], default="auto",
+                   help="record predicted index entries after each decision: auto = only without events")
+    p.add_argument("--scrape-interval", type=float, default=2.0, help="seconds between engine metric scrapes")
+    p.add_argument("--scrape-fields", choices=["vllm", "full"], default="vllm",
+                   help="what a scrape sees: vllm = waiting/running requests + KV usage (what vLLM exports); "
+                        "full = also the queued prefill tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed of generated workloads and random policies")
+    p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    p.add_argument("--start", type=float, default=0.0, help="skip requests arriving before this time, seconds")
+    p.add_argument("--duration", type=float, default=None,
+                   help="only requests arriving within this many seconds after --start (before rate scaling)")
+    p.add_argument("--no-bound", action="store_true", help="skip computing hit_rate_bound")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per (policy, load)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="plot TTFT p50/p99 and hit rate against load, one line per policy")
+    p.add_argument("--title", default=None, help="plot title")
+    return p
+
+
+def _policy_params(items: Sequence[str], names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        lhs, sep, value = item.partition("=")
+        pol, dot, key = lhs.partition(".")
+        if not sep or not dot or not key:
+            raise ValueError(f"--policy-param wants POLICY.KEY=VALUE, got {item!r}")
+        if pol not in names:
+            raise ValueError(f"--policy-param names policy {pol!r} which is not simulated ({', '.join(names)})")
+        out.setdefault(pol, {})[key] = _param_value(value)
+    return out
+
+
+def load_requests(args: argparse.Namespace) -> list[Request]:
+    """The workload selected by the CLI arguments (before rate scaling)."""
+    if args.trace:
+        reqs = load_mooncake(args.trace)
+    else:
+        params: dict[str, Any] = {}
+        for item in args.workload_param:
+            k, sep, v = item.partition("=")
+            if not sep:
+                raise ValueError(f"--workload-param wants KEY=VALUE, got {item!r}")
+            params[k] = _param_value(v)
+        reqs = make_workload(args.workload, seed=args.seed, **params)
+    if args.start or args.duration is not None:
+        reqs = slice_time(reqs, args.start, None if args.duration is None else args.start + args.duration)
+    if args.limit is not None:
+        reqs = reqs[: args.limit]
+    if not reqs:
+        raise ValueError("the workload selection is empty")
+    return reqs
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    cols = [("policy", "{}", 20), ("load", "{}", 6), ("hit", "{:.3f}", 6), ("bound", "{:.3f}", 6),
+            ("ttft_mean", "{:.3f}", 9), ("p50", "{:.3f}", 8), ("p90", "{:.3f}", 8), ("p99", "{:.3f}", 8),
+            ("goodput", "{:.3f}", 7), ("max/mean", "{:.2f}", 8), ("wall_s", "{:.1f}", 7)]
+    keys = {"hit": "hit_rate", "bound": "hit_rate_bound", "ttft_mean": "ttft_mean_s", "p50": "ttft_p50_s",
+            "p90": "ttft_p90_s", "p99": "ttft_p99_s", "max/mean": "max_over_mean_load"}
+    lines = ["  ".join(f"{c:>{w}}" for c, _, w in cols)]
+    for r in rows:
+        cells = []
+        for c, fmt, w in cols:
+            v = r.get(keys.get(c, c))
+            cells.append(f"{('-' if v is None else fmt.format(v)):>{w}}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def plot_results(rows: list[dict[str, Any]], path: str, title: str | None = None) -> None:
+    """TTFT p50 / p99 and hit rate against load, one line per policy (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for pol in policies:
+        pts = sorted((r for r in rows if r["policy"] == pol), key=lambda r: r["load"] or 0.0)
+        xs = [r["load"] for r in pts]
+        style = {"linewidth": 2.6, "color": "black"} if pol == "ttft" else {"linewidth": 1.2}
+        axes[0].plot(xs, [r["ttft_p50_s"] for r in pts], marker="o", label=pol, **style)
+        axes[1].plot(xs, [r["ttft_p99_s"] for r in pts], marker="o", label=pol, **style)
+        axes[2].plot(xs, [100 * r["hit_rate"] for r in pts], marker="o", label=pol, **style)
+    bound = [r["hit_rate_bound"] for r in rows if r.get("hit_rate_bound") is not None]
+    if bound:
+        axes[2].axhline(100 * bound[0], linestyle="--", color="grey", label="bound (shared LRU)")
+    for ax, lab in zip(axes, ("TTFT p50 (s)", "TTFT p99 (s)", "hit rate (% of prompt tokens)"), strict=True):
+        ax.set_xlabel("load (fraction of estimated fleet capacity)")
+        ax.set_ylabel(lab)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
+    axes[2].legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvroute simulate``: returns the exit code (0 ok, 2 bad arguments or input)."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        profiles = parse_profiles(args.profiles, args.replicas if args.replicas is not None else (
+            None if ("," in args.profiles or ":" in args.profiles) else 8))
+        names = policy_names() if args.policies == "all" else [x.strip() for x in args.policies.split(",")
+                                                               if x.strip()]
+        known = set(policy_names())
+        unknown = [x for x in names if x not in known]
+        if unknown:
+            raise ValueError(f"unknown policies {unknown}; known: {', '.join(sorted(known))}")
+        pparams = _policy_params(args.policy_param, names)
+        events_delay = None if args.events_delay.lower() == "none" else float(args.events_delay)
+        if events_delay is not None and events_delay < 0:
+            raise ValueError("--events-delay must be >= 0 or 'none'")
+        if args.block_size <= 0 or (args.gpu_blocks is not None and args.gpu_blocks <= 0):
+            raise ValueError("--block-size and --gpu-blocks must be positive")
+        reqs = load_requests(args)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"kvroute simulate: {exc}", file=sys.stderr)
+        return 2
+    cfg = FleetConfig(profiles=profiles, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
+                      cpu_bytes_per_s=args.cpu_gbps * 1e9 if args.cpu_gbps else None, block_size=args.block_size,
+                      max_batch_tokens=args.max_batch_tokens, events_delay_s=events_delay, predict=args.predict,
+                      scrape_interval_s=args.scrape_interval, scrape_fields=args.scrape_fields,
+                      slo_ttft_s=args.slo_ttft)
+    keys = BlockKeyCache(cfg.block_size, root_seed(cfg.model))
+    base_rate = arrival_rate_rps(reqs)
+    cap = fleet_capacity_rps(reqs, profiles)
+    runs: list[tuple[float | None, float]] = []
+    if args.load:
+        runs = [(x, x * cap / base_rate) for x in args.load]
+    elif args.rate_scale:
+        runs = [(base_rate * s / cap, s) for s in args.rate_scale]
+    else:
+        runs = [(base_rate / cap, 1.0)]
+    print(f"# {len(reqs)} requests, {sum(r.prompt_tokens for r in reqs) / 1e6:.1f} M prompt tokens, "
+          f"{base_rate:.2f} req/s; fleet {','.join(profiles)}: estimated capacity {cap:.2f} req/s; "
+          f"gpu blocks/replica {[cfg.gpu_blocks_of(i) for i in range(cfg.replicas)]}", file=sys.stderr)
+    bound = None
+    if not args.no_bound:
+        t0 = time.perf_counter()
+        bound = lru_hit_rate(reqs, keys, cfg.total_cache_blocks())
+        print(f"# hit_rate_bound (shared LRU of {cfg.total_cache_blocks()} blocks) = {bound:.4f} "
+              f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    for load, scale in runs:
+        scaled = scale_rate(reqs, scale) if scale != 1.0 else reqs
+        for pol in names:
+            res = simulate(scaled, pol, cfg, keys=keys, policy_params=pparams.get(pol), seed=args.seed,
+                           load=round(load, 4) if load is not None else None, hit_rate_bound=bound)
+            row = res.summary()
+            row["rate_scale"] = scale
+            rows.append(row)
+            print(_table([row]).splitlines()[1] if rows[:-1] else _table([row]), file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(_table(rows))
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot_results(rows, args.plot, args.title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
