@@ -1,0 +1,252 @@
+"""PrefixIndex: TV-12 walk, tiers, predicted entries and TTL, ages, clear, budget eviction."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from index.hashing import block_keys, root_seed
+from index.prefix_index import TIERS, PrefixIndex, ReplicaMatch
+
+SEED = root_seed("test-model")
+
+
+class FakeClock:
+    """Seconds that only move when the test says so."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def blocks(n: int, base: int) -> list[int]:
+    """``n`` distinct 16-token blocks starting at token id ``base``."""
+    return list(range(base, base + 16 * n))
+
+
+def make_blocks() -> dict[str, list[int]]:
+    rng = random.Random(12)
+    return {f"B{i}": [rng.randrange(50_000) for _ in range(16)] for i in range(1, 10)}
+
+
+def path(bl: dict[str, list[int]], *names: str) -> list[int]:
+    return [t for n in names for t in bl[n]]
+
+
+def test_tv12_radix_walk() -> None:
+    bl = make_blocks()
+    idx = PrefixIndex(block_size=16)
+    r1, r2, r3 = 1, 2, 3
+    idx.store(r1, None, block_keys(path(bl, "B1", "B2", "B3", "B4", "B5"), 16, SEED))
+    idx.store(r2, None, block_keys(path(bl, "B1", "B2", "B3", "B6", "B7"), 16, SEED))
+    idx.store(r3, None, block_keys(path(bl, "B1", "B2", "B8", "B9"), 16, SEED))
+    query = path(bl, "B1", "B2", "B3", "B6", "B8", "B9")
+    res = idx.match(block_keys(query, 16, SEED))
+    best = max(res, key=lambda r: res[r].blocks)
+    assert best == r2
+    assert res[r2].blocks == 4 and res[r2].blocks * 16 == 64
+    assert len(query) - res[r2].blocks * 16 == 32  # tokens left to prefill
+    assert [r for r in res if res[r].blocks == 4] == [r2]
+    assert res[r1].blocks == 3 and res[r3].blocks == 2
+    # C's B8 (child of B2) is not the B8 under B6
+    assert block_keys(path(bl, "B1", "B2", "B8"), 16, SEED)[2] != block_keys(query, 16, SEED)[4]
+
+
+def test_match_restricted_to_candidates_and_empty_cases() -> None:
+    idx = PrefixIndex()
+    keys = block_keys(blocks(4, 0), 16, SEED)
+    idx.store(0, None, keys)
+    idx.store(1, None, keys[:2])
+    assert set(idx.match(keys)) == {0, 1}
+    assert set(idx.match(keys, {1, 7})) == {1}
+    assert idx.match(keys, set()) == {}
+    assert idx.match([]) == {}
+    assert idx.match(block_keys(blocks(4, 5000), 16, SEED)) == {}
+    assert idx.match(tuple(keys))[0].blocks == 4  # any sequence works
+
+
+def test_a_hole_stops_the_leading_run() -> None:
+    idx = PrefixIndex()
+    keys = block_keys(blocks(6, 0), 16, SEED)
+    idx.store(0, None, keys)
+    idx.store(1, None, keys)
+    idx.remove(0, keys[2:3])
+    res = idx.match(keys)
+    assert res[0].blocks == 2 and res[1].blocks == 6
+    idx.remove(1, keys[2:3])  # nobody holds block 2 now: the node is gone
+    res = idx.match(keys)
+    assert res[0].blocks == 2 and res[1].blocks == 2
+    idx.store(1, keys[1], keys[2:3])  # re-created node (new id) joins the walk again
+    assert idx.match(keys)[1].blocks == 6
+
+
+def test_tier_accounting_counts_each_block_once_in_its_fastest_tier() -> None:
+    idx = PrefixIndex()
+    keys = block_keys(blocks(10, 0), 16, SEED)
+    idx.store(5, None, keys[:4], "gpu")
+    idx.store(5, None, keys[:6], "cpu")  # offloaded copies of 0..5
+    idx.store(5, None, keys[6:8], "disk")
+    idx.store(5, None, keys[8:9], "remote")
+    m = idx.match(keys)[5]
+    assert (m.blocks, m.gpu, m.cpu, m.disk, m.remote, m.predicted) == (9, 4, 2, 2, 1, 0)
+    st = idx.stats()["blocks"][5]
+    assert st == {"gpu": 4, "cpu": 6, "disk": 2, "remote": 1}
+    idx.remove(5, keys[:2], "gpu")
+    m = idx.match(keys)[5]
+    assert (m.gpu, m.cpu) == (2, 4)
+    with pytest.raises(ValueError):
+        idx.store(5, None, keys, "hbm")
+
+
+def test_predicted_entries_expire_unless_confirmed() -> None:
+    clock = FakeClock()
+    idx = PrefixIndex(predicted_ttl_s=30.0, clock=clock)
+    keys = block_keys(blocks(6, 0), 16, SEED)
+    idx.store(1, None, keys[:2])
+    idx.predict(1, keys)  # blocks 0-1 confirmed stay confirmed; 2-5 predicted
+    idx.predict(2, keys[:3])
+    m = idx.match(keys)
+    assert (m[1].blocks, m[1].gpu, m[1].predicted) == (6, 2, 4)
+    assert (m[2].blocks, m[2].predicted) == (3, 3)
+    assert idx.stats()["predicted_entries"] == 7
+    clock.now += 20
+    idx.store(1, keys[1], keys[2:4])  # the engine confirms 2-3
+    idx.predict(2, keys[:1])  # refreshes block 0 for replica 2
+    clock.now += 15  # first predictions are 35 s old now
+    m = idx.match(keys)
+    assert (m[1].blocks, m[1].gpu, m[1].predicted) == (4, 4, 0)
+    assert (m[2].blocks, m[2].predicted) == (1, 1)
+    clock.now += 20
+    assert idx.expire() == 1  # replica 2's refreshed block 0; the rest went lazily inside match
+    assert 2 not in idx.match(keys)
+    assert idx.stats()["expired"] == 5  # replica 1: blocks 4-5 (2-3 were confirmed); replica 2: 0-2
+    assert idx.stats()["predicted_entries"] == 0
+    assert idx.match(keys)[1].blocks == 4
+
+
+def test_expire_returns_the_number_dropped() -> None:
+    clock = FakeClock()
+    idx = PrefixIndex(predicted_ttl_s=5.0, clock=clock)
+    idx.predict(3, block_keys(blocks(4, 0), 16, SEED))
+    clock.now += 4.9
+    assert idx.expire() == 0
+    clock.now += 0.2
+    assert idx.expire() == 4
+    assert len(idx) == 0
+
+
+def test_prediction_never_downgrades_a_confirmed_entry() -> None:
+    clock = FakeClock()
+    idx = PrefixIndex(predicted_ttl_s=5.0, clock=clock)
+    keys = block_keys(blocks(3, 0), 16, SEED)
+    idx.store(1, None, keys, "cpu")
+    idx.predict(1, keys)
+    clock.now += 60
+    m = idx.match(keys)[1]
+    assert (m.blocks, m.cpu, m.predicted) == (3, 3, 0)
+
+
+def test_age_is_seconds_since_the_deepest_block_was_stored_or_predicted() -> None:
+    clock = FakeClock(1000.0)
+    idx = PrefixIndex(clock=clock)
+    keys = block_keys(blocks(5, 0), 16, SEED)
+    idx.store(1, None, keys[:3])
+    clock.now = 1010.0
+    idx.store(1, keys[2], keys[3:])
+    idx.store(2, None, keys[:2])
+    clock.now = 1012.5
+    m = idx.match(keys)
+    assert m[1].age_s == pytest.approx(2.5)
+    assert m[2].age_s == pytest.approx(2.5)  # block 1 was stored again (by replica 2) at 1010
+    idx.predict(1, keys[:1])
+    clock.now = 1013.0
+    assert idx.match(keys[:1])[1].age_s == pytest.approx(0.5)
+
+
+def test_clear_of_one_replica_leaves_the_others_intact() -> None:
+    idx = PrefixIndex()
+    shared = block_keys(blocks(8, 0), 16, SEED)
+    own = block_keys(blocks(8, 0) + blocks(4, 9000), 16, SEED)
+    idx.store(1, None, own)
+    idx.store(2, None, shared)
+    idx.predict(1, block_keys(blocks(3, 7000), 16, SEED))
+    idx.clear(1)
+    res = idx.match(own)
+    assert set(res) == {2} and res[2].blocks == 8
+    assert idx.match(block_keys(blocks(3, 7000), 16, SEED)) == {}
+    assert 1 not in idx.stats()["blocks"]
+    # re-joining replica starts empty: stale bits of the old generation never resurface
+    idx.store(1, None, own[:2])
+    assert idx.match(own)[1].blocks == 2
+    idx.expire()  # sweeps the retired generation
+    assert len(idx) == 8  # own[8:] held only by the retired generation are gone; own[:2] are shared blocks
+    assert idx.stats()["blocks"][1]["gpu"] == 2
+    idx.clear(2)
+    idx.clear(1)
+    idx.expire()
+    assert len(idx) == 0
+    idx.clear(42)  # unknown replica: no-op
+
+
+def test_many_clears_reuse_slots() -> None:
+    idx = PrefixIndex(clock=FakeClock())
+    keys = block_keys(blocks(3, 0), 16, SEED)
+    for gen in range(200):
+        idx.store(gen % 3, None, keys)
+        idx.clear(gen % 3)
+        idx.expire()
+    idx.store(0, None, keys)
+    assert idx.match(keys) == {0: ReplicaMatch(3, 3, 0, 0, 0, 0, 0.0)}
+    assert idx._next_slot < 10  # swept slots are reused
+
+
+def test_node_budget_evicts_least_recently_used_down_to_low_water() -> None:
+    clock = FakeClock()
+    idx = PrefixIndex(max_nodes=100, clock=clock)
+    hot = block_keys(blocks(10, 0), 16, SEED)
+    idx.store(0, None, hot)
+    for i in range(60):
+        clock.now += 1
+        idx.store(i % 4, None, block_keys(blocks(10, 100_000 + 1000 * i), 16, SEED))
+        if i % 5 == 0:
+            idx.predict(0, hot)  # a routing decision keeps the hot prefix recent
+        assert len(idx) <= 100
+    stats = idx.stats()
+    assert stats["evictions"] >= 500
+    assert idx.match(hot)[0].blocks == 10
+    assert idx.estimated_bytes() == stats["estimated_bytes"]
+
+
+def test_byte_budget_bounds_nodes_and_engine_maps() -> None:
+    idx = PrefixIndex(max_bytes=60_000)
+    rng = random.Random(3)
+    for ev in range(400):
+        toks = [rng.randrange(30_000) for _ in range(64)]
+        hashes = [rng.getrandbits(63) for _ in range(4)]
+        res = idx.apply_stored(ev % 3, hashes, None, toks, SEED)
+        assert res.stored_blocks == 4 and not res.orphan
+        assert idx.estimated_bytes() <= 60_000
+    stats = idx.stats()
+    assert stats["engine_evictions"] > 0 and stats["evictions"] > 0
+    assert 0 < stats["engine_entries"] < 400 * 4
+
+
+def test_invalid_budget_and_block_size_rejected() -> None:
+    with pytest.raises(ValueError):
+        PrefixIndex(block_size=0)
+    with pytest.raises(ValueError):
+        PrefixIndex(max_nodes=0)
+    with pytest.raises(ValueError):
+        PrefixIndex(max_bytes=-1)
+
+
+def test_stats_shape() -> None:
+    idx = PrefixIndex()
+    idx.store(0, None, block_keys(blocks(2, 0), 16, SEED), "disk")
+    st = idx.stats()
+    for key in ("nodes", "estimated_bytes", "blocks", "evictions", "orphan_events", "predicted_entries", "expired"):
+        assert key in st
+    assert st["nodes"] == 2 and st["blocks"][0] == dict.fromkeys(TIERS, 0) | {"disk": 2}
