@@ -1,0 +1,167 @@
+"""Engine-hash event path: page size != block size, multi-page events, removals, orphans, invalid events."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index.hashing import block_keys, root_seed
+from index.prefix_index import PrefixIndex
+
+SEED = root_seed("engine-model")
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(40_000) for _ in range(n)]
+
+
+def feed(idx: PrefixIndex, replica: int, toks: list[int], page: int, pages_per_event: list[int], base: int) -> list[int]:
+    """Send ``toks`` as BlockStored events of the given page counts; return the engine hashes used."""
+    hashes: list[int] = []
+    pos = 0
+    parent: int | None = None
+    for count in pages_per_event:
+        ev_hashes = [base + len(hashes) + j for j in range(count)]
+        ev_toks = toks[pos : pos + count * page]
+        res = idx.apply_stored(replica, ev_hashes, parent, ev_toks, SEED)
+        assert not res.orphan and res.error is None
+        hashes += ev_hashes
+        parent = ev_hashes[-1]
+        pos += count * page
+    return hashes
+
+
+def test_vllm_pages_equal_blocks() -> None:
+    idx = PrefixIndex(block_size=16)
+    toks = tokens(16 * 5)
+    r1 = idx.apply_stored(0, [11, 12], None, toks[:32], SEED)
+    r2 = idx.apply_stored(0, [13, 14, 15], 12, toks[32:], SEED)
+    assert (r1.stored_blocks, r2.stored_blocks) == (2, 3)
+    keys = block_keys(toks, 16, SEED)
+    assert idx.match(keys)[0].blocks == 5
+    assert idx.apply_removed(0, [15, 14]) == 2
+    assert idx.match(keys)[0].blocks == 3
+    assert idx.stats()["engine_entries"] == 3
+
+
+def test_sglang_page_size_one_with_leftover_tokens() -> None:
+    idx = PrefixIndex(block_size=16)
+    toks = tokens(56, 1)
+    hashes = feed(idx, 3, toks, 1, [40, 16], base=1000)  # 40 tokens = 2 blocks + 8 leftover, then 16 more
+    keys = block_keys(toks, 16, SEED)
+    assert len(keys) == 3
+    assert idx.match(keys)[3].blocks == 3
+    # removing the page holding the last token of router block 2 (token 47) removes that block only
+    assert idx.apply_removed(3, [hashes[47]]) == 1
+    assert idx.match(keys)[3].blocks == 2
+    # pages with no completed block remove nothing but are forgotten
+    assert idx.apply_removed(3, hashes[48:]) == 0
+    assert idx.apply_removed(3, [hashes[48]]) == 0
+    assert idx.stats()["unknown_removed"] == 1
+
+
+def test_sglang_large_pages_cover_several_blocks() -> None:
+    idx = PrefixIndex(block_size=16)
+    toks = tokens(64 * 3, 2)
+    hashes = feed(idx, 1, toks, 64, [2, 1], base=50)
+    keys = block_keys(toks, 16, SEED)
+    assert idx.match(keys)[1].blocks == 12
+    assert idx.apply_removed(1, [hashes[2]]) == 4
+    assert idx.match(keys)[1].blocks == 8
+
+
+def test_page_not_a_multiple_of_the_block() -> None:
+    idx = PrefixIndex(block_size=16)
+    toks = tokens(24 * 4, 3)
+    feed(idx, 2, toks, 24, [1, 2, 1], base=7)
+    keys = block_keys(toks, 16, SEED)
+    assert len(keys) == 6
+    assert idx.match(keys)[2].blocks == 6
+
+
+def test_multi_page_event_equals_single_page_events() -> None:
+    toks = tokens(16 * 6, 4)
+    a = PrefixIndex(clock=lambda: 0.0)
+    b = PrefixIndex(clock=lambda: 0.0)
+    feed(a, 0, toks, 16, [6], base=0)
+    feed(b, 0, toks, 16, [1] * 6, base=0)
+    keys = block_keys(toks, 16, SEED)
+    assert a.match(keys) == b.match(keys)
+
+
+def test_unknown_parent_is_an_orphan_and_stores_nothing() -> None:
+    idx = PrefixIndex()
+    toks = tokens(32, 5)
+    res = idx.apply_stored(0, [1, 2], 999, toks, SEED)
+    assert res.orphan and res.stored_blocks == 0
+    assert len(idx) == 0
+    assert idx.stats()["orphan_events"] == 1
+    assert idx.stats()["engine_entries"] == 0
+
+
+def test_tokens_not_divisible_over_pages_is_rejected_and_counted() -> None:
+    idx = PrefixIndex()
+    res = idx.apply_stored(0, [1, 2, 3], None, tokens(32, 6), SEED)
+    assert res.error is not None and res.stored_blocks == 0 and not res.orphan
+    assert idx.stats()["invalid_events"] == 1
+    assert len(idx) == 0
+    assert idx.apply_stored(0, [], None, [], SEED).stored_blocks == 0
+
+
+def test_clear_drops_the_engine_map() -> None:
+    idx = PrefixIndex()
+    toks = tokens(48, 7)
+    idx.apply_stored(0, [1, 2], None, toks[:32], SEED)
+    idx.apply_stored(1, [1, 2], None, toks[:32], SEED)
+    idx.clear(0)
+    res = idx.apply_stored(0, [3], 2, toks[32:], SEED)
+    assert res.orphan
+    res = idx.apply_stored(1, [3], 2, toks[32:], SEED)  # the other replica's map is intact
+    assert not res.orphan and res.stored_blocks == 1
+    assert idx.apply_removed(0, [1]) == 0
+
+
+def test_tiers_through_events() -> None:
+    idx = PrefixIndex()
+    toks = tokens(32, 8)
+    idx.apply_stored(0, [1, 2], None, toks, SEED, tier="gpu")
+    idx.apply_stored(0, [1, 2], None, toks, SEED, tier="cpu")  # offloaded copies, same engine hashes
+    keys = block_keys(toks, 16, SEED)
+    assert idx.apply_removed(0, [2, 1], tier="gpu") == 2
+    m = idx.match(keys)[0]
+    assert (m.blocks, m.gpu, m.cpu) == (2, 0, 2)
+    assert idx.apply_removed(0, [2, 1], tier="cpu") == 2  # mapping kept while the CPU copy existed
+    assert idx.match(keys) == {}
+    assert idx.apply_stored(0, [5], None, toks[:16], SEED, tier="hbm").error is not None
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), min_size=0, max_size=130),
+    st.sampled_from([1, 3, 8, 16, 24, 64]),
+    st.sampled_from([4, 16]),
+    st.lists(st.integers(1, 5), min_size=1, max_size=12),
+)
+def test_event_keys_equal_prompt_keys(toks: list[int], page: int, block: int, splits: list[int]) -> None:
+    """However the engine pages and batches a prompt, the router keys are the prompt's block keys."""
+    usable = (len(toks) // page) * page
+    toks = toks[:usable]
+    counts: list[int] = []
+    left = usable // page
+    for c in splits:
+        if left == 0:
+            break
+        counts.append(min(c, left))
+        left -= counts[-1]
+    if left:
+        counts.append(left)
+    idx = PrefixIndex(block_size=block)
+    if counts:
+        feed(idx, 0, toks, page, counts, base=10_000)
+    keys = block_keys(toks, block, SEED)
+    res = idx.match(keys)
+    assert (res[0].blocks if res else 0) == len(keys)
+    assert len(idx) == len(keys)
