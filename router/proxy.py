@@ -10,7 +10,9 @@ One attempt = one replica. For each attempt, in order:
 3. a connection error, a dropped connection or a 5xx status before that first chunk is retried on the next
    replica of the decision's ranking, the failed ones excluded (at most ``1 + max_retries`` attempts; when the
    ranking is exhausted the router decides again without the failed replicas);
-4. once the first chunk arrives the answer is committed: engine 4xx are passed through unchanged; streams are
+4. once the first chunk arrives the answer is committed (headers ``x-kvroute-replica``: the replica that
+   served it, ``x-kvroute-predicted-cached-tokens``: the prompt tokens the router expected it to reuse):
+   engine 4xx are passed through unchanged; streams are
    relayed chunk by chunk (an idle gap over ``idle_timeout_s``, the total deadline or an engine failure ends
    the stream with an SSE ``error`` event); the accounting is released when the response ends, whatever the
    outcome.
@@ -283,7 +285,8 @@ class Proxy:
     async def _commit(self, rep: Replica, routed: Routed, resp: httpx.Response, it: AsyncIterator[bytes],
                       first: bytes, ttft: float,
                       deadline: float, stream: bool, request_id: str, predicted_cached: int) -> Response:
-        out_headers = {"x-request-id": request_id, "x-kvroute-replica": rep.name}
+        out_headers = {"x-request-id": request_id, "x-kvroute-replica": rep.name,
+                       "x-kvroute-predicted-cached-tokens": str(predicted_cached)}
         ctype = resp.headers.get("content-type", "application/json")
         is_sse = ctype.startswith("text/event-stream")
         if resp.status_code < 400:

@@ -98,7 +98,9 @@ def _attach_engine_metrics(svc: Services) -> None:
                       timeout_s=svc.settings.scrape_timeout_s, headers=headers)
     if hasattr(scraper, "register_metrics"):
         scraper.register_metrics(svc.telemetry.registry)
-    # the scraper owns inflight_prefill_tokens from now on: it subtracts what was dispatched before each scrape
-    svc.router.prefill_release_on_first_byte = False
+    # inflight_prefill_tokens: the router releases a request's tokens at its first byte (exact and immediate);
+    # the scraper also subtracts what was dispatched before each scrape (clamped at 0). Both together can only
+    # under-count requests dispatched during a scrape's round trip (milliseconds), whereas releasing only at
+    # scrapes over-counts finished prefills for a whole scrape interval and pushes traffic off cache holders.
     svc.background.append((scraper.start, scraper.stop))
     svc.extras["engine_metrics"] = scraper
