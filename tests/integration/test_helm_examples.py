@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from membership.kubernetes import KubernetesOptions, PodWatcher
 from membership.replicas import ReplicaTable
 from router.config import ENV_PREFIX, Settings
 from tests.fakes.k8s_api import FakeKubeAPI
-from tests.helpers import wait_until
+from tests.helpers import Proc, free_port, wait_http_ok, wait_until
 from tests.integration.test_helm_chart import CHART, FULLNAME, NAMESPACE, one, render, settings_env
 
 EXAMPLES = CHART / "examples"
@@ -96,7 +98,7 @@ def test_engine_fleet_is_discovered_with_its_kv_event_endpoints(example: str, ki
     table = ReplicaTable()
     watcher = PodWatcher(table, options_from(settings, api.url)).start()
     try:
-        wait_until(lambda: len([r for r in table.all() if r.routable]) == replicas, timeout=5.0,
+        wait_until(lambda: len([r for r in table.all() if r.routable]) == replicas, timeout=20.0,
                    what=f"{replicas} routable replicas")
         by_name = {r.name: r for r in table.all()}
         assert set(by_name) == {f"{sts['metadata']['name']}-{i}" for i in range(replicas)}
@@ -128,7 +130,7 @@ def test_router_only_example_finds_existing_pods_by_selector(api: FakeKubeAPI,
     table = ReplicaTable()
     watcher = PodWatcher(table, options_from(settings, api.url)).start()
     try:
-        wait_until(lambda: len([r for r in table.all() if r.routable]) == 2, timeout=5.0, what="2 replicas")
+        wait_until(lambda: len([r for r in table.all() if r.routable]) == 2, timeout=20.0, what="2 replicas")
         assert {r.name for r in table.all()} == {"serving-a", "serving-b"}
         r = table.get("serving-a")
         assert r is not None
@@ -138,3 +140,71 @@ def test_router_only_example_finds_existing_pods_by_selector(api: FakeKubeAPI,
         assert r.kv_events_topic == "kv"
     finally:
         watcher.stop()
+
+
+def _arg(args: list[str], flag: str) -> str:
+    """Value of ``--flag=value`` in an engine's args."""
+    return next(a.split("=", 1)[1] for a in args if a.startswith(flag + "="))
+
+
+def test_vllm_fleet_example_routes_end_to_end(api: FakeKubeAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real router process, configured only by the env the chart renders for examples/vllm-fleet.yaml
+    (plus loopback address, port and the fake API host), discovers the engine pod the chart describes, gets
+    its KV events on the port and topic the engine's --kv-events-config names, and routes a repeated chat
+    prompt to cached blocks. The engine is the stand-in fake engine started with the same flags."""
+    http, events, replay = free_port(), free_port(), free_port()
+    objects = render([EXAMPLES / "vllm-fleet.yaml"], sets={
+        "engines.vllm.replicas": "1", "engines.vllm.port": str(http), "engines.vllm.kvEventsPort": str(events),
+        "engines.vllm.kvReplayPort": str(replay), "redis.enabled": "false"})
+    sts = one(objects, "StatefulSet", f"{FULLNAME}-vllm")
+    template = sts["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    cfg = kv_events_config(container)
+    model = container["args"][0]
+    env = settings_env(objects)
+    rport = free_port()
+    local = {"KVROUTE_HOST": "127.0.0.1", "KVROUTE_PORT": str(rport), "KVROUTE_KUBERNETES_API_HOST": api.url}
+    assert set(local) - {"KVROUTE_KUBERNETES_API_HOST"} <= set(env)  # only overriding what the chart sets
+
+    engine = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", _arg(container["args"], "--port"),
+                          "--model", model, "--dialect", "vllm", "--kv-events-format", "vllm",
+                          "--kv-events-port", str(_port(cfg["endpoint"])),
+                          "--kv-replay-port", str(_port(cfg["replay_endpoint"])), "--kv-topic", cfg["topic"],
+                          "--block-size", _arg(container["args"], "--block-size"), "--time-scale", "0.02",
+                          "--gpu-blocks", "2048", "--seed", "1")
+    router: Proc | None = None
+    out = ""
+    try:
+        wait_http_ok(f"http://127.0.0.1:{http}/health")
+        pod = f"{sts['metadata']['name']}-0"
+        api.add_pod(pod, NAMESPACE, labels=template["metadata"]["labels"],
+                    annotations=template["metadata"]["annotations"], ip="127.0.0.1", container_port=http)
+        for key in list(os.environ):  # the router sees the chart's KVROUTE_* variables and nothing else
+            if key.upper().startswith(ENV_PREFIX):
+                monkeypatch.delenv(key)
+        router = Proc([sys.executable, "-m", "router.cli", "serve"], env={**env, **local}, name="kvroute serve")
+        url = f"http://127.0.0.1:{rport}"
+        wait_http_ok(url + "/readyz", timeout=30)
+        reps = httpx.get(url + "/replicas", timeout=5).json()["replicas"]
+        assert [(r["name"], r["index"], r["dialect"]) for r in reps] == [(pod, 0, "vllm")]
+        body = {"model": model, "max_tokens": 4, "messages": [
+            {"role": "system", "content": "You are a careful assistant. " * 40},
+            {"role": "user", "content": "What does a cache-aware router do?"}]}
+        first = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert first.status_code == 200, first.text
+
+        def ingested() -> float:
+            text = httpx.get(url + "/metrics", timeout=5).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("kvroute_kv_events_ingested_total{") and f'replica="{pod}"' in line
+                       and 'type="BlockStored"' in line)
+
+        wait_until(lambda: ingested() > 0, timeout=10, what="BlockStored events ingested from the engine")
+        decision = httpx.post(url + "/route", json={"model": model, "messages": body["messages"]}, timeout=10)
+        assert decision.status_code == 200, decision.text
+        chosen = decision.json()["candidates"][0]
+        assert chosen["name"] == pod and chosen["cached_tokens"] > 0, decision.json()
+    finally:
+        out = router.stop() if router is not None else ""
+        engine.stop()
+    assert "Traceback" not in out, out[-3000:]
