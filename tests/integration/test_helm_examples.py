@@ -199,7 +199,7 @@ def test_vllm_fleet_example_routes_end_to_end(api: FakeKubeAPI, monkeypatch: pyt
                        if line.startswith("kvroute_kv_events_ingested_total{") and f'replica="{pod}"' in line
                        and 'type="BlockStored"' in line)
 
-        wait_until(lambda: ingested() > 0, timeout=10, what="BlockStored events ingested from the engine")
+        wait_until(lambda: ingested() > 0, timeout=20, what="BlockStored events ingested from the engine")
         decision = httpx.post(url + "/route", json={"model": model, "messages": body["messages"]}, timeout=10)
         assert decision.status_code == 200, decision.text
         chosen = decision.json()["candidates"][0]
