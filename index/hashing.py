@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "block_keys",
     "block_keys_packed",
+    "extend_keys",
     "pack_tokens",
     "root_seed",
 ]
@@ -124,3 +125,16 @@ def block_keys(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, s
     if n != len(token_ids):
         token_ids = token_ids[:n]
     return block_keys_packed(pack_tokens(token_ids), block_size, seed)
+
+
+def extend_keys(
+    token_ids: Sequence[int], keys: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0
+) -> list[int]:
+    """Complete a prefix ``keys`` of the prompt's block keys to all of them (chaining from ``keys[-1]``).
+
+    ``extend_keys(t, block_keys(t, b, s)[:j], b, s) == block_keys(t, b, s)`` for every ``j``; used after
+    ``PrefixIndex.match_tokens``, which hashes only as far as the index can match.
+    """
+    done = len(keys)
+    rest = block_keys(token_ids[done * block_size :], block_size, keys[-1] if done else seed)
+    return [*keys, *rest]

@@ -438,6 +438,43 @@ class PrefixIndex:
         slots = self._bits_cache[mask] = tuple(_bits(mask))
         return slots
 
+    def match_tokens(
+        self,
+        token_ids: Sequence[int],
+        seed: int,
+        replicas: AbstractSet[int] | None = None,
+        *,
+        chunk_blocks: int = 64,
+    ) -> tuple[dict[int, ReplicaMatch], list[int]]:
+        """Hash ``token_ids`` and match in one pass, hashing only as far as the index can match.
+
+        Keys are computed ``chunk_blocks`` blocks at a time; hashing stops after the first chunk whose last
+        key is not in the index (no replica can match beyond a missing block), so a prompt with a long
+        uncached tail costs less than ``block_keys`` + ``match``. The result is identical to
+        ``match(block_keys(token_ids, block_size, seed), replicas)``.
+
+        Returns:
+            (matches, keys): ``keys`` is a prefix of the prompt's block keys, at least as long as any match;
+            complete it with ``index.hashing.extend_keys`` when all keys are needed (e.g. for ``predict``).
+        """
+        if chunk_blocks <= 0:
+            raise ValueError(f"chunk_blocks must be positive, got {chunk_blocks}")
+        bs = self.block_size
+        nblocks = len(token_ids) // bs
+        ids = self._ids
+        keys: list[int] = []
+        k = seed
+        pos = 0
+        while pos < nblocks:
+            end = min(nblocks, pos + chunk_blocks)
+            chunk = block_keys_packed(pack_tokens(token_ids[pos * bs : end * bs]), bs, k)
+            keys += chunk
+            k = chunk[-1]
+            pos = end
+            if k not in ids:
+                break
+        return self.match(keys, replicas), keys
+
     # ------------------------------------------------------------------ updates
 
     def store(self, replica: int, parent_key: int | None, keys: Sequence[int], tier: str = "gpu") -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from index.hashing import block_keys
+from index.hashing import block_keys, extend_keys
 from index.prefix_index import TIERS, PrefixIndex, ReplicaMatch
 
 BS = 2
@@ -127,10 +127,15 @@ def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[
     idx._compact_min = compact_min  # exercise node-id compaction on tiny indexes too
     ref = Reference(clock)
 
-    def check(keys: list[int], replicas: set[int] | None) -> None:
+    def check(toks: list[int], replicas: set[int] | None) -> None:
+        keys = block_keys(toks, BS, 7)
         got = idx.match(keys, replicas)
         want = ref.match(keys, replicas)
         assert got == want, (keys, replicas, got, want)
+        fused, prefix = idx.match_tokens(toks, 7, replicas, chunk_blocks=1 + len(toks) % 3)
+        assert fused == want
+        assert prefix == keys[: len(prefix)]
+        assert extend_keys(toks, prefix, BS, 7) == keys
 
     for op in program:
         kind = op[0]
@@ -158,11 +163,11 @@ def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[
             idx.expire()
         else:
             _, toks, reps = op
-            check(block_keys(toks, BS, 7), reps)  # type: ignore[arg-type]
+            check(toks, reps)  # type: ignore[arg-type]
         for toks in probes:
-            check(block_keys(toks, BS, 7), None)
+            check(toks, None)
     for toks in probes:
-        check(block_keys(toks, BS, 7), None)
+        check(toks, None)
     # After a full expire + sweep, node count equals the reference's distinct held keys.
     for _ in range(3):
         idx.expire()
