@@ -343,6 +343,26 @@ def test_dashboard_rows_follow_the_seed_order() -> None:
             assert p["targets"] and all(t["expr"].strip() for t in p["targets"]), p["title"]
 
 
+def test_dashboard_layout_is_well_formed() -> None:
+    """Unique panel ids, panels inside the 24-column grid and not overlapping, every query on the datasource
+    variable, and the namespace filter on every query."""
+    dash = json.loads(DASHBOARD.read_text())
+    panels = dash["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        for t in p.get("targets", []):
+            assert t["datasource"]["uid"] == "${datasource}"
+            assert 'namespace=~"$namespace"' in t["expr"], t["expr"]
+    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "namespace"}
+
+
 def test_dashboard_shipped_in_configmap_with_grafana_label() -> None:
     """The dashboard ConfigMap carries the Grafana sidecar label and the JSON byte for byte."""
     cm = one(render(), "ConfigMap", f"{FULLNAME}-dashboard")
