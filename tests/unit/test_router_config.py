@@ -158,3 +158,12 @@ def test_safe_dict_masks_secrets() -> None:
     d = s.safe_dict()
     assert d["admin_token"] == "***" and d["api_keys"] == ["***"] and d["engine_api_key"] == "***"
     assert "s3cret" not in repr(d) and "e2'" not in repr(d)
+
+
+def test_docs_configuration_table_is_generated_from_settings() -> None:
+    from router.config import DOC_BEGIN, DOC_END, settings_markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "service.md").read_text()
+    table = doc[doc.index(DOC_BEGIN) + len(DOC_BEGIN):doc.index(DOC_END)].strip()
+    assert table == settings_markdown(), ("docs/service.md is out of date: run "
+                                          "python -m router.config --update-doc docs/service.md")
