@@ -219,6 +219,10 @@ class SharedState:
         self._connected.set()
         if was_down:
             if self._ever_connected:
+                # idle pooled connections may predate a server restart: drop them so the first commands
+                # after the outage do not fail on a dead socket (and count as a second outage)
+                with contextlib.suppress(Exception):
+                    await self._client.connection_pool.disconnect(inuse_connections=False)
                 self.stats.reconnects += 1
                 log.info("Redis reachable again after %.1fs; resynchronising",
                          time.monotonic() - (self.stats.down_since or time.monotonic()))

@@ -1,0 +1,261 @@
+"""Three router processes + 4 fake engines + Redis: shared indices and decision agreement between routers.
+
+For every request of a multi-turn workload, all three routers are asked ``POST /route`` for the same body, then
+the request is sent (``/v1/completions``) to one of them, round robin. *Agreement* is the fraction of requests
+for which the three routers chose the same replica. Modes:
+
+- ``events``: routers subscribe to the engines' KV events (confirmed entries; agreement should be ~100 %).
+- ``predicted+broadcast``: no KV events, routers record predicted entries and broadcast them through Redis.
+- ``predicted``: same without the broadcast (each router only knows its own decisions).
+
+Run ``python -m tests.integration.test_multi_router`` to print the measured numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers import Proc, free_port, wait_http_ok, wait_until
+from tests.redis_server import RedisServer
+
+NAMES = ["alpha", "bravo", "charlie", "delta"]  # no StatefulSet ordinals: indices come from the registry
+WORDS = ("kv cache prefix block route replica token prompt engine batch queue decode prefill tier gpu cpu "
+         "disk remote hash event session model latency throughput").split()
+
+
+@dataclass
+class Fleet:
+    """Running engines (name -> (http port, kv-events port))."""
+
+    engines: dict[str, tuple[int, int]]
+
+
+@contextmanager
+def fleet() -> Iterator[Fleet]:
+    """Start 4 fake vLLM engines publishing KV events; always stopped."""
+    with ExitStack() as stack:
+        engines: dict[str, tuple[int, int]] = {}
+        for i, name in enumerate(NAMES):
+            port, ev = free_port(), free_port()
+            stack.enter_context(Proc.kvroute(
+                "fake-engine", "--host", "127.0.0.1", "--port", str(port), "--model", "m", "--dialect", "vllm",
+                "--kv-events-format", "vllm", "--kv-events-port", str(ev), "--time-scale", "0.02",
+                "--gpu-blocks", "8192", "--block-size", "16", "--seed", str(i)))
+            engines[name] = (port, ev)
+        for port, _ in engines.values():
+            wait_http_ok(f"http://127.0.0.1:{port}/health", timeout=30)
+        yield Fleet(engines)
+
+
+@contextmanager
+def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int = 3) -> Iterator[list[str]]:
+    """Start ``n`` routers sharing Redis; each lists the replicas in a different order."""
+    with ExitStack() as stack:
+        urls = []
+        for k in range(n):
+            order = NAMES[k % len(NAMES):] + NAMES[:k % len(NAMES)]
+            args = ["serve", "--host", "127.0.0.1", "--port", str(port := free_port()), "--policy", "ttft",
+                    "--tokenizer-mode", "bytes", "--redis-url", redis_url, "--probe-interval-s", "0.5",
+                    "--scrape-interval-s", "0.2",
+                    "--broadcast-decisions" if broadcast else "--no-broadcast-decisions",
+                    "--kv-events" if events else "--no-kv-events",
+                    "--predict-mode", "auto" if events else "always"]
+            for name in order:
+                p, ev = f.engines[name]
+                spec = f"name={name},url=http://127.0.0.1:{p},dialect=vllm,model=m"
+                if events:
+                    spec += f",events=tcp://127.0.0.1:{ev}"
+                args += ["--replica", spec]
+            stack.enter_context(Proc.kvroute(*args))
+            urls.append(f"http://127.0.0.1:{port}")
+        for u in urls:
+            wait_http_ok(u + "/readyz", timeout=40)
+        yield urls
+
+
+def workload(seed: int, sessions: int = 12, turns: int = 4) -> list[list[str]]:
+    """Multi-turn sessions sharing 3 system prompts: ``prompts[session][turn]`` (each turn extends the last)."""
+    rng = random.Random(seed)
+    systems = [" ".join(rng.choice(WORDS) for _ in range(60)) for _ in range(3)]
+    out: list[list[str]] = []
+    for s in range(sessions):
+        history = f"system {s % 3}: {systems[s % 3]}\n"
+        turns_s = []
+        for _ in range(turns):
+            history += "user: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 40))) + "\n"
+            turns_s.append(history)
+            history += "assistant: " + " ".join(rng.choice(WORDS) for _ in range(10)) + "\n"
+        out.append(turns_s)
+    return out
+
+
+def _indices(url: str) -> dict[str, int]:
+    return {r["name"]: r["index"] for r in httpx.get(url + "/replicas", timeout=5).json()["replicas"]}
+
+
+def _stats_key(url: str, key: str) -> Any:
+    return httpx.get(url + "/index/stats", timeout=5).json().get(key)
+
+
+def _idle(decision: dict[str, Any]) -> bool:
+    """True when a /route answer saw every candidate idle (scraped queue/running 0 or unknown, nothing in flight)."""
+    for c in decision.get("candidates", []):
+        load = c.get("load") or {}
+        if load.get("queued_requests") or load.get("running_requests") or load.get("inflight_requests"):
+            return False
+    return True
+
+
+def _picks(client: httpx.Client, urls: list[str], body: dict[str, Any]) -> tuple[list[str], bool]:
+    """Each router's chosen replica for ``body``, and whether all of them saw an idle fleet."""
+    picks, idle = [], True
+    for u in urls:
+        r = client.post(u + "/route", json=body)
+        if r.status_code != 200:
+            picks.append(f"error {r.status_code}")
+            continue
+        d = r.json()
+        picks.append(d["chosen"]["name"])
+        idle = idle and _idle(d)
+    return picks, idle
+
+
+def _settle(client: httpx.Client, urls: list[str], body: dict[str, Any], settle_key: str | None) -> None:
+    """Wait (<= 3 s each) until every router sees an idle fleet and, with ``settle_key``, the same index stats."""
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        if _picks(client, urls, body)[1]:
+            break
+        time.sleep(0.05)
+    if settle_key is not None:
+        try:
+            wait_until(lambda: len({json.dumps(_stats_key(u, settle_key), sort_keys=True) for u in urls}) == 1,
+                       3.0, interval=0.02, what="routers in sync")
+        except AssertionError:
+            pass
+
+
+def run_agreement(urls: list[str], seed: int, *, settle_key: str | None,
+                  redis: RedisServer | None = None) -> dict[str, Any]:
+    """Send the workload turn by turn; measure how often the three routers agree on the next turn.
+
+    Each turn of every session is sent concurrently (session ``s`` through router ``s % 3``), so in-flight load
+    spreads cold requests over replicas differently in each router. Then, once every router sees an idle fleet
+    (and, with ``settle_key``, equal index stats), all three routers are asked ``/route`` for each session's next
+    turn: the only information that can differ between them is what their prefix index holds. Returns agreement
+    (fraction of those probes where all three chose the same replica) and failed requests. ``redis`` is killed
+    after the first turn and restarted after the second when given.
+    """
+    prompts = workload(seed)
+    turns = len(prompts[0])
+    agree = probes = failures = 0
+    spread: dict[str, int] = {}
+    with httpx.Client(timeout=30) as client, ThreadPoolExecutor(len(prompts)) as pool:
+        for k in range(turns):
+            if k > 0:
+                for turns_s in prompts:
+                    picks, _ = _picks(client, urls, {"model": "m", "prompt": turns_s[k], "max_tokens": 2})
+                    agree += len(set(picks)) == 1
+                    probes += 1
+            if redis is not None and k == 1:
+                redis.stop()
+            if redis is not None and k == 2:
+                redis.start()
+
+            def send(s: int, k: int = k) -> int:
+                body = {"model": "m", "prompt": prompts[s][k], "max_tokens": 2}
+                with httpx.Client(timeout=30) as c:
+                    return c.post(urls[s % len(urls)] + "/v1/completions", json=body).status_code
+
+            codes = list(pool.map(send, range(len(prompts))))
+            failures += sum(c != 200 for c in codes)
+            nxt = {"model": "m", "prompt": prompts[0][min(k + 1, turns - 1)], "max_tokens": 2}
+            _settle(client, urls, nxt, settle_key)
+            if k == 0:
+                for s in range(len(prompts)):
+                    d = client.post(urls[0] + "/route", json={"model": "m", "prompt": prompts[s][0]}).json()
+                    spread[d["chosen"]["name"]] = spread.get(d["chosen"]["name"], 0) + 1
+    return {"requests": len(prompts) * turns, "probes": probes, "agreement": agree / max(1, probes),
+            "failures": failures, "first_turn_spread": spread}
+
+
+def measure(seed: int = 7) -> dict[str, Any]:
+    """All three modes on one fleet; returns the numbers reported in docs/kubernetes.md."""
+    out: dict[str, Any] = {}
+    with RedisServer() as redis, fleet() as f:
+        with routers(f, redis.url, events=True, broadcast=True) as urls:
+            idx = [_indices(u) for u in urls]
+            out["same_indices"] = all(i == idx[0] for i in idx)
+            out["indices"] = idx[0]
+            out["events"] = run_agreement(urls, seed, settle_key="blocks")
+        with routers(f, redis.url, events=False, broadcast=True) as urls:
+            out["predicted_broadcast"] = run_agreement(urls, seed + 1, settle_key="predicted_blocks")
+        with routers(f, redis.url, events=False, broadcast=False) as urls:
+            out["predicted_no_broadcast"] = run_agreement(urls, seed + 1, settle_key=None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def redis_fleet() -> Iterator[tuple[RedisServer, Fleet]]:
+    with RedisServer() as redis, fleet() as f:
+        yield redis, f
+
+
+def test_same_indices_and_event_mode_agreement(redis_fleet: tuple[RedisServer, Fleet]) -> None:
+    redis, f = redis_fleet
+    with routers(f, redis.url, events=True, broadcast=True) as urls:
+        idx = [_indices(u) for u in urls]
+        assert idx[0] == idx[1] == idx[2], idx
+        assert sorted(idx[0].values()) == [0, 1, 2, 3]
+        res = run_agreement(urls, seed=11, settle_key="blocks")
+    assert res["failures"] == 0
+    assert res["agreement"] >= 0.95, res
+
+
+def test_predicted_mode_agreement_broadcast_on_vs_off(redis_fleet: tuple[RedisServer, Fleet]) -> None:
+    redis, f = redis_fleet
+    with routers(f, redis.url, events=False, broadcast=True) as urls:
+        on = run_agreement(urls, seed=12, settle_key="predicted_blocks")
+    with routers(f, redis.url, events=False, broadcast=False) as urls:
+        off = run_agreement(urls, seed=12, settle_key=None)
+    print(f"\npredicted-mode agreement: broadcast on {on['agreement']:.3f}, off {off['agreement']:.3f}")
+    assert on["failures"] == 0 and off["failures"] == 0
+    assert on["agreement"] >= 0.95, on
+    assert on["agreement"] > off["agreement"], (on, off)
+
+
+def test_redis_killed_and_restarted_during_traffic(redis_fleet: tuple[RedisServer, Fleet]) -> None:
+    redis, f = redis_fleet
+    with routers(f, redis.url, events=False, broadcast=True) as urls:
+        res = run_agreement(urls, seed=13, settle_key=None, redis=redis)
+        assert res["failures"] == 0, res  # no request fails because Redis went away
+        assert redis.alive()
+        # the routers noticed the outage and reconnected
+        wait_until(lambda: all("kvroute_redis_available 1.0" in httpx.get(u + "/metrics", timeout=5).text
+                               for u in urls), 15.0, what="routers reconnected to Redis")
+        metrics = httpx.get(urls[0] + "/metrics", timeout=5).text
+        lines = [ln for ln in metrics.splitlines() if ln.startswith(("kvroute_redis", "kvroute_shared"))]
+        assert "kvroute_redis_reconnects_total 1.0" in lines, lines
+        # indices survived the restart (re-registered with their held values)
+        idx = [_indices(u) for u in urls]
+        assert idx[0] == idx[1] == idx[2]
+        reg = httpx.get(urls[0] + "/replicas", timeout=5).json()
+        assert len(reg["replicas"]) == 4
+
+
+if __name__ == "__main__":
+    t0 = time.monotonic()
+    result = measure(int(sys.argv[1]) if len(sys.argv) > 1 else 7)
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    print(json.dumps(result, indent=2))
