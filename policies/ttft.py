@@ -10,7 +10,9 @@ Load inputs and what happens when they are unknown (``None``):
 * backlog tokens = scraped ``queued_prefill_tokens`` + ``inflight_prefill_tokens`` (work this router dispatched
   since the scrape; the router adds a request's uncached tokens right after deciding, which is what spreads a
   burst sharing one system prompt over the fleet instead of piling it on the replica holding the prompt).
-  If only ``queued_requests`` is scraped, it is multiplied by ``mean_prefill_tokens``. If neither is known, the
+  If only ``queued_requests`` is scraped, it is multiplied by the mean uncached tokens per request (learned from
+  ``observe`` as an exponential moving average once ``calibration_min_samples`` observations arrived, else
+  ``mean_prefill_tokens``). If neither is known, the
   largest backlog any candidate reports is assumed (never zero: a blind replica must not look idle); when no
   candidate reports one, every candidate gets 0 and the in-flight counters decide.
 * running requests (decode interference) unknown -> the largest known, or this router's in-flight requests.
@@ -128,6 +130,8 @@ class TTFTPolicy:
         self._rates: dict[int, float] = {}
         self._overheads: dict[int, float] = {}
         self._attention: dict[int, float] = {}
+        self._mean_uncached = float(mean_prefill_tokens)
+        self._mean_samples = 0
 
     # ------------------------------------------------------------------ decision
 
@@ -155,7 +159,8 @@ class TTFTPolicy:
         slo = params.slo_ttft_s if tail else None
 
         loads = [c.load for c in candidates]
-        backlog_l, running_l, kv_l = _gauges(loads, params.mean_prefill_tokens)
+        mean_tokens = self._mean_uncached if self._mean_samples >= self.calibrator.min_samples else None
+        backlog_l, running_l, kv_l = _gauges(loads, mean_tokens or params.mean_prefill_tokens)
 
         scores: list[CandidateScore] = []
         keys: list[float] = []
@@ -280,6 +285,9 @@ class TTFTPolicy:
             return
         idx = observation.index
         uncached = max(0, observation.prompt_tokens - observation.cached_tokens)
+        self._mean_samples += 1
+        alpha = max(0.02, 1.0 / self._mean_samples)  # running mean first, then an EWMA over ~50 requests
+        self._mean_uncached += alpha * (uncached - self._mean_uncached)
         prefill_s = observation.ttft_s - max(0.0, observation.queue_wait_s)
         att = self._attention.get(idx, 0.0)
         if att:
@@ -307,7 +315,7 @@ class TTFTPolicy:
         return self._rates[index], self._overheads.get(index, 0.0)
 
 
-def _gauges(loads: Sequence[LoadView], mean_tokens: int) -> tuple[list[float], list[float], list[float]]:
+def _gauges(loads: Sequence[LoadView], mean_tokens: float) -> tuple[list[float], list[float], list[float]]:
     """Per candidate: scraped backlog tokens, running requests, KV usage, with unknowns made conservative.
 
     Backlog: ``queued_prefill_tokens``, else ``queued_requests * mean_tokens``, else the largest known backlog;

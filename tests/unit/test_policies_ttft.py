@@ -434,3 +434,14 @@ def test_inline_fast_path_matches_the_reference_estimate() -> None:
             assert s.parts["p"] == pytest.approx(ref.p)
             assert s.parts["usable"] == ref.usable_tokens
             assert s.score == pytest.approx(ref.tail if objective == "tail" else ref.expected)
+
+
+def test_queued_request_count_uses_the_learned_mean_uncached_tokens() -> None:
+    prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
+    req = RouteRequest(model="m", prompt_tokens=500, block_keys=[])
+    policy = TTFTPolicy(mean_prefill_tokens=1024, calibration_min_samples=16)
+    counted = Candidate(0, "c", LoadView(queued_requests=2), profile=prof)
+    assert policy.choose(req, [counted]).scores[0].parts["Q"] == pytest.approx(2 * 1024 / 10_000.0)
+    for i in range(40):  # long prompts, 1000 of them cached: 6000 uncached tokens per request
+        policy.observe(Observation(i % 3, 7000, 1000, 0.1, 0.1 + 0.02 + 6000 / 10_000.0))
+    assert policy.choose(req, [counted]).scores[0].parts["Q"] == pytest.approx(2 * 6000 / 10_000.0, rel=0.01)
