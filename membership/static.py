@@ -1,8 +1,8 @@
 """Statically configured replicas (flags / env / config file) -> ReplicaTable, with active health probes.
 
 ``StaticMembership.load`` puts every configured replica into the table as ``joining``; ``run`` probes each one
-every ``probe_interval_s``: ``GET /health`` (200) and ``GET /v1/models`` (to learn the model ids and LoRA
-adapters the engine serves). A replica becomes ``ready`` after its first successful probe, ``unhealthy`` after
+every ``probe_interval_s``: ``GET /health`` (200) and ``GET /v1/models`` (to learn the model ids, LoRA
+adapters and ``max_model_len`` the engine serves). A replica becomes ``ready`` after its first successful probe, ``unhealthy`` after
 ``unhealthy_after`` consecutive failures (probe or proxy connection failures reported with
 ``report_failure``), and ``ready`` again after ``healthy_after`` consecutive successes.
 
@@ -159,6 +159,9 @@ class StaticMembership:
         for entry in data:
             if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
                 continue
+            mml = entry.get("max_model_len")
+            if isinstance(mml, int) and mml > 0 and not rep.profile.max_context_tokens:
+                rep.profile.max_context_tokens = mml  # vLLM reports its context length here
             parent = entry.get("parent")
             (loras if parent and parent != entry["id"] else models).append(entry["id"])
         if models and not h.models_known:

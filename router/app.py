@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -492,13 +493,24 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         if not api_keys:
             return
         auth = request.headers.get("authorization", "")
-        if not auth.lower().startswith("bearer ") or auth[7:].strip() not in api_keys:
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not given or not any(hmac.compare_digest(given, k) for k in api_keys):
             raise _AuthError()
+
+    admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
+
+    def check_admin(request: Request) -> None:
+        """Admin / introspection endpoints need the admin bearer token when one is configured."""
+        if admin_token is None:
+            return
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer ") or not hmac.compare_digest(auth[7:].strip(), admin_token):
+            raise _AuthError("missing or invalid admin token (Authorization: Bearer <admin_token>)")
 
     @app.exception_handler(_AuthError)
     async def _auth(request: Request, exc: _AuthError) -> Response:
-        return error_response(401, "missing or invalid API key (Authorization: Bearer <key>)", "unauthorized",
-                              headers={"www-authenticate": "Bearer"})
+        msg = str(exc) or "missing or invalid API key (Authorization: Bearer <key>)"
+        return error_response(401, msg, "unauthorized", headers={"www-authenticate": "Bearer"})
 
     # -- data plane --------------------------------------------------------------------------------------
     async def routing_input(request: Request, body: _Common, *, prompt: Any = None,
@@ -547,6 +559,12 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             chosen = svc.table.by_index(routed.decision.chosen)
             svc.telemetry.routed.labels(routed.decision.policy, routed.decision.branch,
                                         chosen.name if chosen else "?").inc()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("routed", extra={"request_id": inp.request_id, "model": inp.model,
+                                           "prompt_tokens": inp.prompt_tokens, "replica": chosen.name if chosen else None,
+                                           "branch": routed.decision.branch,
+                                           "cached_tokens": routed.cached_tokens.get(routed.decision.chosen, 0),
+                                           "decision_s": round(routed.decision_s, 6)})
             body = await request.body()
             return await svc.proxy.forward(request, routed, path, body, stream=stream,
                                            request_id=inp.request_id)
@@ -593,8 +611,9 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         return decision_json(routed, svc.table, settings.block_size)
 
     # -- control plane -----------------------------------------------------------------------------------
-    @app.get("/replicas", response_model=ReplicaList, summary="replicas with state, load view and freshness")
-    async def replicas() -> Any:
+    @app.get("/replicas", response_model=ReplicaList, responses={401: _ERR}, summary="replicas with state, load view and freshness")
+    async def replicas(request: Request) -> Any:
+        check_admin(request)
         out = []
         for r in svc.table.all():
             ev = svc.event_status.get(r.name)
@@ -607,8 +626,9 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             })
         return {"replicas": out}
 
-    @app.get("/index/stats", summary="prefix index sizes and counters (blocks per replica and tier)")
-    async def index_stats() -> Any:
+    @app.get("/index/stats", responses={401: _ERR}, summary="prefix index sizes and counters (blocks per replica and tier)")
+    async def index_stats(request: Request) -> Any:
+        check_admin(request)
         stats = svc.index.stats()
         names = {r.index: r.name for r in svc.table.all()}
         for key in ("blocks", "predicted_blocks"):

@@ -1,0 +1,126 @@
+"""HTTP surface of the router: clear 4xx/5xx JSON errors, auth, body limit, backpressure, models, probes,
+OpenAPI. The router runs in-process on a real socket; engines are tiny real HTTP servers."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+
+from tests.helpers import free_port, wait_until
+from tests.unit.test_router_proxy import BODY, EngineState, ServerThread, ready, router_for, tiny_engine
+
+
+def test_validation_errors_are_clear() -> None:
+    st = EngineState()
+    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url]) as router:
+        ready(router, 1)
+        u = router.url
+        r = httpx.post(u + "/v1/completions", content=b'{"model": "m", "prompt": ')
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        r = httpx.post(u + "/v1/chat/completions", json={"model": "m"})
+        assert r.status_code == 422
+        assert r.json()["error"]["param"] == "messages" and "Field required" in r.json()["error"]["message"]
+        r = httpx.post(u + "/v1/chat/completions", json={"model": "m", "messages": [{"content": "x"}]})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "messages.0.role"
+        r = httpx.post(u + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "model"
+        r = httpx.post(u + "/v1/completions", json=[1, 2])
+        assert r.status_code == 422
+        r = httpx.post(u + "/route", json={"model": "m"})
+        assert r.status_code == 422 and "exactly one of 'prompt', 'messages' or 'token_ids'" in r.text
+        r = httpx.post(u + "/route", json={"model": "m", "token_ids": [1, -5]})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "token_ids"
+        r = httpx.post(u + "/v1/completions", json={**BODY, "model": "nope"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert "known: m" in r.json()["error"]["message"]
+        # form-encoded clients still work: the body is JSON whatever the content type says
+        r = httpx.post(u + "/v1/completions", content=b'{"model": "m", "prompt": "hi"}',
+                       headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 200
+        assert st.posts == 1  # none of the bad requests reached the engine
+
+
+def test_body_limit_413() -> None:
+    st = EngineState()
+    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url], "--max-request-bytes", "2048") as router:
+        ready(router, 1)
+        big = {"model": "m", "prompt": "x" * 5000}
+        r = httpx.post(router.url + "/v1/completions", json=big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+        def chunks():  # no content-length: chunked transfer encoding
+            for _ in range(10):
+                yield b" " * 500
+        r = httpx.post(router.url + "/v1/completions", content=chunks())
+        assert r.status_code == 413
+        assert st.posts == 0
+
+
+def test_api_keys_and_admin_token() -> None:
+    st = EngineState()
+    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url], "--api-key", "k1,k2",
+                                                          "--admin-token", "adm") as router:
+        wait_until(lambda: httpx.get(router.url + "/readyz").status_code == 200, timeout=10, what="ready")
+        u = router.url
+        assert httpx.post(u + "/v1/completions", json=BODY).status_code == 401
+        r = httpx.post(u + "/v1/completions", json=BODY, headers={"authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert httpx.post(u + "/v1/completions", json=BODY, headers={"authorization": "Bearer k2"}).status_code == 200
+        assert httpx.get(u + "/v1/models").status_code == 401
+        assert httpx.get(u + "/replicas", headers={"authorization": "Bearer k1"}).status_code == 401
+        assert httpx.get(u + "/replicas", headers={"authorization": "Bearer adm"}).status_code == 200
+        assert httpx.get(u + "/index/stats").status_code == 401
+        assert httpx.get(u + "/healthz").status_code == 200  # probes stay open
+        # secrets never appear in the metrics / errors
+        assert "adm" not in httpx.get(u + "/metrics").text.replace("kvroute", "")
+
+
+def test_router_inflight_limit_429_and_replica_down_503() -> None:
+    st = EngineState(mode="hang")
+    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url], "--max-inflight-total", "1",
+                                                          "--retry-after-s", "3") as router:
+        ready(router, 1)
+        def first() -> None:
+            try:
+                httpx.post(router.url + "/v1/completions", json=BODY, timeout=1.5)
+            except httpx.HTTPError:
+                pass
+
+        t = threading.Thread(target=first, daemon=True)
+        t.start()
+        wait_until(lambda: st.posts == 1, timeout=5, what="first request at the engine")
+        r = httpx.post(router.url + "/v1/completions", json=BODY)
+        assert r.status_code == 429 and r.headers["retry-after"] == "3"
+        assert r.json()["error"]["code"] == "overloaded"
+        t.join(timeout=5)
+    dead = f"http://127.0.0.1:{free_port()}"
+    with router_for([dead]) as router:
+        wait_until(lambda: httpx.get(router.url + "/healthz").status_code == 200, timeout=10, what="up")
+        r = httpx.get(router.url + "/readyz")
+        assert r.status_code == 503 and "no routable replica" in r.json()["reason"]
+        r = httpx.post(router.url + "/v1/completions", json=BODY)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_routable_replica"
+        assert "joining" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
+
+
+def test_models_replicas_openapi() -> None:
+    st = EngineState()
+    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url]) as router:
+        ready(router, 1)
+        models = httpx.get(router.url + "/v1/models").json()
+        assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["m"]
+        reps = httpx.get(router.url + "/replicas").json()["replicas"]
+        assert reps[0]["name"] == "e0" and reps[0]["state"] == "ready" and reps[0]["kv_events"] is None
+        assert reps[0]["load"]["inflight_requests"] == 0
+        spec = httpx.get(router.url + "/openapi.json").json()
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/route", "/replicas",
+                     "/index/stats", "/metrics", "/healthz", "/readyz"):
+            assert path in spec["paths"], path
+        schemas = spec["components"]["schemas"]
+        body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"]["$ref"] == "#/components/schemas/ChatRequest"
+        assert "messages" in schemas["ChatRequest"]["required"]
+        assert "DecisionOut" in schemas and "ErrorResponse" in schemas
+        route_ok = spec["paths"]["/route"]["post"]["responses"]["200"]["content"]["application/json"]
+        assert route_ok["schema"]["$ref"] == "#/components/schemas/DecisionOut"
