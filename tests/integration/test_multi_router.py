@@ -146,8 +146,8 @@ def _settle(client: httpx.Client, urls: list[str], body: dict[str, Any], settle_
             pass
 
 
-def run_agreement(urls: list[str], seed: int, *, settle_key: str | None,
-                  redis: RedisServer | None = None) -> dict[str, Any]:
+def run_agreement(urls: list[str], seed: int, *, settle_key: str | None, redis: RedisServer | None = None,
+                  sessions: int = 12, turns: int = 4) -> dict[str, Any]:
     """Send the workload turn by turn; measure how often the three routers agree on the next turn.
 
     Each turn of every session is sent concurrently (session ``s`` through router ``s % 3``), so in-flight load
@@ -157,10 +157,8 @@ def run_agreement(urls: list[str], seed: int, *, settle_key: str | None,
     (fraction of those probes where all three chose the same replica) and failed requests. ``redis`` is killed
     after the first turn and restarted after the second when given.
     """
-    prompts = workload(seed)
-    turns = len(prompts[0])
+    prompts = workload(seed, sessions, turns)
     agree = probes = failures = 0
-    spread: dict[str, int] = {}
     with httpx.Client(timeout=30) as client, ThreadPoolExecutor(len(prompts)) as pool:
         for k in range(turns):
             if k > 0:
@@ -182,12 +180,13 @@ def run_agreement(urls: list[str], seed: int, *, settle_key: str | None,
             failures += sum(c != 200 for c in codes)
             nxt = {"model": "m", "prompt": prompts[0][min(k + 1, turns - 1)], "max_tokens": 2}
             _settle(client, urls, nxt, settle_key)
-            if k == 0:
-                for s in range(len(prompts)):
-                    d = client.post(urls[0] + "/route", json={"model": "m", "prompt": prompts[s][0]}).json()
-                    spread[d["chosen"]["name"]] = spread.get(d["chosen"]["name"], 0) + 1
+        stats = client.get(urls[0] + "/index/stats").json()
+    names = {str(v): k for k, v in _indices(urls[0]).items()}
+    per_replica = {names.get(str(i), str(i)): sum(t.values()) for i, t in (stats.get("blocks") or {}).items()}
+    predicted = {names.get(str(i), str(i)): n for i, n in (stats.get("predicted_blocks") or {}).items()}
     return {"requests": len(prompts) * turns, "probes": probes, "agreement": agree / max(1, probes),
-            "failures": failures, "first_turn_spread": spread}
+            "failures": failures, "router0_blocks_per_replica": per_replica,
+            "router0_predicted_blocks_per_replica": predicted}
 
 
 def measure(seed: int = 7) -> dict[str, Any]:
@@ -218,7 +217,7 @@ def test_same_indices_and_event_mode_agreement(redis_fleet: tuple[RedisServer, F
         idx = [_indices(u) for u in urls]
         assert idx[0] == idx[1] == idx[2], idx
         assert sorted(idx[0].values()) == [0, 1, 2, 3]
-        res = run_agreement(urls, seed=11, settle_key="blocks")
+        res = run_agreement(urls, seed=11, settle_key="blocks", turns=3)
     assert res["failures"] == 0
     assert res["agreement"] >= 0.95, res
 
@@ -226,9 +225,9 @@ def test_same_indices_and_event_mode_agreement(redis_fleet: tuple[RedisServer, F
 def test_predicted_mode_agreement_broadcast_on_vs_off(redis_fleet: tuple[RedisServer, Fleet]) -> None:
     redis, f = redis_fleet
     with routers(f, redis.url, events=False, broadcast=True) as urls:
-        on = run_agreement(urls, seed=12, settle_key="predicted_blocks")
+        on = run_agreement(urls, seed=12, settle_key="predicted_blocks", turns=3)
     with routers(f, redis.url, events=False, broadcast=False) as urls:
-        off = run_agreement(urls, seed=12, settle_key=None)
+        off = run_agreement(urls, seed=12, settle_key=None, turns=3)
     print(f"\npredicted-mode agreement: broadcast on {on['agreement']:.3f}, off {off['agreement']:.3f}")
     assert on["failures"] == 0 and off["failures"] == 0
     assert on["agreement"] >= 0.95, on
@@ -238,7 +237,7 @@ def test_predicted_mode_agreement_broadcast_on_vs_off(redis_fleet: tuple[RedisSe
 def test_redis_killed_and_restarted_during_traffic(redis_fleet: tuple[RedisServer, Fleet]) -> None:
     redis, f = redis_fleet
     with routers(f, redis.url, events=False, broadcast=True) as urls:
-        res = run_agreement(urls, seed=13, settle_key=None, redis=redis)
+        res = run_agreement(urls, seed=13, settle_key=None, redis=redis, turns=3)
         assert res["failures"] == 0, res  # no request fails because Redis went away
         assert redis.alive()
         # the routers noticed the outage and reconnected
