@@ -47,6 +47,24 @@ def run_helm(args: Sequence[str], timeout: float = 60.0) -> subprocess.Completed
                                          "HELM_DATA_HOME": "/tmp/kvroute-helm-data"})
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """A YAML loader that rejects duplicate mapping keys (Kubernetes and helm's own parser do too)."""
+
+
+def _strict_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _strict_mapping)
+
+
 @functools.lru_cache(maxsize=64)
 def _template(args: tuple[str, ...]) -> str:
     """``helm template`` output for ``args`` (cached: the chart does not change during a test run)."""
@@ -64,7 +82,7 @@ def render(values_files: Iterable[Path] = (), sets: dict[str, str] | None = None
         args += ["-f", str(f)]
     for key, value in (sets or {}).items():
         args += ["--set", f"{key}={value}"]
-    return [doc for doc in yaml.safe_load_all(_template(tuple(args))) if doc]
+    return [doc for doc in yaml.load_all(_template(tuple(args)), Loader=_StrictLoader) if doc]
 
 
 def kinds(objects: Iterable[dict[str, Any]]) -> set[str]:
