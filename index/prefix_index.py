@@ -59,6 +59,11 @@ ENGINE_ENTRY_BYTES = 120
 PRED_ENTRY_BYTES = 110
 #: Fraction of the budget that eviction brings the index down to.
 LOW_WATER = 0.9
+#: Largest reservation (node ids) made after a streak of new nodes.
+MAX_RESERVE = 2048
+#: Estimated bytes per reserved (unused) node id in the parallel arrays.
+RESERVED_SLOT_BYTES = 28
+_ONES = array("I", [1])
 #: Dead node ids needed (besides a quarter of all ids) before the node arrays are compacted.
 COMPACT_MIN_DEAD = 4096
 #: Nodes processed per ``expire()`` call by the incremental sweep of cleared replicas.
@@ -154,6 +159,9 @@ class PrefixIndex:
         # ``match`` verifies against ``_keys``; it lets a walk skip the dict probe for most blocks)
         self._run = array("I")
         self._dead_nodes = 0  # deleted node ids not yet compacted away
+        self._reserved = 0  # node ids reserved for paths to grow into (not yet used)
+        # last node id of an extent -> (end of its reservation, exclusive; capacity of the extent)
+        self._tips: dict[int, tuple[int, int]] = {}
         self._compact_min = COMPACT_MIN_DEAD
         # interned states
         self._states: list[_StateT] = []
@@ -273,10 +281,16 @@ class PrefixIndex:
         self._sidl[nid] = 0
         self._dead_nodes += 1
 
-    def _maybe_compact(self) -> None:
-        """Renumber live nodes densely once a quarter of the node ids are dead (amortised O(1) per delete)."""
+    def _maybe_compact(self, *, force: bool = False) -> None:
+        """Renumber live nodes densely once a quarter of the node ids are dead (amortised O(1) per delete).
+
+        ``force`` compacts whenever any id is dead or reserved (used by budget eviction, already O(nodes)).
+        """
         dead = self._dead_nodes
-        if dead < self._compact_min or dead * 4 < len(self._keys):
+        if force:
+            if not dead and not self._reserved:
+                return
+        elif dead < self._compact_min or (dead + self._reserved) * 4 < len(self._keys):
             return
         keys = self._keys
         alive = [i for i, k in enumerate(keys) if k is not None]
@@ -294,6 +308,8 @@ class PrefixIndex:
             for slot, pd in self._pred.items():
                 self._pred[slot] = OrderedDict((where[nid], exp) for nid, exp in pd.items())
         self._dead_nodes = 0
+        self._reserved = 0
+        self._tips.clear()
         self._sweep_cursor = 0
 
     # ------------------------------------------------------------------ queries
@@ -349,34 +365,46 @@ class PrefixIndex:
         counts: dict[int, list[int]] | None = None
         groups: Sequence[tuple[int, int]]
         prev = -1
+        nk = len(kl)
         while i < n:
             nid = ids_get(keys[i])
             if nid is None:
                 break
-            m = runs[nid]
-            if m > n - i:
-                m = n - i
-            if m > 1 and kl[nid + 1 : nid + m] != keys[i + 1 : i + m]:
-                lo, hi = 1, m
-                while hi - lo > 1:
-                    mid = (lo + hi) >> 1
-                    if kl[nid + lo : nid + mid] == keys[i + lo : i + mid]:
-                        lo = mid
-                    else:
-                        hi = mid
-                m = lo
-            seg_depth.append(i)
-            seg_nid.append(nid)
+            # a stretch: runs laid out back to back, each verified, chained without dict probes
+            start_i = i
+            start_nid = nid
+            while True:
+                m = runs[nid]
+                if m > n - i:
+                    m = n - i
+                if m > 1 and kl[nid + 1 : nid + m] != keys[i + 1 : i + m]:
+                    lo, hi = 1, m
+                    while hi - lo > 1:
+                        mid = (lo + hi) >> 1
+                        if kl[nid + lo : nid + mid] == keys[i + lo : i + mid]:
+                            lo = mid
+                        else:
+                            hi = mid
+                    i += lo
+                    nid += lo
+                    break
+                i += m
+                nid += m
+                if i >= n or nid >= nk or kl[nid] != keys[i]:
+                    break
+            seg_depth.append(start_i)
+            seg_nid.append(start_nid)
+            m = i - start_i
             if m == 1:
-                groups = ((sidl[nid], 1),)
+                groups = ((sidl[start_nid], 1),)
             else:
-                seg = sidl[nid : nid + m]
+                seg = sidl[start_nid:nid]
                 s0 = seg[0]
                 if seg.count(s0) == m:
                     groups = ((s0, m),)
                 else:
                     groups = [(sid, len(list(g))) for sid, g in groupby(seg)]
-            depth = i
+            depth = start_i
             for sid, run in groups:
                 if sid != prev:
                     prev = sid
@@ -403,7 +431,6 @@ class PrefixIndex:
                 depth += run
             if not live:
                 break
-            i += m
         if live:
             drops.append((live, i))
         ts = self._ts
@@ -490,7 +517,7 @@ class PrefixIndex:
             return
         slot = self._slot_for(replica)
         now = self._clock()
-        self._apply(slot, keys, _OP_STORE, t, now, create=True)
+        self._apply(slot, keys, _OP_STORE, t, now, create=True, parent_key=parent_key)
         self._check_budget()
 
     def predict(self, replica: int, keys: Sequence[int]) -> None:
@@ -517,8 +544,23 @@ class PrefixIndex:
         self._apply(slot, keys, _OP_REMOVE, t, 0.0, create=False)
         self._maybe_compact()
 
-    def _apply(self, slot: int, keys: Sequence[int], op: int, tier: int, now: float, *, create: bool) -> int:
-        """Apply one state transition to the nodes of ``keys``; return how many nodes changed state."""
+    def _apply(
+        self,
+        slot: int,
+        keys: Sequence[int],
+        op: int,
+        tier: int,
+        now: float,
+        *,
+        create: bool,
+        parent_key: int | None = None,
+    ) -> int:
+        """Apply one state transition to the nodes of ``keys``; return how many nodes changed state.
+
+        New nodes created back to back form a *streak* laid out at consecutive node ids: right after the
+        parent's node when the parent ends an extent with reserved room (so a conversation's path stays
+        contiguous turn after turn), else at the end of the arrays followed by a reservation of its own.
+        """
         ids = self._ids
         sidl = self._sidl
         ts = self._ts
@@ -544,27 +586,56 @@ class PrefixIndex:
         created = 0
         kl = self._keys
         runs = self._run
-        streak = -1  # first node id of the current chain of nodes created back to back
+        tips = self._tips
+        streak = -1  # first node id of the current streak (nodes created back to back), -1 = none
+        place = -1  # next reserved node id to fill (placed streak), -1 = appending at the end
+        place_end = 0  # end (exclusive) of the reservation being filled
+        cap = 0  # capacity of the extent being filled / continued (reservations grow geometrically)
+        prev = ids.get(parent_key) if create and parent_key is not None else None
         for k in keys:
             nid = ids.get(k)
             if nid is None:
                 if not create:
                     continue
-                nid = len(kl)
-                kl.append(k)
-                sidl.append(fresh)
-                ts.append(now)
-                runs.append(1)
+                if streak >= 0 and place >= 0 and place >= place_end:
+                    # the reservation is full: close this streak, go on at the end of the arrays
+                    self._close_streak(streak, place, place_end, cap, placed=True)
+                    streak = place = -1
+                if streak < 0:
+                    tip = tips.pop(prev, None) if prev is not None else None
+                    if tip is not None and tip[0] > prev + 1:  # type: ignore[operator]
+                        place, place_end, cap = prev + 1, tip[0], tip[1]  # type: ignore[operator]
+                    else:
+                        place = -1
+                        cap = tip[1] if tip is not None else 0
+                if place >= 0:
+                    nid = place
+                    place += 1
+                    kl[nid] = k
+                    sidl[nid] = fresh
+                    ts[nid] = now
+                    self._reserved -= 1
+                else:
+                    nid = len(kl)
+                    kl.append(k)
+                    sidl.append(fresh)
+                    ts.append(now)
+                    runs.append(1)
                 ids[k] = nid
                 if streak < 0:
                     streak = nid
                 created += 1
+                prev = nid
                 if op == _OP_PREDICT:
                     pd[nid] = exp  # type: ignore[index]
                 continue
             if streak >= 0:
-                self._set_run(streak, len(kl))
-                streak = -1
+                if place >= 0:
+                    self._close_streak(streak, place, place_end, cap, placed=True)
+                else:
+                    self._close_streak(streak, len(kl), 0, cap, placed=False)
+                streak = place = -1
+            prev = nid
             sid = sidl[nid]
             nsid = table.get(sid)
             if nsid is None:
@@ -588,15 +659,32 @@ class PrefixIndex:
                 pd.move_to_end(nid)  # type: ignore[union-attr]
                 pd[nid] = exp  # type: ignore[index]
         if streak >= 0:
-            self._set_run(streak, len(kl))
+            if place >= 0:
+                self._close_streak(streak, place, place_end, cap, placed=True)
+            else:
+                self._close_streak(streak, len(kl), 0, cap, placed=False)
         refs[fresh] += created
         return changed + created
 
-    def _set_run(self, start: int, end: int) -> None:
-        """Record that node ids ``start..end-1`` were created as one chain (run hints for ``match``)."""
+    def _close_streak(self, start: int, end: int, place_end: int, cap: int, *, placed: bool) -> None:
+        """Finish a streak of new nodes at ids ``start..end-1``: run hints, and the extent's reservation."""
         length = end - start
         if length > 1:
             self._run[start:end] = array("I", range(length, 0, -1))
+        tips = self._tips
+        if len(tips) > max(4096, len(self._ids) // 4):
+            tips.clear()  # bound the bookkeeping; orphaned reservations go at the next compaction
+        if placed:
+            tips[end - 1] = (place_end, cap)
+            return
+        # appended at the end of the arrays: reserve room for the path to grow in place
+        room = min(MAX_RESERVE, max(2 * cap, length) if cap else max(8, length // 2))
+        self._keys.extend([None] * room)
+        self._sidl.extend([0] * room)
+        self._ts.frombytes(bytes(8 * room))
+        self._run.extend(_ONES * room)
+        self._reserved += room
+        tips[end - 1] = (end + room, length + room)
 
     def clear(self, replica: int) -> None:
         """Forget everything ``replica`` holds (engine restart, replica left). O(1): its slot is retired."""
@@ -760,7 +848,7 @@ class PrefixIndex:
                 else:
                     emap[eh] = (keys[nfull - 1] if nfull else last, leftover, covered)
         if keys:
-            self.store(replica, None, keys, tier)
+            self.store(replica, last if engine_parent is not None else None, keys, tier)
         else:
             self._check_budget()
         return StoreResult(len(keys), False)
@@ -812,6 +900,7 @@ class PrefixIndex:
         """Estimated memory of the index in bytes (nodes + engine-hash maps + predicted entries)."""
         return (
             len(self._ids) * NODE_BYTES
+            + self._reserved * RESERVED_SLOT_BYTES
             + self._engine_entries() * ENGINE_ENTRY_BYTES
             + self._pred_entries() * PRED_ENTRY_BYTES
         )
@@ -838,6 +927,7 @@ class PrefixIndex:
         """Evict least recently stored/predicted nodes and oldest engine-map entries to the low-water mark."""
         if self._dead or self._sweeping:
             self._sweep(None)
+        self._maybe_compact(force=True)
         guard = 0
         while self._over(LOW_WATER) and guard < 64:
             guard += 1

@@ -250,3 +250,21 @@ def test_stats_shape() -> None:
     for key in ("nodes", "estimated_bytes", "blocks", "evictions", "orphan_events", "predicted_entries", "expired"):
         assert key in st
     assert st["nodes"] == 2 and st["blocks"][0] == dict.fromkeys(TIERS, 0) | {"disk": 2}
+
+
+def test_paths_grown_in_place_still_verify_every_block() -> None:
+    """A conversation grows in its reserved extent; a query diverging right after a turn must stop there."""
+    idx = PrefixIndex(clock=FakeClock())
+    base = blocks(2, 0)
+    turn2 = base + blocks(2, 500)
+    other = base + blocks(2, 900)
+    k_turn2 = block_keys(turn2, 16, SEED)
+    idx.store(0, None, k_turn2[:2])
+    idx.store(0, k_turn2[1], k_turn2[2:])  # placed right after block 1 (same extent)
+    assert idx.match(k_turn2)[0].blocks == 4
+    assert idx.match(block_keys(other, 16, SEED))[0].blocks == 2
+    idx.store(1, None, block_keys(other, 16, SEED))
+    res = idx.match(block_keys(other, 16, SEED))
+    assert (res[0].blocks, res[1].blocks) == (2, 4)
+    idx.remove(0, k_turn2[2:3])
+    assert idx.match(k_turn2)[0].blocks == 2

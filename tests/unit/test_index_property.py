@@ -101,7 +101,7 @@ class Reference:
         return out
 
 
-tokens = st.lists(st.integers(0, 2), min_size=0, max_size=5 * BS)
+tokens = st.lists(st.integers(0, 1), min_size=0, max_size=6 * BS)
 replica = st.sampled_from(REPLICAS)
 tier = st.sampled_from(TIERS)
 ops = st.one_of(
