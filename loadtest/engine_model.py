@@ -69,11 +69,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat, starmap, takewhile
-from operator import add, itemgetter, not_, sub
+from itertools import compress, islice, repeat, takewhile
+from operator import add, not_, sub
 from typing import Any
 
 import xxhash
@@ -451,10 +451,11 @@ class EngineModel:
 
         # cache state: GPU blocks hash -> refcount; evictable ones (refcount 0) in LRU order (oldest first)
         self._ref: dict[int, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict()
+        # plain dicts are insertion-ordered: oldest first; "touch" = pop + re-insert (C-level bulk operations)
+        self._free: dict[int, None] = {}
         self._parent: dict[int, int | None] = {}
         self._tokens: dict[int, bytes] = {}
-        self._cpu: OrderedDict[int, None] = OrderedDict()
+        self._cpu: dict[int, None] = {}
         self._private = 0  # blocks reserved by running requests that are not cached blocks
 
         # scheduling state
@@ -559,6 +560,10 @@ class EngineModel:
                 break
             if end > until:
                 break
+            if not self._step_chunks and not self.emit_tokens and not self._waiting and not self._loading:
+                end = self._fast_decode(until)
+                if end > until:
+                    break
             self._finish_step(end, events)
             self._step_end = None
             if not self.idle:
@@ -568,6 +573,36 @@ class EngineModel:
         events.extend(self._events)
         self._events = []
         return events
+
+    def _fast_decode(self, until: float) -> float:
+        """Decode-only stretch with nothing waiting: complete, in a tight loop, the steps that end by ``until``
+        and finish no request; returns the end of the step now in flight."""
+        end = self._step_end
+        assert end is not None
+        n = self._step_decodes
+        if n != len(self._decoding) or not self._decode_heap:
+            return end
+        d = self._dstep
+        last = self._decode_heap[0][0] - 1  # steps up to this one finish nobody
+        ctx = self._dec_ctx
+        hw = self.profile
+        s_tok, s_pair, w, kv, fixed = hw.s_per_token, hw.s_per_pair, hw.weight_read_s, hw.kv_read_s_per_token, \
+            hw.fixed_step_s
+        base = n * s_tok
+        done = 0
+        while end <= until and d < last:
+            d += 1
+            ctx += n
+            done += 1
+            compute = base + s_pair * (ctx + n)
+            memory = w + kv * ctx
+            end += fixed + (compute if compute > memory else memory)
+        if done:
+            self._dstep = d
+            self._dec_ctx = ctx
+            self._gen_total += n * done
+            self._step_end = end
+        return end
 
     def lookup(self, block_hashes: Sequence[int], cap: int | None = None) -> tuple[int, int]:
         """Leading blocks of ``block_hashes`` cached in GPU, then continuing in CPU: ``(gpu, cpu)`` blocks."""
@@ -741,7 +776,8 @@ class EngineModel:
             self._link_free_at = r.ready_at
             for i in range(gpu, gpu + cpu):
                 if hashes[i] in self._cpu:
-                    self._cpu.move_to_end(hashes[i])
+                    del self._cpu[hashes[i]]
+                    self._cpu[hashes[i]] = None
         else:
             r.ready_at = t
         return True
@@ -886,7 +922,8 @@ class EngineModel:
             return
         free = self._free
         ref = self._ref
-        removed = list(map(itemgetter(0), starmap(free.popitem, repeat((False,), min(over, len(free))))))
+        removed = list(islice(free, over))
+        deque(map(free.pop, removed), maxlen=0)
         deque(map(ref.pop, removed), maxlen=0)
         if self.emit_kv_events:
             self._events.append(BlockRemoved(t, removed, "gpu"))
@@ -895,10 +932,10 @@ class EngineModel:
             demoted: list[int] = []
             for h in removed:
                 if h in cpu:
-                    cpu.move_to_end(h)
+                    del cpu[h]
                 else:
-                    cpu[h] = None
                     demoted.append(h)
+                cpu[h] = None
             if demoted and self.emit_kv_events:
                 for h in demoted:
                     tok = self._tokens.get(h)
@@ -910,10 +947,8 @@ class EngineModel:
                         arr.frombytes(tok)
                         toks = arr.tolist()
                     self._events.append(BlockStored(t, [h], self._parent.get(h), toks, self.block_size, "cpu"))
-            dropped: list[int] = []
-            while len(cpu) > self.num_cpu_blocks:
-                h, _ = cpu.popitem(last=False)
-                dropped.append(h)
+            dropped = list(islice(cpu, max(0, len(cpu) - self.num_cpu_blocks)))
+            deque(map(cpu.pop, dropped), maxlen=0)
             if dropped and self.emit_kv_events:
                 self._events.append(BlockRemoved(t, dropped, "cpu"))
             for h in dropped:

@@ -483,6 +483,7 @@ def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, k
         RuntimeError: when a request did not complete exactly once (conservation).
     """
     wall0 = time.perf_counter()
+    cpu0 = time.process_time()
     if keys is None:
         keys = BlockKeyCache(config.block_size, root_seed(config.model))
     fleet = Fleet(config, policy, keys, policy_params, seed)
@@ -526,7 +527,8 @@ def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, k
         wall_s=time.perf_counter() - wall0,
         slo_ttft_s=config.slo_ttft_s,
         hit_rate_bound=hit_rate_bound,
-        extra={"index_nodes": len(fleet.index), "observations": fleet.observations},
+        extra={"cpu_s": time.process_time() - cpu0, "index_nodes": len(fleet.index),
+               "observations": fleet.observations},
     )
 
 

@@ -210,3 +210,22 @@ def test_submit_in_the_past_is_rejected_and_hashes_are_engine_specific() -> None
     except ImportError:  # the index package may not be importable while it is being written
         return
     assert set(engine_block_hashes(p, BS, e.hash_seed)).isdisjoint(block_keys(p, BS, 0))
+
+
+def test_decode_fast_path_matches_step_by_step() -> None:
+    """Without per-token events the engine skips through decode-only stretches; timings must not change."""
+    rnd = random.Random(11)
+    reqs = [(rnd.uniform(0, 5), rnd.randrange(100, 3000), rnd.randrange(1, 400)) for _ in range(40)]
+    reqs.sort()
+    out = []
+    for emit in (True, False):
+        e = EngineModel("a100", num_gpu_blocks=5000, block_size=BS, emit_tokens=emit)
+        events: list = []
+        for i, (t, p, o) in enumerate(reqs):
+            events += e.advance(t)
+            e.submit(EngineRequest(f"r{i}", p, o, token_ids=_prompt(500 + i, p)), t)
+        events += e.advance(math.inf)
+        out.append(sorted((x.request.request_id, round(x.time, 9)) for x in events
+                          if isinstance(x, Finished | FirstToken)))
+        assert e.metrics().generation_tokens_total == sum(o for _, _, o in reqs)
+    assert out[0] == out[1]
