@@ -829,8 +829,7 @@ class PrefixIndex:
         bs = self.block_size
         if not left and page == bs:
             keys = block_keys_packed(pack_tokens(token_ids), bs, last)
-            for eh, k in zip(engine_hashes, keys, strict=True):
-                emap[eh] = k
+            emap.update(zip(engine_hashes, keys, strict=True))
         else:
             toks = list(left)
             toks.extend(token_ids)
