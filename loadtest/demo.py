@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
+from loadtest import traces
 from loadtest.fleet import EngineOptions, Fleet
 from loadtest.replay import ReplayRequest, percentile
 from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
@@ -71,7 +73,9 @@ async def _send(client: httpx.AsyncClient, url: str, req: ReplayRequest, model: 
     t0 = time.perf_counter()
     out = Outcome(ok=False, prompt_tokens=req.prompt_tokens)
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
+        headers["content-type"] = "application/json"
+        async with client.stream("POST", url + "/v1/completions", content=orjson.dumps(body),
+                                 headers=headers) as resp:
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:160].decode(errors='replace')}"
                 return out
@@ -234,9 +238,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="kvroute-demo", help="model id served by the fake engines")
     p.add_argument("--drain-timeout-s", type=float, default=45.0,
                    help="after the last arrival, wait at most this long for answers (s)")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="send prompts as text (tokenized by the router and the engines) instead of token ids")
     p.add_argument("--plot", default=None, help="PNG path (default: <tmp>/kvroute-demo.png)")
     p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary, removed)")
     return p
+
+
+def token_workload(opts: WorkloadOptions) -> list[ReplayRequest]:
+    """The workload of ``opts`` with token-id prompts (``loadtest.traces`` ids; the local tokenizer's vocabulary).
+
+    Sending ids skips tokenizing ~12k-token texts in the router and every engine, which on 2 shared cores would
+    cost more CPU than the routing being compared.
+    """
+    if opts.trace is not None:
+        reqs = traces.load_mooncake(opts.trace)
+    else:
+        reqs = traces.make_workload(opts.workload, seed=opts.seed)
+        reqs.sort(key=lambda r: r.arrival_s)
+    end = None if opts.duration_s is None else opts.start_s + opts.duration_s
+    reqs = traces.limit(traces.slice_time(reqs, opts.start_s, end), opts.max_requests)
+    out = []
+    for r in reqs:
+        out_len = max(1, r.output_tokens)
+        if opts.max_output_tokens:
+            out_len = min(out_len, opts.max_output_tokens)
+        out.append(ReplayRequest(request_id=r.request_id, arrival_s=r.arrival_s * opts.time_scale,
+                                 prompt=traces.prompt_token_ids(r), max_tokens=out_len,
+                                 prompt_tokens=r.prompt_tokens, session_id=r.session_id))
+    return out
 
 
 def _resolve_trace(arg: str | None) -> Path | None:
@@ -266,10 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"kvroute demo: {exc}", file=sys.stderr)
         return 2
-    workload = build_workload(WorkloadOptions(
+    opts = WorkloadOptions(
         trace=trace, workload=args.workload, time_scale=args.time_scale, start_s=args.trace_start_s,
         duration_s=args.duration / args.time_scale, max_requests=args.max_requests or None,
-        max_output_tokens=args.max_output_tokens or None))
+        max_output_tokens=args.max_output_tokens or None)
+    workload = build_workload(opts) if args.text_prompts else token_workload(opts)
     if not workload:
         print("kvroute demo: the workload slice is empty", file=sys.stderr)
         return 2

@@ -292,7 +292,8 @@ def build_services(settings: Settings) -> Services:
     router = Router(table, index, policy, block_size=settings.block_size, seed_model=settings.seed_model,
                     seed_include_lora=settings.seed_include_lora,
                     objective=settings.objective, predict_mode=settings.predict_mode,
-                    events_healthy=events_healthy, max_inflight_per_replica=settings.max_inflight_per_replica)
+                    events_healthy=events_healthy, max_inflight_per_replica=settings.max_inflight_per_replica,
+                    panic_routing=settings.panic_routing)
 
     def profile_for(name: str | None) -> Any:
         return build_profile(name, settings.profiles, settings.default_profile)
@@ -351,6 +352,8 @@ def _gauges(svc: Services) -> Iterable[Any]:
     yield gauge("kvroute_replica_inflight_requests", "requests in flight per replica", labels=["replica"],
                 samples=[([r.name], float(r.load.inflight_requests)) for r in reps])
     yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
+    yield gauge("kvroute_panic_decisions", "decisions made among unhealthy replicas because none was ready "
+                "(cumulative)", float(svc.router.panic_decisions))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -169,6 +169,9 @@ class Settings(BaseSettings):
     unhealthy_after: int = Field(default=3, ge=1, description="consecutive failed probes before unhealthy")
     healthy_after: int = Field(default=2, ge=1,
                                description="consecutive successful probes before an unhealthy replica is ready")
+    panic_routing: bool = Field(
+        default=True, description="when no replica is ready, route to unhealthy ones instead of answering 503 "
+                                  "(health checks of overloaded engines give false positives)")
     scrape_interval_s: float = Field(default=2.0, gt=0, description="engine /metrics scrape period (s)")
     scrape_timeout_s: float = Field(default=1.0, gt=0, description="timeout of one /metrics scrape (s)")
 

@@ -262,7 +262,9 @@ class Proxy:
             raise _AttemptFailed("first_byte_timeout",
                                  f"no response within {budget:.3g}s (first_byte_timeout_s)",
                                  retry=False, status=504) from None
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        except httpx.ConnectTimeout as exc:  # an overloaded engine, not necessarily a dead one
+            raise _AttemptFailed("connect_timeout", f"connect timed out: {exc}", retry=True) from None
+        except httpx.ConnectError as exc:
             raise _AttemptFailed("connect_error", f"cannot connect: {type(exc).__name__}: {exc}",
                                  retry=True, connection=True) from None
         except httpx.PoolTimeout as exc:

@@ -20,7 +20,7 @@ from typing import Any
 
 from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex, ReplicaMatch
-from membership.replicas import Replica, ReplicaTable
+from membership.replicas import Replica, ReplicaState, ReplicaTable
 from policies.base import (
     Candidate,
     Decision,
@@ -217,6 +217,7 @@ class Router:
         predict_mode: ``auto`` (predicted entries only for replicas without healthy events), ``always``, ``never``.
         events_healthy: ``f(replica) -> bool``: True when the replica's KV events feed the index reliably.
         max_inflight_per_replica: replicas at this many in-flight requests are skipped.
+        panic_routing: when no replica is ready, route to the unhealthy ones instead of answering 503.
         clock: seconds (monotonic) for ``RouteRequest.now``.
     """
 
@@ -224,7 +225,7 @@ class Router:
                  seed_model: str | None = None, seed_include_lora: bool = True,
                  objective: str = "mean", predict_mode: str = "auto",
                  events_healthy: Callable[[Replica], bool] | None = None,
-                 max_inflight_per_replica: int = 512, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_inflight_per_replica: int = 512, panic_routing: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.table = table
         self.index = index
         self.policy = policy
@@ -240,6 +241,9 @@ class Router:
         #: True: a request's prefill tokens stop counting at its first byte. False when an engine-metrics
         #: scraper owns ``inflight_prefill_tokens`` (it subtracts what was dispatched before each scrape).
         self.prefill_release_on_first_byte = True
+        #: route to unhealthy replicas when none is ready (counted in ``panic_decisions``)
+        self.panic_routing = panic_routing
+        self.panic_decisions = 0
         #: called with (replica, keys) after predicted entries are recorded (membership broadcasts them to peers)
         self.on_prediction: list[Callable[[Replica, Sequence[int]], None]] = []
 
@@ -312,6 +316,14 @@ class Router:
             BadRequest: the prompt exceeds every candidate's context length.
         """
         reps = self.table.routable(None if inp.lora else inp.model, inp.lora, exclude)
+        if not reps and self.panic_routing:
+            # every replica failed its health checks: rather than refusing all traffic on what may be false
+            # positives (overloaded engines answer probes late), try the unhealthy ones (Envoy's panic mode)
+            ex = set(exclude)
+            reps = [r for r in self.table.all() if r.state == ReplicaState.UNHEALTHY and r.index not in ex
+                    and r.serves(None if inp.lora else inp.model, inp.lora)]
+            if reps:
+                self.panic_decisions += 1
         if not reps:
             states = {r.name: r.state.value for r in self.table.all()
                       if r.serves(None if inp.lora else inp.model, inp.lora)}

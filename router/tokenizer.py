@@ -19,6 +19,7 @@ All ``encode_*`` methods return ``list[int]`` of token ids; errors are ``Tokeniz
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -30,6 +31,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+#: texts at least this long (characters) are tokenized in a worker thread (``hf`` mode)
+THREAD_MIN_CHARS = 16384
 #: bytes per token id in ``bytes`` mode (about the average characters per BPE token of English text)
 BYTES_PER_TOKEN = 4
 
@@ -234,16 +237,22 @@ class HfTokenizer:
             raise TokenizerError("the tokenizer has no chat template; set chat_template_path")
         return self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs)
 
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Long texts are tokenized in a worker thread so the event loop keeps relaying other streams."""
+        if len(text) >= THREAD_MIN_CHARS:
+            return await asyncio.to_thread(self.encode_text, text, add_special_tokens)
+        return self.encode_text(text, add_special_tokens)
+
     async def encode_prompt(self, prompt: str, *, model: str, url: str | None = None) -> list[int]:
         """Token ids of a completions prompt (special tokens added by the tokenizer's post-processor)."""
-        return self.encode_text(prompt, add_special_tokens=True)
+        return await self._encode(prompt, True)
 
     async def encode_chat(self, messages: Sequence[dict[str, Any]], *, model: str, url: str | None = None,
                           add_generation_prompt: bool = True, tools: Any = None,
                           template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of chat messages: template rendered, then tokenized without adding special tokens."""
         text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
-        return self.encode_text(text, add_special_tokens=False)
+        return await self._encode(text, False)
 
     async def aclose(self) -> None:
         """Nothing to release."""

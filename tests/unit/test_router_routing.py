@@ -143,7 +143,7 @@ def test_cache_salt_changes_keys() -> None:
 
 
 def test_no_routable_overloaded_and_too_long() -> None:
-    router = make_router(2, max_inflight_per_replica=1)
+    router = make_router(2, max_inflight_per_replica=1, panic_routing=False)
     inp = router.make_input("m", None, prompt(64))
     for r in router.table.all():
         router.acquire(r, 64)
@@ -192,3 +192,21 @@ def test_builtin_profiles_match_the_engine_model() -> None:
         build_profile("tpu")
     with pytest.raises(ValueError, match="unknown fields"):
         build_profile("x", {"x": {"speed": 1}})
+
+
+def test_panic_routing_when_no_replica_is_ready() -> None:
+    router = make_router(2)
+    inp = router.make_input("m", None, prompt(64))
+    for r in router.table.all():
+        router.table.set_state(r.name, ReplicaState.UNHEALTHY)
+    routed = router.decide(inp)
+    assert routed.decision.chosen in (0, 1) and router.panic_decisions == 1
+    router.table.set_state("r1", ReplicaState.DRAINING)
+    assert router.decide(inp).decision.chosen == 0  # draining replicas are never used
+    router.table.set_state("r0", ReplicaState.READY)
+    router.decide(inp)
+    assert router.panic_decisions == 2  # only when nothing is ready
+    router.panic_routing = False
+    router.table.set_state("r0", ReplicaState.UNHEALTHY)
+    with pytest.raises(NoReplica):
+        router.decide(inp)
