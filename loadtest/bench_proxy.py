@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import sys
@@ -62,6 +63,7 @@ async def measure(url: str, reqs: Sequence[ReplayRequest], concurrency: int, war
         results, wall = await closed_loop(url, lambda i: reqs[i % len(reqs)], model=model,
                                           concurrency=concurrency, total=len(reqs), client=client)
         cpu1 = proc.cpu_seconds() if proc else 0.0
+    load = os.getloadavg()[0]
     good = [r for r in results if r.ok]
     lat = [r.e2e_s * 1000.0 for r in good if r.e2e_s is not None]
     ttft = [r.ttft_s * 1000.0 for r in good if r.ttft_s is not None]
@@ -70,6 +72,7 @@ async def measure(url: str, reqs: Sequence[ReplayRequest], concurrency: int, war
         "rps": round(len(good) / wall, 2) if wall > 0 else 0.0,
         "latency_p50_ms": _r(percentile(lat, 50)), "latency_p99_ms": _r(percentile(lat, 99)),
         "ttft_p50_ms": _r(percentile(ttft, 50)), "ttft_p99_ms": _r(percentile(ttft, 99)),
+        "loadavg_1m": round(load, 2),
     }
     if proc is not None:
         out["router_cpu_ms_per_req"] = _r((cpu1 - cpu0) * 1000.0 / len(results)) if results else None

@@ -11,7 +11,8 @@ in front of them, replays the workload open loop with a streaming async client, 
   tokens (their own ``/metrics`` counters),
 * ``ttft_p50_s`` / ``ttft_p99_s``: client-side time to first streamed chunk, seconds,
 * ``throughput_rps``: completed requests per wall second, ``errors``: failed requests,
-* ``router_cpu_s_per_1k``: router process CPU seconds (user + system, psutil) per 1000 requests.
+* ``router_cpu_s_per_1k``: router process CPU seconds (user + system, psutil) per 1000 requests,
+* ``loadavg_1m``: the machine's 1-minute load average before and after the run (shared machines are noisy).
 
 The workload is the first ``--duration / --time-scale`` trace seconds of the trace (from ``--trace-start-s``),
 with arrivals at trace time x ``--time-scale`` / ``--load-scale``. JSON on stdout (one object keyed by run name),
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -63,6 +65,7 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
             fresh_engines: bool) -> dict[str, Any]:
     """Run one router over ``workload`` on cold engines and return its result object."""
     kind, policy = RUNS[name]
+    load_before = os.getloadavg()[0]
     if fresh_engines:
         fleet.restart_engines() if fleet.engines else fleet.start_engines()
     router: RouterHandle = (fleet.start_kvroute(policy=policy) if kind == "kvroute"
@@ -95,6 +98,7 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         "requests": s.requests, "completed": s.completed, "wall_s": round(wall, 3),
         "max_client_lag_s": round(s.max_lag_s, 4), "prefix_hit_tokens": hits, "prefix_query_tokens": queries,
         "router": kind, "policy": policy,
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     if s.error_samples:
         out["error_samples"] = s.error_samples
