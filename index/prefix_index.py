@@ -20,7 +20,7 @@ Layout (chosen for memory and for a fast ``match`` in pure Python):
   match; dead bits are swept incrementally by ``expire()`` and fully by budget eviction.
 * One global memory budget (``max_nodes`` and/or ``max_bytes``): when the estimate passes the high-water mark
   (the budget), the least recently stored/predicted nodes, and the oldest engine-hash map entries, are evicted
-  down to the low-water mark (90 % of the budget).
+  down to the low-water mark (85 % of the budget).
 
 Units: depths and counts are in blocks, times in seconds of the injected clock, sizes in bytes.
 """
@@ -58,7 +58,7 @@ ENGINE_ENTRY_BYTES = 120
 #: Estimated bytes per predicted entry (ordered dict slot + expiry float).
 PRED_ENTRY_BYTES = 110
 #: Fraction of the budget that eviction brings the index down to.
-LOW_WATER = 0.9
+LOW_WATER = 0.85
 #: Largest reservation (node ids) made after a streak of new nodes.
 MAX_RESERVE = 2048
 #: Estimated bytes per reserved (unused) node id in the parallel arrays.
@@ -284,11 +284,11 @@ class PrefixIndex:
     def _maybe_compact(self, *, force: bool = False) -> None:
         """Renumber live nodes densely once a quarter of the node ids are dead (amortised O(1) per delete).
 
-        ``force`` compacts whenever any id is dead or reserved (used by budget eviction, already O(nodes)).
+        ``force`` compacts once a tenth of the ids are dead or reserved (budget eviction, already O(nodes)).
         """
         dead = self._dead_nodes
         if force:
-            if not dead and not self._reserved:
+            if (dead + self._reserved) * 10 < len(self._keys):
                 return
         elif dead < self._compact_min or (dead + self._reserved) * 4 < len(self._keys):
             return
@@ -956,24 +956,19 @@ class PrefixIndex:
         ids = self._ids
         ts = self._ts
         n = len(ids)
-        if count >= n:
-            victims = list(ids.values())
-        else:
-            nids = list(ids.values())
-            stamps = list(map(ts.__getitem__, nids))
+        victims = list(ids.values())
+        if count < n:
+            # threshold from a sample (with a margin), then sort only the candidates below it
+            stamps = list(map(ts.__getitem__, victims))
             step = max(1, n // 4096)
             sample = sorted(stamps[::step])
-            q = min(len(sample) - 1, int(len(sample) * count / n))
+            q = min(len(sample) - 1, int(len(sample) * count / n * 1.1) + 2)
             thr = sample[q]
-            victims = [nid for nid, t in zip(nids, stamps, strict=True) if t < thr]
-            if len(victims) < count:
-                ties = [nid for nid, t in zip(nids, stamps, strict=True) if t == thr]
-                victims.extend(ties[: count - len(victims)])
-            if len(victims) < count:
-                rest = sorted((t, nid) for nid, t in zip(nids, stamps, strict=True) if t > thr)
-                victims.extend(nid for _, nid in rest[: count - len(victims)])
-            else:
-                del victims[count:]
+            cand = [nid for nid, t in zip(victims, stamps, strict=True) if t <= thr]
+            if len(cand) >= count:
+                victims = cand
+            victims.sort(key=ts.__getitem__)  # stable: ties keep node-id order
+            del victims[count:]
         for nid in victims:
             self._delete_node(nid)
         self._evictions += len(victims)

@@ -268,3 +268,21 @@ def test_paths_grown_in_place_still_verify_every_block() -> None:
     assert (res[0].blocks, res[1].blocks) == (2, 4)
     idx.remove(0, k_turn2[2:3])
     assert idx.match(k_turn2)[0].blocks == 2
+
+
+def test_eviction_removes_the_oldest_first() -> None:
+    clock = FakeClock()
+    idx = PrefixIndex(max_nodes=10, clock=clock)
+    prompts = [block_keys(blocks(1, 1000 * i), 16, SEED) for i in range(11)]
+    for i, keys in enumerate(prompts[:10]):
+        clock.now = 100.0 + i
+        idx.store(i % 2, None, keys)
+    clock.now = 200.0
+    idx.predict(0, prompts[0])  # touched: now the most recent
+    idx.store(1, None, prompts[10])  # 11 nodes > 10: evict down to the low-water mark
+    assert len(idx) <= 10 * 0.85
+    survivors = {i for i, keys in enumerate(prompts) if idx.match(keys)}
+    assert 0 in survivors and 10 in survivors
+    evicted = set(range(11)) - survivors
+    assert evicted == set(range(1, 1 + len(evicted)))  # the least recently stored ones
+    assert idx.stats()["evictions"] == len(evicted)
