@@ -678,7 +678,7 @@ class PrefixIndex:
             tips[end - 1] = (place_end, cap)
             return
         # appended at the end of the arrays: reserve room for the path to grow in place
-        room = min(MAX_RESERVE, max(2 * cap, length) if cap else max(8, length // 2))
+        room = min(MAX_RESERVE, max(2 * cap, length) if cap else length // 2)
         self._keys.extend([None] * room)
         self._sidl.extend([0] * room)
         self._ts.frombytes(bytes(8 * room))
