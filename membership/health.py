@@ -84,7 +84,10 @@ class HealthChecker:
         self._records: dict[str, HealthRecord] = {}
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
-        table.on_remove(lambda rep: self._records.pop(rep.name, None))
+        table.on_remove(self._forget)
+
+    def _forget(self, rep: Replica) -> None:
+        self._records.pop(rep.name, None)
 
     # -- verdicts --------------------------------------------------------------------------------------
     def is_healthy(self, name: str) -> bool:

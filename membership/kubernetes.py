@@ -308,7 +308,10 @@ class PodWatcher:
 
     # -- client ----------------------------------------------------------------------------------------
     def _client(self) -> Any:
-        from kubernetes import client, config  # imported lazily: optional at runtime
+        from kubernetes import client  # imported lazily: optional at runtime
+        from kubernetes import config as kube_config
+
+        config: Any = kube_config  # untyped library
 
         if self._api_client is None:
             if self.options.api_host:
@@ -375,8 +378,9 @@ class PodWatcher:
         return str((body.get("metadata") or {}).get("resourceVersion") or "")
 
     def _watch_once(self, v1: Any, rv: str) -> None:
-        from kubernetes import watch
+        from kubernetes import watch as kube_watch
 
+        watch: Any = kube_watch  # untyped library
         fn, args = self._list_fn(v1)
         with self._lock:
             selector = self.options.label_selector

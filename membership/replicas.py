@@ -420,7 +420,7 @@ class RedisIndexAllocator:
     ``ReplicaTable.reindex``). ``available`` tells whether the last Redis call succeeded.
     """
 
-    def __init__(self, client: object, *, key_prefix: str = "kvroute:", use_ordinals: bool = True,
+    def __init__(self, client: Any, *, key_prefix: str = "kvroute:", use_ordinals: bool = True,
                  ordinal_pattern: str | re.Pattern[str] | None = DEFAULT_ORDINAL_PATTERN,
                  dynamic_base: int = 0, release_grace_s: float = 120.0, stale_s: float = 3600.0) -> None:
         self._r: Any = client
