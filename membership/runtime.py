@@ -170,6 +170,27 @@ class Membership:
         if self.health is not None:
             self.health.record_success(name)
 
+    async def session_replica(self, session_id: str | None) -> Replica | None:
+        """The replica a session is pinned to (shared through Redis), if it can still take requests.
+
+        Returns None without Redis, without a session id, or when the pinned replica is gone / not routable
+        (the mapping is then dropped). Never raises.
+        """
+        if self.shared is None or not session_id:
+            return None
+
+        def routable(name: str) -> bool:
+            rep = self.table.get(name)
+            return rep is not None and rep.routable
+
+        name = await self.shared.session_replica(session_id, routable)
+        return self.table.get(name) if name else None
+
+    async def remember_session(self, session_id: str | None, rep: Replica) -> None:
+        """Pin ``session_id`` to ``rep`` for ``session_ttl_s`` seconds (no-op without Redis; never raises)."""
+        if self.shared is not None and session_id:
+            await self.shared.set_session(session_id, rep.name)
+
     def _apply_peer_decision(self, name: str, keys: list[int]) -> None:
         rep = self.table.get(name)
         if rep is not None and keys:
