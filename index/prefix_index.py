@@ -1,7 +1,7 @@
 """The prefix index: a Merkle map from block key to which replicas hold that block, in which tier.
 
-Keys are chained (``index.hashing``), so equal keys mean equal token paths and a lookup walks the prompt's keys
-with one dict probe each; no child maps are needed.
+Keys are chained (``index.hashing``), so equal keys mean equal token paths: a key alone identifies a block and
+its whole prefix, and no child maps are needed.
 
 Layout (chosen for memory and for a fast ``match`` in pure Python):
 
@@ -11,11 +11,17 @@ Layout (chosen for memory and for a fast ``match`` in pure Python):
 * A *state* is the node's full membership: one replica bitmask (a Python int, bit = replica *slot*) per tier
   (``gpu``, ``cpu``, ``disk``, ``remote``) plus one mask of replicas holding the block only as a *predicted*
   entry (from a routing decision, not yet confirmed by the engine). States are interned: most nodes share a
-  handful of states, so a node costs a dict slot and three list/array cells, and a state change is a memoised
+  handful of states, so a node costs a dict slot and four list/array cells, and a state change is a memoised
   transition ``(state, op, slot, tier) -> state``.
-* ``match`` maps the prompt's keys to node ids and state ids with C-level ``map`` calls, then walks only the
-  *runs* of equal states (the live replica set can only shrink at a state change), recording the depth at which
-  each replica drops out. Per-tier counting happens only for states that have non-GPU or predicted entries.
+* Nodes created back to back by one call (a *streak*: consecutive blocks of one path) get consecutive node ids,
+  and a streak that continues a path is placed right after its parent in room reserved when that path was
+  created (reservations grow geometrically), so a multi-turn conversation's path occupies a few contiguous
+  *extents*. ``_run`` holds, per node id, how many ids of its streak follow it.
+* ``match`` probes the dict only at the start of a stretch of consecutive node ids, verifies the stretch by
+  comparing the stored keys with the prompt's keys (C-level list comparison; exact whatever the layout), takes
+  the stretch's state ids as one list slice, and walks only the *runs* of equal states (the live replica set
+  can only shrink at a state change), recording the depth at which each replica drops out. Per-tier counting
+  happens only for states that have non-GPU or predicted entries.
 * ``clear(replica)`` is O(1): the replica gets a fresh slot, the old slot is marked dead and masked out of every
   match; dead bits are swept incrementally by ``expire()`` and fully by budget eviction.
 * One global memory budget (``max_nodes`` and/or ``max_bytes``): when the estimate passes the high-water mark
