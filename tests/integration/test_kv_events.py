@@ -1,0 +1,321 @@
+"""KV-event subscription over real ZMQ sockets on 127.0.0.1: the fake engine's publisher -> subscriber -> PrefixIndex.
+
+Covers: every wire format end to end, replay after a forced gap, clear after a sequence reset, duplicates,
+garbage payloads, replay missing / slow -> degraded and cleared, late join, orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from index.hashing import block_keys, root_seed
+from index.prefix_index import PrefixIndex
+from loadtest.engine_model import engine_block_hashes
+from loadtest.kv_publisher import Faults, KVEventPublisher, PubCleared, PubRemoved, PubStored
+from membership.kv_events import FeedSpec, KVEventsConfig, KVEventSubscriber
+from tests.helpers import free_port
+
+MODEL = "m"
+BS = 16
+
+
+@dataclass
+class Rig:
+    pub: KVEventPublisher
+    sub: KVEventSubscriber
+    index: PrefixIndex
+
+    def totals(self) -> dict:
+        return self.sub.stats()["totals"]
+
+
+async def until(cond: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def chain(n_blocks: int, base: int = 1000, seed: int = 42) -> tuple[list[int], list[int], list[int]]:
+    """Tokens, engine hashes (not router keys) and router keys of an n-block prompt."""
+    toks = list(range(base, base + n_blocks * BS))
+    return toks, engine_block_hashes(toks, BS, seed), block_keys(toks, BS, root_seed(MODEL))
+
+
+def matched(index: PrefixIndex, keys: list[int], replica: int = 0) -> int:
+    m = index.match(keys).get(replica)
+    return m.blocks if m else 0
+
+
+async def make_rig(fmt: str = "vllm", replay: bool = True, faults: Faults | None = None,
+                   config: KVEventsConfig | None = None) -> Rig:
+    p = free_port()
+    r = free_port() if replay else None
+    pub = KVEventPublisher(fmt, f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}" if r else None, topic="kv",
+                           faults=faults)
+    pub.start()
+    index = PrefixIndex(block_size=BS)
+    sub = KVEventSubscriber(index, config=config or KVEventsConfig(replay_idle_timeout_s=0.5,
+                                                                   replay_total_timeout_s=2.0,
+                                                                   orphan_replay_interval_s=0.2,
+                                                                   degraded_retry_s=0.3, poll_interval_s=0.02))
+    await sub.start()
+    await sub.add_replica(FeedSpec(0, "r0", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}" if r else None, "kv",
+                                   MODEL))
+    return Rig(pub, sub, index)
+
+
+async def connect(rig: Rig) -> None:
+    """Publish harmless batches until the subscriber has applied one (ZMQ's slow joiner)."""
+    deadline = time.monotonic() + 10
+    while rig.totals()["batches"] == 0:
+        assert time.monotonic() < deadline, "subscriber never received a batch"
+        rig.pub.publish([PubCleared()])
+        await asyncio.sleep(0.05)
+    await until(lambda: rig.sub.stats()["replicas"]["r0"]["last_seq"] == rig.pub.next_seq - 1, what="catch up")
+
+
+@pytest.fixture
+async def rigs() -> AsyncIterator[list[Rig]]:
+    made: list[Rig] = []
+    yield made
+    for rig in made:
+        await rig.sub.stop()
+        rig.pub.stop()
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "vllm-legacy", "sglang"])
+async def test_events_reach_the_index_in_every_format(rigs: list[Rig], fmt: str) -> None:
+    rig = await make_rig(fmt)
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(4)
+    rig.pub.publish([PubStored(hs[:2], None, toks[:32], BS), PubStored(hs[2:], hs[1], toks[32:], BS)])
+    await until(lambda: matched(rig.index, keys) == 4, what="4 blocks stored")
+    if fmt == "sglang":  # consecutive pages of one chain were coalesced into one multi-page event
+        assert rig.totals()["events"]["BlockStored"] == 1
+    before = rig.totals()["batches"]
+    rig.pub.publish([PubStored(hs[:2], None, toks[:32], BS, "cpu")])
+    await until(lambda: rig.totals()["batches"] == before + 1, what="cpu copy")
+    assert rig.index.match(keys)[0].gpu == 4  # a CPU copy does not hide the faster GPU one
+    rig.pub.publish([PubRemoved([hs[3]]), PubRemoved([hs[2]])])
+    await until(lambda: matched(rig.index, keys) == 2, what="tail removed")
+    t = rig.totals()
+    assert t["gaps"] == 0 and t["dropped"] == {} and t["orphans"] == 0
+
+
+async def test_gap_is_repaired_by_replay(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    requests_before = rig.pub.stats.replay_requests  # (connect may have needed a late-join replay)
+    toks, hs, keys = chain(3)
+    rig.pub.faults.drop_every = 1  # the next batch is not sent live, only buffered for replay
+    rig.pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
+    rig.pub.faults.drop_every = 0
+    rig.pub.publish([PubStored(hs[1:], hs[0], toks[16:], BS)])
+    await until(lambda: matched(rig.index, keys) == 3, what="gap filled")
+    t = rig.totals()
+    assert t["gaps"] == 1 and t["missing_batches"] == 1
+    assert t["replays"].get("gap:ok") == 1 and t["orphans"] == 0 and t["degraded_replicas"] == 0
+    assert rig.pub.stats.replay_requests == requests_before + 1
+
+
+async def test_gap_replay_without_topic_frame_vllm_legacy(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm-legacy")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(2)
+    rig.pub.faults.drop_every = 1
+    rig.pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
+    rig.pub.faults.drop_every = 0
+    rig.pub.publish([PubStored(hs[1:], hs[0], toks[16:], BS)])
+    await until(lambda: matched(rig.index, keys) == 2, what="gap filled")
+    assert rig.totals()["replays"].get("gap:ok") == 1
+
+
+async def test_sequence_reset_clears_the_replica(rigs: list[Rig]) -> None:
+    rig = await make_rig("sglang")
+    rigs.append(rig)
+    await connect(rig)
+    for _ in range(3):
+        rig.pub.publish([PubCleared()])
+    toks, hs, keys = chain(2)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    rig.pub.restart()  # the engine restarted: seq starts at 0, its cache is empty
+    toks2, hs2, keys2 = chain(1, base=5000)
+    rig.pub.publish([PubStored(hs2, None, toks2, BS)])
+    await until(lambda: matched(rig.index, keys2) == 1, what="new engine's block")
+    assert matched(rig.index, keys) == 0  # the old engine's blocks are gone
+    assert rig.totals()["restarts"] == 1
+
+
+async def test_restart_that_lands_on_a_gap_is_detected_by_replay_continuity(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(2)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    last = rig.pub.next_seq - 1
+    rig.pub.restart()
+    toks2, hs2, keys2 = chain(1, base=7000)
+    # the new engine gets past our last seq before we hear from it: looks like a gap, is a restart
+    rig.pub.faults.drop_every = 1
+    for _ in range(last + 2):
+        rig.pub.publish([PubCleared()])
+    rig.pub.publish([PubStored(hs2, None, toks2, BS)])
+    rig.pub.faults.drop_every = 0
+    rig.pub.publish([PubCleared()])
+    await until(lambda: rig.totals()["notes"].get("continuity_lost", 0) >= 1, what="continuity check")
+    await until(lambda: matched(rig.index, keys2) == 0 and rig.sub.stats()["replicas"]["r0"]["last_seq"]
+                == rig.pub.next_seq - 1, what="resynced")
+    assert matched(rig.index, keys) == 0
+
+
+async def test_duplicates_are_dropped_and_counted(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(2)
+    rig.pub.faults.duplicate_every = 1
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    rig.pub.publish([PubRemoved([hs[1]])])
+    rig.pub.faults.duplicate_every = 0
+    await until(lambda: rig.totals()["duplicates"] == 2, what="duplicates")
+    assert matched(rig.index, keys) == 1
+    assert rig.totals()["gaps"] == 0 and rig.totals()["restarts"] == 0
+
+
+async def test_garbage_payload_is_counted_and_the_stream_continues(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    rig.pub.faults.garbage_every = 1
+    rig.pub.publish([PubCleared()])
+    rig.pub.faults.garbage_every = 0
+    rig.pub.publish_payload(b"\x93\xcb")  # truncated msgpack
+    toks, hs, keys = chain(2)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 2, what="stream continues")
+    t = rig.totals()
+    assert t["dropped"].get("bad_msgpack") == 2
+    assert t["gaps"] == 0 and t["degraded_replicas"] == 0
+
+
+async def test_missing_replay_endpoint_marks_degraded_and_clears(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm", faults=Faults(replay_disabled=True))
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(2)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    rig.pub.faults.drop_every = 1
+    rig.pub.publish([PubRemoved([hs[1]])])  # lost for good: the replay ROUTER never answers
+    rig.pub.faults.drop_every = 0
+    toks2, hs2, keys2 = chain(1, base=9000)
+    rig.pub.publish([PubStored(hs2, None, toks2, BS)])
+    await until(lambda: rig.sub.degraded(0), what="degraded")
+    assert matched(rig.index, keys) == 0  # cleared: no stale entry survives
+    await until(lambda: matched(rig.index, keys2) == 1, what="live events still applied")
+    assert rig.totals()["replays"].get("gap:timeout") == 1
+    # the replay endpoint comes back: the periodic resync rebuilds the replica and lifts the flag
+    rig.pub.faults.replay_disabled = False
+    await until(lambda: not rig.sub.degraded(0), timeout=10, what="recovered")
+    assert matched(rig.index, keys) == 1 and matched(rig.index, keys2) == 1
+
+
+async def test_slow_replay_counts_as_failed(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm", faults=Faults(replay_delay_s=1.5))
+    rigs.append(rig)
+    await connect(rig)
+    rig.pub.faults.drop_every = 1
+    rig.pub.publish([PubRemoved([123])])
+    rig.pub.faults.drop_every = 0
+    rig.pub.publish([PubRemoved([456])])  # (an AllBlocksCleared would end the degraded state at once)
+    await until(lambda: rig.sub.degraded(0), what="degraded after a slow replay")
+    assert rig.totals()["replays"].get("gap:timeout") == 1
+
+
+async def test_no_replay_endpoint_gap_degrades_then_recovers_on_clear(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm", replay=False)
+    rigs.append(rig)
+    await connect(rig)
+    rig.pub.faults.drop_every = 1
+    rig.pub.publish([PubCleared()])
+    rig.pub.faults.drop_every = 0
+    toks, hs, keys = chain(1)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: rig.sub.degraded(0), what="degraded")
+    assert rig.totals()["notes"].get("no_replay_endpoint") == 1
+    rig.pub.publish([PubCleared()])  # AllBlocksCleared: the engine state is fully known again
+    await until(lambda: not rig.sub.degraded(0), what="recovered")
+
+
+async def test_late_join_replays_from_zero(rigs: list[Rig]) -> None:
+    p, r = free_port(), free_port()
+    pub = KVEventPublisher("sglang", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}")
+    pub.start()
+    toks, hs, keys = chain(3)
+    pub.publish([PubStored(hs[:2], None, toks[:32], BS)])  # nobody listens yet
+    index = PrefixIndex(block_size=BS)
+    sub = KVEventSubscriber(index, config=KVEventsConfig(poll_interval_s=0.02))
+    rig = Rig(pub, sub, index)
+    rigs.append(rig)
+    await sub.start()
+    await sub.add_replica(FeedSpec(0, "r0", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}", "", MODEL))
+    deadline = time.monotonic() + 10
+    while matched(index, keys) < 3:
+        assert time.monotonic() < deadline
+        pub.publish([PubStored(hs[2:], hs[1], toks[32:], BS)])
+        await asyncio.sleep(0.05)
+    assert rig.totals()["replays"].get("late_join:ok") == 1
+    assert rig.totals()["orphans"] == 0
+
+
+async def test_orphan_triggers_a_replay_that_finds_the_parent(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(2)
+    rig.pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
+    await until(lambda: matched(rig.index, keys) == 1, what="root stored")
+    rig.index.clear(0)  # the index forgot the parent (e.g. its memory budget evicted it)
+    rig.pub.publish([PubStored(hs[1:], hs[0], toks[16:], BS)])
+    await until(lambda: rig.totals()["orphans"] == 1, what="orphan counted")
+    await until(lambda: matched(rig.index, keys) == 2, what="orphan replay")
+    assert rig.totals()["replays"].get("orphan:ok") == 1
+
+
+async def test_lora_and_salt_chains_get_their_own_root_seed(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, _ = chain(1)
+    rig.pub.publish([PubStored(hs, None, toks, BS, "gpu", "sql-lora", "s1")])
+    lora_keys = block_keys(toks, BS, root_seed(MODEL, "sql-lora", "s1"))
+    await until(lambda: matched(rig.index, lora_keys) == 1, what="lora chain")
+    assert matched(rig.index, block_keys(toks, BS, root_seed(MODEL))) == 0
+
+
+async def test_stop_is_clean_and_metrics_export(rigs: list[Rig]) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    reg = CollectorRegistry()
+    rig.sub.register_metrics(reg)
+    await connect(rig)
+    text = generate_latest(reg).decode()
+    assert 'kvroute_kv_events_ingested_total{replica="r0",type="AllBlocksCleared"}' in text
+    assert 'kvroute_kv_events_degraded{replica="r0"} 0.0' in text
+    await rig.sub.remove_replica(0)
+    assert rig.sub.replicas() == [] and rig.totals()["batches"] >= 1  # totals stay monotonic
