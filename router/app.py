@@ -557,9 +557,20 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
                                   headers={"retry-after": str(settings.retry_after_s)})
         svc.inflight += 1
         try:
-            routed = svc.router.decide(inp)
+            # --- membership: session affinity (opt-in; X-Session-Id pinned through Redis while routable) ---
+            mem = svc.extras.get("membership") if settings.session_affinity and inp.session_id else None
+            pinned = await mem.session_replica(inp.session_id) if mem is not None else None
+            try:
+                routed = svc.router.decide(inp, exclude=[r.index for r in svc.table.all() if r is not pinned]
+                                           if pinned is not None else ())
+            except RoutingError:
+                if pinned is None:
+                    raise
+                routed = svc.router.decide(inp)  # pinned replica cannot take it now: route normally
             svc.telemetry.decision_seconds.observe(routed.decision_s)
             chosen = svc.table.by_index(routed.decision.chosen)
+            if mem is not None and chosen is not None:
+                await mem.remember_session(inp.session_id, chosen)
             svc.telemetry.routed.labels(routed.decision.policy, routed.decision.branch,
                                         chosen.name if chosen else "?").inc()
             if log.isEnabledFor(logging.DEBUG):

@@ -268,6 +268,8 @@ class Settings(BaseSettings):
         default=5.0, gt=0, description="longest backoff between Redis reconnect attempts (s)")
     session_ttl_s: float = Field(
         default=600.0, gt=0, description="session affinity lifetime after the last request of a session (s)")
+    session_affinity: bool = Field(
+        default=False, description="pin a session (session_header) to its replica while routable (needs redis_url)")
     broadcast_decisions: bool = Field(
         default=True, description="publish routing decisions to peer routers (Redis pub/sub) so predictions agree")
     idempotency_ttl_s: float = Field(

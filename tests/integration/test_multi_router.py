@@ -59,7 +59,8 @@ def fleet() -> Iterator[Fleet]:
 
 
 @contextmanager
-def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int = 3) -> Iterator[list[str]]:
+def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int = 3,
+            extra: tuple[str, ...] = ()) -> Iterator[list[str]]:
     """Start ``n`` routers sharing Redis; each lists the replicas in a different order."""
     with ExitStack() as stack:
         urls = []
@@ -70,7 +71,7 @@ def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int =
                     "--scrape-interval-s", "0.2",
                     "--broadcast-decisions" if broadcast else "--no-broadcast-decisions",
                     "--kv-events" if events else "--no-kv-events",
-                    "--predict-mode", "auto" if events else "always"]
+                    "--predict-mode", "auto" if events else "always", *extra]
             for name in order:
                 p, ev = f.engines[name]
                 spec = f"name={name},url=http://127.0.0.1:{p},dialect=vllm,model=m"
@@ -251,6 +252,47 @@ def test_redis_killed_and_restarted_during_traffic(redis_fleet: tuple[RedisServe
         assert idx[0] == idx[1] == idx[2]
         reg = httpx.get(urls[0] + "/replicas", timeout=5).json()
         assert len(reg["replicas"]) == 4
+
+
+def test_session_affinity_shared_between_routers(redis_fleet: tuple[RedisServer, Fleet]) -> None:
+    redis, f = redis_fleet
+    rng = random.Random(5)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    with routers(f, redis.url, events=False, broadcast=True, n=2, extra=("--session-affinity",)) as urls:
+
+        def post(url: str, prompt: str, sid: str | None = None) -> str:
+            headers = {"x-session-id": sid} if sid else {}
+            with httpx.Client(timeout=30) as c:
+                r = c.post(url + "/v1/completions", headers=headers,
+                           json={"model": "m", "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            return str(r.headers["x-kvroute-replica"])
+
+        # 1. eight sessions start at once (in-flight load spreads them): each is pinned where it started
+        sids = [f"s{i}" for i in range(8)]
+        firsts = [words(40) + f" {i}" for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            pinned = dict(zip(sids, pool.map(lambda i: post(urls[i % 2], firsts[i], sids[i]), range(8)),
+                              strict=True))
+        # 2. a long shared prompt is cached (predicted) on one replica, known to both routers
+        shared = words(300)
+        hot = post(urls[0], shared)
+        assert post(urls[1], shared + " again") == hot
+        # 3. a session asking for the shared prompt stays on its own replica, through the other router
+        for i, sid in enumerate(sids):
+            assert post(urls[(i + 1) % 2], shared + f" from {sid}", sid) == pinned[sid], sid
+        assert post(urls[1], shared + " no session") == hot  # without a session the cache wins
+    assert set(pinned.values()) - {hot}, ("no session was pinned away from the hot replica", pinned, hot)
+    assert len(redis_client(redis).keys("kvroute:session:*")) == 8
+
+
+def redis_client(srv: RedisServer) -> Any:
+    import redis as redis_lib
+
+    return redis_lib.Redis.from_url(srv.url)
 
 
 if __name__ == "__main__":
