@@ -210,7 +210,7 @@ class RouterHandle:
 
 
 class Fleet:
-    """K fake engines and at most one router, all on loopback, all stopped by ``stop()``.
+    """K fake engines and the routers in front of them, all on loopback, all stopped by ``stop()``.
 
     Args:
         replicas: number of fake engines.
@@ -232,7 +232,7 @@ class Fleet:
         self.keep_logs = keep_logs
         self.ready_timeout_s = ready_timeout_s
         self.engines: list[EngineHandle] = []
-        self.router: RouterHandle | None = None
+        self.routers: list[RouterHandle] = []
         self._generation = 0
 
     # -- engines -----------------------------------------------------------------------------------------
@@ -319,25 +319,30 @@ class Fleet:
 
         return self._start_router("sglang", policy, port, args, "/workers", all_workers)
 
+    @property
+    def router(self) -> RouterHandle | None:
+        """The most recently started router still running, or None."""
+        return self.routers[-1] if self.routers else None
+
     def _start_router(self, kind: str, policy: str, port: int, args: list[str], ready_path: str,
                       check: object) -> RouterHandle:
-        if self.router is not None:
-            raise RuntimeError("a router is already running; stop_router() first")
-        proc = ManagedProcess(args, f"router-{kind}-{policy}-g{self._generation}", self.log_dir)
+        proc = ManagedProcess(args, f"router-{kind}-{policy}-g{self._generation}-{len(self.routers)}",
+                              self.log_dir)
         handle = RouterHandle(kind, policy, port, proc)
-        self.router = handle
+        self.routers.append(handle)
         try:
             wait_ready(handle.url + ready_path, proc, self.ready_timeout_s, check)
         except BaseException:
-            self.stop_router()
+            self.stop_router(handle)
             raise
         return handle
 
-    def stop_router(self) -> None:
-        """Stop the router if one runs."""
-        if self.router is not None:
-            self.router.proc.stop()
-            self.router = None
+    def stop_router(self, handle: RouterHandle | None = None) -> None:
+        """Stop ``handle``, or every running router when None. Several routers may run side by side."""
+        for h in [handle] if handle is not None else list(self.routers):
+            h.proc.stop()
+            if h in self.routers:
+                self.routers.remove(h)
 
     def _require_engines(self) -> None:
         if not self.engines:
@@ -368,7 +373,7 @@ class Fleet:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop the router and every engine; remove the temporary log directory unless ``keep_logs``."""
+        """Stop every router and every engine; remove the temporary log directory unless ``keep_logs``."""
         try:
             self.stop_router()
         finally:
