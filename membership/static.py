@@ -155,7 +155,8 @@ class StaticMembership:
         if resp.status_code != 200:
             return  # models are optional: the replica then accepts any model
         data = resp.json().get("data") or []
-        models, loras = [], []
+        models: list[str] = []
+        loras: list[str] = []
         for entry in data:
             if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
                 continue

@@ -634,7 +634,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             out.append({
                 "name": r.name, "index": r.index, "url": r.url, "state": r.state.value, "dialect": r.dialect,
                 "role": r.role, "models": r.models, "loras": r.loras,
-                "load": {k: getattr(r.load, k) for k in r.load.__slots__},  # type: ignore[attr-defined]
+                "load": {k: getattr(r.load, k) for k in r.load.__slots__},
                 "kv_events": _safe_call(ev) if ev else None,
                 "health": svc.membership.health_of(r.name),
             })

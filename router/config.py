@@ -401,7 +401,7 @@ def _kind(tp: Any) -> str:
     if inner is bool:
         return "bool"
     if inner in (int, float, str):
-        return inner.__name__
+        return str(inner.__name__)
     if inner is SecretStr:
         return "str"
     if origin is Literal:

@@ -72,7 +72,10 @@ def _attach_kv_events(svc: Services) -> None:
             svc.event_status.pop(rep.name, None)
 
     svc.table.on_change(track)
-    svc.table.on_remove(lambda rep: svc.event_status.pop(rep.name, None))
+    def untrack(rep: Any) -> None:
+        svc.event_status.pop(rep.name, None)
+
+    svc.table.on_remove(untrack)
 
     async def start() -> None:
         await sub.start()

@@ -108,7 +108,7 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, str):
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
+        return str(value["content"])
     return None
 
 
