@@ -317,8 +317,16 @@ class Proxy:
         await _close_quietly(resp)
         content = b"".join(chunks)
         if resp.status_code < 400:
-            usage = _usage_from_json(content)
-            self._feedback(rep, routed, usage, ttft, predicted_cached, single_chunk=not stream)
+            try:
+                obj = orjson.loads(content)
+            except orjson.JSONDecodeError:
+                self.telemetry.upstream_errors.labels("bad_body").inc()
+                log.warning("engine answered garbage", extra={"request_id": request_id, "replica": rep.name})
+                return error_response(502, f"engine {rep.name} answered {resp.status_code} with a body that is "
+                                      f"not JSON: {content[:80]!r}", "upstream_bad_body", headers=out_headers)
+            usage = obj.get("usage") if isinstance(obj, dict) else None
+            self._feedback(rep, routed, usage if isinstance(usage, dict) else None, ttft, predicted_cached,
+                           single_chunk=not stream)
         return Response(content, status_code=resp.status_code, media_type=ctype, headers=out_headers)
 
     async def _relay(self, rep: Replica, routed: Routed, resp: httpx.Response, it: AsyncIterator[bytes],

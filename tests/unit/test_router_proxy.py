@@ -75,6 +75,8 @@ def tiny_engine(state: EngineState) -> Starlette:
                  "prompt_tokens_details": {"cached_tokens": state.cached_tokens}}
         if state.mode == "500":
             return JSONResponse({"error": "engine exploded"}, status_code=500)
+        if state.mode == "garbage":
+            return Response(b"\x00\x01 definitely not json", media_type="application/json")
         if state.mode == "400":
             return JSONResponse({"error": {"message": "max_tokens too large"}}, status_code=400)
         if state.mode == "hang":  # like vLLM's @with_cancellation: abort when the client goes away
@@ -340,3 +342,15 @@ def test_client_disconnect_cancels_a_queued_request() -> None:
             httpx.post(router.url + "/v1/completions", json=BODY, timeout=0.5)
         wait_until(lambda: st.cancelled == 1, timeout=5, what="engine saw the request cancelled")
         wait_until(lambda: inflight(router) == [0], timeout=5, what="in-flight released")
+
+
+def test_engine_garbage_is_a_clear_502() -> None:
+    st = EngineState(mode="garbage")
+    with ServerThread(tiny_engine(st)) as srv, router_for([srv.url]) as router:
+        ready(router, 1)
+        r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["code"] == "upstream_bad_body" and "not JSON" in err["message"]
+        assert metric(router, "kvroute_upstream_errors_total", {"reason": "bad_body"}) == 1
+        assert inflight(router) == [0]
