@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -601,6 +602,14 @@ def build_app(engine: FakeEngine) -> Any:
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
         return err(exc.message, exc.status, exc.err_type)
 
+    if opts.api_key:  # like vLLM --api-key: every /v1 route needs "Authorization: Bearer <key>"
+        @app.middleware("http")
+        async def _require_key(request: Request, call_next: Any) -> Response:
+            if request.url.path.startswith("/v1") and not hmac.compare_digest(
+                    request.headers.get("authorization", ""), f"Bearer {opts.api_key}"):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
+
     async def body_of(request: Request) -> dict[str, Any]:
         raw = await request.body()
         try:
@@ -973,6 +982,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-prefix", choices=("sglang:", "sglang_"), default="sglang:",
                    help="SGLang dialect: metric name prefix (releases used both)")
     g.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 routes (like vLLM --api-key); 401 otherwise")
     g = p.add_argument_group("engine model")
     g.add_argument("--profile", default="a100", choices=sorted(PROFILES), help="hardware timing profile")
     g.add_argument("--time-scale", type=float, default=1.0,
