@@ -1,0 +1,90 @@
+"""Engine /metrics parsing from captured-format fixtures (vLLM v1, vLLM v0, SGLang with both prefixes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from membership.engine_metrics import Histogram, MetricsParseError, parse_metrics
+
+FIX = Path(__file__).resolve().parent.parent / "fixtures" / "metrics"
+
+
+def load(name: str) -> str:
+    return (FIX / name).read_text()
+
+
+def test_vllm_v1_two_engines_are_summed_and_averaged() -> None:
+    s = parse_metrics(load("vllm_v1.prom"))
+    assert s.dialect == "vllm"
+    assert (s.queued_requests, s.running_requests) == (7, 4)
+    assert s.kv_usage == pytest.approx(0.3)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (200_000, 60_000)
+    assert (s.block_size, s.num_gpu_blocks) == (16, 2 * 27264)
+    assert s.preemptions_total == 0 and s.prompt_tokens_total == 200_000
+    assert s.ttft is not None and s.ttft.count == 6 and s.ttft.sum == pytest.approx(1.9)
+    assert s.ttft.buckets[-1] == (float("inf"), 6)
+    assert s.queue_time is not None and s.prefill_time is not None
+    assert s.prompt_tokens is not None and s.prompt_tokens.mean == 2000
+    # estimated queue of uncached prefill tokens: 7 waiting x 2000 mean prompt x (1 - 0.3 hit ratio)
+    assert s.queued_prefill_tokens == 9800
+
+
+def test_vllm_v0_deprecated_names() -> None:
+    s = parse_metrics(load("vllm_v0.prom"))
+    assert s.dialect == "vllm"
+    assert (s.queued_requests, s.running_requests) == (7, 4)
+    assert s.kv_usage == pytest.approx(0.8125)  # from vllm:gpu_cache_usage_perc
+    assert s.prefix_cache_queries is None and s.prefix_cache_hits is None  # v0 had no counters: unknown
+    assert s.prefix_cache_hit_rate == pytest.approx(0.25)
+    assert (s.block_size, s.num_gpu_blocks) == (16, 8192)
+    assert s.preemptions_total == 2 and s.ttft is not None and s.ttft.count == 4
+    assert s.queued_prefill_tokens is None  # no prompt-length histogram: not derivable
+
+
+@pytest.mark.parametrize("name", ["sglang_colon.prom", "sglang_underscore.prom"])
+def test_sglang_both_prefixes(name: str) -> None:
+    s = parse_metrics(load(name))
+    assert s.dialect == "sglang"
+    assert (s.queued_requests, s.running_requests) == (9, 6)
+    assert s.kv_usage == pytest.approx(0.3)
+    assert s.prefix_cache_hit_rate == pytest.approx(0.42)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (90_000, 36_000)
+    assert s.ttft is not None and s.ttft.count == 3 and s.queue_time is not None
+    assert s.preemptions_total == 1
+    if name == "sglang_colon.prom":
+        assert (s.block_size, s.num_gpu_blocks) == (64, 6250)
+    else:  # no cache_config_info in that capture: unknown, not zero
+        assert s.block_size is None and s.num_gpu_blocks is None
+
+
+def test_missing_gauges_are_unknown_not_zero() -> None:
+    s = parse_metrics("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\n")
+    assert s.running_requests == 2
+    assert s.queued_requests is None and s.kv_usage is None and s.num_gpu_blocks is None and s.ttft is None
+    empty = parse_metrics("")
+    assert empty.dialect is None and empty.queued_requests is None
+
+
+def test_sglang_usage_derived_from_token_counts() -> None:
+    s = parse_metrics("sglang:num_used_tokens 25\nsglang:max_total_num_tokens 100\nsglang:num_queue_reqs 0\n")
+    assert s.kv_usage == pytest.approx(0.25) and s.queued_requests == 0
+
+
+def test_broken_lines_are_skipped_and_pure_garbage_is_an_error() -> None:
+    text = load("vllm_v1.prom") + "this is { not prometheus\n"
+    s = parse_metrics(text)
+    assert s.queued_requests == 7
+    with pytest.raises(MetricsParseError):
+        parse_metrics("<html>502 Bad Gateway</html>\n")
+
+
+def test_histogram_delta_and_quantile() -> None:
+    old = Histogram([(0.1, 1.0), (1.0, 2.0), (float("inf"), 2.0)], 0.6, 2.0)
+    new = Histogram([(0.1, 1.0), (1.0, 4.0), (float("inf"), 5.0)], 3.6, 5.0)
+    d = new.delta(old)
+    assert d.count == 3 and d.sum == pytest.approx(3.0) and d.buckets[1] == (1.0, 2.0)
+    assert d.quantile(0.5) == pytest.approx(0.1 + 0.9 * 0.75)
+    assert new.delta(Histogram([], 0.0, 10.0)) is new  # counter reset: the whole new histogram
+    assert Histogram([], 0.0, 0.0).quantile(0.5) is None
