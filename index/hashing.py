@@ -119,11 +119,9 @@ def block_keys(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, s
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    n = (len(token_ids) // block_size) * block_size
-    if n == 0:
+    if len(token_ids) < block_size:
         return []
-    if n != len(token_ids):
-        token_ids = token_ids[:n]
+    # Pack everything (a partial tail costs less than slicing the list, which touches every int object).
     return block_keys_packed(pack_tokens(token_ids), block_size, seed)
 
 

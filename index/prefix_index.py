@@ -43,7 +43,11 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
 
+import xxhash
+
 from .hashing import DEFAULT_BLOCK_SIZE, block_keys, block_keys_packed, pack_tokens
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 __all__ = ["TIERS", "PrefixIndex", "ReplicaMatch", "StoreResult"]
 
@@ -492,18 +496,16 @@ class PrefixIndex:
         """
         if chunk_blocks <= 0:
             raise ValueError(f"chunk_blocks must be positive, got {chunk_blocks}")
-        bs = self.block_size
-        nblocks = len(token_ids) // bs
+        stride = 4 * self.block_size
+        packed = pack_tokens(token_ids)  # one pass over the token list (touching each int object once)
+        end = (len(packed) // stride) * stride
+        step = stride * chunk_blocks
         ids = self._ids
+        h = _xxh3
         keys: list[int] = []
         k = seed
-        pos = 0
-        while pos < nblocks:
-            end = min(nblocks, pos + chunk_blocks)
-            chunk = block_keys_packed(pack_tokens(token_ids[pos * bs : end * bs]), bs, k)
-            keys += chunk
-            k = chunk[-1]
-            pos = end
+        for start in range(0, end, step):
+            keys += [k := h(packed[off : off + stride], k) for off in range(start, min(start + step, end), stride)]
             if k not in ids:
                 break
         return self.match(keys, replicas), keys
