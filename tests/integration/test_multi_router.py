@@ -86,12 +86,13 @@ def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int =
 
 
 def workload(seed: int, sessions: int = 12, turns: int = 4) -> list[list[str]]:
-    """Multi-turn sessions sharing 3 system prompts: ``prompts[session][turn]`` (each turn extends the last)."""
+    """Multi-turn sessions sharing 3 system prompts (sessions 0-2 the first, 3-5 the second, ...):
+    ``prompts[session][turn]``, each turn extending the previous one."""
     rng = random.Random(seed)
     systems = [" ".join(rng.choice(WORDS) for _ in range(60)) for _ in range(3)]
     out: list[list[str]] = []
     for s in range(sessions):
-        history = f"system {s % 3}: {systems[s % 3]}\n"
+        history = f"system {(s // 3) % 3}: {systems[(s // 3) % 3]}\n"
         turns_s = []
         for _ in range(turns):
             history += "user: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 40))) + "\n"
@@ -151,8 +152,9 @@ def run_agreement(urls: list[str], seed: int, *, settle_key: str | None, redis: 
                   sessions: int = 12, turns: int = 4) -> dict[str, Any]:
     """Send the workload turn by turn; measure how often the three routers agree on the next turn.
 
-    Each turn of every session is sent concurrently (session ``s`` through router ``s % 3``), so in-flight load
-    spreads cold requests over replicas differently in each router. Then, once every router sees an idle fleet
+    Each turn of every session is sent concurrently (turn ``k`` of session ``s`` through router ``(s + k) % 3``,
+    as a load balancer in front of the routers would spread a session), so in-flight load spreads cold requests
+    over replicas differently in each router. Then, once every router sees an idle fleet
     (and, with ``settle_key``, equal index stats), all three routers are asked ``/route`` for each session's next
     turn: the only information that can differ between them is what their prefix index holds. Returns agreement
     (fraction of those probes where all three chose the same replica) and failed requests. ``redis`` is killed
@@ -175,7 +177,7 @@ def run_agreement(urls: list[str], seed: int, *, settle_key: str | None, redis: 
             def send(s: int, k: int = k) -> int:
                 body = {"model": "m", "prompt": prompts[s][k], "max_tokens": 2}
                 with httpx.Client(timeout=30) as c:
-                    return c.post(urls[s % len(urls)] + "/v1/completions", json=body).status_code
+                    return c.post(urls[(s + k) % len(urls)] + "/v1/completions", json=body).status_code
 
             codes = list(pool.map(send, range(len(prompts))))
             failures += sum(c != 200 for c in codes)
