@@ -275,6 +275,13 @@ class Settings(BaseSettings):
     idempotency_ttl_s: float = Field(
         default=600.0, gt=0, description="how long an Idempotency-Key and its stored response are kept (s)")
 
+    # --- reliability: bounded admission queue (router/admission.py) ---
+    max_queued_requests: int = Field(
+        default=0, ge=0, description="requests that may wait for a slot when max_inflight_total is reached "
+                                     "(0 = no queue: reject at once with 429); a full queue -> 429")
+    max_queue_wait_s: float = Field(
+        default=2.0, gt=0, description="longest time a request waits in the router's queue (s); longer -> 503")
+
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
     @classmethod
@@ -325,6 +332,9 @@ class Settings(BaseSettings):
                 out[name] = ["***"] * len(value)
             elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
                 out[name] = [x.model_dump() for x in value]
+            elif isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+                scheme, rest = value.split("://", 1)  # a URL with credentials (redis://:password@host)
+                out[name] = f"{scheme}://***@{rest.split('@', 1)[1]}"
             else:
                 out[name] = value
         return out
