@@ -45,7 +45,14 @@ from typing import Any
 
 import xxhash
 
-from .hashing import DEFAULT_BLOCK_SIZE, block_keys, block_keys_packed, pack_tokens
+from .hashing import (
+    DEFAULT_BLOCK_SIZE,
+    MAX_SLICE_CACHE_BLOCKS,
+    block_keys,
+    block_keys_packed,
+    block_slices,
+    pack_tokens,
+)
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -498,14 +505,18 @@ class PrefixIndex:
             raise ValueError(f"chunk_blocks must be positive, got {chunk_blocks}")
         stride = 4 * self.block_size
         packed = pack_tokens(token_ids)  # one pass over the token list (touching each int object once)
-        end = (len(packed) // stride) * stride
-        step = stride * chunk_blocks
+        n = len(packed) // stride
+        if n > MAX_SLICE_CACHE_BLOCKS:
+            keys = block_keys_packed(packed, self.block_size, seed)
+            return self.match(keys, replicas), keys
         ids = self._ids
         h = _xxh3
-        keys: list[int] = []
+        keys = []
         k = seed
-        for start in range(0, end, step):
-            keys += [k := h(packed[off : off + stride], k) for off in range(start, min(start + step, end), stride)]
+        for start in range(0, n, chunk_blocks):
+            keys += [
+                k := h(packed[sl], k) for sl in block_slices(stride, start, min(start + chunk_blocks, n))
+            ]
             if k not in ids:
                 break
         return self.match(keys, replicas), keys

@@ -105,3 +105,15 @@ def test_identical_prompts_give_identical_keys_in_another_process() -> None:
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True
     )
     assert json.loads(out.stdout) == here
+
+
+def test_long_prompts_beyond_the_slice_cache() -> None:
+    toks = [i % 50_000 for i in range(70_000)]
+    keys = block_keys(toks, 1, 3)
+    k = 3
+    want = []
+    for t in toks:
+        k = xxhash.xxh3_64_intdigest(array("I", [t]).tobytes(), k)
+        want.append(k)
+    assert keys == want
+    assert block_keys(toks[:40], 1, 3) == want[:40]  # cached slices, shorter prompt after a longer one
