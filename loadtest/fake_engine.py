@@ -251,7 +251,7 @@ class FakeEngine:
             emit_tokens=True, emit_kv_events=opts.kv_events_port is not None, hash_seed=self.hash_seed,
             name=opts.model)
         self.kv_faults = Faults(drop_every=opts.fault_drop_every, drop_unbuffered=opts.fault_drop_unbuffered,
-                                duplicate_every=opts.fault_duplicate_every, garbage_every=opts.fault_kv_garbage_every,
+                                duplicate_every=opts.fault_duplicate_every, kv_garbage_every=opts.fault_kv_garbage_every,
                                 replay_delay_s=opts.fault_replay_delay_s, replay_disabled=opts.fault_replay_disabled)
         self.http_faults = HttpFaults(stall_s=opts.fault_stall_s, error_every=opts.fault_error_every,
                                       garbage_every=opts.fault_garbage_every,

@@ -226,7 +226,7 @@ class Faults:
         drop_every: do not send every Nth batch live (it stays in the replay buffer unless ``drop_unbuffered``).
         drop_unbuffered: dropped batches are not buffered either (the gap cannot be repaired by replay).
         duplicate_every: send every Nth batch twice.
-        garbage_every: replace every Nth batch's payload by bytes that are not msgpack (also in the buffer).
+        kv_garbage_every: replace every Nth batch's payload by bytes that are not msgpack (also in the buffer).
         replay_delay_s: wait this long before answering a replay request, seconds.
         replay_disabled: ignore replay requests (the client times out).
     """
@@ -234,7 +234,7 @@ class Faults:
     drop_every: int = 0
     drop_unbuffered: bool = False
     duplicate_every: int = 0
-    garbage_every: int = 0
+    kv_garbage_every: int = 0
     replay_delay_s: float = 0.0
     replay_disabled: bool = False
 
@@ -371,7 +371,7 @@ class KVEventPublisher:
             seq = self._seq
             self._seq += 1
             n = seq + 1
-            if f.garbage_every and n % f.garbage_every == 0:
+            if f.kv_garbage_every and n % f.kv_garbage_every == 0:
                 payload = b"\xc1garbage" + payload[:7]  # 0xc1 is never valid msgpack
                 self.stats.garbage += 1
             drop = bool(f.drop_every and n % f.drop_every == 0)

@@ -243,7 +243,8 @@ def test_runtime_faults_and_restart(vllm_engine: Engine) -> None:
     r = httpx.post(url + "/admin/faults", json={"error_every": 1})
     assert r.status_code == 200 and r.json()["http"]["error_every"] == 1
     assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 500
-    httpx.post(url + "/admin/faults", json={"error_every": 0, "garbage_every": 1})
+    faults = httpx.post(url + "/admin/faults", json={"error_every": 0, "garbage_every": 1}).json()
+    assert faults["kv"]["kv_garbage_every"] == 0  # the HTTP knob does not touch the event stream
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
     with pytest.raises(ValueError):
         r.json()

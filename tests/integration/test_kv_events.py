@@ -199,9 +199,9 @@ async def test_garbage_payload_is_counted_and_the_stream_continues(rigs: list[Ri
     rig = await make_rig("vllm")
     rigs.append(rig)
     await connect(rig)
-    rig.pub.faults.garbage_every = 1
+    rig.pub.faults.kv_garbage_every = 1
     rig.pub.publish([PubCleared()])
-    rig.pub.faults.garbage_every = 0
+    rig.pub.faults.kv_garbage_every = 0
     rig.pub.publish_payload(b"\x93\xcb")  # truncated msgpack
     toks, hs, keys = chain(2)
     rig.pub.publish([PubStored(hs, None, toks, BS)])
