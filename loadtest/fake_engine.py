@@ -121,7 +121,7 @@ class EngineTokenizer:
                 template = raw
             elif isinstance(raw, list):  # named templates: use "default"
                 named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
-                template = named.get("default") or next(iter(named.values()), CHATML_TEMPLATE)
+                template = str(named.get("default") or next(iter(named.values()), CHATML_TEMPLATE))
         self._template = _compile(template)
 
     @property
@@ -199,7 +199,7 @@ class HttpFaults:
 
     def update(self, values: dict[str, Any]) -> None:
         """Set fields from a dict (unknown keys -> ValueError)."""
-        unknown = [k for k in values if k not in self.__slots__]  # type: ignore[attr-defined]
+        unknown = [k for k in values if k not in self.__slots__]
         if unknown:
             raise ValueError(f"unknown fault fields: {', '.join(unknown)}")
         for k, v in values.items():
@@ -213,7 +213,7 @@ class HttpFaults:
 
     def as_dict(self) -> dict[str, Any]:
         """Current settings."""
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+        return {k: getattr(self, k) for k in self.__slots__}
 
 
 # -- engine driver -----------------------------------------------------------------------------------------------
@@ -915,8 +915,8 @@ def build_app(engine: FakeEngine) -> Any:
     async def set_faults(request: Request) -> Response:
         body = await body_of(request)
         try:
-            http = {k: v for k, v in body.items() if k in HttpFaults.__slots__}  # type: ignore[attr-defined]
-            kvf = {k: v for k, v in body.items() if k in Faults.__slots__}  # type: ignore[attr-defined]
+            http = {k: v for k, v in body.items() if k in HttpFaults.__slots__}
+            kvf = {k: v for k, v in body.items() if k in Faults.__slots__}
             unknown = set(body) - set(http) - set(kvf)
             if unknown:
                 raise ValueError(f"unknown fault fields: {', '.join(sorted(unknown))}")

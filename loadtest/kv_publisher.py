@@ -89,7 +89,11 @@ PubEvent = PubStored | PubRemoved | PubCleared
 
 # -- encoding ----------------------------------------------------------------------------------------------------
 
-_pack = msgpack.Packer(use_bin_type=True).pack
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def _pack(obj: object) -> bytes:
+    return bytes(_packer.pack(obj))
 
 
 def _array_header(n: int) -> bytes:
@@ -240,7 +244,7 @@ class Faults:
 
     def update(self, values: dict[str, object]) -> None:
         """Set fields from a dict (unknown keys -> ValueError naming them)."""
-        unknown = [k for k in values if k not in self.__slots__]  # type: ignore[attr-defined]
+        unknown = [k for k in values if k not in self.__slots__]
         if unknown:
             raise ValueError(f"unknown fault fields: {', '.join(unknown)}")
         for k, v in values.items():
@@ -254,7 +258,7 @@ class Faults:
 
     def as_dict(self) -> dict[str, object]:
         """Current settings."""
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+        return {k: getattr(self, k) for k in self.__slots__}
 
 
 # -- publisher ---------------------------------------------------------------------------------------------------

@@ -219,7 +219,7 @@ def _label_first(s: Samples, name: str, label: str) -> int | None:
         raw = labels.get(label)
         if raw not in (None, "", "None"):
             try:
-                return int(float(raw))  # type: ignore[arg-type]
+                return int(float(raw))
             except ValueError:
                 continue
     return None

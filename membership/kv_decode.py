@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgpack
+import xxhash
 
 #: the replay end marker's sequence frame (seq = -1 as a signed 8-byte big-endian int)
 END_SEQ_FRAME = b"\xff" * 8
@@ -254,8 +255,6 @@ def decode_replay_frames(frames: list[bytes],
 
 def payload_digest(payload: bytes) -> int:
     """A 64-bit digest of a payload (replayed payloads are byte-identical to live ones)."""
-    import xxhash
-
     return xxhash.xxh3_64_intdigest(payload)
 
 
@@ -346,6 +345,8 @@ def _tag_of(raw: object) -> tuple[str, dict[str, Any] | None, list[Any] | None]:
 _STORED_POS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
                "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
 _REMOVED_POS = ("block_hashes", "medium", "group_idx")
+_POS: dict[tuple[str, ...], dict[str, int]] = {names: {n: i + 1 for i, n in enumerate(names)}
+                                               for names in (_STORED_POS, _REMOVED_POS)}
 _MISSING = object()
 
 
@@ -353,7 +354,7 @@ def _field(m: dict[str, Any] | None, a: list[Any] | None, names: tuple[str, ...]
     if m is not None:
         return m.get(name, _MISSING)
     assert a is not None
-    i = names.index(name) + 1
+    i = _POS[names][name]
     return a[i] if i < len(a) else _MISSING
 
 

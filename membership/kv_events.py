@@ -238,7 +238,7 @@ class _Feed:
             while True:
                 try:
                     await self._timers()
-                    if await sock.poll(poll_ms, zmq.POLLIN):
+                    if await sock.poll(timeout=poll_ms):
                         frames = await sock.recv_multipart(copy=True)
                         await self.on_live(frames)
                         # drain what is already queued without waking the poller each time
@@ -366,7 +366,7 @@ class _Feed:
                     outcome = "timeout"
                     break
                 wait = min(remaining, self.cfg.replay_idle_timeout_s)
-                if not await dealer.poll(max(1, int(wait * 1000)), zmq.POLLIN):
+                if not await dealer.poll(timeout=max(1, int(wait * 1000))):
                     outcome = "timeout"
                     break
                 frames = await dealer.recv_multipart(copy=True)
