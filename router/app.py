@@ -556,6 +556,14 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
                                   "(max_inflight_total)", "overloaded",
                                   headers={"retry-after": str(settings.retry_after_s)})
         svc.inflight += 1
+        released = False
+
+        def done() -> None:  # once, when the response is over (streams: when the stream ends)
+            nonlocal released
+            if not released:
+                released = True
+                svc.inflight -= 1
+
         try:
             # --- membership: session affinity (opt-in; X-Session-Id pinned through Redis while routable) ---
             mem = svc.extras.get("membership") if settings.session_affinity and inp.session_id else None
@@ -580,10 +588,11 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
                                            "cached_tokens": routed.cached_tokens.get(routed.decision.chosen, 0),
                                            "decision_s": round(routed.decision_s, 6)})
             body = await request.body()
-            return await svc.proxy.forward(request, routed, path, body, stream=stream,
-                                           request_id=inp.request_id)
-        finally:
-            svc.inflight -= 1
+        except BaseException:
+            done()
+            raise
+        return await svc.proxy.forward(request, routed, path, body, stream=stream, request_id=inp.request_id,
+                                       on_done=done)
 
     @app.post("/v1/completions", responses=_ROUTE_ERRORS, response_model=None,
               openapi_extra=_body_doc(CompletionRequest),

@@ -138,11 +138,27 @@ class Proxy:
 
     # -- entry point -----------------------------------------------------------------------------------
     async def forward(self, request: Request, routed: Routed, path: str, body: bytes, *, stream: bool,
-                      request_id: str) -> Response:
+                      request_id: str, on_done: Callable[[], None] | None = None) -> Response:
         """Send ``body`` to ``path`` on the best replica of ``routed`` (retrying as described above).
 
-        Returns the response for the client; never raises for engine or network failures.
+        Returns the response for the client; never raises for engine or network failures. ``on_done`` is
+        called exactly once when the response is over (for a stream: when it ended or the client left).
         """
+        try:
+            resp = await self._forward(request, routed, path, body, stream, request_id)
+        except BaseException:
+            if on_done is not None:
+                on_done()
+            raise
+        if on_done is not None:
+            if isinstance(resp, _ProxyStream):
+                resp.relay.on_done = on_done
+            else:
+                on_done()
+        return resp
+
+    async def _forward(self, request: Request, routed: Routed, path: str, body: bytes, stream: bool,
+                       request_id: str) -> Response:
         work = asyncio.ensure_future(self._attempts(routed, path, body, stream, request_id))
         watch = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -294,9 +310,8 @@ class Proxy:
         if resp.status_code < 400:
             self.telemetry.ttft.labels(rep.name).observe(ttft)
         if is_sse and resp.status_code < 400:
-            return StreamingResponse(self._relay(rep, routed, resp, it, first, ttft, deadline, request_id,
-                                                 predicted_cached),
-                                     status_code=resp.status_code, media_type=ctype, headers=out_headers)
+            relay = _Relay(self, rep, routed, resp, it, first, ttft, deadline, request_id, predicted_cached)
+            return _ProxyStream(relay, status_code=resp.status_code, media_type=ctype, headers=out_headers)
         # non-streaming: read the rest now
         chunks = [first]
         try:
@@ -329,51 +344,6 @@ class Proxy:
                            single_chunk=not stream)
         return Response(content, status_code=resp.status_code, media_type=ctype, headers=out_headers)
 
-    async def _relay(self, rep: Replica, routed: Routed, resp: httpx.Response, it: AsyncIterator[bytes],
-                     first: bytes, ttft: float,
-                     deadline: float, request_id: str, predicted_cached: int) -> AsyncIterator[bytes]:
-        """Yield the engine's SSE stream; always releases the accounting and closes the upstream response."""
-        tail = bytearray(first[-_TAIL_BYTES:])
-        ok = False
-        try:
-            yield first
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self.telemetry.upstream_errors.labels("total_timeout").inc()
-                    yield _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
-                    break
-                try:
-                    async with asyncio.timeout(remaining):
-                        chunk = await it.__anext__()
-                except StopAsyncIteration:
-                    ok = True
-                    break
-                except TimeoutError:
-                    self.telemetry.upstream_errors.labels("total_timeout").inc()
-                    yield _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
-                    break
-                except httpx.HTTPError as exc:
-                    reason = "idle_timeout" if isinstance(exc, httpx.ReadTimeout) else "stream_broken"
-                    self.telemetry.upstream_errors.labels(reason).inc()
-                    log.warning("stream failed", extra={"request_id": request_id, "replica": rep.name,
-                                                        "error": f"{type(exc).__name__}: {exc}"})
-                    yield _sse_error(502, f"engine {rep.name} failed mid-stream: {type(exc).__name__}", reason)
-                    break
-                if chunk:
-                    tail += chunk
-                    if len(tail) > 2 * _TAIL_BYTES:
-                        del tail[:-_TAIL_BYTES]
-                    yield chunk
-        finally:
-            self.router.release(rep)
-            # feedback here too: a client that closes right after the last chunk never resumes the generator
-            usage = _usage_from_sse(bytes(tail))
-            if ok or usage:
-                self._feedback(rep, routed, usage, ttft, predicted_cached, single_chunk=False)
-            with anyio.CancelScope(shield=True):
-                await _close_quietly(resp)
-
     def _feedback(self, rep: Replica, routed: Routed, usage: dict[str, Any] | None, ttft: float,
                   predicted_cached: int, *, single_chunk: bool) -> None:
         """Telemetry (predicted vs reported cached tokens) and policy calibration after a response."""
@@ -391,6 +361,102 @@ class Proxy:
         self.router.observe(Observation(index=rep.index, prompt_tokens=n,
                                         cached_tokens=reported if reported is not None else predicted_cached,
                                         queue_wait_s=q, ttft_s=ttft, now=self.router.clock()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# streams
+# ---------------------------------------------------------------------------------------------------------
+
+class _Relay:
+    """One relayed SSE stream: yields the engine's chunks, and cleans up exactly once (``finish``).
+
+    Cleanup = release the replica's in-flight count, feed back usage / TTFT, close the upstream response, call
+    ``on_done``. It runs from the generator's ``finally`` and, as a safety net, from ``_ProxyStream`` (a stream
+    cancelled before its generator ever started has no ``finally`` to run).
+    """
+
+    def __init__(self, proxy: Proxy, rep: Replica, routed: Routed, resp: httpx.Response,
+                 it: AsyncIterator[bytes], first: bytes, ttft: float, deadline: float, request_id: str,
+                 predicted_cached: int) -> None:
+        self.proxy, self.rep, self.routed, self.resp, self.it = proxy, rep, routed, resp, it
+        self.first, self.ttft, self.deadline, self.request_id = first, ttft, deadline, request_id
+        self.predicted_cached = predicted_cached
+        self.tail = bytearray(first[-_TAIL_BYTES:])
+        self.ok = False
+        self.finished = False
+        self.on_done: Callable[[], None] | None = None
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The chunks for the client; a failure after the first byte ends with an SSE error event."""
+        telemetry = self.proxy.telemetry
+        try:
+            yield self.first
+            while True:
+                remaining = self.deadline - time.monotonic()
+                if remaining <= 0:
+                    telemetry.upstream_errors.labels("total_timeout").inc()
+                    yield _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
+                    break
+                try:
+                    async with asyncio.timeout(remaining):
+                        chunk = await self.it.__anext__()
+                except StopAsyncIteration:
+                    self.ok = True
+                    break
+                except TimeoutError:
+                    telemetry.upstream_errors.labels("total_timeout").inc()
+                    yield _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
+                    break
+                except httpx.HTTPError as exc:
+                    reason = "idle_timeout" if isinstance(exc, httpx.ReadTimeout) else "stream_broken"
+                    telemetry.upstream_errors.labels(reason).inc()
+                    log.warning("stream failed", extra={"request_id": self.request_id, "replica": self.rep.name,
+                                                        "error": f"{type(exc).__name__}: {exc}"})
+                    yield _sse_error(502, f"engine {self.rep.name} failed mid-stream: {type(exc).__name__}",
+                                     reason)
+                    break
+                if chunk:
+                    self.tail += chunk
+                    if len(self.tail) > 2 * _TAIL_BYTES:
+                        del self.tail[:-_TAIL_BYTES]
+                    yield chunk
+        finally:
+            await self.finish()
+
+    async def finish(self) -> None:
+        """Release everything (idempotent; never raises)."""
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            self.proxy.router.release(self.rep)
+            # usage is fed back even when the client left right after the last chunk
+            usage = _usage_from_sse(bytes(self.tail))
+            if self.ok or usage:
+                self.proxy._feedback(self.rep, self.routed, usage, self.ttft, self.predicted_cached,
+                                     single_chunk=False)
+        except Exception:
+            log.exception("stream cleanup failed")
+        finally:
+            if self.on_done is not None:
+                self.on_done()
+            with anyio.CancelScope(shield=True):
+                await _close_quietly(self.resp)
+
+
+class _ProxyStream(StreamingResponse):
+    """A StreamingResponse over a ``_Relay`` that always runs the relay's cleanup when the response ends."""
+
+    def __init__(self, relay: _Relay, **kwargs: Any) -> None:
+        super().__init__(relay.body(), **kwargs)
+        self.relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.relay.finish()
 
 
 # ---------------------------------------------------------------------------------------------------------

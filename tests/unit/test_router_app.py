@@ -124,3 +124,25 @@ def test_models_replicas_openapi() -> None:
         assert "DecisionOut" in schemas and "ErrorResponse" in schemas
         route_ok = spec["paths"]["/route"]["post"]["responses"]["200"]["content"]["application/json"]
         assert route_ok["schema"]["$ref"] == "#/components/schemas/DecisionOut"
+
+
+def test_streams_count_against_the_router_limit_until_they_end() -> None:
+    from tests.unit.test_router_proxy import metric
+
+    st = EngineState(mode="slow_stream")
+    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url], "--max-inflight-total", "1") as router:
+        ready(router, 1)
+        with httpx.stream("POST", router.url + "/v1/completions", json={**BODY, "stream": True},
+                          timeout=10) as r:
+            chunks = r.iter_raw()  # keep the iterator: dropping it closes the response
+            assert next(chunks).startswith(b"data: ")
+            assert metric(router, "kvroute_inflight_requests") == 1
+            r2 = httpx.post(router.url + "/v1/completions", json=BODY)
+            assert r2.status_code == 429
+        # the client left: the stream's slot, the replica's in-flight count and the upstream are released
+        wait_until(lambda: metric(router, "kvroute_inflight_requests") == 0, timeout=5, what="router slot free")
+        wait_until(lambda: metric(router, "kvroute_replica_inflight_requests") == 0, timeout=5,
+                   what="replica slot free")
+        wait_until(lambda: st.cancelled == 1, timeout=5, what="upstream cancelled")
+        st.mode = "ok"
+        assert httpx.post(router.url + "/v1/completions", json=BODY).status_code == 200
