@@ -23,6 +23,8 @@ Sequence handling per replica (frames ``[topic, seq, payload]``, seq from 0 per 
   must be the one we applied last (same seq, same payload digest), then the missing batches are applied. If it
   is not (the engine restarted, or its replay buffer rolled over), the replica is cleared and replayed from 0.
 - seq going backwards with an unknown payload: the engine restarted -> clear the replica, replay from 0.
+- after a reconnect (ZMQ socket monitor: disconnect, then handshake) the next batch's continuity is verified by a
+  replay from ``last`` even when its seq is ``last + 1`` (a restarted engine may have got there unseen).
 - first message with ``seq > 0`` (we joined late): replay from 0 first.
 - replay endpoint missing, silent or too slow (``replay_idle_timeout_s`` / ``replay_total_timeout_s``): the
   replica is cleared (no stale entries) and marked *degraded* (its index contents are incomplete; routing falls
@@ -209,6 +211,8 @@ class _Feed:
         self.dropped_hashes: OrderedDict[int, None] = OrderedDict()
         self.last_message_at: float | None = None
         self.connected = False
+        self.was_disconnected = False
+        self.verify_next = False
         self.task: asyncio.Task[None] | None = None
         self.sock: zmq.asyncio.Socket | None = None
         self._log_counts: Counter[str] = Counter()
@@ -225,20 +229,29 @@ class _Feed:
         ctx = self.owner.context
         sock = ctx.socket(zmq.SUB)
         self.sock = sock
+        mon: zmq.asyncio.Socket | None = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, self.cfg.rcvhwm)
             sock.setsockopt(zmq.SUBSCRIBE, self.spec.topic.encode())
+            # connection events: after a reconnect the next batch's continuity is verified by replay
+            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             if self.spec.bind:
                 sock.bind(self.spec.endpoint)
             else:
                 sock.connect(self.spec.endpoint)
             self.connected = True
+            poller = zmq.asyncio.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
             poll_ms = max(1, int(self.cfg.poll_interval_s * 1000))
             while True:
                 try:
                     await self._timers()
-                    if await sock.poll(timeout=poll_ms):
+                    ready = dict(await poller.poll(poll_ms))
+                    if mon in ready:
+                        self._on_monitor(await mon.recv_multipart())
+                    if sock in ready:
                         frames = await sock.recv_multipart(copy=True)
                         await self.on_live(frames)
                         # drain what is already queued without waking the poller each time
@@ -263,8 +276,28 @@ class _Feed:
                     await asyncio.sleep(0)
         finally:
             self.connected = False
+            if mon is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
+                mon.close(linger=0)
             sock.close(linger=0)
             self.sock = None
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        """A connection event of the SUB socket (disconnect / handshake)."""
+        if len(frames) < 1 or len(frames[0]) < 2:
+            return
+        event = int.from_bytes(frames[0][:2], "little")
+        if event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+            self.was_disconnected = True
+            self.stats.notes["disconnects"] += 1
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+            if self.was_disconnected:
+                # the engine may have restarted while we were away: check the next batch's continuity
+                self.verify_next = True
+                self.was_disconnected = False
 
     async def _timers(self) -> None:
         now = self.owner.clock()
@@ -314,6 +347,13 @@ class _Feed:
                     self.stats.missing_batches += seq
                 self.apply_item(item)
             return
+        if self.verify_next:
+            self.verify_next = False
+            if rep and seq == last + 1:
+                # looks continuous, but we reconnected: a restarted engine could have reached last+1 unseen
+                self.stats.notes["reconnect_checks"] += 1
+                await self.gap_replay(item)
+                return
         if seq == last + 1:
             self.apply_item(item)
             return

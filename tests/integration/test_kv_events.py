@@ -319,3 +319,33 @@ async def test_stop_is_clean_and_metrics_export(rigs: list[Rig]) -> None:
     assert 'kvroute_kv_events_degraded{replica="r0"} 0.0' in text
     await rig.sub.remove_replica(0)
     assert rig.sub.replicas() == [] and rig.totals()["batches"] >= 1  # totals stay monotonic
+
+
+async def test_engine_restart_behind_a_reconnect_is_detected(rigs: list[Rig]) -> None:
+    """A restarted engine whose sequence happens to continue at last+1 must not keep the old engine's blocks."""
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(2)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    last = rig.pub.next_seq - 1
+    endpoint, replay = rig.pub.endpoint, rig.pub.replay_endpoint
+    rig.pub.stop()  # the engine dies ...
+    await until(lambda: not rig.sub.stats()["replicas"]["r0"]["connected"], what="disconnect seen")
+    new = KVEventPublisher("vllm", endpoint, replay, topic="kv", faults=Faults(drop_every=1))
+    new.start()  # ... and comes back on the same address; its first batches are never seen live
+    rig.pub = new
+    for _ in range(last + 1):
+        new.publish([PubCleared()])
+    await until(lambda: rig.sub.stats()["replicas"]["r0"]["connected"], what="reconnected")
+    new.faults.drop_every = 0
+    toks2, hs2, keys2 = chain(1, base=3000)
+    deadline = time.monotonic() + 10
+    while matched(rig.index, keys2) == 0:
+        assert time.monotonic() < deadline, rig.totals()
+        new.publish([PubStored(hs2, None, toks2, BS)])
+        await asyncio.sleep(0.05)
+    assert matched(rig.index, keys) == 0  # the old engine's blocks did not survive
+    notes = rig.totals()["notes"]
+    assert notes.get("continuity_lost", 0) >= 1 and notes.get("disconnects", 0) >= 1
