@@ -362,11 +362,11 @@ class PrefixIndex:
     def _walk(self, keys: list[int], live: int, now: float) -> dict[int, ReplicaMatch]:
         """The match walk (see ``match``) for the slots in ``live``.
 
-        The path is walked in *segments* of consecutive node ids created as one chain (``_run`` hints),
-        verified against the stored keys with C-level list comparisons, so the dict is probed only at segment
-        starts. Within a segment, states are taken as runs of equal state ids; the live slot set is
-        intersected only when the state changes, and tier counting happens only for states with non-GPU or
-        predicted entries.
+        The path is walked in *stretches* of consecutive node ids: each streak (``_run`` hint) is verified
+        against the prompt's keys with a C-level list comparison, and the next streak is tried right after it
+        (paths grow in place) before falling back to a dict probe. Within a stretch, states are taken as runs
+        of equal state ids; the live slot set is intersected only when the state changes, and tier counting
+        happens only for states with non-GPU or predicted entries.
         """
         ids_get = self._ids.get
         kl = self._keys
