@@ -16,11 +16,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-import weakref
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
-
-from starlette.responses import Response, StreamingResponse
 
 
 class Rejected(Exception):
@@ -115,48 +112,13 @@ class Admission:
         self.inflight = max(0, self.inflight - 1)
 
 
-class Slot:
-    """One admitted request's slot, released exactly once: when the handler ends, or, for a streamed answer,
-    when the stream has been sent (or abandoned: the response object is collected)."""
-
-    def __init__(self, on_release: Callable[[], None]) -> None:
-        self._on_release = on_release
-        self._released = False
-        self._held = False
-
-    def release(self) -> None:
-        """Release now (idempotent)."""
-        if not self._released:
-            self._released = True
-            self._on_release()
-
-    def hold(self, resp: Response) -> Response:
-        """Keep the slot while ``resp`` streams; returns ``resp``."""
-        if isinstance(resp, StreamingResponse):
-            self._held = True
-            resp.body_iterator = self._relay(resp.body_iterator)
-            weakref.finalize(resp, self.release)
-        return resp
-
-    def end(self) -> None:
-        """The handler returned (or raised): release unless a stream holds the slot."""
-        if not self._held:
-            self.release()
-
-    async def _relay(self, it: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        try:
-            async for chunk in it:
-                yield chunk
-        finally:
-            self.release()
-
-
 def admission_gauges(adm: Admission) -> Iterable[Any]:
-    """Gauge families of the admission queue (collected at scrape time)."""
+    """Gauge families of the router queue (collected at scrape time)."""
     from router.telemetry import gauge
 
-    yield gauge("kvroute_queued_requests", "requests waiting in the router's admission queue", float(adm.waiting))
-    yield gauge("kvroute_admission_queued", "requests that waited in the admission queue (cumulative)",
+    yield gauge("kvroute_queued_requests", "requests waiting in the router queue for an in-flight slot",
+                float(adm.waiting))
+    yield gauge("kvroute_queue_waited_requests", "requests that waited in the router queue (cumulative)",
                 float(adm.queued_total))
-    yield gauge("kvroute_admission_queue_wait_seconds", "total time admitted requests waited in the queue "
-                "(cumulative, s)", adm.queue_wait_s_total)
+    yield gauge("kvroute_queue_wait_seconds", "total time requests waited in the router queue (cumulative, s)",
+                adm.queue_wait_s_total)

@@ -43,7 +43,10 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
 from membership.static import StaticMembership
 from policies.base import Policy, make_policy
+from router.admission import Admission, Rejected, admission_gauges
 from router.config import Settings
+from router.idempotency import HEADER as IDEMPOTENCY_HEADER
+from router.idempotency import IdempotencyGuard
 from router.proxy import Proxy, ProxyConfig, error_response, new_request_id
 from router.routing import Router, RoutingError, RoutingInput, build_profile, decision_json
 from router.telemetry import CONTENT_TYPE, Telemetry, gauge
@@ -231,7 +234,8 @@ class Status(BaseModel):
 
 _ERR = {"model": ErrorResponse}
 _ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: _ERR, 401: _ERR, 404: _ERR, 413: _ERR, 422: _ERR, 429: _ERR, 502: _ERR, 503: _ERR, 504: _ERR}
+    400: _ERR, 401: _ERR, 404: _ERR, 409: _ERR, 413: _ERR, 422: _ERR, 429: _ERR, 501: _ERR, 502: _ERR, 503: _ERR,
+    504: _ERR}
 
 # ---------------------------------------------------------------------------------------------------------
 # services
@@ -507,8 +511,14 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         if admin_token is None:
             return
         auth = request.headers.get("authorization", "")
-        if not auth.lower().startswith("bearer ") or not hmac.compare_digest(auth[7:].strip(), admin_token):
-            raise _AuthError("missing or invalid admin token (Authorization: Bearer <admin_token>)")
+        if not auth.lower().startswith("bearer ") or not auth[7:].strip():
+            raise _AuthError("missing admin token (Authorization: Bearer <admin_token>)")
+        if not hmac.compare_digest(auth[7:].strip(), admin_token):
+            raise _Forbidden("the bearer token is not the admin token (admin_token)")
+
+    @app.exception_handler(_Forbidden)
+    async def _forbidden(request: Request, exc: _Forbidden) -> Response:
+        return error_response(403, str(exc), "forbidden")
 
     @app.exception_handler(_AuthError)
     async def _auth(request: Request, exc: _AuthError) -> Response:
@@ -549,11 +559,27 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     async def _bad_tokens(request: Request, exc: _BadTokens) -> Response:
         return error_response(422, "token ids must be integers in [0, 2**32)", "invalid_request", "token_ids")
 
+    # --- reliability: global in-flight limit with a bounded queue (router/admission.py) and Idempotency-Key
+    # (router/idempotency.py) ---
+    admission = Admission(settings.max_inflight_total, settings.max_queued_requests, settings.max_queue_wait_s)
+    svc.extras["admission"] = admission
+    svc.telemetry.add_gauges(lambda: admission_gauges(admission))
+    idempotency = IdempotencyGuard(getattr(svc.extras.get("membership"), "shared", None), settings.retry_after_s)
+    svc.extras["idempotency"] = idempotency
+
     async def serve(request: Request, inp: RoutingInput, path: str, stream: bool) -> Response:
-        if svc.inflight >= settings.max_inflight_total:
-            svc.telemetry.rejected.labels("router_inflight_limit").inc()
-            return error_response(429, f"router has {settings.max_inflight_total} requests in flight "
-                                  "(max_inflight_total)", "overloaded",
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if key is not None:
+            return await idempotency.handle(key, path, await request.body(), stream, inp.request_id,
+                                            lambda: _serve(request, inp, path, stream))
+        return await _serve(request, inp, path, stream)
+
+    async def _serve(request: Request, inp: RoutingInput, path: str, stream: bool) -> Response:
+        try:
+            await admission.acquire()  # over max_inflight_total: queue <= max_queue_wait_s (503) or 429
+        except Rejected as exc:
+            svc.telemetry.rejected.labels(exc.reason).inc()
+            return error_response(exc.status, exc.message, exc.code,
                                   headers={"retry-after": str(settings.retry_after_s)})
         svc.inflight += 1
         released = False
@@ -563,6 +589,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             if not released:
                 released = True
                 svc.inflight -= 1
+                admission.release()
 
         try:
             # --- membership: session affinity (opt-in; X-Session-Id pinned through Redis while routable) ---
@@ -634,7 +661,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         return decision_json(routed, svc.table, settings.block_size)
 
     # -- control plane -----------------------------------------------------------------------------------
-    @app.get("/replicas", response_model=ReplicaList, responses={401: _ERR}, summary="replicas with state, load view and freshness")
+    @app.get("/replicas", response_model=ReplicaList, responses={401: _ERR, 403: _ERR}, summary="replicas with state, load view and freshness")
     async def replicas(request: Request) -> Any:
         check_admin(request)
         out = []
@@ -649,7 +676,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             })
         return {"replicas": out}
 
-    @app.get("/index/stats", responses={401: _ERR}, summary="prefix index sizes and counters (blocks per replica and tier)")
+    @app.get("/index/stats", responses={401: _ERR, 403: _ERR}, summary="prefix index sizes and counters (blocks per replica and tier)")
     async def index_stats(request: Request) -> Any:
         check_admin(request)
         stats = svc.index.stats()
@@ -720,6 +747,10 @@ async def _parse(request: Request, model: type[_M]) -> _M:
 
 
 class _AuthError(Exception):
+    pass
+
+
+class _Forbidden(Exception):
     pass
 
 

@@ -68,7 +68,8 @@ def test_api_keys_and_admin_token() -> None:
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert httpx.post(u + "/v1/completions", json=BODY, headers={"authorization": "Bearer k2"}).status_code == 200
         assert httpx.get(u + "/v1/models").status_code == 401
-        assert httpx.get(u + "/replicas", headers={"authorization": "Bearer k1"}).status_code == 401
+        assert httpx.get(u + "/replicas", headers={"authorization": "Bearer k1"}).status_code == 403  # not admin
+        assert httpx.get(u + "/replicas").status_code == 401
         assert httpx.get(u + "/replicas", headers={"authorization": "Bearer adm"}).status_code == 200
         assert httpx.get(u + "/index/stats").status_code == 401
         assert httpx.get(u + "/healthz").status_code == 200  # probes stay open
