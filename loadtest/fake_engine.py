@@ -349,9 +349,33 @@ class FakeEngine:
         self._wake.set()
         return state
 
+    @staticmethod
+    def _write_back_order(events: list[Any]) -> list[Any]:
+        """Put the CPU copies of demoted blocks before their GPU removal (a write-back copies, then frees).
+
+        The engine model reports an eviction as ``BlockRemoved(gpu)`` followed by one ``BlockStored(cpu)`` per
+        demoted block; a real engine (vLLM offloading connector, SGLang HiCache write-back) has the host copy before
+        the device block is freed, so its events announce the CPU store first.
+        """
+        out: list[Any] = []
+        i, n = 0, len(events)
+        while i < n:
+            ev = events[i]
+            if isinstance(ev, BlockRemoved) and ev.tier == "gpu":
+                j = i + 1
+                while j < n and isinstance(events[j], BlockStored) and events[j].tier == "cpu":
+                    j += 1
+                out.extend(events[i + 1:j])
+                out.append(ev)
+                i = j
+            else:
+                out.append(ev)
+                i += 1
+        return out
+
     def _dispatch(self, events: list[Any]) -> None:
         kv: list[PubEvent] = []
-        for ev in events:
+        for ev in self._write_back_order(events):
             if isinstance(ev, Token):
                 st = ev.request.tag
                 if isinstance(st, _Req):

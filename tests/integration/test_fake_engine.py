@@ -275,3 +275,37 @@ def test_hf_tokenizer_and_chat_template(tmp_path: Path) -> None:
         assert r.json()["usage"]["prompt_tokens"] == 6
     finally:
         e.proc.stop()
+
+
+async def test_cpu_tier_events_keep_the_index_equal_to_the_engine() -> None:
+    """Blocks demoted to the CPU tier stay matchable (as cpu) and the split equals the engine's own hits."""
+    e = Engine("--cpu-blocks", "200", gpu_blocks=14)
+    try:
+        index = PrefixIndex(block_size=16)
+        sub = KVEventSubscriber(index)
+        await sub.start()
+        try:
+            await sub.add_replica(FeedSpec(0, "e", e.events, e.replay, "", MODEL))
+            a, b = list(range(1000, 1161)), list(range(5000, 5161))  # 10 full blocks each
+            ka = block_keys(a, 16, root_seed(MODEL))
+            async with httpx.AsyncClient(base_url=e.url, timeout=10) as client:
+                for prompt in (a, b):  # b evicts most of a from the 14-block GPU cache into the CPU tier
+                    assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                                       "max_tokens": 1})).status_code == 200
+                state = (await client.get("/admin/state")).json()
+                deadline = time.monotonic() + 10
+                while sub.stats()["totals"]["batches"] < state["publisher"]["next_seq"]:
+                    assert time.monotonic() < deadline, sub.stats()
+                    await asyncio.sleep(0.05)
+                m = index.match(ka)[0]
+                before = (await client.get("/metrics")).text
+                r = await client.post("/v1/completions", json={"model": MODEL, "prompt": a, "max_tokens": 1})
+                after = (await client.get("/metrics")).text
+            assert sub.stats()["totals"]["orphans"] == 0
+            assert m.cpu > 0 and (m.gpu + m.cpu) * 16 == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            gpu_hits = parse_metrics(after).prefix_cache_hits - parse_metrics(before).prefix_cache_hits
+            assert gpu_hits == m.gpu * 16  # the engine's own GPU hits equal the index's GPU part
+        finally:
+            await sub.stop()
+    finally:
+        e.proc.stop()
