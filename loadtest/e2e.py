@@ -207,8 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for name in runs:
             t = time.monotonic()
-            results[name] = run_one(fleet, name, workload, cfg, fresh_engines=True)
-            print(f"  {name}: done in {time.monotonic() - t:.1f} s", file=sys.stderr)
+            results[name] = r = run_one(fleet, name, workload, cfg, fresh_engines=True)
+            print(f"  {name}: done in {time.monotonic() - t:.1f} s: hit_rate {r['hit_rate']}, ttft p50 "
+                  f"{r['ttft_p50_s']} s, p99 {r['ttft_p99_s']} s, errors {r['errors']}", file=sys.stderr)
     finally:
         fleet.stop()
     print(format_table(results), file=sys.stderr)
