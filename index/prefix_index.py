@@ -343,7 +343,7 @@ class PrefixIndex:
         """
         now = self._clock()
         if now >= self._next_expiry:
-            self.expire()
+            self._expire_predicted(now)
         if replicas is None:
             live = self._active
         else:
@@ -720,10 +720,20 @@ class PrefixIndex:
     def expire(self) -> int:
         """Drop predicted entries whose TTL has passed; also advance the sweep of cleared replicas.
 
+        Call it periodically (e.g. every second): ``match`` drops expired predictions by itself, but only
+        ``expire`` advances the sweep of cleared replicas and the compaction of node ids.
+
         Returns:
             the number of predicted entries dropped.
         """
-        now = self._clock()
+        dropped = self._expire_predicted(self._clock())
+        if self._dead or self._sweeping:
+            self._sweep(SWEEP_CHUNK)
+        self._maybe_compact()
+        return dropped
+
+    def _expire_predicted(self, now: float) -> int:
+        """Drop the predicted entries whose expiry time is at or before ``now``; return how many."""
         dropped = 0
         nxt = float("inf")
         sidl = self._sidl
@@ -752,9 +762,6 @@ class PrefixIndex:
                     sidl[nid] = nsid
         self._next_expiry = nxt
         self._expired += dropped
-        if self._dead or self._sweeping:
-            self._sweep(SWEEP_CHUNK)
-        self._maybe_compact()
         return dropped
 
     def _sweep(self, budget: int | None) -> None:
