@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from index.hashing import block_keys, root_seed
 from index.prefix_index import TIERS, PrefixIndex, ReplicaMatch
@@ -286,3 +288,56 @@ def test_eviction_removes_the_oldest_first() -> None:
     evicted = set(range(11)) - survivors
     assert evicted == set(range(1, 1 + len(evicted)))  # the least recently stored ones
     assert idx.stats()["evictions"] == len(evicted)
+
+
+def test_incremental_sweep_after_clear(monkeypatch: pytest.MonkeyPatch) -> None:
+    import index.prefix_index as pi
+
+    monkeypatch.setattr(pi, "SWEEP_CHUNK", 16)
+    idx = PrefixIndex(clock=FakeClock())
+    mine = block_keys(blocks(100, 0), 16, SEED)
+    shared = block_keys(blocks(20, 50_000), 16, SEED)
+    idx.store(1, None, mine)
+    idx.store(1, None, shared)
+    idx.store(2, None, shared)
+    idx.clear(1)
+    sizes = []
+    for _ in range(20):
+        idx.expire()
+        sizes.append(len(idx))
+        assert idx.match(mine) == {}
+        assert idx.match(shared)[2].blocks == 20
+    assert sizes[0] > 20 and sizes[-1] == 20  # progress in chunks, then only the shared path is left
+    idx.store(1, None, mine[:3])
+    assert idx.match(mine)[1].blocks == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["store", "predict", "remove", "clear", "tick"]), st.integers(0, 3), st.integers(0, 40)),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_budget_invariants_under_random_operations(ops: list[tuple[str, int, int]]) -> None:
+    clock = FakeClock()
+    idx = PrefixIndex(max_nodes=40, predicted_ttl_s=5.0, clock=clock)
+    for op, replica, base in ops:
+        keys = block_keys(blocks(6, 1000 * base), 16, SEED)
+        if op == "store":
+            idx.store(replica, None, keys, TIERS[base % 4])
+        elif op == "predict":
+            idx.predict(replica, keys)
+        elif op == "remove":
+            idx.remove(replica, keys[base % 6 :], TIERS[base % 4])
+        elif op == "clear":
+            idx.clear(replica)
+        else:
+            clock.now += base / 10
+            idx.expire()
+        assert len(idx) <= 40
+        st_ = idx.stats()
+        assert st_["predicted_entries"] == sum(st_["predicted_blocks"].values())
+        for m in idx.match(keys).values():
+            assert m.blocks == m.gpu + m.cpu + m.disk + m.remote + m.predicted
