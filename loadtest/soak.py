@@ -320,9 +320,13 @@ class Soak:
             rec.recovery_s = None if back is None else time.monotonic() - t_fault
         elif kind == "kv_drop":
             assert eh is not None
-            await client.post(eh.url + "/admin/faults", json={"kv": {"drop_every": 3}}, timeout=5)
+            r = await client.post(eh.url + "/admin/faults", json={"drop_every": 3}, timeout=5)
+            r.raise_for_status()
+            before = (await self._replicas(client)).get(eh.name, {}).get("kv_events") or {}
             await asyncio.sleep(10.0)
-            await client.post(eh.url + "/admin/faults", json={"kv": {"drop_every": 0}}, timeout=5)
+            (await client.post(eh.url + "/admin/faults", json={"drop_every": 0}, timeout=5)).raise_for_status()
+            after = (await self._replicas(client)).get(eh.name, {}).get("kv_events") or {}
+            rec.window["gaps_during_drop"] = (after.get("gaps") or 0) - (before.get("gaps") or 0)
             t_off = time.monotonic()
             name = eh.name
 
