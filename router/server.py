@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import sys
 from collections.abc import Sequence
 
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     http = "httptools" if importlib.util.find_spec("httptools") else "auto"
     uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http,
                 log_level=settings.log_level, access_log=settings.access_log,
-                timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+                timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),  # 0 = cancel at once (None waits forever)
                 limit_concurrency=settings.max_inflight_total * 2, backlog=2048, log_config=None)
     return 0
 
