@@ -452,6 +452,25 @@ class _Feed:
             if n % 256 == 255:
                 await asyncio.sleep(0)
 
+    def _tail_after_holes(self, items: list[_Item], first: int | None) -> list[_Item]:
+        """The replayed batches after the last hole in their sequence (``first``: the seq expected first).
+
+        A hole means a batch the engine no longer has (or never buffered): what came before it cannot be trusted
+        to be complete, so the replica is cleared and only the contiguous tail is applied (incomplete, not stale).
+        """
+        start = 0
+        hole = False
+        prev = None if first is None else first - 1
+        for i, it in enumerate(items):
+            if prev is not None and it.seq != prev + 1:
+                start, hole = i, True
+            prev = it.seq
+        if hole:
+            self.stats.notes["replay_hole"] += 1
+            self._warn("replay_hole", "replay has a hole before seq %d: clearing, applying the rest", items[start].seq)
+            self.clear_replica()
+        return items[start:]
+
     async def replay_from(self, start: int, trigger: str, *, clear_first: bool, live: _Item | None) -> bool:
         """Replay from ``start`` and apply everything; on failure clear + degrade (and apply ``live``)."""
         items = await self.fetch_replay(start, trigger)
@@ -465,9 +484,10 @@ class _Feed:
             self.clear_replica()
         if items and items[0].seq > start:
             self.stats.notes["replay_buffer_rolled"] += 1
-        self.last_seq = None if clear_first else self.last_seq
-        await self.apply_replayed(items, None)
+        await self.apply_replayed(self._tail_after_holes(items, None), None)
         if live is not None and (self.last_seq is None or live.seq > self.last_seq):
+            if self.last_seq is not None and live.seq != self.last_seq + 1:
+                self.clear_replica()  # the live batch does not follow the replay: a batch is missing
             self.apply_item(live)
         self.set_degraded(False)
         return True
@@ -481,8 +501,11 @@ class _Feed:
             self.unrecoverable(live, "gap_replay_failed")
             return
         if items and items[0].seq == last and items[0].digest == self.last_digest:
-            await self.apply_replayed(items, last)
+            rest = self._tail_after_holes([it for it in items if it.seq > last], last + 1)
+            await self.apply_replayed(rest, None if self.last_seq is None else last)
             if self.last_seq is None or live.seq > self.last_seq:
+                if self.last_seq is not None and live.seq != self.last_seq + 1:
+                    self.clear_replica()
                 self.apply_item(live)
             self.set_degraded(False)
             return
@@ -499,7 +522,7 @@ class _Feed:
         if items is None:
             return
         self.clear_replica()
-        await self.apply_replayed(items, None)
+        await self.apply_replayed(self._tail_after_holes(items, None), None)
         self.set_degraded(False)
 
     async def orphan_replay(self) -> None:

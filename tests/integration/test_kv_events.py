@@ -349,3 +349,21 @@ async def test_engine_restart_behind_a_reconnect_is_detected(rigs: list[Rig]) ->
     assert matched(rig.index, keys) == 0  # the old engine's blocks did not survive
     notes = rig.totals()["notes"]
     assert notes.get("continuity_lost", 0) >= 1 and notes.get("disconnects", 0) >= 1
+
+
+async def test_unreplayable_gap_clears_instead_of_keeping_stale_blocks(rigs: list[Rig]) -> None:
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(2)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    rig.pub.faults.drop_every = 1
+    rig.pub.faults.drop_unbuffered = True  # lost live AND missing from the replay buffer
+    rig.pub.publish([PubRemoved([hs[1]])])
+    rig.pub.faults.drop_every = 0
+    toks2, hs2, keys2 = chain(1, base=4000)
+    rig.pub.publish([PubStored(hs2, None, toks2, BS)])
+    await until(lambda: matched(rig.index, keys2) == 1, what="later batch applied")
+    assert matched(rig.index, keys) == 0  # the block whose removal was lost is not kept (it would be stale)
+    assert rig.totals()["notes"].get("replay_hole") == 1
