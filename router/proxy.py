@@ -35,8 +35,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -121,20 +121,28 @@ class Proxy:
         self.telemetry = telemetry
         self.cfg = config
         self.on_connection_failure = on_connection_failure or (lambda rep, err: None)
-        headers = {}
+        self._headers: dict[str, str] = {}
         if config.engine_api_key:
-            headers["authorization"] = f"Bearer {config.engine_api_key}"
-        self.client = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(connect=config.connect_timeout_s, read=config.idle_timeout_s,
-                                  write=config.idle_timeout_s, pool=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=config.max_connections,
-                                max_keepalive_connections=config.max_keepalive_connections),
-        )
+            self._headers["authorization"] = f"Bearer {config.engine_api_key}"
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled aiohttp session (created on first use, inside the event loop)."""
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0,
+                                             keepalive_timeout=30.0, enable_cleanup_closed=True)
+            # read timeouts are enforced by the proxy itself (first byte, idle gap, total deadline)
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=self._headers, auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
+                                              connect=self.cfg.connect_timeout_s + 1.0))
+        return self._session
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     # -- entry point -----------------------------------------------------------------------------------
     async def forward(self, request: Request, routed: Routed, path: str, body: bytes, *, stream: bool,
@@ -244,105 +252,98 @@ class Proxy:
         return error_response(last.status, msg, last.reason, headers={"x-request-id": request_id})
 
     async def _open(self, rep: Replica, path: str, body: bytes, headers: dict[str, str],
-                    deadline: float) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+                    deadline: float) -> tuple[aiohttp.ClientResponse, AsyncIterator[bytes], bytes]:
         """Send the request and wait for headers + the first body chunk. Raises _AttemptFailed."""
-        req = self.client.build_request("POST", rep.url + path, content=body, headers=headers)
         budget = min(self.cfg.first_byte_timeout_s, deadline - time.monotonic())
-        resp: httpx.Response | None = None
+        resp: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(max(0.001, budget)):
-                resp = await self.client.send(req, stream=True)
-                it = resp.aiter_raw()
-                if resp.status_code >= 500:
-                    data = b""
-                    async for chunk in it:
-                        data += chunk
-                        if len(data) >= _ERR_BODY_BYTES:
-                            break
-                    await resp.aclose()
-                    raise _AttemptFailed(f"engine_{resp.status_code}",
-                                         f"engine answered {resp.status_code}: "
-                                         f"{data[:300].decode(errors='replace')}",
+                resp = await self.session().post(rep.url + path, data=body, headers=headers)
+                if resp.status >= 500:
+                    data = await resp.content.read(_ERR_BODY_BYTES)
+                    resp.close()
+                    raise _AttemptFailed(f"engine_{resp.status}",
+                                         f"engine answered {resp.status}: {data[:300].decode(errors='replace')}",
                                          retry=True, status=502)
-                first = b""
-                async for chunk in it:
-                    if chunk:
-                        first = chunk
-                        break
+                it = resp.content.iter_any().__aiter__()
+                try:
+                    first = await it.__anext__()
+                except StopAsyncIteration:
+                    first = b""
                 return resp, it, first
         except _AttemptFailed:
             raise
+        except aiohttp.ConnectionTimeoutError as exc:  # an overloaded engine, not necessarily a dead one
+            raise _AttemptFailed("connect_timeout", f"connect timed out: {exc}", retry=True) from None
         except TimeoutError:
             if resp is not None:
-                await _close_quietly(resp)
+                resp.close()
             raise _AttemptFailed("first_byte_timeout",
                                  f"no response within {budget:.3g}s (first_byte_timeout_s)",
                                  retry=False, status=504) from None
-        except httpx.ConnectTimeout as exc:  # an overloaded engine, not necessarily a dead one
-            raise _AttemptFailed("connect_timeout", f"connect timed out: {exc}", retry=True) from None
-        except httpx.ConnectError as exc:
+        except aiohttp.ClientConnectorError as exc:
             raise _AttemptFailed("connect_error", f"cannot connect: {type(exc).__name__}: {exc}",
                                  retry=True, connection=True) from None
-        except httpx.PoolTimeout as exc:
-            raise _AttemptFailed("pool_timeout", f"connection pool exhausted: {exc}", retry=True) from None
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ReadTimeout) as exc:
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
             if resp is not None:
-                await _close_quietly(resp)
+                resp.close()
             raise _AttemptFailed("connection_lost", f"connection lost before the first byte: "
                                  f"{type(exc).__name__}: {exc}", retry=True, connection=True) from None
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             if resp is not None:
-                await _close_quietly(resp)
+                resp.close()
             raise _AttemptFailed("upstream_error", f"{type(exc).__name__}: {exc}", retry=True) from None
         except BaseException:
             if resp is not None:
-                await _close_quietly(resp)
+                resp.close()
             raise
 
     # -- committed answers -----------------------------------------------------------------------------
-    async def _commit(self, rep: Replica, routed: Routed, resp: httpx.Response, it: AsyncIterator[bytes],
+    async def _commit(self, rep: Replica, routed: Routed, resp: aiohttp.ClientResponse,
+                      it: AsyncIterator[bytes],
                       first: bytes, ttft: float,
                       deadline: float, stream: bool, request_id: str, predicted_cached: int) -> Response:
         out_headers = {"x-request-id": request_id, "x-kvroute-replica": rep.name,
                        "x-kvroute-predicted-cached-tokens": str(predicted_cached)}
         ctype = resp.headers.get("content-type", "application/json")
+        status = resp.status
         is_sse = ctype.startswith("text/event-stream")
-        if resp.status_code < 400:
+        if status < 400:
             self.telemetry.ttft.labels(rep.name).observe(ttft)
-        if is_sse and resp.status_code < 400:
+        if is_sse and status < 400:
             relay = _Relay(self, rep, routed, resp, it, first, ttft, deadline, request_id, predicted_cached)
-            return _ProxyStream(relay, status_code=resp.status_code, media_type=ctype, headers=out_headers)
+            return _ProxyStream(relay, status_code=status, media_type=ctype, headers=out_headers)
         # non-streaming: read the rest now
         chunks = [first]
         try:
             async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
                 async for chunk in it:
                     chunks.append(chunk)
-        except (TimeoutError, httpx.HTTPError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             self.router.release(rep)
-            await _close_quietly(resp)
+            resp.close()
             self.telemetry.upstream_errors.labels("body_failed").inc()
             return error_response(502, f"engine {rep.name} failed while sending the response: "
                                   f"{type(exc).__name__}", "upstream_body_failed", headers=out_headers)
         except BaseException:
             self.router.release(rep)
-            await _close_quietly(resp)
+            resp.close()
             raise
         self.router.release(rep)
-        await _close_quietly(resp)
+        resp.release()  # fully read: the connection goes back to the pool
         content = b"".join(chunks)
-        if resp.status_code < 400:
+        if status < 400:
             try:
                 obj = orjson.loads(content)
             except orjson.JSONDecodeError:
                 self.telemetry.upstream_errors.labels("bad_body").inc()
                 log.warning("engine answered garbage", extra={"request_id": request_id, "replica": rep.name})
-                return error_response(502, f"engine {rep.name} answered {resp.status_code} with a body that is "
+                return error_response(502, f"engine {rep.name} answered {status} with a body that is "
                                       f"not JSON: {content[:80]!r}", "upstream_bad_body", headers=out_headers)
             usage = obj.get("usage") if isinstance(obj, dict) else None
             self._feedback(rep, routed, usage if isinstance(usage, dict) else None, ttft, predicted_cached,
                            single_chunk=not stream)
-        return Response(content, status_code=resp.status_code, media_type=ctype, headers=out_headers)
+        return Response(content, status_code=status, media_type=ctype, headers=out_headers)
 
     def _feedback(self, rep: Replica, routed: Routed, usage: dict[str, Any] | None, ttft: float,
                   predicted_cached: int, *, single_chunk: bool) -> None:
@@ -375,7 +376,7 @@ class _Relay:
     cancelled before its generator ever started has no ``finally`` to run).
     """
 
-    def __init__(self, proxy: Proxy, rep: Replica, routed: Routed, resp: httpx.Response,
+    def __init__(self, proxy: Proxy, rep: Replica, routed: Routed, resp: aiohttp.ClientResponse,
                  it: AsyncIterator[bytes], first: bytes, ttft: float, deadline: float, request_id: str,
                  predicted_cached: int) -> None:
         self.proxy, self.rep, self.routed, self.resp, self.it = proxy, rep, routed, resp, it
@@ -397,18 +398,21 @@ class _Relay:
                     telemetry.upstream_errors.labels("total_timeout").inc()
                     yield _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
                     break
+                idle = self.proxy.cfg.idle_timeout_s
                 try:
-                    async with asyncio.timeout(remaining):
+                    async with asyncio.timeout(min(remaining, idle)):
                         chunk = await self.it.__anext__()
                 except StopAsyncIteration:
                     self.ok = True
                     break
                 except TimeoutError:
-                    telemetry.upstream_errors.labels("total_timeout").inc()
-                    yield _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
+                    reason, msg = (("idle_timeout", f"engine sent nothing for {idle:g}s (idle_timeout_s)")
+                                   if idle < remaining else ("total_timeout", "stream exceeded total_timeout_s"))
+                    telemetry.upstream_errors.labels(reason).inc()
+                    yield _sse_error(504, msg, reason)
                     break
-                except httpx.HTTPError as exc:
-                    reason = "idle_timeout" if isinstance(exc, httpx.ReadTimeout) else "stream_broken"
+                except aiohttp.ClientError as exc:
+                    reason = "stream_broken"
                     telemetry.upstream_errors.labels(reason).inc()
                     log.warning("stream failed", extra={"request_id": self.request_id, "replica": self.rep.name,
                                                         "error": f"{type(exc).__name__}: {exc}"})
@@ -440,8 +444,10 @@ class _Relay:
         finally:
             if self.on_done is not None:
                 self.on_done()
-            with anyio.CancelScope(shield=True):
-                await _close_quietly(self.resp)
+            if self.ok:
+                self.resp.release()  # fully read: the connection goes back to the pool
+            else:
+                self.resp.close()  # the engine sees the connection close and aborts the request
 
 
 class _ProxyStream(StreamingResponse):
@@ -469,11 +475,6 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message.get("type") == "http.disconnect":
             return
-
-
-async def _close_quietly(resp: httpx.Response) -> None:
-    with contextlib.suppress(Exception):
-        await resp.aclose()
 
 
 def _sse_error(status: int, message: str, code: str) -> bytes:
