@@ -925,9 +925,11 @@ class EngineModel:
         removed = list(islice(free, over))
         deque(map(free.pop, removed), maxlen=0)
         deque(map(ref.pop, removed), maxlen=0)
-        if self.emit_kv_events:
-            self._events.append(BlockRemoved(t, removed, "gpu"))
+        gpu_removed = BlockRemoved(t, removed, "gpu")
+        if self.emit_kv_events and not self.num_cpu_blocks:
+            self._events.append(gpu_removed)
         if self.num_cpu_blocks:
+            # write-back order: the CPU copy is announced before the GPU copy goes away (no orphaned parents)
             cpu = self._cpu
             demoted: list[int] = []
             for h in removed:
@@ -947,6 +949,8 @@ class EngineModel:
                         arr.frombytes(tok)
                         toks = arr.tolist()
                     self._events.append(BlockStored(t, [h], self._parent.get(h), toks, self.block_size, "cpu"))
+            if self.emit_kv_events:
+                self._events.append(gpu_removed)
             dropped = list(islice(cpu, max(0, len(cpu) - self.num_cpu_blocks)))
             deque(map(cpu.pop, dropped), maxlen=0)
             if dropped and self.emit_kv_events:

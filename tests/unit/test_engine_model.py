@@ -229,3 +229,14 @@ def test_decode_fast_path_matches_step_by_step() -> None:
                           if isinstance(x, Finished | FirstToken)))
         assert e.metrics().generation_tokens_total == sum(o for _, _, o in reqs)
     assert out[0] == out[1]
+
+
+def test_demotion_announces_cpu_copy_before_gpu_removal() -> None:
+    e = EngineModel("a100", num_gpu_blocks=70, block_size=BS, cpu_blocks=1000)
+    a, b = _prompt(60, 64 * BS), _prompt(61, 64 * BS)
+    e.submit(EngineRequest("a", len(a), 1, token_ids=a), 0.0)
+    _run(e, 5)
+    e.submit(EngineRequest("b", len(b), 1, token_ids=b), 5.0)
+    kinds = [(type(x).__name__, x.tier) for x in _run(e) if isinstance(x, BlockStored | BlockRemoved)]
+    first_cpu = kinds.index(("BlockStored", "cpu"))
+    assert kinds.index(("BlockRemoved", "gpu")) > first_cpu
