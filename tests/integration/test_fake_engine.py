@@ -216,7 +216,7 @@ def test_sigterm_stops_quickly_and_cleanly() -> None:
     out = e.proc.stop(signal.SIGTERM, timeout=10)
     # uvicorn shuts down gracefully, then re-raises the captured SIGTERM (exit status -15)
     assert e.proc.popen.returncode in (0, -signal.SIGTERM), out
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 8
     assert "Traceback" not in out
     for port in (e.port, e.ev, e.rp):  # every socket was released
         with socket.socket() as s:
