@@ -50,8 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     http = "httptools" if importlib.util.find_spec("httptools") else "auto"
     uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http,
                 log_level=settings.log_level, access_log=settings.access_log,
-                timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),  # 0 = cancel at once (None waits forever)
-                limit_concurrency=settings.max_inflight_total * 2, backlog=2048, log_config=None)
+                # 0 = cancel at once (None would wait forever)
+                timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
+                # headroom: probes, /metrics and queued requests must never meet uvicorn's plain-text 503 first
+                limit_concurrency=2 * (settings.max_inflight_total + settings.max_queued_requests) + 64,
+                backlog=2048, log_config=None)
     return 0
 
 
