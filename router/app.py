@@ -285,11 +285,12 @@ def build_services(settings: Settings) -> Services:
     svc_holder: dict[str, Services] = {}
 
     def events_healthy(rep: Replica) -> bool:
-        status = svc_holder["svc"].event_status.get(rep.name) if svc_holder else None
-        if status is None:
+        """Cheap per-decision check: the replica has a KV-event feed that is not degraded."""
+        sub = svc_holder["svc"].extras.get("kv_events") if svc_holder else None
+        if sub is None or not rep.kv_events_endpoint:
             return False
         try:
-            return bool(status().get("healthy", False))
+            return rep.index in sub.replicas() and not sub.degraded(rep.index)
         except Exception:
             return False
 
