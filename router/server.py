@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from router.config import load_settings
+from router.config import flag_name, load_settings
 from router.telemetry import setup_logging
 
 log = logging.getLogger("kvroute.server")
@@ -64,7 +64,7 @@ def _explain(exc: ValidationError) -> str:
     for err in exc.errors():
         loc = [str(x) for x in err.get("loc", ())]
         name = loc[0] if loc else "?"
-        flag = "--" + name.replace("_", "-")
+        flag = flag_name(name)
         lines.append(f"  {flag} ({'.'.join(loc)}): {err.get('msg')}")
     return "\n".join(lines)
 

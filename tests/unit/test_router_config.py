@@ -167,3 +167,15 @@ def test_docs_configuration_table_is_generated_from_settings() -> None:
     table = doc[doc.index(DOC_BEGIN) + len(DOC_BEGIN):doc.index(DOC_END)].strip()
     assert table == settings_markdown(), ("docs/service.md is out of date: run "
                                           "python -m router.config --update-doc docs/service.md")
+
+
+def test_serve_reports_bad_configuration_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    from router.server import main
+
+    assert main(["--replica", "name=a"]) == 2
+    assert "--replica (replicas): Value error, replica spec 'name=a' has no url=" in capsys.readouterr().err
+    assert main(["--policy", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'nope'" in err and "ttft" in err
+    assert main(["--tokenizer-mode", "hf"]) == 2
+    assert "needs tokenizer_path" in capsys.readouterr().err
