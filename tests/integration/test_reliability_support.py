@@ -58,12 +58,13 @@ def start_engine(name: str, *extra: str, events: bool = False, replay: bool = Tr
 
 
 @contextlib.contextmanager
-def engines(*specs: tuple[str, Sequence[str]], events: bool = False, replay: bool = True) -> Iterator[list[Eng]]:
+def engines(*specs: tuple[str, Sequence[str]], events: bool = False, replay: bool = True,
+            time_scale: float = 0.02) -> Iterator[list[Eng]]:
     """Start several engines ``(name, extra args)`` and wait until each answers /health; always stopped."""
     started: list[Eng] = []
     try:
         for i, (name, extra) in enumerate(specs):
-            started.append(start_engine(name, *extra, events=events, replay=replay, seed=i))
+            started.append(start_engine(name, *extra, events=events, replay=replay, seed=i, time_scale=time_scale))
         for e in started:
             wait_http_ok(e.url + "/health", timeout=30)
         yield started
