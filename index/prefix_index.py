@@ -298,6 +298,26 @@ class PrefixIndex:
         self._sidl[nid] = 0
         self._dead_nodes += 1
 
+    def _gc_states(self) -> None:
+        """Rebuild the state table from the states nodes are in (states of churned replica sets pile up)."""
+        keep = [sid for sid, refs in enumerate(self._refs) if refs > 0 or sid == 0]
+        remap = {old: new for new, old in enumerate(keep)}
+        old_states = self._states
+        old_refs = self._refs
+        self._states = []
+        self._all = []
+        self._confirmed = []
+        self._special = []
+        self._refs = []
+        self._intern = {}
+        for sid in keep:
+            self._intern_state(old_states[sid])
+        for new, old in enumerate(keep):
+            self._refs[new] = old_refs[old]
+        self._sidl = list(map(remap.__getitem__, self._sidl))
+        self._trans = {}
+        self._bits_cache.clear()
+
     def _maybe_compact(self, *, force: bool = False) -> None:
         """Renumber live nodes densely once a quarter of the node ids are dead (amortised O(1) per delete).
 
@@ -372,6 +392,7 @@ class PrefixIndex:
         kl = self._keys
         sidl = self._sidl
         runs = self._run
+        ts = self._ts
         allm = self._all
         special = self._special
         n = len(keys)
@@ -450,7 +471,6 @@ class PrefixIndex:
                 break
         if live:
             drops.append((live, i))
-        ts = self._ts
         rep = self._replica_of_slot
         bits = self._bits_cache
         out: dict[int, ReplicaMatch] = {}
@@ -730,6 +750,8 @@ class PrefixIndex:
         if self._dead or self._sweeping:
             self._sweep(SWEEP_CHUNK)
         self._maybe_compact()
+        if len(self._states) > 1024 and len(self._states) > 4 * sum(1 for r in self._refs if r > 0):
+            self._gc_states()
         return dropped
 
     def _expire_predicted(self, now: float) -> int:

@@ -341,3 +341,19 @@ def test_budget_invariants_under_random_operations(ops: list[tuple[str, int, int
         assert st_["predicted_entries"] == sum(st_["predicted_blocks"].values())
         for m in idx.match(keys).values():
             assert m.blocks == m.gpu + m.cpu + m.disk + m.remote + m.predicted
+
+
+def test_state_table_is_garbage_collected() -> None:
+    idx = PrefixIndex(clock=FakeClock())
+    keys = block_keys(blocks(4, 0), 16, SEED)
+    for r in range(64):
+        idx.store(r, None, keys)
+    for r in range(60):
+        idx.remove(r, keys)
+    before = {r: m.blocks for r, m in idx.match(keys).items()}
+    n_states = len(idx._states)
+    idx._gc_states()
+    assert len(idx._states) < n_states // 10
+    assert {r: m.blocks for r, m in idx.match(keys).items()} == before == {60: 4, 61: 4, 62: 4, 63: 4}
+    idx.store(5, None, keys[:2])
+    assert idx.match(keys)[5].blocks == 2

@@ -111,6 +111,7 @@ ops = st.one_of(
     st.tuples(st.just("clear"), replica),
     st.tuples(st.just("advance"), st.sampled_from([0.5, 3.0, 6.0, 11.0])),
     st.tuples(st.just("expire")),
+    st.tuples(st.just("gc")),
     st.tuples(st.just("match"), tokens, st.one_of(st.none(), st.sets(replica))),
 )
 
@@ -161,6 +162,8 @@ def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[
             clock.now += op[1]  # type: ignore[operator]
         elif kind == "expire":
             idx.expire()
+        elif kind == "gc":
+            idx._gc_states()  # state-table garbage collection must not change any answer
         else:
             _, toks, reps = op
             check(toks, reps)  # type: ignore[arg-type]
