@@ -90,6 +90,9 @@ def test_engine_faults_end_in_clear_errors_and_are_counted() -> None:
             for i in range(3):
                 ok = c.post(u + "/v1/completions", json=completion(f"after {i} " * 10, stream=i == 1))
                 assert ok.status_code == 200 and ok.headers["x-kvroute-replica"] == live[0].name, ok.text
+            # an Idempotency-Key needs Redis: without it the router says so (and serves nothing twice)
+            idem = c.post(u + "/v1/completions", json=completion(), headers={"idempotency-key": "k1"})
+            assert idem.status_code == 501 and "redis_url" in idem.json()["error"]["message"]
             assert r.proc.alive()
         out = r.proc.output()
     assert "Traceback" not in out, out[-3000:]
