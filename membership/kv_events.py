@@ -210,6 +210,7 @@ class _Feed:
         self.in_orphan_replay = False
         self.dropped_hashes: OrderedDict[int, None] = OrderedDict()
         self.last_message_at: float | None = None
+        self.last_lag_s: float | None = None
         self.connected = False
         self.was_disconnected = False
         self.verify_next = False
@@ -595,6 +596,8 @@ class _Feed:
     def apply_item(self, item: _Item, replayed: bool = False) -> None:
         """Apply one batch in sequence and record it as the last one applied."""
         self.remember(item)
+        if not replayed and item.batch is not None and item.batch.ts is not None:
+            self.last_lag_s = time.time() - item.batch.ts  # engine wall clock -> our wall clock, seconds
         if item.batch is None:
             self.stats.dropped[item.failure or "bad_payload"] += 1
             self._warn(item.failure or "bad_payload", "dropped batch seq %d: %s", item.seq, item.failure)
@@ -842,7 +845,7 @@ class KVEventSubscriber:
         for feed in self._feeds.values():
             d = feed.stats.as_dict()
             d.update(index=feed.spec.index, endpoint=feed.spec.endpoint, last_seq=feed.last_seq,
-                     degraded=feed.degraded, connected=feed.connected,
+                     degraded=feed.degraded, connected=feed.connected, last_lag_s=feed.last_lag_s,
                      last_message_age_s=None if feed.last_message_at is None else now - feed.last_message_at)
             per[feed.spec.name] = d
             _add(total, feed.stats)
@@ -905,6 +908,9 @@ class _Collector:
                                  labels=["replica", "trigger", "outcome"])
         sb = CounterMetricFamily("kvroute_kv_event_stored_blocks", "Router blocks stored from engine events",
                                  labels=["replica"])
+        lag = GaugeMetricFamily("kvroute_kv_event_lag_seconds",
+                                "Seconds between the engine stamping the last live batch and the router receiving it",
+                                labels=["replica"])
         dg = GaugeMetricFamily("kvroute_kv_events_degraded",
                                "1 while the replica's event stream lost events it could not recover",
                                labels=["replica"])
@@ -925,4 +931,6 @@ class _Collector:
                 rp.add_metric([n, trig, outcome], c)
             sb.add_metric([n], s.stored_blocks)
             dg.add_metric([n], 1.0 if f.degraded else 0.0)
-        yield from (ev, dr, ba, gp, ms, du, rs, orp, rp, sb, dg)
+            if f.last_lag_s is not None:
+                lag.add_metric([n], f.last_lag_s)
+        yield from (ev, dr, ba, gp, ms, du, rs, orp, rp, sb, dg, lag)

@@ -314,9 +314,14 @@ async def test_stop_is_clean_and_metrics_export(rigs: list[Rig]) -> None:
     reg = CollectorRegistry()
     rig.sub.register_metrics(reg)
     await connect(rig)
+    rig.pub.publish([PubCleared()])  # one surely-live batch (connect's first may have come by replay)
+    await until(lambda: rig.sub.stats()["replicas"]["r0"]["last_lag_s"] is not None, what="live batch")
     text = generate_latest(reg).decode()
     assert 'kvroute_kv_events_ingested_total{replica="r0",type="AllBlocksCleared"}' in text
     assert 'kvroute_kv_events_degraded{replica="r0"} 0.0' in text
+    assert 'kvroute_kv_event_lag_seconds{replica="r0"}' in text
+    lag = rig.sub.stats()["replicas"]["r0"]["last_lag_s"]
+    assert lag is not None and -1.0 < lag < 10.0
     await rig.sub.remove_replica(0)
     assert rig.sub.replicas() == [] and rig.totals()["batches"] >= 1  # totals stay monotonic
 
