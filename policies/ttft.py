@@ -63,6 +63,7 @@ _MISS_PARTS: dict[str, float] = {
     "matched_disk": 0.0,
     "matched_remote": 0.0,
     "usable": 0.0,
+    "W": 0.0,
 }
 
 
@@ -77,6 +78,11 @@ class TTFTPolicy:
         calibrate: learn prefill rate and overhead per replica from ``observe``.
         calibration_window, calibration_min_samples, calibration_refit_every: see ``PrefillCalibrator``.
         drain_stale_queue: subtract what the replica prefilled since the scrape from the scraped backlog.
+        work_weight: weight of the request's own expected prefill compute (seconds, excluding the fixed
+            overhead) added to the score: the delay it imposes on the requests that queue behind it on that
+            replica. 0 scores the request's TTFT alone; 1 (default) also counts its cost to the fleet, which
+            keeps long shared prefixes where they are cached instead of recomputing them on an idle replica
+            (seeds 000 §9.5.4: decide whether the objective is this request's time or all tasks' completion).
         seed: accepted so every policy takes ``seed``; ``ttft`` is deterministic (ties: candidate order).
     """
 
@@ -101,6 +107,7 @@ class TTFTPolicy:
         calibration_refit_every: int = 8,
         drain_stale_queue: bool = False,
         seed: int = 0,
+        work_weight: float = 1.0,
     ) -> None:
         if objective not in (None, "mean", "tail"):
             raise ValueError(f"objective must be 'mean' or 'tail', got {objective!r}")
@@ -132,6 +139,7 @@ class TTFTPolicy:
         self._attention: dict[int, float] = {}
         self._mean_uncached = float(mean_prefill_tokens)
         self._mean_samples = 0
+        self.work_weight = work_weight
 
     # ------------------------------------------------------------------ decision
 
@@ -157,6 +165,7 @@ class TTFTPolicy:
         overheads = self._overheads
         drain = self.drain_stale_queue
         slo = params.slo_ttft_s if tail else None
+        ww = self.work_weight
 
         loads = [c.load for c in candidates]
         mean_tokens = self._mean_uncached if self._mean_samples >= self.calibrator.min_samples else None
@@ -184,6 +193,8 @@ class TTFTPolicy:
             if hit.cpu or hit.disk or hit.remote:
                 est = estimate(n, hit, q, prof, rate, ov, params, kv)
                 score = est.tail if tail else est.expected
+                w = ww * (est.p * (est.c - ov) + (1.0 - est.p) * (est.t_miss - q - ov)) if ww else 0.0
+                score += w
                 parts = {
                     "Q": q,
                     "R": est.r,
@@ -199,15 +210,18 @@ class TTFTPolicy:
                     "matched_disk": float(hit.disk),
                     "matched_remote": float(hit.remote),
                     "usable": float(est.usable_tokens),
+                    "W": w,
                 }
             elif not g:
-                score = t_miss + pen
+                w = ww * (t_miss - q - ov) if ww else 0.0
+                score = t_miss + pen + w
                 parts = _MISS_PARTS.copy()  # copying a template beats a 14-key literal
                 parts["Q"] = q
                 parts["C"] = t_miss - q
                 parts["T"] = parts["T_miss"] = t_miss
-                parts["E"] = parts["tail"] = score
+                parts["E"] = parts["tail"] = t_miss + pen
                 parts["kv_penalty"] = pen
+                parts["W"] = w
             else:
                 usable = g if g < n else n
                 new = n - usable
@@ -235,7 +249,8 @@ class TTFTPolicy:
                         tl = t_hit if p >= qt_q else (t_conf if pc >= qt_q else t_miss)
                 e += pen
                 tl += pen
-                score = tl if tail else e
+                w = ww * (e - pen - q - ov) if ww else 0.0
+                score = (tl if tail else e) + w
                 parts = {
                     "Q": q,
                     "R": 0.0,
@@ -251,6 +266,7 @@ class TTFTPolicy:
                     "matched_disk": 0.0,
                     "matched_remote": 0.0,
                     "usable": float(usable),
+                    "W": w,
                 }
             keys.append(score)
             scores.append(CandidateScore(idx, cand.name, score, parts))
@@ -260,7 +276,8 @@ class TTFTPolicy:
             if any(ok):
                 # tail objective with an SLO: candidates meeting it first, by mean; the rest by tail
                 rank_keys = [
-                    (0, s.parts["E"]) if good else (1, s.score) for s, good in zip(scores, ok, strict=True)
+                    (0, s.parts["E"] + s.parts["W"]) if good else (1, s.score)
+                    for s, good in zip(scores, ok, strict=True)
                 ]
                 order = sorted(range(len(candidates)), key=rank_keys.__getitem__)
             else:

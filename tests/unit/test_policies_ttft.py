@@ -115,7 +115,8 @@ def test_tv2_overlap_rule() -> None:
 
 
 def _tv5(p: float, objective: str = "mean", **kw: object) -> tuple[int, list[float]]:
-    policy = TTFTPolicy(p_predicted=p, **kw)  # type: ignore[arg-type]
+    # the seed compares this request's TTFT only: no work term
+    policy = TTFTPolicy(p_predicted=p, work_weight=0.0, **kw)  # type: ignore[arg-type]
     a = cand(0, tv1_profile(), queue_s=0.080, gpu=8192, predicted=8192)
     b = cand(1, tv1_profile(), queue_s=0.020)
     req = RouteRequest(
@@ -150,7 +151,7 @@ def test_tv5_tail_objective_scores_uncertain_hit_by_its_miss_path() -> None:
     assert _tv5(0.9, "tail")[0] == 1  # without an SLO too
     assert _tv5(0.995, "tail", slo_ttft_s=0.220)[0] == 0  # certain enough: A's p99 is its hit path
     # objective fixed on the policy overrides the request's
-    p = TTFTPolicy(objective="tail", p_predicted=0.9)
+    p = TTFTPolicy(objective="tail", p_predicted=0.9, work_weight=0.0)
     d = p.choose(
         REQ, [cand(0, tv1_profile(), 0.080, gpu=8192, predicted=8192), cand(1, tv1_profile(), 0.020)]
     )
@@ -413,6 +414,8 @@ def test_inline_fast_path_matches_the_reference_estimate() -> None:
             policy = TTFTPolicy(**params)  # type: ignore[arg-type]
             req = RouteRequest(model="m", prompt_tokens=n, block_keys=[], objective=objective)  # type: ignore[arg-type]
             s = policy.choose(req, [Candidate(0, "a", load, hit, prof)]).scores[0]
+            pure = TTFTPolicy(work_weight=0.0, **params)  # type: ignore[arg-type]
+            s0 = pure.choose(req, [Candidate(0, "a", load, hit, prof)]).scores[0]
             q = (load.queued_prefill_tokens + load.inflight_prefill_tokens) / prof.prefill_tokens_per_s + (
                 prof.decode_interference_s * load.running_requests
             )
@@ -433,7 +436,15 @@ def test_inline_fast_path_matches_the_reference_estimate() -> None:
             assert s.parts["tail"] == pytest.approx(ref.tail)
             assert s.parts["p"] == pytest.approx(ref.p)
             assert s.parts["usable"] == ref.usable_tokens
-            assert s.score == pytest.approx(ref.tail if objective == "tail" else ref.expected)
+            assert s0.score == pytest.approx(ref.tail if objective == "tail" else ref.expected)
+            assert s0.parts["W"] == 0.0
+            # the work term: the request's own expected compute (no fixed overhead), added to the score
+            assert s.score == pytest.approx(s0.score + s.parts["W"])
+            assert 0.0 <= s.parts["W"] <= ref.t_miss - q - prof.fixed_overhead_s + 1e-12
+            if not hit.cpu:
+                pen = s.parts["kv_penalty"]
+                expected_w = s.parts["E"] - pen - q - prof.fixed_overhead_s
+                assert s.parts["W"] == pytest.approx(expected_w)
 
 
 def test_queued_request_count_uses_the_learned_mean_uncached_tokens() -> None:
@@ -445,3 +456,17 @@ def test_queued_request_count_uses_the_learned_mean_uncached_tokens() -> None:
     for i in range(40):  # long prompts, 1000 of them cached: 6000 uncached tokens per request
         policy.observe(Observation(i % 3, 7000, 1000, 0.1, 0.1 + 0.02 + 6000 / 10_000.0))
     assert policy.choose(req, [counted]).scores[0].parts["Q"] == pytest.approx(2 * 6000 / 10_000.0, rel=0.01)
+
+
+def test_work_weight_keeps_a_long_shared_prefix_where_it_is_cached() -> None:
+    prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
+    req = RouteRequest(model="m", prompt_tokens=2100, block_keys=[])
+    holder = Candidate(0, "holder", LoadView(0, 0, 2500, kv_usage=0.3), PrefixHit(gpu=2000), prof)  # Q 0.25 s
+    idle = Candidate(1, "idle", LoadView(0, 0, 0, kv_usage=0.3), PrefixHit(), prof)  # recompute 0.21 s
+    alone = TTFTPolicy(work_weight=0.0, p_confirmed=1.0).choose(req, [holder, idle])
+    assert alone.chosen == 1  # 0.21 s < 0.26 s for this request alone
+    fleet = TTFTPolicy(p_confirmed=1.0).choose(req, [holder, idle])
+    assert fleet.chosen == 0  # but recomputing 2000 cached tokens costs the fleet 0.2 s of prefill
+    assert fleet.scores[0].parts["W"] == pytest.approx(0.01)
+    assert fleet.scores[1].parts["W"] == pytest.approx(0.21)
+    assert fleet.scores[1].parts["E"] == pytest.approx(0.21)  # the TTFT estimate itself is unchanged
