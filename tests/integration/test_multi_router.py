@@ -265,19 +265,20 @@ def test_session_affinity_shared_between_routers(redis_fleet: tuple[RedisServer,
 
     with routers(f, redis.url, events=False, broadcast=True, n=2, extra=("--session-affinity",)) as urls:
 
-        def post(url: str, prompt: str, sid: str | None = None) -> str:
+        def post(url: str, prompt: str, sid: str | None = None, max_tokens: int = 2) -> str:
             headers = {"x-session-id": sid} if sid else {}
             with httpx.Client(timeout=30) as c:
                 r = c.post(url + "/v1/completions", headers=headers,
-                           json={"model": "m", "prompt": prompt, "max_tokens": 2})
+                           json={"model": "m", "prompt": prompt, "max_tokens": max_tokens})
             assert r.status_code == 200, r.text
             return str(r.headers["x-kvroute-replica"])
 
-        # 1. eight sessions start at once (in-flight load spreads them): each is pinned where it started
+        # 1. eight sessions start at once (in-flight load spreads them): each is pinned where it started.
+        #    Long decodes keep them in flight together, so the spread does not depend on machine speed.
         sids = [f"s{i}" for i in range(8)]
         firsts = [words(40) + f" {i}" for i in range(8)]
         with ThreadPoolExecutor(8) as pool:
-            pinned = dict(zip(sids, pool.map(lambda i: post(urls[i % 2], firsts[i], sids[i]), range(8)),
+            pinned = dict(zip(sids, pool.map(lambda i: post(urls[i % 2], firsts[i], sids[i], 400), range(8)),
                               strict=True))
         # 2. a long shared prompt is cached (predicted) on one replica, known to both routers
         shared = words(300)
