@@ -48,6 +48,10 @@ from loadtest.workload import WorkloadOptions, build_workload, default_trace_pat
 
 #: result name -> router policy
 RUNS: dict[str, str] = {"kvroute": "ttft", "round_robin": "round_robin"}
+#: extra ``kvroute serve`` flags: fresher load views, and timeouts that tolerate a CPU-starved shared machine
+#: (2 cores shared by the client, the router and 4 engines)
+ROUTER_ARGS = ["--scrape-interval-s", "0.5", "--connect-timeout-s", "10", "--probe-timeout-s", "5",
+               "--unhealthy-after", "5"]
 
 
 @dataclass(slots=True)
@@ -324,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=bool(args.log_dir)) as fleet:
             for name, policy in RUNS.items():
                 fleet.restart_engines() if fleet.engines else fleet.start_engines()
-                router = fleet.start_kvroute(policy=policy, extra_args=["--scrape-interval-s", "0.5"])
+                router = fleet.start_kvroute(policy=policy, extra_args=ROUTER_ARGS)
                 print(f"  {name}: router ({policy}) at {router.url}, replaying ...", file=log, flush=True)
                 h0, q0 = fleet.prefix_cache_counters()
                 outs, wall = asyncio.run(_replay(router.url, workload, args.model,

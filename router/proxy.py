@@ -41,7 +41,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from membership.replicas import Replica
+from membership.replicas import Replica, ReplicaState
 from policies.base import Observation
 from router.routing import Routed, Router, RoutingError
 from router.telemetry import Telemetry
@@ -198,19 +198,34 @@ class Proxy:
         attempts = 0
         headers = {"content-type": "application/json", "x-request-id": request_id,
                    "accept": "text/event-stream" if stream else "application/json"}
-        while attempts <= self.cfg.max_retries:
-            idx = next((i for i in ranking if i not in tried), None)
+        table = router.table
+
+        def usable(i: int, panic: bool) -> bool:
+            rep = table.by_index(i)
+            return rep is not None and (rep.routable or (panic and rep.state == ReplicaState.UNHEALTHY))
+
+        spins = 0
+        while attempts <= self.cfg.max_retries and spins < 64:
+            spins += 1
+            # the next replica of the ranking that is ready; when none is, an unhealthy one (panic routing,
+            # as in Router.decide: health checks of overloaded engines give false positives)
+            idx = next((i for i in ranking if i not in tried and usable(i, False)), None)
+            if idx is None and router.panic_routing:
+                idx = next((i for i in ranking if i not in tried and usable(i, True)), None)
             if idx is None:
                 try:  # ranking exhausted: decide again among what is left
                     again = router.decide(inp, exclude=tried)
                 except RoutingError:
                     break
-                ranking.extend(i for i in again.decision.ranking if i not in ranking)
+                new = [i for i in again.decision.ranking if i not in ranking]
+                if not new:
+                    break
+                ranking.extend(new)
                 cached.update(again.cached_tokens)
                 continue
             tried.append(idx)
-            rep = router.table.by_index(idx)
-            if rep is None or not rep.routable:
+            rep = table.by_index(idx)
+            if rep is None:
                 continue
             if attempts:
                 self.telemetry.retries.labels(last.reason if last else "unknown").inc()

@@ -354,3 +354,21 @@ def test_engine_garbage_is_a_clear_502() -> None:
         assert err["code"] == "upstream_bad_body" and "not JSON" in err["message"]
         assert metric(router, "kvroute_upstream_errors_total", {"reason": "bad_body"}) == 1
         assert inflight(router) == [0]
+
+
+def test_panic_routing_serves_when_every_replica_looks_unhealthy(good: tuple[EngineState, ServerThread]) -> None:
+    from membership.replicas import ReplicaState
+
+    gst, gsrv = good
+    refused = f"http://127.0.0.1:{free_port()}"
+    # probes every 60 s: the states set below stay as set during the test
+    with router_for([refused, gsrv.url], "--probe-interval-s", "60") as router:
+        wait_until(lambda: httpx.get(router.url + "/healthz").status_code == 200, timeout=10, what="up")
+        svc = router.server.config.app.state.services
+        svc.table.set_state("e0", ReplicaState.UNHEALTHY)  # really down
+        svc.table.set_state("e1", ReplicaState.UNHEALTHY)  # a false positive
+        for _ in range(3):
+            r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-replica"] == "e1"
+        assert metric(router, "kvroute_panic_decisions") >= 1
