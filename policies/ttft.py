@@ -37,7 +37,6 @@ from policies.base import (
     Candidate,
     CandidateScore,
     Decision,
-    LoadView,
     Objective,
     Observation,
     RouteRequest,
@@ -167,16 +166,30 @@ class TTFTPolicy:
         slo = params.slo_ttft_s if tail else None
         ww = self.work_weight
 
-        loads = [c.load for c in candidates]
         mean_tokens = self._mean_uncached if self._mean_samples >= self.calibrator.min_samples else None
-        backlog_l, running_l, kv_l = _gauges(loads, mean_tokens or params.mean_prefill_tokens)
+        mean_tokens = mean_tokens or params.mean_prefill_tokens
+        worst: tuple[float, float, float] | None = None  # conservative stand-ins for unknown gauges, lazily
 
         scores: list[CandidateScore] = []
         keys: list[float] = []
-        for cand, load, qt, running, kv in zip(candidates, loads, backlog_l, running_l, kv_l, strict=True):
+        for cand in candidates:
+            load = cand.load
             prof = cand.profile
             hit = cand.hit
             idx = cand.index
+            qt: float | None = load.queued_prefill_tokens
+            running: float | None = load.running_requests
+            kv: float | None = load.kv_usage
+            if qt is None or running is None or kv is None:
+                if worst is None:
+                    worst = _worst_known(candidates, mean_tokens)
+                if qt is None:
+                    qr = load.queued_requests
+                    qt = worst[0] if qr is None else qr * mean_tokens
+                if running is None:
+                    running = worst[1] if worst[1] > load.inflight_requests else load.inflight_requests
+                if kv is None:
+                    kv = worst[2]
             rate = rates.get(idx, prof.prefill_tokens_per_s) if rates else prof.prefill_tokens_per_s
             ov = overheads.get(idx, prof.fixed_overhead_s) if overheads else prof.fixed_overhead_s
             att = prof.attention_s_per_token2
@@ -184,8 +197,6 @@ class TTFTPolicy:
                 self._attention[idx] = att
             if drain and load.age_s:
                 qt = max(0.0, qt - rate * load.age_s)
-            if running < load.inflight_requests and load.running_requests is None:
-                running = load.inflight_requests
             q = (qt + load.inflight_prefill_tokens) / rate + prof.decode_interference_s * running
             pen = 0.0 if kv <= k0 else kw * (kv - k0) / (1.0 - kv if kv < 0.999 else 1e-3)
             t_miss = q + ov + (recompute_s(n, 0, rate, att) if att else n / rate)
@@ -332,30 +343,18 @@ class TTFTPolicy:
         return self._rates[index], self._overheads.get(index, 0.0)
 
 
-def _gauges(loads: Sequence[LoadView], mean_tokens: float) -> tuple[list[float], list[float], list[float]]:
-    """Per candidate: scraped backlog tokens, running requests, KV usage, with unknowns made conservative.
+def _worst_known(candidates: Sequence[Candidate], mean_tokens: float) -> tuple[float, float, float]:
+    """Largest known (backlog tokens, running requests, KV usage) among ``candidates``; 0 when none is known.
 
-    Backlog: ``queued_prefill_tokens``, else ``queued_requests * mean_tokens``, else the largest known backlog;
-    running requests and KV usage: the largest known value. 0 when no candidate reports the value.
+    Backlog: ``queued_prefill_tokens``, else ``queued_requests * mean_tokens``.
     """
-    backlog: list[float] = [x.queued_prefill_tokens for x in loads]  # type: ignore[misc]
-    if None in backlog:
-        for i in [i for i, b in enumerate(backlog) if b is None]:
-            qr = loads[i].queued_requests
-            if qr is not None:
-                backlog[i] = qr * mean_tokens
-        if None in backlog:
-            known = [b for b in backlog if b is not None]
-            worst = max(known) if known else 0.0
-            backlog = [worst if b is None else b for b in backlog]
-    running: list[float] = [x.running_requests for x in loads]  # type: ignore[misc]
-    if None in running:
-        known = [r for r in running if r is not None]
-        worst = max(known) if known else 0.0
-        running = [worst if r is None else r for r in running]
-    kv: list[float] = [x.kv_usage for x in loads]  # type: ignore[misc]
-    if None in kv:
-        known = [k for k in kv if k is not None]
-        worst = max(known) if known else 0.0
-        kv = [worst if k is None else k for k in kv]
-    return backlog, running, kv
+    loads = [c.load for c in candidates]
+    backlog = [
+        x.queued_prefill_tokens
+        if x.queued_prefill_tokens is not None
+        else (x.queued_requests * mean_tokens if x.queued_requests is not None else -1.0)
+        for x in loads
+    ]
+    running = [x.running_requests for x in loads if x.running_requests is not None]
+    kv = [x.kv_usage for x in loads if x.kv_usage is not None]
+    return max(0.0, max(backlog)), float(max(running)) if running else 0.0, max(kv) if kv else 0.0
