@@ -59,6 +59,8 @@ class RunConfig:
     drain_timeout_s: float
     model: str
     endpoint: str
+    kvroute_args: tuple[str, ...] = ()
+    sglang_args: tuple[str, ...] = ()
 
 
 def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: RunConfig,
@@ -68,8 +70,8 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
     load_before = os.getloadavg()[0]
     if fresh_engines:
         fleet.restart_engines() if fleet.engines else fleet.start_engines()
-    router: RouterHandle = (fleet.start_kvroute(policy=policy) if kind == "kvroute"
-                            else fleet.start_sglang_router(policy=policy))
+    router: RouterHandle = (fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args) if kind == "kvroute"
+                            else fleet.start_sglang_router(policy=policy, extra_args=cfg.sglang_args))
     try:
         h0, q0 = fleet.prefix_cache_counters()
         cpu0 = router.proc.cpu_seconds()
@@ -158,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     p.add_argument("--drain-timeout-s", type=float, default=120.0,
                    help="after the last arrival, wait at most this long for answers (s)")
+    p.add_argument("--kvroute-arg", action="append", default=[], metavar="FLAG",
+                   help="extra flag for kvroute serve, e.g. --kvroute-arg=--connect-timeout-s=10 (repeatable)")
+    p.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
+                   help="extra flag for sglang-router, e.g. --sglang-arg=--cache-threshold=0.5 (repeatable)")
     p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary, removed)")
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     return p
@@ -194,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     model_dir = ensure_model_dir()
     cfg = RunConfig(replicas=args.replicas, time_scale=args.time_scale, load_scale=args.load_scale,
-                    drain_timeout_s=args.drain_timeout_s, model=args.model, endpoint=args.endpoint)
+                    drain_timeout_s=args.drain_timeout_s, model=args.model, endpoint=args.endpoint,
+                    kvroute_args=tuple(args.kvroute_arg), sglang_args=tuple(args.sglang_arg))
     engine = EngineOptions(model=args.model, dialect=args.dialect, time_scale=args.time_scale,
                            profile=args.profile, gpu_blocks=args.gpu_blocks or None, block_size=args.block_size,
                            model_path=str(model_dir),
