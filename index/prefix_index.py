@@ -215,6 +215,7 @@ class PrefixIndex:
     # ------------------------------------------------------------------ states
 
     def _intern_state(self, st: _StateT) -> int:
+        """Return the id of state ``st`` (per-tier masks + predicted mask), adding it to the table if new."""
         sid = self._intern.get(st)
         if sid is not None:
             return sid
@@ -240,6 +241,7 @@ class PrefixIndex:
         return sid
 
     def _table(self, op: int, slot: int, tier: int) -> dict[int, int]:
+        """The memo of transitions ``state -> state`` for one (operation, slot, tier)."""
         key = (op, slot, tier)
         t = self._trans.get(key)
         if t is None:
@@ -247,6 +249,7 @@ class PrefixIndex:
         return t
 
     def _transition(self, sid: int, op: int, slot: int, tier: int) -> int:
+        """Compute the state reached from ``sid`` by applying ``op`` for ``slot`` in ``tier``."""
         g, c, d, r, p = self._states[sid]
         m = [g, c, d, r, p]
         bit = 1 << slot
@@ -265,6 +268,7 @@ class PrefixIndex:
     # ------------------------------------------------------------------ slots
 
     def _slot_for(self, replica: int) -> int:
+        """The bit slot of ``replica``, allocating the lowest free one on first use."""
         slot = self._slot_of.get(replica)
         if slot is None:
             if self._free_slots:
@@ -283,6 +287,7 @@ class PrefixIndex:
     # ------------------------------------------------------------------ nodes
 
     def _delete_node(self, nid: int) -> None:
+        """Delete node ``nid`` (its id stays dead until the next compaction)."""
         key = self._keys[nid]
         if key is None:
             return
@@ -930,6 +935,7 @@ class PrefixIndex:
         return removed
 
     def _holds_confirmed(self, slot: int, key: int) -> bool:
+        """Whether ``slot`` holds block ``key`` in any tier (confirmed, not just predicted)."""
         nid = self._ids.get(key)
         if nid is None:
             return False
@@ -938,9 +944,11 @@ class PrefixIndex:
     # ------------------------------------------------------------------ budget
 
     def _engine_entries(self) -> int:
+        """Total engine-hash map entries over all replicas."""
         return sum(len(m) for m in self._engine.values())
 
     def _pred_entries(self) -> int:
+        """Total predicted (replica, block) entries."""
         return sum(len(p) for p in self._pred.values())
 
     def estimated_bytes(self) -> int:
@@ -953,6 +961,7 @@ class PrefixIndex:
         )
 
     def _byte_budget(self) -> int | None:
+        """The byte budget: ``max_bytes`` and/or ``max_nodes`` times the per-node estimate (the smaller)."""
         budgets = []
         if self.max_bytes is not None:
             budgets.append(self.max_bytes)
@@ -961,12 +970,14 @@ class PrefixIndex:
         return min(budgets) if budgets else None
 
     def _over(self, water: float) -> bool:
+        """Whether the index is above ``water`` times its budget (nodes or estimated bytes)."""
         if self.max_nodes is not None and len(self._ids) > self.max_nodes * water:
             return True
         bb = self._byte_budget()
         return bb is not None and self.estimated_bytes() > bb * water
 
     def _check_budget(self) -> None:
+        """Evict when the high-water mark (the budget) is passed."""
         if (self.max_nodes is not None or self.max_bytes is not None) and self._over(1.0):
             self._evict()
 

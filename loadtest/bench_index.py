@@ -421,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def log(msg: str) -> None:
+        """Progress and tables go to stderr (stdout carries only the JSON)."""
         print(msg, file=sys.stderr, flush=True)
 
     counts = {1024: args.queries_1k, 8192: args.queries_8k, 32768: args.queries_32k}
