@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -59,7 +59,9 @@ _M = TypeVar("_M", bound=BaseModel)
 # request models (documented in OpenAPI; unknown fields are kept and forwarded to the engine)
 # ---------------------------------------------------------------------------------------------------------
 
-PromptT = str | list[int] | list[str] | list[list[int]]
+#: a token id as the engines take it (uint32); the schema says so, so clients and fuzzers know the bounds
+TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
+PromptT = str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
 class ChatMessage(BaseModel):
@@ -94,23 +96,43 @@ class ChatRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="extra template variables")
 
 
+def _one_input_schema(schema: dict[str, Any]) -> None:
+    """OpenAPI of RouteBody: exactly one of prompt / messages / token_ids, none of them null."""
+    props = schema.get("properties", {})
+    for key in _ROUTE_INPUTS:
+        prop = props.get(key, {})
+        options = [o for o in prop.pop("anyOf", []) if o.get("type") != "null"]
+        if len(options) == 1:
+            prop.update(options[0])
+        elif options:
+            prop["anyOf"] = options
+        prop.pop("default", None)
+    schema["oneOf"] = [{"required": [key]} for key in _ROUTE_INPUTS]
+
+
+_ROUTE_INPUTS = ("prompt", "messages", "token_ids")
+
+
 class RouteBody(_Common):
     """``POST /route`` body: a completions body (``prompt``), a chat body (``messages``) or ``token_ids``."""
 
+    model_config = ConfigDict(extra="allow", json_schema_extra=_one_input_schema)
     prompt: PromptT | None = Field(default=None, description="completions prompt")
     messages: list[ChatMessage] | None = Field(default=None, description="chat messages")
-    token_ids: list[int] | None = Field(default=None, description="prompt token ids (already tokenized)")
+    token_ids: list[TokenId] | None = Field(default=None, description="prompt token ids (already tokenized)")
     add_generation_prompt: bool = Field(default=True, description="chat: append the assistant turn header")
     tools: list[dict[str, Any]] | None = Field(default=None, description="chat: tool definitions")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="chat: template variables")
 
-    @model_validator(mode="after")
-    def _one_input(self) -> RouteBody:
-        given = [k for k in ("prompt", "messages", "token_ids") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError("exactly one of 'prompt', 'messages' or 'token_ids' is required"
-                             + (f" (got {', '.join(given)})" if given else ""))
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _one_input(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = [k for k in _ROUTE_INPUTS if k in data]
+            if len(given) != 1 or data[given[0]] is None:
+                raise ValueError("exactly one of 'prompt', 'messages' or 'token_ids' is required (not null)"
+                                 + (f" (got {', '.join(given)})" if given else ""))
+        return data
 
 
 class ErrorDetail(BaseModel):

@@ -30,7 +30,7 @@ def test_validation_errors_are_clear() -> None:
         r = httpx.post(u + "/route", json={"model": "m"})
         assert r.status_code == 422 and "exactly one of 'prompt', 'messages' or 'token_ids'" in r.text
         r = httpx.post(u + "/route", json={"model": "m", "token_ids": [1, -5]})
-        assert r.status_code == 422 and r.json()["error"]["param"] == "token_ids"
+        assert r.status_code == 422 and r.json()["error"]["param"] == "token_ids.1"  # the bad element
         r = httpx.post(u + "/v1/completions", json={**BODY, "model": "nope"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert "known: m" in r.json()["error"]["message"]
