@@ -88,7 +88,7 @@ class PrebleE2Policy:
             branch = "explore"
         chosen = candidates[pos]
         uncached = max(0, request.prompt_tokens - min(totals[pos], request.prompt_tokens))
-        seconds = uncached / chosen.profile.prefill_tokens_per_s
+        seconds = uncached / max(1e-9, chosen.profile.prefill_tokens_per_s)
         self._history.setdefault(chosen.index, deque()).append((request.now, seconds))
         self._sums[chosen.index] = self._sums.get(chosen.index, 0.0) + seconds
         parts = [{"load_cost": costs[i], "matched": float(totals[i])} for i in range(n)]

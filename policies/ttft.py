@@ -191,6 +191,8 @@ class TTFTPolicy:
                 if kv is None:
                     kv = worst[2]
             rate = rates.get(idx, prof.prefill_tokens_per_s) if rates else prof.prefill_tokens_per_s
+            if not rate > 0.0:
+                raise ValueError(f"replica {cand.name!r}: prefill_tokens_per_s must be > 0, got {rate!r}")
             ov = overheads.get(idx, prof.fixed_overhead_s) if overheads else prof.fixed_overhead_s
             att = prof.attention_s_per_token2
             if att:

@@ -470,3 +470,9 @@ def test_work_weight_keeps_a_long_shared_prefix_where_it_is_cached() -> None:
     assert fleet.scores[0].parts["W"] == pytest.approx(0.01)
     assert fleet.scores[1].parts["W"] == pytest.approx(0.21)
     assert fleet.scores[1].parts["E"] == pytest.approx(0.21)  # the TTFT estimate itself is unchanged
+
+
+def test_a_profile_without_a_prefill_rate_is_a_clear_error() -> None:
+    bad = Candidate(0, "bad", profile=ReplicaProfile(prefill_tokens_per_s=0.0))
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        TTFTPolicy().choose(REQ, [bad])
