@@ -636,6 +636,20 @@ class PrefixIndex:
         place_end = 0  # end (exclusive) of the reservation being filled
         cap = 0  # capacity of the extent being filled / continued (reservations grow geometrically)
         prev = ids.get(parent_key) if create and parent_key is not None else None
+        # Leading blocks that already exist are found stretch by stretch (as in ``match``) and updated in bulk.
+        if type(keys) is not list:
+            keys = list(keys)
+        pos = 0
+        nkeys = len(keys)
+        while pos < nkeys:
+            nid0, m = self._stretch(keys, pos)
+            if nid0 < 0:
+                break
+            changed += self._bulk(nid0, m, table, op, slot, tier, pd, exp, now, touch)
+            prev = nid0 + m - 1
+            pos += m
+        if pos:
+            keys = keys[pos:]
         for k in keys:
             nid = ids.get(k)
             if nid is None:
@@ -709,6 +723,102 @@ class PrefixIndex:
                 self._close_streak(streak, len(kl), 0, cap, placed=False)
         refs[fresh] += created
         return changed + created
+
+    def _stretch(self, keys: list[int], i: int) -> tuple[int, int]:
+        """The node id of ``keys[i]`` and how many of the following keys sit at the following node ids.
+
+        Returns ``(-1, 0)`` when ``keys[i]`` is not in the index. Same verification as ``_walk``.
+        """
+        nid = self._ids.get(keys[i])
+        if nid is None:
+            return -1, 0
+        kl = self._keys
+        runs = self._run
+        nk = len(kl)
+        n = len(keys)
+        start_i = i
+        start_nid = nid
+        while True:
+            m = runs[nid]
+            if m > n - i:
+                m = n - i
+            if m > 1 and kl[nid + 1 : nid + m] != keys[i + 1 : i + m]:
+                lo, hi = 1, m
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    if kl[nid + lo : nid + mid] == keys[i + lo : i + mid]:
+                        lo = mid
+                    else:
+                        hi = mid
+                i += lo
+                break
+            i += m
+            nid += m
+            if i >= n or nid >= nk or kl[nid] != keys[i]:
+                break
+        return start_nid, i - start_i
+
+    def _bulk(
+        self,
+        nid0: int,
+        m: int,
+        table: dict[int, int],
+        op: int,
+        slot: int,
+        tier: int,
+        pd: OrderedDict[int, float] | None,
+        exp: float,
+        now: float,
+        touch: bool,
+    ) -> int:
+        """Apply a transition to the existing nodes ``nid0 .. nid0+m-1`` run by run; return how many changed."""
+        sidl = self._sidl
+        ts = self._ts
+        refs = self._refs
+        states = self._states
+        seg = sidl[nid0 : nid0 + m]
+        s0 = seg[0]
+        groups: Sequence[tuple[int, int]]
+        if seg.count(s0) == m:
+            groups = ((s0, m),)
+        else:
+            groups = [(sid, len(list(g))) for sid, g in groupby(seg)]
+        bit = 1 << slot
+        changed = 0
+        x = nid0
+        for sid, run in groups:
+            end = x + run
+            nsid = table.get(sid)
+            if nsid is None:
+                nsid = table[sid] = self._transition(sid, op, slot, tier)
+            if nsid == sid:
+                if touch:
+                    ts[x:end] = array("d", [now]) * run
+                if op == _OP_PREDICT and pd is not None and states[sid][_PRED] & bit:
+                    for q in range(x, end):
+                        pd.move_to_end(q)
+                        pd[q] = exp
+            elif nsid == 0:
+                for q in range(x, end):
+                    self._delete_node(q)
+                changed += run
+            else:
+                sidl[x:end] = [nsid] * run
+                refs[sid] -= run
+                refs[nsid] += run
+                if touch:
+                    ts[x:end] = array("d", [now]) * run
+                changed += run
+                if pd is not None:
+                    if op == _OP_STORE:
+                        if states[sid][_PRED] & bit:
+                            for q in range(x, end):
+                                pd.pop(q, None)
+                    elif op == _OP_PREDICT:
+                        for q in range(x, end):
+                            pd[q] = exp
+            x = end
+        return changed
 
     def _close_streak(self, start: int, end: int, place_end: int, cap: int, *, placed: bool) -> None:
         """Finish a streak of new nodes at ids ``start..end-1``: run hints, and the extent's reservation."""
