@@ -1006,6 +1006,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-prefix", choices=("sglang:", "sglang_"), default="sglang:",
                    help="SGLang dialect: metric name prefix (releases used both)")
     g.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle HTTP keep-alive connection stays open (vLLM's default is 5; clients "
+                        "pooling connections longer than this race with the close)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 routes (like vLLM --api-key); 401 otherwise")
     g = p.add_argument_group("engine model")
@@ -1082,7 +1085,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     app = build_app(engine)
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level, access_log=False,
-                            timeout_graceful_shutdown=3, lifespan="on")
+                            timeout_graceful_shutdown=3, lifespan="on", timeout_keep_alive=opts.timeout_keep_alive)
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1

@@ -316,6 +316,8 @@ class _Feed:
             else:
                 self.orphan_interval = self.cfg.orphan_replay_interval_s
             self.last_orphan_replay = now
+            self._warn("orphan_replay", "%d orphan BlockStored so far: replaying the engine's buffer (next in >= %.0f s)",
+                       self.stats.orphans, self.orphan_interval)
             await self.orphan_replay()
 
     # -- live messages ---------------------------------------------------------------------------------------
