@@ -326,11 +326,11 @@ class PrefixIndex:
     def _maybe_compact(self, *, force: bool = False) -> None:
         """Renumber live nodes densely once a quarter of the node ids are dead (amortised O(1) per delete).
 
-        ``force`` compacts once a tenth of the ids are dead or reserved (budget eviction, already O(nodes)).
+        ``force`` compacts once a quarter of the ids are dead or reserved, however few (budget eviction).
         """
         dead = self._dead_nodes
         if force:
-            if (dead + self._reserved) * 10 < len(self._keys):
+            if (dead + self._reserved) * 4 < len(self._keys):
                 return
         elif dead < self._compact_min or (dead + self._reserved) * 4 < len(self._keys):
             return
