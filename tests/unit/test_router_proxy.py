@@ -168,7 +168,9 @@ class DroppingEngine:
 
 def router_for(urls: list[str], *extra: str) -> ServerThread:
     args = ["--host", "127.0.0.1", "--policy", "round_robin", "--probe-interval-s", "0.2",
-            "--tokenizer-mode", "bytes", "--max-retries", "2", "--log-level", "warning", "--log-format", "text"]
+            "--tokenizer-mode", "bytes", "--max-retries", "2", "--log-level", "warning", "--log-format", "text",
+            # tolerate a CPU-starved shared machine (slow accepts / probes are not what these tests check)
+            "--connect-timeout-s", "10", "--probe-timeout-s", "5", "--unhealthy-after", "10"]
     for i, url in enumerate(urls):
         args += ["--replica", f"name=e{i},url={url},model=m"]
     settings = load_settings([*args, *extra])
