@@ -42,7 +42,8 @@ async def test_engine_killed_with_queued_requests_they_are_retried_elsewhere(tmp
         router = Proc.kvroute("serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
                               "--tokenizer-mode", "hf", "--tokenizer-path", str(model_dir),
                               "--replica", victim.spec(), "--replica", healthy.spec(), "--max-retries", "2",
-                              "--probe-interval-s", "0.5", "--log-level", "warning")
+                              "--probe-interval-s", "0.5", "--log-level", "warning",
+                              "--connect-timeout-s", "10", "--probe-timeout-s", "5")
         wait_until(lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == 2, timeout=30,
                    what="2 routable replicas")
 

@@ -100,7 +100,8 @@ def fleet(model_dir: Path) -> Iterator[Fleet]:
         port = free_port()
         args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "ttft",
                 "--tokenizer-mode", "hf", "--tokenizer-path", str(model_dir), "--scrape-interval-s", "0.5",
-                "--probe-interval-s", "0.5", "--log-level", "warning"]
+                "--probe-interval-s", "0.5", "--log-level", "warning",
+                "--connect-timeout-s", "10", "--probe-timeout-s", "5"]
         for e in engines:
             args += ["--replica", e.spec()]
         router = Proc.kvroute(*args)

@@ -25,7 +25,8 @@ def test_confirmed_and_predicted_entries_coexist(tmp_path: Path) -> None:
         router = Proc.kvroute(
             "serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
             "--tokenizer-mode", "hf", "--tokenizer-path", str(model_dir), "--replica", with_events.spec(),
-            "--replica", f"name=noev,url={without.url},dialect=vllm,model={MODEL}", "--log-level", "warning")
+            "--replica", f"name=noev,url={without.url},dialect=vllm,model={MODEL}", "--log-level", "warning",
+            "--connect-timeout-s", "10", "--probe-timeout-s", "5")
         wait_until(lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == 2, timeout=30,
                    what="2 routable replicas")
         body = {"model": MODEL, "prompt": text(random.Random(7), 200), "max_tokens": 2}
