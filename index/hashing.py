@@ -28,7 +28,9 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "block_keys",
     "MAX_SLICE_CACHE_BLOCKS",
+    "block_keys_array",
     "block_keys_packed",
+    "pack_array",
     "block_slices",
     "extend_keys",
     "pack_tokens",
@@ -40,6 +42,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _LITTLE = sys.byteorder == "little"
+_U32 = "I" if array("I").itemsize == 4 else "L"
 _ROOT_TAG = b"kvroute/root/v1"
 
 
@@ -72,17 +75,33 @@ def root_seed(
     return _xxh3(data)
 
 
+def pack_array(token_ids: Sequence[int]) -> array[int]:
+    """Token ids as an array of little-endian uint32 (its buffer is what the keys hash).
+
+    Raises OverflowError / TypeError for ids outside [0, 2**32) or non-integers.
+    """
+    packed = array(_U32, token_ids)
+    if not _LITTLE:  # pragma: no cover - big-endian hosts only
+        packed.byteswap()
+    return packed
+
+
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Pack token ids as little-endian uint32 bytes (4 bytes per token).
 
     Raises OverflowError / TypeError for ids outside [0, 2**32) or non-integers.
     """
-    packed = array("I", token_ids)
-    if packed.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte unsigned int
-        packed = array("L", token_ids)
-    if not _LITTLE:  # pragma: no cover - big-endian hosts only
-        packed.byteswap()
-    return packed.tobytes()
+    return pack_array(token_ids).tobytes()
+
+
+def block_keys_array(packed: array[int], block_size: int, seed: int) -> list[int]:
+    """Chained keys of the full blocks of a prompt packed by :func:`pack_array` (no copy to ``bytes``)."""
+    n = len(packed) // block_size
+    h = _xxh3
+    k = seed
+    if n <= MAX_SLICE_CACHE_BLOCKS:
+        return [k := h(packed[sl], k) for sl in block_slices(block_size, 0, n)]
+    return [k := h(packed[off : off + block_size], k) for off in range(0, n * block_size, block_size)]
 
 
 def block_keys_packed(packed: bytes | bytearray | memoryview, block_size: int, seed: int) -> list[int]:
@@ -117,7 +136,7 @@ _SLICES: dict[int, list[slice]] = {}
 
 
 def block_slices(stride: int, first: int, stop: int) -> list[slice]:
-    """Cached ``slice`` objects selecting blocks ``first..stop-1`` of ``stride`` bytes each.
+    """Cached ``slice`` objects selecting blocks ``first..stop-1`` of ``stride`` items (bytes or tokens) each.
 
     ``stop`` must be at most 65536 blocks; the cache per stride grows geometrically up to that.
     """
@@ -146,7 +165,7 @@ def block_keys(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, s
     if len(token_ids) < block_size:
         return []
     # Pack everything (a partial tail costs less than slicing the list, which touches every int object).
-    return block_keys_packed(pack_tokens(token_ids), block_size, seed)
+    return block_keys_array(pack_array(token_ids), block_size, seed)
 
 
 def extend_keys(

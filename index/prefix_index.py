@@ -49,9 +49,9 @@ from .hashing import (
     DEFAULT_BLOCK_SIZE,
     MAX_SLICE_CACHE_BLOCKS,
     block_keys,
-    block_keys_packed,
+    block_keys_array,
     block_slices,
-    pack_tokens,
+    pack_array,
 )
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -528,11 +528,11 @@ class PrefixIndex:
         """
         if chunk_blocks <= 0:
             raise ValueError(f"chunk_blocks must be positive, got {chunk_blocks}")
-        stride = 4 * self.block_size
-        packed = pack_tokens(token_ids)  # one pass over the token list (touching each int object once)
+        stride = self.block_size
+        packed = pack_array(token_ids)  # one pass over the token list (touching each int object once)
         n = len(packed) // stride
         if n > MAX_SLICE_CACHE_BLOCKS:
-            keys = block_keys_packed(packed, self.block_size, seed)
+            keys = block_keys_array(packed, stride, seed)
             return self.match(keys, replicas), keys
         ids = self._ids
         h = _xxh3
@@ -991,7 +991,7 @@ class PrefixIndex:
             emap = self._engine[replica] = {}
         bs = self.block_size
         if not left and page == bs:
-            keys = block_keys_packed(pack_tokens(token_ids), bs, last)
+            keys = block_keys_array(pack_array(token_ids), bs, last)
             emap.update(zip(engine_hashes, keys, strict=True))
         else:
             toks = list(left)
