@@ -143,7 +143,7 @@ class Workload:
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], out: Outcome,
                       timeout_s: float) -> None:
     """Send one streamed completion and classify its outcome into ``out``."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": True}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": random.choice((8, 32, 128)), "stream": True}
     t0 = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
@@ -268,13 +268,16 @@ class Soak:
             return {}
         return {x["name"]: x for x in r.json().get("replicas", [])}
 
-    async def _metric(self, client: httpx.AsyncClient, name: str) -> float | None:
+    async def _metric(self, client: httpx.AsyncClient, name: str,
+                      labels: dict[str, str] | None = None) -> float | None:
         r = await self._get(client, "/metrics")
         if r is None:
             return None
         total, seen = 0.0, False
+        want = [f'{k}="{v}"' for k, v in (labels or {}).items()]
         for line in r.text.splitlines():
-            if line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {"):
+            if line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {") \
+                    and all(w in line for w in want):
                 total += float(line.rsplit(" ", 1)[1])
                 seen = True
         return total if seen else None
@@ -299,6 +302,11 @@ class Soak:
             return
         if kind in ("engine_restart", "kv_drop"):
             i = self.rnd.randrange(len(self.fleet.engines))
+            if kind == "kv_drop":  # the busiest event stream, so that batches are actually dropped
+                reps = await self._replicas(client)
+                busy = [(int((reps.get(e.name, {}).get("kv_events") or {}).get("batches") or 0), j)
+                        for j, e in enumerate(self.fleet.engines)]
+                i = max(busy)[1] if busy else i
             eh = self.fleet.engines[i]
             rec = FaultRecord(kind, eh.name, now)
         else:
@@ -309,7 +317,8 @@ class Soak:
             assert eh is not None
             eh.proc.popen.send_signal(signal.SIGKILL)
             eh.proc.popen.wait(timeout=10)
-            await self._until(self._state_is(client, eh.name, ("unhealthy",)), 20.0)
+            detect = await self._until(self._state_is(client, eh.name, ("unhealthy",)), 20.0)
+            rec.window["detect_s"] = None if detect is None else round(detect, 3)
             await asyncio.sleep(2.0)
             gen = f"{eh.name}-r{len(self.faults)}"
             eh.proc.stop()
@@ -317,12 +326,16 @@ class Soak:
                                      self.fleet.log_dir)
             await asyncio.to_thread(wait_ready, eh.url + "/health", eh.proc, 60.0)
             back = await self._until(self._state_is(client, eh.name, ("ready",)), 60.0)
+            rec.window["rejoin_s"] = None if back is None else round(back, 3)  # engine healthy -> routable
             rec.recovery_s = None if back is None else time.monotonic() - t_fault
+            rec.window["note"] = "recovery = kill to routable again, including 2 s down and the engine's start"
         elif kind == "kv_drop":
             assert eh is not None
-            r = await client.post(eh.url + "/admin/faults", json={"drop_every": 3}, timeout=5)
+            r = await client.post(eh.url + "/admin/faults", json={"drop_every": 2}, timeout=5)
             r.raise_for_status()
             before = (await self._replicas(client)).get(eh.name, {}).get("kv_events") or {}
+            replays0 = await self._metric(client, "kvroute_kv_event_replays_total",
+                                          {"replica": eh.name, "outcome": "ok"}) or 0.0
             await asyncio.sleep(10.0)
             (await client.post(eh.url + "/admin/faults", json={"drop_every": 0}, timeout=5)).raise_for_status()
             after = (await self._replicas(client)).get(eh.name, {}).get("kv_events") or {}
@@ -338,6 +351,8 @@ class Soak:
 
             back = await self._until(repaired, 60.0)
             rec.recovery_s = None if back is None else time.monotonic() - t_off
+            rec.window["replays_ok"] = (await self._metric(client, "kvroute_kv_event_replays_total",
+                                                           {"replica": name, "outcome": "ok"}) or 0.0) - replays0
             rec.window["note"] = "recovery measured from the end of the 10 s drop period"
         elif kind == "redis_restart":
             self.redis.kill()
