@@ -2,8 +2,10 @@
 
 Per candidate it evaluates the tiered model of ``policies.cost_model`` (``Q``, ``R``, ``C``, ``T``, hit
 probability ``p``, ``E[T]``, tail, KV-pressure penalty) and picks the minimum of ``E[T]`` (objective ``mean``)
-or of the tail quantile (objective ``tail``). The objective comes from the request unless the policy was built
-with a fixed one.
+or of the tail quantile (objective ``tail``), plus the work term ``W = work_weight * the request's own expected
+prefill seconds`` (the delay it imposes on requests queued behind it; ``work_weight=0`` scores this request's
+TTFT alone, as the seed examples do). The objective comes from the request unless the policy was built with a
+fixed one.
 
 Load inputs and what happens when they are unknown (``None``):
 
@@ -12,9 +14,9 @@ Load inputs and what happens when they are unknown (``None``):
   burst sharing one system prompt over the fleet instead of piling it on the replica holding the prompt).
   If only ``queued_requests`` is scraped, it is multiplied by the mean uncached tokens per request (learned from
   ``observe`` as an exponential moving average once ``calibration_min_samples`` observations arrived, else
-  ``mean_prefill_tokens``). If neither is known, the
-  largest backlog any candidate reports is assumed (never zero: a blind replica must not look idle); when no
-  candidate reports one, every candidate gets 0 and the in-flight counters decide.
+  ``mean_prefill_tokens``). If neither is known, the largest backlog any candidate reports is assumed (never
+  zero: a blind replica must not look idle); when no candidate reports one, every candidate gets 0 and the
+  in-flight counters decide.
 * running requests (decode interference) unknown -> the largest known, or this router's in-flight requests.
 * KV usage unknown -> the largest known, else 0.
 * optionally (``drain_stale_queue``) the scraped backlog is reduced by ``rate * age_s`` (what the replica has
@@ -24,8 +26,9 @@ Prefill rate and fixed overhead come from the candidate's profile until online c
 ``calibration_min_samples`` samples for that replica; then the calibrated values are used.
 
 Ties are broken by candidate order (deterministic). The decision's parts per candidate: ``Q``, ``R``, ``C``,
-``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty`` (seconds / probability),
-``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). ``calibrated(index)`` gives the rate in use.
+``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``W`` (seconds / probability),
+``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). The score is ``E + W`` (mean) or ``tail + W`` (tail).
+``calibrated(index)`` gives the rate in use.
 """
 
 from __future__ import annotations
