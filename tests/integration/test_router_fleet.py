@@ -238,3 +238,40 @@ def test_fidelity_predicted_equals_engine_reported(fleet: Fleet) -> None:
     # and reuse really happened (later turns extend earlier ones)
     stats = httpx.get(fleet.url + "/index/stats").json()
     assert stats["nodes"] > 0
+
+
+def test_engine_tokenizer_mode_matches_the_hf_mode(fleet: Fleet) -> None:
+    """A second router using the replicas' /tokenize computes the same ids (and so the same decisions)."""
+    port = free_port()
+    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "ttft", "--tokenizer-mode", "engine",
+            "--log-level", "warning", "--connect-timeout-s", "10", "--probe-timeout-s", "5"]
+    for e in fleet.engines:
+        args += ["--replica", e.spec()]
+    router = Proc.kvroute(*args)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == 3, timeout=30,
+                   what="engine-mode router ready")
+        rnd = random.Random(9)
+        for body in ({"model": MODEL, "prompt": text(rnd, 120)},
+                     {"model": MODEL, "messages": [{"role": "system", "content": text(rnd, 80)},
+                                                   {"role": "user", "content": text(rnd, 10)}]}):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = httpx.post(fleet.url + path, json={**body, "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200
+            holder = r.headers["x-kvroute-replica"]
+            # the second router's index (fed by the same engines' events, replayed from 0) matches the same
+            # blocks: its token ids, hence its keys, equal the hf-mode ones
+            wait_until(lambda b=body, h=holder: _same_match(fleet, url, b, h), timeout=15,
+                       what="same matches in both routers")
+    finally:
+        router.stop()
+
+
+def _same_match(fleet: Fleet, other_url: str, body: dict, holder: str) -> bool:
+    """Both routers see the same prompt length and the same matched tokens per replica (holder > 0)."""
+    a = route(fleet, body)
+    b = httpx.post(other_url + "/route", json=body, timeout=10).json()
+    ca = {c["name"]: c["matched_tokens"]["total"] for c in a["candidates"]}
+    cb = {c["name"]: c["matched_tokens"]["total"] for c in b["candidates"]}
+    return a["prompt_tokens"] == b["prompt_tokens"] > 0 and ca == cb and ca[holder] > 0
