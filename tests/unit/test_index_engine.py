@@ -165,3 +165,42 @@ def test_event_keys_equal_prompt_keys(toks: list[int], page: int, block: int, sp
     res = idx.match(keys)
     assert (res[0].blocks if res else 0) == len(keys)
     assert len(idx) == len(keys)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.sampled_from([1, 4, 8, 12]),
+    st.lists(
+        st.tuples(st.sampled_from(["store", "remove"]), st.integers(0, 1), st.integers(0, 7), st.integers(1, 4)),
+        min_size=1,
+        max_size=30,
+    ),
+)
+def test_engine_events_against_a_reference(page: int, ops: list[tuple[str, int, int, int]]) -> None:
+    """Random BlockStored / BlockRemoved streams over shared prompts: the index holds, per replica, exactly
+    the router blocks whose last token lies in a stored, not yet removed engine page."""
+    block = 4
+    prompt = tokens(page * 8, 11)
+    keys = block_keys(prompt, block, SEED)
+    idx = PrefixIndex(block_size=block, clock=lambda: 0.0)
+    held: dict[int, set[int]] = {0: set(), 1: set()}  # engine pages (by position) each replica holds
+    for op, replica, first, count in ops:
+        last = min(first + count, 8)
+        hashes = [1000 * replica + p for p in range(first, last)]
+        if op == "store":
+            parent = 1000 * replica + first - 1 if first else None
+            res = idx.apply_stored(replica, hashes, parent, prompt[first * page : last * page], SEED)
+            if res.orphan:
+                continue
+            held[replica].update(range(first, last))
+        else:
+            idx.apply_removed(replica, hashes)
+            held[replica].difference_update(range(first, last))
+    for replica in (0, 1):
+        # router block j is held iff the engine page containing its last token is held
+        want = {j for j in range(len(keys)) if ((j + 1) * block - 1) // page in held[replica]}
+        got_depth = idx.match(keys).get(replica)
+        depth = 0
+        while depth in want:
+            depth += 1
+        assert (got_depth.blocks if got_depth else 0) == depth
