@@ -202,7 +202,7 @@ class Soak:
         self.outcomes: list[Outcome] = []
         self.faults: list[FaultRecord] = []
         self.t0 = 0.0
-        self.recovery_tasks: list[asyncio.Task[None]] = []
+        self.busy: set[str] = set()  # engines with a fault in progress (never two faults on one engine)
 
     # -- setup -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -305,14 +305,29 @@ class Soak:
             if kind == "kv_drop":  # the busiest event stream, so that batches are actually dropped
                 reps = await self._replicas(client)
                 busy = [(int((reps.get(e.name, {}).get("kv_events") or {}).get("batches") or 0), j)
-                        for j, e in enumerate(self.fleet.engines)]
+                        for j, e in enumerate(self.fleet.engines) if e.name not in self.busy]
                 i = max(busy)[1] if busy else i
+            else:
+                free = [j for j, e in enumerate(self.fleet.engines) if e.name not in self.busy]
+                i = self.rnd.choice(free) if free else i
             eh = self.fleet.engines[i]
             rec = FaultRecord(kind, eh.name, now)
         else:
             i, eh, rec = -1, None, FaultRecord(kind, "redis" if kind == "redis_restart" else "kube-api", now)
         self.faults.append(rec)
         t_fault = time.monotonic()
+        if eh is not None:
+            self.busy.add(eh.name)
+        try:
+            await self._inject(kind, rec, i, eh, client, t_fault)
+        except Exception as exc:  # noqa: BLE001 - recorded: a fault that could not be applied is a result too
+            rec.window["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            if eh is not None:
+                self.busy.discard(eh.name)
+
+    async def _inject(self, kind: str, rec: FaultRecord, i: int, eh: EngineHandle | None,
+                      client: httpx.AsyncClient, t_fault: float) -> None:
         if kind == "engine_restart":
             assert eh is not None
             eh.proc.popen.send_signal(signal.SIGKILL)
