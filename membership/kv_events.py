@@ -603,6 +603,11 @@ class _Feed:
         if item.batch is None:
             self.stats.dropped[item.failure or "bad_payload"] += 1
             self._warn(item.failure or "bad_payload", "dropped batch seq %d: %s", item.seq, item.failure)
+            if not replayed:  # its events (a BlockRemoved, say) are lost: no stale entries, degraded until resync
+                self.stats.notes["undecodable_batch"] += 1
+                self.clear_replica()
+                self.remember(item)  # clear_replica forgot the sequence; this batch was consumed
+                self.set_degraded(True)
             return
         self.apply_batch(item.batch)
 

@@ -208,7 +208,8 @@ async def test_garbage_payload_is_counted_and_the_stream_continues(rigs: list[Ri
     await until(lambda: matched(rig.index, keys) == 2, what="stream continues")
     t = rig.totals()
     assert t["dropped"].get("bad_msgpack") == 2
-    assert t["gaps"] == 0 and t["degraded_replicas"] == 0
+    # the lost batches' events are unknown: the replica was cleared and is degraded until a resync
+    assert t["gaps"] == 0 and t["degraded_replicas"] == 1
 
 
 async def test_missing_replay_endpoint_marks_degraded_and_clears(rigs: list[Rig]) -> None:
