@@ -299,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvroute demo: --duration, --time-scale and --load must be > 0, --replicas >= 1", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C works even if started with SIGINT ignored
     log = sys.stderr if args.json else sys.stdout
     try:
         trace = _resolve_trace(args.trace)
