@@ -83,6 +83,10 @@ def test_event_faults_are_counted_dropped_and_degrade_the_replica(pub: tuple[zmq
                                      "too_many_events", "unknown_event_type")}
             assert all(v >= 1 for v in counts.values()), counts
             assert metric(u, "kvroute_kv_event_duplicates_total", replica="e0") >= 1
+            # the undecodable batches lost their events: the replica's entries were cleared, it is degraded
+            assert _events(u)["degraded"] is True and _matched(u)["gpu"] == 0
+            _send(sock, 5, good)  # the stream goes on: new confirmed entries are applied
+            wait_until(lambda: _matched(u)["gpu"] == 48, timeout=10, what="seq 5 applied")
 
             # out of order: the sequence goes backwards with an unknown payload = the engine restarted
             _send(sock, 2, encode_batch([PubStored([99], None, list(range(16)), BS)], "vllm", time.time()))
