@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from policies.base import Candidate, Decision, Observation, RouteRequest, register
 from policies.common import require_candidates, simple_decision
 
 _MASK = (1 << 64) - 1
+#: rings kept for recently seen candidate sets
+_RING_CACHE = 8
 
 
 def splitmix64(x: int) -> int:
@@ -75,20 +78,29 @@ class ConsistentHashPolicy:
         self._ring_members: tuple[int, ...] = ()
         self._ring_points: list[int] = []
         self._ring_owner: list[int] = []
+        #: recently used rings by candidate set (routers filter candidates per model / LoRA)
+        self._rings: OrderedDict[tuple[int, ...], tuple[list[int], list[int]]] = OrderedDict()
 
     def _ring(self, indices: tuple[int, ...]) -> None:
-        """(Re)build the ring for this set of replica indices when it changed."""
+        """Select the ring for this set of replica indices, building it if it is not among the recent ones."""
         if indices == self._ring_members:
             return
-        pts: list[tuple[int, int]] = []
-        salt = splitmix64(self.seed)
-        for idx in indices:
-            for v in range(self.virtual_nodes):
-                pts.append((splitmix64(salt ^ ((idx << 20) | v)), idx))
-        pts.sort()
+        ring = self._rings.get(indices)
+        if ring is None:
+            pts: list[tuple[int, int]] = []
+            salt = splitmix64(self.seed)
+            for idx in indices:
+                for v in range(self.virtual_nodes):
+                    pts.append((splitmix64(salt ^ ((idx << 20) | v)), idx))
+            pts.sort()
+            ring = ([p for p, _ in pts], [o for _, o in pts])
+            self._rings[indices] = ring
+            if len(self._rings) > _RING_CACHE:
+                self._rings.popitem(last=False)
+        else:
+            self._rings.move_to_end(indices)
         self._ring_members = indices
-        self._ring_points = [p for p, _ in pts]
-        self._ring_owner = [o for _, o in pts]
+        self._ring_points, self._ring_owner = ring
 
     def key_of(self, request: RouteRequest) -> tuple[int | None, str]:
         """The request's ring key and which source it came from (``prefix``, ``session`` or ``no_key``)."""
