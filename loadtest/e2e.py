@@ -226,4 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # every process was already stopped by the finally blocks
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
