@@ -925,7 +925,8 @@ class EngineModel:
         removed = list(islice(free, over))
         deque(map(free.pop, removed), maxlen=0)
         deque(map(ref.pop, removed), maxlen=0)
-        gpu_removed = BlockRemoved(t, removed, "gpu")
+        # evicted leaf first (LRU order); announced parent first so chains arrive as forward runs
+        gpu_removed = BlockRemoved(t, removed[::-1], "gpu")
         if self.emit_kv_events and not self.num_cpu_blocks:
             self._events.append(gpu_removed)
         if self.num_cpu_blocks:
