@@ -1,6 +1,7 @@
 """``kvroute demo`` (``make demo``): 4 fake engines + the router on loopback, kvroute (``ttft``) vs round-robin.
 
-    kvroute demo [--trace PATH] [--json] [--duration 45] [--time-scale 0.1] [--load 0.5] [--plot FILE.png]
+    kvroute demo [--trace PATH] [--json] [--duration 45] [--window 600] [--sample 0.25] [--time-scale 0.15]
+                 [--plot FILE.png]
 
 What it does, in under 3 minutes on 2 cores:
 
@@ -9,8 +10,8 @@ What it does, in under 3 minutes on 2 cores:
    chat workload with shared system prompts (``loadtest.traces``, ``agent``);
 2. starts 4 ``kvroute fake-engine`` processes (vLLM dialect, KV events on, realistic A100 timing multiplied by
    ``--time-scale``) and ``kvroute serve --policy ttft`` in front of them, and replays a time-compressed slice of
-   the workload (arrivals at trace time x ``--time-scale`` / ``--load``; prompts sent as token ids unless
-   ``--text-prompts``) with a streaming client;
+   the workload (``--window`` trace seconds, ``--sample`` of the conversations, arrivals compressed into
+   ``--duration`` wall seconds; prompts sent as token ids unless ``--text-prompts``) with a streaming client;
 3. restarts the engines (cold caches) and does the same through ``kvroute serve --policy round_robin``;
 4. prints a table: engine-reported prefix-cache hit rate (the engines' own counters), client-measured TTFT p50 /
    p99, throughput, errors, and fidelity (how often the router's predicted cached tokens equal what the engine
@@ -33,6 +34,7 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +44,10 @@ import httpx
 import orjson
 
 from loadtest import traces
+from loadtest.engine_model import get_profile
 from loadtest.fleet import EngineOptions, Fleet
 from loadtest.replay import ReplayRequest, percentile
-from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
+from loadtest.workload import default_trace_path, ensure_model_dir
 
 #: result name -> router policy
 RUNS: dict[str, str] = {"kvroute": "ttft", "round_robin": "round_robin"}
@@ -233,11 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--replicas", type=int, default=4, help="fake engines")
     p.add_argument("--duration", type=float, default=45.0, help="wall seconds of arrivals per run")
-    p.add_argument("--time-scale", type=float, default=0.1,
-                   help="wall seconds per trace second (arrivals and the engines' simulated delays)")
-    p.add_argument("--load", type=float, default=0.5,
-                   help="arrival-rate multiplier: 1 = the trace's rate (overloads 4 A100-like engines: the trace "
-                        "asks ~43k prompt tokens/s, 4 engines prefill ~45k/s), 0.5 = half")
+    p.add_argument("--time-scale", type=float, default=0.15,
+                   help="the engines' simulated delays are multiplied by this (0.15: a 12k-token prefill takes "
+                        "~0.2 s instead of ~1.4 s)")
+    p.add_argument("--window", type=float, default=600.0,
+                   help="trace seconds replayed (compressed into --duration wall seconds)")
+    p.add_argument("--sample", type=float, default=0.25,
+                   help="fraction of the conversations kept (whole conversations: their reuse stays intact; "
+                        "the full trace asks ~43k prompt tokens/s, about what 4 A100-like engines prefill)")
     p.add_argument("--trace-start-s", type=float, default=0.0, help="trace second where the slice starts")
     p.add_argument("--max-requests", type=int, default=0, help="at most this many requests (0 = no cap)")
     p.add_argument("--max-output-tokens", type=int, default=24,
@@ -254,25 +260,65 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def token_workload(opts: WorkloadOptions) -> list[ReplayRequest]:
-    """The workload of ``opts`` with token-id prompts (``loadtest.traces`` ids; the local tokenizer's vocabulary).
+def scaled_profile_args(profile: str, time_scale: float) -> list[str]:
+    """``kvroute serve --profiles`` flags telling the router the fake engines' real (time-scaled) speed.
 
-    Sending ids skips tokenizing ~12k-token texts in the router and every engine, which on 2 shared cores would
+    The engines sleep their model times x ``time_scale``, so in wall-clock seconds they prefill
+    ``1 / time_scale`` times faster than the hardware profile says; the router's cost model must know that, or
+    it over-estimates every queue and recomputation until online calibration catches up.
+    """
+    rp = get_profile(profile).replica_profile()
+    scaled = {"prefill_tokens_per_s": rp.prefill_tokens_per_s / time_scale,
+              "attention_s_per_token2": rp.attention_s_per_token2 * time_scale,
+              "fixed_overhead_s": rp.fixed_overhead_s * time_scale,
+              "decode_interference_s": rp.decode_interference_s * time_scale}
+    return ["--default-profile", profile, "--profiles", f"{profile}={json.dumps(scaled)}"]
+
+
+def conversation_key(r: traces.Request) -> str:
+    """What identifies a request's conversation: its session id, else its first segment after the shared one
+    (Mooncake turns of one conversation repeat the same leading hash ids; id 0 is shared by nearly all)."""
+    if r.session_id:
+        return r.session_id
+    return str(r.segments[1][0] if len(r.segments) > 1 else r.segments[0][0])
+
+
+def demo_workload(trace: Path | None, *, workload: str, window_s: float, start_s: float, sample: float,
+                  wall_s: float, max_requests: int | None, max_output_tokens: int | None,
+                  text_prompts: bool = False) -> list[ReplayRequest]:
+    """The replayed requests: ``window_s`` trace seconds from ``start_s``, keeping a ``sample`` fraction of the
+    conversations (whole conversations, so their reuse is intact), arrivals compressed into ``wall_s`` seconds.
+
+    Prompts are token ids (``loadtest.traces`` ids, the local tokenizer's vocabulary) unless ``text_prompts``:
+    sending ids skips tokenizing ~12k-token texts in the router and every engine, which on 2 shared cores would
     cost more CPU than the routing being compared.
     """
-    if opts.trace is not None:
-        reqs = traces.load_mooncake(opts.trace)
+    if trace is not None:
+        reqs = traces.load_mooncake(trace)
     else:
-        reqs = traces.make_workload(opts.workload, seed=opts.seed)
+        reqs = traces.make_workload(workload, seed=0)
         reqs.sort(key=lambda r: r.arrival_s)
-    end = None if opts.duration_s is None else opts.start_s + opts.duration_s
-    reqs = traces.limit(traces.slice_time(reqs, opts.start_s, end), opts.max_requests)
+    reqs = traces.slice_time(reqs, start_s, start_s + window_s)
+    if sample < 1.0:
+        reqs = [r for r in reqs if zlib.crc32(conversation_key(r).encode()) % 10_000 < sample * 10_000]
+    reqs = traces.limit(reqs, max_requests)
+    if not reqs:
+        return []
+    t0 = reqs[0].arrival_s
+    span = max(1e-9, min(window_s, (reqs[-1].arrival_s - t0) or 1.0))
+    scale = wall_s / span
+    if text_prompts:
+        from loadtest.workload import to_replay
+
+        shifted = [traces.Request(r.request_id, r.arrival_s - t0, r.prompt_tokens, r.output_tokens, r.segments,
+                                  r.session_id, r.group) for r in reqs]
+        return to_replay(shifted, scale, max_output_tokens)
     out = []
     for r in reqs:
         out_len = max(1, r.output_tokens)
-        if opts.max_output_tokens:
-            out_len = min(out_len, opts.max_output_tokens)
-        out.append(ReplayRequest(request_id=r.request_id, arrival_s=r.arrival_s * opts.time_scale,
+        if max_output_tokens:
+            out_len = min(out_len, max_output_tokens)
+        out.append(ReplayRequest(request_id=r.request_id, arrival_s=(r.arrival_s - t0) * scale,
                                  prompt=traces.prompt_token_ids(r), max_tokens=out_len,
                                  prompt_tokens=r.prompt_tokens, session_id=r.session_id))
     return out
@@ -295,8 +341,10 @@ def _sigterm(signum: int, frame: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the exit code (0 = both runs completed)."""
     args = build_parser().parse_args(list(argv) if argv is not None else None)
-    if args.duration <= 0 or args.time_scale <= 0 or args.load <= 0 or args.replicas < 1:
-        print("kvroute demo: --duration, --time-scale and --load must be > 0, --replicas >= 1", file=sys.stderr)
+    if args.duration <= 0 or args.time_scale <= 0 or args.window <= 0 or not 0 < args.sample <= 1 \
+            or args.replicas < 1:
+        print("kvroute demo: --duration, --time-scale, --window must be > 0, 0 < --sample <= 1, --replicas >= 1",
+              file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C works even if started with SIGINT ignored
@@ -306,19 +354,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"kvroute demo: {exc}", file=sys.stderr)
         return 2
-    wall_per_trace_s = args.time_scale / args.load
-    opts = WorkloadOptions(
-        trace=trace, workload=args.workload, time_scale=wall_per_trace_s, start_s=args.trace_start_s,
-        duration_s=args.duration / wall_per_trace_s, max_requests=args.max_requests or None,
-        max_output_tokens=args.max_output_tokens or None)
-    workload = build_workload(opts) if args.text_prompts else token_workload(opts)
+    workload = demo_workload(trace, workload=args.workload, window_s=args.window, start_s=args.trace_start_s,
+                             sample=args.sample, wall_s=args.duration, max_requests=args.max_requests or None,
+                             max_output_tokens=args.max_output_tokens or None, text_prompts=args.text_prompts)
     if not workload:
         print("kvroute demo: the workload slice is empty", file=sys.stderr)
         return 2
     source = f"trace {trace}" if trace else f"generated '{args.workload}' workload (no trace found)"
-    print(f"kvroute demo: {len(workload)} requests over {workload[-1].arrival_s:.0f} s from {source}; "
-          f"{args.replicas} fake engines (a100 timing x {args.time_scale}), load x {args.load}", file=log,
-          flush=True)
+    print(f"kvroute demo: {len(workload)} requests ({args.window:g} trace seconds, {args.sample:.0%} of the "
+          f"conversations) replayed in {workload[-1].arrival_s:.0f} s from {source}; {args.replicas} fake "
+          f"engines (a100 timing x {args.time_scale})", file=log, flush=True)
     model_dir = ensure_model_dir()
     engine = EngineOptions(model=args.model, time_scale=args.time_scale, model_path=str(model_dir),
                            kv_events_format="vllm", gpu_blocks=args.gpu_blocks or None)
@@ -329,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=bool(args.log_dir)) as fleet:
             for name, policy in RUNS.items():
                 fleet.restart_engines() if fleet.engines else fleet.start_engines()
-                router = fleet.start_kvroute(policy=policy, extra_args=ROUTER_ARGS)
+                router = fleet.start_kvroute(policy=policy,
+                                             extra_args=ROUTER_ARGS + scaled_profile_args("a100", args.time_scale))
                 print(f"  {name}: router ({policy}) at {router.url}, replaying ...", file=log, flush=True)
                 h0, q0 = fleet.prefix_cache_counters()
                 outs, wall = asyncio.run(_replay(router.url, workload, args.model,
@@ -342,8 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvroute demo: interrupted; every process was stopped", file=sys.stderr)
         return 130
     plot = Path(args.plot) if args.plot else Path(tempfile.gettempdir()) / "kvroute-demo.png"
-    title = (f"kvroute demo: {len(workload)} requests, {source}, {args.replicas} fake engines, "
-             f"time-scale {args.time_scale}, load x {args.load}")
+    title = (f"kvroute demo: {len(workload)} requests ({args.window:g} trace s, {args.sample:.0%} of conversations), "
+             f"{Path(str(trace)).name if trace else args.workload}, {args.replicas} fake engines, "
+             f"time-scale {args.time_scale}")
     write_plot(results, plot, title)
     for r in results.values():
         r.pop("_ttfts", None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from index.hashing import block_keys, root_seed
@@ -24,6 +24,7 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 from policies.base import (
     Candidate,
     Decision,
+    LoadView,
     Observation,
     Policy,
     PrefixHit,
@@ -238,6 +239,7 @@ class Router:
         self.max_inflight_per_replica = max_inflight_per_replica
         self.clock = clock
         self._seed_cache: dict[tuple[str, str | None, str | None], int] = {}
+        self._pending: dict[int, int] = {}  # replica index -> prefill tokens dispatched, first byte pending
         #: True: a request's prefill tokens stop counting at its first byte. False when an engine-metrics
         #: scraper owns ``inflight_prefill_tokens`` (it subtracts what was dispatched before each scrape).
         self.prefill_release_on_first_byte = True
@@ -356,8 +358,8 @@ class Router:
         for r in reps:
             hit = hit_from_match(matches.get(r.index), n, bs)
             cached[r.index] = hit.total
-            cands.append(Candidate(index=r.index, name=r.name, load=r.load, hit=hit, profile=r.profile,
-                                   state=r.state.value))
+            cands.append(Candidate(index=r.index, name=r.name, load=self.load_view(r), hit=hit,
+                                   profile=r.profile, state=r.state.value))
         req = RouteRequest(model=inp.model, prompt_tokens=n, block_keys=inp.keys, block_size=bs,
                            now=self.clock(), lora=inp.lora, session_id=inp.session_id,
                            objective=self.objective,  # type: ignore[arg-type]
@@ -369,14 +371,36 @@ class Router:
     # -- accounting ------------------------------------------------------------------------------------
     def acquire(self, rep: Replica, uncached_tokens: int) -> None:
         """Count a request as in flight on ``rep`` BEFORE it is dispatched (uncached prefill tokens)."""
+        tokens = max(0, uncached_tokens)
         rep.load.inflight_requests += 1
-        rep.load.inflight_prefill_tokens += max(0, uncached_tokens)
+        rep.load.inflight_prefill_tokens += tokens
+        self._pending[rep.index] = self._pending.get(rep.index, 0) + tokens
 
     def prefill_done(self, rep: Replica, uncached_tokens: int) -> None:
         """The request's prefill finished (first byte) or failed: stop counting its prefill tokens."""
+        tokens = max(0, uncached_tokens)
+        self._pending[rep.index] = max(0, self._pending.get(rep.index, 0) - tokens)
         if not self.prefill_release_on_first_byte:
             return
-        rep.load.inflight_prefill_tokens = max(0, rep.load.inflight_prefill_tokens - max(0, uncached_tokens))
+        rep.load.inflight_prefill_tokens = max(0, rep.load.inflight_prefill_tokens - tokens)
+
+    def pending_prefill_tokens(self, index: int) -> int:
+        """Uncached prompt tokens this router sent to replica ``index`` whose first byte has not come back yet
+        (exact, whatever the scrapes say), tokens."""
+        return self._pending.get(index, 0)
+
+    def load_view(self, rep: Replica) -> LoadView:
+        """The load view a policy sees for ``rep``.
+
+        The queue is never smaller than this router's own exact count of prefill tokens still pending on the
+        replica: scraped engine queues are estimates (and arrive late), and an under-estimate makes a cache
+        holder look idle while requests pile up on it (the "death spiral" peers suffered).
+        """
+        load = rep.load
+        pending = self._pending.get(rep.index, 0)
+        if pending and pending > (load.queued_prefill_tokens or 0) + load.inflight_prefill_tokens:
+            return replace(load, queued_prefill_tokens=pending, inflight_prefill_tokens=0)
+        return load
 
     def release(self, rep: Replica) -> None:
         """The request finished on ``rep`` (any outcome)."""

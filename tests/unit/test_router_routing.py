@@ -210,3 +210,30 @@ def test_panic_routing_when_no_replica_is_ready() -> None:
     router.table.set_state("r0", ReplicaState.UNHEALTHY)
     with pytest.raises(NoReplica):
         router.decide(inp)
+
+
+def test_pending_prefill_is_a_floor_under_stale_scrapes() -> None:
+    router = make_router(2)
+    toks = prompt(4096)
+    inp = router.make_input("m", None, toks)
+    router.index.store(0, None, inp.keys)  # r0 holds the whole prompt: the natural choice
+    assert router.decide(inp).decision.chosen == 0
+    r0 = router.table.by_index(0)
+    assert r0 is not None
+    for _ in range(40):  # 40 long prompts dispatched to r0, none has produced its first byte yet
+        router.acquire(r0, 16_000)
+    # a scrape just ran: the engine's estimate lags (0 queued) and the scraper zeroed what it had counted
+    for r in router.table.all():
+        r.load.queued_prefill_tokens = 0
+        r.load.queued_requests = r.load.running_requests = 0
+        r.load.kv_usage = 0.0
+    r0.load.inflight_prefill_tokens = 0
+    routed = router.decide(inp)
+    c0 = next(c for c in routed.candidates if c.index == 0)
+    assert c0.load.queued_prefill_tokens == 640_000 and router.pending_prefill_tokens(0) == 640_000
+    assert routed.decision.chosen == 1  # ~57 s of queue beats a full cache hit
+    assert r0.load.queued_prefill_tokens == 0  # the shared load view itself is untouched
+    for _ in range(40):
+        router.prefill_done(r0, 16_000)
+    assert router.pending_prefill_tokens(0) == 0
+    assert router.decide(inp).decision.chosen == 0
