@@ -1,6 +1,6 @@
 """``kvroute demo`` (``make demo``): 4 fake engines + the router on loopback, kvroute (``ttft``) vs round-robin.
 
-    kvroute demo [--trace PATH] [--json] [--duration 45] [--window 600] [--sample 0.25] [--time-scale 0.15]
+    kvroute demo [--trace PATH] [--json] [--duration 40] [--window 600] [--sample 0.25] [--time-scale 0.15]
                  [--plot FILE.png]
 
 What it does, in under 3 minutes on 2 cores:
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "../shared/traces/mooncake_conversation_trace.jsonl; none found: generated workload)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--replicas", type=int, default=4, help="fake engines")
-    p.add_argument("--duration", type=float, default=45.0, help="wall seconds of arrivals per run")
+    p.add_argument("--duration", type=float, default=40.0, help="wall seconds of arrivals per run")
     p.add_argument("--time-scale", type=float, default=0.15,
                    help="the engines' simulated delays are multiplied by this (0.15: a 12k-token prefill takes "
                         "~0.2 s instead of ~1.4 s)")
