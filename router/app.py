@@ -59,6 +59,8 @@ _M = TypeVar("_M", bound=BaseModel)
 # request models (documented in OpenAPI; unknown fields are kept and forwarded to the engine)
 # ---------------------------------------------------------------------------------------------------------
 
+#: largest max_tokens accepted (engines cap it by their context length anyway), tokens
+_MAX_TOKENS = (1 << 31) - 1
 #: a token id as the engines take it (uint32); the schema says so, so clients and fuzzers know the bounds
 TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
 PromptT = str | list[TokenId] | list[str] | list[list[TokenId]]
@@ -76,7 +78,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1, description="model id (or LoRA adapter name) to serve the request")
     stream: bool = Field(default=False, description="stream the answer as server-sent events")
-    max_tokens: int | None = Field(default=None, ge=0, description="maximum tokens to generate")
+    max_tokens: int | None = Field(default=None, ge=0, le=_MAX_TOKENS, description="maximum tokens to generate")
     cache_salt: str | None = Field(default=None, description="isolates the prefix cache (vLLM cache_salt)")
 
 
@@ -90,7 +92,7 @@ class ChatRequest(_Common):
     """``POST /v1/chat/completions`` body (OpenAI chat; extra fields are forwarded unchanged)."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
-    max_completion_tokens: int | None = Field(default=None, ge=0, description="maximum tokens to generate")
+    max_completion_tokens: int | None = Field(default=None, ge=0, le=_MAX_TOKENS, description="maximum tokens to generate")
     add_generation_prompt: bool = Field(default=True, description="append the assistant turn header")
     tools: list[dict[str, Any]] | None = Field(default=None, description="tool definitions for the template")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="extra template variables")

@@ -17,6 +17,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import Case, GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from tests.integration.test_reliability_support import Router, completion, engines, router
 
@@ -40,11 +41,16 @@ def test_openapi_conformance(live: Router, mode: GenerationMode) -> None:
     for op in operations:
         if mode == GenerationMode.NEGATIVE and op.method.upper() == "GET":
             continue  # no body and no parameters: nothing can be made invalid
-        @settings(max_examples=12, deadline=None, derandomize=True, database=None,
+        @settings(max_examples=10, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         @given(case=op.as_strategy(generation_mode=mode))
         def check(case: Case) -> None:
-            case.call_and_validate(timeout=10)
+            # schema-valid data may still be refused by the engine (max_tokens 0, an empty prompt, a prompt over
+            # the context length the router learns at run time): a documented 400, so schemathesis'
+            # "positive data accepted" check is replaced by the router's own guarantee: never its 422
+            resp = case.call_and_validate(timeout=10, excluded_checks=[positive_data_acceptance])
+            if mode == GenerationMode.POSITIVE:
+                assert resp.status_code != 422, resp.text
 
         check()
 
