@@ -34,12 +34,12 @@ def _inflight(url: str) -> dict[str, int]:
 
 
 def test_inflight_limits_and_bounded_queue() -> None:
-    with engines(("e0", ["--fault-stall-s", "6"]), ("e1", ["--fault-stall-s", "6"])) as engs:
+    with engines(("e0", ["--fault-stall-s", "4"]), ("e1", ["--fault-stall-s", "4"])) as engs:
         # -- per replica: both replicas at 1 in flight -> 429 with Retry-After ----------------------------------
         with router(engs, "--max-inflight-per-replica", "1", "--retry-after-s", "2") as r:
             held: list[httpx.Response | Exception] = []
             threads = [_background(r.url, completion(f"hold {i} " * 10), held) for i in range(2)]
-            wait_until(lambda: _inflight(r.url) == {"e0": 1, "e1": 1}, timeout=6, what="one request per replica")
+            wait_until(lambda: _inflight(r.url) == {"e0": 1, "e1": 1}, timeout=3.5, what="one request per replica")
             t0 = time.monotonic()
             over = httpx.post(r.url + "/v1/completions", json=completion(), timeout=10)
             assert time.monotonic() - t0 < 1.0  # rejected at once, not queued behind the stall

@@ -14,7 +14,7 @@ from tests.helpers import REPO
 
 def test_soak_smoke_loses_nothing() -> None:
     proc = subprocess.run([sys.executable, "-m", "loadtest.soak", "--minutes", "0.15", "--fault-every-s", "2",
-                           "--rps", "5", "--replicas", "3", "--json"], cwd=REPO, capture_output=True, text=True,
+                           "--rps", "5", "--replicas", "2", "--json"], cwd=REPO, capture_output=True, text=True,
                           timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout)
