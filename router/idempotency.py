@@ -29,7 +29,7 @@ import base64
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
@@ -131,7 +131,7 @@ class IdempotencyGuard:
             self._release(key)
         return resp
 
-    async def _watch_stream(self, it: AsyncIterator[Any], key: str, fp: str) -> AsyncIterator[Any]:
+    async def _watch_stream(self, it: AsyncIterable[Any], key: str, fp: str) -> AsyncIterator[Any]:
         """Relay a streamed answer; when it ends, mark the key done (not stored) so it is not run twice."""
         try:
             async for chunk in it:
