@@ -344,7 +344,7 @@ def build_services(settings: Settings) -> Services:
         connect_timeout_s=settings.connect_timeout_s, first_byte_timeout_s=settings.first_byte_timeout_s,
         total_timeout_s=settings.total_timeout_s, idle_timeout_s=settings.idle_timeout_s,
         max_retries=settings.max_retries, max_connections=settings.max_connections,
-        max_keepalive_connections=settings.max_keepalive_connections,
+        keepalive_timeout_s=settings.keepalive_timeout_s,
         engine_api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
         retry_after_s=settings.retry_after_s),
         on_connection_failure=on_connection_failure)

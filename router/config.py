@@ -202,7 +202,7 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(default=16 * 1024 * 1024, ge=1024,
                                    description="largest accepted request body (bytes); larger -> 413")
     max_connections: int = Field(default=1000, ge=1, description="pooled connections to all engines")
-    max_keepalive_connections: int = Field(default=200, ge=0, description="idle pooled connections kept")
+    keepalive_timeout_s: float = Field(default=4.0, gt=0, description="close pooled idle engine connections after this long (s); keep it below the engines' own keep-alive (uvicorn/vLLM: 5 s) so a reused connection is never one the engine is closing")
 
     # -- backpressure ----------------------------------------------------------------------------------
     max_inflight_per_replica: int = Field(default=512, ge=1,

@@ -99,7 +99,7 @@ class ProxyConfig:
     idle_timeout_s: float = 60.0
     max_retries: int = 2
     max_connections: int = 1000
-    max_keepalive_connections: int = 200
+    keepalive_timeout_s: float = 4.0
     engine_api_key: str | None = None
     retry_after_s: int = 1
 
@@ -130,7 +130,7 @@ class Proxy:
         """The pooled aiohttp session (created on first use, inside the event loop)."""
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0,
-                                             keepalive_timeout=30.0, enable_cleanup_closed=True)
+                                             keepalive_timeout=self.cfg.keepalive_timeout_s, enable_cleanup_closed=True)
             # read timeouts are enforced by the proxy itself (first byte, idle gap, total deadline)
             self._session = aiohttp.ClientSession(
                 connector=connector, headers=self._headers, auto_decompress=False,
