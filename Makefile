@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 TOOLS   := .tools/bin
 export PATH := $(CURDIR)/$(TOOLS):$(PATH)
 
-.PHONY: venv tools test lint typecheck unit demo bench loadtest clean help
+.PHONY: venv tools test lint demo bench loadtest helm-values clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -31,9 +31,19 @@ test: venv tools lint ## the whole suite (what CI runs)
 demo: venv ## 4 fake engines + the router on loopback: kvroute (ttft) vs round_robin on a trace slice
 	$(BIN)/kvroute demo $(if $(TRACE),--trace $(TRACE),)
 
-bench: venv ## the benchmarks (JSON on stdout)
+bench: venv ## the benchmarks (JSON on stdout; several minutes)
 	$(BIN)/python -m loadtest.bench_index --json
 	$(BIN)/python -m loadtest.bench_policies --json
+	$(BIN)/python -m loadtest.bench_proxy --json
+	$(BIN)/python -m loadtest.e2e --json
+
+loadtest: venv ## locust trace replay against HOST (an OpenAI-compatible endpoint): make loadtest HOST=http://127.0.0.1:8080 [TRACE=..] [TIME_SCALE=..]
+	@test -n "$(HOST)" || (echo "usage: make loadtest HOST=http://127.0.0.1:8080 [TRACE=path] [TIME_SCALE=0.1]" >&2; exit 2)
+	mkdir -p loadtest-results
+	$(BIN)/locust -f loadtest/locustfile.py --headless -u 1 -r 1 --host $(HOST) $(if $(TRACE),--trace $(TRACE),) --time-scale $(or $(TIME_SCALE),1) --replay-csv loadtest-results/replay.csv --csv loadtest-results/locust --only-summary
+
+helm-values: venv ## regenerate the chart's settings block from router/config.py Settings
+	$(BIN)/python scripts/helm_values.py --write
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache
