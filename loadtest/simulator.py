@@ -316,8 +316,7 @@ class Fleet:
         self.index = PrefixIndex(block_size=config.block_size, predicted_ttl_s=config.predicted_ttl_s,
                                  clock=lambda: self.now)
         params = dict(policy_params or {})
-        if policy in ("random", "power_of_two") and "seed" not in params:
-            params["seed"] = seed
+        params.setdefault("seed", seed)  # every built-in policy accepts seed= (randomised ones use it)
         try:
             self.policy = make_policy(policy, **params)
         except TypeError:
