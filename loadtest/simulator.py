@@ -6,7 +6,7 @@ routes every request with the same code path the router service uses:
 1. the prompt's router block keys (``index.hashing`` chaining, memoised per segment by
    ``loadtest.traces.BlockKeyCache``),
 2. ``PrefixIndex.match`` -> per replica ``PrefixHit`` in tokens (capped at what an engine can reuse: the last
-   prompt token is always recomputed; predicted blocks count as GPU, as in ``router.routing.hit_from_match``),
+   prompt token is always recomputed; predicted blocks count as GPU, as in ``policies.hits.hit_from_match``),
 3. ``Candidate(load=LoadView, hit=PrefixHit, profile=ReplicaProfile)`` -> ``policy.choose``,
 4. in-flight accounting exactly like the service: ``inflight_requests`` +1 at dispatch, -1 at the end;
    ``inflight_prefill_tokens`` += the router's uncached estimate at dispatch, -= it at the first token,
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from index.hashing import root_seed
-from index.prefix_index import PrefixIndex, ReplicaMatch
+from index.prefix_index import PrefixIndex
 from loadtest.engine_model import (
     BlockRemoved,
     BlockStored,
@@ -69,7 +69,8 @@ from loadtest.traces import (
     scale_rate,
     slice_time,
 )
-from policies.base import Candidate, LoadView, Observation, PrefixHit, RouteRequest, make_policy, policy_names
+from policies.base import Candidate, LoadView, Observation, RouteRequest, make_policy, policy_names
+from policies.hits import hit_from_match
 
 _KV = 0
 _FIRST = 1
@@ -186,32 +187,6 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
         return None
     k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values)) - 1))
     return float(sorted_values[k])
-
-
-def usable_cached_tokens(matched_tokens: int, prompt_tokens: int, block_size: int) -> int:
-    """Prompt tokens an engine reuses when it holds ``matched_tokens`` leading tokens (last token recomputed)."""
-    if prompt_tokens <= 0:
-        return 0
-    return min(matched_tokens, ((prompt_tokens - 1) // block_size) * block_size)
-
-
-def hit_from_match(m: ReplicaMatch | None, prompt_tokens: int, block_size: int) -> PrefixHit:
-    """Index match (blocks) -> PrefixHit (tokens), as the router service builds it (predicted counts as GPU,
-    capped at what an engine can reuse, the excess taken from the slowest tiers first)."""
-    if m is None:
-        return PrefixHit()
-    bs = block_size
-    hit = PrefixHit(gpu=(m.gpu + m.predicted) * bs, cpu=m.cpu * bs, disk=m.disk * bs, remote=m.remote * bs,
-                    predicted=m.predicted * bs, age_s=m.age_s)
-    excess = hit.total - usable_cached_tokens(hit.total, prompt_tokens, bs)
-    for tier in ("remote", "disk", "cpu", "gpu"):
-        if excess <= 0:
-            break
-        take = min(excess, getattr(hit, tier))
-        setattr(hit, tier, getattr(hit, tier) - take)
-        excess -= take
-    hit.predicted = min(hit.predicted, hit.total)
-    return hit
 
 
 # ------------------------------------------------------------------------------------------- estimates

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from index.hashing import block_keys, root_seed
-from index.prefix_index import PrefixIndex, ReplicaMatch
+from index.prefix_index import PrefixIndex
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from policies.base import (
     Candidate,
@@ -32,6 +32,7 @@ from policies.base import (
     RouteRequest,
     TierLink,
 )
+from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (re-exported)
 
 log = logging.getLogger("kvroute.routing")
 
@@ -170,38 +171,6 @@ class Routed:
     cached_tokens: dict[int, int]
     decision_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def usable_cached_tokens(matched_tokens: int, prompt_tokens: int, block_size: int) -> int:
-    """Prompt tokens an engine reuses when it holds ``matched_tokens`` leading tokens, tokens.
-
-    Engines always recompute the last prompt token (its logits are needed), so at most
-    ``(prompt_tokens - 1) // block_size`` full blocks are reused.
-    """
-    if prompt_tokens <= 0:
-        return 0
-    cap = ((prompt_tokens - 1) // block_size) * block_size
-    return min(matched_tokens, cap)
-
-
-def hit_from_match(m: ReplicaMatch | None, prompt_tokens: int, block_size: int) -> PrefixHit:
-    """Convert an index match (blocks) into a PrefixHit (tokens), capped at what an engine can reuse."""
-    if m is None:
-        return PrefixHit()
-    bs = block_size
-    hit = PrefixHit(gpu=m.gpu * bs, cpu=m.cpu * bs, disk=m.disk * bs, remote=m.remote * bs,
-                    predicted=m.predicted * bs, age_s=m.age_s)
-    # predicted blocks are not in the tier counts: they count as GPU (routing predictions are GPU entries)
-    hit.gpu += hit.predicted
-    excess = hit.total - usable_cached_tokens(hit.total, prompt_tokens, bs)
-    for tier in ("remote", "disk", "cpu", "gpu"):
-        if excess <= 0:
-            break
-        take = min(excess, getattr(hit, tier))
-        setattr(hit, tier, getattr(hit, tier) - take)
-        excess -= take
-    hit.predicted = min(hit.predicted, hit.total)
-    return hit
 
 
 class Router:

@@ -1,0 +1,44 @@
+"""From an index match (blocks) to the ``PrefixHit`` (tokens) a policy sees.
+
+Shared by the router service (``router.routing``) and the simulator (``loadtest.simulator``) so both feed
+policies exactly the same candidate view.
+"""
+
+from __future__ import annotations
+
+from index.prefix_index import ReplicaMatch
+from policies.base import PrefixHit
+
+
+def usable_cached_tokens(matched_tokens: int, prompt_tokens: int, block_size: int) -> int:
+    """Prompt tokens an engine reuses when it holds ``matched_tokens`` leading tokens, tokens.
+
+    Engines always recompute the last prompt token (its logits are needed), so at most
+    ``(prompt_tokens - 1) // block_size`` full blocks are reused.
+    """
+    if prompt_tokens <= 0:
+        return 0
+    cap = ((prompt_tokens - 1) // block_size) * block_size
+    return min(matched_tokens, cap)
+
+
+def hit_from_match(m: ReplicaMatch | None, prompt_tokens: int, block_size: int) -> PrefixHit:
+    """Convert an index match (blocks) into a PrefixHit (tokens), capped at what an engine can reuse.
+
+    Predicted blocks are not in the tier counts of a match: they count as GPU (routing predictions are GPU
+    entries). The excess over what an engine can reuse is taken from the slowest tiers first.
+    """
+    if m is None:
+        return PrefixHit()
+    bs = block_size
+    hit = PrefixHit(gpu=(m.gpu + m.predicted) * bs, cpu=m.cpu * bs, disk=m.disk * bs, remote=m.remote * bs,
+                    predicted=m.predicted * bs, age_s=m.age_s)
+    excess = hit.total - usable_cached_tokens(hit.total, prompt_tokens, bs)
+    for tier in ("remote", "disk", "cpu", "gpu"):
+        if excess <= 0:
+            break
+        take = min(excess, getattr(hit, tier))
+        setattr(hit, tier, getattr(hit, tier) - take)
+        excess -= take
+    hit.predicted = min(hit.predicted, hit.total)
+    return hit
