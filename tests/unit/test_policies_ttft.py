@@ -476,3 +476,16 @@ def test_a_profile_without_a_prefill_rate_is_a_clear_error() -> None:
     bad = Candidate(0, "bad", profile=ReplicaProfile(prefill_tokens_per_s=0.0))
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         TTFTPolicy().choose(REQ, [bad])
+
+
+def test_migration_penalty_is_opt_in_and_charges_thrown_away_gpu_tokens() -> None:
+    prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
+    req = RouteRequest(model="m", prompt_tokens=2100, block_keys=[])
+    holder = Candidate(0, "holder", LoadView(0, 0, 4000, kv_usage=0.3), PrefixHit(gpu=2000), prof)  # Q 0.4 s
+    idle = Candidate(1, "idle", LoadView(0, 0, 0, kv_usage=0.3), PrefixHit(gpu=1000), prof)
+    d = TTFTPolicy(p_confirmed=1.0).choose(req, [holder, idle])
+    assert d.chosen == 1 and d.scores[1].parts["W"] == pytest.approx(0.11)  # default: work term only
+    d = TTFTPolicy(p_confirmed=1.0, migration_weight=3.0).choose(req, [holder, idle])
+    assert d.scores[0].parts["W"] == pytest.approx(0.01)
+    assert d.scores[1].parts["W"] == pytest.approx(0.11 + 3 * 1000 / 10_000.0)
+    assert d.chosen == 0  # leaving the holder would throw away 1000 cached tokens, charged 3x
