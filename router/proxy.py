@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 import anyio
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from membership.replicas import Replica, ReplicaState
@@ -440,7 +440,10 @@ class _Relay:
                         del self.tail[:-_TAIL_BYTES]
                     yield chunk
         finally:
-            await self.finish()
+            # a complete stream is finished by _ProxyStream after the client got its last byte (the feedback
+            # and policy update are then off the client's latency); failures and cancellations clean up here
+            if not self.ok:
+                await self.finish()
 
     async def finish(self) -> None:
         """Release everything (idempotent; never raises)."""
@@ -466,18 +469,51 @@ class _Relay:
 
 
 class _ProxyStream(StreamingResponse):
-    """A StreamingResponse over a ``_Relay`` that always runs the relay's cleanup when the response ends."""
+    """A StreamingResponse over a ``_Relay`` that always runs the relay's cleanup when the response ends.
+
+    Streams in the request's own task while one small task waits for the client's ``http.disconnect`` and
+    cancels the stream when the client leaves (Starlette's StreamingResponse does the same with an anyio task
+    group per response, which costs more CPU than the rest of the relay). The relay's cleanup (in-flight release,
+    usage / TTFT feedback, connection back to the pool) runs after the last byte was sent.
+    """
 
     def __init__(self, relay: _Relay, **kwargs: Any) -> None:
         super().__init__(relay.body(), **kwargs)
         self.relay = relay
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        task = asyncio.current_task()
+        state = {"streaming": True, "client_left": False}
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message.get("type") == "http.disconnect":
+                    break
+            if state["streaming"] and task is not None:  # the client left mid-stream: stop relaying
+                state["client_left"] = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            state["streaming"] = False
+        except asyncio.CancelledError:
+            if not state["client_left"] or task is None:
+                raise
+            task.uncancel()  # our own cancellation (client disconnected): the response is simply over
+        except OSError:
+            raise ClientDisconnect() from None
         finally:
+            state["streaming"] = False
+            watcher.cancel()
             with anyio.CancelScope(shield=True):
                 await self.relay.finish()
+        if self.background is not None:
+            await self.background()
 
 
 # ---------------------------------------------------------------------------------------------------------
