@@ -188,6 +188,7 @@ class HttpFaults:
         error_every: every Nth generation request answers 500.
         garbage_every: every Nth generation request answers 200 with a body that is not JSON / not SSE.
         die_after_tokens: the process exits (``os._exit(1)``) after streaming this many tokens in total.
+        stall_mid_stream_s: a stream goes silent for this long after its first token, seconds (< 0: forever).
         health_fail: ``/health`` answers 503.
     """
 
@@ -196,6 +197,7 @@ class HttpFaults:
     garbage_every: int = 0
     die_after_tokens: int = 0
     health_fail: bool = False
+    stall_mid_stream_s: float = 0.0
 
     def update(self, values: dict[str, Any]) -> None:
         """Set fields from a dict (unknown keys -> ValueError)."""
@@ -781,6 +783,11 @@ def build_app(engine: FakeEngine) -> Any:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                 "choices": [choice]})
                     engine.note_streamed_token()
+                    stall = engine.http_faults.stall_mid_stream_s
+                    if n == 1 and stall < 0:
+                        await asyncio.Event().wait()  # silent until the client gives up
+                    elif n == 1 and stall > 0:
+                        await asyncio.sleep(stall)
                 elif kind == "done":
                     break
             if include_usage:

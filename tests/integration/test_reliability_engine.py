@@ -1,6 +1,6 @@
 """Engine faults through the real router process, with faults switched on the real fake engines at run time:
 an engine answering 500 (retried on the other replica; when all do: 502 naming the cause), garbage (502 with a
-message), hanging (504 after ``first_byte_timeout_s``, never a hang), dying mid-stream (the client gets an SSE
+message), hanging (504 after ``first_byte_timeout_s``; silent mid-stream: an SSE ``error`` after ``idle_timeout_s``), dying mid-stream (the client gets an SSE
 ``error`` event, never a hang or a silently cut stream), and every failure counted in /metrics.
 
 Requests that were accepted by an engine but not started when it was killed are retried elsewhere: that case is
@@ -23,7 +23,8 @@ def _faults(url: str, **http: object) -> None:
 
 def test_engine_faults_end_in_clear_errors_and_are_counted() -> None:
     with engines(("e0", []), ("e1", [])) as engs, router(
-            engs, "--policy", "round_robin", "--first-byte-timeout-s", "1.5", "--max-retries", "2",
+            engs, "--policy", "round_robin", "--first-byte-timeout-s", "1.5", "--idle-timeout-s", "1.5",
+            "--max-retries", "2",
             "--unhealthy-after", "2") as r:
         u = r.url
         e0, e1 = engs
@@ -69,9 +70,21 @@ def test_engine_faults_end_in_clear_errors_and_are_counted() -> None:
                 _faults(e.url, stall_s=0)
             ok = c.post(u + "/v1/completions", json=completion())
             assert ok.status_code == 200, ok.text
+            # -- a stream that goes silent after its first token: SSE error after idle_timeout_s -----------------
+            for e in engs:
+                _faults(e.url, stall_mid_stream_s=-1)
+            t0 = time.monotonic()
+            resp = c.post(u + "/v1/completions", json=completion(max_tokens=20, stream=True))
+            took = time.monotonic() - t0
+            assert resp.status_code == 200 and resp.text.count("data: {") >= 1
+            assert "event: error" in resp.text and "idle_timeout_s" in resp.text and "[DONE]" not in resp.text
+            assert 1.4 <= took < 6.0, took
+            assert metric(u, "kvroute_upstream_errors_total", reason="idle_timeout") >= 1
+            for e in engs:
+                _faults(e.url, stall_mid_stream_s=0)
             # -- killed mid-stream: the stream ends with an SSE error event ---------------------------------------
-            for e in engs:  # no request streamed yet: each engine dies after its 3rd streamed token
-                _faults(e.url, die_after_tokens=3)
+            for e in engs:  # at most 1 token streamed so far (idle test): an engine dies within 2-4 tokens
+                _faults(e.url, die_after_tokens=4)
             t0 = time.monotonic()
             resp = c.post(u + "/v1/completions", json=completion(max_tokens=40, stream=True))
             assert time.monotonic() - t0 < 10.0
