@@ -5,8 +5,9 @@ probability ``p``, ``E[T]``, tail, KV-pressure penalty) and picks the minimum of
 or of the tail quantile (objective ``tail``), plus ``W``: the work term ``work_weight * the request's own expected
 prefill seconds`` (the delay it imposes on requests queued behind it) and the migration penalty
 ``migration_weight * (deepest GPU match - this candidate's GPU match) / rate`` (the recompute a move throws away;
-later turns of the conversation follow the new copy; off by default). ``work_weight=0, migration_weight=0``
-scores this request's TTFT alone, as the seed examples do. The objective comes from the request unless the policy
+later turns of the conversation follow the new copy), at most ``migration_cap_s`` seconds, and not charged when
+the deepest match is a popular prefix (matched by many requests right now: replicate it instead of pinning it).
+``work_weight=0, migration_weight=0`` scores this request's TTFT alone, as the seed examples do. The objective comes from the request unless the policy
 was built with a fixed one.
 
 Load inputs and what happens when they are unknown (``None``):
@@ -51,6 +52,9 @@ from policies.calibration import PrefillCalibrator
 from policies.common import require_candidates
 from policies.cost_model import CostParams, estimate, recompute_s
 
+#: Most prefixes the popularity guard of the migration penalty remembers (a bounded table; pruned when full).
+_MAX_TRACKED_PREFIXES = 8192
+
 #: Parts of a candidate that holds nothing of the prompt (the per-candidate values are filled in).
 _MISS_PARTS: dict[str, float] = {
     "Q": 0.0,
@@ -91,10 +95,18 @@ class TTFTPolicy:
             candidate's GPU match) / prefill rate`` (seconds, linear: no attention term) added to the score: a
             move away from the replica holding the conversation's KV is charged this many times the recompute it
             throws away, because the conversation's later turns follow the new copy while the old one keeps
-            occupying cache. 0 (default) disables it. On the conversation trace 3 raised the hit rate by ~1.3
-            points with TTFT p50/p99 still the lowest (docs/results.md), but in a burst sharing a long prefix
-            (8k of 8.4k tokens, 200 requests, 8 replicas) it piles 116 requests on one replica: a popular prefix
-            should be replicated, not pinned, so it stays off until it learns to tell the two apart.
+            occupying cache. 0 disables it. Default 6 with ``migration_cap_s=1``: on the Mooncake conversation
+            trace (8 x A100) +0.3 to +1.0 points of hit rate with TTFT p50/p99 still the lowest at loads 0.7 and
+            0.9 (docs/results.md).
+        migration_cap_s: largest migration penalty, seconds (default 1): the penalty pays for future turns
+            with this request's own wait, so it is bounded; uncapped, long conversations (deep matches, long
+            prompts, the TTFT tail) wait behind busy holders and p99 rises by up to 1 s at load 0.9.
+        popular_window_s, popular_min_requests: the popularity guard. Each decision counts against the block
+            key where the deepest GPU match ends (a count decaying with e-folding time ``popular_window_s``
+            seconds of ``request.now``); once a prefix's count reaches ``popular_min_requests`` (default 3
+            within ~30 s) it is popular: many requests share it right now, so it should be replicated, and the
+            migration penalty is not charged (without the guard a 200-request burst sharing an 8k-token prefix
+            put 116 requests on one replica). A conversation's deep prefix is matched by its next turn only.
         seed: accepted so every policy takes ``seed``; ``ttft`` is deterministic (ties: candidate order).
     """
 
@@ -120,7 +132,10 @@ class TTFTPolicy:
         drain_stale_queue: bool = False,
         seed: int = 0,
         work_weight: float = 1.0,
-        migration_weight: float = 0.0,
+        migration_weight: float = 6.0,
+        popular_window_s: float = 30.0,
+        popular_min_requests: float = 3.0,
+        migration_cap_s: float = 1.0,
     ) -> None:
         if objective not in (None, "mean", "tail"):
             raise ValueError(f"objective must be 'mean' or 'tail', got {objective!r}")
@@ -154,6 +169,13 @@ class TTFTPolicy:
         self._mean_samples = 0
         self.work_weight = work_weight
         self.migration_weight = migration_weight
+        if not popular_window_s > 0.0:
+            raise ValueError(f"popular_window_s must be > 0, got {popular_window_s!r}")
+        self.popular_window_s = popular_window_s
+        self.migration_cap_s = migration_cap_s
+        self.popular_min_requests = popular_min_requests
+        #: deepest-match block key -> (decayed count of decisions whose deepest GPU match ended there, now)
+        self._deep_counts: dict[int, tuple[float, float]] = {}
 
     # ------------------------------------------------------------------ decision
 
@@ -181,9 +203,13 @@ class TTFTPolicy:
         slo = params.slo_ttft_s if tail else None
         ww = self.work_weight
         mw = self.migration_weight
+        mcap = self.migration_cap_s
         deepest = max([c.hit.gpu for c in candidates]) if mw else 0
         if deepest > n:
             deepest = n
+        if deepest and self._popular(request, deepest):
+            deepest = 0  # a prefix many requests share right now: replicate it, do not pin it
+        moved: list[tuple[int, float]] = []  # (position, seconds of recompute a move there throws away)
 
         mean_tokens = self._mean_uncached if self._mean_samples >= self.calibrator.min_samples else None
         mean_tokens = mean_tokens or params.mean_prefill_tokens
@@ -226,8 +252,8 @@ class TTFTPolicy:
                 est = estimate(n, hit, q, prof, rate, ov, params, kv)
                 score = est.tail if tail else est.expected
                 w = ww * (est.p * (est.c - ov) + (1.0 - est.p) * (est.t_miss - q - ov)) if ww else 0.0
-                if deepest > g:
-                    w += mw * (deepest - g) / rate
+                if deepest > est.usable_tokens:  # a tier it can fetch from is not thrown away
+                    moved.append((len(scores), (deepest - est.usable_tokens) / rate))
                 score += w
                 parts = {
                     "Q": q,
@@ -249,7 +275,7 @@ class TTFTPolicy:
             elif not g:
                 w = ww * (t_miss - q - ov) if ww else 0.0
                 if deepest:
-                    w += mw * deepest / rate
+                    moved.append((len(scores), deepest / rate))
                 score = t_miss + pen + w
                 parts = _MISS_PARTS.copy()  # copying a template beats a 14-key literal
                 parts["Q"] = q
@@ -287,7 +313,7 @@ class TTFTPolicy:
                 tl += pen
                 w = ww * (e - pen - q - ov) if ww else 0.0
                 if deepest > usable:
-                    w += mw * (deepest - usable) / rate
+                    moved.append((len(scores), (deepest - usable) / rate))
                 score = (tl if tail else e) + w
                 parts = {
                     "Q": q,
@@ -308,6 +334,16 @@ class TTFTPolicy:
                 }
             keys.append(score)
             scores.append(CandidateScore(idx, cand.name, score, parts))
+
+        for pos, lost_s in moved:  # the migration penalty, capped: see the class docstring
+            m = mw * lost_s
+            if m > mcap:
+                m = mcap
+            if m > 0.0:
+                keys[pos] += m
+                sc = scores[pos]
+                sc.score += m
+                sc.parts["W"] += m
 
         if slo is not None:
             ok = [s.parts["tail"] <= slo for s in scores]
@@ -331,6 +367,46 @@ class TTFTPolicy:
             policy=self.name,
             branch=branch,
         )
+
+    def _popular(self, request: RouteRequest, deepest: int) -> bool:
+        """Count this decision against its deepest GPU match; True when that prefix is popular right now.
+
+        The prefix is identified by the block key where the deepest match ends (chained keys name the whole
+        prefix). Its count decays with e-folding time ``popular_window_s`` (seconds of ``request.now``); it is
+        popular when the count including this request reaches ``popular_min_requests``. A conversation's deep
+        prefix is matched by its next turn only, so it stays unpopular and keeps the migration penalty; a burst
+        sharing one long prefix becomes popular on its third request and spreads as without the penalty.
+        A prefix that cannot be identified (no keys for that depth) is never popular.
+        """
+        bs = request.block_size
+        nb = deepest // bs if bs > 0 else 0
+        keys = request.block_keys
+        if nb <= 0 or nb > len(keys):
+            return False
+        key = keys[nb - 1]
+        now = request.now
+        counts = self._deep_counts
+        prev = counts.get(key)
+        if prev is None:
+            c = 1.0
+            if len(counts) >= _MAX_TRACKED_PREFIXES:
+                self._prune(now)
+                counts = self._deep_counts
+        else:
+            dt = now - prev[1]
+            c = prev[0] * exp(-dt / self.popular_window_s) + 1.0 if dt > 0.0 else prev[0] + 1.0
+        counts[key] = (c, now if prev is None or now > prev[1] else prev[1])
+        return c >= self.popular_min_requests
+
+    def _prune(self, now: float) -> None:
+        """Bound the popularity table: drop prefixes idle for over 5 windows, then the oldest half if needed."""
+        counts = self._deep_counts
+        horizon = now - 5.0 * self.popular_window_s
+        kept = {k: v for k, v in counts.items() if v[1] >= horizon}
+        if len(kept) >= _MAX_TRACKED_PREFIXES // 2:
+            newest = sorted(kept.items(), key=lambda kv: kv[1][1])[len(kept) // 2 :]
+            kept = dict(newest)
+        self._deep_counts = kept
 
     # ------------------------------------------------------------------ feedback
 

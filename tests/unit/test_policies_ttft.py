@@ -116,7 +116,7 @@ def test_tv2_overlap_rule() -> None:
 
 def _tv5(p: float, objective: str = "mean", **kw: object) -> tuple[int, list[float]]:
     # the seed compares this request's TTFT only: no work term
-    policy = TTFTPolicy(p_predicted=p, work_weight=0.0, **kw)  # type: ignore[arg-type]
+    policy = TTFTPolicy(p_predicted=p, work_weight=0.0, migration_weight=0.0, **kw)  # type: ignore[arg-type]
     a = cand(0, tv1_profile(), queue_s=0.080, gpu=8192, predicted=8192)
     b = cand(1, tv1_profile(), queue_s=0.020)
     req = RouteRequest(
@@ -151,7 +151,7 @@ def test_tv5_tail_objective_scores_uncertain_hit_by_its_miss_path() -> None:
     assert _tv5(0.9, "tail")[0] == 1  # without an SLO too
     assert _tv5(0.995, "tail", slo_ttft_s=0.220)[0] == 0  # certain enough: A's p99 is its hit path
     # objective fixed on the policy overrides the request's
-    p = TTFTPolicy(objective="tail", p_predicted=0.9, work_weight=0.0)
+    p = TTFTPolicy(objective="tail", p_predicted=0.9, work_weight=0.0, migration_weight=0.0)
     d = p.choose(
         REQ, [cand(0, tv1_profile(), 0.080, gpu=8192, predicted=8192), cand(1, tv1_profile(), 0.020)]
     )
@@ -214,9 +214,11 @@ def test_tv13_longest_prefix_loses_and_slow_tier_is_ignored() -> None:
     assert TTFTPolicy().choose(req, [nothing]).scores[0].parts["T"] == pytest.approx(sz.parts["T"])
 
 
-def _burst(shared_tokens: int, prompt_tokens: int, replicas: int = 8, requests: int = 200) -> list[int]:
+def _burst(
+    shared_tokens: int, prompt_tokens: int, replicas: int = 8, requests: int = 200, **params: float
+) -> list[int]:
     """Route a burst whose prompts all start with the same ``shared_tokens``; update state as the router does."""
-    policy = make_policy("ttft")
+    policy = make_policy("ttft", **params)
     prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
     loads = [
         LoadView(queued_requests=0, running_requests=0, queued_prefill_tokens=0, kv_usage=0.0)
@@ -463,9 +465,9 @@ def test_work_weight_keeps_a_long_shared_prefix_where_it_is_cached() -> None:
     req = RouteRequest(model="m", prompt_tokens=2100, block_keys=[])
     holder = Candidate(0, "holder", LoadView(0, 0, 2500, kv_usage=0.3), PrefixHit(gpu=2000), prof)  # Q 0.25 s
     idle = Candidate(1, "idle", LoadView(0, 0, 0, kv_usage=0.3), PrefixHit(), prof)  # recompute 0.21 s
-    alone = TTFTPolicy(work_weight=0.0, p_confirmed=1.0).choose(req, [holder, idle])
+    alone = TTFTPolicy(work_weight=0.0, migration_weight=0.0, p_confirmed=1.0).choose(req, [holder, idle])
     assert alone.chosen == 1  # 0.21 s < 0.26 s for this request alone
-    fleet = TTFTPolicy(p_confirmed=1.0).choose(req, [holder, idle])
+    fleet = TTFTPolicy(p_confirmed=1.0, migration_weight=0.0).choose(req, [holder, idle])
     assert fleet.chosen == 0  # but recomputing 2000 cached tokens costs the fleet 0.2 s of prefill
     assert fleet.scores[0].parts["W"] == pytest.approx(0.01)
     assert fleet.scores[1].parts["W"] == pytest.approx(0.21)
@@ -478,14 +480,78 @@ def test_a_profile_without_a_prefill_rate_is_a_clear_error() -> None:
         TTFTPolicy().choose(REQ, [bad])
 
 
-def test_migration_penalty_is_opt_in_and_charges_thrown_away_gpu_tokens() -> None:
+def test_migration_penalty_charges_thrown_away_gpu_tokens_up_to_its_cap() -> None:
     prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
     req = RouteRequest(model="m", prompt_tokens=2100, block_keys=[])
     holder = Candidate(0, "holder", LoadView(0, 0, 4000, kv_usage=0.3), PrefixHit(gpu=2000), prof)  # Q 0.4 s
     idle = Candidate(1, "idle", LoadView(0, 0, 0, kv_usage=0.3), PrefixHit(gpu=1000), prof)
-    d = TTFTPolicy(p_confirmed=1.0).choose(req, [holder, idle])
-    assert d.chosen == 1 and d.scores[1].parts["W"] == pytest.approx(0.11)  # default: work term only
+    d = TTFTPolicy(p_confirmed=1.0, migration_weight=0.0).choose(req, [holder, idle])
+    assert d.chosen == 1 and d.scores[1].parts["W"] == pytest.approx(0.11)  # work term only
     d = TTFTPolicy(p_confirmed=1.0, migration_weight=3.0).choose(req, [holder, idle])
     assert d.scores[0].parts["W"] == pytest.approx(0.01)
     assert d.scores[1].parts["W"] == pytest.approx(0.11 + 3 * 1000 / 10_000.0)
+    assert d.scores[1].score == pytest.approx(d.scores[1].parts["E"] + d.scores[1].parts["W"])
     assert d.chosen == 0  # leaving the holder would throw away 1000 cached tokens, charged 3x
+    d = TTFTPolicy(p_confirmed=1.0).choose(req, [holder, idle])  # default: 6x, capped at 1 s
+    assert d.scores[1].parts["W"] == pytest.approx(0.11 + 0.6) and d.chosen == 0
+    d = TTFTPolicy(p_confirmed=1.0, migration_weight=30.0).choose(req, [holder, idle])
+    assert d.scores[1].parts["W"] == pytest.approx(0.11 + 1.0)  # 3 s of penalty capped at 1 s
+    # a candidate that can fetch the prefix from its CPU tier throws nothing away
+    pcie = ReplicaProfile(prefill_tokens_per_s=10_000.0, tiers={"cpu": TierLink(25e9)}, bytes_per_token=1000.0)
+    fetch = Candidate(2, "fetch", LoadView(0, 0, 0, kv_usage=0.3), PrefixHit(cpu=2000), pcie)
+    d = TTFTPolicy(p_confirmed=1.0).choose(req, [holder, fetch])
+    assert d.scores[1].parts["usable"] == 2000 and d.scores[1].parts["W"] == pytest.approx(0.01)
+
+
+def _conversation(policy: TTFTPolicy, holder_backlog: int, turns: int = 6) -> list[int]:
+    """Route ``turns`` turns of one conversation (each extends the last by 1024 tokens, 30 s apart).
+
+    Replica 0 holds every earlier turn (engine-confirmed) and carries ``holder_backlog`` queued uncached tokens;
+    replicas 1..7 are idle and hold only the 512-token block every prompt starts with. Returns the chosen replicas.
+    """
+    prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
+    chosen = []
+    for t in range(turns):
+        prompt = 4096 + 1024 * t
+        keys = list(range(7000 * t + 1, 7000 * t + 1 + prompt // 16))  # chained keys differ per prefix
+        cands = [
+            Candidate(0, "holder", LoadView(0, 0, holder_backlog, kv_usage=0.3), PrefixHit(gpu=prompt - 1024), prof)
+        ] + [Candidate(r, f"r{r}", LoadView(0, 0, 0, kv_usage=0.3), PrefixHit(gpu=512), prof) for r in range(1, 8)]
+        req = RouteRequest(model="m", prompt_tokens=prompt, block_keys=keys, block_size=16, now=30.0 * t)
+        chosen.append(policy.choose(req, cands).chosen)
+    return chosen
+
+
+def test_migration_penalty_keeps_a_conversation_on_its_holder() -> None:
+    # holder backlog 1.2 s: leaving saves the early turns a little time, so the myopic score moves them
+    assert _conversation(TTFTPolicy(p_confirmed=1.0, migration_weight=0.0), 12_000)[:4] == [1, 1, 1, 1]
+    # the default charges a move 6x the recompute it throws away (at most 1 s): every turn keeps its cache
+    assert _conversation(TTFTPolicy(p_confirmed=1.0), 12_000) == [0] * 6
+    # a holder far behind (3 s of backlog) is still left: the penalty is capped at migration_cap_s
+    assert set(_conversation(TTFTPolicy(p_confirmed=1.0), 30_000)) == {1}
+    uncapped = _conversation(TTFTPolicy(p_confirmed=1.0, migration_cap_s=float("inf")), 30_000)
+    assert uncapped.count(0) >= 3  # uncapped, the deeper turns would wait 3 s behind their holder
+
+
+@pytest.mark.parametrize(("shared", "prompt"), [(8192, 8448), (2048, 2304)])
+def test_popular_prefix_guard_keeps_the_migration_penalty_from_pinning_a_burst(shared: int, prompt: int) -> None:
+    counts = _burst(shared, prompt)  # default policy: migration penalty on, popularity guard on
+    assert max(counts) <= 2 * 200 / 8, counts
+    assert min(counts) > 0, counts
+    # the guard is what spreads it: without it the penalty piles the burst on the first holders
+    pinned = _burst(shared, prompt, popular_min_requests=1e9)
+    assert max(pinned) > 2 * 200 / 8 or min(pinned) == 0, pinned
+
+
+def test_popularity_table_is_bounded_and_decays() -> None:
+    policy = TTFTPolicy(popular_window_s=10.0)
+    prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
+    for i in range(20_000):
+        req = RouteRequest(model="m", prompt_tokens=64, block_keys=[i, i + 1, i + 2, i + 3], now=float(i))
+        policy.choose(req, [Candidate(0, "a", LoadView(0, 0, 0), PrefixHit(gpu=64), prof), Candidate(1, "b")])
+    assert len(policy._deep_counts) <= 8192
+    key_req = RouteRequest(model="m", prompt_tokens=64, block_keys=[5, 6, 7, 8], now=1e6)
+    assert not policy._popular(key_req, 64) and not policy._popular(key_req, 64)
+    assert policy._popular(key_req, 64)  # third request within the window
+    later = RouteRequest(model="m", prompt_tokens=64, block_keys=[5, 6, 7, 8], now=1e6 + 100.0)
+    assert not policy._popular(later, 64)  # decayed over 10 windows
