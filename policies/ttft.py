@@ -4,11 +4,11 @@ Per candidate it evaluates the tiered model of ``policies.cost_model`` (``Q``, `
 probability ``p``, ``E[T]``, tail, KV-pressure penalty) and picks the minimum of ``E[T]`` (objective ``mean``)
 or of the tail quantile (objective ``tail``), plus ``W``: the work term ``work_weight * the request's own expected
 prefill seconds`` (the delay it imposes on requests queued behind it) and the migration penalty
-``migration_weight * (deepest GPU match - this candidate's GPU match) / rate`` (the recompute a move throws away;
-later turns of the conversation follow the new copy), at most ``migration_cap_s`` seconds, and not charged when
-the deepest match is a popular prefix (matched by many requests right now: replicate it instead of pinning it).
-``work_weight=0, migration_weight=0`` scores this request's TTFT alone, as the seed examples do. The objective comes from the request unless the policy
-was built with a fixed one.
+``migration_weight * (deepest GPU match - the tokens this candidate can reuse) / rate`` (the recompute a move
+throws away; later turns of the conversation follow the new copy), at most ``migration_cap_s`` seconds, and not
+charged when the deepest match is a popular prefix (matched by many requests right now: replicate it instead of
+pinning it). ``work_weight=0, migration_weight=0`` scores this request's TTFT alone, as the seed examples do. The
+objective comes from the request unless the policy was built with a fixed one.
 
 Load inputs and what happens when they are unknown (``None``):
 
@@ -91,8 +91,8 @@ class TTFTPolicy:
             replica. 0 scores the request's TTFT alone; 1 (default) also counts its cost to the fleet, which
             keeps long shared prefixes where they are cached instead of recomputing them on an idle replica
             (seeds 000 §9.5.4: decide whether the objective is this request's time or all tasks' completion).
-        migration_weight: weight of the migration penalty ``(deepest GPU match among the candidates - this
-            candidate's GPU match) / prefill rate`` (seconds, linear: no attention term) added to the score: a
+        migration_weight: weight of the migration penalty ``(deepest GPU match among the candidates - the
+            tokens this candidate can reuse, any usable tier) / prefill rate`` (seconds, linear: no attention term) added to the score: a
             move away from the replica holding the conversation's KV is charged this many times the recompute it
             throws away, because the conversation's later turns follow the new copy while the old one keeps
             occupying cache. 0 disables it. Default 6 with ``migration_cap_s=1``: on the Mooncake conversation
