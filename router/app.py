@@ -555,6 +555,8 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
                             messages: list[ChatMessage] | None = None, token_ids: list[int] | None = None,
                             chat: dict[str, Any] | None = None) -> RoutingInput:
         model, lora, base = svc.router.resolve_model(body.model)
+        # ids from the request body were validated by the schema (TokenId: 0 <= id < 2**32): no second pass
+        in_range = token_ids is not None
         if token_ids is None:
             url = _tokenize_url(svc, model, lora)
             if messages is not None:
@@ -567,13 +569,14 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
                 first = prompt[0] if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
                     else prompt
                 if isinstance(first, list):
-                    token_ids = [int(t) for t in first]
+                    token_ids = list(first)  # already ints (validated as list[TokenId])
+                    in_range = True
                 elif isinstance(first, str):
                     token_ids = await svc.tokenizer.encode_prompt(first, model=body.model, url=url)
                 else:
                     token_ids = list(first or [])
-        if any(t < 0 or t >= 1 << 32 for t in token_ids):
-            raise _BadTokens()
+        if not in_range and token_ids and (min(token_ids) < 0 or max(token_ids) >= 1 << 32):
+            raise _BadTokens()  # e.g. an engine /tokenize answer out of range
         max_out = getattr(body, "max_completion_tokens", None) or body.max_tokens or 0
         return svc.router.make_input(model, lora, token_ids, base_model=base, cache_salt=body.cache_salt,
                                      session_id=request.headers.get(settings.session_header),
