@@ -44,7 +44,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import xxhash
 from fastapi import FastAPI, Request
@@ -65,6 +65,7 @@ from loadtest.engine_model import (
 )
 from loadtest.kv_publisher import (
     FORMATS,
+    FaultKnobs,
     Faults,
     KVEventPublisher,
     PubCleared,
@@ -180,7 +181,7 @@ def _message_text(content: Any) -> str:
 
 
 @dataclass(slots=True)
-class HttpFaults:
+class HttpFaults(FaultKnobs):
     """HTTP-side fault injection (0 / False = off).
 
     Attributes:
@@ -192,30 +193,14 @@ class HttpFaults:
         health_fail: ``/health`` answers 503.
     """
 
+    negative_floats_ok: ClassVar[bool] = True  # < 0 means "forever"
+
     stall_s: float = 0.0
     error_every: int = 0
     garbage_every: int = 0
     die_after_tokens: int = 0
     health_fail: bool = False
     stall_mid_stream_s: float = 0.0
-
-    def update(self, values: dict[str, Any]) -> None:
-        """Set fields from a dict (unknown keys -> ValueError)."""
-        unknown = [k for k in values if k not in self.__slots__]
-        if unknown:
-            raise ValueError(f"unknown fault fields: {', '.join(unknown)}")
-        for k, v in values.items():
-            cur = getattr(self, k)
-            if isinstance(cur, bool):
-                setattr(self, k, bool(v))
-            elif isinstance(cur, int):
-                setattr(self, k, max(0, int(v)))
-            else:
-                setattr(self, k, float(v))
-
-    def as_dict(self) -> dict[str, Any]:
-        """Current settings."""
-        return {k: getattr(self, k) for k in self.__slots__}
 
 
 # -- engine driver -----------------------------------------------------------------------------------------------

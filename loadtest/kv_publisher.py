@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import msgpack
 import zmq
@@ -222,8 +223,40 @@ def encode_batch(events: Sequence[PubEvent], fmt: str, ts: float, dp_rank: int =
 # -- faults ------------------------------------------------------------------------------------------------------
 
 
+class FaultKnobs:
+    """Base of the fake engine's fault-injection settings: fields set from a dict (``POST /admin/faults``).
+
+    Subclasses are slotted dataclasses whose fields are ints (counts, clamped at 0), bools and floats (seconds;
+    negative values are clamped at 0 unless ``negative_floats_ok``).
+    """
+
+    __slots__ = ()
+    negative_floats_ok: ClassVar[bool] = False
+
+    def update(self, values: dict[str, object]) -> None:
+        """Set fields from a dict (unknown keys -> ValueError naming them)."""
+        names: tuple[str, ...] = self.__slots__  # type: ignore[assignment]
+        unknown = [k for k in values if k not in names]
+        if unknown:
+            raise ValueError(f"unknown fault fields: {', '.join(unknown)}")
+        for k, v in values.items():
+            cur = getattr(self, k)
+            if isinstance(cur, bool):
+                setattr(self, k, bool(v))
+            elif isinstance(cur, int):
+                setattr(self, k, max(0, int(v)))  # type: ignore[call-overload]
+            else:
+                f = float(v)  # type: ignore[arg-type]
+                setattr(self, k, f if self.negative_floats_ok else max(0.0, f))
+
+    def as_dict(self) -> dict[str, object]:
+        """Current settings."""
+        names: tuple[str, ...] = self.__slots__  # type: ignore[assignment]
+        return {k: getattr(self, k) for k in names}
+
+
 @dataclass(slots=True)
-class Faults:
+class Faults(FaultKnobs):
     """Fault injection for reliability tests (0 / False = off).
 
     Attributes:
@@ -241,24 +274,6 @@ class Faults:
     kv_garbage_every: int = 0
     replay_delay_s: float = 0.0
     replay_disabled: bool = False
-
-    def update(self, values: dict[str, object]) -> None:
-        """Set fields from a dict (unknown keys -> ValueError naming them)."""
-        unknown = [k for k in values if k not in self.__slots__]
-        if unknown:
-            raise ValueError(f"unknown fault fields: {', '.join(unknown)}")
-        for k, v in values.items():
-            cur = getattr(self, k)
-            if isinstance(cur, bool):
-                setattr(self, k, bool(v))
-            elif isinstance(cur, int):
-                setattr(self, k, max(0, int(v)))  # type: ignore[call-overload]
-            else:
-                setattr(self, k, max(0.0, float(v)))  # type: ignore[arg-type]
-
-    def as_dict(self) -> dict[str, object]:
-        """Current settings."""
-        return {k: getattr(self, k) for k in self.__slots__}
 
 
 # -- publisher ---------------------------------------------------------------------------------------------------
