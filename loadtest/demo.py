@@ -44,7 +44,6 @@ import httpx
 import orjson
 
 from loadtest import traces
-from loadtest.engine_model import get_profile
 from loadtest.fleet import EngineOptions, Fleet
 from loadtest.replay import ReplayRequest, percentile
 from loadtest.workload import default_trace_path, ensure_model_dir
@@ -260,21 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def scaled_profile_args(profile: str, time_scale: float) -> list[str]:
-    """``kvroute serve --profiles`` flags telling the router the fake engines' real (time-scaled) speed.
-
-    The engines sleep their model times x ``time_scale``, so in wall-clock seconds they prefill
-    ``1 / time_scale`` times faster than the hardware profile says; the router's cost model must know that, or
-    it over-estimates every queue and recomputation until online calibration catches up.
-    """
-    rp = get_profile(profile).replica_profile()
-    scaled = {"prefill_tokens_per_s": rp.prefill_tokens_per_s / time_scale,
-              "attention_s_per_token2": rp.attention_s_per_token2 * time_scale,
-              "fixed_overhead_s": rp.fixed_overhead_s * time_scale,
-              "decode_interference_s": rp.decode_interference_s * time_scale}
-    return ["--default-profile", profile, "--profiles", f"{profile}={json.dumps(scaled)}"]
-
-
 def conversation_key(r: traces.Request) -> str:
     """What identifies a request's conversation: its session id, else its first segment after the shared one
     (Mooncake turns of one conversation repeat the same leading hash ids; id 0 is shared by nearly all)."""
@@ -375,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, policy in RUNS.items():
                 fleet.restart_engines() if fleet.engines else fleet.start_engines()
                 router = fleet.start_kvroute(policy=policy,
-                                             extra_args=ROUTER_ARGS + scaled_profile_args("a100", args.time_scale))
+                                             extra_args=ROUTER_ARGS)
                 print(f"  {name}: router ({policy}) at {router.url}, replaying ...", file=log, flush=True)
                 h0, q0 = fleet.prefix_cache_counters()
                 outs, wall = asyncio.run(_replay(router.url, workload, args.model,

@@ -18,6 +18,7 @@ its tail. Only 127.0.0.1 is ever used.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
@@ -34,6 +35,8 @@ from pathlib import Path
 import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.engine_model import get_profile
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
@@ -147,6 +150,22 @@ def wait_ready(url: str, proc: ManagedProcess, timeout_s: float, check: object =
                 last = repr(exc)
             time.sleep(0.05)
     raise FleetError(f"{proc.name} not ready at {url} after {timeout_s}s (last: {last}):\n{proc.tail()}")
+
+
+
+def scaled_profile_args(profile: str, time_scale: float) -> list[str]:
+    """``kvroute serve --profiles`` flags telling the router the fake engines' real (time-scaled) speed.
+
+    The engines sleep their model times x ``time_scale``, so in wall-clock seconds they prefill
+    ``1 / time_scale`` times faster than the hardware profile says; the router's cost model must know that, or
+    it over-estimates every queue and recomputation until online calibration catches up.
+    """
+    rp = get_profile(profile).replica_profile()
+    scaled = {"prefill_tokens_per_s": rp.prefill_tokens_per_s / time_scale,
+              "attention_s_per_token2": rp.attention_s_per_token2 * time_scale,
+              "fixed_overhead_s": rp.fixed_overhead_s * time_scale,
+              "decode_interference_s": rp.decode_interference_s * time_scale}
+    return ["--default-profile", profile, "--profiles", f"{profile}={json.dumps(scaled)}"]
 
 
 @dataclass(slots=True)
@@ -300,6 +319,8 @@ class Fleet:
         tok = tokenizer_path or self.engine.model_path
         if tok:
             args += ["--tokenizer-mode", "hf", "--tokenizer-path", tok]
+        if self.engine.time_scale > 0 and not any(a.startswith("--profiles") for a in extra_args):
+            args += scaled_profile_args(self.engine.profile, self.engine.time_scale)
         args += list(extra_args)
         return self._start_router("kvroute", policy, port, args, "/readyz", None)
 
