@@ -36,6 +36,7 @@ decode with compute-bound chunked prefill steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 import math
@@ -612,6 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "full = also the queued prefill tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of generated workloads and random policies")
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    p.add_argument("--max-output-tokens", type=int, default=None,
+                   help="cap every request's output length, tokens (as loadtest.e2e / the demo do)")
     p.add_argument("--start", type=float, default=0.0, help="skip requests arriving before this time, seconds")
     p.add_argument("--duration", type=float, default=None,
                    help="only requests arriving within this many seconds after --start (before rate scaling)")
@@ -652,6 +655,11 @@ def load_requests(args: argparse.Namespace) -> list[Request]:
         reqs = slice_time(reqs, args.start, None if args.duration is None else args.start + args.duration)
     if args.limit is not None:
         reqs = reqs[: args.limit]
+    cap = getattr(args, "max_output_tokens", None)
+    if cap is not None:
+        if cap <= 0:
+            raise ValueError("--max-output-tokens must be positive")
+        reqs = [r if r.output_tokens <= cap else dataclasses.replace(r, output_tokens=cap) for r in reqs]
     if not reqs:
         raise ValueError("the workload selection is empty")
     return reqs
