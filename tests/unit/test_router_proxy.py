@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -117,7 +118,12 @@ async def _disconnected(request: Request) -> None:
 
 
 class DroppingEngine:
-    """Raw asyncio HTTP server: answers GET /health and /v1/models, drops every POST without answering."""
+    """Raw asyncio HTTP server: answers GET /health and /v1/models, drops every POST without answering.
+
+    The server, its connections and its handler tasks live on the engine's own event loop thread and are only
+    touched from there (``asyncio.Server`` is not thread-safe: closing it from the test thread while the loop
+    thread finishes a connection raced into ``TypeError: 'NoneType' object is not iterable`` on a busy machine).
+    """
 
     def __init__(self) -> None:
         self.port = free_port()
@@ -125,12 +131,17 @@ class DroppingEngine:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._hold: socket.socket | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -143,27 +154,56 @@ class DroppingEngine:
                     await reader.readexactly(length)
                 if line.startswith(b"POST"):
                     self.posts += 1
-                    writer.close()
                     return
                 body = b'{"object":"list","data":[{"id":"m"}]}' if b"/v1/models" in line else b"{}"
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
                              + str(len(body)).encode() + b"\r\n\r\n" + body)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
             writer.close()
+            if task is not None:
+                self._handlers.discard(task)
+
+    async def _shutdown(self) -> None:
+        """On the engine's loop: stop accepting, end every open connection (e.g. keep-alive probes)."""
+        if self.server is not None:
+            self.server.close()
+        handlers = [t for t in self._handlers if t is not asyncio.current_task()]
+        for t in handlers:
+            t.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+    def refuse(self) -> None:
+        """From now on refuse every connection: stop listening, end the open ones, keep the port bound.
+
+        The port stays bound without ``listen`` until ``__exit__``, so every connect gets a reset and no other
+        process on the shared machine can take the port meanwhile.
+        """
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(timeout=30)
+        hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # our closed connections sit in TIME_WAIT
+        hold.bind(("127.0.0.1", self.port))
+        self._hold = hold
 
     def __enter__(self) -> DroppingEngine:
         self.thread.start()
         fut = asyncio.run_coroutine_threadsafe(
             asyncio.start_server(self._handle, "127.0.0.1", self.port), self.loop)
-        self.server = fut.result(timeout=5)
+        self.server = fut.result(timeout=30)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.server is not None:
-            self.server.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+            if not self.thread.is_alive():
+                self.loop.close()
+            if self._hold is not None:
+                self._hold.close()
 
 
 def router_for(urls: list[str], *extra: str) -> ServerThread:
@@ -190,7 +230,7 @@ def metric(router: ServerThread, name: str, labels: dict[str, str] | None = None
 
 
 def ready(router: ServerThread, n: int) -> None:
-    wait_until(lambda: httpx.get(router.url + "/readyz").json().get("routable_replicas") == n, timeout=10,
+    wait_until(lambda: httpx.get(router.url + "/readyz").json().get("routable_replicas") == n, timeout=30,
                what=f"{n} routable replicas")
 
 
@@ -223,16 +263,27 @@ def test_5xx_before_first_byte_is_retried_on_another_replica(good: tuple[EngineS
 
 
 def test_dropped_and_refused_connections_are_retried(good: tuple[EngineState, ServerThread]) -> None:
+    """A dropped connection (e0) and a refused connect (e2, ready until the requests start) are both retried on
+    the next replica of the ranking (e1); retries are counted by reason and nothing stays in flight.
+
+    Nothing here depends on timing: round-robin over the 3 ready replicas puts each one first at least once in
+    6 requests, 3 attempts (``--max-retries 2``) always reach e1, and e0 / e2 cannot turn unhealthy during the
+    test (``--unhealthy-after 100000``), so the ranking stays the same however slow the machine is.
+    """
     gst, gsrv = good
-    refused = f"http://127.0.0.1:{free_port()}"
-    with DroppingEngine() as drop, router_for([drop.url, gsrv.url, refused]) as router:
-        ready(router, 2)
-        for stream in (False, True, False, True):
-            r = httpx.post(router.url + "/v1/completions", json={**BODY, "stream": stream}, timeout=10)
+    with DroppingEngine() as drop, DroppingEngine() as gone, \
+            router_for([drop.url, gsrv.url, gone.url], "--unhealthy-after", "100000") as router:
+        ready(router, 3)
+        gone.refuse()
+        for stream in (False, True, False, True, False, True):
+            r = httpx.post(router.url + "/v1/completions", json={**BODY, "stream": stream}, timeout=30)
             assert r.status_code == 200, r.text
             assert r.headers["x-kvroute-replica"] == "e1"
-        assert drop.posts >= 1
+        assert gst.posts == 6 and drop.posts >= 1 and gone.posts == 0
         assert metric(router, "kvroute_retries_total", {"reason": "connection_lost"}) == drop.posts
+        assert metric(router, "kvroute_retries_total", {"reason": "connect_error"}) >= 1
+        assert metric(router, "kvroute_retries_total") == drop.posts + metric(
+            router, "kvroute_retries_total", {"reason": "connect_error"})
         assert inflight(router) == [0, 0, 0]
 
 
