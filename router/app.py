@@ -35,6 +35,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.json_schema import models_json_schema
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -449,6 +450,51 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _KvrouteApp(FastAPI):
+    """The FastAPI app with a direct path for the data-plane routes.
+
+    ``POST /v1/completions`` and ``POST /v1/chat/completions`` (every request of a fleet goes through them) skip
+    Starlette's middleware and routing stack (error middleware, exception middleware, exit stack, route matching,
+    dependency solving: ~0.3 ms of CPU per request measured with ``loadtest.bench_proxy``). They still pass
+    through ``_Edge`` (body limit, request counters) and exceptions are answered by the same handlers the app
+    registers with ``exception_handler`` (looked up along the exception's MRO, as Starlette does); anything
+    unhandled is logged and answered 500 in JSON. With CORS configured every request takes the normal path.
+    """
+
+    def enable_fast_path(self, routes: dict[str, Callable[[Request], Awaitable[Response]]],
+                         telemetry: Telemetry, max_body: int) -> None:
+        """Serve ``routes`` (path -> endpoint taking the Request) directly for POST requests."""
+        self._fast_routes = routes
+        self._fast_edge = _Edge(self._fast_asgi, telemetry, max_body)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI entry: the data-plane routes directly, everything else through FastAPI."""
+        routes = getattr(self, "_fast_routes", None)
+        if routes and scope["type"] == "http" and scope.get("method") == "POST" and scope["path"] in routes:
+            scope["app"] = self
+            await self._fast_edge(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+    async def _fast_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
+        try:
+            response = await self._fast_routes[scope["path"]](request)
+        except (_BodyTooLarge, asyncio.CancelledError):
+            raise
+        except ClientDisconnect:
+            return  # nobody to answer
+        except Exception as exc:
+            handler = next((self.exception_handlers[c] for c in type(exc).__mro__ if c in self.exception_handlers),
+                           None)
+            if handler is None:
+                log.exception("unhandled error", extra={"path": scope["path"]})
+                response = error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+            else:
+                response = await handler(request, exc)
+        await response(scope, receive, send)
+
+
 async def _send_error(send: Send, status: int, message: str, code: str) -> None:
     resp = error_response(status, message, code)
     await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
@@ -484,7 +530,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             await svc.proxy.aclose()
             await svc.tokenizer.aclose()
 
-    app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan,
+    app = _KvrouteApp(title="kvroute", version="0.1.0", lifespan=lifespan,
                   description="Cache-aware router for LLM inference fleets (OpenAI-compatible).")
     app.state.services = svc
     if settings.cors_origins:
@@ -668,6 +714,10 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
             "chat_template_kwargs": body.chat_template_kwargs})
         return await serve(request, inp, "/v1/chat/completions", body.stream)
+
+    if not settings.cors_origins:  # CORS headers come from a middleware: keep those requests on the normal path
+        app.enable_fast_path({"/v1/completions": completions, "/v1/chat/completions": chat_completions},
+                             svc.telemetry, settings.max_request_bytes)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERR},
              summary="models served by the replicas (union)")

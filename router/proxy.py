@@ -35,7 +35,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import anyio
 import orjson
 from starlette.requests import ClientDisconnect, Request
@@ -43,6 +42,14 @@ from starlette.responses import Response, StreamingResponse
 
 from membership.replicas import Replica, ReplicaState
 from policies.base import Observation
+from router.engine_client import (
+    EngineConnectError,
+    EngineConnectionLost,
+    EngineConnectTimeout,
+    EngineError,
+    EnginePool,
+    EngineResponse,
+)
 from router.routing import Routed, Router, RoutingError
 from router.telemetry import Telemetry
 
@@ -124,25 +131,22 @@ class Proxy:
         self._headers: dict[str, str] = {}
         if config.engine_api_key:
             self._headers["authorization"] = f"Bearer {config.engine_api_key}"
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: EnginePool | None = None
 
-    def session(self) -> aiohttp.ClientSession:
-        """The pooled aiohttp session (created on first use, inside the event loop)."""
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0,
-                                             keepalive_timeout=self.cfg.keepalive_timeout_s, enable_cleanup_closed=True)
+    def pool(self) -> EnginePool:
+        """The engine connection pool (created on first use, inside the event loop)."""
+        if self._pool is None or self._pool.closed:
             # read timeouts are enforced by the proxy itself (first byte, idle gap, total deadline)
-            self._session = aiohttp.ClientSession(
-                connector=connector, headers=self._headers, auto_decompress=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
-                                              connect=self.cfg.connect_timeout_s + 1.0))
-        return self._session
+            self._pool = EnginePool(connect_timeout_s=self.cfg.connect_timeout_s,
+                                    keepalive_timeout_s=self.cfg.keepalive_timeout_s,
+                                    max_connections=self.cfg.max_connections, headers=self._headers)
+        return self._pool
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
 
     # -- entry point -----------------------------------------------------------------------------------
     async def forward(self, request: Request, routed: Routed, path: str, body: bytes, *, stream: bool,
@@ -235,7 +239,7 @@ class Proxy:
             router.record_prediction(rep, inp.keys)
             t0 = time.monotonic()
             try:
-                resp, it, first = await self._open(rep, path, body, headers, deadline)
+                resp, first = await self._open(rep, path, body, headers, deadline)
             except _AttemptFailed as exc:
                 router.prefill_done(rep, uncached)
                 router.release(rep)
@@ -254,7 +258,7 @@ class Proxy:
                 raise
             ttft = time.monotonic() - t0
             router.prefill_done(rep, uncached)
-            return await self._commit(rep, routed, resp, it, first, ttft, deadline, stream, request_id,
+            return await self._commit(rep, routed, resp, first, ttft, deadline, stream, request_id,
                                       cached.get(idx, 0))
         # every attempt failed
         if last is None:
@@ -267,28 +271,24 @@ class Proxy:
         return error_response(last.status, msg, last.reason, headers={"x-request-id": request_id})
 
     async def _open(self, rep: Replica, path: str, body: bytes, headers: dict[str, str],
-                    deadline: float) -> tuple[aiohttp.ClientResponse, AsyncIterator[bytes], bytes]:
+                    deadline: float) -> tuple[EngineResponse, bytes]:
         """Send the request and wait for headers + the first body chunk. Raises _AttemptFailed."""
         budget = min(self.cfg.first_byte_timeout_s, deadline - time.monotonic())
-        resp: aiohttp.ClientResponse | None = None
+        resp: EngineResponse | None = None
         try:
             async with asyncio.timeout(max(0.001, budget)):
-                resp = await self.session().post(rep.url + path, data=body, headers=headers)
+                resp = await self.pool().post(rep.url, path, body, headers)
                 if resp.status >= 500:
-                    data = await resp.content.read(_ERR_BODY_BYTES)
+                    data = await resp.read_all(_ERR_BODY_BYTES)
                     resp.close()
                     raise _AttemptFailed(f"engine_{resp.status}",
                                          f"engine answered {resp.status}: {data[:300].decode(errors='replace')}",
                                          retry=True, status=502)
-                it = resp.content.iter_any().__aiter__()
-                try:
-                    first = await it.__anext__()
-                except StopAsyncIteration:
-                    first = b""
-                return resp, it, first
+                first = await resp.read_chunk()
+                return resp, first
         except _AttemptFailed:
             raise
-        except aiohttp.ConnectionTimeoutError as exc:  # an overloaded engine, not necessarily a dead one
+        except EngineConnectTimeout as exc:  # an overloaded engine, not necessarily a dead one
             raise _AttemptFailed("connect_timeout", f"connect timed out: {exc}", retry=True) from None
         except TimeoutError:
             if resp is not None:
@@ -296,15 +296,14 @@ class Proxy:
             raise _AttemptFailed("first_byte_timeout",
                                  f"no response within {budget:.3g}s (first_byte_timeout_s)",
                                  retry=False, status=504) from None
-        except aiohttp.ClientConnectorError as exc:
-            raise _AttemptFailed("connect_error", f"cannot connect: {type(exc).__name__}: {exc}",
-                                 retry=True, connection=True) from None
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
+        except EngineConnectError as exc:
+            raise _AttemptFailed("connect_error", f"cannot connect: {exc}", retry=True, connection=True) from None
+        except EngineConnectionLost as exc:
             if resp is not None:
                 resp.close()
-            raise _AttemptFailed("connection_lost", f"connection lost before the first byte: "
-                                 f"{type(exc).__name__}: {exc}", retry=True, connection=True) from None
-        except aiohttp.ClientError as exc:
+            raise _AttemptFailed("connection_lost", f"connection lost before the first byte: {exc}",
+                                 retry=True, connection=True) from None
+        except EngineError as exc:
             if resp is not None:
                 resp.close()
             raise _AttemptFailed("upstream_error", f"{type(exc).__name__}: {exc}", retry=True) from None
@@ -314,9 +313,7 @@ class Proxy:
             raise
 
     # -- committed answers -----------------------------------------------------------------------------
-    async def _commit(self, rep: Replica, routed: Routed, resp: aiohttp.ClientResponse,
-                      it: AsyncIterator[bytes],
-                      first: bytes, ttft: float,
+    async def _commit(self, rep: Replica, routed: Routed, resp: EngineResponse, first: bytes, ttft: float,
                       deadline: float, stream: bool, request_id: str, predicted_cached: int) -> Response:
         out_headers = {"x-request-id": request_id, "x-kvroute-replica": rep.name,
                        "x-kvroute-predicted-cached-tokens": str(predicted_cached)}
@@ -326,15 +323,18 @@ class Proxy:
         if status < 400:
             self.telemetry.ttft.labels(rep.name).observe(ttft)
         if is_sse and status < 400:
-            relay = _Relay(self, rep, routed, resp, it, first, ttft, deadline, request_id, predicted_cached)
+            relay = _Relay(self, rep, routed, resp, first, ttft, deadline, request_id, predicted_cached)
             return _ProxyStream(relay, status_code=status, media_type=ctype, headers=out_headers)
         # non-streaming: read the rest now
         chunks = [first]
         try:
             async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
-                async for chunk in it:
+                while first:
+                    chunk = await resp.read_chunk()
+                    if not chunk:
+                        break
                     chunks.append(chunk)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, EngineError) as exc:
             self.router.release(rep)
             resp.close()
             self.telemetry.upstream_errors.labels("body_failed").inc()
@@ -391,10 +391,9 @@ class _Relay:
     cancelled before its generator ever started has no ``finally`` to run).
     """
 
-    def __init__(self, proxy: Proxy, rep: Replica, routed: Routed, resp: aiohttp.ClientResponse,
-                 it: AsyncIterator[bytes], first: bytes, ttft: float, deadline: float, request_id: str,
-                 predicted_cached: int) -> None:
-        self.proxy, self.rep, self.routed, self.resp, self.it = proxy, rep, routed, resp, it
+    def __init__(self, proxy: Proxy, rep: Replica, routed: Routed, resp: EngineResponse, first: bytes,
+                 ttft: float, deadline: float, request_id: str, predicted_cached: int) -> None:
+        self.proxy, self.rep, self.routed, self.resp = proxy, rep, routed, resp
         self.first, self.ttft, self.deadline, self.request_id = first, ttft, deadline, request_id
         self.predicted_cached = predicted_cached
         self.tail = bytearray(first[-_TAIL_BYTES:])
@@ -416,17 +415,14 @@ class _Relay:
                 idle = self.proxy.cfg.idle_timeout_s
                 try:
                     async with asyncio.timeout(min(remaining, idle)):
-                        chunk = await self.it.__anext__()
-                except StopAsyncIteration:
-                    self.ok = True
-                    break
+                        chunk = await self.resp.read_chunk()
                 except TimeoutError:
                     reason, msg = (("idle_timeout", f"engine sent nothing for {idle:g}s (idle_timeout_s)")
                                    if idle < remaining else ("total_timeout", "stream exceeded total_timeout_s"))
                     telemetry.upstream_errors.labels(reason).inc()
                     yield _sse_error(504, msg, reason)
                     break
-                except aiohttp.ClientError as exc:
+                except EngineError as exc:
                     reason = "stream_broken"
                     telemetry.upstream_errors.labels(reason).inc()
                     log.warning("stream failed", extra={"request_id": self.request_id, "replica": self.rep.name,
@@ -434,11 +430,13 @@ class _Relay:
                     yield _sse_error(502, f"engine {self.rep.name} failed mid-stream: {type(exc).__name__}",
                                      reason)
                     break
-                if chunk:
-                    self.tail += chunk
-                    if len(self.tail) > 2 * _TAIL_BYTES:
-                        del self.tail[:-_TAIL_BYTES]
-                    yield chunk
+                if not chunk:
+                    self.ok = True
+                    break
+                self.tail += chunk
+                if len(self.tail) > 2 * _TAIL_BYTES:
+                    del self.tail[:-_TAIL_BYTES]
+                yield chunk
         finally:
             # a complete stream is finished by _ProxyStream after the client got its last byte (the feedback
             # and policy update are then off the client's latency); failures and cancellations clean up here

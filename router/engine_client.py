@@ -1,0 +1,409 @@
+"""A lean HTTP/1.1 client for the router -> engine hop: pooled keep-alive connections on raw asyncio protocols.
+
+The proxy sends one POST per attempt and relays the answer chunk by chunk. A general-purpose client (aiohttp,
+httpx) spends most of its per-request CPU on machinery this hop does not need (cookie jars, redirects,
+decompression, tracing hooks, per-request timeout objects, stream reader layers). This module does only what
+the hop needs, with ``httptools`` (the llhttp parser uvicorn uses) parsing the engine's responses:
+
+* ``EnginePool.post(base_url, path, body, headers)`` writes the request in one ``transport.write`` on an idle
+  pooled connection to that engine (or a new one, within ``connect_timeout_s``) and returns an
+  ``EngineResponse`` once the status line and headers have arrived;
+* ``EngineResponse.read_chunk()`` returns the body as it arrives (chunked transfer decoding done by the parser),
+  ``b""`` at the end; reading pauses the socket when more than ``_HIGH_WATER`` bytes wait unread;
+* ``release()`` returns a fully read keep-alive connection to the pool, ``close()`` drops it (the engine sees
+  the close and aborts the request). Idle connections older than ``keepalive_timeout_s`` are not reused
+  (engines close idle connections themselves: uvicorn after 5 s).
+
+Failures raise ``EngineError`` subclasses the proxy maps to retry decisions: ``EngineConnectError`` (cannot
+connect), ``EngineConnectTimeout``, ``EngineConnectionLost`` (closed or reset), ``EngineProtocolError``
+(not HTTP). Read timeouts are the caller's (``asyncio.timeout`` around the awaits).
+
+Units: seconds, bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import time
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+#: unread body bytes above which the connection stops reading from the socket (bytes)
+_HIGH_WATER = 1 << 20
+
+
+class EngineError(Exception):
+    """An engine request failed at the HTTP or connection level."""
+
+
+class EngineConnectError(EngineError):
+    """The connection could not be established (refused, unreachable, DNS)."""
+
+
+class EngineConnectTimeout(EngineError):
+    """The connection was not established within ``connect_timeout_s``."""
+
+
+class EngineConnectionLost(EngineError):
+    """The connection was closed or reset before the response was complete."""
+
+
+class EngineProtocolError(EngineError):
+    """The engine's bytes are not a valid HTTP/1.1 response."""
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to an engine and the response currently being read on it."""
+
+    __slots__ = ("key", "transport", "parser", "status", "headers", "chunks", "buffered", "complete", "error",
+                 "waiter", "header_waiter", "closed", "idle_since", "paused", "_delimited", "accounted", "keep_alive")
+
+    def __init__(self, key: tuple[str, int]) -> None:
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.accounted = True  # counted in the pool's open connections until dropped once
+        self._reset()
+
+    def _reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.complete = False
+        self.error: EngineError | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.header_waiter: asyncio.Future[None] | None = None
+        self.paused = False
+        self._delimited = False
+        self.keep_alive = False
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Keep the transport; Nagle off (small SSE chunks must not wait for ACKs)."""
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        """Feed the parser; a parse error fails the response and the connection."""
+        if self.complete or self.header_waiter is None:
+            # bytes outside any request (or after the response): the connection cannot be trusted any more
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(EngineProtocolError("engine answered with a protocol upgrade"))
+        except httptools.HttpParserError as exc:
+            self._fail(EngineProtocolError(f"invalid HTTP response: {exc}"))
+
+    def eof_received(self) -> bool:
+        """The engine closed its side: end a read-until-close body, else the response is lost."""
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Mark the connection dead; a response still being read ends with EngineConnectionLost (or completes
+        when its body was delimited by the close)."""
+        self.closed = True
+        if self.complete:
+            return
+        if self.header_waiter is not None and self.status and not self._delimited and self.error is None:
+            self.complete = True  # no Content-Length, not chunked: the body ended with the connection
+            self._wake()
+            return
+        what = f": {exc}" if exc else ""
+        self._fail(EngineConnectionLost(f"connection closed by the engine{what}"), close=False)
+
+    def pause_writing(self) -> None:  # noqa: D102 (requests are written in one call; nothing to pause)
+        pass
+
+    def resume_writing(self) -> None:  # noqa: D102
+        pass
+
+    # -- httptools callbacks ---------------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """One response header (names lower-cased; repeated names keep the last value)."""
+        n = name.decode("latin-1").lower()
+        self.headers[n] = value.decode("latin-1")
+        if n == "content-length" or (n == "transfer-encoding" and b"chunked" in value.lower()):
+            self._delimited = True
+
+    def on_headers_complete(self) -> None:
+        """Status and headers are known: wake ``post``."""
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # only valid before the message completes
+        fut = self.header_waiter
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        """A piece of the (de-chunked) body."""
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        """The response is complete."""
+        self.complete = True
+        self._wake()
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        fut = self.waiter
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _fail(self, err: EngineError, *, close: bool = True) -> None:
+        if self.error is None:
+            self.error = err
+        for fut in (self.header_waiter, self.waiter):
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        if close and self.transport is not None:
+            self.transport.abort()
+        self.closed = True
+
+    @property
+    def reusable(self) -> bool:
+        """A fully read keep-alive response on a live connection."""
+        return (self.complete and self.error is None and not self.closed and self.transport is not None
+                and not self.transport.is_closing() and self.keep_alive and not self.chunks)
+
+
+class EngineResponse:
+    """The answer of one ``EnginePool.post``: status, headers and the body as it arrives.
+
+    Attributes:
+        status: HTTP status code.
+        headers: response headers, names lower-cased.
+    """
+
+    __slots__ = ("_conn", "_pool", "status", "headers", "_done")
+
+    def __init__(self, conn: _Conn, pool: EnginePool) -> None:
+        self._conn = conn
+        self._pool = pool
+        self.status = conn.status
+        self.headers = conn.headers
+        self._done = False
+
+    async def read_chunk(self) -> bytes:
+        """The next piece of the body (bytes as the engine sent them, de-chunked); ``b""`` when the body is over.
+
+        Raises:
+            EngineConnectionLost, EngineProtocolError: the connection failed before the body was complete.
+        """
+        conn = self._conn
+        while True:
+            if conn.chunks:
+                data = conn.chunks.popleft()
+                conn.buffered -= len(data)
+                if conn.paused and conn.buffered <= _HIGH_WATER // 2 and conn.transport is not None:
+                    conn.paused = False
+                    conn.transport.resume_reading()
+                return data
+            if conn.error is not None:
+                raise conn.error
+            if conn.complete:
+                return b""
+            fut = asyncio.get_running_loop().create_future()
+            conn.waiter = fut
+            try:
+                await fut
+            finally:
+                conn.waiter = None
+
+    async def read_all(self, limit: int | None = None) -> bytes:
+        """The rest of the body (at most ``limit`` bytes when given: the read stops there)."""
+        parts: list[bytes] = []
+        size = 0
+        while limit is None or size < limit:
+            chunk = await self.read_chunk()
+            if not chunk:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+        data = b"".join(parts)
+        return data if limit is None else data[:limit]
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has been received (it may still be unread)."""
+        return self._conn.complete and self._conn.error is None
+
+    def release(self) -> None:
+        """Done with the response: a fully read keep-alive connection goes back to the pool, others close."""
+        if self._done:
+            return
+        self._done = True
+        self._pool._give_back(self._conn)
+
+    def close(self) -> None:
+        """Drop the connection now (the engine sees the close and aborts the request)."""
+        if self._done:
+            return
+        self._done = True
+        self._pool._drop(self._conn)
+
+
+class EnginePool:
+    """Keep-alive connections to engines, per (host, port); POST requests on them.
+
+    Args:
+        connect_timeout_s: limit for establishing a new connection (seconds).
+        keepalive_timeout_s: idle connections older than this are closed instead of reused (seconds); keep it
+            below the engines' own idle timeout (uvicorn: 5 s) so the pool never sends on a connection the
+            engine is closing.
+        max_connections: open connections at most (in use + idle, all engines); ``post`` waits for a free one.
+        max_idle_per_host: idle connections kept per engine.
+        headers: sent with every request (e.g. ``authorization``).
+    """
+
+    def __init__(self, *, connect_timeout_s: float = 2.0, keepalive_timeout_s: float = 4.0,
+                 max_connections: int = 1000, max_idle_per_host: int = 64,
+                 headers: Mapping[str, str] | None = None) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.max_idle_per_host = max_idle_per_host
+        self._extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._slots = asyncio.Semaphore(max_connections) if max_connections > 0 else None
+        self._open = 0
+        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self.closed = False
+
+    @property
+    def open_connections(self) -> int:
+        """Connections currently open (in use + idle)."""
+        return self._open
+
+    def _target(self, base_url: str) -> tuple[tuple[str, int], bytes]:
+        got = self._targets.get(base_url)
+        if got is None:
+            parts = urlsplit(base_url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise EngineConnectError(f"unsupported engine URL {base_url!r} (http://host:port expected)")
+            port = parts.port or 80
+            prefix = parts.path.rstrip("/").encode()
+            host_header = parts.netloc.encode("latin-1")
+            got = ((parts.hostname, port), prefix + b"\x00" + host_header)
+            self._targets[base_url] = got
+        return got
+
+    async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> EngineResponse:
+        """POST ``body`` to ``base_url + path``; return when the status line and headers arrived.
+
+        Raises:
+            EngineConnectError, EngineConnectTimeout, EngineConnectionLost, EngineProtocolError.
+        """
+        if self.closed:
+            raise EngineConnectError("the engine connection pool is closed")
+        key, meta = self._target(base_url)
+        prefix, _, host_header = meta.partition(b"\x00")
+        conn = self._idle_conn(key)
+        if conn is None:
+            conn = await self._connect(key)
+        loop = asyncio.get_running_loop()
+        conn._reset()
+        fut = loop.create_future()
+        conn.header_waiter = fut
+        head = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
+        assert conn.transport is not None
+        conn.transport.write(b"POST " + prefix + path.encode() + b" HTTP/1.1\r\nhost: " + host_header
+                             + b"\r\n" + self._extra + head + b"content-length: " + str(len(body)).encode()
+                             + b"\r\n\r\n" + body)
+        try:
+            await fut
+        except BaseException:
+            self._drop(conn)
+            raise
+        if conn.error is not None:
+            self._drop(conn)
+            raise conn.error
+        return EngineResponse(conn, self)
+
+    def _idle_conn(self, key: tuple[str, int]) -> _Conn | None:
+        stack = self._idle.get(key)
+        if not stack:
+            return None
+        now = time.monotonic()
+        while stack:
+            conn = stack.pop()  # most recently used first: its peer has not timed it out
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing() \
+                    and now - conn.idle_since < self.keepalive_timeout_s:
+                return conn
+            self._drop(conn)
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> _Conn:
+        if self._slots is not None:
+            await self._slots.acquire()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: _Conn(key), key[0], key[1])
+        except TimeoutError:
+            self._release_slot()
+            raise EngineConnectTimeout(f"connect to {key[0]}:{key[1]} timed out after "
+                                       f"{self.connect_timeout_s:g}s") from None
+        except OSError as exc:
+            self._release_slot()
+            raise EngineConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}") from None
+        except BaseException:
+            self._release_slot()
+            raise
+        self._open += 1
+        return conn
+
+    def _release_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    def _drop(self, conn: _Conn) -> None:
+        """Close ``conn`` (abort when its response is unfinished) and free its slot, once."""
+        if conn.transport is not None and not conn.transport.is_closing():
+            if conn.complete:
+                conn.transport.close()
+            else:
+                conn.transport.abort()
+        conn.closed = True
+        if conn.accounted:
+            conn.accounted = False
+            self._open -= 1
+            self._release_slot()
+
+    def _give_back(self, conn: _Conn) -> None:
+        if self.closed or not conn.reusable:
+            self._drop(conn)
+            return
+        stack = self._idle.setdefault(conn.key, [])
+        if len(stack) >= self.max_idle_per_host:
+            self._drop(conn)
+            return
+        conn.header_waiter = None
+        conn.idle_since = time.monotonic()
+        stack.append(conn)
+
+    async def aclose(self) -> None:
+        """Close every idle connection; later ``post`` calls fail."""
+        self.closed = True
+        for stack in self._idle.values():
+            for conn in stack:
+                self._drop(conn)
+        self._idle.clear()
