@@ -1,0 +1,250 @@
+"""router/engine_client.py against real loopback servers speaking raw HTTP/1.1 (every framing the engines use)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from router.engine_client import (
+    EngineConnectError,
+    EngineConnectionLost,
+    EngineConnectTimeout,
+    EnginePool,
+    EngineProtocolError,
+)
+from tests.helpers import free_port
+
+
+class RawServer:
+    """A loopback HTTP server whose answer per request is given as raw bytes by ``answer(request_bytes)``.
+
+    ``answer`` returns the bytes to write and whether to close the connection afterwards. Counts connections
+    and requests.
+    """
+
+    def __init__(self, answer: Callable[[bytes], tuple[bytes, bool]]) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = await reader.readexactly(length) if length else b""
+                self.requests.append(head + body)
+                data, close = self.answer(head + body)
+                writer.write(data)
+                await writer.drain()
+                if close:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> RawServer:
+        self.port = free_port()
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for w in self.writers:
+            w.close()
+        await self.server.wait_closed()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def chunked(*parts: bytes, status: int = 200, ctype: bytes = b"text/event-stream") -> bytes:
+    head = b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n" % (status, ctype)
+    return head + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+def sized(body: bytes, status: int = 200, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        status, len(body), extra, body)
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[EnginePool]:
+    p = EnginePool(connect_timeout_s=2.0, keepalive_timeout_s=4.0)
+    yield p
+    await p.aclose()
+
+
+async def test_chunked_stream_is_decoded_and_the_connection_reused(pool: EnginePool) -> None:
+    async with RawServer(lambda req: (chunked(b"data: 1\n\n", b"data: [DONE]\n\n"), False)) as srv:
+        for i in range(3):
+            r = await pool.post(srv.url, "/v1/completions", b'{"a": %d}' % i, {"content-type": "application/json"})
+            assert r.status == 200 and r.headers["content-type"] == "text/event-stream"
+            assert await r.read_all() == b"data: 1\n\ndata: [DONE]\n\n"
+            assert r.complete
+            r.release()
+        assert srv.connections == 1  # keep-alive: one connection for all three
+        assert pool.open_connections == 1
+        req = srv.requests[2]
+        assert req.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+        assert b"content-length: 8\r\n" in req and req.endswith(b'{"a": 2}')
+        assert b"host: 127.0.0.1:" in req
+
+
+async def test_content_length_body_and_default_headers() -> None:
+    pool = EnginePool(headers={"authorization": "Bearer k"})
+    try:
+        async with RawServer(lambda req: (sized(b'{"ok": true}'), False)) as srv:
+            r = await pool.post(srv.url, "/x", b"{}", {"x-request-id": "r1"})
+            assert (r.status, await r.read_chunk(), await r.read_chunk()) == (200, b'{"ok": true}', b"")
+            r.release()
+            assert b"authorization: Bearer k\r\n" in srv.requests[0] and b"x-request-id: r1\r\n" in srv.requests[0]
+    finally:
+        await pool.aclose()
+
+
+async def test_body_delimited_by_close_and_connection_close_are_not_reused(pool: EnginePool) -> None:
+    async with RawServer(lambda req: (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil close", True)) as srv:
+        for _ in range(2):
+            r = await pool.post(srv.url, "/", b"", {})
+            assert await r.read_all() == b"until close"
+            r.release()
+        assert srv.connections == 2
+    async with RawServer(lambda req: (sized(b"x", extra=b"connection: close\r\n"), True)) as srv:
+        for _ in range(2):
+            r = await pool.post(srv.url, "/", b"", {})
+            assert await r.read_all() == b"x"
+            r.release()
+        assert srv.connections == 2
+    assert pool.open_connections == 0
+
+
+async def test_connect_errors(pool: EnginePool) -> None:
+    with pytest.raises(EngineConnectError):
+        await pool.post(f"http://127.0.0.1:{free_port()}", "/", b"", {})
+    with pytest.raises(EngineConnectError):
+        await pool.post("https://127.0.0.1:1", "/", b"", {})
+    assert pool.open_connections == 0
+
+
+async def test_connect_timeout() -> None:
+    # a listener that never accepts, its accept queue filled: further handshakes get no answer
+    lsn = socket.socket()
+    lsn.bind(("127.0.0.1", 0))
+    lsn.listen(0)
+    fillers = []
+    port = lsn.getsockname()[1]
+    slow = EnginePool(connect_timeout_s=0.3)
+    try:
+        for _ in range(8):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            fillers.append(s)
+        with pytest.raises(EngineConnectTimeout, match="timed out after 0.3s"):
+            await slow.post(f"http://127.0.0.1:{port}", "/", b"", {})
+        assert slow.open_connections == 0
+    finally:
+        await slow.aclose()
+        for s in fillers:
+            s.close()
+        lsn.close()
+
+
+async def test_connection_dropped_before_headers_and_mid_body(pool: EnginePool) -> None:
+    async with RawServer(lambda req: (b"", True)) as srv:
+        with pytest.raises(EngineConnectionLost):
+            await pool.post(srv.url, "/", b"{}", {})
+    partial = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    async with RawServer(lambda req: (partial, True)) as srv:
+        r = await pool.post(srv.url, "/", b"{}", {})
+        assert await r.read_chunk() == b"hello"
+        with pytest.raises(EngineConnectionLost):
+            await r.read_chunk()
+        r.close()
+    assert pool.open_connections == 0
+
+
+async def test_garbage_is_a_protocol_error(pool: EnginePool) -> None:
+    async with RawServer(lambda req: (b"SSH-2.0-OpenSSH\r\n\r\n", False)) as srv:
+        with pytest.raises(EngineProtocolError):
+            await pool.post(srv.url, "/", b"{}", {})
+    assert pool.open_connections == 0
+
+
+async def test_idle_connection_closed_by_the_engine_is_not_reused(pool: EnginePool) -> None:
+    async with RawServer(lambda req: (sized(b"1"), False)) as srv:
+        r = await pool.post(srv.url, "/", b"", {})
+        assert await r.read_all() == b"1"
+        r.release()
+        for w in srv.writers:  # the engine closes its idle keep-alive connection
+            w.close()
+        await asyncio.wait_for(_until(lambda: all(c.closed for cs in pool._idle.values() for c in cs)), 5)
+        r = await pool.post(srv.url, "/", b"", {})
+        assert await r.read_all() == b"1"
+        r.release()
+        assert srv.connections == 2
+
+
+async def test_keepalive_timeout_drops_old_idle_connections() -> None:
+    pool = EnginePool(keepalive_timeout_s=0.0)
+    try:
+        async with RawServer(lambda req: (sized(b"1"), False)) as srv:
+            for _ in range(2):
+                r = await pool.post(srv.url, "/", b"", {})
+                await r.read_all()
+                r.release()
+            assert srv.connections == 2
+    finally:
+        await pool.aclose()
+
+
+async def test_unread_response_is_not_reused_and_large_bodies_flow(pool: EnginePool) -> None:
+    big = [b"x" * 65536 for _ in range(40)]  # 2.5 MiB: reading pauses above the high-water mark and resumes
+    async with RawServer(lambda req: (chunked(*big, ctype=b"application/octet-stream"), False)) as srv:
+        r = await pool.post(srv.url, "/", b"", {})
+        first = await r.read_chunk()
+        r.close()  # abandoned mid-body: dropped, not pooled
+        assert first and pool.open_connections == 0
+        r = await pool.post(srv.url, "/", b"", {})
+        await asyncio.sleep(0)
+        data = await r.read_all()
+        assert len(data) == 40 * 65536
+        r.release()
+        assert srv.connections == 2 and pool.open_connections == 1
+
+
+async def test_max_connections_waits_for_a_free_slot() -> None:
+    pool = EnginePool(max_connections=1)
+    try:
+        async with RawServer(lambda req: (sized(b"1"), False)) as srv:
+            r1 = await pool.post(srv.url, "/", b"", {})
+            second = asyncio.ensure_future(pool.post(srv.url, "/", b"", {}))
+            await asyncio.sleep(0.05)
+            assert not second.done()  # the only slot is in use
+            await r1.read_all()
+            r1.close()  # frees the slot
+            r2 = await asyncio.wait_for(second, 5)
+            assert await r2.read_all() == b"1"
+            r2.release()
+    finally:
+        await pool.aclose()
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)
