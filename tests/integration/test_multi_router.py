@@ -6,7 +6,8 @@ for which the three routers chose the same replica. Modes:
 
 - ``events``: routers subscribe to the engines' KV events (confirmed entries; agreement should be ~100 %).
 - ``predicted+broadcast``: no KV events, routers record predicted entries and broadcast them through Redis.
-- ``predicted``: same without the broadcast (each router only knows its own decisions).
+- ``predicted``: same without the broadcast (each router only knows its own decisions: their views of a
+  prompt differ, by construction of the workload; their decisions may still coincide by chance).
 
 Run ``python -m tests.integration.test_multi_router`` to print the measured numbers as JSON.
 """
@@ -119,23 +120,34 @@ def _idle(decision: dict[str, Any]) -> bool:
     return True
 
 
-def _picks(client: httpx.Client, urls: list[str], body: dict[str, Any]) -> tuple[list[str], bool]:
-    """Each router's chosen replica for ``body``, and whether all of them saw an idle fleet."""
-    picks, idle = [], True
+def _view(decision: dict[str, Any]) -> str:
+    """What a router knows of a prompt: matched tokens per tier, per replica name (canonical JSON)."""
+    return json.dumps(sorted((c["name"], c["matched_tokens"]) for c in decision.get("candidates", [])),
+                      sort_keys=True)
+
+
+def _picks(client: httpx.Client, urls: list[str], body: dict[str, Any]) -> tuple[list[str], bool, list[str]]:
+    """Each router's chosen replica for ``body``, whether all of them saw an idle fleet, and each router's view of
+    the prompt's cached prefix (``_view``)."""
+    picks, idle, views = [], True, []
     for u in urls:
         r = client.post(u + "/route", json=body)
         if r.status_code != 200:
             picks.append(f"error {r.status_code}")
+            views.append(f"error {r.status_code}")
             continue
         d = r.json()
         picks.append(d["chosen"]["name"])
+        views.append(_view(d))
         idle = idle and _idle(d)
-    return picks, idle
+    return picks, idle, views
 
 
-def _settle(client: httpx.Client, urls: list[str], body: dict[str, Any], settle_key: str | None) -> None:
-    """Wait (<= 3 s each) until every router sees an idle fleet and, with ``settle_key``, the same index stats."""
-    deadline = time.monotonic() + 3.0
+def _settle(client: httpx.Client, urls: list[str], body: dict[str, Any], settle_key: str | None,
+            settle_s: float = 3.0) -> None:
+    """Wait (<= ``settle_s`` seconds each) until every router sees an idle fleet and, with ``settle_key``, the
+    same index stats. Not settling in time is not an error here: the agreement measured afterwards shows it."""
+    deadline = time.monotonic() + settle_s
     while time.monotonic() < deadline:
         if _picks(client, urls, body)[1]:
             break
@@ -143,13 +155,13 @@ def _settle(client: httpx.Client, urls: list[str], body: dict[str, Any], settle_
     if settle_key is not None:
         try:
             wait_until(lambda: len({json.dumps(_stats_key(u, settle_key), sort_keys=True) for u in urls}) == 1,
-                       3.0, interval=0.02, what="routers in sync")
+                       settle_s, interval=0.02, what="routers in sync")
         except AssertionError:
             pass
 
 
 def run_agreement(urls: list[str], seed: int, *, settle_key: str | None, redis: RedisServer | None = None,
-                  sessions: int = 12, turns: int = 4) -> dict[str, Any]:
+                  sessions: int = 12, turns: int = 4, settle_s: float = 3.0) -> dict[str, Any]:
     """Send the workload turn by turn; measure how often the three routers agree on the next turn.
 
     Each turn of every session is sent concurrently (turn ``k`` of session ``s`` through router ``(s + k) % 3``,
@@ -157,38 +169,48 @@ def run_agreement(urls: list[str], seed: int, *, settle_key: str | None, redis: 
     over replicas differently in each router. Then, once every router sees an idle fleet
     (and, with ``settle_key``, equal index stats), all three routers are asked ``/route`` for each session's next
     turn: the only information that can differ between them is what their prefix index holds. Returns agreement
-    (fraction of those probes where all three chose the same replica) and failed requests. ``redis`` is killed
-    after the first turn and restarted after the second when given.
+    (fraction of those probes where all three chose the same replica), view agreement (fraction where all three
+    reported the same matched tokens on every replica, i.e. knew the same about the prompt) and failed
+    requests. ``redis`` is killed after the first turn and restarted after the second when given. ``settle_s``:
+    how long to wait for an idle fleet and for equal index stats before each round of probes, seconds.
     """
     prompts = workload(seed, sessions, turns)
-    agree = probes = failures = 0
+    agree = same_views = probes = failures = 0
+    errors: list[str] = []
     with httpx.Client(timeout=30) as client, ThreadPoolExecutor(len(prompts)) as pool:
         for k in range(turns):
             if k > 0:
                 for turns_s in prompts:
-                    picks, _ = _picks(client, urls, {"model": "m", "prompt": turns_s[k], "max_tokens": 2})
+                    picks, _, views = _picks(client, urls, {"model": "m", "prompt": turns_s[k], "max_tokens": 2})
                     agree += len(set(picks)) == 1
+                    same_views += len(set(views)) == 1
                     probes += 1
             if redis is not None and k == 1:
                 redis.stop()
             if redis is not None and k == 2:
                 redis.start()
 
-            def send(s: int, k: int = k) -> int:
+            def send(s: int, k: int = k) -> str:
                 body = {"model": "m", "prompt": prompts[s][k], "max_tokens": 2}
-                with httpx.Client(timeout=30) as c:
-                    return c.post(urls[(s + k) % len(urls)] + "/v1/completions", json=body).status_code
+                try:
+                    with httpx.Client(timeout=30) as c:
+                        r = c.post(urls[(s + k) % len(urls)] + "/v1/completions", json=body)
+                except httpx.HTTPError as exc:
+                    return f"turn {k} session {s}: {type(exc).__name__}: {exc}"
+                return "" if r.status_code == 200 else f"turn {k} session {s}: {r.status_code} {r.text[:300]}"
 
-            codes = list(pool.map(send, range(len(prompts))))
-            failures += sum(c != 200 for c in codes)
+            errs = [e for e in pool.map(send, range(len(prompts))) if e]
+            failures += len(errs)
+            errors.extend(errs)
             nxt = {"model": "m", "prompt": prompts[0][min(k + 1, turns - 1)], "max_tokens": 2}
-            _settle(client, urls, nxt, settle_key)
+            _settle(client, urls, nxt, settle_key, settle_s)
         stats = client.get(urls[0] + "/index/stats").json()
     names = {str(v): k for k, v in _indices(urls[0]).items()}
     per_replica = {names.get(str(i), str(i)): sum(t.values()) for i, t in (stats.get("blocks") or {}).items()}
     predicted = {names.get(str(i), str(i)): n for i, n in (stats.get("predicted_blocks") or {}).items()}
     return {"requests": len(prompts) * turns, "probes": probes, "agreement": agree / max(1, probes),
-            "failures": failures, "router0_blocks_per_replica": per_replica,
+            "views_agreement": same_views / max(1, probes), "failures": failures, "errors": errors[:5],
+            "router0_blocks_per_replica": per_replica,
             "router0_predicted_blocks_per_replica": predicted}
 
 
@@ -225,16 +247,36 @@ def test_same_indices_and_event_mode_agreement(redis_fleet: tuple[RedisServer, F
     assert res["agreement"] >= 0.95, res
 
 
+#: Health settings that tolerate a CPU-starved machine: a replica turning unhealthy clears the predicted entries
+#: of the routers that noticed (at different moments), which is not what the agreement tests measure.
+TOLERANT_HEALTH = ("--probe-timeout-s", "5", "--unhealthy-after", "10")
+
+
 def test_predicted_mode_agreement_broadcast_on_vs_off(redis_fleet: tuple[RedisServer, Fleet]) -> None:
+    """Predicted entries (no KV events) are shared between routers by the broadcast, and only by it.
+
+    Each probe asks all three routers about a session's next turn. The previous turn went through exactly one
+    router and its text (random user words) extends every earlier prompt by several blocks, so:
+
+    - without broadcast the router that sent it holds a longer predicted match on the replica it chose than
+      the two others can hold: their views of the prompt differ on every probe, by construction (view agreement
+      exactly 0, however slow the machine; the decisions may still coincide by chance, so the agreement of the
+      decisions is printed, not compared);
+    - with broadcast every router learns every prediction: the same views (>= 95 %) and the same decisions
+      (>= 95 %). A broken broadcast fails both, just as the views differ without it.
+    """
     redis, f = redis_fleet
-    with routers(f, redis.url, events=False, broadcast=True) as urls:
-        on = run_agreement(urls, seed=12, settle_key="predicted_blocks", turns=3)
-    with routers(f, redis.url, events=False, broadcast=False) as urls:
+    with routers(f, redis.url, events=False, broadcast=True, extra=TOLERANT_HEALTH) as urls:
+        on = run_agreement(urls, seed=12, settle_key="predicted_blocks", turns=3, settle_s=30.0)
+    with routers(f, redis.url, events=False, broadcast=False, extra=TOLERANT_HEALTH) as urls:
         off = run_agreement(urls, seed=12, settle_key=None, turns=3)
-    print(f"\npredicted-mode agreement: broadcast on {on['agreement']:.3f}, off {off['agreement']:.3f}")
-    assert on["failures"] == 0 and off["failures"] == 0
+    print(f"\npredicted-mode agreement: broadcast on {on['agreement']:.3f} (views {on['views_agreement']:.3f}), "
+          f"off {off['agreement']:.3f} (views {off['views_agreement']:.3f})")
+    assert on["failures"] == 0 and off["failures"] == 0, (on["errors"], off["errors"])
+    assert off["probes"] == on["probes"] == 24
+    assert off["views_agreement"] == 0.0, off
+    assert on["views_agreement"] >= 0.95, on
     assert on["agreement"] >= 0.95, on
-    assert on["agreement"] > off["agreement"], (on, off)
 
 
 def test_redis_killed_and_restarted_during_traffic(redis_fleet: tuple[RedisServer, Fleet]) -> None:
