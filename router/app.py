@@ -465,34 +465,65 @@ class _KvrouteApp(FastAPI):
                          telemetry: Telemetry, max_body: int) -> None:
         """Serve ``routes`` (path -> endpoint taking the Request) directly for POST requests."""
         self._fast_routes = routes
-        self._fast_edge = _Edge(self._fast_asgi, telemetry, max_body)
+        self._fast_telemetry = telemetry
+        self._fast_max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: the data-plane routes directly, everything else through FastAPI."""
         routes = getattr(self, "_fast_routes", None)
         if routes and scope["type"] == "http" and scope.get("method") == "POST" and scope["path"] in routes:
-            scope["app"] = self
-            await self._fast_edge(scope, receive, send)
+            await self._fast(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
 
-    async def _fast_asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive, send)
+    async def _fast(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One data-plane request: body (with the ``_Edge`` size limit), endpoint, error mapping, counters."""
+        scope["app"] = self
+        path = scope["path"]
+        limit = self._fast_max_body
+        status = 500
         try:
-            response = await self._fast_routes[scope["path"]](request)
-        except (_BodyTooLarge, asyncio.CancelledError):
-            raise
+            for name, value in scope.get("headers", ()):
+                if name == b"content-length" and value.isdigit() and int(value) > limit:
+                    raise _BodyTooLarge()
+            parts: list[bytes] = []
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    status = 499
+                    return  # nobody to answer
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise _BodyTooLarge()
+                    parts.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            request = Request(scope, receive, send)
+            request._body = parts[0] if len(parts) == 1 else b"".join(parts)  # what Request.body() caches
+            try:
+                response = await self._fast_routes[path](request)
+            except (asyncio.CancelledError, ClientDisconnect):
+                raise
+            except Exception as exc:
+                handler = next((self.exception_handlers[c] for c in type(exc).__mro__
+                                if c in self.exception_handlers), None)
+                if handler is None:
+                    log.exception("unhandled error", extra={"path": path})
+                    response = error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+                else:
+                    response = await handler(request, exc)  # type: ignore[misc]  # async handlers only
+            status = response.status_code
+            await response(scope, receive, send)
+        except _BodyTooLarge:
+            status = 413
+            await _send_error(send, 413, f"request body over {limit} bytes (max_request_bytes)", "body_too_large")
         except ClientDisconnect:
-            return  # nobody to answer
-        except Exception as exc:
-            handler = next((self.exception_handlers[c] for c in type(exc).__mro__ if c in self.exception_handlers),
-                           None)
-            if handler is None:
-                log.exception("unhandled error", extra={"path": scope["path"]})
-                response = error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
-            else:
-                response = await handler(request, exc)
-        await response(scope, receive, send)
+            status = 499
+        finally:
+            self._fast_telemetry.requests.labels(path, str(status)).inc()
 
 
 async def _send_error(send: Send, status: int, message: str, code: str) -> None:

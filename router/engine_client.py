@@ -203,18 +203,26 @@ class EngineResponse:
         self.headers = conn.headers
         self._done = False
 
-    async def read_chunk(self) -> bytes:
-        """The next piece of the body (bytes as the engine sent them, de-chunked); ``b""`` when the body is over.
+    async def read_chunk(self, timeout_s: float | None = None) -> bytes:
+        """Everything of the body received so far and not yet read (de-chunked; pieces that arrived together
+        are returned joined); waits for more when nothing is buffered; ``b""`` when the body is over.
+
+        Args:
+            timeout_s: longest wait for data (seconds); None waits without limit. No timer is armed when data
+                is already buffered.
 
         Raises:
+            TimeoutError: nothing arrived within ``timeout_s``.
             EngineConnectionLost, EngineProtocolError: the connection failed before the body was complete.
         """
         conn = self._conn
         while True:
-            if conn.chunks:
-                data = conn.chunks.popleft()
-                conn.buffered -= len(data)
-                if conn.paused and conn.buffered <= _HIGH_WATER // 2 and conn.transport is not None:
+            chunks = conn.chunks
+            if chunks:
+                data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                conn.buffered = 0
+                if conn.paused and conn.transport is not None:
                     conn.paused = False
                     conn.transport.resume_reading()
                 return data
@@ -222,12 +230,16 @@ class EngineResponse:
                 raise conn.error
             if conn.complete:
                 return b""
-            fut = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
             conn.waiter = fut
+            timer = None if timeout_s is None else loop.call_later(max(0.0, timeout_s), _expire, fut)
             try:
                 await fut
             finally:
                 conn.waiter = None
+                if timer is not None:
+                    timer.cancel()
 
     async def read_all(self, limit: int | None = None) -> bytes:
         """The rest of the body (at most ``limit`` bytes when given: the read stops there)."""
@@ -260,6 +272,11 @@ class EngineResponse:
             return
         self._done = True
         self._pool._drop(self._conn)
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
 
 
 class EnginePool:

@@ -27,7 +27,6 @@ Units: seconds, bytes, tokens.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -171,23 +170,24 @@ class Proxy:
 
     async def _forward(self, request: Request, routed: Routed, path: str, body: bytes, stream: bool,
                        request_id: str) -> Response:
-        work = asyncio.ensure_future(self._attempts(routed, path, body, stream, request_id))
-        watch = asyncio.ensure_future(_wait_disconnect(request))
+        watch = _ClientWatch(request.receive)
         try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            resp = await self._attempts(routed, path, body, stream, request_id)
         except asyncio.CancelledError:
-            work.cancel()
-            watch.cancel()
+            watch.stop()
+            if not watch.left or not watch.uncancel():
+                raise
+            # the client went away before the answer started: the upstream request was cancelled with us
+            self.telemetry.upstream_errors.labels("client_disconnected").inc()
+            return Response(status_code=499)
+        except BaseException:
+            watch.stop()
             raise
-        if work in done:
-            watch.cancel()
-            return work.result()
-        # the client went away before the answer started: cancel the upstream request
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await work
-        self.telemetry.upstream_errors.labels("client_disconnected").inc()
-        return Response(status_code=499)
+        if isinstance(resp, _ProxyStream):
+            resp.watch = watch.disarm()  # the stream keeps watching (and re-arms it on its own task)
+        else:
+            watch.stop()
+        return resp
 
     async def _attempts(self, routed: Routed, path: str, body: bytes, stream: bool,
                         request_id: str) -> Response:
@@ -414,8 +414,7 @@ class _Relay:
                     break
                 idle = self.proxy.cfg.idle_timeout_s
                 try:
-                    async with asyncio.timeout(min(remaining, idle)):
-                        chunk = await self.resp.read_chunk()
+                    chunk = await self.resp.read_chunk(remaining if remaining < idle else idle)
                 except TimeoutError:
                     reason, msg = (("idle_timeout", f"engine sent nothing for {idle:g}s (idle_timeout_s)")
                                    if idle < remaining else ("total_timeout", "stream exceeded total_timeout_s"))
@@ -478,53 +477,83 @@ class _ProxyStream(StreamingResponse):
     def __init__(self, relay: _Relay, **kwargs: Any) -> None:
         super().__init__(relay.body(), **kwargs)
         self.relay = relay
+        #: the request's disconnect watcher, handed over by ``Proxy.forward`` (None: one is started here)
+        self.watch: _ClientWatch | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        task = asyncio.current_task()
-        state = {"streaming": True, "client_left": False}
-
-        async def watch() -> None:
-            while True:
-                message = await receive()
-                if message.get("type") == "http.disconnect":
-                    break
-            if state["streaming"] and task is not None:  # the client left mid-stream: stop relaying
-                state["client_left"] = True
-                task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
+        watch = self.watch or _ClientWatch(receive)
+        watch.arm()
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            watch.disarm()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            state["streaming"] = False
         except asyncio.CancelledError:
-            if not state["client_left"] or task is None:
+            watch.disarm()
+            if not watch.left or not watch.uncancel():
                 raise
-            task.uncancel()  # our own cancellation (client disconnected): the response is simply over
+            # our own cancellation (the client disconnected): the response is simply over
         except OSError:
             raise ClientDisconnect() from None
         finally:
-            state["streaming"] = False
-            watcher.cancel()
+            watch.stop()
             with anyio.CancelScope(shield=True):
                 await self.relay.finish()
         if self.background is not None:
             await self.background()
 
 
+class _ClientWatch:
+    """One small task per request waiting for the client's ``http.disconnect`` (the body was already read).
+
+    While armed it cancels the task it watches over (the request's own task) when the client leaves: before
+    the answer starts that cancels the upstream attempt, mid-stream it stops the relay. ``Proxy.forward`` hands
+    the same watcher to the stream, so a request costs one extra task, not one per phase.
+    """
+
+    __slots__ = ("task", "left", "armed", "_waiter")
+
+    def __init__(self, receive: Callable[[], Any]) -> None:
+        self.task = asyncio.current_task()
+        self.left = False
+        self.armed = True
+        self._waiter = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Callable[[], Any]) -> None:
+        while True:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                break
+        self.left = True
+        if self.armed and self.task is not None:
+            self.task.cancel()
+
+    def arm(self) -> None:
+        """Watch over the current task (cancel it when the client leaves)."""
+        self.task = asyncio.current_task()
+        self.armed = True
+        if self.left and self.task is not None:
+            self.task.cancel()  # left while nobody was armed
+
+    def disarm(self) -> _ClientWatch:
+        """Stop cancelling (the answer is complete or being handed over); returns self."""
+        self.armed = False
+        return self
+
+    def uncancel(self) -> bool:
+        """Undo the cancellation this watcher caused; True when no other cancellation is pending."""
+        return self.task is not None and self.task.uncancel() == 0
+
+    def stop(self) -> None:
+        """End the watcher task."""
+        self.armed = False
+        self._waiter.cancel()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------
-
-async def _wait_disconnect(request: Request) -> None:
-    """Return when the client disconnects (the body was already read)."""
-    while True:
-        message = await request.receive()
-        if message.get("type") == "http.disconnect":
-            return
-
 
 def _sse_error(status: int, message: str, code: str) -> bytes:
     """A terminal SSE error event (``event: error`` with an OpenAI-style error as data)."""
