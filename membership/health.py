@@ -1,17 +1,26 @@
-"""Active and passive health of replicas -> ReplicaTable states.
+"""Active and passive health of replicas -> ReplicaTable states: THE one probe / threshold state machine, used for
+statically configured replicas (``membership.static``) and for discovered ones (``membership.runtime``).
 
 Active: ``GET <url><path>`` (default ``/health``) every ``interval_s`` seconds (1–2 s recommended); a 2xx answer
-within ``timeout_s`` is a success, anything else (connection refused, timeout, 5xx) a failure. Passive: the proxy
-reports connection failures with ``record_failure(name)`` and completed requests with ``record_success(name)``.
+within ``timeout_s`` is a success (after the optional ``on_ok`` hook, e.g. learning the served models, also
+succeeded), anything else (connection refused, timeout, 5xx, an error in the hook) a failure. Passive: the proxy
+reports connection failures with ``record_failure(name)`` (which also wakes the probe loop, so the failure is
+confirmed or cleared at once) and completed requests with ``record_success(name)``.
 
 A replica becomes unhealthy after ``failure_threshold`` (3) consecutive failures (~3–5 s detection) and healthy
 again after ``success_threshold`` (2) consecutive successes. Unhealthy replicas are set to
-``ReplicaState.UNHEALTHY`` (no new requests); a recovered replica goes back to ``READY`` only if it was
-``UNHEALTHY`` (a replica that discovery set to ``draining`` stays draining). Discovery asks ``is_healthy(name)``
-before making a pod ready, so a readiness flap cannot override a failing health check.
+``ReplicaState.UNHEALTHY`` (no new requests); a recovering replica goes back to ``READY`` only if it is
+``UNHEALTHY`` (a replica that discovery set to ``draining`` stays draining). Who admits a ``joining`` replica:
 
-By default replicas configured statically (``labels["source"] == "static"``) are left to
-``membership.static``, which probes them itself; pass ``select`` to change that.
+* discovery (default, ``admit_joining=False``): Kubernetes sets pods ready itself and asks ``is_healthy(name)``
+  first, so a readiness flap cannot override a failing health check; a failing joining pod becomes unhealthy.
+* the checker (``admit_joining=True``, static replicas): a joining replica becomes ``READY`` on its first
+  successful probe (as does any replica on its first success ever) and stays ``joining`` while it fails.
+
+``select`` says which replicas a checker owns; by default statically configured replicas
+(``labels["source"] == "static"``) are left out: ``membership.static`` runs its own checker for them.
+
+Units: seconds.
 """
 
 from __future__ import annotations
@@ -20,8 +29,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -29,9 +39,18 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 
 log = logging.getLogger("kvroute.membership.health")
 
+#: ``on_ok(client, replica)``: called after a 2xx health answer, before the success is counted; raising makes
+#: the probe a failure.
+OkHook = Callable[[httpx.AsyncClient, Replica], Awaitable[None]]
+
+
+def is_static(rep: Replica) -> bool:
+    """True for a replica from configuration (``--replica`` / config file), as ``membership.static`` labels it."""
+    return rep.labels.get("source") == "static"
+
 
 def _not_static(rep: Replica) -> bool:
-    return rep.labels.get("source") != "static"
+    return not is_static(rep)
 
 
 @dataclass(slots=True)
@@ -45,6 +64,7 @@ class HealthRecord:
         probes: probes sent.
         last_error: text of the last failure.
         changed_at: ``time.monotonic()`` of the last verdict change, seconds.
+        ever_ok: at least one success was counted.
     """
 
     healthy: bool = True
@@ -53,6 +73,7 @@ class HealthRecord:
     probes: int = 0
     last_error: str = ""
     changed_at: float = 0.0
+    ever_ok: bool = False
 
 
 class HealthChecker:
@@ -67,12 +88,15 @@ class HealthChecker:
         success_threshold: consecutive successes before healthy again.
         headers: headers sent with probes (e.g. the engine API key).
         select: which replicas this checker owns (default: all but statically configured ones).
+        admit_joining: this checker makes ``joining`` replicas ready (see the module docstring).
+        on_ok: optional hook run after each 2xx health answer (e.g. learn models from ``/v1/models``).
     """
 
     def __init__(self, table: ReplicaTable, *, interval_s: float = 1.0, timeout_s: float = 1.0,
                  path: str = "/health", failure_threshold: int = 3, success_threshold: int = 2,
                  headers: Mapping[str, str] | None = None,
-                 select: Callable[[Replica], bool] = _not_static) -> None:
+                 select: Callable[[Replica], bool] = _not_static, admit_joining: bool = False,
+                 on_ok: OkHook | None = None) -> None:
         self.table = table
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -80,10 +104,13 @@ class HealthChecker:
         self.failure_threshold = max(1, failure_threshold)
         self.success_threshold = max(1, success_threshold)
         self.select = select
+        self.admit_joining = admit_joining
+        self.on_ok = on_ok
         self._headers = dict(headers or {})
         self._records: dict[str, HealthRecord] = {}
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
         table.on_remove(self._forget)
 
     def _forget(self, rep: Replica) -> None:
@@ -99,6 +126,10 @@ class HealthChecker:
         """The health record of ``name`` (None when never checked)."""
         return self._records.get(name)
 
+    def track(self, name: str) -> HealthRecord:
+        """The health record of ``name``, created (empty) when missing."""
+        return self._records.setdefault(name, HealthRecord())
+
     def _owned(self, name: str) -> Replica | None:
         rep = self.table.get(name)
         if rep is None or not self.select(rep):
@@ -106,58 +137,80 @@ class HealthChecker:
         return rep
 
     def record_failure(self, name: str, reason: str = "connection failed") -> bool:
-        """Count one failure (probe or proxy connection error). Returns True when it made ``name`` unhealthy."""
+        """Count one failure (probe or proxy connection error) and wake the probe loop.
+
+        Returns True when it made ``name`` unhealthy.
+        """
         rep = self._owned(name)
         if rep is None:
             return False
-        rec = self._records.setdefault(name, HealthRecord())
+        self._wake.set()
+        return self._failed(rep, reason)
+
+    def _failed(self, rep: Replica, reason: str) -> bool:
+        rec = self.track(rep.name)
         rec.failures += 1
         rec.successes = 0
         rec.last_error = reason[:200]
-        if rec.healthy and rec.failures >= self.failure_threshold:
+        if rec.failures < self.failure_threshold:
+            return False
+        flipped = rec.healthy
+        if flipped:
             rec.healthy = False
             rec.changed_at = time.monotonic()
-            log.warning("replica %s unhealthy after %d failures (%s)", name, rec.failures, rec.last_error)
-            if rep.state in (ReplicaState.READY, ReplicaState.JOINING):
-                self.table.set_state(name, ReplicaState.UNHEALTHY)
-            return True
-        return False
+        down_from = (ReplicaState.READY,) if self.admit_joining else (ReplicaState.READY, ReplicaState.JOINING)
+        if rep.state in down_from:
+            log.warning("replica %s unhealthy after %d failures (%s)", rep.name, rec.failures, rec.last_error)
+            self.table.set_state(rep.name, ReplicaState.UNHEALTHY)
+        return flipped
 
     def record_success(self, name: str) -> bool:
         """Count one success. Returns True when it made ``name`` healthy again."""
         rep = self._owned(name)
         if rep is None:
             return False
-        rec = self._records.setdefault(name, HealthRecord())
+        rec = self.track(name)
         rec.successes += 1
         rec.failures = 0
-        if not rec.healthy and rec.successes >= self.success_threshold:
+        first = not rec.ever_ok
+        rec.ever_ok = True
+        admitted = self.admit_joining and (rep.state == ReplicaState.JOINING or first)
+        recovered = rec.successes >= self.success_threshold
+        flipped = not rec.healthy and (recovered or admitted)
+        if flipped:
             rec.healthy = True
             rec.changed_at = time.monotonic()
-            log.info("replica %s healthy again after %d successes", name, rec.successes)
-            if rep.state == ReplicaState.UNHEALTHY:
-                self.table.set_state(name, ReplicaState.READY)
-            return True
-        return False
+        if rep.state != ReplicaState.READY and (admitted or (recovered and rep.state == ReplicaState.UNHEALTHY)):
+            log.info("replica %s ready (%d consecutive successes)", name, rec.successes)
+            self.table.set_state(name, ReplicaState.READY)
+        return flipped
 
     # -- probing ---------------------------------------------------------------------------------------
-    async def probe(self, rep: Replica) -> bool:
-        """Probe one replica once and record the outcome. Returns True on success."""
+    def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers)
-        rec = self._records.setdefault(rep.name, HealthRecord())
-        rec.probes += 1
+        return self._client
+
+    async def probe(self, rep: Replica) -> bool:
+        """Probe one replica once (health path, then ``on_ok``) and record the outcome. Returns True on success."""
+        client = self._http()
+        self.track(rep.name).probes += 1
+        reason = ""
         try:
-            resp = await self._client.get(rep.url + self.path)
-            ok = 200 <= resp.status_code < 300
-            reason = "" if ok else f"HTTP {resp.status_code}"
-        except (httpx.HTTPError, OSError) as exc:
-            ok, reason = False, f"{type(exc).__name__}: {exc}"
-        if ok:
-            self.record_success(rep.name)
-        else:
-            self.record_failure(rep.name, reason)
-        return ok
+            resp = await client.get(rep.url + self.path)
+            if not 200 <= resp.status_code < 300:
+                reason = f"HTTP {resp.status_code}"
+            elif self.on_ok is not None:
+                await self.on_ok(client, rep)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # refused, timeout, a failing hook: all count as failures
+            reason = f"{type(exc).__name__}: {exc}"
+        if reason:
+            self._failed(rep, reason)
+            return False
+        self.record_success(rep.name)
+        return True
 
     async def probe_all(self) -> None:
         """Probe every selected replica with an address, concurrently, once."""
@@ -166,20 +219,26 @@ class HealthChecker:
             await asyncio.gather(*(self.probe(r) for r in reps), return_exceptions=True)
 
     async def start(self) -> None:
-        """Start probing every ``interval_s`` seconds in a task."""
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers)
+        """Probe every selected replica once (so a healthy fleet is ready at once), then every ``interval_s``
+        seconds in a task (sooner after a passive failure)."""
+        self._http()
         if self._task is None:
+            await self.probe_all()
             self._task = asyncio.create_task(self._loop(), name="kvroute-health-probes")
 
     async def _loop(self) -> None:
+        last = time.monotonic()  # start() has just probed
         while True:
-            started = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.0, self.interval_s - (time.monotonic() - last)))
+            self._wake.clear()
+            last = time.monotonic()
             try:
                 await self.probe_all()
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:  # never let the probe loop die
                 log.warning("health probe round failed: %s", exc)
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def stop(self) -> None:
         """Stop probing and close the HTTP client."""
@@ -196,3 +255,11 @@ class HealthChecker:
         """Per-replica health records as plain dicts."""
         return {n: {"healthy": r.healthy, "failures": r.failures, "successes": r.successes,
                     "probes": r.probes, "last_error": r.last_error} for n, r in self._records.items()}
+
+    def health_of(self, name: str) -> dict[str, Any]:
+        """Probe bookkeeping of ``name`` for ``GET /replicas`` (empty when never tracked)."""
+        rec = self._records.get(name)
+        if rec is None:
+            return {}
+        return {"consecutive_failures": rec.failures, "consecutive_successes": rec.successes,
+                "last_error": rec.last_error or None}

@@ -1,9 +1,10 @@
 """Statically configured replicas (flags / env / config file) -> ReplicaTable, with active health probes.
 
-``StaticMembership.load`` puts every configured replica into the table as ``joining``; ``run`` probes each one
-every ``probe_interval_s``: ``GET /health`` (200) and ``GET /v1/models`` (to learn the model ids, LoRA
-adapters and ``max_model_len`` the engine serves). A replica becomes ``ready`` after its first successful probe, ``unhealthy`` after
-``unhealthy_after`` consecutive failures (probe or proxy connection failures reported with
+``StaticMembership.load`` puts every configured replica into the table as ``joining``; ``start`` probes each one
+at once and then every ``probe_interval_s`` with ``membership.health.HealthChecker`` (the one health state machine,
+here in its ``admit_joining`` mode): ``GET /health`` (2xx) and ``GET /v1/models`` (to learn the model ids, LoRA
+adapters and ``max_model_len`` the engine serves). A replica becomes ``ready`` after its first successful probe,
+``unhealthy`` after ``unhealthy_after`` consecutive failures (probe or proxy connection failures reported with
 ``report_failure``), and ``ready`` again after ``healthy_after`` consecutive successes.
 
 Specs are plain mappings (the router passes ``ReplicaSpec.model_dump()``) so this module does not import the
@@ -15,32 +16,16 @@ Units: seconds.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from membership.replicas import Replica, ReplicaState, ReplicaTable
+from membership.health import HealthChecker, is_static
+from membership.replicas import Replica, ReplicaTable
 from policies.base import ReplicaProfile
 
-log = logging.getLogger("kvroute.membership.static")
-
 ProfileFactory = Callable[[str | None], ReplicaProfile]
-
-
-@dataclass(slots=True)
-class _Health:
-    """Consecutive probe outcomes of one replica."""
-
-    successes: int = 0
-    failures: int = 0
-    ever_ok: bool = False
-    last_error: str = ""
-    models_known: bool = False
 
 
 class StaticMembership:
@@ -63,15 +48,15 @@ class StaticMembership:
         self.table = table
         self.specs = [dict(s) for s in specs]
         self.profile_for = profile_for
-        self.probe_interval_s = probe_interval_s
-        self.probe_timeout_s = probe_timeout_s
-        self.unhealthy_after = unhealthy_after
-        self.healthy_after = healthy_after
-        self._headers = dict(headers or {})
-        self._health: dict[str, _Health] = {}
-        self._client: httpx.AsyncClient | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        self._names: set[str] = set()
+        self._models_known: dict[str, bool] = {}
+        self.health = HealthChecker(
+            table, interval_s=probe_interval_s, timeout_s=probe_timeout_s, path="/health",
+            failure_threshold=unhealthy_after, success_threshold=healthy_after, headers=headers,
+            select=self._owns, admit_joining=True, on_ok=self._learn_models)
+
+    def _owns(self, rep: Replica) -> bool:
+        return rep.name in self._names and is_static(rep)
 
     def load(self) -> list[Replica]:
         """Put every configured replica into the table (state ``joining``); returns them.
@@ -91,66 +76,35 @@ class StaticMembership:
                 metrics_path=s.get("metrics_path", "/metrics"), kv_events_endpoint=s.get("events"),
                 kv_replay_endpoint=s.get("replay"), kv_events_topic=s.get("topic") or "",
                 profile=self.profile_for(s.get("profile")), labels={"source": "static"})
-            self._health[rep.name] = _Health(models_known=bool(s.get("model")))
+            self._names.add(rep.name)
+            self._models_known[rep.name] = bool(s.get("model"))
+            self.health.track(rep.name)
             out.append(rep)
         return out
 
     # -- probing ---------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Probe every replica once (so a healthy fleet is ready at once), then keep probing in a task."""
-        self._client = httpx.AsyncClient(timeout=self.probe_timeout_s, headers=self._headers)
-        await self.probe_all()
-        self._task = asyncio.create_task(self._loop(), name="kvroute-static-probes")
+        await self.health.start()
 
     async def stop(self) -> None:
         """Stop probing and close the HTTP client."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
-    async def _loop(self) -> None:
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.probe_interval_s)
-            self._wake.clear()
-            try:
-                await self.probe_all()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # never let the probe loop die
-                log.exception("probe round failed")
+        await self.health.stop()
 
     async def probe_all(self) -> None:
         """Probe every replica in the table that this membership owns, concurrently."""
-        reps = [r for r in self.table.all() if r.name in self._health]
-        await asyncio.gather(*(self.probe(r) for r in reps))
+        await self.health.probe_all()
 
     async def probe(self, rep: Replica) -> bool:
         """Probe one replica (``/health``, and ``/v1/models`` until its models are known); update its state."""
-        client = self._client
-        if client is None:
-            return False
-        h = self._health.setdefault(rep.name, _Health())
-        try:
-            resp = await client.get(rep.url + "/health")
-            if resp.status_code != 200:
-                raise RuntimeError(f"/health answered {resp.status_code}")
-            if not h.models_known or not h.ever_ok:
-                await self._learn_models(client, rep, h)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._failed(rep, h, f"{type(exc).__name__}: {exc}")
-            return False
-        self._succeeded(rep, h)
-        return True
+        return await self.health.probe(rep)
 
-    async def _learn_models(self, client: httpx.AsyncClient, rep: Replica, h: _Health) -> None:
+    async def _learn_models(self, client: httpx.AsyncClient, rep: Replica) -> None:
+        """``on_ok`` hook: read ``/v1/models`` on a replica's first successful probe and then until its served
+        models are known (a failure here fails the probe)."""
+        name = rep.name
+        if self._models_known.get(name) and self.health.track(name).ever_ok:
+            return
         resp = await client.get(rep.url + "/v1/models")
         if resp.status_code != 200:
             return  # models are optional: the replica then accepts any model
@@ -165,46 +119,19 @@ class StaticMembership:
                 rep.profile.max_context_tokens = mml  # vLLM reports its context length here
             parent = entry.get("parent")
             (loras if parent and parent != entry["id"] else models).append(entry["id"])
-        if models and not h.models_known:
+        if models and not self._models_known.get(name):
             self.table.upsert(rep.name, rep.url, models=models)
-            h.models_known = True
+            self._models_known[name] = True
         if loras and not rep.loras:
             self.table.upsert(rep.name, rep.url, loras=loras)
-
-    def _succeeded(self, rep: Replica, h: _Health) -> None:
-        h.failures = 0
-        h.successes += 1
-        first = not h.ever_ok
-        h.ever_ok = True
-        if rep.state == ReplicaState.JOINING or (rep.state == ReplicaState.UNHEALTHY
-                                                 and h.successes >= self.healthy_after) or first:
-            if rep.state != ReplicaState.READY:
-                log.info("replica ready", extra={"replica": rep.name, "url": rep.url})
-            self.table.set_state(rep.name, ReplicaState.READY)
-
-    def _failed(self, rep: Replica, h: _Health, error: str) -> None:
-        h.successes = 0
-        h.failures += 1
-        h.last_error = error
-        if rep.state == ReplicaState.READY and h.failures >= self.unhealthy_after:
-            log.warning("replica unhealthy", extra={"replica": rep.name, "error": error})
-            self.table.set_state(rep.name, ReplicaState.UNHEALTHY)
 
     def report_failure(self, name: str, error: str = "connection failed") -> None:
         """Passive signal from the proxy: a connection to replica ``name`` failed (counts like a failed probe).
 
         Also wakes the probe loop so recovery (or confirmation) is quick.
         """
-        rep = self.table.get(name)
-        if rep is None or name not in self._health:
-            return
-        self._failed(rep, self._health[name], error)
-        self._wake.set()
+        self.health.record_failure(name, error)
 
     def health_of(self, name: str) -> dict[str, Any]:
         """Probe bookkeeping of ``name`` for ``GET /replicas``."""
-        h = self._health.get(name)
-        if h is None:
-            return {}
-        return {"consecutive_failures": h.failures, "consecutive_successes": h.successes,
-                "last_error": h.last_error or None}
+        return self.health.health_of(name)
