@@ -40,7 +40,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.fleet import HOST, EngineOptions, Fleet, ManagedProcess, free_port, wait_ready
+from loadtest.fleet import (
+    HOST,
+    EngineOptions,
+    Fleet,
+    ManagedProcess,
+    add_harness_args,
+    exit_on_sigterm,
+    free_port,
+    wait_ready,
+)
 from loadtest.replay import ReplayRequest, ReplayResult, closed_loop, make_client, percentile, send_one
 from loadtest.workload import VOCAB_SIZE, ensure_model_dir, token_text
 
@@ -244,13 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-router", action="store_true", help="also profile kvroute (cProfile, CPU time)")
     p.add_argument("--profile-concurrency", type=int, default=1, help="concurrency of the profiled pass")
     p.add_argument("--profile-out", default="bench_proxy_profile.txt", help="where the profile text goes")
-    p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary, removed)")
-    p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    add_harness_args(p)
     return p
-
-
-def _sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -261,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not levels or any(c < 1 for c in levels) or any(t not in TARGETS for t in names) or args.blocks < 1:
         print(f"bad --concurrency, --blocks or --targets (targets: {', '.join(TARGETS)})", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _sigterm)
+    exit_on_sigterm()
     model_dir = ensure_model_dir()
     reqs = make_requests(args.requests, args.prompt_tokens, args.max_tokens)
     engine = EngineOptions(model=args.model, time_scale=0.0, model_path=str(model_dir))

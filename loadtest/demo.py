@@ -44,7 +44,7 @@ import httpx
 import orjson
 
 from loadtest import traces
-from loadtest.fleet import EngineOptions, Fleet
+from loadtest.fleet import EngineOptions, Fleet, exit_on_sigterm
 from loadtest.replay import ReplayRequest, percentile
 from loadtest.workload import default_trace_path, ensure_model_dir
 
@@ -318,10 +318,6 @@ def _resolve_trace(arg: str | None) -> Path | None:
     return default_trace_path()
 
 
-def _sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the exit code (0 = both runs completed)."""
     args = build_parser().parse_args(list(argv) if argv is not None else None)
@@ -330,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvroute demo: --duration, --time-scale, --window must be > 0, 0 < --sample <= 1, --replicas >= 1",
               file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _sigterm)
+    exit_on_sigterm()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C works even if started with SIGINT ignored
     log = sys.stderr if args.json else sys.stdout
     try:

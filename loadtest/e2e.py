@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.fleet import EngineOptions, Fleet, RouterHandle
+from loadtest.fleet import EngineOptions, Fleet, RouterHandle, add_harness_args, exit_on_sigterm
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
 from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
 
@@ -164,13 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra flag for kvroute serve, e.g. --kvroute-arg=--connect-timeout-s=10 (repeatable)")
     p.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for sglang-router, e.g. --sglang-arg=--cache-threshold=0.5 (repeatable)")
-    p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary, removed)")
-    p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    add_harness_args(p)
     return p
-
-
-def _sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -184,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.time_scale <= 0 or args.load_scale <= 0 or args.duration <= 0:
         print("--time-scale, --load-scale and --duration must be > 0", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _sigterm)
+    exit_on_sigterm()
 
     trace = None if args.trace == "generated" else (Path(args.trace) if args.trace else default_trace_path())
     if trace is not None and not trace.exists():

@@ -17,6 +17,7 @@ its tail. Only 127.0.0.1 is ever used.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import os
@@ -31,6 +32,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -423,3 +425,18 @@ def prefix_counters(samples: dict[str, float]) -> tuple[float, float]:
         hits = sum(v for k, v in samples.items() if k.endswith("prefix_cache_hits"))
         queries = sum(v for k, v in samples.items() if k.endswith("prefix_cache_queries"))
     return hits, queries
+
+
+def add_harness_args(p: argparse.ArgumentParser) -> None:
+    """The options every fleet benchmark shares: ``--log-dir`` and ``--json``."""
+    p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary, removed)")
+    p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so the harness's ``finally`` blocks stop every process it started."""
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)

@@ -793,22 +793,7 @@ class KVEventSubscriber:
         self._merge_retired(feed.stats)
 
     def _merge_retired(self, s: FeedStats) -> None:
-        r = self._retired
-        r.batches += s.batches
-        r.events.update(s.events)
-        r.dropped.update(s.dropped)
-        r.notes.update(s.notes)
-        r.gaps += s.gaps
-        r.missing_batches += s.missing_batches
-        r.duplicates += s.duplicates
-        r.restarts += s.restarts
-        r.clears += s.clears
-        r.orphans += s.orphans
-        r.stored_blocks += s.stored_blocks
-        r.removed_blocks += s.removed_blocks
-        r.replays.update(s.replays)
-        r.replayed_batches += s.replayed_batches
-        r.degraded_episodes += s.degraded_episodes
+        _add(self._retired, s)
 
     def spec_for(self, replica: Any) -> FeedSpec | None:
         """The FeedSpec of a ``membership.replicas.Replica`` (None when it publishes no events)."""
