@@ -62,10 +62,15 @@ def fleet() -> Iterator[Fleet]:
 @contextmanager
 def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int = 3,
             extra: tuple[str, ...] = ()) -> Iterator[list[str]]:
-    """Start ``n`` routers sharing Redis; each lists the replicas in a different order."""
+    """Start ``n`` routers sharing Redis; each lists the replicas in a different order.
+
+    Each router is checked to be ours once ready (alive, serving exactly our replicas): on a shared machine the
+    port picked for it may be taken by another process before the router binds it; then it is started again on
+    another port.
+    """
     with ExitStack() as stack:
-        urls = []
-        for k in range(n):
+
+        def start(k: int) -> tuple[Proc, str]:
             order = NAMES[k % len(NAMES):] + NAMES[:k % len(NAMES)]
             args = ["serve", "--host", "127.0.0.1", "--port", str(port := free_port()), "--policy", "ttft",
                     "--tokenizer-mode", "bytes", "--redis-url", redis_url, "--probe-interval-s", "0.5",
@@ -79,10 +84,34 @@ def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int =
                 if events:
                     spec += f",events=tcp://127.0.0.1:{ev}"
                 args += ["--replica", spec]
-            stack.enter_context(Proc.kvroute(*args))
-            urls.append(f"http://127.0.0.1:{port}")
-        for u in urls:
-            wait_http_ok(u + "/readyz", timeout=40)
+            return stack.enter_context(Proc.kvroute(*args)), f"http://127.0.0.1:{port}"
+
+        ours = {name: f"http://127.0.0.1:{p}" for name, (p, _) in f.engines.items()}
+
+        def lost_port(proc: Proc) -> bool:
+            # a router that cannot bind does not always exit (its lifespan shutdown can hang): read its log
+            return not proc.alive() or "address already in use" in proc.output()
+
+        def serving(proc: Proc, url: str) -> bool:
+            """Wait until the router at ``url`` is ready; False when its port was taken by another process."""
+            wait_until(lambda: lost_port(proc) or httpx.get(url + "/readyz", timeout=2).status_code == 200,
+                       timeout=40, what=f"router {url} ready")
+            if lost_port(proc):
+                return False
+            reps = httpx.get(url + "/replicas", timeout=5).json()["replicas"]
+            return proc.alive() and {r["name"]: r["url"] for r in reps} == ours
+
+        started = [start(k) for k in range(n)]
+        urls = []
+        for k, (proc, url) in enumerate(started):
+            for attempt in range(3):
+                if serving(proc, url):
+                    break
+                out = proc.stop()
+                if attempt == 2:
+                    raise AssertionError(f"router {k} did not start 3 times; last output: {out[-2000:]}")
+                proc, url = start(k)
+            urls.append(url)
         yield urls
 
 
