@@ -706,10 +706,6 @@ class EngineModel:
                 continue
             chunks.append((r, c))
             budget -= c
-            new_tokens += c
-            h = r.computed
-            pairs += c * h + c * (c + 1) / 2.0
-            ctx_read += h
         # admit waiting requests FCFS
         while budget > 0 and self._waiting and \
                 len(self._prefilling) + len(self._decoding) + len(self._loading) < self.max_running:
@@ -724,8 +720,9 @@ class EngineModel:
             c = min(r.prompt_tokens - r.computed, budget)
             chunks.append((r, c))
             budget -= c
-            new_tokens += c
+        for r, c in chunks:  # the step's prefill work: new tokens, attention pairs, context read (tokens)
             h = r.computed
+            new_tokens += c
             pairs += c * h + c * (c + 1) / 2.0
             ctx_read += h
         if new_tokens == 0:

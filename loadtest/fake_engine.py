@@ -217,6 +217,16 @@ class _Req:
     arrival_s: float = 0.0
     first_token_s: float | None = None
 
+    async def generated(self) -> int:
+        """Wait until the request is done (non-streaming answers); the number of tokens it generated."""
+        n = 0
+        while True:
+            kind, _ = await self.queue.get()
+            if kind == "token":
+                n += 1
+            elif kind == "done":
+                return n
+
 
 class FakeEngine:
     """The engine model driven in real time (scaled), with its events published and its metrics exposed.
@@ -719,13 +729,7 @@ def build_app(engine: FakeEngine) -> Any:
                                      media_type="text/event-stream")
         engine.requests_running_http += 1
         try:
-            n = 0
-            while True:
-                kind, _ = await st.queue.get()
-                if kind == "token":
-                    n += 1
-                elif kind == "done":
-                    break
+            n = await st.generated()
         finally:
             engine.requests_running_http -= 1
         text = "".join(engine.word(i) for i in range(n))
@@ -807,13 +811,7 @@ def build_app(engine: FakeEngine) -> Any:
         if faulty is not None:
             return faulty
         st = engine.submit(ids, max_tokens_of({"max_tokens": mt}, len(ids)))
-        n = 0
-        while True:
-            kind, _ = await st.queue.get()
-            if kind == "token":
-                n += 1
-            elif kind == "done":
-                break
+        n = await st.generated()
         return JSONResponse({"text": "".join(engine.word(i) for i in range(n)),
                              "meta_info": {"id": uuid.uuid4().hex, "prompt_tokens": st.prompt_tokens,
                                            "completion_tokens": n, "cached_tokens": st.cached_tokens,
