@@ -411,7 +411,8 @@ def decision_json(routed: Routed, table: ReplicaTable, block_size: int) -> dict[
         cands.append({
             "name": s.name, "index": s.index, "url": rep.url if rep else None,
             "score": _finite(s.score),
-            "predicted_ttft_s": _finite(s.parts.get("T", s.score)),
+            # the expected TTFT (hit and miss paths weighted by p) when the policy models it, else its T / score
+            "predicted_ttft_s": _finite(s.parts.get("E", s.parts.get("T", s.score))),
             "Q": _finite(s.parts.get("Q")), "R": _finite(s.parts.get("R")), "C": _finite(s.parts.get("C")),
             "p": _finite(s.parts.get("p")),
             "parts": {k: _finite(v) for k, v in s.parts.items()},

@@ -75,6 +75,9 @@ def test_prefix_holder_is_chosen_and_explained() -> None:
     assert cand["r1"]["predicted_ttft_s"] < cand["r0"]["predicted_ttft_s"]
     for c in out["candidates"]:
         assert c["Q"] is not None and c["C"] is not None and c["p"] is not None
+        # the expected TTFT: the hit path weighted by p, the miss path by 1 - p
+        assert c["predicted_ttft_s"] == pytest.approx(c["p"] * c["parts"]["T"] + (1 - c["p"]) * c["parts"]["T_miss"]
+                                                      + c["parts"]["kv_penalty"])
 
 
 def test_full_match_is_capped_at_what_an_engine_reuses() -> None:
