@@ -38,7 +38,6 @@ dispatched when the scrape was sent (those tokens are now in the engine's own nu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -49,6 +48,8 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from membership.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.engine_metrics")
 
@@ -402,11 +403,8 @@ class MetricsScraper:
 
     async def stop(self) -> None:
         """Stop the loop and close the private HTTP client."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._own_client and self._client is not None:
             await self._client.aclose()
             self._client = None

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 
 from membership.replicas import Replica, ReplicaState, ReplicaTable
+from membership.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.membership.health")
 
@@ -242,11 +243,8 @@ class HealthChecker:
 
     async def stop(self) -> None:
         """Stop probing and close the HTTP client."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None

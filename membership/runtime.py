@@ -18,7 +18,6 @@ allocator is used without Redis. Units: seconds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,6 +32,7 @@ from membership.replicas import (
     ReplicaTable,
 )
 from membership.shared_state import SharedState
+from membership.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.membership.runtime")
 
@@ -134,11 +134,8 @@ class Membership:
 
     async def stop(self) -> None:
         """Stop everything started by ``start`` (the table keeps its replicas)."""
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._maintenance
-            self._maintenance = None
+        await cancel_and_wait(self._maintenance)
+        self._maintenance = None
         if self.watcher is not None:
             await asyncio.to_thread(self.watcher.stop)
         if self.health is not None:

@@ -43,6 +43,8 @@ from typing import Any
 
 import msgpack
 
+from membership.tasks import cancel_and_wait
+
 log = logging.getLogger("kvroute.membership.shared_state")
 
 DecisionCallback = Callable[[str, list[int]], None]
@@ -191,10 +193,7 @@ class SharedState:
     async def stop(self) -> None:
         """Stop the tasks and close the connections."""
         for task in (self._supervisor, self._publisher):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await cancel_and_wait(task)
         self._supervisor = self._publisher = None
         if self._client is not None:
             with contextlib.suppress(Exception):
