@@ -89,7 +89,7 @@ def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int =
         ours = {name: f"http://127.0.0.1:{p}" for name, (p, _) in f.engines.items()}
 
         def lost_port(proc: Proc) -> bool:
-            # a router that cannot bind does not always exit (its lifespan shutdown can hang): read its log
+            # a router that cannot bind its port says so at once (it exits only after its lifespan shutdown)
             return not proc.alive() or "address already in use" in proc.output()
 
         def serving(proc: Proc, url: str) -> bool:
