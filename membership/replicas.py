@@ -132,6 +132,17 @@ def ordinal_of(name: str, pattern: re.Pattern[str] | None = _ORDINAL) -> int | N
         return None
 
 
+def pick_index(ordinal: int | None, used: set[int], dynamic_base: int) -> int:
+    """The index for a new replica: its StatefulSet ``ordinal`` when given and free, else the lowest free index
+    from ``dynamic_base`` on (``used``: indices already held)."""
+    if ordinal is not None and ordinal not in used:
+        return ordinal
+    idx = dynamic_base
+    while idx in used:
+        idx += 1
+    return idx
+
+
 class InMemoryIndexAllocator:
     """Lowest-free-index allocation in process memory (one router; no Redis).
 
@@ -168,14 +179,7 @@ class InMemoryIndexAllocator:
             if name in self._by_name:
                 self._released.pop(name, None)
                 return self._by_name[name]
-            used = set(self._by_name.values())
-            ordinal = ordinal_of(name, self._pattern)
-            if ordinal is not None and ordinal not in used:
-                idx = ordinal
-            else:
-                idx = self._dynamic_base
-                while idx in used:
-                    idx += 1
+            idx = pick_index(ordinal_of(name, self._pattern), set(self._by_name.values()), self._dynamic_base)
             self._by_name[name] = idx
             return idx
 
@@ -464,13 +468,7 @@ class RedisIndexAllocator:
                 if name in self._local:
                     self._pending_release.discard(name)
                     return self._local[name]
-                used = set(self._local.values()) | self._remote_used
-                if ordinal is not None and ordinal not in used:
-                    idx = ordinal
-                else:
-                    idx = self._base
-                    while idx in used:
-                        idx += 1
+                idx = pick_index(ordinal, set(self._local.values()) | self._remote_used, self._base)
                 self._local[name] = idx
                 self._provisional.add(name)
                 return idx
