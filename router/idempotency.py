@@ -9,8 +9,12 @@ A client that retries a request it is unsure about (timeout, dropped connection)
 * a duplicate after a finished non-streaming request that got a 2xx answer: the stored answer is returned
   unchanged (status, body, content type, ``x-kvroute-replica``) with ``idempotent-replayed: true``; nothing is
   sent to an engine;
-* a duplicate after a finished *streamed* request: ``409`` ``idempotency_stream_not_stored`` (streams are not
-  stored; the key stays taken for the TTL so the generation is not run twice);
+* a duplicate after a *streamed* request that completed (2xx, no SSE ``error`` event, at most
+  ``MAX_STORED_BYTES``): the stored event stream is returned at once (``text/event-stream``, same events,
+  ``idempotent-replayed: true``);
+* a duplicate after a streamed request that did not complete (the client left mid-stream) or was too large to
+  store: ``409`` ``idempotency_stream_not_stored`` (the key stays taken for the TTL so the generation is not run
+  twice); a stream that ended with an SSE ``error`` event releases the key like any failed request;
 * the same key with a different body (or route): ``422`` ``idempotency_key_reused``;
 * a first request that ends without a 2xx answer (engine failure, 429, 503, ...) releases the key, so the client's
   retry runs normally;
@@ -101,7 +105,7 @@ class IdempotencyGuard:
                 return error_response(409, "a request with this Idempotency-Key is still being served",
                                       "idempotency_in_flight", "Idempotency-Key", headers=retry)
             stored = entry.response or {}
-            if stored.get("streamed"):
+            if stored.get("streamed") and "body_b64" not in stored:
                 self.conflicts += 1
                 return error_response(409, "the request with this Idempotency-Key was streamed; streamed answers "
                                       "are not stored", "idempotency_stream_not_stored", "Idempotency-Key",
@@ -117,7 +121,9 @@ class IdempotencyGuard:
             if resp.status_code >= 300:
                 self._release(key)
                 return resp
-            resp.body_iterator = self._watch_stream(resp.body_iterator, key, fp)
+            resp.body_iterator = self._watch_stream(resp.body_iterator, key, fp, {
+                "status": resp.status_code, "media_type": resp.headers.get("content-type", "text/event-stream"),
+                "headers": {h: resp.headers[h] for h in _KEPT_HEADERS if h in resp.headers}})
             return resp
         if 200 <= resp.status_code < 300 and len(resp.body) <= MAX_STORED_BYTES:
             doc = {"status": resp.status_code, "media_type": resp.headers.get("content-type", "application/json"),
@@ -131,18 +137,34 @@ class IdempotencyGuard:
             self._release(key)
         return resp
 
-    async def _watch_stream(self, it: AsyncIterable[Any], key: str, fp: str) -> AsyncIterator[Any]:
-        """Relay a streamed answer; when it ends, mark the key done (not stored) so it is not run twice."""
+    async def _watch_stream(self, it: AsyncIterable[Any], key: str, fp: str,
+                            doc: dict[str, Any]) -> AsyncIterator[Any]:
+        """Relay a streamed answer and keep a copy (up to ``MAX_STORED_BYTES``); when it ends, store it for
+        replay if it completed, release the key if it failed, else mark the key done (not stored)."""
+        parts: list[bytes] = []
+        size = 0
+        complete = False
         try:
             async for chunk in it:
+                if size <= MAX_STORED_BYTES:
+                    data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+                    size += len(data)
+                    parts.append(data)
                 yield chunk
+            complete = True
         finally:
-            self._spawn(self._finish_streamed(key, fp))
+            body = b"".join(parts) if complete and size <= MAX_STORED_BYTES else None
+            if body is not None and _sse_failed(body):
+                self._release(key)  # ended with an error event: a failed request, the client's retry runs
+            else:
+                stored = {**doc, "streamed": True,
+                          **({"body_b64": base64.b64encode(body).decode()} if body is not None else {})}
+                self._spawn(self._finish_streamed(key, fp, stored))
 
-    async def _finish_streamed(self, key: str, fp: str) -> None:
+    async def _finish_streamed(self, key: str, fp: str, doc: dict[str, Any]) -> None:
         assert self.shared is not None
         with contextlib.suppress(SharedStateUnavailable):
-            await self.shared.idempotency_finish(key, {"streamed": True}, fp)
+            await self.shared.idempotency_finish(key, doc, fp)
 
     def _release(self, key: str) -> None:
         if self.shared is not None:
@@ -153,6 +175,11 @@ class IdempotencyGuard:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _sse_failed(body: bytes) -> bool:
+    """True when a relayed event stream ended with the proxy's SSE ``error`` event."""
+    return body.rstrip().rfind(b"event: error") > body.rstrip().rfind(b"data: [DONE]")
 
 
 def _stored_response(doc: dict[str, Any], request_id: str) -> Response:

@@ -1,5 +1,6 @@
 """Idempotency-Key through the router process with a real redis-server: stored answer replayed (the engine is not
-called again), 409 while the first is in flight, 422 for a reused key with another body, streams not replayed,
+called again), 409 while the first is in flight, 422 for a reused key with another body, completed streams
+replayed whole and abandoned ones not run twice,
 failed requests release their key, Redis down -> 503 for keyed requests only (routing continues), and back after
 a Redis restart. Without Redis configured: 501 (see test_reliability_engine)."""
 
@@ -60,14 +61,30 @@ def test_idempotency_keys_with_redis() -> None:
                 assert after.status_code == 200 and after.content == slow[0].content
                 assert c.post(eng.url + "/admin/faults", json={"stall_s": 0}).status_code == 200
 
-                # -- streams are served once, not stored -------------------------------------------------------
+                # -- a completed stream is stored and replayed whole; an abandoned one is not run twice ---------
                 skey = {"idempotency-key": "stream-1"}
                 s1 = c.post(u + "/v1/completions", json=completion(stream=True), headers=skey)
                 assert s1.status_code == 200 and s1.text.rstrip().endswith("data: [DONE]")
+                n = _routed(u)
                 s2 = wait_until(lambda: (x := c.post(u + "/v1/completions", json=completion(stream=True),
-                                                     headers=skey)).status_code == 409 and x, timeout=5,
-                                what="stream key marked done")
-                assert s2.json()["error"]["code"] == "idempotency_stream_not_stored"  # type: ignore[union-attr]
+                                                     headers=skey)).status_code == 200 and x, timeout=5,
+                                what="stream stored")
+                assert s2.headers["idempotent-replayed"] == "true"  # type: ignore[union-attr]
+                assert s2.headers["content-type"].startswith("text/event-stream")  # type: ignore[union-attr]
+                assert s2.content == s1.content  # type: ignore[union-attr]  # the same events, byte for byte
+                assert _routed(u) == n
+                # the client leaves mid-stream: the generation ran (partly), so the key stays taken, not stored
+                assert c.post(eng.url + "/admin/faults", json={"stall_mid_stream_s": 30}).status_code == 200
+                lkey = {"idempotency-key": "stream-2"}
+                with c.stream("POST", u + "/v1/completions", json=completion("left early", stream=True),
+                              headers=lkey) as partial:
+                    assert partial.status_code == 200
+                    next(partial.iter_raw())  # the first token arrived; now hang up
+                assert c.post(eng.url + "/admin/faults", json={"stall_mid_stream_s": 0}).status_code == 200
+                s3 = wait_until(lambda: (x := c.post(u + "/v1/completions", json=completion("left early", stream=True),
+                                                     headers=lkey)).status_code == 409 and x, timeout=10,
+                                what="abandoned stream key marked done")
+                assert s3.json()["error"]["code"] == "idempotency_stream_not_stored"  # type: ignore[union-attr]
 
                 # -- a failed first attempt releases the key: the client's retry runs -------------------------
                 fkey = {"idempotency-key": "order-3"}
