@@ -131,10 +131,12 @@ async def run_level(targets: dict[str, tuple[str, ManagedProcess | None]], reqs:
                 for k in range(len(names)):
                     n = names[(i + k) % len(names)]
                     url, proc = targets[n]
-                    c0, t0 = (proc.cpu_seconds() if proc else 0.0), time.perf_counter()
+                    # the router's own process only: listing children scans /proc, which would slow the client
+                    # right before the routers' requests and not before direct ones
+                    c0, t0 = (proc.cpu_seconds(children=False) if proc else 0.0), time.perf_counter()
                     got[n] = await send_one(clients[n], url, req, model=model)
                     busy[n] += time.perf_counter() - t0
-                    cpu[n] += (proc.cpu_seconds() - c0) if proc else 0.0
+                    cpu[n] += (proc.cpu_seconds(children=False) - c0) if proc else 0.0
                     results[n].append(got[n])
                 base = got.get("direct")
                 for n in paired:

@@ -71,18 +71,25 @@ class ManagedProcess:
         self.popen = subprocess.Popen(self.args, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
         self.pid = self.popen.pid
+        self._ps: psutil.Process | None = None
         _LIVE.add(self)
 
     def alive(self) -> bool:
         """True while the process runs."""
         return self.popen.poll() is None
 
-    def cpu_seconds(self) -> float:
-        """User + system CPU seconds used so far by the process and its live children."""
+    def cpu_seconds(self, children: bool = True) -> float:
+        """User + system CPU seconds used so far by the process (and its live children when ``children``).
+
+        ``children=False`` reads one ``/proc`` file; listing children scans every process on the machine, which is
+        too heavy to do next to each measured request.
+        """
         try:
-            proc = psutil.Process(self.pid)
+            proc = self._ps
+            if proc is None:
+                proc = self._ps = psutil.Process(self.pid)
             total = 0.0
-            for p in [proc, *proc.children(recursive=True)]:
+            for p in [proc, *proc.children(recursive=True)] if children else [proc]:
                 try:
                     t = p.cpu_times()
                     total += t.user + t.system
