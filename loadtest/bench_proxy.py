@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=4, help="output length, tokens (streamed)")
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, from: {', '.join(TARGETS)}")
     p.add_argument("--policy", default="ttft", help="kvroute policy")
+    p.add_argument("--kvroute-arg", action="append", default=[], metavar="FLAG",
+                   help="extra flag for kvroute serve, e.g. --kvroute-arg=--tokenizer-mode=bytes (repeatable)")
     p.add_argument("--model", default="kvroute-fake")
     p.add_argument("--profile-router", action="store_true", help="also profile kvroute (cProfile, CPU time)")
     p.add_argument("--profile-concurrency", type=int, default=1, help="concurrency of the profiled pass")
@@ -284,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if n == "direct":
                 targets[n] = (fleet.engines[0].url, None)
             elif n == "kvroute":
-                h = fleet.start_kvroute(policy=args.policy)
+                h = fleet.start_kvroute(policy=args.policy, extra_args=args.kvroute_arg)
                 targets[n] = (h.url, h.proc)
             else:
                 h = fleet.start_sglang_router(policy="cache_aware")
