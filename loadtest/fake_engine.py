@@ -571,7 +571,9 @@ class MetricsExporter:
             hit = (m.prefix_cache_hits + m.cpu_cache_hits) / m.prefix_cache_queries if m.prefix_cache_queries else 0.0
             yield gauge("cache_hit_rate", "The prefix cache hit rate.", hit)
             yield gauge("gen_throughput", "The generation throughput (token/s).", 0.0)
-            yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens_total)
+            # SGLang counts every prompt token here (cached ones too), next to cached_tokens_total
+            yield counter("prompt_tokens", "Number of prefill tokens processed.",
+                          m.prompt_tokens_total + m.prefix_cache_hits + m.cpu_cache_hits)
             yield counter("generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total)
             yield counter("cached_tokens", "Number of cached prompt tokens.", m.prefix_cache_hits + m.cpu_cache_hits)
             yield counter("num_requests", "Number of requests processed.", m.requests_finished)

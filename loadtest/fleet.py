@@ -419,7 +419,10 @@ class Fleet:
 
 
 def prefix_counters(samples: dict[str, float]) -> tuple[float, float]:
-    """(hits, queries) prefix-cache token counters from a scrape (see ``Fleet.prefix_cache_counters``)."""
+    """(hits, queries) prefix-cache token counters from a scrape (see ``Fleet.prefix_cache_counters``), tokens.
+
+    vLLM: ``prefix_cache_hits`` / ``prefix_cache_queries``; SGLang: ``cached_tokens`` / ``prompt_tokens``.
+    """
     hits = queries = 0.0
     for name, value in samples.items():
         if name.endswith("_created"):
@@ -431,6 +434,9 @@ def prefix_counters(samples: dict[str, float]) -> tuple[float, float]:
     if hits == 0.0 and queries == 0.0:  # counters exported without the _total suffix
         hits = sum(v for k, v in samples.items() if k.endswith("prefix_cache_hits"))
         queries = sum(v for k, v in samples.items() if k.endswith("prefix_cache_queries"))
+    if hits == 0.0 and queries == 0.0:  # SGLang: cached prompt tokens out of all prompt tokens
+        hits = sum(v for k, v in samples.items() if k.startswith("sglang:") and k.endswith("cached_tokens_total"))
+        queries = sum(v for k, v in samples.items() if k.startswith("sglang:") and k.endswith("prompt_tokens_total"))
     return hits, queries
 
 

@@ -44,3 +44,9 @@ def test_prefix_counters_reads_vllm_counter_samples():
                "vllm:prefix_cache_hits_created": 1.7e9, "vllm:num_requests_running": 3.0}
     assert prefix_counters(samples) == (30.0, 120.0)
     assert prefix_counters({"x": 1.0}) == (0.0, 0.0)
+
+
+def test_prefix_counters_reads_sglang_counter_samples():
+    samples = {"sglang:cached_tokens_total": 40.0, "sglang:prompt_tokens_total": 160.0,
+               "sglang:cache_hit_rate": 0.25, "sglang:generation_tokens_total": 9.0}
+    assert prefix_counters(samples) == (40.0, 160.0)
