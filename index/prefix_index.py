@@ -393,10 +393,7 @@ class PrefixIndex:
         of equal state ids; the live slot set is intersected only when the state changes, and tier counting
         happens only for states with non-GPU or predicted entries.
         """
-        ids_get = self._ids.get
-        kl = self._keys
         sidl = self._sidl
-        runs = self._run
         ts = self._ts
         allm = self._all
         special = self._special
@@ -408,36 +405,17 @@ class PrefixIndex:
         counts: dict[int, list[int]] | None = None
         groups: Sequence[tuple[int, int]]
         prev = -1
-        nk = len(kl)
+        stretch = self._stretch
         while i < n:
-            nid = ids_get(keys[i])
-            if nid is None:
-                break
             # a stretch: runs laid out back to back, each verified, chained without dict probes
+            start_nid, m = stretch(keys, i)
+            if start_nid < 0:
+                break
             start_i = i
-            start_nid = nid
-            while True:
-                m = runs[nid]
-                if m > n - i:
-                    m = n - i
-                if m > 1 and kl[nid + 1 : nid + m] != keys[i + 1 : i + m]:
-                    lo, hi = 1, m
-                    while hi - lo > 1:
-                        mid = (lo + hi) >> 1
-                        if kl[nid + lo : nid + mid] == keys[i + lo : i + mid]:
-                            lo = mid
-                        else:
-                            hi = mid
-                    i += lo
-                    nid += lo
-                    break
-                i += m
-                nid += m
-                if i >= n or nid >= nk or kl[nid] != keys[i]:
-                    break
+            i += m
+            nid = start_nid + m
             seg_depth.append(start_i)
             seg_nid.append(start_nid)
-            m = i - start_i
             if m == 1:
                 groups = ((sidl[start_nid], 1),)
             else:
