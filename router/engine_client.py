@@ -27,7 +27,7 @@ import asyncio
 import collections
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -60,7 +60,7 @@ class _Conn(asyncio.Protocol):
     """One keep-alive connection to an engine and the response currently being read on it."""
 
     __slots__ = ("key", "transport", "parser", "status", "headers", "chunks", "buffered", "complete", "error",
-                 "waiter", "header_waiter", "closed", "idle_since", "paused", "_delimited", "accounted", "keep_alive")
+                 "waiter", "header_waiter", "closed", "idle_since", "paused", "_delimited", "accounted", "keep_alive", "on_idle_lost")
 
     def __init__(self, key: tuple[str, int]) -> None:
         self.key = key
@@ -68,6 +68,8 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.accounted = True  # counted in the pool's open connections until dropped once
+        #: set while the connection sits idle in the pool: called when the engine closes it there
+        self.on_idle_lost: Callable[[_Conn], None] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -118,6 +120,11 @@ class _Conn(asyncio.Protocol):
         """Mark the connection dead; a response still being read ends with EngineConnectionLost (or completes
         when its body was delimited by the close)."""
         self.closed = True
+        idle_lost = self.on_idle_lost
+        if idle_lost is not None:
+            self.on_idle_lost = None
+            idle_lost(self)  # frees its pool slot now, not when the pool next looks at this engine
+            return
         if self.complete:
             return
         if self.header_waiter is not None and self.status and not self._delimited and self.error is None:
@@ -273,6 +280,14 @@ class EngineResponse:
         self._done = True
         self._pool._drop(self._conn)
 
+    def __del__(self) -> None:
+        # safety net: a response abandoned without release() / close() must not keep its pool slot forever
+        if not self._done:
+            try:
+                self.close()
+            except Exception:  # noqa: S110 (interpreter shutdown: nothing left to free)
+                pass
+
 
 def _expire(fut: asyncio.Future[None]) -> None:
     if not fut.done():
@@ -362,6 +377,7 @@ class EnginePool:
         now = time.monotonic()
         while stack:
             conn = stack.pop()  # most recently used first: its peer has not timed it out
+            conn.on_idle_lost = None
             if not conn.closed and conn.transport is not None and not conn.transport.is_closing() \
                     and now - conn.idle_since < self.keepalive_timeout_s:
                 return conn
@@ -415,12 +431,23 @@ class EnginePool:
             return
         conn.header_waiter = None
         conn.idle_since = time.monotonic()
+        conn.on_idle_lost = self._idle_lost
         stack.append(conn)
+
+    def _idle_lost(self, conn: _Conn) -> None:
+        """An idle pooled connection was closed by the engine (keep-alive expiry, restart, pod gone)."""
+        stack = self._idle.get(conn.key)
+        if stack is not None and conn in stack:
+            stack.remove(conn)
+            if not stack:
+                del self._idle[conn.key]
+        self._drop(conn)
 
     async def aclose(self) -> None:
         """Close every idle connection; later ``post`` calls fail."""
         self.closed = True
-        for stack in self._idle.values():
-            for conn in stack:
-                self._drop(conn)
+        idle = [conn for stack in self._idle.values() for conn in stack]
         self._idle.clear()
+        for conn in idle:
+            conn.on_idle_lost = None
+            self._drop(conn)
