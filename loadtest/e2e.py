@@ -109,6 +109,25 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
     return out
 
 
+def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one router: the mean of every numeric result key, ``<key>_sd`` (sample standard deviation)
+    for the rates and latencies, ``errors`` / ``requests`` summed, and the runs themselves under ``runs``."""
+    out: dict[str, Any] = {k: v for k, v in runs[0].items() if k not in RESULT_KEYS}
+    for key in RESULT_KEYS:
+        vals = [r.get(key) for r in runs]
+        nums = [float(v) for v in vals if isinstance(v, int | float)]
+        if key in ("errors", "requests"):
+            out[key] = int(sum(nums))
+            continue
+        out[key] = round(sum(nums) / len(nums), 6) if nums else None
+        if len(nums) > 1:
+            mean = sum(nums) / len(nums)
+            out[key + "_sd"] = round((sum((x - mean) ** 2 for x in nums) / (len(nums) - 1)) ** 0.5, 6)
+    out["repeats"] = len(runs)
+    out["runs"] = list(runs)
+    return out
+
+
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """A fixed-width table of the runs, plus kvroute_ttft / sglang_cache_aware ratios when both ran."""
     def f(v: Any, spec: str) -> str:
@@ -151,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap each request's output length, tokens (0 = as in the trace)")
     p.add_argument("--routers", default=",".join(RUNS),
                    help=f"comma-separated runs, from: {', '.join(RUNS)}")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the whole sequence this many times (interleaved) and report means, standard "
+                        "deviations (<key>_sd) and every run (runs); one run of a load-aware policy on a small "
+                        "slice is not a measurement")
     p.add_argument("--profile", default="a100", help="fake engine timing profile")
     p.add_argument("--gpu-blocks", type=int, default=0, help="KV blocks per engine (0 = engine default)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -175,8 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown or not runs:
         print(f"unknown run(s) {unknown}; choose from {', '.join(RUNS)}", file=sys.stderr)
         return 2
-    if args.time_scale <= 0 or args.load_scale <= 0 or args.duration <= 0:
-        print("--time-scale, --load-scale and --duration must be > 0", file=sys.stderr)
+    if args.time_scale <= 0 or args.load_scale <= 0 or args.duration <= 0 or args.repeat < 1:
+        print("--time-scale, --load-scale and --duration must be > 0, --repeat >= 1", file=sys.stderr)
         return 2
     exit_on_sigterm()
 
@@ -205,14 +228,20 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({args.profile}, time-scale {args.time_scale}), runs: {', '.join(runs)}", file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
     fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
+    per_run: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     try:
-        for name in runs:
-            t = time.monotonic()
-            results[name] = r = run_one(fleet, name, workload, cfg, fresh_engines=True)
-            print(f"  {name}: done in {time.monotonic() - t:.1f} s: hit_rate {r['hit_rate']}, ttft p50 "
-                  f"{r['ttft_p50_s']} s, p99 {r['ttft_p99_s']} s, errors {r['errors']}", file=sys.stderr)
+        for rep in range(args.repeat):
+            for name in runs:
+                t = time.monotonic()
+                r = run_one(fleet, name, workload, cfg, fresh_engines=True)
+                per_run[name].append(r)
+                tag = f" (repeat {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
+                print(f"  {name}{tag}: done in {time.monotonic() - t:.1f} s: hit_rate {r['hit_rate']}, ttft p50 "
+                      f"{r['ttft_p50_s']} s, p99 {r['ttft_p99_s']} s, errors {r['errors']}", file=sys.stderr)
     finally:
         fleet.stop()
+    for name, rs in per_run.items():
+        results[name] = rs[0] if len(rs) == 1 else combine_runs(rs)
     print(format_table(results), file=sys.stderr)
     if args.json:
         print(json.dumps(results, indent=2))
