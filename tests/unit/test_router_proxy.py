@@ -33,10 +33,14 @@ class ServerThread:
     """Run an ASGI app with uvicorn on 127.0.0.1:<free port> in a background thread."""
 
     def __init__(self, app: Any) -> None:
-        self.port = free_port()
+        # bind now (port 0) and hand the socket to uvicorn: no window for another process to take the port
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
                                                     lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
     def url(self) -> str:
@@ -50,6 +54,7 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.sock.close()
 
 
 @dataclass
