@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -92,10 +93,8 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):  # not a TCP socket (tests may hand in others)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
 
     def data_received(self, data: bytes) -> None:
         """Feed the parser; a parse error fails the response and the connection."""
@@ -133,12 +132,6 @@ class _Conn(asyncio.Protocol):
             return
         what = f": {exc}" if exc else ""
         self._fail(EngineConnectionLost(f"connection closed by the engine{what}"), close=False)
-
-    def pause_writing(self) -> None:  # noqa: D102 (requests are written in one call; nothing to pause)
-        pass
-
-    def resume_writing(self) -> None:  # noqa: D102
-        pass
 
     # -- httptools callbacks ---------------------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -283,10 +276,8 @@ class EngineResponse:
     def __del__(self) -> None:
         # safety net: a response abandoned without release() / close() must not keep its pool slot forever
         if not self._done:
-            try:
+            with contextlib.suppress(Exception):  # at interpreter shutdown there is nothing left to free
                 self.close()
-            except Exception:  # noqa: S110 (interpreter shutdown: nothing left to free)
-                pass
 
 
 def _expire(fut: asyncio.Future[None]) -> None:
@@ -317,7 +308,8 @@ class EnginePool:
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._slots = asyncio.Semaphore(max_connections) if max_connections > 0 else None
         self._open = 0
-        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+        #: base URL -> ((host, port), path prefix, Host header), parsed once per engine
+        self._targets: dict[str, tuple[tuple[str, int], bytes, bytes]] = {}
         self.closed = False
 
     @property
@@ -325,7 +317,7 @@ class EnginePool:
         """Connections currently open (in use + idle)."""
         return self._open
 
-    def _target(self, base_url: str) -> tuple[tuple[str, int], bytes]:
+    def _target(self, base_url: str) -> tuple[tuple[str, int], bytes, bytes]:
         got = self._targets.get(base_url)
         if got is None:
             parts = urlsplit(base_url)
@@ -334,7 +326,7 @@ class EnginePool:
             port = parts.port or 80
             prefix = parts.path.rstrip("/").encode()
             host_header = parts.netloc.encode("latin-1")
-            got = ((parts.hostname, port), prefix + b"\x00" + host_header)
+            got = ((parts.hostname, port), prefix, host_header)
             self._targets[base_url] = got
         return got
 
@@ -346,8 +338,7 @@ class EnginePool:
         """
         if self.closed:
             raise EngineConnectError("the engine connection pool is closed")
-        key, meta = self._target(base_url)
-        prefix, _, host_header = meta.partition(b"\x00")
+        key, prefix, host_header = self._target(base_url)
         conn = self._idle_conn(key)
         if conn is None:
             conn = await self._connect(key)

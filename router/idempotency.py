@@ -179,7 +179,7 @@ class IdempotencyGuard:
 
 def _sse_failed(body: bytes) -> bool:
     """True when a relayed event stream ended with the proxy's SSE ``error`` event."""
-    return body.rstrip().rfind(b"event: error") > body.rstrip().rfind(b"data: [DONE]")
+    return body.rfind(b"event: error") > body.rfind(b"data: [DONE]")
 
 
 def _stored_response(doc: dict[str, Any], request_id: str) -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -38,21 +39,20 @@ class RawServer:
         self.connections += 1
         self.writers.append(writer)
         try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                body = await reader.readexactly(length) if length else b""
-                self.requests.append(head + body)
-                data, close = self.answer(head + body)
-                writer.write(data)
-                await writer.drain()
-                if close:
-                    break
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):  # peer gone
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":", 1)[1])
+                    body = await reader.readexactly(length) if length else b""
+                    self.requests.append(head + body)
+                    data, close = self.answer(head + body)
+                    writer.write(data)
+                    await writer.drain()
+                    if close:
+                        break
         finally:
             writer.close()
 

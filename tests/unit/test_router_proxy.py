@@ -8,6 +8,7 @@ raw asyncio server that drops connections. No module of ours is mocked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -148,24 +149,23 @@ class DroppingEngine:
         if task is not None:
             self._handlers.add(task)
         try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                line = head.split(b"\r\n", 1)[0]
-                length = 0
-                for h in head.split(b"\r\n")[1:]:
-                    if h.lower().startswith(b"content-length:"):
-                        length = int(h.split(b":", 1)[1])
-                if length:
-                    await reader.readexactly(length)
-                if line.startswith(b"POST"):
-                    self.posts += 1
-                    return
-                body = b'{"object":"list","data":[{"id":"m"}]}' if b"/v1/models" in line else b"{}"
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                             + str(len(body)).encode() + b"\r\n\r\n" + body)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):  # peer gone
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    line = head.split(b"\r\n", 1)[0]
+                    length = 0
+                    for h in head.split(b"\r\n")[1:]:
+                        if h.lower().startswith(b"content-length:"):
+                            length = int(h.split(b":", 1)[1])
+                    if length:
+                        await reader.readexactly(length)
+                    if line.startswith(b"POST"):
+                        self.posts += 1
+                        return
+                    body = b'{"object":"list","data":[{"id":"m"}]}' if b"/v1/models" in line else b"{}"
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+                    await writer.drain()
         finally:
             writer.close()
             if task is not None:
