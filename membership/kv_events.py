@@ -790,10 +790,7 @@ class KVEventSubscriber:
                 await feed.task
         if clear:
             feed.clear_replica()
-        self._merge_retired(feed.stats)
-
-    def _merge_retired(self, s: FeedStats) -> None:
-        _add(self._retired, s)
+        _add(self._retired, feed.stats)
 
     def spec_for(self, replica: Any) -> FeedSpec | None:
         """The FeedSpec of a ``membership.replicas.Replica`` (None when it publishes no events)."""
