@@ -54,6 +54,8 @@ from loadtest.replay import ReplayRequest, ReplayResult, closed_loop, make_clien
 from loadtest.workload import VOCAB_SIZE, ensure_model_dir, token_text
 
 TARGETS = ("direct", "kvroute", "sglang_cache_aware")
+#: the extra target of ``--baseline-root``: the same kvroute command run from another checkout
+BASELINE = "kvroute_baseline"
 
 #: runs ``kvroute`` under cProfile with a CPU-time timer: argv = [stats file, kvroute args...]
 _CPU_PROFILE_SHIM = """
@@ -206,14 +208,15 @@ def comparison(res: dict[str, dict[str, Any]], levels: Sequence[int],
     throughput relative to sglang-router and to direct, per level."""
     out: dict[str, Any] = {}
     d, k, s = res.get("direct"), res.get("kvroute"), res.get("sglang_cache_aware")
+    short = {"kvroute": "kvroute", "sglang_cache_aware": "sglang", BASELINE: BASELINE}
     for c in levels:
         key = f"c{c}"
         row: dict[str, Any] = {}
-        for name, t in (("kvroute", k), ("sglang", s)):
+        for name, t in (("kvroute", k), ("sglang", s), (BASELINE, res.get(BASELINE))):
             if d and t and d[key]["latency_p50_ms"] is not None and t[key]["latency_p50_ms"] is not None:
                 row[f"{name}_added_p50_ms"] = round(t[key]["latency_p50_ms"] - d[key]["latency_p50_ms"], 3)
         for n, v in paired.get(key, {}).items():
-            row[f"{'kvroute' if n == 'kvroute' else 'sglang'}_added_p50_ms_paired"] = v
+            row[f"{short.get(n, n)}_added_p50_ms_paired"] = v
         if k and s and s[key]["rps"]:
             row["kvroute_vs_sglang_rps_ratio"] = round(k[key]["rps"] / s[key]["rps"], 3)
         if k and d and d[key]["rps"]:
@@ -253,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="ttft", help="kvroute policy")
     p.add_argument("--kvroute-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for kvroute serve, e.g. --kvroute-arg=--tokenizer-mode=bytes (repeatable)")
+    p.add_argument("--baseline-root", default=None, metavar="DIR",
+                   help=f"also run kvroute from another checkout DIR (target {BASELINE}, same flags), interleaved "
+                        "with this one: compares two versions in one run on this noisy machine")
     p.add_argument("--model", default="kvroute-fake")
     p.add_argument("--profile-router", action="store_true", help="also profile kvroute (cProfile, CPU time)")
     p.add_argument("--profile-concurrency", type=int, default=1, help="concurrency of the profiled pass")
@@ -269,6 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not levels or any(c < 1 for c in levels) or any(t not in TARGETS for t in names) or args.blocks < 1:
         print(f"bad --concurrency, --blocks or --targets (targets: {', '.join(TARGETS)})", file=sys.stderr)
         return 2
+    baseline = Path(args.baseline_root).resolve() if args.baseline_root else None
+    if baseline is not None:
+        if not (baseline / "router" / "cli.py").is_file():
+            print(f"--baseline-root {baseline}: not a kvroute checkout (no router/cli.py)", file=sys.stderr)
+            return 2
+        names.append(BASELINE)
     exit_on_sigterm()
     model_dir = ensure_model_dir()
     reqs = make_requests(args.requests, args.prompt_tokens, args.max_tokens)
@@ -285,8 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for n in names:
             if n == "direct":
                 targets[n] = (fleet.engines[0].url, None)
-            elif n == "kvroute":
-                h = fleet.start_kvroute(policy=args.policy, extra_args=args.kvroute_arg)
+            elif n in ("kvroute", BASELINE):
+                h = fleet.start_kvroute(policy=args.policy, extra_args=args.kvroute_arg,
+                                        root=baseline if n == BASELINE else None)
                 targets[n] = (h.url, h.proc)
             else:
                 h = fleet.start_sglang_router(policy="cache_aware")

@@ -60,7 +60,9 @@ class FleetError(RuntimeError):
 class ManagedProcess:
     """A child process in its own session, logging to a file; ``stop`` kills its whole process group."""
 
-    def __init__(self, args: Sequence[str], name: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: Sequence[str], name: str, log_dir: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
+        """Start ``args`` in ``cwd`` (default: this repository) with ``env`` added to ours."""
         self.name = name
         self.args = list(args)
         self.log_path = log_dir / f"{name}.log"
@@ -69,7 +71,7 @@ class ManagedProcess:
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
         self.popen = subprocess.Popen(self.args, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
+                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(cwd or REPO))
         self.pid = self.popen.pid
         self._ps: psutil.Process | None = None
         _LIVE.add(self)
@@ -317,8 +319,12 @@ class Fleet:
         return ",".join(parts)
 
     def start_kvroute(self, policy: str = "ttft", extra_args: Sequence[str] = (),
-                      tokenizer_path: str | None = None) -> RouterHandle:
-        """Start ``kvroute serve`` in front of the engines and wait for GET /readyz."""
+                      tokenizer_path: str | None = None, root: Path | None = None) -> RouterHandle:
+        """Start ``kvroute serve`` in front of the engines and wait for GET /readyz.
+
+        ``root``: run the ``router`` package of another checkout (e.g. the previous release, to compare two
+        versions side by side in one run); default this one.
+        """
         self._require_engines()
         port = free_port()
         args = [sys.executable, "-m", "router.cli", "serve", "--host", HOST, "--port", str(port),
@@ -331,7 +337,7 @@ class Fleet:
         if self.engine.time_scale > 0 and not any(a.startswith("--profiles") for a in extra_args):
             args += scaled_profile_args(self.engine.profile, self.engine.time_scale)
         args += list(extra_args)
-        return self._start_router("kvroute", policy, port, args, "/readyz", None)
+        return self._start_router("kvroute", policy, port, args, "/readyz", None, cwd=root)
 
     def start_sglang_router(self, policy: str = "cache_aware", extra_args: Sequence[str] = ()) -> RouterHandle:
         """Start sglang-router (PyPI) with ``policy`` and its default thresholds; wait until all workers are
@@ -355,9 +361,9 @@ class Fleet:
         return self.routers[-1] if self.routers else None
 
     def _start_router(self, kind: str, policy: str, port: int, args: list[str], ready_path: str,
-                      check: object) -> RouterHandle:
+                      check: object, cwd: Path | None = None) -> RouterHandle:
         proc = ManagedProcess(args, f"router-{kind}-{policy}-g{self._generation}-{len(self.routers)}",
-                              self.log_dir)
+                              self.log_dir, cwd=cwd)
         handle = RouterHandle(kind, policy, port, proc)
         self.routers.append(handle)
         try:

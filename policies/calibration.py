@@ -40,15 +40,11 @@ class ReplicaFit:
 
 def theil_sen(points: list[tuple[float, float]], min_dx: float) -> tuple[float, float] | None:
     """Theil–Sen line ``y = a + b x`` over pairs whose x differ by more than ``min_dx``; None if too few pairs."""
-    slopes: list[float] = []
     n = len(points)
-    for i in range(n):
-        xi, yi = points[i]
-        for j in range(i + 1, n):
-            xj, yj = points[j]
-            dx = xj - xi
-            if dx > min_dx or dx < -min_dx:
-                slopes.append((yj - yi) / dx)
+    # pairs in x order: every dx is >= 0, so one comparison per pair (the same slopes as over all i < j pairs)
+    pts = sorted(points)
+    slopes = [(yj - yi) / (xj - xi)
+              for i, (xi, yi) in enumerate(pts) for xj, yj in pts[i + 1:] if xj - xi > min_dx]
     if len(slopes) < max(3, n // 2):
         return None
     b = median(slopes)

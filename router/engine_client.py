@@ -259,6 +259,12 @@ class EngineResponse:
         """The whole body has been received (it may still be unread)."""
         return self._conn.complete and self._conn.error is None
 
+    @property
+    def at_end(self) -> bool:
+        """The whole body has been received and read: the next ``read_chunk`` returns ``b""`` at once."""
+        conn = self._conn
+        return conn.complete and conn.error is None and not conn.chunks
+
     def release(self) -> None:
         """Done with the response: a fully read keep-alive connection goes back to the pool, others close."""
         if self._done:

@@ -402,11 +402,18 @@ class _Relay:
         self.on_done: Callable[[], None] | None = None
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The chunks for the client; a failure after the first byte ends with an SSE error event."""
+        """The chunks for the client; a failure after the first byte ends with an SSE error event.
+
+        ``ok`` turns True before the last chunk is yielded when the engine's answer is already complete (no
+        further read), so ``_ProxyStream`` can send it as the end of the response (one write, not two).
+        """
         telemetry = self.proxy.telemetry
+        resp = self.resp
         try:
+            if resp.at_end:  # the whole answer came with the headers
+                self.ok = True
             yield self.first
-            while True:
+            while not self.ok:
                 remaining = self.deadline - time.monotonic()
                 if remaining <= 0:
                     telemetry.upstream_errors.labels("total_timeout").inc()
@@ -435,6 +442,8 @@ class _Relay:
                 self.tail += chunk
                 if len(self.tail) > 2 * _TAIL_BYTES:
                     del self.tail[:-_TAIL_BYTES]
+                if resp.at_end:
+                    self.ok = True
                 yield chunk
         finally:
             # a complete stream is finished by _ProxyStream after the client got its last byte (the feedback
@@ -485,10 +494,16 @@ class _ProxyStream(StreamingResponse):
         watch.arm()
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            relay = self.relay
+            ended = False
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            watch.disarm()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if relay.ok:  # the engine's answer is complete: this chunk ends the response
+                    watch.disarm()
+                    ended = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+            if not ended:
+                watch.disarm()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             watch.disarm()
             if not watch.left or not watch.uncancel():

@@ -260,3 +260,42 @@ async def test_max_connections_waits_for_a_free_slot() -> None:
 async def _until(cond: Callable[[], bool]) -> None:
     while not cond():
         await asyncio.sleep(0.01)
+
+
+async def test_at_end_only_once_the_whole_body_was_received_and_read(pool: EnginePool) -> None:
+    """``at_end`` (the relay ends the client's response with the last chunk when it is set) must never be set
+    while the engine may still send more, nor while received data is unread."""
+    more = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        whole = chunked(b"data: 1\n\n", b"data: [DONE]\n\n")
+        cut = whole.index(b"data: [DONE]") - 4  # the head and the first chunk only
+        writer.write(whole[:cut])
+        await writer.drain()
+        await more.wait()
+        writer.write(whole[cut:])
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            await reader.read()  # until the client closes
+        writer.close()
+
+    port = free_port()
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    try:
+        r = await pool.post(f"http://127.0.0.1:{port}", "/x", b"{}", {})
+        assert await r.read_chunk(5.0) == b"data: 1\n\n"
+        assert not r.at_end  # the engine has not finished
+        more.set()
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while not r.complete:  # the rest arrives, unread
+            assert asyncio.get_running_loop().time() < deadline, "the rest of the body never arrived"
+            await asyncio.sleep(0.01)
+        assert not r.at_end  # received but not read yet
+        assert await r.read_chunk(5.0) == b"data: [DONE]\n\n"
+        assert r.at_end
+        assert await r.read_chunk(5.0) == b""
+        r.release()
+    finally:
+        server.close()
+        await server.wait_closed()
