@@ -107,6 +107,30 @@ class TTFTPolicy:
             within ~30 s) it is popular: many requests share it right now, so it should be replicated, and the
             migration penalty is not charged (without the guard a 200-request burst sharing an 8k-token prefix
             put 116 requests on one replica). A conversation's deep prefix is matched by its next turn only.
+        tight_migration_weight, tight_migration_cap_s: the migration penalty's weight and cap (seconds) when the
+            destination's cache is *tight* (below); 0 (default) turns the estimate off and the penalty is always
+            ``migration_weight`` capped at ``migration_cap_s``. With tightness ``t`` in [0, 1] the penalty is
+            ``(migration_weight + t * (tight_migration_weight - migration_weight)) * lost seconds``, capped at
+            ``migration_cap_s + t * (tight_migration_cap_s - migration_cap_s)``; ``1000, 1000`` makes a tight
+            cache behave like "never move". Opt-in: on the e2e slice it recovers about a third of the hit-rate
+            gap to ``sglang_cache_aware`` and on the whole trace it is within noise of the default
+            (docs/results.md, e2e-slice section, point 5).
+        tight_ratio_low, tight_ratio_high: the tightness ramp. ``rho = mean reuse age / cache lifetime`` (both
+            seconds) and ``t = (rho - low) / (high - low)`` clipped to [0, 1]; defaults 0.5 and 1.0. The
+            *cache lifetime* of a replica is ``total_kv_blocks * block_size`` (tokens, its capacity) over the
+            rate of uncached tokens written to it (tokens/s, ``write_rate``): how long an unused block survives
+            its LRU. The *reuse age* is ``PrefixHit.age_s`` of the deepest unpopular GPU match at routing time
+            (for a conversation: the gap since the turn that wrote it). A reuse only hits if it comes within one
+            lifetime, so a mean reuse age near the lifetime means reuses happen at the edge of the cache, and
+            the blocks a move writes (the duplicated conversation) evict blocks that were about to be reused;
+            far below it (``rho`` < 0.5: ages uniform up to ``A`` < lifetime give ``rho = A / (2 lifetime)``),
+            the evicted tail is cold and today's capped penalty is kept. Unknown capacity, no write history or
+            no reuse seen yet: ``t = 0``.
+        lifetime_window_s: e-folding time (seconds of ``Observation.now``) of the per-replica write rate: a
+            decaying sum of ``prompt_tokens - cached_tokens`` of each observation, divided by the window it
+            covers (exact for a constant rate, no warm-up bias). Default 60.
+        reuse_age_samples: the mean reuse age is a running mean over the first this many samples, then an
+            exponential moving average over about this many (default 64). O(1) state per replica; no clock.
         seed: accepted so every policy takes ``seed``; ``ttft`` is deterministic (ties: candidate order).
     """
 
@@ -136,6 +160,12 @@ class TTFTPolicy:
         popular_window_s: float = 30.0,
         popular_min_requests: float = 3.0,
         migration_cap_s: float = 1.0,
+        tight_migration_weight: float = 0.0,
+        tight_migration_cap_s: float = 1000.0,
+        tight_ratio_low: float = 0.5,
+        tight_ratio_high: float = 1.0,
+        lifetime_window_s: float = 60.0,
+        reuse_age_samples: int = 64,
     ) -> None:
         if objective not in (None, "mean", "tail"):
             raise ValueError(f"objective must be 'mean' or 'tail', got {objective!r}")
@@ -176,6 +206,23 @@ class TTFTPolicy:
         self.popular_min_requests = popular_min_requests
         #: deepest-match block key -> (decayed count of decisions whose deepest GPU match ended there, now)
         self._deep_counts: dict[int, tuple[float, float]] = {}
+        if not lifetime_window_s > 0.0:
+            raise ValueError(f"lifetime_window_s must be > 0, got {lifetime_window_s!r}")
+        if not 0.0 <= tight_ratio_low < tight_ratio_high:
+            raise ValueError("tight_ratio_low and tight_ratio_high must satisfy 0 <= low < high")
+        if reuse_age_samples < 1:
+            raise ValueError(f"reuse_age_samples must be >= 1, got {reuse_age_samples!r}")
+        self.tight_migration_weight = tight_migration_weight
+        self.tight_migration_cap_s = tight_migration_cap_s
+        self.tight_ratio_low = tight_ratio_low
+        self.tight_ratio_high = tight_ratio_high
+        self.lifetime_window_s = lifetime_window_s
+        self.reuse_age_samples = reuse_age_samples
+        #: replica -> [decayed sum of uncached tokens written (tokens), time of the last update (s),
+        #: time of the first write (s)]: the write rate that sets the replica's cache lifetime
+        self._written: dict[int, list[float]] = {}
+        self._reuse_age = 0.0  # mean age of the (unpopular) deepest GPU matches seen at routing time, seconds
+        self._reuse_n = 0
 
     # ------------------------------------------------------------------ decision
 
@@ -209,6 +256,9 @@ class TTFTPolicy:
             deepest = n
         if deepest and self._popular(request, deepest):
             deepest = 0  # a prefix many requests share right now: replicate it, do not pin it
+        tw = self.tight_migration_weight
+        if deepest and tw:
+            self._note_reuse_age(candidates, deepest)
         moved: list[tuple[int, float]] = []  # (position, seconds of recompute a move there throws away)
 
         mean_tokens = self._mean_uncached if self._mean_samples >= self.calibrator.min_samples else None
@@ -336,9 +386,15 @@ class TTFTPolicy:
             scores.append(CandidateScore(idx, cand.name, score, parts))
 
         for pos, lost_s in moved:  # the migration penalty, capped: see the class docstring
-            m = mw * lost_s
-            if m > mcap:
-                m = mcap
+            if tw:
+                t = self.tightness(candidates[pos], request)
+                m = (mw + t * (tw - mw)) * lost_s
+                cap = mcap + t * (self.tight_migration_cap_s - mcap)
+            else:
+                m = mw * lost_s
+                cap = mcap
+            if m > cap:
+                m = cap
             if m > 0.0:
                 keys[pos] += m
                 sc = scores[pos]
@@ -408,14 +464,87 @@ class TTFTPolicy:
             kept = dict(newest)
         self._deep_counts = kept
 
+    # ------------------------------------------------------------------ cache lifetime vs reuse age
+
+    def _note_reuse_age(self, candidates: Sequence[Candidate], deepest: int) -> None:
+        """Fold the age (seconds) of the deepest GPU match into the running mean of reuse ages.
+
+        The age of the candidate holding ``deepest`` GPU tokens (the first such candidate) is the time since its
+        deepest matched block was stored: for a conversation, the gap since the turn that wrote it. Running mean
+        over the first ``reuse_age_samples`` samples, then an exponential moving average with that many samples.
+        """
+        for c in candidates:
+            if c.hit.gpu >= deepest:
+                age = c.hit.age_s if c.hit.age_s > 0.0 else 0.0
+                self._reuse_n += 1
+                alpha = 1.0 / min(self._reuse_n, self.reuse_age_samples)
+                self._reuse_age += alpha * (age - self._reuse_age)
+                return
+
+    def write_rate(self, index: int, now: float) -> float | None:
+        """Uncached tokens per second written to replica ``index``'s cache lately, or None when unknown.
+
+        A sum of the written tokens decaying with e-folding time ``lifetime_window_s`` (seconds of the
+        observations' clock), divided by the window it covers: ``lifetime_window_s * (1 - exp(-elapsed /
+        lifetime_window_s))``, exact for a constant rate from the first write on. None before any write or when
+        no time has passed since the first one.
+        """
+        rec = self._written.get(index)
+        if rec is None:
+            return None
+        total, last, first = rec
+        tau = self.lifetime_window_s
+        elapsed = now - first
+        if not elapsed > 0.0:
+            return None
+        if now > last:
+            total *= exp(-(now - last) / tau)
+        return total / (tau * (1.0 - exp(-elapsed / tau)))
+
+    def cache_lifetime_s(self, candidate: Candidate, request: RouteRequest) -> float | None:
+        """Seconds a block survives in the candidate's LRU cache at its current write rate, or None if unknown.
+
+        ``total_kv_blocks * request.block_size`` (the capacity, tokens) over ``write_rate`` (tokens/s). The
+        router's block size stands in for the engine's (they are equal in the usual deployment).
+        """
+        blocks = candidate.load.total_kv_blocks
+        rate = self.write_rate(candidate.index, request.now)
+        if not blocks or rate is None or not rate > 0.0:
+            return None
+        return blocks * request.block_size / rate
+
+    def tightness(self, candidate: Candidate, request: RouteRequest) -> float:
+        """How tight the candidate's cache is for the prefixes being reused: 0 (loose) to 1 (tight).
+
+        ``rho = mean reuse age / cache lifetime`` (both seconds). A block is evicted about one lifetime after
+        its last use, so reuses at ages near the lifetime are the ones a move's extra writes turn into misses.
+        ``(rho - tight_ratio_low) / (tight_ratio_high - tight_ratio_low)``, clipped to [0, 1]; 0 while either
+        is unknown (no reuse seen yet, no write rate, no capacity).
+        """
+        if not self._reuse_n:
+            return 0.0
+        life = self.cache_lifetime_s(candidate, request)
+        if life is None:
+            return 0.0
+        rho = self._reuse_age / life
+        lo = self.tight_ratio_low
+        t = (rho - lo) / (self.tight_ratio_high - lo)
+        return 0.0 if t <= 0.0 else (1.0 if t >= 1.0 else t)
+
     # ------------------------------------------------------------------ feedback
 
     def observe(self, observation: Observation) -> None:
-        """Feed one (uncached tokens, queue wait, TTFT) sample to the replica's calibration."""
-        if not self.calibrate:
-            return
+        """Feed one (uncached tokens, queue wait, TTFT) sample to the replica's calibration.
+
+        With ``tight_migration_weight`` set, the uncached tokens also count as written to the replica's cache
+        (at ``observation.now``) for its write rate, whether or not calibration is on.
+        """
         idx = observation.index
         uncached = max(0, observation.prompt_tokens - observation.cached_tokens)
+        if self.tight_migration_weight:
+            self._note_write(idx, uncached, observation.now)
+        if not self.calibrate:
+            return
         self._mean_samples += 1
         alpha = max(0.02, 1.0 / self._mean_samples)  # running mean first, then an EWMA over ~50 requests
         self._mean_uncached += alpha * (uncached - self._mean_uncached)
@@ -432,9 +561,21 @@ class TTFTPolicy:
             if ov is not None:
                 self._overheads[idx] = ov
 
+    def _note_write(self, index: int, tokens: int, now: float) -> None:
+        """Add ``tokens`` uncached tokens written to replica ``index`` at ``now`` (seconds) to its decayed sum."""
+        rec = self._written.get(index)
+        if rec is None:
+            self._written[index] = [float(tokens), now, now]
+            return
+        if now > rec[1]:
+            rec[0] *= exp(-(now - rec[1]) / self.lifetime_window_s)
+            rec[1] = now
+        rec[0] += tokens
+
     def forget(self, index: int) -> None:
         """Drop calibration for replica ``index`` (left the fleet, restarted, or changed hardware)."""
         self.calibrator.forget(index)
+        self._written.pop(index, None)
         self._rates.pop(index, None)
         self._overheads.pop(index, None)
         self._attention.pop(index, None)

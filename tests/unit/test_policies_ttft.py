@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -555,3 +556,94 @@ def test_popularity_table_is_bounded_and_decays() -> None:
     assert policy._popular(key_req, 64)  # third request within the window
     later = RouteRequest(model="m", prompt_tokens=64, block_keys=[5, 6, 7, 8], now=1e6 + 100.0)
     assert not policy._popular(later, 64)  # decayed over 10 windows
+
+
+def _written(policy: TTFTPolicy, replicas: int, tokens_per_s: int, until_s: int) -> None:
+    """Report ``tokens_per_s`` uncached tokens written to each replica once a second from t=0 to ``until_s``."""
+    for t in range(until_s + 1):
+        for r in range(replicas):
+            policy.observe(Observation(r, tokens_per_s, 0, 0.0, tokens_per_s / 10_000.0, now=float(t)))
+
+
+def _stays_with_holder(policy: TTFTPolicy, capacity_blocks: int | None, age_s: float = 60.0) -> bool:
+    """One turn whose holder (replica 0, 7168 of 8192 tokens cached ``age_s`` ago) has 3 s of backlog.
+
+    The prompt's keys depend on ``age_s`` so repeated calls are different conversations (never a popular prefix).
+    """
+    prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
+    first = 1 + 1000 * round(age_s)
+    req = RouteRequest(model="m", prompt_tokens=8192, block_keys=list(range(first, first + 512)), block_size=16,
+                       now=300.0)
+    cands = [
+        Candidate(0, "holder", LoadView(0, 0, 30_000, kv_usage=0.3, total_kv_blocks=capacity_blocks),
+                  PrefixHit(gpu=7168, age_s=age_s), prof)
+    ] + [
+        Candidate(r, f"r{r}", LoadView(0, 0, 0, kv_usage=0.3, total_kv_blocks=capacity_blocks),
+                  PrefixHit(gpu=512, age_s=age_s), prof)
+        for r in range(1, 4)
+    ]
+    return policy.choose(req, cands).chosen == 0
+
+
+def test_write_rate_and_cache_lifetime_are_learned_from_observations() -> None:
+    policy = TTFTPolicy(tight_migration_weight=1000.0, calibrate=False, lifetime_window_s=60.0)
+    assert policy.write_rate(0, 0.0) is None  # nothing written yet
+    _written(policy, 1, 1000, 300)
+    rate = policy.write_rate(0, 300.0)
+    assert rate == pytest.approx(1000.0, rel=0.02)  # one 1000-token write a second
+    early = TTFTPolicy(tight_migration_weight=1000.0, calibrate=False)
+    _written(early, 1, 1000, 10)
+    assert early.write_rate(0, 10.0) == pytest.approx(11 * 1000 / 10.0, rel=0.02)  # 11 writes in 10 s: no warm-up bias
+    later = policy.write_rate(0, 420.0)  # two windows with no write: the rate decays
+    assert later is not None and later == pytest.approx(1000.0 * math.exp(-2.0), rel=0.02)
+    req = RouteRequest(model="m", prompt_tokens=16, block_keys=[1], block_size=16, now=300.0)
+    cand = Candidate(0, "r0", LoadView(total_kv_blocks=5000))
+    life = policy.cache_lifetime_s(cand, req)
+    assert life is not None and life == pytest.approx(5000 * 16 / 1000.0, rel=0.02)  # 80 s
+    assert policy.cache_lifetime_s(Candidate(0, "r0", LoadView()), req) is None  # capacity unknown
+    policy.forget(0)
+    assert policy.write_rate(0, 300.0) is None
+
+
+def test_short_cache_lifetime_keeps_a_conversation_on_its_busy_holder() -> None:
+    # the default leaves a holder 3 s behind: the migration penalty is capped at 1 s
+    assert not _stays_with_holder(TTFTPolicy(p_confirmed=1.0), 5000)
+    # replicas writing 1000 tokens/s into 5000 x 16 tokens keep a block ~80 s; prefixes are reused at 60 s
+    # (rho 0.75: tightness 0.5): evicting is expensive, the penalty's weight and cap rise and the turn stays
+    tight = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False)
+    _written(tight, 4, 1000, 300)
+    assert tight.tightness(Candidate(1, "r1", LoadView(total_kv_blocks=5000)),
+                           RouteRequest(model="m", prompt_tokens=1, block_keys=[], now=300.0)) == 0.0  # no reuse yet
+    assert _stays_with_holder(tight, 5000)
+    t = tight.tightness(Candidate(1, "r1", LoadView(total_kv_blocks=5000)),
+                        RouteRequest(model="m", prompt_tokens=1, block_keys=[], now=300.0))
+    assert t == pytest.approx(0.5, abs=0.02)
+    # the same reuse age with 50000 x 16-token caches (~800 s lifetime): a move evicts cold blocks, it moves
+    loose = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False)
+    _written(loose, 4, 1000, 300)
+    assert not _stays_with_holder(loose, 50_000)
+    # unknown capacity or no write history: the default penalty (it moves)
+    blind = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False)
+    _written(blind, 4, 1000, 300)
+    assert not _stays_with_holder(blind, None)
+    assert not _stays_with_holder(TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0), 5000)
+
+
+def test_tightness_follows_reuse_age_over_lifetime() -> None:
+    policy = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False, reuse_age_samples=1)
+    _written(policy, 4, 1000, 300)  # lifetime 80 s with 5000 x 16-token caches
+    probe = Candidate(1, "r1", LoadView(total_kv_blocks=5000))
+    now = RouteRequest(model="m", prompt_tokens=1, block_keys=[], now=300.0)
+    expected = {20.0: 0.0, 40.0: 0.0, 60.0: 0.5, 80.0: 1.0, 160.0: 1.0}  # rho = age / 80, ramp 0.5 .. 1
+    for age, t in expected.items():
+        _stays_with_holder(policy, 5000, age_s=age)  # one reuse sample of this age (samples=1: the last one)
+        assert policy.tightness(probe, now) == pytest.approx(t, abs=0.03), age
+
+
+def test_tight_migration_parameters_are_checked() -> None:
+    with pytest.raises(ValueError):
+        TTFTPolicy(lifetime_window_s=0.0)
+    with pytest.raises(ValueError):
+        TTFTPolicy(tight_ratio_low=0.8, tight_ratio_high=0.5)
+    with pytest.raises(ValueError):
+        TTFTPolicy(reuse_age_samples=0)
