@@ -51,6 +51,7 @@ from router.idempotency import IdempotencyGuard
 from router.proxy import Proxy, ProxyConfig, error_response, new_request_id
 from router.routing import Router, RoutingError, RoutingInput, build_profile, decision_json
 from router.telemetry import CONTENT_TYPE, Telemetry, gauge
+from router.token_ids import TokenIdsCheck
 from router.tokenizer import Tokenizer, TokenizerError, make_tokenizer
 
 log = logging.getLogger("kvroute.app")
@@ -241,6 +242,8 @@ class ReplicaOut(BaseModel):
     load: dict[str, Any]
     kv_events: dict[str, Any] | None = None
     health: dict[str, Any] = Field(default_factory=dict)
+    token_ids: str = Field(default="off", description="do prompts go to it as the router's token ids? off | "
+                           "trusted | unchecked | verified | mismatch | unsupported | error (forward_token_ids)")
 
 
 class ReplicaList(BaseModel):
@@ -341,6 +344,9 @@ def build_services(settings: Settings) -> Services:
         membership.report_failure(rep.name, err)
         dynamic.record_failure(rep.name, err)
 
+    token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
+                              timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
+                              headers=engine_headers)
     proxy = Proxy(router, telemetry, ProxyConfig(
         connect_timeout_s=settings.connect_timeout_s, first_byte_timeout_s=settings.first_byte_timeout_s,
         total_timeout_s=settings.total_timeout_s, idle_timeout_s=settings.idle_timeout_s,
@@ -348,12 +354,14 @@ def build_services(settings: Settings) -> Services:
         keepalive_timeout_s=settings.keepalive_timeout_s,
         engine_api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
         retry_after_s=settings.retry_after_s),
-        on_connection_failure=on_connection_failure)
+        on_connection_failure=on_connection_failure, token_ids=token_ids)
     svc = Services(settings=settings, table=table, index=index, policy=policy, tokenizer=tokenizer,
                    telemetry=telemetry, router=router, proxy=proxy, membership=membership)
     svc_holder["svc"] = svc
     svc.background.append((dynamic.start, dynamic.stop))  # membership: kubernetes / health / redis
     svc.extras["membership"] = dynamic
+    svc.background.append((token_ids.start, token_ids.stop))  # which replicas take prompts as token ids
+    svc.extras["token_ids"] = token_ids
     dynamic.register_metrics(telemetry.registry)
 
     # a replica that comes back from unhealthy without KV events: its predicted entries are stale
@@ -381,6 +389,15 @@ def _gauges(svc: Services) -> Iterable[Any]:
                 samples=[([r.name, s.value], 1.0 if r.state == s else 0.0) for r in reps for s in ReplicaState])
     yield gauge("kvroute_replica_inflight_requests", "requests in flight per replica", labels=["replica"],
                 samples=[([r.name], float(r.load.inflight_requests)) for r in reps])
+    check = svc.extras.get("token_ids")
+    if check is not None:
+        yield gauge("kvroute_replica_token_ids", "1 when prompts go to the replica as the router's token ids "
+                    "(forward_token_ids and its tokenizer check)", labels=["replica"],
+                    samples=[([r.name], 1.0 if check.accepts(r) else 0.0) for r in reps])
+        yield gauge("kvroute_token_id_audits", "prompts sent as ids re-checked against the replica's /tokenize "
+                    "(cumulative)", float(check.audited))
+        yield gauge("kvroute_token_id_audit_mismatches", "audited prompts the replica tokenized differently: it "
+                    "gets text from then on (cumulative)", float(check.audit_mismatches))
     yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
     yield gauge("kvroute_panic_decisions", "decisions made among unhealthy replicas because none was ready "
                 "(cumulative)", float(svc.router.panic_decisions))
@@ -676,14 +693,16 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     idempotency = IdempotencyGuard(getattr(svc.extras.get("membership"), "shared", None), settings.retry_after_s)
     svc.extras["idempotency"] = idempotency
 
-    async def serve(request: Request, inp: RoutingInput, path: str, stream: bool) -> Response:
+    async def serve(request: Request, inp: RoutingInput, path: str, stream: bool,
+                    token_ids: list[int] | None = None) -> Response:
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is not None:
             return await idempotency.handle(key, path, await request.body(), stream, inp.request_id,
-                                            lambda: _serve(request, inp, path, stream))
-        return await _serve(request, inp, path, stream)
+                                            lambda: _serve(request, inp, path, stream, token_ids))
+        return await _serve(request, inp, path, stream, token_ids)
 
-    async def _serve(request: Request, inp: RoutingInput, path: str, stream: bool) -> Response:
+    async def _serve(request: Request, inp: RoutingInput, path: str, stream: bool,
+                     token_ids: list[int] | None) -> Response:
         try:
             await admission.acquire()  # over max_inflight_total: queue <= max_queue_wait_s (503) or 429
         except Rejected as exc:
@@ -728,7 +747,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             done()
             raise
         return await svc.proxy.forward(request, routed, path, body, stream=stream, request_id=inp.request_id,
-                                       on_done=done)
+                                       on_done=done, token_ids=token_ids)
 
     @app.post("/v1/completions", responses=_ROUTE_ERRORS, response_model=None,
               openapi_extra=_body_doc(CompletionRequest),
@@ -737,7 +756,9 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         check_client(request)
         body = await _parse(request, CompletionRequest)
         inp = await routing_input(request, body, prompt=body.prompt)
-        return await serve(request, inp, "/v1/completions", body.stream)
+        # a text prompt may reach the engine as the ids just computed (router/token_ids.py decides per replica)
+        ids = inp.token_ids if isinstance(body.prompt, str) and inp.lora is None else None
+        return await serve(request, inp, "/v1/completions", body.stream, ids)
 
     @app.post("/v1/chat/completions", responses=_ROUTE_ERRORS, response_model=None,
               openapi_extra=_body_doc(ChatRequest),
@@ -778,6 +799,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     async def replicas(request: Request) -> Any:
         check_admin(request)
         out = []
+        token_ids_check = svc.extras.get("token_ids")
         for r in svc.table.all():
             ev = svc.event_status.get(r.name)
             out.append({
@@ -786,6 +808,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
                 "load": {k: getattr(r.load, k) for k in r.load.__slots__},
                 "kv_events": _safe_call(ev) if ev else None,
                 "health": svc.membership.health_of(r.name),
+                "token_ids": token_ids_check.state(r) if token_ids_check else "off",
             })
         return {"replicas": out}
 

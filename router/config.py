@@ -158,6 +158,12 @@ class Settings(BaseSettings):
     chat_template_path: str | None = Field(
         default=None, description="jinja2 chat template file overriding tokenizer_config.json's chat_template")
     tokenize_timeout_s: float = Field(default=2.0, gt=0, description="timeout of an engine /tokenize call (s)")
+    forward_token_ids: bool = Field(
+        default=True,
+        description="send /v1/completions text prompts to the engine as the token ids the router routed on (no "
+                    "second tokenization; the engine caches exactly the blocks the router hashed). hf mode: only "
+                    "to replicas whose /tokenize returned the router's ids for the probe texts (checked when they "
+                    "join); engine mode: always; bytes mode: never. Chat, echo and LoRA requests go as sent")
 
     # -- static replicas / membership ------------------------------------------------------------------
     replicas: Annotated[list[ReplicaSpec], NoDecode] = Field(

@@ -51,6 +51,7 @@ from router.engine_client import (
 )
 from router.routing import Routed, Router, RoutingError
 from router.telemetry import Telemetry
+from router.token_ids import TokenIdsCheck, body_with_token_ids
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -122,11 +123,14 @@ class Proxy:
     """
 
     def __init__(self, router: Router, telemetry: Telemetry, config: ProxyConfig,
-                 on_connection_failure: Callable[[Replica, str], None] | None = None) -> None:
+                 on_connection_failure: Callable[[Replica, str], None] | None = None,
+                 token_ids: TokenIdsCheck | None = None) -> None:
         self.router = router
         self.telemetry = telemetry
         self.cfg = config
         self.on_connection_failure = on_connection_failure or (lambda rep, err: None)
+        #: which replicas take prompts as token ids (router/token_ids.py); None: none
+        self.token_ids = token_ids
         self._headers: dict[str, str] = {}
         if config.engine_api_key:
             self._headers["authorization"] = f"Bearer {config.engine_api_key}"
@@ -149,14 +153,17 @@ class Proxy:
 
     # -- entry point -----------------------------------------------------------------------------------
     async def forward(self, request: Request, routed: Routed, path: str, body: bytes, *, stream: bool,
-                      request_id: str, on_done: Callable[[], None] | None = None) -> Response:
+                      request_id: str, on_done: Callable[[], None] | None = None,
+                      token_ids: list[int] | None = None) -> Response:
         """Send ``body`` to ``path`` on the best replica of ``routed`` (retrying as described above).
 
         Returns the response for the client; never raises for engine or network failures. ``on_done`` is
         called exactly once when the response is over (for a stream: when it ended or the client left).
+        ``token_ids``: the prompt's ids when the body's text prompt may be replaced by them for replicas that
+        accept ids (``token_ids``, see router/token_ids.py); each attempt picks the body for its replica.
         """
         try:
-            resp = await self._forward(request, routed, path, body, stream, request_id)
+            resp = await self._forward(request, routed, path, body, stream, request_id, token_ids)
         except BaseException:
             if on_done is not None:
                 on_done()
@@ -169,10 +176,10 @@ class Proxy:
         return resp
 
     async def _forward(self, request: Request, routed: Routed, path: str, body: bytes, stream: bool,
-                       request_id: str) -> Response:
+                       request_id: str, token_ids: list[int] | None) -> Response:
         watch = _ClientWatch(request.receive)
         try:
-            resp = await self._attempts(routed, path, body, stream, request_id)
+            resp = await self._attempts(routed, path, body, stream, request_id, token_ids)
         except asyncio.CancelledError:
             watch.stop()
             if not watch.left or not watch.uncancel():
@@ -190,8 +197,10 @@ class Proxy:
         return resp
 
     async def _attempts(self, routed: Routed, path: str, body: bytes, stream: bool,
-                        request_id: str) -> Response:
+                        request_id: str, token_ids: list[int] | None = None) -> Response:
         router = self.router
+        check = self.token_ids if token_ids is not None else None
+        ids_body: bytes | None = None  # built once, for the first replica that takes ids
         inp = routed.inp
         deadline = time.monotonic() + self.cfg.total_timeout_s
         ranking = list(routed.decision.ranking)
@@ -237,9 +246,19 @@ class Proxy:
             uncached = inp.prompt_tokens - cached.get(idx, 0)
             router.acquire(rep, uncached)
             router.record_prediction(rep, inp.keys)
+            payload = body
+            if check is not None and token_ids is not None and check.accepts(rep):
+                if ids_body is None:
+                    ids_body = body_with_token_ids(body, token_ids)
+                    if ids_body is None:  # not a request that may be rewritten: text for every attempt
+                        check = None
+                if ids_body is not None and check is not None:
+                    payload = ids_body
+                    self.telemetry.token_id_prompts.inc()
+                    check.audit(rep, body, token_ids)
             t0 = time.monotonic()
             try:
-                resp, first = await self._open(rep, path, body, headers, deadline)
+                resp, first = await self._open(rep, path, payload, headers, deadline)
             except _AttemptFailed as exc:
                 router.prefill_done(rep, uncached)
                 router.release(rep)

@@ -74,6 +74,8 @@ class Telemetry:
         self.upstream_errors = Counter("kvroute_upstream_errors",
                                        "requests that failed after all attempts, by reason", ["reason"],
                                        registry=r)
+        self.token_id_prompts = Counter("kvroute_token_id_prompts", "engine requests (attempts) whose prompt "
+                                        "was sent as the router's token ids (forward_token_ids)", registry=r)
         self.prompt_tokens = Counter("kvroute_prompt_tokens", "prompt tokens of requests with an engine "
                                      "cached-token report", registry=r)
         self.predicted_cached = Counter("kvroute_predicted_cached_tokens",

@@ -1,0 +1,184 @@
+"""router/token_ids.py: which replicas take prompts as token ids, and the rewritten body (real loopback engines)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import orjson
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from membership.replicas import ReplicaState, ReplicaTable
+from router.token_ids import PROBES, TokenIdsCheck, body_with_token_ids
+from router.tokenizer import HfTokenizer, make_tokenizer
+from tests.integration.test_router_fleet import build_model_dir
+from tests.unit.test_router_proxy import ServerThread
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HfTokenizer:
+    return HfTokenizer(build_model_dir(tmp_path_factory.mktemp("model")))
+
+
+@dataclass
+class TokenizeEngine:
+    """A /tokenize endpoint: ``mode`` = same (the router's ids) | shifted (another tokenizer) | live_differs
+    (agrees on the probe texts only) | 404 | 500."""
+
+    tok: HfTokenizer
+    mode: str = "same"
+    calls: int = 0
+
+    def app(self) -> Starlette:
+        async def tokenize(request: Request) -> Response:
+            self.calls += 1
+            if self.mode in ("404", "500"):
+                return JSONResponse({"error": self.mode}, status_code=int(self.mode))
+            body = json.loads(await request.body())
+            ids = self.tok.encode_text(body["prompt"], bool(body.get("add_special_tokens", True)))
+            if self.mode == "shifted" and body["prompt"] == PROBES[-1] or \
+                    self.mode == "live_differs" and body["prompt"] not in PROBES:
+                ids = ids[:5] + [i + 1 for i in ids[5:]]  # agrees on a prefix only
+            return JSONResponse({"tokens": ids, "count": len(ids)})
+
+        return Starlette(routes=[Route("/tokenize", tokenize, methods=["POST"])])
+
+
+@pytest.fixture
+def engine(tokenizer: HfTokenizer) -> Iterator[tuple[TokenizeEngine, str]]:
+    eng = TokenizeEngine(tokenizer)
+    with ServerThread(eng.app()) as srv:
+        yield eng, srv.url
+
+
+def test_body_with_token_ids_rewrites_only_plain_text_prompts() -> None:
+    body = orjson.dumps({"model": "m", "prompt": "hello", "max_tokens": 3, "extra": {"k": [1, 2]}})
+    out = body_with_token_ids(body, [1, 2, 3])
+    assert out is not None and orjson.loads(out) == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3,
+                                                     "extra": {"k": [1, 2]}}
+    for bad in ({"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": [5, 6]},
+                {"model": "m", "prompt": "x", "echo": True},
+                {"model": "m", "prompt": "x", "add_special_tokens": False}, ["not", "an", "object"]):
+        assert body_with_token_ids(orjson.dumps(bad), [1]) is None, bad
+    assert body_with_token_ids(b"{broken", [1]) is None
+    ok_flags = orjson.dumps({"model": "m", "prompt": "x", "echo": False, "add_special_tokens": True})
+    assert body_with_token_ids(ok_flags, [9]) is not None
+
+
+def _table(url: str) -> ReplicaTable:
+    table = ReplicaTable()
+    table.upsert("r0", url, models=["m"])
+    table.set_state("r0", ReplicaState.READY)
+    return table
+
+
+async def test_verdicts_follow_the_engines_tokenize(tokenizer: HfTokenizer,
+                                                    engine: tuple[TokenizeEngine, str]) -> None:
+    eng, url = engine
+    table = _table(url)
+    rep = table.get("r0")
+    assert rep is not None
+    check = TokenIdsCheck(tokenizer, table, enabled=True, retry_s=3600.0)
+    try:
+        assert check.mode == "verify" and check.state(rep) == "unchecked" and not check.accepts(rep)
+        await check.check_due()
+        assert check.state(rep) == "verified" and check.accepts(rep)
+        assert eng.calls == len(PROBES)
+        await check.check_due()
+        assert eng.calls == len(PROBES)  # a verdict stands while the replica stays routable
+
+        # the replica restarts with another tokenizer: leaving the routable states forgets the verdict
+        eng.mode = "shifted"
+        table.set_state("r0", ReplicaState.UNHEALTHY)
+        await check.check_due()
+        assert check.state(rep) == "unchecked" and not check.accepts(rep)
+        table.set_state("r0", ReplicaState.READY)
+        await check.check_due()
+        assert check.state(rep) == "mismatch" and not check.accepts(rep)
+
+        table.set_state("r0", ReplicaState.UNHEALTHY)
+        await check.check_due()
+        eng.mode = "404"
+        table.set_state("r0", ReplicaState.READY)
+        await check.check_due()
+        assert check.state(rep) == "unsupported" and not check.accepts(rep)
+
+        table.set_state("r0", ReplicaState.UNHEALTHY)
+        await check.check_due()
+        eng.mode = "500"
+        table.set_state("r0", ReplicaState.READY)
+        await check.check_due()
+        assert check.state(rep) == "error" and not check.accepts(rep)
+        calls = eng.calls
+        await check.check_due()
+        assert eng.calls == calls  # errors are retried only after retry_s
+        check.retry_s = 0.0
+        eng.mode = "same"
+        await check.check_due()
+        assert check.state(rep) == "verified" and check.accepts(rep)
+
+        # a new URL under the same name (a pod replaced) is not covered by the old verdict
+        table.upsert("r0", "http://127.0.0.1:9", models=["m"])
+        assert not check.accepts(rep) and check.state(rep) == "unchecked"
+    finally:
+        await check.stop()
+
+
+async def test_modes_without_checks(tokenizer: HfTokenizer, engine: tuple[TokenizeEngine, str]) -> None:
+    eng, url = engine
+    table = _table(url)
+    rep = table.get("r0")
+    assert rep is not None
+    off = TokenIdsCheck(tokenizer, table, enabled=False)
+    trusted = TokenIdsCheck(make_tokenizer("engine"), table, enabled=True)
+    never = TokenIdsCheck(make_tokenizer("bytes"), table, enabled=True)
+    for check, mode, accepts in ((off, "off", False), (trusted, "trusted", True), (never, "off", False)):
+        await check.check_due()
+        assert check.mode == mode and check.state(rep) == mode and check.accepts(rep) is accepts
+        await check.stop()
+    assert eng.calls == 0  # nothing is asked unless ids are verified per replica
+
+
+def test_probe_texts_exercise_what_tokenizers_disagree_on() -> None:
+    joined = "".join(PROBES)
+    assert any(ord(c) > 0x3000 for c in joined) and any(ord(c) > 0x1F000 for c in joined)  # CJK, emoji
+    assert "\t" in joined and "\n\n" in joined and "   " in joined and any(c.isdigit() for c in joined)
+
+
+async def test_live_prompts_are_audited_and_a_disagreement_stops_ids(tokenizer: HfTokenizer,
+                                                                     engine: tuple[TokenizeEngine, str]) -> None:
+    eng, url = engine
+    table = _table(url)
+    rep = table.get("r0")
+    assert rep is not None
+    check = TokenIdsCheck(tokenizer, table, enabled=True, audit_first=2, audit_every=3)
+    prompt = "hello world, a prompt that the probes do not contain"
+    body = orjson.dumps({"model": "m", "prompt": prompt})
+    ids = tokenizer.encode_text(prompt)
+
+    async def settle() -> None:
+        for t in list(check._audits.values()):
+            await t
+
+    try:
+        await check.check_due()
+        assert check.accepts(rep)
+        probes = eng.calls
+        for _ in range(7):  # sampled: the first 2, then the 3rd and 6th
+            check.audit(rep, body, ids)
+            await settle()
+        assert eng.calls - probes == 4 and check.audited == 4 and check.audit_mismatches == 0
+        assert check.accepts(rep)
+
+        eng.mode = "live_differs"  # e.g. a fine-tuned tokenizer: the probes still agree, real prompts do not
+        for _ in range(2):
+            check.audit(rep, body, ids)
+            await settle()
+        assert check.audit_mismatches == 1 and check.state(rep) == "mismatch" and not check.accepts(rep)
+    finally:
+        await check.stop()
