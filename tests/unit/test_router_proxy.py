@@ -13,7 +13,7 @@ import json
 import socket
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,9 @@ class EngineState:
     request_ids: list[str] = field(default_factory=list)
     cancelled: int = 0
     cached_tokens: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    #: answers POST /tokenize with these ids when set (else 404, as an engine without that endpoint)
+    tokenize: Callable[[str], list[int]] | None = None
 
 
 def tiny_engine(state: EngineState) -> Starlette:
@@ -76,6 +79,7 @@ def tiny_engine(state: EngineState) -> Starlette:
 
     async def completions(request: Request) -> Response:
         body = await request.json()
+        state.bodies.append(body)
         state.posts += 1
         state.request_ids.append(request.headers.get("x-request-id", ""))
         usage = {"prompt_tokens": 10, "completion_tokens": 3,
@@ -113,7 +117,14 @@ def tiny_engine(state: EngineState) -> Starlette:
             return StreamingResponse(gen(), media_type="text/event-stream")
         return JSONResponse({"choices": [{"text": "ok"}], "usage": usage})
 
+    async def tokenize(request: Request) -> Response:
+        if state.tokenize is None:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        ids = state.tokenize((await request.json())["prompt"])
+        return JSONResponse({"tokens": ids, "count": len(ids)})
+
     return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                             Route("/tokenize", tokenize, methods=["POST"]),
                              Route("/v1/completions", completions, methods=["POST"]),
                              Route("/v1/chat/completions", completions, methods=["POST"])])
 

@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import orjson
 import pytest
 from starlette.applications import Starlette
@@ -14,10 +15,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from membership.replicas import ReplicaState, ReplicaTable
+from router.app import create_app
+from router.config import load_settings
 from router.token_ids import PROBES, TokenIdsCheck, body_with_token_ids
 from router.tokenizer import HfTokenizer, make_tokenizer
+from tests.helpers import wait_until
 from tests.integration.test_router_fleet import build_model_dir
-from tests.unit.test_router_proxy import ServerThread
+from tests.unit.test_router_proxy import EngineState, ServerThread, metric, ready, tiny_engine
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +186,32 @@ async def test_live_prompts_are_audited_and_a_disagreement_stops_ids(tokenizer: 
         assert check.audit_mismatches == 1 and check.state(rep) == "mismatch" and not check.accepts(rep)
     finally:
         await check.stop()
+
+
+def test_each_attempt_gets_the_body_its_replica_takes(tokenizer: HfTokenizer, tmp_path_factory:
+                                                      pytest.TempPathFactory) -> None:
+    """A request whose first replica (verified: ids) fails is retried on one without /tokenize: as text."""
+    model_dir = build_model_dir(tmp_path_factory.mktemp("model2"))
+    good, plain = EngineState(mode="500", tokenize=tokenizer.encode_text), EngineState()
+    with ServerThread(tiny_engine(good)) as e0, ServerThread(tiny_engine(plain)) as e1:
+        settings = load_settings([
+            "--host", "127.0.0.1", "--policy", "round_robin", "--probe-interval-s", "0.2", "--log-level", "warning",
+            "--tokenizer-mode", "hf", "--tokenizer-path", str(model_dir), "--connect-timeout-s", "10",
+            "--probe-timeout-s", "5", "--unhealthy-after", "10", "--max-retries", "2",
+            "--replica", f"name=e0,url={e0.url},model=m", "--replica", f"name=e1,url={e1.url},model=m"])
+        with ServerThread(create_app(settings)) as router:
+            ready(router, 2)
+
+            def states() -> dict[str, str]:
+                return {r["name"]: r["token_ids"] for r in httpx.get(router.url + "/replicas").json()["replicas"]}
+
+            wait_until(lambda: states() == {"e0": "verified", "e1": "unsupported"}, timeout=30,
+                       what="e0 verified, e1 unsupported")
+            prompt = "hello world quick brown fox"
+            for _ in range(4):  # round robin starts on either: some requests try e0 first and fail over
+                r = httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": prompt,
+                                                                     "max_tokens": 2}, timeout=30)
+                assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "e1", r.text
+            assert good.bodies and all(b["prompt"] == tokenizer.encode_text(prompt) for b in good.bodies)
+            assert len(plain.bodies) == 4 and all(b["prompt"] == prompt for b in plain.bodies)
+            assert metric(router, "kvroute_token_id_prompts_total") == len(good.bodies)
