@@ -22,6 +22,10 @@ added p50 latency over direct and kvroute's throughput as a ratio of sglang-rout
 ``--profile-router`` runs kvroute once more under cProfile with a CPU-time timer at ``--profile-concurrency`` and
 prints the functions using the most CPU (written to ``--profile-out``).
 
+``--baseline-root DIR`` adds a fourth target, ``kvroute_baseline``: the same kvroute command run from another
+checkout (e.g. the previous landing), plus ``--baseline-arg`` flags, measured interleaved with the others; with
+DIR = this checkout and e.g. ``--baseline-arg=--no-forward-token-ids`` it compares two settings in one run.
+
 JSON on stdout, a table on stderr; every process is stopped at the end, also on errors and Ctrl-C.
 """
 
@@ -257,8 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvroute-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for kvroute serve, e.g. --kvroute-arg=--tokenizer-mode=bytes (repeatable)")
     p.add_argument("--baseline-root", default=None, metavar="DIR",
-                   help=f"also run kvroute from another checkout DIR (target {BASELINE}, same flags), interleaved "
-                        "with this one: compares two versions in one run on this noisy machine")
+                   help=f"also run kvroute from another checkout DIR (target {BASELINE}, same flags plus "
+                        "--baseline-arg), interleaved with this one: compares two versions (or, with DIR = this "
+                        "checkout, two settings) in one run on this noisy machine")
+    p.add_argument("--baseline-arg", action="append", default=[], metavar="FLAG",
+                   help=f"extra flag for the {BASELINE} target only, e.g. --baseline-arg=--no-forward-token-ids "
+                        "(repeatable)")
     p.add_argument("--model", default="kvroute-fake")
     p.add_argument("--profile-router", action="store_true", help="also profile kvroute (cProfile, CPU time)")
     p.add_argument("--profile-concurrency", type=int, default=1, help="concurrency of the profiled pass")
@@ -298,8 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if n == "direct":
                 targets[n] = (fleet.engines[0].url, None)
             elif n in ("kvroute", BASELINE):
-                h = fleet.start_kvroute(policy=args.policy, extra_args=args.kvroute_arg,
-                                        root=baseline if n == BASELINE else None)
+                h = fleet.start_kvroute(policy=args.policy, root=baseline if n == BASELINE else None,
+                                        extra_args=[*args.kvroute_arg, *(args.baseline_arg if n == BASELINE else [])])
                 targets[n] = (h.url, h.proc)
             else:
                 h = fleet.start_sglang_router(policy="cache_aware")
