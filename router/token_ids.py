@@ -212,14 +212,18 @@ class TokenIdsCheck:
         now = time.monotonic()
         reps = self.table.all()
         names = {r.name for r in reps}
-        for name in [n for n in self._verdicts if n not in names]:
-            del self._verdicts[name]
+        for table in (self._verdicts, self._sent):
+            for name in [n for n in table if n not in names]:
+                del table[name]
+        due = []
         for rep in reps:
             v = self._verdicts.get(rep.name)
             if not rep.routable:
                 self._verdicts.pop(rep.name, None)  # restarted / drained: ask again when it is back
             elif v is None or v[0] != rep.url or (v[1] == "error" and now - v[2] >= self.retry_s):
-                await self.check(rep)
+                due.append(rep)
+        if due:  # concurrently: a slow replica must not hold up the others (the HTTP client bounds the fan-out)
+            await asyncio.gather(*(self.check(rep) for rep in due))
 
     async def _loop(self) -> None:
         while True:
