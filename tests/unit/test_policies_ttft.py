@@ -647,3 +647,18 @@ def test_tight_migration_parameters_are_checked() -> None:
         TTFTPolicy(tight_ratio_low=0.8, tight_ratio_high=0.5)
     with pytest.raises(ValueError):
         TTFTPolicy(reuse_age_samples=0)
+
+
+def test_survival_check_drops_the_penalty_when_the_holders_copy_is_evicted_first() -> None:
+    # lifetime 80 s (5000 x 16 tokens at 1000 tokens/s), prefix stored 60 s ago: tight, the turn stays ...
+    kept = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False, survival_check=True)
+    _written(kept, 4, 1000, 300)
+    assert _stays_with_holder(kept, 5000, age_s=60.0)  # 60 s + 3 s of backlog < 80 s: the copy survives the wait
+    # ... but stored 78 s ago, 3 s of backlog outlive the lifetime: the copy is gone before the prefill, so the move
+    # throws nothing away and is not charged (without the check the tight penalty pins it anyway)
+    doomed = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False, survival_check=True)
+    _written(doomed, 4, 1000, 300)
+    assert not _stays_with_holder(doomed, 5000, age_s=78.0)
+    pinned = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False)
+    _written(pinned, 4, 1000, 300)
+    assert _stays_with_holder(pinned, 5000, age_s=78.0)
