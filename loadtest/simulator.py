@@ -293,11 +293,12 @@ class Fleet:
                                  clock=lambda: self.now)
         params = dict(policy_params or {})
         params.setdefault("seed", seed)  # every built-in policy accepts seed= (randomised ones use it)
+        base = policy_of(policy)
         try:
-            self.policy = make_policy(policy, **params)
+            self.policy = make_policy(base, **params)
         except TypeError:
             params.pop("seed", None)
-            self.policy = make_policy(policy, **params)
+            self.policy = make_policy(base, **params)
         self.policy_name = policy
         n = config.replicas
         self.engines = [
@@ -449,6 +450,11 @@ class _Rec:
     finish: float = -1.0
 
 
+def policy_of(name: str) -> str:
+    """The policy a run label names: ``ttft@tight`` -> ``ttft`` (a label without ``@`` is the policy itself)."""
+    return name.partition("@")[0]
+
+
 def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, keys: BlockKeyCache | None = None,
              policy_params: dict[str, Any] | None = None, seed: int = 0, load: float | None = None,
              hit_rate_bound: float | None = None) -> SimResult:
@@ -582,9 +588,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hardware profile per replica: NAME or NAME:COUNT,... e.g. a100:4,h20:4 "
                         "(profiles: a100, h20, rtx6000)")
     p.add_argument("--policies", default="all",
-                   help="comma-separated policy names, or 'all' (" + ", ".join(policy_names()) + ")")
+                   help="comma-separated policy names, or 'all' (" + ", ".join(policy_names()) + "); "
+                        "POLICY@LABEL runs the policy again under its own label and --policy-param, so two "
+                        "settings compare in one command, e.g. ttft,ttft@never")
     p.add_argument("--policy-param", action="append", default=[], metavar="POLICY.KEY=VALUE",
-                   help="constructor parameter of a policy (repeatable), e.g. ttft.p_confirmed=0.9")
+                   help="constructor parameter of a policy or label (repeatable), e.g. ttft.p_confirmed=0.9, "
+                        "ttft@never.migration_weight=1000")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--load", type=_floats, default=None,
                       help="arrival rate(s) as a fraction of the fleet's estimated capacity, e.g. 0.5,0.7,0.9. "
@@ -724,9 +733,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = policy_names() if args.policies == "all" else [x.strip() for x in args.policies.split(",")
                                                                if x.strip()]
         known = set(policy_names())
-        unknown = [x for x in names if x not in known]
+        unknown = [x for x in names if policy_of(x) not in known]
         if unknown:
             raise ValueError(f"unknown policies {unknown}; known: {', '.join(sorted(known))}")
+        dupes = sorted({x for x in names if names.count(x) > 1})
+        bad = [x for x in names if "@" in x and (not x.partition("@")[2] or "." in x)]
+        if dupes or bad:
+            raise ValueError(f"each run label must be unique and POLICY@LABEL without '.': {dupes + bad}")
         pparams = _policy_params(args.policy_param, names)
         events_delay = None if args.events_delay.lower() == "none" else float(args.events_delay)
         if events_delay is not None and events_delay < 0:

@@ -145,12 +145,34 @@ def test_cli_json_fields_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cli_labels_run_one_policy_with_two_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--workload", "chapter8", "--workload-param", "num_requests=80", "--replicas", "2", "--load", "0.8",
+            "--gpu-blocks", "1500", "--no-bound", "--json"]
+    rc = main([*base, "--policies", "ttft,ttft@never,ttft@shallow",
+               "--policy-param", "ttft@never.migration_weight=1000", "--policy-param", "ttft@never.migration_cap_s=1000",
+               "--policy-param", "ttft@shallow.objective=tail"])
+    assert rc == 0
+    rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {"ttft", "ttft@never", "ttft@shallow"}
+    # the unlabelled run is the plain policy: the same numbers as running it alone
+    assert main([*base, "--policies", "ttft"]) == 0
+    alone = json.loads(capsys.readouterr().out)[0]
+    assert {k: v for k, v in alone.items() if k not in ("wall_s", "cpu_s")} == \
+        {k: v for k, v in rows["ttft"].items() if k not in ("wall_s", "cpu_s")}
+    # a label's parameters reach its own policy: an invalid one fails that run's construction
+    with pytest.raises(ValueError, match="objective"):
+        main([*base, "--policies", "ttft@bad", "--policy-param", "ttft@bad.objective=nope"])
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--workload", "chapter8", "--policies", "nope"], "unknown policies"),
     (["--workload", "chapter8", "--profiles", "tpu:2"], "unknown engine profile"),
     (["--workload", "chapter8", "--profiles", "a100:2", "--replicas", "3"], "--replicas"),
     (["--trace", "/nonexistent/trace.jsonl"], "nonexistent"),
     (["--workload", "chapter8", "--events-delay", "-1"], "events-delay"),
+    (["--workload", "chapter8", "--policies", "ttft,ttft"], "unique"),
+    (["--workload", "chapter8", "--policies", "ttft@"], "unique"),
+    (["--workload", "chapter8", "--policies", "nope@x"], "unknown policies"),
 ])
 def test_cli_rejects_bad_input(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
