@@ -211,6 +211,8 @@ class PrefixIndex:
         self._invalid = 0
         self._unknown_removed = 0
         self._expired = 0
+        self._compactions = 0  # node-id compactions run (each one renumbers every node: a pause of the caller)
+        self._compacted_ids = 0  # node-id slots those compactions walked (the work of the pauses)
 
     # ------------------------------------------------------------------ states
 
@@ -335,6 +337,8 @@ class PrefixIndex:
         elif dead < self._compact_min or (dead + self._reserved) * 4 < len(self._keys):
             return
         keys = self._keys
+        self._compactions += 1
+        self._compacted_ids += len(keys)
         # C-level filtering (itertools.compress) over one liveness mask: this runs in the event loop, and an
         # index of millions of nodes must not stall it for long (about 3x faster than index-based copies)
         live = [k is not None for k in keys]
@@ -1156,6 +1160,9 @@ class PrefixIndex:
             "invalid_events": self._invalid,
             "unknown_removed": self._unknown_removed,
             "expired": self._expired,
+            "compactions": self._compactions,
+            "compacted_ids": self._compacted_ids,
+            "dead_ids": self._dead_nodes,
             "states": sum(1 for r in self._refs if r > 0),
             "replicas": len(self._slot_of),
         }

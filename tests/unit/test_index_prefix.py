@@ -254,6 +254,27 @@ def test_stats_shape() -> None:
     assert st["nodes"] == 2 and st["blocks"][0] == dict.fromkeys(TIERS, 0) | {"disk": 2}
 
 
+def test_compactions_are_counted_and_keep_every_match() -> None:
+    """Compaction (a pause of its caller) shows in stats; it renumbers node ids without changing any answer."""
+    idx = PrefixIndex()
+    idx._compact_min = 8
+    chains = [[(c << 20) + i for i in range(1, 21)] for c in range(40)]
+    for c, keys in enumerate(chains):
+        idx.store(c % 3, None, keys)
+    assert idx.stats()["compactions"] == 0 and idx.stats()["dead_ids"] == 0
+    for c, keys in enumerate(chains[:20]):  # the oldest half goes: the first quarter of ids dies first
+        idx.remove(c % 3, keys)
+    st = idx.stats()
+    assert st["compactions"] >= 1 and st["compacted_ids"] >= 4 * 8 and st["dead_ids"] < st["compacted_ids"]
+    assert st["nodes"] == 20 * 20
+    for c, keys in enumerate(chains):
+        got = idx.match(keys)
+        if c < 20:
+            assert got == {}, c
+        else:
+            assert list(got) == [c % 3] and got[c % 3].blocks == got[c % 3].gpu == 20, (c, got)
+
+
 def test_paths_grown_in_place_still_verify_every_block() -> None:
     """A conversation grows in its reserved extent; a query diverging right after a turn must stop there."""
     idx = PrefixIndex(clock=FakeClock())
