@@ -51,7 +51,7 @@ from router.idempotency import IdempotencyGuard
 from router.proxy import Proxy, ProxyConfig, error_response, new_request_id
 from router.routing import Router, RoutingError, RoutingInput, build_profile, decision_json
 from router.telemetry import CONTENT_TYPE, Telemetry, gauge
-from router.token_ids import TokenIdsCheck
+from router.token_ids import IdsPrompt, TokenIdsCheck, ids_prompt
 from router.tokenizer import Tokenizer, TokenizerError, make_tokenizer
 
 log = logging.getLogger("kvroute.app")
@@ -694,15 +694,15 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     svc.extras["idempotency"] = idempotency
 
     async def serve(request: Request, inp: RoutingInput, path: str, stream: bool,
-                    token_ids: list[int] | None = None) -> Response:
+                    ids: IdsPrompt | None = None) -> Response:
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is not None:
             return await idempotency.handle(key, path, await request.body(), stream, inp.request_id,
-                                            lambda: _serve(request, inp, path, stream, token_ids))
-        return await _serve(request, inp, path, stream, token_ids)
+                                            lambda: _serve(request, inp, path, stream, ids))
+        return await _serve(request, inp, path, stream, ids)
 
     async def _serve(request: Request, inp: RoutingInput, path: str, stream: bool,
-                     token_ids: list[int] | None) -> Response:
+                     ids: IdsPrompt | None) -> Response:
         try:
             await admission.acquire()  # over max_inflight_total: queue <= max_queue_wait_s (503) or 429
         except Rejected as exc:
@@ -747,17 +747,18 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             done()
             raise
         return await svc.proxy.forward(request, routed, path, body, stream=stream, request_id=inp.request_id,
-                                       on_done=done, token_ids=token_ids)
+                                       on_done=done, ids=ids)
 
     @app.post("/v1/completions", responses=_ROUTE_ERRORS, response_model=None,
               openapi_extra=_body_doc(CompletionRequest),
               summary="OpenAI completions, routed to the replica with the lowest expected TTFT")
     async def completions(request: Request) -> Response:
         check_client(request)
-        body = await _parse(request, CompletionRequest)
+        body, data = await _parse(request, CompletionRequest)
         inp = await routing_input(request, body, prompt=body.prompt)
         # a text prompt may reach the engine as the ids just computed (router/token_ids.py decides per replica)
-        ids = inp.token_ids if isinstance(body.prompt, str) and inp.lora is None else None
+        check = svc.proxy.token_ids
+        ids = ids_prompt(data, inp.token_ids) if check and check.mode != "off" and inp.lora is None else None
         return await serve(request, inp, "/v1/completions", body.stream, ids)
 
     @app.post("/v1/chat/completions", responses=_ROUTE_ERRORS, response_model=None,
@@ -765,7 +766,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
               summary="OpenAI chat completions, routed through the chat template")
     async def chat_completions(request: Request) -> Response:
         check_client(request)
-        body = await _parse(request, ChatRequest)
+        body, _ = await _parse(request, ChatRequest)
         inp = await routing_input(request, body, messages=body.messages, chat={
             "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
             "chat_template_kwargs": body.chat_template_kwargs})
@@ -785,7 +786,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
               summary="where would this request go? (decision with every candidate's predicted TTFT)")
     async def route(request: Request) -> Any:
         check_client(request)
-        body = await _parse(request, RouteBody)
+        body, _ = await _parse(request, RouteBody)
         inp = await routing_input(request, body, prompt=body.prompt, messages=body.messages,
                                   token_ids=body.token_ids, chat={
                                       "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
@@ -864,8 +865,9 @@ def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-async def _parse(request: Request, model: type[_M]) -> _M:
-    """Parse the request body as JSON (whatever the content type) and validate it against ``model``.
+async def _parse(request: Request, model: type[_M]) -> tuple[_M, Any]:
+    """Parse the request body as JSON (whatever the content type) and validate it against ``model``; returns the
+    validated model and the parsed JSON it came from.
 
     Raises:
         RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
@@ -877,7 +879,7 @@ async def _parse(request: Request, model: type[_M]) -> _M:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": str(exc),
                                        "input": None}]) from None
     try:
-        return model.model_validate(data)
+        return model.model_validate(data), data
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 

@@ -51,7 +51,7 @@ from router.engine_client import (
 )
 from router.routing import Routed, Router, RoutingError
 from router.telemetry import Telemetry
-from router.token_ids import TokenIdsCheck, body_with_token_ids
+from router.token_ids import IdsPrompt, TokenIdsCheck
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -154,16 +154,16 @@ class Proxy:
     # -- entry point -----------------------------------------------------------------------------------
     async def forward(self, request: Request, routed: Routed, path: str, body: bytes, *, stream: bool,
                       request_id: str, on_done: Callable[[], None] | None = None,
-                      token_ids: list[int] | None = None) -> Response:
+                      ids: IdsPrompt | None = None) -> Response:
         """Send ``body`` to ``path`` on the best replica of ``routed`` (retrying as described above).
 
         Returns the response for the client; never raises for engine or network failures. ``on_done`` is
         called exactly once when the response is over (for a stream: when it ended or the client left).
-        ``token_ids``: the prompt's ids when the body's text prompt may be replaced by them for replicas that
-        accept ids (``token_ids``, see router/token_ids.py); each attempt picks the body for its replica.
+        ``ids``: set when the body's text prompt may be replaced by the router's token ids (router/token_ids.py);
+        each attempt sends ``ids.body()`` to replicas that take ids and ``body`` to the others.
         """
         try:
-            resp = await self._forward(request, routed, path, body, stream, request_id, token_ids)
+            resp = await self._forward(request, routed, path, body, stream, request_id, ids)
         except BaseException:
             if on_done is not None:
                 on_done()
@@ -176,10 +176,10 @@ class Proxy:
         return resp
 
     async def _forward(self, request: Request, routed: Routed, path: str, body: bytes, stream: bool,
-                       request_id: str, token_ids: list[int] | None) -> Response:
+                       request_id: str, ids: IdsPrompt | None) -> Response:
         watch = _ClientWatch(request.receive)
         try:
-            resp = await self._attempts(routed, path, body, stream, request_id, token_ids)
+            resp = await self._attempts(routed, path, body, stream, request_id, ids)
         except asyncio.CancelledError:
             watch.stop()
             if not watch.left or not watch.uncancel():
@@ -197,10 +197,9 @@ class Proxy:
         return resp
 
     async def _attempts(self, routed: Routed, path: str, body: bytes, stream: bool,
-                        request_id: str, token_ids: list[int] | None = None) -> Response:
+                        request_id: str, ids: IdsPrompt | None = None) -> Response:
         router = self.router
-        check = self.token_ids if token_ids is not None else None
-        ids_body: bytes | None = None  # built once, for the first replica that takes ids
+        check = self.token_ids if ids is not None else None
         inp = routed.inp
         deadline = time.monotonic() + self.cfg.total_timeout_s
         ranking = list(routed.decision.ranking)
@@ -247,15 +246,10 @@ class Proxy:
             router.acquire(rep, uncached)
             router.record_prediction(rep, inp.keys)
             payload = body
-            if check is not None and token_ids is not None and check.accepts(rep):
-                if ids_body is None:
-                    ids_body = body_with_token_ids(body, token_ids)
-                    if ids_body is None:  # not a request that may be rewritten: text for every attempt
-                        check = None
-                if ids_body is not None and check is not None:
-                    payload = ids_body
-                    self.telemetry.token_id_prompts.inc()
-                    check.audit(rep, body, token_ids)
+            if check is not None and ids is not None and check.accepts(rep):
+                payload = ids.body()
+                self.telemetry.token_id_prompts.inc()
+                check.audit(rep, ids)
             t0 = time.monotonic()
             try:
                 resp, first = await self._open(rep, path, payload, headers, deadline)

@@ -20,7 +20,7 @@ disagreement turns the replica to ``mismatch`` (text from then on; counted in ``
 
 Only single-string completions prompts of base models are rewritten, and not with ``echo`` (the engine would
 echo detokenized text) or ``add_special_tokens: false`` (the router's ids carry the special tokens): see
-``body_with_token_ids``. Chat requests always go as messages (the chat API takes no ids).
+``ids_prompt``. Chat requests always go as messages (the chat API takes no ids).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 
 from membership.replicas import Replica, ReplicaTable
-from membership.tasks import cancel_and_wait
-from router.tokenizer import Tokenizer, TokenizerError
+from membership.tasks import cancel_and_wait, run_every
+from router.tokenizer import EngineTokenizer, Tokenizer, TokenizerError, TokenizeUnsupported
 
 log = logging.getLogger("kvroute.token_ids")
 
@@ -50,21 +50,38 @@ PROBES = (
 STATES = ("off", "trusted", "unchecked", "verified", "mismatch", "unsupported", "error")
 
 
-def body_with_token_ids(body: bytes, token_ids: list[int]) -> bytes | None:
-    """``body`` (a completions request, JSON) with its text ``prompt`` replaced by ``token_ids``.
+@dataclass(slots=True)
+class IdsPrompt:
+    """A completions request whose text prompt may reach an engine as the router's token ids.
 
-    None when the request is not one whose answer is the same either way: the prompt is not one string, ``echo``
-    is set, ``add_special_tokens`` is not true, or the body is not a JSON object.
+    Attributes:
+        text: the prompt as the client sent it.
+        token_ids: the router's ids of ``text`` (the ones it routed on).
+        request: the parsed request body (JSON object), left as it is.
     """
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
+
+    text: str
+    token_ids: list[int]
+    request: dict[str, Any]
+    _body: bytes | None = None
+
+    def body(self) -> bytes:
+        """The request body with ``prompt`` = ``token_ids`` (JSON bytes; built once, on first use)."""
+        if self._body is None:
+            self._body = orjson.dumps({**self.request, "prompt": self.token_ids})
+        return self._body
+
+
+def ids_prompt(request: object, token_ids: list[int]) -> IdsPrompt | None:
+    """``request`` (a parsed completions body) as an ``IdsPrompt``, or None when its answer could differ with
+    ids: the body is not a JSON object, the prompt is not one string, ``echo`` is set or ``add_special_tokens``
+    is not true."""
+    if not isinstance(request, dict):
         return None
-    if not isinstance(data, dict) or not isinstance(data.get("prompt"), str) or data.get("echo") \
-            or data.get("add_special_tokens", True) is not True:
+    text = request.get("prompt")
+    if not isinstance(text, str) or request.get("echo") or request.get("add_special_tokens", True) is not True:
         return None
-    data["prompt"] = token_ids
-    return orjson.dumps(data)
+    return IdsPrompt(text, token_ids, request)
 
 
 class TokenIdsCheck:
@@ -88,14 +105,14 @@ class TokenIdsCheck:
         self.table = table
         self.mode = "off" if not enabled or tokenizer.mode == "bytes" else (
             "trusted" if tokenizer.mode == "engine" else "verify")
-        self.timeout_s = timeout_s
         self.interval_s = interval_s
         self.retry_s = retry_s
-        self.headers = dict(headers or {})
+        #: the replicas' own /tokenize (the client of ``engine`` tokenizer mode, made on first use)
+        self._engine: EngineTokenizer | None = None
+        self._engine_args = (timeout_s, dict(headers or {}))
         #: replica name -> (url the verdict is about, state, monotonic time of the verdict)
         self._verdicts: dict[str, tuple[str, str, float]] = {}
         self._task: asyncio.Task[None] | None = None
-        self._client: httpx.AsyncClient | None = None
         self.audit_first = audit_first
         self.audit_every = max(1, audit_every)
         #: replica name -> prompts sent to it as ids since its verdict
@@ -110,10 +127,7 @@ class TokenIdsCheck:
     # -- decisions (hot path) --------------------------------------------------------------------------
     def accepts(self, rep: Replica) -> bool:
         """True when prompts may go to ``rep`` as token ids."""
-        if self.mode == "verify":
-            v = self._verdicts.get(rep.name)
-            return v is not None and v[1] == "verified" and v[0] == rep.url
-        return self.mode == "trusted"
+        return self.state(rep) in ("verified", "trusted")
 
     def state(self, rep: Replica) -> str:
         """One of ``STATES`` for ``rep`` (for ``/replicas`` and the metrics)."""
@@ -122,56 +136,43 @@ class TokenIdsCheck:
         v = self._verdicts.get(rep.name)
         return v[1] if v is not None and v[0] == rep.url else "unchecked"
 
-    def audit(self, rep: Replica, body: bytes, token_ids: list[int]) -> None:
-        """A prompt went to ``rep`` as ``token_ids`` (``body``: the client's request with the text); re-check
-        some of them against the replica's own tokenization in the background (cheap when not sampled)."""
+    def audit(self, rep: Replica, prompt: IdsPrompt) -> None:
+        """``prompt`` went to ``rep`` as ids; re-check some prompts against the replica's own tokenization in the
+        background (cheap when not sampled)."""
         n = self._sent.get(rep.name, 0) + 1
         self._sent[rep.name] = n
         if (n <= self.audit_first or n % self.audit_every == 0) and self.mode == "verify":
             running = self._audits.get(rep.name)
             if running is None or running.done():
-                self._audits[rep.name] = asyncio.create_task(self._audit_one(rep, rep.url, body, token_ids),
+                self._audits[rep.name] = asyncio.create_task(self._audit_one(rep, rep.url, prompt),
                                                              name=f"kvroute-token-id-audit-{rep.name}")
 
-    async def _audit_one(self, rep: Replica, url: str, body: bytes, token_ids: list[int]) -> None:
+    async def _audit_one(self, rep: Replica, url: str, prompt: IdsPrompt) -> None:
         try:
-            prompt = orjson.loads(body)["prompt"]
-            theirs = await self._engine_ids(rep, prompt)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # unavailable now: the next sampled prompt tries again
+            theirs = await self._engine_ids(rep, prompt.text)
+        except TokenizerError as exc:  # unavailable now (or no /tokenize): the next sampled prompt tries again
             log.debug("token-id audit failed", extra={"replica": rep.name, "error": f"{type(exc).__name__}: {exc}"})
-            return
-        if theirs is None:
             return
         self.audited += 1
         v = self._verdicts.get(rep.name)
-        if theirs != token_ids and v is not None and v[0] == url and v[1] == "verified":
+        if theirs != prompt.token_ids and v is not None and v[0] == url and v[1] == "verified":
             self.audit_mismatches += 1
             self._verdicts[rep.name] = (url, "mismatch", time.monotonic())
-            self._mismatch(rep, prompt, token_ids, theirs)
+            self._mismatch(rep, prompt.text, prompt.token_ids, theirs)
 
-    async def _engine_ids(self, rep: Replica, text: str) -> list[int] | None:
-        """``rep``'s ``/tokenize`` of ``text`` (special tokens added); None when it has no such endpoint.
+    async def _engine_ids(self, rep: Replica, text: str) -> list[int]:
+        """``rep``'s ``/tokenize`` of ``text`` (special tokens added, as for a completions prompt).
 
         Raises:
-            httpx.HTTPError, TokenizerError, ValueError: the call failed or the answer is malformed.
+            TokenizeUnsupported: the replica has no ``/tokenize``.
+            TokenizerError: the call failed or the answer is malformed.
         """
-        body: dict[str, Any] = {"prompt": text, "add_special_tokens": True}
-        if rep.models:
-            body["model"] = rep.models[0]
-        resp = await self._http().post(rep.url.rstrip("/") + "/tokenize", json=body)
-        if resp.status_code in (404, 405):
-            return None
-        if resp.status_code != 200:
-            raise TokenizerError(f"/tokenize answered {resp.status_code}: {resp.text[:200]}")
-        tokens = resp.json().get("tokens")
-        if not isinstance(tokens, list):
-            raise TokenizerError("/tokenize returned no 'tokens' list")
-        return tokens
+        if self._engine is None:
+            self._engine = EngineTokenizer(*self._engine_args)
+        return await self._engine.encode_prompt(text, model=rep.models[0] if rep.models else "", url=rep.url)
 
     @staticmethod
-    def _mismatch(rep: Replica, text: str, ours: list[int], theirs: list[Any]) -> None:
+    def _mismatch(rep: Replica, text: str, ours: list[int], theirs: list[int]) -> None:
         at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
                   min(len(ours), len(theirs)))
         log.warning("replica's tokenizer disagrees with the router's: prompts go to it as text",
@@ -187,14 +188,13 @@ class TokenIdsCheck:
             for text in PROBES:
                 ours = await self.tokenizer.encode_prompt(text, model=model, url=rep.url)
                 theirs = await self._engine_ids(rep, text)
-                if theirs is None:
-                    verdict = "unsupported"
-                    break
                 if theirs != ours:
                     verdict = "mismatch"
                     self._mismatch(rep, text, ours, theirs)
                     break
-        except (httpx.HTTPError, TokenizerError, ValueError, AttributeError) as exc:
+        except TokenizeUnsupported:
+            verdict = "unsupported"
+        except TokenizerError as exc:
             verdict = "error"
             log.info("token-id check failed; retrying later", extra={"replica": rep.name,
                                                                      "error": f"{type(exc).__name__}: {exc}"})
@@ -226,19 +226,7 @@ class TokenIdsCheck:
             await asyncio.gather(*(self.check(rep) for rep in due))
 
     async def _loop(self) -> None:
-        while True:
-            try:
-                await self.check_due()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # never let the loop die
-                log.exception("token-id check loop failed")
-            await asyncio.sleep(self.interval_s)
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers)
-        return self._client
+        await run_every(self.check_due, self.interval_s, "token-id check", log)
 
     async def start(self) -> None:
         """Start the background checks (nothing to do unless the mode is ``verify``)."""
@@ -246,12 +234,12 @@ class TokenIdsCheck:
             self._task = asyncio.create_task(self._loop(), name="kvroute-token-id-check")
 
     async def stop(self) -> None:
-        """Stop the background checks and close the HTTP client."""
+        """Stop the background checks and audits and close the HTTP client."""
         task, self._task = self._task, None
         await cancel_and_wait(task)
         audits, self._audits = list(self._audits.values()), {}
         for t in audits:
             await cancel_and_wait(t)
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        if self._engine is not None:
+            await self._engine.aclose()
+            self._engine = None

@@ -41,6 +41,10 @@ class TokenizerError(Exception):
     """The prompt or messages could not be turned into token ids (bad input or a broken tokenizer)."""
 
 
+class TokenizeUnsupported(TokenizerError):
+    """The engine has no ``/tokenize`` endpoint (it answered 404 or 405)."""
+
+
 class Tokenizer(Protocol):
     """Turns completions prompts and chat messages into token ids."""
 
@@ -316,6 +320,8 @@ class EngineTokenizer:
             resp = await self._client.post(url.rstrip("/") + "/tokenize", json=body)
         except httpx.HTTPError as exc:
             raise TokenizerError(f"engine /tokenize at {url} failed: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code in (404, 405):
+            raise TokenizeUnsupported(f"engine at {url} has no /tokenize (answered {resp.status_code})")
         if resp.status_code != 200:
             raise TokenizerError(f"engine /tokenize at {url} answered {resp.status_code}: {resp.text[:200]}")
         try:
@@ -327,8 +333,8 @@ class EngineTokenizer:
         return tokens
 
     async def encode_prompt(self, prompt: str, *, model: str, url: str | None = None) -> list[int]:
-        """Ids from the engine for a completions prompt."""
-        return await self._call(url, {"model": model, "prompt": prompt})
+        """Ids from the engine for a completions prompt (``model`` "" = the engine's default model)."""
+        return await self._call(url, {"model": model, "prompt": prompt} if model else {"prompt": prompt})
 
     async def encode_chat(self, messages: Sequence[dict[str, Any]], *, model: str, url: str | None = None,
                           add_generation_prompt: bool = True, tools: Any = None,

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from membership.replicas import ReplicaState, ReplicaTable
 from router.app import create_app
 from router.config import load_settings
-from router.token_ids import PROBES, TokenIdsCheck, body_with_token_ids
+from router.token_ids import PROBES, TokenIdsCheck, ids_prompt
 from router.tokenizer import HfTokenizer, make_tokenizer
 from tests.helpers import wait_until
 from tests.integration.test_router_fleet import build_model_dir
@@ -60,18 +60,19 @@ def engine(tokenizer: HfTokenizer) -> Iterator[tuple[TokenizeEngine, str]]:
         yield eng, srv.url
 
 
-def test_body_with_token_ids_rewrites_only_plain_text_prompts() -> None:
-    body = orjson.dumps({"model": "m", "prompt": "hello", "max_tokens": 3, "extra": {"k": [1, 2]}})
-    out = body_with_token_ids(body, [1, 2, 3])
-    assert out is not None and orjson.loads(out) == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3,
-                                                     "extra": {"k": [1, 2]}}
+def test_ids_prompt_rewrites_only_plain_text_prompts() -> None:
+    request = {"model": "m", "prompt": "hello", "max_tokens": 3, "extra": {"k": [1, 2]}}
+    out = ids_prompt(request, [1, 2, 3])
+    assert out is not None and orjson.loads(out.body()) == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3,
+                                                            "extra": {"k": [1, 2]}}
+    assert out.text == "hello" and request["prompt"] == "hello"  # the client's request is left as it was
     for bad in ({"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": [5, 6]},
                 {"model": "m", "prompt": "x", "echo": True},
                 {"model": "m", "prompt": "x", "add_special_tokens": False}, ["not", "an", "object"]):
-        assert body_with_token_ids(orjson.dumps(bad), [1]) is None, bad
-    assert body_with_token_ids(b"{broken", [1]) is None
-    ok_flags = orjson.dumps({"model": "m", "prompt": "x", "echo": False, "add_special_tokens": True})
-    assert body_with_token_ids(ok_flags, [9]) is not None
+        assert ids_prompt(bad, [1]) is None, bad
+    assert ids_prompt("{broken", [1]) is None
+    ok_flags = {"model": "m", "prompt": "x", "echo": False, "add_special_tokens": True}
+    assert ids_prompt(ok_flags, [9]) is not None
 
 
 def _table(url: str) -> ReplicaTable:
@@ -96,28 +97,18 @@ async def test_verdicts_follow_the_engines_tokenize(tokenizer: HfTokenizer,
         await check.check_due()
         assert eng.calls == len(PROBES)  # a verdict stands while the replica stays routable
 
-        # the replica restarts with another tokenizer: leaving the routable states forgets the verdict
-        eng.mode = "shifted"
-        table.set_state("r0", ReplicaState.UNHEALTHY)
-        await check.check_due()
-        assert check.state(rep) == "unchecked" and not check.accepts(rep)
-        table.set_state("r0", ReplicaState.READY)
-        await check.check_due()
-        assert check.state(rep) == "mismatch" and not check.accepts(rep)
+        async def restart_with(mode: str) -> None:
+            """The replica restarts with another /tokenize: leaving the routable states forgets the verdict."""
+            eng.mode = mode
+            table.set_state("r0", ReplicaState.UNHEALTHY)
+            await check.check_due()
+            assert check.state(rep) == "unchecked" and not check.accepts(rep)
+            table.set_state("r0", ReplicaState.READY)
+            await check.check_due()
 
-        table.set_state("r0", ReplicaState.UNHEALTHY)
-        await check.check_due()
-        eng.mode = "404"
-        table.set_state("r0", ReplicaState.READY)
-        await check.check_due()
-        assert check.state(rep) == "unsupported" and not check.accepts(rep)
-
-        table.set_state("r0", ReplicaState.UNHEALTHY)
-        await check.check_due()
-        eng.mode = "500"
-        table.set_state("r0", ReplicaState.READY)
-        await check.check_due()
-        assert check.state(rep) == "error" and not check.accepts(rep)
+        for mode, verdict in (("shifted", "mismatch"), ("404", "unsupported"), ("500", "error")):
+            await restart_with(mode)
+            assert check.state(rep) == verdict and not check.accepts(rep), mode
         calls = eng.calls
         await check.check_due()
         assert eng.calls == calls  # errors are retried only after retry_s
@@ -162,8 +153,8 @@ async def test_live_prompts_are_audited_and_a_disagreement_stops_ids(tokenizer: 
     assert rep is not None
     check = TokenIdsCheck(tokenizer, table, enabled=True, audit_first=2, audit_every=3)
     prompt = "hello world, a prompt that the probes do not contain"
-    body = orjson.dumps({"model": "m", "prompt": prompt})
-    ids = tokenizer.encode_text(prompt)
+    sent = ids_prompt({"model": "m", "prompt": prompt}, tokenizer.encode_text(prompt))
+    assert sent is not None
 
     async def settle() -> None:
         for t in list(check._audits.values()):
@@ -174,14 +165,14 @@ async def test_live_prompts_are_audited_and_a_disagreement_stops_ids(tokenizer: 
         assert check.accepts(rep)
         probes = eng.calls
         for _ in range(7):  # sampled: the first 2, then the 3rd and 6th
-            check.audit(rep, body, ids)
+            check.audit(rep, sent)
             await settle()
         assert eng.calls - probes == 4 and check.audited == 4 and check.audit_mismatches == 0
         assert check.accepts(rep)
 
         eng.mode = "live_differs"  # e.g. a fine-tuned tokenizer: the probes still agree, real prompts do not
         for _ in range(2):
-            check.audit(rep, body, ids)
+            check.audit(rep, sent)
             await settle()
         assert check.audit_mismatches == 1 and check.state(rep) == "mismatch" and not check.accepts(rep)
     finally:
