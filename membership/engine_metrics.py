@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from membership.tasks import cancel_and_wait
+from membership.tasks import cancel_and_wait, run_every
 
 log = logging.getLogger("kvroute.engine_metrics")
 
@@ -410,15 +410,7 @@ class MetricsScraper:
             self._client = None
 
     async def _loop(self) -> None:
-        while True:
-            started = self.clock()
-            try:
-                await self.scrape_all()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # never let the loop die
-                log.exception("scrape round failed")
-            await asyncio.sleep(max(0.05, self.interval_s - (self.clock() - started)))
+        await run_every(self.scrape_all, lambda: self.interval_s, "scrape", log, self.clock)
 
     def _replicas(self) -> list[Any]:
         return [r for r in self.table.all() if getattr(getattr(r, "state", None), "value", "") != "gone"]

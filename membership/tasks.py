@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
@@ -24,3 +27,21 @@ async def cancel_and_wait(task: asyncio.Future[Any] | None, *, recancel_s: float
         await asyncio.wait({task}, timeout=recancel_s)
     with contextlib.suppress(asyncio.CancelledError, Exception):
         task.result()  # retrieved: asyncio does not log "exception was never retrieved"
+
+
+async def run_every(round_fn: Callable[[], Awaitable[Any]], interval_s: Callable[[], float] | float, what: str,
+                    logger: logging.Logger, clock: Callable[[], float] = time.monotonic,
+                    min_sleep_s: float = 0.05) -> None:
+    """Run ``round_fn`` forever, one round every ``interval_s`` seconds (start to start, at least ``min_sleep_s``
+    between rounds). A failing round is logged (``what`` round failed) and the loop goes on; only cancellation
+    ends it. ``interval_s`` may be a callable, read before each sleep (a setting that can change)."""
+    while True:
+        started = clock()
+        try:
+            await round_fn()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # never let the loop die
+            logger.exception("%s round failed", what)
+        every = interval_s() if callable(interval_s) else interval_s
+        await asyncio.sleep(max(min_sleep_s, every - (clock() - started)))
