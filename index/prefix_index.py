@@ -342,7 +342,7 @@ class PrefixIndex:
         # C-level filtering (itertools.compress) over one liveness mask: this runs in the event loop, and an
         # index of millions of nodes must not stall it for long (about 3x faster than index-based copies)
         live = [k is not None for k in keys]
-        first = live.index(False) if not all(live) else len(live)  # ids below the first hole keep their number
+        first = live.index(False) if False in live else len(live)  # ids below the first hole keep their number
         new_keys: list[int | None] = list(compress(keys, live))
         self._sidl = list(compress(self._sidl, live))
         self._ts = array("d", compress(self._ts, live))
