@@ -1,12 +1,13 @@
-"""``membership.tasks.cancel_and_wait``: stops a task even when the task loses a cancellation."""
+"""``membership.tasks``: cancel_and_wait stops a task even when it loses a cancellation; run_every keeps going."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
-from membership.tasks import cancel_and_wait
+from membership.tasks import cancel_and_wait, run_every
 
 
 async def test_cancels_a_plain_task_and_accepts_none_and_done_tasks() -> None:
@@ -64,3 +65,22 @@ async def test_the_callers_own_cancellation_propagates() -> None:
     inner.cancel()
     await asyncio.wait({inner})
     assert inner.done() and not inner.cancelled()
+
+
+async def test_run_every_survives_a_failing_round_and_stops_on_cancel(caplog: pytest.LogCaptureFixture) -> None:
+    rounds: list[int] = []
+    third = asyncio.Event()
+
+    async def round_fn() -> None:
+        rounds.append(len(rounds))
+        if len(rounds) == 1:
+            raise RuntimeError("first round breaks")
+        if len(rounds) == 3:
+            third.set()
+
+    with caplog.at_level(logging.ERROR):
+        task = asyncio.ensure_future(run_every(round_fn, 0.01, "test", logging.getLogger("t"), min_sleep_s=0.0))
+        await asyncio.wait_for(third.wait(), 5.0)
+        await cancel_and_wait(task)
+    assert rounds[:3] == [0, 1, 2] and task.cancelled()
+    assert "test round failed" in caplog.text and "first round breaks" in caplog.text
