@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import compress, groupby, islice
+from itertools import compress, groupby
 from typing import Any
 
 import xxhash
@@ -83,6 +83,8 @@ RESERVED_SLOT_BYTES = 28
 _ONES = array("I", [1])
 #: Dead node ids needed (besides a quarter of all ids) before the node arrays are compacted.
 COMPACT_MIN_DEAD = 4096
+#: Node ids one step of an incremental compaction processes (bounds the pause of one index call).
+COMPACT_CHUNK = 32768
 #: Nodes processed per ``expire()`` call by the incremental sweep of cleared replicas.
 SWEEP_CHUNK = 65536
 
@@ -199,7 +201,8 @@ class PrefixIndex:
         self._sweep_cursor = 0
         self._free_slots: list[int] = []
         self._next_slot = 0
-        # predicted entries: per slot, node id -> expiry time (insertion order == expiry order)
+        # predicted entries: per slot, block key -> expiry time (insertion order == expiry order); keyed by
+        # block key, not node id, so that compaction never has to renumber them
         self._pred: dict[int, OrderedDict[int, float]] = {}
         self._next_expiry = float("inf")
         # engine hash maps: per replica, engine hash -> int router key | (last key, leftover tokens, covered keys)
@@ -211,8 +214,12 @@ class PrefixIndex:
         self._invalid = 0
         self._unknown_removed = 0
         self._expired = 0
-        self._compactions = 0  # node-id compactions run (each one renumbers every node: a pause of the caller)
-        self._compacted_ids = 0  # node-id slots those compactions walked (the work of the pauses)
+        self._compactions = 0  # node-id compactions started (each one renumbers the live nodes, in steps)
+        self._compacted_ids = 0  # node-id slots those compactions walked (their total work)
+        # incremental compaction in progress: next id to process (-1 = none) and next id to move a node to
+        self._cmp_src = -1
+        self._cmp_dst = 0
+        self._compact_chunk = COMPACT_CHUNK
 
     # ------------------------------------------------------------------ states
 
@@ -298,7 +305,7 @@ class PrefixIndex:
         for slot in _bits(pmask):
             pd = self._pred.get(slot)
             if pd is not None:
-                pd.pop(nid, None)
+                pd.pop(key, None)
         self._refs[sid] -= 1
         del self._ids[key]
         self._keys[nid] = None
@@ -326,38 +333,92 @@ class PrefixIndex:
         self._bits_cache.clear()
 
     def _maybe_compact(self, *, force: bool = False) -> None:
-        """Renumber live nodes densely once a quarter of the node ids are dead (amortised O(1) per delete).
+        """Start a node-id compaction once a quarter of the ids are dead, and advance the one in progress.
 
-        ``force`` compacts once a quarter of the ids are dead or reserved, however few (budget eviction).
+        The compaction is incremental: each call moves the live nodes of at most ``_compact_chunk`` ids down
+        over the holes (``_compact_step``), so no single call pauses the caller for a whole-index renumbering
+        (amortised O(1) per deleted node). ``force`` starts one once a quarter of the ids are dead or reserved,
+        however few (budget eviction).
         """
-        dead = self._dead_nodes
-        if force:
-            if (dead + self._reserved) * 4 < len(self._keys):
+        if self._cmp_src < 0:
+            dead = self._dead_nodes
+            if force:
+                if not dead + self._reserved or (dead + self._reserved) * 4 < len(self._keys):
+                    return
+            elif dead < self._compact_min or (dead + self._reserved) * 4 < len(self._keys):
                 return
-        elif dead < self._compact_min or (dead + self._reserved) * 4 < len(self._keys):
-            return
-        keys = self._keys
-        self._compactions += 1
-        self._compacted_ids += len(keys)
-        # C-level filtering (itertools.compress) over one liveness mask: this runs in the event loop, and an
-        # index of millions of nodes must not stall it for long (about 3x faster than index-based copies)
-        live = [k is not None for k in keys]
-        first = live.index(False) if False in live else len(live)  # ids below the first hole keep their number
-        new_keys: list[int | None] = list(compress(keys, live))
-        self._sidl = list(compress(self._sidl, live))
-        self._ts = array("d", compress(self._ts, live))
-        self._run = array("I", compress(self._run, live))
-        self._keys = new_keys
-        self._ids.update(zip(islice(new_keys, first, None), range(first, len(new_keys)), strict=True))  # type: ignore[arg-type]
-        if self._pred:
-            alive = list(compress(range(len(live)), live))
-            where = dict(zip(alive, range(len(alive)), strict=True))
-            for slot, pd in self._pred.items():
-                self._pred[slot] = OrderedDict((where[nid], exp) for nid, exp in pd.items())
-        self._dead_nodes = 0
-        self._reserved = 0
-        self._tips.clear()
-        self._sweep_cursor = 0
+            # reservations are given up (their ids are holes like the dead ones) and none are made until the
+            # compaction ends: ``_tips`` would otherwise point at ids the compaction moves
+            self._tips.clear()
+            self._dead_nodes = dead + self._reserved
+            self._reserved = 0
+            keys = self._keys
+            try:
+                first = keys.index(None)  # ids below the first hole stay put
+            except ValueError:
+                first = len(keys)
+            self._cmp_src = self._cmp_dst = first
+            self._compactions += 1
+        self._compact_step()
+
+    def _compact_step(self) -> None:
+        """Move the live nodes of the next ``_compact_chunk`` ids down to the compacted region's end.
+
+        Layout while a compaction runs: ids ``[0, dst)`` are compacted (new holes there wait for the next
+        compaction), ``[dst, src)`` is a gap of dead ids nothing refers to, ``[src, len)`` is not processed
+        yet (new nodes are appended there). The step finishes the compaction when ``src`` reaches the end,
+        by truncating the arrays to ``dst``. Run hints are kept as they are: ``_stretch`` verifies them.
+        """
+        kl = self._keys
+        src = self._cmp_src
+        dst = self._cmp_dst
+        end = min(len(kl), src + self._compact_chunk)
+        # C-level filtering (itertools.compress) over one liveness mask: this runs in the event loop
+        seg = kl[src:end]
+        live = [k is not None for k in seg]
+        moved: list[int | None] = list(compress(seg, live))
+        nl = len(moved)
+        top = dst + nl
+        if nl:
+            kl[dst:top] = moved
+            self._sidl[dst:top] = list(compress(self._sidl[src:end], live))
+            self._ts[dst:top] = array("d", compress(self._ts[src:end], live))
+            self._run[dst:top] = array("I", compress(self._run[src:end], live))
+            self._ids.update(zip(moved, range(dst, top), strict=True))  # type: ignore[arg-type]
+        if top < end:  # the rest of the chunk joins the gap
+            kl[top:end] = [None] * (end - top)
+            self._sidl[top:end] = [0] * (end - top)
+        self._dead_nodes -= end - src - nl
+        self._compacted_ids += end - src
+        if self._sweeping and self._sweep_cursor > dst:
+            self._sweep_cursor = dst  # moved nodes must not land behind the sweep unswept
+        if end >= len(kl):
+            del kl[top:]
+            del self._sidl[top:]
+            del self._ts[top:]
+            del self._run[top:]
+            self._cmp_src = -1
+            self._cmp_dst = 0
+        else:
+            self._cmp_src = end
+            self._cmp_dst = top
+
+    def _check_layout(self) -> None:
+        """Assert the node-id bookkeeping is consistent (tests call this; O(nodes))."""
+        kl = self._keys
+        assert len(kl) == len(self._sidl) == len(self._ts) == len(self._run)
+        for key, nid in self._ids.items():
+            assert kl[nid] == key, (key, nid, kl[nid])
+        assert sum(1 for k in kl if k is not None) == len(self._ids)
+        if self._cmp_src >= 0:
+            assert all(k is None for k in kl[self._cmp_dst : self._cmp_src])
+            holes = kl[: self._cmp_dst].count(None) + kl[self._cmp_src :].count(None)
+        else:
+            holes = kl.count(None)
+        assert holes == self._dead_nodes + self._reserved, (holes, self._dead_nodes, self._reserved)
+        for pd in self._pred.values():
+            for key in pd:
+                assert key in self._ids, key
 
     # ------------------------------------------------------------------ queries
 
@@ -668,7 +729,7 @@ class PrefixIndex:
                 created += 1
                 prev = nid
                 if op == _OP_PREDICT:
-                    pd[nid] = exp  # type: ignore[index]
+                    pd[k] = exp  # type: ignore[index]
                 continue
             if streak >= 0:
                 if place >= 0:
@@ -693,12 +754,12 @@ class PrefixIndex:
                 sidl[nid] = nsid
                 if op == _OP_STORE:
                     if pd is not None and self._states[sid][_PRED] & bit:
-                        pd.pop(nid, None)
+                        pd.pop(k, None)
                 elif op == _OP_PREDICT:
-                    pd[nid] = exp  # type: ignore[index]
-            elif op == _OP_PREDICT and nid in pd:  # type: ignore[operator]
-                pd.move_to_end(nid)  # type: ignore[union-attr]
-                pd[nid] = exp  # type: ignore[index]
+                    pd[k] = exp  # type: ignore[index]
+            elif op == _OP_PREDICT and k in pd:  # type: ignore[operator]
+                pd.move_to_end(k)  # type: ignore[union-attr]
+                pd[k] = exp  # type: ignore[index]
         if streak >= 0:
             if place >= 0:
                 self._close_streak(streak, place, place_end, cap, placed=True)
@@ -757,6 +818,7 @@ class PrefixIndex:
         """Apply a transition to the existing nodes ``nid0 .. nid0+m-1`` run by run; return how many changed."""
         sidl = self._sidl
         ts = self._ts
+        kl = self._keys
         refs = self._refs
         states = self._states
         seg = sidl[nid0 : nid0 + m]
@@ -778,9 +840,9 @@ class PrefixIndex:
                 if touch:
                     ts[x:end] = array("d", [now]) * run
                 if op == _OP_PREDICT and pd is not None and states[sid][_PRED] & bit:
-                    for q in range(x, end):
-                        pd.move_to_end(q)
-                        pd[q] = exp
+                    for q in kl[x:end]:
+                        pd.move_to_end(q)  # type: ignore[arg-type]
+                        pd[q] = exp  # type: ignore[index]
             elif nsid == 0:
                 for q in range(x, end):
                     self._delete_node(q)
@@ -795,11 +857,11 @@ class PrefixIndex:
                 if pd is not None:
                     if op == _OP_STORE:
                         if states[sid][_PRED] & bit:
-                            for q in range(x, end):
-                                pd.pop(q, None)
+                            for q in kl[x:end]:
+                                pd.pop(q, None)  # type: ignore[arg-type]
                     elif op == _OP_PREDICT:
-                        for q in range(x, end):
-                            pd[q] = exp
+                        for q in kl[x:end]:
+                            pd[q] = exp  # type: ignore[index]
             x = end
         return changed
 
@@ -814,6 +876,8 @@ class PrefixIndex:
         if placed:
             tips[end - 1] = (place_end, cap)
             return
+        if self._cmp_src >= 0:
+            return  # no reservations while a compaction moves ids
         # appended at the end of the arrays: reserve room for the path to grow in place
         room = min(MAX_RESERVE, max(2 * cap, length) if cap else length // 2)
         self._keys.extend([None] * room)
@@ -856,18 +920,20 @@ class PrefixIndex:
         """Drop the predicted entries whose expiry time is at or before ``now``; return how many."""
         dropped = 0
         nxt = float("inf")
+        ids = self._ids
         sidl = self._sidl
         refs = self._refs
         for slot, pd in list(self._pred.items()):
             table = self._table(_OP_UNPREDICT, slot, 0)
             while pd:
-                nid, exp = next(iter(pd.items()))
+                key, exp = next(iter(pd.items()))
                 if exp > now:
                     if exp < nxt:
                         nxt = exp
                     break
                 pd.popitem(last=False)
                 dropped += 1
+                nid = ids[key]
                 sid = sidl[nid]
                 nsid = table.get(sid)
                 if nsid is None:

@@ -275,6 +275,49 @@ def test_compactions_are_counted_and_keep_every_match() -> None:
             assert list(got) == [c % 3] and got[c % 3].blocks == got[c % 3].gpu == 20, (c, got)
 
 
+def test_compaction_runs_in_bounded_steps_while_the_index_keeps_changing() -> None:
+    """No index call renumbers more than one chunk of ids; answers stay exact mid-compaction; the arrays shrink."""
+    idx = PrefixIndex(clock=FakeClock())
+    idx._compact_min = 8
+    idx._compact_chunk = 50
+    chains = {c: [(c << 20) + i for i in range(1, 31)] for c in range(120)}
+    for c, keys in chains.items():
+        idx.store(c % 4, None, keys)
+        if c % 5 == 0:
+            idx.predict((c + 1) % 4, keys[:10])  # predicted entries survive renumbering
+    held = dict(chains)
+    ids_before = len(idx._keys)
+    walked: list[int] = []
+    saw_in_progress = False
+    for c in range(0, 120, 2):  # every other conversation goes; new ones arrive meanwhile
+        before = idx.stats()["compacted_ids"]
+        idx.remove(c % 4, chains[c])
+        del held[c]
+        new = [((1000 + c) << 20) + i for i in range(1, 31)]
+        idx.store(c % 3, None, new)
+        held[1000 + c] = new
+        chains[1000 + c] = new
+        walked.append(idx.stats()["compacted_ids"] - before)
+        saw_in_progress |= idx._cmp_src >= 0
+        idx._check_layout()
+        for d, keys in held.items():
+            owner = d % 4 if d < 1000 else (d - 1000) % 3
+            got = idx.match(keys)
+            assert owner in got and got[owner].blocks == 30, (d, got)
+        for d in range(0, c + 1, 2):
+            got = idx.match(chains[d])
+            assert d % 4 not in got or got[d % 4].blocks == got[d % 4].predicted, (d, got)
+    while idx._cmp_src >= 0:  # the periodic expire() finishes a compaction left half done
+        idx.expire()
+    idx._check_layout()
+    st = idx.stats()
+    assert saw_in_progress and st["compactions"] >= 1
+    assert max(walked) <= 50  # one chunk per call: the pause is bounded, however large the index
+    assert len(idx._keys) < ids_before + 60 * 30  # holes were given back
+    predicted_only = sum(10 for c in range(0, 120, 2) if c % 5 == 0)  # removed, but still predicted elsewhere
+    assert st["nodes"] == len(held) * 30 + predicted_only
+
+
 def test_paths_grown_in_place_still_verify_every_block() -> None:
     """A conversation grows in its reserved extent; a query diverging right after a turn must stop there."""
     idx = PrefixIndex(clock=FakeClock())

@@ -121,11 +121,14 @@ ops = st.one_of(
     st.lists(ops, min_size=1, max_size=40),
     st.lists(tokens, min_size=1, max_size=6),
     st.sampled_from([1, 2, 1 << 30]),
+    st.sampled_from([1, 2, 5, 1 << 20]),
 )
-def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[int]], compact_min: int) -> None:
+def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[int]], compact_min: int,
+                           compact_chunk: int) -> None:
     clock = FakeClock()
     idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock)
     idx._compact_min = compact_min  # exercise node-id compaction on tiny indexes too
+    idx._compact_chunk = compact_chunk  # small steps: operations interleave with a compaction in progress
     ref = Reference(clock)
 
     def check(toks: list[int], replicas: set[int] | None) -> None:
@@ -167,6 +170,7 @@ def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[
         else:
             _, toks, reps = op
             check(toks, reps)  # type: ignore[arg-type]
+        idx._check_layout()
         for toks in probes:
             check(toks, None)
     for toks in probes:
