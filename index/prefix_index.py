@@ -33,6 +33,7 @@ Units: depths and counts are in blocks, times in seconds of the injected clock, 
 
 from __future__ import annotations
 
+import random
 import time
 from array import array
 from bisect import bisect_right
@@ -40,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import compress, groupby
+from itertools import compress, groupby, islice
 from typing import Any
 
 import xxhash
@@ -84,7 +85,13 @@ _ONES = array("I", [1])
 #: Dead node ids needed (besides a quarter of all ids) before the node arrays are compacted.
 COMPACT_MIN_DEAD = 4096
 #: Node ids one step of an incremental compaction processes (bounds the pause of one index call).
-COMPACT_CHUNK = 32768
+COMPACT_CHUNK = 16384
+#: Nodes one call evicts at most beyond getting back under the budget (bounds the pause of one call).
+EVICT_CHUNK = 8192
+#: Node ids one eviction round walks per pass while looking for nodes below the timestamp threshold.
+EVICT_WALK = 65536
+#: Timestamps sampled to set the eviction threshold (indexes up to this size use all of them: exact LRU).
+EVICT_SAMPLE = 4096
 #: Nodes processed per ``expire()`` call by the incremental sweep of cleared replicas.
 SWEEP_CHUNK = 65536
 
@@ -220,6 +227,10 @@ class PrefixIndex:
         self._cmp_src = -1
         self._cmp_dst = 0
         self._compact_chunk = COMPACT_CHUNK
+        # budget eviction in progress: timestamp threshold (None = none running), next node id to examine
+        self._evict_thr: float | None = None
+        self._evict_cursor = 0
+        self._rng = random.Random(0)  # eviction sampling (seeded: the same operations evict the same nodes)
 
     # ------------------------------------------------------------------ states
 
@@ -1136,67 +1147,144 @@ class PrefixIndex:
         return bb is not None and self.estimated_bytes() > bb * water
 
     def _check_budget(self) -> None:
-        """Evict when the high-water mark (the budget) is passed."""
-        if (self.max_nodes is not None or self.max_bytes is not None) and self._over(1.0):
+        """Evict when the high-water mark (the budget) is passed, and go on with an eviction in progress."""
+        if (self.max_nodes is not None or self.max_bytes is not None) and (
+            self._evict_thr is not None or self._over(1.0)
+        ):
             self._evict()
 
+    def _excess(self, water: float) -> float:
+        """Fraction of the nodes (and engine-map entries) to drop to get to ``water`` times the budget."""
+        n = len(self._ids)
+        frac = 0.0
+        if self.max_nodes is not None:
+            frac = max(frac, 1.0 - self.max_nodes * water / max(n, 1))
+        bb = self._byte_budget()
+        if bb is not None:
+            frac = max(frac, 1.0 - bb * water / max(self.estimated_bytes(), 1))
+        return min(1.0, max(frac, 0.0))
+
     def _evict(self) -> None:
-        """Evict least recently stored/predicted nodes and oldest engine-map entries to the low-water mark."""
+        """One bounded round of budget eviction (least recently stored/predicted nodes, oldest engine entries).
+
+        Each call gets the index back under the budget (high water) and then evicts at most ``EVICT_CHUNK``
+        more nodes towards the low-water mark: an eviction of a large index is spread over the next calls
+        (``_check_budget`` continues it) instead of pausing one call for all of it.
+        """
         if self._dead or self._sweeping:
-            self._sweep(None)
-        self._maybe_compact(force=True)
+            self._sweep(SWEEP_CHUNK)
         guard = 0
-        while self._over(LOW_WATER) and guard < 64:
+        while guard < 64:
             guard += 1
+            if not self._over(LOW_WATER):
+                self._evict_thr = None  # done: the next eviction starts from a fresh threshold
+                break
+            over_budget = self._over(1.0)
+            if guard > 1 and not over_budget:
+                break  # back under the budget; the rest of the way to low water in the next calls
             n = len(self._ids)
-            frac = 0.0
-            if self.max_nodes is not None:
-                frac = max(frac, 1.0 - self.max_nodes * LOW_WATER / max(n, 1))
-            bb = self._byte_budget()
-            if bb is not None:
-                frac = max(frac, 1.0 - bb * LOW_WATER / max(self.estimated_bytes(), 1))
-            frac = min(1.0, max(frac, 0.0))
-            self._evict_nodes(int(n * frac) + 1 if n else 0)
+            frac = self._excess(LOW_WATER)
+            need = int(n * frac) + 1 if n else 0
+            must = int(n * self._excess(1.0)) + 1 if over_budget else 0
+            quota = min(need, max(EVICT_CHUNK if guard == 1 else 0, must))
+            share = quota / need if need else 1.0
             for replica, emap in list(self._engine.items()):
-                drop = int(len(emap) * frac) + (1 if emap else 0)
+                drop = int(len(emap) * frac * share) + (1 if emap else 0)
                 if drop >= len(emap):
                     self._engine_evictions += len(emap)
                     self._engine[replica] = {}
                 elif drop:
-                    items = list(emap.items())
-                    self._engine[replica] = dict(items[drop:])
+                    for eh in list(islice(emap, drop)):  # oldest first: dicts keep insertion order
+                        del emap[eh]
                     self._engine_evictions += drop
+            self._evict_nodes(quota, need, must)
+        self._maybe_compact(force=True)  # one step (or the start) of the compaction the deletions call for
 
-    def _evict_nodes(self, count: int) -> None:
-        """Delete the ``count`` nodes with the oldest timestamps (ties broken by node id)."""
+    def _evict_nodes(self, count: int, episode: int | None = None, required: int | None = None) -> None:
+        """Delete about ``count`` of the least recently touched nodes (timestamps, ties in node-id order).
+
+        Victims are the live nodes at or below a timestamp threshold, taken in node-id order from a cursor
+        that persists over calls and evictions (``episode`` = nodes this eviction must drop in all): the
+        threshold comes from all timestamps when the index is small (exact LRU order) or from a random sample
+        of ``EVICT_SAMPLE`` nodes (approximate), so a call costs O(count + ids walked), never O(index). Once
+        ``required`` nodes (default: all ``count``) are gone, the walk stops after ``2 * EVICT_WALK`` ids.
+        """
         if count <= 0:
             return
         ids = self._ids
+        if count >= len(ids):
+            victims = list(ids.values())
+            for nid in victims:
+                self._delete_node(nid)
+            self._evictions += len(victims)
+            self._evict_thr = None
+            return
+        kl = self._keys
+        ts = self._ts
+        deleted = 0
+        resampled = 0
+        walked = 0
+        need = count if required is None else required
+        while deleted < count and (deleted < need or walked < 2 * EVICT_WALK):
+            if self._evict_thr is None or self._evict_cursor >= len(kl):
+                if resampled >= 2:  # the sample keeps missing: take the exact oldest for the rest
+                    self._evict_oldest(count - deleted)
+                    deleted = count
+                    break
+                resampled += 1
+                self._evict_thr = self._threshold(max(count - deleted, episode or 0))
+                if self._evict_cursor >= len(kl):
+                    # a clock hand: the next eviction goes on where the last one stopped (node ids grow with
+                    # time, so the oldest survivors lie just after it) and wraps around at the end
+                    self._evict_cursor = 0
+            thr = self._evict_thr
+            a = self._evict_cursor
+            b = min(len(kl), a + EVICT_WALK)
+            walked += b - a
+            stop = b
+            for nid in [i for i, t in zip(range(a, b), ts[a:b], strict=True) if t <= thr]:
+                if kl[nid] is None:
+                    continue
+                self._delete_node(nid)
+                deleted += 1
+                if deleted >= count:
+                    stop = nid + 1
+                    break
+            self._evict_cursor = stop
+        self._evictions += deleted
+
+    def _threshold(self, count: int) -> float:
+        """A timestamp at or below which about ``count`` live nodes lie (exact when the index is small)."""
+        ids = self._ids
         ts = self._ts
         n = len(ids)
-        victims = list(ids.values())
-        if count < n:
-            # threshold from a sample (with a margin), then sort only the candidates below it
-            stamps = list(map(ts.__getitem__, victims))
-            step = max(1, n // 4096)
-            sample = sorted(stamps[::step])
-            q = min(len(sample) - 1, int(len(sample) * count / n * 1.1) + 2)
-            thr = sample[q]
-            cand = [nid for nid, t in zip(victims, stamps, strict=True) if t <= thr]
-            if len(cand) >= count:
-                victims = cand
-            victims.sort(key=ts.__getitem__)  # stable: ties keep node-id order
-            del victims[count:]
+        if n <= EVICT_SAMPLE:
+            stamps = sorted(map(ts.__getitem__, ids.values()))
+            return stamps[min(count, n) - 1]
+        kl = self._keys
+        picks = self._rng.sample(range(len(kl)), min(len(kl), EVICT_SAMPLE * len(kl) // n + 1))
+        sample = sorted(ts[i] for i in picks if kl[i] is not None)
+        if not sample:
+            return float("inf")
+        q = min(len(sample) - 1, int(len(sample) * count / n * 1.1) + 2)  # a margin: the walk stops at count
+        return sample[q]
+
+    def _evict_oldest(self, count: int) -> None:
+        """Delete the ``count`` live nodes with the oldest timestamps, exactly (O(index); a fallback)."""
+        ts = self._ts
+        victims = sorted(self._ids.values(), key=lambda nid: (ts[nid], nid))[:count]
         for nid in victims:
             self._delete_node(nid)
-        self._evictions += len(victims)
-        self._maybe_compact()
 
     # ------------------------------------------------------------------ stats
 
     def __len__(self) -> int:
         """Number of nodes (distinct block keys held by at least one replica entry)."""
         return len(self._ids)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether block ``key`` is held by at least one replica entry (confirmed or predicted)."""
+        return key in self._ids
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes: nodes, estimated_bytes, blocks per replica and tier, evictions, orphans, ..."""

@@ -354,6 +354,39 @@ def test_eviction_removes_the_oldest_first() -> None:
     assert idx.stats()["evictions"] == len(evicted)
 
 
+def test_budget_eviction_of_a_large_index_is_spread_over_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the budget a call gets back under it, then evicts at most one chunk more (sampled threshold)."""
+    import index.prefix_index as pi
+
+    monkeypatch.setattr(pi, "EVICT_CHUNK", 300)
+    monkeypatch.setattr(pi, "EVICT_SAMPLE", 256)  # 10k nodes: the sampled (approximate) threshold is used
+    clock = FakeClock()
+    budget = 10_000
+    idx = PrefixIndex(max_nodes=budget, clock=clock)
+    hot = block_keys(blocks(20, 7), 16, SEED)
+    convs = [block_keys(blocks(50, 100_000 + 1000 * i), 16, SEED) for i in range(400)]
+    idx.store(0, None, hot)
+    per_call: list[int] = []
+    for i, keys in enumerate(convs):
+        clock.now += 1
+        before = idx.stats()["evictions"]
+        idx.store(i % 4, None, keys)
+        per_call.append(idx.stats()["evictions"] - before)
+        if i % 10 == 0:
+            before = idx.stats()["evictions"]
+            idx.predict(1, hot)  # routing decisions keep the hot prefix recent
+            per_call.append(idx.stats()["evictions"] - before)
+        assert len(idx) <= budget  # the budget holds after every call
+        idx._check_layout()
+    assert max(per_call) <= 300 + 50  # one chunk plus what the call itself added: no whole-index pause
+    assert sum(per_call) >= 400 * 50 + 20 - budget  # everything above the budget went
+    assert idx.match(hot)[1].blocks == 20  # recently touched survives
+    for keys in convs[-60:]:  # the newest conversations all survive (about 5,000 nodes)
+        assert max(m.blocks for m in idx.match(keys).values()) == 50
+    oldest = sum(1 for keys in convs[:100] if idx.match(keys))
+    assert oldest == 0  # the oldest quarter is gone
+
+
 def test_incremental_sweep_after_clear(monkeypatch: pytest.MonkeyPatch) -> None:
     import index.prefix_index as pi
 
