@@ -185,3 +185,59 @@ def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[
         for t in TIERS:
             want = sum(1 for (rr, _), e in ref.entries.items() if rr == r and t in e.tiers)
             assert stats["blocks"].get(r, dict.fromkeys(TIERS, 0))[t] == want
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(ops, min_size=1, max_size=40),
+    st.lists(tokens, min_size=1, max_size=4),
+    st.integers(3, 14),
+    st.sampled_from([1, 3, 1 << 20]),
+)
+def test_budget_eviction_keeps_a_subset_of_the_reference(program: list[tuple[object, ...]],
+                                                         probes: list[list[int]], budget: int,
+                                                         chunk: int) -> None:
+    """Under a node budget (tiny eviction chunks, sampled thresholds) the index holds a subset of the reference.
+
+    After every operation: the budget holds, the id bookkeeping is consistent, and every match is a prefix of
+    the reference's (eviction only ever forgets entries, never invents or extends one).
+    """
+    import index.prefix_index as pi
+
+    saved = (pi.EVICT_CHUNK, pi.EVICT_SAMPLE, pi.EVICT_WALK)
+    pi.EVICT_CHUNK, pi.EVICT_SAMPLE, pi.EVICT_WALK = 2, 4, 3
+    try:
+        clock = FakeClock()
+        idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock, max_nodes=budget)
+        idx._compact_min = 1
+        idx._compact_chunk = chunk
+        ref = Reference(clock)
+        for op in program:
+            kind = op[0]
+            if kind in ("store", "remove"):
+                _, r, toks, t, skip = op
+                keys = block_keys(toks, BS, 7)[skip:]  # type: ignore[arg-type,misc]
+                getattr(idx, kind)(r, *((None,) if kind == "store" else ()), keys, t)
+                getattr(ref, kind)(r, keys, t)
+            elif kind == "predict":
+                _, r, toks = op
+                keys = block_keys(toks, BS, 7)  # type: ignore[arg-type]
+                idx.predict(r, keys)  # type: ignore[arg-type]
+                ref.predict(r, keys)  # type: ignore[arg-type]
+            elif kind == "clear":
+                idx.clear(op[1])  # type: ignore[arg-type]
+                ref.clear(op[1])  # type: ignore[arg-type]
+            elif kind == "advance":
+                clock.now += op[1]  # type: ignore[operator]
+            elif kind == "expire":
+                idx.expire()
+            assert len(idx) <= budget
+            idx._check_layout()
+            for toks in probes + ([op[1]] if kind == "match" else []):  # type: ignore[list-item]
+                keys = block_keys(toks, BS, 7)
+                got = idx.match(keys)
+                want = ref.match(keys, None)
+                for r, m in got.items():
+                    assert r in want and m.blocks <= want[r].blocks, (keys, got, want)
+    finally:
+        pi.EVICT_CHUNK, pi.EVICT_SAMPLE, pi.EVICT_WALK = saved
