@@ -116,6 +116,36 @@ ops = st.one_of(
 )
 
 
+def apply_op(idx: PrefixIndex, ref: Reference, clock: FakeClock, op: tuple[object, ...]) -> bool:
+    """Apply one generated operation to both the index and the reference; False for a ``match`` (the caller's)."""
+    kind = op[0]
+    if kind in ("store", "remove"):
+        _, r, toks, t, skip = op
+        keys = block_keys(toks, BS, 7)[skip:]  # type: ignore[arg-type,misc]
+        if kind == "store":
+            idx.store(r, None, keys, t)  # type: ignore[arg-type]
+        else:
+            idx.remove(r, keys, t)  # type: ignore[arg-type]
+        getattr(ref, kind)(r, keys, t)
+    elif kind == "predict":
+        _, r, toks = op
+        keys = block_keys(toks, BS, 7)  # type: ignore[arg-type]
+        idx.predict(r, keys)  # type: ignore[arg-type]
+        ref.predict(r, keys)  # type: ignore[arg-type]
+    elif kind == "clear":
+        idx.clear(op[1])  # type: ignore[arg-type]
+        ref.clear(op[1])  # type: ignore[arg-type]
+    elif kind == "advance":
+        clock.now += op[1]  # type: ignore[operator]
+    elif kind == "expire":
+        idx.expire()
+    elif kind == "gc":
+        idx._gc_states()  # state-table garbage collection must not change any answer
+    else:
+        return False
+    return True
+
+
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(ops, min_size=1, max_size=40),
@@ -142,32 +172,7 @@ def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[
         assert extend_keys(toks, prefix, BS, 7) == keys
 
     for op in program:
-        kind = op[0]
-        if kind == "store":
-            _, r, toks, t, skip = op
-            keys = block_keys(toks, BS, 7)[skip:]  # type: ignore[arg-type,misc]
-            idx.store(r, None, keys, t)  # type: ignore[arg-type]
-            ref.store(r, keys, t)  # type: ignore[arg-type]
-        elif kind == "remove":
-            _, r, toks, t, skip = op
-            keys = block_keys(toks, BS, 7)[skip:]  # type: ignore[arg-type,misc]
-            idx.remove(r, keys, t)  # type: ignore[arg-type]
-            ref.remove(r, keys, t)  # type: ignore[arg-type]
-        elif kind == "predict":
-            _, r, toks = op
-            keys = block_keys(toks, BS, 7)  # type: ignore[arg-type]
-            idx.predict(r, keys)  # type: ignore[arg-type]
-            ref.predict(r, keys)  # type: ignore[arg-type]
-        elif kind == "clear":
-            idx.clear(op[1])  # type: ignore[arg-type]
-            ref.clear(op[1])  # type: ignore[arg-type]
-        elif kind == "advance":
-            clock.now += op[1]  # type: ignore[operator]
-        elif kind == "expire":
-            idx.expire()
-        elif kind == "gc":
-            idx._gc_states()  # state-table garbage collection must not change any answer
-        else:
+        if not apply_op(idx, ref, clock, op):
             _, toks, reps = op
             check(toks, reps)  # type: ignore[arg-type]
         idx._check_layout()
@@ -213,27 +218,10 @@ def test_budget_eviction_keeps_a_subset_of_the_reference(program: list[tuple[obj
         idx._compact_chunk = chunk
         ref = Reference(clock)
         for op in program:
-            kind = op[0]
-            if kind in ("store", "remove"):
-                _, r, toks, t, skip = op
-                keys = block_keys(toks, BS, 7)[skip:]  # type: ignore[arg-type,misc]
-                getattr(idx, kind)(r, *((None,) if kind == "store" else ()), keys, t)
-                getattr(ref, kind)(r, keys, t)
-            elif kind == "predict":
-                _, r, toks = op
-                keys = block_keys(toks, BS, 7)  # type: ignore[arg-type]
-                idx.predict(r, keys)  # type: ignore[arg-type]
-                ref.predict(r, keys)  # type: ignore[arg-type]
-            elif kind == "clear":
-                idx.clear(op[1])  # type: ignore[arg-type]
-                ref.clear(op[1])  # type: ignore[arg-type]
-            elif kind == "advance":
-                clock.now += op[1]  # type: ignore[operator]
-            elif kind == "expire":
-                idx.expire()
+            apply_op(idx, ref, clock, op)
             assert len(idx) <= budget
             idx._check_layout()
-            for toks in probes + ([op[1]] if kind == "match" else []):  # type: ignore[list-item]
+            for toks in probes + ([op[1]] if op[0] == "match" else []):  # type: ignore[list-item]
                 keys = block_keys(toks, BS, 7)
                 got = idx.match(keys)
                 want = ref.match(keys, None)
