@@ -1091,16 +1091,24 @@ class PrefixIndex:
             return 0
         slot = self._slot_of.get(replica)
         removed = 0
+        keys: list[int] = []  # the router keys of every known page, removed in one pass
+        known: list[tuple[int, int | None]] = []  # (engine hash, its last router key or None)
         for eh in engine_hashes:
             e = emap.get(eh)
             if e is None:
                 self._unknown_removed += 1
                 continue
-            covered = (e,) if isinstance(e, int) else e[2]
-            if covered and slot is not None:
-                removed += self._apply(slot, covered, _OP_REMOVE, t, 0.0, create=False)
-            if not covered or slot is None or not self._holds_confirmed(slot, covered[-1]):
-                del emap[eh]
+            if isinstance(e, int):
+                keys.append(e)
+                known.append((eh, e))
+            else:
+                keys += e[2]
+                known.append((eh, e[2][-1] if e[2] else None))
+        if keys and slot is not None:
+            removed = self._apply(slot, keys, _OP_REMOVE, t, 0.0, create=False)
+        for eh, last in known:
+            if last is None or slot is None or not self._holds_confirmed(slot, last):
+                emap.pop(eh, None)
         self._maybe_compact()
         return removed
 

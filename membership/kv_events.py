@@ -647,7 +647,7 @@ class _Feed:
         ridx = self.spec.index
         model = self.spec.model
         with self.owner.locked():
-            for ev in batch.events:
+            for ev in _merge_removals(batch.events):
                 try:
                     if isinstance(ev, StoredEvent):
                         if ev.multimodal:
@@ -673,10 +673,10 @@ class _Feed:
                             st.dropped["index_rejected"] += 1
                         else:
                             st.stored_blocks += int(getattr(res, "stored_blocks", 0))
-                    elif isinstance(ev, RemovedEvent):
+                    elif isinstance(ev, _RemovedRun):
                         st.removed_blocks += int(index.apply_removed(ridx, ev.hashes, ev.tier) or 0)
                         if count:
-                            st.events["BlockRemoved"] += 1
+                            st.events["BlockRemoved"] += ev.events
                     elif isinstance(ev, ClearedEvent):
                         index.clear(ridx)
                         self.dropped_hashes.clear()
@@ -694,6 +694,37 @@ class _Feed:
             d[h] = None
         while len(d) > 100_000:
             d.popitem(last=False)
+
+
+@dataclass(slots=True)
+class _RemovedRun:
+    """Consecutive ``BlockRemoved`` events of one batch with the same tier, applied as one (``events`` of them)."""
+
+    hashes: list[int]
+    tier: str
+    events: int
+
+
+def _merge_removals(events: Sequence[object]) -> list[object]:
+    """The batch's events with each run of consecutive same-tier removals merged into one ``_RemovedRun``.
+
+    vLLM publishes one ``BlockRemoved`` per evicted block (hundreds per batch under cache pressure); removing
+    them in one index pass is equivalent, since nothing else happens between them.
+    """
+    out: list[object] = []
+    run: _RemovedRun | None = None
+    for ev in events:
+        if isinstance(ev, RemovedEvent):
+            if run is not None and run.tier == ev.tier:
+                run.hashes += ev.hashes
+                run.events += 1
+                continue
+            run = _RemovedRun(list(ev.hashes), ev.tier, 1)
+            out.append(run)
+            continue
+        run = None
+        out.append(ev)
+    return out
 
 
 class KVEventSubscriber:

@@ -82,3 +82,24 @@ async def test_multimodal_parent_dropped_on_purpose_is_not_replayed() -> None:
     await f.on_item(item(0, [mm, stored([2], 1, TOKS[16:])]))
     assert f.stats.dropped["multimodal_blocks"] == 1 and f.stats.notes["orphan_parent_dropped"] == 1
     assert not f.orphan_pending
+
+
+async def test_per_block_removals_are_applied_as_one_run_and_counted_per_event() -> None:
+    """vLLM sends one BlockRemoved per evicted block: runs of them are merged, with the same end state."""
+    f, index, _ = feed()
+    toks = list(range(100, 100 + 16 * 6))
+    keys = block_keys(toks, 16, root_seed("m"))
+    await f.on_item(item(0, [stored([1, 2, 3, 4, 5, 6], None, toks)]))
+    await f.on_item(item(1, [stored([11], 6, list(range(500, 516)))]))
+    assert index.match(keys)[3].blocks == 6
+    events: list[object] = [["BlockRemoved", [h], "GPU"] for h in (6, 5, 4)]
+    events += [["BlockRemoved", [99], "CPU"],  # another tier ends the run (unknown hash: counted)
+               ["BlockRemoved", [3], "GPU"],
+               stored([21], 2, list(range(700, 716))),  # a store between removals ends the run too
+               ["BlockRemoved", [21], "GPU"], ["BlockRemoved", [11], "GPU"]]
+    await f.on_item(item(2, events))
+    assert index.match(keys)[3].blocks == 2  # blocks 3..6 gone, 1..2 kept
+    assert f.stats.events["BlockRemoved"] == 7 and f.stats.events["BlockStored"] == 3
+    assert index.stats()["unknown_removed"] == 1
+    assert index.stats()["engine_entries"] == 2  # pages 1 and 2 remain mapped
+    assert f.stats.removed_blocks == 6
