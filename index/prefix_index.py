@@ -23,10 +23,14 @@ Layout (chosen for memory and for a fast ``match`` in pure Python):
   can only shrink at a state change), recording the depth at which each replica drops out. Per-tier counting
   happens only for states that have non-GPU or predicted entries.
 * ``clear(replica)`` is O(1): the replica gets a fresh slot, the old slot is marked dead and masked out of every
-  match; dead bits are swept incrementally by ``expire()`` and fully by budget eviction.
+  match; dead bits are swept incrementally by ``expire()`` and by budget eviction.
+* Deleted node ids are holes until an incremental *compaction* (started once a quarter of the ids are dead)
+  moves the live nodes down over them, at most ``COMPACT_CHUNK`` ids per call, and truncates the arrays.
 * One global memory budget (``max_nodes`` and/or ``max_bytes``): when the estimate passes the high-water mark
   (the budget), the least recently stored/predicted nodes, and the oldest engine-hash map entries, are evicted
-  down to the low-water mark (85 % of the budget).
+  down to the low-water mark (85 % of the budget): each call gets back under the budget, then evicts at most
+  ``EVICT_CHUNK`` more nodes (victims below a timestamp threshold, exact on small indexes, sampled on large
+  ones), so no single call pauses its caller for a whole-index pass.
 
 Units: depths and counts are in blocks, times in seconds of the injected clock, sizes in bytes.
 """
