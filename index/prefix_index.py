@@ -5,7 +5,8 @@ its whole prefix, and no child maps are needed.
 
 Layout (chosen for memory and for a fast ``match`` in pure Python):
 
-* ``_ids``: block key -> node id (a small int). Per node id, parallel containers hold the node's *state id*
+* ``_ids``: block key -> node id (a small int), in ``ID_SHARDS`` dicts chosen by the key's low bits (so that no
+  dict rebuild on growth is a whole-index pause). Per node id, parallel containers hold the node's *state id*
   (``_sidl``), the time it was last stored / confirmed / predicted (``_ts``, seconds of the injected clock) and
   its key (``_keys``, for deletion by id).
 * A *state* is the node's full membership: one replica bitmask (a Python int, bit = replica *slot*) per tier
@@ -88,6 +89,9 @@ RESERVED_SLOT_BYTES = 28
 _ONES = array("I", [1])
 #: Dead node ids needed (besides a quarter of all ids) before the node arrays are compacted.
 COMPACT_MIN_DEAD = 4096
+#: Shards of the key -> node id map (a power of two; a key's shard is its low bits).
+ID_SHARDS = 64
+_SHARD_MASK = ID_SHARDS - 1
 #: Node ids one step of an incremental compaction processes (bounds the pause of one index call).
 COMPACT_CHUNK = 16384
 #: Nodes one call evicts at most beyond getting back under the budget (bounds the pause of one call).
@@ -181,7 +185,10 @@ class PrefixIndex:
         self.predicted_ttl_s = float(predicted_ttl_s)
         self._clock = clock
         # nodes
-        self._ids: dict[int, int] = {}
+        # block key -> node id, sharded by the key's low bits: a CPython dict rebuilds its whole table when it
+        # grows (122 ms for one insert into a 2.8M-entry dict), and 64 shards make each rebuild 64x smaller
+        self._ids: list[dict[int, int]] = [{} for _ in range(ID_SHARDS)]
+        self._nodes = 0  # live nodes (sum of the shards' sizes)
         self._keys: list[int | None] = []
         self._sidl: list[int] = []
         self._ts = array("d")
@@ -322,7 +329,8 @@ class PrefixIndex:
             if pd is not None:
                 pd.pop(key, None)
         self._refs[sid] -= 1
-        del self._ids[key]
+        del self._ids[key & _SHARD_MASK][key]
+        self._nodes -= 1
         self._keys[nid] = None
         self._sidl[nid] = 0
         self._dead_nodes += 1
@@ -399,7 +407,9 @@ class PrefixIndex:
             self._sidl[dst:top] = list(compress(self._sidl[src:end], live))
             self._ts[dst:top] = array("d", compress(self._ts[src:end], live))
             self._run[dst:top] = array("I", compress(self._run[src:end], live))
-            self._ids.update(zip(moved, range(dst, top), strict=True))  # type: ignore[arg-type]
+            shards = self._ids
+            for k, nid in zip(moved, range(dst, top), strict=True):
+                shards[k & _SHARD_MASK][k] = nid  # type: ignore[operator,index]
         if top < end:  # the rest of the chunk joins the gap
             kl[top:end] = [None] * (end - top)
             self._sidl[top:end] = [0] * (end - top)
@@ -422,9 +432,10 @@ class PrefixIndex:
         """Assert the node-id bookkeeping is consistent (tests call this; O(nodes))."""
         kl = self._keys
         assert len(kl) == len(self._sidl) == len(self._ts) == len(self._run)
-        for key, nid in self._ids.items():
-            assert kl[nid] == key, (key, nid, kl[nid])
-        assert sum(1 for k in kl if k is not None) == len(self._ids)
+        for s, shard in enumerate(self._ids):
+            for key, nid in shard.items():
+                assert kl[nid] == key and key & _SHARD_MASK == s, (key, nid, kl[nid])
+        assert sum(1 for k in kl if k is not None) == self._nodes == sum(map(len, self._ids))
         if self._cmp_src >= 0:
             assert all(k is None for k in kl[self._cmp_dst : self._cmp_src])
             holes = kl[: self._cmp_dst].count(None) + kl[self._cmp_src :].count(None)
@@ -433,7 +444,7 @@ class PrefixIndex:
         assert holes == self._dead_nodes + self._reserved, (holes, self._dead_nodes, self._reserved)
         for pd in self._pred.values():
             for key in pd:
-                assert key in self._ids, key
+                assert key in self, key
 
     # ------------------------------------------------------------------ queries
 
@@ -601,7 +612,7 @@ class PrefixIndex:
             keys += [
                 k := h(packed[sl], k) for sl in block_slices(stride, start, min(start + chunk_blocks, n))
             ]
-            if k not in ids:
+            if k not in ids[k & _SHARD_MASK]:
                 break
         return self.match(keys, replicas), keys
 
@@ -694,7 +705,7 @@ class PrefixIndex:
         place = -1  # next reserved node id to fill (placed streak), -1 = appending at the end
         place_end = 0  # end (exclusive) of the reservation being filled
         cap = 0  # capacity of the extent being filled / continued (reservations grow geometrically)
-        prev = ids.get(parent_key) if create and parent_key is not None else None
+        prev = ids[parent_key & _SHARD_MASK].get(parent_key) if create and parent_key is not None else None
         # Leading blocks that already exist are found stretch by stretch (as in ``match``) and updated in bulk.
         if type(keys) is not list:
             keys = list(keys)
@@ -710,7 +721,8 @@ class PrefixIndex:
         if pos:
             keys = keys[pos:]
         for k in keys:
-            nid = ids.get(k)
+            shard = ids[k & _SHARD_MASK]
+            nid = shard.get(k)
             if nid is None:
                 if not create:
                     continue
@@ -738,7 +750,7 @@ class PrefixIndex:
                     sidl.append(fresh)
                     ts.append(now)
                     runs.append(1)
-                ids[k] = nid
+                shard[k] = nid
                 if streak < 0:
                     streak = nid
                 created += 1
@@ -781,6 +793,7 @@ class PrefixIndex:
             else:
                 self._close_streak(streak, len(kl), 0, cap, placed=False)
         refs[fresh] += created
+        self._nodes += created
         return changed + created
 
     def _stretch(self, keys: list[int], i: int) -> tuple[int, int]:
@@ -788,7 +801,8 @@ class PrefixIndex:
 
         Returns ``(-1, 0)`` when ``keys[i]`` is not in the index. Same verification as ``_walk``.
         """
-        nid = self._ids.get(keys[i])
+        k0 = keys[i]
+        nid = self._ids[k0 & _SHARD_MASK].get(k0)
         if nid is None:
             return -1, 0
         kl = self._keys
@@ -886,7 +900,7 @@ class PrefixIndex:
         if length > 1:
             self._run[start:end] = array("I", range(length, 0, -1))
         tips = self._tips
-        if len(tips) > max(4096, len(self._ids) // 4):
+        if len(tips) > max(4096, self._nodes // 4):
             tips.clear()  # bound the bookkeeping; orphaned reservations go at the next compaction
         if placed:
             tips[end - 1] = (place_end, cap)
@@ -948,7 +962,7 @@ class PrefixIndex:
                     break
                 pd.popitem(last=False)
                 dropped += 1
-                nid = ids[key]
+                nid = ids[key & _SHARD_MASK][key]
                 sid = sidl[nid]
                 nsid = table.get(sid)
                 if nsid is None:
@@ -1118,7 +1132,7 @@ class PrefixIndex:
 
     def _holds_confirmed(self, slot: int, key: int) -> bool:
         """Whether ``slot`` holds block ``key`` in any tier (confirmed, not just predicted)."""
-        nid = self._ids.get(key)
+        nid = self._ids[key & _SHARD_MASK].get(key)
         if nid is None:
             return False
         return bool(self._confirmed[self._sidl[nid]] >> slot & 1)
@@ -1136,7 +1150,7 @@ class PrefixIndex:
     def estimated_bytes(self) -> int:
         """Estimated memory of the index in bytes (nodes + engine-hash maps + predicted entries)."""
         return (
-            len(self._ids) * NODE_BYTES
+            self._nodes * NODE_BYTES
             + self._reserved * RESERVED_SLOT_BYTES
             + self._engine_entries() * ENGINE_ENTRY_BYTES
             + self._pred_entries() * PRED_ENTRY_BYTES
@@ -1153,7 +1167,7 @@ class PrefixIndex:
 
     def _over(self, water: float) -> bool:
         """Whether the index is above ``water`` times its budget (nodes or estimated bytes)."""
-        if self.max_nodes is not None and len(self._ids) > self.max_nodes * water:
+        if self.max_nodes is not None and self._nodes > self.max_nodes * water:
             return True
         bb = self._byte_budget()
         return bb is not None and self.estimated_bytes() > bb * water
@@ -1167,7 +1181,7 @@ class PrefixIndex:
 
     def _excess(self, water: float) -> float:
         """Fraction of the nodes (and engine-map entries) to drop to get to ``water`` times the budget."""
-        n = len(self._ids)
+        n = self._nodes
         frac = 0.0
         if self.max_nodes is not None:
             frac = max(frac, 1.0 - self.max_nodes * water / max(n, 1))
@@ -1194,7 +1208,7 @@ class PrefixIndex:
             over_budget = self._over(1.0)
             if guard > 1 and not over_budget:
                 break  # back under the budget; the rest of the way to low water in the next calls
-            n = len(self._ids)
+            n = self._nodes
             frac = self._excess(LOW_WATER)
             need = int(n * frac) + 1 if n else 0
             must = int(n * self._excess(1.0)) + 1 if over_budget else 0
@@ -1223,9 +1237,8 @@ class PrefixIndex:
         """
         if count <= 0:
             return
-        ids = self._ids
-        if count >= len(ids):
-            victims = list(ids.values())
+        if count >= self._nodes:
+            victims = self._node_ids()
             for nid in victims:
                 self._delete_node(nid)
             self._evictions += len(victims)
@@ -1267,11 +1280,10 @@ class PrefixIndex:
 
     def _threshold(self, count: int) -> float:
         """A timestamp at or below which about ``count`` live nodes lie (exact when the index is small)."""
-        ids = self._ids
         ts = self._ts
-        n = len(ids)
+        n = self._nodes
         if n <= EVICT_SAMPLE:
-            stamps = sorted(map(ts.__getitem__, ids.values()))
+            stamps = sorted(map(ts.__getitem__, self._node_ids()))
             return stamps[min(count, n) - 1]
         kl = self._keys
         picks = self._rng.sample(range(len(kl)), min(len(kl), EVICT_SAMPLE * len(kl) // n + 1))
@@ -1284,7 +1296,7 @@ class PrefixIndex:
     def _evict_oldest(self, count: int) -> None:
         """Delete the ``count`` live nodes with the oldest timestamps, exactly (O(index); a fallback)."""
         ts = self._ts
-        victims = sorted(self._ids.values(), key=lambda nid: (ts[nid], nid))[:count]
+        victims = sorted(self._node_ids(), key=lambda nid: (ts[nid], nid))[:count]
         for nid in victims:
             self._delete_node(nid)
 
@@ -1292,11 +1304,15 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         """Number of nodes (distinct block keys held by at least one replica entry)."""
-        return len(self._ids)
+        return self._nodes
 
     def __contains__(self, key: object) -> bool:
         """Whether block ``key`` is held by at least one replica entry (confirmed or predicted)."""
-        return key in self._ids
+        return isinstance(key, int) and key in self._ids[key & _SHARD_MASK]
+
+    def _node_ids(self) -> list[int]:
+        """Every live node id (in no particular order)."""
+        return [nid for shard in self._ids for nid in shard.values()]
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes: nodes, estimated_bytes, blocks per replica and tier, evictions, orphans, ..."""
@@ -1314,7 +1330,7 @@ class PrefixIndex:
             for s in _bits(st[_PRED] & active):
                 predicted[rep[s]] += refs
         return {
-            "nodes": len(self._ids),
+            "nodes": self._nodes,
             "estimated_bytes": self.estimated_bytes(),
             "blocks": blocks,
             "predicted_blocks": predicted,

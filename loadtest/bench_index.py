@@ -208,14 +208,16 @@ def pct(values: Sequence[float], p: float) -> float:
 def deep_bytes_per_node(idx: PrefixIndex) -> dict[str, float]:
     """Structure bytes per node computed from object sizes (dict, lists, arrays, node-id ints, key ints)."""
     n = max(len(idx), 1)
+    shards = idx._ids  # the key -> node id map, in shards
     base = (
-        sys.getsizeof(idx._ids)
+        sum(map(sys.getsizeof, shards))
+        + sys.getsizeof(shards)
         + sys.getsizeof(idx._keys)
         + sys.getsizeof(idx._sidl)
         + idx._ts.buffer_info()[1] * idx._ts.itemsize
     )
-    id_ints = sum(16 * math.ceil(sys.getsizeof(v) / 16) for v in idx._ids.values() if v > 256)
-    key_ints = sum(16 * math.ceil(sys.getsizeof(k) / 16) for k in idx._ids)
+    id_ints = sum(16 * math.ceil(sys.getsizeof(v) / 16) for d in shards for v in d.values() if v > 256)
+    key_ints = sum(16 * math.ceil(sys.getsizeof(k) / 16) for d in shards for k in d)
     return {
         "struct_bytes_per_node": round((base + id_ints) / n, 1),
         "key_int_bytes_per_node": round(key_ints / n, 1),
