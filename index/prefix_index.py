@@ -1109,7 +1109,7 @@ class PrefixIndex:
             return 0
         slot = self._slot_of.get(replica)
         removed = 0
-        keys: list[int] = []  # the router keys of every known page, removed in one pass
+        keys: list[int] = []  # the router keys of every known page (all removed by one _apply call)
         known: list[tuple[int, int | None]] = []  # (engine hash, its last router key or None)
         for eh in engine_hashes:
             e = emap.get(eh)

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from membership.replicas import ReplicaState, ReplicaTable
+from membership.replicas import Replica, ReplicaState, ReplicaTable
 from router.app import create_app
 from router.config import load_settings
 from router.token_ids import PROBES, TokenIdsCheck, ids_prompt
@@ -75,19 +75,20 @@ def test_ids_prompt_rewrites_only_plain_text_prompts() -> None:
     assert ids_prompt(ok_flags, [9]) is not None
 
 
-def _table(url: str) -> ReplicaTable:
+def _table(url: str) -> tuple[ReplicaTable, Replica]:
+    """A table with one READY replica ``r0`` at ``url``, and that replica."""
     table = ReplicaTable()
     table.upsert("r0", url, models=["m"])
     table.set_state("r0", ReplicaState.READY)
-    return table
+    rep = table.get("r0")
+    assert rep is not None
+    return table, rep
 
 
 async def test_verdicts_follow_the_engines_tokenize(tokenizer: HfTokenizer,
                                                     engine: tuple[TokenizeEngine, str]) -> None:
     eng, url = engine
-    table = _table(url)
-    rep = table.get("r0")
-    assert rep is not None
+    table, rep = _table(url)
     check = TokenIdsCheck(tokenizer, table, enabled=True, retry_s=3600.0)
     try:
         assert check.mode == "verify" and check.state(rep) == "unchecked" and not check.accepts(rep)
@@ -126,9 +127,7 @@ async def test_verdicts_follow_the_engines_tokenize(tokenizer: HfTokenizer,
 
 async def test_modes_without_checks(tokenizer: HfTokenizer, engine: tuple[TokenizeEngine, str]) -> None:
     eng, url = engine
-    table = _table(url)
-    rep = table.get("r0")
-    assert rep is not None
+    table, rep = _table(url)
     off = TokenIdsCheck(tokenizer, table, enabled=False)
     trusted = TokenIdsCheck(make_tokenizer("engine"), table, enabled=True)
     never = TokenIdsCheck(make_tokenizer("bytes"), table, enabled=True)
@@ -148,9 +147,7 @@ def test_probe_texts_exercise_what_tokenizers_disagree_on() -> None:
 async def test_live_prompts_are_audited_and_a_disagreement_stops_ids(tokenizer: HfTokenizer,
                                                                      engine: tuple[TokenizeEngine, str]) -> None:
     eng, url = engine
-    table = _table(url)
-    rep = table.get("r0")
-    assert rep is not None
+    table, rep = _table(url)
     check = TokenIdsCheck(tokenizer, table, enabled=True, audit_first=2, audit_every=3)
     prompt = "hello world, a prompt that the probes do not contain"
     sent = ids_prompt({"model": "m", "prompt": prompt}, tokenizer.encode_text(prompt))
