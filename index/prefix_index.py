@@ -1202,16 +1202,16 @@ class PrefixIndex:
         guard = 0
         while guard < 64:
             guard += 1
-            if not self._over(LOW_WATER):
+            frac = self._excess(LOW_WATER)  # > 0 exactly when above the low-water mark
+            if not frac:
                 self._evict_thr = None  # done: the next eviction starts from a fresh threshold
                 break
-            over_budget = self._over(1.0)
-            if guard > 1 and not over_budget:
+            high = self._excess(1.0)  # > 0 exactly when above the budget
+            if guard > 1 and not high:
                 break  # back under the budget; the rest of the way to low water in the next calls
             n = self._nodes
-            frac = self._excess(LOW_WATER)
             need = int(n * frac) + 1 if n else 0
-            must = int(n * self._excess(1.0)) + 1 if over_budget else 0
+            must = int(n * high) + 1 if high else 0
             quota = min(need, max(EVICT_CHUNK if guard == 1 else 0, must))
             share = quota / need if need else 1.0
             for replica, emap in list(self._engine.items()):
