@@ -309,7 +309,9 @@ def build_services(settings: Settings) -> Services:
     engine_headers = ({"authorization": f"Bearer {settings.engine_api_key.get_secret_value()}"}
                       if settings.engine_api_key else {})
     tokenizer = make_tokenizer(settings.tokenizer_mode, settings.tokenizer_path, settings.chat_template_path,
-                               settings.tokenize_timeout_s, engine_headers)
+                               settings.tokenize_timeout_s, engine_headers,
+                               cache_bytes=int(settings.tokenizer_cache_mb * (1 << 20)),
+                               cache_verify_every=settings.tokenizer_cache_verify_every)
     svc_holder: dict[str, Services] = {}
 
     def events_healthy(rep: Replica) -> bool:
@@ -378,6 +380,19 @@ def build_services(settings: Settings) -> Services:
     return svc
 
 
+_CACHE_HELP = {
+    "hits": "prompts tokenized past a cached prefix only (cumulative)",
+    "misses": "long prompts with no cached prefix, tokenized in pieces (cumulative)",
+    "reused_tokens": "token ids taken from the prefix tokenization cache (cumulative)",
+    "encoded_tokens": "token ids the cache tokenized itself (past a cached prefix, or all of a miss; cumulative)",
+    "verified": "cached encodings compared with a whole tokenization (cumulative)",
+    "mismatches": "audited encodings that differed (the cache is off after the first)",
+    "entries": "prompts held by the prefix tokenization cache",
+    "bytes": "memory held by the prefix tokenization cache, bytes",
+    "enabled": "1 while the prefix tokenization cache is on",
+}
+
+
 def _gauges(svc: Services) -> Iterable[Any]:
     """Gauge families computed at scrape time."""
     stats = svc.index.stats()
@@ -398,6 +413,10 @@ def _gauges(svc: Services) -> Iterable[Any]:
                     "(cumulative)", float(check.audited))
         yield gauge("kvroute_token_id_audit_mismatches", "audited prompts the replica tokenized differently: it "
                     "gets text from then on (cumulative)", float(check.audit_mismatches))
+    cache = getattr(svc.tokenizer, "cache", None)
+    if cache is not None:
+        for key, value in cache.stats().items():
+            yield gauge(f"kvroute_tokenizer_cache_{key}", _CACHE_HELP[key], float(value))
     yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
     yield gauge("kvroute_panic_decisions", "decisions made among unhealthy replicas because none was ready "
                 "(cumulative)", float(svc.router.panic_decisions))

@@ -158,6 +158,15 @@ class Settings(BaseSettings):
     chat_template_path: str | None = Field(
         default=None, description="jinja2 chat template file overriding tokenizer_config.json's chat_template")
     tokenize_timeout_s: float = Field(default=2.0, gt=0, description="timeout of an engine /tokenize call (s)")
+    tokenizer_cache_mb: float = Field(
+        default=64.0, ge=0,
+        description="hf mode: memory for the prefix tokenization cache (recent prompts and their ids, MiB): a "
+                    "prompt that extends a recent one (the next turn of a chat) is tokenized only past the shared "
+                    "prefix, with the same ids; off by itself for tokenizers it cannot prove exact; 0 = off")
+    tokenizer_cache_verify_every: int = Field(
+        default=256, ge=0,
+        description="hf mode: re-tokenize one in this many cached prompts whole and compare; a difference turns "
+                    "the cache off (logged, kvroute_tokenizer_cache_mismatches); 0 = never")
     forward_token_ids: bool = Field(
         default=True,
         description="send /v1/completions text prompts to the engine as the token ids the router routed on (no "

@@ -31,6 +31,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from router.token_cache import cache_for
+
 #: texts at least this long (characters) are tokenized in a worker thread (``hf`` mode)
 THREAD_MIN_CHARS = 16384
 #: bytes per token id in ``bytes`` mode (about the average characters per BPE token of English text)
@@ -193,7 +195,8 @@ class HfTokenizer:
 
     mode = "hf"
 
-    def __init__(self, path: str | Path, chat_template_path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path, chat_template_path: str | Path | None = None, *, cache_bytes: int = 0,
+                 cache_verify_every: int = 256) -> None:
         from tokenizers import Tokenizer as _HfTok
 
         root = Path(path)
@@ -229,14 +232,19 @@ class HfTokenizer:
             source = raw if isinstance(raw, str) else None
         self.chat_template = ChatTemplate(source, special) if source else None
         self.special_tokens = special
+        #: prefix tokenization cache (``router.token_cache``); off when ``cache_bytes`` is 0
+        self.cache = cache_for(self._tok, cache_bytes, cache_verify_every)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (synchronous).
 
         Uses the batch API: unlike ``Tokenizer.encode`` it releases the GIL (so the thread offload in ``_encode``
         really frees the event loop), and ``encode_batch_fast`` (tokenizers >= 0.21) skips offsets, about half
-        the CPU of ``encode`` (bench_proxy profiling, docs/benchmarks.md). Same ids.
+        the CPU of ``encode`` (bench_proxy profiling, docs/benchmarks.md). Same ids. With the prefix cache on, a
+        text that extends a recently tokenized one is tokenized only past the shared prefix (same ids).
         """
+        if self.cache.serves(add_special_tokens):
+            return self.cache.encode(text, add_special_tokens)
         batch = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
         return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
@@ -352,8 +360,12 @@ class EngineTokenizer:
 
 
 def make_tokenizer(mode: str, path: str | None = None, chat_template_path: str | None = None,
-                   timeout_s: float = 2.0, headers: dict[str, str] | None = None) -> Tokenizer:
+                   timeout_s: float = 2.0, headers: dict[str, str] | None = None, *, cache_bytes: int = 0,
+                   cache_verify_every: int = 256) -> Tokenizer:
     """Build the tokenizer for ``mode`` (``auto`` = ``hf`` when ``path`` is set, else ``bytes``).
+
+    ``cache_bytes`` / ``cache_verify_every``: the ``hf`` mode's prefix tokenization cache (bytes, 0 = off) and
+    its audit period (``router.token_cache``).
 
     Raises:
         TokenizerError: ``hf`` without a usable ``path``, or an unknown mode.
@@ -363,7 +375,7 @@ def make_tokenizer(mode: str, path: str | None = None, chat_template_path: str |
     if mode == "hf":
         if not path:
             raise TokenizerError("tokenizer_mode=hf needs tokenizer_path (a directory with tokenizer.json)")
-        return HfTokenizer(path, chat_template_path)
+        return HfTokenizer(path, chat_template_path, cache_bytes=cache_bytes, cache_verify_every=cache_verify_every)
     if mode == "bytes":
         if chat_template_path:
             return BytesTokenizer(Path(chat_template_path).read_text(encoding="utf-8"))

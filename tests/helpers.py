@@ -95,3 +95,16 @@ class Proc:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def metric(url: str, name: str, headers: dict[str, str] | None = None, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels`` on ``url``/metrics (0 when none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=5, headers=headers).text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.test_reliability_support import completion, engines, metric, router
+from tests.helpers import metric, wait_until
+from tests.integration.test_reliability_support import completion, engines, router
 
 
 def _background(url: str, body: dict[str, Any], out: list[httpx.Response | Exception]) -> threading.Thread:

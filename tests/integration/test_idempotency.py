@@ -11,8 +11,8 @@ import time
 
 import httpx
 
-from tests.helpers import wait_until
-from tests.integration.test_reliability_support import completion, engines, metric, router
+from tests.helpers import metric, wait_until
+from tests.integration.test_reliability_support import completion, engines, router
 from tests.redis_server import RedisServer
 
 

@@ -12,8 +12,8 @@ import time
 
 import httpx
 
-from tests.helpers import wait_until
-from tests.integration.test_reliability_support import completion, engines, metric, router
+from tests.helpers import metric, wait_until
+from tests.integration.test_reliability_support import completion, engines, router
 
 
 def _faults(url: str, **http: object) -> None:

@@ -17,8 +17,8 @@ import pytest
 import zmq
 
 from loadtest.kv_publisher import PubStored, encode_batch
-from tests.helpers import free_port, wait_until
-from tests.integration.test_reliability_support import MODEL, Eng, engines, metric, router
+from tests.helpers import free_port, metric, wait_until
+from tests.integration.test_reliability_support import MODEL, Eng, engines, router
 
 BS = 16
 TOKENS = list(range(1000, 1064))  # 4 full blocks

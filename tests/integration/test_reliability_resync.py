@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from tests.fakes.k8s_api import FakeKubeAPI
-from tests.helpers import Proc, free_port, wait_http_ok, wait_until
-from tests.integration.test_reliability_support import MODEL, completion, engines, metric
+from tests.helpers import Proc, free_port, metric, wait_http_ok, wait_until
+from tests.integration.test_reliability_support import MODEL, completion, engines
 from tests.redis_server import RedisServer
 
 LABELS = {"kvroute.io/engine": "vllm", "app": "rel"}

@@ -10,7 +10,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import Proc, free_port, wait_http_ok, wait_until
 
@@ -114,17 +113,6 @@ def router(engs: Sequence[Eng], *args: str, ready: int | None = None,
         yield r
     finally:
         r.proc.stop()
-
-
-def metric(url: str, name: str, headers: dict[str, str] | None = None, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels`` on ``url``/metrics."""
-    text = httpx.get(url + "/metrics", timeout=5, headers=headers).text
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
 
 
 def completion(prompt: str = "hello world " * 8, max_tokens: int = 4, stream: bool = False) -> dict[str, object]:

@@ -9,22 +9,13 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import Proc, free_port, wait_http_ok, wait_until
+from tests.helpers import Proc, free_port, metric, wait_http_ok, wait_until
 from tests.integration.test_router_fleet import MODEL, Engine, build_model_dir, start_engine
 
 
 def _inflight(url: str) -> dict[str, int]:
     reps = httpx.get(url + "/replicas", timeout=5).json()["replicas"]
     return {r["name"]: r["load"]["inflight_requests"] for r in reps}
-
-
-def _metric(url: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        total += sum(s.value for s in fam.samples if s.name == name)
-    return total
 
 
 async def test_engine_killed_with_queued_requests_they_are_retried_elsewhere(tmp_path: Path) -> None:
@@ -68,7 +59,7 @@ async def test_engine_killed_with_queued_requests_they_are_retried_elsewhere(tmp
                 assert r.text.rstrip().endswith("data: [DONE]") and "event: error" not in r.text
             else:
                 assert r.json()["usage"]["completion_tokens"] == 3
-        assert _metric(url, "kvroute_retries_total") >= 3
+        assert metric(url, "kvroute_retries_total") >= 3
         assert recovered_in < 10
         # the failed connections count against the victim: it leaves the routable set
         wait_until(lambda: _inflight(url) == {"victim": 0, "healthy": 0}, timeout=10, what="in-flight released")

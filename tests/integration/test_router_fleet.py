@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Proc, free_port, wait_http_ok, wait_until
+from tests.helpers import Proc, free_port, metric, wait_http_ok, wait_until
 
 MODEL = "m"
 TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -238,6 +238,30 @@ def test_fidelity_predicted_equals_engine_reported(fleet: Fleet) -> None:
     # and reuse really happened (later turns extend earlier ones)
     stats = httpx.get(fleet.url + "/index/stats").json()
     assert stats["nodes"] > 0
+
+
+def test_next_turns_are_tokenized_past_the_cached_prefix_with_the_same_ids(fleet: Fleet, model_dir: Path) -> None:
+    """hf mode's prefix tokenization cache (on by default) serves a growing conversation exactly."""
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert metric(fleet.url, "kvroute_tokenizer_cache_enabled") == 1.0
+    hits, reused = (metric(fleet.url, "kvroute_tokenizer_cache_hits"),
+                    metric(fleet.url, "kvroute_tokenizer_cache_reused_tokens"))
+    rnd = random.Random(23)
+    prompt = text(rnd, 500)
+    for turn in range(4):
+        prompt = prompt + " " + text(rnd, 60)
+        r = httpx.post(fleet.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        # the engine got (as ids, or as text it tokenized itself) exactly the whole prompt's tokens
+        assert r.json()["usage"]["prompt_tokens"] == len(raw.encode(prompt).ids)
+        decision = route(fleet, {"model": MODEL, "prompt": prompt})
+        assert decision["prompt_tokens"] == len(raw.encode(prompt).ids)
+    assert metric(fleet.url, "kvroute_tokenizer_cache_hits") >= hits + 7  # 3 later turns + 4 /route calls
+    assert metric(fleet.url, "kvroute_tokenizer_cache_reused_tokens") > reused + 3 * 500
+    assert metric(fleet.url, "kvroute_tokenizer_cache_mismatches") == 0.0
 
 
 def test_engine_tokenizer_mode_matches_the_hf_mode(fleet: Fleet) -> None:

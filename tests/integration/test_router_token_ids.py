@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 from tokenizers import Tokenizer
 
-from tests.helpers import Proc, free_port, wait_until
+from tests.helpers import Proc, free_port, metric, wait_until
 from tests.integration.test_router_fleet import MODEL, build_model_dir, start_engine, text
 
 
@@ -25,13 +25,6 @@ def swapped_tokenizer(src: Path, dst: Path, a: str, b: str) -> Path:
     vocab[a], vocab[b] = vocab[b], vocab[a]
     path.write_text(json.dumps(spec))
     return dst
-
-
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def test_ids_go_only_to_replicas_whose_tokenizer_matches(tmp_path: Path) -> None:
@@ -61,8 +54,8 @@ def test_ids_go_only_to_replicas_whose_tokenizer_matches(tmp_path: Path) -> None
                        timeout=60, what="token-id verdicts (same, subtle: verified; other: mismatch)")
         except AssertionError as exc:
             raise AssertionError(f"{exc}\nrouter alive={router.alive()} output:\n{router.output()[-3000:]}") from None
-        assert _metric(url, 'kvroute_replica_token_ids{replica="same"}') == 1.0
-        assert _metric(url, 'kvroute_replica_token_ids{replica="other"}') == 0.0
+        assert metric(url, "kvroute_replica_token_ids", replica="same") == 1.0
+        assert metric(url, "kvroute_replica_token_ids", replica="other") == 0.0
 
         rnd = random.Random(3)
         prompt = text(rnd, 120) + " cache route"
@@ -79,18 +72,18 @@ def test_ids_go_only_to_replicas_whose_tokenizer_matches(tmp_path: Path) -> None
             assert r.json()["usage"]["prompt_tokens"] == expected[rep]
         assert served == {"same": 2, "other": 2, "subtle": 2}
         # ids went to "same" and (until its first audit came back) to "subtle", never to "other"
-        assert 3.0 <= _metric(url, "kvroute_token_id_prompts_total") <= 4.0
+        assert 3.0 <= metric(url, "kvroute_token_id_prompts_total") <= 4.0
         # the audit of a live prompt found the subtle difference: "subtle" gets text from now on
         wait_until(lambda: states()["subtle"] == "mismatch", timeout=30, what="the audit to flag 'subtle'")
-        assert _metric(url, "kvroute_token_id_audit_mismatches") == 1.0
-        assert _metric(url, "kvroute_token_id_audits") >= 2.0
-        sent = _metric(url, "kvroute_token_id_prompts_total")
+        assert metric(url, "kvroute_token_id_audit_mismatches") == 1.0
+        assert metric(url, "kvroute_token_id_audits") >= 2.0
+        sent = metric(url, "kvroute_token_id_prompts_total")
         for _ in range(3):
             r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
                            timeout=30)
             assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == \
                 expected[r.headers["x-kvroute-replica"]]
-        assert _metric(url, "kvroute_token_id_prompts_total") == sent + 1  # only "same" still gets ids
+        assert metric(url, "kvroute_token_id_prompts_total") == sent + 1  # only "same" still gets ids
 
         # the engine answers what it was sent: the id prompt reached "same" as the router's ids
         engine_view = httpx.post(same.url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
@@ -100,12 +93,12 @@ def test_ids_go_only_to_replicas_whose_tokenizer_matches(tmp_path: Path) -> None
         assert engine_view["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (expected["same"] // 16) - 16
 
         # echo and streaming: echo stays text, a streamed text prompt goes as ids
-        before = _metric(url, "kvroute_token_id_prompts_total")
+        before = metric(url, "kvroute_token_id_prompts_total")
         for _ in range(2):
             r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
                                                           "echo": True}, timeout=30)
             assert r.status_code == 200, r.text
-        assert _metric(url, "kvroute_token_id_prompts_total") == before
+        assert metric(url, "kvroute_token_id_prompts_total") == before
         on_same = 0
         for _ in range(3):  # round robin: once on each
             with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
@@ -114,7 +107,7 @@ def test_ids_go_only_to_replicas_whose_tokenizer_matches(tmp_path: Path) -> None
                 assert s.status_code == 200
                 assert b"data: [DONE]" in b"".join(s.iter_bytes())
                 on_same += s.headers["x-kvroute-replica"] == "same"
-        assert on_same == 1 and _metric(url, "kvroute_token_id_prompts_total") == before + 1
+        assert on_same == 1 and metric(url, "kvroute_token_id_prompts_total") == before + 1
     finally:
         if router is not None:
             router.stop()

@@ -1,0 +1,391 @@
+"""Prefix tokenization cache: exact token ids of a prompt, reusing the ids of an earlier prompt it extends.
+
+Multi-turn chats and agent loops resend their whole history every turn, so most of a prompt's text was
+tokenized by the router moments ago. Tokenizing it again is the largest share of the router's CPU on long
+prompts (a 12k-token prompt is ~8 ms of tokenizer time; byte-level BPE is slower). This cache keeps recent
+texts with their ids and tokenizes only what a new text adds. It must stay exact: the ids route the request and
+are forwarded to the engine (``forward_token_ids``).
+
+Why splitting is exact. A tokenizer whose pipeline is *local* — a per-character normalizer (or none), a
+pre-tokenizer that splits the text into words the model then tokenizes one by one, special tokens added only in
+front — tokenizes ``a + b`` as ``ids(a) + ids(b)`` when ``a`` and ``b`` meet at a boundary the pre-tokenizer
+always splits at. The cache cuts texts only at *safe cuts*: an ASCII space with an ASCII letter or digit before it
+and an ASCII letter after it (``"...word| word..."``), where byte-level BPE (GPT-2, Llama-3 and Qwen regexes),
+whitespace and metaspace pre-tokenizers all start a new word. Three gates keep it exact:
+
+1. structure (``check_structure``): normalizer, pre-tokenizer and model types on an allow-list, no added token
+   that contains a space or strips whitespace next to it;
+2. self-test at start (``self_test``): probe texts tokenized in pieces cut at every safe cut must equal their
+   whole tokenization, and special tokens must be added only in front;
+3. audit while serving: one in ``verify_every`` cached encodings is compared with the whole tokenization; a
+   difference turns the cache off for good (logged, counted in ``mismatches``) and the whole ids are returned.
+
+Layout. A text is checkpointed every ``chunk_chars`` characters. Checkpoint *k* is keyed by a chained hash of the
+text's first *k* chunks (verified against the stored text on use) and holds the last safe cut before it with the
+number of ids that encode the text up to that cut. A new text walks its checkpoints until the first unknown one,
+takes the ids up to the deepest known cut, and tokenizes the rest in pieces cut at safe cuts next to its own
+checkpoints (one batch call, which the tokenizers library spreads over its threads). The new text then owns all
+its checkpoints; an older text whose checkpoints were all taken over is dropped, the rest are evicted least
+recently used first within ``max_bytes``. Thread-safe (tokenization runs in worker threads). No I/O.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import string
+import sys
+import threading
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+log = logging.getLogger("kvroute.tokenizer")
+
+_ALNUM = frozenset(string.ascii_letters + string.digits)
+_ALPHA = frozenset(string.ascii_letters)
+
+#: checkpoint spacing, characters
+CHUNK_CHARS = 1024
+#: estimated bytes of one checkpoint (dict slot, key int, value tuple)
+_POINT_BYTES = 120
+
+#: component types whose behaviour is local (per character / per word); anything else disables the cache
+_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Sequence"}
+_PRE_TOKENIZERS = {"ByteLevel", "Whitespace", "WhitespaceSplit", "Split", "Metaspace", "Digits", "Punctuation",
+                   "Sequence"}
+_MODELS = {"BPE", "WordLevel", "WordPiece", "Unigram"}
+
+#: texts for the self-test (English, code, numbers, whitespace runs, punctuation, non-ASCII, chat markup)
+SELF_TEST_TEXTS = (
+    "The quick brown fox jumps over the lazy dog. It's 3.14159 and 1234567 items cost $42.50 today, isn't it?",
+    "def route(request, replicas):\n    best = min(replicas, key=lambda r: r.cost(request))\n    return best.name",
+    "  leading spaces,\ttabs\nand\n\nnewlines;   runs of spaces. Punctuation!? (brackets) [x] {y} <z> a/b\\c",
+    "Unicode: cafe naive Angstrom strasse, caf\u00e9 na\u00efve \u00c5ngstr\u00f6m stra\u00dfe, \u6771\u4eac\u306f"
+    "\u6674\u308c, \u0441\u0435\u0440\u0432\u0435\u0440 ok, emoji \U0001f680 done word1 word2 x9 y10 z",
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nSummarize the report in "
+    "three bullet points please<|im_end|>\n<|im_start|>assistant\nSure thing here they are",
+    "t1 t22 t333 t4444 alpha beta gamma delta epsilon ABC DEF ghi JKL mno 1a 2b 3c x y z aa bb cc dd ee ff",
+)
+
+
+def safe_cut(text: str, hi: int, lo: int) -> int:
+    """The largest safe cut ``i`` with ``lo < i <= hi`` (characters), or -1 if there is none.
+
+    ``text[i]`` is a space, ``text[i - 1]`` an ASCII letter or digit, ``text[i + 1]`` an ASCII letter; the text is
+    cut before the space (the space starts the next word).
+    """
+    n = len(text)
+    i = text.rfind(" ", lo + 1, hi + 1)
+    while i > lo:
+        if i + 1 < n and text[i - 1] in _ALNUM and text[i + 1] in _ALPHA:
+            return i
+        i = text.rfind(" ", lo + 1, i)
+    return -1
+
+
+def check_structure(tokenizer_json: dict[str, Any]) -> str | None:
+    """Why a tokenizer (its ``tokenizer.json`` as a dict) is not safe to tokenize in pieces, or None if it is."""
+
+    def types(node: Any, key: str) -> list[str]:
+        if node is None:
+            return []
+        found = [str(node.get("type"))]
+        for child in node.get(key) or []:
+            found += types(child, key)
+        return found
+
+    norm = types(tokenizer_json.get("normalizer"), "normalizers")
+    bad = [t for t in norm if t not in _NORMALIZERS]
+    if bad:
+        return f"normalizer {bad[0]} is not known to be local"
+    pre = tokenizer_json.get("pre_tokenizer")
+    if pre is None:
+        return "no pre-tokenizer (the model sees the whole text as one word)"
+    pre_types = types(pre, "pretokenizers")
+    bad = [t for t in pre_types if t not in _PRE_TOKENIZERS]
+    if bad:
+        return f"pre-tokenizer {bad[0]} is not known to split at spaces"
+    model = (tokenizer_json.get("model") or {}).get("type")
+    if model not in _MODELS:
+        return f"model type {model} is not supported"
+    for tok in tokenizer_json.get("added_tokens") or []:
+        content = str(tok.get("content", ""))
+        if " " in content or tok.get("lstrip") or tok.get("rstrip"):
+            return f"added token {content!r} contains a space or strips whitespace"
+    return None
+
+
+class _Entry:
+    """One cached text with its ids (no special tokens) and the checkpoint keys it owns."""
+
+    __slots__ = ("text", "ids", "keys", "nbytes")
+
+    def __init__(self, text: str, ids: array[int]) -> None:
+        self.text = text
+        self.ids = ids
+        self.keys: set[int] = set()
+        self.nbytes = sys.getsizeof(text) + ids.itemsize * len(ids)
+
+
+#: encodes a batch of texts without special tokens -> one id list per text
+BatchEncode = Callable[[Sequence[str]], list[list[int]]]
+
+
+class PrefixTokenCache:
+    """Exact token ids of texts that extend recently tokenized texts (see the module docstring).
+
+    Args:
+        encode_batch: tokenizes texts *without* special tokens, one id list per text.
+        specials: the ids the tokenizer adds in front when asked for special tokens (e.g. ``[BOS]``), or None
+            when it adds them elsewhere too (then ``add_special_tokens=True`` calls bypass the cache).
+        max_bytes: memory for cached texts, ids and checkpoints, bytes (0 disables the cache).
+        verify_every: compare one in this many cached encodings with the whole tokenization (0 = never).
+        chunk_chars: checkpoint spacing, characters; texts shorter than this are tokenized whole.
+    """
+
+    def __init__(self, encode_batch: BatchEncode, specials: Sequence[int] | None, max_bytes: int,
+                 verify_every: int = 256, chunk_chars: int = CHUNK_CHARS) -> None:
+        self._encode_batch = encode_batch
+        self.specials = list(specials) if specials is not None else None
+        self.max_bytes = max_bytes
+        self.verify_every = verify_every
+        self.chunk_chars = chunk_chars
+        self.enabled = max_bytes > 0
+        self.disabled_reason: str | None = None if self.enabled else "tokenizer_cache_mb is 0"
+        self._points: dict[int, tuple[_Entry, int, int]] = {}
+        self._lru: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._seed = hash("kvroute-token-cache")
+        self._since_verify = 0
+        #: counters (cumulative): encodings that reused a cached prefix / that found none; ids taken from the
+        #: cache / ids tokenized; audits run; audits that disagreed (the cache is off after the first)
+        self.hits = 0
+        self.misses = 0
+        self.reused_tokens = 0
+        self.encoded_tokens = 0
+        self.verified = 0
+        self.mismatches = 0
+
+    # -- public ------------------------------------------------------------------------------------------
+
+    def disable(self, reason: str) -> None:
+        """Turn the cache off for good (every later call tokenizes whole) and free its memory."""
+        with self._lock:
+            self.enabled = False
+            self.disabled_reason = reason
+            self._points.clear()
+            self._lru.clear()
+            self._bytes = 0
+
+    def serves(self, add_special_tokens: bool) -> bool:
+        """True when ``encode`` may be called: the cache is on and, with special tokens, they go in front only."""
+        return self.enabled and (not add_special_tokens or self.specials is not None)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``, equal to the tokenizer's whole tokenization of it.
+
+        Raises:
+            ValueError: ``add_special_tokens`` for a tokenizer that adds special tokens other than in front
+                (``serves(True)`` is False; tokenize such calls whole).
+        """
+        if add_special_tokens and self.specials is None:
+            raise ValueError("this tokenizer adds special tokens other than in front: tokenize whole")
+        if not self.enabled or len(text) < self.chunk_chars:
+            return self._whole(text, add_special_tokens)
+        chunk = self.chunk_chars
+        hashes: list[int] = []
+        h = self._seed
+        for c in range(chunk, len(text) + 1, chunk):
+            h = hash((h, text[c - chunk:c]))
+            hashes.append(h)
+        known = self._lookup(text, hashes)
+        if known:
+            _, cut, n = known[-1]
+            owner = known[-1][0]
+            prefix = owner.ids[:n]
+        else:
+            cut, n, prefix = 0, 0, array("I")
+        # the rest, in pieces cut at the safe cut before each remaining checkpoint
+        cuts: list[int] = []
+        last = cut
+        for k in range(len(known), len(hashes)):
+            i = safe_cut(text, (k + 1) * chunk - 2, last)
+            if i > last:
+                cuts.append(i)
+                last = i
+        bounds = [cut, *cuts, len(text)]
+        pieces = self._encode_batch([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
+        ids = prefix
+        ends: dict[int, int] = {cut: n}
+        for b, piece in zip(bounds[1:], pieces, strict=False):
+            ids.extend(piece)
+            ends[b] = len(ids)
+        # checkpoints past the known ones: the last cut at or before each (its id count from ``ends``)
+        points: list[tuple[int, int]] = [(c, m) for _, c, m in known]
+        last, j = cut, 0
+        for k in range(len(known), len(hashes)):
+            limit = (k + 1) * chunk - 2
+            while j < len(cuts) and cuts[j] <= limit:
+                last = cuts[j]
+                j += 1
+            points.append((last, ends[last]))
+        out = list(ids)
+        self._count(bool(known), n, len(out) - n)
+        if self._should_verify():
+            whole = self._encode_batch([text])[0]
+            self.verified += 1
+            if whole != out:
+                self.mismatches += 1
+                self.disable("an audited encoding differed from the whole tokenization")
+                log.error("prefix tokenization cache disabled: pieces of a %d-character text tokenized differently "
+                          "from the whole text (first difference at id %d); tokenizing whole from now on",
+                          len(text), _first_difference(whole, out))
+                out = whole
+                return self.specials + out if add_special_tokens and self.specials is not None else out
+        self._register(text, ids, hashes, points)
+        return self.specials + out if add_special_tokens and self.specials is not None else out
+
+    def stats(self) -> dict[str, float]:
+        """Counters and size: hits, misses, reused / encoded tokens, audits, mismatches, entries, bytes, enabled."""
+        return {"hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens,
+                "encoded_tokens": self.encoded_tokens, "verified": self.verified, "mismatches": self.mismatches,
+                "entries": len(self._lru), "bytes": self._bytes, "enabled": 1.0 if self.enabled else 0.0}
+
+    # -- internals ---------------------------------------------------------------------------------------
+
+    def _whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = self._encode_batch([text])[0]
+        if add_special_tokens and self.specials is not None:
+            return self.specials + ids
+        return ids
+
+    def _lookup(self, text: str, hashes: list[int]) -> list[tuple[_Entry, int, int]]:
+        """The known checkpoints of ``text`` from its first on (entry, cut, ids up to the cut)."""
+        known: list[tuple[_Entry, int, int]] = []
+        with self._lock:
+            for h in hashes:
+                p = self._points.get(h)
+                if p is None:
+                    break
+                known.append(p)
+            if known:
+                owner = known[-1][0]
+                end = len(known) * self.chunk_chars
+                if not text.startswith(owner.text[:end]):  # a hash collision: use nothing
+                    return []
+                self._lru.move_to_end(id(owner))
+        return known
+
+    def _register(self, text: str, ids: array[int], hashes: list[int], points: list[tuple[int, int]]) -> None:
+        entry = _Entry(text, ids)
+        with self._lock:
+            if not self.enabled:
+                return
+            for h, (cut, n) in zip(hashes, points, strict=True):
+                old = self._points.get(h)
+                if old is not None and old[0] is not entry:
+                    prev = old[0]
+                    prev.keys.discard(h)
+                    if not prev.keys:
+                        self._drop(prev)
+                self._points[h] = (entry, cut, n)
+                entry.keys.add(h)
+            entry.nbytes += _POINT_BYTES * len(entry.keys)
+            self._lru[id(entry)] = entry
+            self._bytes += entry.nbytes
+            while self._bytes > self.max_bytes and self._lru:
+                _, victim = self._lru.popitem(last=False)
+                self._bytes -= victim.nbytes
+                for h in victim.keys:
+                    p = self._points.get(h)
+                    if p is not None and p[0] is victim:
+                        del self._points[h]
+                victim.keys.clear()
+
+    def _drop(self, entry: _Entry) -> None:
+        if self._lru.pop(id(entry), None) is not None:
+            self._bytes -= entry.nbytes
+
+    def _count(self, hit: bool, reused: int, encoded: int) -> None:
+        with self._lock:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
+            self.reused_tokens += reused
+            self.encoded_tokens += encoded
+
+    def _should_verify(self) -> bool:
+        if self.verify_every <= 0:
+            return False
+        with self._lock:
+            self._since_verify += 1
+            if self._since_verify >= self.verify_every:
+                self._since_verify = 0
+                return True
+        return False
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def self_test(encode_batch: BatchEncode, encode_with_specials: Callable[[str], list[int]],
+              texts: Sequence[str] = SELF_TEST_TEXTS) -> tuple[list[int] | None, str | None]:
+    """Check that ``texts`` tokenize in pieces exactly as whole; returns (front specials, failure reason).
+
+    Every safe cut of every text is tried (two pieces), then all cuts at once. Front specials are the ids
+    ``encode_with_specials`` adds before the plain ids of every text (None if it adds any elsewhere).
+    """
+    specials: list[int] | None = None
+    front_only = True
+    for text in texts:
+        whole = encode_batch([text])[0]
+        cuts = []
+        i = safe_cut(text, len(text) - 2, 0)
+        while i > 0:
+            cuts.append(i)
+            i = safe_cut(text, i - 1, 0)
+        cuts.reverse()
+        pairs = encode_batch([p for c in cuts for p in (text[:c], text[c:])])
+        for k, c in enumerate(cuts):
+            if pairs[2 * k] + pairs[2 * k + 1] != whole:
+                return None, f"pieces cut at character {c} of a self-test text tokenize differently"
+        bounds = [0, *cuts, len(text)]
+        joined = [x for piece in encode_batch([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
+                  for x in piece]
+        if joined != whole:
+            return None, "a self-test text cut at all its safe cuts tokenizes differently"
+        with_specials = encode_with_specials(text)
+        front = with_specials[:max(0, len(with_specials) - len(whole))]
+        if with_specials[len(front):] != whole or (specials is not None and front != specials):
+            front_only = False
+        specials = front
+    return (specials if front_only else None), None
+
+
+def cache_for(hf_tokenizer: Any, max_bytes: int, verify_every: int, chunk_chars: int = CHUNK_CHARS) -> PrefixTokenCache:
+    """A ``PrefixTokenCache`` for an HF ``tokenizers.Tokenizer``, disabled with a logged reason when unsafe."""
+    batch = getattr(hf_tokenizer, "encode_batch_fast", None) or hf_tokenizer.encode_batch
+
+    def encode_batch(texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in batch(list(texts), add_special_tokens=False)]
+
+    def with_specials(text: str) -> list[int]:
+        return list(batch([text], add_special_tokens=True)[0].ids)
+
+    reason = check_structure(json.loads(hf_tokenizer.to_str())) if max_bytes > 0 else None
+    specials: list[int] | None = None
+    if max_bytes > 0 and reason is None:
+        specials, reason = self_test(encode_batch, with_specials)
+    cache = PrefixTokenCache(encode_batch, specials, max_bytes if reason is None else 0, verify_every, chunk_chars)
+    if reason is not None:
+        cache.disabled_reason = reason
+        log.warning("prefix tokenization cache off: %s (every prompt is tokenized whole)", reason)
+    return cache
