@@ -250,7 +250,7 @@ def test_next_turns_are_tokenized_past_the_cached_prefix_with_the_same_ids(fleet
                     metric(fleet.url, "kvroute_tokenizer_cache_reused_tokens"))
     rnd = random.Random(23)
     prompt = text(rnd, 500)
-    for turn in range(4):
+    for _turn in range(4):
         prompt = prompt + " " + text(rnd, 60)
         r = httpx.post(fleet.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
                        timeout=30)
