@@ -35,6 +35,7 @@ bench: venv ## the benchmarks (JSON on stdout; several minutes)
 	$(BIN)/python -m loadtest.bench_index --json
 	$(BIN)/python -m loadtest.bench_policies --json
 	$(BIN)/python -m loadtest.bench_proxy --json
+	$(BIN)/python -m loadtest.bench_tokenizer --json
 	$(BIN)/python -m loadtest.e2e --json
 
 loadtest: venv ## locust trace replay against HOST (an OpenAI-compatible endpoint): make loadtest HOST=http://127.0.0.1:8080 [TRACE=..] [TIME_SCALE=..]

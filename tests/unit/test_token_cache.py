@@ -304,3 +304,33 @@ def test_pre_built_cache_object_is_independent_of_hf() -> None:
     assert cache.encode(text, True) == [99, *encode([text])[0]]
     assert cache.encode(text + " nu xi", True) == [99, *encode([text + " nu xi"])[0]]
     assert cache.stats()["hits"] == 1 and cache.stats()["mismatches"] == 0
+
+
+def test_worker_threads_share_one_cache_and_stay_exact() -> None:
+    """The router tokenizes long prompts in worker threads: concurrent conversations on one cache, all exact."""
+    import threading
+
+    tok = family("llama3")
+    cache = cache_for(tok, 200_000, 0, chunk_chars=48)  # small budget: evictions race with lookups too
+    convs = [conversation(random.Random(100 + i), turns=25, words=12) for i in range(6)]
+    expected = [[whole(tok, t, True) for t in c] for c in convs]
+    errors: list[str] = []
+    start = threading.Barrier(len(convs))
+
+    def worker(i: int) -> None:
+        start.wait()
+        for k, t in enumerate(convs[i]):
+            if cache.encode(t, True) != expected[i][k]:
+                errors.append(f"conversation {i} turn {k}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(convs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads)
+    assert errors == []
+    s = cache.stats()
+    assert s["bytes"] <= 200_000 and s["hits"] > 0
+    live = {id(e) for e in cache._lru.values()}
+    assert all(id(p[0]) in live for p in cache._points.values())
