@@ -160,7 +160,7 @@ class Settings(BaseSettings):
     tokenize_timeout_s: float = Field(default=2.0, gt=0, description="timeout of an engine /tokenize call (s)")
     tokenizer_cache_mb: float = Field(
         default=64.0, ge=0,
-        description="hf mode: memory for the prefix tokenization cache (recent prompts and their ids, MiB): a "
+        description="hf mode: memory for the prefix tokenization cache (token ids of recent prompts, MiB): a "
                     "prompt that extends a recent one (the next turn of a chat) is tokenized only past the shared "
                     "prefix, with the same ids; off by itself for tokenizers it cannot prove exact; 0 = off")
     tokenizer_cache_verify_every: int = Field(

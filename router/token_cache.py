@@ -20,9 +20,10 @@ whitespace and metaspace pre-tokenizers all start a new word. Three gates keep i
 3. audit while serving: one in ``verify_every`` cached encodings is compared with the whole tokenization; a
    difference turns the cache off for good (logged, counted in ``mismatches``) and the whole ids are returned.
 
-Layout. A text is checkpointed every ``chunk_chars`` characters. Checkpoint *k* is keyed by a chained hash of the
-text's first *k* chunks (verified against the stored text on use) and holds the last safe cut before it with the
-number of ids that encode the text up to that cut. A new text walks its checkpoints until the first unknown one,
+Layout. A text is checkpointed every ``chunk_chars`` characters. Checkpoint *k* is keyed by a 128-bit keyed
+BLAKE2b digest of the text's first *k* chunks (collisions are out of reach, so texts themselves are not kept: the
+cache holds 4 bytes per id) and holds the last safe cut before it with the number of ids that encode the text up
+to that cut. A new text walks its checkpoints until the first unknown one,
 takes the ids up to the deepest known cut, and tokenizes the rest in pieces cut at safe cuts next to its own
 checkpoints (one batch call, which the tokenizers library spreads over its threads). The new text then owns all
 its checkpoints; an older text whose checkpoints were all taken over is dropped, the rest are evicted least
@@ -32,10 +33,11 @@ recently used first within ``max_bytes``. Thread-safe (tokenization runs in work
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import logging
+import os
 import string
-import sys
 import threading
 from array import array
 from collections.abc import Callable, Sequence
@@ -48,8 +50,9 @@ _ALPHA = frozenset(string.ascii_letters)
 
 #: checkpoint spacing, characters
 CHUNK_CHARS = 1024
-#: estimated bytes of one checkpoint (dict slot, key int, value tuple)
-_POINT_BYTES = 120
+#: estimated bytes of one checkpoint (dict slot, 128-bit key int, value tuple, set slot) and of an entry's objects
+_POINT_BYTES = 200
+_ENTRY_BYTES = 400
 
 #: component types whose behaviour is local (per character / per word); anything else disables the cache
 _NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Sequence"}
@@ -118,15 +121,14 @@ def check_structure(tokenizer_json: dict[str, Any]) -> str | None:
 
 
 class _Entry:
-    """One cached text with its ids (no special tokens) and the checkpoint keys it owns."""
+    """The ids (no special tokens) of one cached text and the checkpoint keys it owns."""
 
-    __slots__ = ("text", "ids", "keys", "nbytes")
+    __slots__ = ("ids", "keys", "nbytes")
 
-    def __init__(self, text: str, ids: array[int]) -> None:
-        self.text = text
+    def __init__(self, ids: array[int]) -> None:
         self.ids = ids
         self.keys: set[int] = set()
-        self.nbytes = sys.getsizeof(text) + ids.itemsize * len(ids)
+        self.nbytes = _ENTRY_BYTES + ids.itemsize * len(ids)
 
 
 #: encodes a batch of texts without special tokens -> one id list per text
@@ -140,7 +142,7 @@ class PrefixTokenCache:
         encode_batch: tokenizes texts *without* special tokens, one id list per text.
         specials: the ids the tokenizer adds in front when asked for special tokens (e.g. ``[BOS]``), or None
             when it adds them elsewhere too (then ``add_special_tokens=True`` calls bypass the cache).
-        max_bytes: memory for cached texts, ids and checkpoints, bytes (0 disables the cache).
+        max_bytes: memory for cached ids and checkpoints, bytes (0 disables the cache).
         verify_every: compare one in this many cached encodings with the whole tokenization (0 = never).
         chunk_chars: checkpoint spacing, characters; texts shorter than this are tokenized whole.
     """
@@ -158,7 +160,7 @@ class PrefixTokenCache:
         self._lru: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        self._seed = hash("kvroute-token-cache")
+        self._key = os.urandom(16)
         self._since_verify = 0
         #: counters (cumulative): encodings that reused a cached prefix / that found none; ids taken from the
         #: cache / ids tokenized; audits run; audits that disagreed (the cache is off after the first)
@@ -197,11 +199,11 @@ class PrefixTokenCache:
             return self._whole(text, add_special_tokens)
         chunk = self.chunk_chars
         hashes: list[int] = []
-        h = self._seed
+        digest = hashlib.blake2b(digest_size=16, key=self._key)
         for c in range(chunk, len(text) + 1, chunk):
-            h = hash((h, text[c - chunk:c]))
-            hashes.append(h)
-        known = self._lookup(text, hashes)
+            digest.update(text[c - chunk:c].encode("utf-8", "surrogatepass"))
+            hashes.append(int.from_bytes(digest.digest(), "little"))
+        known = self._lookup(hashes)
         if known:
             _, cut, n = known[-1]
             owner = known[-1][0]
@@ -245,7 +247,7 @@ class PrefixTokenCache:
                           len(text), _first_difference(whole, out))
                 out = whole
                 return self.specials + out if add_special_tokens and self.specials is not None else out
-        self._register(text, ids, hashes, points)
+        self._register(ids, hashes, points)
         return self.specials + out if add_special_tokens and self.specials is not None else out
 
     def stats(self) -> dict[str, float]:
@@ -262,8 +264,8 @@ class PrefixTokenCache:
             return self.specials + ids
         return ids
 
-    def _lookup(self, text: str, hashes: list[int]) -> list[tuple[_Entry, int, int]]:
-        """The known checkpoints of ``text`` from its first on (entry, cut, ids up to the cut)."""
+    def _lookup(self, hashes: list[int]) -> list[tuple[_Entry, int, int]]:
+        """The known checkpoints of a text (its digests) from its first on (entry, cut, ids up to the cut)."""
         known: list[tuple[_Entry, int, int]] = []
         with self._lock:
             for h in hashes:
@@ -272,15 +274,11 @@ class PrefixTokenCache:
                     break
                 known.append(p)
             if known:
-                owner = known[-1][0]
-                end = len(known) * self.chunk_chars
-                if not text.startswith(owner.text[:end]):  # a hash collision: use nothing
-                    return []
-                self._lru.move_to_end(id(owner))
+                self._lru.move_to_end(id(known[-1][0]))
         return known
 
-    def _register(self, text: str, ids: array[int], hashes: list[int], points: list[tuple[int, int]]) -> None:
-        entry = _Entry(text, ids)
+    def _register(self, ids: array[int], hashes: list[int], points: list[tuple[int, int]]) -> None:
+        entry = _Entry(ids)
         with self._lock:
             if not self.enabled:
                 return
