@@ -334,3 +334,27 @@ def test_worker_threads_share_one_cache_and_stay_exact() -> None:
     assert s["bytes"] <= 200_000 and s["hits"] > 0
     live = {id(e) for e in cache._lru.values()}
     assert all(id(p[0]) in live for p in cache._points.values())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama3", "sentencepiece"])
+def test_texts_without_safe_cuts_stay_exact(name: str) -> None:
+    """One giant word, CJK without spaces, digits: no safe cut, so nothing is reused, and ids stay exact."""
+    tok = family(name)
+    cache = cache_for(tok, 1 << 22, 0, chunk_chars=32)
+    rnd = random.Random(8)
+    blob = "".join(rnd.choice("abcdefghijklmnopqrstuvwxyzABCDEF0123456789+/") for _ in range(500))
+    cjk = "\u6771\u4eac\u306f\u6674\u308c\u3067\u3059" * 40
+    digits = "1234567890" * 30
+    for base in (blob, cjk, digits, "x" * 64):
+        for t in (base, base + "tail", base + " and more words here"):
+            assert cache.encode(t, False) == whole(tok, t, False)
+    assert cache.stats()["mismatches"] == 0
+
+
+def test_text_exactly_one_chunk_long_and_its_extensions() -> None:
+    tok = family("gpt2")
+    cache = cache_for(tok, 1 << 22, 0, chunk_chars=64)
+    words = " ".join(WORDS)
+    base = (words * 3)[:64]
+    for t in (base, base + "x", base + " fox", (words * 3)[:128], (words * 3)[:129]):
+        assert cache.encode(t, True) == whole(tok, t, True)
