@@ -378,10 +378,15 @@ def cache_for(hf_tokenizer: Any, max_bytes: int, verify_every: int, chunk_chars:
     def with_specials(text: str) -> list[int]:
         return list(batch([text], add_special_tokens=True)[0].ids)
 
-    reason = check_structure(json.loads(hf_tokenizer.to_str())) if max_bytes > 0 else None
+    reason: str | None = None
     specials: list[int] | None = None
-    if max_bytes > 0 and reason is None:
-        specials, reason = self_test(encode_batch, with_specials)
+    if max_bytes > 0:
+        try:  # the gates never stop the router from starting: any surprise turns the cache off
+            reason = check_structure(json.loads(hf_tokenizer.to_str()))
+            if reason is None:
+                specials, reason = self_test(encode_batch, with_specials)
+        except Exception as exc:  # noqa: BLE001 - an exotic tokenizer must not break start-up
+            reason = f"the safety checks failed ({type(exc).__name__}: {exc})"
     cache = PrefixTokenCache(encode_batch, specials, max_bytes if reason is None else 0, verify_every, chunk_chars)
     if reason is not None:
         cache.disabled_reason = reason

@@ -358,3 +358,17 @@ def test_text_exactly_one_chunk_long_and_its_extensions() -> None:
     base = (words * 3)[:64]
     for t in (base, base + "x", base + " fox", (words * 3)[:128], (words * 3)[:129]):
         assert cache.encode(t, True) == whole(tok, t, True)
+
+
+def test_a_tokenizer_the_checks_cannot_inspect_only_turns_the_cache_off() -> None:
+    class Odd:
+        """Tokenizes, but cannot serialise itself (an exotic or future tokenizer object)."""
+
+        def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[Any]:
+            return [tok for tok in family("wordlevel").encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+        def to_str(self) -> str:
+            raise RuntimeError("cannot serialise")
+
+    cache = cache_for(Odd(), 1 << 20, 0)
+    assert not cache.enabled and "RuntimeError" in (cache.disabled_reason or "")
