@@ -162,7 +162,7 @@ class PrefixTokenCache:
         self._lock = threading.Lock()
         self._key = os.urandom(16)
         self._since_verify = 0
-        #: counters (cumulative): encodings that reused a cached prefix / that found none; ids taken from the
+        #: counters (cumulative): encodings that reused ids of a cached prefix / that reused none; ids taken from the
         #: cache / ids tokenized; audits run; audits that disagreed (the cache is off after the first)
         self.hits = 0
         self.misses = 0
@@ -235,7 +235,7 @@ class PrefixTokenCache:
                 j += 1
             points.append((last, ends[last]))
         out = list(ids)
-        self._count(bool(known), n, len(out) - n)
+        self._count(n > 0, n, len(out) - n)
         if self._should_verify():
             whole = self._encode_batch([text])[0]
             self.verified += 1
