@@ -125,6 +125,11 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
     log_format: Literal["json", "text"] = Field(default="json", description="structured JSON logs or plain text")
     access_log: bool = Field(default=False, description="log one line per HTTP request (uvicorn access log)")
+    client_keepalive_timeout_s: float = Field(
+        default=65.0, gt=0,
+        description="keep an idle client connection open this long (s). Keep it above the idle timeout of what "
+                    "sits in front (AWS ALB 60 s, nginx 60 s, httpx 5 s): a client that reuses a connection the "
+                    "router is closing at that instant sees a reset request (uvicorn's own default is 5 s)")
 
     # -- routing ---------------------------------------------------------------------------------------
     policy: str = Field(default="ttft", description="routing policy name (see policies.policy_names())")

@@ -56,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log_level=settings.log_level, access_log=settings.access_log,
                 # 0 = cancel at once (None would wait forever)
                 timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
+                timeout_keep_alive=max(1, math.ceil(settings.client_keepalive_timeout_s)),
                 # headroom: probes, /metrics and queued requests must never meet uvicorn's plain-text 503 first
                 limit_concurrency=2 * (settings.max_inflight_total + settings.max_queued_requests) + 64,
                 backlog=2048, log_config=None)
