@@ -282,7 +282,7 @@ def test_hf_tokenizer_uses_the_cache_only_when_asked(tmp_path: Any) -> None:
     tok = family("llama3")
     tok.save(str(tmp_path / "tokenizer.json"))
     rnd = random.Random(4)
-    text = " ".join(rnd.choice(WORDS) for _ in range(600))
+    text = " ".join(rnd.choice(WORDS) for _ in range(1200))  # > MIN_CHUNKS x 1024 characters
     plain = HfTokenizer(tmp_path)
     assert not plain.cache.enabled
     cached = HfTokenizer(tmp_path, cache_bytes=1 << 22)
