@@ -264,6 +264,25 @@ def test_next_turns_are_tokenized_past_the_cached_prefix_with_the_same_ids(fleet
     assert metric(fleet.url, "kvroute_tokenizer_cache_mismatches") == 0.0
 
 
+def test_chat_turns_use_the_tokenization_cache_and_agree_with_the_engine(fleet: Fleet) -> None:
+    """Chat prompts (rendered through the template, no specials added) go through the cache with the engine's count."""
+    rnd = random.Random(29)
+    messages = [{"role": "system", "content": text(rnd, 900)}]
+    hits = metric(fleet.url, "kvroute_tokenizer_cache_hits")
+    for _turn in range(3):
+        messages.append({"role": "user", "content": text(rnd, 40)})
+        body = {"model": MODEL, "messages": messages, "max_tokens": 3}
+        engine = httpx.post(f"{fleet.engines[0].url}/tokenize", json={"model": MODEL, "messages": messages},
+                            timeout=10).json()
+        assert route(fleet, body)["prompt_tokens"] == engine["count"]
+        r = httpx.post(fleet.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    # turn 1: /route misses, the request hits (same text); turns 2-3: both hit
+    assert metric(fleet.url, "kvroute_tokenizer_cache_hits") >= hits + 5
+    assert metric(fleet.url, "kvroute_tokenizer_cache_mismatches") == 0.0
+
+
 def test_engine_tokenizer_mode_matches_the_hf_mode(fleet: Fleet) -> None:
     """A second router using the replicas' /tokenize computes the same ids (and so the same decisions)."""
     port = free_port()
