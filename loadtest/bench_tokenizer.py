@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtest.replay import percentile
 from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
 from router.tokenizer import HfTokenizer
 
@@ -44,11 +45,6 @@ def bpe_model_dir(prompts: list[str], root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tok.save(str(root / "tokenizer.json"))
     return root
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
 def run(prompts: list[str], model_dir: Path, cache_mb: float) -> dict[str, Any]:
@@ -78,8 +74,8 @@ def run(prompts: list[str], model_dir: Path, cache_mb: float) -> dict[str, Any]:
     n = max(1, len(prompts))
     return {
         "requests": len(prompts), "prompt_tokens_mean": tokens / n,
-        "off_ms_mean": statistics.fmean(t_off), "off_ms_p50": _pct(t_off, 0.5), "off_ms_p99": _pct(t_off, 0.99),
-        "on_ms_mean": statistics.fmean(t_on), "on_ms_p50": _pct(t_on, 0.5), "on_ms_p99": _pct(t_on, 0.99),
+        "off_ms_mean": statistics.fmean(t_off), "off_ms_p50": percentile(t_off, 50), "off_ms_p99": percentile(t_off, 99),
+        "on_ms_mean": statistics.fmean(t_on), "on_ms_p50": percentile(t_on, 50), "on_ms_p99": percentile(t_on, 99),
         "off_cpu_ms_mean": cpu_off * 1e3 / n, "on_cpu_ms_mean": cpu_on * 1e3 / n,
         "speedup_mean": statistics.fmean(t_off) / max(1e-9, statistics.fmean(t_on)),
         "cpu_ratio": cpu_on / max(1e-9, cpu_off),

@@ -209,38 +209,30 @@ class PrefixTokenCache:
             hashes.append(int.from_bytes(digest.digest(), "little"))
         known = self._lookup(hashes)
         if known:
-            _, cut, n = known[-1]
-            owner = known[-1][0]
-            prefix = owner.ids[:n]
+            owner, cut, n = known[-1]
+            ids = owner.ids[:n]
         else:
-            cut, n, prefix = 0, 0, array("I")
-        # the rest, in pieces cut at the safe cut before each remaining checkpoint
+            cut, n, ids = 0, 0, array("I")
+        # the rest, in pieces cut at the safe cut before each remaining checkpoint; each of those checkpoints
+        # records the last cut at or before it
         cuts: list[int] = []
+        point_cuts: list[int] = []
         last = cut
         for k in range(len(known), len(hashes)):
             i = safe_cut(text, (k + 1) * chunk - 2, last)
             if i > last:
                 cuts.append(i)
                 last = i
+            point_cuts.append(last)
         bounds = [cut, *cuts, len(text)]
         pieces = self._encode_batch([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
-        ids = prefix
-        ends: dict[int, int] = {cut: n}
+        ends: dict[int, int] = {cut: n}  # cut -> ids before it
         for b, piece in zip(bounds[1:], pieces, strict=False):
             ids.extend(piece)
             ends[b] = len(ids)
-        # checkpoints past the known ones: the last cut at or before each (its id count from ``ends``)
-        points: list[tuple[int, int]] = [(c, m) for _, c, m in known]
-        last, j = cut, 0
-        for k in range(len(known), len(hashes)):
-            limit = (k + 1) * chunk - 2
-            while j < len(cuts) and cuts[j] <= limit:
-                last = cuts[j]
-                j += 1
-            points.append((last, ends[last]))
         out = list(ids)
-        self._count(n > 0, n, len(out) - n)
-        if self._should_verify():
+        keep = True
+        if self._count(n > 0, n, len(out) - n):  # this one is audited
             whole = self._encode_batch([text])[0]
             self.verified += 1
             if whole != out:
@@ -249,9 +241,10 @@ class PrefixTokenCache:
                 log.error("prefix tokenization cache disabled: pieces of a %d-character text tokenized differently "
                           "from the whole text (first difference at id %d); tokenizing whole from now on",
                           len(text), _first_difference(whole, out))
-                out = whole
-                return self.specials + out if add_special_tokens and self.specials is not None else out
-        self._register(ids, hashes, points)
+                keep, out = False, whole
+        if keep:
+            points = [(c, m) for _, c, m in known] + [(c, ends[c]) for c in point_cuts]
+            self._register(ids, hashes, points)
         return self.specials + out if add_special_tokens and self.specials is not None else out
 
     def stats(self) -> dict[str, float]:
@@ -288,7 +281,7 @@ class PrefixTokenCache:
                 return
             for h, (cut, n) in zip(hashes, points, strict=True):
                 old = self._points.get(h)
-                if old is not None and old[0] is not entry:
+                if old is not None:  # the new entry takes the checkpoint over
                     prev = old[0]
                     prev.keys.discard(h)
                     if not prev.keys:
@@ -311,7 +304,8 @@ class PrefixTokenCache:
         if self._lru.pop(id(entry), None) is not None:
             self._bytes -= entry.nbytes
 
-    def _count(self, hit: bool, reused: int, encoded: int) -> None:
+    def _count(self, hit: bool, reused: int, encoded: int) -> bool:
+        """Count one encoding; True when it is the one in ``verify_every`` to audit."""
         with self._lock:
             if hit:
                 self.hits += 1
@@ -319,16 +313,13 @@ class PrefixTokenCache:
                 self.misses += 1
             self.reused_tokens += reused
             self.encoded_tokens += encoded
-
-    def _should_verify(self) -> bool:
-        if self.verify_every <= 0:
-            return False
-        with self._lock:
+            if self.verify_every <= 0:
+                return False
             self._since_verify += 1
-            if self._since_verify >= self.verify_every:
-                self._since_verify = 0
-                return True
-        return False
+            if self._since_verify < self.verify_every:
+                return False
+            self._since_verify = 0
+            return True
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
@@ -372,9 +363,18 @@ def self_test(encode_batch: BatchEncode, encode_with_specials: Callable[[str], l
     return (specials if front_only else None), None
 
 
+def batch_encoder(hf_tokenizer: Any) -> Callable[..., Any]:
+    """The tokenizer's batch call: ``encode_batch_fast`` (tokenizers >= 0.21: no offsets) else ``encode_batch``.
+
+    Both release the GIL, unlike ``encode`` (so tokenizing in a worker thread frees the event loop).
+    """
+    batch: Callable[..., Any] = getattr(hf_tokenizer, "encode_batch_fast", None) or hf_tokenizer.encode_batch
+    return batch
+
+
 def cache_for(hf_tokenizer: Any, max_bytes: int, verify_every: int, chunk_chars: int = CHUNK_CHARS) -> PrefixTokenCache:
     """A ``PrefixTokenCache`` for an HF ``tokenizers.Tokenizer``, disabled with a logged reason when unsafe."""
-    batch = getattr(hf_tokenizer, "encode_batch_fast", None) or hf_tokenizer.encode_batch
+    batch = batch_encoder(hf_tokenizer)
 
     def encode_batch(texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in batch(list(texts), add_special_tokens=False)]

@@ -31,7 +31,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from router.token_cache import cache_for
+from router.token_cache import batch_encoder, cache_for
 
 #: texts at least this long (characters) are tokenized in a worker thread (``hf`` mode)
 THREAD_MIN_CHARS = 16384
@@ -207,6 +207,7 @@ class HfTokenizer:
             self._tok = _HfTok.from_file(str(tok_file))
         except Exception as exc:
             raise TokenizerError(f"cannot load {tok_file}: {exc}") from exc
+        self._batch = batch_encoder(self._tok)
         cfg: dict[str, Any] = {}
         cfg_file = tok_file.parent / "tokenizer_config.json"
         if cfg_file.is_file():
@@ -245,8 +246,7 @@ class HfTokenizer:
         """
         if self.cache.serves(add_special_tokens):
             return self.cache.encode(text, add_special_tokens)
-        batch = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
-        return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        return list(self._batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool = True, tools: Any = None,
                     template_kwargs: dict[str, Any] | None = None) -> str:
