@@ -71,6 +71,7 @@ from loadtest.traces import (
     slice_time,
 )
 from policies.base import Candidate, LoadView, Observation, RouteRequest, make_policy, policy_names
+from policies.dispatch import DispatchQueues, DispatchSettings
 from policies.hits import hit_from_match
 
 _KV = 0
@@ -97,6 +98,8 @@ class FleetConfig:
         slo_ttft_s: TTFT SLO for goodput, seconds.
         model: model id folded into the root seed.
         predicted_ttl_s: lifetime of predicted index entries, seconds.
+        dispatch: the router's cache-first dispatch gate (``policies.dispatch``); None or a limit of 0 = every
+            request is sent to its engine when routed (the tables in docs/results.md before the gate).
     """
 
     profiles: list[str] = field(default_factory=lambda: ["a100"] * 8)
@@ -113,6 +116,7 @@ class FleetConfig:
     slo_ttft_s: float = 2.0
     model: str = "sim-model"
     predicted_ttl_s: float = 120.0
+    dispatch: DispatchSettings | None = None
 
     @property
     def replicas(self) -> int:
@@ -325,6 +329,9 @@ class Fleet:
         self.predict = config.predict == "always" or (config.predict == "auto" and config.events_delay_s is None)
         self.delay = config.events_delay_s or 0.0
         self.observations = 0
+        gate = config.dispatch
+        self.dispatch: DispatchQueues[_Sent] | None = (
+            DispatchQueues(gate, self._cached_blocks) if gate is not None and gate.enabled else None)
 
     # -- time --------------------------------------------------------------------------------------
 
@@ -342,7 +349,25 @@ class Fleet:
                 self._push(ev.time + self.delay, _KV, (i, ev))
 
     def advance_to(self, t: float) -> None:
-        """Run engines up to ``t`` and apply every router-side event due by then."""
+        """Run engines up to ``t`` and apply every router-side event due by then.
+
+        With the dispatch gate, time advances event by event, so a request the gate releases at a first token
+        reaches its engine at that instant."""
+        if self.dispatch is not None:
+            while True:
+                nxt = self._heap[0][0] if self._heap else None
+                for eng in self.engines:
+                    x = eng.next_event_time()
+                    if x is not None and (nxt is None or x < nxt):
+                        nxt = x
+                if nxt is None or nxt > t:
+                    break
+                self._advance(nxt)
+                self._send_expired(nxt)
+            self._send_expired(t)
+        self._advance(t)
+
+    def _advance(self, t: float) -> None:
         for i, eng in enumerate(self.engines):
             nxt = eng.next_event_time()
             if nxt is not None and nxt <= t:
@@ -359,12 +384,16 @@ class Fleet:
             elif kind == _FIRST:
                 rec: _Rec = ev.request.tag
                 self.inflight_prefill[i] = max(0, self.inflight_prefill[i] - rec.uncached_est)
-                rec.ttft = ev.ttft_s
+                rec.ttft = rec.wait + ev.ttft_s
                 rec.cached = ev.cached_tokens
                 self.policy.observe(Observation(index=i, prompt_tokens=ev.request.prompt_tokens,
-                                                cached_tokens=ev.cached_tokens, queue_wait_s=ev.queue_wait_s,
-                                                ttft_s=ev.ttft_s, now=te))
+                                                cached_tokens=ev.cached_tokens,
+                                                queue_wait_s=rec.wait + ev.queue_wait_s, ttft_s=rec.ttft, now=te))
                 self.observations += 1
+                if self.dispatch is not None:
+                    self.dispatch.started(i, rec.uncached_sent)
+                    for w in self.dispatch.pop_ready(i, te, self._uncached_now):
+                        self._send(w.item, w.tokens, i, te)
             else:
                 rec = ev.request.tag
                 self.inflight[i] = max(0, self.inflight[i] - 1)
@@ -423,11 +452,50 @@ class Fleet:
         self.inflight_prefill[i] += rec.uncached_est
         if self.predict and len(keys):
             self.index.predict(i, keys)
-        self.engines[i].submit(EngineRequest(req.request_id, n, req.output_tokens, block_hashes=keys, tag=rec), t)
+        sent = _Sent(req, rec, keys)
+        if self.dispatch is None or self.dispatch.offer(i, sent, rec.uncached_est, t):
+            rec.uncached_sent = rec.uncached_est
+            self._submit(i, sent, t)
         return i
+
+    # -- the dispatch gate -------------------------------------------------------------------------
+
+    def _cached_blocks(self, i: int, sent: _Sent) -> int:
+        """Prompt blocks of a queued request cached on replica ``i`` now (the gate's order), blocks."""
+        if not len(sent.keys):
+            return 0
+        m = self.index.match(sent.keys, {i}).get(i)
+        return m.blocks if m is not None else 0
+
+    def _uncached_now(self, i: int, sent: _Sent) -> int:
+        """A released request's uncached prompt tokens on replica ``i`` now (what the gate counts), tokens."""
+        n = sent.req.prompt_tokens
+        m = self.index.match(sent.keys, {i}).get(i) if len(sent.keys) else None
+        return max(0, n - hit_from_match(m, n, self.cfg.block_size).total)
+
+    def _send(self, sent: _Sent, tokens: int, i: int, t: float) -> None:
+        sent.rec.uncached_sent = tokens
+        self._submit(i, sent, t)
+
+    def _send_expired(self, t: float) -> None:
+        if self.dispatch is not None:
+            for i, w in self.dispatch.expired(t, self._uncached_now):
+                self._send(w.item, w.tokens, i, t)
+
+    def _submit(self, i: int, sent: _Sent, t: float) -> None:
+        req, rec = sent.req, sent.rec
+        rec.wait = t - req.arrival_s
+        self.engines[i].submit(EngineRequest(req.request_id, req.prompt_tokens, req.output_tokens,
+                                             block_hashes=sent.keys, tag=rec), t)
 
     def drain(self) -> None:
         """Run every engine until all requests completed, applying the remaining events."""
+        while self.dispatch is not None and self.dispatch.waiting():
+            times = [x for x in (e.next_event_time() for e in self.engines) if x is not None]
+            if not times:  # nothing running and requests still queued: only the gate's timer is left
+                self.advance_to(self.now + self.cfg.dispatch.max_wait_s if self.cfg.dispatch else self.now)
+                continue
+            self.run_until(min(times))
         while True:
             times = [e.next_event_time() for e in self.engines]
             pending = [x for x in times if x is not None]
@@ -448,6 +516,17 @@ class _Rec:
     ttft: float = -1.0
     cached: int = -1
     finish: float = -1.0
+    wait: float = 0.0
+    uncached_sent: int = 0
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A routed request on its way to an engine (what the dispatch gate queues)."""
+
+    req: Request
+    rec: _Rec
+    keys: Sequence[int]
 
 
 def policy_of(name: str) -> str:
@@ -620,6 +699,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-fields", choices=["vllm", "full"], default="vllm",
                    help="what a scrape sees: vllm = waiting/running requests + KV usage (what vLLM exports); "
                         "full = also the queued prefill tokens")
+    gate = DispatchSettings()
+    p.add_argument("--dispatch-limit-tokens", type=int, default=gate.limit_tokens,
+                   help="the router's cache-first dispatch gate, as in the service (dispatch_limit_tokens): "
+                        "uncached prompt tokens a replica may have sent and not started before requests wait in "
+                        "the router, which then sends the one with the deepest prefix cached on the replica "
+                        "first; 0 = off (send every request when routed; docs/results.md tables before the gate)")
+    p.add_argument("--dispatch-patience", type=float, default=gate.patience_s,
+                   help="seconds after which the oldest request waiting for a replica goes first")
+    p.add_argument("--dispatch-max-wait", type=float, default=gate.max_wait_s,
+                   help="seconds after which a waiting request is sent regardless of the gate")
     p.add_argument("--seed", type=int, default=0, help="seed of generated workloads and random policies")
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
     p.add_argument("--max-output-tokens", type=int, default=None,
@@ -754,7 +843,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       cpu_bytes_per_s=args.cpu_gbps * 1e9 if args.cpu_gbps else None, block_size=args.block_size,
                       max_batch_tokens=args.max_batch_tokens, events_delay_s=events_delay, predict=args.predict,
                       scrape_interval_s=args.scrape_interval, scrape_fields=args.scrape_fields,
-                      slo_ttft_s=args.slo_ttft)
+                      slo_ttft_s=args.slo_ttft,
+                      dispatch=DispatchSettings(limit_tokens=args.dispatch_limit_tokens,
+                                                patience_s=args.dispatch_patience,
+                                                max_wait_s=args.dispatch_max_wait))
     keys = BlockKeyCache(cfg.block_size, root_seed(cfg.model))
     base_rate = arrival_rate_rps(reqs)
     cap = fleet_capacity_rps(reqs, profiles)

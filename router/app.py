@@ -44,8 +44,10 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
 from membership.static import StaticMembership
 from policies.base import Policy, make_policy
+from policies.dispatch import DispatchSettings
 from router.admission import Admission, Rejected, admission_gauges
 from router.config import Settings
+from router.dispatch import DispatchGate, dispatch_gauges
 from router.idempotency import HEADER as IDEMPOTENCY_HEADER
 from router.idempotency import IdempotencyGuard
 from router.proxy import Proxy, ProxyConfig, error_response, new_request_id
@@ -357,6 +359,13 @@ def build_services(settings: Settings) -> Services:
         engine_api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
         retry_after_s=settings.retry_after_s),
         on_connection_failure=on_connection_failure, token_ids=token_ids)
+    gate = DispatchGate(DispatchSettings(limit_tokens=settings.dispatch_limit_tokens,
+                                         patience_s=settings.dispatch_patience_s,
+                                         max_wait_s=settings.dispatch_max_wait_s),
+                        index, settings.block_size,
+                        routable=lambda i: (r := table.by_index(i)) is not None and r.routable)
+    proxy.gate = gate
+    telemetry.add_gauges(lambda: dispatch_gauges(gate))
     svc = Services(settings=settings, table=table, index=index, policy=policy, tokenizer=tokenizer,
                    telemetry=telemetry, router=router, proxy=proxy, membership=membership)
     svc_holder["svc"] = svc
@@ -598,6 +607,8 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
                 with contextlib.suppress(Exception):
                     await stop()
             await svc.membership.stop()
+            if svc.proxy.gate is not None:
+                await svc.proxy.gate.aclose()
             await svc.proxy.aclose()
             await svc.tokenizer.aclose()
 

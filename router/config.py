@@ -32,7 +32,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from policies.dispatch import DispatchSettings
+
 ENV_PREFIX = "KVROUTE_"
+_GATE = DispatchSettings()  # the dispatch gate's defaults live with its logic
 
 #: keys accepted in a replica spec string, mapped to ReplicaSpec field names
 _SPEC_KEYS = {
@@ -301,6 +304,22 @@ class Settings(BaseSettings):
                                      "(0 = no queue: reject at once with 429); a full queue -> 429")
     max_queue_wait_s: float = Field(
         default=2.0, gt=0, description="longest time a request waits in the router's queue (s); longer -> 503")
+
+    # --- routing: cache-first dispatch gate (policies/dispatch.py, router/dispatch.py) ---
+    dispatch_limit_tokens: int = Field(
+        default=_GATE.limit_tokens, ge=0,
+        description="cache-first dispatch: uncached prompt tokens a replica may have been sent and not started "
+                    "(first streamed token pending) before further streamed requests for it wait in the router; "
+                    "a replica that frees then gets the waiting request with the deepest prefix cached on it "
+                    "first, so prefixes are used before the engine's LRU evicts them (about one engine step's "
+                    "prefill budget, vLLM max_num_batched_tokens; 0 = off: send every request when routed)")
+    dispatch_patience_s: float = Field(
+        default=_GATE.patience_s, ge=0,
+        description="cache-first dispatch: once the oldest request waiting for a replica has waited this long "
+                    "it goes next, whatever is cached (s)")
+    dispatch_max_wait_s: float = Field(
+        default=_GATE.max_wait_s, gt=0,
+        description="cache-first dispatch: a request waiting this long is sent regardless of the gate (s)")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")

@@ -41,6 +41,7 @@ from starlette.responses import Response, StreamingResponse
 
 from membership.replicas import Replica, ReplicaState
 from policies.base import Observation
+from router.dispatch import DispatchGate, ReplicaGone
 from router.engine_client import (
     EngineConnectError,
     EngineConnectionLost,
@@ -135,6 +136,8 @@ class Proxy:
         if config.engine_api_key:
             self._headers["authorization"] = f"Bearer {config.engine_api_key}"
         self._pool: EnginePool | None = None
+        #: the cache-first dispatch gate (router/dispatch.py); None: every request is sent when routed
+        self.gate: DispatchGate | None = None
 
     def pool(self) -> EnginePool:
         """The engine connection pool (created on first use, inside the event loop)."""
@@ -245,15 +248,33 @@ class Proxy:
             uncached = inp.prompt_tokens - cached.get(idx, 0)
             router.acquire(rep, uncached)
             router.record_prediction(rep, inp.keys)
+            t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)
+            gate = self.gate
+            sent: int | None = None
+            if gate is not None:
+                try:
+                    sent = await gate.wait(idx, inp.keys, inp.prompt_tokens, uncached, stream)
+                except ReplicaGone as exc:
+                    router.prefill_done(rep, uncached)
+                    router.release(rep)
+                    last = _AttemptFailed("replica_gone", str(exc), retry=True)
+                    errors.append(f"{rep.name}: {exc}")
+                    attempts -= 1  # it never reached the replica: not an attempt
+                    continue
+                except BaseException:
+                    router.prefill_done(rep, uncached)
+                    router.release(rep)
+                    raise
             payload = body
             if check is not None and ids is not None and check.accepts(rep):
                 payload = ids.body()
                 self.telemetry.token_id_prompts.inc()
                 check.audit(rep, ids)
-            t0 = time.monotonic()
             try:
                 resp, first = await self._open(rep, path, payload, headers, deadline)
             except _AttemptFailed as exc:
+                if gate is not None:
+                    gate.done(idx, sent)
                 router.prefill_done(rep, uncached)
                 router.release(rep)
                 last = exc
@@ -266,10 +287,14 @@ class Proxy:
                     break
                 continue
             except BaseException:
+                if gate is not None:
+                    gate.done(idx, sent)
                 router.prefill_done(rep, uncached)
                 router.release(rep)
                 raise
             ttft = time.monotonic() - t0
+            if gate is not None:
+                gate.done(idx, sent)
             router.prefill_done(rep, uncached)
             return await self._commit(rep, routed, resp, first, ttft, deadline, stream, request_id,
                                       cached.get(idx, 0))

@@ -1,0 +1,179 @@
+"""The service side of the cache-first dispatch gate (``policies.dispatch``): futures, timers, replicas leaving.
+
+``DispatchGate.wait`` is awaited by the proxy after a replica is chosen and before the request is sent to it;
+``DispatchGate.done`` is called when that request's first byte arrives or it fails, which may release the next
+waiting requests (deepest prefix cached on the replica first). Only streamed requests wait: the first chunk of a
+stream is the engine's first token, while a non-streamed answer arrives whole, so its prefill's end is not seen
+(those are sent at once and not counted). Every accepted request leaves the gate: released, sent by
+``dispatch_max_wait_s``, or failed over when its replica stops being routable (``ReplicaGone``).
+
+Runs on the event loop only. Units: tokens, blocks, seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from index.prefix_index import PrefixIndex
+from policies.dispatch import DispatchQueues, DispatchSettings
+from policies.hits import hit_from_match
+
+log = logging.getLogger("kvroute.dispatch")
+
+#: seconds between checks for requests past ``max_wait_s`` and queues of replicas that left
+_TICK_S = 0.25
+
+
+class ReplicaGone(Exception):
+    """The replica a request waited for is no longer routable: route the request elsewhere."""
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    keys: Sequence[int]
+    prompt_tokens: int
+    fut: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class DispatchGate:
+    """Per-replica gates of the router (see the module docstring).
+
+    Args:
+        settings: the gate's parameters (``dispatch_*`` options).
+        index: the prefix index (a waiting request's cached depth is read from it when a replica frees).
+        block_size: tokens per block.
+        routable: ``f(replica index) -> bool``: False once the replica cannot take requests.
+        clock: seconds (monotonic).
+    """
+
+    def __init__(self, settings: DispatchSettings, index: PrefixIndex, block_size: int,
+                 routable: Callable[[int], bool], clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.index = index
+        self.block_size = block_size
+        self.routable = routable
+        self.clock = clock
+        self.queues: DispatchQueues[_Waiter] = DispatchQueues(settings, self._cached_blocks)
+        self.gone_total = 0
+        self._ticker: asyncio.Task[None] | None = None
+
+    # -- what the gate asks the index ------------------------------------------------------------------
+    def _cached_blocks(self, replica: int, w: _Waiter) -> int:
+        if not w.keys:
+            return 0
+        m = self.index.match(w.keys, {replica}).get(replica)
+        return m.blocks if m is not None else 0
+
+    def _uncached_now(self, replica: int, w: _Waiter) -> int:
+        m = self.index.match(w.keys, {replica}).get(replica) if w.keys else None
+        return max(0, w.prompt_tokens - hit_from_match(m, w.prompt_tokens, self.block_size).total)
+
+    # -- the proxy's calls -----------------------------------------------------------------------------
+    async def wait(self, replica: int, keys: Sequence[int], prompt_tokens: int, uncached_tokens: int,
+                   stream: bool) -> int | None:
+        """Wait until ``replica`` may take this request; returns the tokens to give ``done`` afterwards
+        (None: the request was not counted, e.g. not streamed or the gate is off).
+
+        Raises:
+            ReplicaGone: the replica stopped being routable while the request waited.
+            asyncio.CancelledError: the caller was cancelled (the request leaves the queue).
+        """
+        if not stream or not self.settings.enabled:
+            return None
+        q = self.queues
+        w = _Waiter(keys, prompt_tokens)
+        if q.offer(replica, w, uncached_tokens, self.clock()):
+            return max(0, uncached_tokens)
+        self._ensure_ticker()
+        try:
+            return await w.fut
+        except asyncio.CancelledError:
+            if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
+                self.done(replica, w.fut.result())  # released as we were cancelled: give the slot back
+            else:
+                q.withdraw(replica, w, self.clock())
+            raise
+
+    def done(self, replica: int, tokens: int | None) -> None:
+        """The request ``wait`` let through got its first byte, failed or was abandoned."""
+        if tokens is None:
+            return
+        self.queues.started(replica, tokens)
+        self._release(replica)
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _release(self, replica: int) -> None:
+        for w in self.queues.pop_ready(replica, self.clock(), self._uncached_now):
+            self._hand_over(replica, w.item, w.tokens)
+
+    def _hand_over(self, replica: int, w: _Waiter, tokens: int) -> None:
+        if w.fut.done():  # its caller is gone (cancelled): the tokens were counted, take them back
+            self.queues.started(replica, tokens)
+            return
+        w.fut.set_result(tokens)
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="kvroute-dispatch-gate")
+
+    async def _tick(self) -> None:
+        """While requests wait: send those past ``max_wait_s``, fail over those whose replica left."""
+        while self.queues.waiting():
+            await asyncio.sleep(_TICK_S)
+            try:
+                self.check(self.clock())
+            except Exception:  # never let the safety net die
+                log.exception("dispatch gate check failed")
+
+    def check(self, now: float) -> None:
+        """Send requests waiting ``max_wait_s`` or more; fail over the requests of replicas no longer routable."""
+        for r, w in self.queues.expired(now, self._uncached_now):
+            log.warning("dispatch gate: request sent after waiting max_wait_s",
+                        extra={"replica": r, "max_wait_s": self.settings.max_wait_s})
+            self._hand_over(r, w.item, w.tokens)
+        for r in [r for r in self.queues.replicas() if self.queues.waiting(r) and not self.routable(r)]:
+            for w in self.queues.forget(r):
+                self.gone_total += 1
+                if not w.item.fut.done():
+                    w.item.fut.set_exception(ReplicaGone(f"replica {r} stopped being routable"))
+
+    async def aclose(self) -> None:
+        """Stop the timer; requests still waiting are failed over (the service is stopping)."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._ticker
+        for r in list(self.queues.replicas()):
+            for w in self.queues.forget(r):
+                if not w.item.fut.done():
+                    w.item.fut.set_exception(ReplicaGone("the router is stopping"))
+
+
+def dispatch_gauges(gate: DispatchGate) -> Iterable[Any]:
+    """Gauge families of the dispatch gate (collected at scrape time)."""
+    from router.telemetry import gauge
+
+    q = gate.queues
+    yield gauge("kvroute_dispatch_waiting_requests",
+                "requests waiting in the router for their replica (cache-first dispatch gate)", float(q.waiting()))
+    yield gauge("kvroute_dispatch_queued_requests",
+                "requests that waited for their replica (cumulative)", float(q.queued_total))
+    yield gauge("kvroute_dispatch_reordered_requests",
+                "requests sent ahead of older ones because more of their prompt is cached (cumulative)",
+                float(q.reordered_total))
+    yield gauge("kvroute_dispatch_expired_requests",
+                "requests sent after waiting dispatch_max_wait_s (cumulative)", float(q.expired_total))
+    yield gauge("kvroute_dispatch_failed_over_requests",
+                "waiting requests moved to another replica because theirs stopped being routable (cumulative)",
+                float(gate.gone_total))
+    yield gauge("kvroute_dispatch_wait_seconds",
+                "total time requests waited for their replica (cumulative, s)", q.wait_s_total)
+    yield gauge("kvroute_dispatch_sent_prefill_tokens",
+                "uncached prompt tokens sent to replicas whose first token is pending (gate's count)",
+                float(sum(q.queue(r).sent_tokens for r in q.replicas())))
