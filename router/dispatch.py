@@ -132,16 +132,16 @@ class DispatchGate:
                 log.exception("dispatch gate check failed")
 
     def check(self, now: float) -> None:
-        """Send requests waiting ``max_wait_s`` or more; fail over the requests of replicas no longer routable."""
-        for r, w in self.queues.expired(now, self._uncached_now):
-            log.warning("dispatch gate: request sent after waiting max_wait_s",
-                        extra={"replica": r, "max_wait_s": self.settings.max_wait_s})
-            self._hand_over(r, w.item, w.tokens)
+        """Fail over the requests of replicas no longer routable; send those waiting ``max_wait_s`` or more."""
         for r in [r for r in self.queues.replicas() if self.queues.waiting(r) and not self.routable(r)]:
             for w in self.queues.forget(r):
                 self.gone_total += 1
                 if not w.item.fut.done():
                     w.item.fut.set_exception(ReplicaGone(f"replica {r} stopped being routable"))
+        for r, w in self.queues.expired(now, self._uncached_now):
+            log.warning("dispatch gate: request sent after waiting max_wait_s",
+                        extra={"replica": r, "max_wait_s": self.settings.max_wait_s})
+            self._hand_over(r, w.item, w.tokens)
 
     async def aclose(self) -> None:
         """Stop the timer; requests still waiting are failed over (the service is stopping)."""
