@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from loadtest.fleet import EngineOptions, Fleet, RouterHandle, add_harness_args, exit_on_sigterm
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
 from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
@@ -84,6 +86,7 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         results, wall = asyncio.run(go())
         cpu1 = router.proc.cpu_seconds()
         h1, q1 = fleet.prefix_cache_counters()
+        gate = dispatch_counters(router.url) if kind == "kvroute" else None
         if not router.proc.alive():
             raise RuntimeError(f"{name}: router died during the run:\n{router.proc.tail()}")
     finally:
@@ -101,6 +104,8 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         "router": kind, "policy": policy,
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
+    if gate:
+        out["dispatch"] = gate
     if s.error_samples:
         out["error_samples"] = s.error_samples
     for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "e2e_p50_s", "e2e_p99_s"):
@@ -109,10 +114,28 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
     return out
 
 
+def dispatch_counters(url: str) -> dict[str, float]:
+    """kvroute's cache-first dispatch counters (``kvroute_dispatch_*`` on its /metrics, prefix dropped);
+    empty when they cannot be read."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvroute_dispatch_"):
+            name, _, value = line.partition(" ")
+            try:
+                out[name.removeprefix("kvroute_dispatch_")] = round(float(value), 3)
+            except ValueError:
+                continue
+    return out
+
+
 def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several runs of one router: the mean of every numeric result key, ``<key>_sd`` (sample standard deviation)
     for the rates and latencies, ``errors`` / ``requests`` summed, and the runs themselves under ``runs``."""
-    out: dict[str, Any] = {k: v for k, v in runs[0].items() if k not in RESULT_KEYS}
+    out: dict[str, Any] = {k: v for k, v in runs[0].items() if k not in RESULT_KEYS and k != "dispatch"}
     for key in RESULT_KEYS:
         vals = [r.get(key) for r in runs]
         nums = [float(v) for v in vals if isinstance(v, int | float)]

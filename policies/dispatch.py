@@ -33,15 +33,16 @@ class DispatchSettings:
 
     Attributes:
         limit_tokens: uncached prompt tokens a replica may have sent and not started (first token pending)
-            before further requests wait in the router, tokens; 0 turns the gate off (every request is sent at
-            once, in arrival order).
+            before further requests wait in the router, tokens; 0 (the default) turns the gate off: every
+            request is sent at once, in arrival order. 8192 (one vLLM step's prefill budget) is the value
+            measured in docs/results.md.
         patience_s: once the oldest queued request has waited this long, it goes next, seconds.
         min_blocks: a request jumps the queue only with at least this many prompt blocks cached on the replica.
         max_wait_s: a request waiting this long is sent regardless of the gate, seconds (a safety net: it bounds
             the wait even if first tokens stop being reported).
     """
 
-    limit_tokens: int = 8192
+    limit_tokens: int = 0
     patience_s: float = 5.0
     min_blocks: int = 2
     max_wait_s: float = 60.0
