@@ -13,20 +13,11 @@ from hypothesis import strategies as st
 
 from index.hashing import block_keys, extend_keys
 from index.prefix_index import TIERS, PrefixIndex, ReplicaMatch
+from tests.helpers import FakeClock
 
 BS = 2
 REPLICAS = (0, 1, 2, 3)
 TTL = 10.0
-
-
-class FakeClock:
-    """A clock the test advances by hand (seconds)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

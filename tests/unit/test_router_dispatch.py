@@ -10,22 +10,15 @@ from index.hashing import block_keys
 from index.prefix_index import PrefixIndex
 from policies.dispatch import DispatchSettings
 from router.dispatch import DispatchGate, ReplicaGone
+from tests.helpers import FakeClock
 
 BS = 16
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def make(limit: int = 10, patience: float = 5.0, max_wait: float = 60.0,
-         routable: set[int] | None = None) -> tuple[DispatchGate, PrefixIndex, Clock]:
+         routable: set[int] | None = None) -> tuple[DispatchGate, PrefixIndex, FakeClock]:
     index = PrefixIndex(block_size=BS)
-    clock = Clock()
+    clock = FakeClock()
     ok = routable if routable is not None else {0, 1}
     gate = DispatchGate(DispatchSettings(limit_tokens=limit, patience_s=patience, max_wait_s=max_wait), index, BS,
                         routable=lambda i: i in ok, clock=clock)
@@ -51,7 +44,7 @@ def test_the_warm_request_goes_first_and_gets_its_uncached_count_now() -> None:
         await settle()
         assert gate.queues.waiting(0) == 2
         index.store(0, None, warm_keys[:12])  # 12 of its 20 blocks became cached while it waited
-        clock.t += 1
+        clock.now += 1
         gate.done(0, 640)
         await settle()
         assert warm.done() and not cold.done()
@@ -106,9 +99,9 @@ def test_expired_and_gone_requests_leave_the_queue() -> None:
         late = asyncio.create_task(gate.wait(0, keys(3, 4), 64, 64, stream=True))
         orphan = asyncio.create_task(gate.wait(1, keys(4, 4), 64, 64, stream=True))
         await settle()
-        clock.t += 3.0
+        clock.now += 3.0
         routable.discard(1)
-        gate.check(clock.t)
+        gate.check(clock.now)
         await settle()
         assert late.result() == 64 and gate.queues.expired_total == 1
         with pytest.raises(ReplicaGone):

@@ -20,21 +20,14 @@ from router.routing import (
     hit_from_match,
     usable_cached_tokens,
 )
+from tests.helpers import FakeClock
 
 BS = 16
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def make_router(n: int = 3, policy: str = "ttft", predict_mode: str = "auto",
                 events: set[int] | None = None, **kw: object) -> Router:
-    clock = Clock()
+    clock = FakeClock()
     table = ReplicaTable()
     for i in range(n):
         table.upsert(f"r{i}", f"http://127.0.0.1:{9000 + i}", models=["m"], profile=build_profile("a100"))
