@@ -207,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the last arrival, wait at most this long for answers (s)")
     p.add_argument("--kvroute-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for kvroute serve, e.g. --kvroute-arg=--connect-timeout-s=10 (repeatable)")
+    p.add_argument("--no-scale-router-times", action="store_true",
+                   help="run kvroute's routing time constants (scrape interval, policy *_s parameters, predicted "
+                        "TTL, dispatch timers) in wall-clock seconds as in production, instead of multiplied by "
+                        "--time-scale like the engines' (the default; runs before the sixth session did this)")
     p.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for sglang-router, e.g. --sglang-arg=--cache-threshold=0.5 (repeatable)")
     add_harness_args(p)
@@ -250,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({'trace ' + str(trace) if trace else 'generated ' + args.workload}), {args.replicas} fake engines "
           f"({args.profile}, time-scale {args.time_scale}), runs: {', '.join(runs)}", file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
-    fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
+    fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None,
+                  scale_router_times=not args.no_scale_router_times)
     per_run: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     try:
         for rep in range(args.repeat):

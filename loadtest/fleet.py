@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import inspect
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.engine_model import get_profile
+from policies.base import policy_factory
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
@@ -179,6 +181,44 @@ def scaled_profile_args(profile: str, time_scale: float) -> list[str]:
     return ["--default-profile", profile, "--profiles", f"{profile}={json.dumps(scaled)}"]
 
 
+#: Settings fields (seconds) that pace the router's routing decisions; scaled with the engines' time scale
+_ROUTER_TIME_FIELDS = ("scrape_interval_s", "predicted_ttl_s", "dispatch_patience_s", "dispatch_max_wait_s")
+
+
+def scaled_router_time_args(policy: str, time_scale: float, extra_args: Sequence[str] = ()) -> list[str]:
+    """``kvroute serve`` flags putting the router's own time constants on the fake engines' clock.
+
+    Engines that sleep their model times x ``time_scale`` live ``1 / time_scale`` times faster than the hardware
+    they model; a router running its production constants in wall-clock seconds would then scrape load
+    ``1 / time_scale`` times less often per engine step, keep predictions that many engine-seconds longer, and
+    weigh a move away from a cache holder with a ``migration_cap_s`` that many times larger than in production.
+    So every routing time constant is multiplied by ``time_scale``: the Settings fields in
+    ``_ROUTER_TIME_FIELDS`` and every ``*_s`` keyword of the policy's constructor (seconds by this codebase's
+    naming rule). A flag or ``--policy-param`` already in ``extra_args`` wins. ``time_scale`` 0 or 1: nothing.
+    """
+    if time_scale <= 0 or time_scale == 1:
+        return []
+    from router.config import Settings  # the defaults' single source (a benchmark may read it)
+
+    given = " ".join(extra_args)
+    out: list[str] = []
+    for name in _ROUTER_TIME_FIELDS:
+        flag = "--" + name.replace("_", "-")
+        default = Settings.model_fields[name].default
+        if flag not in given and isinstance(default, int | float) and default > 0:
+            out += [flag, repr(float(default) * time_scale)]
+    try:
+        sig = inspect.signature(policy_factory(policy))
+    except (KeyError, TypeError, ValueError):
+        return out
+    for pname, param in sig.parameters.items():
+        d = param.default
+        if (pname.endswith("_s") and isinstance(d, int | float) and not isinstance(d, bool) and d > 0
+                and f"{pname}=" not in given):
+            out += ["--policy-param", f"{pname}={float(d) * time_scale!r}"]
+    return out
+
+
 @dataclass(slots=True)
 class EngineOptions:
     """How to start each fake engine (``kvroute fake-engine`` flags).
@@ -251,7 +291,9 @@ class Fleet:
     """
 
     def __init__(self, replicas: int, engine: EngineOptions | None = None, log_dir: str | Path | None = None,
-                 ready_timeout_s: float = 60.0, keep_logs: bool = False) -> None:
+                 ready_timeout_s: float = 60.0, keep_logs: bool = False, scale_router_times: bool = True) -> None:
+        """``scale_router_times``: kvroute's routing time constants follow the engines' time scale
+        (``scaled_router_time_args``)."""
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.replicas = replicas
@@ -261,6 +303,7 @@ class Fleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.keep_logs = keep_logs
         self.ready_timeout_s = ready_timeout_s
+        self.scale_router_times = scale_router_times
         self.engines: list[EngineHandle] = []
         self.routers: list[RouterHandle] = []
         self._generation = 0
@@ -336,6 +379,8 @@ class Fleet:
             args += ["--tokenizer-mode", "hf", "--tokenizer-path", tok]
         if self.engine.time_scale > 0 and not any(a.startswith("--profiles") for a in extra_args):
             args += scaled_profile_args(self.engine.profile, self.engine.time_scale)
+        if self.scale_router_times:
+            args += scaled_router_time_args(policy, self.engine.time_scale, extra_args)
         args += list(extra_args)
         return self._start_router("kvroute", policy, port, args, "/readyz", None, cwd=root)
 

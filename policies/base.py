@@ -262,6 +262,16 @@ def policy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def policy_factory(name: str) -> PolicyFactory:
+    """The factory (class) registered as ``name`` (to read its parameters).
+
+    Raises:
+        KeyError: when ``name`` is unknown.
+    """
+    _load_builtin()
+    return _REGISTRY[name]
+
+
 def make_policy(name: str, **params: Any) -> Policy:
     """Build the policy registered as ``name`` with keyword ``params``.
 
