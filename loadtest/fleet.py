@@ -55,6 +55,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _unused_port(taken: set[int]) -> int:
+    """A free port not in ``taken`` (added to it): ports picked for one start never collide."""
+    while True:
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            return port
+
+
 class FleetError(RuntimeError):
     """A fleet process failed to start or become ready (the message carries its log tail)."""
 
@@ -328,19 +337,28 @@ class Fleet:
         """Start the K engines (fresh caches) and wait until each answers GET /health."""
         if self.engines:
             raise RuntimeError("engines already running; use restart_engines()")
-        self._generation += 1
-        try:
-            for i in range(self.replicas):
-                port, ev, rp = free_port(), free_port(), free_port()
-                name = f"engine{i}"
-                proc = ManagedProcess(self.engine_args(i, port, ev, rp), f"{name}-g{self._generation}", self.log_dir)
-                self.engines.append(EngineHandle(name, port, ev, rp, proc))
-            for eh in self.engines:
-                wait_ready(eh.url + "/health", eh.proc, self.ready_timeout_s)
-        except BaseException:
-            self.stop_engines()
-            raise
-        return self.engines
+        for attempt in range(3):
+            self._generation += 1
+            try:
+                ports: set[int] = set()
+                for i in range(self.replicas):
+                    port, ev, rp = (_unused_port(ports) for _ in range(3))
+                    name = f"engine{i}"
+                    proc = ManagedProcess(self.engine_args(i, port, ev, rp), f"{name}-g{self._generation}",
+                                          self.log_dir)
+                    self.engines.append(EngineHandle(name, port, ev, rp, proc))
+                for eh in self.engines:
+                    wait_ready(eh.url + "/health", eh.proc, self.ready_timeout_s)
+                return self.engines
+            except FleetError as exc:
+                self.stop_engines()
+                # a port picked free was taken before the engine bound it (another process): pick again
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+            except BaseException:
+                self.stop_engines()
+                raise
+        raise AssertionError("unreachable")
 
     def stop_engines(self) -> None:
         """Stop every engine."""
