@@ -248,6 +248,11 @@ class Proxy:
             uncached = inp.prompt_tokens - cached.get(idx, 0)
             router.acquire(rep, uncached)
             router.record_prediction(rep, inp.keys)
+            payload = body
+            if check is not None and ids is not None and check.accepts(rep):
+                payload = ids.body()
+                self.telemetry.token_id_prompts.inc()
+                check.audit(rep, ids)
             t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)
             gate = self.gate
             sent: int | None = None
@@ -265,11 +270,6 @@ class Proxy:
                     router.prefill_done(rep, uncached)
                     router.release(rep)
                     raise
-            payload = body
-            if check is not None and ids is not None and check.accepts(rep):
-                payload = ids.body()
-                self.telemetry.token_id_prompts.inc()
-                check.audit(rep, ids)
             try:
                 resp, first = await self._open(rep, path, payload, headers, deadline)
             except _AttemptFailed as exc:
