@@ -34,7 +34,14 @@ from typing import Any
 
 import httpx
 
-from loadtest.fleet import EngineOptions, Fleet, RouterHandle, add_harness_args, exit_on_sigterm
+from loadtest.fleet import (
+    EngineOptions,
+    Fleet,
+    RouterHandle,
+    add_harness_args,
+    exit_on_sigterm,
+    scrape_samples,
+)
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
 from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
 
@@ -118,18 +125,11 @@ def dispatch_counters(url: str) -> dict[str, float]:
     """kvroute's cache-first dispatch counters (``kvroute_dispatch_*`` on its /metrics, prefix dropped);
     empty when they cannot be read."""
     try:
-        text = httpx.get(url + "/metrics", timeout=5).text
+        samples = scrape_samples(url)
     except httpx.HTTPError:
         return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvroute_dispatch_"):
-            name, _, value = line.partition(" ")
-            try:
-                out[name.removeprefix("kvroute_dispatch_")] = round(float(value), 3)
-            except ValueError:
-                continue
-    return out
+    return {k.removeprefix("kvroute_dispatch_"): round(v, 3) for k, v in samples.items()
+            if k.startswith("kvroute_dispatch_")}
 
 
 def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

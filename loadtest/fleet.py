@@ -209,12 +209,15 @@ def scaled_router_time_args(policy: str, time_scale: float, extra_args: Sequence
         return []
     from router.config import Settings  # the defaults' single source (a benchmark may read it)
 
-    given = " ".join(extra_args)
+    flags = {a.partition("=")[0] for a in extra_args if a.startswith("--")}
+    keys = {a.partition("=")[0] for a in extra_args if not a.startswith("--")}  # --policy-param KEY=VALUE
+    keys |= {a.removeprefix("--policy-param=").partition("=")[0] for a in extra_args
+             if a.startswith("--policy-param=")}
     out: list[str] = []
     for name in _ROUTER_TIME_FIELDS:
         flag = "--" + name.replace("_", "-")
         default = Settings.model_fields[name].default
-        if flag not in given and isinstance(default, int | float) and default > 0:
+        if flag not in flags and isinstance(default, int | float) and default > 0:
             out += [flag, repr(float(default) * time_scale)]
     try:
         sig = inspect.signature(policy_factory(policy))
@@ -223,7 +226,7 @@ def scaled_router_time_args(policy: str, time_scale: float, extra_args: Sequence
     for pname, param in sig.parameters.items():
         d = param.default
         if (pname.endswith("_s") and isinstance(d, int | float) and not isinstance(d, bool) and d > 0
-                and f"{pname}=" not in given):
+                and pname not in keys):
             out += ["--policy-param", f"{pname}={float(d) * time_scale!r}"]
     return out
 
@@ -450,12 +453,7 @@ class Fleet:
     # -- engine metrics ----------------------------------------------------------------------------------
     def scrape(self, eh: EngineHandle, timeout_s: float = 5.0) -> dict[str, float]:
         """One engine's Prometheus samples summed by sample name (labels dropped)."""
-        text = httpx.get(eh.url + "/metrics", timeout=timeout_s).text
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                out[s.name] = out.get(s.name, 0.0) + float(s.value)
-        return out
+        return scrape_samples(eh.url, timeout_s)
 
     def prefix_cache_counters(self) -> tuple[float, float]:
         """Fleet-wide engine-reported prefix cache (hit tokens, queried tokens), summed over engines.
@@ -485,6 +483,20 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def scrape_samples(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """The Prometheus samples of ``url``/metrics summed by sample name (labels dropped).
+
+    Raises:
+        httpx.HTTPError: the page could not be fetched.
+    """
+    text = httpx.get(url + "/metrics", timeout=timeout_s).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out
 
 
 def prefix_counters(samples: dict[str, float]) -> tuple[float, float]:

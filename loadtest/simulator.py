@@ -490,12 +490,11 @@ class Fleet:
 
     def drain(self) -> None:
         """Run every engine until all requests completed, applying the remaining events."""
-        while self.dispatch is not None and self.dispatch.waiting():
+        gate = self.dispatch
+        while gate is not None and gate.waiting():
             times = [x for x in (e.next_event_time() for e in self.engines) if x is not None]
-            if not times:  # nothing running and requests still queued: only the gate's timer is left
-                self.advance_to(self.now + self.cfg.dispatch.max_wait_s if self.cfg.dispatch else self.now)
-                continue
-            self.run_until(min(times))
+            # nothing running and requests still queued: only the gate's max-wait timer is left
+            self.run_until(min(times) if times else self.now + gate.settings.max_wait_s)
         while True:
             times = [e.next_event_time() for e in self.engines]
             pending = [x for x in times if x is not None]

@@ -159,14 +159,18 @@ class DispatchQueues(Generic[T]):
             j = self._pick(q, replica, now)
             if j:
                 self.reordered_total += 1
-            w = q.waiting.pop(j)
-            if tokens_now is not None:
-                w.tokens = max(0, tokens_now(replica, w.item))
-            q.sent_tokens += w.tokens
-            q.sent_requests += 1
-            self.wait_s_total += max(0.0, now - w.enqueued_s)
-            out.append(w)
+            out.append(self._send(q, q.waiting.pop(j), replica, now, tokens_now))
         return out
+
+    def _send(self, q: ReplicaQueue[T], w: Queued[T], replica: int, now: float,
+              tokens_now: Callable[[int, T], int] | None) -> Queued[T]:
+        """Count a request leaving the queue as sent (its tokens taken again when ``tokens_now`` is given)."""
+        if tokens_now is not None:
+            w.tokens = max(0, tokens_now(replica, w.item))
+        q.sent_tokens += w.tokens
+        q.sent_requests += 1
+        self.wait_s_total += max(0.0, now - w.enqueued_s)
+        return w
 
     def expired(self, now: float,
                 tokens_now: Callable[[int, T], int] | None = None) -> list[tuple[int, Queued[T]]]:
@@ -176,14 +180,8 @@ class DispatchQueues(Generic[T]):
         limit = self.settings.max_wait_s
         for r, q in self._queues.items():
             while q.waiting and now - q.waiting[0].enqueued_s >= limit:
-                w = q.waiting.pop(0)
-                if tokens_now is not None:
-                    w.tokens = max(0, tokens_now(r, w.item))
-                q.sent_tokens += w.tokens
-                q.sent_requests += 1
                 self.expired_total += 1
-                self.wait_s_total += max(0.0, now - w.enqueued_s)
-                out.append((r, w))
+                out.append((r, self._send(q, q.waiting.pop(0), r, now, tokens_now)))
         return out
 
     def withdraw(self, replica: int, item: T, now: float) -> bool:

@@ -113,8 +113,8 @@ class DispatchGate:
             self._hand_over(replica, w.item, w.tokens)
 
     def _hand_over(self, replica: int, w: _Waiter, tokens: int) -> None:
-        if w.fut.done():  # its caller is gone (cancelled): the tokens were counted, take them back
-            self.queues.started(replica, tokens)
+        if w.fut.done():  # its caller is gone (cancelled): give the counted tokens back, which may free the next
+            self.done(replica, tokens)
             return
         w.fut.set_result(tokens)
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -32,7 +33,7 @@ LIMIT = 16  # tokens: any cold prompt is over it, so the next request waits unti
 class Gated:
     url: str
     engines: list[Engine]
-    router: Proc
+    router: Proc | None
 
 
 def start_engine(name: str, model_dir: Path, seed: int) -> Engine:
@@ -73,17 +74,16 @@ def start(model_dir: Path, n: int, *extra: str) -> Gated:
                    timeout=20, what="KV event feeds connected")
         return Gated(url, engines, router)
     except BaseException:
-        stop(Gated("", engines, router) if router else Gated("", engines, Proc(["true"])))
+        stop(Gated("", engines, router))
         raise
 
 
 def stop(g: Gated) -> None:
+    """Stop the router and the engines (a frozen engine is woken first so it can exit)."""
     for e in g.engines:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(e.proc.popen.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    out = g.router.stop()
+    out = g.router.stop() if g.router is not None else ""
     for e in g.engines:
         e.proc.stop()
     if "Traceback" in out:

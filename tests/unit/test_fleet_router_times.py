@@ -38,6 +38,9 @@ def test_flags_given_by_the_caller_win_and_real_time_adds_nothing() -> None:
                                                        "migration_cap_s=3"]))
     assert "--scrape-interval-s" not in got and "migration_cap_s" not in got
     assert "popular_window_s" in got
+    # a longer key that contains another's name does not hide it
+    got = pairs(scaled_router_time_args("ttft", 0.5, ["--policy-param=tight_migration_cap_s=9"]))
+    assert "tight_migration_cap_s" not in got and float(got["migration_cap_s"]) == 0.5
     assert scaled_router_time_args("ttft", 1.0) == []
     assert scaled_router_time_args("ttft", 0.0) == []
     assert "--scrape-interval-s" in pairs(scaled_router_time_args("round_robin", 0.1))
