@@ -71,7 +71,7 @@ from loadtest.traces import (
     slice_time,
 )
 from policies.base import Candidate, LoadView, Observation, RouteRequest, make_policy, policy_names
-from policies.dispatch import DispatchQueues, DispatchSettings
+from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
 from policies.hits import hit_from_match
 
 _KV = 0
@@ -330,8 +330,9 @@ class Fleet:
         self.delay = config.events_delay_s or 0.0
         self.observations = 0
         gate = config.dispatch
+        self.ask = IndexQuestions(self.index.match, config.block_size)
         self.dispatch: DispatchQueues[_Sent] | None = (
-            DispatchQueues(gate, self._cached_blocks) if gate is not None and gate.enabled else None)
+            DispatchQueues(gate, self.ask.cached_blocks) if gate is not None and gate.enabled else None)
 
     # -- time --------------------------------------------------------------------------------------
 
@@ -392,7 +393,7 @@ class Fleet:
                 self.observations += 1
                 if self.dispatch is not None:
                     self.dispatch.started(i, rec.uncached_sent)
-                    for w in self.dispatch.pop_ready(i, te, self._uncached_now):
+                    for w in self.dispatch.pop_ready(i, te, self.ask.uncached_tokens):
                         self._send(w.item, w.tokens, i, te)
             else:
                 rec = ev.request.tag
@@ -460,26 +461,13 @@ class Fleet:
 
     # -- the dispatch gate -------------------------------------------------------------------------
 
-    def _cached_blocks(self, i: int, sent: _Sent) -> int:
-        """Prompt blocks of a queued request cached on replica ``i`` now (the gate's order), blocks."""
-        if not len(sent.keys):
-            return 0
-        m = self.index.match(sent.keys, {i}).get(i)
-        return m.blocks if m is not None else 0
-
-    def _uncached_now(self, i: int, sent: _Sent) -> int:
-        """A released request's uncached prompt tokens on replica ``i`` now (what the gate counts), tokens."""
-        n = sent.req.prompt_tokens
-        m = self.index.match(sent.keys, {i}).get(i) if len(sent.keys) else None
-        return max(0, n - hit_from_match(m, n, self.cfg.block_size).total)
-
     def _send(self, sent: _Sent, tokens: int, i: int, t: float) -> None:
         sent.rec.uncached_sent = tokens
         self._submit(i, sent, t)
 
     def _send_expired(self, t: float) -> None:
         if self.dispatch is not None:
-            for i, w in self.dispatch.expired(t, self._uncached_now):
+            for i, w in self.dispatch.expired(t, self.ask.uncached_tokens):
                 self._send(w.item, w.tokens, i, t)
 
     def _submit(self, i: int, sent: _Sent, t: float) -> None:
@@ -492,9 +480,9 @@ class Fleet:
         """Run every engine until all requests completed, applying the remaining events."""
         gate = self.dispatch
         while gate is not None and gate.waiting():
-            times = [x for x in (e.next_event_time() for e in self.engines) if x is not None]
+            due = [x for x in (e.next_event_time() for e in self.engines) if x is not None]
             # nothing running and requests still queued: only the gate's max-wait timer is left
-            self.run_until(min(times) if times else self.now + gate.settings.max_wait_s)
+            self.run_until(min(due) if due else self.now + gate.settings.max_wait_s)
         while True:
             times = [e.next_event_time() for e in self.engines]
             pending = [x for x in times if x is not None]
@@ -526,6 +514,11 @@ class _Sent:
     req: Request
     rec: _Rec
     keys: Sequence[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length, tokens."""
+        return self.req.prompt_tokens
 
 
 def policy_of(name: str) -> str:

@@ -20,9 +20,12 @@ with futures; the simulator calls it directly, so both dispatch in the same orde
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
+
+from index.prefix_index import ReplicaMatch
+from policies.hits import hit_from_match
 
 T = TypeVar("T")
 
@@ -211,3 +214,44 @@ class DispatchQueues(Generic[T]):
         """Drop ``replica``'s gate (it left the fleet); returns its queued requests for the caller to re-route."""
         q = self._queues.pop(replica, None)
         return list(q.waiting) if q else []
+
+
+class QueuedPrompt(Protocol):
+    """What the gate needs of a waiting request to ask the index about it."""
+
+    @property
+    def keys(self) -> Sequence[int]:
+        """The prompt's block keys."""
+        ...
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length, tokens."""
+        ...
+
+
+class IndexQuestions:
+    """The gate's two questions to the prefix index about a waiting prompt on one replica, answered now.
+
+    Args:
+        match: ``PrefixIndex.match`` (keys, replicas -> {replica: ReplicaMatch}); called, never stored from.
+        block_size: tokens per block.
+    """
+
+    def __init__(self, match: Callable[[Sequence[int], Set[int]], Mapping[int, ReplicaMatch]],
+                 block_size: int) -> None:
+        self._match = match
+        self.block_size = block_size
+
+    def _on(self, replica: int, item: QueuedPrompt) -> ReplicaMatch | None:
+        return self._match(item.keys, {replica}).get(replica) if len(item.keys) else None
+
+    def cached_blocks(self, replica: int, item: QueuedPrompt) -> int:
+        """Leading prompt blocks ``replica`` holds now (the gate's order), blocks."""
+        m = self._on(replica, item)
+        return m.blocks if m is not None else 0
+
+    def uncached_tokens(self, replica: int, item: QueuedPrompt) -> int:
+        """Prompt tokens ``replica`` would have to compute now (what the gate counts once sent), tokens."""
+        n = item.prompt_tokens
+        return max(0, n - hit_from_match(self._on(replica, item), n, self.block_size).total)

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from index.prefix_index import PrefixIndex
-from policies.dispatch import DispatchQueues, DispatchSettings
-from policies.hits import hit_from_match
+from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
 
 log = logging.getLogger("kvroute.dispatch")
 
@@ -59,20 +58,10 @@ class DispatchGate:
         self.block_size = block_size
         self.routable = routable
         self.clock = clock
-        self.queues: DispatchQueues[_Waiter] = DispatchQueues(settings, self._cached_blocks)
+        self.ask = IndexQuestions(index.match, block_size)
+        self.queues: DispatchQueues[_Waiter] = DispatchQueues(settings, self.ask.cached_blocks)
         self.gone_total = 0
         self._ticker: asyncio.Task[None] | None = None
-
-    # -- what the gate asks the index ------------------------------------------------------------------
-    def _cached_blocks(self, replica: int, w: _Waiter) -> int:
-        if not w.keys:
-            return 0
-        m = self.index.match(w.keys, {replica}).get(replica)
-        return m.blocks if m is not None else 0
-
-    def _uncached_now(self, replica: int, w: _Waiter) -> int:
-        m = self.index.match(w.keys, {replica}).get(replica) if w.keys else None
-        return max(0, w.prompt_tokens - hit_from_match(m, w.prompt_tokens, self.block_size).total)
 
     # -- the proxy's calls -----------------------------------------------------------------------------
     async def wait(self, replica: int, keys: Sequence[int], prompt_tokens: int, uncached_tokens: int,
@@ -109,7 +98,7 @@ class DispatchGate:
 
     # -- internals -------------------------------------------------------------------------------------
     def _release(self, replica: int) -> None:
-        for w in self.queues.pop_ready(replica, self.clock(), self._uncached_now):
+        for w in self.queues.pop_ready(replica, self.clock(), self.ask.uncached_tokens):
             self._hand_over(replica, w.item, w.tokens)
 
     def _hand_over(self, replica: int, w: _Waiter, tokens: int) -> None:
@@ -138,7 +127,7 @@ class DispatchGate:
                 self.gone_total += 1
                 if not w.item.fut.done():
                     w.item.fut.set_exception(ReplicaGone(f"replica {r} stopped being routable"))
-        for r, w in self.queues.expired(now, self._uncached_now):
+        for r, w in self.queues.expired(now, self.ask.uncached_tokens):
             log.warning("dispatch gate: request sent after waiting max_wait_s",
                         extra={"replica": r, "max_wait_s": self.settings.max_wait_s})
             self._hand_over(r, w.item, w.tokens)
