@@ -45,12 +45,17 @@ from loadtest.fleet import (
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
 from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
 
-#: run name -> (router kind, policy)
+#: run name -> (router kind, policy); ``ttft_cache_first`` is ``ttft`` that never leaves the replica holding the
+#: deepest GPU-cached prefix for a shorter queue (policies/ttft_cache_first.py)
 RUNS: dict[str, tuple[str, str]] = {
     "kvroute_ttft": ("kvroute", "ttft"),
     "kvroute_round_robin": ("kvroute", "round_robin"),
     "sglang_cache_aware": ("sglang", "cache_aware"),
+    "kvroute_ttft_cache_first": ("kvroute", "ttft_cache_first"),
 }
+
+#: runs made when ``--routers`` is not given (the issue's three; add ``kvroute_ttft_cache_first`` by name)
+DEFAULT_RUNS = ("kvroute_ttft", "kvroute_round_robin", "sglang_cache_aware")
 
 #: keys every run object carries in the JSON output
 RESULT_KEYS = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "throughput_rps", "errors", "router_cpu_s_per_1k",
@@ -162,14 +167,17 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         lines.append(f"{name:<22} {f(r['hit_rate'], '.3f'):>8} {f(r['ttft_p50_s'], '.3f'):>9} "
                      f"{f(r['ttft_p99_s'], '.3f'):>9} {f(r['throughput_rps'], '.2f'):>7} {r['errors']:>6} "
                      f"{f(r['router_cpu_s_per_1k'], '.2f'):>8} {r['requests']:>8}")
-    a, b = results.get("kvroute_ttft"), results.get("sglang_cache_aware")
-    if a and b:
-        def ratio(x: Any, y: Any) -> str:
-            return f"{x / y:.2f}" if x is not None and y else "-"
-        lines.append(f"kvroute_ttft / sglang_cache_aware: hit_rate x{ratio(a['hit_rate'], b['hit_rate'])}, "
-                     f"ttft_p99 x{ratio(a['ttft_p99_s'], b['ttft_p99_s'])}, "
-                     f"ttft_p50 x{ratio(a['ttft_p50_s'], b['ttft_p50_s'])}, "
-                     f"throughput x{ratio(a['throughput_rps'], b['throughput_rps'])}")
+    def ratio(x: Any, y: Any) -> str:
+        return f"{x / y:.2f}" if x is not None and y else "-"
+
+    b = results.get("sglang_cache_aware")
+    for name in ("kvroute_ttft", "kvroute_ttft_cache_first"):
+        a = results.get(name)
+        if a and b:
+            lines.append(f"{name} / sglang_cache_aware: hit_rate x{ratio(a['hit_rate'], b['hit_rate'])}, "
+                         f"ttft_p99 x{ratio(a['ttft_p99_s'], b['ttft_p99_s'])}, "
+                         f"ttft_p50 x{ratio(a['ttft_p50_s'], b['ttft_p50_s'])}, "
+                         f"throughput x{ratio(a['throughput_rps'], b['throughput_rps'])}")
     return "\n".join(lines)
 
 
@@ -191,8 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=0, help="at most this many requests (0 = no cap)")
     p.add_argument("--max-output-tokens", type=int, default=0,
                    help="cap each request's output length, tokens (0 = as in the trace)")
-    p.add_argument("--routers", default=",".join(RUNS),
-                   help=f"comma-separated runs, from: {', '.join(RUNS)}")
+    p.add_argument("--routers", default=",".join(DEFAULT_RUNS),
+                   help=f"comma-separated runs, from: {', '.join(RUNS)} (kvroute_ttft_cache_first: policy "
+                        "ttft_cache_first, which never leaves the deepest cached prefix's replica for a shorter "
+                        "queue)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole sequence this many times (interleaved) and report means, standard "
                         "deviations (<key>_sd) and every run (runs); one run of a load-aware policy on a small "

@@ -14,4 +14,5 @@ from policies import (  # noqa: F401  (imported for their @register side effect)
     round_robin,
     sglang_cache_aware,
     ttft,
+    ttft_cache_first,
 )

@@ -32,6 +32,7 @@ ALL = [
     "round_robin",
     "sglang_cache_aware",
     "ttft",
+    "ttft_cache_first",
 ]
 
 

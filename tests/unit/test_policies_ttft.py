@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 
@@ -16,9 +17,11 @@ from policies.base import (
     RouteRequest,
     TierLink,
     make_policy,
+    policy_factory,
 )
 from policies.cost_model import combine, estimate, recompute_s, serial_link, ttft_given
 from policies.ttft import TTFTPolicy
+from policies.ttft_cache_first import CACHE_FIRST_DEFAULTS
 
 BPT_QWEN3_8B = 147_456  # bytes per token, seeds 004 §8.1.2
 
@@ -662,3 +665,20 @@ def test_survival_check_drops_the_penalty_when_the_holders_copy_is_evicted_first
     pinned = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False)
     _written(pinned, 4, 1000, 300)
     assert _stays_with_holder(pinned, 5000, age_s=78.0)
+
+
+def test_cache_first_policy_stays_with_the_holder_where_ttft_leaves_it() -> None:
+    cache_first = make_policy("ttft_cache_first", p_confirmed=1.0)
+    assert isinstance(cache_first, TTFTPolicy) and cache_first.name == "ttft_cache_first"
+    # a holder 3 s behind: ttft leaves it (its penalty is capped at 1 s), ttft_cache_first keeps every turn there
+    assert set(_conversation(TTFTPolicy(p_confirmed=1.0), 30_000)) == {1}
+    assert _conversation(cache_first, 30_000) == [0] * 6  # type: ignore[arg-type]
+    # its decisions say which policy made them; a parameter given explicitly wins over its defaults
+    req = RouteRequest(model="m", prompt_tokens=64, block_keys=[1, 2, 3, 4])
+    assert cache_first.choose(req, [Candidate(0, "a"), Candidate(1, "b")]).policy == "ttft_cache_first"
+    assert make_policy("ttft_cache_first", migration_cap_s=2.0).migration_cap_s == 2.0  # type: ignore[attr-defined]
+    # tools that read a policy's parameters (the e2e harness scales every *_s one) see the real defaults
+    params = inspect.signature(policy_factory("ttft_cache_first")).parameters
+    assert params["migration_cap_s"].default == CACHE_FIRST_DEFAULTS["migration_cap_s"] == 1000.0
+    assert params["migration_weight"].default == 1000.0
+    assert params["popular_window_s"].default == inspect.signature(TTFTPolicy).parameters["popular_window_s"].default
