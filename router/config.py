@@ -135,7 +135,10 @@ class Settings(BaseSettings):
                     "router is closing at that instant sees a reset request (uvicorn's own default is 5 s)")
 
     # -- routing ---------------------------------------------------------------------------------------
-    policy: str = Field(default="ttft", description="routing policy name (see policies.policy_names())")
+    policy: str = Field(default="ttft", description=(
+        "routing policy name: ttft (lowest estimated TTFT), ttft_cache_first (ttft that never leaves the "
+        "replica holding a request's cached prefix for a shorter queue: most reuse, longer TTFT tail), or a "
+        "baseline (see policies.policy_names())"))
     policy_params: dict[str, Any] = Field(
         default_factory=dict,
         description="keyword parameters for the policy; CLI: --policy-param key=value (repeatable, values "
