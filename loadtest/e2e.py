@@ -12,7 +12,9 @@ in front of them, replays the workload open loop with a streaming async client, 
 * ``ttft_p50_s`` / ``ttft_p99_s``: client-side time to first streamed chunk, seconds,
 * ``throughput_rps``: completed requests per wall second, ``errors``: failed requests,
 * ``router_cpu_s_per_1k``: router process CPU seconds (user + system, psutil) per 1000 requests,
-* ``loadavg_1m``: the machine's 1-minute load average before and after the run (shared machines are noisy).
+* ``loadavg_1m``: the machine's 1-minute load average before and after the run (shared machines are noisy),
+* ``hit_rate_bound``: the hit rate of one shared LRU cache with the whole fleet's GPU blocks on the same requests
+  (the simulator's bound): about the most reuse any router can get from these engines, the scale for ``hit_rate``.
 
 The workload is the first ``--duration / --time-scale`` trace seconds of the trace (from ``--trace-start-s``),
 with arrivals at trace time x ``--time-scale`` / ``--load-scale``. JSON on stdout (one object keyed by run name),
@@ -34,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from index.hashing import root_seed
+from loadtest.engine_model import default_gpu_blocks, get_profile
 from loadtest.fleet import (
     EngineOptions,
     Fleet,
@@ -43,7 +47,15 @@ from loadtest.fleet import (
     scrape_samples,
 )
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
-from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
+from loadtest.simulator import lru_hit_rate
+from loadtest.traces import BlockKeyCache, Request
+from loadtest.workload import (
+    WorkloadOptions,
+    default_trace_path,
+    ensure_model_dir,
+    select_requests,
+    to_replay,
+)
 
 #: run name -> (router kind, policy); ``ttft_cache_first`` is ``ttft`` that never leaves the replica holding the
 #: deepest GPU-cached prefix for a shorter queue (policies/ttft_cache_first.py)
@@ -124,6 +136,16 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         if out[k] is not None:
             out[k] = round(out[k], 6)
     return out
+
+
+def slice_hit_rate_bound(requests: Sequence[Request], replicas: int, gpu_blocks: int | None, profile: str,
+                         block_size: int, model: str) -> float:
+    """The hit rate one shared LRU cache with the whole fleet's GPU capacity (``replicas`` x ``gpu_blocks``,
+    default: the profile's, as the fake engines use) reaches on ``requests`` (``loadtest.simulator.lru_hit_rate``,
+    the simulator's ``hit_rate_bound``): about the most prefix reuse any router can get from these engines. Uses
+    the trace's block structure, which the replayed prompts reproduce (``loadtest.workload``)."""
+    blocks = gpu_blocks if gpu_blocks else default_gpu_blocks(get_profile(profile), block_size)
+    return lru_hit_rate(requests, BlockKeyCache(block_size, root_seed(model)), replicas * blocks)
 
 
 def dispatch_counters(url: str) -> dict[str, float]:
@@ -245,10 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"trace {trace} not found: using the generated '{args.workload}' workload", file=sys.stderr)
         trace = None
     wall_per_trace_s = args.time_scale / args.load_scale
-    workload = build_workload(WorkloadOptions(
-        trace=trace, workload=args.workload, time_scale=wall_per_trace_s, start_s=args.trace_start_s,
-        duration_s=args.duration / wall_per_trace_s, max_requests=args.max_requests or None,
-        max_output_tokens=args.max_output_tokens or None))
+    selection = select_requests(WorkloadOptions(
+        trace=trace, workload=args.workload, start_s=args.trace_start_s,
+        duration_s=args.duration / wall_per_trace_s, max_requests=args.max_requests or None))
+    workload = to_replay(selection, wall_per_trace_s, args.max_output_tokens or None)
     if not workload:
         print("the workload slice is empty", file=sys.stderr)
         return 2
@@ -260,9 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                            profile=args.profile, gpu_blocks=args.gpu_blocks or None, block_size=args.block_size,
                            model_path=str(model_dir),
                            kv_events_format="vllm" if args.dialect == "vllm" else "sglang")
+    bound = slice_hit_rate_bound(selection, args.replicas, args.gpu_blocks or None, args.profile,
+                                 args.block_size, args.model)
     print(f"e2e: {len(workload)} requests over {workload[-1].arrival_s:.1f} s wall "
           f"({'trace ' + str(trace) if trace else 'generated ' + args.workload}), {args.replicas} fake engines "
-          f"({args.profile}, time-scale {args.time_scale}), runs: {', '.join(runs)}", file=sys.stderr)
+          f"({args.profile}, time-scale {args.time_scale}), shared-LRU hit-rate bound {bound:.4f}, "
+          f"runs: {', '.join(runs)}", file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
     fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None,
                   scale_router_times=not args.no_scale_router_times)
@@ -280,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fleet.stop()
     for name, rs in per_run.items():
         results[name] = rs[0] if len(rs) == 1 else combine_runs(rs)
+        results[name]["hit_rate_bound"] = round(bound, 6)
     print(format_table(results), file=sys.stderr)
     if args.json:
         print(json.dumps(results, indent=2))

@@ -130,8 +130,9 @@ def to_replay(requests: Sequence[traces.Request], time_scale: float = 1.0,
     return out
 
 
-def build_workload(opts: WorkloadOptions) -> list[ReplayRequest]:
-    """The requests of ``opts``, sorted by arrival (wall seconds from the replay start).
+def select_requests(opts: WorkloadOptions) -> list[traces.Request]:
+    """The trace (or generated) requests ``opts`` selects, sorted by arrival, arrivals in trace seconds from the
+    slice's start (before ``time_scale``).
 
     Raises:
         KeyError: unknown generated workload name (the message lists the known ones).
@@ -142,5 +143,13 @@ def build_workload(opts: WorkloadOptions) -> list[ReplayRequest]:
         reqs = traces.make_workload(opts.workload, seed=opts.seed)
         reqs.sort(key=lambda r: r.arrival_s)
     end = None if opts.duration_s is None else opts.start_s + opts.duration_s
-    reqs = traces.limit(traces.slice_time(reqs, opts.start_s, end), opts.max_requests)
-    return to_replay(reqs, opts.time_scale, opts.max_output_tokens)
+    return traces.limit(traces.slice_time(reqs, opts.start_s, end), opts.max_requests)
+
+
+def build_workload(opts: WorkloadOptions) -> list[ReplayRequest]:
+    """The requests of ``opts`` as replay requests, sorted by arrival (wall seconds from the replay start).
+
+    Raises:
+        KeyError: unknown generated workload name (the message lists the known ones).
+    """
+    return to_replay(select_requests(opts), opts.time_scale, opts.max_output_tokens)

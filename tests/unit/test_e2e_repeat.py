@@ -12,7 +12,9 @@ from loadtest.e2e import (
     combine_runs,
     format_table,
     main,
+    slice_hit_rate_bound,
 )
+from loadtest.traces import Request
 
 
 def _run(hit: float, p99: float, errors: int) -> dict[str, object]:
@@ -56,3 +58,18 @@ def test_table_reports_each_kvroute_ttft_run_against_sglang() -> None:
     table = format_table(results)
     assert "kvroute_ttft / sglang_cache_aware: hit_rate x0.83, ttft_p99 x0.67" in table
     assert "kvroute_ttft_cache_first / sglang_cache_aware: hit_rate x1.10, ttft_p99 x0.75" in table
+
+
+def _req(i: int, segments: tuple[tuple[int, int], ...]) -> Request:
+    return Request(request_id=f"r{i}", arrival_s=float(i), prompt_tokens=sum(n for _, n in segments),
+                   output_tokens=4, segments=segments)
+
+
+def test_slice_bound_is_one_shared_lru_over_the_fleets_blocks() -> None:
+    # two turns of one conversation: the second reuses the first's 512 tokens (32 blocks of 16)
+    reqs = [_req(0, ((1, 512),)), _req(1, ((1, 512), (2, 512)))]
+    assert slice_hit_rate_bound(reqs, 2, 100, "a100", 16, "m") == pytest.approx(512 / 1536)
+    # caches that together hold 20 of the first turn's 32 blocks keep its first 20 (eviction is leaf first)
+    assert slice_hit_rate_bound(reqs, 2, 10, "a100", 16, "m") == pytest.approx(20 * 16 / 1536)
+    # no block count given: the engines' default, the profile's KV capacity
+    assert slice_hit_rate_bound(reqs, 1, None, "a100", 16, "m") == pytest.approx(512 / 1536)
