@@ -1,7 +1,7 @@
-"""End-to-end benchmark: kvroute (ttft, round_robin) vs sglang-router (cache_aware) on one fake fleet.
+"""End-to-end benchmark: kvroute (ttft, round_robin, ttft_cache_first) vs sglang-router (cache_aware) on one fake fleet.
 
     python -m loadtest.e2e [--trace PATH] [--replicas 4] [--duration 60] [--time-scale 0.1] [--json]
-                           [--routers kvroute_ttft,kvroute_round_robin,sglang_cache_aware]
+                           [--routers kvroute_ttft,kvroute_round_robin,sglang_cache_aware,kvroute_ttft_cache_first]
 
 Starts K fake engines (realistic timing multiplied by ``--time-scale``, KV events on), then for each router,
 one after another on the same workload: restarts the engines (cold caches, zeroed counters), starts the router
@@ -66,8 +66,6 @@ RUNS: dict[str, tuple[str, str]] = {
     "kvroute_ttft_cache_first": ("kvroute", "ttft_cache_first"),
 }
 
-#: runs made when ``--routers`` is not given (the issue's three; add ``kvroute_ttft_cache_first`` by name)
-DEFAULT_RUNS = ("kvroute_ttft", "kvroute_round_robin", "sglang_cache_aware")
 
 #: keys every run object carries in the JSON output
 RESULT_KEYS = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "throughput_rps", "errors", "router_cpu_s_per_1k",
@@ -221,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=0, help="at most this many requests (0 = no cap)")
     p.add_argument("--max-output-tokens", type=int, default=0,
                    help="cap each request's output length, tokens (0 = as in the trace)")
-    p.add_argument("--routers", default=",".join(DEFAULT_RUNS),
+    p.add_argument("--routers", default=",".join(RUNS),
                    help=f"comma-separated runs, from: {', '.join(RUNS)} (kvroute_ttft_cache_first: policy "
                         "ttft_cache_first, which never leaves the deepest cached prefix's replica for a shorter "
                         "queue)")

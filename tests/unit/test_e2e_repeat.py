@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from loadtest.e2e import (
-    DEFAULT_RUNS,
     RESULT_KEYS,
     RUNS,
     build_parser,
@@ -47,9 +46,9 @@ def test_repeat_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cache_first_run_is_the_ttft_cache_first_policy() -> None:
     assert RUNS["kvroute_ttft_cache_first"] == ("kvroute", "ttft_cache_first")
-    # the three runs stay the default; the cache-first run is asked for by name
-    assert build_parser().parse_args([]).routers.split(",") == list(DEFAULT_RUNS)
-    assert "kvroute_ttft_cache_first" not in DEFAULT_RUNS
+    # by default every run is made: the three, then the cache-first one
+    assert build_parser().parse_args([]).routers.split(",") == [
+        "kvroute_ttft", "kvroute_round_robin", "sglang_cache_aware", "kvroute_ttft_cache_first"]
 
 
 def test_table_reports_each_kvroute_ttft_run_against_sglang() -> None:
