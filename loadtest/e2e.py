@@ -1,6 +1,6 @@
 """End-to-end benchmark: kvroute (ttft, round_robin, ttft_cache_first) vs sglang-router (cache_aware) on one fake fleet.
 
-    python -m loadtest.e2e [--trace PATH] [--replicas 4] [--duration 60] [--time-scale 0.1] [--json]
+    python -m loadtest.e2e [--trace PATH] [--replicas 4] [--duration 150] [--time-scale 0.25] [--json]
                            [--routers kvroute_ttft,kvroute_round_robin,sglang_cache_aware,kvroute_ttft_cache_first]
 
 Starts K fake engines (realistic timing multiplied by ``--time-scale``, KV events on), then for each router,
@@ -16,8 +16,9 @@ in front of them, replays the workload open loop with a streaming async client, 
 * ``hit_rate_bound``: the hit rate of one shared LRU cache with the whole fleet's GPU blocks on the same requests
   (the simulator's bound): about the most reuse any router can get from these engines, the scale for ``hit_rate``.
 
-The workload is the first ``--duration / --time-scale`` trace seconds of the trace (from ``--trace-start-s``),
-with arrivals at trace time x ``--time-scale`` / ``--load-scale``. JSON on stdout (one object keyed by run name),
+The workload is the first ``--duration x --load-scale / --time-scale`` trace seconds of the trace (from
+``--trace-start-s``; the defaults give 300 s, 918 requests of the conversation trace), with arrivals at trace time
+x ``--time-scale`` / ``--load-scale``. JSON on stdout (one object keyed by run name),
 a human table on stderr. Every process is stopped at the end, also on errors and Ctrl-C.
 """
 
@@ -210,15 +211,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="agent",
                    help="generated workload name (loadtest.traces.WORKLOADS) when no trace is used")
     p.add_argument("--replicas", type=int, default=4, help="fake engines")
-    p.add_argument("--duration", type=float, default=60.0, help="wall seconds of arrivals per run")
-    p.add_argument("--time-scale", type=float, default=0.1,
+    p.add_argument("--duration", type=float, default=150.0, help="wall seconds of arrivals per run")
+    p.add_argument("--time-scale", type=float, default=0.25,
                    help="wall seconds per trace second, for arrivals and for the engines' simulated delays")
-    p.add_argument("--load-scale", type=float, default=1.0,
-                   help="extra arrival-rate multiplier (2 = twice the trace's rate)")
+    p.add_argument("--load-scale", type=float, default=0.5,
+                   help="extra arrival-rate multiplier (2 = twice the trace's rate; the default 0.5 keeps 4 A100 "
+                        "engines below saturation on the conversation trace)")
     p.add_argument("--trace-start-s", type=float, default=0.0, help="trace time where the slice starts (s)")
     p.add_argument("--max-requests", type=int, default=0, help="at most this many requests (0 = no cap)")
-    p.add_argument("--max-output-tokens", type=int, default=0,
-                   help="cap each request's output length, tokens (0 = as in the trace)")
+    p.add_argument("--max-output-tokens", type=int, default=64,
+                   help="cap each request's output length, tokens (0 = as in the trace; routing is about the "
+                        "prefill, and long decodes only stretch the run)")
     p.add_argument("--routers", default=",".join(RUNS),
                    help=f"comma-separated runs, from: {', '.join(RUNS)} (kvroute_ttft_cache_first: policy "
                         "ttft_cache_first, which never leaves the deepest cached prefix's replica for a shorter "

@@ -16,7 +16,7 @@ from tests.helpers import REPO
 def test_e2e_smoke_kvroute_only(tmp_path):
     cmd = [sys.executable, "-m", "loadtest.e2e", "--routers", "kvroute_ttft", "--replicas", "2",
            "--duration", "20", "--trace", "generated", "--workload", "agent", "--time-scale", "0.5",
-           "--max-output-tokens", "16", "--drain-timeout-s", "60", "--log-dir", str(tmp_path / "logs"), "--json"]
+           "--load-scale", "1.0", "--max-output-tokens", "16", "--drain-timeout-s", "60", "--log-dir", str(tmp_path / "logs"), "--json"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"e2e failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     data = json.loads(proc.stdout)
