@@ -46,6 +46,7 @@ import orjson
 from loadtest import traces
 from loadtest.fleet import EngineOptions, Fleet, exit_on_sigterm
 from loadtest.replay import ReplayRequest, percentile
+from loadtest.simulator import fleet_hit_rate_bound
 from loadtest.workload import default_trace_path, ensure_model_dir
 
 #: result name -> router policy
@@ -267,16 +268,10 @@ def conversation_key(r: traces.Request) -> str:
     return str(r.segments[1][0] if len(r.segments) > 1 else r.segments[0][0])
 
 
-def demo_workload(trace: Path | None, *, workload: str, window_s: float, start_s: float, sample: float,
-                  wall_s: float, max_requests: int | None, max_output_tokens: int | None,
-                  text_prompts: bool = False) -> list[ReplayRequest]:
-    """The replayed requests: ``window_s`` trace seconds from ``start_s``, keeping a ``sample`` fraction of the
-    conversations (whole conversations, so their reuse is intact), arrivals compressed into ``wall_s`` seconds.
-
-    Prompts are token ids (``loadtest.traces`` ids, the local tokenizer's vocabulary) unless ``text_prompts``:
-    sending ids skips tokenizing ~12k-token texts in the router and every engine, which on 2 shared cores would
-    cost more CPU than the routing being compared.
-    """
+def demo_requests(trace: Path | None, *, workload: str, window_s: float, start_s: float, sample: float,
+                  max_requests: int | None) -> list[traces.Request]:
+    """The selected trace requests: ``window_s`` trace seconds from ``start_s``, keeping a ``sample`` fraction of
+    the conversations (whole conversations, so their reuse is intact), at most ``max_requests``."""
     if trace is not None:
         reqs = traces.load_mooncake(trace)
     else:
@@ -285,7 +280,17 @@ def demo_workload(trace: Path | None, *, workload: str, window_s: float, start_s
     reqs = traces.slice_time(reqs, start_s, start_s + window_s)
     if sample < 1.0:
         reqs = [r for r in reqs if zlib.crc32(conversation_key(r).encode()) % 10_000 < sample * 10_000]
-    reqs = traces.limit(reqs, max_requests)
+    return traces.limit(reqs, max_requests)
+
+
+def to_replay_requests(reqs: Sequence[traces.Request], *, window_s: float, wall_s: float,
+                       max_output_tokens: int | None, text_prompts: bool = False) -> list[ReplayRequest]:
+    """``reqs`` as replay requests, the first arriving at 0 and the window compressed into ``wall_s`` seconds.
+
+    Prompts are token ids (``loadtest.traces`` ids, the local tokenizer's vocabulary) unless ``text_prompts``:
+    sending ids skips tokenizing ~12k-token texts in the router and every engine, which on 2 shared cores would
+    cost more CPU than the routing being compared.
+    """
     if not reqs:
         return []
     t0 = reqs[0].arrival_s
@@ -334,9 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"kvroute demo: {exc}", file=sys.stderr)
         return 2
-    workload = demo_workload(trace, workload=args.workload, window_s=args.window, start_s=args.trace_start_s,
-                             sample=args.sample, wall_s=args.duration, max_requests=args.max_requests or None,
-                             max_output_tokens=args.max_output_tokens or None, text_prompts=args.text_prompts)
+    selection = demo_requests(trace, workload=args.workload, window_s=args.window, start_s=args.trace_start_s,
+                              sample=args.sample, max_requests=args.max_requests or None)
+    workload = to_replay_requests(selection, window_s=args.window, wall_s=args.duration,
+                                  max_output_tokens=args.max_output_tokens or None, text_prompts=args.text_prompts)
     if not workload:
         print("kvroute demo: the workload slice is empty", file=sys.stderr)
         return 2
@@ -347,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = ensure_model_dir()
     engine = EngineOptions(model=args.model, time_scale=args.time_scale, model_path=str(model_dir),
                            kv_events_format="vllm", gpu_blocks=args.gpu_blocks or None)
+    bound = fleet_hit_rate_bound(selection, args.replicas, engine.gpu_blocks, engine.profile, engine.block_size,
+                                 args.model)
     last = workload[-1].arrival_s
     results: dict[str, dict[str, Any]] = {}
     t_start = time.monotonic()
@@ -364,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fleet.stop_router()
                 results[name] = _summary(outs, wall, h1 - h0, q1 - q0)
                 results[name]["policy"] = policy
+                results[name]["hit_rate_bound"] = round(bound, 6)
     except KeyboardInterrupt:
         print("kvroute demo: interrupted; every process was stopped", file=sys.stderr)
         return 130
@@ -375,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in results.values():
         r.pop("_ttfts", None)
     print(format_table(results), file=log)
+    print(f"hit-rate bound of this slice (one shared LRU cache with the fleet's GPU capacity): {bound:.1%}",
+          file=log)
     print(f"plot: {plot}   (total {time.monotonic() - t_start:.0f} s)", file=log, flush=True)
     if args.json:
         print(json.dumps(results, indent=2))

@@ -37,8 +37,6 @@ from typing import Any
 
 import httpx
 
-from index.hashing import root_seed
-from loadtest.engine_model import default_gpu_blocks, get_profile
 from loadtest.fleet import (
     EngineOptions,
     Fleet,
@@ -48,8 +46,7 @@ from loadtest.fleet import (
     scrape_samples,
 )
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
-from loadtest.simulator import lru_hit_rate
-from loadtest.traces import BlockKeyCache, Request
+from loadtest.simulator import fleet_hit_rate_bound
 from loadtest.workload import (
     WorkloadOptions,
     default_trace_path,
@@ -135,16 +132,6 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         if out[k] is not None:
             out[k] = round(out[k], 6)
     return out
-
-
-def slice_hit_rate_bound(requests: Sequence[Request], replicas: int, gpu_blocks: int | None, profile: str,
-                         block_size: int, model: str) -> float:
-    """The hit rate one shared LRU cache with the whole fleet's GPU capacity (``replicas`` x ``gpu_blocks``,
-    default: the profile's, as the fake engines use) reaches on ``requests`` (``loadtest.simulator.lru_hit_rate``,
-    the simulator's ``hit_rate_bound``): about the most prefix reuse any router can get from these engines. Uses
-    the trace's block structure, which the replayed prompts reproduce (``loadtest.workload``)."""
-    blocks = gpu_blocks if gpu_blocks else default_gpu_blocks(get_profile(profile), block_size)
-    return lru_hit_rate(requests, BlockKeyCache(block_size, root_seed(model)), replicas * blocks)
 
 
 def dispatch_counters(url: str) -> dict[str, float]:
@@ -283,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            profile=args.profile, gpu_blocks=args.gpu_blocks or None, block_size=args.block_size,
                            model_path=str(model_dir),
                            kv_events_format="vllm" if args.dialect == "vllm" else "sglang")
-    bound = slice_hit_rate_bound(selection, args.replicas, args.gpu_blocks or None, args.profile,
+    bound = fleet_hit_rate_bound(selection, args.replicas, args.gpu_blocks or None, args.profile,
                                  args.block_size, args.model)
     print(f"e2e: {len(workload)} requests over {workload[-1].arrival_s:.1f} s wall "
           f"({'trace ' + str(trace) if trace else 'generated ' + args.workload}), {args.replicas} fake engines "

@@ -279,6 +279,16 @@ def lru_hit_rate(requests: Sequence[Request], keys: BlockKeyCache, capacity_bloc
     return hit / total if total else 0.0
 
 
+def fleet_hit_rate_bound(requests: Sequence[Request], replicas: int, gpu_blocks: int | None, profile: str,
+                         block_size: int, model: str) -> float:
+    """``lru_hit_rate`` of one shared cache with the whole fleet's GPU blocks (``replicas`` x ``gpu_blocks``;
+    None = the profile's KV capacity, what engines started without a block count use) on ``requests``: about the
+    most prefix reuse any router can get from that fleet. The e2e benchmark and the demo report it next to the
+    engines' hit rates."""
+    blocks = gpu_blocks if gpu_blocks else default_gpu_blocks(get_profile(profile), block_size)
+    return lru_hit_rate(requests, BlockKeyCache(block_size, root_seed(model)), replicas * blocks)
+
+
 # ------------------------------------------------------------------------------------------- the fleet
 
 

@@ -46,7 +46,9 @@ def test_demo_json_tiny_slice(tmp_path: Path) -> None:
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
         assert r["throughput_rps"] > 0
         assert r["fidelity"] is None or 0.0 <= r["fidelity"] <= 1.0
+        assert 0.0 <= r["hit_rate_bound"] <= 1.0 and r["hit_rate_bound"] == result["kvroute"]["hit_rate_bound"]
     assert result["kvroute"]["policy"] == "ttft" and result["round_robin"]["policy"] == "round_robin"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "plot: " + str(plot) in out
+    assert "hit-rate bound of this slice" in out
     wait_until(lambda: not _leftovers(marker), timeout=10, what="every demo process stopped")

@@ -11,8 +11,8 @@ from loadtest.e2e import (
     combine_runs,
     format_table,
     main,
-    slice_hit_rate_bound,
 )
+from loadtest.simulator import fleet_hit_rate_bound
 from loadtest.traces import Request
 
 
@@ -67,8 +67,8 @@ def _req(i: int, segments: tuple[tuple[int, int], ...]) -> Request:
 def test_slice_bound_is_one_shared_lru_over_the_fleets_blocks() -> None:
     # two turns of one conversation: the second reuses the first's 512 tokens (32 blocks of 16)
     reqs = [_req(0, ((1, 512),)), _req(1, ((1, 512), (2, 512)))]
-    assert slice_hit_rate_bound(reqs, 2, 100, "a100", 16, "m") == pytest.approx(512 / 1536)
+    assert fleet_hit_rate_bound(reqs, 2, 100, "a100", 16, "m") == pytest.approx(512 / 1536)
     # caches that together hold 20 of the first turn's 32 blocks keep its first 20 (eviction is leaf first)
-    assert slice_hit_rate_bound(reqs, 2, 10, "a100", 16, "m") == pytest.approx(20 * 16 / 1536)
+    assert fleet_hit_rate_bound(reqs, 2, 10, "a100", 16, "m") == pytest.approx(20 * 16 / 1536)
     # no block count given: the engines' default, the profile's KV capacity
-    assert slice_hit_rate_bound(reqs, 1, None, "a100", 16, "m") == pytest.approx(512 / 1536)
+    assert fleet_hit_rate_bound(reqs, 1, None, "a100", 16, "m") == pytest.approx(512 / 1536)
