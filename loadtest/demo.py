@@ -47,7 +47,13 @@ from loadtest import traces
 from loadtest.fleet import EngineOptions, Fleet, exit_on_sigterm
 from loadtest.replay import ReplayRequest, percentile
 from loadtest.simulator import fleet_hit_rate_bound
-from loadtest.workload import default_trace_path, ensure_model_dir
+from loadtest.workload import (
+    WorkloadOptions,
+    default_trace_path,
+    ensure_model_dir,
+    select_requests,
+    to_replay,
+)
 
 #: result name -> router policy
 RUNS: dict[str, str] = {"kvroute": "ttft", "round_robin": "round_robin"}
@@ -270,14 +276,10 @@ def conversation_key(r: traces.Request) -> str:
 
 def demo_requests(trace: Path | None, *, workload: str, window_s: float, start_s: float, sample: float,
                   max_requests: int | None) -> list[traces.Request]:
-    """The selected trace requests: ``window_s`` trace seconds from ``start_s``, keeping a ``sample`` fraction of
-    the conversations (whole conversations, so their reuse is intact), at most ``max_requests``."""
-    if trace is not None:
-        reqs = traces.load_mooncake(trace)
-    else:
-        reqs = traces.make_workload(workload, seed=0)
-        reqs.sort(key=lambda r: r.arrival_s)
-    reqs = traces.slice_time(reqs, start_s, start_s + window_s)
+    """The selected trace requests: ``window_s`` trace seconds from ``start_s`` (``workload.select_requests``),
+    keeping a ``sample`` fraction of the conversations (whole conversations, so their reuse is intact), at most
+    ``max_requests``."""
+    reqs = select_requests(WorkloadOptions(trace=trace, workload=workload, start_s=start_s, duration_s=window_s))
     if sample < 1.0:
         reqs = [r for r in reqs if zlib.crc32(conversation_key(r).encode()) % 10_000 < sample * 10_000]
     return traces.limit(reqs, max_requests)
@@ -297,8 +299,6 @@ def to_replay_requests(reqs: Sequence[traces.Request], *, window_s: float, wall_
     span = max(1e-9, min(window_s, (reqs[-1].arrival_s - t0) or 1.0))
     scale = wall_s / span
     if text_prompts:
-        from loadtest.workload import to_replay
-
         shifted = [traces.Request(r.request_id, r.arrival_s - t0, r.prompt_tokens, r.output_tokens, r.segments,
                                   r.session_id, r.group) for r in reqs]
         return to_replay(shifted, scale, max_output_tokens)

@@ -270,8 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            profile=args.profile, gpu_blocks=args.gpu_blocks or None, block_size=args.block_size,
                            model_path=str(model_dir),
                            kv_events_format="vllm" if args.dialect == "vllm" else "sglang")
-    bound = fleet_hit_rate_bound(selection, args.replicas, args.gpu_blocks or None, args.profile,
-                                 args.block_size, args.model)
+    bound = fleet_hit_rate_bound(selection, args.replicas, engine.gpu_blocks, engine.profile, engine.block_size,
+                                 engine.model)
     print(f"e2e: {len(workload)} requests over {workload[-1].arrival_s:.1f} s wall "
           f"({'trace ' + str(trace) if trace else 'generated ' + args.workload}), {args.replicas} fake engines "
           f"({args.profile}, time-scale {args.time_scale}), shared-LRU hit-rate bound {bound:.4f}, "
