@@ -720,7 +720,7 @@ def _replica_json(svc: Services, r: Replica) -> dict[str, Any]:
         "role": r.role, "models": r.models, "loras": r.loras,
         "load": {k: getattr(r.load, k) for k in r.load.__slots__},
         "kv_events": signals.feed_status(svc.kv_events, r),
-        "health": svc.static.health_of(r.name),
+        "health": svc.membership.health_of(r.name),
         "token_ids": svc.token_ids.state(r),
     }
 

@@ -32,7 +32,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from membership.config import AllocatorConfig, HealthConfig, MembershipConfig, RedisConfig
+from membership.kubernetes import KubernetesOptions
 from policies.dispatch import DispatchSettings
+from router.proxy import ProxyConfig
 
 ENV_PREFIX = "KVROUTE_"
 _GATE = DispatchSettings()  # the dispatch gate's defaults live with its logic
@@ -277,7 +280,7 @@ class Settings(BaseSettings):
     kubernetes_default_kv_topic: str = Field(
         default="", description="KV-event topic when a pod sets none ('' = all; {ip} {pod} {model} expand)")
     health_probe_path: str = Field(
-        default="/health", description="path probed on discovered (Kubernetes) replicas every probe_interval_s")
+        default="/health", description="path probed on every replica (static and discovered) every probe_interval_s")
     index_ordinal_regex: str = Field(
         default=r"-(\d+)$", description="regex whose group 1 is a pod's StatefulSet ordinal = its index ('' = off)")
     index_dynamic_base: int = Field(
@@ -362,6 +365,67 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Precedence: init kwargs (= CLI flags) > environment > YAML config file > defaults."""
         return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    # -- typed sub-configs (components keep no defaults of their own) -----------------------------------
+    def health(self) -> HealthConfig:
+        """Health checks of every replica (static and discovered)."""
+        return HealthConfig(interval_s=self.probe_interval_s, timeout_s=self.probe_timeout_s,
+                            path=self.health_probe_path, unhealthy_after=self.unhealthy_after,
+                            healthy_after=self.healthy_after)
+
+    def allocator(self) -> AllocatorConfig:
+        """Stable replica indices."""
+        return AllocatorConfig(ordinal_regex=self.index_ordinal_regex, dynamic_base=self.index_dynamic_base,
+                               release_grace_s=self.index_release_grace_s, stale_s=self.index_stale_s)
+
+    def redis(self) -> RedisConfig | None:
+        """State shared by router replicas (None without ``redis_url``)."""
+        if not self.redis_url:
+            return None
+        return RedisConfig(url=self.redis_url, key_prefix=self.redis_key_prefix, timeout_s=self.redis_timeout_s,
+                           retry_max_s=self.redis_retry_max_s, session_ttl_s=self.session_ttl_s,
+                           idempotency_ttl_s=self.idempotency_ttl_s, broadcast_decisions=self.broadcast_decisions)
+
+    def kubernetes(self) -> KubernetesOptions | None:
+        """Pod discovery (None unless ``kubernetes_enabled``)."""
+        if not self.kubernetes_enabled:
+            return None
+        return KubernetesOptions(
+            namespace=self.kubernetes_namespace, label_selector=self.kubernetes_label_selector,
+            resync_interval_s=self.kubernetes_resync_interval_s, api_host=self.kubernetes_api_host,
+            kubeconfig=self.kubernetes_kubeconfig, default_port=self.kubernetes_default_port,
+            default_kv_events_port=self.kubernetes_default_kv_events_port,
+            default_kv_replay_port=self.kubernetes_default_kv_replay_port,
+            default_kv_topic=self.kubernetes_default_kv_topic)
+
+    def membership(self) -> MembershipConfig:
+        """Everything the membership front door needs."""
+        return MembershipConfig(health=self.health(), allocator=self.allocator(), redis=self.redis(),
+                                kubernetes=self.kubernetes())
+
+    def static_replicas(self) -> list[dict[str, Any]]:
+        """The static replica specs as plain mappings (``membership.static`` does not import the router)."""
+        return [s.model_dump() for s in self.replicas]
+
+    def proxy(self) -> ProxyConfig:
+        """Forwarding: timeouts, retries, pool, engine API key."""
+        return ProxyConfig(
+            connect_timeout_s=self.connect_timeout_s, first_byte_timeout_s=self.first_byte_timeout_s,
+            total_timeout_s=self.total_timeout_s, idle_timeout_s=self.idle_timeout_s,
+            max_retries=self.max_retries, max_connections=self.max_connections,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            engine_api_key=self.engine_api_key.get_secret_value() if self.engine_api_key else None,
+            retry_after_s=self.retry_after_s)
+
+    def dispatch(self) -> DispatchSettings:
+        """The cache-first dispatch gate."""
+        return DispatchSettings(limit_tokens=self.dispatch_limit_tokens, patience_s=self.dispatch_patience_s,
+                                max_wait_s=self.dispatch_max_wait_s)
+
+    def engine_headers(self) -> dict[str, str]:
+        """Headers sent to engines (probes, scrapes, /tokenize): the engine API key as a bearer token, if any."""
+        key = self.engine_api_key
+        return {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
     # -- helpers ---------------------------------------------------------------------------------------
     def safe_dict(self) -> dict[str, Any]:

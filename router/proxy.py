@@ -99,17 +99,17 @@ class _AttemptFailed(Exception):
 
 @dataclass(slots=True)
 class ProxyConfig:
-    """Proxy knobs (from Settings). Seconds, bytes."""
+    """Proxy knobs (``Settings.proxy()``; the defaults live in Settings only). Seconds, bytes."""
 
-    connect_timeout_s: float = 2.0
-    first_byte_timeout_s: float = 120.0
-    total_timeout_s: float = 600.0
-    idle_timeout_s: float = 60.0
-    max_retries: int = 2
-    max_connections: int = 1000
-    keepalive_timeout_s: float = 4.0
-    engine_api_key: str | None = None
-    retry_after_s: int = 1
+    connect_timeout_s: float
+    first_byte_timeout_s: float
+    total_timeout_s: float
+    idle_timeout_s: float
+    max_retries: int
+    max_connections: int
+    keepalive_timeout_s: float
+    engine_api_key: str | None
+    retry_after_s: int
 
 
 class Proxy:

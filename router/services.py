@@ -29,15 +29,13 @@ from membership.engine_metrics import MetricsScraper
 from membership.kv_events import KVEventSubscriber
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
-from membership.static import StaticMembership
 from policies.base import Policy, ReplicaProfile, make_policy
-from policies.dispatch import DispatchSettings
 from router import signals
 from router.admission import Admission, admission_gauges
 from router.config import Settings
 from router.dispatch import DispatchGate, dispatch_gauges
 from router.idempotency import IdempotencyGuard
-from router.proxy import Proxy, ProxyConfig
+from router.proxy import Proxy
 from router.routing import Router, build_profile
 from router.telemetry import Telemetry, gauge
 from router.token_ids import TokenIdsCheck
@@ -59,7 +57,6 @@ class Services:
     index: PrefixIndex
     policy: Policy
     tokenizer: Tokenizer
-    static: StaticMembership
     membership: Membership
     kv_events: KVEventSubscriber | None
     engine_metrics: MetricsScraper
@@ -78,12 +75,6 @@ class Services:
         return self.admission.inflight
 
 
-def engine_headers(settings: Settings) -> dict[str, str]:
-    """Headers sent to engines (probes, scrapes, /tokenize, proxied requests): the engine API key, if any."""
-    key = settings.engine_api_key
-    return {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
-
-
 # ---------------------------------------------------------------------------------------------------------
 # the steps
 # ---------------------------------------------------------------------------------------------------------
@@ -95,7 +86,7 @@ def _build_index(settings: Settings) -> PrefixIndex:
 
 def _build_tokenizer(settings: Settings) -> Tokenizer:
     return make_tokenizer(settings.tokenizer_mode, settings.tokenizer_path, settings.chat_template_path,
-                          settings.tokenize_timeout_s, engine_headers(settings),
+                          settings.tokenize_timeout_s, settings.engine_headers(),
                           cache_bytes=int(settings.tokenizer_cache_mb * (1 << 20)),
                           cache_verify_every=settings.tokenizer_cache_verify_every)
 
@@ -106,14 +97,11 @@ def _profile_factory(settings: Settings) -> Callable[[str | None], ReplicaProfil
     return profile_for
 
 
-def _build_static(settings: Settings, table: ReplicaTable) -> StaticMembership:
-    static = StaticMembership(
-        table, [s.model_dump() for s in settings.replicas], _profile_factory(settings),
-        probe_interval_s=settings.probe_interval_s, probe_timeout_s=settings.probe_timeout_s,
-        unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after,
-        headers=engine_headers(settings))
-    static.load()
-    return static
+def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> Membership:
+    membership = Membership(settings.membership(), table, index, specs=settings.static_replicas(),
+                            profile_for=_profile_factory(settings), headers=settings.engine_headers())
+    membership.load()  # static replicas, joining until their first probe
+    return membership
 
 
 def _build_router(settings: Settings, table: ReplicaTable, index: PrefixIndex, policy: Policy,
@@ -129,19 +117,12 @@ def _build_router(settings: Settings, table: ReplicaTable, index: PrefixIndex, p
 
 
 def _build_proxy(settings: Settings, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck,
-                 gate: DispatchGate, static: StaticMembership, membership: Membership) -> Proxy:
+                 gate: DispatchGate, membership: Membership) -> Proxy:
     def on_connection_failure(rep: Replica, err: str) -> None:  # passive health
-        static.report_failure(rep.name, err)
         membership.record_failure(rep.name, err)
 
-    proxy = Proxy(router, telemetry, ProxyConfig(
-        connect_timeout_s=settings.connect_timeout_s, first_byte_timeout_s=settings.first_byte_timeout_s,
-        total_timeout_s=settings.total_timeout_s, idle_timeout_s=settings.idle_timeout_s,
-        max_retries=settings.max_retries, max_connections=settings.max_connections,
-        keepalive_timeout_s=settings.keepalive_timeout_s,
-        engine_api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
-        retry_after_s=settings.retry_after_s),
-        on_connection_failure=on_connection_failure, token_ids=token_ids)
+    proxy = Proxy(router, telemetry, settings.proxy(), on_connection_failure=on_connection_failure,
+                  token_ids=token_ids)
     proxy.gate = gate
     return proxy
 
@@ -151,10 +132,7 @@ def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> 
         rep = table.by_index(i)
         return rep is not None and rep.routable
 
-    return DispatchGate(DispatchSettings(limit_tokens=settings.dispatch_limit_tokens,
-                                         patience_s=settings.dispatch_patience_s,
-                                         max_wait_s=settings.dispatch_max_wait_s),
-                        index, settings.block_size, routable=routable)
+    return DispatchGate(settings.dispatch(), index, settings.block_size, routable=routable)
 
 
 def _keep_index_honest(table: ReplicaTable, index: PrefixIndex, kv_events: KVEventSubscriber | None) -> None:
@@ -180,8 +158,8 @@ def _register_metrics(svc: Services) -> None:
 
 
 def _background(svc: Services) -> list[StartStop]:
-    """The start/stop pairs of the background parts, in start order (static membership runs first, in ``run``)."""
-    out: list[StartStop] = [(svc.membership.start, svc.membership.stop),  # kubernetes / health / redis
+    """The start/stop pairs of the background parts, in start order."""
+    out: list[StartStop] = [(svc.membership.start, svc.membership.stop),  # static, kubernetes, health, redis
                             (svc.token_ids.start, svc.token_ids.stop)]  # which replicas take token ids
     sub = svc.kv_events
     if sub is not None:
@@ -200,14 +178,13 @@ def build_services(settings: Settings) -> Services:
     Raises:
         ValueError / KeyError / TokenizerError: invalid configuration (message names the option).
     """
-    headers = engine_headers(settings)
+    headers = settings.engine_headers()
     telemetry = Telemetry()
-    table = ReplicaTable(make_allocator(settings))  # ordinals / Redis registry / grace
+    table = ReplicaTable(make_allocator(settings.membership()))  # ordinals / Redis registry / grace
     index = _build_index(settings)
     policy = make_policy(settings.policy, **settings.policy_params)
     tokenizer = _build_tokenizer(settings)
-    static = _build_static(settings, table)
-    membership = Membership(settings, table, index, headers=headers, profile_for=_profile_factory(settings))
+    membership = _build_membership(settings, table, index)
     kv_events = signals.build_kv_events(settings, index)
     engine_metrics = signals.build_engine_metrics(settings, table, headers)
     router = _build_router(settings, table, index, policy, kv_events, membership)
@@ -215,12 +192,12 @@ def build_services(settings: Settings) -> Services:
                               timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
                               headers=headers)
     gate = _build_gate(settings, table, index)
-    proxy = _build_proxy(settings, router, telemetry, token_ids, gate, static, membership)
+    proxy = _build_proxy(settings, router, telemetry, token_ids, gate, membership)
     admission = Admission(settings.max_inflight_total, settings.max_queued_requests, settings.max_queue_wait_s)
     idempotency = IdempotencyGuard(membership.shared, settings.retry_after_s)
     _keep_index_honest(table, index, kv_events)
     svc = Services(settings=settings, telemetry=telemetry, table=table, index=index, policy=policy,
-                   tokenizer=tokenizer, static=static, membership=membership, kv_events=kv_events,
+                   tokenizer=tokenizer, membership=membership, kv_events=kv_events,
                    engine_metrics=engine_metrics, router=router, token_ids=token_ids, gate=gate, proxy=proxy,
                    admission=admission, idempotency=idempotency)
     svc.background = _background(svc)
@@ -234,8 +211,7 @@ def build_services(settings: Settings) -> Services:
 
 @contextlib.asynccontextmanager
 async def run(svc: Services) -> AsyncIterator[None]:
-    """Start the background parts (static membership first), run, then stop everything in reverse order."""
-    await svc.static.start()
+    """Start the background parts (membership first), run, then stop everything in reverse order."""
     started: list[StartStop] = []
     expire_task: asyncio.Task[None] | None = None
     try:
@@ -251,7 +227,6 @@ async def run(svc: Services) -> AsyncIterator[None]:
         for _, stop in reversed(started):
             with contextlib.suppress(Exception):
                 await stop()
-        await svc.static.stop()
         await svc.gate.aclose()
         await svc.proxy.aclose()
         await svc.tokenizer.aclose()

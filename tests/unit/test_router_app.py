@@ -147,3 +147,22 @@ def test_streams_count_against_the_router_limit_until_they_end() -> None:
         wait_until(lambda: st.cancelled == 1, timeout=5, what="upstream cancelled")
         st.mode = "ok"
         assert httpx.post(router.url + "/v1/completions", json=BODY).status_code == 200
+
+
+def test_replicas_show_health_of_static_replicas() -> None:
+    """``GET /replicas`` reads health from the one membership front door: static replicas (probed by their own
+    checker) show consecutive successes, or failures with the last error."""
+    st = EngineState()
+    refused = f"http://127.0.0.1:{free_port()}"
+    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url, refused], "--unhealthy-after", "2") as router:
+        ready(router, 1)
+
+        def health() -> dict[str, dict[str, object]]:
+            reps = httpx.get(router.url + "/replicas").json()["replicas"]
+            return {r["name"]: r["health"] for r in reps}
+
+        wait_until(lambda: health()["e1"].get("consecutive_failures", 0) >= 2, timeout=10, what="e1 failures")
+        now = health()
+        assert now["e0"]["consecutive_failures"] == 0 and now["e0"]["last_error"] is None
+        assert isinstance(now["e0"]["consecutive_successes"], int) and now["e0"]["consecutive_successes"] >= 1
+        assert now["e1"]["consecutive_successes"] == 0 and now["e1"]["last_error"]
