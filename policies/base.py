@@ -184,6 +184,36 @@ class CandidateScore:
     parts: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """Prompt-cache reuse of one decision: what was available vs what the choice achieved, tokens.
+
+    ``available_tokens`` is the most cached prompt tokens any eligible candidate held; ``achieved_tokens`` what
+    the chosen one held. ``prompt - available`` is a workload miss (no replica could reuse more); ``available -
+    achieved`` (``missed_tokens``) a router miss, or a trade of reuse for a shorter queue.
+    """
+
+    available_tokens: int
+    achieved_tokens: int
+
+    @property
+    def missed_tokens(self) -> int:
+        """Cached tokens a better-placed candidate held that the chosen one did not, tokens."""
+        return self.available_tokens - self.achieved_tokens
+
+
+def reuse_of(chosen: int, candidates: Sequence[Candidate]) -> Reuse:
+    """The ``Reuse`` of choosing replica ``chosen`` among ``candidates`` (matched prompt tokens, every tier)."""
+    available = 0
+    achieved = 0
+    for c in candidates:
+        total = c.hit.total
+        available = max(available, total)
+        if c.index == chosen:
+            achieved = total
+    return Reuse(available_tokens=available, achieved_tokens=achieved)
+
+
 @dataclass(slots=True)
 class Decision:
     """The outcome of ``Policy.choose``.
@@ -194,6 +224,8 @@ class Decision:
         scores: one entry per candidate, in the order the candidates were given.
         policy: name of the policy that decided.
         branch: which branch of the policy decided (e.g. ``cache_hit``, ``shortest_queue``), for metrics.
+        reuse: available vs achieved cached tokens (``reuse_of``), set by whoever holds the candidates after
+            ``choose`` (the router's ``Router.decide``); None until then.
     """
 
     chosen: int
@@ -201,6 +233,7 @@ class Decision:
     scores: list[CandidateScore]
     policy: str
     branch: str = "default"
+    reuse: Reuse | None = None
 
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from membership.replicas import Replica
+from policies.base import Reuse
 from router import signals
 from router.admission import Rejected
 from router.config import Settings
@@ -187,6 +188,16 @@ class ChosenOut(BaseModel):
     url: str | None
 
 
+class ReuseOut(BaseModel):
+    """Prompt-cache reuse of a decision, tokens: the most any eligible candidate held (available) vs what the
+    chosen one holds (achieved); ``missed`` = available - achieved (a router miss or a trade for a shorter queue),
+    ``prompt_tokens - available`` = a workload miss."""
+
+    available_tokens: int
+    achieved_tokens: int
+    missed_tokens: int
+
+
 class DecisionOut(BaseModel):
     """``POST /route`` answer."""
 
@@ -202,6 +213,7 @@ class DecisionOut(BaseModel):
     block_size: int
     decision_s: float
     candidates: list[CandidateOut]
+    reuse: ReuseOut | None = None
 
 
 class ModelOut(BaseModel):
@@ -609,6 +621,8 @@ class _DataPlane:
                 raise
             routed = svc.router.decide(inp)  # pinned replica cannot take it now: route normally
         svc.telemetry.decision_seconds.observe(routed.decision_s)
+        if routed.decision.reuse is not None:
+            svc.telemetry.observe_reuse(routed.decision.reuse)
         chosen = svc.table.by_index(routed.decision.chosen)
         if mem is not None and chosen is not None:
             await mem.remember_session(inp.session_id, chosen)
@@ -656,7 +670,9 @@ class _DataPlane:
                                            "chat_template_kwargs": body.chat_template_kwargs})
         routed = self.svc.router.decide(inp)
         self.svc.telemetry.decision_seconds.observe(routed.decision_s)
-        return decision_json(routed, self.svc.table, self.settings.block_size)
+        out = decision_json(routed, self.svc.table, self.settings.block_size)
+        out["reuse"] = _reuse_json(routed.decision.reuse)
+        return out
 
 
 def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
@@ -711,6 +727,14 @@ def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
         states = {r.name: r.state.value for r in svc.table.all()}
         reason = "no replicas configured" if not states else f"no routable replica (states: {states})"
         return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+
+
+def _reuse_json(reuse: Reuse | None) -> dict[str, int] | None:
+    """``POST /route``'s ``reuse``: available vs achieved cached prompt tokens of the decision."""
+    if reuse is None:
+        return None
+    return {"available_tokens": reuse.available_tokens, "achieved_tokens": reuse.achieved_tokens,
+            "missed_tokens": reuse.missed_tokens}
 
 
 def _replica_json(svc: Services, r: Replica) -> dict[str, Any]:
