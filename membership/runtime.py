@@ -133,7 +133,7 @@ class Membership:
                                       is_healthy=checker.is_healthy if checker is not None else None,
                                       dispatch=loop.call_soon_threadsafe, profile_for=self.profile_for)
             self.watcher.start()
-        if isinstance(self.table_allocator, RedisIndexAllocator):
+        if isinstance(self.table.allocator, RedisIndexAllocator):
             self._maintenance = asyncio.create_task(self._maintain(), name="kvroute-index-registry")
 
     async def stop(self) -> None:
@@ -147,11 +147,6 @@ class Membership:
         if self.shared is not None:
             await self.shared.stop()
         await self.static.stop()
-
-    @property
-    def table_allocator(self) -> IndexAllocator:
-        """The table's index allocator."""
-        return self.table._allocator  # noqa: SLF001 - same package
 
     # -- hooks for the router --------------------------------------------------------------------------
     def publish_prediction(self, rep: Replica, keys: Sequence[int]) -> None:
@@ -215,7 +210,7 @@ class Membership:
 
     # -- index registry maintenance --------------------------------------------------------------------
     async def _reconcile(self) -> None:
-        alloc = self.table_allocator
+        alloc = self.table.allocator
         if not isinstance(alloc, RedisIndexAllocator):
             return
         moved = await asyncio.to_thread(alloc.reconcile)
@@ -243,7 +238,7 @@ class Membership:
     def stats(self) -> dict[str, Any]:
         """State of each part as plain dicts."""
         out: dict[str, Any] = {"reindexed": self.reindexed}
-        alloc = self.table_allocator
+        alloc = self.table.allocator
         if isinstance(alloc, RedisIndexAllocator):
             out["index_registry"] = {"available": alloc.available, "errors": alloc.errors,
                                      "provisional": sorted(alloc.provisional)}

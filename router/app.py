@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
@@ -352,6 +354,9 @@ class _KvrouteApp(FastAPI):
     unhandled is logged and answered 500 in JSON. With CORS configured every request takes the normal path.
     """
 
+    #: path -> endpoint served directly (empty until ``enable_fast_path``; never mutated in place)
+    _fast_routes: Mapping[str, Callable[[Request], Awaitable[Response]]] = MappingProxyType({})
+
     def enable_fast_path(self, routes: dict[str, Callable[[Request], Awaitable[Response]]],
                          telemetry: Telemetry, max_body: int) -> None:
         """Serve ``routes`` (path -> endpoint taking the Request) directly for POST requests."""
@@ -361,7 +366,7 @@ class _KvrouteApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: the data-plane routes directly, everything else through FastAPI."""
-        routes = getattr(self, "_fast_routes", None)
+        routes = self._fast_routes
         if routes and scope["type"] == "http" and scope.get("method") == "POST" and scope["path"] in routes:
             await self._fast(scope, receive, send)
             return
@@ -742,7 +747,7 @@ def _replica_json(svc: Services, r: Replica) -> dict[str, Any]:
     return {
         "name": r.name, "index": r.index, "url": r.url, "state": r.state.value, "dialect": r.dialect,
         "role": r.role, "models": r.models, "loras": r.loras,
-        "load": {k: getattr(r.load, k) for k in r.load.__slots__},
+        "load": dataclasses.asdict(r.load),
         "kv_events": signals.feed_status(svc.kv_events, r),
         "health": svc.membership.health_of(r.name),
         "token_ids": svc.token_ids.state(r),
