@@ -274,6 +274,8 @@ class Policy(Protocol):
 
 PolicyFactory = Callable[..., Policy]
 
+#: policy name -> factory. Full whenever this module is usable: importing ``policies.base`` imports the package
+#: first, and ``policies/__init__.py`` imports every built-in policy module, each registering itself.
 _REGISTRY: dict[str, PolicyFactory] = {}
 
 
@@ -291,7 +293,6 @@ def register(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
 
 def policy_names() -> list[str]:
     """Names of every registered policy, sorted."""
-    _load_builtin()
     return sorted(_REGISTRY)
 
 
@@ -301,7 +302,6 @@ def policy_factory(name: str) -> PolicyFactory:
     Raises:
         KeyError: when ``name`` is unknown.
     """
-    _load_builtin()
     return _REGISTRY[name]
 
 
@@ -311,14 +311,9 @@ def make_policy(name: str, **params: Any) -> Policy:
     Raises:
         KeyError: with the list of known names when ``name`` is unknown.
     """
-    _load_builtin()
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
     return factory(**params)
 
-
-def _load_builtin() -> None:
-    """Import the built-in policy modules so they register themselves."""
-    import policies  # noqa: F401  (policies/__init__.py imports every policy module)
