@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+
+from prometheus_client.core import Metric
 
 from index.prefix_index import PrefixIndex
 from membership.engine_metrics import MetricsScraper
@@ -37,7 +38,14 @@ from router.dispatch import DispatchGate, dispatch_gauges
 from router.idempotency import IdempotencyGuard
 from router.proxy import Proxy
 from router.routing import Router, build_profile
-from router.telemetry import Telemetry, gauge
+from router.telemetry import (
+    Telemetry,
+    gauge,
+    index_gauges,
+    kubernetes_metrics,
+    replica_gauges,
+    tokenizer_cache_gauges,
+)
 from router.token_ids import TokenIdsCheck
 from router.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
 
@@ -147,14 +155,34 @@ def _keep_index_honest(table: ReplicaTable, index: PrefixIndex, kv_events: KVEve
 
 
 def _register_metrics(svc: Services) -> None:
-    reg = svc.telemetry.registry
-    svc.membership.register_metrics(reg)
+    """Scrape-time metrics: each component's stats, rendered by ``router.telemetry`` (and the collectors the
+    membership signal modules own)."""
+    t = svc.telemetry
+    t.add_gauges(lambda: index_gauges(svc.index.stats()))
+    t.add_gauges(lambda: replica_gauges(svc.table.all(), svc.token_ids.accepts))
+    t.add_gauges(lambda: _router_gauges(svc))
+    if isinstance(svc.tokenizer, HfTokenizer):
+        cache = svc.tokenizer.cache
+        t.add_gauges(lambda: tokenizer_cache_gauges(cache.stats()))
+    t.add_gauges(lambda: kubernetes_metrics(svc.membership.watcher))
+    t.add_gauges(lambda: dispatch_gauges(svc.gate))
+    t.add_gauges(lambda: admission_gauges(svc.admission))
+    if svc.membership.shared is not None:
+        svc.membership.shared.register_metrics(t.registry)
     if svc.kv_events is not None:
-        svc.kv_events.register_metrics(reg)
-    svc.engine_metrics.register_metrics(reg)
-    svc.telemetry.add_gauges(lambda: dispatch_gauges(svc.gate))
-    svc.telemetry.add_gauges(lambda: admission_gauges(svc.admission))
-    svc.telemetry.add_gauges(lambda: _gauges(svc))
+        svc.kv_events.register_metrics(t.registry)
+    svc.engine_metrics.register_metrics(t.registry)
+
+
+def _router_gauges(svc: Services) -> Iterator[Metric]:
+    """The router's own scrape-time values: in flight, panic decisions, token-id audits."""
+    yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
+    yield gauge("kvroute_panic_decisions", "decisions made among unhealthy replicas because none was ready "
+                "(cumulative)", float(svc.router.panic_decisions))
+    yield gauge("kvroute_token_id_audits", "prompts sent as ids re-checked against the replica's /tokenize "
+                "(cumulative)", float(svc.token_ids.audited))
+    yield gauge("kvroute_token_id_audit_mismatches", "audited prompts the replica tokenized differently: it "
+                "gets text from then on (cumulative)", float(svc.token_ids.audit_mismatches))
 
 
 def _background(svc: Services) -> list[StartStop]:
@@ -240,51 +268,3 @@ async def _expire_loop(svc: Services) -> None:
             svc.index.expire()
         except Exception:
             log.exception("index expire failed")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# scrape-time gauges
-# ---------------------------------------------------------------------------------------------------------
-
-_CACHE_HELP = {
-    "hits": "prompts tokenized past a cached prefix only (cumulative)",
-    "misses": "long prompts with no cached prefix, tokenized in pieces (cumulative)",
-    "reused_tokens": "token ids taken from the prefix tokenization cache (cumulative)",
-    "encoded_tokens": "token ids the cache tokenized itself (past a cached prefix, or all of a miss; cumulative)",
-    "verified": "cached encodings compared with a whole tokenization (cumulative)",
-    "mismatches": "audited encodings that differed (the cache is off after the first)",
-    "entries": "prompts held by the prefix tokenization cache",
-    "bytes": "memory held by the prefix tokenization cache, bytes",
-    "enabled": "1 while the prefix tokenization cache is on",
-}
-
-
-def _tokenizer_cache_stats(tokenizer: Tokenizer) -> dict[str, float]:
-    """The prefix tokenization cache's counters (``hf`` mode only; the other modes have no cache)."""
-    return dict(tokenizer.cache.stats()) if isinstance(tokenizer, HfTokenizer) else {}
-
-
-def _gauges(svc: Services) -> Iterable[Any]:
-    """Gauge families computed at scrape time."""
-    stats = svc.index.stats()
-    for key, value in stats.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            yield gauge(f"kvroute_index_{key}", f"PrefixIndex.stats()[{key!r}]", float(value))
-    reps = svc.table.all()
-    yield gauge("kvroute_replica_state", "1 for the replica's current state", labels=["replica", "state"],
-                samples=[([r.name, s.value], 1.0 if r.state == s else 0.0) for r in reps for s in ReplicaState])
-    yield gauge("kvroute_replica_inflight_requests", "requests in flight per replica", labels=["replica"],
-                samples=[([r.name], float(r.load.inflight_requests)) for r in reps])
-    check = svc.token_ids
-    yield gauge("kvroute_replica_token_ids", "1 when prompts go to the replica as the router's token ids "
-                "(forward_token_ids and its tokenizer check)", labels=["replica"],
-                samples=[([r.name], 1.0 if check.accepts(r) else 0.0) for r in reps])
-    yield gauge("kvroute_token_id_audits", "prompts sent as ids re-checked against the replica's /tokenize "
-                "(cumulative)", float(check.audited))
-    yield gauge("kvroute_token_id_audit_mismatches", "audited prompts the replica tokenized differently: it "
-                "gets text from then on (cumulative)", float(check.audit_mismatches))
-    for key, value in _tokenizer_cache_stats(svc.tokenizer).items():
-        yield gauge(f"kvroute_tokenizer_cache_{key}", _CACHE_HELP[key], float(value))
-    yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
-    yield gauge("kvroute_panic_decisions", "decisions made among unhealthy replicas because none was ready "
-                "(cumulative)", float(svc.router.panic_decisions))
