@@ -356,10 +356,11 @@ def test_eviction_removes_the_oldest_first() -> None:
 
 def test_budget_eviction_of_a_large_index_is_spread_over_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above the budget a call gets back under it, then evicts at most one chunk more (sampled threshold)."""
+    import index.budget as bu
     import index.prefix_index as pi
 
     monkeypatch.setattr(pi, "EVICT_CHUNK", 300)
-    monkeypatch.setattr(pi, "EVICT_SAMPLE", 256)  # 10k nodes: the sampled (approximate) threshold is used
+    monkeypatch.setattr(bu, "EVICT_SAMPLE", 256)  # 10k nodes: the sampled (approximate) threshold is used
     clock = FakeClock()
     budget = 10_000
     idx = PrefixIndex(max_nodes=budget, clock=clock)
