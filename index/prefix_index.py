@@ -12,30 +12,22 @@ The index is cut into parts, each in its own module:
   memoised transitions.
 * ``index.engine_map``: per replica, engine hash -> router keys, and extra cached copies of a block.
 * ``index.budget``: the global memory budget, the size estimate and LRU victim selection.
-* this module: the node layout (block key -> node id -> state id / time), replica slots, predicted entries,
-  ``match`` and the updates, composing the parts above.
+* ``index.nodes``: the node table (block key -> node id; per id: state id, time, key, run hint), streak
+  placement in reserved extents and incremental compaction of node ids.
+* this module: :class:`PrefixIndex`, a node table whose nodes are in interned replica states; replica slots,
+  predicted entries, ``match`` and the updates.
 
-Node layout (chosen for memory and for a fast ``match`` in pure Python):
+How the parts make ``match`` fast in pure Python:
 
-* ``_ids``: block key -> node id (a small int), in ``ID_SHARDS`` dicts chosen by the key's low bits (so that no
-  dict rebuild on growth is a whole-index pause). Per node id, parallel containers hold the node's *state id*
-  (``_sidl``), the time it was last stored / confirmed / predicted (``_ts``, seconds of the injected clock) and
-  its key (``_keys``, for deletion by id).
-* Nodes created back to back by one call (a *streak*: consecutive blocks of one path) get consecutive node ids,
-  and a streak that continues a path is placed right after its parent in room reserved when that path was
-  created (reservations grow geometrically), so a multi-turn conversation's path occupies a few contiguous
-  *extents*. ``_run`` holds, per node id, how many ids of its streak follow it.
-* ``match`` probes the dict only at the start of a stretch of consecutive node ids, verifies the stretch by
-  comparing the stored keys with the prompt's keys (C-level list comparison; exact whatever the layout), takes
-  the stretch's state ids as one list slice, and walks only the *runs* of equal states (the live replica set
-  can only shrink at a state change), recording the depth at which each replica drops out. Per-tier counting
-  happens only for states that have non-GPU or predicted entries.
+* ``match`` probes the key -> id dict only at the start of a stretch of consecutive node ids, verifies the
+  stretch by comparing the stored keys with the prompt's keys (C-level list comparison), takes the stretch's
+  state ids as one list slice, and walks only the *runs* of equal states (the live replica set can only shrink
+  at a state change), recording the depth at which each replica drops out. Per-tier counting happens only for
+  states that have non-GPU or predicted entries.
 * ``clear(replica)`` is O(1): the replica gets a fresh slot, the old slot is marked dead and masked out of every
   match; dead bits are swept incrementally by ``expire()`` and by budget eviction.
-* Deleted node ids are holes until an incremental *compaction* (started once a quarter of the ids are dead)
-  moves the live nodes down over them, at most ``COMPACT_CHUNK`` ids per call, and truncates the arrays.
-* Budget eviction (``index.budget``) is bounded per call as well, so no single call pauses its caller for a
-  whole-index pass.
+* Compaction of node ids and budget eviction are both bounded per call, so no single call pauses its caller
+  for a whole-index pass.
 
 Units: depths and counts are in blocks, times in seconds of the injected clock, sizes in bytes.
 """
@@ -48,7 +40,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import compress, groupby
+from itertools import groupby
 from typing import Any, cast
 
 import xxhash
@@ -72,6 +64,8 @@ from .hashing import (
     block_slices,
     pack_array,
 )
+from .nodes import SHARD_MASK as _SHARD_MASK
+from .nodes import NodeTable
 from .states import OP_PREDICT, OP_REMOVE, OP_STORE, OP_UNPREDICT, PRED, StateTable, bits
 from .types import TIER_INDEX, TIERS, BlockKey, EngineHash, ReplicaMatch, StoreResult
 
@@ -82,16 +76,6 @@ _Hashes = Sequence[EngineHash]
 
 __all__ = ["NODE_BYTES", "TIERS", "BlockKey", "EngineHash", "PrefixIndex", "ReplicaMatch", "StoreResult"]
 
-#: Largest reservation (node ids) made after a streak of new nodes.
-MAX_RESERVE = 2048
-_ONES = array("I", [1])
-#: Dead node ids needed (besides a quarter of all ids) before the node arrays are compacted.
-COMPACT_MIN_DEAD = 4096
-#: Shards of the key -> node id map (a power of two; a key's shard is its low bits).
-ID_SHARDS = 64
-_SHARD_MASK = ID_SHARDS - 1
-#: Node ids one step of an incremental compaction processes (bounds the pause of one index call).
-COMPACT_CHUNK = 16384
 #: Nodes processed per ``expire()`` call by the incremental sweep of cleared replicas.
 SWEEP_CHUNK = 65536
 
@@ -127,7 +111,7 @@ class _Nodes:
         self._idx._delete_node(nid)
 
 
-class PrefixIndex:
+class PrefixIndex(NodeTable):
     """Which replicas hold which prompt blocks, in which tier; global memory budget with LRU eviction.
 
     Args:
@@ -156,22 +140,7 @@ class PrefixIndex:
         self.block_size = block_size
         self.predicted_ttl_s = float(predicted_ttl_s)
         self._clock = clock
-        # nodes
-        # block key -> node id, sharded by the key's low bits: a CPython dict rebuilds its whole table when it
-        # grows (122 ms for one insert into a 2.8M-entry dict), and 64 shards make each rebuild 64x smaller
-        self._ids: list[dict[BlockKey, int]] = [{} for _ in range(ID_SHARDS)]
-        self._nodes = 0  # live nodes (sum of the shards' sizes)
-        self._keys: list[BlockKey | None] = []
-        self._sidl: list[int] = []
-        self._ts = array("d")
-        # per node id: how many consecutive node ids from this one were created as one chain (a hint that
-        # ``match`` verifies against ``_keys``; it lets a walk skip the dict probe for most blocks)
-        self._run = array("I")
-        self._dead_nodes = 0  # deleted node ids not yet compacted away
-        self._reserved = 0  # node ids reserved for paths to grow into (not yet used)
-        # last node id of an extent -> (end of its reservation, exclusive; capacity of the extent)
-        self._tips: dict[int, tuple[int, int]] = {}
-        self._compact_min = COMPACT_MIN_DEAD
+        super().__init__()  # the node table: key -> node id -> state id, time, key, run hint
         # interned states (node -> state id in ``_sidl``)
         self._states = StateTable()
         # replicas <-> slots
@@ -198,12 +167,6 @@ class PrefixIndex:
         self._invalid = 0
         self._unknown_removed = 0
         self._expired = 0
-        self._compactions = 0  # node-id compactions started (each one renumbers the live nodes, in steps)
-        self._compacted_ids = 0  # node-id slots those compactions walked (their total work)
-        # incremental compaction in progress: next id to process (-1 = none) and next id to move a node to
-        self._cmp_src = -1
-        self._cmp_dst = 0
-        self._compact_chunk = COMPACT_CHUNK
 
     @property
     def max_nodes(self) -> int | None:
@@ -261,96 +224,17 @@ class PrefixIndex:
         self._sidl = self._states.collect(self._sidl)
         self._bits_cache.clear()
 
-    def _maybe_compact(self, *, force: bool = False) -> None:
-        """Start a node-id compaction once a quarter of the ids are dead, and advance the one in progress.
-
-        The compaction is incremental: each call moves the live nodes of at most ``_compact_chunk`` ids down
-        over the holes (``_compact_step``), so no single call pauses the caller for a whole-index renumbering
-        (amortised O(1) per deleted node). ``force`` starts one once a quarter of the ids are dead or reserved,
-        however few (budget eviction).
-        """
-        if self._cmp_src < 0:
-            dead = self._dead_nodes
-            if force:
-                if not dead + self._reserved or (dead + self._reserved) * 4 < len(self._keys):
-                    return
-            elif dead < self._compact_min or (dead + self._reserved) * 4 < len(self._keys):
-                return
-            # reservations are given up (their ids are holes like the dead ones) and none are made until the
-            # compaction ends: ``_tips`` would otherwise point at ids the compaction moves
-            self._tips.clear()
-            self._dead_nodes = dead + self._reserved
-            self._reserved = 0
-            keys = self._keys
-            try:
-                first = keys.index(None)  # ids below the first hole stay put
-            except ValueError:
-                first = len(keys)
-            self._cmp_src = self._cmp_dst = first
-            self._compactions += 1
-        self._compact_step()
-
-    def _compact_step(self) -> None:
-        """Move the live nodes of the next ``_compact_chunk`` ids down to the compacted region's end.
-
-        Layout while a compaction runs: ids ``[0, dst)`` are compacted (new holes there wait for the next
-        compaction), ``[dst, src)`` is a gap of dead ids nothing refers to, ``[src, len)`` is not processed
-        yet (new nodes are appended there). The step finishes the compaction when ``src`` reaches the end,
-        by truncating the arrays to ``dst``. Run hints are kept as they are: ``_stretch`` verifies them.
-        """
-        kl = self._keys
-        src = self._cmp_src
-        dst = self._cmp_dst
-        end = min(len(kl), src + self._compact_chunk)
-        # C-level filtering (itertools.compress) over one liveness mask: this runs in the event loop
-        seg = kl[src:end]
-        live = [k is not None for k in seg]
-        moved: list[BlockKey | None] = list(compress(seg, live))
-        nl = len(moved)
-        top = dst + nl
-        if nl:
-            kl[dst:top] = moved
-            self._sidl[dst:top] = list(compress(self._sidl[src:end], live))
-            self._ts[dst:top] = array("d", compress(self._ts[src:end], live))
-            self._run[dst:top] = array("I", compress(self._run[src:end], live))
-            shards = self._ids
-            for k, nid in zip(moved, range(dst, top), strict=True):
-                shards[k & _SHARD_MASK][k] = nid  # type: ignore[operator,index]  # moved keys are never None
-        if top < end:  # the rest of the chunk joins the gap
-            kl[top:end] = [None] * (end - top)
-            self._sidl[top:end] = [0] * (end - top)
-        self._dead_nodes -= end - src - nl
-        self._compacted_ids += end - src
-        if self._sweeping and self._sweep_cursor > dst:
-            self._sweep_cursor = dst  # moved nodes must not land behind the sweep unswept
-        if end >= len(kl):
-            del kl[top:]
-            del self._sidl[top:]
-            del self._ts[top:]
-            del self._run[top:]
-            self._cmp_src = -1
-            self._cmp_dst = 0
-        else:
-            self._cmp_src = end
-            self._cmp_dst = top
-
     def _check_layout(self) -> None:
-        """Assert the node-id bookkeeping is consistent (tests call this; O(nodes))."""
-        kl = self._keys
-        assert len(kl) == len(self._sidl) == len(self._ts) == len(self._run)
-        for s, shard in enumerate(self._ids):
-            for key, nid in shard.items():
-                assert kl[nid] == key and key & _SHARD_MASK == s, (key, nid, kl[nid])
-        assert sum(1 for k in kl if k is not None) == self._nodes == sum(map(len, self._ids))
-        if self._cmp_src >= 0:
-            assert all(k is None for k in kl[self._cmp_dst : self._cmp_src])
-            holes = kl[: self._cmp_dst].count(None) + kl[self._cmp_src :].count(None)
-        else:
-            holes = kl.count(None)
-        assert holes == self._dead_nodes + self._reserved, (holes, self._dead_nodes, self._reserved)
+        """Assert the node-id bookkeeping is consistent, predicted entries included (tests call this)."""
+        super()._check_layout()
         for pd in self._pred.values():
             for key in pd:
                 assert key in self, key
+
+    def _compacted_below(self, dst: int) -> None:
+        """Compaction moved nodes down to ids below ``dst``: they must not land behind the sweep unswept."""
+        if self._sweeping and self._sweep_cursor > dst:
+            self._sweep_cursor = dst
 
     # ------------------------------------------------------------------ queries
 
@@ -704,41 +588,6 @@ class PrefixIndex:
         self._nodes += created
         return changed + created
 
-    def _stretch(self, keys: list[BlockKey], i: int) -> tuple[int, int]:
-        """The node id of ``keys[i]`` and how many of the following keys sit at the following node ids.
-
-        Returns ``(-1, 0)`` when ``keys[i]`` is not in the index. Same verification as ``_walk``.
-        """
-        k0 = keys[i]
-        nid = self._ids[k0 & _SHARD_MASK].get(k0)
-        if nid is None:
-            return -1, 0
-        kl = self._keys
-        runs = self._run
-        nk = len(kl)
-        n = len(keys)
-        start_i = i
-        start_nid = nid
-        while True:
-            m = runs[nid]
-            if m > n - i:
-                m = n - i
-            if m > 1 and kl[nid + 1 : nid + m] != keys[i + 1 : i + m]:
-                lo, hi = 1, m
-                while hi - lo > 1:
-                    mid = (lo + hi) >> 1
-                    if kl[nid + lo : nid + mid] == keys[i + lo : i + mid]:
-                        lo = mid
-                    else:
-                        hi = mid
-                i += lo
-                break
-            i += m
-            nid += m
-            if i >= n or nid >= nk or kl[nid] != keys[i]:
-                break
-        return start_nid, i - start_i
-
     def _bulk(
         self,
         nid0: int,
@@ -801,28 +650,6 @@ class PrefixIndex:
                             pd[q] = exp  # type: ignore[index]
             x = end
         return changed
-
-    def _close_streak(self, start: int, end: int, place_end: int, cap: int, *, placed: bool) -> None:
-        """Finish a streak of new nodes at ids ``start..end-1``: run hints, and the extent's reservation."""
-        length = end - start
-        if length > 1:
-            self._run[start:end] = array("I", range(length, 0, -1))
-        tips = self._tips
-        if len(tips) > max(4096, self._nodes // 4):
-            tips.clear()  # bound the bookkeeping; orphaned reservations go at the next compaction
-        if placed:
-            tips[end - 1] = (place_end, cap)
-            return
-        if self._cmp_src >= 0:
-            return  # no reservations while a compaction moves ids
-        # appended at the end of the arrays: reserve room for the path to grow in place
-        room = min(MAX_RESERVE, max(2 * cap, length) if cap else length // 2)
-        self._keys.extend([None] * room)
-        self._sidl.extend([0] * room)
-        self._ts.frombytes(bytes(8 * room))
-        self._run.extend(_ONES * room)
-        self._reserved += room
-        tips[end - 1] = (end + room, length + room)
 
     def clear(self, replica: int) -> None:
         """Forget everything ``replica`` holds (engine restart, replica left). O(1): its slot is retired."""
@@ -1103,18 +930,6 @@ class PrefixIndex:
         self._maybe_compact(force=True)  # one step (or the start) of the compaction the deletions call for
 
     # ------------------------------------------------------------------ stats
-
-    def __len__(self) -> int:
-        """Number of nodes (distinct block keys held by at least one replica entry)."""
-        return self._nodes
-
-    def __contains__(self, key: object) -> bool:
-        """Whether block ``key`` is held by at least one replica entry (confirmed or predicted)."""
-        return isinstance(key, int) and key in self._ids[key & _SHARD_MASK]
-
-    def _node_ids(self) -> list[int]:
-        """Every live node id (in no particular order)."""
-        return [nid for shard in self._ids for nid in shard.values()]
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes: nodes, estimated_bytes, blocks per replica and tier, evictions, orphans, ..."""
