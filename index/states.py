@@ -88,19 +88,23 @@ class StateTable:
             return sid
         sid = len(self.states)
         g, c, d, r, p = st
-        confirmed = g | c | d | r
+        # a mask is an int of (highest slot + 1) bits (~560 B at slot 4,000): reuse the objects rather than
+        # build equal ones (``x | 0`` is a new int in CPython)
+        confirmed = g if not (c or d or r) else g | c | d | r
         special: list[tuple[int, int]] = []
         seen = g
         for cat, m in ((1, c), (2, d), (3, r)):
+            if not m:
+                continue
             x = m & ~seen
             if x:
-                special.append((x, cat))
+                special.append((x if x != m else m, cat))
             seen |= m
-        px = p & ~confirmed
+        px = p & ~confirmed if confirmed else p
         if px:
             special.append((px, PRED))
         self.states.append(st)
-        self.all.append(confirmed | p)
+        self.all.append(confirmed | p if p else confirmed)
         self.confirmed.append(confirmed)
         self.special.append(tuple(special))
         self.refs.append(0)
