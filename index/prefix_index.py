@@ -894,11 +894,17 @@ class PrefixIndex(NodeTable):
         )
 
     def _check_budget(self) -> None:
-        """Evict when the high-water mark (the budget) is passed, and go on with an eviction in progress."""
+        """Evict when the high-water mark (the budget) is passed, and go on with an eviction in progress.
+
+        A node-id compaction in progress advances one bounded step per update too (not only when eviction or
+        ``expire()`` runs): under steady churn its holes (~28 B each) would otherwise pile up between evictions.
+        """
         if self._budget.limited and (
             self._evictor.running or self._budget.over(self._nodes, self.estimated_bytes(), 1.0)
         ):
             self._evict()
+        elif self._cmp_src >= 0:
+            self._compact_step()
 
     def _evict(self) -> None:
         """One bounded round of budget eviction (least recently stored/predicted nodes, oldest engine entries).

@@ -433,7 +433,7 @@ class RoaringStates:
     """
 
     def __init__(self) -> None:
-        from pyroaring import FrozenBitMap
+        from pyroaring import FrozenBitMap  # not a dependency of kvroute (the index kept int masks)
 
         self._fb = FrozenBitMap
         self.states: list[_RoaringState] = []
@@ -795,6 +795,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = {1024: args.queries_1k, 8192: args.queries_8k, 32768: args.queries_32k}
     result: dict[str, Any] | list[dict[str, Any]]
     if args.mode == "replica-sets":
+        try:
+            import pyroaring  # noqa: F401
+        except ImportError:
+            log("--mode replica-sets compares against pyroaring, which kvroute does not depend on: "
+                "pip install 'pyroaring>=1.0,<2.0' first")
+            return 2
         target = args.target_nodes or 300_000
         result = [replica_sets(int(r), target, counts, log) for r in args.replicas.split(",")]
         failures = sum(r["match_check_failures"] for r in result)
