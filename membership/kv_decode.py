@@ -153,6 +153,9 @@ class DecodedBatch:
         dropped: per-event drop reasons -> count (events that were malformed, unknown or filtered).
         notes: non-fatal observations -> count (e.g. ``bigram_tokens_converted``).
         payload_digest: a digest of the raw payload, used to recognise the same batch again in a replay.
+        filtered_hashes: engine hashes of well-formed ``BlockStored`` events dropped on purpose by our filters
+            (another KV-cache group, an unknown medium, skipped bigram tokens): a later event whose parent is
+            one of them is not an orphan worth a replay.
     """
 
     seq: int
@@ -163,6 +166,7 @@ class DecodedBatch:
     dropped: Counter[str] = field(default_factory=Counter)
     notes: Counter[str] = field(default_factory=Counter)
     payload_digest: int = 0
+    filtered_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,11 +190,19 @@ class ReplayEnd:
 
 
 class _Bad(Exception):
-    """Internal: a field failed validation; ``reason`` is the counted label."""
+    """Internal: a field failed validation; ``reason`` is the counted label.
+
+    ``hashes``: the engine hashes of a well-formed event dropped on purpose (see ``FILTER_REASONS``), else empty.
+    """
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.hashes: list[int] = []
+
+
+#: drop reasons of well-formed events that our own filters drop (their hashes are reported as filtered)
+FILTER_REASONS = frozenset({"other_kv_group", "unknown_medium", "bigram_tokens"})
 
 
 # -- envelopes --------------------------------------------------------------------------------------------------
@@ -222,12 +234,12 @@ def decode_live_frames(frames: list[bytes], limits: DecodeLimits = DEFAULT_LIMIT
         return DecodeFailure("internal_error", repr(exc)[:200])
 
 
-def decode_replay_frames(frames: list[bytes],
-                         limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedBatch | ReplayEnd | DecodeFailure:
-    """Decode one replay reply as received by a DEALER socket.
+def split_replay_frames(frames: list[bytes]) -> tuple[int, bytes, bytes] | ReplayEnd | DecodeFailure:
+    """``(seq, topic, payload)`` of one replay reply as received by a DEALER, without decoding the payload.
 
-    Accepts ``[b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang) and ``[b"", seq, payload]`` (vLLM <= 0.23);
-    ``seq = ff x 8`` with an empty payload is the end marker (its topic frame, when present, is empty).
+    Accepts ``[b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang) and ``[b"", seq, payload]`` (vLLM <= 0.23,
+    topic ``b""``); ``seq = ff x 8`` with an empty payload is the end marker (its topic frame, when present, is
+    empty).
     """
     try:
         n = len(frames)
@@ -248,9 +260,19 @@ def decode_replay_frames(frames: list[bytes],
         seq = parse_seq(seq_frame)
         if seq is None:
             return DecodeFailure("bad_seq_frame", f"seq frame of {len(seq_frame)} bytes")
-        return decode_payload(bytes(payload), seq=seq, topic=bytes(topic), limits=limits)
+        return seq, bytes(topic), bytes(payload)
     except Exception as exc:  # pragma: no cover - defensive
         return DecodeFailure("internal_error", repr(exc)[:200])
+
+
+def decode_replay_frames(frames: list[bytes],
+                         limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedBatch | ReplayEnd | DecodeFailure:
+    """Decode one replay reply as received by a DEALER socket (envelope: :func:`split_replay_frames`)."""
+    parts = split_replay_frames(frames)
+    if not isinstance(parts, tuple):
+        return parts
+    seq, topic, payload = parts
+    return decode_payload(payload, seq=seq, topic=topic, limits=limits)
 
 
 def payload_digest(payload: bytes) -> int:
@@ -311,6 +333,8 @@ def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits
             ev = _decode_event(raw, limits, batch.notes)
         except _Bad as bad:
             batch.dropped[bad.reason] += 1
+            if bad.hashes:
+                batch.filtered_hashes.extend(bad.hashes)
             continue
         if ev is not None:
             batch.events.append(ev)
@@ -388,6 +412,17 @@ def _decode_stored(m: dict[str, Any] | None, a: list[Any] | None, limits: Decode
     hashes = _hashes(_field(m, a, names, "block_hashes"), limits)
     if not hashes:
         raise _Bad("empty_block_hashes")
+    try:
+        return _decode_stored_fields(m, a, limits, notes, hashes)
+    except _Bad as bad:
+        if bad.reason in FILTER_REASONS:
+            bad.hashes = hashes
+        raise
+
+
+def _decode_stored_fields(m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits,
+                          notes: Counter[str], hashes: list[int]) -> StoredEvent:
+    names = _STORED_POS
     parent_raw = _field(m, a, names, "parent_block_hash")
     parent = None if parent_raw is _MISSING or parent_raw is None else _hash(parent_raw)
     block_size = _field(m, a, names, "block_size")
