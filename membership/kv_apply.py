@@ -25,13 +25,12 @@ from index.hashing import root_seed
 from membership.kv_decode import (
     ClearedEvent,
     DecodedBatch,
-    DecodeFailure,
     DecodeLimits,
     RemovedEvent,
     StoredEvent,
-    decode_payload,
+    decode_payload_steps,
 )
-from membership.kv_sequencer import FeedStats, Item
+from membership.kv_sequencer import ApplyResult, FeedStats, Item
 
 
 class IndexSink(Protocol):
@@ -55,21 +54,6 @@ class IndexSink(Protocol):
 def chain_seed(model: str, lora: str | None, salt: str | None) -> int:
     """Root seed of an event chain (cached: a handful of distinct values per fleet)."""
     return root_seed(model, lora, salt)
-
-
-@dataclass(slots=True)
-class ApplyResult:
-    """What applying one batch found.
-
-    Attributes:
-        orphans_to_replay: ``BlockStored`` events whose parent is unknown and was not dropped by our filters.
-        saw_clear: the batch held an ``AllBlocksCleared``.
-        index_errors: events the index rejected or raised on (counted in ``dropped``).
-    """
-
-    orphans_to_replay: int = 0
-    saw_clear: bool = False
-    index_errors: int = 0
 
 
 @dataclass(slots=True)
@@ -155,20 +139,26 @@ class BatchApplier:
                 return exc
         return None
 
-    def batch_of(self, item: Item, count: bool) -> DecodedBatch | None:
-        """``item``'s decoded batch (decoding a deferred payload now); None (counted) when undecodable."""
-        if item.batch is not None:
-            return item.batch
-        if item.payload is not None:
-            res = decode_payload(item.payload, seq=item.seq, limits=self.limits)
+    def apply_item(self, item: Item, count: bool = True) -> Generator[None, None, ApplyResult]:
+        """Decode ``item``'s payload (when deferred) and apply its events; yields between slices of both.
+
+        An undecodable payload applies nothing: ``ApplyResult.undecodable`` names the reason (counted in
+        ``dropped`` when ``count``).
+        """
+        batch = item.batch
+        reason = item.failure or "bad_payload"
+        if batch is None and item.payload is not None:
+            res = yield from decode_payload_steps(item.payload, seq=item.seq, limits=self.limits,
+                                                  slice_units=self.slice_blocks)
             if isinstance(res, DecodedBatch):
-                return res
-            reason = res.reason if isinstance(res, DecodeFailure) else "bad_payload"
-        else:
-            reason = item.failure or "bad_payload"
-        if count:
-            self.stats.dropped[reason] += 1
-        return None
+                batch = res
+            else:
+                reason = res.reason
+        if batch is None:
+            if count:
+                self.stats.dropped[reason] += 1
+            return ApplyResult(undecodable=reason)
+        return (yield from self.apply(batch, count))
 
     def apply(self, batch: DecodedBatch, count: bool = True) -> Generator[None, None, ApplyResult]:
         """Apply ``batch``'s events in order; yields after every ``slice_blocks`` engine blocks.
@@ -184,7 +174,7 @@ class BatchApplier:
                 st.notes.update(batch.notes)
         if batch.filtered_hashes:
             self._remember_dropped(batch.filtered_hashes)
-        result = ApplyResult()
+        result = ApplyResult(ts=batch.ts)
         budget = self.slice_blocks
         for ev in merge_removals(batch.events):
             if isinstance(ev, StoredEvent):

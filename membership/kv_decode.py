@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -222,6 +223,15 @@ def decode_live_frames(frames: list[bytes], limits: DecodeLimits = DEFAULT_LIMIT
         the decoded batch, or a failure with its reason (``wrong_frame_count``, ``bad_seq_frame``, payload
         reasons from :func:`decode_payload`).
     """
+    parts = split_live_frames(frames)
+    if isinstance(parts, DecodeFailure):
+        return parts
+    seq, topic, payload = parts
+    return decode_payload(payload, seq=seq, topic=topic, limits=limits)
+
+
+def split_live_frames(frames: list[bytes]) -> tuple[int, bytes, bytes] | DecodeFailure:
+    """``(seq, topic, payload)`` of one live PUB message ``[topic, seq, payload]``, payload not decoded."""
     try:
         if len(frames) != 3:
             return DecodeFailure("wrong_frame_count", f"{len(frames)} frames")
@@ -229,7 +239,7 @@ def decode_live_frames(frames: list[bytes], limits: DecodeLimits = DEFAULT_LIMIT
         seq = parse_seq(seq_frame)
         if seq is None:
             return DecodeFailure("bad_seq_frame", f"seq frame of {len(seq_frame)} bytes")
-        return decode_payload(bytes(payload), seq=seq, topic=bytes(topic), limits=limits)
+        return seq, bytes(topic), bytes(payload)
     except Exception as exc:  # pragma: no cover - defensive: nothing may escape
         return DecodeFailure("internal_error", repr(exc)[:200])
 
@@ -291,13 +301,31 @@ def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"",
         the batch (good events kept, bad ones counted in ``dropped``), or a failure (``empty_payload``,
         ``payload_too_large``, ``bad_msgpack``, ``batch_not_array_or_map``, ``bad_batch``, ``too_many_events``).
     """
+    steps = decode_payload_steps(payload, seq=seq, topic=topic, limits=limits, slice_units=0)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            result: DecodedBatch | DecodeFailure = stop.value
+            return result
+
+
+def decode_payload_steps(payload: bytes, *, seq: int = 0, topic: bytes = b"", limits: DecodeLimits = DEFAULT_LIMITS,
+                         slice_units: int = 0) -> Generator[None, None, DecodedBatch | DecodeFailure]:
+    """:func:`decode_payload` as a generator that yields after every ``slice_units`` units of work.
+
+    A unit is about one block: an event counts 8, each of its hashes 1 and every 16 of its tokens 1 (so a
+    12 MB batch can be decoded between other work on an event loop); ``slice_units`` 0 never yields. The
+    msgpack parse itself is one step (~5 ms per MB).
+    """
     try:
-        return _decode_payload(payload, seq, topic, limits)
+        return (yield from _decode_payload(payload, seq, topic, limits, slice_units))
     except Exception as exc:  # pragma: no cover - defensive: nothing may escape
         return DecodeFailure("internal_error", repr(exc)[:200], seq)
 
 
-def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits) -> DecodedBatch | DecodeFailure:
+def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits,
+                    slice_units: int) -> Generator[None, None, DecodedBatch | DecodeFailure]:
     if not payload:
         return DecodeFailure("empty_payload", "", seq)
     if len(payload) > limits.max_payload_bytes:
@@ -328,7 +356,9 @@ def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits
                          payload_digest=payload_digest(payload))
     if ts is None:
         batch.notes["missing_ts"] += 1
+    units = 0
     for raw in events_raw:
+        units += 8
         try:
             ev = _decode_event(raw, limits, batch.notes)
         except _Bad as bad:
@@ -338,6 +368,13 @@ def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits
             continue
         if ev is not None:
             batch.events.append(ev)
+            if not isinstance(ev, ClearedEvent):
+                units += len(ev.hashes)
+                if isinstance(ev, StoredEvent):
+                    units += len(ev.token_ids) >> 4
+        if slice_units and units >= slice_units:
+            units = 0
+            yield
     return batch
 
 

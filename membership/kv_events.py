@@ -50,17 +50,17 @@ import zmq.asyncio
 from membership.kv_apply import BatchApplier, IndexSink
 from membership.kv_decode import (
     DEFAULT_LIMITS,
-    DecodedBatch,
     DecodeFailure,
     DecodeLimits,
     ReplayEnd,
-    decode_live_frames,
     payload_digest,
+    split_live_frames,
     split_replay_frames,
 )
 from membership.kv_sequencer import (
     Action,
     Apply,
+    ApplyResult,
     Clear,
     FeedStats,
     Item,
@@ -186,6 +186,7 @@ class _Feed:
         self.last_lag_s: float | None = None
         self.task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
+        self._told_degraded = False
         self._log_counts: Counter[str] = Counter()
 
     @property
@@ -310,18 +311,16 @@ class _Feed:
             await self.execute(self.sequencer.on_connected(self.owner.clock()))
 
     async def handle_live(self, frames: list[bytes]) -> None:
-        """Handle one live PUB message."""
+        """Handle one live PUB message (its payload is decoded when the sequencer says to apply it)."""
         now = self.owner.clock()
         self.last_message_at = now
-        res = decode_live_frames(frames, self.limits)
-        if isinstance(res, DecodedBatch):
-            item = Item(res.seq, res.payload_digest, res)
-        elif res.seq is None:
-            self.stats.dropped[res.reason] += 1
-            self._warn(res.reason, "dropped message: %s %s", res.reason, res.detail)
+        parts = split_live_frames(frames)
+        if isinstance(parts, DecodeFailure):
+            self.stats.dropped[parts.reason] += 1
+            self._warn(parts.reason, "dropped message: %s %s", parts.reason, parts.detail)
             return
-        else:
-            item = Item(res.seq, payload_digest(bytes(frames[2])), None, res.reason)
+        seq, _topic, payload = parts
+        item = Item(seq, payload_digest(payload), payload=payload)
         await self.execute(self.sequencer.on_batch(item, now))
 
     # -- actions ---------------------------------------------------------------------------------------------
@@ -340,31 +339,34 @@ class _Feed:
                 answer = await self.fetch_replay(action.start, action.trigger)
                 queue.extend(self.sequencer.on_replay(answer, self.owner.clock()))
             elif isinstance(action, SetDegraded):
-                self._notify_degraded(action.value)
+                self._notify_degraded()
             elif isinstance(action, Warn):
                 self._warn(action.reason, "%s", action.message)
 
     async def _apply(self, action: Apply) -> list[Action]:
-        """Apply one batch, yielding to the loop between slices; the sequencer's follow-up actions."""
-        batch = self.applier.batch_of(action.item, action.count)
-        if batch is None:
-            return []
-        if not action.replayed and batch.ts is not None:
-            self.last_lag_s = time.time() - batch.ts  # engine wall clock -> our wall clock, seconds
-        steps = self.applier.apply(batch, action.count)
+        """Decode and apply one batch, yielding to the loop between slices; the sequencer's follow-up actions."""
+        steps = self.applier.apply_item(action.item, action.count)
         while True:
             try:
                 next(steps)
             except StopIteration as stop:
-                result = stop.value
+                result: ApplyResult = stop.value
                 break
             await asyncio.sleep(0)  # a large batch: let requests run between slices
+        if not action.replayed and result.ts is not None:
+            self.last_lag_s = time.time() - result.ts  # engine wall clock -> our wall clock, seconds
         if result.index_errors:
-            self._warn("index_error", "index rejected %d event(s) of batch %d", result.index_errors, batch.seq)
-        return self.sequencer.on_applied(result.orphans_to_replay, result.saw_clear, action.orphan_pass,
-                                         self.owner.clock())
+            self._warn("index_error", "index rejected %d event(s) of batch %d", result.index_errors,
+                       action.item.seq)
+        return self.sequencer.on_applied(action, result, self.owner.clock())
 
-    def _notify_degraded(self, value: bool) -> None:
+    def _notify_degraded(self) -> None:
+        """Tell ``on_degraded`` the sequencer's current flag when it differs from what it was told last (a
+        ``SetDegraded`` queued before a later change is stale)."""
+        value = self.sequencer.degraded
+        if value == self._told_degraded:
+            return
+        self._told_degraded = value
         cb = self.owner.on_degraded
         if cb is not None:
             try:

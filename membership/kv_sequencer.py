@@ -137,6 +137,25 @@ class SequencerConfig:
     max_sequence_jump: int
 
 
+@dataclass(slots=True)
+class ApplyResult:
+    """What applying one batch found (reported back by the applier through ``Sequencer.on_applied``).
+
+    Attributes:
+        undecodable: the decode failure reason when the batch's payload could not be decoded (nothing applied).
+        orphans_to_replay: ``BlockStored`` events whose parent is unknown and was not dropped by our filters.
+        saw_clear: the batch held an ``AllBlocksCleared``.
+        index_errors: events the index rejected or raised on (counted in ``dropped``).
+        ts: the batch's engine timestamp, epoch seconds (None when unknown or undecodable).
+    """
+
+    undecodable: str | None = None
+    orphans_to_replay: int = 0
+    saw_clear: bool = False
+    index_errors: int = 0
+    ts: float | None = None
+
+
 # -- actions -------------------------------------------------------------------------------------------------
 
 
@@ -278,7 +297,8 @@ class Sequencer:
         jump = seq - last - 1
         if jump > self.cfg.max_sequence_jump:
             self.stats.notes["sequence_jump_too_large"] += 1
-            return self._restart(item, now, f"sequence jumped from {last} to {seq}: treated as a new sequence")
+            return self._restart(item, now, f"sequence jumped from {last} to {seq}: treated as a new sequence",
+                                 missing=1)
         self.stats.gaps += 1
         self.stats.missing_batches += jump
         out = [Warn("gap", f"sequence gap {last} -> {seq}")]
@@ -293,8 +313,11 @@ class Sequencer:
             return 1
         return n
 
-    def _restart(self, item: Item, now: float, why: str) -> list[Action]:
-        """The engine restarted (or its sequence is unusable): clear, then rebuild from its history."""
+    def _restart(self, item: Item, now: float, why: str, missing: int | None = None) -> list[Action]:
+        """The engine restarted (or its sequence is unusable): clear, then rebuild from its history.
+
+        ``missing``: batches to count as missing when no replay can bring them (None: ``item.seq`` of them).
+        """
         self.stats.restarts += 1
         out: list[Action] = [Warn("restart", why)]
         out += self._clear("restart")
@@ -303,7 +326,7 @@ class Sequencer:
         if seq > 0 and self.has_replay:
             return out + self._replay(0, "restart", item)
         if seq > 0:
-            self.stats.missing_batches += self._missing(seq)
+            self.stats.missing_batches += self._missing(seq) if missing is None else missing
             out += self._set_degraded(True, now)
         out += self._apply_live(item, now)
         return out
@@ -436,19 +459,9 @@ class Sequencer:
 
     # -- applying --------------------------------------------------------------------------------------------
     def _apply_live(self, item: Item, now: float) -> list[Action]:
-        """Apply one live batch in sequence (an undecodable one clears the replica: its events are lost)."""
+        """Apply one live batch in sequence."""
         self._remember(item)
-        count = self._count(item.seq)
-        if item.batch is None and item.payload is None:
-            reason = item.failure or "bad_payload"
-            if count:
-                self.stats.dropped[reason] += 1
-            self.stats.notes["undecodable_batch"] += 1
-            out: list[Action] = [Warn(reason, f"dropped batch seq {item.seq}: {reason}")]
-            out += self._clear("undecodable_batch")
-            self._remember(item)  # the clear forgot the sequence; this batch was consumed
-            return out + self._set_degraded(True, now)
-        return [Apply(item, replayed=False, count=count)]
+        return [Apply(item, replayed=False, count=self._count(item.seq))]
 
     def _count(self, seq: int) -> bool:
         """Whether ``seq``'s content is counted now (the first time this engine process's batch is applied)."""
@@ -457,12 +470,22 @@ class Sequencer:
             return True
         return False
 
-    def on_applied(self, orphans_to_replay: int, saw_clear: bool, orphan_pass: bool, now: float) -> list[Action]:
-        """What applying a batch found: orphans whose parent a replay may bring, an ``AllBlocksCleared``."""
+    def on_applied(self, action: Apply, result: ApplyResult, now: float) -> list[Action]:
+        """What applying ``action``'s batch found: an undecodable payload, orphans, an ``AllBlocksCleared``."""
         out: list[Action] = []
-        if orphans_to_replay and self.has_replay and not orphan_pass:
+        if result.undecodable is not None:
+            reason = result.undecodable
+            out.append(Warn(reason, f"dropped batch seq {action.item.seq}: {reason}"))
+            if not action.replayed and self.last_seq == action.item.seq:
+                # its events (a BlockRemoved, say) are lost: no stale entries, degraded until a resync
+                self.stats.notes["undecodable_batch"] += 1
+                out += self._clear("undecodable_batch")
+                self._remember(action.item)  # the clear forgot the sequence; this batch was consumed
+                out += self._set_degraded(True, now)
+            return out
+        if result.orphans_to_replay and self.has_replay and not action.orphan_pass:
             self.orphan_pending = True
-        if saw_clear and self.degraded:  # the engine's state is fully known again: empty
+        if result.saw_clear and self.degraded:  # the engine's state is fully known again: empty
             out += self._set_degraded(False, now)
         return out
 

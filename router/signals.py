@@ -30,7 +30,7 @@ def attach(svc: Services) -> None:
 
 
 def _attach_kv_events(svc: Services) -> None:
-    from membership.kv_events import FeedSpec, KVEventSubscriber
+    from membership.kv_events import FeedSpec, KVEventsConfig, KVEventSubscriber
 
     seed_model = svc.settings.seed_model
 
@@ -45,7 +45,14 @@ def _attach_kv_events(svc: Services) -> None:
                                 bind=spec.bind)
             return spec
 
-    sub = _Subscriber(svc.index)
+    st = svc.settings
+    sub = _Subscriber(svc.index, config=KVEventsConfig(
+        replay_idle_timeout_s=st.kv_replay_idle_timeout_s, replay_total_timeout_s=st.kv_replay_total_timeout_s,
+        max_replay_batches=st.kv_replay_max_batches, replay_max_bytes=st.kv_replay_max_bytes,
+        max_message_bytes=st.kv_max_message_bytes, sub_rcvhwm=st.kv_sub_rcvhwm, replay_rcvhwm=st.kv_replay_rcvhwm,
+        apply_slice_blocks=st.kv_apply_slice_blocks, max_sequence_jump=st.kv_max_sequence_jump,
+        orphan_replay_interval_s=st.kv_orphan_replay_interval_s, degraded_retry_s=st.kv_degraded_retry_s,
+        degraded_hold_s=st.kv_degraded_hold_s))
     sub.register_metrics(svc.telemetry.registry)
 
     def status_for(index: int, name: str) -> Any:
