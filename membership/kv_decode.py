@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -324,6 +324,75 @@ def decode_payload_steps(payload: bytes, *, seq: int = 0, topic: bytes = b"", li
         return DecodeFailure("internal_error", repr(exc)[:200], seq)
 
 
+_ARRAY_HEADS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+
+
+class _Parse:
+    """A batch being parsed: ``ts``, the events one at a time, then ``dp_rank`` (see :func:`_open_batch`)."""
+
+    __slots__ = ("ts_raw", "n_events", "next_event", "finish")
+
+    def __init__(self, ts_raw: object, n_events: int, next_event: Callable[[], object],
+                 finish: Callable[[], object]) -> None:
+        self.ts_raw = ts_raw
+        self.n_events = n_events
+        self.next_event = next_event  # raises on malformed msgpack
+        self.finish = finish  # the rank; raises on malformed msgpack or trailing bytes
+
+
+class _BadBatch(Exception):
+    """Internal: the batch envelope is unusable (``reason`` is the counted label)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _open_batch(payload: bytes) -> _Parse:
+    """Start parsing a batch. Arrays (every released engine) are parsed incrementally, one event at a time, so
+    the caller can yield between events of a large batch; maps are parsed whole.
+
+    Raises:
+        _BadBatch: the envelope is not a usable batch. msgpack errors propagate (``bad_msgpack``).
+    """
+    if payload[0] not in _ARRAY_HEADS:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+        if not isinstance(obj, dict):
+            raise _BadBatch("batch_not_array_or_map", type(obj).__name__)
+        if "events" not in obj:
+            raise _BadBatch("bad_batch", "batch map without 'events'")
+        events = obj["events"]
+        if not isinstance(events, list):
+            raise _BadBatch("bad_batch", f"events is {type(events).__name__}")
+        rank = obj.get("data_parallel_rank", obj.get("attn_dp_rank", obj.get("dp_rank")))
+        return _Parse(obj.get("ts"), len(events), iter(events).__next__, lambda: rank)
+    up = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True, max_buffer_size=len(payload))
+    up.feed(payload)
+    n = up.read_array_header()
+    if n < 2:
+        raise _BadBatch("bad_batch", f"batch array of {n} elements")
+    ts_raw = up.unpack()
+    try:
+        n_events = up.read_array_header()
+    except ValueError:
+        raise _BadBatch("bad_batch", f"events is {type(up.unpack()).__name__}") from None
+
+    def finish() -> object:
+        rank = up.unpack() if n > 2 else None
+        for _ in range(n - 3):
+            up.skip()
+        if up.tell() != len(payload):
+            raise msgpack.ExtraData(None, None)
+        return rank
+
+    return _Parse(ts_raw, n_events, up.unpack, finish)
+
+
+def _bad_msgpack(exc: Exception, seq: int) -> DecodeFailure:
+    return DecodeFailure("bad_msgpack", f"{type(exc).__name__}: {str(exc)[:120]}", seq)
+
+
 def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits,
                     slice_units: int) -> Generator[None, None, DecodedBatch | DecodeFailure]:
     if not payload:
@@ -331,33 +400,25 @@ def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits
     if len(payload) > limits.max_payload_bytes:
         return DecodeFailure("payload_too_large", f"{len(payload)} bytes", seq)
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
-    except Exception as exc:  # ExtraData, FormatError, StackError, ValueError, UnicodeDecodeError, ...
-        return DecodeFailure("bad_msgpack", f"{type(exc).__name__}: {str(exc)[:120]}", seq)
-    if isinstance(obj, list):
-        if len(obj) < 2:
-            return DecodeFailure("bad_batch", f"batch array of {len(obj)} elements", seq)
-        ts_raw, events_raw = obj[0], obj[1]
-        rank_raw = obj[2] if len(obj) > 2 else None
-    elif isinstance(obj, dict):
-        if "events" not in obj:
-            return DecodeFailure("bad_batch", "batch map without 'events'", seq)
-        ts_raw, events_raw = obj.get("ts"), obj["events"]
-        rank_raw = obj.get("data_parallel_rank", obj.get("attn_dp_rank", obj.get("dp_rank")))
-    else:
-        return DecodeFailure("batch_not_array_or_map", type(obj).__name__, seq)
-    if not isinstance(events_raw, list):
-        return DecodeFailure("bad_batch", f"events is {type(events_raw).__name__}", seq)
-    if len(events_raw) > limits.max_events:
-        return DecodeFailure("too_many_events", f"{len(events_raw)} events", seq)
-    ts = float(ts_raw) if _is_number(ts_raw) and math.isfinite(float(ts_raw)) else None
-    rank = rank_raw if isinstance(rank_raw, int) and not isinstance(rank_raw, bool) else None
-    batch = DecodedBatch(seq=seq, topic=topic, ts=ts, dp_rank=rank, events=[],
+        parse = _open_batch(payload)
+    except _BadBatch as bad:
+        return DecodeFailure(bad.reason, bad.detail, seq)
+    except Exception as exc:  # ExtraData, OutOfData, FormatError, StackError, ValueError, UnicodeDecodeError, ...
+        return _bad_msgpack(exc, seq)
+    if parse.n_events > limits.max_events:
+        return DecodeFailure("too_many_events", f"{parse.n_events} events", seq)
+    ts_raw = parse.ts_raw
+    ts = float(ts_raw) if _is_number(ts_raw) and math.isfinite(float(ts_raw)) else None  # type: ignore[arg-type]
+    batch = DecodedBatch(seq=seq, topic=topic, ts=ts, dp_rank=None, events=[],
                          payload_digest=payload_digest(payload))
     if ts is None:
         batch.notes["missing_ts"] += 1
     units = 0
-    for raw in events_raw:
+    for _ in range(parse.n_events):
+        try:
+            raw = parse.next_event()
+        except Exception as exc:
+            return _bad_msgpack(exc, seq)
         units += 8
         try:
             ev = _decode_event(raw, limits, batch.notes)
@@ -375,6 +436,11 @@ def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits
         if slice_units and units >= slice_units:
             units = 0
             yield
+    try:
+        rank_raw = parse.finish()
+    except Exception as exc:
+        return _bad_msgpack(exc, seq)
+    batch.dp_rank = rank_raw if isinstance(rank_raw, int) and not isinstance(rank_raw, bool) else None
     return batch
 
 

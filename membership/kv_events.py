@@ -187,6 +187,9 @@ class _Feed:
         self.task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._told_degraded = False
+        self._sub: zmq.asyncio.Socket | None = None
+        self._disconnected_at: float | None = None  # a disconnect not followed by any reconnect attempt yet
+        self._stall_limit_s = 1.0
         self._log_counts: Counter[str] = Counter()
 
     @property
@@ -229,11 +232,15 @@ class _Feed:
             sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
             sock.setsockopt(zmq.SUBSCRIBE, self.spec.topic.encode())
             # connection events: every (re)connect asks for the engine's history / checks continuity
-            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                          | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED
+                                          | zmq.EVENT_CONNECTED)
             if self.spec.bind:
                 sock.bind(self.spec.endpoint)
             else:
                 sock.connect(self.spec.endpoint)
+            self._sub = sock
+            self._stall_limit_s = 10 * cast(int, sock.getsockopt(zmq.RECONNECT_IVL)) / 1000.0
             # Read through synchronous shadows of the sockets, woken by the event loop watching their ZMQ FDs:
             # no asyncio future per message (zmq.asyncio's poll + recv cost ~0.1 ms of CPU per message). The
             # ZMQ FD only signals that the socket's state MAY have changed, so after every wake-up both sockets
@@ -252,6 +259,7 @@ class _Feed:
                     loop.remove_reader(fd)
         finally:
             self._wake = None
+            self._sub = None
             self.sequencer.connected = False
             if mon is not None:
                 with contextlib.suppress(zmq.ZMQError):
@@ -267,6 +275,7 @@ class _Feed:
         while True:
             try:
                 await self.execute(self.sequencer.tick(clock()))
+                self._check_stalled(clock())
                 while self.inbox:
                     await self.execute(self.inbox.popleft()(clock()))
                 while _readable(monitor):
@@ -301,14 +310,35 @@ class _Feed:
                 await asyncio.sleep(0)
 
     async def _on_monitor(self, frames: list[bytes]) -> None:
-        """A connection event of the SUB socket (disconnect / handshake)."""
+        """A connection event of the SUB socket (disconnect / handshake / ZMQ's reconnect attempts)."""
         if len(frames) < 1 or len(frames[0]) < 2:
             return
         event = int.from_bytes(frames[0][:2], "little")
         if event == zmq.EVENT_DISCONNECTED:
             self.sequencer.on_disconnected()
-        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._disconnected_at = None if self.spec.bind else self.owner.clock()
+            return
+        self._disconnected_at = None  # ZMQ is (re)connecting
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             await self.execute(self.sequencer.on_connected(self.owner.clock()))
+
+    def _check_stalled(self, now: float) -> None:
+        """Reconnect by hand when ZMQ dropped the connection and does not retry.
+
+        ZMQ drops a peer that sends a frame over ``MAXMSGSIZE`` as a protocol error and never reconnects to it;
+        a disconnect followed by no reconnect attempt for 10 reconnect intervals is that case.
+        """
+        since = self._disconnected_at
+        sock = self._sub
+        if since is None or sock is None or now - since < self._stall_limit_s:
+            return
+        self._disconnected_at = None
+        self.stats.notes["forced_reconnects"] += 1
+        self._warn("forced_reconnect", "connection to %s dropped and not retried by ZMQ (a message over "
+                   "max_message_bytes = %d bytes?): reconnecting", self.spec.endpoint, self.cfg.max_message_bytes)
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disconnect(self.spec.endpoint)
+        sock.connect(self.spec.endpoint)
 
     async def handle_live(self, frames: list[bytes]) -> None:
         """Handle one live PUB message (its payload is decoded when the sequencer says to apply it)."""
