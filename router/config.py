@@ -328,6 +328,45 @@ class Settings(BaseSettings):
         default=_GATE.max_wait_s, gt=0,
         description="cache-first dispatch: a request waiting this long is sent regardless of the gate (s)")
 
+    # --- KV events: feed timing and byte budgets (membership/kv_events.py; the "events" helper's block) ---
+    kv_replay_idle_timeout_s: float = Field(
+        default=2.0, gt=0, description="KV events: longest wait for the next replay message before a replay "
+                                       "counts as failed (s)")
+    kv_replay_total_timeout_s: float = Field(
+        default=15.0, gt=0, description="KV events: longest time one replay may take in total (s)")
+    kv_replay_max_batches: int = Field(
+        default=200_000, ge=1, description="KV events: most batches accepted from one replay (more: the replay "
+                                           "fails, the replica is cleared and degraded)")
+    kv_replay_max_bytes: int = Field(
+        default=256 << 20, ge=1, description="KV events: most payload bytes accepted from one replay (more: the "
+                                             "replay fails, counted as replays{trigger:too_large}, logged)")
+    kv_max_message_bytes: int = Field(
+        default=64 << 20, ge=1024, description="KV events: largest ZMQ frame accepted on the SUB and replay "
+                                               "sockets (ZMQ MAXMSGSIZE: a larger one drops the connection) "
+                                               "and largest batch payload decoded (bytes)")
+    kv_sub_rcvhwm: int = Field(
+        default=10_000, ge=1, description="KV events: receive queue of each SUB socket (messages; beyond it "
+                                          "ZMQ drops and the feed repairs the gap by replay)")
+    kv_replay_rcvhwm: int = Field(
+        default=20_000, ge=1, description="KV events: receive queue of each replay socket (messages; at least "
+                                          "the engine's replay buffer, vLLM's default is 10,000 batches)")
+    kv_apply_slice_blocks: int = Field(
+        default=8_192, ge=1, description="KV events: engine blocks decoded / applied between two yields to the "
+                                         "event loop (a 500k-block batch never blocks routing for long)")
+    kv_max_sequence_jump: int = Field(
+        default=1_000_000, ge=1, description="KV events: largest forward sequence jump handled as a gap "
+                                             "(batches); a larger one is a new sequence: counted once, cleared, "
+                                             "resynchronised")
+    kv_orphan_replay_interval_s: float = Field(
+        default=10.0, gt=0, description="KV events: least time between two orphan-triggered replays of one "
+                                        "replica (s; doubles while orphans keep coming)")
+    kv_degraded_retry_s: float = Field(
+        default=15.0, gt=0, description="KV events: how often a degraded replica with a replay endpoint retries "
+                                        "a full resync (s)")
+    kv_degraded_hold_s: float = Field(
+        default=60.0, gt=0, description="KV events: how long a replica without a replay endpoint stays "
+                                        "degraded after its last loss (s)")
+
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
     @classmethod

@@ -14,7 +14,7 @@ from typing import Any
 
 from index.prefix_index import PrefixIndex
 from membership.engine_metrics import MetricsScraper
-from membership.kv_events import FeedSpec, KVEventSubscriber
+from membership.kv_events import FeedSpec, KVEventsConfig, KVEventSubscriber
 from membership.replicas import Replica, ReplicaTable
 from router.config import Settings
 
@@ -28,8 +28,8 @@ _FEED_FIELDS = ("connected", "last_seq", "batches", "stored_blocks", "removed_bl
 class _SeededSubscriber(KVEventSubscriber):
     """A subscriber whose event chains use the router's ``seed_model`` override, so both sides share root seeds."""
 
-    def __init__(self, index: PrefixIndex, seed_model: str) -> None:
-        super().__init__(index)
+    def __init__(self, index: PrefixIndex, seed_model: str, config: KVEventsConfig) -> None:
+        super().__init__(index, config=config)
         self.seed_model = seed_model
 
     def spec_for(self, replica: Any) -> FeedSpec | None:
@@ -51,9 +51,22 @@ def build_kv_events(settings: Settings, index: PrefixIndex) -> KVEventSubscriber
     """The KV-event subscriber feeding ``index`` (not started), or None when no replica can publish events."""
     if not wants_kv_events(settings):
         return None
+    config = kv_events_config(settings)
     if settings.seed_model:
-        return _SeededSubscriber(index, settings.seed_model)
-    return KVEventSubscriber(index)
+        return _SeededSubscriber(index, settings.seed_model, config)
+    return KVEventSubscriber(index, config=config)
+
+
+def kv_events_config(settings: Settings) -> KVEventsConfig:
+    """The subscriber's tuning from the ``kv_*`` Settings fields."""
+    st = settings
+    return KVEventsConfig(
+        replay_idle_timeout_s=st.kv_replay_idle_timeout_s, replay_total_timeout_s=st.kv_replay_total_timeout_s,
+        max_replay_batches=st.kv_replay_max_batches, replay_max_bytes=st.kv_replay_max_bytes,
+        max_message_bytes=st.kv_max_message_bytes, sub_rcvhwm=st.kv_sub_rcvhwm, replay_rcvhwm=st.kv_replay_rcvhwm,
+        apply_slice_blocks=st.kv_apply_slice_blocks, max_sequence_jump=st.kv_max_sequence_jump,
+        orphan_replay_interval_s=st.kv_orphan_replay_interval_s, degraded_retry_s=st.kv_degraded_retry_s,
+        degraded_hold_s=st.kv_degraded_hold_s)
 
 
 def events_healthy(sub: KVEventSubscriber | None, rep: Replica) -> bool:
