@@ -117,7 +117,15 @@ class Membership:
     # -- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Probe the static replicas (so a healthy fleet is ready at once), then start Redis shared state,
-        health probes of discovered replicas and the pod watcher (those that are configured)."""
+        health probes of discovered replicas and the pod watcher (those that are configured). A part that fails
+        to start stops the ones already started before the error propagates."""
+        try:
+            await self._start_parts()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_parts(self) -> None:
         await self.static.start()
         if self.shared is not None:
             await self.shared.start()
