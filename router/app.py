@@ -40,6 +40,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from index.prefix_index import PrefixIndex
+from membership import engine_tls
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
 from membership.static import StaticMembership
@@ -304,6 +305,9 @@ def build_services(settings: Settings) -> Services:
         ValueError / KeyError / TokenizerError: invalid configuration (message names the option).
     """
     telemetry = Telemetry()
+    # TLS to https:// engines (proxy, probes, scrapes, /tokenize): one verified context from Settings
+    engine_tls.configure(engine_tls.EngineTLS(settings.engine_ca_bundle, settings.engine_client_cert,
+                                              settings.engine_client_key))
     table = ReplicaTable(make_allocator(settings))  # membership: ordinals / Redis registry / grace
     index = PrefixIndex(block_size=settings.block_size, max_nodes=settings.index_max_nodes,
                         max_bytes=settings.index_max_bytes, predicted_ttl_s=settings.predicted_ttl_s)
@@ -357,7 +361,9 @@ def build_services(settings: Settings) -> Services:
         max_retries=settings.max_retries, max_connections=settings.max_connections,
         keepalive_timeout_s=settings.keepalive_timeout_s,
         engine_api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
-        retry_after_s=settings.retry_after_s),
+        retry_after_s=settings.retry_after_s, max_header_bytes=settings.engine_max_header_bytes,
+        max_headers=settings.engine_max_headers, max_body_bytes=settings.engine_max_body_bytes,
+        body_idle_timeout_s=settings.engine_body_idle_timeout_s, stream_usage=settings.engine_stream_usage),
         on_connection_failure=on_connection_failure, token_ids=token_ids)
     gate = DispatchGate(DispatchSettings(limit_tokens=settings.dispatch_limit_tokens,
                                          patience_s=settings.dispatch_patience_s,
@@ -840,6 +846,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
                 "kv_events": _safe_call(ev) if ev else None,
                 "health": svc.membership.health_of(r.name),
                 "token_ids": token_ids_check.state(r) if token_ids_check else "off",
+                "engine": _engine_info(svc, r.index),
             })
         return {"replicas": out}
 
@@ -934,6 +941,13 @@ def _tokenize_url(svc: Services, model: str, lora: str | None) -> str | None:
     if not reps:
         return None
     return min(reps, key=lambda r: r.load.inflight_requests).url
+
+
+def _engine_info(svc: Services, index: int) -> dict[str, Any] | None:
+    """What the engine-metrics scraper learned about a replica's engine (block size vs the router's, ...)."""
+    scraper = svc.extras.get("engine_metrics")
+    info = getattr(scraper, "engine_info", None)
+    return info(index) if info is not None else None
 
 
 def _safe_call(fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:

@@ -98,7 +98,8 @@ def _attach_engine_metrics(svc: Services) -> None:
     key = svc.settings.engine_api_key
     headers = {"authorization": f"Bearer {key.get_secret_value()}"} if key else None
     scraper = factory(svc.table, interval_s=svc.settings.scrape_interval_s,
-                      timeout_s=svc.settings.scrape_timeout_s, headers=headers)
+                      timeout_s=svc.settings.scrape_timeout_s, headers=headers,
+                      router_block_size=svc.settings.block_size)
     if hasattr(scraper, "register_metrics"):
         scraper.register_metrics(svc.telemetry.registry)
     # inflight_prefill_tokens: the router releases a request's tokens at its first byte (exact and immediate);
