@@ -879,7 +879,8 @@ class SSEValidator:
         if self.pending.strip():
             raise BadStream(f"the stream ended inside an event: {self.pending[:60]!r}")
         if not self.done:
-            raise BadStream("the stream ended without data: [DONE]")
+            # (worded without the marker itself: the idempotency guard looks for the last "data: [DONE]")
+            raise BadStream("the stream ended without its final DONE event")
 
 
 def _sse_error(status: int, message: str, code: str) -> bytes:
