@@ -497,7 +497,10 @@ class EnginePool:
                                        f"{self.connect_timeout_s:g}s") from None
         except (ssl.SSLError, ssl.CertificateError) as exc:
             self._release_slot()
-            reason = getattr(exc, "verify_message", None) or getattr(exc, "reason", None) or str(exc)
+            if isinstance(exc, ssl.SSLCertVerificationError):
+                reason = f"certificate verify failed: {exc.verify_message or exc.reason}"
+            else:
+                reason = str(getattr(exc, "reason", None) or exc)
             raise EngineTLSError(f"TLS handshake with {host}:{port} failed: {reason} (is the engine's CA in "
                                  f"engine_ca_bundle?)") from None
         except OSError as exc:
