@@ -28,6 +28,13 @@ Load inputs and what happens when they are unknown (``None``):
 Prefill rate and fixed overhead come from the candidate's profile until online calibration (``observe``) has
 ``calibration_min_samples`` samples for that replica; then the calibrated values are used.
 
+A candidate whose inputs make its score impossible (a load value that is negative, NaN or so large the
+arithmetic overflows; a score that is not a finite non-negative number of seconds) is excluded: it gets score
+``inf`` and ``parts["excluded"] = 1``, is left out of the ranking and counted in ``excluded_candidates``; the
+decision is made among the others (when none is left, by fewest in-flight requests, branch ``unscorable``). One
+replica's broken metrics never fail a request. A profile without a positive prefill rate is a configuration
+error and raises.
+
 Ties are broken by candidate order (deterministic). The decision's parts per candidate: ``Q``, ``R``, ``C``,
 ``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``W`` (seconds / probability),
 ``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). The score is ``E + W`` (mean) or ``tail + W`` (tail).
