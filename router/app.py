@@ -751,6 +751,7 @@ def _replica_json(svc: Services, r: Replica) -> dict[str, Any]:
         "kv_events": signals.feed_status(svc.kv_events, r),
         "health": svc.membership.health_of(r.name),
         "token_ids": svc.token_ids.state(r),
+        "engine": svc.engine_metrics.engine_info(r.index),
     }
 
 

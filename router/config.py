@@ -366,6 +366,35 @@ class Settings(BaseSettings):
     kv_degraded_hold_s: float = Field(
         default=60.0, gt=0, description="KV events: how long a replica without a replay endpoint stays "
                                         "degraded after its last loss (s)")
+    # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine_client.py,
+    # router/proxy.py, membership/engine_tls.py) ---
+    engine_max_header_bytes: int = Field(
+        default=65536, ge=1024,
+        description="largest status line + headers of an engine response (bytes); over it the attempt fails "
+                    "(502, retried on another replica before the first byte)")
+    engine_max_headers: int = Field(
+        default=100, ge=8, description="most header lines in an engine response; over it the attempt fails (502)")
+    engine_max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=65536,
+        description="largest non-streamed engine response body, and largest single SSE event of a stream (bytes); "
+                    "over it the client gets a 502 (upstream_body_too_large), or an SSE error event mid-stream")
+    engine_body_idle_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="max silence while reading the rest of a non-streamed engine response body (s); longer -> "
+                    "504 (upstream_body_stalled), long before total_timeout_s")
+    engine_ca_bundle: str | None = Field(
+        default=None,
+        description="PEM file of CA certificates trusted for https:// engines (proxy, probes, scrapes, /tokenize); "
+                    "None = the system CA store. Certificates are always verified")
+    engine_client_cert: str | None = Field(
+        default=None, description="PEM client certificate presented to https:// engines (mutual TLS); None = none")
+    engine_client_key: str | None = Field(
+        default=None, description="PEM private key of engine_client_cert (None = inside engine_client_cert)")
+    engine_stream_usage: bool = Field(
+        default=True,
+        description="ask engines for usage on proxied streams (stream_options.include_usage) so cached-token "
+                    "feedback and calibration work with a default vLLM; the usage chunk is removed from what the "
+                    "client receives unless the client asked for it")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
@@ -454,7 +483,9 @@ class Settings(BaseSettings):
             max_retries=self.max_retries, max_connections=self.max_connections,
             keepalive_timeout_s=self.keepalive_timeout_s,
             engine_api_key=self.engine_api_key.get_secret_value() if self.engine_api_key else None,
-            retry_after_s=self.retry_after_s)
+            retry_after_s=self.retry_after_s, max_header_bytes=self.engine_max_header_bytes,
+            max_headers=self.engine_max_headers, max_body_bytes=self.engine_max_body_bytes,
+            body_idle_timeout_s=self.engine_body_idle_timeout_s, stream_usage=self.engine_stream_usage)
 
     def dispatch(self) -> DispatchSettings:
         """The cache-first dispatch gate."""

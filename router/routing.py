@@ -326,7 +326,7 @@ class Router:
         cands: list[Candidate] = []
         cached: dict[int, int] = {}
         for r in reps:
-            hit = hit_from_match(matches.get(r.index), n, bs)
+            hit = hit_from_match(matches.get(r.index), n, bs, r.load.engine_block_size)
             cached[r.index] = hit.total
             cands.append(Candidate(index=r.index, name=r.name, load=self.load_view(r), hit=hit,
                                    profile=r.profile, state=r.state.value))
