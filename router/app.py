@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -33,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -48,8 +47,10 @@ from policies.dispatch import DispatchSettings
 from router.admission import Admission, Rejected, admission_gauges
 from router.config import Settings
 from router.dispatch import DispatchGate, dispatch_gauges
+from router.guard import install as install_guard
 from router.idempotency import HEADER as IDEMPOTENCY_HEADER
 from router.idempotency import IdempotencyGuard
+from router.intake import dump_messages, parse_json
 from router.proxy import Proxy, ProxyConfig, error_response, new_request_id
 from router.routing import Router, RoutingError, RoutingInput, build_profile, decision_json
 from router.telemetry import CONTENT_TYPE, Telemetry, gauge
@@ -66,7 +67,7 @@ _M = TypeVar("_M", bound=BaseModel)
 #: largest max_tokens accepted (engines cap it by their context length anyway), tokens
 _MAX_TOKENS = (1 << 31) - 1
 #: a token id as the engines take it (uint32); the schema says so, so clients and fuzzers know the bounds
-TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 32, strict=True)]  # strict: true / 2.0 are not token ids
 PromptT = str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
@@ -235,7 +236,7 @@ class ReplicaOut(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str
     index: int
-    url: str
+    url: str | None = Field(description="base URL (null unless the caller is an admin: admin_token, or no auth)")
     state: str
     dialect: str
     role: str
@@ -480,6 +481,9 @@ class _Edge:
         except _BodyTooLarge:
             status["code"] = 413
             await _send_too_large(send, self.max_body)
+        except Exception:  # unhandled: Starlette's error middleware (outside this one) answers 500
+            self.telemetry.requests.labels(route, str(status["code"])).inc()
+            raise
         self.telemetry.requests.labels(route, str(status["code"])).inc()
 
 
@@ -520,6 +524,9 @@ class _KvrouteApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: the data-plane routes directly, everything else through FastAPI."""
+        guard = getattr(self, "guard", None)  # router/guard.py: auth and shedding from the headers, before any body
+        if guard is not None and scope["type"] == "http" and not await guard.admit(scope, send):
+            return
         routes = getattr(self, "_fast_routes", None)
         if routes and scope["type"] == "http" and scope.get("method") == "POST" and scope["path"] in routes:
             await self._fast(scope, receive, send)
@@ -615,6 +622,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     app = _KvrouteApp(title="kvroute", version="0.1.0", lifespan=lifespan,
                   description="Cache-aware router for LLM inference fleets (OpenAI-compatible).")
     app.state.services = svc
+    edge = install_guard(app, svc)  # router/guard.py: auth before the body, input limits, loop-lag shedding
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
@@ -647,27 +655,15 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         return error_response(400, str(exc), "tokenization_failed")
 
     # -- auth --------------------------------------------------------------------------------------------
-    api_keys = {k.get_secret_value() for k in settings.api_keys}
-
     def check_client(request: Request) -> None:
-        if not api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if not given or not any(hmac.compare_digest(given, k) for k in api_keys):
+        if not edge.auth.client_ok(request.headers.get("authorization")):
             raise _AuthError()
 
-    admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
-
     def check_admin(request: Request) -> None:
-        """Admin / introspection endpoints need the admin bearer token when one is configured."""
-        if admin_token is None:
-            return
-        auth = request.headers.get("authorization", "")
-        if not auth.lower().startswith("bearer ") or not auth[7:].strip():
-            raise _AuthError("missing admin token (Authorization: Bearer <admin_token>)")
-        if not hmac.compare_digest(auth[7:].strip(), admin_token):
-            raise _Forbidden("the bearer token is not the admin token (admin_token)")
+        """Admin / introspection endpoints: the admin token when configured, else an API key when configured."""
+        status, message = edge.auth.admin_status(request.headers.get("authorization"))
+        if status:
+            raise _AuthError(message) if status == 401 else _Forbidden(message)
 
     @app.exception_handler(_Forbidden)
     async def _forbidden(request: Request, exc: _Forbidden) -> Response:
@@ -690,7 +686,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
             if messages is not None:
                 chat = chat or {}
                 token_ids = await svc.tokenizer.encode_chat(
-                    [m.model_dump(exclude_none=True) for m in messages], model=body.model, url=url,
+                    await dump_messages(messages), model=body.model, url=url,
                     add_generation_prompt=chat.get("add_generation_prompt", True), tools=chat.get("tools"),
                     template_kwargs=chat.get("chat_template_kwargs"))
             else:
@@ -728,7 +724,8 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is not None:
             return await idempotency.handle(key, path, await request.body(), stream, inp.request_id,
-                                            lambda: _serve(request, inp, path, stream, ids))
+                                            lambda: _serve(request, inp, path, stream, ids),
+                                            principal=edge.auth.principal(request.headers.get("authorization")))
         return await _serve(request, inp, path, stream, ids)
 
     async def _serve(request: Request, inp: RoutingInput, path: str, stream: bool,
@@ -823,18 +820,21 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
                                       "chat_template_kwargs": body.chat_template_kwargs})
         routed = svc.router.decide(inp)
         svc.telemetry.decision_seconds.observe(routed.decision_s)
-        return decision_json(routed, svc.table, settings.block_size)
+        return decision_json(routed, svc.table, settings.block_size,
+                             show_urls=edge.auth.is_admin(request.headers.get("authorization")))
 
     # -- control plane -----------------------------------------------------------------------------------
     @app.get("/replicas", response_model=ReplicaList, responses={401: _ERR, 403: _ERR}, summary="replicas with state, load view and freshness")
     async def replicas(request: Request) -> Any:
         check_admin(request)
+        show_urls = edge.auth.is_admin(request.headers.get("authorization"))  # addresses: admins only
         out = []
         token_ids_check = svc.extras.get("token_ids")
         for r in svc.table.all():
             ev = svc.event_status.get(r.name)
             out.append({
-                "name": r.name, "index": r.index, "url": r.url, "state": r.state.value, "dialect": r.dialect,
+                "name": r.name, "index": r.index, "url": r.url if show_urls else None, "state": r.state.value,
+                "dialect": r.dialect,
                 "role": r.role, "models": r.models, "loras": r.loras,
                 "load": {k: getattr(r.load, k) for k in r.load.__slots__},
                 "kv_events": _safe_call(ev) if ev else None,
@@ -903,15 +903,8 @@ async def _parse(request: Request, model: type[_M]) -> tuple[_M, Any]:
         RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
     """
     raw = await request.body()
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": str(exc),
-                                       "input": None}]) from None
-    try:
-        return model.model_validate(data), data
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    intake = getattr(request.app.state, "intake", None)  # router/intake.py: limits first, large bodies off the loop
+    return await intake.parse(raw, model) if intake is not None else parse_json(raw, model)
 
 
 class _AuthError(Exception):

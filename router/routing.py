@@ -398,8 +398,12 @@ class Router:
             log.exception("policy.observe failed")
 
 
-def decision_json(routed: Routed, table: ReplicaTable, block_size: int) -> dict[str, Any]:
-    """The JSON form of a decision for ``POST /route``: chosen replica, ranking, every candidate's parts."""
+def decision_json(routed: Routed, table: ReplicaTable, block_size: int, *, show_urls: bool = True) -> dict[str, Any]:
+    """The JSON form of a decision for ``POST /route``: chosen replica, ranking, every candidate's parts.
+
+    ``show_urls``: include the replicas' URLs (internal addresses: the router shows them to admins only); else
+    every ``url`` is None.
+    """
     d = routed.decision
     chosen = table.by_index(d.chosen)
     by_index = {c.index: c for c in routed.candidates}
@@ -409,7 +413,7 @@ def decision_json(routed: Routed, table: ReplicaTable, block_size: int) -> dict[
         rep = table.by_index(s.index)
         hit = c.hit if c else PrefixHit()
         cands.append({
-            "name": s.name, "index": s.index, "url": rep.url if rep else None,
+            "name": s.name, "index": s.index, "url": rep.url if rep and show_urls else None,
             "score": _finite(s.score),
             # the expected TTFT (hit and miss paths weighted by p) when the policy models it, else its T / score
             "predicted_ttft_s": _finite(s.parts.get("E", s.parts.get("T", s.score))),
@@ -423,7 +427,7 @@ def decision_json(routed: Routed, table: ReplicaTable, block_size: int) -> dict[
         })
     return {
         "chosen": {"name": chosen.name if chosen else None, "index": d.chosen,
-                   "url": chosen.url if chosen else None},
+                   "url": chosen.url if chosen and show_urls else None},
         "policy": d.policy, "branch": d.branch,
         "ranking": [_name(table, i) for i in d.ranking],
         "model": routed.inp.model, "lora": routed.inp.lora,
