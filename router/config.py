@@ -368,7 +368,7 @@ class Settings(BaseSettings):
         description="the router's current lag is the largest probe delay measured this long back (or the "
                     "probe's own overdue time), s")
     max_event_loop_lag_s: float = Field(
-        default=0.5, ge=0,
+        default=1.0, ge=0,
         description="when the event loop lags more than this (s), new /v1/* and /route requests are shed with "
                     "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
                     "never are); 0 = never shed")
