@@ -50,7 +50,7 @@ from router.dispatch import DispatchGate, dispatch_gauges
 from router.guard import install as install_guard
 from router.idempotency import HEADER as IDEMPOTENCY_HEADER
 from router.idempotency import IdempotencyGuard
-from router.intake import dump_messages, parse_json
+from router.intake import dump_messages, parse_json, sequences
 from router.proxy import Proxy, ProxyConfig, error_response, new_request_id
 from router.routing import Router, RoutingError, RoutingInput, build_profile, decision_json
 from router.telemetry import CONTENT_TYPE, Telemetry, gauge
@@ -705,7 +705,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         return svc.router.make_input(model, lora, token_ids, base_model=base, cache_salt=body.cache_salt,
                                      session_id=request.headers.get(settings.session_header),
                                      request_id=new_request_id(request.headers.get("x-request-id")),
-                                     expected_output_tokens=max_out)
+                                     expected_output_tokens=max_out, copies=sequences(body.model_extra))
 
     @app.exception_handler(_BadTokens)
     async def _bad_tokens(request: Request, exc: _BadTokens) -> Response:

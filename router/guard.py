@@ -70,8 +70,13 @@ class Auth:
         return found
 
     def client_ok(self, authorization: Header) -> bool:
-        """True when the request may use the data plane (no keys configured, or one of them presented)."""
-        return not self.api_keys or self._is_key(_bearer(authorization))
+        """True when the request may use the data plane: no keys configured, or one of them presented (or the
+        admin token: an admin may do what a client does, e.g. ``/route`` with replica URLs)."""
+        if not self.api_keys:
+            return True
+        token = _bearer(authorization)
+        admin = self.admin_token is not None and token is not None and hmac.compare_digest(token, self.admin_token)
+        return self._is_key(token) or admin
 
     def admin_status(self, authorization: Header) -> tuple[int, str]:
         """``(0, "")`` when the request may read the admin views, else ``(401 | 403, message)``."""

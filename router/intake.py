@@ -322,3 +322,14 @@ def is_large_chat(messages: Sequence[Any], min_chars: int) -> bool:
             chars += sum(len(p.get("text", "")) for p in content if isinstance(p, dict)
                          and isinstance(p.get("text"), str))
     return chars >= min_chars
+
+
+def sequences(extra: dict[str, Any] | None) -> int:
+    """Sequences a request asks the engine for: the larger of its ``n`` and ``best_of`` (vLLM) when they are
+    integers >= 1, else 1 (the engine validates them)."""
+    count = 1
+    for key in ("n", "best_of"):
+        value = (extra or {}).get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > count:
+            count = value
+    return count

@@ -85,10 +85,10 @@ class LoopLag:
 
     def lag_s(self, now: float | None = None) -> float:
         """The loop's current lag: the largest delay measured within ``window_s``, or the probe's overdue time."""
-        loop = self._loop
-        if loop is None:
-            return 0.0
-        now = loop.time() if now is None else now
+        if now is None:
+            if self._loop is None:
+                return 0.0
+            now = self._loop.time()
         recent = self._recent
         while recent and now - recent[0][0] > self.window_s:
             recent.popleft()

@@ -135,7 +135,9 @@ class RoutingInput:
         keys: chained block keys of the prompt's full blocks.
         seed: the root seed used for ``keys``.
         session_id, request_id: from headers.
-        expected_output_tokens: ``max_tokens`` when given, else 0, tokens.
+        expected_output_tokens: ``max_tokens`` when given, else 0, times ``copies``, tokens.
+        copies: sequences the engine generates for it (OpenAI ``n`` / vLLM ``best_of``, at least 1): it counts
+            as this many requests in flight on its replica.
     """
 
     model: str
@@ -146,6 +148,7 @@ class RoutingInput:
     session_id: str | None = None
     request_id: str = ""
     expected_output_tokens: int = 0
+    copies: int = 1
 
     @property
     def prompt_tokens(self) -> int:
@@ -270,13 +273,15 @@ class Router:
     def make_input(self, model: str, lora: str | None, token_ids: list[int], *, base_model: str | None = None,
                    cache_salt: str | None = None,
                    session_id: str | None = None, request_id: str = "",
-                   expected_output_tokens: int = 0) -> RoutingInput:
-        """Hash ``token_ids`` into block keys and bundle the routing input."""
+                   expected_output_tokens: int = 0, copies: int = 1) -> RoutingInput:
+        """Hash ``token_ids`` into block keys and bundle the routing input (``copies``: see ``RoutingInput``;
+        ``expected_output_tokens`` is per sequence)."""
         seed = self.seed_for(base_model or model, lora, cache_salt)
         keys = block_keys(token_ids, self.block_size, seed)
+        copies = max(1, copies)
         return RoutingInput(model=model, lora=lora, token_ids=token_ids, keys=keys, seed=seed,
                             session_id=session_id, request_id=request_id,
-                            expected_output_tokens=expected_output_tokens)
+                            expected_output_tokens=expected_output_tokens * copies, copies=copies)
 
     # -- decisions -------------------------------------------------------------------------------------
     def candidates_for(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> list[Replica]:
@@ -338,10 +343,11 @@ class Router:
                       decision_s=time.perf_counter() - t0)
 
     # -- accounting ------------------------------------------------------------------------------------
-    def acquire(self, rep: Replica, uncached_tokens: int) -> None:
-        """Count a request as in flight on ``rep`` BEFORE it is dispatched (uncached prefill tokens)."""
+    def acquire(self, rep: Replica, uncached_tokens: int, copies: int = 1) -> None:
+        """Count a request as in flight on ``rep`` BEFORE it is dispatched (uncached prefill tokens; ``copies``
+        sequences, each counted as a request: the prompt is prefilled once)."""
         tokens = max(0, uncached_tokens)
-        rep.load.inflight_requests += 1
+        rep.load.inflight_requests += max(1, copies)
         rep.load.inflight_prefill_tokens += tokens
         self._pending[rep.index] = self._pending.get(rep.index, 0) + tokens
 
@@ -371,9 +377,9 @@ class Router:
             return replace(load, queued_prefill_tokens=pending, inflight_prefill_tokens=0)
         return load
 
-    def release(self, rep: Replica) -> None:
-        """The request finished on ``rep`` (any outcome)."""
-        rep.load.inflight_requests = max(0, rep.load.inflight_requests - 1)
+    def release(self, rep: Replica, copies: int = 1) -> None:
+        """The request (of ``copies`` sequences, as acquired) finished on ``rep`` (any outcome)."""
+        rep.load.inflight_requests = max(0, rep.load.inflight_requests - max(1, copies))
 
     def wants_prediction(self, rep: Replica) -> bool:
         """True when routing to ``rep`` should record predicted index entries."""

@@ -318,3 +318,74 @@ def test_event_loop_lag_sheds_new_work_never_probes() -> None:
         # once the lag has left the window, work is admitted again
         wait_until(lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30).status_code == 200,
                    timeout=15, what="admitted again")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 24's lower items
+# ---------------------------------------------------------------------------------------------------------
+
+def test_keys_protect_admin_views_urls_for_admins_strict_ids_and_n_counted() -> None:
+    client = {"authorization": f"Bearer {KEY}"}
+    with engines(("e0", [])) as engs, router(engs, "--api-key", KEY) as r:
+        u = r.url
+        # only API keys configured: the admin views are not open (main: 200 without any key)
+        for path in ("/replicas", "/index/stats"):
+            assert httpx.get(u + path, timeout=5).status_code == 401, path
+            assert httpx.get(u + path, headers=client, timeout=5).status_code == 200, path
+        assert [x["url"] for x in httpx.get(u + "/replicas", headers=client).json()["replicas"]] == [None]
+        # /route shows no engine address to a client (main: every URL)
+        d = httpx.post(u + "/route", json={"model": MODEL, "token_ids": [1, 2, 3]}, headers=client, timeout=10)
+        assert d.status_code == 200, d.text
+        assert d.json()["chosen"]["url"] is None and d.json()["chosen"]["name"] == "e0"
+        assert all(c["url"] is None for c in d.json()["candidates"])
+        # booleans and floats are not token ids (main: accepted as 1 and 2)
+        for ids in ([1, True], [1, 2.0], [0.5]):
+            bad = httpx.post(u + "/route", json={"model": MODEL, "token_ids": ids}, headers=client, timeout=10)
+            assert bad.status_code == 422 and bad.json()["error"]["param"].startswith("token_ids"), (ids, bad.text)
+        bad = httpx.post(u + "/v1/completions", json={"model": MODEL, "prompt": [3, False]}, headers=client)
+        assert bad.status_code == 422, bad.text
+        # n = 3 sequences count as 3 requests in flight on their replica while served (main: 1)
+        assert httpx.post(engs[0].url + "/admin/faults", json={"stall_s": 3}, timeout=5).status_code == 200
+        done: list[httpx.Response] = []
+        th = threading.Thread(target=lambda: done.append(httpx.post(
+            u + "/v1/completions", json={**completion(), "n": 3}, headers=client, timeout=30)), daemon=True)
+        th.start()
+
+        def inflight() -> int:
+            reps = httpx.get(u + "/replicas", headers=client, timeout=5).json()["replicas"]
+            return int(reps[0]["load"]["inflight_requests"])
+
+        wait_until(lambda: inflight() == 3, timeout=10, what="3 sequences in flight")
+        th.join(timeout=30)
+        assert done and done[0].status_code == 200, done
+        assert inflight() == 0
+    admin = {"authorization": "Bearer abuse-admin"}
+    with engines(("e0", [])) as engs, router(engs, "--api-key", KEY, "--admin-token", "abuse-admin") as r:
+        body = {"model": MODEL, "token_ids": [1, 2, 3]}
+        shown = httpx.post(r.url + "/route", json=body, headers=admin, timeout=10).json()
+        assert shown["chosen"]["url"] == engs[0].url and shown["candidates"][0]["url"] == engs[0].url
+        hidden = httpx.post(r.url + "/route", json=body, headers=client, timeout=10).json()
+        assert hidden["chosen"]["url"] is None
+
+
+def test_idempotency_keys_are_scoped_by_client() -> None:
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    try:
+        with engines(("e0", [])) as engs, router(engs, "--api-key", "client-a", "--api-key", "client-b",
+                                                 "--redis-url", server.url) as r:
+            u = r.url
+            wait_until(lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected")
+            body = completion("transfer 100 to bob " * 4)
+            a = {"authorization": "Bearer client-a", "idempotency-key": "k-1"}
+            b = {"authorization": "Bearer client-b", "idempotency-key": "k-1"}
+            first = httpx.post(u + "/v1/completions", json=body, headers=a, timeout=30)
+            assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+            # another client with the same key and body: served for itself, never given client a's answer
+            other = httpx.post(u + "/v1/completions", json=body, headers=b, timeout=30)
+            assert other.status_code == 200 and "idempotent-replayed" not in other.headers, other.headers
+            again = httpx.post(u + "/v1/completions", json=body, headers=a, timeout=30)
+            assert again.headers.get("idempotent-replayed") == "true" and again.content == first.content
+    finally:
+        server.stop()
