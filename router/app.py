@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -50,7 +50,7 @@ from router.dispatch import DispatchGate, dispatch_gauges
 from router.guard import install as install_guard
 from router.idempotency import HEADER as IDEMPOTENCY_HEADER
 from router.idempotency import IdempotencyGuard
-from router.intake import dump_messages, parse_json, sequences
+from router.intake import dump_messages, not_a_bool, parse_json, sequences
 from router.proxy import Proxy, ProxyConfig, error_response, new_request_id
 from router.routing import Router, RoutingError, RoutingInput, build_profile, decision_json
 from router.telemetry import CONTENT_TYPE, Telemetry, gauge
@@ -67,7 +67,7 @@ _M = TypeVar("_M", bound=BaseModel)
 #: largest max_tokens accepted (engines cap it by their context length anyway), tokens
 _MAX_TOKENS = (1 << 31) - 1
 #: a token id as the engines take it (uint32); the schema says so, so clients and fuzzers know the bounds
-TokenId = Annotated[int, Field(ge=0, lt=1 << 32, strict=True)]  # strict: true / 2.0 are not token ids
+TokenId = Annotated[int, BeforeValidator(not_a_bool), Field(ge=0, lt=1 << 32)]
 PromptT = str | list[TokenId] | list[str] | list[list[TokenId]]
 
 

@@ -333,3 +333,16 @@ def sequences(extra: dict[str, Any] | None) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and value > count:
             count = value
     return count
+
+
+def not_a_bool(value: Any) -> Any:
+    """Validator of token ids: a JSON boolean is not an integer (pydantic would read ``true`` as 1). Integral
+    numbers written as ``2.0`` stay accepted: JSON has one number type and the OpenAPI ``integer`` includes them;
+    fractions are refused by the ``int`` type itself.
+
+    Raises:
+        ValueError: ``value`` is a boolean.
+    """
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a token id")
+    return value

@@ -338,12 +338,14 @@ def test_keys_protect_admin_views_urls_for_admins_strict_ids_and_n_counted() -> 
         assert d.status_code == 200, d.text
         assert d.json()["chosen"]["url"] is None and d.json()["chosen"]["name"] == "e0"
         assert all(c["url"] is None for c in d.json()["candidates"])
-        # booleans and floats are not token ids (main: accepted as 1 and 2)
-        for ids in ([1, True], [1, 2.0], [0.5]):
+        # booleans are not token ids (main: read as 1), nor fractions; 2.0 is the JSON integer 2 (OpenAPI integer)
+        for ids in ([1, True], [False], [0.5]):
             bad = httpx.post(u + "/route", json={"model": MODEL, "token_ids": ids}, headers=client, timeout=10)
             assert bad.status_code == 422 and bad.json()["error"]["param"].startswith("token_ids"), (ids, bad.text)
         bad = httpx.post(u + "/v1/completions", json={"model": MODEL, "prompt": [3, False]}, headers=client)
         assert bad.status_code == 422, bad.text
+        ok = httpx.post(u + "/route", json={"model": MODEL, "token_ids": [1, 2.0]}, headers=client, timeout=10)
+        assert ok.status_code == 200 and ok.json()["prompt_tokens"] == 2, ok.text
         # n = 3 sequences count as 3 requests in flight on their replica while served (main: 1)
         assert httpx.post(engs[0].url + "/admin/faults", json={"stall_s": 3}, timeout=5).status_code == 200
         done: list[httpx.Response] = []
