@@ -67,7 +67,7 @@ _M = TypeVar("_M", bound=BaseModel)
 #: largest max_tokens accepted (engines cap it by their context length anyway), tokens
 _MAX_TOKENS = (1 << 31) - 1
 #: a token id as the engines take it (uint32); the schema says so, so clients and fuzzers know the bounds
-TokenId = Annotated[int, BeforeValidator(not_a_bool), Field(ge=0, lt=1 << 32)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 32), BeforeValidator(not_a_bool)]  # true is not 1
 PromptT = str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
