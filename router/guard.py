@@ -142,12 +142,14 @@ class Guard:
     async def admit(self, scope: Scope, send: Send) -> bool:
         """Check an HTTP request's headers; False when it was answered here (the app must not run)."""
         path = scope.get("path", "")
+        if scope.get("method") == "OPTIONS":
+            return True  # CORS preflights carry no credentials (the CORS middleware answers them)
         if path in _DATA_ROUTES or path.startswith("/v1/"):
-            if not self.auth.client_ok(_header(scope, b"authorization")):
+            if self.auth.api_keys and not self.auth.client_ok(_header(scope, b"authorization")):
                 await self._reject(scope, send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
                                    "unauthorized", {"www-authenticate": "Bearer"})
                 return False
-            if path in _SHED_ROUTES and self.max_lag_s > 0 and self.lag is not None:
+            if path in _SHED_ROUTES and self.max_lag_s > 0 and self.lag is not None and scope.get("method") == "POST":
                 lag = self.lag.lag_s()
                 if lag > self.max_lag_s:
                     self.shed += 1

@@ -326,8 +326,12 @@ def test_event_loop_lag_sheds_new_work_never_probes() -> None:
 
 def test_keys_protect_admin_views_urls_for_admins_strict_ids_and_n_counted() -> None:
     client = {"authorization": f"Bearer {KEY}"}
-    with engines(("e0", [])) as engs, router(engs, "--api-key", KEY) as r:
+    with engines(("e0", [])) as engs, router(engs, "--api-key", KEY, "--cors-origin", "https://app.example") as r:
         u = r.url
+        # a CORS preflight carries no credentials: the gate lets the CORS middleware answer it
+        pre = httpx.options(u + "/v1/completions", headers={"origin": "https://app.example",
+                                                            "access-control-request-method": "POST"})
+        assert pre.headers.get("access-control-allow-origin") == "https://app.example", pre.text
         # only API keys configured: the admin views are not open (main: 200 without any key)
         for path in ("/replicas", "/index/stats"):
             assert httpx.get(u + path, timeout=5).status_code == 401, path
