@@ -6,8 +6,8 @@ fast path and of FastAPI:
 * **authentication** (``Auth``): ``/v1/*`` and ``/route`` need one of ``api_keys`` when any is configured (401
   ``unauthorized``); ``/replicas`` and ``/index/stats`` need ``admin_token`` when it is configured (401 without a
   bearer token, 403 ``forbidden`` with another), else one of ``api_keys`` when those are configured. Rejected
-  before a byte of the body is read, with ``connection: close`` when a body was announced, so an unauthenticated
-  client cannot make the router buffer bodies. Tokens are compared as bytes (constant time), so any header
+  before a byte of the body is read, with ``connection: close`` when a large body was announced, so an
+  unauthenticated client cannot make the router buffer (or even read) bodies. Tokens are compared as bytes (constant time), so any header
   value, ASCII or not, gets a 401, never a 500.
 * **overload shedding** (``router.loop_lag``): while the event loop's measured lag is over ``max_event_loop_lag_s``,
   new ``/v1/*`` POSTs and ``/route`` get ``503 event_loop_lag`` with ``Retry-After`` (counted in
@@ -113,10 +113,20 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-def _has_body(scope: Scope) -> bool:
-    """True when the request announces a body (Content-Length > 0 or chunked)."""
+#: a rejected request announcing a larger body than this (bytes; uvicorn's read buffer) gets ``connection: close``
+_DRAIN_MAX_BYTES = 64 * 1024
+
+
+def _large_body(scope: Scope) -> bool:
+    """True when the request announces a body over ``_DRAIN_MAX_BYTES`` or of unknown length (chunked).
+
+    A rejected request with a small body keeps its connection (uvicorn reads and drops the rest of the body, so a
+    client that sent it at once reads its answer instead of a reset); a large one is closed, not read.
+    """
+    if _header(scope, b"transfer-encoding") is not None:
+        return True
     length = _header(scope, b"content-length")
-    return (length is not None and length.strip() not in (b"", b"0")) or _header(scope, b"transfer-encoding") is not None
+    return length is not None and (not length.strip().isdigit() or int(length) > _DRAIN_MAX_BYTES)
 
 
 class Guard:
@@ -168,8 +178,8 @@ class Guard:
 
     async def _reject(self, scope: Scope, send: Send, status: int, message: str, code: str,
                       headers: dict[str, str]) -> None:
-        if _has_body(scope):
-            headers = {**headers, "connection": "close"}  # do not read (or keep) what was sent
+        if _large_body(scope):
+            headers = {**headers, "connection": "close"}  # do not read what was announced
         resp = error_response(status, message, code, headers=headers)
         await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
         await send({"type": "http.response.body", "body": resp.body})
