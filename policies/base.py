@@ -66,6 +66,9 @@ class LoadView:
         active_kv_blocks: KV blocks held by the replica's running requests (router-tracked or reported), blocks;
             None when unknown (``dynamo_kv`` then uses ``kv_usage * total_kv_blocks``).
         total_kv_blocks: the replica's KV-cache capacity (``cache_config_info``), blocks; None when unknown.
+        engine_block_size: the replica's own KV block size (``cache_config_info``), tokens; None when unknown.
+            The engine caches and reuses whole blocks of this size only, so matches are rounded down to it
+            (``policies.hits.hit_from_match``) when it differs from the router's ``block_size``.
     """
 
     queued_requests: int | None = None
@@ -77,6 +80,7 @@ class LoadView:
     age_s: float | None = None
     active_kv_blocks: int | None = None
     total_kv_blocks: int | None = None
+    engine_block_size: int | None = None
 
 
 @dataclass(slots=True)

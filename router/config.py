@@ -366,6 +366,82 @@ class Settings(BaseSettings):
     kv_degraded_hold_s: float = Field(
         default=60.0, gt=0, description="KV events: how long a replica without a replay endpoint stays "
                                         "degraded after its last loss (s)")
+    # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine_client.py,
+    # router/proxy.py, membership/engine_tls.py) ---
+    engine_max_header_bytes: int = Field(
+        default=65536, ge=1024,
+        description="largest status line + headers of an engine response (bytes); over it the attempt fails "
+                    "(502, retried on another replica before the first byte)")
+    engine_max_headers: int = Field(
+        default=100, ge=8, description="most header lines in an engine response; over it the attempt fails (502)")
+    engine_max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=65536,
+        description="largest non-streamed engine response body, and largest single SSE event of a stream (bytes); "
+                    "over it the client gets a 502 (upstream_body_too_large), or an SSE error event mid-stream")
+    engine_body_idle_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="max silence while reading the rest of a non-streamed engine response body (s); longer -> "
+                    "504 (upstream_body_stalled), long before total_timeout_s")
+    engine_ca_bundle: str | None = Field(
+        default=None,
+        description="PEM file of CA certificates trusted for https:// engines (proxy, probes, scrapes, /tokenize); "
+                    "None = the system CA store. Certificates are always verified")
+    engine_client_cert: str | None = Field(
+        default=None, description="PEM client certificate presented to https:// engines (mutual TLS); None = none")
+    engine_client_key: str | None = Field(
+        default=None, description="PEM private key of engine_client_cert (None = inside engine_client_cert)")
+    engine_stream_usage: bool = Field(
+        default=True,
+        description="ask engines for usage on proxied streams (stream_options.include_usage) so cached-token "
+                    "feedback and calibration work with a default vLLM; the usage chunk is removed from what the "
+                    "client receives unless the client asked for it")
+    # --- httpedge: client-facing limits, timeouts and overload shedding (router/intake.py, router/guard.py,
+    # router/http_protocol.py, router/loop_lag.py; the Limits table in docs/reliability.md) ---
+    max_chat_messages: int = Field(
+        default=16384, ge=1,
+        description="most messages in one chat request; more -> 413 too_many_messages (checked before the body is "
+                    "validated or rendered)")
+    max_batch_prompts: int = Field(
+        default=2048, ge=1,
+        description="most prompts in one batched /v1/completions request; more -> 413 too_many_prompts")
+    max_prompt_chars_per_token: float = Field(
+        default=16.0, gt=0,
+        description="a prompt (or all chat message text) longer than this many characters per token of the model's "
+                    "context length is refused before tokenization -> 400 context_length_exceeded")
+    max_prompt_tokens: int = Field(
+        default=1_048_576, ge=1,
+        description="context length assumed for a model none of whose replicas reports one (vLLM max_model_len): "
+                    "the bound of the prompt character and token-id checks, tokens")
+    max_json_values: int = Field(
+        default=100_000, ge=1,
+        description="most JSON values in a request body outside prompt text, token ids and message text (extra "
+                    "fields, tools, content parts); more -> 413 too_many_json_values")
+    max_header_bytes: int = Field(
+        default=32768, ge=1024,
+        description="largest request head (request line + headers) a client may send, bytes; larger -> 431 and "
+                    "the connection is closed")
+    max_header_count: int = Field(
+        default=128, ge=1, description="most request headers a client may send; more -> 431, connection closed")
+    client_header_timeout_s: float = Field(
+        default=15.0, gt=0,
+        description="a client must send a request's whole head within this long of its first byte (or of "
+                    "connecting), s; slower -> the connection is closed (slowloris)")
+    client_body_idle_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="longest silence while a client sends a request body, s; longer -> 408 and the connection "
+                    "is closed")
+    event_loop_lag_interval_s: float = Field(
+        default=0.1, gt=0,
+        description="period of the event-loop lag probe (kvroute_event_loop_lag_seconds), s")
+    event_loop_lag_window_s: float = Field(
+        default=1.0, gt=0,
+        description="the router's current lag is the largest probe delay measured this long back (or the "
+                    "probe's own overdue time), s")
+    max_event_loop_lag_s: float = Field(
+        default=1.0, ge=0,
+        description="when the event loop lags more than this (s), new /v1/* and /route requests are shed with "
+                    "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
+                    "never are); 0 = never shed")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
@@ -454,7 +530,9 @@ class Settings(BaseSettings):
             max_retries=self.max_retries, max_connections=self.max_connections,
             keepalive_timeout_s=self.keepalive_timeout_s,
             engine_api_key=self.engine_api_key.get_secret_value() if self.engine_api_key else None,
-            retry_after_s=self.retry_after_s)
+            retry_after_s=self.retry_after_s, max_header_bytes=self.engine_max_header_bytes,
+            max_headers=self.engine_max_headers, max_body_bytes=self.engine_max_body_bytes,
+            body_idle_timeout_s=self.engine_body_idle_timeout_s, stream_usage=self.engine_stream_usage)
 
     def dispatch(self) -> DispatchSettings:
         """The cache-first dispatch gate."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import Metric
 
 from index.prefix_index import PrefixIndex
+from membership import engine_tls
 from membership.engine_metrics import MetricsScraper
 from membership.kv_events import KVEventSubscriber
 from membership.replicas import Replica, ReplicaState, ReplicaTable
@@ -208,6 +209,9 @@ def build_services(settings: Settings) -> Services:
     """
     headers = settings.engine_headers()
     telemetry = Telemetry()
+    # TLS to https:// engines (proxy, probes, scrapes, /tokenize): one verified context from Settings
+    engine_tls.configure(engine_tls.EngineTLS(settings.engine_ca_bundle, settings.engine_client_cert,
+                                              settings.engine_client_key))
     table = ReplicaTable(make_allocator(settings.membership()))  # ordinals / Redis registry / grace
     index = _build_index(settings)
     policy = make_policy(settings.policy, **settings.policy_params)

@@ -105,4 +105,4 @@ def build_engine_metrics(settings: Settings, table: ReplicaTable,
     scrapes over-counts finished prefills for a whole scrape interval and pushes traffic off cache holders.
     """
     return MetricsScraper(table, interval_s=settings.scrape_interval_s, timeout_s=settings.scrape_timeout_s,
-                          headers=headers or None)
+                          headers=headers or None, router_block_size=settings.block_size)
