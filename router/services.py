@@ -7,7 +7,7 @@
     -> kv_events (subscriber feeding the index), engine_metrics (load views)
     -> router (decisions; asks kv_events whether a replica's events are healthy)
     -> token_ids, gate, proxy (forwarding; reports connection failures to membership)
-    -> admission, idempotency (the request front door)
+    -> admission, idempotency, loop-lag probe, guard, intake (the request front door)
     -> index hygiene hooks and scrape-time gauges
 
 Nothing is started here: ``run(services)`` (the app's lifespan) starts the background parts and stops them in
@@ -36,7 +36,10 @@ from router import signals
 from router.admission import Admission, admission_gauges
 from router.config import Settings
 from router.dispatch import DispatchGate, dispatch_gauges
+from router.guard import Auth, Guard
 from router.idempotency import IdempotencyGuard
+from router.intake import InputLimits, Intake, model_contexts
+from router.loop_lag import LoopLag, lag_gauges
 from router.proxy import Proxy
 from router.routing import Router, build_profile
 from router.telemetry import (
@@ -75,6 +78,9 @@ class Services:
     proxy: Proxy
     admission: Admission
     idempotency: IdempotencyGuard
+    loop_lag: LoopLag
+    guard: Guard
+    intake: Intake
     #: started in this order by ``run`` and stopped in reverse
     background: list[StartStop] = field(default_factory=list)
 
@@ -144,6 +150,13 @@ def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> 
     return DispatchGate(settings.dispatch(), index, settings.block_size, routable=routable)
 
 
+def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag) -> Guard:
+    """The front gate (``router.guard``): auth and loop-lag shedding from the headers, before any body."""
+    auth = Auth([k.get_secret_value() for k in settings.api_keys],
+                settings.admin_token.get_secret_value() if settings.admin_token else None)
+    return Guard(auth, loop_lag, settings.max_event_loop_lag_s, settings.retry_after_s, telemetry)
+
+
 def _keep_index_honest(table: ReplicaTable, index: PrefixIndex, kv_events: KVEventSubscriber | None) -> None:
     """A replica that leaves is cleared from the index; so is one that turns unhealthy without KV events (its
     predicted entries would be stale when it comes back)."""
@@ -168,6 +181,7 @@ def _register_metrics(svc: Services) -> None:
     t.add_gauges(lambda: kubernetes_metrics(svc.membership.watcher))
     t.add_gauges(lambda: dispatch_gauges(svc.gate))
     t.add_gauges(lambda: admission_gauges(svc.admission))
+    t.add_gauges(lambda: lag_gauges(svc.loop_lag))
     if svc.membership.shared is not None:
         svc.membership.shared.register_metrics(t.registry)
     if svc.kv_events is not None:
@@ -198,6 +212,15 @@ def _background(svc: Services) -> list[StartStop]:
 
         out.append((start_events, sub.stop))
     out.append((svc.engine_metrics.start, svc.engine_metrics.stop))
+    lag = svc.loop_lag
+
+    async def start_lag() -> None:
+        lag.start()
+
+    async def stop_lag() -> None:
+        lag.stop()
+
+    out.append((start_lag, stop_lag))  # the event-loop lag probe the guard sheds on
     return out
 
 
@@ -227,11 +250,14 @@ def build_services(settings: Settings) -> Services:
     proxy = _build_proxy(settings, router, telemetry, token_ids, gate, membership)
     admission = Admission(settings.max_inflight_total, settings.max_queued_requests, settings.max_queue_wait_s)
     idempotency = IdempotencyGuard(membership.shared, settings.retry_after_s)
+    loop_lag = LoopLag(settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry)
+    guard = _build_guard(settings, telemetry, loop_lag)
+    intake = Intake(InputLimits.from_settings(settings), lambda: model_contexts(table.all()))
     _keep_index_honest(table, index, kv_events)
     svc = Services(settings=settings, telemetry=telemetry, table=table, index=index, policy=policy,
                    tokenizer=tokenizer, membership=membership, kv_events=kv_events,
                    engine_metrics=engine_metrics, router=router, token_ids=token_ids, gate=gate, proxy=proxy,
-                   admission=admission, idempotency=idempotency)
+                   admission=admission, idempotency=idempotency, loop_lag=loop_lag, guard=guard, intake=intake)
     svc.background = _background(svc)
     _register_metrics(svc)
     return svc
