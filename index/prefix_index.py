@@ -801,13 +801,13 @@ class PrefixIndex(NodeTable):
             last = seed
             left: tuple[int, ...] = ()
         else:
-            state = emaps.parent_state(replica, EngineHash(engine_parent))
+            state = emaps.parent_state(replica, engine_parent)  # type: ignore[arg-type]  # an EngineHash
             if state is None:
                 self._orphans += 1
                 return StoreResult(0, True)
             last, left = state
         keys, resent = emaps.record_pages(
-            replica, cast(_Hashes, engine_hashes), token_ids, page, last, left, self.block_size
+            replica, engine_hashes, token_ids, page, last, left, self.block_size  # type: ignore[arg-type]
         )
         if keys:
             copies = self._held_in_tier(replica, keys, t) if resent and not replayed else None
