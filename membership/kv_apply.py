@@ -148,8 +148,9 @@ class BatchApplier:
         batch = item.batch
         reason = item.failure or "bad_payload"
         if batch is None and item.payload is not None:
+            small = len(item.payload) < self.slice_blocks * 64  # decodes in well under a slice's time
             res = yield from decode_payload_steps(item.payload, seq=item.seq, limits=self.limits,
-                                                  slice_units=self.slice_blocks)
+                                                  slice_units=0 if small else self.slice_blocks)
             if isinstance(res, DecodedBatch):
                 batch = res
             else:

@@ -441,7 +441,7 @@ def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits
             continue
         if ev is not None:
             batch.events.append(ev)
-            if not isinstance(ev, ClearedEvent):
+            if slice_units and not isinstance(ev, ClearedEvent):
                 units += len(ev.hashes)
                 if isinstance(ev, StoredEvent):
                     units += len(ev.token_ids) >> 4

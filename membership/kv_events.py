@@ -629,6 +629,12 @@ class KVEventSubscriber:
         if feed is not None:
             feed.post(lambda now: feed.sequencer.on_engine_started(start_time_s, now))
 
+    def on_engine_snapshot(self, replica: Any, snapshot: Any) -> None:
+        """``MetricsScraper`` callback: pass the engine's ``process_start_time_s`` on to :meth:`engine_started`."""
+        start = getattr(snapshot, "process_start_time_s", None)
+        if start is not None:
+            self.engine_started(replica.index, start)
+
     def replicas(self) -> list[int]:
         """Replica indices with a feed."""
         return sorted(self._feeds)

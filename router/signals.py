@@ -104,8 +104,10 @@ def _attach_engine_metrics(svc: Services) -> None:
         return
     key = svc.settings.engine_api_key
     headers = {"authorization": f"Bearer {key.get_secret_value()}"} if key else None
+    kv_events = svc.extras.get("kv_events")  # engine restarts seen in the metrics clear the replica's entries
     scraper = factory(svc.table, interval_s=svc.settings.scrape_interval_s,
-                      timeout_s=svc.settings.scrape_timeout_s, headers=headers)
+                      timeout_s=svc.settings.scrape_timeout_s, headers=headers,
+                      on_snapshot=kv_events.on_engine_snapshot if kv_events is not None else None)
     if hasattr(scraper, "register_metrics"):
         scraper.register_metrics(svc.telemetry.registry)
     # inflight_prefill_tokens: the router releases a request's tokens at its first byte (exact and immediate);

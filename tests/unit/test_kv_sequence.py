@@ -325,3 +325,15 @@ def test_warnings_are_actions_not_log_calls() -> None:
     d.publish(item(0, [["AllBlocksCleared"]]))
     d.publish(item(5, [["AllBlocksCleared"]]))
     assert any(isinstance(a, Warn) and a.reason == "gap" for a in d.log)
+
+
+def test_restart_seen_in_the_stream_is_not_cleared_again_by_the_start_time() -> None:
+    d = Driver(has_replay=False)
+    d.run(d.seq.on_engine_started(1000.0, 0.0))
+    d.publish(item(0, [stored([1, 2], None, TOKS)]))
+    d.publish(item(0, [stored([1], None, TOKS[:16])], ts=9.0))  # seq back to 0: restart seen in the stream
+    assert d.seq.stats.restarts == 1 and d.blocks() == 1
+    d.run(d.seq.on_engine_started(2000.0, 1.0))  # the metrics confirm it later: the new engine's block stays
+    assert d.seq.stats.restarts == 1 and d.blocks() == 1
+    d.run(d.seq.on_engine_started(3000.0, 2.0))  # a later restart only the metrics show
+    assert d.seq.stats.restarts == 2 and d.blocks() == 0
