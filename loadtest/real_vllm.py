@@ -124,7 +124,7 @@ class EngineSpec:
         cpu: the CPU it is pinned to (``taskset``), or None for no pinning.
         block_size: tokens per KV block (a multiple of 32 on the CPU build).
         gpu_blocks: ``--num-gpu-blocks-override`` (KV blocks; small values make eviction happen).
-        max_model_len: longest prompt + output, tokens.
+        max_model_len: longest prompt + output, tokens (vLLM needs ``(gpu_blocks - 1) * block_size`` at least).
         kv_space_gib: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV memory the CPU backend reserves).
         extra_args: more ``vllm serve`` flags.
     """
@@ -180,6 +180,10 @@ def engine_args(python: Path, model_dir: Path, spec: EngineSpec, port: int, even
     if spec.block_size % CPU_BLOCK_SIZE_MULTIPLE:
         raise ValueError(f"block_size {spec.block_size}: vLLM's CPU build needs a multiple of "
                          f"{CPU_BLOCK_SIZE_MULTIPLE}")
+    if spec.max_model_len > (spec.gpu_blocks - 1) * spec.block_size:
+        # vLLM refuses to start unless one request of max_model_len fits with a block to spare
+        raise ValueError(f"max_model_len {spec.max_model_len} needs more than {spec.gpu_blocks} blocks of "
+                         f"{spec.block_size} tokens; lower it to <= {(spec.gpu_blocks - 1) * spec.block_size}")
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
                  "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv-events"}
     args = [str(python.parent / "vllm"), "serve", str(model_dir), "--host", HOST, "--port", str(port),
