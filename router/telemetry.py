@@ -11,6 +11,12 @@ Metric names (all prefixed ``kvroute_``):
   the engine reported cached tokens, the router's prediction vs the engine's report, tokens.
 * ``cached_tokens_match_total{result}``: per request, ``exact`` when the prediction equals the engine's report,
   ``over`` / ``under`` otherwise.
+* ``reuse_available_tokens_total``, ``reuse_achieved_tokens_total``: per forwarded request, the most cached
+  prompt tokens any eligible replica held vs what the chosen replica held (``policies.base.Reuse``), tokens;
+  ``reuse_missed_tokens`` (histogram): their difference per decision; ``reuse_decisions_total{outcome}``:
+  ``best`` (the chosen replica held the most), ``traded`` (it held less: reuse traded for a shorter queue, or a
+  router miss), ``none`` (no replica held any of the prompt: a workload miss). ``1 - achieved / available`` is
+  the router's share of the misses; ``prompt - available`` the workload's.
 * gauges collected at scrape time: ``index_nodes``, ``index_bytes`` (and every numeric ``PrefixIndex.stats()``
   value as ``index_<name>``), ``replica_state{replica,state}``, ``replica_inflight_requests{replica}``,
   ``inflight_requests``.
@@ -34,10 +40,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from policies.base import Reuse
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
+_MISSED_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -88,6 +97,15 @@ class Telemetry:
                                     ["result"], registry=r)
         self.rejected = Counter("kvroute_rejected", "requests rejected before routing, by reason", ["reason"],
                                 registry=r)
+        self.reuse_available = Counter("kvroute_reuse_available_tokens", "per decision, the most cached prompt "
+                                       "tokens any eligible replica held (tokens)", registry=r)
+        self.reuse_achieved = Counter("kvroute_reuse_achieved_tokens", "per decision, the cached prompt tokens "
+                                      "the chosen replica held (tokens)", registry=r)
+        self.reuse_missed = Histogram("kvroute_reuse_missed_tokens", "per decision, available minus achieved "
+                                      "cached prompt tokens (tokens)", buckets=_MISSED_TOKEN_BUCKETS, registry=r)
+        self.reuse_decisions = Counter("kvroute_reuse_decisions", "decisions by reuse outcome: best (chose the "
+                                       "replica holding the most), traded (chose one holding less), none (no "
+                                       "replica held any of the prompt)", ["outcome"], registry=r)
 
     def add_gauges(self, fn: Callable[[], Iterable[Metric]]) -> None:
         """Register ``fn`` to produce gauge families at every scrape (index size, replica states, ...)."""
@@ -104,6 +122,14 @@ class Telemetry:
         self.engine_cached.inc(reported)
         self.cached_match.labels("exact" if predicted == reported else
                                  "over" if predicted > reported else "under").inc()
+
+    def observe_reuse(self, reuse: Reuse) -> None:
+        """Record one forwarded decision's available vs achieved cached prompt tokens (tokens)."""
+        self.reuse_available.inc(reuse.available_tokens)
+        self.reuse_achieved.inc(reuse.achieved_tokens)
+        self.reuse_missed.observe(reuse.missed_tokens)
+        outcome = "none" if reuse.available_tokens == 0 else "best" if reuse.missed_tokens == 0 else "traded"
+        self.reuse_decisions.labels(outcome).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
