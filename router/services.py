@@ -241,7 +241,7 @@ def build_services(settings: Settings) -> Services:
     tokenizer = _build_tokenizer(settings)
     membership = _build_membership(settings, table, index)
     kv_events = signals.build_kv_events(settings, index)
-    engine_metrics = signals.build_engine_metrics(settings, table, headers)
+    engine_metrics = signals.build_engine_metrics(settings, table, headers, kv_events)
     router = _build_router(settings, table, index, policy, kv_events, membership)
     token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
                               timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
