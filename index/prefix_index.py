@@ -3,157 +3,115 @@
 Keys are chained (``index.hashing``), so equal keys mean equal token paths: a key alone identifies a block and
 its whole prefix, and no child maps are needed.
 
-Layout (chosen for memory and for a fast ``match`` in pure Python):
+The index is cut into parts, each in its own module:
 
-* ``_ids``: block key -> node id (a small int), in ``ID_SHARDS`` dicts chosen by the key's low bits (so that no
-  dict rebuild on growth is a whole-index pause). Per node id, parallel containers hold the node's *state id*
-  (``_sidl``), the time it was last stored / confirmed / predicted (``_ts``, seconds of the injected clock) and
-  its key (``_keys``, for deletion by id).
-* A *state* is the node's full membership: one replica bitmask (a Python int, bit = replica *slot*) per tier
-  (``gpu``, ``cpu``, ``disk``, ``remote``) plus one mask of replicas holding the block only as a *predicted*
-  entry (from a routing decision, not yet confirmed by the engine). States are interned: most nodes share a
-  handful of states, so a node costs a dict slot and four list/array cells, and a state change is a memoised
-  transition ``(state, op, slot, tier) -> state``.
-* Nodes created back to back by one call (a *streak*: consecutive blocks of one path) get consecutive node ids,
-  and a streak that continues a path is placed right after its parent in room reserved when that path was
-  created (reservations grow geometrically), so a multi-turn conversation's path occupies a few contiguous
-  *extents*. ``_run`` holds, per node id, how many ids of its streak follow it.
-* ``match`` probes the dict only at the start of a stretch of consecutive node ids, verifies the stretch by
-  comparing the stored keys with the prompt's keys (C-level list comparison; exact whatever the layout), takes
-  the stretch's state ids as one list slice, and walks only the *runs* of equal states (the live replica set
-  can only shrink at a state change), recording the depth at which each replica drops out. Per-tier counting
-  happens only for states that have non-GPU or predicted entries.
+* ``index.types``: the two hash types (:data:`~index.types.BlockKey` for the router's keys,
+  :data:`~index.types.EngineHash` for engines' own hashes; ``mypy --strict`` keeps them apart), tiers, and the
+  answers (:class:`ReplicaMatch`, :class:`StoreResult`).
+* ``index.states``: the interned replica states (per-tier replica bitmasks + a predicted mask) and their
+  memoised transitions.
+* ``index.engine_map``: per replica, engine hash -> router keys, and extra cached copies of a block.
+* ``index.budget``: the global memory budget, the size estimate and LRU victim selection.
+* ``index.nodes``: the node table (block key -> node id; per id: state id, time, key, run hint), streak
+  placement in reserved extents and incremental compaction of node ids.
+* this module: :class:`PrefixIndex`, a node table whose nodes are in interned replica states; replica slots,
+  predicted entries, ``match`` and the updates.
+
+How the parts make ``match`` fast in pure Python:
+
+* ``match`` probes the key -> id dict only at the start of a stretch of consecutive node ids, verifies the
+  stretch by comparing the stored keys with the prompt's keys (C-level list comparison), takes the stretch's
+  state ids as one list slice, and walks only the *runs* of equal states (the live replica set can only shrink
+  at a state change), recording the depth at which each replica drops out. Per-tier counting happens only for
+  states that have non-GPU or predicted entries.
 * ``clear(replica)`` is O(1): the replica gets a fresh slot, the old slot is marked dead and masked out of every
   match; dead bits are swept incrementally by ``expire()`` and by budget eviction.
-* Deleted node ids are holes until an incremental *compaction* (started once a quarter of the ids are dead)
-  moves the live nodes down over them, at most ``COMPACT_CHUNK`` ids per call, and truncates the arrays.
-* One global memory budget (``max_nodes`` and/or ``max_bytes``): when the estimate passes the high-water mark
-  (the budget), the least recently stored/predicted nodes, and the oldest engine-hash map entries, are evicted
-  down to the low-water mark (85 % of the budget): each call gets back under the budget, then evicts at most
-  ``EVICT_CHUNK`` more nodes (victims below a timestamp threshold, exact on small indexes, sampled on large
-  ones), so no single call pauses its caller for a whole-index pass.
+* Compaction of node ids and budget eviction are both bounded per call, so no single call pauses its caller
+  for a whole-index pass.
 
 Units: depths and counts are in blocks, times in seconds of the injected clock, sizes in bytes.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
-from itertools import compress, groupby, islice
-from typing import Any
+from itertools import groupby
+from typing import Any, cast
 
 import xxhash
 
+from .budget import (
+    COPY_ENTRY_BYTES,
+    ENGINE_ENTRY_BYTES,
+    EVICT_CHUNK,
+    LOW_WATER,
+    NODE_BYTES,
+    PRED_ENTRY_BYTES,
+    RESERVED_SLOT_BYTES,
+    Budget,
+    LruEvictor,
+)
+from .engine_map import EngineHashMap, entry_keys
 from .hashing import (
     DEFAULT_BLOCK_SIZE,
     MAX_SLICE_CACHE_BLOCKS,
-    block_keys,
     block_keys_array,
     block_slices,
     pack_array,
 )
+from .nodes import SHARD_MASK as _SHARD_MASK
+from .nodes import NodeTable
+from .states import OP_PREDICT, OP_REMOVE, OP_STORE, OP_UNPREDICT, PRED, StateTable, bits
+from .types import TIER_INDEX, TIERS, BlockKey, EngineHash, ReplicaMatch, StoreResult
 
 _xxh3 = xxhash.xxh3_64_intdigest
+# the public API takes plain ints (``index.hashing`` returns them); these name what they are inside
+_Keys = Sequence[BlockKey]
+_Hashes = Sequence[EngineHash]
 
-__all__ = ["TIERS", "PrefixIndex", "ReplicaMatch", "StoreResult"]
+__all__ = ["NODE_BYTES", "TIERS", "BlockKey", "EngineHash", "PrefixIndex", "ReplicaMatch", "StoreResult"]
 
-#: Tier names, fastest first.
-TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
-_TIER_INDEX = {name: i for i, name in enumerate(TIERS)}
-_PRED = 4  # position of the predicted mask in a state tuple
-
-_OP_STORE = 0
-_OP_REMOVE = 1
-_OP_PREDICT = 2
-_OP_UNPREDICT = 3
-
-#: Estimated bytes per node (dict slot + key int + id int + state/time/key cells), used for ``max_bytes``.
-NODE_BYTES = 176
-#: Estimated bytes per engine-hash map entry.
-ENGINE_ENTRY_BYTES = 120
-#: Estimated bytes per predicted entry (ordered dict slot + expiry float).
-PRED_ENTRY_BYTES = 110
-#: Fraction of the budget that eviction brings the index down to.
-LOW_WATER = 0.85
-#: Largest reservation (node ids) made after a streak of new nodes.
-MAX_RESERVE = 2048
-#: Estimated bytes per reserved (unused) node id in the parallel arrays.
-RESERVED_SLOT_BYTES = 28
-_ONES = array("I", [1])
-#: Dead node ids needed (besides a quarter of all ids) before the node arrays are compacted.
-COMPACT_MIN_DEAD = 4096
-#: Shards of the key -> node id map (a power of two; a key's shard is its low bits).
-ID_SHARDS = 64
-_SHARD_MASK = ID_SHARDS - 1
-#: Node ids one step of an incremental compaction processes (bounds the pause of one index call).
-COMPACT_CHUNK = 16384
-#: Nodes one call evicts at most beyond getting back under the budget (bounds the pause of one call).
-EVICT_CHUNK = 8192
-#: Node ids one eviction round walks per pass while looking for nodes below the timestamp threshold.
-EVICT_WALK = 65536
-#: Timestamps sampled to set the eviction threshold (indexes up to this size use all of them: exact LRU).
-EVICT_SAMPLE = 4096
 #: Nodes processed per ``expire()`` call by the incremental sweep of cleared replicas.
 SWEEP_CHUNK = 65536
 
-_StateT = tuple[int, int, int, int, int]
-_EngineEntry = int | tuple[int, tuple[int, ...], tuple[int, ...]]
+
+class _Nodes:
+    """The node table as the LRU evictor sees it (``index.budget.EvictableNodes``): a view, no state."""
+
+    __slots__ = ("_idx",)
+
+    def __init__(self, idx: PrefixIndex) -> None:
+        self._idx = idx
+
+    @property
+    def node_keys(self) -> list[BlockKey | None]:
+        """Per node id, its block key (None = hole)."""
+        return self._idx._keys
+
+    @property
+    def node_times(self) -> array[float]:
+        """Per node id, its last store / confirmation / prediction time (seconds)."""
+        return self._idx._ts
+
+    def __len__(self) -> int:
+        """Live nodes."""
+        return self._idx._nodes
+
+    def node_ids(self) -> list[int]:
+        """Every live node id."""
+        return self._idx._node_ids()
+
+    def delete_node(self, nid: int) -> None:
+        """Delete one live node."""
+        self._idx._delete_node(nid)
 
 
-@dataclass(slots=True)
-class ReplicaMatch:
-    """How much of a prompt one replica holds.
-
-    Attributes:
-        blocks: leading blocks of the prompt the replica holds (any tier, confirmed or predicted).
-        gpu: of those, blocks whose fastest confirmed copy is on the GPU (blocks).
-        cpu: ... whose fastest confirmed copy is in CPU memory (blocks).
-        disk: ... whose fastest confirmed copy is on local disk (blocks).
-        remote: ... whose fastest confirmed copy is in remote storage (blocks).
-        predicted: ... held only as predicted entries (a routing decision, not yet confirmed), blocks.
-        age_s: seconds since the deepest matched block was last stored, confirmed or predicted (any replica).
-    """
-
-    blocks: int
-    gpu: int
-    cpu: int
-    disk: int
-    remote: int
-    predicted: int
-    age_s: float
-
-
-@dataclass(slots=True, frozen=True)
-class StoreResult:
-    """Outcome of :meth:`PrefixIndex.apply_stored`.
-
-    Attributes:
-        stored_blocks: router blocks (of ``block_size`` tokens) stored by the event.
-        orphan: the event's parent engine hash was unknown; nothing was stored (request a replay).
-        error: why the event was rejected (counted in ``stats()['invalid_events']``), else None.
-    """
-
-    stored_blocks: int
-    orphan: bool
-    error: str | None = None
-
-
-def _bits(mask: int) -> Iterable[int]:
-    """Yield the positions of the set bits of ``mask``, lowest first."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-class PrefixIndex:
+class PrefixIndex(NodeTable):
     """Which replicas hold which prompt blocks, in which tier; global memory budget with LRU eviction.
 
     Args:
@@ -162,6 +120,9 @@ class PrefixIndex:
         max_bytes: high-water mark in estimated bytes, nodes + engine maps + predicted entries (None = unlimited).
         predicted_ttl_s: seconds a predicted entry lives unless an engine confirms it.
         clock: time source in seconds (injectable; tests pass a fake clock).
+
+    Block keys are :data:`~index.types.BlockKey` (plain ints are accepted: ``index.hashing`` returns them);
+    engine hashes in ``apply_stored`` / ``apply_removed`` are :data:`~index.types.EngineHash`.
     """
 
     def __init__(
@@ -175,40 +136,14 @@ class PrefixIndex:
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        if max_nodes is not None and max_nodes <= 0:
-            raise ValueError(f"max_nodes must be positive, got {max_nodes}")
-        if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self._budget = Budget(max_nodes, max_bytes)
+        self._limited = self._budget.limited  # read on every update
         self.block_size = block_size
-        self.max_nodes = max_nodes
-        self.max_bytes = max_bytes
         self.predicted_ttl_s = float(predicted_ttl_s)
         self._clock = clock
-        # nodes
-        # block key -> node id, sharded by the key's low bits: a CPython dict rebuilds its whole table when it
-        # grows (122 ms for one insert into a 2.8M-entry dict), and 64 shards make each rebuild 64x smaller
-        self._ids: list[dict[int, int]] = [{} for _ in range(ID_SHARDS)]
-        self._nodes = 0  # live nodes (sum of the shards' sizes)
-        self._keys: list[int | None] = []
-        self._sidl: list[int] = []
-        self._ts = array("d")
-        # per node id: how many consecutive node ids from this one were created as one chain (a hint that
-        # ``match`` verifies against ``_keys``; it lets a walk skip the dict probe for most blocks)
-        self._run = array("I")
-        self._dead_nodes = 0  # deleted node ids not yet compacted away
-        self._reserved = 0  # node ids reserved for paths to grow into (not yet used)
-        # last node id of an extent -> (end of its reservation, exclusive; capacity of the extent)
-        self._tips: dict[int, tuple[int, int]] = {}
-        self._compact_min = COMPACT_MIN_DEAD
-        # interned states
-        self._states: list[_StateT] = []
-        self._all: list[int] = []  # per state: union of all masks
-        self._confirmed: list[int] = []  # per state: union of the tier masks
-        self._special: list[tuple[tuple[int, int], ...]] = []  # per state: (exclusive mask, category) non-gpu
-        self._refs: list[int] = []  # per state: number of nodes in it
-        self._intern: dict[_StateT, int] = {}
-        self._trans: dict[tuple[int, int, int], dict[int, int]] = {}
-        self._intern_state((0, 0, 0, 0, 0))  # state 0 = empty
+        super().__init__()  # the node table: key -> node id -> state id, time, key, run hint
+        # interned states (node -> state id in ``_sidl``)
+        self._states = StateTable()
         # replicas <-> slots
         self._slot_of: dict[int, int] = {}
         self._replica_of_slot: list[int] = []  # slot -> replica index (-1 = free)
@@ -221,80 +156,28 @@ class PrefixIndex:
         self._next_slot = 0
         # predicted entries: per slot, block key -> expiry time (insertion order == expiry order); keyed by
         # block key, not node id, so that compaction never has to renumber them
-        self._pred: dict[int, OrderedDict[int, float]] = {}
+        self._pred: dict[int, OrderedDict[BlockKey, float]] = {}
         self._next_expiry = float("inf")
-        # engine hash maps: per replica, engine hash -> int router key | (last key, leftover tokens, covered keys)
-        self._engine: dict[int, dict[int, _EngineEntry]] = {}
+        # engine hash maps (per replica) and extra copies of blocks
+        self._emap = EngineHashMap()
+        # budget eviction (LRU, bounded per call)
+        self._evictor = LruEvictor()
+        self._view = _Nodes(self)
         # counters
-        self._evictions = 0
-        self._engine_evictions = 0
         self._orphans = 0
         self._invalid = 0
         self._unknown_removed = 0
         self._expired = 0
-        self._compactions = 0  # node-id compactions started (each one renumbers the live nodes, in steps)
-        self._compacted_ids = 0  # node-id slots those compactions walked (their total work)
-        # incremental compaction in progress: next id to process (-1 = none) and next id to move a node to
-        self._cmp_src = -1
-        self._cmp_dst = 0
-        self._compact_chunk = COMPACT_CHUNK
-        # budget eviction in progress: timestamp threshold (None = none running), next node id to examine
-        self._evict_thr: float | None = None
-        self._evict_cursor = 0
-        self._rng = random.Random(0)  # eviction sampling (seeded: the same operations evict the same nodes)
 
-    # ------------------------------------------------------------------ states
+    @property
+    def max_nodes(self) -> int | None:
+        """High-water mark in nodes (None = unlimited)."""
+        return self._budget.max_nodes
 
-    def _intern_state(self, st: _StateT) -> int:
-        """Return the id of state ``st`` (per-tier masks + predicted mask), adding it to the table if new."""
-        sid = self._intern.get(st)
-        if sid is not None:
-            return sid
-        sid = len(self._states)
-        g, c, d, r, p = st
-        confirmed = g | c | d | r
-        special: list[tuple[int, int]] = []
-        seen = g
-        for cat, m in ((1, c), (2, d), (3, r)):
-            x = m & ~seen
-            if x:
-                special.append((x, cat))
-            seen |= m
-        px = p & ~confirmed
-        if px:
-            special.append((px, _PRED))
-        self._states.append(st)
-        self._all.append(confirmed | p)
-        self._confirmed.append(confirmed)
-        self._special.append(tuple(special))
-        self._refs.append(0)
-        self._intern[st] = sid
-        return sid
-
-    def _table(self, op: int, slot: int, tier: int) -> dict[int, int]:
-        """The memo of transitions ``state -> state`` for one (operation, slot, tier)."""
-        key = (op, slot, tier)
-        t = self._trans.get(key)
-        if t is None:
-            t = self._trans[key] = {}
-        return t
-
-    def _transition(self, sid: int, op: int, slot: int, tier: int) -> int:
-        """Compute the state reached from ``sid`` by applying ``op`` for ``slot`` in ``tier``."""
-        g, c, d, r, p = self._states[sid]
-        m = [g, c, d, r, p]
-        bit = 1 << slot
-        if op == _OP_STORE:
-            m[tier] |= bit
-            m[_PRED] &= ~bit
-        elif op == _OP_REMOVE:
-            m[tier] &= ~bit
-        elif op == _OP_PREDICT:
-            if not (bit & (g | c | d | r)):
-                m[_PRED] |= bit
-        else:  # _OP_UNPREDICT
-            m[_PRED] &= ~bit
-        return self._intern_state((m[0], m[1], m[2], m[3], m[4]))
+    @property
+    def max_bytes(self) -> int | None:
+        """High-water mark in estimated bytes (None = unlimited)."""
+        return self._budget.max_bytes
 
     # ------------------------------------------------------------------ slots
 
@@ -323,12 +206,14 @@ class PrefixIndex:
         if key is None:
             return
         sid = self._sidl[nid]
-        pmask = self._states[sid][_PRED] & self._active
-        for slot in _bits(pmask):
+        pmask = self._states.states[sid][PRED] & self._active
+        for slot in bits(pmask):
             pd = self._pred.get(slot)
             if pd is not None:
                 pd.pop(key, None)
-        self._refs[sid] -= 1
+        self._states.refs[sid] -= 1
+        if self._emap.has_copies:
+            self._emap.forget_block(key)
         del self._ids[key & _SHARD_MASK][key]
         self._nodes -= 1
         self._keys[nid] = None
@@ -337,114 +222,20 @@ class PrefixIndex:
 
     def _gc_states(self) -> None:
         """Rebuild the state table from the states nodes are in (states of churned replica sets pile up)."""
-        keep = [sid for sid, refs in enumerate(self._refs) if refs > 0 or sid == 0]
-        remap = {old: new for new, old in enumerate(keep)}
-        old_states = self._states
-        old_refs = self._refs
-        self._states = []
-        self._all = []
-        self._confirmed = []
-        self._special = []
-        self._refs = []
-        self._intern = {}
-        for sid in keep:
-            self._intern_state(old_states[sid])
-        for new, old in enumerate(keep):
-            self._refs[new] = old_refs[old]
-        self._sidl = list(map(remap.__getitem__, self._sidl))
-        self._trans = {}
+        self._sidl = self._states.collect(self._sidl)
         self._bits_cache.clear()
 
-    def _maybe_compact(self, *, force: bool = False) -> None:
-        """Start a node-id compaction once a quarter of the ids are dead, and advance the one in progress.
-
-        The compaction is incremental: each call moves the live nodes of at most ``_compact_chunk`` ids down
-        over the holes (``_compact_step``), so no single call pauses the caller for a whole-index renumbering
-        (amortised O(1) per deleted node). ``force`` starts one once a quarter of the ids are dead or reserved,
-        however few (budget eviction).
-        """
-        if self._cmp_src < 0:
-            dead = self._dead_nodes
-            if force:
-                if not dead + self._reserved or (dead + self._reserved) * 4 < len(self._keys):
-                    return
-            elif dead < self._compact_min or (dead + self._reserved) * 4 < len(self._keys):
-                return
-            # reservations are given up (their ids are holes like the dead ones) and none are made until the
-            # compaction ends: ``_tips`` would otherwise point at ids the compaction moves
-            self._tips.clear()
-            self._dead_nodes = dead + self._reserved
-            self._reserved = 0
-            keys = self._keys
-            try:
-                first = keys.index(None)  # ids below the first hole stay put
-            except ValueError:
-                first = len(keys)
-            self._cmp_src = self._cmp_dst = first
-            self._compactions += 1
-        self._compact_step()
-
-    def _compact_step(self) -> None:
-        """Move the live nodes of the next ``_compact_chunk`` ids down to the compacted region's end.
-
-        Layout while a compaction runs: ids ``[0, dst)`` are compacted (new holes there wait for the next
-        compaction), ``[dst, src)`` is a gap of dead ids nothing refers to, ``[src, len)`` is not processed
-        yet (new nodes are appended there). The step finishes the compaction when ``src`` reaches the end,
-        by truncating the arrays to ``dst``. Run hints are kept as they are: ``_stretch`` verifies them.
-        """
-        kl = self._keys
-        src = self._cmp_src
-        dst = self._cmp_dst
-        end = min(len(kl), src + self._compact_chunk)
-        # C-level filtering (itertools.compress) over one liveness mask: this runs in the event loop
-        seg = kl[src:end]
-        live = [k is not None for k in seg]
-        moved: list[int | None] = list(compress(seg, live))
-        nl = len(moved)
-        top = dst + nl
-        if nl:
-            kl[dst:top] = moved
-            self._sidl[dst:top] = list(compress(self._sidl[src:end], live))
-            self._ts[dst:top] = array("d", compress(self._ts[src:end], live))
-            self._run[dst:top] = array("I", compress(self._run[src:end], live))
-            shards = self._ids
-            for k, nid in zip(moved, range(dst, top), strict=True):
-                shards[k & _SHARD_MASK][k] = nid  # type: ignore[operator,index]
-        if top < end:  # the rest of the chunk joins the gap
-            kl[top:end] = [None] * (end - top)
-            self._sidl[top:end] = [0] * (end - top)
-        self._dead_nodes -= end - src - nl
-        self._compacted_ids += end - src
-        if self._sweeping and self._sweep_cursor > dst:
-            self._sweep_cursor = dst  # moved nodes must not land behind the sweep unswept
-        if end >= len(kl):
-            del kl[top:]
-            del self._sidl[top:]
-            del self._ts[top:]
-            del self._run[top:]
-            self._cmp_src = -1
-            self._cmp_dst = 0
-        else:
-            self._cmp_src = end
-            self._cmp_dst = top
-
     def _check_layout(self) -> None:
-        """Assert the node-id bookkeeping is consistent (tests call this; O(nodes))."""
-        kl = self._keys
-        assert len(kl) == len(self._sidl) == len(self._ts) == len(self._run)
-        for s, shard in enumerate(self._ids):
-            for key, nid in shard.items():
-                assert kl[nid] == key and key & _SHARD_MASK == s, (key, nid, kl[nid])
-        assert sum(1 for k in kl if k is not None) == self._nodes == sum(map(len, self._ids))
-        if self._cmp_src >= 0:
-            assert all(k is None for k in kl[self._cmp_dst : self._cmp_src])
-            holes = kl[: self._cmp_dst].count(None) + kl[self._cmp_src :].count(None)
-        else:
-            holes = kl.count(None)
-        assert holes == self._dead_nodes + self._reserved, (holes, self._dead_nodes, self._reserved)
+        """Assert the node-id bookkeeping is consistent, predicted entries included (tests call this)."""
+        super()._check_layout()
         for pd in self._pred.values():
             for key in pd:
                 assert key in self, key
+
+    def _compacted_below(self, dst: int) -> None:
+        """Compaction moved nodes down to ids below ``dst``: they must not land behind the sweep unswept."""
+        if self._sweeping and self._sweep_cursor > dst:
+            self._sweep_cursor = dst
 
     # ------------------------------------------------------------------ queries
 
@@ -472,11 +263,10 @@ class PrefixIndex:
                     live |= 1 << s
         if not live or not keys:
             return {}
-        if type(keys) is not list:
-            keys = list(keys)
-        return self._walk(keys, live, now)
+        # block keys are ints: ``_walk`` reads them as BlockKey (no cast call on the hot path)
+        return self._walk(keys if type(keys) is list else list(keys), live, now)  # type: ignore[arg-type]
 
-    def _walk(self, keys: list[int], live: int, now: float) -> dict[int, ReplicaMatch]:
+    def _walk(self, keys: list[BlockKey], live: int, now: float) -> dict[int, ReplicaMatch]:
         """The match walk (see ``match``) for the slots in ``live``.
 
         The path is walked in *stretches* of consecutive node ids: each streak (``_run`` hint) is verified
@@ -487,8 +277,8 @@ class PrefixIndex:
         """
         sidl = self._sidl
         ts = self._ts
-        allm = self._all
-        special = self._special
+        allm = self._states.all
+        special = self._states.special  # read once: an index call never rebuilds the table mid-way
         n = len(keys)
         i = 0
         seg_depth: list[int] = []
@@ -574,7 +364,7 @@ class PrefixIndex:
         """The set bits of ``mask`` as a tuple (memoised; masks recur because states are interned)."""
         if len(self._bits_cache) > 65536:
             self._bits_cache.clear()
-        slots = self._bits_cache[mask] = tuple(_bits(mask))
+        slots = self._bits_cache[mask] = tuple(bits(mask))
         return slots
 
     def match_tokens(
@@ -602,17 +392,17 @@ class PrefixIndex:
         packed = pack_array(token_ids)  # one pass over the token list (touching each int object once)
         n = len(packed) // stride
         if n > MAX_SLICE_CACHE_BLOCKS:
-            keys = block_keys_array(packed, stride, seed)
-            return self.match(keys, replicas), keys
+            all_keys = block_keys_array(packed, stride, seed)
+            return self.match(all_keys, replicas), all_keys
         ids = self._ids
         h = _xxh3
-        keys = []
+        keys: list[int] = []
         k = seed
         for start in range(0, n, chunk_blocks):
             keys += [
                 k := h(packed[sl], k) for sl in block_slices(stride, start, min(start + chunk_blocks, n))
             ]
-            if k not in ids[k & _SHARD_MASK]:
+            if BlockKey(k) not in ids[k & _SHARD_MASK]:
                 break
         return self.match(keys, replicas), keys
 
@@ -624,14 +414,15 @@ class PrefixIndex:
         Confirms predicted entries of that replica on those blocks. ``parent_key`` is the key of the block
         before ``keys[0]`` (None at the root); chained keys already encode the path, so it is informational.
         """
-        t = _TIER_INDEX.get(tier)
+        t = TIER_INDEX.get(tier)
         if t is None:
             raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
         if not keys:
             return
         slot = self._slot_for(replica)
         now = self._clock()
-        self._apply(slot, keys, _OP_STORE, t, now, create=True, parent_key=parent_key)
+        # keys are BlockKeys (ints from ``index.hashing``): no cast call per event on the ingest path
+        self._apply(slot, keys, OP_STORE, t, now, create=True, parent_key=parent_key)  # type: ignore[arg-type]
         self._check_budget()
 
     def predict(self, replica: int, keys: Sequence[int]) -> None:
@@ -644,30 +435,32 @@ class PrefixIndex:
             return
         slot = self._slot_for(replica)
         now = self._clock()
-        self._apply(slot, keys, _OP_PREDICT, 0, now, create=True)
+        self._apply(slot, keys, OP_PREDICT, 0, now, create=True)  # type: ignore[arg-type]
         self._check_budget()
 
     def remove(self, replica: int, keys: Sequence[int], tier: str = "gpu") -> None:
         """Record that ``replica`` no longer holds ``keys`` in ``tier`` (predicted entries are untouched)."""
-        t = _TIER_INDEX.get(tier)
+        t = TIER_INDEX.get(tier)
         if t is None:
             raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
         slot = self._slot_of.get(replica)
         if slot is None or not keys:
             return
-        self._apply(slot, keys, _OP_REMOVE, t, 0.0, create=False)
+        if self._emap.has_copies:  # no extra copies survive a removal by router key
+            self._emap.forget_copies(replica, t, cast(_Keys, keys))
+        self._apply(slot, cast(_Keys, keys), OP_REMOVE, t, 0.0, create=False)
         self._maybe_compact()
 
     def _apply(
         self,
         slot: int,
-        keys: Sequence[int],
+        keys: Sequence[BlockKey],
         op: int,
         tier: int,
         now: float,
         *,
         create: bool,
-        parent_key: int | None = None,
+        parent_key: BlockKey | None = None,
     ) -> int:
         """Apply one state transition to the nodes of ``keys``; return how many nodes changed state.
 
@@ -678,24 +471,24 @@ class PrefixIndex:
         ids = self._ids
         sidl = self._sidl
         ts = self._ts
-        refs = self._refs
-        table = self._table(op, slot, tier)
+        refs = self._states.refs
+        table = self._states.table(op, slot, tier)
         bit = 1 << slot
-        touch = op != _OP_REMOVE
-        pd: OrderedDict[int, float] | None = None
+        touch = op != OP_REMOVE
+        pd: OrderedDict[BlockKey, float] | None = None
         exp = 0.0
-        if op == _OP_PREDICT:
+        if op == OP_PREDICT:
             pd = self._pred.get(slot)
             if pd is None:
                 pd = self._pred[slot] = OrderedDict()
             exp = now + self.predicted_ttl_s
             if exp < self._next_expiry:
                 self._next_expiry = exp
-        elif op == _OP_STORE:
+        elif op == OP_STORE:
             pd = self._pred.get(slot)
         fresh = table.get(0)
         if fresh is None:
-            fresh = table[0] = self._transition(0, op, slot, tier)
+            fresh = table[0] = self._states.transition(0, op, slot, tier)
         changed = 0
         created = 0
         kl = self._keys
@@ -755,7 +548,7 @@ class PrefixIndex:
                     streak = nid
                 created += 1
                 prev = nid
-                if op == _OP_PREDICT:
+                if op == OP_PREDICT:
                     pd[k] = exp  # type: ignore[index]
                 continue
             if streak >= 0:
@@ -768,7 +561,7 @@ class PrefixIndex:
             sid = sidl[nid]
             nsid = table.get(sid)
             if nsid is None:
-                nsid = table[sid] = self._transition(sid, op, slot, tier)
+                nsid = table[sid] = self._states.transition(sid, op, slot, tier)
             if touch:
                 ts[nid] = now
             if nsid != sid:
@@ -779,12 +572,12 @@ class PrefixIndex:
                 refs[sid] -= 1
                 refs[nsid] += 1
                 sidl[nid] = nsid
-                if op == _OP_STORE:
-                    if pd is not None and self._states[sid][_PRED] & bit:
+                if op == OP_STORE:
+                    if pd is not None and self._states.states[sid][PRED] & bit:
                         pd.pop(k, None)
-                elif op == _OP_PREDICT:
+                elif op == OP_PREDICT:
                     pd[k] = exp  # type: ignore[index]
-            elif op == _OP_PREDICT and k in pd:  # type: ignore[operator]
+            elif op == OP_PREDICT and k in pd:  # type: ignore[operator]
                 pd.move_to_end(k)  # type: ignore[union-attr]
                 pd[k] = exp  # type: ignore[index]
         if streak >= 0:
@@ -796,41 +589,6 @@ class PrefixIndex:
         self._nodes += created
         return changed + created
 
-    def _stretch(self, keys: list[int], i: int) -> tuple[int, int]:
-        """The node id of ``keys[i]`` and how many of the following keys sit at the following node ids.
-
-        Returns ``(-1, 0)`` when ``keys[i]`` is not in the index. Same verification as ``_walk``.
-        """
-        k0 = keys[i]
-        nid = self._ids[k0 & _SHARD_MASK].get(k0)
-        if nid is None:
-            return -1, 0
-        kl = self._keys
-        runs = self._run
-        nk = len(kl)
-        n = len(keys)
-        start_i = i
-        start_nid = nid
-        while True:
-            m = runs[nid]
-            if m > n - i:
-                m = n - i
-            if m > 1 and kl[nid + 1 : nid + m] != keys[i + 1 : i + m]:
-                lo, hi = 1, m
-                while hi - lo > 1:
-                    mid = (lo + hi) >> 1
-                    if kl[nid + lo : nid + mid] == keys[i + lo : i + mid]:
-                        lo = mid
-                    else:
-                        hi = mid
-                i += lo
-                break
-            i += m
-            nid += m
-            if i >= n or nid >= nk or kl[nid] != keys[i]:
-                break
-        return start_nid, i - start_i
-
     def _bulk(
         self,
         nid0: int,
@@ -839,7 +597,7 @@ class PrefixIndex:
         op: int,
         slot: int,
         tier: int,
-        pd: OrderedDict[int, float] | None,
+        pd: OrderedDict[BlockKey, float] | None,
         exp: float,
         now: float,
         touch: bool,
@@ -848,8 +606,8 @@ class PrefixIndex:
         sidl = self._sidl
         ts = self._ts
         kl = self._keys
-        refs = self._refs
-        states = self._states
+        refs = self._states.refs
+        states = self._states.states
         seg = sidl[nid0 : nid0 + m]
         s0 = seg[0]
         groups: Sequence[tuple[int, int]]
@@ -864,17 +622,17 @@ class PrefixIndex:
             end = x + run
             nsid = table.get(sid)
             if nsid is None:
-                nsid = table[sid] = self._transition(sid, op, slot, tier)
+                nsid = table[sid] = self._states.transition(sid, op, slot, tier)
             if nsid == sid:
                 if touch:
                     ts[x:end] = array("d", [now]) * run
-                if op == _OP_PREDICT and pd is not None and states[sid][_PRED] & bit:
+                if op == OP_PREDICT and pd is not None and states[sid][PRED] & bit:
                     for q in kl[x:end]:
                         pd.move_to_end(q)  # type: ignore[arg-type]
                         pd[q] = exp  # type: ignore[index]
             elif nsid == 0:
-                for q in range(x, end):
-                    self._delete_node(q)
+                for dead in range(x, end):
+                    self._delete_node(dead)
                 changed += run
             else:
                 sidl[x:end] = [nsid] * run
@@ -884,42 +642,20 @@ class PrefixIndex:
                     ts[x:end] = array("d", [now]) * run
                 changed += run
                 if pd is not None:
-                    if op == _OP_STORE:
-                        if states[sid][_PRED] & bit:
+                    if op == OP_STORE:
+                        if states[sid][PRED] & bit:
                             for q in kl[x:end]:
                                 pd.pop(q, None)  # type: ignore[arg-type]
-                    elif op == _OP_PREDICT:
+                    elif op == OP_PREDICT:
                         for q in kl[x:end]:
                             pd[q] = exp  # type: ignore[index]
             x = end
         return changed
 
-    def _close_streak(self, start: int, end: int, place_end: int, cap: int, *, placed: bool) -> None:
-        """Finish a streak of new nodes at ids ``start..end-1``: run hints, and the extent's reservation."""
-        length = end - start
-        if length > 1:
-            self._run[start:end] = array("I", range(length, 0, -1))
-        tips = self._tips
-        if len(tips) > max(4096, self._nodes // 4):
-            tips.clear()  # bound the bookkeeping; orphaned reservations go at the next compaction
-        if placed:
-            tips[end - 1] = (place_end, cap)
-            return
-        if self._cmp_src >= 0:
-            return  # no reservations while a compaction moves ids
-        # appended at the end of the arrays: reserve room for the path to grow in place
-        room = min(MAX_RESERVE, max(2 * cap, length) if cap else length // 2)
-        self._keys.extend([None] * room)
-        self._sidl.extend([0] * room)
-        self._ts.frombytes(bytes(8 * room))
-        self._run.extend(_ONES * room)
-        self._reserved += room
-        tips[end - 1] = (end + room, length + room)
-
     def clear(self, replica: int) -> None:
         """Forget everything ``replica`` holds (engine restart, replica left). O(1): its slot is retired."""
         slot = self._slot_of.pop(replica, None)
-        self._engine.pop(replica, None)
+        self._emap.drop(replica)
         if slot is None:
             return
         self._replica_of_slot[slot] = -1
@@ -941,7 +677,7 @@ class PrefixIndex:
         if self._dead or self._sweeping:
             self._sweep(SWEEP_CHUNK)
         self._maybe_compact()
-        if len(self._states) > 1024 and len(self._states) > 4 * sum(1 for r in self._refs if r > 0):
+        if len(self._states) > 1024 and len(self._states) > 4 * sum(1 for r in self._states.refs if r > 0):
             self._gc_states()
         return dropped
 
@@ -951,9 +687,9 @@ class PrefixIndex:
         nxt = float("inf")
         ids = self._ids
         sidl = self._sidl
-        refs = self._refs
+        refs = self._states.refs
         for slot, pd in list(self._pred.items()):
-            table = self._table(_OP_UNPREDICT, slot, 0)
+            table = self._states.table(OP_UNPREDICT, slot, 0)
             while pd:
                 key, exp = next(iter(pd.items()))
                 if exp > now:
@@ -966,7 +702,7 @@ class PrefixIndex:
                 sid = sidl[nid]
                 nsid = table.get(sid)
                 if nsid is None:
-                    nsid = table[sid] = self._transition(sid, _OP_UNPREDICT, slot, 0)
+                    nsid = table[sid] = self._states.transition(sid, OP_UNPREDICT, slot, 0)
                 if nsid == sid:
                     continue
                 if nsid == 0:
@@ -991,8 +727,8 @@ class PrefixIndex:
         remap: dict[int, int] = {}
         sidl = self._sidl
         keys = self._keys
-        refs = self._refs
-        states = self._states
+        refs = self._states.refs
+        without = self._states.without
         end = len(keys)
         start = self._sweep_cursor
         stop = end if budget is None else min(end, start + budget)
@@ -1002,8 +738,7 @@ class PrefixIndex:
             sid = sidl[nid]
             nsid = remap.get(sid)
             if nsid is None:
-                g, c, d, r, p = states[sid]
-                nsid = remap[sid] = self._intern_state((g & keep, c & keep, d & keep, r & keep, p & keep))
+                nsid = remap[sid] = without(sid, keep)
             if nsid != sid:
                 if nsid == 0:
                     self._delete_node(nid)
@@ -1016,9 +751,9 @@ class PrefixIndex:
             done = self._sweeping
             self._sweeping = 0
             self._sweep_cursor = 0
-            for s in _bits(done):
+            for s in bits(done):
                 self._free_slots.append(s)
-            self._trans = {k: v for k, v in self._trans.items() if not (done >> k[1]) & 1}
+            self._states.forget_slots(done)
 
     # ------------------------------------------------------------------ engine hashes
 
@@ -1030,6 +765,8 @@ class PrefixIndex:
         token_ids: Sequence[int],
         seed: int,
         tier: str = "gpu",
+        *,
+        replayed: bool = False,
     ) -> StoreResult:
         """Apply an engine ``BlockStored`` event (engine pages identified by the engine's own hashes).
 
@@ -1037,11 +774,17 @@ class PrefixIndex:
         page size may differ from ``block_size``). Router keys chain from the router state recorded for
         ``engine_parent`` (from ``seed`` when it is None); every router block completed along the way is stored.
 
+        A page the replica already holds in ``tier`` (same engine hash, re-sent) is one more *copy* of it: vLLM
+        caches a block once per request that computed it (``index.engine_map``), and removes copies one by one.
+        ``replayed=True`` says the event was applied before (a replay re-applied over the current state): a
+        page already held is then not counted again.
+
         Returns:
             StoreResult: ``orphan=True`` (nothing stored, counted) when ``engine_parent`` is unknown;
             ``error`` set (counted as invalid) when the tokens do not split evenly over the pages.
         """
-        if tier not in _TIER_INDEX:
+        t = TIER_INDEX.get(tier)
+        if t is None:
             self._invalid += 1
             return StoreResult(0, False, f"unknown tier {tier!r}")
         n = len(engine_hashes)
@@ -1052,43 +795,25 @@ class PrefixIndex:
             self._invalid += 1
             return StoreResult(0, False, f"{ntok} token ids do not split evenly over {n} engine pages")
         page = ntok // n
-        emap = self._engine.get(replica)
+        emaps = self._emap
+        last: int
         if engine_parent is None:
             last = seed
             left: tuple[int, ...] = ()
         else:
-            e = emap.get(engine_parent) if emap is not None else None
-            if e is None:
+            state = emaps.parent_state(replica, engine_parent)  # type: ignore[arg-type]  # an EngineHash
+            if state is None:
                 self._orphans += 1
                 return StoreResult(0, True)
-            if isinstance(e, int):
-                last, left = e, ()
-            else:
-                last, left = e[0], e[1]
-        if emap is None:
-            emap = self._engine[replica] = {}
-        bs = self.block_size
-        if not left and page == bs:
-            keys = block_keys_array(pack_array(token_ids), bs, last)
-            emap.update(zip(engine_hashes, keys, strict=True))
-        else:
-            toks = list(left)
-            toks.extend(token_ids)
-            keys = block_keys(toks, bs, last)
-            nleft = len(left)
-            j = 0
-            for i, eh in enumerate(engine_hashes):
-                end = nleft + (i + 1) * page
-                nfull = end // bs
-                covered = tuple(keys[j:nfull])
-                j = nfull
-                leftover = tuple(toks[nfull * bs : end])
-                if not leftover and len(covered) == 1:
-                    emap[eh] = covered[0]
-                else:
-                    emap[eh] = (keys[nfull - 1] if nfull else last, leftover, covered)
+            last, left = state
+        keys, resent = emaps.record_pages(
+            replica, engine_hashes, token_ids, page, last, left, self.block_size  # type: ignore[arg-type]
+        )
         if keys:
+            copies = self._held_in_tier(replica, keys, t) if resent and not replayed else None
             self.store(replica, last if engine_parent is not None else None, keys, tier)
+            if copies:
+                emaps.add_copies(replica, t, copies)
         else:
             self._check_budget()
         return StoreResult(len(keys), False)
@@ -1096,99 +821,91 @@ class PrefixIndex:
     def apply_removed(self, replica: int, engine_hashes: Sequence[int], tier: str = "gpu") -> int:
         """Apply an engine ``BlockRemoved`` event; return how many router blocks the replica stopped holding.
 
-        Unknown engine hashes are counted (``stats()['unknown_removed']``) and ignored. A page's mapping is
-        dropped once the replica holds its blocks in no confirmed tier.
+        Unknown engine hashes are counted (``stats()['unknown_removed']``) and ignored. A removal of a block
+        held in more than one copy consumes a copy and keeps the block. A page's mapping is dropped once the
+        replica holds its blocks in no confirmed tier.
         """
-        t = _TIER_INDEX.get(tier)
+        t = TIER_INDEX.get(tier)
         if t is None:
             self._invalid += 1
             return 0
-        emap = self._engine.get(replica)
+        emaps = self._emap
+        emap = emaps.of(replica)
         if emap is None:
             self._unknown_removed += len(engine_hashes)
             return 0
         slot = self._slot_of.get(replica)
         removed = 0
-        keys: list[int] = []  # the router keys of every known page (all removed by one _apply call)
-        known: list[tuple[int, int | None]] = []  # (engine hash, its last router key or None)
-        for eh in engine_hashes:
+        keys: list[BlockKey] = []  # the router keys of every known page (all removed by one _apply call)
+        known: list[tuple[EngineHash, BlockKey | None]] = []  # (engine hash, its last router key or None)
+        for eh in cast(_Hashes, engine_hashes):
             e = emap.get(eh)
             if e is None:
                 self._unknown_removed += 1
                 continue
-            if isinstance(e, int):
-                keys.append(e)
-                known.append((eh, e))
-            else:
-                keys += e[2]
-                known.append((eh, e[2][-1] if e[2] else None))
+            covered = entry_keys(e)
+            keys += covered
+            known.append((eh, covered[-1] if covered else None))
+        if keys and emaps.has_copies:
+            keys = emaps.take_copies(replica, t, keys)
         if keys and slot is not None:
-            removed = self._apply(slot, keys, _OP_REMOVE, t, 0.0, create=False)
-        for eh, last in known:
-            if last is None or slot is None or not self._holds_confirmed(slot, last):
+            removed = self._apply(slot, keys, OP_REMOVE, t, 0.0, create=False)
+        for eh, lastk in known:
+            if lastk is None or slot is None or not self._holds_confirmed(slot, lastk):
                 emap.pop(eh, None)
         self._maybe_compact()
         return removed
 
-    def _holds_confirmed(self, slot: int, key: int) -> bool:
+    def _holds_confirmed(self, slot: int, key: BlockKey) -> bool:
         """Whether ``slot`` holds block ``key`` in any tier (confirmed, not just predicted)."""
         nid = self._ids[key & _SHARD_MASK].get(key)
         if nid is None:
             return False
-        return bool(self._confirmed[self._sidl[nid]] >> slot & 1)
+        return bool(self._states.confirmed[self._sidl[nid]] >> slot & 1)
+
+    def _held_in_tier(self, replica: int, keys: Sequence[BlockKey], tier: int) -> list[BlockKey]:
+        """Those of ``keys`` that ``replica`` holds, confirmed, in ``tier`` (before an event stores them)."""
+        slot = self._slot_of.get(replica)
+        if slot is None:
+            return []
+        ids = self._ids
+        sidl = self._sidl
+        states = self._states.states
+        held: list[BlockKey] = []
+        for k in keys:
+            nid = ids[k & _SHARD_MASK].get(k)
+            if nid is not None and states[sidl[nid]][tier] >> slot & 1:
+                held.append(k)
+        return held
 
     # ------------------------------------------------------------------ budget
-
-    def _engine_entries(self) -> int:
-        """Total engine-hash map entries over all replicas."""
-        return sum(len(m) for m in self._engine.values())
 
     def _pred_entries(self) -> int:
         """Total predicted (replica, block) entries."""
         return sum(len(p) for p in self._pred.values())
 
     def estimated_bytes(self) -> int:
-        """Estimated memory of the index in bytes (nodes + engine-hash maps + predicted entries)."""
+        """Estimated memory of the index in bytes (nodes + engine-hash maps + predicted entries + copies)."""
         return (
             self._nodes * NODE_BYTES
             + self._reserved * RESERVED_SLOT_BYTES
-            + self._engine_entries() * ENGINE_ENTRY_BYTES
+            + len(self._emap) * ENGINE_ENTRY_BYTES
+            + self._emap.copy_entries() * COPY_ENTRY_BYTES
             + self._pred_entries() * PRED_ENTRY_BYTES
         )
 
-    def _byte_budget(self) -> int | None:
-        """The byte budget: ``max_bytes`` and/or ``max_nodes`` times the per-node estimate (the smaller)."""
-        budgets = []
-        if self.max_bytes is not None:
-            budgets.append(self.max_bytes)
-        if self.max_nodes is not None:
-            budgets.append(self.max_nodes * NODE_BYTES)
-        return min(budgets) if budgets else None
-
-    def _over(self, water: float) -> bool:
-        """Whether the index is above ``water`` times its budget (nodes or estimated bytes)."""
-        if self.max_nodes is not None and self._nodes > self.max_nodes * water:
-            return True
-        bb = self._byte_budget()
-        return bb is not None and self.estimated_bytes() > bb * water
-
     def _check_budget(self) -> None:
-        """Evict when the high-water mark (the budget) is passed, and go on with an eviction in progress."""
-        if (self.max_nodes is not None or self.max_bytes is not None) and (
-            self._evict_thr is not None or self._over(1.0)
+        """Evict when the high-water mark (the budget) is passed, and go on with an eviction in progress.
+
+        A node-id compaction in progress advances one bounded step per update too (not only when eviction or
+        ``expire()`` runs): under steady churn its holes (~28 B each) would otherwise pile up between evictions.
+        """
+        if self._limited and (
+            self._evictor.running or self._budget.over(self._nodes, self.estimated_bytes(), 1.0)
         ):
             self._evict()
-
-    def _excess(self, water: float) -> float:
-        """Fraction of the nodes (and engine-map entries) to drop to get to ``water`` times the budget."""
-        n = self._nodes
-        frac = 0.0
-        if self.max_nodes is not None:
-            frac = max(frac, 1.0 - self.max_nodes * water / max(n, 1))
-        bb = self._byte_budget()
-        if bb is not None:
-            frac = max(frac, 1.0 - bb * water / max(self.estimated_bytes(), 1))
-        return min(1.0, max(frac, 0.0))
+        elif self._cmp_src >= 0:
+            self._compact_step()
 
     def _evict(self) -> None:
         """One bounded round of budget eviction (least recently stored/predicted nodes, oldest engine entries).
@@ -1199,14 +916,15 @@ class PrefixIndex:
         """
         if self._dead or self._sweeping:
             self._sweep(SWEEP_CHUNK)
+        budget = self._budget
         guard = 0
         while guard < 64:
             guard += 1
-            frac = self._excess(LOW_WATER)  # > 0 exactly when above the low-water mark
+            frac = budget.excess(self._nodes, self.estimated_bytes(), LOW_WATER)  # > 0 iff above low water
             if not frac:
-                self._evict_thr = None  # done: the next eviction starts from a fresh threshold
+                self._evictor.done()
                 break
-            high = self._excess(1.0)  # > 0 exactly when above the budget
+            high = budget.excess(self._nodes, self.estimated_bytes(), 1.0)  # > 0 iff above the budget
             if guard > 1 and not high:
                 break  # back under the budget; the rest of the way to low water in the next calls
             n = self._nodes
@@ -1214,105 +932,11 @@ class PrefixIndex:
             must = int(n * high) + 1 if high else 0
             quota = min(need, max(EVICT_CHUNK if guard == 1 else 0, must))
             share = quota / need if need else 1.0
-            for replica, emap in list(self._engine.items()):
-                drop = int(len(emap) * frac * share) + (1 if emap else 0)
-                if drop >= len(emap):
-                    self._engine_evictions += len(emap)
-                    self._engine[replica] = {}
-                elif drop:
-                    for eh in list(islice(emap, drop)):  # oldest first: dicts keep insertion order
-                        del emap[eh]
-                    self._engine_evictions += drop
-            self._evict_nodes(quota, need, must)
+            self._emap.evict_oldest(frac * share)
+            self._evictor.evict(self._view, quota, need, must)
         self._maybe_compact(force=True)  # one step (or the start) of the compaction the deletions call for
 
-    def _evict_nodes(self, count: int, episode: int | None = None, required: int | None = None) -> None:
-        """Delete about ``count`` of the least recently touched nodes (timestamps, ties in node-id order).
-
-        Victims are the live nodes at or below a timestamp threshold, taken in node-id order from a cursor
-        that persists over calls and evictions (``episode`` = nodes this eviction must drop in all): the
-        threshold comes from all timestamps when the index is small (exact LRU order) or from a random sample
-        of ``EVICT_SAMPLE`` nodes (approximate), so a call costs O(count + ids walked), never O(index). Once
-        ``required`` nodes (default: all ``count``) are gone, the walk stops after ``2 * EVICT_WALK`` ids.
-        """
-        if count <= 0:
-            return
-        if count >= self._nodes:
-            victims = self._node_ids()
-            for nid in victims:
-                self._delete_node(nid)
-            self._evictions += len(victims)
-            self._evict_thr = None
-            return
-        kl = self._keys
-        ts = self._ts
-        deleted = 0
-        resampled = 0
-        walked = 0
-        need = count if required is None else required
-        while deleted < count and (deleted < need or walked < 2 * EVICT_WALK):
-            if self._evict_thr is None or self._evict_cursor >= len(kl):
-                if resampled >= 2:  # the sample keeps missing: take the exact oldest for the rest
-                    self._evict_oldest(count - deleted)
-                    deleted = count
-                    break
-                resampled += 1
-                self._evict_thr = self._threshold(max(count - deleted, episode or 0))
-                if self._evict_cursor >= len(kl):
-                    # a clock hand: the next eviction goes on where the last one stopped (node ids grow with
-                    # time, so the oldest survivors lie just after it) and wraps around at the end
-                    self._evict_cursor = 0
-            thr = self._evict_thr
-            a = self._evict_cursor
-            b = min(len(kl), a + EVICT_WALK)
-            walked += b - a
-            stop = b
-            for nid in [i for i, t in zip(range(a, b), ts[a:b], strict=True) if t <= thr]:
-                if kl[nid] is None:
-                    continue
-                self._delete_node(nid)
-                deleted += 1
-                if deleted >= count:
-                    stop = nid + 1
-                    break
-            self._evict_cursor = stop
-        self._evictions += deleted
-
-    def _threshold(self, count: int) -> float:
-        """A timestamp at or below which about ``count`` live nodes lie (exact when the index is small)."""
-        ts = self._ts
-        n = self._nodes
-        if n <= EVICT_SAMPLE:
-            stamps = sorted(map(ts.__getitem__, self._node_ids()))
-            return stamps[min(count, n) - 1]
-        kl = self._keys
-        picks = self._rng.sample(range(len(kl)), min(len(kl), EVICT_SAMPLE * len(kl) // n + 1))
-        sample = sorted(ts[i] for i in picks if kl[i] is not None)
-        if not sample:
-            return float("inf")
-        q = min(len(sample) - 1, int(len(sample) * count / n * 1.1) + 2)  # a margin: the walk stops at count
-        return sample[q]
-
-    def _evict_oldest(self, count: int) -> None:
-        """Delete the ``count`` live nodes with the oldest timestamps, exactly (O(index); a fallback)."""
-        ts = self._ts
-        victims = sorted(self._node_ids(), key=lambda nid: (ts[nid], nid))[:count]
-        for nid in victims:
-            self._delete_node(nid)
-
     # ------------------------------------------------------------------ stats
-
-    def __len__(self) -> int:
-        """Number of nodes (distinct block keys held by at least one replica entry)."""
-        return self._nodes
-
-    def __contains__(self, key: object) -> bool:
-        """Whether block ``key`` is held by at least one replica entry (confirmed or predicted)."""
-        return isinstance(key, int) and key in self._ids[key & _SHARD_MASK]
-
-    def _node_ids(self) -> list[int]:
-        """Every live node id (in no particular order)."""
-        return [nid for shard in self._ids for nid in shard.values()]
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes: nodes, estimated_bytes, blocks per replica and tier, evictions, orphans, ..."""
@@ -1320,14 +944,14 @@ class PrefixIndex:
         predicted: dict[int, int] = dict.fromkeys(self._slot_of, 0)
         active = self._active
         rep = self._replica_of_slot
-        for sid, refs in enumerate(self._refs):
+        for sid, refs in enumerate(self._states.refs):
             if refs <= 0:
                 continue
-            st = self._states[sid]
+            st = self._states.states[sid]
             for t, name in enumerate(TIERS):
-                for s in _bits(st[t] & active):
+                for s in bits(st[t] & active):
                     blocks[rep[s]][name] += refs
-            for s in _bits(st[_PRED] & active):
+            for s in bits(st[PRED] & active):
                 predicted[rep[s]] += refs
         return {
             "nodes": self._nodes,
@@ -1335,9 +959,11 @@ class PrefixIndex:
             "blocks": blocks,
             "predicted_blocks": predicted,
             "predicted_entries": self._pred_entries(),
-            "engine_entries": self._engine_entries(),
-            "evictions": self._evictions,
-            "engine_evictions": self._engine_evictions,
+            "engine_entries": len(self._emap),
+            "extra_copies": self._emap.extra_copies(),
+            "copies_stored": self._emap.copies_seen,
+            "evictions": self._evictor.evictions,
+            "engine_evictions": self._emap.evictions,
             "orphan_events": self._orphans,
             "invalid_events": self._invalid,
             "unknown_removed": self._unknown_removed,
@@ -1345,6 +971,6 @@ class PrefixIndex:
             "compactions": self._compactions,
             "compacted_ids": self._compacted_ids,
             "dead_ids": self._dead_nodes,
-            "states": sum(1 for r in self._refs if r > 0),
+            "states": self._states.in_use(),
             "replicas": len(self._slot_of),
         }

@@ -235,7 +235,7 @@ class FaultKnobs:
 
     def update(self, values: dict[str, object]) -> None:
         """Set fields from a dict (unknown keys -> ValueError naming them)."""
-        names: tuple[str, ...] = self.__slots__  # type: ignore[assignment]
+        names: tuple[str, ...] = self.__slots__
         unknown = [k for k in values if k not in names]
         if unknown:
             raise ValueError(f"unknown fault fields: {', '.join(unknown)}")
@@ -251,7 +251,7 @@ class FaultKnobs:
 
     def as_dict(self) -> dict[str, object]:
         """Current settings."""
-        names: tuple[str, ...] = self.__slots__  # type: ignore[assignment]
+        names: tuple[str, ...] = self.__slots__
         return {k: getattr(self, k) for k in names}
 
 

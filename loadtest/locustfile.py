@@ -51,7 +51,7 @@ from loadtest.workload import WorkloadOptions, build_workload
 _started = False  # only the first user replays: the workload is sent once whatever -u says
 
 
-@events.init_command_line_parser.add_listener
+@events.init_command_line_parser.add_listener  # type: ignore[untyped-decorator]  # locust's hook is untyped
 def _add_arguments(parser: Any) -> None:
     """Custom arguments (also settable as KVROUTE_LOADTEST_* environment variables)."""
     g = parser.add_argument_group("kvroute trace replay")
@@ -173,6 +173,6 @@ def write_csvs(path: Path, results: list[ReplayResult], summary: dict[str, Any])
     summary_path = path.with_name(f"{path.stem}_summary{path.suffix or '.csv'}")
     flat = {k: (";".join(v) if isinstance(v, list) else v) for k, v in summary.items()}
     with summary_path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(flat))
-        w.writeheader()
-        w.writerow(flat)
+        dw = csv.DictWriter(f, fieldnames=list(flat))
+        dw.writeheader()
+        dw.writerow(flat)

@@ -49,6 +49,7 @@ from typing import Any
 
 import httpx
 
+from membership import engine_tls
 from membership.tasks import cancel_and_wait, run_every
 
 log = logging.getLogger("kvroute.engine_metrics")
@@ -118,7 +119,11 @@ class EngineSnapshot:
         preemptions_total: cumulative preemptions.
         queued_prefill_tokens: estimated uncached prompt tokens waiting (see module docstring), tokens.
         ttft / queue_time / prefill_time / prompt_tokens: histograms (seconds; tokens for ``prompt_tokens``).
+        process_start_time_s: the serving process's start time (``process_start_time_seconds``), epoch seconds;
+            a change means the engine restarted.
         families: every sample name seen (for diagnostics).
+        rejected: names of the fields whose exported value was out of range (not finite, negative, above
+            ``GAUGE_BOUNDS``) and were therefore left unknown (``None``).
     """
 
     dialect: str | None = None
@@ -138,7 +143,68 @@ class EngineSnapshot:
     queue_time: Histogram | None = None
     prefill_time: Histogram | None = None
     prompt_tokens: Histogram | None = None
+    process_start_time_s: float | None = None
     families: frozenset[str] = field(default_factory=frozenset)
+    rejected: tuple[str, ...] = ()
+
+
+#: Largest value accepted per snapshot field (inclusive); a value that is not finite, negative or above its bound
+#: is out of range: the field stays unknown (``None``) and the name is listed in ``EngineSnapshot.rejected``.
+#: One engine exporting ``num_requests_waiting 1e308`` or a negative gauge must not break or win every routing
+#: decision for its model (issue 24, item 8). The bounds are far above any real engine (requests, tokens,
+#: blocks, fractions).
+GAUGE_BOUNDS: dict[str, float] = {
+    "queued_requests": 1e7,
+    "running_requests": 1e7,
+    "kv_usage": 1.0 + 1e-6,
+    "prefix_cache_queries": 1e18,
+    "prefix_cache_hits": 1e18,
+    "prefix_cache_hit_rate": 1.0 + 1e-6,
+    "block_size": float(1 << 16),
+    "num_gpu_blocks": 1e10,
+    "prompt_tokens_total": 1e18,
+    "generation_tokens_total": 1e18,
+    "preemptions_total": 1e15,
+    "queued_prefill_tokens": 1e12,
+}
+
+#: Fields that must be at least 1 when known (a block of 0 tokens, a cache of 0 blocks: unknown).
+_POSITIVE = frozenset({"block_size", "num_gpu_blocks"})
+
+#: Histogram fields checked as a whole (finite, non-negative sums and counts; a bad one is dropped).
+_HISTOGRAM_FIELDS = ("ttft", "queue_time", "prefill_time", "prompt_tokens")
+
+
+def _in_range(value: float, bound: float) -> bool:
+    """True for a finite value in ``[0, bound]``."""
+    return math.isfinite(value) and 0.0 <= value <= bound
+
+
+def _histogram_ok(h: Histogram) -> bool:
+    """True when a histogram's sum, count and bucket counts are finite and non-negative."""
+    return (_in_range(h.sum, 1e300) and _in_range(h.count, 1e18)
+            and all(_in_range(c, 1e18) and not math.isnan(le) for le, c in h.buckets))
+
+
+def range_check(snap: EngineSnapshot) -> EngineSnapshot:
+    """Set every out-of-range field of ``snap`` to ``None`` (unknown) and list it in ``snap.rejected``.
+
+    Values arrive as floats from the exposition (``1e308``, ``-5``, ``+Inf``); converting them first to the
+    integer fields would already have failed or produced nonsense, so this runs on the raw parsed values.
+    """
+    rejected: list[str] = []
+    for name, bound in GAUGE_BOUNDS.items():
+        value = getattr(snap, name)
+        if value is not None and (not _in_range(float(value), bound) or (name in _POSITIVE and value < 1)):
+            setattr(snap, name, None)
+            rejected.append(name)
+    for name in _HISTOGRAM_FIELDS:
+        h = getattr(snap, name)
+        if h is not None and not _histogram_ok(h):
+            setattr(snap, name, None)
+            rejected.append(name)
+    snap.rejected = tuple(rejected)
+    return snap
 
 
 class MetricsParseError(ValueError):
@@ -217,37 +283,43 @@ def _mean(s: Samples, *names: str) -> float | None:
     return None if v is None else sum(x for _, x in v) / len(v)
 
 
-def _int(x: float | None) -> int | None:
-    return None if x is None else int(round(x))
+def _int(x: float | None) -> Any:
+    """``x`` rounded to an int; a non-finite or absurdly large value is kept as is (``range_check`` rejects it:
+    ``int(round(inf))`` raises and ``int(1e308)`` is a 309-digit integer that overflows later float arithmetic)."""
+    if x is None:
+        return None
+    return int(round(x)) if math.isfinite(x) and abs(x) < 1e18 else x
 
 
-def _label_int(s: Samples, name: str, label: str) -> int | None:
+def _label_number(raw: str | None) -> float | None:
+    """A label value as a number (None when absent, ``None``-valued or not a number)."""
+    if raw in (None, "", "None"):
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        return None
+
+
+def _label_int(s: Samples, name: str, label: str) -> Any:
+    """Sum of a numeric label over a family's samples, as an int; a non-finite sum is returned as is (for
+    ``range_check`` to reject)."""
     v = s.get(name)
     if not v:
         return None
-    total = 0
-    found = False
-    for labels, _ in v:
-        raw = labels.get(label)
-        try:
-            total += int(float(raw)) if raw not in (None, "", "None") else 0
-            found = found or raw not in (None, "", "None")
-        except ValueError:
-            continue
-    return total if found else None
+    values = [x for x in (_label_number(labels.get(label)) for labels, _ in v) if x is not None]
+    return _int(sum(values)) if values else None
 
 
-def _label_first(s: Samples, name: str, label: str) -> int | None:
+def _label_first(s: Samples, name: str, label: str) -> Any:
+    """The first numeric value of a label in a family, as an int (non-finite: as is, for ``range_check``)."""
     v = s.get(name)
     if not v:
         return None
     for labels, _ in v:
-        raw = labels.get(label)
-        if raw not in (None, "", "None"):
-            try:
-                return int(float(raw))
-            except ValueError:
-                continue
+        x = _label_number(labels.get(label))
+        if x is not None:
+            return _int(x)
     return None
 
 
@@ -295,8 +367,14 @@ def parse_metrics(text: str, dialect: str | None = None) -> EngineSnapshot:
     else:
         snap = EngineSnapshot()
     snap.dialect = dialect
+    snap.process_start_time_s = _mean(s, "process_start_time_seconds")
     snap.families = names
+    range_check(snap)
     snap.queued_prefill_tokens = _estimate_queued_prefill(snap)
+    if snap.queued_prefill_tokens is not None and not _in_range(snap.queued_prefill_tokens,
+                                                                GAUGE_BOUNDS["queued_prefill_tokens"]):
+        snap.queued_prefill_tokens = None
+        snap.rejected = (*snap.rejected, "queued_prefill_tokens")
     return snap
 
 
@@ -367,6 +445,8 @@ def _parse_sglang(s: Samples) -> EngineSnapshot:
 def _estimate_queued_prefill(snap: EngineSnapshot) -> int | None:
     if snap.queued_requests is None or snap.prompt_tokens is None or snap.prompt_tokens.mean is None:
         return None
+    if not math.isfinite(snap.queued_requests * snap.prompt_tokens.mean):
+        return None
     ratio = 0.0
     if snap.prefix_cache_queries and snap.prefix_cache_hits is not None:
         ratio = min(1.0, max(0.0, snap.prefix_cache_hits / snap.prefix_cache_queries))
@@ -387,6 +467,12 @@ class _ReplicaScrape:
     consecutive_errors: int = 0
     last_error: str = ""
     duration_s: float = 0.0
+    #: snapshot field -> scrapes in which the engine exported an out-of-range value for it
+    rejected: Counter[str] = field(default_factory=Counter)
+    #: fields already logged as out of range (one warning per replica and field)
+    warned: set[str] = field(default_factory=set)
+    #: engine block size a warning was logged for (one warning per replica and value)
+    warned_block_size: int | None = None
 
 
 class MetricsScraper:
@@ -401,13 +487,21 @@ class MetricsScraper:
         headers: extra request headers (e.g. an engine API key).
         clock: monotonic time source, seconds.
         on_snapshot: ``callback(replica, snapshot)`` after each successful scrape (e.g. calibration).
+        router_block_size: the router's ``block_size`` (tokens); an engine whose ``cache_config_info`` block size
+            differs is reported (``kvroute_engine_block_size_mismatch``, one warning per replica, ``engine_info``).
+            The engine's block size is copied to ``Replica.load.engine_block_size`` either way: the router rounds
+            its cached-token predictions for that replica down to whole engine blocks.
+        verify: TLS verification for ``https://`` engines (default: ``membership.engine_tls.client_context()``).
     """
 
     def __init__(self, table: Any, *, interval_s: float = 2.0, timeout_s: float = 1.0,
                  client: httpx.AsyncClient | None = None, headers: dict[str, str] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 on_snapshot: Callable[[Any, EngineSnapshot], None] | None = None) -> None:
+                 on_snapshot: Callable[[Any, EngineSnapshot], None] | None = None,
+                 router_block_size: int | None = None, verify: Any = None) -> None:
         self.table = table
+        self.router_block_size = router_block_size
+        self._verify = verify
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._client = client
@@ -423,8 +517,12 @@ class MetricsScraper:
         """Start the periodic scrape loop (idempotent)."""
         if self._task is None:
             if self._client is None:
-                self._client = httpx.AsyncClient(timeout=self.timeout_s)
+                self._client = self._new_client()
             self._task = asyncio.ensure_future(self._loop())
+
+    def _new_client(self) -> httpx.AsyncClient:
+        verify = self._verify if self._verify is not None else engine_tls.client_context()
+        return httpx.AsyncClient(timeout=self.timeout_s, verify=verify)
 
     async def stop(self) -> None:
         """Stop the loop and close the private HTTP client."""
@@ -464,7 +562,7 @@ class MetricsScraper:
         st = self._state.setdefault(replica.index, _ReplicaScrape())
         client = self._client
         if client is None:
-            client = self._client = httpx.AsyncClient(timeout=self.timeout_s)
+            client = self._client = self._new_client()
         url = replica.url.rstrip("/") + (getattr(replica, "metrics_path", "") or "/metrics")
         dispatched = replica.load.inflight_prefill_tokens
         t0 = self.clock()
@@ -496,6 +594,8 @@ class MetricsScraper:
         st.consecutive_errors = 0
         st.snapshot = snap
         st.scraped_at = t0
+        self._note_rejected(replica, st, snap)
+        self._check_block_size(replica, st, snap)
         load = replica.load
         load.queued_requests = snap.queued_requests
         load.running_requests = snap.running_requests
@@ -503,6 +603,8 @@ class MetricsScraper:
         load.queued_prefill_tokens = snap.queued_prefill_tokens
         if hasattr(load, "total_kv_blocks"):
             load.total_kv_blocks = snap.num_gpu_blocks
+        if hasattr(load, "engine_block_size"):
+            load.engine_block_size = snap.block_size
         load.inflight_prefill_tokens = max(0, load.inflight_prefill_tokens - dispatched)
         load.age_s = 0.0
         if self.on_snapshot is not None:
@@ -511,6 +613,37 @@ class MetricsScraper:
             except Exception:
                 log.exception("on_snapshot callback failed")
         return snap
+
+    def _note_rejected(self, replica: Any, st: _ReplicaScrape, snap: EngineSnapshot) -> None:
+        """Count the snapshot's out-of-range fields; warn once per replica and field."""
+        for name in snap.rejected:
+            st.rejected[name] += 1
+            if name not in st.warned:
+                st.warned.add(name)
+                log.warning("engine %s exported an out-of-range value for %s (not finite, negative or above %g): "
+                            "treated as unknown", replica.name, name, GAUGE_BOUNDS.get(name, float("nan")))
+
+    def _check_block_size(self, replica: Any, st: _ReplicaScrape, snap: EngineSnapshot) -> None:
+        """Warn once per replica and value when the engine's block size differs from the router's."""
+        ebs, rbs = snap.block_size, self.router_block_size
+        if ebs is None or rbs is None or ebs == rbs or st.warned_block_size == ebs:
+            return
+        st.warned_block_size = ebs
+        how = (f"exact, but the router hashes {ebs // rbs} blocks per engine block" if ebs % rbs == 0
+               else f"the router's matches can stop up to {rbs - 1} tokens short of the engine's")
+        log.warning("engine %s uses KV block size %d, the router %d (block_size): predicted cached tokens for it are "
+                    "rounded down to whole engine blocks (%s); set block_size=%d (or the engine's --block-size) to "
+                    "make them equal", replica.name, ebs, rbs, how, ebs)
+
+    def engine_info(self, replica_index: int) -> dict[str, Any]:
+        """What the last scrape said about the engine's configuration, for ``GET /replicas``: its block size,
+        the router's, whether they differ, and the out-of-range gauges counted so far."""
+        st = self._state.get(replica_index)
+        ebs = st.snapshot.block_size if st is not None and st.snapshot is not None else None
+        rbs = self.router_block_size
+        return {"block_size": ebs, "router_block_size": rbs,
+                "block_size_mismatch": ebs is not None and rbs is not None and ebs != rbs,
+                "rejected_gauges": dict(st.rejected) if st is not None else {}}
 
     def latest(self, replica_index: int) -> EngineSnapshot | None:
         """The last successful snapshot of a replica, or None."""
@@ -531,7 +664,8 @@ class MetricsScraper:
         ok = 0
         for idx, st in self._state.items():
             per[idx] = {"ok": st.ok, "errors": dict(st.errors), "consecutive_errors": st.consecutive_errors,
-                        "last_error": st.last_error, "age_s": self.age_s(idx), "duration_s": st.duration_s}
+                        "last_error": st.last_error, "age_s": self.age_s(idx), "duration_s": st.duration_s,
+                        "rejected": dict(st.rejected)}
             errors.update(st.errors)
             ok += st.ok
         return {"replicas": per, "ok": ok, "errors": dict(errors), "rounds": self.rounds}
@@ -557,15 +691,32 @@ class _Collector:
                                   labels=["replica", "reason"])
         age = GaugeMetricFamily("kvroute_engine_metrics_age_seconds", "Seconds since the last successful scrape",
                                 labels=["replica"])
+        rejected = CounterMetricFamily("kvroute_engine_gauge_rejected",
+                                       "Scraped engine values out of range (not finite, negative, absurdly large) "
+                                       "and treated as unknown, by replica and field", labels=["replica", "gauge"])
+        bsize = GaugeMetricFamily("kvroute_engine_block_size", "The engine's KV block size (cache_config_info), "
+                                  "tokens", labels=["replica"])
+        mismatch = GaugeMetricFamily("kvroute_engine_block_size_mismatch", "1 when the engine's KV block size "
+                                     "differs from the router's block_size (predictions are rounded to the "
+                                     "engine's blocks)", labels=["replica", "engine_block_size",
+                                                                 "router_block_size"])
+        rbs = self.scraper.router_block_size
         for idx, st in self.scraper._state.items():
             name = names.get(idx, str(idx))
             ok.add_metric([name], st.ok)
             for reason, c in st.errors.items():
                 err.add_metric([name, reason], c)
+            for gauge_name, c in st.rejected.items():
+                rejected.add_metric([name, gauge_name], c)
             a = self.scraper.age_s(idx)
             if a is not None:
                 age.add_metric([name], a)
-        yield from (ok, err, age)
+            ebs = st.snapshot.block_size if st.snapshot is not None else None
+            if ebs is not None:
+                bsize.add_metric([name], ebs)
+                if rbs is not None:
+                    mismatch.add_metric([name, str(ebs), str(rbs)], 1.0 if ebs != rbs else 0.0)
+        yield from (ok, err, age, rejected, bsize, mismatch)
 
 
 #: the name ``router.signals`` looks up

@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from membership import engine_tls
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.tasks import cancel_and_wait
 
@@ -91,14 +92,17 @@ class HealthChecker:
         select: which replicas this checker owns (default: all but statically configured ones).
         admit_joining: this checker makes ``joining`` replicas ready (see the module docstring).
         on_ok: optional hook run after each 2xx health answer (e.g. learn models from ``/v1/models``).
+        verify: TLS verification of ``https://`` engines (an ``ssl.SSLContext``; default:
+            ``membership.engine_tls.client_context()``, the context the proxy uses too).
     """
 
     def __init__(self, table: ReplicaTable, *, interval_s: float = 1.0, timeout_s: float = 1.0,
                  path: str = "/health", failure_threshold: int = 3, success_threshold: int = 2,
                  headers: Mapping[str, str] | None = None,
                  select: Callable[[Replica], bool] = _not_static, admit_joining: bool = False,
-                 on_ok: OkHook | None = None) -> None:
+                 on_ok: OkHook | None = None, verify: Any = None) -> None:
         self.table = table
+        self._verify = verify
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.path = path if path.startswith("/") else "/" + path
@@ -189,7 +193,8 @@ class HealthChecker:
     # -- probing ---------------------------------------------------------------------------------------
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers)
+            verify = self._verify if self._verify is not None else engine_tls.client_context()
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers, verify=verify)
         return self._client
 
     async def probe(self, rep: Replica) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -153,6 +154,9 @@ class DecodedBatch:
         dropped: per-event drop reasons -> count (events that were malformed, unknown or filtered).
         notes: non-fatal observations -> count (e.g. ``bigram_tokens_converted``).
         payload_digest: a digest of the raw payload, used to recognise the same batch again in a replay.
+        filtered_hashes: engine hashes of well-formed ``BlockStored`` events dropped on purpose by our filters
+            (another KV-cache group, an unknown medium, skipped bigram tokens): a later event whose parent is
+            one of them is not an orphan worth a replay.
     """
 
     seq: int
@@ -163,6 +167,7 @@ class DecodedBatch:
     dropped: Counter[str] = field(default_factory=Counter)
     notes: Counter[str] = field(default_factory=Counter)
     payload_digest: int = 0
+    filtered_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,11 +191,19 @@ class ReplayEnd:
 
 
 class _Bad(Exception):
-    """Internal: a field failed validation; ``reason`` is the counted label."""
+    """Internal: a field failed validation; ``reason`` is the counted label.
+
+    ``hashes``: the engine hashes of a well-formed event dropped on purpose (see ``FILTER_REASONS``), else empty.
+    """
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.hashes: list[int] = []
+
+
+#: drop reasons of well-formed events that our own filters drop (their hashes are reported as filtered)
+FILTER_REASONS = frozenset({"other_kv_group", "unknown_medium", "bigram_tokens"})
 
 
 # -- envelopes --------------------------------------------------------------------------------------------------
@@ -210,6 +223,15 @@ def decode_live_frames(frames: list[bytes], limits: DecodeLimits = DEFAULT_LIMIT
         the decoded batch, or a failure with its reason (``wrong_frame_count``, ``bad_seq_frame``, payload
         reasons from :func:`decode_payload`).
     """
+    parts = split_live_frames(frames)
+    if isinstance(parts, DecodeFailure):
+        return parts
+    seq, topic, payload = parts
+    return decode_payload(payload, seq=seq, topic=topic, limits=limits)
+
+
+def split_live_frames(frames: list[bytes]) -> tuple[int, bytes, bytes] | DecodeFailure:
+    """``(seq, topic, payload)`` of one live PUB message ``[topic, seq, payload]``, payload not decoded."""
     try:
         if len(frames) != 3:
             return DecodeFailure("wrong_frame_count", f"{len(frames)} frames")
@@ -217,17 +239,17 @@ def decode_live_frames(frames: list[bytes], limits: DecodeLimits = DEFAULT_LIMIT
         seq = parse_seq(seq_frame)
         if seq is None:
             return DecodeFailure("bad_seq_frame", f"seq frame of {len(seq_frame)} bytes")
-        return decode_payload(bytes(payload), seq=seq, topic=bytes(topic), limits=limits)
+        return seq, bytes(topic), bytes(payload)
     except Exception as exc:  # pragma: no cover - defensive: nothing may escape
         return DecodeFailure("internal_error", repr(exc)[:200])
 
 
-def decode_replay_frames(frames: list[bytes],
-                         limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedBatch | ReplayEnd | DecodeFailure:
-    """Decode one replay reply as received by a DEALER socket.
+def split_replay_frames(frames: list[bytes]) -> tuple[int, bytes, bytes] | ReplayEnd | DecodeFailure:
+    """``(seq, topic, payload)`` of one replay reply as received by a DEALER, without decoding the payload.
 
-    Accepts ``[b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang) and ``[b"", seq, payload]`` (vLLM <= 0.23);
-    ``seq = ff x 8`` with an empty payload is the end marker (its topic frame, when present, is empty).
+    Accepts ``[b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang) and ``[b"", seq, payload]`` (vLLM <= 0.23,
+    topic ``b""``); ``seq = ff x 8`` with an empty payload is the end marker (its topic frame, when present, is
+    empty).
     """
     try:
         n = len(frames)
@@ -248,9 +270,19 @@ def decode_replay_frames(frames: list[bytes],
         seq = parse_seq(seq_frame)
         if seq is None:
             return DecodeFailure("bad_seq_frame", f"seq frame of {len(seq_frame)} bytes")
-        return decode_payload(bytes(payload), seq=seq, topic=bytes(topic), limits=limits)
+        return seq, bytes(topic), bytes(payload)
     except Exception as exc:  # pragma: no cover - defensive
         return DecodeFailure("internal_error", repr(exc)[:200])
+
+
+def decode_replay_frames(frames: list[bytes],
+                         limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedBatch | ReplayEnd | DecodeFailure:
+    """Decode one replay reply as received by a DEALER socket (envelope: :func:`split_replay_frames`)."""
+    parts = split_replay_frames(frames)
+    if not isinstance(parts, tuple):
+        return parts
+    seq, topic, payload = parts
+    return decode_payload(payload, seq=seq, topic=topic, limits=limits)
 
 
 def payload_digest(payload: bytes) -> int:
@@ -269,51 +301,158 @@ def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"",
         the batch (good events kept, bad ones counted in ``dropped``), or a failure (``empty_payload``,
         ``payload_too_large``, ``bad_msgpack``, ``batch_not_array_or_map``, ``bad_batch``, ``too_many_events``).
     """
+    steps = decode_payload_steps(payload, seq=seq, topic=topic, limits=limits, slice_units=0)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            result: DecodedBatch | DecodeFailure = stop.value
+            return result
+
+
+def decode_payload_steps(payload: bytes, *, seq: int = 0, topic: bytes = b"", limits: DecodeLimits = DEFAULT_LIMITS,
+                         slice_units: int = 0) -> Generator[None, None, DecodedBatch | DecodeFailure]:
+    """:func:`decode_payload` as a generator that yields after every ``slice_units`` units of work.
+
+    A unit is about one block: an event counts 8, each of its hashes 1 and every 16 of its tokens 1 (so a
+    12 MB batch can be decoded between other work on an event loop); ``slice_units`` 0 never yields. The
+    msgpack parse itself is one step (~5 ms per MB).
+    """
     try:
-        return _decode_payload(payload, seq, topic, limits)
+        return (yield from _decode_payload(payload, seq, topic, limits, slice_units))
     except Exception as exc:  # pragma: no cover - defensive: nothing may escape
         return DecodeFailure("internal_error", repr(exc)[:200], seq)
 
 
-def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits) -> DecodedBatch | DecodeFailure:
+_ARRAY_HEADS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+#: payloads at least this large (bytes) are parsed one event at a time (one msgpack parse of 1 MiB: ~5 ms)
+_INCREMENTAL_BYTES = 1 << 20
+
+
+class _Parse:
+    """A batch being parsed: ``ts``, the events one at a time, then ``dp_rank`` (see :func:`_open_batch`)."""
+
+    __slots__ = ("ts_raw", "n_events", "next_event", "finish")
+
+    def __init__(self, ts_raw: object, n_events: int, next_event: Callable[[], object],
+                 finish: Callable[[], object]) -> None:
+        self.ts_raw = ts_raw
+        self.n_events = n_events
+        self.next_event = next_event  # raises on malformed msgpack
+        self.finish = finish  # the rank; raises on malformed msgpack or trailing bytes
+
+
+class _BadBatch(Exception):
+    """Internal: the batch envelope is unusable (``reason`` is the counted label)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _open_batch(payload: bytes) -> _Parse:
+    """Start parsing a batch. Large arrays (every released engine sends arrays) are parsed incrementally, one
+    event at a time, so the caller can yield between events; smaller payloads and maps are parsed whole.
+
+    Raises:
+        _BadBatch: the envelope is not a usable batch. msgpack errors propagate (``bad_msgpack``).
+    """
+    if len(payload) < _INCREMENTAL_BYTES or payload[0] not in _ARRAY_HEADS:
+        return _whole_batch(msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True))
+    up = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True, max_buffer_size=len(payload))
+    up.feed(payload)
+    n = up.read_array_header()
+    if n < 2:
+        raise _BadBatch("bad_batch", f"batch array of {n} elements")
+    ts_raw = up.unpack()
+    try:
+        n_events = up.read_array_header()
+    except ValueError:
+        raise _BadBatch("bad_batch", f"events is {type(up.unpack()).__name__}") from None
+
+    def finish() -> object:
+        rank = up.unpack() if n > 2 else None
+        for _ in range(n - 3):
+            up.skip()
+        if up.tell() != len(payload):
+            raise msgpack.ExtraData(None, None)
+        return rank
+
+    return _Parse(ts_raw, n_events, up.unpack, finish)
+
+
+def _whole_batch(obj: object) -> _Parse:
+    """A batch already parsed into Python objects (an array or a map)."""
+    if isinstance(obj, list):
+        if len(obj) < 2:
+            raise _BadBatch("bad_batch", f"batch array of {len(obj)} elements")
+        ts_raw, events = obj[0], obj[1]
+        rank = obj[2] if len(obj) > 2 else None
+    elif isinstance(obj, dict):
+        if "events" not in obj:
+            raise _BadBatch("bad_batch", "batch map without 'events'")
+        ts_raw, events = obj.get("ts"), obj["events"]
+        rank = obj.get("data_parallel_rank", obj.get("attn_dp_rank", obj.get("dp_rank")))
+    else:
+        raise _BadBatch("batch_not_array_or_map", type(obj).__name__)
+    if not isinstance(events, list):
+        raise _BadBatch("bad_batch", f"events is {type(events).__name__}")
+    return _Parse(ts_raw, len(events), iter(events).__next__, lambda: rank)
+
+
+def _bad_msgpack(exc: Exception, seq: int) -> DecodeFailure:
+    return DecodeFailure("bad_msgpack", f"{type(exc).__name__}: {str(exc)[:120]}", seq)
+
+
+def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits,
+                    slice_units: int) -> Generator[None, None, DecodedBatch | DecodeFailure]:
     if not payload:
         return DecodeFailure("empty_payload", "", seq)
     if len(payload) > limits.max_payload_bytes:
         return DecodeFailure("payload_too_large", f"{len(payload)} bytes", seq)
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
-    except Exception as exc:  # ExtraData, FormatError, StackError, ValueError, UnicodeDecodeError, ...
-        return DecodeFailure("bad_msgpack", f"{type(exc).__name__}: {str(exc)[:120]}", seq)
-    if isinstance(obj, list):
-        if len(obj) < 2:
-            return DecodeFailure("bad_batch", f"batch array of {len(obj)} elements", seq)
-        ts_raw, events_raw = obj[0], obj[1]
-        rank_raw = obj[2] if len(obj) > 2 else None
-    elif isinstance(obj, dict):
-        if "events" not in obj:
-            return DecodeFailure("bad_batch", "batch map without 'events'", seq)
-        ts_raw, events_raw = obj.get("ts"), obj["events"]
-        rank_raw = obj.get("data_parallel_rank", obj.get("attn_dp_rank", obj.get("dp_rank")))
-    else:
-        return DecodeFailure("batch_not_array_or_map", type(obj).__name__, seq)
-    if not isinstance(events_raw, list):
-        return DecodeFailure("bad_batch", f"events is {type(events_raw).__name__}", seq)
-    if len(events_raw) > limits.max_events:
-        return DecodeFailure("too_many_events", f"{len(events_raw)} events", seq)
-    ts = float(ts_raw) if _is_number(ts_raw) and math.isfinite(float(ts_raw)) else None
-    rank = rank_raw if isinstance(rank_raw, int) and not isinstance(rank_raw, bool) else None
-    batch = DecodedBatch(seq=seq, topic=topic, ts=ts, dp_rank=rank, events=[],
+        parse = _open_batch(payload)
+    except _BadBatch as bad:
+        return DecodeFailure(bad.reason, bad.detail, seq)
+    except Exception as exc:  # ExtraData, OutOfData, FormatError, StackError, ValueError, UnicodeDecodeError, ...
+        return _bad_msgpack(exc, seq)
+    if parse.n_events > limits.max_events:
+        return DecodeFailure("too_many_events", f"{parse.n_events} events", seq)
+    ts_raw = parse.ts_raw
+    ts = float(ts_raw) if _is_number(ts_raw) and math.isfinite(float(ts_raw)) else None  # type: ignore[arg-type]
+    batch = DecodedBatch(seq=seq, topic=topic, ts=ts, dp_rank=None, events=[],
                          payload_digest=payload_digest(payload))
     if ts is None:
         batch.notes["missing_ts"] += 1
-    for raw in events_raw:
+    units = 0
+    for _ in range(parse.n_events):
+        try:
+            raw = parse.next_event()
+        except Exception as exc:
+            return _bad_msgpack(exc, seq)
+        units += 8
         try:
             ev = _decode_event(raw, limits, batch.notes)
         except _Bad as bad:
             batch.dropped[bad.reason] += 1
+            if bad.hashes:
+                batch.filtered_hashes.extend(bad.hashes)
             continue
         if ev is not None:
             batch.events.append(ev)
+            if slice_units and not isinstance(ev, ClearedEvent):
+                units += len(ev.hashes)
+                if isinstance(ev, StoredEvent):
+                    units += len(ev.token_ids) >> 4
+        if slice_units and units >= slice_units:
+            units = 0
+            yield
+    try:
+        rank_raw = parse.finish()
+    except Exception as exc:
+        return _bad_msgpack(exc, seq)
+    batch.dp_rank = rank_raw if isinstance(rank_raw, int) and not isinstance(rank_raw, bool) else None
     return batch
 
 
@@ -388,6 +527,17 @@ def _decode_stored(m: dict[str, Any] | None, a: list[Any] | None, limits: Decode
     hashes = _hashes(_field(m, a, names, "block_hashes"), limits)
     if not hashes:
         raise _Bad("empty_block_hashes")
+    try:
+        return _decode_stored_fields(m, a, limits, notes, hashes)
+    except _Bad as bad:
+        if bad.reason in FILTER_REASONS:
+            bad.hashes = hashes
+        raise
+
+
+def _decode_stored_fields(m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits,
+                          notes: Counter[str], hashes: list[int]) -> StoredEvent:
+    names = _STORED_POS
     parent_raw = _field(m, a, names, "parent_block_hash")
     parent = None if parent_raw is _MISSING or parent_raw is None else _hash(parent_raw)
     block_size = _field(m, a, names, "block_size")

@@ -214,6 +214,11 @@ class ReplicaTable:
         self._on_change: list[Callable[[Replica], None]] = []
 
     # -- listeners -------------------------------------------------------------------------------------
+    @property
+    def allocator(self) -> IndexAllocator:
+        """The index allocator (in memory, or the Redis registry shared by router replicas)."""
+        return self._allocator
+
     def on_remove(self, listener: RemovalListener) -> None:
         """Call ``listener(replica)`` after a replica is removed (e.g. to clear it from the index)."""
         self._on_remove.append(listener)

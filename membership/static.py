@@ -2,7 +2,7 @@
 
 ``StaticMembership.load`` puts every configured replica into the table as ``joining``; ``start`` probes each one
 at once and then every ``probe_interval_s`` with ``membership.health.HealthChecker`` (the one health state machine,
-here in its ``admit_joining`` mode): ``GET /health`` (2xx) and ``GET /v1/models`` (to learn the model ids, LoRA
+here in its ``admit_joining`` mode): ``GET <health_probe_path>`` (2xx) and ``GET /v1/models`` (to learn the model ids, LoRA
 adapters and ``max_model_len`` the engine serves). A replica becomes ``ready`` after its first successful probe,
 ``unhealthy`` after ``unhealthy_after`` consecutive failures (probe or proxy connection failures reported with
 ``report_failure``), and ``ready`` again after ``healthy_after`` consecutive successes.
@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from membership.config import HealthConfig
 from membership.health import HealthChecker, is_static
 from membership.replicas import Replica, ReplicaTable
 from policies.base import ReplicaProfile
@@ -35,24 +36,20 @@ class StaticMembership:
         table: the replica table to fill.
         specs: replica specs (mappings, see module docstring).
         profile_for: profile name (or None) -> ReplicaProfile.
-        probe_interval_s: period of the active probes, seconds.
-        probe_timeout_s: timeout of one probe request, seconds.
-        unhealthy_after: consecutive failures before a ready replica becomes unhealthy.
-        healthy_after: consecutive successes before an unhealthy replica is ready again.
+        health: probe period and timeout, probed path, thresholds (``Settings.health()``).
         headers: headers sent with probes (e.g. the engine API key).
     """
 
     def __init__(self, table: ReplicaTable, specs: Iterable[Mapping[str, Any]], profile_for: ProfileFactory, *,
-                 probe_interval_s: float = 1.0, probe_timeout_s: float = 1.0, unhealthy_after: int = 3,
-                 healthy_after: int = 2, headers: Mapping[str, str] | None = None) -> None:
+                 health: HealthConfig, headers: Mapping[str, str] | None = None) -> None:
         self.table = table
         self.specs = [dict(s) for s in specs]
         self.profile_for = profile_for
         self._names: set[str] = set()
         self._models_known: dict[str, bool] = {}
         self.health = HealthChecker(
-            table, interval_s=probe_interval_s, timeout_s=probe_timeout_s, path="/health",
-            failure_threshold=unhealthy_after, success_threshold=healthy_after, headers=headers,
+            table, interval_s=health.interval_s, timeout_s=health.timeout_s, path=health.path,
+            failure_threshold=health.unhealthy_after, success_threshold=health.healthy_after, headers=headers,
             select=self._owns, admit_joining=True, on_ok=self._learn_models)
 
     def _owns(self, rep: Replica) -> bool:

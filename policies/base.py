@@ -66,6 +66,9 @@ class LoadView:
         active_kv_blocks: KV blocks held by the replica's running requests (router-tracked or reported), blocks;
             None when unknown (``dynamo_kv`` then uses ``kv_usage * total_kv_blocks``).
         total_kv_blocks: the replica's KV-cache capacity (``cache_config_info``), blocks; None when unknown.
+        engine_block_size: the replica's own KV block size (``cache_config_info``), tokens; None when unknown.
+            The engine caches and reuses whole blocks of this size only, so matches are rounded down to it
+            (``policies.hits.hit_from_match``) when it differs from the router's ``block_size``.
     """
 
     queued_requests: int | None = None
@@ -77,6 +80,7 @@ class LoadView:
     age_s: float | None = None
     active_kv_blocks: int | None = None
     total_kv_blocks: int | None = None
+    engine_block_size: int | None = None
 
 
 @dataclass(slots=True)
@@ -184,6 +188,36 @@ class CandidateScore:
     parts: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """Prompt-cache reuse of one decision: what was available vs what the choice achieved, tokens.
+
+    ``available_tokens`` is the most cached prompt tokens any eligible candidate held; ``achieved_tokens`` what
+    the chosen one held. ``prompt - available`` is a workload miss (no replica could reuse more); ``available -
+    achieved`` (``missed_tokens``) a router miss, or a trade of reuse for a shorter queue.
+    """
+
+    available_tokens: int
+    achieved_tokens: int
+
+    @property
+    def missed_tokens(self) -> int:
+        """Cached tokens a better-placed candidate held that the chosen one did not, tokens."""
+        return self.available_tokens - self.achieved_tokens
+
+
+def reuse_of(chosen: int, candidates: Sequence[Candidate]) -> Reuse:
+    """The ``Reuse`` of choosing replica ``chosen`` among ``candidates`` (matched prompt tokens, every tier)."""
+    available = 0
+    achieved = 0
+    for c in candidates:
+        total = c.hit.total
+        available = max(available, total)
+        if c.index == chosen:
+            achieved = total
+    return Reuse(available_tokens=available, achieved_tokens=achieved)
+
+
 @dataclass(slots=True)
 class Decision:
     """The outcome of ``Policy.choose``.
@@ -194,6 +228,8 @@ class Decision:
         scores: one entry per candidate, in the order the candidates were given.
         policy: name of the policy that decided.
         branch: which branch of the policy decided (e.g. ``cache_hit``, ``shortest_queue``), for metrics.
+        reuse: available vs achieved cached tokens (``reuse_of``), set by whoever holds the candidates after
+            ``choose`` (the router's ``Router.decide``); None until then.
     """
 
     chosen: int
@@ -201,6 +237,7 @@ class Decision:
     scores: list[CandidateScore]
     policy: str
     branch: str = "default"
+    reuse: Reuse | None = None
 
 
 @dataclass(slots=True)
@@ -241,6 +278,8 @@ class Policy(Protocol):
 
 PolicyFactory = Callable[..., Policy]
 
+#: policy name -> factory. Full whenever this module is usable: importing ``policies.base`` imports the package
+#: first, and ``policies/__init__.py`` imports every built-in policy module, each registering itself.
 _REGISTRY: dict[str, PolicyFactory] = {}
 
 
@@ -258,7 +297,6 @@ def register(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
 
 def policy_names() -> list[str]:
     """Names of every registered policy, sorted."""
-    _load_builtin()
     return sorted(_REGISTRY)
 
 
@@ -268,7 +306,6 @@ def policy_factory(name: str) -> PolicyFactory:
     Raises:
         KeyError: when ``name`` is unknown.
     """
-    _load_builtin()
     return _REGISTRY[name]
 
 
@@ -278,14 +315,9 @@ def make_policy(name: str, **params: Any) -> Policy:
     Raises:
         KeyError: with the list of known names when ``name`` is unknown.
     """
-    _load_builtin()
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
     return factory(**params)
 
-
-def _load_builtin() -> None:
-    """Import the built-in policy modules so they register themselves."""
-    import policies  # noqa: F401  (policies/__init__.py imports every policy module)

@@ -10,30 +10,39 @@ from index.prefix_index import ReplicaMatch
 from policies.base import PrefixHit
 
 
-def usable_cached_tokens(matched_tokens: int, prompt_tokens: int, block_size: int) -> int:
+def usable_cached_tokens(matched_tokens: int, prompt_tokens: int, block_size: int,
+                         engine_block_size: int | None = None) -> int:
     """Prompt tokens an engine reuses when it holds ``matched_tokens`` leading tokens, tokens.
 
     Engines always recompute the last prompt token (its logits are needed), so at most
-    ``(prompt_tokens - 1) // block_size`` full blocks are reused.
+    ``(prompt_tokens - 1) // block_size`` full blocks are reused. An engine whose own block size
+    (``engine_block_size``, tokens) differs from the router's reuses whole engine blocks only: the result is then
+    also rounded down to a multiple of it.
     """
     if prompt_tokens <= 0:
         return 0
     cap = ((prompt_tokens - 1) // block_size) * block_size
-    return min(matched_tokens, cap)
+    usable = min(matched_tokens, cap)
+    if engine_block_size and engine_block_size != block_size and engine_block_size > 0:
+        usable = min(usable, ((prompt_tokens - 1) // engine_block_size) * engine_block_size)
+        usable -= usable % engine_block_size
+    return usable
 
 
-def hit_from_match(m: ReplicaMatch | None, prompt_tokens: int, block_size: int) -> PrefixHit:
+def hit_from_match(m: ReplicaMatch | None, prompt_tokens: int, block_size: int,
+                   engine_block_size: int | None = None) -> PrefixHit:
     """Convert an index match (blocks) into a PrefixHit (tokens), capped at what an engine can reuse.
 
     Predicted blocks are not in the tier counts of a match: they count as GPU (routing predictions are GPU
-    entries). The excess over what an engine can reuse is taken from the slowest tiers first.
+    entries). The excess over what an engine can reuse (``usable_cached_tokens``, whole engine blocks when the
+    replica's ``engine_block_size`` is known) is taken from the slowest tiers first.
     """
     if m is None:
         return PrefixHit()
     bs = block_size
     hit = PrefixHit(gpu=(m.gpu + m.predicted) * bs, cpu=m.cpu * bs, disk=m.disk * bs, remote=m.remote * bs,
                     predicted=m.predicted * bs, age_s=m.age_s)
-    excess = hit.total - usable_cached_tokens(hit.total, prompt_tokens, bs)
+    excess = hit.total - usable_cached_tokens(hit.total, prompt_tokens, bs, engine_block_size)
     for tier in ("remote", "disk", "cpu", "gpu"):
         if excess <= 0:
             break

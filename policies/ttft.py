@@ -28,6 +28,13 @@ Load inputs and what happens when they are unknown (``None``):
 Prefill rate and fixed overhead come from the candidate's profile until online calibration (``observe``) has
 ``calibration_min_samples`` samples for that replica; then the calibrated values are used.
 
+A candidate whose inputs make its score impossible (a load value that is negative, NaN or so large the
+arithmetic overflows; a score that is not a finite non-negative number of seconds) is excluded: it gets score
+``inf`` and ``parts["excluded"] = 1``, is left out of the ranking and counted in ``excluded_candidates``; the
+decision is made among the others (when none is left, by fewest in-flight requests, branch ``unscorable``). One
+replica's broken metrics never fail a request. A profile without a positive prefill rate is a configuration
+error and raises.
+
 Ties are broken by candidate order (deterministic). The decision's parts per candidate: ``Q``, ``R``, ``C``,
 ``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``W`` (seconds / probability),
 ``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). The score is ``E + W`` (mean) or ``tail + W`` (tail).
@@ -51,6 +58,12 @@ from policies.base import (
 from policies.calibration import PrefillCalibrator
 from policies.common import require_candidates
 from policies.cost_model import CostParams, estimate, recompute_s
+
+_INF = float("inf")
+
+
+class _ProfileError(ValueError):
+    """A replica profile the model cannot use (a configuration error: raised, never a silent exclusion)."""
 
 #: Most prefixes the popularity guard of the migration penalty remembers (a bounded table; pruned when full).
 _MAX_TRACKED_PREFIXES = 8192
@@ -229,6 +242,11 @@ class TTFTPolicy:
         self._written: dict[int, list[float]] = {}
         self._reuse_age = 0.0  # mean age of the (unpopular) deepest GPU matches seen at routing time, seconds
         self._reuse_n = 0
+        #: candidates left out of decisions because their score could not be computed or was not a finite
+        #: non-negative number of seconds (cumulative; the router exports it as a metric)
+        self.excluded_candidates = 0
+        #: why the last candidate was left out (replica name and error), for logs
+        self.last_exclusion = ""
 
     # ------------------------------------------------------------------ decision
 
@@ -273,123 +291,142 @@ class TTFTPolicy:
 
         scores: list[CandidateScore] = []
         keys: list[float] = []
+        excluded: list[int] = []  # positions of candidates whose scoring failed
         for cand in candidates:
-            load = cand.load
-            prof = cand.profile
-            hit = cand.hit
-            idx = cand.index
-            qt: float | None = load.queued_prefill_tokens
-            running: float | None = load.running_requests
-            kv: float | None = load.kv_usage
-            if qt is None or running is None or kv is None:
-                if worst is None:
-                    worst = _worst_known(candidates, mean_tokens)
-                if qt is None:
-                    qr = load.queued_requests
-                    qt = worst[0] if qr is None else qr * mean_tokens
-                if running is None:
-                    running = worst[1] if worst[1] > load.inflight_requests else load.inflight_requests
-                if kv is None:
-                    kv = worst[2]
-            rate = rates.get(idx, prof.prefill_tokens_per_s) if rates else prof.prefill_tokens_per_s
-            if not rate > 0.0:
-                raise ValueError(f"replica {cand.name!r}: prefill_tokens_per_s must be > 0, got {rate!r}")
-            ov = overheads.get(idx, prof.fixed_overhead_s) if overheads else prof.fixed_overhead_s
-            att = prof.attention_s_per_token2
-            if att:
-                self._attention[idx] = att
-            if drain and load.age_s:
-                qt = max(0.0, qt - rate * load.age_s)
-            q = (qt + load.inflight_prefill_tokens) / rate + prof.decode_interference_s * running
-            pen = 0.0 if kv <= k0 else kw * (kv - k0) / (1.0 - kv if kv < 0.999 else 1e-3)
-            t_miss = q + ov + (recompute_s(n, 0, rate, att) if att else n / rate)
-            g = hit.gpu
-            if hit.cpu or hit.disk or hit.remote:
-                est = estimate(n, hit, q, prof, rate, ov, params, kv)
-                score = est.tail if tail else est.expected
-                w = ww * (est.p * (est.c - ov) + (1.0 - est.p) * (est.t_miss - q - ov)) if ww else 0.0
-                if deepest > est.usable_tokens:  # a tier it can fetch from is not thrown away
-                    moved.append((len(scores), (deepest - est.usable_tokens) / rate))
-                score += w
-                parts = {
-                    "Q": q,
-                    "R": est.r,
-                    "C": est.c,
-                    "p": est.p,
-                    "T": est.t_hit,
-                    "T_miss": est.t_miss,
-                    "E": est.expected,
-                    "tail": est.tail,
-                    "kv_penalty": pen,
-                    "matched_gpu": float(g),
-                    "matched_cpu": float(hit.cpu),
-                    "matched_disk": float(hit.disk),
-                    "matched_remote": float(hit.remote),
-                    "usable": float(est.usable_tokens),
-                    "W": w,
-                }
-            elif not g:
-                w = ww * (t_miss - q - ov) if ww else 0.0
-                if deepest:
-                    moved.append((len(scores), deepest / rate))
-                score = t_miss + pen + w
-                parts = _MISS_PARTS.copy()  # copying a template beats a 14-key literal
-                parts["Q"] = q
-                parts["C"] = t_miss - q
-                parts["T"] = parts["T_miss"] = t_miss
-                parts["E"] = parts["tail"] = t_miss + pen
-                parts["kv_penalty"] = pen
-                parts["W"] = w
-            else:
-                usable = g if g < n else n
-                new = n - usable
-                c = ov + (recompute_s(new, usable, rate, att) if att else new / rate)
-                t_hit = q + c
-                pred = hit.predicted
-                age = hit.age_s if hit.age_s > 0.0 else 0.0
-                if pred <= 0:
-                    p = pc0 * exp(-age / cdecay) if cdecay > 0 else pc0
-                    e = p * t_hit + (1.0 - p) * t_miss
-                    tl = t_hit if p >= qt_q else t_miss
+            try:
+                load = cand.load
+                prof = cand.profile
+                hit = cand.hit
+                idx = cand.index
+                qt: float | None = load.queued_prefill_tokens
+                running: float | None = load.running_requests
+                kv: float | None = load.kv_usage
+                if qt is None or running is None or kv is None:
+                    if worst is None:
+                        worst = _worst_known(candidates, mean_tokens)
+                    if qt is None:
+                        qr = load.queued_requests
+                        qt = worst[0] if qr is None else qr * mean_tokens
+                    if running is None:
+                        running = worst[1] if worst[1] > load.inflight_requests else load.inflight_requests
+                    if kv is None:
+                        kv = worst[2]
+                if not (qt >= 0.0 and running >= 0.0 and kv >= 0.0 and load.inflight_prefill_tokens >= 0):
+                    raise ArithmeticError(f"negative or NaN load (backlog {qt!r} tokens, {running!r} running, "
+                                          f"KV usage {kv!r})")
+                rate = rates.get(idx, prof.prefill_tokens_per_s) if rates else prof.prefill_tokens_per_s
+                if not rate > 0.0:  # a configuration error: fails loudly (not an engine's bad input)
+                    raise _ProfileError(f"replica {cand.name!r}: prefill_tokens_per_s must be > 0, got {rate!r}")
+                ov = overheads.get(idx, prof.fixed_overhead_s) if overheads else prof.fixed_overhead_s
+                att = prof.attention_s_per_token2
+                if att:
+                    self._attention[idx] = att
+                if drain and load.age_s:
+                    qt = max(0.0, qt - rate * load.age_s)
+                q = (qt + load.inflight_prefill_tokens) / rate + prof.decode_interference_s * running
+                pen = 0.0 if kv <= k0 else kw * (kv - k0) / (1.0 - kv if kv < 0.999 else 1e-3)
+                t_miss = q + ov + (recompute_s(n, 0, rate, att) if att else n / rate)
+                g = hit.gpu
+                if hit.cpu or hit.disk or hit.remote:
+                    est = estimate(n, hit, q, prof, rate, ov, params, kv)
+                    score = est.tail if tail else est.expected
+                    w = ww * (est.p * (est.c - ov) + (1.0 - est.p) * (est.t_miss - q - ov)) if ww else 0.0
+                    if deepest > est.usable_tokens:  # a tier it can fetch from is not thrown away
+                        moved.append((len(scores), (deepest - est.usable_tokens) / rate))
+                    score += w
+                    parts = {
+                        "Q": q,
+                        "R": est.r,
+                        "C": est.c,
+                        "p": est.p,
+                        "T": est.t_hit,
+                        "T_miss": est.t_miss,
+                        "E": est.expected,
+                        "tail": est.tail,
+                        "kv_penalty": pen,
+                        "matched_gpu": float(g),
+                        "matched_cpu": float(hit.cpu),
+                        "matched_disk": float(hit.disk),
+                        "matched_remote": float(hit.remote),
+                        "usable": float(est.usable_tokens),
+                        "W": w,
+                    }
+                elif not g:
+                    w = ww * (t_miss - q - ov) if ww else 0.0
+                    if deepest:
+                        moved.append((len(scores), deepest / rate))
+                    score = t_miss + pen + w
+                    parts = _MISS_PARTS.copy()  # copying a template beats a 14-key literal
+                    parts["Q"] = q
+                    parts["C"] = t_miss - q
+                    parts["T"] = parts["T_miss"] = t_miss
+                    parts["E"] = parts["tail"] = t_miss + pen
+                    parts["kv_penalty"] = pen
+                    parts["W"] = w
                 else:
-                    pp = pp0 * exp(-age / pdecay) if pdecay > 0 else pp0
-                    if pred >= g:
-                        p = pp
+                    usable = g if g < n else n
+                    new = n - usable
+                    c = ov + (recompute_s(new, usable, rate, att) if att else new / rate)
+                    t_hit = q + c
+                    pred = hit.predicted
+                    age = hit.age_s if hit.age_s > 0.0 else 0.0
+                    if pred <= 0:
+                        p = pc0 * exp(-age / cdecay) if cdecay > 0 else pc0
                         e = p * t_hit + (1.0 - p) * t_miss
                         tl = t_hit if p >= qt_q else t_miss
                     else:
-                        pc = pc0 * exp(-age / cdecay) if cdecay > 0 else pc0
-                        conf = g - pred if g - pred < n else n
-                        cc = ov + (recompute_s(n - conf, conf, rate, att) if att else (n - conf) / rate)
-                        t_conf = q + cc
-                        p = pc * pp
-                        e = p * t_hit + (pc - p) * t_conf + (1.0 - pc) * t_miss
-                        tl = t_hit if p >= qt_q else (t_conf if pc >= qt_q else t_miss)
-                e += pen
-                tl += pen
-                w = ww * (e - pen - q - ov) if ww else 0.0
-                if deepest > usable:
-                    moved.append((len(scores), (deepest - usable) / rate))
-                score = (tl if tail else e) + w
-                parts = {
-                    "Q": q,
-                    "R": 0.0,
-                    "C": c,
-                    "p": p,
-                    "T": t_hit,
-                    "T_miss": t_miss,
-                    "E": e,
-                    "tail": tl,
-                    "kv_penalty": pen,
-                    "matched_gpu": float(g),
-                    "matched_cpu": 0.0,
-                    "matched_disk": 0.0,
-                    "matched_remote": 0.0,
-                    "usable": float(usable),
-                    "W": w,
-                }
+                        pp = pp0 * exp(-age / pdecay) if pdecay > 0 else pp0
+                        if pred >= g:
+                            p = pp
+                            e = p * t_hit + (1.0 - p) * t_miss
+                            tl = t_hit if p >= qt_q else t_miss
+                        else:
+                            pc = pc0 * exp(-age / cdecay) if cdecay > 0 else pc0
+                            conf = g - pred if g - pred < n else n
+                            cc = ov + (recompute_s(n - conf, conf, rate, att) if att else (n - conf) / rate)
+                            t_conf = q + cc
+                            p = pc * pp
+                            e = p * t_hit + (pc - p) * t_conf + (1.0 - pc) * t_miss
+                            tl = t_hit if p >= qt_q else (t_conf if pc >= qt_q else t_miss)
+                    e += pen
+                    tl += pen
+                    w = ww * (e - pen - q - ov) if ww else 0.0
+                    if deepest > usable:
+                        moved.append((len(scores), (deepest - usable) / rate))
+                    score = (tl if tail else e) + w
+                    parts = {
+                        "Q": q,
+                        "R": 0.0,
+                        "C": c,
+                        "p": p,
+                        "T": t_hit,
+                        "T_miss": t_miss,
+                        "E": e,
+                        "tail": tl,
+                        "kv_penalty": pen,
+                        "matched_gpu": float(g),
+                        "matched_cpu": 0.0,
+                        "matched_disk": 0.0,
+                        "matched_remote": 0.0,
+                        "usable": float(usable),
+                        "W": w,
+                    }
+                if not 0.0 <= score < _INF:
+                    raise ArithmeticError(f"score {score!r} is not a finite non-negative number of seconds")
+            except _ProfileError:
+                raise
+            except (ArithmeticError, ValueError, TypeError) as exc:
+                # one replica's bad inputs (absurd gauges, a broken profile) exclude that replica, never fail the
+                # request: it is ranked after every candidate that could be scored, and counted
+                excluded.append(len(scores))
+                self.excluded_candidates += 1
+                self.last_exclusion = f"{cand.name}: {type(exc).__name__}: {exc}"
+                moved = [mv for mv in moved if mv[0] != len(scores)]
+                score = _INF
+                parts = _MISS_PARTS.copy()
+                parts["excluded"] = 1.0
             keys.append(score)
-            scores.append(CandidateScore(idx, cand.name, score, parts))
+            scores.append(CandidateScore(cand.index, cand.name, score, parts))
 
         if tw and moved and self.survival_check and self._holder_copy_doomed(candidates, scores, deepest, request):
             moved = []  # the holder's copy is evicted before this request would run there: a move loses nothing
@@ -422,8 +459,16 @@ class TTFTPolicy:
                 order = sorted(range(len(candidates)), key=keys.__getitem__)
         else:
             order = sorted(range(len(candidates)), key=keys.__getitem__)
+        if excluded and len(excluded) < len(candidates):
+            out = set(excluded)
+            order = [i for i in order if i not in out]  # retries never go to a replica that could not be scored
+        elif excluded:
+            # nothing could be scored: fall back to this router's own in-flight counts (always sane)
+            order = sorted(range(len(candidates)), key=lambda i: candidates[i].load.inflight_requests)
         best = order[0]
         branch = "cache_hit" if scores[best].parts["usable"] > 0 else "cost"
+        if len(excluded) == len(candidates):
+            branch = "unscorable"
         return Decision(
             chosen=candidates[best].index,
             ranking=[candidates[i].index for i in order],
@@ -614,15 +659,28 @@ class TTFTPolicy:
 def _worst_known(candidates: Sequence[Candidate], mean_tokens: float) -> tuple[float, float, float]:
     """Largest known (backlog tokens, running requests, KV usage) among ``candidates``; 0 when none is known.
 
-    Backlog: ``queued_prefill_tokens``, else ``queued_requests * mean_tokens``.
+    Backlog: ``queued_prefill_tokens``, else ``queued_requests * mean_tokens``. Values that are not finite and
+    non-negative are ignored (that candidate is excluded from the decision by ``choose``).
     """
     loads = [c.load for c in candidates]
     backlog = [
-        x.queued_prefill_tokens
+        _as_float(x.queued_prefill_tokens)
         if x.queued_prefill_tokens is not None
-        else (x.queued_requests * mean_tokens if x.queued_requests is not None else -1.0)
+        else (_as_float(x.queued_requests) * mean_tokens if x.queued_requests is not None else -1.0)
         for x in loads
     ]
-    running = [x.running_requests for x in loads if x.running_requests is not None]
-    kv = [x.kv_usage for x in loads if x.kv_usage is not None]
-    return max(0.0, max(backlog)), float(max(running)) if running else 0.0, max(kv) if kv else 0.0
+    running = [_as_float(x.running_requests) for x in loads if x.running_requests is not None]
+    kv = [_as_float(x.kv_usage) for x in loads if x.kv_usage is not None]
+    # a value that is not a finite non-negative number (one engine's broken gauge) is no stand-in for the others
+    backlog = [b for b in backlog if 0.0 <= b < _INF] or [0.0]
+    running = [r for r in running if 0.0 <= r < _INF]
+    kv = [k for k in kv if 0.0 <= k < _INF]
+    return max(backlog), max(running) if running else 0.0, max(kv) if kv else 0.0
+
+
+def _as_float(value: float) -> float:
+    """``value`` as a float; an integer too large for a float is infinity (never an ``OverflowError``)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return _INF

@@ -40,7 +40,7 @@ class Admission:
         max_wait_s: longest wait in the queue, seconds (``max_queue_wait_s``).
     """
 
-    def __init__(self, limit: int, max_queued: int = 0, max_wait_s: float = 0.0) -> None:
+    def __init__(self, limit: int, max_queued: int, max_wait_s: float) -> None:
         self.limit = limit
         self.max_queued = max_queued
         self.max_wait_s = max_wait_s

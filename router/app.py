@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
@@ -38,24 +38,20 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from index.prefix_index import PrefixIndex
-from membership.replicas import Replica, ReplicaState, ReplicaTable
-from membership.runtime import Membership, make_allocator
-from membership.static import StaticMembership
-from policies.base import Policy, make_policy
-from policies.dispatch import DispatchSettings
-from router.admission import Admission, Rejected, admission_gauges
+from membership.replicas import Replica
+from policies.base import Reuse
+from router import signals
+from router.admission import Rejected
 from router.config import Settings
-from router.dispatch import DispatchGate, dispatch_gauges
-from router.guard import install as install_guard
+from router.guard import Guard
 from router.idempotency import HEADER as IDEMPOTENCY_HEADER
-from router.idempotency import IdempotencyGuard
-from router.intake import dump_messages, not_a_bool, parse_json, sequences
-from router.proxy import Proxy, ProxyConfig, error_response, new_request_id
-from router.routing import Router, RoutingError, RoutingInput, build_profile, decision_json
-from router.telemetry import CONTENT_TYPE, Telemetry, gauge
-from router.token_ids import IdsPrompt, TokenIdsCheck, ids_prompt
-from router.tokenizer import Tokenizer, TokenizerError, make_tokenizer
+from router.intake import Intake, LimitExceeded, dump_messages, not_a_bool, sequences
+from router.proxy import error_response, new_request_id
+from router.routing import Routed, RoutingError, RoutingInput, decision_json
+from router.services import Services, build_services, run
+from router.telemetry import CONTENT_TYPE, Telemetry
+from router.token_ids import IdsPrompt, ids_prompt
+from router.tokenizer import TokenizerError
 
 log = logging.getLogger("kvroute.app")
 _M = TypeVar("_M", bound=BaseModel)
@@ -195,6 +191,16 @@ class ChosenOut(BaseModel):
     url: str | None
 
 
+class ReuseOut(BaseModel):
+    """Prompt-cache reuse of a decision, tokens: the most any eligible candidate held (available) vs what the
+    chosen one holds (achieved); ``missed`` = available - achieved (a router miss or a trade for a shorter queue),
+    ``prompt_tokens - available`` = a workload miss."""
+
+    available_tokens: int
+    achieved_tokens: int
+    missed_tokens: int
+
+
 class DecisionOut(BaseModel):
     """``POST /route`` answer."""
 
@@ -210,6 +216,7 @@ class DecisionOut(BaseModel):
     block_size: int
     decision_s: float
     candidates: list[CandidateOut]
+    reuse: ReuseOut | None = None
 
 
 class ModelOut(BaseModel):
@@ -267,170 +274,6 @@ _ERR = {"model": ErrorResponse}
 _ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
     400: _ERR, 401: _ERR, 404: _ERR, 409: _ERR, 413: _ERR, 422: _ERR, 429: _ERR, 501: _ERR, 502: _ERR, 503: _ERR,
     504: _ERR}
-
-# ---------------------------------------------------------------------------------------------------------
-# services
-# ---------------------------------------------------------------------------------------------------------
-
-#: A background component started with the app: ``start()`` / ``stop()`` coroutines.
-StartStop = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]
-
-
-@dataclass
-class Services:
-    """Everything the routes use, built from Settings by ``build_services``."""
-
-    settings: Settings
-    table: ReplicaTable
-    index: PrefixIndex
-    policy: Policy
-    tokenizer: Tokenizer
-    telemetry: Telemetry
-    router: Router
-    proxy: Proxy
-    membership: StaticMembership
-    background: list[StartStop] = field(default_factory=list)
-    #: replica name -> callable returning the KV-event subscriber's status dict (for /replicas)
-    event_status: dict[str, Callable[[], dict[str, Any]]] = field(default_factory=dict)
-    #: other components by name (``kv_events``, ``engine_metrics``), for tests and introspection
-    extras: dict[str, Any] = field(default_factory=dict)
-    inflight: int = 0
-    started_at: float = field(default_factory=time.time)
-
-
-def build_services(settings: Settings) -> Services:
-    """Build every component from ``settings`` (nothing is started; see ``create_app``'s lifespan).
-
-    Raises:
-        ValueError / KeyError / TokenizerError: invalid configuration (message names the option).
-    """
-    telemetry = Telemetry()
-    table = ReplicaTable(make_allocator(settings))  # membership: ordinals / Redis registry / grace
-    index = PrefixIndex(block_size=settings.block_size, max_nodes=settings.index_max_nodes,
-                        max_bytes=settings.index_max_bytes, predicted_ttl_s=settings.predicted_ttl_s)
-    policy = make_policy(settings.policy, **settings.policy_params)
-    engine_headers = ({"authorization": f"Bearer {settings.engine_api_key.get_secret_value()}"}
-                      if settings.engine_api_key else {})
-    tokenizer = make_tokenizer(settings.tokenizer_mode, settings.tokenizer_path, settings.chat_template_path,
-                               settings.tokenize_timeout_s, engine_headers,
-                               cache_bytes=int(settings.tokenizer_cache_mb * (1 << 20)),
-                               cache_verify_every=settings.tokenizer_cache_verify_every)
-    svc_holder: dict[str, Services] = {}
-
-    def events_healthy(rep: Replica) -> bool:
-        """Cheap per-decision check: the replica has a KV-event feed that is not degraded."""
-        sub = svc_holder["svc"].extras.get("kv_events") if svc_holder else None
-        if sub is None or not rep.kv_events_endpoint:
-            return False
-        try:
-            return rep.index in sub.replicas() and not sub.degraded(rep.index)
-        except Exception:
-            return False
-
-    router = Router(table, index, policy, block_size=settings.block_size, seed_model=settings.seed_model,
-                    seed_include_lora=settings.seed_include_lora,
-                    objective=settings.objective, predict_mode=settings.predict_mode,
-                    events_healthy=events_healthy, max_inflight_per_replica=settings.max_inflight_per_replica,
-                    panic_routing=settings.panic_routing)
-
-    def profile_for(name: str | None) -> Any:
-        return build_profile(name, settings.profiles, settings.default_profile)
-
-    membership = StaticMembership(
-        table, [s.model_dump() for s in settings.replicas], profile_for,
-        probe_interval_s=settings.probe_interval_s, probe_timeout_s=settings.probe_timeout_s,
-        unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after, headers=engine_headers)
-    membership.load()
-    # --- membership: kubernetes / health / redis (membership.runtime) ---
-    dynamic = Membership(settings, table, index, headers=engine_headers, profile_for=profile_for)
-    router.on_prediction.append(dynamic.publish_prediction)
-
-    def on_connection_failure(rep: Replica, err: str) -> None:
-        membership.report_failure(rep.name, err)
-        dynamic.record_failure(rep.name, err)
-
-    token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
-                              timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
-                              headers=engine_headers)
-    proxy = Proxy(router, telemetry, ProxyConfig(
-        connect_timeout_s=settings.connect_timeout_s, first_byte_timeout_s=settings.first_byte_timeout_s,
-        total_timeout_s=settings.total_timeout_s, idle_timeout_s=settings.idle_timeout_s,
-        max_retries=settings.max_retries, max_connections=settings.max_connections,
-        keepalive_timeout_s=settings.keepalive_timeout_s,
-        engine_api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
-        retry_after_s=settings.retry_after_s),
-        on_connection_failure=on_connection_failure, token_ids=token_ids)
-    gate = DispatchGate(DispatchSettings(limit_tokens=settings.dispatch_limit_tokens,
-                                         patience_s=settings.dispatch_patience_s,
-                                         max_wait_s=settings.dispatch_max_wait_s),
-                        index, settings.block_size,
-                        routable=lambda i: (r := table.by_index(i)) is not None and r.routable)
-    proxy.gate = gate
-    telemetry.add_gauges(lambda: dispatch_gauges(gate))
-    svc = Services(settings=settings, table=table, index=index, policy=policy, tokenizer=tokenizer,
-                   telemetry=telemetry, router=router, proxy=proxy, membership=membership)
-    svc_holder["svc"] = svc
-    svc.background.append((dynamic.start, dynamic.stop))  # membership: kubernetes / health / redis
-    svc.extras["membership"] = dynamic
-    svc.background.append((token_ids.start, token_ids.stop))  # which replicas take prompts as token ids
-    svc.extras["token_ids"] = token_ids
-    dynamic.register_metrics(telemetry.registry)
-
-    # a replica that comes back from unhealthy without KV events: its predicted entries are stale
-    def on_change(rep: Replica) -> None:
-        if rep.state == ReplicaState.UNHEALTHY and not events_healthy(rep):
-            index.clear(rep.index)
-
-    table.on_change(on_change)
-    table.on_remove(lambda rep: index.clear(rep.index))
-    telemetry.add_gauges(lambda: _gauges(svc))
-    from router import signals  # KV events + engine metrics wiring (adapters to membership modules)
-
-    signals.attach(svc)
-    return svc
-
-
-_CACHE_HELP = {
-    "hits": "prompts tokenized past a cached prefix only (cumulative)",
-    "misses": "long prompts with no cached prefix, tokenized in pieces (cumulative)",
-    "reused_tokens": "token ids taken from the prefix tokenization cache (cumulative)",
-    "encoded_tokens": "token ids the cache tokenized itself (past a cached prefix, or all of a miss; cumulative)",
-    "verified": "cached encodings compared with a whole tokenization (cumulative)",
-    "mismatches": "audited encodings that differed (the cache is off after the first)",
-    "entries": "prompts held by the prefix tokenization cache",
-    "bytes": "memory held by the prefix tokenization cache, bytes",
-    "enabled": "1 while the prefix tokenization cache is on",
-}
-
-
-def _gauges(svc: Services) -> Iterable[Any]:
-    """Gauge families computed at scrape time."""
-    stats = svc.index.stats()
-    for key, value in stats.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            yield gauge(f"kvroute_index_{key}", f"PrefixIndex.stats()[{key!r}]", float(value))
-    reps = svc.table.all()
-    yield gauge("kvroute_replica_state", "1 for the replica's current state", labels=["replica", "state"],
-                samples=[([r.name, s.value], 1.0 if r.state == s else 0.0) for r in reps for s in ReplicaState])
-    yield gauge("kvroute_replica_inflight_requests", "requests in flight per replica", labels=["replica"],
-                samples=[([r.name], float(r.load.inflight_requests)) for r in reps])
-    check = svc.extras.get("token_ids")
-    if check is not None:
-        yield gauge("kvroute_replica_token_ids", "1 when prompts go to the replica as the router's token ids "
-                    "(forward_token_ids and its tokenizer check)", labels=["replica"],
-                    samples=[([r.name], 1.0 if check.accepts(r) else 0.0) for r in reps])
-        yield gauge("kvroute_token_id_audits", "prompts sent as ids re-checked against the replica's /tokenize "
-                    "(cumulative)", float(check.audited))
-        yield gauge("kvroute_token_id_audit_mismatches", "audited prompts the replica tokenized differently: it "
-                    "gets text from then on (cumulative)", float(check.audit_mismatches))
-    cache = getattr(svc.tokenizer, "cache", None)
-    if cache is not None:
-        for key, value in cache.stats().items():
-            yield gauge(f"kvroute_tokenizer_cache_{key}", _CACHE_HELP[key], float(value))
-    yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
-    yield gauge("kvroute_panic_decisions", "decisions made among unhealthy replicas because none was ready "
-                "(cumulative)", float(svc.router.panic_decisions))
-
 
 # ---------------------------------------------------------------------------------------------------------
 # middleware
@@ -515,6 +358,11 @@ class _KvrouteApp(FastAPI):
     unhandled is logged and answered 500 in JSON. With CORS configured every request takes the normal path.
     """
 
+    #: the front gate (router/guard.py: auth and shedding from the headers), set by ``create_app``
+    guard: Guard | None = None
+    #: path -> endpoint served directly (empty until ``enable_fast_path``; never mutated in place)
+    _fast_routes: Mapping[str, Callable[[Request], Awaitable[Response]]] = MappingProxyType({})
+
     def enable_fast_path(self, routes: dict[str, Callable[[Request], Awaitable[Response]]],
                          telemetry: Telemetry, max_body: int) -> None:
         """Serve ``routes`` (path -> endpoint taking the Request) directly for POST requests."""
@@ -524,10 +372,10 @@ class _KvrouteApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: the data-plane routes directly, everything else through FastAPI."""
-        guard = getattr(self, "guard", None)  # router/guard.py: auth and shedding from the headers, before any body
+        guard = self.guard  # router/guard.py: auth and shedding from the headers, before any body
         if guard is not None and scope["type"] == "http" and not await guard.admit(scope, send):
             return
-        routes = getattr(self, "_fast_routes", None)
+        routes = self._fast_routes
         if routes and scope["type"] == "http" and scope.get("method") == "POST" and scope["path"] in routes:
             await self._fast(scope, receive, send)
             return
@@ -595,38 +443,46 @@ async def _send_error(send: Send, status: int, message: str, code: str) -> None:
 def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     """The FastAPI app for ``settings``; background components start and stop with its lifespan."""
     svc = services or build_services(settings)
+    app = _new_app(svc)
+    _add_middleware(app, svc)
+    _add_error_handlers(app, svc)
+    auth = _Auth(svc.guard)
+    _add_data_plane(app, _DataPlane(svc, auth))
+    _add_control_plane(app, svc, auth)
+    _install_openapi(app)
+    return app
 
+
+def _new_app(svc: Services) -> _KvrouteApp:
+    """The app whose lifespan runs the services (``router.services.run``)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await svc.membership.start()
-        started: list[StartStop] = []
-        try:
-            for start, stop in svc.background:
-                await start()
-                started.append((start, stop))
-            expire_task = asyncio.create_task(_expire_loop(svc), name="kvroute-index-expire")
-            log.info("kvroute started", extra={"settings": svc.settings.safe_dict()})
+        async with run(svc):
             yield
-        finally:
-            with contextlib.suppress(Exception):
-                expire_task.cancel()
-            for _, stop in reversed(started):
-                with contextlib.suppress(Exception):
-                    await stop()
-            await svc.membership.stop()
-            if svc.proxy.gate is not None:
-                await svc.proxy.gate.aclose()
-            await svc.proxy.aclose()
-            await svc.tokenizer.aclose()
 
     app = _KvrouteApp(title="kvroute", version="0.1.0", lifespan=lifespan,
-                  description="Cache-aware router for LLM inference fleets (OpenAI-compatible).")
+                      description="Cache-aware router for LLM inference fleets (OpenAI-compatible).")
     app.state.services = svc
-    edge = install_guard(app, svc)  # router/guard.py: auth before the body, input limits, loop-lag shedding
+    app.guard = svc.guard  # router/guard.py: auth before the body, loop-lag shedding
+    return app
+
+
+def _add_middleware(app: FastAPI, svc: Services) -> None:
+    settings = svc.settings
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(_Edge, telemetry=svc.telemetry, max_body=settings.max_request_bytes)
+
+
+def _add_error_handlers(app: FastAPI, svc: Services) -> None:
+    """Map the exceptions of the routes to OpenAI-style JSON errors."""
+    settings = svc.settings
+
+    @app.exception_handler(LimitExceeded)
+    async def _limit(request: Request, exc: LimitExceeded) -> Response:  # router/intake.py input limits
+        svc.telemetry.rejected.labels(exc.code).inc()
+        return error_response(exc.status, exc.message, exc.code, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
@@ -654,17 +510,6 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     async def _tok(request: Request, exc: TokenizerError) -> Response:
         return error_response(400, str(exc), "tokenization_failed")
 
-    # -- auth --------------------------------------------------------------------------------------------
-    def check_client(request: Request) -> None:
-        if not edge.auth.client_ok(request.headers.get("authorization")):
-            raise _AuthError()
-
-    def check_admin(request: Request) -> None:
-        """Admin / introspection endpoints: the admin token when configured, else an API key when configured."""
-        status, message = edge.auth.admin_status(request.headers.get("authorization"))
-        if status:
-            raise _AuthError(message) if status == 401 else _Forbidden(message)
-
     @app.exception_handler(_Forbidden)
     async def _forbidden(request: Request, exc: _Forbidden) -> Response:
         return error_response(403, str(exc), "forbidden")
@@ -674,10 +519,46 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         msg = str(exc) or "missing or invalid API key (Authorization: Bearer <key>)"
         return error_response(401, msg, "unauthorized", headers={"www-authenticate": "Bearer"})
 
-    # -- data plane --------------------------------------------------------------------------------------
-    async def routing_input(request: Request, body: _Common, *, prompt: Any = None,
+    @app.exception_handler(_BadTokens)
+    async def _bad_tokens(request: Request, exc: _BadTokens) -> Response:
+        return error_response(422, "token ids must be integers in [0, 2**32)", "invalid_request", "token_ids")
+
+
+class _Auth:
+    """Client API keys (data plane) and the admin token (control plane), checked by ``router.guard.Auth``."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard.auth
+
+    def check_client(self, request: Request) -> None:
+        """Raises _AuthError unless the request carries one of the API keys (when any is configured)."""
+        if not self.guard.client_ok(request.headers.get("authorization")):
+            raise _AuthError()
+
+    def check_admin(self, request: Request) -> None:
+        """Admin / introspection endpoints: the admin token when configured, else an API key when configured."""
+        status, message = self.guard.admin_status(request.headers.get("authorization"))
+        if status:
+            raise _AuthError(message) if status == 401 else _Forbidden(message)
+
+    def is_admin(self, request: Request) -> bool:
+        """May the caller see replica URLs (internal addresses)?"""
+        return self.guard.is_admin(request.headers.get("authorization"))
+
+
+class _DataPlane:
+    """The routed requests: body -> routing input -> admission -> decision -> proxy."""
+
+    def __init__(self, svc: Services, auth: _Auth) -> None:
+        self.svc = svc
+        self.auth = auth
+        self.settings = svc.settings
+
+    async def routing_input(self, request: Request, body: _Common, *, prompt: Any = None,
                             messages: list[ChatMessage] | None = None, token_ids: list[int] | None = None,
-                            chat: dict[str, Any] | None = None) -> RoutingInput:
+                            chat: dict[str, Any] | None = None, max_out: int | None = None) -> RoutingInput:
+        """Tokenize (unless ids were given), hash and bundle what the request contributes to a decision."""
+        svc = self.svc
         model, lora, base = svc.router.resolve_model(body.model)
         # ids from the request body were validated by the schema (TokenId: 0 <= id < 2**32): no second pass
         in_range = token_ids is not None
@@ -701,74 +582,44 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
                     token_ids = list(first or [])
         if not in_range and token_ids and (min(token_ids) < 0 or max(token_ids) >= 1 << 32):
             raise _BadTokens()  # e.g. an engine /tokenize answer out of range
-        max_out = getattr(body, "max_completion_tokens", None) or body.max_tokens or 0
         return svc.router.make_input(model, lora, token_ids, base_model=base, cache_salt=body.cache_salt,
-                                     session_id=request.headers.get(settings.session_header),
+                                     session_id=request.headers.get(self.settings.session_header),
                                      request_id=new_request_id(request.headers.get("x-request-id")),
-                                     expected_output_tokens=max_out, copies=sequences(body.model_extra))
+                                     expected_output_tokens=max_out or body.max_tokens or 0,
+                                     copies=sequences(body.model_extra))
 
-    @app.exception_handler(_BadTokens)
-    async def _bad_tokens(request: Request, exc: _BadTokens) -> Response:
-        return error_response(422, "token ids must be integers in [0, 2**32)", "invalid_request", "token_ids")
-
-    # --- reliability: global in-flight limit with a bounded queue (router/admission.py) and Idempotency-Key
-    # (router/idempotency.py) ---
-    admission = Admission(settings.max_inflight_total, settings.max_queued_requests, settings.max_queue_wait_s)
-    svc.extras["admission"] = admission
-    svc.telemetry.add_gauges(lambda: admission_gauges(admission))
-    idempotency = IdempotencyGuard(getattr(svc.extras.get("membership"), "shared", None), settings.retry_after_s)
-    svc.extras["idempotency"] = idempotency
-
-    async def serve(request: Request, inp: RoutingInput, path: str, stream: bool,
+    async def serve(self, request: Request, inp: RoutingInput, path: str, stream: bool,
                     ids: IdsPrompt | None = None) -> Response:
+        """Serve once per Idempotency-Key (router/idempotency.py), else serve."""
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is not None:
-            return await idempotency.handle(key, path, await request.body(), stream, inp.request_id,
-                                            lambda: _serve(request, inp, path, stream, ids),
-                                            principal=edge.auth.principal(request.headers.get("authorization")))
-        return await _serve(request, inp, path, stream, ids)
+            return await self.svc.idempotency.handle(
+                key, path, await request.body(), stream, inp.request_id,
+                lambda: self._serve(request, inp, path, stream, ids),
+                principal=self.auth.guard.principal(request.headers.get("authorization")))
+        return await self._serve(request, inp, path, stream, ids)
 
-    async def _serve(request: Request, inp: RoutingInput, path: str, stream: bool,
+    async def _serve(self, request: Request, inp: RoutingInput, path: str, stream: bool,
                      ids: IdsPrompt | None) -> Response:
+        """Admission (global in-flight limit with a bounded queue), decision, then the proxy."""
+        svc = self.svc
+        admission = svc.admission
         try:
             await admission.acquire()  # over max_inflight_total: queue <= max_queue_wait_s (503) or 429
         except Rejected as exc:
             svc.telemetry.rejected.labels(exc.reason).inc()
             return error_response(exc.status, exc.message, exc.code,
-                                  headers={"retry-after": str(settings.retry_after_s)})
-        svc.inflight += 1
+                                  headers={"retry-after": str(self.settings.retry_after_s)})
         released = False
 
         def done() -> None:  # once, when the response is over (streams: when the stream ends)
             nonlocal released
             if not released:
                 released = True
-                svc.inflight -= 1
                 admission.release()
 
         try:
-            # --- membership: session affinity (opt-in; X-Session-Id pinned through Redis while routable) ---
-            mem = svc.extras.get("membership") if settings.session_affinity and inp.session_id else None
-            pinned = await mem.session_replica(inp.session_id) if mem is not None else None
-            try:
-                routed = svc.router.decide(inp, exclude=[r.index for r in svc.table.all() if r is not pinned]
-                                           if pinned is not None else ())
-            except RoutingError:
-                if pinned is None:
-                    raise
-                routed = svc.router.decide(inp)  # pinned replica cannot take it now: route normally
-            svc.telemetry.decision_seconds.observe(routed.decision_s)
-            chosen = svc.table.by_index(routed.decision.chosen)
-            if mem is not None and chosen is not None:
-                await mem.remember_session(inp.session_id, chosen)
-            svc.telemetry.routed.labels(routed.decision.policy, routed.decision.branch,
-                                        chosen.name if chosen else "?").inc()
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("routed", extra={"request_id": inp.request_id, "model": inp.model,
-                                           "prompt_tokens": inp.prompt_tokens, "replica": chosen.name if chosen else None,
-                                           "branch": routed.decision.branch,
-                                           "cached_tokens": routed.cached_tokens.get(routed.decision.chosen, 0),
-                                           "decision_s": round(routed.decision_s, 6)})
+            routed = await self.decide(inp)
             body = await request.body()
         except BaseException:
             done()
@@ -776,76 +627,103 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         return await svc.proxy.forward(request, routed, path, body, stream=stream, request_id=inp.request_id,
                                        on_done=done, ids=ids)
 
-    @app.post("/v1/completions", responses=_ROUTE_ERRORS, response_model=None,
-              openapi_extra=_body_doc(CompletionRequest),
-              summary="OpenAI completions, routed to the replica with the lowest expected TTFT")
-    async def completions(request: Request) -> Response:
-        check_client(request)
-        body, data = await _parse(request, CompletionRequest)
-        inp = await routing_input(request, body, prompt=body.prompt)
-        # a text prompt may reach the engine as the ids just computed (router/token_ids.py decides per replica)
-        check = svc.proxy.token_ids
-        ids = ids_prompt(data, inp.token_ids) if check and check.mode != "off" and inp.lora is None else None
-        return await serve(request, inp, "/v1/completions", body.stream, ids)
-
-    @app.post("/v1/chat/completions", responses=_ROUTE_ERRORS, response_model=None,
-              openapi_extra=_body_doc(ChatRequest),
-              summary="OpenAI chat completions, routed through the chat template")
-    async def chat_completions(request: Request) -> Response:
-        check_client(request)
-        body, _ = await _parse(request, ChatRequest)
-        inp = await routing_input(request, body, messages=body.messages, chat={
-            "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
-            "chat_template_kwargs": body.chat_template_kwargs})
-        return await serve(request, inp, "/v1/chat/completions", body.stream)
-
-    if not settings.cors_origins:  # CORS headers come from a middleware: keep those requests on the normal path
-        app.enable_fast_path({"/v1/completions": completions, "/v1/chat/completions": chat_completions},
-                             svc.telemetry, settings.max_request_bytes)
-
-    @app.get("/v1/models", response_model=ModelList, responses={401: _ERR},
-             summary="models served by the replicas (union)")
-    async def models(request: Request) -> Any:
-        check_client(request)
-        return {"object": "list", "data": svc.router.served_models()}
-
-    @app.post("/route", response_model=DecisionOut, responses=_ROUTE_ERRORS, openapi_extra=_body_doc(RouteBody),
-              summary="where would this request go? (decision with every candidate's predicted TTFT)")
-    async def route(request: Request) -> Any:
-        check_client(request)
-        body, _ = await _parse(request, RouteBody)
-        inp = await routing_input(request, body, prompt=body.prompt, messages=body.messages,
-                                  token_ids=body.token_ids, chat={
-                                      "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
-                                      "chat_template_kwargs": body.chat_template_kwargs})
-        routed = svc.router.decide(inp)
+    async def decide(self, inp: RoutingInput) -> Routed:
+        """The decision for a request to forward (session affinity first, when on), counted and logged."""
+        svc = self.svc
+        # --- membership: session affinity (opt-in; X-Session-Id pinned through Redis while routable) ---
+        mem = svc.membership if self.settings.session_affinity and inp.session_id else None
+        pinned = await mem.session_replica(inp.session_id) if mem is not None else None
+        try:
+            routed = svc.router.decide(inp, exclude=[r.index for r in svc.table.all() if r is not pinned]
+                                       if pinned is not None else ())
+        except RoutingError:
+            if pinned is None:
+                raise
+            routed = svc.router.decide(inp)  # pinned replica cannot take it now: route normally
         svc.telemetry.decision_seconds.observe(routed.decision_s)
-        return decision_json(routed, svc.table, settings.block_size,
-                             show_urls=edge.auth.is_admin(request.headers.get("authorization")))
+        if routed.decision.reuse is not None:
+            svc.telemetry.observe_reuse(routed.decision.reuse)
+        chosen = svc.table.by_index(routed.decision.chosen)
+        if mem is not None and chosen is not None:
+            await mem.remember_session(inp.session_id, chosen)
+        svc.telemetry.routed.labels(routed.decision.policy, routed.decision.branch,
+                                    chosen.name if chosen else "?").inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("routed", extra={"request_id": inp.request_id, "model": inp.model,
+                                       "prompt_tokens": inp.prompt_tokens, "replica": chosen.name if chosen else None,
+                                       "branch": routed.decision.branch,
+                                       "cached_tokens": routed.cached_tokens.get(routed.decision.chosen, 0),
+                                       "decision_s": round(routed.decision_s, 6)})
+        return routed
 
-    # -- control plane -----------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        self.auth.check_client(request)
+        body, data = await _parse(self.svc.intake, request, CompletionRequest)
+        inp = await self.routing_input(request, body, prompt=body.prompt)
+        # a text prompt may reach the engine as the ids just computed (router/token_ids.py decides per replica)
+        check = self.svc.proxy.token_ids
+        ids = ids_prompt(data, inp.token_ids) if check and check.mode != "off" and inp.lora is None else None
+        return await self.serve(request, inp, "/v1/completions", body.stream, ids)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        self.auth.check_client(request)
+        body, _ = await _parse(self.svc.intake, request, ChatRequest)
+        inp = await self.routing_input(request, body, messages=body.messages, chat={
+            "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
+            "chat_template_kwargs": body.chat_template_kwargs}, max_out=body.max_completion_tokens)
+        return await self.serve(request, inp, "/v1/chat/completions", body.stream)
+
+    async def models(self, request: Request) -> Any:
+        """``GET /v1/models``."""
+        self.auth.check_client(request)
+        return {"object": "list", "data": self.svc.router.served_models()}
+
+    async def route(self, request: Request) -> Any:
+        """``POST /route``: the decision, not forwarded."""
+        self.auth.check_client(request)
+        body, _ = await _parse(self.svc.intake, request, RouteBody)
+        inp = await self.routing_input(request, body, prompt=body.prompt, messages=body.messages,
+                                       token_ids=body.token_ids, chat={
+                                           "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
+                                           "chat_template_kwargs": body.chat_template_kwargs})
+        routed = self.svc.router.decide(inp)
+        self.svc.telemetry.decision_seconds.observe(routed.decision_s)
+        out = decision_json(routed, self.svc.table, self.settings.block_size,
+                            show_urls=self.auth.is_admin(request))
+        out["reuse"] = _reuse_json(routed.decision.reuse)
+        return out
+
+
+def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
+    """The OpenAI-compatible routes, ``/v1/models`` and ``/route``."""
+    app.post("/v1/completions", responses=_ROUTE_ERRORS, response_model=None,
+             openapi_extra=_body_doc(CompletionRequest),
+             summary="OpenAI completions, routed to the replica with the lowest expected TTFT")(dp.completions)
+    app.post("/v1/chat/completions", responses=_ROUTE_ERRORS, response_model=None,
+             openapi_extra=_body_doc(ChatRequest),
+             summary="OpenAI chat completions, routed through the chat template")(dp.chat_completions)
+    if not dp.settings.cors_origins:  # CORS headers come from a middleware: keep those requests on the normal path
+        app.enable_fast_path({"/v1/completions": dp.completions, "/v1/chat/completions": dp.chat_completions},
+                             dp.svc.telemetry, dp.settings.max_request_bytes)
+    app.get("/v1/models", response_model=ModelList, responses={401: _ERR},
+            summary="models served by the replicas (union)")(dp.models)
+    app.post("/route", response_model=DecisionOut, responses=_ROUTE_ERRORS, openapi_extra=_body_doc(RouteBody),
+             summary="where would this request go? (decision with every candidate's predicted TTFT)")(dp.route)
+
+
+def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
+    """Introspection (``/replicas``, ``/index/stats``, ``/metrics``) and probes (``/healthz``, ``/readyz``)."""
     @app.get("/replicas", response_model=ReplicaList, responses={401: _ERR, 403: _ERR}, summary="replicas with state, load view and freshness")
     async def replicas(request: Request) -> Any:
-        check_admin(request)
-        show_urls = edge.auth.is_admin(request.headers.get("authorization"))  # addresses: admins only
-        out = []
-        token_ids_check = svc.extras.get("token_ids")
-        for r in svc.table.all():
-            ev = svc.event_status.get(r.name)
-            out.append({
-                "name": r.name, "index": r.index, "url": r.url if show_urls else None, "state": r.state.value,
-                "dialect": r.dialect,
-                "role": r.role, "models": r.models, "loras": r.loras,
-                "load": {k: getattr(r.load, k) for k in r.load.__slots__},
-                "kv_events": _safe_call(ev) if ev else None,
-                "health": svc.membership.health_of(r.name),
-                "token_ids": token_ids_check.state(r) if token_ids_check else "off",
-            })
-        return {"replicas": out}
+        auth.check_admin(request)
+        show_urls = auth.is_admin(request)  # addresses: admins only
+        return {"replicas": [_replica_json(svc, r, show_urls) for r in svc.table.all()]}
 
     @app.get("/index/stats", responses={401: _ERR, 403: _ERR}, summary="prefix index sizes and counters (blocks per replica and tier)")
     async def index_stats(request: Request) -> Any:
-        check_admin(request)
+        auth.check_admin(request)
         stats = svc.index.stats()
         names = {r.index: r.name for r in svc.table.all()}
         for key in ("blocks", "predicted_blocks"):
@@ -872,6 +750,31 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         reason = "no replicas configured" if not states else f"no routable replica (states: {states})"
         return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
 
+
+def _reuse_json(reuse: Reuse | None) -> dict[str, int] | None:
+    """``POST /route``'s ``reuse``: available vs achieved cached prompt tokens of the decision."""
+    if reuse is None:
+        return None
+    return {"available_tokens": reuse.available_tokens, "achieved_tokens": reuse.achieved_tokens,
+            "missed_tokens": reuse.missed_tokens}
+
+
+def _replica_json(svc: Services, r: Replica, show_url: bool) -> dict[str, Any]:
+    """One replica of ``GET /replicas``: state, load view, KV-event feed, health, token-id forwarding (its URL
+    only when ``show_url``)."""
+    return {
+        "name": r.name, "index": r.index, "url": r.url if show_url else None, "state": r.state.value, "dialect": r.dialect,
+        "role": r.role, "models": r.models, "loras": r.loras,
+        "load": dataclasses.asdict(r.load),
+        "kv_events": signals.feed_status(svc.kv_events, r),
+        "health": svc.membership.health_of(r.name),
+        "token_ids": svc.token_ids.state(r),
+        "engine": svc.engine_metrics.engine_info(r.index),
+    }
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """OpenAPI with the request body models the data-plane routes parse themselves."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
@@ -883,7 +786,6 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    return app
 
 
 _BODY_MODELS: list[type[BaseModel]] = [CompletionRequest, ChatRequest, RouteBody]
@@ -895,16 +797,14 @@ def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-async def _parse(request: Request, model: type[_M]) -> tuple[_M, Any]:
+async def _parse(intake: Intake, request: Request, model: type[_M]) -> tuple[_M, Any]:
     """Parse the request body as JSON (whatever the content type) and validate it against ``model``; returns the
     validated model and the parsed JSON it came from.
 
     Raises:
         RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
     """
-    raw = await request.body()
-    intake = getattr(request.app.state, "intake", None)  # router/intake.py: limits first, large bodies off the loop
-    return await intake.parse(raw, model) if intake is not None else parse_json(raw, model)
+    return await intake.parse(await request.body(), model)  # router/intake.py: limits first, large bodies off the loop
 
 
 class _AuthError(Exception):
@@ -927,20 +827,3 @@ def _tokenize_url(svc: Services, model: str, lora: str | None) -> str | None:
     if not reps:
         return None
     return min(reps, key=lambda r: r.load.inflight_requests).url
-
-
-def _safe_call(fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
-    try:
-        return fn()
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-async def _expire_loop(svc: Services) -> None:
-    """Expire stale predicted entries periodically (match() also expires lazily)."""
-    while True:
-        await asyncio.sleep(svc.settings.index_expire_interval_s)
-        try:
-            svc.index.expire()
-        except Exception:
-            log.exception("index expire failed")

@@ -8,22 +8,47 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-#: subcommand -> (module, function taking argv, one-line help)
-SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "serve": ("router.server", "main", "run the router service (OpenAI-compatible proxy + /route)"),
-    "fake-engine": ("loadtest.fake_engine", "main", "run one stand-in vLLM/SGLang engine (no GPU)"),
-    "simulate": ("loadtest.simulator", "main", "simulate a fleet on a trace and compare policies"),
-    "demo": ("loadtest.demo", "main", "start a local fake fleet and compare ttft with round_robin"),
+
+def _serve(argv: list[str]) -> int:
+    from router.server import main
+
+    return main(argv)
+
+
+def _fake_engine(argv: list[str]) -> int:
+    from loadtest.fake_engine import main
+
+    return main(argv)
+
+
+def _simulate(argv: list[str]) -> int:
+    from loadtest.simulator import main
+
+    return main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from loadtest.demo import main
+
+    return main(argv)
+
+
+#: subcommand -> (function taking argv and returning the exit code, one-line help); each imports its module
+#: when run, so ``kvroute serve`` never loads the load-testing code
+SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "serve": (_serve, "run the router service (OpenAI-compatible proxy + /route)"),
+    "fake-engine": (_fake_engine, "run one stand-in vLLM/SGLang engine (no GPU)"),
+    "simulate": (_simulate, "simulate a fleet on a trace and compare policies"),
+    "demo": (_demo, "start a local fake fleet and compare ttft with round_robin"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: kvroute <command> [options]   (kvroute <command> --help for its options)", "", "commands:"]
-    for name, (_, _, text) in SUBCOMMANDS.items():
+    for name, (_, text) in SUBCOMMANDS.items():
         lines.append(f"  {name:<12} {text}")
     return "\n".join(lines)
 
@@ -38,10 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd not in SUBCOMMANDS:
         print(f"kvroute: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module_name, func_name, _ = SUBCOMMANDS[cmd]
-    module = importlib.import_module(module_name)
-    result = getattr(module, func_name)(rest)
-    return int(result or 0)
+    run, _ = SUBCOMMANDS[cmd]
+    return int(run(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from membership.config import AllocatorConfig, HealthConfig, MembershipConfig, RedisConfig
+from membership.kubernetes import KubernetesOptions
 from policies.dispatch import DispatchSettings
+from router.proxy import ProxyConfig
 
 ENV_PREFIX = "KVROUTE_"
 _GATE = DispatchSettings()  # the dispatch gate's defaults live with its logic
@@ -277,7 +280,7 @@ class Settings(BaseSettings):
     kubernetes_default_kv_topic: str = Field(
         default="", description="KV-event topic when a pod sets none ('' = all; {ip} {pod} {model} expand)")
     health_probe_path: str = Field(
-        default="/health", description="path probed on discovered (Kubernetes) replicas every probe_interval_s")
+        default="/health", description="path probed on every replica (static and discovered) every probe_interval_s")
     index_ordinal_regex: str = Field(
         default=r"-(\d+)$", description="regex whose group 1 is a pod's StatefulSet ordinal = its index ('' = off)")
     index_dynamic_base: int = Field(
@@ -325,6 +328,73 @@ class Settings(BaseSettings):
         default=_GATE.max_wait_s, gt=0,
         description="cache-first dispatch: a request waiting this long is sent regardless of the gate (s)")
 
+    # --- KV events: feed timing and byte budgets (membership/kv_events.py; the "events" helper's block) ---
+    kv_replay_idle_timeout_s: float = Field(
+        default=2.0, gt=0, description="KV events: longest wait for the next replay message before a replay "
+                                       "counts as failed (s)")
+    kv_replay_total_timeout_s: float = Field(
+        default=15.0, gt=0, description="KV events: longest time one replay may take in total (s)")
+    kv_replay_max_batches: int = Field(
+        default=200_000, ge=1, description="KV events: most batches accepted from one replay (more: the replay "
+                                           "fails, the replica is cleared and degraded)")
+    kv_replay_max_bytes: int = Field(
+        default=256 << 20, ge=1, description="KV events: most payload bytes accepted from one replay (more: the "
+                                             "replay fails, counted as replays{trigger:too_large}, logged)")
+    kv_max_message_bytes: int = Field(
+        default=64 << 20, ge=1024, description="KV events: largest ZMQ frame accepted on the SUB and replay "
+                                               "sockets (ZMQ MAXMSGSIZE: a larger one drops the connection) "
+                                               "and largest batch payload decoded (bytes)")
+    kv_sub_rcvhwm: int = Field(
+        default=10_000, ge=1, description="KV events: receive queue of each SUB socket (messages; beyond it "
+                                          "ZMQ drops and the feed repairs the gap by replay)")
+    kv_replay_rcvhwm: int = Field(
+        default=20_000, ge=1, description="KV events: receive queue of each replay socket (messages; at least "
+                                          "the engine's replay buffer, vLLM's default is 10,000 batches)")
+    kv_apply_slice_blocks: int = Field(
+        default=8_192, ge=1, description="KV events: engine blocks decoded / applied between two yields to the "
+                                         "event loop (a 500k-block batch never blocks routing for long)")
+    kv_max_sequence_jump: int = Field(
+        default=1_000_000, ge=1, description="KV events: largest forward sequence jump handled as a gap "
+                                             "(batches); a larger one is a new sequence: counted once, cleared, "
+                                             "resynchronised")
+    kv_orphan_replay_interval_s: float = Field(
+        default=10.0, gt=0, description="KV events: least time between two orphan-triggered replays of one "
+                                        "replica (s; doubles while orphans keep coming)")
+    kv_degraded_retry_s: float = Field(
+        default=15.0, gt=0, description="KV events: how often a degraded replica with a replay endpoint retries "
+                                        "a full resync (s)")
+    kv_degraded_hold_s: float = Field(
+        default=60.0, gt=0, description="KV events: how long a replica without a replay endpoint stays "
+                                        "degraded after its last loss (s)")
+    # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine_client.py,
+    # router/proxy.py, membership/engine_tls.py) ---
+    engine_max_header_bytes: int = Field(
+        default=65536, ge=1024,
+        description="largest status line + headers of an engine response (bytes); over it the attempt fails "
+                    "(502, retried on another replica before the first byte)")
+    engine_max_headers: int = Field(
+        default=100, ge=8, description="most header lines in an engine response; over it the attempt fails (502)")
+    engine_max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=65536,
+        description="largest non-streamed engine response body, and largest single SSE event of a stream (bytes); "
+                    "over it the client gets a 502 (upstream_body_too_large), or an SSE error event mid-stream")
+    engine_body_idle_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="max silence while reading the rest of a non-streamed engine response body (s); longer -> "
+                    "504 (upstream_body_stalled), long before total_timeout_s")
+    engine_ca_bundle: str | None = Field(
+        default=None,
+        description="PEM file of CA certificates trusted for https:// engines (proxy, probes, scrapes, /tokenize); "
+                    "None = the system CA store. Certificates are always verified")
+    engine_client_cert: str | None = Field(
+        default=None, description="PEM client certificate presented to https:// engines (mutual TLS); None = none")
+    engine_client_key: str | None = Field(
+        default=None, description="PEM private key of engine_client_cert (None = inside engine_client_cert)")
+    engine_stream_usage: bool = Field(
+        default=True,
+        description="ask engines for usage on proxied streams (stream_options.include_usage) so cached-token "
+                    "feedback and calibration work with a default vLLM; the usage chunk is removed from what the "
+                    "client receives unless the client asked for it")
     # --- httpedge: client-facing limits, timeouts and overload shedding (router/intake.py, router/guard.py,
     # router/http_protocol.py, router/loop_lag.py; the Limits table in docs/reliability.md) ---
     max_chat_messages: int = Field(
@@ -410,6 +480,69 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Precedence: init kwargs (= CLI flags) > environment > YAML config file > defaults."""
         return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    # -- typed sub-configs (components keep no defaults of their own) -----------------------------------
+    def health(self) -> HealthConfig:
+        """Health checks of every replica (static and discovered)."""
+        return HealthConfig(interval_s=self.probe_interval_s, timeout_s=self.probe_timeout_s,
+                            path=self.health_probe_path, unhealthy_after=self.unhealthy_after,
+                            healthy_after=self.healthy_after)
+
+    def allocator(self) -> AllocatorConfig:
+        """Stable replica indices."""
+        return AllocatorConfig(ordinal_regex=self.index_ordinal_regex, dynamic_base=self.index_dynamic_base,
+                               release_grace_s=self.index_release_grace_s, stale_s=self.index_stale_s)
+
+    def redis(self) -> RedisConfig | None:
+        """State shared by router replicas (None without ``redis_url``)."""
+        if not self.redis_url:
+            return None
+        return RedisConfig(url=self.redis_url, key_prefix=self.redis_key_prefix, timeout_s=self.redis_timeout_s,
+                           retry_max_s=self.redis_retry_max_s, session_ttl_s=self.session_ttl_s,
+                           idempotency_ttl_s=self.idempotency_ttl_s, broadcast_decisions=self.broadcast_decisions)
+
+    def kubernetes(self) -> KubernetesOptions | None:
+        """Pod discovery (None unless ``kubernetes_enabled``)."""
+        if not self.kubernetes_enabled:
+            return None
+        return KubernetesOptions(
+            namespace=self.kubernetes_namespace, label_selector=self.kubernetes_label_selector,
+            resync_interval_s=self.kubernetes_resync_interval_s, api_host=self.kubernetes_api_host,
+            kubeconfig=self.kubernetes_kubeconfig, default_port=self.kubernetes_default_port,
+            default_kv_events_port=self.kubernetes_default_kv_events_port,
+            default_kv_replay_port=self.kubernetes_default_kv_replay_port,
+            default_kv_topic=self.kubernetes_default_kv_topic)
+
+    def membership(self) -> MembershipConfig:
+        """Everything the membership front door needs."""
+        return MembershipConfig(health=self.health(), allocator=self.allocator(), redis=self.redis(),
+                                kubernetes=self.kubernetes())
+
+    def static_replicas(self) -> list[dict[str, Any]]:
+        """The static replica specs as plain mappings (``membership.static`` does not import the router)."""
+        return [s.model_dump() for s in self.replicas]
+
+    def proxy(self) -> ProxyConfig:
+        """Forwarding: timeouts, retries, pool, engine API key."""
+        return ProxyConfig(
+            connect_timeout_s=self.connect_timeout_s, first_byte_timeout_s=self.first_byte_timeout_s,
+            total_timeout_s=self.total_timeout_s, idle_timeout_s=self.idle_timeout_s,
+            max_retries=self.max_retries, max_connections=self.max_connections,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            engine_api_key=self.engine_api_key.get_secret_value() if self.engine_api_key else None,
+            retry_after_s=self.retry_after_s, max_header_bytes=self.engine_max_header_bytes,
+            max_headers=self.engine_max_headers, max_body_bytes=self.engine_max_body_bytes,
+            body_idle_timeout_s=self.engine_body_idle_timeout_s, stream_usage=self.engine_stream_usage)
+
+    def dispatch(self) -> DispatchSettings:
+        """The cache-first dispatch gate."""
+        return DispatchSettings(limit_tokens=self.dispatch_limit_tokens, patience_s=self.dispatch_patience_s,
+                                max_wait_s=self.dispatch_max_wait_s)
+
+    def engine_headers(self) -> dict[str, str]:
+        """Headers sent to engines (probes, scrapes, /tokenize): the engine API key as a bearer token, if any."""
+        key = self.engine_api_key
+        return {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
     # -- helpers ---------------------------------------------------------------------------------------
     def safe_dict(self) -> dict[str, Any]:

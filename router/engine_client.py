@@ -15,8 +15,15 @@ the hop needs, with ``httptools`` (the llhttp parser uvicorn uses) parsing the e
   (engines close idle connections themselves: uvicorn after 5 s).
 
 Failures raise ``EngineError`` subclasses the proxy maps to retry decisions: ``EngineConnectError`` (cannot
-connect), ``EngineConnectTimeout``, ``EngineConnectionLost`` (closed or reset), ``EngineProtocolError``
-(not HTTP). Read timeouts are the caller's (``asyncio.timeout`` around the awaits).
+connect; ``EngineTLSError`` when the TLS handshake or certificate check failed), ``EngineConnectTimeout``,
+``EngineConnectionLost`` (closed or reset), ``EngineProtocolError`` (not HTTP, or response headers over
+``max_header_bytes`` / ``max_headers``), ``EngineResponseTooLarge`` (a body over the caller's byte limit,
+``EngineResponse.read_body``). Read timeouts are the caller's (``asyncio.timeout`` around the awaits, or the
+``timeout_s`` / ``idle_timeout_s`` arguments of the reads).
+
+``https://`` engines are reached over TLS with certificate and host-name verification (the context comes from
+``membership.engine_tls``: ``engine_ca_bundle``, optional client certificate), on the same pooled keep-alive
+connections.
 
 Units: seconds, bytes.
 """
@@ -27,11 +34,14 @@ import asyncio
 import collections
 import contextlib
 import socket
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
+
+from membership import engine_tls
 
 #: unread body bytes above which the connection stops reading from the socket (bytes)
 _HIGH_WATER = 1 << 20
@@ -54,17 +64,32 @@ class EngineConnectionLost(EngineError):
 
 
 class EngineProtocolError(EngineError):
-    """The engine's bytes are not a valid HTTP/1.1 response."""
+    """The engine's bytes are not a valid HTTP/1.1 response (or its headers exceed the pool's limits)."""
+
+
+class EngineTLSError(EngineConnectError):
+    """The TLS handshake with an ``https://`` engine failed (certificate not trusted, wrong host name, ...)."""
+
+
+class EngineResponseTooLarge(EngineError):
+    """A response body exceeded the byte limit it was read with."""
+
+#: Connection key: (host, port, TLS)
+ConnKey = tuple[str, int, bool]
 
 
 class _Conn(asyncio.Protocol):
     """One keep-alive connection to an engine and the response currently being read on it."""
 
     __slots__ = ("key", "transport", "parser", "status", "headers", "chunks", "buffered", "complete", "error",
-                 "waiter", "header_waiter", "closed", "idle_since", "paused", "_delimited", "accounted", "keep_alive", "on_idle_lost")
+                 "waiter", "header_waiter", "closed", "idle_since", "paused", "_delimited", "accounted", "keep_alive",
+                 "on_idle_lost", "max_header_bytes", "max_headers", "head_bytes", "nheaders")
 
-    def __init__(self, key: tuple[str, int]) -> None:
+    def __init__(self, key: ConnKey, max_header_bytes: int = 65536, max_headers: int = 100) -> None:
         self.key = key
+        #: limits on the status line + headers of each response (bytes, count)
+        self.max_header_bytes = max_header_bytes
+        self.max_headers = max_headers
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -86,6 +111,8 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self._delimited = False
         self.keep_alive = False
+        self.head_bytes = 0  # bytes received before the headers were complete
+        self.nheaders = 0
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -104,12 +131,26 @@ class _Conn(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
             return
+        heading = not self.status
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(EngineProtocolError("engine answered with a protocol upgrade"))
+            return
         except httptools.HttpParserError as exc:
             self._fail(EngineProtocolError(f"invalid HTTP response: {exc}"))
+            return
+        if heading and self.error is None:
+            # bounded header memory: the parser keeps an unfinished header line in memory, so an engine sending
+            # endless headers (or one endless header) must be cut off by bytes, not only by count
+            if self.nheaders > self.max_headers:
+                self._fail(EngineProtocolError(f"engine response has over {self.max_headers} headers "
+                                               "(engine_max_headers)"))
+            elif not self.status:
+                self.head_bytes += len(data)
+                if self.head_bytes > self.max_header_bytes:
+                    self._fail(EngineProtocolError(f"engine response headers over {self.max_header_bytes} bytes "
+                                                   "(engine_max_header_bytes)"))
 
     def eof_received(self) -> bool:
         """The engine closed its side: end a read-until-close body, else the response is lost."""
@@ -136,13 +177,18 @@ class _Conn(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
         """One response header (names lower-cased; repeated names keep the last value)."""
+        self.nheaders += 1
+        if self.nheaders > self.max_headers:
+            return  # data_received fails the response once the parser returns
         n = name.decode("latin-1").lower()
         self.headers[n] = value.decode("latin-1")
         if n == "content-length" or (n == "transfer-encoding" and b"chunked" in value.lower()):
             self._delimited = True
 
     def on_headers_complete(self) -> None:
-        """Status and headers are known: wake ``post``."""
+        """Status and headers are known: wake ``post`` (unless there were too many headers)."""
+        if self.nheaders > self.max_headers:
+            return
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()  # only valid before the message completes
         fut = self.header_waiter
@@ -254,6 +300,44 @@ class EngineResponse:
         data = b"".join(parts)
         return data if limit is None else data[:limit]
 
+    async def read_body(self, first: bytes, *, max_bytes: int, idle_timeout_s: float,
+                        deadline: float | None = None) -> bytes:
+        """The whole body (``first``: what was already read), bounded in size and in silence.
+
+        Args:
+            first: body bytes the caller has already read.
+            max_bytes: largest body accepted, bytes.
+            idle_timeout_s: longest wait for the next piece of the body, seconds.
+            deadline: ``time.monotonic()`` by which the body must be complete (None: no deadline).
+
+        Raises:
+            EngineResponseTooLarge: the body exceeded ``max_bytes`` (nothing more is read).
+            TimeoutError: nothing arrived for ``idle_timeout_s`` (``args[0] == "idle"``) or ``deadline`` passed
+                (``args[0] == "deadline"``).
+            EngineConnectionLost, EngineProtocolError: the connection failed.
+        """
+        chunks = [first] if first else []
+        size = len(first)
+        if size > max_bytes:
+            raise EngineResponseTooLarge(f"engine response body over {max_bytes} bytes")
+        while True:
+            wait = idle_timeout_s
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("deadline")
+                wait = min(wait, left)
+            try:
+                chunk = await self.read_chunk(wait)
+            except TimeoutError:
+                raise TimeoutError("idle" if wait >= idle_timeout_s else "deadline") from None
+            if not chunk:
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            size += len(chunk)
+            if size > max_bytes:
+                raise EngineResponseTooLarge(f"engine response body over {max_bytes} bytes")
+            chunks.append(chunk)
+
     @property
     def complete(self) -> bool:
         """The whole body has been received (it may still be unread)."""
@@ -302,20 +386,28 @@ class EnginePool:
         max_connections: open connections at most (in use + idle, all engines); ``post`` waits for a free one.
         max_idle_per_host: idle connections kept per engine.
         headers: sent with every request (e.g. ``authorization``).
+        max_header_bytes: largest status line + headers of a response, bytes (over it: EngineProtocolError).
+        max_headers: most header lines in a response (over it: EngineProtocolError).
+        ssl_context: TLS context for ``https://`` engines (default: ``membership.engine_tls.client_context()``,
+            taken when the first ``https://`` engine is contacted).
     """
 
     def __init__(self, *, connect_timeout_s: float = 2.0, keepalive_timeout_s: float = 4.0,
                  max_connections: int = 1000, max_idle_per_host: int = 64,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, max_header_bytes: int = 65536,
+                 max_headers: int = 100, ssl_context: ssl.SSLContext | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.max_header_bytes = max_header_bytes
+        self.max_headers = max_headers
+        self._ssl = ssl_context
         self.keepalive_timeout_s = keepalive_timeout_s
         self.max_idle_per_host = max_idle_per_host
         self._extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._idle: dict[ConnKey, list[_Conn]] = {}
         self._slots = asyncio.Semaphore(max_connections) if max_connections > 0 else None
         self._open = 0
-        #: base URL -> ((host, port), path prefix, Host header), parsed once per engine
-        self._targets: dict[str, tuple[tuple[str, int], bytes, bytes]] = {}
+        #: base URL -> ((host, port, tls), path prefix, Host header), parsed once per engine
+        self._targets: dict[str, tuple[ConnKey, bytes, bytes]] = {}
         self.closed = False
 
     @property
@@ -323,16 +415,18 @@ class EnginePool:
         """Connections currently open (in use + idle)."""
         return self._open
 
-    def _target(self, base_url: str) -> tuple[tuple[str, int], bytes, bytes]:
+    def _target(self, base_url: str) -> tuple[ConnKey, bytes, bytes]:
         got = self._targets.get(base_url)
         if got is None:
             parts = urlsplit(base_url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise EngineConnectError(f"unsupported engine URL {base_url!r} (http://host:port expected)")
-            port = parts.port or 80
+            scheme = parts.scheme.lower()
+            if scheme not in ("http", "https") or not parts.hostname:
+                raise EngineConnectError(f"unsupported engine URL {base_url!r} (http(s)://host:port expected)")
+            tls = scheme == "https"
+            port = parts.port or (443 if tls else 80)
             prefix = parts.path.rstrip("/").encode()
             host_header = parts.netloc.encode("latin-1")
-            got = ((parts.hostname, port), prefix, host_header)
+            got = ((parts.hostname, port, tls), prefix, host_header)
             self._targets[base_url] = got
         return got
 
@@ -367,7 +461,7 @@ class EnginePool:
             raise conn.error
         return EngineResponse(conn, self)
 
-    def _idle_conn(self, key: tuple[str, int]) -> _Conn | None:
+    def _idle_conn(self, key: ConnKey) -> _Conn | None:
         stack = self._idle.get(key)
         if not stack:
             return None
@@ -381,20 +475,37 @@ class EnginePool:
             self._drop(conn)
         return None
 
-    async def _connect(self, key: tuple[str, int]) -> _Conn:
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = engine_tls.client_context()
+        return self._ssl
+
+    async def _connect(self, key: ConnKey) -> _Conn:
         if self._slots is not None:
             await self._slots.acquire()
         loop = asyncio.get_running_loop()
+        host, port, tls = key
+        hb, nh = self.max_header_bytes, self.max_headers
         try:
+            ctx = self._tls_context() if tls else None
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _Conn(key), key[0], key[1])
+                _, conn = await loop.create_connection(lambda: _Conn(key, hb, nh), host, port, ssl=ctx,
+                                                       server_hostname=host if tls else None)
         except TimeoutError:
             self._release_slot()
-            raise EngineConnectTimeout(f"connect to {key[0]}:{key[1]} timed out after "
+            raise EngineConnectTimeout(f"connect to {host}:{port} timed out after "
                                        f"{self.connect_timeout_s:g}s") from None
+        except (ssl.SSLError, ssl.CertificateError) as exc:
+            self._release_slot()
+            if isinstance(exc, ssl.SSLCertVerificationError):
+                reason = f"certificate verify failed: {exc.verify_message or exc.reason}"
+            else:
+                reason = str(getattr(exc, "reason", None) or exc)
+            raise EngineTLSError(f"TLS handshake with {host}:{port} failed: {reason} (is the engine's CA in "
+                                 f"engine_ca_bundle?)") from None
         except OSError as exc:
             self._release_slot()
-            raise EngineConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}") from None
+            raise EngineConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
         except BaseException:
             self._release_slot()
             raise

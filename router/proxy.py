@@ -19,6 +19,20 @@ One attempt = one replica. For each attempt, in order:
 
 A client that disconnects cancels the upstream request (the engine sees the connection close and aborts).
 
+What comes back from an engine is bounded and checked: response headers (``engine_max_header_bytes``,
+``engine_max_headers``: the engine client fails the attempt), a non-streamed body (``engine_max_body_bytes``:
+502 ``upstream_body_too_large``; ``engine_body_idle_timeout_s`` of silence: 504 ``upstream_body_stalled``), and
+event streams, which are validated event by event (``data:`` must carry a JSON object or ``[DONE]``; one event at
+most ``engine_max_body_bytes``; the stream must end with ``data: [DONE]``): garbage before the first byte is a
+502 ``upstream_bad_stream``, later an SSE ``error`` event (which the idempotency guard never stores as a complete
+answer).
+
+Usage feedback: for streams the router asks the engine for usage (``stream_options.include_usage``, unless
+``engine_stream_usage`` is off) and removes the usage-only chunk and ``usage`` fields from what the client
+receives when the client did not ask for them; an engine answer without ``usage.prompt_tokens_details`` (vLLM
+without ``--enable-prompt-tokens-details``) is counted in ``kvroute_engine_usage_missing_total`` and logged once
+per replica.
+
 Errors are OpenAI-style JSON: ``{"error": {"message", "type", "code", "param"}}``.
 
 Units: seconds, bytes, tokens.
@@ -36,6 +50,7 @@ from typing import Any
 
 import anyio
 import orjson
+from prometheus_client import Counter
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
@@ -49,6 +64,8 @@ from router.engine_client import (
     EngineError,
     EnginePool,
     EngineResponse,
+    EngineResponseTooLarge,
+    EngineTLSError,
 )
 from router.routing import Routed, Router, RoutingError
 from router.telemetry import Telemetry
@@ -99,17 +116,22 @@ class _AttemptFailed(Exception):
 
 @dataclass(slots=True)
 class ProxyConfig:
-    """Proxy knobs (from Settings). Seconds, bytes."""
+    """Proxy knobs (``Settings.proxy()``; the defaults live in Settings only). Seconds, bytes."""
 
-    connect_timeout_s: float = 2.0
-    first_byte_timeout_s: float = 120.0
-    total_timeout_s: float = 600.0
-    idle_timeout_s: float = 60.0
-    max_retries: int = 2
-    max_connections: int = 1000
-    keepalive_timeout_s: float = 4.0
-    engine_api_key: str | None = None
-    retry_after_s: int = 1
+    connect_timeout_s: float
+    first_byte_timeout_s: float
+    total_timeout_s: float
+    idle_timeout_s: float
+    max_retries: int
+    max_connections: int
+    keepalive_timeout_s: float
+    engine_api_key: str | None
+    retry_after_s: int
+    max_header_bytes: int
+    max_headers: int
+    max_body_bytes: int
+    body_idle_timeout_s: float
+    stream_usage: bool
 
 
 class Proxy:
@@ -138,6 +160,24 @@ class Proxy:
         self._pool: EnginePool | None = None
         #: the cache-first dispatch gate (router/dispatch.py); None: every request is sent when routed
         self.gate: DispatchGate | None = None
+        self.usage_missing = Counter(
+            "kvroute_engine_usage_missing", "successful engine answers without the usage the router needs for "
+            "cached-token feedback, by replica and what was missing (prompt_tokens_details: vLLM without "
+            "--enable-prompt-tokens-details, SGLang without --enable-cache-report; stream_usage: a stream that "
+            "carried no usage although it was asked for)", ["replica", "what"], registry=telemetry.registry)
+        #: (replica name, what) already logged as missing usage: one warning per replica
+        self._usage_warned: set[tuple[str, str]] = set()
+        telemetry.add_gauges(self._policy_gauges)
+
+    def _policy_gauges(self) -> Any:
+        """``kvroute_policy_excluded_candidates``: candidates the policy could not score (absurd load values)."""
+        from router.telemetry import gauge
+
+        excluded = getattr(self.router.policy, "excluded_candidates", None)
+        if isinstance(excluded, int):
+            yield gauge("kvroute_policy_excluded_candidates", "candidates left out of routing decisions because "
+                        "their score could not be computed (not finite or negative: broken load values; "
+                        "cumulative)", float(excluded))
 
     def pool(self) -> EnginePool:
         """The engine connection pool (created on first use, inside the event loop)."""
@@ -145,7 +185,8 @@ class Proxy:
             # read timeouts are enforced by the proxy itself (first byte, idle gap, total deadline)
             self._pool = EnginePool(connect_timeout_s=self.cfg.connect_timeout_s,
                                     keepalive_timeout_s=self.cfg.keepalive_timeout_s,
-                                    max_connections=self.cfg.max_connections, headers=self._headers)
+                                    max_connections=self.cfg.max_connections, headers=self._headers,
+                                    max_header_bytes=self.cfg.max_header_bytes, max_headers=self.cfg.max_headers)
         return self._pool
 
     async def aclose(self) -> None:
@@ -253,6 +294,9 @@ class Proxy:
                 payload = ids.body()
                 self.telemetry.token_id_prompts.inc()
                 check.audit(rep, ids)
+            strip_usage = False
+            if stream and self.cfg.stream_usage:
+                payload, strip_usage = ask_for_usage(payload)
             t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)
             gate = self.gate
             sent: int | None = None
@@ -297,7 +341,7 @@ class Proxy:
                 gate.done(idx, sent)
             router.prefill_done(rep, uncached)
             return await self._commit(rep, routed, resp, first, ttft, deadline, stream, request_id,
-                                      cached.get(idx, 0))
+                                      cached.get(idx, 0), strip_usage)
         # every attempt failed
         if last is None:
             self.telemetry.upstream_errors.labels("no_replica").inc()
@@ -334,6 +378,8 @@ class Proxy:
             raise _AttemptFailed("first_byte_timeout",
                                  f"no response within {budget:.3g}s (first_byte_timeout_s)",
                                  retry=False, status=504) from None
+        except EngineTLSError as exc:
+            raise _AttemptFailed("tls_error", str(exc), retry=True, connection=True) from None
         except EngineConnectError as exc:
             raise _AttemptFailed("connect_error", f"cannot connect: {exc}", retry=True, connection=True) from None
         except EngineConnectionLost as exc:
@@ -352,7 +398,8 @@ class Proxy:
 
     # -- committed answers -----------------------------------------------------------------------------
     async def _commit(self, rep: Replica, routed: Routed, resp: EngineResponse, first: bytes, ttft: float,
-                      deadline: float, stream: bool, request_id: str, predicted_cached: int) -> Response:
+                      deadline: float, stream: bool, request_id: str, predicted_cached: int,
+                      strip_usage: bool = False) -> Response:
         out_headers = {"x-request-id": request_id, "x-kvroute-replica": rep.name,
                        "x-kvroute-predicted-cached-tokens": str(predicted_cached)}
         ctype = resp.headers.get("content-type", "application/json")
@@ -361,30 +408,34 @@ class Proxy:
         if status < 400:
             self.telemetry.ttft.labels(rep.name).observe(ttft)
         if is_sse and status < 400:
-            relay = _Relay(self, rep, routed, resp, first, ttft, deadline, request_id, predicted_cached)
+            events = SSEValidator(strip_usage=strip_usage, max_event_bytes=self.cfg.max_body_bytes)
+            try:
+                out = events.feed(first)
+            except BadStream as exc:  # garbage from the start: nothing was sent yet, answer a clean 502
+                self.router.release(rep)
+                resp.close()
+                self.telemetry.upstream_errors.labels("bad_stream").inc()
+                log.warning("engine sent an invalid event stream", extra={"request_id": request_id,
+                                                                          "replica": rep.name, "error": str(exc)})
+                return error_response(502, f"engine {rep.name} answered {status} with an invalid event stream: "
+                                      f"{exc}", "upstream_bad_stream", headers=out_headers)
+            relay = _Relay(self, rep, routed, resp, out, ttft, deadline, request_id, predicted_cached, events)
+            relay.tail = bytearray(first[-_TAIL_BYTES:])
             return _ProxyStream(relay, status_code=status, media_type=ctype, headers=out_headers)
-        # non-streaming: read the rest now
-        chunks = [first]
+        # non-streaming: read the rest now, bounded in size and in silence
         try:
-            async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
-                while first:
-                    chunk = await resp.read_chunk()
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
+            content = await resp.read_body(first, max_bytes=self.cfg.max_body_bytes,
+                                           idle_timeout_s=self.cfg.body_idle_timeout_s, deadline=deadline)
         except (TimeoutError, EngineError) as exc:
             self.router.release(rep, routed.inp.copies)
             resp.close()
-            self.telemetry.upstream_errors.labels("body_failed").inc()
-            return error_response(502, f"engine {rep.name} failed while sending the response: "
-                                  f"{type(exc).__name__}", "upstream_body_failed", headers=out_headers)
+            return self._body_failed(rep, exc, out_headers)
         except BaseException:
             self.router.release(rep, routed.inp.copies)
             resp.close()
             raise
         self.router.release(rep, routed.inp.copies)
         resp.release()  # fully read: the connection goes back to the pool
-        content = b"".join(chunks)
         if status < 400:
             try:
                 obj = orjson.loads(content)
@@ -394,9 +445,51 @@ class Proxy:
                 return error_response(502, f"engine {rep.name} answered {status} with a body that is "
                                       f"not JSON: {content[:80]!r}", "upstream_bad_body", headers=out_headers)
             usage = obj.get("usage") if isinstance(obj, dict) else None
-            self._feedback(rep, routed, usage if isinstance(usage, dict) else None, ttft, predicted_cached,
-                           single_chunk=not stream)
+            usage = usage if isinstance(usage, dict) else None
+            self._check_usage(rep, usage, streamed=False)
+            self._feedback(rep, routed, usage, ttft, predicted_cached, single_chunk=not stream)
         return Response(content, status_code=status, media_type=ctype, headers=out_headers)
+
+    def _body_failed(self, rep: Replica, exc: BaseException, out_headers: dict[str, str]) -> Response:
+        """The error answer for a non-streamed body that could not be read whole (counted by reason)."""
+        if isinstance(exc, EngineResponseTooLarge):
+            reason, status, code = "body_too_large", 502, "upstream_body_too_large"
+            msg = (f"engine {rep.name} sent a response body over {self.cfg.max_body_bytes} bytes "
+                   "(engine_max_body_bytes)")
+        elif isinstance(exc, TimeoutError) and exc.args[:1] == ("idle",):
+            reason, status, code = "body_stalled", 504, "upstream_body_stalled"
+            msg = (f"engine {rep.name} sent nothing for {self.cfg.body_idle_timeout_s:g}s while sending the "
+                   "response body (engine_body_idle_timeout_s)")
+        elif isinstance(exc, TimeoutError):
+            reason, status, code = "total_timeout", 504, "total_timeout"
+            msg = f"engine {rep.name} did not finish the response within total_timeout_s"
+        else:
+            reason, status, code = "body_failed", 502, "upstream_body_failed"
+            msg = f"engine {rep.name} failed while sending the response: {type(exc).__name__}"
+        self.telemetry.upstream_errors.labels(reason).inc()
+        log.warning("engine response body failed", extra={"replica": rep.name, "reason": reason,
+                                                          "request_id": out_headers.get("x-request-id")})
+        return error_response(status, msg, code, headers=out_headers)
+
+    def _check_usage(self, rep: Replica, usage: dict[str, Any] | None, *, streamed: bool) -> None:
+        """Count (and log once per replica) a successful answer without the usage cached-token feedback needs."""
+        if usage is None:
+            if not streamed:
+                return  # a non-streamed answer without usage at all is not an OpenAI-style completion: ignore
+            what = "stream_usage"
+            hint = ("the engine sent no usage chunk although stream_options.include_usage was set (vLLM: "
+                    "--enable-force-include-usage forces it)")
+        elif not isinstance(usage.get("prompt_tokens_details"), dict):
+            what = "prompt_tokens_details"
+            hint = ("usage.prompt_tokens_details is missing: start vLLM with --enable-prompt-tokens-details "
+                    "(SGLang: --enable-cache-report) so the engine reports cached tokens")
+        else:
+            return
+        self.usage_missing.labels(rep.name, what).inc()
+        if (rep.name, what) not in self._usage_warned:
+            self._usage_warned.add((rep.name, what))
+            log.warning("no cached-token feedback from engine %s: %s; fidelity metrics and calibration stay dark "
+                        "for it", rep.name, hint, extra={"replica": rep.name, "missing": what})
 
     def _feedback(self, rep: Replica, routed: Routed, usage: dict[str, Any] | None, ttft: float,
                   predicted_cached: int, *, single_chunk: bool) -> None:
@@ -430,14 +523,33 @@ class _Relay:
     """
 
     def __init__(self, proxy: Proxy, rep: Replica, routed: Routed, resp: EngineResponse, first: bytes,
-                 ttft: float, deadline: float, request_id: str, predicted_cached: int) -> None:
+                 ttft: float, deadline: float, request_id: str, predicted_cached: int,
+                 events: SSEValidator | None = None) -> None:
         self.proxy, self.rep, self.routed, self.resp = proxy, rep, routed, resp
         self.first, self.ttft, self.deadline, self.request_id = first, ttft, deadline, request_id
         self.predicted_cached = predicted_cached
+        #: validates (and filters) the engine's events; ``first`` has already been through it
+        self.events = events or SSEValidator(strip_usage=False, max_event_bytes=proxy.cfg.max_body_bytes)
+        #: the end of the engine's raw stream (before filtering): the final usage chunk is found there
         self.tail = bytearray(first[-_TAIL_BYTES:])
         self.ok = False
         self.finished = False
         self.on_done: Callable[[], None] | None = None
+
+    def _bad(self, exc: BadStream) -> bytes:
+        """Count and log an invalid event stream; the SSE error event that ends the client's stream."""
+        self.proxy.telemetry.upstream_errors.labels("bad_stream").inc()
+        log.warning("engine sent an invalid event stream", extra={"request_id": self.request_id,
+                                                                  "replica": self.rep.name, "error": str(exc)})
+        return _sse_error(502, f"engine {self.rep.name} sent an invalid event stream: {exc}", "bad_stream")
+
+    def _end(self) -> bytes | None:
+        """The engine's stream is over: None when it ended properly, else the SSE error event to send."""
+        try:
+            self.events.end()
+        except BadStream as exc:
+            return self._bad(exc)
+        return None
 
     async def body(self) -> AsyncIterator[bytes]:
         """The chunks for the client; a failure after the first byte ends with an SSE error event.
@@ -447,10 +559,18 @@ class _Relay:
         """
         telemetry = self.proxy.telemetry
         resp = self.resp
+        events = self.events
         try:
             if resp.at_end:  # the whole answer came with the headers
-                self.ok = True
-            yield self.first
+                err = self._end()
+                if err is None:
+                    self.ok = True
+                    yield self.first
+                else:
+                    yield self.first + err
+                return
+            if self.first:
+                yield self.first
             while not self.ok:
                 remaining = self.deadline - time.monotonic()
                 if remaining <= 0:
@@ -475,14 +595,29 @@ class _Relay:
                                      reason)
                     break
                 if not chunk:
+                    err = self._end()
+                    if err is not None:
+                        yield err
+                        break
                     self.ok = True
                     break
                 self.tail += chunk
                 if len(self.tail) > 2 * _TAIL_BYTES:
                     del self.tail[:-_TAIL_BYTES]
+                try:
+                    out = events.feed(chunk)
+                except BadStream as exc:
+                    yield self._bad(exc)
+                    break
                 if resp.at_end:
+                    err = self._end()
+                    if err is not None:
+                        yield out + err
+                        break
                     self.ok = True
-                yield chunk
+                    yield out
+                elif out:
+                    yield out
         finally:
             # a complete stream is finished by _ProxyStream after the client got its last byte (the feedback
             # and policy update are then off the client's latency); failures and cancellations clean up here
@@ -498,6 +633,8 @@ class _Relay:
             self.proxy.router.release(self.rep, self.routed.inp.copies)
             # usage is fed back even when the client left right after the last chunk
             usage = _usage_from_sse(bytes(self.tail))
+            if self.ok:
+                self.proxy._check_usage(self.rep, usage, streamed=True)
             if self.ok or usage:
                 self.proxy._feedback(self.rep, self.routed, usage, self.ttft, self.predicted_cached,
                                      single_chunk=False)
@@ -607,6 +744,144 @@ class _ClientWatch:
 # ---------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------
+
+_USAGE_OPTION = b'"stream_options":{"include_usage":true}'
+
+
+def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
+    """The streamed request ``body`` with ``stream_options.include_usage`` true, and whether the router added it
+    (then the client did not ask for usage, and the usage chunk is removed from what it receives).
+
+    The common case (no ``stream_options`` at all) appends the option without parsing the body; a body that
+    mentions ``stream_options`` is parsed and the option set inside it. A body that is not a JSON object is
+    returned unchanged (the engine will reject it).
+    """
+    if b'"stream_options"' not in body:
+        head = body.rstrip()
+        if not head.endswith(b"}"):
+            return body, False
+        inner = head[:-1].rstrip()
+        sep = b"" if inner.endswith(b"{") else b","
+        return inner + sep + _USAGE_OPTION + b"}", True
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body, False
+    if not isinstance(obj, dict):
+        return body, False
+    options = obj.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return body, False  # the client asked: relay its usage as is
+    obj["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return orjson.dumps(obj), True
+
+
+class BadStream(Exception):
+    """An engine's event stream is not a valid OpenAI-style SSE stream (message says why)."""
+
+
+#: SSE field names (``name:`` lines); anything else on a non-comment line is garbage
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:")
+
+
+class SSEValidator:
+    """Checks an engine's event stream event by event, and removes usage the client did not ask for.
+
+    ``feed(chunk)`` returns the complete events of what arrived so far (an unfinished event is held until its
+    blank line arrives; none may exceed ``max_event_bytes``); ``end()`` checks the stream ended properly. Both
+    raise ``BadStream``. Valid: lines that are empty, comments (``:``) or SSE fields (``data``, ``event``, ``id``,
+    ``retry``); each event's data a JSON object (the first one is parsed, later ones are checked for their braces:
+    this runs for every token) or ``[DONE]``; the stream ends with ``data: [DONE]`` and no unfinished event.
+
+    With ``strip_usage`` (the router asked for usage, the client did not), events whose JSON is a usage-only
+    chunk (``"choices": []`` with ``usage``) are dropped and ``usage`` fields of other events removed.
+
+    Units: bytes.
+    """
+
+    __slots__ = ("strip_usage", "max_event_bytes", "pending", "done", "checked")
+
+    def __init__(self, *, strip_usage: bool, max_event_bytes: int) -> None:
+        self.strip_usage = strip_usage
+        self.max_event_bytes = max_event_bytes
+        self.pending = b""
+        self.done = False  # ``data: [DONE]`` seen
+        self.checked = False  # the first data event was parsed as JSON
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete, valid (and filtered) events of ``chunk`` plus what was pending."""
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        data = self.pending + chunk if self.pending else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) > self.max_event_bytes:
+                raise BadStream(f"an event over {self.max_event_bytes} bytes (engine_max_body_bytes)")
+            self.pending = data
+            return b""
+        complete, self.pending = data[:cut + 2], data[cut + 2:]
+        if len(self.pending) > self.max_event_bytes:
+            raise BadStream(f"an event over {self.max_event_bytes} bytes (engine_max_body_bytes)")
+        events = complete.split(b"\n\n")
+        events.pop()  # after the last blank line
+        changed = False
+        kept: list[bytes] = []
+        for event in events:
+            out = self._event(event)
+            if out is not event:
+                changed = True
+            if out is not None:
+                kept.append(out)
+        if not changed:
+            return complete
+        return b"".join(e + b"\n\n" for e in kept)
+
+    def _event(self, event: bytes) -> bytes | None:
+        """One event (without its blank line): itself when valid and kept, a rewritten copy, or None to drop."""
+        if len(event) > self.max_event_bytes:
+            raise BadStream(f"an event over {self.max_event_bytes} bytes (engine_max_body_bytes)")
+        data: list[bytes] = []
+        for line in event.split(b"\n"):
+            if not line or line[:1] == b":":
+                continue
+            if line.startswith(b"data:"):
+                data.append(line[6:] if line[5:6] == b" " else line[5:])
+            elif not line.startswith(_SSE_FIELDS):
+                raise BadStream(f"not an SSE line: {line[:60]!r}")
+        if not data:
+            return event
+        payload = data[0] if len(data) == 1 else b"\n".join(data)
+        if self.done:
+            return None  # nothing follows [DONE]: dropped
+        if payload == b"[DONE]":
+            self.done = True
+            return event
+        body = payload.strip()
+        if body[:1] != b"{" or body[-1:] != b"}":
+            raise BadStream(f"event data is not a JSON object: {payload[:60]!r}")
+        if not self.checked or (self.strip_usage and b'"usage"' in body):
+            try:
+                obj = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise BadStream(f"event data is not JSON ({exc}): {payload[:60]!r}") from None
+            if not isinstance(obj, dict):
+                raise BadStream(f"event data is not a JSON object: {payload[:60]!r}")
+            self.checked = True
+            if self.strip_usage and "usage" in obj:
+                if obj.get("choices") == [] and obj["usage"] is not None:
+                    return None  # the usage-only chunk the router asked for
+                del obj["usage"]
+                return b"data: " + orjson.dumps(obj)
+        return event
+
+    def end(self) -> None:
+        """The engine's stream is over: it must have ended with ``data: [DONE]`` and no unfinished event."""
+        if self.pending.strip():
+            raise BadStream(f"the stream ended inside an event: {self.pending[:60]!r}")
+        if not self.done:
+            # (worded without the marker itself: the idempotency guard looks for the last "data: [DONE]")
+            raise BadStream("the stream ended without its final DONE event")
+
 
 def _sse_error(status: int, message: str, code: str) -> bytes:
     """A terminal SSE error event (``event: error`` with an OpenAI-style error as data)."""

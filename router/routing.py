@@ -31,6 +31,7 @@ from policies.base import (
     ReplicaProfile,
     RouteRequest,
     TierLink,
+    reuse_of,
 )
 from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (re-exported)
 
@@ -330,7 +331,7 @@ class Router:
         cands: list[Candidate] = []
         cached: dict[int, int] = {}
         for r in reps:
-            hit = hit_from_match(matches.get(r.index), n, bs)
+            hit = hit_from_match(matches.get(r.index), n, bs, r.load.engine_block_size)
             cached[r.index] = hit.total
             cands.append(Candidate(index=r.index, name=r.name, load=self.load_view(r), hit=hit,
                                    profile=r.profile, state=r.state.value))
@@ -339,6 +340,7 @@ class Router:
                            objective=self.objective,  # type: ignore[arg-type]
                            expected_output_tokens=inp.expected_output_tokens, request_id=inp.request_id)
         decision = self.policy.choose(req, cands)
+        decision.reuse = reuse_of(decision.chosen, cands)  # available vs achieved cached tokens
         return Routed(inp=inp, decision=decision, candidates=cands, cached_tokens=cached,
                       decision_s=time.perf_counter() - t0)
 

@@ -1,109 +1,110 @@
-"""Wiring of the engine signals into the service: KV events (``membership.kv_events``) and engine metrics
-scraping (``membership.engine_metrics``).
+"""Adapters between the service and the engine-signal modules of ``membership``: the KV-event subscriber
+(``membership.kv_events``) and the engine-metrics scraper (``membership.engine_metrics``).
 
-``attach(services)`` registers start/stop pairs in ``services.background`` (run by the app's lifespan),
-per-replica KV-event status callables in ``services.event_status`` (used by ``/replicas`` and by the router to
-decide whether a replica needs predicted index entries), and the components' metrics in the router registry.
-
-This module is the only place that knows the entry points of those membership modules, so a change there needs
-a change here only.
+The composition root (``router.services``) calls ``build_kv_events`` and ``build_engine_metrics``; the HTTP layer
+reads a replica's feed state with ``feed_status`` and the router asks ``events_healthy`` before recording
+predicted index entries. This module knows the entry points of those membership modules, so a change there needs a
+change here only. It imports nothing of ``router`` but its configuration.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from router.app import Services
+from index.prefix_index import PrefixIndex
+from membership.engine_metrics import MetricsScraper
+from membership.kv_events import FeedSpec, KVEventsConfig, KVEventSubscriber
+from membership.replicas import Replica, ReplicaTable
+from router.config import Settings
 
 log = logging.getLogger("kvroute.signals")
 
-
-def attach(svc: Services) -> None:
-    """Attach KV-event subscription and engine-metrics scraping to ``svc`` (when enabled / available)."""
-    if svc.settings.kv_events and (any(r.kv_events_endpoint for r in svc.table.all())
-                                   or getattr(svc.settings, "kubernetes_enabled", False)):
-        _attach_kv_events(svc)
-    _attach_engine_metrics(svc)
+#: per-feed counters shown in ``GET /replicas`` (``kv_events``)
+_FEED_FIELDS = ("connected", "last_seq", "batches", "stored_blocks", "removed_blocks", "gaps", "restarts",
+                "orphans", "last_message_age_s", "endpoint")
 
 
-def _attach_kv_events(svc: Services) -> None:
-    from membership.kv_events import FeedSpec, KVEventSubscriber
+class _SeededSubscriber(KVEventSubscriber):
+    """A subscriber whose event chains use the router's ``seed_model`` override, so both sides share root seeds."""
 
-    seed_model = svc.settings.seed_model
+    def __init__(self, index: PrefixIndex, seed_model: str, config: KVEventsConfig) -> None:
+        super().__init__(index, config=config)
+        self.seed_model = seed_model
 
-    class _Subscriber(KVEventSubscriber):
-        """Uses the router's ``seed_model`` override for event chains, so both sides share root seeds."""
-
-        def spec_for(self, replica: Any) -> FeedSpec | None:
-            spec = super().spec_for(replica)
-            if spec is not None and seed_model:
-                spec = FeedSpec(index=spec.index, name=spec.name, endpoint=spec.endpoint,
-                                replay_endpoint=spec.replay_endpoint, topic=spec.topic, model=seed_model,
-                                bind=spec.bind)
-            return spec
-
-    sub = _Subscriber(svc.index)
-    sub.register_metrics(svc.telemetry.registry)
-
-    def status_for(index: int, name: str) -> Any:
-        def status() -> dict[str, Any]:
-            per = sub.stats().get("replicas", {}).get(name)
-            healthy = index in sub.replicas() and not sub.degraded(index)
-            out: dict[str, Any] = {"healthy": healthy, "degraded": sub.degraded(index)}
-            if per:
-                out.update({k: per.get(k) for k in ("connected", "last_seq", "batches", "stored_blocks",
-                                                     "removed_blocks", "gaps", "restarts", "orphans",
-                                                     "last_message_age_s", "endpoint")})
-            return out
-        return status
-
-    for rep in svc.table.all():
-        if rep.kv_events_endpoint:
-            svc.event_status[rep.name] = status_for(rep.index, rep.name)
-
-    # replicas discovered later (Kubernetes) or moved to another index (membership: shared registry)
-    def track(rep: Any) -> None:
-        if rep.kv_events_endpoint:
-            svc.event_status[rep.name] = status_for(rep.index, rep.name)
-        else:
-            svc.event_status.pop(rep.name, None)
-
-    svc.table.on_change(track)
-    def untrack(rep: Any) -> None:
-        svc.event_status.pop(rep.name, None)
-
-    svc.table.on_remove(untrack)
-
-    async def start() -> None:
-        await sub.start()
-        sub.watch_table(svc.table)
-
-    svc.background.append((start, sub.stop))
-    svc.extras["kv_events"] = sub
+    def spec_for(self, replica: Any) -> FeedSpec | None:
+        """The replica's FeedSpec with ``model`` replaced by ``seed_model``."""
+        spec = super().spec_for(replica)
+        if spec is None:
+            return None
+        return FeedSpec(index=spec.index, name=spec.name, endpoint=spec.endpoint,
+                        replay_endpoint=spec.replay_endpoint, topic=spec.topic, model=self.seed_model,
+                        bind=spec.bind)
 
 
-def _attach_engine_metrics(svc: Services) -> None:
+def wants_kv_events(settings: Settings) -> bool:
+    """True when KV events are on and some replica may publish them (a configured endpoint, or discovery)."""
+    return settings.kv_events and (settings.kubernetes_enabled or any(s.events for s in settings.replicas))
+
+
+def build_kv_events(settings: Settings, index: PrefixIndex) -> KVEventSubscriber | None:
+    """The KV-event subscriber feeding ``index`` (not started), or None when no replica can publish events."""
+    if not wants_kv_events(settings):
+        return None
+    config = kv_events_config(settings)
+    if settings.seed_model:
+        return _SeededSubscriber(index, settings.seed_model, config)
+    return KVEventSubscriber(index, config=config)
+
+
+def kv_events_config(settings: Settings) -> KVEventsConfig:
+    """The subscriber's tuning from the ``kv_*`` Settings fields."""
+    st = settings
+    return KVEventsConfig(
+        replay_idle_timeout_s=st.kv_replay_idle_timeout_s, replay_total_timeout_s=st.kv_replay_total_timeout_s,
+        max_replay_batches=st.kv_replay_max_batches, replay_max_bytes=st.kv_replay_max_bytes,
+        max_message_bytes=st.kv_max_message_bytes, sub_rcvhwm=st.kv_sub_rcvhwm, replay_rcvhwm=st.kv_replay_rcvhwm,
+        apply_slice_blocks=st.kv_apply_slice_blocks, max_sequence_jump=st.kv_max_sequence_jump,
+        orphan_replay_interval_s=st.kv_orphan_replay_interval_s, degraded_retry_s=st.kv_degraded_retry_s,
+        degraded_hold_s=st.kv_degraded_hold_s)
+
+
+def events_healthy(sub: KVEventSubscriber | None, rep: Replica) -> bool:
+    """Cheap per-decision check: ``rep`` has a KV-event feed that is not degraded."""
+    if sub is None or not rep.kv_events_endpoint:
+        return False
     try:
-        mod = importlib.import_module("membership.engine_metrics")
-    except ImportError:
-        log.warning("membership.engine_metrics is not available: load views come from in-flight counts only")
-        return
-    factory = getattr(mod, "MetricsScraper", None)
-    if factory is None:
-        log.warning("membership.engine_metrics has no MetricsScraper: not scraping engine metrics")
-        return
-    key = svc.settings.engine_api_key
-    headers = {"authorization": f"Bearer {key.get_secret_value()}"} if key else None
-    scraper = factory(svc.table, interval_s=svc.settings.scrape_interval_s,
-                      timeout_s=svc.settings.scrape_timeout_s, headers=headers)
-    if hasattr(scraper, "register_metrics"):
-        scraper.register_metrics(svc.telemetry.registry)
-    # inflight_prefill_tokens: the router releases a request's tokens at its first byte (exact and immediate);
-    # the scraper also subtracts what was dispatched before each scrape (clamped at 0). Both together can only
-    # under-count requests dispatched during a scrape's round trip (milliseconds), whereas releasing only at
-    # scrapes over-counts finished prefills for a whole scrape interval and pushes traffic off cache holders.
-    svc.background.append((scraper.start, scraper.stop))
-    svc.extras["engine_metrics"] = scraper
+        return rep.index in sub.replicas() and not sub.degraded(rep.index)
+    except Exception:  # a broken feed must never fail a decision
+        log.exception("KV-event health check failed")
+        return False
+
+
+def feed_status(sub: KVEventSubscriber | None, rep: Replica) -> dict[str, Any] | None:
+    """The state of ``rep``'s KV-event feed for ``GET /replicas`` (None when it publishes no events)."""
+    if sub is None or not rep.kv_events_endpoint:
+        return None
+    try:
+        degraded = sub.degraded(rep.index)
+        out: dict[str, Any] = {"healthy": rep.index in sub.replicas() and not degraded, "degraded": degraded}
+        per = sub.stats().get("replicas", {}).get(rep.name)
+        if per:
+            out.update({k: per.get(k) for k in _FEED_FIELDS})
+        return out
+    except Exception as exc:  # introspection must not fail the listing
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def build_engine_metrics(settings: Settings, table: ReplicaTable, headers: dict[str, str],
+                         kv_events: KVEventSubscriber | None) -> MetricsScraper:
+    """The engine ``/metrics`` scraper updating the load views of ``table`` (not started).
+
+    ``inflight_prefill_tokens``: the router releases a request's tokens at its first byte (exact and immediate);
+    the scraper also subtracts what was dispatched before each scrape (clamped at 0). Both together can only
+    under-count requests dispatched during a scrape's round trip (milliseconds), whereas releasing only at
+    scrapes over-counts finished prefills for a whole scrape interval and pushes traffic off cache holders.
+    Engine restarts seen in the metrics (``process_start_time_seconds``) clear the replica's KV-event entries.
+    """
+    return MetricsScraper(table, interval_s=settings.scrape_interval_s, timeout_s=settings.scrape_timeout_s,
+                          headers=headers or None, router_block_size=settings.block_size,
+                          on_snapshot=kv_events.on_engine_snapshot if kv_events is not None else None)

@@ -31,6 +31,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from membership import engine_tls
 from router.intake import is_large_chat
 from router.token_cache import batch_encoder, cache_for
 
@@ -333,7 +334,8 @@ class EngineTokenizer:
     mode = "engine"
 
     def __init__(self, timeout_s: float = 2.0, headers: dict[str, str] | None = None) -> None:
-        self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers or {})
+        self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers or {},
+                                         verify=engine_tls.client_context())  # https:// engines: same CA as the proxy
 
     async def _call(self, url: str | None, body: dict[str, Any]) -> list[int]:
         if not url:

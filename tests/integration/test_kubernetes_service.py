@@ -56,10 +56,18 @@ def test_router_follows_pods(api: FakeKubeAPI) -> None:
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hello " * 40, "max_tokens": 4},
                        timeout=30)
         assert r.status_code == 200, r.text
+        # /replicas shows the health bookkeeping of discovered replicas too (probes every 0.3 s)
+        health = wait_until(lambda: (h := _replicas(url)["vllm-0"]["health"]) and h["consecutive_successes"] >= 1
+                            and h, 5.0, what="vllm-0 health")
+        assert health == {"consecutive_failures": 0, "consecutive_successes": health["consecutive_successes"],
+                          "last_error": None}
 
         # an engine dies: health probes exclude it, requests keep succeeding on the other one
         engines[1].kill()
         wait_until(lambda: _replicas(url)["vllm-1"]["state"] == "unhealthy", 5.0, what="vllm-1 unhealthy")
+        down = _replicas(url)["vllm-1"]["health"]
+        assert down["consecutive_failures"] >= 3 and down["consecutive_successes"] == 0, down  # unhealthy_after
+        assert down["last_error"], down
         for i in range(3):
             r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": f"q{i} " * 30,
                                                           "max_tokens": 2}, timeout=30)

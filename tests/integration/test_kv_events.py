@@ -11,12 +11,21 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgpack
 import pytest
 
 from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
 from loadtest.engine_model import engine_block_hashes
-from loadtest.kv_publisher import Faults, KVEventPublisher, PubCleared, PubRemoved, PubStored
+from loadtest.kv_publisher import (
+    Faults,
+    KVEventPublisher,
+    PubCleared,
+    PubEvent,
+    PubRemoved,
+    PubStored,
+    encode_batch,
+)
 from membership.kv_events import FeedSpec, KVEventsConfig, KVEventSubscriber
 from tests.helpers import free_port
 
@@ -175,7 +184,7 @@ async def test_restart_that_lands_on_a_gap_is_detected_by_replay_continuity(rigs
     rig.pub.publish([PubStored(hs2, None, toks2, BS)])
     rig.pub.faults.drop_every = 0
     rig.pub.publish([PubCleared()])
-    await until(lambda: rig.totals()["notes"].get("continuity_lost", 0) >= 1, what="continuity check")
+    await until(lambda: rig.totals()["notes"].get("restart_detected_by_replay", 0) >= 1, what="continuity check")
     await until(lambda: matched(rig.index, keys2) == 0 and rig.sub.stats()["replicas"]["r0"]["last_seq"]
                 == rig.pub.next_seq - 1, what="resynced")
     assert matched(rig.index, keys) == 0
@@ -261,16 +270,36 @@ async def test_no_replay_endpoint_gap_degrades_then_recovers_on_clear(rigs: list
     await until(lambda: not rig.sub.degraded(0), what="recovered")
 
 
-async def test_late_join_replays_from_zero(rigs: list[Rig]) -> None:
+async def test_history_of_an_idle_engine_is_applied_on_connect(rigs: list[Rig]) -> None:
+    """Issue 18 item 1: an idle engine publishes nothing; its history is requested as soon as the feed connects."""
     p, r = free_port(), free_port()
     pub = KVEventPublisher("sglang", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}")
     pub.start()
     toks, hs, keys = chain(3)
     pub.publish([PubStored(hs[:2], None, toks[:32], BS)])  # nobody listens yet
+    pub.publish([PubStored(hs[2:], hs[1], toks[32:], BS)])
     index = PrefixIndex(block_size=BS)
     sub = KVEventSubscriber(index, config=KVEventsConfig(poll_interval_s=0.02))
     rig = Rig(pub, sub, index)
     rigs.append(rig)
+    await sub.start()
+    await sub.add_replica(FeedSpec(0, "r0", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}", "", MODEL))
+    await until(lambda: matched(index, keys) == 3, timeout=5, what="history applied without any new batch")
+    t = rig.totals()
+    assert t["replays"] == {"connect:ok": 1} and t["orphans"] == 0 and t["degraded_replicas"] == 0
+    assert pub.stats.replay_requests == 1 and rig.sub.stats()["replicas"]["r0"]["last_seq"] == 1
+
+
+async def test_late_join_live_batch_first_replays_from_zero(rigs: list[Rig]) -> None:
+    """A live batch with seq > 0 that arrives before anything else still brings the history first."""
+    p, r = free_port(), free_port()
+    pub = KVEventPublisher("vllm", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}")
+    pub.start()
+    toks, hs, keys = chain(3)
+    pub.publish([PubStored(hs[:2], None, toks[:32], BS)])
+    index = PrefixIndex(block_size=BS)
+    sub = KVEventSubscriber(index, config=KVEventsConfig(poll_interval_s=0.02))
+    rigs.append(Rig(pub, sub, index))
     await sub.start()
     await sub.add_replica(FeedSpec(0, "r0", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}", "", MODEL))
     deadline = time.monotonic() + 10
@@ -278,8 +307,87 @@ async def test_late_join_replays_from_zero(rigs: list[Rig]) -> None:
         assert time.monotonic() < deadline
         pub.publish([PubStored(hs[2:], hs[1], toks[32:], BS)])
         await asyncio.sleep(0.05)
-    assert rig.totals()["replays"].get("late_join:ok") == 1
-    assert rig.totals()["orphans"] == 0
+    t = sub.stats()["totals"]
+    assert t["orphans"] == 0 and t["degraded_replicas"] == 0 and t["restarts"] == 0
+    assert t["events"]["BlockStored"] == 2  # each batch counted once, however often it was replayed
+
+
+async def _restart_publisher(rig: Rig, fmt: str = "vllm") -> KVEventPublisher:
+    """Stop the rig's publisher and start a new one (an engine restart) on the same addresses."""
+    endpoint, replay = rig.pub.endpoint, rig.pub.replay_endpoint
+    rig.pub.stop()
+    await until(lambda: not rig.sub.stats()["replicas"]["r0"]["connected"], what="disconnect seen")
+    new = KVEventPublisher(fmt, endpoint, replay, topic="kv")
+    new.start()
+    rig.pub = new
+    return new
+
+
+async def test_idle_engine_restart_clears_the_replica_without_any_new_batch(rigs: list[Rig]) -> None:
+    """Issue 18 item 2: an engine restarted on the same port that stays idle: its old blocks go, quickly."""
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(3)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 3, what="stored")
+    await _restart_publisher(rig)
+    t0 = time.monotonic()
+    await until(lambda: matched(rig.index, keys) == 0, timeout=3, what="stale blocks cleared")
+    assert time.monotonic() - t0 < 3.0
+    t = rig.totals()
+    assert t["restarts"] == 1 and t["notes"].get("restart_idle") == 1 and t["degraded_replicas"] == 0
+    assert rig.sub.stats()["replicas"]["r0"]["last_seq"] is None
+
+
+async def test_restarted_engine_history_replaces_the_old_one(rigs: list[Rig]) -> None:
+    """A restarted engine that published (fewer batches than we had seen) before we reconnected, then idles."""
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    for _ in range(4):
+        rig.pub.publish([PubCleared()])
+    toks, hs, keys = chain(2)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    endpoint, replay = rig.pub.endpoint, rig.pub.replay_endpoint
+    rig.pub.stop()
+    await until(lambda: not rig.sub.stats()["replicas"]["r0"]["connected"], what="disconnect seen")
+    # the new engine's PUB is not bound yet (its seq 0 is not seen live) but its replay buffer has it
+    new = KVEventPublisher("vllm", endpoint, replay, topic="kv", faults=Faults(drop_every=1))
+    new.start()
+    rig.pub = new
+    toks2, hs2, keys2 = chain(1, base=6000)
+    new.publish([PubStored(hs2, None, toks2, BS)])
+    await until(lambda: matched(rig.index, keys2) == 1, timeout=5, what="new engine's history applied")
+    assert matched(rig.index, keys) == 0
+    t = rig.totals()
+    assert t["restarts"] == 1 and t["replays"].get("restart:ok") == 1 and t["degraded_replicas"] == 0
+
+
+async def test_reconnect_to_the_same_engine_keeps_its_blocks_and_fills_the_gap(rigs: list[Rig]) -> None:
+    """A reconnect whose replay continues our stream (same engine, buffer intact) keeps the blocks."""
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(3)
+    rig.pub.publish([PubStored(hs[:2], None, toks[:32], BS)])
+    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    endpoint, replay = rig.pub.endpoint, rig.pub.replay_endpoint
+    buffered = list(rig.pub._buffer)
+    seq = rig.pub.next_seq
+    rig.pub.stop()
+    await until(lambda: not rig.sub.stats()["replicas"]["r0"]["connected"], what="disconnect seen")
+    # the same engine process comes back on its sockets (a network blip): same buffer, same sequence
+    same = KVEventPublisher("vllm", endpoint, replay, topic="kv", faults=Faults(drop_every=1))
+    same._buffer.extend(buffered)
+    same._seq = seq
+    same.publish([PubStored(hs[2:], hs[1], toks[32:], BS)])  # published while we were away
+    same.start()
+    rig.pub = same
+    await until(lambda: matched(rig.index, keys) == 3, timeout=5, what="missed batch replayed")
+    t = rig.totals()
+    assert t["restarts"] == 0 and t["replays"].get("reconnect:ok") == 1 and t["degraded_replicas"] == 0
 
 
 async def test_orphan_triggers_a_replay_that_finds_the_parent(rigs: list[Rig]) -> None:
@@ -354,7 +462,7 @@ async def test_engine_restart_behind_a_reconnect_is_detected(rigs: list[Rig]) ->
         await asyncio.sleep(0.05)
     assert matched(rig.index, keys) == 0  # the old engine's blocks did not survive
     notes = rig.totals()["notes"]
-    assert notes.get("continuity_lost", 0) >= 1 and notes.get("disconnects", 0) >= 1
+    assert notes.get("restart_detected_by_replay", 0) >= 1 and notes.get("disconnects", 0) >= 1
 
 
 async def test_unreplayable_gap_clears_instead_of_keeping_stale_blocks(rigs: list[Rig]) -> None:
@@ -373,3 +481,215 @@ async def test_unreplayable_gap_clears_instead_of_keeping_stale_blocks(rigs: lis
     await until(lambda: matched(rig.index, keys2) == 1, what="later batch applied")
     assert matched(rig.index, keys) == 0  # the block whose removal was lost is not kept (it would be stale)
     assert rig.totals()["notes"].get("replay_hole") == 1
+
+
+def _raw_stored(hashes: list[int], parent: int | None, toks: list[int], group: int = 0,
+                extra: list[object] | None = None) -> dict[str, object]:
+    """A vLLM 0.33 ``BlockStored`` map with a chosen KV-cache group and ``extra_keys``."""
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": toks,
+            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": extra,
+            "group_idx": group, "kv_cache_spec_kind": "full_attention"}
+
+
+def _raw_batch(*events: dict[str, object]) -> bytes:
+    return msgpack.packb([time.time(), list(events), 0])
+
+
+async def test_parent_dropped_by_the_kv_group_filter_triggers_no_replay(rigs: list[Rig]) -> None:
+    """Issue 22 defect: a stored event whose parent came in another KV group (dropped by our filter) is not an
+    orphan to replay the whole buffer for."""
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(2)
+    rig.pub.publish_payload(_raw_batch(_raw_stored(hs[:1], None, toks[:16], group=1),
+                                       _raw_stored(hs[1:], hs[0], toks[16:], group=0)))
+    await until(lambda: rig.totals()["notes"].get("orphan_parent_dropped") == 1, what="child seen")
+    rig.pub.publish([PubCleared()])
+    last = rig.pub.next_seq - 1
+    await until(lambda: rig.sub.stats()["replicas"]["r0"]["last_seq"] == last, what="next batch")
+    await asyncio.sleep(0.5)  # > orphan_replay_interval_s (0.2 s): an orphan replay would have run
+    t = rig.totals()
+    assert t["orphans"] == 0 and t["dropped"].get("other_kv_group") == 1
+    assert not any(k.startswith("orphan:") for k in t["replays"]), t["replays"]
+
+
+async def test_multimodal_drop_is_counted_once_when_a_replay_reapplies_its_batch(rigs: list[Rig]) -> None:
+    """Issue 22 defect: re-applying batches after a replay does not count their multimodal drops again."""
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(2)
+    mm = _raw_stored([777], None, list(range(50, 66)), extra=[[["image-hash", 0]]])
+    rig.pub.publish_payload(_raw_batch(mm, _raw_stored(hs[:1], None, toks[:16])))
+    await until(lambda: matched(rig.index, keys) == 1, what="root stored")
+    rig.index.clear(0)  # the index forgot the parent: the next event is an orphan -> replay from 0
+    rig.pub.publish([PubStored(hs[1:], hs[0], toks[16:], BS)])
+    await until(lambda: rig.totals()["replays"].get("orphan:ok") == 1, what="orphan replay")
+    await until(lambda: matched(rig.index, keys) == 2, what="parent re-applied")
+    assert rig.totals()["dropped"].get("multimodal_blocks") == 1
+
+
+async def test_absurd_sequence_jump_is_bounded_in_the_counters(rigs: list[Rig]) -> None:
+    """Issue 24: a jump of the sequence to ~2**64 added ~1.8e19 to missing_batches."""
+    rig = await make_rig("vllm", replay=False)
+    rigs.append(rig)
+    await connect(rig)
+    missing = rig.totals()["missing_batches"]
+    rig.pub._seq = (1 << 64) - 2  # the engine's sequence jumps (a bug, or garbage on the wire)
+    toks, hs, keys = chain(1)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 1, what="batch after the jump applied")
+    t = rig.totals()
+    assert t["missing_batches"] <= missing + 1 and t["notes"].get("sequence_jump_too_large") == 1 and t["restarts"] == 1
+
+
+def _big_batch(fmt: str, chains: int, pages: int) -> tuple[bytes, list[list[int]]]:
+    """One batch of ``chains`` independent ``BlockStored`` chains of ``pages`` blocks; their router keys."""
+    events: list[PubEvent] = []
+    keys = []
+    for c in range(chains):
+        toks, hs, ks = chain(pages, base=100_000 + c * pages * BS, seed=c)
+        events.append(PubStored(hs, None, toks, BS))
+        keys.append(ks)
+    return encode_batch(events, fmt, time.time()), keys
+
+
+async def test_a_large_batch_does_not_block_the_event_loop(rigs: list[Rig]) -> None:
+    """Issue 24 item 6: a ~12 MB batch of 262k blocks is decoded and applied in slices; other coroutines run."""
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    payload, keys = _big_batch("vllm", 64, 4096)
+    assert len(payload) > 10_000_000
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0.05)
+    rig.pub.publish_payload(payload)
+    try:
+        await until(lambda: matched(rig.index, keys[-1]) == 4096, timeout=30, what="large batch applied")
+    finally:
+        done.set()
+        await task
+    assert all(matched(rig.index, k) == 4096 for k in keys)
+    assert rig.totals()["stored_blocks"] == 64 * 4096
+    assert max(gaps) < 0.2, f"event loop blocked for {max(gaps):.3f} s"
+
+
+async def test_replay_over_its_byte_budget_fails_counted_and_degrades(rigs: list[Rig]) -> None:
+    """Issue 24 item 5: a replay bringing more than replay_max_bytes is cut, counted and the replica degraded."""
+    cfg = KVEventsConfig(replay_idle_timeout_s=0.5, replay_total_timeout_s=2.0, degraded_retry_s=30.0,
+                         poll_interval_s=0.02, replay_max_bytes=20_000)
+    rig = await make_rig("vllm", config=cfg)
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(2)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    big, _ = _big_batch("vllm", 4, 64)  # ~ 13 KB each, only in the replay buffer
+    rig.pub.faults.drop_every = 1
+    rig.pub.publish_payload(big)
+    rig.pub.publish_payload(big)
+    rig.pub.faults.drop_every = 0
+    rig.pub.publish([PubRemoved([12345])])  # the gap is seen: the replay from our last batch exceeds the budget
+    await until(lambda: rig.totals()["replays"].get("gap:too_large") == 1, what="replay cut")
+    await until(lambda: rig.sub.degraded(0), what="degraded")
+    assert rig.totals()["replay_bytes"] <= 20_000 + len(big)
+
+
+async def test_message_over_the_size_limit_is_dropped_by_zmq_and_the_feed_goes_on(rigs: list[Rig]) -> None:
+    """Issue 24 item 5: ZMQ MAXMSGSIZE on the SUB socket; the oversized batch is never buffered or applied, the
+    replica is cleared and degraded (its events are incomplete), later batches are applied."""
+    cfg = KVEventsConfig(replay_idle_timeout_s=0.5, replay_total_timeout_s=2.0, degraded_retry_s=30.0,
+                         poll_interval_s=0.02, max_message_bytes=50_000)
+    rig = await make_rig("vllm", config=cfg)
+    rigs.append(rig)
+    await connect(rig)
+    big, big_keys = _big_batch("vllm", 4, 256)  # ~ 90 KB
+    assert len(big) > 50_000
+    rig.pub.publish_payload(big)
+    await until(lambda: rig.totals()["notes"].get("disconnects", 0) >= 1, what="ZMQ dropped the connection")
+    toks, hs, keys = chain(1, base=90_000)
+    deadline = time.monotonic() + 15
+    while matched(rig.index, keys) == 0:
+        assert time.monotonic() < deadline, rig.totals()
+        rig.pub.publish([PubStored(hs, None, toks, BS)])
+        await asyncio.sleep(0.1)
+    assert matched(rig.index, big_keys[0]) == 0
+    assert rig.totals()["notes"].get("forced_reconnects", 0) >= 1  # ZMQ itself never reconnects after this
+    await until(lambda: rig.sub.degraded(0), what="degraded: the oversized batch's events are missing")
+
+
+class _MetricsPage:
+    """A real HTTP server answering ``GET /metrics`` with a vLLM-like page and a settable process start time."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        page = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                body = (f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {page.start}\n"
+                        "vllm:num_requests_waiting 0.0\nvllm:num_requests_running 0.0\n").encode()
+                self.send_response(200)
+                self.send_header("content-type", "text/plain; version=0.0.4")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.start = 1.79616634352e09
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_engine_restart_seen_only_in_its_metrics_clears_the_replica(rigs: list[Rig]) -> None:
+    """Issue 18 item 2: a restart the event stream cannot show (no reconnect, an idle engine) is detected from
+    ``process_start_time_seconds`` (real scraper over HTTP) and the replica's stale entries are cleared."""
+    from membership.engine_metrics import MetricsScraper
+    from membership.replicas import ReplicaTable
+
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(3)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 3, what="stored")
+    page = _MetricsPage()
+    table = ReplicaTable()
+    table.upsert("r0", page.url)
+    scraper = MetricsScraper(table, interval_s=0.1, timeout_s=2.0, on_snapshot=rig.sub.on_engine_snapshot)
+    await scraper.start()
+    try:
+        await until(lambda: scraper.rounds >= 2, what="scraped twice")
+        assert matched(rig.index, keys) == 3  # an unchanged start time changes nothing
+        rig.pub.restart()  # the engine process was replaced behind the same sockets, and stays idle
+        page.start += 60.0
+        await until(lambda: matched(rig.index, keys) == 0, timeout=3, what="stale entries cleared")
+        await until(lambda: rig.totals()["replays"].get("restart:ok") == 1, what="new engine's history asked")
+    finally:
+        await scraper.stop()
+        page.close()
+    t = rig.totals()
+    assert t["restarts"] == 1 and t["notes"].get("restart_detected_by_start_time") == 1
+    assert t["replays"].get("restart:ok") == 1 and t["degraded_replicas"] == 0

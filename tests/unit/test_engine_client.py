@@ -6,7 +6,10 @@ import asyncio
 import contextlib
 import gc
 import socket
+import ssl
+import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,8 @@ from router.engine_client import (
     EngineConnectTimeout,
     EnginePool,
     EngineProtocolError,
+    EngineResponseTooLarge,
+    EngineTLSError,
 )
 from tests.helpers import free_port
 
@@ -27,8 +32,9 @@ class RawServer:
     and requests.
     """
 
-    def __init__(self, answer: Callable[[bytes], tuple[bytes, bool]]) -> None:
+    def __init__(self, answer: Callable[[bytes], tuple[bytes, bool]], tls: ssl.SSLContext | None = None) -> None:
         self.answer = answer
+        self.tls = tls
         self.connections = 0
         self.requests: list[bytes] = []
         self.server: asyncio.Server | None = None
@@ -58,7 +64,7 @@ class RawServer:
 
     async def __aenter__(self) -> RawServer:
         self.port = free_port()
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, ssl=self.tls)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -70,7 +76,7 @@ class RawServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https://localhost' if self.tls else 'http://127.0.0.1'}:{self.port}"
 
 
 def chunked(*parts: bytes, status: int = 200, ctype: bytes = b"text/event-stream") -> bytes:
@@ -299,3 +305,99 @@ async def test_at_end_only_once_the_whole_body_was_received_and_read(pool: Engin
     finally:
         server.close()
         await server.wait_closed()
+
+
+# -- limits on what engines send back (issue 24, item 7) ---------------------------------------------------------
+
+async def test_response_headers_over_the_byte_limit_fail_the_response() -> None:
+    pool = EnginePool(max_header_bytes=4096)
+    endless = b"HTTP/1.1 200 OK\r\nx-big: " + b"h" * (1 << 20)  # one 1 MiB header line, never finished
+    try:
+        async with RawServer(lambda req: (endless, False)) as srv:
+            with pytest.raises(EngineProtocolError, match="engine_max_header_bytes"):
+                await pool.post(srv.url, "/", b"{}", {})
+            assert pool.open_connections == 0  # the connection was dropped
+            # within the limit: fine
+            ok = sized(b"{}", extra=b"x-small: " + b"s" * 1000 + b"\r\n")
+            srv.answer = lambda req: (ok, False)
+            r = await pool.post(srv.url, "/", b"{}", {})
+            assert r.status == 200 and await r.read_all() == b"{}"
+            r.release()
+    finally:
+        await pool.aclose()
+
+
+async def test_too_many_response_headers_fail_the_response() -> None:
+    pool = EnginePool(max_headers=50)
+    many = sized(b"{}", extra=b"".join(b"x-h%d: v\r\n" % i for i in range(60)))
+    try:
+        async with RawServer(lambda req: (many, False)) as srv:
+            with pytest.raises(EngineProtocolError, match="engine_max_headers"):
+                await pool.post(srv.url, "/", b"{}", {})
+    finally:
+        await pool.aclose()
+
+
+async def test_read_body_stops_at_the_byte_limit_and_on_silence(pool: EnginePool) -> None:
+    big = b"x" * (300 * 1024)
+    async with RawServer(lambda req: (sized(big), False)) as srv:
+        r = await pool.post(srv.url, "/", b"{}", {})
+        with pytest.raises(EngineResponseTooLarge):
+            await r.read_body(b"", max_bytes=100 * 1024, idle_timeout_s=5)
+        r.close()
+        r = await pool.post(srv.url, "/", b"{}", {})
+        assert await r.read_body(b"", max_bytes=len(big), idle_timeout_s=5) == big
+        r.release()
+    stalled = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{"
+    async with RawServer(lambda req: (stalled, False)) as srv:
+        r = await pool.post(srv.url, "/", b"{}", {})
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            await r.read_body(await r.read_chunk(), max_bytes=1000, idle_timeout_s=0.3)
+        assert info.value.args == ("idle",) and time.monotonic() - t0 < 3
+        r.close()
+        r = await pool.post(srv.url, "/", b"{}", {})
+        with pytest.raises(TimeoutError) as info:
+            await r.read_body(b"", max_bytes=1000, idle_timeout_s=5, deadline=time.monotonic() + 0.2)
+        assert info.value.args == ("deadline",)
+        r.close()
+    assert pool.open_connections == 0
+
+
+# -- TLS to engines (issue 24, item 9) -----------------------------------------------------------------------
+
+def _self_signed(tmp: Path) -> tuple[Path, ssl.SSLContext]:
+    from tests.integration.engine_standins import self_signed, server_context
+
+    cert, key = self_signed(tmp)
+    return cert, server_context(cert, key)
+
+
+async def test_https_engine_with_a_trusted_ca(tmp_path: Path) -> None:
+    cert, server_ctx = _self_signed(tmp_path)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    pool = EnginePool(ssl_context=client_ctx)
+    try:
+        async with RawServer(lambda req: (chunked(b"data: 1\n\n", b"data: [DONE]\n\n"), False),
+                             tls=server_ctx) as srv:
+            for _ in range(2):
+                r = await pool.post(srv.url, "/v1/completions", b"{}", {})
+                assert r.status == 200 and await r.read_all() == b"data: 1\n\ndata: [DONE]\n\n"
+                r.release()
+            assert srv.connections == 1  # pooled keep-alive over TLS too
+            assert b"host: localhost:" in srv.requests[0]
+    finally:
+        await pool.aclose()
+
+
+async def test_https_engine_with_an_untrusted_certificate_is_a_clear_tls_error(tmp_path: Path) -> None:
+    _, server_ctx = _self_signed(tmp_path)
+    pool = EnginePool(ssl_context=ssl.create_default_context())  # system CAs only
+    try:
+        async with RawServer(lambda req: (sized(b"{}"), False), tls=server_ctx) as srv:
+            with pytest.raises(EngineTLSError, match="certificate verify failed.*engine_ca_bundle"):
+                await pool.post(srv.url, "/", b"{}", {})
+            assert srv.requests == []  # nothing was sent over an unverified connection
+        assert pool.open_connections == 0
+    finally:
+        await pool.aclose()

@@ -132,3 +132,57 @@ def test_fast_sample_parser_counts_broken_lines() -> None:
 
     got, bad = _samples('ok_metric 1\nbroken{label="x" 2\nno_value\nbad_value{a="1"} abc\nok2{a="1"} 2\n')
     assert bad == 3 and got == {"ok_metric": [({}, 1.0)], "ok2": [({"a": "1"}, 2.0)]}
+
+
+# -- range checks (issue 24, item 8): one engine's absurd gauges are unknown, never numbers the policies trust ------
+
+_VLLM_PAGE = """\
+vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
+vllm:num_requests_running{{engine="0",model_name="m"}} {running}
+vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {kv}
+vllm:cache_config_info{{block_size="{bs}",num_gpu_blocks="{blocks}",engine="0"}} 1.0
+vllm:request_prompt_tokens_bucket{{le="+Inf",engine="0"}} 4
+vllm:request_prompt_tokens_count{{engine="0"}} 4
+vllm:request_prompt_tokens_sum{{engine="0"}} {prompt_sum}
+"""
+
+
+def _page(**kw: object) -> str:
+    values: dict[str, object] = {"waiting": 3, "running": 2, "kv": 0.5, "bs": 32, "blocks": 400, "prompt_sum": 4000}
+    values.update(kw)
+    return _VLLM_PAGE.format(**values)
+
+
+@pytest.mark.parametrize("waiting", ["1e308", "-5", "+Inf", "-Inf", "1e400", "2e7"])
+def test_out_of_range_queue_is_unknown_and_listed(waiting: str) -> None:
+    s = parse_metrics(_page(waiting=waiting))
+    assert s.queued_requests is None and "queued_requests" in s.rejected
+    assert s.queued_prefill_tokens is None  # never estimated from a rejected queue
+    assert s.running_requests == 2 and s.kv_usage == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(("field", "kw"), [
+    ("running_requests", {"running": "-1"}),
+    ("kv_usage", {"kv": "1.5"}),
+    ("kv_usage", {"kv": "-0.1"}),
+    ("block_size", {"bs": "0"}),
+    ("block_size", {"bs": "inf"}),
+    ("num_gpu_blocks", {"blocks": "1e400"}),
+    ("prompt_tokens", {"prompt_sum": "-1"}),
+])
+def test_every_out_of_range_field_is_unknown(field: str, kw: dict[str, str]) -> None:
+    s = parse_metrics(_page(**kw))
+    assert getattr(s, field) is None and field in s.rejected, (field, s)
+    assert s.queued_requests == 3
+
+
+def test_in_range_page_rejects_nothing() -> None:
+    s = parse_metrics(_page())
+    assert s.rejected == () and (s.queued_requests, s.block_size, s.num_gpu_blocks) == (3, 32, 400)
+    assert s.queued_prefill_tokens == 3000
+
+
+def test_real_vllm_page_parses_without_rejections() -> None:
+    """A page captured from real vLLM 0.32.0 (CPU build, --block-size 32): nothing is out of range."""
+    s = parse_metrics(load("vllm_0.32.0_cpu_real.prom"))
+    assert s.rejected == () and s.block_size == 32 and s.queued_requests == 0 and s.num_gpu_blocks == 65536

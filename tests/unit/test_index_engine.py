@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -178,12 +179,13 @@ def test_event_keys_equal_prompt_keys(toks: list[int], page: int, block: int, sp
 )
 def test_engine_events_against_a_reference(page: int, ops: list[tuple[str, int, int, int]]) -> None:
     """Random BlockStored / BlockRemoved streams over shared prompts: the index holds, per replica, exactly
-    the router blocks whose last token lies in a stored, not yet removed engine page."""
+    the router blocks whose last token lies in an engine page with a copy stored and not yet removed (vLLM
+    caches a page once per request that computed it and removes copies one by one: a multiset)."""
     block = 4
     prompt = tokens(page * 8, 11)
     keys = block_keys(prompt, block, SEED)
     idx = PrefixIndex(block_size=block, clock=lambda: 0.0)
-    held: dict[int, set[int]] = {0: set(), 1: set()}  # engine pages (by position) each replica holds
+    held: dict[int, Counter[int]] = {0: Counter(), 1: Counter()}  # copies of each engine page (by position)
     for op, replica, first, count in ops:
         last = min(first + count, 8)
         hashes = [1000 * replica + p for p in range(first, last)]
@@ -195,12 +197,101 @@ def test_engine_events_against_a_reference(page: int, ops: list[tuple[str, int, 
             held[replica].update(range(first, last))
         else:
             idx.apply_removed(replica, hashes)
-            held[replica].difference_update(range(first, last))
+            held[replica].subtract(p for p in range(first, last) if held[replica][p] > 0)
     for replica in (0, 1):
         # router block j is held iff the engine page containing its last token is held
-        want = {j for j in range(len(keys)) if ((j + 1) * block - 1) // page in held[replica]}
+        want = {j for j in range(len(keys)) if held[replica][((j + 1) * block - 1) // page] > 0}
         got_depth = idx.match(keys).get(replica)
         depth = 0
         while depth in want:
             depth += 1
         assert (got_depth.blocks if got_depth else 0) == depth
+
+
+def test_a_block_stored_twice_and_removed_once_is_still_cached() -> None:
+    """vLLM does not de-duplicate its cache: two requests that computed the same prefix each cache a copy (one
+    BlockStored each) and each copy is evicted with its own BlockRemoved. One removal leaves one copy."""
+    idx = PrefixIndex(block_size=16)
+    toks = tokens(48, 21)
+    keys = block_keys(toks, 16, SEED)
+    idx.apply_stored(0, [1, 2, 3], None, toks, SEED)
+    idx.apply_stored(0, [1, 2], None, toks[:32], SEED)  # a second request cached its own copy of pages 1-2
+    idx.apply_removed(0, [2, 1])  # one copy evicted: the blocks are still cached
+    assert idx.match(keys)[0].blocks == 3
+    assert idx.stats()["extra_copies"] == 0
+    res = idx.apply_stored(0, [4], 2, tokens(16, 22), SEED)  # the surviving copy still parents new blocks
+    assert not res.orphan and res.stored_blocks == 1
+    assert idx.apply_removed(0, [3, 2]) == 2  # the last copy of page 2 goes: page 3 and 4 go with the chain
+    assert idx.match(keys)[0].blocks == 1
+    assert idx.stats()["extra_copies"] == 0
+
+
+def test_copies_are_counted_per_tier_and_cleared_with_the_replica() -> None:
+    idx = PrefixIndex(block_size=16)
+    toks = tokens(32, 23)
+    keys = block_keys(toks, 16, SEED)
+    idx.apply_stored(0, [1, 2], None, toks, SEED, tier="gpu")
+    idx.apply_stored(0, [1, 2], None, toks, SEED, tier="cpu")  # an offloaded copy is another tier, not a copy
+    assert idx.stats()["extra_copies"] == 0
+    idx.apply_stored(0, [1, 2], None, toks, SEED, tier="gpu")
+    assert idx.apply_removed(0, [1, 2], tier="gpu") == 0
+    m = idx.match(keys)[0]
+    assert (m.blocks, m.gpu, m.cpu) == (2, 2, 0)
+    idx.clear(0)
+    assert idx.stats()["extra_copies"] == 0
+    idx.apply_stored(0, [1, 2], None, toks, SEED)
+    assert idx.apply_removed(0, [1, 2]) == 2  # no stale copy survived the clear
+    assert idx.match(keys) == {}
+
+
+def test_a_replayed_store_is_not_another_copy() -> None:
+    """A feed re-applying history over the current state (e.g. to recover an orphan's parent) passes
+    ``replayed=True``: pages already held are not counted twice."""
+    idx = PrefixIndex(block_size=16)
+    toks = tokens(32, 24)
+    idx.apply_stored(0, [1, 2], None, toks, SEED)
+    idx.apply_stored(0, [1, 2], None, toks, SEED, replayed=True)
+    assert idx.stats()["extra_copies"] == 0
+    assert idx.apply_removed(0, [2, 1]) == 2
+    assert idx.match(block_keys(toks, 16, SEED)) == {}
+
+
+def test_budget_eviction_drops_the_copies_of_evicted_blocks() -> None:
+    clock = [0.0]
+    idx = PrefixIndex(block_size=16, max_nodes=4, clock=lambda: clock[0])
+    old = tokens(32, 25)
+    idx.apply_stored(0, [1, 2], None, old, SEED)
+    idx.apply_stored(0, [1, 2], None, old, SEED)
+    assert idx.stats()["extra_copies"] == 2
+    clock[0] = 1.0
+    idx.apply_stored(0, [3, 4, 5, 6], None, tokens(64, 26), SEED)  # evicts the old blocks
+    assert block_keys(old, 16, SEED)[0] not in idx
+    assert idx.stats()["extra_copies"] == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from([4, 8]),
+    st.lists(st.tuples(st.booleans(), st.integers(0, 5)), min_size=1, max_size=25),
+)
+def test_copies_against_a_multiset_reference(page: int, ops: list[tuple[bool, int]]) -> None:
+    """vLLM-like streams on one replica: each request stores its prompt's pages from the root (one copy per
+    page, cached or not before), each eviction removes one copy of one page. A page is cached while it has a
+    copy; the index's match depth is the leading run of cached pages."""
+    block = 4
+    prompt = tokens(page * 6, 12)
+    keys = block_keys(prompt, block, SEED)
+    idx = PrefixIndex(block_size=block, clock=lambda: 0.0)
+    copies = Counter[int]()
+    for is_store, n in ops:
+        if is_store:  # a request computed (and cached) pages 0..n
+            idx.apply_stored(0, list(range(100, 101 + n)), None, prompt[: (n + 1) * page], SEED)
+            copies.update(range(n + 1))
+        elif copies[n] > 0:  # one copy of page n evicted
+            idx.apply_removed(0, [100 + n])
+            copies[n] -= 1
+    depth = 0
+    while depth < 6 and copies[depth] > 0:
+        depth += 1
+    got = idx.match(keys).get(0)
+    assert (got.blocks if got else 0) == depth * (page // block)

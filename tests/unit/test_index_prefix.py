@@ -293,11 +293,12 @@ def test_compaction_runs_in_bounded_steps_while_the_index_keeps_changing() -> No
         before = idx.stats()["compacted_ids"]
         idx.remove(c % 4, chains[c])
         del held[c]
+        mid = idx.stats()["compacted_ids"]
         new = [((1000 + c) << 20) + i for i in range(1, 31)]
-        idx.store(c % 3, None, new)
+        idx.store(c % 3, None, new)  # a compaction in progress advances with stores too
         held[1000 + c] = new
         chains[1000 + c] = new
-        walked.append(idx.stats()["compacted_ids"] - before)
+        walked += [mid - before, idx.stats()["compacted_ids"] - mid]
         saw_in_progress |= idx._cmp_src >= 0
         idx._check_layout()
         for d, keys in held.items():
@@ -356,10 +357,11 @@ def test_eviction_removes_the_oldest_first() -> None:
 
 def test_budget_eviction_of_a_large_index_is_spread_over_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above the budget a call gets back under it, then evicts at most one chunk more (sampled threshold)."""
+    import index.budget as bu
     import index.prefix_index as pi
 
     monkeypatch.setattr(pi, "EVICT_CHUNK", 300)
-    monkeypatch.setattr(pi, "EVICT_SAMPLE", 256)  # 10k nodes: the sampled (approximate) threshold is used
+    monkeypatch.setattr(bu, "EVICT_SAMPLE", 256)  # 10k nodes: the sampled (approximate) threshold is used
     clock = FakeClock()
     budget = 10_000
     idx = PrefixIndex(max_nodes=budget, clock=clock)
@@ -454,3 +456,21 @@ def test_state_table_is_garbage_collected() -> None:
     assert {r: m.blocks for r, m in idx.match(keys).items()} == before == {60: 4, 61: 4, 62: 4, 63: 4}
     idx.store(5, None, keys[:2])
     assert idx.match(keys)[5].blocks == 2
+
+
+def test_a_compaction_in_progress_advances_with_stores() -> None:
+    """Holes left by removals are given back while only stores arrive (under churn a compaction that waited for
+    the next eviction or ``expire()`` let dead ids, ~28 B each, pile up)."""
+    idx = PrefixIndex(clock=FakeClock())
+    idx._compact_min = 8
+    idx._compact_chunk = 50
+    for c in range(40):
+        idx.store(0, None, [(c << 20) + i for i in range(1, 31)])
+    for c in range(0, 40, 2):
+        idx.remove(0, [(c << 20) + i for i in range(1, 31)])
+    assert idx._cmp_src >= 0  # started, one step done
+    for c in range(100, 140):
+        idx.store(1, None, [(c << 20) + i for i in range(1, 31)])
+    assert idx._cmp_src < 0  # finished without another removal or expire()
+    idx._check_layout()
+    assert idx.stats()["dead_ids"] == 0

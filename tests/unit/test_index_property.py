@@ -198,10 +198,11 @@ def test_budget_eviction_keeps_a_subset_of_the_reference(program: list[tuple[obj
     After every operation: the budget holds, the id bookkeeping is consistent, and every match is a prefix of
     the reference's (eviction only ever forgets entries, never invents or extends one).
     """
+    import index.budget as bu
     import index.prefix_index as pi
 
-    saved = (pi.EVICT_CHUNK, pi.EVICT_SAMPLE, pi.EVICT_WALK)
-    pi.EVICT_CHUNK, pi.EVICT_SAMPLE, pi.EVICT_WALK = 2, 4, 3
+    saved = (pi.EVICT_CHUNK, bu.EVICT_SAMPLE, bu.EVICT_WALK)
+    pi.EVICT_CHUNK, bu.EVICT_SAMPLE, bu.EVICT_WALK = 2, 4, 3
     try:
         clock = FakeClock()
         idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock, max_nodes=budget)
@@ -219,4 +220,4 @@ def test_budget_eviction_keeps_a_subset_of_the_reference(program: list[tuple[obj
                 for r, m in got.items():
                     assert r in want and m.blocks <= want[r].blocks, (keys, got, want)
     finally:
-        pi.EVICT_CHUNK, pi.EVICT_SAMPLE, pi.EVICT_WALK = saved
+        pi.EVICT_CHUNK, bu.EVICT_SAMPLE, bu.EVICT_WALK = saved

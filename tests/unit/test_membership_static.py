@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 
+from membership.config import HealthConfig
 from membership.replicas import ReplicaState, ReplicaTable
 from membership.static import StaticMembership
 from policies.base import ReplicaProfile
+from router.config import Settings
 from tests.helpers import free_port
 
 
@@ -78,8 +80,9 @@ def refused_url() -> Iterator[str]:
 
 
 def static(table: ReplicaTable, *specs: dict[str, Any], **kw: Any) -> StaticMembership:
-    sm = StaticMembership(table, specs, lambda name: ReplicaProfile(), probe_interval_s=kw.pop("interval", 60.0),
-                          probe_timeout_s=2.0, unhealthy_after=3, healthy_after=2, **kw)
+    health = HealthConfig(interval_s=kw.pop("interval", 60.0), timeout_s=2.0, path="/health", unhealthy_after=3,
+                          healthy_after=2)
+    sm = StaticMembership(table, specs, lambda name: ReplicaProfile(), health=health, **kw)
     sm.load()
     return sm
 
@@ -181,6 +184,7 @@ async def test_passive_failure_wakes_the_probe_loop(engine: Engine) -> None:
 
 def test_duplicate_names_rejected() -> None:
     sm = StaticMembership(ReplicaTable(), [{"name": "a", "url": "http://127.0.0.1:1"},
-                                           {"name": "a", "url": "http://127.0.0.1:2"}], lambda n: ReplicaProfile())
+                                           {"name": "a", "url": "http://127.0.0.1:2"}], lambda n: ReplicaProfile(),
+                          health=Settings().health())
     with pytest.raises(ValueError, match="duplicate replica names"):
         sm.load()

@@ -147,3 +147,58 @@ def test_streams_count_against_the_router_limit_until_they_end() -> None:
         wait_until(lambda: st.cancelled == 1, timeout=5, what="upstream cancelled")
         st.mode = "ok"
         assert httpx.post(router.url + "/v1/completions", json=BODY).status_code == 200
+
+
+def test_replicas_show_health_of_static_replicas() -> None:
+    """``GET /replicas`` reads health from the one membership front door: static replicas (probed by their own
+    checker) show consecutive successes, or failures with the last error."""
+    st = EngineState()
+    refused = f"http://127.0.0.1:{free_port()}"
+    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url, refused], "--unhealthy-after", "2") as router:
+        ready(router, 1)
+
+        def health() -> dict[str, dict[str, object]]:
+            reps = httpx.get(router.url + "/replicas").json()["replicas"]
+            return {r["name"]: r["health"] for r in reps}
+
+        wait_until(lambda: health()["e1"].get("consecutive_failures", 0) >= 2, timeout=10, what="e1 failures")
+        now = health()
+        assert now["e0"]["consecutive_failures"] == 0 and now["e0"]["last_error"] is None
+        assert isinstance(now["e0"]["consecutive_successes"], int) and now["e0"]["consecutive_successes"] >= 1
+        assert now["e1"]["consecutive_successes"] == 0 and now["e1"]["last_error"]
+
+
+def test_reuse_of_a_decision() -> None:
+    from policies.base import Candidate, PrefixHit, reuse_of
+
+    cands = [Candidate(index=0, name="a", hit=PrefixHit(gpu=64, cpu=32)), Candidate(index=1, name="b"),
+             Candidate(index=2, name="c", hit=PrefixHit(gpu=16))]
+    best, traded, none = reuse_of(0, cands), reuse_of(2, cands), reuse_of(1, cands[1:2])
+    assert (best.available_tokens, best.achieved_tokens, best.missed_tokens) == (96, 96, 0)
+    assert (traded.available_tokens, traded.achieved_tokens, traded.missed_tokens) == (96, 16, 80)
+    assert (none.available_tokens, none.achieved_tokens) == (0, 0)
+
+
+def test_reuse_available_vs_achieved_in_metrics_and_route() -> None:
+    """Round robin sends a repeated prompt away from the replica that holds it: the metrics count a workload miss
+    (first request: nothing cached anywhere) and a traded decision (second: the other replica held it all)."""
+    from tests.unit.test_router_proxy import metric
+
+    st0, st1 = EngineState(), EngineState()
+    prompt = {"model": "m", "prompt": "the same long system prompt " * 20, "max_tokens": 1}
+    with ServerThread(tiny_engine(st0)) as e0, ServerThread(tiny_engine(st1)) as e1, \
+            router_for([e0.url, e1.url]) as router:
+        ready(router, 2)
+        for _ in range(2):
+            assert httpx.post(router.url + "/v1/completions", json=prompt, timeout=10).status_code == 200
+        assert metric(router, "kvroute_reuse_decisions_total", {"outcome": "none"}) == 1
+        assert metric(router, "kvroute_reuse_decisions_total", {"outcome": "traded"}) == 1
+        available = metric(router, "kvroute_reuse_available_tokens_total")
+        assert available > 0 and metric(router, "kvroute_reuse_achieved_tokens_total") == 0
+        assert metric(router, "kvroute_reuse_missed_tokens_sum") == available
+
+        out = httpx.post(router.url + "/route", json=prompt, timeout=10).json()
+        cached = {c["name"]: c["cached_tokens"] for c in out["candidates"]}
+        assert out["reuse"]["available_tokens"] == max(cached.values()) == available
+        assert out["reuse"]["achieved_tokens"] == cached[out["chosen"]["name"]]
+        assert out["reuse"]["missed_tokens"] == available - out["reuse"]["achieved_tokens"]

@@ -441,3 +441,74 @@ def test_panic_routing_serves_when_every_replica_looks_unhealthy(good: tuple[Eng
             assert r.status_code == 200, r.text
             assert r.headers["x-kvroute-replica"] == "e1"
         assert metric(router, "kvroute_panic_decisions") >= 1
+
+
+# -- the engine edge: usage on streams, SSE validation, TLS errors (issues 18 and 24) ----------------------------
+
+def test_ask_for_usage_adds_the_option_only_when_the_client_did_not_ask() -> None:
+    from router.proxy import ask_for_usage
+
+    body, added = ask_for_usage(b'{"model": "m", "stream": true}  ')
+    assert added and json.loads(body) == {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
+    body, added = ask_for_usage(b"{}")
+    assert added and json.loads(body) == {"stream_options": {"include_usage": True}}
+    asked = b'{"stream": true, "stream_options": {"include_usage": true}}'
+    assert ask_for_usage(asked) == (asked, False)
+    body, added = ask_for_usage(b'{"stream_options": {"include_usage": false, "continuous_usage_stats": true}}')
+    assert added and json.loads(body)["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    # the words in a prompt are not the option
+    body, added = ask_for_usage(b'{"prompt": "say \\"stream_options\\"", "stream": true}')
+    assert added and json.loads(body)["stream_options"] == {"include_usage": True}
+    assert ask_for_usage(b"not json") == (b"not json", False)
+
+
+def test_sse_validator_passes_vllm_streams_and_strips_usage() -> None:
+    from router.proxy import SSEValidator
+
+    chunk = b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n'
+    v = SSEValidator(strip_usage=True, max_event_bytes=1 << 20)
+    out = v.feed(chunk[:10]) + v.feed(chunk[10:] + b": keep-alive comment\n\n") + v.feed(usage + b"data: [DONE]\n\n")
+    assert out == b'data: {"choices":[{"text":"a"}]}\n\n: keep-alive comment\n\ndata: [DONE]\n\n'
+    v.end()
+    keep = SSEValidator(strip_usage=False, max_event_bytes=1 << 20)
+    assert keep.feed(chunk + usage + b"data: [DONE]\r\n\r\n") == chunk + usage + b"data: [DONE]\n\n"
+    keep.end()
+
+
+@pytest.mark.parametrize("stream", [
+    b"\x00\xff binary\n\n",
+    b"data: not json\n\n",
+    b'data: ["a list"]\n\n',
+    b"hello: world\n\n",
+    b'data: {"a": 1}\n\n',  # ends without [DONE]
+    b'data: {"a": 1}\n\ndata: {"unfinished',
+    b"data: {" + b"x" * 5000,  # one event over the size limit
+])
+def test_sse_validator_rejects_garbage(stream: bytes) -> None:
+    from router.proxy import BadStream, SSEValidator
+
+    v = SSEValidator(strip_usage=False, max_event_bytes=4096)
+    with pytest.raises(BadStream):
+        v.feed(stream)
+        v.end()
+
+
+def test_tls_failure_to_a_ready_replica_is_a_clear_502(tmp_path: Any) -> None:
+    """A replica that is routable (as after a certificate rotation) but whose certificate the router cannot
+    verify: the attempt fails with a TLS error naming engine_ca_bundle, counted as a retry reason."""
+    from membership.replicas import ReplicaState
+    from tests.integration.engine_standins import RawEngine, self_signed, server_context, vllm_like
+
+    cert, key = self_signed(tmp_path)
+    with RawEngine(vllm_like(), tls=server_context(cert, key)) as eng, \
+            router_for([eng.url], "--probe-interval-s", "60") as router:
+        wait_until(lambda: httpx.get(router.url + "/healthz").status_code == 200, timeout=10, what="up")
+        svc = router.server.config.app.state.services
+        svc.table.set_state("e0", ReplicaState.READY)
+        r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["code"] == "tls_error" and "certificate verify failed" in err["message"]
+        assert "engine_ca_bundle" in err["message"] and eng.posts() == []
+        assert metric(router, "kvroute_upstream_errors_total", {"reason": "tls_error"}) == 1

@@ -1,0 +1,200 @@
+"""Per replica: engine block hash -> router block key(s), and extra cached copies of a block.
+
+Engines announce their own block hashes (:data:`~index.types.EngineHash`); we never try to reproduce them. On
+``BlockStored`` the router keys are computed from the event's token ids, chained from the router state recorded
+for the event's parent page, and every page is recorded here so that a later ``BlockRemoved`` (and a later
+event naming the page as its parent) can be translated back to router keys.
+
+An engine page need not be a router block: its size may differ from ``block_size``. A page's entry is then
+``(last router key before its end, leftover tokens after that key, router keys it completed)``; when a page is
+exactly one router block (the common case) the entry is just that block's key.
+
+**Copies.** vLLM does not de-duplicate its cache (``vllm/v1/core/block_pool.py``, NOTE #1): when two requests
+with a common prefix are scheduled before either has cached that prefix's blocks (same step, or a chunked
+prefill still running), each computes and caches its own copy of the same block hash, a ``BlockStored`` is sent
+for each copy, and each copy is evicted on its own with one ``BlockRemoved``. So a block stored twice and removed
+once is still cached. The map counts the *extra* copies per (replica, tier, router key), only where there are
+any (a small side dict; no cost per ordinary node), and a removal consumes an extra copy before it removes the
+block.
+
+Pure data structure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import islice
+
+from .hashing import block_keys, block_keys_array, pack_array
+from .types import BlockKey, EngineHash
+
+__all__ = ["EngineEntry", "EngineHashMap", "entry_keys"]
+
+#: One page's record: its router key when the page is exactly one block, else
+#: ``(last router key before the page's end, leftover tokens after it, router keys the page completed)``.
+EngineEntry = BlockKey | tuple[BlockKey, tuple[int, ...], tuple[BlockKey, ...]]
+
+
+def entry_keys(entry: EngineEntry) -> tuple[BlockKey, ...]:
+    """The router keys a page completed (the blocks a removal of that page removes)."""
+    if isinstance(entry, int):
+        return (entry,)
+    return entry[2]
+
+
+class EngineHashMap:
+    """Engine hash -> router keys, one map per replica, plus extra-copy counts.
+
+    Maps keep insertion order (oldest first): the memory budget evicts the oldest entries first.
+    """
+
+    __slots__ = ("_maps", "_copies", "evictions", "copies_seen")
+
+    def __init__(self) -> None:
+        self._maps: dict[int, dict[EngineHash, EngineEntry]] = {}
+        # (replica, tier) -> router key -> extra copies (>= 1); absent = one copy (or none)
+        self._copies: dict[tuple[int, int], dict[BlockKey, int]] = {}
+        self.evictions = 0  # entries dropped by the memory budget
+        self.copies_seen = 0  # BlockStored pages that were another copy of a block already held
+
+    # ------------------------------------------------------------------ lookups
+
+    def of(self, replica: int) -> dict[EngineHash, EngineEntry] | None:
+        """The replica's map, or None when it has none."""
+        return self._maps.get(replica)
+
+    def parent_state(self, replica: int, parent: EngineHash) -> tuple[BlockKey, tuple[int, ...]] | None:
+        """Router chain state after page ``parent``: (last router key, leftover tokens); None when unknown."""
+        emap = self._maps.get(replica)
+        e = emap.get(parent) if emap is not None else None
+        if e is None:
+            return None
+        if isinstance(e, int):
+            return e, ()
+        return e[0], e[1]
+
+    def __len__(self) -> int:
+        """Total entries over all replicas."""
+        return sum(len(m) for m in self._maps.values())
+
+    def extra_copies(self) -> int:
+        """Total extra copies tracked (blocks cached more than once on one replica, beyond the first copy)."""
+        return sum(sum(c.values()) for c in self._copies.values())
+
+    def copy_entries(self) -> int:
+        """Number of (replica, tier, block) entries with extra copies (memory accounting)."""
+        return sum(len(c) for c in self._copies.values())
+
+    # ------------------------------------------------------------------ stores
+
+    def record_pages(
+        self,
+        replica: int,
+        engine_hashes: Sequence[EngineHash],
+        token_ids: Sequence[int],
+        page: int,
+        last: int,
+        left: tuple[int, ...],
+        block_size: int,
+    ) -> tuple[list[BlockKey], int]:
+        """Map the event's pages to router keys chained from ``last`` (+ ``left`` leftover tokens).
+
+        Returns:
+            (the router keys of every block the event completed, in order; how many of the event's engine
+            hashes were already mapped for this replica — re-sent pages, i.e. candidate extra copies).
+        """
+        # ``index.hashing`` returns plain ints: they are BlockKeys (annotations, not ``cast`` calls, on this path)
+        emap = self._maps.get(replica)
+        if emap is None:
+            emap = self._maps[replica] = {}
+        before = len(emap)
+        n = len(engine_hashes)
+        if not left and page == block_size:
+            keys: list[BlockKey] = block_keys_array(pack_array(token_ids), block_size, last)  # type: ignore[assignment]
+            emap.update(zip(engine_hashes, keys, strict=True))
+            return keys, before + n - len(emap)
+        toks = list(left)
+        toks.extend(token_ids)
+        keys = block_keys(toks, block_size, last)  # type: ignore[assignment]
+        nleft = len(left)
+        j = 0
+        for i, eh in enumerate(engine_hashes):
+            end = nleft + (i + 1) * page
+            nfull = end // block_size
+            covered = tuple(keys[j:nfull])
+            j = nfull
+            leftover = tuple(toks[nfull * block_size : end])
+            if not leftover and len(covered) == 1:
+                emap[eh] = covered[0]
+            else:
+                emap[eh] = (keys[nfull - 1] if nfull else BlockKey(last), leftover, covered)
+        return keys, before + n - len(emap)
+
+    def add_copies(self, replica: int, tier: int, keys: Sequence[BlockKey]) -> None:
+        """Count one more copy of each of ``keys`` (blocks the replica already held in ``tier``)."""
+        if not keys:
+            return
+        cp = self._copies.get((replica, tier))
+        if cp is None:
+            cp = self._copies[(replica, tier)] = {}
+        for k in keys:
+            cp[k] = cp.get(k, 0) + 1
+        self.copies_seen += len(keys)
+
+    # ------------------------------------------------------------------ removals
+
+    def take_copies(self, replica: int, tier: int, keys: list[BlockKey]) -> list[BlockKey]:
+        """Consume one extra copy of each key that has one; return the keys with no extra copy left to take
+        (those blocks are really gone from the replica's ``tier``)."""
+        cp = self._copies.get((replica, tier))
+        if not cp:
+            return keys
+        gone: list[BlockKey] = []
+        for k in keys:
+            c = cp.get(k)
+            if c is None:
+                gone.append(k)
+            elif c > 1:
+                cp[k] = c - 1
+            else:
+                del cp[k]
+        if not cp:
+            del self._copies[(replica, tier)]
+        return gone
+
+    def forget_block(self, key: BlockKey) -> None:
+        """The index deleted block ``key`` (budget, sweep): its extra-copy counts go with it."""
+        for cp in self._copies.values():
+            cp.pop(key, None)
+
+    def forget_copies(self, replica: int, tier: int, keys: Sequence[BlockKey]) -> None:
+        """The replica no longer holds ``keys`` in ``tier`` by other means: drop their extra-copy counts."""
+        cp = self._copies.get((replica, tier))
+        if cp:
+            for k in keys:
+                cp.pop(k, None)
+
+    @property
+    def has_copies(self) -> bool:
+        """Whether any extra copy is tracked (fast check for the hot paths)."""
+        return bool(self._copies)
+
+    def drop(self, replica: int) -> None:
+        """Forget the replica's map and copies (engine restart, replica left)."""
+        self._maps.pop(replica, None)
+        for key in [k for k in self._copies if k[0] == replica]:
+            del self._copies[key]
+
+    # ------------------------------------------------------------------ budget
+
+    def evict_oldest(self, frac: float) -> None:
+        """Drop about ``frac`` of every replica's entries, oldest first (at least one from a non-empty map)."""
+        for replica, emap in list(self._maps.items()):
+            drop = int(len(emap) * frac) + (1 if emap else 0)
+            if drop >= len(emap):
+                self.evictions += len(emap)
+                self._maps[replica] = {}
+            elif drop:
+                for eh in list(islice(emap, drop)):  # oldest first: dicts keep insertion order
+                    del emap[eh]
+                self.evictions += drop

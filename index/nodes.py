@@ -1,0 +1,238 @@
+"""The node table: block key -> node id, and per node id its state id, time, key and run hint.
+
+``PrefixIndex`` extends this table with replica states, slots and predictions; this module owns only the layout
+of node ids (what makes ``match`` fast in pure Python and keeps every call's pause bounded):
+
+* ``_ids``: block key -> node id (a small int), in ``ID_SHARDS`` dicts chosen by the key's low bits (so that no
+  dict rebuild on growth is a whole-index pause). Per node id, parallel containers hold the node's *state id*
+  (``_sidl``, an id in ``index.states.StateTable``), the time it was last stored / confirmed / predicted
+  (``_ts``, seconds of the index's clock) and its key (``_keys``; None for a hole).
+* Nodes created back to back by one call (a *streak*: consecutive blocks of one path) get consecutive node ids,
+  and a streak that continues a path is placed right after its parent in room reserved when that path was
+  created (reservations grow geometrically, up to ``MAX_RESERVE``), so a multi-turn conversation's path
+  occupies a few contiguous *extents*. ``_run`` holds, per node id, how many ids of its streak follow it: a hint
+  that ``_stretch`` verifies against ``_keys`` with a C-level list comparison (exact whatever the layout).
+* Deleted node ids are holes until an incremental *compaction* (started once a quarter of the ids are dead)
+  moves the live nodes down over them, at most ``COMPACT_CHUNK`` ids per call, and truncates the arrays.
+
+Pure data structure: no I/O.
+"""
+
+from __future__ import annotations
+
+from array import array
+from itertools import compress
+
+from .types import BlockKey
+
+__all__ = ["COMPACT_CHUNK", "COMPACT_MIN_DEAD", "ID_SHARDS", "MAX_RESERVE", "SHARD_MASK", "NodeTable"]
+
+#: Largest reservation (node ids) made after a streak of new nodes. Each unused reserved id costs ~28 B until the
+#: next compaction; 512 (was 2048) cut the ids per node from 1.47 to 1.19 on the bench workload and from 1.88 to
+#: 1.25 with long chains, with match as fast (``bench_index``; fewer, denser extents).
+MAX_RESERVE = 512
+#: A continued path's next reservation is this many times the extent's capacity so far (geometric growth).
+RESERVE_GROWTH = 2
+#: A new path's first reservation is its first streak's length divided by this.
+RESERVE_FIRST_DIV = 2
+_ONES = array("I", [1])
+#: Dead node ids needed (besides a quarter of all ids) before the node arrays are compacted.
+COMPACT_MIN_DEAD = 4096
+#: Shards of the key -> node id map (a power of two; a key's shard is its low bits).
+ID_SHARDS = 64
+#: A key's shard is ``key & SHARD_MASK``.
+SHARD_MASK = ID_SHARDS - 1
+_SHARD_MASK = SHARD_MASK
+#: Node ids one step of an incremental compaction processes (bounds the pause of one index call).
+COMPACT_CHUNK = 16384
+
+
+class NodeTable:
+    """Block key -> node id with parallel per-id arrays, streak placement and incremental compaction.
+
+    Subclasses own what a state id means and delete nodes (``_keys[nid] = None``, ``_dead_nodes += 1``, ...);
+    they may override :meth:`_compacted_below` to follow nodes that a compaction step moved.
+    """
+
+    def __init__(self) -> None:
+        # block key -> node id, sharded by the key's low bits: a CPython dict rebuilds its whole table when it
+        # grows (122 ms for one insert into a 2.8M-entry dict), and 64 shards make each rebuild 64x smaller
+        self._ids: list[dict[BlockKey, int]] = [{} for _ in range(ID_SHARDS)]
+        self._nodes = 0  # live nodes (sum of the shards' sizes)
+        self._keys: list[BlockKey | None] = []
+        self._sidl: list[int] = []
+        self._ts = array("d")
+        # per node id: how many consecutive node ids from this one were created as one chain (a hint that
+        # ``_stretch`` verifies against ``_keys``; it lets a walk skip the dict probe for most blocks)
+        self._run = array("I")
+        self._dead_nodes = 0  # deleted node ids not yet compacted away
+        self._reserved = 0  # node ids reserved for paths to grow into (not yet used)
+        # last node id of an extent -> (end of its reservation, exclusive; capacity of the extent)
+        self._tips: dict[int, tuple[int, int]] = {}
+        self._compact_min = COMPACT_MIN_DEAD
+        self._compactions = 0  # node-id compactions started (each one renumbers the live nodes, in steps)
+        self._compacted_ids = 0  # node-id slots those compactions walked (their total work)
+        # incremental compaction in progress: next id to process (-1 = none) and next id to move a node to
+        self._cmp_src = -1
+        self._cmp_dst = 0
+        self._compact_chunk = COMPACT_CHUNK
+
+    def _compacted_below(self, dst: int) -> None:
+        """Hook: a compaction step moved live nodes to ids below ``dst`` (default: nothing to follow)."""
+
+    def __len__(self) -> int:
+        """Number of nodes (distinct block keys held by at least one replica entry)."""
+        return self._nodes
+
+    def __contains__(self, key: object) -> bool:
+        """Whether block ``key`` is held by at least one replica entry (confirmed or predicted)."""
+        return isinstance(key, int) and key in self._ids[key & _SHARD_MASK]
+
+    def _node_ids(self) -> list[int]:
+        """Every live node id (in no particular order)."""
+        return [nid for shard in self._ids for nid in shard.values()]
+
+    def _stretch(self, keys: list[BlockKey], i: int) -> tuple[int, int]:
+        """The node id of ``keys[i]`` and how many of the following keys sit at the following node ids.
+
+        Returns ``(-1, 0)`` when ``keys[i]`` is not in the index. Same verification as ``_walk``.
+        """
+        k0 = keys[i]
+        nid = self._ids[k0 & _SHARD_MASK].get(k0)
+        if nid is None:
+            return -1, 0
+        kl = self._keys
+        runs = self._run
+        nk = len(kl)
+        n = len(keys)
+        start_i = i
+        start_nid = nid
+        while True:
+            m = runs[nid]
+            if m > n - i:
+                m = n - i
+            if m > 1 and kl[nid + 1 : nid + m] != keys[i + 1 : i + m]:
+                lo, hi = 1, m
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    if kl[nid + lo : nid + mid] == keys[i + lo : i + mid]:
+                        lo = mid
+                    else:
+                        hi = mid
+                i += lo
+                break
+            i += m
+            nid += m
+            if i >= n or nid >= nk or kl[nid] != keys[i]:
+                break
+        return start_nid, i - start_i
+
+    def _close_streak(self, start: int, end: int, place_end: int, cap: int, *, placed: bool) -> None:
+        """Finish a streak of new nodes at ids ``start..end-1``: run hints, and the extent's reservation."""
+        length = end - start
+        if length > 1:
+            self._run[start:end] = array("I", range(length, 0, -1))
+        tips = self._tips
+        if len(tips) > max(4096, self._nodes // 4):
+            tips.clear()  # bound the bookkeeping; orphaned reservations go at the next compaction
+        if placed:
+            tips[end - 1] = (place_end, cap)
+            return
+        if self._cmp_src >= 0:
+            return  # no reservations while a compaction moves ids
+        # appended at the end of the arrays: reserve room for the path to grow in place
+        room = min(MAX_RESERVE, max(RESERVE_GROWTH * cap, length) if cap else length // RESERVE_FIRST_DIV)
+        self._keys.extend([None] * room)
+        self._sidl.extend([0] * room)
+        self._ts.frombytes(bytes(8 * room))
+        self._run.extend(_ONES * room)
+        self._reserved += room
+        tips[end - 1] = (end + room, length + room)
+
+    def _maybe_compact(self, *, force: bool = False) -> None:
+        """Start a node-id compaction once a quarter of the ids are dead, and advance the one in progress.
+
+        The compaction is incremental: each call moves the live nodes of at most ``_compact_chunk`` ids down
+        over the holes (``_compact_step``), so no single call pauses the caller for a whole-index renumbering
+        (amortised O(1) per deleted node). ``force`` starts one once a quarter of the ids are dead or reserved,
+        however few (budget eviction).
+        """
+        if self._cmp_src < 0:
+            dead = self._dead_nodes
+            if force:
+                if not dead + self._reserved or (dead + self._reserved) * 4 < len(self._keys):
+                    return
+            elif dead < self._compact_min or (dead + self._reserved) * 4 < len(self._keys):
+                return
+            # reservations are given up (their ids are holes like the dead ones) and none are made until the
+            # compaction ends: ``_tips`` would otherwise point at ids the compaction moves
+            self._tips.clear()
+            self._dead_nodes = dead + self._reserved
+            self._reserved = 0
+            keys = self._keys
+            try:
+                first = keys.index(None)  # ids below the first hole stay put
+            except ValueError:
+                first = len(keys)
+            self._cmp_src = self._cmp_dst = first
+            self._compactions += 1
+        self._compact_step()
+
+    def _compact_step(self) -> None:
+        """Move the live nodes of the next ``_compact_chunk`` ids down to the compacted region's end.
+
+        Layout while a compaction runs: ids ``[0, dst)`` are compacted (new holes there wait for the next
+        compaction), ``[dst, src)`` is a gap of dead ids nothing refers to, ``[src, len)`` is not processed
+        yet (new nodes are appended there). The step finishes the compaction when ``src`` reaches the end,
+        by truncating the arrays to ``dst``. Run hints are kept as they are: ``_stretch`` verifies them.
+        """
+        kl = self._keys
+        src = self._cmp_src
+        dst = self._cmp_dst
+        end = min(len(kl), src + self._compact_chunk)
+        # C-level filtering (itertools.compress) over one liveness mask: this runs in the event loop
+        seg = kl[src:end]
+        live = [k is not None for k in seg]
+        moved: list[BlockKey | None] = list(compress(seg, live))
+        nl = len(moved)
+        top = dst + nl
+        if nl:
+            kl[dst:top] = moved
+            self._sidl[dst:top] = list(compress(self._sidl[src:end], live))
+            self._ts[dst:top] = array("d", compress(self._ts[src:end], live))
+            self._run[dst:top] = array("I", compress(self._run[src:end], live))
+            shards = self._ids
+            for k, nid in zip(moved, range(dst, top), strict=True):
+                shards[k & _SHARD_MASK][k] = nid  # type: ignore[operator,index]  # moved keys are never None
+        if top < end:  # the rest of the chunk joins the gap
+            kl[top:end] = [None] * (end - top)
+            self._sidl[top:end] = [0] * (end - top)
+        self._dead_nodes -= end - src - nl
+        self._compacted_ids += end - src
+        self._compacted_below(dst)
+        if end >= len(kl):
+            del kl[top:]
+            del self._sidl[top:]
+            del self._ts[top:]
+            del self._run[top:]
+            self._cmp_src = -1
+            self._cmp_dst = 0
+        else:
+            self._cmp_src = end
+            self._cmp_dst = top
+
+    def _check_layout(self) -> None:
+        """Assert the node-id bookkeeping is consistent (tests call this; O(nodes))."""
+        kl = self._keys
+        assert len(kl) == len(self._sidl) == len(self._ts) == len(self._run)
+        for s, shard in enumerate(self._ids):
+            for key, nid in shard.items():
+                assert kl[nid] == key and key & _SHARD_MASK == s, (key, nid, kl[nid])
+        assert sum(1 for k in kl if k is not None) == self._nodes == sum(map(len, self._ids))
+        if self._cmp_src >= 0:
+            assert all(k is None for k in kl[self._cmp_dst : self._cmp_src])
+            holes = kl[: self._cmp_dst].count(None) + kl[self._cmp_src :].count(None)
+        else:
+            holes = kl.count(None)
+        assert holes == self._dead_nodes + self._reserved, (holes, self._dead_nodes, self._reserved)
+

@@ -1,0 +1,300 @@
+"""The composition root: builds every component of the router from ``Settings`` and hands them back typed.
+
+``build_services(settings)`` runs one named step per part, in dependency order, and returns ``Services``::
+
+    telemetry, table (index allocator), index, policy, tokenizer
+    -> membership (static replicas + Kubernetes discovery + health + Redis shared state)
+    -> kv_events (subscriber feeding the index), engine_metrics (load views)
+    -> router (decisions; asks kv_events whether a replica's events are healthy)
+    -> token_ids, gate, proxy (forwarding; reports connection failures to membership)
+    -> admission, idempotency, loop-lag probe, guard, intake (the request front door)
+    -> index hygiene hooks and scrape-time gauges
+
+Nothing is started here: ``run(services)`` (the app's lifespan) starts the background parts and stops them in
+reverse order. Every later reader (the HTTP routes in ``router.app``, tests) reads typed fields; there is no
+string-keyed bag and no object is looked up late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import Metric
+
+from index.prefix_index import PrefixIndex
+from membership import engine_tls
+from membership.engine_metrics import MetricsScraper
+from membership.kv_events import KVEventSubscriber
+from membership.replicas import Replica, ReplicaState, ReplicaTable
+from membership.runtime import Membership, make_allocator
+from policies.base import Policy, ReplicaProfile, make_policy
+from router import signals
+from router.admission import Admission, admission_gauges
+from router.config import Settings
+from router.dispatch import DispatchGate, dispatch_gauges
+from router.guard import Auth, Guard
+from router.idempotency import IdempotencyGuard
+from router.intake import InputLimits, Intake, model_contexts
+from router.loop_lag import LoopLag, lag_gauges
+from router.proxy import Proxy
+from router.routing import Router, build_profile
+from router.telemetry import (
+    Telemetry,
+    gauge,
+    index_gauges,
+    kubernetes_metrics,
+    replica_gauges,
+    tokenizer_cache_gauges,
+)
+from router.token_ids import TokenIdsCheck
+from router.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
+
+log = logging.getLogger("kvroute.services")
+
+#: A background component started with the app: ``start()`` / ``stop()`` coroutines.
+StartStop = tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]
+
+
+@dataclass
+class Services:
+    """Every component the routes use, built from Settings by ``build_services``."""
+
+    settings: Settings
+    telemetry: Telemetry
+    table: ReplicaTable
+    index: PrefixIndex
+    policy: Policy
+    tokenizer: Tokenizer
+    membership: Membership
+    kv_events: KVEventSubscriber | None
+    engine_metrics: MetricsScraper
+    router: Router
+    token_ids: TokenIdsCheck
+    gate: DispatchGate
+    proxy: Proxy
+    admission: Admission
+    idempotency: IdempotencyGuard
+    loop_lag: LoopLag
+    guard: Guard
+    intake: Intake
+    #: started in this order by ``run`` and stopped in reverse
+    background: list[StartStop] = field(default_factory=list)
+
+    @property
+    def inflight(self) -> int:
+        """Requests in flight through the router (admitted, not finished)."""
+        return self.admission.inflight
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the steps
+# ---------------------------------------------------------------------------------------------------------
+
+def _build_index(settings: Settings) -> PrefixIndex:
+    return PrefixIndex(block_size=settings.block_size, max_nodes=settings.index_max_nodes,
+                       max_bytes=settings.index_max_bytes, predicted_ttl_s=settings.predicted_ttl_s)
+
+
+def _build_tokenizer(settings: Settings) -> Tokenizer:
+    return make_tokenizer(settings.tokenizer_mode, settings.tokenizer_path, settings.chat_template_path,
+                          settings.tokenize_timeout_s, settings.engine_headers(),
+                          cache_bytes=int(settings.tokenizer_cache_mb * (1 << 20)),
+                          cache_verify_every=settings.tokenizer_cache_verify_every)
+
+
+def _profile_factory(settings: Settings) -> Callable[[str | None], ReplicaProfile]:
+    def profile_for(name: str | None) -> ReplicaProfile:
+        return build_profile(name, settings.profiles, settings.default_profile)
+    return profile_for
+
+
+def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> Membership:
+    membership = Membership(settings.membership(), table, index, specs=settings.static_replicas(),
+                            profile_for=_profile_factory(settings), headers=settings.engine_headers())
+    membership.load()  # static replicas, joining until their first probe
+    return membership
+
+
+def _build_router(settings: Settings, table: ReplicaTable, index: PrefixIndex, policy: Policy,
+                  kv_events: KVEventSubscriber | None, membership: Membership) -> Router:
+    router = Router(table, index, policy, block_size=settings.block_size, seed_model=settings.seed_model,
+                    seed_include_lora=settings.seed_include_lora,
+                    objective=settings.objective, predict_mode=settings.predict_mode,
+                    events_healthy=lambda rep: signals.events_healthy(kv_events, rep),
+                    max_inflight_per_replica=settings.max_inflight_per_replica,
+                    panic_routing=settings.panic_routing)
+    router.on_prediction.append(membership.publish_prediction)  # predicted entries reach peer routers
+    return router
+
+
+def _build_proxy(settings: Settings, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck,
+                 gate: DispatchGate, membership: Membership) -> Proxy:
+    def on_connection_failure(rep: Replica, err: str) -> None:  # passive health
+        membership.record_failure(rep.name, err)
+
+    proxy = Proxy(router, telemetry, settings.proxy(), on_connection_failure=on_connection_failure,
+                  token_ids=token_ids)
+    proxy.gate = gate
+    return proxy
+
+
+def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> DispatchGate:
+    def routable(i: int) -> bool:
+        rep = table.by_index(i)
+        return rep is not None and rep.routable
+
+    return DispatchGate(settings.dispatch(), index, settings.block_size, routable=routable)
+
+
+def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag) -> Guard:
+    """The front gate (``router.guard``): auth and loop-lag shedding from the headers, before any body."""
+    auth = Auth([k.get_secret_value() for k in settings.api_keys],
+                settings.admin_token.get_secret_value() if settings.admin_token else None)
+    return Guard(auth, loop_lag, settings.max_event_loop_lag_s, settings.retry_after_s, telemetry)
+
+
+def _keep_index_honest(table: ReplicaTable, index: PrefixIndex, kv_events: KVEventSubscriber | None) -> None:
+    """A replica that leaves is cleared from the index; so is one that turns unhealthy without KV events (its
+    predicted entries would be stale when it comes back)."""
+    def on_change(rep: Replica) -> None:
+        if rep.state == ReplicaState.UNHEALTHY and not signals.events_healthy(kv_events, rep):
+            index.clear(rep.index)
+
+    table.on_change(on_change)
+    table.on_remove(lambda rep: index.clear(rep.index))
+
+
+def _register_metrics(svc: Services) -> None:
+    """Scrape-time metrics: each component's stats, rendered by ``router.telemetry`` (and the collectors the
+    membership signal modules own)."""
+    t = svc.telemetry
+    t.add_gauges(lambda: index_gauges(svc.index.stats()))
+    t.add_gauges(lambda: replica_gauges(svc.table.all(), svc.token_ids.accepts))
+    t.add_gauges(lambda: _router_gauges(svc))
+    if isinstance(svc.tokenizer, HfTokenizer):
+        cache = svc.tokenizer.cache
+        t.add_gauges(lambda: tokenizer_cache_gauges(cache.stats()))
+    t.add_gauges(lambda: kubernetes_metrics(svc.membership.watcher))
+    t.add_gauges(lambda: dispatch_gauges(svc.gate))
+    t.add_gauges(lambda: admission_gauges(svc.admission))
+    t.add_gauges(lambda: lag_gauges(svc.loop_lag))
+    if svc.membership.shared is not None:
+        svc.membership.shared.register_metrics(t.registry)
+    if svc.kv_events is not None:
+        svc.kv_events.register_metrics(t.registry)
+    svc.engine_metrics.register_metrics(t.registry)
+
+
+def _router_gauges(svc: Services) -> Iterator[Metric]:
+    """The router's own scrape-time values: in flight, panic decisions, token-id audits."""
+    yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
+    yield gauge("kvroute_panic_decisions", "decisions made among unhealthy replicas because none was ready "
+                "(cumulative)", float(svc.router.panic_decisions))
+    yield gauge("kvroute_token_id_audits", "prompts sent as ids re-checked against the replica's /tokenize "
+                "(cumulative)", float(svc.token_ids.audited))
+    yield gauge("kvroute_token_id_audit_mismatches", "audited prompts the replica tokenized differently: it "
+                "gets text from then on (cumulative)", float(svc.token_ids.audit_mismatches))
+
+
+def _background(svc: Services) -> list[StartStop]:
+    """The start/stop pairs of the background parts, in start order."""
+    out: list[StartStop] = [(svc.membership.start, svc.membership.stop),  # static, kubernetes, health, redis
+                            (svc.token_ids.start, svc.token_ids.stop)]  # which replicas take token ids
+    sub = svc.kv_events
+    if sub is not None:
+        async def start_events() -> None:
+            await sub.start()
+            sub.watch_table(svc.table)
+
+        out.append((start_events, sub.stop))
+    out.append((svc.engine_metrics.start, svc.engine_metrics.stop))
+    lag = svc.loop_lag
+
+    async def start_lag() -> None:
+        lag.start()
+
+    async def stop_lag() -> None:
+        lag.stop()
+
+    out.append((start_lag, stop_lag))  # the event-loop lag probe the guard sheds on
+    return out
+
+
+def build_services(settings: Settings) -> Services:
+    """Build every component from ``settings`` (nothing is started; see ``run``).
+
+    Raises:
+        ValueError / KeyError / TokenizerError: invalid configuration (message names the option).
+    """
+    headers = settings.engine_headers()
+    telemetry = Telemetry()
+    # TLS to https:// engines (proxy, probes, scrapes, /tokenize): one verified context from Settings
+    engine_tls.configure(engine_tls.EngineTLS(settings.engine_ca_bundle, settings.engine_client_cert,
+                                              settings.engine_client_key))
+    table = ReplicaTable(make_allocator(settings.membership()))  # ordinals / Redis registry / grace
+    index = _build_index(settings)
+    policy = make_policy(settings.policy, **settings.policy_params)
+    tokenizer = _build_tokenizer(settings)
+    membership = _build_membership(settings, table, index)
+    kv_events = signals.build_kv_events(settings, index)
+    engine_metrics = signals.build_engine_metrics(settings, table, headers, kv_events)
+    router = _build_router(settings, table, index, policy, kv_events, membership)
+    token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
+                              timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
+                              headers=headers)
+    gate = _build_gate(settings, table, index)
+    proxy = _build_proxy(settings, router, telemetry, token_ids, gate, membership)
+    admission = Admission(settings.max_inflight_total, settings.max_queued_requests, settings.max_queue_wait_s)
+    idempotency = IdempotencyGuard(membership.shared, settings.retry_after_s)
+    loop_lag = LoopLag(settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry)
+    guard = _build_guard(settings, telemetry, loop_lag)
+    intake = Intake(InputLimits.from_settings(settings), lambda: model_contexts(table.all()))
+    _keep_index_honest(table, index, kv_events)
+    svc = Services(settings=settings, telemetry=telemetry, table=table, index=index, policy=policy,
+                   tokenizer=tokenizer, membership=membership, kv_events=kv_events,
+                   engine_metrics=engine_metrics, router=router, token_ids=token_ids, gate=gate, proxy=proxy,
+                   admission=admission, idempotency=idempotency, loop_lag=loop_lag, guard=guard, intake=intake)
+    svc.background = _background(svc)
+    _register_metrics(svc)
+    return svc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# running
+# ---------------------------------------------------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def run(svc: Services) -> AsyncIterator[None]:
+    """Start the background parts (membership first), run, then stop everything in reverse order."""
+    started: list[StartStop] = []
+    expire_task: asyncio.Task[None] | None = None
+    try:
+        for start, stop in svc.background:
+            await start()
+            started.append((start, stop))
+        expire_task = asyncio.create_task(_expire_loop(svc), name="kvroute-index-expire")
+        log.info("kvroute started", extra={"settings": svc.settings.safe_dict()})
+        yield
+    finally:
+        if expire_task is not None:
+            expire_task.cancel()
+        for _, stop in reversed(started):
+            with contextlib.suppress(Exception):
+                await stop()
+        await svc.gate.aclose()
+        await svc.proxy.aclose()
+        await svc.tokenizer.aclose()
+
+
+async def _expire_loop(svc: Services) -> None:
+    """Expire stale predicted entries periodically (match() also expires lazily)."""
+    while True:
+        await asyncio.sleep(svc.settings.index_expire_interval_s)
+        try:
+            svc.index.expire()
+        except Exception:
+            log.exception("index expire failed")

@@ -1,0 +1,60 @@
+"""Candidate scoring never fails a decision (issue 24, item 8): a replica whose load or profile makes its score
+impossible (overflow, negative, NaN) is excluded from the ranking and counted; the others are ranked as usual."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from policies.base import Candidate, LoadView, PrefixHit, RouteRequest
+from policies.ttft import TTFTPolicy
+
+
+def _cands(bad: LoadView) -> list[Candidate]:
+    good = [Candidate(index=i, name=f"r{i}", load=LoadView(queued_requests=i, running_requests=1, kv_usage=0.1))
+            for i in (0, 1)]
+    return [Candidate(index=7, name="bad", load=bad, hit=PrefixHit(gpu=512)), *good]
+
+
+REQ = RouteRequest(model="m", prompt_tokens=1024, block_keys=list(range(64)), block_size=16)
+
+
+@pytest.mark.parametrize("bad", [
+    LoadView(queued_requests=int(1e308), running_requests=0, kv_usage=0.0),  # OverflowError on main
+    LoadView(queued_requests=10**400, running_requests=0, kv_usage=0.0),
+    LoadView(queued_requests=-1000, running_requests=0, kv_usage=0.0),  # won every decision on main
+    LoadView(queued_prefill_tokens=-10**6, running_requests=0, kv_usage=0.0),
+    LoadView(queued_requests=0, running_requests=-5, kv_usage=0.0),
+    LoadView(queued_requests=0, running_requests=0, kv_usage=math.nan),
+    LoadView(queued_prefill_tokens=math.inf, running_requests=0, kv_usage=0.0),
+])
+def test_a_candidate_with_absurd_load_is_excluded_not_chosen(bad: LoadView) -> None:
+    policy = TTFTPolicy()
+    d = policy.choose(REQ, _cands(bad))
+    assert d.chosen != 7 and 7 not in d.ranking and sorted(d.ranking) == [0, 1]
+    assert policy.excluded_candidates == 1 and "bad" in policy.last_exclusion
+    (s,) = [s for s in d.scores if s.index == 7]
+    assert s.parts["excluded"] == 1.0 and s.score == math.inf
+    assert all(math.isfinite(s.score) and s.score >= 0 for s in d.scores if s.index != 7)
+
+
+def test_unknown_loads_do_not_inherit_an_absurd_worst_value() -> None:
+    """A replica with unknown gauges is scored with the worst *sane* value of the others, so one broken
+    replica does not take the blind ones out with it."""
+    policy = TTFTPolicy()
+    cands = [Candidate(index=0, name="bad", load=LoadView(queued_requests=10**400)),
+             Candidate(index=1, name="blind", load=LoadView()),
+             Candidate(index=2, name="known", load=LoadView(queued_requests=2, running_requests=1, kv_usage=0.2))]
+    d = policy.choose(REQ, cands)
+    assert d.ranking and 0 not in d.ranking and set(d.ranking) == {1, 2}
+    assert policy.excluded_candidates == 1
+
+
+def test_when_nothing_can_be_scored_the_least_loaded_is_chosen() -> None:
+    policy = TTFTPolicy()
+    cands = [Candidate(index=i, name=f"r{i}", load=LoadView(queued_requests=-1, inflight_requests=5 - i))
+             for i in range(3)]
+    d = policy.choose(REQ, cands)
+    assert d.chosen == 2 and d.branch == "unscorable" and d.ranking == [2, 1, 0]
+    assert policy.excluded_candidates == 3
