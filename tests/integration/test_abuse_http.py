@@ -115,6 +115,9 @@ def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:
         resp, lat = _abuse(r, junk, "/v1/completions")
         assert resp.status_code == 413 and resp.json()["error"]["code"] == "too_many_json_values", resp.text
         assert lat < 0.5, lat
+        resp, lat = _abuse(r, orjson.dumps([7] * 4_000_000), "/v1/completions")  # not even an object
+        assert resp.status_code == 413 and resp.json()["error"]["param"] == "body", resp.text
+        assert lat < 0.5, lat
         # large but legitimate requests still work (shape-checked, parsed and rendered off the loop; the stand-in
         # engine counts one token per byte, so they stay under its 131072 tokens)
         chat = {"model": MODEL, "max_tokens": 2,
