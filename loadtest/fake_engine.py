@@ -7,19 +7,25 @@ possible, model time then advances by itself).
 HTTP (FastAPI on uvicorn):
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI schema, streaming SSE or not; ``prompt`` may be
-  text or token ids; ``max_tokens`` tokens are generated (default ``--default-max-tokens``); ``usage`` carries
-  ``prompt_tokens_details.cached_tokens`` (prompt tokens reused from the prefix cache, as vLLM reports it); the
-  streaming usage chunk is sent when ``stream_options.include_usage`` is set, or always unless
-  ``--no-force-include-usage`` (vLLM's ``--enable-force-include-usage``). ``cache_salt`` (vLLM) is honoured.
+  text or token ids; ``max_tokens`` tokens are generated (default ``--default-max-tokens``). Like real vLLM,
+  ``usage.prompt_tokens_details`` is null unless ``--enable-prompt-tokens-details`` (then ``cached_tokens`` =
+  prompt tokens reused from the prefix cache), and a stream carries its usage chunk only when the client sets
+  ``stream_options.include_usage`` or the engine runs ``--enable-force-include-usage``. A client that
+  disconnects aborts its generation (its blocks are unpinned at once). ``cache_salt`` (vLLM) is honoured.
   ``model`` may name a ``--lora`` adapter.
 * ``POST /tokenize``, ``POST /detokenize`` (vLLM API), ``GET /v1/models`` (``root`` = the local model path),
   ``GET /health``, ``GET /health_generate``, ``GET /version``, ``GET /metrics`` (in ``--dialect``'s names),
-  ``POST /reset_prefix_cache`` (vLLM) / ``POST /flush_cache`` (SGLang): drop the prefix cache (events follow).
+  ``POST /reset_prefix_cache`` (vLLM) / ``POST /flush_cache`` (SGLang): drop the prefix cache; like vLLM, its
+  events (``AllBlocksCleared``) are published with the engine's next step, not at once (``--kv-publish-reset-now``
+  for the old convenience). An idle engine publishes nothing.
 * What sglang-router (0.3.x) probes when a worker is added: ``GET /health``, ``/server_info`` and ``/model_info``
   (older releases: ``/get_server_info``, ``/get_model_info``), plus ``/get_load`` for its load monitor; all served.
 * ``POST /generate`` (SGLang native, minimal: ``text`` or ``input_ids`` + ``sampling_params.max_new_tokens``).
 * Fault injection: ``GET/POST /admin/faults`` (JSON, keys of ``HttpFaults`` and ``loadtest.kv_publisher.Faults``),
   ``POST /admin/restart`` (cache dropped silently, event sequence restarts at 0, like a process restart).
+
+Block sizes: ``--device gpu`` (default) takes any ``--block-size`` (default 16); ``--device cpu`` emulates vLLM's
+CPU build: multiples of 32 only (default 128), anything else is refused at start like vLLM does.
 
 Tokenizer: ``--tokenizer-path`` (or ``--model-path``) with a ``tokenizer.json`` uses HF ``tokenizers`` and the
 chat template of ``tokenizer_config.json`` / ``chat_template.jinja`` rendered with jinja2 like HF does; otherwise
@@ -216,6 +222,8 @@ class _Req:
     cached_tokens: int = 0
     arrival_s: float = 0.0
     first_token_s: float | None = None
+    engine_request: EngineRequest | None = None
+    done: bool = False  # finished or aborted
 
     async def generated(self) -> int:
         """Wait until the request is done (non-streaming answers); the number of tokens it generated."""
@@ -271,6 +279,8 @@ class FakeEngine:
         self._counter = 0
         self._streamed_tokens = 0
         self.requests_total = 0
+        self.requests_aborted = 0
+        self._deferred_kv: list[PubEvent] = []
         self.requests_running_http = 0
         self.started_at = time.time()
         self.exporter = MetricsExporter(self)
@@ -342,6 +352,7 @@ class FakeEngine:
                 self._meta[h] = (lora, salt)
         req = EngineRequest(request_id=str(self._counter), prompt_tokens=len(token_ids), output_tokens=max_tokens,
                             block_hashes=hashes, token_ids=token_ids, tag=state)
+        state.engine_request = req
         self.model.submit(req, now)
         self._wake.set()
         return state
@@ -372,7 +383,10 @@ class FakeEngine:
 
     def _dispatch(self, events: list[Any]) -> None:
         kv: list[PubEvent] = []
+        stepped = False
         for ev in self._write_back_order(events):
+            if isinstance(ev, Token | FirstToken | Finished | BlockStored):
+                stepped = True
             if isinstance(ev, Token):
                 st = ev.request.tag
                 if isinstance(st, _Req):
@@ -387,6 +401,7 @@ class FakeEngine:
             elif isinstance(ev, Finished):
                 st = ev.request.tag
                 if isinstance(st, _Req):
+                    st.done = True
                     st.queue.put_nowait(("done", ev))
                 self.exporter.observe_finished(ev, self.scale)
             elif isinstance(ev, BlockStored):
@@ -404,17 +419,51 @@ class FakeEngine:
             elif isinstance(ev, AllBlocksCleared):
                 kv.append(PubCleared())
                 self._meta.clear()
+        if self._deferred_kv and (stepped or kv):  # a reset's events ride on the engine's next step
+            kv = self._deferred_kv + kv
+            self._deferred_kv = []
         if kv and self.publisher is not None:
             self.publisher.publish(kv)
 
+    def _kv_of(self, events: list[Any]) -> list[PubEvent]:
+        """The wire form of a reset's ``BlockRemoved`` / ``AllBlocksCleared`` events."""
+        out: list[PubEvent] = []
+        for ev in events:
+            if isinstance(ev, BlockRemoved):
+                out.append(PubRemoved(list(ev.block_hashes), ev.tier))
+            elif isinstance(ev, AllBlocksCleared):
+                out.append(PubCleared())
+                self._meta.clear()
+        return out
+
+    def abort(self, state: _Req) -> None:
+        """The client of ``state`` went away: drop its request from the engine (vLLM aborts it too)."""
+        if state.done or state.engine_request is None:
+            return
+        state.done = True
+        self.requests_aborted += 1
+        self._dispatch(self.model.abort(state.engine_request, self.now()))
+        self._wake.set()
+
     def clear_cache(self) -> None:
-        """Drop the prefix cache (vLLM ``reset_prefix_cache``): events are published."""
-        self._dispatch(self.model.clear_cache(self.now()))
+        """Drop the prefix cache (vLLM ``reset_prefix_cache``).
+
+        Like vLLM, the resulting events are queued and published with the engine's next step (the next batch
+        of events it publishes); ``--kv-publish-reset-now`` publishes them at once.
+        """
+        events = self.model.clear_cache(self.now())
+        if self.opts.kv_publish_reset_now:
+            self._dispatch(events)
+            return
+        steps = [ev for ev in events if not isinstance(ev, BlockRemoved | AllBlocksCleared)]
+        self._dispatch(steps)
+        self._deferred_kv.extend(self._kv_of([ev for ev in events if isinstance(ev, BlockRemoved | AllBlocksCleared)]))
 
     def restart(self) -> None:
         """Simulate a process restart: cache dropped without events, event sequence back to 0."""
         self.model.clear_cache(self.now())  # events discarded: a dead process announces nothing
         self._meta.clear()
+        self._deferred_kv = []
         if self.publisher is not None:
             self.publisher.restart()
         self.hash_seed = xxhash.xxh3_64_intdigest(os.urandom(16))
@@ -694,8 +743,9 @@ def build_app(engine: FakeEngine) -> Any:
         return s or None
 
     def usage(st: _Req, completion: int) -> dict[str, Any]:
+        details = {"cached_tokens": st.cached_tokens} if opts.enable_prompt_tokens_details else None
         return {"prompt_tokens": st.prompt_tokens, "total_tokens": st.prompt_tokens + completion,
-                "completion_tokens": completion, "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
+                "completion_tokens": completion, "prompt_tokens_details": details}
 
     async def faults_before() -> Response | None:
         f = engine.http_faults
@@ -712,7 +762,27 @@ def build_app(engine: FakeEngine) -> Any:
             return Response(b"\x00\xffnot json{{{", media_type="application/json")
         return None
 
-    async def generate(body: dict[str, Any], ids: list[int], chat: bool) -> Response:
+    async def until_disconnected(request: Request) -> None:
+        """Return once the client has closed its connection (the body was read already)."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def generated_or_abort(st: _Req, request: Request) -> int | None:
+        """Wait for a non-streamed generation; abort it and return None when the client goes away first."""
+        gen = asyncio.ensure_future(st.generated())
+        gone = asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait({gen, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not gen.done():
+                gen.cancel()
+                engine.abort(st)
+        return gen.result() if gen.done() and not gen.cancelled() else None
+
+    async def generate(body: dict[str, Any], ids: list[int], chat: bool, request: Request) -> Response:
         lora = resolve_model(body)
         mt = max_tokens_of(body, len(ids))
         salt = salt_of(body)
@@ -731,9 +801,12 @@ def build_app(engine: FakeEngine) -> Any:
                                      media_type="text/event-stream")
         engine.requests_running_http += 1
         try:
-            n = await st.generated()
+            got = await generated_or_abort(st, request)
         finally:
             engine.requests_running_http -= 1
+        if got is None:  # nobody is listening any more
+            return Response(status_code=499)
+        n = got
         text = "".join(engine.word(i) for i in range(n))
         if chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text,
@@ -785,18 +858,19 @@ def build_app(engine: FakeEngine) -> Any:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
                             "usage": usage(st, n)})
             yield b"data: [DONE]\n\n"
-        finally:
+        finally:  # also when the client disconnected mid-stream (the generator is closed / cancelled)
             engine.requests_running_http -= 1
+            engine.abort(st)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await body_of(request)
-        return await generate(body, prompt_ids(body), chat=False)
+        return await generate(body, prompt_ids(body), chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await body_of(request)
-        return await generate(body, chat_ids(body), chat=True)
+        return await generate(body, chat_ids(body), chat=True, request=request)
 
     @app.post("/generate")
     async def sglang_generate(request: Request) -> Response:
@@ -992,9 +1066,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "--model-path when it has one, else a byte tokenizer")
     g.add_argument("--max-model-len", type=int, default=131072, help="longest prompt + output, tokens")
     g.add_argument("--default-max-tokens", type=int, default=16, help="output tokens when max_tokens is absent")
+    g.add_argument("--enable-force-include-usage", dest="force_include_usage", action="store_true",
+                   help="send the streaming usage chunk on every stream (vLLM's flag); by default only when the "
+                        "client sets stream_options.include_usage, like vLLM")
     g.add_argument("--no-force-include-usage", dest="force_include_usage", action="store_false",
-                   help="send the streaming usage chunk only when stream_options.include_usage is set (vLLM "
-                        "default); by default it is always sent (vLLM --enable-force-include-usage)")
+                   help="the default (kept for old command lines): usage on streams only when the client asks")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag); null without it")
+    g.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+                   help="block sizes the emulated build accepts: gpu = any (default 16); cpu = vLLM's CPU build, "
+                        "multiples of 32 (default 128)")
     g.add_argument("--metrics-prefix", choices=("sglang:", "sglang_"), default="sglang:",
                    help="SGLang dialect: metric name prefix (releases used both)")
     g.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
@@ -1009,7 +1090,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real seconds per simulated second (0 = no sleeping at all)")
     g.add_argument("--gpu-blocks", type=int, default=None, help="GPU KV blocks (default: from the profile)")
     g.add_argument("--cpu-blocks", type=int, default=0, help="CPU-tier KV blocks (0 = no CPU tier)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (SGLang: page size)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (SGLang: page size); default 16, or 128 with --device cpu")
     g.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per engine step")
     g.add_argument("--max-running", type=int, default=256, help="requests running at once")
     g.add_argument("--seed", type=int, default=0, help="seed of the output text (and of hashes with "
@@ -1024,6 +1106,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-replay-port", type=int, default=None, help="ZMQ ROUTER replay port (none when absent)")
     g.add_argument("--kv-host", default=None, help="address the ZMQ sockets bind to (default: --host)")
     g.add_argument("--kv-topic", default="", help="topic frame of every event message")
+    g.add_argument("--kv-publish-reset-now", action="store_true",
+                   help="publish a prefix-cache reset's events at once (vLLM publishes them with its next step)")
     g.add_argument("--kv-buffer-steps", type=int, default=10_000, help="batches kept for replay")
     g.add_argument("--kv-hash-bytes", action="store_true",
                    help="vLLM formats: send hashes as 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
@@ -1052,8 +1136,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     opts = p.parse_args(list(argv) if argv is not None else None)
     if opts.kv_events_format is None:
         opts.kv_events_format = "sglang" if opts.dialect == "sglang" else "vllm"
+    if opts.block_size is None:
+        opts.block_size = 128 if opts.device == "cpu" else 16
     if opts.block_size <= 0:
         p.error("--block-size must be positive")
+    if opts.device == "cpu" and opts.block_size % 32:
+        p.error(f"No common block size for {opts.block_size} (vLLM's CPU build takes multiples of 32)")
     if opts.gpu_blocks is not None and opts.gpu_blocks <= 0:
         p.error("--gpu-blocks must be positive")
     if opts.kv_replay_port is not None and opts.kv_events_port is None:

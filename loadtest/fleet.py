@@ -245,7 +245,15 @@ class EngineOptions:
         block_size: tokens per KV block.
         model_path: local directory reported as the model / tokenizer path (never a hub id), or None.
         seed: base random seed (engine i gets seed + i).
+        prompt_tokens_details: ``--enable-prompt-tokens-details``: answers report cached prompt tokens (the
+            router's fidelity and calibration feedback; a real deployment runs vLLM with it, docs/deploy.md).
+        force_include_usage: ``--enable-force-include-usage``: every stream ends with a usage chunk (optional in
+            a deployment: the router asks for usage on the streams it proxies).
         extra_args: more flags appended to every engine's command line.
+
+    The fake engine behaves like vLLM by default (no cached-token details, usage on streams only when asked);
+    these defaults are the flags docs/deploy.md starts real engines with, so demo and e2e numbers mean what
+    they would in a deployment.
     """
 
     model: str = "kvroute-fake"
@@ -257,6 +265,8 @@ class EngineOptions:
     block_size: int = 16
     model_path: str | None = None
     seed: int = 0
+    prompt_tokens_details: bool = True
+    force_include_usage: bool = True
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -334,6 +344,10 @@ class Fleet:
             args += ["--gpu-blocks", str(e.gpu_blocks)]
         if e.model_path:
             args += ["--model-path", e.model_path]
+        if e.prompt_tokens_details:
+            args.append("--enable-prompt-tokens-details")
+        if e.force_include_usage:
+            args.append("--enable-force-include-usage")
         return args + list(e.extra_args)
 
     def start_engines(self) -> list[EngineHandle]:

@@ -44,9 +44,8 @@ from router import signals
 from router.admission import Rejected
 from router.config import Settings
 from router.guard import Guard
-from router.guard import install as install_guard
 from router.idempotency import HEADER as IDEMPOTENCY_HEADER
-from router.intake import Intake, dump_messages, not_a_bool, sequences
+from router.intake import Intake, LimitExceeded, dump_messages, not_a_bool, sequences
 from router.proxy import error_response, new_request_id
 from router.routing import Routed, RoutingError, RoutingInput, decision_json
 from router.services import Services, build_services, run
@@ -445,10 +444,9 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     """The FastAPI app for ``settings``; background components start and stop with its lifespan."""
     svc = services or build_services(settings)
     app = _new_app(svc)
-    guard = install_guard(app, svc)  # router/guard.py: auth before the body, input limits, loop-lag shedding
     _add_middleware(app, svc)
-    _add_error_handlers(app, settings)
-    auth = _Auth(guard)
+    _add_error_handlers(app, svc)
+    auth = _Auth(svc.guard)
     _add_data_plane(app, _DataPlane(svc, auth))
     _add_control_plane(app, svc, auth)
     _install_openapi(app)
@@ -465,6 +463,7 @@ def _new_app(svc: Services) -> _KvrouteApp:
     app = _KvrouteApp(title="kvroute", version="0.1.0", lifespan=lifespan,
                       description="Cache-aware router for LLM inference fleets (OpenAI-compatible).")
     app.state.services = svc
+    app.guard = svc.guard  # router/guard.py: auth before the body, loop-lag shedding
     return app
 
 
@@ -476,8 +475,15 @@ def _add_middleware(app: FastAPI, svc: Services) -> None:
     app.add_middleware(_Edge, telemetry=svc.telemetry, max_body=settings.max_request_bytes)
 
 
-def _add_error_handlers(app: FastAPI, settings: Settings) -> None:
+def _add_error_handlers(app: FastAPI, svc: Services) -> None:
     """Map the exceptions of the routes to OpenAI-style JSON errors."""
+    settings = svc.settings
+
+    @app.exception_handler(LimitExceeded)
+    async def _limit(request: Request, exc: LimitExceeded) -> Response:  # router/intake.py input limits
+        svc.telemetry.rejected.labels(exc.code).inc()
+        return error_response(exc.status, exc.message, exc.code, exc.param)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
@@ -653,7 +659,7 @@ class _DataPlane:
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         self.auth.check_client(request)
-        body, data = await _parse(request, CompletionRequest)
+        body, data = await _parse(self.svc.intake, request, CompletionRequest)
         inp = await self.routing_input(request, body, prompt=body.prompt)
         # a text prompt may reach the engine as the ids just computed (router/token_ids.py decides per replica)
         check = self.svc.proxy.token_ids
@@ -663,7 +669,7 @@ class _DataPlane:
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         self.auth.check_client(request)
-        body, _ = await _parse(request, ChatRequest)
+        body, _ = await _parse(self.svc.intake, request, ChatRequest)
         inp = await self.routing_input(request, body, messages=body.messages, chat={
             "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
             "chat_template_kwargs": body.chat_template_kwargs}, max_out=body.max_completion_tokens)
@@ -677,7 +683,7 @@ class _DataPlane:
     async def route(self, request: Request) -> Any:
         """``POST /route``: the decision, not forwarded."""
         self.auth.check_client(request)
-        body, _ = await _parse(request, RouteBody)
+        body, _ = await _parse(self.svc.intake, request, RouteBody)
         inp = await self.routing_input(request, body, prompt=body.prompt, messages=body.messages,
                                        token_ids=body.token_ids, chat={
                                            "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
@@ -791,16 +797,14 @@ def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-async def _parse(request: Request, model: type[_M]) -> tuple[_M, Any]:
+async def _parse(intake: Intake, request: Request, model: type[_M]) -> tuple[_M, Any]:
     """Parse the request body as JSON (whatever the content type) and validate it against ``model``; returns the
     validated model and the parsed JSON it came from.
 
     Raises:
         RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
     """
-    raw = await request.body()
-    intake: Intake = request.app.state.intake  # router/intake.py: limits first, large bodies off the loop
-    return await intake.parse(raw, model)
+    return await intake.parse(await request.body(), model)  # router/intake.py: limits first, large bodies off the loop
 
 
 class _AuthError(Exception):

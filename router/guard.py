@@ -24,11 +24,9 @@ import hmac
 from collections.abc import Iterable
 from typing import Any
 
-from starlette.responses import Response
 from starlette.types import Scope, Send
 
-from router.intake import InputLimits, Intake, LimitExceeded, model_contexts
-from router.loop_lag import LoopLag, lag_gauges
+from router.loop_lag import LoopLag
 from router.proxy import error_response
 
 #: routes counted under their own name in kvroute_requests_total (others: "other")
@@ -185,35 +183,3 @@ class Guard:
         await send({"type": "http.response.body", "body": resp.body})
         path = scope.get("path", "")
         self.telemetry.requests.labels(path if path in _DATA_ROUTES | _ADMIN_ROUTES else "other", str(status)).inc()
-
-
-def install(app: Any, svc: Any) -> Guard:
-    """Build the gate, the input limits and the loop-lag probe for ``app`` from ``svc.settings``.
-
-    Sets ``app.guard`` (run by the app before anything else), ``app.state.intake`` (``router.intake.Intake``)
-    and ``app.state.auth``; registers the lag metrics and starts / stops the probe with the app.
-    """
-    settings = svc.settings
-    auth = Auth([k.get_secret_value() for k in settings.api_keys],
-                settings.admin_token.get_secret_value() if settings.admin_token else None)
-    lag = LoopLag(settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, svc.telemetry.registry)
-    svc.telemetry.add_gauges(lambda: lag_gauges(lag))
-
-    async def start() -> None:
-        lag.start()
-
-    async def stop() -> None:
-        lag.stop()
-
-    svc.background.append((start, stop))
-    guard = Guard(auth, lag, settings.max_event_loop_lag_s, settings.retry_after_s, svc.telemetry)
-    app.guard = guard
-    app.state.auth = auth
-    app.state.intake = Intake(InputLimits.from_settings(settings), lambda: model_contexts(svc.table.all()))
-
-    async def limit_exceeded(request: Any, exc: LimitExceeded) -> Response:
-        svc.telemetry.rejected.labels(exc.code).inc()
-        return error_response(exc.status, exc.message, exc.code, exc.param)
-
-    app.add_exception_handler(LimitExceeded, limit_exceeded)
-    return guard

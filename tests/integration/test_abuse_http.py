@@ -32,10 +32,10 @@ def _rss_mb(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def _healthz_watch(url: str) -> Iterator[list[tuple[float, float]]]:
-    """Poll /healthz back to back on one connection while the block runs; yields (start, end) of every poll
-    (monotonic s). A poll that fails or takes over 2 s ends at start + 2 s."""
-    polls: list[tuple[float, float]] = []
+def _healthz_watch(url: str) -> Iterator[list[tuple[float, float, str]]]:
+    """Poll /healthz back to back on one connection while the block runs; yields (start, end, error) of every
+    poll (monotonic s; error "" when it answered 200). A poll that fails ends at start + 2 s."""
+    polls: list[tuple[float, float, str]] = []
     stop = threading.Event()
 
     def poll() -> None:
@@ -43,10 +43,11 @@ def _healthz_watch(url: str) -> Iterator[list[tuple[float, float]]]:
             while not stop.is_set():
                 t0 = time.monotonic()
                 try:
-                    ok = c.get(url + "/healthz").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                polls.append((t0, time.monotonic() if ok else t0 + 2.0))
+                    status = c.get(url + "/healthz").status_code
+                    err = "" if status == 200 else f"status {status}"
+                except httpx.HTTPError as exc:
+                    err = repr(exc)
+                polls.append((t0, t0 + 2.0 if err else time.monotonic(), err))
 
     th = threading.Thread(target=poll, daemon=True)
     th.start()
@@ -71,9 +72,11 @@ def _abuse(r: Router, body: bytes, path: str = "/v1/chat/completions") -> tuple[
         resp = _post(r.url + path, body)
         t1 = time.monotonic()
         wait_until(lambda: polls[-1][0] > t1, timeout=5, what="a poll after the request")  # the one running ended
-    during = [end - start for start, end in polls if start < t1 and end > t0]
+    during = [(end - start, err) for start, end, err in polls if start < t1 and end > t0]
     assert during, "no /healthz poll overlapped the request: the test proves nothing"
-    return resp, max(during)
+    errors = [err for _, err in during if err]
+    assert not errors, f"/healthz failed while {path} was rejected: {errors[:3]}"
+    return resp, max(lat for lat, _ in during)
 
 
 def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:

@@ -32,7 +32,8 @@ class Engine:
         self.proc = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(self.port), "--model", MODEL,
                                  "--dialect", dialect, "--kv-events-format", fmt, "--kv-events-port", str(self.ev),
                                  "--kv-replay-port", str(self.rp), "--time-scale", "0.02", "--profile", "a100",
-                                 "--gpu-blocks", str(gpu_blocks), "--block-size", "16", "--seed", "1", *extra)
+                                 "--gpu-blocks", str(gpu_blocks), "--block-size", "16", "--seed", "1",
+                                 "--enable-prompt-tokens-details", *extra)
         try:
             wait_http_ok(self.url + "/health", timeout=30)
         except BaseException:
@@ -73,8 +74,8 @@ def test_completions_stream_chat_and_usage(vllm_engine: Engine) -> None:
     body = r.json()
     assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 4
     assert body["usage"]["prompt_tokens"] == 100 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "stream": True},
-                   timeout=10)
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "stream": True,
+                                                  "stream_options": {"include_usage": True}}, timeout=10)
     chunks = _sse(r.text)
     assert r.text.rstrip().endswith("data: [DONE]")
     assert [c["choices"][0]["finish_reason"] for c in chunks[:3]] == [None, None, "length"]

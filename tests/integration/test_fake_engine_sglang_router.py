@@ -57,7 +57,7 @@ def test_sglang_router_registers_and_routes_to_fake_engines() -> None:
         assert r.json()["usage"]["completion_tokens"] == 3
         with httpx.stream("POST", base + "/v1/chat/completions", timeout=20,
                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                "stream": True}) as s:
+                                "stream": True, "stream_options": {"include_usage": True}}) as s:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 2

@@ -82,6 +82,7 @@ def test_engine_fleet_is_discovered_with_its_kv_event_endpoints(example: str, ki
         assert cfg["enable_kv_cache_events"] is True
         assert "--enable-prefix-caching" in container["args"]
         assert f"--block-size={settings.block_size}" in container["args"]
+        assert "--enable-prompt-tokens-details" in container["args"]  # the router's cached-token feedback
     else:
         assert "--enable-metrics" in container["args"]
         assert f"--page-size={settings.block_size}" in container["args"]
@@ -171,7 +172,9 @@ def test_vllm_fleet_example_routes_end_to_end(api: FakeKubeAPI, monkeypatch: pyt
                           "--kv-events-port", str(_port(cfg["endpoint"])),
                           "--kv-replay-port", str(_port(cfg["replay_endpoint"])), "--kv-topic", cfg["topic"],
                           "--block-size", _arg(container["args"], "--block-size"), "--time-scale", "0.02",
-                          "--gpu-blocks", "2048", "--seed", "1")
+                          "--gpu-blocks", "2048", "--seed", "1",
+                          *[a for a in container["args"] if a in ("--enable-prompt-tokens-details",
+                                                                   "--enable-force-include-usage")])
     router: Proc | None = None
     out = ""
     try:

