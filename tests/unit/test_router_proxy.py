@@ -512,3 +512,18 @@ def test_tls_failure_to_a_ready_replica_is_a_clear_502(tmp_path: Any) -> None:
         assert err["code"] == "tls_error" and "certificate verify failed" in err["message"]
         assert "engine_ca_bundle" in err["message"] and eng.posts() == []
         assert metric(router, "kvroute_upstream_errors_total", {"reason": "tls_error"}) == 1
+
+
+def test_sse_validator_joins_events_split_anywhere_without_quadratic_copies() -> None:
+    from router.proxy import SSEValidator
+
+    stream = (b'data: {"choices":[{"text":"' + b"x" * 200_000 + b'"}]}\r\n\r\n'
+              + b'data: {"choices":[{"text":"b"}]}\r\n\r\ndata: [DONE]\r\n\r\n')
+    for size in (1, 7, 1000, 65536):
+        v = SSEValidator(strip_usage=False, max_event_bytes=1 << 20)
+        pieces = [stream[i:i + size] for i in range(0, len(stream), size)] if size > 1 else \
+            [stream[:50], stream[50:200_050], *[stream[i:i + 1] for i in range(200_050, len(stream))]]
+        out = b"".join(v.feed(p) for p in pieces)
+        v.end()
+        assert out == stream.replace(b"\r\n", b"\n"), size
+        assert len(v.pending) == 0
