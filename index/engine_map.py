@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import islice
-from typing import cast
 
 from .hashing import block_keys, block_keys_array, pack_array
 from .types import BlockKey, EngineHash
@@ -104,18 +103,19 @@ class EngineHashMap:
             (the router keys of every block the event completed, in order; how many of the event's engine
             hashes were already mapped for this replica — re-sent pages, i.e. candidate extra copies).
         """
+        # ``index.hashing`` returns plain ints: they are BlockKeys (annotations, not ``cast`` calls, on this path)
         emap = self._maps.get(replica)
         if emap is None:
             emap = self._maps[replica] = {}
         before = len(emap)
         n = len(engine_hashes)
         if not left and page == block_size:
-            keys = cast(list[BlockKey], block_keys_array(pack_array(token_ids), block_size, last))
+            keys: list[BlockKey] = block_keys_array(pack_array(token_ids), block_size, last)  # type: ignore[assignment]
             emap.update(zip(engine_hashes, keys, strict=True))
             return keys, before + n - len(emap)
         toks = list(left)
         toks.extend(token_ids)
-        keys = cast(list[BlockKey], block_keys(toks, block_size, last))
+        keys = block_keys(toks, block_size, last)  # type: ignore[assignment]
         nleft = len(left)
         j = 0
         for i, eh in enumerate(engine_hashes):

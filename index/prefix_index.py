@@ -137,6 +137,7 @@ class PrefixIndex(NodeTable):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self._budget = Budget(max_nodes, max_bytes)
+        self._limited = self._budget.limited  # read on every update
         self.block_size = block_size
         self.predicted_ttl_s = float(predicted_ttl_s)
         self._clock = clock
@@ -420,8 +421,8 @@ class PrefixIndex(NodeTable):
             return
         slot = self._slot_for(replica)
         now = self._clock()
-        self._apply(slot, cast(_Keys, keys), OP_STORE, t, now, create=True,
-                    parent_key=None if parent_key is None else BlockKey(parent_key))
+        # keys are BlockKeys (ints from ``index.hashing``): no cast call per event on the ingest path
+        self._apply(slot, keys, OP_STORE, t, now, create=True, parent_key=parent_key)  # type: ignore[arg-type]
         self._check_budget()
 
     def predict(self, replica: int, keys: Sequence[int]) -> None:
@@ -434,7 +435,7 @@ class PrefixIndex(NodeTable):
             return
         slot = self._slot_for(replica)
         now = self._clock()
-        self._apply(slot, cast(_Keys, keys), OP_PREDICT, 0, now, create=True)
+        self._apply(slot, keys, OP_PREDICT, 0, now, create=True)  # type: ignore[arg-type]
         self._check_budget()
 
     def remove(self, replica: int, keys: Sequence[int], tier: str = "gpu") -> None:
@@ -800,13 +801,13 @@ class PrefixIndex(NodeTable):
             last = seed
             left: tuple[int, ...] = ()
         else:
-            state = emaps.parent_state(replica, EngineHash(engine_parent))
+            state = emaps.parent_state(replica, engine_parent)  # type: ignore[arg-type]  # an EngineHash
             if state is None:
                 self._orphans += 1
                 return StoreResult(0, True)
             last, left = state
         keys, resent = emaps.record_pages(
-            replica, cast(_Hashes, engine_hashes), token_ids, page, last, left, self.block_size
+            replica, engine_hashes, token_ids, page, last, left, self.block_size  # type: ignore[arg-type]
         )
         if keys:
             copies = self._held_in_tier(replica, keys, t) if resent and not replayed else None
@@ -899,7 +900,7 @@ class PrefixIndex(NodeTable):
         A node-id compaction in progress advances one bounded step per update too (not only when eviction or
         ``expire()`` runs): under steady churn its holes (~28 B each) would otherwise pile up between evictions.
         """
-        if self._budget.limited and (
+        if self._limited and (
             self._evictor.running or self._budget.over(self._nodes, self.estimated_bytes(), 1.0)
         ):
             self._evict()

@@ -119,6 +119,8 @@ class EngineSnapshot:
         preemptions_total: cumulative preemptions.
         queued_prefill_tokens: estimated uncached prompt tokens waiting (see module docstring), tokens.
         ttft / queue_time / prefill_time / prompt_tokens: histograms (seconds; tokens for ``prompt_tokens``).
+        process_start_time_s: the serving process's start time (``process_start_time_seconds``), epoch seconds;
+            a change means the engine restarted.
         families: every sample name seen (for diagnostics).
         rejected: names of the fields whose exported value was out of range (not finite, negative, above
             ``GAUGE_BOUNDS``) and were therefore left unknown (``None``).
@@ -141,6 +143,7 @@ class EngineSnapshot:
     queue_time: Histogram | None = None
     prefill_time: Histogram | None = None
     prompt_tokens: Histogram | None = None
+    process_start_time_s: float | None = None
     families: frozenset[str] = field(default_factory=frozenset)
     rejected: tuple[str, ...] = ()
 
@@ -364,6 +367,7 @@ def parse_metrics(text: str, dialect: str | None = None) -> EngineSnapshot:
     else:
         snap = EngineSnapshot()
     snap.dialect = dialect
+    snap.process_start_time_s = _mean(s, "process_start_time_seconds")
     snap.families = names
     range_check(snap)
     snap.queued_prefill_tokens = _estimate_queued_prefill(snap)

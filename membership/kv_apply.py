@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -111,12 +111,12 @@ class BatchApplier:
         stats: the feed's counters (shared with its sequencer).
         limits: decoder bounds (for batches decoded at apply time: replays).
         slice_blocks: engine blocks applied between two yields.
-        locked: a context-manager factory held around every index mutation (the index lock, or a no-op).
+        lock: a lock held around every index mutation (when other threads read the index), or None.
         dropped_memory: how many hashes dropped by our filters are remembered (parents of later events).
     """
 
     def __init__(self, index: IndexSink, replica: int, model: str, stats: FeedStats, limits: DecodeLimits,
-                 slice_blocks: int, locked: Callable[[], AbstractContextManager[None]] | None = None,
+                 slice_blocks: int, lock: AbstractContextManager[Any] | None = None,
                  dropped_memory: int = 100_000) -> None:
         self.index = index
         self.replica = replica
@@ -124,14 +124,14 @@ class BatchApplier:
         self.stats = stats
         self.limits = limits
         self.slice_blocks = max(1, slice_blocks)
-        self.locked = locked or contextlib.nullcontext
+        self.lock: AbstractContextManager[Any] = contextlib.nullcontext() if lock is None else lock
         self.dropped_memory = dropped_memory
         self.dropped_hashes: OrderedDict[int, None] = OrderedDict()
 
     def clear(self) -> Exception | None:
         """Forget the replica's index entries and the dropped hashes; the index's exception when it raised."""
         self.dropped_hashes.clear()
-        with self.locked():
+        with self.lock:
             try:
                 self.index.clear(self.replica)
             except Exception as exc:
@@ -148,8 +148,9 @@ class BatchApplier:
         batch = item.batch
         reason = item.failure or "bad_payload"
         if batch is None and item.payload is not None:
+            small = len(item.payload) < self.slice_blocks * 64  # decodes in well under a slice's time
             res = yield from decode_payload_steps(item.payload, seq=item.seq, limits=self.limits,
-                                                  slice_units=self.slice_blocks)
+                                                  slice_units=0 if small else self.slice_blocks)
             if isinstance(res, DecodedBatch):
                 batch = res
             else:
@@ -176,16 +177,25 @@ class BatchApplier:
             self._remember_dropped(batch.filtered_hashes)
         result = ApplyResult(ts=batch.ts)
         budget = self.slice_blocks
-        for ev in merge_removals(batch.events):
-            if isinstance(ev, StoredEvent):
-                for done in self._stored(ev, count, result):
-                    budget -= done
+        for ev in merge_removals(batch.events) if len(batch.events) > 1 else batch.events:
+            if type(ev) is StoredEvent:
+                if len(ev.hashes) <= budget:  # the common case: one index call, no generator
+                    budget -= self._stored(ev, count, result, ev.hashes, ev.parent, ev.token_ids, True)
                     if budget <= 0:
                         yield
                         budget = self.slice_blocks
-            elif isinstance(ev, _RemovedRun):
-                for done in self._removed(ev, result):
-                    budget -= done
+                    continue
+                for piece in self._stored_pieces(ev, count, result):
+                    budget -= piece
+                    if budget <= 0:
+                        yield
+                        budget = self.slice_blocks
+                continue
+            if isinstance(ev, RemovedEvent):  # a batch of one event
+                ev = _RemovedRun(ev.hashes, ev.tier, 1)
+            if isinstance(ev, _RemovedRun):
+                for piece in self._removed(ev, result):
+                    budget -= piece
                     if budget <= 0:
                         yield
                         budget = self.slice_blocks
@@ -198,37 +208,48 @@ class BatchApplier:
                     st.events["AllBlocksCleared"] += 1
         return result
 
-    def _stored(self, ev: StoredEvent, count: bool, result: ApplyResult) -> Iterator[int]:
-        """Apply one ``BlockStored`` in pieces; yields the pages of each piece applied."""
+    def _stored_pieces(self, ev: StoredEvent, count: bool, result: ApplyResult) -> Iterator[int]:
+        """Apply a long ``BlockStored`` in chained pieces; yields the pages of each piece applied."""
+        first = True
+        for hashes, parent, tokens in stored_pieces(ev, self.slice_blocks):
+            done = self._stored(ev, count, result, hashes, parent, tokens, first)
+            if done <= 0:
+                return
+            first = False
+            yield done
+
+    def _stored(self, ev: StoredEvent, count: bool, result: ApplyResult, hashes: list[int], parent: int | None,
+                tokens: Sequence[int], first: bool) -> int:
+        """Apply one ``BlockStored`` (or a piece of it: ``first`` for the first); the pages applied (0: none)."""
         st = self.stats
-        if ev.multimodal:
+        if first:
+            if ev.multimodal:
+                if count:
+                    st.dropped["multimodal_blocks"] += 1
+                self._remember_dropped(ev.hashes)
+                return 0
             if count:
-                st.dropped["multimodal_blocks"] += 1
-            self._remember_dropped(ev.hashes)
-            return
-        if count:
-            st.events["BlockStored"] += 1
+                st.events["BlockStored"] += 1
         lora = ev.lora_name
         if lora is None and ev.lora_id is not None:
             lora = f"lora_id:{ev.lora_id}"
         seed = chain_seed(self.model, lora, ev.cache_salt)
-        for hashes, parent, tokens in stored_pieces(ev, self.slice_blocks):
-            with self.locked():
-                try:
-                    res = self.index.apply_stored(self.replica, hashes, parent, tokens, seed, ev.tier)
-                except Exception:
-                    st.dropped["index_error"] += 1
-                    result.index_errors += 1
-                    return
-            if getattr(res, "orphan", False):
-                self._orphan(ev, count, result)
-                return
-            if getattr(res, "error", None):
-                st.dropped["index_rejected"] += 1
+        with self.lock:
+            try:
+                res = self.index.apply_stored(self.replica, hashes, parent, tokens, seed, ev.tier)
+            except Exception:
+                st.dropped["index_error"] += 1
                 result.index_errors += 1
-                return
-            st.stored_blocks += int(getattr(res, "stored_blocks", 0))
-            yield len(hashes)
+                return 0
+        if res.orphan:
+            self._orphan(ev, count, result)
+            return 0
+        if res.error:
+            st.dropped["index_rejected"] += 1
+            result.index_errors += 1
+            return 0
+        st.stored_blocks += res.stored_blocks
+        return len(hashes)
 
     def _orphan(self, ev: StoredEvent, count: bool, result: ApplyResult) -> None:
         """A ``BlockStored`` whose parent the index does not know."""
@@ -249,7 +270,7 @@ class BatchApplier:
         hashes = run.hashes
         for i in range(0, len(hashes), step):
             piece = hashes[i:i + step] if len(hashes) > step else hashes
-            with self.locked():
+            with self.lock:
                 try:
                     self.stats.removed_blocks += int(self.index.apply_removed(self.replica, piece, run.tier) or 0)
                 except Exception:

@@ -180,7 +180,7 @@ class _Feed:
         self.sequencer = Sequencer(self.cfg.sequencer_config(), has_replay=bool(spec.replay_endpoint))
         self.stats = self.sequencer.stats
         self.applier = BatchApplier(owner.index, spec.index, spec.model, self.stats, self.limits,
-                                    self.cfg.apply_slice_blocks, owner.locked)
+                                    self.cfg.apply_slice_blocks, owner.index_lock)
         self.inbox: deque[Callable[[float], list[Action]]] = deque()  # inputs from other tasks
         self.last_message_at: float | None = None
         self.last_lag_s: float | None = None
@@ -499,7 +499,7 @@ class KVEventSubscriber:
         self.config = config or KVEventsConfig()
         self._own_ctx = context is None
         self._ctx = context
-        self._lock = index_lock
+        self.index_lock = index_lock
         self.on_degraded = on_degraded
         self.clock = clock
         self._feeds: dict[int, _Feed] = {}
@@ -538,15 +538,6 @@ class KVEventSubscriber:
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold ``index_lock`` (when configured) around an index mutation."""
-        if self._lock is None:
-            yield
-        else:
-            with self._lock:
-                yield
 
     # -- feeds -----------------------------------------------------------------------------------------------
     async def add_replica(self, spec: FeedSpec) -> None:
@@ -637,6 +628,12 @@ class KVEventSubscriber:
         feed = self._feeds.get(replica_index)
         if feed is not None:
             feed.post(lambda now: feed.sequencer.on_engine_started(start_time_s, now))
+
+    def on_engine_snapshot(self, replica: Any, snapshot: Any) -> None:
+        """``MetricsScraper`` callback: pass the engine's ``process_start_time_s`` on to :meth:`engine_started`."""
+        start = getattr(snapshot, "process_start_time_s", None)
+        if start is not None:
+            self.engine_started(replica.index, start)
 
     def replicas(self) -> list[int]:
         """Replica indices with a feed."""

@@ -247,6 +247,7 @@ class Sequencer:
         self.ever_connected = False
         self.pending: _Pending | None = None
         self.engine_started: float | None = None
+        self.restart_seen = False  # a restart detected from the stream since the last start-time observation
 
     # -- connection ------------------------------------------------------------------------------------------
     def on_connected(self, now: float) -> list[Action]:
@@ -491,10 +492,14 @@ class Sequencer:
 
     # -- other signals ---------------------------------------------------------------------------------------
     def on_engine_started(self, start_time: float, now: float) -> list[Action]:
-        """The engine's process start time (epoch seconds, from its metrics): a change means a restart."""
+        """The engine's process start time (epoch seconds, from its metrics): a change means a restart.
+
+        Not cleared again when the stream already showed that restart (since the previous observation).
+        """
         previous = self.engine_started
         self.engine_started = start_time
-        if previous is None or abs(start_time - previous) < 1.0 or self.pending is not None:
+        seen, self.restart_seen = self.restart_seen, False
+        if previous is None or abs(start_time - previous) < 1.0 or seen or self.pending is not None:
             return []
         self.stats.restarts += 1
         self.stats.notes["restart_detected_by_start_time"] += 1
@@ -542,6 +547,8 @@ class Sequencer:
         return [SetDegraded(value)]
 
     def _clear(self, reason: str) -> list[Action]:
+        if reason == "restart":
+            self.restart_seen = True
         self.stats.clears += 1
         self.last_seq = None
         self.last_digest = None

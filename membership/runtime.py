@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector, CollectorRegistry
 
 from index.prefix_index import PrefixIndex
 from membership.config import HealthConfig, MembershipConfig
@@ -120,7 +117,15 @@ class Membership:
     # -- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Probe the static replicas (so a healthy fleet is ready at once), then start Redis shared state,
-        health probes of discovered replicas and the pod watcher (those that are configured)."""
+        health probes of discovered replicas and the pod watcher (those that are configured). A part that fails
+        to start stops the ones already started before the error propagates."""
+        try:
+            await self._start_parts()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_parts(self) -> None:
         await self.static.start()
         if self.shared is not None:
             await self.shared.start()
@@ -249,36 +254,3 @@ class Membership:
         if self.shared is not None:
             out["shared_state"] = self.shared.snapshot()
         return out
-
-    def register_metrics(self, registry: CollectorRegistry) -> None:
-        """Export shared-state and watcher counters on a ``prometheus_client`` registry."""
-        if self.shared is not None:
-            self.shared.register_metrics(registry)
-        registry.register(_WatcherCollector(self))
-
-
-class _WatcherCollector(Collector):
-    """prometheus_client collector over the pod watcher counters (nothing when discovery is off)."""
-
-    def __init__(self, mem: Membership) -> None:
-        self._m = mem
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        w = self._m.watcher
-        if w is None:
-            return
-        st = w.stats
-        yield GaugeMetricFamily("kvroute_kubernetes_synced", "1 once the first pod LIST was applied",
-                                value=1.0 if w.synced else 0.0)
-        for name, value, doc in (
-            ("kvroute_kubernetes_lists", st.lists, "pod LIST requests (start, reconnect, 410, resync)"),
-            ("kvroute_kubernetes_watches", st.watches, "pod WATCH streams opened"),
-            ("kvroute_kubernetes_events", st.events, "pod watch events applied"),
-            ("kvroute_kubernetes_gone", st.gone_410, "watches answered 410 Gone"),
-            ("kvroute_kubernetes_errors", st.errors, "Kubernetes API errors (retried with backoff)"),
-            ("kvroute_kubernetes_resync_repairs", st.resync_repairs, "changes found by a re-LIST, not the watch"),
-        ):
-            yield CounterMetricFamily(name, doc, value=float(value))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import MappingProxyType
@@ -33,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -44,7 +43,9 @@ from policies.base import Reuse
 from router import signals
 from router.admission import Rejected
 from router.config import Settings
+from router.guard import Guard
 from router.idempotency import HEADER as IDEMPOTENCY_HEADER
+from router.intake import Intake, LimitExceeded, dump_messages, not_a_bool, sequences
 from router.proxy import error_response, new_request_id
 from router.routing import Routed, RoutingError, RoutingInput, decision_json
 from router.services import Services, build_services, run
@@ -62,7 +63,7 @@ _M = TypeVar("_M", bound=BaseModel)
 #: largest max_tokens accepted (engines cap it by their context length anyway), tokens
 _MAX_TOKENS = (1 << 31) - 1
 #: a token id as the engines take it (uint32); the schema says so, so clients and fuzzers know the bounds
-TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 32), BeforeValidator(not_a_bool)]  # true is not 1
 PromptT = str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
@@ -242,7 +243,7 @@ class ReplicaOut(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str
     index: int
-    url: str
+    url: str | None = Field(description="base URL (null unless the caller is an admin: admin_token, or no auth)")
     state: str
     dialect: str
     role: str
@@ -323,6 +324,9 @@ class _Edge:
         except _BodyTooLarge:
             status["code"] = 413
             await _send_too_large(send, self.max_body)
+        except Exception:  # unhandled: Starlette's error middleware (outside this one) answers 500
+            self.telemetry.requests.labels(route, str(status["code"])).inc()
+            raise
         self.telemetry.requests.labels(route, str(status["code"])).inc()
 
 
@@ -354,6 +358,8 @@ class _KvrouteApp(FastAPI):
     unhandled is logged and answered 500 in JSON. With CORS configured every request takes the normal path.
     """
 
+    #: the front gate (router/guard.py: auth and shedding from the headers), set by ``create_app``
+    guard: Guard | None = None
     #: path -> endpoint served directly (empty until ``enable_fast_path``; never mutated in place)
     _fast_routes: Mapping[str, Callable[[Request], Awaitable[Response]]] = MappingProxyType({})
 
@@ -366,6 +372,9 @@ class _KvrouteApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: the data-plane routes directly, everything else through FastAPI."""
+        guard = self.guard  # router/guard.py: auth and shedding from the headers, before any body
+        if guard is not None and scope["type"] == "http" and not await guard.admit(scope, send):
+            return
         routes = self._fast_routes
         if routes and scope["type"] == "http" and scope.get("method") == "POST" and scope["path"] in routes:
             await self._fast(scope, receive, send)
@@ -436,8 +445,8 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     svc = services or build_services(settings)
     app = _new_app(svc)
     _add_middleware(app, svc)
-    _add_error_handlers(app, settings)
-    auth = _Auth(settings)
+    _add_error_handlers(app, svc)
+    auth = _Auth(svc.guard)
     _add_data_plane(app, _DataPlane(svc, auth))
     _add_control_plane(app, svc, auth)
     _install_openapi(app)
@@ -454,6 +463,7 @@ def _new_app(svc: Services) -> _KvrouteApp:
     app = _KvrouteApp(title="kvroute", version="0.1.0", lifespan=lifespan,
                       description="Cache-aware router for LLM inference fleets (OpenAI-compatible).")
     app.state.services = svc
+    app.guard = svc.guard  # router/guard.py: auth before the body, loop-lag shedding
     return app
 
 
@@ -465,8 +475,15 @@ def _add_middleware(app: FastAPI, svc: Services) -> None:
     app.add_middleware(_Edge, telemetry=svc.telemetry, max_body=settings.max_request_bytes)
 
 
-def _add_error_handlers(app: FastAPI, settings: Settings) -> None:
+def _add_error_handlers(app: FastAPI, svc: Services) -> None:
     """Map the exceptions of the routes to OpenAI-style JSON errors."""
+    settings = svc.settings
+
+    @app.exception_handler(LimitExceeded)
+    async def _limit(request: Request, exc: LimitExceeded) -> Response:  # router/intake.py input limits
+        svc.telemetry.rejected.labels(exc.code).inc()
+        return error_response(exc.status, exc.message, exc.code, exc.param)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
@@ -508,30 +525,25 @@ def _add_error_handlers(app: FastAPI, settings: Settings) -> None:
 
 
 class _Auth:
-    """Client API keys (data plane) and the admin token (control plane)."""
+    """Client API keys (data plane) and the admin token (control plane), checked by ``router.guard.Auth``."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.api_keys = {k.get_secret_value() for k in settings.api_keys}
-        self.admin_token = settings.admin_token.get_secret_value() if settings.admin_token else None
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard.auth
 
     def check_client(self, request: Request) -> None:
         """Raises _AuthError unless the request carries one of the API keys (when any is configured)."""
-        if not self.api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if not given or not any(hmac.compare_digest(given, k) for k in self.api_keys):
+        if not self.guard.client_ok(request.headers.get("authorization")):
             raise _AuthError()
 
     def check_admin(self, request: Request) -> None:
-        """Admin / introspection endpoints need the admin bearer token when one is configured."""
-        if self.admin_token is None:
-            return
-        auth = request.headers.get("authorization", "")
-        if not auth.lower().startswith("bearer ") or not auth[7:].strip():
-            raise _AuthError("missing admin token (Authorization: Bearer <admin_token>)")
-        if not hmac.compare_digest(auth[7:].strip(), self.admin_token):
-            raise _Forbidden("the bearer token is not the admin token (admin_token)")
+        """Admin / introspection endpoints: the admin token when configured, else an API key when configured."""
+        status, message = self.guard.admin_status(request.headers.get("authorization"))
+        if status:
+            raise _AuthError(message) if status == 401 else _Forbidden(message)
+
+    def is_admin(self, request: Request) -> bool:
+        """May the caller see replica URLs (internal addresses)?"""
+        return self.guard.is_admin(request.headers.get("authorization"))
 
 
 class _DataPlane:
@@ -555,7 +567,7 @@ class _DataPlane:
             if messages is not None:
                 chat = chat or {}
                 token_ids = await svc.tokenizer.encode_chat(
-                    [m.model_dump(exclude_none=True) for m in messages], model=body.model, url=url,
+                    await dump_messages(messages), model=body.model, url=url,
                     add_generation_prompt=chat.get("add_generation_prompt", True), tools=chat.get("tools"),
                     template_kwargs=chat.get("chat_template_kwargs"))
             else:
@@ -573,15 +585,18 @@ class _DataPlane:
         return svc.router.make_input(model, lora, token_ids, base_model=base, cache_salt=body.cache_salt,
                                      session_id=request.headers.get(self.settings.session_header),
                                      request_id=new_request_id(request.headers.get("x-request-id")),
-                                     expected_output_tokens=max_out or body.max_tokens or 0)
+                                     expected_output_tokens=max_out or body.max_tokens or 0,
+                                     copies=sequences(body.model_extra))
 
     async def serve(self, request: Request, inp: RoutingInput, path: str, stream: bool,
                     ids: IdsPrompt | None = None) -> Response:
         """Serve once per Idempotency-Key (router/idempotency.py), else serve."""
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is not None:
-            return await self.svc.idempotency.handle(key, path, await request.body(), stream, inp.request_id,
-                                                     lambda: self._serve(request, inp, path, stream, ids))
+            return await self.svc.idempotency.handle(
+                key, path, await request.body(), stream, inp.request_id,
+                lambda: self._serve(request, inp, path, stream, ids),
+                principal=self.auth.guard.principal(request.headers.get("authorization")))
         return await self._serve(request, inp, path, stream, ids)
 
     async def _serve(self, request: Request, inp: RoutingInput, path: str, stream: bool,
@@ -644,7 +659,7 @@ class _DataPlane:
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         self.auth.check_client(request)
-        body, data = await _parse(request, CompletionRequest)
+        body, data = await _parse(self.svc.intake, request, CompletionRequest)
         inp = await self.routing_input(request, body, prompt=body.prompt)
         # a text prompt may reach the engine as the ids just computed (router/token_ids.py decides per replica)
         check = self.svc.proxy.token_ids
@@ -654,7 +669,7 @@ class _DataPlane:
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         self.auth.check_client(request)
-        body, _ = await _parse(request, ChatRequest)
+        body, _ = await _parse(self.svc.intake, request, ChatRequest)
         inp = await self.routing_input(request, body, messages=body.messages, chat={
             "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
             "chat_template_kwargs": body.chat_template_kwargs}, max_out=body.max_completion_tokens)
@@ -668,14 +683,15 @@ class _DataPlane:
     async def route(self, request: Request) -> Any:
         """``POST /route``: the decision, not forwarded."""
         self.auth.check_client(request)
-        body, _ = await _parse(request, RouteBody)
+        body, _ = await _parse(self.svc.intake, request, RouteBody)
         inp = await self.routing_input(request, body, prompt=body.prompt, messages=body.messages,
                                        token_ids=body.token_ids, chat={
                                            "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
                                            "chat_template_kwargs": body.chat_template_kwargs})
         routed = self.svc.router.decide(inp)
         self.svc.telemetry.decision_seconds.observe(routed.decision_s)
-        out = decision_json(routed, self.svc.table, self.settings.block_size)
+        out = decision_json(routed, self.svc.table, self.settings.block_size,
+                            show_urls=self.auth.is_admin(request))
         out["reuse"] = _reuse_json(routed.decision.reuse)
         return out
 
@@ -702,7 +718,8 @@ def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
     @app.get("/replicas", response_model=ReplicaList, responses={401: _ERR, 403: _ERR}, summary="replicas with state, load view and freshness")
     async def replicas(request: Request) -> Any:
         auth.check_admin(request)
-        return {"replicas": [_replica_json(svc, r) for r in svc.table.all()]}
+        show_urls = auth.is_admin(request)  # addresses: admins only
+        return {"replicas": [_replica_json(svc, r, show_urls) for r in svc.table.all()]}
 
     @app.get("/index/stats", responses={401: _ERR, 403: _ERR}, summary="prefix index sizes and counters (blocks per replica and tier)")
     async def index_stats(request: Request) -> Any:
@@ -742,10 +759,11 @@ def _reuse_json(reuse: Reuse | None) -> dict[str, int] | None:
             "missed_tokens": reuse.missed_tokens}
 
 
-def _replica_json(svc: Services, r: Replica) -> dict[str, Any]:
-    """One replica of ``GET /replicas``: state, load view, KV-event feed, health, token-id forwarding."""
+def _replica_json(svc: Services, r: Replica, show_url: bool) -> dict[str, Any]:
+    """One replica of ``GET /replicas``: state, load view, KV-event feed, health, token-id forwarding (its URL
+    only when ``show_url``)."""
     return {
-        "name": r.name, "index": r.index, "url": r.url, "state": r.state.value, "dialect": r.dialect,
+        "name": r.name, "index": r.index, "url": r.url if show_url else None, "state": r.state.value, "dialect": r.dialect,
         "role": r.role, "models": r.models, "loras": r.loras,
         "load": dataclasses.asdict(r.load),
         "kv_events": signals.feed_status(svc.kv_events, r),
@@ -779,23 +797,14 @@ def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-async def _parse(request: Request, model: type[_M]) -> tuple[_M, Any]:
+async def _parse(intake: Intake, request: Request, model: type[_M]) -> tuple[_M, Any]:
     """Parse the request body as JSON (whatever the content type) and validate it against ``model``; returns the
     validated model and the parsed JSON it came from.
 
     Raises:
         RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
     """
-    raw = await request.body()
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": str(exc),
-                                       "input": None}]) from None
-    try:
-        return model.model_validate(data), data
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    return await intake.parse(await request.body(), model)  # router/intake.py: limits first, large bodies off the loop
 
 
 class _AuthError(Exception):

@@ -395,6 +395,53 @@ class Settings(BaseSettings):
         description="ask engines for usage on proxied streams (stream_options.include_usage) so cached-token "
                     "feedback and calibration work with a default vLLM; the usage chunk is removed from what the "
                     "client receives unless the client asked for it")
+    # --- httpedge: client-facing limits, timeouts and overload shedding (router/intake.py, router/guard.py,
+    # router/http_protocol.py, router/loop_lag.py; the Limits table in docs/reliability.md) ---
+    max_chat_messages: int = Field(
+        default=16384, ge=1,
+        description="most messages in one chat request; more -> 413 too_many_messages (checked before the body is "
+                    "validated or rendered)")
+    max_batch_prompts: int = Field(
+        default=2048, ge=1,
+        description="most prompts in one batched /v1/completions request; more -> 413 too_many_prompts")
+    max_prompt_chars_per_token: float = Field(
+        default=16.0, gt=0,
+        description="a prompt (or all chat message text) longer than this many characters per token of the model's "
+                    "context length is refused before tokenization -> 400 context_length_exceeded")
+    max_prompt_tokens: int = Field(
+        default=1_048_576, ge=1,
+        description="context length assumed for a model none of whose replicas reports one (vLLM max_model_len): "
+                    "the bound of the prompt character and token-id checks, tokens")
+    max_json_values: int = Field(
+        default=100_000, ge=1,
+        description="most JSON values in a request body outside prompt text, token ids and message text (extra "
+                    "fields, tools, content parts); more -> 413 too_many_json_values")
+    max_header_bytes: int = Field(
+        default=32768, ge=1024,
+        description="largest request head (request line + headers) a client may send, bytes; larger -> 431 and "
+                    "the connection is closed")
+    max_header_count: int = Field(
+        default=128, ge=1, description="most request headers a client may send; more -> 431, connection closed")
+    client_header_timeout_s: float = Field(
+        default=15.0, gt=0,
+        description="a client must send a request's whole head within this long of its first byte (or of "
+                    "connecting), s; slower -> the connection is closed (slowloris)")
+    client_body_idle_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="longest silence while a client sends a request body, s; longer -> 408 and the connection "
+                    "is closed")
+    event_loop_lag_interval_s: float = Field(
+        default=0.1, gt=0,
+        description="period of the event-loop lag probe (kvroute_event_loop_lag_seconds), s")
+    event_loop_lag_window_s: float = Field(
+        default=1.0, gt=0,
+        description="the router's current lag is the largest probe delay measured this long back (or the "
+                    "probe's own overdue time), s")
+    max_event_loop_lag_s: float = Field(
+        default=1.0, ge=0,
+        description="when the event loop lags more than this (s), new /v1/* and /route requests are shed with "
+                    "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
+                    "never are); 0 = never shed")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")

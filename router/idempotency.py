@@ -22,8 +22,9 @@ A client that retries a request it is unsure about (timeout, dropped connection)
   ``idempotency_unavailable`` with ``Retry-After`` (a request carrying the key is never served without the
   guarantee it asks for).
 
-Keys are 1..255 printable ASCII characters (else ``400``). The request fingerprint is SHA-256 over the route and
-the raw body bytes.
+Keys are 1..255 printable ASCII characters (else ``400``), scoped by client: with ``api_keys`` configured the Redis
+key is prefixed by a hash of the caller's API key, so two clients never share (or see) each other's answers. The
+request fingerprint is SHA-256 over the route and the raw body bytes.
 """
 
 from __future__ import annotations
@@ -79,12 +80,18 @@ class IdempotencyGuard:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def handle(self, key: str, path: str, body: bytes, stream: bool, request_id: str,
-                     serve: Callable[[], Awaitable[Response]]) -> Response:
-        """Serve a request with ``Idempotency-Key: key`` through ``serve()`` at most once per key."""
+                     serve: Callable[[], Awaitable[Response]], *, principal: str = "") -> Response:
+        """Serve a request with ``Idempotency-Key: key`` through ``serve()`` at most once per key and client.
+
+        ``principal``: who is calling (``router.guard.Auth.principal``: a hash of the client's API key, "" without
+        keys). Keys are scoped by it: another client's identical key and body neither gets this answer nor
+        blocks this request.
+        """
         rid = {"x-request-id": request_id}
         if not valid_key(key):
             return error_response(400, "Idempotency-Key must be 1 to 255 printable ASCII characters",
                                   "invalid_idempotency_key", "Idempotency-Key", headers=rid)
+        key = f"{principal}/{key}" if principal else key
         if self.shared is None:
             return error_response(501, "Idempotency-Key needs shared state: this router has no redis_url "
                                   "configured", "idempotency_unsupported", "Idempotency-Key", headers=rid)

@@ -287,7 +287,7 @@ class Proxy:
                 self.telemetry.retries.labels(last.reason if last else "unknown").inc()
             attempts += 1
             uncached = inp.prompt_tokens - cached.get(idx, 0)
-            router.acquire(rep, uncached)
+            router.acquire(rep, uncached, inp.copies)  # n / best_of sequences count as requests
             router.record_prediction(rep, inp.keys)
             payload = body
             if check is not None and ids is not None and check.accepts(rep):
@@ -305,14 +305,14 @@ class Proxy:
                     sent = await gate.wait(idx, inp.keys, inp.prompt_tokens, uncached, stream)
                 except ReplicaGone as exc:
                     router.prefill_done(rep, uncached)
-                    router.release(rep)
+                    router.release(rep, inp.copies)
                     last = _AttemptFailed("replica_gone", str(exc), retry=True)
                     errors.append(f"{rep.name}: {exc}")
                     attempts -= 1  # it never reached the replica: not an attempt
                     continue
                 except BaseException:
                     router.prefill_done(rep, uncached)
-                    router.release(rep)
+                    router.release(rep, inp.copies)
                     raise
             try:
                 resp, first = await self._open(rep, path, payload, headers, deadline)
@@ -320,7 +320,7 @@ class Proxy:
                 if gate is not None:
                     gate.done(idx, sent)
                 router.prefill_done(rep, uncached)
-                router.release(rep)
+                router.release(rep, inp.copies)
                 last = exc
                 errors.append(f"{rep.name}: {exc.message}")
                 log.warning("attempt failed", extra={"request_id": request_id, "replica": rep.name,
@@ -334,7 +334,7 @@ class Proxy:
                 if gate is not None:
                     gate.done(idx, sent)
                 router.prefill_done(rep, uncached)
-                router.release(rep)
+                router.release(rep, inp.copies)
                 raise
             ttft = time.monotonic() - t0
             if gate is not None:
@@ -427,14 +427,14 @@ class Proxy:
             content = await resp.read_body(first, max_bytes=self.cfg.max_body_bytes,
                                            idle_timeout_s=self.cfg.body_idle_timeout_s, deadline=deadline)
         except (TimeoutError, EngineError) as exc:
-            self.router.release(rep)
+            self.router.release(rep, routed.inp.copies)
             resp.close()
             return self._body_failed(rep, exc, out_headers)
         except BaseException:
-            self.router.release(rep)
+            self.router.release(rep, routed.inp.copies)
             resp.close()
             raise
-        self.router.release(rep)
+        self.router.release(rep, routed.inp.copies)
         resp.release()  # fully read: the connection goes back to the pool
         if status < 400:
             try:
@@ -630,7 +630,7 @@ class _Relay:
             return
         self.finished = True
         try:
-            self.proxy.router.release(self.rep)
+            self.proxy.router.release(self.rep, self.routed.inp.copies)
             # usage is fed back even when the client left right after the last chunk
             usage = _usage_from_sse(bytes(self.tail))
             if self.ok:

@@ -136,7 +136,9 @@ class RoutingInput:
         keys: chained block keys of the prompt's full blocks.
         seed: the root seed used for ``keys``.
         session_id, request_id: from headers.
-        expected_output_tokens: ``max_tokens`` when given, else 0, tokens.
+        expected_output_tokens: ``max_tokens`` when given, else 0, times ``copies``, tokens.
+        copies: sequences the engine generates for it (OpenAI ``n`` / vLLM ``best_of``, at least 1): it counts
+            as this many requests in flight on its replica.
     """
 
     model: str
@@ -147,6 +149,7 @@ class RoutingInput:
     session_id: str | None = None
     request_id: str = ""
     expected_output_tokens: int = 0
+    copies: int = 1
 
     @property
     def prompt_tokens(self) -> int:
@@ -271,13 +274,15 @@ class Router:
     def make_input(self, model: str, lora: str | None, token_ids: list[int], *, base_model: str | None = None,
                    cache_salt: str | None = None,
                    session_id: str | None = None, request_id: str = "",
-                   expected_output_tokens: int = 0) -> RoutingInput:
-        """Hash ``token_ids`` into block keys and bundle the routing input."""
+                   expected_output_tokens: int = 0, copies: int = 1) -> RoutingInput:
+        """Hash ``token_ids`` into block keys and bundle the routing input (``copies``: see ``RoutingInput``;
+        ``expected_output_tokens`` is per sequence)."""
         seed = self.seed_for(base_model or model, lora, cache_salt)
         keys = block_keys(token_ids, self.block_size, seed)
+        copies = max(1, copies)
         return RoutingInput(model=model, lora=lora, token_ids=token_ids, keys=keys, seed=seed,
                             session_id=session_id, request_id=request_id,
-                            expected_output_tokens=expected_output_tokens)
+                            expected_output_tokens=expected_output_tokens * copies, copies=copies)
 
     # -- decisions -------------------------------------------------------------------------------------
     def candidates_for(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> list[Replica]:
@@ -340,10 +345,11 @@ class Router:
                       decision_s=time.perf_counter() - t0)
 
     # -- accounting ------------------------------------------------------------------------------------
-    def acquire(self, rep: Replica, uncached_tokens: int) -> None:
-        """Count a request as in flight on ``rep`` BEFORE it is dispatched (uncached prefill tokens)."""
+    def acquire(self, rep: Replica, uncached_tokens: int, copies: int = 1) -> None:
+        """Count a request as in flight on ``rep`` BEFORE it is dispatched (uncached prefill tokens; ``copies``
+        sequences, each counted as a request: the prompt is prefilled once)."""
         tokens = max(0, uncached_tokens)
-        rep.load.inflight_requests += 1
+        rep.load.inflight_requests += max(1, copies)
         rep.load.inflight_prefill_tokens += tokens
         self._pending[rep.index] = self._pending.get(rep.index, 0) + tokens
 
@@ -373,9 +379,9 @@ class Router:
             return replace(load, queued_prefill_tokens=pending, inflight_prefill_tokens=0)
         return load
 
-    def release(self, rep: Replica) -> None:
-        """The request finished on ``rep`` (any outcome)."""
-        rep.load.inflight_requests = max(0, rep.load.inflight_requests - 1)
+    def release(self, rep: Replica, copies: int = 1) -> None:
+        """The request (of ``copies`` sequences, as acquired) finished on ``rep`` (any outcome)."""
+        rep.load.inflight_requests = max(0, rep.load.inflight_requests - max(1, copies))
 
     def wants_prediction(self, rep: Replica) -> bool:
         """True when routing to ``rep`` should record predicted index entries."""
@@ -400,8 +406,12 @@ class Router:
             log.exception("policy.observe failed")
 
 
-def decision_json(routed: Routed, table: ReplicaTable, block_size: int) -> dict[str, Any]:
-    """The JSON form of a decision for ``POST /route``: chosen replica, ranking, every candidate's parts."""
+def decision_json(routed: Routed, table: ReplicaTable, block_size: int, *, show_urls: bool = True) -> dict[str, Any]:
+    """The JSON form of a decision for ``POST /route``: chosen replica, ranking, every candidate's parts.
+
+    ``show_urls``: include the replicas' URLs (internal addresses: the router shows them to admins only); else
+    every ``url`` is None.
+    """
     d = routed.decision
     chosen = table.by_index(d.chosen)
     by_index = {c.index: c for c in routed.candidates}
@@ -411,7 +421,7 @@ def decision_json(routed: Routed, table: ReplicaTable, block_size: int) -> dict[
         rep = table.by_index(s.index)
         hit = c.hit if c else PrefixHit()
         cands.append({
-            "name": s.name, "index": s.index, "url": rep.url if rep else None,
+            "name": s.name, "index": s.index, "url": rep.url if rep and show_urls else None,
             "score": _finite(s.score),
             # the expected TTFT (hit and miss paths weighted by p) when the policy models it, else its T / score
             "predicted_ttft_s": _finite(s.parts.get("E", s.parts.get("T", s.score))),
@@ -425,7 +435,7 @@ def decision_json(routed: Routed, table: ReplicaTable, block_size: int) -> dict[
         })
     return {
         "chosen": {"name": chosen.name if chosen else None, "index": d.chosen,
-                   "url": chosen.url if chosen else None},
+                   "url": chosen.url if chosen and show_urls else None},
         "policy": d.policy, "branch": d.branch,
         "ranking": [_name(table, i) for i in d.ranking],
         "model": routed.inp.model, "lora": routed.inp.lora,

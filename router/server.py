@@ -1,7 +1,7 @@
 """``kvroute serve``: parse Settings (flags > env > YAML > defaults), build the app, run uvicorn.
 
-uvicorn runs with ``loop="uvloop"`` and ``http="httptools"`` (falling back to the defaults when those extras
-are missing). SIGTERM stops accepting connections and lets in-flight requests finish for
+uvicorn runs with ``loop="uvloop"`` and the httptools protocol of ``router.http_protocol`` (head size / count
+limits, head and body-idle timeouts; uvicorn's defaults when those extras are missing). SIGTERM stops accepting connections and lets in-flight requests finish for
 ``shutdown_grace_s`` seconds.
 """
 
@@ -13,10 +13,11 @@ import logging
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
-from router.config import flag_name, load_settings
+from router.config import Settings, flag_name, load_settings
 from router.telemetry import setup_logging
 
 log = logging.getLogger("kvroute.server")
@@ -51,8 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # out of the cyclic collector, so its full collections walk only what requests and the index allocate
     gc.freeze()
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "auto"
-    http = "httptools" if importlib.util.find_spec("httptools") else "auto"
+    http = _http_protocol(settings, app)
     uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http,
+                h11_max_incomplete_event_size=settings.max_header_bytes,  # when httptools is missing
                 log_level=settings.log_level, access_log=settings.access_log,
                 # 0 = cancel at once (None would wait forever)
                 timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
@@ -61,6 +63,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 limit_concurrency=2 * (settings.max_inflight_total + settings.max_queued_requests) + 64,
                 backlog=2048, log_config=None)
     return 0
+
+
+def _http_protocol(settings: Settings, app: Any) -> Any:
+    """uvicorn's httptools protocol with the router's head / body limits and timeouts (``router.http_protocol``);
+    h11 (which bounds the head with ``h11_max_incomplete_event_size`` only) when httptools is not installed."""
+    if not importlib.util.find_spec("httptools"):
+        log.warning("httptools is not installed: client head and body timeouts are off (h11)")
+        return "h11"
+    from router.http_protocol import ConnLimits, cut_counter, protocol_class
+
+    return protocol_class(ConnLimits.from_settings(settings), cut_counter(app.state.services.telemetry.registry))
 
 
 def _explain(exc: ValidationError) -> str:

@@ -7,7 +7,7 @@
     -> kv_events (subscriber feeding the index), engine_metrics (load views)
     -> router (decisions; asks kv_events whether a replica's events are healthy)
     -> token_ids, gate, proxy (forwarding; reports connection failures to membership)
-    -> admission, idempotency (the request front door)
+    -> admission, idempotency, loop-lag probe, guard, intake (the request front door)
     -> index hygiene hooks and scrape-time gauges
 
 Nothing is started here: ``run(services)`` (the app's lifespan) starts the background parts and stops them in
@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+
+from prometheus_client.core import Metric
 
 from index.prefix_index import PrefixIndex
 from membership import engine_tls
@@ -35,10 +36,20 @@ from router import signals
 from router.admission import Admission, admission_gauges
 from router.config import Settings
 from router.dispatch import DispatchGate, dispatch_gauges
+from router.guard import Auth, Guard
 from router.idempotency import IdempotencyGuard
+from router.intake import InputLimits, Intake, model_contexts
+from router.loop_lag import LoopLag, lag_gauges
 from router.proxy import Proxy
 from router.routing import Router, build_profile
-from router.telemetry import Telemetry, gauge
+from router.telemetry import (
+    Telemetry,
+    gauge,
+    index_gauges,
+    kubernetes_metrics,
+    replica_gauges,
+    tokenizer_cache_gauges,
+)
 from router.token_ids import TokenIdsCheck
 from router.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
 
@@ -67,6 +78,9 @@ class Services:
     proxy: Proxy
     admission: Admission
     idempotency: IdempotencyGuard
+    loop_lag: LoopLag
+    guard: Guard
+    intake: Intake
     #: started in this order by ``run`` and stopped in reverse
     background: list[StartStop] = field(default_factory=list)
 
@@ -136,6 +150,13 @@ def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> 
     return DispatchGate(settings.dispatch(), index, settings.block_size, routable=routable)
 
 
+def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag) -> Guard:
+    """The front gate (``router.guard``): auth and loop-lag shedding from the headers, before any body."""
+    auth = Auth([k.get_secret_value() for k in settings.api_keys],
+                settings.admin_token.get_secret_value() if settings.admin_token else None)
+    return Guard(auth, loop_lag, settings.max_event_loop_lag_s, settings.retry_after_s, telemetry)
+
+
 def _keep_index_honest(table: ReplicaTable, index: PrefixIndex, kv_events: KVEventSubscriber | None) -> None:
     """A replica that leaves is cleared from the index; so is one that turns unhealthy without KV events (its
     predicted entries would be stale when it comes back)."""
@@ -148,14 +169,35 @@ def _keep_index_honest(table: ReplicaTable, index: PrefixIndex, kv_events: KVEve
 
 
 def _register_metrics(svc: Services) -> None:
-    reg = svc.telemetry.registry
-    svc.membership.register_metrics(reg)
+    """Scrape-time metrics: each component's stats, rendered by ``router.telemetry`` (and the collectors the
+    membership signal modules own)."""
+    t = svc.telemetry
+    t.add_gauges(lambda: index_gauges(svc.index.stats()))
+    t.add_gauges(lambda: replica_gauges(svc.table.all(), svc.token_ids.accepts))
+    t.add_gauges(lambda: _router_gauges(svc))
+    if isinstance(svc.tokenizer, HfTokenizer):
+        cache = svc.tokenizer.cache
+        t.add_gauges(lambda: tokenizer_cache_gauges(cache.stats()))
+    t.add_gauges(lambda: kubernetes_metrics(svc.membership.watcher))
+    t.add_gauges(lambda: dispatch_gauges(svc.gate))
+    t.add_gauges(lambda: admission_gauges(svc.admission))
+    t.add_gauges(lambda: lag_gauges(svc.loop_lag))
+    if svc.membership.shared is not None:
+        svc.membership.shared.register_metrics(t.registry)
     if svc.kv_events is not None:
-        svc.kv_events.register_metrics(reg)
-    svc.engine_metrics.register_metrics(reg)
-    svc.telemetry.add_gauges(lambda: dispatch_gauges(svc.gate))
-    svc.telemetry.add_gauges(lambda: admission_gauges(svc.admission))
-    svc.telemetry.add_gauges(lambda: _gauges(svc))
+        svc.kv_events.register_metrics(t.registry)
+    svc.engine_metrics.register_metrics(t.registry)
+
+
+def _router_gauges(svc: Services) -> Iterator[Metric]:
+    """The router's own scrape-time values: in flight, panic decisions, token-id audits."""
+    yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
+    yield gauge("kvroute_panic_decisions", "decisions made among unhealthy replicas because none was ready "
+                "(cumulative)", float(svc.router.panic_decisions))
+    yield gauge("kvroute_token_id_audits", "prompts sent as ids re-checked against the replica's /tokenize "
+                "(cumulative)", float(svc.token_ids.audited))
+    yield gauge("kvroute_token_id_audit_mismatches", "audited prompts the replica tokenized differently: it "
+                "gets text from then on (cumulative)", float(svc.token_ids.audit_mismatches))
 
 
 def _background(svc: Services) -> list[StartStop]:
@@ -170,6 +212,15 @@ def _background(svc: Services) -> list[StartStop]:
 
         out.append((start_events, sub.stop))
     out.append((svc.engine_metrics.start, svc.engine_metrics.stop))
+    lag = svc.loop_lag
+
+    async def start_lag() -> None:
+        lag.start()
+
+    async def stop_lag() -> None:
+        lag.stop()
+
+    out.append((start_lag, stop_lag))  # the event-loop lag probe the guard sheds on
     return out
 
 
@@ -190,7 +241,7 @@ def build_services(settings: Settings) -> Services:
     tokenizer = _build_tokenizer(settings)
     membership = _build_membership(settings, table, index)
     kv_events = signals.build_kv_events(settings, index)
-    engine_metrics = signals.build_engine_metrics(settings, table, headers)
+    engine_metrics = signals.build_engine_metrics(settings, table, headers, kv_events)
     router = _build_router(settings, table, index, policy, kv_events, membership)
     token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
                               timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
@@ -199,11 +250,14 @@ def build_services(settings: Settings) -> Services:
     proxy = _build_proxy(settings, router, telemetry, token_ids, gate, membership)
     admission = Admission(settings.max_inflight_total, settings.max_queued_requests, settings.max_queue_wait_s)
     idempotency = IdempotencyGuard(membership.shared, settings.retry_after_s)
+    loop_lag = LoopLag(settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry)
+    guard = _build_guard(settings, telemetry, loop_lag)
+    intake = Intake(InputLimits.from_settings(settings), lambda: model_contexts(table.all()))
     _keep_index_honest(table, index, kv_events)
     svc = Services(settings=settings, telemetry=telemetry, table=table, index=index, policy=policy,
                    tokenizer=tokenizer, membership=membership, kv_events=kv_events,
                    engine_metrics=engine_metrics, router=router, token_ids=token_ids, gate=gate, proxy=proxy,
-                   admission=admission, idempotency=idempotency)
+                   admission=admission, idempotency=idempotency, loop_lag=loop_lag, guard=guard, intake=intake)
     svc.background = _background(svc)
     _register_metrics(svc)
     return svc
@@ -244,51 +298,3 @@ async def _expire_loop(svc: Services) -> None:
             svc.index.expire()
         except Exception:
             log.exception("index expire failed")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# scrape-time gauges
-# ---------------------------------------------------------------------------------------------------------
-
-_CACHE_HELP = {
-    "hits": "prompts tokenized past a cached prefix only (cumulative)",
-    "misses": "long prompts with no cached prefix, tokenized in pieces (cumulative)",
-    "reused_tokens": "token ids taken from the prefix tokenization cache (cumulative)",
-    "encoded_tokens": "token ids the cache tokenized itself (past a cached prefix, or all of a miss; cumulative)",
-    "verified": "cached encodings compared with a whole tokenization (cumulative)",
-    "mismatches": "audited encodings that differed (the cache is off after the first)",
-    "entries": "prompts held by the prefix tokenization cache",
-    "bytes": "memory held by the prefix tokenization cache, bytes",
-    "enabled": "1 while the prefix tokenization cache is on",
-}
-
-
-def _tokenizer_cache_stats(tokenizer: Tokenizer) -> dict[str, float]:
-    """The prefix tokenization cache's counters (``hf`` mode only; the other modes have no cache)."""
-    return dict(tokenizer.cache.stats()) if isinstance(tokenizer, HfTokenizer) else {}
-
-
-def _gauges(svc: Services) -> Iterable[Any]:
-    """Gauge families computed at scrape time."""
-    stats = svc.index.stats()
-    for key, value in stats.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            yield gauge(f"kvroute_index_{key}", f"PrefixIndex.stats()[{key!r}]", float(value))
-    reps = svc.table.all()
-    yield gauge("kvroute_replica_state", "1 for the replica's current state", labels=["replica", "state"],
-                samples=[([r.name, s.value], 1.0 if r.state == s else 0.0) for r in reps for s in ReplicaState])
-    yield gauge("kvroute_replica_inflight_requests", "requests in flight per replica", labels=["replica"],
-                samples=[([r.name], float(r.load.inflight_requests)) for r in reps])
-    check = svc.token_ids
-    yield gauge("kvroute_replica_token_ids", "1 when prompts go to the replica as the router's token ids "
-                "(forward_token_ids and its tokenizer check)", labels=["replica"],
-                samples=[([r.name], 1.0 if check.accepts(r) else 0.0) for r in reps])
-    yield gauge("kvroute_token_id_audits", "prompts sent as ids re-checked against the replica's /tokenize "
-                "(cumulative)", float(check.audited))
-    yield gauge("kvroute_token_id_audit_mismatches", "audited prompts the replica tokenized differently: it "
-                "gets text from then on (cumulative)", float(check.audit_mismatches))
-    for key, value in _tokenizer_cache_stats(svc.tokenizer).items():
-        yield gauge(f"kvroute_tokenizer_cache_{key}", _CACHE_HELP[key], float(value))
-    yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
-    yield gauge("kvroute_panic_decisions", "decisions made among unhealthy replicas because none was ready "
-                "(cumulative)", float(svc.router.panic_decisions))

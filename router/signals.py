@@ -95,14 +95,16 @@ def feed_status(sub: KVEventSubscriber | None, rep: Replica) -> dict[str, Any] |
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def build_engine_metrics(settings: Settings, table: ReplicaTable,
-                         headers: dict[str, str]) -> MetricsScraper:
+def build_engine_metrics(settings: Settings, table: ReplicaTable, headers: dict[str, str],
+                         kv_events: KVEventSubscriber | None) -> MetricsScraper:
     """The engine ``/metrics`` scraper updating the load views of ``table`` (not started).
 
     ``inflight_prefill_tokens``: the router releases a request's tokens at its first byte (exact and immediate);
     the scraper also subtracts what was dispatched before each scrape (clamped at 0). Both together can only
     under-count requests dispatched during a scrape's round trip (milliseconds), whereas releasing only at
     scrapes over-counts finished prefills for a whole scrape interval and pushes traffic off cache holders.
+    Engine restarts seen in the metrics (``process_start_time_seconds``) clear the replica's KV-event entries.
     """
     return MetricsScraper(table, interval_s=settings.scrape_interval_s, timeout_s=settings.scrape_timeout_s,
-                          headers=headers or None, router_block_size=settings.block_size)
+                          headers=headers or None, router_block_size=settings.block_size,
+                          on_snapshot=kv_events.on_engine_snapshot if kv_events is not None else None)

@@ -20,8 +20,14 @@ Metric names (all prefixed ``kvroute_``):
 * gauges collected at scrape time: ``index_nodes``, ``index_bytes`` (and every numeric ``PrefixIndex.stats()``
   value as ``index_<name>``), ``replica_state{replica,state}``, ``replica_inflight_requests{replica}``,
   ``inflight_requests``.
-* KV-event and scrape counters are owned by ``membership.kv_events`` / ``membership.engine_metrics``; when they
-  expose a ``collect``-able object or a stats dict, ``Telemetry.add_collector`` registers it here.
+* ``kubernetes_{synced,lists,watches,events,gone,errors,resync_repairs}``: the pod watcher
+  (``kubernetes_metrics``).
+* ``tokenizer_cache_*``: the prefix tokenization cache's ``stats()`` (``tokenizer_cache_gauges``).
+* KV-event and scrape counters are owned by ``membership.kv_events`` / ``membership.engine_metrics``; they register
+  their collectors on this registry.
+
+One style: components expose ``stats()`` (or plain counters); the functions below render them, and
+``router.services`` registers each with ``Telemetry.add_gauges``.
 
 Logs: one JSON object per line (``log_format=json``) via ``setup_logging``; secrets are never logged (settings are
 logged through ``Settings.safe_dict``).
@@ -33,13 +39,15 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from membership.kubernetes import PodWatcher
+from membership.replicas import Replica, ReplicaState
 from policies.base import Reuse
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -145,6 +153,69 @@ def gauge(name: str, doc: str, value: float | None = None,
         for lv, v in samples:
             g.add_metric(lv, v)
     return g
+
+
+def stats_gauges(prefix: str, stats: Mapping[str, object], doc: Callable[[str], str]) -> Iterator[Metric]:
+    """One gauge ``<prefix><key>`` per numeric value of a component's ``stats()`` (booleans and nested values
+    left out); ``doc(key)`` is its help text."""
+    for key, value in stats.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            yield gauge(f"{prefix}{key}", doc(key), float(value))
+
+
+def index_gauges(stats: Mapping[str, object]) -> Iterator[Metric]:
+    """Every numeric ``PrefixIndex.stats()`` value as a ``kvroute_index_<key>`` gauge (nodes, bytes, ...)."""
+    for key, value in stats.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            yield gauge(f"kvroute_index_{key}", f"PrefixIndex.stats()[{key!r}]", float(value))
+
+
+def replica_gauges(reps: Sequence[Replica], takes_token_ids: Callable[[Replica], bool]) -> Iterator[Metric]:
+    """Per replica: its state, requests in flight, and whether prompts go to it as the router's token ids."""
+    yield gauge("kvroute_replica_state", "1 for the replica's current state", labels=["replica", "state"],
+                samples=[([r.name, s.value], 1.0 if r.state == s else 0.0) for r in reps for s in ReplicaState])
+    yield gauge("kvroute_replica_inflight_requests", "requests in flight per replica", labels=["replica"],
+                samples=[([r.name], float(r.load.inflight_requests)) for r in reps])
+    yield gauge("kvroute_replica_token_ids", "1 when prompts go to the replica as the router's token ids "
+                "(forward_token_ids and its tokenizer check)", labels=["replica"],
+                samples=[([r.name], 1.0 if takes_token_ids(r) else 0.0) for r in reps])
+
+
+_TOKENIZER_CACHE_HELP = {
+    "hits": "prompts tokenized past a cached prefix only (cumulative)",
+    "misses": "long prompts with no cached prefix, tokenized in pieces (cumulative)",
+    "reused_tokens": "token ids taken from the prefix tokenization cache (cumulative)",
+    "encoded_tokens": "token ids the cache tokenized itself (past a cached prefix, or all of a miss; cumulative)",
+    "verified": "cached encodings compared with a whole tokenization (cumulative)",
+    "mismatches": "audited encodings that differed (the cache is off after the first)",
+    "entries": "prompts held by the prefix tokenization cache",
+    "bytes": "memory held by the prefix tokenization cache, bytes",
+    "enabled": "1 while the prefix tokenization cache is on",
+}
+
+
+def tokenizer_cache_gauges(stats: Mapping[str, float]) -> Iterator[Metric]:
+    """The prefix tokenization cache's ``stats()`` as ``kvroute_tokenizer_cache_*`` gauges."""
+    return stats_gauges("kvroute_tokenizer_cache_", stats,
+                        lambda key: _TOKENIZER_CACHE_HELP.get(key, f"prefix tokenization cache {key}"))
+
+
+def kubernetes_metrics(watcher: PodWatcher | None) -> Iterator[Metric]:
+    """The pod watcher's counters (nothing when discovery is off)."""
+    if watcher is None:
+        return
+    st = watcher.stats
+    yield gauge("kvroute_kubernetes_synced", "1 once the first pod LIST was applied",
+                1.0 if watcher.synced else 0.0)
+    for name, value, doc in (
+        ("kvroute_kubernetes_lists", st.lists, "pod LIST requests (start, reconnect, 410, resync)"),
+        ("kvroute_kubernetes_watches", st.watches, "pod WATCH streams opened"),
+        ("kvroute_kubernetes_events", st.events, "pod watch events applied"),
+        ("kvroute_kubernetes_gone", st.gone_410, "watches answered 410 Gone"),
+        ("kvroute_kubernetes_errors", st.errors, "Kubernetes API errors (retried with backoff)"),
+        ("kvroute_kubernetes_resync_repairs", st.resync_repairs, "changes found by a re-LIST, not the watch"),
+    ):
+        yield CounterMetricFamily(name, doc, value=float(value))
 
 
 # ---------------------------------------------------------------------------------------------------------

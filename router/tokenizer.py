@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,9 +32,11 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from membership import engine_tls
+from router.intake import is_large_chat
 from router.token_cache import batch_encoder, cache_for
 
-#: texts at least this long (characters) are tokenized in a worker thread (``hf`` mode)
+#: texts at least this long (characters) are tokenized, and chats with this much text (or more than
+#: ``router.intake.THREAD_MIN_MESSAGES`` messages) rendered, in a worker thread, so the event loop keeps serving
 THREAD_MIN_CHARS = 16384
 #: bytes per token id in ``bytes`` mode (about the average characters per BPE token of English text)
 BYTES_PER_TOKEN = 4
@@ -270,11 +272,18 @@ class HfTokenizer:
                           add_generation_prompt: bool = True, tools: Any = None,
                           template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of chat messages: template rendered, then tokenized without adding special tokens."""
-        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
+        text = await _render(self.render_chat, messages, add_generation_prompt, tools, template_kwargs)
         return await self._encode(text, False)
 
     async def aclose(self) -> None:
         """Nothing to release."""
+
+
+async def _render(render: Callable[..., str], messages: Sequence[Any], *args: Any) -> str:
+    """``render(messages, *args)``; in a worker thread when the chat is large (``router.intake.is_large_chat``)."""
+    if is_large_chat(messages, THREAD_MIN_CHARS):
+        return await asyncio.to_thread(render, messages, *args)
+    return render(messages, *args)
 
 
 def bytes_token_ids(text: str) -> list[int]:
@@ -296,13 +305,18 @@ class BytesTokenizer:
         self.chat_template = ChatTemplate(chat_template)
 
     async def encode_prompt(self, prompt: str, *, model: str, url: str | None = None) -> list[int]:
-        """Approximate ids of ``prompt``."""
+        """Approximate ids of ``prompt`` (a long one computed in a worker thread)."""
+        if len(prompt) >= THREAD_MIN_CHARS:
+            return await asyncio.to_thread(bytes_token_ids, prompt)
         return bytes_token_ids(prompt)
 
     async def encode_chat(self, messages: Sequence[dict[str, Any]], *, model: str, url: str | None = None,
                           add_generation_prompt: bool = True, tools: Any = None,
                           template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Approximate ids of chat messages rendered with a ChatML-like template."""
+        """Approximate ids of chat messages rendered with a ChatML-like template (large chats in a worker thread)."""
+        if is_large_chat(messages, THREAD_MIN_CHARS):
+            return await asyncio.to_thread(lambda: bytes_token_ids(
+                self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs)))
         return bytes_token_ids(self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs))
 
     async def aclose(self) -> None:

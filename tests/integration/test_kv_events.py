@@ -628,3 +628,68 @@ async def test_message_over_the_size_limit_is_dropped_by_zmq_and_the_feed_goes_o
     assert matched(rig.index, big_keys[0]) == 0
     assert rig.totals()["notes"].get("forced_reconnects", 0) >= 1  # ZMQ itself never reconnects after this
     await until(lambda: rig.sub.degraded(0), what="degraded: the oversized batch's events are missing")
+
+
+class _MetricsPage:
+    """A real HTTP server answering ``GET /metrics`` with a vLLM-like page and a settable process start time."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        page = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                body = (f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {page.start}\n"
+                        "vllm:num_requests_waiting 0.0\nvllm:num_requests_running 0.0\n").encode()
+                self.send_response(200)
+                self.send_header("content-type", "text/plain; version=0.0.4")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.start = 1.79616634352e09
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_engine_restart_seen_only_in_its_metrics_clears_the_replica(rigs: list[Rig]) -> None:
+    """Issue 18 item 2: a restart the event stream cannot show (no reconnect, an idle engine) is detected from
+    ``process_start_time_seconds`` (real scraper over HTTP) and the replica's stale entries are cleared."""
+    from membership.engine_metrics import MetricsScraper
+    from membership.replicas import ReplicaTable
+
+    rig = await make_rig("vllm")
+    rigs.append(rig)
+    await connect(rig)
+    toks, hs, keys = chain(3)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == 3, what="stored")
+    page = _MetricsPage()
+    table = ReplicaTable()
+    table.upsert("r0", page.url)
+    scraper = MetricsScraper(table, interval_s=0.1, timeout_s=2.0, on_snapshot=rig.sub.on_engine_snapshot)
+    await scraper.start()
+    try:
+        await until(lambda: scraper.rounds >= 2, what="scraped twice")
+        assert matched(rig.index, keys) == 3  # an unchanged start time changes nothing
+        rig.pub.restart()  # the engine process was replaced behind the same sockets, and stays idle
+        page.start += 60.0
+        await until(lambda: matched(rig.index, keys) == 0, timeout=3, what="stale entries cleared")
+        await until(lambda: rig.totals()["replays"].get("restart:ok") == 1, what="new engine's history asked")
+    finally:
+        await scraper.stop()
+        page.close()
+    t = rig.totals()
+    assert t["restarts"] == 1 and t["notes"].get("restart_detected_by_start_time") == 1
+    assert t["replays"].get("restart:ok") == 1 and t["degraded_replicas"] == 0

@@ -16,6 +16,7 @@ from membership.config import AllocatorConfig, HealthConfig, MembershipConfig, R
 from membership.engine_metrics import MetricsScraper
 from membership.health import HealthChecker
 from membership.kubernetes import KubernetesOptions
+from membership.kv_events import KVEventsConfig
 from membership.replicas import RedisIndexAllocator
 from membership.shared_state import SharedState
 from policies.dispatch import DispatchSettings
@@ -57,6 +58,14 @@ CONFIGURED: list[tuple[Callable[..., Any], dict[str, str]]] = [
     (Admission, {"limit": "max_inflight_total", "max_queued": "max_queued_requests",
                  "max_wait_s": "max_queue_wait_s"}),
     (IdempotencyGuard, {"retry_after_s": "retry_after_s"}),
+    (KVEventsConfig, {"replay_idle_timeout_s": "kv_replay_idle_timeout_s",
+                      "replay_total_timeout_s": "kv_replay_total_timeout_s",
+                      "max_replay_batches": "kv_replay_max_batches", "replay_max_bytes": "kv_replay_max_bytes",
+                      "max_message_bytes": "kv_max_message_bytes", "sub_rcvhwm": "kv_sub_rcvhwm",
+                      "replay_rcvhwm": "kv_replay_rcvhwm", "apply_slice_blocks": "kv_apply_slice_blocks",
+                      "max_sequence_jump": "kv_max_sequence_jump",
+                      "orphan_replay_interval_s": "kv_orphan_replay_interval_s",
+                      "degraded_retry_s": "kv_degraded_retry_s", "degraded_hold_s": "kv_degraded_hold_s"}),
 ]
 
 #: (component, parameter) -> why its default differs from Settings on purpose

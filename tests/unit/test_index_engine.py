@@ -267,3 +267,31 @@ def test_budget_eviction_drops_the_copies_of_evicted_blocks() -> None:
     idx.apply_stored(0, [3, 4, 5, 6], None, tokens(64, 26), SEED)  # evicts the old blocks
     assert block_keys(old, 16, SEED)[0] not in idx
     assert idx.stats()["extra_copies"] == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from([4, 8]),
+    st.lists(st.tuples(st.booleans(), st.integers(0, 5)), min_size=1, max_size=25),
+)
+def test_copies_against_a_multiset_reference(page: int, ops: list[tuple[bool, int]]) -> None:
+    """vLLM-like streams on one replica: each request stores its prompt's pages from the root (one copy per
+    page, cached or not before), each eviction removes one copy of one page. A page is cached while it has a
+    copy; the index's match depth is the leading run of cached pages."""
+    block = 4
+    prompt = tokens(page * 6, 12)
+    keys = block_keys(prompt, block, SEED)
+    idx = PrefixIndex(block_size=block, clock=lambda: 0.0)
+    copies = Counter[int]()
+    for is_store, n in ops:
+        if is_store:  # a request computed (and cached) pages 0..n
+            idx.apply_stored(0, list(range(100, 101 + n)), None, prompt[: (n + 1) * page], SEED)
+            copies.update(range(n + 1))
+        elif copies[n] > 0:  # one copy of page n evicted
+            idx.apply_removed(0, [100 + n])
+            copies[n] -= 1
+    depth = 0
+    while depth < 6 and copies[depth] > 0:
+        depth += 1
+    got = idx.match(keys).get(0)
+    assert (got.blocks if got else 0) == depth * (page // block)

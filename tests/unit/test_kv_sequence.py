@@ -6,7 +6,9 @@ A small synchronous driver plays the socket loop: it runs the sequencer's action
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgpack
 
@@ -325,3 +327,43 @@ def test_warnings_are_actions_not_log_calls() -> None:
     d.publish(item(0, [["AllBlocksCleared"]]))
     d.publish(item(5, [["AllBlocksCleared"]]))
     assert any(isinstance(a, Warn) and a.reason == "gap" for a in d.log)
+
+
+def test_restart_seen_in_the_stream_is_not_cleared_again_by_the_start_time() -> None:
+    d = Driver(has_replay=False)
+    d.run(d.seq.on_engine_started(1000.0, 0.0))
+    d.publish(item(0, [stored([1, 2], None, TOKS)]))
+    d.publish(item(0, [stored([1], None, TOKS[:16])], ts=9.0))  # seq back to 0: restart seen in the stream
+    assert d.seq.stats.restarts == 1 and d.blocks() == 1
+    d.run(d.seq.on_engine_started(2000.0, 1.0))  # the metrics confirm it later: the new engine's block stays
+    assert d.seq.stats.restarts == 1 and d.blocks() == 1
+    d.run(d.seq.on_engine_started(3000.0, 2.0))  # a later restart only the metrics show
+    assert d.seq.stats.restarts == 2 and d.blocks() == 0
+
+
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "real_vllm"
+
+
+def test_real_vllm_frames_apply_in_sequence_without_orphans_or_drops() -> None:
+    """Frames captured from a real vLLM 0.32.0 (CPU build, block size 32): AllBlocksCleared + chained stores."""
+    from membership.kv_decode import split_live_frames
+
+    d = Driver(has_replay=False)
+    pages = 0
+    for line in (REAL / "vllm-0.32.0-cpu-kv-frames.jsonl").read_text().splitlines():
+        parts = split_live_frames([bytes.fromhex(h) for h in json.loads(line)])
+        assert isinstance(parts, tuple)
+        seq, _, payload = parts
+        d.publish(Item(seq, payload_digest(payload), payload=payload))
+        pages += sum(len(e["block_hashes"]) for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored")
+    st = d.seq.stats
+    assert st.batches == 4 and st.gaps == 0 and st.orphans == 0 and not st.dropped
+    assert st.stored_blocks == 2 * pages  # 32-token engine pages, 16-token router blocks
+
+
+def test_real_vllm_metrics_page_gives_the_process_start_time() -> None:
+    """The restart signal read from the metrics: ``process_start_time_seconds`` on a real vLLM 0.32.0 page."""
+    from membership.engine_metrics import parse_metrics
+
+    snap = parse_metrics((REAL / "vllm-0.32.0-cpu-metrics.txt").read_text())
+    assert snap.process_start_time_s == 1.79616634352e09

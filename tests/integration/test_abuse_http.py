@@ -1,0 +1,400 @@
+"""Client abuse against a real ``kvroute serve`` process (loopback, bounded loops; issue 24 items 1-4, issue 23's
+overload shedding): huge bodies rejected by cheap limits while ``/healthz`` keeps answering within 0.5 s, RSS growth
+bounded; authentication from the headers before any body byte; head size / count limits; slow heads and slow
+bodies cut; a non-ASCII bearer token gets a 401; new work shed with 503 while the event loop lags (the router is
+frozen with SIGSTOP, so the lag is real and measured), never /healthz or /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+
+from tests.helpers import metric, wait_until
+from tests.integration.test_reliability_support import MODEL, Router, completion, engines, router
+
+KEY = "abuse-client-key"
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@contextlib.contextmanager
+def _healthz_watch(url: str) -> Iterator[list[tuple[float, float, str]]]:
+    """Poll /healthz back to back on one connection while the block runs; yields (start, end, error) of every
+    poll (monotonic s; error "" when it answered 200). A poll that fails ends at start + 2 s."""
+    polls: list[tuple[float, float, str]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=2.0) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    status = c.get(url + "/healthz").status_code
+                    err = "" if status == 200 else f"status {status}"
+                except httpx.HTTPError as exc:
+                    err = repr(exc)
+                polls.append((t0, t0 + 2.0 if err else time.monotonic(), err))
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    wait_until(lambda: len(polls) >= 3, timeout=10, what="healthz polls running")
+    try:
+        yield polls
+    finally:
+        stop.set()
+        th.join(timeout=5)
+
+
+def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(url, content=body, headers={"content-type": "application/json", **(headers or {})},
+                      timeout=60)
+
+
+def _abuse(r: Router, body: bytes, path: str = "/v1/chat/completions") -> tuple[httpx.Response, float]:
+    """Send ``body`` while polling /healthz; returns the answer and the longest /healthz latency of the polls that
+    overlapped the request (s)."""
+    with _healthz_watch(r.url) as polls:
+        t0 = time.monotonic()
+        resp = _post(r.url + path, body)
+        t1 = time.monotonic()
+        wait_until(lambda: polls[-1][0] > t1, timeout=5, what="a poll after the request")  # the one running ended
+    during = [(end - start, err) for start, end, err in polls if start < t1 and end > t0]
+    assert during, "no /healthz poll overlapped the request: the test proves nothing"
+    errors = [err for _, err in during if err]
+    assert not errors, f"/healthz failed while {path} was rejected: {errors[:3]}"
+    return resp, max(lat for lat, _ in during)
+
+
+def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:
+    with engines(("e0", [])) as engs, router(engs) as r:  # the engine reports max_model_len 131072
+        pid = r.proc.popen.pid
+        rss0 = _rss_mb(pid)
+        # ~620k tiny chat messages in 16 MiB (main: 7 s of validation, model_dump and rendering on the loop)
+        msgs = orjson.dumps({"model": MODEL, "messages": [{"role": "u", "content": "x"}] * 620_000})
+        assert len(msgs) < 16 * 1024 * 1024
+        resp, lat = _abuse(r, msgs)
+        assert resp.status_code == 413, resp.text
+        assert resp.json()["error"]["code"] == "too_many_messages" and "max_chat_messages" in resp.text
+        assert lat < 0.5, f"/healthz blocked {lat:.2f}s by the chat body"
+        # a 16 MiB text prompt: far more characters than a 131072-token context allows
+        text = orjson.dumps({"model": MODEL, "prompt": "ab " * (5 * 1024 * 1024)})
+        resp, lat = _abuse(r, text, "/v1/completions")
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+        assert lat < 0.5, f"/healthz blocked {lat:.2f}s by the text prompt"
+        # chat text: 2,000 messages of 2,000 characters = 4M characters > 131072 x 16
+        long_chat = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "y" * 2000}] * 2000})
+        resp, lat = _abuse(r, long_chat)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
+        assert lat < 0.5, lat
+        # token ids: 4M of them (the context is 131072)
+        ids = orjson.dumps({"model": MODEL, "prompt": [7] * 4_000_000})
+        resp, lat = _abuse(r, ids, "/v1/completions")
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+        assert lat < 0.5, lat
+        resp, lat = _abuse(r, orjson.dumps({"model": MODEL, "token_ids": [7] * 4_000_000}), "/route")
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "token_ids", resp.text
+        # a batch of a million prompts, and a million values in an extra field
+        resp, lat = _abuse(r, orjson.dumps({"model": MODEL, "prompt": ["a"] * 1_000_000}), "/v1/completions")
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "too_many_prompts", resp.text
+        assert lat < 0.5, lat
+        junk = orjson.dumps({"model": MODEL, "prompt": "hi", "junk": [[1]] * 1_000_000})
+        resp, lat = _abuse(r, junk, "/v1/completions")
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "too_many_json_values", resp.text
+        assert lat < 0.5, lat
+        # large but legitimate requests still work (shape-checked, parsed and rendered off the loop; the stand-in
+        # engine counts one token per byte, so they stay under its 131072 tokens)
+        chat = {"model": MODEL, "max_tokens": 2,
+                "messages": [{"role": "user" if i % 2 else "assistant", "content": f"turn {i:04d} " * 12}
+                             for i in range(600)]}
+        assert len(orjson.dumps(chat)) > 64 * 1024
+        resp, lat = _abuse(r, orjson.dumps(chat))
+        assert resp.status_code == 200, resp.text
+        assert lat < 0.5, lat
+        resp = _post(r.url + "/v1/completions", orjson.dumps(completion("a fine prompt " * 6_000)))
+        assert resp.status_code == 200, resp.text
+        assert metric(r.url, "kvroute_rejected_total", reason="too_many_messages") == 1
+        assert metric(r.url, "kvroute_rejected_total", reason="context_length_exceeded") == 4
+        grown = _rss_mb(pid) - rss0
+        assert grown < 100, f"router RSS grew {grown:.0f} MB from client abuse"
+        assert r.proc.alive()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# raw sockets
+# ---------------------------------------------------------------------------------------------------------
+
+def _connect(r: Router) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", r.port), timeout=10)
+    s.settimeout(10)
+    return s
+
+
+def _read_all(s: socket.socket, deadline_s: float = 10.0) -> tuple[bytes, bool]:
+    """Everything the server sends until it closes the connection; (bytes, closed) within ``deadline_s``."""
+    s.settimeout(deadline_s)
+    out = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return out, True
+            out += chunk
+    except TimeoutError:
+        return out, False
+    except ConnectionResetError:
+        return out, True
+
+
+def _status(raw: bytes) -> int:
+    return int(raw.split(b" ", 2)[1]) if raw.startswith(b"HTTP/1.1 ") else 0
+
+
+def _json_body(raw: bytes) -> dict[str, object]:
+    return json.loads(raw.split(b"\r\n\r\n", 1)[1])  # type: ignore[no-any-return]
+
+
+def _head(path: str, *extra: str, length: int | None = None, auth: str | None = KEY) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "host: 127.0.0.1", "content-type: application/json"]
+    if auth is not None:
+        lines.append(f"authorization: Bearer {auth}")
+    if length is not None:
+        lines.append(f"content-length: {length}")
+    return ("\r\n".join([*lines, *extra]) + "\r\n\r\n").encode("latin-1")
+
+
+def test_auth_before_body_and_head_limits() -> None:
+    with engines(("e0", [])) as engs, router(engs, "--api-key", KEY, "--max-header-bytes", "4096",
+                                             "--max-header-count", "20") as r:
+        # unauthenticated, announcing 16 MiB: answered 401 from the headers, the body is never read (main: the
+        # router waits for the whole body first)
+        s = _connect(r)
+        s.sendall(_head("/v1/completions", length=16 * 1024 * 1024, auth=None))
+        raw, closed = _read_all(s, 5)
+        assert _status(raw) == 401 and closed, raw[:300]
+        assert _json_body(raw)["error"]["code"] == "unauthorized"  # type: ignore[index]
+        s.close()
+        # a non-ASCII bearer token: 401 with a JSON reason (main: 500 from hmac.compare_digest on str)
+        s = _connect(r)
+        s.sendall(_head("/v1/completions", length=2, auth="clé-ünïcode") + b"{}")
+        raw, _ = _read_all(s, 5)
+        assert _status(raw) == 401, raw[:300]
+        assert _json_body(raw)["error"]["code"] == "unauthorized"  # type: ignore[index]
+        s.close()
+        resp = httpx.get(r.url + "/v1/models", headers={"authorization": "Bearer \u00e9t\u00e9".encode("utf-8")})
+        assert resp.status_code == 401
+        # an unfinished head growing past max_header_bytes: 431 and closed (main: buffered without end)
+        s = _connect(r)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 8192)
+        raw, closed = _read_all(s, 5)
+        assert _status(raw) == 431 and closed, raw[:300]
+        s.close()
+        # one complete header over the limit, and too many headers
+        s = _connect(r)
+        s.sendall(_head("/v1/models", "x-big: " + "b" * 5000, length=0))
+        raw, closed = _read_all(s, 5)
+        assert _status(raw) == 431 and closed, raw[:300]
+        s.close()
+        s = _connect(r)
+        s.sendall(_head("/v1/models", *[f"x-h{i}: v" for i in range(30)], length=0))
+        raw, closed = _read_all(s, 5)
+        assert _status(raw) == 431 and closed and b"max_header_count" in raw, raw[:300]
+        s.close()
+        # within the limits everything works
+        ok = httpx.post(r.url + "/v1/completions", json=completion(), timeout=30,
+                        headers={"authorization": f"Bearer {KEY}", "x-fine": "c" * 2000})
+        assert ok.status_code == 200, ok.text
+        assert metric(r.url, "kvroute_client_connections_cut_total", reason="head_too_large") == 2
+        assert metric(r.url, "kvroute_client_connections_cut_total", reason="too_many_headers") == 1
+        assert metric(r.url, "kvroute_requests_total", route="/v1/completions", status="401") >= 2
+
+
+def test_slow_heads_and_bodies_are_cut() -> None:
+    with engines(("e0", [])) as engs, router(engs, "--client-header-timeout-s", "1",
+                                             "--client-body-idle-timeout-s", "1") as r:
+        # connect and say nothing
+        s = _connect(r)
+        t0 = time.monotonic()
+        raw, closed = _read_all(s, 8)
+        assert closed and raw == b"" and 0.8 <= time.monotonic() - t0 < 6
+        s.close()
+        # slowloris: a head dribbled one byte every 0.2 s is cut ~1 s after it started, despite the activity
+        s = _connect(r)
+        t0 = time.monotonic()
+        closed = False
+        for b in _head("/v1/completions", length=10):
+            try:
+                s.send(bytes([b]))
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            if time.monotonic() - t0 > 8:
+                break
+            _wait(0.2)
+        if not closed:
+            _, closed = _read_all(s, 3)
+        assert closed and time.monotonic() - t0 < 8
+        s.close()
+        # a body that stops half-way: 408 with a JSON reason, then closed
+        s = _connect(r)
+        s.sendall(_head("/v1/completions", length=1000) + b'{"model": "m", "prompt": "')
+        t0 = time.monotonic()
+        raw, closed = _read_all(s, 8)
+        assert _status(raw) == 408 and closed, raw[:300]
+        assert _json_body(raw)["error"]["code"] == "body_timeout"  # type: ignore[index]
+        assert 0.8 <= time.monotonic() - t0 < 6
+        s.close()
+        # a body sent in pieces with short pauses is served
+        body = orjson.dumps(completion("slow but steady " * 10))
+        s = _connect(r)
+        s.sendall(_head("/v1/completions", "connection: close", length=len(body)))
+        for i in range(0, len(body), len(body) // 4 + 1):
+            _wait(0.3)
+            s.sendall(body[i:i + len(body) // 4 + 1])
+        raw, closed = _read_all(s, 20)
+        assert _status(raw) == 200, raw[:300]
+        s.close()
+        assert metric(r.url, "kvroute_client_connections_cut_total", reason="head_timeout") == 2
+        assert metric(r.url, "kvroute_client_connections_cut_total", reason="body_idle_timeout") == 1
+        assert httpx.get(r.url + "/healthz", timeout=5).status_code == 200
+
+
+def _wait(seconds: float) -> None:
+    """Pace a slow client (the test IS the slow client: this is its send rate, not a wait for the server)."""
+    threading.Event().wait(seconds)
+
+
+def test_event_loop_lag_sheds_new_work_never_probes() -> None:
+    with engines(("e0", [])) as engs, router(engs, "--max-event-loop-lag-s", "0.3", "--event-loop-lag-interval-s",
+                                             "0.05", "--event-loop-lag-window-s", "3", "--retry-after-s", "2") as r:
+        wait_until(lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30).status_code == 200,
+                   timeout=15, what="a first request admitted")
+        assert metric(r.url, "kvroute_event_loop_lag_seconds_count") > 0
+        results: dict[str, httpx.Response | Exception] = {}
+
+        def call(name: str, fn: Callable[[], httpx.Response]) -> threading.Thread:
+            def go() -> None:
+                try:
+                    results[name] = fn()
+                except Exception as exc:  # noqa: BLE001 - recorded for the assertions
+                    results[name] = exc
+            th = threading.Thread(target=go, daemon=True)
+            th.start()
+            return th
+
+        r.proc.popen.send_signal(signal.SIGSTOP)  # the router's loop cannot run: its lag grows, measured on resume
+        try:
+            t_stop = time.monotonic()
+            threads = [call(f"c{i}", lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30))
+                       for i in range(3)]
+            threads.append(call("route", lambda: httpx.post(r.url + "/route", timeout=30,
+                                                             json={"model": MODEL, "token_ids": [1, 2, 3]})))
+            threads.append(call("healthz", lambda: httpx.get(r.url + "/healthz", timeout=30)))
+            threads.append(call("metrics", lambda: httpx.get(r.url + "/metrics", timeout=30)))
+            wait_until(lambda: time.monotonic() - t_stop > 1.2, timeout=5, what="the router frozen 1.2 s")
+        finally:
+            r.proc.popen.send_signal(signal.SIGCONT)
+        for th in threads:
+            th.join(timeout=30)
+        for name in ("c0", "c1", "c2", "route"):
+            resp = results[name]
+            assert isinstance(resp, httpx.Response) and resp.status_code == 503, (name, resp)
+            assert resp.headers["retry-after"] == "2" and resp.json()["error"]["code"] == "event_loop_lag"
+        for name in ("healthz", "metrics"):
+            resp = results[name]
+            assert isinstance(resp, httpx.Response) and resp.status_code == 200, (name, resp)
+        assert metric(r.url, "kvroute_rejected_total", reason="event_loop_lag") == 4
+        assert metric(r.url, "kvroute_event_loop_lag_max_seconds") >= 1.0
+        # once the lag has left the window, work is admitted again
+        wait_until(lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30).status_code == 200,
+                   timeout=15, what="admitted again")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 24's lower items
+# ---------------------------------------------------------------------------------------------------------
+
+def test_keys_protect_admin_views_urls_for_admins_strict_ids_and_n_counted() -> None:
+    client = {"authorization": f"Bearer {KEY}"}
+    with engines(("e0", [])) as engs, router(engs, "--api-key", KEY, "--cors-origin", "https://app.example") as r:
+        u = r.url
+        # a CORS preflight carries no credentials: the gate lets the CORS middleware answer it
+        pre = httpx.options(u + "/v1/completions", headers={"origin": "https://app.example",
+                                                            "access-control-request-method": "POST"})
+        assert pre.headers.get("access-control-allow-origin") == "https://app.example", pre.text
+        # only API keys configured: the admin views are not open (main: 200 without any key)
+        for path in ("/replicas", "/index/stats"):
+            assert httpx.get(u + path, timeout=5).status_code == 401, path
+            assert httpx.get(u + path, headers=client, timeout=5).status_code == 200, path
+        assert [x["url"] for x in httpx.get(u + "/replicas", headers=client).json()["replicas"]] == [None]
+        # /route shows no engine address to a client (main: every URL)
+        d = httpx.post(u + "/route", json={"model": MODEL, "token_ids": [1, 2, 3]}, headers=client, timeout=10)
+        assert d.status_code == 200, d.text
+        assert d.json()["chosen"]["url"] is None and d.json()["chosen"]["name"] == "e0"
+        assert all(c["url"] is None for c in d.json()["candidates"])
+        # booleans are not token ids (main: read as 1), nor fractions; 2.0 is the JSON integer 2 (OpenAPI integer)
+        for ids in ([1, True], [False], [0.5]):
+            bad = httpx.post(u + "/route", json={"model": MODEL, "token_ids": ids}, headers=client, timeout=10)
+            assert bad.status_code == 422 and bad.json()["error"]["param"].startswith("token_ids"), (ids, bad.text)
+        bad = httpx.post(u + "/v1/completions", json={"model": MODEL, "prompt": [3, False]}, headers=client)
+        assert bad.status_code == 422, bad.text
+        ok = httpx.post(u + "/route", json={"model": MODEL, "token_ids": [1, 2.0]}, headers=client, timeout=10)
+        assert ok.status_code == 200 and ok.json()["prompt_tokens"] == 2, ok.text
+        # n = 3 sequences count as 3 requests in flight on their replica while served (main: 1)
+        assert httpx.post(engs[0].url + "/admin/faults", json={"stall_s": 3}, timeout=5).status_code == 200
+        done: list[httpx.Response] = []
+        th = threading.Thread(target=lambda: done.append(httpx.post(
+            u + "/v1/completions", json={**completion(), "n": 3}, headers=client, timeout=30)), daemon=True)
+        th.start()
+
+        def inflight() -> int:
+            reps = httpx.get(u + "/replicas", headers=client, timeout=5).json()["replicas"]
+            return int(reps[0]["load"]["inflight_requests"])
+
+        wait_until(lambda: inflight() == 3, timeout=10, what="3 sequences in flight")
+        th.join(timeout=30)
+        assert done and done[0].status_code == 200, done
+        assert inflight() == 0
+    admin = {"authorization": "Bearer abuse-admin"}
+    with engines(("e0", [])) as engs, router(engs, "--api-key", KEY, "--admin-token", "abuse-admin") as r:
+        body = {"model": MODEL, "token_ids": [1, 2, 3]}
+        shown = httpx.post(r.url + "/route", json=body, headers=admin, timeout=10).json()
+        assert shown["chosen"]["url"] == engs[0].url and shown["candidates"][0]["url"] == engs[0].url
+        hidden = httpx.post(r.url + "/route", json=body, headers=client, timeout=10).json()
+        assert hidden["chosen"]["url"] is None
+
+
+def test_idempotency_keys_are_scoped_by_client() -> None:
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    try:
+        with engines(("e0", [])) as engs, router(engs, "--api-key", "client-a", "--api-key", "client-b",
+                                                 "--redis-url", server.url) as r:
+            u = r.url
+            wait_until(lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected")
+            body = completion("transfer 100 to bob " * 4)
+            a = {"authorization": "Bearer client-a", "idempotency-key": "k-1"}
+            b = {"authorization": "Bearer client-b", "idempotency-key": "k-1"}
+            first = httpx.post(u + "/v1/completions", json=body, headers=a, timeout=30)
+            assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+            # another client with the same key and body: served for itself, never given client a's answer
+            other = httpx.post(u + "/v1/completions", json=body, headers=b, timeout=30)
+            assert other.status_code == 200 and "idempotent-replayed" not in other.headers, other.headers
+            again = httpx.post(u + "/v1/completions", json=body, headers=a, timeout=30)
+            assert again.headers.get("idempotent-replayed") == "true" and again.content == first.content
+    finally:
+        server.stop()

@@ -1,0 +1,156 @@
+"""The front gate's parts: ``router.guard.Auth`` (bytes comparison, admin rules, client scope),
+``router.intake`` (shape limits on simdjson and plain JSON alike, sequences), ``router.loop_lag`` (window maximum,
+overdue probe), ``Router`` accounting of n sequences, and unhandled errors counted as 500s."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import simdjson
+
+from router.guard import Auth
+from router.intake import InputLimits, LimitExceeded, check_body, model_contexts, sequences
+from router.loop_lag import LoopLag
+from tests.unit.test_router_proxy import (
+    BODY,
+    EngineState,
+    ServerThread,
+    metric,
+    ready,
+    router_for,
+    tiny_engine,
+)
+
+LIMITS = InputLimits(max_messages=10, max_batch_prompts=4, chars_per_token=2.0, default_context_tokens=100,
+                     max_json_values=50)
+
+
+def test_auth_compares_bytes_and_never_raises() -> None:
+    auth = Auth(["k1", "clé"], admin_token="adm")
+    assert auth.client_ok("Bearer k1") and auth.client_ok(b"bearer k1") and auth.client_ok("Bearer adm")
+    assert auth.client_ok("Bearer clé".encode())  # a UTF-8 key sent as UTF-8 bytes
+    for bad in (None, "", "Bearer", "Bearer ", "Basic k1", "Bearer k2", "Bearer \u00e9t\u00e9",
+                "Bearer ét\u00e9".encode("latin-1"), b"Bearer \xff\xfe", "Bearer k1x"):
+        assert not auth.client_ok(bad), bad
+    assert auth.admin_status(None)[0] == 401 and auth.admin_status("Bearer k1")[0] == 403
+    assert auth.admin_status("Bearer \u00e9")[0] == 403 and auth.admin_status("Bearer adm") == (0, "")
+    assert auth.is_admin("Bearer adm") and not auth.is_admin("Bearer k1")
+    assert auth.principal("Bearer k1") != auth.principal("Bearer clé".encode()) and len(auth.principal("x")) == 24
+    keys_only = Auth(["k1"], admin_token=None)
+    assert keys_only.admin_status(None)[0] == 401 and keys_only.admin_status("Bearer k1") == (0, "")
+    assert not keys_only.is_admin("Bearer k1")
+    open_ = Auth([], admin_token=None)
+    assert open_.client_ok(None) and open_.admin_status(None) == (0, "") and open_.is_admin(None)
+    assert open_.principal("Bearer k1") == ""
+
+
+def _both(body: dict[str, Any], contexts: dict[str, int] | None = None) -> LimitExceeded | None:
+    """check_body on the dict and on simdjson's view of the same JSON; both must agree."""
+    out: list[LimitExceeded | None] = []
+    raw = orjson.dumps(body)
+    for doc in (orjson.loads(raw), simdjson.Parser().parse(raw)):
+        try:
+            check_body(doc, LIMITS, contexts or {})
+            out.append(None)
+        except LimitExceeded as exc:
+            out.append(exc)
+    a, b = out
+    assert (a is None) == (b is None) and (a is None or (a.code, a.param) == (b.code, b.param)), (a, b)  # type: ignore[union-attr]
+    return a
+
+
+def test_input_limits_on_both_parsers() -> None:
+    msg = {"role": "user", "content": "hi"}
+    assert _both({"model": "m", "messages": [msg] * 10}) is None
+    exc = _both({"model": "m", "messages": [msg] * 11})
+    assert exc is not None and exc.status == 413 and exc.code == "too_many_messages"
+    exc = _both({"model": "m", "messages": [{"role": "user", "content": "x" * 201}]})
+    assert exc is not None and exc.status == 400 and exc.code == "context_length_exceeded" and exc.param == "messages"
+    parts = {"role": "user", "content": [{"type": "text", "text": "y" * 150}, {"type": "text", "text": "y" * 60}]}
+    assert _both({"model": "m", "messages": [parts]}) is not None  # text parts count as characters
+    # the context comes from the model's replicas when they report one
+    assert _both({"model": "big", "prompt": "z" * 1000}, {"big": 1000}) is None
+    assert _both({"model": "m", "prompt": "z" * 201}).code == "context_length_exceeded"  # type: ignore[union-attr]
+    assert _both({"model": "m", "prompt": list(range(100))}) is None
+    assert _both({"model": "m", "prompt": list(range(101))}).code == "context_length_exceeded"  # type: ignore[union-attr]
+    assert _both({"model": "m", "token_ids": list(range(101))}).param == "token_ids"  # type: ignore[union-attr]
+    assert _both({"model": "m", "prompt": ["a"] * 5}).code == "too_many_prompts"  # type: ignore[union-attr]
+    assert _both({"model": "m", "prompt": [[1, 2]] * 4}) is None
+    assert _both({"model": "m", "prompt": [[1] * 101]}).code == "context_length_exceeded"  # type: ignore[union-attr]
+    # everything else shares max_json_values
+    assert _both({"model": "m", "prompt": "a", "tools": [{"a": 1}] * 10}) is None
+    exc = _both({"model": "m", "prompt": "a", "junk": [[1]] * 30})
+    assert exc is not None and exc.code == "too_many_json_values" and exc.param == "junk"
+    assert _both({"model": "m", "prompt": [1, {"x": list(range(60))}]}).code == "too_many_json_values"  # type: ignore[union-attr]
+    assert _both([1, 2]) is None and _both({"prompt": 5}) is None  # not ours to judge: validation answers
+
+
+def test_model_contexts_unknown_wins() -> None:
+    class P:
+        def __init__(self, ctx: int) -> None:
+            self.max_context_tokens = ctx
+
+    class R:
+        def __init__(self, models: list[str], loras: list[str], ctx: int) -> None:
+            self.models, self.loras, self.profile = models, loras, P(ctx)
+
+    got = model_contexts([R(["a"], ["l"], 4096), R(["a"], [], 8192), R(["b"], [], 4096), R(["b"], [], 0)])
+    assert got == {"a": 8192, "l": 4096, "b": 0}
+
+
+def test_sequences() -> None:
+    assert sequences(None) == 1 and sequences({"n": 3}) == 3 and sequences({"n": 2, "best_of": 5}) == 5
+    assert sequences({"n": True}) == 1 and sequences({"n": 2.0}) == 1 and sequences({"n": -4}) == 1
+
+
+def test_loop_lag_window_and_overdue() -> None:
+    lag = LoopLag(interval_s=0.05, window_s=1.0)  # not started: delays recorded by hand, loop time t
+    t = 1000.0
+    lag.record(0.8, t)
+    lag.record(0.1, t + 0.2)
+    assert lag.lag_s(t + 0.5) == pytest.approx(0.8)  # the window's maximum
+    lag.record(0.05, t + 1.1)
+    assert lag.lag_s(t + 1.1) == pytest.approx(0.1)  # 0.8 left the window
+    assert lag.lag_s(t + 5.0) == 0.0
+    assert lag.samples == 3 and lag.max_seen_s == pytest.approx(0.8)
+
+    async def go() -> None:
+        probe = LoopLag(interval_s=0.05, window_s=1.0)
+        probe.start()
+        now = asyncio.get_running_loop().time()
+        assert probe.lag_s(now + 3.0) >= 2.9  # the probe due at ~now + 0.05 has not run: overdue
+        probe.stop()
+        assert probe.lag_s(now + 3.0) == 0.0
+
+    asyncio.run(go())
+
+
+def test_n_sequences_counted_in_flight_and_unhandled_errors_counted() -> None:
+    st = EngineState()
+    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url]) as router:
+        ready(router, 1)
+        svc = router.server.config.app.state.services
+        rep = svc.table.all()[0]
+        inp = svc.router.make_input("m", None, [1] * 40, expected_output_tokens=10, copies=4)
+        assert inp.copies == 4 and inp.expected_output_tokens == 40
+        svc.router.acquire(rep, 40, inp.copies)
+        assert rep.load.inflight_requests == 4
+        svc.router.release(rep, inp.copies)
+        assert rep.load.inflight_requests == 0
+        assert httpx.post(router.url + "/v1/completions", json={**BODY, "n": 3}, timeout=30).status_code == 200
+        assert rep.load.inflight_requests == 0  # acquired and released as 3
+
+        def boom(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("boom")
+
+        svc.router.decide = boom  # an unhandled error in a route (e.g. a policy bug)
+        r = httpx.post(router.url + "/route", json={"model": "m", "token_ids": [1, 2, 3]}, timeout=30)
+        assert r.status_code == 500
+        assert metric(router, "kvroute_requests_total", {"route": "/route", "status": "500"}) == 1
+        r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
+        assert r.status_code == 500
+        assert metric(router, "kvroute_requests_total", {"route": "/v1/completions", "status": "500"}) == 1
