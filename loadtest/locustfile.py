@@ -35,6 +35,7 @@ import gevent
 import requests
 from gevent.pool import Group
 from locust import User, constant, events, task
+from locust import stats as locust_stats
 from locust.exception import StopUser
 
 from loadtest.replay import (
@@ -157,7 +158,9 @@ class TraceReplayUser(User):
               file=sys.stderr)
         if opts.replay_csv:
             write_csvs(Path(opts.replay_csv), results, summary.as_dict())
-        gevent.spawn_later(0.1, self.environment.runner.quit)
+        # locust writes its --csv stats only every CSV_STATS_INTERVAL_SEC (no final write at shutdown): quit after
+        # two writer rounds so the files hold every request of the replay
+        gevent.spawn_later(2 * locust_stats.CSV_STATS_INTERVAL_SEC + 0.1, self.environment.runner.quit)
         raise StopUser()
 
 
