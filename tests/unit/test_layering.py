@@ -24,6 +24,7 @@ EXCEPTIONS = {
     ("router.cli", "loadtest"): "the fake-engine, simulate and demo subcommands (DESIGN §1)",
     ("loadtest.bench_tokenizer", "router"): "benchmarks the router's HF tokenizer in-process",
     ("loadtest.fleet", "router"): "reads time defaults from Settings, the single source",
+    ("loadtest.e2e_real", "membership"): "decodes real engines' KV events with the one wire decoder (kv_decode)",
 }
 
 
