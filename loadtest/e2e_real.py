@@ -2,6 +2,7 @@
 engines (CPU build, tiny random-weight Llama, one core each).
 
     python -m loadtest.e2e_real [--json] [--conversations 16] [--turns 6] [--gpu-blocks 96] [--log-dir DIR]
+    python -m loadtest.e2e_real --bound-only [--json]     # the workload's hit-rate bounds, no engines
 
 Installs vLLM's CPU build when missing (``scripts/install-vllm.sh``, cached in ``.cache/vllm-venv``), builds the
 tiny model, starts the engines (prefix caching, ZMQ KV events + replay, ``--enable-prompt-tokens-details``, a
@@ -11,6 +12,10 @@ published), starts the router next to the idle engines (cold start included: no 
 and collects
 
 * ``hit_rate``: engine-reported prefix-cache hit tokens / queried tokens (deltas of their ``/metrics`` counters);
+* ``hit_rate_bound``: the same ratio for ONE shared LRU block cache with the whole fleet's capacity (engines x
+  ``--gpu-blocks`` blocks) on the same prompts, about the most any router can get from this fleet, and
+  ``hit_rate_bound_unlimited`` (no capacity limit); computed without engines (``workload_hit_rate_bounds``)
+  and printed on the first stderr line too;
 * ``fidelity``: share of requests whose predicted cached tokens (kvroute's ``x-kvroute-predicted-cached-tokens``)
   equal the engine's ``usage.prompt_tokens_details.cached_tokens`` (None for sglang-router: it predicts nothing);
 * ``ttft_p50_s`` / ``ttft_p99_s``: client-side time to the first streamed chunk, seconds;
@@ -42,6 +47,7 @@ from typing import Any
 import httpx
 import zmq
 
+from index.hashing import block_keys, root_seed
 from loadtest.fleet import (
     HOST,
     ManagedProcess,
@@ -62,6 +68,7 @@ from loadtest.real_vllm import (
     reset_prefix_cache,
 )
 from loadtest.replay import percentile
+from loadtest.simulator import lru_block_hit_rate
 from membership.kv_decode import DecodedBatch, RemovedEvent, decode_live_frames
 
 #: run name -> (router kind, policy)
@@ -98,6 +105,91 @@ def make_conversations(n: int, turns: int, systems: int, system_words: int, user
             conv.append(("assistant", " ".join(rnd.choices(WORDS, k=12))))
         out.append(conv)
     return out
+
+
+def issue_order(conversations: Sequence[list[tuple[str, str]]],
+                concurrency: int) -> list[list[dict[str, str]]]:
+    """The chat requests of ``run_workload`` in the order it issues them, each as its message list.
+
+    Approximation: ``run_workload``'s ``concurrency`` sessions run in lockstep, one turn each per round in session
+    order; a session that finished its conversation takes the next queued one and sends its first turn in the
+    same round. The real order varies with response times (sessions do not wait for each other), but every
+    session runs turns of the same sizes, so it stays close to this interleaving.
+    """
+    queue = list(reversed(conversations))
+    slots: list[tuple[list[tuple[str, str]], int] | None] = [None] * max(1, concurrency)
+    out: list[list[dict[str, str]]] = []
+    while True:
+        issued = False
+        for s, slot in enumerate(slots):
+            if slot is None or slot[1] >= len(slot[0]):
+                if not queue:
+                    slots[s] = None
+                    continue
+                slot = (queue.pop(), 1)
+            conv, i = slot
+            history = [{"role": conv[0][0], "content": conv[0][1]}]
+            for j in range(1, i, 2):
+                history += [{"role": "user", "content": conv[j][1]},
+                            {"role": "assistant", "content": conv[j + 1][1]}]
+            history.append({"role": "user", "content": conv[i][1]})
+            out.append(history)
+            slots[s] = (conv, i + 2)
+            issued = True
+        if not issued:
+            return out
+
+
+class ChatTokens:
+    """Chat messages -> the prompt token ids the real engine computes, from the model dir ``build_model_dir``
+    writes.
+
+    A minimal render + encode kept in loadtest (``router`` is not imported here, DESIGN's dependency rule): the
+    directory's chat template (``tokenizer_config.json``) rendered with jinja2 in the environment HF
+    transformers uses (sandboxed, ``trim_blocks``, ``lstrip_blocks``), the special tokens as variables and the
+    generation prompt added, then tokenized by the directory's ``tokenizer.json`` (HF ``tokenizers``) without
+    adding special tokens (the template writes BOS), as vLLM does for chat requests.
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer
+
+        cfg = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._template = env.from_string(cfg["chat_template"])
+        self._special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
+        self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        """The prompt text of ``messages`` (generation prompt included)."""
+        return str(self._template.render(messages=list(messages), add_generation_prompt=True, **self._special))
+
+    def encode(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The prompt's token ids."""
+        return list(self._tok.encode(self.render(messages), add_special_tokens=False).ids)
+
+
+def workload_hit_rate_bounds(model_dir: Path, conversations: Sequence[list[tuple[str, str]]], concurrency: int,
+                             engines: int, gpu_blocks: int) -> tuple[float, float]:
+    """(``hit_rate_bound``, ``hit_rate_bound_unlimited``) of the workload, computed without engines.
+
+    Like the stand-in e2e (``loadtest.simulator.lru_hit_rate``): ONE shared LRU cache of blocks of
+    ``BLOCK_SIZE`` tokens with the whole fleet's capacity (``engines`` x ``gpu_blocks`` blocks; None for the
+    unlimited bound), the prompts in ``issue_order`` (an approximation of the real interleaving), each reusing
+    its longest cached leading run of full blocks but at most ``(prompt_tokens - 1) // BLOCK_SIZE`` blocks (the
+    engine recomputes the last prompt token), then inserting all its full blocks leaf first. Token-weighted:
+    reused prompt tokens / prompt tokens, the engines' ``hit_rate``. Prompt token ids from ``ChatTokens``.
+    Generated tokens are not inserted (the history carries fixed assistant text, so they are never reused;
+    on the engines they also take cache space), which keeps the bound optimistic.
+    """
+    tokens = ChatTokens(model_dir)
+    seed = root_seed(MODEL)
+    prompts = [(block_keys(ids, BLOCK_SIZE, seed), len(ids))
+               for ids in (tokens.encode(m) for m in issue_order(conversations, concurrency))]
+    bound = lru_block_hit_rate(prompts, BLOCK_SIZE, engines * gpu_blocks)
+    unlimited = lru_block_hit_rate(prompts, BLOCK_SIZE, None)
+    return round(bound, 4), round(unlimited, 4)
 
 
 async def one_turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int) -> Turn:
@@ -263,8 +355,8 @@ def summarize_run(turns: Sequence[Turn], hits: float, queries: float, kind: str)
 
 
 def run_one(name: str, fleet: RealFleet, model_dir: Path, conversations: list[list[tuple[str, str]]],
-            args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    """One router over the workload on cold caches."""
+            args: argparse.Namespace, log_dir: Path, bounds: tuple[float, float]) -> dict[str, Any]:
+    """One router over the workload on cold caches; ``bounds`` from ``workload_hit_rate_bounds``."""
     kind, policy = RUNS[name]
     cold_caches(fleet.engines)
     evictions = EvictionCounter(fleet.engines)
@@ -281,19 +373,20 @@ def run_one(name: str, fleet: RealFleet, model_dir: Path, conversations: list[li
         proc.stop()
         evicted = evictions.stop()
     out = summarize_run(turns, h1 - h0, q1 - q0, kind)
-    out.update({"router": kind, "policy": policy, "wall_s": round(wall, 2), "evicted_blocks": evicted})
+    out.update({"hit_rate_bound": bounds[0], "hit_rate_bound_unlimited": bounds[1], "router": kind,
+                "policy": policy, "wall_s": round(wall, 2), "evicted_blocks": evicted})
     return out
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """A human table of the results."""
-    lines = [f"{'router':<22} {'hit_rate':>8} {'fidelity':>8} {'ttft_p50':>9} {'ttft_p99':>9} {'errors':>6} "
-             f"{'requests':>8}"]
+    lines = [f"{'router':<22} {'hit_rate':>8} {'bound':>6} {'fidelity':>8} {'ttft_p50':>9} {'ttft_p99':>9} "
+             f"{'errors':>6} {'requests':>8}"]
     for name, r in results.items():
         def f(v: Any) -> str:
             return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
-        lines.append(f"{name:<22} {f(r['hit_rate']):>8} {f(r['fidelity']):>8} {f(r['ttft_p50_s']):>9} "
-                     f"{f(r['ttft_p99_s']):>9} {r['errors']:>6} {r['requests']:>8}")
+        lines.append(f"{name:<22} {f(r['hit_rate']):>8} {f(r.get('hit_rate_bound')):>6} {f(r['fidelity']):>8} "
+                     f"{f(r['ttft_p50_s']):>9} {f(r['ttft_p99_s']):>9} {r['errors']:>6} {r['requests']:>8}")
     return "\n".join(lines)
 
 
@@ -314,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary)")
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    p.add_argument("--bound-only", action="store_true",
+                   help="only compute the workload's hit_rate_bound (no vLLM, no engines) and exit")
     return p
 
 
@@ -327,22 +422,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unknown runs: {unknown}; known: {list(RUNS)}", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvroute-e2e-real-"))
+    model_dir = build_model_dir(log_dir / "tiny-llama")
+    conversations = make_conversations(args.conversations, args.turns, args.system_prompts, args.system_words,
+                                       args.user_words, args.seed)
+    bounds = workload_hit_rate_bounds(model_dir, conversations, args.concurrency, args.engines, args.gpu_blocks)
+    print(f"e2e_real: hit_rate_bound {bounds[0]} (one shared LRU of {args.engines} x {args.gpu_blocks} blocks of "
+          f"{BLOCK_SIZE} tokens), hit_rate_bound_unlimited {bounds[1]}", file=sys.stderr)
+    if args.bound_only:
+        if args.json:
+            print(json.dumps({"hit_rate_bound": bounds[0], "hit_rate_bound_unlimited": bounds[1]}))
+        return 0
     print(f"e2e_real: installing / checking vLLM (logs in {log_dir})", file=sys.stderr)
     python = ensure_vllm()
-    model_dir = build_model_dir(log_dir / "tiny-llama")
     cpus = sorted(os.sched_getaffinity(0))
     max_len = min(2048, (args.gpu_blocks - 1) * BLOCK_SIZE)
     specs = [EngineSpec(f"r{i}", cpu=cpus[i % len(cpus)], gpu_blocks=args.gpu_blocks, max_model_len=max_len)
              for i in range(args.engines)]
-    conversations = make_conversations(args.conversations, args.turns, args.system_prompts, args.system_words,
-                                       args.user_words, args.seed)
     results: dict[str, dict[str, Any]] = {}
     with RealFleet(python, model_dir, specs, log_dir) as fleet:
         t0 = time.monotonic()
         fleet.start()
         print(f"e2e_real: {args.engines} engines ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
         for name in names:
-            results[name] = run_one(name, fleet, model_dir, conversations, args, log_dir)
+            results[name] = run_one(name, fleet, model_dir, conversations, args, log_dir, bounds)
             print(f"e2e_real: {name} done: {json.dumps(results[name])}", file=sys.stderr)
     print(format_table(results), file=sys.stderr)
     if args.json:

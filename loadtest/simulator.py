@@ -43,7 +43,7 @@ import math
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,31 +242,40 @@ def lru_hit_rate(requests: Sequence[Request], keys: BlockKeyCache, capacity_bloc
     ``(prompt - 1) // block_size`` blocks, like an engine), then all its full blocks are inserted / touched,
     tail first so eviction is leaf first. This is ``hit_rate_bound``.
     """
-    bs = keys.block_size
+    return lru_block_hit_rate(((keys.keys(r), r.prompt_tokens) for r in requests), keys.block_size,
+                              capacity_blocks)
+
+
+def lru_block_hit_rate(prompts: Iterable[tuple[Sequence[int], int]], block_size: int,
+                       capacity_blocks: int | None) -> float:
+    """``lru_hit_rate`` on prompts given as (block keys of the full blocks, prompt tokens), in arrival order.
+
+    Token-weighted: reused tokens / prompt tokens over all prompts; a prompt reuses at most
+    ``(prompt_tokens - 1) // block_size`` blocks. ``capacity_blocks`` None = unlimited.
+    """
+    bs = block_size
     hit = 0
     total = 0
     if capacity_blocks is None:
         seen: set[int] = set()
-        for r in requests:
-            ks = keys.keys(r)
-            cap = min(len(ks), (r.prompt_tokens - 1) // bs)
+        for ks, prompt_tokens in prompts:
+            cap = min(len(ks), (prompt_tokens - 1) // bs)
             i = 0
             while i < cap and ks[i] in seen:
                 i += 1
             hit += i * bs
-            total += r.prompt_tokens
+            total += prompt_tokens
             seen.update(ks)
         return hit / total if total else 0.0
     cache: OrderedDict[int, None] = OrderedDict()
     move = cache.move_to_end
-    for r in requests:
-        ks = keys.keys(r)
-        cap = min(len(ks), (r.prompt_tokens - 1) // bs)
+    for ks, prompt_tokens in prompts:
+        cap = min(len(ks), (prompt_tokens - 1) // bs)
         i = 0
         while i < cap and ks[i] in cache:
             i += 1
         hit += i * bs
-        total += r.prompt_tokens
+        total += prompt_tokens
         for k in reversed(ks):
             if k in cache:
                 move(k)
