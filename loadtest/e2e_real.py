@@ -14,7 +14,8 @@ and collects
 * ``fidelity``: share of requests whose predicted cached tokens (kvroute's ``x-kvroute-predicted-cached-tokens``)
   equal the engine's ``usage.prompt_tokens_details.cached_tokens`` (None for sglang-router: it predicts nothing);
 * ``ttft_p50_s`` / ``ttft_p99_s``: client-side time to the first streamed chunk, seconds;
-* ``errors``, ``requests``.
+* ``errors``, ``requests``; ``evicted_blocks``: blocks the engines evicted during the run (their live
+  ``BlockRemoved`` events), the proof that the workload outgrows the caches.
 
 Workload: ``--conversations`` chats of ``--turns`` turns over ``--system-prompts`` shared system prompts, run as
 ``--concurrency`` sessions at a time (each session sends its next turn when the previous answer is complete).
@@ -31,6 +32,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import zmq
 
 from loadtest.fleet import (
     HOST,
@@ -59,6 +62,7 @@ from loadtest.real_vllm import (
     reset_prefix_cache,
 )
 from loadtest.replay import percentile
+from membership.kv_decode import DecodedBatch, RemovedEvent, decode_live_frames
 
 #: run name -> (router kind, policy)
 RUNS: dict[str, tuple[str, str]] = {
@@ -190,6 +194,38 @@ def cold_caches(engines: Sequence[RealEngine]) -> None:
         r.raise_for_status()
 
 
+class EvictionCounter:
+    """Counts the blocks the engines evict (``BlockRemoved`` on their live KV-event streams) during a run."""
+
+    def __init__(self, engines: Sequence[RealEngine]) -> None:
+        self.removed = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._listen, args=(e.events_url,), daemon=True) for e in engines]
+        for t in self._threads:
+            t.start()
+
+    def _listen(self, endpoint: str) -> None:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                got = decode_live_frames(sock.recv_multipart())
+                if isinstance(got, DecodedBatch):
+                    self.removed += sum(len(ev.hashes) for ev in got.events if isinstance(ev, RemovedEvent))
+        finally:
+            sock.close(linger=0)
+
+    def stop(self) -> int:
+        """Stop listening; the number of evicted blocks seen."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        return self.removed
+
+
 def counters(engines: Sequence[RealEngine]) -> tuple[float, float]:
     """Fleet-wide (prefix-cache hit tokens, queried tokens) from the engines' /metrics."""
     hits = queries = 0.0
@@ -231,6 +267,7 @@ def run_one(name: str, fleet: RealFleet, model_dir: Path, conversations: list[li
     """One router over the workload on cold caches."""
     kind, policy = RUNS[name]
     cold_caches(fleet.engines)
+    evictions = EvictionCounter(fleet.engines)
     proc, url = start_router(kind, policy, fleet.engines, model_dir, log_dir, name)
     try:
         h0, q0 = counters(fleet.engines)
@@ -242,8 +279,9 @@ def run_one(name: str, fleet: RealFleet, model_dir: Path, conversations: list[li
             raise RuntimeError(f"{name}: router died during the run:\n{proc.tail()}")
     finally:
         proc.stop()
+        evicted = evictions.stop()
     out = summarize_run(turns, h1 - h0, q1 - q0, kind)
-    out.update({"router": kind, "policy": policy, "wall_s": round(wall, 2)})
+    out.update({"router": kind, "policy": policy, "wall_s": round(wall, 2), "evicted_blocks": evicted})
     return out
 
 

@@ -149,18 +149,41 @@ def pod_view(pod: dict[str, Any], opts: KubernetesOptions) -> PodView:
     ip = status.get("podIP") or ""
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     routable = (status.get("phase") == "Running" and ready and not meta.get("deletionTimestamp") and bool(ip))
+    host = f"[{ip}]" if ":" in ip else ip
+    url = f"{_pod_scheme(meta)}://{host}:{_pod_port(pod, meta, opts)}" if ip else ""
+    attrs = _engine_facts(meta, opts)
 
-    # HTTP port: annotation/label, else a container port named "http", else the default
+    def subst(text: str) -> str:
+        models = attrs["models"]
+        return (text.replace("{ip}", host).replace("{pod}", str(meta.get("name", "")))
+                .replace("{model}", models[0] if models else ""))
+
+    events = _zmq_endpoint(meta, "events", opts.default_kv_events_port, host, subst)
+    attrs.update(kv_events_endpoint=events,
+                 kv_replay_endpoint=_zmq_endpoint(meta, "replay", opts.default_kv_replay_port, host, subst)
+                 if events else None,
+                 kv_events_topic=subst(_meta_value(meta, KEYS["kv_topic"]) or opts.default_kv_topic),
+                 labels=_pod_labels(meta))
+    return PodView(name=name, routable=routable, url=url, attrs=attrs,
+                   resource_version=str(meta.get("resourceVersion", "")))
+
+
+def _pod_scheme(meta: dict[str, Any]) -> str:
+    return (_meta_value(meta, KEYS["scheme"]) or "http").lower()
+
+
+def _pod_port(pod: dict[str, Any], meta: dict[str, Any], opts: KubernetesOptions) -> int:
+    """HTTP port: annotation/label, else a container port named "http", else the default."""
     port = opts.default_port
     for c in (pod.get("spec") or {}).get("containers") or []:
         for p in c.get("ports") or []:
             if p.get("name") == "http" and p.get("containerPort"):
                 port = int(p["containerPort"])
-    port = _port_value(_meta_value(meta, KEYS["port"]), port) or port
-    scheme = (_meta_value(meta, KEYS["scheme"]) or "http").lower()
-    host = f"[{ip}]" if ":" in ip else ip
-    url = f"{scheme}://{host}:{port}" if ip else ""
+    return _port_value(_meta_value(meta, KEYS["port"]), port) or port
 
+
+def _engine_facts(meta: dict[str, Any], opts: KubernetesOptions) -> dict[str, Any]:
+    """Dialect, models, LoRA adapters, role and metrics path from the pod's annotations / labels."""
     dialect = (_meta_value(meta, KEYS["engine"]) or opts.default_dialect).lower()
     if dialect not in ("vllm", "sglang"):
         dialect = opts.default_dialect
@@ -172,42 +195,32 @@ def pod_view(pod: dict[str, Any], opts: KubernetesOptions) -> PodView:
     metrics_path = _meta_value(meta, KEYS["metrics_path"]) or opts.default_metrics_path
     if not metrics_path.startswith("/"):
         metrics_path = "/" + metrics_path
+    return {"dialect": dialect, "models": models, "loras": loras, "role": role, "metrics_path": metrics_path}
 
-    def subst(text: str) -> str:
-        return (text.replace("{ip}", host).replace("{pod}", str(meta.get("name", "")))
-                .replace("{model}", models[0] if models else ""))
 
-    events: str | None = None
-    ev_endpoint = _meta_value(meta, KEYS["kv_events_endpoint"])
-    if ev_endpoint and ev_endpoint.strip().lower() not in _OFF:
-        events = subst(ev_endpoint.strip())
-    else:
-        ev_port = _port_value(_meta_value(meta, KEYS["kv_events_port"]), opts.default_kv_events_port)
-        if ev_port and ip and ev_endpoint is None:
-            events = f"tcp://{host}:{ev_port}"
-    replay: str | None = None
-    rp_endpoint = _meta_value(meta, KEYS["kv_replay_endpoint"])
-    if rp_endpoint and rp_endpoint.strip().lower() not in _OFF:
-        replay = subst(rp_endpoint.strip())
-    else:
-        rp_port = _port_value(_meta_value(meta, KEYS["kv_replay_port"]), opts.default_kv_replay_port)
-        if rp_port and ip and events and rp_endpoint is None:
-            replay = f"tcp://{host}:{rp_port}"
-    topic = subst(_meta_value(meta, KEYS["kv_topic"]) or opts.default_kv_topic)
+def _zmq_endpoint(meta: dict[str, Any], which: str, default_port: int, host: str,
+                  subst: Callable[[str], str]) -> str | None:
+    """The KV-event (``which`` = events) or replay (``replay``) ZMQ endpoint of a pod: the ``*-endpoint``
+    annotation ({ip}, {pod}, {model} expanded), else ``tcp://<ip>:<port>`` from the ``*-port`` annotation or the
+    default; None when switched off (``off``, port 0) or the pod has no IP yet."""
+    endpoint = _meta_value(meta, KEYS[f"kv_{which}_endpoint"])
+    if endpoint and endpoint.strip().lower() not in _OFF:
+        return subst(endpoint.strip())
+    port = _port_value(_meta_value(meta, KEYS[f"kv_{which}_port"]), default_port)
+    if port and host and endpoint is None:
+        return f"tcp://{host}:{port}"
+    return None
 
+
+def _pod_labels(meta: dict[str, Any]) -> dict[str, str]:
+    """The pod's labels, its ``kvroute.io/`` annotations, namespace and pod name (for ``Replica.labels``)."""
     labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
     for k, v in (meta.get("annotations") or {}).items():
         if str(k).startswith(PREFIX):
             labels[str(k)] = str(v)
     labels["kubernetes.io/namespace"] = str(meta.get("namespace", ""))
     labels["kubernetes.io/pod-name"] = str(meta.get("name", ""))
-    attrs: dict[str, Any] = {
-        "dialect": dialect, "models": models, "loras": loras, "role": role, "metrics_path": metrics_path,
-        "kv_events_endpoint": events, "kv_replay_endpoint": replay if events else None,
-        "kv_events_topic": topic, "labels": labels,
-    }
-    return PodView(name=name, routable=routable, url=url, attrs=attrs,
-                   resource_version=str(meta.get("resourceVersion", "")))
+    return labels
 
 
 @dataclass

@@ -37,8 +37,9 @@ class IndexSink(Protocol):
     """The part of ``index.prefix_index.PrefixIndex`` the feed writes to."""
 
     def apply_stored(self, replica: int, engine_hashes: Sequence[int], engine_parent: int | None,
-                     token_ids: Sequence[int], seed: int, tier: str = "gpu") -> Any:
-        """Store an engine ``BlockStored`` (returns a StoreResult with ``stored_blocks`` and ``orphan``)."""
+                     token_ids: Sequence[int], seed: int, tier: str = "gpu", *, replayed: bool = False) -> Any:
+        """Store an engine ``BlockStored`` (returns a StoreResult with ``stored_blocks`` and ``orphan``);
+        ``replayed``: applied before (a page already held is then not one more cached copy)."""
         ...
 
     def apply_removed(self, replica: int, engine_hashes: Sequence[int], tier: str = "gpu") -> int:
@@ -236,7 +237,8 @@ class BatchApplier:
         seed = chain_seed(self.model, lora, ev.cache_salt)
         with self.lock:
             try:
-                res = self.index.apply_stored(self.replica, hashes, parent, tokens, seed, ev.tier)
+                res = self.index.apply_stored(self.replica, hashes, parent, tokens, seed, ev.tier,
+                                              replayed=not count)
             except Exception:
                 st.dropped["index_error"] += 1
                 result.index_errors += 1

@@ -390,8 +390,8 @@ class Sequencer:
                     out += self._clear("live_after_replay_hole")
                 out += self._apply_live(live, now)
             return out + self._set_degraded(False, now)
-        if not items or items[0].seq == last:
-            # the engine no longer has our last batch (empty answer) or has another one: it restarted
+        if (items and items[0].seq == last) or (not items and pending.trigger == "reconnect"):
+            # another batch under our last seq, or (after a reconnect) nothing at or past it: a new engine
             self.stats.restarts += 1
             note = "restart_idle" if not items else "restart_detected_by_replay"
             self.stats.notes[note] += 1

@@ -614,14 +614,15 @@ class TTFTPolicy:
     def cache_lifetime_s(self, candidate: Candidate, request: RouteRequest) -> float | None:
         """Seconds a block survives in the candidate's LRU cache at its current write rate, or None if unknown.
 
-        ``total_kv_blocks * request.block_size`` (the capacity, tokens) over ``write_rate`` (tokens/s). The
-        router's block size stands in for the engine's (they are equal in the usual deployment).
+        ``total_kv_blocks * block size`` (the capacity, tokens) over ``write_rate`` (tokens/s). The capacity is
+        counted in the engine's own blocks, so its block size (``load.engine_block_size``) is used when known;
+        the router's stands in otherwise.
         """
         blocks = candidate.load.total_kv_blocks
         rate = self.write_rate(candidate.index, request.now)
         if not blocks or rate is None or not rate > 0.0:
             return None
-        return blocks * request.block_size / rate
+        return blocks * (candidate.load.engine_block_size or request.block_size) / rate
 
     def tightness(self, candidate: Candidate, request: RouteRequest) -> float:
         """How tight the candidate's cache is for the prefixes being reused: 0 (loose) to 1 (tight).

@@ -116,6 +116,8 @@ class _LimitedHttpTools(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
+            self._in_head = self._in_body = False
+            self._cancel_timers()  # the connection now belongs to the WebSocket protocol
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
             else:

@@ -135,6 +135,8 @@ def check_body(doc: Any, limits: InputLimits, contexts: dict[str, int]) -> None:
         LimitExceeded: the first limit exceeded.
     """
     if not isinstance(doc, _OBJ):
+        if isinstance(doc, _ARR):
+            _Budget(limits.max_json_values).walk(doc, "body")  # refused by validation, but parsed first
         return
     model = doc.get("model")
     ctx = contexts.get(model, 0) if isinstance(model, str) else 0
@@ -180,6 +182,9 @@ def _check_prompt(prompt: Any, limits: InputLimits, max_chars: int, ctx: int, bu
         if len(prompt) > max_chars:
             raise _too_long("prompt", len(prompt), max_chars, "characters", ctx, "prompt")
         return
+    if isinstance(prompt, _OBJ):
+        budget.walk(prompt, "prompt")  # not a prompt (validation refuses it), but it must be parsed first
+        return
     if not isinstance(prompt, _ARR) or len(prompt) == 0:
         return
     first = prompt[0]
@@ -214,6 +219,8 @@ def _check_messages(messages: Any, limits: InputLimits, max_chars: int, ctx: int
     chars = 0
     for msg in messages:
         budget.take(1, "messages")
+        if isinstance(msg, _ARR):
+            budget.walk(msg, "messages")
         if not isinstance(msg, _OBJ):
             continue
         for key, value in msg.items():
@@ -225,6 +232,8 @@ def _check_messages(messages: Any, limits: InputLimits, max_chars: int, ctx: int
                 for part in value:
                     if isinstance(part, str):
                         chars += len(part)
+                    elif isinstance(part, _ARR):
+                        budget.walk(part, "messages")
                     elif isinstance(part, _OBJ):
                         for pv in part.values():
                             budget.take(2, "messages")

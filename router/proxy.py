@@ -922,29 +922,50 @@ class SSEValidator:
     Units: bytes.
     """
 
-    __slots__ = ("strip_usage", "max_event_bytes", "pending", "done", "checked")
+    __slots__ = ("strip_usage", "max_event_bytes", "pending", "pending_bytes", "carry_cr", "done", "checked")
 
     def __init__(self, *, strip_usage: bool, max_event_bytes: int) -> None:
         self.strip_usage = strip_usage
         self.max_event_bytes = max_event_bytes
-        self.pending = b""
+        #: pieces of an unfinished event (joined only once its blank line arrives: no quadratic copying)
+        self.pending: list[bytes] = []
+        self.pending_bytes = 0
+        self.carry_cr = False  # the last chunk ended with "\r" (maybe the first half of a "\r\n")
         self.done = False  # ``data: [DONE]`` seen
         self.checked = False  # the first data event was parsed as JSON
 
+    def _normalize(self, chunk: bytes) -> bytes:
+        """CRLF and CR line ends as LF. A chunk ending in CR counts it as a line end at once and drops a LF that
+        starts the next chunk (the two halves of one CRLF)."""
+        if self.carry_cr:
+            self.carry_cr = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        if b"\r" not in chunk:
+            return chunk
+        self.carry_cr = chunk.endswith(b"\r")
+        return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
     def feed(self, chunk: bytes) -> bytes:
         """The complete, valid (and filtered) events of ``chunk`` plus what was pending."""
-        if b"\r" in chunk:
-            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        data = self.pending + chunk if self.pending else chunk
+        chunk = self._normalize(chunk)
+        if self.pending:
+            last = self.pending[-1]
+            if b"\n\n" not in chunk and not (last.endswith(b"\n") and chunk.startswith(b"\n")):
+                self._hold(chunk)  # still inside the same event
+                return b""
+            data = b"".join(self.pending) + chunk
+            self.pending.clear()
+            self.pending_bytes = 0
+        else:
+            data = chunk
         cut = data.rfind(b"\n\n")
         if cut < 0:
-            if len(data) > self.max_event_bytes:
-                raise BadStream(f"an event over {self.max_event_bytes} bytes (engine_max_body_bytes)")
-            self.pending = data
+            self._hold(data)
             return b""
-        complete, self.pending = data[:cut + 2], data[cut + 2:]
-        if len(self.pending) > self.max_event_bytes:
-            raise BadStream(f"an event over {self.max_event_bytes} bytes (engine_max_body_bytes)")
+        complete = data[:cut + 2]
+        if cut + 2 < len(data):
+            self._hold(data[cut + 2:])
         events = complete.split(b"\n\n")
         events.pop()  # after the last blank line
         changed = False
@@ -997,10 +1018,19 @@ class SSEValidator:
                 return b"data: " + orjson.dumps(obj)
         return event
 
+    def _hold(self, piece: bytes) -> None:
+        """Keep ``piece`` of an unfinished event; an event over ``max_event_bytes`` is garbage."""
+        if piece:
+            self.pending.append(piece)
+            self.pending_bytes += len(piece)
+            if self.pending_bytes > self.max_event_bytes:
+                raise BadStream(f"an event over {self.max_event_bytes} bytes (engine_max_body_bytes)")
+
     def end(self) -> None:
         """The engine's stream is over: it must have ended with ``data: [DONE]`` and no unfinished event."""
-        if self.pending.strip():
-            raise BadStream(f"the stream ended inside an event: {self.pending[:60]!r}")
+        rest = b"".join(self.pending).strip()
+        if rest:
+            raise BadStream(f"the stream ended inside an event: {rest[:60]!r}")
         if not self.done:
             # (worded without the marker itself: the idempotency guard looks for the last "data: [DONE]")
             raise BadStream("the stream ended without its final DONE event")

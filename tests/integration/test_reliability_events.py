@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from loadtest.kv_publisher import PubStored, encode_batch
-from tests.helpers import free_port, metric, wait_until
+from tests.helpers import Proc, free_port, metric, wait_until
 from tests.integration.test_reliability_support import MODEL, Eng, engines, router
 
 BS = 16
@@ -108,3 +108,40 @@ def test_event_faults_are_counted_dropped_and_degrade_the_replica(pub: tuple[zmq
             assert r.proc.alive() and httpx.get(u + "/healthz").status_code == 200
         out = r.proc.output()
     assert "Traceback" not in out, out[-3000:]
+
+
+def _engine_args(e: Eng) -> list[str]:
+    """``kvroute fake-engine`` arguments of ``e`` on its own ports (events + replay)."""
+    assert e.events and e.replay
+    return ["fake-engine", "--host", "127.0.0.1", "--port", str(e.port), "--model", MODEL, "--dialect", "vllm",
+            "--time-scale", "0.02", "--block-size", "16", "--gpu-blocks", "4096", "--kv-events-format", "vllm",
+            "--kv-events-port", str(e.events), "--kv-replay-port", str(e.replay)]
+
+
+def test_idle_engine_restart_clears_its_stale_entries_in_the_router() -> None:
+    """Issue 18 item 2 end to end: a replica's engine process is replaced by a new one on the same ports that
+    serves nothing; the router drops the old engine's blocks within seconds (no traffic needed), and a router
+    started next to an engine with history knows that history at once (item 1)."""
+    with engines(("e0", []), events=True) as engs:
+        e = engs[0]
+        with router([e], "--predict-mode", "never") as r:
+            u = r.url
+            body = {"model": MODEL, "prompt": TOKENS, "max_tokens": 2}
+            assert httpx.post(u + "/v1/completions", json=body, timeout=30).status_code == 200
+            wait_until(lambda: _matched(u)["gpu"] == 48, timeout=10, what="blocks known from the engine's events")
+            with router([e], "--predict-mode", "never") as r2:  # a second router, next to the now idle engine
+                wait_until(lambda: _matched(r2.url)["gpu"] == 48, timeout=10, what="history on connect")
+            e.proc.stop()
+            new = Proc.kvroute(*_engine_args(e))  # restarted on the same ports, idle
+            try:
+                wait_until(lambda: httpx.get(e.url + "/health", timeout=1).status_code == 200, timeout=30,
+                           what="engine back")
+                t0 = time.monotonic()
+                wait_until(lambda: _matched(u)["gpu"] == 0, timeout=10, what="stale entries cleared")
+                assert time.monotonic() - t0 < 10
+                ev = _events(u)
+                assert ev["restarts"] >= 1 and ev["degraded"] is False and ev["connected"] is True
+                assert metric(u, "kvroute_kv_event_restarts_total", replica="e0") >= 1
+            finally:
+                new.stop()
+        assert "Traceback" not in r.proc.output()

@@ -24,11 +24,14 @@ def test_engine_killed_and_restarted_under_traffic(real_fleet: RealFleet, router
     stop = threading.Event()
 
     def traffic(seed: int) -> None:
+        # half the conversations share a system prompt, half start a new one: a restarted (empty) engine is
+        # as good as any for those, so it gets traffic again once it is back
         local = random.Random(seed)
         with httpx.Client(timeout=120) as client:
             while not stop.is_set():
+                system = local.choice(systems) if local.random() < 0.5 else words(local, 100)
                 body = {"model": MODEL, "max_tokens": 4, "temperature": 0.0,
-                        "messages": [{"role": "system", "content": local.choice(systems)},
+                        "messages": [{"role": "system", "content": system},
                                      {"role": "user", "content": words(local, 20)}]}
                 try:
                     resp = client.post(r.url + "/v1/chat/completions", json=body)

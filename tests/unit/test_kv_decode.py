@@ -349,3 +349,57 @@ def test_fuzz_mutated_engine_payloads(payload: bytes, flips: list[tuple[int, int
         data[pos % len(data)] = val
     _check(decode_live_frames([b"topic", SEQ7, bytes(data)]))
     _check(decode_payload(bytes(data[:cut])))
+
+
+def _same(a: object, b: object) -> None:
+    """Both parses fail, or both give the same batch."""
+    if isinstance(a, DecodeFailure) or isinstance(b, DecodeFailure):
+        assert isinstance(a, DecodeFailure) and isinstance(b, DecodeFailure), (a, b)
+        return
+    assert isinstance(a, DecodedBatch) and isinstance(b, DecodedBatch)
+    assert (a.seq, a.ts, a.dp_rank, a.dropped, a.notes, a.filtered_hashes) == \
+        (b.seq, b.ts, b.dp_rank, b.dropped, b.notes, b.filtered_hashes)
+    assert [(type(e), getattr(e, "hashes", None), list(getattr(e, "token_ids", []))) for e in a.events] == \
+        [(type(e), getattr(e, "hashes", None), list(getattr(e, "token_ids", []))) for e in b.events]
+
+
+@_fuzz(1500)
+@given(st.sampled_from(_VALID), st.lists(st.tuples(st.integers(min_value=0, max_value=1 << 12),
+                                                    st.integers(min_value=0, max_value=255)), max_size=4),
+       st.integers(min_value=1, max_value=1 << 12), _obj)
+def test_incremental_parse_equals_whole_parse(payload: bytes, flips: list[tuple[int, int]], cut: int,
+                                              obj: object) -> None:
+    """Large payloads are parsed one event at a time: same result as one msgpack parse, for any input."""
+    import membership.kv_decode as kd
+
+    data = bytearray(payload)
+    for pos, val in flips:
+        data[pos % len(data)] = val
+    cases = [bytes(data), bytes(data[:cut]), msgpack.packb(obj, use_bin_type=True),
+             msgpack.packb([1.0, [obj, obj], 0, obj], use_bin_type=True)]
+    for case in cases:
+        whole = decode_payload(case, seq=3)
+        saved = kd._INCREMENTAL_BYTES
+        kd._INCREMENTAL_BYTES = 0
+        try:
+            steps = kd.decode_payload_steps(case, seq=3, slice_units=1)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    incremental = stop.value
+                    break
+        finally:
+            kd._INCREMENTAL_BYTES = saved
+        _same(whole, incremental)
+
+
+def test_filtered_events_report_their_hashes() -> None:
+    """Events dropped on purpose (other KV group, unknown medium) name their hashes: later children of them are
+    not orphans worth a replay (issue 22)."""
+    events = [["BlockStored", [1], None, TOKS, 16, None, "GPU", None, None, 1],
+              ["BlockStored", [2], None, TOKS, 16, None, "NVME-OF", None, None, 0],
+              ["BlockStored", [3], None, TOKS[:5], 16, None, "GPU", None, None, 0]]  # malformed: not filtered
+    b = decode_payload(msgpack.packb([1.0, events, 0]))
+    assert isinstance(b, DecodedBatch) and b.filtered_hashes == [1, 2] and not b.events
+    assert b.dropped == {"other_kv_group": 1, "unknown_medium": 1, "token_count_mismatch": 1}

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from policies.base import Candidate, LoadView, PrefixHit, RouteRequest
+from policies.base import Candidate, LoadView, Observation, PrefixHit, RouteRequest
 from policies.ttft import TTFTPolicy
 
 
@@ -58,3 +58,15 @@ def test_when_nothing_can_be_scored_the_least_loaded_is_chosen() -> None:
     d = policy.choose(REQ, cands)
     assert d.chosen == 2 and d.branch == "unscorable" and d.ranking == [2, 1, 0]
     assert policy.excluded_candidates == 3
+
+
+def test_cache_lifetime_counts_capacity_in_the_engines_own_blocks() -> None:
+    """``total_kv_blocks`` are engine blocks: a 128-token-block engine holds 8x the tokens a 16-token guess says."""
+    policy = TTFTPolicy(tight_migration_weight=1000.0, calibrate=False, lifetime_window_s=60.0)
+    for t in range(301):
+        policy.observe(Observation(index=0, prompt_tokens=1000, cached_tokens=0, queue_wait_s=0.0, ttft_s=0.1,
+                                   now=float(t)))
+    req = RouteRequest(model="m", prompt_tokens=16, block_keys=[1], block_size=16, now=300.0)
+    same = policy.cache_lifetime_s(Candidate(0, "r0", LoadView(total_kv_blocks=5000)), req)
+    big = policy.cache_lifetime_s(Candidate(0, "r0", LoadView(total_kv_blocks=5000, engine_block_size=128)), req)
+    assert same is not None and big is not None and big == pytest.approx(8 * same)

@@ -48,7 +48,7 @@ def test_auth_compares_bytes_and_never_raises() -> None:
     assert open_.principal("Bearer k1") == ""
 
 
-def _both(body: dict[str, Any], contexts: dict[str, int] | None = None) -> LimitExceeded | None:
+def _both(body: Any, contexts: dict[str, int] | None = None) -> LimitExceeded | None:
     """check_body on the dict and on simdjson's view of the same JSON; both must agree."""
     out: list[LimitExceeded | None] = []
     raw = orjson.dumps(body)
@@ -87,6 +87,12 @@ def test_input_limits_on_both_parsers() -> None:
     assert exc is not None and exc.code == "too_many_json_values" and exc.param == "junk"
     assert _both({"model": "m", "prompt": [1, {"x": list(range(60))}]}).code == "too_many_json_values"  # type: ignore[union-attr]
     assert _both([1, 2]) is None and _both({"prompt": 5}) is None  # not ours to judge: validation answers
+    # structure hidden where no prompt or message text is expected still counts
+    for hidden in ([[1]] * 60, {"model": "m", "prompt": {"a": list(range(60))}},
+                   {"model": "m", "messages": [list(range(60))]},
+                   {"model": "m", "messages": [{"role": "user", "content": [list(range(60))]}]}):
+        exc = _both(hidden)
+        assert exc is not None and exc.code == "too_many_json_values", hidden
 
 
 def test_model_contexts_unknown_wins() -> None:

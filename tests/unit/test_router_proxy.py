@@ -533,9 +533,9 @@ def test_attempt_hold_releases_once_whatever_the_path() -> None:
     """``_Hold`` counts the request in flight on entry and gives the slot, the prefill tokens and the gate's
     permit back exactly once: on leaving the block, after an explicit release, or (handed over) only when the
     new owner releases."""
+    from index.prefix_index import PrefixIndex
     from membership.replicas import ReplicaState, ReplicaTable
     from policies.base import make_policy
-    from index.prefix_index import PrefixIndex
     from router.proxy import _AttemptFailed, _Hold
     from router.routing import Router
 
@@ -582,3 +582,18 @@ def test_attempt_hold_releases_once_whatever_the_path() -> None:
 
     asyncio.run(cancel_it())
     assert rep.load.inflight_requests == 5
+
+
+def test_sse_validator_joins_events_split_anywhere_without_quadratic_copies() -> None:
+    from router.proxy import SSEValidator
+
+    stream = (b'data: {"choices":[{"text":"' + b"x" * 200_000 + b'"}]}\r\n\r\n'
+              + b'data: {"choices":[{"text":"b"}]}\r\n\r\ndata: [DONE]\r\n\r\n')
+    for size in (1, 7, 1000, 65536):
+        v = SSEValidator(strip_usage=False, max_event_bytes=1 << 20)
+        pieces = [stream[i:i + size] for i in range(0, len(stream), size)] if size > 1 else \
+            [stream[:50], stream[50:200_050], *[stream[i:i + 1] for i in range(200_050, len(stream))]]
+        out = b"".join(v.feed(p) for p in pieces)
+        v.end()
+        assert out == stream.replace(b"\r\n", b"\n"), size
+        assert len(v.pending) == 0
