@@ -285,14 +285,18 @@ def time_queries(
 
 
 def run(target_nodes: int, counts: dict[int, int], log: Callable[[str], None]) -> dict[str, Any]:
-    """Build the workload, run every measurement, return the result object."""
+    """Build the workload, run every measurement, return the result object.
+
+    Steps, each on a fresh index unless said: store the event stream, match queries of each length, the call
+    floor and the store / hash rates and sizes (same index), remove every block (same index), the engine-event
+    path (``apply_stored``), the same stream under a memory budget. The garbage collector is off while timing.
+    """
     seed_key = root_seed("bench-model")
     t0 = time.perf_counter()
     sys_prompts, convs, expected_nodes, hash_s = build_workload(target_nodes, seed_key)
     events = build_events(convs)
     queries = draw_queries(convs, counts)
     entries = sum(len(k) for _, _, k in events)
-    hashed_blocks = sum(len(c.keys) for c in convs)
     log(
         f"workload: {len(convs)} conversations, {expected_nodes} nodes, {len(events)} events, "
         f"{entries} stored block entries ({time.perf_counter() - t0:.1f} s)"
@@ -300,6 +304,49 @@ def run(target_nodes: int, counts: dict[int, int], log: Callable[[str], None]) -
     gc.collect()
     gc.freeze()
     gc.disable()
+    idx, store_s, store_cpu_s, rss_growth = _time_store(events, log)
+    nodes = len(idx)
+    result: dict[str, Any] = {
+        "nodes": nodes,
+        "expected_nodes": expected_nodes,
+        "replicas": WORKERS,
+        "conversations": len(convs),
+        "events": len(events),
+        "stored_block_entries": entries,
+    }
+    failures = _time_matches(idx, queries, sys_prompts, convs, seed_key, result)
+    result["call_floor_p50_us"] = _call_floor_us(idx)
+    result["store_blocks_per_s"] = round(entries / store_s)
+    result["store_blocks_per_s_cpu"] = round(entries / store_cpu_s)
+    hash_rate = sum(len(c.keys) for c in convs) / hash_s if hash_s > 0 else float("inf")
+    result["hash_blocks_per_s"] = round(hash_rate)
+    result["store_blocks_per_s_incl_hash"] = round(1 / (1 / result["store_blocks_per_s"] + 1 / hash_rate))
+    result["bytes_per_node"] = round(rss_growth / max(nodes, 1), 1)
+    result.update(deep_bytes_per_node(idx))
+    result["estimated_bytes"] = idx.estimated_bytes()
+    result["match_check_failures"] = failures + (0 if nodes == expected_nodes else 1)
+    _time_remove(idx, events, entries, result)
+    del idx
+    _collect()
+    result["match_check_failures"] += _time_apply_stored(convs, sys_prompts, entries, seed_key, result)
+    _collect()
+    result["match_check_failures"] += _time_under_budget(events, entries, nodes, result)
+    gc.enable()
+    gc.unfreeze()
+    return result
+
+
+def _collect() -> None:
+    """A full collection between measurements, the collector off again afterwards."""
+    gc.enable()
+    gc.collect()
+    gc.disable()
+
+
+def _time_store(
+    events: list[tuple[int, int | None, list[int]]], log: Callable[[str], None]
+) -> tuple[PrefixIndex, float, float, int]:
+    """Store the event stream into a new index: (index, wall seconds, CPU seconds, RSS growth in bytes)."""
     rss0 = rss_bytes()
     idx = PrefixIndex(block_size=BLOCK)
     store = idx.store
@@ -310,16 +357,14 @@ def run(target_nodes: int, counts: dict[int, int], log: Callable[[str], None]) -
     store_s = time.perf_counter() - t0
     store_cpu_s = time.process_time() - c0
     rss1 = rss_bytes()
-    nodes = len(idx)
-    log(f"stored in {store_s:.2f} s; nodes {nodes}")
-    result: dict[str, Any] = {
-        "nodes": nodes,
-        "expected_nodes": expected_nodes,
-        "replicas": WORKERS,
-        "conversations": len(convs),
-        "events": len(events),
-        "stored_block_entries": entries,
-    }
+    log(f"stored in {store_s:.2f} s; nodes {len(idx)}")
+    return idx, store_s, store_cpu_s, rss1 - rss0
+
+
+def _time_matches(idx: PrefixIndex, queries: dict[int, list[Query]], sys_prompts: list[list[int]],
+                  convs: list[Conversation], seed_key: int, result: dict[str, Any]) -> int:
+    """Time the queries of each length (p50 / p99 per measurement into ``result``); returns the queries whose
+    match differed from the expected hit length."""
     failures = 0
     for length in LENGTHS:
         qs = queries[length]
@@ -332,21 +377,22 @@ def run(target_nodes: int, counts: dict[int, int], log: Callable[[str], None]) -
             result[f"{name}_{tag}_p50_us"] = round(pct(values, 50), 1)
             result[f"{name}_{tag}_p99_us"] = round(pct(values, 99), 1)
         result[f"queries_{tag}"] = len(qs)
+    return failures
+
+
+def _call_floor_us(idx: PrefixIndex) -> float:
+    """Median time of a one-key ``match`` that misses (the per-call overhead), microseconds."""
     floor = []
     for _ in range(1000):
         t0 = time.perf_counter_ns()
         idx.match([12345])
         floor.append((time.perf_counter_ns() - t0) / 1000)
-    result["call_floor_p50_us"] = round(pct(floor, 50), 2)
-    result["store_blocks_per_s"] = round(entries / store_s)
-    result["store_blocks_per_s_cpu"] = round(entries / store_cpu_s)
-    hash_rate = hashed_blocks / hash_s if hash_s > 0 else float("inf")
-    result["hash_blocks_per_s"] = round(hash_rate)
-    result["store_blocks_per_s_incl_hash"] = round(1 / (1 / result["store_blocks_per_s"] + 1 / hash_rate))
-    result["bytes_per_node"] = round((rss1 - rss0) / max(nodes, 1), 1)
-    result.update(deep_bytes_per_node(idx))
-    result["estimated_bytes"] = idx.estimated_bytes()
-    result["match_check_failures"] = failures + (0 if nodes == expected_nodes else 1)
+    return round(pct(floor, 50), 2)
+
+
+def _time_remove(idx: PrefixIndex, events: list[tuple[int, int | None, list[int]]], entries: int,
+                 result: dict[str, Any]) -> None:
+    """Remove every stored block, newest event first: rate, longest call, nodes left into ``result``."""
     remove = idx.remove
     clock = time.perf_counter
     worst = 0.0  # the longest single call: it holds a node-id compaction of the whole index
@@ -361,15 +407,16 @@ def run(target_nodes: int, counts: dict[int, int], log: Callable[[str], None]) -
     result["remove_blocks_per_s"] = round(entries / remove_s)
     result["remove_worst_call_ms"] = round(worst * 1000.0, 1)
     result["nodes_after_remove"] = len(idx)
-    del idx
-    gc.enable()
-    gc.collect()
-    gc.disable()
-    # Event path: engine BlockStored events (engine hashes + token ids) -> router keys -> index.
+
+
+def _time_apply_stored(convs: list[Conversation], sys_prompts: list[list[int]], entries: int, seed_key: int,
+                       result: dict[str, Any]) -> int:
+    """The event path: engine BlockStored events (engine hashes + token ids) -> router keys -> a new index.
+    Rates into ``result``; returns the orphaned events (each one a failure)."""
     eng = build_engine_events(convs, sys_prompts, min(entries, 200_000))
     eng_entries = sum(len(h) for _, h, _, _ in eng)
-    idx2 = PrefixIndex(block_size=BLOCK)
-    apply = idx2.apply_stored
+    idx = PrefixIndex(block_size=BLOCK)
+    apply = idx.apply_stored
     orphans = 0
     c0 = time.process_time()
     t0 = time.perf_counter()
@@ -380,42 +427,42 @@ def run(target_nodes: int, counts: dict[int, int], log: Callable[[str], None]) -
     result["apply_stored_blocks_per_s"] = round(eng_entries / apply_s)
     result["apply_stored_blocks_per_s_cpu"] = round(eng_entries / apply_cpu_s)
     result["apply_stored_block_entries"] = eng_entries
-    result["match_check_failures"] += orphans
-    del idx2, eng
-    gc.enable()
-    gc.collect()
-    gc.disable()
-    # Steady state under memory pressure: the same stream into an index capped at half the nodes.
+    return orphans
+
+
+def _time_under_budget(events: list[tuple[int, int | None, list[int]]], entries: int, nodes: int,
+                       result: dict[str, Any]) -> int:
+    """Steady state under memory pressure: the same stream into an index capped at half the nodes. Rates,
+    longest call and LRU quality into ``result``; returns the failures (calls that left the index over its
+    budget, recent blocks missing)."""
     budget = max(1, nodes // 2)
-    idx3 = PrefixIndex(block_size=BLOCK, max_nodes=budget)
-    store3 = idx3.store
+    idx = PrefixIndex(block_size=BLOCK, max_nodes=budget)
+    store = idx.store
+    clock = time.perf_counter
     over = 0
     worst = 0.0  # the longest single call: the eviction it runs (bounded per call, see PrefixIndex._evict)
     t0 = clock()
     for w, parent, keys in events:
         c0 = clock()
-        store3(w, parent, keys)
+        store(w, parent, keys)
         c1 = clock() - c0
         if c1 > worst:
             worst = c1
-        over += len(idx3) > budget
+        over += len(idx) > budget
     budget_s = clock() - t0
     result["store_blocks_per_s_under_budget"] = round(entries / budget_s)
     result["store_worst_call_ms_under_budget"] = round(worst * 1000.0, 1)
     result["budget_nodes"] = budget
-    result["budget_evictions"] = idx3.stats()["evictions"]
+    result["budget_evictions"] = idx.stats()["evictions"]
     # LRU quality: the newest stored blocks (the last events, up to a third of the budget) must all be held
     recent: set[int] = set()
     for _, _, keys in reversed(events):
         if len(recent) + len(keys) > budget // 3:
             break
         recent.update(keys)
-    missing = sum(1 for k in recent if k not in idx3)
+    missing = sum(1 for k in recent if k not in idx)
     result["budget_recent_missing"] = missing
-    result["match_check_failures"] += over + missing
-    gc.enable()
-    gc.unfreeze()
-    return result
+    return over + missing
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -185,12 +185,14 @@ class TTFTPolicy:
         reuse_age_samples: int = 64,
         survival_check: bool = False,
     ) -> None:
-        if objective not in (None, "mean", "tail"):
-            raise ValueError(f"objective must be 'mean' or 'tail', got {objective!r}")
-        if not 0.0 <= p_confirmed <= 1.0 or not 0.0 <= p_predicted <= 1.0:
-            raise ValueError("p_confirmed and p_predicted must be within [0, 1]")
-        if not 0.0 < tail_quantile <= 1.0:
-            raise ValueError("tail_quantile must be within (0, 1]")
+        """Check and store the parameters (documented in the class docstring).
+
+        Long because: 27 keyword parameters, one line each; they stay flat (not grouped) because
+        ``make_policy(name, **params)`` builds every policy from ``Settings.policy_params``, and the body only
+        checks them (``_check_params``) and stores them.
+        """
+        _check_params(objective, p_confirmed, p_predicted, tail_quantile, popular_window_s, lifetime_window_s,
+                      tight_ratio_low, tight_ratio_high, reuse_age_samples)
         self.objective: Objective | None = objective
         self.params = CostParams(
             p_confirmed=p_confirmed,
@@ -217,19 +219,11 @@ class TTFTPolicy:
         self._mean_samples = 0
         self.work_weight = work_weight
         self.migration_weight = migration_weight
-        if not popular_window_s > 0.0:
-            raise ValueError(f"popular_window_s must be > 0, got {popular_window_s!r}")
         self.popular_window_s = popular_window_s
         self.migration_cap_s = migration_cap_s
         self.popular_min_requests = popular_min_requests
         #: deepest-match block key -> (decayed count of decisions whose deepest GPU match ended there, now)
         self._deep_counts: dict[int, tuple[float, float]] = {}
-        if not lifetime_window_s > 0.0:
-            raise ValueError(f"lifetime_window_s must be > 0, got {lifetime_window_s!r}")
-        if not 0.0 <= tight_ratio_low < tight_ratio_high:
-            raise ValueError("tight_ratio_low and tight_ratio_high must satisfy 0 <= low < high")
-        if reuse_age_samples < 1:
-            raise ValueError(f"reuse_age_samples must be >= 1, got {reuse_age_samples!r}")
         self.tight_migration_weight = tight_migration_weight
         self.survival_check = survival_check
         self.tight_migration_cap_s = tight_migration_cap_s
@@ -253,13 +247,49 @@ class TTFTPolicy:
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         """Estimate every candidate's TTFT and pick the lowest (see the module docstring).
 
-        The loop is written for speed (it runs for every request over every candidate): GPU-only and empty
-        matches are evaluated inline; matches with non-GPU tiers go through ``cost_model.estimate``. A unit test
-        checks the inline path against ``estimate``.
+        Steps: the deepest GPU match a move would throw away (``_deepest_to_keep``), every candidate's score
+        (``_score``, the hot loop), the migration penalty (``_charge_migration``), the ranking (``_pick``).
         """
         require_candidates(candidates)
-        params = self.params
         tail = (self.objective or request.objective) == "tail"
+        deepest = self._deepest_to_keep(request, candidates)
+        scores, keys, excluded, moved = self._score(request, candidates, tail, deepest)
+        if moved:
+            self._charge_migration(request, candidates, scores, keys, moved, deepest)
+        return self._pick(candidates, scores, keys, excluded, self.params.slo_ttft_s if tail else None)
+
+    def _deepest_to_keep(self, request: RouteRequest, candidates: Sequence[Candidate]) -> int:
+        """The deepest GPU match among the candidates (tokens, at most the prompt) that a move away from its
+        holder throws away; 0 when the migration penalty is off or that prefix is popular right now (replicate
+        it, do not pin it). Counts the decision for the popularity guard and the reuse-age mean."""
+        if not self.migration_weight:
+            return 0
+        n = request.prompt_tokens
+        deepest = max([c.hit.gpu for c in candidates])
+        if deepest > n:
+            deepest = n
+        if deepest and self._popular(request, deepest):
+            return 0
+        if deepest and self.tight_migration_weight:
+            self._note_reuse_age(candidates, deepest)
+        return deepest
+
+    def _score(
+        self, request: RouteRequest, candidates: Sequence[Candidate], tail: bool, deepest: int
+    ) -> tuple[list[CandidateScore], list[float], list[int], list[tuple[int, float]]]:
+        """Every candidate's score and parts (seconds), in candidate order.
+
+        Returns (scores, their score values, positions of the excluded candidates, moves: (position, seconds of
+        recompute a move there throws away) for the migration penalty).
+
+        Long because: it is the hot loop (every request, every candidate): the load gaps are filled, Q, the
+        KV-pressure penalty, the miss path and the hit path are computed inline on locals. Helpers per candidate
+        or per path cost a call and the attribute look-ups again for each candidate (measured:
+        ``python -m loadtest.bench_policies --json``, ttft at 64 candidates). GPU-only and empty matches are
+        evaluated inline; matches with non-GPU tiers go through ``cost_model.estimate``; a unit test checks the
+        inline path against ``estimate``.
+        """
+        params = self.params
         n = request.prompt_tokens
         k0 = params.kv_pressure_threshold
         kw = params.kv_pressure_weight_s
@@ -271,20 +301,8 @@ class TTFTPolicy:
         rates = self._rates
         overheads = self._overheads
         drain = self.drain_stale_queue
-        slo = params.slo_ttft_s if tail else None
         ww = self.work_weight
-        mw = self.migration_weight
-        mcap = self.migration_cap_s
-        deepest = max([c.hit.gpu for c in candidates]) if mw else 0
-        if deepest > n:
-            deepest = n
-        if deepest and self._popular(request, deepest):
-            deepest = 0  # a prefix many requests share right now: replicate it, do not pin it
-        tw = self.tight_migration_weight
-        if deepest and tw:
-            self._note_reuse_age(candidates, deepest)
         moved: list[tuple[int, float]] = []  # (position, seconds of recompute a move there throws away)
-
         mean_tokens = self._mean_uncached if self._mean_samples >= self.calibrator.min_samples else None
         mean_tokens = mean_tokens or params.mean_prefill_tokens
         worst: tuple[float, float, float] | None = None  # conservative stand-ins for unknown gauges, lazily
@@ -427,10 +445,24 @@ class TTFTPolicy:
                 parts["excluded"] = 1.0
             keys.append(score)
             scores.append(CandidateScore(cand.index, cand.name, score, parts))
+        return scores, keys, excluded, moved
 
-        if tw and moved and self.survival_check and self._holder_copy_doomed(candidates, scores, deepest, request):
-            moved = []  # the holder's copy is evicted before this request would run there: a move loses nothing
-        for pos, lost_s in moved:  # the migration penalty, capped: see the class docstring
+    def _charge_migration(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        scores: list[CandidateScore],
+        keys: list[float],
+        moved: list[tuple[int, float]],
+        deepest: int,
+    ) -> None:
+        """Add the migration penalty (seconds, capped: see the class docstring) to the scores of the moves."""
+        tw = self.tight_migration_weight
+        mw = self.migration_weight
+        mcap = self.migration_cap_s
+        if tw and self.survival_check and self._holder_copy_doomed(candidates, scores, deepest, request):
+            return  # the holder's copy is evicted before this request would run there: a move loses nothing
+        for pos, lost_s in moved:
             if tw:
                 t = self.tightness(candidates[pos], request)
                 m = (mw + t * (tw - mw)) * lost_s
@@ -446,6 +478,16 @@ class TTFTPolicy:
                 sc.score += m
                 sc.parts["W"] += m
 
+    def _pick(
+        self,
+        candidates: Sequence[Candidate],
+        scores: list[CandidateScore],
+        keys: list[float],
+        excluded: list[int],
+        slo: float | None,
+    ) -> Decision:
+        """The decision: candidates ranked by score (with an SLO: those meeting it first, by mean), the
+        excluded ones left out (or, when nothing could be scored, ranked by in-flight requests)."""
         if slo is not None:
             ok = [s.parts["tail"] <= slo for s in scores]
             if any(ok):
@@ -476,7 +518,6 @@ class TTFTPolicy:
             policy=self.name,
             branch=branch,
         )
-
     def _popular(self, request: RouteRequest, deepest: int) -> bool:
         """Count this decision against its deepest GPU match; True when that prefix is popular right now.
 
@@ -655,6 +696,26 @@ class TTFTPolicy:
         if index not in self._rates:
             return None
         return self._rates[index], self._overheads.get(index, 0.0)
+
+
+def _check_params(objective: Objective | None, p_confirmed: float, p_predicted: float, tail_quantile: float,
+                  popular_window_s: float, lifetime_window_s: float, tight_ratio_low: float, tight_ratio_high: float,
+                  reuse_age_samples: int) -> None:
+    """Raise ``ValueError`` for a ``TTFTPolicy`` parameter out of its range (a configuration error)."""
+    if objective not in (None, "mean", "tail"):
+        raise ValueError(f"objective must be 'mean' or 'tail', got {objective!r}")
+    if not 0.0 <= p_confirmed <= 1.0 or not 0.0 <= p_predicted <= 1.0:
+        raise ValueError("p_confirmed and p_predicted must be within [0, 1]")
+    if not 0.0 < tail_quantile <= 1.0:
+        raise ValueError("tail_quantile must be within (0, 1]")
+    if not popular_window_s > 0.0:
+        raise ValueError(f"popular_window_s must be > 0, got {popular_window_s!r}")
+    if not lifetime_window_s > 0.0:
+        raise ValueError(f"lifetime_window_s must be > 0, got {lifetime_window_s!r}")
+    if not 0.0 <= tight_ratio_low < tight_ratio_high:
+        raise ValueError("tight_ratio_low and tight_ratio_high must satisfy 0 <= low < high")
+    if reuse_age_samples < 1:
+        raise ValueError(f"reuse_age_samples must be >= 1, got {reuse_age_samples!r}")
 
 
 def _worst_known(candidates: Sequence[Candidate], mean_tokens: float) -> tuple[float, float, float]:

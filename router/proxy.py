@@ -44,7 +44,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,7 @@ from prometheus_client import Counter
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from membership.replicas import Replica, ReplicaState
+from membership.replicas import Replica, ReplicaState, ReplicaTable
 from policies.base import Observation
 from router.dispatch import DispatchGate, ReplicaGone
 from router.engine_client import (
@@ -101,17 +101,138 @@ def new_request_id(given: str | None) -> str:
     return uuid.uuid4().hex
 
 
+#: bound on the attempt loop's turns (attempts, skipped replicas and re-decisions together)
+_MAX_SPINS = 64
+
+
 class _AttemptFailed(Exception):
-    """One attempt failed before the first byte. ``retry``: another replica may succeed."""
+    """One attempt failed before the first byte. ``retry``: another replica may succeed; ``connection``: the
+    connection to the replica failed (passive health signal); ``attempted``: False when the request never
+    reached the replica (it left while the request waited at the dispatch gate): not counted as an attempt."""
 
     def __init__(self, reason: str, message: str, *, retry: bool, status: int = 502,
-                 connection: bool = False) -> None:
+                 connection: bool = False, attempted: bool = True) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
         self.retry = retry
         self.status = status
         self.connection = connection
+        self.attempted = attempted
+
+
+class _Run:
+    """The state of one request's attempts: the ranking (grown by re-decisions), the predicted cached tokens
+    per replica index, the replicas tried, the errors so far, counters."""
+
+    __slots__ = ("routed", "deadline", "headers", "ranking", "cached", "tried", "errors", "last", "attempts",
+                 "spins")
+
+    def __init__(self, routed: Routed, *, deadline: float, headers: dict[str, str]) -> None:
+        self.routed = routed
+        #: monotonic seconds at which the whole request times out (total_timeout_s)
+        self.deadline = deadline
+        #: headers sent to the engine
+        self.headers = headers
+        self.ranking = list(routed.decision.ranking)
+        #: replica index -> prompt tokens the router expects it to have cached
+        self.cached = dict(routed.cached_tokens)
+        self.tried: list[int] = []
+        self.errors: list[str] = []
+        self.last: _AttemptFailed | None = None
+        self.attempts = 0
+        self.spins = 0
+
+    def pick(self, table: ReplicaTable, *, panic: bool) -> Replica | None:
+        """The first replica of the ranking not tried yet that is routable (with ``panic``: or unhealthy)."""
+        for i in self.ranking:
+            if i in self.tried:
+                continue
+            rep = table.by_index(i)
+            if rep is not None and (rep.routable or (panic and rep.state == ReplicaState.UNHEALTHY)):
+                return rep
+        return None
+
+    def extend(self, again: Routed) -> bool:
+        """Append a new decision's replicas not ranked yet; False when it brought none."""
+        new = [i for i in again.decision.ranking if i not in self.ranking]
+        if not new:
+            return False
+        self.ranking.extend(new)
+        self.cached.update(again.cached_tokens)
+        return True
+
+
+class _Hold:
+    """One attempt's hold on a replica, released exactly once on every path.
+
+    Entering counts the request in flight on the replica (``Router.acquire``: requests and uncached prefill
+    tokens) BEFORE anything is sent; ``admit`` waits for the dispatch gate's permit; ``first_byte`` gives the
+    permit and the prefill tokens back (the prefill is over); ``release`` ends the in-flight count (and does
+    ``first_byte`` first if it has not happened). Each step happens at most once however often it is called.
+
+    Leaving the ``with`` block releases everything (failure before the first byte, retry, cancellation, client
+    disconnect, a non-streamed answer read whole) unless the hold was handed over to a relayed stream
+    (``hand_over``), which then calls ``release`` when the stream ends.
+
+    Units: tokens.
+    """
+
+    __slots__ = ("router", "gate", "rep", "uncached", "copies", "_permit", "_prefilling", "_held", "_owned")
+
+    def __init__(self, router: Router, gate: DispatchGate | None, rep: Replica, uncached: int,
+                 copies: int) -> None:
+        self.router = router
+        self.gate = gate
+        self.rep = rep
+        #: prompt tokens the replica must prefill (not expected to be cached)
+        self.uncached = uncached
+        #: sequences requested (n / best_of), each counted as a request
+        self.copies = copies
+        self._permit: int | None = None  # what gate.wait returned (None: no permit counted)
+        self._prefilling = False
+        self._held = False
+        self._owned = True
+
+    def __enter__(self) -> _Hold:
+        self.router.acquire(self.rep, self.uncached, self.copies)
+        self._prefilling = self._held = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._owned:
+            self.release()
+
+    async def admit(self, keys: Sequence[int], prompt_tokens: int, stream: bool) -> None:
+        """Wait for the dispatch gate (when there is one). Raises ``_AttemptFailed`` (not an attempt) when the
+        replica stopped being routable meanwhile."""
+        if self.gate is None:
+            return
+        try:
+            self._permit = await self.gate.wait(self.rep.index, keys, prompt_tokens, self.uncached, stream)
+        except ReplicaGone as exc:
+            raise _AttemptFailed("replica_gone", str(exc), retry=True, attempted=False) from None
+
+    def first_byte(self) -> None:
+        """The prefill is over (first byte) or abandoned: the gate's permit and the prefill tokens go back."""
+        if not self._prefilling:
+            return
+        self._prefilling = False
+        if self.gate is not None:
+            self.gate.done(self.rep.index, self._permit)
+        self.router.prefill_done(self.rep, self.uncached)
+
+    def release(self) -> None:
+        """The request is over on the replica, whatever the outcome."""
+        self.first_byte()
+        if self._held:
+            self._held = False
+            self.router.release(self.rep, self.copies)
+
+    def hand_over(self) -> _Hold:
+        """The caller no longer releases on leaving the ``with`` block: a relayed stream will. Returns self."""
+        self._owned = False
+        return self
 
 
 @dataclass(slots=True)
@@ -242,114 +363,103 @@ class Proxy:
 
     async def _attempts(self, routed: Routed, path: str, body: bytes, stream: bool,
                         request_id: str, ids: IdsPrompt | None = None) -> Response:
-        router = self.router
-        check = self.token_ids if ids is not None else None
-        inp = routed.inp
-        deadline = time.monotonic() + self.cfg.total_timeout_s
-        ranking = list(routed.decision.ranking)
-        cached = dict(routed.cached_tokens)
-        tried: list[int] = []
-        errors: list[str] = []
-        last: _AttemptFailed | None = None
-        attempts = 0
-        headers = {"content-type": "application/json", "x-request-id": request_id,
-                   "accept": "text/event-stream" if stream else "application/json"}
-        table = router.table
+        """Try the decision's replicas in ranking order until one answers (module docstring, steps 1-4).
 
-        def usable(i: int, panic: bool) -> bool:
-            rep = table.by_index(i)
-            return rep is not None and (rep.routable or (panic and rep.state == ReplicaState.UNHEALTHY))
-
-        spins = 0
-        while attempts <= self.cfg.max_retries and spins < 64:
-            spins += 1
-            # the next replica of the ranking that is ready; when none is, an unhealthy one (panic routing,
-            # as in Router.decide: health checks of overloaded engines give false positives)
-            idx = next((i for i in ranking if i not in tried and usable(i, False)), None)
-            if idx is None and router.panic_routing:
-                idx = next((i for i in ranking if i not in tried and usable(i, True)), None)
-            if idx is None:
-                try:  # ranking exhausted: decide again among what is left
-                    again = router.decide(inp, exclude=tried)
-                except RoutingError:
-                    break
-                new = [i for i in again.decision.ranking if i not in ranking]
-                if not new:
-                    break
-                ranking.extend(new)
-                cached.update(again.cached_tokens)
-                continue
-            tried.append(idx)
-            rep = table.by_index(idx)
+        At most ``1 + max_retries`` attempts (an attempt whose replica left while it waited at the dispatch gate
+        does not count); a failure that another replica cannot fix (``_AttemptFailed.retry`` false) ends it.
+        """
+        run = _Run(routed, deadline=time.monotonic() + self.cfg.total_timeout_s,
+                   headers={"content-type": "application/json", "x-request-id": request_id,
+                            "accept": "text/event-stream" if stream else "application/json"})
+        while run.attempts <= self.cfg.max_retries and run.spins < _MAX_SPINS:
+            run.spins += 1
+            rep = self._next_replica(run)
             if rep is None:
-                continue
-            if attempts:
-                self.telemetry.retries.labels(last.reason if last else "unknown").inc()
-            attempts += 1
-            uncached = inp.prompt_tokens - cached.get(idx, 0)
-            router.acquire(rep, uncached, inp.copies)  # n / best_of sequences count as requests
-            router.record_prediction(rep, inp.keys)
-            payload = body
-            if check is not None and ids is not None and check.accepts(rep):
-                payload = ids.body()
-                self.telemetry.token_id_prompts.inc()
-                check.audit(rep, ids)
-            strip_usage = False
-            if stream and self.cfg.stream_usage:
-                payload, strip_usage = ask_for_usage(payload)
-            t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)
-            gate = self.gate
-            sent: int | None = None
-            if gate is not None:
-                try:
-                    sent = await gate.wait(idx, inp.keys, inp.prompt_tokens, uncached, stream)
-                except ReplicaGone as exc:
-                    router.prefill_done(rep, uncached)
-                    router.release(rep, inp.copies)
-                    last = _AttemptFailed("replica_gone", str(exc), retry=True)
-                    errors.append(f"{rep.name}: {exc}")
-                    attempts -= 1  # it never reached the replica: not an attempt
-                    continue
-                except BaseException:
-                    router.prefill_done(rep, uncached)
-                    router.release(rep, inp.copies)
-                    raise
+                break
+            run.tried.append(rep.index)
+            if run.attempts:
+                self.telemetry.retries.labels(run.last.reason if run.last else "unknown").inc()
+            run.attempts += 1
             try:
-                resp, first = await self._open(rep, path, payload, headers, deadline)
+                return await self._attempt(run, rep, path, body, stream, request_id, ids)
             except _AttemptFailed as exc:
-                if gate is not None:
-                    gate.done(idx, sent)
-                router.prefill_done(rep, uncached)
-                router.release(rep, inp.copies)
-                last = exc
-                errors.append(f"{rep.name}: {exc.message}")
-                log.warning("attempt failed", extra={"request_id": request_id, "replica": rep.name,
-                                                     "reason": exc.reason, "error": exc.message})
-                if exc.connection:
-                    self.on_connection_failure(rep, exc.message)
+                self._attempt_failed(run, rep, exc, request_id)
                 if not exc.retry:
                     break
-                continue
-            except BaseException:
-                if gate is not None:
-                    gate.done(idx, sent)
-                router.prefill_done(rep, uncached)
-                router.release(rep, inp.copies)
-                raise
+        return self._all_failed(run, request_id)
+
+    def _next_replica(self, run: _Run) -> Replica | None:
+        """The next replica of the ranking that is ready; when none is, an unhealthy one (panic routing, as in
+        ``Router.decide``: health checks of overloaded engines give false positives); when the ranking is
+        exhausted, decide again without the replicas tried (counted as a spin). None: nothing left to try."""
+        router = self.router
+        while True:
+            rep = run.pick(router.table, panic=False)
+            if rep is None and router.panic_routing:
+                rep = run.pick(router.table, panic=True)
+            if rep is not None:
+                return rep
+            try:
+                again = router.decide(run.routed.inp, exclude=run.tried)
+            except RoutingError:
+                return None
+            if not run.extend(again) or run.attempts > self.cfg.max_retries or run.spins >= _MAX_SPINS:
+                return None
+            run.spins += 1
+
+    async def _attempt(self, run: _Run, rep: Replica, path: str, body: bytes, stream: bool, request_id: str,
+                       ids: IdsPrompt | None) -> Response:
+        """One attempt on ``rep``: hold its in-flight slot (and dispatch-gate permit), send, wait for the first
+        byte, commit the answer. Raises ``_AttemptFailed`` before the first byte (the hold is released)."""
+        inp = run.routed.inp
+        predicted_cached = run.cached.get(rep.index, 0)
+        with _Hold(self.router, self.gate, rep, inp.prompt_tokens - predicted_cached, inp.copies) as hold:
+            self.router.record_prediction(rep, inp.keys)
+            payload, strip_usage = self._payload(rep, body, stream, ids)
+            t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)
+            await hold.admit(inp.keys, inp.prompt_tokens, stream)
+            resp, first = await self._open(rep, path, payload, run.headers, run.deadline)
             ttft = time.monotonic() - t0
-            if gate is not None:
-                gate.done(idx, sent)
-            router.prefill_done(rep, uncached)
-            return await self._commit(rep, routed, resp, first, ttft, deadline, stream, request_id,
-                                      cached.get(idx, 0), strip_usage)
-        # every attempt failed
+            hold.first_byte()
+            return await self._commit(hold, run.routed, resp, first, ttft, run.deadline, stream, request_id,
+                                      predicted_cached, strip_usage)
+
+    def _payload(self, rep: Replica, body: bytes, stream: bool, ids: IdsPrompt | None) -> tuple[bytes, bool]:
+        """The body for ``rep`` (token ids when it takes them) and whether the router asked for stream usage
+        the client did not ask for (then it is removed from what the client receives)."""
+        payload = body
+        check = self.token_ids
+        if check is not None and ids is not None and check.accepts(rep):
+            payload = ids.body()
+            self.telemetry.token_id_prompts.inc()
+            check.audit(rep, ids)
+        if stream and self.cfg.stream_usage:
+            return ask_for_usage(payload)
+        return payload, False
+
+    def _attempt_failed(self, run: _Run, rep: Replica, exc: _AttemptFailed, request_id: str) -> None:
+        """Record a failed attempt (its error for the final message, the passive health signal)."""
+        run.last = exc
+        run.errors.append(f"{rep.name}: {exc.message}")
+        if not exc.attempted:
+            run.attempts -= 1  # it never reached the replica: not an attempt
+            return
+        log.warning("attempt failed", extra={"request_id": request_id, "replica": rep.name,
+                                             "reason": exc.reason, "error": exc.message})
+        if exc.connection:
+            self.on_connection_failure(rep, exc.message)
+
+    def _all_failed(self, run: _Run, request_id: str) -> Response:
+        """The error answer when no attempt succeeded: 503 when no replica could be tried, else the last
+        failure's status with every attempt's error."""
+        last = run.last
         if last is None:
             self.telemetry.upstream_errors.labels("no_replica").inc()
-            return error_response(503, f"no routable replica left for model {inp.model!r}",
+            return error_response(503, f"no routable replica left for model {run.routed.inp.model!r}",
                                   "no_routable_replica", headers={"retry-after": str(self.cfg.retry_after_s),
                                                                   "x-request-id": request_id})
         self.telemetry.upstream_errors.labels(last.reason).inc()
-        msg = f"request failed after {attempts} attempt(s): " + "; ".join(errors)
+        msg = f"request failed after {run.attempts} attempt(s): " + "; ".join(run.errors)
         return error_response(last.status, msg, last.reason, headers={"x-request-id": request_id})
 
     async def _open(self, rep: Replica, path: str, body: bytes, headers: dict[str, str],
@@ -397,44 +507,34 @@ class Proxy:
             raise
 
     # -- committed answers -----------------------------------------------------------------------------
-    async def _commit(self, rep: Replica, routed: Routed, resp: EngineResponse, first: bytes, ttft: float,
+    async def _commit(self, hold: _Hold, routed: Routed, resp: EngineResponse, first: bytes, ttft: float,
                       deadline: float, stream: bool, request_id: str, predicted_cached: int,
                       strip_usage: bool = False) -> Response:
+        """The client's answer once the first byte arrived: a relayed stream (which takes over ``hold``) or the
+        whole body read now (``hold`` is released when it was read)."""
+        rep = hold.rep
         out_headers = {"x-request-id": request_id, "x-kvroute-replica": rep.name,
                        "x-kvroute-predicted-cached-tokens": str(predicted_cached)}
         ctype = resp.headers.get("content-type", "application/json")
         status = resp.status
-        is_sse = ctype.startswith("text/event-stream")
         if status < 400:
             self.telemetry.ttft.labels(rep.name).observe(ttft)
-        if is_sse and status < 400:
-            events = SSEValidator(strip_usage=strip_usage, max_event_bytes=self.cfg.max_body_bytes)
-            try:
-                out = events.feed(first)
-            except BadStream as exc:  # garbage from the start: nothing was sent yet, answer a clean 502
-                self.router.release(rep)
-                resp.close()
-                self.telemetry.upstream_errors.labels("bad_stream").inc()
-                log.warning("engine sent an invalid event stream", extra={"request_id": request_id,
-                                                                          "replica": rep.name, "error": str(exc)})
-                return error_response(502, f"engine {rep.name} answered {status} with an invalid event stream: "
-                                      f"{exc}", "upstream_bad_stream", headers=out_headers)
-            relay = _Relay(self, rep, routed, resp, out, ttft, deadline, request_id, predicted_cached, events)
-            relay.tail = bytearray(first[-_TAIL_BYTES:])
-            return _ProxyStream(relay, status_code=status, media_type=ctype, headers=out_headers)
+        if ctype.startswith("text/event-stream") and status < 400:
+            return self._commit_stream(hold, routed, resp, first, ttft, deadline, request_id, predicted_cached,
+                                       strip_usage, ctype, out_headers)
         # non-streaming: read the rest now, bounded in size and in silence
         try:
             content = await resp.read_body(first, max_bytes=self.cfg.max_body_bytes,
                                            idle_timeout_s=self.cfg.body_idle_timeout_s, deadline=deadline)
         except (TimeoutError, EngineError) as exc:
-            self.router.release(rep, routed.inp.copies)
+            hold.release()
             resp.close()
             return self._body_failed(rep, exc, out_headers)
         except BaseException:
-            self.router.release(rep, routed.inp.copies)
+            hold.release()
             resp.close()
             raise
-        self.router.release(rep, routed.inp.copies)
+        hold.release()
         resp.release()  # fully read: the connection goes back to the pool
         if status < 400:
             try:
@@ -449,6 +549,29 @@ class Proxy:
             self._check_usage(rep, usage, streamed=False)
             self._feedback(rep, routed, usage, ttft, predicted_cached, single_chunk=not stream)
         return Response(content, status_code=status, media_type=ctype, headers=out_headers)
+
+    def _commit_stream(self, hold: _Hold, routed: Routed, resp: EngineResponse, first: bytes, ttft: float,
+                       deadline: float, request_id: str, predicted_cached: int, strip_usage: bool, ctype: str,
+                       out_headers: dict[str, str]) -> Response:
+        """A relayed event stream (the relay releases ``hold`` when it ends), or a clean 502 when the first
+        chunk is already not a valid event stream (nothing was sent to the client yet)."""
+        rep = hold.rep
+        events = SSEValidator(strip_usage=strip_usage, max_event_bytes=self.cfg.max_body_bytes)
+        try:
+            out = events.feed(first)
+        except BadStream as exc:
+            hold.release()
+            resp.close()
+            self.telemetry.upstream_errors.labels("bad_stream").inc()
+            log.warning("engine sent an invalid event stream", extra={"request_id": request_id,
+                                                                      "replica": rep.name, "error": str(exc)})
+            return error_response(502, f"engine {rep.name} answered {resp.status} with an invalid event stream: "
+                                  f"{exc}", "upstream_bad_stream", headers=out_headers)
+        relay = _Relay(self, hold, routed, resp, out, ttft, deadline, request_id, predicted_cached, events)
+        relay.tail = bytearray(first[-_TAIL_BYTES:])
+        response = _ProxyStream(relay, status_code=resp.status, media_type=ctype, headers=out_headers)
+        hold.hand_over()
+        return response
 
     def _body_failed(self, rep: Replica, exc: BaseException, out_headers: dict[str, str]) -> Response:
         """The error answer for a non-streamed body that could not be read whole (counted by reason)."""
@@ -517,15 +640,15 @@ class Proxy:
 class _Relay:
     """One relayed SSE stream: yields the engine's chunks, and cleans up exactly once (``finish``).
 
-    Cleanup = release the replica's in-flight count, feed back usage / TTFT, close the upstream response, call
+    Cleanup = release the attempt's hold on the replica (in-flight count), feed back usage / TTFT, close the upstream response, call
     ``on_done``. It runs from the generator's ``finally`` and, as a safety net, from ``_ProxyStream`` (a stream
     cancelled before its generator ever started has no ``finally`` to run).
     """
 
-    def __init__(self, proxy: Proxy, rep: Replica, routed: Routed, resp: EngineResponse, first: bytes,
+    def __init__(self, proxy: Proxy, hold: _Hold, routed: Routed, resp: EngineResponse, first: bytes,
                  ttft: float, deadline: float, request_id: str, predicted_cached: int,
                  events: SSEValidator | None = None) -> None:
-        self.proxy, self.rep, self.routed, self.resp = proxy, rep, routed, resp
+        self.proxy, self.hold, self.rep, self.routed, self.resp = proxy, hold, hold.rep, routed, resp
         self.first, self.ttft, self.deadline, self.request_id = first, ttft, deadline, request_id
         self.predicted_cached = predicted_cached
         #: validates (and filters) the engine's events; ``first`` has already been through it
@@ -630,7 +753,7 @@ class _Relay:
             return
         self.finished = True
         try:
-            self.proxy.router.release(self.rep, self.routed.inp.copies)
+            self.hold.release()
             # usage is fed back even when the client left right after the last chunk
             usage = _usage_from_sse(bytes(self.tail))
             if self.ok:

@@ -81,10 +81,16 @@ def test_idempotency_keys_with_redis() -> None:
                     assert partial.status_code == 200
                     next(partial.iter_raw())  # the first token arrived; now hang up
                 assert c.post(eng.url + "/admin/faults", json={"stall_mid_stream_s": 0}).status_code == 200
-                s3 = wait_until(lambda: (x := c.post(u + "/v1/completions", json=completion("left early", stream=True),
-                                                     headers=lkey)).status_code == 409 and x, timeout=10,
-                                what="abandoned stream key marked done")
-                assert s3.json()["error"]["code"] == "idempotency_stream_not_stored"  # type: ignore[union-attr]
+                # until the abandoned stream's cleanup (a task) reaches Redis the key is still in flight (409
+                # idempotency_in_flight): wait for the final error code, not just the status
+                def _abandoned() -> httpx.Response | None:
+                    x = c.post(u + "/v1/completions", json=completion("left early", stream=True), headers=lkey)
+                    assert x.status_code == 409, x.text  # never run again, never replayed
+                    code = x.json()["error"]["code"]
+                    assert code in ("idempotency_in_flight", "idempotency_stream_not_stored"), x.text
+                    return x if code == "idempotency_stream_not_stored" else None
+
+                wait_until(_abandoned, timeout=10, what="abandoned stream key marked done (not stored)")
 
                 # -- a failed first attempt releases the key: the client's retry runs -------------------------
                 fkey = {"idempotency-key": "order-3"}

@@ -88,6 +88,8 @@ def tiny_engine(state: EngineState) -> Starlette:
             return JSONResponse({"error": "engine exploded"}, status_code=500)
         if state.mode == "garbage":
             return Response(b"\x00\x01 definitely not json", media_type="application/json")
+        if state.mode == "bad_sse" and body.get("stream"):
+            return Response(b"this is not an event stream\n\n", media_type="text/event-stream")
         if state.mode == "400":
             return JSONResponse({"error": {"message": "max_tokens too large"}}, status_code=400)
         if state.mode == "hang":  # like vLLM's @with_cancellation: abort when the client goes away
@@ -512,6 +514,74 @@ def test_tls_failure_to_a_ready_replica_is_a_clear_502(tmp_path: Any) -> None:
         assert err["code"] == "tls_error" and "certificate verify failed" in err["message"]
         assert "engine_ca_bundle" in err["message"] and eng.posts() == []
         assert metric(router, "kvroute_upstream_errors_total", {"reason": "tls_error"}) == 1
+
+
+def test_invalid_first_stream_chunk_releases_every_copy_in_flight() -> None:
+    """A stream whose first chunk is already invalid is a clean 502; the in-flight count of a request with
+    ``n`` sequences goes back to zero (it was released as one request before the attempt owned its hold)."""
+    st = EngineState(mode="bad_sse")
+    with ServerThread(tiny_engine(st)) as srv, router_for([srv.url]) as router:
+        ready(router, 1)
+        r = httpx.post(router.url + "/v1/completions", json={**BODY, "stream": True, "n": 2}, timeout=10)
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["code"] == "upstream_bad_stream"
+        assert st.posts == 1
+        assert inflight(router) == [0]
+
+
+def test_attempt_hold_releases_once_whatever_the_path() -> None:
+    """``_Hold`` counts the request in flight on entry and gives the slot, the prefill tokens and the gate's
+    permit back exactly once: on leaving the block, after an explicit release, or (handed over) only when the
+    new owner releases."""
+    from index.prefix_index import PrefixIndex
+    from membership.replicas import ReplicaState, ReplicaTable
+    from policies.base import make_policy
+    from router.proxy import _AttemptFailed, _Hold
+    from router.routing import Router
+
+    table = ReplicaTable()
+    rep = table.upsert("r0", "http://127.0.0.1:1", models=["m"])
+    table.set_state("r0", ReplicaState.READY)
+    router = Router(table, PrefixIndex(block_size=16), make_policy("round_robin"), block_size=16)
+
+    def counts() -> tuple[int, int, int]:
+        return rep.load.inflight_requests, rep.load.inflight_prefill_tokens, router.pending_prefill_tokens(0)
+
+    with _Hold(router, None, rep, 100, 3):
+        assert counts() == (3, 100, 100)
+    assert counts() == (0, 0, 0)
+
+    with pytest.raises(_AttemptFailed):  # a failure before the first byte
+        with _Hold(router, None, rep, 100, 2) as hold:
+            hold.first_byte()
+            assert counts() == (2, 0, 0)
+            raise _AttemptFailed("x", "boom", retry=True)
+    assert counts() == (0, 0, 0)
+
+    with _Hold(router, None, rep, 50, 1) as hold:
+        hold.release()
+        hold.release()
+    rep.load.inflight_requests = 5  # other requests: a second release would eat one of theirs
+    with _Hold(router, None, rep, 50, 1) as hold:
+        hold.hand_over()
+    assert rep.load.inflight_requests == 6  # the new owner holds it
+    hold.release()
+    hold.release()
+    assert rep.load.inflight_requests == 5
+
+    async def cancelled() -> None:
+        with _Hold(router, None, rep, 10, 1):
+            await asyncio.sleep(30)
+
+    async def cancel_it() -> None:
+        task = asyncio.ensure_future(cancelled())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_it())
+    assert rep.load.inflight_requests == 5
 
 
 def test_sse_validator_joins_events_split_anywhere_without_quadratic_copies() -> None:
