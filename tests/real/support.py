@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import zmq
 
-from loadtest.real_vllm import MODEL, WORDS, RealEngine
+from loadtest.real_vllm import MODEL, WORDS, RealEngine, RealFleet
 from membership.kv_decode import DecodedBatch, RemovedEvent, StoredEvent, decode_live_frames
 from tests.helpers import Proc, free_port, wait_http_ok, wait_until
 
@@ -75,6 +75,17 @@ def start_router(engines: Sequence[RealEngine], model_dir: Path, *extra: str, wa
         print(proc.stop()[-4000:])
         raise
     return router
+
+
+def engine_url(fleet: RealFleet, name: str) -> str:
+    """Base URL of the fleet's engine ``name`` (looked up now: a restart replaces handles)."""
+    return next(e.url for e in fleet.engines if e.name == name)
+
+
+def full_hit(prompt_tokens: int) -> int:
+    """Cached tokens an engine reports for a prompt it fully holds (blocks of ``BLOCK`` tokens): the last token
+    is always computed."""
+    return (prompt_tokens - 1) // BLOCK * BLOCK
 
 
 def words(rnd: random.Random, n: int) -> str:

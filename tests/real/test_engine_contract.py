@@ -17,26 +17,17 @@ from loadtest.fleet import scrape_samples
 from loadtest.real_vllm import MODEL, RealFleet, engine_tokenize, reset_prefix_cache
 from tests.helpers import wait_until
 from tests.real.support import (
-    BLOCK,
     Router,
     cached_of,
     chat,
     complete,
+    engine_url,
+    full_hit,
     predicted_of,
     sse_events,
     token_prompt,
     words,
 )
-
-
-def engine(fleet: RealFleet, name: str) -> str:
-    """Base URL of the fleet's engine ``name`` (looked up now: a restart replaces handles)."""
-    return next(e.url for e in fleet.engines if e.name == name)
-
-
-def full_hit(prompt_tokens: int) -> int:
-    """Cached tokens an engine reports for a prompt it fully holds: the last token is always computed."""
-    return (prompt_tokens - 1) // BLOCK * BLOCK
 
 
 def test_multi_turn_predictions_equal_engine_cached_tokens(router: Callable[..., Router]) -> None:
@@ -63,7 +54,7 @@ def test_multi_turn_predictions_equal_engine_cached_tokens(router: Callable[...,
 
 
 def test_metrics_scraped_under_vllms_real_names(real_fleet: RealFleet, router: Callable[..., Router]) -> None:
-    samples = scrape_samples(engine(real_fleet, "r0"))
+    samples = scrape_samples(engine_url(real_fleet, "r0"))
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info",
                  "process_start_time_seconds"):
@@ -87,7 +78,7 @@ def test_tokenize_and_chat_template_agree_with_the_engine(real_fleet: RealFleet,
                                                           router: Callable[..., Router], mode: str) -> None:
     extra = ("--tokenizer-mode", "engine") if mode == "engine" else ()
     r = router(("r0",), *extra)
-    url = engine(real_fleet, "r0")
+    url = engine_url(real_fleet, "r0")
     rnd = random.Random(2 if mode == "hf" else 3)
     text = words(rnd, 150)
     messages = [{"role": "system", "content": words(rnd, 100)}, {"role": "user", "content": words(rnd, 30)}]
@@ -130,7 +121,7 @@ def test_streaming_through_the_router(router: Callable[..., Router]) -> None:
 
 def test_reset_of_the_engines_prefix_cache(real_fleet: RealFleet, router: Callable[..., Router]) -> None:
     r = router(("r0",))
-    url = engine(real_fleet, "r0")
+    url = engine_url(real_fleet, "r0")
     rnd = random.Random(5)
     body = {"prompt": token_prompt(rnd, 200)}
     complete(r.url, body)

@@ -24,21 +24,13 @@ from tests.real.support import (
     cached_of,
     chat,
     complete,
+    engine_url,
+    full_hit,
     predicted_of,
     sse_events,
     token_prompt,
     words,
 )
-
-
-def engine_url(fleet: RealFleet, name: str) -> str:
-    """Base URL of the fleet's engine ``name`` (looked up now: a restart replaces handles)."""
-    return next(e.url for e in fleet.engines if e.name == name)
-
-
-def full_hit(prompt_tokens: int) -> int:
-    """Cached tokens an engine reports for a prompt it fully holds: the last token is always computed."""
-    return (prompt_tokens - 1) // BLOCK * BLOCK
 
 
 def test_router_started_next_to_an_idle_engine_knows_its_cache(real_fleet: RealFleet,
