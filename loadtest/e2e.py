@@ -38,11 +38,13 @@ from typing import Any
 import httpx
 
 from loadtest.fleet import (
+    COMPARED_RUNS,
     EngineOptions,
     Fleet,
     RouterHandle,
     add_harness_args,
     exit_on_sigterm,
+    parse_runs,
     scrape_samples,
 )
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
@@ -57,12 +59,7 @@ from loadtest.workload import (
 
 #: run name -> (router kind, policy); ``ttft_cache_first`` is ``ttft`` that never leaves the replica holding the
 #: deepest GPU-cached prefix for a shorter queue (policies/ttft_cache_first.py)
-RUNS: dict[str, tuple[str, str]] = {
-    "kvroute_ttft": ("kvroute", "ttft"),
-    "kvroute_round_robin": ("kvroute", "round_robin"),
-    "sglang_cache_aware": ("sglang", "cache_aware"),
-    "kvroute_ttft_cache_first": ("kvroute", "ttft_cache_first"),
-}
+RUNS: dict[str, tuple[str, str]] = {**COMPARED_RUNS, "kvroute_ttft_cache_first": ("kvroute", "ttft_cache_first")}
 
 
 #: keys every run object carries in the JSON output
@@ -240,10 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit code (0 when every run completed, even with request errors)."""
     args = build_parser().parse_args(argv)
-    runs = [r.strip() for r in args.routers.split(",") if r.strip()]
-    unknown = [r for r in runs if r not in RUNS]
-    if unknown or not runs:
-        print(f"unknown run(s) {unknown}; choose from {', '.join(RUNS)}", file=sys.stderr)
+    try:
+        runs = parse_runs(args.routers, list(RUNS))
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     if args.time_scale <= 0 or args.load_scale <= 0 or args.duration <= 0 or args.repeat < 1:
         print("--time-scale, --load-scale and --duration must be > 0, --repeat >= 1", file=sys.stderr)

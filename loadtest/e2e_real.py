@@ -49,10 +49,12 @@ import zmq
 
 from index.hashing import block_keys, root_seed
 from loadtest.fleet import (
+    COMPARED_RUNS,
     HOST,
     ManagedProcess,
     exit_on_sigterm,
     free_port,
+    parse_runs,
     prefix_counters,
     scrape_samples,
     wait_ready,
@@ -72,11 +74,7 @@ from loadtest.simulator import lru_block_hit_rate
 from membership.kv_decode import DecodedBatch, RemovedEvent, decode_live_frames
 
 #: run name -> (router kind, policy)
-RUNS: dict[str, tuple[str, str]] = {
-    "kvroute_ttft": ("kvroute", "ttft"),
-    "kvroute_round_robin": ("kvroute", "round_robin"),
-    "sglang_cache_aware": ("sglang", "cache_aware"),
-}
+RUNS = COMPARED_RUNS
 BLOCK_SIZE = 32
 
 
@@ -416,10 +414,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit code."""
     args = build_parser().parse_args(argv)
     exit_on_sigterm()
-    names = [n.strip() for n in args.routers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown:
-        print(f"unknown runs: {unknown}; known: {list(RUNS)}", file=sys.stderr)
+    try:
+        names = parse_runs(args.routers, list(RUNS))
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvroute-e2e-real-"))
     model_dir = build_model_dir(log_dir / "tiny-llama")

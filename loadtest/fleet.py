@@ -535,6 +535,24 @@ def prefix_counters(samples: dict[str, float]) -> tuple[float, float]:
     return hits, queries
 
 
+#: the routers every end-to-end benchmark compares: run name -> (router kind, policy)
+COMPARED_RUNS: dict[str, tuple[str, str]] = {
+    "kvroute_ttft": ("kvroute", "ttft"),
+    "kvroute_round_robin": ("kvroute", "round_robin"),
+    "sglang_cache_aware": ("sglang", "cache_aware"),
+}
+
+
+def parse_runs(routers: str, known: Sequence[str]) -> list[str]:
+    """The run names of a comma-separated ``--routers`` value, in order; ValueError when one is not in ``known``
+    or none is given."""
+    names = [n.strip() for n in routers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown run(s) {unknown}; choose from {', '.join(known)}")
+    return names
+
+
 def add_harness_args(p: argparse.ArgumentParser) -> None:
     """The options every fleet benchmark shares: ``--log-dir`` and ``--json``."""
     p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary, removed)")
