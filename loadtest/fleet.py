@@ -271,10 +271,9 @@ class EngineOptions:
 
 
 @dataclass(slots=True)
-class EngineHandle:
-    """One running fake engine: its name, ports and process."""
+class EngineEndpoints:
+    """One running engine process (fake or real vLLM) on ``HOST``: its HTTP, KV-event PUB and replay ports."""
 
-    name: str
     port: int
     events_port: int
     replay_port: int
@@ -284,6 +283,23 @@ class EngineHandle:
     def url(self) -> str:
         """Base HTTP URL."""
         return f"http://{HOST}:{self.port}"
+
+    @property
+    def events_url(self) -> str:
+        """ZMQ PUB endpoint of its KV events."""
+        return f"tcp://{HOST}:{self.events_port}"
+
+    @property
+    def replay_url(self) -> str:
+        """ZMQ ROUTER endpoint answering replay requests."""
+        return f"tcp://{HOST}:{self.replay_port}"
+
+
+@dataclass(slots=True)
+class EngineHandle(EngineEndpoints):
+    """One running fake engine: its name, ports and process."""
+
+    name: str
 
 
 @dataclass(slots=True)
@@ -363,7 +379,7 @@ class Fleet:
                     name = f"engine{i}"
                     proc = ManagedProcess(self.engine_args(i, port, ev, rp), f"{name}-g{self._generation}",
                                           self.log_dir)
-                    self.engines.append(EngineHandle(name, port, ev, rp, proc))
+                    self.engines.append(EngineHandle(port=port, events_port=ev, replay_port=rp, proc=proc, name=name))
                 for eh in self.engines:
                     wait_ready(eh.url + "/health", eh.proc, self.ready_timeout_s)
                 return self.engines
@@ -393,7 +409,7 @@ class Fleet:
         """The ``kvroute serve --replica`` spec of an engine."""
         parts = [f"name={eh.name}", f"url={eh.url}", f"dialect={self.engine.dialect}", f"model={self.engine.model}"]
         if self.engine.kv_events_format:
-            parts += [f"events=tcp://{HOST}:{eh.events_port}", f"replay=tcp://{HOST}:{eh.replay_port}"]
+            parts += [f"events={eh.events_url}", f"replay={eh.replay_url}"]
         return ",".join(parts)
 
     def start_kvroute(self, policy: str = "ttft", extra_args: Sequence[str] = (),

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.fleet import HOST, REPO, FleetError, ManagedProcess, free_port
+from loadtest.fleet import HOST, REPO, EngineEndpoints, FleetError, ManagedProcess, free_port
 
 #: where the engine venv lives unless KVROUTE_VLLM_VENV says otherwise (gitignored, reused when its stamp matches)
 DEFAULT_VENV = REPO / ".cache" / "vllm-venv"
@@ -139,34 +139,15 @@ class EngineSpec:
 
 
 @dataclass(slots=True)
-class RealEngine:
+class RealEngine(EngineEndpoints):
     """One running real engine: its spec, ports and process (replaced on restart)."""
 
     spec: EngineSpec
-    port: int
-    events_port: int
-    replay_port: int
-    proc: ManagedProcess
 
     @property
     def name(self) -> str:
         """Replica name."""
         return self.spec.name
-
-    @property
-    def url(self) -> str:
-        """Base HTTP URL."""
-        return f"http://{HOST}:{self.port}"
-
-    @property
-    def events_url(self) -> str:
-        """ZMQ PUB endpoint of its KV events."""
-        return f"tcp://{HOST}:{self.events_port}"
-
-    @property
-    def replay_url(self) -> str:
-        """ZMQ ROUTER endpoint answering replay requests."""
-        return f"tcp://{HOST}:{self.replay_port}"
 
     def replica_spec(self) -> str:
         """The ``kvroute serve --replica`` spec of this engine."""
@@ -246,7 +227,7 @@ class RealFleet:
         self._generation += 1
         proc = ManagedProcess(engine_args(self.python, self.model_dir, spec, port, events_port, replay_port),
                               f"{spec.name}-g{self._generation}", self.log_dir, env=engine_env(spec))
-        return RealEngine(spec, port, events_port, replay_port, proc)
+        return RealEngine(port=port, events_port=events_port, replay_port=replay_port, proc=proc, spec=spec)
 
     def start(self) -> list[RealEngine]:
         """Start every engine (they load in parallel) and wait until each is ready."""
