@@ -91,6 +91,24 @@ async def connect(rig: Rig) -> None:
     await until(lambda: rig.sub.stats()["replicas"]["r0"]["last_seq"] == rig.pub.next_seq - 1, what="catch up")
 
 
+async def connected_rig(rigs: list[Rig], fmt: str = "vllm", replay: bool = True, faults: Faults | None = None,
+                        config: KVEventsConfig | None = None) -> Rig:
+    """``make_rig``, registered in ``rigs`` (stopped after the test) and connected."""
+    rig = await make_rig(fmt, replay, faults, config)
+    rigs.append(rig)
+    await connect(rig)
+    return rig
+
+
+async def store_chain(rig: Rig, n_blocks: int) -> tuple[list[int], list[int], list[int]]:
+    """Publish an ``n_blocks`` chain (``chain``'s tokens, engine hashes, router keys) in one ``BlockStored`` and
+    wait until the index holds all of it."""
+    toks, hs, keys = chain(n_blocks)
+    rig.pub.publish([PubStored(hs, None, toks, BS)])
+    await until(lambda: matched(rig.index, keys) == n_blocks, what=f"{n_blocks} blocks stored")
+    return toks, hs, keys
+
+
 @pytest.fixture
 async def rigs() -> AsyncIterator[list[Rig]]:
     made: list[Rig] = []
@@ -102,9 +120,7 @@ async def rigs() -> AsyncIterator[list[Rig]]:
 
 @pytest.mark.parametrize("fmt", ["vllm", "vllm-legacy", "sglang"])
 async def test_events_reach_the_index_in_every_format(rigs: list[Rig], fmt: str) -> None:
-    rig = await make_rig(fmt)
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, fmt)
     toks, hs, keys = chain(4)
     rig.pub.publish([PubStored(hs[:2], None, toks[:32], BS), PubStored(hs[2:], hs[1], toks[32:], BS)])
     await until(lambda: matched(rig.index, keys) == 4, what="4 blocks stored")
@@ -121,9 +137,7 @@ async def test_events_reach_the_index_in_every_format(rigs: list[Rig], fmt: str)
 
 
 async def test_gap_is_repaired_by_replay(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm")
     requests_before = rig.pub.stats.replay_requests  # (connect may have needed a late-join replay)
     toks, hs, keys = chain(3)
     rig.pub.faults.drop_every = 1  # the next batch is not sent live, only buffered for replay
@@ -138,9 +152,7 @@ async def test_gap_is_repaired_by_replay(rigs: list[Rig]) -> None:
 
 
 async def test_gap_replay_without_topic_frame_vllm_legacy(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm-legacy")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm-legacy")
     toks, hs, keys = chain(2)
     rig.pub.faults.drop_every = 1
     rig.pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
@@ -151,14 +163,10 @@ async def test_gap_replay_without_topic_frame_vllm_legacy(rigs: list[Rig]) -> No
 
 
 async def test_sequence_reset_clears_the_replica(rigs: list[Rig]) -> None:
-    rig = await make_rig("sglang")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "sglang")
     for _ in range(3):
         rig.pub.publish([PubCleared()])
-    toks, hs, keys = chain(2)
-    rig.pub.publish([PubStored(hs, None, toks, BS)])
-    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    toks, hs, keys = await store_chain(rig, 2)
     rig.pub.restart()  # the engine restarted: seq starts at 0, its cache is empty
     toks2, hs2, keys2 = chain(1, base=5000)
     rig.pub.publish([PubStored(hs2, None, toks2, BS)])
@@ -168,12 +176,8 @@ async def test_sequence_reset_clears_the_replica(rigs: list[Rig]) -> None:
 
 
 async def test_restart_that_lands_on_a_gap_is_detected_by_replay_continuity(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
-    toks, hs, keys = chain(2)
-    rig.pub.publish([PubStored(hs, None, toks, BS)])
-    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    rig = await connected_rig(rigs, "vllm")
+    toks, hs, keys = await store_chain(rig, 2)
     last = rig.pub.next_seq - 1
     rig.pub.restart()
     toks2, hs2, keys2 = chain(1, base=7000)
@@ -191,9 +195,7 @@ async def test_restart_that_lands_on_a_gap_is_detected_by_replay_continuity(rigs
 
 
 async def test_duplicates_are_dropped_and_counted(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm")
     toks, hs, keys = chain(2)
     rig.pub.faults.duplicate_every = 1
     rig.pub.publish([PubStored(hs, None, toks, BS)])
@@ -205,9 +207,7 @@ async def test_duplicates_are_dropped_and_counted(rigs: list[Rig]) -> None:
 
 
 async def test_garbage_payload_is_counted_and_the_stream_continues(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm")
     rig.pub.faults.kv_garbage_every = 1
     rig.pub.publish([PubCleared()])
     rig.pub.faults.kv_garbage_every = 0
@@ -222,12 +222,8 @@ async def test_garbage_payload_is_counted_and_the_stream_continues(rigs: list[Ri
 
 
 async def test_missing_replay_endpoint_marks_degraded_and_clears(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm", faults=Faults(replay_disabled=True))
-    rigs.append(rig)
-    await connect(rig)
-    toks, hs, keys = chain(2)
-    rig.pub.publish([PubStored(hs, None, toks, BS)])
-    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    rig = await connected_rig(rigs, "vllm", faults=Faults(replay_disabled=True))
+    toks, hs, keys = await store_chain(rig, 2)
     rig.pub.faults.drop_every = 1
     rig.pub.publish([PubRemoved([hs[1]])])  # lost for good: the replay ROUTER never answers
     rig.pub.faults.drop_every = 0
@@ -244,9 +240,7 @@ async def test_missing_replay_endpoint_marks_degraded_and_clears(rigs: list[Rig]
 
 
 async def test_slow_replay_counts_as_failed(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm", faults=Faults(replay_delay_s=1.5))
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm", faults=Faults(replay_delay_s=1.5))
     rig.pub.faults.drop_every = 1
     rig.pub.publish([PubRemoved([123])])
     rig.pub.faults.drop_every = 0
@@ -256,9 +250,7 @@ async def test_slow_replay_counts_as_failed(rigs: list[Rig]) -> None:
 
 
 async def test_no_replay_endpoint_gap_degrades_then_recovers_on_clear(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm", replay=False)
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm", replay=False)
     rig.pub.faults.drop_every = 1
     rig.pub.publish([PubCleared()])
     rig.pub.faults.drop_every = 0
@@ -312,26 +304,29 @@ async def test_late_join_live_batch_first_replays_from_zero(rigs: list[Rig]) -> 
     assert t["events"]["BlockStored"] == 2  # each batch counted once, however often it was replayed
 
 
-async def _restart_publisher(rig: Rig, fmt: str = "vllm") -> KVEventPublisher:
-    """Stop the rig's publisher and start a new one (an engine restart) on the same addresses."""
-    endpoint, replay = rig.pub.endpoint, rig.pub.replay_endpoint
-    rig.pub.stop()
+async def _replace_publisher(rig: Rig, faults: Faults | None = None, same_engine: bool = False,
+                            start: bool = True) -> KVEventPublisher:
+    """Stop the rig's publisher, wait until the subscriber sees the disconnect, and put a new one on the same
+    addresses: a restarted engine (sequence and replay buffer start empty) or, ``same_engine``, the same engine
+    process coming back (its buffer and sequence kept). ``start=False`` leaves it unbound (publish first)."""
+    old = rig.pub
+    old.stop()
     await until(lambda: not rig.sub.stats()["replicas"]["r0"]["connected"], what="disconnect seen")
-    new = KVEventPublisher(fmt, endpoint, replay, topic="kv")
-    new.start()
+    new = KVEventPublisher(old.fmt, old.endpoint, old.replay_endpoint, topic="kv", faults=faults)
+    if same_engine:
+        new._buffer.extend(old._buffer)
+        new._seq = old._seq
+    if start:
+        new.start()
     rig.pub = new
     return new
 
 
 async def test_idle_engine_restart_clears_the_replica_without_any_new_batch(rigs: list[Rig]) -> None:
     """Issue 18 item 2: an engine restarted on the same port that stays idle: its old blocks go, quickly."""
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
-    toks, hs, keys = chain(3)
-    rig.pub.publish([PubStored(hs, None, toks, BS)])
-    await until(lambda: matched(rig.index, keys) == 3, what="stored")
-    await _restart_publisher(rig)
+    rig = await connected_rig(rigs, "vllm")
+    toks, hs, keys = await store_chain(rig, 3)
+    await _replace_publisher(rig)
     t0 = time.monotonic()
     await until(lambda: matched(rig.index, keys) == 0, timeout=3, what="stale blocks cleared")
     assert time.monotonic() - t0 < 3.0
@@ -342,21 +337,12 @@ async def test_idle_engine_restart_clears_the_replica_without_any_new_batch(rigs
 
 async def test_restarted_engine_history_replaces_the_old_one(rigs: list[Rig]) -> None:
     """A restarted engine that published (fewer batches than we had seen) before we reconnected, then idles."""
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm")
     for _ in range(4):
         rig.pub.publish([PubCleared()])
-    toks, hs, keys = chain(2)
-    rig.pub.publish([PubStored(hs, None, toks, BS)])
-    await until(lambda: matched(rig.index, keys) == 2, what="stored")
-    endpoint, replay = rig.pub.endpoint, rig.pub.replay_endpoint
-    rig.pub.stop()
-    await until(lambda: not rig.sub.stats()["replicas"]["r0"]["connected"], what="disconnect seen")
+    toks, hs, keys = await store_chain(rig, 2)
     # the new engine's PUB is not bound yet (its seq 0 is not seen live) but its replay buffer has it
-    new = KVEventPublisher("vllm", endpoint, replay, topic="kv", faults=Faults(drop_every=1))
-    new.start()
-    rig.pub = new
+    new = await _replace_publisher(rig, Faults(drop_every=1))
     toks2, hs2, keys2 = chain(1, base=6000)
     new.publish([PubStored(hs2, None, toks2, BS)])
     await until(lambda: matched(rig.index, keys2) == 1, timeout=5, what="new engine's history applied")
@@ -367,33 +353,21 @@ async def test_restarted_engine_history_replaces_the_old_one(rigs: list[Rig]) ->
 
 async def test_reconnect_to_the_same_engine_keeps_its_blocks_and_fills_the_gap(rigs: list[Rig]) -> None:
     """A reconnect whose replay continues our stream (same engine, buffer intact) keeps the blocks."""
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm")
     toks, hs, keys = chain(3)
     rig.pub.publish([PubStored(hs[:2], None, toks[:32], BS)])
     await until(lambda: matched(rig.index, keys) == 2, what="stored")
-    endpoint, replay = rig.pub.endpoint, rig.pub.replay_endpoint
-    buffered = list(rig.pub._buffer)
-    seq = rig.pub.next_seq
-    rig.pub.stop()
-    await until(lambda: not rig.sub.stats()["replicas"]["r0"]["connected"], what="disconnect seen")
     # the same engine process comes back on its sockets (a network blip): same buffer, same sequence
-    same = KVEventPublisher("vllm", endpoint, replay, topic="kv", faults=Faults(drop_every=1))
-    same._buffer.extend(buffered)
-    same._seq = seq
+    same = await _replace_publisher(rig, Faults(drop_every=1), same_engine=True, start=False)
     same.publish([PubStored(hs[2:], hs[1], toks[32:], BS)])  # published while we were away
     same.start()
-    rig.pub = same
     await until(lambda: matched(rig.index, keys) == 3, timeout=5, what="missed batch replayed")
     t = rig.totals()
     assert t["restarts"] == 0 and t["replays"].get("reconnect:ok") == 1 and t["degraded_replicas"] == 0
 
 
 async def test_orphan_triggers_a_replay_that_finds_the_parent(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm")
     toks, hs, keys = chain(2)
     rig.pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
     await until(lambda: matched(rig.index, keys) == 1, what="root stored")
@@ -405,9 +379,7 @@ async def test_orphan_triggers_a_replay_that_finds_the_parent(rigs: list[Rig]) -
 
 
 async def test_lora_and_salt_chains_get_their_own_root_seed(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm")
     toks, hs, _ = chain(1)
     rig.pub.publish([PubStored(hs, None, toks, BS, "gpu", "sql-lora", "s1")])
     lora_keys = block_keys(toks, BS, root_seed(MODEL, "sql-lora", "s1"))
@@ -437,19 +409,11 @@ async def test_stop_is_clean_and_metrics_export(rigs: list[Rig]) -> None:
 
 async def test_engine_restart_behind_a_reconnect_is_detected(rigs: list[Rig]) -> None:
     """A restarted engine whose sequence happens to continue at last+1 must not keep the old engine's blocks."""
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
-    toks, hs, keys = chain(2)
-    rig.pub.publish([PubStored(hs, None, toks, BS)])
-    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    rig = await connected_rig(rigs, "vllm")
+    toks, hs, keys = await store_chain(rig, 2)
     last = rig.pub.next_seq - 1
-    endpoint, replay = rig.pub.endpoint, rig.pub.replay_endpoint
-    rig.pub.stop()  # the engine dies ...
-    await until(lambda: not rig.sub.stats()["replicas"]["r0"]["connected"], what="disconnect seen")
-    new = KVEventPublisher("vllm", endpoint, replay, topic="kv", faults=Faults(drop_every=1))
-    new.start()  # ... and comes back on the same address; its first batches are never seen live
-    rig.pub = new
+    # the engine dies and comes back on the same address; its first batches are never seen live
+    new = await _replace_publisher(rig, Faults(drop_every=1))
     for _ in range(last + 1):
         new.publish([PubCleared()])
     await until(lambda: rig.sub.stats()["replicas"]["r0"]["connected"], what="reconnected")
@@ -466,12 +430,8 @@ async def test_engine_restart_behind_a_reconnect_is_detected(rigs: list[Rig]) ->
 
 
 async def test_unreplayable_gap_clears_instead_of_keeping_stale_blocks(rigs: list[Rig]) -> None:
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
-    toks, hs, keys = chain(2)
-    rig.pub.publish([PubStored(hs, None, toks, BS)])
-    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    rig = await connected_rig(rigs, "vllm")
+    toks, hs, keys = await store_chain(rig, 2)
     rig.pub.faults.drop_every = 1
     rig.pub.faults.drop_unbuffered = True  # lost live AND missing from the replay buffer
     rig.pub.publish([PubRemoved([hs[1]])])
@@ -498,9 +458,7 @@ def _raw_batch(*events: dict[str, object]) -> bytes:
 async def test_parent_dropped_by_the_kv_group_filter_triggers_no_replay(rigs: list[Rig]) -> None:
     """Issue 22 defect: a stored event whose parent came in another KV group (dropped by our filter) is not an
     orphan to replay the whole buffer for."""
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm")
     toks, hs, keys = chain(2)
     rig.pub.publish_payload(_raw_batch(_raw_stored(hs[:1], None, toks[:16], group=1),
                                        _raw_stored(hs[1:], hs[0], toks[16:], group=0)))
@@ -516,9 +474,7 @@ async def test_parent_dropped_by_the_kv_group_filter_triggers_no_replay(rigs: li
 
 async def test_multimodal_drop_is_counted_once_when_a_replay_reapplies_its_batch(rigs: list[Rig]) -> None:
     """Issue 22 defect: re-applying batches after a replay does not count their multimodal drops again."""
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm")
     toks, hs, keys = chain(2)
     mm = _raw_stored([777], None, list(range(50, 66)), extra=[[["image-hash", 0]]])
     rig.pub.publish_payload(_raw_batch(mm, _raw_stored(hs[:1], None, toks[:16])))
@@ -532,9 +488,7 @@ async def test_multimodal_drop_is_counted_once_when_a_replay_reapplies_its_batch
 
 async def test_absurd_sequence_jump_is_bounded_in_the_counters(rigs: list[Rig]) -> None:
     """Issue 24: a jump of the sequence to ~2**64 added ~1.8e19 to missing_batches."""
-    rig = await make_rig("vllm", replay=False)
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm", replay=False)
     missing = rig.totals()["missing_batches"]
     rig.pub._seq = (1 << 64) - 2  # the engine's sequence jumps (a bug, or garbage on the wire)
     toks, hs, keys = chain(1)
@@ -557,9 +511,7 @@ def _big_batch(fmt: str, chains: int, pages: int) -> tuple[bytes, list[list[int]
 
 async def test_a_large_batch_does_not_block_the_event_loop(rigs: list[Rig]) -> None:
     """Issue 24 item 6: a ~12 MB batch of 262k blocks is decoded and applied in slices; other coroutines run."""
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm")
     payload, keys = _big_batch("vllm", 64, 4096)
     assert len(payload) > 10_000_000
     gaps: list[float] = []
@@ -590,12 +542,8 @@ async def test_replay_over_its_byte_budget_fails_counted_and_degrades(rigs: list
     """Issue 24 item 5: a replay bringing more than replay_max_bytes is cut, counted and the replica degraded."""
     cfg = KVEventsConfig(replay_idle_timeout_s=0.5, replay_total_timeout_s=2.0, degraded_retry_s=30.0,
                          poll_interval_s=0.02, replay_max_bytes=20_000)
-    rig = await make_rig("vllm", config=cfg)
-    rigs.append(rig)
-    await connect(rig)
-    toks, hs, keys = chain(2)
-    rig.pub.publish([PubStored(hs, None, toks, BS)])
-    await until(lambda: matched(rig.index, keys) == 2, what="stored")
+    rig = await connected_rig(rigs, "vllm", config=cfg)
+    toks, hs, keys = await store_chain(rig, 2)
     big, _ = _big_batch("vllm", 4, 64)  # ~ 13 KB each, only in the replay buffer
     rig.pub.faults.drop_every = 1
     rig.pub.publish_payload(big)
@@ -612,9 +560,7 @@ async def test_message_over_the_size_limit_is_dropped_by_zmq_and_the_feed_goes_o
     replica is cleared and degraded (its events are incomplete), later batches are applied."""
     cfg = KVEventsConfig(replay_idle_timeout_s=0.5, replay_total_timeout_s=2.0, degraded_retry_s=30.0,
                          poll_interval_s=0.02, max_message_bytes=50_000)
-    rig = await make_rig("vllm", config=cfg)
-    rigs.append(rig)
-    await connect(rig)
+    rig = await connected_rig(rigs, "vllm", config=cfg)
     big, big_keys = _big_batch("vllm", 4, 256)  # ~ 90 KB
     assert len(big) > 50_000
     rig.pub.publish_payload(big)
@@ -669,12 +615,8 @@ async def test_engine_restart_seen_only_in_its_metrics_clears_the_replica(rigs: 
     from membership.engine_metrics import MetricsScraper
     from membership.replicas import ReplicaTable
 
-    rig = await make_rig("vllm")
-    rigs.append(rig)
-    await connect(rig)
-    toks, hs, keys = chain(3)
-    rig.pub.publish([PubStored(hs, None, toks, BS)])
-    await until(lambda: matched(rig.index, keys) == 3, what="stored")
+    rig = await connected_rig(rigs, "vllm")
+    toks, hs, keys = await store_chain(rig, 3)
     page = _MetricsPage()
     table = ReplicaTable()
     table.upsert("r0", page.url)
