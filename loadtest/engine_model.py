@@ -451,7 +451,12 @@ class EngineModel:
         self.hash_seed = hash_seed
         self.name = name
 
-        # cache state: GPU blocks hash -> refcount; evictable ones (refcount 0) in LRU order (oldest first)
+        self._init_cache_state()
+        self._init_scheduling_state()
+        self._init_counters()
+
+    def _init_cache_state(self) -> None:
+        """An empty cache: GPU blocks hash -> refcount; evictable ones (refcount 0) in LRU order (oldest first)."""
         self._ref: dict[int, int] = {}
         # plain dicts are insertion-ordered: oldest first; "touch" = pop + re-insert (C-level bulk operations)
         self._free: dict[int, None] = {}
@@ -460,7 +465,8 @@ class EngineModel:
         self._cpu: dict[int, None] = {}
         self._private = 0  # blocks reserved by running requests that are not cached blocks
 
-        # scheduling state
+    def _init_scheduling_state(self) -> None:
+        """No request waiting, loading or running; clock at 0 s; no step under way."""
         self._now = 0.0
         self._waiting: deque[EngineRequest] = deque()
         self._loading: list[EngineRequest] = []
@@ -476,7 +482,8 @@ class EngineModel:
         self._step_chunks: list[tuple[EngineRequest, int]] = []
         self._step_decodes = 0
 
-        # counters
+    def _init_counters(self) -> None:
+        """The cumulative counters of ``metrics()`` at 0; no event pending."""
         self._queued_prefill = 0
         self._queries = 0
         self._hits = 0

@@ -651,103 +651,124 @@ class BadRequest(Exception):
         self.err_type = err_type
 
 
-def build_app(engine: FakeEngine) -> Any:
-    """The FastAPI application of one fake engine."""
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
-        try:
-            yield
-        finally:
-            await engine.stop()
+def _error(message: str, status: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
+    """A client or server error in vLLM's ErrorResponse shape (HTTP ``status``)."""
+    return JSONResponse({"object": "error", "message": message, "type": err_type, "param": None,
+                         "code": status, "error": {"message": message, "type": err_type, "code": status}},
+                        status_code=status)
 
-    app = FastAPI(title="kvroute fake engine", lifespan=lifespan)
-    opts = engine.opts
-    dialect = opts.dialect
 
-    def err(message: str, status: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
-        return JSONResponse({"object": "error", "message": message, "type": err_type, "param": None,
-                             "code": status, "error": {"message": message, "type": err_type, "code": status}},
-                            status_code=status)
+async def _body_of(request: Request) -> dict[str, Any]:
+    """The request's JSON object body; ``BadRequest`` when it is not JSON or not an object."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"null")
+    except ValueError as exc:
+        raise BadRequest(f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
 
-    @app.exception_handler(BadRequest)
-    async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
-        return err(exc.message, exc.status, exc.err_type)
 
-    if opts.api_key:  # like vLLM --api-key: every /v1 route needs "Authorization: Bearer <key>"
-        @app.middleware("http")
-        async def _require_key(request: Request, call_next: Any) -> Response:
-            if request.url.path.startswith("/v1") and not hmac.compare_digest(
-                    request.headers.get("authorization", ""), f"Bearer {opts.api_key}"):
-                return JSONResponse({"error": "Unauthorized"}, status_code=401)
-            return await call_next(request)
+def _salt_of(body: dict[str, Any]) -> str | None:
+    """vLLM's ``cache_salt`` of a request (None when absent or empty)."""
+    s = body.get("cache_salt")
+    if s is not None and not isinstance(s, str):
+        raise BadRequest("cache_salt must be a string")
+    return s or None
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        try:
-            body = json.loads(raw or b"null")
-        except ValueError as exc:
-            raise BadRequest(f"invalid JSON body: {exc}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return body
 
-    def resolve_model(body: dict[str, Any]) -> str | None:
+async def _until_disconnected(request: Request) -> None:
+    """Return once the client has closed its connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class EngineHttp:
+    """The HTTP side of one fake engine: what the route groups of ``build_app`` share.
+
+    Request parsing and validation (OpenAI / vLLM semantics), HTTP fault injection, and generation (JSON or SSE)
+    over the one ``FakeEngine`` whose state every route reads and changes.
+
+    Args:
+        engine: the engine served.
+    """
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.opts = engine.opts
+        self.dialect: str = engine.opts.dialect
+        #: reported as ``model_path`` / ``root``
+        self.model_path: str = engine.opts.model_path or engine.opts.model
+
+    # -- request parsing -----------------------------------------------------------------------------------
+    def resolve_model(self, body: dict[str, Any]) -> str | None:
         """The LoRA adapter named by ``model`` (None for the base model); 404 for unknown names."""
         name = body.get("model")
-        if name is None or name in engine.served:
+        if name is None or name in self.engine.served:
             return None
-        if isinstance(name, str) and name in engine.loras:
+        if isinstance(name, str) and name in self.engine.loras:
             return name
         raise BadRequest(f"The model `{name}` does not exist.", 404, "NotFoundError")
 
-    def max_tokens_of(body: dict[str, Any], prompt_len: int) -> int:
+    def max_tokens_of(self, body: dict[str, Any], prompt_len: int) -> int:
+        """Output tokens asked for (``max_tokens`` / ``max_completion_tokens``), checked against the context."""
         mt = body.get("max_tokens", body.get("max_completion_tokens"))
         if mt is None:
-            mt = opts.default_max_tokens
+            mt = self.opts.default_max_tokens
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
             raise BadRequest("max_tokens must be a positive integer")
         if prompt_len < 1:
             raise BadRequest("the prompt must contain at least one token")
-        if prompt_len + mt > opts.max_model_len:
-            raise BadRequest(f"This model's maximum context length is {opts.max_model_len} tokens. However, you "
+        max_len = self.opts.max_model_len
+        if prompt_len + mt > max_len:
+            raise BadRequest(f"This model's maximum context length is {max_len} tokens. However, you "
                              f"requested {prompt_len + mt} tokens ({prompt_len} in the messages, {mt} in the "
                              f"completion). Please reduce the length of the messages or completion.")
         return mt
 
-    def prompt_ids(body: dict[str, Any]) -> list[int]:
+    def prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        """Token ids of a completion's ``prompt`` (text, or token ids, or a one-element list of either)."""
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
             p = p[0]
         if isinstance(p, str):
-            return engine.tokenizer.encode(p, add_special_tokens=bool(body.get("add_special_tokens", True)))
+            return self.engine.tokenizer.encode(p, add_special_tokens=bool(body.get("add_special_tokens", True)))
         if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
                                        for t in p):
             return list(p)
         raise BadRequest("'prompt' must be a string or a list of token ids")
 
-    def chat_ids(body: dict[str, Any]) -> list[int]:
+    def chat_ids(self, body: dict[str, Any]) -> list[int]:
+        """Token ids of a chat request's ``messages`` through the chat template."""
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise BadRequest("'messages' must be a non-empty list of message objects")
         norm = [{**m, "content": _message_text(m.get("content"))} for m in msgs]
         try:
-            return engine.tokenizer.encode_chat(norm, bool(body.get("add_generation_prompt", True)))
+            return self.engine.tokenizer.encode_chat(norm, bool(body.get("add_generation_prompt", True)))
         except Exception as exc:
             raise BadRequest(f"chat template failed: {exc}") from None
 
-    def salt_of(body: dict[str, Any]) -> str | None:
-        s = body.get("cache_salt")
-        if s is not None and not isinstance(s, str):
-            raise BadRequest("cache_salt must be a string")
-        return s or None
-
-    def usage(st: _Req, completion: int) -> dict[str, Any]:
-        details = {"cached_tokens": st.cached_tokens} if opts.enable_prompt_tokens_details else None
+    def usage(self, st: _Req, completion: int) -> dict[str, Any]:
+        """The OpenAI ``usage`` object of a request that produced ``completion`` tokens."""
+        details = {"cached_tokens": st.cached_tokens} if self.opts.enable_prompt_tokens_details else None
         return {"prompt_tokens": st.prompt_tokens, "total_tokens": st.prompt_tokens + completion,
                 "completion_tokens": completion, "prompt_tokens_details": details}
 
-    async def faults_before() -> Response | None:
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's ``/model_info`` body."""
+        return {"model_path": self.model_path, "tokenizer_path": self.opts.tokenizer_path or self.model_path,
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": "fake", "architectures": ["FakeForCausalLM"]}
+
+    # -- generation ----------------------------------------------------------------------------------------
+    async def faults_before(self) -> Response | None:
+        """Apply the HTTP faults due before a generation request is queued; the faulty response, if any."""
+        engine = self.engine
         f = engine.http_faults
         n = engine.requests_total + 1
         if f.stall_s < 0:
@@ -756,58 +777,55 @@ def build_app(engine: FakeEngine) -> Any:
             await asyncio.sleep(f.stall_s)
         if f.error_every and n % f.error_every == 0:
             engine.requests_total += 1
-            return err("fault injection: internal error", 500, "InternalServerError")
+            return _error("fault injection: internal error", 500, "InternalServerError")
         if f.garbage_every and n % f.garbage_every == 0:
             engine.requests_total += 1
             return Response(b"\x00\xffnot json{{{", media_type="application/json")
         return None
 
-    async def until_disconnected(request: Request) -> None:
-        """Return once the client has closed its connection (the body was read already)."""
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    async def generated_or_abort(st: _Req, request: Request) -> int | None:
+    async def generated_or_abort(self, st: _Req, request: Request) -> int | None:
         """Wait for a non-streamed generation; abort it and return None when the client goes away first."""
         gen = asyncio.ensure_future(st.generated())
-        gone = asyncio.ensure_future(until_disconnected(request))
+        gone = asyncio.ensure_future(_until_disconnected(request))
         try:
             await asyncio.wait({gen, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not gen.done():
                 gen.cancel()
-                engine.abort(st)
+                self.engine.abort(st)
         return gen.result() if gen.done() and not gen.cancelled() else None
 
-    async def generate(body: dict[str, Any], ids: list[int], chat: bool, request: Request) -> Response:
-        lora = resolve_model(body)
-        mt = max_tokens_of(body, len(ids))
-        salt = salt_of(body)
-        faulty = await faults_before()
+    async def generate(self, body: dict[str, Any], ids: list[int], chat: bool, request: Request) -> Response:
+        """Serve one OpenAI completion (``chat``: chat completion) of prompt ``ids``: JSON, or SSE if streamed."""
+        lora = self.resolve_model(body)
+        mt = self.max_tokens_of(body, len(ids))
+        salt = _salt_of(body)
+        faulty = await self.faults_before()
         if faulty is not None:
             return faulty
-        model_name = body.get("model") or opts.model
-        stream = bool(body.get("stream", False))
+        model_name = body.get("model") or self.opts.model
         so = body.get("stream_options")
-        include_usage = opts.force_include_usage or (isinstance(so, dict) and bool(so.get("include_usage")))
-        st = engine.submit(ids, mt, lora, salt)
+        include_usage = self.opts.force_include_usage or (isinstance(so, dict) and bool(so.get("include_usage")))
+        st = self.engine.submit(ids, mt, lora, salt)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        if stream:
-            return StreamingResponse(_stream(st, rid, created, model_name, chat, include_usage),
+        if bool(body.get("stream", False)):
+            return StreamingResponse(self.stream(st, rid, created, model_name, chat, include_usage),
                                      media_type="text/event-stream")
-        engine.requests_running_http += 1
+        self.engine.requests_running_http += 1
         try:
-            got = await generated_or_abort(st, request)
+            got = await self.generated_or_abort(st, request)
         finally:
-            engine.requests_running_http -= 1
+            self.engine.requests_running_http -= 1
         if got is None:  # nobody is listening any more
             return Response(status_code=499)
-        n = got
-        text = "".join(engine.word(i) for i in range(n))
+        return JSONResponse(self.completion_body(st, got, rid, created, model_name, chat))
+
+    def completion_body(self, st: _Req, n: int, rid: str, created: int, model_name: str,
+                        chat: bool) -> dict[str, Any]:
+        """The JSON body of a non-streamed completion that produced ``n`` tokens."""
+        text = "".join(self.engine.word(i) for i in range(n))
         if chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text,
                                                               "tool_calls": []},
@@ -817,14 +835,25 @@ def build_app(engine: FakeEngine) -> Any:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
                       "prompt_logprobs": None}
             obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
-                             "choices": [choice], "usage": usage(st, n)})
+        return {"id": rid, "object": obj, "created": created, "model": model_name,
+                "choices": [choice], "usage": self.usage(st, n)}
 
-    async def _stream(st: _Req, rid: str, created: int, model_name: str, chat: bool,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+    @staticmethod
+    def stream_choice(text: str, chat: bool, first: bool, fin: str | None) -> dict[str, Any]:
+        """The ``choices[0]`` of one streamed token's chunk (a chat stream's first delta names the role)."""
+        if chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta = {"role": "assistant", "content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": fin, "stop_reason": None}
+
+    async def stream(self, st: _Req, rid: str, created: int, model_name: str, chat: bool,
+                     include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE body of a streamed completion: one chunk per token, the usage chunk if asked, ``[DONE]``."""
+        engine = self.engine
         obj = "chat.completion.chunk" if chat else "text_completion"
         n = 0
-        first = True
         engine.requests_running_http += 1
         try:
             while True:
@@ -832,104 +861,151 @@ def build_app(engine: FakeEngine) -> Any:
                 if kind == "token":
                     text = engine.word(n)
                     n += 1
-                    last = n >= st.max_tokens
-                    fin = "length" if last else None
-                    if chat:
-                        delta: dict[str, Any] = {"content": text}
-                        if first:
-                            delta = {"role": "assistant", "content": text}
-                        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                                                  "finish_reason": fin}
-                    else:
-                        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fin,
-                                  "stop_reason": None}
-                    first = False
+                    fin = "length" if n >= st.max_tokens else None
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                "choices": [choice]})
+                                "choices": [self.stream_choice(text, chat, n == 1, fin)]})
                     engine.note_streamed_token()
-                    stall = engine.http_faults.stall_mid_stream_s
-                    if n == 1 and stall < 0:
-                        await asyncio.Event().wait()  # silent until the client gives up
-                    elif n == 1 and stall > 0:
-                        await asyncio.sleep(stall)
+                    if n == 1:
+                        await self.stall_mid_stream()
                 elif kind == "done":
                     break
             if include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
-                            "usage": usage(st, n)})
+                            "usage": self.usage(st, n)})
             yield b"data: [DONE]\n\n"
         finally:  # also when the client disconnected mid-stream (the generator is closed / cancelled)
             engine.requests_running_http -= 1
             engine.abort(st)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = await body_of(request)
-        return await generate(body, prompt_ids(body), chat=False, request=request)
+    async def stall_mid_stream(self) -> None:
+        """The ``stall_mid_stream_s`` fault, applied after a stream's first token (< 0: silent forever)."""
+        stall = self.engine.http_faults.stall_mid_stream_s
+        if stall < 0:
+            await asyncio.Event().wait()  # silent until the client gives up
+        elif stall > 0:
+            await asyncio.sleep(stall)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await body_of(request)
-        return await generate(body, chat_ids(body), chat=True, request=request)
-
-    @app.post("/generate")
-    async def sglang_generate(request: Request) -> Response:
-        body = await body_of(request)
+    async def sglang_generate(self, body: dict[str, Any]) -> Response:
+        """SGLang's native ``/generate`` (minimal): ``text`` or ``input_ids``, ``max_new_tokens``."""
+        engine = self.engine
         if isinstance(body.get("input_ids"), list):
-            ids = prompt_ids({"prompt": body["input_ids"]})
+            ids = self.prompt_ids({"prompt": body["input_ids"]})
         elif isinstance(body.get("text"), str):
             ids = engine.tokenizer.encode(body["text"])
         else:
             raise BadRequest("'text' or 'input_ids' is required")
         sp = body.get("sampling_params") or {}
-        mt = sp.get("max_new_tokens", opts.default_max_tokens) if isinstance(sp, dict) else opts.default_max_tokens
-        faulty = await faults_before()
+        default = self.opts.default_max_tokens
+        mt = sp.get("max_new_tokens", default) if isinstance(sp, dict) else default
+        faulty = await self.faults_before()
         if faulty is not None:
             return faulty
-        st = engine.submit(ids, max_tokens_of({"max_tokens": mt}, len(ids)))
+        st = engine.submit(ids, self.max_tokens_of({"max_tokens": mt}, len(ids)))
         n = await st.generated()
         return JSONResponse({"text": "".join(engine.word(i) for i in range(n)),
                              "meta_info": {"id": uuid.uuid4().hex, "prompt_tokens": st.prompt_tokens,
                                            "completion_tokens": n, "cached_tokens": st.cached_tokens,
                                            "finish_reason": {"type": "length", "length": n}}})
 
+
+def build_app(engine: FakeEngine) -> FastAPI:
+    """The FastAPI application of one fake engine: its route groups over one ``EngineHttp``."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="kvroute fake engine", lifespan=lifespan)
+    http = EngineHttp(engine)
+    _add_errors_and_auth(app, http)
+    _add_generation_routes(app, http)
+    _add_tokenizer_routes(app, http)
+    _add_info_routes(app, http)
+    _add_metrics_route(app, http)
+    _add_admin_routes(app, http)
+    return app
+
+
+def _add_errors_and_auth(app: FastAPI, http: EngineHttp) -> None:
+    """``BadRequest`` rendered as vLLM's ErrorResponse; ``--api-key`` required on /v1 routes when set."""
+    @app.exception_handler(BadRequest)
+    async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(exc.message, exc.status, exc.err_type)
+
+    api_key = http.opts.api_key
+    if api_key:  # like vLLM --api-key: every /v1 route needs "Authorization: Bearer <key>"
+        @app.middleware("http")
+        async def _require_key(request: Request, call_next: Any) -> Response:
+            if request.url.path.startswith("/v1") and not hmac.compare_digest(
+                    request.headers.get("authorization", ""), f"Bearer {api_key}"):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            response: Response = await call_next(request)
+            return response
+
+
+def _add_generation_routes(app: FastAPI, http: EngineHttp) -> None:
+    """OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE), SGLang ``/generate``."""
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _body_of(request)
+        return await http.generate(body, http.prompt_ids(body), chat=False, request=request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _body_of(request)
+        return await http.generate(body, http.chat_ids(body), chat=True, request=request)
+
+    @app.post("/generate")
+    async def sglang_generate(request: Request) -> Response:
+        return await http.sglang_generate(await _body_of(request))
+
+
+def _add_tokenizer_routes(app: FastAPI, http: EngineHttp) -> None:
+    """vLLM's ``/tokenize`` and ``/detokenize`` (also under ``/v1``)."""
+    tokenizer = http.engine.tokenizer
+
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = await body_of(request)
+        body = await _body_of(request)
         if "messages" in body:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
                 raise BadRequest("'messages' must be a list of message objects")
             norm = [{**m, "content": _message_text(m.get("content"))} for m in msgs]
             try:
-                text = engine.tokenizer.render_chat(norm, bool(body.get("add_generation_prompt", True)))
+                text = tokenizer.render_chat(norm, bool(body.get("add_generation_prompt", True)))
             except Exception as exc:
                 raise BadRequest(f"chat template failed: {exc}") from None
-            ids = engine.tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+            ids = tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
         elif isinstance(body.get("prompt"), str):
-            ids = engine.tokenizer.encode(body["prompt"],
-                                          add_special_tokens=bool(body.get("add_special_tokens", True)))
+            ids = tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
         else:
             raise BadRequest("'prompt' (string) or 'messages' is required")
-        return JSONResponse({"count": len(ids), "max_model_len": opts.max_model_len, "tokens": ids,
+        return JSONResponse({"count": len(ids), "max_model_len": http.opts.max_model_len, "tokens": ids,
                              "token_strs": None})
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request) -> Response:
-        body = await body_of(request)
+        body = await _body_of(request)
         toks = body.get("tokens")
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise BadRequest("'tokens' must be a list of token ids")
-        return JSONResponse({"prompt": engine.tokenizer.decode(toks)})
+        return JSONResponse({"prompt": tokenizer.decode(toks)})
 
-    model_path = opts.model_path or opts.model
+
+def _add_info_routes(app: FastAPI, http: EngineHttp) -> None:
+    """What clients and routers probe: ``/v1/models``, health, version, SGLang's model / server info and load."""
+    engine, opts, dialect = http.engine, http.opts, http.dialect
 
     @app.get("/v1/models")
     async def models() -> Response:
         data = [{"id": name, "object": "model", "created": int(engine.started_at), "owned_by": dialect,
-                 "root": model_path, "parent": None, "max_model_len": opts.max_model_len,
+                 "root": http.model_path, "parent": None, "max_model_len": opts.max_model_len,
                  "permission": [{"id": "modelperm-" + name, "object": "model_permission",
                                  "allow_sampling": True, "allow_logprobs": True, "is_blocking": False}]}
                 for name in engine.served]
@@ -954,31 +1030,15 @@ def build_app(engine: FakeEngine) -> Any:
     async def version() -> Response:
         return JSONResponse({"version": VERSION[dialect]})
 
-    def model_info() -> dict[str, Any]:
-        return {"model_path": model_path, "tokenizer_path": opts.tokenizer_path or model_path,
-                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
-                "has_image_understanding": False, "has_audio_understanding": False,
-                "model_type": "fake", "architectures": ["FakeForCausalLM"]}
-
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> Response:
-        return JSONResponse(model_info())
+        return JSONResponse(http.model_info())
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> Response:
-        m = engine.model.metrics()
-        info = {**model_info(), "served_model_name": opts.model, "host": opts.host, "port": opts.port,
-                "page_size": m.block_size, "max_total_num_tokens": m.num_gpu_blocks * m.block_size,
-                "context_length": opts.max_model_len, "dp_size": 1, "tp_size": 1, "version": VERSION[dialect],
-                "kv_events_config": None if engine.publisher is None else json.dumps(
-                    {"publisher": "zmq", "endpoint": engine.publisher.endpoint,
-                     "replay_endpoint": engine.publisher.replay_endpoint, "topic": opts.kv_topic}),
-                "internal_states": [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}],
-                "fake_engine": {"profile": opts.profile, "time_scale": engine.scale,
-                                "kv_events_format": opts.kv_events_format if engine.publisher else None}}
-        return JSONResponse(info)
+        return JSONResponse(_server_info(http))
 
     @app.get("/get_load")
     async def get_load() -> Response:
@@ -987,15 +1047,40 @@ def build_app(engine: FakeEngine) -> Any:
                               "num_waiting_reqs": m.num_requests_waiting,
                               "num_tokens": int(m.kv_usage * m.num_gpu_blocks * m.block_size)}])
 
+
+def _server_info(http: EngineHttp) -> dict[str, Any]:
+    """SGLang's ``/server_info`` body (with the fake engine's own settings under ``fake_engine``)."""
+    engine, opts = http.engine, http.opts
+    m = engine.model.metrics()
+    return {**http.model_info(), "served_model_name": opts.model, "host": opts.host, "port": opts.port,
+            "page_size": m.block_size, "max_total_num_tokens": m.num_gpu_blocks * m.block_size,
+            "context_length": opts.max_model_len, "dp_size": 1, "tp_size": 1, "version": VERSION[http.dialect],
+            "kv_events_config": None if engine.publisher is None else json.dumps(
+                {"publisher": "zmq", "endpoint": engine.publisher.endpoint,
+                 "replay_endpoint": engine.publisher.replay_endpoint, "topic": opts.kv_topic}),
+            "internal_states": [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}],
+            "fake_engine": {"profile": opts.profile, "time_scale": engine.scale,
+                            "kv_events_format": opts.kv_events_format if engine.publisher else None}}
+
+
+def _add_metrics_route(app: FastAPI, http: EngineHttp) -> None:
+    """``/metrics`` in the dialect's names (see ``MetricsExporter``)."""
+    exporter = http.engine.exporter
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.exporter.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(exporter.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _add_admin_routes(app: FastAPI, http: EngineHttp) -> None:
+    """Prefix-cache reset (vLLM / SGLang names) and the test hooks: faults, restart, state."""
+    engine = http.engine
 
     @app.post("/reset_prefix_cache")
     @app.post("/flush_cache")
     async def reset_prefix_cache() -> Response:
         engine.clear_cache()
-        return PlainTextResponse("Cache flushed.\n" if dialect == "sglang" else "")
+        return PlainTextResponse("Cache flushed.\n" if http.dialect == "sglang" else "")
 
     @app.get("/admin/faults")
     async def get_faults() -> Response:
@@ -1003,17 +1088,7 @@ def build_app(engine: FakeEngine) -> Any:
 
     @app.post("/admin/faults")
     async def set_faults(request: Request) -> Response:
-        body = await body_of(request)
-        try:
-            http = {k: v for k, v in body.items() if k in HttpFaults.__slots__}
-            kvf = {k: v for k, v in body.items() if k in Faults.__slots__}
-            unknown = set(body) - set(http) - set(kvf)
-            if unknown:
-                raise ValueError(f"unknown fault fields: {', '.join(sorted(unknown))}")
-            engine.http_faults.update(http)
-            engine.kv_faults.update(kvf)
-        except (TypeError, ValueError) as exc:
-            raise BadRequest(str(exc)) from None
+        _set_faults(engine, await _body_of(request))
         return JSONResponse({"http": engine.http_faults.as_dict(), "kv": engine.kv_faults.as_dict()})
 
     @app.post("/admin/restart")
@@ -1033,7 +1108,19 @@ def build_app(engine: FakeEngine) -> Any:
                                  "dropped": engine.publisher.stats.dropped,
                                  "replay_requests": engine.publisher.stats.replay_requests}})
 
-    return app
+
+def _set_faults(engine: FakeEngine, body: dict[str, Any]) -> None:
+    """Apply ``POST /admin/faults``: keys of ``HttpFaults`` and ``Faults``; ``BadRequest`` on unknown or bad ones."""
+    try:
+        http = {k: v for k, v in body.items() if k in HttpFaults.__slots__}
+        kvf = {k: v for k, v in body.items() if k in Faults.__slots__}
+        unknown = set(body) - set(http) - set(kvf)
+        if unknown:
+            raise ValueError(f"unknown fault fields: {', '.join(sorted(unknown))}")
+        engine.http_faults.update(http)
+        engine.kv_faults.update(kvf)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -1051,6 +1138,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "KV events over ZMQ in a chosen release's wire format, simulated prefix cache and timing. "
                     "Ready when GET /health answers 200; stops cleanly on SIGTERM.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_server_args(p)
+    _add_engine_model_args(p)
+    _add_kv_event_args(p)
+    _add_fault_args(p)
+    return p
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """HTTP server, served model names, tokenizer and the vLLM / SGLang API parity flags."""
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -1084,6 +1180,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "pooling connections longer than this race with the close)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 routes (like vLLM --api-key); 401 otherwise")
+
+
+def _add_engine_model_args(p: argparse.ArgumentParser) -> None:
+    """The simulated engine: timing profile, time scale, KV cache size, batching, hashing seed."""
     g = p.add_argument_group("engine model")
     g.add_argument("--profile", default="a100", choices=sorted(PROFILES), help="hardware timing profile")
     g.add_argument("--time-scale", type=float, default=1.0,
@@ -1098,6 +1198,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "--deterministic-hashes)")
     g.add_argument("--deterministic-hashes", action="store_true",
                    help="derive engine block hashes from --seed instead of a random per-process seed")
+
+
+def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
+    """KV events: wire format, ZMQ endpoints, replay buffer."""
     g = p.add_argument_group("KV events")
     g.add_argument("--kv-events-format", choices=FORMATS, default=None,
                    help="wire format: vllm (0.33: map events), vllm-legacy (0.23: array events), sglang "
@@ -1112,6 +1216,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-hash-bytes", action="store_true",
                    help="vLLM formats: send hashes as 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
     g.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank reported in vLLM batches")
+
+
+def _add_fault_args(p: argparse.ArgumentParser) -> None:
+    """Fault injection at start (also settable at run time: POST /admin/faults)."""
     g = p.add_argument_group("fault injection (also settable at run time: POST /admin/faults)")
     g.add_argument("--fault-drop-every", type=int, default=0, help="do not send every Nth event batch live")
     g.add_argument("--fault-drop-unbuffered", action="store_true",
@@ -1127,7 +1235,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every Nth generation request answers a non-JSON body")
     g.add_argument("--fault-die-after-tokens", type=int, default=0,
                    help="exit the process after streaming this many tokens in total (dies mid-stream)")
-    return p
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
