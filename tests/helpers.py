@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -118,3 +123,65 @@ def metric(url: str, name: str, headers: dict[str, str] | None = None, **labels:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+#: ``handle(reader, writer)``: serve one connection (the writer is closed afterwards)
+ConnHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class LoopServer:
+    """A raw asyncio TCP server on 127.0.0.1:``port`` whose event loop runs in its own thread; every connection is
+    served by ``handle`` on that loop and tracked, so that ``shutdown`` ends the open ones too.
+
+    The server, its connections and its tasks are only touched from the loop's thread (``asyncio.Server`` is not
+    thread-safe). A context manager: started on enter, everything stopped on exit.
+    """
+
+    def __init__(self, handle: ConnHandler, port: int, tls: ssl.SSLContext | None = None) -> None:
+        self.handle = handle
+        self.port = port
+        self.tls = tls
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            await self.handle(reader, writer)
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def _shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def shutdown(self) -> None:
+        """Stop accepting and end every open connection (e.g. keep-alive probes); the loop keeps running."""
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(timeout=30)
+
+    def __enter__(self) -> LoopServer:
+        self.thread.start()
+        fut = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self.tls), self.loop)
+        self.server = fut.result(timeout=30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.shutdown()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+            if not self.thread.is_alive():
+                self.loop.close()

@@ -15,13 +15,12 @@ import contextlib
 import json
 import ssl
 import subprocess
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import free_port
+from tests.helpers import LoopServer, free_port
 
 
 @dataclass
@@ -78,10 +77,7 @@ class RawEngine:
 
     def __post_init__(self) -> None:
         self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.net = LoopServer(self._handle, self.port, self.tls)
 
     @property
     def url(self) -> str:
@@ -93,55 +89,29 @@ class RawEngine:
         return [r for r in self.requests if r.method == "POST"]
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        try:
-            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
-                raw = await reader.readuntil(b"\r\n\r\n")
-                lines = raw.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
-                n = int(headers.get("content-length", "0") or 0)
-                body = await reader.readexactly(n) if n else b""
-                req = Req(method, path, headers, body)
-                self.requests.append(req)
-                if method == "GET" and path == "/metrics":
-                    writer.write(self.metrics())
-                elif method == "GET" and path in ("/health", "/v1/models"):
-                    writer.write(json_response({"object": "list", "data": [{"id": "m", "object": "model"}]}))
-                else:
-                    await self.answer(req, writer)
-                await writer.drain()
-        finally:
-            with contextlib.suppress(Exception):
-                writer.close()
-            if task is not None:
-                self._tasks.discard(task)
-
-    async def _stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            raw = await reader.readuntil(b"\r\n\r\n")
+            lines = raw.decode("latin-1").split("\r\n")
+            method, path, _ = lines[0].split(" ", 2)
+            headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
+            n = int(headers.get("content-length", "0") or 0)
+            body = await reader.readexactly(n) if n else b""
+            req = Req(method, path, headers, body)
+            self.requests.append(req)
+            if method == "GET" and path == "/metrics":
+                writer.write(self.metrics())
+            elif method == "GET" and path in ("/health", "/v1/models"):
+                writer.write(json_response({"object": "list", "data": [{"id": "m", "object": "model"}]}))
+            else:
+                await self.answer(req, writer)
+            await writer.drain()
 
     def __enter__(self) -> RawEngine:
-        self.thread.start()
-        fut = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._handle, "127.0.0.1", self.port, ssl=self.tls), self.loop)
-        self.server = fut.result(timeout=30)
+        self.net.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout=30)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=30)
-            if not self.thread.is_alive():
-                self.loop.close()
+        self.net.__exit__(*exc)
 
 
 # -- answers -------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from router.app import create_app
 from router.config import load_settings
-from tests.helpers import free_port, wait_until
+from tests.helpers import LoopServer, free_port, wait_until
 
 
 class ServerThread:
@@ -139,18 +139,15 @@ async def _disconnected(request: Request) -> None:
 class DroppingEngine:
     """Raw asyncio HTTP server: answers GET /health and /v1/models, drops every POST without answering.
 
-    The server, its connections and its handler tasks live on the engine's own event loop thread and are only
-    touched from there (``asyncio.Server`` is not thread-safe: closing it from the test thread while the loop
-    thread finishes a connection raced into ``TypeError: 'NoneType' object is not iterable`` on a busy machine).
+    It serves on its own event loop thread (``tests.helpers.LoopServer``: closing an ``asyncio.Server`` from the
+    test thread while the loop thread finishes a connection raced into ``TypeError: 'NoneType' object is not
+    iterable`` on a busy machine).
     """
 
     def __init__(self) -> None:
         self.port = free_port()
         self.posts = 0
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.server: asyncio.Server | None = None
-        self._handlers: set[asyncio.Task[Any]] = set()
+        self.net = LoopServer(self._handle, self.port)
         self._hold: socket.socket | None = None
 
     @property
@@ -158,40 +155,23 @@ class DroppingEngine:
         return f"http://127.0.0.1:{self.port}"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._handlers.add(task)
-        try:
-            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):  # peer gone
-                while True:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    line = head.split(b"\r\n", 1)[0]
-                    length = 0
-                    for h in head.split(b"\r\n")[1:]:
-                        if h.lower().startswith(b"content-length:"):
-                            length = int(h.split(b":", 1)[1])
-                    if length:
-                        await reader.readexactly(length)
-                    if line.startswith(b"POST"):
-                        self.posts += 1
-                        return
-                    body = b'{"object":"list","data":[{"id":"m"}]}' if b"/v1/models" in line else b"{}"
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
-                    await writer.drain()
-        finally:
-            writer.close()
-            if task is not None:
-                self._handlers.discard(task)
-
-    async def _shutdown(self) -> None:
-        """On the engine's loop: stop accepting, end every open connection (e.g. keep-alive probes)."""
-        if self.server is not None:
-            self.server.close()
-        handlers = [t for t in self._handlers if t is not asyncio.current_task()]
-        for t in handlers:
-            t.cancel()
-        await asyncio.gather(*handlers, return_exceptions=True)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):  # peer gone
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                line = head.split(b"\r\n", 1)[0]
+                length = 0
+                for h in head.split(b"\r\n")[1:]:
+                    if h.lower().startswith(b"content-length:"):
+                        length = int(h.split(b":", 1)[1])
+                if length:
+                    await reader.readexactly(length)
+                if line.startswith(b"POST"):
+                    self.posts += 1
+                    return
+                body = b'{"object":"list","data":[{"id":"m"}]}' if b"/v1/models" in line else b"{}"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
 
     def refuse(self) -> None:
         """From now on refuse every connection: stop listening, end the open ones, keep the port bound.
@@ -199,27 +179,20 @@ class DroppingEngine:
         The port stays bound without ``listen`` until ``__exit__``, so every connect gets a reset and no other
         process on the shared machine can take the port meanwhile.
         """
-        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(timeout=30)
+        self.net.shutdown()
         hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # our closed connections sit in TIME_WAIT
         hold.bind(("127.0.0.1", self.port))
         self._hold = hold
 
     def __enter__(self) -> DroppingEngine:
-        self.thread.start()
-        fut = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._handle, "127.0.0.1", self.port), self.loop)
-        self.server = fut.result(timeout=30)
+        self.net.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(timeout=30)
+            self.net.__exit__(*exc)
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=30)
-            if not self.thread.is_alive():
-                self.loop.close()
             if self._hold is not None:
                 self._hold.close()
 
