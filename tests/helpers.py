@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +186,37 @@ class LoopServer:
             self.thread.join(timeout=30)
             if not self.thread.is_alive():
                 self.loop.close()
+
+
+#: ``answer(path)``: the status, content type and body of the answer to ``GET path``
+PageAnswer = Callable[[str], tuple[int, str, bytes]]
+
+
+class PageServer:
+    """A real HTTP server on 127.0.0.1 (stdlib ``ThreadingHTTPServer`` in its own thread) answering every GET with
+    ``answer(path)``; on ``port`` (a free one when None: give the old port to come back after ``close``)."""
+
+    def __init__(self, answer: PageAnswer, port: int | None = None) -> None:
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                status, ctype, body = answer(self.path)
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                return
+
+        self.srv = ThreadingHTTPServer(("127.0.0.1", free_port() if port is None else port), Handler)
+        self.srv.daemon_threads = True
+        self.port = int(self.srv.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self.srv.shutdown()
+        self.srv.server_close()

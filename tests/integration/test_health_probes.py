@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from membership.health import HealthChecker
 from membership.replicas import ReplicaState, ReplicaTable
-from tests.helpers import free_port
+from tests.helpers import PageServer, free_port
 
 
 class HealthServer:
@@ -21,30 +19,18 @@ class HealthServer:
         self.port = free_port()
         self.hits = 0
         self.status = 200
-        self._srv: ThreadingHTTPServer | None = None
+        self._srv: PageServer | None = None
 
     def start(self) -> None:
-        owner = self
+        self._srv = PageServer(self._answer, self.port)
 
-        class H(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                owner.hits += 1
-                self.send_response(owner.status if self.path == "/health" else 404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *a: object) -> None:
-                return
-
-        ThreadingHTTPServer.allow_reuse_address = True
-        self._srv = ThreadingHTTPServer(("127.0.0.1", self.port), H)
-        self._srv.daemon_threads = True
-        threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    def _answer(self, path: str) -> tuple[int, str, bytes]:
+        self.hits += 1
+        return (self.status if path == "/health" else 404), "application/json", b""
 
     def stop(self) -> None:
         if self._srv is not None:
-            self._srv.shutdown()
-            self._srv.server_close()
+            self._srv.close()
             self._srv = None
 
 

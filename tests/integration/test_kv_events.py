@@ -27,7 +27,7 @@ from loadtest.kv_publisher import (
     encode_batch,
 )
 from membership.kv_events import FeedSpec, KVEventsConfig, KVEventSubscriber
-from tests.helpers import free_port
+from tests.helpers import PageServer, free_port
 
 MODEL = "m"
 BS = 16
@@ -580,33 +580,17 @@ class _MetricsPage:
     """A real HTTP server answering ``GET /metrics`` with a vLLM-like page and a settable process start time."""
 
     def __init__(self) -> None:
-        import http.server
-        import threading
-
-        page = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                body = (f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {page.start}\n"
-                        "vllm:num_requests_waiting 0.0\nvllm:num_requests_running 0.0\n").encode()
-                self.send_response(200)
-                self.send_header("content-type", "text/plain; version=0.0.4")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
         self.start = 1.79616634352e09
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.server = PageServer(self._answer)
+        self.url = self.server.url
+
+    def _answer(self, path: str) -> tuple[int, str, bytes]:
+        return 200, "text/plain; version=0.0.4", (
+            f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {self.start}\n"
+            "vllm:num_requests_waiting 0.0\nvllm:num_requests_running 0.0\n").encode()
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 async def test_engine_restart_seen_only_in_its_metrics_clears_the_replica(rigs: list[Rig]) -> None:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -22,7 +20,7 @@ from membership.replicas import ReplicaState, ReplicaTable
 from membership.static import StaticMembership
 from policies.base import ReplicaProfile
 from router.config import Settings
-from tests.helpers import free_port
+from tests.helpers import PageServer
 
 
 class Engine:
@@ -32,34 +30,19 @@ class Engine:
         self.status = 200
         self.models: list[dict[str, Any]] | None = [{"id": "m1"}]
         self.hits = {"/health": 0, "/v1/models": 0}
-        owner = self
+        self.srv = PageServer(self._answer)
+        self.url = self.srv.url
 
-        class H(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                owner.hits[self.path] = owner.hits.get(self.path, 0) + 1
-                if self.path == "/health":
-                    code, body = owner.status, b"{}"
-                elif self.path == "/v1/models" and owner.models is not None:
-                    code, body = 200, json.dumps({"object": "list", "data": owner.models}).encode()
-                else:
-                    code, body = 404, b"{}"
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a: object) -> None:
-                return
-
-        self.srv = ThreadingHTTPServer(("127.0.0.1", free_port()), H)
-        self.srv.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
-        threading.Thread(target=self.srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    def _answer(self, path: str) -> tuple[int, str, bytes]:
+        self.hits[path] = self.hits.get(path, 0) + 1
+        if path == "/health":
+            return self.status, "application/json", b"{}"
+        if path == "/v1/models" and self.models is not None:
+            return 200, "application/json", json.dumps({"object": "list", "data": self.models}).encode()
+        return 404, "application/json", b"{}"
 
     def close(self) -> None:
-        self.srv.shutdown()
-        self.srv.server_close()
+        self.srv.close()
 
 
 @pytest.fixture
