@@ -109,6 +109,13 @@ async def store_chain(rig: Rig, n_blocks: int) -> tuple[list[int], list[int], li
     return toks, hs, keys
 
 
+def publish_unseen(rig: Rig, events: list[PubEvent]) -> None:
+    """Publish one batch that the engine keeps in its replay buffer but never sends live (a gap to the rig)."""
+    rig.pub.faults.drop_every = 1
+    rig.pub.publish(events)
+    rig.pub.faults.drop_every = 0
+
+
 @pytest.fixture
 async def rigs() -> AsyncIterator[list[Rig]]:
     made: list[Rig] = []
@@ -140,9 +147,7 @@ async def test_gap_is_repaired_by_replay(rigs: list[Rig]) -> None:
     rig = await connected_rig(rigs, "vllm")
     requests_before = rig.pub.stats.replay_requests  # (connect may have needed a late-join replay)
     toks, hs, keys = chain(3)
-    rig.pub.faults.drop_every = 1  # the next batch is not sent live, only buffered for replay
-    rig.pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
-    rig.pub.faults.drop_every = 0
+    publish_unseen(rig, [PubStored(hs[:1], None, toks[:16], BS)])  # not sent live, only buffered for replay
     rig.pub.publish([PubStored(hs[1:], hs[0], toks[16:], BS)])
     await until(lambda: matched(rig.index, keys) == 3, what="gap filled")
     t = rig.totals()
@@ -154,9 +159,7 @@ async def test_gap_is_repaired_by_replay(rigs: list[Rig]) -> None:
 async def test_gap_replay_without_topic_frame_vllm_legacy(rigs: list[Rig]) -> None:
     rig = await connected_rig(rigs, "vllm-legacy")
     toks, hs, keys = chain(2)
-    rig.pub.faults.drop_every = 1
-    rig.pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
-    rig.pub.faults.drop_every = 0
+    publish_unseen(rig, [PubStored(hs[:1], None, toks[:16], BS)])
     rig.pub.publish([PubStored(hs[1:], hs[0], toks[16:], BS)])
     await until(lambda: matched(rig.index, keys) == 2, what="gap filled")
     assert rig.totals()["replays"].get("gap:ok") == 1
@@ -224,9 +227,7 @@ async def test_garbage_payload_is_counted_and_the_stream_continues(rigs: list[Ri
 async def test_missing_replay_endpoint_marks_degraded_and_clears(rigs: list[Rig]) -> None:
     rig = await connected_rig(rigs, "vllm", faults=Faults(replay_disabled=True))
     toks, hs, keys = await store_chain(rig, 2)
-    rig.pub.faults.drop_every = 1
-    rig.pub.publish([PubRemoved([hs[1]])])  # lost for good: the replay ROUTER never answers
-    rig.pub.faults.drop_every = 0
+    publish_unseen(rig, [PubRemoved([hs[1]])])  # lost for good: the replay ROUTER never answers
     toks2, hs2, keys2 = chain(1, base=9000)
     rig.pub.publish([PubStored(hs2, None, toks2, BS)])
     await until(lambda: rig.sub.degraded(0), what="degraded")
@@ -241,9 +242,7 @@ async def test_missing_replay_endpoint_marks_degraded_and_clears(rigs: list[Rig]
 
 async def test_slow_replay_counts_as_failed(rigs: list[Rig]) -> None:
     rig = await connected_rig(rigs, "vllm", faults=Faults(replay_delay_s=1.5))
-    rig.pub.faults.drop_every = 1
-    rig.pub.publish([PubRemoved([123])])
-    rig.pub.faults.drop_every = 0
+    publish_unseen(rig, [PubRemoved([123])])
     rig.pub.publish([PubRemoved([456])])  # (an AllBlocksCleared would end the degraded state at once)
     await until(lambda: rig.sub.degraded(0), what="degraded after a slow replay")
     assert rig.totals()["replays"].get("gap:timeout") == 1
@@ -251,9 +250,7 @@ async def test_slow_replay_counts_as_failed(rigs: list[Rig]) -> None:
 
 async def test_no_replay_endpoint_gap_degrades_then_recovers_on_clear(rigs: list[Rig]) -> None:
     rig = await connected_rig(rigs, "vllm", replay=False)
-    rig.pub.faults.drop_every = 1
-    rig.pub.publish([PubCleared()])
-    rig.pub.faults.drop_every = 0
+    publish_unseen(rig, [PubCleared()])
     toks, hs, keys = chain(1)
     rig.pub.publish([PubStored(hs, None, toks, BS)])
     await until(lambda: rig.sub.degraded(0), what="degraded")
