@@ -118,6 +118,14 @@ class HealthzPoller:
         """The longest poll (s; a failed poll counts as ``timeout_s``), None before the first poll."""
         return max((end - start for start, end, _ in self.polls), default=None)
 
+    def slowest(self, n: int = 3) -> list[tuple[float, float]]:
+        """The ``n`` longest polls as (start s after the first poll, latency s), longest first."""
+        if not self.polls:
+            return []
+        first = self.polls[0][0]
+        top = sorted(self.polls, key=lambda p: p[0] - p[1])[:n]
+        return [(round(start - first, 2), round(end - start, 4)) for start, end, _ in top]
+
     def failures(self) -> list[str]:
         """The errors of the polls that failed."""
         return [err for _, _, err in self.polls if err]
@@ -196,8 +204,8 @@ class AbuseClients:
 
     def result(self) -> dict[str, Any]:
         """``{kind: {"count", "statuses", "errors"}}`` plus ``unexpected`` (statuses outside
-        :data:`ABUSE_OK_STATUSES`), ``server_errors`` (5xx answers), ``answered_500``, ``healthz_max_s``, ``healthz_polls`` and
-        ``healthz_failures``."""
+        :data:`ABUSE_OK_STATUSES`), ``server_errors`` (5xx answers), ``answered_500``, ``healthz_max_s``, ``healthz_polls``,
+        ``healthz_slowest`` and ``healthz_failures``."""
         out: dict[str, Any] = {}
         unexpected, fives, five_hundreds = 0, 0, 0
         with self._lock:
@@ -210,6 +218,7 @@ class AbuseClients:
         lat = self.healthz.max_latency_s()
         out.update({"unexpected": unexpected, "server_errors": fives, "answered_500": five_hundreds,
                     "healthz_max_s": None if lat is None else round(lat, 4), "healthz_polls": len(self.healthz.polls),
+                    "healthz_slowest": self.healthz.slowest(),
                     "healthz_failures": len(self.healthz.failures())})
         return out
 

@@ -453,6 +453,7 @@ class Soak:
             await asyncio.gather(*fault_tasks, return_exceptions=True)
             rss_end = psutil.Process(self.router.pid).memory_info().rss / 2**20
             router_500s = await self._metric(client, "kvroute_requests_total", {"status": "500"}) or 0.0
+            loop_lag_max = await self._metric(client, "kvroute_event_loop_lag_max_seconds")
         result = self.summary(rss_start, rss_end, time.monotonic() - self.t0)
         abused = abuse.result() if abuse is not None else None
         # the router counts every 500 it answered, the abuse clients' among them: the larger of the two counts
@@ -460,6 +461,7 @@ class Soak:
         result["abuse"] = abused
         result["healthz_max_s"] = abused["healthz_max_s"] if abused else None
         result["rss_growth_mb"] = round(rss_end - rss_start, 1)
+        result["router_loop_lag_max_s"] = loop_lag_max  # the router's own measure of its longest stall
         return result
 
     def summary(self, rss_start: float, rss_end: float, elapsed: float) -> dict[str, Any]:
