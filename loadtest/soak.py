@@ -309,6 +309,14 @@ class Soak:
             await asyncio.sleep(0.1)
         return None
 
+    async def _sample_rss(self, out: list[tuple[float, float]], every_s: float = 1.0) -> None:
+        """Append (s since the start of the load, router RSS MB) every ``every_s`` seconds until cancelled."""
+        assert self.router is not None
+        proc = psutil.Process(self.router.pid)
+        while True:
+            out.append((round(time.monotonic() - self.t0, 1), round(proc.memory_info().rss / 2**20, 1)))
+            await asyncio.sleep(every_s)
+
     # -- faults --------------------------------------------------------------------------------------------
     async def inject(self, kind: str, client: httpx.AsyncClient) -> None:
         """Inject one fault and measure its recovery (in the background; the load never waits)."""
@@ -428,6 +436,8 @@ class Soak:
             self.t0 = time.monotonic()
             if abuse is not None:
                 abuse.start()
+            rss_samples: list[tuple[float, float]] = []
+            sampler = asyncio.create_task(self._sample_rss(rss_samples))
             duration = args.minutes * 60.0
             tasks: list[asyncio.Task[None]] = []
             fault_tasks: list[asyncio.Task[None]] = []
@@ -451,6 +461,7 @@ class Soak:
                 await asyncio.to_thread(abuse.stop)
             await asyncio.gather(*tasks)
             await asyncio.gather(*fault_tasks, return_exceptions=True)
+            sampler.cancel()
             rss_end = psutil.Process(self.router.pid).memory_info().rss / 2**20
             router_500s = await self._metric(client, "kvroute_requests_total", {"status": "500"}) or 0.0
             loop_lag_max = await self._metric(client, "kvroute_event_loop_lag_max_seconds")
@@ -461,6 +472,8 @@ class Soak:
         result["abuse"] = abused
         result["healthz_max_s"] = abused["healthz_max_s"] if abused else None
         result["rss_growth_mb"] = round(rss_end - rss_start, 1)
+        result["rss_max_mb"] = round(max((mb for _, mb in rss_samples), default=rss_end), 1)
+        result["rss_timeline"] = rss_samples
         result["router_loop_lag_max_s"] = loop_lag_max  # the router's own measure of its longest stall
         return result
 
