@@ -1,7 +1,7 @@
 """Soak: steady load through ``kvroute serve`` while faults are injected; every request must get an answer.
 
     python -m loadtest.soak --minutes M [--replicas 4] [--rps 6] [--time-scale 0.05] [--fault-every-s 20]
-                            [--static] [--seed 0] [--json]
+                            [--static] [--seed 0] [--abuse] [--json]
 
 A fake fleet on loopback (``loadtest.fleet``: K ``kvroute fake-engine`` processes with KV events + replay), a real
 ``redis-server`` (shared state), and, unless ``--static`` or when ``tests/fakes/k8s_api.py`` is not in the
@@ -28,6 +28,14 @@ first streamed chunk of completed requests), ``baseline_ttft_p99_s`` (requests s
 and per fault: kind, target, start time, ``recovery_s`` and the TTFT p50 / p99 and errors of requests sent in
 the ``--window-s`` seconds after it started (``faults``; ``fault_summary`` aggregates by kind).
 
+``--abuse`` (off by default): the router runs with an API key (the load sends it) and short client header / body
+timeouts, and bounded abuse clients (``loadtest.abuse``) run next to the load against the same router: huge
+bodies (16 MiB chat of tiny messages, 16 MiB text prompt, 1M token ids), slowloris heads and stalled bodies, bad
+authentication (no key announcing 16 MiB, a wrong key, a non-ASCII key), bad input (booleans as token ids,
+malformed JSON), and a /healthz poller. Extra output: ``abuse`` (counts and HTTP statuses per kind, "closed" when
+the router cut the connection), ``healthz_max_s`` (longest /healthz answer during the run), ``rss_growth_mb``.
+Always: ``unhandled_500s`` (the router's ``kvroute_requests_total{status="500"}`` or the 500s the abuse clients got, the larger).
+
 Everything runs on 127.0.0.1 and is stopped at the end (also on errors and Ctrl-C).
 """
 
@@ -51,10 +59,14 @@ from typing import Any
 import httpx
 import psutil
 
+from loadtest.abuse import AbuseClients, AbuseOptions
 from loadtest.fleet import HOST, EngineHandle, EngineOptions, Fleet, ManagedProcess, free_port, wait_ready
 
 MODEL = "soak-model"
 FAULT_KINDS = ("engine_restart", "kv_drop", "redis_restart", "watch_cut")
+ABUSE_API_KEY = "soak-abuse-key"
+#: router timeouts for slow clients in --abuse mode (s): short, so slowloris clients are cut within a short soak
+ABUSE_CLIENT_TIMEOUT_S = "2"
 
 
 # -- redis ---------------------------------------------------------------------------------------------------------
@@ -226,6 +238,9 @@ class Soak:
                "--policy", "ttft", "--tokenizer-mode", "bytes", "--redis-url", self.redis.url,
                "--probe-interval-s", "0.5", "--unhealthy-after", "2", "--max-retries", "3",
                "--redis-retry-max-s", "1", "--log-level", "warning"]
+        if self.args.abuse:
+            cmd += ["--api-key", ABUSE_API_KEY, "--client-header-timeout-s", ABUSE_CLIENT_TIMEOUT_S,
+                    "--client-body-idle-timeout-s", ABUSE_CLIENT_TIMEOUT_S]
         if self.args.static:
             for eh in self.fleet.engines:
                 cmd += ["--replica", self.fleet.replica_spec(eh)]
@@ -293,6 +308,14 @@ class Soak:
                 pass
             await asyncio.sleep(0.1)
         return None
+
+    async def _sample_rss(self, out: list[tuple[float, float]], every_s: float = 1.0) -> None:
+        """Append (s since the start of the load, router RSS MB) every ``every_s`` seconds until cancelled."""
+        assert self.router is not None
+        proc = psutil.Process(self.router.pid)
+        while True:
+            out.append((round(time.monotonic() - self.t0, 1), round(proc.memory_info().rss / 2**20, 1)))
+            await asyncio.sleep(every_s)
 
     # -- faults --------------------------------------------------------------------------------------------
     async def inject(self, kind: str, client: httpx.AsyncClient) -> None:
@@ -401,13 +424,20 @@ class Soak:
         args = self.args
         work = Workload(args.seed)
         limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s), limits=limits) as client:
+        headers = {"authorization": f"Bearer {ABUSE_API_KEY}"} if args.abuse else {}
+        abuse = AbuseClients(AbuseOptions(self.router_url, MODEL, ABUSE_API_KEY)) if args.abuse else None
+        async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s), limits=limits,
+                                     headers=headers) as client:
             # warm-up (not counted): a few requests so RSS is measured on a running router
             for _ in range(5):
                 await one_request(client, self.router_url, work.next_prompt(), Outcome(0.0), 30.0)
             assert self.router is not None
             rss_start = psutil.Process(self.router.pid).memory_info().rss / 2**20
             self.t0 = time.monotonic()
+            if abuse is not None:
+                abuse.start()
+            rss_samples: list[tuple[float, float]] = []
+            sampler = asyncio.create_task(self._sample_rss(rss_samples))
             duration = args.minutes * 60.0
             tasks: list[asyncio.Task[None]] = []
             fault_tasks: list[asyncio.Task[None]] = []
@@ -427,10 +457,25 @@ class Soak:
                                                              args.request_timeout_s)))
                 t_next += self.rnd.expovariate(1.0 / interval)
                 await asyncio.sleep(max(0.0, t_next - time.monotonic()))
+            if abuse is not None:
+                await asyncio.to_thread(abuse.stop)
             await asyncio.gather(*tasks)
             await asyncio.gather(*fault_tasks, return_exceptions=True)
+            sampler.cancel()
             rss_end = psutil.Process(self.router.pid).memory_info().rss / 2**20
-        return self.summary(rss_start, rss_end, time.monotonic() - self.t0)
+            router_500s = await self._metric(client, "kvroute_requests_total", {"status": "500"}) or 0.0
+            loop_lag_max = await self._metric(client, "kvroute_event_loop_lag_max_seconds")
+        result = self.summary(rss_start, rss_end, time.monotonic() - self.t0)
+        abused = abuse.result() if abuse is not None else None
+        # the router counts every 500 it answered, the abuse clients' among them: the larger of the two counts
+        result["unhandled_500s"] = max(int(router_500s), abused["answered_500"] if abused else 0)
+        result["abuse"] = abused
+        result["healthz_max_s"] = abused["healthz_max_s"] if abused else None
+        result["rss_growth_mb"] = round(rss_end - rss_start, 1)
+        result["rss_max_mb"] = round(max((mb for _, mb in rss_samples), default=rss_end), 1)
+        result["rss_timeline"] = rss_samples
+        result["router_loop_lag_max_s"] = loop_lag_max  # the router's own measure of its longest stall
+        return result
 
     def summary(self, rss_start: float, rss_end: float, elapsed: float) -> dict[str, Any]:
         """The result object (see the module docstring)."""
@@ -498,13 +543,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="client timeout per request, s")
     p.add_argument("--static", action="store_true", help="static replicas instead of the fake Kubernetes API")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--abuse", action="store_true",
+                   help="run bounded abuse clients (huge bodies, slowloris, bad auth / input) and a /healthz "
+                        "poller next to the load (the router gets an API key and 2 s client timeouts)")
     p.add_argument("--keep-logs", action="store_true", help="keep the process logs (path printed)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the soak; exit code 0 when no request was lost, 1 otherwise, 2 when the fleet cannot start."""
+    """Run the soak; exit code 0 when no request was lost (and, with ``--abuse``, no 500 and no abuse request
+    answered other than designed), 1 otherwise, 2 when the fleet cannot start."""
     args = build_parser().parse_args(argv)
     if args.minutes <= 0 or args.rps <= 0 or args.replicas < 2:
         print("soak: --minutes and --rps must be positive and --replicas >= 2", file=sys.stderr)
@@ -530,9 +579,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {kind:15s} x{s['count']}: recovery mean {s['recovery_mean_s']}s max {s['recovery_max_s']}s, "
               f"window ttft p99 max {s['window_ttft_p99_s_max']}s, server errors {s['window_server_errors']}",
               file=sys.stderr)
+    ab = result["abuse"]
+    if ab is not None:
+        kinds = {k: v["statuses"] for k, v in ab.items() if isinstance(v, dict)}
+        print(f"  abuse: {kinds}; unexpected {ab['unexpected']}; healthz max {ab['healthz_max_s']}s over "
+              f"{ab['healthz_polls']} polls ({ab['healthz_failures']} failed); rss growth {result['rss_growth_mb']} MB",
+              file=sys.stderr)
+    print(f"  unhandled 500s: {result['unhandled_500s']}", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
-    return 0 if result["lost"] == 0 else 1
+    ok = result["lost"] == 0 and (ab is None or (result["unhandled_500s"] == 0 and ab["unexpected"] == 0))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

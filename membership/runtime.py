@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
+
+import httpx
 
 from index.prefix_index import PrefixIndex
 from membership.config import HealthConfig, MembershipConfig
@@ -63,10 +65,36 @@ def make_allocator(config: MembershipConfig) -> IndexAllocator:
 
 def _discovery_health(table: ReplicaTable, health: HealthConfig,
                       headers: Mapping[str, str] | None) -> HealthChecker:
-    """The checker of discovered replicas (discovery admits joining pods; see ``membership.health``)."""
+    """The checker of discovered replicas (discovery admits joining pods; see ``membership.health``); it learns
+    each replica's context length from ``/v1/models`` (``_context_learner``)."""
     return HealthChecker(table, interval_s=health.interval_s, timeout_s=health.timeout_s, path=health.path,
                          failure_threshold=health.unhealthy_after, success_threshold=health.healthy_after,
-                         headers=headers)
+                         headers=headers, on_ok=_context_learner())
+
+
+def _context_learner() -> Callable[[httpx.AsyncClient, Replica], Awaitable[None]]:
+    """An ``on_ok`` hook: until a replica's ``/v1/models`` answered 200 once, read it and set
+    ``profile.max_context_tokens`` from vLLM's ``max_model_len`` (tokens) when the profile has none. The pods'
+    annotations name the models but not the context; without it the router's cheap prompt-length checks assume
+    ``max_prompt_tokens`` and would tokenize a 16 MiB prompt before refusing it. Failures here never fail the
+    probe (the models endpoint is optional)."""
+    answered: set[str] = set()
+
+    async def learn(client: httpx.AsyncClient, rep: Replica) -> None:
+        if rep.name in answered or rep.profile.max_context_tokens:
+            return
+        try:
+            resp = await client.get(rep.url + "/v1/models")
+            data = resp.json().get("data") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        answered.add(rep.name)
+        raw = [e.get("max_model_len") for e in data or [] if isinstance(e, dict)]
+        lens = [n for n in raw if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+        if lens and not rep.profile.max_context_tokens:
+            rep.profile.max_context_tokens = max(lens)
+
+    return learn
 
 
 class Membership:

@@ -282,8 +282,14 @@ def scan_and_parse(raw: bytes, model: type[_M], limits: InputLimits,
         doc = simdjson.Parser().parse(raw)
     except (ValueError, RuntimeError) as exc:  # invalid UTF-8 / JSON, nesting too deep
         raise _invalid_json(str(exc).split(":  ")[0]) from None
-    check_body(doc, limits, contexts)
-    del doc
+    try:
+        check_body(doc, limits, contexts)
+    except LimitExceeded as exc:
+        # without check_body's frames: they hold the simdjson document (several times the body's size), and the
+        # exception -> traceback -> frames references would keep it until a garbage collection happens to run
+        raise exc.with_traceback(None) from None
+    finally:
+        del doc
     return parse_json(raw, model)
 
 

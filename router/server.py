@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from router.config import Settings, flag_name, load_settings
+from router.heap import pin_mmap_threshold
 from router.telemetry import setup_logging
 
 log = logging.getLogger("kvroute.server")
@@ -51,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the imports and the app (modules, schemas, routes: most of the heap) live as long as the process: keep them
     # out of the cyclic collector, so its full collections walk only what requests and the index allocate
     gc.freeze()
+    pin_mmap_threshold()  # large bodies' buffers go back to the OS when freed (router/heap.py)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "auto"
     http = _http_protocol(settings, app)
     uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http,

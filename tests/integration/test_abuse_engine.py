@@ -228,7 +228,10 @@ def test_garbage_stream_is_never_stored_as_a_complete_idempotent_answer() -> Non
             wait_until(lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected")
             key = {"idempotency-key": "garbage-1"}
             first = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, headers=key, timeout=10)
-            assert first.status_code == 200 and "event: error" in first.text
+            # the first chunk and the garbage may reach the router in one read (a loaded machine): then the garbage
+            # comes before the first byte and the answer is a 502; either way it is an error, never a success
+            assert (first.status_code == 200 and "event: error" in first.text) or \
+                (first.status_code == 502 and "upstream_bad_stream" in first.text), (first.status_code, first.text)
             again = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, headers=key, timeout=10)
             # the failed stream released its key: the retry ran again (not a replay of the garbage)
             assert "idempotent-replayed" not in again.headers and len(eng.posts()) == 2, again.headers

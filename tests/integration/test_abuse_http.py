@@ -7,7 +7,6 @@ frozen with SIGSTOP, so the lag is real and measured), never /healthz or /metric
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import socket
 import threading
@@ -18,6 +17,16 @@ from pathlib import Path
 import httpx
 import orjson
 
+from loadtest.abuse import (
+    HealthzPoller,
+    huge_chat_body,
+    huge_ids_body,
+    huge_text_body,
+    read_until_closed,
+    request_head,
+    response_json,
+    response_status,
+)
 from tests.helpers import metric, wait_until
 from tests.integration.test_reliability_support import MODEL, Router, completion, engines, router
 
@@ -35,28 +44,13 @@ def _rss_mb(pid: int) -> float:
 def _healthz_watch(url: str) -> Iterator[list[tuple[float, float, str]]]:
     """Poll /healthz back to back on one connection while the block runs; yields (start, end, error) of every
     poll (monotonic s; error "" when it answered 200). A poll that fails ends at start + 2 s."""
-    polls: list[tuple[float, float, str]] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client(timeout=2.0) as c:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    status = c.get(url + "/healthz").status_code
-                    err = "" if status == 200 else f"status {status}"
-                except httpx.HTTPError as exc:
-                    err = repr(exc)
-                polls.append((t0, t0 + 2.0 if err else time.monotonic(), err))
-
-    th = threading.Thread(target=poll, daemon=True)
-    th.start()
+    poller = HealthzPoller(url).start()
+    polls = poller.polls
     wait_until(lambda: len(polls) >= 3, timeout=10, what="healthz polls running")
     try:
         yield polls
     finally:
-        stop.set()
-        th.join(timeout=5)
+        poller.stop()
 
 
 def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -84,14 +78,14 @@ def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:
         pid = r.proc.popen.pid
         rss0 = _rss_mb(pid)
         # ~620k tiny chat messages in 16 MiB (main: 7 s of validation, model_dump and rendering on the loop)
-        msgs = orjson.dumps({"model": MODEL, "messages": [{"role": "u", "content": "x"}] * 620_000})
+        msgs = huge_chat_body(MODEL)
         assert len(msgs) < 16 * 1024 * 1024
         resp, lat = _abuse(r, msgs)
         assert resp.status_code == 413, resp.text
         assert resp.json()["error"]["code"] == "too_many_messages" and "max_chat_messages" in resp.text
         assert lat < 0.5, f"/healthz blocked {lat:.2f}s by the chat body"
         # a 16 MiB text prompt: far more characters than a 131072-token context allows
-        text = orjson.dumps({"model": MODEL, "prompt": "ab " * (5 * 1024 * 1024)})
+        text = huge_text_body(MODEL)
         resp, lat = _abuse(r, text, "/v1/completions")
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
         assert lat < 0.5, f"/healthz blocked {lat:.2f}s by the text prompt"
@@ -101,7 +95,7 @@ def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
         assert lat < 0.5, lat
         # token ids: 1M of them (the context is 131072)
-        ids = orjson.dumps({"model": MODEL, "prompt": [7] * 1_000_000})
+        ids = huge_ids_body(MODEL)
         resp, lat = _abuse(r, ids, "/v1/completions")
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
         assert lat < 0.5, lat
@@ -146,37 +140,11 @@ def _connect(r: Router) -> socket.socket:
     return s
 
 
-def _read_all(s: socket.socket, deadline_s: float = 10.0) -> tuple[bytes, bool]:
-    """Everything the server sends until it closes the connection; (bytes, closed) within ``deadline_s``."""
-    s.settimeout(deadline_s)
-    out = b""
-    try:
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return out, True
-            out += chunk
-    except TimeoutError:
-        return out, False
-    except ConnectionResetError:
-        return out, True
-
-
-def _status(raw: bytes) -> int:
-    return int(raw.split(b" ", 2)[1]) if raw.startswith(b"HTTP/1.1 ") else 0
-
-
-def _json_body(raw: bytes) -> dict[str, object]:
-    return json.loads(raw.split(b"\r\n\r\n", 1)[1])  # type: ignore[no-any-return]
+_read_all, _status, _json_body = read_until_closed, response_status, response_json
 
 
 def _head(path: str, *extra: str, length: int | None = None, auth: str | None = KEY) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "host: 127.0.0.1", "content-type: application/json"]
-    if auth is not None:
-        lines.append(f"authorization: Bearer {auth}")
-    if length is not None:
-        lines.append(f"content-length: {length}")
-    return ("\r\n".join([*lines, *extra]) + "\r\n\r\n").encode("latin-1")
+    return request_head(path, *extra, length=length, auth=auth)
 
 
 def test_auth_before_body_and_head_limits() -> None:

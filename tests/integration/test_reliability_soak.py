@@ -27,3 +27,34 @@ def test_soak_smoke_loses_nothing() -> None:
     assert res["completed"] >= 0.9 * res["sent"], res["error_kinds"]
     assert {f["kind"] for f in res["faults"]} >= {"engine_restart", "kv_drop", "redis_restart", "watch_cut"}
     assert all(f["recovery_s"] is not None for f in res["faults"]), [f for f in res["faults"] if f["recovery_s"] is None]
+
+
+def test_soak_with_abuse_loses_nothing_and_answers_abuse_by_design() -> None:
+    """Issue 24's "Done when" under load: ``--abuse`` runs huge bodies, slowloris heads / stalled bodies, bad
+    authentication and bad input next to the faulted streaming load: nothing lost, no 500, every abuse request
+    answered 4xx or cut by design, /healthz answering within 0.5 s throughout, router RSS growth under 100 MB (at the
+    end and at its peak)."""
+    proc = subprocess.run([sys.executable, "-m", "loadtest.soak", "--minutes", "0.2", "--fault-every-s", "3",
+                           "--rps", "5", "--replicas", "2", "--abuse", "--json"], cwd=REPO, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.stdout, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    ab = res["abuse"]
+    assert res["lost"] == 0, res["error_kinds"]
+    assert res["unhandled_500s"] == 0, (res["error_kinds"], ab)
+    assert res["completed"] >= 0.8 * res["sent"], res["error_kinds"]
+    kinds = {k: v for k, v in ab.items() if isinstance(v, dict)}
+    assert {"huge_body", "slow_head", "slow_body", "bad_auth", "bad_input"} <= kinds.keys(), ab
+    assert all(v["count"] > 0 for v in kinds.values()), ab
+    assert ab["unexpected"] == 0 and ab["server_errors"] == 0, ab  # 4xx or closed by design, never a 5xx
+    assert set(kinds["huge_body"]["statuses"]) <= {"400", "413"}, ab
+    assert set(kinds["bad_auth"]["statuses"]) == {"401"}, ab
+    assert set(kinds["slow_head"]["statuses"]) == {"closed"}, ab
+    assert set(kinds["slow_body"]["statuses"]) == {"408"}, ab
+    assert set(kinds["bad_input"]["statuses"]) <= {"400", "413", "422"}, ab
+    assert ab["healthz_failures"] == 0 and ab["healthz_polls"] > 50, ab
+    assert res["healthz_max_s"] < 0.5, f"/healthz blocked {res['healthz_max_s']}s"
+    assert res["rss_growth_mb"] < 100, res["rss_timeline"]
+    # at its peak too (sampled every second): main tokenized 16 MiB prompts of discovered replicas, +260 MB
+    assert res["rss_max_mb"] - res["rss_start_mb"] < 100, res["rss_timeline"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
