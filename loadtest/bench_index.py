@@ -547,7 +547,7 @@ class RoaringStates:
         elif op == 1:
             m[tier] = m[tier] - bit
         else:
-            raise NotImplementedError("predictions are not part of this comparison")
+            raise ValueError(f"op {op}: the replica-set comparison stores (0) and removes (1) confirmed entries only")
         return self.intern((m[0], m[1], m[2], m[3], m[4]))
 
 

@@ -18,6 +18,7 @@ engine process group is killed by ``stop()`` / ``__exit__`` and by the ``atexit`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -270,10 +271,8 @@ class RealFleet:
 
     def kill(self, engine: RealEngine) -> None:
         """SIGKILL the engine's whole process group (a crash: nothing announced)."""
-        try:
+        with contextlib.suppress(ProcessLookupError):  # already gone
             os.killpg(engine.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         engine.proc.stop(timeout_s=5.0)
 
     def restart(self, engine: RealEngine, wait: bool = True) -> RealEngine:

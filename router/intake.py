@@ -161,16 +161,21 @@ def _too_long(what: str, size: int, limit: int, unit: str, ctx: int, param: str)
                          f"({limit} {unit}; max_prompt_chars_per_token / max_model_len)", param)
 
 
+def _all_numbers(ids: Any) -> bool:
+    """True when every element of the simdjson array is a number (checked at C speed by ``as_buffer``)."""
+    try:
+        ids.as_buffer(of_type="d")
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _check_ids(ids: Any, ctx: int, param: str, budget: _Budget) -> None:
     """A token-id prompt: at most ``ctx`` ids; anything but numbers inside it counts as JSON values."""
     if len(ids) > ctx:
         raise _too_long("prompt", len(ids), ctx, "token ids", ctx, param)
-    if isinstance(ids, simdjson.Array):
-        try:
-            ids.as_buffer(of_type="d")  # C speed: every element is a number
-            return
-        except (TypeError, ValueError):
-            pass
+    if isinstance(ids, simdjson.Array) and _all_numbers(ids):
+        return
     for e in ids:
         if isinstance(e, _CONTAINER):
             budget.walk(e, param)
