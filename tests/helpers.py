@@ -220,3 +220,37 @@ class PageServer:
         """Stop serving and release the port."""
         self.srv.shutdown()
         self.srv.server_close()
+
+
+def start_fake_engine(*args: str, attempts: int = 3, timeout: float = 30.0) -> tuple[Proc, int, int, int]:
+    """Start ``kvroute fake-engine`` on three free ports (HTTP, KV events, replay) plus ``args`` and wait until it
+    answers ``/health``. ``free_port`` cannot reserve a port: when another process takes one first, the engine exits
+    ('address already in use') and is started again on new ports (at most ``attempts`` times).
+
+    Returns the process and its HTTP, events and replay ports.
+    """
+    for attempt in range(attempts):
+        port, ev, rp = free_port(), free_port(), free_port()
+        proc = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(port), "--kv-events-port", str(ev),
+                            "--kv-replay-port", str(rp), *args)
+        url = f"http://127.0.0.1:{port}/health"
+
+        def up_or_exited(proc: Proc = proc, url: str = url) -> bool:
+            if not proc.alive():
+                return True
+            try:
+                return httpx.get(url, timeout=1.0).status_code < 300
+            except httpx.HTTPError:
+                return False
+
+        try:
+            wait_until(up_or_exited, timeout=timeout, what=f"GET {url}")
+        except BaseException:
+            print(proc.stop())
+            raise
+        if proc.alive():
+            return proc, port, ev, rp
+        out = proc.stop()
+        if "address already in use" not in out or attempt == attempts - 1:
+            raise AssertionError(f"fake engine exited at start:\n{out[-3000:]}")
+    raise AssertionError("unreachable")

@@ -18,7 +18,7 @@ from index.prefix_index import PrefixIndex
 from membership.engine_metrics import MetricsScraper, parse_metrics
 from membership.kv_events import FeedSpec, KVEventSubscriber
 from membership.replicas import ReplicaTable
-from tests.helpers import Proc, free_port, wait_http_ok
+from tests.helpers import free_port, start_fake_engine
 
 MODEL = "fake-m"
 
@@ -27,18 +27,11 @@ class Engine:
     """A running fake engine and its ports."""
 
     def __init__(self, *extra: str, dialect: str = "vllm", fmt: str = "vllm", gpu_blocks: int = 4096) -> None:
-        self.port, self.ev, self.rp = free_port(), free_port(), free_port()
+        self.proc, self.port, self.ev, self.rp = start_fake_engine(
+            "--model", MODEL, "--dialect", dialect, "--kv-events-format", fmt, "--time-scale", "0.02",
+            "--profile", "a100", "--gpu-blocks", str(gpu_blocks), "--block-size", "16", "--seed", "1",
+            "--enable-prompt-tokens-details", *extra)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(self.port), "--model", MODEL,
-                                 "--dialect", dialect, "--kv-events-format", fmt, "--kv-events-port", str(self.ev),
-                                 "--kv-replay-port", str(self.rp), "--time-scale", "0.02", "--profile", "a100",
-                                 "--gpu-blocks", str(gpu_blocks), "--block-size", "16", "--seed", "1",
-                                 "--enable-prompt-tokens-details", *extra)
-        try:
-            wait_http_ok(self.url + "/health", timeout=30)
-        except BaseException:
-            print(self.proc.stop())
-            raise
 
     @property
     def events(self) -> str:

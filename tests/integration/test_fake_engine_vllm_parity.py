@@ -16,7 +16,7 @@ import zmq
 
 from membership.engine_metrics import parse_metrics
 from membership.kv_decode import ClearedEvent, DecodedBatch, StoredEvent, decode_live_frames
-from tests.helpers import Proc, free_port, wait_http_ok, wait_until
+from tests.helpers import Proc, free_port, start_fake_engine, wait_until
 
 MODEL = "fake-m"
 
@@ -25,16 +25,9 @@ class Engine:
     """A running fake engine (vLLM dialect, events + replay) with ``extra`` flags."""
 
     def __init__(self, *extra: str, time_scale: str = "0.02") -> None:
-        self.port, self.ev, self.rp = free_port(), free_port(), free_port()
+        self.proc, self.port, self.ev, self.rp = start_fake_engine(
+            "--model", MODEL, "--time-scale", time_scale, "--gpu-blocks", "2048", *extra)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(self.port), "--model", MODEL,
-                                 "--kv-events-port", str(self.ev), "--kv-replay-port", str(self.rp),
-                                 "--time-scale", time_scale, "--gpu-blocks", "2048", *extra)
-        try:
-            wait_http_ok(self.url + "/health", timeout=30)
-        except BaseException:
-            print(self.proc.stop())
-            raise
 
     def stop(self) -> None:
         self.proc.stop()
