@@ -1,0 +1,167 @@
+"""Types shared by the prefill/decode (PD) plan policies, and their registry.
+
+A *plan* says how one request is served on a disaggregated fleet:
+
+* ``in_place``: one replica (role ``both``, or a ``decode`` replica that prefills itself) does prefill and decode;
+* ``disaggregated``: a ``prefill`` (or ``both``) replica computes the prompt's KV, hands it over the P->D link
+  to a ``decode`` (or ``both``) replica, which produces the first token and the rest.
+
+Everything here is pure, like ``policies.base``: no I/O, no clock reads. The router (``router/``) and the
+simulator build the same ``RouteRequest`` / ``PdCandidate`` objects and call the same ``PdPolicy.choose_plan``.
+
+Units: tokens are counts, times seconds, sizes bytes, bandwidths bytes per second (``GB`` = 1e9 bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from policies.base import Candidate, Observation, Reuse, RouteRequest
+
+#: A replica's role on a PD fleet.
+Role = Literal["both", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
+
+#: How a plan serves the request.
+PlanKind = Literal["in_place", "disaggregated"]
+PLAN_KINDS: tuple[PlanKind, ...] = ("in_place", "disaggregated")
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffLink:
+    """The P->D KV transfer link of a fleet (one value per fleet; learned online where engines report it).
+
+    Attributes:
+        bandwidth_bytes_per_s: sustained transfer bandwidth, bytes per second (25 GB/s = 25e9).
+        latency_s: fixed cost of one handoff (connection, setup, metadata), seconds.
+    """
+
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds to hand ``nbytes`` of KV over this link (TV-14: 1.125 GiB at 25 GB/s -> 0.0483 s)."""
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(slots=True)
+class PdCandidate:
+    """One replica on a PD fleet: the co-located ``Candidate`` plus its role.
+
+    Attributes:
+        candidate: load view, prefix hit, profile, as for co-located routing.
+        role: ``both``, ``prefill`` or ``decode``.
+        dp_rank_count: data-parallel ranks the engine exposes (1 = not data-parallel); a plan may pin one.
+    """
+
+    candidate: Candidate
+    role: Role = "both"
+    dp_rank_count: int = 1
+
+    @property
+    def index(self) -> int:
+        """The replica's stable small integer index."""
+        return self.candidate.index
+
+    @property
+    def name(self) -> str:
+        """The replica's name."""
+        return self.candidate.name
+
+
+@dataclass(slots=True)
+class Plan:
+    """One way to serve a request, with its predicted TTFT broken into terms.
+
+    Attributes:
+        kind: ``in_place`` or ``disaggregated``.
+        decode: index of the replica that produces the tokens (the only replica for ``in_place``).
+        prefill: index of the prefill replica (``disaggregated``), None for ``in_place``.
+        predicted_ttft_s: the plan's predicted time to first token, seconds (``inf`` when infeasible).
+        terms: named parts of the prediction, seconds unless the name says tokens/bytes; at least ``Q_p``,
+            ``R_p``, ``C_p`` (prefill replica's queue, fetch, recompute), ``handoff`` and ``decode_first``
+            (first decode step on D, including D's queue) for ``disaggregated``; ``Q``, ``R``, ``C`` for
+            ``in_place``.
+        dp_rank: data-parallel rank to pin on the decode replica (None = let the engine pick).
+    """
+
+    kind: PlanKind
+    decode: int
+    prefill: int | None = None
+    predicted_ttft_s: float = 0.0
+    terms: dict[str, float] = field(default_factory=dict)
+    dp_rank: int | None = None
+
+
+@dataclass(slots=True)
+class PlanDecision:
+    """The outcome of ``PdPolicy.choose_plan``.
+
+    Attributes:
+        chosen: the plan to dispatch.
+        plans: every plan evaluated, best first (the chosen one first); retries and fall-backs walk it.
+        policy: name of the policy that decided.
+        branch: which branch decided (e.g. ``short_prompt_in_place``), for metrics.
+        reuse: available vs achieved cached prompt tokens on the replica that prefills, set by the router.
+    """
+
+    chosen: Plan
+    plans: list[Plan]
+    policy: str
+    branch: str = "default"
+    reuse: Reuse | None = None
+
+
+@runtime_checkable
+class PdPolicy(Protocol):
+    """A PD plan policy: picks in place or a prefill/decode pair for a request."""
+
+    name: str
+
+    def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
+                    link: HandoffLink) -> PlanDecision:
+        """Return the plan for ``request`` among ``candidates`` (non-empty, all routable)."""
+        ...
+
+    def observe(self, observation: Observation) -> None:
+        """Take feedback about a finished prefill (calibration); may do nothing."""
+        ...
+
+
+PdPolicyFactory = Callable[..., PdPolicy]
+
+_PD_REGISTRY: dict[str, PdPolicyFactory] = {}
+
+
+def register_pd(name: str) -> Callable[[PdPolicyFactory], PdPolicyFactory]:
+    """Class decorator: register a PD plan policy factory under ``name`` (names start with ``pd_``)."""
+
+    def deco(factory: PdPolicyFactory) -> PdPolicyFactory:
+        if not name.startswith("pd_"):
+            raise ValueError(f"PD policy names start with 'pd_': {name!r}")
+        if name in _PD_REGISTRY:
+            raise ValueError(f"PD policy {name!r} registered twice")
+        _PD_REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def pd_policy_names() -> list[str]:
+    """Names of every registered PD plan policy, sorted."""
+    return sorted(_PD_REGISTRY)
+
+
+def make_pd_policy(name: str, **params: Any) -> PdPolicy:
+    """Build the PD plan policy registered as ``name`` with keyword ``params``.
+
+    Raises:
+        KeyError: with the list of known names when ``name`` is unknown.
+    """
+    try:
+        factory = _PD_REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown PD policy {name!r}; known: {', '.join(sorted(_PD_REGISTRY))}") from None
+    return factory(**params)
