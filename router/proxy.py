@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
@@ -70,6 +70,9 @@ from router.engine_client import (
 from router.routing import Routed, Router, RoutingError
 from router.telemetry import Telemetry
 from router.token_ids import IdsPrompt, TokenIdsCheck
+
+if TYPE_CHECKING:
+    from router.pd_proxy import PdLegs
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -281,6 +284,8 @@ class Proxy:
         self._pool: EnginePool | None = None
         #: the cache-first dispatch gate (router/dispatch.py); None: every request is sent when routed
         self.gate: DispatchGate | None = None
+        #: serves prefill/decode plans (router/pd_proxy.py, issue 19); None: no PD fleets
+        self.pd: PdLegs | None = None
         self.usage_missing = Counter(
             "kvroute_engine_usage_missing", "successful engine answers without the usage the router needs for "
             "cached-token feedback, by replica and what was missing (prompt_tokens_details: vLLM without "
@@ -344,7 +349,10 @@ class Proxy:
                        request_id: str, ids: IdsPrompt | None) -> Response:
         watch = _ClientWatch(request.receive)
         try:
-            resp = await self._attempts(routed, path, body, stream, request_id, ids)
+            if routed.plan is not None and self.pd is not None:  # a prefill/decode fleet (router/pd_proxy.py)
+                resp = await self.pd.serve_plan(routed, path, body, stream, request_id, ids)
+            else:
+                resp = await self._attempts(routed, path, body, stream, request_id, ids)
         except asyncio.CancelledError:
             watch.stop()
             if not watch.left or not watch.uncancel():
