@@ -493,7 +493,7 @@ class Settings(BaseSettings):
     def _parse_lists(cls, v: Any) -> Any:
         return _split_list(v)
 
-    @field_validator("policy_params", "profiles", mode="before")
+    @field_validator("policy_params", "profiles", "pd_policy_params", mode="before")
     @classmethod
     def _parse_dicts(cls, v: Any) -> Any:
         if isinstance(v, str):
