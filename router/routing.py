@@ -420,11 +420,22 @@ class Router:
             plan = self.pd_policy().choose_plan(req, pd_cands, self.pd_link)
         except ValueError as exc:  # no feasible plan (e.g. only prefill replicas are routable)
             raise NoReplica(f"no feasible prefill/decode plan for model {inp.model!r}: {exc}") from None
+        self.pin_dp_rank(plan.chosen, inp)
         decision = plan_as_decision(plan, pd_cands)
         prefiller = plan.chosen.prefill if plan.chosen.prefill is not None else plan.chosen.decode
         plan.reuse = decision.reuse = reuse_of(prefiller, cands)
         return Routed(inp=inp, decision=decision, candidates=cands, cached_tokens=cached,
                       decision_s=time.perf_counter() - t0, plan=plan)
+
+    def pin_dp_rank(self, plan: Plan, inp: RoutingInput) -> None:
+        """Pin a data-parallel rank on a disaggregated plan's decode replica when the policy left it open and
+        the replica has several ranks (each rank owns its own KV cache): the prompt's first block key modulo the
+        rank count, so a prefix keeps meeting the same rank and ``/route`` predicts what the request gets."""
+        if plan.dp_rank is not None or plan.kind != "disaggregated":
+            return
+        rep = self.table.by_index(plan.decode)
+        if rep is not None and rep.dp_size > 1:
+            plan.dp_rank = (inp.keys[0] if inp.keys else 0) % rep.dp_size
 
     # -- accounting ------------------------------------------------------------------------------------
     def acquire(self, rep: Replica, uncached_tokens: int, copies: int = 1) -> None:
