@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import orjson
@@ -71,10 +71,16 @@ from router.routing import Routed, Router, RoutingError
 from router.telemetry import Telemetry
 from router.token_ids import IdsPrompt, TokenIdsCheck
 
-if TYPE_CHECKING:
-    from router.pd_proxy import PdLegs
-
 log = logging.getLogger("kvroute.proxy")
+
+
+class PlanServer(Protocol):
+    """Serves requests routed with a prefill/decode plan (``router.pd_proxy.PdLegs``, issue 19)."""
+
+    async def serve_plan(self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str,
+                         ids: IdsPrompt | None) -> Response:
+        """The client's answer for ``routed`` (its plan: in place or disaggregated)."""
+        ...
 
 #: bytes of the end of a stream kept to find the final ``usage`` chunk
 _TAIL_BYTES = 16384
@@ -285,7 +291,7 @@ class Proxy:
         #: the cache-first dispatch gate (router/dispatch.py); None: every request is sent when routed
         self.gate: DispatchGate | None = None
         #: serves prefill/decode plans (router/pd_proxy.py, issue 19); None: no PD fleets
-        self.pd: PdLegs | None = None
+        self.pd: PlanServer | None = None
         self.usage_missing = Counter(
             "kvroute_engine_usage_missing", "successful engine answers without the usage the router needs for "
             "cached-token feedback, by replica and what was missing (prompt_tokens_details: vLLM without "
