@@ -12,9 +12,10 @@ PD protocol (loadtest/fake_pd.py), the same open-loop replay of a conversation-t
 * ``ttft_p50_s`` / ``ttft_p99_s`` / ``ttft_mean_s``, ``throughput_rps``, ``errors``, ``requests``: client side;
 * ``hit_rate``: the prefill work the engines skipped (prefix-cache hit tokens / queried tokens, all engines);
 * ``plans``: the router's plans by kind (kvroute runs);
-* ``plan_fidelity``: every leg the router planned was served as planned: per engine, the prefill legs and
-  decode hand-offs the engines counted equal the legs the router sent (``legs_match``), and no decode engine
-  recomputed a prompt or lacked its hand-off parameters (``recomputed``, ``missing_params``);
+* ``plan_fidelity``: every leg the router planned was served as planned: per engine, the prefill legs,
+  decode hand-offs and in-place requests (a decode engine without hand-off parameters) the engines counted equal
+  the legs the router sent (``legs_match``); ``recomputed_unplanned``: decode engines that recomputed a prompt
+  the router had planned as disaggregated (a wrong protocol; 0 when right);
 * ``handoffs``, ``handoff_s_mean``: KV hand-offs the decode engines received and their modelled transfer time.
 
 JSON on stdout (one object keyed by run name), a table on stderr. Every process is stopped at the end.
@@ -113,8 +114,14 @@ def fidelity(fleet: Fleet, counters: dict[str, dict[str, float]], legs: dict[tup
     out: dict[str, Any] = {"recomputed": recomputed, "missing_params": missing}
     if legs is not None:
         mismatches = []
+        in_place = sum(v for (_, leg), v in legs.items() if leg == "in_place")
+        out["recomputed_unplanned"] = recomputed - sum(
+            legs.get((e.name, "in_place"), 0.0) for e in fleet.engines if e.role == "decode")
         for e in fleet.engines:
             c = counters[e.name]
+            if e.role == "decode" and legs.get((e.name, "in_place"), 0.0) != c["missing_params"]:
+                mismatches.append(f"{e.name}: router planned {legs.get((e.name, 'in_place'), 0.0)} in place, "
+                                  f"engine served {c['missing_params']} requests without hand-off parameters")
             if legs.get((e.name, "prefill"), 0.0) != c["prefill_legs"]:
                 mismatches.append(f"{e.name}: router sent {legs.get((e.name, 'prefill'), 0.0)} prefill legs, "
                                   f"engine served {c['prefill_legs']}")
@@ -123,6 +130,7 @@ def fidelity(fleet: Fleet, counters: dict[str, dict[str, float]], legs: dict[tup
                                   f"engine received {c['handoffs']} hand-offs")
         out["legs_match"] = not mismatches
         out["mismatches"] = mismatches[:5]
+        out["in_place"] = in_place
     return out
 
 
@@ -132,13 +140,7 @@ def start_router(fleet: Fleet, kind: str, policy: str, args: argparse.Namespace)
         extra = ["--pd-policy", policy, "--pd-protocol", args.protocol or "auto",
                  "--pd-link-bandwidth-gbps", repr(args.link_gbps), *args.kvroute_arg]
         return fleet.start_kvroute("ttft", extra_args=extra)
-    pd: list[str] = ["--pd-disaggregation"]
-    for e in fleet.engines:
-        if e.role == "prefill":
-            pd += ["--prefill", e.url, str(e.bootstrap_port)]
-        else:
-            pd += ["--decode", e.url]
-    return fleet.start_sglang_router(policy=policy, extra_args=pd)
+    return fleet.start_sglang_router_pd(policy=policy)
 
 
 def run_one(fleet: Fleet, name: str, workload: Sequence[Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -192,13 +194,14 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         return "-" if v is None else format(v, spec)
 
     lines = [f"{'run':<20} {'ttft_p50':>9} {'ttft_p99':>9} {'hit_rate':>8} {'req/s':>7} {'errors':>6} "
-             f"{'plans':>28} {'legs_match':>10} {'recomputed':>10}"]
+             f"{'plans':>28} {'legs_match':>10} {'unplanned':>10}"]
     for name, r in results.items():
         fid = r["plan_fidelity"]
         plans = ",".join(f"{k}={v}" for k, v in sorted(r["plans"].items())) or "-"
         lines.append(f"{name:<20} {f(r['ttft_p50_s'], '.3f'):>9} {f(r['ttft_p99_s'], '.3f'):>9} "
                      f"{f(r['hit_rate'], '.3f'):>8} {f(r['throughput_rps'], '.2f'):>7} {r['errors']:>6} "
-                     f"{plans:>28} {str(fid.get('legs_match', '-')):>10} {fid['recomputed']:>10.0f}")
+                     f"{plans:>28} {str(fid.get('legs_match', '-')):>10} "
+                     f"{fid.get('recomputed_unplanned', fid['recomputed']):>10.0f}")
     return "\n".join(lines)
 
 

@@ -824,7 +824,7 @@ class EngineHttp:
             raise BadRequest(str(exc)) from None
         if leg is None:  # the client left while the decode leg waited for its KV
             return Response(status_code=499)
-        st = self.engine.submit(ids, mt, lora, salt, remote_kv_tokens=leg.remote_kv_tokens)
+        st = self.engine.submit(ids, leg.max_tokens or mt, lora, salt, remote_kv_tokens=leg.remote_kv_tokens)
         key = leg.handoff_key
         if key is not None:
             st.on_first = lambda: pd.prefilled(key, len(ids))

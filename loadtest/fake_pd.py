@@ -55,7 +55,7 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
                    help="extra port serving the KV hand-off endpoint (SGLang's bootstrap server; real default 8998)")
     g.add_argument("--pd-link-gbps", type=float, default=25.0, help="P->D link bandwidth, GB/s (1e9 bytes/s)")
     g.add_argument("--pd-link-latency-s", type=float, default=0.0, help="fixed cost of one KV hand-off, s")
-    g.add_argument("--pd-wait-s", type=float, default=10.0,
+    g.add_argument("--pd-wait-s", type=float, default=300.0,
                    help="longest real-time wait of a decode engine for its prefill's KV before recomputing, s")
     g.add_argument("--engine-id", default=None, help="engine id reported in kv_transfer_params (default: random)")
     g.add_argument("--data-parallel-size", type=int, default=1,
@@ -86,12 +86,15 @@ class PdLeg:
         remote_kv_tokens: prompt tokens handed over by a prefill engine (decode legs), tokens.
         handoff_key: the key the prefill registers its KV under when it is done (prefill legs).
         transfer_params: the ``kv_transfer_params`` to answer with (vLLM prefill legs), or None.
+        max_tokens: output tokens this leg produces whatever the body asks (an SGLang prefill server stops after
+            the prefill's one token), or None.
     """
 
     leg: str = "plain"
     remote_kv_tokens: int = 0
     handoff_key: str | None = None
     transfer_params: dict[str, Any] | None = None
+    max_tokens: int | None = None
 
 
 class PdCounters:
@@ -245,7 +248,7 @@ class PdSide:
                 return PdLeg(leg="decode")
             return PdLeg()
         if self.role == "prefill":
-            return PdLeg(leg="prefill", handoff_key=str(room))
+            return PdLeg(leg="prefill", handoff_key=str(room), max_tokens=1)
         return PdLeg(leg="decode")
 
     def _check_prefill(self, body: dict[str, Any]) -> None:

@@ -500,6 +500,27 @@ class Fleet:
 
         return self._start_router("sglang", policy, port, args, "/workers", all_workers)
 
+    def start_sglang_router_pd(self, policy: str = "cache_aware", extra_args: Sequence[str] = ()) -> RouterHandle:
+        """Start sglang-router (PyPI) in its PD mode (``--pd-disaggregation``, ``--prefill URL BOOTSTRAP_PORT``,
+        ``--decode URL``) in front of a PD fleet; wait until every worker is registered and healthy."""
+        self._require_engines()
+        port, prom = free_port(), free_port()
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
+                "--policy", policy, "--prometheus-host", HOST, "--prometheus-port", str(prom), "--log-level", "warn",
+                "--pd-disaggregation"]
+        for eh in self.engines:
+            if eh.role == "prefill":
+                args += ["--prefill", eh.url, str(eh.bootstrap_port) if eh.bootstrap_port else "none"]
+            else:
+                args += ["--decode", eh.url]
+        n = len(self.engines)
+
+        def all_workers(r: httpx.Response) -> bool:
+            ws = r.json().get("workers", [])
+            return len(ws) == n and all(w.get("is_healthy") for w in ws)
+
+        return self._start_router("sglang", policy, port, [*args, *extra_args], "/workers", all_workers)
+
     @property
     def router(self) -> RouterHandle | None:
         """The most recently started router still running, or None."""

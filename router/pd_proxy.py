@@ -80,7 +80,8 @@ class PdMetrics:
     def __init__(self, registry: Any) -> None:
         self.plans = Counter("kvroute_pd_plans", "PD plans dispatched, by policy and kind (in_place, "
                              "disaggregated)", ["policy", "kind"], registry=registry)
-        self.legs = Counter("kvroute_pd_legs", "PD legs sent, by replica and leg (prefill, decode)",
+        self.legs = Counter("kvroute_pd_legs", "PD legs sent, by replica and leg (prefill, decode; in_place: "
+                            "in-place plans, by the planned replica)",
                             ["replica", "leg"], registry=registry)
         self.leg_seconds = Histogram("kvroute_pd_leg_seconds", "PD leg latency: prefill leg until its answer, "
                                      "decode leg until its first byte (s)", ["leg"], buckets=_LEG_BUCKETS,
@@ -134,6 +135,8 @@ class PdLegs:
         """Serve a PD plan: disaggregated through ``serve``; in place through the proxy's attempts."""
         if not routed.disaggregated:
             self.count_plan(routed)
+            rep = self.proxy.router.table.by_index(routed.decision.chosen)
+            self.metrics.legs.labels(rep.name if rep else "?", "in_place").inc()
             return await self.proxy._attempts(routed, path, body, stream, request_id, ids)
         return await self.serve(routed, path, body, stream, request_id)
 
@@ -184,6 +187,8 @@ class PdLegs:
                         body: bytes, stream: bool, request_id: str, *, first: Replica | None = None) -> Response:
         """Serve in place through the proxy's attempts (``first`` tried first, ``exclude`` never), counted."""
         self.metrics.fallbacks.labels(reason).inc()
+        if first is not None:
+            self.metrics.legs.labels(first.name, "in_place").inc()
         log.warning("disaggregated plan served in place", extra={"request_id": request_id, "reason": reason,
                                                                   "error": message})
         ranking = [i for i in routed.decision.ranking if exclude is None or i != exclude.index]
@@ -269,6 +274,15 @@ class _Legs:
     # -- legs --------------------------------------------------------------------------------------------------
     async def _prefill(self, hp: _Hold, body: dict[str, Any]) -> Any:
         """Send the prefill leg and read its whole answer (parsed JSON); releases ``hp``. Raises _LegFailed."""
+        content = await self._prefill_bytes(hp, body)
+        try:
+            return orjson.loads(content)
+        except orjson.JSONDecodeError:
+            raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name} answered a body that is not "
+                             "JSON") from None
+
+    async def _prefill_bytes(self, hp: _Hold, body: dict[str, Any]) -> bytes:
+        """Send the prefill leg and read its whole answer; releases ``hp``. Raises _LegFailed (also on >= 400)."""
         self.metrics.legs.labels(self.p_rep.name, "prefill").inc()
         t0 = time.monotonic()
         try:
@@ -285,19 +299,14 @@ class _Legs:
         if resp.status >= 400:
             raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name} answered {resp.status}: "
                              f"{content[:300].decode(errors='replace')}")
-        try:
-            return orjson.loads(content)
-        except orjson.JSONDecodeError:
-            raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name} answered a body that is not "
-                             "JSON") from None
+        return content
 
     async def _drain_prefill(self, hp: _Hold, body: dict[str, Any]) -> None:
         """A concurrent prefill leg: send it, drain and discard its answer; releases ``hp``. Raises _LegFailed."""
         try:
-            answer = await self._prefill(hp, body)
+            await self._prefill_bytes(hp, body)  # drained and discarded (SGLang / Mooncake: nothing to relay)
         finally:
             hp.release()
-        del answer
 
     async def _read(self, resp: EngineResponse, first: bytes, rep: Replica) -> bytes:
         """The whole (bounded) body of a leg's answer; the connection goes back to the pool. Raises _LegFailed."""
