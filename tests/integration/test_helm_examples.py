@@ -211,3 +211,35 @@ def test_vllm_fleet_example_routes_end_to_end(api: FakeKubeAPI, monkeypatch: pyt
         out = router.stop() if router is not None else ""
         engine.stop()
     assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize(("example", "dialect", "protocol"), [("vllm-nixl-pd.yaml", "vllm", "vllm"),
+                                                              ("sglang-pd.yaml", "sglang", "sglang")])
+def test_pd_example_discovers_roles_and_bootstrap_ports(example: str, dialect: str, protocol: str,
+                                                        api: FakeKubeAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PD examples (issue 19): pods labelled as the example's comments say become replicas with their
+    llm-d.ai/role, SGLang bootstrap port and DP size; the router's PD settings come from the chart's env."""
+    objects = render([EXAMPLES / example])
+    settings = chart_settings(objects, monkeypatch)
+    assert settings.pd_policy == "pd_ttft" and settings.pd_protocol == protocol
+    opts = settings.kubernetes()
+    assert opts is not None and opts.role_label == "llm-d.ai/role"
+    opts.api_host, opts.backoff_initial_s, opts.backoff_max_s = api.url, 0.05, 0.2
+    selector = dict(kv.split("=") for kv in settings.kubernetes_label_selector.split(","))
+    ann = {"kvroute.io/engine": dialect, "kvroute.io/model": "Qwen/Qwen3-8B"}
+    api.add_pod("pd-prefill-0", NAMESPACE, labels={**selector, "llm-d.ai/role": "prefill"},
+                annotations={**ann, "sglang.ai/bootstrap-port": "9001"}, ip="10.4.0.1")
+    api.add_pod("pd-decode-0", NAMESPACE, labels={**selector, "llm-d.ai/role": "decode"},
+                annotations={**ann, "kvroute.io/data-parallel-size": "4"}, ip="10.4.0.2")
+    api.add_pod("pd-both-0", NAMESPACE, labels={**selector, "llm-d.ai/role": "prefill-decode"}, annotations=ann,
+                ip="10.4.0.3")
+    table = ReplicaTable()
+    watcher = PodWatcher(table, opts).start()
+    try:
+        wait_until(lambda: len([r for r in table.all() if r.routable]) == 3, timeout=20.0, what="3 replicas")
+        got = {r.name: (r.role, r.bootstrap_port, r.dp_size, r.dialect) for r in table.all()}
+        port = settings.pd_default_bootstrap_port
+        assert got == {"pd-prefill-0": ("prefill", 9001, 1, dialect), "pd-decode-0": ("decode", port, 4, dialect),
+                       "pd-both-0": ("both", port, 1, dialect)}
+    finally:
+        watcher.stop()
