@@ -79,12 +79,13 @@ def labelled(url: str, name: str, label: str) -> dict[str, float]:
 
 
 def engine_counters(fleet: Fleet) -> dict[str, dict[str, float]]:
-    """Per engine: PD legs served, hand-offs received, recomputed prompts, missing parameters, prefix counters."""
+    """Per engine: PD legs served, hand-offs received, recomputed prompts (and by reason), missing parameters."""
     out: dict[str, dict[str, float]] = {}
     for e in fleet.engines:
         legs = labelled(e.url, "fake_pd_requests_total", "leg")
         samples = fleet.scrape(e)
-        out[e.name] = {
+        reasons = labelled(e.url, "fake_pd_recomputed_total", "reason")
+        out[e.name] = {**{f"recomputed_{k}": v for k, v in reasons.items()},
             "prefill_legs": legs.get("prefill", 0.0), "decode_legs": legs.get("decode", 0.0),
             "plain": legs.get("plain", 0.0), "handoffs": samples.get("fake_pd_handoffs_total", 0.0),
             "handoff_s": samples.get("fake_pd_handoff_seconds_total", 0.0),

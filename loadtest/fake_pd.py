@@ -158,7 +158,8 @@ class PdSide:
     def client(self) -> httpx.AsyncClient:
         """The HTTP client decode engines pull hand-offs with (created on first use)."""
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.wait_s + 5.0, connect=2.0))
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.wait_s + 5.0, connect=10.0),
+                                             limits=httpx.Limits(max_connections=1000))
         return self._client
 
     # -- data parallelism ------------------------------------------------------------------------------------
@@ -269,9 +270,16 @@ class PdSide:
             PdCounters.bump(self.counters.recomputed, "missing_params")
             return 0
         url, wait = where
-        try:
-            resp = await self.client().get(url, params={"wait_s": wait})
-        except httpx.HTTPError:
+        resp = None
+        for _ in range(3):  # a starved machine can refuse or stall a connect now and then: like a transfer retry
+            try:
+                resp = await self.client().get(url, params={"wait_s": wait})
+                break
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout):
+                continue
+            except httpx.HTTPError:
+                break
+        if resp is None:
             PdCounters.bump(self.counters.recomputed, "unreachable")
             return 0
         if resp.status_code != 200:
