@@ -225,3 +225,20 @@ def test_route_json_lists_every_plan_with_terms(vllm_fleet: Fleet) -> None:
     assert plan["policy"] == "pd_ttft" and plan["plans"][0] == plan["chosen"]
     assert all(p["predicted_ttft_s"] is not None and p["terms"] for p in plan["plans"])
     json.dumps(plan)
+
+
+def test_vllm_failed_decode_leg_is_retried_in_place_elsewhere_counted() -> None:
+    """A decode leg that fails before its first byte (500) is served in place on another decode-capable replica
+    (the proxy's attempts, the failed replica excluded), counted as a decode_failed fallback."""
+    fleet = _fleet("vllm", None, decode=2)
+    try:
+        path, body = _body(False, True)
+        plan = _route(fleet, path, body)
+        failing = _engine(fleet, plan["decode"]["name"])
+        assert httpx.post(failing + "/admin/faults", json={"error_every": 1}, timeout=5).status_code == 200
+        r, _ = _serve(fleet, path, body)
+        assert r.headers["x-kvroute-replica"] not in (plan["decode"]["name"], plan["prefill"]["name"])
+        assert r.text.rstrip().endswith("data: [DONE]")
+        assert metric(_url(fleet), "kvroute_pd_fallbacks_total", reason="decode_failed") == 1
+    finally:
+        fleet.stop()
