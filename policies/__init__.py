@@ -8,6 +8,8 @@ from policies import (  # noqa: F401  (imported for their @register side effect)
     dynamo_kv,
     least_load,
     llmd_weighted,
+    pd_random,
+    pd_ttft,
     power_of_two,
     preble_e2,
     random_policy,
