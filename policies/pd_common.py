@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from policies.base import Candidate, LoadView
+from policies.base import Candidate, LoadView, Policy, RouteRequest
 from policies.hits import usable_cached_tokens
 from policies.pd_base import PdCandidate, Plan, PlanDecision, Role
 
@@ -154,3 +154,13 @@ def no_feasible_plan(cands: Sequence[PdCandidate]) -> ValueError:
     roles = sorted({c.role for c in cands})
     return ValueError(f"no feasible PD plan: roles present {roles}; need a 'both' replica, a decode replica "
                       "that prefills, or a prefill and a decode replica")
+
+
+def pick_in_pool(policy: Policy, request: RouteRequest, cands: Sequence[PdCandidate], pool: list[int]) -> int:
+    """Run the co-located ``policy`` over the candidates at positions ``pool``; the chosen one's position."""
+    sub = [cands[i].candidate for i in pool]
+    chosen = policy.choose(request, sub).chosen
+    for i in pool:
+        if cands[i].candidate.index == chosen:
+            return i
+    raise ValueError(f"policy {policy.name!r} chose replica {chosen}, not one of its candidates")
