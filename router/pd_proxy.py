@@ -160,6 +160,8 @@ class PdLegs:
         self.count_plan(routed)
         inp = routed.inp
         cached_p = routed.cached_tokens.get(p_rep.index, 0)
+        # P's charge: the uncached tokens the policy predicted it computes (else the router's own estimate)
+        p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - cached_p
         headers = {"content-type": "application/json", "x-request-id": request_id, "accept": "application/json"}
         d_headers = dict(headers, accept="text/event-stream" if stream else "application/json")
         if plan.dp_rank is not None:
@@ -167,8 +169,9 @@ class PdLegs:
         deadline = time.monotonic() + self.proxy.cfg.total_timeout_s
         legs = _Legs(self, routed, p_rep, d_rep, path, obj, stream, request_id, headers, d_headers, deadline,
                      cached_p)
-        with _Hold(router, None, p_rep, inp.prompt_tokens - cached_p, inp.copies) as hp, \
+        with _Hold(router, None, p_rep, p_tokens, inp.copies) as hp, \
                 _Hold(router, None, d_rep, 0, inp.copies) as hd:
+            router.note_handoff(plan)
             router.record_prediction(p_rep, inp.keys)
             router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
             protocol = self.protocol_for(p_rep)

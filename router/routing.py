@@ -237,6 +237,9 @@ class Router:
         self._pd_policy: PdPolicy | None = None
         #: the P->D KV link of the fleet (``Settings.pd_link_bandwidth_gbps`` / ``pd_link_latency_s``)
         self.pd_link = HandoffLink(bandwidth_bytes_per_s=25e9)
+        #: prefill replica index -> when (``clock``) the last handoff dispatched from it is predicted to have
+        #: left its link: handoffs from one replica are serialised on its NIC (``PdCandidate.link_busy_s``)
+        self._link_free_at: dict[int, float] = {}
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -411,7 +414,8 @@ class Router:
                              state=r.state.value)
             cands.append(cand)
             role: Role = r.role if r.role in ROLES else "both"
-            pd_cands.append(PdCandidate(candidate=cand, role=role, dp_rank_count=max(1, r.dp_size)))
+            pd_cands.append(PdCandidate(candidate=cand, role=role, dp_rank_count=max(1, r.dp_size),
+                                        link_busy_s=self.link_busy_s(r.index)))
         req = RouteRequest(model=inp.model, prompt_tokens=n, block_keys=inp.keys, block_size=self.block_size,
                            now=self.clock(), lora=inp.lora, session_id=inp.session_id,
                            objective=self.objective,  # type: ignore[arg-type]
@@ -426,6 +430,28 @@ class Router:
         plan.reuse = decision.reuse = reuse_of(prefiller, cands)
         return Routed(inp=inp, decision=decision, candidates=cands, cached_tokens=cached,
                       decision_s=time.perf_counter() - t0, plan=plan)
+
+    def link_busy_s(self, index: int) -> float:
+        """Seconds until replica ``index``'s outgoing KV link has sent the handoffs this router dispatched."""
+        free_at = self._link_free_at.get(index)
+        if free_at is None:
+            return 0.0
+        busy = free_at - self.clock()
+        if busy <= 0:
+            del self._link_free_at[index]
+            return 0.0
+        return busy
+
+    def note_handoff(self, plan: Plan) -> None:
+        """A disaggregated ``plan`` is being dispatched: its prefill replica's link is busy until the predicted
+        end of this handoff (now + the prefill's predicted time + the handoff term, which includes the wait for
+        earlier handoffs)."""
+        if plan.kind != "disaggregated" or plan.prefill is None:
+            return
+        t = plan.terms
+        end = self.clock() + sum(max(0.0, t.get(k, 0.0)) for k in ("Q_p", "R_p", "C_p", "handoff"))
+        if end > self._link_free_at.get(plan.prefill, 0.0):
+            self._link_free_at[plan.prefill] = end
 
     def pin_dp_rank(self, plan: Plan, inp: RoutingInput) -> None:
         """Pin a data-parallel rank on a disaggregated plan's decode replica when the policy left it open and

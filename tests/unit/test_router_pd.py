@@ -116,3 +116,25 @@ def test_static_spec_carries_role_bootstrap_port_and_dp_size() -> None:
     assert (spec.role, spec.bootstrap_port, spec.dp_size) == ("prefill", 9100, 2)
     with pytest.raises(ValueError):
         ReplicaSpec.parse("url=http://h:1,role=encoder")
+
+
+def test_link_busy_from_dispatched_handoffs_reaches_the_policy() -> None:
+    """A dispatched handoff keeps its prefill replica's link busy until its predicted end; the next decision's
+    candidate carries it as ``link_busy_s`` (handoffs from one replica are serialised on its NIC)."""
+    router = make_router(["prefill", "decode"])
+    clock = router.clock
+    assert isinstance(clock, FakeClock)
+    inp = router.make_input("m", None, list(range(1, 300)))
+    routed = router.decide(inp)
+    assert routed.plan is not None and _Seen.candidates[0].link_busy_s == 0.0
+    router.note_handoff(routed.plan.chosen)  # Q_p + R_p + C_p + handoff = 0.1 + 0 + 0.2 + 0.05
+    router.decide(inp)
+    assert _Seen.candidates[0].link_busy_s == pytest.approx(0.35)
+    assert _Seen.candidates[1].link_busy_s == 0.0
+    clock.now += 0.25
+    router.decide(inp)
+    assert _Seen.candidates[0].link_busy_s == pytest.approx(0.10)
+    clock.now += 1.0
+    assert router.link_busy_s(0) == 0.0
+    router.note_handoff(Plan("in_place", 1, predicted_ttft_s=1.0, terms={"Q": 5.0}))  # not a handoff
+    assert router.link_busy_s(1) == 0.0
