@@ -244,11 +244,15 @@ class _Legs:
         """SGLang bootstrap / Mooncake push: both legs at once; the decode leg's answer goes to the client."""
         host = urlsplit(self.p_rep.url).hostname or ""
         port = self.p_rep.bootstrap_port or self.owner.cfg.default_bootstrap_port
+        plan = self.routed.plan.chosen if self.routed.plan is not None else None
+        d_rank = plan.dp_rank if plan is not None else None
+        p_rank = self._pin_prefill_rank()
         if protocol == "sglang":
-            p_body, d_body, _ = pd_sglang.bodies(self.obj, host, port)
+            p_body, d_body, _ = pd_sglang.bodies(self.obj, host, port, prefill_dp_rank=p_rank,
+                                                 decode_dp_rank=d_rank)
         else:
-            engine_id = pd_vllm.mooncake_engine_id(self.p_rep.labels.get("engine_id", self.p_rep.name),
-                                                   None if self.p_rep.dp_size <= 1 else 0)
+            # with DP the Mooncake engine id names the rank ("{base}_dp{rank}"): the prefill leg is pinned to it
+            engine_id = pd_vllm.mooncake_engine_id(self.p_rep.labels.get("engine_id", self.p_rep.name), p_rank)
             addr = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
             p_body, d_body = pd_vllm.mooncake_bodies(self.obj, pd_vllm.new_transfer_id(), engine_id, addr)
         prefill = asyncio.ensure_future(self._drain_prefill(hp, p_body))
@@ -273,6 +277,16 @@ class _Legs:
                         extra={"request_id": self.request_id, "replica": self.p_rep.name,
                                "error": str(prefill.exception())})
         return await self._commit(hd, resp, first)
+
+    def _pin_prefill_rank(self) -> int | None:
+        """A DP rank for the prefill leg of a concurrent protocol when the prefill replica has several (by the
+        prompt's first block, like the decode rank), sent as ``X-data-parallel-rank``; None otherwise."""
+        if self.p_rep.dp_size <= 1:
+            return None
+        keys = self.routed.inp.keys
+        rank = (keys[0] if keys else 0) % self.p_rep.dp_size
+        self.headers = dict(self.headers, **{"x-data-parallel-rank": str(rank)})
+        return rank
 
     # -- legs --------------------------------------------------------------------------------------------------
     async def _prefill(self, hp: _Hold, body: dict[str, Any]) -> Any:
