@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+log = logging.getLogger("kvroute.fake_pd")
 
 #: how long an unclaimed hand-off (a prefill nobody pulled, a room nobody filled) is kept, real seconds
 _HANDOFF_TTL_S = 120.0
@@ -275,7 +278,9 @@ class PdSide:
             try:
                 resp = await self.client().get(url, params={"wait_s": wait})
                 break
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout):
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
+                    httpx.ReadError) as exc:  # also a kept-alive connection the server closed as it was reused
+                log.info("hand-off pull failed (%s), trying again", type(exc).__name__)
                 continue
             except httpx.HTTPError:
                 break
