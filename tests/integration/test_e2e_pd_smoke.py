@@ -1,0 +1,34 @@
+"""Smoke run of the PD end-to-end benchmark (``python -m loadtest.e2e_pd``): 1 prefill + 1 decode fake engine,
+kvroute pd_ttft, a few seconds of a generated workload. Not a timing test: 0 errors, the documented JSON, and every
+leg the router planned served as planned (the engines' counters equal the router's)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.helpers import REPO
+
+
+def test_e2e_pd_smoke(tmp_path):
+    cmd = [sys.executable, "-m", "loadtest.e2e_pd", "--routers", "kvroute_pd_ttft", "--prefill", "1", "--decode", "1",
+           "--duration", "8", "--trace", "generated", "--workload", "agent", "--time-scale", "0.2",
+           "--load-scale", "1.0", "--max-output-tokens", "8", "--drain-timeout-s", "60",
+           "--log-dir", str(tmp_path / "logs"), "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"e2e_pd failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    run = json.loads(proc.stdout)["kvroute_pd_ttft"]
+    assert run["requests"] >= 5 and run["errors"] == 0, run.get("error_samples")
+    assert sum(run["plans"].values()) == run["requests"]
+    fid = run["plan_fidelity"]
+    assert fid["legs_match"], fid["mismatches"]
+    assert fid["recomputed_unplanned"] == 0
+    assert run["handoffs"] == run["plans"].get("disaggregated", 0)
+    assert 0.0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
+
+
+def test_e2e_pd_rejects_sglang_router_on_vllm():
+    proc = subprocess.run([sys.executable, "-m", "loadtest.e2e_pd", "--routers", "sglang_router_pd"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs --dialect sglang" in proc.stderr
