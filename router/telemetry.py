@@ -25,6 +25,9 @@ Metric names (all prefixed ``kvroute_``):
 * ``tokenizer_cache_*``: the prefix tokenization cache's ``stats()`` (``tokenizer_cache_gauges``).
 * KV-event and scrape counters are owned by ``membership.kv_events`` / ``membership.engine_metrics``; they register
   their collectors on this registry.
+* ``pd_plans_total{policy,kind}``, ``pd_legs_total{replica,leg}``, ``pd_leg_seconds{leg}``, ``pd_handoff_seconds``,
+  ``pd_fallbacks_total{reason}``: prefill/decode plans and their legs, owned by ``router.pd_proxy.PdMetrics`` on
+  this registry.
 
 One style: components expose ``stats()`` (or plain counters); the functions below render them, and
 ``router.services`` registers each with ``Telemetry.add_gauges``.
