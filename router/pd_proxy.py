@@ -18,9 +18,11 @@ plans go through the proxy's ordinary attempts. Per request:
    usage feedback, release of D's hold when the response ends); the response also names the prefill replica
    (``x-kvroute-prefill-replica``);
 5. failures before the first byte: a failed prefill leg (connection error, 5xx, timeout, unreadable answer)
-   falls back to serving in place, on the plan's decode replica first and then the ranking, through the proxy's
-   attempts (which retry before the first byte); a failed decode leg does the same without that replica. Every
-   fallback is counted (``kvroute_pd_fallbacks_total{reason}``) and logged, never silent;
+   is retried on the next plan's prefill replica with the same decode replica (``max_retries``, counted in
+   ``kvroute_retries_total{reason="pd_prefill_failed"}``), then falls back to serving in place, on the plan's
+   decode replica first and then the ranking, through the proxy's attempts (which retry before the first byte);
+   a failed decode leg is served in place without that replica. Every fallback is counted
+   (``kvroute_pd_fallbacks_total{reason}``) and logged, never silent;
 6. a client that disconnects cancels the request's task: both legs' upstream requests are closed (the engines
    abort them).
 
@@ -38,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -47,6 +49,7 @@ from prometheus_client import Counter, Histogram
 from starlette.responses import Response
 
 from membership.replicas import Replica
+from policies.pd_base import Plan
 from router import pd_sglang, pd_vllm
 from router.engine_client import EngineError, EngineResponse
 from router.proxy import _ERR_BODY_BYTES, _AttemptFailed, _Hold, error_response
@@ -158,6 +161,43 @@ class PdLegs:
             return await self._fallback(routed, d_rep, "bad_body", "the body is not a JSON object", path, body,
                                         stream, request_id)
         self.count_plan(routed)
+        deadline = time.monotonic() + self.proxy.cfg.total_timeout_s
+        tried: list[int] = []
+        while True:
+            tried.append(p_rep.index)
+            try:
+                return await self._pair(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
+            except _LegFailed as exc:
+                if exc.reason == "prefill_failed" and len(tried) <= self.proxy.cfg.max_retries:
+                    other = self._other_prefill(routed, plan, tried)
+                    if other is not None:  # retry the prefill leg on the next pair with the same decode replica
+                        self.proxy.telemetry.retries.labels("pd_prefill_failed").inc()
+                        log.warning("prefill leg failed, trying another prefill replica",
+                                    extra={"request_id": request_id, "replica": p_rep.name, "error": exc.message})
+                        plan, p_rep = other
+                        continue
+                failed = d_rep if exc.reason == "decode_failed" else None
+                return await self._fallback(routed, failed, exc.reason, exc.message, path, body, stream,
+                                            request_id, first=d_rep if failed is None else None)
+
+    def _other_prefill(self, routed: Routed, plan: Plan, tried: list[int]) -> tuple[Plan, Replica] | None:
+        """The best remaining disaggregated plan with ``plan``'s decode replica and an untried, routable prefill
+        replica (the decode replica's pinned DP rank kept), or None."""
+        assert routed.plan is not None
+        for other in routed.plan.plans:
+            if other.kind != "disaggregated" or other.decode != plan.decode or other.prefill is None \
+                    or other.prefill in tried:
+                continue
+            rep = self.proxy.router.table.by_index(other.prefill)
+            if rep is not None and rep.routable:
+                return replace(other, dp_rank=plan.dp_rank), rep
+        return None
+
+    async def _pair(self, routed: Routed, plan: Plan, p_rep: Replica, d_rep: Replica, path: str,
+                    obj: dict[str, Any], stream: bool, request_id: str, deadline: float) -> Response:
+        """One try of ``plan`` on ``p_rep`` -> ``d_rep``: both legs charged before dispatch, released on every
+        path (a committed stream releases D when it ends). Raises _LegFailed before the decode leg's first byte."""
+        router = self.proxy.router
         inp = routed.inp
         cached_p = routed.cached_tokens.get(p_rep.index, 0)
         # P's charge: the uncached tokens the policy predicted it computes (else the router's own estimate)
@@ -166,25 +206,17 @@ class PdLegs:
         d_headers = dict(headers, accept="text/event-stream" if stream else "application/json")
         if plan.dp_rank is not None:
             d_headers["x-data-parallel-rank"] = str(plan.dp_rank)
-        deadline = time.monotonic() + self.proxy.cfg.total_timeout_s
-        legs = _Legs(self, routed, p_rep, d_rep, path, obj, stream, request_id, headers, d_headers, deadline,
-                     cached_p)
+        legs = _Legs(self, routed, plan, p_rep, d_rep, path, obj, stream, request_id, headers, d_headers,
+                     deadline, cached_p)
         with _Hold(router, None, p_rep, p_tokens, inp.copies) as hp, \
                 _Hold(router, None, d_rep, 0, inp.copies) as hd:
             router.note_handoff(plan)
             router.record_prediction(p_rep, inp.keys)
             router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
             protocol = self.protocol_for(p_rep)
-            try:
-                if protocol == "vllm":
-                    return await legs.sequential(hp, hd)
-                return await legs.concurrent(hp, hd, protocol)
-            except _LegFailed as exc:
-                hp.release()
-                hd.release()
-                failed = d_rep if exc.reason == "decode_failed" else None
-                return await self._fallback(routed, failed, exc.reason, exc.message, path, body, stream,
-                                            request_id, first=d_rep if failed is None else None)
+            if protocol == "vllm":
+                return await legs.sequential(hp, hd)
+            return await legs.concurrent(hp, hd, protocol)
 
     async def _fallback(self, routed: Routed, exclude: Replica | None, reason: str, message: str, path: str,
                         body: bytes, stream: bool, request_id: str, *, first: Replica | None = None) -> Response:
@@ -216,10 +248,10 @@ class PdLegs:
 class _Legs:
     """One request's two legs (state shared by the protocol runners)."""
 
-    def __init__(self, owner: PdLegs, routed: Routed, p_rep: Replica, d_rep: Replica, path: str,
+    def __init__(self, owner: PdLegs, routed: Routed, plan: Plan, p_rep: Replica, d_rep: Replica, path: str,
                  obj: dict[str, Any], stream: bool, request_id: str, headers: dict[str, str],
                  d_headers: dict[str, str], deadline: float, cached_p: int) -> None:
-        self.owner, self.proxy, self.metrics = owner, owner.proxy, owner.metrics
+        self.owner, self.proxy, self.metrics, self.plan = owner, owner.proxy, owner.metrics, plan
         self.routed, self.p_rep, self.d_rep, self.path, self.obj = routed, p_rep, d_rep, path, obj
         self.stream, self.request_id, self.headers, self.d_headers = stream, request_id, headers, d_headers
         self.deadline, self.cached_p = deadline, cached_p
@@ -244,8 +276,7 @@ class _Legs:
         """SGLang bootstrap / Mooncake push: both legs at once; the decode leg's answer goes to the client."""
         host = urlsplit(self.p_rep.url).hostname or ""
         port = self.p_rep.bootstrap_port or self.owner.cfg.default_bootstrap_port
-        plan = self.routed.plan.chosen if self.routed.plan is not None else None
-        d_rank = plan.dp_rank if plan is not None else None
+        d_rank = self.plan.dp_rank
         p_rank = self._pin_prefill_rank()
         if protocol == "sglang":
             p_body, d_body, _ = pd_sglang.bodies(self.obj, host, port, prefill_dp_rank=p_rank,

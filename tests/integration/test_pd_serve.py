@@ -242,3 +242,24 @@ def test_vllm_failed_decode_leg_is_retried_in_place_elsewhere_counted() -> None:
         assert metric(_url(fleet), "kvroute_pd_fallbacks_total", reason="decode_failed") == 1
     finally:
         fleet.stop()
+
+
+def test_vllm_killed_prefill_retried_on_the_other_prefill_replica() -> None:
+    """With two prefill replicas, a prefill leg that cannot connect is retried on the next plan's prefill replica
+    (same decode replica), still disaggregated; counted as a retry, not a fallback."""
+    fleet = _fleet("vllm", None, prefill=2)
+    try:
+        path, body = _body(False, False)
+        plan = _route(fleet, path, body)
+        dead = next(e for e in fleet.engines if e.name == plan["prefill"]["name"])
+        other = next(e for e in fleet.engines if e.role == "prefill" and e is not dead)
+        dead.proc.stop()
+        r, _ = _serve(fleet, path, body)
+        assert r.headers["x-kvroute-replica"] == plan["decode"]["name"]
+        assert r.headers["x-kvroute-prefill-replica"] == other.name
+        assert metric(other.url, "fake_pd_requests_total", leg="prefill") == 1
+        assert metric(_engine(fleet, plan["decode"]["name"]), "fake_pd_handoffs_total") == 1
+        assert metric(_url(fleet), "kvroute_retries_total", reason="pd_prefill_failed") == 1
+        assert metric(_url(fleet), "kvroute_pd_fallbacks_total") == 0
+    finally:
+        fleet.stop()
