@@ -100,7 +100,13 @@ class TenantBudget:
         self.clock = clock
         self.stats = BudgetStats()
         self._local: dict[str, BucketState] = {}
-        self.mode = "local" if shared is None else "shared"
+
+    @property
+    def mode(self) -> str:
+        """``local`` (no Redis), ``shared`` (Redis reachable now) or ``local_fallback`` (unreachable)."""
+        if self.shared is None:
+            return "local"
+        return "shared" if self.shared.available else "local_fallback"
 
     async def take(self, tenant: str, rate: float, burst: float, cost: float) -> BudgetAnswer:
         """Spend ``cost`` tokens of ``tenant``'s bucket (``rate`` tokens/s, ``burst`` tokens); never raises."""
@@ -108,12 +114,10 @@ class TenantBudget:
             try:
                 raw = await self.shared.run_script(BUCKET_SCRIPT, [self.shared.key(f"tb:{tenant}")],
                                                    [repr(float(rate)), repr(float(burst)), repr(float(cost))])
-                self.mode = "shared"
                 self._local.clear()  # a later outage starts from fresh local shares
                 self.stats.shared_takes += 1
                 return self._answer(int(raw[0]) == 1, float(raw[2]), "shared")
             except SharedStateUnavailable:
-                self.mode = "local_fallback"
                 self.stats.fallback_takes += 1
                 n = self.expected_routers
                 return self._take_local(tenant, rate / n, burst / n, cost, "local_fallback")
