@@ -231,3 +231,27 @@ def test_isolated_tenants_never_share_a_prefix() -> None:
     b = router.decide(router.make_input("m", None, toks, namespace="tenant-b"))
     shared = router.decide(router.make_input("m", None, toks))
     assert max(b.cached_tokens.values()) == 0 and max(shared.cached_tokens.values()) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the simulator runs the same admission code
+# ---------------------------------------------------------------------------------------------------------
+
+def test_simulator_quota_and_slo_rejection_use_the_admission_code() -> None:
+    from loadtest.simulator import FleetConfig, SimTenancy, simulate
+    from loadtest.traces import make_workload
+
+    reqs = sorted(make_workload("shared-prefix")[:120], key=lambda r: r.arrival_s)
+    cfg = FleetConfig(profiles=["a100"] * 2)
+    tenants = ["flood" if i % 2 else "quiet" for i in range(len(reqs))]
+    cost = reqs[0].prompt_tokens + reqs[0].output_tokens
+    quota = SimTenancy(tenants=tenants, quotas={"flood": (0.001, 10.0 * cost)})  # ~10 flood requests in total
+    res = simulate(reqs, "ttft", cfg, tenancy=quota).summary()
+    rejected = res["rejected"]["quota"]
+    assert 45 <= rejected <= 50 and res["completed"] == len(reqs) - rejected
+    assert res["goodput_all"] <= res["goodput"]
+    none = simulate(reqs, "ttft", cfg, tenancy=SimTenancy(ttft_target_s=1e-9, slo_reject_factor=1.0)).summary()
+    assert none["rejected"] == {"slo_unattainable": len(reqs)} and none["goodput_all"] == 0.0
+    same = simulate(reqs, "ttft", cfg, tenancy=SimTenancy()).summary()
+    plain = simulate(reqs, "ttft", cfg).summary()
+    assert same["ttft_p99_s"] == plain["ttft_p99_s"] and "rejected" not in same  # hooks off: same decisions
