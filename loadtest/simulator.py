@@ -70,6 +70,8 @@ from loadtest.traces import (
     scale_rate,
     slice_time,
 )
+from policies.admission_fair import BucketState, take
+from policies.admission_slo import best_predicted_ttft_s, slo_unattainable
 from policies.base import Candidate, LoadView, Observation, RouteRequest, make_policy, policy_names
 from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
 from policies.hits import hit_from_match
@@ -133,6 +135,28 @@ class FleetConfig:
     def total_cache_blocks(self) -> int:
         """GPU + CPU blocks of the whole fleet."""
         return sum(self.gpu_blocks_of(i) + self.cpu_blocks for i in range(self.replicas))
+
+
+@dataclass(slots=True)
+class SimTenancy:
+    """Tenant hooks (issue 20), decided by the same pure code as the router (``policies.admission_fair``,
+    ``policies.admission_slo``).
+
+    Attributes:
+        tenants: one tenant name per request (the order of ``simulate``'s requests); None = one tenant.
+        priorities: one priority per request (higher is more urgent); None = 0.
+        quotas: tenant -> (tokens per second, burst tokens): a request costing prompt + output tokens is rejected
+            (``quota``) when its tenant's bucket cannot pay it.
+        ttft_target_s: every request's TTFT target, seconds (``RouteRequest.ttft_target_s``; None = none).
+        slo_reject_factor: reject (``slo_unattainable``) a request whose best predicted TTFT exceeds the target
+            times this (0 = never).
+    """
+
+    tenants: Sequence[str] | None = None
+    priorities: Sequence[int] | None = None
+    quotas: dict[str, tuple[float, float]] = field(default_factory=dict)
+    ttft_target_s: float | None = None
+    slo_reject_factor: float = 0.0
 
 
 @dataclass(slots=True)
@@ -452,8 +476,9 @@ class Fleet:
             total_kv_blocks=s.num_gpu_blocks,
         )
 
-    def route(self, req: Request, rec: _Rec) -> int:
-        """Route ``req`` at ``req.arrival_s`` (after ``run_until``) and submit it; returns the replica."""
+    def route(self, req: Request, rec: _Rec, tenancy: SimTenancy | None = None) -> int:
+        """Route ``req`` at ``req.arrival_s`` (after ``run_until``) and submit it; returns the replica, or -1 when
+        ``tenancy`` rejects it as unable to meet its TTFT target (``rec.rejected``)."""
         t = req.arrival_s
         bs = self.cfg.block_size
         keys = self.keys.keys(req)
@@ -463,9 +488,15 @@ class Fleet:
         for i in range(self.cfg.replicas):
             cands.append(Candidate(index=i, name=self.names[i], load=self._load(i, t),
                                    hit=hit_from_match(matches.get(i), n, bs), profile=self.profiles[i]))
+        target = tenancy.ttft_target_s if tenancy is not None else None
         rr = RouteRequest(model=self.cfg.model, prompt_tokens=n, block_keys=keys, block_size=bs, now=t,
-                          session_id=req.session_id, request_id=req.request_id)
+                          session_id=req.session_id, request_id=req.request_id, ttft_target_s=target,
+                          priority=rec.priority)
         decision = self.policy.choose(rr, cands)
+        if tenancy is not None and slo_unattainable(best_predicted_ttft_s(decision.scores, decision.ranking),
+                                                    target, tenancy.slo_reject_factor):
+            rec.rejected = "slo_unattainable"
+            return -1
         i = decision.chosen
         rec.replica = i
         rec.uncached_est = max(0, n - cands[i].hit.total)
@@ -525,6 +556,8 @@ class _Rec:
     finish: float = -1.0
     wait: float = 0.0
     uncached_sent: int = 0
+    priority: int = 0
+    rejected: str = ""
 
 
 @dataclass(slots=True)
@@ -548,8 +581,9 @@ def policy_of(name: str) -> str:
 
 def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, keys: BlockKeyCache | None = None,
              policy_params: dict[str, Any] | None = None, seed: int = 0, load: float | None = None,
-             hit_rate_bound: float | None = None) -> SimResult:
-    """Simulate ``requests`` (sorted by arrival) routed by ``policy`` on the fleet ``config``.
+             hit_rate_bound: float | None = None, tenancy: SimTenancy | None = None) -> SimResult:
+    """Simulate ``requests`` (sorted by arrival) routed by ``policy`` on the fleet ``config`` (``tenancy``: tenant
+    quotas, priorities and TTFT targets; rejected requests are counted in ``rejected`` and miss ``goodput_all``).
 
     Raises:
         RuntimeError: when a request did not complete exactly once (conservation).
@@ -562,13 +596,23 @@ def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, k
     recs: list[_Rec] = []
     if requests:
         fleet.next_scrape = requests[0].arrival_s
-    for req in requests:
+    buckets: dict[str, BucketState] = {}
+    for k, req in enumerate(requests):
         fleet.run_until(req.arrival_s)
         rec = _Rec(req.arrival_s, req.prompt_tokens, req.output_tokens)
-        fleet.route(req, rec)
         recs.append(rec)
+        if tenancy is not None:
+            rec.priority = tenancy.priorities[k] if tenancy.priorities is not None else 0
+            tenant = tenancy.tenants[k] if tenancy.tenants is not None else ""
+            if not _quota_admits(tenancy, buckets, tenant, req):
+                rec.rejected = "quota"
+                continue
+        fleet.route(req, rec, tenancy)
     fleet.drain()
     n = config.replicas
+    rejected = [r for r in recs if r.rejected]
+    served = [r for r in recs if not r.rejected]
+    all_recs, recs = recs, served
     bad = [i for i, r in enumerate(recs) if r.ttft < 0 or r.finish < 0 or r.replica < 0]
     if bad or any(not e.idle for e in fleet.engines):
         raise RuntimeError(f"conservation violated: {len(bad)} requests did not complete (first: {bad[:5]})")
@@ -585,7 +629,7 @@ def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, k
     return SimResult(
         policy=policy,
         load=load,
-        requests=len(recs),
+        requests=len(all_recs),
         completed=len(recs) - len(bad),
         prompt_tokens=sum(r.prompt for r in recs),
         cached_tokens=sum(r.cached for r in recs),
@@ -600,8 +644,30 @@ def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, k
         slo_ttft_s=config.slo_ttft_s,
         hit_rate_bound=hit_rate_bound,
         extra={"cpu_s": time.process_time() - cpu0, "index_nodes": len(fleet.index),
-               "observations": fleet.observations},
+               "observations": fleet.observations, **_tenancy_extra(all_recs, rejected, config.slo_ttft_s)},
     )
+
+
+def _quota_admits(tenancy: SimTenancy, buckets: dict[str, BucketState], tenant: str, req: Request) -> bool:
+    """Charge ``req`` (prompt + output tokens) to ``tenant``'s bucket at its arrival (True when it pays)."""
+    quota = tenancy.quotas.get(tenant)
+    if quota is None:
+        return True
+    state, out = take(buckets.get(tenant), req.arrival_s, quota[0], quota[1], req.prompt_tokens + req.output_tokens)
+    buckets[tenant] = state
+    return out.admitted
+
+
+def _tenancy_extra(recs: Sequence[_Rec], rejected: Sequence[_Rec], slo_s: float) -> dict[str, Any]:
+    """``rejected`` by reason and ``goodput_all``: requests meeting the TTFT SLO / all requests (rejected ones
+    miss it)."""
+    if not rejected:
+        return {}
+    reasons: dict[str, int] = {}
+    for r in rejected:
+        reasons[r.rejected] = reasons.get(r.rejected, 0) + 1
+    met = sum(1 for r in recs if not r.rejected and 0 <= r.ttft <= slo_s)
+    return {"rejected": reasons, "goodput_all": met / len(recs) if recs else None}
 
 
 # ------------------------------------------------------------------------------------------------ CLI
