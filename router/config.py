@@ -443,6 +443,17 @@ class Settings(BaseSettings):
                     "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
                     "never are); 0 = never shed")
 
+    # --- endpoint picker (issue 21) ---
+    epp_grpc_port: int = Field(
+        default=9002, ge=0, le=65535,
+        description="kvroute epp: port of the gRPC Envoy ext_proc endpoint-picker server (and its grpc.health.v1 "
+                    "services); 0 = any free port (logged)")
+    inference_pool: str = Field(
+        default="",
+        description="name of an InferencePool (inference.networking.k8s.io/v1) in kubernetes_namespace whose "
+                    "spec.selector and spec.targetPorts define the replicas (pods are then watched with that "
+                    "selector, one replica per target port); empty = off (kubernetes_label_selector is used)")
+
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
     @classmethod
