@@ -514,7 +514,7 @@ class Settings(BaseSettings):
 
     def kubernetes(self) -> KubernetesOptions | None:
         """Pod discovery (None unless ``kubernetes_enabled``)."""
-        if not self.kubernetes_enabled:
+        if not self.kubernetes_enabled and not self.inference_pool:  # a pool implies discovery
             return None
         return KubernetesOptions(
             namespace=self.kubernetes_namespace, label_selector=self.kubernetes_label_selector,
@@ -522,7 +522,7 @@ class Settings(BaseSettings):
             kubeconfig=self.kubernetes_kubeconfig, default_port=self.kubernetes_default_port,
             default_kv_events_port=self.kubernetes_default_kv_events_port,
             default_kv_replay_port=self.kubernetes_default_kv_replay_port,
-            default_kv_topic=self.kubernetes_default_kv_topic)
+            default_kv_topic=self.kubernetes_default_kv_topic, inference_pool=self.inference_pool)
 
     def membership(self) -> MembershipConfig:
         """Everything the membership front door needs."""
