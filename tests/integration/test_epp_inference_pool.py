@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from loadtest.epp_gateway import GatewayStream, stub_for
 from membership.inference_pool import InferencePoolWatcher, pool_target
 from membership.kubernetes import KubernetesOptions, PodWatcher
 from membership.replicas import ReplicaState, ReplicaTable
 from tests.fakes.k8s_api import FakeKubeAPI
 from tests.helpers import Proc, free_port, wait_http_ok, wait_until
-from tests.integration.epp_gateway import GatewayStream, stub_for
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loadtest.epp_gateway import GatewayStream, stub_for
 from tests.helpers import Proc, free_port, metric, wait_http_ok, wait_until
-from tests.integration.epp_gateway import GatewayStream, stub_for
 
 MODEL = "m"
 

@@ -1,6 +1,14 @@
-"""A gateway stand-in for the endpoint-picker tests: a real gRPC client built from Envoy's ext_proc protos (the
-``xds-protos`` package) that plays Envoy's part of the protocol in FULL_DUPLEX_STREAMED mode, plus the HTTP hop
-to the picked engine (real sockets), so the picker's response path sees a real engine's answer."""
+"""A gateway stand-in for ``kvroute epp`` (tests and ``loadtest.bench_epp``): a gRPC client built from Envoy's
+ext_proc protos (the ``xds-protos`` package) that plays Envoy's part of the endpoint-picker protocol in
+FULL_DUPLEX_STREAMED mode, plus the HTTP hop to the picked engine (real sockets), so the picker's response path
+sees a real engine's answer.
+
+One ``GatewayStream`` is one HTTP request: ``request`` sends the request headers (+ the body in messages of
+``chunk`` bytes, as Envoy buffers it) and returns what the picker answered (``Picked``: destination header and
+``envoy.lb`` metadata, headers set, the body re-streamed, or the ImmediateResponse); ``relay_response`` forwards
+the body to the picked engine and passes the engine's answer through the picker's response path; ``cancel``
+resets the stream as Envoy does when the client goes away. Units: bytes, seconds.
+"""
 
 from __future__ import annotations
 
@@ -22,16 +30,28 @@ CHUNK = 65536
 
 
 def header_map(headers: dict[str, str]) -> Any:
+    """An Envoy ``HeaderMap`` (values as ``raw_value`` bytes, as Envoy sends them)."""
     return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()])
 
 
 def subset_metadata(subset: list[str] | None) -> Any:
+    """The ``metadata_context`` carrying the gateway's subset hint (None: no hint)."""
     meta = base_pb2.Metadata()
     if subset is not None:
         s = struct_pb2.Struct()
         s.update({"x-gateway-destination-endpoint-subset": subset})
         meta.filter_metadata["envoy.lb.subset_hint"].CopyFrom(s)
     return meta
+
+
+class ProtocolError(AssertionError):
+    """The picker answered out of the protocol's order."""
+
+
+def _expect(msg: Any, kind: str) -> None:
+    got = msg.WhichOneof("response")
+    if got != kind:
+        raise ProtocolError(f"expected a {kind} answer, got {got}: {msg}")
 
 
 @dataclass
@@ -50,9 +70,11 @@ class Picked:
 
     @property
     def status(self) -> int | None:
+        """The ImmediateResponse's HTTP status, or None when a replica was picked."""
         return int(self.immediate.status.code) if self.immediate is not None else None
 
     def immediate_headers(self) -> dict[str, str]:
+        """The headers of the ImmediateResponse."""
         return {h.header.key: h.header.raw_value.decode() for h in self.immediate.headers.set_headers}
 
 
@@ -65,15 +87,19 @@ class GatewayStream:
         self._answers: Iterator[Any] = iter(self.call)
 
     def send(self, msg: Any) -> None:
+        """Send one ``ProcessingRequest``."""
         self._q.put(msg)
 
     def recv(self) -> Any:
+        """The next ``ProcessingResponse`` (blocks)."""
         return next(self._answers)
 
     def close(self) -> None:
+        """Half-close: the HTTP request is over."""
         self._q.put(None)
 
     def cancel(self) -> None:
+        """Reset the stream (the client went away)."""
         self.call.cancel()
         self._q.put(None)
 
@@ -95,12 +121,13 @@ class GatewayStream:
         return self._read_pick(body is not None)
 
     def _read_pick(self, bodied: bool) -> Picked:
+        """The picker's answers to a request: the routed headers (+ the body chunks), or an ImmediateResponse."""
         out = Picked()
         first = self.recv()
         if first.WhichOneof("response") == "immediate_response":
             out.immediate = first.immediate_response
             return out
-        assert first.WhichOneof("response") == "request_headers", first
+        _expect(first, "request_headers")
         common = first.request_headers.response
         out.clear_route_cache = common.clear_route_cache
         out.set_headers = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
@@ -112,7 +139,7 @@ class GatewayStream:
         parts = []
         while True:
             msg = self.recv()
-            assert msg.WhichOneof("response") == "request_body", msg
+            _expect(msg, "request_body")
             streamed = msg.request_body.response.body_mutation.streamed_response
             parts.append(streamed.body)
             out.chunk_sizes.append(len(streamed.body))
@@ -131,7 +158,7 @@ class GatewayStream:
             rh = {":status": str(resp.status_code), **{k: v for k, v in resp.headers.items()}}
             self.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=header_map(rh))))
             answer = self.recv()
-            assert answer.WhichOneof("response") == "response_headers", answer
+            _expect(answer, "response_headers")
             for raw in resp.iter_raw():
                 self.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=raw, end_of_stream=False)))
                 client_sees.extend(self._drain_body(until_eos=False))
@@ -144,13 +171,14 @@ class GatewayStream:
         out = []
         while True:
             msg = self.recv()
-            assert msg.WhichOneof("response") == "response_body", msg
+            _expect(msg, "response_body")
             streamed = msg.response_body.response.body_mutation.streamed_response
             out.append(streamed.body)
             if streamed.end_of_stream or not until_eos:
                 return out
 
 
-def stub_for(port: int) -> tuple[grpc.Channel, Any]:
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+def stub_for(port: int, host: str = "127.0.0.1") -> tuple[grpc.Channel, Any]:
+    """A channel and an ``ExternalProcessor`` stub for the picker at ``host:port``."""
+    channel = grpc.insecure_channel(f"{host}:{port}")
     return channel, pb_grpc.ExternalProcessorStub(channel)
