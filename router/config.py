@@ -509,6 +509,16 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return json.loads(v) if v.strip() else {}
         return v
+    # --- endpoint picker (issue 21) ---
+    epp_grpc_port: int = Field(
+        default=9002, ge=0, le=65535,
+        description="kvroute epp: port of the gRPC Envoy ext_proc endpoint-picker server (and its grpc.health.v1 "
+                    "services); 0 = any free port (logged)")
+    inference_pool: str = Field(
+        default="",
+        description="name of an InferencePool (inference.networking.k8s.io/v1) in kubernetes_namespace whose "
+                    "spec.selector and spec.targetPorts define the replicas (pods are then watched with that "
+                    "selector, one replica per target port); empty = off (kubernetes_label_selector is used)")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
@@ -570,7 +580,7 @@ class Settings(BaseSettings):
 
     def kubernetes(self) -> KubernetesOptions | None:
         """Pod discovery (None unless ``kubernetes_enabled``)."""
-        if not self.kubernetes_enabled:
+        if not self.kubernetes_enabled and not self.inference_pool:  # a pool implies discovery
             return None
         return KubernetesOptions(
             namespace=self.kubernetes_namespace, label_selector=self.kubernetes_label_selector,
@@ -578,7 +588,7 @@ class Settings(BaseSettings):
             kubeconfig=self.kubernetes_kubeconfig, default_port=self.kubernetes_default_port,
             default_kv_events_port=self.kubernetes_default_kv_events_port,
             default_kv_replay_port=self.kubernetes_default_kv_replay_port,
-            default_kv_topic=self.kubernetes_default_kv_topic)
+            default_kv_topic=self.kubernetes_default_kv_topic, inference_pool=self.inference_pool)
 
     def membership(self) -> MembershipConfig:
         """Everything the membership front door needs."""
