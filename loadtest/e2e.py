@@ -48,6 +48,14 @@ from loadtest.fleet import (
     scrape_samples,
 )
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
+from loadtest.router_profile import (
+    PySpy,
+    breakdown,
+    main_thread_split,
+    per_request_ms,
+    thread_cpu_s,
+    top_functions,
+)
 from loadtest.simulator import fleet_hit_rate_bound
 from loadtest.workload import (
     WorkloadOptions,
@@ -79,6 +87,8 @@ class RunConfig:
     endpoint: str
     kvroute_args: tuple[str, ...] = ()
     sglang_args: tuple[str, ...] = ()
+    #: write a py-spy profile of each kvroute run here and add its breakdown to the result (None: no profile)
+    profile_dir: Path | None = None
 
 
 def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: RunConfig,
@@ -94,14 +104,21 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         h0, q0 = fleet.prefix_cache_counters()
         cpu0 = router.proc.cpu_seconds()
         last = max((r.arrival_s for r in workload), default=0.0)
+        spy = _start_profile(cfg, name, router) if kind == "kvroute" else None
+        threads0 = thread_cpu_s(router.proc.pid)
 
         async def go() -> tuple[list[Any], float]:
             async with make_client() as client:
                 return await replay(router.url, workload, model=cfg.model, endpoint=cfg.endpoint,  # type: ignore[arg-type]
                                     client=client, deadline_s=last + cfg.drain_timeout_s)
 
-        results, wall = asyncio.run(go())
+        try:
+            results, wall = asyncio.run(go())
+        finally:
+            if spy is not None:
+                spy.stop()
         cpu1 = router.proc.cpu_seconds()
+        threads = main_thread_split(router.proc.pid, threads0, thread_cpu_s(router.proc.pid))
         h1, q1 = fleet.prefix_cache_counters()
         gate = dispatch_counters(router.url) if kind == "kvroute" else None
         if not router.proc.alive():
@@ -121,14 +138,29 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         "router": kind, "policy": policy,
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
+    if results:
+        out["router_cpu_split_s_per_1k"] = {k: round(v / len(results) * 1000.0, 3) for k, v in threads.items()}
     if gate:
         out["dispatch"] = gate
+    if spy is not None and spy.out_path.exists() and out["router_cpu_s_per_1k"]:
+        shares = breakdown(spy.out_path)
+        out["cpu_profile_ms_per_request"] = per_request_ms(shares, out["router_cpu_s_per_1k"])
+        out["cpu_profile_top_functions"] = top_functions(spy.out_path, 20)
+        out["cpu_profile_raw"] = str(spy.out_path)
     if s.error_samples:
         out["error_samples"] = s.error_samples
     for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "e2e_p50_s", "e2e_p99_s"):
         if out[k] is not None:
             out[k] = round(out[k], 6)
     return out
+
+
+def _start_profile(cfg: RunConfig, name: str, router: RouterHandle) -> PySpy | None:
+    """py-spy on the router process (and its workers) when ``--profile-router`` is set."""
+    if cfg.profile_dir is None:
+        return None
+    cfg.profile_dir.mkdir(parents=True, exist_ok=True)
+    return PySpy.start(router.proc.pid, cfg.profile_dir / f"{name}-{router.port}.txt")
 
 
 def dispatch_counters(url: str) -> dict[str, float]:
@@ -230,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--time-scale like the engines' (the default; runs before the sixth session did this)")
     p.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for sglang-router, e.g. --sglang-arg=--cache-threshold=0.5 (repeatable)")
+    p.add_argument("--profile-router", default=None, metavar="DIR",
+                   help="sample each kvroute run with py-spy (files in DIR) and add the CPU breakdown per request "
+                        "(cpu_profile_ms_per_request, by category: loadtest/router_profile.py) to its result")
     add_harness_args(p)
     return p
 
@@ -262,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = ensure_model_dir()
     cfg = RunConfig(replicas=args.replicas, time_scale=args.time_scale, load_scale=args.load_scale,
                     drain_timeout_s=args.drain_timeout_s, model=args.model, endpoint=args.endpoint,
-                    kvroute_args=tuple(args.kvroute_arg), sglang_args=tuple(args.sglang_arg))
+                    kvroute_args=tuple(args.kvroute_arg), sglang_args=tuple(args.sglang_arg),
+                    profile_dir=Path(args.profile_router).resolve() if args.profile_router else None)
     engine = EngineOptions(model=args.model, dialect=args.dialect, time_scale=args.time_scale,
                            profile=args.profile, gpu_blocks=args.gpu_blocks or None, block_size=args.block_size,
                            model_path=str(model_dir),
