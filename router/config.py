@@ -443,6 +443,14 @@ class Settings(BaseSettings):
                     "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
                     "never are); 0 = never shed")
 
+    # --- router CPU (issue 23) ---
+    workers: int = Field(
+        default=1, ge=1, le=64,
+        description="router worker processes per pod: above 1, kvroute serve supervises this many copies of the "
+                    "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
+                    "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
+                    "answers every worker's metrics labelled worker. Give the pod about this many cores")
+
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
     @classmethod
