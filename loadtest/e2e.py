@@ -67,7 +67,10 @@ from loadtest.workload import (
 
 #: run name -> (router kind, policy); ``ttft_cache_first`` is ``ttft`` that never leaves the replica holding the
 #: deepest GPU-cached prefix for a shorter queue (policies/ttft_cache_first.py)
-RUNS: dict[str, tuple[str, str]] = {**COMPARED_RUNS, "kvroute_ttft_cache_first": ("kvroute", "ttft_cache_first")}
+RUNS: dict[str, tuple[str, str]] = {**COMPARED_RUNS, "kvroute_ttft_cache_first": ("kvroute", "ttft_cache_first"),
+                                    "kvroute_ttft_baseline": ("kvroute", "ttft")}
+#: the run that starts kvroute from ``--baseline-root`` (another checkout: before / after in one run)
+BASELINE_RUN = "kvroute_ttft_baseline"
 
 
 #: keys every run object carries in the JSON output
@@ -87,6 +90,8 @@ class RunConfig:
     endpoint: str
     kvroute_args: tuple[str, ...] = ()
     sglang_args: tuple[str, ...] = ()
+    #: the checkout the ``kvroute_ttft_baseline`` run starts kvroute from (None: this one)
+    baseline_root: Path | None = None
     #: write a py-spy profile of each kvroute run here and add its breakdown to the result (None: no profile)
     profile_dir: Path | None = None
 
@@ -98,7 +103,9 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
     load_before = os.getloadavg()[0]
     if fresh_engines:
         fleet.restart_engines() if fleet.engines else fleet.start_engines()
-    router: RouterHandle = (fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args) if kind == "kvroute"
+    root = cfg.baseline_root if name == BASELINE_RUN else None
+    router: RouterHandle = (fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args, root=root)
+                            if kind == "kvroute"
                             else fleet.start_sglang_router(policy=policy, extra_args=cfg.sglang_args))
     try:
         h0, q0 = fleet.prefix_cache_counters()
@@ -238,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output-tokens", type=int, default=64,
                    help="cap each request's output length, tokens (0 = as in the trace; routing is about the "
                         "prefill, and long decodes only stretch the run)")
-    p.add_argument("--routers", default=",".join(RUNS),
+    p.add_argument("--routers", default=",".join(n for n in RUNS if n != BASELINE_RUN),
                    help=f"comma-separated runs, from: {', '.join(RUNS)} (kvroute_ttft_cache_first: policy "
                         "ttft_cache_first, which never leaves the deepest cached prefix's replica for a shorter "
                         "queue)")
@@ -262,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--time-scale like the engines' (the default; runs before the sixth session did this)")
     p.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for sglang-router, e.g. --sglang-arg=--cache-threshold=0.5 (repeatable)")
+    p.add_argument("--baseline-root", default=None, metavar="DIR",
+                   help="the kvroute_ttft_baseline run starts kvroute from this checkout (e.g. `git archive main | "
+                        "tar -x -C DIR`): two versions side by side in one run (default: this checkout)")
     p.add_argument("--profile-router", default=None, metavar="DIR",
                    help="sample each kvroute run with py-spy (files in DIR) and add the CPU breakdown per request "
                         "(cpu_profile_ms_per_request, by category: loadtest/router_profile.py) to its result")
@@ -298,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = RunConfig(replicas=args.replicas, time_scale=args.time_scale, load_scale=args.load_scale,
                     drain_timeout_s=args.drain_timeout_s, model=args.model, endpoint=args.endpoint,
                     kvroute_args=tuple(args.kvroute_arg), sglang_args=tuple(args.sglang_arg),
-                    profile_dir=Path(args.profile_router).resolve() if args.profile_router else None)
+                    profile_dir=Path(args.profile_router).resolve() if args.profile_router else None,
+                    baseline_root=Path(args.baseline_root).resolve() if args.baseline_root else None)
     engine = EngineOptions(model=args.model, dialect=args.dialect, time_scale=args.time_scale,
                            profile=args.profile, gpu_blocks=args.gpu_blocks or None, block_size=args.block_size,
                            model_path=str(model_dir),
