@@ -89,7 +89,7 @@ def scaling(fleet: Fleet, workers: Sequence[int], size: int, requests: int, conc
     reqs: list[ReplayRequest] = make_requests(requests, size, 1, seed=size + 1)
     bodies = [json.dumps({"model": model, "prompt": r.prompt, "max_tokens": 1}).encode() for r in reqs]
     handles = {w: fleet.start_kvroute(policy="ttft", extra_args=[f"--workers={w}"]) for w in workers}
-    done = {w: [0, 0, 0.0, 0.0] for w in workers}  # ok, errors, wall s, cpu s
+    done: dict[int, list[float]] = {w: [0, 0, 0.0, 0.0] for w in workers}  # ok, errors, wall s, cpu s
     try:
         for h in handles.values():  # warm-up (tokenizer, pools)
             asyncio.run(_route_block(h.url, bodies[:min(8, len(bodies))], concurrency))
