@@ -109,9 +109,9 @@ def scaling(fleet: Fleet, workers: Sequence[int], size: int, requests: int, conc
         fleet.stop_router()
     out: dict[str, Any] = {"prompt_tokens": size, "concurrency": concurrency, "cores": os.cpu_count(),
                            "loadavg_1m": round(os.getloadavg()[0], 2)}
-    for w, (ok, err, wall, cpu) in done.items():
-        out[f"workers_{w}"] = {"routed_rps": round(ok / wall, 2) if wall else 0.0, "errors": err,
-                               "router_cpu_ms_per_req": round(cpu * 1000.0 / ok, 3) if ok else None}
+    for w, (n_ok, n_err, wall_s, cpu_s) in done.items():
+        out[f"workers_{w}"] = {"routed_rps": round(n_ok / wall_s, 2) if wall_s else 0.0, "errors": int(n_err),
+                               "router_cpu_ms_per_req": round(cpu_s * 1000.0 / n_ok, 3) if n_ok else None}
     base = out[f"workers_{workers[0]}"]["routed_rps"]
     for w in workers[1:]:
         out[f"scaling_{w}_over_{workers[0]}"] = round(out[f"workers_{w}"]["routed_rps"] / base, 3) if base else None
