@@ -41,6 +41,7 @@ from loadtest.fleet import (
     COMPARED_RUNS,
     EngineOptions,
     Fleet,
+    ManagedProcess,
     RouterHandle,
     add_harness_args,
     exit_on_sigterm,
@@ -90,6 +91,8 @@ class RunConfig:
     endpoint: str
     kvroute_args: tuple[str, ...] = ()
     sglang_args: tuple[str, ...] = ()
+    #: busy-loop processes running beside the router during each run (the contention run; 0 = none)
+    cpu_hogs: int = 0
     #: the checkout the ``kvroute_ttft_baseline`` run starts kvroute from (None: this one)
     baseline_root: Path | None = None
     #: write a py-spy profile of each kvroute run here and add its breakdown to the result (None: no profile)
@@ -119,9 +122,12 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
                 return await replay(router.url, workload, model=cfg.model, endpoint=cfg.endpoint,  # type: ignore[arg-type]
                                     client=client, deadline_s=last + cfg.drain_timeout_s)
 
+        hogs = start_cpu_hogs(cfg.cpu_hogs, fleet)
         try:
             results, wall = asyncio.run(go())
         finally:
+            for hog in hogs:
+                hog.stop()
             if spy is not None:
                 spy.stop()
         cpu1 = router.proc.cpu_seconds()
@@ -144,6 +150,7 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         "max_client_lag_s": round(s.max_lag_s, 4), "prefix_hit_tokens": hits, "prefix_query_tokens": queries,
         "router": kind, "policy": policy,
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "cpu_hogs": cfg.cpu_hogs,
     }
     if results:
         out["router_cpu_split_s_per_1k"] = {k: round(v / len(results) * 1000.0, 3) for k, v in threads.items()}
@@ -160,6 +167,15 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         if out[k] is not None:
             out[k] = round(out[k], 6)
     return out
+
+
+#: one busy loop on one core, for ``--cpu-hog``
+_HOG = "while True:\n    pass\n"
+
+
+def start_cpu_hogs(n: int, fleet: Fleet) -> list[ManagedProcess]:
+    """``n`` processes each spinning on a core for as long as they run (stopped by the caller)."""
+    return [ManagedProcess([sys.executable, "-c", _HOG], f"cpu-hog-{i}", fleet.log_dir) for i in range(n)]
 
 
 def _start_profile(cfg: RunConfig, name: str, router: RouterHandle) -> PySpy | None:
@@ -269,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--time-scale like the engines' (the default; runs before the sixth session did this)")
     p.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for sglang-router, e.g. --sglang-arg=--cache-threshold=0.5 (repeatable)")
+    p.add_argument("--cpu-hog", type=int, default=0, metavar="K",
+                   help="contention run: K busy-loop processes (one core each) run beside every router during its "
+                        "replay, the same for every router (0 = a quiet run)")
     p.add_argument("--baseline-root", default=None, metavar="DIR",
                    help="the kvroute_ttft_baseline run starts kvroute from this checkout (e.g. `git archive main | "
                         "tar -x -C DIR`): two versions side by side in one run (default: this checkout)")
@@ -309,7 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     drain_timeout_s=args.drain_timeout_s, model=args.model, endpoint=args.endpoint,
                     kvroute_args=tuple(args.kvroute_arg), sglang_args=tuple(args.sglang_arg),
                     profile_dir=Path(args.profile_router).resolve() if args.profile_router else None,
-                    baseline_root=Path(args.baseline_root).resolve() if args.baseline_root else None)
+                    baseline_root=Path(args.baseline_root).resolve() if args.baseline_root else None,
+                    cpu_hogs=max(0, args.cpu_hog))
     engine = EngineOptions(model=args.model, dialect=args.dialect, time_scale=args.time_scale,
                            profile=args.profile, gpu_blocks=args.gpu_blocks or None, block_size=args.block_size,
                            model_path=str(model_dir),
