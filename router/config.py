@@ -549,6 +549,13 @@ class Settings(BaseSettings):
                                                         "bootstrap port")
     pd_default_bootstrap_port: int = Field(
         default=8998, ge=1, le=65535, description="SGLang bootstrap port of prefill pods / replicas that name none")
+    # --- router CPU (issue 23) ---
+    workers: int = Field(
+        default=1, ge=1, le=64,
+        description="router worker processes per pod: above 1, kvroute serve supervises this many copies of the "
+                    "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
+                    "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
+                    "answers every worker's metrics labelled worker. Give the pod about this many cores")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")

@@ -45,6 +45,7 @@ from router.loop_lag import LoopLag, lag_gauges
 from router.pd_proxy import PdConfig, PdLegs
 from router.proxy import Proxy
 from router.routing import Router, build_profile
+from router.scrape_client import PooledScrapeClient
 from router.telemetry import (
     Telemetry,
     gauge,
@@ -274,7 +275,11 @@ def build_services(settings: Settings) -> Services:
     tokenizer = _build_tokenizer(settings)
     membership = _build_membership(settings, table, index)
     kv_events = signals.build_kv_events(settings, index)
-    engine_metrics = signals.build_engine_metrics(settings, table, headers, kv_events)
+    # scrapes through the proxy's engine pool (router/scrape_client.py: issue 23's profile); the pool is the
+    # proxy's, created in the event loop when first used
+    engine_metrics = signals.build_engine_metrics(
+        settings, table, headers, kv_events,
+        client=PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes))
     router = _build_router(settings, table, index, policy, kv_events, membership)
     token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
                               timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
