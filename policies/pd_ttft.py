@@ -43,9 +43,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from policies.base import Objective, Observation, RouteRequest
-from policies.cost_model import CostParams, estimate, kv_penalty_s
+from policies.base import Observation, RouteRequest
+from policies.cost_model import kv_penalty_s
 from policies.pd_base import HandoffLink, PdCandidate, Plan, PlanDecision, register_pd
 from policies.pd_common import (
     Loads,
@@ -57,16 +58,22 @@ from policies.pd_common import (
     read_loads,
     require_pd_candidates,
 )
+from policies.ttft import TTFTPolicy
 
 
 @dataclass(frozen=True, slots=True)
 class _Prefill:
-    """One candidate's prefill estimate (seconds, tokens)."""
+    """One candidate's prefill estimate from the ``ttft`` model (seconds, tokens).
+
+    ``ttft`` is the predicted time to the prefill's end (``E[T]``, or the tail quantile); ``extra`` the rest of
+    ``ttft``'s score (``W``: the work term and the migration penalty), which ranks plans but is not a time.
+    """
 
     q: float
     r: float
     c: float
     ttft: float
+    extra: float
     usable: int
     kv_penalty: float
 
@@ -75,88 +82,75 @@ class _Prefill:
 class PdTtftPolicy:
     """Lowest predicted TTFT over every feasible plan (in place, or any prefill/decode pair).
 
+    The prefill side of every plan is the ``ttft`` policy's model (``policies.ttft.TTFTPolicy``: tiered cost
+    model, hit probabilities, calibration from ``observe``, the work term and the migration penalty), so a
+    plan's rank is ``ttft``'s score of its prefilling replica plus, for a disaggregated plan, the handoff and
+    the first decode step. ``predicted_ttft_s`` leaves out the work term and the migration penalty (term ``W``).
+
     Args:
         decode_prefills: a ``decode`` replica may serve in place (prefill itself).
         both_can_pair: ``both`` replicas may take either leg of a disaggregated plan.
-        objective: ``mean`` or ``tail`` to override the request's objective; None follows the request.
-        p_confirmed, confirmed_decay_s, p_predicted, predicted_decay_s, kv_pressure_threshold,
-            kv_pressure_weight_s, mean_prefill_tokens, tail_quantile: see ``policies.cost_model.CostParams``.
-        seed: accepted so every policy takes ``seed``; deterministic, ignored.
+        seed: seeds the inner ``ttft`` model (deterministic).
+        **ttft_params: parameters of the inner ``ttft`` model (``objective``, ``work_weight``,
+            ``migration_weight``, ``p_predicted``, ...; see ``policies.ttft.TTFTPolicy``).
     """
 
     name = "pd_ttft"
 
-    def __init__(
-        self,
-        *,
-        decode_prefills: bool = True,
-        both_can_pair: bool = False,
-        objective: Objective | None = None,
-        p_confirmed: float = 0.995,
-        confirmed_decay_s: float = 0.0,
-        p_predicted: float = 0.8,
-        predicted_decay_s: float = 120.0,
-        kv_pressure_threshold: float = 0.8,
-        kv_pressure_weight_s: float = 0.05,
-        mean_prefill_tokens: int = 1024,
-        tail_quantile: float = 0.99,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, *, decode_prefills: bool = True, both_can_pair: bool = False, seed: int = 0,
+                 **ttft_params: Any) -> None:
         self.rules = RoleRules(decode_prefills=decode_prefills, both_can_pair=both_can_pair)
-        self.objective = objective
-        self.params = CostParams(
-            p_confirmed=p_confirmed,
-            confirmed_decay_s=confirmed_decay_s,
-            p_predicted=p_predicted,
-            predicted_decay_s=predicted_decay_s,
-            kv_pressure_threshold=kv_pressure_threshold,
-            kv_pressure_weight_s=kv_pressure_weight_s,
-            mean_prefill_tokens=mean_prefill_tokens,
-            tail_quantile=tail_quantile,
-        )
-        self.seed = seed
+        self.model = TTFTPolicy(seed=seed, **ttft_params)
+        self.params = self.model.params
 
     def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
                     link: HandoffLink) -> PlanDecision:
         """Price every feasible plan and return them best first (ties: in place first, then candidate order)."""
         require_pd_candidates(candidates)
-        tail = (self.objective or request.objective) == "tail"
+        tail = (self.model.objective or request.objective) == "tail"
         loads = read_loads(candidates, self.params.mean_prefill_tokens)
-        prefill = [self._prefill(request, c, loads, i, tail) for i, c in enumerate(candidates)]
-        plans = self._in_place_plans(request, candidates, prefill)
-        plans += self._pd_plans(request, candidates, prefill, loads, link)
-        if not plans:
+        prefill = self._prefill(request, candidates, tail)
+        ranked = self._in_place_plans(request, candidates, prefill)
+        ranked += self._pd_plans(request, candidates, prefill, loads, link)
+        if not ranked:
             raise no_feasible_plan(candidates)
-        plans.sort(key=lambda p: p.predicted_ttft_s)  # stable: in place first on ties
+        ranked.sort(key=lambda kp: kp[0])  # stable: in place first on ties
+        plans = [p for _, p in ranked]
         branch = "in_place" if plans[0].kind == "in_place" else "disaggregated"
         return decision_of(self.name, plans, branch)
 
-    def _prefill(self, request: RouteRequest, cand: PdCandidate, loads: Loads, i: int, tail: bool) -> _Prefill:
-        """The cost-model estimate of prefilling ``request`` on candidate ``i`` (seconds)."""
-        prof = cand.candidate.profile
-        rate = prof.prefill_tokens_per_s
-        if not rate > 0.0:
-            raise ValueError(f"replica {cand.name!r}: prefill_tokens_per_s must be > 0, got {rate!r}")
-        q = loads.backlog_tokens[i] / rate + prof.decode_interference_s * loads.running[i]
-        est = estimate(request.prompt_tokens, cand.candidate.hit, q, prof, rate, prof.fixed_overhead_s,
-                       self.params, loads.kv_usage[i])
-        ttft = (est.tail if tail else est.expected) - est.kv_penalty
-        return _Prefill(q=q, r=est.r, c=est.c, ttft=ttft, usable=est.usable_tokens, kv_penalty=est.kv_penalty)
+    def _prefill(self, request: RouteRequest, cands: Sequence[PdCandidate], tail: bool) -> list[_Prefill | None]:
+        """Per candidate, the ``ttft`` model's estimate of prefilling ``request`` there (None: unscorable)."""
+        decision = self.model.choose(request, [c.candidate for c in cands])
+        out: list[_Prefill | None] = []
+        for sc in decision.scores:
+            pa = sc.parts
+            if pa.get("excluded") or not sc.score < float("inf"):
+                out.append(None)
+                continue
+            t = pa["tail"] if tail else pa["E"]
+            out.append(_Prefill(q=pa["Q"], r=pa["R"], c=pa["C"], ttft=t, extra=sc.score - t,
+                                usable=int(pa["usable"]), kv_penalty=pa["kv_penalty"]))
+        return out
 
     def _in_place_plans(self, request: RouteRequest, cands: Sequence[PdCandidate],
-                        prefill: list[_Prefill]) -> list[Plan]:
-        """One ``in_place`` plan per replica allowed to serve alone."""
+                        prefill: list[_Prefill | None]) -> list[tuple[float, Plan]]:
+        """(rank key, plan): one ``in_place`` plan per replica allowed to serve alone."""
         out = []
         for i in positions(cands, self.rules.can_serve_in_place):
             e = prefill[i]
-            terms = {"Q": e.q, "R": e.r, "C": e.c, "kv_penalty": e.kv_penalty, "usable": float(e.usable)}
-            out.append(Plan(kind="in_place", decode=cands[i].index, predicted_ttft_s=e.ttft + e.kv_penalty,
-                            terms=terms, prefill_tokens=request.prompt_tokens - e.usable))
+            if e is None:
+                continue
+            terms = {"Q": e.q, "R": e.r, "C": e.c, "kv_penalty": e.kv_penalty, "W": e.extra,
+                     "usable": float(e.usable)}
+            plan = Plan(kind="in_place", decode=cands[i].index, predicted_ttft_s=e.ttft, terms=terms,
+                        prefill_tokens=request.prompt_tokens - e.usable)
+            out.append((e.ttft + e.extra, plan))
         return out
 
-    def _pd_plans(self, request: RouteRequest, cands: Sequence[PdCandidate], prefill: list[_Prefill],
-                  loads: Loads, link: HandoffLink) -> list[Plan]:
-        """One ``disaggregated`` plan per (prefill-capable, decode-capable) pair of distinct replicas."""
+    def _pd_plans(self, request: RouteRequest, cands: Sequence[PdCandidate], prefill: list[_Prefill | None],
+                  loads: Loads, link: HandoffLink) -> list[tuple[float, Plan]]:
+        """(rank key, plan): one ``disaggregated`` plan per (prefill-capable, decode-capable) pair."""
         ps = positions(cands, self.rules.can_prefill_leg)
         ds = positions(cands, self.rules.can_decode_leg)
         if not ps or not ds:
@@ -166,6 +160,8 @@ class PdTtftPolicy:
         out = []
         for p in ps:
             e = prefill[p]
+            if e is None:
+                continue
             pc = cands[p]
             bpt = pc.candidate.profile.bytes_per_token
             for d, (moved, ready, step, pen) in zip(ds, decode_side, strict=True):
@@ -177,10 +173,11 @@ class PdTtftPolicy:
                 first = (ready - arrive if ready > arrive else 0.0) + step + pen
                 terms = {"Q_p": e.q, "R_p": e.r, "C_p": e.c, "handoff": handoff, "link_wait": wait,
                          "D_ready": ready, "decode_step": step, "decode_first": first, "kv_penalty": pen,
-                         "moved_tokens": float(moved), "usable": float(e.usable)}
-                out.append(Plan(kind="disaggregated", decode=cands[d].index, prefill=pc.index,
-                                predicted_ttft_s=arrive + first, terms=terms, prefill_tokens=n - e.usable,
-                                handoff_tokens=moved))
+                         "W": e.extra, "moved_tokens": float(moved), "usable": float(e.usable)}
+                plan = Plan(kind="disaggregated", decode=cands[d].index, prefill=pc.index,
+                            predicted_ttft_s=arrive + first, terms=terms, prefill_tokens=n - e.usable,
+                            handoff_tokens=moved)
+                out.append((arrive + first + e.extra, plan))
         return out
 
     def _decode_side(self, request: RouteRequest, cand: PdCandidate, loads: Loads,
@@ -195,4 +192,5 @@ class PdTtftPolicy:
         return moved, ready, step, kv_penalty_s(loads.kv_usage[d], self.params)
 
     def observe(self, observation: Observation) -> None:
-        """Feedback is not used yet (the profiles carry the rates)."""
+        """Prefill feedback calibrates the inner ``ttft`` model (rates and overheads per replica)."""
+        self.model.observe(observation)
