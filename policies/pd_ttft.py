@@ -1,21 +1,23 @@
 """``pd_ttft``: kvroute's PD plan choice, every feasible plan priced in seconds of predicted TTFT.
 
-For a prompt of ``N`` tokens (seeds 000 §9.2, TV-14; 002 item 1.2; DESIGN §4):
+For a prompt of ``N`` tokens (seeds 000 §9.2, TV-14; 002 item 1.2; DESIGN §4, §10):
 
 * **in place** on replica X (a ``both`` replica, or a ``decode`` replica prefilling itself)::
 
-      TTFT = Q_X + R_X + C_X        (or max(Q, R) + C: ``policies.cost_model``, the model ``ttft`` uses)
+      TTFT = Q_X + R_X + C_X        (or max(Q, R) + C: ``policies.cost_model``, exactly ``ttft``'s estimate)
 
   The first token comes out of X's own prefill; X's running decode batch slows it through
   ``decode_interference_s`` per running request (in ``Q``).
 
 * **disaggregated**, prefill on P, decode on D::
 
-      T_p      = Q_p + R_p + C_p                                  (cost model on P: queue, fetch, recompute)
+      T_p      = Q_p + R_p + C_p                                  (``ttft``'s estimate on P)
       handoff  = max(0, link_busy_p - T_p) + latency + moved * bytes_per_token / bandwidth
-      moved    = N - (prompt tokens D already holds in GPU)       (the whole prompt's KV, TV-14: 1.125 GiB)
-      D_ready  = backlog_D / rate_D                               (prefill work D itself has queued)
-      decode_first = max(0, D_ready - (T_p + handoff)) + decode_step_s * (1 + ...) + kv_penalty(D)
+      moved    = N - (prompt tokens D already holds in GPU)       (the whole prompt's KV, TV-14: 1.125 GiB,
+                                                                   even when P had most of it cached)
+      D_ready  = backlog_D / rate_D                               (prefill work D itself has queued, FCFS)
+      decode_first = max(0, D_ready - (T_p + handoff)) + decode_step_s + decode_step_s_per_request
+                     * (running_D + 1) + kv_penalty(D)
       TTFT     = T_p + handoff + decode_first
 
   ``decode_step_s + decode_step_s_per_request * (running_D + 1)`` is one decode round of D's running batch
@@ -23,20 +25,24 @@ For a prompt of ``N`` tokens (seeds 000 §9.2, TV-14; 002 item 1.2; DESIGN §4):
   work drains while P computes and the KV moves, hence the ``max``. Handoffs from one prefill replica are
   serialised on its link (``PdCandidate.link_busy_s``, seconds of handoffs already queued there).
 
-The plan with the lowest TTFT wins (``E[T]``; the tail quantile when the request's objective is ``tail``). So a
-short prompt, or a decode replica that already holds most of the prefix (little to recompute, nothing to move
-but its own queue), is served in place, and a long uncached prompt goes to an idle prefill replica when its
-prefill plus the handoff beat the in-place prefill on the decode side.
+The prefill side of every plan is the ``ttft`` policy itself (``policies.ttft.TTFTPolicy``, run over all the
+candidates once per request): the same cost model, hit probabilities, online calibration (``observe``), and its
+fleet terms ``W`` (the work term: the request's own prefill seconds, the delay it imposes on requests queued
+behind it; the migration penalty). Plans are ranked by ``TTFT + W`` of the prefilling replica, and
+``predicted_ttft_s`` is the TTFT alone. So a short prompt, or a decode replica that already holds most of the
+prefix (little to recompute, nothing to move), is served in place, and a long uncached prompt goes to an idle
+prefill replica when its prefill plus the handoff beat the in-place prefill on the decode side.
 
 **What the caller must charge** (``policies.pd_base.plan_charges``): at dispatch, before either leg runs,
 ``inflight_requests += 1`` on P and on D, and ``inflight_prefill_tokens += plan.prefill_tokens`` on the replica
-that prefills (P, or X in place). P's charges end with the prefill leg (its response / the handoff), D's with
-the request. The simulator (``loadtest.pd_simulator``) does exactly this. Without the charge on P before
-dispatch, a burst sees every prefill replica idle and picks prefill #0 every time (sglang #27547).
+that prefills (P, or X in place). P's prefill tokens end at its first token, its request with the prefill leg
+(the handoff), D's with the request. The simulator (``loadtest.pd_simulator``) does exactly this. Without the
+charge on P before dispatch, a burst sees every prefill replica idle and picks prefill #0 every time (sglang
+#27547, smg #1714).
 
-Terms per plan (seconds unless named tokens): in place ``Q``, ``R``, ``C``, ``kv_penalty``; disaggregated
+Terms per plan (seconds unless named tokens): in place ``Q``, ``R``, ``C``, ``kv_penalty``, ``W``; disaggregated
 ``Q_p``, ``R_p``, ``C_p``, ``handoff``, ``link_wait``, ``D_ready``, ``decode_step``, ``decode_first``,
-``kv_penalty``, ``moved_tokens``; both carry ``usable`` (reused tokens on the prefilling replica).
+``kv_penalty``, ``W``, ``moved_tokens``; both carry ``usable`` (reused tokens on the prefilling replica).
 """
 
 from __future__ import annotations
