@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from loadtest.engine_model import (
     get_profile,
 )
 from loadtest.simulator import CAPACITY_DECODE_BATCH, FleetConfig, SimResult, percentile
+from loadtest.simulator import main as simulator_main
 from loadtest.traces import BlockKeyCache, Request
 from policies.base import Candidate, LoadView, Observation, ReplicaProfile, RouteRequest
 from policies.hits import hit_from_match
@@ -536,6 +538,41 @@ def run_pd(requests: Sequence[Request], policy: str, base: str, fleet: FleetConf
     return res
 
 
+class PdHooks:
+    """The PD part of ``kvroute simulate`` (``loadtest.simulator.RunHooks``): the flags, the ``pd_*`` policies,
+    and their runs on the PD fleet (``--prefill/--decode``) or on the same GPUs all ``both``."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """``--prefill``, ``--decode``, ``--link-gbps``, ``--link-latency-ms``."""
+        add_pd_arguments(parser)
+
+    def policy_names(self) -> list[str]:
+        """The registered PD plan policies."""
+        return pd_policy_names()
+
+    def check(self, args: argparse.Namespace, profiles: Sequence[str]) -> None:
+        """Validate the PD flags (``pd_roles``)."""
+        pd_roles(args, len(profiles))
+
+    def notes(self, requests: Sequence[Request], profiles: Sequence[str], args: argparse.Namespace) -> list[str]:
+        """The seeds' PD bound for the PD fleet, when there is one."""
+        roles = pd_roles(args, len(profiles))
+        return [] if roles is None else [pd_capacity_note(requests, profiles, roles, args.link_gbps)]
+
+    def run(self, requests: Sequence[Request], label: str, cfg: FleetConfig, args: argparse.Namespace,
+            kw: dict[str, Any]) -> SimResult | None:
+        """Simulate a ``pd_*`` run label (None for co-located policies, which ``simulate`` runs)."""
+        base = label.partition("@")[0]
+        if not is_pd_policy(base):
+            return None
+        return run_pd(requests, label, base, cfg, pd_roles(args, cfg.replicas), args, **kw)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvroute simulate`` with PD fleets: ``loadtest.simulator.main`` plus ``PdHooks``; the exit code."""
+    return simulator_main(argv, hooks=PdHooks())
+
+
 def pd_capacity_note(requests: Sequence[Request], profiles: Sequence[str], roles: Sequence[Role],
                      link_gbps: float) -> str:
     """One stderr line: the seeds' PD bound for this fleet and workload."""
@@ -578,3 +615,7 @@ def best_pd_split(requests: Sequence[Request], cards: dict[str, int],
     if best is None:
         raise ValueError("a PD split needs at least two cards")
     return best
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.pd_simulator import PdFleetConfig, simulate_pd
-from loadtest.simulator import FleetConfig, main
+from loadtest.pd_simulator import PdFleetConfig, main, simulate_pd
+from loadtest.simulator import FleetConfig
 from loadtest.traces import Request
 from policies.pd_base import HandoffLink
 
