@@ -141,6 +141,8 @@ class RoutingInput:
         expected_output_tokens: ``max_tokens`` when given, else 0, times ``copies``, tokens.
         copies: sequences the engine generates for it (OpenAI ``n`` / vLLM ``best_of``, at least 1): it counts
             as this many requests in flight on its replica.
+        ttft_target_s: the request's TTFT target, seconds (None: none); priority: its class priority;
+            identity: its ``router.tenants.Identity`` (issue 20).
     """
 
     model: str
@@ -152,6 +154,9 @@ class RoutingInput:
     request_id: str = ""
     expected_output_tokens: int = 0
     copies: int = 1
+    ttft_target_s: float | None = None
+    priority: int = 0
+    identity: Any = None  # router.tenants.Identity of the request (set by the front door)
 
     @property
     def prompt_tokens(self) -> int:
@@ -231,6 +236,8 @@ class Router:
         self.panic_decisions = 0
         #: called with (replica, keys) after predicted entries are recorded (membership broadcasts them to peers)
         self.on_prediction: list[Callable[[Replica, Sequence[int]], None]] = []
+        #: called with every observation after the policy (per-tenant / per-class TTFT metrics)
+        self.on_observation: list[Callable[[Observation], None]] = []
         #: prefill/decode disaggregation (issue 19): builds the PD plan policy on first use (``router.services``
         #: sets it from ``Settings.pd_policy``); None: every fleet is routed co-located
         self.pd_policy_factory: Callable[[], PdPolicy] | None = None
@@ -279,8 +286,12 @@ class Router:
         return list(seen.values())
 
     # -- keys ------------------------------------------------------------------------------------------
-    def seed_for(self, model: str, lora: str | None = None, cache_salt: str | None = None) -> int:
-        """The root seed of prompts for ``model`` / ``lora`` / ``cache_salt`` (cached)."""
+    def seed_for(self, model: str, lora: str | None = None, cache_salt: str | None = None,
+                 namespace: str | None = None) -> int:
+        """The root seed of prompts for ``model`` / ``lora`` / ``cache_salt`` (cached). ``namespace`` (a tenant
+        with its own cache namespace) folds into the salt, so its prompts never match another namespace's."""
+        if namespace is not None:
+            cache_salt = f"{cache_salt or ''}\x1fkvroute-tenant={namespace}"
         key = (model, lora, cache_salt)
         seed = self._seed_cache.get(key)
         if seed is None:
@@ -293,15 +304,17 @@ class Router:
     def make_input(self, model: str, lora: str | None, token_ids: list[int], *, base_model: str | None = None,
                    cache_salt: str | None = None,
                    session_id: str | None = None, request_id: str = "",
-                   expected_output_tokens: int = 0, copies: int = 1) -> RoutingInput:
+                   expected_output_tokens: int = 0, copies: int = 1, namespace: str | None = None,
+                   ttft_target_s: float | None = None, priority: int = 0) -> RoutingInput:
         """Hash ``token_ids`` into block keys and bundle the routing input (``copies``: see ``RoutingInput``;
-        ``expected_output_tokens`` is per sequence)."""
-        seed = self.seed_for(base_model or model, lora, cache_salt)
+        ``expected_output_tokens`` is per sequence; ``namespace``: see ``seed_for``)."""
+        seed = self.seed_for(base_model or model, lora, cache_salt, namespace)
         keys = block_keys(token_ids, self.block_size, seed)
         copies = max(1, copies)
         return RoutingInput(model=model, lora=lora, token_ids=token_ids, keys=keys, seed=seed,
                             session_id=session_id, request_id=request_id,
-                            expected_output_tokens=expected_output_tokens * copies, copies=copies)
+                            expected_output_tokens=expected_output_tokens * copies, copies=copies,
+                            ttft_target_s=ttft_target_s, priority=priority)
 
     # -- decisions -------------------------------------------------------------------------------------
     def candidates_for(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> list[Replica]:
@@ -360,7 +373,8 @@ class Router:
         req = RouteRequest(model=inp.model, prompt_tokens=n, block_keys=inp.keys, block_size=bs,
                            now=self.clock(), lora=inp.lora, session_id=inp.session_id,
                            objective=self.objective,  # type: ignore[arg-type]
-                           expected_output_tokens=inp.expected_output_tokens, request_id=inp.request_id)
+                           expected_output_tokens=inp.expected_output_tokens, request_id=inp.request_id,
+                           ttft_target_s=inp.ttft_target_s, priority=inp.priority)
         decision = self.policy.choose(req, cands)
         decision.reuse = reuse_of(decision.chosen, cands)  # available vs achieved cached tokens
         return Routed(inp=inp, decision=decision, candidates=cands, cached_tokens=cached,
@@ -523,6 +537,11 @@ class Router:
             self.policy.observe(obs)
         except Exception:
             log.exception("policy.observe failed")
+        for listener in self.on_observation:
+            try:
+                listener(obs)
+            except Exception:
+                log.exception("observation listener failed")
 
 
 def plan_as_decision(plan: PlanDecision, candidates: Sequence[PdCandidate]) -> Decision:
