@@ -97,16 +97,15 @@ def token_rate(reqs: Sequence[ReplayRequest]) -> float:
 
 def flood_workload(rate_tokens_s: float, span_s: float, prompt_tokens: int, max_tokens: int,
                    seed: int) -> list[ReplayRequest]:
-    """Evenly spaced requests of unique random prompts adding up to ``rate_tokens_s`` tokens per second (prompts as
-    token ids: the flood costs the routers and engines no tokenization, so on a shared 2-core machine the
-    benchmark measures queueing at the engines, not CPU contention)."""
+    """Evenly spaced requests of unique random text prompts (words of the benchmark vocabulary: one token each)
+    adding up to ``rate_tokens_s`` tokens per second (text, as sglang-router's cache_aware policy needs)."""
     rng = random.Random(seed)
     cost = prompt_tokens + max_tokens
     n = max(1, int(rate_tokens_s * span_s / cost))
     gap = span_s / n
     out = []
     for i in range(n):
-        prompt = [rng.randrange(VOCAB_SIZE) for _ in range(prompt_tokens)]
+        prompt = " ".join(f"t{rng.randrange(VOCAB_SIZE)}" for _ in range(prompt_tokens))
         out.append(ReplayRequest(request_id=f"flood-{i}", arrival_s=i * gap, prompt=prompt, max_tokens=max_tokens,
                                  prompt_tokens=prompt_tokens, headers={"x-kvroute-tenant": FLOOD,
                                                                        "x-kvroute-priority": "standard"}))
