@@ -159,6 +159,7 @@ def summarize_tenants(workload: Sequence[ReplayRequest], results: Sequence[Repla
         "flood_requests": len(flood), "rejected": sum(1 for r in flood if r.status == 429),
         "flood_errors": sum(1 for r in flood if not r.ok and r.status != 429),
         "wall_s": round(wall, 2), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "quiet_error_samples": sorted({r.error[:120] for r in quiet if not r.ok})[:3],
     }
 
 

@@ -264,3 +264,21 @@ def test_streaming_request_is_never_preempted() -> None:
         critical.join(timeout=30)
         assert out["critical"].status_code == 200
         assert metric(r.url, "kvroute_tenant_rejected_total", tenant="a", reason="preempted") == 1
+
+
+def test_isolated_tenants_never_share_a_cached_prefix() -> None:
+    tenants = json.dumps({"a": {"isolate_cache": True}, "b": {"isolate_cache": True}})
+    with engines(("e0", []), ("e1", [])) as engs, router(engs, "--tenants", tenants, "--predict-mode", "always") as r:
+        prompt = list(range(2000, 2640))  # 40 blocks of 16
+
+        def cached(tenant: str | None) -> int:
+            headers = {"x-kvroute-tenant": tenant} if tenant else {}
+            d = httpx.post(r.url + "/route", json={"model": MODEL, "token_ids": prompt}, headers=headers).json()
+            return max(c["cached_tokens"] for c in d["candidates"])
+
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        assert post(r.url, body, {"x-kvroute-tenant": "a"}).status_code == 200
+        assert cached("a") >= 600  # tenant a's own prompt is (predicted) cached
+        assert cached("b") == 0 and cached(None) == 0  # same tokens, other namespaces: no shared match
+        assert post(r.url, body).status_code == 200  # the shared namespace
+        assert cached(None) >= 600 and cached("b") == 0
