@@ -46,7 +46,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from index.hashing import root_seed
 from index.prefix_index import PrefixIndex
@@ -723,8 +723,8 @@ def _param_value(v: str) -> Any:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``kvroute simulate`` argument parser."""
+def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
+    """The ``kvroute simulate`` argument parser (plus the ``hooks``' own flags)."""
     p = argparse.ArgumentParser(
         prog="kvroute simulate",
         description="Simulate a fleet of LLM engine replicas on a trace and compare routing policies. The router "
@@ -799,6 +799,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot TTFT p50/p99 and hit rate against load, one line per policy")
     p.add_argument("--title", default=None, help="plot title")
+    if hooks is not None:
+        hooks.add_arguments(p)
     return p
 
 
@@ -890,51 +892,91 @@ def plot_results(rows: list[dict[str, Any]], path: str, title: str | None = None
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+class RunHooks(Protocol):
+    """Runs a wrapper module plugs into ``main``: its flags, its policies and how to simulate them (the PD
+    simulator, ``loadtest.pd_simulator``, which imports this module; this module never imports it)."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add the wrapper's flags."""
+        ...
+
+    def policy_names(self) -> list[str]:
+        """Extra policy names ``--policies`` accepts."""
+        ...
+
+    def check(self, args: argparse.Namespace, profiles: Sequence[str]) -> None:
+        """Validate the wrapper's flags; raise ``ValueError`` with a clear reason."""
+        ...
+
+    def notes(self, requests: Sequence[Request], profiles: Sequence[str], args: argparse.Namespace) -> list[str]:
+        """Lines printed to stderr before the runs."""
+        ...
+
+    def run(self, requests: Sequence[Request], label: str, cfg: FleetConfig, args: argparse.Namespace,
+            kw: dict[str, Any]) -> SimResult | None:
+        """Simulate run label ``label`` if it is the wrapper's (None otherwise); ``kw`` as for ``simulate``."""
+        ...
+
+
+def _check_args(args: argparse.Namespace, hooks: RunHooks | None) -> tuple[list[str], list[str]]:
+    """(profiles, run labels) from the arguments; raises ``ValueError`` / ``KeyError`` on bad input."""
+    profiles = parse_profiles(args.profiles, args.replicas if args.replicas is not None else (
+        None if ("," in args.profiles or ":" in args.profiles) else 8))
+    names = policy_names() if args.policies == "all" else [x.strip() for x in args.policies.split(",")
+                                                           if x.strip()]
+    known = set(policy_names()) | set(hooks.policy_names() if hooks is not None else ())
+    unknown = [x for x in names if policy_of(x) not in known]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(sorted(known))}")
+    dupes = sorted({x for x in names if names.count(x) > 1})
+    bad = [x for x in names if "@" in x and (not x.partition("@")[2] or "." in x)]
+    if dupes or bad:
+        raise ValueError(f"each run label must be unique and POLICY@LABEL without '.': {dupes + bad}")
+    if args.events_delay.lower() != "none" and float(args.events_delay) < 0:
+        raise ValueError("--events-delay must be >= 0 or 'none'")
+    if args.block_size <= 0 or (args.gpu_blocks is not None and args.gpu_blocks <= 0):
+        raise ValueError("--block-size and --gpu-blocks must be positive")
+    if hooks is not None:
+        hooks.check(args, profiles)
+    return profiles, names
+
+
+def _fleet_config(args: argparse.Namespace, profiles: list[str]) -> FleetConfig:
+    """The simulated fleet the arguments describe."""
+    return FleetConfig(profiles=profiles, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
+                       cpu_bytes_per_s=args.cpu_gbps * 1e9 if args.cpu_gbps else None, block_size=args.block_size,
+                       max_batch_tokens=args.max_batch_tokens,
+                       events_delay_s=None if args.events_delay.lower() == "none" else float(args.events_delay),
+                       predict=args.predict, scrape_interval_s=args.scrape_interval,
+                       scrape_fields=args.scrape_fields, slo_ttft_s=args.slo_ttft,
+                       dispatch=DispatchSettings(limit_tokens=args.dispatch_limit_tokens,
+                                                 patience_s=args.dispatch_patience,
+                                                 max_wait_s=args.dispatch_max_wait))
+
+
+def _rates(args: argparse.Namespace, base_rate: float, cap: float) -> list[tuple[float | None, float]]:
+    """(load, rate scale) of every run the arguments ask for."""
+    if args.load:
+        return [(x, x * cap / base_rate) for x in args.load]
+    if args.rate_scale:
+        return [(base_rate * s / cap, s) for s in args.rate_scale]
+    return [(base_rate / cap, 1.0)]
+
+
+def main(argv: Sequence[str] | None = None, hooks: RunHooks | None = None) -> int:
     """``kvroute simulate``: returns the exit code (0 ok, 2 bad arguments or input)."""
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser(hooks).parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        profiles = parse_profiles(args.profiles, args.replicas if args.replicas is not None else (
-            None if ("," in args.profiles or ":" in args.profiles) else 8))
-        names = policy_names() if args.policies == "all" else [x.strip() for x in args.policies.split(",")
-                                                               if x.strip()]
-        known = set(policy_names())
-        unknown = [x for x in names if policy_of(x) not in known]
-        if unknown:
-            raise ValueError(f"unknown policies {unknown}; known: {', '.join(sorted(known))}")
-        dupes = sorted({x for x in names if names.count(x) > 1})
-        bad = [x for x in names if "@" in x and (not x.partition("@")[2] or "." in x)]
-        if dupes or bad:
-            raise ValueError(f"each run label must be unique and POLICY@LABEL without '.': {dupes + bad}")
+        profiles, names = _check_args(args, hooks)
         pparams = _policy_params(args.policy_param, names)
-        events_delay = None if args.events_delay.lower() == "none" else float(args.events_delay)
-        if events_delay is not None and events_delay < 0:
-            raise ValueError("--events-delay must be >= 0 or 'none'")
-        if args.block_size <= 0 or (args.gpu_blocks is not None and args.gpu_blocks <= 0):
-            raise ValueError("--block-size and --gpu-blocks must be positive")
         reqs = load_requests(args)
     except (ValueError, KeyError, OSError) as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2
-    cfg = FleetConfig(profiles=profiles, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
-                      cpu_bytes_per_s=args.cpu_gbps * 1e9 if args.cpu_gbps else None, block_size=args.block_size,
-                      max_batch_tokens=args.max_batch_tokens, events_delay_s=events_delay, predict=args.predict,
-                      scrape_interval_s=args.scrape_interval, scrape_fields=args.scrape_fields,
-                      slo_ttft_s=args.slo_ttft,
-                      dispatch=DispatchSettings(limit_tokens=args.dispatch_limit_tokens,
-                                                patience_s=args.dispatch_patience,
-                                                max_wait_s=args.dispatch_max_wait))
+    cfg = _fleet_config(args, profiles)
     keys = BlockKeyCache(cfg.block_size, root_seed(cfg.model))
     base_rate = arrival_rate_rps(reqs)
     cap = fleet_capacity_rps(reqs, profiles)
-    runs: list[tuple[float | None, float]] = []
-    if args.load:
-        runs = [(x, x * cap / base_rate) for x in args.load]
-    elif args.rate_scale:
-        runs = [(base_rate * s / cap, s) for s in args.rate_scale]
-    else:
-        runs = [(base_rate / cap, 1.0)]
     print(f"# {len(reqs)} requests, {sum(r.prompt_tokens for r in reqs) / 1e6:.1f} M prompt tokens, "
           f"{base_rate:.2f} req/s; fleet {','.join(profiles)}: estimated capacity {cap:.2f} req/s; "
           f"gpu blocks/replica {[cfg.gpu_blocks_of(i) for i in range(cfg.replicas)]}", file=sys.stderr)
@@ -944,20 +986,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         bound = lru_hit_rate(reqs, keys, cfg.total_cache_blocks())
         print(f"# hit_rate_bound (shared LRU of {cfg.total_cache_blocks()} blocks) = {bound:.4f} "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    for line in hooks.notes(reqs, profiles, args) if hooks is not None else ():
+        print(line, file=sys.stderr)
     rows: list[dict[str, Any]] = []
-    for load, scale in runs:
+    for load, scale in _rates(args, base_rate, cap):
         scaled = scale_rate(reqs, scale) if scale != 1.0 else reqs
         for pol in names:
-            res = simulate(scaled, pol, cfg, keys=keys, policy_params=pparams.get(pol), seed=args.seed,
-                           load=round(load, 4) if load is not None else None, hit_rate_bound=bound)
+            kw: dict[str, Any] = {"keys": keys, "policy_params": pparams.get(pol), "seed": args.seed,
+                                  "load": round(load, 4) if load is not None else None, "hit_rate_bound": bound}
+            res = hooks.run(scaled, pol, cfg, args, kw) if hooks is not None else None
+            if res is None:
+                res = simulate(scaled, pol, cfg, **kw)
+                res.extra["plans"] = {"in_place": res.requests, "disaggregated": 0}
             row = res.summary()
             row["rate_scale"] = scale
             rows.append(row)
             print(_table([row]).splitlines()[1] if rows[:-1] else _table([row]), file=sys.stderr, flush=True)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print(_table(rows))
+    print(json.dumps(rows, indent=1) if args.json else _table(rows))
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot_results(rows, args.plot, args.title)

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -649,19 +649,22 @@ class _DataPlane:
         return await svc.proxy.forward(request, routed, path, body, stream=stream, request_id=inp.request_id,
                                        on_done=ticket.release, ids=ids)
 
-    async def decide(self, inp: RoutingInput) -> Routed:
-        """The decision for a request to forward (session affinity first, when on), counted and logged."""
+    async def decide(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
+        """The decision for a request to forward (session affinity first, when on), counted and logged;
+        ``exclude``: replica indexes that may not be picked (the endpoint picker's subset hint)."""
         svc = self.svc
         # --- membership: session affinity (opt-in; X-Session-Id pinned through Redis while routable) ---
         mem = svc.membership if self.settings.session_affinity and inp.session_id else None
         pinned = await mem.session_replica(inp.session_id) if mem is not None else None
+        if pinned is not None and pinned.index in exclude:
+            pinned = None
         try:
             routed = svc.router.decide(inp, exclude=[r.index for r in svc.table.all() if r is not pinned]
-                                       if pinned is not None else ())
+                                       if pinned is not None else exclude)
         except RoutingError:
             if pinned is None:
                 raise
-            routed = svc.router.decide(inp)  # pinned replica cannot take it now: route normally
+            routed = svc.router.decide(inp, exclude)  # pinned replica cannot take it now: route normally
         svc.telemetry.decision_seconds.observe(routed.decision_s)
         if routed.decision.reuse is not None:
             svc.telemetry.observe_reuse(routed.decision.reuse)

@@ -45,6 +45,7 @@ _SPEC_KEYS = {
     "name": "name", "url": "url", "events": "events", "replay": "replay", "dialect": "dialect",
     "model": "model", "models": "model", "topic": "topic", "profile": "profile", "lora": "loras",
     "loras": "loras", "role": "role", "metrics": "metrics_path", "metrics_path": "metrics_path",
+    "bootstrap_port": "bootstrap_port", "dp_size": "dp_size",
 }
 
 
@@ -70,6 +71,10 @@ class ReplicaSpec(BaseModel):
     profile: str | None = Field(default=None, description="performance profile name (default_profile if unset)")
     loras: list[str] = Field(default_factory=list, description="LoRA adapters loaded on the replica")
     role: Literal["both", "prefill", "decode"] = Field(default="both", description="disaggregation role")
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535,
+                                       description="SGLang PD bootstrap port (prefill replicas; default "
+                                                   "pd_default_bootstrap_port)")
+    dp_size: int = Field(default=1, ge=1, description="data-parallel ranks behind the replica's URL")
     metrics_path: str = Field(default="/metrics", description="path of the engine's Prometheus endpoint")
 
     @field_validator("model", "loras", mode="before")
@@ -509,6 +514,48 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return json.loads(v) if v.strip() else {}
         return v
+    # --- endpoint picker (issue 21) ---
+    epp_grpc_port: int = Field(
+        default=9002, ge=0, le=65535,
+        description="kvroute epp: port of the gRPC Envoy ext_proc endpoint-picker server (and its grpc.health.v1 "
+                    "services); 0 = any free port (logged)")
+    inference_pool: str = Field(
+        default="",
+        description="name of an InferencePool (inference.networking.k8s.io/v1) in kubernetes_namespace whose "
+                    "spec.selector and spec.targetPorts define the replicas (pods are then watched with that "
+                    "selector, one replica per target port); empty = off (kubernetes_label_selector is used)")
+    # --- PD disaggregation (issue 19, pdwire): plan policy, P->D link, wire protocol, roles from pods ---
+    pd_policy: str = Field(
+        default="pd_ttft",
+        description="prefill/decode plan policy for models whose replicas have prefill/decode roles: pd_ttft "
+                    "(lowest predicted TTFT of serving in place or P->D with the handoff), or a baseline "
+                    "(pd_smg, pd_llmd, pd_dynamo, pd_random); co-located fleets use `policy`")
+    pd_policy_params: dict[str, Any] = Field(
+        default_factory=dict, description="keyword parameters for the PD plan policy (as policy_params)")
+    pd_link_bandwidth_gbps: float = Field(
+        default=25.0, gt=0, description="P->D KV transfer bandwidth of the fleet, GB/s (1e9 bytes/s)")
+    pd_link_latency_s: float = Field(default=0.0, ge=0, description="fixed cost of one P->D KV handoff, s")
+    pd_protocol: Literal["auto", "vllm", "mooncake", "sglang"] = Field(
+        default="auto",
+        description="KV handoff wire protocol: vllm (sequential kv_transfer_params relay, NIXL), mooncake "
+                    "(router-minted transfer_id), sglang (concurrent bootstrap rooms); auto = by the prefill "
+                    "replica's dialect (vllm -> vllm, sglang -> sglang)")
+    pd_role_label: str = Field(
+        default="llm-d.ai/role",
+        description="pod label (or annotation) naming a pod's role with llm-d's values: prefill, decode, "
+                    "prefill-decode / both, encode (not routed); kvroute.io/role is read when it is absent")
+    pd_bootstrap_port_annotation: str = Field(
+        default="sglang.ai/bootstrap-port", description="pod annotation (or label) with an SGLang prefill pod's "
+                                                        "bootstrap port")
+    pd_default_bootstrap_port: int = Field(
+        default=8998, ge=1, le=65535, description="SGLang bootstrap port of prefill pods / replicas that name none")
+    # --- router CPU (issue 23) ---
+    workers: int = Field(
+        default=1, ge=1, le=64,
+        description="router worker processes per pod: above 1, kvroute serve supervises this many copies of the "
+                    "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
+                    "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
+                    "answers every worker's metrics labelled worker. Give the pod about this many cores")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
@@ -529,7 +576,7 @@ class Settings(BaseSettings):
     def _parse_lists(cls, v: Any) -> Any:
         return _split_list(v)
 
-    @field_validator("policy_params", "profiles", mode="before")
+    @field_validator("policy_params", "profiles", "pd_policy_params", mode="before")
     @classmethod
     def _parse_dicts(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -570,7 +617,7 @@ class Settings(BaseSettings):
 
     def kubernetes(self) -> KubernetesOptions | None:
         """Pod discovery (None unless ``kubernetes_enabled``)."""
-        if not self.kubernetes_enabled:
+        if not self.kubernetes_enabled and not self.inference_pool:  # a pool implies discovery
             return None
         return KubernetesOptions(
             namespace=self.kubernetes_namespace, label_selector=self.kubernetes_label_selector,
@@ -578,7 +625,10 @@ class Settings(BaseSettings):
             kubeconfig=self.kubernetes_kubeconfig, default_port=self.kubernetes_default_port,
             default_kv_events_port=self.kubernetes_default_kv_events_port,
             default_kv_replay_port=self.kubernetes_default_kv_replay_port,
-            default_kv_topic=self.kubernetes_default_kv_topic)
+            default_kv_topic=self.kubernetes_default_kv_topic, inference_pool=self.inference_pool,
+            role_label=self.pd_role_label,
+            bootstrap_port_annotation=self.pd_bootstrap_port_annotation,
+            default_bootstrap_port=self.pd_default_bootstrap_port)
 
     def membership(self) -> MembershipConfig:
         """Everything the membership front door needs."""

@@ -33,6 +33,7 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
 from membership.tenant_budget import TenantBudget
 from policies.base import Policy, ReplicaProfile, make_policy
+from policies.pd_base import HandoffLink, make_pd_policy
 from router import signals
 from router.admission import Admission, admission_gauges
 from router.config import Settings
@@ -41,8 +42,10 @@ from router.guard import Auth, Guard
 from router.idempotency import IdempotencyGuard
 from router.intake import InputLimits, Intake, model_contexts
 from router.loop_lag import LoopLag, lag_gauges
+from router.pd_proxy import PdConfig, PdLegs
 from router.proxy import Proxy
 from router.routing import Router, build_profile
+from router.scrape_client import PooledScrapeClient
 from router.telemetry import (
     Telemetry,
     gauge,
@@ -134,7 +137,16 @@ def _build_router(settings: Settings, table: ReplicaTable, index: PrefixIndex, p
                     max_inflight_per_replica=settings.max_inflight_per_replica,
                     panic_routing=settings.panic_routing)
     router.on_prediction.append(membership.publish_prediction)  # predicted entries reach peer routers
+    _configure_pd(settings, router)
     return router
+
+
+def _configure_pd(settings: Settings, router: Router) -> None:
+    """Prefill/decode disaggregation (issue 19): the PD plan policy (built on the first PD decision, so a
+    co-located fleet never needs one) and the fleet's P->D link."""
+    router.pd_policy_factory = lambda: make_pd_policy(settings.pd_policy, **settings.pd_policy_params)
+    router.pd_link = HandoffLink(bandwidth_bytes_per_s=settings.pd_link_bandwidth_gbps * 1e9,
+                                 latency_s=settings.pd_link_latency_s)
 
 
 def _build_proxy(settings: Settings, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck,
@@ -145,6 +157,8 @@ def _build_proxy(settings: Settings, router: Router, telemetry: Telemetry, token
     proxy = Proxy(router, telemetry, settings.proxy(), on_connection_failure=on_connection_failure,
                   token_ids=token_ids)
     proxy.gate = gate
+    proxy.pd = PdLegs(proxy, PdConfig(protocol=settings.pd_protocol,
+                                      default_bootstrap_port=settings.pd_default_bootstrap_port))
     return proxy
 
 
@@ -261,7 +275,11 @@ def build_services(settings: Settings) -> Services:
     tokenizer = _build_tokenizer(settings)
     membership = _build_membership(settings, table, index)
     kv_events = signals.build_kv_events(settings, index)
-    engine_metrics = signals.build_engine_metrics(settings, table, headers, kv_events)
+    # scrapes through the proxy's engine pool (router/scrape_client.py: issue 23's profile); the pool is the
+    # proxy's, created in the event loop when first used
+    engine_metrics = signals.build_engine_metrics(
+        settings, table, headers, kv_events,
+        client=PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes))
     router = _build_router(settings, table, index, policy, kv_events, membership)
     token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
                               timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
