@@ -41,6 +41,16 @@ from loadtest.fleet import EngineOptions, Fleet, ManagedProcess, add_harness_arg
 from loadtest.replay import ReplayRequest
 from loadtest.workload import ensure_model_dir
 
+#: seconds a router runs before its idle CPU is measured
+_SETTLE_S = 5.0
+
+
+def _idle_for(seconds: float) -> None:
+    """Do nothing for ``seconds`` (the routers are measured while nothing happens)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(1.0, left))
+
 
 def idle_cpu(engines: int, seconds: float, log_dir: str | None) -> dict[str, float]:
     """Part 0: CPU milliseconds per second of each router while idle in front of ``engines`` fake engines."""
@@ -51,10 +61,9 @@ def idle_cpu(engines: int, seconds: float, log_dir: str | None) -> dict[str, flo
         fleet.start_engines()
         for name in ("kvroute", "sglang_cache_aware"):
             h = fleet.start_kvroute(policy="ttft") if name == "kvroute" else fleet.start_sglang_router()
+            _idle_for(_SETTLE_S)  # start-up work (first probes, registration) is not idle cost
             c0, t0 = h.proc.cpu_seconds(), time.monotonic()
-            deadline = t0 + seconds
-            while (left := deadline - time.monotonic()) > 0:
-                time.sleep(min(1.0, left))  # idle on purpose: nothing else to wait for
+            _idle_for(seconds)
             out[name] = round((h.proc.cpu_seconds() - c0) / (time.monotonic() - t0) * 1000.0, 2)
             fleet.stop_router()
     finally:
