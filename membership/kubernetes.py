@@ -50,6 +50,14 @@ KEYS: dict[str, str] = {
     "kv_replay_endpoint": PREFIX + "kv-replay-endpoint",  # full replay endpoint, "{ip}" is replaced
     "kv_topic": PREFIX + "kv-topic",  # ZMQ topic ("" = all); "{ip}", "{pod}", "{model}" are replaced
     "profile": PREFIX + "profile",  # performance profile name for the cost model (a100, h20, ...)
+    "dp_size": PREFIX + "data-parallel-size",  # data-parallel ranks behind the pod's HTTP port (default 1)
+}
+
+#: llm-d's ``llm-d.ai/role`` values (and ours) -> kvroute role; ``None``: the pod serves no text requests
+#: (an encoder). ``both`` is llm-d's deprecated name of ``prefill-decode``.
+ROLE_VALUES: dict[str, str | None] = {
+    "both": "both", "prefill-decode": "both", "encode-prefill-decode": "both", "prefill": "prefill",
+    "encode-prefill": "prefill", "decode": "decode", "encode": None,
 }
 
 _OFF = frozenset({"", "off", "none", "false", "0", "disabled"})
@@ -75,6 +83,14 @@ class KubernetesOptions:
         backoff_initial_s: first retry delay after an API error, seconds (doubles up to ``backoff_max_s``).
         backoff_max_s: longest retry delay, seconds.
         request_timeout_s: connect/read timeout for LIST requests, seconds.
+        inference_pool: name of the InferencePool whose selector and target ports define the pods (``""`` = off:
+            ``label_selector`` and each pod's own port; see ``membership.inference_pool``).
+        target_ports: the pool's ``spec.targetPorts`` (set by the pool watcher; one replica per pod and port);
+            empty = each pod's own port.
+        role_label: label (or annotation) naming a pod's prefill/decode role with llm-d's values (``prefill``,
+            ``decode``, ``prefill-decode``, ``both``, ``encode``...); ``kvroute.io/role`` is read when it is absent.
+        bootstrap_port_annotation: annotation (or label) with an SGLang prefill pod's bootstrap port.
+        default_bootstrap_port: bootstrap port of pods without that annotation (SGLang's default 8998).
     """
 
     namespace: str | None = "default"
@@ -91,6 +107,11 @@ class KubernetesOptions:
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     request_timeout_s: float = 10.0
+    inference_pool: str = ""
+    target_ports: list[int] = field(default_factory=list)
+    role_label: str = "llm-d.ai/role"
+    bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"
+    default_bootstrap_port: int = 8998
 
     @property
     def all_namespaces(self) -> bool:
@@ -152,6 +173,8 @@ def pod_view(pod: dict[str, Any], opts: KubernetesOptions) -> PodView:
     host = f"[{ip}]" if ":" in ip else ip
     url = f"{_pod_scheme(meta)}://{host}:{_pod_port(pod, meta, opts)}" if ip else ""
     attrs = _engine_facts(meta, opts)
+    if attrs.pop("encoder", False):
+        routable = False  # an encode-only pod (llm-d role "encode") serves no text generation
 
     def subst(text: str) -> str:
         models = attrs["models"]
@@ -166,6 +189,22 @@ def pod_view(pod: dict[str, Any], opts: KubernetesOptions) -> PodView:
                  labels=_pod_labels(meta))
     return PodView(name=name, routable=routable, url=url, attrs=attrs,
                    resource_version=str(meta.get("resourceVersion", "")))
+
+
+def pod_views(pod: dict[str, Any], opts: KubernetesOptions) -> list[PodView]:
+    """The replica views of one pod: one per InferencePool target port (named like the pod for one port,
+    ``pod:port`` for several: each port is its own endpoint, e.g. a data-parallel rank), else the pod's own."""
+    view = pod_view(pod, opts)
+    ports = opts.target_ports
+    if not ports:
+        return [view]
+    out = []
+    for port in ports:
+        url = f"{view.url.rsplit(':', 1)[0]}:{port}" if view.url else ""
+        name = view.name if len(ports) == 1 else f"{view.name}:{port}"
+        out.append(PodView(name=name, routable=view.routable, url=url, attrs=dict(view.attrs),
+                           resource_version=view.resource_version))
+    return out
 
 
 def _pod_scheme(meta: dict[str, Any]) -> str:
@@ -189,13 +228,25 @@ def _engine_facts(meta: dict[str, Any], opts: KubernetesOptions) -> dict[str, An
         dialect = opts.default_dialect
     models = [m.strip() for m in (_meta_value(meta, KEYS["model"]) or "").split(",") if m.strip()]
     loras = [m.strip() for m in (_meta_value(meta, KEYS["loras"]) or "").split(",") if m.strip()]
-    role = (_meta_value(meta, KEYS["role"]) or "both").lower()
-    if role not in ("both", "prefill", "decode"):
-        role = "both"
+    raw_role = (_meta_value(meta, opts.role_label) or _meta_value(meta, KEYS["role"]) or "both").strip().lower()
+    role = ROLE_VALUES.get(raw_role, "both")
     metrics_path = _meta_value(meta, KEYS["metrics_path"]) or opts.default_metrics_path
     if not metrics_path.startswith("/"):
         metrics_path = "/" + metrics_path
-    return {"dialect": dialect, "models": models, "loras": loras, "role": role, "metrics_path": metrics_path}
+    return {"dialect": dialect, "models": models, "loras": loras, "role": role or "both", "encoder": role is None,
+            "metrics_path": metrics_path,
+            "bootstrap_port": _port_value(_meta_value(meta, opts.bootstrap_port_annotation),
+                                          opts.default_bootstrap_port) or None,
+            "dp_size": _positive_int(_meta_value(meta, KEYS["dp_size"]), 1)}
+
+
+def _positive_int(text: str | None, default: int) -> int:
+    """``text`` as a positive integer, else ``default``."""
+    try:
+        value = int(text) if text is not None else default
+    except ValueError:
+        return default
+    return value if value > 0 else default
 
 
 def _zmq_endpoint(meta: dict[str, Any], which: str, default_port: int, host: str,
@@ -271,6 +322,8 @@ class PodWatcher:
         self._watch: Any = None
         self._watch_deadline = 0.0
         self._synced = threading.Event()
+        #: no selector yet: the InferencePool is not resolved (or was deleted): no pods are watched
+        self._paused = bool(self.options.inference_pool)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> PodWatcher:
@@ -309,6 +362,17 @@ class PodWatcher:
         self._interrupt.set()
         self._stop_current_watch()
 
+    def set_pool(self, label_selector: str | None, target_ports: list[int]) -> None:
+        """Follow an InferencePool: its selector and target ports (``label_selector`` None: no pool, every
+        discovered replica goes away). The next LIST happens immediately."""
+        with self._lock:
+            self._paused = label_selector is None
+            if label_selector is not None:
+                self.options.label_selector = label_selector
+            self.options.target_ports = list(target_ports)
+        self._interrupt.set()
+        self._stop_current_watch()
+
     def resync_now(self) -> None:
         """End the current watch so that a full LIST happens right away."""
         self._interrupt.set()
@@ -321,6 +385,12 @@ class PodWatcher:
 
     # -- client ----------------------------------------------------------------------------------------
     def _client(self) -> Any:
+        from kubernetes import client  # imported lazily: optional at runtime
+
+        return client.CoreV1Api(self.api_client())
+
+    def api_client(self) -> Any:
+        """The Kubernetes ``ApiClient`` (``api_host``, in-cluster config or kubeconfig), made once."""
         from kubernetes import client  # imported lazily: optional at runtime
         from kubernetes import config as kube_config
 
@@ -337,7 +407,7 @@ class PodWatcher:
                 except config.ConfigException:
                     config.load_kube_config(config_file=self.options.kubeconfig)
                 self._api_client = client.ApiClient()
-        return client.CoreV1Api(self._api_client)
+        return self._api_client
 
     def _list_fn(self, v1: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         if self.options.all_namespaces:
@@ -369,17 +439,18 @@ class PodWatcher:
     def _relist(self, v1: Any) -> str:
         fn, args = self._list_fn(v1)
         with self._lock:
-            selector = self.options.label_selector
+            selector, paused = self.options.label_selector, self._paused
         t = self.options.request_timeout_s
-        resp = fn(*args, label_selector=selector, _preload_content=False, _request_timeout=(t, t))
-        body = json.loads(resp.data)
+        if paused:
+            body: dict[str, Any] = {"items": []}  # no pool: nothing matches
+        else:
+            resp = fn(*args, label_selector=selector, _preload_content=False, _request_timeout=(t, t))
+            body = json.loads(resp.data)
         self.stats.lists += 1
         self.stats.last_list_monotonic = time.monotonic()
         seen: set[str] = set()
         for pod in body.get("items") or []:
-            view = self._apply(pod, from_list=True)
-            if view is not None:
-                seen.add(view.name)
+            seen.update(view.name for view in self._apply(pod, from_list=True))
         with self._lock:
             gone = [n for n in self._known if n not in seen]
         for name in gone:
@@ -411,6 +482,12 @@ class PodWatcher:
         self.stats.watches += 1
         try:
             if self._stop.is_set() or self._interrupt.is_set():
+                return
+            with self._lock:
+                paused = self._paused
+            if paused:  # nothing to watch until the pool resolves (set_pool interrupts this wait)
+                while not (self._stop.is_set() or self._interrupt.is_set()) and time.monotonic() < self._watch_deadline:
+                    self._interrupt.wait(0.1)
                 return
             for event in w.stream(call, *args, label_selector=selector, resource_version=rv,
                                   timeout_seconds=max(1, math.ceil(interval)),
@@ -455,20 +532,26 @@ class PodWatcher:
             name = str(meta.get("name", ""))
             if self.options.all_namespaces:
                 name = f"{meta.get('namespace', 'default')}/{name}"
-            self._forget(name)
+            with self._lock:  # the pod's replicas: one per target port of an InferencePool
+                names = [n for n in self._known if n == name or n.startswith(name + ":")]
+            for n in names or [name]:
+                self._forget(n)
         elif type_ in ("ADDED", "MODIFIED"):
             self._apply(obj, from_list=False)
 
-    def _apply(self, pod: dict[str, Any], from_list: bool) -> PodView | None:
+    def _apply(self, pod: dict[str, Any], from_list: bool) -> list[PodView]:
         try:
-            view = pod_view(pod, self.options)
+            views = pod_views(pod, self.options)
         except Exception as exc:
             self.stats.bad_pods += 1
             log.warning("cannot read pod: %s", exc)
-            return None
+            return []
+        return [v for v in views if self._apply_view(v, from_list)]
+
+    def _apply_view(self, view: PodView, from_list: bool) -> bool:
         if not view.name:
             self.stats.bad_pods += 1
-            return None
+            return False
         with self._lock:
             prev = self._known.get(view.name)
             self._known[view.name] = view
@@ -477,7 +560,7 @@ class PodWatcher:
         if from_list and prev is None and self._synced.is_set():
             self.stats.resync_repairs += 1
         self._run_on_table(lambda: self._apply_to_table(view))
-        return view
+        return True
 
     def _run_on_table(self, fn: Callable[[], None]) -> None:
         if self._dispatch is None:

@@ -31,6 +31,7 @@ import httpx
 from index.prefix_index import PrefixIndex
 from membership.config import HealthConfig, MembershipConfig
 from membership.health import HealthChecker, is_static
+from membership.inference_pool import InferencePoolWatcher
 from membership.kubernetes import PodWatcher
 from membership.replicas import (
     IndexAllocator,
@@ -122,6 +123,7 @@ class Membership:
         self.discovered_health: HealthChecker | None = (
             _discovery_health(table, config.health, headers) if config.kubernetes is not None else None)
         self.watcher: PodWatcher | None = None
+        self.pool_watcher: InferencePoolWatcher | None = None  # membership from an InferencePool (issue 21)
         self.shared: SharedState | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self.reindexed = 0
@@ -166,6 +168,8 @@ class Membership:
                                       is_healthy=checker.is_healthy if checker is not None else None,
                                       dispatch=loop.call_soon_threadsafe, profile_for=self.profile_for)
             self.watcher.start()
+            if self.config.kubernetes.inference_pool:  # the pool's selector and ports drive the pod watch
+                self.pool_watcher = InferencePoolWatcher(self.watcher, self.config.kubernetes).start()
         if isinstance(self.table.allocator, RedisIndexAllocator):
             self._maintenance = asyncio.create_task(self._maintain(), name="kvroute-index-registry")
 
@@ -173,6 +177,8 @@ class Membership:
         """Stop everything started by ``start``, in reverse order (the table keeps its replicas)."""
         await cancel_and_wait(self._maintenance)
         self._maintenance = None
+        if self.pool_watcher is not None:
+            await asyncio.to_thread(self.pool_watcher.stop)
         if self.watcher is not None:
             await asyncio.to_thread(self.watcher.stop)
         if self.discovered_health is not None:
@@ -277,6 +283,8 @@ class Membership:
                                      "provisional": sorted(alloc.provisional)}
         if self.watcher is not None:
             out["kubernetes"] = asdict(self.watcher.stats)
+        if self.pool_watcher is not None:
+            out["inference_pool"] = asdict(self.pool_watcher.stats)
         out["health"] = {**self.static.health.stats(),
                          **(self.discovered_health.stats() if self.discovered_health is not None else {})}
         if self.shared is not None:

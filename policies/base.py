@@ -35,6 +35,9 @@ class RouteRequest:
         objective: ``mean`` (minimise expected TTFT) or ``tail`` (penalise uncertain hits, p99-aware).
         expected_output_tokens: expected decode length in tokens (0 when unknown).
         request_id: opaque id for logs.
+        ttft_target_s: the request's TTFT target, seconds (None: no target; ``ttft`` then decides as always).
+        priority: the request's priority (higher is more urgent; ``ttft`` gives urgent work the fastest replica
+            meeting the target and packs the rest onto the replica with the least slack).
     """
 
     model: str
@@ -47,6 +50,8 @@ class RouteRequest:
     objective: Objective = "mean"
     expected_output_tokens: int = 0
     request_id: str = ""
+    ttft_target_s: float | None = None
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -137,6 +142,10 @@ class ReplicaProfile:
         decode_interference_s: extra queueing per running request (decode steps interleaved with prefill),
             seconds.
         max_context_tokens: longest prompt the replica accepts, tokens (0 = unknown).
+        decode_step_s: one decode round (every running request gets one token) at a batch of one, seconds;
+            the first-token step of a request handed to a decode replica (PD plans). 0 = unknown (free).
+        decode_step_s_per_request: extra seconds per decode round for each request in the running batch
+            (TV-16: 26.26 ms at batch 1, 29.63 ms at batch 64 -> ~0.05 ms per request), seconds.
     """
 
     prefill_tokens_per_s: float = 10_000.0
@@ -147,6 +156,8 @@ class ReplicaProfile:
     fetch_overlaps_queue: bool = True
     decode_interference_s: float = 0.0
     max_context_tokens: int = 0
+    decode_step_s: float = 0.0
+    decode_step_s_per_request: float = 0.0
 
 
 @dataclass(slots=True)

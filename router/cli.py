@@ -1,6 +1,7 @@
 """`kvroute` command line: one subcommand per job, each implemented by the module that owns it.
 
     kvroute serve        the router service            (router.server)
+    kvroute epp          the router service + the Gateway endpoint picker (gRPC ext_proc; router.epp)
     kvroute fake-engine  one stand-in vLLM/SGLang engine (loadtest.fake_engine)
     kvroute simulate     discrete-event fleet simulation (loadtest.simulator)
     kvroute demo         4 fake engines + the router, ttft vs round_robin (loadtest.demo)
@@ -18,6 +19,15 @@ def _serve(argv: list[str]) -> int:
     return main(argv)
 
 
+def _epp(argv: list[str]) -> int:
+    from router.server import main
+
+    # ``--grpc-port N`` is the short name of ``--epp-grpc-port N`` (Settings.epp_grpc_port)
+    args = ["--epp-grpc-port" if a == "--grpc-port" else
+            "--epp-grpc-port=" + a.split("=", 1)[1] if a.startswith("--grpc-port=") else a for a in argv]
+    return main(args, epp=True)
+
+
 def _fake_engine(argv: list[str]) -> int:
     from loadtest.fake_engine import main
 
@@ -25,7 +35,7 @@ def _fake_engine(argv: list[str]) -> int:
 
 
 def _simulate(argv: list[str]) -> int:
-    from loadtest.simulator import main
+    from loadtest.pd_simulator import main  # the simulator plus PD fleets (--prefill/--decode)
 
     return main(argv)
 
@@ -40,6 +50,7 @@ def _demo(argv: list[str]) -> int:
 #: when run, so ``kvroute serve`` never loads the load-testing code
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "run the router service (OpenAI-compatible proxy + /route)"),
+    "epp": (_epp, "run the router service and the Gateway API endpoint picker (gRPC ext_proc, --grpc-port)"),
     "fake-engine": (_fake_engine, "run one stand-in vLLM/SGLang engine (no GPU)"),
     "simulate": (_simulate, "simulate a fleet on a trace and compare policies"),
     "demo": (_demo, "start a local fake fleet and compare ttft with round_robin"),

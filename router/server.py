@@ -29,15 +29,20 @@ log = logging.getLogger("kvroute.server")
 _STARTUP_FAILURE = 3
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the router until SIGINT / SIGTERM. Returns the process exit code (2 = bad configuration)."""
+def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
+    """Run the router until SIGINT / SIGTERM. Returns the process exit code (2 = bad configuration).
+
+    ``epp``: also run the endpoint picker (gRPC ext_proc on ``epp_grpc_port``, ``router.epp``) in the same
+    process and event loop, on the same services (``kvroute epp``).
+    """
+    cmd = "kvroute epp" if epp else "kvroute serve"
     try:
-        settings = load_settings(argv)
+        settings = load_settings(argv, prog=cmd)
     except ValidationError as exc:
-        print(f"kvroute serve: invalid configuration:\n{_explain(exc)}", file=sys.stderr)
+        print(f"{cmd}: invalid configuration:\n{_explain(exc)}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as exc:
-        print(f"kvroute serve: invalid configuration: {exc}", file=sys.stderr)
+        print(f"{cmd}: invalid configuration: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
     worker = current_worker()
@@ -57,12 +62,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         app = create_app(settings)
+        if epp:
+            from router.epp import add_epp
+
+            add_epp(app.state.services)  # started and stopped with the app's lifespan, in uvicorn's loop
     except (ValueError, KeyError, OSError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"kvroute serve: cannot start: {msg}", file=sys.stderr)
+        print(f"{cmd}: cannot start: {msg}", file=sys.stderr)
         return 2
     except Exception as exc:  # e.g. TokenizerError
-        print(f"kvroute serve: cannot start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{cmd}: cannot start: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     # the imports and the app (modules, schemas, routes: most of the heap) live as long as the process: keep them
     # out of the cyclic collector, so its full collections walk only what requests and the index allocate

@@ -13,6 +13,10 @@ Only what the router's pod watcher needs, implemented with the real API server's
 - ``410 Gone`` for a resourceVersion older than the retained history (``compact()``): an ERROR event with a
   Status of code 410 (what the API server does), or an HTTP 410 when ``gone_as_http`` is set.
 
+InferencePools (``inference.networking.k8s.io/v1``, the Gateway API Inference Extension): LIST and WATCH at
+``/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools`` (``fieldSelector=metadata.name=X``
+honoured), GET of one pool; test API ``put_pool`` (create or replace: ADDED / MODIFIED) and ``delete_pool``.
+
 Test API: ``add_pod``, ``modify_pod`` (and ``set_ready`` / ``set_ip`` / ``set_labels`` / ``mark_terminating``),
 ``delete_pod`` (``silent=True`` loses the event, as a dropped watch would), ``cut_watches`` (abrupt close),
 ``compact``, ``force_gone``, ``fail_next`` (HTTP 500s), ``reject_watches``, and request counters.
@@ -149,6 +153,8 @@ class FakeKubeAPI:
                  bookmark_interval_s: float = 1.0) -> None:
         self._lock = threading.Condition()
         self._pods: dict[tuple[str, str], Pod] = {}
+        self._pools: dict[tuple[str, str], dict[str, Any]] = {}
+        self._pool_history: list[_Event] = []
         self._rv = 100
         self._history: list[_Event] = []
         self._oldest_rv = self._rv  # watches from an rv older than this get 410
@@ -284,6 +290,76 @@ class FakeKubeAPI:
         with self._lock:
             return [copy.deepcopy(p) for (ns, _), p in sorted(self._pods.items())
                     if namespace is None or ns == namespace]
+
+    # -- test API: InferencePools --------------------------------------------------------------------------
+    def put_pool(self, name: str, namespace: str = "default", *, match_labels: dict[str, str] | None = None,
+                 target_ports: list[int] | None = None, epp_service: str = "kvroute-epp",
+                 epp_port: int = 9002) -> dict[str, Any]:
+        """Create (ADDED) or replace (MODIFIED) an InferencePool. Returns a copy of the stored object."""
+        pool: dict[str, Any] = {
+            "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
+                         "creationTimestamp": _now_iso()},
+            "spec": {"selector": {"matchLabels": dict(match_labels or {})},
+                     "targetPorts": [{"number": p} for p in (target_ports or [8000])],
+                     "endpointPickerRef": {"name": epp_service, "port": {"number": epp_port}}},
+        }
+        with self._lock:
+            key = (namespace, name)
+            type_ = "MODIFIED" if key in self._pools else "ADDED"
+            self._rv += 1
+            pool["metadata"]["resourceVersion"] = str(self._rv)
+            self._pools[key] = pool
+            self._pool_history.append(_Event(self._rv, type_, copy.deepcopy(pool), None, namespace))
+            self._lock.notify_all()
+            return copy.deepcopy(pool)
+
+    def delete_pool(self, name: str, namespace: str = "default") -> None:
+        """Delete an InferencePool (DELETED event)."""
+        with self._lock:
+            pool = self._pools.pop((namespace, name))
+            self._rv += 1
+            pool["metadata"]["resourceVersion"] = str(self._rv)
+            self._pool_history.append(_Event(self._rv, "DELETED", copy.deepcopy(pool), None, namespace))
+            self._lock.notify_all()
+
+    def list_pools(self, namespace: str, name: str | None) -> dict[str, Any]:
+        """The InferencePoolList body for a LIST."""
+        with self._lock:
+            self.counters.lists += 1
+            items = [copy.deepcopy(p) for (ns, n), p in sorted(self._pools.items())
+                     if ns == namespace and (name is None or n == name)]
+            return {"kind": "InferencePoolList", "apiVersion": "inference.networking.k8s.io/v1",
+                    "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+
+    def watch_pools(self, w: _Watcher, namespace: str, name: str | None, since: int | None,
+                    timeout_s: float | None) -> Iterator[dict[str, Any] | None]:
+        """Yield InferencePool watch events; None means "send nothing now, check the socket"."""
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+        current: list[dict[str, Any]] = []
+        with self._lock:
+            if since is None:  # no resourceVersion: synthetic ADDED for the current state, then changes
+                current = [copy.deepcopy(p) for (ns, n), p in sorted(self._pools.items())
+                           if ns == namespace and (name is None or n == name)]
+                since = self._rv
+        for pool in current:
+            yield {"type": "ADDED", "object": pool}
+        pos = since
+        while True:
+            with self._lock:
+                pending = [e for e in self._pool_history if e.rv > pos]
+                if not pending and not w.cut and not self._stopping:
+                    self._lock.wait(timeout=0.25)
+                    pending = [e for e in self._pool_history if e.rv > pos]
+                if w.cut or self._stopping:
+                    return
+            for ev in pending:
+                pos = ev.rv
+                if ev.ns == namespace and (name is None or ev.obj["metadata"]["name"] == name):
+                    yield {"type": ev.type, "object": ev.obj}
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            yield None
 
     # -- test API: faults ------------------------------------------------------------------------------
     def cut_watches(self) -> int:
@@ -467,6 +543,7 @@ def _status_body(code: int, reason: str, message: str) -> dict[str, Any]:
             "message": message, "reason": reason, "code": code}
 
 
+_PATH_POOLS = re.compile(r"^/apis/inference\.networking\.k8s\.io/v1/namespaces/([^/]+)/inferencepools(?:/([^/]+))?/?$")
 _PATH_NS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/?$")
 _PATH_ALL = re.compile(r"^/api/v1/pods/?$")
 _PATH_ONE = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
@@ -495,6 +572,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(500, _status_body(500, "InternalError", "injected failure"))
             return
         namespace: str | None
+        if m := _PATH_POOLS.match(parsed.path):
+            self._pools_request(m.group(1), m.group(2), q)
+            return
         if m := _PATH_ONE.match(parsed.path):
             with api._lock:
                 pod = api._pods.get((m.group(1), m.group(2)))
@@ -522,6 +602,56 @@ class _Handler(BaseHTTPRequestHandler):
             self._watch(namespace, selector, q)
         else:
             self._send_json(200, api.list_pods(namespace, selector))
+
+    def _pools_request(self, namespace: str, one: str | None, q: dict[str, str]) -> None:
+        """LIST / WATCH / GET of InferencePools (``fieldSelector=metadata.name=X`` selects one by name)."""
+        api = self.server_api
+        name = one
+        field_sel = q.get("fieldSelector", "")
+        if field_sel:
+            key, _, value = field_sel.partition("=")
+            if key != "metadata.name" or not value:
+                self._send_json(400, _status_body(400, "BadRequest", f"unsupported fieldSelector {field_sel!r}"))
+                return
+            name = value
+        if one is not None:
+            with api._lock:
+                pool = copy.deepcopy(api._pools.get((namespace, one)))
+            if pool is None:
+                self._send_json(404, _status_body(404, "NotFound", f'inferencepools "{one}" not found'))
+            else:
+                self._send_json(200, pool)
+            return
+        if q.get("watch", "").lower() not in ("true", "1"):
+            self._send_json(200, api.list_pools(namespace, name))
+            return
+        rv_text = q.get("resourceVersion", "")
+        since = int(rv_text) if rv_text.isdigit() and rv_text != "0" else None
+        timeout_s = float(q["timeoutSeconds"]) if q.get("timeoutSeconds") else None
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        w = _Watcher(conn=self.connection)
+        with api._lock:
+            api._watchers.append(w)
+            api.counters.watches += 1
+        try:
+            for ev in api.watch_pools(w, namespace, name, since, timeout_s):
+                if ev is not None:
+                    self._chunk(ev)
+                elif _peer_closed(self.connection):
+                    break
+            if not w.cut:
+                self._end()
+            else:
+                self.close_connection = True
+        except OSError:
+            self.close_connection = True
+        finally:
+            with api._lock:
+                if w in api._watchers:
+                    api._watchers.remove(w)
 
     def _watch(self, namespace: str | None, selector: list[_Requirement], q: dict[str, str]) -> None:
         api = self.server_api

@@ -92,7 +92,7 @@ Kubernetes discovery in the chart. It is on when config.kubernetes_enabled is tr
 config.replicas is empty: a router in a cluster without static replicas has nothing else to route to.
 */}}
 {{- define "kvroute.discoveryEnabled" -}}
-{{- if or .Values.config.kubernetes_enabled (empty .Values.config.replicas) }}true{{ end }}
+{{- if or .Values.config.kubernetes_enabled (empty .Values.config.replicas) .Values.epp.enabled }}true{{ end }}
 {{- end }}
 
 {{/* Non-empty when the router watches every namespace: watchAllNamespaces, or config namespace '*' / ''. */}}
@@ -117,6 +117,7 @@ Settings the chart derives from the deployment itself, rendered as explicit env 
 container (they take precedence over the ConfigMap's envFrom, which holds config: unchanged):
   KVROUTE_KUBERNETES_ENABLED / KVROUTE_KUBERNETES_NAMESPACE  when discovery is on (see above)
   KVROUTE_REDIS_URL                                          with redis.enabled or redis.url
+  KVROUTE_INFERENCE_POOL                                     with epp.enabled (templates/_epp.tpl)
 */}}
 {{- define "kvroute.deploymentEnv" -}}
 {{- if include "kvroute.discoveryEnabled" . }}
@@ -129,4 +130,5 @@ container (they take precedence over the ConfigMap's envFrom, which holds config
 - name: KVROUTE_REDIS_URL
   value: {{ . | quote }}
 {{- end }}
+{{- include "kvroute.eppEnv" . }}
 {{- end }}

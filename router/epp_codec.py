@@ -1,0 +1,148 @@
+"""The endpoint-picker protocol's wire vocabulary: Envoy ``ext_proc`` messages in, ``ProcessingResponse`` out.
+
+Names and limits follow the Gateway API Inference Extension's endpoint-picker protocol (see
+``docs/deploy.md``, "kvroute as an endpoint picker behind a Gateway"):
+
+* the picked endpoint goes back as the request header ``x-gateway-destination-endpoint`` AND as the dynamic
+  metadata ``envoy.lb`` / ``x-gateway-destination-endpoint`` (identical ``ip:port`` values), with the route cache
+  cleared so the gateway re-evaluates the route with the new header;
+* the optional subset hint comes in ``metadata_context.filter_metadata["envoy.lb.subset_hint"]
+  ["x-gateway-destination-endpoint-subset"]`` (a list of ``ip:port``): only those endpoints may be picked;
+* bodies go back as ``streamed_response`` chunks of at most ``BODY_CHUNK_BYTES`` (Envoy's ~64 KiB message limit),
+  the last one with ``end_of_stream``; a mutated body comes with its new ``Content-Length``;
+* errors are ``ImmediateResponse`` s with an HTTP status, an OpenAI-style JSON body and the reason header.
+
+Pure translation: no I/O, no routing. Units: bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+#: request header (and ``envoy.lb`` metadata key) naming the picked endpoint, ``ip:port``
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+#: dynamic-metadata namespace the gateway's load balancer reads the pick from
+DESTINATION_NAMESPACE = "envoy.lb"
+#: metadata namespace and key of the gateway's subset hint (the endpoints the request may go to)
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+#: largest body chunk sent back in one message (Envoy's per-message limit is ~64 KiB), bytes
+BODY_CHUNK_BYTES = 62_000
+#: response header of an ImmediateResponse saying why the request was not routed (a stable code)
+REASON_HEADER = "x-kvroute-rejected-reason"
+#: response header naming the replica that served the request (as the proxy sets it)
+REPLICA_HEADER = "x-kvroute-replica"
+
+#: the ProcessingRequest oneof ``request`` field names
+REQUEST_HEADERS = "request_headers"
+REQUEST_BODY = "request_body"
+REQUEST_TRAILERS = "request_trailers"
+RESPONSE_HEADERS = "response_headers"
+RESPONSE_BODY = "response_body"
+RESPONSE_TRAILERS = "response_trailers"
+
+
+def headers_of(http_headers: Any) -> dict[str, str]:
+    """The headers of an ext_proc ``HttpHeaders`` as a dict (lower-case names; Envoy sends ``raw_value`` bytes,
+    older versions ``value``; pseudo-headers such as ``:path`` and ``:method`` included)."""
+    out: dict[str, str] = {}
+    for h in http_headers.headers.headers:
+        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        out[h.key.lower()] = value
+    return out
+
+
+def subset_hint(metadata_context: Any) -> list[str] | None:
+    """The gateway's subset hint (``ip:port`` endpoints the request may go to), or None when it sent none.
+
+    An empty list means "a hint that allows nothing" (answered 503 by the picker). A hint given as one
+    comma-separated string is split.
+    """
+    fm = metadata_context.filter_metadata
+    if SUBSET_NAMESPACE not in fm:
+        return None
+    fields = fm[SUBSET_NAMESPACE].fields
+    if SUBSET_KEY not in fields:
+        return None
+    value = fields[SUBSET_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
+    elif kind == "string_value":
+        items = value.string_value.split(",")
+    else:
+        items = []
+    return [i.strip() for i in items if i.strip()]
+
+
+def endpoint_of(url: str) -> str:
+    """The ``host:port`` the gateway must send to for a replica URL (default ports 80 / 443; IPv6 bracketed)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def _header(key: str, value: str) -> Any:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+
+
+def routed_headers(endpoint: str, extra: Mapping[str, str], body_length: int | None) -> Any:
+    """The answer to the request headers once a replica is picked: the destination header (+ ``extra`` headers,
+    + ``Content-Length`` when the body was changed), ``envoy.lb`` metadata with the same value, and the route
+    cache cleared."""
+    sets = [_header(DESTINATION_HEADER, endpoint)]
+    sets.extend(_header(k, v) for k, v in extra.items())
+    if body_length is not None:
+        sets.append(_header("content-length", str(body_length)))
+    common = pb.CommonResponse(clear_route_cache=True, header_mutation=pb.HeaderMutation(set_headers=sets))
+    meta = struct_pb2.Struct()
+    meta.update({DESTINATION_NAMESPACE: {DESTINATION_HEADER: endpoint}})
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)
+
+
+def body_chunks(body: bytes, *, request: bool, end_of_stream: bool = True,
+                chunk_bytes: int = BODY_CHUNK_BYTES) -> Iterator[Any]:
+    """``body`` as ``streamed_response`` body messages of at most ``chunk_bytes`` each (request or response
+    path); the last one carries ``end_of_stream`` when asked. An empty body is one empty message."""
+    n = len(body)
+    starts = range(0, n, chunk_bytes) if n else range(1)
+    last = starts[-1]
+    for start in starts:
+        piece = body[start:start + chunk_bytes]
+        streamed = pb.StreamedBodyResponse(body=piece, end_of_stream=end_of_stream and start == last)
+        common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
+        answer = pb.BodyResponse(response=common)
+        yield pb.ProcessingResponse(request_body=answer) if request else pb.ProcessingResponse(response_body=answer)
+
+
+def response_headers(extra: Mapping[str, str]) -> Any:
+    """The answer to the response headers: continue, adding ``extra`` headers."""
+    sets = [_header(k, v) for k, v in extra.items()]
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets))
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
+
+
+def trailers(request: bool) -> Any:
+    """The answer to request or response trailers: continue unchanged."""
+    if request:
+        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+def immediate(status: int, body: bytes, headers: Iterable[tuple[str, str]], details: str) -> Any:
+    """An ``ImmediateResponse``: the gateway answers the client with ``status`` / ``headers`` / ``body`` and does
+    not forward the request. ``details`` is the reason code (in Envoy's access log too)."""
+    sets = [_header(k, v) for k, v in headers]
+    answer = pb.ImmediateResponse(status=http_status_pb2.HttpStatus(code=status),
+                                  headers=pb.HeaderMutation(set_headers=sets), body=body, details=details)
+    return pb.ProcessingResponse(immediate_response=answer)
