@@ -7,7 +7,9 @@ same trace slice and the same fake engines.
 Both routers are started by one function with the same flags (policy, tokenizer, profiles, time constants); only
 the subcommand differs. Engines run without KV events (predicted mode: each router's index holds what its own
 decisions predicted, so both see the same state when they see the same requests in the same order), are scraped
-once (at start) and restarted between the passes so both start cold. The policy's online TTFT calibration is off
+once (at start) and restarted between the passes so both start cold; prompts reach the engines as the client's
+text in both modes (``--no-forward-token-ids``: the proxy's token-id forwarding saves the engine its tokenization,
+which the gateway path has no counterpart for). The policy's online TTFT calibration is off
 unless ``--calibrate``: it learns from measured TTFTs, so with it on the picks follow timing noise, which differs
 between any two runs of the same front door (``--second serve --calibrate`` measures that control).
 
@@ -251,7 +253,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"bench_epp: {len(reqs)} requests of {trace or 'the generated agent workload'}, {args.replicas} "
           f"fake engines (time scale {args.time_scale})", file=sys.stderr)
     fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
-    router_args = [*args.router_arg, *([] if args.calibrate else ["--policy-param", "calibrate=false"])]
+    # both routers hand the engine the client's bytes: a proxy forwarding prompts as token ids saves the engine its
+    # tokenization, a gain the gateway path does not have, which would show up as negative "added" latency
+    router_args = ["--no-forward-token-ids", *args.router_arg,
+                   *([] if args.calibrate else ["--policy-param", "calibrate=false"])]
     out: dict[str, Any] = {"trace": str(trace) if trace else "generated:agent", "replicas": args.replicas,
                            "policy": args.policy, "calibrate": args.calibrate, "second": args.second,
                            "concurrency": args.concurrency}
