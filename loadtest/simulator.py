@@ -73,6 +73,7 @@ from loadtest.traces import (
 from policies.base import Candidate, LoadView, Observation, RouteRequest, make_policy, policy_names
 from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
 from policies.hits import hit_from_match
+from policies.pd_base import pd_policy_names
 
 _KV = 0
 _FIRST = 1
@@ -733,6 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot TTFT p50/p99 and hit rate against load, one line per policy")
     p.add_argument("--title", default=None, help="plot title")
+    from loadtest.pd_simulator import add_pd_arguments  # PD hook (issue 19); lazy: pd_simulator imports this
+
+    add_pd_arguments(p)
     return p
 
 
@@ -833,7 +837,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             None if ("," in args.profiles or ":" in args.profiles) else 8))
         names = policy_names() if args.policies == "all" else [x.strip() for x in args.policies.split(",")
                                                                if x.strip()]
-        known = set(policy_names())
+        from loadtest import pd_simulator as pd  # PD hook (issue 19)
+
+        known = set(policy_names()) | set(pd_policy_names())
         unknown = [x for x in names if policy_of(x) not in known]
         if unknown:
             raise ValueError(f"unknown policies {unknown}; known: {', '.join(sorted(known))}")
@@ -848,6 +854,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.block_size <= 0 or (args.gpu_blocks is not None and args.gpu_blocks <= 0):
             raise ValueError("--block-size and --gpu-blocks must be positive")
         reqs = load_requests(args)
+        roles = pd.pd_roles(args, len(profiles))
     except (ValueError, KeyError, OSError) as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2
@@ -878,12 +885,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         bound = lru_hit_rate(reqs, keys, cfg.total_cache_blocks())
         print(f"# hit_rate_bound (shared LRU of {cfg.total_cache_blocks()} blocks) = {bound:.4f} "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    if roles is not None:
+        print(pd.pd_capacity_note(reqs, profiles, roles, args.link_gbps), file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for load, scale in runs:
         scaled = scale_rate(reqs, scale) if scale != 1.0 else reqs
         for pol in names:
-            res = simulate(scaled, pol, cfg, keys=keys, policy_params=pparams.get(pol), seed=args.seed,
-                           load=round(load, 4) if load is not None else None, hit_rate_bound=bound)
+            kw: dict[str, Any] = {"keys": keys, "policy_params": pparams.get(pol), "seed": args.seed,
+                                  "load": round(load, 4) if load is not None else None, "hit_rate_bound": bound}
+            if pd.is_pd_policy(policy_of(pol)):
+                res = pd.run_pd(scaled, pol, policy_of(pol), cfg, roles, args, **kw)
+            else:
+                res = simulate(scaled, pol, cfg, **kw)
+                res.extra["plans"] = {"in_place": res.requests, "disaggregated": 0}
             row = res.summary()
             row["rate_scale"] = scale
             rows.append(row)

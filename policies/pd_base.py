@@ -54,11 +54,15 @@ class PdCandidate:
         candidate: load view, prefix hit, profile, as for co-located routing.
         role: ``both``, ``prefill`` or ``decode``.
         dp_rank_count: data-parallel ranks the engine exposes (1 = not data-parallel); a plan may pin one.
+        link_busy_s: seconds until this replica's outgoing KV link has sent the handoffs already queued on it
+            (the router's own estimate from the handoffs it dispatched; 0 when unknown or idle). Handoffs from
+            one prefill replica are serialised on its link (seeds 000 §9.2: one NIC carries ~20.7 states/s).
     """
 
     candidate: Candidate
     role: Role = "both"
     dp_rank_count: int = 1
+    link_busy_s: float = 0.0
 
     @property
     def index(self) -> int:
@@ -85,6 +89,11 @@ class Plan:
             (first decode step on D, including D's queue) for ``disaggregated``; ``Q``, ``R``, ``C`` for
             ``in_place``.
         dp_rank: data-parallel rank to pin on the decode replica (None = let the engine pick).
+        prefill_tokens: uncached prompt tokens the prefilling replica (``prefill``, or ``decode`` in place) is
+            predicted to compute, tokens. The caller charges them to that replica's ``inflight_prefill_tokens``
+            at dispatch (see ``plan_charges``).
+        handoff_tokens: prompt tokens whose KV moves over the P->D link (the whole prompt unless the decode
+            replica already holds a prefix), tokens; 0 for ``in_place``.
     """
 
     kind: PlanKind
@@ -93,6 +102,38 @@ class Plan:
     predicted_ttft_s: float = 0.0
     terms: dict[str, float] = field(default_factory=dict)
     dp_rank: int | None = None
+    prefill_tokens: int = 0
+    handoff_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LegCharge:
+    """What the caller adds to one replica's in-flight load when it dispatches a plan (before any leg runs).
+
+    Attributes:
+        index: the replica charged.
+        requests: added to ``LoadView.inflight_requests`` (removed when that replica's leg ends: the prefill
+            leg's response for P, the request's end for D or in place).
+        prefill_tokens: added to ``LoadView.inflight_prefill_tokens`` (removed at the prefill's end: P's
+            response, or the first token in place), tokens.
+    """
+
+    index: int
+    requests: int
+    prefill_tokens: int
+
+
+def plan_charges(plan: Plan) -> list[LegCharge]:
+    """The in-flight load to charge for ``plan`` at dispatch, one entry per replica the plan uses.
+
+    Both legs are charged *before* dispatch: the prefill replica gets the request and its uncached tokens, the
+    decode replica the request (it will hold the KV and a slot of its running batch). Charging the decode leg
+    only when it returns is the known bug class that sends every request to prefill #0 (sglang #27547, smg
+    #1714). ``in_place``: one charge on ``decode`` with the request and its uncached tokens.
+    """
+    if plan.kind == "in_place" or plan.prefill is None:
+        return [LegCharge(plan.decode, 1, plan.prefill_tokens)]
+    return [LegCharge(plan.prefill, 1, plan.prefill_tokens), LegCharge(plan.decode, 1, 0)]
 
 
 @dataclass(slots=True)

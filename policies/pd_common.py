@@ -1,0 +1,166 @@
+"""Helpers shared by the PD plan policies: which replica may play which part, load reading, decisions.
+
+Pure functions, no I/O. Unknown load values (``None``) are never read as zero: as in ``policies.common`` they get
+the worst value known among the candidates of the same decision.
+
+Roles (``policies.pd_base.Role``):
+
+* prefill leg of a disaggregated plan: a ``prefill`` replica (a ``both`` replica too when ``both_can_pair``);
+* decode leg of a disaggregated plan: a ``decode`` replica (a ``both`` replica too when ``both_can_pair``);
+* in place: a ``both`` replica, or a ``decode`` replica prefilling itself when ``decode_prefills``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from policies.base import Candidate, LoadView, Policy, RouteRequest
+from policies.hits import usable_cached_tokens
+from policies.pd_base import PdCandidate, Plan, PlanDecision, Role
+
+
+@dataclass(frozen=True, slots=True)
+class RoleRules:
+    """Which replicas may play which part of a plan.
+
+    Attributes:
+        decode_prefills: a ``decode`` replica may serve a request in place (prefill itself), as llm-d's decode
+            sidecar does when no prefiller is named.
+        both_can_pair: ``both`` replicas may take the prefill or the decode leg of a disaggregated plan (their
+            engines run a KV connector in both directions).
+    """
+
+    decode_prefills: bool = True
+    both_can_pair: bool = False
+
+    def can_prefill_leg(self, role: Role) -> bool:
+        """May a replica of ``role`` take the prefill leg of a disaggregated plan?"""
+        return role == "prefill" or (role == "both" and self.both_can_pair)
+
+    def can_decode_leg(self, role: Role) -> bool:
+        """May a replica of ``role`` take the decode leg of a disaggregated plan?"""
+        return role == "decode" or (role == "both" and self.both_can_pair)
+
+    def can_serve_in_place(self, role: Role) -> bool:
+        """May a replica of ``role`` serve the whole request itself?"""
+        return role == "both" or (role == "decode" and self.decode_prefills)
+
+
+def positions(cands: Sequence[PdCandidate], ok: Callable[[Role], bool]) -> list[int]:
+    """Positions of the candidates whose role satisfies ``ok`` (a ``RoleRules`` method)."""
+    return [i for i, c in enumerate(cands) if ok(c.role)]
+
+
+def require_pd_candidates(cands: Sequence[PdCandidate]) -> None:
+    """Raise ``ValueError`` when there is nothing to choose from."""
+    if not cands:
+        raise ValueError("choose_plan() needs at least one candidate")
+
+
+@dataclass(frozen=True, slots=True)
+class Loads:
+    """Per candidate (in candidate order) the load numbers the PD policies use, unknowns filled in.
+
+    Attributes:
+        backlog_tokens: uncached prefill tokens ahead of a new request: scraped ``queued_prefill_tokens`` (or
+            ``queued_requests`` x ``mean_prefill_tokens``) + the router's ``inflight_prefill_tokens``, tokens.
+        running: requests in the running batch: max(scraped, the router's in-flight requests), requests.
+        requests: the router's in-flight requests + scraped waiting requests, requests (least-load's measure).
+        kv_usage: KV-cache usage 0..1.
+    """
+
+    backlog_tokens: list[float]
+    running: list[float]
+    requests: list[float]
+    kv_usage: list[float]
+
+
+def _scraped_backlog(load: LoadView, mean_prefill_tokens: int) -> float | None:
+    """Scraped queued prefill tokens, or queued requests x ``mean_prefill_tokens``; None when neither is known."""
+    if load.queued_prefill_tokens is not None:
+        return float(load.queued_prefill_tokens)
+    if load.queued_requests is not None:
+        return float(load.queued_requests) * mean_prefill_tokens
+    return None
+
+
+def read_loads(cands: Sequence[PdCandidate], mean_prefill_tokens: int) -> Loads:
+    """Fill the ``Loads`` of ``cands``; an unknown gauge becomes the largest known one (else 0)."""
+    loads = [c.candidate.load for c in cands]
+    scraped = [_scraped_backlog(v, mean_prefill_tokens) for v in loads]
+    q_known = [q for q in scraped if q is not None]
+    r_known = [float(v.running_requests) for v in loads if v.running_requests is not None]
+    w_known = [float(v.queued_requests) for v in loads if v.queued_requests is not None]
+    k_known = [float(v.kv_usage) for v in loads if v.kv_usage is not None]
+    q_worst = max(q_known, default=0.0)
+    r_worst = max(r_known, default=0.0)
+    w_worst = max(w_known, default=0.0)
+    k_worst = max(k_known, default=0.0)
+    backlog, running, requests, kv = [], [], [], []
+    for v, sq in zip(loads, scraped, strict=True):
+        q = q_worst if sq is None else sq
+        backlog.append(max(0.0, q) + max(0, v.inflight_prefill_tokens))
+        run = r_worst if v.running_requests is None else float(v.running_requests)
+        running.append(max(run, float(v.inflight_requests)))
+        waiting = w_worst if v.queued_requests is None else float(v.queued_requests)
+        requests.append(float(v.inflight_requests) + waiting)
+        kv.append(k_worst if v.kv_usage is None else float(v.kv_usage))
+    return Loads(backlog, running, requests, kv)
+
+
+def usable_hit_tokens(cand: Candidate, prompt_tokens: int, block_size: int) -> int:
+    """Matched prompt tokens (any tier) the replica could reuse, capped as an engine would, tokens."""
+    return usable_cached_tokens(cand.hit.total, prompt_tokens, block_size, cand.load.engine_block_size)
+
+
+def gpu_hit_tokens(cand: Candidate, prompt_tokens: int, block_size: int) -> int:
+    """Matched prompt tokens in the replica's GPU tier, capped as an engine would, tokens."""
+    return usable_cached_tokens(cand.hit.gpu, prompt_tokens, block_size, cand.load.engine_block_size)
+
+
+def in_place_plan(cands: Sequence[PdCandidate], pos: int, prompt_tokens: int, block_size: int,
+                  ttft_s: float = 0.0, terms: dict[str, float] | None = None) -> Plan:
+    """An ``in_place`` plan on the candidate at ``pos``; charges its uncached tokens (``prefill_tokens``)."""
+    c = cands[pos].candidate
+    uncached = prompt_tokens - usable_hit_tokens(c, prompt_tokens, block_size)
+    return Plan(kind="in_place", decode=c.index, predicted_ttft_s=ttft_s, terms=dict(terms or {}),
+                prefill_tokens=uncached)
+
+
+def pd_plan(cands: Sequence[PdCandidate], p: int, d: int, prompt_tokens: int, block_size: int,
+            ttft_s: float = 0.0, terms: dict[str, float] | None = None) -> Plan:
+    """A ``disaggregated`` plan, prefill at position ``p``, decode at ``d``.
+
+    ``prefill_tokens`` = the prompt tokens P does not hold; ``handoff_tokens`` = the prompt tokens D does not
+    hold in GPU (the whole prompt's KV moves unless D already holds a prefix: vLLM's NIXL connector loads only
+    the blocks the decode engine lacks).
+    """
+    pc = cands[p].candidate
+    dc = cands[d].candidate
+    uncached = prompt_tokens - usable_hit_tokens(pc, prompt_tokens, block_size)
+    moved = prompt_tokens - gpu_hit_tokens(dc, prompt_tokens, block_size)
+    return Plan(kind="disaggregated", decode=dc.index, prefill=pc.index, predicted_ttft_s=ttft_s,
+                terms=dict(terms or {}), prefill_tokens=uncached, handoff_tokens=moved)
+
+
+def decision_of(policy: str, plans: list[Plan], branch: str) -> PlanDecision:
+    """A ``PlanDecision`` choosing ``plans[0]`` (the list is kept in the given order: best first)."""
+    return PlanDecision(chosen=plans[0], plans=plans, policy=policy, branch=branch)
+
+
+def no_feasible_plan(cands: Sequence[PdCandidate]) -> ValueError:
+    """The error for a fleet where no plan is feasible (e.g. only prefill replicas)."""
+    roles = sorted({c.role for c in cands})
+    return ValueError(f"no feasible PD plan: roles present {roles}; need a 'both' replica, a decode replica "
+                      "that prefills, or a prefill and a decode replica")
+
+
+def pick_in_pool(policy: Policy, request: RouteRequest, cands: Sequence[PdCandidate], pool: list[int]) -> int:
+    """Run the co-located ``policy`` over the candidates at positions ``pool``; the chosen one's position."""
+    sub = [cands[i].candidate for i in pool]
+    chosen = policy.choose(request, sub).chosen
+    for i in pool:
+        if cands[i].candidate.index == chosen:
+            return i
+    raise ValueError(f"policy {policy.name!r} chose replica {chosen}, not one of its candidates")
