@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadtest.epp_gateway import GatewayStream, stub_for
-from tests.helpers import Proc, free_port, metric, wait_http_ok, wait_until
+from tests.helpers import Proc, free_port, metric, start_fake_engine, wait_until
 
 MODEL = "m"
 
@@ -42,10 +42,12 @@ class Fleet:
         return sum(int(r["load"]["inflight_requests"]) for r in reps)
 
 
-def _engine(port: int) -> Proc:
-    return Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                        "--dialect", "vllm", "--time-scale", "0.02", "--max-model-len", "1000000",
-                        "--enable-prompt-tokens-details", "--seed", str(port % 7))
+def _engine(seed: int) -> tuple[Proc, int]:
+    """A fake vLLM engine (started again on new ports if another process took one); (process, HTTP port)."""
+    proc, port, _, _ = start_fake_engine("--model", MODEL, "--dialect", "vllm", "--time-scale", "0.02",
+                                         "--max-model-len", "1000000", "--enable-prompt-tokens-details",
+                                         "--seed", str(seed))
+    return proc, port
 
 
 def start_epp(replicas: list[str], *extra: str, ready: int | None = None) -> Fleet:
@@ -76,12 +78,14 @@ def _get_ok(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
-    ports = [free_port(), free_port()]
-    engines = [_engine(p) for p in ports]
+    engines: list[Proc] = []
+    ports: list[int] = []
     f: Fleet | None = None
     try:
-        for p in ports:
-            wait_http_ok(f"http://127.0.0.1:{p}/health", timeout=30)
+        for seed in (1, 2):
+            proc, port = _engine(seed)
+            engines.append(proc)
+            ports.append(port)
         f = start_epp([f"http://127.0.0.1:{p}" for p in ports], ready=2)
         yield f
     finally:
@@ -221,11 +225,9 @@ def test_no_ready_replica_is_503_and_shedding_is_429() -> None:
         channel.close()
     finally:
         f.router.stop()
-    port = free_port()
-    engine = _engine(port)
+    engine, port = _engine(3)
     g: Fleet | None = None
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout=30)
         g = start_epp([f"http://127.0.0.1:{port}"], "--max-inflight-total", "1", "--max-queued-requests", "0",
                       ready=1)
         first = g.stream()
