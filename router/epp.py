@@ -47,6 +47,7 @@ from router.intake import LimitExceeded
 from router.proxy import _usage_from_json, _usage_from_sse, ask_for_usage, error_body, new_request_id
 from router.routing import NoReplica, Routed, RoutingError, RoutingInput
 from router.services import Services
+from router.telemetry import gauge
 from router.tokenizer import TokenizerError
 
 log = logging.getLogger("kvroute.epp")
@@ -99,7 +100,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.dp = _DataPlane(svc, _Auth(svc.guard))
         self.streams = Counter("kvroute_epp_requests", "endpoint-picker streams by outcome (HTTP status of the "
                                "answer: 200 = routed)", ["status"], registry=svc.telemetry.registry)
+        #: gateway streams open now (one per HTTP request the gateway is processing)
         self.active = 0
+        svc.telemetry.add_gauges(lambda: [gauge("kvroute_epp_streams_active", "endpoint-picker streams open now "
+                                                "(one per request the gateway is processing)", float(self.active))])
 
     async def Process(self, request_iterator: AsyncIterator[Any],  # noqa: N802  (the gRPC method name)
                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:

@@ -202,6 +202,11 @@ def test_client_cancel_mid_stream_releases_inflight(fleet: Fleet) -> None:
 def test_http_service_and_grpc_health_in_epp_mode(fleet: Fleet) -> None:
     assert httpx.get(fleet.http + "/readyz").status_code == 200
     assert "kvroute_epp_requests_total" in httpx.get(fleet.http + "/metrics").text
+    s = fleet.stream()
+    assert s.request("/v1/completions", _body("open")).immediate is None
+    assert metric(fleet.http, "kvroute_epp_streams_active") == 1
+    s.cancel()
+    wait_until(lambda: metric(fleet.http, "kvroute_epp_streams_active") == 0, timeout=5, what="stream closed")
     channel = grpc.insecure_channel(f"127.0.0.1:{fleet.grpc_port}")
     stub = health_pb2_grpc.HealthStub(channel)
     for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
