@@ -41,6 +41,7 @@ from loadtest.fleet import (
     COMPARED_RUNS,
     EngineOptions,
     Fleet,
+    ManagedProcess,
     RouterHandle,
     add_harness_args,
     exit_on_sigterm,
@@ -48,6 +49,14 @@ from loadtest.fleet import (
     scrape_samples,
 )
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
+from loadtest.router_profile import (
+    PySpy,
+    breakdown,
+    main_thread_split,
+    per_request_ms,
+    thread_cpu_s,
+    top_functions,
+)
 from loadtest.simulator import fleet_hit_rate_bound
 from loadtest.workload import (
     WorkloadOptions,
@@ -59,7 +68,10 @@ from loadtest.workload import (
 
 #: run name -> (router kind, policy); ``ttft_cache_first`` is ``ttft`` that never leaves the replica holding the
 #: deepest GPU-cached prefix for a shorter queue (policies/ttft_cache_first.py)
-RUNS: dict[str, tuple[str, str]] = {**COMPARED_RUNS, "kvroute_ttft_cache_first": ("kvroute", "ttft_cache_first")}
+RUNS: dict[str, tuple[str, str]] = {**COMPARED_RUNS, "kvroute_ttft_cache_first": ("kvroute", "ttft_cache_first"),
+                                    "kvroute_ttft_baseline": ("kvroute", "ttft")}
+#: the run that starts kvroute from ``--baseline-root`` (another checkout: before / after in one run)
+BASELINE_RUN = "kvroute_ttft_baseline"
 
 
 #: keys every run object carries in the JSON output
@@ -79,6 +91,12 @@ class RunConfig:
     endpoint: str
     kvroute_args: tuple[str, ...] = ()
     sglang_args: tuple[str, ...] = ()
+    #: busy-loop processes running beside the router during each run (the contention run; 0 = none)
+    cpu_hogs: int = 0
+    #: the checkout the ``kvroute_ttft_baseline`` run starts kvroute from (None: this one)
+    baseline_root: Path | None = None
+    #: write a py-spy profile of each kvroute run here and add its breakdown to the result (None: no profile)
+    profile_dir: Path | None = None
 
 
 def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: RunConfig,
@@ -88,20 +106,32 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
     load_before = os.getloadavg()[0]
     if fresh_engines:
         fleet.restart_engines() if fleet.engines else fleet.start_engines()
-    router: RouterHandle = (fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args) if kind == "kvroute"
+    root = cfg.baseline_root if name == BASELINE_RUN else None
+    router: RouterHandle = (fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args, root=root)
+                            if kind == "kvroute"
                             else fleet.start_sglang_router(policy=policy, extra_args=cfg.sglang_args))
     try:
         h0, q0 = fleet.prefix_cache_counters()
         cpu0 = router.proc.cpu_seconds()
         last = max((r.arrival_s for r in workload), default=0.0)
+        spy = _start_profile(cfg, name, router) if kind == "kvroute" else None
+        threads0 = thread_cpu_s(router.proc.pid)
 
         async def go() -> tuple[list[Any], float]:
             async with make_client() as client:
                 return await replay(router.url, workload, model=cfg.model, endpoint=cfg.endpoint,  # type: ignore[arg-type]
                                     client=client, deadline_s=last + cfg.drain_timeout_s)
 
-        results, wall = asyncio.run(go())
+        hogs = start_cpu_hogs(cfg.cpu_hogs, fleet)
+        try:
+            results, wall = asyncio.run(go())
+        finally:
+            for hog in hogs:
+                hog.stop()
+            if spy is not None:
+                spy.stop()
         cpu1 = router.proc.cpu_seconds()
+        threads = main_thread_split(router.proc.pid, threads0, thread_cpu_s(router.proc.pid))
         h1, q1 = fleet.prefix_cache_counters()
         gate = dispatch_counters(router.url) if kind == "kvroute" else None
         if not router.proc.alive():
@@ -120,15 +150,40 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         "max_client_lag_s": round(s.max_lag_s, 4), "prefix_hit_tokens": hits, "prefix_query_tokens": queries,
         "router": kind, "policy": policy,
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "cpu_hogs": cfg.cpu_hogs,
     }
+    if results:
+        out["router_cpu_split_s_per_1k"] = {k: round(v / len(results) * 1000.0, 3) for k, v in threads.items()}
     if gate:
         out["dispatch"] = gate
+    if spy is not None and spy.out_path.exists() and out["router_cpu_s_per_1k"]:
+        shares = breakdown(spy.out_path)
+        out["cpu_profile_ms_per_request"] = per_request_ms(shares, out["router_cpu_s_per_1k"])
+        out["cpu_profile_top_functions"] = top_functions(spy.out_path, 20)
+        out["cpu_profile_raw"] = str(spy.out_path)
     if s.error_samples:
         out["error_samples"] = s.error_samples
     for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "e2e_p50_s", "e2e_p99_s"):
         if out[k] is not None:
             out[k] = round(out[k], 6)
     return out
+
+
+#: one busy loop on one core, for ``--cpu-hog``
+_HOG = "while True:\n    pass\n"
+
+
+def start_cpu_hogs(n: int, fleet: Fleet) -> list[ManagedProcess]:
+    """``n`` processes each spinning on a core for as long as they run (stopped by the caller)."""
+    return [ManagedProcess([sys.executable, "-c", _HOG], f"cpu-hog-{i}", fleet.log_dir) for i in range(n)]
+
+
+def _start_profile(cfg: RunConfig, name: str, router: RouterHandle) -> PySpy | None:
+    """py-spy on the router process (and its workers) when ``--profile-router`` is set."""
+    if cfg.profile_dir is None:
+        return None
+    cfg.profile_dir.mkdir(parents=True, exist_ok=True)
+    return PySpy.start(router.proc.pid, cfg.profile_dir / f"{name}-{router.port}.txt")
 
 
 def dispatch_counters(url: str) -> dict[str, float]:
@@ -206,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output-tokens", type=int, default=64,
                    help="cap each request's output length, tokens (0 = as in the trace; routing is about the "
                         "prefill, and long decodes only stretch the run)")
-    p.add_argument("--routers", default=",".join(RUNS),
+    p.add_argument("--routers", default=",".join(n for n in RUNS if n != BASELINE_RUN),
                    help=f"comma-separated runs, from: {', '.join(RUNS)} (kvroute_ttft_cache_first: policy "
                         "ttft_cache_first, which never leaves the deepest cached prefix's replica for a shorter "
                         "queue)")
@@ -230,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "--time-scale like the engines' (the default; runs before the sixth session did this)")
     p.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for sglang-router, e.g. --sglang-arg=--cache-threshold=0.5 (repeatable)")
+    p.add_argument("--cpu-hog", type=int, default=0, metavar="K",
+                   help="contention run: K busy-loop processes (one core each) run beside every router during its "
+                        "replay, the same for every router (0 = a quiet run)")
+    p.add_argument("--baseline-root", default=None, metavar="DIR",
+                   help="the kvroute_ttft_baseline run starts kvroute from this checkout (e.g. `git archive main | "
+                        "tar -x -C DIR`): two versions side by side in one run (default: this checkout)")
+    p.add_argument("--profile-router", default=None, metavar="DIR",
+                   help="sample each kvroute run with py-spy (files in DIR) and add the CPU breakdown per request "
+                        "(cpu_profile_ms_per_request, by category: loadtest/router_profile.py) to its result")
     add_harness_args(p)
     return p
 
@@ -262,7 +326,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = ensure_model_dir()
     cfg = RunConfig(replicas=args.replicas, time_scale=args.time_scale, load_scale=args.load_scale,
                     drain_timeout_s=args.drain_timeout_s, model=args.model, endpoint=args.endpoint,
-                    kvroute_args=tuple(args.kvroute_arg), sglang_args=tuple(args.sglang_arg))
+                    kvroute_args=tuple(args.kvroute_arg), sglang_args=tuple(args.sglang_arg),
+                    profile_dir=Path(args.profile_router).resolve() if args.profile_router else None,
+                    baseline_root=Path(args.baseline_root).resolve() if args.baseline_root else None,
+                    cpu_hogs=max(0, args.cpu_hog))
     engine = EngineOptions(model=args.model, dialect=args.dialect, time_scale=args.time_scale,
                            profile=args.profile, gpu_blocks=args.gpu_blocks or None, block_size=args.block_size,
                            model_path=str(model_dir),

@@ -258,6 +258,9 @@ class EngineRequest:
             nothing with anything.
         token_ids: prompt token ids (packed LE uint32 bytes or ints) for ``BlockStored.token_ids``; optional.
         tag: opaque caller data, untouched.
+        remote_kv_tokens: prompt tokens whose KV another replica computed and handed over (prefill/decode
+            disaggregation): at admission they count as computed and their full blocks are cached here, so only
+            the rest (at least the last prompt token, as vLLM's decode side recomputes it) is prefilled, tokens.
     """
 
     request_id: str
@@ -266,6 +269,7 @@ class EngineRequest:
     block_hashes: Sequence[int] | None = None
     token_ids: bytes | Sequence[int] | None = None
     tag: Any = None
+    remote_kv_tokens: int = 0
     # engine-internal state below
     arrival: float = 0.0
     est_uncached: int = 0
@@ -808,6 +812,8 @@ class EngineModel:
         r.held_blocks = gpu
         r.private_blocks = need
         r.computed = (gpu + cpu) * self.block_size
+        if r.remote_kv_tokens and not cpu:
+            self._import_remote_kv(r, t)
         r.admitted_at = t
         self._queries += r.prompt_tokens
         self._hits += gpu * self.block_size
@@ -825,6 +831,21 @@ class EngineModel:
         else:
             r.ready_at = t
         return True
+
+    def _import_remote_kv(self, r: EngineRequest, t: float) -> None:
+        """The KV of ``r.remote_kv_tokens`` prompt tokens arrived from a prefill replica: its full blocks are
+        cached here (held by ``r``, announced like computed ones) and the tokens count as computed; the last prompt
+        token is always recomputed (it yields the first output token's logits)."""
+        imported = min(r.remote_kv_tokens, r.prompt_tokens - 1)
+        if imported <= r.computed:
+            return
+        bs = self.block_size
+        lo, hi = r.held_blocks, min(imported // bs, len(r.block_hashes or ()))
+        if hi > lo:
+            n = self._cache_blocks(r, lo, hi)
+            if n and self.emit_kv_events:
+                self._emit_stored(t, r, r.block_hashes or [], lo, n)
+        r.computed = imported
 
     def _promote_cpu_blocks(self, r: EngineRequest, t: float) -> None:
         """A CPU fetch finished: the fetched blocks become GPU blocks held by ``r``."""

@@ -47,7 +47,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -69,6 +69,7 @@ from loadtest.engine_model import (
     engine_block_hashes,
     get_profile,
 )
+from loadtest.fake_pd import PdSide, add_pd_args
 from loadtest.kv_publisher import (
     FORMATS,
     FaultKnobs,
@@ -224,6 +225,7 @@ class _Req:
     first_token_s: float | None = None
     engine_request: EngineRequest | None = None
     done: bool = False  # finished or aborted
+    on_first: Callable[[], None] | None = None  # called when the first token came out (PD: the KV is ready)
 
     async def generated(self) -> int:
         """Wait until the request is done (non-streaming answers); the number of tokens it generated."""
@@ -284,6 +286,8 @@ class FakeEngine:
         self.requests_running_http = 0
         self.started_at = time.time()
         self.exporter = MetricsExporter(self)
+        #: prefill/decode disaggregation roles and data-parallel ranks (loadtest/fake_pd.py)
+        self.pd = PdSide(opts, float(self.model.profile.kv_bytes_per_token), self.scale)
 
     # -- time ----------------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -309,6 +313,7 @@ class FakeEngine:
             self._task = None
         if self.publisher is not None:
             self.publisher.stop()
+        await self.pd.aclose()
 
     async def _drive(self) -> None:
         model = self.model
@@ -338,8 +343,9 @@ class FakeEngine:
         return xxhash.xxh3_64_intdigest(f"{lora}\x00{salt}".encode(), self.hash_seed)
 
     def submit(self, token_ids: list[int], max_tokens: int, lora: str | None = None,
-               salt: str | None = None) -> _Req:
-        """Queue a request in the model now; returns its state (events arrive on ``state.queue``)."""
+               salt: str | None = None, remote_kv_tokens: int = 0) -> _Req:
+        """Queue a request in the model now; returns its state (events arrive on ``state.queue``).
+        ``remote_kv_tokens``: prompt tokens whose KV a prefill engine handed over (PD decode legs)."""
         now = self.now()
         self._dispatch(self.model.advance(now))
         self._counter += 1
@@ -351,7 +357,7 @@ class FakeEngine:
             for h in hashes:
                 self._meta[h] = (lora, salt)
         req = EngineRequest(request_id=str(self._counter), prompt_tokens=len(token_ids), output_tokens=max_tokens,
-                            block_hashes=hashes, token_ids=token_ids, tag=state)
+                            block_hashes=hashes, token_ids=token_ids, tag=state, remote_kv_tokens=remote_kv_tokens)
         state.engine_request = req
         self.model.submit(req, now)
         self._wake.set()
@@ -397,6 +403,8 @@ class FakeEngine:
                     st.cached_tokens = ev.cached_tokens
                     st.first_token_s = ev.time
                     st.queue.put_nowait(("first", ev))
+                    if st.on_first is not None:
+                        st.on_first()
                 self.exporter.observe_first_token(ev)
             elif isinstance(ev, Finished):
                 st = ev.request.tag
@@ -630,6 +638,8 @@ class MetricsExporter:
                                      labels=["page_size", "num_pages"])
             info.add_metric([str(m.block_size), str(m.num_gpu_blocks)], 1.0)
             yield info
+        if self.engine.pd.enabled:
+            yield from self.engine.pd.collect(self.engine.requests_aborted)
 
     def render(self) -> bytes:
         """The exposition text."""
@@ -807,7 +817,17 @@ class EngineHttp:
         model_name = body.get("model") or self.opts.model
         so = body.get("stream_options")
         include_usage = self.opts.force_include_usage or (isinstance(so, dict) and bool(so.get("include_usage")))
-        st = self.engine.submit(ids, mt, lora, salt)
+        pd = self.engine.pd
+        try:
+            leg = await pd.leg_of(body, len(ids), request.headers, lambda: _until_disconnected(request))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        if leg is None:  # the client left while the decode leg waited for its KV
+            return Response(status_code=499)
+        st = self.engine.submit(ids, leg.max_tokens or mt, lora, salt, remote_kv_tokens=leg.remote_kv_tokens)
+        key = leg.handoff_key
+        if key is not None:
+            st.on_first = lambda: pd.prefilled(key, len(ids))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if bool(body.get("stream", False)):
@@ -820,7 +840,10 @@ class EngineHttp:
             self.engine.requests_running_http -= 1
         if got is None:  # nobody is listening any more
             return Response(status_code=499)
-        return JSONResponse(self.completion_body(st, got, rid, created, model_name, chat))
+        out = self.completion_body(st, got, rid, created, model_name, chat)
+        if leg.transfer_params is not None:  # a vLLM prefill leg: what the decode leg needs, relayed by the router
+            out["kv_transfer_params"] = leg.transfer_params
+        return JSONResponse(out)
 
     def completion_body(self, st: _Req, n: int, rid: str, created: int, model_name: str,
                         chat: bool) -> dict[str, Any]:
@@ -926,7 +949,16 @@ def build_app(engine: FakeEngine) -> FastAPI:
     _add_info_routes(app, http)
     _add_metrics_route(app, http)
     _add_admin_routes(app, http)
+    _add_pd_routes(app, http)
     return app
+
+
+def _add_pd_routes(app: FastAPI, http: EngineHttp) -> None:
+    """The KV hand-off endpoint a decode engine pulls from (vLLM side channel / Mooncake / SGLang bootstrap)."""
+    @app.get("/_fake_pd/handoff/{key}")
+    async def handoff(key: str, wait_s: float = 0.0) -> Response:
+        status, out = await http.engine.pd.serve_handoff(key, min(wait_s, 60.0))
+        return JSONResponse(out, status_code=status)
 
 
 def _add_errors_and_auth(app: FastAPI, http: EngineHttp) -> None:
@@ -1142,6 +1174,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_model_args(p)
     _add_kv_event_args(p)
     _add_fault_args(p)
+    add_pd_args(p)
     return p
 
 
@@ -1274,8 +1307,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level, access_log=False,
                             timeout_graceful_shutdown=3, lifespan="on", timeout_keep_alive=opts.timeout_keep_alive)
     server = uvicorn.Server(config)
-    server.run()
+    if opts.bootstrap_port is None:
+        server.run()
+        return 0 if server.started else 1
+    try:  # SGLang's bootstrap server: the same app on a second port
+        sockets = [_bound(opts.host, opts.port), _bound(opts.host, opts.bootstrap_port)]
+    except OSError as exc:
+        print(f"kvroute fake-engine: cannot bind: {exc} (address already in use?)".lower(), file=sys.stderr)
+        return 1
+    server.run(sockets=sockets)
     return 0 if server.started else 1
+
+
+def _bound(host: str, port: int) -> Any:
+    """A listening TCP socket on ``host:port``."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":

@@ -250,6 +250,10 @@ class EngineOptions:
         force_include_usage: ``--enable-force-include-usage``: every stream ends with a usage chunk (optional in
             a deployment: the router asks for usage on the streams it proxies).
         extra_args: more flags appended to every engine's command line.
+        pd_protocol: prefill/decode hand-off protocol of a PD fleet (``vllm``, ``mooncake``, ``sglang``); None:
+            the dialect's (only used when the fleet has ``roles``).
+        data_parallel_size: data-parallel ranks of each engine (``--data-parallel-size``; 1 = none).
+        pd_link_gbps: the engines' modelled P->D link bandwidth, GB/s.
 
     The fake engine behaves like vLLM by default (no cached-token details, usage on streams only when asked);
     these defaults are the flags docs/deploy.md starts real engines with, so demo and e2e numbers mean what
@@ -268,6 +272,9 @@ class EngineOptions:
     prompt_tokens_details: bool = True
     force_include_usage: bool = True
     extra_args: list[str] = field(default_factory=list)
+    pd_protocol: str | None = None
+    data_parallel_size: int = 1
+    pd_link_gbps: float = 25.0
 
 
 @dataclass(slots=True)
@@ -297,9 +304,11 @@ class EngineEndpoints:
 
 @dataclass(slots=True)
 class EngineHandle(EngineEndpoints):
-    """One running fake engine: its name, ports and process."""
+    """One running fake engine: its name, ports, process, and on a PD fleet its role and bootstrap port."""
 
     name: str
+    role: str = "both"
+    bootstrap_port: int | None = None
 
 
 @dataclass(slots=True)
@@ -329,11 +338,16 @@ class Fleet:
     """
 
     def __init__(self, replicas: int, engine: EngineOptions | None = None, log_dir: str | Path | None = None,
-                 ready_timeout_s: float = 60.0, keep_logs: bool = False, scale_router_times: bool = True) -> None:
+                 ready_timeout_s: float = 60.0, keep_logs: bool = False, scale_router_times: bool = True,
+                 roles: Sequence[str] | None = None) -> None:
         """``scale_router_times``: kvroute's routing time constants follow the engines' time scale
-        (``scaled_router_time_args``)."""
+        (``scaled_router_time_args``). ``roles``: a prefill/decode fleet, one role per engine (``prefill``,
+        ``decode``, ``both``; e.g. ``pd_roles(2, 2)``)."""
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if roles is not None and (len(roles) != replicas or set(roles) - {"prefill", "decode", "both"}):
+            raise ValueError(f"roles must name prefill / decode / both for each of the {replicas} engines: {roles}")
+        self.roles = list(roles) if roles is not None else None
         self.replicas = replicas
         self.engine = engine or EngineOptions()
         self._own_log_dir = log_dir is None
@@ -347,7 +361,34 @@ class Fleet:
         self._generation = 0
 
     # -- engines -----------------------------------------------------------------------------------------
-    def engine_args(self, i: int, port: int, events_port: int, replay_port: int) -> list[str]:
+    @property
+    def pd_protocol(self) -> str:
+        """The PD fleet's hand-off protocol (the dialect's unless ``EngineOptions.pd_protocol`` says)."""
+        return self.engine.pd_protocol or ("sglang" if self.engine.dialect == "sglang" else "vllm")
+
+    def role_of(self, i: int) -> str:
+        """Engine ``i``'s PD role (``both`` on a co-located fleet)."""
+        return self.roles[i] if self.roles is not None else "both"
+
+    def needs_bootstrap_port(self, i: int) -> bool:
+        """True when engine ``i`` serves KV hand-offs on a bootstrap port (SGLang / Mooncake prefill engines)."""
+        return self.role_of(i) == "prefill" and self.pd_protocol in ("sglang", "mooncake")
+
+    def pd_args(self, i: int, bootstrap_port: int | None) -> list[str]:
+        """Engine ``i``'s prefill/decode and data-parallel flags (none on a plain co-located fleet)."""
+        e = self.engine
+        args: list[str] = []
+        if self.roles is not None:
+            args += ["--pd-role", self.role_of(i), "--pd-protocol", self.pd_protocol, "--engine-id", f"engine{i}",
+                     "--pd-link-gbps", repr(e.pd_link_gbps)]
+        if bootstrap_port is not None:
+            args += ["--bootstrap-port", str(bootstrap_port)]
+        if e.data_parallel_size > 1:
+            args += ["--data-parallel-size", str(e.data_parallel_size)]
+        return args
+
+    def engine_args(self, i: int, port: int, events_port: int, replay_port: int,
+                    bootstrap_port: int | None = None) -> list[str]:
         """The ``kvroute fake-engine`` command line of engine ``i``."""
         e = self.engine
         args = [sys.executable, "-m", "router.cli", "fake-engine", "--host", HOST, "--port", str(port),
@@ -364,7 +405,7 @@ class Fleet:
             args.append("--enable-prompt-tokens-details")
         if e.force_include_usage:
             args.append("--enable-force-include-usage")
-        return args + list(e.extra_args)
+        return args + self.pd_args(i, bootstrap_port) + list(e.extra_args)
 
     def start_engines(self) -> list[EngineHandle]:
         """Start the K engines (fresh caches) and wait until each answers GET /health."""
@@ -376,10 +417,12 @@ class Fleet:
                 ports: set[int] = set()
                 for i in range(self.replicas):
                     port, ev, rp = (_unused_port(ports) for _ in range(3))
+                    bp = _unused_port(ports) if self.needs_bootstrap_port(i) else None
                     name = f"engine{i}"
-                    proc = ManagedProcess(self.engine_args(i, port, ev, rp), f"{name}-g{self._generation}",
+                    proc = ManagedProcess(self.engine_args(i, port, ev, rp, bp), f"{name}-g{self._generation}",
                                           self.log_dir)
-                    self.engines.append(EngineHandle(port=port, events_port=ev, replay_port=rp, proc=proc, name=name))
+                    self.engines.append(EngineHandle(port=port, events_port=ev, replay_port=rp, proc=proc, name=name,
+                                                     role=self.role_of(i), bootstrap_port=bp))
                 for eh in self.engines:
                     wait_ready(eh.url + "/health", eh.proc, self.ready_timeout_s)
                 return self.engines
@@ -410,6 +453,12 @@ class Fleet:
         parts = [f"name={eh.name}", f"url={eh.url}", f"dialect={self.engine.dialect}", f"model={self.engine.model}"]
         if self.engine.kv_events_format:
             parts += [f"events={eh.events_url}", f"replay={eh.replay_url}"]
+        if self.roles is not None:
+            parts.append(f"role={eh.role}")
+        if eh.bootstrap_port is not None:
+            parts.append(f"bootstrap_port={eh.bootstrap_port}")
+        if self.engine.data_parallel_size > 1:
+            parts.append(f"dp_size={self.engine.data_parallel_size}")
         return ",".join(parts)
 
     def start_kvroute(self, policy: str = "ttft", extra_args: Sequence[str] = (),
@@ -450,6 +499,27 @@ class Fleet:
             return len(ws) == n and all(w.get("is_healthy") for w in ws)
 
         return self._start_router("sglang", policy, port, args, "/workers", all_workers)
+
+    def start_sglang_router_pd(self, policy: str = "cache_aware", extra_args: Sequence[str] = ()) -> RouterHandle:
+        """Start sglang-router (PyPI) in its PD mode (``--pd-disaggregation``, ``--prefill URL BOOTSTRAP_PORT``,
+        ``--decode URL``) in front of a PD fleet; wait until every worker is registered and healthy."""
+        self._require_engines()
+        port, prom = free_port(), free_port()
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
+                "--policy", policy, "--prometheus-host", HOST, "--prometheus-port", str(prom), "--log-level", "warn",
+                "--pd-disaggregation"]
+        for eh in self.engines:
+            if eh.role == "prefill":
+                args += ["--prefill", eh.url, str(eh.bootstrap_port) if eh.bootstrap_port else "none"]
+            else:
+                args += ["--decode", eh.url]
+        n = len(self.engines)
+
+        def all_workers(r: httpx.Response) -> bool:
+            ws = r.json().get("workers", [])
+            return len(ws) == n and all(w.get("is_healthy") for w in ws)
+
+        return self._start_router("sglang", policy, port, [*args, *extra_args], "/workers", all_workers)
 
     @property
     def router(self) -> RouterHandle | None:
@@ -513,6 +583,11 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def pd_roles(prefill: int, decode: int, both: int = 0) -> list[str]:
+    """The roles of a PD fleet: ``prefill`` prefill engines, then ``decode`` decode engines, then ``both``."""
+    return ["prefill"] * prefill + ["decode"] * decode + ["both"] * both
 
 
 def scrape_samples(url: str, timeout_s: float = 5.0) -> dict[str, float]:

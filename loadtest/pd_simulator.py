@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,6 +59,7 @@ from loadtest.engine_model import (
     get_profile,
 )
 from loadtest.simulator import CAPACITY_DECODE_BATCH, FleetConfig, SimResult, percentile
+from loadtest.simulator import main as simulator_main
 from loadtest.traces import BlockKeyCache, Request
 from policies.base import Candidate, LoadView, Observation, ReplicaProfile, RouteRequest
 from policies.hits import hit_from_match
@@ -447,20 +450,22 @@ def pd_roles_label(roles: Sequence[Role]) -> str:
 
 def pd_capacity_rps(requests: Sequence[Request], prefill_profiles: Sequence[str], decode_profiles: Sequence[str],
                     link_bytes_per_s: float | None = DEFAULT_LINK_BYTES_PER_S,
-                    batch: int = CAPACITY_DECODE_BATCH) -> dict[str, float]:
+                    batch: int = CAPACITY_DECODE_BATCH, cached_tokens: int = 0) -> dict[str, float]:
     """The seeds' PD throughput bound ``mu_PD = min(mu_P, mu_D, mu_link)``, requests per second (000 §9.2).
 
     ``mu_P`` = sum over prefill replicas of 1 / mean prefill seconds (nothing cached); ``mu_D`` = sum over decode
     replicas of 1 / mean decode GPU-seconds (the request's share of its ``output - 1`` steps at ``batch``
     requests of mean context ``prompt + output / 2``); ``mu_link`` = prefill replicas x link bandwidth / mean KV
-    bytes per request (one link per prefill replica; None = unlimited). Returns all four numbers.
+    bytes per request (one link per prefill replica; None = unlimited). ``cached_tokens``: leading prompt tokens
+    every request finds cached on its prefill replica (TV-14's 6144-token hit), tokens. Returns all four numbers.
     """
     if not requests:
         return {"mu_p": 0.0, "mu_d": 0.0, "mu_link": 0.0, "mu_pd": 0.0}
 
     def prefill_s(name: str) -> float:
         hw = get_profile(name)
-        return sum(hw.prefill_time(r.prompt_tokens, 0) for r in requests) / len(requests)
+        return sum(hw.prefill_time(r.prompt_tokens - min(cached_tokens, r.prompt_tokens - 1),
+                                   min(cached_tokens, r.prompt_tokens - 1)) for r in requests) / len(requests)
 
     def decode_s(name: str) -> float:
         hw = get_profile(name)
@@ -471,8 +476,10 @@ def pd_capacity_rps(requests: Sequence[Request], prefill_profiles: Sequence[str]
             tot += max(0, r.output_tokens - 1) * step / batch
         return tot / len(requests)
 
-    mu_p = sum(1.0 / prefill_s(p) for p in prefill_profiles)
-    mu_d = sum(1.0 / decode_s(d) if decode_s(d) > 0 else float("inf") for d in decode_profiles)
+    p_s = {name: prefill_s(name) for name in set(prefill_profiles)}
+    d_s = {name: decode_s(name) for name in set(decode_profiles)}
+    mu_p = sum(1.0 / p_s[p] for p in prefill_profiles)
+    mu_d = sum(1.0 / d_s[d] if d_s[d] > 0 else float("inf") for d in decode_profiles)
     mean_bytes = sum(r.prompt_tokens * get_profile(prefill_profiles[0]).kv_bytes_per_token
                      for r in requests) / len(requests) if prefill_profiles else 0.0
     mu_link = (len(prefill_profiles) * link_bytes_per_s / mean_bytes
@@ -531,6 +538,41 @@ def run_pd(requests: Sequence[Request], policy: str, base: str, fleet: FleetConf
     return res
 
 
+class PdHooks:
+    """The PD part of ``kvroute simulate`` (``loadtest.simulator.RunHooks``): the flags, the ``pd_*`` policies,
+    and their runs on the PD fleet (``--prefill/--decode``) or on the same GPUs all ``both``."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """``--prefill``, ``--decode``, ``--link-gbps``, ``--link-latency-ms``."""
+        add_pd_arguments(parser)
+
+    def policy_names(self) -> list[str]:
+        """The registered PD plan policies."""
+        return pd_policy_names()
+
+    def check(self, args: argparse.Namespace, profiles: Sequence[str]) -> None:
+        """Validate the PD flags (``pd_roles``)."""
+        pd_roles(args, len(profiles))
+
+    def notes(self, requests: Sequence[Request], profiles: Sequence[str], args: argparse.Namespace) -> list[str]:
+        """The seeds' PD bound for the PD fleet, when there is one."""
+        roles = pd_roles(args, len(profiles))
+        return [] if roles is None else [pd_capacity_note(requests, profiles, roles, args.link_gbps)]
+
+    def run(self, requests: Sequence[Request], label: str, cfg: FleetConfig, args: argparse.Namespace,
+            kw: dict[str, Any]) -> SimResult | None:
+        """Simulate a ``pd_*`` run label (None for co-located policies, which ``simulate`` runs)."""
+        base = label.partition("@")[0]
+        if not is_pd_policy(base):
+            return None
+        return run_pd(requests, label, base, cfg, pd_roles(args, cfg.replicas), args, **kw)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvroute simulate`` with PD fleets: ``loadtest.simulator.main`` plus ``PdHooks``; the exit code."""
+    return simulator_main(argv, hooks=PdHooks())
+
+
 def pd_capacity_note(requests: Sequence[Request], profiles: Sequence[str], roles: Sequence[Role],
                      link_gbps: float) -> str:
     """One stderr line: the seeds' PD bound for this fleet and workload."""
@@ -539,3 +581,41 @@ def pd_capacity_note(requests: Sequence[Request], profiles: Sequence[str], roles
     mu = pd_capacity_rps(requests, pre, dec, link_gbps * 1e9)
     return (f"# PD fleet {pd_roles_label(roles)}: mu_P {mu['mu_p']:.2f}, mu_D {mu['mu_d']:.2f}, link "
             f"{mu['mu_link']:.2f} -> mu_PD {mu['mu_pd']:.2f} req/s (loads stay relative to the co-located capacity)")
+
+
+def best_pd_split(requests: Sequence[Request], cards: dict[str, int],
+                  link_bytes_per_s: float | None = DEFAULT_LINK_BYTES_PER_S,
+                  cached_tokens: int = 0) -> tuple[dict[str, int], dict[str, float]]:
+    """The seeds' pool sizing (000 §9.2, §9.7): how many cards of each kind to make prefill replicas so that
+    ``mu_PD`` is largest, the rest decode (at least one of each).
+
+    Args:
+        requests: the workload (its mean prefill and decode costs set the stage rates).
+        cards: card profile -> count, e.g. ``{"a100": 4, "h20": 4}``.
+        link_bytes_per_s: each prefill replica's link, bytes per second (None = unlimited).
+        cached_tokens: leading prompt tokens cached on the prefill replica, tokens.
+
+    Returns:
+        (prefill cards per profile, ``pd_capacity_rps`` of that split). Ties: fewer prefill cards.
+    """
+    names = list(cards)
+    best: tuple[dict[str, int], dict[str, float]] | None = None
+    ranges = [range(cards[n] + 1) for n in names]
+    for counts in itertools.product(*ranges):
+        n_p = sum(counts)
+        if n_p == 0 or n_p == sum(cards.values()):
+            continue
+        pre = [n for n, c in zip(names, counts, strict=True) for _ in range(c)]
+        dec = [n for n, c in zip(names, counts, strict=True) for _ in range(cards[n] - c)]
+        mu = pd_capacity_rps(requests, pre, dec, link_bytes_per_s, cached_tokens=cached_tokens)
+        split = dict(zip(names, counts, strict=True))
+        if best is None or mu["mu_pd"] > best[1]["mu_pd"] + 1e-12 or (
+                abs(mu["mu_pd"] - best[1]["mu_pd"]) <= 1e-12 and n_p < sum(best[0].values())):
+            best = (split, mu)
+    if best is None:
+        raise ValueError("a PD split needs at least two cards")
+    return best
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,6 +37,7 @@ class ReplayRequest:
         max_tokens: output length to ask for, tokens.
         prompt_tokens: prompt length, tokens (for reporting; 0 when unknown).
         session_id: conversation id, sent as ``X-Session-Id`` when set.
+        headers: extra request headers (e.g. a tenant and priority class), or None.
     """
 
     request_id: str
@@ -45,6 +46,7 @@ class ReplayRequest:
     max_tokens: int
     prompt_tokens: int = 0
     session_id: str | None = None
+    headers: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -97,6 +99,8 @@ def request_headers(req: ReplayRequest) -> dict[str, str]:
     headers = {"X-Request-Id": req.request_id}
     if req.session_id:
         headers["X-Session-Id"] = req.session_id
+    if req.headers:
+        headers.update(req.headers)
     return headers
 
 

@@ -46,7 +46,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from index.hashing import root_seed
 from index.prefix_index import PrefixIndex
@@ -70,10 +70,11 @@ from loadtest.traces import (
     scale_rate,
     slice_time,
 )
+from policies.admission_fair import BucketState, take
+from policies.admission_slo import best_predicted_ttft_s, slo_unattainable
 from policies.base import Candidate, LoadView, Observation, RouteRequest, make_policy, policy_names
 from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
 from policies.hits import hit_from_match
-from policies.pd_base import pd_policy_names
 
 _KV = 0
 _FIRST = 1
@@ -133,6 +134,28 @@ class FleetConfig:
     def total_cache_blocks(self) -> int:
         """GPU + CPU blocks of the whole fleet."""
         return sum(self.gpu_blocks_of(i) + self.cpu_blocks for i in range(self.replicas))
+
+
+@dataclass(slots=True)
+class SimTenancy:
+    """Tenant hooks (issue 20), decided by the same pure code as the router (``policies.admission_fair``,
+    ``policies.admission_slo``).
+
+    Attributes:
+        tenants: one tenant name per request (the order of ``simulate``'s requests); None = one tenant.
+        priorities: one priority per request (higher is more urgent); None = 0.
+        quotas: tenant -> (tokens per second, burst tokens): a request costing prompt + output tokens is rejected
+            (``quota``) when its tenant's bucket cannot pay it.
+        ttft_target_s: every request's TTFT target, seconds (``RouteRequest.ttft_target_s``; None = none).
+        slo_reject_factor: reject (``slo_unattainable``) a request whose best predicted TTFT exceeds the target
+            times this (0 = never).
+    """
+
+    tenants: Sequence[str] | None = None
+    priorities: Sequence[int] | None = None
+    quotas: dict[str, tuple[float, float]] = field(default_factory=dict)
+    ttft_target_s: float | None = None
+    slo_reject_factor: float = 0.0
 
 
 @dataclass(slots=True)
@@ -452,8 +475,9 @@ class Fleet:
             total_kv_blocks=s.num_gpu_blocks,
         )
 
-    def route(self, req: Request, rec: _Rec) -> int:
-        """Route ``req`` at ``req.arrival_s`` (after ``run_until``) and submit it; returns the replica."""
+    def route(self, req: Request, rec: _Rec, tenancy: SimTenancy | None = None) -> int:
+        """Route ``req`` at ``req.arrival_s`` (after ``run_until``) and submit it; returns the replica, or -1 when
+        ``tenancy`` rejects it as unable to meet its TTFT target (``rec.rejected``)."""
         t = req.arrival_s
         bs = self.cfg.block_size
         keys = self.keys.keys(req)
@@ -463,9 +487,15 @@ class Fleet:
         for i in range(self.cfg.replicas):
             cands.append(Candidate(index=i, name=self.names[i], load=self._load(i, t),
                                    hit=hit_from_match(matches.get(i), n, bs), profile=self.profiles[i]))
+        target = tenancy.ttft_target_s if tenancy is not None else None
         rr = RouteRequest(model=self.cfg.model, prompt_tokens=n, block_keys=keys, block_size=bs, now=t,
-                          session_id=req.session_id, request_id=req.request_id)
+                          session_id=req.session_id, request_id=req.request_id, ttft_target_s=target,
+                          priority=rec.priority)
         decision = self.policy.choose(rr, cands)
+        if tenancy is not None and slo_unattainable(best_predicted_ttft_s(decision.scores, decision.ranking),
+                                                    target, tenancy.slo_reject_factor):
+            rec.rejected = "slo_unattainable"
+            return -1
         i = decision.chosen
         rec.replica = i
         rec.uncached_est = max(0, n - cands[i].hit.total)
@@ -525,6 +555,8 @@ class _Rec:
     finish: float = -1.0
     wait: float = 0.0
     uncached_sent: int = 0
+    priority: int = 0
+    rejected: str = ""
 
 
 @dataclass(slots=True)
@@ -548,8 +580,9 @@ def policy_of(name: str) -> str:
 
 def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, keys: BlockKeyCache | None = None,
              policy_params: dict[str, Any] | None = None, seed: int = 0, load: float | None = None,
-             hit_rate_bound: float | None = None) -> SimResult:
-    """Simulate ``requests`` (sorted by arrival) routed by ``policy`` on the fleet ``config``.
+             hit_rate_bound: float | None = None, tenancy: SimTenancy | None = None) -> SimResult:
+    """Simulate ``requests`` (sorted by arrival) routed by ``policy`` on the fleet ``config`` (``tenancy``: tenant
+    quotas, priorities and TTFT targets; rejected requests are counted in ``rejected`` and miss ``goodput_all``).
 
     Raises:
         RuntimeError: when a request did not complete exactly once (conservation).
@@ -562,13 +595,23 @@ def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, k
     recs: list[_Rec] = []
     if requests:
         fleet.next_scrape = requests[0].arrival_s
-    for req in requests:
+    buckets: dict[str, BucketState] = {}
+    for k, req in enumerate(requests):
         fleet.run_until(req.arrival_s)
         rec = _Rec(req.arrival_s, req.prompt_tokens, req.output_tokens)
-        fleet.route(req, rec)
         recs.append(rec)
+        if tenancy is not None:
+            rec.priority = tenancy.priorities[k] if tenancy.priorities is not None else 0
+            tenant = tenancy.tenants[k] if tenancy.tenants is not None else ""
+            if not _quota_admits(tenancy, buckets, tenant, req):
+                rec.rejected = "quota"
+                continue
+        fleet.route(req, rec, tenancy)
     fleet.drain()
     n = config.replicas
+    rejected = [r for r in recs if r.rejected]
+    served = [r for r in recs if not r.rejected]
+    all_recs, recs = recs, served
     bad = [i for i, r in enumerate(recs) if r.ttft < 0 or r.finish < 0 or r.replica < 0]
     if bad or any(not e.idle for e in fleet.engines):
         raise RuntimeError(f"conservation violated: {len(bad)} requests did not complete (first: {bad[:5]})")
@@ -585,7 +628,7 @@ def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, k
     return SimResult(
         policy=policy,
         load=load,
-        requests=len(recs),
+        requests=len(all_recs),
         completed=len(recs) - len(bad),
         prompt_tokens=sum(r.prompt for r in recs),
         cached_tokens=sum(r.cached for r in recs),
@@ -600,8 +643,30 @@ def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, k
         slo_ttft_s=config.slo_ttft_s,
         hit_rate_bound=hit_rate_bound,
         extra={"cpu_s": time.process_time() - cpu0, "index_nodes": len(fleet.index),
-               "observations": fleet.observations},
+               "observations": fleet.observations, **_tenancy_extra(all_recs, rejected, config.slo_ttft_s)},
     )
+
+
+def _quota_admits(tenancy: SimTenancy, buckets: dict[str, BucketState], tenant: str, req: Request) -> bool:
+    """Charge ``req`` (prompt + output tokens) to ``tenant``'s bucket at its arrival (True when it pays)."""
+    quota = tenancy.quotas.get(tenant)
+    if quota is None:
+        return True
+    state, out = take(buckets.get(tenant), req.arrival_s, quota[0], quota[1], req.prompt_tokens + req.output_tokens)
+    buckets[tenant] = state
+    return out.admitted
+
+
+def _tenancy_extra(recs: Sequence[_Rec], rejected: Sequence[_Rec], slo_s: float) -> dict[str, Any]:
+    """``rejected`` by reason and ``goodput_all``: requests meeting the TTFT SLO / all requests (rejected ones
+    miss it)."""
+    if not rejected:
+        return {}
+    reasons: dict[str, int] = {}
+    for r in rejected:
+        reasons[r.rejected] = reasons.get(r.rejected, 0) + 1
+    met = sum(1 for r in recs if not r.rejected and 0 <= r.ttft <= slo_s)
+    return {"rejected": reasons, "goodput_all": met / len(recs) if recs else None}
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -658,8 +723,8 @@ def _param_value(v: str) -> Any:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``kvroute simulate`` argument parser."""
+def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
+    """The ``kvroute simulate`` argument parser (plus the ``hooks``' own flags)."""
     p = argparse.ArgumentParser(
         prog="kvroute simulate",
         description="Simulate a fleet of LLM engine replicas on a trace and compare routing policies. The router "
@@ -734,9 +799,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot TTFT p50/p99 and hit rate against load, one line per policy")
     p.add_argument("--title", default=None, help="plot title")
-    from loadtest.pd_simulator import add_pd_arguments  # PD hook (issue 19); lazy: pd_simulator imports this
-
-    add_pd_arguments(p)
+    if hooks is not None:
+        hooks.add_arguments(p)
     return p
 
 
@@ -828,54 +892,91 @@ def plot_results(rows: list[dict[str, Any]], path: str, title: str | None = None
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``kvroute simulate``: returns the exit code (0 ok, 2 bad arguments or input)."""
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        profiles = parse_profiles(args.profiles, args.replicas if args.replicas is not None else (
-            None if ("," in args.profiles or ":" in args.profiles) else 8))
-        names = policy_names() if args.policies == "all" else [x.strip() for x in args.policies.split(",")
-                                                               if x.strip()]
-        from loadtest import pd_simulator as pd  # PD hook (issue 19)
+class RunHooks(Protocol):
+    """Runs a wrapper module plugs into ``main``: its flags, its policies and how to simulate them (the PD
+    simulator, ``loadtest.pd_simulator``, which imports this module; this module never imports it)."""
 
-        known = set(policy_names()) | set(pd_policy_names())
-        unknown = [x for x in names if policy_of(x) not in known]
-        if unknown:
-            raise ValueError(f"unknown policies {unknown}; known: {', '.join(sorted(known))}")
-        dupes = sorted({x for x in names if names.count(x) > 1})
-        bad = [x for x in names if "@" in x and (not x.partition("@")[2] or "." in x)]
-        if dupes or bad:
-            raise ValueError(f"each run label must be unique and POLICY@LABEL without '.': {dupes + bad}")
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add the wrapper's flags."""
+        ...
+
+    def policy_names(self) -> list[str]:
+        """Extra policy names ``--policies`` accepts."""
+        ...
+
+    def check(self, args: argparse.Namespace, profiles: Sequence[str]) -> None:
+        """Validate the wrapper's flags; raise ``ValueError`` with a clear reason."""
+        ...
+
+    def notes(self, requests: Sequence[Request], profiles: Sequence[str], args: argparse.Namespace) -> list[str]:
+        """Lines printed to stderr before the runs."""
+        ...
+
+    def run(self, requests: Sequence[Request], label: str, cfg: FleetConfig, args: argparse.Namespace,
+            kw: dict[str, Any]) -> SimResult | None:
+        """Simulate run label ``label`` if it is the wrapper's (None otherwise); ``kw`` as for ``simulate``."""
+        ...
+
+
+def _check_args(args: argparse.Namespace, hooks: RunHooks | None) -> tuple[list[str], list[str]]:
+    """(profiles, run labels) from the arguments; raises ``ValueError`` / ``KeyError`` on bad input."""
+    profiles = parse_profiles(args.profiles, args.replicas if args.replicas is not None else (
+        None if ("," in args.profiles or ":" in args.profiles) else 8))
+    names = policy_names() if args.policies == "all" else [x.strip() for x in args.policies.split(",")
+                                                           if x.strip()]
+    known = set(policy_names()) | set(hooks.policy_names() if hooks is not None else ())
+    unknown = [x for x in names if policy_of(x) not in known]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(sorted(known))}")
+    dupes = sorted({x for x in names if names.count(x) > 1})
+    bad = [x for x in names if "@" in x and (not x.partition("@")[2] or "." in x)]
+    if dupes or bad:
+        raise ValueError(f"each run label must be unique and POLICY@LABEL without '.': {dupes + bad}")
+    if args.events_delay.lower() != "none" and float(args.events_delay) < 0:
+        raise ValueError("--events-delay must be >= 0 or 'none'")
+    if args.block_size <= 0 or (args.gpu_blocks is not None and args.gpu_blocks <= 0):
+        raise ValueError("--block-size and --gpu-blocks must be positive")
+    if hooks is not None:
+        hooks.check(args, profiles)
+    return profiles, names
+
+
+def _fleet_config(args: argparse.Namespace, profiles: list[str]) -> FleetConfig:
+    """The simulated fleet the arguments describe."""
+    return FleetConfig(profiles=profiles, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
+                       cpu_bytes_per_s=args.cpu_gbps * 1e9 if args.cpu_gbps else None, block_size=args.block_size,
+                       max_batch_tokens=args.max_batch_tokens,
+                       events_delay_s=None if args.events_delay.lower() == "none" else float(args.events_delay),
+                       predict=args.predict, scrape_interval_s=args.scrape_interval,
+                       scrape_fields=args.scrape_fields, slo_ttft_s=args.slo_ttft,
+                       dispatch=DispatchSettings(limit_tokens=args.dispatch_limit_tokens,
+                                                 patience_s=args.dispatch_patience,
+                                                 max_wait_s=args.dispatch_max_wait))
+
+
+def _rates(args: argparse.Namespace, base_rate: float, cap: float) -> list[tuple[float | None, float]]:
+    """(load, rate scale) of every run the arguments ask for."""
+    if args.load:
+        return [(x, x * cap / base_rate) for x in args.load]
+    if args.rate_scale:
+        return [(base_rate * s / cap, s) for s in args.rate_scale]
+    return [(base_rate / cap, 1.0)]
+
+
+def main(argv: Sequence[str] | None = None, hooks: RunHooks | None = None) -> int:
+    """``kvroute simulate``: returns the exit code (0 ok, 2 bad arguments or input)."""
+    args = build_parser(hooks).parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        profiles, names = _check_args(args, hooks)
         pparams = _policy_params(args.policy_param, names)
-        events_delay = None if args.events_delay.lower() == "none" else float(args.events_delay)
-        if events_delay is not None and events_delay < 0:
-            raise ValueError("--events-delay must be >= 0 or 'none'")
-        if args.block_size <= 0 or (args.gpu_blocks is not None and args.gpu_blocks <= 0):
-            raise ValueError("--block-size and --gpu-blocks must be positive")
         reqs = load_requests(args)
-        roles = pd.pd_roles(args, len(profiles))
     except (ValueError, KeyError, OSError) as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2
-    cfg = FleetConfig(profiles=profiles, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
-                      cpu_bytes_per_s=args.cpu_gbps * 1e9 if args.cpu_gbps else None, block_size=args.block_size,
-                      max_batch_tokens=args.max_batch_tokens, events_delay_s=events_delay, predict=args.predict,
-                      scrape_interval_s=args.scrape_interval, scrape_fields=args.scrape_fields,
-                      slo_ttft_s=args.slo_ttft,
-                      dispatch=DispatchSettings(limit_tokens=args.dispatch_limit_tokens,
-                                                patience_s=args.dispatch_patience,
-                                                max_wait_s=args.dispatch_max_wait))
+    cfg = _fleet_config(args, profiles)
     keys = BlockKeyCache(cfg.block_size, root_seed(cfg.model))
     base_rate = arrival_rate_rps(reqs)
     cap = fleet_capacity_rps(reqs, profiles)
-    runs: list[tuple[float | None, float]] = []
-    if args.load:
-        runs = [(x, x * cap / base_rate) for x in args.load]
-    elif args.rate_scale:
-        runs = [(base_rate * s / cap, s) for s in args.rate_scale]
-    else:
-        runs = [(base_rate / cap, 1.0)]
     print(f"# {len(reqs)} requests, {sum(r.prompt_tokens for r in reqs) / 1e6:.1f} M prompt tokens, "
           f"{base_rate:.2f} req/s; fleet {','.join(profiles)}: estimated capacity {cap:.2f} req/s; "
           f"gpu blocks/replica {[cfg.gpu_blocks_of(i) for i in range(cfg.replicas)]}", file=sys.stderr)
@@ -885,27 +986,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         bound = lru_hit_rate(reqs, keys, cfg.total_cache_blocks())
         print(f"# hit_rate_bound (shared LRU of {cfg.total_cache_blocks()} blocks) = {bound:.4f} "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    if roles is not None:
-        print(pd.pd_capacity_note(reqs, profiles, roles, args.link_gbps), file=sys.stderr)
+    for line in hooks.notes(reqs, profiles, args) if hooks is not None else ():
+        print(line, file=sys.stderr)
     rows: list[dict[str, Any]] = []
-    for load, scale in runs:
+    for load, scale in _rates(args, base_rate, cap):
         scaled = scale_rate(reqs, scale) if scale != 1.0 else reqs
         for pol in names:
             kw: dict[str, Any] = {"keys": keys, "policy_params": pparams.get(pol), "seed": args.seed,
                                   "load": round(load, 4) if load is not None else None, "hit_rate_bound": bound}
-            if pd.is_pd_policy(policy_of(pol)):
-                res = pd.run_pd(scaled, pol, policy_of(pol), cfg, roles, args, **kw)
-            else:
+            res = hooks.run(scaled, pol, cfg, args, kw) if hooks is not None else None
+            if res is None:
                 res = simulate(scaled, pol, cfg, **kw)
                 res.extra["plans"] = {"in_place": res.requests, "disaggregated": 0}
             row = res.summary()
             row["rate_scale"] = scale
             rows.append(row)
             print(_table([row]).splitlines()[1] if rows[:-1] else _table([row]), file=sys.stderr, flush=True)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print(_table(rows))
+    print(json.dumps(rows, indent=1) if args.json else _table(rows))
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot_results(rows, args.plot, args.title)

@@ -50,6 +50,14 @@ KEYS: dict[str, str] = {
     "kv_replay_endpoint": PREFIX + "kv-replay-endpoint",  # full replay endpoint, "{ip}" is replaced
     "kv_topic": PREFIX + "kv-topic",  # ZMQ topic ("" = all); "{ip}", "{pod}", "{model}" are replaced
     "profile": PREFIX + "profile",  # performance profile name for the cost model (a100, h20, ...)
+    "dp_size": PREFIX + "data-parallel-size",  # data-parallel ranks behind the pod's HTTP port (default 1)
+}
+
+#: llm-d's ``llm-d.ai/role`` values (and ours) -> kvroute role; ``None``: the pod serves no text requests
+#: (an encoder). ``both`` is llm-d's deprecated name of ``prefill-decode``.
+ROLE_VALUES: dict[str, str | None] = {
+    "both": "both", "prefill-decode": "both", "encode-prefill-decode": "both", "prefill": "prefill",
+    "encode-prefill": "prefill", "decode": "decode", "encode": None,
 }
 
 _OFF = frozenset({"", "off", "none", "false", "0", "disabled"})
@@ -79,6 +87,10 @@ class KubernetesOptions:
             ``label_selector`` and each pod's own port; see ``membership.inference_pool``).
         target_ports: the pool's ``spec.targetPorts`` (set by the pool watcher; one replica per pod and port);
             empty = each pod's own port.
+        role_label: label (or annotation) naming a pod's prefill/decode role with llm-d's values (``prefill``,
+            ``decode``, ``prefill-decode``, ``both``, ``encode``...); ``kvroute.io/role`` is read when it is absent.
+        bootstrap_port_annotation: annotation (or label) with an SGLang prefill pod's bootstrap port.
+        default_bootstrap_port: bootstrap port of pods without that annotation (SGLang's default 8998).
     """
 
     namespace: str | None = "default"
@@ -97,6 +109,9 @@ class KubernetesOptions:
     request_timeout_s: float = 10.0
     inference_pool: str = ""
     target_ports: list[int] = field(default_factory=list)
+    role_label: str = "llm-d.ai/role"
+    bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"
+    default_bootstrap_port: int = 8998
 
     @property
     def all_namespaces(self) -> bool:
@@ -158,6 +173,8 @@ def pod_view(pod: dict[str, Any], opts: KubernetesOptions) -> PodView:
     host = f"[{ip}]" if ":" in ip else ip
     url = f"{_pod_scheme(meta)}://{host}:{_pod_port(pod, meta, opts)}" if ip else ""
     attrs = _engine_facts(meta, opts)
+    if attrs.pop("encoder", False):
+        routable = False  # an encode-only pod (llm-d role "encode") serves no text generation
 
     def subst(text: str) -> str:
         models = attrs["models"]
@@ -211,13 +228,25 @@ def _engine_facts(meta: dict[str, Any], opts: KubernetesOptions) -> dict[str, An
         dialect = opts.default_dialect
     models = [m.strip() for m in (_meta_value(meta, KEYS["model"]) or "").split(",") if m.strip()]
     loras = [m.strip() for m in (_meta_value(meta, KEYS["loras"]) or "").split(",") if m.strip()]
-    role = (_meta_value(meta, KEYS["role"]) or "both").lower()
-    if role not in ("both", "prefill", "decode"):
-        role = "both"
+    raw_role = (_meta_value(meta, opts.role_label) or _meta_value(meta, KEYS["role"]) or "both").strip().lower()
+    role = ROLE_VALUES.get(raw_role, "both")
     metrics_path = _meta_value(meta, KEYS["metrics_path"]) or opts.default_metrics_path
     if not metrics_path.startswith("/"):
         metrics_path = "/" + metrics_path
-    return {"dialect": dialect, "models": models, "loras": loras, "role": role, "metrics_path": metrics_path}
+    return {"dialect": dialect, "models": models, "loras": loras, "role": role or "both", "encoder": role is None,
+            "metrics_path": metrics_path,
+            "bootstrap_port": _port_value(_meta_value(meta, opts.bootstrap_port_annotation),
+                                          opts.default_bootstrap_port) or None,
+            "dp_size": _positive_int(_meta_value(meta, KEYS["dp_size"]), 1)}
+
+
+def _positive_int(text: str | None, default: int) -> int:
+    """``text`` as a positive integer, else ``default``."""
+    try:
+        value = int(text) if text is not None else default
+    except ValueError:
+        return default
+    return value if value > 0 else default
 
 
 def _zmq_endpoint(meta: dict[str, Any], which: str, default_port: int, host: str,

@@ -60,6 +60,8 @@ class Replica:
         profile: performance profile used by the cost model.
         load: latest load view (scraped + router in-flight accounting).
         labels: free-form labels (from Kubernetes or config).
+        bootstrap_port: SGLang PD bootstrap port of a prefill replica (KV hand-off rooms), or None.
+        dp_size: data-parallel ranks behind the replica's one HTTP address (``X-data-parallel-rank`` pins one).
     """
 
     name: str
@@ -77,6 +79,8 @@ class Replica:
     profile: ReplicaProfile = field(default_factory=ReplicaProfile)
     load: LoadView = field(default_factory=LoadView)
     labels: dict[str, str] = field(default_factory=dict)
+    bootstrap_port: int | None = None
+    dp_size: int = 1
 
     @property
     def routable(self) -> bool:

@@ -157,6 +157,7 @@ class SharedState:
         self._last_warn = -1e18
         self._ever_connected = False
         self._connected = asyncio.Event()
+        self._scripts: dict[str, Any] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------------
     @property
@@ -481,6 +482,29 @@ class SharedState:
             self._down(exc, "idempotency")
 
     # -- metrics ---------------------------------------------------------------------------------------
+    # -- atomic scripts (tenant budgets: membership/tenant_budget.py) -----------------------------------
+    def key(self, suffix: str) -> str:
+        """``<prefix><suffix>``: a key in this router fleet's namespace."""
+        return f"{self.prefix}{suffix}"
+
+    async def run_script(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run the Lua ``script`` atomically on Redis (EVALSHA, loaded once per connection).
+
+        Raises:
+            SharedStateUnavailable: Redis not started, known down (the supervisor reconnects), or the call failed
+            (then it is marked down, so the next callers fall back at once instead of waiting on timeouts).
+        """
+        if self._client is None or not self.stats.available:
+            raise SharedStateUnavailable("Redis is unreachable right now")
+        runner = self._scripts.get(script)
+        if runner is None:
+            runner = self._scripts[script] = self._client.register_script(script)
+        try:
+            return await runner(keys=list(keys), args=list(args))
+        except Exception as exc:
+            self._down(exc, "script")
+            raise SharedStateUnavailable(f"Redis script failed: {exc}") from exc
+
     def snapshot(self) -> dict[str, Any]:
         """Counters and flags as a plain dict (for /replicas-style views and tests)."""
         out = asdict(self.stats)

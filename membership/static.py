@@ -9,7 +9,7 @@ adapters and ``max_model_len`` the engine serves). A replica becomes ``ready`` a
 
 Specs are plain mappings (the router passes ``ReplicaSpec.model_dump()``) so this module does not import the
 router: keys ``name``, ``url``, ``events``, ``replay``, ``dialect``, ``model`` (list), ``topic``, ``profile``,
-``loras``, ``role``, ``metrics_path``.
+``loras``, ``role``, ``metrics_path``, ``bootstrap_port``, ``dp_size`` (prefill/decode disaggregation).
 
 Units: seconds.
 """
@@ -72,7 +72,8 @@ class StaticMembership:
                 loras=list(s.get("loras") or []), role=s.get("role", "both"),
                 metrics_path=s.get("metrics_path", "/metrics"), kv_events_endpoint=s.get("events"),
                 kv_replay_endpoint=s.get("replay"), kv_events_topic=s.get("topic") or "",
-                profile=self.profile_for(s.get("profile")), labels={"source": "static"})
+                profile=self.profile_for(s.get("profile")), labels={"source": "static"},
+                bootstrap_port=s.get("bootstrap_port"), dp_size=max(1, int(s.get("dp_size") or 1)))
             self._names.add(rep.name)
             self._models_known[rep.name] = bool(s.get("model"))
             self.health.track(rep.name)

@@ -35,6 +35,9 @@ class RouteRequest:
         objective: ``mean`` (minimise expected TTFT) or ``tail`` (penalise uncertain hits, p99-aware).
         expected_output_tokens: expected decode length in tokens (0 when unknown).
         request_id: opaque id for logs.
+        ttft_target_s: the request's TTFT target, seconds (None: no target; ``ttft`` then decides as always).
+        priority: the request's priority (higher is more urgent; ``ttft`` gives urgent work the fastest replica
+            meeting the target and packs the rest onto the replica with the least slack).
     """
 
     model: str
@@ -47,6 +50,8 @@ class RouteRequest:
     objective: Objective = "mean"
     expected_output_tokens: int = 0
     request_id: str = ""
+    ttft_target_s: float | None = None
+    priority: int = 0
 
 
 @dataclass(slots=True)

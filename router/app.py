@@ -39,6 +39,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from membership.replicas import Replica
+from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from policies.base import Reuse
 from router import signals
 from router.admission import Rejected
@@ -50,6 +51,8 @@ from router.proxy import error_response, new_request_id
 from router.routing import Routed, RoutingError, RoutingInput, decision_json
 from router.services import Services, build_services, run
 from router.telemetry import CONTENT_TYPE, Telemetry
+from router.tenant_admission import Ticket, bad_identity_response, rejection_response
+from router.tenants import BadIdentity, Identity
 from router.token_ids import IdsPrompt, ids_prompt
 from router.tokenizer import TokenizerError
 
@@ -506,6 +509,11 @@ def _add_error_handlers(app: FastAPI, svc: Services) -> None:
         headers = {"retry-after": str(settings.retry_after_s)} if exc.status in (429, 503) else None
         return error_response(exc.status, exc.message, exc.code, exc.param, headers=headers)
 
+    @app.exception_handler(BadIdentity)
+    async def _bad_identity(request: Request, exc: BadIdentity) -> Response:  # router/tenants.py headers
+        svc.telemetry.rejected.labels("bad_identity").inc()
+        return bad_identity_response(exc)
+
     @app.exception_handler(TokenizerError)
     async def _tok(request: Request, exc: TokenizerError) -> Response:
         return error_response(400, str(exc), "tokenization_failed")
@@ -559,6 +567,9 @@ class _DataPlane:
                             chat: dict[str, Any] | None = None, max_out: int | None = None) -> RoutingInput:
         """Tokenize (unless ids were given), hash and bundle what the request contributes to a decision."""
         svc = self.svc
+        # identity first (router/tenants.py): a bad tenant / priority / TTFT-target header is a 400 before any work
+        ident = svc.tenants.identify(request.headers,
+                                     (body.model_extra or {}).get(svc.tenants.cfg.priority_body_field))
         model, lora, base = svc.router.resolve_model(body.model)
         # ids from the request body were validated by the schema (TokenId: 0 <= id < 2**32): no second pass
         in_range = token_ids is not None
@@ -582,11 +593,15 @@ class _DataPlane:
                     token_ids = list(first or [])
         if not in_range and token_ids and (min(token_ids) < 0 or max(token_ids) >= 1 << 32):
             raise _BadTokens()  # e.g. an engine /tokenize answer out of range
-        return svc.router.make_input(model, lora, token_ids, base_model=base, cache_salt=body.cache_salt,
-                                     session_id=request.headers.get(self.settings.session_header),
-                                     request_id=new_request_id(request.headers.get("x-request-id")),
-                                     expected_output_tokens=max_out or body.max_tokens or 0,
-                                     copies=sequences(body.model_extra))
+        inp = svc.router.make_input(model, lora, token_ids, base_model=base, cache_salt=body.cache_salt,
+                                    session_id=request.headers.get(self.settings.session_header),
+                                    request_id=new_request_id(request.headers.get("x-request-id")),
+                                    expected_output_tokens=max_out or body.max_tokens or 0,
+                                    copies=sequences(body.model_extra),
+                                    namespace=ident.tenant if ident.policy.isolate_cache else None,
+                                    ttft_target_s=ident.ttft_target_s, priority=ident.priority)
+        inp.identity = ident
+        return inp
 
     async def serve(self, request: Request, inp: RoutingInput, path: str, stream: bool,
                     ids: IdsPrompt | None = None) -> Response:
@@ -601,31 +616,32 @@ class _DataPlane:
 
     async def _serve(self, request: Request, inp: RoutingInput, path: str, stream: bool,
                      ids: IdsPrompt | None) -> Response:
-        """Admission (global in-flight limit with a bounded queue), decision, then the proxy."""
+        """Admission (router/tenant_admission.py: SLO check, tenant quota, the fair queue of the in-flight limit),
+        decision, then the proxy."""
         svc = self.svc
-        admission = svc.admission
+        ident: Identity = inp.identity if inp.identity is not None else svc.tenants.identify({})
+        routed: Routed | None = None
         try:
-            await admission.acquire()  # over max_inflight_total: queue <= max_queue_wait_s (503) or 429
+            if ident.ttft_target_s is not None:  # price it first: an unattainable target is refused, not queued
+                routed = await self.decide(inp)
+                svc.tenants.check_slo(ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking))
+            ticket: Ticket = await svc.tenants.admit(ident, inp.prompt_tokens, inp.expected_output_tokens or None)
         except Rejected as exc:
             svc.telemetry.rejected.labels(exc.reason).inc()
-            return error_response(exc.status, exc.message, exc.code,
-                                  headers={"retry-after": str(self.settings.retry_after_s)})
-        released = False
-
-        def done() -> None:  # once, when the response is over (streams: when the stream ends)
-            nonlocal released
-            if not released:
-                released = True
-                admission.release()
-
+            return rejection_response(exc, self.settings.retry_after_s)
         try:
-            routed = await self.decide(inp)
+            if routed is None or ticket.waited_s > 0:  # decided after any wait: the fleet moved meanwhile
+                routed = await self.decide(inp)
             body = await request.body()
         except BaseException:
-            done()
+            ticket.release()
             raise
+        chosen = routed.decision.chosen
+        score = next((s for s in routed.decision.scores if s.index == chosen), None)
+        svc.tenants.serving(ident, predicted_ttft_s(score) if score is not None else None,
+                            routed.cached_tokens.get(chosen, 0))
         return await svc.proxy.forward(request, routed, path, body, stream=stream, request_id=inp.request_id,
-                                       on_done=done, ids=ids)
+                                       on_done=ticket.release, ids=ids)
 
     async def decide(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
         """The decision for a request to forward (session affinity first, when on), counted and logged;
@@ -748,10 +764,11 @@ def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
     async def readyz() -> Any:
         n = sum(1 for r in svc.table.all() if r.routable)
         if n:
-            return {"status": "ready", "routable_replicas": n}
+            return {"status": "ready", "routable_replicas": n, "tenants": svc.tenants.readiness()}
         states = {r.name: r.state.value for r in svc.table.all()}
         reason = "no replicas configured" if not states else f"no routable replica (states: {states})"
-        return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "not ready", "reason": reason, "tenants": svc.tenants.readiness()},
+                            status_code=503)
 
 
 def _reuse_json(reuse: Reuse | None) -> dict[str, int] | None:

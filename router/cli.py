@@ -35,7 +35,7 @@ def _fake_engine(argv: list[str]) -> int:
 
 
 def _simulate(argv: list[str]) -> int:
-    from loadtest.simulator import main
+    from loadtest.pd_simulator import main  # the simulator plus PD fleets (--prefill/--decode)
 
     return main(argv)
 

@@ -45,6 +45,7 @@ _SPEC_KEYS = {
     "name": "name", "url": "url", "events": "events", "replay": "replay", "dialect": "dialect",
     "model": "model", "models": "model", "topic": "topic", "profile": "profile", "lora": "loras",
     "loras": "loras", "role": "role", "metrics": "metrics_path", "metrics_path": "metrics_path",
+    "bootstrap_port": "bootstrap_port", "dp_size": "dp_size",
 }
 
 
@@ -70,6 +71,10 @@ class ReplicaSpec(BaseModel):
     profile: str | None = Field(default=None, description="performance profile name (default_profile if unset)")
     loras: list[str] = Field(default_factory=list, description="LoRA adapters loaded on the replica")
     role: Literal["both", "prefill", "decode"] = Field(default="both", description="disaggregation role")
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535,
+                                       description="SGLang PD bootstrap port (prefill replicas; default "
+                                                   "pd_default_bootstrap_port)")
+    dp_size: int = Field(default=1, ge=1, description="data-parallel ranks behind the replica's URL")
     metrics_path: str = Field(default="/metrics", description="path of the engine's Prometheus endpoint")
 
     @field_validator("model", "loras", mode="before")
@@ -443,6 +448,73 @@ class Settings(BaseSettings):
                     "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
                     "never are); 0 = never shed")
 
+    # --- tenants, priorities, SLOs (issue 20) ---
+    tenant_header: str = Field(
+        default="x-kvroute-tenant", description="HTTP header naming the request's tenant (fairness and quota key)")
+    tenant_header_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id",
+                                 "x-smg-tenant-id"],
+        description="other headers read as the tenant when tenant_header is absent (llm-d, GIE, SMG names)")
+    tenant_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="API keys that name a tenant, as TENANT=KEY entries ('Authorization: Bearer KEY' -> TENANT; "
+                    "these keys are accepted as client keys too); env: comma-separated")
+    default_tenant: str = Field(default="default", description="tenant of requests that name none")
+    tenants: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per-tenant settings {name: {tokens_per_s, burst_tokens, weight, isolate_cache}}: token "
+                    "quota (prompt + max output tokens per s; 0 = none), burst (tokens), fair-share weight, own "
+                    "prefix-cache namespace (true: never shares cached prefixes with other tenants)")
+    tenant_tokens_per_s: float = Field(
+        default=0.0, ge=0, description="token quota of tenants not listed in tenants (tokens/s; 0 = no quota)")
+    tenant_burst_s: float = Field(
+        default=10.0, gt=0, description="a quota's burst when burst_tokens is not given: this many seconds of it")
+    tenant_default_output_tokens: int = Field(
+        default=256, ge=0, description="output tokens charged to a quota for a request without max_tokens")
+    tenant_expected_routers: int = Field(
+        default=1, ge=1, description="router replicas sharing the quotas: while Redis is unreachable each one "
+                                     "enforces quota / this (never fails open, never rejects everything)")
+    priority_header: str = Field(
+        default="x-kvroute-priority", description="HTTP header naming the request's priority class (or an int)")
+    priority_header_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["x-smg-priority", "x-llm-d-inference-objective", "x-gateway-inference-objective",
+                                 "x-dynamo-meta-policy-class"],
+        description="other headers read as the priority when priority_header is absent (SMG, llm-d, Dynamo)")
+    priority_body_field: str = Field(
+        default="priority_class", description="request body field naming the priority class (after the headers)")
+    priority_classes: dict[str, dict[str, Any]] = Field(
+        default_factory=lambda: {"critical": {"priority": 2, "weight": 4.0, "ttft_target_s": None},
+                                 "standard": {"priority": 1, "weight": 1.0, "ttft_target_s": None},
+                                 "sheddable": {"priority": 0, "weight": 0.25, "ttft_target_s": None}},
+        description="priority classes {name: {priority (higher first), weight (fair-share factor), ttft_target_s "
+                    "(default TTFT target, s, or null)}}")
+    priority_class_aliases: dict[str, str] = Field(
+        default_factory=lambda: {"system": "critical", "interactive": "standard", "default": "standard",
+                                 "bulk": "sheddable"},
+        description="other class names accepted (SMG's system|interactive|default|bulk) -> a priority_classes name")
+    default_priority_class: str = Field(default="standard", description="class of requests that name none")
+    ttft_target_header: str = Field(
+        default="x-kvroute-ttft-target-ms", description="HTTP header with the request's TTFT target (ms)")
+    ttft_target_header_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["x-llm-d-slo-ttft-ms", "x-slo-ttft-ms"],
+        description="other headers read as the TTFT target (ms) when ttft_target_header is absent (llm-d names)")
+    slo_reject_factor: float = Field(
+        default=2.0, ge=0, description="reject early (429 slo_unattainable) a request whose best predicted TTFT "
+                                       "exceeds its target times this (0 = never reject)")
+
+    @field_validator("tenant_header_aliases", "tenant_api_keys", "priority_header_aliases",
+                     "ttft_target_header_aliases", mode="before")
+    @classmethod
+    def _parse_tenant_lists(cls, v: Any) -> Any:
+        return _split_list(v)
+
+    @field_validator("tenants", "priority_classes", "priority_class_aliases", mode="before")
+    @classmethod
+    def _parse_tenant_dicts(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return json.loads(v) if v.strip() else {}
+        return v
+
     # --- endpoint picker (issue 21) ---
     epp_grpc_port: int = Field(
         default=9002, ge=0, le=65535,
@@ -453,6 +525,38 @@ class Settings(BaseSettings):
         description="name of an InferencePool (inference.networking.k8s.io/v1) in kubernetes_namespace whose "
                     "spec.selector and spec.targetPorts define the replicas (pods are then watched with that "
                     "selector, one replica per target port); empty = off (kubernetes_label_selector is used)")
+    # --- PD disaggregation (issue 19, pdwire): plan policy, P->D link, wire protocol, roles from pods ---
+    pd_policy: str = Field(
+        default="pd_ttft",
+        description="prefill/decode plan policy for models whose replicas have prefill/decode roles: pd_ttft "
+                    "(lowest predicted TTFT of serving in place or P->D with the handoff), or a baseline "
+                    "(pd_smg, pd_llmd, pd_dynamo, pd_random); co-located fleets use `policy`")
+    pd_policy_params: dict[str, Any] = Field(
+        default_factory=dict, description="keyword parameters for the PD plan policy (as policy_params)")
+    pd_link_bandwidth_gbps: float = Field(
+        default=25.0, gt=0, description="P->D KV transfer bandwidth of the fleet, GB/s (1e9 bytes/s)")
+    pd_link_latency_s: float = Field(default=0.0, ge=0, description="fixed cost of one P->D KV handoff, s")
+    pd_protocol: Literal["auto", "vllm", "mooncake", "sglang"] = Field(
+        default="auto",
+        description="KV handoff wire protocol: vllm (sequential kv_transfer_params relay, NIXL), mooncake "
+                    "(router-minted transfer_id), sglang (concurrent bootstrap rooms); auto = by the prefill "
+                    "replica's dialect (vllm -> vllm, sglang -> sglang)")
+    pd_role_label: str = Field(
+        default="llm-d.ai/role",
+        description="pod label (or annotation) naming a pod's role with llm-d's values: prefill, decode, "
+                    "prefill-decode / both, encode (not routed); kvroute.io/role is read when it is absent")
+    pd_bootstrap_port_annotation: str = Field(
+        default="sglang.ai/bootstrap-port", description="pod annotation (or label) with an SGLang prefill pod's "
+                                                        "bootstrap port")
+    pd_default_bootstrap_port: int = Field(
+        default=8998, ge=1, le=65535, description="SGLang bootstrap port of prefill pods / replicas that name none")
+    # --- router CPU (issue 23) ---
+    workers: int = Field(
+        default=1, ge=1, le=64,
+        description="router worker processes per pod: above 1, kvroute serve supervises this many copies of the "
+                    "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
+                    "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
+                    "answers every worker's metrics labelled worker. Give the pod about this many cores")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
@@ -473,7 +577,7 @@ class Settings(BaseSettings):
     def _parse_lists(cls, v: Any) -> Any:
         return _split_list(v)
 
-    @field_validator("policy_params", "profiles", mode="before")
+    @field_validator("policy_params", "profiles", "pd_policy_params", mode="before")
     @classmethod
     def _parse_dicts(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -522,7 +626,10 @@ class Settings(BaseSettings):
             kubeconfig=self.kubernetes_kubeconfig, default_port=self.kubernetes_default_port,
             default_kv_events_port=self.kubernetes_default_kv_events_port,
             default_kv_replay_port=self.kubernetes_default_kv_replay_port,
-            default_kv_topic=self.kubernetes_default_kv_topic, inference_pool=self.inference_pool)
+            default_kv_topic=self.kubernetes_default_kv_topic, inference_pool=self.inference_pool,
+            role_label=self.pd_role_label,
+            bootstrap_port_annotation=self.pd_bootstrap_port_annotation,
+            default_bootstrap_port=self.pd_default_bootstrap_port)
 
     def membership(self) -> MembershipConfig:
         """Everything the membership front door needs."""

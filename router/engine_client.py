@@ -436,6 +436,14 @@ class EnginePool:
         Raises:
             EngineConnectError, EngineConnectTimeout, EngineConnectionLost, EngineProtocolError.
         """
+        return await self._request(b"POST", base_url, path, body, headers)
+
+    async def get(self, base_url: str, path: str, headers: Mapping[str, str]) -> EngineResponse:
+        """GET ``base_url + path`` (e.g. an engine's ``/metrics``); like ``post`` otherwise."""
+        return await self._request(b"GET", base_url, path, b"", headers)
+
+    async def _request(self, method: bytes, base_url: str, path: str, body: bytes,
+                       headers: Mapping[str, str]) -> EngineResponse:
         if self.closed:
             raise EngineConnectError("the engine connection pool is closed")
         key, prefix, host_header = self._target(base_url)
@@ -448,7 +456,7 @@ class EnginePool:
         conn.header_waiter = fut
         head = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
         assert conn.transport is not None
-        conn.transport.write(b"POST " + prefix + path.encode() + b" HTTP/1.1\r\nhost: " + host_header
+        conn.transport.write(method + b" " + prefix + path.encode() + b" HTTP/1.1\r\nhost: " + host_header
                              + b"\r\n" + self._extra + head + b"content-length: " + str(len(body)).encode()
                              + b"\r\n\r\n" + body)
         try:

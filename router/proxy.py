@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import orjson
@@ -72,6 +72,15 @@ from router.telemetry import Telemetry
 from router.token_ids import IdsPrompt, TokenIdsCheck
 
 log = logging.getLogger("kvroute.proxy")
+
+
+class PlanServer(Protocol):
+    """Serves requests routed with a prefill/decode plan (``router.pd_proxy.PdLegs``, issue 19)."""
+
+    async def serve_plan(self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str,
+                         ids: IdsPrompt | None) -> Response:
+        """The client's answer for ``routed`` (its plan: in place or disaggregated)."""
+        ...
 
 #: bytes of the end of a stream kept to find the final ``usage`` chunk
 _TAIL_BYTES = 16384
@@ -281,6 +290,8 @@ class Proxy:
         self._pool: EnginePool | None = None
         #: the cache-first dispatch gate (router/dispatch.py); None: every request is sent when routed
         self.gate: DispatchGate | None = None
+        #: serves prefill/decode plans (router/pd_proxy.py, issue 19); None: no PD fleets
+        self.pd: PlanServer | None = None
         self.usage_missing = Counter(
             "kvroute_engine_usage_missing", "successful engine answers without the usage the router needs for "
             "cached-token feedback, by replica and what was missing (prompt_tokens_details: vLLM without "
@@ -344,7 +355,10 @@ class Proxy:
                        request_id: str, ids: IdsPrompt | None) -> Response:
         watch = _ClientWatch(request.receive)
         try:
-            resp = await self._attempts(routed, path, body, stream, request_id, ids)
+            if routed.plan is not None and self.pd is not None:  # a prefill/decode fleet (router/pd_proxy.py)
+                resp = await self.pd.serve_plan(routed, path, body, stream, request_id, ids)
+            else:
+                resp = await self._attempts(routed, path, body, stream, request_id, ids)
         except asyncio.CancelledError:
             watch.stop()
             if not watch.left or not watch.uncancel():

@@ -23,6 +23,7 @@ from index.prefix_index import PrefixIndex
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from policies.base import (
     Candidate,
+    CandidateScore,
     Decision,
     LoadView,
     Observation,
@@ -34,6 +35,7 @@ from policies.base import (
     reuse_of,
 )
 from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (re-exported)
+from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision, Role
 
 log = logging.getLogger("kvroute.routing")
 
@@ -139,6 +141,8 @@ class RoutingInput:
         expected_output_tokens: ``max_tokens`` when given, else 0, times ``copies``, tokens.
         copies: sequences the engine generates for it (OpenAI ``n`` / vLLM ``best_of``, at least 1): it counts
             as this many requests in flight on its replica.
+        ttft_target_s: the request's TTFT target, seconds (None: none); priority: its class priority;
+            identity: its ``router.tenants.Identity`` (issue 20).
     """
 
     model: str
@@ -150,6 +154,9 @@ class RoutingInput:
     request_id: str = ""
     expected_output_tokens: int = 0
     copies: int = 1
+    ttft_target_s: float | None = None
+    priority: int = 0
+    identity: Any = None  # router.tenants.Identity of the request (set by the front door)
 
     @property
     def prompt_tokens(self) -> int:
@@ -175,6 +182,14 @@ class Routed:
     cached_tokens: dict[int, int]
     decision_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the PD plan decision on a prefill/decode fleet (``Router.decide_plan``); None on co-located fleets
+    plan: PlanDecision | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when the chosen plan prefills on one replica and decodes on another."""
+        return self.plan is not None and self.plan.chosen.kind == "disaggregated" \
+            and self.plan.chosen.prefill is not None
 
 
 class Router:
@@ -221,6 +236,14 @@ class Router:
         self.panic_decisions = 0
         #: called with (replica, keys) after predicted entries are recorded (membership broadcasts them to peers)
         self.on_prediction: list[Callable[[Replica, Sequence[int]], None]] = []
+        #: called with every observation after the policy (per-tenant / per-class TTFT metrics)
+        self.on_observation: list[Callable[[Observation], None]] = []
+        #: prefill/decode disaggregation (issue 19): builds the PD plan policy on first use (``router.services``
+        #: sets it from ``Settings.pd_policy``); None: every fleet is routed co-located
+        self.pd_policy_factory: Callable[[], PdPolicy] | None = None
+        self._pd_policy: PdPolicy | None = None
+        #: the P->D KV link of the fleet (``Settings.pd_link_bandwidth_gbps`` / ``pd_link_latency_s``)
+        self.pd_link = HandoffLink(bandwidth_bytes_per_s=25e9)
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -260,8 +283,12 @@ class Router:
         return list(seen.values())
 
     # -- keys ------------------------------------------------------------------------------------------
-    def seed_for(self, model: str, lora: str | None = None, cache_salt: str | None = None) -> int:
-        """The root seed of prompts for ``model`` / ``lora`` / ``cache_salt`` (cached)."""
+    def seed_for(self, model: str, lora: str | None = None, cache_salt: str | None = None,
+                 namespace: str | None = None) -> int:
+        """The root seed of prompts for ``model`` / ``lora`` / ``cache_salt`` (cached). ``namespace`` (a tenant
+        with its own cache namespace) folds into the salt, so its prompts never match another namespace's."""
+        if namespace is not None:
+            cache_salt = f"{cache_salt or ''}\x1fkvroute-tenant={namespace}"
         key = (model, lora, cache_salt)
         seed = self._seed_cache.get(key)
         if seed is None:
@@ -274,15 +301,17 @@ class Router:
     def make_input(self, model: str, lora: str | None, token_ids: list[int], *, base_model: str | None = None,
                    cache_salt: str | None = None,
                    session_id: str | None = None, request_id: str = "",
-                   expected_output_tokens: int = 0, copies: int = 1) -> RoutingInput:
+                   expected_output_tokens: int = 0, copies: int = 1, namespace: str | None = None,
+                   ttft_target_s: float | None = None, priority: int = 0) -> RoutingInput:
         """Hash ``token_ids`` into block keys and bundle the routing input (``copies``: see ``RoutingInput``;
-        ``expected_output_tokens`` is per sequence)."""
-        seed = self.seed_for(base_model or model, lora, cache_salt)
+        ``expected_output_tokens`` is per sequence; ``namespace``: see ``seed_for``)."""
+        seed = self.seed_for(base_model or model, lora, cache_salt, namespace)
         keys = block_keys(token_ids, self.block_size, seed)
         copies = max(1, copies)
         return RoutingInput(model=model, lora=lora, token_ids=token_ids, keys=keys, seed=seed,
                             session_id=session_id, request_id=request_id,
-                            expected_output_tokens=expected_output_tokens * copies, copies=copies)
+                            expected_output_tokens=expected_output_tokens * copies, copies=copies,
+                            ttft_target_s=ttft_target_s, priority=priority)
 
     # -- decisions -------------------------------------------------------------------------------------
     def candidates_for(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> list[Replica]:
@@ -318,11 +347,14 @@ class Router:
         return free
 
     def decide(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
-        """Match the prompt in the index, build candidates and ask the policy.
+        """Match the prompt in the index, build candidates and ask the policy (the PD plan policy when the
+        model's replicas have prefill/decode roles: ``decide_plan``).
 
         Raises:
             RoutingError subclasses (see ``candidates_for``).
         """
+        if self.pd_policy_factory is not None and self.is_disaggregated(inp):
+            return self.decide_plan(inp, exclude)
         t0 = time.perf_counter()
         reps = self.candidates_for(inp, exclude)
         bs = self.block_size
@@ -338,11 +370,86 @@ class Router:
         req = RouteRequest(model=inp.model, prompt_tokens=n, block_keys=inp.keys, block_size=bs,
                            now=self.clock(), lora=inp.lora, session_id=inp.session_id,
                            objective=self.objective,  # type: ignore[arg-type]
-                           expected_output_tokens=inp.expected_output_tokens, request_id=inp.request_id)
+                           expected_output_tokens=inp.expected_output_tokens, request_id=inp.request_id,
+                           ttft_target_s=inp.ttft_target_s, priority=inp.priority)
         decision = self.policy.choose(req, cands)
         decision.reuse = reuse_of(decision.chosen, cands)  # available vs achieved cached tokens
         return Routed(inp=inp, decision=decision, candidates=cands, cached_tokens=cached,
                       decision_s=time.perf_counter() - t0)
+
+    # -- prefill/decode disaggregation ----------------------------------------------------------------
+    def is_disaggregated(self, inp: RoutingInput) -> bool:
+        """True when a replica serving the request's model (any state) has the ``prefill`` or ``decode`` role:
+        the model's requests are then planned by the PD plan policy. Co-located fleets never are."""
+        model = None if inp.lora else inp.model
+        return any(r.role in ("prefill", "decode") and r.serves(model, inp.lora) for r in self.table.all())
+
+    def pd_policy(self) -> PdPolicy:
+        """The PD plan policy (built on first use).
+
+        Raises:
+            NoReplica: no PD policy is configured, or its name is unknown (the message says which).
+        """
+        if self._pd_policy is None:
+            if self.pd_policy_factory is None:
+                raise NoReplica("prefill/decode replicas are configured but no PD plan policy is")
+            try:
+                self._pd_policy = self.pd_policy_factory()
+            except (KeyError, TypeError, ValueError) as exc:
+                raise NoReplica(f"cannot build the PD plan policy: {exc}") from None
+        return self._pd_policy
+
+    def decide_plan(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
+        """The PD plan for a request: in place on one replica, or prefill on P and decode on D.
+
+        Candidates are the routable replicas serving the model (every role), each with its prefix hit, load
+        view (this router's in-flight counts included: both legs of earlier plans are charged at dispatch) and
+        role. The returned ``Routed`` carries the plan decision (``plan``) and, for the proxy's attempt
+        machinery, a co-located ``Decision`` over the replicas that can serve in place (``both`` / ``decode``),
+        best plan first.
+
+        Raises:
+            RoutingError subclasses (see ``candidates_for``); NoReplica when no plan is feasible.
+        """
+        t0 = time.perf_counter()
+        reps = self.candidates_for(inp, exclude)
+        n = inp.prompt_tokens
+        matches = self.index.match(inp.keys, {r.index for r in reps}) if inp.keys else {}
+        cands: list[Candidate] = []
+        pd_cands: list[PdCandidate] = []
+        cached: dict[int, int] = {}
+        for r in reps:
+            hit = hit_from_match(matches.get(r.index), n, self.block_size, r.load.engine_block_size)
+            cached[r.index] = hit.total
+            cand = Candidate(index=r.index, name=r.name, load=self.load_view(r), hit=hit, profile=r.profile,
+                             state=r.state.value)
+            cands.append(cand)
+            role: Role = r.role if r.role in ROLES else "both"
+            pd_cands.append(PdCandidate(candidate=cand, role=role, dp_rank_count=max(1, r.dp_size)))
+        req = RouteRequest(model=inp.model, prompt_tokens=n, block_keys=inp.keys, block_size=self.block_size,
+                           now=self.clock(), lora=inp.lora, session_id=inp.session_id,
+                           objective=self.objective,  # type: ignore[arg-type]
+                           expected_output_tokens=inp.expected_output_tokens, request_id=inp.request_id)
+        try:
+            plan = self.pd_policy().choose_plan(req, pd_cands, self.pd_link)
+        except ValueError as exc:  # no feasible plan (e.g. only prefill replicas are routable)
+            raise NoReplica(f"no feasible prefill/decode plan for model {inp.model!r}: {exc}") from None
+        self.pin_dp_rank(plan.chosen, inp)
+        decision = plan_as_decision(plan, pd_cands)
+        prefiller = plan.chosen.prefill if plan.chosen.prefill is not None else plan.chosen.decode
+        plan.reuse = decision.reuse = reuse_of(prefiller, cands)
+        return Routed(inp=inp, decision=decision, candidates=cands, cached_tokens=cached,
+                      decision_s=time.perf_counter() - t0, plan=plan)
+
+    def pin_dp_rank(self, plan: Plan, inp: RoutingInput) -> None:
+        """Pin a data-parallel rank on a disaggregated plan's decode replica when the policy left it open and
+        the replica has several ranks (each rank owns its own KV cache): the prompt's first block key modulo the
+        rank count, so a prefix keeps meeting the same rank and ``/route`` predicts what the request gets."""
+        if plan.dp_rank is not None or plan.kind != "disaggregated":
+            return
+        rep = self.table.by_index(plan.decode)
+        if rep is not None and rep.dp_size > 1:
+            plan.dp_rank = (inp.keys[0] if inp.keys else 0) % rep.dp_size
 
     # -- accounting ------------------------------------------------------------------------------------
     def acquire(self, rep: Replica, uncached_tokens: int, copies: int = 1) -> None:
@@ -404,6 +511,61 @@ class Router:
             self.policy.observe(obs)
         except Exception:
             log.exception("policy.observe failed")
+        for listener in self.on_observation:
+            try:
+                listener(obs)
+            except Exception:
+                log.exception("observation listener failed")
+
+
+def plan_as_decision(plan: PlanDecision, candidates: Sequence[PdCandidate]) -> Decision:
+    """The co-located view of a PD plan decision, for what walks a ``Decision`` (the proxy's retries, session
+    affinity, metrics): chosen = the chosen plan's decode replica; ranking = every replica that can serve in place
+    (``both`` / ``decode``) in the order of the plans it appears in; one score per candidate = its best plan's
+    predicted TTFT as decode replica (inf when it is in none, e.g. a prefill-only replica)."""
+    in_place_ok = {c.index for c in candidates if c.role in ("both", "decode")}
+    ranking: list[int] = []
+    best: dict[int, Plan] = {}
+    for p in [plan.chosen, *plan.plans]:
+        if p.decode in in_place_ok and p.decode not in ranking:
+            ranking.append(p.decode)
+        if p.decode not in best or p.predicted_ttft_s < best[p.decode].predicted_ttft_s:
+            best[p.decode] = p
+    ranking.extend(i for i in sorted(in_place_ok) if i not in ranking)
+    scores = []
+    for c in candidates:
+        top = best.get(c.index)
+        parts = dict(top.terms) if top else {}
+        if top:
+            parts["T"] = top.predicted_ttft_s
+        scores.append(CandidateScore(index=c.index, name=c.name,
+                                     score=top.predicted_ttft_s if top else float("inf"), parts=parts))
+    return Decision(chosen=plan.chosen.decode, ranking=ranking or [plan.chosen.decode], scores=scores,
+                    policy=plan.policy, branch=plan.branch)
+
+
+def plan_json(routed: Routed, table: ReplicaTable, *, show_urls: bool = True) -> dict[str, Any] | None:
+    """The JSON form of a PD plan decision for ``POST /route`` (None on co-located fleets): the chosen plan
+    (kind, prefill and decode replicas, pinned DP rank, predicted TTFT) and every candidate plan's predicted TTFT
+    broken into its terms (seconds; ``Q_p``/``R_p``/``C_p``, ``handoff``, ``decode_first`` for disaggregated
+    plans, ``Q``/``R``/``C`` in place)."""
+    if routed.plan is None:
+        return None
+
+    def rep_json(index: int | None) -> dict[str, Any] | None:
+        if index is None:
+            return None
+        rep = table.by_index(index)
+        return {"name": rep.name if rep else str(index), "index": index,
+                "role": rep.role if rep else None, "url": rep.url if rep and show_urls else None}
+
+    def one(p: Plan) -> dict[str, Any]:
+        return {"kind": p.kind, "prefill": rep_json(p.prefill), "decode": rep_json(p.decode),
+                "dp_rank": p.dp_rank, "predicted_ttft_s": _finite(p.predicted_ttft_s),
+                "terms": {k: _finite(v) for k, v in p.terms.items()}}
+
+    d = routed.plan
+    return {"policy": d.policy, "branch": d.branch, "chosen": one(d.chosen), "plans": [one(p) for p in d.plans]}
 
 
 def decision_json(routed: Routed, table: ReplicaTable, block_size: int, *, show_urls: bool = True) -> dict[str, Any]:
@@ -443,6 +605,7 @@ def decision_json(routed: Routed, table: ReplicaTable, block_size: int, *, show_
         "block_size": block_size,
         "decision_s": routed.decision_s,
         "candidates": cands,
+        "plan": plan_json(routed, table, show_urls=show_urls),
     }
 
 

@@ -1,6 +1,7 @@
 """``kvroute serve``: parse Settings (flags > env > YAML > defaults), build the app, run uvicorn.
 
-uvicorn runs with ``loop="uvloop"`` and the httptools protocol of ``router.http_protocol`` (head size / count
+With ``workers`` > 1 the process is a supervisor of that many worker processes, each a whole router listening on
+the same port (``router.workers``). uvicorn runs with ``loop="uvloop"`` and the httptools protocol of ``router.http_protocol`` (head size / count
 limits, head and body-idle timeouts; uvicorn's defaults when those extras are missing). SIGTERM stops accepting connections and lets in-flight requests finish for
 ``shutdown_grace_s`` seconds.
 """
@@ -20,8 +21,12 @@ from pydantic import ValidationError
 from router.config import Settings, flag_name, load_settings
 from router.heap import pin_mmap_threshold
 from router.telemetry import setup_logging
+from router.workers import Supervisor, WorkerApp, current_worker, worker_socket
 
 log = logging.getLogger("kvroute.server")
+
+#: exit code when the server never started (uvicorn's own)
+_STARTUP_FAILURE = 3
 
 
 def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
@@ -40,6 +45,16 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
         print(f"{cmd}: invalid configuration: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
+    worker = current_worker()
+    if settings.workers > 1 and worker is None:
+        try:
+            supervisor = Supervisor(list(sys.argv[1:] if argv is None else argv), host=settings.host,
+                                    port=settings.port, workers=settings.workers,
+                                    shutdown_grace_s=settings.shutdown_grace_s)
+        except OSError as exc:
+            print(f"kvroute serve: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+            return 1
+        return supervisor.run()
 
     import uvicorn
 
@@ -64,16 +79,23 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     pin_mmap_threshold()  # large bodies' buffers go back to the OS when freed (router/heap.py)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "auto"
     http = _http_protocol(settings, app)
-    uvicorn.run(app, host=settings.host, port=settings.port, loop=loop, http=http,
-                h11_max_incomplete_event_size=settings.max_header_bytes,  # when httptools is missing
-                log_level=settings.log_level, access_log=settings.access_log,
-                # 0 = cancel at once (None would wait forever)
-                timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
-                timeout_keep_alive=max(1, math.ceil(settings.client_keepalive_timeout_s)),
-                # headroom: probes, /metrics and queued requests must never meet uvicorn's plain-text 503 first
-                limit_concurrency=2 * (settings.max_inflight_total + settings.max_queued_requests) + 64,
-                backlog=2048, log_config=None)
-    return 0
+    served = app if worker is None else WorkerApp(app, worker, app.state.services.telemetry.render)
+    config = uvicorn.Config(
+        served, host=settings.host, port=settings.port, loop=loop, http=http,
+        h11_max_incomplete_event_size=settings.max_header_bytes,  # when httptools is missing
+        log_level=settings.log_level, access_log=settings.access_log,
+        # 0 = cancel at once (None would wait forever)
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
+        timeout_keep_alive=max(1, math.ceil(settings.client_keepalive_timeout_s)),
+        # headroom: probes, /metrics and queued requests must never meet uvicorn's plain-text 503 first
+        limit_concurrency=2 * (settings.max_inflight_total + settings.max_queued_requests) + 64,
+        backlog=2048, log_config=None)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=None if worker is None else [worker_socket(settings.host, worker.port)])
+    except KeyboardInterrupt:
+        pass
+    return 0 if server.started else _STARTUP_FAILURE
 
 
 def _http_protocol(settings: Settings, app: Any) -> Any:

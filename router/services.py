@@ -31,7 +31,9 @@ from membership.engine_metrics import MetricsScraper
 from membership.kv_events import KVEventSubscriber
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
+from membership.tenant_budget import TenantBudget
 from policies.base import Policy, ReplicaProfile, make_policy
+from policies.pd_base import HandoffLink, make_pd_policy
 from router import signals
 from router.admission import Admission, admission_gauges
 from router.config import Settings
@@ -40,8 +42,10 @@ from router.guard import Auth, Guard
 from router.idempotency import IdempotencyGuard
 from router.intake import InputLimits, Intake, model_contexts
 from router.loop_lag import LoopLag, lag_gauges
+from router.pd_proxy import PdConfig, PdLegs
 from router.proxy import Proxy
 from router.routing import Router, build_profile
+from router.scrape_client import PooledScrapeClient
 from router.telemetry import (
     Telemetry,
     gauge,
@@ -50,6 +54,9 @@ from router.telemetry import (
     replica_gauges,
     tokenizer_cache_gauges,
 )
+from router.tenant_admission import TenantAdmission
+from router.tenant_metrics import TenantMetrics, budget_gauges
+from router.tenants import TenancyConfig
 from router.token_ids import TokenIdsCheck
 from router.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
 
@@ -81,6 +88,8 @@ class Services:
     loop_lag: LoopLag
     guard: Guard
     intake: Intake
+    #: identity, tenant quotas, the fair queue and SLO rejection (issue 20; wraps ``admission``)
+    tenants: TenantAdmission
     #: started in this order by ``run`` and stopped in reverse
     background: list[StartStop] = field(default_factory=list)
 
@@ -128,7 +137,16 @@ def _build_router(settings: Settings, table: ReplicaTable, index: PrefixIndex, p
                     max_inflight_per_replica=settings.max_inflight_per_replica,
                     panic_routing=settings.panic_routing)
     router.on_prediction.append(membership.publish_prediction)  # predicted entries reach peer routers
+    _configure_pd(settings, router)
     return router
+
+
+def _configure_pd(settings: Settings, router: Router) -> None:
+    """Prefill/decode disaggregation (issue 19): the PD plan policy (built on the first PD decision, so a
+    co-located fleet never needs one) and the fleet's P->D link."""
+    router.pd_policy_factory = lambda: make_pd_policy(settings.pd_policy, **settings.pd_policy_params)
+    router.pd_link = HandoffLink(bandwidth_bytes_per_s=settings.pd_link_bandwidth_gbps * 1e9,
+                                 latency_s=settings.pd_link_latency_s)
 
 
 def _build_proxy(settings: Settings, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck,
@@ -139,6 +157,8 @@ def _build_proxy(settings: Settings, router: Router, telemetry: Telemetry, token
     proxy = Proxy(router, telemetry, settings.proxy(), on_connection_failure=on_connection_failure,
                   token_ids=token_ids)
     proxy.gate = gate
+    proxy.pd = PdLegs(proxy, PdConfig(protocol=settings.pd_protocol,
+                                      default_bootstrap_port=settings.pd_default_bootstrap_port))
     return proxy
 
 
@@ -152,9 +172,22 @@ def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> 
 
 def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag) -> Guard:
     """The front gate (``router.guard``): auth and loop-lag shedding from the headers, before any body."""
-    auth = Auth([k.get_secret_value() for k in settings.api_keys],
-                settings.admin_token.get_secret_value() if settings.admin_token else None)
+    keys = [k.get_secret_value() for k in settings.api_keys]
+    if keys:  # keys that name a tenant are client keys too
+        keys += [e.get_secret_value().partition("=")[2].strip() for e in settings.tenant_api_keys]
+    auth = Auth(keys, settings.admin_token.get_secret_value() if settings.admin_token else None)
     return Guard(auth, loop_lag, settings.max_event_loop_lag_s, settings.retry_after_s, telemetry)
+
+
+def _build_tenants(settings: Settings, membership: Membership, admission: Admission, telemetry: Telemetry,
+                   router: Router) -> TenantAdmission:
+    """Identity and admission (issue 20): quotas in Redis when configured (else in memory), the fair queue of
+    ``admission``, per-tenant metrics fed by the router's observations."""
+    budget = TenantBudget(membership.shared, settings.tenant_expected_routers)
+    tenants = TenantAdmission(TenancyConfig.from_settings(settings), budget, admission,
+                              TenantMetrics(telemetry.registry, max_tenant_labels=1000))
+    router.on_observation.append(tenants.observe)
+    return tenants
 
 
 def _keep_index_honest(table: ReplicaTable, index: PrefixIndex, kv_events: KVEventSubscriber | None) -> None:
@@ -181,6 +214,7 @@ def _register_metrics(svc: Services) -> None:
     t.add_gauges(lambda: kubernetes_metrics(svc.membership.watcher))
     t.add_gauges(lambda: dispatch_gauges(svc.gate))
     t.add_gauges(lambda: admission_gauges(svc.admission))
+    t.add_gauges(lambda: budget_gauges(svc.tenants.budget))
     t.add_gauges(lambda: lag_gauges(svc.loop_lag))
     if svc.membership.shared is not None:
         svc.membership.shared.register_metrics(t.registry)
@@ -241,7 +275,11 @@ def build_services(settings: Settings) -> Services:
     tokenizer = _build_tokenizer(settings)
     membership = _build_membership(settings, table, index)
     kv_events = signals.build_kv_events(settings, index)
-    engine_metrics = signals.build_engine_metrics(settings, table, headers, kv_events)
+    # scrapes through the proxy's engine pool (router/scrape_client.py: issue 23's profile); the pool is the
+    # proxy's, created in the event loop when first used
+    engine_metrics = signals.build_engine_metrics(
+        settings, table, headers, kv_events,
+        client=PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes))
     router = _build_router(settings, table, index, policy, kv_events, membership)
     token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
                               timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
@@ -253,11 +291,13 @@ def build_services(settings: Settings) -> Services:
     loop_lag = LoopLag(settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry)
     guard = _build_guard(settings, telemetry, loop_lag)
     intake = Intake(InputLimits.from_settings(settings), lambda: model_contexts(table.all()))
+    tenants = _build_tenants(settings, membership, admission, telemetry, router)
     _keep_index_honest(table, index, kv_events)
     svc = Services(settings=settings, telemetry=telemetry, table=table, index=index, policy=policy,
                    tokenizer=tokenizer, membership=membership, kv_events=kv_events,
                    engine_metrics=engine_metrics, router=router, token_ids=token_ids, gate=gate, proxy=proxy,
-                   admission=admission, idempotency=idempotency, loop_lag=loop_lag, guard=guard, intake=intake)
+                   admission=admission, idempotency=idempotency, loop_lag=loop_lag, guard=guard, intake=intake,
+                   tenants=tenants)
     svc.background = _background(svc)
     _register_metrics(svc)
     return svc

@@ -96,7 +96,7 @@ def feed_status(sub: KVEventSubscriber | None, rep: Replica) -> dict[str, Any] |
 
 
 def build_engine_metrics(settings: Settings, table: ReplicaTable, headers: dict[str, str],
-                         kv_events: KVEventSubscriber | None) -> MetricsScraper:
+                         kv_events: KVEventSubscriber | None, client: Any = None) -> MetricsScraper:
     """The engine ``/metrics`` scraper updating the load views of ``table`` (not started).
 
     ``inflight_prefill_tokens``: the router releases a request's tokens at its first byte (exact and immediate);
@@ -106,5 +106,5 @@ def build_engine_metrics(settings: Settings, table: ReplicaTable, headers: dict[
     Engine restarts seen in the metrics (``process_start_time_seconds``) clear the replica's KV-event entries.
     """
     return MetricsScraper(table, interval_s=settings.scrape_interval_s, timeout_s=settings.scrape_timeout_s,
-                          headers=headers or None, router_block_size=settings.block_size,
+                          client=client, headers=headers or None, router_block_size=settings.block_size,
                           on_snapshot=kv_events.on_engine_snapshot if kv_events is not None else None)

@@ -230,3 +230,21 @@ def test_stop_is_prompt_with_open_watch(api: FakeKubeAPI) -> None:
     w.stop()
     assert time.monotonic() - t0 < 2.0
     wait_until(lambda: api.active_watches() == 0, 2.0, what="server saw the watch close")
+
+
+def test_pd_role_follows_the_pod_label(api: FakeKubeAPI) -> None:
+    """A role is a membership fact: relabelling a pod's ``llm-d.ai/role`` changes the replica's role."""
+    api.add_pod("sgl-0", labels={**SEL, "llm-d.ai/role": "prefill"},
+                annotations={"sglang.ai/bootstrap-port": "9100"}, ip="10.6.0.1")
+    table = ReplicaTable()
+    w = _watcher(api, table)
+    try:
+        assert w.wait_synced(30)
+        rep = table.get("sgl-0")
+        assert rep is not None and rep.role == "prefill" and rep.bootstrap_port == 9100
+        api.set_labels("sgl-0", {**SEL, "llm-d.ai/role": "decode"})
+        wait_until(lambda: (r := table.get("sgl-0")) is not None and r.role == "decode", 2.0, what="relabelled")
+        api.set_labels("sgl-0", {**SEL, "llm-d.ai/role": "encode"})
+        wait_until(lambda: _state(table, "sgl-0") == ReplicaState.DRAINING, 2.0, what="encoder not routable")
+    finally:
+        w.stop()

@@ -85,3 +85,25 @@ def test_fake_api_selector_parser() -> None:
     assert not selector_matches(sel, {"app": "engine", "pool": "a", "gpu": "1", "tier": "canary"})
     assert not selector_matches(sel, {"app": "engine", "pool": "a", "gpu": "1", "zone": "x"})
     assert selector_matches(parse_selector(""), {})
+
+
+def test_pd_roles_from_llmd_label_bootstrap_port_and_dp_size() -> None:
+    """Roles follow llm-d's ``llm-d.ai/role`` values (configurable key), before ``kvroute.io/role``."""
+    cases = {"prefill": "prefill", "decode": "decode", "prefill-decode": "both", "both": "both",
+             "encode-prefill": "prefill", "nonsense": "both"}
+    for value, role in cases.items():
+        v = pod_view(pod(labels={"llm-d.ai/role": value, "kvroute.io/role": "decode"}), OPTS)
+        assert v.attrs["role"] == role and v.routable, value
+    assert pod_view(pod(labels={"kvroute.io/role": "decode"}), OPTS).attrs["role"] == "decode"
+    encoder = pod_view(pod(labels={"llm-d.ai/role": "encode"}), OPTS)
+    assert not encoder.routable and "encoder" not in encoder.attrs  # encode-only pods serve no text
+    custom = KubernetesOptions(role_label="example.com/pd-role", bootstrap_port_annotation="example.com/bp",
+                               default_bootstrap_port=9100)
+    v = pod_view(pod(labels={"example.com/pd-role": "prefill", "llm-d.ai/role": "decode"},
+                     annotations={"example.com/bp": "9200", "kvroute.io/data-parallel-size": "4"}), custom)
+    assert v.attrs["role"] == "prefill" and v.attrs["bootstrap_port"] == 9200 and v.attrs["dp_size"] == 4
+    v = pod_view(pod(annotations={"sglang.ai/bootstrap-port": "junk", "kvroute.io/data-parallel-size": "-2"}),
+                 custom)
+    assert v.attrs["bootstrap_port"] == 9100 and v.attrs["dp_size"] == 1
+    assert pod_view(pod(annotations={"sglang.ai/bootstrap-port": "9001"}), OPTS).attrs["bootstrap_port"] == 9001
+    assert pod_view(pod(), OPTS).attrs["bootstrap_port"] == 8998

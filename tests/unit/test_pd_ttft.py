@@ -155,3 +155,16 @@ def test_pd_random_pairs_are_seeded_and_feasible() -> None:
 
 def test_registered_names() -> None:
     assert {"pd_ttft", "pd_random"} <= set(pd_policy_names())
+
+
+def test_in_place_prediction_is_ttfts_own_estimate() -> None:
+    """The prefill side is the ``ttft`` model: an in-place plan predicts exactly ``ttft``'s E[T] for that replica."""
+    from policies.base import make_policy
+
+    fleet = [cand(0, "both", A100, backlog=3000, running=4, gpu_hit=1024), cand(1, "both", H20, gpu_hit=2048)]
+    d = make_pd_policy("pd_ttft").choose_plan(req(4096), fleet, LINK)
+    ref = make_policy("ttft").choose(req(4096), [c.candidate for c in fleet])
+    by_replica = {p.decode: p.predicted_ttft_s for p in d.plans}
+    for sc in ref.scores:
+        assert by_replica[sc.index] == pytest.approx(sc.parts["E"], rel=1e-12)
+    assert d.chosen.decode == ref.chosen

@@ -1,0 +1,177 @@
+"""Router CPU per request at long prompts, kvroute vs sglang-router in one run, and kvroute's scaling with workers.
+
+    python -m loadtest.bench_router_cpu [--json] [--prompt-tokens 1024,8192,32768] [--requests 60]
+                                        [--concurrency 4] [--scaling-workers 1,2] [--scaling-prompt-tokens 8192]
+
+Part 1, CPU per request: one zero-delay fake engine (``--time-scale 0``, KV events on), ``kvroute`` (proxy mode:
+``/v1/completions`` streamed, policy ttft, ``hf`` tokenizer on the benchmarks' model dir, KV events applied) and
+sglang-router (PyPI, ``cache_aware``) in front of it; per prompt length the same requests (a shared first half,
+a random second half) go to both in alternating closed-loop blocks (``loadtest.bench_proxy.run_level``), and each
+router's process CPU (user + system, its threads and child processes) is divided by the requests:
+``router_cpu_ms_per_req``, and ``ratio`` = kvroute / sglang-router.
+
+Part 2, scaling: kvroute with 1 and with N workers (``--workers``) side by side, each asked ``POST /route`` (the
+routing decision: tokenize, hash, match, choose; no engine in the loop) by ``--scaling-concurrency`` clients in
+alternating blocks; ``routed_rps`` per worker count and ``scaling`` = rps(N) / rps(1) (target >= 0.7 x N on an
+N-core machine whose cores are free: the client itself shares them here, so read it with ``loadavg_1m``).
+
+JSON on stdout, a summary on stderr; every process is stopped at the end, also on errors and Ctrl-C.
+Units: milliseconds, requests per second, tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from loadtest.bench_proxy import make_requests, run_level
+from loadtest.fleet import EngineOptions, Fleet, ManagedProcess, add_harness_args, exit_on_sigterm
+from loadtest.replay import ReplayRequest
+from loadtest.workload import ensure_model_dir
+
+
+def cpu_per_request(fleet: Fleet, sizes: Sequence[int], requests: int, concurrency: int, blocks: int,
+                    model: str, max_tokens: int) -> dict[str, Any]:
+    """Part 1: per prompt length, both routers' CPU ms per request (and latency), measured interleaved."""
+    kv = fleet.start_kvroute(policy="ttft")
+    sg = fleet.start_sglang_router(policy="cache_aware")
+    targets: dict[str, tuple[str, ManagedProcess | None]] = {"kvroute": (kv.url, kv.proc),
+                                                              "sglang_cache_aware": (sg.url, sg.proc)}
+    out: dict[str, Any] = {}
+    try:
+        for size in sizes:
+            reqs = make_requests(requests, size, max_tokens, seed=size)
+            level, _ = asyncio.run(run_level(targets, reqs, concurrency, min(8, requests), blocks, model))
+            a = level["kvroute"].get("router_cpu_ms_per_req")
+            b = level["sglang_cache_aware"].get("router_cpu_ms_per_req")
+            out[str(size)] = {**level, "ratio": round(a / b, 2) if a and b else None,
+                              "loadavg_1m": round(os.getloadavg()[0], 2)}
+            print(f"  {size:>6} tokens: kvroute {a} ms / req, sglang-router {b} ms / req "
+                  f"(x{out[str(size)]['ratio']}), load {out[str(size)]['loadavg_1m']}", file=sys.stderr)
+    finally:
+        fleet.stop_router()
+    return out
+
+
+async def _route_block(url: str, bodies: Sequence[bytes], concurrency: int) -> tuple[int, int, float]:
+    """``POST /route`` each body once with ``concurrency`` clients; (answered 200, errors, wall seconds)."""
+    it = iter(bodies)
+    ok = err = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
+
+        async def worker() -> None:
+            nonlocal ok, err
+            for body in it:
+                try:
+                    r = await client.post(url + "/route", content=body,
+                                          headers={"content-type": "application/json"})
+                    ok, err = (ok + 1, err) if r.status_code == 200 else (ok, err + 1)
+                except httpx.HTTPError:
+                    err += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return ok, err, time.perf_counter() - t0
+
+
+def scaling(fleet: Fleet, workers: Sequence[int], size: int, requests: int, concurrency: int, blocks: int,
+            model: str) -> dict[str, Any]:
+    """Part 2: routed requests per second of kvroute with each worker count, interleaved in blocks."""
+    reqs: list[ReplayRequest] = make_requests(requests, size, 1, seed=size + 1)
+    bodies = [json.dumps({"model": model, "prompt": r.prompt, "max_tokens": 1}).encode() for r in reqs]
+    handles = {w: fleet.start_kvroute(policy="ttft", extra_args=[f"--workers={w}"]) for w in workers}
+    done: dict[int, list[float]] = {w: [0, 0, 0.0, 0.0] for w in workers}  # ok, errors, wall s, cpu s
+    try:
+        for h in handles.values():  # warm-up (tokenizer, pools)
+            asyncio.run(_route_block(h.url, bodies[:min(8, len(bodies))], concurrency))
+        per = max(1, len(bodies) // blocks)
+        for b in range(blocks):
+            chunk = bodies[b * per:(b + 1) * per]
+            order = list(workers) if b % 2 == 0 else list(reversed(workers))
+            for w in order:
+                c0 = handles[w].proc.cpu_seconds()
+                ok, err, wall = asyncio.run(_route_block(handles[w].url, chunk, concurrency))
+                acc = done[w]
+                acc[0] += ok
+                acc[1] += err
+                acc[2] += wall
+                acc[3] += handles[w].proc.cpu_seconds() - c0
+    finally:
+        fleet.stop_router()
+    out: dict[str, Any] = {"prompt_tokens": size, "concurrency": concurrency, "cores": os.cpu_count(),
+                           "loadavg_1m": round(os.getloadavg()[0], 2)}
+    for w, (n_ok, n_err, wall_s, cpu_s) in done.items():
+        out[f"workers_{w}"] = {"routed_rps": round(n_ok / wall_s, 2) if wall_s else 0.0, "errors": int(n_err),
+                               "router_cpu_ms_per_req": round(cpu_s * 1000.0 / n_ok, 3) if n_ok else None}
+    base = out[f"workers_{workers[0]}"]["routed_rps"]
+    for w in workers[1:]:
+        out[f"scaling_{w}_over_{workers[0]}"] = round(out[f"workers_{w}"]["routed_rps"] / base, 3) if base else None
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags of ``python -m loadtest.bench_router_cpu``."""
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench_router_cpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt-tokens", default="1024,8192,32768", help="comma-separated prompt lengths, tokens")
+    p.add_argument("--requests", type=int, default=60, help="requests per router and prompt length")
+    p.add_argument("--concurrency", type=int, default=4, help="closed-loop clients in part 1")
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks per target")
+    p.add_argument("--max-tokens", type=int, default=16, help="streamed output tokens per request")
+    p.add_argument("--scaling-workers", default="1,2", help="kvroute worker counts compared in part 2 ('' = skip)")
+    p.add_argument("--scaling-prompt-tokens", type=int, default=8192, help="prompt length of part 2, tokens")
+    p.add_argument("--scaling-requests", type=int, default=400, help="/route requests per worker count")
+    p.add_argument("--scaling-concurrency", type=int, default=16, help="closed-loop clients in part 2")
+    p.add_argument("--skip-cpu", action="store_true", help="only part 2")
+    p.add_argument("--model", default="kvroute-fake")
+    add_harness_args(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    sizes = [int(x) for x in args.prompt_tokens.split(",") if x.strip()]
+    workers = [int(x) for x in args.scaling_workers.split(",") if x.strip()]
+    if any(s < 16 for s in sizes) or any(w < 1 for w in workers) or args.requests < 1 or args.blocks < 1:
+        print("bad --prompt-tokens, --scaling-workers, --requests or --blocks", file=sys.stderr)
+        return 2
+    exit_on_sigterm()
+    engine = EngineOptions(model=args.model, time_scale=0.0, model_path=str(ensure_model_dir()))
+    fleet = Fleet(1, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
+    out: dict[str, Any] = {"loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        fleet.start_engines()
+        if not args.skip_cpu:
+            print(f"bench_router_cpu: CPU per request, prompts {sizes} tokens, {args.requests} requests each",
+                  file=sys.stderr)
+            out["cpu_per_request"] = cpu_per_request(fleet, sizes, args.requests, args.concurrency, args.blocks,
+                                                     args.model, args.max_tokens)
+        if len(workers) > 1:
+            print(f"bench_router_cpu: scaling, workers {workers}, /route at {args.scaling_prompt_tokens} tokens",
+                  file=sys.stderr)
+            out["scaling"] = scaling(fleet, workers, args.scaling_prompt_tokens, args.scaling_requests,
+                                     args.scaling_concurrency, args.blocks, args.model)
+            print(f"  {json.dumps(out['scaling'])}", file=sys.stderr)
+    finally:
+        fleet.stop()
+    out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    if args.json:
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # every process was already stopped by the finally blocks
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

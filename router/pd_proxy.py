@@ -1,0 +1,355 @@
+"""The two-leg orchestrator: serves a disaggregated plan (prefill on P, decode on D) for ``router.proxy.Proxy``.
+
+The proxy calls ``PdLegs.serve`` for a ``Routed`` whose plan is disaggregated (``Routed.disaggregated``); in-place
+plans go through the proxy's ordinary attempts. Per request:
+
+1. both legs are charged BEFORE anything is sent (``_Hold`` on P: the request and its uncached prompt tokens; on
+   D: the request). Charging the decode leg only when it returns is the bug class that sends every request to
+   prefill #0 (sglang #27547, smg #1714);
+2. the legs run by protocol (``pd_protocol``; ``auto``: by the prefill replica's dialect):
+   * ``vllm`` (router/pd_vllm.py): sequential relay. The prefill leg (not streamed, one token) must answer
+     before the decode leg is sent with the returned ``kv_transfer_params``, relayed opaquely;
+   * ``mooncake`` (router/pd_vllm.py): concurrent, the router mints ``transfer_id``;
+   * ``sglang`` (router/pd_sglang.py): concurrent, both legs carry the bootstrap host / port / room;
+     the prefill answer is drained and discarded;
+3. both legs carry the same ``X-Request-Id``; a plan's ``dp_rank`` pins the decode leg with
+   ``X-data-parallel-rank``;
+4. the decode leg's first byte commits the answer through the proxy's own commit path (headers, stream relay,
+   usage feedback, release of D's hold when the response ends); the response also names the prefill replica
+   (``x-kvroute-prefill-replica``);
+5. failures before the first byte: a failed prefill leg (connection error, 5xx, timeout, unreadable answer)
+   falls back to serving in place, on the plan's decode replica first and then the ranking, through the proxy's
+   attempts (which retry before the first byte); a failed decode leg does the same without that replica. Every
+   fallback is counted (``kvroute_pd_fallbacks_total{reason}``) and logged, never silent;
+6. a client that disconnects cancels the request's task: both legs' upstream requests are closed (the engines
+   abort them).
+
+Metrics (on the router's registry): ``kvroute_pd_plans_total{policy,kind}``, ``kvroute_pd_legs_total{replica,leg}``
+(legs sent, to compare with the engines' counters), ``kvroute_pd_leg_seconds{leg}`` (prefill leg: until its answer;
+decode leg: until its first byte), ``kvroute_pd_handoff_seconds`` (sequential relay: from the prefill answer to
+the decode leg's first byte, i.e. KV transfer plus the first decode step), ``kvroute_pd_fallbacks_total{reason}``.
+
+Units: seconds, tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import orjson
+from prometheus_client import Counter, Histogram
+from starlette.responses import Response
+
+from membership.replicas import Replica
+from router import pd_sglang, pd_vllm
+from router.engine_client import EngineError, EngineResponse
+from router.proxy import _ERR_BODY_BYTES, _AttemptFailed, _Hold, error_response
+from router.routing import Routed
+from router.token_ids import IdsPrompt
+
+if TYPE_CHECKING:
+    from router.proxy import Proxy
+
+log = logging.getLogger("kvroute.pd")
+
+_LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0)
+
+
+@dataclass(frozen=True, slots=True)
+class PdConfig:
+    """PD wire settings (from ``Settings``; no defaults here).
+
+    Attributes:
+        protocol: ``auto``, ``vllm``, ``mooncake`` or ``sglang``.
+        default_bootstrap_port: SGLang / Mooncake bootstrap port of prefill replicas that name none.
+    """
+
+    protocol: str
+    default_bootstrap_port: int
+
+
+class PdMetrics:
+    """The PD metrics, registered on the router's registry."""
+
+    def __init__(self, registry: Any) -> None:
+        self.plans = Counter("kvroute_pd_plans", "PD plans dispatched, by policy and kind (in_place, "
+                             "disaggregated)", ["policy", "kind"], registry=registry)
+        self.legs = Counter("kvroute_pd_legs", "PD legs sent, by replica and leg (prefill, decode; in_place: "
+                            "in-place plans, by the planned replica)",
+                            ["replica", "leg"], registry=registry)
+        self.leg_seconds = Histogram("kvroute_pd_leg_seconds", "PD leg latency: prefill leg until its answer, "
+                                     "decode leg until its first byte (s)", ["leg"], buckets=_LEG_BUCKETS,
+                                     registry=registry)
+        self.handoff_seconds = Histogram("kvroute_pd_handoff_seconds", "sequential relay: from the prefill "
+                                         "answer to the decode leg's first byte (KV transfer + first decode "
+                                         "step), s", buckets=_LEG_BUCKETS, registry=registry)
+        self.fallbacks = Counter("kvroute_pd_fallbacks", "disaggregated plans served in place instead, by "
+                                 "reason (prefill_failed, decode_failed, replica_gone, bad_body)", ["reason"],
+                                 registry=registry)
+
+
+class _LegFailed(Exception):
+    """A leg failed before the decode leg's first byte; ``reason`` names it for the fallback metric."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class PdLegs:
+    """Serves disaggregated plans for ``proxy`` (see the module docstring).
+
+    Args:
+        proxy: the proxy whose connection pool, attempt and commit machinery the legs use.
+        config: the PD wire settings.
+    """
+
+    def __init__(self, proxy: Proxy, config: PdConfig) -> None:
+        self.proxy = proxy
+        self.cfg = config
+        self.metrics = PdMetrics(proxy.telemetry.registry)
+        #: prefill legs still draining after the decode leg committed (SGLang / Mooncake), kept referenced
+        self._draining: set[asyncio.Task[None]] = set()
+
+    def count_plan(self, routed: Routed) -> None:
+        """Count the plan of a request about to be served (in place or disaggregated)."""
+        if routed.plan is not None:
+            self.metrics.plans.labels(routed.plan.policy, routed.plan.chosen.kind).inc()
+
+    def protocol_for(self, prefill: Replica) -> str:
+        """The wire protocol for a plan whose prefill replica is ``prefill``."""
+        if self.cfg.protocol != "auto":
+            return self.cfg.protocol
+        return "sglang" if prefill.dialect == "sglang" else "vllm"
+
+    # -- entry point -------------------------------------------------------------------------------------------
+    async def serve_plan(self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str,
+                         ids: IdsPrompt | None) -> Response:
+        """Serve a PD plan: disaggregated through ``serve``; in place through the proxy's attempts."""
+        if not routed.disaggregated:
+            self.count_plan(routed)
+            rep = self.proxy.router.table.by_index(routed.decision.chosen)
+            self.metrics.legs.labels(rep.name if rep else "?", "in_place").inc()
+            return await self.proxy._attempts(routed, path, body, stream, request_id, ids)
+        return await self.serve(routed, path, body, stream, request_id)
+
+    async def serve(self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str) -> Response:
+        """Serve ``routed``'s disaggregated plan; never raises for engine or network failures."""
+        assert routed.plan is not None
+        plan = routed.plan.chosen
+        router = self.proxy.router
+        p_rep = router.table.by_index(plan.prefill) if plan.prefill is not None else None
+        d_rep = router.table.by_index(plan.decode)
+        if p_rep is None or d_rep is None or not p_rep.routable or not d_rep.routable:
+            return await self._fallback(routed, None, "replica_gone", "a replica of the plan left", path, body,
+                                        stream, request_id)
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            return await self._fallback(routed, d_rep, "bad_body", "the body is not a JSON object", path, body,
+                                        stream, request_id)
+        self.count_plan(routed)
+        inp = routed.inp
+        cached_p = routed.cached_tokens.get(p_rep.index, 0)
+        headers = {"content-type": "application/json", "x-request-id": request_id, "accept": "application/json"}
+        d_headers = dict(headers, accept="text/event-stream" if stream else "application/json")
+        if plan.dp_rank is not None:
+            d_headers["x-data-parallel-rank"] = str(plan.dp_rank)
+        deadline = time.monotonic() + self.proxy.cfg.total_timeout_s
+        legs = _Legs(self, routed, p_rep, d_rep, path, obj, stream, request_id, headers, d_headers, deadline,
+                     cached_p)
+        with _Hold(router, None, p_rep, inp.prompt_tokens - cached_p, inp.copies) as hp, \
+                _Hold(router, None, d_rep, 0, inp.copies) as hd:
+            router.record_prediction(p_rep, inp.keys)
+            router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
+            protocol = self.protocol_for(p_rep)
+            try:
+                if protocol == "vllm":
+                    return await legs.sequential(hp, hd)
+                return await legs.concurrent(hp, hd, protocol)
+            except _LegFailed as exc:
+                hp.release()
+                hd.release()
+                failed = d_rep if exc.reason == "decode_failed" else None
+                return await self._fallback(routed, failed, exc.reason, exc.message, path, body, stream,
+                                            request_id, first=d_rep if failed is None else None)
+
+    async def _fallback(self, routed: Routed, exclude: Replica | None, reason: str, message: str, path: str,
+                        body: bytes, stream: bool, request_id: str, *, first: Replica | None = None) -> Response:
+        """Serve in place through the proxy's attempts (``first`` tried first, ``exclude`` never), counted."""
+        self.metrics.fallbacks.labels(reason).inc()
+        if first is not None:
+            self.metrics.legs.labels(first.name, "in_place").inc()
+        log.warning("disaggregated plan served in place", extra={"request_id": request_id, "reason": reason,
+                                                                  "error": message})
+        ranking = [i for i in routed.decision.ranking if exclude is None or i != exclude.index]
+        if first is not None:
+            ranking = [first.index, *[i for i in ranking if i != first.index]]
+        in_place = Routed(inp=routed.inp, decision=routed.decision, candidates=routed.candidates,
+                          cached_tokens=routed.cached_tokens, decision_s=routed.decision_s, extra=routed.extra)
+        in_place.decision = type(routed.decision)(chosen=ranking[0] if ranking else routed.decision.chosen,
+                                                  ranking=ranking, scores=routed.decision.scores,
+                                                  policy=routed.decision.policy, branch="pd_fallback")
+        if not ranking:
+            return error_response(503, f"disaggregated plan failed ({message}) and no replica can serve in "
+                                  "place", "no_routable_replica", headers={"x-request-id": request_id})
+        return await self.proxy._attempts(in_place, path, body, stream, request_id)
+
+    def keep_draining(self, task: asyncio.Task[None]) -> None:
+        """Keep a prefill leg that still drains after the decode leg committed referenced until it ends."""
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+
+
+class _Legs:
+    """One request's two legs (state shared by the protocol runners)."""
+
+    def __init__(self, owner: PdLegs, routed: Routed, p_rep: Replica, d_rep: Replica, path: str,
+                 obj: dict[str, Any], stream: bool, request_id: str, headers: dict[str, str],
+                 d_headers: dict[str, str], deadline: float, cached_p: int) -> None:
+        self.owner, self.proxy, self.metrics = owner, owner.proxy, owner.metrics
+        self.routed, self.p_rep, self.d_rep, self.path, self.obj = routed, p_rep, d_rep, path, obj
+        self.stream, self.request_id, self.headers, self.d_headers = stream, request_id, headers, d_headers
+        self.deadline, self.cached_p = deadline, cached_p
+        self.t0 = time.monotonic()
+        #: the router asked the decode engine for stream usage the client did not ask for (removed again)
+        self.strip_usage = False
+
+    # -- protocols ---------------------------------------------------------------------------------------------
+    async def sequential(self, hp: _Hold, hd: _Hold) -> Response:
+        """vLLM NIXL relay: prefill leg, then the decode leg with the returned ``kv_transfer_params``."""
+        answer = await self._prefill(hp, pd_vllm.nixl_prefill_body(self.obj))
+        params = pd_vllm.returned_params(answer)
+        if params is None:
+            log.warning("prefill answer without kv_transfer_params: the decode engine recomputes",
+                        extra={"request_id": self.request_id, "replica": self.p_rep.name})
+        t_handoff = time.monotonic()
+        resp, first = await self._open_decode(pd_vllm.decode_body(self.obj, params))
+        self.metrics.handoff_seconds.observe(time.monotonic() - t_handoff)
+        return await self._commit(hd, resp, first)
+
+    async def concurrent(self, hp: _Hold, hd: _Hold, protocol: str) -> Response:
+        """SGLang bootstrap / Mooncake push: both legs at once; the decode leg's answer goes to the client."""
+        host = urlsplit(self.p_rep.url).hostname or ""
+        port = self.p_rep.bootstrap_port or self.owner.cfg.default_bootstrap_port
+        if protocol == "sglang":
+            p_body, d_body, _ = pd_sglang.bodies(self.obj, host, port)
+        else:
+            engine_id = pd_vllm.mooncake_engine_id(self.p_rep.labels.get("engine_id", self.p_rep.name),
+                                                   None if self.p_rep.dp_size <= 1 else 0)
+            addr = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+            p_body, d_body = pd_vllm.mooncake_bodies(self.obj, pd_vllm.new_transfer_id(), engine_id, addr)
+        prefill = asyncio.ensure_future(self._drain_prefill(hp, p_body))
+        decode = asyncio.ensure_future(self._open_decode(d_body))
+        try:
+            await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            failed = prefill.exception() if prefill.done() else None
+            if failed is not None and not decode.done():
+                raise failed  # the decode leg would wait for a room nobody fills
+            resp, first = await decode
+        except BaseException:
+            for task in (prefill, decode):
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(prefill, decode, return_exceptions=True)
+            raise
+        if not prefill.done():
+            hp.hand_over()  # the draining prefill leg releases P when it ends
+            self.owner.keep_draining(prefill)
+        elif prefill.exception() is not None:
+            log.warning("prefill leg failed after the decode leg answered",
+                        extra={"request_id": self.request_id, "replica": self.p_rep.name,
+                               "error": str(prefill.exception())})
+        return await self._commit(hd, resp, first)
+
+    # -- legs --------------------------------------------------------------------------------------------------
+    async def _prefill(self, hp: _Hold, body: dict[str, Any]) -> Any:
+        """Send the prefill leg and read its whole answer (parsed JSON); releases ``hp``. Raises _LegFailed."""
+        content = await self._prefill_bytes(hp, body)
+        try:
+            return orjson.loads(content)
+        except orjson.JSONDecodeError:
+            raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name} answered a body that is not "
+                             "JSON") from None
+
+    async def _prefill_bytes(self, hp: _Hold, body: dict[str, Any]) -> bytes:
+        """Send the prefill leg and read its whole answer; releases ``hp``. Raises _LegFailed (also on >= 400)."""
+        self.metrics.legs.labels(self.p_rep.name, "prefill").inc()
+        t0 = time.monotonic()
+        try:
+            resp, first = await self.proxy._open(self.p_rep, self.path, orjson.dumps(body), self.headers,
+                                                 self.deadline)
+        except _AttemptFailed as exc:
+            self._connection_failed(self.p_rep, exc)
+            raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name}: {exc.message}") from None
+        finally:
+            hp.first_byte()
+        content = await self._read(resp, first, self.p_rep)
+        hp.release()
+        self.metrics.leg_seconds.labels("prefill").observe(time.monotonic() - t0)
+        if resp.status >= 400:
+            raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name} answered {resp.status}: "
+                             f"{content[:300].decode(errors='replace')}")
+        return content
+
+    async def _drain_prefill(self, hp: _Hold, body: dict[str, Any]) -> None:
+        """A concurrent prefill leg: send it, drain and discard its answer; releases ``hp``. Raises _LegFailed."""
+        try:
+            await self._prefill_bytes(hp, body)  # drained and discarded (SGLang / Mooncake: nothing to relay)
+        finally:
+            hp.release()
+
+    async def _read(self, resp: EngineResponse, first: bytes, rep: Replica) -> bytes:
+        """The whole (bounded) body of a leg's answer; the connection goes back to the pool. Raises _LegFailed."""
+        cfg = self.proxy.cfg
+        try:
+            content = await resp.read_body(first, max_bytes=max(cfg.max_body_bytes, _ERR_BODY_BYTES),
+                                           idle_timeout_s=cfg.body_idle_timeout_s, deadline=self.deadline)
+        except (TimeoutError, EngineError) as exc:
+            resp.close()
+            raise _LegFailed("prefill_failed", f"prefill leg on {rep.name}: answer unreadable "
+                             f"({type(exc).__name__})") from None
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        return content
+
+    async def _open_decode(self, body: dict[str, Any]) -> tuple[EngineResponse, bytes]:
+        """Send the decode leg and wait for its first byte. Raises _LegFailed."""
+        self.metrics.legs.labels(self.d_rep.name, "decode").inc()
+        payload, self.strip_usage = self.proxy._payload(self.d_rep, orjson.dumps(body), self.stream, None)
+        t0 = time.monotonic()
+        try:
+            resp, first = await self.proxy._open(self.d_rep, self.path, payload, self.d_headers, self.deadline)
+        except _AttemptFailed as exc:
+            self._connection_failed(self.d_rep, exc)
+            raise _LegFailed("decode_failed", f"decode leg on {self.d_rep.name}: {exc.message}") from None
+        self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - t0)
+        return resp, first
+
+    async def _commit(self, hd: _Hold, resp: EngineResponse, first: bytes) -> Response:
+        """The client's answer from the decode leg (the proxy's commit path; it takes over ``hd`` for streams)."""
+        hd.first_byte()
+        ttft = time.monotonic() - self.t0
+        out = await self.proxy._commit(hd, self.routed, resp, first, ttft, self.deadline, self.stream,
+                                       self.request_id, self.cached_p, self.strip_usage)
+        out.headers["x-kvroute-prefill-replica"] = self.p_rep.name
+        out.headers["x-kvroute-plan"] = "disaggregated"
+        return out
+
+    def _connection_failed(self, rep: Replica, exc: _AttemptFailed) -> None:
+        """Log a failed leg; a connection failure is the replica's passive health signal."""
+        log.warning("PD leg failed", extra={"request_id": self.request_id, "replica": rep.name,
+                                            "reason": exc.reason, "error": exc.message})
+        if exc.connection:
+            self.proxy.on_connection_failure(rep, exc.message)

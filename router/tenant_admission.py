@@ -1,0 +1,220 @@
+"""The identity-and-admission step of the routing core (issue 20), callable by every front door.
+
+A front door (the HTTP proxy in ``router.app``, ``/route``, the gRPC endpoint picker) calls, with plain values
+and no HTTP objects:
+
+1. ``identify(headers, body_priority) -> Identity`` (``router.tenants``; ``BadIdentity`` -> 400);
+2. ``check_slo(identity, best_predicted_s)`` when the request has a TTFT target and a decision was priced
+   (``Rejected`` 429 ``slo_unattainable``: refused before it queues);
+3. ``await admit(identity, prompt_tokens, max_output_tokens) -> Ticket``: the tenant's token quota
+   (``membership.tenant_budget``: shared by router replicas through Redis; ``Rejected`` 429 ``quota`` with the
+   seconds until the bucket refills), then a slot of the router's in-flight limit (``router.admission``: the
+   queue ordered by priority then weighted fair share; 429 ``queue_full``, 503 ``queue_timeout`` /
+   ``preempted``);
+4. ``ticket.release()`` exactly once when the response is over (idempotent).
+
+``admit_request(headers, summary)`` runs 1 and 3 in one call for doors that do not price a decision first.
+``rejection_response`` renders a ``Rejected`` as the HTTP answer: OpenAI-style JSON with ``error.reason``, a
+``Retry-After`` header and ``x-kvroute-rejected-reason``.
+
+Units: tokens, seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+from membership.tenant_budget import TenantBudget
+from policies.admission_slo import slo_unattainable
+from policies.base import Observation
+from router.admission import Admission, Rejected
+from router.tenant_metrics import TenantMetrics
+from router.tenants import BadIdentity, Identity, TenancyConfig, parse_identity, request_cost
+
+#: response header naming why a request was refused (llm-d sends ``x-llm-d-request-dropped-reason``)
+REASON_HEADER = "x-kvroute-rejected-reason"
+
+
+@dataclass(frozen=True, slots=True)
+class BodySummary:
+    """What admission needs from a request body.
+
+    Attributes:
+        prompt_tokens: prompt length, tokens.
+        max_output_tokens: ``max_tokens`` / ``max_completion_tokens`` (None when not given), tokens.
+        priority: the value of the body's ``priority_body_field`` (None when absent).
+    """
+
+    prompt_tokens: int
+    max_output_tokens: int | None = None
+    priority: Any = None
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted request: holds one in-flight slot until ``release``.
+
+    Attributes:
+        identity: who it is for.
+        cost: tokens charged to the tenant's quota.
+        waited_s: time spent in the router queue, seconds.
+        budget_mode: the quota mode that admitted it (``shared``, ``local_fallback``, ``local``, ``none``).
+    """
+
+    identity: Identity
+    cost: int
+    waited_s: float
+    budget_mode: str
+    _slots: Admission | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Give the slot back (once; later calls do nothing)."""
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.release()
+
+
+#: the identity and predicted TTFT of the request the current task serves (read by ``observe``)
+_CURRENT: ContextVar[tuple[Identity, float | None] | None] = ContextVar("kvroute_tenant_current", default=None)
+
+
+class TenantAdmission:
+    """Identity, quotas, the fair queue and SLO rejection (see the module docstring).
+
+    Args:
+        cfg: the tenancy configuration (``TenancyConfig.from_settings``).
+        budget: the token buckets (Redis-shared or local).
+        slots: the router's in-flight limit and its queue.
+        metrics: per-tenant / per-class metrics.
+    """
+
+    def __init__(self, cfg: TenancyConfig, budget: TenantBudget, slots: Admission, metrics: TenantMetrics) -> None:
+        self.cfg = cfg
+        self.budget = budget
+        self.slots = slots
+        self.metrics = metrics
+
+    # -- the steps -------------------------------------------------------------------------------------
+    def identify(self, headers: Mapping[str, str], body_priority: Any = None) -> Identity:
+        """Tenant, class and TTFT target (``headers`` with lower-case names).
+
+        Raises:
+            BadIdentity: a malformed header or body field (answer 400).
+        """
+        try:
+            return parse_identity(headers, body_priority, self.cfg)
+        except BadIdentity:
+            self.metrics.rejected.labels("?", "bad_identity").inc()
+            raise
+
+    def check_slo(self, identity: Identity, best_predicted_s: float | None) -> None:
+        """Refuse a request whose best predicted TTFT misses its target by more than ``slo_reject_factor``.
+
+        Raises:
+            Rejected: 429 ``slo_unattainable``.
+        """
+        target = identity.ttft_target_s
+        if not slo_unattainable(best_predicted_s, target, self.cfg.slo_reject_factor):
+            return
+        self._count_reject(identity, "slo_unattainable")
+        raise Rejected(429, "slo_unattainable", "slo_unattainable",
+                       f"best predicted TTFT {best_predicted_s:.3f}s exceeds the target {target:.3f}s x "
+                       f"{self.cfg.slo_reject_factor:g} (slo_reject_factor)", wire_reason="slo_unattainable",
+                       retry_after_s=best_predicted_s)
+
+    async def admit(self, identity: Identity, prompt_tokens: int, max_output_tokens: int | None) -> Ticket:
+        """Charge the tenant's quota, then take an in-flight slot (maybe after a bounded, fair wait).
+
+        Raises:
+            Rejected: 429 ``quota`` / ``queue_full``, 503 ``queue_timeout`` / ``preempted``.
+        """
+        cost = request_cost(prompt_tokens, max_output_tokens, self.cfg)
+        mode = await self._charge(identity, cost)
+        try:
+            waited = await self.slots.acquire(identity.tenant, identity.priority, identity.weight, cost)
+        except Rejected as exc:
+            self._count_reject(identity, exc.wire_reason)
+            raise
+        label = self.metrics.tenant_label(identity.tenant)
+        self.metrics.requests.labels(label, identity.klass.name).inc()
+        self.metrics.tokens.labels(label).inc(cost)
+        return Ticket(identity, cost, waited, mode, self.slots)
+
+    async def admit_request(self, headers: Mapping[str, str], summary: BodySummary) -> Ticket:
+        """``identify`` + ``admit`` in one call (front doors without a priced decision, e.g. the EPP).
+
+        Raises:
+            BadIdentity, Rejected: see ``identify`` and ``admit``.
+        """
+        identity = self.identify(headers, summary.priority)
+        return await self.admit(identity, summary.prompt_tokens, summary.max_output_tokens)
+
+    async def _charge(self, identity: Identity, cost: int) -> str:
+        policy = identity.policy
+        if policy.tokens_per_s <= 0:
+            return "none"
+        answer = await self.budget.take(identity.tenant, policy.tokens_per_s, policy.burst_tokens, cost)
+        if answer.admitted:
+            return answer.mode
+        self._count_reject(identity, "quota")
+        if math.isinf(answer.wait_s):
+            msg = (f"request needs {cost} tokens (prompt + max output), more than tenant {identity.tenant!r}'s "
+                   f"burst of {policy.burst_tokens:g} tokens")
+        else:
+            msg = (f"tenant {identity.tenant!r} is over its quota of {policy.tokens_per_s:g} tokens/s "
+                   f"({answer.mode}); {cost} tokens free up in {answer.wait_s:.1f}s")
+        raise Rejected(429, "quota_exceeded", "tenant_quota", msg, wire_reason="quota",
+                       retry_after_s=None if math.isinf(answer.wait_s) else answer.wait_s)
+
+    def _count_reject(self, identity: Identity, reason: str) -> None:
+        self.metrics.rejected.labels(self.metrics.tenant_label(identity.tenant), reason).inc()
+
+    # -- feedback --------------------------------------------------------------------------------------
+    def serving(self, identity: Identity, predicted_s: float | None, reused_tokens: int) -> None:
+        """The request is about to be forwarded: remember it for ``observe`` (same task) and count its reuse."""
+        _CURRENT.set((identity, predicted_s))
+        self.metrics.reused.labels(self.metrics.tenant_label(identity.tenant)).inc(max(0, reused_tokens))
+
+    def observe(self, obs: Observation) -> None:
+        """A TTFT observation of the request the current task serves (``Router.on_observation``)."""
+        current = _CURRENT.get()
+        if current is None:
+            return
+        identity, predicted = current
+        self.metrics.ttft.labels(self.metrics.tenant_label(identity.tenant)).observe(obs.ttft_s)
+        if predicted is not None and math.isfinite(predicted):
+            self.metrics.predicted.labels(identity.klass.name).observe(predicted)
+            self.metrics.observed.labels(identity.klass.name).observe(obs.ttft_s)
+
+    def readiness(self) -> dict[str, Any]:
+        """The quota mode for ``/readyz`` detail."""
+        mode = self.budget.mode
+        out: dict[str, Any] = {"quotas": self.cfg.quotas_on, "budget_mode": mode}
+        if mode == "local_fallback":
+            out["detail"] = (f"Redis unreachable: each router enforces 1/{self.budget.expected_routers} of every "
+                             "tenant quota (tenant_expected_routers) until it is back")
+        return out
+
+
+def rejection_response(exc: Rejected, default_retry_after_s: int) -> Response:
+    """The HTTP answer to a refused request: JSON with ``error.reason``, ``Retry-After`` and the reason header."""
+    retry = default_retry_after_s if exc.retry_after_s is None else max(1, math.ceil(exc.retry_after_s))
+    err_type = "invalid_request_error" if exc.status < 500 else "server_error"
+    body = orjson.dumps({"error": {"message": exc.message, "type": err_type, "code": exc.code, "param": None,
+                                   "reason": exc.wire_reason}})
+    return Response(body, status_code=exc.status, media_type="application/json",
+                    headers={"retry-after": str(retry), REASON_HEADER: exc.wire_reason})
+
+
+def bad_identity_response(exc: BadIdentity) -> Response:
+    """The 400 answer to a malformed tenant / priority / TTFT-target header (JSON naming it)."""
+    body = orjson.dumps({"error": {"message": exc.message, "type": "invalid_request_error",
+                                   "code": "invalid_identity", "param": exc.param, "reason": "bad_header"}})
+    return Response(body, status_code=400, media_type="application/json")

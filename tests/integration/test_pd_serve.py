@@ -1,0 +1,227 @@
+"""Prefill/decode disaggregation end to end: ``kvroute serve`` in front of PD stand-in engines (issue 19).
+
+The stand-in engines speak the PD protocols (loadtest/fake_pd.py): a decode engine that gets no or wrong hand-off
+parameters recomputes and counts it, a vLLM prefill leg that is streamed or asks for more than one token is
+counted, DP ranks are counted per rank, aborts are counted. So every test here fails when the router gets the
+protocol wrong. Every request is compared with the plan ``POST /route`` predicted for it just before.
+
+Plans are forced to disaggregate (``pd_ttft`` with ``decode_prefills=false``: decode replicas never prefill a
+whole prompt themselves) so every request exercises both legs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtest.fleet import EngineOptions, Fleet, pd_roles
+from tests.helpers import metric, wait_until
+
+PROMPT = [1000 + (i * 7) % 5000 for i in range(600)]  # token ids: no tokenizer involved
+
+
+def _fleet(dialect: str, protocol: str | None, *, time_scale: float = 0.01, dp: int = 1, prefill: int = 1,
+           decode: int = 1) -> Fleet:
+    opts = EngineOptions(dialect=dialect, kv_events_format="sglang" if dialect == "sglang" else "vllm",
+                         time_scale=time_scale, pd_protocol=protocol, data_parallel_size=dp)
+    fleet = Fleet(prefill + decode, opts, roles=pd_roles(prefill, decode))
+    try:
+        fleet.start_engines()
+        fleet.start_kvroute("ttft", extra_args=["--pd-policy", "pd_ttft", "--pd-policy-params",
+                                                "decode_prefills=false", "--max-retries", "1",
+                                                "--pd-protocol", protocol or "auto"])
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet() -> Iterator[Fleet]:
+    fleet = _fleet("vllm", None, dp=2)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def sglang_fleet() -> Iterator[Fleet]:
+    fleet = _fleet("sglang", None, time_scale=1.0)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def _url(fleet: Fleet) -> str:
+    assert fleet.router is not None
+    return fleet.router.url
+
+
+def _body(chat: bool, stream: bool, prompt: list[int] | None = None, max_tokens: int = 4) -> tuple[str, dict[str, Any]]:
+    ids = prompt or PROMPT
+    if chat:
+        text = " ".join(f"w{t}" for t in ids[:300])
+        return "/v1/chat/completions", {"model": "kvroute-fake", "messages": [{"role": "user", "content": text}],
+                                        "max_tokens": max_tokens, "stream": stream}
+    return "/v1/completions", {"model": "kvroute-fake", "prompt": ids, "max_tokens": max_tokens, "stream": stream}
+
+
+def _route(fleet: Fleet, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    route_body = {k: v for k, v in body.items() if k not in ("stream", "max_tokens")}
+    r = httpx.post(_url(fleet) + "/route", json=route_body, timeout=10)
+    assert r.status_code == 200, r.text
+    plan = r.json()["plan"]
+    assert plan is not None
+    return dict(plan["chosen"])
+
+
+def _serve(fleet: Fleet, path: str, body: dict[str, Any]) -> tuple[httpx.Response, str]:
+    r = httpx.post(_url(fleet) + path, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r, r.text
+
+
+def _engine(fleet: Fleet, name: str) -> str:
+    return next(e.url for e in fleet.engines if e.name == name)
+
+
+def _check_served_as_planned(fleet: Fleet, plan: dict[str, Any], r: httpx.Response, stream: bool) -> None:
+    assert plan["kind"] == "disaggregated"
+    assert r.headers["x-kvroute-replica"] == plan["decode"]["name"]
+    assert r.headers["x-kvroute-prefill-replica"] == plan["prefill"]["name"]
+    assert set(plan["terms"]) >= {"Q_p", "R_p", "C_p", "handoff", "decode_first"}
+    if stream:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.text.rstrip().endswith("data: [DONE]") and "event: error" not in r.text
+    else:
+        out = r.json()
+        assert out["choices"] and "kv_transfer_params" not in out
+
+
+def _wire_clean(fleet: Fleet) -> None:
+    """No decode engine recomputed or lacked its parameters; no prefill leg broke the relay rules."""
+    for e in fleet.engines:
+        assert metric(e.url, "fake_pd_recomputed_total") == 0, e.name
+        assert metric(e.url, "fake_pd_missing_params_total") == 0, e.name
+        assert metric(e.url, "fake_pd_bad_prefill_total") == 0, e.name
+
+
+@pytest.mark.parametrize(("chat", "stream"), [(False, False), (False, True), (True, False), (True, True)])
+def test_vllm_relay_served_as_planned(vllm_fleet: Fleet, chat: bool, stream: bool) -> None:
+    path, body = _body(chat, stream)
+    plan = _route(vllm_fleet, path, body)
+    p_url, d_url = _engine(vllm_fleet, plan["prefill"]["name"]), _engine(vllm_fleet, plan["decode"]["name"])
+    before = (metric(p_url, "fake_pd_requests_total", leg="prefill"), metric(d_url, "fake_pd_handoffs_total"),
+              metric(d_url, "fake_dp_rank_requests_total", rank=str(plan["dp_rank"])))
+    r, _ = _serve(vllm_fleet, path, body)
+    _check_served_as_planned(vllm_fleet, plan, r, stream)
+    assert metric(p_url, "fake_pd_requests_total", leg="prefill") == before[0] + 1
+    assert metric(d_url, "fake_pd_handoffs_total") == before[1] + 1  # the KV arrived: relayed params were right
+    assert plan["dp_rank"] in (0, 1)  # the decode engine has 2 DP ranks: the plan pins one, the header carries it
+    assert metric(d_url, "fake_dp_rank_requests_total", rank=str(plan["dp_rank"])) == before[2] + 1
+    _wire_clean(vllm_fleet)
+    router = _url(vllm_fleet)
+    assert metric(router, "kvroute_pd_legs_total", replica=plan["decode"]["name"], leg="decode") >= 1
+    assert metric(router, "kvroute_pd_plans_total", kind="disaggregated") >= 1
+
+
+def test_sglang_bootstrap_served_as_planned(sglang_fleet: Fleet) -> None:
+    for chat, stream in [(False, False), (True, True), (False, True)]:
+        path, body = _body(chat, stream)
+        plan = _route(sglang_fleet, path, body)
+        d_url = _engine(sglang_fleet, plan["decode"]["name"])
+        p_url = _engine(sglang_fleet, plan["prefill"]["name"])
+        before = metric(d_url, "fake_pd_handoffs_total"), metric(p_url, "fake_pd_requests_total", leg="prefill")
+        r, _ = _serve(sglang_fleet, path, body)
+        _check_served_as_planned(sglang_fleet, plan, r, stream)
+        assert metric(d_url, "fake_pd_handoffs_total") == before[0] + 1  # joined the right room on the right port
+        assert metric(p_url, "fake_pd_requests_total", leg="prefill") == before[1] + 1
+    _wire_clean(sglang_fleet)
+
+
+def test_sglang_cancelled_client_cancels_both_legs(sglang_fleet: Fleet) -> None:
+    """A client that leaves while the prefill runs: the prefill leg is aborted on P and the decode leg, waiting
+    in its bootstrap room on D, is aborted too."""
+    long_prompt = [7 + (i * 13) % 9000 for i in range(40_000)]  # ~4 s of prefill on the a100 profile
+    path, body = _body(False, True, long_prompt)
+    plan = _route(sglang_fleet, path, body)
+    p_url, d_url = _engine(sglang_fleet, plan["prefill"]["name"]), _engine(sglang_fleet, plan["decode"]["name"])
+    p0, d0 = metric(p_url, "fake_requests_aborted_total"), metric(d_url, "fake_requests_aborted_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(_url(sglang_fleet) + path, json=body, timeout=httpx.Timeout(10.0, read=0.8))
+    wait_until(lambda: metric(p_url, "fake_requests_aborted_total") > p0, 10.0, what="prefill leg aborted")
+    wait_until(lambda: metric(d_url, "fake_requests_aborted_total") > d0, 10.0, what="decode leg aborted")
+    assert metric(_url(sglang_fleet), "kvroute_upstream_errors_total", reason="client_disconnected") >= 1
+
+
+def test_vllm_killed_prefill_falls_back_in_place_counted() -> None:
+    fleet = _fleet("vllm", None)
+    try:
+        path, body = _body(False, False)
+        plan = _route(fleet, path, body)
+        prefill = next(e for e in fleet.engines if e.name == plan["prefill"]["name"])
+        d_url = _engine(fleet, plan["decode"]["name"])
+        prefill.proc.stop()  # killed: the next prefill leg cannot connect
+        r, _ = _serve(fleet, path, body)
+        assert r.headers["x-kvroute-replica"] == plan["decode"]["name"]  # served in place on the plan's decode
+        assert "x-kvroute-prefill-replica" not in r.headers and r.json()["choices"]
+        assert metric(_url(fleet), "kvroute_pd_fallbacks_total", reason="prefill_failed") == 1
+        assert metric(d_url, "fake_pd_recomputed_total", reason="missing_params") == 1  # it prefilled itself
+    finally:
+        fleet.stop()
+
+
+def test_mooncake_transfer_id_served_as_planned() -> None:
+    fleet = _fleet("vllm", "mooncake")
+    try:
+        for stream in (False, True):
+            path, body = _body(True, stream)
+            plan = _route(fleet, path, body)
+            d_url = _engine(fleet, plan["decode"]["name"])
+            before = metric(d_url, "fake_pd_handoffs_total")
+            r, _ = _serve(fleet, path, body)
+            _check_served_as_planned(fleet, plan, r, stream)
+            assert metric(d_url, "fake_pd_handoffs_total") == before + 1
+        _wire_clean(fleet)
+    finally:
+        fleet.stop()
+
+
+def test_both_legs_charged_before_dispatch_spread_prefills(tmp_path: Any) -> None:
+    """Concurrent requests on 2 prefill + 1 decode engines: both prefill engines get work (a router that counts
+    the load only after the decode leg returns sends every request to prefill #0: sglang #27547)."""
+    fleet = _fleet("vllm", None, time_scale=0.5, prefill=2)
+    try:
+        results: list[int] = []
+
+        def one(i: int) -> None:
+            path, body = _body(False, False, [50_000 + i * 3000 + t for t in range(3000)], max_tokens=2)
+            results.append(httpx.post(_url(fleet) + path, json=body, timeout=60).status_code)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [200] * 6
+        legs = [metric(e.url, "fake_pd_requests_total", leg="prefill") for e in fleet.engines if e.role == "prefill"]
+        assert sum(legs) == 6 and min(legs) >= 1, legs
+        _wire_clean(fleet)
+    finally:
+        fleet.stop()
+
+
+def test_route_json_lists_every_plan_with_terms(vllm_fleet: Fleet) -> None:
+    path, body = _body(False, False)
+    r = httpx.post(_url(vllm_fleet) + "/route", json={k: v for k, v in body.items() if k != "stream"}, timeout=10)
+    plan = r.json()["plan"]
+    assert plan["policy"] == "pd_ttft" and plan["plans"][0] == plan["chosen"]
+    assert all(p["predicted_ttft_s"] is not None and p["terms"] for p in plan["plans"])
+    json.dumps(plan)

@@ -1,0 +1,118 @@
+"""Router.decide_plan: PD candidates from the table, the plan policy's decision, its co-located view and JSON.
+
+A fixed test policy (registered here, pure) stands in for the plan policies so these tests pin the router's side
+of the interface only: which candidates and roles the policy sees, and what the router makes of its plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from index.prefix_index import PrefixIndex
+from membership.replicas import ReplicaState, ReplicaTable
+from policies.base import Observation, RouteRequest, make_policy
+from policies.pd_base import HandoffLink, PdCandidate, Plan, PlanDecision, make_pd_policy, register_pd
+from router.config import ReplicaSpec
+from router.routing import NoReplica, Router, build_profile, decision_json, plan_json
+from tests.helpers import FakeClock
+
+BS = 16
+
+
+class _Seen:
+    candidates: list[PdCandidate] = []
+    link: HandoffLink | None = None
+
+
+@register_pd("pd_test_first_pair")
+class FirstPair:
+    """Disaggregates on the first prefill and the first decode candidate; in place when there is no pair."""
+
+    name = "pd_test_first_pair"
+
+    def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
+                    link: HandoffLink) -> PlanDecision:
+        _Seen.candidates, _Seen.link = list(candidates), link
+        pre = [c for c in candidates if c.role == "prefill"]
+        dec = [c for c in candidates if c.role in ("decode", "both")]
+        if not dec:
+            raise ValueError("no decode-capable replica")
+        in_place = [Plan("in_place", d.index, predicted_ttft_s=1.0 + i, terms={"Q": 0.5, "R": 0.0, "C": 0.5 + i})
+                    for i, d in enumerate(dec)]
+        if not pre:
+            return PlanDecision(chosen=in_place[0], plans=in_place, policy=self.name, branch="no_prefill")
+        pair = Plan("disaggregated", dec[0].index, prefill=pre[0].index, predicted_ttft_s=0.4, dp_rank=1,
+                    terms={"Q_p": 0.1, "R_p": 0.0, "C_p": 0.2, "handoff": 0.05, "decode_first": 0.05})
+        return PlanDecision(chosen=pair, plans=[pair, *in_place], policy=self.name)
+
+    def observe(self, observation: Observation) -> None:
+        """Nothing to learn."""
+
+
+def make_router(roles: list[str]) -> Router:
+    table = ReplicaTable()
+    for i, role in enumerate(roles):
+        table.upsert(f"r{i}", f"http://127.0.0.1:{9000 + i}", models=["m"], profile=build_profile("a100"),
+                     role=role, dp_size=2 if role == "decode" else 1)
+        table.set_state(f"r{i}", ReplicaState.READY)
+    router = Router(table, PrefixIndex(block_size=BS, clock=FakeClock()), make_policy("round_robin"),
+                    block_size=BS, clock=FakeClock())
+    router.pd_policy_factory = lambda: make_pd_policy("pd_test_first_pair")
+    router.pd_link = HandoffLink(bandwidth_bytes_per_s=25e9, latency_s=0.001)
+    return router
+
+
+def test_pd_fleet_gets_a_plan_with_roles_and_link() -> None:
+    router = make_router(["prefill", "decode", "both"])
+    inp = router.make_input("m", None, list(range(1, 300)))
+    router.index.store(0, None, inp.keys[:10])  # the prefill replica holds 160 tokens
+    routed = router.decide(inp)
+    assert routed.plan is not None and routed.disaggregated
+    assert routed.plan.chosen.prefill == 0 and routed.plan.chosen.decode == 1
+    assert [(c.index, c.role, c.dp_rank_count) for c in _Seen.candidates] == [(0, "prefill", 1), (1, "decode", 2),
+                                                                             (2, "both", 1)]
+    assert _Seen.link == HandoffLink(25e9, 0.001)
+    # the co-located view: decode-capable replicas only (never the prefill-only one), best plan first
+    assert routed.decision.chosen == 1 and routed.decision.ranking == [1, 2]
+    assert routed.plan.reuse is not None and routed.plan.reuse.achieved_tokens == 160  # reuse on the prefiller
+    out = decision_json(routed, router.table, BS)
+    plan = out["plan"]
+    assert plan["chosen"]["kind"] == "disaggregated" and plan["chosen"]["prefill"]["name"] == "r0"
+    assert plan["chosen"]["decode"]["role"] == "decode" and plan["chosen"]["dp_rank"] == 1
+    assert plan["chosen"]["terms"] == {"Q_p": 0.1, "R_p": 0.0, "C_p": 0.2, "handoff": 0.05, "decode_first": 0.05}
+    assert [p["kind"] for p in plan["plans"]] == ["disaggregated", "in_place", "in_place"]
+    assert plan["plans"][1]["terms"] == {"Q": 0.5, "R": 0.0, "C": 0.5}
+
+
+def test_colocated_fleet_never_plans() -> None:
+    router = make_router(["both", "both"])
+    routed = router.decide(router.make_input("m", None, list(range(1, 100))))
+    assert routed.plan is None and not routed.disaggregated and routed.decision.policy == "round_robin"
+    assert decision_json(routed, router.table, BS)["plan"] is None
+    assert plan_json(routed, router.table) is None
+
+
+def test_excluded_prefill_leaves_an_in_place_plan_and_infeasible_is_503() -> None:
+    router = make_router(["prefill", "decode"])
+    inp = router.make_input("m", None, list(range(1, 100)))
+    routed = router.decide(inp, exclude=[0])
+    assert routed.plan is not None and routed.plan.chosen.kind == "in_place" and not routed.disaggregated
+    with pytest.raises(NoReplica, match="no feasible prefill/decode plan"):
+        router.decide(inp, exclude=[1])
+
+
+def test_unknown_pd_policy_is_a_clear_503() -> None:
+    router = make_router(["prefill", "decode"])
+    router.pd_policy_factory = lambda: make_pd_policy("pd_does_not_exist")
+    with pytest.raises(NoReplica, match="cannot build the PD plan policy"):
+        router.decide(router.make_input("m", None, [1, 2, 3]))
+
+
+def test_static_spec_carries_role_bootstrap_port_and_dp_size() -> None:
+    spec = ReplicaSpec.parse("name=p0,url=http://10.0.0.1:30000,dialect=sglang,role=prefill,bootstrap_port=9100,"
+                             "dp_size=2")
+    assert (spec.role, spec.bootstrap_port, spec.dp_size) == ("prefill", 9100, 2)
+    with pytest.raises(ValueError):
+        ReplicaSpec.parse("url=http://h:1,role=encoder")
