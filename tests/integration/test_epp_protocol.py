@@ -251,3 +251,34 @@ def test_no_ready_replica_is_503_and_shedding_is_429() -> None:
         if g is not None:
             g.router.stop()
         engine.stop()
+
+
+def test_tenant_identity_quota_and_slo_through_the_picker() -> None:
+    """The picker admits like the HTTP front door (router/tenant_admission.py): a malformed identity header is a
+    400 naming it, a tenant over its quota a 429 ``quota``, an unattainable TTFT target a 429
+    ``slo_unattainable``, and an admitted request is counted for its tenant and class."""
+    engine, port = _engine(4)
+    quota = json.dumps({"small": {"tokens_per_s": 1, "burst_tokens": 20}})
+    g: Fleet | None = None
+    try:
+        g = start_epp([f"http://127.0.0.1:{port}"], "--tenants", quota, ready=1)
+        bad = g.stream().request("/v1/completions", _body("hi"), headers={"x-kvroute-priority": "whenever"})
+        assert bad.status == 400 and json.loads(bad.immediate.body)["error"]["param"] == "x-kvroute-priority"
+        over = g.stream().request("/v1/completions", _body("a prompt longer than twenty tokens " * 3),
+                                  headers={"x-kvroute-tenant": "small"})
+        assert over.status == 429 and over.immediate_headers()["x-kvroute-rejected-reason"] == "quota"
+        assert json.loads(over.immediate.body)["error"]["reason"] == "quota"
+        slo = g.stream().request("/v1/completions", _body("hello"), headers={"x-kvroute-ttft-target-ms": "0.0001"})
+        assert slo.status == 429 and slo.immediate_headers()["x-kvroute-rejected-reason"] == "slo_unattainable"
+        s = g.stream()
+        ok = s.request("/v1/completions", _body("hello"), headers={"x-kvroute-tenant": "acme",
+                                                                     "x-kvroute-priority": "critical"})
+        assert ok.immediate is None and ok.endpoint == f"127.0.0.1:{port}"
+        s.relay_response(ok.endpoint, "/v1/completions", ok.body)
+        s.close()
+        assert metric(g.http, "kvroute_tenant_requests_total", tenant="acme", **{"class": "critical"}) == 1
+        wait_until(lambda: g is not None and g.inflight() == 0, timeout=5, what="released")
+    finally:
+        if g is not None:
+            g.router.stop()
+        engine.stop()
