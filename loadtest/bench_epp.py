@@ -2,25 +2,32 @@
 same trace slice and the same fake engines.
 
     python -m loadtest.bench_epp --json [--requests 150] [--replicas 4] [--concurrency 8] [--trace PATH]
+                                    [--calibrate] [--second epp|serve]
 
 Both routers are started by one function with the same flags (policy, tokenizer, profiles, time constants); only
 the subcommand differs. Engines run without KV events (predicted mode: each router's index holds what its own
 decisions predicted, so both see the same state when they see the same requests in the same order), are scraped
-once (at start) and restarted between the modes so both start cold.
+once (at start) and restarted between the passes so both start cold; prompts reach the engines as the client's
+text in both modes (``--no-forward-token-ids``: the proxy's token-id forwarding saves the engine its tokenization,
+which the gateway path has no counterpart for). The policy's online TTFT calibration is off
+unless ``--calibrate``: it learns from measured TTFTs, so with it on the picks follow timing noise, which differs
+between any two runs of the same front door (``--second serve --calibrate`` measures that control).
 
 1. ``agreement``: the slice's requests, one at a time, streamed (``max_tokens`` capped): through the proxy, then
    (fresh engines, fresh router) through the picker, with the gateway stand-in of ``loadtest.epp_gateway``
    forwarding the body to the picked engine and passing the answer back through the picker's response path.
-   ``agreement`` = share of requests both modes sent to the same replica.
-2. Latency per request in those passes (each routed request is followed by the same request sent straight to the
-   engine that served it, so engine state evolves identically in both modes): ``proxy_added_ms_p50`` = proxy
-   end-to-end minus direct (paired, median); ``epp_pick_ms_p50`` = request headers + body sent -> destination
-   received, as the gateway sees it (what a gateway adds before it can forward); ``epp_added_ms_p50`` = end-to-end
-   through the stand-in (pick + relaying every response chunk through the picker) minus direct. The stand-in is
-   a Python gRPC client: a real Envoy adds less around the same picker.
-3. Router CPU per request (user + system of the router process over pass 1 / requests, ms): ``proxy_cpu_ms_per_req``
-   (the proxy carries every byte) vs ``epp_cpu_ms_per_req`` (decision + response-path accounting; the gateway
-   carries the bytes).
+   ``agreement`` = share of requests both passes sent to the same replica; ``first_difference`` = index of the
+   first request they did not (None: all agreed).
+2. Latency per request: after each routed request, the same request is sent straight to the engine that served
+   it and once more through the router (both warm, so they differ only by the router):
+   ``proxy_added_ms_p50`` = median of (proxy warm - direct warm); ``epp_added_ms_p50`` = the same through the
+   stand-in (pick + relaying every response chunk through the picker); ``epp_pick_ms_p50`` = the cold request's
+   headers + body sent -> destination received, as the gateway sees it (what a gateway waits before it can
+   forward; includes tokenizing the prompt). The stand-in is a Python gRPC client: a real Envoy adds less around
+   the same picker.
+3. Router CPU per request (user + system of the router process around each cold routed request, ms):
+   ``proxy_cpu_ms_per_req`` (the proxy carries every byte) vs ``epp_cpu_ms_per_req`` (decision, body echoed back
+   in <= 62,000-byte messages, every response chunk passed through for the accounting).
 4. Decisions per second of one process at ``--concurrency`` (decision only: the gateway stream is reset after the
    pick; for proxy mode its decision-only front door ``POST /route``): ``epp_decisions_per_s``,
    ``proxy_route_decisions_per_s``.
@@ -64,12 +71,15 @@ RESULT_KEYS = ("requests", "agreement", "proxy_added_ms_p50", "epp_pick_ms_p50",
 
 @dataclass(slots=True)
 class Sample:
-    """One request of a sequential pass: the replica that served it and its timings, seconds."""
+    """One request of a sequential pass: the replica that served it (first, cold send), the end-to-end time of
+    its warm repeat through the router and of the same warm request sent direct, the picker's answer time on
+    the cold send (EPP only), seconds, and the router CPU of the cold send, seconds."""
 
     replica: str
     e2e_s: float
     direct_s: float
     pick_s: float = 0.0
+    cpu_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -132,38 +142,50 @@ def _stream(client: httpx.Client, url: str, body: bytes) -> tuple[float, str]:
 
 def proxy_pass(router: RouterProc, reqs: Sequence[ReplayRequest], model: str,
                engine_url: dict[str, str]) -> list[Sample]:
-    """Every request through the proxy, one at a time, each followed by the same request sent direct."""
+    """Every request through the proxy, one at a time (the pick), then the same request direct to the engine
+    that served it and once more through the proxy: both warm, so their difference is what the proxy adds."""
     out = []
     with httpx.Client(timeout=120) as client:
         for req in reqs:
             body = _body(req, model)
-            e2e, replica = _stream(client, router.url, body)
+            cpu0 = router.proc.cpu_seconds(children=False)
+            _, replica = _stream(client, router.url, body)
+            cpu = router.proc.cpu_seconds(children=False) - cpu0
             direct, _ = _stream(client, engine_url[replica], body)
-            out.append(Sample(replica, e2e, direct))
+            warm, _ = _stream(client, router.url, body)
+            out.append(Sample(replica, warm, direct, cpu_s=cpu))
     return out
+
+
+def _through_picker(stub: Any, body: bytes) -> tuple[str, float, float]:
+    """One request through the gateway stand-in and the picker: (endpoint, pick s, end-to-end s)."""
+    t0 = time.perf_counter()
+    s = GatewayStream(stub, timeout=120)
+    picked = s.request("/v1/completions", body)
+    pick = time.perf_counter() - t0
+    if picked.endpoint is None:
+        s.cancel()
+        raise RuntimeError(f"picker refused a request: {picked.status}")
+    s.relay_response(picked.endpoint, "/v1/completions", picked.body)
+    s.close()
+    return picked.endpoint, pick, time.perf_counter() - t0
 
 
 def epp_pass(router: RouterProc, reqs: Sequence[ReplayRequest], model: str,
              by_endpoint: dict[str, str]) -> list[Sample]:
-    """Every request through the gateway stand-in and the picker, one at a time, each followed by the same
-    request sent direct to the engine that served it."""
+    """``proxy_pass`` with the gateway stand-in and the picker in place of the proxy."""
     channel, stub = stub_for(router.grpc_port, HOST)
     out = []
     try:
         with httpx.Client(timeout=120) as client:
             for req in reqs:
                 body = _body(req, model)
-                t0 = time.perf_counter()
-                s = GatewayStream(stub, timeout=120)
-                picked = s.request("/v1/completions", body)
-                pick = time.perf_counter() - t0
-                if picked.endpoint is None:
-                    raise RuntimeError(f"picker refused a request: {picked.status}")
-                s.relay_response(picked.endpoint, "/v1/completions", picked.body)
-                s.close()
-                e2e = time.perf_counter() - t0
-                direct, _ = _stream(client, f"http://{picked.endpoint}", body)
-                out.append(Sample(by_endpoint[picked.endpoint], e2e, direct, pick))
+                cpu0 = router.proc.cpu_seconds(children=False)
+                endpoint, pick, _ = _through_picker(stub, body)
+                cpu = router.proc.cpu_seconds(children=False) - cpu0
+                direct, _ = _stream(client, f"http://{endpoint}", body)
+                _, _, warm = _through_picker(stub, body)
+                out.append(Sample(by_endpoint[endpoint], warm, direct, pick, cpu))
     finally:
         channel.close()
     return out
@@ -204,10 +226,6 @@ def route_decider(router: RouterProc, model: str) -> Callable[[ReplayRequest], N
     return decide
 
 
-def _cpu_ms(router: RouterProc, before: float, n: int) -> float:
-    return round((router.proc.cpu_seconds(children=False) - before) * 1000 / max(1, n), 3)
-
-
 def _p50_ms(values: Sequence[float]) -> float:
     return round(statistics.median(values) * 1000, 3) if values else 0.0
 
@@ -215,10 +233,13 @@ def _p50_ms(values: Sequence[float]) -> float:
 def summarize(proxy: Sequence[Sample], epp: Sequence[Sample]) -> dict[str, Any]:
     """Agreement and the latency figures of two sequential passes over the same requests."""
     same = sum(1 for a, b in zip(proxy, epp, strict=True) if a.replica == b.replica)
-    return {"requests": len(proxy), "agreement": round(same / max(1, len(proxy)), 4),
+    first_miss = next((i for i, (a, b) in enumerate(zip(proxy, epp, strict=True)) if a.replica != b.replica), None)
+    return {"requests": len(proxy), "agreement": round(same / max(1, len(proxy)), 4), "first_difference": first_miss,
             "proxy_added_ms_p50": _p50_ms([s.e2e_s - s.direct_s for s in proxy]),
             "epp_pick_ms_p50": _p50_ms([s.pick_s for s in epp]),
-            "epp_added_ms_p50": _p50_ms([s.e2e_s - s.direct_s for s in epp])}
+            "epp_added_ms_p50": _p50_ms([s.e2e_s - s.direct_s for s in epp]),
+            "proxy_cpu_ms_per_req": round(sum(s.cpu_s for s in proxy) * 1000 / max(1, len(proxy)), 3),
+            "epp_cpu_ms_per_req": round(sum(s.cpu_s for s in epp) * 1000 / max(1, len(epp)), 3)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -232,28 +253,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"bench_epp: {len(reqs)} requests of {trace or 'the generated agent workload'}, {args.replicas} "
           f"fake engines (time scale {args.time_scale})", file=sys.stderr)
     fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
+    # both routers hand the engine the client's bytes: a proxy forwarding prompts as token ids saves the engine its
+    # tokenization, a gain the gateway path does not have, which would show up as negative "added" latency
+    router_args = ["--no-forward-token-ids", *args.router_arg,
+                   *([] if args.calibrate else ["--policy-param", "calibrate=false"])]
     out: dict[str, Any] = {"trace": str(trace) if trace else "generated:agent", "replicas": args.replicas,
-                           "policy": args.policy, "concurrency": args.concurrency}
+                           "policy": args.policy, "calibrate": args.calibrate, "second": args.second,
+                           "concurrency": args.concurrency}
     try:
         fleet.start_engines()
-        router = start_router(fleet, "serve", args.policy, args.router_arg)
-        cpu0 = router.proc.cpu_seconds(children=False)
+        router = start_router(fleet, "serve", args.policy, router_args)
         proxy = proxy_pass(router, reqs, args.model, {eh.name: eh.url for eh in fleet.engines})
-        out["proxy_cpu_ms_per_req"] = _cpu_ms(router, cpu0, len(reqs))
         out["proxy_route_decisions_per_s"] = round(
             decisions_per_s(route_decider(router, args.model), reqs, args.concurrency), 1)
         router.proc.stop()
-        fleet.restart_engines()  # cold caches again: both modes start from the same state
-        router = start_router(fleet, "epp", args.policy, args.router_arg)
-        cpu0 = router.proc.cpu_seconds(children=False)
-        epp = epp_pass(router, reqs, args.model, {f"{HOST}:{eh.port}": eh.name for eh in fleet.engines})
-        out["epp_cpu_ms_per_req"] = _cpu_ms(router, cpu0, len(reqs))
-        out["epp_decisions_per_s"] = round(
-            decisions_per_s(epp_decider(router, args.model), reqs, args.concurrency), 1)
+        fleet.restart_engines()  # cold caches again: both passes start from the same state
+        router = start_router(fleet, "epp" if args.second == "epp" else "serve", args.policy, router_args)
+        if args.second == "epp":
+            second = epp_pass(router, reqs, args.model, {f"{HOST}:{eh.port}": eh.name for eh in fleet.engines})
+            out["epp_decisions_per_s"] = round(
+                decisions_per_s(epp_decider(router, args.model), reqs, args.concurrency), 1)
+        else:  # control: the proxy against itself (what timing alone changes between two runs)
+            second = proxy_pass(router, reqs, args.model, {eh.name: eh.url for eh in fleet.engines})
+            out["epp_decisions_per_s"] = None
         router.proc.stop()
     finally:
         fleet.stop()
-    out.update(summarize(proxy, epp))
+    out.update(summarize(proxy, second))
     return out
 
 
@@ -269,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-blocks", type=int, default=None, help="KV blocks per engine (default: the profile's)")
     p.add_argument("--concurrency", type=int, default=8, help="clients of the decisions-per-second phase")
     p.add_argument("--policy", default="ttft", help="routing policy (both modes)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="keep the policy's online TTFT calibration on (default off: it learns from measured TTFTs, "
+                        "so picks then depend on timing noise, which differs between any two runs)")
+    p.add_argument("--second", choices=("epp", "serve"), default="epp",
+                   help="what the second pass runs: the picker (default), or the proxy again (a control: the "
+                        "agreement of two proxy runs)")
     p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for both routers, e.g. --router-arg=--objective=tail (repeatable)")
     p.add_argument("--model", default="kvroute-fake")

@@ -10,6 +10,10 @@ a random second half) go to both in alternating closed-loop blocks (``loadtest.b
 router's process CPU (user + system, its threads and child processes) is divided by the requests:
 ``router_cpu_ms_per_req``, and ``ratio`` = kvroute / sglang-router.
 
+Part 0 (``--idle-s S``, off by default): each router idle for S seconds in front of ``--idle-engines`` fake
+engines at the e2e's time scale (0.25) with default intervals: ``idle_cpu_ms_per_s``, what a router spends per
+second whatever the traffic (probes, scrapes, timers); at the e2e's ~5 requests per second it counts per request.
+
 Part 2, scaling: kvroute with 1 and with N workers (``--workers``) side by side, each asked ``POST /route`` (the
 routing decision: tokenize, hash, match, choose; no engine in the loop) by ``--scaling-concurrency`` clients in
 alternating blocks; ``routed_rps`` per worker count and ``scaling`` = rps(N) / rps(1) (target >= 0.7 x N on an
@@ -36,6 +40,35 @@ from loadtest.bench_proxy import make_requests, run_level
 from loadtest.fleet import EngineOptions, Fleet, ManagedProcess, add_harness_args, exit_on_sigterm
 from loadtest.replay import ReplayRequest
 from loadtest.workload import ensure_model_dir
+
+#: seconds a router runs before its idle CPU is measured
+_SETTLE_S = 5.0
+
+
+def _idle_for(seconds: float) -> None:
+    """Do nothing for ``seconds`` (the routers are measured while nothing happens)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(1.0, left))
+
+
+def idle_cpu(engines: int, seconds: float, log_dir: str | None) -> dict[str, float]:
+    """Part 0: CPU milliseconds per second of each router while idle in front of ``engines`` fake engines."""
+    fleet = Fleet(engines, EngineOptions(time_scale=0.25, model_path=str(ensure_model_dir())), log_dir=log_dir,
+                  keep_logs=log_dir is not None)
+    out: dict[str, float] = {}
+    try:
+        fleet.start_engines()
+        for name in ("kvroute", "sglang_cache_aware"):
+            h = fleet.start_kvroute(policy="ttft") if name == "kvroute" else fleet.start_sglang_router()
+            _idle_for(_SETTLE_S)  # start-up work (first probes, registration) is not idle cost
+            c0, t0 = h.proc.cpu_seconds(), time.monotonic()
+            _idle_for(seconds)
+            out[name] = round((h.proc.cpu_seconds() - c0) / (time.monotonic() - t0) * 1000.0, 2)
+            fleet.stop_router()
+    finally:
+        fleet.stop()
+    return out
 
 
 def cpu_per_request(fleet: Fleet, sizes: Sequence[int], requests: int, concurrency: int, blocks: int,
@@ -130,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scaling-prompt-tokens", type=int, default=8192, help="prompt length of part 2, tokens")
     p.add_argument("--scaling-requests", type=int, default=400, help="/route requests per worker count")
     p.add_argument("--scaling-concurrency", type=int, default=16, help="closed-loop clients in part 2")
-    p.add_argument("--skip-cpu", action="store_true", help="only part 2")
+    p.add_argument("--skip-cpu", action="store_true", help="skip part 1")
+    p.add_argument("--idle-s", type=float, default=0.0, help="part 0: seconds each router idles (0 = skip)")
+    p.add_argument("--idle-engines", type=int, default=4, help="part 0: fake engines in front of the idle routers")
     p.add_argument("--model", default="kvroute-fake")
     add_harness_args(p)
     return p
@@ -148,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = EngineOptions(model=args.model, time_scale=0.0, model_path=str(ensure_model_dir()))
     fleet = Fleet(1, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
     out: dict[str, Any] = {"loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    if args.idle_s > 0:
+        out["idle_cpu_ms_per_s"] = idle_cpu(args.idle_engines, args.idle_s, args.log_dir)
+        print(f"  idle: {out['idle_cpu_ms_per_s']} CPU ms per s", file=sys.stderr)
     try:
         fleet.start_engines()
         if not args.skip_cpu:

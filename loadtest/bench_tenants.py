@@ -13,7 +13,8 @@ when all tenants weigh the same.
 
 Settings, each on freshly restarted engines (cold caches):
 
-* ``solo``: the quiet tenants alone through kvroute (``ttft``): the reference;
+* ``solo``: the quiet tenants alone through kvroute (``ttft``): the reference (run first, and again last as
+  ``solo_again``: ``quiet_p99_vs_solo`` divides by the mean of both, since a shared machine's load drifts);
 * ``admission_on``: quiet + flood through kvroute with the flood's quota = its share (``--tenants``; the burst is
   ``--burst-s`` seconds of it): its excess is refused at once (429 ``quota``);
 * ``admission_off``: quiet + flood through kvroute without quotas;
@@ -97,16 +98,15 @@ def token_rate(reqs: Sequence[ReplayRequest]) -> float:
 
 def flood_workload(rate_tokens_s: float, span_s: float, prompt_tokens: int, max_tokens: int,
                    seed: int) -> list[ReplayRequest]:
-    """Evenly spaced requests of unique random prompts adding up to ``rate_tokens_s`` tokens per second (prompts as
-    token ids: the flood costs the routers and engines no tokenization, so on a shared 2-core machine the
-    benchmark measures queueing at the engines, not CPU contention)."""
+    """Evenly spaced requests of unique random text prompts (words of the benchmark vocabulary: one token each)
+    adding up to ``rate_tokens_s`` tokens per second (text, as sglang-router's cache_aware policy needs)."""
     rng = random.Random(seed)
     cost = prompt_tokens + max_tokens
     n = max(1, int(rate_tokens_s * span_s / cost))
     gap = span_s / n
     out = []
     for i in range(n):
-        prompt = [rng.randrange(VOCAB_SIZE) for _ in range(prompt_tokens)]
+        prompt = " ".join(f"t{rng.randrange(VOCAB_SIZE)}" for _ in range(prompt_tokens))
         out.append(ReplayRequest(request_id=f"flood-{i}", arrival_s=i * gap, prompt=prompt, max_tokens=max_tokens,
                                  prompt_tokens=prompt_tokens, headers={"x-kvroute-tenant": FLOOD,
                                                                        "x-kvroute-priority": "standard"}))
@@ -160,6 +160,7 @@ def summarize_tenants(workload: Sequence[ReplayRequest], results: Sequence[Repla
         "flood_requests": len(flood), "rejected": sum(1 for r in flood if r.status == 429),
         "flood_errors": sum(1 for r in flood if not r.ok and r.status != 429),
         "wall_s": round(wall, 2), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "quiet_error_samples": sorted({r.error[:120] for r in quiet if not r.ok})[:3],
     }
 
 
@@ -263,16 +264,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                                    else argv),
                            "loadavg_1m_start": round(os.getloadavg()[0], 2), "flood_quota": quota[FLOOD]}
     fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
+    runs = [*settings, "solo_again"] if "solo" in settings else settings
     try:
-        for name in settings:
+        for name in runs:
             t = time.monotonic()
-            out[name] = run_setting(fleet, name, quiet if name == "solo" else mixed, args, args.model, quota)
+            setting = "solo" if name == "solo_again" else name
+            out[name] = run_setting(fleet, setting, quiet if setting == "solo" else mixed, args, args.model, quota)
             print(f"  {name}: {time.monotonic() - t:.0f} s: quiet p99 {out[name]['ttft_p99_s']} s, errors "
                   f"{out[name]['errors']}, flood rejected {out[name]['rejected']}", file=sys.stderr, flush=True)
     finally:
         fleet.stop()
-    solo = out.get("solo", {}).get("ttft_p99_s")
-    for name in settings:
+    solos = [out[k]["ttft_p99_s"] for k in ("solo", "solo_again") if out.get(k, {}).get("ttft_p99_s")]
+    solo = sum(solos) / len(solos) if solos else None  # the reference: the mean of the first and last runs
+    out["solo_p99_reference_s"] = solo
+    for name in runs:
         p99 = out[name].get("ttft_p99_s")
         out[name]["quiet_p99_vs_solo"] = round(p99 / solo, 3) if solo and p99 else None
     out["goodput"] = goodput_rows(trace, args)

@@ -159,6 +159,9 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
     if spy is not None and spy.out_path.exists() and out["router_cpu_s_per_1k"]:
         shares = breakdown(spy.out_path)
         out["cpu_profile_ms_per_request"] = per_request_ms(shares, out["router_cpu_s_per_1k"])
+        loop_s = out.get("router_cpu_split_s_per_1k", {}).get("event_loop_threads_s")
+        if loop_s:  # the event-loop threads' CPU (from /proc) split by their own samples
+            out["cpu_profile_loop_ms_per_request"] = per_request_ms(breakdown(spy.out_path, loop_only=True), loop_s)
         out["cpu_profile_top_functions"] = top_functions(spy.out_path, 20)
         out["cpu_profile_raw"] = str(spy.out_path)
     if s.error_samples:

@@ -98,12 +98,22 @@ def categorize(stack: str) -> str:
     return CATEGORIES[-1][0]
 
 
-def breakdown(raw_path: Path) -> dict[str, float]:
-    """Category -> share of the samples in a py-spy raw (collapsed) file, largest first."""
+#: a frame of a thread started by Python's ``threading`` (the tokenizer pool): not an event loop
+_THREAD_FRAME = re.compile(r"Thread\._bootstrap|concurrent/futures/thread\.py")
+
+
+def on_event_loop(stack: str) -> bool:
+    """True when a collapsed stack is a sample of an event-loop (main) thread, not of a worker thread."""
+    return _THREAD_FRAME.search(stack) is None
+
+
+def breakdown(raw_path: Path, loop_only: bool = False) -> dict[str, float]:
+    """Category -> share of the samples in a py-spy raw (collapsed) file, largest first (``loop_only``: of the
+    event-loop threads' samples only)."""
     counts: Counter[str] = Counter()
     for line in raw_path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
+        if not stack or not n.isdigit() or (loop_only and not on_event_loop(stack)):
             continue
         counts[categorize(stack)] += int(n)
     total = sum(counts.values())

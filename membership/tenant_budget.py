@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from membership.shared_state import SharedState, SharedStateUnavailable
-from policies.admission_fair import BucketState, take
+from policies.admission_fair import BucketState, refill, take
 
 #: KEYS[1] bucket hash; ARGV rate (tokens/s), burst (tokens), cost (tokens). Returns {admitted, tokens, wait_s}
 #: (numbers as strings: Lua numbers would be truncated to integers on the way out).
@@ -56,6 +56,21 @@ local ttl = 60000
 if rate > 0 then ttl = math.ceil(burst / rate * 1000) + 60000 end
 redis.call('PEXPIRE', KEYS[1], ttl)
 return {ok, tostring(tokens), tostring(wait)}
+"""
+
+#: KEYS[1] bucket hash; ARGV rate, burst. Returns the tokens the bucket holds now (a string), without taking any.
+PEEK_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rate = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(v[1])
+local ts = tonumber(v[2])
+if tokens == nil or ts == nil then return tostring(burst) end
+local elapsed = now - ts
+if elapsed < 0 then elapsed = 0 end
+return tostring(math.min(burst, tokens + elapsed * rate))
 """
 
 
@@ -123,6 +138,19 @@ class TenantBudget:
                 return self._take_local(tenant, rate / n, burst / n, cost, "local_fallback")
         self.stats.local_takes += 1
         return self._take_local(tenant, rate, burst, cost, "local")
+
+    async def peek(self, tenant: str, rate: float, burst: float) -> float:
+        """Tokens ``tenant``'s bucket holds now (nothing taken; never raises): lets a caller refuse a request that
+        cannot be paid before spending work on it (e.g. tokenizing its prompt)."""
+        if self.shared is not None:
+            try:
+                raw = await self.shared.run_script(PEEK_SCRIPT, [self.shared.key(f"tb:{tenant}")],
+                                                   [repr(float(rate)), repr(float(burst))])
+                return float(raw)
+            except SharedStateUnavailable:
+                n = self.expected_routers
+                return refill(self._local.get(tenant), self.clock(), rate / n, burst / n).tokens
+        return refill(self._local.get(tenant), self.clock(), rate, burst).tokens
 
     def _take_local(self, tenant: str, rate: float, burst: float, cost: float, mode: str) -> BudgetAnswer:
         state, out = take(self._local.get(tenant), self.clock(), rate, burst, cost)

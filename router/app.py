@@ -514,6 +514,11 @@ def _add_error_handlers(app: FastAPI, svc: Services) -> None:
         svc.telemetry.rejected.labels("bad_identity").inc()
         return bad_identity_response(exc)
 
+    @app.exception_handler(Rejected)
+    async def _rejected(request: Request, exc: Rejected) -> Response:  # router/tenant_admission.py precheck
+        svc.telemetry.rejected.labels(exc.reason).inc()
+        return rejection_response(exc, settings.retry_after_s)
+
     @app.exception_handler(TokenizerError)
     async def _tok(request: Request, exc: TokenizerError) -> Response:
         return error_response(400, str(exc), "tokenization_failed")
@@ -570,6 +575,7 @@ class _DataPlane:
         # identity first (router/tenants.py): a bad tenant / priority / TTFT-target header is a 400 before any work
         ident = svc.tenants.identify(request.headers,
                                      (body.model_extra or {}).get(svc.tenants.cfg.priority_body_field))
+        await svc.tenants.precheck(ident, max_out or body.max_tokens)  # an empty bucket: 429 before tokenizing
         model, lora, base = svc.router.resolve_model(body.model)
         # ids from the request body were validated by the schema (TokenId: 0 <= id < 2**32): no second pass
         in_range = token_ids is not None

@@ -514,6 +514,7 @@ class Settings(BaseSettings):
         if isinstance(v, str):
             return json.loads(v) if v.strip() else {}
         return v
+
     # --- endpoint picker (issue 21) ---
     epp_grpc_port: int = Field(
         default=9002, ge=0, le=65535,

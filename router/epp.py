@@ -38,8 +38,10 @@ from fastapi.exceptions import RequestValidationError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 from starlette.requests import Request
+from starlette.responses import Response
 
 from membership.replicas import Replica
+from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from router import epp_codec as codec
 from router.admission import Rejected
 from router.app import ChatRequest, CompletionRequest, _Auth, _BadTokens, _DataPlane, _parse
@@ -47,6 +49,9 @@ from router.intake import LimitExceeded
 from router.proxy import _usage_from_json, _usage_from_sse, ask_for_usage, error_body, new_request_id
 from router.routing import NoReplica, Routed, RoutingError, RoutingInput
 from router.services import Services
+from router.telemetry import gauge
+from router.tenant_admission import Ticket, bad_identity_response, rejection_response
+from router.tenants import BadIdentity
 from router.tokenizer import TokenizerError
 
 log = logging.getLogger("kvroute.epp")
@@ -60,11 +65,21 @@ _TAIL_BYTES = 16384
 
 
 class _Refused(Exception):
-    """A request answered with an ImmediateResponse (status, stable code, message, extra headers)."""
+    """A request answered with an ImmediateResponse (status, stable code, message, extra headers; ``body``: the
+    JSON to send when another module already built it, else an OpenAI-style error from the message)."""
 
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None,
+                 body: bytes | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.headers = status, code, message, headers or {}
+        self.body = body
+
+    @classmethod
+    def of_response(cls, response: Response, code: str) -> _Refused:
+        """The refusal answering like an HTTP ``response`` (status, body, headers but the framing ones)."""
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        body = bytes(response.body)
+        return cls(response.status_code, code, body.decode("utf-8", "replace"), headers, body)
 
 
 class _Hold:
@@ -99,7 +114,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.dp = _DataPlane(svc, _Auth(svc.guard))
         self.streams = Counter("kvroute_epp_requests", "endpoint-picker streams by outcome (HTTP status of the "
                                "answer: 200 = routed)", ["status"], registry=svc.telemetry.registry)
+        #: gateway streams open now (one per HTTP request the gateway is processing)
         self.active = 0
+        svc.telemetry.add_gauges(lambda: [gauge("kvroute_epp_streams_active", "endpoint-picker streams open now "
+                                                "(one per request the gateway is processing)", float(self.active))])
 
     async def Process(self, request_iterator: AsyncIterator[Any],  # noqa: N802  (the gRPC method name)
                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
@@ -128,7 +146,7 @@ class _Stream:
         self.parts: list[bytes] = []
         self.size = 0
         self.closed = False
-        self.admitted = False
+        self.ticket: Ticket | None = None  # the admission slot (router/tenant_admission.py), held to the end
         self.hold: _Hold | None = None
         self.routed: Routed | None = None
         self.request_id = ""
@@ -187,9 +205,7 @@ class _Stream:
             await self._guard()
             request = self._request(body or b"")
             inp, payload = await self._input(request, body)
-            exclude = self._outside_subset()
-            await self._admit()
-            routed = await self.picker.dp.decide(inp, exclude)
+            routed = await self._admit_and_decide(inp, self._outside_subset())
         except Exception as exc:  # every failure is an ImmediateResponse, never a broken stream
             return self._refuse(self._refusal(exc))
         return self._routed(routed, body, payload)
@@ -302,10 +318,25 @@ class _Stream:
                            f"({len(allowed)} endpoints)", {"retry-after": str(self.svc.settings.retry_after_s)})
         return [r.index for r in reps if codec.endpoint_of(r.url) not in allowed]
 
-    async def _admit(self) -> None:
-        """The router-wide in-flight limit (``router.admission``), held until the stream ends."""
-        await self.svc.admission.acquire()
-        self.admitted = True
+    async def _admit_and_decide(self, inp: RoutingInput, exclude: Sequence[int]) -> Routed:
+        """Admission then the decision, in the HTTP data plane's order (``router.app._DataPlane._serve``): a
+        request with a TTFT target is priced first (an unattainable target is refused, not queued); the tenant's
+        quota and the fair in-flight queue (``router.tenant_admission``) give a slot held until the stream ends;
+        the decision is taken (again) after any wait."""
+        svc, dp = self.svc, self.picker.dp
+        ident = inp.identity if inp.identity is not None else svc.tenants.identify(self.headers)
+        routed: Routed | None = None
+        if ident.ttft_target_s is not None:
+            routed = await dp.decide(inp, exclude)
+            svc.tenants.check_slo(ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking))
+        self.ticket = await svc.tenants.admit(ident, inp.prompt_tokens, inp.expected_output_tokens or None)
+        if routed is None or self.ticket.waited_s > 0:
+            routed = await dp.decide(inp, exclude)
+        chosen = routed.decision.chosen
+        score = next((sc for sc in routed.decision.scores if sc.index == chosen), None)
+        svc.tenants.serving(ident, predicted_ttft_s(score) if score is not None else None,
+                            routed.cached_tokens.get(chosen, 0))
+        return routed
 
     # -- refusals ------------------------------------------------------------------------------------------
     def _refusal(self, exc: Exception) -> _Refused:
@@ -316,7 +347,10 @@ class _Stream:
             return exc
         if isinstance(exc, Rejected):
             telemetry.rejected.labels(exc.reason).inc()
-            return _Refused(exc.status, exc.code, exc.message, retry)
+            return _Refused.of_response(rejection_response(exc, self.svc.settings.retry_after_s), exc.wire_reason)
+        if isinstance(exc, BadIdentity):
+            telemetry.rejected.labels("bad_identity").inc()
+            return _Refused.of_response(bad_identity_response(exc), "invalid_identity")
         if isinstance(exc, RoutingError):
             return _Refused(exc.status, exc.code, exc.message, retry if exc.status in (429, 503) else None)
         if isinstance(exc, LimitExceeded):
@@ -335,12 +369,12 @@ class _Stream:
         """Answer with an ImmediateResponse and end the stream."""
         self.closed = True
         self.picker.streams.labels(str(refusal.status)).inc()
-        headers = [("content-type", "application/json"), (codec.REASON_HEADER, refusal.code),
-                   *refusal.headers.items()]
+        headers = {"content-type": "application/json", codec.REASON_HEADER: refusal.code, **refusal.headers}
         if self.request_id:
-            headers.append(("x-request-id", self.request_id))
-        return [codec.immediate(refusal.status, error_body(refusal.status, refusal.message, refusal.code),
-                                headers, refusal.code)]
+            headers["x-request-id"] = self.request_id
+        body = refusal.body if refusal.body is not None else error_body(refusal.status, refusal.message,
+                                                                          refusal.code)
+        return [codec.immediate(refusal.status, body, headers.items(), refusal.code)]
 
     # -- the response path ---------------------------------------------------------------------------------
     def _on_response_headers(self, msg: Any) -> list[Any]:
@@ -411,9 +445,8 @@ class _Stream:
         self.finished = True
         if self.hold is not None:
             self.hold.release()
-        if self.admitted:
-            self.admitted = False
-            self.svc.admission.release()
+        if self.ticket is not None:
+            self.ticket.release()
 
 
 def _path(headers: dict[str, str]) -> str:

@@ -50,9 +50,9 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
         try:
             supervisor = Supervisor(list(sys.argv[1:] if argv is None else argv), host=settings.host,
                                     port=settings.port, workers=settings.workers,
-                                    shutdown_grace_s=settings.shutdown_grace_s)
+                                    shutdown_grace_s=settings.shutdown_grace_s, command="epp" if epp else "serve")
         except OSError as exc:
-            print(f"kvroute serve: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+            print(f"{cmd}: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
             return 1
         return supervisor.run()
 

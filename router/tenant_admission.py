@@ -129,6 +129,26 @@ class TenantAdmission:
                        f"{self.cfg.slo_reject_factor:g} (slo_reject_factor)", wire_reason="slo_unattainable",
                        retry_after_s=best_predicted_s)
 
+    async def precheck(self, identity: Identity, max_output_tokens: int | None) -> None:
+        """Refuse, before any work on the prompt (tokenizing), a request its tenant's bucket cannot pay now: the
+        bucket holds less than the request's least possible cost (its max output tokens + 1 prompt token).
+
+        Raises:
+            Rejected: 429 ``quota``.
+        """
+        policy = identity.policy
+        if policy.tokens_per_s <= 0:
+            return
+        least = request_cost(1, max_output_tokens, self.cfg)
+        held = await self.budget.peek(identity.tenant, policy.tokens_per_s, policy.burst_tokens)
+        if held >= least:
+            return
+        self._count_reject(identity, "quota")
+        raise Rejected(429, "quota_exceeded", "tenant_quota",
+                       f"tenant {identity.tenant!r} is over its quota of {policy.tokens_per_s:g} tokens/s "
+                       f"({self.budget.mode}); its bucket holds {held:.0f} tokens", wire_reason="quota",
+                       retry_after_s=(least - held) / policy.tokens_per_s)
+
     async def admit(self, identity: Identity, prompt_tokens: int, max_output_tokens: int | None) -> Ticket:
         """Charge the tenant's quota, then take an in-flight slot (maybe after a bounded, fair wait).
 

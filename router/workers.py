@@ -133,15 +133,19 @@ class Supervisor:
     """Starts, restarts and stops the worker processes (see the module docstring).
 
     Args:
-        argv: the command line of ``kvroute serve`` (each worker runs it again).
+        argv: the options of ``kvroute serve`` / ``kvroute epp`` (each worker runs the command again).
         host, port: where the workers listen (port 0: a free port, chosen once for all).
         workers: how many worker processes.
         shutdown_grace_s: how long workers may drain after SIGTERM before they are killed (plus
             ``KILL_MARGIN_S``), seconds.
+        command: the ``kvroute`` subcommand the workers run (``serve``, or ``epp``: each worker also serves the
+            endpoint picker, gRPC's listeners sharing its port with ``SO_REUSEPORT`` as well).
     """
 
-    def __init__(self, argv: Sequence[str], *, host: str, port: int, workers: int, shutdown_grace_s: float) -> None:
+    def __init__(self, argv: Sequence[str], *, host: str, port: int, workers: int, shutdown_grace_s: float,
+                 command: str) -> None:
         self.argv = list(argv)
+        self.command = command
         self.workers = workers
         self.shutdown_grace_s = shutdown_grace_s
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -159,7 +163,7 @@ class Supervisor:
         env.update({ENV_INDEX: str(index), ENV_COUNT: str(self.workers), ENV_PORT: str(self.port),
                     ENV_DIR: str(self.directory)})
         self.procs[index] = subprocess.Popen(  # noqa: PLW1509 (single-threaded parent: preexec_fn is safe)
-            [sys.executable, "-m", "router.cli", "serve", *self.argv], env=env,
+            [sys.executable, "-m", "router.cli", self.command, *self.argv], env=env,
             preexec_fn=_die_with_parent(os.getpid()))
         log.info("worker %d started (pid %d)", index, self.procs[index].pid)  # type: ignore[union-attr]
 

@@ -14,7 +14,7 @@ from membership.inference_pool import InferencePoolWatcher, pool_target
 from membership.kubernetes import KubernetesOptions, PodWatcher
 from membership.replicas import ReplicaState, ReplicaTable
 from tests.fakes.k8s_api import FakeKubeAPI
-from tests.helpers import Proc, free_port, wait_http_ok, wait_until
+from tests.helpers import Proc, free_port, start_fake_engine, wait_http_ok, wait_until
 
 
 @pytest.fixture
@@ -95,12 +95,9 @@ def test_pool_target_parsing() -> None:
 
 
 def test_epp_routes_to_the_pools_pods(api: FakeKubeAPI) -> None:
-    eport = free_port()
-    engine = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(eport), "--model", "m",
-                          "--dialect", "vllm", "--time-scale", "0.02")
+    engine, eport, _, _ = start_fake_engine("--model", "m", "--dialect", "vllm", "--time-scale", "0.02")
     router = None
     try:
-        wait_http_ok(f"http://127.0.0.1:{eport}/health", timeout=30)
         api.add_pod("vllm-0", labels={"pool": "llama"}, annotations={"kvroute.io/model": "m"}, ip="127.0.0.1",
                     container_port=1)  # the pool's target port wins over the pod's own port
         api.put_pool("llama", match_labels={"pool": "llama"}, target_ports=[eport])

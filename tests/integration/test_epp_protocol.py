@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadtest.epp_gateway import GatewayStream, stub_for
-from tests.helpers import Proc, free_port, metric, wait_http_ok, wait_until
+from tests.helpers import Proc, free_port, metric, start_fake_engine, wait_until
 
 MODEL = "m"
 
@@ -42,10 +42,12 @@ class Fleet:
         return sum(int(r["load"]["inflight_requests"]) for r in reps)
 
 
-def _engine(port: int) -> Proc:
-    return Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                        "--dialect", "vllm", "--time-scale", "0.02", "--max-model-len", "1000000",
-                        "--enable-prompt-tokens-details", "--seed", str(port % 7))
+def _engine(seed: int) -> tuple[Proc, int]:
+    """A fake vLLM engine (started again on new ports if another process took one); (process, HTTP port)."""
+    proc, port, _, _ = start_fake_engine("--model", MODEL, "--dialect", "vllm", "--time-scale", "0.02",
+                                         "--max-model-len", "1000000", "--enable-prompt-tokens-details",
+                                         "--seed", str(seed))
+    return proc, port
 
 
 def start_epp(replicas: list[str], *extra: str, ready: int | None = None) -> Fleet:
@@ -76,12 +78,14 @@ def _get_ok(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
-    ports = [free_port(), free_port()]
-    engines = [_engine(p) for p in ports]
+    engines: list[Proc] = []
+    ports: list[int] = []
     f: Fleet | None = None
     try:
-        for p in ports:
-            wait_http_ok(f"http://127.0.0.1:{p}/health", timeout=30)
+        for seed in (1, 2):
+            proc, port = _engine(seed)
+            engines.append(proc)
+            ports.append(port)
         f = start_epp([f"http://127.0.0.1:{p}" for p in ports], ready=2)
         yield f
     finally:
@@ -198,6 +202,11 @@ def test_client_cancel_mid_stream_releases_inflight(fleet: Fleet) -> None:
 def test_http_service_and_grpc_health_in_epp_mode(fleet: Fleet) -> None:
     assert httpx.get(fleet.http + "/readyz").status_code == 200
     assert "kvroute_epp_requests_total" in httpx.get(fleet.http + "/metrics").text
+    s = fleet.stream()
+    assert s.request("/v1/completions", _body("open")).immediate is None
+    assert metric(fleet.http, "kvroute_epp_streams_active") == 1
+    s.cancel()
+    wait_until(lambda: metric(fleet.http, "kvroute_epp_streams_active") == 0, timeout=5, what="stream closed")
     channel = grpc.insecure_channel(f"127.0.0.1:{fleet.grpc_port}")
     stub = health_pb2_grpc.HealthStub(channel)
     for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
@@ -221,11 +230,9 @@ def test_no_ready_replica_is_503_and_shedding_is_429() -> None:
         channel.close()
     finally:
         f.router.stop()
-    port = free_port()
-    engine = _engine(port)
+    engine, port = _engine(3)
     g: Fleet | None = None
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout=30)
         g = start_epp([f"http://127.0.0.1:{port}"], "--max-inflight-total", "1", "--max-queued-requests", "0",
                       ready=1)
         first = g.stream()
@@ -240,6 +247,37 @@ def test_no_ready_replica_is_503_and_shedding_is_429() -> None:
         third = g.stream()
         assert third.request("/v1/completions", _body("three")).immediate is None
         third.cancel()
+    finally:
+        if g is not None:
+            g.router.stop()
+        engine.stop()
+
+
+def test_tenant_identity_quota_and_slo_through_the_picker() -> None:
+    """The picker admits like the HTTP front door (router/tenant_admission.py): a malformed identity header is a
+    400 naming it, a tenant over its quota a 429 ``quota``, an unattainable TTFT target a 429
+    ``slo_unattainable``, and an admitted request is counted for its tenant and class."""
+    engine, port = _engine(4)
+    quota = json.dumps({"small": {"tokens_per_s": 1, "burst_tokens": 20}})
+    g: Fleet | None = None
+    try:
+        g = start_epp([f"http://127.0.0.1:{port}"], "--tenants", quota, ready=1)
+        bad = g.stream().request("/v1/completions", _body("hi"), headers={"x-kvroute-priority": "whenever"})
+        assert bad.status == 400 and json.loads(bad.immediate.body)["error"]["param"] == "x-kvroute-priority"
+        over = g.stream().request("/v1/completions", _body("a prompt longer than twenty tokens " * 3),
+                                  headers={"x-kvroute-tenant": "small"})
+        assert over.status == 429 and over.immediate_headers()["x-kvroute-rejected-reason"] == "quota"
+        assert json.loads(over.immediate.body)["error"]["reason"] == "quota"
+        slo = g.stream().request("/v1/completions", _body("hello"), headers={"x-kvroute-ttft-target-ms": "0.0001"})
+        assert slo.status == 429 and slo.immediate_headers()["x-kvroute-rejected-reason"] == "slo_unattainable"
+        s = g.stream()
+        ok = s.request("/v1/completions", _body("hello"), headers={"x-kvroute-tenant": "acme",
+                                                                     "x-kvroute-priority": "critical"})
+        assert ok.immediate is None and ok.endpoint == f"127.0.0.1:{port}"
+        s.relay_response(ok.endpoint, "/v1/completions", ok.body)
+        s.close()
+        assert metric(g.http, "kvroute_tenant_requests_total", tenant="acme", **{"class": "critical"}) == 1
+        wait_until(lambda: g is not None and g.inflight() == 0, timeout=5, what="released")
     finally:
         if g is not None:
             g.router.stop()

@@ -216,7 +216,8 @@ def test_redis_down_and_up_during_admission() -> None:
         down = [post(rs[0].url, ids_body(), hdr).status_code for _ in range(30)]
         assert down.count(200) == 20 and down.count(429) == 10  # its share: never open, never closed
         assert metric(rs[0].url, "kvroute_tenant_budget_mode", mode="local_fallback") == 1
-        assert metric(rs[0].url, "kvroute_tenant_budget_takes_total", mode="local_fallback") == 30
+        # the 10 refused never got to a take: the bucket was seen empty before their prompts were tokenized
+        assert metric(rs[0].url, "kvroute_tenant_budget_takes_total", mode="local_fallback") == 20
         redis.start()
         for r in rs:
             wait_until(lambda r=r: mode(r) == "shared", timeout=15, what="shared again")
@@ -226,8 +227,10 @@ def test_redis_down_and_up_during_admission() -> None:
 
 
 def test_streaming_request_is_never_preempted() -> None:
-    with engines(("e0", []), time_scale=0.5) as engs, \
+    with engines(("e0", [])) as engs, \
             router(engs, "--max-inflight-total", "1", "--max-queued-requests", "1", "--max-queue-wait-s", "30") as r:
+        # the stream goes silent for 6 s after its first token: it holds the only slot while the queue fills
+        assert httpx.post(engs[0].url + "/admin/faults", json={"stall_mid_stream_s": 6}, timeout=5).status_code == 200
         shed = {"x-kvroute-priority": "sheddable", "x-kvroute-tenant": "a"}
         crit = {"x-kvroute-priority": "critical", "x-kvroute-tenant": "b"}
         got: list[str] = []
@@ -261,3 +264,21 @@ def test_streaming_request_is_never_preempted() -> None:
         critical.join(timeout=30)
         assert out["critical"].status_code == 200
         assert metric(r.url, "kvroute_tenant_rejected_total", tenant="a", reason="preempted") == 1
+
+
+def test_isolated_tenants_never_share_a_cached_prefix() -> None:
+    tenants = json.dumps({"a": {"isolate_cache": True}, "b": {"isolate_cache": True}})
+    with engines(("e0", []), ("e1", [])) as engs, router(engs, "--tenants", tenants, "--predict-mode", "always") as r:
+        prompt = list(range(2000, 2640))  # 40 blocks of 16
+
+        def cached(tenant: str | None) -> int:
+            headers = {"x-kvroute-tenant": tenant} if tenant else {}
+            d = httpx.post(r.url + "/route", json={"model": MODEL, "token_ids": prompt}, headers=headers).json()
+            return max(c["cached_tokens"] for c in d["candidates"])
+
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        assert post(r.url, body, {"x-kvroute-tenant": "a"}).status_code == 200
+        assert cached("a") >= 600  # tenant a's own prompt is (predicted) cached
+        assert cached("b") == 0 and cached(None) == 0  # same tokens, other namespaces: no shared match
+        assert post(r.url, body).status_code == 200  # the shared namespace
+        assert cached(None) >= 600 and cached("b") == 0

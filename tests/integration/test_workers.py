@@ -23,7 +23,7 @@ import httpx
 import psutil
 
 from tests.helpers import Proc, wait_until
-from tests.integration.test_multi_router import NAMES, Fleet, _view, fleet, workload
+from tests.integration.test_multi_router import NAMES, Fleet, _idle, _view, fleet, workload
 
 WORKERS = 2
 
@@ -94,6 +94,12 @@ def test_workers_agree_on_decisions_and_share_metrics() -> None:
                     return len(stats) == WORKERS and len(blocks) == 1
 
                 wait_until(same_index, 30, interval=0.1, what="the workers' indices in sync")
+
+                def idle_everywhere() -> bool:  # every worker's load view shows the turn finished
+                    ans = per_worker(url, "POST", "/route", {"model": "m", "prompt": prompts[0][0], "max_tokens": 2})
+                    return len(ans) == WORKERS and all(_idle(r.json()) for r in ans.values())
+
+                wait_until(idle_everywhere, 30, interval=0.1, what="an idle fleet in every worker's view")
         assert probes == 24
         assert same_views / probes >= 0.95, (same_views, probes)
         assert agree / probes >= 0.95, (agree, probes)

@@ -1,0 +1,72 @@
+"""router/epp_codec.py: the endpoint-picker protocol's wire vocabulary (built from Envoy's own protos)."""
+
+from __future__ import annotations
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+
+from router import epp_codec as codec
+
+
+def _meta(value: object) -> base_pb2.Metadata:
+    meta = base_pb2.Metadata()
+    s = struct_pb2.Struct()
+    s.update({codec.SUBSET_KEY: value})
+    meta.filter_metadata[codec.SUBSET_NAMESPACE].CopyFrom(s)
+    return meta
+
+
+def test_subset_hint_forms() -> None:
+    assert codec.subset_hint(base_pb2.Metadata()) is None  # no hint at all
+    assert codec.subset_hint(_meta(["10.0.0.1:8000", " 10.0.0.2:8000 "])) == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    assert codec.subset_hint(_meta("10.0.0.1:8000,10.0.0.2:8000")) == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    assert codec.subset_hint(_meta([])) == []  # a hint that allows nothing (answered 503)
+    assert codec.subset_hint(_meta(7)) == []  # not a list of endpoints: nothing eligible
+
+
+def test_endpoint_of_replica_urls() -> None:
+    assert codec.endpoint_of("http://10.0.0.1:8000") == "10.0.0.1:8000"
+    assert codec.endpoint_of("http://10.0.0.1") == "10.0.0.1:80"
+    assert codec.endpoint_of("https://engine.ns.svc") == "engine.ns.svc:443"
+    assert codec.endpoint_of("http://[fd00::1]:8000") == "[fd00::1]:8000"
+
+
+def test_headers_read_raw_value_and_value() -> None:
+    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":Path", raw_value=b"/v1/completions"),
+                                     base_pb2.HeaderValue(key="x-old", value="v")])
+    assert codec.headers_of(pb.HttpHeaders(headers=hm)) == {":path": "/v1/completions", "x-old": "v"}
+
+
+def test_routed_headers_carry_the_same_endpoint_twice_and_clear_the_route_cache() -> None:
+    msg = codec.routed_headers("10.0.0.1:8000", {"x-request-id": "r1"}, 123)
+    common = msg.request_headers.response
+    assert common.clear_route_cache
+    sets = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    assert sets == {codec.DESTINATION_HEADER: "10.0.0.1:8000", "x-request-id": "r1", "content-length": "123"}
+    lb = msg.dynamic_metadata.fields[codec.DESTINATION_NAMESPACE].struct_value.fields
+    assert lb[codec.DESTINATION_HEADER].string_value == "10.0.0.1:8000"
+    unchanged = codec.routed_headers("10.0.0.1:8000", {}, None)
+    assert [h.header.key for h in unchanged.request_headers.response.header_mutation.set_headers] == [
+        codec.DESTINATION_HEADER]
+
+
+def test_body_chunks_stay_within_envoys_limit() -> None:
+    body = bytes(range(256)) * 1000  # 256,000 bytes
+    msgs = list(codec.body_chunks(body, request=True))
+    parts = [m.request_body.response.body_mutation.streamed_response for m in msgs]
+    assert b"".join(p.body for p in parts) == body
+    assert all(len(p.body) <= codec.BODY_CHUNK_BYTES for p in parts) and len(parts) == 5
+    assert [p.end_of_stream for p in parts] == [False] * 4 + [True]
+    exact = list(codec.body_chunks(b"x" * codec.BODY_CHUNK_BYTES * 2, request=False, end_of_stream=False))
+    assert len(exact) == 2 and not any(m.response_body.response.body_mutation.streamed_response.end_of_stream
+                                       for m in exact)
+    (empty,) = codec.body_chunks(b"", request=False)
+    assert empty.response_body.response.body_mutation.streamed_response.end_of_stream
+
+
+def test_immediate_response() -> None:
+    msg = codec.immediate(429, b'{"error": {}}', [("retry-after", "1")], "overloaded")
+    imm = msg.immediate_response
+    assert imm.status.code == 429 and imm.body == b'{"error": {}}' and imm.details == "overloaded"
+    assert imm.headers.set_headers[0].header.key == "retry-after"
