@@ -192,6 +192,8 @@ class PdFleet:
         self.inflight = [0] * n
         self.inflight_prefill = [0] * n
         self.link_free_at = [0.0] * n
+        #: per replica, since when it has been working through its in-flight prefill tokens (seconds)
+        self.busy_since = [0.0] * n
         self.snap: list[EngineMetrics | None] = [None] * n
         self.snap_time = [0.0] * n
         self.next_scrape = 0.0
@@ -266,6 +268,7 @@ class PdFleet:
         plan = rec.plan
         assert plan is not None
         self.inflight_prefill[i] = max(0, self.inflight_prefill[i] - plan.prefill_tokens)
+        self.busy_since[i] = te
         rec.cached = ev.cached_tokens
         self.policy.observe(Observation(index=i, prompt_tokens=rec.prompt, cached_tokens=ev.cached_tokens,
                                         queue_wait_s=ev.queue_wait_s, ttft_s=te - rec.arrival, now=te))
@@ -314,16 +317,22 @@ class PdFleet:
 
     # -- routing -----------------------------------------------------------------------------------
 
+    def _elapsed(self, i: int, t: float) -> float:
+        """Seconds replica ``i`` has been working through its in-flight prefill tokens (0 when it has none)."""
+        return t - self.busy_since[i] if self.inflight_prefill[i] > 0 else 0.0
+
     def _load(self, i: int, t: float) -> LoadView:
         s = self.snap[i]
         if s is None:
-            return LoadView(inflight_requests=self.inflight[i], inflight_prefill_tokens=self.inflight_prefill[i])
+            return LoadView(inflight_requests=self.inflight[i], inflight_prefill_tokens=self.inflight_prefill[i],
+                            inflight_prefill_elapsed_s=self._elapsed(i, t))
         return LoadView(
             queued_requests=s.num_requests_waiting,
             running_requests=s.num_requests_running,
             queued_prefill_tokens=s.queued_prefill_tokens if self.fc.scrape_fields == "full" else None,
             inflight_requests=self.inflight[i],
             inflight_prefill_tokens=self.inflight_prefill[i],
+            inflight_prefill_elapsed_s=self._elapsed(i, t),
             kv_usage=s.kv_usage,
             age_s=t - self.snap_time[i],
             total_kv_blocks=s.num_gpu_blocks,
@@ -348,6 +357,8 @@ class PdFleet:
         rec.plan = plan
         self.plans[plan.kind] += 1
         for charge in plan_charges(plan):
+            if charge.prefill_tokens and self.inflight_prefill[charge.index] <= 0:
+                self.busy_since[charge.index] = t  # an idle replica starts on this request now
             self.inflight[charge.index] += charge.requests
             self.inflight_prefill[charge.index] += charge.prefill_tokens
         x = plan.decode if plan.kind == "in_place" or plan.prefill is None else plan.prefill

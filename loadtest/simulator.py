@@ -871,7 +871,10 @@ def plot_results(rows: list[dict[str, Any]], path: str, title: str | None = None
     for pol in policies:
         pts = sorted((r for r in rows if r["policy"] == pol), key=lambda r: r["load"] or 0.0)
         xs = [r["load"] for r in pts]
-        style = {"linewidth": 2.6, "color": "black"} if pol == "ttft" else {"linewidth": 1.2}
+        style: dict[str, Any] = {"linewidth": 2.6, "color": "black"} if pol in ("ttft", "pd_ttft") else {
+            "linewidth": 1.2}
+        if pol.startswith("pd_"):
+            style["linestyle"] = "--"  # PD plan policies (loadtest.pd_simulator), dashed
         axes[0].plot(xs, [r["ttft_p50_s"] for r in pts], marker="o", label=pol, **style)
         axes[1].plot(xs, [r["ttft_p99_s"] for r in pts], marker="o", label=pol, **style)
         axes[2].plot(xs, [100 * r["hit_rate"] for r in pts], marker="o", label=pol, **style)

@@ -74,6 +74,11 @@ class LoadView:
         engine_block_size: the replica's own KV block size (``cache_config_info``), tokens; None when unknown.
             The engine caches and reuses whole blocks of this size only, so matches are rounded down to it
             (``policies.hits.hit_from_match``) when it differs from the router's ``block_size``.
+        inflight_prefill_elapsed_s: seconds the replica has been working through ``inflight_prefill_tokens``:
+            since the later of the oldest of those dispatches and the last prefill completion (first token or
+            prefill-leg response) this router saw from the replica; 0 when unknown. Lets a policy age the
+            in-flight backlog (``pd_ttft``: minus rate x elapsed) so that, among replicas with equal backlogs,
+            the one that started first is seen to finish first.
     """
 
     queued_requests: int | None = None
@@ -86,6 +91,7 @@ class LoadView:
     active_kv_blocks: int | None = None
     total_kv_blocks: int | None = None
     engine_block_size: int | None = None
+    inflight_prefill_elapsed_s: float = 0.0
 
 
 @dataclass(slots=True)

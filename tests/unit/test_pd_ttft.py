@@ -168,3 +168,22 @@ def test_in_place_prediction_is_ttfts_own_estimate() -> None:
     for sc in ref.scores:
         assert by_replica[sc.index] == pytest.approx(sc.parts["E"], rel=1e-12)
     assert d.chosen.decode == ref.chosen
+
+
+def test_aged_backlog_prefers_the_replica_that_started_first() -> None:
+    """Equal in-flight backlogs: with ``age_inflight`` the replica working longest on it is seen to finish first,
+    and a stale scraped queue is not added on top of the router's own in-flight tokens."""
+    fleet = [cand(0, "prefill", A100), cand(1, "prefill", A100), cand(2, "decode", H20)]
+    for c, elapsed in ((fleet[0], 0.1), (fleet[1], 0.6)):
+        c.candidate.load.inflight_prefill_tokens = 8192
+        c.candidate.load.inflight_requests = 1
+        c.candidate.load.inflight_prefill_elapsed_s = elapsed
+    plain = make_pd_policy("pd_ttft", decode_prefills=False).choose_plan(req(4096), fleet, LINK).chosen
+    aged = make_pd_policy("pd_ttft", decode_prefills=False, age_inflight=True).choose_plan(req(4096), fleet, LINK)
+    assert plain.prefill == 0  # equal backlogs, ties by candidate order
+    assert aged.chosen.prefill == 1
+    assert aged.chosen.terms["Q_p"] == pytest.approx(8192 / 9566 - 0.6, abs=0.01)
+    fleet[1].candidate.load.queued_prefill_tokens = 8192  # the same request, queued at the scrape 0.6 s ago
+    fleet[1].candidate.load.age_s = 0.6
+    again = make_pd_policy("pd_ttft", decode_prefills=False, age_inflight=True).choose_plan(req(4096), fleet, LINK)
+    assert again.chosen.prefill == 1
