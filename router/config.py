@@ -35,6 +35,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 from membership.config import AllocatorConfig, HealthConfig, MembershipConfig, RedisConfig
 from membership.kubernetes import KubernetesOptions
 from policies.dispatch import DispatchSettings
+from policies.pd_link import LinkLearning
 from router.proxy import ProxyConfig
 
 ENV_PREFIX = "KVROUTE_"
@@ -557,6 +558,19 @@ class Settings(BaseSettings):
                     "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
                     "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
                     "answers every worker's metrics labelled worker. Give the pod about this many cores")
+    # --- PD link learning (issue 19) ---
+    pd_link_learn: bool = Field(
+        default=True,
+        description="learn the P->D link bandwidth online from observed handoffs (sequential vLLM relay: the "
+                    "prefill answer -> decode first byte time minus the plan's predicted decode_first term); the "
+                    "learned value stays within [pd_link_bandwidth_gbps / 4, x 4]; false = always the configured "
+                    "bandwidth")
+    pd_link_learn_min_samples: int = Field(
+        default=8, ge=1, description="observed handoffs before the learned P->D bandwidth replaces the configured "
+                                     "one, count")
+    pd_link_learn_alpha: float = Field(
+        default=0.2, gt=0, le=1, description="EMA weight of one observed handoff in the learned P->D bandwidth "
+                                             "(bytes/s), in (0, 1]")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
@@ -639,6 +653,11 @@ class Settings(BaseSettings):
     def static_replicas(self) -> list[dict[str, Any]]:
         """The static replica specs as plain mappings (``membership.static`` does not import the router)."""
         return [s.model_dump() for s in self.replicas]
+
+    def pd_link_learning(self) -> LinkLearning:
+        """How the P->D link bandwidth is learned from observed handoffs (issue 19)."""
+        return LinkLearning(enabled=self.pd_link_learn, min_samples=self.pd_link_learn_min_samples,
+                            alpha=self.pd_link_learn_alpha)
 
     def proxy(self) -> ProxyConfig:
         """Forwarding: timeouts, retries, pool, engine API key."""

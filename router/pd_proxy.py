@@ -29,7 +29,9 @@ plans go through the proxy's ordinary attempts. Per request:
 Metrics (on the router's registry): ``kvroute_pd_plans_total{policy,kind}``, ``kvroute_pd_legs_total{replica,leg}``
 (legs sent, to compare with the engines' counters), ``kvroute_pd_leg_seconds{leg}`` (prefill leg: until its answer;
 decode leg: until its first byte), ``kvroute_pd_handoff_seconds`` (sequential relay: from the prefill answer to
-the decode leg's first byte, i.e. KV transfer plus the first decode step), ``kvroute_pd_fallbacks_total{reason}``.
+the decode leg's first byte, i.e. KV transfer plus the first decode step), ``kvroute_pd_fallbacks_total{reason}``,
+``kvroute_pd_link_bandwidth_bytes_per_second`` (the P->D bandwidth the plans use: configured, then learned from
+each sequential-relay handoff by ``policies.pd_link.LinkEstimator``), ``kvroute_pd_link_samples_total{outcome}``.
 
 Units: seconds, tokens.
 """
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import orjson
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
 
 from membership.replicas import Replica
@@ -95,6 +97,12 @@ class PdMetrics:
         self.fallbacks = Counter("kvroute_pd_fallbacks", "disaggregated plans served in place instead, by "
                                  "reason (prefill_failed, decode_failed, replica_gone, bad_body)", ["reason"],
                                  registry=registry)
+        self.link_bandwidth = Gauge("kvroute_pd_link_bandwidth_bytes_per_second", "P->D link bandwidth the PD "
+                                    "plans use: configured, then learned from observed handoffs (bytes/s)",
+                                    registry=registry)
+        self.link_samples = Counter("kvroute_pd_link_samples", "observed handoffs fed to the P->D link estimator, "
+                                    "by outcome (accepted; rejected: non-positive or non-finite transfer time or "
+                                    "size)", ["outcome"], registry=registry)
 
 
 class _LegFailed(Exception):
@@ -118,6 +126,7 @@ class PdLegs:
         self.proxy = proxy
         self.cfg = config
         self.metrics = PdMetrics(proxy.telemetry.registry)
+        self.metrics.link_bandwidth.set(proxy.router.pd_link.bandwidth_bytes_per_s)
         #: prefill legs still draining after the decode leg committed (SGLang / Mooncake), kept referenced
         self._draining: set[asyncio.Task[None]] = set()
 
@@ -239,6 +248,21 @@ class PdLegs:
                                   "place", "no_routable_replica", headers={"x-request-id": request_id})
         return await self.proxy._attempts(in_place, path, body, stream, request_id)
 
+    def observe_handoff(self, routed: Routed, plan: Plan, handoff_s: float) -> None:
+        """Feed the link estimator one sequential-relay handoff: ``handoff_s`` seconds from the prefill answer
+        to the decode leg's first byte, minus the plan's predicted ``decode_first`` (D's wait and first step),
+        for ``plan.handoff_tokens`` x the prefill replica's ``bytes_per_token`` bytes; updates the gauge."""
+        if plan.prefill is None or plan.handoff_tokens <= 0:
+            return
+        cand = next((c for c in routed.candidates if c.index == plan.prefill), None)
+        if cand is None:
+            return
+        router = self.proxy.router
+        nbytes = plan.handoff_tokens * cand.profile.bytes_per_token
+        accepted = router.observe_handoff(nbytes, handoff_s - plan.terms.get("decode_first", 0.0))
+        self.metrics.link_samples.labels("accepted" if accepted else "rejected").inc()
+        self.metrics.link_bandwidth.set(router.pd_link.bandwidth_bytes_per_s)
+
     def keep_draining(self, task: asyncio.Task[None]) -> None:
         """Keep a prefill leg that still drains after the decode leg committed referenced until it ends."""
         self._draining.add(task)
@@ -269,7 +293,10 @@ class _Legs:
                         extra={"request_id": self.request_id, "replica": self.p_rep.name})
         t_handoff = time.monotonic()
         resp, first = await self._open_decode(pd_vllm.decode_body(self.obj, params))
-        self.metrics.handoff_seconds.observe(time.monotonic() - t_handoff)
+        handoff_s = time.monotonic() - t_handoff
+        self.metrics.handoff_seconds.observe(handoff_s)
+        if params is not None:  # without parameters the decode engine recomputes: no handoff to learn from
+            self.owner.observe_handoff(self.routed, self.plan, handoff_s)
         return await self._commit(hd, resp, first)
 
     async def concurrent(self, hp: _Hold, hd: _Hold, protocol: str) -> Response:

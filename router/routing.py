@@ -36,6 +36,7 @@ from policies.base import (
 )
 from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (re-exported)
 from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision, Role
+from policies.pd_link import LinkEstimator
 
 log = logging.getLogger("kvroute.routing")
 
@@ -244,6 +245,8 @@ class Router:
         self._pd_policy: PdPolicy | None = None
         #: the P->D KV link of the fleet (``Settings.pd_link_bandwidth_gbps`` / ``pd_link_latency_s``)
         self.pd_link = HandoffLink(bandwidth_bytes_per_s=25e9)
+        #: learns ``pd_link``'s bandwidth from observed handoffs (``Settings.pd_link_learn``); None: fixed link
+        self.pd_link_estimator: LinkEstimator | None = None
         #: prefill replica index -> when (``clock``) the last handoff dispatched from it is predicted to have
         #: left its link: handoffs from one replica are serialised on its NIC (``PdCandidate.link_busy_s``)
         self._link_free_at: dict[int, float] = {}
@@ -466,6 +469,17 @@ class Router:
         end = self.clock() + sum(max(0.0, t.get(k, 0.0)) for k in ("Q_p", "R_p", "C_p", "handoff"))
         if end > self._link_free_at.get(plan.prefill, 0.0):
             self._link_free_at[plan.prefill] = end
+
+    def observe_handoff(self, handoff_bytes: float, transfer_s: float) -> bool:
+        """A disaggregated request's observed handoff: ``handoff_bytes`` of KV moved in ``transfer_s`` seconds
+        (measured handoff minus the plan's predicted ``decode_first``; see ``policies.pd_link``). Feeds the link
+        estimator; the next decisions use its link. Returns whether the sample was accepted."""
+        est = self.pd_link_estimator
+        if est is None:
+            return False
+        accepted = est.observe(handoff_bytes, transfer_s)
+        self.pd_link = est.link()
+        return accepted
 
     def pin_dp_rank(self, plan: Plan, inp: RoutingInput) -> None:
         """Pin a data-parallel rank on a disaggregated plan's decode replica when the policy left it open and

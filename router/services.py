@@ -34,6 +34,7 @@ from membership.runtime import Membership, make_allocator
 from membership.tenant_budget import TenantBudget
 from policies.base import Policy, ReplicaProfile, make_policy
 from policies.pd_base import HandoffLink, make_pd_policy
+from policies.pd_link import LinkEstimator
 from router import signals
 from router.admission import Admission, admission_gauges
 from router.config import Settings
@@ -147,6 +148,7 @@ def _configure_pd(settings: Settings, router: Router) -> None:
     router.pd_policy_factory = lambda: make_pd_policy(settings.pd_policy, **settings.pd_policy_params)
     router.pd_link = HandoffLink(bandwidth_bytes_per_s=settings.pd_link_bandwidth_gbps * 1e9,
                                  latency_s=settings.pd_link_latency_s)
+    router.pd_link_estimator = LinkEstimator(router.pd_link, settings.pd_link_learning())
 
 
 def _build_proxy(settings: Settings, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck,
