@@ -266,7 +266,7 @@ def test_vllm_killed_prefill_retried_on_the_other_prefill_replica() -> None:
 
 
 def test_vllm_relay_learns_the_link_bandwidth() -> None:
-    """The engines' P->D link is 5 GB/s, the router is told 15 GB/s (the learned value may go down to 15 / 4):
+    """The engines' P->D link is 5 GB/s, the router is told 12 GB/s (the learned value may go down to 12 / 4):
     after a few sequential-relay handoffs the learned bandwidth (``kvroute_pd_link_bandwidth_bytes_per_second``)
     is near 5 GB/s and the plans' handoff term grows accordingly (issue 19: the link is learned online from
     observed handoff time)."""
@@ -275,18 +275,20 @@ def test_vllm_relay_learns_the_link_bandwidth() -> None:
     try:
         fleet.start_engines()
         fleet.start_kvroute("ttft", extra_args=["--pd-policy", "pd_ttft", "--pd-policy-params",
-                                                "decode_prefills=false", "--pd-link-bandwidth-gbps", "15",
+                                                "decode_prefills=false", "--pd-link-bandwidth-gbps", "12",
                                                 "--pd-link-learn-min-samples", "3", "--pd-link-learn-alpha", "0.5"])
         router = _url(fleet)
-        assert metric(router, "kvroute_pd_link_bandwidth_bytes_per_second") == 15e9
-        probe = [11 + (i * 17) % 9000 for i in range(2000)]
+        assert metric(router, "kvroute_pd_link_bandwidth_bytes_per_second") == 12e9
+        probe = [11 + (i * 17) % 9000 for i in range(8000)]
         h0 = _route(fleet, *_body(False, False, probe, max_tokens=1))["terms"]["handoff"]
-        for k in range(12):  # distinct 2000-token prompts: the whole prompt's KV (295 MB) moves each time
-            path, body = _body(False, False, [3 + k + (i * 31) % 9000 for i in range(2000)], max_tokens=1)
+        for k in range(10):  # distinct 8000-token prompts: the whole prompt's KV (1.18 GB, 236 ms) moves each time
+            path, body = _body(False, False, [3 + k + (i * 31) % 9000 for i in range(8000)], max_tokens=1)
             r, _ = _serve(fleet, path, body)
             assert r.headers.get("x-kvroute-prefill-replica"), "served disaggregated"
         learned = metric(router, "kvroute_pd_link_bandwidth_bytes_per_second")
-        assert 5e9 / 1.5 <= learned <= 5e9 * 1.5, learned  # from 15 GB/s to within 1.5x of the true 5 GB/s
+        # from 12 GB/s to within 1.5x of the true 5 GB/s (measured ~4.5 GB/s: the decode engine's own first step
+        # is in the measured handoff); the clamp's floor, 3 GB/s, is outside this range
+        assert 5e9 / 1.5 <= learned <= 5e9 * 1.5, learned
         assert metric(router, "kvroute_pd_link_samples_total", outcome="accepted") >= 3
         h1 = _route(fleet, *_body(False, False, probe, max_tokens=1))["terms"]["handoff"]
         assert h1 > 1.8 * h0, (h0, h1)  # the next decisions use the learned link
