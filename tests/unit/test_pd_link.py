@@ -77,3 +77,24 @@ def test_disabled_keeps_configured_link() -> None:
 def test_invalid_learning_rejected() -> None:
     with pytest.raises(ValueError):
         _est(25.0, alpha=0.0)
+
+
+def test_router_uses_the_estimators_link_after_observations() -> None:
+    """Router.observe_handoff feeds the estimator and the next decisions read ``Router.pd_link`` from it."""
+    from index.prefix_index import PrefixIndex
+    from membership.replicas import ReplicaTable
+    from policies.base import make_policy
+    from router.routing import Router
+    from tests.helpers import FakeClock
+
+    router = Router(ReplicaTable(), PrefixIndex(block_size=16, clock=FakeClock()), make_policy("round_robin"),
+                    block_size=16)
+    assert not router.observe_handoff(1e9, 0.1)  # no estimator: fixed link
+    assert router.pd_link.bandwidth_bytes_per_s == 25e9
+    router.pd_link_estimator = _est(25.0, min_samples=2)
+    assert router.observe_handoff(1e9, 0.1)
+    assert router.pd_link.bandwidth_bytes_per_s == 25e9  # one sample: still configured
+    assert not router.observe_handoff(1e9, -1.0)  # rejected, counted
+    assert router.observe_handoff(1e9, 0.1)
+    assert router.pd_link.bandwidth_bytes_per_s == pytest.approx(10e9)
+    assert router.pd_link_estimator.rejected == 1
