@@ -26,8 +26,9 @@ Metric names (all prefixed ``kvroute_``):
 * KV-event and scrape counters are owned by ``membership.kv_events`` / ``membership.engine_metrics``; they register
   their collectors on this registry.
 * ``pd_plans_total{policy,kind}``, ``pd_legs_total{replica,leg}``, ``pd_leg_seconds{leg}``, ``pd_handoff_seconds``,
-  ``pd_fallbacks_total{reason}``: prefill/decode plans and their legs, owned by ``router.pd_proxy.PdMetrics`` on
-  this registry.
+  ``pd_fallbacks_total{reason}``, ``pd_link_bandwidth_bytes_per_second``, ``pd_link_samples_total{outcome}``:
+  prefill/decode plans, their legs and the learned P->D link, owned by ``router.pd_proxy.PdMetrics`` on this
+  registry.
 
 One style: components expose ``stats()`` (or plain counters); the functions below render them, and
 ``router.services`` registers each with ``Telemetry.add_gauges``.
