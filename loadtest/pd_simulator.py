@@ -50,7 +50,6 @@ from index.hashing import root_seed
 from index.prefix_index import PrefixIndex
 from loadtest.engine_model import (
     BlockStored,
-    EngineMetrics,
     EngineModel,
     EngineRequest,
     Finished,
@@ -196,20 +195,10 @@ class PdFleet(EventFleet):
         ]
         self.profiles = [pd_replica_profile(p) for p in fc.profiles]
         self.names = [f"r{i}" for i in range(n)]
-        self.inflight = [0] * n
-        self.inflight_prefill = [0] * n
+        self._init_router_state(fc)
         self.link_free_at = [0.0] * n
         #: per replica, since when it has been working through its in-flight prefill tokens (seconds)
         self.busy_since = [0.0] * n
-        self.snap: list[EngineMetrics | None] = [None] * n
-        self.snap_time = [0.0] * n
-        self.next_scrape = 0.0
-        self.scrape_interval_s = fc.scrape_interval_s
-        self.full_scrape = fc.scrape_fields == "full"
-        self._heap = []
-        self._seq = 0
-        self.predict = fc.predict == "always" or (fc.predict == "auto" and fc.events_delay_s is None)
-        self.delay = fc.events_delay_s or 0.0
         self.plans: dict[str, int] = {"in_place": 0, "disaggregated": 0}
         self.moved_bytes = 0.0
 

@@ -343,6 +343,23 @@ class EventFleet:
     delay: float
     _heap: list[tuple[float, int, int, Any]]
     _seq: int
+    predict: bool
+
+    def _init_router_state(self, config: FleetConfig) -> None:
+        """Empty in-flight counters, scrapes and event heap for ``config``'s replicas; KV event delay and whether
+        the router predicts index entries (``predict``) from ``config``."""
+        n = config.replicas
+        self.inflight = [0] * n
+        self.inflight_prefill = [0] * n
+        self.snap = [None] * n
+        self.snap_time = [0.0] * n
+        self.next_scrape = 0.0
+        self.scrape_interval_s = config.scrape_interval_s
+        self.full_scrape = config.scrape_fields == "full"
+        self._heap = []
+        self._seq = 0
+        self.predict = config.predict == "always" or (config.predict == "auto" and config.events_delay_s is None)
+        self.delay = config.events_delay_s or 0.0
 
     def advance_to(self, t: float) -> None:
         """Run engines and router-side events up to ``t`` (the subclass's event handling)."""
@@ -441,17 +458,7 @@ class Fleet(EventFleet):
             (config.cpu_bytes_per_s or get_profile(p).cpu_link_bytes_per_s) if cpu_bw else None))
             for p in config.profiles]
         self.names = [f"r{i}" for i in range(n)]
-        self.inflight = [0] * n
-        self.inflight_prefill = [0] * n
-        self.snap: list[EngineMetrics | None] = [None] * n
-        self.snap_time = [0.0] * n
-        self.next_scrape = 0.0
-        self.scrape_interval_s = config.scrape_interval_s
-        self.full_scrape = config.scrape_fields == "full"
-        self._heap = []
-        self._seq = 0
-        self.predict = config.predict == "always" or (config.predict == "auto" and config.events_delay_s is None)
-        self.delay = config.events_delay_s or 0.0
+        self._init_router_state(config)
         self.observations = 0
         gate = config.dispatch
         self.ask = IndexQuestions(self.index.match, config.block_size)
