@@ -46,6 +46,7 @@ from loadtest.fleet import (
     add_harness_args,
     exit_on_sigterm,
     parse_runs,
+    run_harness,
     scrape_samples,
 )
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
@@ -381,8 +382,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # every process was already stopped by the finally blocks
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_harness(main)

@@ -43,6 +43,7 @@ from loadtest.fleet import (
     exit_on_sigterm,
     parse_runs,
     pd_roles,
+    run_harness,
 )
 from loadtest.replay import make_client, replay, summarize
 from loadtest.workload import ensure_model_dir
@@ -270,8 +271,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_harness(main)
