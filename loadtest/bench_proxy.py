@@ -52,6 +52,7 @@ from loadtest.fleet import (
     add_harness_args,
     exit_on_sigterm,
     free_port,
+    run_harness,
     wait_ready,
 )
 from loadtest.replay import ReplayRequest, ReplayResult, closed_loop, make_client, percentile, send_one
@@ -337,8 +338,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # every process was already stopped by the finally blocks
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_harness(main)

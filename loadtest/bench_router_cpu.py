@@ -37,7 +37,14 @@ from typing import Any
 import httpx
 
 from loadtest.bench_proxy import make_requests, run_level
-from loadtest.fleet import EngineOptions, Fleet, ManagedProcess, add_harness_args, exit_on_sigterm
+from loadtest.fleet import (
+    EngineOptions,
+    Fleet,
+    ManagedProcess,
+    add_harness_args,
+    exit_on_sigterm,
+    run_harness,
+)
 from loadtest.replay import ReplayRequest
 from loadtest.workload import ensure_model_dir
 
@@ -208,8 +215,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # every process was already stopped by the finally blocks
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_harness(main)

@@ -51,7 +51,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtest.fleet import EngineOptions, Fleet, RouterHandle, add_harness_args, exit_on_sigterm
+from loadtest.fleet import EngineOptions, Fleet, RouterHandle, add_harness_args, exit_on_sigterm, run_harness
 from loadtest.replay import ReplayRequest, ReplayResult, make_client, percentile, replay
 from loadtest.simulator import FleetConfig, SimTenancy, arrival_rate_rps, fleet_capacity_rps, simulate
 from loadtest.traces import BlockKeyCache, Request, load_mooncake, scale_rate, slice_time
@@ -288,8 +288,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_harness(main)

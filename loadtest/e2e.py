@@ -46,6 +46,7 @@ from loadtest.fleet import (
     add_harness_args,
     exit_on_sigterm,
     parse_runs,
+    run_harness,
     scrape_samples,
 )
 from loadtest.replay import ReplayRequest, make_client, replay, summarize
@@ -58,6 +59,7 @@ from loadtest.router_profile import (
     top_functions,
 )
 from loadtest.simulator import fleet_hit_rate_bound
+from loadtest.traces import Request
 from loadtest.workload import (
     WorkloadOptions,
     default_trace_path,
@@ -301,6 +303,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_workload(args: argparse.Namespace) -> tuple[Path | None, list[Request], list[ReplayRequest]] | None:
+    """The harness's workload from ``--trace`` (the generated ``--workload`` when the trace is missing),
+    ``--trace-start-s``, ``--duration`` (wall seconds), ``--time-scale`` / ``--load-scale`` and the request caps:
+    (the trace path or None, the selected trace requests, the replay requests); None, after saying why on
+    stderr, when the slice is empty."""
+    trace = None if args.trace == "generated" else (Path(args.trace) if args.trace else default_trace_path())
+    if trace is not None and not trace.exists():
+        print(f"trace {trace} not found: using the generated '{args.workload}' workload", file=sys.stderr)
+        trace = None
+    wall_per_trace_s = args.time_scale / args.load_scale
+    selection = select_requests(WorkloadOptions(
+        trace=trace, workload=args.workload, start_s=args.trace_start_s,
+        duration_s=args.duration / wall_per_trace_s, max_requests=args.max_requests or None))
+    workload = to_replay(selection, wall_per_trace_s, args.max_output_tokens or None)
+    if not workload:
+        print("the workload slice is empty", file=sys.stderr)
+        return None
+    return trace, selection, workload
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit code (0 when every run completed, even with request errors)."""
     args = build_parser().parse_args(argv)
@@ -314,18 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     exit_on_sigterm()
 
-    trace = None if args.trace == "generated" else (Path(args.trace) if args.trace else default_trace_path())
-    if trace is not None and not trace.exists():
-        print(f"trace {trace} not found: using the generated '{args.workload}' workload", file=sys.stderr)
-        trace = None
-    wall_per_trace_s = args.time_scale / args.load_scale
-    selection = select_requests(WorkloadOptions(
-        trace=trace, workload=args.workload, start_s=args.trace_start_s,
-        duration_s=args.duration / wall_per_trace_s, max_requests=args.max_requests or None))
-    workload = to_replay(selection, wall_per_trace_s, args.max_output_tokens or None)
-    if not workload:
-        print("the workload slice is empty", file=sys.stderr)
+    loaded = load_workload(args)
+    if loaded is None:
         return 2
+    trace, selection, workload = loaded
     model_dir = ensure_model_dir()
     cfg = RunConfig(replicas=args.replicas, time_scale=args.time_scale, load_scale=args.load_scale,
                     drain_timeout_s=args.drain_timeout_s, model=args.model, endpoint=args.endpoint,
@@ -368,8 +382,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # every process was already stopped by the finally blocks
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_harness(main)

@@ -30,11 +30,11 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from loadtest.e2e import load_workload
 from loadtest.fleet import (
     EngineOptions,
     Fleet,
@@ -43,15 +43,10 @@ from loadtest.fleet import (
     exit_on_sigterm,
     parse_runs,
     pd_roles,
+    run_harness,
 )
 from loadtest.replay import make_client, replay, summarize
-from loadtest.workload import (
-    WorkloadOptions,
-    default_trace_path,
-    ensure_model_dir,
-    select_requests,
-    to_replay,
-)
+from loadtest.workload import ensure_model_dir
 
 #: run name -> (router kind, PD policy)
 RUNS: dict[str, tuple[str, str]] = {
@@ -246,18 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("sglang_router_pd needs --dialect sglang", file=sys.stderr)
         return 2
     exit_on_sigterm()
-    trace = None if args.trace == "generated" else (Path(args.trace) if args.trace else default_trace_path())
-    if trace is not None and not trace.exists():
-        print(f"trace {trace} not found: using the generated '{args.workload}' workload", file=sys.stderr)
-        trace = None
-    wall_per_trace_s = args.time_scale / args.load_scale
-    selection = select_requests(WorkloadOptions(
-        trace=trace, workload=args.workload, start_s=args.trace_start_s,
-        duration_s=args.duration / wall_per_trace_s, max_requests=args.max_requests or None))
-    workload = to_replay(selection, wall_per_trace_s, args.max_output_tokens or None)
-    if not workload:
-        print("the workload slice is empty", file=sys.stderr)
+    loaded = load_workload(args)
+    if loaded is None:
         return 2
+    trace, _, workload = loaded
     engine = EngineOptions(model=args.model, dialect=args.dialect, time_scale=args.time_scale,
                            profile=args.profile, model_path=str(ensure_model_dir()), pd_protocol=args.protocol,
                            kv_events_format="sglang" if args.dialect == "sglang" else "vllm",
@@ -284,8 +271,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_harness(main)

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -657,3 +657,13 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _raise)
+
+
+def run_harness(main: Callable[[], int]) -> None:
+    """Exit with ``main()``'s code; on Ctrl-C say ``interrupted`` and exit 130 (the harness's ``finally`` blocks
+    have already stopped every process it started)."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -49,19 +49,26 @@ from typing import Any
 from index.hashing import root_seed
 from index.prefix_index import PrefixIndex
 from loadtest.engine_model import (
-    BlockRemoved,
     BlockStored,
-    EngineMetrics,
     EngineModel,
     EngineRequest,
     Finished,
     FirstToken,
     get_profile,
 )
-from loadtest.simulator import CAPACITY_DECODE_BATCH, FleetConfig, SimResult, percentile
+from loadtest.simulator import (
+    _FINISH,
+    _FIRST,
+    _KV,
+    CAPACITY_DECODE_BATCH,
+    EventFleet,
+    FleetConfig,
+    SimResult,
+    percentile,
+)
 from loadtest.simulator import main as simulator_main
 from loadtest.traces import BlockKeyCache, Request
-from policies.base import Candidate, LoadView, Observation, ReplicaProfile, RouteRequest
+from policies.base import Candidate, Observation, ReplicaProfile, RouteRequest
 from policies.hits import hit_from_match
 from policies.pd_base import (
     HandoffLink,
@@ -73,9 +80,6 @@ from policies.pd_base import (
     plan_charges,
 )
 
-_KV = 0
-_FIRST = 1
-_FINISH = 2
 _HANDOFF = 3
 
 #: Default P->D link: 25 GB/s (a 200 Gbit NIC; seeds TV-14: 1.125 GiB in 48.3 ms).
@@ -162,8 +166,10 @@ class _Leg:
     leg: str
 
 
-class PdFleet:
+class PdFleet(EventFleet):
     """One PD simulation: engines, the index, the PD policy, links and the router's accounting (virtual time)."""
+
+    engines: list[KvReceivingEngine]
 
     def __init__(self, config: PdFleetConfig, policy: str, keys: BlockKeyCache,
                  policy_params: dict[str, Any] | None = None, seed: int = 0) -> None:
@@ -189,43 +195,14 @@ class PdFleet:
         ]
         self.profiles = [pd_replica_profile(p) for p in fc.profiles]
         self.names = [f"r{i}" for i in range(n)]
-        self.inflight = [0] * n
-        self.inflight_prefill = [0] * n
+        self._init_router_state(fc)
         self.link_free_at = [0.0] * n
         #: per replica, since when it has been working through its in-flight prefill tokens (seconds)
         self.busy_since = [0.0] * n
-        self.snap: list[EngineMetrics | None] = [None] * n
-        self.snap_time = [0.0] * n
-        self.next_scrape = 0.0
-        self._heap: list[tuple[float, int, int, Any]] = []
-        self._seq = 0
-        self.predict = fc.predict == "always" or (fc.predict == "auto" and fc.events_delay_s is None)
-        self.delay = fc.events_delay_s or 0.0
         self.plans: dict[str, int] = {"in_place": 0, "disaggregated": 0}
         self.moved_bytes = 0.0
 
     # -- time --------------------------------------------------------------------------------------
-
-    def _push(self, t: float, kind: int, data: Any) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, data))
-
-    def _collect(self, i: int, events: list[Any]) -> None:
-        for ev in events:
-            if isinstance(ev, FirstToken):
-                self._push(ev.time, _FIRST, (i, ev))
-            elif isinstance(ev, Finished):
-                self._push(ev.time, _FINISH, (i, ev))
-            elif isinstance(ev, BlockStored | BlockRemoved):
-                self._push(ev.time + self.delay, _KV, (i, ev))
-
-    def _next_time(self) -> float | None:
-        nxt = self._heap[0][0] if self._heap else None
-        for eng in self.engines:
-            x = eng.next_event_time()
-            if x is not None and (nxt is None or x < nxt):
-                nxt = x
-        return nxt
 
     def advance_to(self, t: float) -> None:
         """Run engines and router-side events up to ``t``, event by event (a handoff that ends at ``te``
@@ -301,42 +278,11 @@ class PdFleet:
         self.inflight[i] = max(0, self.inflight[i] - 1)
         tag.rec.finish = te
 
-    def scrape(self, t: float) -> None:
-        """Take every replica's metrics at ``t``."""
-        for i, eng in enumerate(self.engines):
-            self.snap[i] = eng.metrics()
-            self.snap_time[i] = t
-
-    def run_until(self, t: float) -> None:
-        """Advance to ``t``, scraping on the way."""
-        while self.next_scrape <= t:
-            self.advance_to(self.next_scrape)
-            self.scrape(self.next_scrape)
-            self.next_scrape += self.fc.scrape_interval_s
-        self.advance_to(t)
-
     # -- routing -----------------------------------------------------------------------------------
 
     def _elapsed(self, i: int, t: float) -> float:
         """Seconds replica ``i`` has been working through its in-flight prefill tokens (0 when it has none)."""
         return t - self.busy_since[i] if self.inflight_prefill[i] > 0 else 0.0
-
-    def _load(self, i: int, t: float) -> LoadView:
-        s = self.snap[i]
-        if s is None:
-            return LoadView(inflight_requests=self.inflight[i], inflight_prefill_tokens=self.inflight_prefill[i],
-                            inflight_prefill_elapsed_s=self._elapsed(i, t))
-        return LoadView(
-            queued_requests=s.num_requests_waiting,
-            running_requests=s.num_requests_running,
-            queued_prefill_tokens=s.queued_prefill_tokens if self.fc.scrape_fields == "full" else None,
-            inflight_requests=self.inflight[i],
-            inflight_prefill_tokens=self.inflight_prefill[i],
-            inflight_prefill_elapsed_s=self._elapsed(i, t),
-            kv_usage=s.kv_usage,
-            age_s=t - self.snap_time[i],
-            total_kv_blocks=s.num_gpu_blocks,
-        )
 
     def route(self, req: Request, rec: _PdRec) -> Plan:
         """Choose ``req``'s plan at its arrival (after ``run_until``), charge both legs, submit the first leg."""
@@ -346,7 +292,7 @@ class PdFleet:
         n = req.prompt_tokens
         matches = self.index.match(keys) if len(keys) else {}
         cands = [
-            PdCandidate(Candidate(index=i, name=self.names[i], load=self._load(i, t),
+            PdCandidate(Candidate(index=i, name=self.names[i], load=self._load(i, t, self._elapsed(i, t)),
                                   hit=hit_from_match(matches.get(i), n, bs), profile=self.profiles[i]),
                         role=self.cfg.roles[i], link_busy_s=max(0.0, self.link_free_at[i] - t))
             for i in range(self.fc.replicas)

@@ -325,7 +325,103 @@ def fleet_hit_rate_bound(requests: Sequence[Request], replicas: int, gpu_blocks:
 # ------------------------------------------------------------------------------------------- the fleet
 
 
-class Fleet:
+class EventFleet:
+    """What the co-located and the PD fleets share: the router-side event heap, engine event collection, metric
+    scrapes and load views (virtual time, seconds).
+
+    A subclass sets the attributes below in its ``__init__`` and defines ``advance_to``.
+    """
+
+    engines: Sequence[EngineModel]
+    inflight: list[int]
+    inflight_prefill: list[int]
+    snap: list[EngineMetrics | None]
+    snap_time: list[float]
+    next_scrape: float
+    scrape_interval_s: float
+    full_scrape: bool
+    delay: float
+    _heap: list[tuple[float, int, int, Any]]
+    _seq: int
+    predict: bool
+
+    def _init_router_state(self, config: FleetConfig) -> None:
+        """Empty in-flight counters, scrapes and event heap for ``config``'s replicas; KV event delay and whether
+        the router predicts index entries (``predict``) from ``config``."""
+        n = config.replicas
+        self.inflight = [0] * n
+        self.inflight_prefill = [0] * n
+        self.snap = [None] * n
+        self.snap_time = [0.0] * n
+        self.next_scrape = 0.0
+        self.scrape_interval_s = config.scrape_interval_s
+        self.full_scrape = config.scrape_fields == "full"
+        self._heap = []
+        self._seq = 0
+        self.predict = config.predict == "always" or (config.predict == "auto" and config.events_delay_s is None)
+        self.delay = config.events_delay_s or 0.0
+
+    def advance_to(self, t: float) -> None:
+        """Run engines and router-side events up to ``t`` (the subclass's event handling)."""
+        raise NotImplementedError
+
+    def _push(self, t: float, kind: int, data: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, data))
+
+    def _collect(self, i: int, events: list[Any]) -> None:
+        for ev in events:
+            if isinstance(ev, FirstToken):
+                self._push(ev.time, _FIRST, (i, ev))
+            elif isinstance(ev, Finished):
+                self._push(ev.time, _FINISH, (i, ev))
+            elif isinstance(ev, BlockStored | BlockRemoved):
+                self._push(ev.time + self.delay, _KV, (i, ev))
+
+    def _next_time(self) -> float | None:
+        """The earliest pending time: a router-side event or an engine's next event (None when all is idle)."""
+        nxt = self._heap[0][0] if self._heap else None
+        for eng in self.engines:
+            x = eng.next_event_time()
+            if x is not None and (nxt is None or x < nxt):
+                nxt = x
+        return nxt
+
+    def scrape(self, t: float) -> None:
+        """Take every replica's metrics at ``t``."""
+        for i, eng in enumerate(self.engines):
+            self.snap[i] = eng.metrics()
+            self.snap_time[i] = t
+
+    def run_until(self, t: float) -> None:
+        """Advance to ``t``, scraping on the way."""
+        while self.next_scrape <= t:
+            self.advance_to(self.next_scrape)
+            self.scrape(self.next_scrape)
+            self.next_scrape += self.scrape_interval_s
+        self.advance_to(t)
+
+    def _load(self, i: int, t: float, elapsed_s: float = 0.0) -> LoadView:
+        """Replica ``i``'s load view at ``t``: the last scrape plus the router's in-flight counters
+        (``elapsed_s``: seconds it has been working through its in-flight prefill tokens)."""
+        s = self.snap[i]
+        if s is None:
+            return LoadView(inflight_requests=self.inflight[i], inflight_prefill_tokens=self.inflight_prefill[i],
+                            inflight_prefill_elapsed_s=elapsed_s)
+        return LoadView(
+            queued_requests=s.num_requests_waiting,
+            running_requests=s.num_requests_running,
+            queued_prefill_tokens=s.queued_prefill_tokens if self.full_scrape else None,
+            inflight_requests=self.inflight[i],
+            inflight_prefill_tokens=self.inflight_prefill[i],
+            inflight_prefill_elapsed_s=elapsed_s,
+            kv_usage=s.kv_usage,
+            age_s=t - self.snap_time[i],
+            total_kv_blocks=s.num_gpu_blocks,
+        )
+
+
+class Fleet(EventFleet):
     """One simulation: engines, the index, the policy and the router's accounting (virtual time)."""
 
     def __init__(self, config: FleetConfig, policy: str, keys: BlockKeyCache,
@@ -362,15 +458,7 @@ class Fleet:
             (config.cpu_bytes_per_s or get_profile(p).cpu_link_bytes_per_s) if cpu_bw else None))
             for p in config.profiles]
         self.names = [f"r{i}" for i in range(n)]
-        self.inflight = [0] * n
-        self.inflight_prefill = [0] * n
-        self.snap: list[EngineMetrics | None] = [None] * n
-        self.snap_time = [0.0] * n
-        self.next_scrape = 0.0
-        self._heap: list[tuple[float, int, int, Any]] = []
-        self._seq = 0
-        self.predict = config.predict == "always" or (config.predict == "auto" and config.events_delay_s is None)
-        self.delay = config.events_delay_s or 0.0
+        self._init_router_state(config)
         self.observations = 0
         gate = config.dispatch
         self.ask = IndexQuestions(self.index.match, config.block_size)
@@ -379,19 +467,6 @@ class Fleet:
 
     # -- time --------------------------------------------------------------------------------------
 
-    def _push(self, t: float, kind: int, data: Any) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, data))
-
-    def _collect(self, i: int, events: list[Any]) -> None:
-        for ev in events:
-            if isinstance(ev, FirstToken):
-                self._push(ev.time, _FIRST, (i, ev))
-            elif isinstance(ev, Finished):
-                self._push(ev.time, _FINISH, (i, ev))
-            elif isinstance(ev, BlockStored | BlockRemoved):
-                self._push(ev.time + self.delay, _KV, (i, ev))
-
     def advance_to(self, t: float) -> None:
         """Run engines up to ``t`` and apply every router-side event due by then.
 
@@ -399,11 +474,7 @@ class Fleet:
         reaches its engine at that instant."""
         if self.dispatch is not None:
             while True:
-                nxt = self._heap[0][0] if self._heap else None
-                for eng in self.engines:
-                    x = eng.next_event_time()
-                    if x is not None and (nxt is None or x < nxt):
-                        nxt = x
+                nxt = self._next_time()
                 if nxt is None or nxt > t:
                     break
                 self._advance(nxt)
@@ -444,36 +515,7 @@ class Fleet:
                 rec.finish = te
         self.now = max(self.now, t)
 
-    def scrape(self, t: float) -> None:
-        """Take every replica's metrics at ``t``."""
-        for i, eng in enumerate(self.engines):
-            self.snap[i] = eng.metrics()
-            self.snap_time[i] = t
-
-    def run_until(self, t: float) -> None:
-        """Advance to ``t``, scraping on the way."""
-        while self.next_scrape <= t:
-            self.advance_to(self.next_scrape)
-            self.scrape(self.next_scrape)
-            self.next_scrape += self.cfg.scrape_interval_s
-        self.advance_to(t)
-
     # -- routing -----------------------------------------------------------------------------------
-
-    def _load(self, i: int, t: float) -> LoadView:
-        s = self.snap[i]
-        if s is None:
-            return LoadView(inflight_requests=self.inflight[i], inflight_prefill_tokens=self.inflight_prefill[i])
-        return LoadView(
-            queued_requests=s.num_requests_waiting,
-            running_requests=s.num_requests_running,
-            queued_prefill_tokens=s.queued_prefill_tokens if self.cfg.scrape_fields == "full" else None,
-            inflight_requests=self.inflight[i],
-            inflight_prefill_tokens=self.inflight_prefill[i],
-            kv_usage=s.kv_usage,
-            age_s=t - self.snap_time[i],
-            total_kv_blocks=s.num_gpu_blocks,
-        )
 
     def route(self, req: Request, rec: _Rec, tenancy: SimTenancy | None = None) -> int:
         """Route ``req`` at ``req.arrival_s`` (after ``run_until``) and submit it; returns the replica, or -1 when

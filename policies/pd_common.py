@@ -164,3 +164,28 @@ def pick_in_pool(policy: Policy, request: RouteRequest, cands: Sequence[PdCandid
         if cands[i].candidate.index == chosen:
             return i
     raise ValueError(f"policy {policy.name!r} chose replica {chosen}, not one of its candidates")
+
+
+def two_pool_plan(name: str, prefill: Policy, decode: Policy, rules: RoleRules, request: RouteRequest,
+                  cands: Sequence[PdCandidate], pair_branch: str) -> PlanDecision:
+    """The baselines' two-pool choice: ``prefill`` picks the prefill leg in its pool, then ``decode`` the decode
+    leg in its pool (another replica when it can); without such a pair, ``prefill`` picks a replica to serve
+    the request in place. ``pair_branch`` names the disaggregated branch in the decision.
+
+    Raises:
+        ValueError: no candidates, or none that may serve the request in place when there is no pair.
+    """
+    require_pd_candidates(cands)
+    n, bs = request.prompt_tokens, request.block_size
+    ps = positions(cands, rules.can_prefill_leg)
+    ds = positions(cands, rules.can_decode_leg)
+    if ps and ds:
+        p = pick_in_pool(prefill, request, cands, ps)
+        d = pick_in_pool(decode, request, cands, [i for i in ds if i != p] or ds)
+        if d != p:
+            return decision_of(name, [pd_plan(cands, p, d, n, bs)], pair_branch)
+    places = positions(cands, rules.can_serve_in_place)
+    if not places:
+        raise no_feasible_plan(cands)
+    x = pick_in_pool(prefill, request, cands, places)
+    return decision_of(name, [in_place_plan(cands, x, n, bs)], "in_place")

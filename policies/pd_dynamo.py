@@ -14,16 +14,7 @@ from collections.abc import Sequence
 
 from policies.base import Observation, RouteRequest, make_policy
 from policies.pd_base import HandoffLink, PdCandidate, PlanDecision, register_pd
-from policies.pd_common import (
-    RoleRules,
-    decision_of,
-    in_place_plan,
-    no_feasible_plan,
-    pd_plan,
-    pick_in_pool,
-    positions,
-    require_pd_candidates,
-)
+from policies.pd_common import RoleRules, two_pool_plan
 
 
 @register_pd("pd_dynamo")
@@ -47,20 +38,8 @@ class PdDynamoPolicy:
     def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
                     link: HandoffLink) -> PlanDecision:
         """KV-overlap prefill pick, then a load-only decode pick; in place by the KV router without a pair."""
-        require_pd_candidates(candidates)
-        n, bs = request.prompt_tokens, request.block_size
-        ps = positions(candidates, self.rules.can_prefill_leg)
-        ds = positions(candidates, self.rules.can_decode_leg)
-        if ps and ds:
-            p = pick_in_pool(self.prefill, request, candidates, ps)
-            d = pick_in_pool(self.decode, request, candidates, [i for i in ds if i != p] or ds)
-            if d != p:
-                return decision_of(self.name, [pd_plan(candidates, p, d, n, bs)], "kv_prefill_load_decode")
-        places = positions(candidates, self.rules.can_serve_in_place)
-        if not places:
-            raise no_feasible_plan(candidates)
-        x = pick_in_pool(self.prefill, request, candidates, places)
-        return decision_of(self.name, [in_place_plan(candidates, x, n, bs)], "in_place")
+        return two_pool_plan(self.name, self.prefill, self.decode, self.rules, request, candidates,
+                             "kv_prefill_load_decode")
 
     def observe(self, observation: Observation) -> None:
         """Dynamo's router takes no feedback here."""
