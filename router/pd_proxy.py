@@ -51,10 +51,11 @@ from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
 
 from membership.replicas import Replica
+from policies.base import Observation
 from policies.pd_base import Plan
 from router import pd_sglang, pd_vllm
 from router.engine_client import EngineError, EngineResponse
-from router.proxy import _ERR_BODY_BYTES, _AttemptFailed, _Hold, error_response
+from router.proxy import _ERR_BODY_BYTES, _AttemptFailed, _cached_tokens, _Hold, error_response
 from router.routing import Routed
 from router.token_ids import IdsPrompt
 
@@ -370,11 +371,28 @@ class _Legs:
             hp.first_byte()
         content = await self._read(resp, first, self.p_rep)
         hp.release()
-        self.metrics.leg_seconds.labels("prefill").observe(time.monotonic() - t0)
+        leg_s = time.monotonic() - t0
+        self.metrics.leg_seconds.labels("prefill").observe(leg_s)
         if resp.status >= 400:
             raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name} answered {resp.status}: "
                              f"{content[:300].decode(errors='replace')}")
+        self._observe_prefill(content, leg_s)
         return content
+
+    def _observe_prefill(self, content: bytes, leg_s: float) -> None:
+        """Calibrate the PD policy with this prefill leg: the prefill replica's observation (prompt tokens;
+        cached tokens from the leg's ``usage`` when reported, else the router's estimate; ``leg_s`` seconds of
+        the prefill leg as its TTFT)."""
+        usage: Any = None
+        with contextlib.suppress(orjson.JSONDecodeError):
+            answer = orjson.loads(content)
+            usage = answer.get("usage") if isinstance(answer, dict) else None
+        reported = _cached_tokens(usage if isinstance(usage, dict) else None)
+        router = self.proxy.router
+        q = float(self.plan.terms.get("Q_p", 0.0) or 0.0)
+        router.observe_pd(Observation(index=self.p_rep.index, prompt_tokens=self.routed.inp.prompt_tokens,
+                                      cached_tokens=reported if reported is not None else self.cached_p,
+                                      queue_wait_s=q, ttft_s=leg_s, now=router.clock()))
 
     async def _drain_prefill(self, hp: _Hold, body: dict[str, Any]) -> None:
         """A concurrent prefill leg: send it, drain and discard its answer; releases ``hp``. Raises _LegFailed."""
