@@ -173,6 +173,7 @@ class PdLegs:
         self.count_plan(routed)
         deadline = time.monotonic() + self.proxy.cfg.total_timeout_s
         tried: list[int] = []
+        tried_decode = [d_rep.index]
         while True:
             tried.append(p_rep.index)
             try:
@@ -186,9 +187,38 @@ class PdLegs:
                                     extra={"request_id": request_id, "replica": p_rep.name, "error": exc.message})
                         plan, p_rep = other
                         continue
+                if exc.reason == "decode_failed" and len(tried_decode) <= self.proxy.cfg.max_retries:
+                    pair = self._other_decode(routed, plan, tried_decode)
+                    if pair is not None:  # re-run both legs on the next plan's pair with another decode replica
+                        self.proxy.telemetry.retries.labels("pd_decode_failed").inc()
+                        log.warning("decode leg failed, trying another decode replica",
+                                    extra={"request_id": request_id, "replica": d_rep.name, "error": exc.message})
+                        plan, p_rep, d_rep = pair
+                        tried_decode.append(d_rep.index)
+                        continue
                 failed = d_rep if exc.reason == "decode_failed" else None
                 return await self._fallback(routed, failed, exc.reason, exc.message, path, body, stream,
                                             request_id, first=d_rep if failed is None else None)
+
+    def _other_decode(self, routed: Routed, plan: Plan, tried: list[int]) -> tuple[Plan, Replica, Replica] | None:
+        """The best remaining disaggregated plan whose decode replica is untried and routable (its prefill
+        replica routable; ``plan``'s prefill replica preferred), with its DP rank pinned, or None.
+
+        Both legs are re-run for the new pair: the SGLang bootstrap room and the Mooncake ``transfer_id`` bind
+        the prefill leg to one decode leg, and a vLLM NIXL prefill's blocks may already be freed once a decode
+        engine failed (the re-run prefill leg mostly hits the prefix it just cached)."""
+        assert routed.plan is not None
+        table = self.proxy.router.table
+        options = [p for p in routed.plan.plans if p.kind == "disaggregated" and p.prefill is not None
+                   and p.decode not in tried]
+        options.sort(key=lambda p: p.prefill != plan.prefill)  # stable: the policy's order within each group
+        for other in options:
+            p_rep, d_rep = table.by_index(other.prefill or 0), table.by_index(other.decode)
+            if p_rep is not None and d_rep is not None and p_rep.routable and d_rep.routable:
+                chosen = replace(other)
+                self.proxy.router.pin_dp_rank(chosen, routed.inp)
+                return chosen, p_rep, d_rep
+        return None
 
     def _other_prefill(self, routed: Routed, plan: Plan, tried: list[int]) -> tuple[Plan, Replica] | None:
         """The best remaining disaggregated plan with ``plan``'s decode replica and an untried, routable prefill

@@ -227,19 +227,43 @@ def test_route_json_lists_every_plan_with_terms(vllm_fleet: Fleet) -> None:
     json.dumps(plan)
 
 
-def test_vllm_failed_decode_leg_is_retried_in_place_elsewhere_counted() -> None:
-    """A decode leg that fails before its first byte (500) is served in place on another decode-capable replica
-    (the proxy's attempts, the failed replica excluded), counted as a decode_failed fallback."""
+def test_vllm_failed_decode_leg_is_retried_on_the_other_decode_replica() -> None:
+    """A decode leg that fails before its first byte (500) is retried as a disaggregated plan on the next plan's
+    decode replica (both legs re-run), counted as a retry, not a fallback."""
     fleet = _fleet("vllm", None, decode=2)
     try:
         path, body = _body(False, True)
         plan = _route(fleet, path, body)
         failing = _engine(fleet, plan["decode"]["name"])
+        other = next(e for e in fleet.engines if e.role == "decode" and e.url != failing)
         assert httpx.post(failing + "/admin/faults", json={"error_every": 1}, timeout=5).status_code == 200
         r, _ = _serve(fleet, path, body)
-        assert r.headers["x-kvroute-replica"] not in (plan["decode"]["name"], plan["prefill"]["name"])
+        assert r.headers["x-kvroute-replica"] == other.name
+        assert r.headers["x-kvroute-prefill-replica"] == plan["prefill"]["name"]
         assert r.text.rstrip().endswith("data: [DONE]")
-        assert metric(_url(fleet), "kvroute_pd_fallbacks_total", reason="decode_failed") == 1
+        assert metric(other.url, "fake_pd_handoffs_total") == 1  # the KV arrived on the other decode replica
+        assert metric(_url(fleet), "kvroute_retries_total", reason="pd_decode_failed") == 1
+        assert metric(_url(fleet), "kvroute_pd_fallbacks_total") == 0
+        _wire_clean(fleet)
+    finally:
+        fleet.stop()
+
+
+def test_vllm_killed_decode_engine_served_disaggregated_on_the_other() -> None:
+    """One of two decode engines killed: every request still succeeds disaggregated through the other decode
+    replica (its handoff counter counts each one)."""
+    fleet = _fleet("vllm", None, decode=2)
+    try:
+        path, body = _body(False, False)
+        plan = _route(fleet, path, body)
+        dead = next(e for e in fleet.engines if e.name == plan["decode"]["name"])
+        other = next(e for e in fleet.engines if e.role == "decode" and e is not dead)
+        dead.proc.stop()
+        for k in range(3):
+            r, _ = _serve(fleet, *_body(False, False, [5 + k + (i * 11) % 9000 for i in range(600)]))
+            assert r.headers["x-kvroute-replica"] == other.name and r.headers.get("x-kvroute-prefill-replica")
+        assert metric(other.url, "fake_pd_handoffs_total") == 3
+        assert metric(_url(fleet), "kvroute_pd_fallbacks_total") == 0
     finally:
         fleet.stop()
 
