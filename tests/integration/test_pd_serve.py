@@ -268,6 +268,40 @@ def test_vllm_killed_decode_engine_served_disaggregated_on_the_other() -> None:
         fleet.stop()
 
 
+def _legs_by_request(fleet: Fleet) -> dict[str, dict[str, str]]:
+    """Per X-Request-Id, the engine that served each leg (``GET /debug/pd_legs`` of every engine)."""
+    out: dict[str, dict[str, str]] = {}
+    for e in fleet.engines:
+        r = httpx.get(e.url + "/debug/pd_legs", timeout=5)
+        assert r.status_code == 200, r.text
+        for rec in r.json():
+            out.setdefault(str(rec["request_id"]), {})[rec["leg"]] = e.name
+    return out
+
+
+def test_vllm_each_request_legs_served_as_planned() -> None:
+    """Per request: the engines that served its prefill and decode legs (by X-Request-Id) are the replicas the
+    router named in its response and the plan ``/route`` predicted; the matching share is 1.0."""
+    fleet = _fleet("vllm", None, prefill=2, decode=2)
+    try:
+        expected: dict[str, tuple[str, str]] = {}
+        for k in range(8):
+            path, body = _body(k % 2 == 0, k % 3 == 0, [9 + k * 5 + (i * 7) % 9000 for i in range(600)])
+            plan = _route(fleet, path, body)
+            rid = f"fidelity-{k}"
+            r = httpx.post(_url(fleet) + path, json=body, headers={"x-request-id": rid}, timeout=30)
+            assert r.status_code == 200, r.text
+            named = (r.headers["x-kvroute-prefill-replica"], r.headers["x-kvroute-replica"])
+            assert named == (plan["prefill"]["name"], plan["decode"]["name"])
+            expected[rid] = named
+        served = _legs_by_request(fleet)
+        matched = sum(1 for rid, (p, d) in expected.items()
+                      if served.get(rid) == {"prefill": p, "decode": d})
+        assert matched / len(expected) == 1.0, (expected, served)
+    finally:
+        fleet.stop()
+
+
 def test_vllm_killed_prefill_retried_on_the_other_prefill_replica() -> None:
     """With two prefill replicas, a prefill leg that cannot connect is retried on the next plan's prefill replica
     (same decode replica), still disaggregated; counted as a retry, not a fallback."""
