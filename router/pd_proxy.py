@@ -21,9 +21,15 @@ plans go through the proxy's ordinary attempts. Per request:
    is retried on the next plan's prefill replica with the same decode replica (``max_retries``, counted in
    ``kvroute_retries_total{reason="pd_prefill_failed"}``), then falls back to serving in place, on the plan's
    decode replica first and then the ranking, through the proxy's attempts (which retry before the first byte);
-   a failed decode leg is served in place without that replica. Every fallback is counted
+   a failed decode leg re-runs both legs on the next plan's pair with an untried decode replica (``max_retries``,
+   counted in ``kvroute_retries_total{reason="pd_decode_failed"}``: SGLang rooms and Mooncake transfer ids bind a
+   prefill leg to one decode leg, and a NIXL prefill's blocks may be freed), then is served in place without that
+   replica. Every fallback is counted
    (``kvroute_pd_fallbacks_total{reason}``) and logged, never silent;
-6. a client that disconnects cancels the request's task: both legs' upstream requests are closed (the engines
+6. every prefill leg that answers is an observation of its prefill replica for the PD policy
+   (``Router.observe_pd``: prompt tokens, the leg's reported cached tokens else the router's estimate, the leg's
+   seconds as TTFT), so ``pd_ttft`` calibrates its prefill side online;
+7. a client that disconnects cancels the request's task: both legs' upstream requests are closed (the engines
    abort them).
 
 Metrics (on the router's registry): ``kvroute_pd_plans_total{policy,kind}``, ``kvroute_pd_legs_total{replica,leg}``
