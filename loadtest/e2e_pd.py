@@ -130,6 +130,22 @@ def fidelity(fleet: Fleet, counters: dict[str, dict[str, float]], legs: dict[tup
     return out
 
 
+def per_request_share(fleet: Fleet, results: Sequence[Any]) -> float | None:
+    """Share of successful disaggregated requests whose legs, by ``X-Request-Id`` in the engines' leg logs
+    (``GET /debug/pd_legs``), were served by the prefill and decode replicas the router named in its response
+    headers; None when no request was served disaggregated."""
+    served: dict[str, dict[str, str]] = {}
+    for e in fleet.engines:
+        for rec in httpx.get(e.url + "/debug/pd_legs", timeout=5).json():
+            served.setdefault(str(rec["request_id"]), {})[rec["leg"]] = e.name
+    disagg = [r for r in results if r.ok and r.served_by[0]]
+    if not disagg:
+        return None
+    matched = sum(1 for r in disagg
+                  if served.get(r.request_id) == {"prefill": r.served_by[0], "decode": r.served_by[1]})
+    return matched / len(disagg)
+
+
 def start_router(fleet: Fleet, kind: str, policy: str, args: argparse.Namespace) -> RouterHandle:
     """kvroute with the PD policy, or sglang-router in PD mode (prefill URL + bootstrap port, decode URL)."""
     if kind == "kvroute":
@@ -158,6 +174,7 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[Any], args: argparse.Nam
         cpu1 = router.proc.cpu_seconds()
         counters = engine_counters(fleet)
         legs = router_legs(router.url) if kind == "kvroute" else None
+        share = per_request_share(fleet, results) if kind == "kvroute" else None
         plans = labelled(router.url, "kvroute_pd_plans_total", "kind") if kind == "kvroute" else {}
         fallbacks = labelled(router.url, "kvroute_pd_fallbacks_total", "reason") if kind == "kvroute" else {}
     finally:
@@ -170,7 +187,8 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[Any], args: argparse.Nam
         "ttft_p50_s": _r(s.ttft_p50_s), "ttft_p99_s": _r(s.ttft_p99_s), "ttft_mean_s": _r(s.ttft_mean_s),
         "throughput_rps": round(s.throughput_rps, 4), "hit_rate": round(hits / queries, 6) if queries else None,
         "plans": {k: int(v) for k, v in plans.items()}, "fallbacks": {k: int(v) for k, v in fallbacks.items()},
-        "plan_fidelity": fidelity(fleet, counters, legs, s.requests), "handoffs": int(handoffs),
+        "plan_fidelity": fidelity(fleet, counters, legs, s.requests),
+        "per_request_legs_match": share, "handoffs": int(handoffs),
         "handoff_s_mean": _r(sum(c["handoff_s"] for c in counters.values()) / handoffs) if handoffs else None,
         "router_cpu_s_per_1k": round((cpu1 - cpu0) / len(results) * 1000.0, 4) if results else None,
         "engines": counters, "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],

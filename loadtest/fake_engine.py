@@ -960,6 +960,11 @@ def _add_pd_routes(app: FastAPI, http: EngineHttp) -> None:
         status, out = await http.engine.pd.serve_handoff(key, min(wait_s, 60.0))
         return JSONResponse(out, status_code=status)
 
+    @app.get("/debug/pd_legs")
+    async def pd_legs() -> Response:
+        """The last legs this engine served (bounded), oldest first: ``[{"request_id", "leg"}, ...]``."""
+        return JSONResponse(list(http.engine.pd.counters.served))
+
 
 def _add_errors_and_auth(app: FastAPI, http: EngineHttp) -> None:
     """``BadRequest`` rendered as vLLM's ErrorResponse; ``--api-key`` required on /v1 routes when set."""

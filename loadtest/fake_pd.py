@@ -33,6 +33,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,10 @@ class PdLeg:
     max_tokens: int | None = None
 
 
+#: legs kept in the per-request log (``GET /debug/pd_legs``)
+_SERVED_LOG = 4096
+
+
 class PdCounters:
     """The PD and DP counters a test compares with the router's plans."""
 
@@ -112,6 +117,8 @@ class PdCounters:
         self.bad_prefill: dict[str, int] = {}
         self.aborted_waiting = 0
         self.dp_ranks: dict[str, int] = {}
+        #: the last legs served, oldest first: {"request_id": X-Request-Id (or None), "leg": prefill / decode / ...}
+        self.served: deque[dict[str, str | None]] = deque(maxlen=_SERVED_LOG)
 
     @staticmethod
     def bump(d: dict[str, int], key: str) -> None:
@@ -201,6 +208,7 @@ class PdSide:
         else:
             leg = self._vllm_leg(body, rank)
         PdCounters.bump(self.counters.legs, leg.leg)
+        self.counters.served.append({"request_id": headers.get("x-request-id"), "leg": leg.leg})
         if leg.leg != "decode" or self.role == "prefill":
             if leg.leg == "prefill":
                 self._check_prefill(body)

@@ -63,6 +63,8 @@ class ReplayResult:
         error: empty when the request succeeded, else a short reason.
         chunks: streamed ``data:`` events received (excluding ``[DONE]``).
         prompt_tokens: the request's prompt length, tokens.
+        served_by: kvroute's response headers naming the replicas (``x-kvroute-prefill-replica``,
+            ``x-kvroute-replica``; None when absent).
     """
 
     request_id: str
@@ -74,6 +76,7 @@ class ReplayResult:
     error: str = ""
     chunks: int = 0
     prompt_tokens: int = 0
+    served_by: tuple[str | None, str | None] = (None, None)
 
     @property
     def ok(self) -> bool:
@@ -134,6 +137,7 @@ async def send_one(client: httpx.AsyncClient, base_url: str, req: ReplayRequest,
         async with client.stream("POST", url, json=request_body(req, model, endpoint, stream),
                                  headers=request_headers(req)) as resp:
             res.status = resp.status_code
+            res.served_by = (resp.headers.get("x-kvroute-prefill-replica"), resp.headers.get("x-kvroute-replica"))
             if resp.status_code >= 300:
                 body = await resp.aread()
                 res.error = f"HTTP {resp.status_code}: {body[:200].decode(errors='replace')}"

@@ -21,9 +21,15 @@ plans go through the proxy's ordinary attempts. Per request:
    is retried on the next plan's prefill replica with the same decode replica (``max_retries``, counted in
    ``kvroute_retries_total{reason="pd_prefill_failed"}``), then falls back to serving in place, on the plan's
    decode replica first and then the ranking, through the proxy's attempts (which retry before the first byte);
-   a failed decode leg is served in place without that replica. Every fallback is counted
+   a failed decode leg re-runs both legs on the next plan's pair with an untried decode replica (``max_retries``,
+   counted in ``kvroute_retries_total{reason="pd_decode_failed"}``: SGLang rooms and Mooncake transfer ids bind a
+   prefill leg to one decode leg, and a NIXL prefill's blocks may be freed), then is served in place without that
+   replica. Every fallback is counted
    (``kvroute_pd_fallbacks_total{reason}``) and logged, never silent;
-6. a client that disconnects cancels the request's task: both legs' upstream requests are closed (the engines
+6. every prefill leg that answers is an observation of its prefill replica for the PD policy
+   (``Router.observe_pd``: prompt tokens, the leg's reported cached tokens else the router's estimate, the leg's
+   seconds as TTFT), so ``pd_ttft`` calibrates its prefill side online;
+7. a client that disconnects cancels the request's task: both legs' upstream requests are closed (the engines
    abort them).
 
 Metrics (on the router's registry): ``kvroute_pd_plans_total{policy,kind}``, ``kvroute_pd_legs_total{replica,leg}``
@@ -51,10 +57,11 @@ from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
 
 from membership.replicas import Replica
+from policies.base import Observation
 from policies.pd_base import Plan
 from router import pd_sglang, pd_vllm
 from router.engine_client import EngineError, EngineResponse
-from router.proxy import _ERR_BODY_BYTES, _AttemptFailed, _Hold, error_response
+from router.proxy import _ERR_BODY_BYTES, _AttemptFailed, _cached_tokens, _Hold, error_response
 from router.routing import Routed
 from router.token_ids import IdsPrompt
 
@@ -172,6 +179,7 @@ class PdLegs:
         self.count_plan(routed)
         deadline = time.monotonic() + self.proxy.cfg.total_timeout_s
         tried: list[int] = []
+        tried_decode = [d_rep.index]
         while True:
             tried.append(p_rep.index)
             try:
@@ -185,9 +193,38 @@ class PdLegs:
                                     extra={"request_id": request_id, "replica": p_rep.name, "error": exc.message})
                         plan, p_rep = other
                         continue
+                if exc.reason == "decode_failed" and len(tried_decode) <= self.proxy.cfg.max_retries:
+                    pair = self._other_decode(routed, plan, tried_decode)
+                    if pair is not None:  # re-run both legs on the next plan's pair with another decode replica
+                        self.proxy.telemetry.retries.labels("pd_decode_failed").inc()
+                        log.warning("decode leg failed, trying another decode replica",
+                                    extra={"request_id": request_id, "replica": d_rep.name, "error": exc.message})
+                        plan, p_rep, d_rep = pair
+                        tried_decode.append(d_rep.index)
+                        continue
                 failed = d_rep if exc.reason == "decode_failed" else None
                 return await self._fallback(routed, failed, exc.reason, exc.message, path, body, stream,
                                             request_id, first=d_rep if failed is None else None)
+
+    def _other_decode(self, routed: Routed, plan: Plan, tried: list[int]) -> tuple[Plan, Replica, Replica] | None:
+        """The best remaining disaggregated plan whose decode replica is untried and routable (its prefill
+        replica routable; ``plan``'s prefill replica preferred), with its DP rank pinned, or None.
+
+        Both legs are re-run for the new pair: the SGLang bootstrap room and the Mooncake ``transfer_id`` bind
+        the prefill leg to one decode leg, and a vLLM NIXL prefill's blocks may already be freed once a decode
+        engine failed (the re-run prefill leg mostly hits the prefix it just cached)."""
+        assert routed.plan is not None
+        table = self.proxy.router.table
+        options = [p for p in routed.plan.plans if p.kind == "disaggregated" and p.prefill is not None
+                   and p.decode not in tried]
+        options.sort(key=lambda p: p.prefill != plan.prefill)  # stable: the policy's order within each group
+        for other in options:
+            p_rep, d_rep = table.by_index(other.prefill or 0), table.by_index(other.decode)
+            if p_rep is not None and d_rep is not None and p_rep.routable and d_rep.routable:
+                chosen = replace(other)
+                self.proxy.router.pin_dp_rank(chosen, routed.inp)
+                return chosen, p_rep, d_rep
+        return None
 
     def _other_prefill(self, routed: Routed, plan: Plan, tried: list[int]) -> tuple[Plan, Replica] | None:
         """The best remaining disaggregated plan with ``plan``'s decode replica and an untried, routable prefill
@@ -370,11 +407,28 @@ class _Legs:
             hp.first_byte()
         content = await self._read(resp, first, self.p_rep)
         hp.release()
-        self.metrics.leg_seconds.labels("prefill").observe(time.monotonic() - t0)
+        leg_s = time.monotonic() - t0
+        self.metrics.leg_seconds.labels("prefill").observe(leg_s)
         if resp.status >= 400:
             raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name} answered {resp.status}: "
                              f"{content[:300].decode(errors='replace')}")
+        self._observe_prefill(content, leg_s)
         return content
+
+    def _observe_prefill(self, content: bytes, leg_s: float) -> None:
+        """Calibrate the PD policy with this prefill leg: the prefill replica's observation (prompt tokens;
+        cached tokens from the leg's ``usage`` when reported, else the router's estimate; ``leg_s`` seconds of
+        the prefill leg as its TTFT)."""
+        usage: Any = None
+        with contextlib.suppress(orjson.JSONDecodeError):
+            answer = orjson.loads(content)
+            usage = answer.get("usage") if isinstance(answer, dict) else None
+        reported = _cached_tokens(usage if isinstance(usage, dict) else None)
+        router = self.proxy.router
+        q = float(self.plan.terms.get("Q_p", 0.0) or 0.0)
+        router.observe_pd(Observation(index=self.p_rep.index, prompt_tokens=self.routed.inp.prompt_tokens,
+                                      cached_tokens=reported if reported is not None else self.cached_p,
+                                      queue_wait_s=q, ttft_s=leg_s, now=router.clock()))
 
     async def _drain_prefill(self, hp: _Hold, body: dict[str, Any]) -> None:
         """A concurrent prefill leg: send it, drain and discard its answer; releases ``hp``. Raises _LegFailed."""

@@ -642,9 +642,12 @@ class Proxy:
         for s in routed.decision.scores:
             if s.index == rep.index:
                 q = float(s.parts.get("Q", 0.0) or 0.0)
-        self.router.observe(Observation(index=rep.index, prompt_tokens=n,
-                                        cached_tokens=reported if reported is not None else predicted_cached,
-                                        queue_wait_s=q, ttft_s=ttft, now=self.router.clock()))
+        obs = Observation(index=rep.index, prompt_tokens=n,
+                          cached_tokens=reported if reported is not None else predicted_cached,
+                          queue_wait_s=q, ttft_s=ttft, now=self.router.clock())
+        self.router.observe(obs)
+        if routed.plan is not None and not routed.disaggregated:
+            self.router.observe_pd(obs)  # an in-place plan's answer calibrates the PD policy too
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -545,6 +545,16 @@ class Router:
             for listener in self.on_prediction:
                 listener(rep, keys)
 
+    def observe_pd(self, obs: Observation) -> None:
+        """Feed a PD plan's prefill observation to the PD policy (never raises): a disaggregated request's
+        prefill leg on its prefill replica, or an in-place plan's answer. No-op before a PD policy exists."""
+        if self._pd_policy is None:
+            return
+        try:
+            self._pd_policy.observe(obs)
+        except Exception:
+            log.exception("pd_policy.observe failed")
+
     def observe(self, obs: Observation) -> None:
         """Feed an observation to the policy (never raises)."""
         try:

@@ -227,19 +227,77 @@ def test_route_json_lists_every_plan_with_terms(vllm_fleet: Fleet) -> None:
     json.dumps(plan)
 
 
-def test_vllm_failed_decode_leg_is_retried_in_place_elsewhere_counted() -> None:
-    """A decode leg that fails before its first byte (500) is served in place on another decode-capable replica
-    (the proxy's attempts, the failed replica excluded), counted as a decode_failed fallback."""
+def test_vllm_failed_decode_leg_is_retried_on_the_other_decode_replica() -> None:
+    """A decode leg that fails before its first byte (500) is retried as a disaggregated plan on the next plan's
+    decode replica (both legs re-run), counted as a retry, not a fallback."""
     fleet = _fleet("vllm", None, decode=2)
     try:
         path, body = _body(False, True)
         plan = _route(fleet, path, body)
         failing = _engine(fleet, plan["decode"]["name"])
+        other = next(e for e in fleet.engines if e.role == "decode" and e.url != failing)
         assert httpx.post(failing + "/admin/faults", json={"error_every": 1}, timeout=5).status_code == 200
         r, _ = _serve(fleet, path, body)
-        assert r.headers["x-kvroute-replica"] not in (plan["decode"]["name"], plan["prefill"]["name"])
+        assert r.headers["x-kvroute-replica"] == other.name
+        assert r.headers["x-kvroute-prefill-replica"] == plan["prefill"]["name"]
         assert r.text.rstrip().endswith("data: [DONE]")
-        assert metric(_url(fleet), "kvroute_pd_fallbacks_total", reason="decode_failed") == 1
+        assert metric(other.url, "fake_pd_handoffs_total") == 1  # the KV arrived on the other decode replica
+        assert metric(_url(fleet), "kvroute_retries_total", reason="pd_decode_failed") == 1
+        assert metric(_url(fleet), "kvroute_pd_fallbacks_total") == 0
+        _wire_clean(fleet)
+    finally:
+        fleet.stop()
+
+
+def test_vllm_killed_decode_engine_served_disaggregated_on_the_other() -> None:
+    """One of two decode engines killed: every request still succeeds disaggregated through the other decode
+    replica (its handoff counter counts each one)."""
+    fleet = _fleet("vllm", None, decode=2)
+    try:
+        path, body = _body(False, False)
+        plan = _route(fleet, path, body)
+        dead = next(e for e in fleet.engines if e.name == plan["decode"]["name"])
+        other = next(e for e in fleet.engines if e.role == "decode" and e is not dead)
+        dead.proc.stop()
+        for k in range(3):
+            r, _ = _serve(fleet, *_body(False, False, [5 + k + (i * 11) % 9000 for i in range(600)]))
+            assert r.headers["x-kvroute-replica"] == other.name and r.headers.get("x-kvroute-prefill-replica")
+        assert metric(other.url, "fake_pd_handoffs_total") == 3
+        assert metric(_url(fleet), "kvroute_pd_fallbacks_total") == 0
+    finally:
+        fleet.stop()
+
+
+def _legs_by_request(fleet: Fleet) -> dict[str, dict[str, str]]:
+    """Per X-Request-Id, the engine that served each leg (``GET /debug/pd_legs`` of every engine)."""
+    out: dict[str, dict[str, str]] = {}
+    for e in fleet.engines:
+        r = httpx.get(e.url + "/debug/pd_legs", timeout=5)
+        assert r.status_code == 200, r.text
+        for rec in r.json():
+            out.setdefault(str(rec["request_id"]), {})[rec["leg"]] = e.name
+    return out
+
+
+def test_vllm_each_request_legs_served_as_planned() -> None:
+    """Per request: the engines that served its prefill and decode legs (by X-Request-Id) are the replicas the
+    router named in its response and the plan ``/route`` predicted; the matching share is 1.0."""
+    fleet = _fleet("vllm", None, prefill=2, decode=2)
+    try:
+        expected: dict[str, tuple[str, str]] = {}
+        for k in range(8):
+            path, body = _body(k % 2 == 0, k % 3 == 0, [9 + k * 5 + (i * 7) % 9000 for i in range(600)])
+            plan = _route(fleet, path, body)
+            rid = f"fidelity-{k}"
+            r = httpx.post(_url(fleet) + path, json=body, headers={"x-request-id": rid}, timeout=30)
+            assert r.status_code == 200, r.text
+            named = (r.headers["x-kvroute-prefill-replica"], r.headers["x-kvroute-replica"])
+            assert named == (plan["prefill"]["name"], plan["decode"]["name"])
+            expected[rid] = named
+        served = _legs_by_request(fleet)
+        matched = sum(1 for rid, (p, d) in expected.items()
+                      if served.get(rid) == {"prefill": p, "decode": d})
+        assert matched / len(expected) == 1.0, (expected, served)
     finally:
         fleet.stop()
 
