@@ -132,8 +132,7 @@ def _stream(client: httpx.Client, url: str, body: bytes) -> tuple[float, str]:
     t0 = time.perf_counter()
     with client.stream("POST", url + "/v1/completions", content=body,
                        headers={"content-type": "application/json"}) as r:
-        for _ in r.iter_raw():
-            pass
+        r.read()
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}")
         replica = r.headers.get("x-kvroute-replica", "")

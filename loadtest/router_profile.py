@@ -16,6 +16,7 @@ Units: samples, shares in [0, 1], milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -162,12 +163,10 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
 def _children(pid: int) -> list[int]:
     """Direct child processes of ``pid`` (``/proc/<pid>/task/*/children``)."""
     kids: list[int] = []
-    try:
+    with contextlib.suppress(OSError):  # the process (or a thread) ended while we read
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 kids += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
     return kids
 
 

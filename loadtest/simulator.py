@@ -42,6 +42,7 @@ import json
 import math
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -325,7 +326,7 @@ def fleet_hit_rate_bound(requests: Sequence[Request], replicas: int, gpu_blocks:
 # ------------------------------------------------------------------------------------------- the fleet
 
 
-class EventFleet:
+class EventFleet(ABC):
     """What the co-located and the PD fleets share: the router-side event heap, engine event collection, metric
     scrapes and load views (virtual time, seconds).
 
@@ -361,9 +362,9 @@ class EventFleet:
         self.predict = config.predict == "always" or (config.predict == "auto" and config.events_delay_s is None)
         self.delay = config.events_delay_s or 0.0
 
+    @abstractmethod
     def advance_to(self, t: float) -> None:
         """Run engines and router-side events up to ``t`` (the subclass's event handling)."""
-        raise NotImplementedError
 
     def _push(self, t: float, kind: int, data: Any) -> None:
         self._seq += 1

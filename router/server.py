@@ -8,6 +8,7 @@ limits, head and body-idle timeouts; uvicorn's defaults when those extras are mi
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import logging
@@ -91,10 +92,8 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
         limit_concurrency=2 * (settings.max_inflight_total + settings.max_queued_requests) + 64,
         backlog=2048, log_config=None)
     server = uvicorn.Server(config)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn already shut down gracefully
         server.run(sockets=None if worker is None else [worker_socket(settings.host, worker.port)])
-    except KeyboardInterrupt:
-        pass
     return 0 if server.started else _STARTUP_FAILURE
 
 

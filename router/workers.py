@@ -30,6 +30,7 @@ Units: seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -119,10 +120,8 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 
     def setup() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, set())  # the supervisor blocks its signals; workers must not
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # not Linux: no parent-death signal
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):  # not Linux: no parent-death signal
-            pass
         if os.getppid() != parent:
             os._exit(1)
 
@@ -305,10 +304,9 @@ class WorkerApp:
 
     async def _serve_own(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            writer.write(self.render())
-            await writer.drain()
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):  # the asking worker went away
+                writer.write(self.render())
+                await writer.drain()
         finally:
             writer.close()
 

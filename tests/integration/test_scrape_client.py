@@ -25,7 +25,7 @@ async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, 
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(PAGE), PAGE))
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
-        pass
+        return  # the client closed the connection: the fake engine's handler ends
     finally:
         writer.close()
 
