@@ -254,3 +254,23 @@ def start_fake_engine(*args: str, attempts: int = 3, timeout: float = 30.0) -> t
         if "address already in use" not in out or attempt == attempts - 1:
             raise AssertionError(f"fake engine exited at start:\n{out[-3000:]}")
     raise AssertionError("unreachable")
+
+
+TRACE_NAME = "mooncake_conversation_trace.jsonl"
+
+
+def shared_trace(name: str = TRACE_NAME) -> Path:
+    """The shared real trace, read in place (never copied into the repo): ``$KVROUTE_TRACE_DIR``, else
+    ``shared/traces`` beside the checkout or beside one of its parents (worktrees live a level deeper).
+
+    The trace is public data the repository may not carry (the README's demo falls back to a generated workload
+    without it), so a test that needs it is skipped, naming where it looked, on a checkout without it; CI and
+    ``make test`` run beside ``shared/`` and run these tests."""
+    import pytest
+
+    env = os.environ.get("KVROUTE_TRACE_DIR")
+    dirs = [Path(env)] if env else [p / "shared" / "traces" for p in REPO.parents]
+    for d in dirs:
+        if (d / name).exists():
+            return d / name
+    pytest.skip(f"the trace {name} is not in {', '.join(str(d) for d in dirs)} (set KVROUTE_TRACE_DIR)")

@@ -5,7 +5,6 @@ benchmark itself (``python -m loadtest.bench_epp``: real processes, fake engines
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,22 +12,12 @@ from pathlib import Path
 import pytest
 
 from loadtest.bench_epp import RESULT_KEYS
-from tests.helpers import REPO
-
-TRACE_NAME = "mooncake_conversation_trace.jsonl"
-
-
-def _trace_path() -> Path:
-    d = Path(os.environ.get("KVROUTE_TRACE_DIR", REPO.parent / "shared" / "traces"))
-    p = d / TRACE_NAME
-    if not p.exists():
-        pytest.skip(f"missing trace file {p}")
-    return p
+from tests.helpers import REPO, shared_trace
 
 
 @pytest.mark.trace
 def test_epp_and_proxy_pick_the_same_replica_on_a_trace_slice(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "loadtest.bench_epp", "--json", "--trace", str(_trace_path()), "--requests", "30",
+    cmd = [sys.executable, "-m", "loadtest.bench_epp", "--json", "--trace", str(shared_trace()), "--requests", "30",
            "--replicas", "3", "--concurrency", "4", "--log-dir", str(tmp_path / "logs")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, f"bench_epp failed ({proc.returncode}):\n{proc.stderr[-4000:]}"

@@ -4,7 +4,6 @@ both legs charged before dispatch, and pd_ttft against random pairs on the conve
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,21 +14,12 @@ from loadtest.pd_simulator import PdFleetConfig, main, simulate_pd
 from loadtest.simulator import FleetConfig
 from loadtest.traces import Request
 from policies.pd_base import HandoffLink
+from tests.helpers import shared_trace
 
 REPO = Path(__file__).resolve().parents[2]
 PD_POLICIES = "pd_ttft,pd_smg,pd_llmd,pd_dynamo,pd_random"
 
 
-def _trace_path() -> Path:
-    """The shared conversation trace: ``$KVROUTE_TRACE_DIR``, else ``shared/traces`` beside the checkout (or
-    beside a parent directory of it: worktrees live one level deeper)."""
-    name = "mooncake_conversation_trace.jsonl"
-    env = os.environ.get("KVROUTE_TRACE_DIR")
-    dirs = [Path(env)] if env else [p / "shared" / "traces" for p in REPO.parents]
-    for d in dirs:
-        if (d / name).exists():
-            return d / name
-    pytest.skip(f"missing trace file {name} in {dirs[0]}")
 
 
 def _reqs(*specs: tuple[float, int, int]) -> list[Request]:
@@ -40,7 +30,7 @@ def _reqs(*specs: tuple[float, int, int]) -> list[Request]:
 def test_simulate_command_contract_on_a_trace_slice() -> None:
     """The documented command through the ``kvroute`` entry point: every PD baseline and a co-located policy
     on the same GPUs, rows with the contract's fields; pd_ttft beats random pairs on TTFT p50 and p99."""
-    cmd = [sys.executable, "-m", "router.cli", "simulate", "--trace", str(_trace_path()), "--duration", "120",
+    cmd = [sys.executable, "-m", "router.cli", "simulate", "--trace", str(shared_trace()), "--duration", "120",
            "--profiles", "a100:2,h20:2", "--prefill", "2", "--decode", "2", "--link-gbps", "25",
            "--policies", PD_POLICIES + ",ttft", "--load", "0.7", "--block-size", "64", "--gpu-blocks", "12500",
            "--json"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -11,17 +10,11 @@ import pytest
 from index.hashing import root_seed
 from loadtest.simulator import FleetConfig, lru_hit_rate, main, parse_profiles, simulate
 from loadtest.traces import BlockKeyCache, Request, load_mooncake, make_workload, scale_rate
+from tests.helpers import shared_trace
 
 REPO = Path(__file__).resolve().parents[2]
-TRACE_NAME = "mooncake_conversation_trace.jsonl"
 
 
-def _trace_path() -> Path:
-    d = Path(os.environ.get("KVROUTE_TRACE_DIR", REPO.parent / "shared" / "traces"))
-    p = d / TRACE_NAME
-    if not p.exists():
-        pytest.skip(f"missing trace file {p}")
-    return p
 
 
 def _small() -> list[Request]:
@@ -104,7 +97,7 @@ def test_hit_rate_bound_equals_brute_force(capacity: int) -> None:
 @pytest.mark.trace
 def test_unlimited_single_cache_bound_matches_readme() -> None:
     """One infinite shared cache: 37.4 % of prompt tokens (traces README)."""
-    reqs = load_mooncake(_trace_path())
+    reqs = load_mooncake(shared_trace())
     assert lru_hit_rate(reqs, BlockKeyCache(512, 0), None) == pytest.approx(0.374, abs=0.005)
 
 
@@ -115,7 +108,7 @@ def test_round_robin_unlimited_caches_reproduce_readme() -> None:
     Block size 512 (one block per hash id) keeps the test fast; block size 16 gives the same figures
     (19.56 / 13.90 / 10.10 %, measured with ``kvroute simulate --block-size 16``).
     """
-    reqs = scale_rate(load_mooncake(_trace_path()), 4.0)
+    reqs = scale_rate(load_mooncake(shared_trace()), 4.0)
     keys = BlockKeyCache(512, root_seed("sim-model"))
     for n, expected in ((4, 0.196), (8, 0.139), (16, 0.101)):
         cfg = FleetConfig(profiles=["a100"] * n, gpu_blocks=10**7, block_size=512, events_delay_s=None,
