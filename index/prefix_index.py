@@ -266,6 +266,12 @@ class PrefixIndex(NodeTable):
         # block keys are ints: ``_walk`` reads them as BlockKey (no cast call on the hot path)
         return self._walk(keys if type(keys) is list else list(keys), live, now)  # type: ignore[arg-type]
 
+    def deepest_match(self, keys: Sequence[int], replicas: AbstractSet[int] | None = None) -> int:
+        """Leading blocks of ``keys`` held by the replica that holds the most of them (any tier, confirmed or
+        predicted), blocks; 0 when none holds the first. Keys are chained, so no replica holds any block past
+        this depth: the cache *frontier* of the prompt (``router.tokenize_frontier``)."""
+        return max((m.blocks for m in self.match(keys, replicas).values()), default=0)
+
     def _walk(self, keys: list[BlockKey], live: int, now: float) -> dict[int, ReplicaMatch]:
         """The match walk (see ``match``) for the slots in ``live``.
 

@@ -54,7 +54,8 @@ from router.telemetry import CONTENT_TYPE, Telemetry
 from router.tenant_admission import Ticket, bad_identity_response, rejection_response
 from router.tenants import BadIdentity, Identity
 from router.token_ids import IdsPrompt, ids_prompt
-from router.tokenizer import TokenizerError
+from router.tokenize_frontier import FrontierIds, frontier_ids, frontier_tokenizer
+from router.tokenizer import HfTokenizer, TokenizerError
 
 log = logging.getLogger("kvroute.app")
 _M = TypeVar("_M", bound=BaseModel)
@@ -216,6 +217,10 @@ class DecisionOut(BaseModel):
     lora: str | None
     prompt_tokens: int
     blocks: int
+    prompt_tokens_estimated: bool = Field(default=False, description="true when prompt_tokens is an estimate: "
+                                          "the router tokenized only tokenized_tokens of the prompt, as deep as "
+                                          "any replica's cache reaches (tokenize_scope=cached_prefix)")
+    tokenized_tokens: int = Field(default=0, description="prompt tokens the router tokenized (and hashed)")
     block_size: int
     decision_s: float
     candidates: list[CandidateOut]
@@ -577,37 +582,78 @@ class _DataPlane:
                                      (body.model_extra or {}).get(svc.tenants.cfg.priority_body_field))
         await svc.tenants.precheck(ident, max_out or body.max_tokens)  # an empty bucket: 429 before tokenizing
         model, lora, base = svc.router.resolve_model(body.model)
+        namespace = ident.tenant if ident.policy.isolate_cache else None
         # ids from the request body were validated by the schema (TokenId: 0 <= id < 2**32): no second pass
         in_range = token_ids is not None
+        walked: FrontierIds | None = None
         if token_ids is None:
             url = _tokenize_url(svc, model, lora)
+            scope = self._frontier_scope(model, lora, messages is None)
+            seed = svc.router.seed_for(base, lora, body.cache_salt, namespace) if scope is not None else 0
             if messages is not None:
                 chat = chat or {}
-                token_ids = await svc.tokenizer.encode_chat(
-                    await dump_messages(messages), model=body.model, url=url,
-                    add_generation_prompt=chat.get("add_generation_prompt", True), tools=chat.get("tools"),
-                    template_kwargs=chat.get("chat_template_kwargs"))
+                msgs = await dump_messages(messages)
+                chat_args = (chat.get("add_generation_prompt", True), chat.get("tools"),
+                             chat.get("chat_template_kwargs"))
+                if scope is not None:  # cache-frontier tokenization of the rendered template text
+                    token_ids, walked = await self._frontier_ids(scope, await scope.render(msgs, *chat_args),
+                                                                 False, seed)
+                else:
+                    token_ids = await svc.tokenizer.encode_chat(
+                        msgs, model=body.model, url=url, add_generation_prompt=chat_args[0], tools=chat_args[1],
+                        template_kwargs=chat_args[2])
             else:
                 first = prompt[0] if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
                     else prompt
                 if isinstance(first, list):
                     token_ids = list(first)  # already ints (validated as list[TokenId])
                     in_range = True
+                elif isinstance(first, str) and scope is not None:
+                    token_ids, walked = await self._frontier_ids(scope, first, True, seed)
                 elif isinstance(first, str):
                     token_ids = await svc.tokenizer.encode_prompt(first, model=body.model, url=url)
                 else:
                     token_ids = list(first or [])
         if not in_range and token_ids and (min(token_ids) < 0 or max(token_ids) >= 1 << 32):
             raise _BadTokens()  # e.g. an engine /tokenize answer out of range
+        if not in_range:
+            self._count_tokenized(len(token_ids), walked)
         inp = svc.router.make_input(model, lora, token_ids, base_model=base, cache_salt=body.cache_salt,
                                     session_id=request.headers.get(self.settings.session_header),
                                     request_id=new_request_id(request.headers.get("x-request-id")),
                                     expected_output_tokens=max_out or body.max_tokens or 0,
-                                    copies=sequences(body.model_extra),
-                                    namespace=ident.tenant if ident.policy.isolate_cache else None,
-                                    ttft_target_s=ident.ttft_target_s, priority=ident.priority)
+                                    copies=sequences(body.model_extra), namespace=namespace,
+                                    ttft_target_s=ident.ttft_target_s, priority=ident.priority,
+                                    keys=walked.keys if walked is not None else None,
+                                    estimated_tokens=None if walked is None or walked.complete
+                                    else walked.estimated_tokens)
         inp.identity = ident
         return inp
+
+    def _frontier_scope(self, model: str, lora: str | None, add_special_tokens: bool) -> HfTokenizer | None:
+        """The tokenizer for cache-frontier tokenization of this request's text (router/tokenize_frontier.py), or
+        None to tokenize it whole (``tokenize_scope=prompt``, or the tokenizer / fleet does not allow it)."""
+        if self.settings.tokenize_scope != "cached_prefix":
+            return None
+        return frontier_tokenizer(self.svc.tokenizer, self.svc.router, model, lora, add_special_tokens)
+
+    async def _frontier_ids(self, tok: HfTokenizer, text: str, add_special_tokens: bool,
+                            seed: int) -> tuple[list[int], FrontierIds | None]:
+        """Ids of ``text``: whole when it is no longer than the lookahead (as without the frontier: exact ids),
+        else only as deep as the fleet's cache (with the walk's ``FrontierIds``)."""
+        if len(text) <= self.settings.tokenize_lookahead_chars:
+            return await tok.encode_prefix(text, len(text), [], 0, add_special_tokens), None
+        walked = await frontier_ids(tok, text, add_special_tokens, self.settings.tokenize_lookahead_chars,
+                                    self.svc.router, seed)
+        return walked.token_ids, walked
+
+    def _count_tokenized(self, tokenized: int, walked: FrontierIds | None) -> None:
+        """Metrics of a prompt the router tokenized: its tokenized tokens, and for partial ids the estimated rest."""
+        tel = self.svc.telemetry
+        tel.tokenize_tokens.labels("tokenized").inc(tokenized)
+        if walked is not None and not walked.complete:
+            tel.tokenize_tokens.labels("estimated").inc(walked.estimated_tokens - tokenized)
+            tel.partial_ids.inc()
 
     async def serve(self, request: Request, inp: RoutingInput, path: str, stream: bool,
                     ids: IdsPrompt | None = None) -> Response:
@@ -688,7 +734,9 @@ class _DataPlane:
         inp = await self.routing_input(request, body, prompt=body.prompt)
         # a text prompt may reach the engine as the ids just computed (router/token_ids.py decides per replica)
         check = self.svc.proxy.token_ids
-        ids = ids_prompt(data, inp.token_ids) if check and check.mode != "off" and inp.lora is None else None
+        # ... only when they are all of the prompt's ids (cache-frontier tokenization may stop early: text then)
+        ids = ids_prompt(data, inp.token_ids) if check and check.mode != "off" and inp.lora is None \
+            and not inp.ids_partial else None
         return await self.serve(request, inp, "/v1/completions", body.stream, ids)
 
     async def chat_completions(self, request: Request) -> Response:

@@ -571,6 +571,21 @@ class Settings(BaseSettings):
     pd_link_learn_alpha: float = Field(
         default=0.2, gt=0, le=1, description="EMA weight of one observed handoff in the learned P->D bandwidth "
                                              "(bytes/s), in (0, 1]")
+    # cache-frontier tokenization (issue 23)
+    tokenize_scope: Literal["prompt", "cached_prefix"] = Field(
+        default="cached_prefix",
+        description="how much of a long text prompt (completions string, rendered chat) the router tokenizes: "
+                    "prompt = all of it (exact prompt length; completions ids forwarded to the engine); "
+                    "cached_prefix = in growing prefixes only as deep as some replica's cache holds it (no replica "
+                    "can match past the first block none holds), which spares the router most of its CPU on long "
+                    "new prompts; the rest of the prompt's length is then estimated (tokens per character of the "
+                    "tokenized part), and the text, not ids, goes to the engine. hf mode with an exact-splitting "
+                    "tokenizer only, and only while every replica's KV events are healthy; else the whole prompt")
+    tokenize_lookahead_chars: int = Field(
+        default=8192, ge=256,
+        description="cached_prefix: texts up to this many characters are tokenized whole (exact ids, as with "
+                    "tokenize_scope=prompt); longer ones start with a prefix of about this length, and each next "
+                    "prefix doubles it. Larger: exact ids for more prompts, more router CPU on new long prompts")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")

@@ -144,6 +144,9 @@ class RoutingInput:
             as this many requests in flight on its replica.
         ttft_target_s: the request's TTFT target, seconds (None: none); priority: its class priority;
             identity: its ``router.tenants.Identity`` (issue 20).
+        estimated_tokens: set when ``token_ids`` are only a prefix of the prompt's ids (cache-frontier
+            tokenization, ``router.tokenize_frontier``): the estimated length of the whole prompt, tokens; None
+            when the ids are complete.
     """
 
     model: str
@@ -158,11 +161,17 @@ class RoutingInput:
     ttft_target_s: float | None = None
     priority: int = 0
     identity: Any = None  # router.tenants.Identity of the request (set by the front door)
+    estimated_tokens: int | None = None
+
+    @property
+    def ids_partial(self) -> bool:
+        """True when ``token_ids`` hold only a prefix of the prompt (never forward them to an engine)."""
+        return self.estimated_tokens is not None
 
     @property
     def prompt_tokens(self) -> int:
-        """Prompt length, tokens."""
-        return len(self.token_ids)
+        """Prompt length, tokens: ``len(token_ids)``, or the estimate when the ids are partial."""
+        return len(self.token_ids) if self.estimated_tokens is None else self.estimated_tokens
 
 
 @dataclass(slots=True)
@@ -308,16 +317,20 @@ class Router:
                    cache_salt: str | None = None,
                    session_id: str | None = None, request_id: str = "",
                    expected_output_tokens: int = 0, copies: int = 1, namespace: str | None = None,
-                   ttft_target_s: float | None = None, priority: int = 0) -> RoutingInput:
+                   ttft_target_s: float | None = None, priority: int = 0, keys: list[int] | None = None,
+                   estimated_tokens: int | None = None) -> RoutingInput:
         """Hash ``token_ids`` into block keys and bundle the routing input (``copies``: see ``RoutingInput``;
-        ``expected_output_tokens`` is per sequence; ``namespace``: see ``seed_for``)."""
+        ``expected_output_tokens`` is per sequence; ``namespace``: see ``seed_for``). ``keys``: the ids' block
+        keys when the caller hashed them already (with ``seed_for`` of the same arguments); ``estimated_tokens``:
+        the ids are a prefix of the prompt, whose length is estimated at this many tokens (``RoutingInput``)."""
         seed = self.seed_for(base_model or model, lora, cache_salt, namespace)
-        keys = block_keys(token_ids, self.block_size, seed)
+        if keys is None:
+            keys = block_keys(token_ids, self.block_size, seed)
         copies = max(1, copies)
         return RoutingInput(model=model, lora=lora, token_ids=token_ids, keys=keys, seed=seed,
                             session_id=session_id, request_id=request_id,
                             expected_output_tokens=expected_output_tokens * copies, copies=copies,
-                            ttft_target_s=ttft_target_s, priority=priority)
+                            ttft_target_s=ttft_target_s, priority=priority, estimated_tokens=estimated_tokens)
 
     # -- decisions -------------------------------------------------------------------------------------
     def candidates_for(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> list[Replica]:
@@ -652,6 +665,7 @@ def decision_json(routed: Routed, table: ReplicaTable, block_size: int, *, show_
         "ranking": [_name(table, i) for i in d.ranking],
         "model": routed.inp.model, "lora": routed.inp.lora,
         "prompt_tokens": routed.inp.prompt_tokens, "blocks": len(routed.inp.keys),
+        "prompt_tokens_estimated": routed.inp.ids_partial, "tokenized_tokens": len(routed.inp.token_ids),
         "block_size": block_size,
         "decision_s": routed.decision_s,
         "candidates": cands,

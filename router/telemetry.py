@@ -7,6 +7,9 @@ Metric names (all prefixed ``kvroute_``):
 * ``routed_total{policy,branch,replica}``: decisions by policy branch and chosen replica.
 * ``ttft_seconds{replica}``: router-measured time to first byte of the response body, seconds (histogram).
 * ``retries_total{reason}``, ``upstream_errors_total{reason}``: failed attempts, and requests that failed for good.
+* ``tokenize_tokens_total{kind}``: prompt tokens the router tokenized (``tokenized``) or, past the fleet's cache
+  frontier, only estimated (``estimated``); ``partial_ids_requests_total``: requests routed on a prefix of their
+  ids (``router.tokenize_frontier``).
 * ``prompt_tokens_total``, ``predicted_cached_tokens_total``, ``engine_cached_tokens_total``: for requests where
   the engine reported cached tokens, the router's prediction vs the engine's report, tokens.
 * ``cached_tokens_match_total{result}``: per request, ``exact`` when the prediction equals the engine's report,
@@ -97,6 +100,13 @@ class Telemetry:
                                        registry=r)
         self.token_id_prompts = Counter("kvroute_token_id_prompts", "engine requests (attempts) whose prompt "
                                         "was sent as the router's token ids (forward_token_ids)", registry=r)
+        self.tokenize_tokens = Counter("kvroute_tokenize_tokens", "prompt tokens of text prompts the router "
+                                       "tokenized (kind=tokenized), and those it only estimated, past the fleet's "
+                                       "cache frontier (kind=estimated; tokenize_scope=cached_prefix)", ["kind"],
+                                       registry=r)
+        self.partial_ids = Counter("kvroute_partial_ids_requests", "requests routed on a prefix of their prompt's "
+                                   "ids (cache-frontier tokenization stopped early: estimated prompt length, the "
+                                   "text goes to the engine)", registry=r)
         self.prompt_tokens = Counter("kvroute_prompt_tokens", "prompt tokens of requests with an engine "
                                      "cached-token report", registry=r)
         self.predicted_cached = Counter("kvroute_predicted_cached_tokens",

@@ -174,6 +174,9 @@ class PrefixTokenCache:
         self.encoded_tokens = 0
         self.verified = 0
         self.mismatches = 0
+        #: the start-up gates (structure + self-test) passed: texts cut at safe cuts tokenize as their whole
+        #: (set by ``cache_for``; the cache-frontier tokenization relies on it even with the cache off)
+        self.gates_passed = False
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -185,6 +188,12 @@ class PrefixTokenCache:
             self._points.clear()
             self._lru.clear()
             self._bytes = 0
+
+    def splits_exactly(self, add_special_tokens: bool) -> bool:
+        """True when a text cut at safe cuts tokenizes, piece by piece, as its whole (the gates passed and no
+        audit disagreed since), and with special tokens, they go in front only."""
+        return (self.gates_passed and self.mismatches == 0
+                and (not add_special_tokens or self.specials is not None))
 
     def serves(self, add_special_tokens: bool) -> bool:
         """True when ``encode`` may be called: the cache is on and, with special tokens, they go in front only."""
@@ -384,15 +393,16 @@ def cache_for(hf_tokenizer: Any, max_bytes: int, verify_every: int, chunk_chars:
 
     reason: str | None = None
     specials: list[int] | None = None
-    if max_bytes > 0:
-        try:  # the gates never stop the router from starting: any surprise turns the cache off
-            reason = check_structure(json.loads(hf_tokenizer.to_str()))
-            if reason is None:
-                specials, reason = self_test(encode_batch, with_specials)
-        except Exception as exc:  # noqa: BLE001 - an exotic tokenizer must not break start-up
-            reason = f"the safety checks failed ({type(exc).__name__}: {exc})"
+    try:  # the gates never stop the router from starting: any surprise turns the cache off
+        reason = check_structure(json.loads(hf_tokenizer.to_str()))
+        if reason is None:
+            specials, reason = self_test(encode_batch, with_specials)
+    except Exception as exc:  # noqa: BLE001 - an exotic tokenizer must not break start-up
+        reason = f"the safety checks failed ({type(exc).__name__}: {exc})"
     cache = PrefixTokenCache(encode_batch, specials, max_bytes if reason is None else 0, verify_every, chunk_chars)
+    cache.gates_passed = reason is None
     if reason is not None:
         cache.disabled_reason = reason
-        log.warning("prefix tokenization cache off: %s (every prompt is tokenized whole)", reason)
+        log.warning("prefix tokenization cache and cache-frontier tokenization off: %s (every prompt is "
+                    "tokenized whole)", reason)
     return cache

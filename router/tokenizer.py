@@ -251,6 +251,34 @@ class HfTokenizer:
             return self.cache.encode(text, add_special_tokens)
         return list(self._batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
+    def splits_exactly(self, add_special_tokens: bool) -> bool:
+        """True when texts may be tokenized in prefixes ending at safe cuts (``router.token_cache`` gates passed;
+        with special tokens: they go in front only), as the cache-frontier tokenization does."""
+        return self.cache.splits_exactly(add_special_tokens)
+
+    def encode_prefix_sync(self, text: str, end: int, prev: list[int], prev_end: int,
+                           add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text[:end]`` given ``prev`` = the ids of ``text[:prev_end]`` (``prev_end`` < ``end``, both
+        safe cuts or 0 / ``len(text)``; only when ``splits_exactly``). With the prefix cache on, it tokenizes
+        ``text[:end]`` through the cache (which reuses the earlier prefix's ids and any earlier prompt's);
+        otherwise only ``text[prev_end:end]`` and appends it. Either way equal to the leading ids of ``text``."""
+        if self.cache.serves(add_special_tokens):
+            return self.cache.encode(text[:end], add_special_tokens)
+        piece = self._batch([text[prev_end:end]], add_special_tokens=add_special_tokens and prev_end == 0)[0].ids
+        return [*prev, *piece]
+
+    async def encode_prefix(self, text: str, end: int, prev: list[int], prev_end: int,
+                            add_special_tokens: bool) -> list[int]:
+        """``encode_prefix_sync``, in a worker thread when the new piece is long (``THREAD_MIN_CHARS``)."""
+        if end - prev_end >= THREAD_MIN_CHARS:
+            return await asyncio.to_thread(self.encode_prefix_sync, text, end, prev, prev_end, add_special_tokens)
+        return self.encode_prefix_sync(text, end, prev, prev_end, add_special_tokens)
+
+    async def render(self, messages: Sequence[Any], add_generation_prompt: bool = True, tools: Any = None,
+                     template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text of chat ``messages`` (large chats rendered in a worker thread)."""
+        return await _render(self.render_chat, messages, add_generation_prompt, tools, template_kwargs)
+
     def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool = True, tools: Any = None,
                     template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text of ``messages`` (synchronous)."""

@@ -1,0 +1,153 @@
+"""Cache-frontier tokenization: tokenize a long text prompt only as deep as the fleet's cache can match it.
+
+Block keys are chained (``index.hashing``): a block's key depends on every token before it, so when no replica
+holds block *k* of a prompt (any tier, predicted entries included), none holds block *k + 1* and every prefix
+match stops at *k*. Token ids past that point change nothing in the match. On a workload whose prompts are
+mostly new text (the e2e conversation slice reuses ~4 % of prompt tokens) tokenizing the whole prompt is most of
+the router's CPU, and the engine tokenizes it again anyway.
+
+So a text longer than ``lookahead_chars`` is tokenized in growing prefixes, each ending at a safe cut
+(``router.token_cache.safe_cut``: the prefix's ids are exactly the leading ids of the whole text, which the
+tokenizer's start-up gates prove): the first about ``lookahead_chars`` long, each next one about twice the last.
+After each prefix its full blocks are hashed and the index is asked how deep the deepest replica's match goes.
+When the match reaches the last tokenized full block the next prefix is tokenized; otherwise the walk stops and
+the request is routed on the ids it has: every replica's match is already exact. The prompt's length is then
+*estimated* (``estimate_tokens``: the tokenized ids plus the remaining characters at the tokenized part's
+tokens per character) and the ids are *partial*: they are never forwarded to an engine, which gets the text.
+
+The step decisions (``first_end``, ``next_end``, ``needs_more``, ``estimate_tokens``) are pure; ``walk`` drives
+them with the tokenizer and the index passed in as callables; ``frontier_tokenizer`` / ``frontier_ids`` bind
+them to the router's tokenizer and index for the request path. Settings: ``tokenize_scope``,
+``tokenize_lookahead_chars``.
+
+Units: characters (text offsets), tokens, blocks (``block_size`` tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from index.hashing import extend_keys
+from router.routing import Router
+from router.token_cache import safe_cut
+from router.tokenizer import HfTokenizer, Tokenizer
+
+#: ``encode(text, end, prev_ids, prev_end) -> ids of text[:end]`` (given the ids of ``text[:prev_end]``)
+EncodePrefix = Callable[[str, int, list[int], int], Awaitable[list[int]]]
+#: ``extend(ids, keys) -> keys of ids' full blocks`` (``keys``: those of an earlier prefix of ``ids``)
+ExtendKeys = Callable[[list[int], list[int]], list[int]]
+#: ``held(keys) -> leading blocks of keys held by the replica holding the most of them``
+HeldBlocks = Callable[[Sequence[int]], int]
+
+
+@dataclass(slots=True)
+class FrontierIds:
+    """What the walk tokenized.
+
+    Attributes:
+        token_ids: the ids of ``text[:chars]`` (all of the prompt's ids when ``complete``).
+        keys: the block keys of ``token_ids``' full blocks.
+        chars: characters of the text tokenized.
+        complete: True when the whole text was tokenized.
+        estimated_tokens: the estimated prompt length when not ``complete`` (``estimate_tokens``), else
+            ``len(token_ids)``, tokens.
+        steps: prefixes tokenized (1 = the first only).
+    """
+
+    token_ids: list[int]
+    keys: list[int]
+    chars: int
+    complete: bool
+    estimated_tokens: int
+    steps: int
+
+
+def first_end(text: str, lookahead_chars: int) -> int:
+    """Where the first prefix ends: the last safe cut at or before ``lookahead_chars``, or ``len(text)`` (the whole
+    text) when the text is not longer than the lookahead or has no safe cut in it."""
+    if len(text) <= lookahead_chars:
+        return len(text)
+    cut = safe_cut(text, lookahead_chars, 0)
+    return cut if cut > 0 else len(text)
+
+
+def next_end(text: str, end: int, lookahead_chars: int) -> int:
+    """Where the prefix after one ending at ``end`` ends: about twice as far (the last safe cut at or before
+    ``2 * end``), or ``len(text)`` when less than half a lookahead would be left after it or no safe cut is in
+    between."""
+    target = 2 * end
+    if len(text) - target < lookahead_chars // 2:
+        return len(text)
+    cut = safe_cut(text, target, end)
+    return cut if cut > end else len(text)
+
+
+def needs_more(held_blocks: int, tokenized_blocks: int) -> bool:
+    """True when some replica holds every tokenized full block (it may hold the next ones too): tokenize on."""
+    return held_blocks >= tokenized_blocks
+
+
+def estimate_tokens(tokenized: int, chars: int, total_chars: int) -> int:
+    """The prompt's estimated length: ``tokenized`` ids of its first ``chars`` characters, plus the other
+    ``total_chars - chars`` characters at the same tokens per character, rounded up, tokens."""
+    if chars <= 0 or chars >= total_chars:
+        return tokenized
+    return tokenized + math.ceil((total_chars - chars) * tokenized / chars)
+
+
+async def walk(text: str, lookahead_chars: int, encode: EncodePrefix, extend: ExtendKeys,
+               held: HeldBlocks) -> FrontierIds:
+    """Tokenize ``text`` prefix by prefix until no replica holds the last tokenized full block (see the module
+    docstring). ``encode`` tokenizes a prefix (safe cuts: exact), ``extend`` hashes the ids' full blocks, ``held``
+    asks the index (a pure query, on the caller's thread)."""
+    ids: list[int] = []
+    keys: list[int] = []
+    end, prev_end, steps = first_end(text, lookahead_chars), 0, 0
+    while True:
+        ids = await encode(text, end, ids, prev_end)
+        keys = extend(ids, keys)
+        steps += 1
+        if end >= len(text):
+            return FrontierIds(ids, keys, end, True, len(ids), steps)
+        if not needs_more(held(keys), len(keys)):
+            return FrontierIds(ids, keys, end, False, estimate_tokens(len(ids), end, len(text)), steps)
+        prev_end, end = end, next_end(text, end, lookahead_chars)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the request path's glue (tokenizer + router + index; called by router/app.py)
+# ---------------------------------------------------------------------------------------------------------
+
+def frontier_tokenizer(tokenizer: Tokenizer, router: Router, model: str, lora: str | None,
+                       add_special_tokens: bool) -> HfTokenizer | None:
+    """The tokenizer to walk a prompt of ``model`` with, or None to tokenize it whole.
+
+    Only the ``hf`` tokenizer whose start-up gates passed (``HfTokenizer.splits_exactly``), and only when every
+    routable replica of the model has its index entries from somewhere other than this router's own
+    predictions: a replica whose KV-event feed is down gets predicted entries (``Router.wants_prediction``), and
+    those would cover only the tokenized blocks, so the next turn of a conversation would match less than the
+    replica holds.
+    """
+    if not isinstance(tokenizer, HfTokenizer) or not tokenizer.splits_exactly(add_special_tokens):
+        return None
+    reps = router.table.routable(None if lora else model, lora)
+    if any(router.wants_prediction(r) and not router.events_healthy(r) for r in reps):
+        return None
+    return tokenizer
+
+
+async def frontier_ids(tokenizer: HfTokenizer, text: str, add_special_tokens: bool, lookahead_chars: int,
+                       router: Router, seed: int) -> FrontierIds:
+    """``walk`` ``text`` with ``tokenizer``, keys chained from ``seed`` in ``router.block_size`` blocks, against
+    every replica in ``router.index``."""
+    bs = router.block_size
+
+    async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
+        return await tokenizer.encode_prefix(t, end, prev, prev_end, add_special_tokens)
+
+    def extend(ids: list[int], keys: list[int]) -> list[int]:
+        return extend_keys(ids, keys, bs, seed)
+
+    return await walk(text, lookahead_chars, encode, extend, router.index.deepest_match)
