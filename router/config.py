@@ -583,9 +583,11 @@ class Settings(BaseSettings):
                     "tokenizer only, and only while every replica's KV events are healthy; else the whole prompt")
     tokenize_lookahead_chars: int = Field(
         default=8192, ge=256,
-        description="cached_prefix: texts up to this many characters are tokenized whole (exact ids, as with "
-                    "tokenize_scope=prompt); longer ones start with a prefix of about this length, and each next "
-                    "prefix doubles it. Larger: exact ids for more prompts, more router CPU on new long prompts")
+        description="cached_prefix: texts up to this many characters (1.5x, so that no small rest is left) are "
+                    "tokenized whole (exact ids, as with tokenize_scope=prompt); longer ones start with a prefix of "
+                    "about this length, each next prefix doubles it, and a walk that stops early also tokenizes a "
+                    "quarter of this at the end of the text to estimate the length. Larger: exact ids for more "
+                    "prompts, more router CPU on new long prompts")
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")

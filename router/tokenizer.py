@@ -274,6 +274,13 @@ class HfTokenizer:
             return await asyncio.to_thread(self.encode_prefix_sync, text, end, prev, prev_end, add_special_tokens)
         return self.encode_prefix_sync(text, end, prev, prev_end, add_special_tokens)
 
+    async def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` without special tokens (a piece of a prompt starting at a safe cut: the count it has
+        inside the whole prompt), in a worker thread when long."""
+        if len(text) >= THREAD_MIN_CHARS:
+            return await asyncio.to_thread(lambda: len(self._batch([text], add_special_tokens=False)[0].ids))
+        return len(self._batch([text], add_special_tokens=False)[0].ids)
+
     async def render(self, messages: Sequence[Any], add_generation_prompt: bool = True, tools: Any = None,
                      template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text of chat ``messages`` (large chats rendered in a worker thread)."""

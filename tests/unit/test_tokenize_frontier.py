@@ -1,0 +1,261 @@
+"""Cache-frontier tokenization (router/tokenize_frontier.py): the walk's pure steps, the walk against a real index
+and real tokenizers (ids exact, stops one prefix past the deepest match), and the length estimate on the e2e
+slice's prompts (word vocabulary and the byte-level BPE ``loadtest.bench_tokenizer`` trains on them)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from index.hashing import block_keys, extend_keys
+from index.prefix_index import PrefixIndex
+from router.routing import RoutingInput
+from router.token_cache import safe_cut
+from router.tokenize_frontier import (
+    FrontierIds,
+    estimate_tokens,
+    first_end,
+    needs_more,
+    next_end,
+    tail_start,
+    walk,
+)
+from router.tokenizer import HfTokenizer
+from tests.unit.test_token_cache import FAMILIES, ODD, WORDS, family
+
+BS = 16
+SEED = 1234
+LOOKAHEAD = 2048
+
+
+def english(n_words: int, seed: int = 0) -> str:
+    rnd = random.Random(seed)
+    return " ".join(rnd.choice(ODD) if rnd.random() < 0.1 else rnd.choice(WORDS) for _ in range(n_words))
+
+
+def model_dir(tmp_path: Path, name: str) -> Path:
+    """A directory holding the test family ``name``'s tokenizer.json (what HfTokenizer loads)."""
+    d = tmp_path / name
+    d.mkdir(parents=True, exist_ok=True)
+    family(name).save(str(d / "tokenizer.json"))
+    return d
+
+
+def run_walk(tok: HfTokenizer, text: str, index: PrefixIndex, specials: bool = True,
+             lookahead: int = LOOKAHEAD) -> FrontierIds:
+    async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
+        return await tok.encode_prefix(t, end, prev, prev_end, specials)
+
+    def extend(ids: list[int], keys: list[int]) -> list[int]:
+        return extend_keys(ids, keys, BS, SEED)
+
+    return asyncio.run(walk(text, lookahead, encode, extend, index.deepest_match, tok.count_tokens))
+
+
+def ends(text: str, lookahead: int) -> list[int]:
+    """Every prefix end the walk can reach on ``text``, in order."""
+    out = [first_end(text, lookahead)]
+    while out[-1] < len(text):
+        out.append(next_end(text, out[-1], lookahead))
+    return out
+
+
+# -- pure steps ---------------------------------------------------------------------------------------------
+
+def test_short_texts_are_one_prefix_and_long_ones_start_at_a_safe_cut_within_the_lookahead() -> None:
+    short = english(50)
+    assert first_end(short, len(short)) == len(short)
+    assert first_end(short, len(short) * 7 // 10) == len(short)  # up to 1.5 lookaheads: no small rest left
+    long = english(3000)
+    end = first_end(long, LOOKAHEAD)
+    assert 0 < end <= LOOKAHEAD and safe_cut(long, end, end - 1) == end  # a safe cut: " " between words
+    assert first_end("x" * 5000, LOOKAHEAD) == 5000  # no safe cut at all: the whole text
+
+
+def test_prefixes_double_end_at_safe_cuts_and_do_not_leave_a_small_tail() -> None:
+    text = english(6000)
+    seq = ends(text, LOOKAHEAD)
+    assert seq[-1] == len(text) and seq == sorted(set(seq))
+    for a, b in zip(seq, seq[1:-1], strict=False):
+        assert a < b <= 2 * a and safe_cut(text, b, b - 1) == b
+    assert len(text) - seq[-2] >= LOOKAHEAD // 2  # the last prefix before the whole text leaves a real tail
+
+
+def test_needs_more_only_when_the_deepest_match_reaches_the_last_tokenized_block() -> None:
+    assert needs_more(10, 10) and needs_more(0, 0)
+    assert not needs_more(9, 10) and not needs_more(0, 1)
+
+
+def test_estimate_scales_the_tokenized_part_and_rounds_up() -> None:
+    assert estimate_tokens(100, 400, 400) == 100  # complete: exact
+    assert estimate_tokens(100, 400, 1000) == 250
+    assert estimate_tokens(100, 300, 1000) == 334  # 100 + ceil(233.33)
+    # with a tail sample: the middle at the tail's density (here 1 token per 2 characters)
+    assert estimate_tokens(100, 400, 1000, tail_tokens=50, tail_chars=100) == 100 + 50 + 250
+    assert estimate_tokens(100, 300, 1000, tail_tokens=40, tail_chars=90) == 100 + 40 + 272  # ceil(610 * 40 / 90)
+
+
+def test_routing_input_reports_the_estimate_when_ids_are_partial() -> None:
+    full = RoutingInput(model="m", lora=None, token_ids=[1, 2, 3], keys=[], seed=0)
+    assert full.prompt_tokens == 3 and not full.ids_partial
+    part = RoutingInput(model="m", lora=None, token_ids=[1, 2, 3], keys=[], seed=0, estimated_tokens=90)
+    assert part.prompt_tokens == 90 and part.ids_partial
+
+
+# -- the walk against a real index ----------------------------------------------------------------------------
+
+@pytest.fixture(params=["gpt2", "llama3", "wordlevel"])
+def tok(request: pytest.FixtureRequest, tmp_path: Path) -> HfTokenizer:
+    t = HfTokenizer(model_dir(tmp_path, request.param), cache_bytes=1 << 22, cache_verify_every=1)
+    assert t.splits_exactly(True), t.cache.disabled_reason
+    return t
+
+
+def test_nothing_held_tokenizes_only_the_first_prefix(tok: HfTokenizer) -> None:
+    text = english(4000, seed=1)
+    whole = list(family_ids(tok, text))
+    got = run_walk(tok, text, PrefixIndex(block_size=BS))
+    assert got.steps == 1 and not got.complete and got.chars == first_end(text, LOOKAHEAD)
+    assert got.token_ids == whole[:len(got.token_ids)]  # exact: the leading ids of the whole prompt
+    assert got.keys == block_keys(got.token_ids, BS, SEED)
+    assert len(got.token_ids) < len(whole) / 4
+
+
+def family_ids(tok: HfTokenizer, text: str) -> Sequence[int]:
+    return tok.encode_text(text, True)
+
+
+@pytest.mark.parametrize("held_chars", [3000, 9000, 20000])
+def test_a_held_prefix_is_tokenized_to_its_depth_and_the_walk_stops_one_prefix_after(
+        tok: HfTokenizer, held_chars: int) -> None:
+    text = english(6000, seed=2)
+    whole = list(family_ids(tok, text))
+    keys = block_keys(whole, BS, SEED)
+    held = len(block_keys(family_ids(tok, text[:safe_cut(text, held_chars, 0)]), BS, SEED)) - 1
+    index = PrefixIndex(block_size=BS)
+    index.store(3, None, keys[:held])
+    index.store(1, None, keys[:held // 2])  # a shallower holder changes nothing
+    got = run_walk(tok, text, index)
+    assert got.token_ids == whole[:len(got.token_ids)]
+    assert len(got.keys) > held  # past the held depth: every replica's match is exact
+    assert index.match(got.keys)[3].blocks == held
+    seq = ends(text, LOOKAHEAD)
+    assert got.chars == seq[got.steps - 1]
+    if got.steps > 1:  # the prefix before the last one was still fully held: it stopped one prefix after
+        assert len(block_keys(family_ids(tok, text[:seq[got.steps - 2]]), BS, SEED)) <= held
+    assert not got.complete
+    tail = tail_start(text, got.chars, LOOKAHEAD)
+    tail_tokens = len(whole) - len(family_ids(tok, text[:tail]))  # the tail's share of the whole ids
+    assert got.estimated_tokens == estimate_tokens(len(got.token_ids), got.chars, len(text), tail_tokens,
+                                                   len(text) - tail)
+
+
+def test_everything_held_tokenizes_the_whole_prompt_exactly(tok: HfTokenizer) -> None:
+    text = english(6000, seed=3)
+    whole = list(family_ids(tok, text))
+    index = PrefixIndex(block_size=BS)
+    index.store(0, None, block_keys(whole, BS, SEED))
+    got = run_walk(tok, text, index)
+    assert got.complete and got.token_ids == whole and got.estimated_tokens == len(whole)
+    assert got.steps == len(ends(text, LOOKAHEAD))
+
+
+def test_predicted_entries_count_as_held(tok: HfTokenizer) -> None:
+    text = english(6000, seed=4)
+    whole = list(family_ids(tok, text))
+    index = PrefixIndex(block_size=BS)
+    index.predict(2, block_keys(whole, BS, SEED))
+    assert run_walk(tok, text, index).complete
+
+
+def test_the_cache_off_path_gives_the_same_ids(tmp_path: Path) -> None:
+    """Without the prefix tokenization cache the walk tokenizes each new piece alone: same ids."""
+    off = HfTokenizer(model_dir(tmp_path, "gpt2"), cache_bytes=0, cache_verify_every=0)
+    assert off.splits_exactly(True) and not off.cache.serves(True)
+    text = english(6000, seed=5)
+    whole = list(off.encode_text(text, True))
+    index = PrefixIndex(block_size=BS)
+    index.store(0, None, block_keys(whole, BS, SEED)[:300])
+    got = run_walk(off, text, index)
+    assert got.steps >= 2 and got.token_ids == whole[:len(got.token_ids)]
+
+
+def test_chat_text_without_specials_walks_exactly(tok: HfTokenizer) -> None:
+    text = "<|im_start|>system\n" + english(6000, seed=6) + "<|im_end|>\n<|im_start|>assistant\n"
+    whole = list(tok.encode_text(text, False))
+    index = PrefixIndex(block_size=BS)
+    index.store(0, None, block_keys(whole, BS, SEED))
+    got = run_walk(tok, text, index, specials=False)
+    assert got.complete and got.token_ids == whole
+
+
+def test_every_family_that_passes_the_gates_walks_exactly(tmp_path: Path) -> None:
+    for name in FAMILIES:
+        t = HfTokenizer(model_dir(tmp_path, name), cache_bytes=1 << 22, cache_verify_every=1)
+        if not t.splits_exactly(False):
+            continue
+        text = english(5000, seed=7)
+        whole = list(t.encode_text(text, False))
+        index = PrefixIndex(block_size=BS)
+        index.store(0, None, block_keys(whole, BS, SEED)[:250])
+        got = run_walk(t, text, index, specials=False)
+        assert got.token_ids == whole[:len(got.token_ids)], name
+
+
+def test_a_tokenizer_that_fails_the_gates_never_splits(tmp_path: Path) -> None:
+    from tokenizers import models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.add_tokens(["a b"])  # an added token with a space: cuts at spaces are not exact
+    d = tmp_path / "bad"
+    d.mkdir()
+    tk.save(str(d / "tokenizer.json"))
+    assert not HfTokenizer(d, cache_bytes=1 << 20).splits_exactly(False)
+    assert not HfTokenizer(d, cache_bytes=0).splits_exactly(False)
+
+
+# -- the estimate on the e2e slice's prompts ------------------------------------------------------------------
+
+def e2e_prompts(n: int) -> list[str]:
+    from loadtest.workload import WorkloadOptions, build_workload
+    from tests.helpers import shared_trace
+
+    reqs = build_workload(WorkloadOptions(trace=shared_trace(), duration_s=80.0))
+    return [r.prompt for r in reqs if isinstance(r.prompt, str) and len(r.prompt) > 4 * 8192][:n]
+
+
+def estimate_errors(tok: HfTokenizer, prompts: Sequence[str], lookahead: int) -> list[float]:
+    errs = []
+    empty = PrefixIndex(block_size=BS)
+    for p in prompts:
+        got = run_walk(tok, p, empty, lookahead=lookahead)
+        assert not got.complete
+        exact = len(tok.encode_text(p, True))
+        errs.append(abs(got.estimated_tokens - exact) / exact)
+    return errs
+
+
+def test_estimate_within_a_few_percent_on_the_e2e_word_vocabulary() -> None:
+    from loadtest.workload import ensure_model_dir
+
+    prompts = e2e_prompts(30)
+    assert len(prompts) >= 20
+    tok = HfTokenizer(ensure_model_dir(), cache_bytes=0, cache_verify_every=0)
+    errs = estimate_errors(tok, prompts, 8192)
+    assert max(errs) < 0.03 and sum(errs) / len(errs) < 0.015, errs
+
+
+def test_estimate_within_a_few_percent_with_a_byte_level_bpe(tmp_path: Path) -> None:
+    from loadtest.bench_tokenizer import bpe_model_dir
+
+    prompts = e2e_prompts(30)
+    tok = HfTokenizer(bpe_model_dir(prompts, tmp_path / "bpe"), cache_bytes=0, cache_verify_every=0)
+    assert tok.splits_exactly(True), tok.cache.disabled_reason
+    errs = estimate_errors(tok, prompts, 8192)
+    assert max(errs) < 0.05 and sum(errs) / len(errs) < 0.02, errs
