@@ -211,11 +211,7 @@ class PrefixTokenCache:
         if not self.enabled or len(text) < MIN_CHUNKS * self.chunk_chars:
             return self._whole(text, add_special_tokens)
         chunk = self.chunk_chars
-        hashes: list[int] = []
-        digest = hashlib.blake2b(digest_size=16, key=self._key)
-        for c in range(chunk, len(text) + 1, chunk):
-            digest.update(text[c - chunk:c].encode("utf-8", "surrogatepass"))
-            hashes.append(int.from_bytes(digest.digest(), "little"))
+        hashes = self._digests(text)
         known = self._lookup(hashes)
         if known:
             owner, cut, n = known[-1]
@@ -256,6 +252,15 @@ class PrefixTokenCache:
             self._register(ids, hashes, points)
         return self.specials + out if add_special_tokens and self.specials is not None else out
 
+    def known_chars(self, text: str) -> int:
+        """Leading characters of ``text`` whose ids the cache holds (the cut of its deepest known checkpoint, a
+        safe cut of ``text``), 0 when none or the cache is off; ``encode`` of a prefix ending there tokenizes
+        nothing."""
+        if not self.enabled or len(text) < MIN_CHUNKS * self.chunk_chars:
+            return 0
+        known = self._lookup(self._digests(text))
+        return known[-1][1] if known else 0
+
     def stats(self) -> dict[str, float]:
         """Counters and size: hits, misses, reused / encoded tokens, audits, mismatches, entries, bytes, enabled."""
         return {"hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens,
@@ -263,6 +268,16 @@ class PrefixTokenCache:
                 "entries": len(self._lru), "bytes": self._bytes, "enabled": 1.0 if self.enabled else 0.0}
 
     # -- internals ---------------------------------------------------------------------------------------
+
+    def _digests(self, text: str) -> list[int]:
+        """The checkpoint keys of ``text``: keyed digests of its first 1, 2, ... whole chunks."""
+        chunk = self.chunk_chars
+        hashes: list[int] = []
+        digest = hashlib.blake2b(digest_size=16, key=self._key)
+        for c in range(chunk, len(text) + 1, chunk):
+            digest.update(text[c - chunk:c].encode("utf-8", "surrogatepass"))
+            hashes.append(int.from_bytes(digest.digest(), "little"))
+        return hashes
 
     def _whole(self, text: str, add_special_tokens: bool) -> list[int]:
         ids = self._encode_batch([text])[0]

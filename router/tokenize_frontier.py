@@ -13,10 +13,13 @@ After each prefix its full blocks are hashed and the index is asked how deep the
 When the match reaches the last tokenized full block the next prefix is tokenized; otherwise the walk stops and
 the request is routed on the ids it has: every replica's match is already exact. The prompt's length is then
 *estimated* (``estimate_tokens``: the tokenized ids, plus a short sample at the end of the text tokenized
-exactly, plus the characters in between at the sample's tokens per character) and the ids are *partial*: they are never forwarded to an engine, which gets the text.
+exactly, plus the characters in between at the sample's tokens per character) and the ids are *partial*: they
+are never forwarded to an engine, which gets the text. When the prefix tokenization cache already holds the ids
+of a longer prefix of the text (the next turn of a conversation the router walked before), the first prefix
+reaches that far at no tokenization cost.
 
-The step decisions (``first_end``, ``next_end``, ``needs_more``, ``tail_start``, ``estimate_tokens``) are pure; ``walk`` drives
-them with the tokenizer and the index passed in as callables; ``frontier_tokenizer`` / ``frontier_ids`` bind
+The step decisions (``first_end``, ``start_end``, ``next_end``, ``needs_more``, ``tail_start``,
+``estimate_tokens``) are pure; ``walk`` drives them with the tokenizer and the index passed in as callables; ``frontier_tokenizer`` / ``frontier_ids`` bind
 them to the router's tokenizer and index for the request path. Settings: ``tokenize_scope``,
 ``tokenize_lookahead_chars``.
 
@@ -76,6 +79,16 @@ def first_end(text: str, lookahead_chars: int) -> int:
     return cut if cut > 0 else len(text)
 
 
+def start_end(text: str, lookahead_chars: int, known_chars: int) -> int:
+    """Where the first prefix ends when the prefix cache already holds the ids of ``known_chars`` leading
+    characters (a safe cut; 0 = none): ``first_end``, or the known cut when it is further (its ids cost nothing),
+    or ``len(text)`` when less than half a lookahead would be left after it."""
+    end = first_end(text, lookahead_chars)
+    if known_chars <= end:
+        return end
+    return len(text) if len(text) - known_chars < lookahead_chars // 2 else known_chars
+
+
 def next_end(text: str, end: int, lookahead_chars: int) -> int:
     """Where the prefix after one ending at ``end`` ends: about twice as far (the last safe cut at or before
     ``2 * end``), or ``len(text)`` when less than half a lookahead would be left after it or no safe cut is in
@@ -118,14 +131,15 @@ def estimate_tokens(tokenized: int, chars: int, total_chars: int, tail_tokens: i
 
 
 async def walk(text: str, lookahead_chars: int, encode: EncodePrefix, extend: ExtendKeys, held: HeldBlocks,
-               count: CountTokens) -> FrontierIds:
+               count: CountTokens, known_chars: int = 0) -> FrontierIds:
     """Tokenize ``text`` prefix by prefix until no replica holds the last tokenized full block (see the module
     docstring). ``encode`` tokenizes a prefix (safe cuts: exact), ``extend`` hashes the ids' full blocks, ``held``
     asks the index (a pure query, on the caller's thread), ``count`` tokenizes the tail sample of a walk that
-    stopped early (``tail_start``, ``estimate_tokens``)."""
+    stopped early (``tail_start``, ``estimate_tokens``); ``known_chars``: leading characters whose ids the prefix
+    cache holds (the first prefix reaches at least there: ``start_end``), 0 = none."""
     ids: list[int] = []
     keys: list[int] = []
-    end, prev_end, steps = first_end(text, lookahead_chars), 0, 0
+    end, prev_end, steps = start_end(text, lookahead_chars, known_chars), 0, 0
     while True:
         ids = await encode(text, end, ids, prev_end)
         keys = extend(ids, keys)
@@ -175,4 +189,5 @@ async def frontier_ids(tokenizer: HfTokenizer, text: str, add_special_tokens: bo
     def extend(ids: list[int], keys: list[int]) -> list[int]:
         return extend_keys(ids, keys, bs, seed)
 
-    return await walk(text, lookahead_chars, encode, extend, router.index.deepest_match, tokenizer.count_tokens)
+    return await walk(text, lookahead_chars, encode, extend, router.index.deepest_match, tokenizer.count_tokens,
+                      tokenizer.known_chars(text, add_special_tokens))

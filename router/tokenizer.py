@@ -274,6 +274,10 @@ class HfTokenizer:
             return await asyncio.to_thread(self.encode_prefix_sync, text, end, prev, prev_end, add_special_tokens)
         return self.encode_prefix_sync(text, end, prev, prev_end, add_special_tokens)
 
+    def known_chars(self, text: str, add_special_tokens: bool) -> int:
+        """Leading characters of ``text`` the prefix cache already holds ids for (0 when it cannot serve)."""
+        return self.cache.known_chars(text) if self.cache.serves(add_special_tokens) else 0
+
     async def count_tokens(self, text: str) -> int:
         """Tokens of ``text`` without special tokens (a piece of a prompt starting at a safe cut: the count it has
         inside the whole prompt), in a worker thread when long."""

@@ -22,6 +22,7 @@ from router.tokenize_frontier import (
     first_end,
     needs_more,
     next_end,
+    start_end,
     tail_start,
     walk,
 )
@@ -259,3 +260,35 @@ def test_estimate_within_a_few_percent_with_a_byte_level_bpe(tmp_path: Path) -> 
     assert tok.splits_exactly(True), tok.cache.disabled_reason
     errs = estimate_errors(tok, prompts, 8192)
     assert max(errs) < 0.05 and sum(errs) / len(errs) < 0.02, errs
+
+
+def test_start_end_jumps_to_what_the_prefix_cache_knows() -> None:
+    text = english(6000, seed=8)
+    first = first_end(text, LOOKAHEAD)
+    assert start_end(text, LOOKAHEAD, 0) == first
+    assert start_end(text, LOOKAHEAD, first - 100) == first  # less than the first prefix: no change
+    known = safe_cut(text, len(text) // 2, 0)
+    assert start_end(text, LOOKAHEAD, known) == known
+    near_end = safe_cut(text, len(text) - LOOKAHEAD // 4, 0)
+    assert start_end(text, LOOKAHEAD, near_end) == len(text)  # no small rest left
+
+
+def test_the_next_turn_starts_where_the_prefix_cache_knows_the_ids(tok: HfTokenizer) -> None:
+    turn1 = english(5000, seed=9)
+    turn2 = turn1 + " " + english(400, seed=10)
+    whole2 = list(family_ids(tok, turn2))
+    index = PrefixIndex(block_size=BS)
+    index.store(0, None, block_keys(whole2, BS, SEED))
+    first = run_walk(tok, turn1, index)
+    assert first.complete and first.steps > 2
+    known = tok.known_chars(turn2, True)
+    assert known > len(turn1) - 1100  # the cache holds turn 1's ids up to its last checkpoint
+
+    async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
+        return await tok.encode_prefix(t, end, prev, prev_end, True)
+
+    def extend(ids: list[int], keys: list[int]) -> list[int]:
+        return extend_keys(ids, keys, BS, SEED)
+
+    second = asyncio.run(walk(turn2, LOOKAHEAD, encode, extend, index.deepest_match, tok.count_tokens, known))
+    assert second.complete and second.token_ids == whole2 and second.steps <= 2
