@@ -56,9 +56,11 @@ import orjson
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
 
+from membership.engine_metrics import EngineSnapshot
 from membership.replicas import Replica
 from policies.base import Observation
 from policies.pd_base import Plan
+from policies.pd_link import TransferTotals
 from router import pd_sglang, pd_vllm
 from router.engine_client import EngineError, EngineResponse
 from router.proxy import _ERR_BODY_BYTES, _AttemptFailed, _cached_tokens, _Hold, error_response
@@ -108,8 +110,11 @@ class PdMetrics:
                                     "plans use: configured, then learned from observed handoffs (bytes/s)",
                                     registry=registry)
         self.link_samples = Counter("kvroute_pd_link_samples", "observed handoffs fed to the P->D link estimator, "
-                                    "by outcome (accepted; rejected: non-positive or non-finite transfer time or "
-                                    "size)", ["outcome"], registry=registry)
+                                    "by outcome: accepted / rejected (the relay's own timing; rejected: "
+                                    "non-positive or non-finite transfer time or size), engine_accepted / "
+                                    "engine_rejected (transfers the engines reported in /metrics, e.g. vLLM's "
+                                    "NIXL histograms), superseded (relay timing not fed: engines report)",
+                                    ["outcome"], registry=registry)
 
 
 class _LegFailed(Exception):
@@ -295,9 +300,27 @@ class PdLegs:
         if cand is None:
             return
         router = self.proxy.router
+        if router.link_from_engines:  # the engines' own transfer times are exact: the relay's are not needed
+            self.metrics.link_samples.labels("superseded").inc()
+            return
         nbytes = plan.handoff_tokens * cand.profile.bytes_per_token
         accepted = router.observe_handoff(nbytes, handoff_s - plan.terms.get("decode_first", 0.0))
         self.metrics.link_samples.labels("accepted" if accepted else "rejected").inc()
+        self.metrics.link_bandwidth.set(router.pd_link.bandwidth_bytes_per_s)
+
+    def observe_engine_transfers(self, rep: Replica, snap: EngineSnapshot) -> None:
+        """A scrape of ``rep`` (any role, any protocol): the KV transfers it reports (vLLM's NIXL histograms on
+        the pulling engine) feed the link estimator through ``Router.observe_engine_transfers``; an engine
+        exporting none reports zero transfers (no sample ever comes of it)."""
+        size, took = snap.kv_transfer_bytes, snap.kv_transfer_time
+        # not exported (yet): vLLM shows the series only after its first transfer, so "none" is a zero baseline
+        totals = TransferTotals(0.0, 0.0, 0.0) if size is None or took is None else \
+            TransferTotals(size.sum, took.sum, took.count)
+        router = self.proxy.router
+        outcome = router.observe_engine_transfers(rep.index, totals)
+        if outcome is None:
+            return
+        self.metrics.link_samples.labels("engine_accepted" if outcome else "engine_rejected").inc()
         self.metrics.link_bandwidth.set(router.pd_link.bandwidth_bytes_per_s)
 
     def keep_draining(self, task: asyncio.Task[None]) -> None:

@@ -123,6 +123,9 @@ def test_nixl_relay_non_streaming_completion_matches_in_place(pd_fleet: RealFlee
 
     alone = _post(p_url, "/v1/completions", body).json()  # p0 in place, the same dummy weights
     assert out["choices"][0]["text"] == alone["choices"][0]["text"]
+    # the router learns the link from d0's own NIXL histograms at its next scrape (0.5 s)
+    wait_until(lambda: metric(router.url, "kvroute_pd_link_samples_total", outcome="engine_accepted") >= 1,
+               timeout=10, what="an engine-reported transfer sample")
 
 
 def test_nixl_relay_streaming_chat(pd_fleet: RealFleet, pd_router: Callable[..., Router]) -> None:
