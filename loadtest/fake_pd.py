@@ -17,7 +17,8 @@ so a test fails when the router gets one wrong:
 
 A decode engine whose parameters are missing or wrong (unknown transfer, wrong room, token count mismatch,
 unreachable prefill) recomputes the prompt itself, and counts it: ``fake_pd_missing_params_total``,
-``fake_pd_recomputed_total{reason}``. A handed-over prompt costs the decode engine the transfer time of its KV
+``fake_pd_recomputed_total{reason}``; except an SGLang decode engine sent no bootstrap room at all, which answers
+400 (counted in ``fake_pd_missing_params_total``): SGLang's decode-mode server only serves decode legs. A handed-over prompt costs the decode engine the transfer time of its KV
 (``kv_bytes_per_token`` x tokens / ``--pd-link-gbps``, plus ``--pd-link-latency-s``, in model seconds) and then only
 the last prompt token's prefill. With ``--data-parallel-size`` the engine honours ``X-data-parallel-rank`` (400 for a
 rank out of range) and counts requests per rank.
@@ -260,9 +261,10 @@ class PdSide:
     def _sglang_leg(self, body: dict[str, Any]) -> PdLeg:
         room = _one(body.get("bootstrap_room"))
         if room is None:
-            if self.role == "decode":
+            if self.role == "decode":  # an SGLang decode server waits for the KV of a room: nothing to serve alone
                 self.counters.missing_params += 1
-                return PdLeg(leg="decode")
+                raise ValueError("a decode-mode server needs bootstrap_host, bootstrap_port and bootstrap_room "
+                                 "(it serves only the decode leg of a disaggregated request)")
             return PdLeg()
         if self.role == "prefill":
             return PdLeg(leg="prefill", handoff_key=str(room), max_tokens=1)

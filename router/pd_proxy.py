@@ -64,7 +64,7 @@ from policies.pd_link import TransferTotals
 from router import pd_sglang, pd_vllm
 from router.engine_client import EngineError, EngineResponse
 from router.proxy import _ERR_BODY_BYTES, _AttemptFailed, _cached_tokens, _Hold, error_response
-from router.routing import Routed
+from router.routing import Routed, serves_alone
 from router.token_ids import IdsPrompt
 
 if TYPE_CHECKING:
@@ -271,23 +271,27 @@ class PdLegs:
 
     async def _fallback(self, routed: Routed, exclude: Replica | None, reason: str, message: str, path: str,
                         body: bytes, stream: bool, request_id: str, *, first: Replica | None = None) -> Response:
-        """Serve in place through the proxy's attempts (``first`` tried first, ``exclude`` never), counted."""
-        self.metrics.fallbacks.labels(reason).inc()
-        if first is not None:
-            self.metrics.legs.labels(first.name, "in_place").inc()
-        log.warning("disaggregated plan served in place", extra={"request_id": request_id, "reason": reason,
-                                                                  "error": message})
+        """Serve in place through the proxy's attempts (``first`` tried first, ``exclude`` never), counted; only
+        on replicas that serve a request alone (``router.routing.serves_alone``), else 503."""
         ranking = [i for i in routed.decision.ranking if exclude is None or i != exclude.index]
         if first is not None:
             ranking = [first.index, *[i for i in ranking if i != first.index]]
-        in_place = Routed(inp=routed.inp, decision=routed.decision, candidates=routed.candidates,
-                          cached_tokens=routed.cached_tokens, decision_s=routed.decision_s, extra=routed.extra)
-        in_place.decision = type(routed.decision)(chosen=ranking[0] if ranking else routed.decision.chosen,
-                                                  ranking=ranking, scores=routed.decision.scores,
-                                                  policy=routed.decision.policy, branch="pd_fallback")
+        table = self.proxy.router.table
+        ranking = [i for i in ranking if (rep := table.by_index(i)) is not None and serves_alone(rep)]
         if not ranking:
+            log.warning("disaggregated plan failed, no replica serves in place", extra={
+                "request_id": request_id, "reason": reason, "error": message})
             return error_response(503, f"disaggregated plan failed ({message}) and no replica can serve in "
                                   "place", "no_routable_replica", headers={"x-request-id": request_id})
+        self.metrics.fallbacks.labels(reason).inc()
+        if first is not None and first.index == ranking[0]:
+            self.metrics.legs.labels(first.name, "in_place").inc()
+        log.warning("disaggregated plan served in place", extra={"request_id": request_id, "reason": reason,
+                                                                  "error": message})
+        in_place = Routed(inp=routed.inp, decision=routed.decision, candidates=routed.candidates,
+                          cached_tokens=routed.cached_tokens, decision_s=routed.decision_s, extra=routed.extra)
+        in_place.decision = type(routed.decision)(chosen=ranking[0], ranking=ranking, scores=routed.decision.scores,
+                                                  policy=routed.decision.policy, branch="pd_fallback")
         return await self.proxy._attempts(in_place, path, body, stream, request_id)
 
     def observe_handoff(self, routed: Routed, plan: Plan, handoff_s: float) -> None:

@@ -436,7 +436,7 @@ class Router:
             cands.append(cand)
             role: Role = r.role if r.role in ROLES else "both"
             pd_cands.append(PdCandidate(candidate=cand, role=role, dp_rank_count=max(1, r.dp_size),
-                                        link_busy_s=self.link_busy_s(r.index)))
+                                        link_busy_s=self.link_busy_s(r.index), serves_alone=serves_alone(r)))
         req = RouteRequest(model=inp.model, prompt_tokens=n, block_keys=inp.keys, block_size=self.block_size,
                            now=self.clock(), lora=inp.lora, session_id=inp.session_id,
                            objective=self.objective,  # type: ignore[arg-type]
@@ -584,6 +584,13 @@ class Router:
                 listener(obs)
             except Exception:
                 log.exception("observation listener failed")
+
+
+def serves_alone(rep: Replica) -> bool:
+    """Does ``rep``'s engine answer a request without a KV handoff? Not an SGLang server in
+    ``--disaggregation-mode decode``: it waits for the KV of the request's bootstrap room from a prefill server
+    (a request without one is not served), so no plan or fallback serves in place there."""
+    return not (rep.role == "decode" and rep.dialect == "sglang")
 
 
 def plan_as_decision(plan: PlanDecision, candidates: Sequence[PdCandidate]) -> Decision:

@@ -383,3 +383,30 @@ def test_link_learned_from_the_engines_transfer_metrics() -> None:
         assert metric(router, "kvroute_pd_link_samples_total", outcome="engine_rejected") == 0
     finally:
         fleet.stop()
+
+
+def test_sglang_decode_servers_never_serve_in_place() -> None:
+    """SGLang decode-mode servers only serve decode legs (the stand-in answers 400 without a bootstrap room, as a
+    decode server cannot prefill alone): with ``pd_ttft``'s defaults (decode replicas may prefill), a short prompt
+    that a vLLM decode replica would serve in place is still disaggregated, and when the only prefill engine is
+    gone the client gets a clear 503 instead of a request the decode server cannot serve."""
+    opts = EngineOptions(dialect="sglang", kv_events_format="sglang", time_scale=0.01)
+    fleet = Fleet(2, opts, roles=pd_roles(1, 1))
+    try:
+        fleet.start_engines()
+        fleet.start_kvroute("ttft", extra_args=["--pd-policy", "pd_ttft", "--max-retries", "1"])
+        path, body = _body(False, False, PROMPT[:40])  # 40 tokens: in place on a vLLM decode replica
+        plan = _route(fleet, path, body)
+        assert plan["kind"] == "disaggregated"
+        r, _ = _serve(fleet, path, body)
+        assert r.headers["x-kvroute-prefill-replica"] == plan["prefill"]["name"]
+        d_url = _engine(fleet, plan["decode"]["name"])
+        next(e for e in fleet.engines if e.role == "prefill").proc.stop()
+        r = httpx.post(_url(fleet) + path, json=body, timeout=30)
+        # 503 either way: the prefill leg failed and nothing serves in place, or (had a probe noticed first) no
+        # feasible plan is left
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_routable_replica", r.text
+        assert metric(d_url, "fake_pd_missing_params_total") == 0  # never sent a request it cannot serve
+        assert metric(_url(fleet), "kvroute_pd_fallbacks_total") == 0
+    finally:
+        fleet.stop()
