@@ -27,7 +27,7 @@ from prometheus_client.core import Metric
 
 from index.prefix_index import PrefixIndex
 from membership import engine_tls
-from membership.engine_metrics import MetricsScraper
+from membership.engine_metrics import EngineSnapshot, MetricsScraper
 from membership.kv_events import KVEventSubscriber
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
@@ -149,6 +149,12 @@ def _configure_pd(settings: Settings, router: Router) -> None:
     router.pd_link = HandoffLink(bandwidth_bytes_per_s=settings.pd_link_bandwidth_gbps * 1e9,
                                  latency_s=settings.pd_link_latency_s)
     router.pd_link_estimator = LinkEstimator(router.pd_link, settings.pd_link_learning())
+
+
+def _observe_transfers(proxy: Proxy, rep: Replica, snap: EngineSnapshot) -> None:
+    """A scrape's KV-transfer totals to the PD legs' link learning (``PdLegs.observe_engine_transfers``)."""
+    if isinstance(proxy.pd, PdLegs):
+        proxy.pd.observe_engine_transfers(rep, snap)
 
 
 def _build_proxy(settings: Settings, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck,
@@ -281,7 +287,8 @@ def build_services(settings: Settings) -> Services:
     # proxy's, created in the event loop when first used
     engine_metrics = signals.build_engine_metrics(
         settings, table, headers, kv_events,
-        client=PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes))
+        client=PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes),
+        also_on_snapshot=lambda rep, snap: _observe_transfers(proxy, rep, snap))
     router = _build_router(settings, table, index, policy, kv_events, membership)
     token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
                               timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
