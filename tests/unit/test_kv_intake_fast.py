@@ -1,9 +1,11 @@
 """The event-loop cuts of issue 23 on the KV-event path give the results of the general code they bypass:
 ``kv_decode._removed_fast`` (one-block ``BlockRemoved`` maps) and, in the index, ``_delete_run`` (a run of
-evicted nodes deleted at once) and ``_forget_pages`` (the engine-map upkeep of a removal batch)."""
+evicted nodes deleted at once) and ``_forget_pages`` (the engine-map upkeep of a removal batch); the feed's wait
+(``kv_events._wait_or_timer``)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -21,6 +23,7 @@ from membership.kv_decode import (
     _decode_event,
     _removed_fast,
 )
+from membership.kv_events import _wait_or_timer
 
 U64 = 1 << 64
 
@@ -116,3 +119,20 @@ def test_bulk_removals_leave_the_index_as_node_by_node_deletes_would(seed: int) 
     probes = [[k for k, _ in sorted(shard.items())][:50] for shard in a._ids]
     for keys in probes:
         assert a.match(keys) == b.match(keys)
+
+
+def test_feed_wait_returns_on_wake_or_on_its_timer_and_leaves_no_timer() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        t0 = loop.time()
+        await _wait_or_timer(wake, 0.05)  # nothing arrives: the timer ends the wait
+        assert wake.is_set() and loop.time() - t0 >= 0.04
+        wake.clear()
+        loop.call_soon(wake.set)
+        await _wait_or_timer(wake, 3600.0)  # an input ends the wait long before the timer
+        assert wake.is_set()
+        assert not any(not h.cancelled() for h in loop._scheduled)  # type: ignore[attr-defined]
+        await _wait_or_timer(wake, 3600.0)  # already set: returns at once
+
+    asyncio.run(go())
