@@ -17,7 +17,10 @@ second whatever the traffic (probes, scrapes, timers); at the e2e's ~5 requests 
 Part 2, scaling: kvroute with 1 and with N workers (``--workers``) side by side, each asked ``POST /route`` (the
 routing decision: tokenize, hash, match, choose; no engine in the loop) by ``--scaling-concurrency`` clients in
 alternating blocks; ``routed_rps`` per worker count and ``scaling`` = rps(N) / rps(1) (target >= 0.7 x N on an
-N-core machine whose cores are free: the client itself shares them here, so read it with ``loadavg_1m``).
+N-core machine whose cores are free: the client itself shares them here, so read it with ``loadavg_1m``). The
+client is raw keep-alive HTTP/1.1 with pre-encoded requests (``client_cpu_ms_per_req``, a few percent of the
+router's); ``router_cores_busy`` = router CPU seconds / wall seconds: how many cores the router kept busy (one
+worker already uses more than one core when tokenization, which runs outside the GIL, dominates).
 
 JSON on stdout, a summary on stderr; every process is stopped at the end, also on errors and Ctrl-C.
 Units: milliseconds, requests per second, tokens.
@@ -29,12 +32,12 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
-
-import httpx
 
 from loadtest.bench_proxy import make_requests, run_level
 from loadtest.fleet import (
@@ -48,6 +51,8 @@ from loadtest.fleet import (
 from loadtest.replay import ReplayRequest
 from loadtest.workload import ensure_model_dir
 
+#: the Content-Length header of an HTTP answer head
+_CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
 #: seconds a router runs before its idle CPU is measured
 _SETTLE_S = 5.0
 
@@ -101,26 +106,43 @@ def cpu_per_request(fleet: Fleet, sizes: Sequence[int], requests: int, concurren
     return out
 
 
+async def _route_conn(host: str, port: int, it: Iterator[bytes], tally: list[int]) -> None:
+    """One keep-alive HTTP/1.1 connection posting ``/route`` bodies from ``it`` until it is exhausted; counts
+    ``tally = [answered 200, errors]``. Raw asyncio streams and pre-encoded requests: a few tens of microseconds
+    of client CPU per request, so the router, not the load generator, is what fills the cores."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        for body in it:
+            writer.write(b"POST /route HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = _CONTENT_LENGTH.search(head)
+            if length is None:  # the router always sends a length on /route: anything else is a broken answer
+                tally[1] += 1
+                return
+            await reader.readexactly(int(length.group(1)))
+            tally[0 if head[9:12] == b"200" else 1] += 1
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        tally[1] += 1
+    finally:
+        writer.close()
+
+
 async def _route_block(url: str, bodies: Sequence[bytes], concurrency: int) -> tuple[int, int, float]:
-    """``POST /route`` each body once with ``concurrency`` clients; (answered 200, errors, wall seconds)."""
+    """``POST /route`` each body once over ``concurrency`` keep-alive connections; (answered 200, errors, wall
+    seconds)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
     it = iter(bodies)
-    ok = err = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
+    tally = [0, 0]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(_route_conn(host, int(port), it, tally) for _ in range(concurrency)))
+    return tally[0], tally[1], time.perf_counter() - t0
 
-        async def worker() -> None:
-            nonlocal ok, err
-            for body in it:
-                try:
-                    r = await client.post(url + "/route", content=body,
-                                          headers={"content-type": "application/json"})
-                    ok, err = (ok + 1, err) if r.status_code == 200 else (ok, err + 1)
-                except httpx.HTTPError:
-                    err += 1
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return ok, err, time.perf_counter() - t0
+def _own_cpu_s() -> float:
+    """CPU seconds (user + system) of this process, the load generator, so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def scaling(fleet: Fleet, workers: Sequence[int], size: int, requests: int, concurrency: int, blocks: int,
@@ -129,7 +151,7 @@ def scaling(fleet: Fleet, workers: Sequence[int], size: int, requests: int, conc
     reqs: list[ReplayRequest] = make_requests(requests, size, 1, seed=size + 1)
     bodies = [json.dumps({"model": model, "prompt": r.prompt, "max_tokens": 1}).encode() for r in reqs]
     handles = {w: fleet.start_kvroute(policy="ttft", extra_args=[f"--workers={w}"]) for w in workers}
-    done: dict[int, list[float]] = {w: [0, 0, 0.0, 0.0] for w in workers}  # ok, errors, wall s, cpu s
+    done: dict[int, list[float]] = {w: [0, 0, 0.0, 0.0, 0.0] for w in workers}  # ok, errors, wall, cpu, client cpu
     try:
         for h in handles.values():  # warm-up (tokenizer, pools)
             asyncio.run(_route_block(h.url, bodies[:min(8, len(bodies))], concurrency))
@@ -138,20 +160,23 @@ def scaling(fleet: Fleet, workers: Sequence[int], size: int, requests: int, conc
             chunk = bodies[b * per:(b + 1) * per]
             order = list(workers) if b % 2 == 0 else list(reversed(workers))
             for w in order:
-                c0 = handles[w].proc.cpu_seconds()
+                c0, k0 = handles[w].proc.cpu_seconds(), _own_cpu_s()
                 ok, err, wall = asyncio.run(_route_block(handles[w].url, chunk, concurrency))
                 acc = done[w]
                 acc[0] += ok
                 acc[1] += err
                 acc[2] += wall
                 acc[3] += handles[w].proc.cpu_seconds() - c0
+                acc[4] += _own_cpu_s() - k0
     finally:
         fleet.stop_router()
     out: dict[str, Any] = {"prompt_tokens": size, "concurrency": concurrency, "cores": os.cpu_count(),
                            "loadavg_1m": round(os.getloadavg()[0], 2)}
-    for w, (n_ok, n_err, wall_s, cpu_s) in done.items():
+    for w, (n_ok, n_err, wall_s, cpu_s, client_s) in done.items():
         out[f"workers_{w}"] = {"routed_rps": round(n_ok / wall_s, 2) if wall_s else 0.0, "errors": int(n_err),
-                               "router_cpu_ms_per_req": round(cpu_s * 1000.0 / n_ok, 3) if n_ok else None}
+                               "router_cpu_ms_per_req": round(cpu_s * 1000.0 / n_ok, 3) if n_ok else None,
+                               "router_cores_busy": round(cpu_s / wall_s, 2) if wall_s else None,
+                               "client_cpu_ms_per_req": round(client_s * 1000.0 / n_ok, 3) if n_ok else None}
     base = out[f"workers_{workers[0]}"]["routed_rps"]
     for w in workers[1:]:
         out[f"scaling_{w}_over_{workers[0]}"] = round(out[f"workers_{w}"]["routed_rps"] / base, 3) if base else None

@@ -17,7 +17,8 @@ so a test fails when the router gets one wrong:
 
 A decode engine whose parameters are missing or wrong (unknown transfer, wrong room, token count mismatch,
 unreachable prefill) recomputes the prompt itself, and counts it: ``fake_pd_missing_params_total``,
-``fake_pd_recomputed_total{reason}``. A handed-over prompt costs the decode engine the transfer time of its KV
+``fake_pd_recomputed_total{reason}``; except an SGLang decode engine sent no bootstrap room at all, which answers
+400 (counted in ``fake_pd_missing_params_total``): SGLang's decode-mode server only serves decode legs. A handed-over prompt costs the decode engine the transfer time of its KV
 (``kv_bytes_per_token`` x tokens / ``--pd-link-gbps``, plus ``--pd-link-latency-s``, in model seconds) and then only
 the last prompt token's prefill. With ``--data-parallel-size`` the engine honours ``X-data-parallel-rank`` (400 for a
 rank out of range) and counts requests per rank.
@@ -61,6 +62,9 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd-link-latency-s", type=float, default=0.0, help="fixed cost of one KV hand-off, s")
     g.add_argument("--pd-wait-s", type=float, default=300.0,
                    help="longest real-time wait of a decode engine for its prefill's KV before recomputing, s")
+    g.add_argument("--pd-transfer-metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="vllm protocol: export the NixlConnector's transfer histograms (vllm:nixl_xfer_time_seconds, "
+                        "vllm:nixl_bytes_transferred) on the decode engine, as vLLM 0.32 does")
     g.add_argument("--engine-id", default=None, help="engine id reported in kv_transfer_params (default: random)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="data-parallel ranks (X-data-parallel-rank picks one; counted per rank)")
@@ -112,6 +116,7 @@ class PdCounters:
         self.legs: dict[str, int] = {}
         self.handoffs = 0
         self.handoff_s_total = 0.0
+        self.handoff_bytes_total = 0.0
         self.missing_params = 0
         self.recomputed: dict[str, int] = {}
         self.bad_prefill: dict[str, int] = {}
@@ -149,6 +154,7 @@ class PdSide:
         self.dp_size = max(1, int(opts.data_parallel_size))
         self.kv_bytes_per_token = kv_bytes_per_token
         self.scale = time_scale
+        self.transfer_metrics = bool(opts.pd_transfer_metrics)
         self.counters = PdCounters()
         self._handoffs: dict[str, Handoff] = {}
         self._client: httpx.AsyncClient | None = None
@@ -255,9 +261,10 @@ class PdSide:
     def _sglang_leg(self, body: dict[str, Any]) -> PdLeg:
         room = _one(body.get("bootstrap_room"))
         if room is None:
-            if self.role == "decode":
+            if self.role == "decode":  # an SGLang decode server waits for the KV of a room: nothing to serve alone
                 self.counters.missing_params += 1
-                return PdLeg(leg="decode")
+                raise ValueError("a decode-mode server needs bootstrap_host, bootstrap_port and bootstrap_room "
+                                 "(it serves only the decode leg of a disaggregated request)")
             return PdLeg()
         if self.role == "prefill":
             return PdLeg(leg="prefill", handoff_key=str(room), max_tokens=1)
@@ -305,6 +312,7 @@ class PdSide:
         handoff_s = self.link_latency_s + tokens * self.kv_bytes_per_token / self.link_bytes_per_s
         self.counters.handoffs += 1
         self.counters.handoff_s_total += handoff_s
+        self.counters.handoff_bytes_total += tokens * self.kv_bytes_per_token
         if self.scale > 0:
             await asyncio.sleep(handoff_s * self.scale)
         return tokens
@@ -368,7 +376,7 @@ class PdSide:
     # -- metrics ---------------------------------------------------------------------------------------------
     def collect(self, aborted: int) -> Iterator[Any]:
         """Prometheus families of the PD / DP counters (``aborted``: the engine's aborted requests)."""
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
         c = self.counters
 
@@ -395,6 +403,12 @@ class PdSide:
                      "reason", dict(c.bad_prefill))
         yield family("fake_requests_aborted", "requests aborted because their client went away (also while a "
                      "decode leg waited for its KV)", None, aborted + c.aborted_waiting)
+        if self.protocol == "vllm" and self.transfer_metrics:  # the NixlConnector's histograms on the pulling engine (vLLM 0.32), + Inf only
+            for name, doc, total in (("vllm:nixl_xfer_time_seconds", "transfer duration of NIXL KV transfers",
+                                      c.handoff_s_total),
+                                     ("vllm:nixl_bytes_transferred", "bytes per NIXL KV transfer",
+                                      c.handoff_bytes_total)):
+                yield HistogramMetricFamily(name, doc, buckets=[("+Inf", float(c.handoffs))], sum_value=total)
         yield family("fake_dp_rank_requests", "generation requests by X-data-parallel-rank (none = not pinned)",
                      "rank", dict(c.dp_ranks))
 

@@ -128,6 +128,8 @@ class EngineSpec:
         max_model_len: longest prompt + output, tokens (vLLM needs ``(gpu_blocks - 1) * block_size`` at least).
         kv_space_gib: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV memory the CPU backend reserves).
         extra_args: more ``vllm serve`` flags.
+        role: the replica's prefill/decode role in kvroute's ``--replica`` spec (``both`` = co-located).
+        env: more environment variables of the engine process (e.g. NIXL's side-channel port).
     """
 
     name: str
@@ -137,6 +139,8 @@ class EngineSpec:
     max_model_len: int = 4096
     kv_space_gib: int = 1
     extra_args: list[str] = field(default_factory=list)
+    role: str = "both"
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -152,8 +156,9 @@ class RealEngine(EngineEndpoints):
 
     def replica_spec(self) -> str:
         """The ``kvroute serve --replica`` spec of this engine."""
-        return (f"name={self.name},url={self.url},dialect=vllm,model={MODEL},"
+        spec = (f"name={self.name},url={self.url},dialect=vllm,model={MODEL},"
                 f"events={self.events_url},replay={self.replay_url}")
+        return spec if self.spec.role == "both" else f"{spec},role={self.spec.role}"
 
 
 def engine_args(python: Path, model_dir: Path, spec: EngineSpec, port: int, events_port: int,
@@ -188,7 +193,29 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
            "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
     if spec.cpu is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.cpu)
+    env.update(spec.env)
     return env
+
+
+#: vLLM's ``--kv-transfer-config`` of a prefill/decode engine on the CPU build: the NixlConnector (the relay
+#: protocol llm-d, SMG and production-stack drive) with its KV buffer in DRAM; every engine is ``kv_both``
+NIXL_KV_TRANSFER = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def nixl_pd_specs(prefill_cpu: int | None, decode_cpu: int | None, side_channel_ports: tuple[int, int],
+                  gpu_blocks: int = 400) -> list[EngineSpec]:
+    """Two real engines for prefill/decode disaggregation over NIXL: ``p0`` (role prefill) and ``d0`` (decode).
+
+    Each gets the NixlConnector (``NIXL_KV_TRANSFER``) and its own NIXL side-channel port on loopback
+    (``VLLM_NIXL_SIDE_CHANNEL_PORT``: the decode engine reads the prefill engine's block layout there before it
+    pulls the blocks). Both load the same dummy weights (same seed), so a request disaggregated P -> D answers
+    what either engine answers alone (greedy) exactly when the transferred KV is right.
+    """
+    extra = ["--kv-transfer-config", json.dumps(NIXL_KV_TRANSFER)]
+    return [EngineSpec(name, cpu=cpu, gpu_blocks=gpu_blocks, extra_args=list(extra), role=role,
+                       env={"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)})
+            for name, cpu, role, port in (("p0", prefill_cpu, "prefill", side_channel_ports[0]),
+                                          ("d0", decode_cpu, "decode", side_channel_ports[1]))]
 
 
 def engine_ready(url: str, timeout_s: float = 2.0) -> bool:

@@ -20,6 +20,7 @@ TTFT histogram         ``vllm:time_to_first_token_seconds``                    `
 queue-time histogram   ``vllm:request_queue_time_seconds``                     ``queue_time_seconds``
 prefill histogram      ``vllm:request_prefill_time_seconds``                   --
 prompt-length hist.    ``vllm:request_prompt_tokens``                          --
+KV transfer (P -> D)   ``vllm:nixl_bytes_transferred``, ``vllm:nixl_xfer_time_seconds`` (decode side)  --
 =====================  ======================================================  ==========================================
 
 ``queued_prefill_tokens`` is not exported by either engine; it is *estimated* as ``queued_requests x mean prompt
@@ -119,6 +120,8 @@ class EngineSnapshot:
         preemptions_total: cumulative preemptions.
         queued_prefill_tokens: estimated uncached prompt tokens waiting (see module docstring), tokens.
         ttft / queue_time / prefill_time / prompt_tokens: histograms (seconds; tokens for ``prompt_tokens``).
+        kv_transfer_bytes / kv_transfer_time: the NixlConnector's histograms of the KV transfers this engine
+            pulled (bytes per transfer; seconds per transfer), cumulative; None when the engine exports none.
         process_start_time_s: the serving process's start time (``process_start_time_seconds``), epoch seconds;
             a change means the engine restarted.
         families: every sample name seen (for diagnostics).
@@ -143,6 +146,8 @@ class EngineSnapshot:
     queue_time: Histogram | None = None
     prefill_time: Histogram | None = None
     prompt_tokens: Histogram | None = None
+    kv_transfer_bytes: Histogram | None = None
+    kv_transfer_time: Histogram | None = None
     process_start_time_s: float | None = None
     families: frozenset[str] = field(default_factory=frozenset)
     rejected: tuple[str, ...] = ()
@@ -172,7 +177,7 @@ GAUGE_BOUNDS: dict[str, float] = {
 _POSITIVE = frozenset({"block_size", "num_gpu_blocks"})
 
 #: Histogram fields checked as a whole (finite, non-negative sums and counts; a bad one is dropped).
-_HISTOGRAM_FIELDS = ("ttft", "queue_time", "prefill_time", "prompt_tokens")
+_HISTOGRAM_FIELDS = ("ttft", "queue_time", "prefill_time", "prompt_tokens", "kv_transfer_bytes", "kv_transfer_time")
 
 
 def _in_range(value: float, bound: float) -> bool:
@@ -419,6 +424,8 @@ def _parse_vllm(s: Samples) -> EngineSnapshot:
         queue_time=_hist(s, p + "request_queue_time_seconds"),
         prefill_time=_hist(s, p + "request_prefill_time_seconds"),
         prompt_tokens=_hist(s, p + "request_prompt_tokens"),
+        kv_transfer_bytes=_hist(s, p + "nixl_bytes_transferred"),
+        kv_transfer_time=_hist(s, p + "nixl_xfer_time_seconds"),
     )
 
 

@@ -57,12 +57,15 @@ class PdCandidate:
         link_busy_s: seconds until this replica's outgoing KV link has sent the handoffs already queued on it
             (the router's own estimate from the handoffs it dispatched; 0 when unknown or idle). Handoffs from
             one prefill replica are serialised on its link (seeds 000 §9.2: one NIC carries ~20.7 states/s).
+        serves_alone: the engine answers a request without a handoff (False for an SGLang server in
+            ``--disaggregation-mode decode``, which waits for the KV of its bootstrap room): no in-place plan.
     """
 
     candidate: Candidate
     role: Role = "both"
     dp_rank_count: int = 1
     link_busy_s: float = 0.0
+    serves_alone: bool = True
 
     @property
     def index(self) -> int:

@@ -52,6 +52,12 @@ def positions(cands: Sequence[PdCandidate], ok: Callable[[Role], bool]) -> list[
     return [i for i, c in enumerate(cands) if ok(c.role)]
 
 
+def in_place_positions(cands: Sequence[PdCandidate], rules: RoleRules) -> list[int]:
+    """Positions of the candidates that may serve a request whole: their role allows it (``rules``) and their
+    engine answers a request without a handoff (``PdCandidate.serves_alone``)."""
+    return [i for i, c in enumerate(cands) if rules.can_serve_in_place(c.role) and c.serves_alone]
+
+
 def require_pd_candidates(cands: Sequence[PdCandidate]) -> None:
     """Raise ``ValueError`` when there is nothing to choose from."""
     if not cands:
@@ -184,7 +190,7 @@ def two_pool_plan(name: str, prefill: Policy, decode: Policy, rules: RoleRules, 
         d = pick_in_pool(decode, request, cands, [i for i in ds if i != p] or ds)
         if d != p:
             return decision_of(name, [pd_plan(cands, p, d, n, bs)], pair_branch)
-    places = positions(cands, rules.can_serve_in_place)
+    places = in_place_positions(cands, rules)
     if not places:
         raise no_feasible_plan(cands)
     x = pick_in_pool(prefill, request, cands, places)

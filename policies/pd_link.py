@@ -17,6 +17,16 @@ learned value is used only after ``min_samples`` accepted samples and is clamped
 non-finite inputs (including a transfer time <= 0: the decode side was faster than predicted) are ignored and
 counted in ``rejected``.
 
+Engine-reported transfers take precedence. vLLM's NixlConnector exports, on the engine that pulls the blocks,
+histograms of each transfer's size and duration (``vllm:nixl_bytes_transferred``, ``vllm:nixl_xfer_time_seconds``);
+the router scrapes them anyway. Between two scrapes of one engine the transfers it completed give one sample::
+
+    sample = (delta bytes_sum / delta count) / (delta seconds_sum / delta count - latency_s)     [bytes/s]
+
+(:func:`transfer_sample`): the engine's own clock around the transfer alone, with no decode step to subtract, so
+it is unbiased, and it works for every protocol and front door whose engines export it (the router need not see
+the legs). Once one engine-reported sample was accepted, the relay's own (biased) samples are no longer fed.
+
 Pure: no I/O, no clock reads. Units: bytes, seconds, bytes per second.
 """
 
@@ -44,6 +54,34 @@ class LinkLearning:
     enabled: bool
     min_samples: int
     alpha: float
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTotals:
+    """What one engine reported about the KV transfers it completed so far (cumulative).
+
+    Attributes:
+        bytes_sum: bytes moved, bytes.
+        seconds_sum: transfer durations summed, seconds.
+        count: transfers, count.
+    """
+
+    bytes_sum: float
+    seconds_sum: float
+    count: float
+
+
+def transfer_sample(prev: TransferTotals | None, cur: TransferTotals) -> tuple[float, float] | None:
+    """(mean bytes, mean seconds) per transfer of the transfers an engine completed between reports ``prev`` and
+    ``cur``; None for the first report, when no transfer completed, or when a total went down (the engine
+    restarted: ``cur`` is the new baseline)."""
+    if prev is None:
+        return None
+    n = cur.count - prev.count
+    d_bytes, d_s = cur.bytes_sum - prev.bytes_sum, cur.seconds_sum - prev.seconds_sum
+    if n <= 0 or d_bytes < 0 or d_s < 0 or not all(math.isfinite(x) for x in (n, d_bytes, d_s)):
+        return None
+    return d_bytes / n, d_s / n
 
 
 class LinkEstimator:

@@ -22,6 +22,7 @@ from policies.pd_common import (
     RoleRules,
     decision_of,
     in_place_plan,
+    in_place_positions,
     no_feasible_plan,
     pd_plan,
     pick_in_pool,
@@ -56,16 +57,17 @@ class PdLlmdPolicy:
         """Decode first; the decider; the prefill pick only when disaggregating."""
         require_pd_candidates(candidates)
         n, bs = request.prompt_tokens, request.block_size
-        ds = positions(candidates, self.rules.can_decode_leg) or positions(candidates, self.rules.can_serve_in_place)
+        ds = positions(candidates, self.rules.can_decode_leg) or in_place_positions(candidates, self.rules)
         if not ds:
             raise no_feasible_plan(candidates)
         d = pick_in_pool(self.decode, request, candidates, ds)
         ps = [i for i in positions(candidates, self.rules.can_prefill_leg) if i != d]
         uncached = n - usable_hit_tokens(candidates[d].candidate, n, bs)
-        if ps and self.non_cached_tokens > 0 and uncached >= self.non_cached_tokens:
-            p = pick_in_pool(self.prefill, request, candidates, ps)
+        alone = d in in_place_positions(candidates, self.rules)
+        if ps and (not alone or (self.non_cached_tokens > 0 and uncached >= self.non_cached_tokens)):
+            p = pick_in_pool(self.prefill, request, candidates, ps)  # (a decode pod that cannot serve alone: always)
             return decision_of(self.name, [pd_plan(candidates, p, d, n, bs)], "decider_disaggregate")
-        if not self.rules.can_serve_in_place(candidates[d].role):
+        if not alone:
             raise no_feasible_plan(candidates)
         return decision_of(self.name, [in_place_plan(candidates, d, n, bs)], "decider_in_place")
 

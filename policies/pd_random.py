@@ -17,6 +17,7 @@ from policies.pd_common import (
     RoleRules,
     decision_of,
     in_place_plan,
+    in_place_positions,
     no_feasible_plan,
     pd_plan,
     positions,
@@ -53,7 +54,7 @@ class PdRandomPolicy:
             if others:
                 d = self._rng.choice(others)
                 return decision_of(self.name, [pd_plan(candidates, p, d, n, bs)], "random_pair")
-        places = positions(candidates, self.rules.can_serve_in_place)
+        places = in_place_positions(candidates, self.rules)
         if not places:
             raise no_feasible_plan(candidates)
         x = self._rng.choice(places)

@@ -59,6 +59,7 @@ from policies.pd_common import (
     RoleRules,
     decision_of,
     gpu_hit_tokens,
+    in_place_positions,
     no_feasible_plan,
     positions,
     read_loads,
@@ -197,7 +198,7 @@ class PdTtftPolicy:
                         prefill: list[_Prefill | None]) -> list[tuple[float, Plan]]:
         """(rank key, plan): one ``in_place`` plan per replica allowed to serve alone."""
         out = []
-        for i in positions(cands, self.rules.can_serve_in_place):
+        for i in in_place_positions(cands, self.rules):
             e = prefill[i]
             if e is None:
                 continue

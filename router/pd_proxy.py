@@ -56,13 +56,15 @@ import orjson
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
 
+from membership.engine_metrics import EngineSnapshot
 from membership.replicas import Replica
 from policies.base import Observation
 from policies.pd_base import Plan
+from policies.pd_link import TransferTotals
 from router import pd_sglang, pd_vllm
 from router.engine_client import EngineError, EngineResponse
 from router.proxy import _ERR_BODY_BYTES, _AttemptFailed, _cached_tokens, _Hold, error_response
-from router.routing import Routed
+from router.routing import Routed, serves_alone
 from router.token_ids import IdsPrompt
 
 if TYPE_CHECKING:
@@ -108,8 +110,11 @@ class PdMetrics:
                                     "plans use: configured, then learned from observed handoffs (bytes/s)",
                                     registry=registry)
         self.link_samples = Counter("kvroute_pd_link_samples", "observed handoffs fed to the P->D link estimator, "
-                                    "by outcome (accepted; rejected: non-positive or non-finite transfer time or "
-                                    "size)", ["outcome"], registry=registry)
+                                    "by outcome: accepted / rejected (the relay's own timing; rejected: "
+                                    "non-positive or non-finite transfer time or size), engine_accepted / "
+                                    "engine_rejected (transfers the engines reported in /metrics, e.g. vLLM's "
+                                    "NIXL histograms), superseded (relay timing not fed: engines report)",
+                                    ["outcome"], registry=registry)
 
 
 class _LegFailed(Exception):
@@ -266,23 +271,27 @@ class PdLegs:
 
     async def _fallback(self, routed: Routed, exclude: Replica | None, reason: str, message: str, path: str,
                         body: bytes, stream: bool, request_id: str, *, first: Replica | None = None) -> Response:
-        """Serve in place through the proxy's attempts (``first`` tried first, ``exclude`` never), counted."""
-        self.metrics.fallbacks.labels(reason).inc()
-        if first is not None:
-            self.metrics.legs.labels(first.name, "in_place").inc()
-        log.warning("disaggregated plan served in place", extra={"request_id": request_id, "reason": reason,
-                                                                  "error": message})
+        """Serve in place through the proxy's attempts (``first`` tried first, ``exclude`` never), counted; only
+        on replicas that serve a request alone (``router.routing.serves_alone``), else 503."""
         ranking = [i for i in routed.decision.ranking if exclude is None or i != exclude.index]
         if first is not None:
             ranking = [first.index, *[i for i in ranking if i != first.index]]
-        in_place = Routed(inp=routed.inp, decision=routed.decision, candidates=routed.candidates,
-                          cached_tokens=routed.cached_tokens, decision_s=routed.decision_s, extra=routed.extra)
-        in_place.decision = type(routed.decision)(chosen=ranking[0] if ranking else routed.decision.chosen,
-                                                  ranking=ranking, scores=routed.decision.scores,
-                                                  policy=routed.decision.policy, branch="pd_fallback")
+        table = self.proxy.router.table
+        ranking = [i for i in ranking if (rep := table.by_index(i)) is not None and serves_alone(rep)]
         if not ranking:
+            log.warning("disaggregated plan failed, no replica serves in place", extra={
+                "request_id": request_id, "reason": reason, "error": message})
             return error_response(503, f"disaggregated plan failed ({message}) and no replica can serve in "
                                   "place", "no_routable_replica", headers={"x-request-id": request_id})
+        self.metrics.fallbacks.labels(reason).inc()
+        if first is not None and first.index == ranking[0]:
+            self.metrics.legs.labels(first.name, "in_place").inc()
+        log.warning("disaggregated plan served in place", extra={"request_id": request_id, "reason": reason,
+                                                                  "error": message})
+        in_place = Routed(inp=routed.inp, decision=routed.decision, candidates=routed.candidates,
+                          cached_tokens=routed.cached_tokens, decision_s=routed.decision_s, extra=routed.extra)
+        in_place.decision = type(routed.decision)(chosen=ranking[0], ranking=ranking, scores=routed.decision.scores,
+                                                  policy=routed.decision.policy, branch="pd_fallback")
         return await self.proxy._attempts(in_place, path, body, stream, request_id)
 
     def observe_handoff(self, routed: Routed, plan: Plan, handoff_s: float) -> None:
@@ -295,9 +304,27 @@ class PdLegs:
         if cand is None:
             return
         router = self.proxy.router
+        if router.link_from_engines:  # the engines' own transfer times are exact: the relay's are not needed
+            self.metrics.link_samples.labels("superseded").inc()
+            return
         nbytes = plan.handoff_tokens * cand.profile.bytes_per_token
         accepted = router.observe_handoff(nbytes, handoff_s - plan.terms.get("decode_first", 0.0))
         self.metrics.link_samples.labels("accepted" if accepted else "rejected").inc()
+        self.metrics.link_bandwidth.set(router.pd_link.bandwidth_bytes_per_s)
+
+    def observe_engine_transfers(self, rep: Replica, snap: EngineSnapshot) -> None:
+        """A scrape of ``rep`` (any role, any protocol): the KV transfers it reports (vLLM's NIXL histograms on
+        the pulling engine) feed the link estimator through ``Router.observe_engine_transfers``; an engine
+        exporting none reports zero transfers (no sample ever comes of it)."""
+        size, took = snap.kv_transfer_bytes, snap.kv_transfer_time
+        # not exported (yet): vLLM shows the series only after its first transfer, so "none" is a zero baseline
+        totals = TransferTotals(0.0, 0.0, 0.0) if size is None or took is None else \
+            TransferTotals(size.sum, took.sum, took.count)
+        router = self.proxy.router
+        outcome = router.observe_engine_transfers(rep.index, totals)
+        if outcome is None:
+            return
+        self.metrics.link_samples.labels("engine_accepted" if outcome else "engine_rejected").inc()
         self.metrics.link_bandwidth.set(router.pd_link.bandwidth_bytes_per_s)
 
     def keep_draining(self, task: asyncio.Task[None]) -> None:

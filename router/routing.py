@@ -36,7 +36,7 @@ from policies.base import (
 )
 from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (re-exported)
 from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision, Role
-from policies.pd_link import LinkEstimator
+from policies.pd_link import LinkEstimator, TransferTotals, transfer_sample
 
 log = logging.getLogger("kvroute.routing")
 
@@ -250,6 +250,10 @@ class Router:
         #: prefill replica index -> when (``clock``) the last handoff dispatched from it is predicted to have
         #: left its link: handoffs from one replica are serialised on its NIC (``PdCandidate.link_busy_s``)
         self._link_free_at: dict[int, float] = {}
+        #: replica index -> its last reported cumulative KV transfers (``observe_engine_transfers``)
+        self._transfer_totals: dict[int, TransferTotals] = {}
+        #: True once an engine-reported transfer was accepted: the relay's own samples are then not fed
+        self.link_from_engines = False
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -432,7 +436,7 @@ class Router:
             cands.append(cand)
             role: Role = r.role if r.role in ROLES else "both"
             pd_cands.append(PdCandidate(candidate=cand, role=role, dp_rank_count=max(1, r.dp_size),
-                                        link_busy_s=self.link_busy_s(r.index)))
+                                        link_busy_s=self.link_busy_s(r.index), serves_alone=serves_alone(r)))
         req = RouteRequest(model=inp.model, prompt_tokens=n, block_keys=inp.keys, block_size=self.block_size,
                            now=self.clock(), lora=inp.lora, session_id=inp.session_id,
                            objective=self.objective,  # type: ignore[arg-type]
@@ -479,6 +483,20 @@ class Router:
             return False
         accepted = est.observe(handoff_bytes, transfer_s)
         self.pd_link = est.link()
+        return accepted
+
+    def observe_engine_transfers(self, index: int, totals: TransferTotals) -> bool | None:
+        """Replica ``index`` reported its cumulative KV transfers (its NIXL histograms, at a scrape): the
+        transfers since its previous report feed the link estimator (``policies.pd_link.transfer_sample``).
+        Returns whether that sample was accepted, or None when there was none (first report, nothing new,
+        an engine restart)."""
+        prev = self._transfer_totals.get(index)
+        self._transfer_totals[index] = totals
+        sample = transfer_sample(prev, totals)
+        if sample is None:
+            return None
+        accepted = self.observe_handoff(*sample)
+        self.link_from_engines = self.link_from_engines or accepted
         return accepted
 
     def pin_dp_rank(self, plan: Plan, inp: RoutingInput) -> None:
@@ -566,6 +584,13 @@ class Router:
                 listener(obs)
             except Exception:
                 log.exception("observation listener failed")
+
+
+def serves_alone(rep: Replica) -> bool:
+    """Does ``rep``'s engine answer a request without a KV handoff? Not an SGLang server in
+    ``--disaggregation-mode decode``: it waits for the KV of the request's bootstrap room from a prefill server
+    (a request without one is not served), so no plan or fallback serves in place there."""
+    return not (rep.role == "decode" and rep.dialect == "sglang")
 
 
 def plan_as_decision(plan: PlanDecision, candidates: Sequence[PdCandidate]) -> Decision:

@@ -27,7 +27,7 @@ from prometheus_client.core import Metric
 
 from index.prefix_index import PrefixIndex
 from membership import engine_tls
-from membership.engine_metrics import MetricsScraper
+from membership.engine_metrics import EngineSnapshot, MetricsScraper
 from membership.kv_events import KVEventSubscriber
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
@@ -159,6 +159,12 @@ def _configure_pd(settings: Settings, router: Router) -> None:
     router.pd_link_estimator = LinkEstimator(router.pd_link, settings.pd_link_learning())
 
 
+def _observe_transfers(proxy: Proxy, rep: Replica, snap: EngineSnapshot) -> None:
+    """A scrape's KV-transfer totals to the PD legs' link learning (``PdLegs.observe_engine_transfers``)."""
+    if isinstance(proxy.pd, PdLegs):
+        proxy.pd.observe_engine_transfers(rep, snap)
+
+
 def _build_proxy(settings: Settings, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck,
                  gate: DispatchGate, membership: Membership) -> Proxy:
     def on_connection_failure(rep: Replica, err: str) -> None:  # passive health
@@ -288,7 +294,9 @@ def build_services(settings: Settings) -> Services:
     # scrapes through the proxy's engine pool (router/scrape_client.py: issue 23's profile); the pool is the
     # proxy's, created in the event loop when first used
     engine_client = PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes)
-    engine_metrics = signals.build_engine_metrics(settings, table, headers, kv_events, client=engine_client)
+    engine_metrics = signals.build_engine_metrics(
+        settings, table, headers, kv_events, client=engine_client,
+        also_on_snapshot=lambda rep, snap: _observe_transfers(proxy, rep, snap))
     _probe_over_pool(membership, engine_client)
     router = _build_router(settings, table, index, policy, kv_events, membership)
     token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,

@@ -10,10 +10,11 @@ change here only. It imports nothing of ``router`` but its configuration.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from index.prefix_index import PrefixIndex
-from membership.engine_metrics import MetricsScraper
+from membership.engine_metrics import EngineSnapshot, MetricsScraper
 from membership.kv_events import FeedSpec, KVEventsConfig, KVEventSubscriber
 from membership.replicas import Replica, ReplicaTable
 from router.config import Settings
@@ -96,15 +97,25 @@ def feed_status(sub: KVEventSubscriber | None, rep: Replica) -> dict[str, Any] |
 
 
 def build_engine_metrics(settings: Settings, table: ReplicaTable, headers: dict[str, str],
-                         kv_events: KVEventSubscriber | None, client: Any = None) -> MetricsScraper:
+                         kv_events: KVEventSubscriber | None, client: Any = None,
+                         also_on_snapshot: Callable[[Any, EngineSnapshot], None] | None = None) -> MetricsScraper:
     """The engine ``/metrics`` scraper updating the load views of ``table`` (not started).
 
     ``inflight_prefill_tokens``: the router releases a request's tokens at its first byte (exact and immediate);
     the scraper also subtracts what was dispatched before each scrape (clamped at 0). Both together can only
     under-count requests dispatched during a scrape's round trip (milliseconds), whereas releasing only at
     scrapes over-counts finished prefills for a whole scrape interval and pushes traffic off cache holders.
-    Engine restarts seen in the metrics (``process_start_time_seconds``) clear the replica's KV-event entries.
+    Engine restarts seen in the metrics (``process_start_time_seconds``) clear the replica's KV-event entries;
+    ``also_on_snapshot(replica, snapshot)`` runs after that on every scrape (the PD link learns from the KV
+    transfers engines report).
     """
+    hooks = [h for h in (kv_events.on_engine_snapshot if kv_events is not None else None, also_on_snapshot)
+             if h is not None]
+
+    def on_snapshot(replica: Any, snap: EngineSnapshot) -> None:
+        for hook in hooks:
+            hook(replica, snap)
+
     return MetricsScraper(table, interval_s=settings.scrape_interval_s, timeout_s=settings.scrape_timeout_s,
                           client=client, headers=headers or None, router_block_size=settings.block_size,
-                          on_snapshot=kv_events.on_engine_snapshot if kv_events is not None else None)
+                          on_snapshot=on_snapshot if hooks else None)

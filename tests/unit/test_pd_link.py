@@ -7,7 +7,7 @@ import math
 import pytest
 
 from policies.pd_base import HandoffLink
-from policies.pd_link import LinkEstimator, LinkLearning
+from policies.pd_link import LinkEstimator, LinkLearning, TransferTotals, transfer_sample
 
 GIB = 1024**3
 
@@ -98,3 +98,20 @@ def test_router_uses_the_estimators_link_after_observations() -> None:
     assert router.observe_handoff(1e9, 0.1)
     assert router.pd_link.bandwidth_bytes_per_s == pytest.approx(10e9)
     assert router.pd_link_estimator.rejected == 1
+
+
+def test_transfer_sample_is_the_mean_transfer_between_reports() -> None:
+    before = TransferTotals(bytes_sum=1e9, seconds_sum=0.04, count=1)
+    after = TransferTotals(bytes_sum=1e9 + 2 * 1.2079e9, seconds_sum=0.04 + 2 * 0.0483, count=3)
+    size, took = transfer_sample(before, after)  # type: ignore[misc]
+    assert size == pytest.approx(1.2079e9) and took == pytest.approx(0.0483)  # TV-14: 1.125 GiB in 48.3 ms
+
+
+@pytest.mark.parametrize("prev, cur", [
+    (None, TransferTotals(5.0, 1.0, 1)),                                # first report: only a baseline
+    (TransferTotals(5.0, 1.0, 1), TransferTotals(5.0, 1.0, 1)),         # nothing new
+    (TransferTotals(9e9, 3.0, 7), TransferTotals(1e9, 0.1, 1)),         # totals went down: engine restarted
+    (TransferTotals(5.0, 1.0, 1), TransferTotals(float("nan"), 2.0, 2)),
+])
+def test_no_transfer_sample(prev: TransferTotals | None, cur: TransferTotals) -> None:
+    assert transfer_sample(prev, cur) is None

@@ -187,3 +187,22 @@ def test_aged_backlog_prefers_the_replica_that_started_first() -> None:
     fleet[1].candidate.load.age_s = 0.6
     again = make_pd_policy("pd_ttft", decode_prefills=False, age_inflight=True).choose_plan(req(4096), fleet, LINK)
     assert again.chosen.prefill == 1
+
+
+@pytest.mark.parametrize("policy", ["pd_ttft", "pd_llmd", "pd_random", "pd_smg", "pd_dynamo"])
+def test_decode_engine_that_cannot_serve_alone_gets_no_in_place_plan(policy: str) -> None:
+    """An SGLang decode-mode server (``serves_alone`` False) only takes decode legs: the 64-token prompt that
+    ``test_short_prompt_is_served_in_place`` serves on the decode replica is disaggregated instead."""
+    fleet = [cand(0, "prefill", A100), cand(1, "decode", H20)]
+    fleet[1].serves_alone = False
+    d = make_pd_policy(policy).choose_plan(req(64), fleet, HandoffLink(25e9, latency_s=0.002))
+    assert d.chosen.kind == "disaggregated" and d.chosen.prefill == 0 and d.chosen.decode == 1
+    assert all(p.kind == "disaggregated" for p in d.plans)
+
+
+def test_no_plan_when_only_decode_engines_that_cannot_serve_alone() -> None:
+    fleet = [cand(0, "decode", H20), cand(1, "decode", H20)]
+    for c in fleet:
+        c.serves_alone = False
+    with pytest.raises(ValueError):
+        make_pd_policy("pd_ttft").choose_plan(req(64), fleet, LINK)
