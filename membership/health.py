@@ -17,6 +17,9 @@ again after ``success_threshold`` (2) consecutive successes. Unhealthy replicas 
 * the checker (``admit_joining=True``, static replicas): a joining replica becomes ``READY`` on its first
   successful probe (as does any replica on its first success ever) and stays ``joining`` while it fails.
 
+Probes (and the ``on_ok`` hook's reads) go through the checker's own httpx client unless a client is injected
+with ``use_client`` (the router injects the one over its engine connection pool, ``router.scrape_client``).
+
 ``select`` says which replicas a checker owns; by default statically configured replicas
 (``labels["source"] == "static"``) are left out: ``membership.static`` runs its own checker for them.
 
