@@ -220,6 +220,30 @@ class PrefixIndex(NodeTable):
         self._sidl[nid] = 0
         self._dead_nodes += 1
 
+    def _delete_run(self, start: int, end: int, sid: int) -> None:
+        """Delete the live nodes ``start .. end-1``, all in state ``sid``: ``_delete_node`` for each, with the
+        per-run parts done once (issue 23: evictions delete whole stretches of a path)."""
+        kl = self._keys
+        dead = kl[start:end]
+        run = end - start
+        pmask = self._states.states[sid][PRED] & self._active
+        for slot in bits(pmask):
+            pd = self._pred.get(slot)
+            if pd is not None:
+                for key in dead:
+                    pd.pop(key, None)  # type: ignore[arg-type]  # live nodes: keys are never None
+        self._states.refs[sid] -= run
+        if self._emap.has_copies:
+            for key in dead:
+                self._emap.forget_block(key)  # type: ignore[arg-type]
+        ids = self._ids
+        for key in dead:
+            del ids[key & _SHARD_MASK][key]  # type: ignore[operator,arg-type]
+        self._nodes -= run
+        kl[start:end] = [None] * run
+        self._sidl[start:end] = [0] * run
+        self._dead_nodes += run
+
     def _gc_states(self) -> None:
         """Rebuild the state table from the states nodes are in (states of churned replica sets pile up)."""
         self._sidl = self._states.collect(self._sidl)
@@ -648,8 +672,7 @@ class PrefixIndex(NodeTable):
                         pd.move_to_end(q)  # type: ignore[arg-type]
                         pd[q] = exp  # type: ignore[index]
             elif nsid == 0:
-                for dead in range(x, end):
-                    self._delete_node(dead)
+                self._delete_run(x, end, sid)
                 changed += run
             else:
                 sidl[x:end] = [nsid] * run
@@ -855,23 +878,45 @@ class PrefixIndex(NodeTable):
         removed = 0
         keys: list[BlockKey] = []  # the router keys of every known page (all removed by one _apply call)
         known: list[tuple[EngineHash, BlockKey | None]] = []  # (engine hash, its last router key or None)
+        unknown = 0
         for eh in cast(_Hashes, engine_hashes):
             e = emap.get(eh)
             if e is None:
-                self._unknown_removed += 1
-                continue
-            covered = entry_keys(e)
-            keys += covered
-            known.append((eh, covered[-1] if covered else None))
+                unknown += 1
+            elif type(e) is int:  # a page that is exactly one block (``entry_keys`` inlined: the common case)
+                keys.append(e)
+                known.append((eh, e))
+            else:
+                covered = entry_keys(e)
+                keys += covered
+                known.append((eh, covered[-1] if covered else None))
+        self._unknown_removed += unknown
         if keys and emaps.has_copies:
             keys = emaps.take_copies(replica, t, keys)
         if keys and slot is not None:
             removed = self._apply(slot, keys, OP_REMOVE, t, 0.0, create=False)
-        for eh, lastk in known:
-            if lastk is None or slot is None or not self._holds_confirmed(slot, lastk):
-                emap.pop(eh, None)
+        self._forget_pages(emap, slot, known)
         self._maybe_compact()
         return removed
+
+    def _forget_pages(self, emap: dict[EngineHash, Any], slot: int | None,
+                      known: list[tuple[EngineHash, BlockKey | None]]) -> None:
+        """Drop the mapping of each removed page whose last block ``slot`` holds in no confirmed tier any more
+        (``_holds_confirmed`` inlined over the batch)."""
+        if slot is None:
+            for eh, _ in known:
+                emap.pop(eh, None)
+            return
+        ids = self._ids
+        sidl = self._sidl
+        confirmed = self._states.confirmed
+        for eh, lastk in known:
+            if lastk is None:
+                emap.pop(eh, None)
+                continue
+            nid = ids[lastk & _SHARD_MASK].get(lastk)
+            if nid is None or not confirmed[sidl[nid]] >> slot & 1:
+                emap.pop(eh, None)
 
     def _holds_confirmed(self, slot: int, key: BlockKey) -> bool:
         """Whether ``slot`` holds block ``key`` in any tier (confirmed, not just predicted)."""

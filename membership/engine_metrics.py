@@ -240,6 +240,27 @@ def _labels(body: str) -> dict[str, str] | None:
     return out
 
 
+#: label bodies (the text between the braces) -> their parsed pairs: a page repeats the same series, with new
+#: values, every scrape of every replica (issue 23: parsing the pairs was most of a scrape's CPU). Read-only
+#: dicts shared between samples; cleared when it reaches ``_LABEL_CACHE_MAX`` entries.
+_LABEL_CACHE: dict[str, dict[str, str] | None] = {}
+_LABEL_CACHE_MAX = 1 << 14
+
+
+def _cached_labels(body: str) -> dict[str, str] | None:
+    """``_labels(body)``, from ``_LABEL_CACHE`` when the body was seen before (the result is shared: never
+    modify it)."""
+    cache = _LABEL_CACHE
+    try:
+        return cache[body]
+    except KeyError:
+        pass
+    if len(cache) >= _LABEL_CACHE_MAX:
+        cache.clear()
+    out = cache[body] = _labels(body)
+    return out
+
+
 def _samples(text: str) -> tuple[Samples, int]:
     """Every sample by sample name; tolerant: a broken line is skipped (and counted), not fatal.
 
@@ -255,7 +276,7 @@ def _samples(text: str) -> tuple[Samples, int]:
         if not line or line[0] == "#":
             continue
         m = _SAMPLE_LINE.match(line)
-        labels = _labels(m.group(2)) if m is not None and m.group(2) else {}
+        labels = _cached_labels(m.group(2)) if m is not None and m.group(2) else {}
         if m is None or labels is None:
             bad += 1
             continue

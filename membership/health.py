@@ -17,6 +17,9 @@ again after ``success_threshold`` (2) consecutive successes. Unhealthy replicas 
 * the checker (``admit_joining=True``, static replicas): a joining replica becomes ``READY`` on its first
   successful probe (as does any replica on its first success ever) and stays ``joining`` while it fails.
 
+Probes (and the ``on_ok`` hook's reads) go through the checker's own httpx client unless a client is injected
+with ``use_client`` (the router injects the one over its engine connection pool, ``router.scrape_client``).
+
 ``select`` says which replicas a checker owns; by default statically configured replicas
 (``labels["source"] == "static"``) are left out: ``membership.static`` runs its own checker for them.
 
@@ -31,7 +34,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -41,9 +44,75 @@ from membership.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.membership.health")
 
+class ProbeResponse(Protocol):
+    """What a probe reads of an answer (``httpx.Response`` and the router's pooled client's pages have it)."""
+
+    @property
+    def status_code(self) -> int:
+        """HTTP status code."""
+        ...
+
+    def json(self) -> Any:
+        """The body parsed as JSON (raises ``ValueError`` when it is not JSON)."""
+        ...
+
+
+class ProbeClient(Protocol):
+    """An HTTP client for probes: httpx's ``get(url, timeout=, headers=)`` shape.
+
+    The router injects one over its own engine connection pool (``router.scrape_client``, issue 23: httpx costs
+    ~1.2 ms of CPU per probe, the pool a fraction of that); failures must be raised as exceptions (any type:
+    each one counts as a failed probe, its type and text become ``last_error``).
+    """
+
+    async def get(self, url: str, *, timeout: float, headers: Mapping[str, str] | None = None) -> ProbeResponse:
+        """GET ``url`` within ``timeout`` seconds."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the client's resources."""
+        ...
+
+
+class HookClient(Protocol):
+    """The client an ``on_ok`` hook reads further pages with (``/v1/models``): ``get(url)``."""
+
+    async def get(self, url: str) -> ProbeResponse:
+        """GET ``url`` (within the probe timeout, with the probe headers)."""
+        ...
+
+
 #: ``on_ok(client, replica)``: called after a 2xx health answer, before the success is counted; raising makes
 #: the probe a failure.
-OkHook = Callable[[httpx.AsyncClient, Replica], Awaitable[None]]
+OkHook = Callable[[HookClient, Replica], Awaitable[None]]
+
+
+class _HttpxHookClient:
+    """``HookClient`` over the checker's own httpx client (timeout and headers set on the client)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def get(self, url: str) -> ProbeResponse:
+        """GET ``url`` with the client's timeout and headers."""
+        return await self._client.get(url)
+
+
+class _InjectedHookClient:
+    """``HookClient`` over an injected ``ProbeClient`` with the checker's timeout and headers."""
+
+    __slots__ = ("_client", "_timeout_s", "_headers")
+
+    def __init__(self, client: ProbeClient, timeout_s: float, headers: Mapping[str, str]) -> None:
+        self._client = client
+        self._timeout_s = timeout_s
+        self._headers = headers
+
+    async def get(self, url: str) -> ProbeResponse:
+        """GET ``url`` within the probe timeout (seconds)."""
+        return await self._client.get(url, timeout=self._timeout_s, headers=self._headers)
 
 
 def is_static(rep: Replica) -> bool:
@@ -114,6 +183,9 @@ class HealthChecker:
         self._headers = dict(headers or {})
         self._records: dict[str, HealthRecord] = {}
         self._client: httpx.AsyncClient | None = None
+        #: an injected probe client (``use_client``): replaces httpx; not closed by ``stop`` (shared)
+        self._injected: ProbeClient | None = None
+        self._hook_client: HookClient | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         table.on_remove(self._forget)
@@ -191,23 +263,42 @@ class HealthChecker:
         return flipped
 
     # -- probing ---------------------------------------------------------------------------------------
+    def use_client(self, client: ProbeClient) -> None:
+        """Probe with ``client`` instead of the checker's own httpx client (call before ``start``).
+
+        The client is shared (the router's engine pool): ``stop`` does not close it. It sends the probe's
+        ``headers`` itself or already sends the same ones with every request (the engine API key).
+        """
+        self._injected = client
+        self._hook_client = _InjectedHookClient(client, self.timeout_s, self._headers)
+
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             verify = self._verify if self._verify is not None else engine_tls.client_context()
             self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers, verify=verify)
         return self._client
 
+    async def _get(self, url: str) -> ProbeResponse:
+        """GET ``url`` with the injected client, else with the checker's own httpx client."""
+        if self._injected is not None:
+            return await self._injected.get(url, timeout=self.timeout_s, headers=self._headers)
+        return await self._http().get(url)
+
+    def _hooks_client(self) -> HookClient:
+        if self._hook_client is None:
+            self._hook_client = _HttpxHookClient(self._http())
+        return self._hook_client
+
     async def probe(self, rep: Replica) -> bool:
         """Probe one replica once (health path, then ``on_ok``) and record the outcome. Returns True on success."""
-        client = self._http()
         self.track(rep.name).probes += 1
         reason = ""
         try:
-            resp = await client.get(rep.url + self.path)
+            resp = await self._get(rep.url + self.path)
             if not 200 <= resp.status_code < 300:
                 reason = f"HTTP {resp.status_code}"
             elif self.on_ok is not None:
-                await self.on_ok(client, rep)
+                await self.on_ok(self._hooks_client(), rep)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # refused, timeout, a failing hook: all count as failures
@@ -227,7 +318,8 @@ class HealthChecker:
     async def start(self) -> None:
         """Probe every selected replica once (so a healthy fleet is ready at once), then every ``interval_s``
         seconds in a task (sooner after a passive failure)."""
-        self._http()
+        if self._injected is None:
+            self._http()
         if self._task is None:
             await self.probe_all()
             self._task = asyncio.create_task(self._loop(), name="kvroute-health-probes")
@@ -253,6 +345,8 @@ class HealthChecker:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+            if self._injected is None:
+                self._hook_client = None
 
     def stats(self) -> dict[str, dict[str, object]]:
         """Per-replica health records as plain dicts."""

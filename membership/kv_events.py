@@ -169,6 +169,19 @@ def _readable(sock: zmq.Socket[bytes]) -> bool:
     return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
+async def _wait_or_timer(wake: asyncio.Event, timeout_s: float) -> None:
+    """Wait until ``wake`` is set or ``timeout_s`` seconds passed (the timer sets it: the feed loop clears it
+    before its next wait). A plain loop timer instead of ``asyncio.timeout`` (issue 23: its Python-level context
+    manager and reschedule cost more than the wait itself on every wake-up of every feed)."""
+    if wake.is_set():
+        return
+    timer = asyncio.get_running_loop().call_later(timeout_s, wake.set)
+    try:
+        await wake.wait()
+    finally:
+        timer.cancel()
+
+
 class _Feed:
     """The socket side of one replica's subscription: reads, hands inputs to its sequencer, runs the actions."""
 
@@ -290,9 +303,7 @@ class _Feed:
                 wake.clear()
                 if _readable(live) or _readable(monitor) or self.inbox:
                     continue  # arrived while draining (the FD may not signal again)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(poll_s):
-                        await wake.wait()
+                await _wait_or_timer(wake, poll_s)
             except asyncio.CancelledError:
                 raise
             except zmq.Again:

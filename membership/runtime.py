@@ -30,7 +30,7 @@ import httpx
 
 from index.prefix_index import PrefixIndex
 from membership.config import HealthConfig, MembershipConfig
-from membership.health import HealthChecker, is_static
+from membership.health import HealthChecker, HookClient, is_static
 from membership.inference_pool import InferencePoolWatcher
 from membership.kubernetes import PodWatcher
 from membership.replicas import (
@@ -73,7 +73,7 @@ def _discovery_health(table: ReplicaTable, health: HealthConfig,
                          headers=headers, on_ok=_context_learner())
 
 
-def _context_learner() -> Callable[[httpx.AsyncClient, Replica], Awaitable[None]]:
+def _context_learner() -> Callable[[HookClient, Replica], Awaitable[None]]:
     """An ``on_ok`` hook: until a replica's ``/v1/models`` answered 200 once, read it and set
     ``profile.max_context_tokens`` from vLLM's ``max_model_len`` (tokens) when the profile has none. The pods'
     annotations name the models but not the context; without it the router's cheap prompt-length checks assume
@@ -81,7 +81,7 @@ def _context_learner() -> Callable[[httpx.AsyncClient, Replica], Awaitable[None]
     probe (the models endpoint is optional)."""
     answered: set[str] = set()
 
-    async def learn(client: httpx.AsyncClient, rep: Replica) -> None:
+    async def learn(client: HookClient, rep: Replica) -> None:
         if rep.name in answered or rep.profile.max_context_tokens:
             return
         try:

@@ -19,10 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import httpx
-
 from membership.config import HealthConfig
-from membership.health import HealthChecker, is_static
+from membership.health import HealthChecker, HookClient, is_static
 from membership.replicas import Replica, ReplicaTable
 from policies.base import ReplicaProfile
 
@@ -97,7 +95,7 @@ class StaticMembership:
         """Probe one replica (``/health``, and ``/v1/models`` until its models are known); update its state."""
         return await self.health.probe(rep)
 
-    async def _learn_models(self, client: httpx.AsyncClient, rep: Replica) -> None:
+    async def _learn_models(self, client: HookClient, rep: Replica) -> None:
         """``on_ok`` hook: read ``/v1/models`` on a replica's first successful probe and then until its served
         models are known (a failure here fails the probe)."""
         name = rep.name

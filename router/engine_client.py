@@ -506,7 +506,8 @@ class EnginePool:
         except (ssl.SSLError, ssl.CertificateError) as exc:
             self._release_slot()
             if isinstance(exc, ssl.SSLCertVerificationError):
-                reason = f"certificate verify failed: {exc.verify_message or exc.reason}"
+                # the OpenSSL reason (CERTIFICATE_VERIFY_FAILED) and the detail, as httpx words it
+                reason = f"certificate verify failed ({exc.reason}): {exc.verify_message or exc.reason}"
             else:
                 reason = str(getattr(exc, "reason", None) or exc)
             raise EngineTLSError(f"TLS handshake with {host}:{port} failed: {reason} (is the engine's CA in "

@@ -1,4 +1,5 @@
-"""Engine ``/metrics`` scrapes through the proxy's own engine connection pool (``router.engine_client``).
+"""Engine ``/metrics`` scrapes and health probes through the proxy's own engine connection pool
+(``router.engine_client``).
 
 ``membership.engine_metrics.MetricsScraper`` takes any client with httpx's ``get(url, timeout=, headers=)``; this
 one answers it with a pooled keep-alive GET on raw asyncio protocols instead of httpx. The router profile of the
@@ -6,6 +7,10 @@ e2e slice (docs/benchmarks.md, "Router CPU per request: profile") found the scra
 event-loop CPU after the sockets themselves, most of it httpx's machinery (about 1.5 ms of CPU per scrape,
 against about 0.3 ms here; the page's parsing, ~0.5 ms, is unchanged), and the loop scrapes every engine every
 ``scrape_interval_s``, in every worker.
+
+The health probes (``membership.health.HealthChecker.use_client``: ``/health`` every ``probe_interval_s`` and
+``/v1/models`` until a replica's models are known) use the same client, for the same reason (httpx: ~1.2 ms of
+CPU per probe).
 
 Failures are raised as the httpx exceptions the scraper counts (``timeout``, ``connect_error``). The pool sends
 the engine headers (``authorization`` from ``engine_api_key``) with every request, so the scraper's own headers
@@ -17,8 +22,10 @@ Units: seconds, bytes.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -32,6 +39,10 @@ class ScrapedPage:
 
     status_code: int
     text: str
+
+    def json(self) -> Any:
+        """The body parsed as JSON (``ValueError`` when it is not JSON), as ``httpx.Response.json``."""
+        return json.loads(self.text)
 
 
 class PooledScrapeClient:

@@ -129,6 +129,14 @@ def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixInde
     return membership
 
 
+def _probe_over_pool(membership: Membership, client: PooledScrapeClient) -> None:
+    """Health probes through the proxy's engine pool (``router/scrape_client.py``), not httpx (issue 23: the
+    event-loop profile; the pool sends the same engine API key and TLS context the probes would)."""
+    for checker in (membership.static.health, membership.discovered_health):
+        if checker is not None:
+            checker.use_client(client)
+
+
 def _build_router(settings: Settings, table: ReplicaTable, index: PrefixIndex, policy: Policy,
                   kv_events: KVEventSubscriber | None, membership: Membership) -> Router:
     router = Router(table, index, policy, block_size=settings.block_size, seed_model=settings.seed_model,
@@ -285,10 +293,11 @@ def build_services(settings: Settings) -> Services:
     kv_events = signals.build_kv_events(settings, index)
     # scrapes through the proxy's engine pool (router/scrape_client.py: issue 23's profile); the pool is the
     # proxy's, created in the event loop when first used
+    engine_client = PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes)
     engine_metrics = signals.build_engine_metrics(
-        settings, table, headers, kv_events,
-        client=PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes),
+        settings, table, headers, kv_events, client=engine_client,
         also_on_snapshot=lambda rep, snap: _observe_transfers(proxy, rep, snap))
+    _probe_over_pool(membership, engine_client)
     router = _build_router(settings, table, index, policy, kv_events, membership)
     token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
                               timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,

@@ -25,6 +25,7 @@ EXCEPTIONS = {
     ("loadtest.bench_tokenizer", "router"): "benchmarks the router's HF tokenizer in-process",
     ("loadtest.fleet", "router"): "reads time defaults from Settings, the single source",
     ("loadtest.e2e_real", "membership"): "decodes real engines' KV events with the one wire decoder (kv_decode)",
+    ("loadtest.bench_kv_intake", "membership"): "benchmarks the router's KV-event decoder and batch applier",
 }
 
 

@@ -1,0 +1,138 @@
+"""The event-loop cuts of issue 23 on the KV-event path give the results of the general code they bypass:
+``kv_decode._removed_fast`` (one-block ``BlockRemoved`` maps) and, in the index, ``_delete_run`` (a run of
+evicted nodes deleted at once) and ``_forget_pages`` (the engine-map upkeep of a removal batch); the feed's wait
+(``kv_events._wait_or_timer``)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index.hashing import block_keys
+from index.prefix_index import PrefixIndex
+from membership.kv_decode import (
+    DEFAULT_LIMITS,
+    DecodeLimits,
+    RemovedEvent,
+    _Bad,
+    _decode_event,
+    _removed_fast,
+)
+from membership.kv_events import _wait_or_timer
+
+U64 = 1 << 64
+
+
+def _general(m: dict[object, object], limits: DecodeLimits) -> RemovedEvent | str:
+    try:
+        ev = _decode_event(m, limits, Counter())
+    except _Bad as bad:
+        return bad.reason
+    assert isinstance(ev, RemovedEvent)
+    return ev
+
+
+def test_vllm_removed_map_takes_the_fast_path() -> None:
+    m: dict[object, object] = {"type": "BlockRemoved", "block_hashes": [U64 - 1], "medium": "GPU", "group_idx": 0}
+    assert _removed_fast(m, DEFAULT_LIMITS) == RemovedEvent([U64 - 1], "gpu") == _general(m, DEFAULT_LIMITS)
+    sglang: dict[object, object] = {"type": "BlockRemoved", "block_hashes": [1, 2, 3], "medium": "cpu"}
+    assert _removed_fast(sglang, DEFAULT_LIMITS) == RemovedEvent([1, 2, 3], "cpu")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_hashes", [-5]), ("block_hashes", [U64]), ("block_hashes", [b"\x01\x02"]), ("block_hashes", []),
+    ("block_hashes", [True]), ("block_hashes", "x"), ("medium", "gpu "), ("medium", b"GPU"), ("medium", "tape"),
+    ("medium", ["GPU"]), ("medium", "CPU_PINNED_2"), ("group_idx", 1), ("group_idx", True), ("group_idx", "0"),
+])
+def test_other_forms_go_the_general_way(field: str, value: object) -> None:
+    m: dict[object, object] = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0}
+    m[field] = value
+    assert _removed_fast(m, DEFAULT_LIMITS) is None  # the general decoder normalises, filters or drops it
+    assert _general(m, DEFAULT_LIMITS) is not None
+
+
+_hash = st.one_of(st.integers(-(1 << 64), 1 << 65), st.binary(max_size=3), st.booleans(), st.none())
+_value = st.one_of(st.none(), st.integers(-2, 2), st.booleans(), st.text(max_size=4), st.binary(max_size=3),
+                   st.sampled_from(["GPU", "gpu", "CPU", "cpu_pinned", "Disk", "EXTERNAL", "remote", "HBM"]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(hashes=st.one_of(st.lists(_hash, max_size=4), _value), medium=_value, group=_value,
+       group_limit=st.sampled_from([0, 1, None]), drop=st.sets(st.sampled_from(["medium", "group_idx"])))
+def test_fast_path_equals_the_general_decoder(hashes: object, medium: object, group: object,
+                                              group_limit: int | None, drop: set[str]) -> None:
+    m: dict[object, object] = {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": group}
+    for k in drop:
+        del m[k]
+    limits = DecodeLimits(group_idx=group_limit, max_hashes=3)
+    fast = _removed_fast(m, limits)
+    if fast is not None:
+        assert fast == _general(m, limits)
+
+
+def _fill(idx: PrefixIndex, rng: random.Random, replicas: int, chains: int) -> list[tuple[int, list[int]]]:
+    """Chains of engine pages stored on replicas; some shared between replicas, some predicted."""
+    stored: list[tuple[int, list[int]]] = []
+    for c in range(chains):
+        toks = [rng.randrange(1000) for _ in range(16 * rng.randint(1, 40))]
+        hashes = [c * 1000 + i for i in range(len(toks) // 16)]
+        for r in rng.sample(range(replicas), rng.randint(1, replicas)):
+            idx.apply_stored(r, hashes, None, toks, seed=1)
+            stored.append((r, hashes))
+            if rng.random() < 0.3:
+                idx.apply_stored(r, hashes[:3], None, toks[:48], seed=1)  # another copy of the first pages
+        if rng.random() < 0.3:
+            idx.predict(rng.randrange(replicas), block_keys(toks, 16, 1))
+    return stored
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 1 << 30))
+def test_bulk_removals_leave_the_index_as_node_by_node_deletes_would(seed: int) -> None:
+    """Removing pages (whole chains, pieces, unknown hashes) from two indexes, one of them deleting node by node
+    (the code before the cut), leaves the same matches, counters and layout."""
+    rng = random.Random(seed)
+    a, b = PrefixIndex(block_size=16, clock=lambda: 1000.0), PrefixIndex(block_size=16, clock=lambda: 1000.0)
+
+    def node_by_node(start: int, end: int, sid: int) -> None:
+        for nid in range(start, end):
+            b._delete_node(nid)
+
+    b._delete_run = node_by_node  # type: ignore[method-assign]
+    stored = _fill(a, random.Random(seed), 3, 12)
+    _fill(b, random.Random(seed), 3, 12)
+    for r, hashes in rng.sample(stored, len(stored) // 2):
+        lo = rng.randrange(len(hashes))
+        piece = hashes[lo:lo + rng.randint(1, len(hashes))] + [rng.randrange(10 ** 9, 10 ** 10)]
+        assert a.apply_removed(r, piece) == b.apply_removed(r, piece)
+    a._check_layout()
+    b._check_layout()
+    assert a.stats() == b.stats()
+    for r in {r for r, _ in stored}:
+        emap_a, emap_b = a._emap.of(r), b._emap.of(r)
+        assert (emap_a or {}) == (emap_b or {})
+    probes = [[k for k, _ in sorted(shard.items())][:50] for shard in a._ids]
+    for keys in probes:
+        assert a.match(keys) == b.match(keys)
+
+
+def test_feed_wait_returns_on_wake_or_on_its_timer_and_leaves_no_timer() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        t0 = loop.time()
+        await _wait_or_timer(wake, 0.05)  # nothing arrives: the timer ends the wait
+        assert wake.is_set() and loop.time() - t0 >= 0.04
+        wake.clear()
+        loop.call_soon(wake.set)
+        await _wait_or_timer(wake, 3600.0)  # an input ends the wait long before the timer
+        assert wake.is_set()
+        assert not any(not h.cancelled() for h in loop._scheduled)  # type: ignore[attr-defined]
+        await _wait_or_timer(wake, 3600.0)  # already set: returns at once
+
+    asyncio.run(go())
