@@ -579,8 +579,9 @@ class Settings(BaseSettings):
                     "cached_prefix = in growing prefixes only as deep as some replica's cache holds it (no replica "
                     "can match past the first block none holds), which spares the router most of its CPU on long "
                     "new prompts; the rest of the prompt's length is then estimated (tokens per character of the "
-                    "tokenized part), and the text, not ids, goes to the engine. hf mode with an exact-splitting "
-                    "tokenizer only, and only while every replica's KV events are healthy; else the whole prompt")
+                    "tokenized part and of a sample of its end), and the text, not ids, goes to the engine. hf mode "
+                    "with an exact-splitting tokenizer only, and only while no routable replica depends on this "
+                    "router's predicted entries (its KV-event feed down); else the whole prompt")
     tokenize_lookahead_chars: int = Field(
         default=8192, ge=256,
         description="cached_prefix: texts up to this many characters (1.5x, so that no small rest is left) are "
