@@ -110,11 +110,17 @@ def test_duplicate_block_copies_removed_once_stay_cached(real_fleet: RealFleet,
         second = copies_of_last_block()
         assert len(second) == 2 and second[0] == second[1], f"expected one hash stored twice: {second}"
         h1 = second[0]
-        # one-block requests take the least recently freed block each: the older copy goes first
+        # one-block requests take the least recently freed block each: the older copy goes first. After each
+        # request the tap must have seen that request's own BlockStored (the engine publishes a step's removals
+        # no later than its stores) before the check: else a late event lets the next request evict the second
+        # copy before the first removal was seen
         for _ in range(2 * eng.spec.gpu_blocks):
             if h1 in tap.removed_hashes():
                 break
-            complete(eng.url, {"prompt": token_prompt(rnd, BLOCK), "max_tokens": 1})
+            y = token_prompt(rnd, BLOCK)
+            complete(eng.url, {"prompt": y, "max_tokens": 1})
+            wait_until(lambda y=y: any(list(ev.token_ids[:BLOCK]) == y for ev in tap.stored()), timeout=10,
+                       interval=0.005, what="the tap has seen this request's block")
         assert tap.removed_hashes().count(h1) == 1, "expected exactly one copy of the block evicted"
     probe = {"prompt": x + token_prompt(rnd, 40)}
     wait_until(lambda: r.predicted(probe, "r1") == 2 * BLOCK, timeout=15,
