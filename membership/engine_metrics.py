@@ -245,16 +245,17 @@ def _labels(body: str) -> dict[str, str] | None:
 #: dicts shared between samples; cleared when it reaches ``_LABEL_CACHE_MAX`` entries.
 _LABEL_CACHE: dict[str, dict[str, str] | None] = {}
 _LABEL_CACHE_MAX = 1 << 14
+#: ``_LABEL_CACHE.get`` default (None is a cached value: a body that does not parse)
+_MISSING = object()
 
 
 def _cached_labels(body: str) -> dict[str, str] | None:
     """``_labels(body)``, from ``_LABEL_CACHE`` when the body was seen before (the result is shared: never
     modify it)."""
     cache = _LABEL_CACHE
-    try:
-        return cache[body]
-    except KeyError:
-        pass
+    hit = cache.get(body, _MISSING)
+    if hit is not _MISSING:
+        return hit  # type: ignore[return-value]
     if len(cache) >= _LABEL_CACHE_MAX:
         cache.clear()
     out = cache[body] = _labels(body)
