@@ -40,13 +40,12 @@ from prometheus_client import Counter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from membership.replicas import Replica
 from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from router import epp_codec as codec
 from router.admission import Rejected
 from router.app import ChatRequest, CompletionRequest, _Auth, _BadTokens, _DataPlane, _parse
 from router.intake import LimitExceeded
-from router.proxy import _usage_from_json, _usage_from_sse, ask_for_usage, error_body, new_request_id
+from router.proxy import _Hold, _usage_from_json, _usage_from_sse, ask_for_usage, error_body, new_request_id
 from router.routing import NoReplica, Routed, RoutingError, RoutingInput
 from router.services import Services
 from router.telemetry import gauge
@@ -80,29 +79,6 @@ class _Refused(Exception):
         headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
         body = bytes(response.body)
         return cls(response.status_code, code, body.decode("utf-8", "replace"), headers, body)
-
-
-class _Hold:
-    """The request's in-flight count on its replica (``Router.acquire``), released exactly once."""
-
-    def __init__(self, svc: Services, rep: Replica, uncached: int, copies: int) -> None:
-        self.router = svc.router
-        self.rep, self.uncached, self.copies = rep, uncached, copies
-        self.router.acquire(rep, uncached, copies)
-        self._prefilling = self._held = True
-
-    def first_byte(self) -> None:
-        """The prefill is over (first response byte): its tokens stop counting."""
-        if self._prefilling:
-            self._prefilling = False
-            self.router.prefill_done(self.rep, self.uncached)
-
-    def release(self) -> None:
-        """The request is over on the replica, whatever the outcome."""
-        self.first_byte()
-        if self._held:
-            self._held = False
-            self.router.release(self.rep, self.copies)
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -218,7 +194,9 @@ class _Stream:
             return self._refuse(_Refused(503, NoReplica.code, "the chosen replica left; retry"))
         inp = routed.inp
         self.routed = routed
-        self.hold = _Hold(svc, rep, inp.prompt_tokens - routed.cached_tokens.get(rep.index, 0), inp.copies)
+        # the proxy's own hold (no dispatch gate here): counted in flight now, released by ``release()``
+        self.hold = _Hold(svc.router, None, rep, inp.prompt_tokens - routed.cached_tokens.get(rep.index, 0),
+                          inp.copies).__enter__().hand_over()
         svc.router.record_prediction(rep, inp.keys)
         extra = {"x-request-id": inp.request_id}
         changed = payload is not None and payload is not body
