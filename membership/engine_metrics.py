@@ -304,7 +304,7 @@ class _NameRecorder(dict[str, Any]):
         super().__init__()
         self.names: set[str] = set()
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         self.names.add(key)
         return default
 
