@@ -83,7 +83,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("key", "transport", "parser", "status", "headers", "chunks", "buffered", "complete", "error",
                  "waiter", "header_waiter", "closed", "idle_since", "paused", "_delimited", "accounted", "keep_alive",
-                 "on_idle_lost", "max_header_bytes", "max_headers", "head_bytes", "nheaders")
+                 "on_idle_lost", "max_header_bytes", "max_headers", "head_bytes", "nheaders", "sink", "pieces")
 
     def __init__(self, key: ConnKey, max_header_bytes: int = 65536, max_headers: int = 100) -> None:
         self.key = key
@@ -113,6 +113,9 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = False
         self.head_bytes = 0  # bytes received before the headers were complete
         self.nheaders = 0
+        #: takes body pieces from the read callback while set (``EngineResponse.attach``)
+        self.sink: Callable[[bytes], bool] | None = None
+        self.pieces = 0  # body pieces received (a sink's consumer tells silence from flow by it)
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -196,7 +199,13 @@ class _Conn(asyncio.Protocol):
             fut.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        """A piece of the (de-chunked) body."""
+        """A piece of the (de-chunked) body: to the attached sink, else buffered for ``read_chunk``."""
+        self.pieces += 1
+        sink = self.sink
+        if sink is not None:
+            if not self.chunks and sink(body):
+                return
+            self.sink = None  # declined: buffered from now on, and the reader is woken
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
@@ -216,6 +225,7 @@ class _Conn(asyncio.Protocol):
             fut.set_result(None)
 
     def _fail(self, err: EngineError, *, close: bool = True) -> None:
+        self.sink = None
         if self.error is None:
             self.error = err
         for fut in (self.header_waiter, self.waiter):
@@ -287,6 +297,24 @@ class EngineResponse:
                 if timer is not None:
                     timer.cancel()
 
+    def attach(self, sink: Callable[[bytes], bool] | None) -> None:
+        """Hand body pieces to ``sink`` in the connection's read callback as they arrive, instead of buffering
+        them for ``read_chunk`` (a relay writes them on without a task switch per piece; issue 23).
+
+        ``sink(piece)`` runs inside the event loop's read callback: it must be quick and must not raise. It
+        returns True when it took the piece; False keeps the piece buffered, detaches the sink and wakes a
+        waiting ``read_chunk`` (the caller takes over). While a sink is attached, ``read_chunk`` returns only
+        buffered pieces, the end of the body (``b""``) or the connection's failure; ``pieces`` tells a timeout
+        of silence from one of pieces taken by the sink. A sink is never given a piece while older ones are
+        buffered (attach when ``read_chunk`` has emptied the buffer); None detaches.
+        """
+        self._conn.sink = sink
+
+    @property
+    def pieces(self) -> int:
+        """Body pieces received so far (by the sink or buffered)."""
+        return self._conn.pieces
+
     async def read_all(self, limit: int | None = None) -> bytes:
         """The rest of the body (at most ``limit`` bytes when given: the read stops there)."""
         parts: list[bytes] = []
@@ -354,6 +382,7 @@ class EngineResponse:
         if self._done:
             return
         self._done = True
+        self._conn.sink = None
         self._pool._give_back(self._conn)
 
     def close(self) -> None:
@@ -361,6 +390,7 @@ class EngineResponse:
         if self._done:
             return
         self._done = True
+        self._conn.sink = None
         self._pool._drop(self._conn)
 
     def __del__(self) -> None:

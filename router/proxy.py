@@ -53,6 +53,7 @@ import orjson
 from prometheus_client import Counter
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpToolsCycle
 
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from policies.base import Observation
@@ -675,6 +676,15 @@ class _Relay:
         self.ok = False
         self.finished = False
         self.on_done: Callable[[], None] | None = None
+        #: writes to the client's connection directly (``_ProxyStream`` sets it when the server allows it): the
+        #: engine's pieces are then relayed from the engine connection's read callback (``_sink``)
+        self.direct: _DirectWrite | None = None
+        #: the engine's stream failed validation in ``_sink`` (the loop sends the error event)
+        self.bad: BadStream | None = None
+        #: ``time.monotonic()`` of the last piece the engine sent (seconds): the idle timeout counts from it
+        self.last_at = time.monotonic()
+        self.direct_pieces = 0  # pieces relayed by ``_sink`` / by the loop (``kvroute_relayed_pieces_total``)
+        self.task_pieces = 1 if first else 0
 
     def _bad(self, exc: BadStream) -> bytes:
         """Count and log an invalid event stream; the SSE error event that ends the client's stream."""
@@ -711,21 +721,25 @@ class _Relay:
                 return
             if self.first:
                 yield self.first
+            idle = self.proxy.cfg.idle_timeout_s
             while not self.ok:
-                remaining = self.deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = self.deadline - now
                 if remaining <= 0:
                     telemetry.upstream_errors.labels("total_timeout").inc()
                     yield _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
                     break
-                idle = self.proxy.cfg.idle_timeout_s
-                try:
-                    chunk = await self.resp.read_chunk(remaining if remaining < idle else idle)
-                except TimeoutError:
-                    reason, msg = (("idle_timeout", f"engine sent nothing for {idle:g}s (idle_timeout_s)")
-                                   if idle < remaining else ("total_timeout", "stream exceeded total_timeout_s"))
-                    telemetry.upstream_errors.labels(reason).inc()
-                    yield _sse_error(504, msg, reason)
+                idle_left = idle - (now - self.last_at)
+                if idle_left <= 0:
+                    telemetry.upstream_errors.labels("idle_timeout").inc()
+                    yield _sse_error(504, f"engine sent nothing for {idle:g}s (idle_timeout_s)", "idle_timeout")
                     break
+                if self.direct is not None:
+                    resp.attach(self._sink)  # pieces go to the client from the read callback until one is declined
+                try:
+                    chunk = await resp.read_chunk(remaining if remaining < idle_left else idle_left)
+                except TimeoutError:
+                    continue  # the checks above tell which limit passed (pieces may have flowed through the sink)
                 except EngineError as exc:
                     reason = "stream_broken"
                     telemetry.upstream_errors.labels(reason).inc()
@@ -734,6 +748,11 @@ class _Relay:
                     yield _sse_error(502, f"engine {self.rep.name} failed mid-stream: {type(exc).__name__}",
                                      reason)
                     break
+                finally:
+                    resp.attach(None)
+                if self.bad is not None:
+                    yield self._bad(self.bad)
+                    break
                 if not chunk:
                     err = self._end()
                     if err is not None:
@@ -741,6 +760,8 @@ class _Relay:
                         break
                     self.ok = True
                     break
+                self.last_at = time.monotonic()
+                self.task_pieces += 1
                 self.tail += chunk
                 if len(self.tail) > 2 * _TAIL_BYTES:
                     del self.tail[:-_TAIL_BYTES]
@@ -764,12 +785,44 @@ class _Relay:
             if not self.ok:
                 await self.finish()
 
+    def _sink(self, piece: bytes) -> bool:
+        """``EngineResponse.attach`` sink: validate a piece of the engine's stream and write it to the client now,
+        in the engine connection's read callback (no task switch, future or ASGI message per piece). False
+        (the relay loop takes the piece) when the client's connection is paused or closing, or the piece is not
+        a valid event stream (``bad``). Never raises."""
+        write = self.direct
+        if write is None or not write.ready():
+            return False
+        self.last_at = time.monotonic()
+        tail = self.tail
+        tail += piece
+        if len(tail) > 2 * _TAIL_BYTES:
+            del tail[:-_TAIL_BYTES]
+        try:
+            out = self.events.feed(piece)
+            if out:
+                write(out)
+        except BadStream as exc:
+            self.bad = exc
+            return False
+        except Exception as exc:  # a bug here must not break the engine connection's read callback
+            log.exception("stream relay failed")
+            self.bad = BadStream(f"relay failed: {type(exc).__name__}")
+            return False
+        self.direct_pieces += 1
+        return True
+
     async def finish(self) -> None:
         """Release everything (idempotent; never raises)."""
         if self.finished:
             return
         self.finished = True
         try:
+            pieces = self.proxy.telemetry.relayed_pieces
+            if self.direct_pieces:
+                pieces.labels("direct").inc(self.direct_pieces)
+            if self.task_pieces:
+                pieces.labels("task").inc(self.task_pieces)
             self.hold.release()
             # usage is fed back even when the client left right after the last chunk
             usage = _usage_from_sse(bytes(self.tail))
@@ -810,6 +863,7 @@ class _ProxyStream(StreamingResponse):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             relay = self.relay
+            relay.direct = _DirectWrite.of(send)
             ended = False
             async for chunk in self.body_iterator:
                 if relay.ok:  # the engine's answer is complete: this chunk ends the response
@@ -832,6 +886,36 @@ class _ProxyStream(StreamingResponse):
                 await self.relay.finish()
         if self.background is not None:
             await self.background()
+
+
+class _DirectWrite:
+    """Writes relayed pieces straight onto the client's connection, as uvicorn's ``send`` would for a
+    ``http.response.body`` message with ``more_body`` (one chunk of the chunked transfer encoding), for
+    ``_Relay._sink``. Only for uvicorn's httptools protocol (the router's server) once it has started a chunked
+    response; ``of`` returns None otherwise (other servers, test clients: the relay then sends every piece
+    through ``send``). The end of the response always goes through ``send`` (uvicorn's own bookkeeping)."""
+
+    __slots__ = ("transport", "flow")
+
+    def __init__(self, transport: Any, flow: Any) -> None:
+        self.transport = transport
+        self.flow = flow
+
+    @classmethod
+    def of(cls, send: Any) -> _DirectWrite | None:
+        """The direct writer behind ``send`` (after ``http.response.start``), or None when there is none."""
+        cycle = getattr(send, "__self__", None)
+        if not isinstance(cycle, HttpToolsCycle) or cycle.chunked_encoding is not True or cycle.response_complete \
+                or cycle.scope.get("method") == "HEAD":
+            return None
+        return cls(cycle.transport, cycle.flow)
+
+    def ready(self) -> bool:
+        """The client's connection takes writes now (not paused by flow control, not closing)."""
+        return not self.flow.write_paused and not self.transport.is_closing()
+
+    def __call__(self, data: bytes) -> None:
+        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
 
 class _ClientWatch:

@@ -7,6 +7,8 @@ Metric names (all prefixed ``kvroute_``):
 * ``routed_total{policy,branch,replica}``: decisions by policy branch and chosen replica.
 * ``ttft_seconds{replica}``: router-measured time to first byte of the response body, seconds (histogram).
 * ``retries_total{reason}``, ``upstream_errors_total{reason}``: failed attempts, and requests that failed for good.
+* ``relayed_pieces_total{path}``: pieces of engine event streams relayed to clients, ``direct`` from the engine
+  connection's read callback or by the request's ``task`` (``router.proxy._Relay``).
 * ``tokenize_tokens_total{kind}``: prompt tokens the router tokenized (``tokenized``) or, past the fleet's cache
   frontier, only estimated (``estimated``); ``partial_ids_requests_total``: requests routed on a prefix of their
   ids (``router.tokenize_frontier``).
@@ -98,6 +100,11 @@ class Telemetry:
         self.upstream_errors = Counter("kvroute_upstream_errors",
                                        "requests that failed after all attempts, by reason", ["reason"],
                                        registry=r)
+        self.relayed_pieces = Counter("kvroute_relayed_pieces", "pieces of engine event streams relayed to "
+                                      "clients, by path: direct (written from the engine connection's read "
+                                      "callback), task (by the request's task: the first piece, pieces that "
+                                      "waited for a slow client, servers without a direct path)", ["path"],
+                                      registry=r)
         self.token_id_prompts = Counter("kvroute_token_id_prompts", "engine requests (attempts) whose prompt "
                                         "was sent as the router's token ids (forward_token_ids)", registry=r)
         self.tokenize_tokens = Counter("kvroute_tokenize_tokens", "prompt tokens of text prompts the router "
