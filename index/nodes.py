@@ -12,8 +12,9 @@ of node ids (what makes ``match`` fast in pure Python and keeps every call's pau
   created (reservations grow geometrically, up to ``MAX_RESERVE``), so a multi-turn conversation's path
   occupies a few contiguous *extents*. ``_run`` holds, per node id, how many ids of its streak follow it: a hint
   that ``_stretch`` verifies against ``_keys`` with a C-level list comparison (exact whatever the layout).
-* Deleted node ids are holes until an incremental *compaction* (started once a quarter of the ids are dead)
-  moves the live nodes down over them, at most ``COMPACT_CHUNK`` ids per call, and truncates the arrays.
+* Deleted node ids are holes until an incremental *compaction* (started once half of the ids are dead or
+  reserved) moves the live nodes down over them, at most ``COMPACT_CHUNK`` ids per call, and truncates the
+  arrays.
 
 Pure data structure: no I/O.
 """
@@ -25,7 +26,7 @@ from itertools import compress
 
 from .types import BlockKey
 
-__all__ = ["COMPACT_CHUNK", "COMPACT_MIN_DEAD", "ID_SHARDS", "MAX_RESERVE", "SHARD_MASK", "NodeTable"]
+__all__ = ["COMPACT_CHUNK", "COMPACT_MIN_DEAD", "COMPACT_SHARE_DIV", "ID_SHARDS", "MAX_RESERVE", "SHARD_MASK", "NodeTable"]
 
 #: Largest reservation (node ids) made after a streak of new nodes. Each unused reserved id costs ~28 B until the
 #: next compaction; 512 (was 2048) cut the ids per node from 1.47 to 1.19 on the bench workload and from 1.88 to
@@ -36,8 +37,14 @@ RESERVE_GROWTH = 2
 #: A new path's first reservation is its first streak's length divided by this.
 RESERVE_FIRST_DIV = 2
 _ONES = array("I", [1])
-#: Dead node ids needed (besides a quarter of all ids) before the node arrays are compacted.
+#: Dead node ids needed (besides ``1 / COMPACT_SHARE_DIV`` of all ids) before the node arrays are compacted.
 COMPACT_MIN_DEAD = 4096
+#: A compaction starts once ``1 / COMPACT_SHARE_DIV`` of the node ids are dead or reserved. Each compaction moves
+#: every live node (a dict store each), so its work per evicted block is ``live / dead``: 3 moves at a quarter,
+#: 1 at half (issue 23: under an LRU engine cache that evicts as much as it stores, the quarter cost a third of
+#: the KV-event apply; ``bench_kv_intake`` apply 2.74 -> 1.91 ms per request). The price: up to one hole per
+#: live node between compactions (~28 B each; ``bench_index`` bytes per node stays under its 200 B target).
+COMPACT_SHARE_DIV = 2
 #: Shards of the key -> node id map (a power of two; a key's shard is its low bits).
 ID_SHARDS = 64
 #: A key's shard is ``key & SHARD_MASK``.
@@ -150,7 +157,8 @@ class NodeTable:
         tips[end - 1] = (end + room, length + room)
 
     def _maybe_compact(self, *, force: bool = False) -> None:
-        """Start a node-id compaction once a quarter of the ids are dead, and advance the one in progress.
+        """Start a node-id compaction once ``1 / COMPACT_SHARE_DIV`` of the ids are dead or reserved, and advance
+        the one in progress.
 
         The compaction is incremental: each call moves the live nodes of at most ``_compact_chunk`` ids down
         over the holes (``_compact_step``), so no single call pauses the caller for a whole-index renumbering
@@ -162,7 +170,7 @@ class NodeTable:
             if force:
                 if not dead + self._reserved or (dead + self._reserved) * 4 < len(self._keys):
                     return
-            elif dead < self._compact_min or (dead + self._reserved) * 4 < len(self._keys):
+            elif dead < self._compact_min or (dead + self._reserved) * COMPACT_SHARE_DIV < len(self._keys):
                 return
             # reservations are given up (their ids are holes like the dead ones) and none are made until the
             # compaction ends: ``_tips`` would otherwise point at ids the compaction moves
