@@ -78,9 +78,9 @@ def merge_removals(events: Sequence[object]) -> list[object]:
         if isinstance(ev, RemovedEvent):
             if run is not None and run.tier == ev.tier:
                 run.hashes += ev.hashes
-                run.events += 1
+                run.events += ev.count
                 continue
-            run = _RemovedRun(list(ev.hashes), ev.tier, 1)
+            run = _RemovedRun(list(ev.hashes), ev.tier, ev.count)
             out.append(run)
             continue
         run = None
@@ -193,7 +193,7 @@ class BatchApplier:
                         budget = self.slice_blocks
                 continue
             if isinstance(ev, RemovedEvent):  # a batch of one event
-                ev = _RemovedRun(ev.hashes, ev.tier, 1)
+                ev = _RemovedRun(ev.hashes, ev.tier, ev.count)
             if isinstance(ev, _RemovedRun):
                 for piece in self._removed(ev, result):
                     budget -= piece

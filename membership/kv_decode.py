@@ -131,6 +131,9 @@ class RemovedEvent:
 
     hashes: list[int]
     tier: str = "gpu"
+    #: ``BlockRemoved`` events of the batch this one stands for (consecutive same-tier removals in their common
+    #: form are decoded into one: ``hashes`` holds theirs in order)
+    count: int = 1
 
 
 @dataclass(slots=True)
@@ -426,25 +429,41 @@ def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits
     if ts is None:
         batch.notes["missing_ts"] += 1
     units = 0
+    events = batch.events
+    run: RemovedEvent | None = None  # the last event appended, when a fast-path removal (it may grow)
     for _ in range(parse.n_events):
         try:
             raw = parse.next_event()
         except Exception as exc:
             return _bad_msgpack(exc, seq)
         units += 8
-        # vLLM's one-block BlockRemoved maps (most events under cache pressure) in a few checks; anything else,
-        # or anything the checks are unsure of, goes the general way (same result, ``_removed_fast``)
-        ev: Event | None = _removed_fast(raw, limits) if type(raw) is dict and raw.get("type") == REMOVED else None
-        if ev is None:
-            try:
-                ev = _decode_event(raw, limits, batch.notes)
-            except _Bad as bad:
-                batch.dropped[bad.reason] += 1
-                if bad.hashes:
-                    batch.filtered_hashes.extend(bad.hashes)
+        # vLLM's one-block BlockRemoved maps (most events under cache pressure) in a few checks, appended to the
+        # run of removals before them when that has the same tier; anything else, or anything the checks are
+        # unsure of, goes the general way (same result, ``_removed_fast``)
+        if type(raw) is dict and raw.get("type") == REMOVED:
+            tier = _removed_tier(raw, limits)
+            if tier is not None:
+                if run is not None and run.tier == tier:
+                    run.hashes += raw["block_hashes"]
+                    run.count += 1
+                else:
+                    run = RemovedEvent(list(raw["block_hashes"]), tier)
+                    events.append(run)
+                units += len(raw["block_hashes"])
+                if slice_units and units >= slice_units:
+                    units = 0
+                    yield
                 continue
+        run = None
+        try:
+            ev = _decode_event(raw, limits, batch.notes)
+        except _Bad as bad:
+            batch.dropped[bad.reason] += 1
+            if bad.hashes:
+                batch.filtered_hashes.extend(bad.hashes)
+            continue
         if ev is not None:
-            batch.events.append(ev)
+            events.append(ev)
             if slice_units and not isinstance(ev, ClearedEvent):
                 units += len(ev.hashes)
                 if isinstance(ev, StoredEvent):
@@ -472,6 +491,12 @@ def _removed_fast(m: dict[Any, Any], limits: DecodeLimits) -> RemovedEvent | Non
     (issue 23: vLLM announces every evicted block in an event of its own, ~900 of them per request on the e2e
     slice; the general path costs about five times more per event.)
     """
+    tier = _removed_tier(m, limits)
+    return None if tier is None else RemovedEvent(hashes=list(m["block_hashes"]), tier=tier)
+
+
+def _removed_tier(m: dict[Any, Any], limits: DecodeLimits) -> str | None:
+    """The tier of a ``BlockRemoved`` map in the common form ``_removed_fast`` accepts, else None."""
     hashes = m.get("block_hashes")
     if type(hashes) is not list or not hashes or len(hashes) > limits.max_hashes:
         return None
@@ -490,7 +515,7 @@ def _removed_fast(m: dict[Any, Any], limits: DecodeLimits) -> RemovedEvent | Non
         g = m.get("group_idx")
         if g is not None and (type(g) is not int or g != want):
             return None
-    return RemovedEvent(hashes=list(hashes), tier=tier)
+    return tier
 
 
 def _is_number(x: object) -> bool:

@@ -136,3 +136,48 @@ def test_feed_wait_returns_on_wake_or_on_its_timer_and_leaves_no_timer() -> None
         await _wait_or_timer(wake, 3600.0)  # already set: returns at once
 
     asyncio.run(go())
+
+
+def test_consecutive_removals_are_decoded_into_one_event_that_counts_them() -> None:
+    """Fast-form removals in a row become one ``RemovedEvent`` (hashes in order, ``count`` of them); a removal of
+    another tier, a general-form one or any other event starts a new one; the applier counts every original
+    ``BlockRemoved`` and the index ends as with one event each."""
+    import msgpack
+
+    from index.prefix_index import PrefixIndex
+    from membership.kv_apply import BatchApplier, run_to_end
+    from membership.kv_decode import DecodedBatch, StoredEvent, decode_payload
+    from membership.kv_sequencer import FeedStats
+
+    toks = list(range(1, 16 * 6 + 1))
+
+    def rm(h: int, medium: str = "GPU") -> dict[str, object]:
+        return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium}
+
+    stored = {"type": "BlockStored", "block_hashes": [11, 12, 13, 14, 15, 16], "parent_block_hash": None,
+              "token_ids": toks, "block_size": 16, "lora_id": None, "medium": "GPU"}
+    general = ["BlockRemoved", [16], "GPU"]  # the array form: decoded the general way
+    events = [stored, rm(11), rm(12), rm(13, "CPU"), rm(14, "CPU"), general, rm(15), stored]
+    b = decode_payload(msgpack.packb([1.0, events, None]))
+    assert isinstance(b, DecodedBatch) and not b.dropped
+    got = [(type(e).__name__, getattr(e, "hashes", None), getattr(e, "tier", None), getattr(e, "count", None))
+           for e in b.events]
+    assert got == [("StoredEvent", [11, 12, 13, 14, 15, 16], "gpu", None), ("RemovedEvent", [11, 12], "gpu", 2),
+                   ("RemovedEvent", [13, 14], "cpu", 2), ("RemovedEvent", [16], "gpu", 1),
+                   ("RemovedEvent", [15], "gpu", 1), ("StoredEvent", [11, 12, 13, 14, 15, 16], "gpu", None)]
+    assert isinstance(b.events[0], StoredEvent)
+    # applied: every original event counted, and the index as if each had come alone
+    stats = FeedStats()
+    index = PrefixIndex(block_size=16)
+    run_to_end(BatchApplier(index, 0, "m", stats, DEFAULT_LIMITS, 8192).apply(b))
+    assert stats.events["BlockRemoved"] == 6 and stats.events["BlockStored"] == 2
+    one_by_one = PrefixIndex(block_size=16)
+    one_stats = FeedStats()
+    applier = BatchApplier(one_by_one, 0, "m", one_stats, DEFAULT_LIMITS, 8192)
+    for i, ev in enumerate(events):
+        single = decode_payload(msgpack.packb([1.0, [ev], None]), seq=i)
+        assert isinstance(single, DecodedBatch)
+        run_to_end(applier.apply(single))
+    a, b1 = index.stats(), one_by_one.stats()
+    assert a["nodes"] == b1["nodes"] == 6 and a["engine_entries"] == b1["engine_entries"]
+    assert one_stats.events["BlockRemoved"] == 6
