@@ -583,7 +583,7 @@ class Settings(BaseSettings):
                     "with an exact-splitting tokenizer only, and only while no routable replica depends on this "
                     "router's predicted entries (its KV-event feed down); else the whole prompt")
     tokenize_lookahead_chars: int = Field(
-        default=8192, ge=256,
+        default=4096, ge=256,
         description="cached_prefix: texts up to this many characters (1.5x, so that no small rest is left) are "
                     "tokenized whole (exact ids, as with tokenize_scope=prompt); longer ones start with a prefix of "
                     "about this length, each next prefix doubles it, and a walk that stops early also tokenizes a "

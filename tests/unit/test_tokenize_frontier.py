@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from index.hashing import block_keys, extend_keys
 from index.prefix_index import PrefixIndex
+from router.config import Settings
 from router.routing import RoutingInput
 from router.token_cache import safe_cut
 from router.tokenize_frontier import (
@@ -231,6 +232,10 @@ def e2e_prompts(n: int) -> list[str]:
     return [r.prompt for r in reqs if isinstance(r.prompt, str) and len(r.prompt) > 4 * 8192][:n]
 
 
+#: the router's default lookahead (the estimate tests hold at what ships)
+DEFAULT_LOOKAHEAD = int(Settings.model_fields["tokenize_lookahead_chars"].default)
+
+
 def estimate_errors(tok: HfTokenizer, prompts: Sequence[str], lookahead: int) -> list[float]:
     errs = []
     empty = PrefixIndex(block_size=BS)
@@ -248,7 +253,7 @@ def test_estimate_within_a_few_percent_on_the_e2e_word_vocabulary() -> None:
     prompts = e2e_prompts(30)
     assert len(prompts) >= 20
     tok = HfTokenizer(ensure_model_dir(), cache_bytes=0, cache_verify_every=0)
-    errs = estimate_errors(tok, prompts, 8192)
+    errs = estimate_errors(tok, prompts, DEFAULT_LOOKAHEAD)
     assert max(errs) < 0.03 and sum(errs) / len(errs) < 0.015, errs
 
 
@@ -258,7 +263,7 @@ def test_estimate_within_a_few_percent_with_a_byte_level_bpe(tmp_path: Path) -> 
     prompts = e2e_prompts(30)
     tok = HfTokenizer(bpe_model_dir(prompts, tmp_path / "bpe"), cache_bytes=0, cache_verify_every=0)
     assert tok.splits_exactly(True), tok.cache.disabled_reason
-    errs = estimate_errors(tok, prompts, 8192)
+    errs = estimate_errors(tok, prompts, DEFAULT_LOOKAHEAD)
     assert max(errs) < 0.05 and sum(errs) / len(errs) < 0.02, errs
 
 
