@@ -1049,6 +1049,17 @@ class SSEValidator:
 
     def feed(self, chunk: bytes) -> bytes:
         """The complete, valid (and filtered) events of ``chunk`` plus what was pending."""
+        # the common piece, one per token: exactly one whole ``data: {...}`` event after the first was parsed,
+        # nothing pending, nothing to strip -> passed on as it is (what ``_feed`` returns for it, without its
+        # splitting; issue 23)
+        if chunk[:7] == b"data: {" and chunk[-3:] == b"}\n\n" and self.checked and not self.pending \
+                and not self.carry_cr and not self.done and chunk.count(b"\n") == 2 and b"\r" not in chunk \
+                and len(chunk) - 2 <= self.max_event_bytes and not (self.strip_usage and b'"usage"' in chunk):
+            return chunk
+        return self._feed(chunk)
+
+    def _feed(self, chunk: bytes) -> bytes:
+        """``feed`` for any chunk."""
         chunk = self._normalize(chunk)
         if self.pending:
             last = self.pending[-1]

@@ -570,3 +570,39 @@ def test_sse_validator_joins_events_split_anywhere_without_quadratic_copies() ->
         v.end()
         assert out == stream.replace(b"\r\n", b"\n"), size
         assert len(v.pending) == 0
+
+
+_PIECES = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}],"usage":null}\n\n',
+           b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n', b'data: {"a":1}\r\n\r\n', b"data: [DONE]\n\n",
+           b": comment\n\n", b'data: {"x":1}\n\ndata: {"y":2}\n\n', b'data: {"half', b'"}\n\n', b"data: {}\n\n",
+           b'data: {"e":1}\ndata: {"f":2}\n\n', b"data: {not json}\n\n", b'data: {"long":"' + b"z" * 90 + b'"}\n\n',
+           b"\r", b"\n", b'data: {"c":3}\n\n\n\n']
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("strip", [False, True])
+def test_sse_validator_one_event_fast_path_equals_the_general_path(seed: int, strip: bool) -> None:
+    """Issue 23's per-token fast path (one whole ``data: {...}`` event) returns what the general path returns,
+    raises where it raises, on random piece sequences (pending halves, CR line ends, [DONE], usage, garbage)."""
+    import random
+
+    from router.proxy import BadStream, SSEValidator
+
+    rng = random.Random(seed)
+    pieces = [_PIECES[0]] + [rng.choice(_PIECES) for _ in range(12)]
+    fast = SSEValidator(strip_usage=strip, max_event_bytes=64)
+    general = SSEValidator(strip_usage=strip, max_event_bytes=64)
+    for piece in pieces:
+        try:
+            want: bytes | str = general._feed(piece)
+        except BadStream as exc:
+            want = f"bad: {exc}"
+        try:
+            got: bytes | str = fast.feed(piece)
+        except BadStream as exc:
+            got = f"bad: {exc}"
+        assert got == want, (pieces, piece)
+        if isinstance(want, str):
+            break
+        assert (fast.pending, fast.done, fast.checked, fast.carry_cr) == \
+            (general.pending, general.done, general.checked, general.carry_cr)
