@@ -903,8 +903,10 @@ class _DirectWrite:
 
     @classmethod
     def of(cls, send: Any) -> _DirectWrite | None:
-        """The direct writer behind ``send`` (after ``http.response.start``), or None when there is none."""
-        cycle = getattr(send, "__self__", None)
+        """The direct writer behind ``send`` (after ``http.response.start``), or None when there is none. A wrapper
+        that changes only the response head may expose the server's own send as ``server_send`` (the workers'
+        ``WorkerApp`` does)."""
+        cycle = getattr(getattr(send, "server_send", send), "__self__", None)
         if not isinstance(cycle, HttpToolsCycle) or cycle.chunked_encoding is not True or cycle.response_complete \
                 or cycle.scope.get("method") == "HEAD":
             return None

@@ -336,4 +336,6 @@ class WorkerApp:
                 message = {**message, "headers": [*message.get("headers", ()), header]}
             await send(message)
 
+        # the server's own send, for the proxy's direct stream relay (only the response head is tagged here)
+        send_tagged.server_send = send  # type: ignore[attr-defined]
         await self.app(scope, receive, send_tagged)

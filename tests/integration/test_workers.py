@@ -105,6 +105,15 @@ def test_workers_agree_on_decisions_and_share_metrics() -> None:
                             text)
         assert {w for w, _ in served} == {"0", "1"}, served
         assert sum(float(v) for _, v in served) == len(prompts) * 3
+        # streams are relayed the direct way in workers too (their send only tags the response head)
+        for s in range(4):
+            with httpx.Client(timeout=30) as c:
+                r = c.post(url + "/v1/completions", json={"model": "m", "prompt": prompts[s][0], "max_tokens": 24,
+                                                          "stream": True})
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text[-200:]
+        text = httpx.get(url + "/metrics", timeout=10).text
+        direct = re.findall(r'kvroute_relayed_pieces_total\{path="direct",worker="\d"\} (\S+)', text)
+        assert sum(float(v) for v in direct) > 0, text[-2000:]
 
 
 def _workers_of(proc: Proc) -> list[psutil.Process]:
