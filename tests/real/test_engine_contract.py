@@ -15,7 +15,7 @@ import pytest
 
 from loadtest.fleet import scrape_samples
 from loadtest.real_vllm import MODEL, RealFleet, engine_tokenize, reset_prefix_cache
-from tests.helpers import wait_until
+from tests.helpers import metric, wait_until
 from tests.real.support import (
     Router,
     cached_of,
@@ -117,6 +117,8 @@ def test_streaming_through_the_router(router: Callable[..., Router]) -> None:
         wait_until(lambda s=served_by, n=n: r.predicted({"messages": messages}, s) == full_hit(n), timeout=15,
                    what="streamed prompt in the index")
     assert usage["prompt_tokens_details"]["cached_tokens"] == full_hit(usage["prompt_tokens"])
+    # real vLLM's token events went to the client from the engine connection's read callback (router.proxy)
+    assert metric(r.url, "kvroute_relayed_pieces_total", path="direct") > 0
 
 
 def test_reset_of_the_engines_prefix_cache(real_fleet: RealFleet, router: Callable[..., Router]) -> None:
