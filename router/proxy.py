@@ -854,6 +854,9 @@ class _ProxyStream(StreamingResponse):
     def __init__(self, relay: _Relay, **kwargs: Any) -> None:
         super().__init__(relay.body(), **kwargs)
         self.relay = relay
+        #: the relay's own generator: when someone replaced ``body_iterator`` to see every chunk (the idempotency
+        #: guard keeps a copy of the stream), nothing may bypass it, so the direct relay stays off
+        self._own_body = self.body_iterator
         #: the request's disconnect watcher, handed over by ``Proxy.forward`` (None: one is started here)
         self.watch: _ClientWatch | None = None
 
@@ -863,7 +866,7 @@ class _ProxyStream(StreamingResponse):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             relay = self.relay
-            relay.direct = _DirectWrite.of(send)
+            relay.direct = _DirectWrite.of(send) if self.body_iterator is self._own_body else None
             ended = False
             async for chunk in self.body_iterator:
                 if relay.ok:  # the engine's answer is complete: this chunk ends the response

@@ -139,3 +139,31 @@ def _dechunk(data: bytes) -> bytes:
         out += data[pos:pos + size]
         assert data[pos + size:pos + size + 2] == b"\r\n"
         pos += size + 2
+
+
+def test_a_stream_under_an_idempotency_key_is_stored_whole_and_replayed_whole() -> None:
+    """The idempotency guard keeps a copy of the stream it sees: such a stream does not take the direct path
+    (pieces written from the read callback would be missing from the stored copy and from its replay)."""
+    from tests.redis_server import RedisServer
+
+    events = [_event(i, f"t{i} ") for i in range(60)]
+    server = RedisServer().start()
+    try:
+        with _paced(events, 0.005) as eng, serve([eng], "--redis-url", server.url) as (u, _):
+            wait_until(lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected")
+            key = {"idempotency-key": "stream-1"}
+            first = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, headers=key, timeout=30)
+            assert first.status_code == 200 and first.content == b"".join(events) + b"data: [DONE]\n\n"
+            assert metric(u, "kvroute_relayed_pieces_total", path="direct") == 0
+            again = wait_until(lambda: (r := httpx.post(u + "/v1/completions", json={**BODY, "stream": True},
+                                                        headers=key, timeout=30)).status_code == 200
+                               and r.headers.get("idempotent-replayed") == "true" and r, timeout=10,
+                               what="the stored stream replayed")
+            assert isinstance(again, httpx.Response) and again.content == first.content
+            assert len(eng.posts()) == 1
+            # without the key the same stream goes the direct way
+            plain = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, timeout=30)
+            assert plain.content == first.content
+            assert metric(u, "kvroute_relayed_pieces_total", path="direct") > 0
+    finally:
+        server.stop()
