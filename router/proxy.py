@@ -723,21 +723,14 @@ class _Relay:
                 yield self.first
             idle = self.proxy.cfg.idle_timeout_s
             while not self.ok:
-                now = time.monotonic()
-                remaining = self.deadline - now
-                if remaining <= 0:
-                    telemetry.upstream_errors.labels("total_timeout").inc()
-                    yield _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
-                    break
-                idle_left = idle - (now - self.last_at)
-                if idle_left <= 0:
-                    telemetry.upstream_errors.labels("idle_timeout").inc()
-                    yield _sse_error(504, f"engine sent nothing for {idle:g}s (idle_timeout_s)", "idle_timeout")
+                wait, expired = self._next_wait(idle)
+                if expired is not None:
+                    yield expired
                     break
                 if self.direct is not None:
                     resp.attach(self._sink)  # pieces go to the client from the read callback until one is declined
                 try:
-                    chunk = await resp.read_chunk(remaining if remaining < idle_left else idle_left)
+                    chunk = await resp.read_chunk(wait)
                 except TimeoutError:
                     continue  # the checks above tell which limit passed (pieces may have flowed through the sink)
                 except EngineError as exc:
@@ -784,6 +777,20 @@ class _Relay:
             # and policy update are then off the client's latency); failures and cancellations clean up here
             if not self.ok:
                 await self.finish()
+
+    def _next_wait(self, idle: float) -> tuple[float, bytes | None]:
+        """How long the next read may wait (seconds: until ``total_timeout_s`` or ``idle`` seconds after the last
+        piece, whichever comes first), or the SSE error event (counted) when one of them has passed."""
+        now = time.monotonic()
+        remaining = self.deadline - now
+        if remaining <= 0:
+            self.proxy.telemetry.upstream_errors.labels("total_timeout").inc()
+            return 0.0, _sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
+        idle_left = idle - (now - self.last_at)
+        if idle_left <= 0:
+            self.proxy.telemetry.upstream_errors.labels("idle_timeout").inc()
+            return 0.0, _sse_error(504, f"engine sent nothing for {idle:g}s (idle_timeout_s)", "idle_timeout")
+        return (remaining if remaining < idle_left else idle_left), None
 
     def _sink(self, piece: bytes) -> bool:
         """``EngineResponse.attach`` sink: validate a piece of the engine's stream and write it to the client now,

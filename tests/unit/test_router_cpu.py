@@ -30,7 +30,7 @@ def test_profile_categories_take_the_innermost_matching_frame() -> None:
     stack = ("run (uvicorn/main.py:1);_DataPlane.routing_input (router/app.py:583);"
              "HfTokenizer.encode_text (router/tokenizer.py:251)")
     assert categorize(stack) == "tokenization"
-    assert categorize("run (uvicorn/main.py:1);Runner.run (asyncio/runners.py:118)").startswith("event loop (uvloop")
+    assert categorize("run (uvicorn/main.py:1);Runner.run (asyncio/runners.py:118)").startswith("event loop outside Python frames")
     assert not on_event_loop("Thread._bootstrap (threading.py:1);_worker (concurrent/futures/thread.py:83)")
 
 
