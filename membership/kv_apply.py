@@ -18,7 +18,6 @@ import functools
 from collections import OrderedDict
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from index.hashing import root_seed
@@ -57,30 +56,22 @@ def chain_seed(model: str, lora: str | None, salt: str | None) -> int:
     return root_seed(model, lora, salt)
 
 
-@dataclass(slots=True)
-class _RemovedRun:
-    """Consecutive ``BlockRemoved`` events of one batch with the same tier, applied as one (``events`` of them)."""
-
-    hashes: list[int]
-    tier: str
-    events: int
-
-
 def merge_removals(events: Sequence[object]) -> list[object]:
-    """The batch's events with each run of consecutive same-tier removals merged into one ``_RemovedRun``.
+    """The batch's events with each run of consecutive same-tier removals merged into one ``RemovedEvent``
+    (its ``count``: the events merged; the decoder already merges the runs of vLLM's common form, this the rest).
 
     vLLM publishes one ``BlockRemoved`` per evicted block (hundreds per batch under cache pressure); removing
     them in one index pass is equivalent, since nothing else happens between them.
     """
     out: list[object] = []
-    run: _RemovedRun | None = None
+    run: RemovedEvent | None = None
     for ev in events:
         if isinstance(ev, RemovedEvent):
             if run is not None and run.tier == ev.tier:
                 run.hashes += ev.hashes
-                run.events += ev.count
+                run.count += ev.count
                 continue
-            run = _RemovedRun(list(ev.hashes), ev.tier, ev.count)
+            run = RemovedEvent(list(ev.hashes), ev.tier, ev.count)  # a copy: the batch's events stay as decoded
             out.append(run)
             continue
         run = None
@@ -192,16 +183,14 @@ class BatchApplier:
                         yield
                         budget = self.slice_blocks
                 continue
-            if isinstance(ev, RemovedEvent):  # a batch of one event
-                ev = _RemovedRun(ev.hashes, ev.tier, ev.count)
-            if isinstance(ev, _RemovedRun):
+            if isinstance(ev, RemovedEvent):
                 for piece in self._removed(ev, result):
                     budget -= piece
                     if budget <= 0:
                         yield
                         budget = self.slice_blocks
                 if count:
-                    st.events["BlockRemoved"] += ev.events
+                    st.events["BlockRemoved"] += ev.count
             elif isinstance(ev, ClearedEvent):
                 self.clear()
                 result.saw_clear = True
@@ -266,7 +255,7 @@ class BatchApplier:
             self.stats.orphans += 1
         result.orphans_to_replay += 1
 
-    def _removed(self, run: _RemovedRun, result: ApplyResult) -> Iterator[int]:
+    def _removed(self, run: RemovedEvent, result: ApplyResult) -> Iterator[int]:
         """Apply a run of removals in pieces; yields the hashes of each piece applied."""
         step = self.slice_blocks
         hashes = run.hashes

@@ -755,9 +755,7 @@ class _Relay:
                     break
                 self.last_at = time.monotonic()
                 self.task_pieces += 1
-                self.tail += chunk
-                if len(self.tail) > 2 * _TAIL_BYTES:
-                    del self.tail[:-_TAIL_BYTES]
+                self._keep_tail(chunk)
                 try:
                     out = events.feed(chunk)
                 except BadStream as exc:
@@ -777,6 +775,13 @@ class _Relay:
             # and policy update are then off the client's latency); failures and cancellations clean up here
             if not self.ok:
                 await self.finish()
+
+    def _keep_tail(self, piece: bytes) -> None:
+        """Append ``piece`` to the end of the raw stream kept for the final usage chunk (bounded)."""
+        tail = self.tail
+        tail += piece
+        if len(tail) > 2 * _TAIL_BYTES:
+            del tail[:-_TAIL_BYTES]
 
     def _next_wait(self, idle: float) -> tuple[float, bytes | None]:
         """How long the next read may wait (seconds: until ``total_timeout_s`` or ``idle`` seconds after the last
@@ -801,10 +806,7 @@ class _Relay:
         if write is None or not write.ready():
             return False
         self.last_at = time.monotonic()
-        tail = self.tail
-        tail += piece
-        if len(tail) > 2 * _TAIL_BYTES:
-            del tail[:-_TAIL_BYTES]
+        self._keep_tail(piece)
         try:
             out = self.events.feed(piece)
             if out:
