@@ -58,10 +58,10 @@ from loadtest.fleet import (
     ManagedProcess,
     add_harness_args,
     exit_on_sigterm,
-    free_port,
     scaled_profile_args,
     wait_ready,
 )
+from loadtest.ports import free_port
 from loadtest.replay import ReplayRequest
 from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
 

@@ -51,10 +51,10 @@ from loadtest.fleet import (
     ManagedProcess,
     add_harness_args,
     exit_on_sigterm,
-    free_port,
     run_harness,
     wait_ready,
 )
+from loadtest.ports import free_port
 from loadtest.replay import ReplayRequest, ReplayResult, closed_loop, make_client, percentile, send_one
 from loadtest.workload import VOCAB_SIZE, ensure_model_dir, token_text
 

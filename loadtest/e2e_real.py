@@ -53,12 +53,12 @@ from loadtest.fleet import (
     HOST,
     ManagedProcess,
     exit_on_sigterm,
-    free_port,
     parse_runs,
     prefix_counters,
     scrape_samples,
     wait_ready,
 )
+from loadtest.ports import free_port
 from loadtest.real_vllm import (
     MODEL,
     WORDS,

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,28 +39,13 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.engine_model import get_profile
+from loadtest.ports import free_port, unused_port
 from policies.base import policy_factory
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
 
 _LIVE: weakref.WeakSet[ManagedProcess] = weakref.WeakSet()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _unused_port(taken: set[int]) -> int:
-    """A free port not in ``taken`` (added to it): ports picked for one start never collide."""
-    while True:
-        port = free_port()
-        if port not in taken:
-            taken.add(port)
-            return port
 
 
 class FleetError(RuntimeError):
@@ -416,8 +400,8 @@ class Fleet:
             try:
                 ports: set[int] = set()
                 for i in range(self.replicas):
-                    port, ev, rp = (_unused_port(ports) for _ in range(3))
-                    bp = _unused_port(ports) if self.needs_bootstrap_port(i) else None
+                    port, ev, rp = (unused_port(ports) for _ in range(3))
+                    bp = unused_port(ports) if self.needs_bootstrap_port(i) else None
                     name = f"engine{i}"
                     proc = ManagedProcess(self.engine_args(i, port, ev, rp, bp), f"{name}-g{self._generation}",
                                           self.log_dir)

@@ -32,7 +32,8 @@ from typing import Any
 
 import httpx
 
-from loadtest.fleet import HOST, REPO, EngineEndpoints, FleetError, ManagedProcess, free_port
+from loadtest.fleet import HOST, REPO, EngineEndpoints, FleetError, ManagedProcess
+from loadtest.ports import unused_port
 
 #: where the engine venv lives unless KVROUTE_VLLM_VENV says otherwise (gitignored, reused when its stamp matches)
 DEFAULT_VENV = REPO / ".cache" / "vllm-venv"
@@ -262,13 +263,8 @@ class RealFleet:
         taken: set[int] = set()
         try:
             for spec in self.specs:
-                ports: list[int] = []
-                while len(ports) < 3:
-                    p = free_port()
-                    if p not in taken:
-                        taken.add(p)
-                        ports.append(p)
-                self.engines.append(self._launch(spec, *ports))
+                port, events_port, replay_port = (unused_port(taken) for _ in range(3))
+                self.engines.append(self._launch(spec, port, events_port, replay_port))
             self.wait_ready(self.engines)
         except BaseException:
             self.stop()

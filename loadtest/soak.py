@@ -60,7 +60,8 @@ import httpx
 import psutil
 
 from loadtest.abuse import AbuseClients, AbuseOptions
-from loadtest.fleet import HOST, EngineHandle, EngineOptions, Fleet, ManagedProcess, free_port, wait_ready
+from loadtest.fleet import HOST, EngineHandle, EngineOptions, Fleet, ManagedProcess, wait_ready
+from loadtest.ports import free_port
 
 MODEL = "soak-model"
 FAULT_KINDS = ("engine_restart", "kv_drop", "redis_restart", "watch_cut")

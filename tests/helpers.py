@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from loadtest.ports import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 
@@ -32,13 +33,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 10.0, interval: float = 0.02,
