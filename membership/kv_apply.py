@@ -64,17 +64,20 @@ def merge_removals(events: Sequence[object]) -> list[object]:
     them in one index pass is equivalent, since nothing else happens between them.
     """
     out: list[object] = []
-    run: RemovedEvent | None = None
+    last: RemovedEvent | None = None  # ``out[-1]`` when a removal
+    merged = False  # ``last`` is this function's own (a merge), not one of the batch's events
     for ev in events:
         if isinstance(ev, RemovedEvent):
-            if run is not None and run.tier == ev.tier:
-                run.hashes += ev.hashes
-                run.count += ev.count
+            if last is not None and last.tier == ev.tier:
+                if not merged:  # the batch's events stay as decoded: merge into a copy
+                    last = out[-1] = RemovedEvent(list(last.hashes), last.tier, last.count)
+                    merged = True
+                last.hashes += ev.hashes
+                last.count += ev.count
                 continue
-            run = RemovedEvent(list(ev.hashes), ev.tier, ev.count)  # a copy: the batch's events stay as decoded
-            out.append(run)
-            continue
-        run = None
+            last, merged = ev, False
+        else:
+            last = None
         out.append(ev)
     return out
 

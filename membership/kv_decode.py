@@ -439,7 +439,7 @@ def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits
         units += 8
         # vLLM's one-block BlockRemoved maps (most events under cache pressure) in a few checks, appended to the
         # run of removals before them when that has the same tier; anything else, or anything the checks are
-        # unsure of, goes the general way (same result, ``_removed_fast``)
+        # unsure of, goes the general way (same result, ``_removed_tier``)
         if type(raw) is dict and raw.get("type") == REMOVED:
             tier = _removed_tier(raw, limits)
             if tier is not None:
@@ -479,24 +479,19 @@ def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits
     return batch
 
 
-#: exact ``medium`` strings -> tier, for ``_removed_fast`` (``medium_to_tier`` handles every other spelling)
+#: exact ``medium`` strings -> tier, for ``_removed_tier`` (``medium_to_tier`` handles every other spelling)
 _FAST_TIERS: dict[str, str] = {**MEDIUM_TO_TIER, **{k.lower(): v for k, v in MEDIUM_TO_TIER.items()}}
 
 
-def _removed_fast(m: dict[Any, Any], limits: DecodeLimits) -> RemovedEvent | None:
-    """A ``BlockRemoved`` map in its common form (block hashes a non-empty list of in-range ints, a known
-    ``medium`` spelled exactly, an accepted ``group_idx``) decoded without the general validation; None for any
-    other form, which ``_decode_event`` then decodes (or drops, with its reason). Same event as the general path.
+def _removed_tier(m: dict[Any, Any], limits: DecodeLimits) -> str | None:
+    """The tier of a ``BlockRemoved`` map in its common form (block hashes a non-empty list of in-range ints, a
+    known ``medium`` spelled exactly, an accepted ``group_idx``), checked without the general validation; None for
+    any other form, which ``_decode_event`` then decodes (or drops, with its reason). For such a map the event is
+    ``RemovedEvent(list(m["block_hashes"]), tier)``, the same as the general path's.
 
     (issue 23: vLLM announces every evicted block in an event of its own, ~900 of them per request on the e2e
     slice; the general path costs about five times more per event.)
     """
-    tier = _removed_tier(m, limits)
-    return None if tier is None else RemovedEvent(hashes=list(m["block_hashes"]), tier=tier)
-
-
-def _removed_tier(m: dict[Any, Any], limits: DecodeLimits) -> str | None:
-    """The tier of a ``BlockRemoved`` map in the common form ``_removed_fast`` accepts, else None."""
     hashes = m.get("block_hashes")
     if type(hashes) is not list or not hashes or len(hashes) > limits.max_hashes:
         return None

@@ -83,7 +83,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("key", "transport", "parser", "status", "headers", "chunks", "buffered", "complete", "error",
                  "waiter", "header_waiter", "closed", "idle_since", "paused", "_delimited", "accounted", "keep_alive",
-                 "on_idle_lost", "max_header_bytes", "max_headers", "head_bytes", "nheaders", "sink", "pieces")
+                 "on_idle_lost", "max_header_bytes", "max_headers", "head_bytes", "nheaders", "sink")
 
     def __init__(self, key: ConnKey, max_header_bytes: int = 65536, max_headers: int = 100) -> None:
         self.key = key
@@ -115,7 +115,6 @@ class _Conn(asyncio.Protocol):
         self.nheaders = 0
         #: takes body pieces from the read callback while set (``EngineResponse.attach``)
         self.sink: Callable[[bytes], bool] | None = None
-        self.pieces = 0  # body pieces received (a sink's consumer tells silence from flow by it)
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -200,7 +199,6 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         """A piece of the (de-chunked) body: to the attached sink, else buffered for ``read_chunk``."""
-        self.pieces += 1
         sink = self.sink
         if sink is not None:
             if not self.chunks and sink(body):
@@ -304,16 +302,11 @@ class EngineResponse:
         ``sink(piece)`` runs inside the event loop's read callback: it must be quick and must not raise. It
         returns True when it took the piece; False keeps the piece buffered, detaches the sink and wakes a
         waiting ``read_chunk`` (the caller takes over). While a sink is attached, ``read_chunk`` returns only
-        buffered pieces, the end of the body (``b""``) or the connection's failure; ``pieces`` tells a timeout
-        of silence from one of pieces taken by the sink. A sink is never given a piece while older ones are
-        buffered (attach when ``read_chunk`` has emptied the buffer); None detaches.
+        buffered pieces, the end of the body (``b""``) or the connection's failure (so its timeout does not
+        mean silence: the sink's owner tracks when it last got a piece). A sink is never given a piece while
+        older ones are buffered (attach when ``read_chunk`` has emptied the buffer); None detaches.
         """
         self._conn.sink = sink
-
-    @property
-    def pieces(self) -> int:
-        """Body pieces received so far (by the sink or buffered)."""
-        return self._conn.pieces
 
     async def read_all(self, limit: int | None = None) -> bytes:
         """The rest of the body (at most ``limit`` bytes when given: the read stops there)."""

@@ -1,5 +1,5 @@
 """The event-loop cuts of issue 23 on the KV-event path give the results of the general code they bypass:
-``kv_decode._removed_fast`` (one-block ``BlockRemoved`` maps) and, in the index, ``_delete_run`` (a run of
+``kv_decode._removed_tier`` (one-block ``BlockRemoved`` maps) and, in the index, ``_delete_run`` (a run of
 evicted nodes deleted at once) and ``_forget_pages`` (the engine-map upkeep of a removal batch); the feed's wait
 (``kv_events._wait_or_timer``)."""
 
@@ -21,11 +21,17 @@ from membership.kv_decode import (
     RemovedEvent,
     _Bad,
     _decode_event,
-    _removed_fast,
+    _removed_tier,
 )
 from membership.kv_events import _wait_or_timer
 
 U64 = 1 << 64
+
+
+def _removed_fast(m: dict[object, object], limits: DecodeLimits) -> RemovedEvent | None:
+    """What the decoder makes of a removal map on its fast path (``_removed_tier``); None: the general way."""
+    tier = _removed_tier(m, limits)
+    return None if tier is None else RemovedEvent(list(m["block_hashes"]), tier)  # type: ignore[call-overload]
 
 
 def _general(m: dict[object, object], limits: DecodeLimits) -> RemovedEvent | str:
@@ -181,3 +187,17 @@ def test_consecutive_removals_are_decoded_into_one_event_that_counts_them() -> N
     a, b1 = index.stats(), one_by_one.stats()
     assert a["nodes"] == b1["nodes"] == 6 and a["engine_entries"] == b1["engine_entries"]
     assert one_stats.events["BlockRemoved"] == 6
+
+
+def test_merge_removals_copies_only_what_it_merges() -> None:
+    """The applier's merge of the removal runs the decoder left (other forms, other order): a run of same-tier
+    removals becomes one event counting them; a lone removal is passed on as it is (no copy of its hashes); the
+    batch's own events are never changed (a batch may be applied again, uncounted)."""
+    from membership.kv_apply import merge_removals
+
+    a, b, c, other = RemovedEvent([1], "gpu"), RemovedEvent([2, 3], "gpu", 2), RemovedEvent([4], "cpu"), object()
+    out = merge_removals([a, b, c, other, a])
+    assert [(e.hashes, e.tier, e.count) for e in out if isinstance(e, RemovedEvent)] == [
+        ([1, 2, 3], "gpu", 3), ([4], "cpu", 1), ([1], "gpu", 1)]
+    assert out[1] is c and out[2] is other and out[3] is a
+    assert (a.hashes, a.count, b.hashes, b.count) == ([1], 1, [2, 3], 2)
