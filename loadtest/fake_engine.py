@@ -862,18 +862,17 @@ class EngineHttp:
                 "choices": [choice], "usage": self.usage(st, n)}
 
     @staticmethod
-    def stream_choice(text: str, chat: bool, first: bool, fin: str | None) -> dict[str, Any]:
-        """The ``choices[0]`` of one streamed token's chunk (a chat stream's first delta names the role)."""
+    def stream_choice(text: str, chat: bool, fin: str | None) -> dict[str, Any]:
+        """The ``choices[0]`` of one streamed token's chunk."""
         if chat:
-            delta: dict[str, Any] = {"content": text}
-            if first:
-                delta = {"role": "assistant", "content": text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}
+            return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": fin}
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": fin, "stop_reason": None}
 
     async def stream(self, st: _Req, rid: str, created: int, model_name: str, chat: bool,
                      include_usage: bool) -> AsyncIterator[bytes]:
-        """The SSE body of a streamed completion: one chunk per token, the usage chunk if asked, ``[DONE]``."""
+        """The SSE body of a streamed completion: one event per token, each in its own HTTP chunk, the usage event
+        if asked, ``[DONE]``. A chat stream opens, like vLLM's, with an event naming the role (empty content) that
+        goes out in one chunk with the first token's (vLLM 0.32 on the wire)."""
         engine = self.engine
         obj = "chat.completion.chunk" if chat else "text_completion"
         n = 0
@@ -885,8 +884,13 @@ class EngineHttp:
                     text = engine.word(n)
                     n += 1
                     fin = "length" if n >= st.max_tokens else None
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                "choices": [self.stream_choice(text, chat, n == 1, fin)]})
+                    event = _sse({"id": rid, "object": obj, "created": created, "model": model_name,
+                                  "choices": [self.stream_choice(text, chat, fin)]})
+                    if chat and n == 1:
+                        event = _sse({"id": rid, "object": obj, "created": created, "model": model_name,
+                                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]}) + event
+                    yield event
                     engine.note_streamed_token()
                     if n == 1:
                         await self.stall_mid_stream()
