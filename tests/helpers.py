@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -18,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
-from loadtest.ports import free_port
+from loadtest.ports import free_port as free_port  # re-exported: the tests take it from here
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -33,6 +35,31 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def http_chunks(base_url: str, path: str, body: dict[str, Any], timeout: float = 60.0) -> list[bytes]:
+    """POST ``body`` as JSON to ``base_url + path`` over a plain socket and return the response body's HTTP/1.1
+    chunks as the server wrote them (a stream's framing: what the router's direct relay is handed one by one;
+    HTTP clients join them). AssertionError when the answer is not chunked."""
+    host, _, port = base_url.removeprefix("http://").rstrip("/").partition(":")
+    data = orjson.dumps(body)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                  b"Connection: close\r\n\r\n%s" % (path.encode(), host.encode(), len(data), data))
+        raw = bytearray()
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, rest = bytes(raw).partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower(), head[:300]
+    chunks: list[bytes] = []
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return chunks
+        chunks.append(rest[:size])
+        assert rest[size:size + 2] == b"\r\n", rest[:size + 2]
+        rest = rest[size + 2:]
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 10.0, interval: float = 0.02,

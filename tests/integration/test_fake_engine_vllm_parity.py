@@ -17,7 +17,7 @@ import zmq
 
 from membership.engine_metrics import parse_metrics
 from membership.kv_decode import ClearedEvent, DecodedBatch, StoredEvent, decode_live_frames
-from tests.helpers import Proc, free_port, start_fake_engine, wait_until
+from tests.helpers import Proc, free_port, http_chunks, start_fake_engine, wait_until
 
 MODEL = "fake-m"
 
@@ -198,37 +198,12 @@ def test_client_disconnect_through_the_router_aborts_the_engines_generation(engi
         router.stop()
 
 
-def _http_chunks(port: int, path: str, body: dict) -> list[bytes]:
-    """The response's HTTP/1.1 chunks, as the engine wrote them (what the router's direct relay is handed one by
-    one), read over a plain socket."""
-    import socket
-
-    data = json.dumps(body).encode()
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
-        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                  b"Connection: close\r\n\r\n%s" % (path.encode(), len(data), data))
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
-    head, _, rest = raw.partition(b"\r\n\r\n")
-    assert b"transfer-encoding: chunked" in head.lower(), head
-    chunks = []
-    while True:
-        size_line, _, rest = rest.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            return chunks
-        chunks.append(rest[:size])
-        assert rest[size:size + 2] == b"\r\n"
-        rest = rest[size + 2:]
-
-
 def test_stream_framing_like_vllm(engine_factory: type[Engine]) -> None:
     """One SSE event per HTTP chunk; a chat stream's first chunk carries a role-only event (empty content) and the
     first token's event, as vLLM 0.32's does (measured on the CPU build: 26 chunks for 24 tokens + usage + [DONE],
     the first holding two events; completions 25 chunks of one event each)."""
     eng = engine_factory(time_scale="1")
-    chat = _http_chunks(eng.port, "/v1/chat/completions", {
+    chat = http_chunks(eng.url, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "hi there " * 20}], "max_tokens": 6,
         "stream": True, "stream_options": {"include_usage": True}})
     first = sse(chat[0].decode())
@@ -237,6 +212,6 @@ def test_stream_framing_like_vllm(engine_factory: type[Engine]) -> None:
     assert "role" not in first[1]["choices"][0]["delta"] and first[1]["choices"][0]["delta"]["content"]
     assert all(c.count(b"\n\n") == 1 for c in chat[1:]), chat
     assert len(chat) == 6 + 1 + 1 and chat[-1] == b"data: [DONE]\n\n"  # tokens (the first with the role), usage
-    completions = _http_chunks(eng.port, "/v1/completions", {
+    completions = http_chunks(eng.url, "/v1/completions", {
         "model": MODEL, "prompt": "hello world " * 20, "max_tokens": 6, "stream": True})
     assert len(completions) == 6 + 1 and all(c.count(b"\n\n") == 1 for c in completions), completions
