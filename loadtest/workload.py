@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import tempfile
 from array import array
 from collections.abc import Sequence
@@ -67,15 +68,48 @@ def ensure_model_dir(root: str | Path | None = None) -> Path:
     return base
 
 
-def default_trace_path() -> Path | None:
-    """The conversation trace in ``$KVROUTE_TRACE_DIR`` or ``../shared/traces`` beside the repo, if present."""
-    name = "mooncake_conversation_trace.jsonl"
+#: the shared real trace's file name (read in place from ``shared/traces``, never copied into the repository)
+TRACE_NAME = "mooncake_conversation_trace.jsonl"
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def trace_dirs() -> list[Path]:
+    """Where the shared traces are looked for, in order: ``$KVROUTE_TRACE_DIR`` when set; else ``shared/traces``
+    beside the checkout or beside one of its parents (worktrees sit a level deeper), then the same around the
+    checkout a local clone was made from (``git clone /work/main /tmp/x/k``: its origin's ``shared/`` is the one
+    meant)."""
     env = os.environ.get("KVROUTE_TRACE_DIR")
-    cands = ([Path(env) / name] if env else []) + [Path(__file__).resolve().parents[2] / "shared" / "traces" / name]
-    for c in cands:
-        if c.exists():
-            return c
+    if env:
+        return [Path(env)]
+    roots = [_REPO]
+    origin = _local_origin()
+    if origin is not None:
+        roots.append(origin)
+    return [p / "shared" / "traces" for root in roots for p in root.parents]
+
+
+def _local_origin() -> Path | None:
+    """The checkout this one was cloned from, when that is a directory on this machine (else None)."""
+    try:
+        url = subprocess.run(["git", "-C", str(_REPO), "config", "--get", "remote.origin.url"], capture_output=True,
+                             text=True, timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    path = Path(url.removeprefix("file://")) if url and "://" not in url.removeprefix("file://") else None
+    return path.resolve() if path is not None and path.is_dir() else None
+
+
+def find_trace(name: str = TRACE_NAME) -> Path | None:
+    """The shared trace ``name`` in the first of ``trace_dirs()`` that holds it, or None."""
+    for d in trace_dirs():
+        if (d / name).exists():
+            return d / name
     return None
+
+
+def default_trace_path() -> Path | None:
+    """The conversation trace (``find_trace``), if present."""
+    return find_trace(TRACE_NAME)
 
 
 @dataclass(slots=True)

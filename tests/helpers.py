@@ -22,6 +22,7 @@ import httpx
 import orjson
 
 from loadtest.ports import free_port as free_port  # re-exported: the tests take it from here
+from loadtest.workload import TRACE_NAME, find_trace, trace_dirs
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -277,21 +278,16 @@ def start_fake_engine(*args: str, attempts: int = 3, timeout: float = 30.0) -> t
     raise AssertionError("unreachable")
 
 
-TRACE_NAME = "mooncake_conversation_trace.jsonl"
-
-
 def shared_trace(name: str = TRACE_NAME) -> Path:
-    """The shared real trace, read in place (never copied into the repo): ``$KVROUTE_TRACE_DIR``, else
-    ``shared/traces`` beside the checkout or beside one of its parents (worktrees live a level deeper).
+    """The shared real trace, read in place (never copied into the repo; where it is looked for:
+    ``loadtest.workload.trace_dirs``).
 
     The trace is public data the repository may not carry (the README's demo falls back to a generated workload
     without it), so a test that needs it is skipped, naming where it looked, on a checkout without it; CI and
-    ``make test`` run beside ``shared/`` and run these tests."""
+    ``make test`` run beside ``shared/`` (or in a clone of a checkout that is) and run these tests."""
     import pytest
 
-    env = os.environ.get("KVROUTE_TRACE_DIR")
-    dirs = [Path(env)] if env else [p / "shared" / "traces" for p in REPO.parents]
-    for d in dirs:
-        if (d / name).exists():
-            return d / name
-    pytest.skip(f"the trace {name} is not in {', '.join(str(d) for d in dirs)} (set KVROUTE_TRACE_DIR)")
+    found = find_trace(name)
+    if found is not None:
+        return found
+    pytest.skip(f"the trace {name} is not in {', '.join(str(d) for d in trace_dirs())} (set KVROUTE_TRACE_DIR)")
