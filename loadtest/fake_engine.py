@@ -871,8 +871,8 @@ class EngineHttp:
     async def stream(self, st: _Req, rid: str, created: int, model_name: str, chat: bool,
                      include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE body of a streamed completion: one event per token, each in its own HTTP chunk, the usage event
-        if asked, ``[DONE]``. A chat stream opens, like vLLM's, with an event naming the role (empty content) that
-        goes out in one chunk with the first token's (vLLM 0.32 on the wire)."""
+        if asked, ``[DONE]``. A chat stream opens, like vLLM's, with an event naming the role (empty content), sent
+        with the first token (vLLM 0.32 on the wire: its own HTTP chunk, then the token's)."""
         engine = self.engine
         obj = "chat.completion.chunk" if chat else "text_completion"
         n = 0
@@ -884,13 +884,12 @@ class EngineHttp:
                     text = engine.word(n)
                     n += 1
                     fin = "length" if n >= st.max_tokens else None
-                    event = _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                  "choices": [self.stream_choice(text, chat, fin)]})
                     if chat and n == 1:
-                        event = _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}]}) + event
-                    yield event
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
+                                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
+                                "choices": [self.stream_choice(text, chat, fin)]})
                     engine.note_streamed_token()
                     if n == 1:
                         await self.stall_mid_stream()

@@ -199,19 +199,17 @@ def test_client_disconnect_through_the_router_aborts_the_engines_generation(engi
 
 
 def test_stream_framing_like_vllm(engine_factory: type[Engine]) -> None:
-    """One SSE event per HTTP chunk; a chat stream's first chunk carries a role-only event (empty content) and the
-    first token's event, as vLLM 0.32's does (measured on the CPU build: 26 chunks for 24 tokens + usage + [DONE],
-    the first holding two events; completions 25 chunks of one event each)."""
+    """One SSE event per HTTP chunk; a chat stream opens with a role-only event (empty content), then the tokens'
+    events without the role, as vLLM 0.32's does (``tests/real/test_engine_contract.py::test_stream_framing``)."""
     eng = engine_factory(time_scale="1")
     chat = http_chunks(eng.url, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "hi there " * 20}], "max_tokens": 6,
         "stream": True, "stream_options": {"include_usage": True}})
-    first = sse(chat[0].decode())
-    assert chat[0].count(b"\n\n") == 2 and len(first) == 2, chat[0]
-    assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert "role" not in first[1]["choices"][0]["delta"] and first[1]["choices"][0]["delta"]["content"]
-    assert all(c.count(b"\n\n") == 1 for c in chat[1:]), chat
-    assert len(chat) == 6 + 1 + 1 and chat[-1] == b"data: [DONE]\n\n"  # tokens (the first with the role), usage
+    assert all(c.count(b"\n\n") == 1 for c in chat), chat
+    events = [sse(c.decode()) for c in chat[:-1]]
+    assert events[0][0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in e[0]["choices"][0]["delta"] for e in events[1:7]) and events[1][0]["choices"][0]["delta"]
+    assert len(chat) == 1 + 6 + 1 + 1 and chat[-1] == b"data: [DONE]\n\n"  # role, tokens, usage, [DONE]
     completions = http_chunks(eng.url, "/v1/completions", {
         "model": MODEL, "prompt": "hello world " * 20, "max_tokens": 6, "stream": True})
     assert len(completions) == 6 + 1 and all(c.count(b"\n\n") == 1 for c in completions), completions

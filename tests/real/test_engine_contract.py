@@ -123,18 +123,18 @@ def test_streaming_through_the_router(router: Callable[..., Router]) -> None:
 
 
 def test_stream_framing(real_fleet: RealFleet) -> None:
-    """vLLM writes one SSE event per HTTP chunk, and a chat stream's first chunk holds a role-only event and the
-    first token's: the framing the stand-in copies (``test_fake_engine_vllm_parity.py::test_stream_framing_like_
-    vllm``) and the router's direct relay is shaped for (a piece of one event takes the validator's fast path)."""
+    """vLLM writes one SSE event per HTTP chunk, and a chat stream opens with a role-only event: the framing the
+    stand-in copies (``test_fake_engine_vllm_parity.py::test_stream_framing_like_vllm``) and the router's direct
+    relay is shaped for (a piece of one event takes the validator's fast path)."""
     url = engine_url(real_fleet, "r0")
     chat = http_chunks(url, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "hi there " * 20}], "max_tokens": 6,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
-    first = [orjson.loads(line[6:]) for line in chat[0].split(b"\n\n") if line.startswith(b"data: {")]
-    assert chat[0].count(b"\n\n") == 2 and len(first) == 2, chat[0]
-    assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert "role" not in first[1]["choices"][0]["delta"]
-    assert all(c.count(b"\n\n") == 1 for c in chat[1:]) and chat[-1] == b"data: [DONE]\n\n", chat
+    assert all(c.count(b"\n\n") == 1 for c in chat) and chat[-1] == b"data: [DONE]\n\n", chat
+    events = [orjson.loads(c[6:]) for c in chat[:-1]]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in e["choices"][0]["delta"] for e in events[1:] if e["choices"])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
     completions = http_chunks(url, "/v1/completions", {"model": MODEL, "prompt": "hello world " * 20,
                                                        "max_tokens": 6, "ignore_eos": True, "stream": True})
     assert len(completions) >= 2 and all(c.count(b"\n\n") == 1 for c in completions), completions
