@@ -159,6 +159,13 @@ def wait_ready(url: str, proc: ManagedProcess, timeout_s: float, check: object =
 
 
 
+def knows_all(replicas: dict[str, Any], names: set[str]) -> bool:
+    """True when a ``GET /replicas`` answer lists every replica in ``names`` as ``ready`` with a scraped load."""
+    ready = {r.get("name") for r in replicas.get("replicas", [])
+             if r.get("state") == "ready" and (r.get("load") or {}).get("age_s") is not None}
+    return names <= ready
+
+
 def scaled_profile_args(profile: str, time_scale: float) -> list[str]:
     """``kvroute serve --profiles`` flags telling the router the fake engines' real (time-scaled) speed.
 
@@ -447,10 +454,13 @@ class Fleet:
 
     def start_kvroute(self, policy: str = "ttft", extra_args: Sequence[str] = (),
                       tokenizer_path: str | None = None, root: Path | None = None) -> RouterHandle:
-        """Start ``kvroute serve`` in front of the engines and wait for GET /readyz.
+        """Start ``kvroute serve`` in front of the engines and wait until it knows all of them.
 
-        ``root``: run the ``router`` package of another checkout (e.g. the previous release, to compare two
-        versions side by side in one run); default this one.
+        Ready means GET /replicas lists every engine of the fleet in state ``ready`` with its load scraped once
+        (``load.age_s`` set): ``/readyz`` alone answers as soon as one replica is routable, and a request (or a
+        ``/route`` question) sent while the others are still joining is priced over part of the fleet. Like
+        ``start_sglang_router``, which waits for every worker. ``root``: run the ``router`` package of another
+        checkout (e.g. the previous release, to compare two versions side by side in one run); default this one.
         """
         self._require_engines()
         port = free_port()
@@ -466,7 +476,12 @@ class Fleet:
         if self.scale_router_times:
             args += scaled_router_time_args(policy, self.engine.time_scale, extra_args)
         args += list(extra_args)
-        return self._start_router("kvroute", policy, port, args, "/readyz", None, cwd=root)
+        names = {eh.name for eh in self.engines}
+
+        def all_known(r: httpx.Response) -> bool:
+            return knows_all(r.json(), names)
+
+        return self._start_router("kvroute", policy, port, args, "/replicas", all_known, cwd=root)
 
     def start_sglang_router(self, policy: str = "cache_aware", extra_args: Sequence[str] = ()) -> RouterHandle:
         """Start sglang-router (PyPI) with ``policy`` and its default thresholds; wait until all workers are

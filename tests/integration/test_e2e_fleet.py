@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+
 import httpx
 import psutil
 import pytest
@@ -50,3 +54,36 @@ def test_prefix_counters_reads_sglang_counter_samples():
     samples = {"sglang:cached_tokens_total": 40.0, "sglang:prompt_tokens_total": 160.0,
                "sglang:cache_hit_rate": 0.25, "sglang:generation_tokens_total": 9.0}
     assert prefix_counters(samples) == (40.0, 160.0)
+
+
+def test_start_kvroute_returns_when_the_router_knows_every_engine(tmp_path):
+    """``/readyz`` answers once one replica is routable; ``start_kvroute`` waits for all of them (ready and
+    scraped), so the first request or ``/route`` question is priced over the whole fleet. engine1's ``/health``
+    fails until the router is already ready on engine0; the router must still list it ready on return."""
+    with Fleet(2, EngineOptions(time_scale=0.0, kv_events_format=None), log_dir=tmp_path) as fleet:
+        late = fleet.start_engines()[1]
+        assert httpx.post(late.url + "/admin/faults", json={"health_fail": True}, timeout=5).status_code == 200
+        healed = threading.Event()
+
+        def heal_once_ready() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not healed.is_set():
+                routers = list(fleet.routers)
+                with contextlib.suppress(httpx.HTTPError):
+                    if routers and httpx.get(routers[0].url + "/readyz", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.02)
+            httpx.post(late.url + "/admin/faults", json={"health_fail": False}, timeout=5)
+            healed.set()
+
+        t = threading.Thread(target=heal_once_ready, daemon=True)
+        t.start()
+        try:
+            router = fleet.start_kvroute("ttft")
+            reps = httpx.get(router.url + "/replicas", timeout=5).json()["replicas"]
+            assert {r["name"]: r["state"] for r in reps} == {"engine0": "ready", "engine1": "ready"}
+            assert all(r["load"]["age_s"] is not None for r in reps)
+            assert healed.is_set()  # it was still failing when /readyz first answered
+        finally:
+            healed.set()
+            t.join(timeout=10)

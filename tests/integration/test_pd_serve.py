@@ -73,7 +73,22 @@ def _body(chat: bool, stream: bool, prompt: list[int] | None = None, max_tokens:
     return "/v1/completions", {"model": "kvroute-fake", "prompt": ids, "max_tokens": max_tokens, "stream": stream}
 
 
+def _quiet(fleet: Fleet) -> None:
+    """Wait until the router sees every replica idle (nothing in flight, queued or running in its last scrape).
+
+    A plan from ``/route`` predicts the served plan only for the same router state; right after an answer the
+    router may still hold a scrape taken while the previous request ran (or a stream's decode hold), which the
+    next scrape, a few ms later, clears."""
+    def idle() -> bool:
+        reps = httpx.get(_url(fleet) + "/replicas", timeout=5).json()["replicas"]
+        return all(r["load"]["inflight_requests"] == 0 and not r["load"]["queued_requests"]
+                   and not r["load"]["running_requests"] for r in reps)
+
+    wait_until(idle, timeout=10, what="the router to see every replica idle")
+
+
 def _route(fleet: Fleet, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    _quiet(fleet)
     route_body = {k: v for k, v in body.items() if k not in ("stream", "max_tokens")}
     r = httpx.post(_url(fleet) + "/route", json=route_body, timeout=10)
     assert r.status_code == 200, r.text
