@@ -159,13 +159,6 @@ def wait_ready(url: str, proc: ManagedProcess, timeout_s: float, check: object =
 
 
 
-def knows_all(replicas: dict[str, Any], names: set[str]) -> bool:
-    """True when a ``GET /replicas`` answer lists every replica in ``names`` as ``ready`` with a scraped load."""
-    ready = {r.get("name") for r in replicas.get("replicas", [])
-             if r.get("state") == "ready" and (r.get("load") or {}).get("age_s") is not None}
-    return names <= ready
-
-
 def scaled_profile_args(profile: str, time_scale: float) -> list[str]:
     """``kvroute serve --profiles`` flags telling the router the fake engines' real (time-scaled) speed.
 
@@ -479,7 +472,9 @@ class Fleet:
         names = {eh.name for eh in self.engines}
 
         def all_known(r: httpx.Response) -> bool:
-            return knows_all(r.json(), names)
+            known = {rep["name"] for rep in r.json()["replicas"]
+                     if rep["state"] == "ready" and rep["load"]["age_s"] is not None}
+            return names <= known
 
         return self._start_router("kvroute", policy, port, args, "/replicas", all_known, cwd=root)
 
