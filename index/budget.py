@@ -152,8 +152,9 @@ class LruEvictor:
         """The eviction reached the low-water mark: the next one starts from a fresh threshold."""
         self.thr = None
 
-    def evict(self, nodes: EvictableNodes, count: int, episode: int | None = None,
-              required: int | None = None) -> None:
+    def evict(
+        self, nodes: EvictableNodes, count: int, episode: int | None = None, required: int | None = None
+    ) -> None:
         """Delete about ``count`` of the least recently touched nodes (timestamps, ties in node-id order).
 
         ``episode`` = nodes this eviction must drop in all (sizes the threshold); once ``required`` nodes

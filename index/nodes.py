@@ -26,7 +26,15 @@ from itertools import compress
 
 from .types import BlockKey
 
-__all__ = ["COMPACT_CHUNK", "COMPACT_MIN_DEAD", "COMPACT_SHARE_DIV", "ID_SHARDS", "MAX_RESERVE", "SHARD_MASK", "NodeTable"]
+__all__ = [
+    "COMPACT_CHUNK",
+    "COMPACT_MIN_DEAD",
+    "COMPACT_SHARE_DIV",
+    "ID_SHARDS",
+    "MAX_RESERVE",
+    "SHARD_MASK",
+    "NodeTable",
+]
 
 #: Largest reservation (node ids) made after a streak of new nodes. Each unused reserved id costs ~28 B until the
 #: next compaction; 512 (was 2048) cut the ids per node from 1.47 to 1.19 on the bench workload and from 1.88 to
@@ -243,4 +251,3 @@ class NodeTable:
         else:
             holes = kl.count(None)
         assert holes == self._dead_nodes + self._reserved, (holes, self._dead_nodes, self._reserved)
-

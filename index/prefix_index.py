@@ -847,7 +847,13 @@ class PrefixIndex(NodeTable):
                 return StoreResult(0, True)
             last, left = state
         keys, resent = emaps.record_pages(
-            replica, engine_hashes, token_ids, page, last, left, self.block_size  # type: ignore[arg-type]
+            replica,
+            engine_hashes,  # type: ignore[arg-type]
+            token_ids,
+            page,
+            last,
+            left,
+            self.block_size,
         )
         if keys:
             copies = self._held_in_tier(replica, keys, t) if resent and not replayed else None
@@ -899,8 +905,9 @@ class PrefixIndex(NodeTable):
         self._maybe_compact()
         return removed
 
-    def _forget_pages(self, emap: dict[EngineHash, Any], slot: int | None,
-                      known: list[tuple[EngineHash, BlockKey | None]]) -> None:
+    def _forget_pages(
+        self, emap: dict[EngineHash, Any], slot: int | None, known: list[tuple[EngineHash, BlockKey | None]]
+    ) -> None:
         """Drop the mapping of each removed page whose last block ``slot`` holds in no confirmed tier any more
         (``_holds_confirmed`` inlined over the batch)."""
         if slot is None:

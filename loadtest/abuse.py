@@ -25,8 +25,10 @@ ABUSE_OK_STATUSES = frozenset({"400", "401", "408", "413", "422", "431", "closed
 
 # -- raw HTTP/1.1 over a socket -------------------------------------------------------------------------------------
 
-def request_head(path: str, *extra: str, length: int | None = None, auth: str | None = None,
-                 method: str = "POST") -> bytes:
+
+def request_head(
+    path: str, *extra: str, length: int | None = None, auth: str | None = None, method: str = "POST"
+) -> bytes:
     """A request head (latin-1; ``auth``: the bearer token, None: no authorization header)."""
     lines = [f"{method} {path} HTTP/1.1", "host: 127.0.0.1", "content-type: application/json"]
     if auth is not None:
@@ -64,6 +66,7 @@ def response_json(raw: bytes) -> dict[str, object]:
 
 # -- huge bodies ---------------------------------------------------------------------------------------------------
 
+
 def huge_chat_body(model: str, messages: int = 620_000) -> bytes:
     """~620k tiny chat messages in < 16 MiB (over ``max_chat_messages``: 413 too_many_messages)."""
     return orjson.dumps({"model": model, "messages": [{"role": "u", "content": "x"}] * messages})
@@ -80,6 +83,7 @@ def huge_ids_body(model: str, ids: int = 1_000_000) -> bytes:
 
 
 # -- /healthz poller -----------------------------------------------------------------------------------------------
+
 
 class HealthzPoller:
     """Polls ``url/healthz`` back to back on one connection in a thread; ``polls``: (start, end, error) of every
@@ -133,6 +137,7 @@ class HealthzPoller:
 
 # -- bounded abuse clients next to a load (the soak's --abuse) -----------------------------------------------------
 
+
 @dataclass
 class AbuseOptions:
     """What :class:`AbuseClients` sends. Counts are per kind for the whole run (bounded); times in seconds."""
@@ -174,17 +179,21 @@ class AbuseClients:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._huge = [("/v1/chat/completions", huge_chat_body(opts.model)),
-                      ("/v1/completions", huge_text_body(opts.model)),
-                      ("/v1/completions", huge_ids_body(opts.model))]
+        self._huge = [
+            ("/v1/chat/completions", huge_chat_body(opts.model)),
+            ("/v1/completions", huge_text_body(opts.model)),
+            ("/v1/completions", huge_ids_body(opts.model)),
+        ]
         self._auth = {"authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> AbuseClients:
         """Start the poller and every abuse client."""
         self.healthz.start()
-        kinds: list[tuple[str, Callable[[], None]]] = [("huge_body", self._huge_bodies),
-                                                       ("bad_input", self._bad_input)]
+        kinds: list[tuple[str, Callable[[], None]]] = [
+            ("huge_body", self._huge_bodies),
+            ("bad_input", self._bad_input),
+        ]
         kinds += [(f"slowloris-{i}", self._slowloris) for i in range(self.o.slow_sockets)]
         if self.o.api_key:
             kinds.append(("bad_auth", self._bad_auth))
@@ -210,16 +219,26 @@ class AbuseClients:
         unexpected, fives, five_hundreds = 0, 0, 0
         with self._lock:
             for kind, t in sorted(self.tallies.items()):
-                out[kind] = {"count": sum(t.statuses.values()), "statuses": dict(sorted(t.statuses.items())),
-                             "errors": t.errors[:5]}
+                out[kind] = {
+                    "count": sum(t.statuses.values()),
+                    "statuses": dict(sorted(t.statuses.items())),
+                    "errors": t.errors[:5],
+                }
                 unexpected += sum(n for s, n in t.statuses.items() if s not in ABUSE_OK_STATUSES)
                 fives += sum(n for s, n in t.statuses.items() if s.isdigit() and int(s) >= 500)
                 five_hundreds += t.statuses.get("500", 0)
         lat = self.healthz.max_latency_s()
-        out.update({"unexpected": unexpected, "server_errors": fives, "answered_500": five_hundreds,
-                    "healthz_max_s": None if lat is None else round(lat, 4), "healthz_polls": len(self.healthz.polls),
-                    "healthz_slowest": self.healthz.slowest(),
-                    "healthz_failures": len(self.healthz.failures())})
+        out.update(
+            {
+                "unexpected": unexpected,
+                "server_errors": fives,
+                "answered_500": five_hundreds,
+                "healthz_max_s": None if lat is None else round(lat, 4),
+                "healthz_polls": len(self.healthz.polls),
+                "healthz_slowest": self.healthz.slowest(),
+                "healthz_failures": len(self.healthz.failures()),
+            }
+        )
         return out
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -238,7 +257,9 @@ class AbuseClients:
 
     def _post(self, c: httpx.Client, kind: str, path: str, body: bytes, headers: dict[str, str]) -> None:
         try:
-            r = c.post(self.o.url + path, content=body, headers={"content-type": "application/json", **headers})
+            r = c.post(
+                self.o.url + path, content=body, headers={"content-type": "application/json", **headers}
+            )
             self._record(kind, r.status_code, "" if r.status_code < 500 else r.text[:200])
         except httpx.HTTPError as exc:
             self._record(kind, "error", f"{type(exc).__name__}: {exc}")
@@ -290,7 +311,9 @@ class AbuseClients:
     def _slow_body(self) -> None:
         s = self._connect()
         try:
-            s.sendall(request_head("/v1/completions", length=1000, auth=self.o.api_key) + b'{"model": "m", "p')
+            s.sendall(
+                request_head("/v1/completions", length=1000, auth=self.o.api_key) + b'{"model": "m", "p'
+            )
             raw, closed = read_until_closed(s, self.o.cut_within_s)
             status = response_status(raw)
             self._record("slow_body", status or ("closed" if closed else "not_cut"))
@@ -309,16 +332,26 @@ class AbuseClients:
                     try:
                         s.sendall(request_head("/v1/completions", length=16 * 1024 * 1024, auth=None))
                         raw, closed = read_until_closed(s, 10)
-                        self._record("bad_auth", response_status(raw) or ("closed" if closed else "no_answer"))
+                        self._record(
+                            "bad_auth", response_status(raw) or ("closed" if closed else "no_answer")
+                        )
                     finally:
                         s.close()
                 elif which == 1:
-                    self._post(c, "bad_auth", "/v1/completions", orjson.dumps({"model": self.o.model, "prompt": "x"}),
-                               {"authorization": "Bearer wrong-key"})
+                    self._post(
+                        c,
+                        "bad_auth",
+                        "/v1/completions",
+                        orjson.dumps({"model": self.o.model, "prompt": "x"}),
+                        {"authorization": "Bearer wrong-key"},
+                    )
                 else:
                     try:
-                        r = c.post(self.o.url + "/v1/completions", content=b'{"model": "m", "prompt": "x"}',
-                                   headers={b"authorization": "Bearer cl\u00e9-\u00fcn\u00efcode".encode()})
+                        r = c.post(
+                            self.o.url + "/v1/completions",
+                            content=b'{"model": "m", "prompt": "x"}',
+                            headers={b"authorization": "Bearer cl\u00e9-\u00fcn\u00efcode".encode()},
+                        )
                         self._record("bad_auth", r.status_code)
                     except httpx.HTTPError as exc:
                         self._record("bad_auth", "error", f"{type(exc).__name__}: {exc}")
@@ -327,11 +360,13 @@ class AbuseClients:
     def _bad_input(self) -> None:
         """(c) booleans / fractions as token ids, malformed JSON, a body that is not an object."""
         m = self.o.model
-        bodies = [("/route", orjson.dumps({"model": m, "token_ids": [1, True]})),
-                  ("/v1/completions", orjson.dumps({"model": m, "prompt": [3, False]})),
-                  ("/route", orjson.dumps({"model": m, "token_ids": [0.5]})),
-                  ("/v1/completions", b'{"model": "' + m.encode() + b'", "prompt": [1, 2,'),
-                  ("/v1/chat/completions", b"[1, 2, 3]")]
+        bodies = [
+            ("/route", orjson.dumps({"model": m, "token_ids": [1, True]})),
+            ("/v1/completions", orjson.dumps({"model": m, "prompt": [3, False]})),
+            ("/route", orjson.dumps({"model": m, "token_ids": [0.5]})),
+            ("/v1/completions", b'{"model": "' + m.encode() + b'", "prompt": [1, 2,'),
+            ("/v1/chat/completions", b"[1, 2, 3]"),
+        ]
         with httpx.Client(timeout=30) as c:
             for i in range(self.o.bad_input_count):
                 if self._stop.is_set():

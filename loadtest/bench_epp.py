@@ -65,8 +65,17 @@ from loadtest.ports import free_port
 from loadtest.replay import ReplayRequest
 from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
 
-RESULT_KEYS = ("requests", "agreement", "proxy_added_ms_p50", "epp_pick_ms_p50", "epp_added_ms_p50",
-               "proxy_cpu_ms_per_req", "epp_cpu_ms_per_req", "epp_decisions_per_s", "proxy_route_decisions_per_s")
+RESULT_KEYS = (
+    "requests",
+    "agreement",
+    "proxy_added_ms_p50",
+    "epp_pick_ms_p50",
+    "epp_added_ms_p50",
+    "proxy_cpu_ms_per_req",
+    "epp_cpu_ms_per_req",
+    "epp_decisions_per_s",
+    "proxy_route_decisions_per_s",
+)
 
 
 @dataclass(slots=True)
@@ -96,9 +105,28 @@ def start_router(fleet: Fleet, command: str, policy: str, extra: Sequence[str]) 
     port = free_port()
     grpc_port = free_port() if command == "epp" else 0
     e = fleet.engine
-    args = [sys.executable, "-m", "router.cli", command, "--host", HOST, "--port", str(port), "--policy", policy,
-            "--block-size", str(e.block_size), "--log-level", "warning", "--tokenizer-mode", "hf",
-            "--tokenizer-path", str(e.model_path), "--max-request-bytes", str(64 << 20)]
+    args = [
+        sys.executable,
+        "-m",
+        "router.cli",
+        command,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--block-size",
+        str(e.block_size),
+        "--log-level",
+        "warning",
+        "--tokenizer-mode",
+        "hf",
+        "--tokenizer-path",
+        str(e.model_path),
+        "--max-request-bytes",
+        str(64 << 20),
+    ]
     if command == "epp":
         args += ["--grpc-port", str(grpc_port)]
     for eh in fleet.engines:
@@ -115,8 +143,9 @@ def start_router(fleet: Fleet, command: str, policy: str, extra: Sequence[str]) 
     url = f"http://{HOST}:{port}"
     try:
         n = len(fleet.engines)
-        wait_ready(url + "/readyz", proc, fleet.ready_timeout_s,
-                   lambda r: r.json().get("routable_replicas") == n)
+        wait_ready(
+            url + "/readyz", proc, fleet.ready_timeout_s, lambda r: r.json().get("routable_replicas") == n
+        )
     except BaseException:
         proc.stop()
         raise
@@ -124,14 +153,17 @@ def start_router(fleet: Fleet, command: str, policy: str, extra: Sequence[str]) 
 
 
 def _body(req: ReplayRequest, model: str) -> bytes:
-    return json.dumps({"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True}).encode()
+    return json.dumps(
+        {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True}
+    ).encode()
 
 
 def _stream(client: httpx.Client, url: str, body: bytes) -> tuple[float, str]:
     """POST a streamed completion and read it whole; (seconds, served replica header)."""
     t0 = time.perf_counter()
-    with client.stream("POST", url + "/v1/completions", content=body,
-                       headers={"content-type": "application/json"}) as r:
+    with client.stream(
+        "POST", url + "/v1/completions", content=body, headers={"content-type": "application/json"}
+    ) as r:
         r.read()
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}")
@@ -139,8 +171,9 @@ def _stream(client: httpx.Client, url: str, body: bytes) -> tuple[float, str]:
     return time.perf_counter() - t0, replica
 
 
-def proxy_pass(router: RouterProc, reqs: Sequence[ReplayRequest], model: str,
-               engine_url: dict[str, str]) -> list[Sample]:
+def proxy_pass(
+    router: RouterProc, reqs: Sequence[ReplayRequest], model: str, engine_url: dict[str, str]
+) -> list[Sample]:
     """Every request through the proxy, one at a time (the pick), then the same request direct to the engine
     that served it and once more through the proxy: both warm, so their difference is what the proxy adds."""
     out = []
@@ -170,8 +203,9 @@ def _through_picker(stub: Any, body: bytes) -> tuple[str, float, float]:
     return picked.endpoint, pick, time.perf_counter() - t0
 
 
-def epp_pass(router: RouterProc, reqs: Sequence[ReplayRequest], model: str,
-             by_endpoint: dict[str, str]) -> list[Sample]:
+def epp_pass(
+    router: RouterProc, reqs: Sequence[ReplayRequest], model: str, by_endpoint: dict[str, str]
+) -> list[Sample]:
     """``proxy_pass`` with the gateway stand-in and the picker in place of the proxy."""
     channel, stub = stub_for(router.grpc_port, HOST)
     out = []
@@ -190,8 +224,9 @@ def epp_pass(router: RouterProc, reqs: Sequence[ReplayRequest], model: str,
     return out
 
 
-def decisions_per_s(decide: Callable[[ReplayRequest], None], reqs: Sequence[ReplayRequest],
-                    concurrency: int) -> float:
+def decisions_per_s(
+    decide: Callable[[ReplayRequest], None], reqs: Sequence[ReplayRequest], concurrency: int
+) -> float:
     """Decisions per second with ``concurrency`` clients in parallel over ``reqs``."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -232,46 +267,75 @@ def _p50_ms(values: Sequence[float]) -> float:
 def summarize(proxy: Sequence[Sample], epp: Sequence[Sample]) -> dict[str, Any]:
     """Agreement and the latency figures of two sequential passes over the same requests."""
     same = sum(1 for a, b in zip(proxy, epp, strict=True) if a.replica == b.replica)
-    first_miss = next((i for i, (a, b) in enumerate(zip(proxy, epp, strict=True)) if a.replica != b.replica), None)
-    return {"requests": len(proxy), "agreement": round(same / max(1, len(proxy)), 4), "first_difference": first_miss,
-            "proxy_added_ms_p50": _p50_ms([s.e2e_s - s.direct_s for s in proxy]),
-            "epp_pick_ms_p50": _p50_ms([s.pick_s for s in epp]),
-            "epp_added_ms_p50": _p50_ms([s.e2e_s - s.direct_s for s in epp]),
-            "proxy_cpu_ms_per_req": round(sum(s.cpu_s for s in proxy) * 1000 / max(1, len(proxy)), 3),
-            "epp_cpu_ms_per_req": round(sum(s.cpu_s for s in epp) * 1000 / max(1, len(epp)), 3)}
+    first_miss = next(
+        (i for i, (a, b) in enumerate(zip(proxy, epp, strict=True)) if a.replica != b.replica), None
+    )
+    return {
+        "requests": len(proxy),
+        "agreement": round(same / max(1, len(proxy)), 4),
+        "first_difference": first_miss,
+        "proxy_added_ms_p50": _p50_ms([s.e2e_s - s.direct_s for s in proxy]),
+        "epp_pick_ms_p50": _p50_ms([s.pick_s for s in epp]),
+        "epp_added_ms_p50": _p50_ms([s.e2e_s - s.direct_s for s in epp]),
+        "proxy_cpu_ms_per_req": round(sum(s.cpu_s for s in proxy) * 1000 / max(1, len(proxy)), 3),
+        "epp_cpu_ms_per_req": round(sum(s.cpu_s for s in epp) * 1000 / max(1, len(epp)), 3),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); returns the JSON result."""
     trace = args.trace or default_trace_path()
-    reqs = build_workload(WorkloadOptions(trace=trace, workload="agent", max_requests=args.requests,
-                                          max_output_tokens=args.max_tokens))
+    reqs = build_workload(
+        WorkloadOptions(
+            trace=trace, workload="agent", max_requests=args.requests, max_output_tokens=args.max_tokens
+        )
+    )
     model_dir = ensure_model_dir()
-    engine = EngineOptions(model=args.model, kv_events_format=None, time_scale=args.time_scale,
-                           model_path=str(model_dir), gpu_blocks=args.gpu_blocks)
-    print(f"bench_epp: {len(reqs)} requests of {trace or 'the generated agent workload'}, {args.replicas} "
-          f"fake engines (time scale {args.time_scale})", file=sys.stderr)
+    engine = EngineOptions(
+        model=args.model,
+        kv_events_format=None,
+        time_scale=args.time_scale,
+        model_path=str(model_dir),
+        gpu_blocks=args.gpu_blocks,
+    )
+    print(
+        f"bench_epp: {len(reqs)} requests of {trace or 'the generated agent workload'}, {args.replicas} "
+        f"fake engines (time scale {args.time_scale})",
+        file=sys.stderr,
+    )
     fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
     # both routers hand the engine the client's bytes: a proxy forwarding prompts as token ids saves the engine its
     # tokenization, a gain the gateway path does not have, which would show up as negative "added" latency
-    router_args = ["--no-forward-token-ids", *args.router_arg,
-                   *([] if args.calibrate else ["--policy-param", "calibrate=false"])]
-    out: dict[str, Any] = {"trace": str(trace) if trace else "generated:agent", "replicas": args.replicas,
-                           "policy": args.policy, "calibrate": args.calibrate, "second": args.second,
-                           "concurrency": args.concurrency}
+    router_args = [
+        "--no-forward-token-ids",
+        *args.router_arg,
+        *([] if args.calibrate else ["--policy-param", "calibrate=false"]),
+    ]
+    out: dict[str, Any] = {
+        "trace": str(trace) if trace else "generated:agent",
+        "replicas": args.replicas,
+        "policy": args.policy,
+        "calibrate": args.calibrate,
+        "second": args.second,
+        "concurrency": args.concurrency,
+    }
     try:
         fleet.start_engines()
         router = start_router(fleet, "serve", args.policy, router_args)
         proxy = proxy_pass(router, reqs, args.model, {eh.name: eh.url for eh in fleet.engines})
         out["proxy_route_decisions_per_s"] = round(
-            decisions_per_s(route_decider(router, args.model), reqs, args.concurrency), 1)
+            decisions_per_s(route_decider(router, args.model), reqs, args.concurrency), 1
+        )
         router.proc.stop()
         fleet.restart_engines()  # cold caches again: both passes start from the same state
         router = start_router(fleet, "epp" if args.second == "epp" else "serve", args.policy, router_args)
         if args.second == "epp":
-            second = epp_pass(router, reqs, args.model, {f"{HOST}:{eh.port}": eh.name for eh in fleet.engines})
+            second = epp_pass(
+                router, reqs, args.model, {f"{HOST}:{eh.port}": eh.name for eh in fleet.engines}
+            )
             out["epp_decisions_per_s"] = round(
-                decisions_per_s(epp_decider(router, args.model), reqs, args.concurrency), 1)
+                decisions_per_s(epp_decider(router, args.model), reqs, args.concurrency), 1
+            )
         else:  # control: the proxy against itself (what timing alone changes between two runs)
             second = proxy_pass(router, reqs, args.model, {eh.name: eh.url for eh in fleet.engines})
             out["epp_decisions_per_s"] = None
@@ -285,23 +349,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags of ``python -m loadtest.bench_epp``."""
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_epp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default=None, help="Mooncake JSONL trace (default: ../shared/traces if present, "
-                                                 "else the generated agent workload)")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake JSONL trace (default: ../shared/traces if present, else the generated agent workload)",
+    )
     p.add_argument("--requests", type=int, default=150, help="requests of the slice (the first N)")
     p.add_argument("--replicas", type=int, default=4, help="fake engines")
     p.add_argument("--max-tokens", type=int, default=8, help="cap on each request's output, tokens")
     p.add_argument("--time-scale", type=float, default=0.01, help="fake engines' time scale")
-    p.add_argument("--gpu-blocks", type=int, default=None, help="KV blocks per engine (default: the profile's)")
+    p.add_argument(
+        "--gpu-blocks", type=int, default=None, help="KV blocks per engine (default: the profile's)"
+    )
     p.add_argument("--concurrency", type=int, default=8, help="clients of the decisions-per-second phase")
     p.add_argument("--policy", default="ttft", help="routing policy (both modes)")
-    p.add_argument("--calibrate", action="store_true",
-                   help="keep the policy's online TTFT calibration on (default off: it learns from measured TTFTs, "
-                        "so picks then depend on timing noise, which differs between any two runs)")
-    p.add_argument("--second", choices=("epp", "serve"), default="epp",
-                   help="what the second pass runs: the picker (default), or the proxy again (a control: the "
-                        "agreement of two proxy runs)")
-    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
-                   help="extra flag for both routers, e.g. --router-arg=--objective=tail (repeatable)")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="keep the policy's online TTFT calibration on (default off: it learns from measured TTFTs, "
+        "so picks then depend on timing noise, which differs between any two runs)",
+    )
+    p.add_argument(
+        "--second",
+        choices=("epp", "serve"),
+        default="epp",
+        help="what the second pass runs: the picker (default), or the proxy again (a control: the "
+        "agreement of two proxy runs)",
+    )
+    p.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for both routers, e.g. --router-arg=--objective=tail (repeatable)",
+    )
     p.add_argument("--model", default="kvroute-fake")
     add_harness_args(p)
     return p

@@ -361,8 +361,14 @@ def _time_store(
     return idx, store_s, store_cpu_s, rss1 - rss0
 
 
-def _time_matches(idx: PrefixIndex, queries: dict[int, list[Query]], sys_prompts: list[list[int]],
-                  convs: list[Conversation], seed_key: int, result: dict[str, Any]) -> int:
+def _time_matches(
+    idx: PrefixIndex,
+    queries: dict[int, list[Query]],
+    sys_prompts: list[list[int]],
+    convs: list[Conversation],
+    seed_key: int,
+    result: dict[str, Any],
+) -> int:
     """Time the queries of each length (p50 / p99 per measurement into ``result``); returns the queries whose
     match differed from the expected hit length."""
     failures = 0
@@ -390,8 +396,9 @@ def _call_floor_us(idx: PrefixIndex) -> float:
     return round(pct(floor, 50), 2)
 
 
-def _time_remove(idx: PrefixIndex, events: list[tuple[int, int | None, list[int]]], entries: int,
-                 result: dict[str, Any]) -> None:
+def _time_remove(
+    idx: PrefixIndex, events: list[tuple[int, int | None, list[int]]], entries: int, result: dict[str, Any]
+) -> None:
     """Remove every stored block, newest event first: rate, longest call, nodes left into ``result``."""
     remove = idx.remove
     clock = time.perf_counter
@@ -409,8 +416,13 @@ def _time_remove(idx: PrefixIndex, events: list[tuple[int, int | None, list[int]
     result["nodes_after_remove"] = len(idx)
 
 
-def _time_apply_stored(convs: list[Conversation], sys_prompts: list[list[int]], entries: int, seed_key: int,
-                       result: dict[str, Any]) -> int:
+def _time_apply_stored(
+    convs: list[Conversation],
+    sys_prompts: list[list[int]],
+    entries: int,
+    seed_key: int,
+    result: dict[str, Any],
+) -> int:
     """The event path: engine BlockStored events (engine hashes + token ids) -> router keys -> a new index.
     Rates into ``result``; returns the orphaned events (each one a failure)."""
     eng = build_engine_events(convs, sys_prompts, min(entries, 200_000))
@@ -430,8 +442,9 @@ def _time_apply_stored(convs: list[Conversation], sys_prompts: list[list[int]], 
     return orphans
 
 
-def _time_under_budget(events: list[tuple[int, int | None, list[int]]], entries: int, nodes: int,
-                       result: dict[str, Any]) -> int:
+def _time_under_budget(
+    events: list[tuple[int, int | None, list[int]]], entries: int, nodes: int, result: dict[str, Any]
+) -> int:
     """Steady state under memory pressure: the same stream into an index capped at half the nodes. Rates,
     longest call and LRU quality into ``result``; returns the failures (calls that left the index over its
     budget, recent blocks missing)."""
@@ -547,7 +560,9 @@ class RoaringStates:
         elif op == 1:
             m[tier] = m[tier] - bit
         else:
-            raise ValueError(f"op {op}: the replica-set comparison stores (0) and removes (1) confirmed entries only")
+            raise ValueError(
+                f"op {op}: the replica-set comparison stores (0) and removes (1) confirmed entries only"
+            )
         return self.intern((m[0], m[1], m[2], m[3], m[4]))
 
 
@@ -635,8 +650,9 @@ def _state_table_bytes(states: Any) -> int:
     return total
 
 
-def replica_sets(replicas: int, target_nodes: int, queries: dict[int, int],
-                 log: Callable[[str], None]) -> dict[str, Any]:
+def replica_sets(
+    replicas: int, target_nodes: int, queries: dict[int, int], log: Callable[[str], None]
+) -> dict[str, Any]:
     """Build the workload over ``replicas`` replicas into two indexes (int masks, roaring sets); measure store
     rate (CPU time), match p50 (keys precomputed, calls interleaved) and bytes per node.
 
@@ -674,7 +690,8 @@ def replica_sets(replicas: int, target_nodes: int, queries: dict[int, int],
         res[f"{kind}_states"] = idx._states.in_use()
         res[f"{kind}_bytes_per_state"] = round(table_bytes / max(len(idx._states), 1), 1)
         res[f"{kind}_bytes_per_node"] = round(
-            deep["struct_bytes_per_node"] + deep["key_int_bytes_per_node"] + table_bytes / nodes, 1)
+            deep["struct_bytes_per_node"] + deep["key_int_bytes_per_node"] + table_bytes / nodes, 1
+        )
         log(f"{replicas} replicas, {kind}: stored {len(idx)} nodes")
     res["nodes"] = len(built["int_mask"])
     mask_idx, roar_idx = built["int_mask"], built["roaring"]
@@ -690,7 +707,7 @@ def replica_sets(replicas: int, target_nodes: int, queries: dict[int, int],
         t_roar: list[float] = []
         for n, q in enumerate(ql):
             keys = block_keys(query_tokens(q, sys_prompts, convs), BLOCK, seed_key)
-            for first in ((0, 1) if n % 2 else (1, 0)):
+            for first in (0, 1) if n % 2 else (1, 0):
                 t0 = clk()
                 if first:
                     a = mask_idx.match(keys)
@@ -712,8 +729,14 @@ def replica_sets(replicas: int, target_nodes: int, queries: dict[int, int],
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _chain_memory_one(path: str, chains: int, chain_tokens: int, replicas_per_chain: int,
-                      page_blocks: int, budget_nodes: int | None) -> dict[str, Any]:
+def _chain_memory_one(
+    path: str,
+    chains: int,
+    chain_tokens: int,
+    replicas_per_chain: int,
+    page_blocks: int,
+    budget_nodes: int | None,
+) -> dict[str, Any]:
     """One ``long_chain_memory`` measurement (run in a fresh process: freed memory of an earlier index would
     otherwise be reused and hide the growth)."""
     seed_key = root_seed("bench-model")
@@ -750,12 +773,20 @@ def _chain_memory_one(path: str, chains: int, chain_tokens: int, replicas_per_ch
         f"{path}_estimated_bytes_per_node": round(idx.estimated_bytes() / nodes, 1),
         f"{path}_node_ids_per_node": round(len(idx._keys) / nodes, 3),
         f"{path}_engine_entries": st["engine_entries"],
-        f"{path}_peak_bytes_per_budget_node": round((peak - rss0) / budget_nodes, 1) if budget_nodes else None,
+        f"{path}_peak_bytes_per_budget_node": round((peak - rss0) / budget_nodes, 1)
+        if budget_nodes
+        else None,
     }
 
 
-def long_chain_memory(chains: int, chain_tokens: int, replicas_per_chain: int, page_blocks: int,
-                      budget_nodes: int | None, log: Callable[[str], None]) -> dict[str, Any]:
+def long_chain_memory(
+    chains: int,
+    chain_tokens: int,
+    replicas_per_chain: int,
+    page_blocks: int,
+    budget_nodes: int | None,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     """RSS growth per node of an index fed ``chains`` distinct long chains through ``apply_stored``.
 
     Each chain is ``chain_tokens`` random tokens stored on ``replicas_per_chain`` replicas as vLLM-like
@@ -769,43 +800,100 @@ def long_chain_memory(chains: int, chain_tokens: int, replicas_per_chain: int, p
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    res: dict[str, Any] = {"chains": chains, "chain_tokens": chain_tokens,
-                           "replicas_per_chain": replicas_per_chain, "page_blocks": page_blocks,
-                           "budget_nodes": budget_nodes}
+    res: dict[str, Any] = {
+        "chains": chains,
+        "chain_tokens": chain_tokens,
+        "replicas_per_chain": replicas_per_chain,
+        "page_blocks": page_blocks,
+        "budget_nodes": budget_nodes,
+    }
     for path in ("apply_stored", "store"):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-            one = pool.submit(_chain_memory_one, path, chains, chain_tokens, replicas_per_chain,
-                              page_blocks, budget_nodes).result()
+            one = pool.submit(
+                _chain_memory_one, path, chains, chain_tokens, replicas_per_chain, page_blocks, budget_nodes
+            ).result()
         res.update(one)
-        log(f"long chains via {path}: {one[f'{path}_nodes']} nodes, {one[f'{path}_bytes_per_node']} B/node "
-            "(RSS growth)")
+        log(
+            f"long chains via {path}: {one[f'{path}_nodes']} nodes, {one[f'{path}_bytes_per_node']} B/node "
+            "(RSS growth)"
+        )
     entries = max(res["apply_stored_engine_entries"], 1)
     res["engine_entry_bytes"] = round(
-        (res["apply_stored_bytes_per_node"] - res["store_bytes_per_node"]) * res["apply_stored_nodes"] / entries, 1)
+        (res["apply_stored_bytes_per_node"] - res["store_bytes_per_node"])
+        * res["apply_stored_nodes"]
+        / entries,
+        1,
+    )
     return res
+
 
 def table(result: dict[str, Any]) -> str:
     """Human-readable summary with the targets and the Dynamo reference figures."""
     rows = [
         ("nodes", result["nodes"], "1M", "1M"),
-        ("match 1k p50 / p99 (µs)", f"{result.get('match_1k_p50_us')} / {result.get('match_1k_p99_us')}", "<= 40", "68"),
-        ("match 8k p50 / p99 (µs)", f"{result.get('match_8k_p50_us')} / {result.get('match_8k_p99_us')}", "<= 150", "144"),
-        ("match 32k p50 / p99 (µs)", f"{result.get('match_32k_p50_us')} / {result.get('match_32k_p99_us')}", "<= 450", "391"),
-        ("hash 1k / 8k / 32k p50 (µs)", f"{result.get('hash_1k_p50_us')} / {result.get('hash_8k_p50_us')} / {result.get('hash_32k_p50_us')}", "", ""),
-        ("find 1k / 8k / 32k p50 (µs)", f"{result.get('find_1k_p50_us')} / {result.get('find_8k_p50_us')} / {result.get('find_32k_p50_us')}", "", ""),
-        ("match CPU time 1k / 8k / 32k p50 (µs)", f"{result.get('match_cpu_1k_p50_us')} / {result.get('match_cpu_8k_p50_us')} / {result.get('match_cpu_32k_p50_us')}", "", ""),
-        ("match_tokens 1k / 8k / 32k p50 (µs)", f"{result.get('fused_1k_p50_us')} / {result.get('fused_8k_p50_us')} / {result.get('fused_32k_p50_us')}", "", ""),
+        (
+            "match 1k p50 / p99 (µs)",
+            f"{result.get('match_1k_p50_us')} / {result.get('match_1k_p99_us')}",
+            "<= 40",
+            "68",
+        ),
+        (
+            "match 8k p50 / p99 (µs)",
+            f"{result.get('match_8k_p50_us')} / {result.get('match_8k_p99_us')}",
+            "<= 150",
+            "144",
+        ),
+        (
+            "match 32k p50 / p99 (µs)",
+            f"{result.get('match_32k_p50_us')} / {result.get('match_32k_p99_us')}",
+            "<= 450",
+            "391",
+        ),
+        (
+            "hash 1k / 8k / 32k p50 (µs)",
+            f"{result.get('hash_1k_p50_us')} / {result.get('hash_8k_p50_us')} / {result.get('hash_32k_p50_us')}",
+            "",
+            "",
+        ),
+        (
+            "find 1k / 8k / 32k p50 (µs)",
+            f"{result.get('find_1k_p50_us')} / {result.get('find_8k_p50_us')} / {result.get('find_32k_p50_us')}",
+            "",
+            "",
+        ),
+        (
+            "match CPU time 1k / 8k / 32k p50 (µs)",
+            f"{result.get('match_cpu_1k_p50_us')} / {result.get('match_cpu_8k_p50_us')} / {result.get('match_cpu_32k_p50_us')}",
+            "",
+            "",
+        ),
+        (
+            "match_tokens 1k / 8k / 32k p50 (µs)",
+            f"{result.get('fused_1k_p50_us')} / {result.get('fused_8k_p50_us')} / {result.get('fused_32k_p50_us')}",
+            "",
+            "",
+        ),
         ("store (blocks/s)", result["store_blocks_per_s"], ">= 600k", "610k"),
         ("store, CPU time (blocks/s)", result["store_blocks_per_s_cpu"], "", ""),
         ("store incl. hashing (blocks/s)", result["store_blocks_per_s_incl_hash"], "", ""),
         ("apply_stored events (blocks/s)", result["apply_stored_blocks_per_s"], ">= 600k", ""),
         ("apply_stored events, CPU time (blocks/s)", result["apply_stored_blocks_per_s_cpu"], "", ""),
         ("store at a budget of nodes/2 (blocks/s)", result["store_blocks_per_s_under_budget"], "", ""),
-        ("longest single store call at that budget, ms (an eviction)", result["store_worst_call_ms_under_budget"], "", ""),
+        (
+            "longest single store call at that budget, ms (an eviction)",
+            result["store_worst_call_ms_under_budget"],
+            "",
+            "",
+        ),
         ("remove (blocks/s)", result["remove_blocks_per_s"], "", ""),
         ("longest single remove call, ms (a compaction step)", result["remove_worst_call_ms"], "", ""),
         ("bytes/node (RSS growth)", result["bytes_per_node"], "<= 200", "128"),
-        ("bytes/node (structures; + key ints)", f"{result['struct_bytes_per_node']} + {result['key_int_bytes_per_node']}", "", ""),
+        (
+            "bytes/node (structures; + key ints)",
+            f"{result['struct_bytes_per_node']} + {result['key_int_bytes_per_node']}",
+            "",
+            "",
+        ),
         ("match check failures", result["match_check_failures"], "0", ""),
     ]
     w = max(len(r[0]) for r in rows)
@@ -818,21 +906,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse options, run the chosen mode, print JSON (stdout) and a table / progress (stderr)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--json", action="store_true", help="print the result object as JSON on stdout")
-    ap.add_argument("--mode", choices=("index", "replica-sets", "memory"), default="index",
-                    help="index: the reference workload (default); replica-sets: interned int masks vs interned "
-                         "roaring sets at --replicas; memory: bytes per node with long chains as engine events")
-    ap.add_argument("--target-nodes", type=int, default=None,
-                    help="stop drawing conversations here (default 1M; 300k in replica-sets mode)")
+    ap.add_argument(
+        "--mode",
+        choices=("index", "replica-sets", "memory"),
+        default="index",
+        help="index: the reference workload (default); replica-sets: interned int masks vs interned "
+        "roaring sets at --replicas; memory: bytes per node with long chains as engine events",
+    )
+    ap.add_argument(
+        "--target-nodes",
+        type=int,
+        default=None,
+        help="stop drawing conversations here (default 1M; 300k in replica-sets mode)",
+    )
     ap.add_argument("--queries-1k", type=int, default=2000)
     ap.add_argument("--queries-8k", type=int, default=1000)
     ap.add_argument("--queries-32k", type=int, default=400)
     ap.add_argument("--replicas", default="64,4096", help="replica-sets mode: comma-separated fleet sizes")
     ap.add_argument("--chains", type=int, default=100, help="memory mode: distinct long chains")
     ap.add_argument("--chain-tokens", type=int, default=32768, help="memory mode: tokens per chain")
-    ap.add_argument("--replicas-per-chain", type=int, default=1, help="memory mode: replicas storing each chain")
+    ap.add_argument(
+        "--replicas-per-chain", type=int, default=1, help="memory mode: replicas storing each chain"
+    )
     ap.add_argument("--page-blocks", type=int, default=128, help="memory mode: blocks per BlockStored event")
-    ap.add_argument("--budget-nodes", type=int, default=None,
-                    help="memory mode: run under this max_nodes budget (peak RSS growth per budgeted node)")
+    ap.add_argument(
+        "--budget-nodes",
+        type=int,
+        default=None,
+        help="memory mode: run under this max_nodes budget (peak RSS growth per budgeted node)",
+    )
     args = ap.parse_args(argv)
 
     def log(msg: str) -> None:
@@ -845,15 +947,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             import pyroaring  # noqa: F401
         except ImportError:
-            log("--mode replica-sets compares against pyroaring, which kvroute does not depend on: "
-                "pip install 'pyroaring>=1.0,<2.0' first")
+            log(
+                "--mode replica-sets compares against pyroaring, which kvroute does not depend on: "
+                "pip install 'pyroaring>=1.0,<2.0' first"
+            )
             return 2
         target = args.target_nodes or 300_000
         result = [replica_sets(int(r), target, counts, log) for r in args.replicas.split(",")]
         failures = sum(r["match_check_failures"] for r in result)
     elif args.mode == "memory":
-        result = long_chain_memory(args.chains, args.chain_tokens, args.replicas_per_chain, args.page_blocks,
-                                   args.budget_nodes, log)
+        result = long_chain_memory(
+            args.chains, args.chain_tokens, args.replicas_per_chain, args.page_blocks, args.budget_nodes, log
+        )
         failures = 0
     else:
         result = run(args.target_nodes or 1_000_000, counts, log)

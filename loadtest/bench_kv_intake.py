@@ -87,7 +87,7 @@ def build_payloads(w: Workload) -> tuple[list[tuple[int, bytes]], int]:
         hashes: list[int] = []
         parent = 0
         for b in range(need // BLOCK):
-            parent = _engine_hash(parent, toks[b * BLOCK:(b + 1) * BLOCK])
+            parent = _engine_hash(parent, toks[b * BLOCK : (b + 1) * BLOCK])
             hashes.append(parent)
         hit = 0
         while hit < len(hashes) and hashes[hit] in cache:
@@ -103,15 +103,25 @@ def build_payloads(w: Workload) -> tuple[list[tuple[int, bytes]], int]:
                 events.append(PubRemoved(evicted))
             for h in hashes[lo:hi]:
                 cache[h] = None
-            events.append(PubStored(hashes[lo:hi], hashes[lo - 1] if lo else None,
-                                    toks[lo * BLOCK:hi * BLOCK], BLOCK, "gpu", None, None))
+            events.append(
+                PubStored(
+                    hashes[lo:hi],
+                    hashes[lo - 1] if lo else None,
+                    toks[lo * BLOCK : hi * BLOCK],
+                    BLOCK,
+                    "gpu",
+                    None,
+                    None,
+                )
+            )
             ts += 0.01
             out.append((eng, encode_batch(events, "vllm", ts)))
     return out, warm
 
 
-def run_intake(payloads: list[tuple[int, bytes]], engines: int,
-               warm: int) -> tuple[float, float, PrefixIndex, list[FeedStats]]:
+def run_intake(
+    payloads: list[tuple[int, bytes]], engines: int, warm: int
+) -> tuple[float, float, PrefixIndex, list[FeedStats]]:
     """Decode and apply every payload in order; (decode seconds, apply seconds of the payloads from ``warm`` on,
     the index, per-engine stats)."""
     index = PrefixIndex(block_size=BLOCK, max_nodes=4_000_000)
@@ -134,11 +144,20 @@ def run_intake(payloads: list[tuple[int, bytes]], engines: int,
 def digest(index: PrefixIndex, stats: list[FeedStats]) -> str:
     """A hash of the index's content (each node's key and its replica state) and the feeds' counters."""
     h = xxhash.xxh3_64()
-    states = index._states.states  # the bench reads the index's internals: it compares trees, it tests nothing
+    states = (
+        index._states.states
+    )  # the bench reads the index's internals: it compares trees, it tests nothing
     for key, nid in sorted((k, n) for shard in index._ids for k, n in shard.items()):
         h.update(f"{key}:{states[index._sidl[nid]]};".encode())
     counters = index.stats()
-    for name in ("nodes", "engine_entries", "extra_copies", "orphan_events", "unknown_removed", "invalid_events"):
+    for name in (
+        "nodes",
+        "engine_entries",
+        "extra_copies",
+        "orphan_events",
+        "unknown_removed",
+        "invalid_events",
+    ):
         h.update(f"{name}={counters[name]};".encode())
     for st in stats:
         h.update(json.dumps(st.as_dict(), sort_keys=True).encode())
@@ -163,15 +182,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         stored = sum(s.stored_blocks for s in stats)
         removed = sum(s.removed_blocks for s in stats)
         n = w.warmup + w.requests
-        result = {"requests": w.requests, "warmup_requests": w.warmup, "batches": len(payloads) - warm,
-                  "payload_mb": round(sum(len(p) for _, p in payloads[warm:]) / 1e6, 2),
-                  "stored_blocks_per_request": round(stored / n, 1),
-                  "removed_blocks_per_request": round(removed / n, 1),
-                  "digest": digest(index, stats)}
+        result = {
+            "requests": w.requests,
+            "warmup_requests": w.warmup,
+            "batches": len(payloads) - warm,
+            "payload_mb": round(sum(len(p) for _, p in payloads[warm:]) / 1e6, 2),
+            "stored_blocks_per_request": round(stored / n, 1),
+            "removed_blocks_per_request": round(removed / n, 1),
+            "digest": digest(index, stats),
+        }
     assert best is not None
-    result.update(decode_us_per_request=round(best[0] / w.requests * 1e6, 1),
-                  apply_us_per_request=round(best[1] / w.requests * 1e6, 1),
-                  total_us_per_request=round(sum(best) / w.requests * 1e6, 1))
+    result.update(
+        decode_us_per_request=round(best[0] / w.requests * 1e6, 1),
+        apply_us_per_request=round(best[1] / w.requests * 1e6, 1),
+        total_us_per_request=round(sum(best) / w.requests * 1e6, 1),
+    )
     if args.json:
         print(json.dumps(result))
     else:

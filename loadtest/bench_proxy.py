@@ -83,8 +83,15 @@ def make_requests(n: int, prompt_tokens: int, max_tokens: int, seed: int = 0) ->
     out = []
     for i in range(n):
         ids = shared + [rng.randrange(VOCAB_SIZE) for _ in range(prompt_tokens - len(shared))]
-        out.append(ReplayRequest(request_id=f"b{i}", arrival_s=0.0, prompt=token_text(ids), max_tokens=max_tokens,
-                                 prompt_tokens=prompt_tokens))
+        out.append(
+            ReplayRequest(
+                request_id=f"b{i}",
+                arrival_s=0.0,
+                prompt=token_text(ids),
+                max_tokens=max_tokens,
+                prompt_tokens=prompt_tokens,
+            )
+        )
     return out
 
 
@@ -92,17 +99,22 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 3)
 
 
-def summarize_level(results: Sequence[ReplayResult], wall_s: float, concurrency: int,
-                    cpu_s: float | None) -> dict[str, Any]:
+def summarize_level(
+    results: Sequence[ReplayResult], wall_s: float, concurrency: int, cpu_s: float | None
+) -> dict[str, Any]:
     """Numbers of one target at one concurrency level (milliseconds, requests per second)."""
     good = [r for r in results if r.ok]
     lat = [r.e2e_s * 1000.0 for r in good if r.e2e_s is not None]
     ttft = [r.ttft_s * 1000.0 for r in good if r.ttft_s is not None]
     out: dict[str, Any] = {
-        "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(good),
+        "concurrency": concurrency,
+        "requests": len(results),
+        "errors": len(results) - len(good),
         "rps": round(len(good) / wall_s, 2) if wall_s > 0 else 0.0,
-        "latency_p50_ms": _r(percentile(lat, 50)), "latency_p99_ms": _r(percentile(lat, 99)),
-        "ttft_p50_ms": _r(percentile(ttft, 50)), "ttft_p99_ms": _r(percentile(ttft, 99)),
+        "latency_p50_ms": _r(percentile(lat, 50)),
+        "latency_p99_ms": _r(percentile(lat, 99)),
+        "ttft_p50_ms": _r(percentile(ttft, 50)),
+        "ttft_p99_ms": _r(percentile(ttft, 99)),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
     if cpu_s is not None:
@@ -113,9 +125,14 @@ def summarize_level(results: Sequence[ReplayResult], wall_s: float, concurrency:
     return out
 
 
-async def run_level(targets: dict[str, tuple[str, ManagedProcess | None]], reqs: Sequence[ReplayRequest],
-                    concurrency: int, warmup: int, blocks: int,
-                    model: str) -> tuple[dict[str, Any], dict[str, float | None]]:
+async def run_level(
+    targets: dict[str, tuple[str, ManagedProcess | None]],
+    reqs: Sequence[ReplayRequest],
+    concurrency: int,
+    warmup: int,
+    blocks: int,
+    model: str,
+) -> tuple[dict[str, Any], dict[str, float | None]]:
     """Measure every target at one concurrency level, interleaved so machine-load drift hits all alike.
 
     Concurrency 1: one request per target in turn (rotating order); the paired differences with the direct
@@ -130,8 +147,14 @@ async def run_level(targets: dict[str, tuple[str, ManagedProcess | None]], reqs:
     paired: dict[str, list[float]] = {n: [] for n in names if n != "direct"}
     try:
         for n in names:  # warm connection pools and caches
-            await closed_loop(targets[n][0], lambda i: reqs[i % len(reqs)], model=model,
-                              concurrency=min(concurrency, 8), total=warmup, client=clients[n])
+            await closed_loop(
+                targets[n][0],
+                lambda i: reqs[i % len(reqs)],
+                model=model,
+                concurrency=min(concurrency, 8),
+                total=warmup,
+                client=clients[n],
+            )
         if concurrency == 1:
             for i, req in enumerate(reqs):
                 got: dict[str, ReplayResult] = {}
@@ -148,30 +171,51 @@ async def run_level(targets: dict[str, tuple[str, ManagedProcess | None]], reqs:
                 base = got.get("direct")
                 for n in paired:
                     r = got[n]
-                    if base is not None and base.ok and r.ok and base.e2e_s is not None and r.e2e_s is not None:
+                    if (
+                        base is not None
+                        and base.ok
+                        and r.ok
+                        and base.e2e_s is not None
+                        and r.e2e_s is not None
+                    ):
                         paired[n].append((r.e2e_s - base.e2e_s) * 1000.0)
         else:
             per_block = max(1, len(reqs) // blocks)
             for b in range(blocks):
-                chunk = list(reqs[b * per_block:(b + 1) * per_block])
+                chunk = list(reqs[b * per_block : (b + 1) * per_block])
                 for k in range(len(names)):
                     n = names[(b + k) % len(names)]
                     url, proc = targets[n]
                     c0 = proc.cpu_seconds() if proc else 0.0
-                    res, wall = await closed_loop(url, lambda i, ch=chunk: ch[i], model=model,
-                                                  concurrency=concurrency, total=len(chunk), client=clients[n])
+                    res, wall = await closed_loop(
+                        url,
+                        lambda i, ch=chunk: ch[i],
+                        model=model,
+                        concurrency=concurrency,
+                        total=len(chunk),
+                        client=clients[n],
+                    )
                     busy[n] += wall
                     cpu[n] += (proc.cpu_seconds() - c0) if proc else 0.0
                     results[n].extend(res)
     finally:
         for c in clients.values():
             await c.aclose()
-    out = {n: summarize_level(results[n], busy[n], concurrency, cpu[n] if targets[n][1] else None) for n in names}
+    out = {
+        n: summarize_level(results[n], busy[n], concurrency, cpu[n] if targets[n][1] else None) for n in names
+    }
     return out, {n: _r(percentile(v, 50)) for n, v in paired.items()}
 
 
-def profile_kvroute(fleet: Fleet, reqs: Sequence[ReplayRequest], concurrency: int, model: str, policy: str,
-                    out_path: Path, top: int = 40) -> str:
+def profile_kvroute(
+    fleet: Fleet,
+    reqs: Sequence[ReplayRequest],
+    concurrency: int,
+    model: str,
+    policy: str,
+    out_path: Path,
+    top: int = 40,
+) -> str:
     """Run kvroute under cProfile (CPU-time timer) for one pass at ``concurrency``; return the top functions.
 
     Sorted by own CPU time; import-time frames are included (they are one-off). The raw stats go next to
@@ -181,9 +225,26 @@ def profile_kvroute(fleet: Fleet, reqs: Sequence[ReplayRequest], concurrency: in
     shim = fleet.log_dir / "cpu_profile_shim.py"
     shim.write_text(_CPU_PROFILE_SHIM)
     stats_path = out_path.with_suffix(".prof")
-    args = [sys.executable, str(shim), str(stats_path), "serve", "--host", HOST, "--port", str(port),
-            "--policy", policy, "--block-size", str(fleet.engine.block_size), "--log-level", "warning",
-            "--tokenizer-mode", "hf", "--tokenizer-path", str(fleet.engine.model_path)]
+    args = [
+        sys.executable,
+        str(shim),
+        str(stats_path),
+        "serve",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--block-size",
+        str(fleet.engine.block_size),
+        "--log-level",
+        "warning",
+        "--tokenizer-mode",
+        "hf",
+        "--tokenizer-path",
+        str(fleet.engine.model_path),
+    ]
     for eh in fleet.engines:
         args += ["--replica", fleet.replica_spec(eh)]
     proc = ManagedProcess(args, "router-kvroute-cprofile", fleet.log_dir)
@@ -207,8 +268,9 @@ def profile_kvroute(fleet: Fleet, reqs: Sequence[ReplayRequest], concurrency: in
     return out_path.read_text()
 
 
-def comparison(res: dict[str, dict[str, Any]], levels: Sequence[int],
-               paired: dict[str, dict[str, float | None]]) -> dict[str, Any]:
+def comparison(
+    res: dict[str, dict[str, Any]], levels: Sequence[int], paired: dict[str, dict[str, float | None]]
+) -> dict[str, Any]:
     """Added latency over direct (ms; at concurrency 1 also the median of paired differences) and kvroute's
     throughput relative to sglang-router and to direct, per level."""
     out: dict[str, Any] = {}
@@ -232,15 +294,19 @@ def comparison(res: dict[str, dict[str, Any]], levels: Sequence[int],
 
 def format_table(res: dict[str, dict[str, Any]]) -> str:
     """Fixed-width table: one row per target and concurrency."""
-    lines = [f"{'target':<20} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'ttft50':>8} {'cpu ms/req':>10} "
-             f"{'errors':>6} {'load':>5}"]
+    lines = [
+        f"{'target':<20} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'ttft50':>8} {'cpu ms/req':>10} "
+        f"{'errors':>6} {'load':>5}"
+    ]
     for target, levels in res.items():
         for row in levels.values():
             cpu = row.get("router_cpu_ms_per_req")
-            lines.append(f"{target:<20} {row['concurrency']:>4} {row['rps']:>8.1f} {_f(row['latency_p50_ms'])} "
-                         f"{_f(row['latency_p99_ms'])} {_f(row['ttft_p50_ms'])} "
-                         f"{'-' if cpu is None else format(cpu, '.3f'):>10} {row['errors']:>6} "
-                         f"{row['loadavg_1m']:>5.1f}")
+            lines.append(
+                f"{target:<20} {row['concurrency']:>4} {row['rps']:>8.1f} {_f(row['latency_p50_ms'])} "
+                f"{_f(row['latency_p99_ms'])} {_f(row['ttft_p50_ms'])} "
+                f"{'-' if cpu is None else format(cpu, '.3f'):>10} {row['errors']:>6} "
+                f"{row['loadavg_1m']:>5.1f}"
+            )
     return "\n".join(lines)
 
 
@@ -257,17 +323,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks per target at concurrency > 1")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length, tokens")
     p.add_argument("--max-tokens", type=int, default=4, help="output length, tokens (streamed)")
-    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, from: {', '.join(TARGETS)}")
+    p.add_argument(
+        "--targets", default=",".join(TARGETS), help=f"comma-separated, from: {', '.join(TARGETS)}"
+    )
     p.add_argument("--policy", default="ttft", help="kvroute policy")
-    p.add_argument("--kvroute-arg", action="append", default=[], metavar="FLAG",
-                   help="extra flag for kvroute serve, e.g. --kvroute-arg=--tokenizer-mode=bytes (repeatable)")
-    p.add_argument("--baseline-root", default=None, metavar="DIR",
-                   help=f"also run kvroute from another checkout DIR (target {BASELINE}, same flags plus "
-                        "--baseline-arg), interleaved with this one: compares two versions (or, with DIR = this "
-                        "checkout, two settings) in one run on this noisy machine")
-    p.add_argument("--baseline-arg", action="append", default=[], metavar="FLAG",
-                   help=f"extra flag for the {BASELINE} target only, e.g. --baseline-arg=--no-forward-token-ids "
-                        "(repeatable)")
+    p.add_argument(
+        "--kvroute-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for kvroute serve, e.g. --kvroute-arg=--tokenizer-mode=bytes (repeatable)",
+    )
+    p.add_argument(
+        "--baseline-root",
+        default=None,
+        metavar="DIR",
+        help=f"also run kvroute from another checkout DIR (target {BASELINE}, same flags plus "
+        "--baseline-arg), interleaved with this one: compares two versions (or, with DIR = this "
+        "checkout, two settings) in one run on this noisy machine",
+    )
+    p.add_argument(
+        "--baseline-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help=f"extra flag for the {BASELINE} target only, e.g. --baseline-arg=--no-forward-token-ids "
+        "(repeatable)",
+    )
     p.add_argument("--model", default="kvroute-fake")
     p.add_argument("--profile-router", action="store_true", help="also profile kvroute (cProfile, CPU time)")
     p.add_argument("--profile-concurrency", type=int, default=1, help="concurrency of the profiled pass")
@@ -294,8 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = ensure_model_dir()
     reqs = make_requests(args.requests, args.prompt_tokens, args.max_tokens)
     engine = EngineOptions(model=args.model, time_scale=0.0, model_path=str(model_dir))
-    print(f"bench_proxy: 1 zero-delay fake engine, {args.requests} requests per target x concurrency {levels}, "
-          f"prompt {args.prompt_tokens} tokens, {args.max_tokens} streamed output tokens", file=sys.stderr)
+    print(
+        f"bench_proxy: 1 zero-delay fake engine, {args.requests} requests per target x concurrency {levels}, "
+        f"prompt {args.prompt_tokens} tokens, {args.max_tokens} streamed output tokens",
+        file=sys.stderr,
+    )
     fleet = Fleet(1, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
     res: dict[str, dict[str, Any]] = {n: {} for n in names}
     paired: dict[str, dict[str, float | None]] = {}
@@ -307,22 +392,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             if n == "direct":
                 targets[n] = (fleet.engines[0].url, None)
             elif n in ("kvroute", BASELINE):
-                h = fleet.start_kvroute(policy=args.policy, root=baseline if n == BASELINE else None,
-                                        extra_args=[*args.kvroute_arg, *(args.baseline_arg if n == BASELINE else [])])
+                h = fleet.start_kvroute(
+                    policy=args.policy,
+                    root=baseline if n == BASELINE else None,
+                    extra_args=[*args.kvroute_arg, *(args.baseline_arg if n == BASELINE else [])],
+                )
                 targets[n] = (h.url, h.proc)
             else:
                 h = fleet.start_sglang_router(policy="cache_aware")
                 targets[n] = (h.url, h.proc)
         for c in levels:
             t0 = time.monotonic()
-            level, paired[f"c{c}"] = asyncio.run(run_level(targets, reqs, c, args.warmup, args.blocks, args.model))
+            level, paired[f"c{c}"] = asyncio.run(
+                run_level(targets, reqs, c, args.warmup, args.blocks, args.model)
+            )
             for n in names:
                 res[n][f"c{c}"] = level[n]
             print(f"  concurrency {c}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
         fleet.stop_router()
         if args.profile_router:
-            profile_text = profile_kvroute(fleet, reqs, args.profile_concurrency, args.model, args.policy,
-                                           Path(args.profile_out).resolve())
+            profile_text = profile_kvroute(
+                fleet,
+                reqs,
+                args.profile_concurrency,
+                args.model,
+                args.policy,
+                Path(args.profile_out).resolve(),
+            )
     finally:
         fleet.stop()
     print(format_table(res), file=sys.stderr)
@@ -330,8 +426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out["comparison"] = comparison(res, levels, paired)
     print(json.dumps(out["comparison"]), file=sys.stderr)
     if profile_text is not None:
-        print("\nkvroute CPU profile (cProfile, process time; top by own time):\n"
-              + "\n".join(profile_text.splitlines()[:60]), file=sys.stderr)
+        print(
+            "\nkvroute CPU profile (cProfile, process time; top by own time):\n"
+            + "\n".join(profile_text.splitlines()[:60]),
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(out, indent=2))
     return 0

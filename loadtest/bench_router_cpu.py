@@ -66,8 +66,12 @@ def _idle_for(seconds: float) -> None:
 
 def idle_cpu(engines: int, seconds: float, log_dir: str | None) -> dict[str, float]:
     """Part 0: CPU milliseconds per second of each router while idle in front of ``engines`` fake engines."""
-    fleet = Fleet(engines, EngineOptions(time_scale=0.25, model_path=str(ensure_model_dir())), log_dir=log_dir,
-                  keep_logs=log_dir is not None)
+    fleet = Fleet(
+        engines,
+        EngineOptions(time_scale=0.25, model_path=str(ensure_model_dir())),
+        log_dir=log_dir,
+        keep_logs=log_dir is not None,
+    )
     out: dict[str, float] = {}
     try:
         fleet.start_engines()
@@ -83,13 +87,22 @@ def idle_cpu(engines: int, seconds: float, log_dir: str | None) -> dict[str, flo
     return out
 
 
-def cpu_per_request(fleet: Fleet, sizes: Sequence[int], requests: int, concurrency: int, blocks: int,
-                    model: str, max_tokens: int) -> dict[str, Any]:
+def cpu_per_request(
+    fleet: Fleet,
+    sizes: Sequence[int],
+    requests: int,
+    concurrency: int,
+    blocks: int,
+    model: str,
+    max_tokens: int,
+) -> dict[str, Any]:
     """Part 1: per prompt length, both routers' CPU ms per request (and latency), measured interleaved."""
     kv = fleet.start_kvroute(policy="ttft")
     sg = fleet.start_sglang_router(policy="cache_aware")
-    targets: dict[str, tuple[str, ManagedProcess | None]] = {"kvroute": (kv.url, kv.proc),
-                                                              "sglang_cache_aware": (sg.url, sg.proc)}
+    targets: dict[str, tuple[str, ManagedProcess | None]] = {
+        "kvroute": (kv.url, kv.proc),
+        "sglang_cache_aware": (sg.url, sg.proc),
+    }
     out: dict[str, Any] = {}
     try:
         for size in sizes:
@@ -97,10 +110,16 @@ def cpu_per_request(fleet: Fleet, sizes: Sequence[int], requests: int, concurren
             level, _ = asyncio.run(run_level(targets, reqs, concurrency, min(8, requests), blocks, model))
             a = level["kvroute"].get("router_cpu_ms_per_req")
             b = level["sglang_cache_aware"].get("router_cpu_ms_per_req")
-            out[str(size)] = {**level, "ratio": round(a / b, 2) if a and b else None,
-                              "loadavg_1m": round(os.getloadavg()[0], 2)}
-            print(f"  {size:>6} tokens: kvroute {a} ms / req, sglang-router {b} ms / req "
-                  f"(x{out[str(size)]['ratio']}), load {out[str(size)]['loadavg_1m']}", file=sys.stderr)
+            out[str(size)] = {
+                **level,
+                "ratio": round(a / b, 2) if a and b else None,
+                "loadavg_1m": round(os.getloadavg()[0], 2),
+            }
+            print(
+                f"  {size:>6} tokens: kvroute {a} ms / req, sglang-router {b} ms / req "
+                f"(x{out[str(size)]['ratio']}), load {out[str(size)]['loadavg_1m']}",
+                file=sys.stderr,
+            )
     finally:
         fleet.stop_router()
     return out
@@ -113,8 +132,10 @@ async def _route_conn(host: str, port: int, it: Iterator[bytes], tally: list[int
     reader, writer = await asyncio.open_connection(host, port)
     try:
         for body in it:
-            writer.write(b"POST /route HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            writer.write(
+                b"POST /route HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
             head = await reader.readuntil(b"\r\n\r\n")
             length = _CONTENT_LENGTH.search(head)
             if length is None:  # the router always sends a length on /route: anything else is a broken answer
@@ -145,19 +166,22 @@ def _own_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def scaling(fleet: Fleet, workers: Sequence[int], size: int, requests: int, concurrency: int, blocks: int,
-            model: str) -> dict[str, Any]:
+def scaling(
+    fleet: Fleet, workers: Sequence[int], size: int, requests: int, concurrency: int, blocks: int, model: str
+) -> dict[str, Any]:
     """Part 2: routed requests per second of kvroute with each worker count, interleaved in blocks."""
     reqs: list[ReplayRequest] = make_requests(requests, size, 1, seed=size + 1)
     bodies = [json.dumps({"model": model, "prompt": r.prompt, "max_tokens": 1}).encode() for r in reqs]
     handles = {w: fleet.start_kvroute(policy="ttft", extra_args=[f"--workers={w}"]) for w in workers}
-    done: dict[int, list[float]] = {w: [0, 0, 0.0, 0.0, 0.0] for w in workers}  # ok, errors, wall, cpu, client cpu
+    done: dict[int, list[float]] = {
+        w: [0, 0, 0.0, 0.0, 0.0] for w in workers
+    }  # ok, errors, wall, cpu, client cpu
     try:
         for h in handles.values():  # warm-up (tokenizer, pools)
-            asyncio.run(_route_block(h.url, bodies[:min(8, len(bodies))], concurrency))
+            asyncio.run(_route_block(h.url, bodies[: min(8, len(bodies))], concurrency))
         per = max(1, len(bodies) // blocks)
         for b in range(blocks):
-            chunk = bodies[b * per:(b + 1) * per]
+            chunk = bodies[b * per : (b + 1) * per]
             order = list(workers) if b % 2 == 0 else list(reversed(workers))
             for w in order:
                 c0, k0 = handles[w].proc.cpu_seconds(), _own_cpu_s()
@@ -170,34 +194,51 @@ def scaling(fleet: Fleet, workers: Sequence[int], size: int, requests: int, conc
                 acc[4] += _own_cpu_s() - k0
     finally:
         fleet.stop_router()
-    out: dict[str, Any] = {"prompt_tokens": size, "concurrency": concurrency, "cores": os.cpu_count(),
-                           "loadavg_1m": round(os.getloadavg()[0], 2)}
+    out: dict[str, Any] = {
+        "prompt_tokens": size,
+        "concurrency": concurrency,
+        "cores": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
     for w, (n_ok, n_err, wall_s, cpu_s, client_s) in done.items():
-        out[f"workers_{w}"] = {"routed_rps": round(n_ok / wall_s, 2) if wall_s else 0.0, "errors": int(n_err),
-                               "router_cpu_ms_per_req": round(cpu_s * 1000.0 / n_ok, 3) if n_ok else None,
-                               "router_cores_busy": round(cpu_s / wall_s, 2) if wall_s else None,
-                               "client_cpu_ms_per_req": round(client_s * 1000.0 / n_ok, 3) if n_ok else None}
+        out[f"workers_{w}"] = {
+            "routed_rps": round(n_ok / wall_s, 2) if wall_s else 0.0,
+            "errors": int(n_err),
+            "router_cpu_ms_per_req": round(cpu_s * 1000.0 / n_ok, 3) if n_ok else None,
+            "router_cores_busy": round(cpu_s / wall_s, 2) if wall_s else None,
+            "client_cpu_ms_per_req": round(client_s * 1000.0 / n_ok, 3) if n_ok else None,
+        }
     base = out[f"workers_{workers[0]}"]["routed_rps"]
     for w in workers[1:]:
-        out[f"scaling_{w}_over_{workers[0]}"] = round(out[f"workers_{w}"]["routed_rps"] / base, 3) if base else None
+        out[f"scaling_{w}_over_{workers[0]}"] = (
+            round(out[f"workers_{w}"]["routed_rps"] / base, 3) if base else None
+        )
     return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags of ``python -m loadtest.bench_router_cpu``."""
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_router_cpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt-tokens", default="1024,8192,32768", help="comma-separated prompt lengths, tokens")
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_router_cpu", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--prompt-tokens", default="1024,8192,32768", help="comma-separated prompt lengths, tokens"
+    )
     p.add_argument("--requests", type=int, default=60, help="requests per router and prompt length")
     p.add_argument("--concurrency", type=int, default=4, help="closed-loop clients in part 1")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks per target")
     p.add_argument("--max-tokens", type=int, default=16, help="streamed output tokens per request")
-    p.add_argument("--scaling-workers", default="1,2", help="kvroute worker counts compared in part 2 ('' = skip)")
+    p.add_argument(
+        "--scaling-workers", default="1,2", help="kvroute worker counts compared in part 2 ('' = skip)"
+    )
     p.add_argument("--scaling-prompt-tokens", type=int, default=8192, help="prompt length of part 2, tokens")
     p.add_argument("--scaling-requests", type=int, default=400, help="/route requests per worker count")
     p.add_argument("--scaling-concurrency", type=int, default=16, help="closed-loop clients in part 2")
     p.add_argument("--skip-cpu", action="store_true", help="skip part 1")
     p.add_argument("--idle-s", type=float, default=0.0, help="part 0: seconds each router idles (0 = skip)")
-    p.add_argument("--idle-engines", type=int, default=4, help="part 0: fake engines in front of the idle routers")
+    p.add_argument(
+        "--idle-engines", type=int, default=4, help="part 0: fake engines in front of the idle routers"
+    )
     p.add_argument("--model", default="kvroute-fake")
     add_harness_args(p)
     return p
@@ -221,15 +262,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         fleet.start_engines()
         if not args.skip_cpu:
-            print(f"bench_router_cpu: CPU per request, prompts {sizes} tokens, {args.requests} requests each",
-                  file=sys.stderr)
-            out["cpu_per_request"] = cpu_per_request(fleet, sizes, args.requests, args.concurrency, args.blocks,
-                                                     args.model, args.max_tokens)
+            print(
+                f"bench_router_cpu: CPU per request, prompts {sizes} tokens, {args.requests} requests each",
+                file=sys.stderr,
+            )
+            out["cpu_per_request"] = cpu_per_request(
+                fleet, sizes, args.requests, args.concurrency, args.blocks, args.model, args.max_tokens
+            )
         if len(workers) > 1:
-            print(f"bench_router_cpu: scaling, workers {workers}, /route at {args.scaling_prompt_tokens} tokens",
-                  file=sys.stderr)
-            out["scaling"] = scaling(fleet, workers, args.scaling_prompt_tokens, args.scaling_requests,
-                                     args.scaling_concurrency, args.blocks, args.model)
+            print(
+                f"bench_router_cpu: scaling, workers {workers}, /route at {args.scaling_prompt_tokens} tokens",
+                file=sys.stderr,
+            )
+            out["scaling"] = scaling(
+                fleet,
+                workers,
+                args.scaling_prompt_tokens,
+                args.scaling_requests,
+                args.scaling_concurrency,
+                args.blocks,
+                args.model,
+            )
             print(f"  {json.dumps(out['scaling'])}", file=sys.stderr)
     finally:
         fleet.stop()

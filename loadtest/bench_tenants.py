@@ -72,6 +72,7 @@ FLOOD = "flood"
 # workload
 # ---------------------------------------------------------------------------------------------------------
 
+
 def quiet_tenant(session_id: str | None, request_id: str, n: int) -> str:
     """The quiet tenant of a conversation (stable: a CRC of its session id)."""
     return f"quiet{zlib.crc32((session_id or request_id).encode()) % n}"
@@ -80,11 +81,15 @@ def quiet_tenant(session_id: str | None, request_id: str, n: int) -> str:
 def quiet_workload(args: argparse.Namespace, trace: Path | None) -> list[ReplayRequest]:
     """The trace slice as replay requests, each with its quiet tenant's header."""
     wall_per_trace_s = args.time_scale / args.load_scale
-    sel = select_requests(WorkloadOptions(trace=trace, workload="agent", duration_s=args.duration / wall_per_trace_s))
+    sel = select_requests(
+        WorkloadOptions(trace=trace, workload="agent", duration_s=args.duration / wall_per_trace_s)
+    )
     out = to_replay(sel, wall_per_trace_s, args.max_output_tokens)
     for r in out:
-        r.headers = {"x-kvroute-tenant": quiet_tenant(r.session_id, r.request_id, args.quiet_tenants),
-                     "x-kvroute-priority": "standard"}
+        r.headers = {
+            "x-kvroute-tenant": quiet_tenant(r.session_id, r.request_id, args.quiet_tenants),
+            "x-kvroute-priority": "standard",
+        }
     return out
 
 
@@ -96,8 +101,9 @@ def token_rate(reqs: Sequence[ReplayRequest]) -> float:
     return sum(r.prompt_tokens + r.max_tokens for r in reqs) / span
 
 
-def flood_workload(rate_tokens_s: float, span_s: float, prompt_tokens: int, max_tokens: int,
-                   seed: int) -> list[ReplayRequest]:
+def flood_workload(
+    rate_tokens_s: float, span_s: float, prompt_tokens: int, max_tokens: int, seed: int
+) -> list[ReplayRequest]:
     """Evenly spaced requests of unique random text prompts (words of the benchmark vocabulary: one token each)
     adding up to ``rate_tokens_s`` tokens per second (text, as sglang-router's cache_aware policy needs)."""
     rng = random.Random(seed)
@@ -107,9 +113,16 @@ def flood_workload(rate_tokens_s: float, span_s: float, prompt_tokens: int, max_
     out = []
     for i in range(n):
         prompt = " ".join(f"t{rng.randrange(VOCAB_SIZE)}" for _ in range(prompt_tokens))
-        out.append(ReplayRequest(request_id=f"flood-{i}", arrival_s=i * gap, prompt=prompt, max_tokens=max_tokens,
-                                 prompt_tokens=prompt_tokens, headers={"x-kvroute-tenant": FLOOD,
-                                                                       "x-kvroute-priority": "standard"}))
+        out.append(
+            ReplayRequest(
+                request_id=f"flood-{i}",
+                arrival_s=i * gap,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                prompt_tokens=prompt_tokens,
+                headers={"x-kvroute-tenant": FLOOD, "x-kvroute-priority": "standard"},
+            )
+        )
     return out
 
 
@@ -117,8 +130,15 @@ def flood_workload(rate_tokens_s: float, span_s: float, prompt_tokens: int, max_
 # one setting
 # ---------------------------------------------------------------------------------------------------------
 
-def run_setting(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], args: argparse.Namespace,
-                model: str, quota: dict[str, Any]) -> dict[str, Any]:
+
+def run_setting(
+    fleet: Fleet,
+    name: str,
+    workload: Sequence[ReplayRequest],
+    args: argparse.Namespace,
+    model: str,
+    quota: dict[str, Any],
+) -> dict[str, Any]:
     """Restart the engines, start the router of setting ``name``, replay ``workload``, summarise by tenant."""
     load_before = os.getloadavg()[0]
     fleet.restart_engines() if fleet.engines else fleet.start_engines()
@@ -133,8 +153,9 @@ def run_setting(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], args
 
         async def go() -> tuple[list[ReplayResult], float]:
             async with make_client() as client:
-                return await replay(router.url, workload, model=model, client=client,
-                                    deadline_s=last + args.drain_timeout_s)
+                return await replay(
+                    router.url, workload, model=model, client=client, deadline_s=last + args.drain_timeout_s
+                )
 
         results, wall = asyncio.run(go())
         if not router.proc.alive():
@@ -144,22 +165,28 @@ def run_setting(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], args
     return summarize_tenants(workload, results, wall, load_before)
 
 
-def summarize_tenants(workload: Sequence[ReplayRequest], results: Sequence[ReplayResult], wall: float,
-                      load_before: float) -> dict[str, Any]:
+def summarize_tenants(
+    workload: Sequence[ReplayRequest], results: Sequence[ReplayResult], wall: float, load_before: float
+) -> dict[str, Any]:
     """Quiet tenants' TTFT and errors, the flooding tenant's rejections."""
     flood_ids = {r.request_id for r in workload if r.request_id.startswith(f"{FLOOD}-")}
     quiet = [r for r in results if r.request_id not in flood_ids]
     flood = [r for r in results if r.request_id in flood_ids]
     ttfts = [r.ttft_s for r in quiet if r.ok and r.ttft_s is not None]
+
     def rnd(v: float | None) -> float | None:
         return None if v is None else round(v, 6)
 
     return {
-        "ttft_p50_s": rnd(percentile(ttfts, 50)), "ttft_p99_s": rnd(percentile(ttfts, 99)),
-        "errors": sum(1 for r in quiet if not r.ok), "requests": len(quiet),
-        "flood_requests": len(flood), "rejected": sum(1 for r in flood if r.status == 429),
+        "ttft_p50_s": rnd(percentile(ttfts, 50)),
+        "ttft_p99_s": rnd(percentile(ttfts, 99)),
+        "errors": sum(1 for r in quiet if not r.ok),
+        "requests": len(quiet),
+        "flood_requests": len(flood),
+        "rejected": sum(1 for r in flood if r.status == 429),
         "flood_errors": sum(1 for r in flood if not r.ok and r.status != 429),
-        "wall_s": round(wall, 2), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "wall_s": round(wall, 2),
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "quiet_error_samples": sorted({r.error[:120] for r in quiet if not r.ok})[:3],
     }
 
@@ -167,6 +194,7 @@ def summarize_tenants(workload: Sequence[ReplayRequest], results: Sequence[Repla
 # ---------------------------------------------------------------------------------------------------------
 # goodput (simulator)
 # ---------------------------------------------------------------------------------------------------------
+
 
 def goodput_rows(trace: Path | None, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Share of requests meeting the TTFT SLO per load, SLO-aware routing off and on (see the module doc)."""
@@ -181,20 +209,39 @@ def goodput_rows(trace: Path | None, args: argparse.Namespace) -> list[dict[str,
     for load in args.goodput_loads:
         scaled = scale_rate(reqs, load * cap / base)
         plain = simulate(scaled, "ttft", cfg, keys=keys, load=load).summary()
-        tenancy = SimTenancy(priorities=[1] * len(scaled), ttft_target_s=args.slo_ttft_s,
-                             slo_reject_factor=args.slo_reject_factor)
+        tenancy = SimTenancy(
+            priorities=[1] * len(scaled),
+            ttft_target_s=args.slo_ttft_s,
+            slo_reject_factor=args.slo_reject_factor,
+        )
         aware = simulate(scaled, "ttft", cfg, keys=keys, load=load, tenancy=tenancy).summary()
-        mixed = simulate(scaled, "ttft", cfg, keys=keys, load=load, tenancy=replace(
-            tenancy, priorities=[_sim_priority(r) for r in scaled])).summary()
-        rows.append({"load": load, "slo_ttft_s": args.slo_ttft_s, "requests": len(scaled),
-                     "slo_aware_off": round(plain["goodput"], 4),
-                     "slo_aware_on": round(aware.get("goodput_all", aware["goodput"]), 4),
-                     "slo_aware_on_rejected": sum((aware.get("rejected") or {}).values()),
-                     "slo_aware_on_mixed": round(mixed.get("goodput_all", mixed["goodput"]), 4),
-                     "ttft_p99_s_off": round(plain["ttft_p99_s"], 4),
-                     "ttft_p99_s_on_admitted": round(aware["ttft_p99_s"], 4)})
-        print(f"  goodput load {load}: off {rows[-1]['slo_aware_off']}, on {rows[-1]['slo_aware_on']} "
-              f"({rows[-1]['slo_aware_on_rejected']} rejected early)", file=sys.stderr, flush=True)
+        mixed = simulate(
+            scaled,
+            "ttft",
+            cfg,
+            keys=keys,
+            load=load,
+            tenancy=replace(tenancy, priorities=[_sim_priority(r) for r in scaled]),
+        ).summary()
+        rows.append(
+            {
+                "load": load,
+                "slo_ttft_s": args.slo_ttft_s,
+                "requests": len(scaled),
+                "slo_aware_off": round(plain["goodput"], 4),
+                "slo_aware_on": round(aware.get("goodput_all", aware["goodput"]), 4),
+                "slo_aware_on_rejected": sum((aware.get("rejected") or {}).values()),
+                "slo_aware_on_mixed": round(mixed.get("goodput_all", mixed["goodput"]), 4),
+                "ttft_p99_s_off": round(plain["ttft_p99_s"], 4),
+                "ttft_p99_s_on_admitted": round(aware["ttft_p99_s"], 4),
+            }
+        )
+        print(
+            f"  goodput load {load}: off {rows[-1]['slo_aware_off']}, on {rows[-1]['slo_aware_on']} "
+            f"({rows[-1]['slo_aware_on_rejected']} rejected early)",
+            file=sys.stderr,
+            flush=True,
+        )
     return rows
 
 
@@ -213,25 +260,40 @@ def _root(cfg: FleetConfig) -> int:
 # CLI
 # ---------------------------------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags of ``python -m loadtest.bench_tenants``."""
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_tenants", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=None, help="Mooncake conversation trace (default: ../shared/traces)")
     p.add_argument("--replicas", type=int, default=4, help="fake engines")
     p.add_argument("--duration", type=float, default=40.0, help="wall seconds of arrivals per setting")
-    p.add_argument("--time-scale", type=float, default=0.25, help="wall seconds per trace second (engines too)")
+    p.add_argument(
+        "--time-scale", type=float, default=0.25, help="wall seconds per trace second (engines too)"
+    )
     p.add_argument("--load-scale", type=float, default=0.3, help="quiet arrival-rate multiplier on the trace")
-    p.add_argument("--quiet-tenants", type=int, default=3, help="quiet tenants the conversations are split over")
+    p.add_argument(
+        "--quiet-tenants", type=int, default=3, help="quiet tenants the conversations are split over"
+    )
     p.add_argument("--flood-factor", type=float, default=5.0, help="flood rate / its share")
     p.add_argument("--flood-prompt-tokens", type=int, default=8192, help="flood prompt length, tokens")
     p.add_argument("--burst-s", type=float, default=2.0, help="flood quota burst, seconds of its rate")
     p.add_argument("--max-output-tokens", type=int, default=64, help="cap on every request's output, tokens")
-    p.add_argument("--drain-timeout-s", type=float, default=60.0, help="wait for answers after the last arrival")
-    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
+    p.add_argument(
+        "--drain-timeout-s", type=float, default=60.0, help="wait for answers after the last arrival"
+    )
+    p.add_argument(
+        "--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}"
+    )
     p.add_argument("--slo-ttft-s", type=float, default=2.0, help="TTFT SLO of the goodput rows, seconds")
-    p.add_argument("--slo-reject-factor", type=float, default=2.0, help="early rejection factor (goodput rows)")
-    p.add_argument("--goodput-loads", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[0.7, 0.8, 0.9, 1.0, 1.1, 1.2], help="loads of the goodput rows")
+    p.add_argument(
+        "--slo-reject-factor", type=float, default=2.0, help="early rejection factor (goodput rows)"
+    )
+    p.add_argument(
+        "--goodput-loads",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.7, 0.8, 0.9, 1.0, 1.1, 1.2],
+        help="loads of the goodput rows",
+    )
     p.add_argument("--goodput-trace-s", type=float, default=300.0, help="trace seconds simulated per load")
     p.add_argument("--goodput-replicas", type=int, default=8, help="simulated replicas of the goodput rows")
     p.add_argument("--model", default="kvroute-fake", help="model id")
@@ -253,25 +315,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = quiet_workload(args, trace)
     span = max(r.arrival_s for r in quiet)
     share = token_rate(quiet) / args.quiet_tenants
-    flood = flood_workload(share * args.flood_factor, span, args.flood_prompt_tokens, args.max_output_tokens, 7)
+    flood = flood_workload(
+        share * args.flood_factor, span, args.flood_prompt_tokens, args.max_output_tokens, 7
+    )
     quota = {FLOOD: {"tokens_per_s": round(share, 1), "burst_tokens": round(share * args.burst_s, 1)}}
     mixed = sorted([*quiet, *flood], key=lambda r: r.arrival_s)
-    print(f"bench_tenants: {len(quiet)} quiet requests ({args.quiet_tenants} tenants, "
-          f"{'trace ' + str(trace) if trace else 'generated agent workload'}) over {span:.1f} s wall; flood "
-          f"{len(flood)} requests at {args.flood_factor:g} x its share of {share:.0f} tokens/s", file=sys.stderr)
+    print(
+        f"bench_tenants: {len(quiet)} quiet requests ({args.quiet_tenants} tenants, "
+        f"{'trace ' + str(trace) if trace else 'generated agent workload'}) over {span:.1f} s wall; flood "
+        f"{len(flood)} requests at {args.flood_factor:g} x its share of {share:.0f} tokens/s",
+        file=sys.stderr,
+    )
     engine = EngineOptions(model=args.model, time_scale=args.time_scale, model_path=str(ensure_model_dir()))
-    out: dict[str, Any] = {"command": "python -m loadtest.bench_tenants " + " ".join(sys.argv[1:] if argv is None
-                                                                                   else argv),
-                           "loadavg_1m_start": round(os.getloadavg()[0], 2), "flood_quota": quota[FLOOD]}
+    out: dict[str, Any] = {
+        "command": "python -m loadtest.bench_tenants " + " ".join(sys.argv[1:] if argv is None else argv),
+        "loadavg_1m_start": round(os.getloadavg()[0], 2),
+        "flood_quota": quota[FLOOD],
+    }
     fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
     runs = [*settings, "solo_again"] if "solo" in settings else settings
     try:
         for name in runs:
             t = time.monotonic()
             setting = "solo" if name == "solo_again" else name
-            out[name] = run_setting(fleet, setting, quiet if setting == "solo" else mixed, args, args.model, quota)
-            print(f"  {name}: {time.monotonic() - t:.0f} s: quiet p99 {out[name]['ttft_p99_s']} s, errors "
-                  f"{out[name]['errors']}, flood rejected {out[name]['rejected']}", file=sys.stderr, flush=True)
+            out[name] = run_setting(
+                fleet, setting, quiet if setting == "solo" else mixed, args, args.model, quota
+            )
+            print(
+                f"  {name}: {time.monotonic() - t:.0f} s: quiet p99 {out[name]['ttft_p99_s']} s, errors "
+                f"{out[name]['errors']}, flood rejected {out[name]['rejected']}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         fleet.stop()
     solos = [out[k]["ttft_p99_s"] for k in ("solo", "solo_again") if out.get(k, {}).get("ttft_p99_s")]

@@ -39,8 +39,14 @@ def bpe_model_dir(prompts: list[str], root: Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     rnd = random.Random(0)
     sample = [p[:4000] for p in rnd.sample(prompts, min(200, len(prompts)))]
-    tok.train_from_iterator(sample, trainers.BpeTrainer(vocab_size=4000, special_tokens=["<unk>", "<s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        sample,
+        trainers.BpeTrainer(
+            vocab_size=4000,
+            special_tokens=["<unk>", "<s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     root.mkdir(parents=True, exist_ok=True)
     tok.save(str(root / "tokenizer.json"))
@@ -52,7 +58,9 @@ def run(prompts: list[str], model_dir: Path, cache_mb: float) -> dict[str, Any]:
     off = HfTokenizer(model_dir)
     on = HfTokenizer(model_dir, cache_bytes=int(cache_mb * (1 << 20)), cache_verify_every=0)
     if not on.cache.enabled:
-        raise SystemExit(f"the prefix tokenization cache is off for this tokenizer: {on.cache.disabled_reason}")
+        raise SystemExit(
+            f"the prefix tokenization cache is off for this tokenizer: {on.cache.disabled_reason}"
+        )
     t_off: list[float] = []
     t_on: list[float] = []
     cpu_off = cpu_on = 0.0
@@ -73,28 +81,46 @@ def run(prompts: list[str], model_dir: Path, cache_mb: float) -> dict[str, Any]:
     st = on.cache.stats()
     n = max(1, len(prompts))
     return {
-        "requests": len(prompts), "prompt_tokens_mean": tokens / n,
-        "off_ms_mean": statistics.fmean(t_off), "off_ms_p50": percentile(t_off, 50), "off_ms_p99": percentile(t_off, 99),
-        "on_ms_mean": statistics.fmean(t_on), "on_ms_p50": percentile(t_on, 50), "on_ms_p99": percentile(t_on, 99),
-        "off_cpu_ms_mean": cpu_off * 1e3 / n, "on_cpu_ms_mean": cpu_on * 1e3 / n,
+        "requests": len(prompts),
+        "prompt_tokens_mean": tokens / n,
+        "off_ms_mean": statistics.fmean(t_off),
+        "off_ms_p50": percentile(t_off, 50),
+        "off_ms_p99": percentile(t_off, 99),
+        "on_ms_mean": statistics.fmean(t_on),
+        "on_ms_p50": percentile(t_on, 50),
+        "on_ms_p99": percentile(t_on, 99),
+        "off_cpu_ms_mean": cpu_off * 1e3 / n,
+        "on_cpu_ms_mean": cpu_on * 1e3 / n,
         "speedup_mean": statistics.fmean(t_off) / max(1e-9, statistics.fmean(t_on)),
         "cpu_ratio": cpu_on / max(1e-9, cpu_off),
         "hit_share": st["hits"] / max(1, st["hits"] + st["misses"]),
         "reused_token_share": st["reused_tokens"] / max(1, st["reused_tokens"] + st["encoded_tokens"]),
-        "cache_entries": st["entries"], "cache_bytes": st["bytes"], "mismatches": mismatches,
+        "cache_entries": st["entries"],
+        "cache_bytes": st["bytes"],
+        "mismatches": mismatches,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns 1 when any cached tokenization differed from the plain one."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=None, help="Mooncake-format JSONL (default: the conversation trace beside "
-                    "the repo; 'generated' or a missing file: a generated workload)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL (default: the conversation trace beside "
+        "the repo; 'generated' or a missing file: a generated workload)",
+    )
     ap.add_argument("--workload", default="agent", help="generated workload when no trace is used")
-    ap.add_argument("--requests", type=int, default=1500, help="first N requests of the trace (arrival order)")
-    ap.add_argument("--tokenizer", default="bench,bpe",
-                    help="comma-separated: bench, bpe, or directories holding a tokenizer.json")
+    ap.add_argument(
+        "--requests", type=int, default=1500, help="first N requests of the trace (arrival order)"
+    )
+    ap.add_argument(
+        "--tokenizer",
+        default="bench,bpe",
+        help="comma-separated: bench, bpe, or directories holding a tokenizer.json",
+    )
     ap.add_argument("--cache-mb", type=float, default=64.0, help="tokenizer_cache_mb of the cached run (MiB)")
     ap.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     args = ap.parse_args(argv)
@@ -115,12 +141,15 @@ def main(argv: list[str] | None = None) -> int:
                 model_dir = Path(name)
             res = run(prompts, model_dir, args.cache_mb)
             results[name] = res
-            print(f"{name:6s} {res['requests']} requests, {res['prompt_tokens_mean']:.0f} tokens mean: "
-                  f"whole {res['off_ms_mean']:.2f} ms (p50 {res['off_ms_p50']:.2f}, p99 {res['off_ms_p99']:.2f}) "
-                  f"-> cached {res['on_ms_mean']:.2f} ms (p50 {res['on_ms_p50']:.2f}, p99 {res['on_ms_p99']:.2f}), "
-                  f"x{res['speedup_mean']:.1f}; CPU {res['off_cpu_ms_mean']:.2f} -> {res['on_cpu_ms_mean']:.2f} ms; "
-                  f"ids from the cache {res['reused_token_share']:.1%}, "
-                  f"{res['cache_bytes'] / 2**20:.1f} MiB, mismatches {res['mismatches']}", file=sys.stderr)
+            print(
+                f"{name:6s} {res['requests']} requests, {res['prompt_tokens_mean']:.0f} tokens mean: "
+                f"whole {res['off_ms_mean']:.2f} ms (p50 {res['off_ms_p50']:.2f}, p99 {res['off_ms_p99']:.2f}) "
+                f"-> cached {res['on_ms_mean']:.2f} ms (p50 {res['on_ms_p50']:.2f}, p99 {res['on_ms_p99']:.2f}), "
+                f"x{res['speedup_mean']:.1f}; CPU {res['off_cpu_ms_mean']:.2f} -> {res['on_cpu_ms_mean']:.2f} ms; "
+                f"ids from the cache {res['reused_token_share']:.1%}, "
+                f"{res['cache_bytes'] / 2**20:.1f} MiB, mismatches {res['mismatches']}",
+                file=sys.stderr,
+            )
     if args.json:
         print(json.dumps(results))
     return 1 if any(isinstance(v, dict) and v["mismatches"] for v in results.values()) else 0

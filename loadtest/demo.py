@@ -59,8 +59,16 @@ from loadtest.workload import (
 RUNS: dict[str, str] = {"kvroute": "ttft", "round_robin": "round_robin"}
 #: extra ``kvroute serve`` flags: fresher load views, and timeouts that tolerate a CPU-starved shared machine
 #: (2 cores shared by the client, the router and 4 engines)
-ROUTER_ARGS = ["--scrape-interval-s", "0.5", "--connect-timeout-s", "10", "--probe-timeout-s", "5",
-               "--unhealthy-after", "5"]
+ROUTER_ARGS = [
+    "--scrape-interval-s",
+    "0.5",
+    "--connect-timeout-s",
+    "10",
+    "--probe-timeout-s",
+    "5",
+    "--unhealthy-after",
+    "5",
+]
 
 
 @dataclass(slots=True)
@@ -79,8 +87,15 @@ class Outcome:
 
 async def _send(client: httpx.AsyncClient, url: str, req: ReplayRequest, model: str) -> Outcome:
     """Stream one completion; record TTFT, the engine's usage and the router's prediction. Never raises."""
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     headers = {"x-request-id": req.request_id}
     if req.session_id:
         headers["x-session-id"] = req.session_id
@@ -88,8 +103,9 @@ async def _send(client: httpx.AsyncClient, url: str, req: ReplayRequest, model: 
     out = Outcome(ok=False, prompt_tokens=req.prompt_tokens)
     try:
         headers["content-type"] = "application/json"
-        async with client.stream("POST", url + "/v1/completions", content=orjson.dumps(body),
-                                 headers=headers) as resp:
+        async with client.stream(
+            "POST", url + "/v1/completions", content=orjson.dumps(body), headers=headers
+        ) as resp:
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:160].decode(errors='replace')}"
                 return out
@@ -122,8 +138,9 @@ async def _send(client: httpx.AsyncClient, url: str, req: ReplayRequest, model: 
     return out
 
 
-async def _replay(url: str, workload: Sequence[ReplayRequest], model: str,
-                  deadline_s: float) -> tuple[list[Outcome], float]:
+async def _replay(
+    url: str, workload: Sequence[ReplayRequest], model: str, deadline_s: float
+) -> tuple[list[Outcome], float]:
     """Open-loop replay at the requests' arrival times; returns outcomes and wall seconds."""
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
     async with httpx.AsyncClient(timeout=httpx.Timeout(deadline_s, connect=10.0), limits=limits) as client:
@@ -161,10 +178,13 @@ def _summary(outs: list[Outcome], wall: float, hits: float, queries: float) -> d
 
     return {
         "hit_rate": r(hits / queries) if queries > 0 else r(cached / prompt if prompt else None),
-        "ttft_p50_s": r(percentile(ttfts, 50)), "ttft_p99_s": r(percentile(ttfts, 99)),
+        "ttft_p50_s": r(percentile(ttfts, 50)),
+        "ttft_p99_s": r(percentile(ttfts, 99)),
         "ttft_mean_s": r(sum(ttfts) / len(ttfts)) if ttfts else None,
         "throughput_rps": r(len(good) / wall if wall > 0 else 0.0, 3),
-        "errors": len(outs) - len(good), "requests": len(outs), "completed": len(good),
+        "errors": len(outs) - len(good),
+        "requests": len(outs),
+        "completed": len(good),
         "wall_s": r(wall, 2),
         "fidelity": r(exact / len(reported)) if reported else None,
         "predicted_cached_tokens": sum(o.predicted_cached or 0 for o in reported),
@@ -179,21 +199,28 @@ def _summary(outs: list[Outcome], wall: float, hits: float, queries: float) -> d
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """Human-readable comparison table."""
+
     def f(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    lines = [f"{'router':<12} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>7} {'errors':>6} "
-             f"{'fidelity':>8} {'pred/actual cached tok':>24}"]
+    lines = [
+        f"{'router':<12} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>7} {'errors':>6} "
+        f"{'fidelity':>8} {'pred/actual cached tok':>24}"
+    ]
     for name, r in results.items():
         pa = f"{r['predicted_cached_tokens']}/{r['engine_cached_tokens']}"
-        lines.append(f"{name:<12} {f(r['hit_rate'], '.1%'):>8} {f(r['ttft_p50_s'], '.3f'):>8}s "
-                     f"{f(r['ttft_p99_s'], '.3f'):>8}s {f(r['throughput_rps'], '.2f'):>7} {r['errors']:>6} "
-                     f"{f(r['fidelity'], '.1%'):>8} {pa:>24}")
+        lines.append(
+            f"{name:<12} {f(r['hit_rate'], '.1%'):>8} {f(r['ttft_p50_s'], '.3f'):>8}s "
+            f"{f(r['ttft_p99_s'], '.3f'):>8}s {f(r['throughput_rps'], '.2f'):>7} {r['errors']:>6} "
+            f"{f(r['fidelity'], '.1%'):>8} {pa:>24}"
+        )
     a, b = results.get("kvroute"), results.get("round_robin")
     if a and b and a["ttft_p50_s"] and b["ttft_p50_s"] and a["ttft_p99_s"] and b["ttft_p99_s"]:
-        lines.append(f"kvroute vs round_robin: TTFT p50 {b['ttft_p50_s'] / a['ttft_p50_s']:.2f}x lower, "
-                     f"p99 {b['ttft_p99_s'] / a['ttft_p99_s']:.2f}x lower, hit rate "
-                     f"{f(a['hit_rate'], '.1%')} vs {f(b['hit_rate'], '.1%')}")
+        lines.append(
+            f"kvroute vs round_robin: TTFT p50 {b['ttft_p50_s'] / a['ttft_p50_s']:.2f}x lower, "
+            f"p99 {b['ttft_p99_s'] / a['ttft_p99_s']:.2f}x lower, hit rate "
+            f"{f(a['hit_rate'], '.1%')} vs {f(b['hit_rate'], '.1%')}"
+        )
     return "\n".join(lines)
 
 
@@ -210,8 +237,13 @@ def write_plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> Pa
         xs = r["_ttfts"]
         if xs:
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            ax1.step(xs, ys, where="post", label=f"{name} (p50 {r['ttft_p50_s']:.3f}s, p99 {r['ttft_p99_s']:.3f}s)",
-                     color=colors.get(name))
+            ax1.step(
+                xs,
+                ys,
+                where="post",
+                label=f"{name} (p50 {r['ttft_p50_s']:.3f}s, p99 {r['ttft_p99_s']:.3f}s)",
+                color=colors.get(name),
+            )
     ax1.set_xscale("log")
     ax1.set_xlabel("time to first token (s, client-measured)")
     ax1.set_ylabel("fraction of requests")
@@ -237,30 +269,59 @@ def write_plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> Pa
 def build_parser() -> argparse.ArgumentParser:
     """Flags of ``kvroute demo``."""
     p = argparse.ArgumentParser(prog="kvroute demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default=None, help="Mooncake-format JSONL trace (default: $TRACE, then "
-                   "../shared/traces/mooncake_conversation_trace.jsonl; none found: generated workload)")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL trace (default: $TRACE, then "
+        "../shared/traces/mooncake_conversation_trace.jsonl; none found: generated workload)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--replicas", type=int, default=4, help="fake engines")
     p.add_argument("--duration", type=float, default=40.0, help="wall seconds of arrivals per run")
-    p.add_argument("--time-scale", type=float, default=0.15,
-                   help="the engines' simulated delays are multiplied by this (0.15: a 12k-token prefill takes "
-                        "~0.2 s instead of ~1.4 s)")
-    p.add_argument("--window", type=float, default=600.0,
-                   help="trace seconds replayed (compressed into --duration wall seconds)")
-    p.add_argument("--sample", type=float, default=0.25,
-                   help="fraction of the conversations kept (whole conversations: their reuse stays intact; "
-                        "the full trace asks ~43k prompt tokens/s, about what 4 A100-like engines prefill)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.15,
+        help="the engines' simulated delays are multiplied by this (0.15: a 12k-token prefill takes "
+        "~0.2 s instead of ~1.4 s)",
+    )
+    p.add_argument(
+        "--window",
+        type=float,
+        default=600.0,
+        help="trace seconds replayed (compressed into --duration wall seconds)",
+    )
+    p.add_argument(
+        "--sample",
+        type=float,
+        default=0.25,
+        help="fraction of the conversations kept (whole conversations: their reuse stays intact; "
+        "the full trace asks ~43k prompt tokens/s, about what 4 A100-like engines prefill)",
+    )
     p.add_argument("--trace-start-s", type=float, default=0.0, help="trace second where the slice starts")
     p.add_argument("--max-requests", type=int, default=0, help="at most this many requests (0 = no cap)")
-    p.add_argument("--max-output-tokens", type=int, default=24,
-                   help="cap each request's output, tokens (keeps the demo's streaming CPU cost small)")
-    p.add_argument("--gpu-blocks", type=int, default=0, help="KV blocks per engine (0 = the profile's default)")
+    p.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=24,
+        help="cap each request's output, tokens (keeps the demo's streaming CPU cost small)",
+    )
+    p.add_argument(
+        "--gpu-blocks", type=int, default=0, help="KV blocks per engine (0 = the profile's default)"
+    )
     p.add_argument("--workload", default="agent", help="generated workload when no trace is found")
     p.add_argument("--model", default="kvroute-demo", help="model id served by the fake engines")
-    p.add_argument("--drain-timeout-s", type=float, default=45.0,
-                   help="after the last arrival, wait at most this long for answers (s)")
-    p.add_argument("--text-prompts", action="store_true",
-                   help="send prompts as text (tokenized by the router and the engines) instead of token ids")
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=45.0,
+        help="after the last arrival, wait at most this long for answers (s)",
+    )
+    p.add_argument(
+        "--text-prompts",
+        action="store_true",
+        help="send prompts as text (tokenized by the router and the engines) instead of token ids",
+    )
     p.add_argument("--plot", default=None, help="PNG path (default: <tmp>/kvroute-demo.png)")
     p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary, removed)")
     return p
@@ -274,19 +335,34 @@ def conversation_key(r: traces.Request) -> str:
     return str(r.segments[1][0] if len(r.segments) > 1 else r.segments[0][0])
 
 
-def demo_requests(trace: Path | None, *, workload: str, window_s: float, start_s: float, sample: float,
-                  max_requests: int | None) -> list[traces.Request]:
+def demo_requests(
+    trace: Path | None,
+    *,
+    workload: str,
+    window_s: float,
+    start_s: float,
+    sample: float,
+    max_requests: int | None,
+) -> list[traces.Request]:
     """The selected trace requests: ``window_s`` trace seconds from ``start_s`` (``workload.select_requests``),
     keeping a ``sample`` fraction of the conversations (whole conversations, so their reuse is intact), at most
     ``max_requests``."""
-    reqs = select_requests(WorkloadOptions(trace=trace, workload=workload, start_s=start_s, duration_s=window_s))
+    reqs = select_requests(
+        WorkloadOptions(trace=trace, workload=workload, start_s=start_s, duration_s=window_s)
+    )
     if sample < 1.0:
         reqs = [r for r in reqs if zlib.crc32(conversation_key(r).encode()) % 10_000 < sample * 10_000]
     return traces.limit(reqs, max_requests)
 
 
-def to_replay_requests(reqs: Sequence[traces.Request], *, window_s: float, wall_s: float,
-                       max_output_tokens: int | None, text_prompts: bool = False) -> list[ReplayRequest]:
+def to_replay_requests(
+    reqs: Sequence[traces.Request],
+    *,
+    window_s: float,
+    wall_s: float,
+    max_output_tokens: int | None,
+    text_prompts: bool = False,
+) -> list[ReplayRequest]:
     """``reqs`` as replay requests, the first arriving at 0 and the window compressed into ``wall_s`` seconds.
 
     Prompts are token ids (``loadtest.traces`` ids, the local tokenizer's vocabulary) unless ``text_prompts``:
@@ -299,17 +375,34 @@ def to_replay_requests(reqs: Sequence[traces.Request], *, window_s: float, wall_
     span = max(1e-9, min(window_s, (reqs[-1].arrival_s - t0) or 1.0))
     scale = wall_s / span
     if text_prompts:
-        shifted = [traces.Request(r.request_id, r.arrival_s - t0, r.prompt_tokens, r.output_tokens, r.segments,
-                                  r.session_id, r.group) for r in reqs]
+        shifted = [
+            traces.Request(
+                r.request_id,
+                r.arrival_s - t0,
+                r.prompt_tokens,
+                r.output_tokens,
+                r.segments,
+                r.session_id,
+                r.group,
+            )
+            for r in reqs
+        ]
         return to_replay(shifted, scale, max_output_tokens)
     out = []
     for r in reqs:
         out_len = max(1, r.output_tokens)
         if max_output_tokens:
             out_len = min(out_len, max_output_tokens)
-        out.append(ReplayRequest(request_id=r.request_id, arrival_s=(r.arrival_s - t0) * scale,
-                                 prompt=traces.prompt_token_ids(r), max_tokens=out_len,
-                                 prompt_tokens=r.prompt_tokens, session_id=r.session_id))
+        out.append(
+            ReplayRequest(
+                request_id=r.request_id,
+                arrival_s=(r.arrival_s - t0) * scale,
+                prompt=traces.prompt_token_ids(r),
+                max_tokens=out_len,
+                prompt_tokens=r.prompt_tokens,
+                session_id=r.session_id,
+            )
+        )
     return out
 
 
@@ -326,35 +419,65 @@ def _resolve_trace(arg: str | None) -> Path | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the exit code (0 = both runs completed)."""
     args = build_parser().parse_args(list(argv) if argv is not None else None)
-    if args.duration <= 0 or args.time_scale <= 0 or args.window <= 0 or not 0 < args.sample <= 1 \
-            or args.replicas < 1:
-        print("kvroute demo: --duration, --time-scale, --window must be > 0, 0 < --sample <= 1, --replicas >= 1",
-              file=sys.stderr)
+    if (
+        args.duration <= 0
+        or args.time_scale <= 0
+        or args.window <= 0
+        or not 0 < args.sample <= 1
+        or args.replicas < 1
+    ):
+        print(
+            "kvroute demo: --duration, --time-scale, --window must be > 0, 0 < --sample <= 1, --replicas >= 1",
+            file=sys.stderr,
+        )
         return 2
     exit_on_sigterm()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C works even if started with SIGINT ignored
+    signal.signal(
+        signal.SIGINT, signal.default_int_handler
+    )  # Ctrl-C works even if started with SIGINT ignored
     log = sys.stderr if args.json else sys.stdout
     try:
         trace = _resolve_trace(args.trace)
     except FileNotFoundError as exc:
         print(f"kvroute demo: {exc}", file=sys.stderr)
         return 2
-    selection = demo_requests(trace, workload=args.workload, window_s=args.window, start_s=args.trace_start_s,
-                              sample=args.sample, max_requests=args.max_requests or None)
-    workload = to_replay_requests(selection, window_s=args.window, wall_s=args.duration,
-                                  max_output_tokens=args.max_output_tokens or None, text_prompts=args.text_prompts)
+    selection = demo_requests(
+        trace,
+        workload=args.workload,
+        window_s=args.window,
+        start_s=args.trace_start_s,
+        sample=args.sample,
+        max_requests=args.max_requests or None,
+    )
+    workload = to_replay_requests(
+        selection,
+        window_s=args.window,
+        wall_s=args.duration,
+        max_output_tokens=args.max_output_tokens or None,
+        text_prompts=args.text_prompts,
+    )
     if not workload:
         print("kvroute demo: the workload slice is empty", file=sys.stderr)
         return 2
     source = f"trace {trace}" if trace else f"generated '{args.workload}' workload (no trace found)"
-    print(f"kvroute demo: {len(workload)} requests ({args.window:g} trace seconds, {args.sample:.0%} of the "
-          f"conversations) replayed in {workload[-1].arrival_s:.0f} s from {source}; {args.replicas} fake "
-          f"engines (a100 timing x {args.time_scale})", file=log, flush=True)
+    print(
+        f"kvroute demo: {len(workload)} requests ({args.window:g} trace seconds, {args.sample:.0%} of the "
+        f"conversations) replayed in {workload[-1].arrival_s:.0f} s from {source}; {args.replicas} fake "
+        f"engines (a100 timing x {args.time_scale})",
+        file=log,
+        flush=True,
+    )
     model_dir = ensure_model_dir()
-    engine = EngineOptions(model=args.model, time_scale=args.time_scale, model_path=str(model_dir),
-                           kv_events_format="vllm", gpu_blocks=args.gpu_blocks or None)
-    bound = fleet_hit_rate_bound(selection, args.replicas, engine.gpu_blocks, engine.profile, engine.block_size,
-                                 args.model)
+    engine = EngineOptions(
+        model=args.model,
+        time_scale=args.time_scale,
+        model_path=str(model_dir),
+        kv_events_format="vllm",
+        gpu_blocks=args.gpu_blocks or None,
+    )
+    bound = fleet_hit_rate_bound(
+        selection, args.replicas, engine.gpu_blocks, engine.profile, engine.block_size, args.model
+    )
     last = workload[-1].arrival_s
     results: dict[str, dict[str, Any]] = {}
     t_start = time.monotonic()
@@ -362,12 +485,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=bool(args.log_dir)) as fleet:
             for name, policy in RUNS.items():
                 fleet.restart_engines() if fleet.engines else fleet.start_engines()
-                router = fleet.start_kvroute(policy=policy,
-                                             extra_args=ROUTER_ARGS)
+                router = fleet.start_kvroute(policy=policy, extra_args=ROUTER_ARGS)
                 print(f"  {name}: router ({policy}) at {router.url}, replaying ...", file=log, flush=True)
                 h0, q0 = fleet.prefix_cache_counters()
-                outs, wall = asyncio.run(_replay(router.url, workload, args.model,
-                                                 last + args.drain_timeout_s))
+                outs, wall = asyncio.run(
+                    _replay(router.url, workload, args.model, last + args.drain_timeout_s)
+                )
                 h1, q1 = fleet.prefix_cache_counters()
                 fleet.stop_router()
                 results[name] = _summary(outs, wall, h1 - h0, q1 - q0)
@@ -377,15 +500,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvroute demo: interrupted; every process was stopped", file=sys.stderr)
         return 130
     plot = Path(args.plot) if args.plot else Path(tempfile.gettempdir()) / "kvroute-demo.png"
-    title = (f"kvroute demo: {len(workload)} requests ({args.window:g} trace s, {args.sample:.0%} of conversations), "
-             f"{Path(str(trace)).name if trace else args.workload}, {args.replicas} fake engines, "
-             f"time-scale {args.time_scale}")
+    title = (
+        f"kvroute demo: {len(workload)} requests ({args.window:g} trace s, {args.sample:.0%} of conversations), "
+        f"{Path(str(trace)).name if trace else args.workload}, {args.replicas} fake engines, "
+        f"time-scale {args.time_scale}"
+    )
     write_plot(results, plot, title)
     for r in results.values():
         r.pop("_ttfts", None)
     print(format_table(results), file=log)
-    print(f"hit-rate bound of this slice (one shared LRU cache with the fleet's GPU capacity): {bound:.1%}",
-          file=log)
+    print(
+        f"hit-rate bound of this slice (one shared LRU cache with the fleet's GPU capacity): {bound:.1%}",
+        file=log,
+    )
     print(f"plot: {plot}   (total {time.monotonic() - t_start:.0f} s)", file=log, flush=True)
     if args.json:
         print(json.dumps(results, indent=2))

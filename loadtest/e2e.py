@@ -70,15 +70,25 @@ from loadtest.workload import (
 
 #: run name -> (router kind, policy); ``ttft_cache_first`` is ``ttft`` that never leaves the replica holding the
 #: deepest GPU-cached prefix for a shorter queue (policies/ttft_cache_first.py)
-RUNS: dict[str, tuple[str, str]] = {**COMPARED_RUNS, "kvroute_ttft_cache_first": ("kvroute", "ttft_cache_first"),
-                                    "kvroute_ttft_baseline": ("kvroute", "ttft")}
+RUNS: dict[str, tuple[str, str]] = {
+    **COMPARED_RUNS,
+    "kvroute_ttft_cache_first": ("kvroute", "ttft_cache_first"),
+    "kvroute_ttft_baseline": ("kvroute", "ttft"),
+}
 #: the run that starts kvroute from ``--baseline-root`` (another checkout: before / after in one run)
 BASELINE_RUN = "kvroute_ttft_baseline"
 
 
 #: keys every run object carries in the JSON output
-RESULT_KEYS = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "throughput_rps", "errors", "router_cpu_s_per_1k",
-               "requests")
+RESULT_KEYS = (
+    "hit_rate",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "throughput_rps",
+    "errors",
+    "router_cpu_s_per_1k",
+    "requests",
+)
 
 
 @dataclass(slots=True)
@@ -101,17 +111,20 @@ class RunConfig:
     profile_dir: Path | None = None
 
 
-def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: RunConfig,
-            fresh_engines: bool) -> dict[str, Any]:
+def run_one(
+    fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: RunConfig, fresh_engines: bool
+) -> dict[str, Any]:
     """Run one router over ``workload`` on cold engines and return its result object."""
     kind, policy = RUNS[name]
     load_before = os.getloadavg()[0]
     if fresh_engines:
         fleet.restart_engines() if fleet.engines else fleet.start_engines()
     root = cfg.baseline_root if name == BASELINE_RUN else None
-    router: RouterHandle = (fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args, root=root)
-                            if kind == "kvroute"
-                            else fleet.start_sglang_router(policy=policy, extra_args=cfg.sglang_args))
+    router: RouterHandle = (
+        fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args, root=root)
+        if kind == "kvroute"
+        else fleet.start_sglang_router(policy=policy, extra_args=cfg.sglang_args)
+    )
     try:
         h0, q0 = fleet.prefix_cache_counters()
         cpu0 = router.proc.cpu_seconds()
@@ -121,8 +134,14 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
 
         async def go() -> tuple[list[Any], float]:
             async with make_client() as client:
-                return await replay(router.url, workload, model=cfg.model, endpoint=cfg.endpoint,  # type: ignore[arg-type]
-                                    client=client, deadline_s=last + cfg.drain_timeout_s)
+                return await replay(
+                    router.url,
+                    workload,
+                    model=cfg.model,
+                    endpoint=cfg.endpoint,  # type: ignore[arg-type]
+                    client=client,
+                    deadline_s=last + cfg.drain_timeout_s,
+                )
 
         hogs = start_cpu_hogs(cfg.cpu_hogs, fleet)
         try:
@@ -144,18 +163,29 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
     hits, queries = h1 - h0, q1 - q0
     out: dict[str, Any] = {
         "hit_rate": round(hits / queries, 6) if queries > 0 else None,
-        "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s, "ttft_mean_s": s.ttft_mean_s,
-        "e2e_p50_s": s.e2e_p50_s, "e2e_p99_s": s.e2e_p99_s,
-        "throughput_rps": round(s.throughput_rps, 4), "errors": s.errors,
+        "ttft_p50_s": s.ttft_p50_s,
+        "ttft_p99_s": s.ttft_p99_s,
+        "ttft_mean_s": s.ttft_mean_s,
+        "e2e_p50_s": s.e2e_p50_s,
+        "e2e_p99_s": s.e2e_p99_s,
+        "throughput_rps": round(s.throughput_rps, 4),
+        "errors": s.errors,
         "router_cpu_s_per_1k": round((cpu1 - cpu0) / len(results) * 1000.0, 4) if results else None,
-        "requests": s.requests, "completed": s.completed, "wall_s": round(wall, 3),
-        "max_client_lag_s": round(s.max_lag_s, 4), "prefix_hit_tokens": hits, "prefix_query_tokens": queries,
-        "router": kind, "policy": policy,
+        "requests": s.requests,
+        "completed": s.completed,
+        "wall_s": round(wall, 3),
+        "max_client_lag_s": round(s.max_lag_s, 4),
+        "prefix_hit_tokens": hits,
+        "prefix_query_tokens": queries,
+        "router": kind,
+        "policy": policy,
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "cpu_hogs": cfg.cpu_hogs,
     }
     if results:
-        out["router_cpu_split_s_per_1k"] = {k: round(v / len(results) * 1000.0, 3) for k, v in threads.items()}
+        out["router_cpu_split_s_per_1k"] = {
+            k: round(v / len(results) * 1000.0, 3) for k, v in threads.items()
+        }
     if gate:
         out["dispatch"] = gate
     if spy is not None and spy.out_path.exists() and out["router_cpu_s_per_1k"]:
@@ -163,7 +193,9 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[ReplayRequest], cfg: Run
         out["cpu_profile_ms_per_request"] = per_request_ms(shares, out["router_cpu_s_per_1k"])
         loop_s = out.get("router_cpu_split_s_per_1k", {}).get("event_loop_threads_s")
         if loop_s:  # the event-loop threads' CPU (from /proc) split by their own samples
-            out["cpu_profile_loop_ms_per_request"] = per_request_ms(breakdown(spy.out_path, loop_only=True), loop_s)
+            out["cpu_profile_loop_ms_per_request"] = per_request_ms(
+                breakdown(spy.out_path, loop_only=True), loop_s
+            )
         out["cpu_profile_top_functions"] = top_functions(spy.out_path, 20)
         out["cpu_profile_raw"] = str(spy.out_path)
     if s.error_samples:
@@ -198,8 +230,11 @@ def dispatch_counters(url: str) -> dict[str, float]:
         samples = scrape_samples(url)
     except httpx.HTTPError:
         return {}
-    return {k.removeprefix("kvroute_dispatch_"): round(v, 3) for k, v in samples.items()
-            if k.startswith("kvroute_dispatch_")}
+    return {
+        k.removeprefix("kvroute_dispatch_"): round(v, 3)
+        for k, v in samples.items()
+        if k.startswith("kvroute_dispatch_")
+    }
 
 
 def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -223,15 +258,21 @@ def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """A fixed-width table of the runs, plus kvroute_ttft / sglang_cache_aware ratios when both ran."""
+
     def f(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    lines = [f"{'run':<22} {'hit_rate':>8} {'ttft_p50':>9} {'ttft_p99':>9} {'req/s':>7} {'errors':>6} "
-             f"{'cpu_s/1k':>8} {'requests':>8}"]
+    lines = [
+        f"{'run':<22} {'hit_rate':>8} {'ttft_p50':>9} {'ttft_p99':>9} {'req/s':>7} {'errors':>6} "
+        f"{'cpu_s/1k':>8} {'requests':>8}"
+    ]
     for name, r in results.items():
-        lines.append(f"{name:<22} {f(r['hit_rate'], '.3f'):>8} {f(r['ttft_p50_s'], '.3f'):>9} "
-                     f"{f(r['ttft_p99_s'], '.3f'):>9} {f(r['throughput_rps'], '.2f'):>7} {r['errors']:>6} "
-                     f"{f(r['router_cpu_s_per_1k'], '.2f'):>8} {r['requests']:>8}")
+        lines.append(
+            f"{name:<22} {f(r['hit_rate'], '.3f'):>8} {f(r['ttft_p50_s'], '.3f'):>9} "
+            f"{f(r['ttft_p99_s'], '.3f'):>9} {f(r['throughput_rps'], '.2f'):>7} {r['errors']:>6} "
+            f"{f(r['router_cpu_s_per_1k'], '.2f'):>8} {r['requests']:>8}"
+        )
+
     def ratio(x: Any, y: Any) -> str:
         return f"{x / y:.2f}" if x is not None and y else "-"
 
@@ -239,66 +280,123 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     for name in ("kvroute_ttft", "kvroute_ttft_cache_first"):
         a = results.get(name)
         if a and b:
-            lines.append(f"{name} / sglang_cache_aware: hit_rate x{ratio(a['hit_rate'], b['hit_rate'])}, "
-                         f"ttft_p99 x{ratio(a['ttft_p99_s'], b['ttft_p99_s'])}, "
-                         f"ttft_p50 x{ratio(a['ttft_p50_s'], b['ttft_p50_s'])}, "
-                         f"throughput x{ratio(a['throughput_rps'], b['throughput_rps'])}")
+            lines.append(
+                f"{name} / sglang_cache_aware: hit_rate x{ratio(a['hit_rate'], b['hit_rate'])}, "
+                f"ttft_p99 x{ratio(a['ttft_p99_s'], b['ttft_p99_s'])}, "
+                f"ttft_p50 x{ratio(a['ttft_p50_s'], b['ttft_p50_s'])}, "
+                f"throughput x{ratio(a['throughput_rps'], b['throughput_rps'])}"
+            )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags of ``python -m loadtest.e2e``."""
     p = argparse.ArgumentParser(prog="python -m loadtest.e2e", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default=None,
-                   help="Mooncake-format JSONL trace (default: ../shared/traces/mooncake_conversation_trace.jsonl "
-                        "or $KVROUTE_TRACE_DIR; 'generated' or a missing file: a generated workload)")
-    p.add_argument("--workload", default="agent",
-                   help="generated workload name (loadtest.traces.WORKLOADS) when no trace is used")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL trace (default: ../shared/traces/mooncake_conversation_trace.jsonl "
+        "or $KVROUTE_TRACE_DIR; 'generated' or a missing file: a generated workload)",
+    )
+    p.add_argument(
+        "--workload",
+        default="agent",
+        help="generated workload name (loadtest.traces.WORKLOADS) when no trace is used",
+    )
     p.add_argument("--replicas", type=int, default=4, help="fake engines")
     p.add_argument("--duration", type=float, default=150.0, help="wall seconds of arrivals per run")
-    p.add_argument("--time-scale", type=float, default=0.25,
-                   help="wall seconds per trace second, for arrivals and for the engines' simulated delays")
-    p.add_argument("--load-scale", type=float, default=0.5,
-                   help="extra arrival-rate multiplier (2 = twice the trace's rate; the default 0.5 keeps 4 A100 "
-                        "engines below saturation on the conversation trace)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.25,
+        help="wall seconds per trace second, for arrivals and for the engines' simulated delays",
+    )
+    p.add_argument(
+        "--load-scale",
+        type=float,
+        default=0.5,
+        help="extra arrival-rate multiplier (2 = twice the trace's rate; the default 0.5 keeps 4 A100 "
+        "engines below saturation on the conversation trace)",
+    )
     p.add_argument("--trace-start-s", type=float, default=0.0, help="trace time where the slice starts (s)")
     p.add_argument("--max-requests", type=int, default=0, help="at most this many requests (0 = no cap)")
-    p.add_argument("--max-output-tokens", type=int, default=64,
-                   help="cap each request's output length, tokens (0 = as in the trace; routing is about the "
-                        "prefill, and long decodes only stretch the run)")
-    p.add_argument("--routers", default=",".join(n for n in RUNS if n != BASELINE_RUN),
-                   help=f"comma-separated runs, from: {', '.join(RUNS)} (kvroute_ttft_cache_first: policy "
-                        "ttft_cache_first, which never leaves the deepest cached prefix's replica for a shorter "
-                        "queue)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run the whole sequence this many times (interleaved) and report means, standard "
-                        "deviations (<key>_sd) and every run (runs); one run of a load-aware policy on a small "
-                        "slice is not a measurement")
+    p.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=64,
+        help="cap each request's output length, tokens (0 = as in the trace; routing is about the "
+        "prefill, and long decodes only stretch the run)",
+    )
+    p.add_argument(
+        "--routers",
+        default=",".join(n for n in RUNS if n != BASELINE_RUN),
+        help=f"comma-separated runs, from: {', '.join(RUNS)} (kvroute_ttft_cache_first: policy "
+        "ttft_cache_first, which never leaves the deepest cached prefix's replica for a shorter "
+        "queue)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the whole sequence this many times (interleaved) and report means, standard "
+        "deviations (<key>_sd) and every run (runs); one run of a load-aware policy on a small "
+        "slice is not a measurement",
+    )
     p.add_argument("--profile", default="a100", help="fake engine timing profile")
     p.add_argument("--gpu-blocks", type=int, default=0, help="KV blocks per engine (0 = engine default)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--dialect", default="vllm", choices=["vllm", "sglang"], help="fake engine dialect")
     p.add_argument("--model", default="kvroute-fake", help="model id")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    p.add_argument("--drain-timeout-s", type=float, default=120.0,
-                   help="after the last arrival, wait at most this long for answers (s)")
-    p.add_argument("--kvroute-arg", action="append", default=[], metavar="FLAG",
-                   help="extra flag for kvroute serve, e.g. --kvroute-arg=--connect-timeout-s=10 (repeatable)")
-    p.add_argument("--no-scale-router-times", action="store_true",
-                   help="run kvroute's routing time constants (scrape interval, policy *_s parameters, predicted "
-                        "TTL, dispatch timers) in wall-clock seconds as in production, instead of multiplied by "
-                        "--time-scale like the engines' (the default; runs before the sixth session did this)")
-    p.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
-                   help="extra flag for sglang-router, e.g. --sglang-arg=--cache-threshold=0.5 (repeatable)")
-    p.add_argument("--cpu-hog", type=int, default=0, metavar="K",
-                   help="contention run: K busy-loop processes (one core each) run beside every router during its "
-                        "replay, the same for every router (0 = a quiet run)")
-    p.add_argument("--baseline-root", default=None, metavar="DIR",
-                   help="the kvroute_ttft_baseline run starts kvroute from this checkout (e.g. `git archive main | "
-                        "tar -x -C DIR`): two versions side by side in one run (default: this checkout)")
-    p.add_argument("--profile-router", default=None, metavar="DIR",
-                   help="sample each kvroute run with py-spy (files in DIR) and add the CPU breakdown per request "
-                        "(cpu_profile_ms_per_request, by category: loadtest/router_profile.py) to its result")
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=120.0,
+        help="after the last arrival, wait at most this long for answers (s)",
+    )
+    p.add_argument(
+        "--kvroute-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for kvroute serve, e.g. --kvroute-arg=--connect-timeout-s=10 (repeatable)",
+    )
+    p.add_argument(
+        "--no-scale-router-times",
+        action="store_true",
+        help="run kvroute's routing time constants (scrape interval, policy *_s parameters, predicted "
+        "TTL, dispatch timers) in wall-clock seconds as in production, instead of multiplied by "
+        "--time-scale like the engines' (the default; runs before the sixth session did this)",
+    )
+    p.add_argument(
+        "--sglang-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for sglang-router, e.g. --sglang-arg=--cache-threshold=0.5 (repeatable)",
+    )
+    p.add_argument(
+        "--cpu-hog",
+        type=int,
+        default=0,
+        metavar="K",
+        help="contention run: K busy-loop processes (one core each) run beside every router during its "
+        "replay, the same for every router (0 = a quiet run)",
+    )
+    p.add_argument(
+        "--baseline-root",
+        default=None,
+        metavar="DIR",
+        help="the kvroute_ttft_baseline run starts kvroute from this checkout (e.g. `git archive main | "
+        "tar -x -C DIR`): two versions side by side in one run (default: this checkout)",
+    )
+    p.add_argument(
+        "--profile-router",
+        default=None,
+        metavar="DIR",
+        help="sample each kvroute run with py-spy (files in DIR) and add the CPU breakdown per request "
+        "(cpu_profile_ms_per_request, by category: loadtest/router_profile.py) to its result",
+    )
     add_harness_args(p)
     return p
 
@@ -313,9 +411,15 @@ def load_workload(args: argparse.Namespace) -> tuple[Path | None, list[Request],
         print(f"trace {trace} not found: using the generated '{args.workload}' workload", file=sys.stderr)
         trace = None
     wall_per_trace_s = args.time_scale / args.load_scale
-    selection = select_requests(WorkloadOptions(
-        trace=trace, workload=args.workload, start_s=args.trace_start_s,
-        duration_s=args.duration / wall_per_trace_s, max_requests=args.max_requests or None))
+    selection = select_requests(
+        WorkloadOptions(
+            trace=trace,
+            workload=args.workload,
+            start_s=args.trace_start_s,
+            duration_s=args.duration / wall_per_trace_s,
+            max_requests=args.max_requests or None,
+        )
+    )
     workload = to_replay(selection, wall_per_trace_s, args.max_output_tokens or None)
     if not workload:
         print("the workload slice is empty", file=sys.stderr)
@@ -341,25 +445,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     trace, selection, workload = loaded
     model_dir = ensure_model_dir()
-    cfg = RunConfig(replicas=args.replicas, time_scale=args.time_scale, load_scale=args.load_scale,
-                    drain_timeout_s=args.drain_timeout_s, model=args.model, endpoint=args.endpoint,
-                    kvroute_args=tuple(args.kvroute_arg), sglang_args=tuple(args.sglang_arg),
-                    profile_dir=Path(args.profile_router).resolve() if args.profile_router else None,
-                    baseline_root=Path(args.baseline_root).resolve() if args.baseline_root else None,
-                    cpu_hogs=max(0, args.cpu_hog))
-    engine = EngineOptions(model=args.model, dialect=args.dialect, time_scale=args.time_scale,
-                           profile=args.profile, gpu_blocks=args.gpu_blocks or None, block_size=args.block_size,
-                           model_path=str(model_dir),
-                           kv_events_format="vllm" if args.dialect == "vllm" else "sglang")
-    bound = fleet_hit_rate_bound(selection, args.replicas, engine.gpu_blocks, engine.profile, engine.block_size,
-                                 engine.model)
-    print(f"e2e: {len(workload)} requests over {workload[-1].arrival_s:.1f} s wall "
-          f"({'trace ' + str(trace) if trace else 'generated ' + args.workload}), {args.replicas} fake engines "
-          f"({args.profile}, time-scale {args.time_scale}), shared-LRU hit-rate bound {bound:.4f}, "
-          f"runs: {', '.join(runs)}", file=sys.stderr)
+    cfg = RunConfig(
+        replicas=args.replicas,
+        time_scale=args.time_scale,
+        load_scale=args.load_scale,
+        drain_timeout_s=args.drain_timeout_s,
+        model=args.model,
+        endpoint=args.endpoint,
+        kvroute_args=tuple(args.kvroute_arg),
+        sglang_args=tuple(args.sglang_arg),
+        profile_dir=Path(args.profile_router).resolve() if args.profile_router else None,
+        baseline_root=Path(args.baseline_root).resolve() if args.baseline_root else None,
+        cpu_hogs=max(0, args.cpu_hog),
+    )
+    engine = EngineOptions(
+        model=args.model,
+        dialect=args.dialect,
+        time_scale=args.time_scale,
+        profile=args.profile,
+        gpu_blocks=args.gpu_blocks or None,
+        block_size=args.block_size,
+        model_path=str(model_dir),
+        kv_events_format="vllm" if args.dialect == "vllm" else "sglang",
+    )
+    bound = fleet_hit_rate_bound(
+        selection, args.replicas, engine.gpu_blocks, engine.profile, engine.block_size, engine.model
+    )
+    print(
+        f"e2e: {len(workload)} requests over {workload[-1].arrival_s:.1f} s wall "
+        f"({'trace ' + str(trace) if trace else 'generated ' + args.workload}), {args.replicas} fake engines "
+        f"({args.profile}, time-scale {args.time_scale}), shared-LRU hit-rate bound {bound:.4f}, "
+        f"runs: {', '.join(runs)}",
+        file=sys.stderr,
+    )
     results: dict[str, dict[str, Any]] = {}
-    fleet = Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None,
-                  scale_router_times=not args.no_scale_router_times)
+    fleet = Fleet(
+        args.replicas,
+        engine,
+        log_dir=args.log_dir,
+        keep_logs=args.log_dir is not None,
+        scale_router_times=not args.no_scale_router_times,
+    )
     per_run: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     try:
         for rep in range(args.repeat):
@@ -368,8 +494,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 r = run_one(fleet, name, workload, cfg, fresh_engines=True)
                 per_run[name].append(r)
                 tag = f" (repeat {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
-                print(f"  {name}{tag}: done in {time.monotonic() - t:.1f} s: hit_rate {r['hit_rate']}, ttft p50 "
-                      f"{r['ttft_p50_s']} s, p99 {r['ttft_p99_s']} s, errors {r['errors']}", file=sys.stderr)
+                print(
+                    f"  {name}{tag}: done in {time.monotonic() - t:.1f} s: hit_rate {r['hit_rate']}, ttft p50 "
+                    f"{r['ttft_p50_s']} s, p99 {r['ttft_p99_s']} s, errors {r['errors']}",
+                    file=sys.stderr,
+                )
     finally:
         fleet.stop()
     for name, rs in per_run.items():

@@ -80,9 +80,12 @@ def engine_counters(fleet: Fleet) -> dict[str, dict[str, float]]:
         legs = labelled(e.url, "fake_pd_requests_total", "leg")
         samples = fleet.scrape(e)
         reasons = labelled(e.url, "fake_pd_recomputed_total", "reason")
-        out[e.name] = {**{f"recomputed_{k}": v for k, v in reasons.items()},
-            "prefill_legs": legs.get("prefill", 0.0), "decode_legs": legs.get("decode", 0.0),
-            "plain": legs.get("plain", 0.0), "handoffs": samples.get("fake_pd_handoffs_total", 0.0),
+        out[e.name] = {
+            **{f"recomputed_{k}": v for k, v in reasons.items()},
+            "prefill_legs": legs.get("prefill", 0.0),
+            "decode_legs": legs.get("decode", 0.0),
+            "plain": legs.get("plain", 0.0),
+            "handoffs": samples.get("fake_pd_handoffs_total", 0.0),
             "handoff_s": samples.get("fake_pd_handoff_seconds_total", 0.0),
             "recomputed": samples.get("fake_pd_recomputed_total", 0.0),
             "missing_params": samples.get("fake_pd_missing_params_total", 0.0),
@@ -102,8 +105,12 @@ def router_legs(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
-def fidelity(fleet: Fleet, counters: dict[str, dict[str, float]], legs: dict[tuple[str, str], float] | None,
-             requests: int) -> dict[str, Any]:
+def fidelity(
+    fleet: Fleet,
+    counters: dict[str, dict[str, float]],
+    legs: dict[tuple[str, str], float] | None,
+    requests: int,
+) -> dict[str, Any]:
     """Did the engines serve the legs the router planned? (see the module docstring)."""
     recomputed = sum(c["recomputed"] for c in counters.values())
     missing = sum(c["missing_params"] for c in counters.values())
@@ -112,18 +119,25 @@ def fidelity(fleet: Fleet, counters: dict[str, dict[str, float]], legs: dict[tup
         mismatches = []
         in_place = sum(v for (_, leg), v in legs.items() if leg == "in_place")
         out["recomputed_unplanned"] = recomputed - sum(
-            legs.get((e.name, "in_place"), 0.0) for e in fleet.engines if e.role == "decode")
+            legs.get((e.name, "in_place"), 0.0) for e in fleet.engines if e.role == "decode"
+        )
         for e in fleet.engines:
             c = counters[e.name]
             if e.role == "decode" and legs.get((e.name, "in_place"), 0.0) != c["missing_params"]:
-                mismatches.append(f"{e.name}: router planned {legs.get((e.name, 'in_place'), 0.0)} in place, "
-                                  f"engine served {c['missing_params']} requests without hand-off parameters")
+                mismatches.append(
+                    f"{e.name}: router planned {legs.get((e.name, 'in_place'), 0.0)} in place, "
+                    f"engine served {c['missing_params']} requests without hand-off parameters"
+                )
             if legs.get((e.name, "prefill"), 0.0) != c["prefill_legs"]:
-                mismatches.append(f"{e.name}: router sent {legs.get((e.name, 'prefill'), 0.0)} prefill legs, "
-                                  f"engine served {c['prefill_legs']}")
+                mismatches.append(
+                    f"{e.name}: router sent {legs.get((e.name, 'prefill'), 0.0)} prefill legs, "
+                    f"engine served {c['prefill_legs']}"
+                )
             if legs.get((e.name, "decode"), 0.0) != c["handoffs"]:
-                mismatches.append(f"{e.name}: router sent {legs.get((e.name, 'decode'), 0.0)} decode legs, "
-                                  f"engine received {c['handoffs']} hand-offs")
+                mismatches.append(
+                    f"{e.name}: router sent {legs.get((e.name, 'decode'), 0.0)} decode legs, "
+                    f"engine received {c['handoffs']} hand-offs"
+                )
         out["legs_match"] = not mismatches
         out["mismatches"] = mismatches[:5]
         out["in_place"] = in_place
@@ -141,16 +155,24 @@ def per_request_share(fleet: Fleet, results: Sequence[Any]) -> float | None:
     disagg = [r for r in results if r.ok and r.served_by[0]]
     if not disagg:
         return None
-    matched = sum(1 for r in disagg
-                  if served.get(r.request_id) == {"prefill": r.served_by[0], "decode": r.served_by[1]})
+    matched = sum(
+        1 for r in disagg if served.get(r.request_id) == {"prefill": r.served_by[0], "decode": r.served_by[1]}
+    )
     return matched / len(disagg)
 
 
 def start_router(fleet: Fleet, kind: str, policy: str, args: argparse.Namespace) -> RouterHandle:
     """kvroute with the PD policy, or sglang-router in PD mode (prefill URL + bootstrap port, decode URL)."""
     if kind == "kvroute":
-        extra = ["--pd-policy", policy, "--pd-protocol", args.protocol or "auto",
-                 "--pd-link-bandwidth-gbps", repr(args.link_gbps), *args.kvroute_arg]
+        extra = [
+            "--pd-policy",
+            policy,
+            "--pd-protocol",
+            args.protocol or "auto",
+            "--pd-link-bandwidth-gbps",
+            repr(args.link_gbps),
+            *args.kvroute_arg,
+        ]
         return fleet.start_kvroute("ttft", extra_args=extra)
     return fleet.start_sglang_router_pd(policy=policy)
 
@@ -166,8 +188,14 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[Any], args: argparse.Nam
 
         async def go() -> tuple[list[Any], float]:
             async with make_client() as client:
-                return await replay(router.url, workload, model=args.model, endpoint=args.endpoint,
-                                    client=client, deadline_s=last + args.drain_timeout_s)
+                return await replay(
+                    router.url,
+                    workload,
+                    model=args.model,
+                    endpoint=args.endpoint,
+                    client=client,
+                    deadline_s=last + args.drain_timeout_s,
+                )
 
         cpu0 = router.proc.cpu_seconds()
         results, wall = asyncio.run(go())
@@ -183,15 +211,24 @@ def run_one(fleet: Fleet, name: str, workload: Sequence[Any], args: argparse.Nam
     hits, queries = fleet.prefix_cache_counters()
     handoffs = sum(c["handoffs"] for c in counters.values())
     out: dict[str, Any] = {
-        "router": kind, "policy": policy, "requests": s.requests, "errors": s.errors,
-        "ttft_p50_s": _r(s.ttft_p50_s), "ttft_p99_s": _r(s.ttft_p99_s), "ttft_mean_s": _r(s.ttft_mean_s),
-        "throughput_rps": round(s.throughput_rps, 4), "hit_rate": round(hits / queries, 6) if queries else None,
-        "plans": {k: int(v) for k, v in plans.items()}, "fallbacks": {k: int(v) for k, v in fallbacks.items()},
+        "router": kind,
+        "policy": policy,
+        "requests": s.requests,
+        "errors": s.errors,
+        "ttft_p50_s": _r(s.ttft_p50_s),
+        "ttft_p99_s": _r(s.ttft_p99_s),
+        "ttft_mean_s": _r(s.ttft_mean_s),
+        "throughput_rps": round(s.throughput_rps, 4),
+        "hit_rate": round(hits / queries, 6) if queries else None,
+        "plans": {k: int(v) for k, v in plans.items()},
+        "fallbacks": {k: int(v) for k, v in fallbacks.items()},
         "plan_fidelity": fidelity(fleet, counters, legs, s.requests),
-        "per_request_legs_match": share, "handoffs": int(handoffs),
+        "per_request_legs_match": share,
+        "handoffs": int(handoffs),
         "handoff_s_mean": _r(sum(c["handoff_s"] for c in counters.values()) / handoffs) if handoffs else None,
         "router_cpu_s_per_1k": round((cpu1 - cpu0) / len(results) * 1000.0, 4) if results else None,
-        "engines": counters, "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "engines": counters,
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     if s.error_samples:
         out["error_samples"] = s.error_samples
@@ -204,26 +241,35 @@ def _r(v: float | None) -> float | None:
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """A fixed-width table of the runs."""
+
     def f(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    lines = [f"{'run':<20} {'ttft_p50':>9} {'ttft_p99':>9} {'hit_rate':>8} {'req/s':>7} {'errors':>6} "
-             f"{'plans':>28} {'legs_match':>10} {'unplanned':>10}"]
+    lines = [
+        f"{'run':<20} {'ttft_p50':>9} {'ttft_p99':>9} {'hit_rate':>8} {'req/s':>7} {'errors':>6} "
+        f"{'plans':>28} {'legs_match':>10} {'unplanned':>10}"
+    ]
     for name, r in results.items():
         fid = r["plan_fidelity"]
         plans = ",".join(f"{k}={v}" for k, v in sorted(r["plans"].items())) or "-"
-        lines.append(f"{name:<20} {f(r['ttft_p50_s'], '.3f'):>9} {f(r['ttft_p99_s'], '.3f'):>9} "
-                     f"{f(r['hit_rate'], '.3f'):>8} {f(r['throughput_rps'], '.2f'):>7} {r['errors']:>6} "
-                     f"{plans:>28} {str(fid.get('legs_match', '-')):>10} "
-                     f"{fid.get('recomputed_unplanned', fid['recomputed']):>10.0f}")
+        lines.append(
+            f"{name:<20} {f(r['ttft_p50_s'], '.3f'):>9} {f(r['ttft_p99_s'], '.3f'):>9} "
+            f"{f(r['hit_rate'], '.3f'):>8} {f(r['throughput_rps'], '.2f'):>7} {r['errors']:>6} "
+            f"{plans:>28} {str(fid.get('legs_match', '-')):>10} "
+            f"{fid.get('recomputed_unplanned', fid['recomputed']):>10.0f}"
+        )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags of ``python -m loadtest.e2e_pd``."""
     p = argparse.ArgumentParser(prog="python -m loadtest.e2e_pd", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default=None, help="Mooncake-format JSONL trace (default: the conversation trace in "
-                   "../shared/traces; 'generated': a generated workload)")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format JSONL trace (default: the conversation trace in "
+        "../shared/traces; 'generated': a generated workload)",
+    )
     p.add_argument("--workload", default="agent", help="generated workload when no trace is used")
     p.add_argument("--prefill", type=int, default=2, help="prefill engines")
     p.add_argument("--decode", type=int, default=2, help="decode engines")
@@ -234,15 +280,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=0, help="at most this many requests (0 = no cap)")
     p.add_argument("--max-output-tokens", type=int, default=64, help="cap each request's output, tokens")
     p.add_argument("--routers", default=DEFAULT_RUNS, help=f"comma-separated runs, from: {', '.join(RUNS)}")
-    p.add_argument("--protocol", default=None, choices=["vllm", "mooncake", "sglang"],
-                   help="PD protocol (default: the dialect's)")
+    p.add_argument(
+        "--protocol",
+        default=None,
+        choices=["vllm", "mooncake", "sglang"],
+        help="PD protocol (default: the dialect's)",
+    )
     p.add_argument("--dialect", default="vllm", choices=["vllm", "sglang"], help="fake engine dialect")
     p.add_argument("--profile", default="a100", help="fake engine timing profile")
-    p.add_argument("--link-gbps", type=float, default=25.0, help="P->D link bandwidth, GB/s (engines and router)")
+    p.add_argument(
+        "--link-gbps", type=float, default=25.0, help="P->D link bandwidth, GB/s (engines and router)"
+    )
     p.add_argument("--model", default="kvroute-fake", help="model id")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    p.add_argument("--drain-timeout-s", type=float, default=120.0, help="wait for answers after the last arrival")
-    p.add_argument("--kvroute-arg", action="append", default=[], metavar="FLAG", help="extra kvroute serve flag")
+    p.add_argument(
+        "--drain-timeout-s", type=float, default=120.0, help="wait for answers after the last arrival"
+    )
+    p.add_argument(
+        "--kvroute-arg", action="append", default=[], metavar="FLAG", help="extra kvroute serve flag"
+    )
     add_harness_args(p)
     return p
 
@@ -263,23 +319,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     if loaded is None:
         return 2
     trace, _, workload = loaded
-    engine = EngineOptions(model=args.model, dialect=args.dialect, time_scale=args.time_scale,
-                           profile=args.profile, model_path=str(ensure_model_dir()), pd_protocol=args.protocol,
-                           kv_events_format="sglang" if args.dialect == "sglang" else "vllm",
-                           pd_link_gbps=args.link_gbps)
-    print(f"e2e_pd: {len(workload)} requests over {workload[-1].arrival_s:.1f} s wall "
-          f"({'trace ' + str(trace) if trace else 'generated ' + args.workload}), {args.prefill} prefill + "
-          f"{args.decode} decode fake engines ({args.profile}, time-scale {args.time_scale}), runs: "
-          f"{', '.join(runs)}", file=sys.stderr)
-    fleet = Fleet(args.prefill + args.decode, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None,
-                  roles=pd_roles(args.prefill, args.decode))
+    engine = EngineOptions(
+        model=args.model,
+        dialect=args.dialect,
+        time_scale=args.time_scale,
+        profile=args.profile,
+        model_path=str(ensure_model_dir()),
+        pd_protocol=args.protocol,
+        kv_events_format="sglang" if args.dialect == "sglang" else "vllm",
+        pd_link_gbps=args.link_gbps,
+    )
+    print(
+        f"e2e_pd: {len(workload)} requests over {workload[-1].arrival_s:.1f} s wall "
+        f"({'trace ' + str(trace) if trace else 'generated ' + args.workload}), {args.prefill} prefill + "
+        f"{args.decode} decode fake engines ({args.profile}, time-scale {args.time_scale}), runs: "
+        f"{', '.join(runs)}",
+        file=sys.stderr,
+    )
+    fleet = Fleet(
+        args.prefill + args.decode,
+        engine,
+        log_dir=args.log_dir,
+        keep_logs=args.log_dir is not None,
+        roles=pd_roles(args.prefill, args.decode),
+    )
     results: dict[str, dict[str, Any]] = {}
     try:
         for name in runs:
             t = time.monotonic()
             results[name] = r = run_one(fleet, name, workload, args)
-            print(f"  {name}: done in {time.monotonic() - t:.1f} s: ttft p50 {r['ttft_p50_s']} s, p99 "
-                  f"{r['ttft_p99_s']} s, errors {r['errors']}, plans {r['plans']}", file=sys.stderr)
+            print(
+                f"  {name}: done in {time.monotonic() - t:.1f} s: ttft p50 {r['ttft_p50_s']} s, p99 "
+                f"{r['ttft_p99_s']} s, errors {r['errors']}, plans {r['plans']}",
+                file=sys.stderr,
+            )
     finally:
         fleet.stop()
     print(format_table(results), file=sys.stderr)

@@ -89,8 +89,9 @@ class Turn:
     error: str = ""
 
 
-def make_conversations(n: int, turns: int, systems: int, system_words: int, user_words: int,
-                       seed: int = 0) -> list[list[tuple[str, str]]]:
+def make_conversations(
+    n: int, turns: int, systems: int, system_words: int, user_words: int, seed: int = 0
+) -> list[list[tuple[str, str]]]:
     """``n`` conversations: each a system prompt (one of ``systems`` shared ones) then ``turns`` (user,
     assistant) pairs of fixed text."""
     rnd = random.Random(seed)
@@ -105,8 +106,9 @@ def make_conversations(n: int, turns: int, systems: int, system_words: int, user
     return out
 
 
-def issue_order(conversations: Sequence[list[tuple[str, str]]],
-                concurrency: int) -> list[list[dict[str, str]]]:
+def issue_order(
+    conversations: Sequence[list[tuple[str, str]]], concurrency: int
+) -> list[list[dict[str, str]]]:
     """The chat requests of ``run_workload`` in the order it issues them, each as its message list.
 
     Approximation: ``run_workload``'s ``concurrency`` sessions run in lockstep, one turn each per round in session
@@ -128,8 +130,10 @@ def issue_order(conversations: Sequence[list[tuple[str, str]]],
             conv, i = slot
             history = [{"role": conv[0][0], "content": conv[0][1]}]
             for j in range(1, i, 2):
-                history += [{"role": "user", "content": conv[j][1]},
-                            {"role": "assistant", "content": conv[j + 1][1]}]
+                history += [
+                    {"role": "user", "content": conv[j][1]},
+                    {"role": "assistant", "content": conv[j + 1][1]},
+                ]
             history.append({"role": "user", "content": conv[i][1]})
             out.append(history)
             slots[s] = (conv, i + 2)
@@ -161,15 +165,22 @@ class ChatTokens:
 
     def render(self, messages: Sequence[dict[str, str]]) -> str:
         """The prompt text of ``messages`` (generation prompt included)."""
-        return str(self._template.render(messages=list(messages), add_generation_prompt=True, **self._special))
+        return str(
+            self._template.render(messages=list(messages), add_generation_prompt=True, **self._special)
+        )
 
     def encode(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The prompt's token ids."""
         return list(self._tok.encode(self.render(messages), add_special_tokens=False).ids)
 
 
-def workload_hit_rate_bounds(model_dir: Path, conversations: Sequence[list[tuple[str, str]]], concurrency: int,
-                             engines: int, gpu_blocks: int) -> tuple[float, float]:
+def workload_hit_rate_bounds(
+    model_dir: Path,
+    conversations: Sequence[list[tuple[str, str]]],
+    concurrency: int,
+    engines: int,
+    gpu_blocks: int,
+) -> tuple[float, float]:
     """(``hit_rate_bound``, ``hit_rate_bound_unlimited``) of the workload, computed without engines.
 
     Like the stand-in e2e (``loadtest.simulator.lru_hit_rate``): ONE shared LRU cache of blocks of
@@ -183,17 +194,28 @@ def workload_hit_rate_bounds(model_dir: Path, conversations: Sequence[list[tuple
     """
     tokens = ChatTokens(model_dir)
     seed = root_seed(MODEL)
-    prompts = [(block_keys(ids, BLOCK_SIZE, seed), len(ids))
-               for ids in (tokens.encode(m) for m in issue_order(conversations, concurrency))]
+    prompts = [
+        (block_keys(ids, BLOCK_SIZE, seed), len(ids))
+        for ids in (tokens.encode(m) for m in issue_order(conversations, concurrency))
+    ]
     bound = lru_block_hit_rate(prompts, BLOCK_SIZE, engines * gpu_blocks)
     unlimited = lru_block_hit_rate(prompts, BLOCK_SIZE, None)
     return round(bound, 4), round(unlimited, 4)
 
 
-async def one_turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int) -> Turn:
+async def one_turn(
+    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int
+) -> Turn:
     """Stream one chat completion; TTFT at the first chunk carrying choices, usage from the last chunk."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.monotonic()
     ttft: float | None = None
     usage: dict[str, Any] | None = None
@@ -214,12 +236,18 @@ async def one_turn(client: httpx.AsyncClient, url: str, messages: list[dict[str,
         return Turn(False, error=repr(exc))
     details = (usage or {}).get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens")
-    return Turn(ttft is not None, ttft, int(cached) if cached is not None else None,
-                int(predicted) if predicted is not None else None, "" if ttft is not None else "no chunk")
+    return Turn(
+        ttft is not None,
+        ttft,
+        int(cached) if cached is not None else None,
+        int(predicted) if predicted is not None else None,
+        "" if ttft is not None else "no chunk",
+    )
 
 
-async def run_workload(url: str, conversations: list[list[tuple[str, str]]], concurrency: int,
-                       max_tokens: int, timeout_s: float) -> list[Turn]:
+async def run_workload(
+    url: str, conversations: list[list[tuple[str, str]]], concurrency: int, max_tokens: int, timeout_s: float
+) -> list[Turn]:
     """Every conversation's turns in order; ``concurrency`` conversations at a time."""
     results: list[Turn] = []
     queue: asyncio.Queue[list[tuple[str, str]]] = asyncio.Queue()
@@ -240,17 +268,42 @@ async def run_workload(url: str, conversations: list[list[tuple[str, str]]], con
     return results
 
 
-def start_router(kind: str, policy: str, engines: Sequence[RealEngine], model_dir: Path,
-                 log_dir: Path, tag: str) -> tuple[ManagedProcess, str]:
+def start_router(
+    kind: str, policy: str, engines: Sequence[RealEngine], model_dir: Path, log_dir: Path, tag: str
+) -> tuple[ManagedProcess, str]:
     """Start kvroute (``policy``, hf tokenizer, block size 32) or sglang-router in front of ``engines``; wait
     until it is ready (no priming). Returns the process and its base URL."""
     port = free_port()
     url = f"http://{HOST}:{port}"
     if kind == "kvroute":
-        args = [sys.executable, "-m", "router.cli", "serve", "--host", HOST, "--port", str(port),
-                "--policy", policy, "--block-size", str(BLOCK_SIZE), "--tokenizer-mode", "hf",
-                "--tokenizer-path", str(model_dir), "--log-level", "warning", "--scrape-interval-s", "0.5",
-                "--probe-interval-s", "0.5", "--connect-timeout-s", "10", "--probe-timeout-s", "5"]
+        args = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--tokenizer-mode",
+            "hf",
+            "--tokenizer-path",
+            str(model_dir),
+            "--log-level",
+            "warning",
+            "--scrape-interval-s",
+            "0.5",
+            "--probe-interval-s",
+            "0.5",
+            "--connect-timeout-s",
+            "10",
+            "--probe-timeout-s",
+            "5",
+        ]
         for e in engines:
             args += ["--replica", e.replica_spec()]
         proc = ManagedProcess(args, f"router-{tag}", log_dir)
@@ -261,9 +314,25 @@ def start_router(kind: str, policy: str, engines: Sequence[RealEngine], model_di
         wait_ready(url + "/readyz", proc, 120, routable)
     else:
         prom = free_port()
-        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
-                "--policy", policy, "--prometheus-host", HOST, "--prometheus-port", str(prom),
-                "--log-level", "warn", "--worker-urls", *[e.url for e in engines]]
+        args = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--prometheus-host",
+            HOST,
+            "--prometheus-port",
+            str(prom),
+            "--log-level",
+            "warn",
+            "--worker-urls",
+            *[e.url for e in engines],
+        ]
         proc = ManagedProcess(args, f"router-{tag}", log_dir)
 
         def all_workers(r: httpx.Response) -> bool:
@@ -279,8 +348,9 @@ def cold_caches(engines: Sequence[RealEngine]) -> None:
     ``AllBlocksCleared`` is published before the next router connects."""
     for e in engines:
         reset_prefix_cache(e.url)
-        r = httpx.post(e.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
-                       timeout=60)
+        r = httpx.post(
+            e.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=60
+        )
         r.raise_for_status()
 
 
@@ -290,7 +360,9 @@ class EvictionCounter:
     def __init__(self, engines: Sequence[RealEngine]) -> None:
         self.removed = 0
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._listen, args=(e.events_url,), daemon=True) for e in engines]
+        self._threads = [
+            threading.Thread(target=self._listen, args=(e.events_url,), daemon=True) for e in engines
+        ]
         for t in self._threads:
             t.start()
 
@@ -332,28 +404,43 @@ def summarize_run(turns: Sequence[Turn], hits: float, queries: float, kind: str)
     ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
     p50, p99 = percentile(ttfts, 50), percentile(ttfts, 99)
     judged = [t for t in ok if t.cached is not None and t.predicted is not None]
-    fidelity = (sum(1 for t in judged if t.cached == t.predicted) / len(judged)) if kind == "kvroute" and judged \
+    fidelity = (
+        (sum(1 for t in judged if t.cached == t.predicted) / len(judged))
+        if kind == "kvroute" and judged
         else None
+    )
     out: dict[str, Any] = {
         "hit_rate": round(hits / queries, 4) if queries else None,
         "fidelity": round(fidelity, 4) if fidelity is not None else None,
         "ttft_p50_s": round(p50, 4) if p50 is not None else None,
         "ttft_p99_s": round(p99, 4) if p99 is not None else None,
-        "errors": len(turns) - len(ok), "requests": len(turns),
-        "prefix_hit_tokens": hits, "prefix_query_tokens": queries,
+        "errors": len(turns) - len(ok),
+        "requests": len(turns),
+        "prefix_hit_tokens": hits,
+        "prefix_query_tokens": queries,
         "engine_cached_tokens": sum(t.cached or 0 for t in ok),
     }
     if kind == "kvroute":
-        out["mispredicted_requests"] = [i for i, t in enumerate(ok) if t.cached is not None
-                                        and t.predicted is not None and t.cached != t.predicted][:20]
+        out["mispredicted_requests"] = [
+            i
+            for i, t in enumerate(ok)
+            if t.cached is not None and t.predicted is not None and t.cached != t.predicted
+        ][:20]
     errors = [t.error for t in turns if not t.ok]
     if errors:
         out["error_samples"] = errors[:5]
     return out
 
 
-def run_one(name: str, fleet: RealFleet, model_dir: Path, conversations: list[list[tuple[str, str]]],
-            args: argparse.Namespace, log_dir: Path, bounds: tuple[float, float]) -> dict[str, Any]:
+def run_one(
+    name: str,
+    fleet: RealFleet,
+    model_dir: Path,
+    conversations: list[list[tuple[str, str]]],
+    args: argparse.Namespace,
+    log_dir: Path,
+    bounds: tuple[float, float],
+) -> dict[str, Any]:
     """One router over the workload on cold caches; ``bounds`` from ``workload_hit_rate_bounds``."""
     kind, policy = RUNS[name]
     cold_caches(fleet.engines)
@@ -362,7 +449,9 @@ def run_one(name: str, fleet: RealFleet, model_dir: Path, conversations: list[li
     try:
         h0, q0 = counters(fleet.engines)
         t0 = time.monotonic()
-        turns = asyncio.run(run_workload(url, conversations, args.concurrency, args.max_tokens, args.timeout_s))
+        turns = asyncio.run(
+            run_workload(url, conversations, args.concurrency, args.max_tokens, args.timeout_s)
+        )
         wall = time.monotonic() - t0
         h1, q1 = counters(fleet.engines)
         if not proc.alive():
@@ -371,20 +460,34 @@ def run_one(name: str, fleet: RealFleet, model_dir: Path, conversations: list[li
         proc.stop()
         evicted = evictions.stop()
     out = summarize_run(turns, h1 - h0, q1 - q0, kind)
-    out.update({"hit_rate_bound": bounds[0], "hit_rate_bound_unlimited": bounds[1], "router": kind,
-                "policy": policy, "wall_s": round(wall, 2), "evicted_blocks": evicted})
+    out.update(
+        {
+            "hit_rate_bound": bounds[0],
+            "hit_rate_bound_unlimited": bounds[1],
+            "router": kind,
+            "policy": policy,
+            "wall_s": round(wall, 2),
+            "evicted_blocks": evicted,
+        }
+    )
     return out
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """A human table of the results."""
-    lines = [f"{'router':<22} {'hit_rate':>8} {'bound':>6} {'fidelity':>8} {'ttft_p50':>9} {'ttft_p99':>9} "
-             f"{'errors':>6} {'requests':>8}"]
+    lines = [
+        f"{'router':<22} {'hit_rate':>8} {'bound':>6} {'fidelity':>8} {'ttft_p50':>9} {'ttft_p99':>9} "
+        f"{'errors':>6} {'requests':>8}"
+    ]
     for name, r in results.items():
+
         def f(v: Any) -> str:
             return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
-        lines.append(f"{name:<22} {f(r['hit_rate']):>8} {f(r.get('hit_rate_bound')):>6} {f(r['fidelity']):>8} "
-                     f"{f(r['ttft_p50_s']):>9} {f(r['ttft_p99_s']):>9} {r['errors']:>6} {r['requests']:>8}")
+
+        lines.append(
+            f"{name:<22} {f(r['hit_rate']):>8} {f(r.get('hit_rate_bound')):>6} {f(r['fidelity']):>8} "
+            f"{f(r['ttft_p50_s']):>9} {f(r['ttft_p99_s']):>9} {r['errors']:>6} {r['requests']:>8}"
+        )
     return "\n".join(lines)
 
 
@@ -392,11 +495,17 @@ def build_parser() -> argparse.ArgumentParser:
     """Command-line options (units in the help)."""
     p = argparse.ArgumentParser(prog="python -m loadtest.e2e_real", description=__doc__.split("\n\n")[0])
     p.add_argument("--routers", default=",".join(RUNS), help=f"comma-separated runs out of {', '.join(RUNS)}")
-    p.add_argument("--engines", type=int, default=2, help="real engines (one CPU each, round-robin over CPUs)")
-    p.add_argument("--gpu-blocks", type=int, default=96, help="KV blocks of 32 tokens per engine (small: evicts)")
+    p.add_argument(
+        "--engines", type=int, default=2, help="real engines (one CPU each, round-robin over CPUs)"
+    )
+    p.add_argument(
+        "--gpu-blocks", type=int, default=96, help="KV blocks of 32 tokens per engine (small: evicts)"
+    )
     p.add_argument("--conversations", type=int, default=16, help="conversations in the workload")
     p.add_argument("--turns", type=int, default=6, help="user turns per conversation")
-    p.add_argument("--system-prompts", type=int, default=4, help="distinct system prompts shared by conversations")
+    p.add_argument(
+        "--system-prompts", type=int, default=4, help="distinct system prompts shared by conversations"
+    )
     p.add_argument("--system-words", type=int, default=400, help="words per system prompt (~1 token each)")
     p.add_argument("--user-words", type=int, default=40, help="words per user turn")
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
@@ -405,8 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary)")
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
-    p.add_argument("--bound-only", action="store_true",
-                   help="only compute the workload's hit_rate_bound (no vLLM, no engines) and exit")
+    p.add_argument(
+        "--bound-only",
+        action="store_true",
+        help="only compute the workload's hit_rate_bound (no vLLM, no engines) and exit",
+    )
     return p
 
 
@@ -421,11 +533,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvroute-e2e-real-"))
     model_dir = build_model_dir(log_dir / "tiny-llama")
-    conversations = make_conversations(args.conversations, args.turns, args.system_prompts, args.system_words,
-                                       args.user_words, args.seed)
-    bounds = workload_hit_rate_bounds(model_dir, conversations, args.concurrency, args.engines, args.gpu_blocks)
-    print(f"e2e_real: hit_rate_bound {bounds[0]} (one shared LRU of {args.engines} x {args.gpu_blocks} blocks of "
-          f"{BLOCK_SIZE} tokens), hit_rate_bound_unlimited {bounds[1]}", file=sys.stderr)
+    conversations = make_conversations(
+        args.conversations, args.turns, args.system_prompts, args.system_words, args.user_words, args.seed
+    )
+    bounds = workload_hit_rate_bounds(
+        model_dir, conversations, args.concurrency, args.engines, args.gpu_blocks
+    )
+    print(
+        f"e2e_real: hit_rate_bound {bounds[0]} (one shared LRU of {args.engines} x {args.gpu_blocks} blocks of "
+        f"{BLOCK_SIZE} tokens), hit_rate_bound_unlimited {bounds[1]}",
+        file=sys.stderr,
+    )
     if args.bound_only:
         if args.json:
             print(json.dumps({"hit_rate_bound": bounds[0], "hit_rate_bound_unlimited": bounds[1]}))
@@ -434,8 +552,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     python = ensure_vllm()
     cpus = sorted(os.sched_getaffinity(0))
     max_len = min(2048, (args.gpu_blocks - 1) * BLOCK_SIZE)
-    specs = [EngineSpec(f"r{i}", cpu=cpus[i % len(cpus)], gpu_blocks=args.gpu_blocks, max_model_len=max_len)
-             for i in range(args.engines)]
+    specs = [
+        EngineSpec(f"r{i}", cpu=cpus[i % len(cpus)], gpu_blocks=args.gpu_blocks, max_model_len=max_len)
+        for i in range(args.engines)
+    ]
     results: dict[str, dict[str, Any]] = {}
     with RealFleet(python, model_dir, specs, log_dir) as fleet:
         t0 = time.monotonic()

@@ -159,8 +159,9 @@ class HardwareProfile:
         )
 
 
-def _roofline_profile(name: str, description: str, flops: float, hbm: float, kv_capacity: float,
-                      link: float) -> HardwareProfile:
+def _roofline_profile(
+    name: str, description: str, flops: float, hbm: float, kv_capacity: float, link: float
+) -> HardwareProfile:
     """Profile of Qwen3-8B on a GPU with effective ``flops`` (FLOP/s) and ``hbm`` (bytes/s)."""
     return HardwareProfile(
         name=name,
@@ -178,11 +179,21 @@ def _roofline_profile(name: str, description: str, flops: float, hbm: float, kv_
 #: (RTX PRO 6000 per-round model, TV-16).
 PROFILES: dict[str, HardwareProfile] = {
     "a100": _roofline_profile(
-        "a100", "A100 80GB SXM, 156 TFLOP/s and 1020 GB/s effective (seeds 000 §9.2.3): 8192-token prefill 0.856 s",
-        156e12, 1020e9, kv_capacity=55e9, link=25e9),
+        "a100",
+        "A100 80GB SXM, 156 TFLOP/s and 1020 GB/s effective (seeds 000 §9.2.3): 8192-token prefill 0.856 s",
+        156e12,
+        1020e9,
+        kv_capacity=55e9,
+        link=25e9,
+    ),
     "h20": _roofline_profile(
-        "h20", "H20 SXM5 96GB, 74 TFLOP/s and 2048 GB/s effective (seeds 000 §9.2.3): 8192-token prefill 1.81 s",
-        74e12, 2048e9, kv_capacity=70e9, link=25e9),
+        "h20",
+        "H20 SXM5 96GB, 74 TFLOP/s and 2048 GB/s effective (seeds 000 §9.2.3): 8192-token prefill 1.81 s",
+        74e12,
+        2048e9,
+        kv_capacity=70e9,
+        link=25e9,
+    ),
     "rtx6000": HardwareProfile(
         name="rtx6000",
         description="RTX PRO 6000, per-round model 26.22 ms + 30.4 us/token + 3 ns/pair (seeds 004 §8.2, TV-16)",
@@ -224,8 +235,9 @@ def pack_token_ids(token_ids: Iterable[int]) -> bytes:
     return arr.tobytes()
 
 
-def engine_block_hashes(token_ids: bytes | Sequence[int], block_size: int, seed: int,
-                        parent: int = 0) -> list[int]:
+def engine_block_hashes(
+    token_ids: bytes | Sequence[int], block_size: int, seed: int, parent: int = 0
+) -> list[int]:
     """Engine-side hashes of the full blocks of ``token_ids`` (NOT the router's keys).
 
     ``h_i = xxh3_64(h_{i-1} as 8 LE bytes + block_i LE-uint32 bytes, seed=seed)``, ``h_{-1} = parent``.
@@ -236,7 +248,7 @@ def engine_block_hashes(token_ids: bytes | Sequence[int], block_size: int, seed:
     prev = parent
     hasher = xxhash.xxh3_64_intdigest
     for off in range(0, len(packed) - step + 1, step):
-        prev = hasher(prev.to_bytes(8, "little") + bytes(packed[off:off + step]), seed)
+        prev = hasher(prev.to_bytes(8, "little") + bytes(packed[off : off + step]), seed)
         out.append(prev)
     return out
 
@@ -442,8 +454,9 @@ class EngineModel:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
-        self.num_gpu_blocks = num_gpu_blocks if num_gpu_blocks is not None else default_gpu_blocks(
-            self.profile, block_size)
+        self.num_gpu_blocks = (
+            num_gpu_blocks if num_gpu_blocks is not None else default_gpu_blocks(self.profile, block_size)
+        )
         if self.num_gpu_blocks <= 0:
             raise ValueError("num_gpu_blocks must be positive")
         self.num_cpu_blocks = max(0, cpu_blocks)
@@ -474,7 +487,9 @@ class EngineModel:
         self._now = 0.0
         self._waiting: deque[EngineRequest] = deque()
         self._loading: list[EngineRequest] = []
-        self._prefilling: list[EngineRequest] = []  # admitted, fetched, prefill not finished (admission order)
+        self._prefilling: list[
+            EngineRequest
+        ] = []  # admitted, fetched, prefill not finished (admission order)
         self._decoding: dict[int, EngineRequest] = {}  # seq -> request
         self._decode_heap: list[tuple[int, int, EngineRequest]] = []  # (finish decode step, seq, request)
         self._dec_ctx = 0  # sum of context tokens of decoding requests
@@ -599,8 +614,13 @@ class EngineModel:
         last = self._decode_heap[0][0] - 1  # steps up to this one finish nobody
         ctx = self._dec_ctx
         hw = self.profile
-        s_tok, s_pair, w, kv, fixed = hw.s_per_token, hw.s_per_pair, hw.weight_read_s, hw.kv_read_s_per_token, \
-            hw.fixed_step_s
+        s_tok, s_pair, w, kv, fixed = (
+            hw.s_per_token,
+            hw.s_per_pair,
+            hw.weight_read_s,
+            hw.kv_read_s_per_token,
+            hw.fixed_step_s,
+        )
         base = n * s_tok
         done = 0
         while end <= until and d < last:
@@ -758,8 +778,11 @@ class EngineModel:
             chunks.append((r, c))
             budget -= c
         # admit waiting requests FCFS
-        while budget > 0 and self._waiting and \
-                len(self._prefilling) + len(self._decoding) + len(self._loading) < self.max_running:
+        while (
+            budget > 0
+            and self._waiting
+            and len(self._prefilling) + len(self._decoding) + len(self._loading) < self.max_running
+        ):
             r = self._waiting[0]
             if not self._admit(r, t):
                 break
@@ -891,14 +914,17 @@ class EngineModel:
                 import array
 
                 arr = array.array("I")
-                arr.frombytes(bytes(r.token_ids[4 * lo * bs:4 * (lo + n) * bs]))
+                arr.frombytes(bytes(r.token_ids[4 * lo * bs : 4 * (lo + n) * bs]))
                 tokens = arr.tolist()
             else:
-                tokens = list(r.token_ids[lo * bs:(lo + n) * bs])
+                tokens = list(r.token_ids[lo * bs : (lo + n) * bs])
             for j in range(n):
-                self._tokens[hashes[lo + j]] = pack_token_ids(tokens[j * bs:(j + 1) * bs])
-        self._events.append(BlockStored(t, list(hashes[lo:lo + n]), hashes[lo - 1] if lo else None, tokens,
-                                        self.block_size, "gpu"))
+                self._tokens[hashes[lo + j]] = pack_token_ids(tokens[j * bs : (j + 1) * bs])
+        self._events.append(
+            BlockStored(
+                t, list(hashes[lo : lo + n]), hashes[lo - 1] if lo else None, tokens, self.block_size, "gpu"
+            )
+        )
 
     def _finish_step(self, t: float, events: list[EngineEvent]) -> None:
         bs = self.block_size
@@ -947,8 +973,16 @@ class EngineModel:
                 ttft = t - r.arrival
                 self._ttft_count += 1
                 self._ttft_sum += ttft
-                events.append(FirstToken(t, r, r.hit_blocks * bs, r.cpu_hit_blocks * bs,
-                                         max(0.0, r.admitted_at - r.arrival), ttft))
+                events.append(
+                    FirstToken(
+                        t,
+                        r,
+                        r.hit_blocks * bs,
+                        r.cpu_hit_blocks * bs,
+                        max(0.0, r.admitted_at - r.arrival),
+                        ttft,
+                    )
+                )
                 if self.emit_tokens:
                     events.append(Token(t, r, 0))
                 if r.output_tokens <= 1:
@@ -971,7 +1005,7 @@ class EngineModel:
         ref = self._ref
         held = r.held_blocks
         if held:
-            rev = hashes[held - 1::-1]
+            rev = hashes[held - 1 :: -1]
             counts = list(map(sub, map(ref.__getitem__, rev), repeat(1)))
             ref.update(zip(rev, counts, strict=True))
             # tail first into the LRU queue: a block is queued no earlier than its descendants
@@ -1015,7 +1049,9 @@ class EngineModel:
                         arr = array.array("I")
                         arr.frombytes(tok)
                         toks = arr.tolist()
-                    self._events.append(BlockStored(t, [h], self._parent.get(h), toks, self.block_size, "cpu"))
+                    self._events.append(
+                        BlockStored(t, [h], self._parent.get(h), toks, self.block_size, "cpu")
+                    )
             if self.emit_kv_events:
                 self._events.append(gpu_removed)
             dropped = list(islice(cpu, max(0, len(cpu) - self.num_cpu_blocks)))

@@ -31,7 +31,9 @@ CHUNK = 65536
 
 def header_map(headers: dict[str, str]) -> Any:
     """An Envoy ``HeaderMap`` (values as ``raw_value`` bytes, as Envoy sends them)."""
-    return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()])
+    return base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    )
 
 
 def subset_metadata(subset: list[str] | None) -> Any:
@@ -103,21 +105,40 @@ class GatewayStream:
         self.call.cancel()
         self._q.put(None)
 
-    def request(self, path: str, body: bytes | None, *, headers: dict[str, str] | None = None,
-                subset: list[str] | None = None, chunk: int = CHUNK, method: str = "POST") -> Picked:
+    def request(
+        self,
+        path: str,
+        body: bytes | None,
+        *,
+        headers: dict[str, str] | None = None,
+        subset: list[str] | None = None,
+        chunk: int = CHUNK,
+        method: str = "POST",
+    ) -> Picked:
         """Send the request headers (+ the body in ``chunk``-byte messages) and read the picker's answers."""
-        h = {":method": method, ":path": path, ":authority": "gateway", "content-type": "application/json",
-             **(headers or {})}
+        h = {
+            ":method": method,
+            ":path": path,
+            ":authority": "gateway",
+            "content-type": "application/json",
+            **(headers or {}),
+        }
         if body is not None:
             h["content-length"] = str(len(body))
-        self.send(pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=header_map(h),
-                                                                      end_of_stream=body is None),
-                                       metadata_context=subset_metadata(subset)))
+        self.send(
+            pb.ProcessingRequest(
+                request_headers=pb.HttpHeaders(headers=header_map(h), end_of_stream=body is None),
+                metadata_context=subset_metadata(subset),
+            )
+        )
         if body is not None:
-            pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)] or [b""]
+            pieces = [body[i : i + chunk] for i in range(0, len(body), chunk)] or [b""]
             for i, piece in enumerate(pieces):
-                self.send(pb.ProcessingRequest(request_body=pb.HttpBody(body=piece,
-                                                                        end_of_stream=i == len(pieces) - 1)))
+                self.send(
+                    pb.ProcessingRequest(
+                        request_body=pb.HttpBody(body=piece, end_of_stream=i == len(pieces) - 1)
+                    )
+                )
         return self._read_pick(body is not None)
 
     def _read_pick(self, bodied: bool) -> Picked:
@@ -130,7 +151,9 @@ class GatewayStream:
         _expect(first, "request_headers")
         common = first.request_headers.response
         out.clear_route_cache = common.clear_route_cache
-        out.set_headers = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+        out.set_headers = {
+            h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers
+        }
         out.endpoint = out.set_headers.get(DEST)
         lb = first.dynamic_metadata.fields["envoy.lb"].struct_value.fields
         out.metadata_endpoint = lb[DEST].string_value if DEST in lb else None
@@ -149,12 +172,19 @@ class GatewayStream:
         out.body = b"".join(parts)
         return out
 
-    def relay_response(self, endpoint: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    def relay_response(
+        self, endpoint: str, path: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> bytes:
         """Forward the (possibly rewritten) body to the picked engine, pass the engine's answer through the
         picker's response path as Envoy does, and return what the client receives."""
         client_sees: list[bytes] = []
-        with httpx.stream("POST", f"http://{endpoint}{path}", content=body, timeout=30,
-                          headers={"content-type": "application/json", **(headers or {})}) as resp:
+        with httpx.stream(
+            "POST",
+            f"http://{endpoint}{path}",
+            content=body,
+            timeout=30,
+            headers={"content-type": "application/json", **(headers or {})},
+        ) as resp:
             rh = {":status": str(resp.status_code), **{k: v for k, v in resp.headers.items()}}
             self.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=header_map(rh))))
             answer = self.recv()

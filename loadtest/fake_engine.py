@@ -87,8 +87,24 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_WORDS = ("the", " cache", " is", " warm", " and", " the", " answer", " is", " ready", ".", " More", " tokens",
-          " follow", " here", ",", " then")
+_WORDS = (
+    "the",
+    " cache",
+    " is",
+    " warm",
+    " and",
+    " the",
+    " answer",
+    " is",
+    " ready",
+    ".",
+    " More",
+    " tokens",
+    " follow",
+    " here",
+    ",",
+    " then",
+)
 VERSION = {"vllm": "0.33.0", "sglang": "0.5.23"}
 
 
@@ -149,11 +165,15 @@ class EngineTokenizer:
             return bytes(i & 0xFF for i in ids).decode("utf-8", "replace")
         return str(self._tok.decode(list(ids)))
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """The chat template applied to ``messages`` (text, like HF ``apply_chat_template(tokenize=False)``)."""
-        return str(self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special, **kwargs))
+        return str(
+            self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special, **kwargs
+            )
+        )
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Ids of a chat request: template rendered, then tokenized without adding special tokens again."""
@@ -167,10 +187,12 @@ def _compile(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                       extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: (
         json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
     return env.from_string(source)
@@ -253,24 +275,44 @@ class FakeEngine:
         else:  # like vLLM's random NONE_HASH: a new seed per process
             self.hash_seed = xxhash.xxh3_64_intdigest(os.urandom(16))
         self.model = EngineModel(
-            get_profile(opts.profile), num_gpu_blocks=opts.gpu_blocks, block_size=opts.block_size,
-            cpu_blocks=opts.cpu_blocks, max_batch_tokens=opts.max_batch_tokens, max_running=opts.max_running,
-            emit_tokens=True, emit_kv_events=opts.kv_events_port is not None, hash_seed=self.hash_seed,
-            name=opts.model)
-        self.kv_faults = Faults(drop_every=opts.fault_drop_every, drop_unbuffered=opts.fault_drop_unbuffered,
-                                duplicate_every=opts.fault_duplicate_every, kv_garbage_every=opts.fault_kv_garbage_every,
-                                replay_delay_s=opts.fault_replay_delay_s, replay_disabled=opts.fault_replay_disabled)
-        self.http_faults = HttpFaults(stall_s=opts.fault_stall_s, error_every=opts.fault_error_every,
-                                      garbage_every=opts.fault_garbage_every,
-                                      die_after_tokens=opts.fault_die_after_tokens)
+            get_profile(opts.profile),
+            num_gpu_blocks=opts.gpu_blocks,
+            block_size=opts.block_size,
+            cpu_blocks=opts.cpu_blocks,
+            max_batch_tokens=opts.max_batch_tokens,
+            max_running=opts.max_running,
+            emit_tokens=True,
+            emit_kv_events=opts.kv_events_port is not None,
+            hash_seed=self.hash_seed,
+            name=opts.model,
+        )
+        self.kv_faults = Faults(
+            drop_every=opts.fault_drop_every,
+            drop_unbuffered=opts.fault_drop_unbuffered,
+            duplicate_every=opts.fault_duplicate_every,
+            kv_garbage_every=opts.fault_kv_garbage_every,
+            replay_delay_s=opts.fault_replay_delay_s,
+            replay_disabled=opts.fault_replay_disabled,
+        )
+        self.http_faults = HttpFaults(
+            stall_s=opts.fault_stall_s,
+            error_every=opts.fault_error_every,
+            garbage_every=opts.fault_garbage_every,
+            die_after_tokens=opts.fault_die_after_tokens,
+        )
         self.publisher: KVEventPublisher | None = None
         if opts.kv_events_port is not None:
             host = opts.kv_host or opts.host
             self.publisher = KVEventPublisher(
-                opts.kv_events_format, f"tcp://{host}:{opts.kv_events_port}",
+                opts.kv_events_format,
+                f"tcp://{host}:{opts.kv_events_port}",
                 f"tcp://{host}:{opts.kv_replay_port}" if opts.kv_replay_port is not None else None,
-                topic=opts.kv_topic, buffer_steps=opts.kv_buffer_steps, dp_rank=opts.dp_rank,
-                hash_bytes=opts.kv_hash_bytes, faults=self.kv_faults)
+                topic=opts.kv_topic,
+                buffer_steps=opts.kv_buffer_steps,
+                dp_rank=opts.dp_rank,
+                hash_bytes=opts.kv_hash_bytes,
+                faults=self.kv_faults,
+            )
         self.tokenizer = EngineTokenizer(opts.tokenizer_path or _tokenizer_dir(opts.model_path))
         self.loras: set[str] = set(opts.lora or [])
         self.served: list[str] = [opts.model, *(opts.served_model_name or [])]
@@ -342,8 +384,14 @@ class FakeEngine:
             return self.hash_seed
         return xxhash.xxh3_64_intdigest(f"{lora}\x00{salt}".encode(), self.hash_seed)
 
-    def submit(self, token_ids: list[int], max_tokens: int, lora: str | None = None,
-               salt: str | None = None, remote_kv_tokens: int = 0) -> _Req:
+    def submit(
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        lora: str | None = None,
+        salt: str | None = None,
+        remote_kv_tokens: int = 0,
+    ) -> _Req:
         """Queue a request in the model now; returns its state (events arrive on ``state.queue``).
         ``remote_kv_tokens``: prompt tokens whose KV a prefill engine handed over (PD decode legs)."""
         now = self.now()
@@ -356,8 +404,15 @@ class FakeEngine:
         if lora is not None or salt is not None:
             for h in hashes:
                 self._meta[h] = (lora, salt)
-        req = EngineRequest(request_id=str(self._counter), prompt_tokens=len(token_ids), output_tokens=max_tokens,
-                            block_hashes=hashes, token_ids=token_ids, tag=state, remote_kv_tokens=remote_kv_tokens)
+        req = EngineRequest(
+            request_id=str(self._counter),
+            prompt_tokens=len(token_ids),
+            output_tokens=max_tokens,
+            block_hashes=hashes,
+            token_ids=token_ids,
+            tag=state,
+            remote_kv_tokens=remote_kv_tokens,
+        )
         state.engine_request = req
         self.model.submit(req, now)
         self._wake.set()
@@ -379,7 +434,7 @@ class FakeEngine:
                 j = i + 1
                 while j < n and isinstance(events[j], BlockStored) and events[j].tier == "cpu":
                     j += 1
-                out.extend(events[i + 1:j])
+                out.extend(events[i + 1 : j])
                 out.append(ev)
                 i = j
             else:
@@ -416,8 +471,17 @@ class FakeEngine:
                 if ev.token_ids is None:
                     continue
                 lora, salt = self._meta.get(ev.block_hashes[0], (None, None))
-                kv.append(PubStored(list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
-                                    ev.block_size, ev.tier, lora, salt))
+                kv.append(
+                    PubStored(
+                        list(ev.block_hashes),
+                        ev.parent_block_hash,
+                        list(ev.token_ids),
+                        ev.block_size,
+                        ev.tier,
+                        lora,
+                        salt,
+                    )
+                )
             elif isinstance(ev, BlockRemoved):
                 kv.append(PubRemoved(list(ev.block_hashes), ev.tier))
                 if self._meta:
@@ -465,7 +529,9 @@ class FakeEngine:
             return
         steps = [ev for ev in events if not isinstance(ev, BlockRemoved | AllBlocksCleared)]
         self._dispatch(steps)
-        self._deferred_kv.extend(self._kv_of([ev for ev in events if isinstance(ev, BlockRemoved | AllBlocksCleared)]))
+        self._deferred_kv.extend(
+            self._kv_of([ev for ev in events if isinstance(ev, BlockRemoved | AllBlocksCleared)])
+        )
 
     def restart(self) -> None:
         """Simulate a process restart: cache dropped without events, event sequence back to 0."""
@@ -497,10 +563,53 @@ def _tokenizer_dir(model_path: str | None) -> str | None:
 
 # -- /metrics ----------------------------------------------------------------------------------------------------
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-REQ_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                    480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+REQ_TIME_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -522,25 +631,38 @@ class MetricsExporter:
         if self.dialect == "vllm":
             p = "vllm:"
             self.labels = {"model_name": opts.model, "engine": "0"}
-            names = {"ttft": p + "time_to_first_token_seconds", "queue": p + "request_queue_time_seconds",
-                     "prefill": p + "request_prefill_time_seconds", "e2e": p + "e2e_request_latency_seconds",
-                     "prompt": p + "request_prompt_tokens"}
+            names = {
+                "ttft": p + "time_to_first_token_seconds",
+                "queue": p + "request_queue_time_seconds",
+                "prefill": p + "request_prefill_time_seconds",
+                "e2e": p + "e2e_request_latency_seconds",
+                "prompt": p + "request_prompt_tokens",
+            }
         else:
             p = opts.metrics_prefix
             self.labels = {"model_name": opts.model}
-            names = {"ttft": p + "time_to_first_token_seconds", "queue": p + "queue_time_seconds",
-                     "e2e": p + "e2e_request_latency_seconds"}
+            names = {
+                "ttft": p + "time_to_first_token_seconds",
+                "queue": p + "queue_time_seconds",
+                "e2e": p + "e2e_request_latency_seconds",
+            }
         self.prefix = p
         lab = list(self.labels)
 
         def hist(key: str, doc: str, buckets: Sequence[float]) -> Any:
             if key not in names:
                 return None
-            return Histogram(names[key], doc, lab, buckets=buckets, registry=self.registry).labels(**self.labels)
+            return Histogram(names[key], doc, lab, buckets=buckets, registry=self.registry).labels(
+                **self.labels
+            )
 
         self.h_ttft = hist("ttft", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.h_queue = hist("queue", "Histogram of time spent in WAITING phase for request.", REQ_TIME_BUCKETS)
-        self.h_prefill = hist("prefill", "Histogram of time spent in PREFILL phase for request.", REQ_TIME_BUCKETS)
+        self.h_queue = hist(
+            "queue", "Histogram of time spent in WAITING phase for request.", REQ_TIME_BUCKETS
+        )
+        self.h_prefill = hist(
+            "prefill", "Histogram of time spent in PREFILL phase for request.", REQ_TIME_BUCKETS
+        )
         self.h_e2e = hist("e2e", "Histogram of end to end request latency in seconds.", REQ_TIME_BUCKETS)
         self.h_prompt = hist("prompt", "Number of prefill tokens processed.", TOKEN_BUCKETS)
         self.registry.register(self)
@@ -587,55 +709,112 @@ class MetricsExporter:
             return c
 
         if self.dialect == "vllm":
-            yield gauge("num_requests_running", "Number of requests in model execution batches.",
-                        m.num_requests_running)
-            yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                        m.num_requests_waiting)
+            yield gauge(
+                "num_requests_running",
+                "Number of requests in model execution batches.",
+                m.num_requests_running,
+            )
+            yield gauge(
+                "num_requests_waiting", "Number of requests waiting to be processed.", m.num_requests_waiting
+            )
             yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage)
-            yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                          m.prefix_cache_queries)
-            yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                          m.prefix_cache_hits)
+            yield counter(
+                "prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                m.prefix_cache_queries,
+            )
+            yield counter(
+                "prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                m.prefix_cache_hits,
+            )
             if m.num_cpu_blocks:
-                yield counter("external_prefix_cache_queries",
-                              "External prefix cache queries from KV connector cross-instance cache sharing, in "
-                              "terms of number of queried tokens.", m.prefix_cache_queries)
-                yield counter("external_prefix_cache_hits",
-                              "External prefix cache hits from KV connector cross-instance cache sharing, in "
-                              "terms of number of cached tokens.", m.cpu_cache_hits)
+                yield counter(
+                    "external_prefix_cache_queries",
+                    "External prefix cache queries from KV connector cross-instance cache sharing, in "
+                    "terms of number of queried tokens.",
+                    m.prefix_cache_queries,
+                )
+                yield counter(
+                    "external_prefix_cache_hits",
+                    "External prefix cache hits from KV connector cross-instance cache sharing, in "
+                    "terms of number of cached tokens.",
+                    m.cpu_cache_hits,
+                )
             yield counter("num_preemptions", "Cumulative number of preemption from the engine.", m.preempted)
             yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens_total)
-            yield counter("generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total)
-            rs = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                     labels=[*lab, "finished_reason"])
+            yield counter(
+                "generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total
+            )
+            rs = CounterMetricFamily(
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                labels=[*lab, "finished_reason"],
+            )
             rs.add_metric([*val, "length"], m.requests_finished)
             yield rs
-            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                     labels=["block_size", "cache_dtype", "enable_prefix_caching", "engine",
-                                             "gpu_memory_utilization", "num_cpu_blocks", "num_gpu_blocks",
-                                             "prefix_caching_hash_algo"])
-            info.add_metric([str(m.block_size), "auto", "True", "0", "0.9",
-                             str(m.num_cpu_blocks) if m.num_cpu_blocks else "None", str(m.num_gpu_blocks),
-                             "sha256"], 1.0)
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=[
+                    "block_size",
+                    "cache_dtype",
+                    "enable_prefix_caching",
+                    "engine",
+                    "gpu_memory_utilization",
+                    "num_cpu_blocks",
+                    "num_gpu_blocks",
+                    "prefix_caching_hash_algo",
+                ],
+            )
+            info.add_metric(
+                [
+                    str(m.block_size),
+                    "auto",
+                    "True",
+                    "0",
+                    "0.9",
+                    str(m.num_cpu_blocks) if m.num_cpu_blocks else "None",
+                    str(m.num_gpu_blocks),
+                    "sha256",
+                ],
+                1.0,
+            )
             yield info
         else:
             cap_tokens = m.num_gpu_blocks * m.block_size
             yield gauge("num_running_reqs", "The number of running requests.", m.num_requests_running)
-            yield gauge("num_queue_reqs", "The number of requests in the waiting queue.", m.num_requests_waiting)
+            yield gauge(
+                "num_queue_reqs", "The number of requests in the waiting queue.", m.num_requests_waiting
+            )
             yield gauge("num_used_tokens", "The number of used tokens.", round(m.kv_usage * cap_tokens))
-            yield gauge("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", cap_tokens)
+            yield gauge(
+                "max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", cap_tokens
+            )
             yield gauge("token_usage", "The token usage.", m.kv_usage)
-            hit = (m.prefix_cache_hits + m.cpu_cache_hits) / m.prefix_cache_queries if m.prefix_cache_queries else 0.0
+            hit = (
+                (m.prefix_cache_hits + m.cpu_cache_hits) / m.prefix_cache_queries
+                if m.prefix_cache_queries
+                else 0.0
+            )
             yield gauge("cache_hit_rate", "The prefix cache hit rate.", hit)
             yield gauge("gen_throughput", "The generation throughput (token/s).", 0.0)
             # SGLang counts every prompt token here (cached ones too), next to cached_tokens_total
-            yield counter("prompt_tokens", "Number of prefill tokens processed.",
-                          m.prompt_tokens_total + m.prefix_cache_hits + m.cpu_cache_hits)
-            yield counter("generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total)
-            yield counter("cached_tokens", "Number of cached prompt tokens.", m.prefix_cache_hits + m.cpu_cache_hits)
+            yield counter(
+                "prompt_tokens",
+                "Number of prefill tokens processed.",
+                m.prompt_tokens_total + m.prefix_cache_hits + m.cpu_cache_hits,
+            )
+            yield counter(
+                "generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total
+            )
+            yield counter(
+                "cached_tokens", "Number of cached prompt tokens.", m.prefix_cache_hits + m.cpu_cache_hits
+            )
             yield counter("num_requests", "Number of requests processed.", m.requests_finished)
-            info = GaugeMetricFamily(self.prefix + "cache_config_info", "Cache configuration",
-                                     labels=["page_size", "num_pages"])
+            info = GaugeMetricFamily(
+                self.prefix + "cache_config_info", "Cache configuration", labels=["page_size", "num_pages"]
+            )
             info.add_metric([str(m.block_size), str(m.num_gpu_blocks)], 1.0)
             yield info
         if self.engine.pd.enabled:
@@ -663,9 +842,17 @@ class BadRequest(Exception):
 
 def _error(message: str, status: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
     """A client or server error in vLLM's ErrorResponse shape (HTTP ``status``)."""
-    return JSONResponse({"object": "error", "message": message, "type": err_type, "param": None,
-                         "code": status, "error": {"message": message, "type": err_type, "code": status}},
-                        status_code=status)
+    return JSONResponse(
+        {
+            "object": "error",
+            "message": message,
+            "type": err_type,
+            "param": None,
+            "code": status,
+            "error": {"message": message, "type": err_type, "code": status},
+        },
+        status_code=status,
+    )
 
 
 async def _body_of(request: Request) -> dict[str, Any]:
@@ -734,9 +921,11 @@ class EngineHttp:
             raise BadRequest("the prompt must contain at least one token")
         max_len = self.opts.max_model_len
         if prompt_len + mt > max_len:
-            raise BadRequest(f"This model's maximum context length is {max_len} tokens. However, you "
-                             f"requested {prompt_len + mt} tokens ({prompt_len} in the messages, {mt} in the "
-                             f"completion). Please reduce the length of the messages or completion.")
+            raise BadRequest(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {prompt_len + mt} tokens ({prompt_len} in the messages, {mt} in the "
+                f"completion). Please reduce the length of the messages or completion."
+            )
         return mt
 
     def prompt_ids(self, body: dict[str, Any]) -> list[int]:
@@ -745,9 +934,12 @@ class EngineHttp:
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
             p = p[0]
         if isinstance(p, str):
-            return self.engine.tokenizer.encode(p, add_special_tokens=bool(body.get("add_special_tokens", True)))
-        if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
-                                       for t in p):
+            return self.engine.tokenizer.encode(
+                p, add_special_tokens=bool(body.get("add_special_tokens", True))
+            )
+        if isinstance(p, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in p
+        ):
             return list(p)
         raise BadRequest("'prompt' must be a string or a list of token ids")
 
@@ -765,15 +957,26 @@ class EngineHttp:
     def usage(self, st: _Req, completion: int) -> dict[str, Any]:
         """The OpenAI ``usage`` object of a request that produced ``completion`` tokens."""
         details = {"cached_tokens": st.cached_tokens} if self.opts.enable_prompt_tokens_details else None
-        return {"prompt_tokens": st.prompt_tokens, "total_tokens": st.prompt_tokens + completion,
-                "completion_tokens": completion, "prompt_tokens_details": details}
+        return {
+            "prompt_tokens": st.prompt_tokens,
+            "total_tokens": st.prompt_tokens + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": details,
+        }
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's ``/model_info`` body."""
-        return {"model_path": self.model_path, "tokenizer_path": self.opts.tokenizer_path or self.model_path,
-                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
-                "has_image_understanding": False, "has_audio_understanding": False,
-                "model_type": "fake", "architectures": ["FakeForCausalLM"]}
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.opts.tokenizer_path or self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "fake",
+            "architectures": ["FakeForCausalLM"],
+        }
 
     # -- generation ----------------------------------------------------------------------------------------
     async def faults_before(self) -> Response | None:
@@ -816,7 +1019,9 @@ class EngineHttp:
             return faulty
         model_name = body.get("model") or self.opts.model
         so = body.get("stream_options")
-        include_usage = self.opts.force_include_usage or (isinstance(so, dict) and bool(so.get("include_usage")))
+        include_usage = self.opts.force_include_usage or (
+            isinstance(so, dict) and bool(so.get("include_usage"))
+        )
         pd = self.engine.pd
         try:
             leg = await pd.leg_of(body, len(ids), request.headers, lambda: _until_disconnected(request))
@@ -831,8 +1036,9 @@ class EngineHttp:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if bool(body.get("stream", False)):
-            return StreamingResponse(self.stream(st, rid, created, model_name, chat, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self.stream(st, rid, created, model_name, chat, include_usage), media_type="text/event-stream"
+            )
         self.engine.requests_running_http += 1
         try:
             got = await self.generated_or_abort(st, request)
@@ -841,25 +1047,44 @@ class EngineHttp:
         if got is None:  # nobody is listening any more
             return Response(status_code=499)
         out = self.completion_body(st, got, rid, created, model_name, chat)
-        if leg.transfer_params is not None:  # a vLLM prefill leg: what the decode leg needs, relayed by the router
+        if (
+            leg.transfer_params is not None
+        ):  # a vLLM prefill leg: what the decode leg needs, relayed by the router
             out["kv_transfer_params"] = leg.transfer_params
         return JSONResponse(out)
 
-    def completion_body(self, st: _Req, n: int, rid: str, created: int, model_name: str,
-                        chat: bool) -> dict[str, Any]:
+    def completion_body(
+        self, st: _Req, n: int, rid: str, created: int, model_name: str, chat: bool
+    ) -> dict[str, Any]:
         """The JSON body of a non-streamed completion that produced ``n`` tokens."""
         text = "".join(self.engine.word(i) for i in range(n))
         if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text,
-                                                              "tool_calls": []},
-                                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                      "prompt_logprobs": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
             obj = "text_completion"
-        return {"id": rid, "object": obj, "created": created, "model": model_name,
-                "choices": [choice], "usage": self.usage(st, n)}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model_name,
+            "choices": [choice],
+            "usage": self.usage(st, n),
+        }
 
     @staticmethod
     def stream_choice(text: str, chat: bool, fin: str | None) -> dict[str, Any]:
@@ -868,8 +1093,9 @@ class EngineHttp:
             return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": fin}
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": fin, "stop_reason": None}
 
-    async def stream(self, st: _Req, rid: str, created: int, model_name: str, chat: bool,
-                     include_usage: bool) -> AsyncIterator[bytes]:
+    async def stream(
+        self, st: _Req, rid: str, created: int, model_name: str, chat: bool, include_usage: bool
+    ) -> AsyncIterator[bytes]:
         """The SSE body of a streamed completion: one event per token, each in its own HTTP chunk, the usage event
         if asked, ``[DONE]``. A chat stream opens, like vLLM's, with an event naming the role (empty content), sent
         with the first token (vLLM 0.32 on the wire: its own HTTP chunk, then the token's)."""
@@ -885,19 +1111,47 @@ class EngineHttp:
                     n += 1
                     fin = "length" if n >= st.max_tokens else None
                     if chat and n == 1:
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                "choices": [self.stream_choice(text, chat, fin)]})
+                        yield _sse(
+                            {
+                                "id": rid,
+                                "object": obj,
+                                "created": created,
+                                "model": model_name,
+                                "choices": [
+                                    {
+                                        "index": 0,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ],
+                            }
+                        )
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": obj,
+                            "created": created,
+                            "model": model_name,
+                            "choices": [self.stream_choice(text, chat, fin)],
+                        }
+                    )
                     engine.note_streamed_token()
                     if n == 1:
                         await self.stall_mid_stream()
                 elif kind == "done":
                     break
             if include_usage:
-                yield _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
-                            "usage": self.usage(st, n)})
+                yield _sse(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": model_name,
+                        "choices": [],
+                        "usage": self.usage(st, n),
+                    }
+                )
             yield b"data: [DONE]\n\n"
         finally:  # also when the client disconnected mid-stream (the generator is closed / cancelled)
             engine.requests_running_http -= 1
@@ -928,14 +1182,23 @@ class EngineHttp:
             return faulty
         st = engine.submit(ids, self.max_tokens_of({"max_tokens": mt}, len(ids)))
         n = await st.generated()
-        return JSONResponse({"text": "".join(engine.word(i) for i in range(n)),
-                             "meta_info": {"id": uuid.uuid4().hex, "prompt_tokens": st.prompt_tokens,
-                                           "completion_tokens": n, "cached_tokens": st.cached_tokens,
-                                           "finish_reason": {"type": "length", "length": n}}})
+        return JSONResponse(
+            {
+                "text": "".join(engine.word(i) for i in range(n)),
+                "meta_info": {
+                    "id": uuid.uuid4().hex,
+                    "prompt_tokens": st.prompt_tokens,
+                    "completion_tokens": n,
+                    "cached_tokens": st.cached_tokens,
+                    "finish_reason": {"type": "length", "length": n},
+                },
+            }
+        )
 
 
 def build_app(engine: FakeEngine) -> FastAPI:
     """The FastAPI application of one fake engine: its route groups over one ``EngineHttp``."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
@@ -958,6 +1221,7 @@ def build_app(engine: FakeEngine) -> FastAPI:
 
 def _add_pd_routes(app: FastAPI, http: EngineHttp) -> None:
     """The KV hand-off endpoint a decode engine pulls from (vLLM side channel / Mooncake / SGLang bootstrap)."""
+
     @app.get("/_fake_pd/handoff/{key}")
     async def handoff(key: str, wait_s: float = 0.0) -> Response:
         status, out = await http.engine.pd.serve_handoff(key, min(wait_s, 60.0))
@@ -971,16 +1235,19 @@ def _add_pd_routes(app: FastAPI, http: EngineHttp) -> None:
 
 def _add_errors_and_auth(app: FastAPI, http: EngineHttp) -> None:
     """``BadRequest`` rendered as vLLM's ErrorResponse; ``--api-key`` required on /v1 routes when set."""
+
     @app.exception_handler(BadRequest)
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
         return _error(exc.message, exc.status, exc.err_type)
 
     api_key = http.opts.api_key
     if api_key:  # like vLLM --api-key: every /v1 route needs "Authorization: Bearer <key>"
+
         @app.middleware("http")
         async def _require_key(request: Request, call_next: Any) -> Response:
             if request.url.path.startswith("/v1") and not hmac.compare_digest(
-                    request.headers.get("authorization", ""), f"Bearer {api_key}"):
+                request.headers.get("authorization", ""), f"Bearer {api_key}"
+            ):
                 return JSONResponse({"error": "Unauthorized"}, status_code=401)
             response: Response = await call_next(request)
             return response
@@ -988,6 +1255,7 @@ def _add_errors_and_auth(app: FastAPI, http: EngineHttp) -> None:
 
 def _add_generation_routes(app: FastAPI, http: EngineHttp) -> None:
     """OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE), SGLang ``/generate``."""
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _body_of(request)
@@ -1022,18 +1290,23 @@ def _add_tokenizer_routes(app: FastAPI, http: EngineHttp) -> None:
                 raise BadRequest(f"chat template failed: {exc}") from None
             ids = tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
         elif isinstance(body.get("prompt"), str):
-            ids = tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+            ids = tokenizer.encode(
+                body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True))
+            )
         else:
             raise BadRequest("'prompt' (string) or 'messages' is required")
-        return JSONResponse({"count": len(ids), "max_model_len": http.opts.max_model_len, "tokens": ids,
-                             "token_strs": None})
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": http.opts.max_model_len, "tokens": ids, "token_strs": None}
+        )
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request) -> Response:
         body = await _body_of(request)
         toks = body.get("tokens")
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        if not isinstance(toks, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in toks
+        ):
             raise BadRequest("'tokens' must be a list of token ids")
         return JSONResponse({"prompt": tokenizer.decode(toks)})
 
@@ -1044,14 +1317,40 @@ def _add_info_routes(app: FastAPI, http: EngineHttp) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [{"id": name, "object": "model", "created": int(engine.started_at), "owned_by": dialect,
-                 "root": http.model_path, "parent": None, "max_model_len": opts.max_model_len,
-                 "permission": [{"id": "modelperm-" + name, "object": "model_permission",
-                                 "allow_sampling": True, "allow_logprobs": True, "is_blocking": False}]}
-                for name in engine.served]
-        data += [{"id": name, "object": "model", "created": int(engine.started_at), "owned_by": dialect,
-                  "root": name, "parent": opts.model, "max_model_len": opts.max_model_len, "permission": []}
-                 for name in sorted(engine.loras)]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(engine.started_at),
+                "owned_by": dialect,
+                "root": http.model_path,
+                "parent": None,
+                "max_model_len": opts.max_model_len,
+                "permission": [
+                    {
+                        "id": "modelperm-" + name,
+                        "object": "model_permission",
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+            for name in engine.served
+        ]
+        data += [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(engine.started_at),
+                "owned_by": dialect,
+                "root": name,
+                "parent": opts.model,
+                "max_model_len": opts.max_model_len,
+                "permission": [],
+            }
+            for name in sorted(engine.loras)
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
@@ -1083,24 +1382,50 @@ def _add_info_routes(app: FastAPI, http: EngineHttp) -> None:
     @app.get("/get_load")
     async def get_load() -> Response:
         m = engine.model.metrics()
-        return JSONResponse([{"dp_rank": 0, "num_reqs": m.num_requests_running + m.num_requests_waiting,
-                              "num_waiting_reqs": m.num_requests_waiting,
-                              "num_tokens": int(m.kv_usage * m.num_gpu_blocks * m.block_size)}])
+        return JSONResponse(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": m.num_requests_running + m.num_requests_waiting,
+                    "num_waiting_reqs": m.num_requests_waiting,
+                    "num_tokens": int(m.kv_usage * m.num_gpu_blocks * m.block_size),
+                }
+            ]
+        )
 
 
 def _server_info(http: EngineHttp) -> dict[str, Any]:
     """SGLang's ``/server_info`` body (with the fake engine's own settings under ``fake_engine``)."""
     engine, opts = http.engine, http.opts
     m = engine.model.metrics()
-    return {**http.model_info(), "served_model_name": opts.model, "host": opts.host, "port": opts.port,
-            "page_size": m.block_size, "max_total_num_tokens": m.num_gpu_blocks * m.block_size,
-            "context_length": opts.max_model_len, "dp_size": 1, "tp_size": 1, "version": VERSION[http.dialect],
-            "kv_events_config": None if engine.publisher is None else json.dumps(
-                {"publisher": "zmq", "endpoint": engine.publisher.endpoint,
-                 "replay_endpoint": engine.publisher.replay_endpoint, "topic": opts.kv_topic}),
-            "internal_states": [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}],
-            "fake_engine": {"profile": opts.profile, "time_scale": engine.scale,
-                            "kv_events_format": opts.kv_events_format if engine.publisher else None}}
+    return {
+        **http.model_info(),
+        "served_model_name": opts.model,
+        "host": opts.host,
+        "port": opts.port,
+        "page_size": m.block_size,
+        "max_total_num_tokens": m.num_gpu_blocks * m.block_size,
+        "context_length": opts.max_model_len,
+        "dp_size": 1,
+        "tp_size": 1,
+        "version": VERSION[http.dialect],
+        "kv_events_config": None
+        if engine.publisher is None
+        else json.dumps(
+            {
+                "publisher": "zmq",
+                "endpoint": engine.publisher.endpoint,
+                "replay_endpoint": engine.publisher.replay_endpoint,
+                "topic": opts.kv_topic,
+            }
+        ),
+        "internal_states": [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}],
+        "fake_engine": {
+            "profile": opts.profile,
+            "time_scale": engine.scale,
+            "kv_events_format": opts.kv_events_format if engine.publisher else None,
+        },
+    }
 
 
 def _add_metrics_route(app: FastAPI, http: EngineHttp) -> None:
@@ -1134,19 +1459,27 @@ def _add_admin_routes(app: FastAPI, http: EngineHttp) -> None:
     @app.post("/admin/restart")
     async def restart() -> Response:
         engine.restart()
-        return JSONResponse({"restarted": True,
-                             "next_seq": engine.publisher.next_seq if engine.publisher else None})
+        return JSONResponse(
+            {"restarted": True, "next_seq": engine.publisher.next_seq if engine.publisher else None}
+        )
 
     @app.get("/admin/state")
     async def state() -> Response:
         m = engine.model.metrics()
-        return JSONResponse({"metrics": {k: getattr(m, k) for k in m.__slots__ if k != "extra"},
-                             "hash_seed": engine.hash_seed,
-                             "publisher": None if engine.publisher is None else {
-                                 "next_seq": engine.publisher.next_seq,
-                                 "published": engine.publisher.stats.published,
-                                 "dropped": engine.publisher.stats.dropped,
-                                 "replay_requests": engine.publisher.stats.replay_requests}})
+        return JSONResponse(
+            {
+                "metrics": {k: getattr(m, k) for k in m.__slots__ if k != "extra"},
+                "hash_seed": engine.hash_seed,
+                "publisher": None
+                if engine.publisher is None
+                else {
+                    "next_seq": engine.publisher.next_seq,
+                    "published": engine.publisher.stats.published,
+                    "dropped": engine.publisher.stats.dropped,
+                    "replay_requests": engine.publisher.stats.replay_requests,
+                },
+            }
+        )
 
 
 def _set_faults(engine: FakeEngine, body: dict[str, Any]) -> None:
@@ -1175,9 +1508,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute fake-engine",
         description="A stand-in vLLM / SGLang engine without a GPU: OpenAI API, /metrics in the engine's names, "
-                    "KV events over ZMQ in a chosen release's wire format, simulated prefix cache and timing. "
-                    "Ready when GET /health answers 200; stops cleanly on SIGTERM.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "KV events over ZMQ in a chosen release's wire format, simulated prefix cache and timing. "
+        "Ready when GET /health answers 200; stops cleanly on SIGTERM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     _add_server_args(p)
     _add_engine_model_args(p)
     _add_kv_event_args(p)
@@ -1194,68 +1528,130 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="kvroute-fake", help="model id served (the OpenAI 'model' field)")
     g.add_argument("--served-model-name", action="append", help="extra model ids accepted (repeatable)")
     g.add_argument("--lora", action="append", help="LoRA adapter names accepted as 'model' (repeatable)")
-    g.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm",
-                   help="metric names and server-info flavour")
-    g.add_argument("--model-path", default=None,
-                   help="local model directory reported as model_path / root (its tokenizer.json is used)")
-    g.add_argument("--tokenizer-path", default=None,
-                   help="directory with tokenizer.json (+ tokenizer_config.json chat template); default: "
-                        "--model-path when it has one, else a byte tokenizer")
+    g.add_argument(
+        "--dialect", choices=("vllm", "sglang"), default="vllm", help="metric names and server-info flavour"
+    )
+    g.add_argument(
+        "--model-path",
+        default=None,
+        help="local model directory reported as model_path / root (its tokenizer.json is used)",
+    )
+    g.add_argument(
+        "--tokenizer-path",
+        default=None,
+        help="directory with tokenizer.json (+ tokenizer_config.json chat template); default: "
+        "--model-path when it has one, else a byte tokenizer",
+    )
     g.add_argument("--max-model-len", type=int, default=131072, help="longest prompt + output, tokens")
-    g.add_argument("--default-max-tokens", type=int, default=16, help="output tokens when max_tokens is absent")
-    g.add_argument("--enable-force-include-usage", dest="force_include_usage", action="store_true",
-                   help="send the streaming usage chunk on every stream (vLLM's flag); by default only when the "
-                        "client sets stream_options.include_usage, like vLLM")
-    g.add_argument("--no-force-include-usage", dest="force_include_usage", action="store_false",
-                   help="the default (kept for old command lines): usage on streams only when the client asks")
-    g.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag); null without it")
-    g.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
-                   help="block sizes the emulated build accepts: gpu = any (default 16); cpu = vLLM's CPU build, "
-                        "multiples of 32 (default 128)")
-    g.add_argument("--metrics-prefix", choices=("sglang:", "sglang_"), default="sglang:",
-                   help="SGLang dialect: metric name prefix (releases used both)")
+    g.add_argument(
+        "--default-max-tokens", type=int, default=16, help="output tokens when max_tokens is absent"
+    )
+    g.add_argument(
+        "--enable-force-include-usage",
+        dest="force_include_usage",
+        action="store_true",
+        help="send the streaming usage chunk on every stream (vLLM's flag); by default only when the "
+        "client sets stream_options.include_usage, like vLLM",
+    )
+    g.add_argument(
+        "--no-force-include-usage",
+        dest="force_include_usage",
+        action="store_false",
+        help="the default (kept for old command lines): usage on streams only when the client asks",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag); null without it",
+    )
+    g.add_argument(
+        "--device",
+        choices=("gpu", "cpu"),
+        default="gpu",
+        help="block sizes the emulated build accepts: gpu = any (default 16); cpu = vLLM's CPU build, "
+        "multiples of 32 (default 128)",
+    )
+    g.add_argument(
+        "--metrics-prefix",
+        choices=("sglang:", "sglang_"),
+        default="sglang:",
+        help="SGLang dialect: metric name prefix (releases used both)",
+    )
     g.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
-    g.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                   help="seconds an idle HTTP keep-alive connection stays open (vLLM's default is 5; clients "
-                        "pooling connections longer than this race with the close)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1 routes (like vLLM --api-key); 401 otherwise")
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle HTTP keep-alive connection stays open (vLLM's default is 5; clients "
+        "pooling connections longer than this race with the close)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1 routes (like vLLM --api-key); 401 otherwise",
+    )
 
 
 def _add_engine_model_args(p: argparse.ArgumentParser) -> None:
     """The simulated engine: timing profile, time scale, KV cache size, batching, hashing seed."""
     g = p.add_argument_group("engine model")
     g.add_argument("--profile", default="a100", choices=sorted(PROFILES), help="hardware timing profile")
-    g.add_argument("--time-scale", type=float, default=1.0,
-                   help="real seconds per simulated second (0 = no sleeping at all)")
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="real seconds per simulated second (0 = no sleeping at all)",
+    )
     g.add_argument("--gpu-blocks", type=int, default=None, help="GPU KV blocks (default: from the profile)")
     g.add_argument("--cpu-blocks", type=int, default=0, help="CPU-tier KV blocks (0 = no CPU tier)")
-    g.add_argument("--block-size", type=int, default=None,
-                   help="tokens per KV block (SGLang: page size); default 16, or 128 with --device cpu")
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block (SGLang: page size); default 16, or 128 with --device cpu",
+    )
     g.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per engine step")
     g.add_argument("--max-running", type=int, default=256, help="requests running at once")
-    g.add_argument("--seed", type=int, default=0, help="seed of the output text (and of hashes with "
-                                                      "--deterministic-hashes)")
-    g.add_argument("--deterministic-hashes", action="store_true",
-                   help="derive engine block hashes from --seed instead of a random per-process seed")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the output text (and of hashes with --deterministic-hashes)",
+    )
+    g.add_argument(
+        "--deterministic-hashes",
+        action="store_true",
+        help="derive engine block hashes from --seed instead of a random per-process seed",
+    )
 
 
 def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
     """KV events: wire format, ZMQ endpoints, replay buffer."""
     g = p.add_argument_group("KV events")
-    g.add_argument("--kv-events-format", choices=FORMATS, default=None,
-                   help="wire format: vllm (0.33: map events), vllm-legacy (0.23: array events), sglang "
-                        "(int64 hashes, CPU_PINNED, multi-page events); default: the dialect's")
+    g.add_argument(
+        "--kv-events-format",
+        choices=FORMATS,
+        default=None,
+        help="wire format: vllm (0.33: map events), vllm-legacy (0.23: array events), sglang "
+        "(int64 hashes, CPU_PINNED, multi-page events); default: the dialect's",
+    )
     g.add_argument("--kv-events-port", type=int, default=None, help="ZMQ PUB port (events off when absent)")
-    g.add_argument("--kv-replay-port", type=int, default=None, help="ZMQ ROUTER replay port (none when absent)")
+    g.add_argument(
+        "--kv-replay-port", type=int, default=None, help="ZMQ ROUTER replay port (none when absent)"
+    )
     g.add_argument("--kv-host", default=None, help="address the ZMQ sockets bind to (default: --host)")
     g.add_argument("--kv-topic", default="", help="topic frame of every event message")
-    g.add_argument("--kv-publish-reset-now", action="store_true",
-                   help="publish a prefix-cache reset's events at once (vLLM publishes them with its next step)")
+    g.add_argument(
+        "--kv-publish-reset-now",
+        action="store_true",
+        help="publish a prefix-cache reset's events at once (vLLM publishes them with its next step)",
+    )
     g.add_argument("--kv-buffer-steps", type=int, default=10_000, help="batches kept for replay")
-    g.add_argument("--kv-hash-bytes", action="store_true",
-                   help="vLLM formats: send hashes as 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
+    g.add_argument(
+        "--kv-hash-bytes",
+        action="store_true",
+        help="vLLM formats: send hashes as 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
+    )
     g.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank reported in vLLM batches")
 
 
@@ -1263,19 +1659,34 @@ def _add_fault_args(p: argparse.ArgumentParser) -> None:
     """Fault injection at start (also settable at run time: POST /admin/faults)."""
     g = p.add_argument_group("fault injection (also settable at run time: POST /admin/faults)")
     g.add_argument("--fault-drop-every", type=int, default=0, help="do not send every Nth event batch live")
-    g.add_argument("--fault-drop-unbuffered", action="store_true",
-                   help="dropped batches are not replayable either")
+    g.add_argument(
+        "--fault-drop-unbuffered", action="store_true", help="dropped batches are not replayable either"
+    )
     g.add_argument("--fault-duplicate-every", type=int, default=0, help="send every Nth event batch twice")
     g.add_argument("--fault-kv-garbage-every", type=int, default=0, help="every Nth event payload is garbage")
     g.add_argument("--fault-replay-delay-s", type=float, default=0.0, help="delay before answering a replay")
     g.add_argument("--fault-replay-disabled", action="store_true", help="never answer replay requests")
-    g.add_argument("--fault-stall-s", type=float, default=0.0,
-                   help="each generation request stalls this long first (< 0: forever)")
-    g.add_argument("--fault-error-every", type=int, default=0, help="every Nth generation request answers 500")
-    g.add_argument("--fault-garbage-every", type=int, default=0,
-                   help="every Nth generation request answers a non-JSON body")
-    g.add_argument("--fault-die-after-tokens", type=int, default=0,
-                   help="exit the process after streaming this many tokens in total (dies mid-stream)")
+    g.add_argument(
+        "--fault-stall-s",
+        type=float,
+        default=0.0,
+        help="each generation request stalls this long first (< 0: forever)",
+    )
+    g.add_argument(
+        "--fault-error-every", type=int, default=0, help="every Nth generation request answers 500"
+    )
+    g.add_argument(
+        "--fault-garbage-every",
+        type=int,
+        default=0,
+        help="every Nth generation request answers a non-JSON body",
+    )
+    g.add_argument(
+        "--fault-die-after-tokens",
+        type=int,
+        default=0,
+        help="exit the process after streaming this many tokens in total (dies mid-stream)",
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -1302,8 +1713,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvroute fake-engine``: run one stand-in engine until SIGTERM / SIGINT; returns the exit code."""
     opts = parse_args(argv)
-    logging.basicConfig(level=opts.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=opts.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     import uvicorn
 
     try:
@@ -1312,8 +1726,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvroute fake-engine: {exc}", file=sys.stderr)
         return 2
     app = build_app(engine)
-    config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level, access_log=False,
-                            timeout_graceful_shutdown=3, lifespan="on", timeout_keep_alive=opts.timeout_keep_alive)
+    config = uvicorn.Config(
+        app,
+        host=opts.host,
+        port=opts.port,
+        log_level=opts.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=3,
+        lifespan="on",
+        timeout_keep_alive=opts.timeout_keep_alive,
+    )
     server = uvicorn.Server(config)
     if opts.bootstrap_port is None:
         server.run()

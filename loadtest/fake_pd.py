@@ -52,22 +52,48 @@ _MAX_HANDOFFS = 10_000
 def add_pd_args(p: argparse.ArgumentParser) -> None:
     """The ``prefill/decode disaggregation`` argument group."""
     g = p.add_argument_group("prefill/decode disaggregation")
-    g.add_argument("--pd-role", choices=("both", "prefill", "decode"), default="both",
-                   help="disaggregation role (both = an ordinary engine)")
-    g.add_argument("--pd-protocol", choices=("vllm", "mooncake", "sglang"), default=None,
-                   help="KV hand-off protocol (default: the dialect's: vllm -> vllm NIXL relay, sglang -> sglang)")
-    g.add_argument("--bootstrap-port", type=int, default=None,
-                   help="extra port serving the KV hand-off endpoint (SGLang's bootstrap server; real default 8998)")
+    g.add_argument(
+        "--pd-role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="disaggregation role (both = an ordinary engine)",
+    )
+    g.add_argument(
+        "--pd-protocol",
+        choices=("vllm", "mooncake", "sglang"),
+        default=None,
+        help="KV hand-off protocol (default: the dialect's: vllm -> vllm NIXL relay, sglang -> sglang)",
+    )
+    g.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=None,
+        help="extra port serving the KV hand-off endpoint (SGLang's bootstrap server; real default 8998)",
+    )
     g.add_argument("--pd-link-gbps", type=float, default=25.0, help="P->D link bandwidth, GB/s (1e9 bytes/s)")
     g.add_argument("--pd-link-latency-s", type=float, default=0.0, help="fixed cost of one KV hand-off, s")
-    g.add_argument("--pd-wait-s", type=float, default=300.0,
-                   help="longest real-time wait of a decode engine for its prefill's KV before recomputing, s")
-    g.add_argument("--pd-transfer-metrics", action=argparse.BooleanOptionalAction, default=True,
-                   help="vllm protocol: export the NixlConnector's transfer histograms (vllm:nixl_xfer_time_seconds, "
-                        "vllm:nixl_bytes_transferred) on the decode engine, as vLLM 0.32 does")
-    g.add_argument("--engine-id", default=None, help="engine id reported in kv_transfer_params (default: random)")
-    g.add_argument("--data-parallel-size", type=int, default=1,
-                   help="data-parallel ranks (X-data-parallel-rank picks one; counted per rank)")
+    g.add_argument(
+        "--pd-wait-s",
+        type=float,
+        default=300.0,
+        help="longest real-time wait of a decode engine for its prefill's KV before recomputing, s",
+    )
+    g.add_argument(
+        "--pd-transfer-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vllm protocol: export the NixlConnector's transfer histograms (vllm:nixl_xfer_time_seconds, "
+        "vllm:nixl_bytes_transferred) on the decode engine, as vLLM 0.32 does",
+    )
+    g.add_argument(
+        "--engine-id", default=None, help="engine id reported in kv_transfer_params (default: random)"
+    )
+    g.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks (X-data-parallel-rank picks one; counted per rank)",
+    )
 
 
 @dataclass(slots=True)
@@ -174,8 +200,10 @@ class PdSide:
     def client(self) -> httpx.AsyncClient:
         """The HTTP client decode engines pull hand-offs with (created on first use)."""
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.wait_s + 5.0, connect=10.0),
-                                             limits=httpx.Limits(max_connections=1000))
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.wait_s + 5.0, connect=10.0),
+                limits=httpx.Limits(max_connections=1000),
+            )
         return self._client
 
     # -- data parallelism ------------------------------------------------------------------------------------
@@ -195,13 +223,20 @@ class PdSide:
         except ValueError:
             raise ValueError(f"X-data-parallel-rank {text!r} is not an integer") from None
         if not 0 <= rank < self.dp_size:
-            raise ValueError(f"X-data-parallel-rank {rank} is out of range (data_parallel_size {self.dp_size})")
+            raise ValueError(
+                f"X-data-parallel-rank {rank} is out of range (data_parallel_size {self.dp_size})"
+            )
         PdCounters.bump(self.counters.dp_ranks, str(rank))
         return rank
 
     # -- the request's leg -----------------------------------------------------------------------------------
-    async def leg_of(self, body: dict[str, Any], prompt_tokens: int, headers: Any,
-                     disconnected: Callable[[], Awaitable[None]]) -> PdLeg | None:
+    async def leg_of(
+        self,
+        body: dict[str, Any],
+        prompt_tokens: int,
+        headers: Any,
+        disconnected: Callable[[], Awaitable[None]],
+    ) -> PdLeg | None:
         """Classify (and for a decode leg: fetch the KV of) one generation request; None when the client left
         while the decode leg waited for its KV (counted as an abort).
 
@@ -241,15 +276,26 @@ class PdSide:
                 return PdLeg(leg="decode")  # recomputes (counted in _pull)
             return PdLeg()
         if params.get("do_remote_decode") is True:
-            key = str(params.get("transfer_id") or uuid.uuid4().hex) if self.protocol == "mooncake" \
+            key = (
+                str(params.get("transfer_id") or uuid.uuid4().hex)
+                if self.protocol == "mooncake"
                 else uuid.uuid4().hex
+            )
             leg = PdLeg(leg="prefill", handoff_key=key)
             if self.protocol == "vllm":
-                engine_id = self.engine_id if rank is None or self.dp_size == 1 else f"{self.engine_id}_dp{rank}"
+                engine_id = (
+                    self.engine_id if rank is None or self.dp_size == 1 else f"{self.engine_id}_dp{rank}"
+                )
                 leg.transfer_params = {
-                    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [],
-                    "remote_engine_id": engine_id, "remote_host": self.host, "remote_port": self.port,
-                    "remote_request_id": key, "tp_size": 1}
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_block_ids": [],
+                    "remote_engine_id": engine_id,
+                    "remote_host": self.host,
+                    "remote_port": self.port,
+                    "remote_request_id": key,
+                    "tp_size": 1,
+                }
             return leg
         if params.get("do_remote_prefill") is True:
             return PdLeg(leg="decode")
@@ -261,10 +307,14 @@ class PdSide:
     def _sglang_leg(self, body: dict[str, Any]) -> PdLeg:
         room = _one(body.get("bootstrap_room"))
         if room is None:
-            if self.role == "decode":  # an SGLang decode server waits for the KV of a room: nothing to serve alone
+            if (
+                self.role == "decode"
+            ):  # an SGLang decode server waits for the KV of a room: nothing to serve alone
                 self.counters.missing_params += 1
-                raise ValueError("a decode-mode server needs bootstrap_host, bootstrap_port and bootstrap_room "
-                                 "(it serves only the decode leg of a disaggregated request)")
+                raise ValueError(
+                    "a decode-mode server needs bootstrap_host, bootstrap_port and bootstrap_room "
+                    "(it serves only the decode leg of a disaggregated request)"
+                )
             return PdLeg()
         if self.role == "prefill":
             return PdLeg(leg="prefill", handoff_key=str(room), max_tokens=1)
@@ -289,12 +339,19 @@ class PdSide:
             return 0
         url, wait = where
         resp = None
-        for _ in range(3):  # a starved machine can refuse or stall a connect now and then: like a transfer retry
+        for _ in range(
+            3
+        ):  # a starved machine can refuse or stall a connect now and then: like a transfer retry
             try:
                 resp = await self.client().get(url, params={"wait_s": wait})
                 break
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
-                    httpx.ReadError) as exc:  # also a kept-alive connection the server closed as it was reused
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+                httpx.PoolTimeout,
+                httpx.RemoteProtocolError,
+                httpx.ReadError,
+            ) as exc:  # also a kept-alive connection the server closed as it was reused
                 log.info("hand-off pull failed (%s), trying again", type(exc).__name__)
                 continue
             except httpx.HTTPError:
@@ -303,7 +360,9 @@ class PdSide:
             PdCounters.bump(self.counters.recomputed, "unreachable")
             return 0
         if resp.status_code != 200:
-            PdCounters.bump(self.counters.recomputed, "unknown_transfer" if resp.status_code == 404 else "timeout")
+            PdCounters.bump(
+                self.counters.recomputed, "unknown_transfer" if resp.status_code == 404 else "timeout"
+            )
             return 0
         tokens = int(resp.json().get("tokens", 0))
         if tokens != prompt_tokens:
@@ -320,7 +379,9 @@ class PdSide:
     def _source(self, body: dict[str, Any]) -> tuple[str, float] | None:
         """Where a decode leg's KV is, and how long to wait for it (real s); None when the body does not say."""
         if self.protocol == "sglang":
-            host, port, room = (_one(body.get(k)) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room"))
+            host, port, room = (
+                _one(body.get(k)) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+            )
             if host is None or port is None or room is None:
                 return None
             return f"http://{_host(str(host))}:{int(port)}/_fake_pd/handoff/{room}", self.wait_s
@@ -332,7 +393,11 @@ class PdSide:
             if not isinstance(addr, str) or not key:
                 return None
             return f"{addr.rstrip('/')}/_fake_pd/handoff/{key}", self.wait_s
-        host, port, key = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
+        host, port, key = (
+            params.get("remote_host"),
+            params.get("remote_port"),
+            params.get("remote_request_id"),
+        )
         if not host or not port or not key:
             return None
         return f"http://{_host(str(host))}:{int(port)}/_fake_pd/handoff/{key}", 0.0
@@ -389,28 +454,59 @@ class PdSide:
                 fam.add_metric([], values)
             return fam
 
-        yield family("fake_pd_requests", "generation requests by PD leg (prefill, decode, plain)", "leg",
-                     dict(c.legs))
-        yield family("fake_pd_handoffs", "decode legs that received their prompt's KV from a prefill engine",
-                     None, c.handoffs)
-        yield family("fake_pd_handoff_seconds", "modelled KV transfer time of the hand-offs received, s", None,
-                     c.handoff_s_total)
-        yield family("fake_pd_missing_params", "decode-role requests without kv_transfer_params / bootstrap room",
-                     None, c.missing_params)
-        yield family("fake_pd_recomputed", "decode legs that recomputed the prompt, by reason", "reason",
-                     dict(c.recomputed))
-        yield family("fake_pd_bad_prefill", "vLLM prefill legs breaking the relay rules (streamed, max_tokens != 1)",
-                     "reason", dict(c.bad_prefill))
-        yield family("fake_requests_aborted", "requests aborted because their client went away (also while a "
-                     "decode leg waited for its KV)", None, aborted + c.aborted_waiting)
-        if self.protocol == "vllm" and self.transfer_metrics:  # the NixlConnector's histograms on the pulling engine (vLLM 0.32), + Inf only
-            for name, doc, total in (("vllm:nixl_xfer_time_seconds", "transfer duration of NIXL KV transfers",
-                                      c.handoff_s_total),
-                                     ("vllm:nixl_bytes_transferred", "bytes per NIXL KV transfer",
-                                      c.handoff_bytes_total)):
+        yield family(
+            "fake_pd_requests", "generation requests by PD leg (prefill, decode, plain)", "leg", dict(c.legs)
+        )
+        yield family(
+            "fake_pd_handoffs",
+            "decode legs that received their prompt's KV from a prefill engine",
+            None,
+            c.handoffs,
+        )
+        yield family(
+            "fake_pd_handoff_seconds",
+            "modelled KV transfer time of the hand-offs received, s",
+            None,
+            c.handoff_s_total,
+        )
+        yield family(
+            "fake_pd_missing_params",
+            "decode-role requests without kv_transfer_params / bootstrap room",
+            None,
+            c.missing_params,
+        )
+        yield family(
+            "fake_pd_recomputed",
+            "decode legs that recomputed the prompt, by reason",
+            "reason",
+            dict(c.recomputed),
+        )
+        yield family(
+            "fake_pd_bad_prefill",
+            "vLLM prefill legs breaking the relay rules (streamed, max_tokens != 1)",
+            "reason",
+            dict(c.bad_prefill),
+        )
+        yield family(
+            "fake_requests_aborted",
+            "requests aborted because their client went away (also while a decode leg waited for its KV)",
+            None,
+            aborted + c.aborted_waiting,
+        )
+        if (
+            self.protocol == "vllm" and self.transfer_metrics
+        ):  # the NixlConnector's histograms on the pulling engine (vLLM 0.32), + Inf only
+            for name, doc, total in (
+                ("vllm:nixl_xfer_time_seconds", "transfer duration of NIXL KV transfers", c.handoff_s_total),
+                ("vllm:nixl_bytes_transferred", "bytes per NIXL KV transfer", c.handoff_bytes_total),
+            ):
                 yield HistogramMetricFamily(name, doc, buckets=[("+Inf", float(c.handoffs))], sum_value=total)
-        yield family("fake_dp_rank_requests", "generation requests by X-data-parallel-rank (none = not pinned)",
-                     "rank", dict(c.dp_ranks))
+        yield family(
+            "fake_dp_rank_requests",
+            "generation requests by X-data-parallel-rank (none = not pinned)",
+            "rank",
+            dict(c.dp_ranks),
+        )
 
 
 def _one(v: Any) -> Any:

@@ -55,8 +55,14 @@ class FleetError(RuntimeError):
 class ManagedProcess:
     """A child process in its own session, logging to a file; ``stop`` kills its whole process group."""
 
-    def __init__(self, args: Sequence[str], name: str, log_dir: Path, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        name: str,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         """Start ``args`` in ``cwd`` (default: this repository) with ``env`` added to ours."""
         self.name = name
         self.args = list(args)
@@ -65,8 +71,15 @@ class ManagedProcess:
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
-        self.popen = subprocess.Popen(self.args, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(cwd or REPO))
+        self.popen = subprocess.Popen(
+            self.args,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=str(cwd or REPO),
+        )
         self.pid = self.popen.pid
         self._ps: psutil.Process | None = None
         _LIVE.add(self)
@@ -146,7 +159,9 @@ def wait_ready(url: str, proc: ManagedProcess, timeout_s: float, check: object =
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if not proc.alive():
-                raise FleetError(f"{proc.name} exited with {proc.popen.returncode} before ready:\n{proc.tail()}")
+                raise FleetError(
+                    f"{proc.name} exited with {proc.popen.returncode} before ready:\n{proc.tail()}"
+                )
             try:
                 r = client.get(url)
                 if r.status_code < 300 and (check is None or check(r)):  # type: ignore[operator]
@@ -158,7 +173,6 @@ def wait_ready(url: str, proc: ManagedProcess, timeout_s: float, check: object =
     raise FleetError(f"{proc.name} not ready at {url} after {timeout_s}s (last: {last}):\n{proc.tail()}")
 
 
-
 def scaled_profile_args(profile: str, time_scale: float) -> list[str]:
     """``kvroute serve --profiles`` flags telling the router the fake engines' real (time-scaled) speed.
 
@@ -167,10 +181,12 @@ def scaled_profile_args(profile: str, time_scale: float) -> list[str]:
     it over-estimates every queue and recomputation until online calibration catches up.
     """
     rp = get_profile(profile).replica_profile()
-    scaled = {"prefill_tokens_per_s": rp.prefill_tokens_per_s / time_scale,
-              "attention_s_per_token2": rp.attention_s_per_token2 * time_scale,
-              "fixed_overhead_s": rp.fixed_overhead_s * time_scale,
-              "decode_interference_s": rp.decode_interference_s * time_scale}
+    scaled = {
+        "prefill_tokens_per_s": rp.prefill_tokens_per_s / time_scale,
+        "attention_s_per_token2": rp.attention_s_per_token2 * time_scale,
+        "fixed_overhead_s": rp.fixed_overhead_s * time_scale,
+        "decode_interference_s": rp.decode_interference_s * time_scale,
+    }
     return ["--default-profile", profile, "--profiles", f"{profile}={json.dumps(scaled)}"]
 
 
@@ -195,8 +211,11 @@ def scaled_router_time_args(policy: str, time_scale: float, extra_args: Sequence
 
     flags = {a.partition("=")[0] for a in extra_args if a.startswith("--")}
     keys = {a.partition("=")[0] for a in extra_args if not a.startswith("--")}  # --policy-param KEY=VALUE
-    keys |= {a.removeprefix("--policy-param=").partition("=")[0] for a in extra_args
-             if a.startswith("--policy-param=")}
+    keys |= {
+        a.removeprefix("--policy-param=").partition("=")[0]
+        for a in extra_args
+        if a.startswith("--policy-param=")
+    }
     out: list[str] = []
     for name in _ROUTER_TIME_FIELDS:
         flag = "--" + name.replace("_", "-")
@@ -209,8 +228,13 @@ def scaled_router_time_args(policy: str, time_scale: float, extra_args: Sequence
         return out
     for pname, param in sig.parameters.items():
         d = param.default
-        if (pname.endswith("_s") and isinstance(d, int | float) and not isinstance(d, bool) and d > 0
-                and pname not in keys):
+        if (
+            pname.endswith("_s")
+            and isinstance(d, int | float)
+            and not isinstance(d, bool)
+            and d > 0
+            and pname not in keys
+        ):
             out += ["--policy-param", f"{pname}={float(d) * time_scale!r}"]
     return out
 
@@ -321,16 +345,25 @@ class Fleet:
         ready_timeout_s: how long a process may take to become ready, seconds.
     """
 
-    def __init__(self, replicas: int, engine: EngineOptions | None = None, log_dir: str | Path | None = None,
-                 ready_timeout_s: float = 60.0, keep_logs: bool = False, scale_router_times: bool = True,
-                 roles: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        replicas: int,
+        engine: EngineOptions | None = None,
+        log_dir: str | Path | None = None,
+        ready_timeout_s: float = 60.0,
+        keep_logs: bool = False,
+        scale_router_times: bool = True,
+        roles: Sequence[str] | None = None,
+    ) -> None:
         """``scale_router_times``: kvroute's routing time constants follow the engines' time scale
         (``scaled_router_time_args``). ``roles``: a prefill/decode fleet, one role per engine (``prefill``,
         ``decode``, ``both``; e.g. ``pd_roles(2, 2)``)."""
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         if roles is not None and (len(roles) != replicas or set(roles) - {"prefill", "decode", "both"}):
-            raise ValueError(f"roles must name prefill / decode / both for each of the {replicas} engines: {roles}")
+            raise ValueError(
+                f"roles must name prefill / decode / both for each of the {replicas} engines: {roles}"
+            )
         self.roles = list(roles) if roles is not None else None
         self.replicas = replicas
         self.engine = engine or EngineOptions()
@@ -363,24 +396,58 @@ class Fleet:
         e = self.engine
         args: list[str] = []
         if self.roles is not None:
-            args += ["--pd-role", self.role_of(i), "--pd-protocol", self.pd_protocol, "--engine-id", f"engine{i}",
-                     "--pd-link-gbps", repr(e.pd_link_gbps)]
+            args += [
+                "--pd-role",
+                self.role_of(i),
+                "--pd-protocol",
+                self.pd_protocol,
+                "--engine-id",
+                f"engine{i}",
+                "--pd-link-gbps",
+                repr(e.pd_link_gbps),
+            ]
         if bootstrap_port is not None:
             args += ["--bootstrap-port", str(bootstrap_port)]
         if e.data_parallel_size > 1:
             args += ["--data-parallel-size", str(e.data_parallel_size)]
         return args
 
-    def engine_args(self, i: int, port: int, events_port: int, replay_port: int,
-                    bootstrap_port: int | None = None) -> list[str]:
+    def engine_args(
+        self, i: int, port: int, events_port: int, replay_port: int, bootstrap_port: int | None = None
+    ) -> list[str]:
         """The ``kvroute fake-engine`` command line of engine ``i``."""
         e = self.engine
-        args = [sys.executable, "-m", "router.cli", "fake-engine", "--host", HOST, "--port", str(port),
-                "--model", e.model, "--dialect", e.dialect, "--time-scale", repr(e.time_scale),
-                "--profile", e.profile, "--block-size", str(e.block_size), "--seed", str(e.seed + i)]
+        args = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "fake-engine",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--model",
+            e.model,
+            "--dialect",
+            e.dialect,
+            "--time-scale",
+            repr(e.time_scale),
+            "--profile",
+            e.profile,
+            "--block-size",
+            str(e.block_size),
+            "--seed",
+            str(e.seed + i),
+        ]
         if e.kv_events_format:
-            args += ["--kv-events-format", e.kv_events_format, "--kv-events-port", str(events_port),
-                     "--kv-replay-port", str(replay_port)]
+            args += [
+                "--kv-events-format",
+                e.kv_events_format,
+                "--kv-events-port",
+                str(events_port),
+                "--kv-replay-port",
+                str(replay_port),
+            ]
         if e.gpu_blocks is not None:
             args += ["--gpu-blocks", str(e.gpu_blocks)]
         if e.model_path:
@@ -403,10 +470,20 @@ class Fleet:
                     port, ev, rp = (unused_port(ports) for _ in range(3))
                     bp = unused_port(ports) if self.needs_bootstrap_port(i) else None
                     name = f"engine{i}"
-                    proc = ManagedProcess(self.engine_args(i, port, ev, rp, bp), f"{name}-g{self._generation}",
-                                          self.log_dir)
-                    self.engines.append(EngineHandle(port=port, events_port=ev, replay_port=rp, proc=proc, name=name,
-                                                     role=self.role_of(i), bootstrap_port=bp))
+                    proc = ManagedProcess(
+                        self.engine_args(i, port, ev, rp, bp), f"{name}-g{self._generation}", self.log_dir
+                    )
+                    self.engines.append(
+                        EngineHandle(
+                            port=port,
+                            events_port=ev,
+                            replay_port=rp,
+                            proc=proc,
+                            name=name,
+                            role=self.role_of(i),
+                            bootstrap_port=bp,
+                        )
+                    )
                 for eh in self.engines:
                     wait_ready(eh.url + "/health", eh.proc, self.ready_timeout_s)
                 return self.engines
@@ -434,7 +511,12 @@ class Fleet:
     # -- routers -----------------------------------------------------------------------------------------
     def replica_spec(self, eh: EngineHandle) -> str:
         """The ``kvroute serve --replica`` spec of an engine."""
-        parts = [f"name={eh.name}", f"url={eh.url}", f"dialect={self.engine.dialect}", f"model={self.engine.model}"]
+        parts = [
+            f"name={eh.name}",
+            f"url={eh.url}",
+            f"dialect={self.engine.dialect}",
+            f"model={self.engine.model}",
+        ]
         if self.engine.kv_events_format:
             parts += [f"events={eh.events_url}", f"replay={eh.replay_url}"]
         if self.roles is not None:
@@ -445,8 +527,13 @@ class Fleet:
             parts.append(f"dp_size={self.engine.data_parallel_size}")
         return ",".join(parts)
 
-    def start_kvroute(self, policy: str = "ttft", extra_args: Sequence[str] = (),
-                      tokenizer_path: str | None = None, root: Path | None = None) -> RouterHandle:
+    def start_kvroute(
+        self,
+        policy: str = "ttft",
+        extra_args: Sequence[str] = (),
+        tokenizer_path: str | None = None,
+        root: Path | None = None,
+    ) -> RouterHandle:
         """Start ``kvroute serve`` in front of the engines and wait until it knows all of them.
 
         Ready means GET /replicas lists every engine of the fleet in state ``ready`` with its load scraped once
@@ -457,8 +544,22 @@ class Fleet:
         """
         self._require_engines()
         port = free_port()
-        args = [sys.executable, "-m", "router.cli", "serve", "--host", HOST, "--port", str(port),
-                "--policy", policy, "--block-size", str(self.engine.block_size), "--log-level", "warning"]
+        args = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--block-size",
+            str(self.engine.block_size),
+            "--log-level",
+            "warning",
+        ]
         for eh in self.engines:
             args += ["--replica", self.replica_spec(eh)]
         tok = tokenizer_path or self.engine.model_path
@@ -472,20 +573,42 @@ class Fleet:
         names = {eh.name for eh in self.engines}
 
         def all_known(r: httpx.Response) -> bool:
-            known = {rep["name"] for rep in r.json()["replicas"]
-                     if rep["state"] == "ready" and rep["load"]["age_s"] is not None}
+            known = {
+                rep["name"]
+                for rep in r.json()["replicas"]
+                if rep["state"] == "ready" and rep["load"]["age_s"] is not None
+            }
             return names <= known
 
         return self._start_router("kvroute", policy, port, args, "/replicas", all_known, cwd=root)
 
-    def start_sglang_router(self, policy: str = "cache_aware", extra_args: Sequence[str] = ()) -> RouterHandle:
+    def start_sglang_router(
+        self, policy: str = "cache_aware", extra_args: Sequence[str] = ()
+    ) -> RouterHandle:
         """Start sglang-router (PyPI) with ``policy`` and its default thresholds; wait until all workers are
         registered and healthy (its own /health answers before workers register, so GET /workers is polled)."""
         self._require_engines()
         port, prom = free_port(), free_port()
-        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
-                "--policy", policy, "--prometheus-host", HOST, "--prometheus-port", str(prom),
-                "--log-level", "warn", "--worker-urls", *[eh.url for eh in self.engines], *extra_args]
+        args = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--prometheus-host",
+            HOST,
+            "--prometheus-port",
+            str(prom),
+            "--log-level",
+            "warn",
+            "--worker-urls",
+            *[eh.url for eh in self.engines],
+            *extra_args,
+        ]
         n = len(self.engines)
 
         def all_workers(r: httpx.Response) -> bool:
@@ -494,14 +617,31 @@ class Fleet:
 
         return self._start_router("sglang", policy, port, args, "/workers", all_workers)
 
-    def start_sglang_router_pd(self, policy: str = "cache_aware", extra_args: Sequence[str] = ()) -> RouterHandle:
+    def start_sglang_router_pd(
+        self, policy: str = "cache_aware", extra_args: Sequence[str] = ()
+    ) -> RouterHandle:
         """Start sglang-router (PyPI) in its PD mode (``--pd-disaggregation``, ``--prefill URL BOOTSTRAP_PORT``,
         ``--decode URL``) in front of a PD fleet; wait until every worker is registered and healthy."""
         self._require_engines()
         port, prom = free_port(), free_port()
-        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
-                "--policy", policy, "--prometheus-host", HOST, "--prometheus-port", str(prom), "--log-level", "warn",
-                "--pd-disaggregation"]
+        args = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--prometheus-host",
+            HOST,
+            "--prometheus-port",
+            str(prom),
+            "--log-level",
+            "warn",
+            "--pd-disaggregation",
+        ]
         for eh in self.engines:
             if eh.role == "prefill":
                 args += ["--prefill", eh.url, str(eh.bootstrap_port) if eh.bootstrap_port else "none"]
@@ -520,10 +660,19 @@ class Fleet:
         """The most recently started router still running, or None."""
         return self.routers[-1] if self.routers else None
 
-    def _start_router(self, kind: str, policy: str, port: int, args: list[str], ready_path: str,
-                      check: object, cwd: Path | None = None) -> RouterHandle:
-        proc = ManagedProcess(args, f"router-{kind}-{policy}-g{self._generation}-{len(self.routers)}",
-                              self.log_dir, cwd=cwd)
+    def _start_router(
+        self,
+        kind: str,
+        policy: str,
+        port: int,
+        args: list[str],
+        ready_path: str,
+        check: object,
+        cwd: Path | None = None,
+    ) -> RouterHandle:
+        proc = ManagedProcess(
+            args, f"router-{kind}-{policy}-g{self._generation}-{len(self.routers)}", self.log_dir, cwd=cwd
+        )
         handle = RouterHandle(kind, policy, port, proc)
         self.routers.append(handle)
         try:
@@ -615,8 +764,12 @@ def prefix_counters(samples: dict[str, float]) -> tuple[float, float]:
         hits = sum(v for k, v in samples.items() if k.endswith("prefix_cache_hits"))
         queries = sum(v for k, v in samples.items() if k.endswith("prefix_cache_queries"))
     if hits == 0.0 and queries == 0.0:  # SGLang: cached prompt tokens out of all prompt tokens
-        hits = sum(v for k, v in samples.items() if k.startswith("sglang:") and k.endswith("cached_tokens_total"))
-        queries = sum(v for k, v in samples.items() if k.startswith("sglang:") and k.endswith("prompt_tokens_total"))
+        hits = sum(
+            v for k, v in samples.items() if k.startswith("sglang:") and k.endswith("cached_tokens_total")
+        )
+        queries = sum(
+            v for k, v in samples.items() if k.startswith("sglang:") and k.endswith("prompt_tokens_total")
+        )
     return hits, queries
 
 

@@ -155,11 +155,24 @@ def _coalesce_sglang(events: Sequence[PubEvent]) -> list[PubEvent]:
     out: list[PubEvent] = []
     for ev in events:
         prev = out[-1] if out else None
-        if isinstance(ev, PubStored) and isinstance(prev, PubStored) and prev.tier == ev.tier \
-                and prev.lora_name == ev.lora_name and prev.cache_salt == ev.cache_salt \
-                and prev.block_size == ev.block_size and ev.parent == prev.hashes[-1]:
-            out[-1] = PubStored(prev.hashes + ev.hashes, prev.parent, prev.token_ids + ev.token_ids,
-                                prev.block_size, prev.tier, prev.lora_name, prev.cache_salt)
+        if (
+            isinstance(ev, PubStored)
+            and isinstance(prev, PubStored)
+            and prev.tier == ev.tier
+            and prev.lora_name == ev.lora_name
+            and prev.cache_salt == ev.cache_salt
+            and prev.block_size == ev.block_size
+            and ev.parent == prev.hashes[-1]
+        ):
+            out[-1] = PubStored(
+                prev.hashes + ev.hashes,
+                prev.parent,
+                prev.token_ids + ev.token_ids,
+                prev.block_size,
+                prev.tier,
+                prev.lora_name,
+                prev.cache_salt,
+            )
         elif isinstance(ev, PubRemoved) and isinstance(prev, PubRemoved) and prev.tier == ev.tier:
             out[-1] = PubRemoved(prev.hashes + ev.hashes, prev.tier)
         else:
@@ -176,23 +189,37 @@ def encode_event(ev: PubEvent, fmt: str, hash_bytes: bool = False) -> list[bytes
         return wire_hash(h, fmt, hash_bytes)
 
     if isinstance(ev, PubCleared):
-        return [_pack(["AllBlocksCleared"])] if fmt == "vllm-legacy" else [_map([("type", "AllBlocksCleared")])]
+        return (
+            [_pack(["AllBlocksCleared"])] if fmt == "vllm-legacy" else [_map([("type", "AllBlocksCleared")])]
+        )
     if isinstance(ev, PubRemoved):
         med = _medium(ev.tier, fmt)
         if fmt == "sglang":
-            return [_map([("type", "BlockRemoved"), ("block_hashes", [wh(h) for h in ev.hashes]), ("medium", med)])]
+            return [
+                _map(
+                    [("type", "BlockRemoved"), ("block_hashes", [wh(h) for h in ev.hashes]), ("medium", med)]
+                )
+            ]
         if fmt == "vllm-legacy":
             return [_pack(["BlockRemoved", [wh(h)], med, 0]) for h in ev.hashes]
-        return [_map([("type", "BlockRemoved"), ("block_hashes", [wh(h)]), ("medium", med), ("group_idx", 0)])
-                for h in ev.hashes]
+        return [
+            _map([("type", "BlockRemoved"), ("block_hashes", [wh(h)]), ("medium", med), ("group_idx", 0)])
+            for h in ev.hashes
+        ]
     hashes = [wh(h) for h in ev.hashes]
     parent = None if ev.parent is None else wh(ev.parent)
     med = _medium(ev.tier, fmt)
     tokens = list(ev.token_ids)
     if fmt == "sglang":
         items: list[tuple[str, object]] = [
-            ("type", "BlockStored"), ("block_hashes", hashes), ("parent_block_hash", parent),
-            ("token_ids", tokens), ("block_size", ev.block_size), ("lora_id", None), ("medium", med)]
+            ("type", "BlockStored"),
+            ("block_hashes", hashes),
+            ("parent_block_hash", parent),
+            ("token_ids", tokens),
+            ("block_size", ev.block_size),
+            ("lora_id", None),
+            ("medium", med),
+        ]
         if ev.cache_salt is not None:
             items.append(("cache_salt", ev.cache_salt))
         if ev.lora_name is not None:
@@ -200,16 +227,47 @@ def encode_event(ev: PubEvent, fmt: str, hash_bytes: bool = False) -> list[bytes
         return [_map(items)]
     extra = _extra_keys(ev)
     if fmt == "vllm-legacy":
-        return [_pack(["BlockStored", hashes, parent, tokens, ev.block_size, None, med, ev.lora_name, extra, 0,
-                       "full_attention", None])]
-    return [_map([("type", "BlockStored"), ("block_hashes", hashes), ("parent_block_hash", parent),
-                  ("token_ids", tokens), ("block_size", ev.block_size), ("lora_id", None), ("medium", med),
-                  ("lora_name", ev.lora_name), ("extra_keys", extra), ("group_idx", 0),
-                  ("kv_cache_spec_kind", "full_attention")], force16=True)]
+        return [
+            _pack(
+                [
+                    "BlockStored",
+                    hashes,
+                    parent,
+                    tokens,
+                    ev.block_size,
+                    None,
+                    med,
+                    ev.lora_name,
+                    extra,
+                    0,
+                    "full_attention",
+                    None,
+                ]
+            )
+        ]
+    return [
+        _map(
+            [
+                ("type", "BlockStored"),
+                ("block_hashes", hashes),
+                ("parent_block_hash", parent),
+                ("token_ids", tokens),
+                ("block_size", ev.block_size),
+                ("lora_id", None),
+                ("medium", med),
+                ("lora_name", ev.lora_name),
+                ("extra_keys", extra),
+                ("group_idx", 0),
+                ("kv_cache_spec_kind", "full_attention"),
+            ],
+            force16=True,
+        )
+    ]
 
 
-def encode_batch(events: Sequence[PubEvent], fmt: str, ts: float, dp_rank: int = 0,
-                 hash_bytes: bool = False) -> bytes:
+def encode_batch(
+    events: Sequence[PubEvent], fmt: str, ts: float, dp_rank: int = 0, hash_bytes: bool = False
+) -> bytes:
     """The msgpack payload of one event batch in ``fmt`` (``ts`` in seconds since the epoch)."""
     if fmt == "sglang":
         events = _coalesce_sglang(events)
@@ -310,9 +368,17 @@ class KVEventPublisher:
         faults: fault injection settings (shared, mutable).
     """
 
-    def __init__(self, fmt: str, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, dp_rank: int = 0, hash_bytes: bool = False,
-                 faults: Faults | None = None) -> None:
+    def __init__(
+        self,
+        fmt: str,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        dp_rank: int = 0,
+        hash_bytes: bool = False,
+        faults: Faults | None = None,
+    ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown KV event format {fmt!r}; known: {', '.join(FORMATS)}")
         self.fmt = fmt
@@ -348,8 +414,9 @@ class KVEventPublisher:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.bind(self.replay_endpoint)
-            self._router_thread = threading.Thread(target=self._serve_replay, args=(router,), daemon=True,
-                                                   name="kv-replay")
+            self._router_thread = threading.Thread(
+                target=self._serve_replay, args=(router,), daemon=True, name="kv-replay"
+            )
             self._router_thread.start()
 
     def stop(self) -> None:
@@ -376,8 +443,9 @@ class KVEventPublisher:
         """Publish one batch; returns its sequence number (None when ``events`` is empty: nothing is sent)."""
         if not events:
             return None
-        payload = encode_batch(events, self.fmt, time.time() if ts is None else ts, self.dp_rank,
-                               self.hash_bytes)
+        payload = encode_batch(
+            events, self.fmt, time.time() if ts is None else ts, self.dp_rank, self.hash_bytes
+        )
         for ev in events:
             name = type(ev).__name__
             self.stats.events[name] = self.stats.events.get(name, 0) + 1

@@ -56,28 +56,76 @@ _started = False  # only the first user replays: the workload is sent once whate
 def _add_arguments(parser: Any) -> None:
     """Custom arguments (also settable as KVROUTE_LOADTEST_* environment variables)."""
     g = parser.add_argument_group("kvroute trace replay")
-    g.add_argument("--trace", default="", env_var="KVROUTE_LOADTEST_TRACE",
-                   help="Mooncake-format JSONL trace (empty: generated workload)")
-    g.add_argument("--workload", default="agent", env_var="KVROUTE_LOADTEST_WORKLOAD",
-                   help="generated workload name when --trace is empty")
-    g.add_argument("--time-scale", type=float, default=1.0, env_var="KVROUTE_LOADTEST_TIME_SCALE",
-                   help="wall seconds per trace second (0.1 = 10x faster than the trace)")
-    g.add_argument("--trace-start-s", type=float, default=0.0, env_var="KVROUTE_LOADTEST_TRACE_START_S",
-                   help="skip trace requests before this trace time (s)")
-    g.add_argument("--trace-duration-s", type=float, default=0.0, env_var="KVROUTE_LOADTEST_TRACE_DURATION_S",
-                   help="replay only this many trace seconds (0 = all)")
-    g.add_argument("--max-requests", type=int, default=0, env_var="KVROUTE_LOADTEST_MAX_REQUESTS",
-                   help="replay at most this many requests (0 = all)")
-    g.add_argument("--max-output-tokens", type=int, default=0, env_var="KVROUTE_LOADTEST_MAX_OUTPUT_TOKENS",
-                   help="cap each request's output length, tokens (0 = as in the trace)")
-    g.add_argument("--model", default="kvroute-fake", env_var="KVROUTE_LOADTEST_MODEL",
-                   help="model id sent in requests")
-    g.add_argument("--endpoint", default="completions", choices=sorted(ENDPOINT_PATHS),
-                   env_var="KVROUTE_LOADTEST_ENDPOINT", help="OpenAI endpoint: completions or chat")
-    g.add_argument("--replay-csv", default="", env_var="KVROUTE_LOADTEST_REPLAY_CSV",
-                   help="write one row per request here (+ a *_summary.csv next to it)")
-    g.add_argument("--request-timeout-s", type=float, default=600.0, env_var="KVROUTE_LOADTEST_TIMEOUT_S",
-                   help="per-request timeout (s)")
+    g.add_argument(
+        "--trace",
+        default="",
+        env_var="KVROUTE_LOADTEST_TRACE",
+        help="Mooncake-format JSONL trace (empty: generated workload)",
+    )
+    g.add_argument(
+        "--workload",
+        default="agent",
+        env_var="KVROUTE_LOADTEST_WORKLOAD",
+        help="generated workload name when --trace is empty",
+    )
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        env_var="KVROUTE_LOADTEST_TIME_SCALE",
+        help="wall seconds per trace second (0.1 = 10x faster than the trace)",
+    )
+    g.add_argument(
+        "--trace-start-s",
+        type=float,
+        default=0.0,
+        env_var="KVROUTE_LOADTEST_TRACE_START_S",
+        help="skip trace requests before this trace time (s)",
+    )
+    g.add_argument(
+        "--trace-duration-s",
+        type=float,
+        default=0.0,
+        env_var="KVROUTE_LOADTEST_TRACE_DURATION_S",
+        help="replay only this many trace seconds (0 = all)",
+    )
+    g.add_argument(
+        "--max-requests",
+        type=int,
+        default=0,
+        env_var="KVROUTE_LOADTEST_MAX_REQUESTS",
+        help="replay at most this many requests (0 = all)",
+    )
+    g.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=0,
+        env_var="KVROUTE_LOADTEST_MAX_OUTPUT_TOKENS",
+        help="cap each request's output length, tokens (0 = as in the trace)",
+    )
+    g.add_argument(
+        "--model", default="kvroute-fake", env_var="KVROUTE_LOADTEST_MODEL", help="model id sent in requests"
+    )
+    g.add_argument(
+        "--endpoint",
+        default="completions",
+        choices=sorted(ENDPOINT_PATHS),
+        env_var="KVROUTE_LOADTEST_ENDPOINT",
+        help="OpenAI endpoint: completions or chat",
+    )
+    g.add_argument(
+        "--replay-csv",
+        default="",
+        env_var="KVROUTE_LOADTEST_REPLAY_CSV",
+        help="write one row per request here (+ a *_summary.csv next to it)",
+    )
+    g.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        env_var="KVROUTE_LOADTEST_TIMEOUT_S",
+        help="per-request timeout (s)",
+    )
 
 
 class TraceReplayUser(User):
@@ -97,12 +145,20 @@ class TraceReplayUser(User):
         path = ENDPOINT_PATHS[opts.endpoint]
         url = (self.host or "").rstrip("/") + path
         start = time.perf_counter()
-        res = ReplayResult(request_id=req.request_id, arrival_s=req.arrival_s, sent_s=start - t0,
-                           prompt_tokens=req.prompt_tokens)
+        res = ReplayResult(
+            request_id=req.request_id,
+            arrival_s=req.arrival_s,
+            sent_s=start - t0,
+            prompt_tokens=req.prompt_tokens,
+        )
         try:
-            with self.session.post(url, json=request_body(req, opts.model, opts.endpoint),
-                                   headers=request_headers(req), stream=True,
-                                   timeout=(10.0, opts.request_timeout_s)) as resp:
+            with self.session.post(
+                url,
+                json=request_body(req, opts.model, opts.endpoint),
+                headers=request_headers(req),
+                stream=True,
+                timeout=(10.0, opts.request_timeout_s),
+            ) as resp:
                 res.status = resp.status_code
                 if resp.status_code >= 300:
                     res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
@@ -113,8 +169,13 @@ class TraceReplayUser(User):
                         if n > 0 and res.ttft_s is None:
                             res.ttft_s = time.perf_counter() - start
                             self.environment.events.request.fire(
-                                request_type="TTFT", name=path, response_time=res.ttft_s * 1000.0,
-                                response_length=0, exception=None, context={})
+                                request_type="TTFT",
+                                name=path,
+                                response_time=res.ttft_s * 1000.0,
+                                response_length=0,
+                                exception=None,
+                                context={},
+                            )
                         res.chunks += n
                         done = done or saw_done
                     if res.ttft_s is None:
@@ -125,8 +186,13 @@ class TraceReplayUser(User):
             res.error = f"{type(exc).__name__}: {exc}"[:200]
         res.e2e_s = time.perf_counter() - start
         self.environment.events.request.fire(
-            request_type="E2E", name=path, response_time=res.e2e_s * 1000.0, response_length=res.chunks,
-            exception=RuntimeError(res.error) if res.error else None, context={})
+            request_type="E2E",
+            name=path,
+            response_time=res.e2e_s * 1000.0,
+            response_length=res.chunks,
+            exception=RuntimeError(res.error) if res.error else None,
+            context={},
+        )
         results.append(res)
 
     @task
@@ -137,12 +203,22 @@ class TraceReplayUser(User):
             raise StopUser()
         _started = True
         opts = self.environment.parsed_options
-        workload = build_workload(WorkloadOptions(
-            trace=opts.trace or None, workload=opts.workload, time_scale=opts.time_scale,
-            start_s=opts.trace_start_s, duration_s=opts.trace_duration_s or None,
-            max_requests=opts.max_requests or None, max_output_tokens=opts.max_output_tokens or None))
-        print(f"kvroute replay: {len(workload)} requests over {workload[-1].arrival_s if workload else 0:.1f} s "
-              f"against {self.host}", file=sys.stderr)
+        workload = build_workload(
+            WorkloadOptions(
+                trace=opts.trace or None,
+                workload=opts.workload,
+                time_scale=opts.time_scale,
+                start_s=opts.trace_start_s,
+                duration_s=opts.trace_duration_s or None,
+                max_requests=opts.max_requests or None,
+                max_output_tokens=opts.max_output_tokens or None,
+            )
+        )
+        print(
+            f"kvroute replay: {len(workload)} requests over {workload[-1].arrival_s if workload else 0:.1f} s "
+            f"against {self.host}",
+            file=sys.stderr,
+        )
         results: list[ReplayResult] = []
         group = Group()
         t0 = time.perf_counter()
@@ -154,8 +230,10 @@ class TraceReplayUser(User):
         group.join()
         wall = time.perf_counter() - t0
         summary = summarize(results, wall)
-        print("kvroute replay summary: " + ", ".join(f"{k}={v}" for k, v in summary.as_dict().items()),
-              file=sys.stderr)
+        print(
+            "kvroute replay summary: " + ", ".join(f"{k}={v}" for k, v in summary.as_dict().items()),
+            file=sys.stderr,
+        )
         if opts.replay_csv:
             write_csvs(Path(opts.replay_csv), results, summary.as_dict())
         # locust writes its --csv stats only every CSV_STATS_INTERVAL_SEC (no final write at shutdown): quit after
@@ -167,7 +245,17 @@ class TraceReplayUser(User):
 def write_csvs(path: Path, results: list[ReplayResult], summary: dict[str, Any]) -> None:
     """Write per-request rows (seconds) to ``path`` and the summary row to ``<stem>_summary<suffix>``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    cols = ["request_id", "arrival_s", "sent_s", "ttft_s", "e2e_s", "status", "error", "chunks", "prompt_tokens"]
+    cols = [
+        "request_id",
+        "arrival_s",
+        "sent_s",
+        "ttft_s",
+        "e2e_s",
+        "status",
+        "error",
+        "chunks",
+        "prompt_tokens",
+    ]
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)

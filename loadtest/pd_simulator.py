@@ -115,8 +115,11 @@ class KvReceivingEngine(EngineModel):
             for i, h in enumerate(block_hashes):
                 self._parent.setdefault(h, block_hashes[i - 1] if i else None)
         if self.emit_kv_events:
-            self._events.append(BlockStored(now, list(new), block_hashes[first - 1] if first else None, None,
-                                            self.block_size, "gpu"))
+            self._events.append(
+                BlockStored(
+                    now, list(new), block_hashes[first - 1] if first else None, None, self.block_size, "gpu"
+                )
+            )
         self._evict_to_capacity(now)
         return len(new)
 
@@ -171,8 +174,14 @@ class PdFleet(EventFleet):
 
     engines: list[KvReceivingEngine]
 
-    def __init__(self, config: PdFleetConfig, policy: str, keys: BlockKeyCache,
-                 policy_params: dict[str, Any] | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: PdFleetConfig,
+        policy: str,
+        keys: BlockKeyCache,
+        policy_params: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
         fc = config.fleet
         if keys.block_size != fc.block_size:
             raise ValueError("key cache block size differs from the fleet's")
@@ -180,17 +189,26 @@ class PdFleet(EventFleet):
         self.fc = fc
         self.keys = keys
         self.now = 0.0
-        self.index = PrefixIndex(block_size=fc.block_size, predicted_ttl_s=fc.predicted_ttl_s,
-                                 clock=lambda: self.now)
+        self.index = PrefixIndex(
+            block_size=fc.block_size, predicted_ttl_s=fc.predicted_ttl_s, clock=lambda: self.now
+        )
         params = dict(policy_params or {})
         params.setdefault("seed", seed)
         self.policy = make_pd_policy(policy, **params)
         n = fc.replicas
         self.engines = [
-            KvReceivingEngine(fc.profiles[i], num_gpu_blocks=fc.gpu_blocks_of(i), block_size=fc.block_size,
-                              cpu_blocks=fc.cpu_blocks, cpu_bytes_per_s=fc.cpu_bytes_per_s,
-                              max_batch_tokens=fc.max_batch_tokens, max_running=fc.max_running,
-                              emit_tokens=False, emit_kv_events=fc.events_delay_s is not None, name=f"r{i}")
+            KvReceivingEngine(
+                fc.profiles[i],
+                num_gpu_blocks=fc.gpu_blocks_of(i),
+                block_size=fc.block_size,
+                cpu_blocks=fc.cpu_blocks,
+                cpu_bytes_per_s=fc.cpu_bytes_per_s,
+                max_batch_tokens=fc.max_batch_tokens,
+                max_running=fc.max_running,
+                emit_tokens=False,
+                emit_kv_events=fc.events_delay_s is not None,
+                name=f"r{i}",
+            )
             for i in range(n)
         ]
         self.profiles = [pd_replica_profile(p) for p in fc.profiles]
@@ -247,8 +265,16 @@ class PdFleet(EventFleet):
         self.inflight_prefill[i] = max(0, self.inflight_prefill[i] - plan.prefill_tokens)
         self.busy_since[i] = te
         rec.cached = ev.cached_tokens
-        self.policy.observe(Observation(index=i, prompt_tokens=rec.prompt, cached_tokens=ev.cached_tokens,
-                                        queue_wait_s=ev.queue_wait_s, ttft_s=te - rec.arrival, now=te))
+        self.policy.observe(
+            Observation(
+                index=i,
+                prompt_tokens=rec.prompt,
+                cached_tokens=ev.cached_tokens,
+                queue_wait_s=ev.queue_wait_s,
+                ttft_s=te - rec.arrival,
+                now=te,
+            )
+        )
         if tag.leg == "in_place":
             rec.ttft = te - rec.arrival
             return
@@ -268,8 +294,16 @@ class PdFleet(EventFleet):
         d = plan.decode
         eng = self.engines[d]
         eng.receive_blocks(rec.keys, te)
-        eng.submit(EngineRequest(f"{rec.request_id}-decode", rec.prompt, rec.output, block_hashes=rec.keys,
-                                 tag=_Leg(rec, "decode")), te)
+        eng.submit(
+            EngineRequest(
+                f"{rec.request_id}-decode",
+                rec.prompt,
+                rec.output,
+                block_hashes=rec.keys,
+                tag=_Leg(rec, "decode"),
+            ),
+            te,
+        )
 
     def _finished(self, i: int, ev: Finished, te: float) -> None:
         tag: _Leg = ev.request.tag
@@ -292,13 +326,28 @@ class PdFleet(EventFleet):
         n = req.prompt_tokens
         matches = self.index.match(keys) if len(keys) else {}
         cands = [
-            PdCandidate(Candidate(index=i, name=self.names[i], load=self._load(i, t, self._elapsed(i, t)),
-                                  hit=hit_from_match(matches.get(i), n, bs), profile=self.profiles[i]),
-                        role=self.cfg.roles[i], link_busy_s=max(0.0, self.link_free_at[i] - t))
+            PdCandidate(
+                Candidate(
+                    index=i,
+                    name=self.names[i],
+                    load=self._load(i, t, self._elapsed(i, t)),
+                    hit=hit_from_match(matches.get(i), n, bs),
+                    profile=self.profiles[i],
+                ),
+                role=self.cfg.roles[i],
+                link_busy_s=max(0.0, self.link_free_at[i] - t),
+            )
             for i in range(self.fc.replicas)
         ]
-        rr = RouteRequest(model=self.fc.model, prompt_tokens=n, block_keys=keys, block_size=bs, now=t,
-                          session_id=req.session_id, request_id=req.request_id)
+        rr = RouteRequest(
+            model=self.fc.model,
+            prompt_tokens=n,
+            block_keys=keys,
+            block_size=bs,
+            now=t,
+            session_id=req.session_id,
+            request_id=req.request_id,
+        )
         plan = self.policy.choose_plan(rr, cands, self.cfg.link).chosen
         rec.plan = plan
         self.plans[plan.kind] += 1
@@ -313,7 +362,9 @@ class PdFleet(EventFleet):
             self.index.predict(x, keys)
         leg = "in_place" if x == plan.decode else "prefill"
         out = rec.output if leg == "in_place" else 1
-        self.engines[x].submit(EngineRequest(req.request_id, n, out, block_hashes=keys, tag=_Leg(rec, leg)), t)
+        self.engines[x].submit(
+            EngineRequest(req.request_id, n, out, block_hashes=keys, tag=_Leg(rec, leg)), t
+        )
         return plan
 
     def drain(self) -> None:
@@ -337,14 +388,23 @@ def pd_replica_profile(name: str) -> ReplicaProfile:
     prof.decode_step_s = hw.step_time(1, 1.0, 0)
     ctx = 8704
     batch = CAPACITY_DECODE_BATCH
-    prof.decode_step_s_per_request = (hw.step_time(batch, batch * (ctx + 1.0), batch * ctx)
-                                      - prof.decode_step_s) / batch
+    prof.decode_step_s_per_request = (
+        hw.step_time(batch, batch * (ctx + 1.0), batch * ctx) - prof.decode_step_s
+    ) / batch
     return prof
 
 
-def simulate_pd(requests: Sequence[Request], policy: str, config: PdFleetConfig, *,
-                keys: BlockKeyCache | None = None, policy_params: dict[str, Any] | None = None, seed: int = 0,
-                load: float | None = None, hit_rate_bound: float | None = None) -> SimResult:
+def simulate_pd(
+    requests: Sequence[Request],
+    policy: str,
+    config: PdFleetConfig,
+    *,
+    keys: BlockKeyCache | None = None,
+    policy_params: dict[str, Any] | None = None,
+    seed: int = 0,
+    load: float | None = None,
+    hit_rate_bound: float | None = None,
+) -> SimResult:
     """Simulate ``requests`` (sorted by arrival) on the PD fleet ``config`` with the PD policy ``policy``.
 
     Raises:
@@ -371,8 +431,17 @@ def simulate_pd(requests: Sequence[Request], policy: str, config: PdFleetConfig,
     return _result(policy, load, recs, fleet, config, requests, wall0, cpu0, hit_rate_bound)
 
 
-def _result(policy: str, load: float | None, recs: list[_PdRec], fleet: PdFleet, config: PdFleetConfig,
-            requests: Sequence[Request], wall0: float, cpu0: float, bound: float | None) -> SimResult:
+def _result(
+    policy: str,
+    load: float | None,
+    recs: list[_PdRec],
+    fleet: PdFleet,
+    config: PdFleetConfig,
+    requests: Sequence[Request],
+    wall0: float,
+    cpu0: float,
+    bound: float | None,
+) -> SimResult:
     """The ``SimResult`` of a finished PD run, with the PD fields in ``extra``."""
     n = config.fleet.replicas
     pre = [0] * n
@@ -383,17 +452,31 @@ def _result(policy: str, load: float | None, recs: list[_PdRec], fleet: PdFleet,
     hand = sorted(r.handoff_s for r in recs if r.handoff_s >= 0)
     start = requests[0].arrival_s if requests else 0.0
     return SimResult(
-        policy=policy, load=load, requests=len(recs), completed=len(recs),
-        prompt_tokens=sum(r.prompt for r in recs), cached_tokens=sum(r.cached for r in recs),
-        ttft=[r.ttft for r in recs], e2e=[r.finish - r.arrival for r in recs],
-        replica_of=[r.prefiller for r in recs], prefill_tokens_by_replica=pre, requests_by_replica=per,
+        policy=policy,
+        load=load,
+        requests=len(recs),
+        completed=len(recs),
+        prompt_tokens=sum(r.prompt for r in recs),
+        cached_tokens=sum(r.cached for r in recs),
+        ttft=[r.ttft for r in recs],
+        e2e=[r.finish - r.arrival for r in recs],
+        replica_of=[r.prefiller for r in recs],
+        prefill_tokens_by_replica=pre,
+        requests_by_replica=per,
         output_tokens=sum(r.output for r in recs),
         makespan_s=max((r.finish for r in recs), default=0.0) - start,
-        wall_s=time.perf_counter() - wall0, slo_ttft_s=config.fleet.slo_ttft_s, hit_rate_bound=bound,
-        extra={"cpu_s": time.process_time() - cpu0, "plans": dict(fleet.plans),
-               "handoff_p50_s": percentile(hand, 50), "handoff_p99_s": percentile(hand, 99),
-               "moved_gib": fleet.moved_bytes / 2**30, "roles": pd_roles_label(config.roles),
-               "link_gbps": config.link.bandwidth_bytes_per_s / 1e9},
+        wall_s=time.perf_counter() - wall0,
+        slo_ttft_s=config.fleet.slo_ttft_s,
+        hit_rate_bound=bound,
+        extra={
+            "cpu_s": time.process_time() - cpu0,
+            "plans": dict(fleet.plans),
+            "handoff_p50_s": percentile(hand, 50),
+            "handoff_p99_s": percentile(hand, 99),
+            "moved_gib": fleet.moved_bytes / 2**30,
+            "roles": pd_roles_label(config.roles),
+            "link_gbps": config.link.bandwidth_bytes_per_s / 1e9,
+        },
     )
 
 
@@ -405,9 +488,14 @@ def pd_roles_label(roles: Sequence[Role]) -> str:
     return ",".join(f"{k}:{v}" for k, v in counts.items())
 
 
-def pd_capacity_rps(requests: Sequence[Request], prefill_profiles: Sequence[str], decode_profiles: Sequence[str],
-                    link_bytes_per_s: float | None = DEFAULT_LINK_BYTES_PER_S,
-                    batch: int = CAPACITY_DECODE_BATCH, cached_tokens: int = 0) -> dict[str, float]:
+def pd_capacity_rps(
+    requests: Sequence[Request],
+    prefill_profiles: Sequence[str],
+    decode_profiles: Sequence[str],
+    link_bytes_per_s: float | None = DEFAULT_LINK_BYTES_PER_S,
+    batch: int = CAPACITY_DECODE_BATCH,
+    cached_tokens: int = 0,
+) -> dict[str, float]:
     """The seeds' PD throughput bound ``mu_PD = min(mu_P, mu_D, mu_link)``, requests per second (000 §9.2).
 
     ``mu_P`` = sum over prefill replicas of 1 / mean prefill seconds (nothing cached); ``mu_D`` = sum over decode
@@ -421,8 +509,13 @@ def pd_capacity_rps(requests: Sequence[Request], prefill_profiles: Sequence[str]
 
     def prefill_s(name: str) -> float:
         hw = get_profile(name)
-        return sum(hw.prefill_time(r.prompt_tokens - min(cached_tokens, r.prompt_tokens - 1),
-                                   min(cached_tokens, r.prompt_tokens - 1)) for r in requests) / len(requests)
+        return sum(
+            hw.prefill_time(
+                r.prompt_tokens - min(cached_tokens, r.prompt_tokens - 1),
+                min(cached_tokens, r.prompt_tokens - 1),
+            )
+            for r in requests
+        ) / len(requests)
 
     def decode_s(name: str) -> float:
         hw = get_profile(name)
@@ -437,10 +530,17 @@ def pd_capacity_rps(requests: Sequence[Request], prefill_profiles: Sequence[str]
     d_s = {name: decode_s(name) for name in set(decode_profiles)}
     mu_p = sum(1.0 / p_s[p] for p in prefill_profiles)
     mu_d = sum(1.0 / d_s[d] if d_s[d] > 0 else float("inf") for d in decode_profiles)
-    mean_bytes = sum(r.prompt_tokens * get_profile(prefill_profiles[0]).kv_bytes_per_token
-                     for r in requests) / len(requests) if prefill_profiles else 0.0
-    mu_link = (len(prefill_profiles) * link_bytes_per_s / mean_bytes
-               if link_bytes_per_s and mean_bytes > 0 else float("inf"))
+    mean_bytes = (
+        sum(r.prompt_tokens * get_profile(prefill_profiles[0]).kv_bytes_per_token for r in requests)
+        / len(requests)
+        if prefill_profiles
+        else 0.0
+    )
+    mu_link = (
+        len(prefill_profiles) * link_bytes_per_s / mean_bytes
+        if link_bytes_per_s and mean_bytes > 0
+        else float("inf")
+    )
     return {"mu_p": mu_p, "mu_d": mu_d, "mu_link": mu_link, "mu_pd": min(mu_p, mu_d, mu_link)}
 
 
@@ -450,14 +550,28 @@ def pd_capacity_rps(requests: Sequence[Request], prefill_profiles: Sequence[str]
 def add_pd_arguments(p: argparse.ArgumentParser) -> None:
     """The PD flags of ``kvroute simulate`` (``--prefill``, ``--decode``, ``--link-gbps``, ``--link-latency-ms``)."""
     g = p.add_argument_group("prefill/decode disaggregation (pd_* policies)")
-    g.add_argument("--prefill", type=int, default=None,
-                   help="the first P replicas (in --profiles order) are prefill replicas; with --decode, pd_* "
-                        "policies run on this PD fleet and co-located policies on the same GPUs, all 'both'")
-    g.add_argument("--decode", type=int, default=None,
-                   help="the next D replicas are decode replicas (P + D = the number of replicas)")
-    g.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_BYTES_PER_S / 1e9,
-                   help="P->D KV link bandwidth of each prefill replica, GB/s (handoffs serialised per link)")
-    g.add_argument("--link-latency-ms", type=float, default=0.0, help="fixed cost of one handoff, milliseconds")
+    g.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        help="the first P replicas (in --profiles order) are prefill replicas; with --decode, pd_* "
+        "policies run on this PD fleet and co-located policies on the same GPUs, all 'both'",
+    )
+    g.add_argument(
+        "--decode",
+        type=int,
+        default=None,
+        help="the next D replicas are decode replicas (P + D = the number of replicas)",
+    )
+    g.add_argument(
+        "--link-gbps",
+        type=float,
+        default=DEFAULT_LINK_BYTES_PER_S / 1e9,
+        help="P->D KV link bandwidth of each prefill replica, GB/s (handoffs serialised per link)",
+    )
+    g.add_argument(
+        "--link-latency-ms", type=float, default=0.0, help="fixed cost of one handoff, milliseconds"
+    )
 
 
 def pd_roles(args: argparse.Namespace, replicas: int) -> list[Role] | None:
@@ -485,8 +599,15 @@ def is_pd_policy(name: str) -> bool:
     return name in pd_policy_names()
 
 
-def run_pd(requests: Sequence[Request], policy: str, base: str, fleet: FleetConfig, roles: list[Role] | None,
-           args: argparse.Namespace, **kw: Any) -> SimResult:
+def run_pd(
+    requests: Sequence[Request],
+    policy: str,
+    base: str,
+    fleet: FleetConfig,
+    roles: list[Role] | None,
+    args: argparse.Namespace,
+    **kw: Any,
+) -> SimResult:
     """One ``kvroute simulate`` row of a PD policy: on the PD fleet, or on the same GPUs all ``both``."""
     link = HandoffLink(args.link_gbps * 1e9, args.link_latency_ms / 1e3)
     cfg = PdFleetConfig(fleet=fleet, roles=roles or ["both"] * fleet.replicas, link=link)
@@ -511,13 +632,21 @@ class PdHooks:
         """Validate the PD flags (``pd_roles``)."""
         pd_roles(args, len(profiles))
 
-    def notes(self, requests: Sequence[Request], profiles: Sequence[str], args: argparse.Namespace) -> list[str]:
+    def notes(
+        self, requests: Sequence[Request], profiles: Sequence[str], args: argparse.Namespace
+    ) -> list[str]:
         """The seeds' PD bound for the PD fleet, when there is one."""
         roles = pd_roles(args, len(profiles))
         return [] if roles is None else [pd_capacity_note(requests, profiles, roles, args.link_gbps)]
 
-    def run(self, requests: Sequence[Request], label: str, cfg: FleetConfig, args: argparse.Namespace,
-            kw: dict[str, Any]) -> SimResult | None:
+    def run(
+        self,
+        requests: Sequence[Request],
+        label: str,
+        cfg: FleetConfig,
+        args: argparse.Namespace,
+        kw: dict[str, Any],
+    ) -> SimResult | None:
         """Simulate a ``pd_*`` run label (None for co-located policies, which ``simulate`` runs)."""
         base = label.partition("@")[0]
         if not is_pd_policy(base):
@@ -530,19 +659,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return simulator_main(argv, hooks=PdHooks())
 
 
-def pd_capacity_note(requests: Sequence[Request], profiles: Sequence[str], roles: Sequence[Role],
-                     link_gbps: float) -> str:
+def pd_capacity_note(
+    requests: Sequence[Request], profiles: Sequence[str], roles: Sequence[Role], link_gbps: float
+) -> str:
     """One stderr line: the seeds' PD bound for this fleet and workload."""
     pre = [p for p, r in zip(profiles, roles, strict=True) if r == "prefill"]
     dec = [p for p, r in zip(profiles, roles, strict=True) if r == "decode"]
     mu = pd_capacity_rps(requests, pre, dec, link_gbps * 1e9)
-    return (f"# PD fleet {pd_roles_label(roles)}: mu_P {mu['mu_p']:.2f}, mu_D {mu['mu_d']:.2f}, link "
-            f"{mu['mu_link']:.2f} -> mu_PD {mu['mu_pd']:.2f} req/s (loads stay relative to the co-located capacity)")
+    return (
+        f"# PD fleet {pd_roles_label(roles)}: mu_P {mu['mu_p']:.2f}, mu_D {mu['mu_d']:.2f}, link "
+        f"{mu['mu_link']:.2f} -> mu_PD {mu['mu_pd']:.2f} req/s (loads stay relative to the co-located capacity)"
+    )
 
 
-def best_pd_split(requests: Sequence[Request], cards: dict[str, int],
-                  link_bytes_per_s: float | None = DEFAULT_LINK_BYTES_PER_S,
-                  cached_tokens: int = 0) -> tuple[dict[str, int], dict[str, float]]:
+def best_pd_split(
+    requests: Sequence[Request],
+    cards: dict[str, int],
+    link_bytes_per_s: float | None = DEFAULT_LINK_BYTES_PER_S,
+    cached_tokens: int = 0,
+) -> tuple[dict[str, int], dict[str, float]]:
     """The seeds' pool sizing (000 §9.2, §9.7): how many cards of each kind to make prefill replicas so that
     ``mu_PD`` is largest, the rest decode (at least one of each).
 
@@ -566,8 +701,11 @@ def best_pd_split(requests: Sequence[Request], cards: dict[str, int],
         dec = [n for n, c in zip(names, counts, strict=True) for _ in range(cards[n] - c)]
         mu = pd_capacity_rps(requests, pre, dec, link_bytes_per_s, cached_tokens=cached_tokens)
         split = dict(zip(names, counts, strict=True))
-        if best is None or mu["mu_pd"] > best[1]["mu_pd"] + 1e-12 or (
-                abs(mu["mu_pd"] - best[1]["mu_pd"]) <= 1e-12 and n_p < sum(best[0].values())):
+        if (
+            best is None
+            or mu["mu_pd"] > best[1]["mu_pd"] + 1e-12
+            or (abs(mu["mu_pd"] - best[1]["mu_pd"]) <= 1e-12 and n_p < sum(best[0].values()))
+        ):
             best = (split, mu)
     if best is None:
         raise ValueError("a PD split needs at least two cards")

@@ -47,12 +47,15 @@ SPECIALS = [BOS, EOS, "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
-    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 #: words the tokenizer is trained on and tests draw prompts from
-WORDS = ("cache route replica prefix block token engine queue prefill decode latency memory tier gpu cpu disk "
-         "remote event batch model request answer question system user assistant hello world fox dog quick "
-         "brown lazy jumps over the capital france paris london river mountain ocean forest city winter summer "
-         "number letter window door table chair garden music paper story").split()
+WORDS = (
+    "cache route replica prefix block token engine queue prefill decode latency memory tier gpu cpu disk "
+    "remote event batch model request answer question system user assistant hello world fox dog quick "
+    "brown lazy jumps over the capital france paris london river mountain ocean forest city winter summer "
+    "number letter window door table chair garden music paper story"
+).split()
 
 
 def ensure_vllm(venv: Path | None = None, timeout_s: float = 1800.0) -> Path:
@@ -65,8 +68,14 @@ def ensure_vllm(venv: Path | None = None, timeout_s: float = 1800.0) -> Path:
         FleetError: the install failed (the message carries its output tail).
     """
     target = venv or Path(os.environ.get("KVROUTE_VLLM_VENV", str(DEFAULT_VENV)))
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "install-vllm.sh"), str(target)], cwd=str(REPO),
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "install-vllm.sh"), str(target)],
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
     if proc.returncode != 0:
         raise FleetError(f"installing vLLM failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return Path(proc.stdout.strip().splitlines()[-1])
@@ -93,26 +102,59 @@ def build_model_dir(d: Path, vocab_size: int = 2048) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(training_corpus(), trainer)
     bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
-                                                       special_tokens=[(BOS, bos_id)])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-        "add_bos_token": True, "model_max_length": 8192, "chat_template": CHAT_TEMPLATE}, indent=1))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "add_bos_token": True,
+                "model_max_length": 8192,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=1,
+        )
+    )
     (d / "special_tokens_map.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
     eos_id = tok.token_to_id(EOS)
     # the embedding covers exactly the trained vocabulary (rounded up to 64), so generated ids decode to text
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
-        "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "head_dim": 64, "vocab_size": vocab, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "bos_token_id": bos_id, "eos_token_id": eos_id}, indent=1))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 512,
+                "intermediate_size": 1024,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "head_dim": 64,
+                "vocab_size": vocab,
+                "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0,
+                "hidden_act": "silu",
+                "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16",
+                "bos_token_id": bos_id,
+                "eos_token_id": eos_id,
+            },
+            indent=1,
+        )
+    )
     (d / "generation_config.json").write_text(json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}))
     return d
 
@@ -157,30 +199,65 @@ class RealEngine(EngineEndpoints):
 
     def replica_spec(self) -> str:
         """The ``kvroute serve --replica`` spec of this engine."""
-        spec = (f"name={self.name},url={self.url},dialect=vllm,model={MODEL},"
-                f"events={self.events_url},replay={self.replay_url}")
+        spec = (
+            f"name={self.name},url={self.url},dialect=vllm,model={MODEL},"
+            f"events={self.events_url},replay={self.replay_url}"
+        )
         return spec if self.spec.role == "both" else f"{spec},role={self.spec.role}"
 
 
-def engine_args(python: Path, model_dir: Path, spec: EngineSpec, port: int, events_port: int,
-                replay_port: int) -> list[str]:
+def engine_args(
+    python: Path, model_dir: Path, spec: EngineSpec, port: int, events_port: int, replay_port: int
+) -> list[str]:
     """The command line of one engine: ``vllm serve`` with every flag kvroute relies on (docs/deploy.md)."""
     if spec.block_size % CPU_BLOCK_SIZE_MULTIPLE:
-        raise ValueError(f"block_size {spec.block_size}: vLLM's CPU build needs a multiple of "
-                         f"{CPU_BLOCK_SIZE_MULTIPLE}")
+        raise ValueError(
+            f"block_size {spec.block_size}: vLLM's CPU build needs a multiple of {CPU_BLOCK_SIZE_MULTIPLE}"
+        )
     if spec.max_model_len > (spec.gpu_blocks - 1) * spec.block_size:
         # vLLM refuses to start unless one request of max_model_len fits with a block to spare
-        raise ValueError(f"max_model_len {spec.max_model_len} needs more than {spec.gpu_blocks} blocks of "
-                         f"{spec.block_size} tokens; lower it to <= {(spec.gpu_blocks - 1) * spec.block_size}")
-    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
-                 "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv-events"}
-    args = [str(python.parent / "vllm"), "serve", str(model_dir), "--host", HOST, "--port", str(port),
-            "--served-model-name", MODEL, "--load-format", "dummy", "--dtype", "bfloat16",
-            "--enable-prefix-caching", "--block-size", str(spec.block_size),
-            "--num-gpu-blocks-override", str(spec.gpu_blocks), "--max-model-len", str(spec.max_model_len),
-            "--max-num-seqs", "16", "--max-num-batched-tokens", str(max(4096, spec.max_model_len)),
-            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
-            "--disable-uvicorn-access-log", *spec.extra_args]
+        raise ValueError(
+            f"max_model_len {spec.max_model_len} needs more than {spec.gpu_blocks} blocks of "
+            f"{spec.block_size} tokens; lower it to <= {(spec.gpu_blocks - 1) * spec.block_size}"
+        )
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+        "topic": "kv-events",
+    }
+    args = [
+        str(python.parent / "vllm"),
+        "serve",
+        str(model_dir),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--enable-prefix-caching",
+        "--block-size",
+        str(spec.block_size),
+        "--num-gpu-blocks-override",
+        str(spec.gpu_blocks),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--max-num-seqs",
+        "16",
+        "--max-num-batched-tokens",
+        str(max(4096, spec.max_model_len)),
+        "--enable-prompt-tokens-details",
+        "--kv-events-config",
+        json.dumps(kv_events),
+        "--disable-uvicorn-access-log",
+        *spec.extra_args,
+    ]
     if spec.cpu is not None:
         args = ["taskset", "-c", str(spec.cpu), *args]
     return args
@@ -188,10 +265,18 @@ def engine_args(python: Path, model_dir: Path, spec: EngineSpec, port: int, even
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:
     """The environment of one engine (CPU platform, one OpenMP thread on its core, offline, dev endpoints)."""
-    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_space_gib),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_space_gib),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
     if spec.cpu is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.cpu)
     env.update(spec.env)
@@ -203,8 +288,12 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
 NIXL_KV_TRANSFER = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 
-def nixl_pd_specs(prefill_cpu: int | None, decode_cpu: int | None, side_channel_ports: tuple[int, int],
-                  gpu_blocks: int = 400) -> list[EngineSpec]:
+def nixl_pd_specs(
+    prefill_cpu: int | None,
+    decode_cpu: int | None,
+    side_channel_ports: tuple[int, int],
+    gpu_blocks: int = 400,
+) -> list[EngineSpec]:
     """Two real engines for prefill/decode disaggregation over NIXL: ``p0`` (role prefill) and ``d0`` (decode).
 
     Each gets the NixlConnector (``NIXL_KV_TRANSFER``) and its own NIXL side-channel port on loopback
@@ -213,10 +302,20 @@ def nixl_pd_specs(prefill_cpu: int | None, decode_cpu: int | None, side_channel_
     what either engine answers alone (greedy) exactly when the transferred KV is right.
     """
     extra = ["--kv-transfer-config", json.dumps(NIXL_KV_TRANSFER)]
-    return [EngineSpec(name, cpu=cpu, gpu_blocks=gpu_blocks, extra_args=list(extra), role=role,
-                       env={"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)})
-            for name, cpu, role, port in (("p0", prefill_cpu, "prefill", side_channel_ports[0]),
-                                          ("d0", decode_cpu, "decode", side_channel_ports[1]))]
+    return [
+        EngineSpec(
+            name,
+            cpu=cpu,
+            gpu_blocks=gpu_blocks,
+            extra_args=list(extra),
+            role=role,
+            env={"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)},
+        )
+        for name, cpu, role, port in (
+            ("p0", prefill_cpu, "prefill", side_channel_ports[0]),
+            ("d0", decode_cpu, "decode", side_channel_ports[1]),
+        )
+    ]
 
 
 def engine_ready(url: str, timeout_s: float = 2.0) -> bool:
@@ -241,8 +340,14 @@ class RealFleet:
         ready_timeout_s: how long all engines together may take to become ready, seconds.
     """
 
-    def __init__(self, python: Path, model_dir: Path, specs: Sequence[EngineSpec], log_dir: Path,
-                 ready_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        python: Path,
+        model_dir: Path,
+        specs: Sequence[EngineSpec],
+        log_dir: Path,
+        ready_timeout_s: float = 600.0,
+    ) -> None:
         self.python = python
         self.model_dir = model_dir
         self.specs = list(specs)
@@ -254,8 +359,12 @@ class RealFleet:
 
     def _launch(self, spec: EngineSpec, port: int, events_port: int, replay_port: int) -> RealEngine:
         self._generation += 1
-        proc = ManagedProcess(engine_args(self.python, self.model_dir, spec, port, events_port, replay_port),
-                              f"{spec.name}-g{self._generation}", self.log_dir, env=engine_env(spec))
+        proc = ManagedProcess(
+            engine_args(self.python, self.model_dir, spec, port, events_port, replay_port),
+            f"{spec.name}-g{self._generation}",
+            self.log_dir,
+            env=engine_env(spec),
+        )
         return RealEngine(port=port, events_port=events_port, replay_port=replay_port, proc=proc, spec=spec)
 
     def start(self) -> list[RealEngine]:
@@ -282,13 +391,16 @@ class RealFleet:
         while pending:
             for e in list(pending):
                 if not e.proc.alive():
-                    raise FleetError(f"engine {e.name} exited with {e.proc.popen.returncode}:\n"
-                                     f"{e.proc.tail(6000)}")
+                    raise FleetError(
+                        f"engine {e.name} exited with {e.proc.popen.returncode}:\n{e.proc.tail(6000)}"
+                    )
                 if engine_ready(e.url):
                     pending.remove(e)
             if pending and time.monotonic() > deadline:
-                raise FleetError(f"engines {[e.name for e in pending]} not ready after "
-                                 f"{timeout_s or self.ready_timeout_s}s:\n{pending[0].proc.tail(6000)}")
+                raise FleetError(
+                    f"engines {[e.name for e in pending]} not ready after "
+                    f"{timeout_s or self.ready_timeout_s}s:\n{pending[0].proc.tail(6000)}"
+                )
             if pending:
                 time.sleep(0.5)
 

@@ -84,11 +84,17 @@ class ReplayResult:
         return not self.error and 200 <= self.status < 300
 
 
-def request_body(req: ReplayRequest, model: str, endpoint: Endpoint = "completions",
-                 stream: bool = True) -> dict[str, Any]:
+def request_body(
+    req: ReplayRequest, model: str, endpoint: Endpoint = "completions", stream: bool = True
+) -> dict[str, Any]:
     """The JSON body of ``req`` for ``endpoint`` (OpenAI schema; ``ignore_eos`` so the length is exact)."""
-    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "stream": stream,
-                            "temperature": 0.0, "ignore_eos": True}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.max_tokens,
+        "stream": stream,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     if endpoint == "chat":
         text = req.prompt if isinstance(req.prompt, str) else " ".join(map(str, req.prompt))
         body["messages"] = [{"role": "user", "content": text}]
@@ -110,8 +116,9 @@ def request_headers(req: ReplayRequest) -> dict[str, str]:
 def make_client(timeout_s: float = 600.0, max_connections: int = 2048) -> httpx.AsyncClient:
     """An async client with pooled keep-alive connections sized for open-loop bursts."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits,
-                             headers={"Accept": "text/event-stream"})
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, headers={"Accept": "text/event-stream"}
+    )
 
 
 def count_events(chunk: bytes) -> tuple[int, bool]:
@@ -121,23 +128,38 @@ def count_events(chunk: bytes) -> tuple[int, bool]:
     return (n - 1 if done else n), done
 
 
-async def send_one(client: httpx.AsyncClient, base_url: str, req: ReplayRequest, *, model: str,
-                   endpoint: Endpoint = "completions", t0: float | None = None,
-                   stream: bool = True) -> ReplayResult:
+async def send_one(
+    client: httpx.AsyncClient,
+    base_url: str,
+    req: ReplayRequest,
+    *,
+    model: str,
+    endpoint: Endpoint = "completions",
+    t0: float | None = None,
+    stream: bool = True,
+) -> ReplayResult:
     """Send one request, stream the answer, and time it (seconds, ``time.perf_counter`` clock).
 
     ``t0`` is the replay's start on the ``perf_counter`` clock (used for ``sent_s``); never raises: transport
     errors and non-2xx answers are returned in ``error``.
     """
     start = time.perf_counter()
-    res = ReplayResult(request_id=req.request_id, arrival_s=req.arrival_s,
-                       sent_s=start - (t0 if t0 is not None else start), prompt_tokens=req.prompt_tokens)
+    res = ReplayResult(
+        request_id=req.request_id,
+        arrival_s=req.arrival_s,
+        sent_s=start - (t0 if t0 is not None else start),
+        prompt_tokens=req.prompt_tokens,
+    )
     url = base_url.rstrip("/") + ENDPOINT_PATHS[endpoint]
     try:
-        async with client.stream("POST", url, json=request_body(req, model, endpoint, stream),
-                                 headers=request_headers(req)) as resp:
+        async with client.stream(
+            "POST", url, json=request_body(req, model, endpoint, stream), headers=request_headers(req)
+        ) as resp:
             res.status = resp.status_code
-            res.served_by = (resp.headers.get("x-kvroute-prefill-replica"), resp.headers.get("x-kvroute-replica"))
+            res.served_by = (
+                resp.headers.get("x-kvroute-prefill-replica"),
+                resp.headers.get("x-kvroute-replica"),
+            )
             if resp.status_code >= 300:
                 body = await resp.aread()
                 res.error = f"HTTP {resp.status_code}: {body[:200].decode(errors='replace')}"
@@ -168,9 +190,15 @@ async def send_one(client: httpx.AsyncClient, base_url: str, req: ReplayRequest,
     return res
 
 
-async def replay(base_url: str, requests: Sequence[ReplayRequest], *, model: str,
-                 endpoint: Endpoint = "completions", client: httpx.AsyncClient | None = None,
-                 deadline_s: float | None = None) -> tuple[list[ReplayResult], float]:
+async def replay(
+    base_url: str,
+    requests: Sequence[ReplayRequest],
+    *,
+    model: str,
+    endpoint: Endpoint = "completions",
+    client: httpx.AsyncClient | None = None,
+    deadline_s: float | None = None,
+) -> tuple[list[ReplayResult], float]:
     """Send ``requests`` open loop at their ``arrival_s`` and wait for all answers.
 
     Returns the results (in request order) and the wall time in seconds from the first send to the last
@@ -188,8 +216,9 @@ async def replay(base_url: str, requests: Sequence[ReplayRequest], *, model: str
             delay = requests[i].arrival_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks[i] = asyncio.create_task(send_one(cl, base_url, requests[i], model=model,
-                                                    endpoint=endpoint, t0=t0))
+            tasks[i] = asyncio.create_task(
+                send_one(cl, base_url, requests[i], model=model, endpoint=endpoint, t0=t0)
+            )
         timeout = None if deadline_s is None else max(0.0, deadline_s - (time.perf_counter() - t0))
         if tasks:
             await asyncio.wait(list(tasks.values()), timeout=timeout)
@@ -198,9 +227,13 @@ async def replay(base_url: str, requests: Sequence[ReplayRequest], *, model: str
                 results[i] = task.result()
             else:
                 task.cancel()
-                results[i] = ReplayResult(request_id=requests[i].request_id, arrival_s=requests[i].arrival_s,
-                                          sent_s=requests[i].arrival_s, error="deadline",
-                                          prompt_tokens=requests[i].prompt_tokens)
+                results[i] = ReplayResult(
+                    request_id=requests[i].request_id,
+                    arrival_s=requests[i].arrival_s,
+                    sent_s=requests[i].arrival_s,
+                    error="deadline",
+                    prompt_tokens=requests[i].prompt_tokens,
+                )
     finally:
         for task in tasks.values():
             if not task.done():
@@ -213,9 +246,17 @@ async def replay(base_url: str, requests: Sequence[ReplayRequest], *, model: str
     return [r for r in results if r is not None], wall
 
 
-async def closed_loop(base_url: str, make_request: Any, *, model: str, concurrency: int, total: int,
-                      endpoint: Endpoint = "completions", client: httpx.AsyncClient | None = None,
-                      stream: bool = True) -> tuple[list[ReplayResult], float]:
+async def closed_loop(
+    base_url: str,
+    make_request: Any,
+    *,
+    model: str,
+    concurrency: int,
+    total: int,
+    endpoint: Endpoint = "completions",
+    client: httpx.AsyncClient | None = None,
+    stream: bool = True,
+) -> tuple[list[ReplayResult], float]:
     """Send ``total`` requests with ``concurrency`` workers, each sending its next request when the last ends.
 
     ``make_request(i) -> ReplayRequest`` builds the i-th request. Returns results and wall seconds.
@@ -227,8 +268,9 @@ async def closed_loop(base_url: str, make_request: Any, *, model: str, concurren
 
     async def worker() -> None:
         for i in counter:
-            results.append(await send_one(cl, base_url, make_request(i), model=model, endpoint=endpoint,
-                                          stream=stream))
+            results.append(
+                await send_one(cl, base_url, make_request(i), model=model, endpoint=endpoint, stream=stream)
+            )
 
     t0 = time.perf_counter()
     try:
@@ -286,11 +328,16 @@ def summarize(results: Iterable[ReplayResult], wall_s: float) -> Summary:
     e2es = [r.e2e_s for r in good if r.e2e_s is not None]
     errors = [r for r in rs if not r.ok]
     return Summary(
-        requests=len(rs), completed=len(good), errors=len(errors),
-        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        requests=len(rs),
+        completed=len(good),
+        errors=len(errors),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
         ttft_mean_s=(sum(ttfts) / len(ttfts)) if ttfts else None,
-        e2e_p50_s=percentile(e2es, 50), e2e_p99_s=percentile(e2es, 99),
-        throughput_rps=(len(good) / wall_s) if wall_s > 0 else 0.0, wall_s=wall_s,
+        e2e_p50_s=percentile(e2es, 50),
+        e2e_p99_s=percentile(e2es, 99),
+        throughput_rps=(len(good) / wall_s) if wall_s > 0 else 0.0,
+        wall_s=wall_s,
         max_lag_s=max((r.sent_s - r.arrival_s for r in rs), default=0.0),
         error_samples=sorted({r.error for r in errors})[:5],
     )

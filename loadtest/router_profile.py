@@ -33,26 +33,35 @@ from pathlib import Path
 
 #: (category, pattern on a frame "function (file:line)"); the first category matching the innermost frame of a
 #: sample wins, then the next frame outwards, and so on
-CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = tuple((name, re.compile(pat)) for name, pat in (
-    ("tokenization", r"router/tokenizer\.py|router/token_cache\.py|tokenizers/"),
-    ("token ids forwarding", r"router/token_ids\.py"),
-    ("hashing (block keys)", r"index/hashing\.py|block_keys|chain_hash"),
-    ("KV-event intake (ZMQ, decode, apply)", r"membership/kv_|zmq/|msgspec|msgpack"),
-    ("index (match, insert, evict)", r"index/"),
-    ("routing policy", r"policies/|router/routing\.py|router/dispatch\.py"),
-    ("load scraping, health", r"membership/engine_metrics\.py|membership/health\.py|membership/tasks\.py"),
-    ("SSE relay + validator", r"_Relay|SSEValidator|_ProxyStream|_DirectWrite|_usage_from_sse"),
-    ("idempotency guard", r"router/idempotency\.py"),
-    ("request JSON parse / serialise", r"orjson|json/|simdjson|pydantic|router/intake\.py|ask_for_usage|_payload"),
-    ("engine client (HTTP to engines)", r"router/engine_client\.py|httptools"),
-    ("proxy (attempts, feedback)", r"router/proxy\.py"),
-    ("logging", r"logging/|router/telemetry\.py.*(format|emit)"),
-    ("telemetry (metrics)", r"prometheus_client|router/telemetry\.py"),
-    ("event loop outside Python frames (uvloop, syscalls; see module doc)", r"asyncio/runners\.py"),
-    ("HTTP server (uvicorn, starlette)", r"uvicorn/|starlette/|router/http_protocol\.py|h11/"),
-    ("router app (admission, guard, rest)", r"router/"),
-    ("event loop, GC, other", r"."),
-))
+CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (name, re.compile(pat))
+    for name, pat in (
+        ("tokenization", r"router/tokenizer\.py|router/token_cache\.py|tokenizers/"),
+        ("token ids forwarding", r"router/token_ids\.py"),
+        ("hashing (block keys)", r"index/hashing\.py|block_keys|chain_hash"),
+        ("KV-event intake (ZMQ, decode, apply)", r"membership/kv_|zmq/|msgspec|msgpack"),
+        ("index (match, insert, evict)", r"index/"),
+        ("routing policy", r"policies/|router/routing\.py|router/dispatch\.py"),
+        (
+            "load scraping, health",
+            r"membership/engine_metrics\.py|membership/health\.py|membership/tasks\.py",
+        ),
+        ("SSE relay + validator", r"_Relay|SSEValidator|_ProxyStream|_DirectWrite|_usage_from_sse"),
+        ("idempotency guard", r"router/idempotency\.py"),
+        (
+            "request JSON parse / serialise",
+            r"orjson|json/|simdjson|pydantic|router/intake\.py|ask_for_usage|_payload",
+        ),
+        ("engine client (HTTP to engines)", r"router/engine_client\.py|httptools"),
+        ("proxy (attempts, feedback)", r"router/proxy\.py"),
+        ("logging", r"logging/|router/telemetry\.py.*(format|emit)"),
+        ("telemetry (metrics)", r"prometheus_client|router/telemetry\.py"),
+        ("event loop outside Python frames (uvloop, syscalls; see module doc)", r"asyncio/runners\.py"),
+        ("HTTP server (uvicorn, starlette)", r"uvicorn/|starlette/|router/http_protocol\.py|h11/"),
+        ("router app (admission, guard, rest)", r"router/"),
+        ("event loop, GC, other", r"."),
+    )
+)
 
 
 @dataclass(slots=True)
@@ -69,9 +78,23 @@ class PySpy:
         exe = pyspy_path()
         if exe is None:
             raise RuntimeError("py-spy is not installed (pip install py-spy into the venv)")
-        args = [exe, "record", "--pid", str(pid), "--format", "raw", "--rate", str(rate_hz), "--subprocesses",
-                "--nonblocking", "--output", str(out_path)]
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        args = [
+            exe,
+            "record",
+            "--pid",
+            str(pid),
+            "--format",
+            "raw",
+            "--rate",
+            str(rate_hz),
+            "--subprocesses",
+            "--nonblocking",
+            "--output",
+            str(out_path),
+        ]
+        proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+        )
         return cls(proc, out_path)
 
     def stop(self, timeout_s: float = 30.0) -> None:

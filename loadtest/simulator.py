@@ -226,8 +226,9 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
 CAPACITY_DECODE_BATCH = 32
 
 
-def request_gpu_seconds(profile: str, prompt_tokens: int, output_tokens: int,
-                        batch: int = CAPACITY_DECODE_BATCH) -> float:
+def request_gpu_seconds(
+    profile: str, prompt_tokens: int, output_tokens: int, batch: int = CAPACITY_DECODE_BATCH
+) -> float:
     """GPU-seconds one request occupies on a replica with nothing cached (seeds 000 §9.2.3 co-located
     accounting): its prefill time plus its share of ``output_tokens - 1`` decode steps at ``batch`` requests of
     the mean context ``prompt + output / 2``, seconds."""
@@ -267,12 +268,14 @@ def lru_hit_rate(requests: Sequence[Request], keys: BlockKeyCache, capacity_bloc
     ``(prompt - 1) // block_size`` blocks, like an engine), then all its full blocks are inserted / touched,
     tail first so eviction is leaf first. This is ``hit_rate_bound``.
     """
-    return lru_block_hit_rate(((keys.keys(r), r.prompt_tokens) for r in requests), keys.block_size,
-                              capacity_blocks)
+    return lru_block_hit_rate(
+        ((keys.keys(r), r.prompt_tokens) for r in requests), keys.block_size, capacity_blocks
+    )
 
 
-def lru_block_hit_rate(prompts: Iterable[tuple[Sequence[int], int]], block_size: int,
-                       capacity_blocks: int | None) -> float:
+def lru_block_hit_rate(
+    prompts: Iterable[tuple[Sequence[int], int]], block_size: int, capacity_blocks: int | None
+) -> float:
     """``lru_hit_rate`` on prompts given as (block keys of the full blocks, prompt tokens), in arrival order.
 
     Token-weighted: reused tokens / prompt tokens over all prompts; a prompt reuses at most
@@ -313,8 +316,14 @@ def lru_block_hit_rate(prompts: Iterable[tuple[Sequence[int], int]], block_size:
     return hit / total if total else 0.0
 
 
-def fleet_hit_rate_bound(requests: Sequence[Request], replicas: int, gpu_blocks: int | None, profile: str,
-                         block_size: int, model: str) -> float:
+def fleet_hit_rate_bound(
+    requests: Sequence[Request],
+    replicas: int,
+    gpu_blocks: int | None,
+    profile: str,
+    block_size: int,
+    model: str,
+) -> float:
     """``lru_hit_rate`` of one shared cache with the whole fleet's GPU blocks (``replicas`` x ``gpu_blocks``;
     None = the profile's KV capacity, what engines started without a block count use) on ``requests``: about the
     most prefix reuse any router can get from that fleet. The e2e benchmark and the demo report it next to the
@@ -359,7 +368,9 @@ class EventFleet(ABC):
         self.full_scrape = config.scrape_fields == "full"
         self._heap = []
         self._seq = 0
-        self.predict = config.predict == "always" or (config.predict == "auto" and config.events_delay_s is None)
+        self.predict = config.predict == "always" or (
+            config.predict == "auto" and config.events_delay_s is None
+        )
         self.delay = config.events_delay_s or 0.0
 
     @abstractmethod
@@ -407,8 +418,11 @@ class EventFleet(ABC):
         (``elapsed_s``: seconds it has been working through its in-flight prefill tokens)."""
         s = self.snap[i]
         if s is None:
-            return LoadView(inflight_requests=self.inflight[i], inflight_prefill_tokens=self.inflight_prefill[i],
-                            inflight_prefill_elapsed_s=elapsed_s)
+            return LoadView(
+                inflight_requests=self.inflight[i],
+                inflight_prefill_tokens=self.inflight_prefill[i],
+                inflight_prefill_elapsed_s=elapsed_s,
+            )
         return LoadView(
             queued_requests=s.num_requests_waiting,
             running_requests=s.num_requests_running,
@@ -425,16 +439,23 @@ class EventFleet(ABC):
 class Fleet(EventFleet):
     """One simulation: engines, the index, the policy and the router's accounting (virtual time)."""
 
-    def __init__(self, config: FleetConfig, policy: str, keys: BlockKeyCache,
-                 policy_params: dict[str, Any] | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: FleetConfig,
+        policy: str,
+        keys: BlockKeyCache,
+        policy_params: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
         """Build the fleet with empty caches; ``keys`` must use ``config.block_size`` and the model's root."""
         if keys.block_size != config.block_size:
             raise ValueError("key cache block size differs from the fleet's")
         self.cfg = config
         self.keys = keys
         self.now = 0.0
-        self.index = PrefixIndex(block_size=config.block_size, predicted_ttl_s=config.predicted_ttl_s,
-                                 clock=lambda: self.now)
+        self.index = PrefixIndex(
+            block_size=config.block_size, predicted_ttl_s=config.predicted_ttl_s, clock=lambda: self.now
+        )
         params = dict(policy_params or {})
         params.setdefault("seed", seed)  # every built-in policy accepts seed= (randomised ones use it)
         base = policy_of(policy)
@@ -446,25 +467,39 @@ class Fleet(EventFleet):
         self.policy_name = policy
         n = config.replicas
         self.engines = [
-            EngineModel(config.profiles[i], num_gpu_blocks=config.gpu_blocks_of(i), block_size=config.block_size,
-                        cpu_blocks=config.cpu_blocks, cpu_bytes_per_s=config.cpu_bytes_per_s,
-                        max_batch_tokens=config.max_batch_tokens, max_running=config.max_running,
-                        emit_tokens=False, emit_kv_events=config.events_delay_s is not None, name=f"r{i}")
+            EngineModel(
+                config.profiles[i],
+                num_gpu_blocks=config.gpu_blocks_of(i),
+                block_size=config.block_size,
+                cpu_blocks=config.cpu_blocks,
+                cpu_bytes_per_s=config.cpu_bytes_per_s,
+                max_batch_tokens=config.max_batch_tokens,
+                max_running=config.max_running,
+                emit_tokens=False,
+                emit_kv_events=config.events_delay_s is not None,
+                name=f"r{i}",
+            )
             for i in range(n)
         ]
         cpu_bw = None
         if config.cpu_blocks:
             cpu_bw = config.cpu_bytes_per_s or get_profile(config.profiles[0]).cpu_link_bytes_per_s
-        self.profiles = [get_profile(p).replica_profile(cpu_bytes_per_s=(
-            (config.cpu_bytes_per_s or get_profile(p).cpu_link_bytes_per_s) if cpu_bw else None))
-            for p in config.profiles]
+        self.profiles = [
+            get_profile(p).replica_profile(
+                cpu_bytes_per_s=(
+                    (config.cpu_bytes_per_s or get_profile(p).cpu_link_bytes_per_s) if cpu_bw else None
+                )
+            )
+            for p in config.profiles
+        ]
         self.names = [f"r{i}" for i in range(n)]
         self._init_router_state(config)
         self.observations = 0
         gate = config.dispatch
         self.ask = IndexQuestions(self.index.match, config.block_size)
         self.dispatch: DispatchQueues[_Sent] | None = (
-            DispatchQueues(gate, self.ask.cached_blocks) if gate is not None and gate.enabled else None)
+            DispatchQueues(gate, self.ask.cached_blocks) if gate is not None and gate.enabled else None
+        )
 
     # -- time --------------------------------------------------------------------------------------
 
@@ -502,9 +537,16 @@ class Fleet(EventFleet):
                 self.inflight_prefill[i] = max(0, self.inflight_prefill[i] - rec.uncached_est)
                 rec.ttft = rec.wait + ev.ttft_s
                 rec.cached = ev.cached_tokens
-                self.policy.observe(Observation(index=i, prompt_tokens=ev.request.prompt_tokens,
-                                                cached_tokens=ev.cached_tokens,
-                                                queue_wait_s=rec.wait + ev.queue_wait_s, ttft_s=rec.ttft, now=te))
+                self.policy.observe(
+                    Observation(
+                        index=i,
+                        prompt_tokens=ev.request.prompt_tokens,
+                        cached_tokens=ev.cached_tokens,
+                        queue_wait_s=rec.wait + ev.queue_wait_s,
+                        ttft_s=rec.ttft,
+                        now=te,
+                    )
+                )
                 self.observations += 1
                 if self.dispatch is not None:
                     self.dispatch.started(i, rec.uncached_sent)
@@ -528,15 +570,31 @@ class Fleet(EventFleet):
         matches = self.index.match(keys) if len(keys) else {}
         cands = []
         for i in range(self.cfg.replicas):
-            cands.append(Candidate(index=i, name=self.names[i], load=self._load(i, t),
-                                   hit=hit_from_match(matches.get(i), n, bs), profile=self.profiles[i]))
+            cands.append(
+                Candidate(
+                    index=i,
+                    name=self.names[i],
+                    load=self._load(i, t),
+                    hit=hit_from_match(matches.get(i), n, bs),
+                    profile=self.profiles[i],
+                )
+            )
         target = tenancy.ttft_target_s if tenancy is not None else None
-        rr = RouteRequest(model=self.cfg.model, prompt_tokens=n, block_keys=keys, block_size=bs, now=t,
-                          session_id=req.session_id, request_id=req.request_id, ttft_target_s=target,
-                          priority=rec.priority)
+        rr = RouteRequest(
+            model=self.cfg.model,
+            prompt_tokens=n,
+            block_keys=keys,
+            block_size=bs,
+            now=t,
+            session_id=req.session_id,
+            request_id=req.request_id,
+            ttft_target_s=target,
+            priority=rec.priority,
+        )
         decision = self.policy.choose(rr, cands)
-        if tenancy is not None and slo_unattainable(best_predicted_ttft_s(decision.scores, decision.ranking),
-                                                    target, tenancy.slo_reject_factor):
+        if tenancy is not None and slo_unattainable(
+            best_predicted_ttft_s(decision.scores, decision.ranking), target, tenancy.slo_reject_factor
+        ):
             rec.rejected = "slo_unattainable"
             return -1
         i = decision.chosen
@@ -566,8 +624,12 @@ class Fleet(EventFleet):
     def _submit(self, i: int, sent: _Sent, t: float) -> None:
         req, rec = sent.req, sent.rec
         rec.wait = t - req.arrival_s
-        self.engines[i].submit(EngineRequest(req.request_id, req.prompt_tokens, req.output_tokens,
-                                             block_hashes=sent.keys, tag=rec), t)
+        self.engines[i].submit(
+            EngineRequest(
+                req.request_id, req.prompt_tokens, req.output_tokens, block_hashes=sent.keys, tag=rec
+            ),
+            t,
+        )
 
     def drain(self) -> None:
         """Run every engine until all requests completed, applying the remaining events."""
@@ -621,9 +683,18 @@ def policy_of(name: str) -> str:
     return name.partition("@")[0]
 
 
-def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, keys: BlockKeyCache | None = None,
-             policy_params: dict[str, Any] | None = None, seed: int = 0, load: float | None = None,
-             hit_rate_bound: float | None = None, tenancy: SimTenancy | None = None) -> SimResult:
+def simulate(
+    requests: Sequence[Request],
+    policy: str,
+    config: FleetConfig,
+    *,
+    keys: BlockKeyCache | None = None,
+    policy_params: dict[str, Any] | None = None,
+    seed: int = 0,
+    load: float | None = None,
+    hit_rate_bound: float | None = None,
+    tenancy: SimTenancy | None = None,
+) -> SimResult:
     """Simulate ``requests`` (sorted by arrival) routed by ``policy`` on the fleet ``config`` (``tenancy``: tenant
     quotas, priorities and TTFT targets; rejected requests are counted in ``rejected`` and miss ``goodput_all``).
 
@@ -685,8 +756,12 @@ def simulate(requests: Sequence[Request], policy: str, config: FleetConfig, *, k
         wall_s=time.perf_counter() - wall0,
         slo_ttft_s=config.slo_ttft_s,
         hit_rate_bound=hit_rate_bound,
-        extra={"cpu_s": time.process_time() - cpu0, "index_nodes": len(fleet.index),
-               "observations": fleet.observations, **_tenancy_extra(all_recs, rejected, config.slo_ttft_s)},
+        extra={
+            "cpu_s": time.process_time() - cpu0,
+            "index_nodes": len(fleet.index),
+            "observations": fleet.observations,
+            **_tenancy_extra(all_recs, rejected, config.slo_ttft_s),
+        },
     )
 
 
@@ -695,7 +770,9 @@ def _quota_admits(tenancy: SimTenancy, buckets: dict[str, BucketState], tenant: 
     quota = tenancy.quotas.get(tenant)
     if quota is None:
         return True
-    state, out = take(buckets.get(tenant), req.arrival_s, quota[0], quota[1], req.prompt_tokens + req.output_tokens)
+    state, out = take(
+        buckets.get(tenant), req.arrival_s, quota[0], quota[1], req.prompt_tokens + req.output_tokens
+    )
     buckets[tenant] = state
     return out.admitted
 
@@ -771,76 +848,155 @@ def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute simulate",
         description="Simulate a fleet of LLM engine replicas on a trace and compare routing policies. The router "
-                    "side is index/ + policies/ unchanged; engines are loadtest.engine_model (paged prefix cache, "
-                    "chunked continuous batching, prefill timing of the A100 / H20 / RTX PRO 6000 profiles).",
+        "side is index/ + policies/ unchanged; engines are loadtest.engine_model (paged prefix cache, "
+        "chunked continuous batching, prefill timing of the A100 / H20 / RTX PRO 6000 profiles).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="Mooncake-format JSONL trace (timestamp ms, input_length, output_length, "
-                                     "hash_ids of 512-token blocks), any path")
-    src.add_argument("--workload", choices=sorted(WORKLOADS),
-                     help="generated workload: " + "; ".join(f"{k}: {v[1]}" for k, v in WORKLOADS.items()))
-    p.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
-                   help="generator parameter for --workload (repeatable), e.g. rate=20")
-    p.add_argument("--replicas", type=int, default=None, help="number of replicas (default 8, or from --profiles)")
-    p.add_argument("--profiles", default="a100",
-                   help="hardware profile per replica: NAME or NAME:COUNT,... e.g. a100:4,h20:4 "
-                        "(profiles: a100, h20, rtx6000)")
-    p.add_argument("--policies", default="all",
-                   help="comma-separated policy names, or 'all' (" + ", ".join(policy_names()) + "); "
-                        "POLICY@LABEL runs the policy again under its own label and --policy-param, so two "
-                        "settings compare in one command, e.g. ttft,ttft@never")
-    p.add_argument("--policy-param", action="append", default=[], metavar="POLICY.KEY=VALUE",
-                   help="constructor parameter of a policy or label (repeatable), e.g. ttft.p_confirmed=0.9, "
-                        "ttft@never.migration_weight=1000")
+    src.add_argument(
+        "--trace",
+        help="Mooncake-format JSONL trace (timestamp ms, input_length, output_length, "
+        "hash_ids of 512-token blocks), any path",
+    )
+    src.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        help="generated workload: " + "; ".join(f"{k}: {v[1]}" for k, v in WORKLOADS.items()),
+    )
+    p.add_argument(
+        "--workload-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="generator parameter for --workload (repeatable), e.g. rate=20",
+    )
+    p.add_argument(
+        "--replicas", type=int, default=None, help="number of replicas (default 8, or from --profiles)"
+    )
+    p.add_argument(
+        "--profiles",
+        default="a100",
+        help="hardware profile per replica: NAME or NAME:COUNT,... e.g. a100:4,h20:4 "
+        "(profiles: a100, h20, rtx6000)",
+    )
+    p.add_argument(
+        "--policies",
+        default="all",
+        help="comma-separated policy names, or 'all' (" + ", ".join(policy_names()) + "); "
+        "POLICY@LABEL runs the policy again under its own label and --policy-param, so two "
+        "settings compare in one command, e.g. ttft,ttft@never",
+    )
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="POLICY.KEY=VALUE",
+        help="constructor parameter of a policy or label (repeatable), e.g. ttft.p_confirmed=0.9, "
+        "ttft@never.migration_weight=1000",
+    )
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--load", type=_floats, default=None,
-                      help="arrival rate(s) as a fraction of the fleet's estimated capacity, e.g. 0.5,0.7,0.9. "
-                           "Capacity = sum over replicas of 1 / mean GPU-seconds per request with nothing cached "
-                           "(prefill: linear + attention terms of the profile; decode: the request's share of "
-                           "its decode steps at batch 32), the seeds' co-located accounting")
-    rate.add_argument("--rate-scale", type=_floats, default=None,
-                      help="multiply the workload's arrival rate (time compression), e.g. 2")
-    p.add_argument("--gpu-blocks", type=int, default=None,
-                   help="GPU KV blocks per replica (default: the profile's HBM KV capacity, e.g. 23312 for a100 "
-                        "at block size 16)")
-    p.add_argument("--cpu-blocks", type=int, default=0, help="CPU-tier KV blocks per replica (0 = no CPU tier)")
-    p.add_argument("--cpu-gbps", type=float, default=None,
-                   help="CPU->GPU fetch bandwidth in GB/s (default: the profile's link, 25)")
+    rate.add_argument(
+        "--load",
+        type=_floats,
+        default=None,
+        help="arrival rate(s) as a fraction of the fleet's estimated capacity, e.g. 0.5,0.7,0.9. "
+        "Capacity = sum over replicas of 1 / mean GPU-seconds per request with nothing cached "
+        "(prefill: linear + attention terms of the profile; decode: the request's share of "
+        "its decode steps at batch 32), the seeds' co-located accounting",
+    )
+    rate.add_argument(
+        "--rate-scale",
+        type=_floats,
+        default=None,
+        help="multiply the workload's arrival rate (time compression), e.g. 2",
+    )
+    p.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=None,
+        help="GPU KV blocks per replica (default: the profile's HBM KV capacity, e.g. 23312 for a100 "
+        "at block size 16)",
+    )
+    p.add_argument(
+        "--cpu-blocks", type=int, default=0, help="CPU-tier KV blocks per replica (0 = no CPU tier)"
+    )
+    p.add_argument(
+        "--cpu-gbps",
+        type=float,
+        default=None,
+        help="CPU->GPU fetch bandwidth in GB/s (default: the profile's link, 25)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block / router block")
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="engine token budget per step")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO for goodput, seconds")
-    p.add_argument("--events-delay", default="0.05",
-                   help="seconds before engine KV events reach the router's index; 'none' = engines publish "
-                        "no events (the router records predicted entries instead)")
-    p.add_argument("--predict", choices=["auto", "always", "never"], default="auto",
-                   help="record predicted index entries after each decision: auto = only without events")
+    p.add_argument(
+        "--events-delay",
+        default="0.05",
+        help="seconds before engine KV events reach the router's index; 'none' = engines publish "
+        "no events (the router records predicted entries instead)",
+    )
+    p.add_argument(
+        "--predict",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="record predicted index entries after each decision: auto = only without events",
+    )
     p.add_argument("--scrape-interval", type=float, default=2.0, help="seconds between engine metric scrapes")
-    p.add_argument("--scrape-fields", choices=["vllm", "full"], default="vllm",
-                   help="what a scrape sees: vllm = waiting/running requests + KV usage (what vLLM exports); "
-                        "full = also the queued prefill tokens")
+    p.add_argument(
+        "--scrape-fields",
+        choices=["vllm", "full"],
+        default="vllm",
+        help="what a scrape sees: vllm = waiting/running requests + KV usage (what vLLM exports); "
+        "full = also the queued prefill tokens",
+    )
     gate = DispatchSettings()
-    p.add_argument("--dispatch-limit-tokens", type=int, default=gate.limit_tokens,
-                   help="the router's cache-first dispatch gate, as in the service (dispatch_limit_tokens): "
-                        "uncached prompt tokens a replica may have sent and not started before requests wait in "
-                        "the router, which then sends the one with the deepest prefix cached on the replica "
-                        "first; 0 = off (the default, as in the service: send every request when routed); 8192 is "
-                        "the measured setting (docs/results.md, 'Cache-first dispatch')")
-    p.add_argument("--dispatch-patience", type=float, default=gate.patience_s,
-                   help="seconds after which the oldest request waiting for a replica goes first")
-    p.add_argument("--dispatch-max-wait", type=float, default=gate.max_wait_s,
-                   help="seconds after which a waiting request is sent regardless of the gate")
+    p.add_argument(
+        "--dispatch-limit-tokens",
+        type=int,
+        default=gate.limit_tokens,
+        help="the router's cache-first dispatch gate, as in the service (dispatch_limit_tokens): "
+        "uncached prompt tokens a replica may have sent and not started before requests wait in "
+        "the router, which then sends the one with the deepest prefix cached on the replica "
+        "first; 0 = off (the default, as in the service: send every request when routed); 8192 is "
+        "the measured setting (docs/results.md, 'Cache-first dispatch')",
+    )
+    p.add_argument(
+        "--dispatch-patience",
+        type=float,
+        default=gate.patience_s,
+        help="seconds after which the oldest request waiting for a replica goes first",
+    )
+    p.add_argument(
+        "--dispatch-max-wait",
+        type=float,
+        default=gate.max_wait_s,
+        help="seconds after which a waiting request is sent regardless of the gate",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of generated workloads and random policies")
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
-    p.add_argument("--max-output-tokens", type=int, default=None,
-                   help="cap every request's output length, tokens (as loadtest.e2e / the demo do)")
-    p.add_argument("--start", type=float, default=0.0, help="skip requests arriving before this time, seconds")
-    p.add_argument("--duration", type=float, default=None,
-                   help="only requests arriving within this many seconds after --start (before rate scaling)")
+    p.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=None,
+        help="cap every request's output length, tokens (as loadtest.e2e / the demo do)",
+    )
+    p.add_argument(
+        "--start", type=float, default=0.0, help="skip requests arriving before this time, seconds"
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="only requests arriving within this many seconds after --start (before rate scaling)",
+    )
     p.add_argument("--no-bound", action="store_true", help="skip computing hit_rate_bound")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per (policy, load)")
-    p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="plot TTFT p50/p99 and hit rate against load, one line per policy")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="plot TTFT p50/p99 and hit rate against load, one line per policy",
+    )
     p.add_argument("--title", default=None, help="plot title")
     if hooks is not None:
         hooks.add_arguments(p)
@@ -855,7 +1011,9 @@ def _policy_params(items: Sequence[str], names: Sequence[str]) -> dict[str, dict
         if not sep or not dot or not key:
             raise ValueError(f"--policy-param wants POLICY.KEY=VALUE, got {item!r}")
         if pol not in names:
-            raise ValueError(f"--policy-param names policy {pol!r} which is not simulated ({', '.join(names)})")
+            raise ValueError(
+                f"--policy-param names policy {pol!r} which is not simulated ({', '.join(names)})"
+            )
         out.setdefault(pol, {})[key] = _param_value(value)
     return out
 
@@ -887,11 +1045,28 @@ def load_requests(args: argparse.Namespace) -> list[Request]:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    cols = [("policy", "{}", 20), ("load", "{}", 6), ("hit", "{:.3f}", 6), ("bound", "{:.3f}", 6),
-            ("ttft_mean", "{:.3f}", 9), ("p50", "{:.3f}", 8), ("p90", "{:.3f}", 8), ("p99", "{:.3f}", 8),
-            ("goodput", "{:.3f}", 7), ("max/mean", "{:.2f}", 8), ("wall_s", "{:.1f}", 7)]
-    keys = {"hit": "hit_rate", "bound": "hit_rate_bound", "ttft_mean": "ttft_mean_s", "p50": "ttft_p50_s",
-            "p90": "ttft_p90_s", "p99": "ttft_p99_s", "max/mean": "max_over_mean_load"}
+    cols = [
+        ("policy", "{}", 20),
+        ("load", "{}", 6),
+        ("hit", "{:.3f}", 6),
+        ("bound", "{:.3f}", 6),
+        ("ttft_mean", "{:.3f}", 9),
+        ("p50", "{:.3f}", 8),
+        ("p90", "{:.3f}", 8),
+        ("p99", "{:.3f}", 8),
+        ("goodput", "{:.3f}", 7),
+        ("max/mean", "{:.2f}", 8),
+        ("wall_s", "{:.1f}", 7),
+    ]
+    keys = {
+        "hit": "hit_rate",
+        "bound": "hit_rate_bound",
+        "ttft_mean": "ttft_mean_s",
+        "p50": "ttft_p50_s",
+        "p90": "ttft_p90_s",
+        "p99": "ttft_p99_s",
+        "max/mean": "max_over_mean_load",
+    }
     lines = ["  ".join(f"{c:>{w}}" for c, _, w in cols)]
     for r in rows:
         cells = []
@@ -914,8 +1089,9 @@ def plot_results(rows: list[dict[str, Any]], path: str, title: str | None = None
     for pol in policies:
         pts = sorted((r for r in rows if r["policy"] == pol), key=lambda r: r["load"] or 0.0)
         xs = [r["load"] for r in pts]
-        style: dict[str, Any] = {"linewidth": 2.6, "color": "black"} if pol in ("ttft", "pd_ttft") else {
-            "linewidth": 1.2}
+        style: dict[str, Any] = (
+            {"linewidth": 2.6, "color": "black"} if pol in ("ttft", "pd_ttft") else {"linewidth": 1.2}
+        )
         if pol.startswith("pd_"):
             style["linestyle"] = "--"  # PD plan policies (loadtest.pd_simulator), dashed
         axes[0].plot(xs, [r["ttft_p50_s"] for r in pts], marker="o", label=pol, **style)
@@ -954,22 +1130,37 @@ class RunHooks(Protocol):
         """Validate the wrapper's flags; raise ``ValueError`` with a clear reason."""
         ...
 
-    def notes(self, requests: Sequence[Request], profiles: Sequence[str], args: argparse.Namespace) -> list[str]:
+    def notes(
+        self, requests: Sequence[Request], profiles: Sequence[str], args: argparse.Namespace
+    ) -> list[str]:
         """Lines printed to stderr before the runs."""
         ...
 
-    def run(self, requests: Sequence[Request], label: str, cfg: FleetConfig, args: argparse.Namespace,
-            kw: dict[str, Any]) -> SimResult | None:
+    def run(
+        self,
+        requests: Sequence[Request],
+        label: str,
+        cfg: FleetConfig,
+        args: argparse.Namespace,
+        kw: dict[str, Any],
+    ) -> SimResult | None:
         """Simulate run label ``label`` if it is the wrapper's (None otherwise); ``kw`` as for ``simulate``."""
         ...
 
 
 def _check_args(args: argparse.Namespace, hooks: RunHooks | None) -> tuple[list[str], list[str]]:
     """(profiles, run labels) from the arguments; raises ``ValueError`` / ``KeyError`` on bad input."""
-    profiles = parse_profiles(args.profiles, args.replicas if args.replicas is not None else (
-        None if ("," in args.profiles or ":" in args.profiles) else 8))
-    names = policy_names() if args.policies == "all" else [x.strip() for x in args.policies.split(",")
-                                                           if x.strip()]
+    profiles = parse_profiles(
+        args.profiles,
+        args.replicas
+        if args.replicas is not None
+        else (None if ("," in args.profiles or ":" in args.profiles) else 8),
+    )
+    names = (
+        policy_names()
+        if args.policies == "all"
+        else [x.strip() for x in args.policies.split(",") if x.strip()]
+    )
     known = set(policy_names()) | set(hooks.policy_names() if hooks is not None else ())
     unknown = [x for x in names if policy_of(x) not in known]
     if unknown:
@@ -989,15 +1180,24 @@ def _check_args(args: argparse.Namespace, hooks: RunHooks | None) -> tuple[list[
 
 def _fleet_config(args: argparse.Namespace, profiles: list[str]) -> FleetConfig:
     """The simulated fleet the arguments describe."""
-    return FleetConfig(profiles=profiles, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
-                       cpu_bytes_per_s=args.cpu_gbps * 1e9 if args.cpu_gbps else None, block_size=args.block_size,
-                       max_batch_tokens=args.max_batch_tokens,
-                       events_delay_s=None if args.events_delay.lower() == "none" else float(args.events_delay),
-                       predict=args.predict, scrape_interval_s=args.scrape_interval,
-                       scrape_fields=args.scrape_fields, slo_ttft_s=args.slo_ttft,
-                       dispatch=DispatchSettings(limit_tokens=args.dispatch_limit_tokens,
-                                                 patience_s=args.dispatch_patience,
-                                                 max_wait_s=args.dispatch_max_wait))
+    return FleetConfig(
+        profiles=profiles,
+        gpu_blocks=args.gpu_blocks,
+        cpu_blocks=args.cpu_blocks,
+        cpu_bytes_per_s=args.cpu_gbps * 1e9 if args.cpu_gbps else None,
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        events_delay_s=None if args.events_delay.lower() == "none" else float(args.events_delay),
+        predict=args.predict,
+        scrape_interval_s=args.scrape_interval,
+        scrape_fields=args.scrape_fields,
+        slo_ttft_s=args.slo_ttft,
+        dispatch=DispatchSettings(
+            limit_tokens=args.dispatch_limit_tokens,
+            patience_s=args.dispatch_patience,
+            max_wait_s=args.dispatch_max_wait,
+        ),
+    )
 
 
 def _rates(args: argparse.Namespace, base_rate: float, cap: float) -> list[tuple[float | None, float]]:
@@ -1023,23 +1223,34 @@ def main(argv: Sequence[str] | None = None, hooks: RunHooks | None = None) -> in
     keys = BlockKeyCache(cfg.block_size, root_seed(cfg.model))
     base_rate = arrival_rate_rps(reqs)
     cap = fleet_capacity_rps(reqs, profiles)
-    print(f"# {len(reqs)} requests, {sum(r.prompt_tokens for r in reqs) / 1e6:.1f} M prompt tokens, "
-          f"{base_rate:.2f} req/s; fleet {','.join(profiles)}: estimated capacity {cap:.2f} req/s; "
-          f"gpu blocks/replica {[cfg.gpu_blocks_of(i) for i in range(cfg.replicas)]}", file=sys.stderr)
+    print(
+        f"# {len(reqs)} requests, {sum(r.prompt_tokens for r in reqs) / 1e6:.1f} M prompt tokens, "
+        f"{base_rate:.2f} req/s; fleet {','.join(profiles)}: estimated capacity {cap:.2f} req/s; "
+        f"gpu blocks/replica {[cfg.gpu_blocks_of(i) for i in range(cfg.replicas)]}",
+        file=sys.stderr,
+    )
     bound = None
     if not args.no_bound:
         t0 = time.perf_counter()
         bound = lru_hit_rate(reqs, keys, cfg.total_cache_blocks())
-        print(f"# hit_rate_bound (shared LRU of {cfg.total_cache_blocks()} blocks) = {bound:.4f} "
-              f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+        print(
+            f"# hit_rate_bound (shared LRU of {cfg.total_cache_blocks()} blocks) = {bound:.4f} "
+            f"({time.perf_counter() - t0:.1f} s)",
+            file=sys.stderr,
+        )
     for line in hooks.notes(reqs, profiles, args) if hooks is not None else ():
         print(line, file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for load, scale in _rates(args, base_rate, cap):
         scaled = scale_rate(reqs, scale) if scale != 1.0 else reqs
         for pol in names:
-            kw: dict[str, Any] = {"keys": keys, "policy_params": pparams.get(pol), "seed": args.seed,
-                                  "load": round(load, 4) if load is not None else None, "hit_rate_bound": bound}
+            kw: dict[str, Any] = {
+                "keys": keys,
+                "policy_params": pparams.get(pol),
+                "seed": args.seed,
+                "load": round(load, 4) if load is not None else None,
+                "hit_rate_bound": bound,
+            }
             res = hooks.run(scaled, pol, cfg, args, kw) if hooks is not None else None
             if res is None:
                 res = simulate(scaled, pol, cfg, **kw)

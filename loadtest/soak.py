@@ -72,6 +72,7 @@ ABUSE_CLIENT_TIMEOUT_S = "2"
 
 # -- redis ---------------------------------------------------------------------------------------------------------
 
+
 class RedisProc:
     """A throw-away ``redis-server`` on 127.0.0.1 (no persistence) that can be killed and started again."""
 
@@ -89,10 +90,24 @@ class RedisProc:
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Start and wait until it accepts connections."""
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", HOST, "--save", "",
-                                      "--appendonly", "no", "--dir", self.dir],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                HOST,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         import redis
 
         client = redis.Redis(host=HOST, port=self.port, socket_timeout=0.5)
@@ -124,6 +139,7 @@ class RedisProc:
 
 # -- load ----------------------------------------------------------------------------------------------------------
 
+
 @dataclass(slots=True)
 class Outcome:
     """What happened to one request. ``kind``: completed | client_error | server_error | lost."""
@@ -149,12 +165,13 @@ class Workload:
         conv = self.convs[i]
         conv.extend(self.rnd.randrange(1000, 30000) for _ in range(self.rnd.randrange(32, 160)))
         if len(conv) > 3000:  # the conversation ends; a new one starts on the same system prompt
-            del conv[len(self.systems[i % len(self.systems)]):]
+            del conv[len(self.systems[i % len(self.systems)]) :]
         return list(conv)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], out: Outcome,
-                      timeout_s: float) -> None:
+async def one_request(
+    client: httpx.AsyncClient, url: str, prompt: list[int], out: Outcome, timeout_s: float
+) -> None:
     """Send one streamed completion and classify its outcome into ``out``."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": random.choice((8, 32, 128)), "stream": True}
     t0 = time.monotonic()
@@ -174,7 +191,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
                     buf = (buf + chunk)[-4096:]
                 if b"event: error" in buf:
                     out.kind = "server_error"
-                    out.detail = buf[buf.find(b"event: error"):][:200].decode(errors="replace")
+                    out.detail = buf[buf.find(b"event: error") :][:200].decode(errors="replace")
                 elif b"data: [DONE]" in buf:
                     out.kind = "completed"
                 else:
@@ -187,6 +204,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
 
 
 # -- the soak ------------------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class FaultRecord:
@@ -205,9 +223,13 @@ class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rnd = random.Random(args.seed)
-        self.fleet = Fleet(args.replicas, EngineOptions(model=MODEL, time_scale=args.time_scale,
-                                                        gpu_blocks=args.gpu_blocks, seed=args.seed),
-                           keep_logs=args.keep_logs)
+        self.fleet = Fleet(
+            args.replicas,
+            EngineOptions(
+                model=MODEL, time_scale=args.time_scale, gpu_blocks=args.gpu_blocks, seed=args.seed
+            ),
+            keep_logs=args.keep_logs,
+        )
         self.redis = RedisProc()
         self.api: Any = None
         self.router: ManagedProcess | None = None
@@ -226,37 +248,85 @@ class Soak:
             try:
                 from tests.fakes.k8s_api import FakeKubeAPI  # the repository's fake API server
             except ImportError:
-                print("soak: tests/fakes/k8s_api.py not found: static replicas, no watch cuts", file=sys.stderr)
+                print(
+                    "soak: tests/fakes/k8s_api.py not found: static replicas, no watch cuts", file=sys.stderr
+                )
                 self.args.static = True
             else:
                 self.api = FakeKubeAPI().start()
                 for eh in self.fleet.engines:
-                    self.api.add_pod(eh.name, labels={"kvroute.io/engine": "vllm", "app": "soak"}, ip=HOST,
-                                     annotations=self._annotations(eh))
+                    self.api.add_pod(
+                        eh.name,
+                        labels={"kvroute.io/engine": "vllm", "app": "soak"},
+                        ip=HOST,
+                        annotations=self._annotations(eh),
+                    )
         port = free_port()
         self.router_url = f"http://{HOST}:{port}"
-        cmd = [sys.executable, "-m", "router.cli", "serve", "--host", HOST, "--port", str(port),
-               "--policy", "ttft", "--tokenizer-mode", "bytes", "--redis-url", self.redis.url,
-               "--probe-interval-s", "0.5", "--unhealthy-after", "2", "--max-retries", "3",
-               "--redis-retry-max-s", "1", "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--policy",
+            "ttft",
+            "--tokenizer-mode",
+            "bytes",
+            "--redis-url",
+            self.redis.url,
+            "--probe-interval-s",
+            "0.5",
+            "--unhealthy-after",
+            "2",
+            "--max-retries",
+            "3",
+            "--redis-retry-max-s",
+            "1",
+            "--log-level",
+            "warning",
+        ]
         if self.args.abuse:
-            cmd += ["--api-key", ABUSE_API_KEY, "--client-header-timeout-s", ABUSE_CLIENT_TIMEOUT_S,
-                    "--client-body-idle-timeout-s", ABUSE_CLIENT_TIMEOUT_S]
+            cmd += [
+                "--api-key",
+                ABUSE_API_KEY,
+                "--client-header-timeout-s",
+                ABUSE_CLIENT_TIMEOUT_S,
+                "--client-body-idle-timeout-s",
+                ABUSE_CLIENT_TIMEOUT_S,
+            ]
         if self.args.static:
             for eh in self.fleet.engines:
                 cmd += ["--replica", self.fleet.replica_spec(eh)]
         else:
-            cmd += ["--kubernetes-enabled", "--kubernetes-api-host", self.api.url, "--kubernetes-namespace",
-                    "default", "--kubernetes-label-selector", "app=soak", "--kubernetes-resync-interval-s", "5"]
+            cmd += [
+                "--kubernetes-enabled",
+                "--kubernetes-api-host",
+                self.api.url,
+                "--kubernetes-namespace",
+                "default",
+                "--kubernetes-label-selector",
+                "app=soak",
+                "--kubernetes-resync-interval-s",
+                "5",
+            ]
         self.router = ManagedProcess(cmd, "router-soak", self.fleet.log_dir)
         n = len(self.fleet.engines)
-        wait_ready(self.router_url + "/readyz", self.router, 60.0,
-                   lambda r: r.json().get("routable_replicas") == n)
+        wait_ready(
+            self.router_url + "/readyz", self.router, 60.0, lambda r: r.json().get("routable_replicas") == n
+        )
 
     @staticmethod
     def _annotations(eh: EngineHandle) -> dict[str, str]:
-        return {"kvroute.io/port": str(eh.port), "kvroute.io/kv-events-port": str(eh.events_port),
-                "kvroute.io/kv-replay-port": str(eh.replay_port), "kvroute.io/model": MODEL}
+        return {
+            "kvroute.io/port": str(eh.port),
+            "kvroute.io/kv-events-port": str(eh.events_port),
+            "kvroute.io/kv-replay-port": str(eh.replay_port),
+            "kvroute.io/model": MODEL,
+        }
 
     def stop(self) -> None:
         """Stop everything (idempotent)."""
@@ -284,16 +354,20 @@ class Soak:
             return {}
         return {x["name"]: x for x in r.json().get("replicas", [])}
 
-    async def _metric(self, client: httpx.AsyncClient, name: str,
-                      labels: dict[str, str] | None = None) -> float | None:
+    async def _metric(
+        self, client: httpx.AsyncClient, name: str, labels: dict[str, str] | None = None
+    ) -> float | None:
         r = await self._get(client, "/metrics")
         if r is None:
             return None
         total, seen = 0.0, False
         want = [f'{k}="{v}"' for k, v in (labels or {}).items()]
         for line in r.text.splitlines():
-            if line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {") \
-                    and all(w in line for w in want):
+            if (
+                line.startswith(name)
+                and (len(line) == len(name) or line[len(name)] in " {")
+                and all(w in line for w in want)
+            ):
                 total += float(line.rsplit(" ", 1)[1])
                 seen = True
         return total if seen else None
@@ -328,8 +402,11 @@ class Soak:
             i = self.rnd.randrange(len(self.fleet.engines))
             if kind == "kv_drop":  # the busiest event stream, so that batches are actually dropped
                 reps = await self._replicas(client)
-                busy = [(int((reps.get(e.name, {}).get("kv_events") or {}).get("batches") or 0), j)
-                        for j, e in enumerate(self.fleet.engines) if e.name not in self.busy]
+                busy = [
+                    (int((reps.get(e.name, {}).get("kv_events") or {}).get("batches") or 0), j)
+                    for j, e in enumerate(self.fleet.engines)
+                    if e.name not in self.busy
+                ]
                 i = max(busy)[1] if busy else i
             else:
                 free = [j for j, e in enumerate(self.fleet.engines) if e.name not in self.busy]
@@ -350,8 +427,15 @@ class Soak:
             if eh is not None:
                 self.busy.discard(eh.name)
 
-    async def _inject(self, kind: str, rec: FaultRecord, i: int, eh: EngineHandle | None,
-                      client: httpx.AsyncClient, t_fault: float) -> None:
+    async def _inject(
+        self,
+        kind: str,
+        rec: FaultRecord,
+        i: int,
+        eh: EngineHandle | None,
+        client: httpx.AsyncClient,
+        t_fault: float,
+    ) -> None:
         if kind == "engine_restart":
             assert eh is not None
             eh.proc.popen.send_signal(signal.SIGKILL)
@@ -361,22 +445,31 @@ class Soak:
             await asyncio.sleep(2.0)
             gen = f"{eh.name}-r{len(self.faults)}"
             eh.proc.stop()
-            eh.proc = ManagedProcess(self.fleet.engine_args(i, eh.port, eh.events_port, eh.replay_port), gen,
-                                     self.fleet.log_dir)
+            eh.proc = ManagedProcess(
+                self.fleet.engine_args(i, eh.port, eh.events_port, eh.replay_port), gen, self.fleet.log_dir
+            )
             await asyncio.to_thread(wait_ready, eh.url + "/health", eh.proc, 60.0)
             back = await self._until(self._state_is(client, eh.name, ("ready",)), 60.0)
             rec.window["rejoin_s"] = None if back is None else round(back, 3)  # engine healthy -> routable
             rec.recovery_s = None if back is None else time.monotonic() - t_fault
-            rec.window["note"] = "recovery = kill to routable again, including 2 s down and the engine's start"
+            rec.window["note"] = (
+                "recovery = kill to routable again, including 2 s down and the engine's start"
+            )
         elif kind == "kv_drop":
             assert eh is not None
             r = await client.post(eh.url + "/admin/faults", json={"drop_every": 2}, timeout=5)
             r.raise_for_status()
             before = (await self._replicas(client)).get(eh.name, {}).get("kv_events") or {}
-            replays0 = await self._metric(client, "kvroute_kv_event_replays_total",
-                                          {"replica": eh.name, "outcome": "ok"}) or 0.0
+            replays0 = (
+                await self._metric(
+                    client, "kvroute_kv_event_replays_total", {"replica": eh.name, "outcome": "ok"}
+                )
+                or 0.0
+            )
             await asyncio.sleep(10.0)
-            (await client.post(eh.url + "/admin/faults", json={"drop_every": 0}, timeout=5)).raise_for_status()
+            (
+                await client.post(eh.url + "/admin/faults", json={"drop_every": 0}, timeout=5)
+            ).raise_for_status()
             after = (await self._replicas(client)).get(eh.name, {}).get("kv_events") or {}
             rec.window["gaps_during_drop"] = (after.get("gaps") or 0) - (before.get("gaps") or 0)
             t_off = time.monotonic()
@@ -390,8 +483,12 @@ class Soak:
 
             back = await self._until(repaired, 60.0)
             rec.recovery_s = None if back is None else time.monotonic() - t_off
-            rec.window["replays_ok"] = (await self._metric(client, "kvroute_kv_event_replays_total",
-                                                           {"replica": name, "outcome": "ok"}) or 0.0) - replays0
+            rec.window["replays_ok"] = (
+                await self._metric(
+                    client, "kvroute_kv_event_replays_total", {"replica": name, "outcome": "ok"}
+                )
+                or 0.0
+            ) - replays0
             rec.window["note"] = "recovery measured from the end of the 10 s drop period"
         elif kind == "redis_restart":
             self.redis.kill()
@@ -417,6 +514,7 @@ class Soak:
     def _state_is(self, client: httpx.AsyncClient, name: str, states: Sequence[str]) -> Callable[[], Any]:
         async def cond() -> bool:
             return (await self._replicas(client)).get(name, {}).get("state") in states
+
         return cond
 
     # -- run -----------------------------------------------------------------------------------------------
@@ -427,8 +525,9 @@ class Soak:
         limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
         headers = {"authorization": f"Bearer {ABUSE_API_KEY}"} if args.abuse else {}
         abuse = AbuseClients(AbuseOptions(self.router_url, MODEL, ABUSE_API_KEY)) if args.abuse else None
-        async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s), limits=limits,
-                                     headers=headers) as client:
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(args.request_timeout_s), limits=limits, headers=headers
+        ) as client:
             # warm-up (not counted): a few requests so RSS is measured on a running router
             for _ in range(5):
                 await one_request(client, self.router_url, work.next_prompt(), Outcome(0.0), 30.0)
@@ -449,13 +548,18 @@ class Soak:
             while time.monotonic() - self.t0 < duration:
                 now = time.monotonic()
                 if now - self.t0 >= next_fault:
-                    fault_tasks.append(asyncio.create_task(self.inject(FAULT_KINDS[k % len(FAULT_KINDS)], client)))
+                    fault_tasks.append(
+                        asyncio.create_task(self.inject(FAULT_KINDS[k % len(FAULT_KINDS)], client))
+                    )
                     k += 1
                     next_fault += args.fault_every_s
                 out = Outcome(now - self.t0)
                 self.outcomes.append(out)
-                tasks.append(asyncio.create_task(one_request(client, self.router_url, work.next_prompt(), out,
-                                                             args.request_timeout_s)))
+                tasks.append(
+                    asyncio.create_task(
+                        one_request(client, self.router_url, work.next_prompt(), out, args.request_timeout_s)
+                    )
+                )
                 t_next += self.rnd.expovariate(1.0 / interval)
                 await asyncio.sleep(max(0.0, t_next - time.monotonic()))
             if abuse is not None:
@@ -481,44 +585,71 @@ class Soak:
     def summary(self, rss_start: float, rss_end: float, elapsed: float) -> dict[str, Any]:
         """The result object (see the module docstring)."""
         outs = self.outcomes
-        count = {k: sum(1 for o in outs if o.kind == k) for k in ("completed", "client_error", "server_error",
-                                                                   "lost")}
+        count = {
+            k: sum(1 for o in outs if o.kind == k)
+            for k in ("completed", "client_error", "server_error", "lost")
+        }
         windows = [(f.at_s, f.at_s + self.args.window_s) for f in self.faults]
         ttfts = [o.ttft_s for o in outs if o.kind == "completed" and o.ttft_s is not None]
-        base = [o.ttft_s for o in outs if o.kind == "completed" and o.ttft_s is not None
-                and not any(a <= o.sent_at < b for a, b in windows)]
+        base = [
+            o.ttft_s
+            for o in outs
+            if o.kind == "completed"
+            and o.ttft_s is not None
+            and not any(a <= o.sent_at < b for a, b in windows)
+        ]
         for f in self.faults:
             w = [o for o in outs if f.at_s <= o.sent_at < f.at_s + self.args.window_s]
             t = [o.ttft_s for o in w if o.kind == "completed" and o.ttft_s is not None]
-            f.window.update({"requests": len(w), "ttft_p50_s": _pct(t, 50), "ttft_p99_s": _pct(t, 99),
-                             "server_errors": sum(1 for o in w if o.kind == "server_error"),
-                             "client_errors": sum(1 for o in w if o.kind == "client_error"),
-                             "lost": sum(1 for o in w if o.kind == "lost")})
+            f.window.update(
+                {
+                    "requests": len(w),
+                    "ttft_p50_s": _pct(t, 50),
+                    "ttft_p99_s": _pct(t, 99),
+                    "server_errors": sum(1 for o in w if o.kind == "server_error"),
+                    "client_errors": sum(1 for o in w if o.kind == "client_error"),
+                    "lost": sum(1 for o in w if o.kind == "lost"),
+                }
+            )
         by_kind: dict[str, Any] = {}
         for kind in FAULT_KINDS:
             fs = [f for f in self.faults if f.kind == kind]
             rec = [f.recovery_s for f in fs if f.recovery_s is not None]
             if fs:
                 by_kind[kind] = {
-                    "count": len(fs), "recovered": len(rec),
+                    "count": len(fs),
+                    "recovered": len(rec),
                     "recovery_mean_s": round(sum(rec) / len(rec), 3) if rec else None,
                     "recovery_max_s": round(max(rec), 3) if rec else None,
-                    "window_ttft_p99_s_max": max((f.window.get("ttft_p99_s") or 0.0 for f in fs), default=None),
-                    "window_server_errors": sum(f.window.get("server_errors", 0) for f in fs)}
+                    "window_ttft_p99_s_max": max(
+                        (f.window.get("ttft_p99_s") or 0.0 for f in fs), default=None
+                    ),
+                    "window_server_errors": sum(f.window.get("server_errors", 0) for f in fs),
+                }
         errors: dict[str, int] = {}
         for o in outs:
             if o.kind != "completed":
                 key = f"{o.kind}:{o.status}:{o.detail[:60]}"
                 errors[key] = errors.get(key, 0) + 1
         return {
-            "minutes": self.args.minutes, "elapsed_s": round(elapsed, 1), "replicas": self.args.replicas,
-            "rps": self.args.rps, "discovery": "static" if self.args.static else "kubernetes",
-            "sent": len(outs), "completed": count["completed"], "client_errors": count["client_error"],
-            "server_errors": count["server_error"], "lost": count["lost"],
-            "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_end, 1),
-            "ttft_p50_s": _pct(ttfts, 50), "ttft_p99_s": _pct(ttfts, 99), "baseline_ttft_p50_s": _pct(base, 50),
+            "minutes": self.args.minutes,
+            "elapsed_s": round(elapsed, 1),
+            "replicas": self.args.replicas,
+            "rps": self.args.rps,
+            "discovery": "static" if self.args.static else "kubernetes",
+            "sent": len(outs),
+            "completed": count["completed"],
+            "client_errors": count["client_error"],
+            "server_errors": count["server_error"],
+            "lost": count["lost"],
+            "rss_start_mb": round(rss_start, 1),
+            "rss_end_mb": round(rss_end, 1),
+            "ttft_p50_s": _pct(ttfts, 50),
+            "ttft_p99_s": _pct(ttfts, 99),
+            "baseline_ttft_p50_s": _pct(base, 50),
             "baseline_ttft_p99_s": _pct(base, 99),
-            "faults": [asdict(f) for f in self.faults], "fault_summary": by_kind,
+            "faults": [asdict(f) for f in self.faults],
+            "fault_summary": by_kind,
             "error_kinds": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:20]),
         }
 
@@ -532,8 +663,11 @@ def _pct(values: Sequence[float], q: float) -> float | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line options (units in the help texts)."""
-    p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.soak",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--minutes", type=float, default=10.0, help="load duration, minutes")
     p.add_argument("--replicas", type=int, default=4, help="fake engines")
     p.add_argument("--rps", type=float, default=6.0, help="request rate (Poisson arrivals), requests/s")
@@ -544,9 +678,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="client timeout per request, s")
     p.add_argument("--static", action="store_true", help="static replicas instead of the fake Kubernetes API")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--abuse", action="store_true",
-                   help="run bounded abuse clients (huge bodies, slowloris, bad auth / input) and a /healthz "
-                        "poller next to the load (the router gets an API key and 2 s client timeouts)")
+    p.add_argument(
+        "--abuse",
+        action="store_true",
+        help="run bounded abuse clients (huge bodies, slowloris, bad auth / input) and a /healthz "
+        "poller next to the load (the router gets an API key and 2 s client timeouts)",
+    )
     p.add_argument("--keep-logs", action="store_true", help="keep the process logs (path printed)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     return p
@@ -573,19 +710,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, old)
     if args.keep_logs:
         print(f"soak: logs in {soak.fleet.log_dir}", file=sys.stderr)
-    print(f"soak: sent {result['sent']} completed {result['completed']} client_errors {result['client_errors']} "
-          f"server_errors {result['server_errors']} lost {result['lost']} ttft p99 {result['ttft_p99_s']}s "
-          f"rss {result['rss_start_mb']} -> {result['rss_end_mb']} MB", file=sys.stderr)
+    print(
+        f"soak: sent {result['sent']} completed {result['completed']} client_errors {result['client_errors']} "
+        f"server_errors {result['server_errors']} lost {result['lost']} ttft p99 {result['ttft_p99_s']}s "
+        f"rss {result['rss_start_mb']} -> {result['rss_end_mb']} MB",
+        file=sys.stderr,
+    )
     for kind, s in result["fault_summary"].items():
-        print(f"  {kind:15s} x{s['count']}: recovery mean {s['recovery_mean_s']}s max {s['recovery_max_s']}s, "
-              f"window ttft p99 max {s['window_ttft_p99_s_max']}s, server errors {s['window_server_errors']}",
-              file=sys.stderr)
+        print(
+            f"  {kind:15s} x{s['count']}: recovery mean {s['recovery_mean_s']}s max {s['recovery_max_s']}s, "
+            f"window ttft p99 max {s['window_ttft_p99_s_max']}s, server errors {s['window_server_errors']}",
+            file=sys.stderr,
+        )
     ab = result["abuse"]
     if ab is not None:
         kinds = {k: v["statuses"] for k, v in ab.items() if isinstance(v, dict)}
-        print(f"  abuse: {kinds}; unexpected {ab['unexpected']}; healthz max {ab['healthz_max_s']}s over "
-              f"{ab['healthz_polls']} polls ({ab['healthz_failures']} failed); rss growth {result['rss_growth_mb']} MB",
-              file=sys.stderr)
+        print(
+            f"  abuse: {kinds}; unexpected {ab['unexpected']}; healthz max {ab['healthz_max_s']}s over "
+            f"{ab['healthz_polls']} polls ({ab['healthz_failures']} failed); rss growth {result['rss_growth_mb']} MB",
+            file=sys.stderr,
+        )
     print(f"  unhandled 500s: {result['unhandled_500s']}", file=sys.stderr)
     if args.json:
         print(json.dumps(result))

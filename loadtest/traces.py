@@ -85,8 +85,9 @@ def segment_tokens(segment_id: int, n_tokens: int, salt: int = 0) -> bytes:
     The stream is SHAKE-128 of the id (an extendable output: a shorter read is a prefix of a longer one), each
     uint32 masked to ``TOKEN_BITS`` bits.
     """
-    raw = hashlib.shake_128(segment_id.to_bytes(16, "little", signed=True) + salt.to_bytes(8, "little")).digest(
-        4 * n_tokens)
+    raw = hashlib.shake_128(
+        segment_id.to_bytes(16, "little", signed=True) + salt.to_bytes(8, "little")
+    ).digest(4 * n_tokens)
     return (int.from_bytes(raw, "little") & _mask(n_tokens)).to_bytes(4 * n_tokens, "little")
 
 
@@ -185,7 +186,8 @@ def parse_mooncake_line(line: str, index: int, where: str = "<trace>", lineno: i
     need = math.ceil(n_in / MOONCAKE_BLOCK_TOKENS)
     if len(ids) < need:
         raise TraceFormatError(
-            f"{where}:{ln}: {len(ids)} hash_ids cannot cover input_length {n_in} (need {need})")
+            f"{where}:{ln}: {len(ids)} hash_ids cannot cover input_length {n_in} (need {need})"
+        )
     segs: list[Segment] = [(h, MOONCAKE_BLOCK_TOKENS) for h in ids[: need - 1]]
     segs.append((ids[need - 1], n_in - MOONCAKE_BLOCK_TOKENS * (need - 1)))
     return Request(f"m{index}", ts, n_in, max(1, n_out), tuple(segs))
@@ -215,9 +217,17 @@ def save_mooncake(requests: Iterable[Request], path: str | Path) -> None:
     """Write requests whose segments are 512-token Mooncake blocks back as Mooncake JSONL."""
     with Path(path).open("w", encoding="utf-8") as fh:
         for r in requests:
-            fh.write(json.dumps({"timestamp": int(round(r.arrival_s * 1000)), "input_length": r.prompt_tokens,
-                                 "output_length": r.output_tokens,
-                                 "hash_ids": [s for s, _ in r.segments]}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "timestamp": int(round(r.arrival_s * 1000)),
+                        "input_length": r.prompt_tokens,
+                        "output_length": r.output_tokens,
+                        "hash_ids": [s for s, _ in r.segments],
+                    }
+                )
+                + "\n"
+            )
 
 
 # --------------------------------------------------------------------------------------------- transforms
@@ -230,10 +240,15 @@ def scale_rate(requests: Sequence[Request], factor: float) -> list[Request]:
     return [replace(r, arrival_s=r.arrival_s / factor) for r in requests]
 
 
-def slice_time(requests: Sequence[Request], start_s: float = 0.0, end_s: float | None = None) -> list[Request]:
+def slice_time(
+    requests: Sequence[Request], start_s: float = 0.0, end_s: float | None = None
+) -> list[Request]:
     """Requests arriving in ``[start_s, end_s)``, re-based so the slice starts at 0."""
-    return [replace(r, arrival_s=r.arrival_s - start_s) for r in requests
-            if r.arrival_s >= start_s and (end_s is None or r.arrival_s < end_s)]
+    return [
+        replace(r, arrival_s=r.arrival_s - start_s)
+        for r in requests
+        if r.arrival_s >= start_s and (end_s is None or r.arrival_s < end_s)
+    ]
 
 
 def limit(requests: Sequence[Request], n: int | None) -> list[Request]:
@@ -264,9 +279,16 @@ def _poisson_times(n: int, rate: float, rnd: random.Random) -> list[float]:
     return out
 
 
-def shared_prefix_groups(*, num_groups: int = 64, prompts_per_group: int = 16, system_tokens: int = 2048,
-                         question_tokens: int = 128, output_tokens: int = 256, rate: float = 16.0,
-                         seed: int = 0) -> list[Request]:
+def shared_prefix_groups(
+    *,
+    num_groups: int = 64,
+    prompts_per_group: int = 16,
+    system_tokens: int = 2048,
+    question_tokens: int = 128,
+    output_tokens: int = 256,
+    rate: float = 16.0,
+    seed: int = 0,
+) -> list[Request]:
     """SGLang ``generated-shared-prefix`` (bench_serving defaults): groups share a system prompt.
 
     Requests are shuffled (seeded) and arrive as a Poisson process of ``rate`` requests per second.
@@ -283,9 +305,16 @@ def shared_prefix_groups(*, num_groups: int = 64, prompts_per_group: int = 16, s
     return out
 
 
-def llmd_precise_guide(*, num_groups: int = 150, prompts_per_group: int = 5, prefix_tokens: int = 6000,
-                       question_tokens: int = 1200, output_tokens: int = 1000, rate: float = 10.0,
-                       seed: int = 0) -> list[Request]:
+def llmd_precise_guide(
+    *,
+    num_groups: int = 150,
+    prompts_per_group: int = 5,
+    prefix_tokens: int = 6000,
+    question_tokens: int = 1200,
+    output_tokens: int = 1000,
+    rate: float = 10.0,
+    seed: int = 0,
+) -> list[Request]:
     """The llm-d precise-prefix-cache-routing guide workload (150 groups x 5 prompts), shuffled, Poisson."""
     rnd = random.Random(seed)
     items = [(g, q) for g in range(num_groups) for q in range(prompts_per_group)]
@@ -295,13 +324,23 @@ def llmd_precise_guide(*, num_groups: int = 150, prompts_per_group: int = 5, pre
     out = []
     for i, ((g, q), t) in enumerate(zip(items, times, strict=True)):
         segs = ((base + g, prefix_tokens), (base + (1 << 20) + g * prompts_per_group + q, question_tokens))
-        out.append(Request(f"llmd{i}", t, prefix_tokens + question_tokens, output_tokens, segs, group=f"g{g}"))
+        out.append(
+            Request(f"llmd{i}", t, prefix_tokens + question_tokens, output_tokens, segs, group=f"g{g}")
+        )
     return out
 
 
-def chapter8_mix(*, num_requests: int = 400, long_fraction: float = 0.5, short_tokens: int = 2048,
-                 long_tokens: int = 8192, shared_prefix_tokens: int = 6144, output_tokens: int = 256,
-                 rate: float = 4.0, seed: int = 0) -> list[Request]:
+def chapter8_mix(
+    *,
+    num_requests: int = 400,
+    long_fraction: float = 0.5,
+    short_tokens: int = 2048,
+    long_tokens: int = 8192,
+    shared_prefix_tokens: int = 6144,
+    output_tokens: int = 256,
+    rate: float = 4.0,
+    seed: int = 0,
+) -> list[Request]:
     """The seeds' chapter-8 design condition: short chats (no shared prefix) mixed with long requests whose
     first ``shared_prefix_tokens`` are one system prompt + tool definitions. Poisson arrivals."""
     rnd = random.Random(seed)
@@ -310,19 +349,34 @@ def chapter8_mix(*, num_requests: int = 400, long_fraction: float = 0.5, short_t
     out = []
     for i, t in enumerate(times):
         if rnd.random() < long_fraction:
-            segs: tuple[Segment, ...] = ((base, shared_prefix_tokens),
-                                         (base + 1 + i, long_tokens - shared_prefix_tokens))
+            segs: tuple[Segment, ...] = (
+                (base, shared_prefix_tokens),
+                (base + 1 + i, long_tokens - shared_prefix_tokens),
+            )
             out.append(Request(f"ch8-{i}", t, long_tokens, output_tokens, segs, group="long"))
         else:
-            out.append(Request(f"ch8-{i}", t, short_tokens, output_tokens, ((base + 1 + i, short_tokens),),
-                               group="short"))
+            out.append(
+                Request(
+                    f"ch8-{i}", t, short_tokens, output_tokens, ((base + 1 + i, short_tokens),), group="short"
+                )
+            )
     return out
 
 
-def agent_sessions(*, num_sessions: int = 64, turns: int = 8, system_prompts: int = 4, system_tokens: int = 2048,
-                   first_user_tokens: int = 512, tool_tokens: tuple[int, int] = (256, 2048),
-                   output_tokens: tuple[int, int] = (64, 512), tool_wait_s: float = 10.0,
-                   turn_latency_s: float = 2.0, session_rate: float = 0.5, seed: int = 0) -> list[Request]:
+def agent_sessions(
+    *,
+    num_sessions: int = 64,
+    turns: int = 8,
+    system_prompts: int = 4,
+    system_tokens: int = 2048,
+    first_user_tokens: int = 512,
+    tool_tokens: tuple[int, int] = (256, 2048),
+    output_tokens: tuple[int, int] = (64, 512),
+    tool_wait_s: float = 10.0,
+    turn_latency_s: float = 2.0,
+    session_rate: float = 0.5,
+    seed: int = 0,
+) -> list[Request]:
     """Multi-turn agent sessions: every turn's prompt is the previous turn's prompt + its output + a tool result.
 
     Sessions start as a Poisson process (``session_rate`` per second) and pick one of ``system_prompts`` shared
@@ -340,8 +394,10 @@ def agent_sessions(*, num_sessions: int = 64, turns: int = 8, system_prompts: in
     out = []
     uid = 0
     for s, t0 in enumerate(starts):
-        segs: list[Segment] = [(base + rnd.randrange(system_prompts), system_tokens),
-                               (base + (1 << 20) + s * 1000, first_user_tokens)]
+        segs: list[Segment] = [
+            (base + rnd.randrange(system_prompts), system_tokens),
+            (base + (1 << 20) + s * 1000, first_user_tokens),
+        ]
         t = t0
         for k in range(turns):
             n_out = span(output_tokens)
@@ -357,14 +413,22 @@ def agent_sessions(*, num_sessions: int = 64, turns: int = 8, system_prompts: in
 
 #: Generated workloads by name: name -> (generator, one-line description).
 WORKLOADS: dict[str, tuple[Callable[..., list[Request]], str]] = {
-    "shared-prefix": (shared_prefix_groups,
-                      "SGLang generated-shared-prefix: 64 groups x 16, 2048-token system prompt, 128 question, 256 out"),
-    "llmd-precise": (llmd_precise_guide,
-                     "llm-d precise-routing guide: 150 groups x 5, 6000-token prefix, 1200 question, 1000 out"),
-    "chapter8": (chapter8_mix,
-                 "seeds ch. 8: 2048-token chats + 8192-token requests sharing a 6144-token prefix, 256 out"),
-    "agent": (agent_sessions,
-              "multi-turn agent sessions: each turn extends the previous context after a 10 s tool wait"),
+    "shared-prefix": (
+        shared_prefix_groups,
+        "SGLang generated-shared-prefix: 64 groups x 16, 2048-token system prompt, 128 question, 256 out",
+    ),
+    "llmd-precise": (
+        llmd_precise_guide,
+        "llm-d precise-routing guide: 150 groups x 5, 6000-token prefix, 1200 question, 1000 out",
+    ),
+    "chapter8": (
+        chapter8_mix,
+        "seeds ch. 8: 2048-token chats + 8192-token requests sharing a 6144-token prefix, 256 out",
+    ),
+    "agent": (
+        agent_sessions,
+        "multi-turn agent sessions: each turn extends the previous context after a 10 s tool wait",
+    ),
 }
 
 

@@ -28,8 +28,10 @@ VOCAB_SIZE = 1 << traces.TOKEN_BITS
 
 _WORDS = [f"t{i}" for i in range(VOCAB_SIZE)]
 
-_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                  "{% if add_generation_prompt %}assistant {% endif %}")
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
 
 
 def token_text(token_ids: Sequence[int]) -> str:
@@ -43,8 +45,11 @@ def ensure_model_dir(root: str | Path | None = None) -> Path:
     Holds ``tokenizer.json``, ``tokenizer_config.json`` (a plain chat template) and ``config.json``. The
     default location is ``$KVROUTE_MODEL_DIR`` or ``<tmp>/kvroute-bench-model-<vocab>``.
     """
-    base = Path(root or os.environ.get("KVROUTE_MODEL_DIR")
-                or Path(tempfile.gettempdir()) / f"kvroute-bench-model-{VOCAB_SIZE}")
+    base = Path(
+        root
+        or os.environ.get("KVROUTE_MODEL_DIR")
+        or Path(tempfile.gettempdir()) / f"kvroute-bench-model-{VOCAB_SIZE}"
+    )
     tok = base / "tokenizer.json"
     if tok.exists():
         return base
@@ -59,11 +64,19 @@ def ensure_model_dir(root: str | Path | None = None) -> Path:
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tmp = base / f"tokenizer.json.{os.getpid()}"
     tk.save(str(tmp))
-    (base / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
-        "unk_token": "[UNK]", "chat_template": _CHAT_TEMPLATE}))
-    (base / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": len(vocab),
-                                                   "max_position_embeddings": 1 << 20}))
+    (base / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": 1 << 20,
+                "unk_token": "[UNK]",
+                "chat_template": _CHAT_TEMPLATE,
+            }
+        )
+    )
+    (base / "config.json").write_text(
+        json.dumps({"model_type": "llama", "vocab_size": len(vocab), "max_position_embeddings": 1 << 20})
+    )
     os.replace(tmp, tok)
     return base
 
@@ -91,8 +104,13 @@ def trace_dirs() -> list[Path]:
 def _local_origin() -> Path | None:
     """The checkout this one was cloned from, when that is a directory on this machine (else None)."""
     try:
-        url = subprocess.run(["git", "-C", str(_REPO), "config", "--get", "remote.origin.url"], capture_output=True,
-                             text=True, timeout=10, check=False).stdout.strip()
+        url = subprocess.run(
+            ["git", "-C", str(_REPO), "config", "--get", "remote.origin.url"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     path = Path(url.removeprefix("file://")) if url and "://" not in url.removeprefix("file://") else None
@@ -148,8 +166,9 @@ def _segment_text(seg: tuple[int, int], cache: dict[tuple[int, int], str]) -> st
     return text
 
 
-def to_replay(requests: Sequence[traces.Request], time_scale: float = 1.0,
-              max_output_tokens: int | None = None) -> list[ReplayRequest]:
+def to_replay(
+    requests: Sequence[traces.Request], time_scale: float = 1.0, max_output_tokens: int | None = None
+) -> list[ReplayRequest]:
     """``loadtest.traces`` requests -> replay requests with text prompts; arrivals multiplied by ``time_scale``."""
     cache: dict[tuple[int, int], str] = {}
     out = []
@@ -157,10 +176,16 @@ def to_replay(requests: Sequence[traces.Request], time_scale: float = 1.0,
         out_len = max(1, r.output_tokens)
         if max_output_tokens:
             out_len = min(out_len, max_output_tokens)
-        out.append(ReplayRequest(
-            request_id=r.request_id, arrival_s=r.arrival_s * time_scale,
-            prompt=" ".join([_segment_text(seg, cache) for seg in r.segments]), max_tokens=out_len,
-            prompt_tokens=r.prompt_tokens, session_id=r.session_id))
+        out.append(
+            ReplayRequest(
+                request_id=r.request_id,
+                arrival_s=r.arrival_s * time_scale,
+                prompt=" ".join([_segment_text(seg, cache) for seg in r.segments]),
+                max_tokens=out_len,
+                prompt_tokens=r.prompt_tokens,
+                session_id=r.session_id,
+            )
+        )
     return out
 
 

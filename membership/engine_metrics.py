@@ -82,8 +82,11 @@ class Histogram:
         if older is None or self.count < older.count:
             return self
         ob = dict(older.buckets)
-        return Histogram([(le, c - ob.get(le, 0.0)) for le, c in self.buckets], self.sum - older.sum,
-                         self.count - older.count)
+        return Histogram(
+            [(le, c - ob.get(le, 0.0)) for le, c in self.buckets],
+            self.sum - older.sum,
+            self.count - older.count,
+        )
 
     def quantile(self, q: float) -> float | None:
         """Estimated ``q``-quantile (linear within the bucket), None when empty."""
@@ -178,7 +181,14 @@ GAUGE_BOUNDS: dict[str, float] = {
 _POSITIVE = frozenset({"block_size", "num_gpu_blocks"})
 
 #: Histogram fields checked as a whole (finite, non-negative sums and counts; a bad one is dropped).
-_HISTOGRAM_FIELDS = ("ttft", "queue_time", "prefill_time", "prompt_tokens", "kv_transfer_bytes", "kv_transfer_time")
+_HISTOGRAM_FIELDS = (
+    "ttft",
+    "queue_time",
+    "prefill_time",
+    "prompt_tokens",
+    "kv_transfer_bytes",
+    "kv_transfer_time",
+)
 
 
 def _in_range(value: float, bound: float) -> bool:
@@ -188,8 +198,11 @@ def _in_range(value: float, bound: float) -> bool:
 
 def _histogram_ok(h: Histogram) -> bool:
     """True when a histogram's sum, count and bucket counts are finite and non-negative."""
-    return (_in_range(h.sum, 1e300) and _in_range(h.count, 1e18)
-            and all(_in_range(c, 1e18) and not math.isnan(le) for le, c in h.buckets))
+    return (
+        _in_range(h.sum, 1e300)
+        and _in_range(h.count, 1e18)
+        and all(_in_range(c, 1e18) and not math.isnan(le) for le, c in h.buckets)
+    )
 
 
 def range_check(snap: EngineSnapshot) -> EngineSnapshot:
@@ -277,7 +290,7 @@ def _samples(text: str, lines: Iterable[str] | None = None) -> tuple[Samples, in
     """
     out: Samples = {}
     bad = 0
-    for raw in (text.splitlines() if lines is None else lines):
+    for raw in text.splitlines() if lines is None else lines:
         line = raw.strip()
         if not line or line[0] == "#":
             continue
@@ -322,7 +335,7 @@ def _wanted_families() -> frozenset[str]:
         out.add(name)
         for suffix in ("_total", "_bucket", "_count", "_sum"):
             if name.endswith(suffix):
-                out.add(name[:-len(suffix)])
+                out.add(name[: -len(suffix)])
     return frozenset(out)
 
 
@@ -346,13 +359,14 @@ def _wanted_lines(text: str, buckets: bool = True) -> tuple[list[str], list[str]
     families: list[str] = []
     wanted = _WANTED_FAMILIES
     for block in blocks[1:]:
-        name = block[:block.find(" ")]
+        name = block[: block.find(" ")]
         families.append(name)
         if name not in wanted:
             # every line of a skipped block must be its family's sample or a comment: an untyped sample of
             # another family after it (the format allows untyped samples) would be lost -> parse the page whole
-            if block.count("\n") > block.count("\n" + name) + block.count("\n#") + block.count("\n\n") \
-                    + block.endswith("\n"):
+            if block.count("\n") > block.count("\n" + name) + block.count("\n#") + block.count(
+                "\n\n"
+            ) + block.endswith("\n"):
                 return None
             continue
         lines = block.splitlines()[1:]
@@ -484,8 +498,9 @@ def parse_metrics(text: str, dialect: str | None = None, *, buckets: bool = True
     snap.families = names
     range_check(snap)
     snap.queued_prefill_tokens = _estimate_queued_prefill(snap)
-    if snap.queued_prefill_tokens is not None and not _in_range(snap.queued_prefill_tokens,
-                                                                GAUGE_BOUNDS["queued_prefill_tokens"]):
+    if snap.queued_prefill_tokens is not None and not _in_range(
+        snap.queued_prefill_tokens, GAUGE_BOUNDS["queued_prefill_tokens"]
+    ):
         snap.queued_prefill_tokens = None
         snap.rejected = (*snap.rejected, "queued_prefill_tokens")
     return snap
@@ -502,10 +517,20 @@ def _parse_vllm(s: Samples) -> EngineSnapshot:
         queued_requests=_int(_sum(s, p + "num_requests_waiting")),
         running_requests=_int(_sum(s, p + "num_requests_running")),
         kv_usage=_mean(s, p + "kv_cache_usage_perc", p + "gpu_cache_usage_perc"),
-        prefix_cache_queries=_sum(s, p + "prefix_cache_queries_total", p + "prefix_cache_queries",
-                                  p + "gpu_prefix_cache_queries_total", p + "gpu_prefix_cache_queries"),
-        prefix_cache_hits=_sum(s, p + "prefix_cache_hits_total", p + "prefix_cache_hits",
-                               p + "gpu_prefix_cache_hits_total", p + "gpu_prefix_cache_hits"),
+        prefix_cache_queries=_sum(
+            s,
+            p + "prefix_cache_queries_total",
+            p + "prefix_cache_queries",
+            p + "gpu_prefix_cache_queries_total",
+            p + "gpu_prefix_cache_queries",
+        ),
+        prefix_cache_hits=_sum(
+            s,
+            p + "prefix_cache_hits_total",
+            p + "prefix_cache_hits",
+            p + "gpu_prefix_cache_hits_total",
+            p + "gpu_prefix_cache_hits",
+        ),
         prefix_cache_hit_rate=_mean(s, p + "gpu_prefix_cache_hit_rate"),
         block_size=_label_first(s, p + "cache_config_info", "block_size"),
         num_gpu_blocks=_label_int(s, p + "cache_config_info", "num_gpu_blocks"),
@@ -558,7 +583,8 @@ def _parse_sglang(s: Samples) -> EngineSnapshot:
         preemptions_total=_sum(s, *n("num_retracted_reqs")),
         ttft=_hist(s, "sglang:time_to_first_token_seconds") or _hist(s, "sglang_time_to_first_token_seconds"),
         queue_time=_hist(s, "sglang:queue_time_seconds") or _hist(s, "sglang_queue_time_seconds"),
-        prompt_tokens=_hist(s, "sglang:prompt_tokens_histogram") or _hist(s, "sglang_prompt_tokens_histogram"),
+        prompt_tokens=_hist(s, "sglang:prompt_tokens_histogram")
+        or _hist(s, "sglang_prompt_tokens_histogram"),
     )
 
 
@@ -617,11 +643,19 @@ class MetricsScraper:
         verify: TLS verification for ``https://`` engines (default: ``membership.engine_tls.client_context()``).
     """
 
-    def __init__(self, table: Any, *, interval_s: float = 2.0, timeout_s: float = 1.0,
-                 client: httpx.AsyncClient | None = None, headers: dict[str, str] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_snapshot: Callable[[Any, EngineSnapshot], None] | None = None,
-                 router_block_size: int | None = None, verify: Any = None) -> None:
+    def __init__(
+        self,
+        table: Any,
+        *,
+        interval_s: float = 2.0,
+        timeout_s: float = 1.0,
+        client: httpx.AsyncClient | None = None,
+        headers: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_snapshot: Callable[[Any, EngineSnapshot], None] | None = None,
+        router_block_size: int | None = None,
+        verify: Any = None,
+    ) -> None:
         self.table = table
         self.router_block_size = router_block_size
         self._verify = verify
@@ -743,8 +777,13 @@ class MetricsScraper:
             st.rejected[name] += 1
             if name not in st.warned:
                 st.warned.add(name)
-                log.warning("engine %s exported an out-of-range value for %s (not finite, negative or above %g): "
-                            "treated as unknown", replica.name, name, GAUGE_BOUNDS.get(name, float("nan")))
+                log.warning(
+                    "engine %s exported an out-of-range value for %s (not finite, negative or above %g): "
+                    "treated as unknown",
+                    replica.name,
+                    name,
+                    GAUGE_BOUNDS.get(name, float("nan")),
+                )
 
     def _check_block_size(self, replica: Any, st: _ReplicaScrape, snap: EngineSnapshot) -> None:
         """Warn once per replica and value when the engine's block size differs from the router's."""
@@ -752,11 +791,21 @@ class MetricsScraper:
         if ebs is None or rbs is None or ebs == rbs or st.warned_block_size == ebs:
             return
         st.warned_block_size = ebs
-        how = (f"exact, but the router hashes {ebs // rbs} blocks per engine block" if ebs % rbs == 0
-               else f"the router's matches can stop up to {rbs - 1} tokens short of the engine's")
-        log.warning("engine %s uses KV block size %d, the router %d (block_size): predicted cached tokens for it are "
-                    "rounded down to whole engine blocks (%s); set block_size=%d (or the engine's --block-size) to "
-                    "make them equal", replica.name, ebs, rbs, how, ebs)
+        how = (
+            f"exact, but the router hashes {ebs // rbs} blocks per engine block"
+            if ebs % rbs == 0
+            else f"the router's matches can stop up to {rbs - 1} tokens short of the engine's"
+        )
+        log.warning(
+            "engine %s uses KV block size %d, the router %d (block_size): predicted cached tokens for it are "
+            "rounded down to whole engine blocks (%s); set block_size=%d (or the engine's --block-size) to "
+            "make them equal",
+            replica.name,
+            ebs,
+            rbs,
+            how,
+            ebs,
+        )
 
     def engine_info(self, replica_index: int) -> dict[str, Any]:
         """What the last scrape said about the engine's configuration, for ``GET /replicas``: its block size,
@@ -764,9 +813,12 @@ class MetricsScraper:
         st = self._state.get(replica_index)
         ebs = st.snapshot.block_size if st is not None and st.snapshot is not None else None
         rbs = self.router_block_size
-        return {"block_size": ebs, "router_block_size": rbs,
-                "block_size_mismatch": ebs is not None and rbs is not None and ebs != rbs,
-                "rejected_gauges": dict(st.rejected) if st is not None else {}}
+        return {
+            "block_size": ebs,
+            "router_block_size": rbs,
+            "block_size_mismatch": ebs is not None and rbs is not None and ebs != rbs,
+            "rejected_gauges": dict(st.rejected) if st is not None else {},
+        }
 
     def latest(self, replica_index: int) -> EngineSnapshot | None:
         """The last successful snapshot of a replica, or None."""
@@ -786,9 +838,15 @@ class MetricsScraper:
         errors: Counter[str] = Counter()
         ok = 0
         for idx, st in self._state.items():
-            per[idx] = {"ok": st.ok, "errors": dict(st.errors), "consecutive_errors": st.consecutive_errors,
-                        "last_error": st.last_error, "age_s": self.age_s(idx), "duration_s": st.duration_s,
-                        "rejected": dict(st.rejected)}
+            per[idx] = {
+                "ok": st.ok,
+                "errors": dict(st.errors),
+                "consecutive_errors": st.consecutive_errors,
+                "last_error": st.last_error,
+                "age_s": self.age_s(idx),
+                "duration_s": st.duration_s,
+                "rejected": dict(st.rejected),
+            }
             errors.update(st.errors)
             ok += st.ok
         return {"replicas": per, "ok": ok, "errors": dict(errors), "rounds": self.rounds}
@@ -809,20 +867,37 @@ class _Collector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         names = {r.index: r.name for r in self.scraper.table.all()}
-        ok = CounterMetricFamily("kvroute_engine_scrapes", "Successful engine /metrics scrapes", labels=["replica"])
-        err = CounterMetricFamily("kvroute_engine_scrape_errors", "Failed engine /metrics scrapes by reason",
-                                  labels=["replica", "reason"])
-        age = GaugeMetricFamily("kvroute_engine_metrics_age_seconds", "Seconds since the last successful scrape",
-                                labels=["replica"])
-        rejected = CounterMetricFamily("kvroute_engine_gauge_rejected",
-                                       "Scraped engine values out of range (not finite, negative, absurdly large) "
-                                       "and treated as unknown, by replica and field", labels=["replica", "gauge"])
-        bsize = GaugeMetricFamily("kvroute_engine_block_size", "The engine's KV block size (cache_config_info), "
-                                  "tokens", labels=["replica"])
-        mismatch = GaugeMetricFamily("kvroute_engine_block_size_mismatch", "1 when the engine's KV block size "
-                                     "differs from the router's block_size (predictions are rounded to the "
-                                     "engine's blocks)", labels=["replica", "engine_block_size",
-                                                                 "router_block_size"])
+        ok = CounterMetricFamily(
+            "kvroute_engine_scrapes", "Successful engine /metrics scrapes", labels=["replica"]
+        )
+        err = CounterMetricFamily(
+            "kvroute_engine_scrape_errors",
+            "Failed engine /metrics scrapes by reason",
+            labels=["replica", "reason"],
+        )
+        age = GaugeMetricFamily(
+            "kvroute_engine_metrics_age_seconds",
+            "Seconds since the last successful scrape",
+            labels=["replica"],
+        )
+        rejected = CounterMetricFamily(
+            "kvroute_engine_gauge_rejected",
+            "Scraped engine values out of range (not finite, negative, absurdly large) "
+            "and treated as unknown, by replica and field",
+            labels=["replica", "gauge"],
+        )
+        bsize = GaugeMetricFamily(
+            "kvroute_engine_block_size",
+            "The engine's KV block size (cache_config_info), tokens",
+            labels=["replica"],
+        )
+        mismatch = GaugeMetricFamily(
+            "kvroute_engine_block_size_mismatch",
+            "1 when the engine's KV block size "
+            "differs from the router's block_size (predictions are rounded to the "
+            "engine's blocks)",
+            labels=["replica", "engine_block_size", "router_block_size"],
+        )
         rbs = self.scraper.router_block_size
         for idx, st in self.scraper._state.items():
             name = names.get(idx, str(idx))

@@ -43,15 +43,19 @@ class EngineTLS:
         try:
             ctx = ssl.create_default_context(cafile=self.ca_bundle)
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"engine_ca_bundle {self.ca_bundle!r}: cannot load CA certificates: {exc}") from None
+            raise ValueError(
+                f"engine_ca_bundle {self.ca_bundle!r}: cannot load CA certificates: {exc}"
+            ) from None
         if self.client_key and not self.client_cert:
             raise ValueError("engine_client_key is set without engine_client_cert")
         if self.client_cert:
             try:
                 ctx.load_cert_chain(self.client_cert, self.client_key)
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"engine_client_cert {self.client_cert!r}: cannot load the client certificate "
-                                 f"/ key: {exc}") from None
+                raise ValueError(
+                    f"engine_client_cert {self.client_cert!r}: cannot load the client certificate "
+                    f"/ key: {exc}"
+                ) from None
         ctx.set_alpn_protocols(["http/1.1"])
         return ctx
 

@@ -44,6 +44,7 @@ from membership.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.membership.health")
 
+
 class ProbeResponse(Protocol):
     """What a probe reads of an answer (``httpx.Response`` and the router's pooled client's pages have it)."""
 
@@ -65,7 +66,9 @@ class ProbeClient(Protocol):
     each one counts as a failed probe, its type and text become ``last_error``).
     """
 
-    async def get(self, url: str, *, timeout: float, headers: Mapping[str, str] | None = None) -> ProbeResponse:
+    async def get(
+        self, url: str, *, timeout: float, headers: Mapping[str, str] | None = None
+    ) -> ProbeResponse:
         """GET ``url`` within ``timeout`` seconds."""
         ...
 
@@ -165,11 +168,21 @@ class HealthChecker:
             ``membership.engine_tls.client_context()``, the context the proxy uses too).
     """
 
-    def __init__(self, table: ReplicaTable, *, interval_s: float = 1.0, timeout_s: float = 1.0,
-                 path: str = "/health", failure_threshold: int = 3, success_threshold: int = 2,
-                 headers: Mapping[str, str] | None = None,
-                 select: Callable[[Replica], bool] = _not_static, admit_joining: bool = False,
-                 on_ok: OkHook | None = None, verify: Any = None) -> None:
+    def __init__(
+        self,
+        table: ReplicaTable,
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 1.0,
+        path: str = "/health",
+        failure_threshold: int = 3,
+        success_threshold: int = 2,
+        headers: Mapping[str, str] | None = None,
+        select: Callable[[Replica], bool] = _not_static,
+        admit_joining: bool = False,
+        on_ok: OkHook | None = None,
+        verify: Any = None,
+    ) -> None:
         self.table = table
         self._verify = verify
         self.interval_s = interval_s
@@ -235,7 +248,9 @@ class HealthChecker:
         if flipped:
             rec.healthy = False
             rec.changed_at = time.monotonic()
-        down_from = (ReplicaState.READY,) if self.admit_joining else (ReplicaState.READY, ReplicaState.JOINING)
+        down_from = (
+            (ReplicaState.READY,) if self.admit_joining else (ReplicaState.READY, ReplicaState.JOINING)
+        )
         if rep.state in down_from:
             log.warning("replica %s unhealthy after %d failures (%s)", rep.name, rec.failures, rec.last_error)
             self.table.set_state(rep.name, ReplicaState.UNHEALTHY)
@@ -257,7 +272,9 @@ class HealthChecker:
         if flipped:
             rec.healthy = True
             rec.changed_at = time.monotonic()
-        if rep.state != ReplicaState.READY and (admitted or (recovered and rep.state == ReplicaState.UNHEALTHY)):
+        if rep.state != ReplicaState.READY and (
+            admitted or (recovered and rep.state == ReplicaState.UNHEALTHY)
+        ):
             log.info("replica %s ready (%d consecutive successes)", name, rec.successes)
             self.table.set_state(name, ReplicaState.READY)
         return flipped
@@ -328,7 +345,9 @@ class HealthChecker:
         last = time.monotonic()  # start() has just probed
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, self.interval_s - (time.monotonic() - last)))
+                await asyncio.wait_for(
+                    self._wake.wait(), max(0.0, self.interval_s - (time.monotonic() - last))
+                )
             self._wake.clear()
             last = time.monotonic()
             try:
@@ -350,13 +369,24 @@ class HealthChecker:
 
     def stats(self) -> dict[str, dict[str, object]]:
         """Per-replica health records as plain dicts."""
-        return {n: {"healthy": r.healthy, "failures": r.failures, "successes": r.successes,
-                    "probes": r.probes, "last_error": r.last_error} for n, r in self._records.items()}
+        return {
+            n: {
+                "healthy": r.healthy,
+                "failures": r.failures,
+                "successes": r.successes,
+                "probes": r.probes,
+                "last_error": r.last_error,
+            }
+            for n, r in self._records.items()
+        }
 
     def health_of(self, name: str) -> dict[str, Any]:
         """Probe bookkeeping of ``name`` for ``GET /replicas`` (empty when never tracked)."""
         rec = self._records.get(name)
         if rec is None:
             return {}
-        return {"consecutive_failures": rec.failures, "consecutive_successes": rec.successes,
-                "last_error": rec.last_error or None}
+        return {
+            "consecutive_failures": rec.failures,
+            "consecutive_successes": rec.successes,
+            "last_error": rec.last_error or None,
+        }

@@ -121,15 +121,22 @@ class InferencePoolWatcher:
                     break
                 self.stats.errors += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
-                log.warning("InferencePool watch error (%s); retrying in %.1fs", self.stats.last_error, backoff)
+                log.warning(
+                    "InferencePool watch error (%s); retrying in %.1fs", self.stats.last_error, backoff
+                )
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.options.backoff_max_s)
 
     def _relist(self, api: Any) -> str:
         t = self.options.request_timeout_s
-        body = api.list_namespaced_custom_object(GROUP, VERSION, self.options.namespace or "default", PLURAL,
-                                                 field_selector=f"metadata.name={self.name}",
-                                                 _request_timeout=(t, t))
+        body = api.list_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            self.options.namespace or "default",
+            PLURAL,
+            field_selector=f"metadata.name={self.name}",
+            _request_timeout=(t, t),
+        )
         self.stats.lists += 1
         items = [i for i in body.get("items") or [] if (i.get("metadata") or {}).get("name") == self.name]
         self._apply(items[0] if items else None)
@@ -145,11 +152,17 @@ class InferencePoolWatcher:
         self.stats.watches += 1
         interval = max(1.0, self.options.resync_interval_s)
         try:
-            for event in w.stream(api.list_namespaced_custom_object, GROUP, VERSION,
-                                  self.options.namespace or "default", PLURAL,
-                                  field_selector=f"metadata.name={self.name}", resource_version=rv,
-                                  timeout_seconds=max(1, math.ceil(interval)),
-                                  _request_timeout=(self.options.request_timeout_s, interval + 30)):
+            for event in w.stream(
+                api.list_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                self.options.namespace or "default",
+                PLURAL,
+                field_selector=f"metadata.name={self.name}",
+                resource_version=rv,
+                timeout_seconds=max(1, math.ceil(interval)),
+                _request_timeout=(self.options.request_timeout_s, interval + 30),
+            ):
                 if self._stop.is_set():
                     break
                 self._on_event(event)
@@ -181,9 +194,15 @@ class InferencePoolWatcher:
         self.current = target
         self.stats.changes += 1
         if target is None:
-            log.warning("InferencePool %s/%s not found: no replicas from it", self.options.namespace, self.name)
+            log.warning(
+                "InferencePool %s/%s not found: no replicas from it", self.options.namespace, self.name
+            )
             self.pods.set_pool(None, [])
         else:
-            log.info("InferencePool %s: selector %s, target ports %s", self.name, target.label_selector,
-                     list(target.target_ports))
+            log.info(
+                "InferencePool %s: selector %s, target ports %s",
+                self.name,
+                target.label_selector,
+                list(target.target_ports),
+            )
             self.pods.set_pool(target.label_selector, list(target.target_ports))

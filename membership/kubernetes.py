@@ -56,8 +56,13 @@ KEYS: dict[str, str] = {
 #: llm-d's ``llm-d.ai/role`` values (and ours) -> kvroute role; ``None``: the pod serves no text requests
 #: (an encoder). ``both`` is llm-d's deprecated name of ``prefill-decode``.
 ROLE_VALUES: dict[str, str | None] = {
-    "both": "both", "prefill-decode": "both", "encode-prefill-decode": "both", "prefill": "prefill",
-    "encode-prefill": "prefill", "decode": "decode", "encode": None,
+    "both": "both",
+    "prefill-decode": "both",
+    "encode-prefill-decode": "both",
+    "prefill": "prefill",
+    "encode-prefill": "prefill",
+    "decode": "decode",
+    "encode": None,
 }
 
 _OFF = frozenset({"", "off", "none", "false", "0", "disabled"})
@@ -168,8 +173,10 @@ def pod_view(pod: dict[str, Any], opts: KubernetesOptions) -> PodView:
     if opts.all_namespaces:
         name = f"{meta.get('namespace', 'default')}/{name}"
     ip = status.get("podIP") or ""
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-    routable = (status.get("phase") == "Running" and ready and not meta.get("deletionTimestamp") and bool(ip))
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    routable = status.get("phase") == "Running" and ready and not meta.get("deletionTimestamp") and bool(ip)
     host = f"[{ip}]" if ":" in ip else ip
     url = f"{_pod_scheme(meta)}://{host}:{_pod_port(pod, meta, opts)}" if ip else ""
     attrs = _engine_facts(meta, opts)
@@ -178,17 +185,28 @@ def pod_view(pod: dict[str, Any], opts: KubernetesOptions) -> PodView:
 
     def subst(text: str) -> str:
         models = attrs["models"]
-        return (text.replace("{ip}", host).replace("{pod}", str(meta.get("name", "")))
-                .replace("{model}", models[0] if models else ""))
+        return (
+            text.replace("{ip}", host)
+            .replace("{pod}", str(meta.get("name", "")))
+            .replace("{model}", models[0] if models else "")
+        )
 
     events = _zmq_endpoint(meta, "events", opts.default_kv_events_port, host, subst)
-    attrs.update(kv_events_endpoint=events,
-                 kv_replay_endpoint=_zmq_endpoint(meta, "replay", opts.default_kv_replay_port, host, subst)
-                 if events else None,
-                 kv_events_topic=subst(_meta_value(meta, KEYS["kv_topic"]) or opts.default_kv_topic),
-                 labels=_pod_labels(meta))
-    return PodView(name=name, routable=routable, url=url, attrs=attrs,
-                   resource_version=str(meta.get("resourceVersion", "")))
+    attrs.update(
+        kv_events_endpoint=events,
+        kv_replay_endpoint=_zmq_endpoint(meta, "replay", opts.default_kv_replay_port, host, subst)
+        if events
+        else None,
+        kv_events_topic=subst(_meta_value(meta, KEYS["kv_topic"]) or opts.default_kv_topic),
+        labels=_pod_labels(meta),
+    )
+    return PodView(
+        name=name,
+        routable=routable,
+        url=url,
+        attrs=attrs,
+        resource_version=str(meta.get("resourceVersion", "")),
+    )
 
 
 def pod_views(pod: dict[str, Any], opts: KubernetesOptions) -> list[PodView]:
@@ -202,8 +220,15 @@ def pod_views(pod: dict[str, Any], opts: KubernetesOptions) -> list[PodView]:
     for port in ports:
         url = f"{view.url.rsplit(':', 1)[0]}:{port}" if view.url else ""
         name = view.name if len(ports) == 1 else f"{view.name}:{port}"
-        out.append(PodView(name=name, routable=view.routable, url=url, attrs=dict(view.attrs),
-                           resource_version=view.resource_version))
+        out.append(
+            PodView(
+                name=name,
+                routable=view.routable,
+                url=url,
+                attrs=dict(view.attrs),
+                resource_version=view.resource_version,
+            )
+        )
     return out
 
 
@@ -228,16 +253,26 @@ def _engine_facts(meta: dict[str, Any], opts: KubernetesOptions) -> dict[str, An
         dialect = opts.default_dialect
     models = [m.strip() for m in (_meta_value(meta, KEYS["model"]) or "").split(",") if m.strip()]
     loras = [m.strip() for m in (_meta_value(meta, KEYS["loras"]) or "").split(",") if m.strip()]
-    raw_role = (_meta_value(meta, opts.role_label) or _meta_value(meta, KEYS["role"]) or "both").strip().lower()
+    raw_role = (
+        (_meta_value(meta, opts.role_label) or _meta_value(meta, KEYS["role"]) or "both").strip().lower()
+    )
     role = ROLE_VALUES.get(raw_role, "both")
     metrics_path = _meta_value(meta, KEYS["metrics_path"]) or opts.default_metrics_path
     if not metrics_path.startswith("/"):
         metrics_path = "/" + metrics_path
-    return {"dialect": dialect, "models": models, "loras": loras, "role": role or "both", "encoder": role is None,
-            "metrics_path": metrics_path,
-            "bootstrap_port": _port_value(_meta_value(meta, opts.bootstrap_port_annotation),
-                                          opts.default_bootstrap_port) or None,
-            "dp_size": _positive_int(_meta_value(meta, KEYS["dp_size"]), 1)}
+    return {
+        "dialect": dialect,
+        "models": models,
+        "loras": loras,
+        "role": role or "both",
+        "encoder": role is None,
+        "metrics_path": metrics_path,
+        "bootstrap_port": _port_value(
+            _meta_value(meta, opts.bootstrap_port_annotation), opts.default_bootstrap_port
+        )
+        or None,
+        "dp_size": _positive_int(_meta_value(meta, KEYS["dp_size"]), 1),
+    }
 
 
 def _positive_int(text: str | None, default: int) -> int:
@@ -249,8 +284,9 @@ def _positive_int(text: str | None, default: int) -> int:
     return value if value > 0 else default
 
 
-def _zmq_endpoint(meta: dict[str, Any], which: str, default_port: int, host: str,
-                  subst: Callable[[str], str]) -> str | None:
+def _zmq_endpoint(
+    meta: dict[str, Any], which: str, default_port: int, host: str, subst: Callable[[str], str]
+) -> str | None:
     """The KV-event (``which`` = events) or replay (``replay``) ZMQ endpoint of a pod: the ``*-endpoint``
     annotation ({ip}, {pod}, {model} expanded), else ``tcp://<ip>:<port>`` from the ``*-port`` annotation or the
     default; None when switched off (``off``, port 0) or the pod has no IP yet."""
@@ -301,11 +337,16 @@ class PodWatcher:
     (or None) to the ``ReplicaProfile`` given to a newly discovered replica.
     """
 
-    def __init__(self, table: ReplicaTable, options: KubernetesOptions | None = None, *,
-                 is_healthy: Callable[[str], bool] | None = None,
-                 api_client: Any | None = None,
-                 dispatch: Callable[[Callable[[], None]], Any] | None = None,
-                 profile_for: Callable[[str | None], Any] | None = None) -> None:
+    def __init__(
+        self,
+        table: ReplicaTable,
+        options: KubernetesOptions | None = None,
+        *,
+        is_healthy: Callable[[str], bool] | None = None,
+        api_client: Any | None = None,
+        dispatch: Callable[[Callable[[], None]], Any] | None = None,
+        profile_for: Callable[[str | None], Any] | None = None,
+    ) -> None:
         self.table = table
         self._dispatch = dispatch
         self._profile_for = profile_for
@@ -486,13 +527,21 @@ class PodWatcher:
             with self._lock:
                 paused = self._paused
             if paused:  # nothing to watch until the pool resolves (set_pool interrupts this wait)
-                while not (self._stop.is_set() or self._interrupt.is_set()) and time.monotonic() < self._watch_deadline:
+                while (
+                    not (self._stop.is_set() or self._interrupt.is_set())
+                    and time.monotonic() < self._watch_deadline
+                ):
                     self._interrupt.wait(0.1)
                 return
-            for event in w.stream(call, *args, label_selector=selector, resource_version=rv,
-                                  timeout_seconds=max(1, math.ceil(interval)),
-                                  allow_watch_bookmarks=True,
-                                  _request_timeout=(self.options.request_timeout_s, interval + 30)):
+            for event in w.stream(
+                call,
+                *args,
+                label_selector=selector,
+                resource_version=rv,
+                timeout_seconds=max(1, math.ceil(interval)),
+                allow_watch_bookmarks=True,
+                _request_timeout=(self.options.request_timeout_s, interval + 30),
+            ):
                 if self._stop.is_set() or self._interrupt.is_set():
                     break
                 self._on_event(event)

@@ -35,8 +35,17 @@ from membership.kv_sequencer import ApplyResult, FeedStats, Item
 class IndexSink(Protocol):
     """The part of ``index.prefix_index.PrefixIndex`` the feed writes to."""
 
-    def apply_stored(self, replica: int, engine_hashes: Sequence[int], engine_parent: int | None,
-                     token_ids: Sequence[int], seed: int, tier: str = "gpu", *, replayed: bool = False) -> Any:
+    def apply_stored(
+        self,
+        replica: int,
+        engine_hashes: Sequence[int],
+        engine_parent: int | None,
+        token_ids: Sequence[int],
+        seed: int,
+        tier: str = "gpu",
+        *,
+        replayed: bool = False,
+    ) -> Any:
         """Store an engine ``BlockStored`` (returns a StoreResult with ``stored_blocks`` and ``orphan``);
         ``replayed``: applied before (a page already held is then not one more cached copy)."""
         ...
@@ -91,8 +100,8 @@ def stored_pieces(ev: StoredEvent, max_pages: int) -> Iterator[tuple[list[int], 
     page = len(ev.token_ids) // n
     parent = ev.parent
     for i in range(0, n, max_pages):
-        hashes = ev.hashes[i:i + max_pages]
-        yield hashes, parent, ev.token_ids[i * page:(i + len(hashes)) * page]
+        hashes = ev.hashes[i : i + max_pages]
+        yield hashes, parent, ev.token_ids[i * page : (i + len(hashes)) * page]
         parent = hashes[-1]
 
 
@@ -110,9 +119,17 @@ class BatchApplier:
         dropped_memory: how many hashes dropped by our filters are remembered (parents of later events).
     """
 
-    def __init__(self, index: IndexSink, replica: int, model: str, stats: FeedStats, limits: DecodeLimits,
-                 slice_blocks: int, lock: AbstractContextManager[Any] | None = None,
-                 dropped_memory: int = 100_000) -> None:
+    def __init__(
+        self,
+        index: IndexSink,
+        replica: int,
+        model: str,
+        stats: FeedStats,
+        limits: DecodeLimits,
+        slice_blocks: int,
+        lock: AbstractContextManager[Any] | None = None,
+        dropped_memory: int = 100_000,
+    ) -> None:
         self.index = index
         self.replica = replica
         self.model = model
@@ -144,8 +161,9 @@ class BatchApplier:
         reason = item.failure or "bad_payload"
         if batch is None and item.payload is not None:
             small = len(item.payload) < self.slice_blocks * 64  # decodes in well under a slice's time
-            res = yield from decode_payload_steps(item.payload, seq=item.seq, limits=self.limits,
-                                                  slice_units=0 if small else self.slice_blocks)
+            res = yield from decode_payload_steps(
+                item.payload, seq=item.seq, limits=self.limits, slice_units=0 if small else self.slice_blocks
+            )
             if isinstance(res, DecodedBatch):
                 batch = res
             else:
@@ -211,8 +229,16 @@ class BatchApplier:
             first = False
             yield done
 
-    def _stored(self, ev: StoredEvent, count: bool, result: ApplyResult, hashes: list[int], parent: int | None,
-                tokens: Sequence[int], first: bool) -> int:
+    def _stored(
+        self,
+        ev: StoredEvent,
+        count: bool,
+        result: ApplyResult,
+        hashes: list[int],
+        parent: int | None,
+        tokens: Sequence[int],
+        first: bool,
+    ) -> int:
         """Apply one ``BlockStored`` (or a piece of it: ``first`` for the first); the pages applied (0: none)."""
         st = self.stats
         if first:
@@ -229,8 +255,9 @@ class BatchApplier:
         seed = chain_seed(self.model, lora, ev.cache_salt)
         with self.lock:
             try:
-                res = self.index.apply_stored(self.replica, hashes, parent, tokens, seed, ev.tier,
-                                              replayed=not count)
+                res = self.index.apply_stored(
+                    self.replica, hashes, parent, tokens, seed, ev.tier, replayed=not count
+                )
             except Exception:
                 st.dropped["index_error"] += 1
                 result.index_errors += 1
@@ -263,10 +290,12 @@ class BatchApplier:
         step = self.slice_blocks
         hashes = run.hashes
         for i in range(0, len(hashes), step):
-            piece = hashes[i:i + step] if len(hashes) > step else hashes
+            piece = hashes[i : i + step] if len(hashes) > step else hashes
             with self.lock:
                 try:
-                    self.stats.removed_blocks += int(self.index.apply_removed(self.replica, piece, run.tier) or 0)
+                    self.stats.removed_blocks += int(
+                        self.index.apply_removed(self.replica, piece, run.tier) or 0
+                    )
                 except Exception:
                     self.stats.dropped["index_error"] += 1
                     result.index_errors += 1

@@ -219,7 +219,9 @@ def parse_seq(frame: object) -> int | None:
     return int.from_bytes(bytes(frame), "big")
 
 
-def decode_live_frames(frames: list[bytes], limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedBatch | DecodeFailure:
+def decode_live_frames(
+    frames: list[bytes], limits: DecodeLimits = DEFAULT_LIMITS
+) -> DecodedBatch | DecodeFailure:
     """Decode one live PUB message ``[topic, seq, payload]``.
 
     Returns:
@@ -278,8 +280,9 @@ def split_replay_frames(frames: list[bytes]) -> tuple[int, bytes, bytes] | Repla
         return DecodeFailure("internal_error", repr(exc)[:200])
 
 
-def decode_replay_frames(frames: list[bytes],
-                         limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedBatch | ReplayEnd | DecodeFailure:
+def decode_replay_frames(
+    frames: list[bytes], limits: DecodeLimits = DEFAULT_LIMITS
+) -> DecodedBatch | ReplayEnd | DecodeFailure:
     """Decode one replay reply as received by a DEALER socket (envelope: :func:`split_replay_frames`)."""
     parts = split_replay_frames(frames)
     if not isinstance(parts, tuple):
@@ -296,8 +299,9 @@ def payload_digest(payload: bytes) -> int:
 # -- payload ----------------------------------------------------------------------------------------------------
 
 
-def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"",
-                   limits: DecodeLimits = DEFAULT_LIMITS) -> DecodedBatch | DecodeFailure:
+def decode_payload(
+    payload: bytes, *, seq: int = 0, topic: bytes = b"", limits: DecodeLimits = DEFAULT_LIMITS
+) -> DecodedBatch | DecodeFailure:
     """Decode a msgpack event batch.
 
     Returns:
@@ -313,8 +317,14 @@ def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"",
             return result
 
 
-def decode_payload_steps(payload: bytes, *, seq: int = 0, topic: bytes = b"", limits: DecodeLimits = DEFAULT_LIMITS,
-                         slice_units: int = 0) -> Generator[None, None, DecodedBatch | DecodeFailure]:
+def decode_payload_steps(
+    payload: bytes,
+    *,
+    seq: int = 0,
+    topic: bytes = b"",
+    limits: DecodeLimits = DEFAULT_LIMITS,
+    slice_units: int = 0,
+) -> Generator[None, None, DecodedBatch | DecodeFailure]:
     """:func:`decode_payload` as a generator that yields after every ``slice_units`` units of work.
 
     A unit is about one block: an event counts 8, each of its hashes 1 and every 16 of its tokens 1 (so a
@@ -337,8 +347,9 @@ class _Parse:
 
     __slots__ = ("ts_raw", "n_events", "next_event", "finish")
 
-    def __init__(self, ts_raw: object, n_events: int, next_event: Callable[[], object],
-                 finish: Callable[[], object]) -> None:
+    def __init__(
+        self, ts_raw: object, n_events: int, next_event: Callable[[], object], finish: Callable[[], object]
+    ) -> None:
         self.ts_raw = ts_raw
         self.n_events = n_events
         self.next_event = next_event  # raises on malformed msgpack
@@ -408,8 +419,9 @@ def _bad_msgpack(exc: Exception, seq: int) -> DecodeFailure:
     return DecodeFailure("bad_msgpack", f"{type(exc).__name__}: {str(exc)[:120]}", seq)
 
 
-def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits,
-                    slice_units: int) -> Generator[None, None, DecodedBatch | DecodeFailure]:
+def _decode_payload(
+    payload: bytes, seq: int, topic: bytes, limits: DecodeLimits, slice_units: int
+) -> Generator[None, None, DecodedBatch | DecodeFailure]:
     if not payload:
         return DecodeFailure("empty_payload", "", seq)
     if len(payload) > limits.max_payload_bytes:
@@ -418,14 +430,17 @@ def _decode_payload(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits
         parse = _open_batch(payload)
     except _BadBatch as bad:
         return DecodeFailure(bad.reason, bad.detail, seq)
-    except Exception as exc:  # ExtraData, OutOfData, FormatError, StackError, ValueError, UnicodeDecodeError, ...
+    except (
+        Exception
+    ) as exc:  # ExtraData, OutOfData, FormatError, StackError, ValueError, UnicodeDecodeError, ...
         return _bad_msgpack(exc, seq)
     if parse.n_events > limits.max_events:
         return DecodeFailure("too_many_events", f"{parse.n_events} events", seq)
     ts_raw = parse.ts_raw
     ts = float(ts_raw) if _is_number(ts_raw) and math.isfinite(float(ts_raw)) else None  # type: ignore[arg-type]
-    batch = DecodedBatch(seq=seq, topic=topic, ts=ts, dp_rank=None, events=[],
-                         payload_digest=payload_digest(payload))
+    batch = DecodedBatch(
+        seq=seq, topic=topic, ts=ts, dp_rank=None, events=[], payload_digest=payload_digest(payload)
+    )
     if ts is None:
         batch.notes["missing_ts"] += 1
     units = 0
@@ -538,11 +553,23 @@ def _tag_of(raw: object) -> tuple[str, dict[str, Any] | None, list[Any] | None]:
 
 
 # positional field order (tag at index 0), vLLM <= 0.23 and old SGLang
-_STORED_POS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-               "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+_STORED_POS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
 _REMOVED_POS = ("block_hashes", "medium", "group_idx")
-_POS: dict[tuple[str, ...], dict[str, int]] = {names: {n: i + 1 for i, n in enumerate(names)}
-                                               for names in (_STORED_POS, _REMOVED_POS)}
+_POS: dict[tuple[str, ...], dict[str, int]] = {
+    names: {n: i + 1 for i, n in enumerate(names)} for names in (_STORED_POS, _REMOVED_POS)
+}
 _MISSING = object()
 
 
@@ -565,8 +592,9 @@ def _decode_event(raw: object, limits: DecodeLimits, notes: Counter[str]) -> Eve
     raise _Bad("unknown_event_type")
 
 
-def _check_group(m: dict[str, Any] | None, a: list[Any] | None, names: tuple[str, ...],
-                 limits: DecodeLimits) -> None:
+def _check_group(
+    m: dict[str, Any] | None, a: list[Any] | None, names: tuple[str, ...], limits: DecodeLimits
+) -> None:
     if limits.group_idx is None:
         return
     g = _field(m, a, names, "group_idx")
@@ -578,8 +606,9 @@ def _check_group(m: dict[str, Any] | None, a: list[Any] | None, names: tuple[str
         raise _Bad("other_kv_group")
 
 
-def _decode_stored(m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits,
-                   notes: Counter[str]) -> StoredEvent:
+def _decode_stored(
+    m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits, notes: Counter[str]
+) -> StoredEvent:
     names = _STORED_POS
     hashes = _hashes(_field(m, a, names, "block_hashes"), limits)
     if not hashes:
@@ -592,13 +621,22 @@ def _decode_stored(m: dict[str, Any] | None, a: list[Any] | None, limits: Decode
         raise
 
 
-def _decode_stored_fields(m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits,
-                          notes: Counter[str], hashes: list[int]) -> StoredEvent:
+def _decode_stored_fields(
+    m: dict[str, Any] | None,
+    a: list[Any] | None,
+    limits: DecodeLimits,
+    notes: Counter[str],
+    hashes: list[int],
+) -> StoredEvent:
     names = _STORED_POS
     parent_raw = _field(m, a, names, "parent_block_hash")
     parent = None if parent_raw is _MISSING or parent_raw is None else _hash(parent_raw)
     block_size = _field(m, a, names, "block_size")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or not 0 < block_size <= limits.max_block_size:
+    if (
+        not isinstance(block_size, int)
+        or isinstance(block_size, bool)
+        or not 0 < block_size <= limits.max_block_size
+    ):
         raise _Bad("bad_block_size")
     tokens = _tokens(_field(m, a, names, "token_ids"), limits, notes)
     if len(tokens) != len(hashes) * block_size:
@@ -624,8 +662,17 @@ def _decode_stored_fields(m: dict[str, Any] | None, a: list[Any] | None, limits:
             s = meta.get("cache_salt") if isinstance(meta, dict) else None
         if s is not None:
             salt = _opt_str(s, "bad_cache_salt")
-    return StoredEvent(hashes=hashes, parent=parent, token_ids=tokens, block_size=block_size, tier=tier,
-                       lora_name=lora_name, lora_id=lora_id, cache_salt=salt, multimodal=multimodal)
+    return StoredEvent(
+        hashes=hashes,
+        parent=parent,
+        token_ids=tokens,
+        block_size=block_size,
+        tier=tier,
+        lora_name=lora_name,
+        lora_id=lora_id,
+        cache_salt=salt,
+        multimodal=multimodal,
+    )
 
 
 def _decode_removed(m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits) -> RemovedEvent:

@@ -127,9 +127,13 @@ class KVEventsConfig:
 
     def sequencer_config(self) -> SequencerConfig:
         """The part of this config the sequencer uses."""
-        return SequencerConfig(orphan_replay_interval_s=self.orphan_replay_interval_s,
-                               degraded_retry_s=self.degraded_retry_s, degraded_hold_s=self.degraded_hold_s,
-                               recent_digests=self.recent_digests, max_sequence_jump=self.max_sequence_jump)
+        return SequencerConfig(
+            orphan_replay_interval_s=self.orphan_replay_interval_s,
+            degraded_retry_s=self.degraded_retry_s,
+            degraded_hold_s=self.degraded_hold_s,
+            recent_digests=self.recent_digests,
+            max_sequence_jump=self.max_sequence_jump,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,8 +196,15 @@ class _Feed:
         self.limits = self.cfg.decode_limits()
         self.sequencer = Sequencer(self.cfg.sequencer_config(), has_replay=bool(spec.replay_endpoint))
         self.stats = self.sequencer.stats
-        self.applier = BatchApplier(owner.index, spec.index, spec.model, self.stats, self.limits,
-                                    self.cfg.apply_slice_blocks, owner.index_lock)
+        self.applier = BatchApplier(
+            owner.index,
+            spec.index,
+            spec.model,
+            self.stats,
+            self.limits,
+            self.cfg.apply_slice_blocks,
+            owner.index_lock,
+        )
         self.inbox: deque[Callable[[float], list[Action]]] = deque()  # inputs from other tasks
         self.last_message_at: float | None = None
         self.last_lag_s: float | None = None
@@ -245,9 +256,13 @@ class _Feed:
             sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
             sock.setsockopt(zmq.SUBSCRIBE, self.spec.topic.encode())
             # connection events: every (re)connect asks for the engine's history / checks continuity
-            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-                                          | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED
-                                          | zmq.EVENT_CONNECTED)
+            mon = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_DISCONNECTED
+                | zmq.EVENT_CONNECT_RETRIED
+                | zmq.EVENT_CONNECT_DELAYED
+                | zmq.EVENT_CONNECTED
+            )
             if self.spec.bind:
                 sock.bind(self.spec.endpoint)
             else:
@@ -280,7 +295,9 @@ class _Feed:
                 mon.close(linger=0)
             sock.close(linger=0)
 
-    async def _drain_loop(self, live: zmq.Socket[bytes], monitor: zmq.Socket[bytes], wake: asyncio.Event) -> None:
+    async def _drain_loop(
+        self, live: zmq.Socket[bytes], monitor: zmq.Socket[bytes], wake: asyncio.Event
+    ) -> None:
         """Handle every queued input; sleep until the FDs signal, an input is posted or a timer is due."""
         poll_s = self.cfg.poll_interval_s
         noblock = zmq.NOBLOCK
@@ -345,8 +362,13 @@ class _Feed:
             return
         self._disconnected_at = None
         self.stats.notes["forced_reconnects"] += 1
-        self._warn("forced_reconnect", "connection to %s dropped and not retried by ZMQ (a message over "
-                   "max_message_bytes = %d bytes?): reconnecting", self.spec.endpoint, self.cfg.max_message_bytes)
+        self._warn(
+            "forced_reconnect",
+            "connection to %s dropped and not retried by ZMQ (a message over "
+            "max_message_bytes = %d bytes?): reconnecting",
+            self.spec.endpoint,
+            self.cfg.max_message_bytes,
+        )
         with contextlib.suppress(zmq.ZMQError):
             sock.disconnect(self.spec.endpoint)
         sock.connect(self.spec.endpoint)
@@ -397,8 +419,9 @@ class _Feed:
         if not action.replayed and result.ts is not None:
             self.last_lag_s = time.time() - result.ts  # engine wall clock -> our wall clock, seconds
         if result.index_errors:
-            self._warn("index_error", "index rejected %d event(s) of batch %d", result.index_errors,
-                       action.item.seq)
+            self._warn(
+                "index_error", "index rejected %d event(s) of batch %d", result.index_errors, action.item.seq
+            )
         return self.sequencer.on_applied(action, result, self.owner.clock())
 
     def _notify_degraded(self) -> None:
@@ -444,8 +467,15 @@ class _Feed:
         self.stats.replays[f"{trigger}:{answer.outcome}"] += 1
         self.stats.replay_bytes += answer.nbytes
         if answer.outcome != "ok":
-            self._warn("replay_" + answer.outcome, "replay (%s) from seq %d: %s after %d batches, %d bytes",
-                       trigger, start, answer.outcome, len(answer.items), answer.nbytes)
+            self._warn(
+                "replay_" + answer.outcome,
+                "replay (%s) from seq %d: %s after %d batches, %d bytes",
+                trigger,
+                start,
+                answer.outcome,
+                len(answer.items),
+                answer.nbytes,
+            )
             return None
         answer.items.sort(key=lambda it: it.seq)
         return answer.items
@@ -502,10 +532,16 @@ class KVEventSubscriber:
         clock: monotonic time source, seconds.
     """
 
-    def __init__(self, index: IndexSink, *, config: KVEventsConfig | None = None,
-                 context: zmq.asyncio.Context | None = None, index_lock: threading.Lock | None = None,
-                 on_degraded: Callable[[int, bool], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        index: IndexSink,
+        *,
+        config: KVEventsConfig | None = None,
+        context: zmq.asyncio.Context | None = None,
+        index_lock: threading.Lock | None = None,
+        on_degraded: Callable[[int, bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.index = index
         self.config = config or KVEventsConfig()
         self._own_ctx = context is None
@@ -582,10 +618,14 @@ class KVEventSubscriber:
         if not getattr(replica, "kv_events_endpoint", None):
             return None
         models = getattr(replica, "models", None) or []
-        return FeedSpec(index=replica.index, name=replica.name, endpoint=replica.kv_events_endpoint,
-                        replay_endpoint=replica.kv_replay_endpoint or None,
-                        topic=getattr(replica, "kv_events_topic", "") or "",
-                        model=models[0] if models else "")
+        return FeedSpec(
+            index=replica.index,
+            name=replica.name,
+            endpoint=replica.kv_events_endpoint,
+            replay_endpoint=replica.kv_replay_endpoint or None,
+            topic=getattr(replica, "kv_events_topic", "") or "",
+            model=models[0] if models else "",
+        )
 
     def sync_replica(self, replica: Any) -> None:
         """Bring the feed of ``replica`` in line with it (add / re-point / remove). Thread-safe."""
@@ -657,9 +697,15 @@ class KVEventSubscriber:
         total = FeedStats()
         for feed in self._feeds.values():
             d = feed.stats.as_dict()
-            d.update(index=feed.spec.index, endpoint=feed.spec.endpoint, last_seq=feed.last_seq,
-                     degraded=feed.degraded, connected=feed.connected, last_lag_s=feed.last_lag_s,
-                     last_message_age_s=None if feed.last_message_at is None else now - feed.last_message_at)
+            d.update(
+                index=feed.spec.index,
+                endpoint=feed.spec.endpoint,
+                last_seq=feed.last_seq,
+                degraded=feed.degraded,
+                connected=feed.connected,
+                last_lag_s=feed.last_lag_s,
+                last_message_age_s=None if feed.last_message_at is None else now - feed.last_message_at,
+            )
             per[feed.spec.name] = d
             total.add(feed.stats)
         total.add(self._retired)
@@ -685,30 +731,48 @@ class _Collector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         feeds = list(self.sub._feeds.values())
-        ev = CounterMetricFamily("kvroute_kv_events_ingested", "KV events applied to the index, by type",
-                                 labels=["replica", "type"])
-        dr = CounterMetricFamily("kvroute_kv_events_dropped",
-                                 "KV event batches/events dropped, by reason (malformed, unknown, filtered)",
-                                 labels=["replica", "reason"])
+        ev = CounterMetricFamily(
+            "kvroute_kv_events_ingested",
+            "KV events applied to the index, by type",
+            labels=["replica", "type"],
+        )
+        dr = CounterMetricFamily(
+            "kvroute_kv_events_dropped",
+            "KV event batches/events dropped, by reason (malformed, unknown, filtered)",
+            labels=["replica", "reason"],
+        )
         ba = CounterMetricFamily("kvroute_kv_event_batches", "KV event batches applied", labels=["replica"])
         gp = CounterMetricFamily("kvroute_kv_event_gaps", "Sequence gaps seen", labels=["replica"])
-        ms = CounterMetricFamily("kvroute_kv_event_missing_batches", "Batches missing in sequence gaps",
-                                 labels=["replica"])
-        du = CounterMetricFamily("kvroute_kv_event_duplicates", "Duplicate batches dropped", labels=["replica"])
-        rs = CounterMetricFamily("kvroute_kv_event_restarts", "Engine restarts detected (sequence reset)",
-                                 labels=["replica"])
-        orp = CounterMetricFamily("kvroute_kv_event_orphans", "BlockStored events with an unknown parent",
-                                  labels=["replica"])
-        rp = CounterMetricFamily("kvroute_kv_event_replays", "Replay requests by trigger and outcome",
-                                 labels=["replica", "trigger", "outcome"])
-        sb = CounterMetricFamily("kvroute_kv_event_stored_blocks", "Router blocks stored from engine events",
-                                 labels=["replica"])
-        lag = GaugeMetricFamily("kvroute_kv_event_lag_seconds",
-                                "Seconds between the engine stamping the last live batch and the router receiving it",
-                                labels=["replica"])
-        dg = GaugeMetricFamily("kvroute_kv_events_degraded",
-                               "1 while the replica's event stream lost events it could not recover",
-                               labels=["replica"])
+        ms = CounterMetricFamily(
+            "kvroute_kv_event_missing_batches", "Batches missing in sequence gaps", labels=["replica"]
+        )
+        du = CounterMetricFamily(
+            "kvroute_kv_event_duplicates", "Duplicate batches dropped", labels=["replica"]
+        )
+        rs = CounterMetricFamily(
+            "kvroute_kv_event_restarts", "Engine restarts detected (sequence reset)", labels=["replica"]
+        )
+        orp = CounterMetricFamily(
+            "kvroute_kv_event_orphans", "BlockStored events with an unknown parent", labels=["replica"]
+        )
+        rp = CounterMetricFamily(
+            "kvroute_kv_event_replays",
+            "Replay requests by trigger and outcome",
+            labels=["replica", "trigger", "outcome"],
+        )
+        sb = CounterMetricFamily(
+            "kvroute_kv_event_stored_blocks", "Router blocks stored from engine events", labels=["replica"]
+        )
+        lag = GaugeMetricFamily(
+            "kvroute_kv_event_lag_seconds",
+            "Seconds between the engine stamping the last live batch and the router receiving it",
+            labels=["replica"],
+        )
+        dg = GaugeMetricFamily(
+            "kvroute_kv_events_degraded",
+            "1 while the replica's event stream lost events it could not recover",
+            labels=["replica"],
+        )
         for f in feeds:
             n, s = f.spec.name, f.stats
             for t in EVENT_TYPES:

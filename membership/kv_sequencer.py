@@ -89,12 +89,22 @@ class FeedStats:
     def as_dict(self) -> dict[str, Any]:
         """Plain-dict view (JSON-serialisable)."""
         return {
-            "batches": self.batches, "events": dict(self.events), "dropped": dict(self.dropped),
-            "notes": dict(self.notes), "gaps": self.gaps, "missing_batches": self.missing_batches,
-            "duplicates": self.duplicates, "restarts": self.restarts, "clears": self.clears,
-            "orphans": self.orphans, "stored_blocks": self.stored_blocks, "removed_blocks": self.removed_blocks,
-            "replays": dict(self.replays), "replayed_batches": self.replayed_batches,
-            "replay_bytes": self.replay_bytes, "degraded_episodes": self.degraded_episodes,
+            "batches": self.batches,
+            "events": dict(self.events),
+            "dropped": dict(self.dropped),
+            "notes": dict(self.notes),
+            "gaps": self.gaps,
+            "missing_batches": self.missing_batches,
+            "duplicates": self.duplicates,
+            "restarts": self.restarts,
+            "clears": self.clears,
+            "orphans": self.orphans,
+            "stored_blocks": self.stored_blocks,
+            "removed_blocks": self.removed_blocks,
+            "replays": dict(self.replays),
+            "replayed_batches": self.replayed_batches,
+            "replay_bytes": self.replay_bytes,
+            "degraded_episodes": self.degraded_episodes,
         }
 
     def add(self, other: FeedStats) -> None:
@@ -294,12 +304,15 @@ class Sequencer:
             if self.recent.get(seq) == item.digest:
                 self.stats.duplicates += 1
                 return []
-            return self._restart(item, now, f"sequence went back from {last} to {seq}: engine restarted, clearing")
+            return self._restart(
+                item, now, f"sequence went back from {last} to {seq}: engine restarted, clearing"
+            )
         jump = seq - last - 1
         if jump > self.cfg.max_sequence_jump:
             self.stats.notes["sequence_jump_too_large"] += 1
-            return self._restart(item, now, f"sequence jumped from {last} to {seq}: treated as a new sequence",
-                                 missing=1)
+            return self._restart(
+                item, now, f"sequence jumped from {last} to {seq}: treated as a new sequence", missing=1
+            )
         self.stats.gaps += 1
         self.stats.missing_batches += jump
         out = [Warn("gap", f"sequence gap {last} -> {seq}")]
@@ -529,8 +542,11 @@ class Sequencer:
             else:
                 self.orphan_interval = self.cfg.orphan_replay_interval_s
             self.last_orphan_replay = now
-            warn = Warn("orphan_replay", f"{self.stats.orphans} orphan BlockStored so far: replaying the engine's "
-                        f"buffer (next in >= {self.orphan_interval:.0f} s)")
+            warn = Warn(
+                "orphan_replay",
+                f"{self.stats.orphans} orphan BlockStored so far: replaying the engine's "
+                f"buffer (next in >= {self.orphan_interval:.0f} s)",
+            )
             return [warn, *self._replay(0, "orphan", None)]
         return []
 

@@ -159,9 +159,15 @@ class InMemoryIndexAllocator:
     ``clock`` returns seconds (monotonic); injectable for tests.
     """
 
-    def __init__(self, use_ordinals: bool = True, dynamic_base: int = 0, *,
-                 ordinal_pattern: str | re.Pattern[str] | None = DEFAULT_ORDINAL_PATTERN,
-                 release_grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        use_ordinals: bool = True,
+        dynamic_base: int = 0,
+        *,
+        ordinal_pattern: str | re.Pattern[str] | None = DEFAULT_ORDINAL_PATTERN,
+        release_grace_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._pattern = compile_ordinal_pattern(ordinal_pattern) if use_ordinals else None
         self._dynamic_base = dynamic_base
         self._grace = release_grace_s
@@ -330,13 +336,17 @@ class ReplicaTable:
         with self._lock:
             return sorted(self._by_name.values(), key=lambda r: r.index)
 
-    def routable(self, model: str | None = None, lora: str | None = None,
-                 exclude: Iterable[int] = ()) -> list[Replica]:
+    def routable(
+        self, model: str | None = None, lora: str | None = None, exclude: Iterable[int] = ()
+    ) -> list[Replica]:
         """Replicas that may take a new request for ``model`` / ``lora``, minus indices in ``exclude``."""
         ex = set(exclude)
         with self._lock:
-            return [r for r in sorted(self._by_name.values(), key=lambda r: r.index)
-                    if r.routable and r.index not in ex and r.serves(model, lora)]
+            return [
+                r
+                for r in sorted(self._by_name.values(), key=lambda r: r.index)
+                if r.routable and r.index not in ex and r.serves(model, lora)
+            ]
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -433,12 +443,24 @@ class RedisIndexAllocator:
     ``ReplicaTable.reindex``). ``available`` tells whether the last Redis call succeeded.
     """
 
-    def __init__(self, client: Any, *, key_prefix: str = "kvroute:", use_ordinals: bool = True,
-                 ordinal_pattern: str | re.Pattern[str] | None = DEFAULT_ORDINAL_PATTERN,
-                 dynamic_base: int = 0, release_grace_s: float = 120.0, stale_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        key_prefix: str = "kvroute:",
+        use_ordinals: bool = True,
+        ordinal_pattern: str | re.Pattern[str] | None = DEFAULT_ORDINAL_PATTERN,
+        dynamic_base: int = 0,
+        release_grace_s: float = 120.0,
+        stale_s: float = 3600.0,
+    ) -> None:
         self._r: Any = client
-        self._keys = [f"{key_prefix}idx:by_name", f"{key_prefix}idx:by_index", f"{key_prefix}idx:released",
-                      f"{key_prefix}idx:seen"]
+        self._keys = [
+            f"{key_prefix}idx:by_name",
+            f"{key_prefix}idx:by_index",
+            f"{key_prefix}idx:released",
+            f"{key_prefix}idx:seen",
+        ]
         self._pattern = compile_ordinal_pattern(ordinal_pattern) if use_ordinals else None
         self._base = dynamic_base
         self._grace = release_grace_s
@@ -469,8 +491,12 @@ class RedisIndexAllocator:
         """Return the shared index of ``name`` (provisional local index while Redis is down)."""
         ordinal = ordinal_of(name, self._pattern)
         try:
-            idx = int(self._alloc(keys=self._keys, args=[name, -1 if ordinal is None else ordinal,
-                                                          self._base, self._stale, -1, 0]))
+            idx = int(
+                self._alloc(
+                    keys=self._keys,
+                    args=[name, -1 if ordinal is None else ordinal, self._base, self._stale, -1, 0],
+                )
+            )
         except Exception as exc:  # redis.RedisError, OSError: fall back to local state
             self._failed(exc)
             with self._lock:
@@ -556,8 +582,19 @@ class RedisIndexAllocator:
                     if name in results:
                         continue
                     ordinal = ordinal_of(name, self._pattern)
-                    new = int(self._alloc(keys=self._keys, args=[name, -1 if ordinal is None else ordinal,
-                                                                  self._base, self._stale, old, only]))
+                    new = int(
+                        self._alloc(
+                            keys=self._keys,
+                            args=[
+                                name,
+                                -1 if ordinal is None else ordinal,
+                                self._base,
+                                self._stale,
+                                old,
+                                only,
+                            ],
+                        )
+                    )
                     if new >= 0:
                         results[name] = new
             for name, old in pending:

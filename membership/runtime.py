@@ -56,21 +56,37 @@ def make_allocator(config: MembershipConfig) -> IndexAllocator:
     if red is not None:
         import redis
 
-        client = redis.Redis.from_url(red.url, socket_timeout=red.timeout_s, socket_connect_timeout=red.timeout_s)
-        return RedisIndexAllocator(client, key_prefix=red.key_prefix, ordinal_pattern=pattern,
-                                   dynamic_base=alloc.dynamic_base, release_grace_s=alloc.release_grace_s,
-                                   stale_s=alloc.stale_s)
-    return InMemoryIndexAllocator(ordinal_pattern=pattern, dynamic_base=alloc.dynamic_base,
-                                  release_grace_s=alloc.release_grace_s)
+        client = redis.Redis.from_url(
+            red.url, socket_timeout=red.timeout_s, socket_connect_timeout=red.timeout_s
+        )
+        return RedisIndexAllocator(
+            client,
+            key_prefix=red.key_prefix,
+            ordinal_pattern=pattern,
+            dynamic_base=alloc.dynamic_base,
+            release_grace_s=alloc.release_grace_s,
+            stale_s=alloc.stale_s,
+        )
+    return InMemoryIndexAllocator(
+        ordinal_pattern=pattern, dynamic_base=alloc.dynamic_base, release_grace_s=alloc.release_grace_s
+    )
 
 
-def _discovery_health(table: ReplicaTable, health: HealthConfig,
-                      headers: Mapping[str, str] | None) -> HealthChecker:
+def _discovery_health(
+    table: ReplicaTable, health: HealthConfig, headers: Mapping[str, str] | None
+) -> HealthChecker:
     """The checker of discovered replicas (discovery admits joining pods; see ``membership.health``); it learns
     each replica's context length from ``/v1/models`` (``_context_learner``)."""
-    return HealthChecker(table, interval_s=health.interval_s, timeout_s=health.timeout_s, path=health.path,
-                         failure_threshold=health.unhealthy_after, success_threshold=health.healthy_after,
-                         headers=headers, on_ok=_context_learner())
+    return HealthChecker(
+        table,
+        interval_s=health.interval_s,
+        timeout_s=health.timeout_s,
+        path=health.path,
+        failure_threshold=health.unhealthy_after,
+        success_threshold=health.healthy_after,
+        headers=headers,
+        on_ok=_context_learner(),
+    )
 
 
 def _context_learner() -> Callable[[HookClient, Replica], Awaitable[None]]:
@@ -110,9 +126,16 @@ class Membership:
         headers: headers for health probes (engine API key).
     """
 
-    def __init__(self, config: MembershipConfig, table: ReplicaTable, index: PrefixIndex, *,
-                 specs: Iterable[Mapping[str, Any]], profile_for: ProfileFactory,
-                 headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: MembershipConfig,
+        table: ReplicaTable,
+        index: PrefixIndex,
+        *,
+        specs: Iterable[Mapping[str, Any]],
+        profile_for: ProfileFactory,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.config = config
         self.table = table
         self.index = index
@@ -121,7 +144,8 @@ class Membership:
         self.static = StaticMembership(table, specs, profile_for, health=config.health, headers=headers)
         #: health of discovered replicas (None without discovery)
         self.discovered_health: HealthChecker | None = (
-            _discovery_health(table, config.health, headers) if config.kubernetes is not None else None)
+            _discovery_health(table, config.health, headers) if config.kubernetes is not None else None
+        )
         self.watcher: PodWatcher | None = None
         self.pool_watcher: InferencePoolWatcher | None = None  # membership from an InferencePool (issue 21)
         self.shared: SharedState | None = None
@@ -130,9 +154,14 @@ class Membership:
         red = config.redis
         if red is not None:
             self.shared = SharedState(
-                red.url, key_prefix=red.key_prefix, timeout_s=red.timeout_s, retry_max_s=red.retry_max_s,
-                session_ttl_s=red.session_ttl_s, idempotency_ttl_s=red.idempotency_ttl_s,
-                broadcast=red.broadcast_decisions)
+                red.url,
+                key_prefix=red.key_prefix,
+                timeout_s=red.timeout_s,
+                retry_max_s=red.retry_max_s,
+                session_ttl_s=red.session_ttl_s,
+                idempotency_ttl_s=red.idempotency_ttl_s,
+                broadcast=red.broadcast_decisions,
+            )
             self.shared.on_decision(self._apply_peer_decision)
             self.shared.on_reconnect(self._reconcile)
 
@@ -164,9 +193,13 @@ class Membership:
         if self.config.kubernetes is not None:
             loop = asyncio.get_running_loop()
             checker = self.discovered_health
-            self.watcher = PodWatcher(self.table, self.config.kubernetes,
-                                      is_healthy=checker.is_healthy if checker is not None else None,
-                                      dispatch=loop.call_soon_threadsafe, profile_for=self.profile_for)
+            self.watcher = PodWatcher(
+                self.table,
+                self.config.kubernetes,
+                is_healthy=checker.is_healthy if checker is not None else None,
+                dispatch=loop.call_soon_threadsafe,
+                profile_for=self.profile_for,
+            )
             self.watcher.start()
             if self.config.kubernetes.inference_pool:  # the pool's selector and ports drive the pod watch
                 self.pool_watcher = InferencePoolWatcher(self.watcher, self.config.kubernetes).start()
@@ -279,14 +312,19 @@ class Membership:
         out: dict[str, Any] = {"reindexed": self.reindexed}
         alloc = self.table.allocator
         if isinstance(alloc, RedisIndexAllocator):
-            out["index_registry"] = {"available": alloc.available, "errors": alloc.errors,
-                                     "provisional": sorted(alloc.provisional)}
+            out["index_registry"] = {
+                "available": alloc.available,
+                "errors": alloc.errors,
+                "provisional": sorted(alloc.provisional),
+            }
         if self.watcher is not None:
             out["kubernetes"] = asdict(self.watcher.stats)
         if self.pool_watcher is not None:
             out["inference_pool"] = asdict(self.pool_watcher.stats)
-        out["health"] = {**self.static.health.stats(),
-                         **(self.discovered_health.stats() if self.discovered_health is not None else {})}
+        out["health"] = {
+            **self.static.health.stats(),
+            **(self.discovered_health.stats() if self.discovered_health is not None else {}),
+        }
         if self.shared is not None:
             out["shared_state"] = self.shared.snapshot()
         return out

@@ -131,10 +131,20 @@ class SharedState:
         local_session_max: size bound of the local session map (LRU).
     """
 
-    def __init__(self, url: str, *, key_prefix: str = "kvroute:", router_id: str | None = None,
-                 timeout_s: float = 0.5, retry_max_s: float = 5.0, session_ttl_s: float = 600.0,
-                 idempotency_ttl_s: float = 600.0, broadcast: bool = True, warn_interval_s: float = 30.0,
-                 local_session_max: int = 100_000) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "kvroute:",
+        router_id: str | None = None,
+        timeout_s: float = 0.5,
+        retry_max_s: float = 5.0,
+        session_ttl_s: float = 600.0,
+        idempotency_ttl_s: float = 600.0,
+        broadcast: bool = True,
+        warn_interval_s: float = 30.0,
+        local_session_max: int = 100_000,
+    ) -> None:
         self.url = url
         self.prefix = key_prefix
         self.router_id = router_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -177,8 +187,12 @@ class SharedState:
         """Create the client and start the supervisor (subscription + reconnects) and publisher tasks."""
         import redis.asyncio as aioredis
 
-        self._client = aioredis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
-                                               socket_connect_timeout=self.timeout_s, retry_on_timeout=False)
+        self._client = aioredis.Redis.from_url(
+            self.url,
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+            retry_on_timeout=False,
+        )
         self._queue = asyncio.Queue(maxsize=10_000)
         self._supervisor = asyncio.create_task(self._supervise(), name="kvroute-redis-supervisor")
         self._publisher = asyncio.create_task(self._publish_loop(), name="kvroute-redis-publisher")
@@ -224,8 +238,10 @@ class SharedState:
                 with contextlib.suppress(Exception):
                     await self._client.connection_pool.disconnect(inuse_connections=False)
                 self.stats.reconnects += 1
-                log.info("Redis reachable again after %.1fs; resynchronising",
-                         time.monotonic() - (self.stats.down_since or time.monotonic()))
+                log.info(
+                    "Redis reachable again after %.1fs; resynchronising",
+                    time.monotonic() - (self.stats.down_since or time.monotonic()),
+                )
                 await self._resync()
             self._ever_connected = True
             self.stats.down_since = None
@@ -440,7 +456,9 @@ class SharedState:
             SharedStateUnavailable: Redis not configured or unreachable.
         """
         client = self._need_redis()
-        marker = json.dumps({"state": "in_flight", "owner": self.router_id, "fp": fingerprint, "t": time.time()})
+        marker = json.dumps(
+            {"state": "in_flight", "owner": self.router_id, "fp": fingerprint, "t": time.time()}
+        )
         try:
             if await client.set(self._idem_key(key), marker, nx=True, ex=int(self.idempotency_ttl_s)):
                 return IdempotencyEntry("new", None, fingerprint)
@@ -454,7 +472,9 @@ class SharedState:
             doc = json.loads(raw)
         except ValueError:
             return IdempotencyEntry("in_flight")
-        return IdempotencyEntry(str(doc.get("state", "in_flight")), doc.get("response"), str(doc.get("fp", "")))
+        return IdempotencyEntry(
+            str(doc.get("state", "in_flight")), doc.get("response"), str(doc.get("fp", ""))
+        )
 
     async def idempotency_finish(self, key: str, response: dict[str, Any], fingerprint: str = "") -> None:
         """Store the final ``response`` (JSON-able dict) for ``key`` for ``idempotency_ttl_s`` seconds.
@@ -530,14 +550,24 @@ class _Collector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         st = self._s.stats
-        yield GaugeMetricFamily("kvroute_redis_available", "1 when Redis (shared state) is reachable",
-                                value=1.0 if st.available else 0.0)
+        yield GaugeMetricFamily(
+            "kvroute_redis_available",
+            "1 when Redis (shared state) is reachable",
+            value=1.0 if st.available else 0.0,
+        )
         for name, value, doc in (
             ("kvroute_redis_errors", st.errors, "failed Redis operations"),
             ("kvroute_redis_reconnects", st.reconnects, "times Redis became reachable again after an outage"),
-            ("kvroute_shared_decisions_published", st.published, "routing decisions broadcast to peer routers"),
-            ("kvroute_shared_decisions_skipped", st.publish_skipped + st.publish_dropped,
-             "decision broadcasts skipped (Redis down or queue full)"),
+            (
+                "kvroute_shared_decisions_published",
+                st.published,
+                "routing decisions broadcast to peer routers",
+            ),
+            (
+                "kvroute_shared_decisions_skipped",
+                st.publish_skipped + st.publish_dropped,
+                "decision broadcasts skipped (Redis down or queue full)",
+            ),
             ("kvroute_shared_decisions_received", st.received, "decisions received from peer routers"),
             ("kvroute_shared_bad_messages", st.bad_messages, "malformed messages on the decisions channel"),
         ):

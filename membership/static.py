@@ -38,17 +38,32 @@ class StaticMembership:
         headers: headers sent with probes (e.g. the engine API key).
     """
 
-    def __init__(self, table: ReplicaTable, specs: Iterable[Mapping[str, Any]], profile_for: ProfileFactory, *,
-                 health: HealthConfig, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        table: ReplicaTable,
+        specs: Iterable[Mapping[str, Any]],
+        profile_for: ProfileFactory,
+        *,
+        health: HealthConfig,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.table = table
         self.specs = [dict(s) for s in specs]
         self.profile_for = profile_for
         self._names: set[str] = set()
         self._models_known: dict[str, bool] = {}
         self.health = HealthChecker(
-            table, interval_s=health.interval_s, timeout_s=health.timeout_s, path=health.path,
-            failure_threshold=health.unhealthy_after, success_threshold=health.healthy_after, headers=headers,
-            select=self._owns, admit_joining=True, on_ok=self._learn_models)
+            table,
+            interval_s=health.interval_s,
+            timeout_s=health.timeout_s,
+            path=health.path,
+            failure_threshold=health.unhealthy_after,
+            success_threshold=health.healthy_after,
+            headers=headers,
+            select=self._owns,
+            admit_joining=True,
+            on_ok=self._learn_models,
+        )
 
     def _owns(self, rep: Replica) -> bool:
         return rep.name in self._names and is_static(rep)
@@ -66,12 +81,21 @@ class StaticMembership:
         out = []
         for s in self.specs:
             rep = self.table.upsert(
-                s["name"], s["url"], dialect=s.get("dialect", "vllm"), models=list(s.get("model") or []),
-                loras=list(s.get("loras") or []), role=s.get("role", "both"),
-                metrics_path=s.get("metrics_path", "/metrics"), kv_events_endpoint=s.get("events"),
-                kv_replay_endpoint=s.get("replay"), kv_events_topic=s.get("topic") or "",
-                profile=self.profile_for(s.get("profile")), labels={"source": "static"},
-                bootstrap_port=s.get("bootstrap_port"), dp_size=max(1, int(s.get("dp_size") or 1)))
+                s["name"],
+                s["url"],
+                dialect=s.get("dialect", "vllm"),
+                models=list(s.get("model") or []),
+                loras=list(s.get("loras") or []),
+                role=s.get("role", "both"),
+                metrics_path=s.get("metrics_path", "/metrics"),
+                kv_events_endpoint=s.get("events"),
+                kv_replay_endpoint=s.get("replay"),
+                kv_events_topic=s.get("topic") or "",
+                profile=self.profile_for(s.get("profile")),
+                labels={"source": "static"},
+                bootstrap_port=s.get("bootstrap_port"),
+                dp_size=max(1, int(s.get("dp_size") or 1)),
+            )
             self._names.add(rep.name)
             self._models_known[rep.name] = bool(s.get("model"))
             self.health.track(rep.name)

@@ -29,9 +29,14 @@ async def cancel_and_wait(task: asyncio.Future[Any] | None, *, recancel_s: float
         task.result()  # retrieved: asyncio does not log "exception was never retrieved"
 
 
-async def run_every(round_fn: Callable[[], Awaitable[Any]], interval_s: Callable[[], float] | float, what: str,
-                    logger: logging.Logger, clock: Callable[[], float] = time.monotonic,
-                    min_sleep_s: float = 0.05) -> None:
+async def run_every(
+    round_fn: Callable[[], Awaitable[Any]],
+    interval_s: Callable[[], float] | float,
+    what: str,
+    logger: logging.Logger,
+    clock: Callable[[], float] = time.monotonic,
+    min_sleep_s: float = 0.05,
+) -> None:
     """Run ``round_fn`` forever, one round every ``interval_s`` seconds (start to start, at least ``min_sleep_s``
     between rounds). A failing round is logged (``what`` round failed) and the loop goes on; only cancellation
     ends it. ``interval_s`` may be a callable, read before each sleep (a setting that can change)."""

@@ -108,8 +108,9 @@ class TenantBudget:
         clock: monotonic seconds for the in-memory buckets.
     """
 
-    def __init__(self, shared: SharedState | None, expected_routers: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, shared: SharedState | None, expected_routers: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.shared = shared
         self.expected_routers = max(1, expected_routers)
         self.clock = clock
@@ -127,8 +128,11 @@ class TenantBudget:
         """Spend ``cost`` tokens of ``tenant``'s bucket (``rate`` tokens/s, ``burst`` tokens); never raises."""
         if self.shared is not None:
             try:
-                raw = await self.shared.run_script(BUCKET_SCRIPT, [self.shared.key(f"tb:{tenant}")],
-                                                   [repr(float(rate)), repr(float(burst)), repr(float(cost))])
+                raw = await self.shared.run_script(
+                    BUCKET_SCRIPT,
+                    [self.shared.key(f"tb:{tenant}")],
+                    [repr(float(rate)), repr(float(burst)), repr(float(cost))],
+                )
                 self._local.clear()  # a later outage starts from fresh local shares
                 self.stats.shared_takes += 1
                 return self._answer(int(raw[0]) == 1, float(raw[2]), "shared")
@@ -144,8 +148,9 @@ class TenantBudget:
         cannot be paid before spending work on it (e.g. tokenizing its prompt)."""
         if self.shared is not None:
             try:
-                raw = await self.shared.run_script(PEEK_SCRIPT, [self.shared.key(f"tb:{tenant}")],
-                                                   [repr(float(rate)), repr(float(burst))])
+                raw = await self.shared.run_script(
+                    PEEK_SCRIPT, [self.shared.key(f"tb:{tenant}")], [repr(float(rate)), repr(float(burst))]
+                )
                 return float(raw)
             except SharedStateUnavailable:
                 n = self.expected_routers

@@ -33,6 +33,7 @@ T = TypeVar("T")
 # token bucket
 # ---------------------------------------------------------------------------------------------------------
 
+
 @dataclass(slots=True)
 class BucketState:
     """One tenant's bucket: ``tokens`` available at time ``at`` (seconds)."""
@@ -65,7 +66,9 @@ def refill(state: BucketState | None, now: float, rate: float, burst: float) -> 
     return BucketState(min(burst, state.tokens + elapsed * rate), max(now, state.at))
 
 
-def take(state: BucketState | None, now: float, rate: float, burst: float, cost: float) -> tuple[BucketState, Take]:
+def take(
+    state: BucketState | None, now: float, rate: float, burst: float, cost: float
+) -> tuple[BucketState, Take]:
     """Try to take ``cost`` tokens at ``now``; returns the new state and the outcome (nothing taken on refusal)."""
     cur = refill(state, now, rate, burst)
     if cur.tokens >= cost:
@@ -79,6 +82,7 @@ def take(state: BucketState | None, now: float, rate: float, burst: float, cost:
 # ---------------------------------------------------------------------------------------------------------
 # fair queue
 # ---------------------------------------------------------------------------------------------------------
+
 
 @dataclass(order=True, slots=True)
 class QueueEntry(Generic[T]):

@@ -28,7 +28,9 @@ def predicted_ttft_s(score: CandidateScore) -> float:
     return float(value)
 
 
-def best_predicted_ttft_s(scores: Sequence[CandidateScore], eligible: Sequence[int] | None = None) -> float | None:
+def best_predicted_ttft_s(
+    scores: Sequence[CandidateScore], eligible: Sequence[int] | None = None
+) -> float | None:
     """The lowest finite predicted TTFT among ``scores`` (restricted to replica indices ``eligible``), or None."""
     allowed = None if eligible is None else set(eligible)
     values = [predicted_ttft_s(s) for s in scores if allowed is None or s.index in allowed]
@@ -36,8 +38,13 @@ def best_predicted_ttft_s(scores: Sequence[CandidateScore], eligible: Sequence[i
     return min(finite) if finite else None
 
 
-def slo_order(ranking: Sequence[int], scores: Sequence[CandidateScore], target_s: float, priority: int,
-              fast_priority: int) -> list[int]:
+def slo_order(
+    ranking: Sequence[int],
+    scores: Sequence[CandidateScore],
+    target_s: float,
+    priority: int,
+    fast_priority: int,
+) -> list[int]:
     """``ranking`` (replica indices, best first) reordered for a TTFT target of ``target_s`` seconds."""
     predicted = {s.index: predicted_ttft_s(s) for s in scores}
     meets = [i for i in ranking if predicted.get(i, math.inf) <= target_s]

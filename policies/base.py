@@ -337,4 +337,3 @@ def make_policy(name: str, **params: Any) -> Policy:
     except KeyError:
         raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
     return factory(**params)
-

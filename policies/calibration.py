@@ -43,8 +43,9 @@ def theil_sen(points: list[tuple[float, float]], min_dx: float) -> tuple[float, 
     n = len(points)
     # pairs in x order: every dx is >= 0, so one comparison per pair (the same slopes as over all i < j pairs)
     pts = sorted(points)
-    slopes = [(yj - yi) / (xj - xi)
-              for i, (xi, yi) in enumerate(pts) for xj, yj in pts[i + 1:] if xj - xi > min_dx]
+    slopes = [
+        (yj - yi) / (xj - xi) for i, (xi, yi) in enumerate(pts) for xj, yj in pts[i + 1 :] if xj - xi > min_dx
+    ]
     if len(slopes) < max(3, n // 2):
         return None
     b = median(slopes)

@@ -148,8 +148,9 @@ class DispatchQueues(Generic[T]):
                 best, pick = b, j
         return pick
 
-    def pop_ready(self, replica: int, now: float,
-                  tokens_now: Callable[[int, T], int] | None = None) -> list[Queued[T]]:
+    def pop_ready(
+        self, replica: int, now: float, tokens_now: Callable[[int, T], int] | None = None
+    ) -> list[Queued[T]]:
         """The queued requests ``replica`` accepts now, in the order to send them (each counted as sent).
 
         ``tokens_now(replica, item)``: its uncached prompt tokens now (the cache may have changed while it
@@ -165,8 +166,14 @@ class DispatchQueues(Generic[T]):
             out.append(self._send(q, q.waiting.pop(j), replica, now, tokens_now))
         return out
 
-    def _send(self, q: ReplicaQueue[T], w: Queued[T], replica: int, now: float,
-              tokens_now: Callable[[int, T], int] | None) -> Queued[T]:
+    def _send(
+        self,
+        q: ReplicaQueue[T],
+        w: Queued[T],
+        replica: int,
+        now: float,
+        tokens_now: Callable[[int, T], int] | None,
+    ) -> Queued[T]:
         """Count a request leaving the queue as sent (its tokens taken again when ``tokens_now`` is given)."""
         if tokens_now is not None:
             w.tokens = max(0, tokens_now(replica, w.item))
@@ -175,8 +182,9 @@ class DispatchQueues(Generic[T]):
         self.wait_s_total += max(0.0, now - w.enqueued_s)
         return w
 
-    def expired(self, now: float,
-                tokens_now: Callable[[int, T], int] | None = None) -> list[tuple[int, Queued[T]]]:
+    def expired(
+        self, now: float, tokens_now: Callable[[int, T], int] | None = None
+    ) -> list[tuple[int, Queued[T]]]:
         """Queued requests that have waited ``max_wait_s`` or more, as (replica, entry), removed from their
         queues and counted as sent: the caller sends them now (``tokens_now`` as in ``pop_ready``)."""
         out: list[tuple[int, Queued[T]]] = []
@@ -238,8 +246,9 @@ class IndexQuestions:
         block_size: tokens per block.
     """
 
-    def __init__(self, match: Callable[[Sequence[int], Set[int]], Mapping[int, ReplicaMatch]],
-                 block_size: int) -> None:
+    def __init__(
+        self, match: Callable[[Sequence[int], Set[int]], Mapping[int, ReplicaMatch]], block_size: int
+    ) -> None:
         self._match = match
         self.block_size = block_size
 

@@ -10,8 +10,9 @@ from index.prefix_index import ReplicaMatch
 from policies.base import PrefixHit
 
 
-def usable_cached_tokens(matched_tokens: int, prompt_tokens: int, block_size: int,
-                         engine_block_size: int | None = None) -> int:
+def usable_cached_tokens(
+    matched_tokens: int, prompt_tokens: int, block_size: int, engine_block_size: int | None = None
+) -> int:
     """Prompt tokens an engine reuses when it holds ``matched_tokens`` leading tokens, tokens.
 
     Engines always recompute the last prompt token (its logits are needed), so at most
@@ -29,8 +30,9 @@ def usable_cached_tokens(matched_tokens: int, prompt_tokens: int, block_size: in
     return usable
 
 
-def hit_from_match(m: ReplicaMatch | None, prompt_tokens: int, block_size: int,
-                   engine_block_size: int | None = None) -> PrefixHit:
+def hit_from_match(
+    m: ReplicaMatch | None, prompt_tokens: int, block_size: int, engine_block_size: int | None = None
+) -> PrefixHit:
     """Convert an index match (blocks) into a PrefixHit (tokens), capped at what an engine can reuse.
 
     Predicted blocks are not in the tier counts of a match: they count as GPU (routing predictions are GPU
@@ -40,8 +42,14 @@ def hit_from_match(m: ReplicaMatch | None, prompt_tokens: int, block_size: int,
     if m is None:
         return PrefixHit()
     bs = block_size
-    hit = PrefixHit(gpu=(m.gpu + m.predicted) * bs, cpu=m.cpu * bs, disk=m.disk * bs, remote=m.remote * bs,
-                    predicted=m.predicted * bs, age_s=m.age_s)
+    hit = PrefixHit(
+        gpu=(m.gpu + m.predicted) * bs,
+        cpu=m.cpu * bs,
+        disk=m.disk * bs,
+        remote=m.remote * bs,
+        predicted=m.predicted * bs,
+        age_s=m.age_s,
+    )
     excess = hit.total - usable_cached_tokens(hit.total, prompt_tokens, bs, engine_block_size)
     for tier in ("remote", "disk", "cpu", "gpu"):
         if excess <= 0:

@@ -164,8 +164,9 @@ class PdPolicy(Protocol):
 
     name: str
 
-    def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
-                    link: HandoffLink) -> PlanDecision:
+    def choose_plan(
+        self, request: RouteRequest, candidates: Sequence[PdCandidate], link: HandoffLink
+    ) -> PlanDecision:
         """Return the plan for ``request`` among ``candidates`` (non-empty, all routable)."""
         ...
 

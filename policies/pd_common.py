@@ -125,17 +125,35 @@ def gpu_hit_tokens(cand: Candidate, prompt_tokens: int, block_size: int) -> int:
     return usable_cached_tokens(cand.hit.gpu, prompt_tokens, block_size, cand.load.engine_block_size)
 
 
-def in_place_plan(cands: Sequence[PdCandidate], pos: int, prompt_tokens: int, block_size: int,
-                  ttft_s: float = 0.0, terms: dict[str, float] | None = None) -> Plan:
+def in_place_plan(
+    cands: Sequence[PdCandidate],
+    pos: int,
+    prompt_tokens: int,
+    block_size: int,
+    ttft_s: float = 0.0,
+    terms: dict[str, float] | None = None,
+) -> Plan:
     """An ``in_place`` plan on the candidate at ``pos``; charges its uncached tokens (``prefill_tokens``)."""
     c = cands[pos].candidate
     uncached = prompt_tokens - usable_hit_tokens(c, prompt_tokens, block_size)
-    return Plan(kind="in_place", decode=c.index, predicted_ttft_s=ttft_s, terms=dict(terms or {}),
-                prefill_tokens=uncached)
+    return Plan(
+        kind="in_place",
+        decode=c.index,
+        predicted_ttft_s=ttft_s,
+        terms=dict(terms or {}),
+        prefill_tokens=uncached,
+    )
 
 
-def pd_plan(cands: Sequence[PdCandidate], p: int, d: int, prompt_tokens: int, block_size: int,
-            ttft_s: float = 0.0, terms: dict[str, float] | None = None) -> Plan:
+def pd_plan(
+    cands: Sequence[PdCandidate],
+    p: int,
+    d: int,
+    prompt_tokens: int,
+    block_size: int,
+    ttft_s: float = 0.0,
+    terms: dict[str, float] | None = None,
+) -> Plan:
     """A ``disaggregated`` plan, prefill at position ``p``, decode at ``d``.
 
     ``prefill_tokens`` = the prompt tokens P does not hold; ``handoff_tokens`` = the prompt tokens D does not
@@ -146,8 +164,15 @@ def pd_plan(cands: Sequence[PdCandidate], p: int, d: int, prompt_tokens: int, bl
     dc = cands[d].candidate
     uncached = prompt_tokens - usable_hit_tokens(pc, prompt_tokens, block_size)
     moved = prompt_tokens - gpu_hit_tokens(dc, prompt_tokens, block_size)
-    return Plan(kind="disaggregated", decode=dc.index, prefill=pc.index, predicted_ttft_s=ttft_s,
-                terms=dict(terms or {}), prefill_tokens=uncached, handoff_tokens=moved)
+    return Plan(
+        kind="disaggregated",
+        decode=dc.index,
+        prefill=pc.index,
+        predicted_ttft_s=ttft_s,
+        terms=dict(terms or {}),
+        prefill_tokens=uncached,
+        handoff_tokens=moved,
+    )
 
 
 def decision_of(policy: str, plans: list[Plan], branch: str) -> PlanDecision:
@@ -158,8 +183,10 @@ def decision_of(policy: str, plans: list[Plan], branch: str) -> PlanDecision:
 def no_feasible_plan(cands: Sequence[PdCandidate]) -> ValueError:
     """The error for a fleet where no plan is feasible (e.g. only prefill replicas)."""
     roles = sorted({c.role for c in cands})
-    return ValueError(f"no feasible PD plan: roles present {roles}; need a 'both' replica, a decode replica "
-                      "that prefills, or a prefill and a decode replica")
+    return ValueError(
+        f"no feasible PD plan: roles present {roles}; need a 'both' replica, a decode replica "
+        "that prefills, or a prefill and a decode replica"
+    )
 
 
 def pick_in_pool(policy: Policy, request: RouteRequest, cands: Sequence[PdCandidate], pool: list[int]) -> int:
@@ -172,8 +199,15 @@ def pick_in_pool(policy: Policy, request: RouteRequest, cands: Sequence[PdCandid
     raise ValueError(f"policy {policy.name!r} chose replica {chosen}, not one of its candidates")
 
 
-def two_pool_plan(name: str, prefill: Policy, decode: Policy, rules: RoleRules, request: RouteRequest,
-                  cands: Sequence[PdCandidate], pair_branch: str) -> PlanDecision:
+def two_pool_plan(
+    name: str,
+    prefill: Policy,
+    decode: Policy,
+    rules: RoleRules,
+    request: RouteRequest,
+    cands: Sequence[PdCandidate],
+    pair_branch: str,
+) -> PlanDecision:
     """The baselines' two-pool choice: ``prefill`` picks the prefill leg in its pool, then ``decode`` the decode
     leg in its pool (another replica when it can); without such a pair, ``prefill`` picks a replica to serve
     the request in place. ``pair_branch`` names the disaggregated branch in the decision.

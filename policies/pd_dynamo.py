@@ -29,17 +29,27 @@ class PdDynamoPolicy:
 
     name = "pd_dynamo"
 
-    def __init__(self, *, overlap_score_weight: float = 1.0, seed: int = 0, both_can_pair: bool = False) -> None:
+    def __init__(
+        self, *, overlap_score_weight: float = 1.0, seed: int = 0, both_can_pair: bool = False
+    ) -> None:
         self.prefill = make_policy("dynamo_kv", overlap_score_weight=overlap_score_weight, seed=seed)
-        self.decode = make_policy("dynamo_kv", overlap_score_credit=0.0, host_cache_hit_weight=0.0,
-                                  disk_cache_hit_weight=0.0, assume_kv_reuse=False, seed=seed + 1)
+        self.decode = make_policy(
+            "dynamo_kv",
+            overlap_score_credit=0.0,
+            host_cache_hit_weight=0.0,
+            disk_cache_hit_weight=0.0,
+            assume_kv_reuse=False,
+            seed=seed + 1,
+        )
         self.rules = RoleRules(decode_prefills=False, both_can_pair=both_can_pair)
 
-    def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
-                    link: HandoffLink) -> PlanDecision:
+    def choose_plan(
+        self, request: RouteRequest, candidates: Sequence[PdCandidate], link: HandoffLink
+    ) -> PlanDecision:
         """KV-overlap prefill pick, then a load-only decode pick; in place by the KV router without a pair."""
-        return two_pool_plan(self.name, self.prefill, self.decode, self.rules, request, candidates,
-                             "kv_prefill_load_decode")
+        return two_pool_plan(
+            self.name, self.prefill, self.decode, self.rules, request, candidates, "kv_prefill_load_decode"
+        )
 
     def observe(self, observation: Observation) -> None:
         """Dynamo's router takes no feedback here."""

@@ -118,14 +118,20 @@ class LinkEstimator:
             return False
         sample = min(self.hi, max(self.lo, handoff_bytes / net_s))
         a = self.learning.alpha
-        self.ema_bytes_per_s = sample if self.ema_bytes_per_s is None else (1 - a) * self.ema_bytes_per_s + a * sample
+        self.ema_bytes_per_s = (
+            sample if self.ema_bytes_per_s is None else (1 - a) * self.ema_bytes_per_s + a * sample
+        )
         self.samples += 1
         return True
 
     def bandwidth_bytes_per_s(self) -> float:
         """The bandwidth routing uses now, bytes/s: the learned EMA once enabled and ``min_samples`` reached,
         else the configured value."""
-        if not self.learning.enabled or self.ema_bytes_per_s is None or self.samples < self.learning.min_samples:
+        if (
+            not self.learning.enabled
+            or self.ema_bytes_per_s is None
+            or self.samples < self.learning.min_samples
+        ):
             return self.configured.bandwidth_bytes_per_s
         return self.ema_bytes_per_s
 

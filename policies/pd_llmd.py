@@ -52,8 +52,9 @@ class PdLlmdPolicy:
         self.prefill = make_policy("llmd_weighted", seed=seed + 1)
         self.rules = RoleRules(decode_prefills=True, both_can_pair=both_can_pair)
 
-    def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
-                    link: HandoffLink) -> PlanDecision:
+    def choose_plan(
+        self, request: RouteRequest, candidates: Sequence[PdCandidate], link: HandoffLink
+    ) -> PlanDecision:
         """Decode first; the decider; the prefill pick only when disaggregating."""
         require_pd_candidates(candidates)
         n, bs = request.prompt_tokens, request.block_size
@@ -65,7 +66,9 @@ class PdLlmdPolicy:
         uncached = n - usable_hit_tokens(candidates[d].candidate, n, bs)
         alone = d in in_place_positions(candidates, self.rules)
         if ps and (not alone or (self.non_cached_tokens > 0 and uncached >= self.non_cached_tokens)):
-            p = pick_in_pool(self.prefill, request, candidates, ps)  # (a decode pod that cannot serve alone: always)
+            p = pick_in_pool(
+                self.prefill, request, candidates, ps
+            )  # (a decode pod that cannot serve alone: always)
             return decision_of(self.name, [pd_plan(candidates, p, d, n, bs)], "decider_disaggregate")
         if not alone:
             raise no_feasible_plan(candidates)

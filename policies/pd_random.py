@@ -41,8 +41,9 @@ class PdRandomPolicy:
         self._rng = random.Random(seed)
         self.rules = RoleRules(decode_prefills=decode_prefills, both_can_pair=both_can_pair)
 
-    def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
-                    link: HandoffLink) -> PlanDecision:
+    def choose_plan(
+        self, request: RouteRequest, candidates: Sequence[PdCandidate], link: HandoffLink
+    ) -> PlanDecision:
         """A random pair when the fleet has both kinds of leg, else a random in-place replica."""
         require_pd_candidates(candidates)
         n, bs = request.prompt_tokens, request.block_size

@@ -31,17 +31,25 @@ class PdSmgPolicy:
 
     name = "pd_smg"
 
-    def __init__(self, *, prefill_policy: str = "sglang_cache_aware", decode_policy: str = "power_of_two",
-                 seed: int = 0, both_can_pair: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        prefill_policy: str = "sglang_cache_aware",
+        decode_policy: str = "power_of_two",
+        seed: int = 0,
+        both_can_pair: bool = False,
+    ) -> None:
         self.prefill = make_policy(prefill_policy, seed=seed)
         self.decode = make_policy(decode_policy, seed=seed + 1)
         self.rules = RoleRules(decode_prefills=False, both_can_pair=both_can_pair)
 
-    def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
-                    link: HandoffLink) -> PlanDecision:
+    def choose_plan(
+        self, request: RouteRequest, candidates: Sequence[PdCandidate], link: HandoffLink
+    ) -> PlanDecision:
         """Independent picks in the two pools; in place by the prefill policy when there is no pair."""
-        return two_pool_plan(self.name, self.prefill, self.decode, self.rules, request, candidates,
-                             "independent_pair")
+        return two_pool_plan(
+            self.name, self.prefill, self.decode, self.rules, request, candidates, "independent_pair"
+        )
 
     def observe(self, observation: Observation) -> None:
         """Pass feedback to both sub-policies."""

@@ -115,8 +115,15 @@ class PdTtftPolicy:
 
     name = "pd_ttft"
 
-    def __init__(self, *, decode_prefills: bool = True, both_can_pair: bool = False, age_inflight: bool = False,
-                 seed: int = 0, **ttft_params: Any) -> None:
+    def __init__(
+        self,
+        *,
+        decode_prefills: bool = True,
+        both_can_pair: bool = False,
+        age_inflight: bool = False,
+        seed: int = 0,
+        **ttft_params: Any,
+    ) -> None:
         self.rules = RoleRules(decode_prefills=decode_prefills, both_can_pair=both_can_pair)
         self.age_inflight = age_inflight
         self.model = TTFTPolicy(seed=seed, **ttft_params)
@@ -124,8 +131,9 @@ class PdTtftPolicy:
         self._mean_uncached = float(self.model.params.mean_prefill_tokens)
         self.params = self.model.params
 
-    def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
-                    link: HandoffLink) -> PlanDecision:
+    def choose_plan(
+        self, request: RouteRequest, candidates: Sequence[PdCandidate], link: HandoffLink
+    ) -> PlanDecision:
         """Price every feasible plan and return them best first (ties: in place first, then candidate order)."""
         require_pd_candidates(candidates)
         tail = (self.model.objective or request.objective) == "tail"
@@ -140,7 +148,9 @@ class PdTtftPolicy:
         branch = "in_place" if plans[0].kind == "in_place" else "disaggregated"
         return decision_of(self.name, plans, branch)
 
-    def _prefill(self, request: RouteRequest, cands: Sequence[PdCandidate], tail: bool) -> list[_Prefill | None]:
+    def _prefill(
+        self, request: RouteRequest, cands: Sequence[PdCandidate], tail: bool
+    ) -> list[_Prefill | None]:
         """Per candidate, the ``ttft`` model's estimate of prefilling ``request`` there (None: unscorable)."""
         decision = self.model.choose(request, [self._aged(c.candidate) for c in cands])
         out: list[_Prefill | None] = []
@@ -150,8 +160,17 @@ class PdTtftPolicy:
                 out.append(None)
                 continue
             t = pa["tail"] if tail else pa["E"]
-            out.append(_Prefill(q=pa["Q"], r=pa["R"], c=pa["C"], ttft=t, extra=sc.score - t,
-                                usable=int(pa["usable"]), kv_penalty=pa["kv_penalty"]))
+            out.append(
+                _Prefill(
+                    q=pa["Q"],
+                    r=pa["R"],
+                    c=pa["C"],
+                    ttft=t,
+                    extra=sc.score - t,
+                    usable=int(pa["usable"]),
+                    kv_penalty=pa["kv_penalty"],
+                )
+            )
         return out
 
     def _aged(self, cand: Candidate) -> Candidate:
@@ -194,23 +213,41 @@ class PdTtftPolicy:
         excess = int(scraped - left) if scraped > left else 0
         return replace(cand, load=replace(load, inflight_prefill_tokens=left, queued_prefill_tokens=excess))
 
-    def _in_place_plans(self, request: RouteRequest, cands: Sequence[PdCandidate],
-                        prefill: list[_Prefill | None]) -> list[tuple[float, Plan]]:
+    def _in_place_plans(
+        self, request: RouteRequest, cands: Sequence[PdCandidate], prefill: list[_Prefill | None]
+    ) -> list[tuple[float, Plan]]:
         """(rank key, plan): one ``in_place`` plan per replica allowed to serve alone."""
         out = []
         for i in in_place_positions(cands, self.rules):
             e = prefill[i]
             if e is None:
                 continue
-            terms = {"Q": e.q, "R": e.r, "C": e.c, "kv_penalty": e.kv_penalty, "W": e.extra,
-                     "usable": float(e.usable)}
-            plan = Plan(kind="in_place", decode=cands[i].index, predicted_ttft_s=e.ttft, terms=terms,
-                        prefill_tokens=request.prompt_tokens - e.usable)
+            terms = {
+                "Q": e.q,
+                "R": e.r,
+                "C": e.c,
+                "kv_penalty": e.kv_penalty,
+                "W": e.extra,
+                "usable": float(e.usable),
+            }
+            plan = Plan(
+                kind="in_place",
+                decode=cands[i].index,
+                predicted_ttft_s=e.ttft,
+                terms=terms,
+                prefill_tokens=request.prompt_tokens - e.usable,
+            )
             out.append((e.ttft + e.extra, plan))
         return out
 
-    def _pd_plans(self, request: RouteRequest, cands: Sequence[PdCandidate], prefill: list[_Prefill | None],
-                  loads: Loads, link: HandoffLink) -> list[tuple[float, Plan]]:
+    def _pd_plans(
+        self,
+        request: RouteRequest,
+        cands: Sequence[PdCandidate],
+        prefill: list[_Prefill | None],
+        loads: Loads,
+        link: HandoffLink,
+    ) -> list[tuple[float, Plan]]:
         """(rank key, plan): one ``disaggregated`` plan per (prefill-capable, decode-capable) pair."""
         ps = positions(cands, self.rules.can_prefill_leg)
         ds = positions(cands, self.rules.can_decode_leg)
@@ -232,17 +269,35 @@ class PdTtftPolicy:
                 handoff = wait + link.transfer_s(moved * bpt)
                 arrive = e.ttft + handoff
                 first = (ready - arrive if ready > arrive else 0.0) + step + pen
-                terms = {"Q_p": e.q, "R_p": e.r, "C_p": e.c, "handoff": handoff, "link_wait": wait,
-                         "D_ready": ready, "decode_step": step, "decode_first": first, "kv_penalty": pen,
-                         "W": e.extra, "moved_tokens": float(moved), "usable": float(e.usable)}
-                plan = Plan(kind="disaggregated", decode=cands[d].index, prefill=pc.index,
-                            predicted_ttft_s=arrive + first, terms=terms, prefill_tokens=n - e.usable,
-                            handoff_tokens=moved)
+                terms = {
+                    "Q_p": e.q,
+                    "R_p": e.r,
+                    "C_p": e.c,
+                    "handoff": handoff,
+                    "link_wait": wait,
+                    "D_ready": ready,
+                    "decode_step": step,
+                    "decode_first": first,
+                    "kv_penalty": pen,
+                    "W": e.extra,
+                    "moved_tokens": float(moved),
+                    "usable": float(e.usable),
+                }
+                plan = Plan(
+                    kind="disaggregated",
+                    decode=cands[d].index,
+                    prefill=pc.index,
+                    predicted_ttft_s=arrive + first,
+                    terms=terms,
+                    prefill_tokens=n - e.usable,
+                    handoff_tokens=moved,
+                )
                 out.append((arrive + first + e.extra, plan))
         return out
 
-    def _decode_side(self, request: RouteRequest, cand: PdCandidate, loads: Loads,
-                     d: int) -> tuple[int, float, float, float]:
+    def _decode_side(
+        self, request: RouteRequest, cand: PdCandidate, loads: Loads, d: int
+    ) -> tuple[int, float, float, float]:
         """For decode candidate ``d``: (tokens to move, seconds until it is free of its own prefill work,
         seconds of its first decode round with the request in its batch, KV-pressure penalty seconds)."""
         prof = cand.candidate.profile

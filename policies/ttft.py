@@ -66,6 +66,7 @@ _INF = float("inf")
 class _ProfileError(ValueError):
     """A replica profile the model cannot use (a configuration error: raised, never a silent exclusion)."""
 
+
 #: Most prefixes the popularity guard of the migration penalty remembers (a bounded table; pruned when full).
 _MAX_TRACKED_PREFIXES = 8192
 
@@ -196,8 +197,17 @@ class TTFTPolicy:
         ``make_policy(name, **params)`` builds every policy from ``Settings.policy_params``, and the body only
         checks them (``_check_params``) and stores them.
         """
-        _check_params(objective, p_confirmed, p_predicted, tail_quantile, popular_window_s, lifetime_window_s,
-                      tight_ratio_low, tight_ratio_high, reuse_age_samples)
+        _check_params(
+            objective,
+            p_confirmed,
+            p_predicted,
+            tail_quantile,
+            popular_window_s,
+            lifetime_window_s,
+            tight_ratio_low,
+            tight_ratio_high,
+            reuse_age_samples,
+        )
         self.objective: Objective | None = objective
         self.params = CostParams(
             p_confirmed=p_confirmed,
@@ -276,7 +286,9 @@ class TTFTPolicy:
             return
         order = slo_order(decision.ranking, decision.scores, target, request.priority, self.slo_fast_priority)
         if order and order[0] != decision.chosen:
-            decision.branch = "slo_fastest" if request.priority >= self.slo_fast_priority else "slo_least_slack"
+            decision.branch = (
+                "slo_fastest" if request.priority >= self.slo_fast_priority else "slo_least_slack"
+            )
         decision.ranking = order
         decision.chosen = order[0]
 
@@ -352,11 +364,14 @@ class TTFTPolicy:
                     if kv is None:
                         kv = worst[2]
                 if not (qt >= 0.0 and running >= 0.0 and kv >= 0.0 and load.inflight_prefill_tokens >= 0):
-                    raise ArithmeticError(f"negative or NaN load (backlog {qt!r} tokens, {running!r} running, "
-                                          f"KV usage {kv!r})")
+                    raise ArithmeticError(
+                        f"negative or NaN load (backlog {qt!r} tokens, {running!r} running, KV usage {kv!r})"
+                    )
                 rate = rates.get(idx, prof.prefill_tokens_per_s) if rates else prof.prefill_tokens_per_s
                 if not rate > 0.0:  # a configuration error: fails loudly (not an engine's bad input)
-                    raise _ProfileError(f"replica {cand.name!r}: prefill_tokens_per_s must be > 0, got {rate!r}")
+                    raise _ProfileError(
+                        f"replica {cand.name!r}: prefill_tokens_per_s must be > 0, got {rate!r}"
+                    )
                 ov = overheads.get(idx, prof.fixed_overhead_s) if overheads else prof.fixed_overhead_s
                 att = prof.attention_s_per_token2
                 if att:
@@ -525,7 +540,9 @@ class TTFTPolicy:
             order = sorted(range(len(candidates)), key=keys.__getitem__)
         if excluded and len(excluded) < len(candidates):
             out = set(excluded)
-            order = [i for i in order if i not in out]  # retries never go to a replica that could not be scored
+            order = [
+                i for i in order if i not in out
+            ]  # retries never go to a replica that could not be scored
         elif excluded:
             # nothing could be scored: fall back to this router's own in-flight counts (always sane)
             order = sorted(range(len(candidates)), key=lambda i: candidates[i].load.inflight_requests)
@@ -540,6 +557,7 @@ class TTFTPolicy:
             policy=self.name,
             branch=branch,
         )
+
     def _popular(self, request: RouteRequest, deepest: int) -> bool:
         """Count this decision against its deepest GPU match; True when that prefix is popular right now.
 
@@ -598,7 +616,11 @@ class TTFTPolicy:
                 return
 
     def _holder_copy_doomed(
-        self, candidates: Sequence[Candidate], scores: Sequence[CandidateScore], deepest: int, request: RouteRequest
+        self,
+        candidates: Sequence[Candidate],
+        scores: Sequence[CandidateScore],
+        deepest: int,
+        request: RouteRequest,
     ) -> bool:
         """True when the deepest GPU match will be evicted before this request could use it on its holder.
 
@@ -720,9 +742,17 @@ class TTFTPolicy:
         return self._rates[index], self._overheads.get(index, 0.0)
 
 
-def _check_params(objective: Objective | None, p_confirmed: float, p_predicted: float, tail_quantile: float,
-                  popular_window_s: float, lifetime_window_s: float, tight_ratio_low: float, tight_ratio_high: float,
-                  reuse_age_samples: int) -> None:
+def _check_params(
+    objective: Objective | None,
+    p_confirmed: float,
+    p_predicted: float,
+    tail_quantile: float,
+    popular_window_s: float,
+    lifetime_window_s: float,
+    tight_ratio_low: float,
+    tight_ratio_high: float,
+    reuse_age_samples: int,
+) -> None:
     """Raise ``ValueError`` for a ``TTFTPolicy`` parameter out of its range (a configuration error)."""
     if objective not in (None, "mean", "tail"):
         raise ValueError(f"objective must be 'mean' or 'tail', got {objective!r}")

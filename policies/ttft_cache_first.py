@@ -33,8 +33,11 @@ CACHE_FIRST_DEFAULTS: dict[str, Any] = {"migration_weight": 1000.0, "migration_c
 
 def _signature_with_defaults(base: inspect.Signature, defaults: dict[str, Any]) -> inspect.Signature:
     """``base`` with the defaults of the parameters named in ``defaults`` replaced."""
-    return base.replace(parameters=[p.replace(default=defaults[p.name]) if p.name in defaults else p
-                                    for p in base.parameters.values()])
+    return base.replace(
+        parameters=[
+            p.replace(default=defaults[p.name]) if p.name in defaults else p for p in base.parameters.values()
+        ]
+    )
 
 
 @register("ttft_cache_first")
@@ -47,7 +50,8 @@ class CacheFirstTTFTPolicy(TTFTPolicy):
 
     name = "ttft_cache_first"
     __signature__: ClassVar[inspect.Signature] = _signature_with_defaults(
-        inspect.signature(TTFTPolicy), CACHE_FIRST_DEFAULTS)
+        inspect.signature(TTFTPolicy), CACHE_FIRST_DEFAULTS
+    )
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**{**CACHE_FIRST_DEFAULTS, **params})

@@ -29,8 +29,16 @@ from policies.admission_fair import FairQueue, QueueEntry
 class Rejected(Exception):
     """A request is not admitted. ``status`` (429 / 503), ``code`` and ``reason`` (metric label) say why."""
 
-    def __init__(self, status: int, code: str, reason: str, message: str, *, wire_reason: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        reason: str,
+        message: str,
+        *,
+        wire_reason: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
@@ -67,7 +75,9 @@ class Admission:
         """Requests waiting for a slot now."""
         return len(self._queue)
 
-    async def acquire(self, tenant: str = "", priority: int = 0, weight: float = 1.0, cost: float = 0.0) -> float:
+    async def acquire(
+        self, tenant: str = "", priority: int = 0, weight: float = 1.0, cost: float = 0.0
+    ) -> float:
         """Take a slot, waiting in the queue when allowed; returns the time waited, seconds.
 
         ``tenant``, ``priority`` (higher first), ``weight`` (fair share) and ``cost`` (tokens) order the queue.
@@ -80,9 +90,14 @@ class Admission:
             self.inflight += 1
             return 0.0
         if self.waiting >= self.max_queued and not self._preempt_lower(priority):
-            raise Rejected(429, "overloaded", "router_inflight_limit",
-                           f"router has {self.limit} requests in flight (max_inflight_total) and "
-                           f"{self.max_queued} waiting (max_queued_requests)", wire_reason="queue_full")
+            raise Rejected(
+                429,
+                "overloaded",
+                "router_inflight_limit",
+                f"router has {self.limit} requests in flight (max_inflight_total) and "
+                f"{self.max_queued} waiting (max_queued_requests)",
+                wire_reason="queue_full",
+            )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = self._queue.push(fut, tenant, priority, cost, weight)
         self.queued_total += 1
@@ -91,12 +106,18 @@ class Admission:
             async with asyncio.timeout(self.max_wait_s):
                 await asyncio.shield(fut)
         except TimeoutError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:  # handed a slot as the timer fired
+            if (
+                fut.done() and not fut.cancelled() and fut.exception() is None
+            ):  # handed a slot as the timer fired
                 return self._waited(t0)
             self._drop(entry)
-            raise Rejected(503, "queue_timeout", "queue_timeout",
-                           f"no capacity freed within {self.max_wait_s:g}s (max_queue_wait_s); "
-                           f"{self.limit} requests in flight") from None
+            raise Rejected(
+                503,
+                "queue_timeout",
+                "queue_timeout",
+                f"no capacity freed within {self.max_wait_s:g}s (max_queue_wait_s); "
+                f"{self.limit} requests in flight",
+            ) from None
         except asyncio.CancelledError:  # the client went away while queued
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release()
@@ -112,9 +133,15 @@ class Admission:
             return False
         self._queue.remove(low)
         if not low.item.done():
-            low.item.set_exception(Rejected(
-                503, "preempted", "preempted", "pushed out of the router queue by a higher-priority request "
-                "before it was dispatched", wire_reason="preempted"))
+            low.item.set_exception(
+                Rejected(
+                    503,
+                    "preempted",
+                    "preempted",
+                    "pushed out of the router queue by a higher-priority request before it was dispatched",
+                    wire_reason="preempted",
+                )
+            )
         self.preempted_total += 1
         return True
 
@@ -141,9 +168,18 @@ def admission_gauges(adm: Admission) -> Iterable[Any]:
     """Gauge families of the router queue (collected at scrape time)."""
     from router.telemetry import gauge
 
-    yield gauge("kvroute_queued_requests", "requests waiting in the router queue for an in-flight slot",
-                float(adm.waiting))
-    yield gauge("kvroute_queue_waited_requests", "requests that waited in the router queue (cumulative)",
-                float(adm.queued_total))
-    yield gauge("kvroute_queue_wait_seconds", "total time requests waited in the router queue (cumulative, s)",
-                adm.queue_wait_s_total)
+    yield gauge(
+        "kvroute_queued_requests",
+        "requests waiting in the router queue for an in-flight slot",
+        float(adm.waiting),
+    )
+    yield gauge(
+        "kvroute_queue_waited_requests",
+        "requests that waited in the router queue (cumulative)",
+        float(adm.queued_total),
+    )
+    yield gauge(
+        "kvroute_queue_wait_seconds",
+        "total time requests waited in the router queue (cumulative, s)",
+        adm.queue_wait_s_total,
+    )

@@ -83,7 +83,9 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1, description="model id (or LoRA adapter name) to serve the request")
     stream: bool = Field(default=False, description="stream the answer as server-sent events")
-    max_tokens: int | None = Field(default=None, ge=0, le=_MAX_TOKENS, description="maximum tokens to generate")
+    max_tokens: int | None = Field(
+        default=None, ge=0, le=_MAX_TOKENS, description="maximum tokens to generate"
+    )
     cache_salt: str | None = Field(default=None, description="isolates the prefix cache (vLLM cache_salt)")
 
 
@@ -97,7 +99,9 @@ class ChatRequest(_Common):
     """``POST /v1/chat/completions`` body (OpenAI chat; extra fields are forwarded unchanged)."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
-    max_completion_tokens: int | None = Field(default=None, ge=0, le=_MAX_TOKENS, description="maximum tokens to generate")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=0, le=_MAX_TOKENS, description="maximum tokens to generate"
+    )
     add_generation_prompt: bool = Field(default=True, description="append the assistant turn header")
     tools: list[dict[str, Any]] | None = Field(default=None, description="tool definitions for the template")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="extra template variables")
@@ -137,8 +141,10 @@ class RouteBody(_Common):
         if isinstance(data, dict):
             given = [k for k in _ROUTE_INPUTS if k in data]
             if len(given) != 1 or data[given[0]] is None:
-                raise ValueError("exactly one of 'prompt', 'messages' or 'token_ids' is required (not null)"
-                                 + (f" (got {', '.join(given)})" if given else ""))
+                raise ValueError(
+                    "exactly one of 'prompt', 'messages' or 'token_ids' is required (not null)"
+                    + (f" (got {', '.join(given)})" if given else "")
+                )
         return data
 
 
@@ -217,9 +223,12 @@ class DecisionOut(BaseModel):
     lora: str | None
     prompt_tokens: int
     blocks: int
-    prompt_tokens_estimated: bool = Field(default=False, description="true when prompt_tokens is an estimate: "
-                                          "the router tokenized only tokenized_tokens of the prompt, as deep as "
-                                          "any replica's cache reaches (tokenize_scope=cached_prefix)")
+    prompt_tokens_estimated: bool = Field(
+        default=False,
+        description="true when prompt_tokens is an estimate: "
+        "the router tokenized only tokenized_tokens of the prompt, as deep as "
+        "any replica's cache reaches (tokenize_scope=cached_prefix)",
+    )
     tokenized_tokens: int = Field(default=0, description="prompt tokens the router tokenized (and hashed)")
     block_size: int
     decision_s: float
@@ -251,7 +260,9 @@ class ReplicaOut(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str
     index: int
-    url: str | None = Field(description="base URL (null unless the caller is an admin: admin_token, or no auth)")
+    url: str | None = Field(
+        description="base URL (null unless the caller is an admin: admin_token, or no auth)"
+    )
     state: str
     dialect: str
     role: str
@@ -260,8 +271,11 @@ class ReplicaOut(BaseModel):
     load: dict[str, Any]
     kv_events: dict[str, Any] | None = None
     health: dict[str, Any] = Field(default_factory=dict)
-    token_ids: str = Field(default="off", description="do prompts go to it as the router's token ids? off | "
-                           "trusted | unchecked | verified | mismatch | unsupported | error (forward_token_ids)")
+    token_ids: str = Field(
+        default="off",
+        description="do prompts go to it as the router's token ids? off | "
+        "trusted | unchecked | verified | mismatch | unsupported | error (forward_token_ids)",
+    )
 
 
 class ReplicaList(BaseModel):
@@ -280,15 +294,36 @@ class Status(BaseModel):
 
 _ERR = {"model": ErrorResponse}
 _ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: _ERR, 401: _ERR, 404: _ERR, 409: _ERR, 413: _ERR, 422: _ERR, 429: _ERR, 501: _ERR, 502: _ERR, 503: _ERR,
-    504: _ERR}
+    400: _ERR,
+    401: _ERR,
+    404: _ERR,
+    409: _ERR,
+    413: _ERR,
+    422: _ERR,
+    429: _ERR,
+    501: _ERR,
+    502: _ERR,
+    503: _ERR,
+    504: _ERR,
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # middleware
 # ---------------------------------------------------------------------------------------------------------
 
-_KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/route", "/replicas", "/index/stats",
-                 "/metrics", "/healthz", "/readyz", "/openapi.json", "/docs")
+_KNOWN_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/route",
+    "/replicas",
+    "/index/stats",
+    "/metrics",
+    "/healthz",
+    "/readyz",
+    "/openapi.json",
+    "/docs",
+)
 
 
 class _Edge:
@@ -371,8 +406,9 @@ class _KvrouteApp(FastAPI):
     #: path -> endpoint served directly (empty until ``enable_fast_path``; never mutated in place)
     _fast_routes: Mapping[str, Callable[[Request], Awaitable[Response]]] = MappingProxyType({})
 
-    def enable_fast_path(self, routes: dict[str, Callable[[Request], Awaitable[Response]]],
-                         telemetry: Telemetry, max_body: int) -> None:
+    def enable_fast_path(
+        self, routes: dict[str, Callable[[Request], Awaitable[Response]]], telemetry: Telemetry, max_body: int
+    ) -> None:
         """Serve ``routes`` (path -> endpoint taking the Request) directly for POST requests."""
         self._fast_routes = routes
         self._fast_telemetry = telemetry
@@ -420,8 +456,10 @@ class _KvrouteApp(FastAPI):
             except (asyncio.CancelledError, ClientDisconnect):
                 raise
             except Exception as exc:
-                handler = next((self.exception_handlers[c] for c in type(exc).__mro__
-                                if c in self.exception_handlers), None)
+                handler = next(
+                    (self.exception_handlers[c] for c in type(exc).__mro__ if c in self.exception_handlers),
+                    None,
+                )
                 if handler is None:
                     log.exception("unhandled error", extra={"path": path})
                     response = error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
@@ -448,6 +486,7 @@ async def _send_error(send: Send, status: int, message: str, code: str) -> None:
 # the app
 # ---------------------------------------------------------------------------------------------------------
 
+
 def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     """The FastAPI app for ``settings``; background components start and stop with its lifespan."""
     svc = services or build_services(settings)
@@ -463,13 +502,18 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
 
 def _new_app(svc: Services) -> _KvrouteApp:
     """The app whose lifespan runs the services (``router.services.run``)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with run(svc):
             yield
 
-    app = _KvrouteApp(title="kvroute", version="0.1.0", lifespan=lifespan,
-                      description="Cache-aware router for LLM inference fleets (OpenAI-compatible).")
+    app = _KvrouteApp(
+        title="kvroute",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Cache-aware router for LLM inference fleets (OpenAI-compatible).",
+    )
     app.state.services = svc
     app.guard = svc.guard  # router/guard.py: auth before the body, loop-lag shedding
     return app
@@ -478,8 +522,9 @@ def _new_app(svc: Services) -> _KvrouteApp:
 def _add_middleware(app: FastAPI, svc: Services) -> None:
     settings = svc.settings
     if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]
+        )
     app.add_middleware(_Edge, telemetry=svc.telemetry, max_body=settings.max_request_bytes)
 
 
@@ -505,8 +550,9 @@ def _add_error_handlers(app: FastAPI, svc: Services) -> None:
             first_param = first_param or name
             parts.append(f"{name}: {e.get('msg')}")
         body = orjson.loads(error_response(422, "; ".join(parts), "invalid_request", first_param).body)
-        body["detail"] = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg")), "type": e.get("type")}
-                          for e in errors]
+        body["detail"] = [
+            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg")), "type": e.get("type")} for e in errors
+        ]
         return JSONResponse(body, status_code=422)
 
     @app.exception_handler(RoutingError)
@@ -572,15 +618,26 @@ class _DataPlane:
         self.auth = auth
         self.settings = svc.settings
 
-    async def routing_input(self, request: Request, body: _Common, *, prompt: Any = None,
-                            messages: list[ChatMessage] | None = None, token_ids: list[int] | None = None,
-                            chat: dict[str, Any] | None = None, max_out: int | None = None) -> RoutingInput:
+    async def routing_input(
+        self,
+        request: Request,
+        body: _Common,
+        *,
+        prompt: Any = None,
+        messages: list[ChatMessage] | None = None,
+        token_ids: list[int] | None = None,
+        chat: dict[str, Any] | None = None,
+        max_out: int | None = None,
+    ) -> RoutingInput:
         """Tokenize (unless ids were given), hash and bundle what the request contributes to a decision."""
         svc = self.svc
         # identity first (router/tenants.py): a bad tenant / priority / TTFT-target header is a 400 before any work
-        ident = svc.tenants.identify(request.headers,
-                                     (body.model_extra or {}).get(svc.tenants.cfg.priority_body_field))
-        await svc.tenants.precheck(ident, max_out or body.max_tokens)  # an empty bucket: 429 before tokenizing
+        ident = svc.tenants.identify(
+            request.headers, (body.model_extra or {}).get(svc.tenants.cfg.priority_body_field)
+        )
+        await svc.tenants.precheck(
+            ident, max_out or body.max_tokens
+        )  # an empty bucket: 429 before tokenizing
         model, lora, base = svc.router.resolve_model(body.model)
         namespace = ident.tenant if ident.policy.isolate_cache else None
         # ids from the request body were validated by the schema (TokenId: 0 <= id < 2**32): no second pass
@@ -593,18 +650,30 @@ class _DataPlane:
             if messages is not None:
                 chat = chat or {}
                 msgs = await dump_messages(messages)
-                chat_args = (chat.get("add_generation_prompt", True), chat.get("tools"),
-                             chat.get("chat_template_kwargs"))
+                chat_args = (
+                    chat.get("add_generation_prompt", True),
+                    chat.get("tools"),
+                    chat.get("chat_template_kwargs"),
+                )
                 if scope is not None:  # cache-frontier tokenization of the rendered template text
-                    token_ids, walked = await self._frontier_ids(scope, await scope.render(msgs, *chat_args),
-                                                                 False, seed)
+                    token_ids, walked = await self._frontier_ids(
+                        scope, await scope.render(msgs, *chat_args), False, seed
+                    )
                 else:
                     token_ids = await svc.tokenizer.encode_chat(
-                        msgs, model=body.model, url=url, add_generation_prompt=chat_args[0], tools=chat_args[1],
-                        template_kwargs=chat_args[2])
+                        msgs,
+                        model=body.model,
+                        url=url,
+                        add_generation_prompt=chat_args[0],
+                        tools=chat_args[1],
+                        template_kwargs=chat_args[2],
+                    )
             else:
-                first = prompt[0] if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
+                first = (
+                    prompt[0]
+                    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
                     else prompt
+                )
                 if isinstance(first, list):
                     token_ids = list(first)  # already ints (validated as list[TokenId])
                     in_range = True
@@ -618,15 +687,22 @@ class _DataPlane:
             raise _BadTokens()  # e.g. an engine /tokenize answer out of range
         if not in_range:
             self._count_tokenized(len(token_ids), walked)
-        inp = svc.router.make_input(model, lora, token_ids, base_model=base, cache_salt=body.cache_salt,
-                                    session_id=request.headers.get(self.settings.session_header),
-                                    request_id=new_request_id(request.headers.get("x-request-id")),
-                                    expected_output_tokens=max_out or body.max_tokens or 0,
-                                    copies=sequences(body.model_extra), namespace=namespace,
-                                    ttft_target_s=ident.ttft_target_s, priority=ident.priority,
-                                    keys=walked.keys if walked is not None else None,
-                                    estimated_tokens=None if walked is None or walked.complete
-                                    else walked.estimated_tokens)
+        inp = svc.router.make_input(
+            model,
+            lora,
+            token_ids,
+            base_model=base,
+            cache_salt=body.cache_salt,
+            session_id=request.headers.get(self.settings.session_header),
+            request_id=new_request_id(request.headers.get("x-request-id")),
+            expected_output_tokens=max_out or body.max_tokens or 0,
+            copies=sequences(body.model_extra),
+            namespace=namespace,
+            ttft_target_s=ident.ttft_target_s,
+            priority=ident.priority,
+            keys=walked.keys if walked is not None else None,
+            estimated_tokens=None if walked is None or walked.complete else walked.estimated_tokens,
+        )
         inp.identity = ident
         return inp
 
@@ -637,14 +713,16 @@ class _DataPlane:
             return None
         return frontier_tokenizer(self.svc.tokenizer, self.svc.router, model, lora, add_special_tokens)
 
-    async def _frontier_ids(self, tok: HfTokenizer, text: str, add_special_tokens: bool,
-                            seed: int) -> tuple[list[int], FrontierIds | None]:
+    async def _frontier_ids(
+        self, tok: HfTokenizer, text: str, add_special_tokens: bool, seed: int
+    ) -> tuple[list[int], FrontierIds | None]:
         """Ids of ``text``: whole when it is no longer than the lookahead (as without the frontier: exact ids),
         else only as deep as the fleet's cache (with the walk's ``FrontierIds``)."""
         if len(text) <= self.settings.tokenize_lookahead_chars:
             return await tok.encode_prefix(text, len(text), [], 0, add_special_tokens), None
-        walked = await frontier_ids(tok, text, add_special_tokens, self.settings.tokenize_lookahead_chars,
-                                    self.svc.router, seed)
+        walked = await frontier_ids(
+            tok, text, add_special_tokens, self.settings.tokenize_lookahead_chars, self.svc.router, seed
+        )
         return walked.token_ids, walked
 
     def _count_tokenized(self, tokenized: int, walked: FrontierIds | None) -> None:
@@ -655,29 +733,42 @@ class _DataPlane:
             tel.tokenize_tokens.labels("estimated").inc(walked.estimated_tokens - tokenized)
             tel.partial_ids.inc()
 
-    async def serve(self, request: Request, inp: RoutingInput, path: str, stream: bool,
-                    ids: IdsPrompt | None = None) -> Response:
+    async def serve(
+        self, request: Request, inp: RoutingInput, path: str, stream: bool, ids: IdsPrompt | None = None
+    ) -> Response:
         """Serve once per Idempotency-Key (router/idempotency.py), else serve."""
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is not None:
             return await self.svc.idempotency.handle(
-                key, path, await request.body(), stream, inp.request_id,
+                key,
+                path,
+                await request.body(),
+                stream,
+                inp.request_id,
                 lambda: self._serve(request, inp, path, stream, ids),
-                principal=self.auth.guard.principal(request.headers.get("authorization")))
+                principal=self.auth.guard.principal(request.headers.get("authorization")),
+            )
         return await self._serve(request, inp, path, stream, ids)
 
-    async def _serve(self, request: Request, inp: RoutingInput, path: str, stream: bool,
-                     ids: IdsPrompt | None) -> Response:
+    async def _serve(
+        self, request: Request, inp: RoutingInput, path: str, stream: bool, ids: IdsPrompt | None
+    ) -> Response:
         """Admission (router/tenant_admission.py: SLO check, tenant quota, the fair queue of the in-flight limit),
         decision, then the proxy."""
         svc = self.svc
         ident: Identity = inp.identity if inp.identity is not None else svc.tenants.identify({})
         routed: Routed | None = None
         try:
-            if ident.ttft_target_s is not None:  # price it first: an unattainable target is refused, not queued
+            if (
+                ident.ttft_target_s is not None
+            ):  # price it first: an unattainable target is refused, not queued
                 routed = await self.decide(inp)
-                svc.tenants.check_slo(ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking))
-            ticket: Ticket = await svc.tenants.admit(ident, inp.prompt_tokens, inp.expected_output_tokens or None)
+                svc.tenants.check_slo(
+                    ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking)
+                )
+            ticket: Ticket = await svc.tenants.admit(
+                ident, inp.prompt_tokens, inp.expected_output_tokens or None
+            )
         except Rejected as exc:
             svc.telemetry.rejected.labels(exc.reason).inc()
             return rejection_response(exc, self.settings.retry_after_s)
@@ -690,10 +781,19 @@ class _DataPlane:
             raise
         chosen = routed.decision.chosen
         score = next((s for s in routed.decision.scores if s.index == chosen), None)
-        svc.tenants.serving(ident, predicted_ttft_s(score) if score is not None else None,
-                            routed.cached_tokens.get(chosen, 0))
-        return await svc.proxy.forward(request, routed, path, body, stream=stream, request_id=inp.request_id,
-                                       on_done=ticket.release, ids=ids)
+        svc.tenants.serving(
+            ident, predicted_ttft_s(score) if score is not None else None, routed.cached_tokens.get(chosen, 0)
+        )
+        return await svc.proxy.forward(
+            request,
+            routed,
+            path,
+            body,
+            stream=stream,
+            request_id=inp.request_id,
+            on_done=ticket.release,
+            ids=ids,
+        )
 
     async def decide(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
         """The decision for a request to forward (session affinity first, when on), counted and logged;
@@ -705,8 +805,12 @@ class _DataPlane:
         if pinned is not None and pinned.index in exclude:
             pinned = None
         try:
-            routed = svc.router.decide(inp, exclude=[r.index for r in svc.table.all() if r is not pinned]
-                                       if pinned is not None else exclude)
+            routed = svc.router.decide(
+                inp,
+                exclude=[r.index for r in svc.table.all() if r is not pinned]
+                if pinned is not None
+                else exclude,
+            )
         except RoutingError:
             if pinned is None:
                 raise
@@ -717,14 +821,22 @@ class _DataPlane:
         chosen = svc.table.by_index(routed.decision.chosen)
         if mem is not None and chosen is not None:
             await mem.remember_session(inp.session_id, chosen)
-        svc.telemetry.routed.labels(routed.decision.policy, routed.decision.branch,
-                                    chosen.name if chosen else "?").inc()
+        svc.telemetry.routed.labels(
+            routed.decision.policy, routed.decision.branch, chosen.name if chosen else "?"
+        ).inc()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("routed", extra={"request_id": inp.request_id, "model": inp.model,
-                                       "prompt_tokens": inp.prompt_tokens, "replica": chosen.name if chosen else None,
-                                       "branch": routed.decision.branch,
-                                       "cached_tokens": routed.cached_tokens.get(routed.decision.chosen, 0),
-                                       "decision_s": round(routed.decision_s, 6)})
+            log.debug(
+                "routed",
+                extra={
+                    "request_id": inp.request_id,
+                    "model": inp.model,
+                    "prompt_tokens": inp.prompt_tokens,
+                    "replica": chosen.name if chosen else None,
+                    "branch": routed.decision.branch,
+                    "cached_tokens": routed.cached_tokens.get(routed.decision.chosen, 0),
+                    "decision_s": round(routed.decision_s, 6),
+                },
+            )
         return routed
 
     async def completions(self, request: Request) -> Response:
@@ -735,17 +847,28 @@ class _DataPlane:
         # a text prompt may reach the engine as the ids just computed (router/token_ids.py decides per replica)
         check = self.svc.proxy.token_ids
         # ... only when they are all of the prompt's ids (cache-frontier tokenization may stop early: text then)
-        ids = ids_prompt(data, inp.token_ids) if check and check.mode != "off" and inp.lora is None \
-            and not inp.ids_partial else None
+        ids = (
+            ids_prompt(data, inp.token_ids)
+            if check and check.mode != "off" and inp.lora is None and not inp.ids_partial
+            else None
+        )
         return await self.serve(request, inp, "/v1/completions", body.stream, ids)
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         self.auth.check_client(request)
         body, _ = await _parse(self.svc.intake, request, ChatRequest)
-        inp = await self.routing_input(request, body, messages=body.messages, chat={
-            "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
-            "chat_template_kwargs": body.chat_template_kwargs}, max_out=body.max_completion_tokens)
+        inp = await self.routing_input(
+            request,
+            body,
+            messages=body.messages,
+            chat={
+                "add_generation_prompt": body.add_generation_prompt,
+                "tools": body.tools,
+                "chat_template_kwargs": body.chat_template_kwargs,
+            },
+            max_out=body.max_completion_tokens,
+        )
         return await self.serve(request, inp, "/v1/chat/completions", body.stream)
 
     async def models(self, request: Request) -> Any:
@@ -757,44 +880,85 @@ class _DataPlane:
         """``POST /route``: the decision, not forwarded."""
         self.auth.check_client(request)
         body, _ = await _parse(self.svc.intake, request, RouteBody)
-        inp = await self.routing_input(request, body, prompt=body.prompt, messages=body.messages,
-                                       token_ids=body.token_ids, chat={
-                                           "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
-                                           "chat_template_kwargs": body.chat_template_kwargs})
+        inp = await self.routing_input(
+            request,
+            body,
+            prompt=body.prompt,
+            messages=body.messages,
+            token_ids=body.token_ids,
+            chat={
+                "add_generation_prompt": body.add_generation_prompt,
+                "tools": body.tools,
+                "chat_template_kwargs": body.chat_template_kwargs,
+            },
+        )
         routed = self.svc.router.decide(inp)
         self.svc.telemetry.decision_seconds.observe(routed.decision_s)
-        out = decision_json(routed, self.svc.table, self.settings.block_size,
-                            show_urls=self.auth.is_admin(request))
+        out = decision_json(
+            routed, self.svc.table, self.settings.block_size, show_urls=self.auth.is_admin(request)
+        )
         out["reuse"] = _reuse_json(routed.decision.reuse)
         return out
 
 
 def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
     """The OpenAI-compatible routes, ``/v1/models`` and ``/route``."""
-    app.post("/v1/completions", responses=_ROUTE_ERRORS, response_model=None,
-             openapi_extra=_body_doc(CompletionRequest),
-             summary="OpenAI completions, routed to the replica with the lowest expected TTFT")(dp.completions)
-    app.post("/v1/chat/completions", responses=_ROUTE_ERRORS, response_model=None,
-             openapi_extra=_body_doc(ChatRequest),
-             summary="OpenAI chat completions, routed through the chat template")(dp.chat_completions)
-    if not dp.settings.cors_origins:  # CORS headers come from a middleware: keep those requests on the normal path
-        app.enable_fast_path({"/v1/completions": dp.completions, "/v1/chat/completions": dp.chat_completions},
-                             dp.svc.telemetry, dp.settings.max_request_bytes)
-    app.get("/v1/models", response_model=ModelList, responses={401: _ERR},
-            summary="models served by the replicas (union)")(dp.models)
-    app.post("/route", response_model=DecisionOut, responses=_ROUTE_ERRORS, openapi_extra=_body_doc(RouteBody),
-             summary="where would this request go? (decision with every candidate's predicted TTFT)")(dp.route)
+    app.post(
+        "/v1/completions",
+        responses=_ROUTE_ERRORS,
+        response_model=None,
+        openapi_extra=_body_doc(CompletionRequest),
+        summary="OpenAI completions, routed to the replica with the lowest expected TTFT",
+    )(dp.completions)
+    app.post(
+        "/v1/chat/completions",
+        responses=_ROUTE_ERRORS,
+        response_model=None,
+        openapi_extra=_body_doc(ChatRequest),
+        summary="OpenAI chat completions, routed through the chat template",
+    )(dp.chat_completions)
+    if (
+        not dp.settings.cors_origins
+    ):  # CORS headers come from a middleware: keep those requests on the normal path
+        app.enable_fast_path(
+            {"/v1/completions": dp.completions, "/v1/chat/completions": dp.chat_completions},
+            dp.svc.telemetry,
+            dp.settings.max_request_bytes,
+        )
+    app.get(
+        "/v1/models",
+        response_model=ModelList,
+        responses={401: _ERR},
+        summary="models served by the replicas (union)",
+    )(dp.models)
+    app.post(
+        "/route",
+        response_model=DecisionOut,
+        responses=_ROUTE_ERRORS,
+        openapi_extra=_body_doc(RouteBody),
+        summary="where would this request go? (decision with every candidate's predicted TTFT)",
+    )(dp.route)
 
 
 def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
     """Introspection (``/replicas``, ``/index/stats``, ``/metrics``) and probes (``/healthz``, ``/readyz``)."""
-    @app.get("/replicas", response_model=ReplicaList, responses={401: _ERR, 403: _ERR}, summary="replicas with state, load view and freshness")
+
+    @app.get(
+        "/replicas",
+        response_model=ReplicaList,
+        responses={401: _ERR, 403: _ERR},
+        summary="replicas with state, load view and freshness",
+    )
     async def replicas(request: Request) -> Any:
         auth.check_admin(request)
         show_urls = auth.is_admin(request)  # addresses: admins only
         return {"replicas": [_replica_json(svc, r, show_urls) for r in svc.table.all()]}
 
-    @app.get("/index/stats", responses={401: _ERR, 403: _ERR}, summary="prefix index sizes and counters (blocks per replica and tier)")
+    @app.get(
+        "/index/stats",
+        responses={401: _ERR, 403: _ERR},
+        summary="prefix index sizes and counters (blocks per replica and tier)",
+    )
     async def index_stats(request: Request) -> Any:
         auth.check_admin(request)
         stats = svc.index.stats()
@@ -804,8 +968,12 @@ def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
                 stats[key] = {names.get(i, str(i)): v for i, v in stats[key].items()}
         return stats
 
-    @app.get("/metrics", response_class=Response, summary="Prometheus metrics of the router",
-             responses={200: {"content": {"text/plain": {}}}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        summary="Prometheus metrics of the router",
+        responses={200: {"content": {"text/plain": {}}}},
+    )
     async def metrics() -> Response:
         return Response(svc.telemetry.render(), media_type=CONTENT_TYPE)
 
@@ -813,32 +981,46 @@ def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
     async def healthz() -> Any:
         return {"status": "ok"}
 
-    @app.get("/readyz", response_model=Status, responses={503: {"model": Status}},
-             summary="readiness: at least one replica is routable")
+    @app.get(
+        "/readyz",
+        response_model=Status,
+        responses={503: {"model": Status}},
+        summary="readiness: at least one replica is routable",
+    )
     async def readyz() -> Any:
         n = sum(1 for r in svc.table.all() if r.routable)
         if n:
             return {"status": "ready", "routable_replicas": n, "tenants": svc.tenants.readiness()}
         states = {r.name: r.state.value for r in svc.table.all()}
         reason = "no replicas configured" if not states else f"no routable replica (states: {states})"
-        return JSONResponse({"status": "not ready", "reason": reason, "tenants": svc.tenants.readiness()},
-                            status_code=503)
+        return JSONResponse(
+            {"status": "not ready", "reason": reason, "tenants": svc.tenants.readiness()}, status_code=503
+        )
 
 
 def _reuse_json(reuse: Reuse | None) -> dict[str, int] | None:
     """``POST /route``'s ``reuse``: available vs achieved cached prompt tokens of the decision."""
     if reuse is None:
         return None
-    return {"available_tokens": reuse.available_tokens, "achieved_tokens": reuse.achieved_tokens,
-            "missed_tokens": reuse.missed_tokens}
+    return {
+        "available_tokens": reuse.available_tokens,
+        "achieved_tokens": reuse.achieved_tokens,
+        "missed_tokens": reuse.missed_tokens,
+    }
 
 
 def _replica_json(svc: Services, r: Replica, show_url: bool) -> dict[str, Any]:
     """One replica of ``GET /replicas``: state, load view, KV-event feed, health, token-id forwarding (its URL
     only when ``show_url``)."""
     return {
-        "name": r.name, "index": r.index, "url": r.url if show_url else None, "state": r.state.value, "dialect": r.dialect,
-        "role": r.role, "models": r.models, "loras": r.loras,
+        "name": r.name,
+        "index": r.index,
+        "url": r.url if show_url else None,
+        "state": r.state.value,
+        "dialect": r.dialect,
+        "role": r.role,
+        "models": r.models,
+        "loras": r.loras,
         "load": dataclasses.asdict(r.load),
         "kv_events": signals.feed_status(svc.kv_events, r),
         "health": svc.membership.health_of(r.name),
@@ -849,12 +1031,15 @@ def _replica_json(svc: Services, r: Replica, show_url: bool) -> dict[str, Any]:
 
 def _install_openapi(app: FastAPI) -> None:
     """OpenAPI with the request body models the data-plane routes parse themselves."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in _BODY_MODELS],
-                                         ref_template="#/components/schemas/{model}")
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            _, defs = models_json_schema(
+                [(m, "validation") for m in _BODY_MODELS], ref_template="#/components/schemas/{model}"
+            )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
             app.openapi_schema = schema
         return app.openapi_schema
@@ -867,8 +1052,12 @@ _BODY_MODELS: list[type[BaseModel]] = [CompletionRequest, ChatRequest, RouteBody
 
 def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
     """OpenAPI requestBody for a route that parses its JSON body itself (any content type accepted)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
 
 
 async def _parse(intake: Intake, request: Request, model: type[_M]) -> tuple[_M, Any]:
@@ -878,7 +1067,9 @@ async def _parse(intake: Intake, request: Request, model: type[_M]) -> tuple[_M,
     Raises:
         RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
     """
-    return await intake.parse(await request.body(), model)  # router/intake.py: limits first, large bodies off the loop
+    return await intake.parse(
+        await request.body(), model
+    )  # router/intake.py: limits first, large bodies off the loop
 
 
 class _AuthError(Exception):

@@ -1,10 +1,10 @@
 """`kvroute` command line: one subcommand per job, each implemented by the module that owns it.
 
-    kvroute serve        the router service            (router.server)
-    kvroute epp          the router service + the Gateway endpoint picker (gRPC ext_proc; router.epp)
-    kvroute fake-engine  one stand-in vLLM/SGLang engine (loadtest.fake_engine)
-    kvroute simulate     discrete-event fleet simulation (loadtest.simulator)
-    kvroute demo         4 fake engines + the router, ttft vs round_robin (loadtest.demo)
+kvroute serve        the router service            (router.server)
+kvroute epp          the router service + the Gateway endpoint picker (gRPC ext_proc; router.epp)
+kvroute fake-engine  one stand-in vLLM/SGLang engine (loadtest.fake_engine)
+kvroute simulate     discrete-event fleet simulation (loadtest.simulator)
+kvroute demo         4 fake engines + the router, ttft vs round_robin (loadtest.demo)
 """
 
 from __future__ import annotations
@@ -23,8 +23,14 @@ def _epp(argv: list[str]) -> int:
     from router.server import main
 
     # ``--grpc-port N`` is the short name of ``--epp-grpc-port N`` (Settings.epp_grpc_port)
-    args = ["--epp-grpc-port" if a == "--grpc-port" else
-            "--epp-grpc-port=" + a.split("=", 1)[1] if a.startswith("--grpc-port=") else a for a in argv]
+    args = [
+        "--epp-grpc-port"
+        if a == "--grpc-port"
+        else "--epp-grpc-port=" + a.split("=", 1)[1]
+        if a.startswith("--grpc-port=")
+        else a
+        for a in argv
+    ]
     return main(args, epp=True)
 
 
@@ -58,7 +64,11 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: kvroute <command> [options]   (kvroute <command> --help for its options)", "", "commands:"]
+    lines = [
+        "usage: kvroute <command> [options]   (kvroute <command> --help for its options)",
+        "",
+        "commands:",
+    ]
     for name, (_, text) in SUBCOMMANDS.items():
         lines.append(f"  {name:<12} {text}")
     return "\n".join(lines)

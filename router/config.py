@@ -43,10 +43,22 @@ _GATE = DispatchSettings()  # the dispatch gate's defaults live with its logic
 
 #: keys accepted in a replica spec string, mapped to ReplicaSpec field names
 _SPEC_KEYS = {
-    "name": "name", "url": "url", "events": "events", "replay": "replay", "dialect": "dialect",
-    "model": "model", "models": "model", "topic": "topic", "profile": "profile", "lora": "loras",
-    "loras": "loras", "role": "role", "metrics": "metrics_path", "metrics_path": "metrics_path",
-    "bootstrap_port": "bootstrap_port", "dp_size": "dp_size",
+    "name": "name",
+    "url": "url",
+    "events": "events",
+    "replay": "replay",
+    "dialect": "dialect",
+    "model": "model",
+    "models": "model",
+    "topic": "topic",
+    "profile": "profile",
+    "lora": "loras",
+    "loras": "loras",
+    "role": "role",
+    "metrics": "metrics_path",
+    "metrics_path": "metrics_path",
+    "bootstrap_port": "bootstrap_port",
+    "dp_size": "dp_size",
 }
 
 
@@ -63,18 +75,26 @@ class ReplicaSpec(BaseModel):
 
     name: str = Field(description="unique replica name (also the key of its stable index)")
     url: str = Field(description="base HTTP URL of the engine, e.g. http://127.0.0.1:8001")
-    events: str | None = Field(default=None, description="ZMQ endpoint publishing KV events (tcp://host:port)")
+    events: str | None = Field(
+        default=None, description="ZMQ endpoint publishing KV events (tcp://host:port)"
+    )
     replay: str | None = Field(default=None, description="ZMQ ROUTER endpoint for KV-event replay")
     dialect: Literal["vllm", "sglang"] = Field(default="vllm", description="engine kind")
-    model: list[str] = Field(default_factory=list,
-                             description="model ids served (empty = learn from GET /v1/models)")
+    model: list[str] = Field(
+        default_factory=list, description="model ids served (empty = learn from GET /v1/models)"
+    )
     topic: str = Field(default="", description="ZMQ topic to subscribe to ('' = all)")
-    profile: str | None = Field(default=None, description="performance profile name (default_profile if unset)")
+    profile: str | None = Field(
+        default=None, description="performance profile name (default_profile if unset)"
+    )
     loras: list[str] = Field(default_factory=list, description="LoRA adapters loaded on the replica")
     role: Literal["both", "prefill", "decode"] = Field(default="both", description="disaggregation role")
-    bootstrap_port: int | None = Field(default=None, ge=1, le=65535,
-                                       description="SGLang PD bootstrap port (prefill replicas; default "
-                                                   "pd_default_bootstrap_port)")
+    bootstrap_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="SGLang PD bootstrap port (prefill replicas; default pd_default_bootstrap_port)",
+    )
     dp_size: int = Field(default=1, ge=1, description="data-parallel ranks behind the replica's URL")
     metrics_path: str = Field(default="/metrics", description="path of the engine's Prometheus endpoint")
 
@@ -128,137 +148,199 @@ _yaml_path: ContextVar[str | None] = ContextVar("kvroute_yaml_path", default=Non
 class Settings(BaseSettings):
     """Every option of the kvroute router. See the module docstring for how flags, env and YAML derive."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
-                                      case_sensitive=False)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, case_sensitive=False
+    )
 
     # -- HTTP server -----------------------------------------------------------------------------------
     host: str = Field(default="0.0.0.0", description="address the router listens on")
     port: int = Field(default=8080, ge=0, le=65535, description="TCP port the router listens on")
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
-    log_format: Literal["json", "text"] = Field(default="json", description="structured JSON logs or plain text")
+    log_format: Literal["json", "text"] = Field(
+        default="json", description="structured JSON logs or plain text"
+    )
     access_log: bool = Field(default=False, description="log one line per HTTP request (uvicorn access log)")
     client_keepalive_timeout_s: float = Field(
-        default=65.0, gt=0,
+        default=65.0,
+        gt=0,
         description="keep an idle client connection open this long (s). Keep it above the idle timeout of what "
-                    "sits in front (AWS ALB 60 s, nginx 60 s, httpx 5 s): a client that reuses a connection the "
-                    "router is closing at that instant sees a reset request (uvicorn's own default is 5 s)")
+        "sits in front (AWS ALB 60 s, nginx 60 s, httpx 5 s): a client that reuses a connection the "
+        "router is closing at that instant sees a reset request (uvicorn's own default is 5 s)",
+    )
 
     # -- routing ---------------------------------------------------------------------------------------
-    policy: str = Field(default="ttft", description=(
-        "routing policy name: ttft (lowest estimated TTFT), ttft_cache_first (ttft that never leaves the "
-        "replica holding a request's cached prefix for a shorter queue: most reuse, longer TTFT tail), or a "
-        "baseline (see policies.policy_names())"))
+    policy: str = Field(
+        default="ttft",
+        description=(
+            "routing policy name: ttft (lowest estimated TTFT), ttft_cache_first (ttft that never leaves the "
+            "replica holding a request's cached prefix for a shorter queue: most reuse, longer TTFT tail), or a "
+            "baseline (see policies.policy_names())"
+        ),
+    )
     policy_params: dict[str, Any] = Field(
         default_factory=dict,
         description="keyword parameters for the policy; CLI: --policy-param key=value (repeatable, values "
-                    "parsed as JSON when possible); env: a JSON object")
+        "parsed as JSON when possible); env: a JSON object",
+    )
     objective: Literal["mean", "tail"] = Field(
-        default="mean", description="TTFT objective: mean, or tail (penalise uncertain cache hits)")
-    block_size: int = Field(default=16, ge=1, le=4096,
-                            description="tokens per block for block keys (must equal the engines' block size)")
-    default_profile: str = Field(default="a100",
-                                 description="performance profile of replicas that name none (a100|h20|rtx6000)")
+        default="mean", description="TTFT objective: mean, or tail (penalise uncertain cache hits)"
+    )
+    block_size: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="tokens per block for block keys (must equal the engines' block size)",
+    )
+    default_profile: str = Field(
+        default="a100", description="performance profile of replicas that name none (a100|h20|rtx6000)"
+    )
     profiles: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
-        description="profile overrides by name: {name: {prefill_tokens_per_s: .., fixed_overhead_s: .., ...}}")
-    session_header: str = Field(default="x-session-id", description="HTTP header carrying a client session id")
+        description="profile overrides by name: {name: {prefill_tokens_per_s: .., fixed_overhead_s: .., ...}}",
+    )
+    session_header: str = Field(
+        default="x-session-id", description="HTTP header carrying a client session id"
+    )
 
     # -- block-key root seed ---------------------------------------------------------------------------
     seed_model: str | None = Field(
-        default=None, description="model id folded into the block-key root seed (default: the request's model)")
+        default=None,
+        description="model id folded into the block-key root seed (default: the request's model)",
+    )
     seed_include_lora: bool = Field(default=True, description="fold the LoRA adapter name into the root seed")
 
     # -- tokenizer -------------------------------------------------------------------------------------
     tokenizer_mode: Literal["auto", "hf", "engine", "bytes"] = Field(
         default="auto",
         description="prompt -> token ids: hf (local tokenizer.json + chat template), engine (replica's "
-                    "/tokenize), bytes (approximate chunks); auto = hf when tokenizer_path is set, else bytes")
+        "/tokenize), bytes (approximate chunks); auto = hf when tokenizer_path is set, else bytes",
+    )
     tokenizer_path: str | None = Field(
-        default=None, description="directory with tokenizer.json and tokenizer_config.json (hf mode)")
+        default=None, description="directory with tokenizer.json and tokenizer_config.json (hf mode)"
+    )
     chat_template_path: str | None = Field(
-        default=None, description="jinja2 chat template file overriding tokenizer_config.json's chat_template")
-    tokenize_timeout_s: float = Field(default=2.0, gt=0, description="timeout of an engine /tokenize call (s)")
+        default=None, description="jinja2 chat template file overriding tokenizer_config.json's chat_template"
+    )
+    tokenize_timeout_s: float = Field(
+        default=2.0, gt=0, description="timeout of an engine /tokenize call (s)"
+    )
     tokenizer_cache_mb: float = Field(
-        default=64.0, ge=0,
+        default=64.0,
+        ge=0,
         description="hf mode: memory for the prefix tokenization cache (token ids of recent prompts, MiB): a "
-                    "prompt that extends a recent one (the next turn of a chat) is tokenized only past the shared "
-                    "prefix, with the same ids; off by itself for tokenizers it cannot prove exact; 0 = off")
+        "prompt that extends a recent one (the next turn of a chat) is tokenized only past the shared "
+        "prefix, with the same ids; off by itself for tokenizers it cannot prove exact; 0 = off",
+    )
     tokenizer_cache_verify_every: int = Field(
-        default=256, ge=0,
+        default=256,
+        ge=0,
         description="hf mode: re-tokenize one in this many cached prompts whole and compare; a difference turns "
-                    "the cache off (logged, kvroute_tokenizer_cache_mismatches); 0 = never")
+        "the cache off (logged, kvroute_tokenizer_cache_mismatches); 0 = never",
+    )
     forward_token_ids: bool = Field(
         default=True,
         description="send /v1/completions text prompts to the engine as the token ids the router routed on (no "
-                    "second tokenization; the engine caches exactly the blocks the router hashed). hf mode: only "
-                    "to replicas whose /tokenize returned the router's ids for the probe texts (checked when they "
-                    "join); engine mode: always; bytes mode: never. Chat, echo and LoRA requests go as sent")
+        "second tokenization; the engine caches exactly the blocks the router hashed). hf mode: only "
+        "to replicas whose /tokenize returned the router's ids for the probe texts (checked when they "
+        "join); engine mode: always; bytes mode: never. Chat, echo and LoRA requests go as sent",
+    )
 
     # -- static replicas / membership ------------------------------------------------------------------
     replicas: Annotated[list[ReplicaSpec], NoDecode] = Field(
         default_factory=list,
         description="static replicas; CLI: --replica 'name=r0,url=http://h:p,events=tcp://h:z,replay=tcp://h:r,"
-                    "dialect=vllm,model=m' (repeatable); env: ';'-separated specs or a JSON list")
-    probe_interval_s: float = Field(default=1.0, gt=0, description="active health probe period per replica (s)")
+        "dialect=vllm,model=m' (repeatable); env: ';'-separated specs or a JSON list",
+    )
+    probe_interval_s: float = Field(
+        default=1.0, gt=0, description="active health probe period per replica (s)"
+    )
     probe_timeout_s: float = Field(default=1.0, gt=0, description="timeout of one health probe (s)")
     unhealthy_after: int = Field(default=3, ge=1, description="consecutive failed probes before unhealthy")
-    healthy_after: int = Field(default=2, ge=1,
-                               description="consecutive successful probes before an unhealthy replica is ready")
+    healthy_after: int = Field(
+        default=2, ge=1, description="consecutive successful probes before an unhealthy replica is ready"
+    )
     panic_routing: bool = Field(
-        default=True, description="when no replica is ready, route to unhealthy ones instead of answering 503 "
-                                  "(health checks of overloaded engines give false positives)")
+        default=True,
+        description="when no replica is ready, route to unhealthy ones instead of answering 503 "
+        "(health checks of overloaded engines give false positives)",
+    )
     scrape_interval_s: float = Field(default=2.0, gt=0, description="engine /metrics scrape period (s)")
     scrape_timeout_s: float = Field(default=1.0, gt=0, description="timeout of one /metrics scrape (s)")
 
     # -- KV events and the index -----------------------------------------------------------------------
-    kv_events: bool = Field(default=True, description="subscribe to replicas' KV events (ZMQ) when configured")
+    kv_events: bool = Field(
+        default=True, description="subscribe to replicas' KV events (ZMQ) when configured"
+    )
     predict_mode: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="record predicted index entries after routing: auto = only for replicas without healthy "
-                    "KV events, always, or never")
-    predicted_ttl_s: float = Field(default=120.0, gt=0,
-                                   description="lifetime of a predicted (unconfirmed) index entry (s)")
-    index_max_nodes: int | None = Field(default=4_000_000, ge=1,
-                                        description="global index budget in nodes (None = unlimited)")
-    index_max_bytes: int | None = Field(default=None, ge=1,
-                                        description="global index budget in bytes (None = unlimited)")
-    index_expire_interval_s: float = Field(default=5.0, gt=0,
-                                           description="period of expiring stale predicted entries (s)")
+        "KV events, always, or never",
+    )
+    predicted_ttl_s: float = Field(
+        default=120.0, gt=0, description="lifetime of a predicted (unconfirmed) index entry (s)"
+    )
+    index_max_nodes: int | None = Field(
+        default=4_000_000, ge=1, description="global index budget in nodes (None = unlimited)"
+    )
+    index_max_bytes: int | None = Field(
+        default=None, ge=1, description="global index budget in bytes (None = unlimited)"
+    )
+    index_expire_interval_s: float = Field(
+        default=5.0, gt=0, description="period of expiring stale predicted entries (s)"
+    )
 
     # -- proxy -----------------------------------------------------------------------------------------
     connect_timeout_s: float = Field(default=2.0, gt=0, description="engine TCP connect timeout (s)")
-    first_byte_timeout_s: float = Field(default=120.0, gt=0,
-                                        description="max wait for the engine's response headers (s)")
+    first_byte_timeout_s: float = Field(
+        default=120.0, gt=0, description="max wait for the engine's response headers (s)"
+    )
     total_timeout_s: float = Field(default=600.0, gt=0, description="max duration of one proxied request (s)")
-    idle_timeout_s: float = Field(default=60.0, gt=0,
-                                  description="max silence between two chunks of a streamed response (s)")
-    max_retries: int = Field(default=2, ge=0, le=10,
-                             description="extra attempts on other replicas after a failure before the first byte")
-    max_request_bytes: int = Field(default=16 * 1024 * 1024, ge=1024,
-                                   description="largest accepted request body (bytes); larger -> 413")
+    idle_timeout_s: float = Field(
+        default=60.0, gt=0, description="max silence between two chunks of a streamed response (s)"
+    )
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        le=10,
+        description="extra attempts on other replicas after a failure before the first byte",
+    )
+    max_request_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="largest accepted request body (bytes); larger -> 413"
+    )
     max_connections: int = Field(default=1000, ge=1, description="pooled connections to all engines")
-    keepalive_timeout_s: float = Field(default=4.0, gt=0, description="close pooled idle engine connections after this long (s); keep it below the engines' own keep-alive (uvicorn/vLLM: 5 s) so a reused connection is never one the engine is closing")
+    keepalive_timeout_s: float = Field(
+        default=4.0,
+        gt=0,
+        description="close pooled idle engine connections after this long (s); keep it below the engines' own keep-alive (uvicorn/vLLM: 5 s) so a reused connection is never one the engine is closing",
+    )
 
     # -- backpressure ----------------------------------------------------------------------------------
-    max_inflight_per_replica: int = Field(default=512, ge=1,
-                                          description="requests in flight per replica; over it -> next replica")
-    max_inflight_total: int = Field(default=8192, ge=1,
-                                    description="requests in flight through the router; over it -> 429")
+    max_inflight_per_replica: int = Field(
+        default=512, ge=1, description="requests in flight per replica; over it -> next replica"
+    )
+    max_inflight_total: int = Field(
+        default=8192, ge=1, description="requests in flight through the router; over it -> 429"
+    )
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After header value on 429 / 503 (s)")
-    shutdown_grace_s: float = Field(default=30.0, ge=0,
-                                    description="on SIGTERM, time to finish in-flight requests (s)")
+    shutdown_grace_s: float = Field(
+        default=30.0, ge=0, description="on SIGTERM, time to finish in-flight requests (s)"
+    )
 
     # -- security --------------------------------------------------------------------------------------
     admin_token: SecretStr | None = Field(
-        default=None, description="bearer token required on admin / mutating endpoints (None = open)")
+        default=None, description="bearer token required on admin / mutating endpoints (None = open)"
+    )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="client API keys accepted as 'Authorization: Bearer <key>' (empty = no auth); "
-                    "env: comma-separated")
-    engine_api_key: SecretStr | None = Field(default=None,
-                                             description="API key sent to engines as a bearer token")
+        "env: comma-separated",
+    )
+    engine_api_key: SecretStr | None = Field(
+        default=None, description="API key sent to engines as a bearer token"
+    )
     cors_origins: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="allowed CORS origins (empty = CORS off)")
+        default_factory=list, description="allowed CORS origins (empty = CORS off)"
+    )
 
     # ===================================================================================================
     # Options added by other components (each: default + Field(description=...)). Keep additions below.
@@ -266,245 +348,407 @@ class Settings(BaseSettings):
 
     # --- membership: kubernetes / health / redis ---
     kubernetes_enabled: bool = Field(
-        default=False, description="discover engine pods with the Kubernetes API (LIST + WATCH by label selector)")
+        default=False,
+        description="discover engine pods with the Kubernetes API (LIST + WATCH by label selector)",
+    )
     kubernetes_namespace: str = Field(
-        default="default", description="namespace to watch for engine pods ('*' or '' = all namespaces)")
+        default="default", description="namespace to watch for engine pods ('*' or '' = all namespaces)"
+    )
     kubernetes_label_selector: str = Field(
-        default="kvroute.io/engine", description="label selector of engine pods (e.g. 'app=vllm,tier!=canary')")
+        default="kvroute.io/engine",
+        description="label selector of engine pods (e.g. 'app=vllm,tier!=canary')",
+    )
     kubernetes_resync_interval_s: float = Field(
-        default=30.0, gt=0, description="full re-LIST period repairing missed watch events (s)")
+        default=30.0, gt=0, description="full re-LIST period repairing missed watch events (s)"
+    )
     kubernetes_api_host: str | None = Field(
-        default=None, description="Kubernetes API URL (default: in-cluster service account, else kubeconfig)")
+        default=None, description="Kubernetes API URL (default: in-cluster service account, else kubeconfig)"
+    )
     kubernetes_kubeconfig: str | None = Field(
-        default=None, description="kubeconfig path when running outside a cluster (default locations if unset)")
+        default=None,
+        description="kubeconfig path when running outside a cluster (default locations if unset)",
+    )
     kubernetes_default_port: int = Field(
-        default=8000, ge=1, le=65535, description="engine HTTP port when a pod sets no kvroute.io/port")
+        default=8000, ge=1, le=65535, description="engine HTTP port when a pod sets no kvroute.io/port"
+    )
     kubernetes_default_kv_events_port: int = Field(
-        default=5557, ge=0, le=65535, description="KV-event ZMQ PUB port when a pod sets none (0 = no events)")
+        default=5557, ge=0, le=65535, description="KV-event ZMQ PUB port when a pod sets none (0 = no events)"
+    )
     kubernetes_default_kv_replay_port: int = Field(
-        default=0, ge=0, le=65535, description="KV-event replay ROUTER port when a pod sets none (0 = no replay)")
+        default=0,
+        ge=0,
+        le=65535,
+        description="KV-event replay ROUTER port when a pod sets none (0 = no replay)",
+    )
     kubernetes_default_kv_topic: str = Field(
-        default="", description="KV-event topic when a pod sets none ('' = all; {ip} {pod} {model} expand)")
+        default="", description="KV-event topic when a pod sets none ('' = all; {ip} {pod} {model} expand)"
+    )
     health_probe_path: str = Field(
-        default="/health", description="path probed on every replica (static and discovered) every probe_interval_s")
+        default="/health",
+        description="path probed on every replica (static and discovered) every probe_interval_s",
+    )
     index_ordinal_regex: str = Field(
-        default=r"-(\d+)$", description="regex whose group 1 is a pod's StatefulSet ordinal = its index ('' = off)")
+        default=r"-(\d+)$",
+        description="regex whose group 1 is a pod's StatefulSet ordinal = its index ('' = off)",
+    )
     index_dynamic_base: int = Field(
-        default=0, ge=0, description="first index given to names without an ordinal (set above your ordinals)")
+        default=0, ge=0, description="first index given to names without an ordinal (set above your ordinals)"
+    )
     index_release_grace_s: float = Field(
-        default=120.0, ge=0, description="a departed replica's index stays reserved this long for its return (s)")
+        default=120.0,
+        ge=0,
+        description="a departed replica's index stays reserved this long for its return (s)",
+    )
     index_stale_s: float = Field(
-        default=3600.0, ge=0, description="Redis registry names no router refreshed for this long are freed (s)")
+        default=3600.0,
+        ge=0,
+        description="Redis registry names no router refreshed for this long are freed (s)",
+    )
     redis_url: str | None = Field(
-        default=None, description="Redis URL for state shared by router replicas (indices, sessions, decisions)")
+        default=None,
+        description="Redis URL for state shared by router replicas (indices, sessions, decisions)",
+    )
     redis_key_prefix: str = Field(default="kvroute:", description="prefix of every Redis key and channel")
     redis_timeout_s: float = Field(default=0.5, gt=0, description="Redis connect / command timeout (s)")
     redis_retry_max_s: float = Field(
-        default=5.0, gt=0, description="longest backoff between Redis reconnect attempts (s)")
+        default=5.0, gt=0, description="longest backoff between Redis reconnect attempts (s)"
+    )
     session_ttl_s: float = Field(
-        default=600.0, gt=0, description="session affinity lifetime after the last request of a session (s)")
+        default=600.0, gt=0, description="session affinity lifetime after the last request of a session (s)"
+    )
     session_affinity: bool = Field(
-        default=False, description="pin a session (session_header) to its replica while routable (needs redis_url)")
+        default=False,
+        description="pin a session (session_header) to its replica while routable (needs redis_url)",
+    )
     broadcast_decisions: bool = Field(
-        default=True, description="publish routing decisions to peer routers (Redis pub/sub) so predictions agree")
+        default=True,
+        description="publish routing decisions to peer routers (Redis pub/sub) so predictions agree",
+    )
     idempotency_ttl_s: float = Field(
-        default=600.0, gt=0, description="how long an Idempotency-Key and its stored response are kept (s)")
+        default=600.0, gt=0, description="how long an Idempotency-Key and its stored response are kept (s)"
+    )
 
     # --- reliability: bounded admission queue (router/admission.py) ---
     max_queued_requests: int = Field(
-        default=0, ge=0, description="requests that may wait for a slot when max_inflight_total is reached "
-                                     "(0 = no queue: reject at once with 429); a full queue -> 429")
+        default=0,
+        ge=0,
+        description="requests that may wait for a slot when max_inflight_total is reached "
+        "(0 = no queue: reject at once with 429); a full queue -> 429",
+    )
     max_queue_wait_s: float = Field(
-        default=2.0, gt=0, description="longest time a request waits in the router's queue (s); longer -> 503")
+        default=2.0, gt=0, description="longest time a request waits in the router's queue (s); longer -> 503"
+    )
 
     # --- routing: cache-first dispatch gate (policies/dispatch.py, router/dispatch.py) ---
     dispatch_limit_tokens: int = Field(
-        default=_GATE.limit_tokens, ge=0,
+        default=_GATE.limit_tokens,
+        ge=0,
         description="cache-first dispatch: uncached prompt tokens a replica may have been sent and not started "
-                    "(first streamed token pending) before further streamed requests for it wait in the router; "
-                    "a replica that frees then gets the waiting request with the deepest prefix cached on it "
-                    "first, so prefixes are used before the engine's LRU evicts them; 0 = off (the default): send "
-                    "every request when routed. Measured setting: 8192, about one engine step's prefill budget "
-                    "(vLLM max_num_batched_tokens); see docs/results.md")
+        "(first streamed token pending) before further streamed requests for it wait in the router; "
+        "a replica that frees then gets the waiting request with the deepest prefix cached on it "
+        "first, so prefixes are used before the engine's LRU evicts them; 0 = off (the default): send "
+        "every request when routed. Measured setting: 8192, about one engine step's prefill budget "
+        "(vLLM max_num_batched_tokens); see docs/results.md",
+    )
     dispatch_patience_s: float = Field(
-        default=_GATE.patience_s, ge=0,
+        default=_GATE.patience_s,
+        ge=0,
         description="cache-first dispatch: once the oldest request waiting for a replica has waited this long "
-                    "it goes next, whatever is cached (s)")
+        "it goes next, whatever is cached (s)",
+    )
     dispatch_max_wait_s: float = Field(
-        default=_GATE.max_wait_s, gt=0,
-        description="cache-first dispatch: a request waiting this long is sent regardless of the gate (s)")
+        default=_GATE.max_wait_s,
+        gt=0,
+        description="cache-first dispatch: a request waiting this long is sent regardless of the gate (s)",
+    )
 
     # --- KV events: feed timing and byte budgets (membership/kv_events.py; the "events" helper's block) ---
     kv_replay_idle_timeout_s: float = Field(
-        default=2.0, gt=0, description="KV events: longest wait for the next replay message before a replay "
-                                       "counts as failed (s)")
+        default=2.0,
+        gt=0,
+        description="KV events: longest wait for the next replay message before a replay "
+        "counts as failed (s)",
+    )
     kv_replay_total_timeout_s: float = Field(
-        default=15.0, gt=0, description="KV events: longest time one replay may take in total (s)")
+        default=15.0, gt=0, description="KV events: longest time one replay may take in total (s)"
+    )
     kv_replay_max_batches: int = Field(
-        default=200_000, ge=1, description="KV events: most batches accepted from one replay (more: the replay "
-                                           "fails, the replica is cleared and degraded)")
+        default=200_000,
+        ge=1,
+        description="KV events: most batches accepted from one replay (more: the replay "
+        "fails, the replica is cleared and degraded)",
+    )
     kv_replay_max_bytes: int = Field(
-        default=256 << 20, ge=1, description="KV events: most payload bytes accepted from one replay (more: the "
-                                             "replay fails, counted as replays{trigger:too_large}, logged)")
+        default=256 << 20,
+        ge=1,
+        description="KV events: most payload bytes accepted from one replay (more: the "
+        "replay fails, counted as replays{trigger:too_large}, logged)",
+    )
     kv_max_message_bytes: int = Field(
-        default=64 << 20, ge=1024, description="KV events: largest ZMQ frame accepted on the SUB and replay "
-                                               "sockets (ZMQ MAXMSGSIZE: a larger one drops the connection) "
-                                               "and largest batch payload decoded (bytes)")
+        default=64 << 20,
+        ge=1024,
+        description="KV events: largest ZMQ frame accepted on the SUB and replay "
+        "sockets (ZMQ MAXMSGSIZE: a larger one drops the connection) "
+        "and largest batch payload decoded (bytes)",
+    )
     kv_sub_rcvhwm: int = Field(
-        default=10_000, ge=1, description="KV events: receive queue of each SUB socket (messages; beyond it "
-                                          "ZMQ drops and the feed repairs the gap by replay)")
+        default=10_000,
+        ge=1,
+        description="KV events: receive queue of each SUB socket (messages; beyond it "
+        "ZMQ drops and the feed repairs the gap by replay)",
+    )
     kv_replay_rcvhwm: int = Field(
-        default=20_000, ge=1, description="KV events: receive queue of each replay socket (messages; at least "
-                                          "the engine's replay buffer, vLLM's default is 10,000 batches)")
+        default=20_000,
+        ge=1,
+        description="KV events: receive queue of each replay socket (messages; at least "
+        "the engine's replay buffer, vLLM's default is 10,000 batches)",
+    )
     kv_apply_slice_blocks: int = Field(
-        default=8_192, ge=1, description="KV events: engine blocks decoded / applied between two yields to the "
-                                         "event loop (a 500k-block batch never blocks routing for long)")
+        default=8_192,
+        ge=1,
+        description="KV events: engine blocks decoded / applied between two yields to the "
+        "event loop (a 500k-block batch never blocks routing for long)",
+    )
     kv_max_sequence_jump: int = Field(
-        default=1_000_000, ge=1, description="KV events: largest forward sequence jump handled as a gap "
-                                             "(batches); a larger one is a new sequence: counted once, cleared, "
-                                             "resynchronised")
+        default=1_000_000,
+        ge=1,
+        description="KV events: largest forward sequence jump handled as a gap "
+        "(batches); a larger one is a new sequence: counted once, cleared, "
+        "resynchronised",
+    )
     kv_orphan_replay_interval_s: float = Field(
-        default=10.0, gt=0, description="KV events: least time between two orphan-triggered replays of one "
-                                        "replica (s; doubles while orphans keep coming)")
+        default=10.0,
+        gt=0,
+        description="KV events: least time between two orphan-triggered replays of one "
+        "replica (s; doubles while orphans keep coming)",
+    )
     kv_degraded_retry_s: float = Field(
-        default=15.0, gt=0, description="KV events: how often a degraded replica with a replay endpoint retries "
-                                        "a full resync (s)")
+        default=15.0,
+        gt=0,
+        description="KV events: how often a degraded replica with a replay endpoint retries "
+        "a full resync (s)",
+    )
     kv_degraded_hold_s: float = Field(
-        default=60.0, gt=0, description="KV events: how long a replica without a replay endpoint stays "
-                                        "degraded after its last loss (s)")
+        default=60.0,
+        gt=0,
+        description="KV events: how long a replica without a replay endpoint stays "
+        "degraded after its last loss (s)",
+    )
     # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine_client.py,
     # router/proxy.py, membership/engine_tls.py) ---
     engine_max_header_bytes: int = Field(
-        default=65536, ge=1024,
+        default=65536,
+        ge=1024,
         description="largest status line + headers of an engine response (bytes); over it the attempt fails "
-                    "(502, retried on another replica before the first byte)")
+        "(502, retried on another replica before the first byte)",
+    )
     engine_max_headers: int = Field(
-        default=100, ge=8, description="most header lines in an engine response; over it the attempt fails (502)")
+        default=100,
+        ge=8,
+        description="most header lines in an engine response; over it the attempt fails (502)",
+    )
     engine_max_body_bytes: int = Field(
-        default=32 * 1024 * 1024, ge=65536,
+        default=32 * 1024 * 1024,
+        ge=65536,
         description="largest non-streamed engine response body, and largest single SSE event of a stream (bytes); "
-                    "over it the client gets a 502 (upstream_body_too_large), or an SSE error event mid-stream")
+        "over it the client gets a 502 (upstream_body_too_large), or an SSE error event mid-stream",
+    )
     engine_body_idle_timeout_s: float = Field(
-        default=30.0, gt=0,
+        default=30.0,
+        gt=0,
         description="max silence while reading the rest of a non-streamed engine response body (s); longer -> "
-                    "504 (upstream_body_stalled), long before total_timeout_s")
+        "504 (upstream_body_stalled), long before total_timeout_s",
+    )
     engine_ca_bundle: str | None = Field(
         default=None,
         description="PEM file of CA certificates trusted for https:// engines (proxy, probes, scrapes, /tokenize); "
-                    "None = the system CA store. Certificates are always verified")
+        "None = the system CA store. Certificates are always verified",
+    )
     engine_client_cert: str | None = Field(
-        default=None, description="PEM client certificate presented to https:// engines (mutual TLS); None = none")
+        default=None,
+        description="PEM client certificate presented to https:// engines (mutual TLS); None = none",
+    )
     engine_client_key: str | None = Field(
-        default=None, description="PEM private key of engine_client_cert (None = inside engine_client_cert)")
+        default=None, description="PEM private key of engine_client_cert (None = inside engine_client_cert)"
+    )
     engine_stream_usage: bool = Field(
         default=True,
         description="ask engines for usage on proxied streams (stream_options.include_usage) so cached-token "
-                    "feedback and calibration work with a default vLLM; the usage chunk is removed from what the "
-                    "client receives unless the client asked for it")
+        "feedback and calibration work with a default vLLM; the usage chunk is removed from what the "
+        "client receives unless the client asked for it",
+    )
     # --- httpedge: client-facing limits, timeouts and overload shedding (router/intake.py, router/guard.py,
     # router/http_protocol.py, router/loop_lag.py; the Limits table in docs/reliability.md) ---
     max_chat_messages: int = Field(
-        default=16384, ge=1,
+        default=16384,
+        ge=1,
         description="most messages in one chat request; more -> 413 too_many_messages (checked before the body is "
-                    "validated or rendered)")
+        "validated or rendered)",
+    )
     max_batch_prompts: int = Field(
-        default=2048, ge=1,
-        description="most prompts in one batched /v1/completions request; more -> 413 too_many_prompts")
+        default=2048,
+        ge=1,
+        description="most prompts in one batched /v1/completions request; more -> 413 too_many_prompts",
+    )
     max_prompt_chars_per_token: float = Field(
-        default=16.0, gt=0,
+        default=16.0,
+        gt=0,
         description="a prompt (or all chat message text) longer than this many characters per token of the model's "
-                    "context length is refused before tokenization -> 400 context_length_exceeded")
+        "context length is refused before tokenization -> 400 context_length_exceeded",
+    )
     max_prompt_tokens: int = Field(
-        default=1_048_576, ge=1,
+        default=1_048_576,
+        ge=1,
         description="context length assumed for a model none of whose replicas reports one (vLLM max_model_len): "
-                    "the bound of the prompt character and token-id checks, tokens")
+        "the bound of the prompt character and token-id checks, tokens",
+    )
     max_json_values: int = Field(
-        default=100_000, ge=1,
+        default=100_000,
+        ge=1,
         description="most JSON values in a request body outside prompt text, token ids and message text (extra "
-                    "fields, tools, content parts); more -> 413 too_many_json_values")
+        "fields, tools, content parts); more -> 413 too_many_json_values",
+    )
     max_header_bytes: int = Field(
-        default=32768, ge=1024,
+        default=32768,
+        ge=1024,
         description="largest request head (request line + headers) a client may send, bytes; larger -> 431 and "
-                    "the connection is closed")
+        "the connection is closed",
+    )
     max_header_count: int = Field(
-        default=128, ge=1, description="most request headers a client may send; more -> 431, connection closed")
+        default=128,
+        ge=1,
+        description="most request headers a client may send; more -> 431, connection closed",
+    )
     client_header_timeout_s: float = Field(
-        default=15.0, gt=0,
+        default=15.0,
+        gt=0,
         description="a client must send a request's whole head within this long of its first byte (or of "
-                    "connecting), s; slower -> the connection is closed (slowloris)")
+        "connecting), s; slower -> the connection is closed (slowloris)",
+    )
     client_body_idle_timeout_s: float = Field(
-        default=30.0, gt=0,
+        default=30.0,
+        gt=0,
         description="longest silence while a client sends a request body, s; longer -> 408 and the connection "
-                    "is closed")
+        "is closed",
+    )
     event_loop_lag_interval_s: float = Field(
-        default=0.1, gt=0,
-        description="period of the event-loop lag probe (kvroute_event_loop_lag_seconds), s")
+        default=0.1,
+        gt=0,
+        description="period of the event-loop lag probe (kvroute_event_loop_lag_seconds), s",
+    )
     event_loop_lag_window_s: float = Field(
-        default=1.0, gt=0,
+        default=1.0,
+        gt=0,
         description="the router's current lag is the largest probe delay measured this long back (or the "
-                    "probe's own overdue time), s")
+        "probe's own overdue time), s",
+    )
     max_event_loop_lag_s: float = Field(
-        default=1.0, ge=0,
+        default=1.0,
+        ge=0,
         description="when the event loop lags more than this (s), new /v1/* and /route requests are shed with "
-                    "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
-                    "never are); 0 = never shed")
+        "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
+        "never are); 0 = never shed",
+    )
 
     # --- tenants, priorities, SLOs (issue 20) ---
     tenant_header: str = Field(
-        default="x-kvroute-tenant", description="HTTP header naming the request's tenant (fairness and quota key)")
+        default="x-kvroute-tenant",
+        description="HTTP header naming the request's tenant (fairness and quota key)",
+    )
     tenant_header_aliases: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id",
-                                 "x-smg-tenant-id"],
-        description="other headers read as the tenant when tenant_header is absent (llm-d, GIE, SMG names)")
+        default_factory=lambda: [
+            "x-llm-d-inference-fairness-id",
+            "x-gateway-inference-fairness-id",
+            "x-smg-tenant-id",
+        ],
+        description="other headers read as the tenant when tenant_header is absent (llm-d, GIE, SMG names)",
+    )
     tenant_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="API keys that name a tenant, as TENANT=KEY entries ('Authorization: Bearer KEY' -> TENANT; "
-                    "these keys are accepted as client keys too); env: comma-separated")
+        "these keys are accepted as client keys too); env: comma-separated",
+    )
     default_tenant: str = Field(default="default", description="tenant of requests that name none")
     tenants: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="per-tenant settings {name: {tokens_per_s, burst_tokens, weight, isolate_cache}}: token "
-                    "quota (prompt + max output tokens per s; 0 = none), burst (tokens), fair-share weight, own "
-                    "prefix-cache namespace (true: never shares cached prefixes with other tenants)")
+        "quota (prompt + max output tokens per s; 0 = none), burst (tokens), fair-share weight, own "
+        "prefix-cache namespace (true: never shares cached prefixes with other tenants)",
+    )
     tenant_tokens_per_s: float = Field(
-        default=0.0, ge=0, description="token quota of tenants not listed in tenants (tokens/s; 0 = no quota)")
+        default=0.0, ge=0, description="token quota of tenants not listed in tenants (tokens/s; 0 = no quota)"
+    )
     tenant_burst_s: float = Field(
-        default=10.0, gt=0, description="a quota's burst when burst_tokens is not given: this many seconds of it")
+        default=10.0,
+        gt=0,
+        description="a quota's burst when burst_tokens is not given: this many seconds of it",
+    )
     tenant_default_output_tokens: int = Field(
-        default=256, ge=0, description="output tokens charged to a quota for a request without max_tokens")
+        default=256, ge=0, description="output tokens charged to a quota for a request without max_tokens"
+    )
     tenant_expected_routers: int = Field(
-        default=1, ge=1, description="router replicas sharing the quotas: while Redis is unreachable each one "
-                                     "enforces quota / this (never fails open, never rejects everything)")
+        default=1,
+        ge=1,
+        description="router replicas sharing the quotas: while Redis is unreachable each one "
+        "enforces quota / this (never fails open, never rejects everything)",
+    )
     priority_header: str = Field(
-        default="x-kvroute-priority", description="HTTP header naming the request's priority class (or an int)")
+        default="x-kvroute-priority",
+        description="HTTP header naming the request's priority class (or an int)",
+    )
     priority_header_aliases: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["x-smg-priority", "x-llm-d-inference-objective", "x-gateway-inference-objective",
-                                 "x-dynamo-meta-policy-class"],
-        description="other headers read as the priority when priority_header is absent (SMG, llm-d, Dynamo)")
+        default_factory=lambda: [
+            "x-smg-priority",
+            "x-llm-d-inference-objective",
+            "x-gateway-inference-objective",
+            "x-dynamo-meta-policy-class",
+        ],
+        description="other headers read as the priority when priority_header is absent (SMG, llm-d, Dynamo)",
+    )
     priority_body_field: str = Field(
-        default="priority_class", description="request body field naming the priority class (after the headers)")
+        default="priority_class",
+        description="request body field naming the priority class (after the headers)",
+    )
     priority_classes: dict[str, dict[str, Any]] = Field(
-        default_factory=lambda: {"critical": {"priority": 2, "weight": 4.0, "ttft_target_s": None},
-                                 "standard": {"priority": 1, "weight": 1.0, "ttft_target_s": None},
-                                 "sheddable": {"priority": 0, "weight": 0.25, "ttft_target_s": None}},
+        default_factory=lambda: {
+            "critical": {"priority": 2, "weight": 4.0, "ttft_target_s": None},
+            "standard": {"priority": 1, "weight": 1.0, "ttft_target_s": None},
+            "sheddable": {"priority": 0, "weight": 0.25, "ttft_target_s": None},
+        },
         description="priority classes {name: {priority (higher first), weight (fair-share factor), ttft_target_s "
-                    "(default TTFT target, s, or null)}}")
+        "(default TTFT target, s, or null)}}",
+    )
     priority_class_aliases: dict[str, str] = Field(
-        default_factory=lambda: {"system": "critical", "interactive": "standard", "default": "standard",
-                                 "bulk": "sheddable"},
-        description="other class names accepted (SMG's system|interactive|default|bulk) -> a priority_classes name")
+        default_factory=lambda: {
+            "system": "critical",
+            "interactive": "standard",
+            "default": "standard",
+            "bulk": "sheddable",
+        },
+        description="other class names accepted (SMG's system|interactive|default|bulk) -> a priority_classes name",
+    )
     default_priority_class: str = Field(default="standard", description="class of requests that name none")
     ttft_target_header: str = Field(
-        default="x-kvroute-ttft-target-ms", description="HTTP header with the request's TTFT target (ms)")
+        default="x-kvroute-ttft-target-ms", description="HTTP header with the request's TTFT target (ms)"
+    )
     ttft_target_header_aliases: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["x-llm-d-slo-ttft-ms", "x-slo-ttft-ms"],
-        description="other headers read as the TTFT target (ms) when ttft_target_header is absent (llm-d names)")
+        description="other headers read as the TTFT target (ms) when ttft_target_header is absent (llm-d names)",
+    )
     slo_reject_factor: float = Field(
-        default=2.0, ge=0, description="reject early (429 slo_unattainable) a request whose best predicted TTFT "
-                                       "exceeds its target times this (0 = never reject)")
+        default=2.0,
+        ge=0,
+        description="reject early (429 slo_unattainable) a request whose best predicted TTFT "
+        "exceeds its target times this (0 = never reject)",
+    )
 
-    @field_validator("tenant_header_aliases", "tenant_api_keys", "priority_header_aliases",
-                     "ttft_target_header_aliases", mode="before")
+    @field_validator(
+        "tenant_header_aliases",
+        "tenant_api_keys",
+        "priority_header_aliases",
+        "ttft_target_header_aliases",
+        mode="before",
+    )
     @classmethod
     def _parse_tenant_lists(cls, v: Any) -> Any:
         return _split_list(v)
@@ -518,77 +762,103 @@ class Settings(BaseSettings):
 
     # --- endpoint picker (issue 21) ---
     epp_grpc_port: int = Field(
-        default=9002, ge=0, le=65535,
+        default=9002,
+        ge=0,
+        le=65535,
         description="kvroute epp: port of the gRPC Envoy ext_proc endpoint-picker server (and its grpc.health.v1 "
-                    "services); 0 = any free port (logged)")
+        "services); 0 = any free port (logged)",
+    )
     inference_pool: str = Field(
         default="",
         description="name of an InferencePool (inference.networking.k8s.io/v1) in kubernetes_namespace whose "
-                    "spec.selector and spec.targetPorts define the replicas (pods are then watched with that "
-                    "selector, one replica per target port); empty = off (kubernetes_label_selector is used)")
+        "spec.selector and spec.targetPorts define the replicas (pods are then watched with that "
+        "selector, one replica per target port); empty = off (kubernetes_label_selector is used)",
+    )
     # --- PD disaggregation (issue 19, pdwire): plan policy, P->D link, wire protocol, roles from pods ---
     pd_policy: str = Field(
         default="pd_ttft",
         description="prefill/decode plan policy for models whose replicas have prefill/decode roles: pd_ttft "
-                    "(lowest predicted TTFT of serving in place or P->D with the handoff), or a baseline "
-                    "(pd_smg, pd_llmd, pd_dynamo, pd_random); co-located fleets use `policy`")
+        "(lowest predicted TTFT of serving in place or P->D with the handoff), or a baseline "
+        "(pd_smg, pd_llmd, pd_dynamo, pd_random); co-located fleets use `policy`",
+    )
     pd_policy_params: dict[str, Any] = Field(
-        default_factory=dict, description="keyword parameters for the PD plan policy (as policy_params)")
+        default_factory=dict, description="keyword parameters for the PD plan policy (as policy_params)"
+    )
     pd_link_bandwidth_gbps: float = Field(
-        default=25.0, gt=0, description="P->D KV transfer bandwidth of the fleet, GB/s (1e9 bytes/s)")
+        default=25.0, gt=0, description="P->D KV transfer bandwidth of the fleet, GB/s (1e9 bytes/s)"
+    )
     pd_link_latency_s: float = Field(default=0.0, ge=0, description="fixed cost of one P->D KV handoff, s")
     pd_protocol: Literal["auto", "vllm", "mooncake", "sglang"] = Field(
         default="auto",
         description="KV handoff wire protocol: vllm (sequential kv_transfer_params relay, NIXL), mooncake "
-                    "(router-minted transfer_id), sglang (concurrent bootstrap rooms); auto = by the prefill "
-                    "replica's dialect (vllm -> vllm, sglang -> sglang)")
+        "(router-minted transfer_id), sglang (concurrent bootstrap rooms); auto = by the prefill "
+        "replica's dialect (vllm -> vllm, sglang -> sglang)",
+    )
     pd_role_label: str = Field(
         default="llm-d.ai/role",
         description="pod label (or annotation) naming a pod's role with llm-d's values: prefill, decode, "
-                    "prefill-decode / both, encode (not routed); kvroute.io/role is read when it is absent")
+        "prefill-decode / both, encode (not routed); kvroute.io/role is read when it is absent",
+    )
     pd_bootstrap_port_annotation: str = Field(
-        default="sglang.ai/bootstrap-port", description="pod annotation (or label) with an SGLang prefill pod's "
-                                                        "bootstrap port")
+        default="sglang.ai/bootstrap-port",
+        description="pod annotation (or label) with an SGLang prefill pod's bootstrap port",
+    )
     pd_default_bootstrap_port: int = Field(
-        default=8998, ge=1, le=65535, description="SGLang bootstrap port of prefill pods / replicas that name none")
+        default=8998,
+        ge=1,
+        le=65535,
+        description="SGLang bootstrap port of prefill pods / replicas that name none",
+    )
     # --- router CPU (issue 23) ---
     workers: int = Field(
-        default=1, ge=1, le=64,
+        default=1,
+        ge=1,
+        le=64,
         description="router worker processes per pod: above 1, kvroute serve supervises this many copies of the "
-                    "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
-                    "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
-                    "answers every worker's metrics labelled worker. Give the pod about this many cores")
+        "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
+        "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
+        "answers every worker's metrics labelled worker. Give the pod about this many cores",
+    )
     # --- PD link learning (issue 19) ---
     pd_link_learn: bool = Field(
         default=True,
         description="learn the P->D link bandwidth online from observed handoffs (sequential vLLM relay: the "
-                    "prefill answer -> decode first byte time minus the plan's predicted decode_first term); the "
-                    "learned value stays within [pd_link_bandwidth_gbps / 4, x 4]; false = always the configured "
-                    "bandwidth")
+        "prefill answer -> decode first byte time minus the plan's predicted decode_first term); the "
+        "learned value stays within [pd_link_bandwidth_gbps / 4, x 4]; false = always the configured "
+        "bandwidth",
+    )
     pd_link_learn_min_samples: int = Field(
-        default=8, ge=1, description="observed handoffs before the learned P->D bandwidth replaces the configured "
-                                     "one, count")
+        default=8,
+        ge=1,
+        description="observed handoffs before the learned P->D bandwidth replaces the configured one, count",
+    )
     pd_link_learn_alpha: float = Field(
-        default=0.2, gt=0, le=1, description="EMA weight of one observed handoff in the learned P->D bandwidth "
-                                             "(bytes/s), in (0, 1]")
+        default=0.2,
+        gt=0,
+        le=1,
+        description="EMA weight of one observed handoff in the learned P->D bandwidth (bytes/s), in (0, 1]",
+    )
     # cache-frontier tokenization (issue 23)
     tokenize_scope: Literal["prompt", "cached_prefix"] = Field(
         default="cached_prefix",
         description="how much of a long text prompt (completions string, rendered chat) the router tokenizes: "
-                    "prompt = all of it (exact prompt length; completions ids forwarded to the engine); "
-                    "cached_prefix = in growing prefixes only as deep as some replica's cache holds it (no replica "
-                    "can match past the first block none holds), which spares the router most of its CPU on long "
-                    "new prompts; the rest of the prompt's length is then estimated (tokens per character of the "
-                    "tokenized part and of a sample of its end), and the text, not ids, goes to the engine. hf mode "
-                    "with an exact-splitting tokenizer only, and only while no routable replica depends on this "
-                    "router's predicted entries (its KV-event feed down); else the whole prompt")
+        "prompt = all of it (exact prompt length; completions ids forwarded to the engine); "
+        "cached_prefix = in growing prefixes only as deep as some replica's cache holds it (no replica "
+        "can match past the first block none holds), which spares the router most of its CPU on long "
+        "new prompts; the rest of the prompt's length is then estimated (tokens per character of the "
+        "tokenized part and of a sample of its end), and the text, not ids, goes to the engine. hf mode "
+        "with an exact-splitting tokenizer only, and only while no routable replica depends on this "
+        "router's predicted entries (its KV-event feed down); else the whole prompt",
+    )
     tokenize_lookahead_chars: int = Field(
-        default=4096, ge=256,
+        default=4096,
+        ge=256,
         description="cached_prefix: texts up to this many characters (1.5x, so that no small rest is left) are "
-                    "tokenized whole (exact ids, as with tokenize_scope=prompt); longer ones start with a prefix of "
-                    "about this length, each next prefix doubles it, and a walk that stops early also tokenizes a "
-                    "quarter of this at the end of the text to estimate the length. Larger: exact ids for more "
-                    "prompts, more router CPU on new long prompts")
+        "tokenized whole (exact ids, as with tokenize_scope=prompt); longer ones start with a prefix of "
+        "about this length, each next prefix doubles it, and a walk that stops early also tokenizes a "
+        "quarter of this at the end of the text to estimate the length. Larger: exact ids for more "
+        "prompts, more router CPU on new long prompts",
+    )
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
@@ -631,42 +901,62 @@ class Settings(BaseSettings):
     # -- typed sub-configs (components keep no defaults of their own) -----------------------------------
     def health(self) -> HealthConfig:
         """Health checks of every replica (static and discovered)."""
-        return HealthConfig(interval_s=self.probe_interval_s, timeout_s=self.probe_timeout_s,
-                            path=self.health_probe_path, unhealthy_after=self.unhealthy_after,
-                            healthy_after=self.healthy_after)
+        return HealthConfig(
+            interval_s=self.probe_interval_s,
+            timeout_s=self.probe_timeout_s,
+            path=self.health_probe_path,
+            unhealthy_after=self.unhealthy_after,
+            healthy_after=self.healthy_after,
+        )
 
     def allocator(self) -> AllocatorConfig:
         """Stable replica indices."""
-        return AllocatorConfig(ordinal_regex=self.index_ordinal_regex, dynamic_base=self.index_dynamic_base,
-                               release_grace_s=self.index_release_grace_s, stale_s=self.index_stale_s)
+        return AllocatorConfig(
+            ordinal_regex=self.index_ordinal_regex,
+            dynamic_base=self.index_dynamic_base,
+            release_grace_s=self.index_release_grace_s,
+            stale_s=self.index_stale_s,
+        )
 
     def redis(self) -> RedisConfig | None:
         """State shared by router replicas (None without ``redis_url``)."""
         if not self.redis_url:
             return None
-        return RedisConfig(url=self.redis_url, key_prefix=self.redis_key_prefix, timeout_s=self.redis_timeout_s,
-                           retry_max_s=self.redis_retry_max_s, session_ttl_s=self.session_ttl_s,
-                           idempotency_ttl_s=self.idempotency_ttl_s, broadcast_decisions=self.broadcast_decisions)
+        return RedisConfig(
+            url=self.redis_url,
+            key_prefix=self.redis_key_prefix,
+            timeout_s=self.redis_timeout_s,
+            retry_max_s=self.redis_retry_max_s,
+            session_ttl_s=self.session_ttl_s,
+            idempotency_ttl_s=self.idempotency_ttl_s,
+            broadcast_decisions=self.broadcast_decisions,
+        )
 
     def kubernetes(self) -> KubernetesOptions | None:
         """Pod discovery (None unless ``kubernetes_enabled``)."""
         if not self.kubernetes_enabled and not self.inference_pool:  # a pool implies discovery
             return None
         return KubernetesOptions(
-            namespace=self.kubernetes_namespace, label_selector=self.kubernetes_label_selector,
-            resync_interval_s=self.kubernetes_resync_interval_s, api_host=self.kubernetes_api_host,
-            kubeconfig=self.kubernetes_kubeconfig, default_port=self.kubernetes_default_port,
+            namespace=self.kubernetes_namespace,
+            label_selector=self.kubernetes_label_selector,
+            resync_interval_s=self.kubernetes_resync_interval_s,
+            api_host=self.kubernetes_api_host,
+            kubeconfig=self.kubernetes_kubeconfig,
+            default_port=self.kubernetes_default_port,
             default_kv_events_port=self.kubernetes_default_kv_events_port,
             default_kv_replay_port=self.kubernetes_default_kv_replay_port,
-            default_kv_topic=self.kubernetes_default_kv_topic, inference_pool=self.inference_pool,
+            default_kv_topic=self.kubernetes_default_kv_topic,
+            inference_pool=self.inference_pool,
             role_label=self.pd_role_label,
             bootstrap_port_annotation=self.pd_bootstrap_port_annotation,
-            default_bootstrap_port=self.pd_default_bootstrap_port)
+            default_bootstrap_port=self.pd_default_bootstrap_port,
+        )
 
     def membership(self) -> MembershipConfig:
         """Everything the membership front door needs."""
-        return MembershipConfig(health=self.health(), allocator=self.allocator(), redis=self.redis(),
-                                kubernetes=self.kubernetes())
+        return MembershipConfig(
+            health=self.health(), allocator=self.allocator(), redis=self.redis(), kubernetes=self.kubernetes()
+        )
 
     def static_replicas(self) -> list[dict[str, Any]]:
         """The static replica specs as plain mappings (``membership.static`` does not import the router)."""
@@ -674,25 +964,38 @@ class Settings(BaseSettings):
 
     def pd_link_learning(self) -> LinkLearning:
         """How the P->D link bandwidth is learned from observed handoffs (issue 19)."""
-        return LinkLearning(enabled=self.pd_link_learn, min_samples=self.pd_link_learn_min_samples,
-                            alpha=self.pd_link_learn_alpha)
+        return LinkLearning(
+            enabled=self.pd_link_learn,
+            min_samples=self.pd_link_learn_min_samples,
+            alpha=self.pd_link_learn_alpha,
+        )
 
     def proxy(self) -> ProxyConfig:
         """Forwarding: timeouts, retries, pool, engine API key."""
         return ProxyConfig(
-            connect_timeout_s=self.connect_timeout_s, first_byte_timeout_s=self.first_byte_timeout_s,
-            total_timeout_s=self.total_timeout_s, idle_timeout_s=self.idle_timeout_s,
-            max_retries=self.max_retries, max_connections=self.max_connections,
+            connect_timeout_s=self.connect_timeout_s,
+            first_byte_timeout_s=self.first_byte_timeout_s,
+            total_timeout_s=self.total_timeout_s,
+            idle_timeout_s=self.idle_timeout_s,
+            max_retries=self.max_retries,
+            max_connections=self.max_connections,
             keepalive_timeout_s=self.keepalive_timeout_s,
             engine_api_key=self.engine_api_key.get_secret_value() if self.engine_api_key else None,
-            retry_after_s=self.retry_after_s, max_header_bytes=self.engine_max_header_bytes,
-            max_headers=self.engine_max_headers, max_body_bytes=self.engine_max_body_bytes,
-            body_idle_timeout_s=self.engine_body_idle_timeout_s, stream_usage=self.engine_stream_usage)
+            retry_after_s=self.retry_after_s,
+            max_header_bytes=self.engine_max_header_bytes,
+            max_headers=self.engine_max_headers,
+            max_body_bytes=self.engine_max_body_bytes,
+            body_idle_timeout_s=self.engine_body_idle_timeout_s,
+            stream_usage=self.engine_stream_usage,
+        )
 
     def dispatch(self) -> DispatchSettings:
         """The cache-first dispatch gate."""
-        return DispatchSettings(limit_tokens=self.dispatch_limit_tokens, patience_s=self.dispatch_patience_s,
-                                max_wait_s=self.dispatch_max_wait_s)
+        return DispatchSettings(
+            limit_tokens=self.dispatch_limit_tokens,
+            patience_s=self.dispatch_patience_s,
+            max_wait_s=self.dispatch_max_wait_s,
+        )
 
     def engine_headers(self) -> dict[str, str]:
         """Headers sent to engines (probes, scrapes, /tokenize): the engine API key as a bearer token, if any."""
@@ -711,7 +1014,9 @@ class Settings(BaseSettings):
                 out[name] = ["***"] * len(value)
             elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
                 out[name] = [x.model_dump() for x in value]
-            elif isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+            elif (
+                isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]
+            ):
                 scheme, rest = value.split("://", 1)  # a URL with credentials (redis://:password@host)
                 out[name] = f"{scheme}://***@{rest.split('@', 1)[1]}"
             else:
@@ -748,7 +1053,9 @@ def read_yaml_config(path: str | None) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path}: expected a mapping of option -> value, got {type(data).__name__}")
+        raise ValueError(
+            f"config file {path}: expected a mapping of option -> value, got {type(data).__name__}"
+        )
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
@@ -757,8 +1064,12 @@ def read_yaml_config(path: str | None) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------
 
 #: field name -> flag name when it is not simply --kebab-case(field)
-CLI_FLAG_OVERRIDES: dict[str, str] = {"replicas": "--replica", "policy_params": "--policy-param",
-                                      "api_keys": "--api-key", "cors_origins": "--cors-origin"}
+CLI_FLAG_OVERRIDES: dict[str, str] = {
+    "replicas": "--replica",
+    "policy_params": "--policy-param",
+    "api_keys": "--api-key",
+    "cors_origins": "--cors-origin",
+}
 
 
 def flag_name(field_name: str) -> str:
@@ -812,17 +1123,25 @@ def _parse_none(text: str) -> str | None:
     return None if text.lower() in ("none", "null", "") else text
 
 
-def build_arg_parser(prog: str = "kvroute serve", settings_cls: type[Settings] = Settings) -> argparse.ArgumentParser:
+def build_arg_parser(
+    prog: str = "kvroute serve", settings_cls: type[Settings] = Settings
+) -> argparse.ArgumentParser:
     """An argparse parser with one flag per Settings field (help = description, default and env var shown).
 
     Flags default to ``argparse.SUPPRESS`` so only flags actually given override env / YAML / defaults.
     """
     parser = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="kvroute router. Every option can also be set with the environment variable shown or as a "
-                    "key in the YAML file given with --config. Precedence: flags > env > YAML > defaults.")
-    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help=f"YAML config file (keys = option names) (env: {ENV_PREFIX}CONFIG)")
+        "key in the YAML file given with --config. Precedence: flags > env > YAML > defaults.",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"YAML config file (keys = option names) (env: {ENV_PREFIX}CONFIG)",
+    )
     for name, info in settings_cls.model_fields.items():
         flag = flag_name(name)
         kind = _kind(info.annotation)
@@ -874,8 +1193,9 @@ def _dict_from_pairs(name: str, items: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_settings(argv: Sequence[str] | None = None, settings_cls: type[Settings] = Settings,
-                  prog: str = "kvroute serve") -> Settings:
+def load_settings(
+    argv: Sequence[str] | None = None, settings_cls: type[Settings] = Settings, prog: str = "kvroute serve"
+) -> Settings:
     """Parse ``argv`` and build Settings with precedence CLI > env > YAML (``--config`` or
     ``KVROUTE_CONFIG``) > defaults.
 
@@ -914,9 +1234,16 @@ def settings_fields(settings_cls: type[Settings] = Settings) -> list[dict[str, A
         default = _default_of(info)
         if isinstance(default, SecretStr):
             default = None
-        out.append({"name": name, "flag": flag_name(name), "env": env_name(name),
-                    "type": _type_text(info.annotation), "default": default,
-                    "description": info.description or ""})
+        out.append(
+            {
+                "name": name,
+                "flag": flag_name(name),
+                "env": env_name(name),
+                "type": _type_text(info.annotation),
+                "default": default,
+                "description": info.description or "",
+            }
+        )
     return out
 
 
@@ -950,14 +1277,17 @@ DOC_END = "<!-- settings:end -->"
 
 def settings_markdown(settings_cls: type[Settings] = Settings) -> str:
     """The configuration reference as a Markdown table (option, flag, env, type, default, description)."""
+
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
     lines = ["| option | flag | env | type | default | description |", "|---|---|---|---|---|---|"]
     for f in settings_fields(settings_cls):
         default = "***" if f["name"] in ("admin_token", "engine_api_key") and f["default"] else f["default"]
-        lines.append(f"| `{f['name']}` | `{f['flag']}` | `{f['env']}` | {cell(f['type'])} | "
-                     f"`{cell(json.dumps(default))}` | {cell(f['description'])} |")
+        lines.append(
+            f"| `{f['name']}` | `{f['flag']}` | `{f['env']}` | {cell(f['type'])} | "
+            f"`{cell(json.dumps(default))}` | {cell(f['description'])} |"
+        )
     return "\n".join(lines)
 
 

@@ -51,8 +51,14 @@ class DispatchGate:
         clock: seconds (monotonic).
     """
 
-    def __init__(self, settings: DispatchSettings, index: PrefixIndex, block_size: int,
-                 routable: Callable[[int], bool], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: DispatchSettings,
+        index: PrefixIndex,
+        block_size: int,
+        routable: Callable[[int], bool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.index = index
         self.block_size = block_size
@@ -64,8 +70,9 @@ class DispatchGate:
         self._ticker: asyncio.Task[None] | None = None
 
     # -- the proxy's calls -----------------------------------------------------------------------------
-    async def wait(self, replica: int, keys: Sequence[int], prompt_tokens: int, uncached_tokens: int,
-                   stream: bool) -> int | None:
+    async def wait(
+        self, replica: int, keys: Sequence[int], prompt_tokens: int, uncached_tokens: int, stream: bool
+    ) -> int | None:
         """Wait until ``replica`` may take this request; returns the tokens to give ``done`` afterwards
         (None: the request was not counted, e.g. not streamed or the gate is off).
 
@@ -102,7 +109,9 @@ class DispatchGate:
             self._hand_over(replica, w.item, w.tokens)
 
     def _hand_over(self, replica: int, w: _Waiter, tokens: int) -> None:
-        if w.fut.done():  # its caller is gone (cancelled): give the counted tokens back, which may free the next
+        if (
+            w.fut.done()
+        ):  # its caller is gone (cancelled): give the counted tokens back, which may free the next
             self.done(replica, tokens)
             return
         w.fut.set_result(tokens)
@@ -128,8 +137,10 @@ class DispatchGate:
                 if not w.item.fut.done():
                     w.item.fut.set_exception(ReplicaGone(f"replica {r} stopped being routable"))
         for r, w in self.queues.expired(now, self.ask.uncached_tokens):
-            log.warning("dispatch gate: request sent after waiting max_wait_s",
-                        extra={"replica": r, "max_wait_s": self.settings.max_wait_s})
+            log.warning(
+                "dispatch gate: request sent after waiting max_wait_s",
+                extra={"replica": r, "max_wait_s": self.settings.max_wait_s},
+            )
             self._hand_over(r, w.item, w.tokens)
 
     async def aclose(self) -> None:
@@ -149,20 +160,38 @@ def dispatch_gauges(gate: DispatchGate) -> Iterable[Any]:
     from router.telemetry import gauge
 
     q = gate.queues
-    yield gauge("kvroute_dispatch_waiting_requests",
-                "requests waiting in the router for their replica (cache-first dispatch gate)", float(q.waiting()))
-    yield gauge("kvroute_dispatch_queued_requests",
-                "requests that waited for their replica (cumulative)", float(q.queued_total))
-    yield gauge("kvroute_dispatch_reordered_requests",
-                "requests sent ahead of older ones because more of their prompt is cached (cumulative)",
-                float(q.reordered_total))
-    yield gauge("kvroute_dispatch_expired_requests",
-                "requests sent after waiting dispatch_max_wait_s (cumulative)", float(q.expired_total))
-    yield gauge("kvroute_dispatch_failed_over_requests",
-                "waiting requests moved to another replica because theirs stopped being routable (cumulative)",
-                float(gate.gone_total))
-    yield gauge("kvroute_dispatch_wait_seconds",
-                "total time requests waited for their replica (cumulative, s)", q.wait_s_total)
-    yield gauge("kvroute_dispatch_sent_prefill_tokens",
-                "uncached prompt tokens sent to replicas whose first token is pending (gate's count)",
-                float(sum(q.queue(r).sent_tokens for r in q.replicas())))
+    yield gauge(
+        "kvroute_dispatch_waiting_requests",
+        "requests waiting in the router for their replica (cache-first dispatch gate)",
+        float(q.waiting()),
+    )
+    yield gauge(
+        "kvroute_dispatch_queued_requests",
+        "requests that waited for their replica (cumulative)",
+        float(q.queued_total),
+    )
+    yield gauge(
+        "kvroute_dispatch_reordered_requests",
+        "requests sent ahead of older ones because more of their prompt is cached (cumulative)",
+        float(q.reordered_total),
+    )
+    yield gauge(
+        "kvroute_dispatch_expired_requests",
+        "requests sent after waiting dispatch_max_wait_s (cumulative)",
+        float(q.expired_total),
+    )
+    yield gauge(
+        "kvroute_dispatch_failed_over_requests",
+        "waiting requests moved to another replica because theirs stopped being routable (cumulative)",
+        float(gate.gone_total),
+    )
+    yield gauge(
+        "kvroute_dispatch_wait_seconds",
+        "total time requests waited for their replica (cumulative, s)",
+        q.wait_s_total,
+    )
+    yield gauge(
+        "kvroute_dispatch_sent_prefill_tokens",
+        "uncached prompt tokens sent to replicas whose first token is pending (gate's count)",
+        float(sum(q.queue(r).sent_tokens for r in q.replicas())),
+    )

@@ -74,6 +74,7 @@ class EngineTLSError(EngineConnectError):
 class EngineResponseTooLarge(EngineError):
     """A response body exceeded the byte limit it was read with."""
 
+
 #: Connection key: (host, port, TLS)
 ConnKey = tuple[str, int, bool]
 
@@ -81,9 +82,31 @@ ConnKey = tuple[str, int, bool]
 class _Conn(asyncio.Protocol):
     """One keep-alive connection to an engine and the response currently being read on it."""
 
-    __slots__ = ("key", "transport", "parser", "status", "headers", "chunks", "buffered", "complete", "error",
-                 "waiter", "header_waiter", "closed", "idle_since", "paused", "_delimited", "accounted", "keep_alive",
-                 "on_idle_lost", "max_header_bytes", "max_headers", "head_bytes", "nheaders", "sink")
+    __slots__ = (
+        "key",
+        "transport",
+        "parser",
+        "status",
+        "headers",
+        "chunks",
+        "buffered",
+        "complete",
+        "error",
+        "waiter",
+        "header_waiter",
+        "closed",
+        "idle_since",
+        "paused",
+        "_delimited",
+        "accounted",
+        "keep_alive",
+        "on_idle_lost",
+        "max_header_bytes",
+        "max_headers",
+        "head_bytes",
+        "nheaders",
+        "sink",
+    )
 
     def __init__(self, key: ConnKey, max_header_bytes: int = 65536, max_headers: int = 100) -> None:
         self.key = key
@@ -146,13 +169,20 @@ class _Conn(asyncio.Protocol):
             # bounded header memory: the parser keeps an unfinished header line in memory, so an engine sending
             # endless headers (or one endless header) must be cut off by bytes, not only by count
             if self.nheaders > self.max_headers:
-                self._fail(EngineProtocolError(f"engine response has over {self.max_headers} headers "
-                                               "(engine_max_headers)"))
+                self._fail(
+                    EngineProtocolError(
+                        f"engine response has over {self.max_headers} headers (engine_max_headers)"
+                    )
+                )
             elif not self.status:
                 self.head_bytes += len(data)
                 if self.head_bytes > self.max_header_bytes:
-                    self._fail(EngineProtocolError(f"engine response headers over {self.max_header_bytes} bytes "
-                                                   "(engine_max_header_bytes)"))
+                    self._fail(
+                        EngineProtocolError(
+                            f"engine response headers over {self.max_header_bytes} bytes "
+                            "(engine_max_header_bytes)"
+                        )
+                    )
 
     def eof_received(self) -> bool:
         """The engine closed its side: end a read-until-close body, else the response is lost."""
@@ -236,8 +266,15 @@ class _Conn(asyncio.Protocol):
     @property
     def reusable(self) -> bool:
         """A fully read keep-alive response on a live connection."""
-        return (self.complete and self.error is None and not self.closed and self.transport is not None
-                and not self.transport.is_closing() and self.keep_alive and not self.chunks)
+        return (
+            self.complete
+            and self.error is None
+            and not self.closed
+            and self.transport is not None
+            and not self.transport.is_closing()
+            and self.keep_alive
+            and not self.chunks
+        )
 
 
 class EngineResponse:
@@ -321,8 +358,9 @@ class EngineResponse:
         data = b"".join(parts)
         return data if limit is None else data[:limit]
 
-    async def read_body(self, first: bytes, *, max_bytes: int, idle_timeout_s: float,
-                        deadline: float | None = None) -> bytes:
+    async def read_body(
+        self, first: bytes, *, max_bytes: int, idle_timeout_s: float, deadline: float | None = None
+    ) -> bytes:
         """The whole body (``first``: what was already read), bounded in size and in silence.
 
         Args:
@@ -415,10 +453,18 @@ class EnginePool:
             taken when the first ``https://`` engine is contacted).
     """
 
-    def __init__(self, *, connect_timeout_s: float = 2.0, keepalive_timeout_s: float = 4.0,
-                 max_connections: int = 1000, max_idle_per_host: int = 64,
-                 headers: Mapping[str, str] | None = None, max_header_bytes: int = 65536,
-                 max_headers: int = 100, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 2.0,
+        keepalive_timeout_s: float = 4.0,
+        max_connections: int = 1000,
+        max_idle_per_host: int = 64,
+        headers: Mapping[str, str] | None = None,
+        max_header_bytes: int = 65536,
+        max_headers: int = 100,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_header_bytes = max_header_bytes
         self.max_headers = max_headers
@@ -444,7 +490,9 @@ class EnginePool:
             parts = urlsplit(base_url)
             scheme = parts.scheme.lower()
             if scheme not in ("http", "https") or not parts.hostname:
-                raise EngineConnectError(f"unsupported engine URL {base_url!r} (http(s)://host:port expected)")
+                raise EngineConnectError(
+                    f"unsupported engine URL {base_url!r} (http(s)://host:port expected)"
+                )
             tls = scheme == "https"
             port = parts.port or (443 if tls else 80)
             prefix = parts.path.rstrip("/").encode()
@@ -465,8 +513,9 @@ class EnginePool:
         """GET ``base_url + path`` (e.g. an engine's ``/metrics``); like ``post`` otherwise."""
         return await self._request(b"GET", base_url, path, b"", headers)
 
-    async def _request(self, method: bytes, base_url: str, path: str, body: bytes,
-                       headers: Mapping[str, str]) -> EngineResponse:
+    async def _request(
+        self, method: bytes, base_url: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> EngineResponse:
         if self.closed:
             raise EngineConnectError("the engine connection pool is closed")
         key, prefix, host_header = self._target(base_url)
@@ -479,9 +528,21 @@ class EnginePool:
         conn.header_waiter = fut
         head = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
         assert conn.transport is not None
-        conn.transport.write(method + b" " + prefix + path.encode() + b" HTTP/1.1\r\nhost: " + host_header
-                             + b"\r\n" + self._extra + head + b"content-length: " + str(len(body)).encode()
-                             + b"\r\n\r\n" + body)
+        conn.transport.write(
+            method
+            + b" "
+            + prefix
+            + path.encode()
+            + b" HTTP/1.1\r\nhost: "
+            + host_header
+            + b"\r\n"
+            + self._extra
+            + head
+            + b"content-length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
         try:
             await fut
         except BaseException:
@@ -500,8 +561,12 @@ class EnginePool:
         while stack:
             conn = stack.pop()  # most recently used first: its peer has not timed it out
             conn.on_idle_lost = None
-            if not conn.closed and conn.transport is not None and not conn.transport.is_closing() \
-                    and now - conn.idle_since < self.keepalive_timeout_s:
+            if (
+                not conn.closed
+                and conn.transport is not None
+                and not conn.transport.is_closing()
+                and now - conn.idle_since < self.keepalive_timeout_s
+            ):
                 return conn
             self._drop(conn)
         return None
@@ -520,12 +585,14 @@ class EnginePool:
         try:
             ctx = self._tls_context() if tls else None
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _Conn(key, hb, nh), host, port, ssl=ctx,
-                                                       server_hostname=host if tls else None)
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(key, hb, nh), host, port, ssl=ctx, server_hostname=host if tls else None
+                )
         except TimeoutError:
             self._release_slot()
-            raise EngineConnectTimeout(f"connect to {host}:{port} timed out after "
-                                       f"{self.connect_timeout_s:g}s") from None
+            raise EngineConnectTimeout(
+                f"connect to {host}:{port} timed out after {self.connect_timeout_s:g}s"
+            ) from None
         except (ssl.SSLError, ssl.CertificateError) as exc:
             self._release_slot()
             if isinstance(exc, ssl.SSLCertVerificationError):
@@ -533,8 +600,9 @@ class EnginePool:
                 reason = f"certificate verify failed ({exc.reason}): {exc.verify_message or exc.reason}"
             else:
                 reason = str(getattr(exc, "reason", None) or exc)
-            raise EngineTLSError(f"TLS handshake with {host}:{port} failed: {reason} (is the engine's CA in "
-                                 f"engine_ca_bundle?)") from None
+            raise EngineTLSError(
+                f"TLS handshake with {host}:{port} failed: {reason} (is the engine's CA in engine_ca_bundle?)"
+            ) from None
         except OSError as exc:
             self._release_slot()
             raise EngineConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None

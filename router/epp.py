@@ -67,8 +67,14 @@ class _Refused(Exception):
     """A request answered with an ImmediateResponse (status, stable code, message, extra headers; ``body``: the
     JSON to send when another module already built it, else an OpenAI-style error from the message)."""
 
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None,
-                 body: bytes | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        body: bytes | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.headers = status, code, message, headers or {}
         self.body = body
@@ -88,15 +94,29 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.svc = svc
         #: the HTTP routes' own parsing, tokenizing and deciding (never a second copy of the decision logic)
         self.dp = _DataPlane(svc, _Auth(svc.guard))
-        self.streams = Counter("kvroute_epp_requests", "endpoint-picker streams by outcome (HTTP status of the "
-                               "answer: 200 = routed)", ["status"], registry=svc.telemetry.registry)
+        self.streams = Counter(
+            "kvroute_epp_requests",
+            "endpoint-picker streams by outcome (HTTP status of the answer: 200 = routed)",
+            ["status"],
+            registry=svc.telemetry.registry,
+        )
         #: gateway streams open now (one per HTTP request the gateway is processing)
         self.active = 0
-        svc.telemetry.add_gauges(lambda: [gauge("kvroute_epp_streams_active", "endpoint-picker streams open now "
-                                                "(one per request the gateway is processing)", float(self.active))])
+        svc.telemetry.add_gauges(
+            lambda: [
+                gauge(
+                    "kvroute_epp_streams_active",
+                    "endpoint-picker streams open now (one per request the gateway is processing)",
+                    float(self.active),
+                )
+            ]
+        )
 
-    async def Process(self, request_iterator: AsyncIterator[Any],  # noqa: N802  (the gRPC method name)
-                      context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[Any],  # noqa: N802  (the gRPC method name)
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[Any]:
         """One HTTP request's ext_proc stream: answers each message as the protocol requires."""
         stream = _Stream(self)
         self.active += 1
@@ -165,8 +185,9 @@ class _Stream:
             self.size += len(chunk)
             limit = self.svc.settings.max_request_bytes
             if self.size > limit:
-                return self._refuse(_Refused(413, "request_too_large",
-                                             f"request body over {limit} bytes (max_request_bytes)"))
+                return self._refuse(
+                    _Refused(413, "request_too_large", f"request body over {limit} bytes (max_request_bytes)")
+                )
             self.parts.append(chunk)
         if not end:
             return []
@@ -195,13 +216,21 @@ class _Stream:
         inp = routed.inp
         self.routed = routed
         # the proxy's own hold (no dispatch gate here): counted in flight now, released by ``release()``
-        self.hold = _Hold(svc.router, None, rep, inp.prompt_tokens - routed.cached_tokens.get(rep.index, 0),
-                          inp.copies).__enter__().hand_over()
+        self.hold = (
+            _Hold(
+                svc.router, None, rep, inp.prompt_tokens - routed.cached_tokens.get(rep.index, 0), inp.copies
+            )
+            .__enter__()
+            .hand_over()
+        )
         svc.router.record_prediction(rep, inp.keys)
         extra = {"x-request-id": inp.request_id}
         changed = payload is not None and payload is not body
-        answers = [codec.routed_headers(codec.endpoint_of(rep.url), extra,
-                                        len(payload) if changed and payload is not None else None)]
+        answers = [
+            codec.routed_headers(
+                codec.endpoint_of(rep.url), extra, len(payload) if changed and payload is not None else None
+            )
+        ]
         if body is not None:
             answers.extend(codec.body_chunks(payload if payload is not None else body, request=True))
         self.sent_at = time.monotonic()
@@ -211,9 +240,16 @@ class _Stream:
     async def _guard(self) -> None:
         """The HTTP front gate on the headers (auth; loop-lag shedding): its answer becomes the refusal."""
         h = self.headers
-        scope = {"type": "http", "method": h.get(":method", "POST"), "path": _path(h),
-                 "headers": [(k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in h.items()
-                             if not k.startswith(":")]}
+        scope = {
+            "type": "http",
+            "method": h.get(":method", "POST"),
+            "path": _path(h),
+            "headers": [
+                (k.encode("latin-1"), v.encode("latin-1", "replace"))
+                for k, v in h.items()
+                if not k.startswith(":")
+            ],
+        }
         sent: list[dict[str, Any]] = []
 
         async def capture(message: Any) -> None:
@@ -236,9 +272,17 @@ class _Stream:
     def _request(self, body: bytes) -> Request:
         """A Starlette request carrying the gateway's headers and the body, for the HTTP routes' own code."""
         h = self.headers
-        scope = {"type": "http", "method": h.get(":method", "POST"), "path": _path(h), "query_string": b"",
-                 "headers": [(k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in h.items()
-                             if not k.startswith(":")]}
+        scope = {
+            "type": "http",
+            "method": h.get(":method", "POST"),
+            "path": _path(h),
+            "query_string": b"",
+            "headers": [
+                (k.encode("latin-1"), v.encode("latin-1", "replace"))
+                for k, v in h.items()
+                if not k.startswith(":")
+            ],
+        }
         request = Request(scope)
         request._body = body  # what Request.body() returns
         return request
@@ -253,9 +297,17 @@ class _Stream:
         data_model = _model_for(self.headers, body)
         if data_model is ChatRequest:
             chat, _ = await _parse(self.svc.intake, request, ChatRequest)
-            inp = await dp.routing_input(request, chat, messages=chat.messages, chat={
-                "add_generation_prompt": chat.add_generation_prompt, "tools": chat.tools,
-                "chat_template_kwargs": chat.chat_template_kwargs}, max_out=chat.max_completion_tokens)
+            inp = await dp.routing_input(
+                request,
+                chat,
+                messages=chat.messages,
+                chat={
+                    "add_generation_prompt": chat.add_generation_prompt,
+                    "tools": chat.tools,
+                    "chat_template_kwargs": chat.chat_template_kwargs,
+                },
+                max_out=chat.max_completion_tokens,
+            )
             self.stream = chat.stream
         else:
             comp, _ = await _parse(self.svc.intake, request, CompletionRequest)
@@ -272,13 +324,19 @@ class _Stream:
         ``x-gateway-model-name`` (set by body-based routing), else of any routable replica's first model."""
         router = self.svc.router
         model = self.headers.get("x-gateway-model-name") or next(
-            (r.models[0] for r in self.svc.table.all() if r.routable and r.models), None)
+            (r.models[0] for r in self.svc.table.all() if r.routable and r.models), None
+        )
         if model is None:
             raise NoReplica("no routable replica")
         model, lora, base = router.resolve_model(model)
-        return router.make_input(model, lora, [], base_model=base,
-                                 session_id=request.headers.get(self.svc.settings.session_header),
-                                 request_id=self.request_id)
+        return router.make_input(
+            model,
+            lora,
+            [],
+            base_model=base,
+            session_id=request.headers.get(self.svc.settings.session_header),
+            request_id=self.request_id,
+        )
 
     def _outside_subset(self) -> Sequence[int]:
         """Replica indexes the subset hint rules out (none without a hint).
@@ -292,8 +350,12 @@ class _Stream:
         reps = self.svc.table.all()
         inside = [r for r in reps if codec.endpoint_of(r.url) in allowed]
         if not inside:
-            raise _Refused(503, "no_endpoint_in_subset", f"no replica is among the gateway's subset hint "
-                           f"({len(allowed)} endpoints)", {"retry-after": str(self.svc.settings.retry_after_s)})
+            raise _Refused(
+                503,
+                "no_endpoint_in_subset",
+                f"no replica is among the gateway's subset hint ({len(allowed)} endpoints)",
+                {"retry-after": str(self.svc.settings.retry_after_s)},
+            )
         return [r.index for r in reps if codec.endpoint_of(r.url) not in allowed]
 
     async def _admit_and_decide(self, inp: RoutingInput, exclude: Sequence[int]) -> Routed:
@@ -306,14 +368,17 @@ class _Stream:
         routed: Routed | None = None
         if ident.ttft_target_s is not None:
             routed = await dp.decide(inp, exclude)
-            svc.tenants.check_slo(ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking))
+            svc.tenants.check_slo(
+                ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking)
+            )
         self.ticket = await svc.tenants.admit(ident, inp.prompt_tokens, inp.expected_output_tokens or None)
         if routed is None or self.ticket.waited_s > 0:
             routed = await dp.decide(inp, exclude)
         chosen = routed.decision.chosen
         score = next((sc for sc in routed.decision.scores if sc.index == chosen), None)
-        svc.tenants.serving(ident, predicted_ttft_s(score) if score is not None else None,
-                            routed.cached_tokens.get(chosen, 0))
+        svc.tenants.serving(
+            ident, predicted_ttft_s(score) if score is not None else None, routed.cached_tokens.get(chosen, 0)
+        )
         return routed
 
     # -- refusals ------------------------------------------------------------------------------------------
@@ -325,7 +390,9 @@ class _Stream:
             return exc
         if isinstance(exc, Rejected):
             telemetry.rejected.labels(exc.reason).inc()
-            return _Refused.of_response(rejection_response(exc, self.svc.settings.retry_after_s), exc.wire_reason)
+            return _Refused.of_response(
+                rejection_response(exc, self.svc.settings.retry_after_s), exc.wire_reason
+            )
         if isinstance(exc, BadIdentity):
             telemetry.rejected.labels("bad_identity").inc()
             return _Refused.of_response(bad_identity_response(exc), "invalid_identity")
@@ -350,8 +417,11 @@ class _Stream:
         headers = {"content-type": "application/json", codec.REASON_HEADER: refusal.code, **refusal.headers}
         if self.request_id:
             headers["x-request-id"] = self.request_id
-        body = refusal.body if refusal.body is not None else error_body(refusal.status, refusal.message,
-                                                                          refusal.code)
+        body = (
+            refusal.body
+            if refusal.body is not None
+            else error_body(refusal.status, refusal.message, refusal.code)
+        )
         return [codec.immediate(refusal.status, body, headers.items(), refusal.code)]
 
     # -- the response path ---------------------------------------------------------------------------------
@@ -404,13 +474,25 @@ class _Stream:
                 if self.event_stream:
                     usage = _usage_from_sse(bytes(self.tail))
                     proxy._check_usage(hold.rep, usage, streamed=True)
-                    proxy._feedback(hold.rep, routed, usage, self.ttft or 0.0,
-                                    routed.cached_tokens.get(hold.rep.index, 0), single_chunk=False)
+                    proxy._feedback(
+                        hold.rep,
+                        routed,
+                        usage,
+                        self.ttft or 0.0,
+                        routed.cached_tokens.get(hold.rep.index, 0),
+                        single_chunk=False,
+                    )
                 elif self.body_size <= self.svc.settings.engine_max_body_bytes:
                     usage = _usage_from_json(b"".join(self.body_parts))
                     proxy._check_usage(hold.rep, usage, streamed=False)
-                    proxy._feedback(hold.rep, routed, usage, self.ttft or 0.0,
-                                    routed.cached_tokens.get(hold.rep.index, 0), single_chunk=not self.stream)
+                    proxy._feedback(
+                        hold.rep,
+                        routed,
+                        usage,
+                        self.ttft or 0.0,
+                        routed.cached_tokens.get(hold.rep.index, 0),
+                        single_chunk=not self.stream,
+                    )
         except Exception:
             log.exception("endpoint picker feedback failed")
         finally:
@@ -448,8 +530,10 @@ def _validation_refusal(exc: RequestValidationError) -> _Refused:
     if any(e.get("type") in ("json_invalid", "json_type") for e in errors):
         msg = next((str(e.get("msg")) for e in errors if e.get("type") == "json_invalid"), "invalid JSON")
         return _Refused(400, "invalid_json", f"request body is not valid JSON: {msg}")
-    parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-             for e in errors]
+    parts = [
+        f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+        for e in errors
+    ]
     return _Refused(422, "invalid_request", "; ".join(parts))
 
 
@@ -466,6 +550,7 @@ def _strip_usage_events(chunk: bytes) -> bytes:
 # -------------------------------------------------------------------------------------------------------------
 # the server
 # -------------------------------------------------------------------------------------------------------------
+
 
 class EppServer:
     """The gRPC server (ext_proc + grpc.health.v1) on ``epp_grpc_port``, in the HTTP app's event loop.
@@ -489,7 +574,9 @@ class EppServer:
         settings = self.svc.settings
         self.port = server.add_insecure_port(f"{settings.host}:{settings.epp_grpc_port}")
         if self.port == 0:
-            raise OSError(f"cannot bind the endpoint picker's gRPC port {settings.host}:{settings.epp_grpc_port}")
+            raise OSError(
+                f"cannot bind the endpoint picker's gRPC port {settings.host}:{settings.epp_grpc_port}"
+            )
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self._update_readiness()
         await server.start()
@@ -513,8 +600,11 @@ class EppServer:
         return any(r.routable for r in self.svc.table.all())
 
     async def _update_readiness(self) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if self.ready()
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.ready()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in (READINESS_SERVICE, EXT_PROC_SERVICE, ""):
             await self.health.set(name, status)
 

@@ -110,19 +110,24 @@ def routed_headers(endpoint: str, extra: Mapping[str, str], body_length: int | N
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)
 
 
-def body_chunks(body: bytes, *, request: bool, end_of_stream: bool = True,
-                chunk_bytes: int = BODY_CHUNK_BYTES) -> Iterator[Any]:
+def body_chunks(
+    body: bytes, *, request: bool, end_of_stream: bool = True, chunk_bytes: int = BODY_CHUNK_BYTES
+) -> Iterator[Any]:
     """``body`` as ``streamed_response`` body messages of at most ``chunk_bytes`` each (request or response
     path); the last one carries ``end_of_stream`` when asked. An empty body is one empty message."""
     n = len(body)
     starts = range(0, n, chunk_bytes) if n else range(1)
     last = starts[-1]
     for start in starts:
-        piece = body[start:start + chunk_bytes]
+        piece = body[start : start + chunk_bytes]
         streamed = pb.StreamedBodyResponse(body=piece, end_of_stream=end_of_stream and start == last)
         common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
         answer = pb.BodyResponse(response=common)
-        yield pb.ProcessingResponse(request_body=answer) if request else pb.ProcessingResponse(response_body=answer)
+        yield (
+            pb.ProcessingResponse(request_body=answer)
+            if request
+            else pb.ProcessingResponse(response_body=answer)
+        )
 
 
 def response_headers(extra: Mapping[str, str]) -> Any:
@@ -143,6 +148,10 @@ def immediate(status: int, body: bytes, headers: Iterable[tuple[str, str]], deta
     """An ``ImmediateResponse``: the gateway answers the client with ``status`` / ``headers`` / ``body`` and does
     not forward the request. ``details`` is the reason code (in Envoy's access log too)."""
     sets = [_header(k, v) for k, v in headers]
-    answer = pb.ImmediateResponse(status=http_status_pb2.HttpStatus(code=status),
-                                  headers=pb.HeaderMutation(set_headers=sets), body=body, details=details)
+    answer = pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),
+        headers=pb.HeaderMutation(set_headers=sets),
+        body=body,
+        details=details,
+    )
     return pb.ProcessingResponse(immediate_response=answer)

@@ -73,7 +73,11 @@ class Auth:
         if not self.api_keys:
             return True
         token = _bearer(authorization)
-        admin = self.admin_token is not None and token is not None and hmac.compare_digest(token, self.admin_token)
+        admin = (
+            self.admin_token is not None
+            and token is not None
+            and hmac.compare_digest(token, self.admin_token)
+        )
         return self._is_key(token) or admin
 
     def admin_status(self, authorization: Header) -> tuple[int, str]:
@@ -138,8 +142,9 @@ class Guard:
         telemetry: the router's ``Telemetry`` (requests and rejected counters).
     """
 
-    def __init__(self, auth: Auth, lag: LoopLag | None, max_lag_s: float, retry_after_s: int,
-                 telemetry: Any) -> None:
+    def __init__(
+        self, auth: Auth, lag: LoopLag | None, max_lag_s: float, retry_after_s: int, telemetry: Any
+    ) -> None:
         self.auth = auth
         self.lag = lag
         self.max_lag_s = max_lag_s
@@ -154,32 +159,58 @@ class Guard:
             return True  # CORS preflights carry no credentials (the CORS middleware answers them)
         if path in _DATA_ROUTES or path.startswith("/v1/"):
             if self.auth.api_keys and not self.auth.client_ok(_header(scope, b"authorization")):
-                await self._reject(scope, send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
-                                   "unauthorized", {"www-authenticate": "Bearer"})
+                await self._reject(
+                    scope,
+                    send,
+                    401,
+                    "missing or invalid API key (Authorization: Bearer <key>)",
+                    "unauthorized",
+                    {"www-authenticate": "Bearer"},
+                )
                 return False
-            if path in _SHED_ROUTES and self.max_lag_s > 0 and self.lag is not None and scope.get("method") == "POST":
+            if (
+                path in _SHED_ROUTES
+                and self.max_lag_s > 0
+                and self.lag is not None
+                and scope.get("method") == "POST"
+            ):
                 lag = self.lag.lag_s()
                 if lag > self.max_lag_s:
                     self.shed += 1
                     self.telemetry.rejected.labels("event_loop_lag").inc()
-                    await self._reject(scope, send, 503, f"router overloaded: its event loop lags {lag:.3f}s "
-                                       f"(max_event_loop_lag_s {self.max_lag_s:g}s); retry shortly",
-                                       "event_loop_lag", {"retry-after": str(self.retry_after_s)})
+                    await self._reject(
+                        scope,
+                        send,
+                        503,
+                        f"router overloaded: its event loop lags {lag:.3f}s "
+                        f"(max_event_loop_lag_s {self.max_lag_s:g}s); retry shortly",
+                        "event_loop_lag",
+                        {"retry-after": str(self.retry_after_s)},
+                    )
                     return False
         elif path in _ADMIN_ROUTES:
             status, message = self.auth.admin_status(_header(scope, b"authorization"))
             if status:
-                await self._reject(scope, send, status, message, "unauthorized" if status == 401 else "forbidden",
-                                   {"www-authenticate": "Bearer"} if status == 401 else {})
+                await self._reject(
+                    scope,
+                    send,
+                    status,
+                    message,
+                    "unauthorized" if status == 401 else "forbidden",
+                    {"www-authenticate": "Bearer"} if status == 401 else {},
+                )
                 return False
         return True
 
-    async def _reject(self, scope: Scope, send: Send, status: int, message: str, code: str,
-                      headers: dict[str, str]) -> None:
+    async def _reject(
+        self, scope: Scope, send: Send, status: int, message: str, code: str, headers: dict[str, str]
+    ) -> None:
         if _large_body(scope):
             headers = {**headers, "connection": "close"}  # do not read what was announced
         resp = error_response(status, message, code, headers=headers)
         await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
         await send({"type": "http.response.body", "body": resp.body})
         path = scope.get("path", "")
-        self.telemetry.requests.labels(path if path in _DATA_ROUTES | _ADMIN_ROUTES else "other", str(status)).inc()
+        self.telemetry.requests.labels(
+            path if path in _DATA_ROUTES | _ADMIN_ROUTES else "other", str(status)
+        ).inc()

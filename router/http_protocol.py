@@ -43,9 +43,12 @@ class ConnLimits:
     @classmethod
     def from_settings(cls, settings: Any) -> ConnLimits:
         """The limits configured in ``router.config.Settings``."""
-        return cls(max_header_bytes=settings.max_header_bytes, max_header_count=settings.max_header_count,
-                   header_timeout_s=settings.client_header_timeout_s,
-                   body_idle_timeout_s=settings.client_body_idle_timeout_s)
+        return cls(
+            max_header_bytes=settings.max_header_bytes,
+            max_header_count=settings.max_header_count,
+            header_timeout_s=settings.client_header_timeout_s,
+            body_idle_timeout_s=settings.client_body_idle_timeout_s,
+        )
 
 
 class _HeadRejected(Exception):
@@ -55,21 +58,29 @@ class _HeadRejected(Exception):
 def _raw_error(status: int, phrase: str, message: str, code: str) -> bytes:
     """A complete HTTP/1.1 error response with an OpenAI-style JSON body and ``connection: close``."""
     body = orjson.dumps({"error": {"message": message, "type": code, "code": code, "param": None}})
-    return (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode("ascii") + body
+    return (
+        f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    ).encode("ascii") + body
 
 
 def cut_counter(registry: Any) -> Callable[[str], None]:
     """``on_cut`` counting ``kvroute_client_connections_cut_total{reason}`` in ``registry``."""
     from prometheus_client import Counter
 
-    counter = Counter("kvroute_client_connections_cut", "client connections closed by the router for a request "
-                      "head over max_header_bytes / max_header_count or a head or body timeout, by reason",
-                      ["reason"], registry=registry)
+    counter = Counter(
+        "kvroute_client_connections_cut",
+        "client connections closed by the router for a request "
+        "head over max_header_bytes / max_header_count or a head or body timeout, by reason",
+        ["reason"],
+        registry=registry,
+    )
     return lambda reason: counter.labels(reason).inc()
 
 
-def protocol_class(limits: ConnLimits, on_cut: Callable[[str], None] = lambda reason: None) -> type[asyncio.Protocol]:
+def protocol_class(
+    limits: ConnLimits, on_cut: Callable[[str], None] = lambda reason: None
+) -> type[asyncio.Protocol]:
     """An ``HttpToolsProtocol`` subclass enforcing ``limits`` (pass it to uvicorn as ``http=``)."""
 
     class KvrouteHttpProtocol(_LimitedHttpTools):
@@ -132,9 +143,13 @@ class _LimitedHttpTools(HttpToolsProtocol):
             self.send_400_response(msg)
             return
         if self._in_head and self._head_received > self._limits.max_header_bytes:
-            self._reject(431, "Request Header Fields Too Large", f"request head over "
-                         f"{self._limits.max_header_bytes} bytes (max_header_bytes)", "header_too_large",
-                         "head_too_large")
+            self._reject(
+                431,
+                "Request Header Fields Too Large",
+                f"request head over {self._limits.max_header_bytes} bytes (max_header_bytes)",
+                "header_too_large",
+                "head_too_large",
+            )
 
     # -- parser callbacks ------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -149,8 +164,13 @@ class _LimitedHttpTools(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         if self._header_count > self._limits.max_header_count:
-            self._rejection = (431, "Request Header Fields Too Large", f"more than {self._limits.max_header_count} "
-                               "request headers (max_header_count)", "too_many_headers", "too_many_headers")
+            self._rejection = (
+                431,
+                "Request Header Fields Too Large",
+                f"more than {self._limits.max_header_count} request headers (max_header_count)",
+                "too_many_headers",
+                "too_many_headers",
+            )
             raise _HeadRejected()
         self._grow_head(len(name) + len(value) + 4)
         super().on_header(name, value)
@@ -172,9 +192,13 @@ class _LimitedHttpTools(HttpToolsProtocol):
     def _grow_head(self, n: int) -> None:
         self._head_size += n
         if self._head_size > self._limits.max_header_bytes:
-            self._rejection = (431, "Request Header Fields Too Large", f"request head over "
-                               f"{self._limits.max_header_bytes} bytes (max_header_bytes)", "header_too_large",
-                               "head_too_large")
+            self._rejection = (
+                431,
+                "Request Header Fields Too Large",
+                f"request head over {self._limits.max_header_bytes} bytes (max_header_bytes)",
+                "header_too_large",
+                "head_too_large",
+            )
             raise _HeadRejected()
 
     # -- timers ----------------------------------------------------------------------------------------
@@ -220,9 +244,15 @@ class _LimitedHttpTools(HttpToolsProtocol):
             cycle.disconnected = True  # the app's receive() now says http.disconnect; its sends are dropped
             cycle.message_event.set()
         if not started:
-            self.transport.write(_raw_error(408, "Request Timeout", f"no request body bytes for "
-                                            f"{self._limits.body_idle_timeout_s:g}s (client_body_idle_timeout_s)",
-                                            "body_timeout"))
+            self.transport.write(
+                _raw_error(
+                    408,
+                    "Request Timeout",
+                    f"no request body bytes for "
+                    f"{self._limits.body_idle_timeout_s:g}s (client_body_idle_timeout_s)",
+                    "body_timeout",
+                )
+            )
         self.transport.close()
 
     def _reject(self, status: int, phrase: str, message: str, code: str, reason: str) -> None:

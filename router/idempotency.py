@@ -79,8 +79,17 @@ class IdempotencyGuard:
         self.conflicts = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def handle(self, key: str, path: str, body: bytes, stream: bool, request_id: str,
-                     serve: Callable[[], Awaitable[Response]], *, principal: str = "") -> Response:
+    async def handle(
+        self,
+        key: str,
+        path: str,
+        body: bytes,
+        stream: bool,
+        request_id: str,
+        serve: Callable[[], Awaitable[Response]],
+        *,
+        principal: str = "",
+    ) -> Response:
         """Serve a request with ``Idempotency-Key: key`` through ``serve()`` at most once per key and client.
 
         ``principal``: who is calling (``router.guard.Auth.principal``: a hash of the client's API key, "" without
@@ -89,34 +98,63 @@ class IdempotencyGuard:
         """
         rid = {"x-request-id": request_id}
         if not valid_key(key):
-            return error_response(400, "Idempotency-Key must be 1 to 255 printable ASCII characters",
-                                  "invalid_idempotency_key", "Idempotency-Key", headers=rid)
+            return error_response(
+                400,
+                "Idempotency-Key must be 1 to 255 printable ASCII characters",
+                "invalid_idempotency_key",
+                "Idempotency-Key",
+                headers=rid,
+            )
         key = f"{principal}/{key}" if principal else key
         if self.shared is None:
-            return error_response(501, "Idempotency-Key needs shared state: this router has no redis_url "
-                                  "configured", "idempotency_unsupported", "Idempotency-Key", headers=rid)
+            return error_response(
+                501,
+                "Idempotency-Key needs shared state: this router has no redis_url configured",
+                "idempotency_unsupported",
+                "Idempotency-Key",
+                headers=rid,
+            )
         fp = fingerprint(path, body)
         retry = {**rid, "retry-after": str(self.retry_after_s)}
         try:
             entry = await self.shared.idempotency_begin(key, fp)
         except SharedStateUnavailable as exc:
-            return error_response(503, f"cannot check the Idempotency-Key: {exc}", "idempotency_unavailable",
-                                  "Idempotency-Key", headers=retry)
+            return error_response(
+                503,
+                f"cannot check the Idempotency-Key: {exc}",
+                "idempotency_unavailable",
+                "Idempotency-Key",
+                headers=retry,
+            )
         if entry.state != "new":
             if entry.fingerprint and entry.fingerprint != fp:
                 self.conflicts += 1
-                return error_response(422, "this Idempotency-Key was used with a different request body or route",
-                                      "idempotency_key_reused", "Idempotency-Key", headers=rid)
+                return error_response(
+                    422,
+                    "this Idempotency-Key was used with a different request body or route",
+                    "idempotency_key_reused",
+                    "Idempotency-Key",
+                    headers=rid,
+                )
             if entry.state == "in_flight":
                 self.conflicts += 1
-                return error_response(409, "a request with this Idempotency-Key is still being served",
-                                      "idempotency_in_flight", "Idempotency-Key", headers=retry)
+                return error_response(
+                    409,
+                    "a request with this Idempotency-Key is still being served",
+                    "idempotency_in_flight",
+                    "Idempotency-Key",
+                    headers=retry,
+                )
             stored = entry.response or {}
             if stored.get("streamed") and "body_b64" not in stored:
                 self.conflicts += 1
-                return error_response(409, "the request with this Idempotency-Key was streamed; streamed answers "
-                                      "are not stored", "idempotency_stream_not_stored", "Idempotency-Key",
-                                      headers=rid)
+                return error_response(
+                    409,
+                    "the request with this Idempotency-Key was streamed; streamed answers are not stored",
+                    "idempotency_stream_not_stored",
+                    "Idempotency-Key",
+                    headers=rid,
+                )
             self.replayed += 1
             return _stored_response(stored, request_id)
         try:
@@ -128,14 +166,24 @@ class IdempotencyGuard:
             if resp.status_code >= 300:
                 self._release(key)
                 return resp
-            resp.body_iterator = self._watch_stream(resp.body_iterator, key, fp, {
-                "status": resp.status_code, "media_type": resp.headers.get("content-type", "text/event-stream"),
-                "headers": {h: resp.headers[h] for h in _KEPT_HEADERS if h in resp.headers}})
+            resp.body_iterator = self._watch_stream(
+                resp.body_iterator,
+                key,
+                fp,
+                {
+                    "status": resp.status_code,
+                    "media_type": resp.headers.get("content-type", "text/event-stream"),
+                    "headers": {h: resp.headers[h] for h in _KEPT_HEADERS if h in resp.headers},
+                },
+            )
             return resp
         if 200 <= resp.status_code < 300 and len(resp.body) <= MAX_STORED_BYTES:
-            doc = {"status": resp.status_code, "media_type": resp.headers.get("content-type", "application/json"),
-                   "headers": {h: resp.headers[h] for h in _KEPT_HEADERS if h in resp.headers},
-                   "body_b64": base64.b64encode(bytes(resp.body)).decode()}
+            doc = {
+                "status": resp.status_code,
+                "media_type": resp.headers.get("content-type", "application/json"),
+                "headers": {h: resp.headers[h] for h in _KEPT_HEADERS if h in resp.headers},
+                "body_b64": base64.b64encode(bytes(resp.body)).decode(),
+            }
             try:
                 await self.shared.idempotency_finish(key, doc, fp)
             except SharedStateUnavailable as exc:
@@ -144,8 +192,9 @@ class IdempotencyGuard:
             self._release(key)
         return resp
 
-    async def _watch_stream(self, it: AsyncIterable[Any], key: str, fp: str,
-                            doc: dict[str, Any]) -> AsyncIterator[Any]:
+    async def _watch_stream(
+        self, it: AsyncIterable[Any], key: str, fp: str, doc: dict[str, Any]
+    ) -> AsyncIterator[Any]:
         """Relay a streamed answer and keep a copy (up to ``MAX_STORED_BYTES``); when it ends, store it for
         replay if it completed, release the key if it failed, else mark the key done (not stored)."""
         parts: list[bytes] = []
@@ -164,8 +213,11 @@ class IdempotencyGuard:
             if body is not None and _sse_failed(body):
                 self._release(key)  # ended with an error event: a failed request, the client's retry runs
             else:
-                stored = {**doc, "streamed": True,
-                          **({"body_b64": base64.b64encode(body).decode()} if body is not None else {})}
+                stored = {
+                    **doc,
+                    "streamed": True,
+                    **({"body_b64": base64.b64encode(body).decode()} if body is not None else {}),
+                }
                 self._spawn(self._finish_streamed(key, fp, stored))
 
     async def _finish_streamed(self, key: str, fp: str, doc: dict[str, Any]) -> None:
@@ -197,5 +249,9 @@ def _stored_response(doc: dict[str, Any], request_id: str) -> Response:
         body = b""
     headers = {str(k): str(v) for k, v in (doc.get("headers") or {}).items()}
     headers.update({"x-request-id": request_id, "idempotent-replayed": "true"})
-    return Response(body, status_code=int(doc.get("status", 200)),
-                    media_type=str(doc.get("media_type", "application/json")), headers=headers)
+    return Response(
+        body,
+        status_code=int(doc.get("status", 200)),
+        media_type=str(doc.get("media_type", "application/json")),
+        headers=headers,
+    )

@@ -77,9 +77,13 @@ class InputLimits:
     @classmethod
     def from_settings(cls, settings: Any) -> InputLimits:
         """The limits configured in ``router.config.Settings``."""
-        return cls(max_messages=settings.max_chat_messages, max_batch_prompts=settings.max_batch_prompts,
-                   chars_per_token=settings.max_prompt_chars_per_token,
-                   default_context_tokens=settings.max_prompt_tokens, max_json_values=settings.max_json_values)
+        return cls(
+            max_messages=settings.max_chat_messages,
+            max_batch_prompts=settings.max_batch_prompts,
+            chars_per_token=settings.max_prompt_chars_per_token,
+            default_context_tokens=settings.max_prompt_tokens,
+            max_json_values=settings.max_json_values,
+        )
 
 
 def model_contexts(replicas: Iterable[Any]) -> dict[str, int]:
@@ -108,9 +112,13 @@ class _Budget:
     def take(self, n: int, where: str) -> None:
         self.used += n
         if self.used > self.limit:
-            raise LimitExceeded(413, "too_many_json_values",
-                                f"request body has more than {self.limit} JSON values outside the prompt text and "
-                                f"token ids (max_json_values; over at {where!r})", where)
+            raise LimitExceeded(
+                413,
+                "too_many_json_values",
+                f"request body has more than {self.limit} JSON values outside the prompt text and "
+                f"token ids (max_json_values; over at {where!r})",
+                where,
+            )
 
     def walk(self, value: Any, where: str) -> None:
         """Count ``value`` and everything inside it."""
@@ -156,9 +164,13 @@ def check_body(doc: Any, limits: InputLimits, contexts: dict[str, int]) -> None:
 
 
 def _too_long(what: str, size: int, limit: int, unit: str, ctx: int, param: str) -> LimitExceeded:
-    return LimitExceeded(400, "context_length_exceeded",
-                         f"{what} has {size} {unit}, more than the model's context of {ctx} tokens allows "
-                         f"({limit} {unit}; max_prompt_chars_per_token / max_model_len)", param)
+    return LimitExceeded(
+        400,
+        "context_length_exceeded",
+        f"{what} has {size} {unit}, more than the model's context of {ctx} tokens allows "
+        f"({limit} {unit}; max_prompt_chars_per_token / max_model_len)",
+        param,
+    )
 
 
 def _all_numbers(ids: Any) -> bool:
@@ -197,8 +209,12 @@ def _check_prompt(prompt: Any, limits: InputLimits, max_chars: int, ctx: int, bu
         _check_ids(prompt, ctx, "prompt", budget)
         return
     if len(prompt) > limits.max_batch_prompts:
-        raise LimitExceeded(413, "too_many_prompts", f"batch of {len(prompt)} prompts is over "
-                            f"{limits.max_batch_prompts} (max_batch_prompts)", "prompt")
+        raise LimitExceeded(
+            413,
+            "too_many_prompts",
+            f"batch of {len(prompt)} prompts is over {limits.max_batch_prompts} (max_batch_prompts)",
+            "prompt",
+        )
     for i, item in enumerate(prompt):
         if i == 0 and isinstance(item, str):
             if len(item) > max_chars:
@@ -219,8 +235,12 @@ def _check_messages(messages: Any, limits: InputLimits, max_chars: int, ctx: int
     """Chat messages: at most ``max_messages``; all their text at most ``max_chars``; the rest in the budget."""
     n = len(messages)
     if n > limits.max_messages:
-        raise LimitExceeded(413, "too_many_messages", f"{n} messages are over {limits.max_messages} "
-                            "(max_chat_messages)", "messages")
+        raise LimitExceeded(
+            413,
+            "too_many_messages",
+            f"{n} messages are over {limits.max_messages} (max_chat_messages)",
+            "messages",
+        )
     chars = 0
     for msg in messages:
         budget.take(1, "messages")
@@ -256,6 +276,7 @@ def _check_messages(messages: Any, limits: InputLimits, max_chars: int, ctx: int
 # parsing
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _invalid_json(msg: str) -> RequestValidationError:
     return RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": msg, "input": None}])
 
@@ -276,8 +297,9 @@ def parse_json(raw: bytes, model: type[_M]) -> tuple[_M, Any]:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
-def scan_and_parse(raw: bytes, model: type[_M], limits: InputLimits,
-                   contexts: dict[str, int]) -> tuple[_M, Any]:
+def scan_and_parse(
+    raw: bytes, model: type[_M], limits: InputLimits, contexts: dict[str, int]
+) -> tuple[_M, Any]:
     """``check_body`` on simdjson's view of ``raw``, then ``parse_json`` (synchronous; run it in a thread).
 
     Raises:
@@ -339,8 +361,11 @@ def is_large_chat(messages: Sequence[Any], min_chars: int) -> bool:
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):
-            chars += sum(len(p.get("text", "")) for p in content if isinstance(p, dict)
-                         and isinstance(p.get("text"), str))
+            chars += sum(
+                len(p.get("text", ""))
+                for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
     return chars >= min_chars
 
 

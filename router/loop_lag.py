@@ -38,8 +38,12 @@ class LoopLag:
     def __init__(self, interval_s: float, window_s: float, registry: CollectorRegistry | None = None) -> None:
         self.interval_s = interval_s
         self.window_s = window_s
-        self.histogram = Histogram("kvroute_event_loop_lag_seconds", "delay of the event-loop lag probe past "
-                                   "its due time (s)", buckets=_BUCKETS, registry=registry)
+        self.histogram = Histogram(
+            "kvroute_event_loop_lag_seconds",
+            "delay of the event-loop lag probe past its due time (s)",
+            buckets=_BUCKETS,
+            registry=registry,
+        )
         self._recent: collections.deque[tuple[float, float]] = collections.deque()  # (measured at, lag)
         self._due: float | None = None
         self._handle: asyncio.TimerHandle | None = None
@@ -101,7 +105,12 @@ def lag_gauges(lag: LoopLag) -> Iterable[Any]:
     """Gauge families of the loop lag (collected at scrape time)."""
     from router.telemetry import gauge
 
-    yield gauge("kvroute_event_loop_lag_recent_seconds", "the event loop's current lag: largest probe delay within "
-                "event_loop_lag_window_s, or the probe's overdue time (s)", lag.lag_s())
-    yield gauge("kvroute_event_loop_lag_max_seconds", "largest event-loop probe delay since start (s)", lag.max_seen_s)
-
+    yield gauge(
+        "kvroute_event_loop_lag_recent_seconds",
+        "the event loop's current lag: largest probe delay within "
+        "event_loop_lag_window_s, or the probe's overdue time (s)",
+        lag.lag_s(),
+    )
+    yield gauge(
+        "kvroute_event_loop_lag_max_seconds", "largest event-loop probe delay since start (s)", lag.max_seen_s
+    )

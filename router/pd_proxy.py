@@ -72,7 +72,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvroute.pd")
 
-_LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0)
+_LEG_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.35,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,29 +110,56 @@ class PdMetrics:
     """The PD metrics, registered on the router's registry."""
 
     def __init__(self, registry: Any) -> None:
-        self.plans = Counter("kvroute_pd_plans", "PD plans dispatched, by policy and kind (in_place, "
-                             "disaggregated)", ["policy", "kind"], registry=registry)
-        self.legs = Counter("kvroute_pd_legs", "PD legs sent, by replica and leg (prefill, decode; in_place: "
-                            "in-place plans, by the planned replica)",
-                            ["replica", "leg"], registry=registry)
-        self.leg_seconds = Histogram("kvroute_pd_leg_seconds", "PD leg latency: prefill leg until its answer, "
-                                     "decode leg until its first byte (s)", ["leg"], buckets=_LEG_BUCKETS,
-                                     registry=registry)
-        self.handoff_seconds = Histogram("kvroute_pd_handoff_seconds", "sequential relay: from the prefill "
-                                         "answer to the decode leg's first byte (KV transfer + first decode "
-                                         "step), s", buckets=_LEG_BUCKETS, registry=registry)
-        self.fallbacks = Counter("kvroute_pd_fallbacks", "disaggregated plans served in place instead, by "
-                                 "reason (prefill_failed, decode_failed, replica_gone, bad_body)", ["reason"],
-                                 registry=registry)
-        self.link_bandwidth = Gauge("kvroute_pd_link_bandwidth_bytes_per_second", "P->D link bandwidth the PD "
-                                    "plans use: configured, then learned from observed handoffs (bytes/s)",
-                                    registry=registry)
-        self.link_samples = Counter("kvroute_pd_link_samples", "observed handoffs fed to the P->D link estimator, "
-                                    "by outcome: accepted / rejected (the relay's own timing; rejected: "
-                                    "non-positive or non-finite transfer time or size), engine_accepted / "
-                                    "engine_rejected (transfers the engines reported in /metrics, e.g. vLLM's "
-                                    "NIXL histograms), superseded (relay timing not fed: engines report)",
-                                    ["outcome"], registry=registry)
+        self.plans = Counter(
+            "kvroute_pd_plans",
+            "PD plans dispatched, by policy and kind (in_place, disaggregated)",
+            ["policy", "kind"],
+            registry=registry,
+        )
+        self.legs = Counter(
+            "kvroute_pd_legs",
+            "PD legs sent, by replica and leg (prefill, decode; in_place: "
+            "in-place plans, by the planned replica)",
+            ["replica", "leg"],
+            registry=registry,
+        )
+        self.leg_seconds = Histogram(
+            "kvroute_pd_leg_seconds",
+            "PD leg latency: prefill leg until its answer, decode leg until its first byte (s)",
+            ["leg"],
+            buckets=_LEG_BUCKETS,
+            registry=registry,
+        )
+        self.handoff_seconds = Histogram(
+            "kvroute_pd_handoff_seconds",
+            "sequential relay: from the prefill "
+            "answer to the decode leg's first byte (KV transfer + first decode "
+            "step), s",
+            buckets=_LEG_BUCKETS,
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "kvroute_pd_fallbacks",
+            "disaggregated plans served in place instead, by "
+            "reason (prefill_failed, decode_failed, replica_gone, bad_body)",
+            ["reason"],
+            registry=registry,
+        )
+        self.link_bandwidth = Gauge(
+            "kvroute_pd_link_bandwidth_bytes_per_second",
+            "P->D link bandwidth the PD plans use: configured, then learned from observed handoffs (bytes/s)",
+            registry=registry,
+        )
+        self.link_samples = Counter(
+            "kvroute_pd_link_samples",
+            "observed handoffs fed to the P->D link estimator, "
+            "by outcome: accepted / rejected (the relay's own timing; rejected: "
+            "non-positive or non-finite transfer time or size), engine_accepted / "
+            "engine_rejected (transfers the engines reported in /metrics, e.g. vLLM's "
+            "NIXL histograms), superseded (relay timing not fed: engines report)",
+            ["outcome"],
+            registry=registry,
+        )
 
 
 class _LegFailed(Exception):
@@ -154,8 +199,9 @@ class PdLegs:
         return "sglang" if prefill.dialect == "sglang" else "vllm"
 
     # -- entry point -------------------------------------------------------------------------------------------
-    async def serve_plan(self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str,
-                         ids: IdsPrompt | None) -> Response:
+    async def serve_plan(
+        self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str, ids: IdsPrompt | None
+    ) -> Response:
         """Serve a PD plan: disaggregated through ``serve``; in place through the proxy's attempts."""
         if not routed.disaggregated:
             self.count_plan(routed)
@@ -172,15 +218,17 @@ class PdLegs:
         p_rep = router.table.by_index(plan.prefill) if plan.prefill is not None else None
         d_rep = router.table.by_index(plan.decode)
         if p_rep is None or d_rep is None or not p_rep.routable or not d_rep.routable:
-            return await self._fallback(routed, None, "replica_gone", "a replica of the plan left", path, body,
-                                        stream, request_id)
+            return await self._fallback(
+                routed, None, "replica_gone", "a replica of the plan left", path, body, stream, request_id
+            )
         try:
             obj = orjson.loads(body)
         except orjson.JSONDecodeError:
             obj = None
         if not isinstance(obj, dict):
-            return await self._fallback(routed, d_rep, "bad_body", "the body is not a JSON object", path, body,
-                                        stream, request_id)
+            return await self._fallback(
+                routed, d_rep, "bad_body", "the body is not a JSON object", path, body, stream, request_id
+            )
         self.count_plan(routed)
         deadline = time.monotonic() + self.proxy.cfg.total_timeout_s
         tried: list[int] = []
@@ -192,26 +240,45 @@ class PdLegs:
             except _LegFailed as exc:
                 if exc.reason == "prefill_failed" and len(tried) <= self.proxy.cfg.max_retries:
                     other = self._other_prefill(routed, plan, tried)
-                    if other is not None:  # retry the prefill leg on the next pair with the same decode replica
+                    if (
+                        other is not None
+                    ):  # retry the prefill leg on the next pair with the same decode replica
                         self.proxy.telemetry.retries.labels("pd_prefill_failed").inc()
-                        log.warning("prefill leg failed, trying another prefill replica",
-                                    extra={"request_id": request_id, "replica": p_rep.name, "error": exc.message})
+                        log.warning(
+                            "prefill leg failed, trying another prefill replica",
+                            extra={"request_id": request_id, "replica": p_rep.name, "error": exc.message},
+                        )
                         plan, p_rep = other
                         continue
                 if exc.reason == "decode_failed" and len(tried_decode) <= self.proxy.cfg.max_retries:
                     pair = self._other_decode(routed, plan, tried_decode)
-                    if pair is not None:  # re-run both legs on the next plan's pair with another decode replica
+                    if (
+                        pair is not None
+                    ):  # re-run both legs on the next plan's pair with another decode replica
                         self.proxy.telemetry.retries.labels("pd_decode_failed").inc()
-                        log.warning("decode leg failed, trying another decode replica",
-                                    extra={"request_id": request_id, "replica": d_rep.name, "error": exc.message})
+                        log.warning(
+                            "decode leg failed, trying another decode replica",
+                            extra={"request_id": request_id, "replica": d_rep.name, "error": exc.message},
+                        )
                         plan, p_rep, d_rep = pair
                         tried_decode.append(d_rep.index)
                         continue
                 failed = d_rep if exc.reason == "decode_failed" else None
-                return await self._fallback(routed, failed, exc.reason, exc.message, path, body, stream,
-                                            request_id, first=d_rep if failed is None else None)
+                return await self._fallback(
+                    routed,
+                    failed,
+                    exc.reason,
+                    exc.message,
+                    path,
+                    body,
+                    stream,
+                    request_id,
+                    first=d_rep if failed is None else None,
+                )
 
-    def _other_decode(self, routed: Routed, plan: Plan, tried: list[int]) -> tuple[Plan, Replica, Replica] | None:
+    def _other_decode(
+        self, routed: Routed, plan: Plan, tried: list[int]
+    ) -> tuple[Plan, Replica, Replica] | None:
         """The best remaining disaggregated plan whose decode replica is untried and routable (its prefill
         replica routable; ``plan``'s prefill replica preferred), with its DP rank pinned, or None.
 
@@ -220,8 +287,11 @@ class PdLegs:
         engine failed (the re-run prefill leg mostly hits the prefix it just cached)."""
         assert routed.plan is not None
         table = self.proxy.router.table
-        options = [p for p in routed.plan.plans if p.kind == "disaggregated" and p.prefill is not None
-                   and p.decode not in tried]
+        options = [
+            p
+            for p in routed.plan.plans
+            if p.kind == "disaggregated" and p.prefill is not None and p.decode not in tried
+        ]
         options.sort(key=lambda p: p.prefill != plan.prefill)  # stable: the policy's order within each group
         for other in options:
             p_rep, d_rep = table.by_index(other.prefill or 0), table.by_index(other.decode)
@@ -236,16 +306,30 @@ class PdLegs:
         replica (the decode replica's pinned DP rank kept), or None."""
         assert routed.plan is not None
         for other in routed.plan.plans:
-            if other.kind != "disaggregated" or other.decode != plan.decode or other.prefill is None \
-                    or other.prefill in tried:
+            if (
+                other.kind != "disaggregated"
+                or other.decode != plan.decode
+                or other.prefill is None
+                or other.prefill in tried
+            ):
                 continue
             rep = self.proxy.router.table.by_index(other.prefill)
             if rep is not None and rep.routable:
                 return replace(other, dp_rank=plan.dp_rank), rep
         return None
 
-    async def _pair(self, routed: Routed, plan: Plan, p_rep: Replica, d_rep: Replica, path: str,
-                    obj: dict[str, Any], stream: bool, request_id: str, deadline: float) -> Response:
+    async def _pair(
+        self,
+        routed: Routed,
+        plan: Plan,
+        p_rep: Replica,
+        d_rep: Replica,
+        path: str,
+        obj: dict[str, Any],
+        stream: bool,
+        request_id: str,
+        deadline: float,
+    ) -> Response:
         """One try of ``plan`` on ``p_rep`` -> ``d_rep``: both legs charged before dispatch, released on every
         path (a committed stream releases D when it ends). Raises _LegFailed before the decode leg's first byte."""
         router = self.proxy.router
@@ -253,14 +337,33 @@ class PdLegs:
         cached_p = routed.cached_tokens.get(p_rep.index, 0)
         # P's charge: the uncached tokens the policy predicted it computes (else the router's own estimate)
         p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - cached_p
-        headers = {"content-type": "application/json", "x-request-id": request_id, "accept": "application/json"}
+        headers = {
+            "content-type": "application/json",
+            "x-request-id": request_id,
+            "accept": "application/json",
+        }
         d_headers = dict(headers, accept="text/event-stream" if stream else "application/json")
         if plan.dp_rank is not None:
             d_headers["x-data-parallel-rank"] = str(plan.dp_rank)
-        legs = _Legs(self, routed, plan, p_rep, d_rep, path, obj, stream, request_id, headers, d_headers,
-                     deadline, cached_p)
-        with _Hold(router, None, p_rep, p_tokens, inp.copies) as hp, \
-                _Hold(router, None, d_rep, 0, inp.copies) as hd:
+        legs = _Legs(
+            self,
+            routed,
+            plan,
+            p_rep,
+            d_rep,
+            path,
+            obj,
+            stream,
+            request_id,
+            headers,
+            d_headers,
+            deadline,
+            cached_p,
+        )
+        with (
+            _Hold(router, None, p_rep, p_tokens, inp.copies) as hp,
+            _Hold(router, None, d_rep, 0, inp.copies) as hd,
+        ):
             router.note_handoff(plan)
             router.record_prediction(p_rep, inp.keys)
             router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
@@ -269,8 +372,19 @@ class PdLegs:
                 return await legs.sequential(hp, hd)
             return await legs.concurrent(hp, hd, protocol)
 
-    async def _fallback(self, routed: Routed, exclude: Replica | None, reason: str, message: str, path: str,
-                        body: bytes, stream: bool, request_id: str, *, first: Replica | None = None) -> Response:
+    async def _fallback(
+        self,
+        routed: Routed,
+        exclude: Replica | None,
+        reason: str,
+        message: str,
+        path: str,
+        body: bytes,
+        stream: bool,
+        request_id: str,
+        *,
+        first: Replica | None = None,
+    ) -> Response:
         """Serve in place through the proxy's attempts (``first`` tried first, ``exclude`` never), counted; only
         on replicas that serve a request alone (``router.routing.serves_alone``), else 503."""
         ranking = [i for i in routed.decision.ranking if exclude is None or i != exclude.index]
@@ -279,19 +393,38 @@ class PdLegs:
         table = self.proxy.router.table
         ranking = [i for i in ranking if (rep := table.by_index(i)) is not None and serves_alone(rep)]
         if not ranking:
-            log.warning("disaggregated plan failed, no replica serves in place", extra={
-                "request_id": request_id, "reason": reason, "error": message})
-            return error_response(503, f"disaggregated plan failed ({message}) and no replica can serve in "
-                                  "place", "no_routable_replica", headers={"x-request-id": request_id})
+            log.warning(
+                "disaggregated plan failed, no replica serves in place",
+                extra={"request_id": request_id, "reason": reason, "error": message},
+            )
+            return error_response(
+                503,
+                f"disaggregated plan failed ({message}) and no replica can serve in place",
+                "no_routable_replica",
+                headers={"x-request-id": request_id},
+            )
         self.metrics.fallbacks.labels(reason).inc()
         if first is not None and first.index == ranking[0]:
             self.metrics.legs.labels(first.name, "in_place").inc()
-        log.warning("disaggregated plan served in place", extra={"request_id": request_id, "reason": reason,
-                                                                  "error": message})
-        in_place = Routed(inp=routed.inp, decision=routed.decision, candidates=routed.candidates,
-                          cached_tokens=routed.cached_tokens, decision_s=routed.decision_s, extra=routed.extra)
-        in_place.decision = type(routed.decision)(chosen=ranking[0], ranking=ranking, scores=routed.decision.scores,
-                                                  policy=routed.decision.policy, branch="pd_fallback")
+        log.warning(
+            "disaggregated plan served in place",
+            extra={"request_id": request_id, "reason": reason, "error": message},
+        )
+        in_place = Routed(
+            inp=routed.inp,
+            decision=routed.decision,
+            candidates=routed.candidates,
+            cached_tokens=routed.cached_tokens,
+            decision_s=routed.decision_s,
+            extra=routed.extra,
+        )
+        in_place.decision = type(routed.decision)(
+            chosen=ranking[0],
+            ranking=ranking,
+            scores=routed.decision.scores,
+            policy=routed.decision.policy,
+            branch="pd_fallback",
+        )
         return await self.proxy._attempts(in_place, path, body, stream, request_id)
 
     def observe_handoff(self, routed: Routed, plan: Plan, handoff_s: float) -> None:
@@ -318,8 +451,11 @@ class PdLegs:
         exporting none reports zero transfers (no sample ever comes of it)."""
         size, took = snap.kv_transfer_bytes, snap.kv_transfer_time
         # not exported (yet): vLLM shows the series only after its first transfer, so "none" is a zero baseline
-        totals = TransferTotals(0.0, 0.0, 0.0) if size is None or took is None else \
-            TransferTotals(size.sum, took.sum, took.count)
+        totals = (
+            TransferTotals(0.0, 0.0, 0.0)
+            if size is None or took is None
+            else TransferTotals(size.sum, took.sum, took.count)
+        )
         router = self.proxy.router
         outcome = router.observe_engine_transfers(rep.index, totals)
         if outcome is None:
@@ -336,9 +472,22 @@ class PdLegs:
 class _Legs:
     """One request's two legs (state shared by the protocol runners)."""
 
-    def __init__(self, owner: PdLegs, routed: Routed, plan: Plan, p_rep: Replica, d_rep: Replica, path: str,
-                 obj: dict[str, Any], stream: bool, request_id: str, headers: dict[str, str],
-                 d_headers: dict[str, str], deadline: float, cached_p: int) -> None:
+    def __init__(
+        self,
+        owner: PdLegs,
+        routed: Routed,
+        plan: Plan,
+        p_rep: Replica,
+        d_rep: Replica,
+        path: str,
+        obj: dict[str, Any],
+        stream: bool,
+        request_id: str,
+        headers: dict[str, str],
+        d_headers: dict[str, str],
+        deadline: float,
+        cached_p: int,
+    ) -> None:
         self.owner, self.proxy, self.metrics, self.plan = owner, owner.proxy, owner.metrics, plan
         self.routed, self.p_rep, self.d_rep, self.path, self.obj = routed, p_rep, d_rep, path, obj
         self.stream, self.request_id, self.headers, self.d_headers = stream, request_id, headers, d_headers
@@ -353,8 +502,10 @@ class _Legs:
         answer = await self._prefill(hp, pd_vllm.nixl_prefill_body(self.obj))
         params = pd_vllm.returned_params(answer)
         if params is None:
-            log.warning("prefill answer without kv_transfer_params: the decode engine recomputes",
-                        extra={"request_id": self.request_id, "replica": self.p_rep.name})
+            log.warning(
+                "prefill answer without kv_transfer_params: the decode engine recomputes",
+                extra={"request_id": self.request_id, "replica": self.p_rep.name},
+            )
         t_handoff = time.monotonic()
         resp, first = await self._open_decode(pd_vllm.decode_body(self.obj, params))
         handoff_s = time.monotonic() - t_handoff
@@ -370,11 +521,14 @@ class _Legs:
         d_rank = self.plan.dp_rank
         p_rank = self._pin_prefill_rank()
         if protocol == "sglang":
-            p_body, d_body, _ = pd_sglang.bodies(self.obj, host, port, prefill_dp_rank=p_rank,
-                                                 decode_dp_rank=d_rank)
+            p_body, d_body, _ = pd_sglang.bodies(
+                self.obj, host, port, prefill_dp_rank=p_rank, decode_dp_rank=d_rank
+            )
         else:
             # with DP the Mooncake engine id names the rank ("{base}_dp{rank}"): the prefill leg is pinned to it
-            engine_id = pd_vllm.mooncake_engine_id(self.p_rep.labels.get("engine_id", self.p_rep.name), p_rank)
+            engine_id = pd_vllm.mooncake_engine_id(
+                self.p_rep.labels.get("engine_id", self.p_rep.name), p_rank
+            )
             addr = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
             p_body, d_body = pd_vllm.mooncake_bodies(self.obj, pd_vllm.new_transfer_id(), engine_id, addr)
         prefill = asyncio.ensure_future(self._drain_prefill(hp, p_body))
@@ -395,9 +549,14 @@ class _Legs:
             hp.hand_over()  # the draining prefill leg releases P when it ends
             self.owner.keep_draining(prefill)
         elif prefill.exception() is not None:
-            log.warning("prefill leg failed after the decode leg answered",
-                        extra={"request_id": self.request_id, "replica": self.p_rep.name,
-                               "error": str(prefill.exception())})
+            log.warning(
+                "prefill leg failed after the decode leg answered",
+                extra={
+                    "request_id": self.request_id,
+                    "replica": self.p_rep.name,
+                    "error": str(prefill.exception()),
+                },
+            )
         return await self._commit(hd, resp, first)
 
     def _pin_prefill_rank(self) -> int | None:
@@ -417,16 +576,18 @@ class _Legs:
         try:
             return orjson.loads(content)
         except orjson.JSONDecodeError:
-            raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name} answered a body that is not "
-                             "JSON") from None
+            raise _LegFailed(
+                "prefill_failed", f"prefill leg on {self.p_rep.name} answered a body that is not JSON"
+            ) from None
 
     async def _prefill_bytes(self, hp: _Hold, body: dict[str, Any]) -> bytes:
         """Send the prefill leg and read its whole answer; releases ``hp``. Raises _LegFailed (also on >= 400)."""
         self.metrics.legs.labels(self.p_rep.name, "prefill").inc()
         t0 = time.monotonic()
         try:
-            resp, first = await self.proxy._open(self.p_rep, self.path, orjson.dumps(body), self.headers,
-                                                 self.deadline)
+            resp, first = await self.proxy._open(
+                self.p_rep, self.path, orjson.dumps(body), self.headers, self.deadline
+            )
         except _AttemptFailed as exc:
             self._connection_failed(self.p_rep, exc)
             raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name}: {exc.message}") from None
@@ -437,8 +598,11 @@ class _Legs:
         leg_s = time.monotonic() - t0
         self.metrics.leg_seconds.labels("prefill").observe(leg_s)
         if resp.status >= 400:
-            raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name} answered {resp.status}: "
-                             f"{content[:300].decode(errors='replace')}")
+            raise _LegFailed(
+                "prefill_failed",
+                f"prefill leg on {self.p_rep.name} answered {resp.status}: "
+                f"{content[:300].decode(errors='replace')}",
+            )
         self._observe_prefill(content, leg_s)
         return content
 
@@ -453,9 +617,16 @@ class _Legs:
         reported = _cached_tokens(usage if isinstance(usage, dict) else None)
         router = self.proxy.router
         q = float(self.plan.terms.get("Q_p", 0.0) or 0.0)
-        router.observe_pd(Observation(index=self.p_rep.index, prompt_tokens=self.routed.inp.prompt_tokens,
-                                      cached_tokens=reported if reported is not None else self.cached_p,
-                                      queue_wait_s=q, ttft_s=leg_s, now=router.clock()))
+        router.observe_pd(
+            Observation(
+                index=self.p_rep.index,
+                prompt_tokens=self.routed.inp.prompt_tokens,
+                cached_tokens=reported if reported is not None else self.cached_p,
+                queue_wait_s=q,
+                ttft_s=leg_s,
+                now=router.clock(),
+            )
+        )
 
     async def _drain_prefill(self, hp: _Hold, body: dict[str, Any]) -> None:
         """A concurrent prefill leg: send it, drain and discard its answer; releases ``hp``. Raises _LegFailed."""
@@ -468,12 +639,17 @@ class _Legs:
         """The whole (bounded) body of a leg's answer; the connection goes back to the pool. Raises _LegFailed."""
         cfg = self.proxy.cfg
         try:
-            content = await resp.read_body(first, max_bytes=max(cfg.max_body_bytes, _ERR_BODY_BYTES),
-                                           idle_timeout_s=cfg.body_idle_timeout_s, deadline=self.deadline)
+            content = await resp.read_body(
+                first,
+                max_bytes=max(cfg.max_body_bytes, _ERR_BODY_BYTES),
+                idle_timeout_s=cfg.body_idle_timeout_s,
+                deadline=self.deadline,
+            )
         except (TimeoutError, EngineError) as exc:
             resp.close()
-            raise _LegFailed("prefill_failed", f"prefill leg on {rep.name}: answer unreadable "
-                             f"({type(exc).__name__})") from None
+            raise _LegFailed(
+                "prefill_failed", f"prefill leg on {rep.name}: answer unreadable ({type(exc).__name__})"
+            ) from None
         except BaseException:
             resp.close()
             raise
@@ -486,7 +662,9 @@ class _Legs:
         payload, self.strip_usage = self.proxy._payload(self.d_rep, orjson.dumps(body), self.stream, None)
         t0 = time.monotonic()
         try:
-            resp, first = await self.proxy._open(self.d_rep, self.path, payload, self.d_headers, self.deadline)
+            resp, first = await self.proxy._open(
+                self.d_rep, self.path, payload, self.d_headers, self.deadline
+            )
         except _AttemptFailed as exc:
             self._connection_failed(self.d_rep, exc)
             raise _LegFailed("decode_failed", f"decode leg on {self.d_rep.name}: {exc.message}") from None
@@ -497,15 +675,32 @@ class _Legs:
         """The client's answer from the decode leg (the proxy's commit path; it takes over ``hd`` for streams)."""
         hd.first_byte()
         ttft = time.monotonic() - self.t0
-        out = await self.proxy._commit(hd, self.routed, resp, first, ttft, self.deadline, self.stream,
-                                       self.request_id, self.cached_p, self.strip_usage)
+        out = await self.proxy._commit(
+            hd,
+            self.routed,
+            resp,
+            first,
+            ttft,
+            self.deadline,
+            self.stream,
+            self.request_id,
+            self.cached_p,
+            self.strip_usage,
+        )
         out.headers["x-kvroute-prefill-replica"] = self.p_rep.name
         out.headers["x-kvroute-plan"] = "disaggregated"
         return out
 
     def _connection_failed(self, rep: Replica, exc: _AttemptFailed) -> None:
         """Log a failed leg; a connection failure is the replica's passive health signal."""
-        log.warning("PD leg failed", extra={"request_id": self.request_id, "replica": rep.name,
-                                            "reason": exc.reason, "error": exc.message})
+        log.warning(
+            "PD leg failed",
+            extra={
+                "request_id": self.request_id,
+                "replica": rep.name,
+                "reason": exc.reason,
+                "error": exc.message,
+            },
+        )
         if exc.connection:
             self.proxy.on_connection_failure(rep, exc.message)

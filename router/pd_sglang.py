@@ -39,12 +39,22 @@ def bootstrap_fields(host: str, port: int, rooms: list[int], batch: int | None) 
     ``batch`` prompts (``rooms`` holds one room per item)."""
     if batch is None:
         return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": rooms[0]}
-    return {"bootstrap_host": [host] * batch, "bootstrap_port": [port] * batch, "bootstrap_room": rooms[:batch]}
+    return {
+        "bootstrap_host": [host] * batch,
+        "bootstrap_port": [port] * batch,
+        "bootstrap_room": rooms[:batch],
+    }
 
 
-def bodies(body: dict[str, Any], host: str, port: int, *, prefill_dp_rank: int | None = None,
-           decode_dp_rank: int | None = None,
-           rooms: list[int] | None = None) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
+def bodies(
+    body: dict[str, Any],
+    host: str,
+    port: int,
+    *,
+    prefill_dp_rank: int | None = None,
+    decode_dp_rank: int | None = None,
+    rooms: list[int] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
     """The (prefill, decode) bodies of one request and the rooms used (fresh ones unless ``rooms`` is given)."""
     batch = batch_size(body)
     need = batch or 1

@@ -25,8 +25,12 @@ from typing import Any
 
 #: the prefill leg's ``kv_transfer_params`` (what llm-d / production-stack send; SMG sends the first two keys)
 NIXL_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-    "remote_host": None, "remote_port": None,
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
 }
 
 #: token limits capped at 1 on a prefill leg
@@ -89,12 +93,19 @@ def mooncake_engine_id(base: str, dp_rank: int | None) -> str:
     return base if dp_rank is None else f"{base}_dp{dp_rank}"
 
 
-def mooncake_bodies(body: dict[str, Any], transfer_id: str, engine_id: str,
-                    bootstrap_addr: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def mooncake_bodies(
+    body: dict[str, Any], transfer_id: str, engine_id: str, bootstrap_addr: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The Mooncake connector's (prefill, decode) bodies for one request."""
-    prefill = prefill_leg(body, {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id})
+    prefill = prefill_leg(
+        body, {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    )
     decode = dict(body)
-    decode["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True,
-                                    "transfer_id": transfer_id, "remote_engine_id": engine_id,
-                                    "remote_bootstrap_addr": bootstrap_addr}
+    decode["kv_transfer_params"] = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_engine_id": engine_id,
+        "remote_bootstrap_addr": bootstrap_addr,
+    }
     return prefill, decode

@@ -78,10 +78,12 @@ log = logging.getLogger("kvroute.proxy")
 class PlanServer(Protocol):
     """Serves requests routed with a prefill/decode plan (``router.pd_proxy.PdLegs``, issue 19)."""
 
-    async def serve_plan(self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str,
-                         ids: IdsPrompt | None) -> Response:
+    async def serve_plan(
+        self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str, ids: IdsPrompt | None
+    ) -> Response:
         """The client's answer for ``routed`` (its plan: in place or disaggregated)."""
         ...
+
 
 #: bytes of the end of a stream kept to find the final ``usage`` chunk
 _TAIL_BYTES = 16384
@@ -89,19 +91,25 @@ _TAIL_BYTES = 16384
 _ERR_BODY_BYTES = 2048
 
 
-def error_body(status: int, message: str, code: str, param: str | None = None,
-               err_type: str | None = None) -> bytes:
+def error_body(
+    status: int, message: str, code: str, param: str | None = None, err_type: str | None = None
+) -> bytes:
     """OpenAI-style error JSON bytes."""
     if err_type is None:
         err_type = "invalid_request_error" if status < 500 else "server_error"
     return orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": param}})
 
 
-def error_response(status: int, message: str, code: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
+def error_response(
+    status: int, message: str, code: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> Response:
     """An OpenAI-style JSON error response."""
-    return Response(error_body(status, message, code, param), status_code=status,
-                    media_type="application/json", headers=headers)
+    return Response(
+        error_body(status, message, code, param),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 def new_request_id(given: str | None) -> str:
@@ -120,8 +128,16 @@ class _AttemptFailed(Exception):
     connection to the replica failed (passive health signal); ``attempted``: False when the request never
     reached the replica (it left while the request waited at the dispatch gate): not counted as an attempt."""
 
-    def __init__(self, reason: str, message: str, *, retry: bool, status: int = 502,
-                 connection: bool = False, attempted: bool = True) -> None:
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        *,
+        retry: bool,
+        status: int = 502,
+        connection: bool = False,
+        attempted: bool = True,
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
@@ -135,8 +151,18 @@ class _Run:
     """The state of one request's attempts: the ranking (grown by re-decisions), the predicted cached tokens
     per replica index, the replicas tried, the errors so far, counters."""
 
-    __slots__ = ("routed", "deadline", "headers", "ranking", "cached", "tried", "errors", "last", "attempts",
-                 "spins")
+    __slots__ = (
+        "routed",
+        "deadline",
+        "headers",
+        "ranking",
+        "cached",
+        "tried",
+        "errors",
+        "last",
+        "attempts",
+        "spins",
+    )
 
     def __init__(self, routed: Routed, *, deadline: float, headers: dict[str, str]) -> None:
         self.routed = routed
@@ -190,8 +216,9 @@ class _Hold:
 
     __slots__ = ("router", "gate", "rep", "uncached", "copies", "_permit", "_prefilling", "_held", "_owned")
 
-    def __init__(self, router: Router, gate: DispatchGate | None, rep: Replica, uncached: int,
-                 copies: int) -> None:
+    def __init__(
+        self, router: Router, gate: DispatchGate | None, rep: Replica, uncached: int, copies: int
+    ) -> None:
         self.router = router
         self.gate = gate
         self.rep = rep
@@ -276,9 +303,14 @@ class Proxy:
             health signal).
     """
 
-    def __init__(self, router: Router, telemetry: Telemetry, config: ProxyConfig,
-                 on_connection_failure: Callable[[Replica, str], None] | None = None,
-                 token_ids: TokenIdsCheck | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        telemetry: Telemetry,
+        config: ProxyConfig,
+        on_connection_failure: Callable[[Replica, str], None] | None = None,
+        token_ids: TokenIdsCheck | None = None,
+    ) -> None:
         self.router = router
         self.telemetry = telemetry
         self.cfg = config
@@ -294,10 +326,14 @@ class Proxy:
         #: serves prefill/decode plans (router/pd_proxy.py, issue 19); None: no PD fleets
         self.pd: PlanServer | None = None
         self.usage_missing = Counter(
-            "kvroute_engine_usage_missing", "successful engine answers without the usage the router needs for "
+            "kvroute_engine_usage_missing",
+            "successful engine answers without the usage the router needs for "
             "cached-token feedback, by replica and what was missing (prompt_tokens_details: vLLM without "
             "--enable-prompt-tokens-details, SGLang without --enable-cache-report; stream_usage: a stream that "
-            "carried no usage although it was asked for)", ["replica", "what"], registry=telemetry.registry)
+            "carried no usage although it was asked for)",
+            ["replica", "what"],
+            registry=telemetry.registry,
+        )
         #: (replica name, what) already logged as missing usage: one warning per replica
         self._usage_warned: set[tuple[str, str]] = set()
         telemetry.add_gauges(self._policy_gauges)
@@ -308,18 +344,26 @@ class Proxy:
 
         excluded = getattr(self.router.policy, "excluded_candidates", None)
         if isinstance(excluded, int):
-            yield gauge("kvroute_policy_excluded_candidates", "candidates left out of routing decisions because "
-                        "their score could not be computed (not finite or negative: broken load values; "
-                        "cumulative)", float(excluded))
+            yield gauge(
+                "kvroute_policy_excluded_candidates",
+                "candidates left out of routing decisions because "
+                "their score could not be computed (not finite or negative: broken load values; "
+                "cumulative)",
+                float(excluded),
+            )
 
     def pool(self) -> EnginePool:
         """The engine connection pool (created on first use, inside the event loop)."""
         if self._pool is None or self._pool.closed:
             # read timeouts are enforced by the proxy itself (first byte, idle gap, total deadline)
-            self._pool = EnginePool(connect_timeout_s=self.cfg.connect_timeout_s,
-                                    keepalive_timeout_s=self.cfg.keepalive_timeout_s,
-                                    max_connections=self.cfg.max_connections, headers=self._headers,
-                                    max_header_bytes=self.cfg.max_header_bytes, max_headers=self.cfg.max_headers)
+            self._pool = EnginePool(
+                connect_timeout_s=self.cfg.connect_timeout_s,
+                keepalive_timeout_s=self.cfg.keepalive_timeout_s,
+                max_connections=self.cfg.max_connections,
+                headers=self._headers,
+                max_header_bytes=self.cfg.max_header_bytes,
+                max_headers=self.cfg.max_headers,
+            )
         return self._pool
 
     async def aclose(self) -> None:
@@ -329,9 +373,18 @@ class Proxy:
             self._pool = None
 
     # -- entry point -----------------------------------------------------------------------------------
-    async def forward(self, request: Request, routed: Routed, path: str, body: bytes, *, stream: bool,
-                      request_id: str, on_done: Callable[[], None] | None = None,
-                      ids: IdsPrompt | None = None) -> Response:
+    async def forward(
+        self,
+        request: Request,
+        routed: Routed,
+        path: str,
+        body: bytes,
+        *,
+        stream: bool,
+        request_id: str,
+        on_done: Callable[[], None] | None = None,
+        ids: IdsPrompt | None = None,
+    ) -> Response:
         """Send ``body`` to ``path`` on the best replica of ``routed`` (retrying as described above).
 
         Returns the response for the client; never raises for engine or network failures. ``on_done`` is
@@ -352,8 +405,16 @@ class Proxy:
                 on_done()
         return resp
 
-    async def _forward(self, request: Request, routed: Routed, path: str, body: bytes, stream: bool,
-                       request_id: str, ids: IdsPrompt | None) -> Response:
+    async def _forward(
+        self,
+        request: Request,
+        routed: Routed,
+        path: str,
+        body: bytes,
+        stream: bool,
+        request_id: str,
+        ids: IdsPrompt | None,
+    ) -> Response:
         watch = _ClientWatch(request.receive)
         try:
             if routed.plan is not None and self.pd is not None:  # a prefill/decode fleet (router/pd_proxy.py)
@@ -376,16 +437,29 @@ class Proxy:
             watch.stop()
         return resp
 
-    async def _attempts(self, routed: Routed, path: str, body: bytes, stream: bool,
-                        request_id: str, ids: IdsPrompt | None = None) -> Response:
+    async def _attempts(
+        self,
+        routed: Routed,
+        path: str,
+        body: bytes,
+        stream: bool,
+        request_id: str,
+        ids: IdsPrompt | None = None,
+    ) -> Response:
         """Try the decision's replicas in ranking order until one answers (module docstring, steps 1-4).
 
         At most ``1 + max_retries`` attempts (an attempt whose replica left while it waited at the dispatch gate
         does not count); a failure that another replica cannot fix (``_AttemptFailed.retry`` false) ends it.
         """
-        run = _Run(routed, deadline=time.monotonic() + self.cfg.total_timeout_s,
-                   headers={"content-type": "application/json", "x-request-id": request_id,
-                            "accept": "text/event-stream" if stream else "application/json"})
+        run = _Run(
+            routed,
+            deadline=time.monotonic() + self.cfg.total_timeout_s,
+            headers={
+                "content-type": "application/json",
+                "x-request-id": request_id,
+                "accept": "text/event-stream" if stream else "application/json",
+            },
+        )
         while run.attempts <= self.cfg.max_retries and run.spins < _MAX_SPINS:
             run.spins += 1
             rep = self._next_replica(run)
@@ -422,8 +496,16 @@ class Proxy:
                 return None
             run.spins += 1
 
-    async def _attempt(self, run: _Run, rep: Replica, path: str, body: bytes, stream: bool, request_id: str,
-                       ids: IdsPrompt | None) -> Response:
+    async def _attempt(
+        self,
+        run: _Run,
+        rep: Replica,
+        path: str,
+        body: bytes,
+        stream: bool,
+        request_id: str,
+        ids: IdsPrompt | None,
+    ) -> Response:
         """One attempt on ``rep``: hold its in-flight slot (and dispatch-gate permit), send, wait for the first
         byte, commit the answer. Raises ``_AttemptFailed`` before the first byte (the hold is released)."""
         inp = run.routed.inp
@@ -436,8 +518,18 @@ class Proxy:
             resp, first = await self._open(rep, path, payload, run.headers, run.deadline)
             ttft = time.monotonic() - t0
             hold.first_byte()
-            return await self._commit(hold, run.routed, resp, first, ttft, run.deadline, stream, request_id,
-                                      predicted_cached, strip_usage)
+            return await self._commit(
+                hold,
+                run.routed,
+                resp,
+                first,
+                ttft,
+                run.deadline,
+                stream,
+                request_id,
+                predicted_cached,
+                strip_usage,
+            )
 
     def _payload(self, rep: Replica, body: bytes, stream: bool, ids: IdsPrompt | None) -> tuple[bytes, bool]:
         """The body for ``rep`` (token ids when it takes them) and whether the router asked for stream usage
@@ -459,8 +551,10 @@ class Proxy:
         if not exc.attempted:
             run.attempts -= 1  # it never reached the replica: not an attempt
             return
-        log.warning("attempt failed", extra={"request_id": request_id, "replica": rep.name,
-                                             "reason": exc.reason, "error": exc.message})
+        log.warning(
+            "attempt failed",
+            extra={"request_id": request_id, "replica": rep.name, "reason": exc.reason, "error": exc.message},
+        )
         if exc.connection:
             self.on_connection_failure(rep, exc.message)
 
@@ -470,15 +564,19 @@ class Proxy:
         last = run.last
         if last is None:
             self.telemetry.upstream_errors.labels("no_replica").inc()
-            return error_response(503, f"no routable replica left for model {run.routed.inp.model!r}",
-                                  "no_routable_replica", headers={"retry-after": str(self.cfg.retry_after_s),
-                                                                  "x-request-id": request_id})
+            return error_response(
+                503,
+                f"no routable replica left for model {run.routed.inp.model!r}",
+                "no_routable_replica",
+                headers={"retry-after": str(self.cfg.retry_after_s), "x-request-id": request_id},
+            )
         self.telemetry.upstream_errors.labels(last.reason).inc()
         msg = f"request failed after {run.attempts} attempt(s): " + "; ".join(run.errors)
         return error_response(last.status, msg, last.reason, headers={"x-request-id": request_id})
 
-    async def _open(self, rep: Replica, path: str, body: bytes, headers: dict[str, str],
-                    deadline: float) -> tuple[EngineResponse, bytes]:
+    async def _open(
+        self, rep: Replica, path: str, body: bytes, headers: dict[str, str], deadline: float
+    ) -> tuple[EngineResponse, bytes]:
         """Send the request and wait for headers + the first body chunk. Raises _AttemptFailed."""
         budget = min(self.cfg.first_byte_timeout_s, deadline - time.monotonic())
         resp: EngineResponse | None = None
@@ -488,9 +586,12 @@ class Proxy:
                 if resp.status >= 500:
                     data = await resp.read_all(_ERR_BODY_BYTES)
                     resp.close()
-                    raise _AttemptFailed(f"engine_{resp.status}",
-                                         f"engine answered {resp.status}: {data[:300].decode(errors='replace')}",
-                                         retry=True, status=502)
+                    raise _AttemptFailed(
+                        f"engine_{resp.status}",
+                        f"engine answered {resp.status}: {data[:300].decode(errors='replace')}",
+                        retry=True,
+                        status=502,
+                    )
                 first = await resp.read_chunk()
                 return resp, first
         except _AttemptFailed:
@@ -500,18 +601,27 @@ class Proxy:
         except TimeoutError:
             if resp is not None:
                 resp.close()
-            raise _AttemptFailed("first_byte_timeout",
-                                 f"no response within {budget:.3g}s (first_byte_timeout_s)",
-                                 retry=False, status=504) from None
+            raise _AttemptFailed(
+                "first_byte_timeout",
+                f"no response within {budget:.3g}s (first_byte_timeout_s)",
+                retry=False,
+                status=504,
+            ) from None
         except EngineTLSError as exc:
             raise _AttemptFailed("tls_error", str(exc), retry=True, connection=True) from None
         except EngineConnectError as exc:
-            raise _AttemptFailed("connect_error", f"cannot connect: {exc}", retry=True, connection=True) from None
+            raise _AttemptFailed(
+                "connect_error", f"cannot connect: {exc}", retry=True, connection=True
+            ) from None
         except EngineConnectionLost as exc:
             if resp is not None:
                 resp.close()
-            raise _AttemptFailed("connection_lost", f"connection lost before the first byte: {exc}",
-                                 retry=True, connection=True) from None
+            raise _AttemptFailed(
+                "connection_lost",
+                f"connection lost before the first byte: {exc}",
+                retry=True,
+                connection=True,
+            ) from None
         except EngineError as exc:
             if resp is not None:
                 resp.close()
@@ -522,25 +632,53 @@ class Proxy:
             raise
 
     # -- committed answers -----------------------------------------------------------------------------
-    async def _commit(self, hold: _Hold, routed: Routed, resp: EngineResponse, first: bytes, ttft: float,
-                      deadline: float, stream: bool, request_id: str, predicted_cached: int,
-                      strip_usage: bool = False) -> Response:
+    async def _commit(
+        self,
+        hold: _Hold,
+        routed: Routed,
+        resp: EngineResponse,
+        first: bytes,
+        ttft: float,
+        deadline: float,
+        stream: bool,
+        request_id: str,
+        predicted_cached: int,
+        strip_usage: bool = False,
+    ) -> Response:
         """The client's answer once the first byte arrived: a relayed stream (which takes over ``hold``) or the
         whole body read now (``hold`` is released when it was read)."""
         rep = hold.rep
-        out_headers = {"x-request-id": request_id, "x-kvroute-replica": rep.name,
-                       "x-kvroute-predicted-cached-tokens": str(predicted_cached)}
+        out_headers = {
+            "x-request-id": request_id,
+            "x-kvroute-replica": rep.name,
+            "x-kvroute-predicted-cached-tokens": str(predicted_cached),
+        }
         ctype = resp.headers.get("content-type", "application/json")
         status = resp.status
         if status < 400:
             self.telemetry.ttft.labels(rep.name).observe(ttft)
         if ctype.startswith("text/event-stream") and status < 400:
-            return self._commit_stream(hold, routed, resp, first, ttft, deadline, request_id, predicted_cached,
-                                       strip_usage, ctype, out_headers)
+            return self._commit_stream(
+                hold,
+                routed,
+                resp,
+                first,
+                ttft,
+                deadline,
+                request_id,
+                predicted_cached,
+                strip_usage,
+                ctype,
+                out_headers,
+            )
         # non-streaming: read the rest now, bounded in size and in silence
         try:
-            content = await resp.read_body(first, max_bytes=self.cfg.max_body_bytes,
-                                           idle_timeout_s=self.cfg.body_idle_timeout_s, deadline=deadline)
+            content = await resp.read_body(
+                first,
+                max_bytes=self.cfg.max_body_bytes,
+                idle_timeout_s=self.cfg.body_idle_timeout_s,
+                deadline=deadline,
+            )
         except (TimeoutError, EngineError) as exc:
             hold.release()
             resp.close()
@@ -557,17 +695,32 @@ class Proxy:
             except orjson.JSONDecodeError:
                 self.telemetry.upstream_errors.labels("bad_body").inc()
                 log.warning("engine answered garbage", extra={"request_id": request_id, "replica": rep.name})
-                return error_response(502, f"engine {rep.name} answered {status} with a body that is "
-                                      f"not JSON: {content[:80]!r}", "upstream_bad_body", headers=out_headers)
+                return error_response(
+                    502,
+                    f"engine {rep.name} answered {status} with a body that is not JSON: {content[:80]!r}",
+                    "upstream_bad_body",
+                    headers=out_headers,
+                )
             usage = obj.get("usage") if isinstance(obj, dict) else None
             usage = usage if isinstance(usage, dict) else None
             self._check_usage(rep, usage, streamed=False)
             self._feedback(rep, routed, usage, ttft, predicted_cached, single_chunk=not stream)
         return Response(content, status_code=status, media_type=ctype, headers=out_headers)
 
-    def _commit_stream(self, hold: _Hold, routed: Routed, resp: EngineResponse, first: bytes, ttft: float,
-                       deadline: float, request_id: str, predicted_cached: int, strip_usage: bool, ctype: str,
-                       out_headers: dict[str, str]) -> Response:
+    def _commit_stream(
+        self,
+        hold: _Hold,
+        routed: Routed,
+        resp: EngineResponse,
+        first: bytes,
+        ttft: float,
+        deadline: float,
+        request_id: str,
+        predicted_cached: int,
+        strip_usage: bool,
+        ctype: str,
+        out_headers: dict[str, str],
+    ) -> Response:
         """A relayed event stream (the relay releases ``hold`` when it ends), or a clean 502 when the first
         chunk is already not a valid event stream (nothing was sent to the client yet)."""
         rep = hold.rep
@@ -578,10 +731,16 @@ class Proxy:
             hold.release()
             resp.close()
             self.telemetry.upstream_errors.labels("bad_stream").inc()
-            log.warning("engine sent an invalid event stream", extra={"request_id": request_id,
-                                                                      "replica": rep.name, "error": str(exc)})
-            return error_response(502, f"engine {rep.name} answered {resp.status} with an invalid event stream: "
-                                  f"{exc}", "upstream_bad_stream", headers=out_headers)
+            log.warning(
+                "engine sent an invalid event stream",
+                extra={"request_id": request_id, "replica": rep.name, "error": str(exc)},
+            )
+            return error_response(
+                502,
+                f"engine {rep.name} answered {resp.status} with an invalid event stream: {exc}",
+                "upstream_bad_stream",
+                headers=out_headers,
+            )
         relay = _Relay(self, hold, routed, resp, out, ttft, deadline, request_id, predicted_cached, events)
         relay.tail = bytearray(first[-_TAIL_BYTES:])
         response = _ProxyStream(relay, status_code=resp.status, media_type=ctype, headers=out_headers)
@@ -592,12 +751,16 @@ class Proxy:
         """The error answer for a non-streamed body that could not be read whole (counted by reason)."""
         if isinstance(exc, EngineResponseTooLarge):
             reason, status, code = "body_too_large", 502, "upstream_body_too_large"
-            msg = (f"engine {rep.name} sent a response body over {self.cfg.max_body_bytes} bytes "
-                   "(engine_max_body_bytes)")
+            msg = (
+                f"engine {rep.name} sent a response body over {self.cfg.max_body_bytes} bytes "
+                "(engine_max_body_bytes)"
+            )
         elif isinstance(exc, TimeoutError) and exc.args[:1] == ("idle",):
             reason, status, code = "body_stalled", 504, "upstream_body_stalled"
-            msg = (f"engine {rep.name} sent nothing for {self.cfg.body_idle_timeout_s:g}s while sending the "
-                   "response body (engine_body_idle_timeout_s)")
+            msg = (
+                f"engine {rep.name} sent nothing for {self.cfg.body_idle_timeout_s:g}s while sending the "
+                "response body (engine_body_idle_timeout_s)"
+            )
         elif isinstance(exc, TimeoutError):
             reason, status, code = "total_timeout", 504, "total_timeout"
             msg = f"engine {rep.name} did not finish the response within total_timeout_s"
@@ -605,8 +768,10 @@ class Proxy:
             reason, status, code = "body_failed", 502, "upstream_body_failed"
             msg = f"engine {rep.name} failed while sending the response: {type(exc).__name__}"
         self.telemetry.upstream_errors.labels(reason).inc()
-        log.warning("engine response body failed", extra={"replica": rep.name, "reason": reason,
-                                                          "request_id": out_headers.get("x-request-id")})
+        log.warning(
+            "engine response body failed",
+            extra={"replica": rep.name, "reason": reason, "request_id": out_headers.get("x-request-id")},
+        )
         return error_response(status, msg, code, headers=out_headers)
 
     def _check_usage(self, rep: Replica, usage: dict[str, Any] | None, *, streamed: bool) -> None:
@@ -615,22 +780,39 @@ class Proxy:
             if not streamed:
                 return  # a non-streamed answer without usage at all is not an OpenAI-style completion: ignore
             what = "stream_usage"
-            hint = ("the engine sent no usage chunk although stream_options.include_usage was set (vLLM: "
-                    "--enable-force-include-usage forces it)")
+            hint = (
+                "the engine sent no usage chunk although stream_options.include_usage was set (vLLM: "
+                "--enable-force-include-usage forces it)"
+            )
         elif not isinstance(usage.get("prompt_tokens_details"), dict):
             what = "prompt_tokens_details"
-            hint = ("usage.prompt_tokens_details is missing: start vLLM with --enable-prompt-tokens-details "
-                    "(SGLang: --enable-cache-report) so the engine reports cached tokens")
+            hint = (
+                "usage.prompt_tokens_details is missing: start vLLM with --enable-prompt-tokens-details "
+                "(SGLang: --enable-cache-report) so the engine reports cached tokens"
+            )
         else:
             return
         self.usage_missing.labels(rep.name, what).inc()
         if (rep.name, what) not in self._usage_warned:
             self._usage_warned.add((rep.name, what))
-            log.warning("no cached-token feedback from engine %s: %s; fidelity metrics and calibration stay dark "
-                        "for it", rep.name, hint, extra={"replica": rep.name, "missing": what})
+            log.warning(
+                "no cached-token feedback from engine %s: %s; fidelity metrics and calibration stay dark "
+                "for it",
+                rep.name,
+                hint,
+                extra={"replica": rep.name, "missing": what},
+            )
 
-    def _feedback(self, rep: Replica, routed: Routed, usage: dict[str, Any] | None, ttft: float,
-                  predicted_cached: int, *, single_chunk: bool) -> None:
+    def _feedback(
+        self,
+        rep: Replica,
+        routed: Routed,
+        usage: dict[str, Any] | None,
+        ttft: float,
+        predicted_cached: int,
+        *,
+        single_chunk: bool,
+    ) -> None:
         """Telemetry (predicted vs reported cached tokens) and policy calibration after a response."""
         n = routed.inp.prompt_tokens
         reported = _cached_tokens(usage)
@@ -643,9 +825,14 @@ class Proxy:
         for s in routed.decision.scores:
             if s.index == rep.index:
                 q = float(s.parts.get("Q", 0.0) or 0.0)
-        obs = Observation(index=rep.index, prompt_tokens=n,
-                          cached_tokens=reported if reported is not None else predicted_cached,
-                          queue_wait_s=q, ttft_s=ttft, now=self.router.clock())
+        obs = Observation(
+            index=rep.index,
+            prompt_tokens=n,
+            cached_tokens=reported if reported is not None else predicted_cached,
+            queue_wait_s=q,
+            ttft_s=ttft,
+            now=self.router.clock(),
+        )
         self.router.observe(obs)
         if routed.plan is not None and not routed.disaggregated:
             self.router.observe_pd(obs)  # an in-place plan's answer calibrates the PD policy too
@@ -655,6 +842,7 @@ class Proxy:
 # streams
 # ---------------------------------------------------------------------------------------------------------
 
+
 class _Relay:
     """One relayed SSE stream: yields the engine's chunks, and cleans up exactly once (``finish``).
 
@@ -663,9 +851,19 @@ class _Relay:
     cancelled before its generator ever started has no ``finally`` to run).
     """
 
-    def __init__(self, proxy: Proxy, hold: _Hold, routed: Routed, resp: EngineResponse, first: bytes,
-                 ttft: float, deadline: float, request_id: str, predicted_cached: int,
-                 events: SSEValidator | None = None) -> None:
+    def __init__(
+        self,
+        proxy: Proxy,
+        hold: _Hold,
+        routed: Routed,
+        resp: EngineResponse,
+        first: bytes,
+        ttft: float,
+        deadline: float,
+        request_id: str,
+        predicted_cached: int,
+        events: SSEValidator | None = None,
+    ) -> None:
         self.proxy, self.hold, self.rep, self.routed, self.resp = proxy, hold, hold.rep, routed, resp
         self.first, self.ttft, self.deadline, self.request_id = first, ttft, deadline, request_id
         self.predicted_cached = predicted_cached
@@ -689,8 +887,10 @@ class _Relay:
     def _bad(self, exc: BadStream) -> bytes:
         """Count and log an invalid event stream; the SSE error event that ends the client's stream."""
         self.proxy.telemetry.upstream_errors.labels("bad_stream").inc()
-        log.warning("engine sent an invalid event stream", extra={"request_id": self.request_id,
-                                                                  "replica": self.rep.name, "error": str(exc)})
+        log.warning(
+            "engine sent an invalid event stream",
+            extra={"request_id": self.request_id, "replica": self.rep.name, "error": str(exc)},
+        )
         return _sse_error(502, f"engine {self.rep.name} sent an invalid event stream: {exc}", "bad_stream")
 
     def _end(self) -> bytes | None:
@@ -728,7 +928,9 @@ class _Relay:
                     yield expired
                     break
                 if self.direct is not None:
-                    resp.attach(self._sink)  # pieces go to the client from the read callback until one is declined
+                    resp.attach(
+                        self._sink
+                    )  # pieces go to the client from the read callback until one is declined
                 try:
                     chunk = await resp.read_chunk(wait)
                 except TimeoutError:
@@ -736,10 +938,17 @@ class _Relay:
                 except EngineError as exc:
                     reason = "stream_broken"
                     telemetry.upstream_errors.labels(reason).inc()
-                    log.warning("stream failed", extra={"request_id": self.request_id, "replica": self.rep.name,
-                                                        "error": f"{type(exc).__name__}: {exc}"})
-                    yield _sse_error(502, f"engine {self.rep.name} failed mid-stream: {type(exc).__name__}",
-                                     reason)
+                    log.warning(
+                        "stream failed",
+                        extra={
+                            "request_id": self.request_id,
+                            "replica": self.rep.name,
+                            "error": f"{type(exc).__name__}: {exc}",
+                        },
+                    )
+                    yield _sse_error(
+                        502, f"engine {self.rep.name} failed mid-stream: {type(exc).__name__}", reason
+                    )
                     break
                 finally:
                     resp.attach(None)
@@ -838,8 +1047,9 @@ class _Relay:
             if self.ok:
                 self.proxy._check_usage(self.rep, usage, streamed=True)
             if self.ok or usage:
-                self.proxy._feedback(self.rep, self.routed, usage, self.ttft, self.predicted_cached,
-                                     single_chunk=False)
+                self.proxy._feedback(
+                    self.rep, self.routed, usage, self.ttft, self.predicted_cached, single_chunk=False
+                )
         except Exception:
             log.exception("stream cleanup failed")
         finally:
@@ -873,7 +1083,9 @@ class _ProxyStream(StreamingResponse):
         watch = self.watch or _ClientWatch(receive)
         watch.arm()
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
             relay = self.relay
             relay.direct = _DirectWrite.of(send) if self.body_iterator is self._own_body else None
             ended = False
@@ -919,8 +1131,12 @@ class _DirectWrite:
         that changes only the response head may expose the server's own send as ``server_send`` (the workers'
         ``WorkerApp`` does)."""
         cycle = getattr(getattr(send, "server_send", send), "__self__", None)
-        if not isinstance(cycle, HttpToolsCycle) or cycle.chunked_encoding is not True or cycle.response_complete \
-                or cycle.scope.get("method") == "HEAD":
+        if (
+            not isinstance(cycle, HttpToolsCycle)
+            or cycle.chunked_encoding is not True
+            or cycle.response_complete
+            or cycle.scope.get("method") == "HEAD"
+        ):
             return None
         return cls(cycle.transport, cycle.flow)
 
@@ -1066,9 +1282,18 @@ class SSEValidator:
         # the common piece, one per token: exactly one whole ``data: {...}`` event after the first was parsed,
         # nothing pending, nothing to strip -> passed on as it is (what ``_feed`` returns for it, without its
         # splitting; issue 23)
-        if chunk[:7] == b"data: {" and chunk[-3:] == b"}\n\n" and self.checked and not self.pending \
-                and not self.carry_cr and not self.done and chunk.count(b"\n") == 2 and b"\r" not in chunk \
-                and len(chunk) - 2 <= self.max_event_bytes and not (self.strip_usage and b'"usage"' in chunk):
+        if (
+            chunk[:7] == b"data: {"
+            and chunk[-3:] == b"}\n\n"
+            and self.checked
+            and not self.pending
+            and not self.carry_cr
+            and not self.done
+            and chunk.count(b"\n") == 2
+            and b"\r" not in chunk
+            and len(chunk) - 2 <= self.max_event_bytes
+            and not (self.strip_usage and b'"usage"' in chunk)
+        ):
             return chunk
         return self._feed(chunk)
 
@@ -1089,9 +1314,9 @@ class SSEValidator:
         if cut < 0:
             self._hold(data)
             return b""
-        complete = data[:cut + 2]
+        complete = data[: cut + 2]
         if cut + 2 < len(data):
-            self._hold(data[cut + 2:])
+            self._hold(data[cut + 2 :])
         events = complete.split(b"\n\n")
         events.pop()  # after the last blank line
         changed = False

@@ -43,22 +43,35 @@ log = logging.getLogger("kvroute.routing")
 #: Built-in replica profiles by name, matching the stand-in engine's hardware profiles
 #: (``loadtest.engine_model.PROFILES[name].replica_profile()``; a unit test checks they agree).
 BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
-    "a100": {"prefill_tokens_per_s": 11231.10151187905, "fixed_overhead_s": 0.0,
-             "attention_s_per_token2": 3.780923076923077e-09, "bytes_per_token": 147456.0,
-             "decode_interference_s": 8.903846153846154e-05},
-    "h20": {"prefill_tokens_per_s": 5327.573794096472, "fixed_overhead_s": 0.0,
-            "attention_s_per_token2": 7.970594594594595e-09, "bytes_per_token": 147456.0,
-            "decode_interference_s": 0.0001877027027027027},
-    "rtx6000": {"prefill_tokens_per_s": 32894.73684210526, "fixed_overhead_s": 0.02622,
-                "attention_s_per_token2": 3e-09, "bytes_per_token": 147456.0,
-                "decode_interference_s": 3.04e-05},
+    "a100": {
+        "prefill_tokens_per_s": 11231.10151187905,
+        "fixed_overhead_s": 0.0,
+        "attention_s_per_token2": 3.780923076923077e-09,
+        "bytes_per_token": 147456.0,
+        "decode_interference_s": 8.903846153846154e-05,
+    },
+    "h20": {
+        "prefill_tokens_per_s": 5327.573794096472,
+        "fixed_overhead_s": 0.0,
+        "attention_s_per_token2": 7.970594594594595e-09,
+        "bytes_per_token": 147456.0,
+        "decode_interference_s": 0.0001877027027027027,
+    },
+    "rtx6000": {
+        "prefill_tokens_per_s": 32894.73684210526,
+        "fixed_overhead_s": 0.02622,
+        "attention_s_per_token2": 3e-09,
+        "bytes_per_token": 147456.0,
+        "decode_interference_s": 3.04e-05,
+    },
 }
 
 _PROFILE_FIELDS = {f.name for f in fields(ReplicaProfile)}
 
 
-def build_profile(name: str | None, overrides: dict[str, dict[str, Any]] | None = None,
-                  default: str = "a100") -> ReplicaProfile:
+def build_profile(
+    name: str | None, overrides: dict[str, dict[str, Any]] | None = None, default: str = "a100"
+) -> ReplicaProfile:
     """The ReplicaProfile called ``name`` (built-in, updated by ``overrides[name]``; ``default`` when None).
 
     Raises:
@@ -73,7 +86,9 @@ def build_profile(name: str | None, overrides: dict[str, dict[str, Any]] | None 
     params.update(overrides.get(name, {}))
     unknown = set(params) - _PROFILE_FIELDS
     if unknown:
-        raise ValueError(f"profile {name!r}: unknown fields {sorted(unknown)}; known: {sorted(_PROFILE_FIELDS)}")
+        raise ValueError(
+            f"profile {name!r}: unknown fields {sorted(unknown)}; known: {sorted(_PROFILE_FIELDS)}"
+        )
     tiers = params.pop("tiers", {}) or {}
     prof = ReplicaProfile(**params)
     prof.tiers = {t: v if isinstance(v, TierLink) else TierLink(**v) for t, v in tiers.items()}
@@ -83,6 +98,7 @@ def build_profile(name: str | None, overrides: dict[str, dict[str, Any]] | None 
 # ---------------------------------------------------------------------------------------------------------
 # errors the HTTP layer maps to responses
 # ---------------------------------------------------------------------------------------------------------
+
 
 class RoutingError(Exception):
     """A request cannot be routed. ``status`` is the HTTP status, ``code`` a stable machine-readable reason."""
@@ -127,6 +143,7 @@ class BadRequest(RoutingError):
 # ---------------------------------------------------------------------------------------------------------
 # decisions
 # ---------------------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class RoutingInput:
@@ -198,8 +215,11 @@ class Routed:
     @property
     def disaggregated(self) -> bool:
         """True when the chosen plan prefills on one replica and decodes on another."""
-        return self.plan is not None and self.plan.chosen.kind == "disaggregated" \
+        return (
+            self.plan is not None
+            and self.plan.chosen.kind == "disaggregated"
             and self.plan.chosen.prefill is not None
+        )
 
 
 class Router:
@@ -220,11 +240,22 @@ class Router:
         clock: seconds (monotonic) for ``RouteRequest.now``.
     """
 
-    def __init__(self, table: ReplicaTable, index: PrefixIndex, policy: Policy, *, block_size: int = 16,
-                 seed_model: str | None = None, seed_include_lora: bool = True,
-                 objective: str = "mean", predict_mode: str = "auto",
-                 events_healthy: Callable[[Replica], bool] | None = None,
-                 max_inflight_per_replica: int = 512, panic_routing: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        table: ReplicaTable,
+        index: PrefixIndex,
+        policy: Policy,
+        *,
+        block_size: int = 16,
+        seed_model: str | None = None,
+        seed_include_lora: bool = True,
+        objective: str = "mean",
+        predict_mode: str = "auto",
+        events_healthy: Callable[[Replica], bool] | None = None,
+        max_inflight_per_replica: int = 512,
+        panic_routing: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.table = table
         self.index = index
         self.policy = policy
@@ -286,24 +317,29 @@ class Router:
         if any(not r.models for r in reps):  # a replica whose models are unknown may serve it
             return model, None, model
         known = sorted({m for r in reps for m in (*r.models, *r.loras)})
-        raise UnknownModel(f"model {model!r} is not served by any replica; known: {', '.join(known)}",
-                           param="model")
+        raise UnknownModel(
+            f"model {model!r} is not served by any replica; known: {', '.join(known)}", param="model"
+        )
 
     def served_models(self) -> list[dict[str, Any]]:
         """The union of the replicas' models and LoRA adapters, OpenAI ``/v1/models`` entries."""
         seen: dict[str, dict[str, Any]] = {}
         for r in self.table.all():
             for m in r.models:
-                seen.setdefault(m, {"id": m, "object": "model", "owned_by": "kvroute", "root": m, "parent": None})
+                seen.setdefault(
+                    m, {"id": m, "object": "model", "owned_by": "kvroute", "root": m, "parent": None}
+                )
             for lo in r.loras:
                 parent = r.models[0] if r.models else None
-                seen.setdefault(lo, {"id": lo, "object": "model", "owned_by": "kvroute", "root": lo,
-                                     "parent": parent})
+                seen.setdefault(
+                    lo, {"id": lo, "object": "model", "owned_by": "kvroute", "root": lo, "parent": parent}
+                )
         return list(seen.values())
 
     # -- keys ------------------------------------------------------------------------------------------
-    def seed_for(self, model: str, lora: str | None = None, cache_salt: str | None = None,
-                 namespace: str | None = None) -> int:
+    def seed_for(
+        self, model: str, lora: str | None = None, cache_salt: str | None = None, namespace: str | None = None
+    ) -> int:
         """The root seed of prompts for ``model`` / ``lora`` / ``cache_salt`` (cached). ``namespace`` (a tenant
         with its own cache namespace) folds into the salt, so its prompts never match another namespace's."""
         if namespace is not None:
@@ -317,12 +353,24 @@ class Router:
             self._seed_cache[key] = seed
         return seed
 
-    def make_input(self, model: str, lora: str | None, token_ids: list[int], *, base_model: str | None = None,
-                   cache_salt: str | None = None,
-                   session_id: str | None = None, request_id: str = "",
-                   expected_output_tokens: int = 0, copies: int = 1, namespace: str | None = None,
-                   ttft_target_s: float | None = None, priority: int = 0, keys: list[int] | None = None,
-                   estimated_tokens: int | None = None) -> RoutingInput:
+    def make_input(
+        self,
+        model: str,
+        lora: str | None,
+        token_ids: list[int],
+        *,
+        base_model: str | None = None,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+        request_id: str = "",
+        expected_output_tokens: int = 0,
+        copies: int = 1,
+        namespace: str | None = None,
+        ttft_target_s: float | None = None,
+        priority: int = 0,
+        keys: list[int] | None = None,
+        estimated_tokens: int | None = None,
+    ) -> RoutingInput:
         """Hash ``token_ids`` into block keys and bundle the routing input (``copies``: see ``RoutingInput``;
         ``expected_output_tokens`` is per sequence; ``namespace``: see ``seed_for``). ``keys``: the ids' block
         keys when the caller hashed them already (with ``seed_for`` of the same arguments); ``estimated_tokens``:
@@ -331,10 +379,20 @@ class Router:
         if keys is None:
             keys = block_keys(token_ids, self.block_size, seed)
         copies = max(1, copies)
-        return RoutingInput(model=model, lora=lora, token_ids=token_ids, keys=keys, seed=seed,
-                            session_id=session_id, request_id=request_id,
-                            expected_output_tokens=expected_output_tokens * copies, copies=copies,
-                            ttft_target_s=ttft_target_s, priority=priority, estimated_tokens=estimated_tokens)
+        return RoutingInput(
+            model=model,
+            lora=lora,
+            token_ids=token_ids,
+            keys=keys,
+            seed=seed,
+            session_id=session_id,
+            request_id=request_id,
+            expected_output_tokens=expected_output_tokens * copies,
+            copies=copies,
+            ttft_target_s=ttft_target_s,
+            priority=priority,
+            estimated_tokens=estimated_tokens,
+        )
 
     # -- decisions -------------------------------------------------------------------------------------
     def candidates_for(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> list[Replica]:
@@ -349,20 +407,36 @@ class Router:
             # every replica failed its health checks: rather than refusing all traffic on what may be false
             # positives (overloaded engines answer probes late), try the unhealthy ones (Envoy's panic mode)
             ex = set(exclude)
-            reps = [r for r in self.table.all() if r.state == ReplicaState.UNHEALTHY and r.index not in ex
-                    and r.serves(None if inp.lora else inp.model, inp.lora)]
+            reps = [
+                r
+                for r in self.table.all()
+                if r.state == ReplicaState.UNHEALTHY
+                and r.index not in ex
+                and r.serves(None if inp.lora else inp.model, inp.lora)
+            ]
             if reps:
                 self.panic_decisions += 1
         if not reps:
-            states = {r.name: r.state.value for r in self.table.all()
-                      if r.serves(None if inp.lora else inp.model, inp.lora)}
-            raise NoReplica(f"no routable replica for model {inp.model!r} (replica states: {states or 'none'})")
-        fits = [r for r in reps
-                if not r.profile.max_context_tokens or inp.prompt_tokens <= r.profile.max_context_tokens]
+            states = {
+                r.name: r.state.value
+                for r in self.table.all()
+                if r.serves(None if inp.lora else inp.model, inp.lora)
+            }
+            raise NoReplica(
+                f"no routable replica for model {inp.model!r} (replica states: {states or 'none'})"
+            )
+        fits = [
+            r
+            for r in reps
+            if not r.profile.max_context_tokens or inp.prompt_tokens <= r.profile.max_context_tokens
+        ]
         if not fits:
             longest = max(r.profile.max_context_tokens for r in reps)
-            raise BadRequest(f"prompt of {inp.prompt_tokens} tokens is longer than any replica's context "
-                             f"({longest} tokens)", param="prompt")
+            raise BadRequest(
+                f"prompt of {inp.prompt_tokens} tokens is longer than any replica's context "
+                f"({longest} tokens)",
+                param="prompt",
+            )
         limit = self.max_inflight_per_replica
         free = [r for r in fits if r.load.inflight_requests < limit]
         if not free:
@@ -388,17 +462,39 @@ class Router:
         for r in reps:
             hit = hit_from_match(matches.get(r.index), n, bs, r.load.engine_block_size)
             cached[r.index] = hit.total
-            cands.append(Candidate(index=r.index, name=r.name, load=self.load_view(r), hit=hit,
-                                   profile=r.profile, state=r.state.value))
-        req = RouteRequest(model=inp.model, prompt_tokens=n, block_keys=inp.keys, block_size=bs,
-                           now=self.clock(), lora=inp.lora, session_id=inp.session_id,
-                           objective=self.objective,  # type: ignore[arg-type]
-                           expected_output_tokens=inp.expected_output_tokens, request_id=inp.request_id,
-                           ttft_target_s=inp.ttft_target_s, priority=inp.priority)
+            cands.append(
+                Candidate(
+                    index=r.index,
+                    name=r.name,
+                    load=self.load_view(r),
+                    hit=hit,
+                    profile=r.profile,
+                    state=r.state.value,
+                )
+            )
+        req = RouteRequest(
+            model=inp.model,
+            prompt_tokens=n,
+            block_keys=inp.keys,
+            block_size=bs,
+            now=self.clock(),
+            lora=inp.lora,
+            session_id=inp.session_id,
+            objective=self.objective,  # type: ignore[arg-type]
+            expected_output_tokens=inp.expected_output_tokens,
+            request_id=inp.request_id,
+            ttft_target_s=inp.ttft_target_s,
+            priority=inp.priority,
+        )
         decision = self.policy.choose(req, cands)
         decision.reuse = reuse_of(decision.chosen, cands)  # available vs achieved cached tokens
-        return Routed(inp=inp, decision=decision, candidates=cands, cached_tokens=cached,
-                      decision_s=time.perf_counter() - t0)
+        return Routed(
+            inp=inp,
+            decision=decision,
+            candidates=cands,
+            cached_tokens=cached,
+            decision_s=time.perf_counter() - t0,
+        )
 
     # -- prefill/decode disaggregation ----------------------------------------------------------------
     def is_disaggregated(self, inp: RoutingInput) -> bool:
@@ -444,16 +540,37 @@ class Router:
         for r in reps:
             hit = hit_from_match(matches.get(r.index), n, self.block_size, r.load.engine_block_size)
             cached[r.index] = hit.total
-            cand = Candidate(index=r.index, name=r.name, load=self.load_view(r), hit=hit, profile=r.profile,
-                             state=r.state.value)
+            cand = Candidate(
+                index=r.index,
+                name=r.name,
+                load=self.load_view(r),
+                hit=hit,
+                profile=r.profile,
+                state=r.state.value,
+            )
             cands.append(cand)
             role: Role = r.role if r.role in ROLES else "both"
-            pd_cands.append(PdCandidate(candidate=cand, role=role, dp_rank_count=max(1, r.dp_size),
-                                        link_busy_s=self.link_busy_s(r.index), serves_alone=serves_alone(r)))
-        req = RouteRequest(model=inp.model, prompt_tokens=n, block_keys=inp.keys, block_size=self.block_size,
-                           now=self.clock(), lora=inp.lora, session_id=inp.session_id,
-                           objective=self.objective,  # type: ignore[arg-type]
-                           expected_output_tokens=inp.expected_output_tokens, request_id=inp.request_id)
+            pd_cands.append(
+                PdCandidate(
+                    candidate=cand,
+                    role=role,
+                    dp_rank_count=max(1, r.dp_size),
+                    link_busy_s=self.link_busy_s(r.index),
+                    serves_alone=serves_alone(r),
+                )
+            )
+        req = RouteRequest(
+            model=inp.model,
+            prompt_tokens=n,
+            block_keys=inp.keys,
+            block_size=self.block_size,
+            now=self.clock(),
+            lora=inp.lora,
+            session_id=inp.session_id,
+            objective=self.objective,  # type: ignore[arg-type]
+            expected_output_tokens=inp.expected_output_tokens,
+            request_id=inp.request_id,
+        )
         try:
             plan = self.pd_policy().choose_plan(req, pd_cands, self.pd_link)
         except ValueError as exc:  # no feasible plan (e.g. only prefill replicas are routable)
@@ -462,8 +579,14 @@ class Router:
         decision = plan_as_decision(plan, pd_cands)
         prefiller = plan.chosen.prefill if plan.chosen.prefill is not None else plan.chosen.decode
         plan.reuse = decision.reuse = reuse_of(prefiller, cands)
-        return Routed(inp=inp, decision=decision, candidates=cands, cached_tokens=cached,
-                      decision_s=time.perf_counter() - t0, plan=plan)
+        return Routed(
+            inp=inp,
+            decision=decision,
+            candidates=cands,
+            cached_tokens=cached,
+            decision_s=time.perf_counter() - t0,
+            plan=plan,
+        )
 
     def link_busy_s(self, index: int) -> float:
         """Seconds until replica ``index``'s outgoing KV link has sent the handoffs this router dispatched."""
@@ -626,10 +749,18 @@ def plan_as_decision(plan: PlanDecision, candidates: Sequence[PdCandidate]) -> D
         parts = dict(top.terms) if top else {}
         if top:
             parts["T"] = top.predicted_ttft_s
-        scores.append(CandidateScore(index=c.index, name=c.name,
-                                     score=top.predicted_ttft_s if top else float("inf"), parts=parts))
-    return Decision(chosen=plan.chosen.decode, ranking=ranking or [plan.chosen.decode], scores=scores,
-                    policy=plan.policy, branch=plan.branch)
+        scores.append(
+            CandidateScore(
+                index=c.index, name=c.name, score=top.predicted_ttft_s if top else float("inf"), parts=parts
+            )
+        )
+    return Decision(
+        chosen=plan.chosen.decode,
+        ranking=ranking or [plan.chosen.decode],
+        scores=scores,
+        policy=plan.policy,
+        branch=plan.branch,
+    )
 
 
 def plan_json(routed: Routed, table: ReplicaTable, *, show_urls: bool = True) -> dict[str, Any] | None:
@@ -644,19 +775,35 @@ def plan_json(routed: Routed, table: ReplicaTable, *, show_urls: bool = True) ->
         if index is None:
             return None
         rep = table.by_index(index)
-        return {"name": rep.name if rep else str(index), "index": index,
-                "role": rep.role if rep else None, "url": rep.url if rep and show_urls else None}
+        return {
+            "name": rep.name if rep else str(index),
+            "index": index,
+            "role": rep.role if rep else None,
+            "url": rep.url if rep and show_urls else None,
+        }
 
     def one(p: Plan) -> dict[str, Any]:
-        return {"kind": p.kind, "prefill": rep_json(p.prefill), "decode": rep_json(p.decode),
-                "dp_rank": p.dp_rank, "predicted_ttft_s": _finite(p.predicted_ttft_s),
-                "terms": {k: _finite(v) for k, v in p.terms.items()}}
+        return {
+            "kind": p.kind,
+            "prefill": rep_json(p.prefill),
+            "decode": rep_json(p.decode),
+            "dp_rank": p.dp_rank,
+            "predicted_ttft_s": _finite(p.predicted_ttft_s),
+            "terms": {k: _finite(v) for k, v in p.terms.items()},
+        }
 
     d = routed.plan
-    return {"policy": d.policy, "branch": d.branch, "chosen": one(d.chosen), "plans": [one(p) for p in d.plans]}
+    return {
+        "policy": d.policy,
+        "branch": d.branch,
+        "chosen": one(d.chosen),
+        "plans": [one(p) for p in d.plans],
+    }
 
 
-def decision_json(routed: Routed, table: ReplicaTable, block_size: int, *, show_urls: bool = True) -> dict[str, Any]:
+def decision_json(
+    routed: Routed, table: ReplicaTable, block_size: int, *, show_urls: bool = True
+) -> dict[str, Any]:
     """The JSON form of a decision for ``POST /route``: chosen replica, ranking, every candidate's parts.
 
     ``show_urls``: include the replicas' URLs (internal addresses: the router shows them to admins only); else
@@ -670,27 +817,46 @@ def decision_json(routed: Routed, table: ReplicaTable, block_size: int, *, show_
         c = by_index.get(s.index)
         rep = table.by_index(s.index)
         hit = c.hit if c else PrefixHit()
-        cands.append({
-            "name": s.name, "index": s.index, "url": rep.url if rep and show_urls else None,
-            "score": _finite(s.score),
-            # the expected TTFT (hit and miss paths weighted by p) when the policy models it, else its T / score
-            "predicted_ttft_s": _finite(s.parts.get("E", s.parts.get("T", s.score))),
-            "Q": _finite(s.parts.get("Q")), "R": _finite(s.parts.get("R")), "C": _finite(s.parts.get("C")),
-            "p": _finite(s.parts.get("p")),
-            "parts": {k: _finite(v) for k, v in s.parts.items()},
-            "matched_tokens": {"gpu": hit.gpu, "cpu": hit.cpu, "disk": hit.disk, "remote": hit.remote,
-                               "predicted": hit.predicted, "total": hit.total},
-            "cached_tokens": routed.cached_tokens.get(s.index, 0),
-            "load": _load_json(c.load) if c else None,
-        })
+        cands.append(
+            {
+                "name": s.name,
+                "index": s.index,
+                "url": rep.url if rep and show_urls else None,
+                "score": _finite(s.score),
+                # the expected TTFT (hit and miss paths weighted by p) when the policy models it, else its T / score
+                "predicted_ttft_s": _finite(s.parts.get("E", s.parts.get("T", s.score))),
+                "Q": _finite(s.parts.get("Q")),
+                "R": _finite(s.parts.get("R")),
+                "C": _finite(s.parts.get("C")),
+                "p": _finite(s.parts.get("p")),
+                "parts": {k: _finite(v) for k, v in s.parts.items()},
+                "matched_tokens": {
+                    "gpu": hit.gpu,
+                    "cpu": hit.cpu,
+                    "disk": hit.disk,
+                    "remote": hit.remote,
+                    "predicted": hit.predicted,
+                    "total": hit.total,
+                },
+                "cached_tokens": routed.cached_tokens.get(s.index, 0),
+                "load": _load_json(c.load) if c else None,
+            }
+        )
     return {
-        "chosen": {"name": chosen.name if chosen else None, "index": d.chosen,
-                   "url": chosen.url if chosen and show_urls else None},
-        "policy": d.policy, "branch": d.branch,
+        "chosen": {
+            "name": chosen.name if chosen else None,
+            "index": d.chosen,
+            "url": chosen.url if chosen and show_urls else None,
+        },
+        "policy": d.policy,
+        "branch": d.branch,
         "ranking": [_name(table, i) for i in d.ranking],
-        "model": routed.inp.model, "lora": routed.inp.lora,
-        "prompt_tokens": routed.inp.prompt_tokens, "blocks": len(routed.inp.keys),
-        "prompt_tokens_estimated": routed.inp.ids_partial, "tokenized_tokens": len(routed.inp.token_ids),
+        "model": routed.inp.model,
+        "lora": routed.inp.lora,
+        "prompt_tokens": routed.inp.prompt_tokens,
+        "blocks": len(routed.inp.keys),
+        "prompt_tokens_estimated": routed.inp.ids_partial,
+        "tokenized_tokens": len(routed.inp.token_ids),
         "block_size": block_size,
         "decision_s": routed.decision_s,
         "candidates": cands,

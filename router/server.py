@@ -53,9 +53,14 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     worker = current_worker()
     if settings.workers > 1 and worker is None:
         try:
-            supervisor = Supervisor(list(sys.argv[1:] if argv is None else argv), host=settings.host,
-                                    port=settings.port, workers=settings.workers,
-                                    shutdown_grace_s=settings.shutdown_grace_s, command="epp" if epp else "serve")
+            supervisor = Supervisor(
+                list(sys.argv[1:] if argv is None else argv),
+                host=settings.host,
+                port=settings.port,
+                workers=settings.workers,
+                shutdown_grace_s=settings.shutdown_grace_s,
+                command="epp" if epp else "serve",
+            )
         except OSError as exc:
             print(f"{cmd}: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
             return 1
@@ -91,15 +96,22 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     http = _http_protocol(settings, app)
     served = app if worker is None else WorkerApp(app, worker, app.state.services.telemetry.render)
     config = uvicorn.Config(
-        served, host=settings.host, port=settings.port, loop=loop, http=http,
+        served,
+        host=settings.host,
+        port=settings.port,
+        loop=loop,
+        http=http,
         h11_max_incomplete_event_size=settings.max_header_bytes,  # when httptools is missing
-        log_level=settings.log_level, access_log=settings.access_log,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
         # 0 = cancel at once (None would wait forever)
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
         timeout_keep_alive=max(1, math.ceil(settings.client_keepalive_timeout_s)),
         # headroom: probes, /metrics and queued requests must never meet uvicorn's plain-text 503 first
         limit_concurrency=2 * (settings.max_inflight_total + settings.max_queued_requests) + 64,
-        backlog=2048, log_config=None)
+        backlog=2048,
+        log_config=None,
+    )
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn already shut down gracefully
         server.run(sockets=None if worker is None else [worker_socket(settings.host, worker.port)])
@@ -114,7 +126,9 @@ def _http_protocol(settings: Settings, app: Any) -> Any:
         return "h11"
     from router.http_protocol import ConnLimits, cut_counter, protocol_class
 
-    return protocol_class(ConnLimits.from_settings(settings), cut_counter(app.state.services.telemetry.registry))
+    return protocol_class(
+        ConnLimits.from_settings(settings), cut_counter(app.state.services.telemetry.registry)
+    )
 
 
 def _explain(exc: ValidationError) -> str:

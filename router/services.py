@@ -104,27 +104,44 @@ class Services:
 # the steps
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _build_index(settings: Settings) -> PrefixIndex:
-    return PrefixIndex(block_size=settings.block_size, max_nodes=settings.index_max_nodes,
-                       max_bytes=settings.index_max_bytes, predicted_ttl_s=settings.predicted_ttl_s)
+    return PrefixIndex(
+        block_size=settings.block_size,
+        max_nodes=settings.index_max_nodes,
+        max_bytes=settings.index_max_bytes,
+        predicted_ttl_s=settings.predicted_ttl_s,
+    )
 
 
 def _build_tokenizer(settings: Settings) -> Tokenizer:
-    return make_tokenizer(settings.tokenizer_mode, settings.tokenizer_path, settings.chat_template_path,
-                          settings.tokenize_timeout_s, settings.engine_headers(),
-                          cache_bytes=int(settings.tokenizer_cache_mb * (1 << 20)),
-                          cache_verify_every=settings.tokenizer_cache_verify_every)
+    return make_tokenizer(
+        settings.tokenizer_mode,
+        settings.tokenizer_path,
+        settings.chat_template_path,
+        settings.tokenize_timeout_s,
+        settings.engine_headers(),
+        cache_bytes=int(settings.tokenizer_cache_mb * (1 << 20)),
+        cache_verify_every=settings.tokenizer_cache_verify_every,
+    )
 
 
 def _profile_factory(settings: Settings) -> Callable[[str | None], ReplicaProfile]:
     def profile_for(name: str | None) -> ReplicaProfile:
         return build_profile(name, settings.profiles, settings.default_profile)
+
     return profile_for
 
 
 def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> Membership:
-    membership = Membership(settings.membership(), table, index, specs=settings.static_replicas(),
-                            profile_for=_profile_factory(settings), headers=settings.engine_headers())
+    membership = Membership(
+        settings.membership(),
+        table,
+        index,
+        specs=settings.static_replicas(),
+        profile_for=_profile_factory(settings),
+        headers=settings.engine_headers(),
+    )
     membership.load()  # static replicas, joining until their first probe
     return membership
 
@@ -137,14 +154,27 @@ def _probe_over_pool(membership: Membership, client: PooledScrapeClient) -> None
             checker.use_client(client)
 
 
-def _build_router(settings: Settings, table: ReplicaTable, index: PrefixIndex, policy: Policy,
-                  kv_events: KVEventSubscriber | None, membership: Membership) -> Router:
-    router = Router(table, index, policy, block_size=settings.block_size, seed_model=settings.seed_model,
-                    seed_include_lora=settings.seed_include_lora,
-                    objective=settings.objective, predict_mode=settings.predict_mode,
-                    events_healthy=lambda rep: signals.events_healthy(kv_events, rep),
-                    max_inflight_per_replica=settings.max_inflight_per_replica,
-                    panic_routing=settings.panic_routing)
+def _build_router(
+    settings: Settings,
+    table: ReplicaTable,
+    index: PrefixIndex,
+    policy: Policy,
+    kv_events: KVEventSubscriber | None,
+    membership: Membership,
+) -> Router:
+    router = Router(
+        table,
+        index,
+        policy,
+        block_size=settings.block_size,
+        seed_model=settings.seed_model,
+        seed_include_lora=settings.seed_include_lora,
+        objective=settings.objective,
+        predict_mode=settings.predict_mode,
+        events_healthy=lambda rep: signals.events_healthy(kv_events, rep),
+        max_inflight_per_replica=settings.max_inflight_per_replica,
+        panic_routing=settings.panic_routing,
+    )
     router.on_prediction.append(membership.publish_prediction)  # predicted entries reach peer routers
     _configure_pd(settings, router)
     return router
@@ -154,8 +184,9 @@ def _configure_pd(settings: Settings, router: Router) -> None:
     """Prefill/decode disaggregation (issue 19): the PD plan policy (built on the first PD decision, so a
     co-located fleet never needs one) and the fleet's P->D link."""
     router.pd_policy_factory = lambda: make_pd_policy(settings.pd_policy, **settings.pd_policy_params)
-    router.pd_link = HandoffLink(bandwidth_bytes_per_s=settings.pd_link_bandwidth_gbps * 1e9,
-                                 latency_s=settings.pd_link_latency_s)
+    router.pd_link = HandoffLink(
+        bandwidth_bytes_per_s=settings.pd_link_bandwidth_gbps * 1e9, latency_s=settings.pd_link_latency_s
+    )
     router.pd_link_estimator = LinkEstimator(router.pd_link, settings.pd_link_learning())
 
 
@@ -165,16 +196,25 @@ def _observe_transfers(proxy: Proxy, rep: Replica, snap: EngineSnapshot) -> None
         proxy.pd.observe_engine_transfers(rep, snap)
 
 
-def _build_proxy(settings: Settings, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck,
-                 gate: DispatchGate, membership: Membership) -> Proxy:
+def _build_proxy(
+    settings: Settings,
+    router: Router,
+    telemetry: Telemetry,
+    token_ids: TokenIdsCheck,
+    gate: DispatchGate,
+    membership: Membership,
+) -> Proxy:
     def on_connection_failure(rep: Replica, err: str) -> None:  # passive health
         membership.record_failure(rep.name, err)
 
-    proxy = Proxy(router, telemetry, settings.proxy(), on_connection_failure=on_connection_failure,
-                  token_ids=token_ids)
+    proxy = Proxy(
+        router, telemetry, settings.proxy(), on_connection_failure=on_connection_failure, token_ids=token_ids
+    )
     proxy.gate = gate
-    proxy.pd = PdLegs(proxy, PdConfig(protocol=settings.pd_protocol,
-                                      default_bootstrap_port=settings.pd_default_bootstrap_port))
+    proxy.pd = PdLegs(
+        proxy,
+        PdConfig(protocol=settings.pd_protocol, default_bootstrap_port=settings.pd_default_bootstrap_port),
+    )
     return proxy
 
 
@@ -195,13 +235,18 @@ def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag) ->
     return Guard(auth, loop_lag, settings.max_event_loop_lag_s, settings.retry_after_s, telemetry)
 
 
-def _build_tenants(settings: Settings, membership: Membership, admission: Admission, telemetry: Telemetry,
-                   router: Router) -> TenantAdmission:
+def _build_tenants(
+    settings: Settings, membership: Membership, admission: Admission, telemetry: Telemetry, router: Router
+) -> TenantAdmission:
     """Identity and admission (issue 20): quotas in Redis when configured (else in memory), the fair queue of
     ``admission``, per-tenant metrics fed by the router's observations."""
     budget = TenantBudget(membership.shared, settings.tenant_expected_routers)
-    tenants = TenantAdmission(TenancyConfig.from_settings(settings), budget, admission,
-                              TenantMetrics(telemetry.registry, max_tenant_labels=1000))
+    tenants = TenantAdmission(
+        TenancyConfig.from_settings(settings),
+        budget,
+        admission,
+        TenantMetrics(telemetry.registry, max_tenant_labels=1000),
+    )
     router.on_observation.append(tenants.observe)
     return tenants
 
@@ -209,6 +254,7 @@ def _build_tenants(settings: Settings, membership: Membership, admission: Admiss
 def _keep_index_honest(table: ReplicaTable, index: PrefixIndex, kv_events: KVEventSubscriber | None) -> None:
     """A replica that leaves is cleared from the index; so is one that turns unhealthy without KV events (its
     predicted entries would be stale when it comes back)."""
+
     def on_change(rep: Replica) -> None:
         if rep.state == ReplicaState.UNHEALTHY and not signals.events_healthy(kv_events, rep):
             index.clear(rep.index)
@@ -242,20 +288,32 @@ def _register_metrics(svc: Services) -> None:
 def _router_gauges(svc: Services) -> Iterator[Metric]:
     """The router's own scrape-time values: in flight, panic decisions, token-id audits."""
     yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
-    yield gauge("kvroute_panic_decisions", "decisions made among unhealthy replicas because none was ready "
-                "(cumulative)", float(svc.router.panic_decisions))
-    yield gauge("kvroute_token_id_audits", "prompts sent as ids re-checked against the replica's /tokenize "
-                "(cumulative)", float(svc.token_ids.audited))
-    yield gauge("kvroute_token_id_audit_mismatches", "audited prompts the replica tokenized differently: it "
-                "gets text from then on (cumulative)", float(svc.token_ids.audit_mismatches))
+    yield gauge(
+        "kvroute_panic_decisions",
+        "decisions made among unhealthy replicas because none was ready (cumulative)",
+        float(svc.router.panic_decisions),
+    )
+    yield gauge(
+        "kvroute_token_id_audits",
+        "prompts sent as ids re-checked against the replica's /tokenize (cumulative)",
+        float(svc.token_ids.audited),
+    )
+    yield gauge(
+        "kvroute_token_id_audit_mismatches",
+        "audited prompts the replica tokenized differently: it gets text from then on (cumulative)",
+        float(svc.token_ids.audit_mismatches),
+    )
 
 
 def _background(svc: Services) -> list[StartStop]:
     """The start/stop pairs of the background parts, in start order."""
-    out: list[StartStop] = [(svc.membership.start, svc.membership.stop),  # static, kubernetes, health, redis
-                            (svc.token_ids.start, svc.token_ids.stop)]  # which replicas take token ids
+    out: list[StartStop] = [
+        (svc.membership.start, svc.membership.stop),  # static, kubernetes, health, redis
+        (svc.token_ids.start, svc.token_ids.stop),
+    ]  # which replicas take token ids
     sub = svc.kv_events
     if sub is not None:
+
         async def start_events() -> None:
             await sub.start()
             sub.watch_table(svc.table)
@@ -283,8 +341,11 @@ def build_services(settings: Settings) -> Services:
     headers = settings.engine_headers()
     telemetry = Telemetry()
     # TLS to https:// engines (proxy, probes, scrapes, /tokenize): one verified context from Settings
-    engine_tls.configure(engine_tls.EngineTLS(settings.engine_ca_bundle, settings.engine_client_cert,
-                                              settings.engine_client_key))
+    engine_tls.configure(
+        engine_tls.EngineTLS(
+            settings.engine_ca_bundle, settings.engine_client_cert, settings.engine_client_key
+        )
+    )
     table = ReplicaTable(make_allocator(settings.membership()))  # ordinals / Redis registry / grace
     index = _build_index(settings)
     policy = make_policy(settings.policy, **settings.policy_params)
@@ -295,27 +356,57 @@ def build_services(settings: Settings) -> Services:
     # proxy's, created in the event loop when first used
     engine_client = PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes)
     engine_metrics = signals.build_engine_metrics(
-        settings, table, headers, kv_events, client=engine_client,
-        also_on_snapshot=lambda rep, snap: _observe_transfers(proxy, rep, snap))
+        settings,
+        table,
+        headers,
+        kv_events,
+        client=engine_client,
+        also_on_snapshot=lambda rep, snap: _observe_transfers(proxy, rep, snap),
+    )
     _probe_over_pool(membership, engine_client)
     router = _build_router(settings, table, index, policy, kv_events, membership)
-    token_ids = TokenIdsCheck(tokenizer, table, enabled=settings.forward_token_ids,
-                              timeout_s=settings.tokenize_timeout_s, interval_s=settings.probe_interval_s,
-                              headers=headers)
+    token_ids = TokenIdsCheck(
+        tokenizer,
+        table,
+        enabled=settings.forward_token_ids,
+        timeout_s=settings.tokenize_timeout_s,
+        interval_s=settings.probe_interval_s,
+        headers=headers,
+    )
     gate = _build_gate(settings, table, index)
     proxy = _build_proxy(settings, router, telemetry, token_ids, gate, membership)
-    admission = Admission(settings.max_inflight_total, settings.max_queued_requests, settings.max_queue_wait_s)
+    admission = Admission(
+        settings.max_inflight_total, settings.max_queued_requests, settings.max_queue_wait_s
+    )
     idempotency = IdempotencyGuard(membership.shared, settings.retry_after_s)
-    loop_lag = LoopLag(settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry)
+    loop_lag = LoopLag(
+        settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry
+    )
     guard = _build_guard(settings, telemetry, loop_lag)
     intake = Intake(InputLimits.from_settings(settings), lambda: model_contexts(table.all()))
     tenants = _build_tenants(settings, membership, admission, telemetry, router)
     _keep_index_honest(table, index, kv_events)
-    svc = Services(settings=settings, telemetry=telemetry, table=table, index=index, policy=policy,
-                   tokenizer=tokenizer, membership=membership, kv_events=kv_events,
-                   engine_metrics=engine_metrics, router=router, token_ids=token_ids, gate=gate, proxy=proxy,
-                   admission=admission, idempotency=idempotency, loop_lag=loop_lag, guard=guard, intake=intake,
-                   tenants=tenants)
+    svc = Services(
+        settings=settings,
+        telemetry=telemetry,
+        table=table,
+        index=index,
+        policy=policy,
+        tokenizer=tokenizer,
+        membership=membership,
+        kv_events=kv_events,
+        engine_metrics=engine_metrics,
+        router=router,
+        token_ids=token_ids,
+        gate=gate,
+        proxy=proxy,
+        admission=admission,
+        idempotency=idempotency,
+        loop_lag=loop_lag,
+        guard=guard,
+        intake=intake,
+        tenants=tenants,
+    )
     svc.background = _background(svc)
     _register_metrics(svc)
     return svc
@@ -324,6 +415,7 @@ def build_services(settings: Settings) -> Services:
 # ---------------------------------------------------------------------------------------------------------
 # running
 # ---------------------------------------------------------------------------------------------------------
+
 
 @contextlib.asynccontextmanager
 async def run(svc: Services) -> AsyncIterator[None]:

@@ -22,8 +22,18 @@ from router.config import Settings
 log = logging.getLogger("kvroute.signals")
 
 #: per-feed counters shown in ``GET /replicas`` (``kv_events``)
-_FEED_FIELDS = ("connected", "last_seq", "batches", "stored_blocks", "removed_blocks", "gaps", "restarts",
-                "orphans", "last_message_age_s", "endpoint")
+_FEED_FIELDS = (
+    "connected",
+    "last_seq",
+    "batches",
+    "stored_blocks",
+    "removed_blocks",
+    "gaps",
+    "restarts",
+    "orphans",
+    "last_message_age_s",
+    "endpoint",
+)
 
 
 class _SeededSubscriber(KVEventSubscriber):
@@ -38,9 +48,15 @@ class _SeededSubscriber(KVEventSubscriber):
         spec = super().spec_for(replica)
         if spec is None:
             return None
-        return FeedSpec(index=spec.index, name=spec.name, endpoint=spec.endpoint,
-                        replay_endpoint=spec.replay_endpoint, topic=spec.topic, model=self.seed_model,
-                        bind=spec.bind)
+        return FeedSpec(
+            index=spec.index,
+            name=spec.name,
+            endpoint=spec.endpoint,
+            replay_endpoint=spec.replay_endpoint,
+            topic=spec.topic,
+            model=self.seed_model,
+            bind=spec.bind,
+        )
 
 
 def wants_kv_events(settings: Settings) -> bool:
@@ -62,12 +78,19 @@ def kv_events_config(settings: Settings) -> KVEventsConfig:
     """The subscriber's tuning from the ``kv_*`` Settings fields."""
     st = settings
     return KVEventsConfig(
-        replay_idle_timeout_s=st.kv_replay_idle_timeout_s, replay_total_timeout_s=st.kv_replay_total_timeout_s,
-        max_replay_batches=st.kv_replay_max_batches, replay_max_bytes=st.kv_replay_max_bytes,
-        max_message_bytes=st.kv_max_message_bytes, sub_rcvhwm=st.kv_sub_rcvhwm, replay_rcvhwm=st.kv_replay_rcvhwm,
-        apply_slice_blocks=st.kv_apply_slice_blocks, max_sequence_jump=st.kv_max_sequence_jump,
-        orphan_replay_interval_s=st.kv_orphan_replay_interval_s, degraded_retry_s=st.kv_degraded_retry_s,
-        degraded_hold_s=st.kv_degraded_hold_s)
+        replay_idle_timeout_s=st.kv_replay_idle_timeout_s,
+        replay_total_timeout_s=st.kv_replay_total_timeout_s,
+        max_replay_batches=st.kv_replay_max_batches,
+        replay_max_bytes=st.kv_replay_max_bytes,
+        max_message_bytes=st.kv_max_message_bytes,
+        sub_rcvhwm=st.kv_sub_rcvhwm,
+        replay_rcvhwm=st.kv_replay_rcvhwm,
+        apply_slice_blocks=st.kv_apply_slice_blocks,
+        max_sequence_jump=st.kv_max_sequence_jump,
+        orphan_replay_interval_s=st.kv_orphan_replay_interval_s,
+        degraded_retry_s=st.kv_degraded_retry_s,
+        degraded_hold_s=st.kv_degraded_hold_s,
+    )
 
 
 def events_healthy(sub: KVEventSubscriber | None, rep: Replica) -> bool:
@@ -96,9 +119,14 @@ def feed_status(sub: KVEventSubscriber | None, rep: Replica) -> dict[str, Any] |
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def build_engine_metrics(settings: Settings, table: ReplicaTable, headers: dict[str, str],
-                         kv_events: KVEventSubscriber | None, client: Any = None,
-                         also_on_snapshot: Callable[[Any, EngineSnapshot], None] | None = None) -> MetricsScraper:
+def build_engine_metrics(
+    settings: Settings,
+    table: ReplicaTable,
+    headers: dict[str, str],
+    kv_events: KVEventSubscriber | None,
+    client: Any = None,
+    also_on_snapshot: Callable[[Any, EngineSnapshot], None] | None = None,
+) -> MetricsScraper:
     """The engine ``/metrics`` scraper updating the load views of ``table`` (not started).
 
     ``inflight_prefill_tokens``: the router releases a request's tokens at its first byte (exact and immediate);
@@ -109,13 +137,22 @@ def build_engine_metrics(settings: Settings, table: ReplicaTable, headers: dict[
     ``also_on_snapshot(replica, snapshot)`` runs after that on every scrape (the PD link learns from the KV
     transfers engines report).
     """
-    hooks = [h for h in (kv_events.on_engine_snapshot if kv_events is not None else None, also_on_snapshot)
-             if h is not None]
+    hooks = [
+        h
+        for h in (kv_events.on_engine_snapshot if kv_events is not None else None, also_on_snapshot)
+        if h is not None
+    ]
 
     def on_snapshot(replica: Any, snap: EngineSnapshot) -> None:
         for hook in hooks:
             hook(replica, snap)
 
-    return MetricsScraper(table, interval_s=settings.scrape_interval_s, timeout_s=settings.scrape_timeout_s,
-                          client=client, headers=headers or None, router_block_size=settings.block_size,
-                          on_snapshot=on_snapshot if hooks else None)
+    return MetricsScraper(
+        table,
+        interval_s=settings.scrape_interval_s,
+        timeout_s=settings.scrape_timeout_s,
+        client=client,
+        headers=headers or None,
+        router_block_size=settings.block_size,
+        on_snapshot=on_snapshot if hooks else None,
+    )

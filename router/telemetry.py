@@ -61,8 +61,27 @@ from policies.base import Reuse
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.35,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _MISSED_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -86,55 +105,114 @@ class Telemetry:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("kvroute_requests", "HTTP requests answered by route and status",
-                                ["route", "status"], registry=r)
-        self.decision_seconds = Histogram("kvroute_decision_seconds",
-                                          "time to tokenize, hash, match and choose a replica (s)",
-                                          buckets=_DECISION_BUCKETS, registry=r)
-        self.routed = Counter("kvroute_routed", "routing decisions by policy, branch and chosen replica",
-                              ["policy", "branch", "replica"], registry=r)
-        self.ttft = Histogram("kvroute_ttft_seconds", "router-measured time to first response byte (s)",
-                              ["replica"], buckets=_TTFT_BUCKETS, registry=r)
-        self.retries = Counter("kvroute_retries", "attempts retried on another replica, by reason",
-                               ["reason"], registry=r)
-        self.upstream_errors = Counter("kvroute_upstream_errors",
-                                       "requests that failed after all attempts, by reason", ["reason"],
-                                       registry=r)
-        self.relayed_pieces = Counter("kvroute_relayed_pieces", "pieces of engine event streams relayed to "
-                                      "clients, by path: direct (written from the engine connection's read "
-                                      "callback), task (by the request's task: the first piece, pieces that "
-                                      "waited for a slow client, servers without a direct path)", ["path"],
-                                      registry=r)
-        self.token_id_prompts = Counter("kvroute_token_id_prompts", "engine requests (attempts) whose prompt "
-                                        "was sent as the router's token ids (forward_token_ids)", registry=r)
-        self.tokenize_tokens = Counter("kvroute_tokenize_tokens", "prompt tokens of text prompts the router "
-                                       "tokenized (kind=tokenized), and those it only estimated, past the fleet's "
-                                       "cache frontier (kind=estimated; tokenize_scope=cached_prefix)", ["kind"],
-                                       registry=r)
-        self.partial_ids = Counter("kvroute_partial_ids_requests", "requests routed on a prefix of their prompt's "
-                                   "ids (cache-frontier tokenization stopped early: estimated prompt length, the "
-                                   "text goes to the engine)", registry=r)
-        self.prompt_tokens = Counter("kvroute_prompt_tokens", "prompt tokens of requests with an engine "
-                                     "cached-token report", registry=r)
-        self.predicted_cached = Counter("kvroute_predicted_cached_tokens",
-                                        "cached tokens the router predicted on the chosen replica", registry=r)
-        self.engine_cached = Counter("kvroute_engine_cached_tokens",
-                                     "cached tokens the engine reported (usage.prompt_tokens_details)",
-                                     registry=r)
-        self.cached_match = Counter("kvroute_cached_tokens_match",
-                                    "per request: router prediction vs engine report (exact|over|under)",
-                                    ["result"], registry=r)
-        self.rejected = Counter("kvroute_rejected", "requests rejected before routing, by reason", ["reason"],
-                                registry=r)
-        self.reuse_available = Counter("kvroute_reuse_available_tokens", "per decision, the most cached prompt "
-                                       "tokens any eligible replica held (tokens)", registry=r)
-        self.reuse_achieved = Counter("kvroute_reuse_achieved_tokens", "per decision, the cached prompt tokens "
-                                      "the chosen replica held (tokens)", registry=r)
-        self.reuse_missed = Histogram("kvroute_reuse_missed_tokens", "per decision, available minus achieved "
-                                      "cached prompt tokens (tokens)", buckets=_MISSED_TOKEN_BUCKETS, registry=r)
-        self.reuse_decisions = Counter("kvroute_reuse_decisions", "decisions by reuse outcome: best (chose the "
-                                       "replica holding the most), traded (chose one holding less), none (no "
-                                       "replica held any of the prompt)", ["outcome"], registry=r)
+        self.requests = Counter(
+            "kvroute_requests", "HTTP requests answered by route and status", ["route", "status"], registry=r
+        )
+        self.decision_seconds = Histogram(
+            "kvroute_decision_seconds",
+            "time to tokenize, hash, match and choose a replica (s)",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.routed = Counter(
+            "kvroute_routed",
+            "routing decisions by policy, branch and chosen replica",
+            ["policy", "branch", "replica"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvroute_ttft_seconds",
+            "router-measured time to first response byte (s)",
+            ["replica"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvroute_retries", "attempts retried on another replica, by reason", ["reason"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "kvroute_upstream_errors",
+            "requests that failed after all attempts, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.relayed_pieces = Counter(
+            "kvroute_relayed_pieces",
+            "pieces of engine event streams relayed to "
+            "clients, by path: direct (written from the engine connection's read "
+            "callback), task (by the request's task: the first piece, pieces that "
+            "waited for a slow client, servers without a direct path)",
+            ["path"],
+            registry=r,
+        )
+        self.token_id_prompts = Counter(
+            "kvroute_token_id_prompts",
+            "engine requests (attempts) whose prompt was sent as the router's token ids (forward_token_ids)",
+            registry=r,
+        )
+        self.tokenize_tokens = Counter(
+            "kvroute_tokenize_tokens",
+            "prompt tokens of text prompts the router "
+            "tokenized (kind=tokenized), and those it only estimated, past the fleet's "
+            "cache frontier (kind=estimated; tokenize_scope=cached_prefix)",
+            ["kind"],
+            registry=r,
+        )
+        self.partial_ids = Counter(
+            "kvroute_partial_ids_requests",
+            "requests routed on a prefix of their prompt's "
+            "ids (cache-frontier tokenization stopped early: estimated prompt length, the "
+            "text goes to the engine)",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvroute_prompt_tokens",
+            "prompt tokens of requests with an engine cached-token report",
+            registry=r,
+        )
+        self.predicted_cached = Counter(
+            "kvroute_predicted_cached_tokens",
+            "cached tokens the router predicted on the chosen replica",
+            registry=r,
+        )
+        self.engine_cached = Counter(
+            "kvroute_engine_cached_tokens",
+            "cached tokens the engine reported (usage.prompt_tokens_details)",
+            registry=r,
+        )
+        self.cached_match = Counter(
+            "kvroute_cached_tokens_match",
+            "per request: router prediction vs engine report (exact|over|under)",
+            ["result"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvroute_rejected", "requests rejected before routing, by reason", ["reason"], registry=r
+        )
+        self.reuse_available = Counter(
+            "kvroute_reuse_available_tokens",
+            "per decision, the most cached prompt tokens any eligible replica held (tokens)",
+            registry=r,
+        )
+        self.reuse_achieved = Counter(
+            "kvroute_reuse_achieved_tokens",
+            "per decision, the cached prompt tokens the chosen replica held (tokens)",
+            registry=r,
+        )
+        self.reuse_missed = Histogram(
+            "kvroute_reuse_missed_tokens",
+            "per decision, available minus achieved cached prompt tokens (tokens)",
+            buckets=_MISSED_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.reuse_decisions = Counter(
+            "kvroute_reuse_decisions",
+            "decisions by reuse outcome: best (chose the "
+            "replica holding the most), traded (chose one holding less), none (no "
+            "replica held any of the prompt)",
+            ["outcome"],
+            registry=r,
+        )
 
     def add_gauges(self, fn: Callable[[], Iterable[Metric]]) -> None:
         """Register ``fn`` to produce gauge families at every scrape (index size, replica states, ...)."""
@@ -149,8 +227,9 @@ class Telemetry:
         self.prompt_tokens.inc(prompt_tokens)
         self.predicted_cached.inc(predicted)
         self.engine_cached.inc(reported)
-        self.cached_match.labels("exact" if predicted == reported else
-                                 "over" if predicted > reported else "under").inc()
+        self.cached_match.labels(
+            "exact" if predicted == reported else "over" if predicted > reported else "under"
+        ).inc()
 
     def observe_reuse(self, reuse: Reuse) -> None:
         """Record one forwarded decision's available vs achieved cached prompt tokens (tokens)."""
@@ -165,11 +244,19 @@ class Telemetry:
         return generate_latest(self.registry)
 
 
-def gauge(name: str, doc: str, value: float | None = None,
-          labels: list[str] | None = None, samples: Iterable[tuple[list[str], float]] = ()) -> GaugeMetricFamily:
+def gauge(
+    name: str,
+    doc: str,
+    value: float | None = None,
+    labels: list[str] | None = None,
+    samples: Iterable[tuple[list[str], float]] = (),
+) -> GaugeMetricFamily:
     """Build a gauge family: one unlabelled ``value``, or labelled ``samples`` [(label values, value)]."""
-    g = GaugeMetricFamily(name, doc, value=value, labels=labels) if labels is None else \
-        GaugeMetricFamily(name, doc, labels=labels)
+    g = (
+        GaugeMetricFamily(name, doc, value=value, labels=labels)
+        if labels is None
+        else GaugeMetricFamily(name, doc, labels=labels)
+    )
     if labels is not None:
         for lv, v in samples:
             g.add_metric(lv, v)
@@ -193,13 +280,25 @@ def index_gauges(stats: Mapping[str, object]) -> Iterator[Metric]:
 
 def replica_gauges(reps: Sequence[Replica], takes_token_ids: Callable[[Replica], bool]) -> Iterator[Metric]:
     """Per replica: its state, requests in flight, and whether prompts go to it as the router's token ids."""
-    yield gauge("kvroute_replica_state", "1 for the replica's current state", labels=["replica", "state"],
-                samples=[([r.name, s.value], 1.0 if r.state == s else 0.0) for r in reps for s in ReplicaState])
-    yield gauge("kvroute_replica_inflight_requests", "requests in flight per replica", labels=["replica"],
-                samples=[([r.name], float(r.load.inflight_requests)) for r in reps])
-    yield gauge("kvroute_replica_token_ids", "1 when prompts go to the replica as the router's token ids "
-                "(forward_token_ids and its tokenizer check)", labels=["replica"],
-                samples=[([r.name], 1.0 if takes_token_ids(r) else 0.0) for r in reps])
+    yield gauge(
+        "kvroute_replica_state",
+        "1 for the replica's current state",
+        labels=["replica", "state"],
+        samples=[([r.name, s.value], 1.0 if r.state == s else 0.0) for r in reps for s in ReplicaState],
+    )
+    yield gauge(
+        "kvroute_replica_inflight_requests",
+        "requests in flight per replica",
+        labels=["replica"],
+        samples=[([r.name], float(r.load.inflight_requests)) for r in reps],
+    )
+    yield gauge(
+        "kvroute_replica_token_ids",
+        "1 when prompts go to the replica as the router's token ids "
+        "(forward_token_ids and its tokenizer check)",
+        labels=["replica"],
+        samples=[([r.name], 1.0 if takes_token_ids(r) else 0.0) for r in reps],
+    )
 
 
 _TOKENIZER_CACHE_HELP = {
@@ -217,8 +316,11 @@ _TOKENIZER_CACHE_HELP = {
 
 def tokenizer_cache_gauges(stats: Mapping[str, float]) -> Iterator[Metric]:
     """The prefix tokenization cache's ``stats()`` as ``kvroute_tokenizer_cache_*`` gauges."""
-    return stats_gauges("kvroute_tokenizer_cache_", stats,
-                        lambda key: _TOKENIZER_CACHE_HELP.get(key, f"prefix tokenization cache {key}"))
+    return stats_gauges(
+        "kvroute_tokenizer_cache_",
+        stats,
+        lambda key: _TOKENIZER_CACHE_HELP.get(key, f"prefix tokenization cache {key}"),
+    )
 
 
 def kubernetes_metrics(watcher: PodWatcher | None) -> Iterator[Metric]:
@@ -226,8 +328,9 @@ def kubernetes_metrics(watcher: PodWatcher | None) -> Iterator[Metric]:
     if watcher is None:
         return
     st = watcher.stats
-    yield gauge("kvroute_kubernetes_synced", "1 once the first pod LIST was applied",
-                1.0 if watcher.synced else 0.0)
+    yield gauge(
+        "kvroute_kubernetes_synced", "1 once the first pod LIST was applied", 1.0 if watcher.synced else 0.0
+    )
     for name, value, doc in (
         ("kvroute_kubernetes_lists", st.lists, "pod LIST requests (start, reconnect, 410, resync)"),
         ("kvroute_kubernetes_watches", st.watches, "pod WATCH streams opened"),

@@ -82,7 +82,9 @@ class Ticket:
 
 
 #: the identity and predicted TTFT of the request the current task serves (read by ``observe``)
-_CURRENT: ContextVar[tuple[Identity, float | None] | None] = ContextVar("kvroute_tenant_current", default=None)
+_CURRENT: ContextVar[tuple[Identity, float | None] | None] = ContextVar(
+    "kvroute_tenant_current", default=None
+)
 
 
 class TenantAdmission:
@@ -95,7 +97,9 @@ class TenantAdmission:
         metrics: per-tenant / per-class metrics.
     """
 
-    def __init__(self, cfg: TenancyConfig, budget: TenantBudget, slots: Admission, metrics: TenantMetrics) -> None:
+    def __init__(
+        self, cfg: TenancyConfig, budget: TenantBudget, slots: Admission, metrics: TenantMetrics
+    ) -> None:
         self.cfg = cfg
         self.budget = budget
         self.slots = slots
@@ -124,10 +128,15 @@ class TenantAdmission:
         if not slo_unattainable(best_predicted_s, target, self.cfg.slo_reject_factor):
             return
         self._count_reject(identity, "slo_unattainable")
-        raise Rejected(429, "slo_unattainable", "slo_unattainable",
-                       f"best predicted TTFT {best_predicted_s:.3f}s exceeds the target {target:.3f}s x "
-                       f"{self.cfg.slo_reject_factor:g} (slo_reject_factor)", wire_reason="slo_unattainable",
-                       retry_after_s=best_predicted_s)
+        raise Rejected(
+            429,
+            "slo_unattainable",
+            "slo_unattainable",
+            f"best predicted TTFT {best_predicted_s:.3f}s exceeds the target {target:.3f}s x "
+            f"{self.cfg.slo_reject_factor:g} (slo_reject_factor)",
+            wire_reason="slo_unattainable",
+            retry_after_s=best_predicted_s,
+        )
 
     async def precheck(self, identity: Identity, max_output_tokens: int | None) -> None:
         """Refuse, before any work on the prompt (tokenizing), a request its tenant's bucket cannot pay now: the
@@ -144,10 +153,15 @@ class TenantAdmission:
         if held >= least:
             return
         self._count_reject(identity, "quota")
-        raise Rejected(429, "quota_exceeded", "tenant_quota",
-                       f"tenant {identity.tenant!r} is over its quota of {policy.tokens_per_s:g} tokens/s "
-                       f"({self.budget.mode}); its bucket holds {held:.0f} tokens", wire_reason="quota",
-                       retry_after_s=(least - held) / policy.tokens_per_s)
+        raise Rejected(
+            429,
+            "quota_exceeded",
+            "tenant_quota",
+            f"tenant {identity.tenant!r} is over its quota of {policy.tokens_per_s:g} tokens/s "
+            f"({self.budget.mode}); its bucket holds {held:.0f} tokens",
+            wire_reason="quota",
+            retry_after_s=(least - held) / policy.tokens_per_s,
+        )
 
     async def admit(self, identity: Identity, prompt_tokens: int, max_output_tokens: int | None) -> Ticket:
         """Charge the tenant's quota, then take an in-flight slot (maybe after a bounded, fair wait).
@@ -185,13 +199,23 @@ class TenantAdmission:
             return answer.mode
         self._count_reject(identity, "quota")
         if math.isinf(answer.wait_s):
-            msg = (f"request needs {cost} tokens (prompt + max output), more than tenant {identity.tenant!r}'s "
-                   f"burst of {policy.burst_tokens:g} tokens")
+            msg = (
+                f"request needs {cost} tokens (prompt + max output), more than tenant {identity.tenant!r}'s "
+                f"burst of {policy.burst_tokens:g} tokens"
+            )
         else:
-            msg = (f"tenant {identity.tenant!r} is over its quota of {policy.tokens_per_s:g} tokens/s "
-                   f"({answer.mode}); {cost} tokens free up in {answer.wait_s:.1f}s")
-        raise Rejected(429, "quota_exceeded", "tenant_quota", msg, wire_reason="quota",
-                       retry_after_s=None if math.isinf(answer.wait_s) else answer.wait_s)
+            msg = (
+                f"tenant {identity.tenant!r} is over its quota of {policy.tokens_per_s:g} tokens/s "
+                f"({answer.mode}); {cost} tokens free up in {answer.wait_s:.1f}s"
+            )
+        raise Rejected(
+            429,
+            "quota_exceeded",
+            "tenant_quota",
+            msg,
+            wire_reason="quota",
+            retry_after_s=None if math.isinf(answer.wait_s) else answer.wait_s,
+        )
 
     def _count_reject(self, identity: Identity, reason: str) -> None:
         self.metrics.rejected.labels(self.metrics.tenant_label(identity.tenant), reason).inc()
@@ -218,8 +242,10 @@ class TenantAdmission:
         mode = self.budget.mode
         out: dict[str, Any] = {"quotas": self.cfg.quotas_on, "budget_mode": mode}
         if mode == "local_fallback":
-            out["detail"] = (f"Redis unreachable: each router enforces 1/{self.budget.expected_routers} of every "
-                             "tenant quota (tenant_expected_routers) until it is back")
+            out["detail"] = (
+                f"Redis unreachable: each router enforces 1/{self.budget.expected_routers} of every "
+                "tenant quota (tenant_expected_routers) until it is back"
+            )
         return out
 
 
@@ -227,14 +253,36 @@ def rejection_response(exc: Rejected, default_retry_after_s: int) -> Response:
     """The HTTP answer to a refused request: JSON with ``error.reason``, ``Retry-After`` and the reason header."""
     retry = default_retry_after_s if exc.retry_after_s is None else max(1, math.ceil(exc.retry_after_s))
     err_type = "invalid_request_error" if exc.status < 500 else "server_error"
-    body = orjson.dumps({"error": {"message": exc.message, "type": err_type, "code": exc.code, "param": None,
-                                   "reason": exc.wire_reason}})
-    return Response(body, status_code=exc.status, media_type="application/json",
-                    headers={"retry-after": str(retry), REASON_HEADER: exc.wire_reason})
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": exc.message,
+                "type": err_type,
+                "code": exc.code,
+                "param": None,
+                "reason": exc.wire_reason,
+            }
+        }
+    )
+    return Response(
+        body,
+        status_code=exc.status,
+        media_type="application/json",
+        headers={"retry-after": str(retry), REASON_HEADER: exc.wire_reason},
+    )
 
 
 def bad_identity_response(exc: BadIdentity) -> Response:
     """The 400 answer to a malformed tenant / priority / TTFT-target header (JSON naming it)."""
-    body = orjson.dumps({"error": {"message": exc.message, "type": "invalid_request_error",
-                                   "code": "invalid_identity", "param": exc.param, "reason": "bad_header"}})
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": exc.message,
+                "type": "invalid_request_error",
+                "code": "invalid_identity",
+                "param": exc.param,
+                "reason": "bad_header",
+            }
+        }
+    )
     return Response(body, status_code=400, media_type="application/json")

@@ -24,8 +24,27 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from membership.tenant_budget import TenantBudget
 
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.35,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class TenantMetrics:
@@ -34,22 +53,51 @@ class TenantMetrics:
     def __init__(self, registry: CollectorRegistry, max_tenant_labels: int) -> None:
         self._labels: set[str] = set()
         self.max_tenant_labels = max_tenant_labels
-        self.requests = Counter("kvroute_tenant_requests", "requests accepted, by tenant and priority class",
-                                ["tenant", "class"], registry=registry)
-        self.tokens = Counter("kvroute_tenant_tokens", "tokens charged to a tenant (prompt + max output)",
-                              ["tenant"], registry=registry)
-        self.rejected = Counter("kvroute_tenant_rejected", "requests refused, by tenant and reason",
-                                ["tenant", "reason"], registry=registry)
-        self.ttft = Histogram("kvroute_tenant_ttft_seconds", "router-observed TTFT by tenant (s)", ["tenant"],
-                              buckets=_TTFT_BUCKETS, registry=registry)
-        self.reused = Counter("kvroute_tenant_reused_tokens", "prompt tokens the chosen replica was predicted "
-                              "to hold, by tenant", ["tenant"], registry=registry)
-        self.predicted = Histogram("kvroute_class_predicted_ttft_seconds", "predicted TTFT of the chosen "
-                                   "replica, by priority class (s)", ["class"], buckets=_TTFT_BUCKETS,
-                                   registry=registry)
-        self.observed = Histogram("kvroute_class_observed_ttft_seconds", "observed TTFT of requests with a "
-                                  "prediction, by priority class (s)", ["class"], buckets=_TTFT_BUCKETS,
-                                  registry=registry)
+        self.requests = Counter(
+            "kvroute_tenant_requests",
+            "requests accepted, by tenant and priority class",
+            ["tenant", "class"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "kvroute_tenant_tokens",
+            "tokens charged to a tenant (prompt + max output)",
+            ["tenant"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "kvroute_tenant_rejected",
+            "requests refused, by tenant and reason",
+            ["tenant", "reason"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kvroute_tenant_ttft_seconds",
+            "router-observed TTFT by tenant (s)",
+            ["tenant"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.reused = Counter(
+            "kvroute_tenant_reused_tokens",
+            "prompt tokens the chosen replica was predicted to hold, by tenant",
+            ["tenant"],
+            registry=registry,
+        )
+        self.predicted = Histogram(
+            "kvroute_class_predicted_ttft_seconds",
+            "predicted TTFT of the chosen replica, by priority class (s)",
+            ["class"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.observed = Histogram(
+            "kvroute_class_observed_ttft_seconds",
+            "observed TTFT of requests with a prediction, by priority class (s)",
+            ["class"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
 
     def tenant_label(self, tenant: str) -> str:
         """``tenant``, or ``other`` once ``max_tenant_labels`` distinct tenants were seen."""
@@ -63,9 +111,13 @@ class TenantMetrics:
 
 def budget_gauges(budget: TenantBudget) -> Iterator[Metric]:
     """The quota mode and the takes per mode (collected at scrape time)."""
-    mode = GaugeMetricFamily("kvroute_tenant_budget_mode", "1 for the current tenant-quota mode: shared "
-                             "(Redis), local_fallback (Redis unreachable: quota / tenant_expected_routers per "
-                             "router), local (no Redis)", labels=["mode"])
+    mode = GaugeMetricFamily(
+        "kvroute_tenant_budget_mode",
+        "1 for the current tenant-quota mode: shared "
+        "(Redis), local_fallback (Redis unreachable: quota / tenant_expected_routers per "
+        "router), local (no Redis)",
+        labels=["mode"],
+    )
     for name in ("shared", "local_fallback", "local"):
         mode.add_metric([name], 1.0 if budget.mode == name else 0.0)
     yield mode

@@ -105,23 +105,34 @@ class TenancyConfig:
         """
         classes = {name: _priority_class(name, spec) for name, spec in s.priority_classes.items()}
         if s.default_priority_class not in classes:
-            raise ValueError(f"default_priority_class {s.default_priority_class!r} is not in priority_classes "
-                             f"({', '.join(sorted(classes))})")
+            raise ValueError(
+                f"default_priority_class {s.default_priority_class!r} is not in priority_classes "
+                f"({', '.join(sorted(classes))})"
+            )
         aliases = {k.lower(): v for k, v in s.priority_class_aliases.items() if v in classes}
-        default_policy = TenantPolicy(s.tenant_tokens_per_s, s.tenant_tokens_per_s * s.tenant_burst_s, 1.0, False)
+        default_policy = TenantPolicy(
+            s.tenant_tokens_per_s, s.tenant_tokens_per_s * s.tenant_burst_s, 1.0, False
+        )
         tenants = {name: _tenant_policy(name, spec, s.tenant_burst_s) for name, spec in s.tenants.items()}
         return cls(
             tenant_header=s.tenant_header.lower(),
             tenant_header_aliases=tuple(h.lower() for h in s.tenant_header_aliases),
             key_tenants=parse_key_tenants([k.get_secret_value() for k in s.tenant_api_keys]),
-            default_tenant=s.default_tenant, tenants=tenants, default_policy=default_policy,
+            default_tenant=s.default_tenant,
+            tenants=tenants,
+            default_policy=default_policy,
             priority_header=s.priority_header.lower(),
             priority_header_aliases=tuple(h.lower() for h in s.priority_header_aliases),
-            priority_body_field=s.priority_body_field, classes=classes, class_aliases=aliases,
-            default_class=s.default_priority_class, ttft_target_header=s.ttft_target_header.lower(),
+            priority_body_field=s.priority_body_field,
+            classes=classes,
+            class_aliases=aliases,
+            default_class=s.default_priority_class,
+            ttft_target_header=s.ttft_target_header.lower(),
             ttft_target_header_aliases=tuple(h.lower() for h in s.ttft_target_header_aliases),
-            default_output_tokens=s.tenant_default_output_tokens, expected_routers=s.tenant_expected_routers,
-            slo_reject_factor=s.slo_reject_factor)
+            default_output_tokens=s.tenant_default_output_tokens,
+            expected_routers=s.tenant_expected_routers,
+            slo_reject_factor=s.slo_reject_factor,
+        )
 
     def policy_of(self, tenant: str) -> TenantPolicy:
         """The tenant's quota and share (the defaults when it is not listed)."""
@@ -167,6 +178,7 @@ class Identity:
 # config parsing
 # ---------------------------------------------------------------------------------------------------------
 
+
 def parse_key_tenants(entries: list[str]) -> dict[str, str]:
     """``["TENANT=KEY", ...]`` -> ``{KEY: TENANT}``.
 
@@ -192,7 +204,9 @@ def _priority_class(name: str, spec: Any) -> PriorityClass:
     target = spec.get("ttft_target_s")
     if weight <= 0 or (target is not None and float(target) <= 0):
         raise ValueError(f"priority_classes[{name!r}]: weight and ttft_target_s must be > 0")
-    return PriorityClass(name, int(spec.get("priority", 0)), weight, None if target is None else float(target))
+    return PriorityClass(
+        name, int(spec.get("priority", 0)), weight, None if target is None else float(target)
+    )
 
 
 def _tenant_policy(name: str, spec: Any, burst_s: float) -> TenantPolicy:
@@ -212,6 +226,7 @@ def _tenant_policy(name: str, spec: Any, burst_s: float) -> TenantPolicy:
 # ---------------------------------------------------------------------------------------------------------
 # request parsing
 # ---------------------------------------------------------------------------------------------------------
+
 
 def _first_header(headers: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
     for name in names:
@@ -273,7 +288,9 @@ def resolve_class(value: Any, cfg: TenancyConfig, param: str) -> PriorityClass:
     name = text if text in cfg.classes else cfg.class_aliases.get(text.lower())
     if name is None:
         known = sorted({*cfg.classes, *cfg.class_aliases})
-        raise BadIdentity(f"{param!r}: unknown priority class {text[:64]!r}; known: {', '.join(known)}", param)
+        raise BadIdentity(
+            f"{param!r}: unknown priority class {text[:64]!r}; known: {', '.join(known)}", param
+        )
     return cfg.classes[name]
 
 

@@ -59,8 +59,16 @@ _ENTRY_BYTES = 400
 
 #: component types whose behaviour is local (per character / per word); anything else disables the cache
 _NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Sequence"}
-_PRE_TOKENIZERS = {"ByteLevel", "Whitespace", "WhitespaceSplit", "Split", "Metaspace", "Digits", "Punctuation",
-                   "Sequence"}
+_PRE_TOKENIZERS = {
+    "ByteLevel",
+    "Whitespace",
+    "WhitespaceSplit",
+    "Split",
+    "Metaspace",
+    "Digits",
+    "Punctuation",
+    "Sequence",
+}
 _MODELS = {"BPE", "WordLevel", "WordPiece", "Unigram"}
 
 #: texts for the self-test (English, code, numbers, whitespace runs, punctuation, non-ASCII, chat markup)
@@ -151,8 +159,14 @@ class PrefixTokenCache:
             whole.
     """
 
-    def __init__(self, encode_batch: BatchEncode, specials: Sequence[int] | None, max_bytes: int,
-                 verify_every: int = 256, chunk_chars: int = CHUNK_CHARS) -> None:
+    def __init__(
+        self,
+        encode_batch: BatchEncode,
+        specials: Sequence[int] | None,
+        max_bytes: int,
+        verify_every: int = 256,
+        chunk_chars: int = CHUNK_CHARS,
+    ) -> None:
         self._encode_batch = encode_batch
         self.specials = list(specials) if specials is not None else None
         self.max_bytes = max_bytes
@@ -192,8 +206,11 @@ class PrefixTokenCache:
     def splits_exactly(self, add_special_tokens: bool) -> bool:
         """True when a text cut at safe cuts tokenizes, piece by piece, as its whole (the gates passed and no
         audit disagreed since), and with special tokens, they go in front only."""
-        return (self.gates_passed and self.mismatches == 0
-                and (not add_special_tokens or self.specials is not None))
+        return (
+            self.gates_passed
+            and self.mismatches == 0
+            and (not add_special_tokens or self.specials is not None)
+        )
 
     def serves(self, add_special_tokens: bool) -> bool:
         """True when ``encode`` may be called: the cache is on and, with special tokens, they go in front only."""
@@ -243,9 +260,12 @@ class PrefixTokenCache:
             if whole != out:
                 self.mismatches += 1
                 self.disable("an audited encoding differed from the whole tokenization")
-                log.error("prefix tokenization cache disabled: pieces of a %d-character text tokenized differently "
-                          "from the whole text (first difference at id %d); tokenizing whole from now on",
-                          len(text), _first_difference(whole, out))
+                log.error(
+                    "prefix tokenization cache disabled: pieces of a %d-character text tokenized differently "
+                    "from the whole text (first difference at id %d); tokenizing whole from now on",
+                    len(text),
+                    _first_difference(whole, out),
+                )
                 keep, out = False, whole
         if keep:
             points = [(c, m) for _, c, m in known] + [(c, ends[c]) for c in point_cuts]
@@ -263,9 +283,17 @@ class PrefixTokenCache:
 
     def stats(self) -> dict[str, float]:
         """Counters and size: hits, misses, reused / encoded tokens, audits, mismatches, entries, bytes, enabled."""
-        return {"hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens,
-                "encoded_tokens": self.encoded_tokens, "verified": self.verified, "mismatches": self.mismatches,
-                "entries": len(self._lru), "bytes": self._bytes, "enabled": 1.0 if self.enabled else 0.0}
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "reused_tokens": self.reused_tokens,
+            "encoded_tokens": self.encoded_tokens,
+            "verified": self.verified,
+            "mismatches": self.mismatches,
+            "entries": len(self._lru),
+            "bytes": self._bytes,
+            "enabled": 1.0 if self.enabled else 0.0,
+        }
 
     # -- internals ---------------------------------------------------------------------------------------
 
@@ -275,7 +303,7 @@ class PrefixTokenCache:
         hashes: list[int] = []
         digest = hashlib.blake2b(digest_size=16, key=self._key)
         for c in range(chunk, len(text) + 1, chunk):
-            digest.update(text[c - chunk:c].encode("utf-8", "surrogatepass"))
+            digest.update(text[c - chunk : c].encode("utf-8", "surrogatepass"))
             hashes.append(int.from_bytes(digest.digest(), "little"))
         return hashes
 
@@ -353,8 +381,11 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     return min(len(a), len(b))
 
 
-def self_test(encode_batch: BatchEncode, encode_with_specials: Callable[[str], list[int]],
-              texts: Sequence[str] = SELF_TEST_TEXTS) -> tuple[list[int] | None, str | None]:
+def self_test(
+    encode_batch: BatchEncode,
+    encode_with_specials: Callable[[str], list[int]],
+    texts: Sequence[str] = SELF_TEST_TEXTS,
+) -> tuple[list[int] | None, str | None]:
     """Check that ``texts`` tokenize in pieces exactly as whole; returns (front specials, failure reason).
 
     Every safe cut of every text is tried (two pieces), then all cuts at once. Front specials are the ids
@@ -375,13 +406,16 @@ def self_test(encode_batch: BatchEncode, encode_with_specials: Callable[[str], l
             if pairs[2 * k] + pairs[2 * k + 1] != whole:
                 return None, f"pieces cut at character {c} of a self-test text tokenize differently"
         bounds = [0, *cuts, len(text)]
-        joined = [x for piece in encode_batch([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
-                  for x in piece]
+        joined = [
+            x
+            for piece in encode_batch([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
+            for x in piece
+        ]
         if joined != whole:
             return None, "a self-test text cut at all its safe cuts tokenizes differently"
         with_specials = encode_with_specials(text)
-        front = with_specials[:max(0, len(with_specials) - len(whole))]
-        if with_specials[len(front):] != whole or (specials is not None and front != specials):
+        front = with_specials[: max(0, len(with_specials) - len(whole))]
+        if with_specials[len(front) :] != whole or (specials is not None and front != specials):
             front_only = False
         specials = front
     return (specials if front_only else None), None
@@ -396,7 +430,9 @@ def batch_encoder(hf_tokenizer: Any) -> Callable[..., Any]:
     return batch
 
 
-def cache_for(hf_tokenizer: Any, max_bytes: int, verify_every: int, chunk_chars: int = CHUNK_CHARS) -> PrefixTokenCache:
+def cache_for(
+    hf_tokenizer: Any, max_bytes: int, verify_every: int, chunk_chars: int = CHUNK_CHARS
+) -> PrefixTokenCache:
     """A ``PrefixTokenCache`` for an HF ``tokenizers.Tokenizer``, disabled with a logged reason when unsafe."""
     batch = batch_encoder(hf_tokenizer)
 
@@ -414,10 +450,15 @@ def cache_for(hf_tokenizer: Any, max_bytes: int, verify_every: int, chunk_chars:
             specials, reason = self_test(encode_batch, with_specials)
     except Exception as exc:  # noqa: BLE001 - an exotic tokenizer must not break start-up
         reason = f"the safety checks failed ({type(exc).__name__}: {exc})"
-    cache = PrefixTokenCache(encode_batch, specials, max_bytes if reason is None else 0, verify_every, chunk_chars)
+    cache = PrefixTokenCache(
+        encode_batch, specials, max_bytes if reason is None else 0, verify_every, chunk_chars
+    )
     cache.gates_passed = reason is None
     if reason is not None:
         cache.disabled_reason = reason
-        log.warning("prefix tokenization cache and cache-frontier tokenization off: %s (every prompt is "
-                    "tokenized whole)", reason)
+        log.warning(
+            "prefix tokenization cache and cache-frontier tokenization off: %s (every prompt is "
+            "tokenized whole)",
+            reason,
+        )
     return cache

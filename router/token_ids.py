@@ -79,7 +79,11 @@ def ids_prompt(request: object, token_ids: list[int]) -> IdsPrompt | None:
     if not isinstance(request, dict):
         return None
     text = request.get("prompt")
-    if not isinstance(text, str) or request.get("echo") or request.get("add_special_tokens", True) is not True:
+    if (
+        not isinstance(text, str)
+        or request.get("echo")
+        or request.get("add_special_tokens", True) is not True
+    ):
         return None
     return IdsPrompt(text, token_ids, request)
 
@@ -98,13 +102,26 @@ class TokenIdsCheck:
         audit_first, audit_every: which real prompts sent as ids are re-checked (see the module docstring).
     """
 
-    def __init__(self, tokenizer: Tokenizer, table: ReplicaTable, *, enabled: bool, timeout_s: float = 2.0,
-                 interval_s: float = 1.0, retry_s: float = 30.0, headers: dict[str, str] | None = None,
-                 audit_first: int = 8, audit_every: int = 1000) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        table: ReplicaTable,
+        *,
+        enabled: bool,
+        timeout_s: float = 2.0,
+        interval_s: float = 1.0,
+        retry_s: float = 30.0,
+        headers: dict[str, str] | None = None,
+        audit_first: int = 8,
+        audit_every: int = 1000,
+    ) -> None:
         self.tokenizer = tokenizer
         self.table = table
-        self.mode = "off" if not enabled or tokenizer.mode == "bytes" else (
-            "trusted" if tokenizer.mode == "engine" else "verify")
+        self.mode = (
+            "off"
+            if not enabled or tokenizer.mode == "bytes"
+            else ("trusted" if tokenizer.mode == "engine" else "verify")
+        )
         self.interval_s = interval_s
         self.retry_s = retry_s
         #: the replicas' own /tokenize (the client of ``engine`` tokenizer mode, made on first use)
@@ -144,14 +161,19 @@ class TokenIdsCheck:
         if (n <= self.audit_first or n % self.audit_every == 0) and self.mode == "verify":
             running = self._audits.get(rep.name)
             if running is None or running.done():
-                self._audits[rep.name] = asyncio.create_task(self._audit_one(rep, rep.url, prompt),
-                                                             name=f"kvroute-token-id-audit-{rep.name}")
+                self._audits[rep.name] = asyncio.create_task(
+                    self._audit_one(rep, rep.url, prompt), name=f"kvroute-token-id-audit-{rep.name}"
+                )
 
     async def _audit_one(self, rep: Replica, url: str, prompt: IdsPrompt) -> None:
         try:
             theirs = await self._engine_ids(rep, prompt.text)
-        except TokenizerError as exc:  # unavailable now (or no /tokenize): the next sampled prompt tries again
-            log.debug("token-id audit failed", extra={"replica": rep.name, "error": f"{type(exc).__name__}: {exc}"})
+        except (
+            TokenizerError
+        ) as exc:  # unavailable now (or no /tokenize): the next sampled prompt tries again
+            log.debug(
+                "token-id audit failed", extra={"replica": rep.name, "error": f"{type(exc).__name__}: {exc}"}
+            )
             return
         self.audited += 1
         v = self._verdicts.get(rep.name)
@@ -173,11 +195,20 @@ class TokenIdsCheck:
 
     @staticmethod
     def _mismatch(rep: Replica, text: str, ours: list[int], theirs: list[int]) -> None:
-        at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
-                  min(len(ours), len(theirs)))
-        log.warning("replica's tokenizer disagrees with the router's: prompts go to it as text",
-                    extra={"replica": rep.name, "text": text[:40], "position": at, "router_ids": ours[at:at + 4],
-                           "engine_ids": theirs[at:at + 4]})
+        at = next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+            min(len(ours), len(theirs)),
+        )
+        log.warning(
+            "replica's tokenizer disagrees with the router's: prompts go to it as text",
+            extra={
+                "replica": rep.name,
+                "text": text[:40],
+                "position": at,
+                "router_ids": ours[at : at + 4],
+                "engine_ids": theirs[at : at + 4],
+            },
+        )
 
     # -- checking ------------------------------------------------------------------------------------------
     async def check(self, rep: Replica) -> str:
@@ -196,13 +227,17 @@ class TokenIdsCheck:
             verdict = "unsupported"
         except TokenizerError as exc:
             verdict = "error"
-            log.info("token-id check failed; retrying later", extra={"replica": rep.name,
-                                                                     "error": f"{type(exc).__name__}: {exc}"})
+            log.info(
+                "token-id check failed; retrying later",
+                extra={"replica": rep.name, "error": f"{type(exc).__name__}: {exc}"},
+            )
         self._verdicts[rep.name] = (rep.url, verdict, time.monotonic())
         self._sent.pop(rep.name, None)  # audits start over with each verdict
         if verdict == "verified":
-            log.info("replica's tokenizer matches the router's: prompts go to it as token ids",
-                     extra={"replica": rep.name})
+            log.info(
+                "replica's tokenizer matches the router's: prompts go to it as token ids",
+                extra={"replica": rep.name},
+            )
         return verdict
 
     async def check_due(self) -> None:
@@ -222,7 +257,9 @@ class TokenIdsCheck:
                 self._verdicts.pop(rep.name, None)  # restarted / drained: ask again when it is back
             elif v is None or v[0] != rep.url or (v[1] == "error" and now - v[2] >= self.retry_s):
                 due.append(rep)
-        if due:  # concurrently: a slow replica must not hold up the others (the HTTP client bounds the fan-out)
+        if (
+            due
+        ):  # concurrently: a slow replica must not hold up the others (the HTTP client bounds the fan-out)
             await asyncio.gather(*(self.check(rep) for rep in due))
 
     async def _loop(self) -> None:

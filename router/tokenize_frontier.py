@@ -112,7 +112,9 @@ def tail_start(text: str, end: int, lookahead_chars: int) -> int:
     return safe_cut(text, len(text) - lookahead_chars // 4, end)
 
 
-def estimate_tokens(tokenized: int, chars: int, total_chars: int, tail_tokens: int = 0, tail_chars: int = 0) -> int:
+def estimate_tokens(
+    tokenized: int, chars: int, total_chars: int, tail_tokens: int = 0, tail_chars: int = 0
+) -> int:
     """The prompt's estimated length, tokens, rounded up: ``tokenized`` ids of its first ``chars`` characters,
     plus ``tail_tokens`` of its last ``tail_chars`` (the tail sample; 0 = none), plus the characters in between
     at the tail sample's tokens per character (else the tokenized prefix's).
@@ -130,8 +132,15 @@ def estimate_tokens(tokenized: int, chars: int, total_chars: int, tail_tokens: i
     return tokenized + math.ceil(middle * tokenized / chars)
 
 
-async def walk(text: str, lookahead_chars: int, encode: EncodePrefix, extend: ExtendKeys, held: HeldBlocks,
-               count: CountTokens, known_chars: int = 0) -> FrontierIds:
+async def walk(
+    text: str,
+    lookahead_chars: int,
+    encode: EncodePrefix,
+    extend: ExtendKeys,
+    held: HeldBlocks,
+    count: CountTokens,
+    known_chars: int = 0,
+) -> FrontierIds:
     """Tokenize ``text`` prefix by prefix until no replica holds the last tokenized full block (see the module
     docstring). ``encode`` tokenizes a prefix (safe cuts: exact), ``extend`` hashes the ids' full blocks, ``held``
     asks the index (a pure query, on the caller's thread), ``count`` tokenizes the tail sample of a walk that
@@ -150,8 +159,14 @@ async def walk(text: str, lookahead_chars: int, encode: EncodePrefix, extend: Ex
             tail = tail_start(text, end, lookahead_chars)
             tail_tokens = await count(text[tail:]) if tail > 0 else 0
             tail_chars = len(text) - tail if tail > 0 else 0
-            return FrontierIds(ids, keys, end, False,
-                               estimate_tokens(len(ids), end, len(text), tail_tokens, tail_chars), steps)
+            return FrontierIds(
+                ids,
+                keys,
+                end,
+                False,
+                estimate_tokens(len(ids), end, len(text), tail_tokens, tail_chars),
+                steps,
+            )
         prev_end, end = end, next_end(text, end, lookahead_chars)
 
 
@@ -159,8 +174,10 @@ async def walk(text: str, lookahead_chars: int, encode: EncodePrefix, extend: Ex
 # the request path's glue (tokenizer + router + index; called by router/app.py)
 # ---------------------------------------------------------------------------------------------------------
 
-def frontier_tokenizer(tokenizer: Tokenizer, router: Router, model: str, lora: str | None,
-                       add_special_tokens: bool) -> HfTokenizer | None:
+
+def frontier_tokenizer(
+    tokenizer: Tokenizer, router: Router, model: str, lora: str | None, add_special_tokens: bool
+) -> HfTokenizer | None:
     """The tokenizer to walk a prompt of ``model`` with, or None to tokenize it whole.
 
     Only the ``hf`` tokenizer whose start-up gates passed (``HfTokenizer.splits_exactly``), and only when every
@@ -177,8 +194,14 @@ def frontier_tokenizer(tokenizer: Tokenizer, router: Router, model: str, lora: s
     return tokenizer
 
 
-async def frontier_ids(tokenizer: HfTokenizer, text: str, add_special_tokens: bool, lookahead_chars: int,
-                       router: Router, seed: int) -> FrontierIds:
+async def frontier_ids(
+    tokenizer: HfTokenizer,
+    text: str,
+    add_special_tokens: bool,
+    lookahead_chars: int,
+    router: Router,
+    seed: int,
+) -> FrontierIds:
     """``walk`` ``text`` with ``tokenizer``, keys chained from ``seed`` in ``router.block_size`` blocks, against
     every replica in ``router.index``."""
     bs = router.block_size
@@ -189,5 +212,12 @@ async def frontier_ids(tokenizer: HfTokenizer, text: str, add_special_tokens: bo
     def extend(ids: list[int], keys: list[int]) -> list[int]:
         return extend_keys(ids, keys, bs, seed)
 
-    return await walk(text, lookahead_chars, encode, extend, router.index.deepest_match, tokenizer.count_tokens,
-                      tokenizer.known_chars(text, add_special_tokens))
+    return await walk(
+        text,
+        lookahead_chars,
+        encode,
+        extend,
+        router.index.deepest_match,
+        tokenizer.count_tokens,
+        tokenizer.known_chars(text, add_special_tokens),
+    )

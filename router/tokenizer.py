@@ -59,9 +59,16 @@ class Tokenizer(Protocol):
         """Token ids of a completions ``prompt`` (special tokens added as the engine adds them)."""
         ...
 
-    async def encode_chat(self, messages: Sequence[dict[str, Any]], *, model: str, url: str | None = None,
-                          add_generation_prompt: bool = True, tools: Any = None,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        model: str,
+        url: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of chat ``messages`` rendered through the chat template."""
         ...
 
@@ -73,6 +80,7 @@ class Tokenizer(Protocol):
 # ---------------------------------------------------------------------------------------------------------
 # chat template rendering (what transformers.apply_chat_template does)
 # ---------------------------------------------------------------------------------------------------------
+
 
 class _GenerationTag(jinja2.ext.Extension):
     """Accept ``{% generation %}...{% endgeneration %}`` (assistant-mask markers) and render the body as is."""
@@ -89,8 +97,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -104,8 +117,9 @@ def compile_chat_template(source: str) -> jinja2.Template:
     Sandboxed, ``trim_blocks`` and ``lstrip_blocks``, ``loopcontrols``, the ``tojson`` filter without ASCII
     escaping, and the globals ``raise_exception`` and ``strftime_now``.
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -135,7 +149,11 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                if (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
                     texts.append(part["text"])
                 elif isinstance(part, str):
                     texts.append(part)
@@ -156,8 +174,13 @@ class ChatTemplate:
         self.template = compile_chat_template(source)
         self.special_tokens = dict(special_tokens or {})
 
-    def render(self, messages: Sequence[Any], add_generation_prompt: bool = True, tools: Any = None,
-               template_kwargs: dict[str, Any] | None = None) -> str:
+    def render(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """Render ``messages`` to the prompt text the engine would tokenize.
 
         Raises:
@@ -166,8 +189,13 @@ class ChatTemplate:
         kwargs: dict[str, Any] = dict(self.special_tokens)
         kwargs.update(template_kwargs or {})
         try:
-            return self.template.render(messages=normalize_messages(messages), tools=tools, documents=None,
-                                        add_generation_prompt=add_generation_prompt, **kwargs)
+            return self.template.render(
+                messages=normalize_messages(messages),
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
         except TokenizerError:
             raise
         except jinja2.TemplateError as exc:
@@ -187,6 +215,7 @@ DEFAULT_CHAT_TEMPLATE = (
 # modes
 # ---------------------------------------------------------------------------------------------------------
 
+
 class HfTokenizer:
     """``hf`` mode: local ``tokenizer.json`` + chat template from ``tokenizer_config.json``.
 
@@ -198,8 +227,14 @@ class HfTokenizer:
 
     mode = "hf"
 
-    def __init__(self, path: str | Path, chat_template_path: str | Path | None = None, *, cache_bytes: int = 0,
-                 cache_verify_every: int = 256) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        chat_template_path: str | Path | None = None,
+        *,
+        cache_bytes: int = 0,
+        cache_verify_every: int = 256,
+    ) -> None:
         from tokenizers import Tokenizer as _HfTok
 
         root = Path(path)
@@ -219,7 +254,15 @@ class HfTokenizer:
             except (OSError, ValueError) as exc:
                 raise TokenizerError(f"cannot read {cfg_file}: {exc}") from exc
         special = {}
-        for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
+        for key in (
+            "bos_token",
+            "eos_token",
+            "unk_token",
+            "pad_token",
+            "sep_token",
+            "cls_token",
+            "mask_token",
+        ):
             text = _token_text(cfg.get(key))
             if text is not None:
                 special[key] = text
@@ -256,22 +299,28 @@ class HfTokenizer:
         with special tokens: they go in front only), as the cache-frontier tokenization does."""
         return self.cache.splits_exactly(add_special_tokens)
 
-    def encode_prefix_sync(self, text: str, end: int, prev: list[int], prev_end: int,
-                           add_special_tokens: bool) -> list[int]:
+    def encode_prefix_sync(
+        self, text: str, end: int, prev: list[int], prev_end: int, add_special_tokens: bool
+    ) -> list[int]:
         """Token ids of ``text[:end]`` given ``prev`` = the ids of ``text[:prev_end]`` (``prev_end`` < ``end``, both
         safe cuts or 0 / ``len(text)``; only when ``splits_exactly``). With the prefix cache on, it tokenizes
         ``text[:end]`` through the cache (which reuses the earlier prefix's ids and any earlier prompt's);
         otherwise only ``text[prev_end:end]`` and appends it. Either way equal to the leading ids of ``text``."""
         if self.cache.serves(add_special_tokens):
             return self.cache.encode(text[:end], add_special_tokens)
-        piece = self._batch([text[prev_end:end]], add_special_tokens=add_special_tokens and prev_end == 0)[0].ids
+        piece = self._batch([text[prev_end:end]], add_special_tokens=add_special_tokens and prev_end == 0)[
+            0
+        ].ids
         return [*prev, *piece]
 
-    async def encode_prefix(self, text: str, end: int, prev: list[int], prev_end: int,
-                            add_special_tokens: bool) -> list[int]:
+    async def encode_prefix(
+        self, text: str, end: int, prev: list[int], prev_end: int, add_special_tokens: bool
+    ) -> list[int]:
         """``encode_prefix_sync``, in a worker thread when the new piece is long (``THREAD_MIN_CHARS``)."""
         if end - prev_end >= THREAD_MIN_CHARS:
-            return await asyncio.to_thread(self.encode_prefix_sync, text, end, prev, prev_end, add_special_tokens)
+            return await asyncio.to_thread(
+                self.encode_prefix_sync, text, end, prev, prev_end, add_special_tokens
+            )
         return self.encode_prefix_sync(text, end, prev, prev_end, add_special_tokens)
 
     def known_chars(self, text: str, add_special_tokens: bool) -> int:
@@ -285,13 +334,23 @@ class HfTokenizer:
             return await asyncio.to_thread(lambda: len(self._batch([text], add_special_tokens=False)[0].ids))
         return len(self._batch([text], add_special_tokens=False)[0].ids)
 
-    async def render(self, messages: Sequence[Any], add_generation_prompt: bool = True, tools: Any = None,
-                     template_kwargs: dict[str, Any] | None = None) -> str:
+    async def render(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The prompt text of chat ``messages`` (large chats rendered in a worker thread)."""
         return await _render(self.render_chat, messages, add_generation_prompt, tools, template_kwargs)
 
-    def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool = True, tools: Any = None,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The prompt text of ``messages`` (synchronous)."""
         if self.chat_template is None:
             raise TokenizerError("the tokenizer has no chat template; set chat_template_path")
@@ -307,9 +366,16 @@ class HfTokenizer:
         """Token ids of a completions prompt (special tokens added by the tokenizer's post-processor)."""
         return await self._encode(prompt, True)
 
-    async def encode_chat(self, messages: Sequence[dict[str, Any]], *, model: str, url: str | None = None,
-                          add_generation_prompt: bool = True, tools: Any = None,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        model: str,
+        url: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of chat messages: template rendered, then tokenized without adding special tokens."""
         text = await _render(self.render_chat, messages, add_generation_prompt, tools, template_kwargs)
         return await self._encode(text, False)
@@ -332,7 +398,7 @@ def bytes_token_ids(text: str) -> list[int]:
     """
     data = text.encode("utf-8")
     n = BYTES_PER_TOKEN
-    return [int.from_bytes(data[i:i + n], "little") % 0xFFFF_FFFF + 1 for i in range(0, len(data), n)]
+    return [int.from_bytes(data[i : i + n], "little") % 0xFFFF_FFFF + 1 for i in range(0, len(data), n)]
 
 
 class BytesTokenizer:
@@ -349,14 +415,26 @@ class BytesTokenizer:
             return await asyncio.to_thread(bytes_token_ids, prompt)
         return bytes_token_ids(prompt)
 
-    async def encode_chat(self, messages: Sequence[dict[str, Any]], *, model: str, url: str | None = None,
-                          add_generation_prompt: bool = True, tools: Any = None,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        model: str,
+        url: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Approximate ids of chat messages rendered with a ChatML-like template (large chats in a worker thread)."""
         if is_large_chat(messages, THREAD_MIN_CHARS):
-            return await asyncio.to_thread(lambda: bytes_token_ids(
-                self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs)))
-        return bytes_token_ids(self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs))
+            return await asyncio.to_thread(
+                lambda: bytes_token_ids(
+                    self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs)
+                )
+            )
+        return bytes_token_ids(
+            self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs)
+        )
 
     async def aclose(self) -> None:
         """Nothing to release."""
@@ -373,8 +451,9 @@ class EngineTokenizer:
     mode = "engine"
 
     def __init__(self, timeout_s: float = 2.0, headers: dict[str, str] | None = None) -> None:
-        self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers or {},
-                                         verify=engine_tls.client_context())  # https:// engines: same CA as the proxy
+        self._client = httpx.AsyncClient(
+            timeout=timeout_s, headers=headers or {}, verify=engine_tls.client_context()
+        )  # https:// engines: same CA as the proxy
 
     async def _call(self, url: str | None, body: dict[str, Any]) -> list[int]:
         if not url:
@@ -399,12 +478,22 @@ class EngineTokenizer:
         """Ids from the engine for a completions prompt (``model`` "" = the engine's default model)."""
         return await self._call(url, {"model": model, "prompt": prompt} if model else {"prompt": prompt})
 
-    async def encode_chat(self, messages: Sequence[dict[str, Any]], *, model: str, url: str | None = None,
-                          add_generation_prompt: bool = True, tools: Any = None,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        model: str,
+        url: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Ids from the engine for chat messages (the engine applies its own chat template)."""
-        body: dict[str, Any] = {"model": model, "messages": normalize_messages(messages),
-                                "add_generation_prompt": add_generation_prompt}
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": normalize_messages(messages),
+            "add_generation_prompt": add_generation_prompt,
+        }
         if tools is not None:
             body["tools"] = tools
         return await self._call(url, body)
@@ -414,9 +503,16 @@ class EngineTokenizer:
         await self._client.aclose()
 
 
-def make_tokenizer(mode: str, path: str | None = None, chat_template_path: str | None = None,
-                   timeout_s: float = 2.0, headers: dict[str, str] | None = None, *, cache_bytes: int = 0,
-                   cache_verify_every: int = 256) -> Tokenizer:
+def make_tokenizer(
+    mode: str,
+    path: str | None = None,
+    chat_template_path: str | None = None,
+    timeout_s: float = 2.0,
+    headers: dict[str, str] | None = None,
+    *,
+    cache_bytes: int = 0,
+    cache_verify_every: int = 256,
+) -> Tokenizer:
     """Build the tokenizer for ``mode`` (``auto`` = ``hf`` when ``path`` is set, else ``bytes``).
 
     ``cache_bytes`` / ``cache_verify_every``: the ``hf`` mode's prefix tokenization cache (bytes, 0 = off) and
@@ -430,7 +526,9 @@ def make_tokenizer(mode: str, path: str | None = None, chat_template_path: str |
     if mode == "hf":
         if not path:
             raise TokenizerError("tokenizer_mode=hf needs tokenizer_path (a directory with tokenizer.json)")
-        return HfTokenizer(path, chat_template_path, cache_bytes=cache_bytes, cache_verify_every=cache_verify_every)
+        return HfTokenizer(
+            path, chat_template_path, cache_bytes=cache_bytes, cache_verify_every=cache_verify_every
+        )
     if mode == "bytes":
         if chat_template_path:
             return BytesTokenizer(Path(chat_template_path).read_text(encoding="utf-8"))

@@ -96,7 +96,9 @@ def current_worker() -> WorkerInfo | None:
     idx = os.environ.get(ENV_INDEX)
     if idx is None:
         return None
-    return WorkerInfo(int(idx), int(os.environ[ENV_COUNT]), int(os.environ[ENV_PORT]), Path(os.environ[ENV_DIR]))
+    return WorkerInfo(
+        int(idx), int(os.environ[ENV_COUNT]), int(os.environ[ENV_PORT]), Path(os.environ[ENV_DIR])
+    )
 
 
 def worker_socket(host: str, port: int) -> socket.socket:
@@ -115,11 +117,14 @@ def worker_socket(host: str, port: int) -> socket.socket:
 # the supervisor
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _die_with_parent(parent: int) -> Callable[[], None]:
     """``preexec_fn`` of a worker: SIGTERM when the supervisor dies; exit at once if it already has."""
 
     def setup() -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())  # the supervisor blocks its signals; workers must not
+        signal.pthread_sigmask(
+            signal.SIG_SETMASK, set()
+        )  # the supervisor blocks its signals; workers must not
         with contextlib.suppress(OSError, AttributeError):  # not Linux: no parent-death signal
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:
@@ -141,8 +146,16 @@ class Supervisor:
             endpoint picker, gRPC's listeners sharing its port with ``SO_REUSEPORT`` as well).
     """
 
-    def __init__(self, argv: Sequence[str], *, host: str, port: int, workers: int, shutdown_grace_s: float,
-                 command: str) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        host: str,
+        port: int,
+        workers: int,
+        shutdown_grace_s: float,
+        command: str,
+    ) -> None:
         self.argv = list(argv)
         self.command = command
         self.workers = workers
@@ -159,11 +172,19 @@ class Supervisor:
 
     def _start(self, index: int) -> None:
         env = dict(os.environ)
-        env.update({ENV_INDEX: str(index), ENV_COUNT: str(self.workers), ENV_PORT: str(self.port),
-                    ENV_DIR: str(self.directory)})
+        env.update(
+            {
+                ENV_INDEX: str(index),
+                ENV_COUNT: str(self.workers),
+                ENV_PORT: str(self.port),
+                ENV_DIR: str(self.directory),
+            }
+        )
         self.procs[index] = subprocess.Popen(  # noqa: PLW1509 (single-threaded parent: preexec_fn is safe)
-            [sys.executable, "-m", "router.cli", self.command, *self.argv], env=env,
-            preexec_fn=_die_with_parent(os.getpid()))
+            [sys.executable, "-m", "router.cli", self.command, *self.argv],
+            env=env,
+            preexec_fn=_die_with_parent(os.getpid()),
+        )
         log.info("worker %d started (pid %d)", index, self.procs[index].pid)  # type: ignore[union-attr]
 
     def run(self) -> int:
@@ -198,8 +219,13 @@ class Supervisor:
                     if p.returncode == EXIT_BAD_CONFIG:
                         log.error("worker %d exited with code 2 (bad configuration): stopping", i)
                         return EXIT_BAD_CONFIG
-                    log.warning("worker %d (pid %d) exited with code %s: starting it again in %gs", i, p.pid,
-                                p.returncode, WORKER_RESTART_DELAY_S)
+                    log.warning(
+                        "worker %d (pid %d) exited with code %s: starting it again in %gs",
+                        i,
+                        p.pid,
+                        p.returncode,
+                        WORKER_RESTART_DELAY_S,
+                    )
                     self.procs[i] = None
                     self._restart_at[i] = time.monotonic() + WORKER_RESTART_DELAY_S
             now = time.monotonic()
@@ -218,8 +244,11 @@ class Supervisor:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("worker pid %d still running after %gs: killed", p.pid,
-                            self.shutdown_grace_s + KILL_MARGIN_S)
+                log.warning(
+                    "worker pid %d still running after %gs: killed",
+                    p.pid,
+                    self.shutdown_grace_s + KILL_MARGIN_S,
+                )
 
     def _kill_all(self) -> None:
         """SIGKILL whatever still runs (never leaves a worker behind)."""
@@ -232,6 +261,7 @@ class Supervisor:
 # ---------------------------------------------------------------------------------------------------------
 # in a worker: metrics of all workers, the worker header
 # ---------------------------------------------------------------------------------------------------------
+
 
 class _Families(Collector):
     """Yields fixed metric families (the merged view)."""
@@ -253,8 +283,9 @@ def merge_expositions(texts: dict[int, str]) -> bytes:
             if out is None:
                 out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
             for s in fam.samples:
-                out.samples.append(Sample(s.name, {**s.labels, "worker": str(worker)}, s.value, s.timestamp,
-                                          s.exemplar))
+                out.samples.append(
+                    Sample(s.name, {**s.labels, "worker": str(worker)}, s.value, s.timestamp, s.exemplar)
+                )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(merged.values())))
     return generate_latest(registry)
@@ -315,8 +346,9 @@ class WorkerApp:
         path.unlink(missing_ok=True)
         self._server = await asyncio.start_unix_server(self._serve_own, str(path))
 
-    async def __call__(self, scope: Any, receive: Callable[[], Awaitable[Any]],
-                      send: Callable[[Any], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: Any, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
+    ) -> None:
         if scope["type"] == "lifespan" and self._server is None:
             await self._start_socket()
         if scope["type"] != "http":
@@ -324,9 +356,17 @@ class WorkerApp:
             return
         if scope["path"] == "/metrics" and scope["method"] == "GET":
             body = await sibling_metrics(self.info, self.render())
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
-                (b"content-length", str(len(body)).encode()), self._header]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+                        (b"content-length", str(len(body)).encode()),
+                        self._header,
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         header = self._header

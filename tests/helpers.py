@@ -45,8 +45,10 @@ def http_chunks(base_url: str, path: str, body: dict[str, Any], timeout: float =
     host, _, port = base_url.removeprefix("http://").rstrip("/").partition(":")
     data = orjson.dumps(body)
     with socket.create_connection((host, int(port)), timeout=timeout) as s:
-        s.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                  b"Connection: close\r\n\r\n%s" % (path.encode(), host.encode(), len(data), data))
+        s.sendall(
+            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n%s" % (path.encode(), host.encode(), len(data), data)
+        )
         raw = bytearray()
         while chunk := s.recv(65536):
             raw += chunk
@@ -59,12 +61,13 @@ def http_chunks(base_url: str, path: str, body: dict[str, Any], timeout: float =
         if size == 0:
             return chunks
         chunks.append(rest[:size])
-        assert rest[size:size + 2] == b"\r\n", rest[:size + 2]
-        rest = rest[size + 2:]
+        assert rest[size : size + 2] == b"\r\n", rest[: size + 2]
+        rest = rest[size + 2 :]
 
 
-def wait_until(cond: Callable[[], object], timeout: float = 10.0, interval: float = 0.02,
-               what: str = "condition") -> object:
+def wait_until(
+    cond: Callable[[], object], timeout: float = 10.0, interval: float = 0.02, what: str = "condition"
+) -> object:
     """Poll ``cond`` until it returns a truthy value or ``timeout`` seconds pass (then AssertionError)."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
@@ -93,8 +96,14 @@ class Proc:
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self._log = tempfile.TemporaryFile()
-        self.popen = subprocess.Popen(list(args), env=full_env, stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO))
+        self.popen = subprocess.Popen(
+            list(args),
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=str(REPO),
+        )
 
     @classmethod
     def kvroute(cls, *args: str, env: dict[str, str] | None = None) -> Proc:
@@ -196,7 +205,8 @@ class LoopServer:
     def __enter__(self) -> LoopServer:
         self.thread.start()
         fut = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self.tls), self.loop)
+            asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self.tls), self.loop
+        )
         self.server = fut.result(timeout=30)
         return self
 
@@ -253,8 +263,18 @@ def start_fake_engine(*args: str, attempts: int = 3, timeout: float = 30.0) -> t
     """
     for attempt in range(attempts):
         port, ev, rp = free_port(), free_port(), free_port()
-        proc = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(port), "--kv-events-port", str(ev),
-                            "--kv-replay-port", str(rp), *args)
+        proc = Proc.kvroute(
+            "fake-engine",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-events-port",
+            str(ev),
+            "--kv-replay-port",
+            str(rp),
+            *args,
+        )
         url = f"http://127.0.0.1:{port}/health"
 
         def up_or_exited(proc: Proc = proc, url: str = url) -> bool:
@@ -290,4 +310,6 @@ def shared_trace(name: str = TRACE_NAME) -> Path:
     found = find_trace(name)
     if found is not None:
         return found
-    pytest.skip(f"the trace {name} is not in {', '.join(str(d) for d in trace_dirs())} (set KVROUTE_TRACE_DIR)")
+    pytest.skip(
+        f"the trace {name} is not in {', '.join(str(d) for d in trace_dirs())} (set KVROUTE_TRACE_DIR)"
+    )

@@ -31,9 +31,24 @@ class RedisServer:
     def start(self) -> RedisServer:
         """Start the server and wait until it answers PING."""
         self._proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self._dir, "--logfile", str(Path(self._dir) / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._dir,
+                "--logfile",
+                str(Path(self._dir) / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
         try:
             wait_until(lambda: client.ping(), 10.0, what=f"redis-server on {self.port}")

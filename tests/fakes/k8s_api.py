@@ -149,8 +149,14 @@ def _now_iso() -> str:
 class FakeKubeAPI:
     """The fake API server. Use as a context manager or call ``start`` / ``stop``."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, gone_as_http: bool = False,
-                 bookmark_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        gone_as_http: bool = False,
+        bookmark_interval_s: float = 1.0,
+    ) -> None:
         self._lock = threading.Condition()
         self._pods: dict[tuple[str, str], Pod] = {}
         self._pools: dict[tuple[str, str], dict[str, Any]] = {}
@@ -188,8 +194,12 @@ class FakeKubeAPI:
 
     def start(self) -> FakeKubeAPI:
         """Serve in a background thread."""
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="fake-k8s-api", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="fake-k8s-api",
+            daemon=True,
+        )
         self._thread.start()
         return self
 
@@ -217,18 +227,39 @@ class FakeKubeAPI:
         with self._lock:
             return self._rv
 
-    def add_pod(self, name: str, namespace: str = "default", *, labels: dict[str, str] | None = None,
-                annotations: dict[str, str] | None = None, ip: str | None = "127.0.0.1",
-                phase: str = "Running", ready: bool = True, container_port: int = 8000) -> Pod:
+    def add_pod(
+        self,
+        name: str,
+        namespace: str = "default",
+        *,
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+        ip: str | None = "127.0.0.1",
+        phase: str = "Running",
+        ready: bool = True,
+        container_port: int = 8000,
+    ) -> Pod:
         """Create a pod (ADDED event). Returns a copy of the stored object."""
         pod: Pod = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
-                         "labels": dict(labels or {}), "annotations": dict(annotations or {}),
-                         "creationTimestamp": _now_iso()},
-            "spec": {"containers": [{"name": "engine", "image": "fake/engine:latest",
-                                     "ports": [{"name": "http", "containerPort": container_port,
-                                                "protocol": "TCP"}]}]},
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": str(uuid.uuid4()),
+                "labels": dict(labels or {}),
+                "annotations": dict(annotations or {}),
+                "creationTimestamp": _now_iso(),
+            },
+            "spec": {
+                "containers": [
+                    {
+                        "name": "engine",
+                        "image": "fake/engine:latest",
+                        "ports": [{"name": "http", "containerPort": container_port, "protocol": "TCP"}],
+                    }
+                ]
+            },
             "status": {},
         }
         _set_status(pod, phase=phase, ready=ready, ip=ip)
@@ -239,10 +270,19 @@ class FakeKubeAPI:
             self._record("ADDED", key, pod, None)
             return copy.deepcopy(pod)
 
-    def modify_pod(self, name: str, namespace: str = "default", *, labels: dict[str, str] | None = None,
-                   annotations: dict[str, str] | None = None, ip: str | None | bool = False,
-                   phase: str | None = None, ready: bool | None = None, terminating: bool = False,
-                   silent: bool = False) -> Pod:
+    def modify_pod(
+        self,
+        name: str,
+        namespace: str = "default",
+        *,
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+        ip: str | None | bool = False,
+        phase: str | None = None,
+        ready: bool | None = None,
+        terminating: bool = False,
+        silent: bool = False,
+    ) -> Pod:
         """Change a pod (MODIFIED event). ``ip=None`` clears the IP; ``ip=False`` (default) keeps it."""
         with self._lock:
             key = (namespace, name)
@@ -256,9 +296,12 @@ class FakeKubeAPI:
                 pod["metadata"]["deletionTimestamp"] = _now_iso()
                 pod["metadata"]["deletionGracePeriodSeconds"] = 30
             cur_ip = pod["status"].get("podIP")
-            _set_status(pod, phase=phase or pod["status"]["phase"],
-                        ready=_is_ready(pod) if ready is None else ready,
-                        ip=cur_ip if ip is False else ip)  # type: ignore[arg-type]
+            _set_status(
+                pod,
+                phase=phase or pod["status"]["phase"],
+                ready=_is_ready(pod) if ready is None else ready,
+                ip=cur_ip if ip is False else ip,  # type: ignore[arg-type]
+            )
             self._record("MODIFIED", key, pod, old_labels, silent=silent)
             return copy.deepcopy(pod)
 
@@ -288,21 +331,38 @@ class FakeKubeAPI:
     def pods(self, namespace: str | None = None) -> list[Pod]:
         """Copies of the stored pods."""
         with self._lock:
-            return [copy.deepcopy(p) for (ns, _), p in sorted(self._pods.items())
-                    if namespace is None or ns == namespace]
+            return [
+                copy.deepcopy(p)
+                for (ns, _), p in sorted(self._pods.items())
+                if namespace is None or ns == namespace
+            ]
 
     # -- test API: InferencePools --------------------------------------------------------------------------
-    def put_pool(self, name: str, namespace: str = "default", *, match_labels: dict[str, str] | None = None,
-                 target_ports: list[int] | None = None, epp_service: str = "kvroute-epp",
-                 epp_port: int = 9002) -> dict[str, Any]:
+    def put_pool(
+        self,
+        name: str,
+        namespace: str = "default",
+        *,
+        match_labels: dict[str, str] | None = None,
+        target_ports: list[int] | None = None,
+        epp_service: str = "kvroute-epp",
+        epp_port: int = 9002,
+    ) -> dict[str, Any]:
         """Create (ADDED) or replace (MODIFIED) an InferencePool. Returns a copy of the stored object."""
         pool: dict[str, Any] = {
-            "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-            "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
-                         "creationTimestamp": _now_iso()},
-            "spec": {"selector": {"matchLabels": dict(match_labels or {})},
-                     "targetPorts": [{"number": p} for p in (target_ports or [8000])],
-                     "endpointPickerRef": {"name": epp_service, "port": {"number": epp_port}}},
+            "apiVersion": "inference.networking.k8s.io/v1",
+            "kind": "InferencePool",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": str(uuid.uuid4()),
+                "creationTimestamp": _now_iso(),
+            },
+            "spec": {
+                "selector": {"matchLabels": dict(match_labels or {})},
+                "targetPorts": [{"number": p} for p in (target_ports or [8000])],
+                "endpointPickerRef": {"name": epp_service, "port": {"number": epp_port}},
+            },
         }
         with self._lock:
             key = (namespace, name)
@@ -327,20 +387,31 @@ class FakeKubeAPI:
         """The InferencePoolList body for a LIST."""
         with self._lock:
             self.counters.lists += 1
-            items = [copy.deepcopy(p) for (ns, n), p in sorted(self._pools.items())
-                     if ns == namespace and (name is None or n == name)]
-            return {"kind": "InferencePoolList", "apiVersion": "inference.networking.k8s.io/v1",
-                    "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+            items = [
+                copy.deepcopy(p)
+                for (ns, n), p in sorted(self._pools.items())
+                if ns == namespace and (name is None or n == name)
+            ]
+            return {
+                "kind": "InferencePoolList",
+                "apiVersion": "inference.networking.k8s.io/v1",
+                "metadata": {"resourceVersion": str(self._rv)},
+                "items": items,
+            }
 
-    def watch_pools(self, w: _Watcher, namespace: str, name: str | None, since: int | None,
-                    timeout_s: float | None) -> Iterator[dict[str, Any] | None]:
+    def watch_pools(
+        self, w: _Watcher, namespace: str, name: str | None, since: int | None, timeout_s: float | None
+    ) -> Iterator[dict[str, Any] | None]:
         """Yield InferencePool watch events; None means "send nothing now, check the socket"."""
         deadline = time.monotonic() + timeout_s if timeout_s else None
         current: list[dict[str, Any]] = []
         with self._lock:
             if since is None:  # no resourceVersion: synthetic ADDED for the current state, then changes
-                current = [copy.deepcopy(p) for (ns, n), p in sorted(self._pools.items())
-                           if ns == namespace and (name is None or n == name)]
+                current = [
+                    copy.deepcopy(p)
+                    for (ns, n), p in sorted(self._pools.items())
+                    if ns == namespace and (name is None or n == name)
+                ]
                 since = self._rv
         for pool in current:
             yield {"type": "ADDED", "object": pool}
@@ -404,8 +475,14 @@ class FakeKubeAPI:
             return len(self._watchers)
 
     # -- internals -------------------------------------------------------------------------------------
-    def _record(self, type_: str, key: tuple[str, str], pod: Pod, old_labels: dict[str, str] | None,
-                silent: bool = False) -> None:
+    def _record(
+        self,
+        type_: str,
+        key: tuple[str, str],
+        pod: Pod,
+        old_labels: dict[str, str] | None,
+        silent: bool = False,
+    ) -> None:
         """Apply a change under the lock and append its event. ``silent``: applied but never delivered."""
         self._rv += 1
         pod["metadata"]["resourceVersion"] = str(self._rv)
@@ -433,23 +510,39 @@ class FakeKubeAPI:
         """The PodList body for a LIST."""
         with self._lock:
             self.counters.lists += 1
-            items = [copy.deepcopy(p) for (ns, _), p in sorted(self._pods.items())
-                     if (namespace is None or ns == namespace)
-                     and selector_matches(selector, p["metadata"].get("labels"))]
-            return {"kind": "PodList", "apiVersion": "v1",
-                    "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+            items = [
+                copy.deepcopy(p)
+                for (ns, _), p in sorted(self._pods.items())
+                if (namespace is None or ns == namespace)
+                and selector_matches(selector, p["metadata"].get("labels"))
+            ]
+            return {
+                "kind": "PodList",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": str(self._rv)},
+                "items": items,
+            }
 
-    def watch_events(self, w: _Watcher, namespace: str | None, selector: list[_Requirement],
-                     since: int | None, timeout_s: float | None,
-                     bookmarks: bool) -> Iterator[dict[str, Any] | None]:
+    def watch_events(
+        self,
+        w: _Watcher,
+        namespace: str | None,
+        selector: list[_Requirement],
+        since: int | None,
+        timeout_s: float | None,
+        bookmarks: bool,
+    ) -> Iterator[dict[str, Any] | None]:
         """Yield watch events (dicts) for a stream; None means "send nothing now, check the socket"."""
         deadline = time.monotonic() + timeout_s if timeout_s else None
         with self._lock:
             if since is None:
                 # no resourceVersion: synthetic ADDED for the current state, then changes from now
-                current = [copy.deepcopy(p) for (ns, _), p in sorted(self._pods.items())
-                           if (namespace is None or ns == namespace)
-                           and selector_matches(selector, p["metadata"].get("labels"))]
+                current = [
+                    copy.deepcopy(p)
+                    for (ns, _), p in sorted(self._pods.items())
+                    if (namespace is None or ns == namespace)
+                    and selector_matches(selector, p["metadata"].get("labels"))
+                ]
                 since = self._rv
             else:
                 current = []
@@ -482,8 +575,10 @@ class FakeKubeAPI:
                 return
             if bookmarks and time.monotonic() - last_bookmark >= self.bookmark_interval_s:
                 last_bookmark = time.monotonic()
-                yield {"type": "BOOKMARK", "object": {"kind": "Pod", "apiVersion": "v1",
-                                                      "metadata": {"resourceVersion": str(pos)}}}
+                yield {
+                    "type": "BOOKMARK",
+                    "object": {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(pos)}},
+                }
             else:
                 yield None
 
@@ -519,8 +614,16 @@ def _set_status(pod: Pod, *, phase: str, ready: bool, ip: str | None) -> None:
             {"type": "ContainersReady", "status": status, "lastTransitionTime": _now_iso()},
             {"type": "PodScheduled", "status": "True", "lastTransitionTime": _now_iso()},
         ],
-        "containerStatuses": [{"name": "engine", "ready": ready, "restartCount": 0,
-                               "image": "fake/engine:latest", "imageID": "", "started": ready}],
+        "containerStatuses": [
+            {
+                "name": "engine",
+                "ready": ready,
+                "restartCount": 0,
+                "image": "fake/engine:latest",
+                "imageID": "",
+                "started": ready,
+            }
+        ],
     }
     if ip:
         pod["status"]["podIP"] = ip
@@ -539,11 +642,20 @@ def _peer_closed(conn: socket.socket) -> bool:
 
 
 def _status_body(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
-_PATH_POOLS = re.compile(r"^/apis/inference\.networking\.k8s\.io/v1/namespaces/([^/]+)/inferencepools(?:/([^/]+))?/?$")
+_PATH_POOLS = re.compile(
+    r"^/apis/inference\.networking\.k8s\.io/v1/namespaces/([^/]+)/inferencepools(?:/([^/]+))?/?$"
+)
 _PATH_NS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/?$")
 _PATH_ALL = re.compile(r"^/api/v1/pods/?$")
 _PATH_ONE = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
@@ -611,7 +723,9 @@ class _Handler(BaseHTTPRequestHandler):
         if field_sel:
             key, _, value = field_sel.partition("=")
             if key != "metadata.name" or not value:
-                self._send_json(400, _status_body(400, "BadRequest", f"unsupported fieldSelector {field_sel!r}"))
+                self._send_json(
+                    400, _status_body(400, "BadRequest", f"unsupported fieldSelector {field_sel!r}")
+                )
                 return
             name = value
         if one is not None:

@@ -56,10 +56,12 @@ def json_response(obj: Any, status: int = 200) -> bytes:
 
 def metrics_page(waiting: str = "0", running: str = "0", kv: str = "0.1", block_size: int = 16) -> bytes:
     """A vLLM-style /metrics response with the given raw gauge values."""
-    text = (f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}\n'
-            f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}\n'
-            f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {kv}\n'
-            f'vllm:cache_config_info{{block_size="{block_size}",engine="0",num_gpu_blocks="4096"}} 1.0\n')
+    text = (
+        f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}\n'
+        f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}\n'
+        f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {kv}\n'
+        f'vllm:cache_config_info{{block_size="{block_size}",engine="0",num_gpu_blocks="4096"}} 1.0\n'
+    )
     body = text.encode()
     return head(ctype="text/plain; version=0.0.4", content_length=str(len(body))) + body
 
@@ -116,13 +118,25 @@ class RawEngine:
 
 # -- answers -------------------------------------------------------------------------------------------------
 
-def completion_json(prompt_tokens: int = 10, cached: int | None = None, details: bool = True) -> dict[str, Any]:
+
+def completion_json(
+    prompt_tokens: int = 10, cached: int | None = None, details: bool = True
+) -> dict[str, Any]:
     """A vLLM-style non-streamed completion; ``details=False``: ``prompt_tokens_details`` null (vLLM default)."""
-    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": 2,
-                             "total_tokens": prompt_tokens + 2,
-                             "prompt_tokens_details": {"cached_tokens": cached or 0} if details else None}
-    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": usage}
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 2,
+        "total_tokens": prompt_tokens + 2,
+        "prompt_tokens_details": {"cached_tokens": cached or 0} if details else None,
+    }
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+        "usage": usage,
+    }
 
 
 def sse(obj: Any) -> bytes:
@@ -141,14 +155,36 @@ def vllm_like(*, prompt_tokens_details: bool = False, cached: int = 0) -> Answer
         options = body.get("stream_options") or {}
         writer.write(head(ctype="text/event-stream"))
         for i in range(3):
-            writer.write(sse({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-                              "choices": [{"index": 0, "text": f"t{i}", "logprobs": None, "finish_reason": None}]}))
+            writer.write(
+                sse(
+                    {
+                        "id": "cmpl-1",
+                        "object": "text_completion",
+                        "created": 1,
+                        "model": "m",
+                        "choices": [{"index": 0, "text": f"t{i}", "logprobs": None, "finish_reason": None}],
+                    }
+                )
+            )
             await writer.drain()
         if options.get("include_usage"):
-            writer.write(sse({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-                              "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 3,
-                                                       "total_tokens": 13,
-                                                       "prompt_tokens_details": {"cached_tokens": cached}}}))
+            writer.write(
+                sse(
+                    {
+                        "id": "cmpl-1",
+                        "object": "text_completion",
+                        "created": 1,
+                        "model": "m",
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": 10,
+                            "completion_tokens": 3,
+                            "total_tokens": 13,
+                            "prompt_tokens_details": {"cached_tokens": cached},
+                        },
+                    }
+                )
+            )
         writer.write(b"data: [DONE]\n\n")
 
     return answer
@@ -156,13 +192,33 @@ def vllm_like(*, prompt_tokens_details: bool = False, cached: int = 0) -> Answer
 
 # -- TLS -----------------------------------------------------------------------------------------------------
 
+
 def self_signed(directory: Path) -> tuple[Path, Path]:
     """A self-signed certificate for ``localhost`` / 127.0.0.1 made with the ``openssl`` CLI: (cert, key)."""
     cert, key = directory / "engine.crt", directory / "engine.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 

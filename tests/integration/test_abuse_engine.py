@@ -40,13 +40,30 @@ BODY = {"model": "m", "prompt": "an abuse test prompt " * 8, "max_tokens": 2}
 
 
 @contextlib.contextmanager
-def serve(engines: Sequence[RawEngine], *args: str, ready: int | None = None,
-          env: dict[str, str] | None = None) -> Iterator[tuple[str, Proc]]:
+def serve(
+    engines: Sequence[RawEngine], *args: str, ready: int | None = None, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, Proc]]:
     """``kvroute serve`` in front of ``engines`` (named e0, e1, ...); waits until ``ready`` are routable."""
     port = free_port()
-    cmd = ["serve", "--host", "127.0.0.1", "--port", str(port), "--tokenizer-mode", "bytes",
-           "--probe-interval-s", "0.3", "--scrape-interval-s", "0.2", "--log-level", "warning",
-           "--log-format", "text", "--max-retries", "0"]
+    cmd = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tokenizer-mode",
+        "bytes",
+        "--probe-interval-s",
+        "0.3",
+        "--scrape-interval-s",
+        "0.2",
+        "--log-level",
+        "warning",
+        "--log-format",
+        "text",
+        "--max-retries",
+        "0",
+    ]
     for i, e in enumerate(engines):
         cmd += ["--replica", f"name=e{i},url={e.url},model=m"]
     proc = Proc.kvroute(*cmd, *args, env=env)
@@ -54,10 +71,15 @@ def serve(engines: Sequence[RawEngine], *args: str, ready: int | None = None,
     want = len(engines) if ready is None else ready
     try:
         if want:
-            wait_until(lambda: httpx.get(url + "/readyz", timeout=1).json().get("routable_replicas") == want,
-                       timeout=30, what=f"{want} routable replicas")
+            wait_until(
+                lambda: httpx.get(url + "/readyz", timeout=1).json().get("routable_replicas") == want,
+                timeout=30,
+                what=f"{want} routable replicas",
+            )
         else:
-            wait_until(lambda: httpx.get(url + "/healthz", timeout=1).status_code == 200, timeout=30, what="up")
+            wait_until(
+                lambda: httpx.get(url + "/healthz", timeout=1).status_code == 200, timeout=30, what="up"
+            )
         yield url, proc
     finally:
         out = proc.stop()
@@ -73,6 +95,7 @@ def rss_mb(proc: Proc) -> float:
 
 
 # -- 24.7: engine responses are bounded ---------------------------------------------------------------------------
+
 
 async def _endless_body(req: Req, writer: asyncio.StreamWriter) -> None:
     """A non-streamed JSON body that never ends (capped at 256 MiB so the test stays bounded on main too)."""
@@ -102,13 +125,18 @@ async def _endless_header(req: Req, writer: asyncio.StreamWriter) -> None:
 
 async def _many_headers(req: Req, writer: asyncio.StreamWriter) -> None:
     """Ten thousand small headers, then a valid body."""
-    writer.write(b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(10000))
-                 + b"content-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+    writer.write(
+        b"HTTP/1.1 200 OK\r\n"
+        + b"".join(b"x-h%d: v\r\n" % i for i in range(10000))
+        + b"content-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"
+    )
 
 
 def test_oversized_endless_and_stalled_engine_responses_are_cut_with_clear_errors() -> None:
-    with RawEngine(_endless_body) as endless, \
-            serve([endless], "--engine-max-body-bytes", str(4 << 20), "--total-timeout-s", "30") as (u, proc):
+    with (
+        RawEngine(_endless_body) as endless,
+        serve([endless], "--engine-max-body-bytes", str(4 << 20), "--total-timeout-s", "30") as (u, proc),
+    ):
         base = rss_mb(proc)
         for _ in range(3):
             r = httpx.post(u + "/v1/completions", json=BODY, timeout=60)
@@ -117,8 +145,10 @@ def test_oversized_endless_and_stalled_engine_responses_are_cut_with_clear_error
             assert err["code"] == "upstream_body_too_large" and "engine_max_body_bytes" in err["message"]
         assert rss_mb(proc) - base < 100, (base, rss_mb(proc))
         assert metric(u, "kvroute_upstream_errors_total", reason="body_too_large") == 3
-    with RawEngine(_stalled_body) as stalled, \
-            serve([stalled], "--engine-body-idle-timeout-s", "1", "--total-timeout-s", "20") as (u, _):
+    with (
+        RawEngine(_stalled_body) as stalled,
+        serve([stalled], "--engine-body-idle-timeout-s", "1", "--total-timeout-s", "20") as (u, _),
+    ):
         t0 = time.monotonic()
         r = httpx.post(u + "/v1/completions", json=BODY, timeout=60)
         took = time.monotonic() - t0
@@ -135,8 +165,11 @@ def test_oversized_endless_and_stalled_engine_responses_are_cut_with_clear_error
 
 # -- 24.8: one engine's metrics never break routing for its model ------------------------------------------------
 
+
 async def _ok(req: Req, writer: asyncio.StreamWriter) -> None:
-    writer.write(json_response({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}))
+    writer.write(
+        json_response({"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    )
 
 
 def test_absurd_engine_gauges_neither_fail_nor_win_routing() -> None:
@@ -144,10 +177,15 @@ def test_absurd_engine_gauges_neither_fail_nor_win_routing() -> None:
     negative = RawEngine(_ok, metrics=lambda: metrics_page(waiting="-1000", running="-5"))
     sane = RawEngine(_ok, metrics=lambda: metrics_page(waiting="1"))
     with huge, negative, sane, serve([huge, negative, sane], "--policy", "ttft") as (u, _):
-        wait_until(lambda: metric(u, "kvroute_engine_gauge_rejected_total", replica="e0",
-                                  gauge="queued_requests") >= 1 and
-                   metric(u, "kvroute_engine_gauge_rejected_total", replica="e1", gauge="running_requests") >= 1,
-                   timeout=10, what="absurd gauges scraped and rejected")
+        wait_until(
+            lambda: (
+                metric(u, "kvroute_engine_gauge_rejected_total", replica="e0", gauge="queued_requests") >= 1
+                and metric(u, "kvroute_engine_gauge_rejected_total", replica="e1", gauge="running_requests")
+                >= 1
+            ),
+            timeout=10,
+            what="absurd gauges scraped and rejected",
+        )
         for i in range(6):
             r = httpx.post(u + "/route", json={"model": "m", "prompt": f"route {i} " * 20}, timeout=10)
             assert r.status_code == 200, r.text
@@ -158,11 +196,14 @@ def test_absurd_engine_gauges_neither_fail_nor_win_routing() -> None:
             assert done.status_code == 200, done.text
         reps = {x["name"]: x for x in httpx.get(u + "/replicas", timeout=5).json()["replicas"]}
         assert reps["e0"]["load"]["queued_requests"] is None  # unknown, not 1e308
-        assert reps["e1"]["load"]["queued_requests"] is None and reps["e1"]["load"]["running_requests"] is None
+        assert (
+            reps["e1"]["load"]["queued_requests"] is None and reps["e1"]["load"]["running_requests"] is None
+        )
         assert reps["e2"]["load"]["queued_requests"] == 1
 
 
 # -- 24.9: https engines ------------------------------------------------------------------------------------------
+
 
 def test_https_engine_is_proxied_with_the_configured_ca_and_refused_without(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
@@ -176,16 +217,20 @@ def test_https_engine_is_proxied_with_the_configured_ca_and_refused_without(tmp_
         # without the CA: the probes fail with a clear TLS error and the replica never becomes routable (the
         # proxy's own TLS error for a ready replica: tests/unit/test_router_proxy.py)
         with serve([eng], ready=0) as (u, _):
+
             def probe_error() -> str:
                 rep = httpx.get(u + "/replicas", timeout=5).json()["replicas"][0]
                 return str(rep["health"].get("last_error") or "")
 
-            wait_until(lambda: "CERTIFICATE_VERIFY_FAILED" in probe_error(), timeout=10, what="TLS probe error")
+            wait_until(
+                lambda: "CERTIFICATE_VERIFY_FAILED" in probe_error(), timeout=10, what="TLS probe error"
+            )
             r = httpx.post(u + "/v1/completions", json=BODY, timeout=10)
             assert r.status_code == 503, r.text
 
 
 # -- 24 (low): garbage event streams ------------------------------------------------------------------------------
+
 
 def _sse_answer(parts: list[bytes]) -> RawEngine:
     async def answer(req: Req, writer: asyncio.StreamWriter) -> None:
@@ -202,10 +247,12 @@ FIRST = sse({"choices": [{"index": 0, "text": "a"}]})
 
 
 def test_garbage_event_streams_end_in_a_clean_error() -> None:
-    cases = [([b"\x00\xff garbage {{{\n\n"], 502),  # garbage from the start: a plain 502
-             ([FIRST, b"data: not json at all\n\n"], 200),  # garbage mid-stream: an SSE error event
-             ([FIRST, b"\x00\x01\x02 binary junk\n\n"], 200),
-             ([FIRST], 200)]  # the stream ends without data: [DONE]
+    cases = [
+        ([b"\x00\xff garbage {{{\n\n"], 502),  # garbage from the start: a plain 502
+        ([FIRST, b"data: not json at all\n\n"], 200),  # garbage mid-stream: an SSE error event
+        ([FIRST, b"\x00\x01\x02 binary junk\n\n"], 200),
+        ([FIRST], 200),
+    ]  # the stream ends without data: [DONE]
     for parts, status in cases:
         with _sse_answer(parts) as eng, serve([eng]) as (u, _):
             r = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, timeout=10)
@@ -223,15 +270,20 @@ def test_garbage_stream_is_never_stored_as_a_complete_idempotent_answer() -> Non
 
     server = RedisServer().start()
     try:
-        with _sse_answer([FIRST, b"data: {{{{ broken\n\n", b"data: [DONE]\n\n"]) as eng, \
-                serve([eng], "--redis-url", server.url) as (u, _):
-            wait_until(lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected")
+        with (
+            _sse_answer([FIRST, b"data: {{{{ broken\n\n", b"data: [DONE]\n\n"]) as eng,
+            serve([eng], "--redis-url", server.url) as (u, _),
+        ):
+            wait_until(
+                lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected"
+            )
             key = {"idempotency-key": "garbage-1"}
             first = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, headers=key, timeout=10)
             # the first chunk and the garbage may reach the router in one read (a loaded machine): then the garbage
             # comes before the first byte and the answer is a 502; either way it is an error, never a success
-            assert (first.status_code == 200 and "event: error" in first.text) or \
-                (first.status_code == 502 and "upstream_bad_stream" in first.text), (first.status_code, first.text)
+            assert (first.status_code == 200 and "event: error" in first.text) or (
+                first.status_code == 502 and "upstream_bad_stream" in first.text
+            ), (first.status_code, first.text)
             again = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, headers=key, timeout=10)
             # the failed stream released its key: the retry ran again (not a replay of the garbage)
             assert "idempotent-replayed" not in again.headers and len(eng.posts()) == 2, again.headers
@@ -241,23 +293,30 @@ def test_garbage_stream_is_never_stored_as_a_complete_idempotent_answer() -> Non
 
 # -- 18.3: the engine's block size ---------------------------------------------------------------------------------
 
+
 def test_engine_block_size_is_compared_reported_and_used_for_predictions() -> None:
     eng = RawEngine(vllm_like(prompt_tokens_details=True), metrics=lambda: metrics_page(block_size=32))
     with eng, serve([eng], "--block-size", "16", "--policy", "ttft") as (u, proc):
-        wait_until(lambda: metric(u, "kvroute_engine_block_size_mismatch", replica="e0") == 1, timeout=10,
-                   what="block size scraped")
+        wait_until(
+            lambda: metric(u, "kvroute_engine_block_size_mismatch", replica="e0") == 1,
+            timeout=10,
+            what="block size scraped",
+        )
         rep = httpx.get(u + "/replicas", timeout=5).json()["replicas"][0]
         assert rep["engine"]["block_size"] == 32 and rep["engine"]["router_block_size"] == 16
         assert rep["engine"]["block_size_mismatch"] is True and rep["load"]["engine_block_size"] == 32
         # bytes tokenizer: 4 bytes per token; 48 tokens = 3 router blocks, the engine caches only 1 block of 32
         prompt = "abcd" * 48
-        assert httpx.post(u + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=10).status_code == 200
+        assert (
+            httpx.post(u + "/v1/completions", json={**BODY, "prompt": prompt}, timeout=10).status_code == 200
+        )
         d = httpx.post(u + "/route", json={"model": "m", "prompt": prompt + "efgh" * 40}, timeout=10).json()
         assert d["candidates"][0]["cached_tokens"] == 32, d["candidates"][0]  # not 48: whole engine blocks
     assert proc.output().count("uses KV block size 32, the router 16") == 1
 
 
 # -- 18.4: cached-token feedback from a default vLLM ---------------------------------------------------------------
+
 
 def test_streams_ask_for_usage_and_hide_it_from_clients_that_did_not() -> None:
     eng = RawEngine(vllm_like(cached=7))
@@ -267,16 +326,25 @@ def test_streams_ask_for_usage_and_hide_it_from_clients_that_did_not() -> None:
         assert '"usage"' not in r.text and r.text.count("data: {") == 3, r.text
         sent = eng.posts()[-1].json()
         assert sent["stream_options"] == {"include_usage": True}  # the router asked the engine for usage
-        wait_until(lambda: metric(u, "kvroute_engine_cached_tokens_total") == 7, timeout=5,
-                   what="the engine's cached tokens fed back")
+        wait_until(
+            lambda: metric(u, "kvroute_engine_cached_tokens_total") == 7,
+            timeout=5,
+            what="the engine's cached tokens fed back",
+        )
         # a client that asks gets the usage chunk as the engine sent it
-        r = httpx.post(u + "/v1/completions", json={**BODY, "stream": True,
-                                                     "stream_options": {"include_usage": True}}, timeout=10)
+        r = httpx.post(
+            u + "/v1/completions",
+            json={**BODY, "stream": True, "stream_options": {"include_usage": True}},
+            timeout=10,
+        )
         chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
         assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 7}
         # a client that explicitly says no is treated like one that did not ask
-        r = httpx.post(u + "/v1/completions", json={**BODY, "stream": True,
-                                                     "stream_options": {"include_usage": False}}, timeout=10)
+        r = httpx.post(
+            u + "/v1/completions",
+            json={**BODY, "stream": True, "stream_options": {"include_usage": False}},
+            timeout=10,
+        )
         assert '"usage"' not in r.text and eng.posts()[-1].json()["stream_options"]["include_usage"] is True
 
 
@@ -286,7 +354,9 @@ def test_missing_prompt_tokens_details_is_counted_and_logged_once() -> None:
         for i in range(3):
             r = httpx.post(u + "/v1/completions", json={**BODY, "prompt": f"p{i} " * 30}, timeout=10)
             assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"] is None
-        assert metric(u, "kvroute_engine_usage_missing_total", replica="e0", what="prompt_tokens_details") == 3
+        assert (
+            metric(u, "kvroute_engine_usage_missing_total", replica="e0", what="prompt_tokens_details") == 3
+        )
         assert metric(u, "kvroute_cached_tokens_match_total") == 0  # nothing to compare: no report
     assert proc.output().count("--enable-prompt-tokens-details") == 1
 

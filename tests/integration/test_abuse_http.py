@@ -54,8 +54,9 @@ def _healthz_watch(url: str) -> Iterator[list[tuple[float, float, str]]]:
 
 
 def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.post(url, content=body, headers={"content-type": "application/json", **(headers or {})},
-                      timeout=60)
+    return httpx.post(
+        url, content=body, headers={"content-type": "application/json", **(headers or {})}, timeout=60
+    )
 
 
 def _abuse(r: Router, body: bytes, path: str = "/v1/chat/completions") -> tuple[httpx.Response, float]:
@@ -65,7 +66,9 @@ def _abuse(r: Router, body: bytes, path: str = "/v1/chat/completions") -> tuple[
         t0 = time.monotonic()
         resp = _post(r.url + path, body)
         t1 = time.monotonic()
-        wait_until(lambda: polls[-1][0] > t1, timeout=5, what="a poll after the request")  # the one running ended
+        wait_until(
+            lambda: polls[-1][0] > t1, timeout=5, what="a poll after the request"
+        )  # the one running ended
     during = [(end - start, err) for start, end, err in polls if start < t1 and end > t0]
     assert during, "no /healthz poll overlapped the request: the test proves nothing"
     errors = [err for _, err in during if err]
@@ -87,17 +90,23 @@ def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:
         # a 16 MiB text prompt: far more characters than a 131072-token context allows
         text = huge_text_body(MODEL)
         resp, lat = _abuse(r, text, "/v1/completions")
-        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", (
+            resp.text
+        )
         assert lat < 0.5, f"/healthz blocked {lat:.2f}s by the text prompt"
         # chat text: 2,000 messages of 2,000 characters = 4M characters > 131072 x 16
-        long_chat = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "y" * 2000}] * 2000})
+        long_chat = orjson.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "y" * 2000}] * 2000}
+        )
         resp, lat = _abuse(r, long_chat)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
         assert lat < 0.5, lat
         # token ids: 1M of them (the context is 131072)
         ids = huge_ids_body(MODEL)
         resp, lat = _abuse(r, ids, "/v1/completions")
-        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", (
+            resp.text
+        )
         assert lat < 0.5, lat
         resp, lat = _abuse(r, orjson.dumps({"model": MODEL, "token_ids": [7] * 1_000_000}), "/route")
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "token_ids", resp.text
@@ -114,9 +123,14 @@ def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:
         assert lat < 0.5, lat
         # large but legitimate requests still work (shape-checked, parsed and rendered off the loop; the stand-in
         # engine counts one token per byte, so they stay under its 131072 tokens)
-        chat = {"model": MODEL, "max_tokens": 2,
-                "messages": [{"role": "user" if i % 2 else "assistant", "content": f"turn {i:04d} " * 12}
-                             for i in range(600)]}
+        chat = {
+            "model": MODEL,
+            "max_tokens": 2,
+            "messages": [
+                {"role": "user" if i % 2 else "assistant", "content": f"turn {i:04d} " * 12}
+                for i in range(600)
+            ],
+        }
         assert len(orjson.dumps(chat)) > 64 * 1024
         resp, lat = _abuse(r, orjson.dumps(chat))
         assert resp.status_code == 200, resp.text
@@ -134,6 +148,7 @@ def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:
 # raw sockets
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _connect(r: Router) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", r.port), timeout=10)
     s.settimeout(10)
@@ -148,8 +163,10 @@ def _head(path: str, *extra: str, length: int | None = None, auth: str | None = 
 
 
 def test_auth_before_body_and_head_limits() -> None:
-    with engines(("e0", [])) as engs, router(engs, "--api-key", KEY, "--max-header-bytes", "4096",
-                                             "--max-header-count", "20") as r:
+    with (
+        engines(("e0", [])) as engs,
+        router(engs, "--api-key", KEY, "--max-header-bytes", "4096", "--max-header-count", "20") as r,
+    ):
         # unauthenticated, announcing 16 MiB: answered 401 from the headers, the body is never read (main: the
         # router waits for the whole body first)
         s = _connect(r)
@@ -165,7 +182,9 @@ def test_auth_before_body_and_head_limits() -> None:
         assert _status(raw) == 401, raw[:300]
         assert _json_body(raw)["error"]["code"] == "unauthorized"  # type: ignore[index]
         s.close()
-        resp = httpx.get(r.url + "/v1/models", headers={"authorization": "Bearer \u00e9t\u00e9".encode("utf-8")})
+        resp = httpx.get(
+            r.url + "/v1/models", headers={"authorization": "Bearer \u00e9t\u00e9".encode("utf-8")}
+        )
         assert resp.status_code == 401
         # an unfinished head growing past max_header_bytes: 431 and closed (main: buffered without end)
         s = _connect(r)
@@ -185,8 +204,12 @@ def test_auth_before_body_and_head_limits() -> None:
         assert _status(raw) == 431 and closed and b"max_header_count" in raw, raw[:300]
         s.close()
         # within the limits everything works
-        ok = httpx.post(r.url + "/v1/completions", json=completion(), timeout=30,
-                        headers={"authorization": f"Bearer {KEY}", "x-fine": "c" * 2000})
+        ok = httpx.post(
+            r.url + "/v1/completions",
+            json=completion(),
+            timeout=30,
+            headers={"authorization": f"Bearer {KEY}", "x-fine": "c" * 2000},
+        )
         assert ok.status_code == 200, ok.text
         assert metric(r.url, "kvroute_client_connections_cut_total", reason="head_too_large") == 2
         assert metric(r.url, "kvroute_client_connections_cut_total", reason="too_many_headers") == 1
@@ -194,8 +217,10 @@ def test_auth_before_body_and_head_limits() -> None:
 
 
 def test_slow_heads_and_bodies_are_cut() -> None:
-    with engines(("e0", [])) as engs, router(engs, "--client-header-timeout-s", "1",
-                                             "--client-body-idle-timeout-s", "1") as r:
+    with (
+        engines(("e0", [])) as engs,
+        router(engs, "--client-header-timeout-s", "1", "--client-body-idle-timeout-s", "1") as r,
+    ):
         # connect and say nothing
         s = _connect(r)
         t0 = time.monotonic()
@@ -234,7 +259,7 @@ def test_slow_heads_and_bodies_are_cut() -> None:
         s.sendall(_head("/v1/completions", "connection: close", length=len(body)))
         for i in range(0, len(body), len(body) // 4 + 1):
             _wait(0.3)
-            s.sendall(body[i:i + len(body) // 4 + 1])
+            s.sendall(body[i : i + len(body) // 4 + 1])
         raw, closed = _read_all(s, 20)
         assert _status(raw) == 200, raw[:300]
         s.close()
@@ -249,10 +274,25 @@ def _wait(seconds: float) -> None:
 
 
 def test_event_loop_lag_sheds_new_work_never_probes() -> None:
-    with engines(("e0", [])) as engs, router(engs, "--max-event-loop-lag-s", "0.3", "--event-loop-lag-interval-s",
-                                             "0.05", "--event-loop-lag-window-s", "3", "--retry-after-s", "2") as r:
-        wait_until(lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30).status_code == 200,
-                   timeout=15, what="a first request admitted")
+    with (
+        engines(("e0", [])) as engs,
+        router(
+            engs,
+            "--max-event-loop-lag-s",
+            "0.3",
+            "--event-loop-lag-interval-s",
+            "0.05",
+            "--event-loop-lag-window-s",
+            "3",
+            "--retry-after-s",
+            "2",
+        ) as r,
+    ):
+        wait_until(
+            lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30).status_code == 200,
+            timeout=15,
+            what="a first request admitted",
+        )
         assert metric(r.url, "kvroute_event_loop_lag_seconds_count") > 0
         results: dict[str, httpx.Response | Exception] = {}
 
@@ -262,17 +302,28 @@ def test_event_loop_lag_sheds_new_work_never_probes() -> None:
                     results[name] = fn()
                 except Exception as exc:  # noqa: BLE001 - recorded for the assertions
                     results[name] = exc
+
             th = threading.Thread(target=go, daemon=True)
             th.start()
             return th
 
-        r.proc.popen.send_signal(signal.SIGSTOP)  # the router's loop cannot run: its lag grows, measured on resume
+        r.proc.popen.send_signal(
+            signal.SIGSTOP
+        )  # the router's loop cannot run: its lag grows, measured on resume
         try:
             t_stop = time.monotonic()
-            threads = [call(f"c{i}", lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30))
-                       for i in range(3)]
-            threads.append(call("route", lambda: httpx.post(r.url + "/route", timeout=30,
-                                                             json={"model": MODEL, "token_ids": [1, 2, 3]})))
+            threads = [
+                call(f"c{i}", lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30))
+                for i in range(3)
+            ]
+            threads.append(
+                call(
+                    "route",
+                    lambda: httpx.post(
+                        r.url + "/route", timeout=30, json={"model": MODEL, "token_ids": [1, 2, 3]}
+                    ),
+                )
+            )
             threads.append(call("healthz", lambda: httpx.get(r.url + "/healthz", timeout=30)))
             threads.append(call("metrics", lambda: httpx.get(r.url + "/metrics", timeout=30)))
             wait_until(lambda: time.monotonic() - t_stop > 1.2, timeout=5, what="the router frozen 1.2 s")
@@ -290,21 +341,30 @@ def test_event_loop_lag_sheds_new_work_never_probes() -> None:
         assert metric(r.url, "kvroute_rejected_total", reason="event_loop_lag") == 4
         assert metric(r.url, "kvroute_event_loop_lag_max_seconds") >= 1.0
         # once the lag has left the window, work is admitted again
-        wait_until(lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30).status_code == 200,
-                   timeout=15, what="admitted again")
+        wait_until(
+            lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30).status_code == 200,
+            timeout=15,
+            what="admitted again",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # issue 24's lower items
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_keys_protect_admin_views_urls_for_admins_strict_ids_and_n_counted() -> None:
     client = {"authorization": f"Bearer {KEY}"}
-    with engines(("e0", [])) as engs, router(engs, "--api-key", KEY, "--cors-origin", "https://app.example") as r:
+    with (
+        engines(("e0", [])) as engs,
+        router(engs, "--api-key", KEY, "--cors-origin", "https://app.example") as r,
+    ):
         u = r.url
         # a CORS preflight carries no credentials: the gate lets the CORS middleware answer it
-        pre = httpx.options(u + "/v1/completions", headers={"origin": "https://app.example",
-                                                            "access-control-request-method": "POST"})
+        pre = httpx.options(
+            u + "/v1/completions",
+            headers={"origin": "https://app.example", "access-control-request-method": "POST"},
+        )
         assert pre.headers.get("access-control-allow-origin") == "https://app.example", pre.text
         # only API keys configured: the admin views are not open (main: 200 without any key)
         for path in ("/replicas", "/index/stats"):
@@ -312,23 +372,36 @@ def test_keys_protect_admin_views_urls_for_admins_strict_ids_and_n_counted() -> 
             assert httpx.get(u + path, headers=client, timeout=5).status_code == 200, path
         assert [x["url"] for x in httpx.get(u + "/replicas", headers=client).json()["replicas"]] == [None]
         # /route shows no engine address to a client (main: every URL)
-        d = httpx.post(u + "/route", json={"model": MODEL, "token_ids": [1, 2, 3]}, headers=client, timeout=10)
+        d = httpx.post(
+            u + "/route", json={"model": MODEL, "token_ids": [1, 2, 3]}, headers=client, timeout=10
+        )
         assert d.status_code == 200, d.text
         assert d.json()["chosen"]["url"] is None and d.json()["chosen"]["name"] == "e0"
         assert all(c["url"] is None for c in d.json()["candidates"])
         # booleans are not token ids (main: read as 1), nor fractions; 2.0 is the JSON integer 2 (OpenAPI integer)
         for ids in ([1, True], [False], [0.5]):
-            bad = httpx.post(u + "/route", json={"model": MODEL, "token_ids": ids}, headers=client, timeout=10)
-            assert bad.status_code == 422 and bad.json()["error"]["param"].startswith("token_ids"), (ids, bad.text)
+            bad = httpx.post(
+                u + "/route", json={"model": MODEL, "token_ids": ids}, headers=client, timeout=10
+            )
+            assert bad.status_code == 422 and bad.json()["error"]["param"].startswith("token_ids"), (
+                ids,
+                bad.text,
+            )
         bad = httpx.post(u + "/v1/completions", json={"model": MODEL, "prompt": [3, False]}, headers=client)
         assert bad.status_code == 422, bad.text
-        ok = httpx.post(u + "/route", json={"model": MODEL, "token_ids": [1, 2.0]}, headers=client, timeout=10)
+        ok = httpx.post(
+            u + "/route", json={"model": MODEL, "token_ids": [1, 2.0]}, headers=client, timeout=10
+        )
         assert ok.status_code == 200 and ok.json()["prompt_tokens"] == 2, ok.text
         # n = 3 sequences count as 3 requests in flight on their replica while served (main: 1)
         assert httpx.post(engs[0].url + "/admin/faults", json={"stall_s": 3}, timeout=5).status_code == 200
         done: list[httpx.Response] = []
-        th = threading.Thread(target=lambda: done.append(httpx.post(
-            u + "/v1/completions", json={**completion(), "n": 3}, headers=client, timeout=30)), daemon=True)
+        th = threading.Thread(
+            target=lambda: done.append(
+                httpx.post(u + "/v1/completions", json={**completion(), "n": 3}, headers=client, timeout=30)
+            ),
+            daemon=True,
+        )
         th.start()
 
         def inflight() -> int:
@@ -353,10 +426,14 @@ def test_idempotency_keys_are_scoped_by_client() -> None:
 
     server = RedisServer().start()
     try:
-        with engines(("e0", [])) as engs, router(engs, "--api-key", "client-a", "--api-key", "client-b",
-                                                 "--redis-url", server.url) as r:
+        with (
+            engines(("e0", [])) as engs,
+            router(engs, "--api-key", "client-a", "--api-key", "client-b", "--redis-url", server.url) as r,
+        ):
             u = r.url
-            wait_until(lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected")
+            wait_until(
+                lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected"
+            )
             body = completion("transfer 100 to bob " * 4)
             a = {"authorization": "Bearer client-a", "idempotency-key": "k-1"}
             b = {"authorization": "Bearer client-b", "idempotency-key": "k-1"}

@@ -29,8 +29,10 @@ def _background(url: str, body: dict[str, Any], out: list[httpx.Response | Excep
 
 
 def _inflight(url: str) -> dict[str, int]:
-    return {r["name"]: r["load"]["inflight_requests"]
-            for r in httpx.get(url + "/replicas", timeout=5).json()["replicas"]}
+    return {
+        r["name"]: r["load"]["inflight_requests"]
+        for r in httpx.get(url + "/replicas", timeout=5).json()["replicas"]
+    }
 
 
 def test_inflight_limits_and_bounded_queue() -> None:
@@ -39,22 +41,38 @@ def test_inflight_limits_and_bounded_queue() -> None:
         with router(engs, "--max-inflight-per-replica", "1", "--retry-after-s", "2") as r:
             held: list[httpx.Response | Exception] = []
             threads = [_background(r.url, completion(f"hold {i} " * 10), held) for i in range(2)]
-            wait_until(lambda: _inflight(r.url) == {"e0": 1, "e1": 1}, timeout=3.5, what="one request per replica")
+            wait_until(
+                lambda: _inflight(r.url) == {"e0": 1, "e1": 1}, timeout=3.5, what="one request per replica"
+            )
             t0 = time.monotonic()
             over = httpx.post(r.url + "/v1/completions", json=completion(), timeout=10)
             assert time.monotonic() - t0 < 1.0  # rejected at once, not queued behind the stall
             assert over.status_code == 429 and over.headers["retry-after"] == "2"
-            assert over.json()["error"]["code"] == "overloaded" and "in flight" in over.json()["error"]["message"]
+            assert (
+                over.json()["error"]["code"] == "overloaded"
+                and "in flight" in over.json()["error"]["message"]
+            )
             for t in threads:
                 t.join(timeout=15)
             assert [getattr(h, "status_code", h) for h in held] == [200, 200]
         # -- global: 1 in flight, 1 may queue for <= 2 s --------------------------------------------------------
         for e in engs:
             assert httpx.post(e.url + "/admin/faults", json={"stall_s": 3}, timeout=5).status_code == 200
-        with router(engs, "--max-inflight-total", "1", "--max-queued-requests", "1", "--max-queue-wait-s", "2",
-                    "--retry-after-s", "1") as r:
+        with router(
+            engs,
+            "--max-inflight-total",
+            "1",
+            "--max-queued-requests",
+            "1",
+            "--max-queue-wait-s",
+            "2",
+            "--retry-after-s",
+            "1",
+        ) as r:
             first: list[httpx.Response | Exception] = []
-            t1 = _background(r.url, completion("first " * 10), first)  # holds the only slot ~3 s (engine stall)
+            t1 = _background(
+                r.url, completion("first " * 10), first
+            )  # holds the only slot ~3 s (engine stall)
             wait_until(lambda: sum(_inflight(r.url).values()) == 1, timeout=5, what="first request in flight")
             t_start = time.monotonic()
             queued: list[httpx.Response | Exception] = []
@@ -100,6 +118,7 @@ def test_sigterm_stops_accepting_and_finishes_the_stream() -> None:
             wait_until(lambda: len(chunks) >= 2, timeout=10, what="stream started")
             t_term = time.monotonic()
             r.proc.popen.send_signal(signal.SIGTERM)
+
             # stops accepting: new connections are refused quickly
             def refused() -> bool:
                 try:
@@ -107,6 +126,7 @@ def test_sigterm_stops_accepting_and_finishes_the_stream() -> None:
                     return False
                 except httpx.ConnectError:
                     return True
+
             wait_until(refused, timeout=5, what="listening socket closed")
             th.join(timeout=30)
             assert done.is_set()

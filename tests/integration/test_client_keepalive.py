@@ -17,8 +17,11 @@ def _read_response(sock: socket.socket) -> bytes:
         assert chunk, f"connection closed mid-response: {data!r}"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
     while len(body) < length:
         chunk = sock.recv(4096)
         assert chunk, "connection closed mid-body"
@@ -30,8 +33,17 @@ def test_idle_client_connections_close_after_the_configured_keepalive() -> None:
     # the default outlives the idle timeouts of common clients and load balancers (uvicorn's own is 5 s)
     assert Settings().client_keepalive_timeout_s > 60
     port = free_port()
-    router = Proc.kvroute("serve", "--host", "127.0.0.1", "--port", str(port), "--client-keepalive-timeout-s", "1",
-                          "--log-level", "warning")
+    router = Proc.kvroute(
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--client-keepalive-timeout-s",
+        "1",
+        "--log-level",
+        "warning",
+    )
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/healthz", timeout=30)
         with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:

@@ -39,10 +39,33 @@ class Gated:
 def start_engine(name: str, model_dir: Path, seed: int) -> Engine:
     port, events, replay = free_port(), free_port(), free_port()
     # time scale 1: an A100's prefill timing (about 0.1 s per 1k tokens), long enough to queue behind
-    proc = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                        "--dialect", "vllm", "--kv-events-format", "vllm", "--kv-events-port", str(events),
-                        "--kv-replay-port", str(replay), "--time-scale", "1", "--profile", "a100",
-                        "--block-size", "16", "--model-path", str(model_dir), "--seed", str(seed))
+    proc = Proc.kvroute(
+        "fake-engine",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        MODEL,
+        "--dialect",
+        "vllm",
+        "--kv-events-format",
+        "vllm",
+        "--kv-events-port",
+        str(events),
+        "--kv-replay-port",
+        str(replay),
+        "--time-scale",
+        "1",
+        "--profile",
+        "a100",
+        "--block-size",
+        "16",
+        "--model-path",
+        str(model_dir),
+        "--seed",
+        str(seed),
+    )
     return Engine(name, port, events, replay, proc)
 
 
@@ -58,20 +81,48 @@ def start(model_dir: Path, n: int, *extra: str) -> Gated:
         for e in engines:
             wait_http_ok(e.url + "/health", timeout=30)
         port = free_port()
-        args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--tokenizer-mode", "hf",
-                "--tokenizer-path", str(model_dir), "--scrape-interval-s", "0.5", "--probe-interval-s", "0.3",
-                "--probe-timeout-s", "0.5", "--unhealthy-after", "1", "--log-level", "warning",
-                "--dispatch-limit-tokens", str(LIMIT), *extra]
+        args = [
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--tokenizer-mode",
+            "hf",
+            "--tokenizer-path",
+            str(model_dir),
+            "--scrape-interval-s",
+            "0.5",
+            "--probe-interval-s",
+            "0.3",
+            "--probe-timeout-s",
+            "0.5",
+            "--unhealthy-after",
+            "1",
+            "--log-level",
+            "warning",
+            "--dispatch-limit-tokens",
+            str(LIMIT),
+            *extra,
+        ]
         for e in engines:
             args += ["--replica", e.spec()]
         router = Proc.kvroute(*args)
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(url + "/readyz", timeout=30)
-        wait_until(lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == n, timeout=20,
-                   what=f"{n} routable replicas")
-        wait_until(lambda: all(r["kv_events"] and r["kv_events"]["connected"]
-                               for r in httpx.get(url + "/replicas").json()["replicas"]),
-                   timeout=20, what="KV event feeds connected")
+        wait_until(
+            lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == n,
+            timeout=20,
+            what=f"{n} routable replicas",
+        )
+        wait_until(
+            lambda: all(
+                r["kv_events"] and r["kv_events"]["connected"]
+                for r in httpx.get(url + "/replicas").json()["replicas"]
+            ),
+            timeout=20,
+            what="KV event feeds connected",
+        )
         return Gated(url, engines, router)
     except BaseException:
         stop(Gated("", engines, router))
@@ -111,7 +162,10 @@ class Call:
     def _run(self) -> None:
         body = {"model": MODEL, "prompt": self.prompt, "max_tokens": 4, "stream": self.stream}
         try:
-            with httpx.Client(timeout=60) as c, c.stream("POST", self.url + "/v1/completions", json=body) as r:
+            with (
+                httpx.Client(timeout=60) as c,
+                c.stream("POST", self.url + "/v1/completions", json=body) as r,
+            ):
                 self.status = r.status_code
                 self.replica = r.headers.get("x-kvroute-replica")
                 for chunk in r.iter_bytes():
@@ -146,12 +200,20 @@ def test_the_warm_request_is_sent_first(one: Gated) -> None:
     warm = Call(one.url, lead + " " + warm_part).join()
     assert warm.status == 200, warm.body
     probe = {"model": MODEL, "prompt": lead + " " + warm_part + " tail"}
-    wait_until(lambda: httpx.post(one.url + "/route", json=probe).json()["candidates"][0]["matched_tokens"]["gpu"]
-               >= 500, timeout=10, what="the warm prefix confirmed by KV events")
+    wait_until(
+        lambda: (
+            httpx.post(one.url + "/route", json=probe).json()["candidates"][0]["matched_tokens"]["gpu"] >= 500
+        ),
+        timeout=10,
+        what="the warm prefix confirmed by KV events",
+    )
 
     big = Call(one.url, text(rnd, 9000))  # a long cold prefill (about 1 s)
-    wait_until(lambda: metric(one.url, "kvroute_dispatch_sent_prefill_tokens") > LIMIT, timeout=10,
-               what="the long request sent")
+    wait_until(
+        lambda: metric(one.url, "kvroute_dispatch_sent_prefill_tokens") > LIMIT,
+        timeout=10,
+        what="the long request sent",
+    )
     cold = Call(one.url, lead + " " + text(rnd, 600))
     wait_until(lambda: waiting(one.url) == 1, timeout=5, what="the cold request waiting")
     hot = Call(one.url, lead + " " + warm_part + " " + text(rnd, 10))
@@ -172,8 +234,11 @@ def test_the_warm_request_is_sent_first(one: Gated) -> None:
 def test_non_streamed_requests_are_not_held(one: Gated) -> None:
     rnd = random.Random(8)
     big = Call(one.url, text(rnd, 9000))
-    wait_until(lambda: metric(one.url, "kvroute_dispatch_sent_prefill_tokens") > LIMIT, timeout=10,
-               what="the long request sent")
+    wait_until(
+        lambda: metric(one.url, "kvroute_dispatch_sent_prefill_tokens") > LIMIT,
+        timeout=10,
+        what="the long request sent",
+    )
     plain = Call(one.url, text(rnd, 300), stream=False).join()
     assert plain.status == 200, plain.body
     big.join()
@@ -187,15 +252,23 @@ def test_requests_waiting_for_a_frozen_replica_fail_over(model_dir: Path) -> Non
     try:
         rnd = random.Random(9)
         lead = text(rnd, 300)
-        home = httpx.post(g.url + "/route", json={"model": MODEL, "prompt": lead + " x"}).json()["chosen"]["name"]
+        home = httpx.post(g.url + "/route", json={"model": MODEL, "prompt": lead + " x"}).json()["chosen"][
+            "name"
+        ]
         engine = next(e for e in g.engines if e.name == home)
         big = Call(g.url, lead + " " + text(rnd, 9000))
-        wait_until(lambda: metric(g.url, "kvroute_dispatch_sent_prefill_tokens") > LIMIT, timeout=10,
-                   what="the long request sent")
+        wait_until(
+            lambda: metric(g.url, "kvroute_dispatch_sent_prefill_tokens") > LIMIT,
+            timeout=10,
+            what="the long request sent",
+        )
         os.killpg(engine.proc.popen.pid, signal.SIGSTOP)  # it stops answering, probes included
         queued = [Call(g.url, lead + " " + text(rnd, 100)) for _ in range(2)]
-        wait_until(lambda: metric(g.url, "kvroute_dispatch_failed_over_requests") == 2, timeout=20,
-                   what="both waiting requests failed over")
+        wait_until(
+            lambda: metric(g.url, "kvroute_dispatch_failed_over_requests") == 2,
+            timeout=20,
+            what="both waiting requests failed over",
+        )
         for c in queued:
             c.join()
             assert c.status == 200 and c.error is None, (c.status, c.error, c.body[:300])

@@ -44,15 +44,23 @@ def test_engine_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path):
 
 
 def test_prefix_counters_reads_vllm_counter_samples():
-    samples = {"vllm:prefix_cache_hits_total": 30.0, "vllm:prefix_cache_queries_total": 120.0,
-               "vllm:prefix_cache_hits_created": 1.7e9, "vllm:num_requests_running": 3.0}
+    samples = {
+        "vllm:prefix_cache_hits_total": 30.0,
+        "vllm:prefix_cache_queries_total": 120.0,
+        "vllm:prefix_cache_hits_created": 1.7e9,
+        "vllm:num_requests_running": 3.0,
+    }
     assert prefix_counters(samples) == (30.0, 120.0)
     assert prefix_counters({"x": 1.0}) == (0.0, 0.0)
 
 
 def test_prefix_counters_reads_sglang_counter_samples():
-    samples = {"sglang:cached_tokens_total": 40.0, "sglang:prompt_tokens_total": 160.0,
-               "sglang:cache_hit_rate": 0.25, "sglang:generation_tokens_total": 9.0}
+    samples = {
+        "sglang:cached_tokens_total": 40.0,
+        "sglang:prompt_tokens_total": 160.0,
+        "sglang:cache_hit_rate": 0.25,
+        "sglang:generation_tokens_total": 9.0,
+    }
     assert prefix_counters(samples) == (40.0, 160.0)
 
 
@@ -62,7 +70,9 @@ def test_start_kvroute_returns_when_the_router_knows_every_engine(tmp_path):
     fails until the router is already ready on engine0; the router must still list it ready on return."""
     with Fleet(2, EngineOptions(time_scale=0.0, kv_events_format=None), log_dir=tmp_path) as fleet:
         late = fleet.start_engines()[1]
-        assert httpx.post(late.url + "/admin/faults", json={"health_fail": True}, timeout=5).status_code == 200
+        assert (
+            httpx.post(late.url + "/admin/faults", json={"health_fail": True}, timeout=5).status_code == 200
+        )
         healed = threading.Event()
 
         def heal_once_ready() -> None:

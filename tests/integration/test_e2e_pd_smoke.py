@@ -18,10 +18,35 @@ _DISAGG = ["--kvroute-arg=--pd-policy-params", '--kvroute-arg={"decode_prefills"
 
 @pytest.mark.parametrize("forced", [False, True], ids=["policy_plans", "forced_disaggregated"])
 def test_e2e_pd_smoke(tmp_path, forced):
-    cmd = [sys.executable, "-m", "loadtest.e2e_pd", "--routers", "kvroute_pd_ttft", "--prefill", "1", "--decode", "1",
-           "--duration", "8", "--trace", "generated", "--workload", "agent", "--time-scale", "0.2",
-           "--load-scale", "1.0", "--max-output-tokens", "8", "--drain-timeout-s", "60",
-           "--log-dir", str(tmp_path / "logs"), "--json", *(_DISAGG if forced else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtest.e2e_pd",
+        "--routers",
+        "kvroute_pd_ttft",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--duration",
+        "8",
+        "--trace",
+        "generated",
+        "--workload",
+        "agent",
+        "--time-scale",
+        "0.2",
+        "--load-scale",
+        "1.0",
+        "--max-output-tokens",
+        "8",
+        "--drain-timeout-s",
+        "60",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--json",
+        *(_DISAGG if forced else []),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"e2e_pd failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     run = json.loads(proc.stdout)["kvroute_pd_ttft"]
@@ -38,6 +63,11 @@ def test_e2e_pd_smoke(tmp_path, forced):
 
 
 def test_e2e_pd_rejects_sglang_router_on_vllm():
-    proc = subprocess.run([sys.executable, "-m", "loadtest.e2e_pd", "--routers", "sglang_router_pd"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.e2e_pd", "--routers", "sglang_router_pd"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "needs --dialect sglang" in proc.stderr

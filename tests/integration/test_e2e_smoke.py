@@ -14,9 +14,32 @@ from tests.helpers import REPO
 
 
 def test_e2e_smoke_kvroute_only(tmp_path):
-    cmd = [sys.executable, "-m", "loadtest.e2e", "--routers", "kvroute_ttft", "--replicas", "2",
-           "--duration", "20", "--trace", "generated", "--workload", "agent", "--time-scale", "0.5",
-           "--load-scale", "1.0", "--max-output-tokens", "16", "--drain-timeout-s", "60", "--log-dir", str(tmp_path / "logs"), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtest.e2e",
+        "--routers",
+        "kvroute_ttft",
+        "--replicas",
+        "2",
+        "--duration",
+        "20",
+        "--trace",
+        "generated",
+        "--workload",
+        "agent",
+        "--time-scale",
+        "0.5",
+        "--load-scale",
+        "1.0",
+        "--max-output-tokens",
+        "16",
+        "--drain-timeout-s",
+        "60",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--json",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"e2e failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     data = json.loads(proc.stdout)
@@ -37,7 +60,12 @@ def test_e2e_smoke_kvroute_only(tmp_path):
 
 
 def test_e2e_rejects_unknown_router():
-    proc = subprocess.run([sys.executable, "-m", "loadtest.e2e", "--routers", "nope"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.e2e", "--routers", "nope"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "unknown run" in proc.stderr

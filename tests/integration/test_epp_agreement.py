@@ -17,8 +17,22 @@ from tests.helpers import REPO, shared_trace
 
 @pytest.mark.trace
 def test_epp_and_proxy_pick_the_same_replica_on_a_trace_slice(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "loadtest.bench_epp", "--json", "--trace", str(shared_trace()), "--requests", "30",
-           "--replicas", "3", "--concurrency", "4", "--log-dir", str(tmp_path / "logs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtest.bench_epp",
+        "--json",
+        "--trace",
+        str(shared_trace()),
+        "--requests",
+        "30",
+        "--replicas",
+        "3",
+        "--concurrency",
+        "4",
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, f"bench_epp failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     out = json.loads(proc.stdout)
@@ -31,6 +45,11 @@ def test_epp_and_proxy_pick_the_same_replica_on_a_trace_slice(tmp_path: Path) ->
 
 
 def test_bench_epp_rejects_bad_arguments() -> None:
-    proc = subprocess.run([sys.executable, "-m", "loadtest.bench_epp", "--requests", "0"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_epp", "--requests", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--requests" in proc.stderr

@@ -23,9 +23,18 @@ def api() -> Iterator[FakeKubeAPI]:
         yield server
 
 
-def _watch(api: FakeKubeAPI, table: ReplicaTable, pool: str = "llama") -> tuple[PodWatcher, InferencePoolWatcher]:
-    opts = KubernetesOptions(api_host=api.url, namespace="default", label_selector="kvroute.io/engine",
-                             resync_interval_s=30.0, backoff_initial_s=0.05, backoff_max_s=0.2, inference_pool=pool)
+def _watch(
+    api: FakeKubeAPI, table: ReplicaTable, pool: str = "llama"
+) -> tuple[PodWatcher, InferencePoolWatcher]:
+    opts = KubernetesOptions(
+        api_host=api.url,
+        namespace="default",
+        label_selector="kvroute.io/engine",
+        resync_interval_s=30.0,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+        inference_pool=pool,
+    )
     pods = PodWatcher(table, opts).start()
     return pods, InferencePoolWatcher(pods, opts).start()
 
@@ -48,8 +57,11 @@ def test_pool_selector_and_target_ports_drive_membership(api: FakeKubeAPI) -> No
         assert table.get("a-0").state == ReplicaState.READY  # type: ignore[union-attr]
         # several target ports: each is its own endpoint (e.g. data-parallel ranks)
         api.put_pool("llama", match_labels={"app": "a"}, target_ports=[8100, 8101])
-        wait_until(lambda: _names(table) == {"a-0:8100": "http://10.0.0.1:8100", "a-0:8101": "http://10.0.0.1:8101"},
-                   5, what="two ports")
+        wait_until(
+            lambda: _names(table) == {"a-0:8100": "http://10.0.0.1:8100", "a-0:8101": "http://10.0.0.1:8101"},
+            5,
+            what="two ports",
+        )
         # the selector changes: the old pool's pods leave, the new ones join
         api.put_pool("llama", match_labels={"app": "b"}, target_ports=[8000])
         wait_until(lambda: _names(table) == {"b-0": "http://10.0.0.2:8000"}, 5, what="pool b")
@@ -85,11 +97,19 @@ def test_another_pool_in_the_namespace_is_ignored(api: FakeKubeAPI) -> None:
 
 
 def test_pool_target_parsing() -> None:
-    t = pool_target({"spec": {"selector": {"matchLabels": {"b": "2", "a": "1"}},
-                              "targetPorts": [{"number": 8000}, {"number": 8000}, {"number": 8001}]}})
+    t = pool_target(
+        {
+            "spec": {
+                "selector": {"matchLabels": {"b": "2", "a": "1"}},
+                "targetPorts": [{"number": 8000}, {"number": 8000}, {"number": 8001}],
+            }
+        }
+    )
     assert t.label_selector == "a=1,b=2" and t.target_ports == (8000, 8001)
-    for bad in ({"spec": {"targetPorts": [{"number": 8000}]}},
-                {"spec": {"selector": {"matchLabels": {"a": "1"}}, "targetPorts": [{"number": 0}]}}):
+    for bad in (
+        {"spec": {"targetPorts": [{"number": 8000}]}},
+        {"spec": {"selector": {"matchLabels": {"a": "1"}}, "targetPorts": [{"number": 0}]}},
+    ):
         with pytest.raises(ValueError):
             pool_target(bad)
 
@@ -98,19 +118,45 @@ def test_epp_routes_to_the_pools_pods(api: FakeKubeAPI) -> None:
     engine, eport, _, _ = start_fake_engine("--model", "m", "--dialect", "vllm", "--time-scale", "0.02")
     router = None
     try:
-        api.add_pod("vllm-0", labels={"pool": "llama"}, annotations={"kvroute.io/model": "m"}, ip="127.0.0.1",
-                    container_port=1)  # the pool's target port wins over the pod's own port
+        api.add_pod(
+            "vllm-0",
+            labels={"pool": "llama"},
+            annotations={"kvroute.io/model": "m"},
+            ip="127.0.0.1",
+            container_port=1,
+        )  # the pool's target port wins over the pod's own port
         api.put_pool("llama", match_labels={"pool": "llama"}, target_ports=[eport])
         port, gport = free_port(), free_port()
-        router = Proc.kvroute("epp", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport),
-                              "--tokenizer-mode", "bytes", "--inference-pool", "llama",
-                              "--kubernetes-api-host", api.url, "--kubernetes-namespace", "default",
-                              "--kubernetes-default-kv-events-port", "0", "--probe-interval-s", "0.3",
-                              "--log-level", "warning")
+        router = Proc.kvroute(
+            "epp",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(gport),
+            "--tokenizer-mode",
+            "bytes",
+            "--inference-pool",
+            "llama",
+            "--kubernetes-api-host",
+            api.url,
+            "--kubernetes-namespace",
+            "default",
+            "--kubernetes-default-kv-events-port",
+            "0",
+            "--probe-interval-s",
+            "0.3",
+            "--log-level",
+            "warning",
+        )
         http = f"http://127.0.0.1:{port}"
         wait_http_ok(http + "/healthz", timeout=30)
-        wait_until(lambda: httpx.get(http + "/readyz").json().get("routable_replicas") == 1, 20,
-                   what="the pool's pod routable")
+        wait_until(
+            lambda: httpx.get(http + "/readyz").json().get("routable_replicas") == 1,
+            20,
+            what="the pool's pod routable",
+        )
         _, stub = stub_for(gport)
         s = GatewayStream(stub)
         picked = s.request("/v1/completions", b'{"model": "m", "prompt": "hello", "max_tokens": 2}')

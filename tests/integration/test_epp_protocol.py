@@ -44,16 +44,42 @@ class Fleet:
 
 def _engine(seed: int) -> tuple[Proc, int]:
     """A fake vLLM engine (started again on new ports if another process took one); (process, HTTP port)."""
-    proc, port, _, _ = start_fake_engine("--model", MODEL, "--dialect", "vllm", "--time-scale", "0.02",
-                                         "--max-model-len", "1000000", "--enable-prompt-tokens-details",
-                                         "--seed", str(seed))
+    proc, port, _, _ = start_fake_engine(
+        "--model",
+        MODEL,
+        "--dialect",
+        "vllm",
+        "--time-scale",
+        "0.02",
+        "--max-model-len",
+        "1000000",
+        "--enable-prompt-tokens-details",
+        "--seed",
+        str(seed),
+    )
     return proc, port
 
 
 def start_epp(replicas: list[str], *extra: str, ready: int | None = None) -> Fleet:
     port, gport = free_port(), free_port()
-    args = ["epp", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport), "--tokenizer-mode",
-            "bytes", "--probe-interval-s", "0.3", "--probe-timeout-s", "0.5", "--log-level", "warning", *extra]
+    args = [
+        "epp",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(gport),
+        "--tokenizer-mode",
+        "bytes",
+        "--probe-interval-s",
+        "0.3",
+        "--probe-timeout-s",
+        "0.5",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     for i, url in enumerate(replicas):
         args += ["--replica", f"name=e{i},url={url},dialect=vllm,model={MODEL}"]
     router = Proc.kvroute(*args)
@@ -61,8 +87,11 @@ def start_epp(replicas: list[str], *extra: str, ready: int | None = None) -> Fle
     try:
         wait_until(lambda: _get_ok(http + "/healthz"), timeout=30, what="kvroute epp up")
         if ready:
-            wait_until(lambda: httpx.get(http + "/readyz").json().get("routable_replicas") == ready, timeout=20,
-                       what=f"{ready} routable replicas")
+            wait_until(
+                lambda: httpx.get(http + "/readyz").json().get("routable_replicas") == ready,
+                timeout=20,
+                what=f"{ready} routable replicas",
+            )
     except BaseException:
         router.stop()
         raise
@@ -195,8 +224,11 @@ def test_client_cancel_mid_stream_releases_inflight(fleet: Fleet) -> None:
     assert metric(fleet.http, "kvroute_inflight_requests") == 1
     s.cancel()  # the client went away: Envoy resets the ext_proc stream
     wait_until(lambda: fleet.inflight() == 0, timeout=5, what="replica in-flight released on cancel")
-    wait_until(lambda: metric(fleet.http, "kvroute_inflight_requests") == 0, timeout=5,
-               what="admission slot released on cancel")
+    wait_until(
+        lambda: metric(fleet.http, "kvroute_inflight_requests") == 0,
+        timeout=5,
+        what="admission slot released on cancel",
+    )
 
 
 def test_http_service_and_grpc_health_in_epp_mode(fleet: Fleet) -> None:
@@ -224,8 +256,9 @@ def test_no_ready_replica_is_503_and_shedding_is_429() -> None:
         assert picked.status == 503
         assert picked.immediate_headers()["x-kvroute-rejected-reason"] == "no_routable_replica"
         channel = grpc.insecure_channel(f"127.0.0.1:{f.grpc_port}")
-        resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="readiness"),
-                                                         timeout=5)
+        resp = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="readiness"), timeout=5
+        )
         assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
         channel.close()
     finally:
@@ -233,8 +266,9 @@ def test_no_ready_replica_is_503_and_shedding_is_429() -> None:
     engine, port = _engine(3)
     g: Fleet | None = None
     try:
-        g = start_epp([f"http://127.0.0.1:{port}"], "--max-inflight-total", "1", "--max-queued-requests", "0",
-                      ready=1)
+        g = start_epp(
+            [f"http://127.0.0.1:{port}"], "--max-inflight-total", "1", "--max-queued-requests", "0", ready=1
+        )
         first = g.stream()
         assert first.request("/v1/completions", _body("one")).immediate is None  # holds the only slot
         second = g.stream()
@@ -264,15 +298,25 @@ def test_tenant_identity_quota_and_slo_through_the_picker() -> None:
         g = start_epp([f"http://127.0.0.1:{port}"], "--tenants", quota, ready=1)
         bad = g.stream().request("/v1/completions", _body("hi"), headers={"x-kvroute-priority": "whenever"})
         assert bad.status == 400 and json.loads(bad.immediate.body)["error"]["param"] == "x-kvroute-priority"
-        over = g.stream().request("/v1/completions", _body("a prompt longer than twenty tokens " * 3),
-                                  headers={"x-kvroute-tenant": "small"})
+        over = g.stream().request(
+            "/v1/completions",
+            _body("a prompt longer than twenty tokens " * 3),
+            headers={"x-kvroute-tenant": "small"},
+        )
         assert over.status == 429 and over.immediate_headers()["x-kvroute-rejected-reason"] == "quota"
         assert json.loads(over.immediate.body)["error"]["reason"] == "quota"
-        slo = g.stream().request("/v1/completions", _body("hello"), headers={"x-kvroute-ttft-target-ms": "0.0001"})
-        assert slo.status == 429 and slo.immediate_headers()["x-kvroute-rejected-reason"] == "slo_unattainable"
+        slo = g.stream().request(
+            "/v1/completions", _body("hello"), headers={"x-kvroute-ttft-target-ms": "0.0001"}
+        )
+        assert (
+            slo.status == 429 and slo.immediate_headers()["x-kvroute-rejected-reason"] == "slo_unattainable"
+        )
         s = g.stream()
-        ok = s.request("/v1/completions", _body("hello"), headers={"x-kvroute-tenant": "acme",
-                                                                     "x-kvroute-priority": "critical"})
+        ok = s.request(
+            "/v1/completions",
+            _body("hello"),
+            headers={"x-kvroute-tenant": "acme", "x-kvroute-priority": "critical"},
+        )
         assert ok.immediate is None and ok.endpoint == f"127.0.0.1:{port}"
         s.relay_response(ok.endpoint, "/v1/completions", ok.body)
         s.close()

@@ -28,9 +28,25 @@ class Engine:
 
     def __init__(self, *extra: str, dialect: str = "vllm", fmt: str = "vllm", gpu_blocks: int = 4096) -> None:
         self.proc, self.port, self.ev, self.rp = start_fake_engine(
-            "--model", MODEL, "--dialect", dialect, "--kv-events-format", fmt, "--time-scale", "0.02",
-            "--profile", "a100", "--gpu-blocks", str(gpu_blocks), "--block-size", "16", "--seed", "1",
-            "--enable-prompt-tokens-details", *extra)
+            "--model",
+            MODEL,
+            "--dialect",
+            dialect,
+            "--kv-events-format",
+            fmt,
+            "--time-scale",
+            "0.02",
+            "--profile",
+            "a100",
+            "--gpu-blocks",
+            str(gpu_blocks),
+            "--block-size",
+            "16",
+            "--seed",
+            "1",
+            "--enable-prompt-tokens-details",
+            *extra,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
     @property
@@ -62,25 +78,51 @@ def _sse(text: str) -> list[dict]:
 def test_completions_stream_chat_and_usage(vllm_engine: Engine) -> None:
     url = vllm_engine.url
     prompt = list(range(1, 101))
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4}, timeout=10)
+    r = httpx.post(
+        url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4}, timeout=10
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 4
-    assert body["usage"]["prompt_tokens"] == 100 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "stream": True,
-                                                  "stream_options": {"include_usage": True}}, timeout=10)
+    assert (
+        body["usage"]["prompt_tokens"] == 100 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    )
+    r = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        timeout=10,
+    )
     chunks = _sse(r.text)
     assert r.text.rstrip().endswith("data: [DONE]")
     assert [c["choices"][0]["finish_reason"] for c in chunks[:3]] == [None, None, "length"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # 6 of 6 full blocks reused
-    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                      "max_tokens": 2, "stream": True}, timeout=10)
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "stream": True,
+        },
+        timeout=10,
+    )
     chunks = _sse(r.text)
-    assert chunks[0]["object"] == "chat.completion.chunk" and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "sql-lora", "messages": [{"role": "user",
-                                                                                         "content": "hi"}]},
-                   timeout=10)
+    assert (
+        chunks[0]["object"] == "chat.completion.chunk"
+        and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    )
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": "sql-lora", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=10,
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
 
 
@@ -90,7 +132,9 @@ def test_tokenize_models_and_sglang_router_probes(vllm_engine: Engine) -> None:
     assert r.json()["tokens"] == list("héllo".encode()) and r.json()["count"] == 6
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     r = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": msgs})
-    rendered = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    rendered = (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert r.json()["tokens"] == list(rendered.encode())
     assert httpx.post(url + "/detokenize", json={"tokens": list(b"abc")}).json()["prompt"] == "abc"
     models = httpx.get(url + "/v1/models").json()["data"]
@@ -103,20 +147,27 @@ def test_tokenize_models_and_sglang_router_probes(vllm_engine: Engine) -> None:
     assert httpx.get(url + "/get_load").json()[0]["num_reqs"] >= 0
 
 
-@pytest.mark.parametrize(("body", "status", "needle"), [
-    (b"{not json", 400, "invalid JSON"),
-    (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "does not exist"),
-    (json.dumps({"model": MODEL}).encode(), 400, "prompt"),
-    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens"),
-    (json.dumps({"model": MODEL, "prompt": [1] * 200_000}).encode(), 400, "maximum context length"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "invalid JSON"),
+        (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "does not exist"),
+        (json.dumps({"model": MODEL}).encode(), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": [1] * 200_000}).encode(), 400, "maximum context length"),
+    ],
+)
 def test_bad_requests_get_clear_errors(vllm_engine: Engine, body: bytes, status: int, needle: str) -> None:
-    r = httpx.post(vllm_engine.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    r = httpx.post(
+        vllm_engine.url + "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert r.status_code == status and needle in r.json()["message"]
 
 
 def test_vllm_metrics_parse(vllm_engine: Engine) -> None:
-    httpx.post(vllm_engine.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 40, "max_tokens": 1})
+    httpx.post(
+        vllm_engine.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 40, "max_tokens": 1}
+    )
     snap = parse_metrics(httpx.get(vllm_engine.url + "/metrics").text)
     assert snap.dialect == "vllm" and snap.block_size == 16 and snap.num_gpu_blocks == 4096
     assert snap.queued_requests == 0 and snap.running_requests == 0 and snap.kv_usage == 0.0
@@ -144,8 +195,9 @@ async def test_scraper_updates_load_views(vllm_engine: Engine) -> None:
     assert scraper.stats()["errors"].get("connect_error", 0) >= 1
 
 
-async def _events_match_engine(engine: Engine, prompt: list[int], model_field: str = MODEL,
-                               seed_lora: str | None = None) -> tuple[int, int]:
+async def _events_match_engine(
+    engine: Engine, prompt: list[int], model_field: str = MODEL, seed_lora: str | None = None
+) -> tuple[int, int]:
     """Serve ``prompt`` twice; return (router-matched tokens before the 2nd request, engine cached tokens)."""
     index = PrefixIndex(block_size=16)
     sub = KVEventSubscriber(index)
@@ -157,17 +209,23 @@ async def _events_match_engine(engine: Engine, prompt: list[int], model_field: s
             deadline = time.monotonic() + 15
             # the first request's BlockStored may be lost to ZMQ's slow joiner: the late-join replay repairs it as
             # soon as any later batch arrives, so unrelated one-block prompts keep the sequence moving
-            r = await client.post("/v1/completions", json={"model": model_field, "prompt": prompt, "max_tokens": 2})
+            r = await client.post(
+                "/v1/completions", json={"model": model_field, "prompt": prompt, "max_tokens": 2}
+            )
             assert r.status_code == 200
             filler = 1_000_000
             while not index.match(keys):
                 assert time.monotonic() < deadline, sub.stats()
                 filler += 17
-                await client.post("/v1/completions", json={"model": MODEL, "prompt": list(range(filler, filler + 17)),
-                                                           "max_tokens": 1})
+                await client.post(
+                    "/v1/completions",
+                    json={"model": MODEL, "prompt": list(range(filler, filler + 17)), "max_tokens": 1},
+                )
                 await asyncio.sleep(0.05)
             m = index.match(keys)[0]
-            r = await client.post("/v1/completions", json={"model": model_field, "prompt": prompt, "max_tokens": 2})
+            r = await client.post(
+                "/v1/completions", json={"model": model_field, "prompt": prompt, "max_tokens": 2}
+            )
             cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert sub.stats()["totals"]["dropped"] == {}
         return m.blocks * 16, cached
@@ -221,9 +279,12 @@ def test_die_mid_stream_fault() -> None:
     e = Engine("--fault-die-after-tokens", "2")
     try:
         with pytest.raises(httpx.HTTPError):
-            with httpx.stream("POST", e.url + "/v1/completions", json={"model": MODEL, "prompt": "abc",
-                                                                       "max_tokens": 50, "stream": True},
-                              timeout=10) as r:
+            with httpx.stream(
+                "POST",
+                e.url + "/v1/completions",
+                json={"model": MODEL, "prompt": "abc", "max_tokens": 50, "stream": True},
+                timeout=10,
+            ) as r:
                 for _ in r.iter_lines():
                     pass
         e.proc.popen.wait(timeout=10)
@@ -255,9 +316,13 @@ def test_hf_tokenizer_and_chat_template(tmp_path: Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} | {% endfor %}" \
-               "{% if add_generation_prompt %}assistant :{% endif %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} | {% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": template, "bos_token": "<s>"})
+    )
     e = Engine("--model-path", str(tmp_path))
     try:
         r = httpx.post(e.url + "/tokenize", json={"messages": [{"role": "user", "content": "hello world"}]})
@@ -265,7 +330,9 @@ def test_hf_tokenizer_and_chat_template(tmp_path: Path) -> None:
         info = httpx.get(e.url + "/get_model_info").json()
         assert info["model_path"] == str(tmp_path)
         assert httpx.get(e.url + "/v1/models").json()["data"][0]["root"] == str(tmp_path)
-        r = httpx.post(e.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}]})
+        r = httpx.post(
+            e.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}]}
+        )
         assert r.json()["usage"]["prompt_tokens"] == 6
     finally:
         e.proc.stop()
@@ -284,8 +351,11 @@ async def test_cpu_tier_events_keep_the_index_equal_to_the_engine() -> None:
             ka = block_keys(a, 16, root_seed(MODEL))
             async with httpx.AsyncClient(base_url=e.url, timeout=10) as client:
                 for prompt in (a, b):  # b evicts most of a from the 14-block GPU cache into the CPU tier
-                    assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
-                                                                       "max_tokens": 1})).status_code == 200
+                    assert (
+                        await client.post(
+                            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+                        )
+                    ).status_code == 200
                 state = (await client.get("/admin/state")).json()
                 deadline = time.monotonic() + 10
                 while sub.stats()["totals"]["batches"] < state["publisher"]["next_seq"]:
@@ -296,7 +366,10 @@ async def test_cpu_tier_events_keep_the_index_equal_to_the_engine() -> None:
                 r = await client.post("/v1/completions", json={"model": MODEL, "prompt": a, "max_tokens": 1})
                 after = (await client.get("/metrics")).text
             assert sub.stats()["totals"]["orphans"] == 0
-            assert m.cpu > 0 and (m.gpu + m.cpu) * 16 == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert (
+                m.cpu > 0
+                and (m.gpu + m.cpu) * 16 == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            )
             gpu_hits = parse_metrics(after).prefix_cache_hits - parse_metrics(before).prefix_cache_hits
             assert gpu_hits == m.gpu * 16  # the engine's own GPU hits equal the index's GPU part
         finally:

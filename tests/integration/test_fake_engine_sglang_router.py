@@ -16,8 +16,10 @@ import pytest
 
 from tests.helpers import Proc, free_port, wait_http_ok
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
-                                reason="sglang-router (loadtest extra) is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("sglang_router") is None,
+    reason="sglang-router (loadtest extra) is not installed",
+)
 
 
 def test_sglang_router_registers_and_routes_to_fake_engines() -> None:
@@ -26,16 +28,47 @@ def test_sglang_router_registers_and_routes_to_fake_engines() -> None:
         urls = []
         for dialect in ("vllm", "sglang"):
             port = free_port()
-            procs.append(Proc.kvroute("fake-engine", "--port", str(port), "--model", "m", "--dialect", dialect,
-                                      "--time-scale", "0.01", "--gpu-blocks", "1024"))
+            procs.append(
+                Proc.kvroute(
+                    "fake-engine",
+                    "--port",
+                    str(port),
+                    "--model",
+                    "m",
+                    "--dialect",
+                    dialect,
+                    "--time-scale",
+                    "0.01",
+                    "--gpu-blocks",
+                    "1024",
+                )
+            )
             urls.append(f"http://127.0.0.1:{port}")
         for u in urls:
             wait_http_ok(u + "/health", timeout=30)
         rport = free_port()
-        router = Proc([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
-                       str(rport), "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
-                       "--prometheus-port", str(free_port()), "--log-level", "warn", "--worker-urls", *urls],
-                      name="sglang-router")
+        router = Proc(
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(rport),
+                "--policy",
+                "cache_aware",
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+                "--worker-urls",
+                *urls,
+            ],
+            name="sglang-router",
+        )
         procs.append(router)
         base = f"http://127.0.0.1:{rport}"
         deadline = time.monotonic() + 60
@@ -51,13 +84,25 @@ def test_sglang_router_registers_and_routes_to_fake_engines() -> None:
             time.sleep(0.2)
         assert len(workers) == 2 and all(w["is_healthy"] for w in workers), router.output()
         assert {w["model_id"] for w in workers} == {"m"}
-        r = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hello " * 20, "max_tokens": 3},
-                       timeout=20)
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"model": "m", "prompt": "hello " * 20, "max_tokens": 3},
+            timeout=20,
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
-        with httpx.stream("POST", base + "/v1/chat/completions", timeout=20,
-                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                "stream": True, "stream_options": {"include_usage": True}}) as s:
+        with httpx.stream(
+            "POST",
+            base + "/v1/chat/completions",
+            timeout=20,
+            json={
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as s:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 2

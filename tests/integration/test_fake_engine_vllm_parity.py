@@ -27,7 +27,8 @@ class Engine:
 
     def __init__(self, *extra: str, time_scale: str = "0.02") -> None:
         self.proc, self.port, self.ev, self.rp = start_fake_engine(
-            "--model", MODEL, "--time-scale", time_scale, "--gpu-blocks", "2048", *extra)
+            "--model", MODEL, "--time-scale", time_scale, "--gpu-blocks", "2048", *extra
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
@@ -112,7 +113,9 @@ def _subscribed(e: Engine, tap: Tap) -> None:
     wait_until(probe, timeout=15, what="the event subscription live")
 
 
-def test_idle_engine_is_silent_and_a_reset_is_published_with_the_next_step(engine_factory: type[Engine]) -> None:
+def test_idle_engine_is_silent_and_a_reset_is_published_with_the_next_step(
+    engine_factory: type[Engine],
+) -> None:
     e = engine_factory()
     tap = Tap(e.ev)
     try:
@@ -176,24 +179,43 @@ def test_client_disconnect_aborts_the_generation(engine_factory: type[Engine]) -
     assert snap.kv_usage == 0.0  # the aborted requests' blocks were unpinned
 
 
-def test_client_disconnect_through_the_router_aborts_the_engines_generation(engine_factory: type[Engine]) -> None:
+def test_client_disconnect_through_the_router_aborts_the_engines_generation(
+    engine_factory: type[Engine],
+) -> None:
     e = engine_factory(time_scale="1")
     port = free_port()
-    router = Proc.kvroute("serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                          "--replica", f"name=e0,url={e.url},model={MODEL},events=tcp://127.0.0.1:{e.ev},"
-                                       f"replay=tcp://127.0.0.1:{e.rp}")
+    router = Proc.kvroute(
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--replica",
+        f"name=e0,url={e.url},model={MODEL},events=tcp://127.0.0.1:{e.ev},replay=tcp://127.0.0.1:{e.rp}",
+    )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: httpx.get(url + "/readyz", timeout=2).status_code == 200, timeout=30, what="router")
-        body = {"model": MODEL, "prompt": list(range(1, 200)), "max_tokens": 4000, "ignore_eos": True,
-                "stream": True}
+        wait_until(
+            lambda: httpx.get(url + "/readyz", timeout=2).status_code == 200, timeout=30, what="router"
+        )
+        body = {
+            "model": MODEL,
+            "prompt": list(range(1, 200)),
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     assert _running(e.url) == 1
                     break  # leaving the line iterator closes the connection
-        wait_until(lambda: _running(e.url) == 0, timeout=10, what="the engine's generation aborted via the router")
+        wait_until(
+            lambda: _running(e.url) == 0, timeout=10, what="the engine's generation aborted via the router"
+        )
     finally:
         router.stop()
 
@@ -202,14 +224,28 @@ def test_stream_framing_like_vllm(engine_factory: type[Engine]) -> None:
     """One SSE event per HTTP chunk; a chat stream opens with a role-only event (empty content), then the tokens'
     events without the role, as vLLM 0.32's does (``tests/real/test_engine_contract.py::test_stream_framing``)."""
     eng = engine_factory(time_scale="1")
-    chat = http_chunks(eng.url, "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "hi there " * 20}], "max_tokens": 6,
-        "stream": True, "stream_options": {"include_usage": True}})
+    chat = http_chunks(
+        eng.url,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi there " * 20}],
+            "max_tokens": 6,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert all(c.count(b"\n\n") == 1 for c in chat), chat
     events = [sse(c.decode()) for c in chat[:-1]]
     assert events[0][0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert all("role" not in e[0]["choices"][0]["delta"] for e in events[1:7]) and events[1][0]["choices"][0]["delta"]
+    assert (
+        all("role" not in e[0]["choices"][0]["delta"] for e in events[1:7])
+        and events[1][0]["choices"][0]["delta"]
+    )
     assert len(chat) == 1 + 6 + 1 + 1 and chat[-1] == b"data: [DONE]\n\n"  # role, tokens, usage, [DONE]
-    completions = http_chunks(eng.url, "/v1/completions", {
-        "model": MODEL, "prompt": "hello world " * 20, "max_tokens": 6, "stream": True})
+    completions = http_chunks(
+        eng.url,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hello world " * 20, "max_tokens": 6, "stream": True},
+    )
     assert len(completions) == 6 + 1 and all(c.count(b"\n\n") == 1 for c in completions), completions

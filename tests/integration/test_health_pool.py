@@ -46,8 +46,10 @@ class KeepAliveEngine:
                 if self.stall:
                     await asyncio.sleep(3600)
                 status, body = (200, MODELS) if path == "/v1/models" else (self.status, b"{}")
-                writer.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (status, len(body), body))
+                writer.write(
+                    b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (status, len(body), body)
+                )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             return

@@ -65,8 +65,13 @@ async def test_excluded_after_3_failures_back_after_2_successes(servers: list[He
     # consecutive failures at the moment e-0 turned unhealthy (counting probes instead races with a probe that
     # is in flight when the server stops: it fails, but was sent before the count was read)
     failures_when_unhealthy: list[int] = []
-    table.on_change(lambda r: failures_when_unhealthy.append(hc.record(r.name).failures)  # type: ignore[union-attr]
-                    if r.state == ReplicaState.UNHEALTHY else None)
+    table.on_change(
+        lambda r: (
+            failures_when_unhealthy.append(hc.record(r.name).failures)  # type: ignore[union-attr]
+            if r.state == ReplicaState.UNHEALTHY
+            else None
+        )
+    )
     await hc.start()
     try:
         await _wait(lambda: hc.record("e-0") is not None and hc.record("e-0").probes >= 2, 3.0, "probes")  # type: ignore[union-attr]

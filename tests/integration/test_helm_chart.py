@@ -41,10 +41,19 @@ def helm_binary() -> str:
 
 def run_helm(args: Sequence[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     """Run ``helm <args>`` and return the completed process (never raises on a non-zero exit)."""
-    return subprocess.run([helm_binary(), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env={**os.environ, "HELM_CACHE_HOME": "/tmp/kvroute-helm-cache",
-                                         "HELM_CONFIG_HOME": "/tmp/kvroute-helm-config",
-                                         "HELM_DATA_HOME": "/tmp/kvroute-helm-data"})
+    return subprocess.run(
+        [helm_binary(), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={
+            **os.environ,
+            "HELM_CACHE_HOME": "/tmp/kvroute-helm-cache",
+            "HELM_CONFIG_HOME": "/tmp/kvroute-helm-config",
+            "HELM_DATA_HOME": "/tmp/kvroute-helm-data",
+        },
+    )
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -73,8 +82,9 @@ def _template(args: tuple[str, ...]) -> str:
     return proc.stdout
 
 
-def render(values_files: Iterable[Path] = (), sets: dict[str, str] | None = None,
-           kube_version: str = KUBE_VERSION) -> list[dict[str, Any]]:
+def render(
+    values_files: Iterable[Path] = (), sets: dict[str, str] | None = None, kube_version: str = KUBE_VERSION
+) -> list[dict[str, Any]]:
     """``helm template`` the chart with the given values files and ``--set`` pairs; the parsed objects (fresh
     dicts on every call, so a test may modify them)."""
     args = ["--kube-version", kube_version]
@@ -93,7 +103,9 @@ def kinds(objects: Iterable[dict[str, Any]]) -> set[str]:
 def one(objects: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
     """The single object of ``kind`` (and ``name`` when given); assertion error when not exactly one."""
     found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected exactly one {kind} {name or ''}, found {[o['metadata']['name'] for o in found]}"
+    assert len(found) == 1, (
+        f"expected exactly one {kind} {name or ''}, found {[o['metadata']['name'] for o in found]}"
+    )
     return found[0]
 
 
@@ -116,8 +128,11 @@ def settings_env(objects: Sequence[dict[str, Any]]) -> dict[str, str]:
             cm = one(objects, "ConfigMap", source["configMapRef"]["name"])
             env.update(cm.get("data") or {})
         elif "secretRef" in source:
-            matches = [o for o in objects if o["kind"] == "Secret"
-                       and o["metadata"]["name"] == source["secretRef"]["name"]]
+            matches = [
+                o
+                for o in objects
+                if o["kind"] == "Secret" and o["metadata"]["name"] == source["secretRef"]["name"]
+            ]
             for secret in matches:  # an existingSecret is not rendered by the chart
                 env.update(secret.get("stringData") or {})
     for entry in container.get("env", []):
@@ -129,8 +144,11 @@ def settings_env(objects: Sequence[dict[str, Any]]) -> dict[str, str]:
 
 def explicit_settings_env(objects: Sequence[dict[str, Any]]) -> dict[str, str]:
     """Only the KVROUTE_* entries set explicitly in the router container's ``env`` (deployment-derived)."""
-    return {e["name"]: e["value"] for e in router_container(objects).get("env", [])
-            if e["name"].startswith("KVROUTE_")}
+    return {
+        e["name"]: e["value"]
+        for e in router_container(objects).get("env", [])
+        if e["name"].startswith("KVROUTE_")
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -141,9 +159,16 @@ def explicit_settings_env(objects: Sequence[dict[str, Any]]) -> dict[str, str]:
 #: validated against its vendored CRD schema in test_helm_epp.py)
 CRD_KINDS = {"ServiceMonitor", "InferencePool"}
 #: every optional feature on, so validation covers every template
-ALL_FEATURES = {"redis.enabled": "false", "serviceMonitor.enabled": "true", "autoscaling.enabled": "true",
-                "watchAllNamespaces": "true", "networkPolicy.enabled": "true", "engines.vllm.enabled": "true",
-                "engines.sglang.enabled": "true", "config.api_keys[0]": "k1"}
+ALL_FEATURES = {
+    "redis.enabled": "false",
+    "serviceMonitor.enabled": "true",
+    "autoscaling.enabled": "true",
+    "watchAllNamespaces": "true",
+    "networkPolicy.enabled": "true",
+    "engines.vllm.enabled": "true",
+    "engines.sglang.enabled": "true",
+    "config.api_keys[0]": "k1",
+}
 CASES: list[tuple[str, list[Path], dict[str, str]]] = [
     ("defaults", [], {}),
     ("all-features", [], ALL_FEATURES),
@@ -156,7 +181,9 @@ def test_examples_exist() -> None:
     assert {p.name for p in EXAMPLES} >= {"vllm-fleet.yaml", "sglang-fleet.yaml", "router-only.yaml"}
 
 
-@pytest.mark.parametrize("values", [[]] + [[p] for p in EXAMPLES], ids=["defaults"] + [p.name for p in EXAMPLES])
+@pytest.mark.parametrize(
+    "values", [[]] + [[p] for p in EXAMPLES], ids=["defaults"] + [p.name for p in EXAMPLES]
+)
 def test_helm_lint_strict(values: list[Path]) -> None:
     """``helm lint --strict`` passes for the default values and for every example."""
     args = ["lint", "--strict", str(CHART), "--namespace", NAMESPACE]
@@ -180,13 +207,17 @@ def validate_objects(objects: Sequence[dict[str, Any]], version: str) -> set[str
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             path = ".".join(str(x) for x in exc.path)
-            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {version}: "
-                        f"{path}: {exc.message}")
+            pytest.fail(
+                f"{obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {version}: "
+                f"{path}: {exc.message}"
+            )
     return skipped
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_rendered_objects_pass_kubernetes_validate_strict(case: tuple[str, list[Path], dict[str, str]]) -> None:
+def test_rendered_objects_pass_kubernetes_validate_strict(
+    case: tuple[str, list[Path], dict[str, str]],
+) -> None:
     """Every built-in object of every render validates strictly (unknown fields are errors) for Kubernetes
     1.29 and the newest version kubernetes-validate knows; only CRD kinds are skipped, and exactly those
     rendered (ServiceMonitor when monitoring is on, InferencePool in endpoint-picker mode)."""
@@ -208,9 +239,12 @@ def test_strict_validation_rejects_unknown_fields() -> None:
 
 def test_values_schema_rejects_bad_values() -> None:
     """values.schema.json stops a misspelt option, an out-of-range port and a bad Redis URL at render time."""
-    for key, value, message in [("config.polcy", "ttft", "polcy"), ("config.port", "70000", "config.port"),
-                                ("redis.url", "localhost:6379", "redis.url"),
-                                ("autoscalling.enabled", "true", "autoscalling")]:
+    for key, value, message in [
+        ("config.polcy", "ttft", "polcy"),
+        ("config.port", "70000", "config.port"),
+        ("redis.url", "localhost:6379", "redis.url"),
+        ("autoscalling.enabled", "true", "autoscalling"),
+    ]:
         proc = run_helm(["template", RELEASE, str(CHART), "--set", f"{key}={value}"])
         assert proc.returncode != 0, f"--set {key}={value} was accepted"
         assert message in proc.stderr, proc.stderr
@@ -220,14 +254,22 @@ def test_values_schema_rejects_bad_values() -> None:
 # what the chart renders
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_default_render() -> None:
     """Defaults: 2 hardened router pods with probes on /healthz and /readyz, a namespaced Role, a PDB, the
     settings ConfigMap and the dashboard; nothing optional."""
     from router.config import Settings
 
     objects = render()
-    assert kinds(objects) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Deployment",
-                              "PodDisruptionBudget"}
+    assert kinds(objects) == {
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "ConfigMap",
+        "Service",
+        "Deployment",
+        "PodDisruptionBudget",
+    }
     dep = one(objects, "Deployment", FULLNAME)
     assert dep["spec"]["replicas"] == 2
     pod = dep["spec"]["template"]["spec"]
@@ -261,8 +303,14 @@ def test_default_render() -> None:
 def test_feature_flags_render_expected_objects() -> None:
     """redis.enabled=false, serviceMonitor, autoscaling and watchAllNamespaces: ClusterRole instead of Role,
     a ServiceMonitor on the router's port, an HPA that owns the replica count, no Redis StatefulSet."""
-    objects = render(sets={"redis.enabled": "false", "serviceMonitor.enabled": "true",
-                           "autoscaling.enabled": "true", "watchAllNamespaces": "true"})
+    objects = render(
+        sets={
+            "redis.enabled": "false",
+            "serviceMonitor.enabled": "true",
+            "autoscaling.enabled": "true",
+            "watchAllNamespaces": "true",
+        }
+    )
     k = kinds(objects)
     assert {"ClusterRole", "ClusterRoleBinding", "ServiceMonitor", "HorizontalPodAutoscaler"} <= k
     assert not k & {"Role", "RoleBinding", "StatefulSet"}
@@ -270,8 +318,11 @@ def test_feature_flags_render_expected_objects() -> None:
     assert "namespace" not in crole["metadata"]
     assert crole["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     cbind = one(objects, "ClusterRoleBinding")
-    assert cbind["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                "name": crole["metadata"]["name"]}
+    assert cbind["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": crole["metadata"]["name"],
+    }
     assert cbind["subjects"][0]["namespace"] == NAMESPACE
     dep = one(objects, "Deployment", FULLNAME)
     assert "replicas" not in dep["spec"], "the HPA owns the replica count"
@@ -288,8 +339,9 @@ def test_feature_flags_render_expected_objects() -> None:
 def test_single_replica_has_no_pdb() -> None:
     """A PDB with minAvailable 1 over one pod would block node drains: not rendered for one router pod."""
     assert "PodDisruptionBudget" not in kinds(render(sets={"replicaCount": "1"}))
-    assert "PodDisruptionBudget" not in kinds(render(sets={"autoscaling.enabled": "true",
-                                                           "autoscaling.minReplicas": "1"}))
+    assert "PodDisruptionBudget" not in kinds(
+        render(sets={"autoscaling.enabled": "true", "autoscaling.minReplicas": "1"})
+    )
     assert "PodDisruptionBudget" in kinds(render(sets={"autoscaling.enabled": "true", "replicaCount": "1"}))
 
 
@@ -316,16 +368,23 @@ def test_secret_settings_go_to_a_secret_not_the_configmap() -> None:
     dep = one(objects, "Deployment", FULLNAME)
     # changing a secret rolls the pods
     plain = one(render(), "Deployment", FULLNAME)
-    ann, plain_ann = dep["spec"]["template"]["metadata"]["annotations"], plain["spec"]["template"]["metadata"]["annotations"]
+    ann, plain_ann = (
+        dep["spec"]["template"]["metadata"]["annotations"],
+        plain["spec"]["template"]["metadata"]["annotations"],
+    )
     assert ann["checksum/secret"] != plain_ann["checksum/secret"]
     assert "Secret" not in kinds(render(sets={"existingSecret": "mine"}))
-    assert {"secretRef": {"name": "mine"}} in router_container(render(sets={"existingSecret": "mine"}))["envFrom"]
+    assert {"secretRef": {"name": "mine"}} in router_container(render(sets={"existingSecret": "mine"}))[
+        "envFrom"
+    ]
 
 
 def test_settings_change_rolls_router_pods() -> None:
     """The pod template carries a checksum of the settings ConfigMap, so a config change restarts the pods."""
     a = one(render(), "Deployment", FULLNAME)["spec"]["template"]["metadata"]["annotations"]
-    b = one(render(sets={"config.policy": "round_robin"}), "Deployment", FULLNAME)["spec"]["template"]["metadata"]["annotations"]
+    b = one(render(sets={"config.policy": "round_robin"}), "Deployment", FULLNAME)["spec"]["template"][
+        "metadata"
+    ]["annotations"]
     assert a["checksum/settings"] != b["checksum/settings"]
 
 
@@ -396,16 +455,18 @@ def test_dashboard_shipped_in_configmap_with_grafana_label() -> None:
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["kvroute.json"]) == json.loads(DASHBOARD.read_text())
     assert "ConfigMap" in kinds(render(sets={"dashboard.enabled": "false"}))  # the settings one stays
-    assert not [o for o in render(sets={"dashboard.enabled": "false"})
-                if o["metadata"]["name"].endswith("-dashboard")]
+    assert not [
+        o for o in render(sets={"dashboard.enabled": "false"}) if o["metadata"]["name"].endswith("-dashboard")
+    ]
 
 
 def test_dashboard_router_metrics_exist_in_the_router() -> None:
     """Every kvroute_* series the dashboard queries is declared by the router (router/ or membership/ source;
     ``kvroute_index_<key>`` gauges come from ``PrefixIndex.stats()`` keys), so a rename on either side breaks
     this test instead of silently emptying a panel."""
-    sources = "\n".join(p.read_text(encoding="utf-8")
-                        for d in ("router", "membership") for p in (REPO / d).glob("*.py"))
+    sources = "\n".join(
+        p.read_text(encoding="utf-8") for d in ("router", "membership") for p in (REPO / d).glob("*.py")
+    )
     stats_source = (REPO / "index" / "prefix_index.py").read_text(encoding="utf-8")
     used = {_SUFFIX.sub("", m) for m in _METRIC.findall(DASHBOARD.read_text())}
     assert used, "the dashboard queries no router metric"
@@ -414,8 +475,7 @@ def test_dashboard_router_metrics_exist_in_the_router() -> None:
         if f'"{metric}"' in sources or f"'{metric}'" in sources:
             return True
         key = metric.removeprefix("kvroute_index_")
-        return (metric != key and 'f"kvroute_index_{key}"' in sources
-                and f'"{key}":' in stats_source)
+        return metric != key and 'f"kvroute_index_{key}"' in sources and f'"{key}":' in stats_source
 
     missing = sorted(m for m in used if not declared(m))
     assert not missing, f"dashboard metrics not declared by the router: {missing}"
@@ -424,6 +484,7 @@ def test_dashboard_router_metrics_exist_in_the_router() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # the image the chart runs (the Dockerfile cannot be built here: check it agrees with the chart and project)
 # ---------------------------------------------------------------------------------------------------------
+
 
 def test_dockerfile_agrees_with_chart_and_project() -> None:
     """python:3.11-slim multi-stage build of every package, non-root uid = the chart's, ENTRYPOINT kvroute +
@@ -436,8 +497,12 @@ def test_dockerfile_agrees_with_chart_and_project() -> None:
     text = (REPO / "Dockerfile").read_text(encoding="utf-8")
     assert "python:3.11-slim" in text
     assert len(re.findall(r"^FROM ", text, re.M)) >= 2, "multi-stage"
-    packages = {p.rstrip("*") for p in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"]["find"]["include"]}
+    packages = {
+        p.rstrip("*")
+        for p in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"][
+            "find"
+        ]["include"]
+    }
     copied = set(re.findall(r"^COPY (\w+) \./\1$", text, re.M))
     assert packages <= copied, f"packages not copied into the build stage: {packages - copied}"
     values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
@@ -446,7 +511,10 @@ def test_dockerfile_agrees_with_chart_and_project() -> None:
     assert uid != 0
     assert '\nENTRYPOINT ["kvroute"]\n' in text and '\nCMD ["serve"]\n' in text
     assert re.search(rf"^EXPOSE {Settings().port}$", text, re.M)
-    ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
-               if ln.strip() and not ln.startswith("#")}
+    ignored = {
+        ln.strip()
+        for ln in (REPO / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    }
     assert not ignored & (packages | {"pyproject.toml", "README.md"}), "the build needs these"
     assert {".venv", ".tools", ".git"} <= ignored

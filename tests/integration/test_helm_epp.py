@@ -34,7 +34,12 @@ from tests.integration.test_helm_chart import (
 from tests.integration.test_helm_examples import chart_settings, options_from
 
 EXAMPLE = CHART / "examples" / "epp-istio.yaml"
-CRD = Path(__file__).resolve().parents[1] / "fixtures" / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
+CRD = (
+    Path(__file__).resolve().parents[1]
+    / "fixtures"
+    / "crds"
+    / "inference.networking.k8s.io_inferencepools.yaml"
+)
 
 
 def _strict(node: Any) -> Any:
@@ -52,7 +57,10 @@ def _strict(node: Any) -> Any:
 
 def pool_schema() -> dict[str, Any]:
     crd = yaml.safe_load(CRD.read_text())
-    assert crd["spec"]["group"] == "inference.networking.k8s.io" and crd["spec"]["names"]["kind"] == "InferencePool"
+    assert (
+        crd["spec"]["group"] == "inference.networking.k8s.io"
+        and crd["spec"]["names"]["kind"] == "InferencePool"
+    )
     v1 = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     return dict(_strict(v1["schema"]["openAPIV3Schema"]))
 
@@ -67,11 +75,15 @@ def api() -> Iterator[FakeKubeAPI]:
         yield server
 
 
-def test_epp_example_renders_a_valid_pool_pointing_at_the_grpc_service(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_epp_example_renders_a_valid_pool_pointing_at_the_grpc_service(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     objects = render([EXAMPLE])
     pool = one(objects, "InferencePool", FULLNAME)
     validate_pool(pool)
-    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["namespace"] == NAMESPACE
+    assert (
+        pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["namespace"] == NAMESPACE
+    )
     assert pool["spec"]["selector"]["matchLabels"] == {"app": "vllm-qwen3-8b"}
     assert pool["spec"]["targetPorts"] == [{"number": 8000}]
     ref = pool["spec"]["endpointPickerRef"]
@@ -91,8 +103,13 @@ def test_epp_example_renders_a_valid_pool_pointing_at_the_grpc_service(monkeypat
     assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
     # RBAC: read InferencePools (and pods) in the release namespace, bound to the router's ServiceAccount
     role = one(objects, "Role", f"{FULLNAME}-inferencepool-reader")
-    assert role["rules"] == [{"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
-                              "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["inference.networking.k8s.io"],
+            "resources": ["inferencepools"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
     binding = one(objects, "RoleBinding", f"{FULLNAME}-inferencepool-reader")
     assert binding["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
     assert any(o["kind"] == "Role" and o["rules"][0]["resources"] == ["pods"] for o in objects)
@@ -101,10 +118,12 @@ def test_epp_example_renders_a_valid_pool_pointing_at_the_grpc_service(monkeypat
 def test_the_crd_schema_rejects_what_the_api_server_would() -> None:
     """Control: the vendored schema really fails bad pools, so the validation above can fail."""
     pool = one(render([EXAMPLE]), "InferencePool", FULLNAME)
-    for mutate in (lambda p: p["spec"].update(targetPort=[{"number": 8000}]),  # misspelt field
-                   lambda p: p["spec"].update(targetPorts=[{"number": 70000}]),  # out of range
-                   lambda p: p["spec"]["selector"].update(matchLabels={}),  # selects nothing
-                   lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Sometimes")):
+    for mutate in (
+        lambda p: p["spec"].update(targetPort=[{"number": 8000}]),  # misspelt field
+        lambda p: p["spec"].update(targetPorts=[{"number": 70000}]),  # out of range
+        lambda p: p["spec"]["selector"].update(matchLabels={}),  # selects nothing
+        lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Sometimes"),
+    ):
         bad = copy.deepcopy(pool)
         mutate(bad)
         with pytest.raises(jsonschema.ValidationError):
@@ -117,13 +136,25 @@ def test_epp_mode_is_opt_in_and_needs_pod_labels() -> None:
     assert router_container(objects)["args"] == ["serve"]
     proc = run_helm(["template", "kvr", str(CHART), "--namespace", NAMESPACE, "--set", "epp.enabled=true"])
     assert proc.returncode != 0 and "epp.inferencePool.matchLabels" in proc.stderr
-    proc = run_helm(["template", "kvr", str(CHART), "--namespace", NAMESPACE, "-f", str(EXAMPLE),
-                     "--set", "watchAllNamespaces=true"])
+    proc = run_helm(
+        [
+            "template",
+            "kvr",
+            str(CHART),
+            "--namespace",
+            NAMESPACE,
+            "-f",
+            str(EXAMPLE),
+            "--set",
+            "watchAllNamespaces=true",
+        ]
+    )
     assert proc.returncode != 0 and "one watched namespace" in proc.stderr
 
 
-def test_rendered_pool_drives_discovery_configured_by_the_chart(api: FakeKubeAPI,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rendered_pool_drives_discovery_configured_by_the_chart(
+    api: FakeKubeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The chart's env gives the router inference_pool; the rendered pool, served by the fake API, makes the
     pods with its labels replicas on its target port (and no others)."""
     objects = render([EXAMPLE])
@@ -132,8 +163,12 @@ def test_rendered_pool_drives_discovery_configured_by_the_chart(api: FakeKubeAPI
     assert settings.inference_pool == pool["metadata"]["name"] and settings.kubernetes_namespace == NAMESPACE
     kube = settings.kubernetes()
     assert kube is not None and kube.inference_pool == settings.inference_pool
-    api.put_pool(pool["metadata"]["name"], NAMESPACE, match_labels=pool["spec"]["selector"]["matchLabels"],
-                 target_ports=[p["number"] for p in pool["spec"]["targetPorts"]])
+    api.put_pool(
+        pool["metadata"]["name"],
+        NAMESPACE,
+        match_labels=pool["spec"]["selector"]["matchLabels"],
+        target_ports=[p["number"] for p in pool["spec"]["targetPorts"]],
+    )
     api.add_pod("vllm-0", NAMESPACE, labels={"app": "vllm-qwen3-8b"}, ip="10.3.0.1", container_port=9999)
     api.add_pod("other-0", NAMESPACE, labels={"app": "other"}, ip="10.3.0.2")
     opts = options_from(settings, api.url)
@@ -142,8 +177,11 @@ def test_rendered_pool_drives_discovery_configured_by_the_chart(api: FakeKubeAPI
     pods = PodWatcher(table, opts).start()
     pools = InferencePoolWatcher(pods, opts).start()
     try:
-        wait_until(lambda: {r.name: r.url for r in table.all()} == {"vllm-0": "http://10.3.0.1:8000"}, 10,
-                   what="the pool's pod on the pool's target port")
+        wait_until(
+            lambda: {r.name: r.url for r in table.all()} == {"vllm-0": "http://10.3.0.1:8000"},
+            10,
+            what="the pool's pod on the pool's target port",
+        )
     finally:
         pools.stop()
         pods.stop()

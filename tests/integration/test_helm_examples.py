@@ -44,13 +44,17 @@ def options_from(settings: Settings, api_url: str) -> KubernetesOptions:
     """KubernetesOptions from the kubernetes_* settings (the router's wiring), pointed at the fake API."""
     assert settings.kubernetes_enabled
     return KubernetesOptions(
-        namespace=settings.kubernetes_namespace, label_selector=settings.kubernetes_label_selector,
-        resync_interval_s=settings.kubernetes_resync_interval_s, api_host=api_url,
+        namespace=settings.kubernetes_namespace,
+        label_selector=settings.kubernetes_label_selector,
+        resync_interval_s=settings.kubernetes_resync_interval_s,
+        api_host=api_url,
         default_port=settings.kubernetes_default_port,
         default_kv_events_port=settings.kubernetes_default_kv_events_port,
         default_kv_replay_port=settings.kubernetes_default_kv_replay_port,
         default_kv_topic=settings.kubernetes_default_kv_topic,
-        backoff_initial_s=0.05, backoff_max_s=0.2)
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+    )
 
 
 def kv_events_config(container: dict[str, Any]) -> dict[str, Any]:
@@ -64,8 +68,9 @@ def _port(endpoint: str) -> int:
 
 
 @pytest.mark.parametrize(("example", "kind"), [("vllm-fleet.yaml", "vllm"), ("sglang-fleet.yaml", "sglang")])
-def test_engine_fleet_is_discovered_with_its_kv_event_endpoints(example: str, kind: str, api: FakeKubeAPI,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_fleet_is_discovered_with_its_kv_event_endpoints(
+    example: str, kind: str, api: FakeKubeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pods of the example's StatefulSet become ready replicas named by pod, indexed by ordinal, with the
     dialect, model and the ZMQ endpoints/topic their engine flags publish on; unlabelled pods are ignored."""
     objects = render([EXAMPLES / example])
@@ -90,17 +95,27 @@ def test_engine_fleet_is_discovered_with_its_kv_event_endpoints(example: str, ki
 
     replicas = sts["spec"]["replicas"]
     for i in range(replicas):
-        api.add_pod(f"{sts['metadata']['name']}-{i}", NAMESPACE, labels=template["metadata"]["labels"],
-                    annotations=template["metadata"]["annotations"], ip=f"10.1.0.{10 + i}",
-                    container_port=ports["http"])
+        api.add_pod(
+            f"{sts['metadata']['name']}-{i}",
+            NAMESPACE,
+            labels=template["metadata"]["labels"],
+            annotations=template["metadata"]["annotations"],
+            ip=f"10.1.0.{10 + i}",
+            container_port=ports["http"],
+        )
     api.add_pod("unrelated-0", NAMESPACE, labels={"app": "other"}, ip="10.1.0.99")
-    api.add_pod(f"{sts['metadata']['name']}-9", "elsewhere", labels=template["metadata"]["labels"], ip="10.2.0.1")
+    api.add_pod(
+        f"{sts['metadata']['name']}-9", "elsewhere", labels=template["metadata"]["labels"], ip="10.2.0.1"
+    )
 
     table = ReplicaTable()
     watcher = PodWatcher(table, options_from(settings, api.url)).start()
     try:
-        wait_until(lambda: len([r for r in table.all() if r.routable]) == replicas, timeout=20.0,
-                   what=f"{replicas} routable replicas")
+        wait_until(
+            lambda: len([r for r in table.all() if r.routable]) == replicas,
+            timeout=20.0,
+            what=f"{replicas} routable replicas",
+        )
         by_name = {r.name: r for r in table.all()}
         assert set(by_name) == {f"{sts['metadata']['name']}-{i}" for i in range(replicas)}
         for i in range(replicas):
@@ -117,8 +132,9 @@ def test_engine_fleet_is_discovered_with_its_kv_event_endpoints(example: str, ki
         watcher.stop()
 
 
-def test_router_only_example_finds_existing_pods_by_selector(api: FakeKubeAPI,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_only_example_finds_existing_pods_by_selector(
+    api: FakeKubeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """router-only.yaml: existing pods matching the configured selector, without kvroute annotations, get the
     configured default ports and topic; pods outside the selector are ignored; no engines are rendered."""
     objects = render([EXAMPLES / "router-only.yaml"])
@@ -154,9 +170,16 @@ def test_vllm_fleet_example_routes_end_to_end(api: FakeKubeAPI, monkeypatch: pyt
     its KV events on the port and topic the engine's --kv-events-config names, and routes a repeated chat
     prompt to cached blocks. The engine is the stand-in fake engine started with the same flags."""
     http, events, replay = free_port(), free_port(), free_port()
-    objects = render([EXAMPLES / "vllm-fleet.yaml"], sets={
-        "engines.vllm.replicas": "1", "engines.vllm.port": str(http), "engines.vllm.kvEventsPort": str(events),
-        "engines.vllm.kvReplayPort": str(replay), "redis.enabled": "false"})
+    objects = render(
+        [EXAMPLES / "vllm-fleet.yaml"],
+        sets={
+            "engines.vllm.replicas": "1",
+            "engines.vllm.port": str(http),
+            "engines.vllm.kvEventsPort": str(events),
+            "engines.vllm.kvReplayPort": str(replay),
+            "redis.enabled": "false",
+        },
+    )
     sts = one(objects, "StatefulSet", f"{FULLNAME}-vllm")
     template = sts["spec"]["template"]
     container = template["spec"]["containers"][0]
@@ -167,40 +190,81 @@ def test_vllm_fleet_example_routes_end_to_end(api: FakeKubeAPI, monkeypatch: pyt
     local = {"KVROUTE_HOST": "127.0.0.1", "KVROUTE_PORT": str(rport), "KVROUTE_KUBERNETES_API_HOST": api.url}
     assert set(local) - {"KVROUTE_KUBERNETES_API_HOST"} <= set(env)  # only overriding what the chart sets
 
-    engine = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", _arg(container["args"], "--port"),
-                          "--model", model, "--dialect", "vllm", "--kv-events-format", "vllm",
-                          "--kv-events-port", str(_port(cfg["endpoint"])),
-                          "--kv-replay-port", str(_port(cfg["replay_endpoint"])), "--kv-topic", cfg["topic"],
-                          "--block-size", _arg(container["args"], "--block-size"), "--time-scale", "0.02",
-                          "--gpu-blocks", "2048", "--seed", "1",
-                          *[a for a in container["args"] if a in ("--enable-prompt-tokens-details",
-                                                                   "--enable-force-include-usage")])
+    engine = Proc.kvroute(
+        "fake-engine",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        _arg(container["args"], "--port"),
+        "--model",
+        model,
+        "--dialect",
+        "vllm",
+        "--kv-events-format",
+        "vllm",
+        "--kv-events-port",
+        str(_port(cfg["endpoint"])),
+        "--kv-replay-port",
+        str(_port(cfg["replay_endpoint"])),
+        "--kv-topic",
+        cfg["topic"],
+        "--block-size",
+        _arg(container["args"], "--block-size"),
+        "--time-scale",
+        "0.02",
+        "--gpu-blocks",
+        "2048",
+        "--seed",
+        "1",
+        *[
+            a
+            for a in container["args"]
+            if a in ("--enable-prompt-tokens-details", "--enable-force-include-usage")
+        ],
+    )
     router: Proc | None = None
     out = ""
     try:
         wait_http_ok(f"http://127.0.0.1:{http}/health")
         pod = f"{sts['metadata']['name']}-0"
-        api.add_pod(pod, NAMESPACE, labels=template["metadata"]["labels"],
-                    annotations=template["metadata"]["annotations"], ip="127.0.0.1", container_port=http)
+        api.add_pod(
+            pod,
+            NAMESPACE,
+            labels=template["metadata"]["labels"],
+            annotations=template["metadata"]["annotations"],
+            ip="127.0.0.1",
+            container_port=http,
+        )
         for key in list(os.environ):  # the router sees the chart's KVROUTE_* variables and nothing else
             if key.upper().startswith(ENV_PREFIX):
                 monkeypatch.delenv(key)
-        router = Proc([sys.executable, "-m", "router.cli", "serve"], env={**env, **local}, name="kvroute serve")
+        router = Proc(
+            [sys.executable, "-m", "router.cli", "serve"], env={**env, **local}, name="kvroute serve"
+        )
         url = f"http://127.0.0.1:{rport}"
         wait_http_ok(url + "/readyz", timeout=30)
         reps = httpx.get(url + "/replicas", timeout=5).json()["replicas"]
         assert [(r["name"], r["index"], r["dialect"]) for r in reps] == [(pod, 0, "vllm")]
-        body = {"model": model, "max_tokens": 4, "messages": [
-            {"role": "system", "content": "You are a careful assistant. " * 40},
-            {"role": "user", "content": "What does a cache-aware router do?"}]}
+        body = {
+            "model": model,
+            "max_tokens": 4,
+            "messages": [
+                {"role": "system", "content": "You are a careful assistant. " * 40},
+                {"role": "user", "content": "What does a cache-aware router do?"},
+            ],
+        }
         first = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
         assert first.status_code == 200, first.text
 
         def ingested() -> float:
             text = httpx.get(url + "/metrics", timeout=5).text
-            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("kvroute_kv_events_ingested_total{") and f'replica="{pod}"' in line
-                       and 'type="BlockStored"' in line)
+            return sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("kvroute_kv_events_ingested_total{")
+                and f'replica="{pod}"' in line
+                and 'type="BlockStored"' in line
+            )
 
         wait_until(lambda: ingested() > 0, timeout=20, what="BlockStored events ingested from the engine")
         decision = httpx.post(url + "/route", json={"model": model, "messages": body["messages"]}, timeout=10)
@@ -213,10 +277,13 @@ def test_vllm_fleet_example_routes_end_to_end(api: FakeKubeAPI, monkeypatch: pyt
     assert "Traceback" not in out, out[-3000:]
 
 
-@pytest.mark.parametrize(("example", "dialect", "protocol"), [("vllm-nixl-pd.yaml", "vllm", "vllm"),
-                                                              ("sglang-pd.yaml", "sglang", "sglang")])
-def test_pd_example_discovers_roles_and_bootstrap_ports(example: str, dialect: str, protocol: str,
-                                                        api: FakeKubeAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("example", "dialect", "protocol"),
+    [("vllm-nixl-pd.yaml", "vllm", "vllm"), ("sglang-pd.yaml", "sglang", "sglang")],
+)
+def test_pd_example_discovers_roles_and_bootstrap_ports(
+    example: str, dialect: str, protocol: str, api: FakeKubeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The PD examples (issue 19): pods labelled as the example's comments say become replicas with their
     llm-d.ai/role, SGLang bootstrap port and DP size; the router's PD settings come from the chart's env."""
     objects = render([EXAMPLES / example])
@@ -227,19 +294,37 @@ def test_pd_example_discovers_roles_and_bootstrap_ports(example: str, dialect: s
     opts.api_host, opts.backoff_initial_s, opts.backoff_max_s = api.url, 0.05, 0.2
     selector = dict(kv.split("=") for kv in settings.kubernetes_label_selector.split(","))
     ann = {"kvroute.io/engine": dialect, "kvroute.io/model": "Qwen/Qwen3-8B"}
-    api.add_pod("pd-prefill-0", NAMESPACE, labels={**selector, "llm-d.ai/role": "prefill"},
-                annotations={**ann, "sglang.ai/bootstrap-port": "9001"}, ip="10.4.0.1")
-    api.add_pod("pd-decode-0", NAMESPACE, labels={**selector, "llm-d.ai/role": "decode"},
-                annotations={**ann, "kvroute.io/data-parallel-size": "4"}, ip="10.4.0.2")
-    api.add_pod("pd-both-0", NAMESPACE, labels={**selector, "llm-d.ai/role": "prefill-decode"}, annotations=ann,
-                ip="10.4.0.3")
+    api.add_pod(
+        "pd-prefill-0",
+        NAMESPACE,
+        labels={**selector, "llm-d.ai/role": "prefill"},
+        annotations={**ann, "sglang.ai/bootstrap-port": "9001"},
+        ip="10.4.0.1",
+    )
+    api.add_pod(
+        "pd-decode-0",
+        NAMESPACE,
+        labels={**selector, "llm-d.ai/role": "decode"},
+        annotations={**ann, "kvroute.io/data-parallel-size": "4"},
+        ip="10.4.0.2",
+    )
+    api.add_pod(
+        "pd-both-0",
+        NAMESPACE,
+        labels={**selector, "llm-d.ai/role": "prefill-decode"},
+        annotations=ann,
+        ip="10.4.0.3",
+    )
     table = ReplicaTable()
     watcher = PodWatcher(table, opts).start()
     try:
         wait_until(lambda: len([r for r in table.all() if r.routable]) == 3, timeout=20.0, what="3 replicas")
         got = {r.name: (r.role, r.bootstrap_port, r.dp_size, r.dialect) for r in table.all()}
         port = settings.pd_default_bootstrap_port
-        assert got == {"pd-prefill-0": ("prefill", 9001, 1, dialect), "pd-decode-0": ("decode", port, 4, dialect),
-                       "pd-both-0": ("both", port, 1, dialect)}
+        assert got == {
+            "pd-prefill-0": ("prefill", 9001, 1, dialect),
+            "pd-decode-0": ("decode", port, 4, dialect),
+            "pd-both-0": ("both", port, 1, dialect),
+        }
     finally:
         watcher.stop()

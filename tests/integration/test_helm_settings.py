@@ -66,7 +66,9 @@ def test_values_config_has_every_settings_field_with_its_default() -> None:
     config = values_config()
     defaults = default_values()
     assert list(config) == list(Settings.model_fields), "values.yaml config keys differ from Settings fields"
-    mismatched = {k: (config[k], defaults[k]) for k in defaults if config[k] != helm_values._jsonable(defaults[k])}
+    mismatched = {
+        k: (config[k], defaults[k]) for k in defaults if config[k] != helm_values._jsonable(defaults[k])
+    }
     assert not mismatched, f"values.yaml default != Settings default (values, Settings): {mismatched}"
 
 
@@ -74,14 +76,21 @@ def test_generated_chart_parts_in_sync_with_settings() -> None:
     """values.yaml's generated block, values.schema.json's config and _settings.tpl match the current
     Settings; the diff says what to regenerate."""
     diffs = helm_values.out_of_sync()
-    assert not diffs, ("chart out of sync with router/config.py Settings; run "
-                       "`.venv/bin/python scripts/helm_values.py --write`:\n" + "\n".join(diffs.values()))
+    assert not diffs, (
+        "chart out of sync with router/config.py Settings; run "
+        "`.venv/bin/python scripts/helm_values.py --write`:\n" + "\n".join(diffs.values())
+    )
 
 
 def test_helm_values_check_cli_detects_drift(tmp_path: Any) -> None:
     """``scripts/helm_values.py --check`` exits 0 now, and the generator notices a hand edit of the block."""
-    proc = subprocess.run([sys.executable, "scripts/helm_values.py", "--check"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "scripts/helm_values.py", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     edited = (CHART / "values.yaml").read_text(encoding="utf-8").replace("  policy: ttft\n", "  policy: rr\n")
     assert edited != (CHART / "values.yaml").read_text(encoding="utf-8")
@@ -104,12 +113,16 @@ def test_rendered_env_parses_back_into_the_defaults(monkeypatch: pytest.MonkeyPa
     cm_env = one(objects, "ConfigMap", f"{FULLNAME}-settings")["data"]
     config = values_config()
     secret = set(helm_values.secret_fields())
-    assert set(cm_env) == {ENV_PREFIX + k.upper() for k, v in config.items() if v is not None and k not in secret}
+    assert set(cm_env) == {
+        ENV_PREFIX + k.upper() for k, v in config.items() if v is not None and k not in secret
+    }
     defaults = _dump(settings_from_env({}, monkeypatch))
     assert _dump(settings_from_env(cm_env, monkeypatch)) == defaults
 
-    assert explicit_settings_env(objects) == {"KVROUTE_KUBERNETES_ENABLED": "true",
-                                              "KVROUTE_KUBERNETES_NAMESPACE": NAMESPACE}
+    assert explicit_settings_env(objects) == {
+        "KVROUTE_KUBERNETES_ENABLED": "true",
+        "KVROUTE_KUBERNETES_NAMESPACE": NAMESPACE,
+    }
     full = _dump(settings_from_env(settings_env(objects), monkeypatch))
     changed = {k: full[k] for k in full if full[k] != defaults[k]}
     assert changed == {"kubernetes_enabled": True, "kubernetes_namespace": NAMESPACE}
@@ -117,19 +130,39 @@ def test_rendered_env_parses_back_into_the_defaults(monkeypatch: pytest.MonkeyPa
     assert full["port"] == dep["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
 
 
-@pytest.mark.parametrize(("sets", "want"), [
-    ({"watchAllNamespaces": "true"}, {"KVROUTE_KUBERNETES_ENABLED": "true", "KVROUTE_KUBERNETES_NAMESPACE": "*"}),
-    ({"config.kubernetes_namespace": "engines"},
-     {"KVROUTE_KUBERNETES_ENABLED": "true", "KVROUTE_KUBERNETES_NAMESPACE": "engines"}),
-    ({"config.replicas[0]": "name=r0\\,url=http://10.0.0.1:8000"}, {}),
-    ({"redis.enabled": "true"}, {"KVROUTE_KUBERNETES_ENABLED": "true", "KVROUTE_KUBERNETES_NAMESPACE": NAMESPACE,
-                                 "KVROUTE_REDIS_URL": f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"}),
-    ({"redis.url": "rediss://cache.infra:6380/2"},
-     {"KVROUTE_KUBERNETES_ENABLED": "true", "KVROUTE_KUBERNETES_NAMESPACE": NAMESPACE,
-      "KVROUTE_REDIS_URL": "rediss://cache.infra:6380/2"}),
-])
-def test_deployment_derived_settings(sets: dict[str, str], want: dict[str, str],
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("sets", "want"),
+    [
+        (
+            {"watchAllNamespaces": "true"},
+            {"KVROUTE_KUBERNETES_ENABLED": "true", "KVROUTE_KUBERNETES_NAMESPACE": "*"},
+        ),
+        (
+            {"config.kubernetes_namespace": "engines"},
+            {"KVROUTE_KUBERNETES_ENABLED": "true", "KVROUTE_KUBERNETES_NAMESPACE": "engines"},
+        ),
+        ({"config.replicas[0]": "name=r0\\,url=http://10.0.0.1:8000"}, {}),
+        (
+            {"redis.enabled": "true"},
+            {
+                "KVROUTE_KUBERNETES_ENABLED": "true",
+                "KVROUTE_KUBERNETES_NAMESPACE": NAMESPACE,
+                "KVROUTE_REDIS_URL": f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0",
+            },
+        ),
+        (
+            {"redis.url": "rediss://cache.infra:6380/2"},
+            {
+                "KVROUTE_KUBERNETES_ENABLED": "true",
+                "KVROUTE_KUBERNETES_NAMESPACE": NAMESPACE,
+                "KVROUTE_REDIS_URL": "rediss://cache.infra:6380/2",
+            },
+        ),
+    ],
+)
+def test_deployment_derived_settings(
+    sets: dict[str, str], want: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the chart derives from the deployment (namespace to watch, discovery on unless static replicas are
     listed, the Redis URL of the in-chart or external Redis) reaches Settings through the explicit env."""
     objects = render(sets=sets)
@@ -189,7 +222,9 @@ def test_rendered_env_carries_overrides_of_every_type(monkeypatch: pytest.Monkey
     assert got["profiles"] == {"h20": {"prefill_tokens_per_s": 9000.5}}
     assert got["seed_model"] == "Qwen/Qwen3-8B" and got["tokenizer_path"] == "/models/qwen"
     assert [(r["name"], r["url"], r["dialect"], r["model"]) for r in got["replicas"]] == [
-        ("r0", "http://10.0.0.1:8000", "sglang", ["a", "b"]), ("r1", "http://10.0.0.2:8000", "vllm", ["m"])]
+        ("r0", "http://10.0.0.1:8000", "sglang", ["a", "b"]),
+        ("r1", "http://10.0.0.2:8000", "vllm", ["m"]),
+    ]
     assert got["replicas"][0]["events"] == "tcp://10.0.0.1:5557"
     assert got["index_max_bytes"] == 1073741824 and got["max_request_bytes"] == 100000000
     assert got["predicted_ttl_s"] == 30.5 and got["kv_events"] is False

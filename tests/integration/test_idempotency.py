@@ -23,10 +23,16 @@ def _routed(url: str) -> float:
 def test_idempotency_keys_with_redis() -> None:
     server = RedisServer().start()
     try:
-        with engines(("e0", [])) as engs, router(engs, "--redis-url", server.url, "--redis-retry-max-s", "0.5",
-                                                 "--retry-after-s", "1") as r:
+        with (
+            engines(("e0", [])) as engs,
+            router(
+                engs, "--redis-url", server.url, "--redis-retry-max-s", "0.5", "--retry-after-s", "1"
+            ) as r,
+        ):
             u, eng = r.url, engs[0]
-            wait_until(lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected")
+            wait_until(
+                lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected"
+            )
             with httpx.Client(timeout=30) as c:
                 key = {"idempotency-key": "order-1"}
                 body = completion("pay the invoice " * 6)
@@ -48,10 +54,16 @@ def test_idempotency_keys_with_redis() -> None:
                 assert c.post(eng.url + "/admin/faults", json={"stall_s": 2}).status_code == 200
                 slow: list[httpx.Response] = []
                 key2 = {"idempotency-key": "order-2"}
-                t = threading.Thread(target=lambda: slow.append(
-                    httpx.post(u + "/v1/completions", json=body, headers=key2, timeout=30)), daemon=True)
+                t = threading.Thread(
+                    target=lambda: slow.append(
+                        httpx.post(u + "/v1/completions", json=body, headers=key2, timeout=30)
+                    ),
+                    daemon=True,
+                )
                 t.start()
-                wait_until(lambda: metric(u, "kvroute_inflight_requests") == 1, timeout=5, what="first in flight")
+                wait_until(
+                    lambda: metric(u, "kvroute_inflight_requests") == 1, timeout=5, what="first in flight"
+                )
                 dup = c.post(u + "/v1/completions", json=body, headers=key2)
                 assert dup.status_code == 409 and dup.headers["retry-after"] == "1", dup.text
                 assert dup.json()["error"]["code"] == "idempotency_in_flight"
@@ -66,9 +78,17 @@ def test_idempotency_keys_with_redis() -> None:
                 s1 = c.post(u + "/v1/completions", json=completion(stream=True), headers=skey)
                 assert s1.status_code == 200 and s1.text.rstrip().endswith("data: [DONE]")
                 n = _routed(u)
-                s2 = wait_until(lambda: (x := c.post(u + "/v1/completions", json=completion(stream=True),
-                                                     headers=skey)).status_code == 200 and x, timeout=5,
-                                what="stream stored")
+                s2 = wait_until(
+                    lambda: (
+                        (
+                            x := c.post(u + "/v1/completions", json=completion(stream=True), headers=skey)
+                        ).status_code
+                        == 200
+                        and x
+                    ),
+                    timeout=5,
+                    what="stream stored",
+                )
                 assert s2.headers["idempotent-replayed"] == "true"  # type: ignore[union-attr]
                 assert s2.headers["content-type"].startswith("text/event-stream")  # type: ignore[union-attr]
                 assert s2.content == s1.content  # type: ignore[union-attr]  # the same events, byte for byte
@@ -76,15 +96,19 @@ def test_idempotency_keys_with_redis() -> None:
                 # the client leaves mid-stream: the generation ran (partly), so the key stays taken, not stored
                 assert c.post(eng.url + "/admin/faults", json={"stall_mid_stream_s": 30}).status_code == 200
                 lkey = {"idempotency-key": "stream-2"}
-                with c.stream("POST", u + "/v1/completions", json=completion("left early", stream=True),
-                              headers=lkey) as partial:
+                with c.stream(
+                    "POST", u + "/v1/completions", json=completion("left early", stream=True), headers=lkey
+                ) as partial:
                     assert partial.status_code == 200
                     next(partial.iter_raw())  # the first token arrived; now hang up
                 assert c.post(eng.url + "/admin/faults", json={"stall_mid_stream_s": 0}).status_code == 200
+
                 # until the abandoned stream's cleanup (a task) reaches Redis the key is still in flight (409
                 # idempotency_in_flight): wait for the final error code, not just the status
                 def _abandoned() -> httpx.Response | None:
-                    x = c.post(u + "/v1/completions", json=completion("left early", stream=True), headers=lkey)
+                    x = c.post(
+                        u + "/v1/completions", json=completion("left early", stream=True), headers=lkey
+                    )
                     assert x.status_code == 409, x.text  # never run again, never replayed
                     code = x.json()["error"]["code"]
                     assert code in ("idempotency_in_flight", "idempotency_stream_not_stored"), x.text
@@ -98,15 +122,27 @@ def test_idempotency_keys_with_redis() -> None:
                 failed = c.post(u + "/v1/completions", json=body, headers=fkey)
                 assert failed.status_code == 502
                 assert c.post(eng.url + "/admin/faults", json={"error_every": 0}).status_code == 200
-                retry = wait_until(lambda: (x := c.post(u + "/v1/completions", json=body, headers=fkey))
-                                   .status_code == 200 and x, timeout=5, what="key released after failure")
+                retry = wait_until(
+                    lambda: (
+                        (x := c.post(u + "/v1/completions", json=body, headers=fkey)).status_code == 200 and x
+                    ),
+                    timeout=5,
+                    what="key released after failure",
+                )
                 assert "idempotent-replayed" not in retry.headers  # type: ignore[union-attr]
 
                 # -- Redis down: keyed requests get a clear 503, the others are routed as usual --------------
                 server.stop()
-                wait_until(lambda: c.post(u + "/v1/completions", json=body,
-                                          headers={"idempotency-key": "down-1"}).status_code == 503, timeout=10,
-                           what="503 while Redis is down")
+                wait_until(
+                    lambda: (
+                        c.post(
+                            u + "/v1/completions", json=body, headers={"idempotency-key": "down-1"}
+                        ).status_code
+                        == 503
+                    ),
+                    timeout=10,
+                    what="503 while Redis is down",
+                )
                 down = c.post(u + "/v1/completions", json=body, headers={"idempotency-key": "down-2"})
                 assert down.status_code == 503 and down.json()["error"]["code"] == "idempotency_unavailable"
                 assert "Redis" in down.json()["error"]["message"] and down.headers["retry-after"] == "1"
@@ -115,12 +151,18 @@ def test_idempotency_keys_with_redis() -> None:
                 # -- Redis back (empty): the router reconnects by itself and keys work again ----------------
                 t0 = time.monotonic()
                 server.start()
-                wait_until(lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=15, what="reconnected")
+                wait_until(
+                    lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=15, what="reconnected"
+                )
                 assert time.monotonic() - t0 < 15
                 back = c.post(u + "/v1/completions", json=body, headers={"idempotency-key": "down-2"})
                 assert back.status_code == 200 and "idempotent-replayed" not in back.headers
-                assert c.post(u + "/v1/completions", json=body,
-                              headers={"idempotency-key": "down-2"}).headers.get("idempotent-replayed") == "true"
+                assert (
+                    c.post(
+                        u + "/v1/completions", json=body, headers={"idempotency-key": "down-2"}
+                    ).headers.get("idempotent-replayed")
+                    == "true"
+                )
             out = r.proc.output()
         assert "Traceback" not in out, out[-3000:]
     finally:

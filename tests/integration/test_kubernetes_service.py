@@ -21,9 +21,29 @@ def api() -> Iterator[FakeKubeAPI]:
 
 
 def _engine(port: int, events: int) -> Proc:
-    return Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(port), "--model", "m",
-                        "--dialect", "vllm", "--kv-events-format", "vllm", "--kv-events-port", str(events),
-                        "--time-scale", "0.05", "--gpu-blocks", "512", "--block-size", "16", "--seed", "1")
+    return Proc.kvroute(
+        "fake-engine",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        "m",
+        "--dialect",
+        "vllm",
+        "--kv-events-format",
+        "vllm",
+        "--kv-events-port",
+        str(events),
+        "--time-scale",
+        "0.05",
+        "--gpu-blocks",
+        "512",
+        "--block-size",
+        "16",
+        "--seed",
+        "1",
+    )
 
 
 def _replicas(url: str) -> dict[str, dict[str, object]]:
@@ -41,36 +61,72 @@ def test_router_follows_pods(api: FakeKubeAPI) -> None:
         for p in ports:
             wait_http_ok(f"http://127.0.0.1:{p}/health")
         for i, (p, e) in enumerate(zip(ports, evs, strict=True)):
-            api.add_pod(f"vllm-{i}", labels=SEL, ip="127.0.0.1",
-                        annotations={"kvroute.io/port": str(p), "kvroute.io/kv-events-port": str(e),
-                                     "kvroute.io/model": "m"})
-        router = Proc.kvroute("serve", "--host", "127.0.0.1", "--port", str(rport), "--policy", "ttft",
-                              "--tokenizer-mode", "bytes", "--kubernetes-enabled",
-                              "--kubernetes-api-host", api.url, "--kubernetes-namespace", "default",
-                              "--kubernetes-label-selector", "app=engine",
-                              "--kubernetes-resync-interval-s", "1", "--probe-interval-s", "0.3")
+            api.add_pod(
+                f"vllm-{i}",
+                labels=SEL,
+                ip="127.0.0.1",
+                annotations={
+                    "kvroute.io/port": str(p),
+                    "kvroute.io/kv-events-port": str(e),
+                    "kvroute.io/model": "m",
+                },
+            )
+        router = Proc.kvroute(
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(rport),
+            "--policy",
+            "ttft",
+            "--tokenizer-mode",
+            "bytes",
+            "--kubernetes-enabled",
+            "--kubernetes-api-host",
+            api.url,
+            "--kubernetes-namespace",
+            "default",
+            "--kubernetes-label-selector",
+            "app=engine",
+            "--kubernetes-resync-interval-s",
+            "1",
+            "--probe-interval-s",
+            "0.3",
+        )
         url = f"http://127.0.0.1:{rport}"
         wait_http_ok(url + "/readyz", timeout=30)
         reps = wait_until(lambda: len(_replicas(url)) == 2 and _replicas(url), 5.0, what="2 replicas")
         assert {n: r["index"] for n, r in reps.items()} == {"vllm-0": 0, "vllm-1": 1}  # type: ignore[union-attr]
-        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hello " * 40, "max_tokens": 4},
-                       timeout=30)
+        r = httpx.post(
+            url + "/v1/completions", json={"model": "m", "prompt": "hello " * 40, "max_tokens": 4}, timeout=30
+        )
         assert r.status_code == 200, r.text
         # /replicas shows the health bookkeeping of discovered replicas too (probes every 0.3 s)
-        health = wait_until(lambda: (h := _replicas(url)["vllm-0"]["health"]) and h["consecutive_successes"] >= 1
-                            and h, 5.0, what="vllm-0 health")
-        assert health == {"consecutive_failures": 0, "consecutive_successes": health["consecutive_successes"],
-                          "last_error": None}
+        health = wait_until(
+            lambda: (h := _replicas(url)["vllm-0"]["health"]) and h["consecutive_successes"] >= 1 and h,
+            5.0,
+            what="vllm-0 health",
+        )
+        assert health == {
+            "consecutive_failures": 0,
+            "consecutive_successes": health["consecutive_successes"],
+            "last_error": None,
+        }
 
         # an engine dies: health probes exclude it, requests keep succeeding on the other one
         engines[1].kill()
         wait_until(lambda: _replicas(url)["vllm-1"]["state"] == "unhealthy", 5.0, what="vllm-1 unhealthy")
         down = _replicas(url)["vllm-1"]["health"]
-        assert down["consecutive_failures"] >= 3 and down["consecutive_successes"] == 0, down  # unhealthy_after
+        assert down["consecutive_failures"] >= 3 and down["consecutive_successes"] == 0, (
+            down
+        )  # unhealthy_after
         assert down["last_error"], down
         for i in range(3):
-            r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": f"q{i} " * 30,
-                                                          "max_tokens": 2}, timeout=30)
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"model": "m", "prompt": f"q{i} " * 30, "max_tokens": 2},
+                timeout=30,
+            )
             assert r.status_code == 200, r.text
 
         # the pod is deleted while the watch is cut: the re-list removes it
@@ -81,8 +137,9 @@ def test_router_follows_pods(api: FakeKubeAPI) -> None:
         api.reject_watches(False)
         api.set_ready("vllm-0", False)
         wait_until(lambda: _replicas(url)["vllm-0"]["state"] == "draining", 3.0, what="vllm-0 draining")
-        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "x " * 20, "max_tokens": 2},
-                       timeout=30)
+        r = httpx.post(
+            url + "/v1/completions", json={"model": "m", "prompt": "x " * 20, "max_tokens": 2}, timeout=30
+        )
         assert r.status_code == 503
         api.set_ready("vllm-0", True)
         wait_until(lambda: _replicas(url)["vllm-0"]["state"] == "ready", 3.0, what="vllm-0 ready")

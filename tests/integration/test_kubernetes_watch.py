@@ -21,10 +21,14 @@ def api() -> Iterator[FakeKubeAPI]:
 
 
 def _watcher(api: FakeKubeAPI, table: ReplicaTable, **kw: object) -> PodWatcher:
-    opts = KubernetesOptions(api_host=api.url, namespace=kw.pop("namespace", "default"),  # type: ignore[arg-type]
-                             label_selector=kw.pop("label_selector", "app=engine"),  # type: ignore[arg-type]
-                             resync_interval_s=kw.pop("resync_interval_s", 30.0),  # type: ignore[arg-type]
-                             backoff_initial_s=0.05, backoff_max_s=0.2)
+    opts = KubernetesOptions(
+        api_host=api.url,
+        namespace=kw.pop("namespace", "default"),  # type: ignore[arg-type]
+        label_selector=kw.pop("label_selector", "app=engine"),  # type: ignore[arg-type]
+        resync_interval_s=kw.pop("resync_interval_s", 30.0),  # type: ignore[arg-type]
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+    )
     return PodWatcher(table, opts, **kw).start()  # type: ignore[arg-type]
 
 
@@ -63,8 +67,11 @@ def test_lifecycle_reflected_within_2s(api: FakeKubeAPI) -> None:
         changed: list[str] = []
         table.on_change(lambda r: changed.append(r.url))
         api.set_ip("vllm-1", "10.1.0.9")
-        wait_until(lambda: table.get("vllm-1") is not None and table.get("vllm-1").url == "http://10.1.0.9:8000",  # type: ignore[union-attr]
-                   2.0, what="ip change")
+        wait_until(
+            lambda: table.get("vllm-1") is not None and table.get("vllm-1").url == "http://10.1.0.9:8000",  # type: ignore[union-attr]
+            2.0,
+            what="ip change",
+        )
         rep1 = table.get("vllm-1")
         assert rep1 is not None and rep1.index == 1 and rep1.kv_events_endpoint == "tcp://10.1.0.9:5557"
         assert "http://10.1.0.9:8000" in changed
@@ -193,13 +200,25 @@ def test_statefulset_ordinals_survive_restarts(api: FakeKubeAPI) -> None:
 
 
 def test_all_namespaces_annotations_and_health_gate(api: FakeKubeAPI) -> None:
-    ann = {"kvroute.io/model": "Qwen/Qwen3-8B", "kvroute.io/port": "9000", "kvroute.io/role": "prefill",
-           "kvroute.io/kv-events-port": "6000", "kvroute.io/kv-replay-port": "6001",
-           "kvroute.io/kv-topic": "kv@{ip}@{model}", "kvroute.io/metrics-path": "stats"}
-    api.add_pod("sg-0", "team-a", labels={"kvroute.io/engine": "sglang", "app": "engine"}, annotations=ann,
-                ip="10.7.0.1")
-    api.add_pod("vllm-1", "team-b", labels=SEL, annotations={"kvroute.io/kv-events-port": "off"},
-                ip="10.7.0.2")
+    ann = {
+        "kvroute.io/model": "Qwen/Qwen3-8B",
+        "kvroute.io/port": "9000",
+        "kvroute.io/role": "prefill",
+        "kvroute.io/kv-events-port": "6000",
+        "kvroute.io/kv-replay-port": "6001",
+        "kvroute.io/kv-topic": "kv@{ip}@{model}",
+        "kvroute.io/metrics-path": "stats",
+    }
+    api.add_pod(
+        "sg-0",
+        "team-a",
+        labels={"kvroute.io/engine": "sglang", "app": "engine"},
+        annotations=ann,
+        ip="10.7.0.1",
+    )
+    api.add_pod(
+        "vllm-1", "team-b", labels=SEL, annotations={"kvroute.io/kv-events-port": "off"}, ip="10.7.0.2"
+    )
     unhealthy = {"team-b/vllm-1"}
     table = ReplicaTable()
     w = _watcher(api, table, namespace="*", is_healthy=lambda n: n not in unhealthy)
@@ -234,8 +253,12 @@ def test_stop_is_prompt_with_open_watch(api: FakeKubeAPI) -> None:
 
 def test_pd_role_follows_the_pod_label(api: FakeKubeAPI) -> None:
     """A role is a membership fact: relabelling a pod's ``llm-d.ai/role`` changes the replica's role."""
-    api.add_pod("sgl-0", labels={**SEL, "llm-d.ai/role": "prefill"},
-                annotations={"sglang.ai/bootstrap-port": "9100"}, ip="10.6.0.1")
+    api.add_pod(
+        "sgl-0",
+        labels={**SEL, "llm-d.ai/role": "prefill"},
+        annotations={"sglang.ai/bootstrap-port": "9100"},
+        ip="10.6.0.1",
+    )
     table = ReplicaTable()
     w = _watcher(api, table)
     try:
@@ -243,7 +266,9 @@ def test_pd_role_follows_the_pod_label(api: FakeKubeAPI) -> None:
         rep = table.get("sgl-0")
         assert rep is not None and rep.role == "prefill" and rep.bootstrap_port == 9100
         api.set_labels("sgl-0", {**SEL, "llm-d.ai/role": "decode"})
-        wait_until(lambda: (r := table.get("sgl-0")) is not None and r.role == "decode", 2.0, what="relabelled")
+        wait_until(
+            lambda: (r := table.get("sgl-0")) is not None and r.role == "decode", 2.0, what="relabelled"
+        )
         api.set_labels("sgl-0", {**SEL, "llm-d.ai/role": "encode"})
         wait_until(lambda: _state(table, "sgl-0") == ReplicaState.DRAINING, 2.0, what="encoder not routable")
     finally:

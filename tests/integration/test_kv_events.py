@@ -63,21 +63,31 @@ def matched(index: PrefixIndex, keys: list[int], replica: int = 0) -> int:
     return m.blocks if m else 0
 
 
-async def make_rig(fmt: str = "vllm", replay: bool = True, faults: Faults | None = None,
-                   config: KVEventsConfig | None = None) -> Rig:
+async def make_rig(
+    fmt: str = "vllm", replay: bool = True, faults: Faults | None = None, config: KVEventsConfig | None = None
+) -> Rig:
     p = free_port()
     r = free_port() if replay else None
-    pub = KVEventPublisher(fmt, f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}" if r else None, topic="kv",
-                           faults=faults)
+    pub = KVEventPublisher(
+        fmt, f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}" if r else None, topic="kv", faults=faults
+    )
     pub.start()
     index = PrefixIndex(block_size=BS)
-    sub = KVEventSubscriber(index, config=config or KVEventsConfig(replay_idle_timeout_s=0.5,
-                                                                   replay_total_timeout_s=2.0,
-                                                                   orphan_replay_interval_s=0.2,
-                                                                   degraded_retry_s=0.3, poll_interval_s=0.02))
+    sub = KVEventSubscriber(
+        index,
+        config=config
+        or KVEventsConfig(
+            replay_idle_timeout_s=0.5,
+            replay_total_timeout_s=2.0,
+            orphan_replay_interval_s=0.2,
+            degraded_retry_s=0.3,
+            poll_interval_s=0.02,
+        ),
+    )
     await sub.start()
-    await sub.add_replica(FeedSpec(0, "r0", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}" if r else None, "kv",
-                                   MODEL))
+    await sub.add_replica(
+        FeedSpec(0, "r0", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}" if r else None, "kv", MODEL)
+    )
     return Rig(pub, sub, index)
 
 
@@ -88,11 +98,18 @@ async def connect(rig: Rig) -> None:
         assert time.monotonic() < deadline, "subscriber never received a batch"
         rig.pub.publish([PubCleared()])
         await asyncio.sleep(0.05)
-    await until(lambda: rig.sub.stats()["replicas"]["r0"]["last_seq"] == rig.pub.next_seq - 1, what="catch up")
+    await until(
+        lambda: rig.sub.stats()["replicas"]["r0"]["last_seq"] == rig.pub.next_seq - 1, what="catch up"
+    )
 
 
-async def connected_rig(rigs: list[Rig], fmt: str = "vllm", replay: bool = True, faults: Faults | None = None,
-                        config: KVEventsConfig | None = None) -> Rig:
+async def connected_rig(
+    rigs: list[Rig],
+    fmt: str = "vllm",
+    replay: bool = True,
+    faults: Faults | None = None,
+    config: KVEventsConfig | None = None,
+) -> Rig:
     """``make_rig``, registered in ``rigs`` (stopped after the test) and connected."""
     rig = await make_rig(fmt, replay, faults, config)
     rigs.append(rig)
@@ -191,9 +208,16 @@ async def test_restart_that_lands_on_a_gap_is_detected_by_replay_continuity(rigs
     rig.pub.publish([PubStored(hs2, None, toks2, BS)])
     rig.pub.faults.drop_every = 0
     rig.pub.publish([PubCleared()])
-    await until(lambda: rig.totals()["notes"].get("restart_detected_by_replay", 0) >= 1, what="continuity check")
-    await until(lambda: matched(rig.index, keys2) == 0 and rig.sub.stats()["replicas"]["r0"]["last_seq"]
-                == rig.pub.next_seq - 1, what="resynced")
+    await until(
+        lambda: rig.totals()["notes"].get("restart_detected_by_replay", 0) >= 1, what="continuity check"
+    )
+    await until(
+        lambda: (
+            matched(rig.index, keys2) == 0
+            and rig.sub.stats()["replicas"]["r0"]["last_seq"] == rig.pub.next_seq - 1
+        ),
+        what="resynced",
+    )
     assert matched(rig.index, keys) == 0
 
 
@@ -301,8 +325,9 @@ async def test_late_join_live_batch_first_replays_from_zero(rigs: list[Rig]) -> 
     assert t["events"]["BlockStored"] == 2  # each batch counted once, however often it was replayed
 
 
-async def _replace_publisher(rig: Rig, faults: Faults | None = None, same_engine: bool = False,
-                            start: bool = True) -> KVEventPublisher:
+async def _replace_publisher(
+    rig: Rig, faults: Faults | None = None, same_engine: bool = False, start: bool = True
+) -> KVEventPublisher:
     """Stop the rig's publisher, wait until the subscriber sees the disconnect, and put a new one on the same
     addresses: a restarted engine (sequence and replay buffer start empty) or, ``same_engine``, the same engine
     process coming back (its buffer and sequence kept). ``start=False`` leaves it unbound (publish first)."""
@@ -440,12 +465,23 @@ async def test_unreplayable_gap_clears_instead_of_keeping_stale_blocks(rigs: lis
     assert rig.totals()["notes"].get("replay_hole") == 1
 
 
-def _raw_stored(hashes: list[int], parent: int | None, toks: list[int], group: int = 0,
-                extra: list[object] | None = None) -> dict[str, object]:
+def _raw_stored(
+    hashes: list[int], parent: int | None, toks: list[int], group: int = 0, extra: list[object] | None = None
+) -> dict[str, object]:
     """A vLLM 0.33 ``BlockStored`` map with a chosen KV-cache group and ``extra_keys``."""
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": toks,
-            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": extra,
-            "group_idx": group, "kv_cache_spec_kind": "full_attention"}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": toks,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": extra,
+        "group_idx": group,
+        "kv_cache_spec_kind": "full_attention",
+    }
 
 
 def _raw_batch(*events: dict[str, object]) -> bytes:
@@ -457,8 +493,11 @@ async def test_parent_dropped_by_the_kv_group_filter_triggers_no_replay(rigs: li
     orphan to replay the whole buffer for."""
     rig = await connected_rig(rigs, "vllm")
     toks, hs, keys = chain(2)
-    rig.pub.publish_payload(_raw_batch(_raw_stored(hs[:1], None, toks[:16], group=1),
-                                       _raw_stored(hs[1:], hs[0], toks[16:], group=0)))
+    rig.pub.publish_payload(
+        _raw_batch(
+            _raw_stored(hs[:1], None, toks[:16], group=1), _raw_stored(hs[1:], hs[0], toks[16:], group=0)
+        )
+    )
     await until(lambda: rig.totals()["notes"].get("orphan_parent_dropped") == 1, what="child seen")
     rig.pub.publish([PubCleared()])
     last = rig.pub.next_seq - 1
@@ -492,7 +531,11 @@ async def test_absurd_sequence_jump_is_bounded_in_the_counters(rigs: list[Rig]) 
     rig.pub.publish([PubStored(hs, None, toks, BS)])
     await until(lambda: matched(rig.index, keys) == 1, what="batch after the jump applied")
     t = rig.totals()
-    assert t["missing_batches"] <= missing + 1 and t["notes"].get("sequence_jump_too_large") == 1 and t["restarts"] == 1
+    assert (
+        t["missing_batches"] <= missing + 1
+        and t["notes"].get("sequence_jump_too_large") == 1
+        and t["restarts"] == 1
+    )
 
 
 def _big_batch(fmt: str, chains: int, pages: int) -> tuple[bytes, list[list[int]]]:
@@ -537,8 +580,13 @@ async def test_a_large_batch_does_not_block_the_event_loop(rigs: list[Rig]) -> N
 
 async def test_replay_over_its_byte_budget_fails_counted_and_degrades(rigs: list[Rig]) -> None:
     """Issue 24 item 5: a replay bringing more than replay_max_bytes is cut, counted and the replica degraded."""
-    cfg = KVEventsConfig(replay_idle_timeout_s=0.5, replay_total_timeout_s=2.0, degraded_retry_s=30.0,
-                         poll_interval_s=0.02, replay_max_bytes=20_000)
+    cfg = KVEventsConfig(
+        replay_idle_timeout_s=0.5,
+        replay_total_timeout_s=2.0,
+        degraded_retry_s=30.0,
+        poll_interval_s=0.02,
+        replay_max_bytes=20_000,
+    )
     rig = await connected_rig(rigs, "vllm", config=cfg)
     toks, hs, keys = await store_chain(rig, 2)
     big, _ = _big_batch("vllm", 4, 64)  # ~ 13 KB each, only in the replay buffer
@@ -546,7 +594,9 @@ async def test_replay_over_its_byte_budget_fails_counted_and_degrades(rigs: list
     rig.pub.publish_payload(big)
     rig.pub.publish_payload(big)
     rig.pub.faults.drop_every = 0
-    rig.pub.publish([PubRemoved([12345])])  # the gap is seen: the replay from our last batch exceeds the budget
+    rig.pub.publish(
+        [PubRemoved([12345])]
+    )  # the gap is seen: the replay from our last batch exceeds the budget
     await until(lambda: rig.totals()["replays"].get("gap:too_large") == 1, what="replay cut")
     await until(lambda: rig.sub.degraded(0), what="degraded")
     assert rig.totals()["replay_bytes"] <= 20_000 + len(big)
@@ -555,8 +605,13 @@ async def test_replay_over_its_byte_budget_fails_counted_and_degrades(rigs: list
 async def test_message_over_the_size_limit_is_dropped_by_zmq_and_the_feed_goes_on(rigs: list[Rig]) -> None:
     """Issue 24 item 5: ZMQ MAXMSGSIZE on the SUB socket; the oversized batch is never buffered or applied, the
     replica is cleared and degraded (its events are incomplete), later batches are applied."""
-    cfg = KVEventsConfig(replay_idle_timeout_s=0.5, replay_total_timeout_s=2.0, degraded_retry_s=30.0,
-                         poll_interval_s=0.02, max_message_bytes=50_000)
+    cfg = KVEventsConfig(
+        replay_idle_timeout_s=0.5,
+        replay_total_timeout_s=2.0,
+        degraded_retry_s=30.0,
+        poll_interval_s=0.02,
+        max_message_bytes=50_000,
+    )
     rig = await connected_rig(rigs, "vllm", config=cfg)
     big, big_keys = _big_batch("vllm", 4, 256)  # ~ 90 KB
     assert len(big) > 50_000
@@ -582,9 +637,14 @@ class _MetricsPage:
         self.url = self.server.url
 
     def _answer(self, path: str) -> tuple[int, str, bytes]:
-        return 200, "text/plain; version=0.0.4", (
-            f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {self.start}\n"
-            "vllm:num_requests_waiting 0.0\nvllm:num_requests_running 0.0\n").encode()
+        return (
+            200,
+            "text/plain; version=0.0.4",
+            (
+                f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {self.start}\n"
+                "vllm:num_requests_waiting 0.0\nvllm:num_requests_running 0.0\n"
+            ).encode(),
+        )
 
     def close(self) -> None:
         self.server.close()

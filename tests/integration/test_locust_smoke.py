@@ -25,11 +25,33 @@ def test_locust_replay_writes_ttft_csv(tmp_path):
     engine = EngineOptions(time_scale=0.05, model_path=str(ensure_model_dir()), kv_events_format=None)
     with Fleet(1, engine, log_dir=tmp_path / "logs", keep_logs=True) as fleet:
         fleet.start_engines()
-        cmd = [*_locust(), "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless", "-u", "1", "-r", "1",
-               "--host", fleet.engines[0].url, "--run-time", "60s", "--only-summary",
-               "--workload", "agent", "--trace-duration-s", "30", "--time-scale", "0.2",
-               "--max-output-tokens", "8", "--replay-csv", str(tmp_path / "replay.csv"),
-               "--csv", str(tmp_path / "locust")]
+        cmd = [
+            *_locust(),
+            "-f",
+            str(REPO / "loadtest" / "locustfile.py"),
+            "--headless",
+            "-u",
+            "1",
+            "-r",
+            "1",
+            "--host",
+            fleet.engines[0].url,
+            "--run-time",
+            "60s",
+            "--only-summary",
+            "--workload",
+            "agent",
+            "--trace-duration-s",
+            "30",
+            "--time-scale",
+            "0.2",
+            "--max-output-tokens",
+            "8",
+            "--replay-csv",
+            str(tmp_path / "replay.csv"),
+            "--csv",
+            str(tmp_path / "locust"),
+        ]
         proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

@@ -31,8 +31,10 @@ from tests.helpers import Proc, free_port, wait_http_ok, wait_until
 from tests.redis_server import RedisServer
 
 NAMES = ["alpha", "bravo", "charlie", "delta"]  # no StatefulSet ordinals: indices come from the registry
-WORDS = ("kv cache prefix block route replica token prompt engine batch queue decode prefill tier gpu cpu "
-         "disk remote hash event session model latency throughput").split()
+WORDS = (
+    "kv cache prefix block route replica token prompt engine batch queue decode prefill tier gpu cpu "
+    "disk remote hash event session model latency throughput"
+).split()
 
 
 @dataclass
@@ -49,10 +51,31 @@ def fleet() -> Iterator[Fleet]:
         engines: dict[str, tuple[int, int]] = {}
         for i, name in enumerate(NAMES):
             port, ev = free_port(), free_port()
-            stack.enter_context(Proc.kvroute(
-                "fake-engine", "--host", "127.0.0.1", "--port", str(port), "--model", "m", "--dialect", "vllm",
-                "--kv-events-format", "vllm", "--kv-events-port", str(ev), "--time-scale", "0.02",
-                "--gpu-blocks", "8192", "--block-size", "16", "--seed", str(i)))
+            stack.enter_context(
+                Proc.kvroute(
+                    "fake-engine",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--model",
+                    "m",
+                    "--dialect",
+                    "vllm",
+                    "--kv-events-format",
+                    "vllm",
+                    "--kv-events-port",
+                    str(ev),
+                    "--time-scale",
+                    "0.02",
+                    "--gpu-blocks",
+                    "8192",
+                    "--block-size",
+                    "16",
+                    "--seed",
+                    str(i),
+                )
+            )
             engines[name] = (port, ev)
         for port, _ in engines.values():
             wait_http_ok(f"http://127.0.0.1:{port}/health", timeout=30)
@@ -60,8 +83,9 @@ def fleet() -> Iterator[Fleet]:
 
 
 @contextmanager
-def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int = 3,
-            extra: tuple[str, ...] = ()) -> Iterator[list[str]]:
+def routers(
+    f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int = 3, extra: tuple[str, ...] = ()
+) -> Iterator[list[str]]:
     """Start ``n`` routers sharing Redis; each lists the replicas in a different order.
 
     Each router is checked to be ours once ready (alive, serving exactly our replicas): on a shared machine the
@@ -71,13 +95,29 @@ def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int =
     with ExitStack() as stack:
 
         def start(k: int) -> tuple[Proc, str]:
-            order = NAMES[k % len(NAMES):] + NAMES[:k % len(NAMES)]
-            args = ["serve", "--host", "127.0.0.1", "--port", str(port := free_port()), "--policy", "ttft",
-                    "--tokenizer-mode", "bytes", "--redis-url", redis_url, "--probe-interval-s", "0.5",
-                    "--scrape-interval-s", "0.2",
-                    "--broadcast-decisions" if broadcast else "--no-broadcast-decisions",
-                    "--kv-events" if events else "--no-kv-events",
-                    "--predict-mode", "auto" if events else "always", *extra]
+            order = NAMES[k % len(NAMES) :] + NAMES[: k % len(NAMES)]
+            args = [
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port := free_port()),
+                "--policy",
+                "ttft",
+                "--tokenizer-mode",
+                "bytes",
+                "--redis-url",
+                redis_url,
+                "--probe-interval-s",
+                "0.5",
+                "--scrape-interval-s",
+                "0.2",
+                "--broadcast-decisions" if broadcast else "--no-broadcast-decisions",
+                "--kv-events" if events else "--no-kv-events",
+                "--predict-mode",
+                "auto" if events else "always",
+                *extra,
+            ]
             for name in order:
                 p, ev = f.engines[name]
                 spec = f"name={name},url=http://127.0.0.1:{p},dialect=vllm,model=m"
@@ -94,8 +134,11 @@ def routers(f: Fleet, redis_url: str, *, events: bool, broadcast: bool, n: int =
 
         def serving(proc: Proc, url: str) -> bool:
             """Wait until the router at ``url`` is ready; False when its port was taken by another process."""
-            wait_until(lambda: lost_port(proc) or httpx.get(url + "/readyz", timeout=2).status_code == 200,
-                       timeout=40, what=f"router {url} ready")
+            wait_until(
+                lambda: lost_port(proc) or httpx.get(url + "/readyz", timeout=2).status_code == 200,
+                timeout=40,
+                what=f"router {url} ready",
+            )
             if lost_port(proc):
                 return False
             reps = httpx.get(url + "/replicas", timeout=5).json()["replicas"]
@@ -151,8 +194,9 @@ def _idle(decision: dict[str, Any]) -> bool:
 
 def _view(decision: dict[str, Any]) -> str:
     """What a router knows of a prompt: matched tokens per tier, per replica name (canonical JSON)."""
-    return json.dumps(sorted((c["name"], c["matched_tokens"]) for c in decision.get("candidates", [])),
-                      sort_keys=True)
+    return json.dumps(
+        sorted((c["name"], c["matched_tokens"]) for c in decision.get("candidates", [])), sort_keys=True
+    )
 
 
 def _picks(client: httpx.Client, urls: list[str], body: dict[str, Any]) -> tuple[list[str], bool, list[str]]:
@@ -172,8 +216,9 @@ def _picks(client: httpx.Client, urls: list[str], body: dict[str, Any]) -> tuple
     return picks, idle, views
 
 
-def _settle(client: httpx.Client, urls: list[str], body: dict[str, Any], settle_key: str | None,
-            settle_s: float = 3.0) -> None:
+def _settle(
+    client: httpx.Client, urls: list[str], body: dict[str, Any], settle_key: str | None, settle_s: float = 3.0
+) -> None:
     """Wait (<= ``settle_s`` seconds each) until every router sees an idle fleet and, with ``settle_key``, the
     same index stats. Not settling in time is not an error here: the agreement measured afterwards shows it."""
     deadline = time.monotonic() + settle_s
@@ -183,14 +228,26 @@ def _settle(client: httpx.Client, urls: list[str], body: dict[str, Any], settle_
         time.sleep(0.05)
     if settle_key is not None:
         try:
-            wait_until(lambda: len({json.dumps(_stats_key(u, settle_key), sort_keys=True) for u in urls}) == 1,
-                       settle_s, interval=0.02, what="routers in sync")
+            wait_until(
+                lambda: len({json.dumps(_stats_key(u, settle_key), sort_keys=True) for u in urls}) == 1,
+                settle_s,
+                interval=0.02,
+                what="routers in sync",
+            )
         except AssertionError:
             pass
 
 
-def run_agreement(urls: list[str], seed: int, *, settle_key: str | None, redis: RedisServer | None = None,
-                  sessions: int = 12, turns: int = 4, settle_s: float = 3.0) -> dict[str, Any]:
+def run_agreement(
+    urls: list[str],
+    seed: int,
+    *,
+    settle_key: str | None,
+    redis: RedisServer | None = None,
+    sessions: int = 12,
+    turns: int = 4,
+    settle_s: float = 3.0,
+) -> dict[str, Any]:
     """Send the workload turn by turn; measure how often the three routers agree on the next turn.
 
     Each turn of every session is sent concurrently (turn ``k`` of session ``s`` through router ``(s + k) % 3``,
@@ -210,7 +267,9 @@ def run_agreement(urls: list[str], seed: int, *, settle_key: str | None, redis: 
         for k in range(turns):
             if k > 0:
                 for turns_s in prompts:
-                    picks, _, views = _picks(client, urls, {"model": "m", "prompt": turns_s[k], "max_tokens": 2})
+                    picks, _, views = _picks(
+                        client, urls, {"model": "m", "prompt": turns_s[k], "max_tokens": 2}
+                    )
                     agree += len(set(picks)) == 1
                     same_views += len(set(views)) == 1
                     probes += 1
@@ -237,10 +296,16 @@ def run_agreement(urls: list[str], seed: int, *, settle_key: str | None, redis: 
     names = {str(v): k for k, v in _indices(urls[0]).items()}
     per_replica = {names.get(str(i), str(i)): sum(t.values()) for i, t in (stats.get("blocks") or {}).items()}
     predicted = {names.get(str(i), str(i)): n for i, n in (stats.get("predicted_blocks") or {}).items()}
-    return {"requests": len(prompts) * turns, "probes": probes, "agreement": agree / max(1, probes),
-            "views_agreement": same_views / max(1, probes), "failures": failures, "errors": errors[:5],
-            "router0_blocks_per_replica": per_replica,
-            "router0_predicted_blocks_per_replica": predicted}
+    return {
+        "requests": len(prompts) * turns,
+        "probes": probes,
+        "agreement": agree / max(1, probes),
+        "views_agreement": same_views / max(1, probes),
+        "failures": failures,
+        "errors": errors[:5],
+        "router0_blocks_per_replica": per_replica,
+        "router0_predicted_blocks_per_replica": predicted,
+    }
 
 
 def measure(seed: int = 7) -> dict[str, Any]:
@@ -302,8 +367,10 @@ def test_predicted_mode_agreement_broadcast_on_vs_off(redis_fleet: tuple[RedisSe
         on = run_agreement(urls, seed=12, settle_key="predicted_blocks", turns=3, settle_s=30.0)
     with routers(f, redis.url, events=False, broadcast=False, extra=TOLERANT_HEALTH) as urls:
         off = run_agreement(urls, seed=12, settle_key=None, turns=3)
-    print(f"\npredicted-mode agreement: broadcast on {on['agreement']:.3f} (views {on['views_agreement']:.3f}), "
-          f"off {off['agreement']:.3f} (views {off['views_agreement']:.3f})")
+    print(
+        f"\npredicted-mode agreement: broadcast on {on['agreement']:.3f} (views {on['views_agreement']:.3f}), "
+        f"off {off['agreement']:.3f} (views {off['views_agreement']:.3f})"
+    )
     assert on["failures"] == 0 and off["failures"] == 0, (on["errors"], off["errors"])
     assert off["probes"] == on["probes"] == 24
     assert off["views_agreement"] == 0.0, off
@@ -318,8 +385,13 @@ def test_redis_killed_and_restarted_during_traffic(redis_fleet: tuple[RedisServe
         assert res["failures"] == 0, res  # no request fails because Redis went away
         assert redis.alive()
         # the routers noticed the outage and reconnected
-        wait_until(lambda: all("kvroute_redis_available 1.0" in httpx.get(u + "/metrics", timeout=5).text
-                               for u in urls), 15.0, what="routers reconnected to Redis")
+        wait_until(
+            lambda: all(
+                "kvroute_redis_available 1.0" in httpx.get(u + "/metrics", timeout=5).text for u in urls
+            ),
+            15.0,
+            what="routers reconnected to Redis",
+        )
         metrics = httpx.get(urls[0] + "/metrics", timeout=5).text
         lines = [ln for ln in metrics.splitlines() if ln.startswith(("kvroute_redis", "kvroute_shared"))]
         assert "kvroute_redis_reconnects_total 1.0" in lines, lines
@@ -342,8 +414,11 @@ def test_session_affinity_shared_between_routers(redis_fleet: tuple[RedisServer,
         def post(url: str, prompt: str, sid: str | None = None, max_tokens: int = 2) -> str:
             headers = {"x-session-id": sid} if sid else {}
             with httpx.Client(timeout=30) as c:
-                r = c.post(url + "/v1/completions", headers=headers,
-                           json={"model": "m", "prompt": prompt, "max_tokens": max_tokens})
+                r = c.post(
+                    url + "/v1/completions",
+                    headers=headers,
+                    json={"model": "m", "prompt": prompt, "max_tokens": max_tokens},
+                )
             assert r.status_code == 200, r.text
             return str(r.headers["x-kvroute-replica"])
 
@@ -352,8 +427,13 @@ def test_session_affinity_shared_between_routers(redis_fleet: tuple[RedisServer,
         sids = [f"s{i}" for i in range(8)]
         firsts = [words(40) + f" {i}" for i in range(8)]
         with ThreadPoolExecutor(8) as pool:
-            pinned = dict(zip(sids, pool.map(lambda i: post(urls[i % 2], firsts[i], sids[i], 400), range(8)),
-                              strict=True))
+            pinned = dict(
+                zip(
+                    sids,
+                    pool.map(lambda i: post(urls[i % 2], firsts[i], sids[i], 400), range(8)),
+                    strict=True,
+                )
+            )
         # 2. a long shared prompt is cached (predicted) on one replica, known to both routers
         shared = words(300)
         hot = post(urls[0], shared)

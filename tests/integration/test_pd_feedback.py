@@ -27,16 +27,26 @@ def test_prefill_leg_calibrates_pd_ttft_toward_the_measured_rate() -> None:
     fleet = Fleet(2, opts, roles=pd_roles(1, 1))
     try:
         fleet.start_engines()
-        fleet.start_kvroute("ttft", extra_args=[
-            *scaled_profile_args("a100", 0.25 / 4), "--pd-policy", "pd_ttft", "--pd-policy-params",
-            json.dumps({"decode_prefills": False, "calibration_min_samples": 3})])
+        fleet.start_kvroute(
+            "ttft",
+            extra_args=[
+                *scaled_profile_args("a100", 0.25 / 4),
+                "--pd-policy",
+                "pd_ttft",
+                "--pd-policy-params",
+                json.dumps({"decode_prefills": False, "calibration_min_samples": 3}),
+            ],
+        )
         assert fleet.router is not None
         router = fleet.router.url
         probe = [11 + (i * 17) % 9000 for i in range(4000)]
         before = _prefill_terms(router, probe)
         for k in range(8):  # distinct prompts: each prefill leg computes its whole prompt
-            body = {"model": "kvroute-fake", "prompt": [3 + k + (i * 31) % 9000 for i in range(4000)],
-                    "max_tokens": 1}
+            body = {
+                "model": "kvroute-fake",
+                "prompt": [3 + k + (i * 31) % 9000 for i in range(4000)],
+                "max_tokens": 1,
+            }
             r = httpx.post(router + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 200, r.text
             assert r.headers.get("x-kvroute-prefill-replica"), "served disaggregated"

@@ -25,16 +25,38 @@ from tests.helpers import metric, wait_until
 PROMPT = [1000 + (i * 7) % 5000 for i in range(600)]  # token ids: no tokenizer involved
 
 
-def _fleet(dialect: str, protocol: str | None, *, time_scale: float = 0.01, dp: int = 1, prefill: int = 1,
-           decode: int = 1) -> Fleet:
-    opts = EngineOptions(dialect=dialect, kv_events_format="sglang" if dialect == "sglang" else "vllm",
-                         time_scale=time_scale, pd_protocol=protocol, data_parallel_size=dp)
+def _fleet(
+    dialect: str,
+    protocol: str | None,
+    *,
+    time_scale: float = 0.01,
+    dp: int = 1,
+    prefill: int = 1,
+    decode: int = 1,
+) -> Fleet:
+    opts = EngineOptions(
+        dialect=dialect,
+        kv_events_format="sglang" if dialect == "sglang" else "vllm",
+        time_scale=time_scale,
+        pd_protocol=protocol,
+        data_parallel_size=dp,
+    )
     fleet = Fleet(prefill + decode, opts, roles=pd_roles(prefill, decode))
     try:
         fleet.start_engines()
-        fleet.start_kvroute("ttft", extra_args=["--pd-policy", "pd_ttft", "--pd-policy-params",
-                                                "decode_prefills=false", "--max-retries", "1",
-                                                "--pd-protocol", protocol or "auto"])
+        fleet.start_kvroute(
+            "ttft",
+            extra_args=[
+                "--pd-policy",
+                "pd_ttft",
+                "--pd-policy-params",
+                "decode_prefills=false",
+                "--max-retries",
+                "1",
+                "--pd-protocol",
+                protocol or "auto",
+            ],
+        )
     except BaseException:
         fleet.stop()
         raise
@@ -64,13 +86,24 @@ def _url(fleet: Fleet) -> str:
     return fleet.router.url
 
 
-def _body(chat: bool, stream: bool, prompt: list[int] | None = None, max_tokens: int = 4) -> tuple[str, dict[str, Any]]:
+def _body(
+    chat: bool, stream: bool, prompt: list[int] | None = None, max_tokens: int = 4
+) -> tuple[str, dict[str, Any]]:
     ids = prompt or PROMPT
     if chat:
         text = " ".join(f"w{t}" for t in ids[:300])
-        return "/v1/chat/completions", {"model": "kvroute-fake", "messages": [{"role": "user", "content": text}],
-                                        "max_tokens": max_tokens, "stream": stream}
-    return "/v1/completions", {"model": "kvroute-fake", "prompt": ids, "max_tokens": max_tokens, "stream": stream}
+        return "/v1/chat/completions", {
+            "model": "kvroute-fake",
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
+    return "/v1/completions", {
+        "model": "kvroute-fake",
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
 
 
 def _quiet(fleet: Fleet) -> None:
@@ -79,10 +112,15 @@ def _quiet(fleet: Fleet) -> None:
     A plan from ``/route`` predicts the served plan only for the same router state; right after an answer the
     router may still hold a scrape taken while the previous request ran (or a stream's decode hold), which the
     next scrape, a few ms later, clears."""
+
     def idle() -> bool:
         reps = httpx.get(_url(fleet) + "/replicas", timeout=5).json()["replicas"]
-        return all(r["load"]["inflight_requests"] == 0 and not r["load"]["queued_requests"]
-                   and not r["load"]["running_requests"] for r in reps)
+        return all(
+            r["load"]["inflight_requests"] == 0
+            and not r["load"]["queued_requests"]
+            and not r["load"]["running_requests"]
+            for r in reps
+        )
 
     wait_until(idle, timeout=10, what="the router to see every replica idle")
 
@@ -133,13 +171,21 @@ def test_vllm_relay_served_as_planned(vllm_fleet: Fleet, chat: bool, stream: boo
     path, body = _body(chat, stream)
     plan = _route(vllm_fleet, path, body)
     p_url, d_url = _engine(vllm_fleet, plan["prefill"]["name"]), _engine(vllm_fleet, plan["decode"]["name"])
-    before = (metric(p_url, "fake_pd_requests_total", leg="prefill"), metric(d_url, "fake_pd_handoffs_total"),
-              metric(d_url, "fake_dp_rank_requests_total", rank=str(plan["dp_rank"])))
+    before = (
+        metric(p_url, "fake_pd_requests_total", leg="prefill"),
+        metric(d_url, "fake_pd_handoffs_total"),
+        metric(d_url, "fake_dp_rank_requests_total", rank=str(plan["dp_rank"])),
+    )
     r, _ = _serve(vllm_fleet, path, body)
     _check_served_as_planned(vllm_fleet, plan, r, stream)
     assert metric(p_url, "fake_pd_requests_total", leg="prefill") == before[0] + 1
-    assert metric(d_url, "fake_pd_handoffs_total") == before[1] + 1  # the KV arrived: relayed params were right
-    assert plan["dp_rank"] in (0, 1)  # the decode engine has 2 DP ranks: the plan pins one, the header carries it
+    assert (
+        metric(d_url, "fake_pd_handoffs_total") == before[1] + 1
+    )  # the KV arrived: relayed params were right
+    assert plan["dp_rank"] in (
+        0,
+        1,
+    )  # the decode engine has 2 DP ranks: the plan pins one, the header carries it
     assert metric(d_url, "fake_dp_rank_requests_total", rank=str(plan["dp_rank"])) == before[2] + 1
     _wire_clean(vllm_fleet)
     router = _url(vllm_fleet)
@@ -153,10 +199,15 @@ def test_sglang_bootstrap_served_as_planned(sglang_fleet: Fleet) -> None:
         plan = _route(sglang_fleet, path, body)
         d_url = _engine(sglang_fleet, plan["decode"]["name"])
         p_url = _engine(sglang_fleet, plan["prefill"]["name"])
-        before = metric(d_url, "fake_pd_handoffs_total"), metric(p_url, "fake_pd_requests_total", leg="prefill")
+        before = (
+            metric(d_url, "fake_pd_handoffs_total"),
+            metric(p_url, "fake_pd_requests_total", leg="prefill"),
+        )
         r, _ = _serve(sglang_fleet, path, body)
         _check_served_as_planned(sglang_fleet, plan, r, stream)
-        assert metric(d_url, "fake_pd_handoffs_total") == before[0] + 1  # joined the right room on the right port
+        assert (
+            metric(d_url, "fake_pd_handoffs_total") == before[0] + 1
+        )  # joined the right room on the right port
         assert metric(p_url, "fake_pd_requests_total", leg="prefill") == before[1] + 1
     _wire_clean(sglang_fleet)
 
@@ -167,7 +218,10 @@ def test_sglang_cancelled_client_cancels_both_legs(sglang_fleet: Fleet) -> None:
     long_prompt = [7 + (i * 13) % 9000 for i in range(40_000)]  # ~4 s of prefill on the a100 profile
     path, body = _body(False, True, long_prompt)
     plan = _route(sglang_fleet, path, body)
-    p_url, d_url = _engine(sglang_fleet, plan["prefill"]["name"]), _engine(sglang_fleet, plan["decode"]["name"])
+    p_url, d_url = (
+        _engine(sglang_fleet, plan["prefill"]["name"]),
+        _engine(sglang_fleet, plan["decode"]["name"]),
+    )
     p0, d0 = metric(p_url, "fake_requests_aborted_total"), metric(d_url, "fake_requests_aborted_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(_url(sglang_fleet) + path, json=body, timeout=httpx.Timeout(10.0, read=0.8))
@@ -185,7 +239,9 @@ def test_vllm_killed_prefill_falls_back_in_place_counted() -> None:
         d_url = _engine(fleet, plan["decode"]["name"])
         prefill.proc.stop()  # killed: the next prefill leg cannot connect
         r, _ = _serve(fleet, path, body)
-        assert r.headers["x-kvroute-replica"] == plan["decode"]["name"]  # served in place on the plan's decode
+        assert (
+            r.headers["x-kvroute-replica"] == plan["decode"]["name"]
+        )  # served in place on the plan's decode
         assert "x-kvroute-prefill-replica" not in r.headers and r.json()["choices"]
         assert metric(_url(fleet), "kvroute_pd_fallbacks_total", reason="prefill_failed") == 1
         assert metric(d_url, "fake_pd_recomputed_total", reason="missing_params") == 1  # it prefilled itself
@@ -226,7 +282,11 @@ def test_both_legs_charged_before_dispatch_spread_prefills(tmp_path: Any) -> Non
         for t in threads:
             t.join(60)
         assert results == [200] * 6
-        legs = [metric(e.url, "fake_pd_requests_total", leg="prefill") for e in fleet.engines if e.role == "prefill"]
+        legs = [
+            metric(e.url, "fake_pd_requests_total", leg="prefill")
+            for e in fleet.engines
+            if e.role == "prefill"
+        ]
         assert sum(legs) == 6 and min(legs) >= 1, legs
         _wire_clean(fleet)
     finally:
@@ -235,7 +295,9 @@ def test_both_legs_charged_before_dispatch_spread_prefills(tmp_path: Any) -> Non
 
 def test_route_json_lists_every_plan_with_terms(vllm_fleet: Fleet) -> None:
     path, body = _body(False, False)
-    r = httpx.post(_url(vllm_fleet) + "/route", json={k: v for k, v in body.items() if k != "stream"}, timeout=10)
+    r = httpx.post(
+        _url(vllm_fleet) + "/route", json={k: v for k, v in body.items() if k != "stream"}, timeout=10
+    )
     plan = r.json()["plan"]
     assert plan["policy"] == "pd_ttft" and plan["plans"][0] == plan["chosen"]
     assert all(p["predicted_ttft_s"] is not None and p["terms"] for p in plan["plans"])
@@ -310,8 +372,7 @@ def test_vllm_each_request_legs_served_as_planned() -> None:
             assert named == (plan["prefill"]["name"], plan["decode"]["name"])
             expected[rid] = named
         served = _legs_by_request(fleet)
-        matched = sum(1 for rid, (p, d) in expected.items()
-                      if served.get(rid) == {"prefill": p, "decode": d})
+        matched = sum(1 for rid, (p, d) in expected.items() if served.get(rid) == {"prefill": p, "decode": d})
         assert matched / len(expected) == 1.0, (expected, served)
     finally:
         fleet.stop()
@@ -343,19 +404,38 @@ def test_vllm_relay_learns_the_link_bandwidth() -> None:
     after a few sequential-relay handoffs the learned bandwidth (``kvroute_pd_link_bandwidth_bytes_per_second``)
     is near 5 GB/s and the plans' handoff term grows accordingly (issue 19: the link is learned online from
     observed handoff time). The engines export no transfer metrics here: the relay's own timing is the source."""
-    opts = EngineOptions(dialect="vllm", kv_events_format="vllm", time_scale=1.0, pd_link_gbps=5.0,
-                         extra_args=["--no-pd-transfer-metrics"])
+    opts = EngineOptions(
+        dialect="vllm",
+        kv_events_format="vllm",
+        time_scale=1.0,
+        pd_link_gbps=5.0,
+        extra_args=["--no-pd-transfer-metrics"],
+    )
     fleet = Fleet(2, opts, roles=pd_roles(1, 1))
     try:
         fleet.start_engines()
-        fleet.start_kvroute("ttft", extra_args=["--pd-policy", "pd_ttft", "--pd-policy-params",
-                                                "decode_prefills=false", "--pd-link-bandwidth-gbps", "12",
-                                                "--pd-link-learn-min-samples", "3", "--pd-link-learn-alpha", "0.5"])
+        fleet.start_kvroute(
+            "ttft",
+            extra_args=[
+                "--pd-policy",
+                "pd_ttft",
+                "--pd-policy-params",
+                "decode_prefills=false",
+                "--pd-link-bandwidth-gbps",
+                "12",
+                "--pd-link-learn-min-samples",
+                "3",
+                "--pd-link-learn-alpha",
+                "0.5",
+            ],
+        )
         router = _url(fleet)
         assert metric(router, "kvroute_pd_link_bandwidth_bytes_per_second") == 12e9
         probe = [11 + (i * 17) % 9000 for i in range(8000)]
         h0 = _route(fleet, *_body(False, False, probe, max_tokens=1))["terms"]["handoff"]
-        for k in range(10):  # distinct 8000-token prompts: the whole prompt's KV (1.18 GB, 236 ms) moves each time
+        for k in range(
+            10
+        ):  # distinct 8000-token prompts: the whole prompt's KV (1.18 GB, 236 ms) moves each time
             path, body = _body(False, False, [3 + k + (i * 31) % 9000 for i in range(8000)], max_tokens=1)
             r, _ = _serve(fleet, path, body)
             assert r.headers.get("x-kvroute-prefill-replica"), "served disaggregated"
@@ -379,19 +459,36 @@ def test_link_learned_from_the_engines_transfer_metrics() -> None:
     fleet = Fleet(2, opts, roles=pd_roles(1, 1))
     try:
         fleet.start_engines()
-        fleet.start_kvroute("ttft", extra_args=["--pd-policy", "pd_ttft", "--pd-policy-params",
-                                                "decode_prefills=false", "--pd-link-bandwidth-gbps", "12",
-                                                "--pd-link-learn-min-samples", "2", "--pd-link-learn-alpha", "0.5",
-                                                "--scrape-interval-s", "0.2"])
+        fleet.start_kvroute(
+            "ttft",
+            extra_args=[
+                "--pd-policy",
+                "pd_ttft",
+                "--pd-policy-params",
+                "decode_prefills=false",
+                "--pd-link-bandwidth-gbps",
+                "12",
+                "--pd-link-learn-min-samples",
+                "2",
+                "--pd-link-learn-alpha",
+                "0.5",
+                "--scrape-interval-s",
+                "0.2",
+            ],
+        )
         router = _url(fleet)
         for k in range(6):
             path, body = _body(False, False, [5 + k + (i * 29) % 9000 for i in range(6000)], max_tokens=1)
             r, _ = _serve(fleet, path, body)
             assert r.headers.get("x-kvroute-prefill-replica"), "served disaggregated"
             if k >= 1:  # each later handoff lands in a scrape interval of its own
-                wait_until(lambda want=k: metric(router, "kvroute_pd_link_samples_total",
-                                                 outcome="engine_accepted") >= want,
-                           10.0, what=f"{k} engine-reported samples")
+                wait_until(
+                    lambda want=k: (
+                        metric(router, "kvroute_pd_link_samples_total", outcome="engine_accepted") >= want
+                    ),
+                    10.0,
+                    what=f"{k} engine-reported samples",
+                )
         learned = metric(router, "kvroute_pd_link_bandwidth_bytes_per_second")
         assert abs(learned - 5e9) <= 0.01 * 5e9, learned  # the engine's own numbers: exact, not ~4.5 GB/s
         assert metric(router, "kvroute_pd_link_samples_total", outcome="superseded") >= 1

@@ -43,9 +43,15 @@ def _client(srv: RedisServer) -> redis.Redis:
 
 def test_three_processes_race_for_unique_stable_indices(server: RedisServer) -> None:
     names = [f"engine-{c}" for c in "abcdefghijklmnopqrst"] + ["vllm-0", "vllm-1", "vllm-7"]
-    procs = [subprocess.Popen([sys.executable, "-c", RACER, server.url, str(seed), ",".join(names)],
-                              cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for seed in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, server.url, str(seed), ",".join(names)],
+            cwd=str(REPO),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for seed in range(3)
+    ]
     try:
         r = _client(server)
         wait_until(lambda: r.client_list() and len(r.client_list()) >= 4, 20.0, what="3 racers connected")

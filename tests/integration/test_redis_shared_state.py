@@ -57,7 +57,9 @@ async def test_decisions_broadcast_to_peers_only(server: RedisServer) -> None:
         await _wait(lambda: got_a == [("vllm-2", [7])], 3.0, "a receives b's decision")
         assert len(got_b) == n and b.stats.received_own >= 1  # nobody applies its own decisions twice
         redis.Redis.from_url(server.url).publish(a.channel, b"garbage")
-        await _wait(lambda: a.stats.bad_messages >= 1 and b.stats.bad_messages >= 1, 3.0, "bad message counted")
+        await _wait(
+            lambda: a.stats.bad_messages >= 1 and b.stats.bad_messages >= 1, 3.0, "bad message counted"
+        )
     finally:
         await a.stop()
         await b.stop()
@@ -128,8 +130,11 @@ async def test_redis_killed_and_restarted(server: RedisServer) -> None:
         await _wait(lambda: resynced == [1], 3.0, "on_reconnect ran")
         assert a.stats.reconnects == 1
         # local sessions were re-published to the new Redis, so peers see them again
-        await _wait(lambda: redis.Redis.from_url(server.url).get(f"{a.prefix}session:s5") == b"vllm-1", 3.0,
-                    "sessions re-published")
+        await _wait(
+            lambda: redis.Redis.from_url(server.url).get(f"{a.prefix}session:s5") == b"vllm-1",
+            3.0,
+            "sessions re-published",
+        )
         assert await b.get_session("s-before") == "vllm-3"
         # broadcasts resume
         for _ in range(50):

@@ -23,13 +23,21 @@ from tests.integration.test_abuse_engine import BODY, serve
 
 
 def _event(i: int, text: str) -> bytes:
-    return sse({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
-                "n": i})
+    return sse(
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+            "n": i,
+        }
+    )
 
 
-def _paced(events: list[bytes], gap_s: float, stall_after: int | None = None,
-           progress: list[int] | None = None) -> RawEngine:
+def _paced(
+    events: list[bytes], gap_s: float, stall_after: int | None = None, progress: list[int] | None = None
+) -> RawEngine:
     """An engine streaming ``events`` one write each, ``gap_s`` apart (then ``[DONE]``), or stalling for 60 s
     after ``stall_after`` of them; ``progress`` gets the number of events written after each one."""
 
@@ -97,8 +105,10 @@ def test_a_client_that_does_not_read_still_gets_every_byte_in_order() -> None:
     with _paced(events, 0.0, progress=progress) as eng, serve([eng]) as (u, _):
         host, port = u.removeprefix("http://").split(":")
         payload = httpx.Request("POST", u + "/v1/completions", json={**BODY, "stream": True})
-        raw = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-               f"content-length: {len(payload.content)}\r\nconnection: close\r\n\r\n").encode() + payload.content
+        raw = (
+            f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload.content)}\r\nconnection: close\r\n\r\n"
+        ).encode() + payload.content
         with socket.create_connection((host, int(port)), timeout=30) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
             s.sendall(raw)
@@ -110,7 +120,9 @@ def test_a_client_that_does_not_read_still_gets_every_byte_in_order() -> None:
                 seen.append(len(progress))
                 return len(seen) > 5 and seen[-1] == seen[-6] > 0
 
-            wait_until(engine_blocked, timeout=30, interval=0.1, what="the engine blocked by the full pipeline")
+            wait_until(
+                engine_blocked, timeout=30, interval=0.1, what="the engine blocked by the full pipeline"
+            )
             assert len(progress) < len(events)
             got = bytearray()
             while True:
@@ -119,7 +131,7 @@ def test_a_client_that_does_not_read_still_gets_every_byte_in_order() -> None:
                     break
                 got += data
         head_end = got.index(b"\r\n\r\n")
-        body = _dechunk(bytes(got[head_end + 4:]))
+        body = _dechunk(bytes(got[head_end + 4 :]))
         assert body == b"".join(events) + b"data: [DONE]\n\n"
         task = metric(u, "kvroute_relayed_pieces_total", path="task")
         direct = metric(u, "kvroute_relayed_pieces_total", path="direct")
@@ -136,8 +148,8 @@ def _dechunk(data: bytes) -> bytes:
         pos = eol + 2
         if size == 0:
             return bytes(out)
-        out += data[pos:pos + size]
-        assert data[pos + size:pos + size + 2] == b"\r\n"
+        out += data[pos : pos + size]
+        assert data[pos + size : pos + size + 2] == b"\r\n"
         pos += size + 2
 
 
@@ -150,15 +162,27 @@ def test_a_stream_under_an_idempotency_key_is_stored_whole_and_replayed_whole() 
     server = RedisServer().start()
     try:
         with _paced(events, 0.005) as eng, serve([eng], "--redis-url", server.url) as (u, _):
-            wait_until(lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected")
+            wait_until(
+                lambda: metric(u, "kvroute_redis_available") == 1.0, timeout=10, what="redis connected"
+            )
             key = {"idempotency-key": "stream-1"}
             first = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, headers=key, timeout=30)
             assert first.status_code == 200 and first.content == b"".join(events) + b"data: [DONE]\n\n"
             assert metric(u, "kvroute_relayed_pieces_total", path="direct") == 0
-            again = wait_until(lambda: (r := httpx.post(u + "/v1/completions", json={**BODY, "stream": True},
-                                                        headers=key, timeout=30)).status_code == 200
-                               and r.headers.get("idempotent-replayed") == "true" and r, timeout=10,
-                               what="the stored stream replayed")
+            again = wait_until(
+                lambda: (
+                    (
+                        r := httpx.post(
+                            u + "/v1/completions", json={**BODY, "stream": True}, headers=key, timeout=30
+                        )
+                    ).status_code
+                    == 200
+                    and r.headers.get("idempotent-replayed") == "true"
+                    and r
+                ),
+                timeout=10,
+                what="the stored stream replayed",
+            )
             assert isinstance(again, httpx.Response) and again.content == first.content
             assert len(eng.posts()) == 1
             # without the key the same stream goes the direct way

@@ -22,10 +22,22 @@ def _faults(url: str, **http: object) -> None:
 
 
 def test_engine_faults_end_in_clear_errors_and_are_counted() -> None:
-    with engines(("e0", []), ("e1", [])) as engs, router(
-            engs, "--policy", "round_robin", "--first-byte-timeout-s", "1.5", "--idle-timeout-s", "1.5",
-            "--max-retries", "2",
-            "--unhealthy-after", "2") as r:
+    with (
+        engines(("e0", []), ("e1", [])) as engs,
+        router(
+            engs,
+            "--policy",
+            "round_robin",
+            "--first-byte-timeout-s",
+            "1.5",
+            "--idle-timeout-s",
+            "1.5",
+            "--max-retries",
+            "2",
+            "--unhealthy-after",
+            "2",
+        ) as r,
+    ):
         u = r.url
         e0, e1 = engs
         with httpx.Client(timeout=20) as c:
@@ -92,14 +104,20 @@ def test_engine_faults_end_in_clear_errors_and_are_counted() -> None:
             body = resp.text
             assert body.count("data: {") >= 2  # tokens arrived before the engine died
             assert "event: error" in body and "mid-stream" in body and "[DONE]" not in body
-            wait_until(lambda: sum(not e.proc.alive() for e in engs) == 1, timeout=5,
-                       what="exactly the engine that streamed died")
+            wait_until(
+                lambda: sum(not e.proc.alive() for e in engs) == 1,
+                timeout=5,
+                what="exactly the engine that streamed died",
+            )
             live = [e for e in engs if e.proc.alive()]
             _faults(live[0].url, die_after_tokens=0)
             assert metric(u, "kvroute_upstream_errors_total", reason="stream_broken") >= 1
             # the dead replica is excluded; new requests (plain and streamed) succeed on the other one
-            wait_until(lambda: c.get(u + "/readyz").json().get("routable_replicas") == 1, timeout=10,
-                       what="dead engine excluded")
+            wait_until(
+                lambda: c.get(u + "/readyz").json().get("routable_replicas") == 1,
+                timeout=10,
+                what="dead engine excluded",
+            )
             for i in range(3):
                 ok = c.post(u + "/v1/completions", json=completion(f"after {i} " * 10, stream=i == 1))
                 assert ok.status_code == 200 and ok.headers["x-kvroute-replica"] == live[0].name, ok.text

@@ -63,8 +63,12 @@ def test_event_faults_are_counted_dropped_and_degrade_the_replica(pub: tuple[zmq
             u = r.url
             good = encode_batch([PubStored(HASHES, None, TOKENS, BS)], "vllm", time.time())
             # ZMQ slow joiner: repeat seq 0 until the router applied it (repeats are counted duplicates)
-            wait_until(lambda: (_send(sock, 0, good), _events(u).get("stored_blocks", 0) >= 4)[1], timeout=15,
-                       interval=0.1, what="first batch applied")
+            wait_until(
+                lambda: (_send(sock, 0, good), _events(u).get("stored_blocks", 0) >= 4)[1],
+                timeout=15,
+                interval=0.1,
+                what="first batch applied",
+            )
             assert _matched(u)["gpu"] == 48  # 64-token prompt: 3 reusable blocks, confirmed by the event
             assert _events(u)["degraded"] is False
 
@@ -78,9 +82,17 @@ def test_event_faults_are_counted_dropped_and_degrade_the_replica(pub: tuple[zmq
             _send(sock, 4, unknown)  # duplicate
             ok = wait_until(lambda: _events(u).get("last_seq") == 4, timeout=10, what="seq 4 processed")
             assert ok
-            counts = {reason: metric(u, "kvroute_kv_events_dropped_total", replica="e0", reason=reason)
-                      for reason in ("wrong_frame_count", "bad_seq_frame", "bad_msgpack", "batch_not_array_or_map",
-                                     "too_many_events", "unknown_event_type")}
+            counts = {
+                reason: metric(u, "kvroute_kv_events_dropped_total", replica="e0", reason=reason)
+                for reason in (
+                    "wrong_frame_count",
+                    "bad_seq_frame",
+                    "bad_msgpack",
+                    "batch_not_array_or_map",
+                    "too_many_events",
+                    "unknown_event_type",
+                )
+            }
             assert all(v >= 1 for v in counts.values()), counts
             assert metric(u, "kvroute_kv_event_duplicates_total", replica="e0") >= 1
             # the undecodable batches lost their events: the replica's entries were cleared, it is degraded
@@ -90,8 +102,11 @@ def test_event_faults_are_counted_dropped_and_degrade_the_replica(pub: tuple[zmq
 
             # out of order: the sequence goes backwards with an unknown payload = the engine restarted
             _send(sock, 2, encode_batch([PubStored([99], None, list(range(16)), BS)], "vllm", time.time()))
-            wait_until(lambda: metric(u, "kvroute_kv_event_restarts_total", replica="e0") >= 1, timeout=10,
-                       what="restart detected")
+            wait_until(
+                lambda: metric(u, "kvroute_kv_event_restarts_total", replica="e0") >= 1,
+                timeout=10,
+                what="restart detected",
+            )
             # the old entries are gone (cleared), not left stale; the replica is degraded (batches 0-1 missing)
             wait_until(lambda: _matched(u)["gpu"] == 0, timeout=5, what="stale entries cleared")
             # a gap with no replay endpoint: events lost for good -> degraded (predicted mode), never wrong
@@ -113,9 +128,29 @@ def test_event_faults_are_counted_dropped_and_degrade_the_replica(pub: tuple[zmq
 def _engine_args(e: Eng) -> list[str]:
     """``kvroute fake-engine`` arguments of ``e`` on its own ports (events + replay)."""
     assert e.events and e.replay
-    return ["fake-engine", "--host", "127.0.0.1", "--port", str(e.port), "--model", MODEL, "--dialect", "vllm",
-            "--time-scale", "0.02", "--block-size", "16", "--gpu-blocks", "4096", "--kv-events-format", "vllm",
-            "--kv-events-port", str(e.events), "--kv-replay-port", str(e.replay)]
+    return [
+        "fake-engine",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(e.port),
+        "--model",
+        MODEL,
+        "--dialect",
+        "vllm",
+        "--time-scale",
+        "0.02",
+        "--block-size",
+        "16",
+        "--gpu-blocks",
+        "4096",
+        "--kv-events-format",
+        "vllm",
+        "--kv-events-port",
+        str(e.events),
+        "--kv-replay-port",
+        str(e.replay),
+    ]
 
 
 def test_idle_engine_restart_clears_its_stale_entries_in_the_router() -> None:
@@ -128,14 +163,19 @@ def test_idle_engine_restart_clears_its_stale_entries_in_the_router() -> None:
             u = r.url
             body = {"model": MODEL, "prompt": TOKENS, "max_tokens": 2}
             assert httpx.post(u + "/v1/completions", json=body, timeout=30).status_code == 200
-            wait_until(lambda: _matched(u)["gpu"] == 48, timeout=10, what="blocks known from the engine's events")
+            wait_until(
+                lambda: _matched(u)["gpu"] == 48, timeout=10, what="blocks known from the engine's events"
+            )
             with router([e], "--predict-mode", "never") as r2:  # a second router, next to the now idle engine
                 wait_until(lambda: _matched(r2.url)["gpu"] == 48, timeout=10, what="history on connect")
             e.proc.stop()
             new = Proc.kvroute(*_engine_args(e))  # restarted on the same ports, idle
             try:
-                wait_until(lambda: httpx.get(e.url + "/health", timeout=1).status_code == 200, timeout=30,
-                           what="engine back")
+                wait_until(
+                    lambda: httpx.get(e.url + "/health", timeout=1).status_code == 200,
+                    timeout=30,
+                    what="engine back",
+                )
                 t0 = time.monotonic()
                 wait_until(lambda: _matched(u)["gpu"] == 0, timeout=10, what="stale entries cleared")
                 assert time.monotonic() - t0 < 10

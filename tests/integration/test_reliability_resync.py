@@ -36,17 +36,44 @@ def test_watch_cut_and_redis_restart_under_traffic(api: FakeKubeAPI) -> None:
     try:
         with engines(("e0", []), ("e1", []), ("e2", [])) as engs:
             for e in engs[:2]:
-                api.add_pod(e.name, labels=LABELS, ip="127.0.0.1",
-                            annotations={"kvroute.io/port": str(e.port), "kvroute.io/model": MODEL,
-                                         "kvroute.io/kv-events-port": "off"})
+                api.add_pod(
+                    e.name,
+                    labels=LABELS,
+                    ip="127.0.0.1",
+                    annotations={
+                        "kvroute.io/port": str(e.port),
+                        "kvroute.io/model": MODEL,
+                        "kvroute.io/kv-events-port": "off",
+                    },
+                )
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            router = Proc.kvroute("serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-                                  "--tokenizer-mode", "bytes",
-                                  "--kubernetes-enabled", "--kubernetes-api-host", api.url,
-                                  "--kubernetes-label-selector", "app=rel", "--kubernetes-resync-interval-s", "30",
-                                  "--probe-interval-s", "0.3", "--redis-url", redis.url, "--redis-retry-max-s", "0.5",
-                                  "--log-level", "warning")
+            router = Proc.kvroute(
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--policy",
+                "round_robin",
+                "--tokenizer-mode",
+                "bytes",
+                "--kubernetes-enabled",
+                "--kubernetes-api-host",
+                api.url,
+                "--kubernetes-label-selector",
+                "app=rel",
+                "--kubernetes-resync-interval-s",
+                "30",
+                "--probe-interval-s",
+                "0.3",
+                "--redis-url",
+                redis.url,
+                "--redis-retry-max-s",
+                "0.5",
+                "--log-level",
+                "warning",
+            )
             wait_http_ok(url + "/readyz", timeout=30)
             wait_until(lambda: len(_replicas(url)) == 2, 10, what="2 pods discovered")
             indices = {n: r["index"] for n, r in _replicas(url).items()}
@@ -59,8 +86,11 @@ def test_watch_cut_and_redis_restart_under_traffic(api: FakeKubeAPI) -> None:
                     i = 0
                     while not stop.is_set():
                         try:
-                            statuses.append(c.post(url + "/v1/completions",
-                                                   json=completion(f"turn {i} " * 12)).status_code)
+                            statuses.append(
+                                c.post(
+                                    url + "/v1/completions", json=completion(f"turn {i} " * 12)
+                                ).status_code
+                            )
                         except httpx.HTTPError:
                             statuses.append(-1)
                         i += 1
@@ -74,16 +104,29 @@ def test_watch_cut_and_redis_restart_under_traffic(api: FakeKubeAPI) -> None:
                 api.reject_watches(True)
                 api.cut_watches()
                 e2 = engs[2]
-                api.add_pod(e2.name, labels=LABELS, ip="127.0.0.1",
-                            annotations={"kvroute.io/port": str(e2.port), "kvroute.io/model": MODEL,
-                                         "kvroute.io/kv-events-port": "off"})
+                api.add_pod(
+                    e2.name,
+                    labels=LABELS,
+                    ip="127.0.0.1",
+                    annotations={
+                        "kvroute.io/port": str(e2.port),
+                        "kvroute.io/model": MODEL,
+                        "kvroute.io/kv-events-port": "off",
+                    },
+                )
                 time.sleep(1.0)  # traffic keeps flowing on the known replicas while discovery is blind
                 api.reject_watches(False)
-                wait_until(lambda: "e2" in _replicas(url) and _replicas(url)["e2"]["state"] == "ready", 15,
-                           what="pod added during the cut found by the re-list")
+                wait_until(
+                    lambda: "e2" in _replicas(url) and _replicas(url)["e2"]["state"] == "ready",
+                    15,
+                    what="pod added during the cut found by the re-list",
+                )
                 assert metric(url, "kvroute_kubernetes_watches_total") > watches
-                wait_until(lambda: metric(url, "kvroute_routed_total", replica="e2") > 0, 15,
-                           what="traffic reaches the new replica")
+                wait_until(
+                    lambda: metric(url, "kvroute_routed_total", replica="e2") > 0,
+                    15,
+                    what="traffic reaches the new replica",
+                )
                 # -- redis-server dies and comes back empty -----------------------------------------------------
                 redis.stop()
                 wait_until(lambda: metric(url, "kvroute_redis_available") == 0.0, 10, what="outage noticed")

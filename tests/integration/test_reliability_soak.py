@@ -13,20 +13,50 @@ from tests.helpers import REPO
 
 
 def test_soak_smoke_loses_nothing() -> None:
-    proc = subprocess.run([sys.executable, "-m", "loadtest.soak", "--minutes", "0.15", "--fault-every-s", "2",
-                           "--rps", "5", "--replicas", "2", "--json"], cwd=REPO, capture_output=True, text=True,
-                          timeout=150)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loadtest.soak",
+            "--minutes",
+            "0.15",
+            "--fault-every-s",
+            "2",
+            "--rps",
+            "5",
+            "--replicas",
+            "2",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout)
-    for key in ("sent", "completed", "client_errors", "server_errors", "lost", "rss_start_mb", "rss_end_mb",
-                "ttft_p99_s", "faults", "fault_summary"):
+    for key in (
+        "sent",
+        "completed",
+        "client_errors",
+        "server_errors",
+        "lost",
+        "rss_start_mb",
+        "rss_end_mb",
+        "ttft_p99_s",
+        "faults",
+        "fault_summary",
+    ):
         assert key in res, key
     assert res["lost"] == 0, res["error_kinds"]
-    assert res["sent"] >= 30 and res["sent"] == (res["completed"] + res["client_errors"] + res["server_errors"]
-                                                 + res["lost"])
+    assert res["sent"] >= 30 and res["sent"] == (
+        res["completed"] + res["client_errors"] + res["server_errors"] + res["lost"]
+    )
     assert res["completed"] >= 0.9 * res["sent"], res["error_kinds"]
     assert {f["kind"] for f in res["faults"]} >= {"engine_restart", "kv_drop", "redis_restart", "watch_cut"}
-    assert all(f["recovery_s"] is not None for f in res["faults"]), [f for f in res["faults"] if f["recovery_s"] is None]
+    assert all(f["recovery_s"] is not None for f in res["faults"]), [
+        f for f in res["faults"] if f["recovery_s"] is None
+    ]
 
 
 def test_soak_with_abuse_loses_nothing_and_answers_abuse_by_design() -> None:
@@ -34,9 +64,27 @@ def test_soak_with_abuse_loses_nothing_and_answers_abuse_by_design() -> None:
     authentication and bad input next to the faulted streaming load: nothing lost, no 500, every abuse request
     answered 4xx or cut by design, /healthz answering within 0.5 s throughout, router RSS growth under 100 MB (at the
     end and at its peak)."""
-    proc = subprocess.run([sys.executable, "-m", "loadtest.soak", "--minutes", "0.2", "--fault-every-s", "3",
-                           "--rps", "5", "--replicas", "2", "--abuse", "--json"], cwd=REPO, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loadtest.soak",
+            "--minutes",
+            "0.2",
+            "--fault-every-s",
+            "3",
+            "--rps",
+            "5",
+            "--replicas",
+            "2",
+            "--abuse",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.stdout, proc.stderr[-3000:]
     res = json.loads(proc.stdout)
     ab = res["abuse"]

@@ -41,14 +41,32 @@ class Eng:
         return s
 
 
-def start_engine(name: str, *extra: str, events: bool = False, replay: bool = True, seed: int = 0,
-                 time_scale: float = 0.02) -> Eng:
+def start_engine(
+    name: str, *extra: str, events: bool = False, replay: bool = True, seed: int = 0, time_scale: float = 0.02
+) -> Eng:
     """Start one fake engine (byte tokenizer, vLLM dialect); KV events + replay when ``events``."""
     port = free_port()
     ev = free_port() if events else None
     rp = free_port() if events and replay else None
-    args = ["fake-engine", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL, "--dialect", "vllm",
-            "--time-scale", str(time_scale), "--block-size", "16", "--gpu-blocks", "4096", "--seed", str(seed)]
+    args = [
+        "fake-engine",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        MODEL,
+        "--dialect",
+        "vllm",
+        "--time-scale",
+        str(time_scale),
+        "--block-size",
+        "16",
+        "--gpu-blocks",
+        "4096",
+        "--seed",
+        str(seed),
+    ]
     if ev:
         args += ["--kv-events-format", "vllm", "--kv-events-port", str(ev)]
     if rp:
@@ -57,13 +75,16 @@ def start_engine(name: str, *extra: str, events: bool = False, replay: bool = Tr
 
 
 @contextlib.contextmanager
-def engines(*specs: tuple[str, Sequence[str]], events: bool = False, replay: bool = True,
-            time_scale: float = 0.02) -> Iterator[list[Eng]]:
+def engines(
+    *specs: tuple[str, Sequence[str]], events: bool = False, replay: bool = True, time_scale: float = 0.02
+) -> Iterator[list[Eng]]:
     """Start several engines ``(name, extra args)`` and wait until each answers /health; always stopped."""
     started: list[Eng] = []
     try:
         for i, (name, extra) in enumerate(specs):
-            started.append(start_engine(name, *extra, events=events, replay=replay, seed=i, time_scale=time_scale))
+            started.append(
+                start_engine(name, *extra, events=events, replay=replay, seed=i, time_scale=time_scale)
+            )
         for e in started:
             wait_http_ok(e.url + "/health", timeout=30)
         yield started
@@ -85,19 +106,38 @@ class Router:
         return f"http://127.0.0.1:{self.port}"
 
 
-def start_router(engs: Sequence[Eng], *args: str, ready: int | None = None, env: dict[str, str] | None = None,
-                 headers: dict[str, str] | None = None) -> Router:
+def start_router(
+    engs: Sequence[Eng],
+    *args: str,
+    ready: int | None = None,
+    env: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+) -> Router:
     """Start ``kvroute serve`` in front of ``engs`` and wait until ``ready`` (default: all) are routable."""
     port = free_port()
-    cmd = ["serve", "--host", "127.0.0.1", "--port", str(port), "--tokenizer-mode", "bytes",
-           "--probe-interval-s", "0.3", "--log-level", "warning"]
+    cmd = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tokenizer-mode",
+        "bytes",
+        "--probe-interval-s",
+        "0.3",
+        "--log-level",
+        "warning",
+    ]
     for e in engs:
         cmd += ["--replica", e.spec()]
     r = Router(port, Proc.kvroute(*cmd, *args, env=env))
     want = len(engs) if ready is None else ready
     try:
-        wait_until(lambda: httpx.get(r.url + "/readyz", timeout=1).json().get("routable_replicas") == want,
-                   timeout=30, what=f"{want} routable replicas")
+        wait_until(
+            lambda: httpx.get(r.url + "/readyz", timeout=1).json().get("routable_replicas") == want,
+            timeout=30,
+            what=f"{want} routable replicas",
+        )
     except BaseException:
         print(r.proc.stop()[-3000:])
         raise
@@ -105,8 +145,9 @@ def start_router(engs: Sequence[Eng], *args: str, ready: int | None = None, env:
 
 
 @contextlib.contextmanager
-def router(engs: Sequence[Eng], *args: str, ready: int | None = None,
-           env: dict[str, str] | None = None) -> Iterator[Router]:
+def router(
+    engs: Sequence[Eng], *args: str, ready: int | None = None, env: dict[str, str] | None = None
+) -> Iterator[Router]:
     """``start_router`` as a context manager (always stopped)."""
     r = start_router(engs, *args, ready=ready, env=env)
     try:
@@ -115,6 +156,8 @@ def router(engs: Sequence[Eng], *args: str, ready: int | None = None,
         r.proc.stop()
 
 
-def completion(prompt: str = "hello world " * 8, max_tokens: int = 4, stream: bool = False) -> dict[str, object]:
+def completion(
+    prompt: str = "hello world " * 8, max_tokens: int = 4, stream: bool = False
+) -> dict[str, object]:
     """A completions body for the test model."""
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream}

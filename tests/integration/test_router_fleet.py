@@ -18,12 +18,16 @@ import pytest
 from tests.helpers import Proc, free_port, metric, wait_http_ok, wait_until
 
 MODEL = "m"
-TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-            "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-WORDS = ("cache route replica prefix block token engine queue prefill decode latency memory tier gpu cpu "
-         "disk remote event batch model request answer question system user assistant hello world fox dog "
-         "quick brown lazy jumps over the capital france paris london river mountain").split()
+TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = (
+    "cache route replica prefix block token engine queue prefill decode latency memory tier gpu cpu "
+    "disk remote event batch model request answer question system user assistant hello world fox dog "
+    "quick brown lazy jumps over the capital france paris london river mountain"
+).split()
 
 
 def build_model_dir(d: Path) -> Path:
@@ -33,16 +37,19 @@ def build_model_dir(d: Path) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>",
-                                                                  "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     rnd = random.Random(0)
     tok.train_from_iterator([" ".join(rnd.choices(WORDS, k=30)) for _ in range(300)], trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     d.mkdir(parents=True, exist_ok=True)
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                         "chat_template": TEMPLATE}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
+    )
     return d
 
 
@@ -63,17 +70,43 @@ class Engine:
         return f"http://127.0.0.1:{self.port}"
 
     def spec(self) -> str:
-        return (f"name={self.name},url={self.url},events=tcp://127.0.0.1:{self.events},"
-                f"replay=tcp://127.0.0.1:{self.replay},dialect=vllm,model={MODEL}")
+        return (
+            f"name={self.name},url={self.url},events=tcp://127.0.0.1:{self.events},"
+            f"replay=tcp://127.0.0.1:{self.replay},dialect=vllm,model={MODEL}"
+        )
 
 
 def start_engine(name: str, model_dir: Path, seed: int, *extra: str) -> Engine:
     port, events, replay = free_port(), free_port(), free_port()
-    proc = Proc.kvroute("fake-engine", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                        "--dialect", "vllm", "--kv-events-format", "vllm", "--kv-events-port", str(events),
-                        "--kv-replay-port", str(replay), "--time-scale", "0.02", "--profile", "a100",
-                        "--block-size", "16", "--model-path", str(model_dir), "--seed", str(seed),
-                        "--enable-prompt-tokens-details", *extra)
+    proc = Proc.kvroute(
+        "fake-engine",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        MODEL,
+        "--dialect",
+        "vllm",
+        "--kv-events-format",
+        "vllm",
+        "--kv-events-port",
+        str(events),
+        "--kv-replay-port",
+        str(replay),
+        "--time-scale",
+        "0.02",
+        "--profile",
+        "a100",
+        "--block-size",
+        "16",
+        "--model-path",
+        str(model_dir),
+        "--seed",
+        str(seed),
+        "--enable-prompt-tokens-details",
+        *extra,
+    )
     return Engine(name, port, events, replay, proc)
 
 
@@ -99,20 +132,47 @@ def fleet(model_dir: Path) -> Iterator[Fleet]:
         for e in engines:
             wait_http_ok(e.url + "/health", timeout=30)
         port = free_port()
-        args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "ttft",
-                "--tokenizer-mode", "hf", "--tokenizer-path", str(model_dir), "--scrape-interval-s", "0.5",
-                "--probe-interval-s", "0.5", "--log-level", "warning",
-                "--connect-timeout-s", "10", "--probe-timeout-s", "5"]
+        args = [
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "ttft",
+            "--tokenizer-mode",
+            "hf",
+            "--tokenizer-path",
+            str(model_dir),
+            "--scrape-interval-s",
+            "0.5",
+            "--probe-interval-s",
+            "0.5",
+            "--log-level",
+            "warning",
+            "--connect-timeout-s",
+            "10",
+            "--probe-timeout-s",
+            "5",
+        ]
         for e in engines:
             args += ["--replica", e.spec()]
         router = Proc.kvroute(*args)
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(url + "/readyz", timeout=30)
-        wait_until(lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == 3, timeout=20,
-                   what="3 routable replicas")
-        wait_until(lambda: all(r["kv_events"] and r["kv_events"]["connected"]
-                               for r in httpx.get(url + "/replicas").json()["replicas"]),
-                   timeout=20, what="KV event feeds connected")
+        wait_until(
+            lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == 3,
+            timeout=20,
+            what="3 routable replicas",
+        )
+        wait_until(
+            lambda: all(
+                r["kv_events"] and r["kv_events"]["connected"]
+                for r in httpx.get(url + "/replicas").json()["replicas"]
+            ),
+            timeout=20,
+            what="KV event feeds connected",
+        )
         yield Fleet(engines, router, url)
     finally:
         if router is not None:
@@ -169,8 +229,13 @@ def test_shared_prefix_goes_to_the_holder_and_route_explains(fleet: Fleet) -> No
 
 
 def test_streaming_end_to_end(fleet: Fleet) -> None:
-    body = {"model": MODEL, "prompt": text(random.Random(2), 100), "max_tokens": 5, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": text(random.Random(2), 100),
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks: list[dict] = []
     with httpx.stream("POST", fleet.url + "/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
@@ -191,18 +256,26 @@ def test_streaming_end_to_end(fleet: Fleet) -> None:
 def test_chat_requests_match_through_the_chat_template(fleet: Fleet) -> None:
     rnd = random.Random(3)
     messages = [{"role": "system", "content": text(rnd, 300)}, {"role": "user", "content": text(rnd, 30)}]
-    r = httpx.post(fleet.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages,
-                                                              "max_tokens": 3}, timeout=30)
+    r = httpx.post(
+        fleet.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 3},
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
     holder = r.headers["x-kvroute-replica"]
     reply = r.json()["choices"][0]["message"]["content"]
-    turn2 = {"model": MODEL, "max_tokens": 3, "messages": messages + [
-        {"role": "assistant", "content": reply}, {"role": "user", "content": text(rnd, 20)}]}
+    turn2 = {
+        "model": MODEL,
+        "max_tokens": 3,
+        "messages": messages
+        + [{"role": "assistant", "content": reply}, {"role": "user", "content": text(rnd, 20)}],
+    }
     # the router's rendering of the template yields the engine's token ids: the prefix is matched
     wait_until(lambda: confirmed_on(fleet, turn2, holder, 200), timeout=10, what="chat prefix in the index")
     tok_router = route(fleet, turn2)["prompt_tokens"]
-    tok_engine = httpx.post(f"{fleet.engines[0].url}/tokenize", json={"model": MODEL, "messages": turn2["messages"]},
-                            timeout=10).json()
+    tok_engine = httpx.post(
+        f"{fleet.engines[0].url}/tokenize", json={"model": MODEL, "messages": turn2["messages"]}, timeout=10
+    ).json()
     assert tok_router == tok_engine["count"]
     r = httpx.post(fleet.url + "/v1/chat/completions", json=turn2, timeout=30)
     assert r.status_code == 200
@@ -220,8 +293,11 @@ def test_fidelity_predicted_equals_engine_reported(fleet: Fleet) -> None:
     for turn in range(4):
         for conv in convs:
             conv.append({"role": "user", "content": text(rnd, rnd.randint(10, 40))})
-            r = httpx.post(fleet.url + "/v1/chat/completions",
-                           json={"model": MODEL, "messages": conv, "max_tokens": 4}, timeout=30)
+            r = httpx.post(
+                fleet.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": conv, "max_tokens": 4},
+                timeout=30,
+            )
             assert r.status_code == 200, r.text
             conv.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
             predicted = int(r.headers["x-kvroute-predicted-cached-tokens"])
@@ -241,20 +317,27 @@ def test_fidelity_predicted_equals_engine_reported(fleet: Fleet) -> None:
     assert stats["nodes"] > 0
 
 
-def test_next_turns_are_tokenized_past_the_cached_prefix_with_the_same_ids(fleet: Fleet, model_dir: Path) -> None:
+def test_next_turns_are_tokenized_past_the_cached_prefix_with_the_same_ids(
+    fleet: Fleet, model_dir: Path
+) -> None:
     """hf mode's prefix tokenization cache (on by default) serves a growing conversation exactly."""
     from tokenizers import Tokenizer
 
     raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     assert metric(fleet.url, "kvroute_tokenizer_cache_enabled") == 1.0
-    hits, reused = (metric(fleet.url, "kvroute_tokenizer_cache_hits"),
-                    metric(fleet.url, "kvroute_tokenizer_cache_reused_tokens"))
+    hits, reused = (
+        metric(fleet.url, "kvroute_tokenizer_cache_hits"),
+        metric(fleet.url, "kvroute_tokenizer_cache_reused_tokens"),
+    )
     rnd = random.Random(23)
     prompt = text(rnd, 900)  # > 4,096 characters: shorter prompts are tokenized whole
     for _turn in range(4):
         prompt = prompt + " " + text(rnd, 60)
-        r = httpx.post(fleet.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
-                       timeout=30)
+        r = httpx.post(
+            fleet.url + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         # the engine got (as ids, or as text it tokenized itself) exactly the whole prompt's tokens
         assert r.json()["usage"]["prompt_tokens"] == len(raw.encode(prompt).ids)
@@ -273,8 +356,9 @@ def test_chat_turns_use_the_tokenization_cache_and_agree_with_the_engine(fleet: 
     for _turn in range(3):
         messages.append({"role": "user", "content": text(rnd, 40)})
         body = {"model": MODEL, "messages": messages, "max_tokens": 3}
-        engine = httpx.post(f"{fleet.engines[0].url}/tokenize", json={"model": MODEL, "messages": messages},
-                            timeout=10).json()
+        engine = httpx.post(
+            f"{fleet.engines[0].url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=10
+        ).json()
         assert route(fleet, body)["prompt_tokens"] == engine["count"]
         r = httpx.post(fleet.url + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 200, r.text
@@ -287,27 +371,55 @@ def test_chat_turns_use_the_tokenization_cache_and_agree_with_the_engine(fleet: 
 def test_engine_tokenizer_mode_matches_the_hf_mode(fleet: Fleet) -> None:
     """A second router using the replicas' /tokenize computes the same ids (and so the same decisions)."""
     port = free_port()
-    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "ttft", "--tokenizer-mode", "engine",
-            "--log-level", "warning", "--connect-timeout-s", "10", "--probe-timeout-s", "5"]
+    args = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "ttft",
+        "--tokenizer-mode",
+        "engine",
+        "--log-level",
+        "warning",
+        "--connect-timeout-s",
+        "10",
+        "--probe-timeout-s",
+        "5",
+    ]
     for e in fleet.engines:
         args += ["--replica", e.spec()]
     router = Proc.kvroute(*args)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == 3, timeout=30,
-                   what="engine-mode router ready")
+        wait_until(
+            lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == 3,
+            timeout=30,
+            what="engine-mode router ready",
+        )
         rnd = random.Random(9)
-        for body in ({"model": MODEL, "prompt": text(rnd, 120)},
-                     {"model": MODEL, "messages": [{"role": "system", "content": text(rnd, 80)},
-                                                   {"role": "user", "content": text(rnd, 10)}]}):
+        for body in (
+            {"model": MODEL, "prompt": text(rnd, 120)},
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": text(rnd, 80)},
+                    {"role": "user", "content": text(rnd, 10)},
+                ],
+            },
+        ):
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             r = httpx.post(fleet.url + path, json={**body, "max_tokens": 2}, timeout=30)
             assert r.status_code == 200
             holder = r.headers["x-kvroute-replica"]
             # the second router's index (fed by the same engines' events, replayed from 0) matches the same
             # blocks: its token ids, hence its keys, equal the hf-mode ones
-            wait_until(lambda b=body, h=holder: _same_match(fleet, url, b, h), timeout=15,
-                       what="same matches in both routers")
+            wait_until(
+                lambda b=body, h=holder: _same_match(fleet, url, b, h),
+                timeout=15,
+                what="same matches in both routers",
+            )
     finally:
         router.stop()
 

@@ -23,12 +23,33 @@ def test_confirmed_and_predicted_entries_coexist(tmp_path: Path) -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         router = Proc.kvroute(
-            "serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-            "--tokenizer-mode", "hf", "--tokenizer-path", str(model_dir), "--replica", with_events.spec(),
-            "--replica", f"name=noev,url={without.url},dialect=vllm,model={MODEL}", "--log-level", "warning",
-            "--connect-timeout-s", "10", "--probe-timeout-s", "5")
-        wait_until(lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == 2, timeout=30,
-                   what="2 routable replicas")
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--tokenizer-mode",
+            "hf",
+            "--tokenizer-path",
+            str(model_dir),
+            "--replica",
+            with_events.spec(),
+            "--replica",
+            f"name=noev,url={without.url},dialect=vllm,model={MODEL}",
+            "--log-level",
+            "warning",
+            "--connect-timeout-s",
+            "10",
+            "--probe-timeout-s",
+            "5",
+        )
+        wait_until(
+            lambda: httpx.get(url + "/readyz").json().get("routable_replicas") == 2,
+            timeout=30,
+            what="2 routable replicas",
+        )
         body = {"model": MODEL, "prompt": text(random.Random(7), 200), "max_tokens": 2}
         served = set()
         for _ in range(2):  # round robin: once on each replica

@@ -41,19 +41,46 @@ def test_ids_go_only_to_replicas_whose_tokenizer_matches(tmp_path: Path) -> None
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         router = Proc.kvroute(
-            "serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-            "--tokenizer-mode", "hf", "--tokenizer-path", str(model_dir), "--replica", same.spec(),
-            "--replica", other.spec(), "--replica", subtle.spec(), "--log-level", "warning", "--connect-timeout-s", "10",
-            "--probe-timeout-s", "5")
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--tokenizer-mode",
+            "hf",
+            "--tokenizer-path",
+            str(model_dir),
+            "--replica",
+            same.spec(),
+            "--replica",
+            other.spec(),
+            "--replica",
+            subtle.spec(),
+            "--log-level",
+            "warning",
+            "--connect-timeout-s",
+            "10",
+            "--probe-timeout-s",
+            "5",
+        )
 
         def states() -> dict[str, str]:
-            return {r["name"]: r["token_ids"] for r in httpx.get(url + "/replicas", timeout=10).json()["replicas"]}
+            return {
+                r["name"]: r["token_ids"] for r in httpx.get(url + "/replicas", timeout=10).json()["replicas"]
+            }
 
         try:
-            wait_until(lambda: states() == {"same": "verified", "other": "mismatch", "subtle": "verified"},
-                       timeout=60, what="token-id verdicts (same, subtle: verified; other: mismatch)")
+            wait_until(
+                lambda: states() == {"same": "verified", "other": "mismatch", "subtle": "verified"},
+                timeout=60,
+                what="token-id verdicts (same, subtle: verified; other: mismatch)",
+            )
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\nrouter alive={router.alive()} output:\n{router.output()[-3000:]}") from None
+            raise AssertionError(
+                f"{exc}\nrouter alive={router.alive()} output:\n{router.output()[-3000:]}"
+            ) from None
         assert metric(url, "kvroute_replica_token_ids", replica="same") == 1.0
         assert metric(url, "kvroute_replica_token_ids", replica="other") == 0.0
 
@@ -64,8 +91,9 @@ def test_ids_go_only_to_replicas_whose_tokenizer_matches(tmp_path: Path) -> None
             expected[name] = len(Tokenizer.from_file(str(d / "tokenizer.json")).encode(prompt).ids)
         served: dict[str, int] = {}
         for _ in range(6):  # round robin: twice on each
-            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
-                           timeout=30)
+            r = httpx.post(
+                url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}, timeout=30
+            )
             assert r.status_code == 200, r.text
             rep = r.headers["x-kvroute-replica"]
             served[rep] = served.get(rep, 0) + 1
@@ -79,31 +107,44 @@ def test_ids_go_only_to_replicas_whose_tokenizer_matches(tmp_path: Path) -> None
         assert metric(url, "kvroute_token_id_audits") >= 2.0
         sent = metric(url, "kvroute_token_id_prompts_total")
         for _ in range(3):
-            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
-                           timeout=30)
-            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == \
-                expected[r.headers["x-kvroute-replica"]]
+            r = httpx.post(
+                url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}, timeout=30
+            )
+            assert (
+                r.status_code == 200
+                and r.json()["usage"]["prompt_tokens"] == expected[r.headers["x-kvroute-replica"]]
+            )
         assert metric(url, "kvroute_token_id_prompts_total") == sent + 1  # only "same" still gets ids
 
         # the engine answers what it was sent: the id prompt reached "same" as the router's ids
-        engine_view = httpx.post(same.url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
-                                                                      "max_tokens": 1}, timeout=30).json()
+        engine_view = httpx.post(
+            same.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=30
+        ).json()
         assert engine_view["usage"]["prompt_tokens"] == expected["same"]
         # the second request on "same" reused the first one's blocks: the ids were the engine's own
-        assert engine_view["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (expected["same"] // 16) - 16
+        assert (
+            engine_view["usage"]["prompt_tokens_details"]["cached_tokens"]
+            >= 16 * (expected["same"] // 16) - 16
+        )
 
         # echo and streaming: echo stays text, a streamed text prompt goes as ids
         before = metric(url, "kvroute_token_id_prompts_total")
         for _ in range(2):
-            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
-                                                          "echo": True}, timeout=30)
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "echo": True},
+                timeout=30,
+            )
             assert r.status_code == 200, r.text
         assert metric(url, "kvroute_token_id_prompts_total") == before
         on_same = 0
         for _ in range(3):  # round robin: once on each
-            with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
-                                                                     "max_tokens": 3, "stream": True},
-                              timeout=30) as s:
+            with httpx.stream(
+                "POST",
+                url + "/v1/completions",
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "stream": True},
+                timeout=30,
+            ) as s:
                 assert s.status_code == 200
                 assert b"data: [DONE]" in b"".join(s.iter_bytes())
                 on_same += s.headers["x-kvroute-replica"] == "same"

@@ -26,8 +26,10 @@ MAX_MODEL_LEN = 512
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[Router]:
-    with engines(("e0", ["--max-model-len", str(MAX_MODEL_LEN)]), time_scale=0.0) as engs, router(
-            engs, "--max-request-bytes", "65536", "--first-byte-timeout-s", "5") as r:
+    with (
+        engines(("e0", ["--max-model-len", str(MAX_MODEL_LEN)]), time_scale=0.0) as engs,
+        router(engs, "--max-request-bytes", "65536", "--first-byte-timeout-s", "5") as r,
+    ):
         yield r
         out = r.proc.output()
     assert "Traceback" not in out, out[-3000:]
@@ -41,8 +43,14 @@ def test_openapi_conformance(live: Router, mode: GenerationMode) -> None:
     for op in operations:
         if mode == GenerationMode.NEGATIVE and op.method.upper() == "GET":
             continue  # no body and no parameters: nothing can be made invalid
-        @settings(max_examples=10, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+
+        @settings(
+            max_examples=10,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=op.as_strategy(generation_mode=mode))
         def check(case: Case) -> None:
             # schema-valid data may still be refused by the engine (max_tokens 0, an empty prompt, a prompt over
@@ -63,15 +71,19 @@ def test_bad_input_gets_the_documented_status(live: Router) -> None:
         r = c.post(u + "/v1/completions", json={"model": "m"})
         assert r.status_code == 422 and r.json()["error"]["param"] == "prompt"
         assert "prompt" in r.json()["error"]["message"]
-        r = c.post(u + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user"}], "max_tokens": -1})
+        r = c.post(
+            u + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user"}], "max_tokens": -1}
+        )
         assert r.status_code == 422 and r.json()["error"]["param"] == "max_tokens"
         r = c.post(u + "/v1/completions", json={**completion(), "model": "no-such-model"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = c.post(u + "/v1/completions", json=completion("x" * 70_000))
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
         # the router learnt the context length from the engine: a longer prompt never reaches it
-        r = c.post(u + "/v1/completions", json={"model": "m", "prompt": list(range(1, MAX_MODEL_LEN + 100)),
-                                                "max_tokens": 1})
+        r = c.post(
+            u + "/v1/completions",
+            json={"model": "m", "prompt": list(range(1, MAX_MODEL_LEN + 100)), "max_tokens": 1},
+        )
         assert r.status_code == 400, r.text
         assert "context" in r.json()["error"]["message"] and r.json()["error"]["param"] == "prompt"
         ok = c.post(u + "/v1/completions", json=completion())

@@ -58,8 +58,9 @@ def test_refused_connection_is_an_httpx_connect_error() -> None:
         pool = EnginePool(connect_timeout_s=1.0, keepalive_timeout_s=4.0, max_connections=10)
         try:
             with pytest.raises(httpx.ConnectError):
-                await PooledScrapeClient(lambda: pool, 1 << 20).get(f"http://127.0.0.1:{free_port()}/metrics",
-                                                                   timeout=2.0)
+                await PooledScrapeClient(lambda: pool, 1 << 20).get(
+                    f"http://127.0.0.1:{free_port()}/metrics", timeout=2.0
+                )
         finally:
             await pool.aclose()
 

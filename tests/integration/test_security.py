@@ -18,9 +18,22 @@ REDIS_PW = "redis-Secret-55e0"
 def test_tokens_keys_and_no_secret_in_logs() -> None:
     dead_redis = f"redis://:{REDIS_PW}@127.0.0.1:{free_port()}/0"  # nothing listens: warnings get logged
     with engines(("e0", ["--api-key", ENGINE])) as engs:
-        with router(engs, "--admin-token", ADMIN, "--api-key", CLIENT, "--engine-api-key", ENGINE,
-                    "--redis-url", dead_redis, "--redis-timeout-s", "0.2", "--log-level", "debug",
-                    "--access-log") as r:
+        with router(
+            engs,
+            "--admin-token",
+            ADMIN,
+            "--api-key",
+            CLIENT,
+            "--engine-api-key",
+            ENGINE,
+            "--redis-url",
+            dead_redis,
+            "--redis-timeout-s",
+            "0.2",
+            "--log-level",
+            "debug",
+            "--access-log",
+        ) as r:
             u = r.url
             client = {"authorization": f"Bearer {CLIENT}"}
             admin = {"authorization": f"Bearer {ADMIN}"}
@@ -32,8 +45,13 @@ def test_tokens_keys_and_no_secret_in_logs() -> None:
             # the engine requires ENGINE: a 200 proves the router sent the engine key (not the client's)
             resp = httpx.post(u + "/v1/completions", json=completion(), headers=client, timeout=30)
             assert resp.status_code == 200, resp.text
-            assert httpx.post(engs[0].url + "/v1/completions", json=completion(), headers=client).status_code == 401
-            stream = httpx.post(u + "/v1/completions", json=completion(stream=True), headers=client, timeout=30)
+            assert (
+                httpx.post(engs[0].url + "/v1/completions", json=completion(), headers=client).status_code
+                == 401
+            )
+            stream = httpx.post(
+                u + "/v1/completions", json=completion(stream=True), headers=client, timeout=30
+            )
             assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
             assert httpx.get(u + "/v1/models", headers=client).status_code == 200
             assert httpx.post(u + "/route", json={"model": "m", "token_ids": [1, 2, 3]}).status_code == 401
@@ -49,9 +67,15 @@ def test_tokens_keys_and_no_secret_in_logs() -> None:
             metrics = httpx.get(u + "/metrics").text
             # CORS is off by default: no preflight answer, no allow-origin header on responses
             pre = {"origin": "https://evil.example", "access-control-request-method": "POST"}
-            assert "access-control-allow-origin" not in httpx.options(u + "/v1/completions", headers=pre).headers
-            resp = httpx.post(u + "/v1/completions", json=completion(), timeout=30,
-                              headers={**client, "origin": "https://evil.example"})
+            assert (
+                "access-control-allow-origin" not in httpx.options(u + "/v1/completions", headers=pre).headers
+            )
+            resp = httpx.post(
+                u + "/v1/completions",
+                json=completion(),
+                timeout=30,
+                headers={**client, "origin": "https://evil.example"},
+            )
             assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
         out = r.proc.output()
     assert "kvroute started" in out  # the settings were logged (masked)

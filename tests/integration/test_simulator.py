@@ -15,8 +15,6 @@ from tests.helpers import shared_trace
 REPO = Path(__file__).resolve().parents[2]
 
 
-
-
 def _small() -> list[Request]:
     return make_workload("agent", num_sessions=12, turns=4, session_rate=2.0, seed=5) + []
 
@@ -33,13 +31,17 @@ def test_deterministic_for_a_seed() -> None:
     cfg = FleetConfig(profiles=["a100", "a100", "h20"], gpu_blocks=3000)
     for pol in ("ttft", "random", "power_of_two"):
         assert _summary(reqs, pol, cfg, seed=3) == _summary(reqs, pol, cfg, seed=3)
-    assert simulate(reqs, "random", cfg, seed=1).replica_of != simulate(reqs, "random", cfg, seed=2).replica_of
+    assert (
+        simulate(reqs, "random", cfg, seed=1).replica_of != simulate(reqs, "random", cfg, seed=2).replica_of
+    )
 
 
 @pytest.mark.parametrize("events_delay", [0.05, None])
 def test_every_request_completes_once(events_delay: float | None) -> None:
-    reqs = sorted(_small() + make_workload("shared-prefix", num_groups=4, prompts_per_group=8, rate=20.0),
-                  key=lambda r: r.arrival_s)
+    reqs = sorted(
+        _small() + make_workload("shared-prefix", num_groups=4, prompts_per_group=8, rate=20.0),
+        key=lambda r: r.arrival_s,
+    )
     cfg = FleetConfig(profiles=["a100"] * 4, gpu_blocks=1500, events_delay_s=events_delay)
     for pol in ("ttft", "round_robin", "sglang_cache_aware", "dynamo_kv"):
         res = simulate(reqs, pol, cfg)
@@ -81,8 +83,16 @@ def _brute_lru(requests: list[Request], keys: BlockKeyCache, capacity: int) -> f
 
 @pytest.mark.parametrize("capacity", [40, 150, 400, 100_000])
 def test_hit_rate_bound_equals_brute_force(capacity: int) -> None:
-    reqs = make_workload("agent", num_sessions=6, turns=4, system_tokens=512, first_user_tokens=128,
-                         tool_tokens=(16, 256), output_tokens=(16, 128), seed=1)
+    reqs = make_workload(
+        "agent",
+        num_sessions=6,
+        turns=4,
+        system_tokens=512,
+        first_user_tokens=128,
+        tool_tokens=(16, 256),
+        output_tokens=(16, 128),
+        seed=1,
+    )
     keys = BlockKeyCache(16, root_seed("m"))
     got = lru_hit_rate(reqs, keys, capacity)
     assert got == pytest.approx(_brute_lru(reqs, keys, capacity), abs=1e-12)
@@ -111,8 +121,9 @@ def test_round_robin_unlimited_caches_reproduce_readme() -> None:
     reqs = scale_rate(load_mooncake(shared_trace()), 4.0)
     keys = BlockKeyCache(512, root_seed("sim-model"))
     for n, expected in ((4, 0.196), (8, 0.139), (16, 0.101)):
-        cfg = FleetConfig(profiles=["a100"] * n, gpu_blocks=10**7, block_size=512, events_delay_s=None,
-                          predict="never")
+        cfg = FleetConfig(
+            profiles=["a100"] * n, gpu_blocks=10**7, block_size=512, events_delay_s=None, predict="never"
+        )
         res = simulate(reqs, "round_robin", cfg, keys=keys)
         assert res.completed == len(reqs)
         assert res.summary()["hit_rate"] == pytest.approx(expected, abs=0.005), n
@@ -120,16 +131,52 @@ def test_round_robin_unlimited_caches_reproduce_readme() -> None:
 
 def test_cli_json_fields_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plot = tmp_path / "p.png"
-    rc = main(["--workload", "chapter8", "--workload-param", "num_requests=60", "--profiles", "a100:2,h20:1",
-               "--policies", "round_robin,ttft", "--load", "0.5,0.8", "--gpu-blocks", "2000", "--json",
-               "--plot", str(plot), "--slo-ttft", "1.5"])
+    rc = main(
+        [
+            "--workload",
+            "chapter8",
+            "--workload-param",
+            "num_requests=60",
+            "--profiles",
+            "a100:2,h20:1",
+            "--policies",
+            "round_robin,ttft",
+            "--load",
+            "0.5,0.8",
+            "--gpu-blocks",
+            "2000",
+            "--json",
+            "--plot",
+            str(plot),
+            "--slo-ttft",
+            "1.5",
+        ]
+    )
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["policy"], r["load"]) for r in rows] == [("round_robin", 0.5), ("ttft", 0.5),
-                                                       ("round_robin", 0.8), ("ttft", 0.8)]
-    fields = {"policy", "load", "requests", "completed", "hit_rate", "hit_rate_bound", "ttft_mean_s",
-              "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "throughput_tok_s", "goodput",
-              "max_over_mean_load", "wall_s"}
+    assert [(r["policy"], r["load"]) for r in rows] == [
+        ("round_robin", 0.5),
+        ("ttft", 0.5),
+        ("round_robin", 0.8),
+        ("ttft", 0.8),
+    ]
+    fields = {
+        "policy",
+        "load",
+        "requests",
+        "completed",
+        "hit_rate",
+        "hit_rate_bound",
+        "ttft_mean_s",
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "ttft_p99_s",
+        "e2e_p50_s",
+        "throughput_tok_s",
+        "goodput",
+        "max_over_mean_load",
+        "wall_s",
+    }
     for r in rows:
         assert fields <= set(r)
         assert r["requests"] == r["completed"] == 60
@@ -139,34 +186,60 @@ def test_cli_json_fields_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_cli_labels_run_one_policy_with_two_settings(capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["--workload", "chapter8", "--workload-param", "num_requests=80", "--replicas", "2", "--load", "0.8",
-            "--gpu-blocks", "1500", "--no-bound", "--json"]
-    rc = main([*base, "--policies", "ttft,ttft@never,ttft@shallow",
-               "--policy-param", "ttft@never.migration_weight=1000", "--policy-param", "ttft@never.migration_cap_s=1000",
-               "--policy-param", "ttft@shallow.objective=tail"])
+    base = [
+        "--workload",
+        "chapter8",
+        "--workload-param",
+        "num_requests=80",
+        "--replicas",
+        "2",
+        "--load",
+        "0.8",
+        "--gpu-blocks",
+        "1500",
+        "--no-bound",
+        "--json",
+    ]
+    rc = main(
+        [
+            *base,
+            "--policies",
+            "ttft,ttft@never,ttft@shallow",
+            "--policy-param",
+            "ttft@never.migration_weight=1000",
+            "--policy-param",
+            "ttft@never.migration_cap_s=1000",
+            "--policy-param",
+            "ttft@shallow.objective=tail",
+        ]
+    )
     assert rc == 0
     rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out)}
     assert set(rows) == {"ttft", "ttft@never", "ttft@shallow"}
     # the unlabelled run is the plain policy: the same numbers as running it alone
     assert main([*base, "--policies", "ttft"]) == 0
     alone = json.loads(capsys.readouterr().out)[0]
-    assert {k: v for k, v in alone.items() if k not in ("wall_s", "cpu_s")} == \
-        {k: v for k, v in rows["ttft"].items() if k not in ("wall_s", "cpu_s")}
+    assert {k: v for k, v in alone.items() if k not in ("wall_s", "cpu_s")} == {
+        k: v for k, v in rows["ttft"].items() if k not in ("wall_s", "cpu_s")
+    }
     # a label's parameters reach its own policy: an invalid one fails that run's construction
     with pytest.raises(ValueError, match="objective"):
         main([*base, "--policies", "ttft@bad", "--policy-param", "ttft@bad.objective=nope"])
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--workload", "chapter8", "--policies", "nope"], "unknown policies"),
-    (["--workload", "chapter8", "--profiles", "tpu:2"], "unknown engine profile"),
-    (["--workload", "chapter8", "--profiles", "a100:2", "--replicas", "3"], "--replicas"),
-    (["--trace", "/nonexistent/trace.jsonl"], "nonexistent"),
-    (["--workload", "chapter8", "--events-delay", "-1"], "events-delay"),
-    (["--workload", "chapter8", "--policies", "ttft,ttft"], "unique"),
-    (["--workload", "chapter8", "--policies", "ttft@"], "unique"),
-    (["--workload", "chapter8", "--policies", "nope@x"], "unknown policies"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--workload", "chapter8", "--policies", "nope"], "unknown policies"),
+        (["--workload", "chapter8", "--profiles", "tpu:2"], "unknown engine profile"),
+        (["--workload", "chapter8", "--profiles", "a100:2", "--replicas", "3"], "--replicas"),
+        (["--trace", "/nonexistent/trace.jsonl"], "nonexistent"),
+        (["--workload", "chapter8", "--events-delay", "-1"], "events-delay"),
+        (["--workload", "chapter8", "--policies", "ttft,ttft"], "unique"),
+        (["--workload", "chapter8", "--policies", "ttft@"], "unique"),
+        (["--workload", "chapter8", "--policies", "nope@x"], "unknown policies"),
+    ],
+)
 def test_cli_rejects_bad_input(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert needle in capsys.readouterr().err

@@ -36,8 +36,9 @@ def ids_body(max_tokens: int = 20, stream: bool = False) -> dict[str, Any]:
     return {"model": MODEL, "prompt": IDS, "max_tokens": max_tokens, "stream": stream}
 
 
-def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-         timeout: float = 30) -> httpx.Response:
+def post(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 30
+) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, headers=headers or {}, timeout=timeout)
 
 
@@ -90,12 +91,15 @@ def _hold_the_slot(r: Router, eng: Eng, out: dict[str, Any]) -> threading.Thread
 
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_bad_identity_headers_get_400_with_a_json_reason() -> None:
     with engines(("e0", [])) as engs, router(engs, "--tenant-api-keys", "acme=sk-acme") as r:
-        cases = [({"x-kvroute-tenant": "no spaces allowed"}, "x-kvroute-tenant"),
-                 ({"x-smg-priority": "whenever"}, "x-smg-priority"),
-                 ({"x-llm-d-slo-ttft-ms": "-1"}, "x-llm-d-slo-ttft-ms"),
-                 ({"authorization": "Bearer sk-acme", "x-kvroute-tenant": "globex"}, "x-kvroute-tenant")]
+        cases = [
+            ({"x-kvroute-tenant": "no spaces allowed"}, "x-kvroute-tenant"),
+            ({"x-smg-priority": "whenever"}, "x-smg-priority"),
+            ({"x-llm-d-slo-ttft-ms": "-1"}, "x-llm-d-slo-ttft-ms"),
+            ({"authorization": "Bearer sk-acme", "x-kvroute-tenant": "globex"}, "x-kvroute-tenant"),
+        ]
         for headers, param in cases:
             resp = post(r.url, ids_body(), headers)
             assert resp.status_code == 400, resp.text
@@ -114,15 +118,33 @@ def test_bad_identity_headers_get_400_with_a_json_reason() -> None:
 def test_quota_shared_by_three_routers_within_5_percent() -> None:
     rate, burst = 5.0, 6000.0  # 100 requests of 60 tokens, plus 5 tokens/s
     quota = json.dumps({"t": {"tokens_per_s": rate, "burst_tokens": burst}})
-    with RedisServer() as redis, engines(("e0", []), ("e1", [])) as engs, \
-            _routers(engs, 3, "--redis-url", redis.url, "--tenants", quota, "--tenant-expected-routers", "3",
-                     "--redis-retry-max-s", "0.5") as rs:
+    with (
+        RedisServer() as redis,
+        engines(("e0", []), ("e1", [])) as engs,
+        _routers(
+            engs,
+            3,
+            "--redis-url",
+            redis.url,
+            "--tenants",
+            quota,
+            "--tenant-expected-routers",
+            "3",
+            "--redis-retry-max-s",
+            "0.5",
+        ) as rs,
+    ):
         for r in rs:
-            wait_until(lambda r=r: httpx.get(r.url + "/readyz").json()["tenants"]["budget_mode"] == "shared",
-                       timeout=10, what="shared budget")
+            wait_until(
+                lambda r=r: httpx.get(r.url + "/readyz").json()["tenants"]["budget_mode"] == "shared",
+                timeout=10,
+                what="shared budget",
+            )
         t0 = time.monotonic()
         with ThreadPoolExecutor(12) as pool:
-            resps = list(pool.map(lambda i: post(rs[i % 3].url, ids_body(), {"x-kvroute-tenant": "t"}), range(240)))
+            resps = list(
+                pool.map(lambda i: post(rs[i % 3].url, ids_body(), {"x-kvroute-tenant": "t"}), range(240))
+            )
         elapsed = time.monotonic() - t0
         admitted = sum(x.status_code == 200 for x in resps)
         refused = [x for x in resps if x.status_code != 200]
@@ -134,17 +156,27 @@ def test_quota_shared_by_three_routers_within_5_percent() -> None:
         assert int(x.headers["retry-after"]) >= 1
         per_router = [metric(r.url, "kvroute_tenant_requests_total", tenant="t") for r in rs]
         assert sum(per_router) == admitted and min(per_router) > 0  # every router took part
-        assert sum(metric(r.url, "kvroute_tenant_rejected_total", tenant="t", reason="quota") for r in rs) \
-            == len(refused)
+        assert sum(
+            metric(r.url, "kvroute_tenant_rejected_total", tenant="t", reason="quota") for r in rs
+        ) == len(refused)
 
 
 def test_priority_order_and_fair_shares_under_contention() -> None:
-    with engines(("e0", [])) as engs, \
-            router(engs, "--max-inflight-total", "1", "--max-queued-requests", "64", "--max-queue-wait-s", "60") as r:
+    with (
+        engines(("e0", [])) as engs,
+        router(
+            engs, "--max-inflight-total", "1", "--max-queued-requests", "64", "--max-queue-wait-s", "60"
+        ) as r,
+    ):
         out: dict[str, Any] = {}
         threads = [_hold_the_slot(r, engs[0], out)]
-        arrivals = [("shed0", "a", "sheddable"), ("shed1", "a", "sheddable"), ("std0", "a", "standard"),
-                    ("crit0", "b", "critical"), ("std1", "b", "standard")]
+        arrivals = [
+            ("shed0", "a", "sheddable"),
+            ("shed1", "a", "sheddable"),
+            ("std0", "a", "standard"),
+            ("crit0", "b", "critical"),
+            ("std1", "b", "standard"),
+        ]
         for n, (key, tenant, klass) in enumerate(arrivals, start=1):
             headers = {"x-kvroute-tenant": tenant, "x-kvroute-priority": klass}
             threads.append(_in_background(lambda h=headers: post(r.url, ids_body(), h), out, key))
@@ -154,17 +186,26 @@ def test_priority_order_and_fair_shares_under_contention() -> None:
         order = [k for k in out["_order"] if k != "hold"]
         assert all(out[k].status_code == 200 for k in order)
         # priority first; within a class, the two tenants alternate instead of arriving order
-        assert order == ["crit0", "std0", "std1", "shed0", "shed1"] or order == ["crit0", "std1", "std0", "shed0",
-                                                                                  "shed1"], order
+        assert order == ["crit0", "std0", "std1", "shed0", "shed1"] or order == [
+            "crit0",
+            "std1",
+            "std0",
+            "shed0",
+            "shed1",
+        ], order
 
         # -- a flood: tenant f queues 16 requests, then tenant q sends 3 ---------------------------------------
         out = {}
         threads = [_hold_the_slot(r, engs[0], out)]
         for i in range(16):
-            threads.append(_in_background(lambda: post(r.url, ids_body(), {"x-kvroute-tenant": "f"}), out, f"f{i}"))
+            threads.append(
+                _in_background(lambda: post(r.url, ids_body(), {"x-kvroute-tenant": "f"}), out, f"f{i}")
+            )
         wait_until(lambda: _queued(r.url) == 16, timeout=10, what="flood queued")
         for i in range(3):
-            threads.append(_in_background(lambda: post(r.url, ids_body(), {"x-kvroute-tenant": "q"}), out, f"q{i}"))
+            threads.append(
+                _in_background(lambda: post(r.url, ids_body(), {"x-kvroute-tenant": "q"}), out, f"q{i}")
+            )
         wait_until(lambda: _queued(r.url) >= 18, timeout=10, what="quiet tenant queued")
         for t in threads:
             t.join(timeout=60)
@@ -181,7 +222,9 @@ def test_slo_rejection_and_predicted_vs_observed_per_class() -> None:
         assert time.monotonic() - t0 < 2.0
         assert resp.status_code == 429, resp.text
         assert resp.json()["error"]["reason"] == "slo_unattainable"
-        assert resp.headers["x-kvroute-rejected-reason"] == "slo_unattainable" and "retry-after" in resp.headers
+        assert (
+            resp.headers["x-kvroute-rejected-reason"] == "slo_unattainable" and "retry-after" in resp.headers
+        )
         assert metric(r.url, "kvroute_tenant_rejected_total", tenant="s", reason="slo_unattainable") == 1
         easy = {"x-llm-d-slo-ttft-ms": "60000", "x-kvroute-tenant": "s", "x-kvroute-priority": "critical"}
         for _ in range(3):
@@ -198,9 +241,23 @@ def test_redis_down_and_up_during_admission() -> None:
     burst = 2400.0  # 40 requests shared; 20 per router while Redis is down (expected routers 2)
     quota = json.dumps({"t": {"tokens_per_s": 0.01, "burst_tokens": burst}})
     hdr = {"x-kvroute-tenant": "t"}
-    with RedisServer() as redis, engines(("e0", [])) as engs, \
-            _routers(engs, 2, "--redis-url", redis.url, "--tenants", quota, "--tenant-expected-routers", "2",
-                     "--redis-retry-max-s", "0.3") as rs:
+    with (
+        RedisServer() as redis,
+        engines(("e0", [])) as engs,
+        _routers(
+            engs,
+            2,
+            "--redis-url",
+            redis.url,
+            "--tenants",
+            quota,
+            "--tenant-expected-routers",
+            "2",
+            "--redis-retry-max-s",
+            "0.3",
+        ) as rs,
+    ):
+
         def mode(r: Router) -> str:
             return str(httpx.get(r.url + "/readyz", timeout=2).json()["tenants"]["budget_mode"])
 
@@ -227,18 +284,30 @@ def test_redis_down_and_up_during_admission() -> None:
 
 
 def test_streaming_request_is_never_preempted() -> None:
-    with engines(("e0", [])) as engs, \
-            router(engs, "--max-inflight-total", "1", "--max-queued-requests", "1", "--max-queue-wait-s", "30") as r:
+    with (
+        engines(("e0", [])) as engs,
+        router(
+            engs, "--max-inflight-total", "1", "--max-queued-requests", "1", "--max-queue-wait-s", "30"
+        ) as r,
+    ):
         # the stream goes silent for 6 s after its first token: it holds the only slot while the queue fills
-        assert httpx.post(engs[0].url + "/admin/faults", json={"stall_mid_stream_s": 6}, timeout=5).status_code == 200
+        assert (
+            httpx.post(engs[0].url + "/admin/faults", json={"stall_mid_stream_s": 6}, timeout=5).status_code
+            == 200
+        )
         shed = {"x-kvroute-priority": "sheddable", "x-kvroute-tenant": "a"}
         crit = {"x-kvroute-priority": "critical", "x-kvroute-tenant": "b"}
         got: list[str] = []
         started = threading.Event()
 
         def stream() -> None:
-            with httpx.stream("POST", r.url + "/v1/completions", json=ids_body(max_tokens=60, stream=True),
-                              headers=shed, timeout=60) as resp:
+            with httpx.stream(
+                "POST",
+                r.url + "/v1/completions",
+                json=ids_body(max_tokens=60, stream=True),
+                headers=shed,
+                timeout=60,
+            ) as resp:
                 assert resp.status_code == 200
                 for line in resp.iter_lines():
                     if line.startswith("data: "):
@@ -268,12 +337,17 @@ def test_streaming_request_is_never_preempted() -> None:
 
 def test_isolated_tenants_never_share_a_cached_prefix() -> None:
     tenants = json.dumps({"a": {"isolate_cache": True}, "b": {"isolate_cache": True}})
-    with engines(("e0", []), ("e1", [])) as engs, router(engs, "--tenants", tenants, "--predict-mode", "always") as r:
+    with (
+        engines(("e0", []), ("e1", [])) as engs,
+        router(engs, "--tenants", tenants, "--predict-mode", "always") as r,
+    ):
         prompt = list(range(2000, 2640))  # 40 blocks of 16
 
         def cached(tenant: str | None) -> int:
             headers = {"x-kvroute-tenant": tenant} if tenant else {}
-            d = httpx.post(r.url + "/route", json={"model": MODEL, "token_ids": prompt}, headers=headers).json()
+            d = httpx.post(
+                r.url + "/route", json={"model": MODEL, "token_ids": prompt}, headers=headers
+            ).json()
             return max(c["cached_tokens"] for c in d["candidates"])
 
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}

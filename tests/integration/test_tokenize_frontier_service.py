@@ -43,18 +43,42 @@ def without_merge(src: Path, dst: Path, token: str) -> Path:
 
 def start_router(engines: list[Engine], model_dir: Path, *extra: str) -> tuple[Proc, str]:
     port = free_port()
-    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--tokenizer-mode", "hf", "--tokenizer-path",
-            str(model_dir), "--scrape-interval-s", "0.5", "--probe-interval-s", "0.5", "--log-level", "warning",
-            "--connect-timeout-s", "10", "--probe-timeout-s", "5", *extra]
+    args = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tokenizer-mode",
+        "hf",
+        "--tokenizer-path",
+        str(model_dir),
+        "--scrape-interval-s",
+        "0.5",
+        "--probe-interval-s",
+        "0.5",
+        "--log-level",
+        "warning",
+        "--connect-timeout-s",
+        "10",
+        "--probe-timeout-s",
+        "5",
+        *extra,
+    ]
     for e in engines:
         args += ["--replica", e.spec()]
     router = Proc.kvroute(*args)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(url + "/readyz", timeout=30)
-        wait_until(lambda: all(r["kv_events"] and r["kv_events"]["connected"]
-                               for r in httpx.get(url + "/replicas", timeout=10).json()["replicas"]),
-                   timeout=30, what="KV event feeds connected")
+        wait_until(
+            lambda: all(
+                r["kv_events"] and r["kv_events"]["connected"]
+                for r in httpx.get(url + "/replicas", timeout=10).json()["replicas"]
+            ),
+            timeout=30,
+            what="KV event feeds connected",
+        )
     except BaseException:
         router.stop()
         raise
@@ -72,7 +96,9 @@ def cached_on(decision: dict[str, Any]) -> dict[str, int]:
     return {c["name"]: c["cached_tokens"] for c in decision["candidates"]}
 
 
-def test_new_long_prompt_goes_as_text_and_its_extension_matches_the_held_depth_with_ids(tmp_path: Path) -> None:
+def test_new_long_prompt_goes_as_text_and_its_extension_matches_the_held_depth_with_ids(
+    tmp_path: Path,
+) -> None:
     model_dir = build_model_dir(tmp_path / "model")
     engine_dir = without_merge(model_dir, tmp_path / "engine", "Ġmountain")
     ours = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -83,9 +109,17 @@ def test_new_long_prompt_goes_as_text_and_its_extension_matches_the_held_depth_w
         engines = [start_engine("a", engine_dir, 0), start_engine("b", engine_dir, 1)]
         for e in engines:
             wait_http_ok(e.url + "/health", timeout=30)
-        router, url = start_router(engines, model_dir, "--policy", "ttft", "--tokenize-lookahead-chars", "2048")
-        wait_until(lambda: {r["token_ids"] for r in httpx.get(url + "/replicas", timeout=10).json()["replicas"]}
-                   == {"verified"}, timeout=60, what="both replicas take token ids (the probes agree)")
+        router, url = start_router(
+            engines, model_dir, "--policy", "ttft", "--tokenize-lookahead-chars", "2048"
+        )
+        wait_until(
+            lambda: (
+                {r["token_ids"] for r in httpx.get(url + "/replicas", timeout=10).json()["replicas"]}
+                == {"verified"}
+            ),
+            timeout=60,
+            what="both replicas take token ids (the probes agree)",
+        )
 
         rnd = random.Random(5)
         plain = [w for w in WORDS if w != "mountain"]
@@ -102,7 +136,9 @@ def test_new_long_prompt_goes_as_text_and_its_extension_matches_the_held_depth_w
 
         sent_ids = metric(url, "kvroute_token_id_prompts_total")
         partial = metric(url, "kvroute_partial_ids_requests_total")
-        r1 = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": p1, "max_tokens": 2}, timeout=30)
+        r1 = httpx.post(
+            url + "/v1/completions", json={"model": MODEL, "prompt": p1, "max_tokens": 2}, timeout=30
+        )
         assert r1.status_code == 200, r1.text
         holder = r1.headers["x-kvroute-replica"]
         assert r1.json()["usage"]["prompt_tokens"] == n1 + 1  # the engine tokenized the text itself
@@ -118,23 +154,31 @@ def test_new_long_prompt_goes_as_text_and_its_extension_matches_the_held_depth_w
         p2 = p1 + " " + " ".join(rnd.choices(plain, k=400))
         n2 = len(ours.encode(p2).ids)
         body2 = {"model": MODEL, "prompt": p2}
-        wait_until(lambda: cached_on(route(url, body2))[holder] == held, timeout=20,
-                   what=f"the held depth of p1 on {holder} ({held} tokens) matched by /route")
+        wait_until(
+            lambda: cached_on(route(url, body2))[holder] == held,
+            timeout=20,
+            what=f"the held depth of p1 on {holder} ({held} tokens) matched by /route",
+        )
         d2 = route(url, body2)
         assert d2["chosen"]["name"] == holder
         assert d2["prompt_tokens_estimated"] is False and d2["prompt_tokens"] == d2["tokenized_tokens"] == n2
-        r2 = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": p2, "max_tokens": 2}, timeout=30)
+        r2 = httpx.post(
+            url + "/v1/completions", json={"model": MODEL, "prompt": p2, "max_tokens": 2}, timeout=30
+        )
         assert r2.status_code == 200, r2.text
         assert r2.headers["x-kvroute-replica"] == holder
-        assert r2.json()["usage"]["prompt_tokens"] == n2  # the router's ids (the engine's own count is n2 + 1)
+        assert (
+            r2.json()["usage"]["prompt_tokens"] == n2
+        )  # the router's ids (the engine's own count is n2 + 1)
         assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= held
         assert metric(url, "kvroute_token_id_prompts_total") == sent_ids + 1
 
         # chat: the rendered template text walks the same way (a new long chat is routed on partial ids)
         before = metric(url, "kvroute_partial_ids_requests_total")
         msgs = [{"role": "user", "content": " ".join(rnd.choices(plain, k=1500))}]
-        rc = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 2},
-                        timeout=30)
+        rc = httpx.post(
+            url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 2}, timeout=30
+        )
         assert rc.status_code == 200, rc.text
         assert metric(url, "kvroute_partial_ids_requests_total") == before + 1
     finally:
@@ -152,15 +196,28 @@ def test_prompt_scope_tokenizes_whole_and_forwards_ids(tmp_path: Path) -> None:
     router: Proc | None = None
     try:
         wait_http_ok(engine.url + "/health", timeout=30)
-        router, url = start_router([engine], model_dir, "--policy", "ttft", "--tokenize-scope", "prompt",
-                                   "--tokenize-lookahead-chars", "2048")
-        wait_until(lambda: httpx.get(url + "/replicas", timeout=10).json()["replicas"][0]["token_ids"]
-                   == "verified", timeout=60, what="the replica takes token ids")
+        router, url = start_router(
+            [engine],
+            model_dir,
+            "--policy",
+            "ttft",
+            "--tokenize-scope",
+            "prompt",
+            "--tokenize-lookahead-chars",
+            "2048",
+        )
+        wait_until(
+            lambda: httpx.get(url + "/replicas", timeout=10).json()["replicas"][0]["token_ids"] == "verified",
+            timeout=60,
+            what="the replica takes token ids",
+        )
         p = " ".join(random.Random(6).choices(WORDS, k=1500))
         n = len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(p).ids)
         d = route(url, {"model": MODEL, "prompt": p})
         assert d["prompt_tokens_estimated"] is False and d["prompt_tokens"] == d["tokenized_tokens"] == n
-        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 2}, timeout=30)
+        r = httpx.post(
+            url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 2}, timeout=30
+        )
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == n
         assert metric(url, "kvroute_token_id_prompts_total") == 1.0
         assert metric(url, "kvroute_partial_ids_requests_total") == 0.0
@@ -175,8 +232,9 @@ def test_decisions_agree_with_whole_prompt_tokenization_on_a_trace_slice(tmp_pat
     from loadtest.workload import WorkloadOptions, build_workload, ensure_model_dir
 
     model_dir = ensure_model_dir(tmp_path / "bench-model")
-    reqs = build_workload(WorkloadOptions(trace=shared_trace(), duration_s=60.0, max_requests=24,
-                                          max_output_tokens=2))
+    reqs = build_workload(
+        WorkloadOptions(trace=shared_trace(), duration_s=60.0, max_requests=24, max_output_tokens=2)
+    )
     engines: list[Engine] = []
     routers: list[Proc] = []
     try:
@@ -199,14 +257,21 @@ def test_decisions_agree_with_whole_prompt_tokenization_on_a_trace_slice(tmp_pat
                 seen.append((a, b))
                 return a["chosen"]["name"] == b["chosen"]["name"] and cached_on(a) == cached_on(b)
 
-            wait_until(agree, timeout=15, what="the same decision from both routers "
-                       f"(last: {[(d['chosen']['name'], cached_on(d)) for d in seen[-1]] if seen else None})")
+            wait_until(
+                agree,
+                timeout=15,
+                what="the same decision from both routers "
+                f"(last: {[(d['chosen']['name'], cached_on(d)) for d in seen[-1]] if seen else None})",
+            )
             a, b = seen[-1]
             assert b["prompt_tokens_estimated"] is False
             partial += a["prompt_tokens_estimated"]
             chosen = a["chosen"]["name"]
-            r = httpx.post(by_name[chosen].url + "/v1/completions",
-                           json={"model": MODEL, "prompt": req.prompt, "max_tokens": 2}, timeout=60)
+            r = httpx.post(
+                by_name[chosen].url + "/v1/completions",
+                json={"model": MODEL, "prompt": req.prompt, "max_tokens": 2},
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
             full = BS * (r.json()["usage"]["prompt_tokens"] // BS) - BS
 

@@ -41,11 +41,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def real_fleet(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
+def real_fleet(
+    vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealFleet]:
     """Two real engines: r0 (400 blocks of 32 tokens) on CPU 0, r1 (128 blocks, for eviction) on CPU 1."""
     cpus = sorted(os.sched_getaffinity(0))
-    specs = [EngineSpec("r0", cpu=cpus[0], gpu_blocks=400),
-             EngineSpec("r1", cpu=cpus[-1], gpu_blocks=128, max_model_len=2048)]
+    specs = [
+        EngineSpec("r0", cpu=cpus[0], gpu_blocks=400),
+        EngineSpec("r1", cpu=cpus[-1], gpu_blocks=128, max_model_len=2048),
+    ]
     fleet = RealFleet(vllm_python, model_dir, specs, tmp_path_factory.mktemp("engine-logs"))
     with fleet:
         fleet.start()

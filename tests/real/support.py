@@ -49,14 +49,37 @@ class Router:
         return int(next(c for c in d["candidates"] if c["name"] == replica)["cached_tokens"])
 
 
-def start_router(engines: Sequence[RealEngine], model_dir: Path, *extra: str, wait_feeds: bool = True) -> Router:
+def start_router(
+    engines: Sequence[RealEngine], model_dir: Path, *extra: str, wait_feeds: bool = True
+) -> Router:
     """Start ``kvroute serve`` (ttft, hf tokenizer, block size 32 unless ``extra`` says otherwise) in front of
     ``engines``; wait until every replica is routable and (``wait_feeds``) every KV feed is connected."""
     port = free_port()
-    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--policy", "ttft",
-            "--tokenizer-mode", "hf", "--tokenizer-path", str(model_dir), "--scrape-interval-s", "0.5",
-            "--probe-interval-s", "0.5", "--log-level", "warning", "--connect-timeout-s", "10",
-            "--probe-timeout-s", "5", "--tokenize-timeout-s", "10"]
+    args = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "ttft",
+        "--tokenizer-mode",
+        "hf",
+        "--tokenizer-path",
+        str(model_dir),
+        "--scrape-interval-s",
+        "0.5",
+        "--probe-interval-s",
+        "0.5",
+        "--log-level",
+        "warning",
+        "--connect-timeout-s",
+        "10",
+        "--probe-timeout-s",
+        "5",
+        "--tokenize-timeout-s",
+        "10",
+    ]
     if "--block-size" not in extra:
         args += ["--block-size", str(BLOCK)]
     for e in engines:
@@ -66,11 +89,17 @@ def start_router(engines: Sequence[RealEngine], model_dir: Path, *extra: str, wa
     try:
         wait_http_ok(router.url + "/readyz", timeout=60)
         n = len(engines)
-        wait_until(lambda: httpx.get(router.url + "/readyz", timeout=5).json().get("routable_replicas") == n,
-                   timeout=60, what=f"{n} routable replicas")
+        wait_until(
+            lambda: httpx.get(router.url + "/readyz", timeout=5).json().get("routable_replicas") == n,
+            timeout=60,
+            what=f"{n} routable replicas",
+        )
         if wait_feeds:
-            wait_until(lambda: all(r["kv_events"] and r["kv_events"].get("connected") for r in router.replicas()),
-                       timeout=60, what="KV event feeds connected")
+            wait_until(
+                lambda: all(r["kv_events"] and r["kv_events"].get("connected") for r in router.replicas()),
+                timeout=60,
+                what="KV event feeds connected",
+            )
     except BaseException:
         print(proc.stop()[-4000:])
         raise
@@ -117,7 +146,9 @@ def chat(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> httpx.Resp
 def cached_of(resp: httpx.Response) -> int:
     """Engine-reported cached prompt tokens of a non-streamed answer."""
     details = resp.json()["usage"]["prompt_tokens_details"]
-    assert details is not None, "engine sent no prompt_tokens_details (--enable-prompt-tokens-details missing?)"
+    assert details is not None, (
+        "engine sent no prompt_tokens_details (--enable-prompt-tokens-details missing?)"
+    )
     return int(details["cached_tokens"])
 
 
@@ -131,7 +162,7 @@ def sse_events(resp: httpx.Response) -> list[Any]:
     out: list[Any] = []
     for line in resp.text.splitlines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 

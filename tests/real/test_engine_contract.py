@@ -48,17 +48,26 @@ def test_multi_turn_predictions_equal_engine_cached_tokens(router: Callable[...,
                 assert cached_of(resp) > 0, "a later turn must reuse its conversation's prefix"
             prompt_tokens = int(resp.json()["usage"]["prompt_tokens"])
             # the engine's events for this request land in the index before the next turn is routed
-            wait_until(lambda b=body, rep=replica, n=prompt_tokens: r.predicted(b, rep) == full_hit(n),
-                       timeout=15, what="the served prompt confirmed in the index")
+            wait_until(
+                lambda b=body, rep=replica, n=prompt_tokens: r.predicted(b, rep) == full_hit(n),
+                timeout=15,
+                what="the served prompt confirmed in the index",
+            )
             conv.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
     assert sum(served.values()) == 9
 
 
 def test_metrics_scraped_under_vllms_real_names(real_fleet: RealFleet, router: Callable[..., Router]) -> None:
     samples = scrape_samples(engine_url(real_fleet, "r0"))
-    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info",
-                 "process_start_time_seconds"):
+    for name in (
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:cache_config_info",
+        "process_start_time_seconds",
+    ):
         assert name in samples, f"{name} missing from vLLM's /metrics"
     r = router(("r0", "r1"))
 
@@ -75,8 +84,9 @@ def test_metrics_scraped_under_vllms_real_names(real_fleet: RealFleet, router: C
 
 
 @pytest.mark.parametrize("mode", ["hf", "engine"])
-def test_tokenize_and_chat_template_agree_with_the_engine(real_fleet: RealFleet,
-                                                          router: Callable[..., Router], mode: str) -> None:
+def test_tokenize_and_chat_template_agree_with_the_engine(
+    real_fleet: RealFleet, router: Callable[..., Router], mode: str
+) -> None:
     extra = ("--tokenizer-mode", "engine") if mode == "engine" else ()
     r = router(("r0",), *extra)
     url = engine_url(real_fleet, "r0")
@@ -84,13 +94,18 @@ def test_tokenize_and_chat_template_agree_with_the_engine(real_fleet: RealFleet,
     text = words(rnd, 150)
     messages = [{"role": "system", "content": words(rnd, 100)}, {"role": "user", "content": words(rnd, 30)}]
     assert r.route({"prompt": text})["prompt_tokens"] == len(engine_tokenize(url, {"prompt": text}))
-    assert r.route({"messages": messages})["prompt_tokens"] == len(engine_tokenize(url, {"messages": messages}))
+    assert r.route({"messages": messages})["prompt_tokens"] == len(
+        engine_tokenize(url, {"messages": messages})
+    )
     # same ids, not only the same count: a repeat is predicted to hit exactly what the engine reuses
     for body, send in (({"prompt": text}, complete), ({"messages": messages}, chat)):
         first = send(r.url, body)
         n = int(first.json()["usage"]["prompt_tokens"])
-        wait_until(lambda b=body, n=n: r.predicted(b, "r0") == full_hit(n), timeout=15,
-                   what="first request confirmed in the index")
+        wait_until(
+            lambda b=body, n=n: r.predicted(b, "r0") == full_hit(n),
+            timeout=15,
+            what="first request confirmed in the index",
+        )
         again = send(r.url, body)
         assert cached_of(again) == full_hit(n) > 0
         assert predicted_of(again) == cached_of(again)
@@ -100,8 +115,15 @@ def test_streaming_through_the_router(router: Callable[..., Router]) -> None:
     r = router(("r0", "r1"))
     rnd = random.Random(4)
     messages = [{"role": "system", "content": words(rnd, 90)}, {"role": "user", "content": words(rnd, 20)}]
-    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     for _ in range(2):
         with httpx.Client(timeout=120) as client:
             resp = client.post(r.url + "/v1/chat/completions", json=body)
@@ -112,11 +134,16 @@ def test_streaming_through_the_router(router: Callable[..., Router]) -> None:
         assert chunks and chunks[-1]["choices"][0]["finish_reason"] == "length"
         usage = events[-2]["usage"]
         assert usage["completion_tokens"] == 8 and not events[-2]["choices"]
-        assert int(resp.headers["x-kvroute-predicted-cached-tokens"]) == usage["prompt_tokens_details"][
-            "cached_tokens"]
+        assert (
+            int(resp.headers["x-kvroute-predicted-cached-tokens"])
+            == usage["prompt_tokens_details"]["cached_tokens"]
+        )
         served_by, n = resp.headers["x-kvroute-replica"], int(usage["prompt_tokens"])
-        wait_until(lambda s=served_by, n=n: r.predicted({"messages": messages}, s) == full_hit(n), timeout=15,
-                   what="streamed prompt in the index")
+        wait_until(
+            lambda s=served_by, n=n: r.predicted({"messages": messages}, s) == full_hit(n),
+            timeout=15,
+            what="streamed prompt in the index",
+        )
     assert usage["prompt_tokens_details"]["cached_tokens"] == full_hit(usage["prompt_tokens"])
     # real vLLM's token events went to the client from the engine connection's read callback (router.proxy)
     assert metric(r.url, "kvroute_relayed_pieces_total", path="direct") > 0
@@ -127,16 +154,28 @@ def test_stream_framing(real_fleet: RealFleet) -> None:
     stand-in copies (``test_fake_engine_vllm_parity.py::test_stream_framing_like_vllm``) and the router's direct
     relay is shaped for (a piece of one event takes the validator's fast path)."""
     url = engine_url(real_fleet, "r0")
-    chat = http_chunks(url, "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "hi there " * 20}], "max_tokens": 6,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    chat = http_chunks(
+        url,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi there " * 20}],
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert all(c.count(b"\n\n") == 1 for c in chat) and chat[-1] == b"data: [DONE]\n\n", chat
     events = [orjson.loads(c[6:]) for c in chat[:-1]]
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all("role" not in e["choices"][0]["delta"] for e in events[1:] if e["choices"])
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
-    completions = http_chunks(url, "/v1/completions", {"model": MODEL, "prompt": "hello world " * 20,
-                                                       "max_tokens": 6, "ignore_eos": True, "stream": True})
+    completions = http_chunks(
+        url,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hello world " * 20, "max_tokens": 6, "ignore_eos": True, "stream": True},
+    )
     assert len(completions) >= 2 and all(c.count(b"\n\n") == 1 for c in completions), completions
 
 

@@ -33,15 +33,19 @@ from tests.real.support import (
 )
 
 
-def test_router_started_next_to_an_idle_engine_knows_its_cache(real_fleet: RealFleet,
-                                                               router: Callable[..., Router]) -> None:
+def test_router_started_next_to_an_idle_engine_knows_its_cache(
+    real_fleet: RealFleet, router: Callable[..., Router]
+) -> None:
     rnd = random.Random(11)
     conv = [{"role": "system", "content": words(rnd, 150)}, {"role": "user", "content": words(rnd, 30)}]
     warm = chat(engine_url(real_fleet, "r0"), {"messages": conv})  # straight to the engine: no router yet
     n = int(warm.json()["usage"]["prompt_tokens"])
     r = router(("r0",))  # the engine is idle from now on: it publishes nothing until it serves again
-    wait_until(lambda: r.predicted({"messages": conv}, "r0") == full_hit(n), timeout=20,
-               what="the idle engine's cache known to a router started after it was filled")
+    wait_until(
+        lambda: r.predicted({"messages": conv}, "r0") == full_hit(n),
+        timeout=20,
+        what="the idle engine's cache known to a router started after it was filled",
+    )
     again = chat(r.url, {"messages": conv})
     assert cached_of(again) == full_hit(n) == predicted_of(again)
 
@@ -78,17 +82,24 @@ def test_cached_token_feedback_from_streams_without_include_usage(router: Callab
         assert events[-1] == "[DONE]"
         assert all(not e.get("usage") for e in events[:-1]), "usage shown to a client that did not ask"
         predicted.append(int(resp.headers["x-kvroute-predicted-cached-tokens"]))
-        wait_until(lambda: r.predicted({"prompt": body["prompt"]}, "r0") > 0, timeout=15,
-                   what="the streamed prompt in the index")
+        wait_until(
+            lambda: r.predicted({"prompt": body["prompt"]}, "r0") > 0,
+            timeout=15,
+            what="the streamed prompt in the index",
+        )
     assert predicted[1] > 0
-    wait_until(lambda: metric(r.url, "kvroute_prompt_tokens_total") > prompt0, timeout=10,
-               what="the router counting prompt tokens from the engine's usage")
+    wait_until(
+        lambda: metric(r.url, "kvroute_prompt_tokens_total") > prompt0,
+        timeout=10,
+        what="the router counting prompt tokens from the engine's usage",
+    )
     got_engine = metric(r.url, "kvroute_engine_cached_tokens_total") - engine0
     assert got_engine == predicted[1], "the engine's cached tokens of the second stream reached the router"
 
 
-def test_duplicate_block_copies_removed_once_stay_cached(real_fleet: RealFleet,
-                                                         router: Callable[..., Router]) -> None:
+def test_duplicate_block_copies_removed_once_stay_cached(
+    real_fleet: RealFleet, router: Callable[..., Router]
+) -> None:
     # vLLM does not de-duplicate cached blocks: a block-aligned prompt sent twice recomputes (and stores again)
     # its last block, so the engine holds two copies of that hash and evicts them one at a time
     r = router(("r1",))
@@ -96,15 +107,22 @@ def test_duplicate_block_copies_removed_once_stay_cached(real_fleet: RealFleet,
     rnd = random.Random(14)
     with EventTap(eng.events_url) as tap:
         reset_prefix_cache(eng.url)
-        wait_until(lambda: complete(eng.url, {"prompt": token_prompt(rnd, 8), "max_tokens": 1})
-                   and tap.batches, timeout=20, what="the test's own event subscription live")
+        wait_until(
+            lambda: complete(eng.url, {"prompt": token_prompt(rnd, 8), "max_tokens": 1}) and tap.batches,
+            timeout=20,
+            what="the test's own event subscription live",
+        )
         x = token_prompt(rnd, 2 * BLOCK)
         complete(eng.url, {"prompt": x, "max_tokens": 1})
         complete(eng.url, {"prompt": x, "max_tokens": 1})
 
         def copies_of_last_block() -> list[int]:
-            return [h for ev in tap.stored() for i, h in enumerate(ev.hashes)
-                    if list(ev.token_ids[i * BLOCK:(i + 1) * BLOCK]) == x[BLOCK:]]
+            return [
+                h
+                for ev in tap.stored()
+                for i, h in enumerate(ev.hashes)
+                if list(ev.token_ids[i * BLOCK : (i + 1) * BLOCK]) == x[BLOCK:]
+            ]
 
         wait_until(lambda: len(copies_of_last_block()) >= 2, timeout=10, what="the last block stored twice")
         second = copies_of_last_block()
@@ -119,18 +137,26 @@ def test_duplicate_block_copies_removed_once_stay_cached(real_fleet: RealFleet,
                 break
             y = token_prompt(rnd, BLOCK)
             complete(eng.url, {"prompt": y, "max_tokens": 1})
-            wait_until(lambda y=y: any(list(ev.token_ids[:BLOCK]) == y for ev in tap.stored()), timeout=10,
-                       interval=0.005, what="the tap has seen this request's block")
+            wait_until(
+                lambda y=y: any(list(ev.token_ids[:BLOCK]) == y for ev in tap.stored()),
+                timeout=10,
+                interval=0.005,
+                what="the tap has seen this request's block",
+            )
         assert tap.removed_hashes().count(h1) == 1, "expected exactly one copy of the block evicted"
     probe = {"prompt": x + token_prompt(rnd, 40)}
-    wait_until(lambda: r.predicted(probe, "r1") == 2 * BLOCK, timeout=15,
-               what="the surviving copy still counted in the index")
+    wait_until(
+        lambda: r.predicted(probe, "r1") == 2 * BLOCK,
+        timeout=15,
+        what="the surviving copy still counted in the index",
+    )
     resp = complete(r.url, probe)
     assert cached_of(resp) == 2 * BLOCK == predicted_of(resp)
 
 
-def test_restarted_idle_engine_is_cleared_from_the_index(real_fleet: RealFleet,
-                                                         router: Callable[..., Router]) -> None:
+def test_restarted_idle_engine_is_cleared_from_the_index(
+    real_fleet: RealFleet, router: Callable[..., Router]
+) -> None:
     r = router(("r1",))
     rnd = random.Random(15)
     body = {"prompt": token_prompt(rnd, 300)}
@@ -138,7 +164,10 @@ def test_restarted_idle_engine_is_cleared_from_the_index(real_fleet: RealFleet,
     wait_until(lambda: r.predicted(body, "r1") == full_hit(300), timeout=15, what="prompt in the index")
     eng = next(e for e in real_fleet.engines if e.name == "r1")
     real_fleet.restart(eng)  # a new process on the same ports: empty cache, silent until it serves
-    wait_until(lambda: r.predicted(body, "r1") == 0, timeout=30,
-               what="the restarted engine's replica cleared without waiting for its traffic")
+    wait_until(
+        lambda: r.predicted(body, "r1") == 0,
+        timeout=30,
+        what="the restarted engine's replica cleared without waiting for its traffic",
+    )
     again = complete(r.url, body)
     assert cached_of(again) == 0 == predicted_of(again)

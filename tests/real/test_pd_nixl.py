@@ -40,7 +40,9 @@ PROMPT_WORDS = 160
 
 
 @pytest.fixture(scope="module")
-def pd_fleet(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
+def pd_fleet(
+    vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealFleet]:
     """p0 (prefill) on the first CPU, d0 (decode) on the last, both with the NixlConnector."""
     cpus = sorted(os.sched_getaffinity(0))
     specs = nixl_pd_specs(cpus[0], cpus[-1], (free_port(), free_port()))
@@ -71,8 +73,10 @@ def _engine(fleet: RealFleet, name: str) -> str:
 
 def _transfers(d_url: str) -> tuple[float, float]:
     """(NIXL transfers d0 completed, prompt tokens d0 took from a KV transfer)."""
-    return (metric(d_url, "vllm:nixl_xfer_time_seconds_count"),
-            metric(d_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"))
+    return (
+        metric(d_url, "vllm:nixl_xfer_time_seconds_count"),
+        metric(d_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
+    )
 
 
 def _plan(router: Router, body: dict[str, Any]) -> dict[str, Any]:
@@ -99,13 +103,16 @@ def _sse_text(raw: str) -> str:
     return "".join(out)
 
 
-def test_nixl_relay_non_streaming_completion_matches_in_place(pd_fleet: RealFleet,
-                                                              pd_router: Callable[..., Router]) -> None:
+def test_nixl_relay_non_streaming_completion_matches_in_place(
+    pd_fleet: RealFleet, pd_router: Callable[..., Router]
+) -> None:
     router = pd_router()
     p_url, d_url = _engine(pd_fleet, "p0"), _engine(pd_fleet, "d0")
     body = {"prompt": words(random.Random(11), PROMPT_WORDS), "max_tokens": 8}
     plan = _plan(router, body)
-    assert plan["kind"] == "disaggregated" and plan["prefill"]["name"] == "p0" and plan["decode"]["name"] == "d0"
+    assert (
+        plan["kind"] == "disaggregated" and plan["prefill"]["name"] == "p0" and plan["decode"]["name"] == "d0"
+    )
     assert plan["terms"]["handoff"] > 0
     xfers, external = _transfers(d_url)
     prefills = metric(p_url, "vllm:request_success_total")
@@ -124,17 +131,27 @@ def test_nixl_relay_non_streaming_completion_matches_in_place(pd_fleet: RealFlee
     alone = _post(p_url, "/v1/completions", body).json()  # p0 in place, the same dummy weights
     assert out["choices"][0]["text"] == alone["choices"][0]["text"]
     # the router learns the link from d0's own NIXL histograms at its next scrape (0.5 s)
-    wait_until(lambda: metric(router.url, "kvroute_pd_link_samples_total", outcome="engine_accepted") >= 1,
-               timeout=10, what="an engine-reported transfer sample")
+    wait_until(
+        lambda: metric(router.url, "kvroute_pd_link_samples_total", outcome="engine_accepted") >= 1,
+        timeout=10,
+        what="an engine-reported transfer sample",
+    )
 
 
 def test_nixl_relay_streaming_chat(pd_fleet: RealFleet, pd_router: Callable[..., Router]) -> None:
     router = pd_router()
     d_url = _engine(pd_fleet, "d0")
-    body = {"messages": [{"role": "user", "content": words(random.Random(12), PROMPT_WORDS)}], "max_tokens": 6}
+    body = {
+        "messages": [{"role": "user", "content": words(random.Random(12), PROMPT_WORDS)}],
+        "max_tokens": 6,
+    }
     xfers, _ = _transfers(d_url)
-    with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=120,
-                      json={"model": MODEL, "temperature": 0.0, "stream": True, **body}) as r:
+    with httpx.stream(
+        "POST",
+        router.url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": MODEL, "temperature": 0.0, "stream": True, **body},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-kvroute-prefill-replica"] == "p0" and r.headers["x-kvroute-replica"] == "d0"
         raw = r.read().decode()
@@ -143,12 +160,19 @@ def test_nixl_relay_streaming_chat(pd_fleet: RealFleet, pd_router: Callable[...,
     assert _sse_text(raw) == alone["choices"][0]["message"]["content"]
 
 
-def test_nixl_client_leaving_mid_stream_frees_both_engines(pd_fleet: RealFleet,
-                                                           pd_router: Callable[..., Router]) -> None:
+def test_nixl_client_leaving_mid_stream_frees_both_engines(
+    pd_fleet: RealFleet, pd_router: Callable[..., Router]
+) -> None:
     router = pd_router()
     d_url = _engine(pd_fleet, "d0")
-    body = {"model": MODEL, "prompt": words(random.Random(13), PROMPT_WORDS), "max_tokens": 2000,
-            "temperature": 0.0, "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": words(random.Random(13), PROMPT_WORDS),
+        "max_tokens": 2000,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     generated = metric(d_url, "vllm:generation_tokens_total")
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
@@ -156,16 +180,24 @@ def test_nixl_client_leaving_mid_stream_frees_both_engines(pd_fleet: RealFleet,
 
     def idle() -> bool:
         engines = [_engine(pd_fleet, n) for n in ("p0", "d0")]
-        return all(metric(u, "vllm:num_requests_running") == 0 and metric(u, "vllm:num_requests_waiting") == 0
-                   for u in engines) and metric(router.url, "kvroute_replica_inflight_requests") == 0
+        return (
+            all(
+                metric(u, "vllm:num_requests_running") == 0 and metric(u, "vllm:num_requests_waiting") == 0
+                for u in engines
+            )
+            and metric(router.url, "kvroute_replica_inflight_requests") == 0
+        )
 
-    wait_until(idle, timeout=60, interval=0.2, what="both engines idle and nothing in flight after the client left")
+    wait_until(
+        idle, timeout=60, interval=0.2, what="both engines idle and nothing in flight after the client left"
+    )
     # d0 stopped decoding when the client left (it would otherwise have generated all 2000 tokens)
     assert metric(d_url, "vllm:generation_tokens_total") - generated < 2000
 
 
-def test_nixl_dead_prefill_engine_served_in_place_and_counted(pd_fleet: RealFleet,
-                                                              pd_router: Callable[..., Router]) -> None:
+def test_nixl_dead_prefill_engine_served_in_place_and_counted(
+    pd_fleet: RealFleet, pd_router: Callable[..., Router]
+) -> None:
     """Last in the module: it kills p0. Health probes and scrapes are slowed so that the request meets the dead
     prefill engine (the router has not noticed yet) rather than a plan that already avoids it."""
     router = pd_router("--probe-interval-s", "120", "--scrape-interval-s", "120")

@@ -16,7 +16,9 @@ from tests.helpers import wait_until
 from tests.real.support import Router, words
 
 
-def test_engine_killed_and_restarted_under_traffic(real_fleet: RealFleet, router: Callable[..., Router]) -> None:
+def test_engine_killed_and_restarted_under_traffic(
+    real_fleet: RealFleet, router: Callable[..., Router]
+) -> None:
     r = router(("r0", "r1"))
     rnd = random.Random(21)
     systems = [words(rnd, 100) for _ in range(4)]
@@ -30,12 +32,20 @@ def test_engine_killed_and_restarted_under_traffic(real_fleet: RealFleet, router
         with httpx.Client(timeout=120) as client:
             while not stop.is_set():
                 system = local.choice(systems) if local.random() < 0.5 else words(local, 100)
-                body = {"model": MODEL, "max_tokens": 4, "temperature": 0.0,
-                        "messages": [{"role": "system", "content": system},
-                                     {"role": "user", "content": words(local, 20)}]}
+                body = {
+                    "model": MODEL,
+                    "max_tokens": 4,
+                    "temperature": 0.0,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": words(local, 20)},
+                    ],
+                }
                 try:
                     resp = client.post(r.url + "/v1/chat/completions", json=body)
-                    results.append((time.monotonic(), resp.status_code, resp.headers.get("x-kvroute-replica", "")))
+                    results.append(
+                        (time.monotonic(), resp.status_code, resp.headers.get("x-kvroute-replica", ""))
+                    )
                 except httpx.HTTPError as exc:
                     results.append((time.monotonic(), 0, repr(exc)))
 
@@ -43,17 +53,26 @@ def test_engine_killed_and_restarted_under_traffic(real_fleet: RealFleet, router
     for t in threads:
         t.start()
     try:
-        wait_until(lambda: {rep for _, st, rep in results if st == 200} >= {"r0", "r1"}, timeout=60,
-                   what="traffic on both engines")
+        wait_until(
+            lambda: {rep for _, st, rep in results if st == 200} >= {"r0", "r1"},
+            timeout=60,
+            what="traffic on both engines",
+        )
         eng = next(e for e in real_fleet.engines if e.name == "r1")
         real_fleet.kill(eng)
         killed_at = time.monotonic()
-        wait_until(lambda: sum(1 for t, st, _ in results if t > killed_at + 1 and st == 200) >= 5, timeout=60,
-                   what="requests served while r1 is down")
+        wait_until(
+            lambda: sum(1 for t, st, _ in results if t > killed_at + 1 and st == 200) >= 5,
+            timeout=60,
+            what="requests served while r1 is down",
+        )
         real_fleet.restart(eng)  # already dead: starts it again on the same ports and waits until ready
         back_at = time.monotonic()
-        wait_until(lambda: any(t > back_at and rep == "r1" and st == 200 for t, st, rep in results),
-                   timeout=60, what="the restarted engine serving again")
+        wait_until(
+            lambda: any(t > back_at and rep == "r1" and st == 200 for t, st, rep in results),
+            timeout=60,
+            what="the restarted engine serving again",
+        )
     finally:
         stop.set()
         for t in threads:

@@ -25,8 +25,11 @@ def test_summary_fields_and_fidelity() -> None:
 
 
 def test_default_runs_are_the_three_routers_of_the_issue() -> None:
-    assert build_parser().parse_args([]).routers.split(",") == list(RUNS) == [
-        "kvroute_ttft", "kvroute_round_robin", "sglang_cache_aware"]
+    assert (
+        build_parser().parse_args([]).routers.split(",")
+        == list(RUNS)
+        == ["kvroute_ttft", "kvroute_round_robin", "sglang_cache_aware"]
+    )
 
 
 def test_both_benchmarks_compare_the_same_routers_and_parse_runs_alike() -> None:
@@ -34,7 +37,10 @@ def test_both_benchmarks_compare_the_same_routers_and_parse_runs_alike() -> None
     from loadtest.fleet import COMPARED_RUNS, parse_runs
 
     assert RUNS == COMPARED_RUNS and E2E_RUNS.items() >= COMPARED_RUNS.items()
-    assert parse_runs(" kvroute_ttft, sglang_cache_aware ,", list(RUNS)) == ["kvroute_ttft", "sglang_cache_aware"]
+    assert parse_runs(" kvroute_ttft, sglang_cache_aware ,", list(RUNS)) == [
+        "kvroute_ttft",
+        "sglang_cache_aware",
+    ]
     for bad in ("nope", "kvroute_ttft,nope", " , "):
         with pytest.raises(ValueError, match="unknown run.*choose from kvroute_ttft"):
             parse_runs(bad, list(RUNS))

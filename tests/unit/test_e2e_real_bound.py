@@ -58,13 +58,29 @@ def test_bounds_are_rates_and_capacity_only_lowers_them(model_dir: Path) -> None
 
 def test_identical_conversations_give_a_high_bound(model_dir: Path) -> None:
     conv = make_conversations(1, 3, 1, 200, 20, seed=5)[0]
-    bound, unlimited = workload_hit_rate_bounds(model_dir, [conv] * 8, concurrency=4, engines=2, gpu_blocks=96)
+    bound, unlimited = workload_hit_rate_bounds(
+        model_dir, [conv] * 8, concurrency=4, engines=2, gpu_blocks=96
+    )
     assert bound > 0.8 and unlimited >= bound
 
 
-def test_bound_only_prints_the_bounds_without_engines(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    rc = main(["--bound-only", "--json", "--conversations", "4", "--turns", "2", "--system-words", "60",
-               "--log-dir", str(tmp_path)])
+def test_bound_only_prints_the_bounds_without_engines(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    rc = main(
+        [
+            "--bound-only",
+            "--json",
+            "--conversations",
+            "4",
+            "--turns",
+            "2",
+            "--system-words",
+            "60",
+            "--log-dir",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"hit_rate_bound", "hit_rate_bound_unlimited"}

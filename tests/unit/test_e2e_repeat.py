@@ -17,8 +17,17 @@ from loadtest.traces import Request
 
 
 def _run(hit: float, p99: float, errors: int) -> dict[str, object]:
-    return {"hit_rate": hit, "ttft_p50_s": 1.0, "ttft_p99_s": p99, "throughput_rps": 6.0, "errors": errors,
-            "router_cpu_s_per_1k": 30.0, "requests": 918, "router": "kvroute", "policy": "ttft"}
+    return {
+        "hit_rate": hit,
+        "ttft_p50_s": 1.0,
+        "ttft_p99_s": p99,
+        "throughput_rps": 6.0,
+        "errors": errors,
+        "router_cpu_s_per_1k": 30.0,
+        "requests": 918,
+        "router": "kvroute",
+        "policy": "ttft",
+    }
 
 
 def test_combine_runs_means_sd_and_sums() -> None:
@@ -48,20 +57,32 @@ def test_cache_first_run_is_the_ttft_cache_first_policy() -> None:
     assert RUNS["kvroute_ttft_cache_first"] == ("kvroute", "ttft_cache_first")
     # by default every run is made: the three, then the cache-first one
     assert build_parser().parse_args([]).routers.split(",") == [
-        "kvroute_ttft", "kvroute_round_robin", "sglang_cache_aware", "kvroute_ttft_cache_first"]
+        "kvroute_ttft",
+        "kvroute_round_robin",
+        "sglang_cache_aware",
+        "kvroute_ttft_cache_first",
+    ]
 
 
 def test_table_reports_each_kvroute_ttft_run_against_sglang() -> None:
-    results = {"kvroute_ttft": _run(0.05, 8.0, 0), "kvroute_ttft_cache_first": _run(0.066, 9.0, 0),
-               "sglang_cache_aware": _run(0.06, 12.0, 0)}
+    results = {
+        "kvroute_ttft": _run(0.05, 8.0, 0),
+        "kvroute_ttft_cache_first": _run(0.066, 9.0, 0),
+        "sglang_cache_aware": _run(0.06, 12.0, 0),
+    }
     table = format_table(results)
     assert "kvroute_ttft / sglang_cache_aware: hit_rate x0.83, ttft_p99 x0.67" in table
     assert "kvroute_ttft_cache_first / sglang_cache_aware: hit_rate x1.10, ttft_p99 x0.75" in table
 
 
 def _req(i: int, segments: tuple[tuple[int, int], ...]) -> Request:
-    return Request(request_id=f"r{i}", arrival_s=float(i), prompt_tokens=sum(n for _, n in segments),
-                   output_tokens=4, segments=segments)
+    return Request(
+        request_id=f"r{i}",
+        arrival_s=float(i),
+        prompt_tokens=sum(n for _, n in segments),
+        output_tokens=4,
+        segments=segments,
+    )
 
 
 def test_slice_bound_is_one_shared_lru_over_the_fleets_blocks() -> None:

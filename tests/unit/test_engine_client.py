@@ -32,7 +32,9 @@ class RawServer:
     and requests.
     """
 
-    def __init__(self, answer: Callable[[bytes], tuple[bytes, bool]], tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, answer: Callable[[bytes], tuple[bytes, bool]], tls: ssl.SSLContext | None = None
+    ) -> None:
         self.answer = answer
         self.tls = tls
         self.connections = 0
@@ -86,7 +88,11 @@ def chunked(*parts: bytes, status: int = 200, ctype: bytes = b"text/event-stream
 
 def sized(body: bytes, status: int = 200, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (
-        status, len(body), extra, body)
+        status,
+        len(body),
+        extra,
+        body,
+    )
 
 
 @pytest.fixture
@@ -99,7 +105,9 @@ async def pool() -> AsyncIterator[EnginePool]:
 async def test_chunked_stream_is_decoded_and_the_connection_reused(pool: EnginePool) -> None:
     async with RawServer(lambda req: (chunked(b"data: 1\n\n", b"data: [DONE]\n\n"), False)) as srv:
         for i in range(3):
-            r = await pool.post(srv.url, "/v1/completions", b'{"a": %d}' % i, {"content-type": "application/json"})
+            r = await pool.post(
+                srv.url, "/v1/completions", b'{"a": %d}' % i, {"content-type": "application/json"}
+            )
             assert r.status == 200 and r.headers["content-type"] == "text/event-stream"
             assert await r.read_all() == b"data: 1\n\ndata: [DONE]\n\n"
             assert r.complete
@@ -119,13 +127,18 @@ async def test_content_length_body_and_default_headers() -> None:
             r = await pool.post(srv.url, "/x", b"{}", {"x-request-id": "r1"})
             assert (r.status, await r.read_chunk(), await r.read_chunk()) == (200, b'{"ok": true}', b"")
             r.release()
-            assert b"authorization: Bearer k\r\n" in srv.requests[0] and b"x-request-id: r1\r\n" in srv.requests[0]
+            assert (
+                b"authorization: Bearer k\r\n" in srv.requests[0]
+                and b"x-request-id: r1\r\n" in srv.requests[0]
+            )
     finally:
         await pool.aclose()
 
 
 async def test_body_delimited_by_close_and_connection_close_are_not_reused(pool: EnginePool) -> None:
-    async with RawServer(lambda req: (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil close", True)) as srv:
+    async with RawServer(
+        lambda req: (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil close", True)
+    ) as srv:
         for _ in range(2):
             r = await pool.post(srv.url, "/", b"", {})
             assert await r.read_all() == b"until close"
@@ -309,6 +322,7 @@ async def test_at_end_only_once_the_whole_body_was_received_and_read(pool: Engin
 
 # -- limits on what engines send back (issue 24, item 7) ---------------------------------------------------------
 
+
 async def test_response_headers_over_the_byte_limit_fail_the_response() -> None:
     pool = EnginePool(max_header_bytes=4096)
     endless = b"HTTP/1.1 200 OK\r\nx-big: " + b"h" * (1 << 20)  # one 1 MiB header line, never finished
@@ -366,6 +380,7 @@ async def test_read_body_stops_at_the_byte_limit_and_on_silence(pool: EnginePool
 
 # -- TLS to engines (issue 24, item 9) -----------------------------------------------------------------------
 
+
 def _self_signed(tmp: Path) -> tuple[Path, ssl.SSLContext]:
     from tests.integration.engine_standins import self_signed, server_context
 
@@ -378,8 +393,9 @@ async def test_https_engine_with_a_trusted_ca(tmp_path: Path) -> None:
     client_ctx = ssl.create_default_context(cafile=str(cert))
     pool = EnginePool(ssl_context=client_ctx)
     try:
-        async with RawServer(lambda req: (chunked(b"data: 1\n\n", b"data: [DONE]\n\n"), False),
-                             tls=server_ctx) as srv:
+        async with RawServer(
+            lambda req: (chunked(b"data: 1\n\n", b"data: [DONE]\n\n"), False), tls=server_ctx
+        ) as srv:
             for _ in range(2):
                 r = await pool.post(srv.url, "/v1/completions", b"{}", {})
                 assert r.status == 200 and await r.read_all() == b"data: 1\n\ndata: [DONE]\n\n"

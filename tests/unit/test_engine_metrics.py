@@ -102,8 +102,9 @@ vllm:generation_tokens_total{} -0.0
 """
 
 
-@pytest.mark.parametrize("name", ["vllm_v1.prom", "vllm_v0.prom", "sglang_colon.prom", "sglang_underscore.prom",
-                                  "tricky"])
+@pytest.mark.parametrize(
+    "name", ["vllm_v1.prom", "vllm_v0.prom", "sglang_colon.prom", "sglang_underscore.prom", "tricky"]
+)
 def test_fast_sample_parser_equals_prometheus_client(name: str) -> None:
     """The line parser the scraper uses gives prometheus_client's samples (names, labels, values; NaN dropped)."""
     import math
@@ -122,8 +123,11 @@ def test_fast_sample_parser_equals_prometheus_client(name: str) -> None:
     assert bad == 0 and got == expected
     if name == "tricky":
         assert got["vllm:num_requests_waiting"][1][0]["model_name"] == 'a "quoted" name, with {braces}'
-        assert got["vllm:cache_config_info"][0][0] == {"block_size": "16", "path": "C:\\models\\x",
-                                                        "note": "two\nlines"}
+        assert got["vllm:cache_config_info"][0][0] == {
+            "block_size": "16",
+            "path": "C:\\models\\x",
+            "note": "two\nlines",
+        }
         assert got["vllm:time_to_first_token_seconds_bucket"][0] == ({"engine": "0", "le": "+Inf"}, 12.0)
 
 
@@ -148,7 +152,14 @@ vllm:request_prompt_tokens_sum{{engine="0"}} {prompt_sum}
 
 
 def _page(**kw: object) -> str:
-    values: dict[str, object] = {"waiting": 3, "running": 2, "kv": 0.5, "bs": 32, "blocks": 400, "prompt_sum": 4000}
+    values: dict[str, object] = {
+        "waiting": 3,
+        "running": 2,
+        "kv": 0.5,
+        "bs": 32,
+        "blocks": 400,
+        "prompt_sum": 4000,
+    }
     values.update(kw)
     return _VLLM_PAGE.format(**values)
 
@@ -161,15 +172,18 @@ def test_out_of_range_queue_is_unknown_and_listed(waiting: str) -> None:
     assert s.running_requests == 2 and s.kv_usage == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize(("field", "kw"), [
-    ("running_requests", {"running": "-1"}),
-    ("kv_usage", {"kv": "1.5"}),
-    ("kv_usage", {"kv": "-0.1"}),
-    ("block_size", {"bs": "0"}),
-    ("block_size", {"bs": "inf"}),
-    ("num_gpu_blocks", {"blocks": "1e400"}),
-    ("prompt_tokens", {"prompt_sum": "-1"}),
-])
+@pytest.mark.parametrize(
+    ("field", "kw"),
+    [
+        ("running_requests", {"running": "-1"}),
+        ("kv_usage", {"kv": "1.5"}),
+        ("kv_usage", {"kv": "-0.1"}),
+        ("block_size", {"bs": "0"}),
+        ("block_size", {"bs": "inf"}),
+        ("num_gpu_blocks", {"blocks": "1e400"}),
+        ("prompt_tokens", {"prompt_sum": "-1"}),
+    ],
+)
 def test_every_out_of_range_field_is_unknown(field: str, kw: dict[str, str]) -> None:
     s = parse_metrics(_page(**kw))
     assert getattr(s, field) is None and field in s.rejected, (field, s)

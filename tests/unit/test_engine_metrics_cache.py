@@ -13,8 +13,10 @@ from membership.engine_metrics import _samples, parse_metrics
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 
 
-@pytest.mark.parametrize("name,dialect", [("vllm_0.32.0_cpu_real.prom", "vllm"), ("vllm_v1.prom", "vllm"),
-                                          ("sglang_colon.prom", "sglang")])
+@pytest.mark.parametrize(
+    "name,dialect",
+    [("vllm_0.32.0_cpu_real.prom", "vllm"), ("vllm_v1.prom", "vllm"), ("sglang_colon.prom", "sglang")],
+)
 def test_warm_cache_parses_like_a_cold_one(name: str, dialect: str) -> None:
     text = (FIXTURES / name).read_text()
     engine_metrics._LABEL_CACHE.clear()
@@ -26,7 +28,9 @@ def test_warm_cache_parses_like_a_cold_one(name: str, dialect: str) -> None:
     assert parse_metrics(text, dialect) == cold
 
 
-def test_malformed_bodies_are_cached_as_malformed_and_the_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_malformed_bodies_are_cached_as_malformed_and_the_cache_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     page = 'a{x="1"} 1\nb{x=1} 2\nb{x=1} 3\n'
     engine_metrics._LABEL_CACHE.clear()
     for _ in range(2):

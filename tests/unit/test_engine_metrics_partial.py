@@ -12,7 +12,13 @@ from membership import engine_metrics
 from membership.engine_metrics import EngineSnapshot, Histogram, parse_metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
-PAGES = ["vllm_0.32.0_cpu_real.prom", "vllm_v1.prom", "vllm_v0.prom", "sglang_colon.prom", "sglang_underscore.prom"]
+PAGES = [
+    "vllm_0.32.0_cpu_real.prom",
+    "vllm_v1.prom",
+    "vllm_v0.prom",
+    "sglang_colon.prom",
+    "sglang_underscore.prom",
+]
 HISTOGRAMS = ("ttft", "queue_time", "prefill_time", "prompt_tokens", "kv_transfer_bytes", "kv_transfer_time")
 
 
@@ -39,7 +45,9 @@ def test_partial_parse_equals_the_whole_page(name: str, monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("name", PAGES)
-def test_scraper_parse_skips_buckets_and_keeps_sums_counts_means(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_scraper_parse_skips_buckets_and_keeps_sums_counts_means(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     text = (FIXTURES / name).read_text()
     whole = _whole(text, monkeypatch)
     lean = parse_metrics(text, buckets=False)
@@ -58,19 +66,23 @@ def test_scraper_parse_skips_buckets_and_keeps_sums_counts_means(name: str, monk
 
 
 def test_an_untyped_sample_after_a_skipped_family_is_still_read() -> None:
-    text = ("# HELP python_gc_objects_collected_total Objects collected.\n"
-            "# TYPE python_gc_objects_collected_total counter\n"
-            'python_gc_objects_collected_total{generation="0"} 12.0\n'
-            'vllm:num_requests_waiting{engine="0"} 5.0\n'  # untyped, inside the skipped family's block
-            "# TYPE vllm:num_requests_running gauge\n"
-            'vllm:num_requests_running{engine="0"} 2.0\n')
+    text = (
+        "# HELP python_gc_objects_collected_total Objects collected.\n"
+        "# TYPE python_gc_objects_collected_total counter\n"
+        'python_gc_objects_collected_total{generation="0"} 12.0\n'
+        'vllm:num_requests_waiting{engine="0"} 5.0\n'  # untyped, inside the skipped family's block
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0"} 2.0\n'
+    )
     assert engine_metrics._wanted_lines(text) is None  # -> parsed whole
     snap = parse_metrics(text, buckets=False)
     assert snap.queued_requests == 5 and snap.running_requests == 2 and snap.dialect == "vllm"
 
 
 def test_a_page_without_type_lines_and_garbage_still_behave() -> None:
-    snap = parse_metrics('vllm:num_requests_waiting{engine="0"} 3\nvllm:num_requests_running 1\n', buckets=False)
+    snap = parse_metrics(
+        'vllm:num_requests_waiting{engine="0"} 3\nvllm:num_requests_running 1\n', buckets=False
+    )
     assert snap.queued_requests == 3 and snap.running_requests == 1 and snap.dialect == "vllm"
     with pytest.raises(engine_metrics.MetricsParseError):
         parse_metrics("# TYPE x gauge\n<html>502 Bad Gateway</html>\n", buckets=False)
@@ -78,7 +90,14 @@ def test_a_page_without_type_lines_and_garbage_still_behave() -> None:
 
 def test_wanted_families_cover_every_name_the_dialect_parsers_read() -> None:
     fams = engine_metrics._WANTED_FAMILIES
-    for name in ("vllm:num_requests_waiting", "vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds",
-                 "vllm:nixl_xfer_time_seconds", "vllm:cache_config_info", "sglang:num_queue_reqs",
-                 "sglang_token_usage", "process_start_time_seconds"):
+    for name in (
+        "vllm:num_requests_waiting",
+        "vllm:prefix_cache_hits",
+        "vllm:time_to_first_token_seconds",
+        "vllm:nixl_xfer_time_seconds",
+        "vllm:cache_config_info",
+        "sglang:num_queue_reqs",
+        "sglang_token_usage",
+        "process_start_time_seconds",
+    ):
         assert name in fams

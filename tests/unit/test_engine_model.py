@@ -223,8 +223,13 @@ def test_decode_fast_path_matches_step_by_step() -> None:
             events += e.advance(t)
             e.submit(EngineRequest(f"r{i}", p, o, token_ids=_prompt(500 + i, p)), t)
         events += e.advance(math.inf)
-        out.append(sorted((x.request.request_id, round(x.time, 9)) for x in events
-                          if isinstance(x, Finished | FirstToken)))
+        out.append(
+            sorted(
+                (x.request.request_id, round(x.time, 9))
+                for x in events
+                if isinstance(x, Finished | FirstToken)
+            )
+        )
         assert e.metrics().generation_tokens_total == sum(o for _, _, o in reqs)
     assert out[0] == out[1]
 

@@ -19,7 +19,10 @@ def _meta(value: object) -> base_pb2.Metadata:
 
 def test_subset_hint_forms() -> None:
     assert codec.subset_hint(base_pb2.Metadata()) is None  # no hint at all
-    assert codec.subset_hint(_meta(["10.0.0.1:8000", " 10.0.0.2:8000 "])) == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    assert codec.subset_hint(_meta(["10.0.0.1:8000", " 10.0.0.2:8000 "])) == [
+        "10.0.0.1:8000",
+        "10.0.0.2:8000",
+    ]
     assert codec.subset_hint(_meta("10.0.0.1:8000,10.0.0.2:8000")) == ["10.0.0.1:8000", "10.0.0.2:8000"]
     assert codec.subset_hint(_meta([])) == []  # a hint that allows nothing (answered 503)
     assert codec.subset_hint(_meta(7)) == []  # not a list of endpoints: nothing eligible
@@ -33,8 +36,12 @@ def test_endpoint_of_replica_urls() -> None:
 
 
 def test_headers_read_raw_value_and_value() -> None:
-    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":Path", raw_value=b"/v1/completions"),
-                                     base_pb2.HeaderValue(key="x-old", value="v")])
+    hm = base_pb2.HeaderMap(
+        headers=[
+            base_pb2.HeaderValue(key=":Path", raw_value=b"/v1/completions"),
+            base_pb2.HeaderValue(key="x-old", value="v"),
+        ]
+    )
     assert codec.headers_of(pb.HttpHeaders(headers=hm)) == {":path": "/v1/completions", "x-old": "v"}
 
 
@@ -48,7 +55,8 @@ def test_routed_headers_carry_the_same_endpoint_twice_and_clear_the_route_cache(
     assert lb[codec.DESTINATION_HEADER].string_value == "10.0.0.1:8000"
     unchanged = codec.routed_headers("10.0.0.1:8000", {}, None)
     assert [h.header.key for h in unchanged.request_headers.response.header_mutation.set_headers] == [
-        codec.DESTINATION_HEADER]
+        codec.DESTINATION_HEADER
+    ]
 
 
 def test_body_chunks_stay_within_envoys_limit() -> None:
@@ -59,8 +67,9 @@ def test_body_chunks_stay_within_envoys_limit() -> None:
     assert all(len(p.body) <= codec.BODY_CHUNK_BYTES for p in parts) and len(parts) == 5
     assert [p.end_of_stream for p in parts] == [False] * 4 + [True]
     exact = list(codec.body_chunks(b"x" * codec.BODY_CHUNK_BYTES * 2, request=False, end_of_stream=False))
-    assert len(exact) == 2 and not any(m.response_body.response.body_mutation.streamed_response.end_of_stream
-                                       for m in exact)
+    assert len(exact) == 2 and not any(
+        m.response_body.response.body_mutation.streamed_response.end_of_stream for m in exact
+    )
     (empty,) = codec.body_chunks(b"", request=False)
     assert empty.response_body.response.body_mutation.streamed_response.end_of_stream
 

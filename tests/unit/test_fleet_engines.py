@@ -16,6 +16,9 @@ def test_fake_and_real_engines_name_their_endpoints_alike() -> None:
     for e in (fake, real):
         assert isinstance(e, EngineEndpoints)
         assert (e.url, e.events_url, e.replay_url) == (
-            f"http://{HOST}:8001", f"tcp://{HOST}:5557", f"tcp://{HOST}:5558")
+            f"http://{HOST}:8001",
+            f"tcp://{HOST}:5557",
+            f"tcp://{HOST}:5558",
+        )
     assert real.name == "r0" and real.replica_spec().startswith(f"name=r0,url=http://{HOST}:8001,")
     assert f"events=tcp://{HOST}:5557,replay=tcp://{HOST}:5558" in real.replica_spec()

@@ -34,8 +34,9 @@ def test_every_time_constant_is_multiplied_by_the_time_scale() -> None:
 
 
 def test_flags_given_by_the_caller_win_and_real_time_adds_nothing() -> None:
-    got = pairs(scaled_router_time_args("ttft", 0.5, ["--scrape-interval-s=1", "--policy-param",
-                                                       "migration_cap_s=3"]))
+    got = pairs(
+        scaled_router_time_args("ttft", 0.5, ["--scrape-interval-s=1", "--policy-param", "migration_cap_s=3"])
+    )
     assert "--scrape-interval-s" not in got and "migration_cap_s" not in got
     assert "popular_window_s" in got
     # a longer key that contains another's name does not hide it

@@ -19,8 +19,25 @@ REPO = Path(__file__).resolve().parents[2]
 MAX_LINES = 80
 #: how a docstring states the reason for a longer function (at the start of one of its lines)
 MARKER = "Long because:"
-#: functions known to be too long while someone splits them: (path from the repo root, qualified name)
-PENDING: set[tuple[str, str]] = set()
+#: functions known to be too long while someone splits them: (path from the repo root, qualified name).
+#: These grew past the limit when `ruff format` wrapped their lines (one mechanical commit); the serving-pipeline
+#: and tooling-split work splits them, and test_pending_entries_still_exist drops each entry as it goes.
+PENDING: set[tuple[str, str]] = {
+    ("loadtest/demo.py", "main"),
+    ("loadtest/e2e.py", "build_parser"),
+    ("loadtest/e2e.py", "main"),
+    ("loadtest/e2e.py", "run_one"),
+    ("loadtest/fake_engine.py", "MetricsExporter.collect"),
+    ("loadtest/fake_engine.py", "_add_info_routes"),
+    ("loadtest/kv_publisher.py", "encode_event"),
+    ("loadtest/simulator.py", "build_parser"),
+    ("loadtest/soak.py", "Soak._inject"),
+    ("router/app.py", "_DataPlane.routing_input"),
+    ("router/idempotency.py", "IdempotencyGuard.handle"),
+    ("router/proxy.py", "_Relay.body"),
+    ("router/server.py", "main"),
+    ("router/telemetry.py", "Telemetry.__init__"),
+}
 #: folders not checked: tests, virtual environments, tool caches
 SKIP_DIRS = {"tests", "node_modules", "build", "dist"}
 
@@ -68,8 +85,10 @@ def test_no_long_function_without_a_reason() -> None:
         for name, lines, reason in long_functions(path.read_text(encoding="utf-8")):
             if not reason and (rel, name) not in PENDING:
                 offenders.append(f"{rel}: {name} is {lines} lines")
-    assert not offenders, (f"functions over {MAX_LINES} lines without a '{MARKER}' line in their docstring "
-                           "(split them into named steps, or state why not):\n" + "\n".join(offenders))
+    assert not offenders, (
+        f"functions over {MAX_LINES} lines without a '{MARKER}' line in their docstring "
+        "(split them into named steps, or state why not):\n" + "\n".join(offenders)
+    )
 
 
 def test_pending_entries_still_exist() -> None:
@@ -77,7 +96,9 @@ def test_pending_entries_still_exist() -> None:
     stale = []
     for rel, name in sorted(PENDING):
         path = REPO / rel
-        found = {n for n, _, _ in long_functions(path.read_text(encoding="utf-8"))} if path.exists() else set()
+        found = (
+            {n for n, _, _ in long_functions(path.read_text(encoding="utf-8"))} if path.exists() else set()
+        )
         if name not in found:
             stale.append(f"{rel}: {name}")
     assert not stale, "no longer over the limit, remove from PENDING:\n" + "\n".join(stale)
@@ -94,13 +115,19 @@ def _indent(text: str, level: int) -> str:
     ("source", "expected"),
     [
         (f"def f():\n{_indent(LONG_BODY, 1)}\n", [("f", MAX_LINES + 1, False)]),
-        (f'def f():\n    """Does f.\n\n    Long because: a hot loop.\n    """\n{_indent(LONG_BODY, 1)}\n',
-         [("f", MAX_LINES + 5, True)]),
-        (f'def f():\n    """Long because nobody split it."""\n{_indent(LONG_BODY, 1)}\n',
-         [("f", MAX_LINES + 2, False)]),
+        (
+            f'def f():\n    """Does f.\n\n    Long because: a hot loop.\n    """\n{_indent(LONG_BODY, 1)}\n',
+            [("f", MAX_LINES + 5, True)],
+        ),
+        (
+            f'def f():\n    """Long because nobody split it."""\n{_indent(LONG_BODY, 1)}\n',
+            [("f", MAX_LINES + 2, False)],
+        ),
         (f"class C:\n    async def m(self):\n{_indent(LONG_BODY, 2)}\n", [("C.m", MAX_LINES + 1, False)]),
         ("def f():\n" + _indent("\n".join(f"x{i} = {i}" for i in range(MAX_LINES - 1)), 1) + "\n", []),
     ],
 )
-def test_long_functions_are_found_and_reasons_recognised(source: str, expected: list[tuple[str, int, bool]]) -> None:
+def test_long_functions_are_found_and_reasons_recognised(
+    source: str, expected: list[tuple[str, int, bool]]
+) -> None:
     assert long_functions(source) == expected

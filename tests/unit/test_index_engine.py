@@ -19,7 +19,9 @@ def tokens(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(40_000) for _ in range(n)]
 
 
-def feed(idx: PrefixIndex, replica: int, toks: list[int], page: int, pages_per_event: list[int], base: int) -> list[int]:
+def feed(
+    idx: PrefixIndex, replica: int, toks: list[int], page: int, pages_per_event: list[int], base: int
+) -> list[int]:
     """Send ``toks`` as BlockStored events of the given page counts; return the engine hashes used."""
     hashes: list[int] = []
     pos = 0
@@ -172,7 +174,9 @@ def test_event_keys_equal_prompt_keys(toks: list[int], page: int, block: int, sp
 @given(
     st.sampled_from([1, 4, 8, 12]),
     st.lists(
-        st.tuples(st.sampled_from(["store", "remove"]), st.integers(0, 1), st.integers(0, 7), st.integers(1, 4)),
+        st.tuples(
+            st.sampled_from(["store", "remove"]), st.integers(0, 1), st.integers(0, 7), st.integers(1, 4)
+        ),
         min_size=1,
         max_size=30,
     ),

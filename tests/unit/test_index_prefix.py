@@ -249,7 +249,15 @@ def test_stats_shape() -> None:
     idx = PrefixIndex()
     idx.store(0, None, block_keys(blocks(2, 0), 16, SEED), "disk")
     st = idx.stats()
-    for key in ("nodes", "estimated_bytes", "blocks", "evictions", "orphan_events", "predicted_entries", "expired"):
+    for key in (
+        "nodes",
+        "estimated_bytes",
+        "blocks",
+        "evictions",
+        "orphan_events",
+        "predicted_entries",
+        "expired",
+    ):
         assert key in st
     assert st["nodes"] == 2 and st["blocks"][0] == dict.fromkeys(TIERS, 0) | {"disk": 2}
 
@@ -414,7 +422,11 @@ def test_incremental_sweep_after_clear(monkeypatch: pytest.MonkeyPatch) -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["store", "predict", "remove", "clear", "tick"]), st.integers(0, 3), st.integers(0, 40)),
+        st.tuples(
+            st.sampled_from(["store", "predict", "remove", "clear", "tick"]),
+            st.integers(0, 3),
+            st.integers(0, 40),
+        ),
         min_size=1,
         max_size=60,
     )

@@ -88,7 +88,9 @@ class Reference:
                 d += 1
             if d:
                 age = self.clock.now - self.ts[keys[d - 1]]
-                out[r] = ReplicaMatch(d, cnt["gpu"], cnt["cpu"], cnt["disk"], cnt["remote"], cnt["predicted"], age)
+                out[r] = ReplicaMatch(
+                    d, cnt["gpu"], cnt["cpu"], cnt["disk"], cnt["remote"], cnt["predicted"], age
+                )
         return out
 
 
@@ -144,8 +146,9 @@ def apply_op(idx: PrefixIndex, ref: Reference, clock: FakeClock, op: tuple[objec
     st.sampled_from([1, 2, 1 << 30]),
     st.sampled_from([1, 2, 5, 1 << 20]),
 )
-def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[int]], compact_min: int,
-                           compact_chunk: int) -> None:
+def test_matches_reference(
+    program: list[tuple[object, ...]], probes: list[list[int]], compact_min: int, compact_chunk: int
+) -> None:
     clock = FakeClock()
     idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock)
     idx._compact_min = compact_min  # exercise node-id compaction on tiny indexes too
@@ -190,9 +193,9 @@ def test_matches_reference(program: list[tuple[object, ...]], probes: list[list[
     st.integers(3, 14),
     st.sampled_from([1, 3, 1 << 20]),
 )
-def test_budget_eviction_keeps_a_subset_of_the_reference(program: list[tuple[object, ...]],
-                                                         probes: list[list[int]], budget: int,
-                                                         chunk: int) -> None:
+def test_budget_eviction_keeps_a_subset_of_the_reference(
+    program: list[tuple[object, ...]], probes: list[list[int]], budget: int, chunk: int
+) -> None:
     """Under a node budget (tiny eviction chunks, sampled thresholds) the index holds a subset of the reference.
 
     After every operation: the budget holds, the id bookkeeping is consistent, and every match is a prefix of

@@ -31,14 +31,23 @@ emap.take_copies(0, 0, [BlockKey(7)])
 def check(tmp_path: Path, source: str) -> tuple[str, int]:
     src = tmp_path / "snippet.py"
     src.write_text(source, encoding="utf-8")
-    out, err, status = api.run([
-        "--strict", "--no-incremental", "--cache-dir", str(tmp_path / ".mypy_cache"),
-        "--config-file", str(REPO / "pyproject.toml"), str(src),
-    ])
+    out, err, status = api.run(
+        [
+            "--strict",
+            "--no-incremental",
+            "--cache-dir",
+            str(tmp_path / ".mypy_cache"),
+            "--config-file",
+            str(REPO / "pyproject.toml"),
+            str(src),
+        ]
+    )
     return out + err, status
 
 
-def test_mypy_rejects_mixing_block_keys_and_engine_hashes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mypy_rejects_mixing_block_keys_and_engine_hashes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(REPO)
     out, status = check(tmp_path, MIXED)
     assert status == 1, out

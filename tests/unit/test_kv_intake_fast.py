@@ -44,17 +44,36 @@ def _general(m: dict[object, object], limits: DecodeLimits) -> RemovedEvent | st
 
 
 def test_vllm_removed_map_takes_the_fast_path() -> None:
-    m: dict[object, object] = {"type": "BlockRemoved", "block_hashes": [U64 - 1], "medium": "GPU", "group_idx": 0}
+    m: dict[object, object] = {
+        "type": "BlockRemoved",
+        "block_hashes": [U64 - 1],
+        "medium": "GPU",
+        "group_idx": 0,
+    }
     assert _removed_fast(m, DEFAULT_LIMITS) == RemovedEvent([U64 - 1], "gpu") == _general(m, DEFAULT_LIMITS)
     sglang: dict[object, object] = {"type": "BlockRemoved", "block_hashes": [1, 2, 3], "medium": "cpu"}
     assert _removed_fast(sglang, DEFAULT_LIMITS) == RemovedEvent([1, 2, 3], "cpu")
 
 
-@pytest.mark.parametrize("field,value", [
-    ("block_hashes", [-5]), ("block_hashes", [U64]), ("block_hashes", [b"\x01\x02"]), ("block_hashes", []),
-    ("block_hashes", [True]), ("block_hashes", "x"), ("medium", "gpu "), ("medium", b"GPU"), ("medium", "tape"),
-    ("medium", ["GPU"]), ("medium", "CPU_PINNED_2"), ("group_idx", 1), ("group_idx", True), ("group_idx", "0"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_hashes", [-5]),
+        ("block_hashes", [U64]),
+        ("block_hashes", [b"\x01\x02"]),
+        ("block_hashes", []),
+        ("block_hashes", [True]),
+        ("block_hashes", "x"),
+        ("medium", "gpu "),
+        ("medium", b"GPU"),
+        ("medium", "tape"),
+        ("medium", ["GPU"]),
+        ("medium", "CPU_PINNED_2"),
+        ("group_idx", 1),
+        ("group_idx", True),
+        ("group_idx", "0"),
+    ],
+)
 def test_other_forms_go_the_general_way(field: str, value: object) -> None:
     m: dict[object, object] = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0}
     m[field] = value
@@ -63,16 +82,33 @@ def test_other_forms_go_the_general_way(field: str, value: object) -> None:
 
 
 _hash = st.one_of(st.integers(-(1 << 64), 1 << 65), st.binary(max_size=3), st.booleans(), st.none())
-_value = st.one_of(st.none(), st.integers(-2, 2), st.booleans(), st.text(max_size=4), st.binary(max_size=3),
-                   st.sampled_from(["GPU", "gpu", "CPU", "cpu_pinned", "Disk", "EXTERNAL", "remote", "HBM"]))
+_value = st.one_of(
+    st.none(),
+    st.integers(-2, 2),
+    st.booleans(),
+    st.text(max_size=4),
+    st.binary(max_size=3),
+    st.sampled_from(["GPU", "gpu", "CPU", "cpu_pinned", "Disk", "EXTERNAL", "remote", "HBM"]),
+)
 
 
 @settings(max_examples=400, deadline=None)
-@given(hashes=st.one_of(st.lists(_hash, max_size=4), _value), medium=_value, group=_value,
-       group_limit=st.sampled_from([0, 1, None]), drop=st.sets(st.sampled_from(["medium", "group_idx"])))
-def test_fast_path_equals_the_general_decoder(hashes: object, medium: object, group: object,
-                                              group_limit: int | None, drop: set[str]) -> None:
-    m: dict[object, object] = {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": group}
+@given(
+    hashes=st.one_of(st.lists(_hash, max_size=4), _value),
+    medium=_value,
+    group=_value,
+    group_limit=st.sampled_from([0, 1, None]),
+    drop=st.sets(st.sampled_from(["medium", "group_idx"])),
+)
+def test_fast_path_equals_the_general_decoder(
+    hashes: object, medium: object, group: object, group_limit: int | None, drop: set[str]
+) -> None:
+    m: dict[object, object] = {
+        "type": "BlockRemoved",
+        "block_hashes": hashes,
+        "medium": medium,
+        "group_idx": group,
+    }
     for k in drop:
         del m[k]
     limits = DecodeLimits(group_idx=group_limit, max_hashes=3)
@@ -114,7 +150,7 @@ def test_bulk_removals_leave_the_index_as_node_by_node_deletes_would(seed: int) 
     _fill(b, random.Random(seed), 3, 12)
     for r, hashes in rng.sample(stored, len(stored) // 2):
         lo = rng.randrange(len(hashes))
-        piece = hashes[lo:lo + rng.randint(1, len(hashes))] + [rng.randrange(10 ** 9, 10 ** 10)]
+        piece = hashes[lo : lo + rng.randint(1, len(hashes))] + [rng.randrange(10**9, 10**10)]
         assert a.apply_removed(r, piece) == b.apply_removed(r, piece)
     a._check_layout()
     b._check_layout()
@@ -160,17 +196,31 @@ def test_consecutive_removals_are_decoded_into_one_event_that_counts_them() -> N
     def rm(h: int, medium: str = "GPU") -> dict[str, object]:
         return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium}
 
-    stored = {"type": "BlockStored", "block_hashes": [11, 12, 13, 14, 15, 16], "parent_block_hash": None,
-              "token_ids": toks, "block_size": 16, "lora_id": None, "medium": "GPU"}
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12, 13, 14, 15, 16],
+        "parent_block_hash": None,
+        "token_ids": toks,
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+    }
     general = ["BlockRemoved", [16], "GPU"]  # the array form: decoded the general way
     events = [stored, rm(11), rm(12), rm(13, "CPU"), rm(14, "CPU"), general, rm(15), stored]
     b = decode_payload(msgpack.packb([1.0, events, None]))
     assert isinstance(b, DecodedBatch) and not b.dropped
-    got = [(type(e).__name__, getattr(e, "hashes", None), getattr(e, "tier", None), getattr(e, "count", None))
-           for e in b.events]
-    assert got == [("StoredEvent", [11, 12, 13, 14, 15, 16], "gpu", None), ("RemovedEvent", [11, 12], "gpu", 2),
-                   ("RemovedEvent", [13, 14], "cpu", 2), ("RemovedEvent", [16], "gpu", 1),
-                   ("RemovedEvent", [15], "gpu", 1), ("StoredEvent", [11, 12, 13, 14, 15, 16], "gpu", None)]
+    got = [
+        (type(e).__name__, getattr(e, "hashes", None), getattr(e, "tier", None), getattr(e, "count", None))
+        for e in b.events
+    ]
+    assert got == [
+        ("StoredEvent", [11, 12, 13, 14, 15, 16], "gpu", None),
+        ("RemovedEvent", [11, 12], "gpu", 2),
+        ("RemovedEvent", [13, 14], "cpu", 2),
+        ("RemovedEvent", [16], "gpu", 1),
+        ("RemovedEvent", [15], "gpu", 1),
+        ("StoredEvent", [11, 12, 13, 14, 15, 16], "gpu", None),
+    ]
     assert isinstance(b.events[0], StoredEvent)
     # applied: every original event counted, and the index as if each had come alone
     stats = FeedStats()
@@ -195,9 +245,17 @@ def test_merge_removals_copies_only_what_it_merges() -> None:
     batch's own events are never changed (a batch may be applied again, uncounted)."""
     from membership.kv_apply import merge_removals
 
-    a, b, c, other = RemovedEvent([1], "gpu"), RemovedEvent([2, 3], "gpu", 2), RemovedEvent([4], "cpu"), object()
+    a, b, c, other = (
+        RemovedEvent([1], "gpu"),
+        RemovedEvent([2, 3], "gpu", 2),
+        RemovedEvent([4], "cpu"),
+        object(),
+    )
     out = merge_removals([a, b, c, other, a])
     assert [(e.hashes, e.tier, e.count) for e in out if isinstance(e, RemovedEvent)] == [
-        ([1, 2, 3], "gpu", 3), ([4], "cpu", 1), ([1], "gpu", 1)]
+        ([1, 2, 3], "gpu", 3),
+        ([4], "cpu", 1),
+        ([1], "gpu", 1),
+    ]
     assert out[1] is c and out[2] is other and out[3] is a
     assert (a.hashes, a.count, b.hashes, b.count) == ([1], 1, [2, 3], 2)

@@ -16,8 +16,16 @@ def test_vllm_033_block_stored_uses_map16_and_uint64() -> None:
     assert raw[:3] == b"\xde\x00\x0b"  # map16 header with 11 keys
     assert b"\xcf" + BIG.to_bytes(8, "big") in raw
     obj = msgpack.unpackb(raw)
-    assert list(obj)[:8] == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                             "medium", "lora_name"]
+    assert list(obj)[:8] == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ]
     assert obj["group_idx"] == 0 and obj["extra_keys"] == [None] and obj["medium"] == "GPU"
     removed = encode_event(PubRemoved([1, 2], "cpu"), "vllm")
     assert len(removed) == 2 and removed[0][0] == 0x84  # one fixmap event per evicted block
@@ -33,12 +41,24 @@ def test_vllm_023_positional_events_carry_every_field() -> None:
 
 def test_sglang_int64_hashes_cpu_pinned_and_coalescing() -> None:
     assert wire_hash(BIG, "sglang") == -5
-    payload = encode_batch([PubStored([BIG], None, TOKS, 16, "cpu"), PubStored([7], BIG, TOKS, 16, "cpu"),
-                            PubRemoved([1], "cpu"), PubRemoved([2], "cpu")], "sglang", 1.0)
+    payload = encode_batch(
+        [
+            PubStored([BIG], None, TOKS, 16, "cpu"),
+            PubStored([7], BIG, TOKS, 16, "cpu"),
+            PubRemoved([1], "cpu"),
+            PubRemoved([2], "cpu"),
+        ],
+        "sglang",
+        1.0,
+    )
     obj = msgpack.unpackb(payload)
     assert obj[2] is None and len(obj[1]) == 2  # nil rank; pages and removals merged
     stored = obj[1][0]
-    assert stored["block_hashes"] == [-5, 7] and stored["medium"] == "CPU_PINNED" and len(stored["token_ids"]) == 32
+    assert (
+        stored["block_hashes"] == [-5, 7]
+        and stored["medium"] == "CPU_PINNED"
+        and len(stored["token_ids"]) == 32
+    )
     assert "lora_name" not in stored and stored["lora_id"] is None
     big_negative = encode_batch([PubStored([2**63 + 5], None, TOKS, 16)], "sglang", 1.0)
     assert b"\xd3" + (2**63 + 5).to_bytes(8, "big") in big_negative  # int64 marker, two's complement

@@ -31,8 +31,13 @@ from membership.kv_sequencer import (
 
 TOKS = list(range(100, 132))
 KEYS = block_keys(TOKS, 16, root_seed("m"))
-CFG = SequencerConfig(orphan_replay_interval_s=10.0, degraded_retry_s=15.0, degraded_hold_s=60.0,
-                      recent_digests=1000, max_sequence_jump=1_000_000)
+CFG = SequencerConfig(
+    orphan_replay_interval_s=10.0,
+    degraded_retry_s=15.0,
+    degraded_hold_s=60.0,
+    recent_digests=1000,
+    max_sequence_jump=1_000_000,
+)
 
 
 def item(seq: int, events: list[object], ts: float | None = None) -> Item:
@@ -269,10 +274,13 @@ def test_per_block_removals_are_applied_as_one_run_and_counted_per_event() -> No
     d.publish(item(1, [stored([11], 6, list(range(500, 516)))]))
     assert d.blocks(keys) == 6
     events: list[object] = [["BlockRemoved", [h], "GPU"] for h in (6, 5, 4)]
-    events += [["BlockRemoved", [99], "CPU"],  # another tier ends the run (unknown hash: counted)
-               ["BlockRemoved", [3], "GPU"],
-               stored([21], 2, list(range(700, 716))),  # a store between removals ends the run too
-               ["BlockRemoved", [21], "GPU"], ["BlockRemoved", [11], "GPU"]]
+    events += [
+        ["BlockRemoved", [99], "CPU"],  # another tier ends the run (unknown hash: counted)
+        ["BlockRemoved", [3], "GPU"],
+        stored([21], 2, list(range(700, 716))),  # a store between removals ends the run too
+        ["BlockRemoved", [21], "GPU"],
+        ["BlockRemoved", [11], "GPU"],
+    ]
     d.publish(item(2, events))
     assert d.blocks(keys) == 2  # blocks 3..6 gone, 1..2 kept
     st = d.seq.stats
@@ -285,8 +293,9 @@ def test_sliced_apply_equals_whole_apply_and_yields() -> None:
     """A long BlockStored cut into chained pieces gives the same index as one piece (32-token engine pages)."""
     toks = list(range(10_000, 10_000 + 32 * 50))
     hashes = list(range(1, 51))
-    payload = msgpack.packb([0.0, [["BlockStored", hashes, None, toks, 32, None, "GPU"],
-                                   ["BlockRemoved", hashes[40:], "GPU"]], 0])
+    payload = msgpack.packb(
+        [0.0, [["BlockStored", hashes, None, toks, 32, None, "GPU"], ["BlockRemoved", hashes[40:], "GPU"]], 0]
+    )
     keys = block_keys(toks, 16, root_seed("m"))
     results = []
     for slice_blocks in (7, 10_000):
@@ -299,8 +308,15 @@ def test_sliced_apply_equals_whole_apply_and_yields() -> None:
                 yields += 1
             except StopIteration:
                 break
-        results.append((d.blocks(keys), d.seq.stats.stored_blocks, d.seq.stats.removed_blocks,
-                        d.index.stats()["engine_entries"], yields > 0))
+        results.append(
+            (
+                d.blocks(keys),
+                d.seq.stats.stored_blocks,
+                d.seq.stats.removed_blocks,
+                d.index.stats()["engine_entries"],
+                yields > 0,
+            )
+        )
     assert results[0][:4] == results[1][:4] == (80, 100, 20, 40)
     assert results[0][4] and not results[1][4]
 
@@ -311,14 +327,20 @@ def test_config_defaults_equal_the_settings_fields() -> None:
 
     s = Settings()
     c = KVEventsConfig()
-    pairs = {"replay_idle_timeout_s": s.kv_replay_idle_timeout_s,
-             "replay_total_timeout_s": s.kv_replay_total_timeout_s,
-             "max_replay_batches": s.kv_replay_max_batches, "replay_max_bytes": s.kv_replay_max_bytes,
-             "max_message_bytes": s.kv_max_message_bytes, "sub_rcvhwm": s.kv_sub_rcvhwm,
-             "replay_rcvhwm": s.kv_replay_rcvhwm, "apply_slice_blocks": s.kv_apply_slice_blocks,
-             "max_sequence_jump": s.kv_max_sequence_jump,
-             "orphan_replay_interval_s": s.kv_orphan_replay_interval_s,
-             "degraded_retry_s": s.kv_degraded_retry_s, "degraded_hold_s": s.kv_degraded_hold_s}
+    pairs = {
+        "replay_idle_timeout_s": s.kv_replay_idle_timeout_s,
+        "replay_total_timeout_s": s.kv_replay_total_timeout_s,
+        "max_replay_batches": s.kv_replay_max_batches,
+        "replay_max_bytes": s.kv_replay_max_bytes,
+        "max_message_bytes": s.kv_max_message_bytes,
+        "sub_rcvhwm": s.kv_sub_rcvhwm,
+        "replay_rcvhwm": s.kv_replay_rcvhwm,
+        "apply_slice_blocks": s.kv_apply_slice_blocks,
+        "max_sequence_jump": s.kv_max_sequence_jump,
+        "orphan_replay_interval_s": s.kv_orphan_replay_interval_s,
+        "degraded_retry_s": s.kv_degraded_retry_s,
+        "degraded_hold_s": s.kv_degraded_hold_s,
+    }
     assert {k: getattr(c, k) for k in pairs} == pairs
 
 
@@ -355,7 +377,9 @@ def test_real_vllm_frames_apply_in_sequence_without_orphans_or_drops() -> None:
         assert isinstance(parts, tuple)
         seq, _, payload = parts
         d.publish(Item(seq, payload_digest(payload), payload=payload))
-        pages += sum(len(e["block_hashes"]) for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored")
+        pages += sum(
+            len(e["block_hashes"]) for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored"
+        )
     st = d.seq.stats
     assert st.batches == 4 and st.gaps == 0 and st.orphans == 0 and not st.dropped
     assert st.stored_blocks == 2 * pages  # 32-token engine pages, 16-token router blocks

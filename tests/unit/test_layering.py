@@ -24,7 +24,10 @@ EXCEPTIONS = {
     ("router.cli", "loadtest"): "the fake-engine, simulate and demo subcommands (DESIGN §1)",
     ("loadtest.bench_tokenizer", "router"): "benchmarks the router's HF tokenizer in-process",
     ("loadtest.fleet", "router"): "reads time defaults from Settings, the single source",
-    ("loadtest.e2e_real", "membership"): "decodes real engines' KV events with the one wire decoder (kv_decode)",
+    (
+        "loadtest.e2e_real",
+        "membership",
+    ): "decodes real engines' KV events with the one wire decoder (kv_decode)",
     ("loadtest.bench_kv_intake", "membership"): "benchmarks the router's KV-event decoder and batch applier",
 }
 

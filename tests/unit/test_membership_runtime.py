@@ -12,8 +12,13 @@ from router.config import Settings
 def _membership(**settings: object) -> tuple[Membership, ReplicaTable]:
     config = Settings(unhealthy_after=2, **settings).membership()  # type: ignore[arg-type]
     table = ReplicaTable(make_allocator(config))
-    mem = Membership(config, table, PrefixIndex(block_size=16), profile_for=lambda name: ReplicaProfile(),
-                     specs=[{"name": "s0", "url": "http://127.0.0.1:1", "model": ["m"]}])
+    mem = Membership(
+        config,
+        table,
+        PrefixIndex(block_size=16),
+        profile_for=lambda name: ReplicaProfile(),
+        specs=[{"name": "s0", "url": "http://127.0.0.1:1", "model": ["m"]}],
+    )
     mem.load()
     return mem, table
 
@@ -27,8 +32,11 @@ def test_static_and_discovered_replicas_share_one_front_door() -> None:
     for _ in range(2):  # unhealthy_after=2: passive failures from the proxy count for either source
         mem.record_failure("pod-1", "connection refused")
         mem.record_failure("s0", "connection refused")
-    assert mem.health_of("pod-1") == {"consecutive_failures": 2, "consecutive_successes": 0,
-                                      "last_error": "connection refused"}
+    assert mem.health_of("pod-1") == {
+        "consecutive_failures": 2,
+        "consecutive_successes": 0,
+        "last_error": "connection refused",
+    }
     assert mem.health_of("s0")["consecutive_failures"] == 2
     assert table.get("pod-1").state == ReplicaState.UNHEALTHY  # type: ignore[union-attr]
     assert table.get("s0").state == ReplicaState.JOINING  # type: ignore[union-attr]  # static: never admitted yet

@@ -25,8 +25,9 @@ def test_garbage_is_value_error(data: bytes) -> None:
         pass
 
 
-@pytest.mark.parametrize("msg", [[2, "a", "b", b"", 0], [1, 5, "b", b"", 0], [1, "a", "b", b"123", 0],
-                                 {"a": 1}, [1, "a", "b"]])
+@pytest.mark.parametrize(
+    "msg", [[2, "a", "b", b"", 0], [1, 5, "b", b"", 0], [1, "a", "b", b"123", 0], {"a": 1}, [1, "a", "b"]]
+)
 def test_rejects_wrong_shapes(msg: object) -> None:
     with pytest.raises(ValueError):
         decode_decision(msgpack.packb(msg))

@@ -63,8 +63,9 @@ def refused_url() -> Iterator[str]:
 
 
 def static(table: ReplicaTable, *specs: dict[str, Any], **kw: Any) -> StaticMembership:
-    health = HealthConfig(interval_s=kw.pop("interval", 60.0), timeout_s=2.0, path="/health", unhealthy_after=3,
-                          healthy_after=2)
+    health = HealthConfig(
+        interval_s=kw.pop("interval", 60.0), timeout_s=2.0, path="/health", unhealthy_after=3, healthy_after=2
+    )
     sm = StaticMembership(table, specs, lambda name: ReplicaProfile(), health=health, **kw)
     sm.load()
     return sm
@@ -82,7 +83,11 @@ async def test_admitted_on_first_probe_and_models_learned_once(engine: Engine) -
     sm = static(table, {"name": "e0", "url": engine.url})
     try:
         assert state(table, "e0") == ReplicaState.JOINING
-        assert sm.health_of("e0") == {"consecutive_failures": 0, "consecutive_successes": 0, "last_error": None}
+        assert sm.health_of("e0") == {
+            "consecutive_failures": 0,
+            "consecutive_successes": 0,
+            "last_error": None,
+        }
         await sm.start()  # probes once before returning: a healthy fleet is ready at once
         rep = table.get("e0")
         assert rep is not None and rep.state == ReplicaState.READY
@@ -137,8 +142,11 @@ async def test_unhealthy_after_failures_passive_included_then_back_after_success
         assert sm.health_of("e0")["last_error"] == "HTTP 503"
         sm.report_failure("e0", "connection reset")  # the proxy's passive signal counts as the third
         assert rep.state == ReplicaState.UNHEALTHY
-        assert sm.health_of("e0") == {"consecutive_failures": 3, "consecutive_successes": 0,
-                                      "last_error": "connection reset"}
+        assert sm.health_of("e0") == {
+            "consecutive_failures": 3,
+            "consecutive_successes": 0,
+            "last_error": "connection reset",
+        }
         engine.status = 200
         assert await sm.probe(rep) and rep.state == ReplicaState.UNHEALTHY  # 1 success < healthy_after
         assert await sm.probe(rep) and rep.state == ReplicaState.READY
@@ -166,8 +174,11 @@ async def test_passive_failure_wakes_the_probe_loop(engine: Engine) -> None:
 
 
 def test_duplicate_names_rejected() -> None:
-    sm = StaticMembership(ReplicaTable(), [{"name": "a", "url": "http://127.0.0.1:1"},
-                                           {"name": "a", "url": "http://127.0.0.1:2"}], lambda n: ReplicaProfile(),
-                          health=Settings().health())
+    sm = StaticMembership(
+        ReplicaTable(),
+        [{"name": "a", "url": "http://127.0.0.1:1"}, {"name": "a", "url": "http://127.0.0.1:2"}],
+        lambda n: ReplicaProfile(),
+        health=Settings().health(),
+    )
     with pytest.raises(ValueError, match="duplicate replica names"):
         sm.load()

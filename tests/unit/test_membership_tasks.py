@@ -67,7 +67,9 @@ async def test_the_callers_own_cancellation_propagates() -> None:
     assert inner.done() and not inner.cancelled()
 
 
-async def test_run_every_survives_a_failing_round_and_stops_on_cancel(caplog: pytest.LogCaptureFixture) -> None:
+async def test_run_every_survives_a_failing_round_and_stops_on_cancel(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     rounds: list[int] = []
     third = asyncio.Event()
 
@@ -79,7 +81,9 @@ async def test_run_every_survives_a_failing_round_and_stops_on_cancel(caplog: py
             third.set()
 
     with caplog.at_level(logging.ERROR):
-        task = asyncio.ensure_future(run_every(round_fn, 0.01, "test", logging.getLogger("t"), min_sleep_s=0.0))
+        task = asyncio.ensure_future(
+            run_every(round_fn, 0.01, "test", logging.getLogger("t"), min_sleep_s=0.0)
+        )
         await asyncio.wait_for(third.wait(), 5.0)
         await cancel_and_wait(task)
     assert rounds[:3] == [0, 1, 2] and task.cancelled()

@@ -13,15 +13,23 @@ LINK = HandoffLink(25e9)
 BASELINES = ["pd_smg", "pd_llmd", "pd_dynamo", "pd_random"]
 
 
-def cand(i: int, role: Role, *, gpu_hit: int = 0, queued: int = 0, active_blocks: int | None = None,
-         kv: float = 0.1) -> PdCandidate:
+def cand(
+    i: int,
+    role: Role,
+    *,
+    gpu_hit: int = 0,
+    queued: int = 0,
+    active_blocks: int | None = None,
+    kv: float = 0.1,
+) -> PdCandidate:
     load = LoadView(queued_requests=queued, running_requests=0, kv_usage=kv, active_kv_blocks=active_blocks)
     return PdCandidate(Candidate(i, f"r{i}", load=load, hit=PrefixHit(gpu=gpu_hit), profile=PROF), role=role)
 
 
 def req(n: int, first_key: int = 0) -> RouteRequest:
-    return RouteRequest(model="m", prompt_tokens=n, block_keys=list(range(first_key, first_key + n // 16)),
-                        block_size=16)
+    return RouteRequest(
+        model="m", prompt_tokens=n, block_keys=list(range(first_key, first_key + n // 16)), block_size=16
+    )
 
 
 def pd_fleet() -> list[PdCandidate]:
@@ -66,8 +74,12 @@ def test_llmd_decides_on_the_chosen_decode_pods_uncached_suffix() -> None:
 
 
 def test_dynamo_prefill_follows_kv_overlap_and_decode_ignores_it() -> None:
-    fleet = [cand(0, "prefill", active_blocks=0), cand(1, "prefill", gpu_hit=3072, active_blocks=0),
-             cand(2, "decode", gpu_hit=4000, active_blocks=5000), cand(3, "decode", active_blocks=100)]
+    fleet = [
+        cand(0, "prefill", active_blocks=0),
+        cand(1, "prefill", gpu_hit=3072, active_blocks=0),
+        cand(2, "decode", gpu_hit=4000, active_blocks=5000),
+        cand(3, "decode", active_blocks=100),
+    ]
     plan = make_pd_policy("pd_dynamo").choose_plan(req(4096), fleet, LINK).chosen
     assert plan.kind == "disaggregated"
     assert plan.prefill == 1  # the overlap lowers its prefill blocks

@@ -12,8 +12,14 @@ from policies.pd_link import LinkEstimator, LinkLearning, TransferTotals, transf
 GIB = 1024**3
 
 
-def _est(gbps: float = 25.0, *, enabled: bool = True, min_samples: int = 1, alpha: float = 0.5,
-         latency_s: float = 0.0) -> LinkEstimator:
+def _est(
+    gbps: float = 25.0,
+    *,
+    enabled: bool = True,
+    min_samples: int = 1,
+    alpha: float = 0.5,
+    latency_s: float = 0.0,
+) -> LinkEstimator:
     return LinkEstimator(HandoffLink(gbps * 1e9, latency_s), LinkLearning(enabled, min_samples, alpha))
 
 
@@ -58,8 +64,10 @@ def test_latency_is_subtracted_before_the_rate() -> None:
     assert est.link().latency_s == 0.01
 
 
-@pytest.mark.parametrize(("nbytes", "seconds"), [(0.0, 0.1), (-1.0, 0.1), (1e9, 0.0), (1e9, -0.5),
-                                                 (math.nan, 0.1), (1e9, math.inf), (math.inf, 0.1)])
+@pytest.mark.parametrize(
+    ("nbytes", "seconds"),
+    [(0.0, 0.1), (-1.0, 0.1), (1e9, 0.0), (1e9, -0.5), (math.nan, 0.1), (1e9, math.inf), (math.inf, 0.1)],
+)
 def test_bad_samples_are_ignored_and_counted(nbytes: float, seconds: float) -> None:
     est = _est(25.0)
     assert not est.observe(nbytes, seconds)
@@ -87,8 +95,12 @@ def test_router_uses_the_estimators_link_after_observations() -> None:
     from router.routing import Router
     from tests.helpers import FakeClock
 
-    router = Router(ReplicaTable(), PrefixIndex(block_size=16, clock=FakeClock()), make_policy("round_robin"),
-                    block_size=16)
+    router = Router(
+        ReplicaTable(),
+        PrefixIndex(block_size=16, clock=FakeClock()),
+        make_policy("round_robin"),
+        block_size=16,
+    )
     assert not router.observe_handoff(1e9, 0.1)  # no estimator: fixed link
     assert router.pd_link.bandwidth_bytes_per_s == 25e9
     router.pd_link_estimator = _est(25.0, min_samples=2)
@@ -107,11 +119,14 @@ def test_transfer_sample_is_the_mean_transfer_between_reports() -> None:
     assert size == pytest.approx(1.2079e9) and took == pytest.approx(0.0483)  # TV-14: 1.125 GiB in 48.3 ms
 
 
-@pytest.mark.parametrize("prev, cur", [
-    (None, TransferTotals(5.0, 1.0, 1)),                                # first report: only a baseline
-    (TransferTotals(5.0, 1.0, 1), TransferTotals(5.0, 1.0, 1)),         # nothing new
-    (TransferTotals(9e9, 3.0, 7), TransferTotals(1e9, 0.1, 1)),         # totals went down: engine restarted
-    (TransferTotals(5.0, 1.0, 1), TransferTotals(float("nan"), 2.0, 2)),
-])
+@pytest.mark.parametrize(
+    "prev, cur",
+    [
+        (None, TransferTotals(5.0, 1.0, 1)),  # first report: only a baseline
+        (TransferTotals(5.0, 1.0, 1), TransferTotals(5.0, 1.0, 1)),  # nothing new
+        (TransferTotals(9e9, 3.0, 7), TransferTotals(1e9, 0.1, 1)),  # totals went down: engine restarted
+        (TransferTotals(5.0, 1.0, 1), TransferTotals(float("nan"), 2.0, 2)),
+    ],
+)
 def test_no_transfer_sample(prev: TransferTotals | None, cur: TransferTotals) -> None:
     assert transfer_sample(prev, cur) is None

@@ -10,18 +10,39 @@ from policies.pd_base import HandoffLink, PdCandidate, Role, make_pd_policy, pd_
 
 #: Qwen3-8B KV bytes per token (seeds 004 §8.1.2: 2 x 36 x 8 x 128 x 2 = 147,456 B); 8192 tokens = 1.125 GiB.
 BPT = 147_456.0
-A100 = ReplicaProfile(prefill_tokens_per_s=9566.0, bytes_per_token=BPT, decode_step_s=0.026,
-                      decode_interference_s=0.01)
-H20 = ReplicaProfile(prefill_tokens_per_s=4538.0, bytes_per_token=BPT, decode_step_s=0.026, decode_step_s_per_request=5e-5,
-                     decode_interference_s=0.01)
+A100 = ReplicaProfile(
+    prefill_tokens_per_s=9566.0, bytes_per_token=BPT, decode_step_s=0.026, decode_interference_s=0.01
+)
+H20 = ReplicaProfile(
+    prefill_tokens_per_s=4538.0,
+    bytes_per_token=BPT,
+    decode_step_s=0.026,
+    decode_step_s_per_request=5e-5,
+    decode_interference_s=0.01,
+)
 LINK = HandoffLink(bandwidth_bytes_per_s=25e9)
 
 
-def cand(i: int, role: Role, profile: ReplicaProfile, *, backlog: int = 0, running: int = 0, gpu_hit: int = 0,
-         inflight: int = 0) -> PdCandidate:
-    load = LoadView(queued_requests=0, running_requests=running, queued_prefill_tokens=backlog, kv_usage=0.1,
-                    inflight_requests=inflight)
-    return PdCandidate(Candidate(i, f"r{i}", load=load, hit=PrefixHit(gpu=gpu_hit), profile=profile), role=role)
+def cand(
+    i: int,
+    role: Role,
+    profile: ReplicaProfile,
+    *,
+    backlog: int = 0,
+    running: int = 0,
+    gpu_hit: int = 0,
+    inflight: int = 0,
+) -> PdCandidate:
+    load = LoadView(
+        queued_requests=0,
+        running_requests=running,
+        queued_prefill_tokens=backlog,
+        kv_usage=0.1,
+        inflight_requests=inflight,
+    )
+    return PdCandidate(
+        Candidate(i, f"r{i}", load=load, hit=PrefixHit(gpu=gpu_hit), profile=profile), role=role
+    )
 
 
 def req(n: int) -> RouteRequest:
@@ -109,9 +130,12 @@ def test_burst_spreads_over_prefill_replicas_when_both_legs_are_charged() -> Non
             load.inflight_prefill_tokens += charge.prefill_tokens
     assert sorted(prefills) == [0, 0, 1, 1, 2, 2, 3, 3]
     assert len(set(decodes)) == 4
-    uncharged = [make_pd_policy("pd_ttft", decode_prefills=False).choose_plan(
-        req(4096), [cand(i, "prefill", A100) for i in range(4)] + [cand(4, "decode", H20)], LINK).chosen.prefill
-        for _ in range(8)]
+    uncharged = [
+        make_pd_policy("pd_ttft", decode_prefills=False)
+        .choose_plan(req(4096), [cand(i, "prefill", A100) for i in range(4)] + [cand(4, "decode", H20)], LINK)
+        .chosen.prefill
+        for _ in range(8)
+    ]
     assert set(uncharged) == {0}
 
 
@@ -142,11 +166,20 @@ def test_colocated_fleet_serves_in_place_on_the_shortest_ttft() -> None:
 
 
 def test_pd_random_pairs_are_seeded_and_feasible() -> None:
-    fleet = [cand(0, "prefill", A100), cand(1, "prefill", A100), cand(2, "decode", H20), cand(3, "decode", H20)]
+    fleet = [
+        cand(0, "prefill", A100),
+        cand(1, "prefill", A100),
+        cand(2, "decode", H20),
+        cand(3, "decode", H20),
+    ]
     a = [make_pd_policy("pd_random", seed=3).choose_plan(req(100), fleet, LINK).chosen for _ in range(1)]
     pol1, pol2 = make_pd_policy("pd_random", seed=3), make_pd_policy("pd_random", seed=3)
-    seq1 = [(p.prefill, p.decode) for p in (pol1.choose_plan(req(100), fleet, LINK).chosen for _ in range(20))]
-    seq2 = [(p.prefill, p.decode) for p in (pol2.choose_plan(req(100), fleet, LINK).chosen for _ in range(20))]
+    seq1 = [
+        (p.prefill, p.decode) for p in (pol1.choose_plan(req(100), fleet, LINK).chosen for _ in range(20))
+    ]
+    seq2 = [
+        (p.prefill, p.decode) for p in (pol2.choose_plan(req(100), fleet, LINK).chosen for _ in range(20))
+    ]
     assert seq1 == seq2 and a[0].kind == "disaggregated"
     assert {p for p, _ in seq1} == {0, 1} and {d for _, d in seq1} == {2, 3}
     both = [cand(0, "both", A100), cand(1, "both", A100)]
@@ -179,13 +212,17 @@ def test_aged_backlog_prefers_the_replica_that_started_first() -> None:
         c.candidate.load.inflight_requests = 1
         c.candidate.load.inflight_prefill_elapsed_s = elapsed
     plain = make_pd_policy("pd_ttft", decode_prefills=False).choose_plan(req(4096), fleet, LINK).chosen
-    aged = make_pd_policy("pd_ttft", decode_prefills=False, age_inflight=True).choose_plan(req(4096), fleet, LINK)
+    aged = make_pd_policy("pd_ttft", decode_prefills=False, age_inflight=True).choose_plan(
+        req(4096), fleet, LINK
+    )
     assert plain.prefill == 0  # equal backlogs, ties by candidate order
     assert aged.chosen.prefill == 1
     assert aged.chosen.terms["Q_p"] == pytest.approx(8192 / 9566 - 0.6, abs=0.01)
     fleet[1].candidate.load.queued_prefill_tokens = 8192  # the same request, queued at the scrape 0.6 s ago
     fleet[1].candidate.load.age_s = 0.6
-    again = make_pd_policy("pd_ttft", decode_prefills=False, age_inflight=True).choose_plan(req(4096), fleet, LINK)
+    again = make_pd_policy("pd_ttft", decode_prefills=False, age_inflight=True).choose_plan(
+        req(4096), fleet, LINK
+    )
     assert again.chosen.prefill == 1
 
 

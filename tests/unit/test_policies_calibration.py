@@ -10,9 +10,12 @@ from policies.calibration import PrefillCalibrator, theil_sen
 
 def _naive(points: list[tuple[float, float]], min_dx: float) -> tuple[float, float] | None:
     """The textbook definition: the median slope over every pair i < j whose x differ by more than min_dx."""
-    slopes = [(points[j][1] - points[i][1]) / (points[j][0] - points[i][0])
-              for i in range(len(points)) for j in range(i + 1, len(points))
-              if abs(points[j][0] - points[i][0]) > min_dx]
+    slopes = [
+        (points[j][1] - points[i][1]) / (points[j][0] - points[i][0])
+        for i in range(len(points))
+        for j in range(i + 1, len(points))
+        if abs(points[j][0] - points[i][0]) > min_dx
+    ]
     if len(slopes) < max(3, len(points) // 2):
         return None
     b = median(slopes)

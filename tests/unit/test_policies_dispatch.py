@@ -11,12 +11,18 @@ from loadtest.traces import Request
 from policies.dispatch import DispatchQueues, DispatchSettings
 
 
-def queues(limit: int = 100, patience: float = 5.0, max_wait: float = 60.0, min_blocks: int = 2,
-           depth: dict[str, int] | None = None) -> DispatchQueues[str]:
+def queues(
+    limit: int = 100,
+    patience: float = 5.0,
+    max_wait: float = 60.0,
+    min_blocks: int = 2,
+    depth: dict[str, int] | None = None,
+) -> DispatchQueues[str]:
     cached = depth or {}
-    return DispatchQueues(DispatchSettings(limit_tokens=limit, patience_s=patience, max_wait_s=max_wait,
-                                           min_blocks=min_blocks),
-                          lambda replica, item: cached.get(item, 0))
+    return DispatchQueues(
+        DispatchSettings(limit_tokens=limit, patience_s=patience, max_wait_s=max_wait, min_blocks=min_blocks),
+        lambda replica, item: cached.get(item, 0),
+    )
 
 
 def test_settings_reject_nonsense() -> None:
@@ -38,13 +44,13 @@ def test_gate_off_sends_everything_at_once() -> None:
 
 def test_sends_until_over_the_limit_then_queues() -> None:
     q = queues(limit=100)
-    assert q.offer(0, "a", 60, 0.0)      # 60 sent
-    assert q.offer(0, "b", 60, 0.0)      # 60 <= 100: sent, now 120
-    assert not q.offer(0, "c", 1, 0.0)   # 120 > 100: waits
-    assert q.offer(1, "d", 500, 0.0)     # another replica has its own gate
+    assert q.offer(0, "a", 60, 0.0)  # 60 sent
+    assert q.offer(0, "b", 60, 0.0)  # 60 <= 100: sent, now 120
+    assert not q.offer(0, "c", 1, 0.0)  # 120 > 100: waits
+    assert q.offer(1, "d", 500, 0.0)  # another replica has its own gate
     assert q.waiting(0) == 1 and q.waiting() == 1
-    assert q.pop_ready(0, 1.0) == []     # nothing started yet
-    q.started(0, 60)                     # a's first token: 60 sent
+    assert q.pop_ready(0, 1.0) == []  # nothing started yet
+    q.started(0, 60)  # a's first token: 60 sent
     out = q.pop_ready(0, 1.0)
     assert [w.item for w in out] == ["c"]
     assert q.queue(0).sent_tokens == 61
@@ -56,7 +62,7 @@ def test_a_newcomer_does_not_overtake_waiting_requests() -> None:
     assert q.offer(0, "a", 200, 0.0)
     assert not q.offer(0, "b", 10, 0.0)
     q.started(0, 200)
-    assert not q.offer(0, "c", 0, 0.5)   # b still waits: c queues behind it, even with room
+    assert not q.offer(0, "c", 0, 0.5)  # b still waits: c queues behind it, even with room
     assert [w.item for w in q.pop_ready(0, 0.5)] == ["b", "c"]
 
 
@@ -127,8 +133,16 @@ def _conversations(n: int = 60) -> list[Request]:
     for i in range(n):
         conv, turn = i % 6, i // 6
         segments = tuple((conv * 1000 + k, 512) for k in range(4 + 3 * turn))
-        out.append(Request(request_id=f"q{i}", arrival_s=i * 0.4, prompt_tokens=512 * len(segments),
-                           output_tokens=16, segments=segments, session_id=f"c{conv}"))
+        out.append(
+            Request(
+                request_id=f"q{i}",
+                arrival_s=i * 0.4,
+                prompt_tokens=512 * len(segments),
+                output_tokens=16,
+                segments=segments,
+                session_id=f"c{conv}",
+            )
+        )
     return out
 
 

@@ -501,7 +501,9 @@ def test_migration_penalty_charges_thrown_away_gpu_tokens_up_to_its_cap() -> Non
     d = TTFTPolicy(p_confirmed=1.0, migration_weight=30.0).choose(req, [holder, idle])
     assert d.scores[1].parts["W"] == pytest.approx(0.11 + 1.0)  # 3 s of penalty capped at 1 s
     # a candidate that can fetch the prefix from its CPU tier throws nothing away
-    pcie = ReplicaProfile(prefill_tokens_per_s=10_000.0, tiers={"cpu": TierLink(25e9)}, bytes_per_token=1000.0)
+    pcie = ReplicaProfile(
+        prefill_tokens_per_s=10_000.0, tiers={"cpu": TierLink(25e9)}, bytes_per_token=1000.0
+    )
     fetch = Candidate(2, "fetch", LoadView(0, 0, 0, kv_usage=0.3), PrefixHit(cpu=2000), pcie)
     d = TTFTPolicy(p_confirmed=1.0).choose(req, [holder, fetch])
     assert d.scores[1].parts["usable"] == 2000 and d.scores[1].parts["W"] == pytest.approx(0.01)
@@ -519,8 +521,13 @@ def _conversation(policy: TTFTPolicy, holder_backlog: int, turns: int = 6) -> li
         prompt = 4096 + 1024 * t
         keys = list(range(7000 * t + 1, 7000 * t + 1 + prompt // 16))  # chained keys differ per prefix
         cands = [
-            Candidate(0, "holder", LoadView(0, 0, holder_backlog, kv_usage=0.3), PrefixHit(gpu=prompt - 1024), prof)
-        ] + [Candidate(r, f"r{r}", LoadView(0, 0, 0, kv_usage=0.3), PrefixHit(gpu=512), prof) for r in range(1, 8)]
+            Candidate(
+                0, "holder", LoadView(0, 0, holder_backlog, kv_usage=0.3), PrefixHit(gpu=prompt - 1024), prof
+            )
+        ] + [
+            Candidate(r, f"r{r}", LoadView(0, 0, 0, kv_usage=0.3), PrefixHit(gpu=512), prof)
+            for r in range(1, 8)
+        ]
         req = RouteRequest(model="m", prompt_tokens=prompt, block_keys=keys, block_size=16, now=30.0 * t)
         chosen.append(policy.choose(req, cands).chosen)
     return chosen
@@ -538,7 +545,9 @@ def test_migration_penalty_keeps_a_conversation_on_its_holder() -> None:
 
 
 @pytest.mark.parametrize(("shared", "prompt"), [(8192, 8448), (2048, 2304)])
-def test_popular_prefix_guard_keeps_the_migration_penalty_from_pinning_a_burst(shared: int, prompt: int) -> None:
+def test_popular_prefix_guard_keeps_the_migration_penalty_from_pinning_a_burst(
+    shared: int, prompt: int
+) -> None:
     counts = _burst(shared, prompt)  # default policy: migration penalty on, popularity guard on
     assert max(counts) <= 2 * 200 / 8, counts
     assert min(counts) > 0, counts
@@ -575,14 +584,25 @@ def _stays_with_holder(policy: TTFTPolicy, capacity_blocks: int | None, age_s: f
     """
     prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
     first = 1 + 1000 * round(age_s)
-    req = RouteRequest(model="m", prompt_tokens=8192, block_keys=list(range(first, first + 512)), block_size=16,
-                       now=300.0)
+    req = RouteRequest(
+        model="m", prompt_tokens=8192, block_keys=list(range(first, first + 512)), block_size=16, now=300.0
+    )
     cands = [
-        Candidate(0, "holder", LoadView(0, 0, 30_000, kv_usage=0.3, total_kv_blocks=capacity_blocks),
-                  PrefixHit(gpu=7168, age_s=age_s), prof)
+        Candidate(
+            0,
+            "holder",
+            LoadView(0, 0, 30_000, kv_usage=0.3, total_kv_blocks=capacity_blocks),
+            PrefixHit(gpu=7168, age_s=age_s),
+            prof,
+        )
     ] + [
-        Candidate(r, f"r{r}", LoadView(0, 0, 0, kv_usage=0.3, total_kv_blocks=capacity_blocks),
-                  PrefixHit(gpu=512, age_s=age_s), prof)
+        Candidate(
+            r,
+            f"r{r}",
+            LoadView(0, 0, 0, kv_usage=0.3, total_kv_blocks=capacity_blocks),
+            PrefixHit(gpu=512, age_s=age_s),
+            prof,
+        )
         for r in range(1, 4)
     ]
     return policy.choose(req, cands).chosen == 0
@@ -596,7 +616,9 @@ def test_write_rate_and_cache_lifetime_are_learned_from_observations() -> None:
     assert rate == pytest.approx(1000.0, rel=0.02)  # one 1000-token write a second
     early = TTFTPolicy(tight_migration_weight=1000.0, calibrate=False)
     _written(early, 1, 1000, 10)
-    assert early.write_rate(0, 10.0) == pytest.approx(11 * 1000 / 10.0, rel=0.02)  # 11 writes in 10 s: no warm-up bias
+    assert early.write_rate(0, 10.0) == pytest.approx(
+        11 * 1000 / 10.0, rel=0.02
+    )  # 11 writes in 10 s: no warm-up bias
     later = policy.write_rate(0, 420.0)  # two windows with no write: the rate decays
     assert later is not None and later == pytest.approx(1000.0 * math.exp(-2.0), rel=0.02)
     req = RouteRequest(model="m", prompt_tokens=16, block_keys=[1], block_size=16, now=300.0)
@@ -615,11 +637,18 @@ def test_short_cache_lifetime_keeps_a_conversation_on_its_busy_holder() -> None:
     # (rho 0.75: tightness 0.5): evicting is expensive, the penalty's weight and cap rise and the turn stays
     tight = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False)
     _written(tight, 4, 1000, 300)
-    assert tight.tightness(Candidate(1, "r1", LoadView(total_kv_blocks=5000)),
-                           RouteRequest(model="m", prompt_tokens=1, block_keys=[], now=300.0)) == 0.0  # no reuse yet
+    assert (
+        tight.tightness(
+            Candidate(1, "r1", LoadView(total_kv_blocks=5000)),
+            RouteRequest(model="m", prompt_tokens=1, block_keys=[], now=300.0),
+        )
+        == 0.0
+    )  # no reuse yet
     assert _stays_with_holder(tight, 5000)
-    t = tight.tightness(Candidate(1, "r1", LoadView(total_kv_blocks=5000)),
-                        RouteRequest(model="m", prompt_tokens=1, block_keys=[], now=300.0))
+    t = tight.tightness(
+        Candidate(1, "r1", LoadView(total_kv_blocks=5000)),
+        RouteRequest(model="m", prompt_tokens=1, block_keys=[], now=300.0),
+    )
     assert t == pytest.approx(0.5, abs=0.02)
     # the same reuse age with 50000 x 16-token caches (~800 s lifetime): a move evicts cold blocks, it moves
     loose = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False)
@@ -656,7 +685,9 @@ def test_survival_check_drops_the_penalty_when_the_holders_copy_is_evicted_first
     # lifetime 80 s (5000 x 16 tokens at 1000 tokens/s), prefix stored 60 s ago: tight, the turn stays ...
     kept = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False, survival_check=True)
     _written(kept, 4, 1000, 300)
-    assert _stays_with_holder(kept, 5000, age_s=60.0)  # 60 s + 3 s of backlog < 80 s: the copy survives the wait
+    assert _stays_with_holder(
+        kept, 5000, age_s=60.0
+    )  # 60 s + 3 s of backlog < 80 s: the copy survives the wait
     # ... but stored 78 s ago, 3 s of backlog outlive the lifetime: the copy is gone before the prefill, so the move
     # throws nothing away and is not charged (without the check the tight penalty pins it anyway)
     doomed = TTFTPolicy(p_confirmed=1.0, tight_migration_weight=1000.0, calibrate=False, survival_check=True)
@@ -681,4 +712,7 @@ def test_cache_first_policy_stays_with_the_holder_where_ttft_leaves_it() -> None
     params = inspect.signature(policy_factory("ttft_cache_first")).parameters
     assert params["migration_cap_s"].default == CACHE_FIRST_DEFAULTS["migration_cap_s"] == 1000.0
     assert params["migration_weight"].default == 1000.0
-    assert params["popular_window_s"].default == inspect.signature(TTFTPolicy).parameters["popular_window_s"].default
+    assert (
+        params["popular_window_s"].default
+        == inspect.signature(TTFTPolicy).parameters["popular_window_s"].default
+    )

@@ -35,8 +35,11 @@ def test_validation_errors_are_clear() -> None:
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert "known: m" in r.json()["error"]["message"]
         # form-encoded clients still work: the body is JSON whatever the content type says
-        r = httpx.post(u + "/v1/completions", content=b'{"model": "m", "prompt": "hi"}',
-                       headers={"content-type": "application/x-www-form-urlencoded"})
+        r = httpx.post(
+            u + "/v1/completions",
+            content=b'{"model": "m", "prompt": "hi"}',
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
         assert r.status_code == 200
         assert st.posts == 1  # none of the bad requests reached the engine
 
@@ -52,6 +55,7 @@ def test_body_limit_413() -> None:
         def chunks():  # no content-length: chunked transfer encoding
             for _ in range(10):
                 yield b" " * 500
+
         r = httpx.post(router.url + "/v1/completions", content=chunks())
         assert r.status_code == 413
         assert st.posts == 0
@@ -59,16 +63,23 @@ def test_body_limit_413() -> None:
 
 def test_api_keys_and_admin_token() -> None:
     st = EngineState()
-    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url], "--api-key", "k1,k2",
-                                                          "--admin-token", "adm") as router:
+    with (
+        ServerThread(tiny_engine(st)) as eng,
+        router_for([eng.url], "--api-key", "k1,k2", "--admin-token", "adm") as router,
+    ):
         wait_until(lambda: httpx.get(router.url + "/readyz").status_code == 200, timeout=10, what="ready")
         u = router.url
         assert httpx.post(u + "/v1/completions", json=BODY).status_code == 401
         r = httpx.post(u + "/v1/completions", json=BODY, headers={"authorization": "Bearer nope"})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        assert httpx.post(u + "/v1/completions", json=BODY, headers={"authorization": "Bearer k2"}).status_code == 200
+        assert (
+            httpx.post(u + "/v1/completions", json=BODY, headers={"authorization": "Bearer k2"}).status_code
+            == 200
+        )
         assert httpx.get(u + "/v1/models").status_code == 401
-        assert httpx.get(u + "/replicas", headers={"authorization": "Bearer k1"}).status_code == 403  # not admin
+        assert (
+            httpx.get(u + "/replicas", headers={"authorization": "Bearer k1"}).status_code == 403
+        )  # not admin
         assert httpx.get(u + "/replicas").status_code == 401
         assert httpx.get(u + "/replicas", headers={"authorization": "Bearer adm"}).status_code == 200
         assert httpx.get(u + "/index/stats").status_code == 401
@@ -79,9 +90,12 @@ def test_api_keys_and_admin_token() -> None:
 
 def test_router_inflight_limit_429_and_replica_down_503() -> None:
     st = EngineState(mode="hang")
-    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url], "--max-inflight-total", "1",
-                                                          "--retry-after-s", "3") as router:
+    with (
+        ServerThread(tiny_engine(st)) as eng,
+        router_for([eng.url], "--max-inflight-total", "1", "--retry-after-s", "3") as router,
+    ):
         ready(router, 1)
+
         def first() -> None:
             try:
                 httpx.post(router.url + "/v1/completions", json=BODY, timeout=1.5)
@@ -115,8 +129,17 @@ def test_models_replicas_openapi() -> None:
         assert reps[0]["name"] == "e0" and reps[0]["state"] == "ready" and reps[0]["kv_events"] is None
         assert reps[0]["load"]["inflight_requests"] == 0
         spec = httpx.get(router.url + "/openapi.json").json()
-        for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/route", "/replicas",
-                     "/index/stats", "/metrics", "/healthz", "/readyz"):
+        for path in (
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/v1/models",
+            "/route",
+            "/replicas",
+            "/index/stats",
+            "/metrics",
+            "/healthz",
+            "/readyz",
+        ):
             assert path in spec["paths"], path
         schemas = spec["components"]["schemas"]
         body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
@@ -133,17 +156,23 @@ def test_streams_count_against_the_router_limit_until_they_end() -> None:
     st = EngineState(mode="slow_stream")
     with ServerThread(tiny_engine(st)) as eng, router_for([eng.url], "--max-inflight-total", "1") as router:
         ready(router, 1)
-        with httpx.stream("POST", router.url + "/v1/completions", json={**BODY, "stream": True},
-                          timeout=10) as r:
+        with httpx.stream(
+            "POST", router.url + "/v1/completions", json={**BODY, "stream": True}, timeout=10
+        ) as r:
             chunks = r.iter_raw()  # keep the iterator: dropping it closes the response
             assert next(chunks).startswith(b"data: ")
             assert metric(router, "kvroute_inflight_requests") == 1
             r2 = httpx.post(router.url + "/v1/completions", json=BODY)
             assert r2.status_code == 429
         # the client left: the stream's slot, the replica's in-flight count and the upstream are released
-        wait_until(lambda: metric(router, "kvroute_inflight_requests") == 0, timeout=5, what="router slot free")
-        wait_until(lambda: metric(router, "kvroute_replica_inflight_requests") == 0, timeout=5,
-                   what="replica slot free")
+        wait_until(
+            lambda: metric(router, "kvroute_inflight_requests") == 0, timeout=5, what="router slot free"
+        )
+        wait_until(
+            lambda: metric(router, "kvroute_replica_inflight_requests") == 0,
+            timeout=5,
+            what="replica slot free",
+        )
         wait_until(lambda: st.cancelled == 1, timeout=5, what="upstream cancelled")
         st.mode = "ok"
         assert httpx.post(router.url + "/v1/completions", json=BODY).status_code == 200
@@ -154,7 +183,10 @@ def test_replicas_show_health_of_static_replicas() -> None:
     checker) show consecutive successes, or failures with the last error."""
     st = EngineState()
     refused = f"http://127.0.0.1:{free_port()}"
-    with ServerThread(tiny_engine(st)) as eng, router_for([eng.url, refused], "--unhealthy-after", "2") as router:
+    with (
+        ServerThread(tiny_engine(st)) as eng,
+        router_for([eng.url, refused], "--unhealthy-after", "2") as router,
+    ):
         ready(router, 1)
 
         def health() -> dict[str, dict[str, object]]:
@@ -171,8 +203,11 @@ def test_replicas_show_health_of_static_replicas() -> None:
 def test_reuse_of_a_decision() -> None:
     from policies.base import Candidate, PrefixHit, reuse_of
 
-    cands = [Candidate(index=0, name="a", hit=PrefixHit(gpu=64, cpu=32)), Candidate(index=1, name="b"),
-             Candidate(index=2, name="c", hit=PrefixHit(gpu=16))]
+    cands = [
+        Candidate(index=0, name="a", hit=PrefixHit(gpu=64, cpu=32)),
+        Candidate(index=1, name="b"),
+        Candidate(index=2, name="c", hit=PrefixHit(gpu=16)),
+    ]
     best, traded, none = reuse_of(0, cands), reuse_of(2, cands), reuse_of(1, cands[1:2])
     assert (best.available_tokens, best.achieved_tokens, best.missed_tokens) == (96, 96, 0)
     assert (traded.available_tokens, traded.achieved_tokens, traded.missed_tokens) == (96, 16, 80)
@@ -186,8 +221,11 @@ def test_reuse_available_vs_achieved_in_metrics_and_route() -> None:
 
     st0, st1 = EngineState(), EngineState()
     prompt = {"model": "m", "prompt": "the same long system prompt " * 20, "max_tokens": 1}
-    with ServerThread(tiny_engine(st0)) as e0, ServerThread(tiny_engine(st1)) as e1, \
-            router_for([e0.url, e1.url]) as router:
+    with (
+        ServerThread(tiny_engine(st0)) as e0,
+        ServerThread(tiny_engine(st1)) as e1,
+        router_for([e0.url, e1.url]) as router,
+    ):
         ready(router, 2)
         for _ in range(2):
             assert httpx.post(router.url + "/v1/completions", json=prompt, timeout=10).status_code == 200

@@ -18,8 +18,10 @@ from router.config import (
     settings_fields,
 )
 
-SPEC = ("name=r0,url=http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,"
-        "dialect=vllm,model=m")
+SPEC = (
+    "name=r0,url=http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,"
+    "dialect=vllm,model=m"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -48,13 +50,16 @@ def test_replica_spec_string() -> None:
     assert r.model == ["m"] and r.loras == ["a", "b"] and r.topic == "kv" and r.profile == "h20"
 
 
-@pytest.mark.parametrize("bad, needle", [
-    ("name=r0", "no url"),
-    ("name=r0,url=http://x:1,colour=red", "unknown replica spec key 'colour'"),
-    ("name=r0,url", "not key=value"),
-    ("name=r0,url=ftp://x", "http:// or https://"),
-    ("name=r0,url=http://x:1,dialect=trt", "dialect"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ("name=r0", "no url"),
+        ("name=r0,url=http://x:1,colour=red", "unknown replica spec key 'colour'"),
+        ("name=r0,url", "not key=value"),
+        ("name=r0,url=ftp://x", "http:// or https://"),
+        ("name=r0,url=http://x:1,dialect=trt", "dialect"),
+    ],
+)
 def test_replica_spec_errors_name_the_problem(bad: str, needle: str) -> None:
     with pytest.raises((ValueError, ValidationError)) as info:
         load_settings(["--replica", bad])
@@ -66,10 +71,29 @@ def test_cli_flags_cover_every_field_and_parse_types() -> None:
     flags = {opt for a in parser._actions for opt in a.option_strings}
     for name in Settings.model_fields:
         assert flag_name(name) in flags, name
-    s = load_settings(["--replica", SPEC, "--replica", "name=r1,url=http://127.0.0.1:8002",
-                       "--policy-param", "alpha=0.5", "--policy-param", "mode=fast", "--port", "9000",
-                       "--no-kv-events", "--index-max-nodes", "none", "--api-key", "k1,k2",
-                       "--predicted-ttl-s", "30.5", "--tokenizer-mode", "bytes"])
+    s = load_settings(
+        [
+            "--replica",
+            SPEC,
+            "--replica",
+            "name=r1,url=http://127.0.0.1:8002",
+            "--policy-param",
+            "alpha=0.5",
+            "--policy-param",
+            "mode=fast",
+            "--port",
+            "9000",
+            "--no-kv-events",
+            "--index-max-nodes",
+            "none",
+            "--api-key",
+            "k1,k2",
+            "--predicted-ttl-s",
+            "30.5",
+            "--tokenizer-mode",
+            "bytes",
+        ]
+    )
     assert [r.name for r in s.replicas] == ["r0", "r1"]
     assert s.policy_params == {"alpha": 0.5, "mode": "fast"}
     assert s.port == 9000 and s.kv_events is False and s.index_max_nodes is None
@@ -86,12 +110,15 @@ def test_bad_flag_value_exits() -> None:
         load_settings(["--port", "70000"])
 
 
-def test_precedence_cli_over_env_over_yaml_over_default(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_precedence_cli_over_env_over_yaml_over_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = tmp_path / "kvroute.yaml"
-    cfg.write_text("port: 9200\npolicy: round_robin\nblock-size: 32\nmax_retries: 4\n"
-                   "replicas:\n  - name: y0\n    url: http://127.0.0.1:7000\n    model: [m]\n"
-                   "  - " + SPEC.replace("r0", "y1") + "\n")
+    cfg.write_text(
+        "port: 9200\npolicy: round_robin\nblock-size: 32\nmax_retries: 4\n"
+        "replicas:\n  - name: y0\n    url: http://127.0.0.1:7000\n    model: [m]\n"
+        "  - " + SPEC.replace("r0", "y1") + "\n"
+    )
     # YAML alone over defaults
     s = load_settings(["--config", str(cfg)])
     assert (s.port, s.policy, s.block_size, s.max_retries) == (9200, "round_robin", 32, 4)
@@ -137,8 +164,14 @@ def test_settings_fields_listing_matches_the_class() -> None:
     fields = settings_fields()
     assert [f["name"] for f in fields] == list(Settings.model_fields)
     by_name = {f["name"]: f for f in fields}
-    assert by_name["port"] == {"name": "port", "flag": "--port", "env": "KVROUTE_PORT", "type": "int",
-                               "default": 8080, "description": Settings.model_fields["port"].description}
+    assert by_name["port"] == {
+        "name": "port",
+        "flag": "--port",
+        "env": "KVROUTE_PORT",
+        "type": "int",
+        "default": 8080,
+        "description": Settings.model_fields["port"].description,
+    }
     assert by_name["replicas"]["flag"] == "--replica"
     assert env_name("max_retries") == "KVROUTE_MAX_RETRIES"
     for f in fields:
@@ -164,9 +197,10 @@ def test_docs_configuration_table_is_generated_from_settings() -> None:
     from router.config import DOC_BEGIN, DOC_END, settings_markdown
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "service.md").read_text()
-    table = doc[doc.index(DOC_BEGIN) + len(DOC_BEGIN):doc.index(DOC_END)].strip()
-    assert table == settings_markdown(), ("docs/service.md is out of date: run "
-                                          "python -m router.config --update-doc docs/service.md")
+    table = doc[doc.index(DOC_BEGIN) + len(DOC_BEGIN) : doc.index(DOC_END)].strip()
+    assert table == settings_markdown(), (
+        "docs/service.md is out of date: run python -m router.config --update-doc docs/service.md"
+    )
 
 
 def test_serve_reports_bad_configuration_clearly(capsys: pytest.CaptureFixture[str]) -> None:

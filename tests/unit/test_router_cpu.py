@@ -22,15 +22,21 @@ def test_merged_metrics_label_every_sample_with_its_worker_and_parse() -> None:
     text = merge_expositions({1: _exposition(5), 0: _exposition(3)}).decode()
     assert text.count("# TYPE kvroute_requests_total counter") == 1  # one family, not one per worker
     fams = {f.name: f for f in text_string_to_metric_families(text)}
-    totals = {s.labels["worker"]: s.value for s in fams["kvroute_requests"].samples if s.name.endswith("_total")}
+    totals = {
+        s.labels["worker"]: s.value for s in fams["kvroute_requests"].samples if s.name.endswith("_total")
+    }
     assert totals == {"0": 3.0, "1": 5.0}
 
 
 def test_profile_categories_take_the_innermost_matching_frame() -> None:
-    stack = ("run (uvicorn/main.py:1);_DataPlane.routing_input (router/app.py:583);"
-             "HfTokenizer.encode_text (router/tokenizer.py:251)")
+    stack = (
+        "run (uvicorn/main.py:1);_DataPlane.routing_input (router/app.py:583);"
+        "HfTokenizer.encode_text (router/tokenizer.py:251)"
+    )
     assert categorize(stack) == "tokenization"
-    assert categorize("run (uvicorn/main.py:1);Runner.run (asyncio/runners.py:118)").startswith("event loop outside Python frames")
+    assert categorize("run (uvicorn/main.py:1);Runner.run (asyncio/runners.py:118)").startswith(
+        "event loop outside Python frames"
+    )
     assert not on_event_loop("Thread._bootstrap (threading.py:1);_worker (concurrent/futures/thread.py:83)")
 
 

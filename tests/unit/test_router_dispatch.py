@@ -15,13 +15,19 @@ from tests.helpers import FakeClock
 BS = 16
 
 
-def make(limit: int = 10, patience: float = 5.0, max_wait: float = 60.0,
-         routable: set[int] | None = None) -> tuple[DispatchGate, PrefixIndex, FakeClock]:
+def make(
+    limit: int = 10, patience: float = 5.0, max_wait: float = 60.0, routable: set[int] | None = None
+) -> tuple[DispatchGate, PrefixIndex, FakeClock]:
     index = PrefixIndex(block_size=BS)
     clock = FakeClock()
     ok = routable if routable is not None else {0, 1}
-    gate = DispatchGate(DispatchSettings(limit_tokens=limit, patience_s=patience, max_wait_s=max_wait), index, BS,
-                        routable=lambda i: i in ok, clock=clock)
+    gate = DispatchGate(
+        DispatchSettings(limit_tokens=limit, patience_s=patience, max_wait_s=max_wait),
+        index,
+        BS,
+        routable=lambda i: i in ok,
+        clock=clock,
+    )
     return gate, index, clock
 
 
@@ -80,7 +86,7 @@ def test_a_cancelled_waiter_leaves_the_queue_and_a_released_one_gives_its_slot_b
         await settle()
         assert gate.queues.waiting(0) == 1
         gate.done(0, 64)  # b is released ...
-        b.cancel()        # ... and cancelled before it runs: its tokens must not stay counted
+        b.cancel()  # ... and cancelled before it runs: its tokens must not stay counted
         await settle()
         with pytest.raises(asyncio.CancelledError):
             await b
@@ -113,8 +119,12 @@ def test_expired_and_gone_requests_leave_the_queue() -> None:
 
 def test_the_timer_sends_expired_requests_without_any_first_token() -> None:
     async def run() -> None:
-        gate = DispatchGate(DispatchSettings(limit_tokens=10, max_wait_s=0.3), PrefixIndex(block_size=BS), BS,
-                            routable=lambda i: True)
+        gate = DispatchGate(
+            DispatchSettings(limit_tokens=10, max_wait_s=0.3),
+            PrefixIndex(block_size=BS),
+            BS,
+            routable=lambda i: True,
+        )
         await gate.wait(0, keys(1, 4), 64, 64, stream=True)
         got = await asyncio.wait_for(gate.wait(0, keys(2, 4), 64, 64, stream=True), timeout=5)
         assert got == 64 and gate.queues.expired_total == 1

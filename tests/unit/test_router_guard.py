@@ -25,21 +25,35 @@ from tests.unit.test_router_proxy import (
     tiny_engine,
 )
 
-LIMITS = InputLimits(max_messages=10, max_batch_prompts=4, chars_per_token=2.0, default_context_tokens=100,
-                     max_json_values=50)
+LIMITS = InputLimits(
+    max_messages=10, max_batch_prompts=4, chars_per_token=2.0, default_context_tokens=100, max_json_values=50
+)
 
 
 def test_auth_compares_bytes_and_never_raises() -> None:
     auth = Auth(["k1", "clé"], admin_token="adm")
     assert auth.client_ok("Bearer k1") and auth.client_ok(b"bearer k1") and auth.client_ok("Bearer adm")
     assert auth.client_ok("Bearer clé".encode())  # a UTF-8 key sent as UTF-8 bytes
-    for bad in (None, "", "Bearer", "Bearer ", "Basic k1", "Bearer k2", "Bearer \u00e9t\u00e9",
-                "Bearer ét\u00e9".encode("latin-1"), b"Bearer \xff\xfe", "Bearer k1x"):
+    for bad in (
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        "Basic k1",
+        "Bearer k2",
+        "Bearer \u00e9t\u00e9",
+        "Bearer ét\u00e9".encode("latin-1"),
+        b"Bearer \xff\xfe",
+        "Bearer k1x",
+    ):
         assert not auth.client_ok(bad), bad
     assert auth.admin_status(None)[0] == 401 and auth.admin_status("Bearer k1")[0] == 403
     assert auth.admin_status("Bearer \u00e9")[0] == 403 and auth.admin_status("Bearer adm") == (0, "")
     assert auth.is_admin("Bearer adm") and not auth.is_admin("Bearer k1")
-    assert auth.principal("Bearer k1") != auth.principal("Bearer clé".encode()) and len(auth.principal("x")) == 24
+    assert (
+        auth.principal("Bearer k1") != auth.principal("Bearer clé".encode())
+        and len(auth.principal("x")) == 24
+    )
     keys_only = Auth(["k1"], admin_token=None)
     assert keys_only.admin_status(None)[0] == 401 and keys_only.admin_status("Bearer k1") == (0, "")
     assert not keys_only.is_admin("Bearer k1")
@@ -69,8 +83,16 @@ def test_input_limits_on_both_parsers() -> None:
     exc = _both({"model": "m", "messages": [msg] * 11})
     assert exc is not None and exc.status == 413 and exc.code == "too_many_messages"
     exc = _both({"model": "m", "messages": [{"role": "user", "content": "x" * 201}]})
-    assert exc is not None and exc.status == 400 and exc.code == "context_length_exceeded" and exc.param == "messages"
-    parts = {"role": "user", "content": [{"type": "text", "text": "y" * 150}, {"type": "text", "text": "y" * 60}]}
+    assert (
+        exc is not None
+        and exc.status == 400
+        and exc.code == "context_length_exceeded"
+        and exc.param == "messages"
+    )
+    parts = {
+        "role": "user",
+        "content": [{"type": "text", "text": "y" * 150}, {"type": "text", "text": "y" * 60}],
+    }
     assert _both({"model": "m", "messages": [parts]}) is not None  # text parts count as characters
     # the context comes from the model's replicas when they report one
     assert _both({"model": "big", "prompt": "z" * 1000}, {"big": 1000}) is None
@@ -88,9 +110,12 @@ def test_input_limits_on_both_parsers() -> None:
     assert _both({"model": "m", "prompt": [1, {"x": list(range(60))}]}).code == "too_many_json_values"  # type: ignore[union-attr]
     assert _both([1, 2]) is None and _both({"prompt": 5}) is None  # not ours to judge: validation answers
     # structure hidden where no prompt or message text is expected still counts
-    for hidden in ([[1]] * 60, {"model": "m", "prompt": {"a": list(range(60))}},
-                   {"model": "m", "messages": [list(range(60))]},
-                   {"model": "m", "messages": [{"role": "user", "content": [list(range(60))]}]}):
+    for hidden in (
+        [[1]] * 60,
+        {"model": "m", "prompt": {"a": list(range(60))}},
+        {"model": "m", "messages": [list(range(60))]},
+        {"model": "m", "messages": [{"role": "user", "content": [list(range(60))]}]},
+    ):
         exc = _both(hidden)
         assert exc is not None and exc.code == "too_many_json_values", hidden
 
@@ -147,7 +172,9 @@ def test_n_sequences_counted_in_flight_and_unhandled_errors_counted() -> None:
         assert rep.load.inflight_requests == 4
         svc.router.release(rep, inp.copies)
         assert rep.load.inflight_requests == 0
-        assert httpx.post(router.url + "/v1/completions", json={**BODY, "n": 3}, timeout=30).status_code == 200
+        assert (
+            httpx.post(router.url + "/v1/completions", json={**BODY, "n": 3}, timeout=30).status_code == 200
+        )
         assert rep.load.inflight_requests == 0  # acquired and released as 3
 
         def boom(*args: Any, **kwargs: Any) -> Any:

@@ -19,8 +19,13 @@ def test_mmap_threshold_is_pinned_on_glibc() -> None:
 
 
 def test_limit_exceeded_does_not_keep_the_parsed_document() -> None:
-    limits = InputLimits(max_messages=10, max_batch_prompts=4, chars_per_token=2.0, default_context_tokens=100,
-                         max_json_values=1000)
+    limits = InputLimits(
+        max_messages=10,
+        max_batch_prompts=4,
+        chars_per_token=2.0,
+        default_context_tokens=100,
+        max_json_values=1000,
+    )
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 50})
     with pytest.raises(LimitExceeded) as info:
         scan_and_parse(body, object, limits, {})  # type: ignore[arg-type]
@@ -29,6 +34,8 @@ def test_limit_exceeded_does_not_keep_the_parsed_document() -> None:
     assert "check_body" not in names and "_check_messages" not in names, names
     tb = info.value.__traceback__
     while tb is not None:  # no frame the exception keeps alive holds the simdjson document (or a part of it)
-        held = [k for k, v in tb.tb_frame.f_locals.items() if isinstance(v, (simdjson.Object, simdjson.Array))]
+        held = [
+            k for k, v in tb.tb_frame.f_locals.items() if isinstance(v, (simdjson.Object, simdjson.Array))
+        ]
         assert not held, (tb.tb_frame.f_code.co_name, held)
         tb = tb.tb_next

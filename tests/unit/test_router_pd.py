@@ -32,19 +32,28 @@ class FirstPair:
 
     name = "pd_test_first_pair"
 
-    def choose_plan(self, request: RouteRequest, candidates: Sequence[PdCandidate],
-                    link: HandoffLink) -> PlanDecision:
+    def choose_plan(
+        self, request: RouteRequest, candidates: Sequence[PdCandidate], link: HandoffLink
+    ) -> PlanDecision:
         _Seen.candidates, _Seen.link = list(candidates), link
         pre = [c for c in candidates if c.role == "prefill"]
         dec = [c for c in candidates if c.role in ("decode", "both")]
         if not dec:
             raise ValueError("no decode-capable replica")
-        in_place = [Plan("in_place", d.index, predicted_ttft_s=1.0 + i, terms={"Q": 0.5, "R": 0.0, "C": 0.5 + i})
-                    for i, d in enumerate(dec)]
+        in_place = [
+            Plan("in_place", d.index, predicted_ttft_s=1.0 + i, terms={"Q": 0.5, "R": 0.0, "C": 0.5 + i})
+            for i, d in enumerate(dec)
+        ]
         if not pre:
             return PlanDecision(chosen=in_place[0], plans=in_place, policy=self.name, branch="no_prefill")
-        pair = Plan("disaggregated", dec[0].index, prefill=pre[0].index, predicted_ttft_s=0.4, dp_rank=1,
-                    terms={"Q_p": 0.1, "R_p": 0.0, "C_p": 0.2, "handoff": 0.05, "decode_first": 0.05})
+        pair = Plan(
+            "disaggregated",
+            dec[0].index,
+            prefill=pre[0].index,
+            predicted_ttft_s=0.4,
+            dp_rank=1,
+            terms={"Q_p": 0.1, "R_p": 0.0, "C_p": 0.2, "handoff": 0.05, "decode_first": 0.05},
+        )
         return PlanDecision(chosen=pair, plans=[pair, *in_place], policy=self.name)
 
     def observe(self, observation: Observation) -> None:
@@ -54,11 +63,22 @@ class FirstPair:
 def make_router(roles: list[str]) -> Router:
     table = ReplicaTable()
     for i, role in enumerate(roles):
-        table.upsert(f"r{i}", f"http://127.0.0.1:{9000 + i}", models=["m"], profile=build_profile("a100"),
-                     role=role, dp_size=2 if role == "decode" else 1)
+        table.upsert(
+            f"r{i}",
+            f"http://127.0.0.1:{9000 + i}",
+            models=["m"],
+            profile=build_profile("a100"),
+            role=role,
+            dp_size=2 if role == "decode" else 1,
+        )
         table.set_state(f"r{i}", ReplicaState.READY)
-    router = Router(table, PrefixIndex(block_size=BS, clock=FakeClock()), make_policy("round_robin"),
-                    block_size=BS, clock=FakeClock())
+    router = Router(
+        table,
+        PrefixIndex(block_size=BS, clock=FakeClock()),
+        make_policy("round_robin"),
+        block_size=BS,
+        clock=FakeClock(),
+    )
     router.pd_policy_factory = lambda: make_pd_policy("pd_test_first_pair")
     router.pd_link = HandoffLink(bandwidth_bytes_per_s=25e9, latency_s=0.001)
     return router
@@ -71,17 +91,28 @@ def test_pd_fleet_gets_a_plan_with_roles_and_link() -> None:
     routed = router.decide(inp)
     assert routed.plan is not None and routed.disaggregated
     assert routed.plan.chosen.prefill == 0 and routed.plan.chosen.decode == 1
-    assert [(c.index, c.role, c.dp_rank_count) for c in _Seen.candidates] == [(0, "prefill", 1), (1, "decode", 2),
-                                                                             (2, "both", 1)]
+    assert [(c.index, c.role, c.dp_rank_count) for c in _Seen.candidates] == [
+        (0, "prefill", 1),
+        (1, "decode", 2),
+        (2, "both", 1),
+    ]
     assert _Seen.link == HandoffLink(25e9, 0.001)
     # the co-located view: decode-capable replicas only (never the prefill-only one), best plan first
     assert routed.decision.chosen == 1 and routed.decision.ranking == [1, 2]
-    assert routed.plan.reuse is not None and routed.plan.reuse.achieved_tokens == 160  # reuse on the prefiller
+    assert (
+        routed.plan.reuse is not None and routed.plan.reuse.achieved_tokens == 160
+    )  # reuse on the prefiller
     out = decision_json(routed, router.table, BS)
     plan = out["plan"]
     assert plan["chosen"]["kind"] == "disaggregated" and plan["chosen"]["prefill"]["name"] == "r0"
     assert plan["chosen"]["decode"]["role"] == "decode" and plan["chosen"]["dp_rank"] == 1
-    assert plan["chosen"]["terms"] == {"Q_p": 0.1, "R_p": 0.0, "C_p": 0.2, "handoff": 0.05, "decode_first": 0.05}
+    assert plan["chosen"]["terms"] == {
+        "Q_p": 0.1,
+        "R_p": 0.0,
+        "C_p": 0.2,
+        "handoff": 0.05,
+        "decode_first": 0.05,
+    }
     assert [p["kind"] for p in plan["plans"]] == ["disaggregated", "in_place", "in_place"]
     assert plan["plans"][1]["terms"] == {"Q": 0.5, "R": 0.0, "C": 0.5}
 
@@ -111,8 +142,9 @@ def test_unknown_pd_policy_is_a_clear_503() -> None:
 
 
 def test_static_spec_carries_role_bootstrap_port_and_dp_size() -> None:
-    spec = ReplicaSpec.parse("name=p0,url=http://10.0.0.1:30000,dialect=sglang,role=prefill,bootstrap_port=9100,"
-                             "dp_size=2")
+    spec = ReplicaSpec.parse(
+        "name=p0,url=http://10.0.0.1:30000,dialect=sglang,role=prefill,bootstrap_port=9100,dp_size=2"
+    )
     assert (spec.role, spec.bootstrap_port, spec.dp_size) == ("prefill", 9100, 2)
     with pytest.raises(ValueError):
         ReplicaSpec.parse("url=http://h:1,role=encoder")

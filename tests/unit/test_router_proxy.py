@@ -39,8 +39,9 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
-                                                    lifespan="on"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", lifespan="on")
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
@@ -82,8 +83,11 @@ def tiny_engine(state: EngineState) -> Starlette:
         state.bodies.append(body)
         state.posts += 1
         state.request_ids.append(request.headers.get("x-request-id", ""))
-        usage = {"prompt_tokens": 10, "completion_tokens": 3,
-                 "prompt_tokens_details": {"cached_tokens": state.cached_tokens}}
+        usage = {
+            "prompt_tokens": 10,
+            "completion_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": state.cached_tokens},
+        }
         if state.mode == "500":
             return JSONResponse({"error": "engine exploded"}, status_code=500)
         if state.mode == "garbage":
@@ -102,6 +106,7 @@ def tiny_engine(state: EngineState) -> Starlette:
                 state.cancelled += 1
                 return Response(status_code=499)
         if body.get("stream"):
+
             async def gen() -> Any:
                 try:
                     for i in range(3):
@@ -116,6 +121,7 @@ def tiny_engine(state: EngineState) -> Starlette:
                 except asyncio.CancelledError:
                     state.cancelled += 1
                     raise
+
             return StreamingResponse(gen(), media_type="text/event-stream")
         return JSONResponse({"choices": [{"text": "ok"}], "usage": usage})
 
@@ -125,10 +131,15 @@ def tiny_engine(state: EngineState) -> Starlette:
         ids = state.tokenize((await request.json())["prompt"])
         return JSONResponse({"tokens": ids, "count": len(ids)})
 
-    return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
-                             Route("/tokenize", tokenize, methods=["POST"]),
-                             Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/chat/completions", completions, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+        ]
+    )
 
 
 async def _disconnected(request: Request) -> None:
@@ -169,8 +180,12 @@ class DroppingEngine:
                     self.posts += 1
                     return
                 body = b'{"object":"list","data":[{"id":"m"}]}' if b"/v1/models" in line else b"{}"
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
                 await writer.drain()
 
     def refuse(self) -> None:
@@ -198,10 +213,29 @@ class DroppingEngine:
 
 
 def router_for(urls: list[str], *extra: str) -> ServerThread:
-    args = ["--host", "127.0.0.1", "--policy", "round_robin", "--probe-interval-s", "0.2",
-            "--tokenizer-mode", "bytes", "--max-retries", "2", "--log-level", "warning", "--log-format", "text",
-            # tolerate a CPU-starved shared machine (slow accepts / probes are not what these tests check)
-            "--connect-timeout-s", "10", "--probe-timeout-s", "5", "--unhealthy-after", "10"]
+    args = [
+        "--host",
+        "127.0.0.1",
+        "--policy",
+        "round_robin",
+        "--probe-interval-s",
+        "0.2",
+        "--tokenizer-mode",
+        "bytes",
+        "--max-retries",
+        "2",
+        "--log-level",
+        "warning",
+        "--log-format",
+        "text",
+        # tolerate a CPU-starved shared machine (slow accepts / probes are not what these tests check)
+        "--connect-timeout-s",
+        "10",
+        "--probe-timeout-s",
+        "5",
+        "--unhealthy-after",
+        "10",
+    ]
     for i, url in enumerate(urls):
         args += ["--replica", f"name=e{i},url={url},model=m"]
     settings = load_settings([*args, *extra])
@@ -221,8 +255,11 @@ def metric(router: ServerThread, name: str, labels: dict[str, str] | None = None
 
 
 def ready(router: ServerThread, n: int) -> None:
-    wait_until(lambda: httpx.get(router.url + "/readyz").json().get("routable_replicas") == n, timeout=30,
-               what=f"{n} routable replicas")
+    wait_until(
+        lambda: httpx.get(router.url + "/readyz").json().get("routable_replicas") == n,
+        timeout=30,
+        what=f"{n} routable replicas",
+    )
 
 
 def inflight(router: ServerThread) -> list[int]:
@@ -262,8 +299,11 @@ def test_dropped_and_refused_connections_are_retried(good: tuple[EngineState, Se
     test (``--unhealthy-after 100000``), so the ranking stays the same however slow the machine is.
     """
     gst, gsrv = good
-    with DroppingEngine() as drop, DroppingEngine() as gone, \
-            router_for([drop.url, gsrv.url, gone.url], "--unhealthy-after", "100000") as router:
+    with (
+        DroppingEngine() as drop,
+        DroppingEngine() as gone,
+        router_for([drop.url, gsrv.url, gone.url], "--unhealthy-after", "100000") as router,
+    ):
         ready(router, 3)
         gone.refuse()
         for stream in (False, True, False, True, False, True):
@@ -274,7 +314,8 @@ def test_dropped_and_refused_connections_are_retried(good: tuple[EngineState, Se
         assert metric(router, "kvroute_retries_total", {"reason": "connection_lost"}) == drop.posts
         assert metric(router, "kvroute_retries_total", {"reason": "connect_error"}) >= 1
         assert metric(router, "kvroute_retries_total") == drop.posts + metric(
-            router, "kvroute_retries_total", {"reason": "connect_error"})
+            router, "kvroute_retries_total", {"reason": "connect_error"}
+        )
         assert inflight(router) == [0, 0, 0]
 
 
@@ -315,7 +356,10 @@ def test_engine_4xx_is_passed_through_without_retry(good: tuple[EngineState, Ser
 
 def test_first_byte_timeout_is_a_clear_504_and_cancels_upstream() -> None:
     st = EngineState(mode="hang")
-    with ServerThread(tiny_engine(st)) as srv, router_for([srv.url], "--first-byte-timeout-s", "0.5") as router:
+    with (
+        ServerThread(tiny_engine(st)) as srv,
+        router_for([srv.url], "--first-byte-timeout-s", "0.5") as router,
+    ):
         ready(router, 1)
         r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
         assert r.status_code == 504
@@ -330,8 +374,13 @@ def test_streaming_passthrough_usage_and_request_id(good: tuple[EngineState, Ser
     gst.cached_tokens = 0
     with router_for([gsrv.url]) as router:
         ready(router, 1)
-        with httpx.stream("POST", router.url + "/v1/completions", json={**BODY, "stream": True},
-                          headers={"x-request-id": "req-123"}, timeout=10) as r:
+        with httpx.stream(
+            "POST",
+            router.url + "/v1/completions",
+            json={**BODY, "stream": True},
+            headers={"x-request-id": "req-123"},
+            timeout=10,
+        ) as r:
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
             assert r.headers["x-request-id"] == "req-123"
@@ -355,8 +404,9 @@ def test_mid_stream_failure_ends_with_an_sse_error_event() -> None:
     st = EngineState(mode="midstream_fail")
     with ServerThread(tiny_engine(st)) as srv, router_for([srv.url]) as router:
         ready(router, 1)
-        with httpx.stream("POST", router.url + "/v1/completions", json={**BODY, "stream": True},
-                          timeout=10) as r:
+        with httpx.stream(
+            "POST", router.url + "/v1/completions", json={**BODY, "stream": True}, timeout=10
+        ) as r:
             assert r.status_code == 200
             text = "".join(r.iter_text())
         assert text.startswith('data: {"choices": [{"text": "0"}]}')
@@ -370,8 +420,9 @@ def test_client_disconnect_cancels_the_upstream_stream() -> None:
     st = EngineState(mode="slow_stream")
     with ServerThread(tiny_engine(st)) as srv, router_for([srv.url]) as router:
         ready(router, 1)
-        with httpx.stream("POST", router.url + "/v1/completions", json={**BODY, "stream": True},
-                          timeout=10) as r:
+        with httpx.stream(
+            "POST", router.url + "/v1/completions", json={**BODY, "stream": True}, timeout=10
+        ) as r:
             it = r.iter_raw()
             assert next(it).startswith(b"data: ")
         wait_until(lambda: st.cancelled == 1, timeout=5, what="engine saw the stream cancelled")
@@ -400,7 +451,9 @@ def test_engine_garbage_is_a_clear_502() -> None:
         assert inflight(router) == [0]
 
 
-def test_panic_routing_serves_when_every_replica_looks_unhealthy(good: tuple[EngineState, ServerThread]) -> None:
+def test_panic_routing_serves_when_every_replica_looks_unhealthy(
+    good: tuple[EngineState, ServerThread],
+) -> None:
     from membership.replicas import ReplicaState
 
     gst, gsrv = good
@@ -420,17 +473,27 @@ def test_panic_routing_serves_when_every_replica_looks_unhealthy(good: tuple[Eng
 
 # -- the engine edge: usage on streams, SSE validation, TLS errors (issues 18 and 24) ----------------------------
 
+
 def test_ask_for_usage_adds_the_option_only_when_the_client_did_not_ask() -> None:
     from router.proxy import ask_for_usage
 
     body, added = ask_for_usage(b'{"model": "m", "stream": true}  ')
-    assert added and json.loads(body) == {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
+    assert added and json.loads(body) == {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     body, added = ask_for_usage(b"{}")
     assert added and json.loads(body) == {"stream_options": {"include_usage": True}}
     asked = b'{"stream": true, "stream_options": {"include_usage": true}}'
     assert ask_for_usage(asked) == (asked, False)
-    body, added = ask_for_usage(b'{"stream_options": {"include_usage": false, "continuous_usage_stats": true}}')
-    assert added and json.loads(body)["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    body, added = ask_for_usage(
+        b'{"stream_options": {"include_usage": false, "continuous_usage_stats": true}}'
+    )
+    assert added and json.loads(body)["stream_options"] == {
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }
     # the words in a prompt are not the option
     body, added = ask_for_usage(b'{"prompt": "say \\"stream_options\\"", "stream": true}')
     assert added and json.loads(body)["stream_options"] == {"include_usage": True}
@@ -443,7 +506,11 @@ def test_sse_validator_passes_vllm_streams_and_strips_usage() -> None:
     chunk = b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n'
     v = SSEValidator(strip_usage=True, max_event_bytes=1 << 20)
-    out = v.feed(chunk[:10]) + v.feed(chunk[10:] + b": keep-alive comment\n\n") + v.feed(usage + b"data: [DONE]\n\n")
+    out = (
+        v.feed(chunk[:10])
+        + v.feed(chunk[10:] + b": keep-alive comment\n\n")
+        + v.feed(usage + b"data: [DONE]\n\n")
+    )
     assert out == b'data: {"choices":[{"text":"a"}]}\n\n: keep-alive comment\n\ndata: [DONE]\n\n'
     v.end()
     keep = SSEValidator(strip_usage=False, max_event_bytes=1 << 20)
@@ -451,15 +518,18 @@ def test_sse_validator_passes_vllm_streams_and_strips_usage() -> None:
     keep.end()
 
 
-@pytest.mark.parametrize("stream", [
-    b"\x00\xff binary\n\n",
-    b"data: not json\n\n",
-    b'data: ["a list"]\n\n',
-    b"hello: world\n\n",
-    b'data: {"a": 1}\n\n',  # ends without [DONE]
-    b'data: {"a": 1}\n\ndata: {"unfinished',
-    b"data: {" + b"x" * 5000,  # one event over the size limit
-])
+@pytest.mark.parametrize(
+    "stream",
+    [
+        b"\x00\xff binary\n\n",
+        b"data: not json\n\n",
+        b'data: ["a list"]\n\n',
+        b"hello: world\n\n",
+        b'data: {"a": 1}\n\n',  # ends without [DONE]
+        b'data: {"a": 1}\n\ndata: {"unfinished',
+        b"data: {" + b"x" * 5000,  # one event over the size limit
+    ],
+)
 def test_sse_validator_rejects_garbage(stream: bytes) -> None:
     from router.proxy import BadStream, SSEValidator
 
@@ -476,8 +546,10 @@ def test_tls_failure_to_a_ready_replica_is_a_clear_502(tmp_path: Any) -> None:
     from tests.integration.engine_standins import RawEngine, self_signed, server_context, vllm_like
 
     cert, key = self_signed(tmp_path)
-    with RawEngine(vllm_like(), tls=server_context(cert, key)) as eng, \
-            router_for([eng.url], "--probe-interval-s", "60") as router:
+    with (
+        RawEngine(vllm_like(), tls=server_context(cert, key)) as eng,
+        router_for([eng.url], "--probe-interval-s", "60") as router,
+    ):
         wait_until(lambda: httpx.get(router.url + "/healthz").status_code == 200, timeout=10, what="up")
         svc = router.server.config.app.state.services
         svc.table.set_state("e0", ReplicaState.READY)
@@ -560,23 +632,43 @@ def test_attempt_hold_releases_once_whatever_the_path() -> None:
 def test_sse_validator_joins_events_split_anywhere_without_quadratic_copies() -> None:
     from router.proxy import SSEValidator
 
-    stream = (b'data: {"choices":[{"text":"' + b"x" * 200_000 + b'"}]}\r\n\r\n'
-              + b'data: {"choices":[{"text":"b"}]}\r\n\r\ndata: [DONE]\r\n\r\n')
+    stream = (
+        b'data: {"choices":[{"text":"'
+        + b"x" * 200_000
+        + b'"}]}\r\n\r\n'
+        + b'data: {"choices":[{"text":"b"}]}\r\n\r\ndata: [DONE]\r\n\r\n'
+    )
     for size in (1, 7, 1000, 65536):
         v = SSEValidator(strip_usage=False, max_event_bytes=1 << 20)
-        pieces = [stream[i:i + size] for i in range(0, len(stream), size)] if size > 1 else \
-            [stream[:50], stream[50:200_050], *[stream[i:i + 1] for i in range(200_050, len(stream))]]
+        pieces = (
+            [stream[i : i + size] for i in range(0, len(stream), size)]
+            if size > 1
+            else [stream[:50], stream[50:200_050], *[stream[i : i + 1] for i in range(200_050, len(stream))]]
+        )
         out = b"".join(v.feed(p) for p in pieces)
         v.end()
         assert out == stream.replace(b"\r\n", b"\n"), size
         assert len(v.pending) == 0
 
 
-_PIECES = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}],"usage":null}\n\n',
-           b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n', b'data: {"a":1}\r\n\r\n', b"data: [DONE]\n\n",
-           b": comment\n\n", b'data: {"x":1}\n\ndata: {"y":2}\n\n', b'data: {"half', b'"}\n\n', b"data: {}\n\n",
-           b'data: {"e":1}\ndata: {"f":2}\n\n', b"data: {not json}\n\n", b'data: {"long":"' + b"z" * 90 + b'"}\n\n',
-           b"\r", b"\n", b'data: {"c":3}\n\n\n\n']
+_PIECES = [
+    b'data: {"choices":[{"text":"a"}]}\n\n',
+    b'data: {"choices":[{"text":"b"}],"usage":null}\n\n',
+    b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n',
+    b'data: {"a":1}\r\n\r\n',
+    b"data: [DONE]\n\n",
+    b": comment\n\n",
+    b'data: {"x":1}\n\ndata: {"y":2}\n\n',
+    b'data: {"half',
+    b'"}\n\n',
+    b"data: {}\n\n",
+    b'data: {"e":1}\ndata: {"f":2}\n\n',
+    b"data: {not json}\n\n",
+    b'data: {"long":"' + b"z" * 90 + b'"}\n\n',
+    b"\r",
+    b"\n",
+    b'data: {"c":3}\n\n\n\n',
+]
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -604,5 +696,9 @@ def test_sse_validator_one_event_fast_path_equals_the_general_path(seed: int, st
         assert got == want, (pieces, piece)
         if isinstance(want, str):
             break
-        assert (fast.pending, fast.done, fast.checked, fast.carry_cr) == \
-            (general.pending, general.done, general.checked, general.carry_cr)
+        assert (fast.pending, fast.done, fast.checked, fast.carry_cr) == (
+            general.pending,
+            general.done,
+            general.checked,
+            general.carry_cr,
+        )

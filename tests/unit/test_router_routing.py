@@ -25,8 +25,9 @@ from tests.helpers import FakeClock
 BS = 16
 
 
-def make_router(n: int = 3, policy: str = "ttft", predict_mode: str = "auto",
-                events: set[int] | None = None, **kw: object) -> Router:
+def make_router(
+    n: int = 3, policy: str = "ttft", predict_mode: str = "auto", events: set[int] | None = None, **kw: object
+) -> Router:
     clock = FakeClock()
     table = ReplicaTable()
     for i in range(n):
@@ -34,8 +35,16 @@ def make_router(n: int = 3, policy: str = "ttft", predict_mode: str = "auto",
         table.set_state(f"r{i}", ReplicaState.READY)
     index = PrefixIndex(block_size=BS, clock=clock)
     healthy = events or set()
-    return Router(table, index, make_policy(policy), block_size=BS, predict_mode=predict_mode,
-                  events_healthy=lambda rep: rep.index in healthy, clock=clock, **kw)  # type: ignore[arg-type]
+    return Router(
+        table,
+        index,
+        make_policy(policy),
+        block_size=BS,
+        predict_mode=predict_mode,
+        events_healthy=lambda rep: rep.index in healthy,
+        clock=clock,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def prompt(n: int, base: int = 1) -> list[int]:
@@ -69,8 +78,9 @@ def test_prefix_holder_is_chosen_and_explained() -> None:
     for c in out["candidates"]:
         assert c["Q"] is not None and c["C"] is not None and c["p"] is not None
         # the expected TTFT: the hit path weighted by p, the miss path by 1 - p
-        assert c["predicted_ttft_s"] == pytest.approx(c["p"] * c["parts"]["T"] + (1 - c["p"]) * c["parts"]["T_miss"]
-                                                      + c["parts"]["kv_penalty"])
+        assert c["predicted_ttft_s"] == pytest.approx(
+            c["p"] * c["parts"]["T"] + (1 - c["p"]) * c["parts"]["T_miss"] + c["parts"]["kv_penalty"]
+        )
 
 
 def test_full_match_is_capped_at_what_an_engine_reuses() -> None:
@@ -181,8 +191,9 @@ def test_builtin_profiles_match_the_engine_model() -> None:
         got = build_profile(name)
         for field in BUILTIN_PROFILES[name]:
             assert getattr(got, field) == pytest.approx(getattr(want, field)), (name, field)
-    custom = build_profile("a100", {"a100": {"prefill_tokens_per_s": 5.0,
-                                             "tiers": {"cpu": {"bandwidth_bytes_per_s": 1e9}}}})
+    custom = build_profile(
+        "a100", {"a100": {"prefill_tokens_per_s": 5.0, "tiers": {"cpu": {"bandwidth_bytes_per_s": 1e9}}}}
+    )
     assert custom.prefill_tokens_per_s == 5.0 and custom.tiers["cpu"].bandwidth_bytes_per_s == 1e9
     with pytest.raises(ValueError, match="unknown replica profile"):
         build_profile("tpu")

@@ -45,8 +45,12 @@ class TokenizeEngine:
                 return JSONResponse({"error": self.mode}, status_code=int(self.mode))
             body = json.loads(await request.body())
             ids = self.tok.encode_text(body["prompt"], bool(body.get("add_special_tokens", True)))
-            if self.mode == "shifted" and body["prompt"] == PROBES[-1] or \
-                    self.mode == "live_differs" and body["prompt"] not in PROBES:
+            if (
+                self.mode == "shifted"
+                and body["prompt"] == PROBES[-1]
+                or self.mode == "live_differs"
+                and body["prompt"] not in PROBES
+            ):
                 ids = ids[:5] + [i + 1 for i in ids[5:]]  # agrees on a prefix only
             return JSONResponse({"tokens": ids, "count": len(ids)})
 
@@ -63,12 +67,20 @@ def engine(tokenizer: HfTokenizer) -> Iterator[tuple[TokenizeEngine, str]]:
 def test_ids_prompt_rewrites_only_plain_text_prompts() -> None:
     request = {"model": "m", "prompt": "hello", "max_tokens": 3, "extra": {"k": [1, 2]}}
     out = ids_prompt(request, [1, 2, 3])
-    assert out is not None and orjson.loads(out.body()) == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3,
-                                                            "extra": {"k": [1, 2]}}
+    assert out is not None and orjson.loads(out.body()) == {
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "max_tokens": 3,
+        "extra": {"k": [1, 2]},
+    }
     assert out.text == "hello" and request["prompt"] == "hello"  # the client's request is left as it was
-    for bad in ({"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": [5, 6]},
-                {"model": "m", "prompt": "x", "echo": True},
-                {"model": "m", "prompt": "x", "add_special_tokens": False}, ["not", "an", "object"]):
+    for bad in (
+        {"model": "m", "prompt": ["a", "b"]},
+        {"model": "m", "prompt": [5, 6]},
+        {"model": "m", "prompt": "x", "echo": True},
+        {"model": "m", "prompt": "x", "add_special_tokens": False},
+        ["not", "an", "object"],
+    ):
         assert ids_prompt(bad, [1]) is None, bad
     assert ids_prompt("{broken", [1]) is None
     ok_flags = {"model": "m", "prompt": "x", "echo": False, "add_special_tokens": True}
@@ -85,8 +97,9 @@ def _table(url: str) -> tuple[ReplicaTable, Replica]:
     return table, rep
 
 
-async def test_verdicts_follow_the_engines_tokenize(tokenizer: HfTokenizer,
-                                                    engine: tuple[TokenizeEngine, str]) -> None:
+async def test_verdicts_follow_the_engines_tokenize(
+    tokenizer: HfTokenizer, engine: tuple[TokenizeEngine, str]
+) -> None:
     eng, url = engine
     table, rep = _table(url)
     check = TokenIdsCheck(tokenizer, table, enabled=True, retry_s=3600.0)
@@ -144,8 +157,9 @@ def test_probe_texts_exercise_what_tokenizers_disagree_on() -> None:
     assert "\t" in joined and "\n\n" in joined and "   " in joined and any(c.isdigit() for c in joined)
 
 
-async def test_live_prompts_are_audited_and_a_disagreement_stops_ids(tokenizer: HfTokenizer,
-                                                                     engine: tuple[TokenizeEngine, str]) -> None:
+async def test_live_prompts_are_audited_and_a_disagreement_stops_ids(
+    tokenizer: HfTokenizer, engine: tuple[TokenizeEngine, str]
+) -> None:
     eng, url = engine
     table, rep = _table(url)
     check = TokenIdsCheck(tokenizer, table, enabled=True, audit_first=2, audit_every=3)
@@ -176,29 +190,61 @@ async def test_live_prompts_are_audited_and_a_disagreement_stops_ids(tokenizer: 
         await check.stop()
 
 
-def test_each_attempt_gets_the_body_its_replica_takes(tokenizer: HfTokenizer, tmp_path_factory:
-                                                      pytest.TempPathFactory) -> None:
+def test_each_attempt_gets_the_body_its_replica_takes(
+    tokenizer: HfTokenizer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """A request whose first replica (verified: ids) fails is retried on one without /tokenize: as text."""
     model_dir = build_model_dir(tmp_path_factory.mktemp("model2"))
     good, plain = EngineState(mode="500", tokenize=tokenizer.encode_text), EngineState()
     with ServerThread(tiny_engine(good)) as e0, ServerThread(tiny_engine(plain)) as e1:
-        settings = load_settings([
-            "--host", "127.0.0.1", "--policy", "round_robin", "--probe-interval-s", "0.2", "--log-level", "warning",
-            "--tokenizer-mode", "hf", "--tokenizer-path", str(model_dir), "--connect-timeout-s", "10",
-            "--probe-timeout-s", "5", "--unhealthy-after", "10", "--max-retries", "2",
-            "--replica", f"name=e0,url={e0.url},model=m", "--replica", f"name=e1,url={e1.url},model=m"])
+        settings = load_settings(
+            [
+                "--host",
+                "127.0.0.1",
+                "--policy",
+                "round_robin",
+                "--probe-interval-s",
+                "0.2",
+                "--log-level",
+                "warning",
+                "--tokenizer-mode",
+                "hf",
+                "--tokenizer-path",
+                str(model_dir),
+                "--connect-timeout-s",
+                "10",
+                "--probe-timeout-s",
+                "5",
+                "--unhealthy-after",
+                "10",
+                "--max-retries",
+                "2",
+                "--replica",
+                f"name=e0,url={e0.url},model=m",
+                "--replica",
+                f"name=e1,url={e1.url},model=m",
+            ]
+        )
         with ServerThread(create_app(settings)) as router:
             ready(router, 2)
 
             def states() -> dict[str, str]:
-                return {r["name"]: r["token_ids"] for r in httpx.get(router.url + "/replicas").json()["replicas"]}
+                return {
+                    r["name"]: r["token_ids"] for r in httpx.get(router.url + "/replicas").json()["replicas"]
+                }
 
-            wait_until(lambda: states() == {"e0": "verified", "e1": "unsupported"}, timeout=30,
-                       what="e0 verified, e1 unsupported")
+            wait_until(
+                lambda: states() == {"e0": "verified", "e1": "unsupported"},
+                timeout=30,
+                what="e0 verified, e1 unsupported",
+            )
             prompt = "hello world quick brown fox"
             for _ in range(4):  # round robin starts on either: some requests try e0 first and fail over
-                r = httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": prompt,
-                                                                     "max_tokens": 2}, timeout=30)
+                r = httpx.post(
+                    router.url + "/v1/completions",
+                    json={"model": "m", "prompt": prompt, "max_tokens": 2},
+                    timeout=30,
+                )
                 assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "e1", r.text
             assert good.bodies and all(b["prompt"] == tokenizer.encode_text(prompt) for b in good.bodies)
             assert len(plain.bodies) == 4 and all(b["prompt"] == prompt for b in plain.bodies)

@@ -50,28 +50,45 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["the quick brown fox jumps over the lazy dog", "you are a helpful assistant",
-              "what is the capital of france? paris is the capital of france.",
-              "hello world, routing requests to the replica that holds the cache"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "you are a helpful assistant",
+        "what is the capital of france? paris is the capital of france.",
+        "hello world, routing requests to the replica that holds the cache",
+    ] * 20
     tok.train_from_iterator(corpus, trainer)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                       special_tokens=[("<s>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)]
+    )
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>",
-        "eos_token": {"content": "</s>", "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": True},
-        "unk_token": "<unk>",
-        "chat_template": TEMPLATE,
-    }))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": {
+                    "content": "</s>",
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                },
+                "unk_token": "<unk>",
+                "chat_template": TEMPLATE,
+            }
+        )
+    )
     return d
 
 
-MESSAGES = [{"role": "system", "content": "you are a helpful assistant"},
-            {"role": "user", "content": "what is the capital of france?"}]
+MESSAGES = [
+    {"role": "system", "content": "you are a helpful assistant"},
+    {"role": "user", "content": "what is the capital of france?"},
+]
 
 
 async def test_hf_chat_ids_equal_template_applied_by_hand(model_dir: Path) -> None:
@@ -95,7 +112,9 @@ async def test_hf_rendering_matches_by_hand_text(model_dir: Path) -> None:
     tok = HfTokenizer(model_dir)
     assert tok.render_chat(MESSAGES) == _by_hand(MESSAGES)
     # content given as text parts is flattened like vLLM does
-    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}
+    ]
     assert tok.render_chat(parts) == _by_hand([{"role": "user", "content": "hello\nworld"}])
 
 
@@ -112,9 +131,11 @@ async def test_hf_completion_prompt_adds_bos_once(model_dir: Path) -> None:
 async def test_shared_conversation_prefix_shares_token_prefix(model_dir: Path) -> None:
     tok = HfTokenizer(model_dir)
     turn1 = await tok.encode_chat(MESSAGES, model="m", add_generation_prompt=False)
-    turn2 = await tok.encode_chat(MESSAGES + [{"role": "assistant", "content": "paris"},
-                                              {"role": "user", "content": "and the fox?"}], model="m")
-    assert turn2[:len(turn1)] == turn1
+    turn2 = await tok.encode_chat(
+        MESSAGES + [{"role": "assistant", "content": "paris"}, {"role": "user", "content": "and the fox?"}],
+        model="m",
+    )
+    assert turn2[: len(turn1)] == turn1
 
 
 async def test_template_errors_are_tokenizer_errors(model_dir: Path) -> None:
@@ -124,7 +145,9 @@ async def test_template_errors_are_tokenizer_errors(model_dir: Path) -> None:
     with pytest.raises(TokenizerError, match="role"):
         await tok.encode_chat([{"content": "no role"}], model="m")
     with pytest.raises(TokenizerError, match="only text parts"):
-        await tok.encode_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], model="m")
+        await tok.encode_chat(
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], model="m"
+        )
 
 
 def test_missing_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
@@ -135,8 +158,10 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_hf_environment_features() -> None:
-    t = compile_chat_template("{% for x in xs %}{% if x == 2 %}{% continue %}{% endif %}{{ x }}{% endfor %}"
-                              "|{{ {'a': 'é'} | tojson }}|{% generation %}gen{% endgeneration %}")
+    t = compile_chat_template(
+        "{% for x in xs %}{% if x == 2 %}{% continue %}{% endif %}{{ x }}{% endfor %}"
+        "|{{ {'a': 'é'} | tojson }}|{% generation %}gen{% endgeneration %}"
+    )
     assert t.render(xs=[1, 2, 3]) == '13|{"a": "é"}|gen'
 
 
@@ -147,7 +172,7 @@ async def test_bytes_mode_is_deterministic_and_prefix_sharing() -> None:
     b = await tok.encode_prompt("A" * 64 + " second question", model="m")
     assert a == bytes_token_ids("A" * 64 + " first question")
     assert a[:16] == b[:16] and a != b
-    assert all(0 < t < 2 ** 32 for t in a)
+    assert all(0 < t < 2**32 for t in a)
     assert len(a) == -(-len("A" * 64 + " first question") // 4)
     chat1 = await tok.encode_chat(MESSAGES, model="m", add_generation_prompt=False)
     chat2 = await tok.encode_chat(MESSAGES + [{"role": "user", "content": "more"}], model="m")

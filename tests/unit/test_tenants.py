@@ -37,37 +37,58 @@ def cfg(**kw: object) -> TenancyConfig:
 # identity
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_identity_defaults_header_aliases_and_api_key() -> None:
-    c = cfg(tenant_api_keys=["acme=sk-acme"], priority_classes={
-        "critical": {"priority": 2, "weight": 4}, "standard": {"priority": 1}, "sheddable": {"priority": 0}})
+    c = cfg(
+        tenant_api_keys=["acme=sk-acme"],
+        priority_classes={
+            "critical": {"priority": 2, "weight": 4},
+            "standard": {"priority": 1},
+            "sheddable": {"priority": 0},
+        },
+    )
     ident = parse_identity({}, None, c)
     assert (ident.tenant, ident.klass.name, ident.ttft_target_s) == ("default", "standard", None)
-    ident = parse_identity({"x-kvroute-tenant": "t1", "x-kvroute-priority": "critical",
-                            "x-kvroute-ttft-target-ms": "250"}, None, c)
+    ident = parse_identity(
+        {"x-kvroute-tenant": "t1", "x-kvroute-priority": "critical", "x-kvroute-ttft-target-ms": "250"},
+        None,
+        c,
+    )
     assert (ident.tenant, ident.priority, ident.ttft_target_s) == ("t1", 2, 0.25)
     # the peers' names: llm-d fairness id + objective, SMG priority names, llm-d SLO header
-    ident = parse_identity({"x-llm-d-inference-fairness-id": "t2", "x-smg-priority": "bulk",
-                            "x-llm-d-slo-ttft-ms": "1500"}, None, c)
+    ident = parse_identity(
+        {"x-llm-d-inference-fairness-id": "t2", "x-smg-priority": "bulk", "x-llm-d-slo-ttft-ms": "1500"},
+        None,
+        c,
+    )
     assert (ident.tenant, ident.klass.name, ident.ttft_target_s) == ("t2", "sheddable", 1.5)
-    assert parse_identity({"x-llm-d-inference-objective": "5"}, None, c).klass.name == "critical"  # int priority
+    assert (
+        parse_identity({"x-llm-d-inference-objective": "5"}, None, c).klass.name == "critical"
+    )  # int priority
     assert parse_identity({"x-llm-d-inference-objective": "-3"}, None, c).klass.name == "sheddable"
     assert parse_identity({}, "critical", c).klass.name == "critical"  # body field
     ident = parse_identity({"authorization": "Bearer sk-acme"}, None, c)
     assert (ident.tenant, ident.source) == ("acme", "api_key")
-    assert parse_identity({"authorization": "Bearer sk-acme", "x-kvroute-tenant": "acme"}, None, c).tenant == "acme"
+    assert (
+        parse_identity({"authorization": "Bearer sk-acme", "x-kvroute-tenant": "acme"}, None, c).tenant
+        == "acme"
+    )
 
 
-@pytest.mark.parametrize(("headers", "body", "param"), [
-    ({"x-kvroute-tenant": "bad tenant!"}, None, "x-kvroute-tenant"),
-    ({"x-kvroute-tenant": "x" * 129}, None, "x-kvroute-tenant"),
-    ({"x-kvroute-priority": "urgent"}, None, "x-kvroute-priority"),
-    ({}, ["critical"], "priority_class"),
-    ({}, True, "priority_class"),
-    ({"x-kvroute-ttft-target-ms": "soon"}, None, "x-kvroute-ttft-target-ms"),
-    ({"x-kvroute-ttft-target-ms": "-5"}, None, "x-kvroute-ttft-target-ms"),
-    ({"x-llm-d-slo-ttft-ms": "nan"}, None, "x-llm-d-slo-ttft-ms"),
-    ({"authorization": "Bearer sk-acme", "x-kvroute-tenant": "other"}, None, "x-kvroute-tenant"),
-])
+@pytest.mark.parametrize(
+    ("headers", "body", "param"),
+    [
+        ({"x-kvroute-tenant": "bad tenant!"}, None, "x-kvroute-tenant"),
+        ({"x-kvroute-tenant": "x" * 129}, None, "x-kvroute-tenant"),
+        ({"x-kvroute-priority": "urgent"}, None, "x-kvroute-priority"),
+        ({}, ["critical"], "priority_class"),
+        ({}, True, "priority_class"),
+        ({"x-kvroute-ttft-target-ms": "soon"}, None, "x-kvroute-ttft-target-ms"),
+        ({"x-kvroute-ttft-target-ms": "-5"}, None, "x-kvroute-ttft-target-ms"),
+        ({"x-llm-d-slo-ttft-ms": "nan"}, None, "x-llm-d-slo-ttft-ms"),
+        ({"authorization": "Bearer sk-acme", "x-kvroute-tenant": "other"}, None, "x-kvroute-tenant"),
+    ],
+)
 def test_bad_identity_names_the_header(headers: dict[str, str], body: object, param: str) -> None:
     c = cfg(tenant_api_keys=["acme=sk-acme"])
     with pytest.raises(BadIdentity) as err:
@@ -90,6 +111,7 @@ def test_tenancy_config_rejects_malformed_entries() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # pure math
 # ---------------------------------------------------------------------------------------------------------
+
 
 def test_token_bucket_refills_and_caps() -> None:
     st, out = take(None, 0.0, rate=10, burst=100, cost=80)
@@ -126,8 +148,11 @@ def test_fair_queue_weights_split_service() -> None:
 
 
 def test_slo_order_least_slack_for_low_priority_fastest_for_high() -> None:
-    scores = [CandidateScore(0, "r0", 0.1, {"E": 0.1}), CandidateScore(1, "r1", 0.4, {"E": 0.4}),
-              CandidateScore(2, "r2", 0.9, {"E": 0.9})]
+    scores = [
+        CandidateScore(0, "r0", 0.1, {"E": 0.1}),
+        CandidateScore(1, "r1", 0.4, {"E": 0.4}),
+        CandidateScore(2, "r2", 0.9, {"E": 0.9}),
+    ]
     ranking = [0, 1, 2]
     assert slo_order(ranking, scores, 0.5, priority=0, fast_priority=1)[0] == 1  # least slack within 0.5 s
     assert slo_order(ranking, scores, 0.5, priority=2, fast_priority=1)[0] == 0  # fastest
@@ -141,11 +166,14 @@ def test_slo_order_least_slack_for_low_priority_fastest_for_high() -> None:
 # ttft SLO pick step
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _cands() -> list[Candidate]:
     prof = ReplicaProfile(prefill_tokens_per_s=10_000.0)
-    return [Candidate(0, "idle", LoadView(queued_prefill_tokens=0), PrefixHit(), prof),
-            Candidate(1, "busy", LoadView(queued_prefill_tokens=3_000), PrefixHit(), prof),
-            Candidate(2, "busier", LoadView(queued_prefill_tokens=20_000), PrefixHit(), prof)]
+    return [
+        Candidate(0, "idle", LoadView(queued_prefill_tokens=0), PrefixHit(), prof),
+        Candidate(1, "busy", LoadView(queued_prefill_tokens=3_000), PrefixHit(), prof),
+        Candidate(2, "busier", LoadView(queued_prefill_tokens=20_000), PrefixHit(), prof),
+    ]
 
 
 def test_ttft_without_target_is_unchanged_and_with_target_packs_low_priority() -> None:
@@ -163,6 +191,7 @@ def test_ttft_without_target_is_unchanged_and_with_target_packs_low_priority() -
 # ---------------------------------------------------------------------------------------------------------
 # the router's queue
 # ---------------------------------------------------------------------------------------------------------
+
 
 def test_admission_queue_priority_and_preemption_of_waiters_only() -> None:
     async def scenario() -> None:
@@ -215,19 +244,28 @@ def test_budget_without_redis_is_local_and_exact() -> None:
 # cache namespaces
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_isolated_tenants_never_share_a_prefix() -> None:
     table = ReplicaTable()
     for i in range(2):
         table.upsert(f"r{i}", f"http://127.0.0.1:{9000 + i}", models=["m"], profile=build_profile("a100"))
         table.set_state(f"r{i}", ReplicaState.READY)
-    router = Router(table, PrefixIndex(block_size=16, clock=FakeClock()), make_policy("ttft"), block_size=16,
-                    predict_mode="always", clock=FakeClock())
+    router = Router(
+        table,
+        PrefixIndex(block_size=16, clock=FakeClock()),
+        make_policy("ttft"),
+        block_size=16,
+        predict_mode="always",
+        clock=FakeClock(),
+    )
     toks = list(range(1, 1025))
     a = router.make_input("m", None, toks, namespace="tenant-a")
     rep = table.by_index(router.decide(a).decision.chosen)
     assert rep is not None
     router.record_prediction(rep, a.keys)  # tenant a's prompt is now (predicted) cached
-    assert router.decide(router.make_input("m", None, toks, namespace="tenant-a")).cached_tokens[rep.index] > 0
+    assert (
+        router.decide(router.make_input("m", None, toks, namespace="tenant-a")).cached_tokens[rep.index] > 0
+    )
     b = router.decide(router.make_input("m", None, toks, namespace="tenant-b"))
     shared = router.decide(router.make_input("m", None, toks))
     assert max(b.cached_tokens.values()) == 0 and max(shared.cached_tokens.values()) == 0
@@ -236,6 +274,7 @@ def test_isolated_tenants_never_share_a_prefix() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # the simulator runs the same admission code
 # ---------------------------------------------------------------------------------------------------------
+
 
 def test_simulator_quota_and_slo_rejection_use_the_admission_code() -> None:
     from loadtest.simulator import FleetConfig, SimTenancy, simulate
@@ -250,7 +289,9 @@ def test_simulator_quota_and_slo_rejection_use_the_admission_code() -> None:
     rejected = res["rejected"]["quota"]
     assert 45 <= rejected <= 50 and res["completed"] == len(reqs) - rejected
     assert res["goodput_all"] <= res["goodput"]
-    none = simulate(reqs, "ttft", cfg, tenancy=SimTenancy(ttft_target_s=1e-9, slo_reject_factor=1.0)).summary()
+    none = simulate(
+        reqs, "ttft", cfg, tenancy=SimTenancy(ttft_target_s=1e-9, slo_reject_factor=1.0)
+    ).summary()
     assert none["rejected"] == {"slo_unattainable": len(reqs)} and none["goodput_all"] == 0.0
     same = simulate(reqs, "ttft", cfg, tenancy=SimTenancy()).summary()
     plain = simulate(reqs, "ttft", cfg).summary()

@@ -31,24 +31,57 @@ from tokenizers import (
 from router.token_cache import PrefixTokenCache, cache_for, check_structure, safe_cut, self_test
 from router.tokenizer import HfTokenizer
 
-WORDS = ("the quick brown fox jumps over lazy dog route replica cache prefix token block engine request user "
-         "assistant system hello world summarize report bullet points please thanks").split()
-ODD = ["3.14159", "1234567", "$42.50", "it's", "don't", "x9", "y10", "(brackets)", "[x]", "{y}", "a/b\\c", "!?",
-       "caf\u00e9", "na\u00efve", "\u6771\u4eac\u306f\u6674\u308c", "\u0441\u0435\u0440\u0432\u0435\u0440",
-       "\U0001f680", "--", "==>", "\n", "\n\n", "\t", "  ", "   ", "def f(x):\n    return x + 1", "<|im_end|>"]
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+WORDS = (
+    "the quick brown fox jumps over lazy dog route replica cache prefix token block engine request user "
+    "assistant system hello world summarize report bullet points please thanks"
+).split()
+ODD = [
+    "3.14159",
+    "1234567",
+    "$42.50",
+    "it's",
+    "don't",
+    "x9",
+    "y10",
+    "(brackets)",
+    "[x]",
+    "{y}",
+    "a/b\\c",
+    "!?",
+    "caf\u00e9",
+    "na\u00efve",
+    "\u6771\u4eac\u306f\u6674\u308c",
+    "\u0441\u0435\u0440\u0432\u0435\u0440",
+    "\U0001f680",
+    "--",
+    "==>",
+    "\n",
+    "\n\n",
+    "\t",
+    "  ",
+    "   ",
+    "def f(x):\n    return x + 1",
+    "<|im_end|>",
+]
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 
 def _corpus(n: int = 300, seed: int = 0) -> list[str]:
     rnd = random.Random(seed)
-    return [" ".join(rnd.choice(ODD) if rnd.random() < 0.15 else rnd.choice(WORDS) for _ in range(40))
-            for _ in range(n)]
+    return [
+        " ".join(rnd.choice(ODD) if rnd.random() < 0.15 else rnd.choice(WORDS) for _ in range(40))
+        for _ in range(n)
+    ]
 
 
 def _bos_template(tok: Tokenizer) -> None:
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
 
 
 def gpt2_style() -> Tokenizer:
@@ -56,8 +89,12 @@ def gpt2_style() -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS,
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        _corpus(),
+        trainers.BpeTrainer(
+            vocab_size=600, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     _bos_template(tok)
     return tok
 
@@ -66,12 +103,19 @@ def llama3_style() -> Tokenizer:
     """NFC, Llama-3's split regex, byte-level BPE without its own regex, BOS in front."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(seed=1), trainers.BpeTrainer(
-        vocab_size=700, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        _corpus(seed=1),
+        trainers.BpeTrainer(
+            vocab_size=700, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     _bos_template(tok)
     return tok
 
@@ -81,8 +125,9 @@ def sentencepiece_style() -> Tokenizer:
     tok = Tokenizer(models.Unigram())
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(_corpus(seed=2), trainers.UnigramTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                                                     unk_token="<unk>"))
+    tok.train_from_iterator(
+        _corpus(seed=2), trainers.UnigramTrainer(vocab_size=300, special_tokens=SPECIALS, unk_token="<unk>")
+    )
     return tok
 
 
@@ -95,7 +140,11 @@ def word_level() -> Tokenizer:
 
 
 FAMILIES: dict[str, Callable[[], Tokenizer]] = {
-    "gpt2": gpt2_style, "llama3": llama3_style, "sentencepiece": sentencepiece_style, "wordlevel": word_level}
+    "gpt2": gpt2_style,
+    "llama3": llama3_style,
+    "sentencepiece": sentencepiece_style,
+    "wordlevel": word_level,
+}
 _BUILT: dict[str, Tokenizer] = {}
 
 
@@ -145,9 +194,15 @@ def test_conversations_get_the_whole_texts_ids(name: str, specials: bool) -> Non
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), chunk=st.sampled_from([16, 48, 64, 200]),
-       name=st.sampled_from(list(FAMILIES)), budget=st.sampled_from([2_000, 20_000, 1 << 22]))
-def test_property_exact_under_any_chunking_and_eviction(seed: int, chunk: int, name: str, budget: int) -> None:
+@given(
+    seed=st.integers(0, 10**6),
+    chunk=st.sampled_from([16, 48, 64, 200]),
+    name=st.sampled_from(list(FAMILIES)),
+    budget=st.sampled_from([2_000, 20_000, 1 << 22]),
+)
+def test_property_exact_under_any_chunking_and_eviction(
+    seed: int, chunk: int, name: str, budget: int
+) -> None:
     tok = family(name)
     cache = cache_for(tok, budget, 0, chunk_chars=chunk)
     rnd = random.Random(seed)
@@ -230,7 +285,9 @@ def _json(tok: Tokenizer) -> dict[str, Any]:
 def test_structure_check_refuses_non_local_tokenizers() -> None:
     # SentencePiece converted the legacy way: a normalizer prepends "▁" to the whole text, no pre-tokenizer
     legacy = Tokenizer(models.BPE(unk_token="<unk>"))
-    legacy.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    legacy.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
     reason = check_structure(_json(legacy))
     assert reason is not None and "Prepend" in reason
     legacy.normalizer = None
@@ -245,8 +302,9 @@ def test_structure_check_refuses_non_local_tokenizers() -> None:
     bert = word_level()
     bert.add_special_tokens(["[CLS]", "[SEP]"])
     bert.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", bert.token_to_id("[CLS]")),
-                                                 ("[SEP]", bert.token_to_id("[SEP]"))])
+        single="[CLS] $A [SEP]",
+        special_tokens=[("[CLS]", bert.token_to_id("[CLS]")), ("[SEP]", bert.token_to_id("[SEP]"))],
+    )
     cache = cache_for(bert, 1 << 20, 0, chunk_chars=32)
     assert cache.enabled and cache.specials is None
     assert cache.serves(False) and not cache.serves(True)
@@ -365,7 +423,9 @@ def test_a_tokenizer_the_checks_cannot_inspect_only_turns_the_cache_off() -> Non
         """Tokenizes, but cannot serialise itself (an exotic or future tokenizer object)."""
 
         def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[Any]:
-            return [tok for tok in family("wordlevel").encode_batch(texts, add_special_tokens=add_special_tokens)]
+            return [
+                tok for tok in family("wordlevel").encode_batch(texts, add_special_tokens=add_special_tokens)
+            ]
 
         def to_str(self) -> str:
             raise RuntimeError("cannot serialise")

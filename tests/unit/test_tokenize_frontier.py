@@ -48,8 +48,9 @@ def model_dir(tmp_path: Path, name: str) -> Path:
     return d
 
 
-def run_walk(tok: HfTokenizer, text: str, index: PrefixIndex, specials: bool = True,
-             lookahead: int = LOOKAHEAD) -> FrontierIds:
+def run_walk(
+    tok: HfTokenizer, text: str, index: PrefixIndex, specials: bool = True, lookahead: int = LOOKAHEAD
+) -> FrontierIds:
     async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
         return await tok.encode_prefix(t, end, prev, prev_end, specials)
 
@@ -68,6 +69,7 @@ def ends(text: str, lookahead: int) -> list[int]:
 
 
 # -- pure steps ---------------------------------------------------------------------------------------------
+
 
 def test_short_texts_are_one_prefix_and_long_ones_start_at_a_safe_cut_within_the_lookahead() -> None:
     short = english(50)
@@ -99,7 +101,9 @@ def test_estimate_scales_the_tokenized_part_and_rounds_up() -> None:
     assert estimate_tokens(100, 300, 1000) == 334  # 100 + ceil(233.33)
     # with a tail sample: the middle at the tail's density (here 1 token per 2 characters)
     assert estimate_tokens(100, 400, 1000, tail_tokens=50, tail_chars=100) == 100 + 50 + 250
-    assert estimate_tokens(100, 300, 1000, tail_tokens=40, tail_chars=90) == 100 + 40 + 272  # ceil(610 * 40 / 90)
+    assert (
+        estimate_tokens(100, 300, 1000, tail_tokens=40, tail_chars=90) == 100 + 40 + 272
+    )  # ceil(610 * 40 / 90)
 
 
 def test_routing_input_reports_the_estimate_when_ids_are_partial() -> None:
@@ -110,6 +114,7 @@ def test_routing_input_reports_the_estimate_when_ids_are_partial() -> None:
 
 
 # -- the walk against a real index ----------------------------------------------------------------------------
+
 
 @pytest.fixture(params=["gpt2", "llama3", "wordlevel"])
 def tok(request: pytest.FixtureRequest, tmp_path: Path) -> HfTokenizer:
@@ -123,7 +128,7 @@ def test_nothing_held_tokenizes_only_the_first_prefix(tok: HfTokenizer) -> None:
     whole = list(family_ids(tok, text))
     got = run_walk(tok, text, PrefixIndex(block_size=BS))
     assert got.steps == 1 and not got.complete and got.chars == first_end(text, LOOKAHEAD)
-    assert got.token_ids == whole[:len(got.token_ids)]  # exact: the leading ids of the whole prompt
+    assert got.token_ids == whole[: len(got.token_ids)]  # exact: the leading ids of the whole prompt
     assert got.keys == block_keys(got.token_ids, BS, SEED)
     assert len(got.token_ids) < len(whole) / 4
 
@@ -134,27 +139,29 @@ def family_ids(tok: HfTokenizer, text: str) -> Sequence[int]:
 
 @pytest.mark.parametrize("held_chars", [3000, 9000, 20000])
 def test_a_held_prefix_is_tokenized_to_its_depth_and_the_walk_stops_one_prefix_after(
-        tok: HfTokenizer, held_chars: int) -> None:
+    tok: HfTokenizer, held_chars: int
+) -> None:
     text = english(6000, seed=2)
     whole = list(family_ids(tok, text))
     keys = block_keys(whole, BS, SEED)
-    held = len(block_keys(family_ids(tok, text[:safe_cut(text, held_chars, 0)]), BS, SEED)) - 1
+    held = len(block_keys(family_ids(tok, text[: safe_cut(text, held_chars, 0)]), BS, SEED)) - 1
     index = PrefixIndex(block_size=BS)
     index.store(3, None, keys[:held])
-    index.store(1, None, keys[:held // 2])  # a shallower holder changes nothing
+    index.store(1, None, keys[: held // 2])  # a shallower holder changes nothing
     got = run_walk(tok, text, index)
-    assert got.token_ids == whole[:len(got.token_ids)]
+    assert got.token_ids == whole[: len(got.token_ids)]
     assert len(got.keys) > held  # past the held depth: every replica's match is exact
     assert index.match(got.keys)[3].blocks == held
     seq = ends(text, LOOKAHEAD)
     assert got.chars == seq[got.steps - 1]
     if got.steps > 1:  # the prefix before the last one was still fully held: it stopped one prefix after
-        assert len(block_keys(family_ids(tok, text[:seq[got.steps - 2]]), BS, SEED)) <= held
+        assert len(block_keys(family_ids(tok, text[: seq[got.steps - 2]]), BS, SEED)) <= held
     assert not got.complete
     tail = tail_start(text, got.chars, LOOKAHEAD)
     tail_tokens = len(whole) - len(family_ids(tok, text[:tail]))  # the tail's share of the whole ids
-    assert got.estimated_tokens == estimate_tokens(len(got.token_ids), got.chars, len(text), tail_tokens,
-                                                   len(text) - tail)
+    assert got.estimated_tokens == estimate_tokens(
+        len(got.token_ids), got.chars, len(text), tail_tokens, len(text) - tail
+    )
 
 
 def test_everything_held_tokenizes_the_whole_prompt_exactly(tok: HfTokenizer) -> None:
@@ -184,7 +191,7 @@ def test_the_cache_off_path_gives_the_same_ids(tmp_path: Path) -> None:
     index = PrefixIndex(block_size=BS)
     index.store(0, None, block_keys(whole, BS, SEED)[:300])
     got = run_walk(off, text, index)
-    assert got.steps >= 2 and got.token_ids == whole[:len(got.token_ids)]
+    assert got.steps >= 2 and got.token_ids == whole[: len(got.token_ids)]
 
 
 def test_chat_text_without_specials_walks_exactly(tok: HfTokenizer) -> None:
@@ -206,7 +213,7 @@ def test_every_family_that_passes_the_gates_walks_exactly(tmp_path: Path) -> Non
         index = PrefixIndex(block_size=BS)
         index.store(0, None, block_keys(whole, BS, SEED)[:250])
         got = run_walk(t, text, index, specials=False)
-        assert got.token_ids == whole[:len(got.token_ids)], name
+        assert got.token_ids == whole[: len(got.token_ids)], name
 
 
 def test_a_tokenizer_that_fails_the_gates_never_splits(tmp_path: Path) -> None:
@@ -223,6 +230,7 @@ def test_a_tokenizer_that_fails_the_gates_never_splits(tmp_path: Path) -> None:
 
 
 # -- the estimate on the e2e slice's prompts ------------------------------------------------------------------
+
 
 def e2e_prompts(n: int) -> list[str]:
     from loadtest.workload import WorkloadOptions, build_workload

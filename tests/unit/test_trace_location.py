@@ -14,7 +14,9 @@ def _git(*args: str) -> None:
     subprocess.run(["git", *args], check=True, capture_output=True)
 
 
-def test_a_local_clone_finds_the_trace_beside_its_origin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_local_clone_finds_the_trace_beside_its_origin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("KVROUTE_TRACE_DIR", raising=False)
     trace = tmp_path / "work" / "shared" / "traces" / "t.jsonl"
     trace.parent.mkdir(parents=True)
@@ -32,7 +34,9 @@ def test_a_local_clone_finds_the_trace_beside_its_origin(tmp_path: Path, monkeyp
     assert workload.find_trace("t.jsonl") is None  # a remote origin is not looked into
 
 
-def test_the_checkouts_own_parents_and_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_checkouts_own_parents_and_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     trace = tmp_path / "shared" / "traces" / "t.jsonl"
     trace.parent.mkdir(parents=True)
     trace.write_text("{}\n")

@@ -47,8 +47,10 @@ def test_load_mooncake_builds_segments_sorted(tmp_path: Path) -> None:
 
 
 def test_load_mooncake_reports_bad_lines(tmp_path: Path) -> None:
-    bad = _write(tmp_path / "bad.jsonl", [ROWS[0], {"timestamp": 1, "input_length": 2000, "output_length": 1,
-                                                    "hash_ids": [0]}])
+    bad = _write(
+        tmp_path / "bad.jsonl",
+        [ROWS[0], {"timestamp": 1, "input_length": 2000, "output_length": 1, "hash_ids": [0]}],
+    )
     with pytest.raises(TraceFormatError, match="bad.jsonl:2"):
         load_mooncake(bad)
     (tmp_path / "junk.jsonl").write_text("{not json\n")
