@@ -14,7 +14,8 @@ and ``envoy.lb`` metadata, headers set, the body sent back, or the ImmediateResp
   (the last one with ``end_of_stream``, or followed by ``trailers``); the picker answers the headers with the pick
   and re-streams the body;
 * ``BUFFERED``: the headers, then it waits for their answer (``CONTINUE``) before it sends the whole body in one
-  message (``end_of_stream`` unless trailers follow); the pick comes on the body's answer, as Envoy allows.
+  message (``end_of_stream`` unless trailers follow); the pick comes on the body's answer, as Envoy allows;
+* ``NONE``: the headers only.
 
 ``relay_response`` forwards the body to the picked engine and passes the engine's answer through the picker's
 response path in the stream's response mode; ``respond`` passes a given answer (status, headers, body pieces)
@@ -240,6 +241,8 @@ class GatewayStream:
         )
         if self.mode == BUFFERED:
             return self._buffered(body, body_subset, trailers)
+        if self.mode == NONE:  # Envoy sends the processor no body in this mode
+            return self._read_pick(False)
         if body is not None:
             pieces = [body[i : i + chunk] for i in range(0, len(body), chunk)] or [b""]
             for i, piece in enumerate(pieces):

@@ -35,9 +35,11 @@ class Fleet:
     router: Proc
     tls: bool = True  # the picker serves TLS (the default); False: started with --grpc-insecure
 
-    def stream(self, mode: int = FULL_DUPLEX, response_mode: int | None = None) -> GatewayStream:
+    def stream(
+        self, mode: int = FULL_DUPLEX, response_mode: int | None = None, timeout: float = 20.0
+    ) -> GatewayStream:
         _, stub = stub_for(self.grpc_port, tls=self.tls)
-        return GatewayStream(stub, mode=mode, response_mode=response_mode)
+        return GatewayStream(stub, timeout, mode=mode, response_mode=response_mode)
 
     def channel(self) -> grpc.Channel:
         return channel_for(self.grpc_port, tls=self.tls)
