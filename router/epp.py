@@ -203,16 +203,15 @@ class _Stream:
         self.settings = picker.svc.settings
         self.phase = _START
         self.started = time.monotonic()
-        self.request_mode = (
-            codec.FULL_DUPLEX_STREAMED
-        )  # from the gateway's protocol_config, when it sends one
+        # body send modes: from the gateway's protocol_config, when it sends one
+        self.request_mode = codec.FULL_DUPLEX_STREAMED
         self.response_mode = codec.FULL_DUPLEX_STREAMED
         self.configured = False
         self.headers: dict[str, str] = {}
         self.path = "/"  # the normalized :path (router.guard.normalize_path)
         self.subset: list[str] | None = None
         self.body = bytearray()  # the request body so far (one buffer: tiny messages cost their size)
-        self.trailers_due = False  # BUFFERED: the body ended without end_of_stream, trailers follow the pick
+        self.trailers_due = False  # trailers may follow the pick (BUFFERED body without end_of_stream, NONE)
         self.closed = False
         self.ticket: Ticket | None = None  # the admission slot (router/tenant_admission.py), held to the end
         self.hold: _Hold | None = None
@@ -289,6 +288,8 @@ class _Stream:
         if refusal is not None:
             return self._refuse(refusal)
         if msg.request_headers.end_of_stream or self.request_mode == codec.NONE:
+            # NONE: the body goes upstream unseen, its trailers (when the gateway sends them) come after the pick
+            self.trailers_due = not msg.request_headers.end_of_stream
             return await self._pick(None)
         if self.request_mode == codec.BUFFERED:
             return [codec.continue_headers()]
