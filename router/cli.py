@@ -19,19 +19,24 @@ def _serve(argv: list[str]) -> int:
     return main(argv)
 
 
+#: ``kvroute epp``'s short flags -> the Settings flags they stand for (Settings.epp_grpc_port, epp_grpc_insecure)
+_EPP_SHORT_FLAGS = {
+    "--grpc-port": "--epp-grpc-port",
+    "--grpc-insecure": "--epp-grpc-insecure",
+    "--no-grpc-insecure": "--no-epp-grpc-insecure",
+}
+
+
+def _epp_flag(arg: str) -> str:
+    """``arg`` with a short flag name replaced by its Settings flag (``--grpc-port=9002`` too)."""
+    name, eq, value = arg.partition("=")
+    return _EPP_SHORT_FLAGS[name] + eq + value if name in _EPP_SHORT_FLAGS else arg
+
+
 def _epp(argv: list[str]) -> int:
     from router.server import main
 
-    # ``--grpc-port N`` is the short name of ``--epp-grpc-port N`` (Settings.epp_grpc_port)
-    args = [
-        "--epp-grpc-port"
-        if a == "--grpc-port"
-        else "--epp-grpc-port=" + a.split("=", 1)[1]
-        if a.startswith("--grpc-port=")
-        else a
-        for a in argv
-    ]
-    return main(args, epp=True)
+    return main([_epp_flag(a) for a in argv], epp=True)
 
 
 def _fake_engine(argv: list[str]) -> int:

@@ -774,6 +774,51 @@ class Settings(BaseSettings):
         "spec.selector and spec.targetPorts define the replicas (pods are then watched with that "
         "selector, one replica per target port); empty = off (kubernetes_label_selector is used)",
     )
+    epp_grpc_insecure: bool = Field(
+        default=False,
+        description="kvroute epp: serve the endpoint picker's gRPC in plaintext (h2c) instead of TLS, for a "
+        "gateway that dials it without TLS (flag --grpc-insecure). By default it serves TLS, like the Gateway "
+        "API Inference Extension's reference picker (kgateway and Envoy AI Gateway dial TLS; docs/deploy.md)",
+    )
+    epp_tls_cert_file: str = Field(
+        default="",
+        description="kvroute epp: PEM certificate (chain) the picker serves, e.g. a mounted Secret's tls.crt; "
+        "read again when the file changes (new connections get the new one). Empty = a self-signed "
+        "certificate made at start (gateways skip verifying the picker's certificate)",
+    )
+    epp_tls_key_file: str = Field(
+        default="", description="kvroute epp: PEM private key of epp_tls_cert_file (both or neither)"
+    )
+    epp_request_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="kvroute epp: longest time from a gateway stream's start to the end of its request "
+        "(headers, body, trailers), s; later -> 408 request_timeout",
+    )
+    epp_min_body_rate_bytes_per_s: float = Field(
+        default=1024.0,
+        ge=0,
+        description="kvroute epp: slowest average rate of a request body streamed in pieces, bytes/s since "
+        "the stream's start, enforced after epp_body_rate_grace_s; slower -> 408 body_too_slow (0 = off)",
+    )
+    epp_body_rate_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="kvroute epp: time a request body may take before epp_min_body_rate_bytes_per_s "
+        "applies, s",
+    )
+    epp_max_streams: int = Field(
+        default=16384,
+        ge=1,
+        description="kvroute epp: most gateway streams open at once (one per request the gateway "
+        "processes); more -> 503 too_many_streams + Retry-After",
+    )
+    epp_max_streams_per_connection: int = Field(
+        default=1024,
+        ge=1,
+        description="kvroute epp: most concurrent streams on one gateway connection (HTTP/2 "
+        "SETTINGS_MAX_CONCURRENT_STREAMS; a gateway opens more connections, others wait)",
+    )
     # --- PD disaggregation (issue 19, pdwire): plan policy, P->D link, wire protocol, roles from pods ---
     pd_policy: str = Field(
         default="pd_ttft",

@@ -10,18 +10,25 @@ Names and limits follow the Gateway API Inference Extension's endpoint-picker pr
   ["x-gateway-destination-endpoint-subset"]`` (a list of ``ip:port``): only those endpoints may be picked;
 * bodies go back as ``streamed_response`` chunks of at most ``BODY_CHUNK_BYTES`` (Envoy's ~64 KiB message limit),
   the last one with ``end_of_stream``; a mutated body comes with its new ``Content-Length``;
-* errors are ``ImmediateResponse`` s with an HTTP status, an OpenAI-style JSON body and the reason header.
+* errors are ``ImmediateResponse`` s with an HTTP status, an OpenAI-style JSON body and the reason header;
+* the gateway says its body send modes in ``protocol_config`` on a stream's first message (``body_modes``): in
+  ``FULL_DUPLEX_STREAMED`` bodies go back as ``streamed_response`` chunks; in ``BUFFERED`` (and ``STREAMED``) a
+  body message is answered with a plain ``CommonResponse`` that continues it or replaces it whole
+  (``body_answer``), and in ``BUFFERED`` the pick comes on the request body's answer (``routed_body``), the
+  request headers having been answered with a plain ``CONTINUE`` (``continue_headers``).
 
 Pure translation: no I/O, no routing. Units: bytes.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -48,14 +55,86 @@ RESPONSE_HEADERS = "response_headers"
 RESPONSE_BODY = "response_body"
 RESPONSE_TRAILERS = "response_trailers"
 
+#: body send modes (Envoy's ``ProcessingMode.BodySendMode``)
+_MODE = processing_mode_pb2.ProcessingMode
+NONE, STREAMED, BUFFERED = _MODE.NONE, _MODE.STREAMED, _MODE.BUFFERED
+BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED = _MODE.BUFFERED_PARTIAL, _MODE.FULL_DUPLEX_STREAMED
+#: a header name: an RFC 9110 token, or a pseudo-header (``:path``)
+_HEADER_NAME = re.compile(r":?[!#$%&'*+\-.^_`|~0-9a-zA-Z]+")
 
-def headers_of(http_headers: Any) -> dict[str, str]:
-    """The headers of an ext_proc ``HttpHeaders`` as a dict (lower-case names; Envoy sends ``raw_value`` bytes,
-    older versions ``value``; pseudo-headers such as ``:path`` and ``:method`` included)."""
+
+def mode_name(mode: int) -> str:
+    """A body send mode's name (``BUFFERED``)."""
+    try:
+        return str(_MODE.BodySendMode.Name(mode))
+    except ValueError:
+        return f"mode {mode}"
+
+
+def body_modes(msg: Any) -> tuple[int, int] | None:
+    """(request, response) body send modes from a ``ProcessingRequest``'s ``protocol_config`` (Envoy sends it on
+    a stream's first message), or None when the message carries none."""
+    if not msg.HasField("protocol_config"):
+        return None
+    cfg = msg.protocol_config
+    return int(cfg.request_body_mode), int(cfg.response_body_mode)
+
+
+class HeaderError(ValueError):
+    """Request headers the picker refuses: HTTP status, stable code, message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def headers_of(
+    http_headers: Any, *, strict: bool = False, max_bytes: int | None = None, max_count: int | None = None
+) -> dict[str, str]:
+    """The headers of an ext_proc ``HttpHeaders`` as a dict (lower-case names; pseudo-headers such as ``:path``
+    and ``:method`` included). Values are Envoy's ``raw_value`` bytes (older versions: ``value``) decoded as
+    Latin-1, byte for byte, as Starlette decodes HTTP/1 headers, so both front doors see the same strings.
+
+    ``strict`` (request headers): a name that is not an HTTP token or a ``value`` outside Latin-1 is refused,
+    and so are more than ``max_count`` headers or more than ``max_bytes`` of names and values; otherwise such
+    headers are skipped.
+
+    Raises:
+        HeaderError: (``strict`` only) 400 ``invalid_header``, 431 ``too_many_headers`` / ``header_too_large``.
+    """
     out: dict[str, str] = {}
-    for h in http_headers.headers.headers:
-        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        out[h.key.lower()] = value
+    entries = http_headers.headers.headers
+    if strict and max_count is not None and len(entries) > max_count:
+        raise HeaderError(
+            431, "too_many_headers", f"more than {max_count} request headers (max_header_count)"
+        )
+    size = 0
+    for h in entries:
+        key = h.key
+        raw = h.raw_value
+        if raw:
+            value = raw.decode("latin-1")
+        else:
+            value = h.value
+            if not value.isascii():
+                try:
+                    value.encode("latin-1")
+                except UnicodeEncodeError:
+                    if strict:
+                        raise HeaderError(
+                            400, "invalid_header", f"header {key[:64]!r}: a value outside Latin-1"
+                        ) from None
+                    continue
+        if not _HEADER_NAME.fullmatch(key):
+            if strict:
+                raise HeaderError(400, "invalid_header", f"invalid header name {key[:64]!r}")
+            continue
+        size += len(key) + len(value)
+        out[key.lower()] = value
+    if strict and max_bytes is not None and size > max_bytes:
+        raise HeaderError(
+            431, "header_too_large", f"request headers over {max_bytes} bytes (max_header_bytes)"
+        )
     return out
 
 
@@ -96,18 +175,63 @@ def _header(key: str, value: str) -> Any:
     return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
 
 
-def routed_headers(endpoint: str, extra: Mapping[str, str], body_length: int | None) -> Any:
-    """The answer to the request headers once a replica is picked: the destination header (+ ``extra`` headers,
-    + ``Content-Length`` when the body was changed), ``envoy.lb`` metadata with the same value, and the route
-    cache cleared."""
+def _routed_common(endpoint: str, extra: Mapping[str, str], body_length: int | None) -> Any:
     sets = [_header(DESTINATION_HEADER, endpoint)]
     sets.extend(_header(k, v) for k, v in extra.items())
     if body_length is not None:
         sets.append(_header("content-length", str(body_length)))
-    common = pb.CommonResponse(clear_route_cache=True, header_mutation=pb.HeaderMutation(set_headers=sets))
+    return pb.CommonResponse(clear_route_cache=True, header_mutation=pb.HeaderMutation(set_headers=sets))
+
+
+def _destination_metadata(endpoint: str) -> Any:
     meta = struct_pb2.Struct()
     meta.update({DESTINATION_NAMESPACE: {DESTINATION_HEADER: endpoint}})
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)
+    return meta
+
+
+def routed_headers(endpoint: str, extra: Mapping[str, str], body_length: int | None) -> Any:
+    """The answer to the request headers once a replica is picked: the destination header (+ ``extra`` headers,
+    + ``Content-Length`` when the body was changed), ``envoy.lb`` metadata with the same value, and the route
+    cache cleared."""
+    common = _routed_common(endpoint, extra, body_length)
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(response=common), dynamic_metadata=_destination_metadata(endpoint)
+    )
+
+
+def routed_body(endpoint: str, extra: Mapping[str, str], new_body: bytes | None) -> Any:
+    """BUFFERED: the answer to the (whole) request body once a replica is picked: the header mutations of
+    ``routed_headers`` (Envoy still holds the headers), the body replaced by ``new_body`` (None: unchanged; then no
+    ``Content-Length`` either), the same ``envoy.lb`` metadata, the route cache cleared."""
+    common = _routed_common(endpoint, extra, None if new_body is None else len(new_body))
+    if new_body is not None:
+        common.body_mutation.CopyFrom(pb.BodyMutation(body=new_body))
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=common), dynamic_metadata=_destination_metadata(endpoint)
+    )
+
+
+def continue_headers() -> Any:
+    """The answer to the request headers that lets them go on unchanged (BUFFERED: Envoy then sends the body)."""
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse()))
+
+
+def body_answer(new_body: bytes | None, *, request: bool, headers: Mapping[str, str] | None = None) -> Any:
+    """BUFFERED / STREAMED: the answer to one body message: continue it unchanged (``new_body`` None) or replace
+    it with ``new_body`` (empty: cleared), setting ``headers`` (e.g. a new ``Content-Length``) when Envoy still
+    holds them."""
+    common = pb.CommonResponse()
+    if new_body is not None:
+        mutation = pb.BodyMutation(body=new_body) if new_body else pb.BodyMutation(clear_body=True)
+        common.body_mutation.CopyFrom(mutation)
+    if headers:
+        common.header_mutation.CopyFrom(
+            pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers.items()])
+        )
+    answer = pb.BodyResponse(response=common)
+    return (
+        pb.ProcessingResponse(request_body=answer) if request else pb.ProcessingResponse(response_body=answer)
+    )
 
 
 def body_chunks(

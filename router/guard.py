@@ -3,9 +3,13 @@
 ``Guard.admit`` runs first for every HTTP request (``router.app._KvrouteApp.__call__``), ahead of the data-plane
 fast path and of FastAPI:
 
-* **authentication** (``Auth``): ``/v1/*`` and ``/route`` need one of ``api_keys`` when any is configured (401
-  ``unauthorized``); ``/replicas`` and ``/index/stats`` need ``admin_token`` when it is configured (401 without a
-  bearer token, 403 ``forbidden`` with another), else one of ``api_keys`` when those are configured. Rejected
+* **authorization** (``authorize``, the one decision every front door takes: the HTTP app here, the endpoint
+  picker ``router.epp`` on the gateway's request headers), made on the *normalized* request (``request_path``:
+  percent-decoded once, as the engines decode, dot-segments resolved): ``/v1/*`` and ``/route`` need one of
+  ``api_keys`` when any is configured (401 ``unauthorized``); ``/replicas`` and ``/index/stats`` need
+  ``admin_token`` when it is configured (401 without a bearer token, 403 ``forbidden`` with another), else one of
+  ``api_keys`` when those are configured. A door that forwards to engines (the picker) passes its route table:
+  every request then needs a key, and a path or method outside the table is 404 / 405. Rejected
   before a byte of the body is read, with ``connection: close`` when a large body was announced, so an
   unauthenticated client cannot make the router buffer (or even read) bodies. Tokens are compared as bytes (constant time), so any header
   value, ASCII or not, gets a 401, never a 500.
@@ -21,8 +25,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
+from urllib.parse import unquote
 
 from starlette.types import Scope, Send
 
@@ -36,6 +43,15 @@ _ADMIN_ROUTES = frozenset({"/replicas", "/index/stats"})
 _SHED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/route"})
 
 Header = bytes | str | None
+
+#: what the endpoint picker lets through to engines: normalized path -> methods (anything else: 404 / 405)
+PICKER_ROUTES: Mapping[str, frozenset[str]] = MappingProxyType(
+    {
+        "/v1/completions": frozenset({"POST"}),
+        "/v1/chat/completions": frozenset({"POST"}),
+        "/v1/models": frozenset({"GET"}),
+    }
+)
 
 
 def _bearer(value: Header) -> bytes | None:
@@ -108,6 +124,98 @@ class Auth:
         return hashlib.sha256(_bearer(authorization) or b"").hexdigest()[:24]
 
 
+@dataclass(frozen=True)
+class Denial:
+    """A request the authorization decision refuses: HTTP status, stable code, message, extra response headers."""
+
+    status: int
+    code: str
+    message: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def resolve_dots(path: str) -> str:
+    """``path`` with its dot-segments resolved (RFC 3986 section 5.2.4: ``/a/./b`` -> ``/a/b``, ``/a/../b`` ->
+    ``/b``, never above the root); runs of ``/`` are kept (``//v1`` is not ``/v1``)."""
+    if "." not in path:
+        return path
+    parts: list[str] = []
+    for seg in path.split("/")[1:]:
+        if seg == "..":
+            if parts:
+                parts.pop()
+        elif seg != ".":
+            parts.append(seg)
+    last = path.rsplit("/", 1)[-1]
+    out = "/" + "/".join(parts)
+    return out + "/" if last in (".", "..") and not out.endswith("/") else out
+
+
+def normalize_path(raw: str | bytes) -> str:
+    """The path a server acting on the request target ``raw`` serves: the query string dropped, percent-decoded
+    once (as uvicorn, and so the engines, decode: ``/v1%2Fcompletions`` and ``/%761/completions`` are
+    ``/v1/completions``), dot-segments resolved; always absolute."""
+    text = raw.decode("latin-1") if isinstance(raw, bytes) else raw
+    text = text.split("?", 1)[0]
+    if "%" in text:
+        text = unquote(text, errors="replace")
+    if not text.startswith("/"):
+        text = "/" + text
+    return resolve_dots(text)
+
+
+def request_path(scope: Scope) -> str:
+    """The normalized path of an ASGI request (from ``raw_path`` when the server gave it, decoded once)."""
+    raw = scope.get("raw_path")
+    if raw is not None:
+        return normalize_path(bytes(raw))
+    return resolve_dots(str(scope.get("path", "/")) or "/")  # already decoded by the server
+
+
+def authorize(
+    auth: Auth,
+    method: str,
+    path: str,
+    authorization: Header,
+    routes: Mapping[str, frozenset[str]] | None = None,
+) -> Denial | None:
+    """The authorization decision on a normalized request (``path`` from ``normalize_path``); None = allowed.
+
+    Without ``routes`` (the HTTP app, which serves its own routes): ``/v1/*`` and ``/route`` need a client key,
+    the admin views the admin token (see ``Auth``); other paths are the app's to answer. With ``routes`` (a door
+    that forwards every request to an engine, the endpoint picker): every request needs a client key, and only
+    the listed paths with their methods pass (404 ``not_found`` / 405 ``method_not_allowed`` otherwise).
+    """
+    if routes is not None:
+        if not auth.client_ok(authorization):
+            return _unauthorized()
+        methods = routes.get(path)
+        if methods is None:
+            return Denial(404, "not_found", f"no route {path!r} (routed: {', '.join(sorted(routes))})")
+        if method not in methods:
+            allow = ", ".join(sorted(methods))
+            return Denial(405, "method_not_allowed", f"{method} is not allowed on {path}", {"allow": allow})
+        return None
+    if path in _DATA_ROUTES or path.startswith("/v1/"):
+        return None if auth.client_ok(authorization) else _unauthorized()
+    if path in _ADMIN_ROUTES:
+        status, message = auth.admin_status(authorization)
+        if status == 401:
+            return Denial(401, "unauthorized", message, {"www-authenticate": "Bearer"})
+        if status:
+            return Denial(status, "forbidden", message)
+    return None
+
+
+def _unauthorized() -> Denial:
+    return Denial(
+        401,
+        "unauthorized",
+        "missing or invalid API key (Authorization: Bearer <key>)",
+        {"www-authenticate": "Bearer"},
+    )
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", ()):
         if key == name:
@@ -154,20 +262,14 @@ class Guard:
 
     async def admit(self, scope: Scope, send: Send) -> bool:
         """Check an HTTP request's headers; False when it was answered here (the app must not run)."""
-        path = scope.get("path", "")
         if scope.get("method") == "OPTIONS":
             return True  # CORS preflights carry no credentials (the CORS middleware answers them)
+        path = request_path(scope)
+        denial = authorize(self.auth, str(scope.get("method", "")), path, _header(scope, b"authorization"))
+        if denial is not None:
+            await self._reject(scope, send, denial.status, denial.message, denial.code, dict(denial.headers))
+            return False
         if path in _DATA_ROUTES or path.startswith("/v1/"):
-            if self.auth.api_keys and not self.auth.client_ok(_header(scope, b"authorization")):
-                await self._reject(
-                    scope,
-                    send,
-                    401,
-                    "missing or invalid API key (Authorization: Bearer <key>)",
-                    "unauthorized",
-                    {"www-authenticate": "Bearer"},
-                )
-                return False
             if (
                 path in _SHED_ROUTES
                 and self.max_lag_s > 0
@@ -188,18 +290,6 @@ class Guard:
                         {"retry-after": str(self.retry_after_s)},
                     )
                     return False
-        elif path in _ADMIN_ROUTES:
-            status, message = self.auth.admin_status(_header(scope, b"authorization"))
-            if status:
-                await self._reject(
-                    scope,
-                    send,
-                    status,
-                    message,
-                    "unauthorized" if status == 401 else "forbidden",
-                    {"www-authenticate": "Bearer"} if status == 401 else {},
-                )
-                return False
         return True
 
     async def _reject(

@@ -13,13 +13,15 @@ import gc
 import importlib.util
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from router.config import Settings, flag_name, load_settings
+from router.config import ENV_PREFIX, Settings, flag_name, load_settings
 from router.heap import pin_mmap_threshold
 from router.telemetry import setup_logging
 from router.workers import Supervisor, WorkerApp, current_worker, worker_socket
@@ -64,6 +66,8 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
         except OSError as exc:
             print(f"{cmd}: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
             return 1
+        if epp and not settings.epp_grpc_insecure and not settings.epp_tls_cert_file:
+            _share_self_signed(supervisor.directory)
         return supervisor.run()
 
     import uvicorn
@@ -116,6 +120,16 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn already shut down gracefully
         server.run(sockets=None if worker is None else [worker_socket(settings.host, worker.port)])
     return 0 if server.started else _STARTUP_FAILURE
+
+
+def _share_self_signed(directory: Path) -> None:
+    """One self-signed endpoint-picker certificate for every worker of the pod (they share the gRPC port): made
+    here, written to the supervisor's private directory and handed to the workers as mounted files."""
+    from router.epp_tls import self_signed, write_pair
+
+    cert, key = write_pair(self_signed(), directory)
+    os.environ[ENV_PREFIX + "EPP_TLS_CERT_FILE"] = str(cert)
+    os.environ[ENV_PREFIX + "EPP_TLS_KEY_FILE"] = str(key)
 
 
 def _http_protocol(settings: Settings, app: Any) -> Any:
