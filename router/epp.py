@@ -400,11 +400,20 @@ class _Stream:
             due = min(due, self.started + max(settings.epp_body_rate_grace_s, len(self.body) / rate))
         return max(0.0, due - time.monotonic())
 
+    def _rate_bound_first(self) -> bool:
+        """Whether the minimum body rate, not the request deadline, set the wait that just ran out (decided from
+        the deadlines themselves, not from the clock: a loop timer may fire a little early or late)."""
+        settings = self.settings
+        rate = settings.epp_min_body_rate_bytes_per_s
+        if rate <= 0 or self.phase != _REQUEST or self.request_mode != codec.FULL_DUPLEX_STREAMED:
+            return False
+        return max(settings.epp_body_rate_grace_s, len(self.body) / rate) < settings.epp_request_timeout_s
+
     def timed_out(self) -> list[Any]:
         """The request did not arrive in time: 408 (``request_timeout`` past the deadline, else
         ``body_too_slow``), the stream ended."""
         settings = self.settings
-        if time.monotonic() - self.started >= settings.epp_request_timeout_s or self.phase == _START:
+        if not self._rate_bound_first():
             code = "request_timeout"
             message = f"the request did not arrive within {settings.epp_request_timeout_s:g}s (epp_request_timeout_s)"
         else:
