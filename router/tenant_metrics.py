@@ -69,7 +69,7 @@ _LE = (*(repr(b) for b in _TTFT_BUCKETS), "+Inf")
 #: the label value of tenants beyond ``max_labels``
 OTHER = "other"
 #: series rendered per slice of ``render_chunks``
-_SLICE = 200
+_SLICE = 100
 
 
 def _escape(value: str) -> str:
