@@ -97,7 +97,7 @@ class TenantPolicy:
     burst_tokens: float
     weight: float
     isolate_cache: bool
-    max_class: str | None = None
+    max_class: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +124,8 @@ class TenancyConfig:
     default_output_tokens: int
     expected_routers: int
     slo_reject_factor: float
-    top_class_max_share: float = 1.0
-    inflight_limit: int = 0
+    top_class_max_share: float
+    inflight_limit: int
 
     @classmethod
     def from_settings(cls, s: Any) -> TenancyConfig:

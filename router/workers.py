@@ -237,7 +237,7 @@ def become_worker(info: WorkerInfo) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     with contextlib.suppress(OSError, AttributeError):  # not Linux: no parent-death signal
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != info.parent:
+    if info.parent and os.getppid() != info.parent:
         os._exit(1)
 
 
