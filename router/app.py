@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from membership.replicas import Replica
@@ -975,7 +975,8 @@ def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
         responses={200: {"content": {"text/plain": {}}}},
     )
     async def metrics() -> Response:
-        return Response(svc.telemetry.render(), media_type=CONTENT_TYPE)
+        # in pieces: the per-tenant families are rendered a slice at a time, between other work of the loop
+        return StreamingResponse(svc.telemetry.render_stream(), media_type=CONTENT_TYPE)
 
     @app.get("/healthz", response_model=Status, summary="liveness")
     async def healthz() -> Any:

@@ -668,12 +668,46 @@ class Settings(BaseSettings):
         description="API keys that name a tenant, as TENANT=KEY entries ('Authorization: Bearer KEY' -> TENANT; "
         "these keys are accepted as client keys too); env: comma-separated",
     )
+    tenant_header_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="API keys allowed to name any tenant in a tenant header (edge gateways that authenticate "
+        "clients themselves); accepted as client keys too. A tenant's own key may name only its tenant (400 "
+        "otherwise). When api_keys is set, a tenant header with any other key (a plain key, the admin token "
+        "unless listed here) is refused with 403 tenant_not_allowed; without api_keys, a header may name any "
+        "tenant not bound to a key in tenant_api_keys; env: comma-separated",
+    )
     default_tenant: str = Field(default="default", description="tenant of requests that name none")
     tenants: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
-        description="per-tenant settings {name: {tokens_per_s, burst_tokens, weight, isolate_cache}}: token "
-        "quota (prompt + max output tokens per s; 0 = none), burst (tokens), fair-share weight, own "
-        "prefix-cache namespace (true: never shares cached prefixes with other tenants)",
+        description="per-tenant settings {name: {tokens_per_s, burst_tokens, weight, isolate_cache, max_class}}: "
+        "token quota (prompt + max output tokens per s; 0 = none), burst (tokens), fair-share weight, own "
+        "prefix-cache namespace (true: never shares cached prefixes with other tenants), highest priority class "
+        "the tenant may use (a request above it is served at it, counted)",
+    )
+    tenant_max_priority_class: str = Field(
+        default="",
+        description="highest priority class of tenants not listed in tenants (or listed without max_class); "
+        "empty = the highest class. A request above it is served at it (kvroute_tenant_demoted_total"
+        "{reason=max_class})",
+    )
+    priority_top_class_max_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="a tenant's requests in the top priority class, in flight or queued, may hold at most this "
+        "share of max_inflight_total (at least 1 request); beyond it they are served at the next class down "
+        "(kvroute_tenant_demoted_total{reason=top_share}); per router process; 1 = no cap",
+    )
+    tenant_metrics_max_labels: int = Field(
+        default=1000,
+        ge=1,
+        description="distinct tenant label values in the kvroute_tenant_* metrics per router process; "
+        'further tenants are counted under tenant="other" until an idle one expires',
+    )
+    tenant_metrics_idle_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="a tenant's kvroute_tenant_* series are dropped after this long without a request (s)",
     )
     tenant_tokens_per_s: float = Field(
         default=0.0, ge=0, description="token quota of tenants not listed in tenants (tokens/s; 0 = no quota)"
@@ -703,7 +737,9 @@ class Settings(BaseSettings):
             "x-gateway-inference-objective",
             "x-dynamo-meta-policy-class",
         ],
-        description="other headers read as the priority when priority_header is absent (SMG, llm-d, Dynamo)",
+        description="peers' headers read as the priority when priority_header is absent (SMG, GIE / llm-d "
+        "objective names, Dynamo's policy class); their values go through priority_class_aliases and an unknown "
+        "one is served at default_priority_class, counted, never refused",
     )
     priority_body_field: str = Field(
         default="priority_class",
@@ -724,8 +760,20 @@ class Settings(BaseSettings):
             "interactive": "standard",
             "default": "standard",
             "bulk": "sheddable",
+            "latency": "critical",
+            "agents": "standard",
+            "throughput": "sheddable",
         },
-        description="other class names accepted (SMG's system|interactive|default|bulk) -> a priority_classes name",
+        description="peers' class names -> a priority_classes name (SMG's system|interactive|default|bulk, "
+        "Dynamo's latency|agents|throughput; case-insensitive). In the alias headers an unknown value is served "
+        "at default_priority_class (kvroute_priority_unknown_total{header}); priority_header and the body field "
+        "stay strict (400)",
+    )
+    priority_objectives: dict[str, str] = Field(
+        default_factory=dict,
+        description="InferenceObjective names (the value of x-gateway-inference-objective / "
+        "x-llm-d-inference-objective, e.g. food-review) -> a priority_classes name; read before "
+        "priority_class_aliases; an objective not listed gets default_priority_class, as upstream",
     )
     default_priority_class: str = Field(default="standard", description="class of requests that name none")
     ttft_target_header: str = Field(
@@ -745,6 +793,7 @@ class Settings(BaseSettings):
     @field_validator(
         "tenant_header_aliases",
         "tenant_api_keys",
+        "tenant_header_keys",
         "priority_header_aliases",
         "ttft_target_header_aliases",
         mode="before",
@@ -753,7 +802,9 @@ class Settings(BaseSettings):
     def _parse_tenant_lists(cls, v: Any) -> Any:
         return _split_list(v)
 
-    @field_validator("tenants", "priority_classes", "priority_class_aliases", mode="before")
+    @field_validator(
+        "tenants", "priority_classes", "priority_class_aliases", "priority_objectives", mode="before"
+    )
     @classmethod
     def _parse_tenant_dicts(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -863,6 +914,20 @@ class Settings(BaseSettings):
         "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
         "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
         "answers every worker's metrics labelled worker. Give the pod about this many cores",
+    )
+    worker_heartbeat_timeout_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="with workers > 1: a worker whose event loop has not beaten its heartbeat for this long "
+        "(hung, or stopped with SIGSTOP) is killed and started again (kvroute_worker_restarts_total"
+        "{reason=hung}); a starting worker gets max(this, 120 s) for its first beat; 0 = never (s)",
+    )
+    worker_metrics_max_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=65536,
+        description="with workers > 1: the largest metrics exposition read from one worker when /metrics merges "
+        "them (in the supervisor, off every serving loop); a larger one is cut after its last whole metric "
+        "family (kvroute_worker_metrics_truncated_total), bytes",
     )
     # --- PD link learning (issue 19) ---
     pd_link_learn: bool = Field(

@@ -50,6 +50,8 @@ class LoopLag:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.samples = 0
         self.max_seen_s = 0.0
+        #: set by ``note_resumed`` (a signal handler): the process was stopped; the delay covering it is not lag
+        self._resumed = False
 
     def start(self) -> None:
         """Schedule the first probe on the running loop."""
@@ -68,10 +70,19 @@ class LoopLag:
         self._due = now + self.interval_s
         self._handle = self._loop.call_at(self._due, self._probe)
 
+    def note_resumed(self) -> None:
+        """The process was resumed after a stop (SIGCONT; called from the signal handler, so it only sets a flag):
+        the probe's delay across the stop is not the loop's own work and is neither recorded nor shed on."""
+        self._resumed = True
+
     def _probe(self) -> None:
         assert self._loop is not None and self._due is not None
         now = self._loop.time()
-        self.record(now - self._due, now)
+        if self._resumed:
+            self._resumed = False
+            self._recent.clear()
+        else:
+            self.record(now - self._due, now)
         self._schedule(now)
 
     def record(self, lag: float, now: float) -> None:
@@ -97,7 +108,7 @@ class LoopLag:
         while recent and now - recent[0][0] > self.window_s:
             recent.popleft()
         measured = recent[0][1] if recent else 0.0
-        overdue = now - self._due if self._due is not None else 0.0
+        overdue = now - self._due if self._due is not None and not self._resumed else 0.0
         return max(measured, overdue, 0.0)
 
 

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from router.config import ENV_PREFIX, Settings, flag_name, load_settings
 from router.heap import pin_mmap_threshold
 from router.telemetry import setup_logging
-from router.workers import Supervisor, WorkerApp, current_worker, worker_socket
+from router.workers import Supervisor, WorkerApp, become_worker, current_worker, worker_socket
 
 log = logging.getLogger("kvroute.server")
 
@@ -53,6 +53,8 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
         return 2
     setup_logging(settings.log_level, settings.log_format)
     worker = current_worker()
+    if worker is not None:
+        become_worker(worker)
     if settings.workers > 1 and worker is None:
         try:
             supervisor = Supervisor(
@@ -62,6 +64,8 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
                 workers=settings.workers,
                 shutdown_grace_s=settings.shutdown_grace_s,
                 command="epp" if epp else "serve",
+                heartbeat_timeout_s=settings.worker_heartbeat_timeout_s,
+                metrics_max_bytes=settings.worker_metrics_max_bytes,
             )
         except OSError as exc:
             print(f"{cmd}: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
@@ -98,7 +102,12 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     pin_mmap_threshold()  # large bodies' buffers go back to the OS when freed (router/heap.py)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "auto"
     http = _http_protocol(settings, app)
-    served = app if worker is None else WorkerApp(app, worker, app.state.services.telemetry.render)
+    services = app.state.services
+    served = (
+        app
+        if worker is None
+        else WorkerApp(app, worker, services.telemetry.render_stream, services.loop_lag.note_resumed)
+    )
     config = uvicorn.Config(
         served,
         host=settings.host,

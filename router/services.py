@@ -229,8 +229,9 @@ def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> 
 def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag) -> Guard:
     """The front gate (``router.guard``): auth and loop-lag shedding from the headers, before any body."""
     keys = [k.get_secret_value() for k in settings.api_keys]
-    if keys:  # keys that name a tenant are client keys too
+    if keys:  # keys that name a tenant, or may name any tenant, are client keys too
         keys += [e.get_secret_value().partition("=")[2].strip() for e in settings.tenant_api_keys]
+        keys += [k.get_secret_value() for k in settings.tenant_header_keys]
     auth = Auth(keys, settings.admin_token.get_secret_value() if settings.admin_token else None)
     return Guard(auth, loop_lag, settings.max_event_loop_lag_s, settings.retry_after_s, telemetry)
 
@@ -245,8 +246,9 @@ def _build_tenants(
         TenancyConfig.from_settings(settings),
         budget,
         admission,
-        TenantMetrics(telemetry.registry, max_tenant_labels=1000),
+        TenantMetrics(telemetry.registry, settings.tenant_metrics_max_labels, settings.tenant_metrics_idle_s),
     )
+    telemetry.add_text(tenants.metrics.render_chunks)
     router.on_observation.append(tenants.observe)
     return tenants
 

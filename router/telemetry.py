@@ -44,11 +44,12 @@ logged through ``Settings.safe_dict``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -104,6 +105,7 @@ class Telemetry:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._texts: list[Callable[[], Iterator[bytes]]] = []
         r = self.registry
         self.requests = Counter(
             "kvroute_requests", "HTTP requests answered by route and status", ["route", "status"], registry=r
@@ -214,6 +216,12 @@ class Telemetry:
             registry=r,
         )
 
+    def add_text(self, chunks: Callable[[], Iterator[bytes]]) -> None:
+        """Register a source of exposition text appended after the registry's (whole metric families, in slices:
+        ``render_stream`` yields to the event loop between them). For families with many series (per tenant),
+        where prometheus_client's generic exposition is too slow for the event loop."""
+        self._texts.append(chunks)
+
     def add_gauges(self, fn: Callable[[], Iterable[Metric]]) -> None:
         """Register ``fn`` to produce gauge families at every scrape (index size, replica states, ...)."""
         self.registry.register(_FnCollector(fn))
@@ -241,7 +249,16 @@ class Telemetry:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        return b"".join([generate_latest(self.registry), *(c for source in self._texts for c in source())])
+
+    async def render_stream(self) -> AsyncIterator[bytes]:
+        """``render`` in pieces, yielding to the event loop between them (a scrape never holds the loop for the
+        whole exposition)."""
+        yield generate_latest(self.registry)
+        for source in self._texts:
+            for chunk in source():
+                await asyncio.sleep(0)
+                yield chunk
 
 
 def gauge(

@@ -8,9 +8,11 @@ and no HTTP objects:
    (``Rejected`` 429 ``slo_unattainable``: refused before it queues);
 3. ``await admit(identity, prompt_tokens, max_output_tokens) -> Ticket``: the tenant's token quota
    (``membership.tenant_budget``: shared by router replicas through Redis; ``Rejected`` 429 ``quota`` with the
-   seconds until the bucket refills), then a slot of the router's in-flight limit (``router.admission``: the
-   queue ordered by priority then weighted fair share; 429 ``queue_full``, 503 ``queue_timeout`` /
-   ``preempted``);
+   seconds until the bucket refills), the tenant's share of the top priority class (a tenant already holding
+   ``TenancyConfig.top_class_cap()`` top-class requests, in flight or queued, has the next one served at the
+   class below, counted ``top_share``: one tenant flooding the top class cannot starve the others), then a slot
+   of the router's in-flight limit (``router.admission``: the queue ordered by priority then weighted fair share;
+   429 ``queue_full``, 503 ``queue_timeout`` / ``preempted``);
 4. ``ticket.release()`` exactly once when the response is over (idempotent).
 
 ``admit_request(headers, summary)`` runs 1 and 3 in one call for doors that do not price a decision first.
@@ -22,8 +24,9 @@ Units: tokens, seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,10 +76,14 @@ class Ticket:
     waited_s: float
     budget_mode: str
     _slots: Admission | None = field(default=None, repr=False)
+    _top: Callable[[], None] | None = field(default=None, repr=False)
 
     def release(self) -> None:
-        """Give the slot back (once; later calls do nothing)."""
+        """Give the slot (and the tenant's top-class place, if it held one) back; once: later calls do nothing."""
         slots, self._slots = self._slots, None
+        top, self._top = self._top, None
+        if top is not None:
+            top()
         if slots is not None:
             slots.release()
 
@@ -104,6 +111,8 @@ class TenantAdmission:
         self.budget = budget
         self.slots = slots
         self.metrics = metrics
+        #: tenant -> its top-class requests in flight or queued (only tenants holding some)
+        self.top_held: dict[str, int] = {}
 
     # -- the steps -------------------------------------------------------------------------------------
     def identify(self, headers: Mapping[str, str], body_priority: Any = None) -> Identity:
@@ -113,10 +122,15 @@ class TenantAdmission:
             BadIdentity: a malformed header or body field (answer 400).
         """
         try:
-            return parse_identity(headers, body_priority, self.cfg)
-        except BadIdentity:
-            self.metrics.rejected.labels("?", "bad_identity").inc()
+            identity = parse_identity(headers, body_priority, self.cfg)
+        except BadIdentity as exc:
+            self.metrics.rejected("?", "bad_identity" if exc.status == 400 else exc.reason)
             raise
+        if identity.unknown_priority_header:
+            self.metrics.unknown_priority.labels(identity.unknown_priority_header).inc()
+        if identity.demoted:
+            self.metrics.demoted(identity.tenant, identity.demoted)
+        return identity
 
     def check_slo(self, identity: Identity, best_predicted_s: float | None) -> None:
         """Refuse a request whose best predicted TTFT misses its target by more than ``slo_reject_factor``.
@@ -171,15 +185,40 @@ class TenantAdmission:
         """
         cost = request_cost(prompt_tokens, max_output_tokens, self.cfg)
         mode = await self._charge(identity, cost)
+        identity, top = self._take_top_place(identity)
         try:
             waited = await self.slots.acquire(identity.tenant, identity.priority, identity.weight, cost)
-        except Rejected as exc:
-            self._count_reject(identity, exc.wire_reason)
+        except BaseException as exc:
+            if top is not None:
+                top()
+            if isinstance(exc, Rejected):
+                self._count_reject(identity, exc.wire_reason)
             raise
-        label = self.metrics.tenant_label(identity.tenant)
-        self.metrics.requests.labels(label, identity.klass.name).inc()
-        self.metrics.tokens.labels(label).inc(cost)
-        return Ticket(identity, cost, waited, mode, self.slots)
+        self.metrics.admitted(identity.tenant, identity.klass.name, cost)
+        return Ticket(identity, cost, waited, mode, self.slots, top)
+
+    def _take_top_place(self, identity: Identity) -> tuple[Identity, Callable[[], None] | None]:
+        """A top-class request takes one of its tenant's top-class places (the returned callable gives it back),
+        or, when the tenant holds ``top_class_cap()`` already, is served at the next class down (counted)."""
+        cap = self.cfg.top_class_cap()
+        if cap is None or identity.priority < self.cfg.top_priority:
+            return identity, None
+        tenant = identity.tenant
+        held = self.top_held.get(tenant, 0)
+        if held >= cap:
+            self.metrics.demoted(tenant, "top_share")
+            lower = self.cfg.next_class_down(identity.klass)
+            return dataclasses.replace(identity, klass=lower, demoted="top_share"), None
+        self.top_held[tenant] = held + 1
+
+        def give_back() -> None:
+            left = self.top_held.get(tenant, 1) - 1
+            if left > 0:
+                self.top_held[tenant] = left
+            else:
+                self.top_held.pop(tenant, None)
+
+        return identity, give_back
 
     async def admit_request(self, headers: Mapping[str, str], summary: BodySummary) -> Ticket:
         """``identify`` + ``admit`` in one call (front doors without a priced decision, e.g. the EPP).
@@ -218,13 +257,13 @@ class TenantAdmission:
         )
 
     def _count_reject(self, identity: Identity, reason: str) -> None:
-        self.metrics.rejected.labels(self.metrics.tenant_label(identity.tenant), reason).inc()
+        self.metrics.rejected(identity.tenant, reason)
 
     # -- feedback --------------------------------------------------------------------------------------
     def serving(self, identity: Identity, predicted_s: float | None, reused_tokens: int) -> None:
         """The request is about to be forwarded: remember it for ``observe`` (same task) and count its reuse."""
         _CURRENT.set((identity, predicted_s))
-        self.metrics.reused.labels(self.metrics.tenant_label(identity.tenant)).inc(max(0, reused_tokens))
+        self.metrics.reused(identity.tenant, reused_tokens)
 
     def observe(self, obs: Observation) -> None:
         """A TTFT observation of the request the current task serves (``Router.on_observation``)."""
@@ -232,7 +271,7 @@ class TenantAdmission:
         if current is None:
             return
         identity, predicted = current
-        self.metrics.ttft.labels(self.metrics.tenant_label(identity.tenant)).observe(obs.ttft_s)
+        self.metrics.ttft(identity.tenant, obs.ttft_s)
         if predicted is not None and math.isfinite(predicted):
             self.metrics.predicted.labels(identity.klass.name).observe(predicted)
             self.metrics.observed.labels(identity.klass.name).observe(obs.ttft_s)
@@ -273,16 +312,17 @@ def rejection_response(exc: Rejected, default_retry_after_s: int) -> Response:
 
 
 def bad_identity_response(exc: BadIdentity) -> Response:
-    """The 400 answer to a malformed tenant / priority / TTFT-target header (JSON naming it)."""
+    """The answer to a malformed tenant / priority / TTFT-target header (400), or to a tenant header the caller may
+    not send (403): JSON naming the header."""
     body = orjson.dumps(
         {
             "error": {
                 "message": exc.message,
-                "type": "invalid_request_error",
-                "code": "invalid_identity",
+                "type": "invalid_request_error" if exc.status == 400 else "permission_error",
+                "code": exc.code,
                 "param": exc.param,
-                "reason": "bad_header",
+                "reason": exc.reason,
             }
         }
     )
-    return Response(body, status_code=400, media_type="application/json")
+    return Response(body, status_code=exc.status, media_type="application/json")

@@ -5,17 +5,27 @@ endpoint picker) derives the same identity from the same inputs:
 
 * **tenant**: from the API key (``tenant_api_keys``: ``Authorization: Bearer KEY`` -> tenant), else the
   ``tenant_header`` (then its aliases: llm-d's ``x-llm-d-inference-fairness-id``, GIE's, SMG's
-  ``x-smg-tenant-id``), else ``default_tenant``. A tenant header that contradicts the key's tenant is refused
-  (a client cannot spend another tenant's quota).
-* **priority class**: ``priority_header`` (then SMG's ``x-smg-priority``, llm-d's objective, Dynamo's policy
-  class), else the body field ``priority_body_field``, else ``default_priority_class``. A value is a class name,
-  an alias (SMG's ``system|interactive|default|bulk``) or an integer (the highest class whose priority is at most
-  it; below every class: the lowest).
+  ``x-smg-tenant-id``), else ``default_tenant``. Who may name a tenant in a header:
+
+  - a key of ``tenant_header_keys`` (an edge gateway that authenticates clients itself): any tenant;
+  - a tenant's own key: only its own tenant (another one: 400, it cannot spend another tenant's quota);
+  - any other caller when client keys are configured (``api_keys``: a plain key, the admin token): nobody
+    (403 ``tenant_not_allowed``): a key without a tenant does not act as any tenant;
+  - without client keys (a trusted network, e.g. behind a gateway that sets the fairness id): any tenant that
+    is not bound to a key (a bound one: 403).
+* **priority class**: ``priority_header`` (strict: an unknown value is a 400), else the peers' headers
+  (``priority_header_aliases``: SMG's ``x-smg-priority``, GIE / llm-d objective names, Dynamo's policy class;
+  lenient: a value that ``priority_objectives`` / ``priority_class_aliases`` do not map is served at
+  ``default_priority_class`` and noted in ``Identity.unknown_priority_header``, as upstream does), else the body
+  field ``priority_body_field`` (strict), else ``default_priority_class``. A value is an InferenceObjective name,
+  a class name, an alias or an integer (the highest class whose priority is at most it; below every class: the
+  lowest). The class is then capped at the tenant's entitlement (``max_class``; ``Identity.demoted`` says so).
 * **TTFT target**: ``ttft_target_header`` (then llm-d's ``x-llm-d-slo-ttft-ms``), milliseconds, else the class's
   ``ttft_target_s``.
 
-Anything malformed raises ``BadIdentity`` (answered 400 with a JSON reason naming the header).
-Units: seconds (targets are given in milliseconds on the wire), tokens per second.
+Anything malformed raises ``BadIdentity`` (answered 400 with a JSON reason naming the header; 403 for a tenant
+header the caller may not send). Units: seconds (targets are given in milliseconds on the wire), tokens per
+second.
 """
 
 from __future__ import annotations
@@ -32,12 +42,26 @@ _MAX_TARGET_MS = 86_400_000.0
 
 
 class BadIdentity(ValueError):
-    """A tenant / priority / TTFT-target header (or body field) is malformed; ``param`` names it."""
+    """A tenant / priority / TTFT-target header (or body field) is malformed; ``param`` names it.
+
+    ``status`` / ``code`` / ``reason``: the HTTP answer (400 ``invalid_identity`` ``bad_header``)."""
+
+    status = 400
+    code = "invalid_identity"
+    reason = "bad_header"
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class TenantNotAllowed(BadIdentity):
+    """A tenant header the caller may not send (403): its key may not act for other tenants."""
+
+    status = 403
+    code = "tenant_not_allowed"
+    reason = "tenant_not_allowed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +90,14 @@ class TenantPolicy:
         burst_tokens: bucket size, tokens.
         weight: fair-share weight (> 0).
         isolate_cache: the tenant has its own prefix-cache namespace (folded into the block-key root seed).
+        max_class: the highest priority class the tenant may use (None: the highest class).
     """
 
     tokens_per_s: float
     burst_tokens: float
     weight: float
     isolate_cache: bool
+    max_class: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +107,8 @@ class TenancyConfig:
     tenant_header: str
     tenant_header_aliases: tuple[str, ...]
     key_tenants: Mapping[str, str]
+    header_keys: frozenset[str]
+    client_keys_required: bool
     default_tenant: str
     tenants: Mapping[str, TenantPolicy]
     default_policy: TenantPolicy
@@ -89,12 +117,15 @@ class TenancyConfig:
     priority_body_field: str
     classes: Mapping[str, PriorityClass]
     class_aliases: Mapping[str, str]
+    objectives: Mapping[str, str]
     default_class: str
     ttft_target_header: str
     ttft_target_header_aliases: tuple[str, ...]
     default_output_tokens: int
     expected_routers: int
     slo_reject_factor: float
+    top_class_max_share: float
+    inflight_limit: int
 
     @classmethod
     def from_settings(cls, s: Any) -> TenancyConfig:
@@ -110,14 +141,24 @@ class TenancyConfig:
                 f"({', '.join(sorted(classes))})"
             )
         aliases = {k.lower(): v for k, v in s.priority_class_aliases.items() if v in classes}
+        objectives = {
+            name: str(_class_name(c, classes, f"priority_objectives[{name!r}]"))
+            for name, c in s.priority_objectives.items()
+        }
+        default_max = _class_name(s.tenant_max_priority_class or None, classes, "tenant_max_priority_class")
         default_policy = TenantPolicy(
-            s.tenant_tokens_per_s, s.tenant_tokens_per_s * s.tenant_burst_s, 1.0, False
+            s.tenant_tokens_per_s, s.tenant_tokens_per_s * s.tenant_burst_s, 1.0, False, default_max
         )
-        tenants = {name: _tenant_policy(name, spec, s.tenant_burst_s) for name, spec in s.tenants.items()}
+        tenants = {
+            name: _tenant_policy(name, spec, s.tenant_burst_s, classes, default_max)
+            for name, spec in s.tenants.items()
+        }
         return cls(
             tenant_header=s.tenant_header.lower(),
             tenant_header_aliases=tuple(h.lower() for h in s.tenant_header_aliases),
             key_tenants=parse_key_tenants([k.get_secret_value() for k in s.tenant_api_keys]),
+            header_keys=frozenset(k.get_secret_value() for k in s.tenant_header_keys),
+            client_keys_required=bool(s.api_keys),
             default_tenant=s.default_tenant,
             tenants=tenants,
             default_policy=default_policy,
@@ -126,17 +167,38 @@ class TenancyConfig:
             priority_body_field=s.priority_body_field,
             classes=classes,
             class_aliases=aliases,
+            objectives=objectives,
             default_class=s.default_priority_class,
             ttft_target_header=s.ttft_target_header.lower(),
             ttft_target_header_aliases=tuple(h.lower() for h in s.ttft_target_header_aliases),
             default_output_tokens=s.tenant_default_output_tokens,
             expected_routers=s.tenant_expected_routers,
             slo_reject_factor=s.slo_reject_factor,
+            top_class_max_share=s.priority_top_class_max_share,
+            inflight_limit=s.max_inflight_total,
         )
 
     def policy_of(self, tenant: str) -> TenantPolicy:
         """The tenant's quota and share (the defaults when it is not listed)."""
         return self.tenants.get(tenant, self.default_policy)
+
+    @property
+    def top_priority(self) -> int:
+        """The priority of the top class (the highest)."""
+        return max(c.priority for c in self.classes.values())
+
+    def next_class_down(self, klass: PriorityClass) -> PriorityClass:
+        """The highest class ranked below ``klass`` (``klass`` itself when it is the lowest); of classes with the
+        same priority, the one listed first."""
+        below = [c for c in self.classes.values() if c.priority < klass.priority]
+        return max(below, key=lambda c: c.priority) if below else klass
+
+    def top_class_cap(self) -> int | None:
+        """Top-class requests (in flight or queued) one tenant may hold: ``top_class_max_share`` of the router's
+        in-flight limit, at least 1; None when there is no cap (share 1, or no limit known)."""
+        if self.top_class_max_share >= 1.0 or self.inflight_limit <= 0:
+            return None
+        return max(1, int(self.top_class_max_share * self.inflight_limit))
 
     @property
     def quotas_on(self) -> bool:
@@ -154,6 +216,7 @@ class Identity:
         ttft_target_s: the request's TTFT target, seconds (None: none).
         policy: the tenant's quota and share.
         source: where the tenant came from (``api_key``, a header name, or ``default``), for logs.
+        demoted, unknown_priority_header: see the fields.
     """
 
     tenant: str
@@ -162,6 +225,11 @@ class Identity:
     policy: TenantPolicy
     source: str = "default"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: why the class is below the one asked for: "" (it is not), ``max_class`` (the tenant's entitlement) or
+    #: ``top_share`` (the tenant's share of the top class is used up; set at admission)
+    demoted: str = ""
+    #: the peer priority header whose value no table maps (served at the default class), else ""
+    unknown_priority_header: str = ""
 
     @property
     def priority(self) -> int:
@@ -209,10 +277,23 @@ def _priority_class(name: str, spec: Any) -> PriorityClass:
     )
 
 
-def _tenant_policy(name: str, spec: Any, burst_s: float) -> TenantPolicy:
+def _class_name(name: str | None, classes: Mapping[str, PriorityClass], where: str) -> str | None:
+    """``name`` when it is a class (None stays None).
+
+    Raises:
+        ValueError: an unknown class name (the message names ``where``).
+    """
+    if name is None or name in classes:
+        return name
+    raise ValueError(f"{where}: {name!r} is not in priority_classes ({', '.join(sorted(classes))})")
+
+
+def _tenant_policy(
+    name: str, spec: Any, burst_s: float, classes: Mapping[str, PriorityClass], default_max: str | None
+) -> TenantPolicy:
     if not isinstance(spec, Mapping):
         raise ValueError(f"tenants[{name!r}] must be a mapping")
-    unknown = set(spec) - {"tokens_per_s", "burst_tokens", "weight", "isolate_cache"}
+    unknown = set(spec) - {"tokens_per_s", "burst_tokens", "weight", "isolate_cache", "max_class"}
     if unknown:
         raise ValueError(f"tenants[{name!r}]: unknown fields {sorted(unknown)}")
     rate = float(spec.get("tokens_per_s", 0.0))
@@ -220,7 +301,8 @@ def _tenant_policy(name: str, spec: Any, burst_s: float) -> TenantPolicy:
     weight = float(spec.get("weight", 1.0))
     if rate < 0 or burst < 0 or weight <= 0:
         raise ValueError(f"tenants[{name!r}]: tokens_per_s and burst_tokens must be >= 0, weight > 0")
-    return TenantPolicy(rate, burst, weight, bool(spec.get("isolate_cache", False)))
+    max_class = _class_name(spec.get("max_class", default_max), classes, f"tenants[{name!r}].max_class")
+    return TenantPolicy(rate, burst, weight, bool(spec.get("isolate_cache", False)), max_class)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -247,51 +329,78 @@ def bearer_key(authorization: str | None) -> str | None:
 
 
 def parse_tenant(headers: Mapping[str, str], cfg: TenancyConfig) -> tuple[str, str]:
-    """(tenant, source) of a request; ``headers`` has lower-case names.
+    """(tenant, source) of a request; ``headers`` has lower-case names (who may name a tenant: the module
+    docstring).
 
     Raises:
         BadIdentity: a malformed tenant header, or one that contradicts the API key's tenant.
+        TenantNotAllowed: a tenant header the caller's key may not send.
     """
     found = _first_header(headers, (cfg.tenant_header, *cfg.tenant_header_aliases))
-    claimed: str | None = None
-    if found is not None:
-        name, value = found
-        claimed = value.strip()
-        if not _NAME.match(claimed):
-            raise BadIdentity(f"header {name!r} must be 1-128 characters of [A-Za-z0-9._:@/+-]", name)
     key = bearer_key(headers.get("authorization"))
     by_key = cfg.key_tenants.get(key) if key else None
+    if found is None:
+        return (by_key, "api_key") if by_key is not None else (cfg.default_tenant, "default")
+    name, value = found
+    claimed = value.strip()
+    if not _NAME.match(claimed):
+        raise BadIdentity(f"header {name!r} must be 1-128 characters of [A-Za-z0-9._:@/+-]", name)
+    if key is not None and key in cfg.header_keys:
+        return claimed, name
     if by_key is not None:
-        if claimed is not None and claimed != by_key and found is not None:
-            raise BadIdentity(f"header {found[0]!r} names another tenant than the API key's", found[0])
+        if claimed != by_key:
+            raise BadIdentity(f"header {name!r} names another tenant than the API key's", name)
         return by_key, "api_key"
-    if claimed is not None and found is not None:
-        return claimed, found[0]
-    return cfg.default_tenant, "default"
+    if cfg.client_keys_required:
+        raise TenantNotAllowed(
+            f"header {name!r} names a tenant, but this API key may not act for tenants (only the keys of "
+            "tenant_header_keys may; a tenant's own key names its tenant)",
+            name,
+        )
+    if claimed in cfg.key_tenants.values():
+        raise TenantNotAllowed(
+            f"header {name!r} names a tenant bound to an API key: send that key (tenant_api_keys)", name
+        )
+    return claimed, name
+
+
+def lookup_class(value: Any, cfg: TenancyConfig) -> PriorityClass | None:
+    """The class a value names (an InferenceObjective name of ``priority_objectives``, a class name, an alias or
+    an integer priority; class names and aliases case-insensitive), or None when it names none (booleans and
+    other types included)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return _class_for_number(value, cfg)
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if text in cfg.objectives:
+        return cfg.classes[cfg.objectives[text]]
+    if re.fullmatch(r"[+-]?\d{1,9}", text):
+        return _class_for_number(int(text), cfg)
+    if text in cfg.classes:
+        return cfg.classes[text]
+    lower = text.lower()
+    name = lower if lower in cfg.classes else cfg.class_aliases.get(lower)
+    return None if name is None else cfg.classes[name]
 
 
 def resolve_class(value: Any, cfg: TenancyConfig, param: str) -> PriorityClass:
-    """The class a header / body value names (a class, an alias, or an integer priority).
+    """The class a strict header / body value names (``lookup_class``).
 
     Raises:
         BadIdentity: an unknown name or a value of another type.
     """
-    if isinstance(value, bool):
+    klass = lookup_class(value, cfg)
+    if klass is not None:
+        return klass
+    if not isinstance(value, str) or isinstance(value, bool):
         raise BadIdentity(f"{param!r} must be a priority class name or an integer", param)
-    if isinstance(value, int):
-        return _class_for_number(value, cfg)
-    if not isinstance(value, str):
-        raise BadIdentity(f"{param!r} must be a priority class name or an integer", param)
-    text = value.strip()
-    if re.fullmatch(r"[+-]?\d{1,9}", text):
-        return _class_for_number(int(text), cfg)
-    name = text if text in cfg.classes else cfg.class_aliases.get(text.lower())
-    if name is None:
-        known = sorted({*cfg.classes, *cfg.class_aliases})
-        raise BadIdentity(
-            f"{param!r}: unknown priority class {text[:64]!r}; known: {', '.join(known)}", param
-        )
-    return cfg.classes[name]
+    known = sorted({*cfg.classes, *cfg.class_aliases})
+    raise BadIdentity(
+        f"{param!r}: unknown priority class {value.strip()[:64]!r}; known: {', '.join(known)}", param
+    )
 
 
 def _class_for_number(value: int, cfg: TenancyConfig) -> PriorityClass:
@@ -303,18 +412,33 @@ def _class_for_number(value: int, cfg: TenancyConfig) -> PriorityClass:
     return best
 
 
-def parse_class(headers: Mapping[str, str], body_value: Any, cfg: TenancyConfig) -> PriorityClass:
-    """The request's priority class: headers first, then the body field, then the default.
+def parse_class(headers: Mapping[str, str], body_value: Any, cfg: TenancyConfig) -> tuple[PriorityClass, str]:
+    """The request's priority class: ``priority_header`` (strict), the peers' headers (lenient), the body field
+    (strict), else the default; and the peer header whose value was unknown ("" when none was).
 
     Raises:
-        BadIdentity: see ``resolve_class``.
+        BadIdentity: ``priority_header`` or the body field names no class (see ``resolve_class``).
     """
-    found = _first_header(headers, (cfg.priority_header, *cfg.priority_header_aliases))
+    own = headers.get(cfg.priority_header)
+    if own is not None:
+        return resolve_class(own, cfg, cfg.priority_header), ""
+    found = _first_header(headers, cfg.priority_header_aliases)
     if found is not None:
-        return resolve_class(found[1], cfg, found[0])
+        klass = lookup_class(found[1], cfg)
+        if klass is None:  # upstream semantics: an unknown objective / class name gets the default class
+            return cfg.classes[cfg.default_class], found[0]
+        return klass, ""
     if body_value is not None:
-        return resolve_class(body_value, cfg, cfg.priority_body_field)
-    return cfg.classes[cfg.default_class]
+        return resolve_class(body_value, cfg, cfg.priority_body_field), ""
+    return cfg.classes[cfg.default_class], ""
+
+
+def entitled_class(klass: PriorityClass, policy: TenantPolicy, cfg: TenancyConfig) -> PriorityClass:
+    """``klass`` capped at the tenant's ``max_class`` (the class itself when it is not above it)."""
+    if policy.max_class is None:
+        return klass
+    cap = cfg.classes[policy.max_class]
+    return cap if klass.priority > cap.priority else klass
 
 
 def parse_ttft_target(headers: Mapping[str, str], cfg: TenancyConfig, klass: PriorityClass) -> float | None:
@@ -341,12 +465,15 @@ def parse_identity(headers: Mapping[str, str], body_priority: Any, cfg: TenancyC
     value of the body's ``priority_body_field``, or None).
 
     Raises:
-        BadIdentity: any malformed part (answered 400 naming the header or field).
+        BadIdentity: any malformed part (answered 400 naming the header or field; 403 ``TenantNotAllowed``).
     """
     tenant, source = parse_tenant(headers, cfg)
-    klass = parse_class(headers, body_priority, cfg)
+    policy = cfg.policy_of(tenant)
+    asked, unknown = parse_class(headers, body_priority, cfg)
+    klass = entitled_class(asked, policy, cfg)
     target = parse_ttft_target(headers, cfg, klass)
-    return Identity(tenant, klass, target, cfg.policy_of(tenant), source)
+    demoted = "max_class" if klass is not asked else ""
+    return Identity(tenant, klass, target, policy, source, demoted=demoted, unknown_priority_header=unknown)
 
 
 def request_cost(prompt_tokens: int, max_output_tokens: int | None, cfg: TenancyConfig) -> int:
