@@ -381,7 +381,9 @@ def test_a_metrics_scrape_holds_no_serving_loop_with_thousands_of_tenants() -> N
         size, _ = _scrape(url)
         text = httpx.get(url + "/metrics").text
         sets = re.findall(r'kvroute_tenant_label_sets\{worker="(\d)"\} (\S+)', text)
-        assert sum(float(v) for _, v in sets) >= min(tenants, 2000), sets
+        # the kernel spreads the 16 connections over the workers unevenly; each keeps at most 1,000 series, so at
+        # least one worker is full whatever the spread
+        assert max(float(v) for _, v in sets) >= min(tenants, 1000), sets
         procs = {w: _pid_of_worker(proc, w) for w in ("0", "1")}
         cpu0 = {w: _cpu_s(p) for w, p in procs.items()}
         scrapes = [_scrape(url)[1] for _ in range(5)]
