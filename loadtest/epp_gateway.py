@@ -58,12 +58,13 @@ def _expect(msg: Any, kind: str) -> None:
 
 @dataclass
 class Picked:
-    """What the picker answered to a request: the destination (header and metadata), the headers it set, the
-    body it sent back (re-assembled) and the sizes of its body messages; or the ImmediateResponse."""
+    """What the picker answered to a request: the destination (header and metadata), the headers it set and
+    removed, the body it sent back (re-assembled) and the sizes of its body messages; or the ImmediateResponse."""
 
     endpoint: str | None = None
     metadata_endpoint: str | None = None
     set_headers: dict[str, str] = field(default_factory=dict)
+    removed_headers: list[str] = field(default_factory=list)
     clear_route_cache: bool = False
     body: bytes = b""
     chunk_sizes: list[int] = field(default_factory=list)
@@ -154,6 +155,7 @@ class GatewayStream:
         out.set_headers = {
             h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers
         }
+        out.removed_headers = list(common.header_mutation.remove_headers)
         out.endpoint = out.set_headers.get(DEST)
         lb = first.dynamic_metadata.fields["envoy.lb"].struct_value.fields
         out.metadata_endpoint = lb[DEST].string_value if DEST in lb else None

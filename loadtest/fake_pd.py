@@ -133,6 +133,20 @@ class PdLeg:
 
 #: legs kept in the per-request log (``GET /debug/pd_legs``)
 _SERVED_LOG = 4096
+#: body fields through which a request steers an engine's KV transfer or data-parallel rank (vLLM, SGLang): the
+#: per-request log records the ones each request carried
+_STEERING_FIELDS = (
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "decode_tp_size",
+    "routed_dp_rank",
+    "data_parallel_rank",
+    "disagg_prefill_dp_rank",
+    "kv_router_hint",
+)
 
 
 class PdCounters:
@@ -148,8 +162,9 @@ class PdCounters:
         self.bad_prefill: dict[str, int] = {}
         self.aborted_waiting = 0
         self.dp_ranks: dict[str, int] = {}
-        #: the last legs served, oldest first: {"request_id": X-Request-Id (or None), "leg": prefill / decode / ...}
-        self.served: deque[dict[str, str | None]] = deque(maxlen=_SERVED_LOG)
+        #: the last legs served, oldest first: {"request_id": X-Request-Id (or None), "leg": prefill / decode / ...,
+        #: "fields": the KV-transfer / DP fields of the body, "dp_header": X-data-parallel-rank (or None)}
+        self.served: deque[dict[str, Any]] = deque(maxlen=_SERVED_LOG)
 
     @staticmethod
     def bump(d: dict[str, int], key: str) -> None:
@@ -249,7 +264,14 @@ class PdSide:
         else:
             leg = self._vllm_leg(body, rank)
         PdCounters.bump(self.counters.legs, leg.leg)
-        self.counters.served.append({"request_id": headers.get("x-request-id"), "leg": leg.leg})
+        self.counters.served.append(
+            {
+                "request_id": headers.get("x-request-id"),
+                "leg": leg.leg,
+                "fields": {k: body[k] for k in _STEERING_FIELDS if k in body},
+                "dp_header": headers.get("x-data-parallel-rank"),
+            }
+        )
         if leg.leg != "decode" or self.role == "prefill":
             if leg.leg == "prefill":
                 self._check_prefill(body)

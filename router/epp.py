@@ -44,6 +44,7 @@ from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from router import epp_codec as codec
 from router.admission import Rejected
 from router.app import ChatRequest, CompletionRequest, _Auth, _BadTokens, _DataPlane, _parse
+from router.client_fields import ROUTER_HEADERS
 from router.intake import LimitExceeded
 from router.proxy import _Hold, _usage_from_json, _usage_from_sse, ask_for_usage, error_body, new_request_id
 from router.routing import NoReplica, Routed, RoutingError, RoutingInput
@@ -231,6 +232,7 @@ class _Stream:
                 codec.endpoint_of(rep.url), extra, len(payload) if changed and payload is not None else None
             )
         ]
+        answers[0].request_headers.response.header_mutation.remove_headers.extend(ROUTER_HEADERS)
         if body is not None:
             answers.extend(codec.body_chunks(payload if payload is not None else body, request=True))
         self.sent_at = time.monotonic()
@@ -314,9 +316,9 @@ class _Stream:
             inp = await dp.routing_input(request, comp, prompt=comp.prompt)
             self.stream = comp.stream
         inp.request_id = self.request_id
-        payload = body
+        payload = request._body  # the body without router-controlled fields (router/client_fields.py)
         if self.stream and self.svc.settings.engine_stream_usage:
-            payload, self.strip_usage = ask_for_usage(body)
+            payload, self.strip_usage = ask_for_usage(payload)
         return inp, payload
 
     def _headers_only_input(self, request: Request) -> RoutingInput:

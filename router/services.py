@@ -37,6 +37,7 @@ from policies.pd_base import HandoffLink, make_pd_policy
 from policies.pd_link import LinkEstimator
 from router import signals
 from router.admission import Admission, admission_gauges
+from router.client_fields import ClientFields
 from router.config import Settings
 from router.dispatch import DispatchGate, dispatch_gauges
 from router.guard import Auth, Guard
@@ -144,6 +145,15 @@ def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixInde
     )
     membership.load()  # static replicas, joining until their first probe
     return membership
+
+
+def _build_intake(settings: Settings, table: ReplicaTable, telemetry: Telemetry) -> Intake:
+    """The request front door: input limits, and router-controlled fields stripped (router/client_fields.py)."""
+    return Intake(
+        InputLimits.from_settings(settings),
+        lambda: model_contexts(table.all()),
+        ClientFields(telemetry.registry),
+    )
 
 
 def _probe_over_pool(membership: Membership, client: PooledScrapeClient) -> None:
@@ -383,7 +393,7 @@ def build_services(settings: Settings) -> Services:
         settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry
     )
     guard = _build_guard(settings, telemetry, loop_lag)
-    intake = Intake(InputLimits.from_settings(settings), lambda: model_contexts(table.all()))
+    intake = _build_intake(settings, table, telemetry)
     tenants = _build_tenants(settings, membership, admission, telemetry, router)
     _keep_index_honest(table, index, kv_events)
     svc = Services(
