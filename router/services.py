@@ -201,8 +201,10 @@ def _configure_pd(settings: Settings, router: Router) -> None:
 
 
 def _observe_transfers(proxy: Proxy, rep: Replica, snap: EngineSnapshot) -> None:
-    """A scrape's KV-transfer totals to the PD legs' link learning (``PdLegs.observe_engine_transfers``)."""
+    """A scrape's KV-transfer totals to the PD legs' link learning (``PdLegs.observe_engine_transfers``), and its
+    engine start time to their restart detection (``PdLegs.observe_engine_start``)."""
     if isinstance(proxy.pd, PdLegs):
+        proxy.pd.observe_engine_start(rep, snap)
         proxy.pd.observe_engine_transfers(rep, snap)
 
 
@@ -223,7 +225,14 @@ def _build_proxy(
     proxy.gate = gate
     proxy.pd = PdLegs(
         proxy,
-        PdConfig(protocol=settings.pd_protocol, default_bootstrap_port=settings.pd_default_bootstrap_port),
+        PdConfig(
+            protocol=settings.pd_protocol,
+            default_bootstrap_port=settings.pd_default_bootstrap_port,
+            max_prefill_answer_bytes=settings.pd_max_prefill_answer_bytes,
+            max_transfer_params_bytes=settings.pd_max_transfer_params_bytes,
+            mooncake_query_timeout_s=settings.pd_mooncake_query_timeout_s,
+            mooncake_ids_ttl_s=settings.pd_mooncake_ids_ttl_s,
+        ),
     )
     return proxy
 
