@@ -27,7 +27,9 @@ unreachable prefill) recomputes the prompt itself, and counts it: ``fake_pd_miss
 ``fake_pd_recomputed_total{reason}``. An SGLang or Mooncake decode engine whose transfer fails (the prefill or its
 bootstrap server unreachable or gone mid-transfer, the room never filled, an unknown engine id) fails the request
 instead, as those engines do (SGLang aborts it with status 500; vLLM's Mooncake pull fails): 500 before any byte,
-counted in ``fake_pd_transfer_failed_total{reason}``. An SGLang decode engine sent no bootstrap room at all answers
+counted in ``fake_pd_transfer_failed_total{reason}``; an SGLang decode engine waiting for a room also checks its
+prefill's bootstrap server every ``--pd-heartbeat-s`` and fails after 2 missed checks (a prefill pod that stopped
+dead closes no connection). An SGLang decode engine sent no bootstrap room at all answers
 400 (counted in ``fake_pd_missing_params_total``): SGLang's decode-mode server only serves decode legs. A handed-over prompt costs the decode engine the transfer time of its KV
 (``kv_bytes_per_token`` x tokens / ``--pd-link-gbps``, plus ``--pd-link-latency-s``, in model seconds) and then only
 the last prompt token's prefill. With ``--data-parallel-size`` the engine honours ``X-data-parallel-rank`` (400 for a
