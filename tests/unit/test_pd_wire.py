@@ -3,8 +3,11 @@ reference (§1.1, §1.2) and the engines' sources (vLLM 0.32.0, SGLang)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from typing import Any
 
+import httpx
 import orjson
 
 from router import pd_mooncake, pd_sglang, pd_vllm
@@ -153,3 +156,52 @@ def test_mooncake_query_answer_and_engine_pick() -> None:
     assert pd_mooncake.parse_query("nope") is None
     assert pd_mooncake.pick_engine({3: "only_dp3"}, 12345) == (None, "only_dp3")  # one rank: not pinned
     assert pd_mooncake.pick_engine(ids, 7) == (1, "u_dp1") and pd_mooncake.pick_engine(ids, 8) == (0, "u_dp0")
+
+
+def test_mooncake_ids_cached_one_query_at_a_time_forgotten_and_failures_retried_later() -> None:
+    """One /query per replica however many requests ask at once; cached until ``ttl_s``; ``forget`` (a restart,
+    a failed leg) asks again at once; a failed query is remembered for ``timeout_s`` only; a new address (the
+    pod moved) is asked at once."""
+    now = [0.0]
+    calls: list[str] = []
+    answers: list[Any] = []
+    outcomes: list[str] = []
+
+    class Page:
+        def __init__(self, status: int, text: str) -> None:
+            self.status_code, self.text = status, text
+
+    async def get(url: str, *, timeout: float) -> Page:
+        calls.append(url)
+        await asyncio.sleep(0)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return Page(200, orjson.dumps(answer).decode())
+
+    ids = pd_mooncake.MooncakeIds(get, 2.0, 60.0, outcomes.append, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        answers.append({"0": {"engine_id": "a"}})
+        got = await asyncio.gather(*(ids.ids(0, "10.0.0.1:8998") for _ in range(5)))
+        assert got == [{0: "a"}] * 5 and calls == ["http://10.0.0.1:8998/query"]
+        now[0] = 59.0
+        assert await ids.ids(0, "10.0.0.1:8998") == {0: "a"} and len(calls) == 1  # cached
+        ids.forget(0)
+        answers.append({"0": {"engine_id": "b"}})
+        assert await ids.ids(0, "10.0.0.1:8998") == {0: "b"} and len(calls) == 2  # restarted: asked again
+        answers.append({"0": {"engine_id": "c"}})
+        assert await ids.ids(0, "10.0.0.9:8998") == {0: "c"} and len(calls) == 3  # a new address
+        answers.append(httpx.ConnectError("refused"))
+        assert await ids.ids(1, "10.0.0.2:8998") is None
+        now[0] = 60.5
+        assert await ids.ids(1, "10.0.0.2:8998") is None and len(calls) == 4  # failure remembered briefly
+        now[0] = 61.5
+        answers.append({"0": {"engine_id": "d"}})
+        assert await ids.ids(1, "10.0.0.2:8998") == {0: "d"} and len(calls) == 5
+        now[0] = 200.0
+        answers.append({"0": {"engine_id": "e"}})
+        assert await ids.ids(1, "10.0.0.2:8998") == {0: "e"}  # past the ttl: asked again
+
+    asyncio.run(scenario())
+    assert outcomes == ["ok", "ok", "ok", "failed", "ok", "ok"]
