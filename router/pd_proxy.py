@@ -792,7 +792,9 @@ class _Legs:
     async def _open_decode(self, body: dict[str, Any]) -> tuple[EngineResponse, bytes]:
         """Send the decode leg and wait for its first byte. Raises _LegFailed."""
         self.metrics.legs.labels(self.d_rep.name, "decode").inc()
-        payload, self.strip_usage = self.proxy._payload(self.d_rep, orjson.dumps(body), self.stream, None)
+        if self.stream and self.proxy.cfg.stream_usage:
+            body, self.strip_usage = pd_vllm.with_stream_usage(body)
+        payload = orjson.dumps(body)  # serialized once: relayed parameters are inserted as the engine's bytes
         t0 = time.monotonic()
         try:
             resp, first = await self.proxy._open(

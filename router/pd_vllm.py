@@ -148,6 +148,19 @@ def decode_body(body: dict[str, Any], params: bytes | dict[str, Any] | None) -> 
     return out
 
 
+def with_stream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A streamed leg's ``body`` asking for usage (``stream_options.include_usage``), and whether the router added
+    it (the client did not ask: its usage chunk is removed again), as ``router.proxy.ask_for_usage`` does for
+    bytes; on the dict, so relayed parameters are never parsed again."""
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return body, False
+    return {
+        **body,
+        "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True},
+    }, True
+
+
 def new_transfer_id() -> str:
     """A Mooncake transfer id minted by the router (unique per request)."""
     return uuid.uuid4().hex

@@ -165,10 +165,21 @@ def test_deeply_nested_prefill_params_are_relayed_never_a_500(vllm_fleet: Fleet)
     _faults(p_url, pd_params_nesting=300)
     try:
         handoffs = metric(d_url, "fake_pd_handoffs_total")
-        r = httpx.post(url + "/v1/completions", json=_body([9 + i % 7000 for i in range(600)]), timeout=30)
-        assert r.status_code == 200, r.text
-        assert r.headers.get("x-kvroute-prefill-replica"), "served disaggregated: the parameters were relayed"
-        assert metric(d_url, "fake_pd_handoffs_total") == handoffs + 1
+        streamed = {
+            "stream": True,
+            "stream_options": {"include_usage": False},
+        }  # the decode leg's options are set
+        for k, extra in enumerate(({}, streamed)):
+            body = _body([9 + k + i % 7000 for i in range(600)], **extra)
+            r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers.get("x-kvroute-prefill-replica"), (
+                "served disaggregated: the parameters were relayed"
+            )
+            assert metric(d_url, "fake_pd_handoffs_total") == handoffs + k + 1
+        assert (
+            r.text.rstrip().endswith("data: [DONE]") and '"usage"' not in r.text
+        )  # the client asked for none
     finally:
         _faults(p_url, pd_params_nesting=0)
 
