@@ -180,3 +180,23 @@ def test_endpoint_picker_strips_the_body_and_removes_the_header(plain_engine: tu
         assert metric(epp.http, "kvroute_client_fields_stripped_total", field="routed_dp_rank") == 1
     finally:
         epp.router.stop()
+
+
+def test_endpoint_picker_refuses_absurd_depth_like_the_proxy(plain_engine: tuple[str, str]) -> None:
+    """A body nested 300 levels: the picker answers the same 400 json_too_deep as the HTTP door (an
+    ImmediateResponse), instead of routing it to an engine."""
+    url, _ = plain_engine
+    deep: Any = 1
+    for _ in range(300):
+        deep = {"x": deep}
+    epp = start_epp([url], ready=1)
+    try:
+        _, stub = stub_for(epp.grpc_port)
+        s = GatewayStream(stub)
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "extra": deep}
+        picked = s.request("/v1/completions", json.dumps(body).encode())
+        s.close()
+        assert picked.status == 400, picked
+        assert json.loads(picked.immediate.body)["error"]["code"] == "json_too_deep"
+    finally:
+        epp.router.stop()
