@@ -88,12 +88,13 @@ def _set_headers(common: Any) -> dict[str, str]:
 
 @dataclass
 class Picked:
-    """What the picker answered to a request: the destination (header and metadata), the headers it set, the
-    body it sent back (re-assembled) and the sizes of its body messages; or the ImmediateResponse."""
+    """What the picker answered to a request: the destination (header and metadata), the headers it set and
+    removed, the body it sent back (re-assembled) and the sizes of its body messages; or the ImmediateResponse."""
 
     endpoint: str | None = None
     metadata_endpoint: str | None = None
     set_headers: dict[str, str] = field(default_factory=dict)
+    removed_headers: list[str] = field(default_factory=list)
     clear_route_cache: bool = False
     body: bytes = b""
     chunk_sizes: list[int] = field(default_factory=list)
@@ -116,6 +117,7 @@ class Picked:
     def _take_pick(self, common: Any, dynamic_metadata: Any) -> None:
         self.clear_route_cache = common.clear_route_cache
         self.set_headers = _set_headers(common)
+        self.removed_headers = list(common.header_mutation.remove_headers)
         self.endpoint = self.set_headers.get(DEST)
         lb = dynamic_metadata.fields["envoy.lb"].struct_value.fields
         self.metadata_endpoint = lb[DEST].string_value if DEST in lb else None

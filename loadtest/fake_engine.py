@@ -69,7 +69,7 @@ from loadtest.engine_model import (
     engine_block_hashes,
     get_profile,
 )
-from loadtest.fake_pd import PdSide, add_pd_args
+from loadtest.fake_pd import PdSide, TransferFailed, add_pd_args
 from loadtest.kv_publisher import (
     FORMATS,
     FaultKnobs,
@@ -220,6 +220,11 @@ class HttpFaults(FaultKnobs):
         die_after_tokens: the process exits (``os._exit(1)``) after streaming this many tokens in total.
         stall_mid_stream_s: a stream goes silent for this long after its first token, seconds (< 0: forever).
         health_fail: ``/health`` answers 503.
+        pd_params_nesting: a vLLM prefill answer's ``kv_transfer_params`` carry an extra field nested this many
+            levels deep.
+        pd_params_pad_keys: a vLLM prefill answer's ``kv_transfer_params`` carry this many extra keys (~14 bytes
+            each).
+        pd_bootstrap_down: the Mooncake bootstrap server's ``/query`` answers 503.
     """
 
     negative_floats_ok: ClassVar[bool] = True  # < 0 means "forever"
@@ -230,6 +235,9 @@ class HttpFaults(FaultKnobs):
     die_after_tokens: int = 0
     health_fail: bool = False
     stall_mid_stream_s: float = 0.0
+    pd_params_nesting: int = 0
+    pd_params_pad_keys: int = 0
+    pd_bootstrap_down: bool = False
 
 
 # -- engine driver -----------------------------------------------------------------------------------------------
@@ -1027,6 +1035,8 @@ class EngineHttp:
             leg = await pd.leg_of(body, len(ids), request.headers, lambda: _until_disconnected(request))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        except TransferFailed as exc:  # SGLang aborts the request (500); vLLM's Mooncake pull fails it
+            return _error(str(exc), 500, "InternalServerError")
         if leg is None:  # the client left while the decode leg waited for its KV
             return Response(status_code=499)
         st = self.engine.submit(ids, leg.max_tokens or mt, lora, salt, remote_kv_tokens=leg.remote_kv_tokens)
@@ -1050,7 +1060,8 @@ class EngineHttp:
         if (
             leg.transfer_params is not None
         ):  # a vLLM prefill leg: what the decode leg needs, relayed by the router
-            out["kv_transfer_params"] = leg.transfer_params
+            out["kv_transfer_params"] = _faulty_params(leg.transfer_params, self.engine.http_faults)
+            return Response(json.dumps(out, separators=(",", ":")).encode(), media_type="application/json")
         return JSONResponse(out)
 
     def completion_body(
@@ -1229,8 +1240,20 @@ def _add_pd_routes(app: FastAPI, http: EngineHttp) -> None:
 
     @app.get("/debug/pd_legs")
     async def pd_legs() -> Response:
-        """The last legs this engine served (bounded), oldest first: ``[{"request_id", "leg"}, ...]``."""
+        """The last legs this engine served (bounded), oldest first: ``[{"request_id", "leg", "fields",
+        "dp_header"}, ...]``."""
         return JSONResponse(list(http.engine.pd.counters.served))
+
+    @app.get("/query")
+    async def bootstrap_query(request: Request) -> Response:
+        """A Mooncake prefill engine's bootstrap server (on its bootstrap port only): its ranks' engine ids."""
+        pd = http.engine.pd
+        server = request.scope.get("server") or (None, None)
+        if pd.protocol != "mooncake" or pd.bootstrap_port is None or server[1] != pd.bootstrap_port:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        if http.engine.http_faults.pd_bootstrap_down:
+            return JSONResponse({"detail": "fault injection: bootstrap server down"}, status_code=503)
+        return JSONResponse(pd.bootstrap_query())
 
 
 def _add_errors_and_auth(app: FastAPI, http: EngineHttp) -> None:
@@ -1480,6 +1503,21 @@ def _add_admin_routes(app: FastAPI, http: EngineHttp) -> None:
                 },
             }
         )
+
+
+def _faulty_params(params: dict[str, Any], f: HttpFaults) -> dict[str, Any]:
+    """A prefill answer's ``kv_transfer_params`` with the ``pd_params_*`` faults applied (deep, or huge)."""
+    if not f.pd_params_nesting and not f.pd_params_pad_keys:
+        return params
+    out = dict(params)
+    if f.pd_params_nesting:
+        deep: Any = 1
+        for _ in range(f.pd_params_nesting):
+            deep = {"x": deep}
+        out["nested"] = deep
+    for i in range(f.pd_params_pad_keys):
+        out[f"k{i:07d}"] = "v"
+    return out
 
 
 def _set_faults(engine: FakeEngine, body: dict[str, Any]) -> None:

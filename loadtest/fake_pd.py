@@ -8,16 +8,28 @@ so a test fails when the router gets one wrong:
   ``{do_remote_prefill: true, do_remote_decode: false, remote_engine_id, remote_block_ids, remote_host,
   remote_port, remote_request_id, remote_num_tokens, tp_size}``, as vLLM does. A decode-role engine that receives
   them pulls the KV from ``remote_host:remote_port`` (here: the prefill engine's hand-off endpoint).
-* ``mooncake`` (push): the router mints ``transfer_id``; the prefill leg carries ``{do_remote_decode: true,
-  do_remote_prefill: false, transfer_id}``, the decode leg ``{do_remote_prefill: true, transfer_id,
-  remote_engine_id, remote_bootstrap_addr}``; the decode side waits for that transfer at the bootstrap address.
+* ``mooncake`` (push, as vLLM 0.32's MooncakeConnector): the router mints ``transfer_id``; the prefill leg carries
+  ``{do_remote_decode: true, do_remote_prefill: false, transfer_id}``, the decode leg ``{do_remote_prefill: true,
+  transfer_id, remote_engine_id, remote_bootstrap_addr}``. Each engine process has a random engine id
+  (``<id>_dp<rank>`` per data-parallel rank; ``--engine-id`` fixes the base), listed by its bootstrap server
+  (``GET /query`` on the bootstrap port: ``{"<rank>": {"engine_id", "worker_addr"}}``). A decode engine looks a
+  ``remote_engine_id`` it does not know up there and fails the request (500, as vLLM's default
+  ``kv_load_failure_policy: fail``) when the prefill's bootstrap server does not list it; else it waits for that
+  transfer from that id's rank (a transfer pushed by another rank never arrives: the router must pin the
+  prefill leg's rank to the id it names). ``process_start_time_seconds`` tells the router when the process
+  (and with it the id) changed.
 * ``sglang`` (concurrent bootstrap): both legs carry ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room``
   (one-item arrays for a one-prompt batch); the prefill engine serves the room on its bootstrap port
   (``--bootstrap-port``), the decode engine joins it and waits until the prefill is done.
 
-A decode engine whose parameters are missing or wrong (unknown transfer, wrong room, token count mismatch,
+A vLLM NIXL decode engine whose parameters are missing or wrong (unknown transfer, token count mismatch,
 unreachable prefill) recomputes the prompt itself, and counts it: ``fake_pd_missing_params_total``,
-``fake_pd_recomputed_total{reason}``; except an SGLang decode engine sent no bootstrap room at all, which answers
+``fake_pd_recomputed_total{reason}``. An SGLang or Mooncake decode engine whose transfer fails (the prefill or its
+bootstrap server unreachable or gone mid-transfer, the room never filled, an unknown engine id) fails the request
+instead, as those engines do (SGLang aborts it with status 500; vLLM's Mooncake pull fails): 500 before any byte,
+counted in ``fake_pd_transfer_failed_total{reason}``; an SGLang decode engine waiting for a room also checks its
+prefill's bootstrap server every ``--pd-heartbeat-s`` and fails after 2 missed checks (a prefill pod that stopped
+dead closes no connection). An SGLang decode engine sent no bootstrap room at all answers
 400 (counted in ``fake_pd_missing_params_total``): SGLang's decode-mode server only serves decode legs. A handed-over prompt costs the decode engine the transfer time of its KV
 (``kv_bytes_per_token`` x tokens / ``--pd-link-gbps``, plus ``--pd-link-latency-s``, in model seconds) and then only
 the last prompt token's prefill. With ``--data-parallel-size`` the engine honours ``X-data-parallel-rank`` (400 for a
@@ -32,6 +44,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections import deque
@@ -79,6 +92,14 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
         help="longest real-time wait of a decode engine for its prefill's KV before recomputing, s",
     )
     g.add_argument(
+        "--pd-heartbeat-s",
+        type=float,
+        default=5.0,
+        help="sglang protocol: a decode engine waiting for a room checks its prefill's bootstrap server this often "
+        "and fails the request after 2 missed checks, as SGLang's heartbeat does "
+        "(SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL 5 s, _MAX_FAILURE 2); 0 = off, s",
+    )
+    g.add_argument(
         "--pd-transfer-metrics",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -94,6 +115,14 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="data-parallel ranks (X-data-parallel-rank picks one; counted per rank)",
     )
+
+
+class TransferFailed(Exception):
+    """A decode leg's KV transfer failed (SGLang / Mooncake): the request fails with a 500. ``reason`` is counted."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -133,6 +162,20 @@ class PdLeg:
 
 #: legs kept in the per-request log (``GET /debug/pd_legs``)
 _SERVED_LOG = 4096
+#: body fields through which a request steers an engine's KV transfer or data-parallel rank (vLLM, SGLang): the
+#: per-request log records the ones each request carried
+_STEERING_FIELDS = (
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "decode_tp_size",
+    "routed_dp_rank",
+    "data_parallel_rank",
+    "disagg_prefill_dp_rank",
+    "kv_router_hint",
+)
 
 
 class PdCounters:
@@ -145,11 +188,13 @@ class PdCounters:
         self.handoff_bytes_total = 0.0
         self.missing_params = 0
         self.recomputed: dict[str, int] = {}
+        self.transfer_failed: dict[str, int] = {}
         self.bad_prefill: dict[str, int] = {}
         self.aborted_waiting = 0
         self.dp_ranks: dict[str, int] = {}
-        #: the last legs served, oldest first: {"request_id": X-Request-Id (or None), "leg": prefill / decode / ...}
-        self.served: deque[dict[str, str | None]] = deque(maxlen=_SERVED_LOG)
+        #: the last legs served, oldest first: {"request_id": X-Request-Id (or None), "leg": prefill / decode / ...,
+        #: "fields": the KV-transfer / DP fields of the body, "dp_header": X-data-parallel-rank (or None)}
+        self.served: deque[dict[str, Any]] = deque(maxlen=_SERVED_LOG)
 
     @staticmethod
     def bump(d: dict[str, int], key: str) -> None:
@@ -177,13 +222,18 @@ class PdSide:
         self.link_bytes_per_s = max(1.0, float(opts.pd_link_gbps) * 1e9)
         self.link_latency_s = max(0.0, float(opts.pd_link_latency_s))
         self.wait_s = max(0.0, float(opts.pd_wait_s))
+        self.heartbeat_s = max(0.0, float(opts.pd_heartbeat_s))
         self.dp_size = max(1, int(opts.data_parallel_size))
         self.kv_bytes_per_token = kv_bytes_per_token
         self.scale = time_scale
         self.transfer_metrics = bool(opts.pd_transfer_metrics)
         self.counters = PdCounters()
+        #: when this engine process started, epoch seconds (``process_start_time_seconds``, as vLLM exports it)
+        self.started_at = time.time()
         self._handoffs: dict[str, Handoff] = {}
         self._client: httpx.AsyncClient | None = None
+        #: Mooncake engine id -> its data-parallel rank, as this (decode) engine learned them from bootstrap servers
+        self._known_engine_ids: dict[str, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -242,6 +292,7 @@ class PdSide:
 
         Raises:
             ValueError: a bad ``X-data-parallel-rank`` (the caller answers 400).
+            TransferFailed: an SGLang / Mooncake decode leg's transfer failed (the caller answers 500).
         """
         rank = self.dp_rank(headers)
         if self.protocol == "sglang":
@@ -249,7 +300,14 @@ class PdSide:
         else:
             leg = self._vllm_leg(body, rank)
         PdCounters.bump(self.counters.legs, leg.leg)
-        self.counters.served.append({"request_id": headers.get("x-request-id"), "leg": leg.leg})
+        self.counters.served.append(
+            {
+                "request_id": headers.get("x-request-id"),
+                "leg": leg.leg,
+                "fields": {k: body[k] for k in _STEERING_FIELDS if k in body},
+                "dp_header": headers.get("x-data-parallel-rank"),
+            }
+        )
         if leg.leg != "decode" or self.role == "prefill":
             if leg.leg == "prefill":
                 self._check_prefill(body)
@@ -276,16 +334,16 @@ class PdSide:
                 return PdLeg(leg="decode")  # recomputes (counted in _pull)
             return PdLeg()
         if params.get("do_remote_decode") is True:
-            key = (
-                str(params.get("transfer_id") or uuid.uuid4().hex)
-                if self.protocol == "mooncake"
-                else uuid.uuid4().hex
-            )
+            if self.protocol == "mooncake":  # pushed by the rank that served the prefill leg
+                served = (
+                    rank if rank is not None else random.randrange(self.dp_size)
+                )  # vLLM's own DP balancing
+                key = f"{served}:{params.get('transfer_id') or uuid.uuid4().hex}"
+            else:
+                key = uuid.uuid4().hex
             leg = PdLeg(leg="prefill", handoff_key=key)
             if self.protocol == "vllm":
-                engine_id = (
-                    self.engine_id if rank is None or self.dp_size == 1 else f"{self.engine_id}_dp{rank}"
-                )
+                engine_id = self.rank_engine_id(rank) if rank is not None else self.engine_id
                 leg.transfer_params = {
                     "do_remote_prefill": True,
                     "do_remote_decode": False,
@@ -303,6 +361,17 @@ class PdSide:
             self.counters.missing_params += 1
             return PdLeg(leg="decode")
         return PdLeg()
+
+    def rank_engine_id(self, rank: int) -> str:
+        """The engine id of data-parallel rank ``rank`` (vLLM: ``<id>_dp<rank>`` under data parallelism)."""
+        return self.engine_id if self.dp_size == 1 else f"{self.engine_id}_dp{rank}"
+
+    def bootstrap_query(self) -> dict[str, Any]:
+        """``GET /query`` of a Mooncake prefill engine's bootstrap server: its ranks' engine ids and workers."""
+        worker = {"0": {"0": f"{_host(self.host)}:{self.port}"}}
+        return {
+            str(r): {"engine_id": self.rank_engine_id(r), "worker_addr": worker} for r in range(self.dp_size)
+        }
 
     def _sglang_leg(self, body: dict[str, Any]) -> PdLeg:
         room = _one(body.get("bootstrap_room"))
@@ -330,21 +399,83 @@ class PdSide:
         if mt != 1:
             PdCounters.bump(self.counters.bad_prefill, "max_tokens")
 
+    def _pull_failed(self, reason: str) -> int:
+        """A failed pull: vLLM NIXL recomputes (0 tokens, counted); SGLang / Mooncake fail the request."""
+        if self.protocol == "vllm":
+            PdCounters.bump(self.counters.recomputed, reason)
+            return 0
+        PdCounters.bump(self.counters.transfer_failed, reason)
+        raise TransferFailed(reason, f"KV transfer failed ({reason})")
+
+    async def _check_engine_id(self, body: dict[str, Any]) -> None:
+        """Mooncake: look a ``remote_engine_id`` this engine does not know up on the prefill's bootstrap server
+        (``GET <remote_bootstrap_addr>/query``), as vLLM does; fail the request when it is not listed there."""
+        params = body.get("kv_transfer_params")
+        if self.protocol != "mooncake" or not isinstance(params, dict):
+            return
+        engine_id, addr = params.get("remote_engine_id"), params.get("remote_bootstrap_addr")
+        if not isinstance(engine_id, str) or not isinstance(addr, str) or engine_id in self._known_engine_ids:
+            return
+        try:
+            resp = await self.client().get(addr.rstrip("/") + "/query", timeout=10.0)
+            listed = resp.json() if resp.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            listed = {}
+        for rank, entry in listed.items() if isinstance(listed, dict) else ():
+            if isinstance(entry, dict) and isinstance(entry.get("engine_id"), str) and str(rank).isdigit():
+                self._known_engine_ids[entry["engine_id"]] = int(rank)
+        if engine_id not in self._known_engine_ids:
+            PdCounters.bump(self.counters.transfer_failed, "unknown_engine_id")
+            raise TransferFailed(
+                "unknown_engine_id", f"remote engine_id {engine_id} not found from bootstrap server {addr}"
+            )
+
     async def _pull(self, body: dict[str, Any], prompt_tokens: int) -> int:
         """Fetch a decode leg's KV from its prefill engine; the tokens handed over (0: recompute, counted).
-        Waits the modelled transfer time of what was handed over."""
+        Waits the modelled transfer time of what was handed over.
+
+        Raises:
+            TransferFailed: an SGLang / Mooncake transfer failed.
+        """
+        await self._check_engine_id(body)
         where = self._source(body)
         if where is None:
             PdCounters.bump(self.counters.recomputed, "missing_params")
             return 0
         url, wait = where
-        resp = None
+        fetch = asyncio.ensure_future(self._fetch(url, wait))
+        if self.protocol == "sglang" and self.heartbeat_s > 0:
+            beat = asyncio.ensure_future(self._heartbeat(url.split("/_fake_pd/", 1)[0]))
+            try:
+                await asyncio.wait({fetch, beat}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                beat.cancel()
+            if beat.done() and not beat.cancelled() and beat.exception() is not None:
+                fetch.cancel()
+                beat.result()  # raises TransferFailed
+        resp = await fetch
+        if resp is None:
+            return self._pull_failed("unreachable")
+        if resp.status_code != 200:
+            return self._pull_failed("unknown_transfer" if resp.status_code == 404 else "timeout")
+        tokens = int(resp.json().get("tokens", 0))
+        if tokens != prompt_tokens:
+            return self._pull_failed("token_mismatch")
+        handoff_s = self.link_latency_s + tokens * self.kv_bytes_per_token / self.link_bytes_per_s
+        self.counters.handoffs += 1
+        self.counters.handoff_s_total += handoff_s
+        self.counters.handoff_bytes_total += tokens * self.kv_bytes_per_token
+        if self.scale > 0:
+            await asyncio.sleep(handoff_s * self.scale)
+        return tokens
+
+    async def _fetch(self, url: str, wait: float) -> httpx.Response | None:
+        """GET a hand-off (long poll of up to ``wait`` s); None when the prefill engine cannot be reached."""
         for _ in range(
             3
         ):  # a starved machine can refuse or stall a connect now and then: like a transfer retry
             try:
-                resp = await self.client().get(url, params={"wait_s": wait})
-                break
+                return await self.client().get(url, params={"wait_s": wait})
             except (
                 httpx.ConnectError,
                 httpx.ConnectTimeout,
@@ -355,26 +486,24 @@ class PdSide:
                 log.info("hand-off pull failed (%s), trying again", type(exc).__name__)
                 continue
             except httpx.HTTPError:
-                break
-        if resp is None:
-            PdCounters.bump(self.counters.recomputed, "unreachable")
-            return 0
-        if resp.status_code != 200:
-            PdCounters.bump(
-                self.counters.recomputed, "unknown_transfer" if resp.status_code == 404 else "timeout"
-            )
-            return 0
-        tokens = int(resp.json().get("tokens", 0))
-        if tokens != prompt_tokens:
-            PdCounters.bump(self.counters.recomputed, "token_mismatch")
-            return 0
-        handoff_s = self.link_latency_s + tokens * self.kv_bytes_per_token / self.link_bytes_per_s
-        self.counters.handoffs += 1
-        self.counters.handoff_s_total += handoff_s
-        self.counters.handoff_bytes_total += tokens * self.kv_bytes_per_token
-        if self.scale > 0:
-            await asyncio.sleep(handoff_s * self.scale)
-        return tokens
+                return None
+        return None
+
+    async def _heartbeat(self, bootstrap: str) -> None:
+        """Check ``bootstrap``'s ``/health`` every ``heartbeat_s`` while a decode leg waits; after 2 missed checks
+        in a row the transfer failed (SGLang's heartbeat). Raises TransferFailed; runs until cancelled."""
+        missed = 0
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                ok = (
+                    await self.client().get(bootstrap + "/health", timeout=self.heartbeat_s)
+                ).status_code < 500
+            except httpx.HTTPError:
+                ok = False
+            missed = 0 if ok else missed + 1
+            if missed >= 2:
+                self._pull_failed("heartbeat")
 
     def _source(self, body: dict[str, Any]) -> tuple[str, float] | None:
         """Where a decode leg's KV is, and how long to wait for it (real s); None when the body does not say."""
@@ -390,9 +519,11 @@ class PdSide:
             return None
         if self.protocol == "mooncake":
             addr, key = params.get("remote_bootstrap_addr"), params.get("transfer_id")
-            if not isinstance(addr, str) or not key:
+            engine_id = params.get("remote_engine_id")
+            if not isinstance(addr, str) or not key or not isinstance(engine_id, str):
                 return None
-            return f"{addr.rstrip('/')}/_fake_pd/handoff/{key}", self.wait_s
+            rank = self._known_engine_ids.get(engine_id, 0)  # the rank whose workers hold the pushed KV
+            return f"{addr.rstrip('/')}/_fake_pd/handoff/{rank}:{key}", self.wait_s
         host, port, key = (
             params.get("remote_host"),
             params.get("remote_port"),
@@ -441,9 +572,14 @@ class PdSide:
     # -- metrics ---------------------------------------------------------------------------------------------
     def collect(self, aborted: int) -> Iterator[Any]:
         """Prometheus families of the PD / DP counters (``aborted``: the engine's aborted requests)."""
-        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         c = self.counters
+        yield GaugeMetricFamily(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            self.started_at,
+        )
 
         def family(name: str, doc: str, label: str | None, values: dict[str, float] | float) -> Any:
             fam = CounterMetricFamily(name, doc, labels=[label] if label else [])
@@ -480,6 +616,12 @@ class PdSide:
             "decode legs that recomputed the prompt, by reason",
             "reason",
             dict(c.recomputed),
+        )
+        yield family(
+            "fake_pd_transfer_failed",
+            "SGLang / Mooncake decode legs failed (500) because their KV transfer failed, by reason",
+            "reason",
+            dict(c.transfer_failed),
         )
         yield family(
             "fake_pd_bad_prefill",

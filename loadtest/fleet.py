@@ -401,8 +401,6 @@ class Fleet:
                 self.role_of(i),
                 "--pd-protocol",
                 self.pd_protocol,
-                "--engine-id",
-                f"engine{i}",
                 "--pd-link-gbps",
                 repr(e.pd_link_gbps),
             ]

@@ -38,6 +38,8 @@ class RouteRequest:
         ttft_target_s: the request's TTFT target, seconds (None: no target; ``ttft`` then decides as always).
         priority: the request's priority (higher is more urgent; ``ttft`` gives urgent work the fastest replica
             meeting the target and packs the rest onto the replica with the least slack).
+        sequences: sequences the engine generates for it (OpenAI ``n`` / vLLM ``best_of``, at least 1); PD plans
+            serve parallel sampling in place (``policies.pd_common.plan_request``).
     """
 
     model: str
@@ -52,6 +54,7 @@ class RouteRequest:
     request_id: str = ""
     ttft_target_s: float | None = None
     priority: int = 0
+    sequences: int = 1
 
 
 @dataclass(slots=True)

@@ -1063,14 +1063,18 @@ def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
 
 async def _parse(intake: Intake, request: Request, model: type[_M]) -> tuple[_M, Any]:
     """Parse the request body as JSON (whatever the content type) and validate it against ``model``; returns the
-    validated model and the parsed JSON it came from.
+    validated model and the parsed JSON it came from. Router-controlled fields (router/client_fields.py) are
+    removed from both and from the body that goes on (``request.body()`` then returns the body without them).
 
     Raises:
         RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
+        LimitExceeded: an input limit (router/intake.py).
     """
-    return await intake.parse(
-        await request.body(), model
-    )  # router/intake.py: limits first, large bodies off the loop
+    raw = await request.body()
+    parsed, data = await intake.parse(raw, model)  # router/intake.py: limits first, large bodies off the loop
+    if intake.fields is not None and (clean := await intake.fields.strip(raw, data)) is not None:
+        request._body = clean  # what Request.body() returns from now on: the proxy and the picker forward it
+    return parsed, data
 
 
 class _AuthError(Exception):

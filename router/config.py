@@ -608,6 +608,14 @@ class Settings(BaseSettings):
         description="most JSON values in a request body outside prompt text, token ids and message text (extra "
         "fields, tools, content parts); more -> 413 too_many_json_values",
     )
+    max_json_depth: int = Field(
+        default=128,
+        ge=8,
+        le=200,
+        description="most nesting levels of a request body (the body object is level 1); deeper -> 400 "
+        "json_too_deep on every door (bodies are re-serialized for prefill/decode legs, whose serializer stops "
+        "at 254 levels)",
+    )
     max_header_bytes: int = Field(
         default=32768,
         ge=1024,
@@ -903,7 +911,31 @@ class Settings(BaseSettings):
         default=8998,
         ge=1,
         le=65535,
-        description="SGLang bootstrap port of prefill pods / replicas that name none",
+        description="SGLang / Mooncake bootstrap port of prefill pods / replicas that name none",
+    )
+    pd_max_prefill_answer_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=4096,
+        description="largest prefill-leg answer the router reads, bytes; larger -> the prefill leg failed "
+        "(another prefill replica, else served in place); answers of 64 KiB or more are parsed off the event loop",
+    )
+    pd_max_transfer_params_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="largest kv_transfer_params a prefill answer may carry to relay to the decode leg, bytes "
+        "(serialized); larger -> the prefill leg failed, nothing is relayed",
+    )
+    pd_mooncake_query_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="timeout of one GET <prefill host>:<bootstrap port>/query (the Mooncake engine ids of a "
+        "prefill replica), s",
+    )
+    pd_mooncake_ids_ttl_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a prefill replica's discovered Mooncake engine ids are asked again after this long (and at "
+        "once after a failed leg on it), s",
     )
     # --- router CPU (issue 23) ---
     workers: int = Field(

@@ -549,9 +549,9 @@ class _Stream:
             inp = await dp.routing_input(request, comp, prompt=comp.prompt)
             self.stream = comp.stream
         inp.request_id = self.request_id
-        payload = body
+        payload = request._body  # the body without router-controlled fields (router/client_fields.py)
         if self.stream and self.settings.engine_stream_usage:
-            payload, self.strip_usage = ask_for_usage(body)
+            payload, self.strip_usage = ask_for_usage(payload)
         return inp, payload
 
     def _headers_only_input(self, request: Request) -> RoutingInput:

@@ -33,6 +33,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from router.client_fields import ROUTER_HEADERS
+
 #: request header (and ``envoy.lb`` metadata key) naming the picked endpoint, ``ip:port``
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 #: dynamic-metadata namespace the gateway's load balancer reads the pick from
@@ -180,7 +182,10 @@ def _routed_common(endpoint: str, extra: Mapping[str, str], body_length: int | N
     sets.extend(_header(k, v) for k, v in extra.items())
     if body_length is not None:
         sets.append(_header("content-length", str(body_length)))
-    return pb.CommonResponse(clear_route_cache=True, header_mutation=pb.HeaderMutation(set_headers=sets))
+    mutation = pb.HeaderMutation(
+        set_headers=sets, remove_headers=ROUTER_HEADERS
+    )  # only the router sets those
+    return pb.CommonResponse(clear_route_cache=True, header_mutation=mutation)
 
 
 def _destination_metadata(endpoint: str) -> Any:

@@ -14,6 +14,10 @@ its own tape (no Python object per value; ~50 ms for 16 MiB) and its shape check
 * every other JSON value (extra fields, tools, content parts, further prompts of a batch) counts against
   ``max_json_values`` (413 ``too_many_json_values``).
 
+Every body, small or large, is nested at most ``max_json_depth`` levels (400 ``json_too_deep``), checked on the
+parsed value when the body has that many brackets at all: the prefill/decode legs re-serialize the body, and the
+serializer stops at 254 levels, so every door refuses absurd depth alike instead of one path failing later.
+
 Only a body that passes is given to orjson and pydantic, and all of it runs in a worker thread: the bounded C
 parts hold the GIL for tens of milliseconds at most, the Python parts let the loop in every switch interval.
 Smaller bodies cannot exceed the limits by much and are parsed inline, as before (no cost on the hot path).
@@ -26,12 +30,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 import simdjson
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+
+if TYPE_CHECKING:
+    from router.client_fields import ClientFields
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -66,6 +73,7 @@ class InputLimits:
         chars_per_token: characters allowed per token of context.
         default_context_tokens: the context of a model none of whose replicas reports one, tokens.
         max_json_values: JSON values outside prompt text, token ids and message text.
+        max_json_depth: nesting levels of the body (the body itself is level 1).
     """
 
     max_messages: int
@@ -73,6 +81,7 @@ class InputLimits:
     chars_per_token: float
     default_context_tokens: int
     max_json_values: int
+    max_json_depth: int
 
     @classmethod
     def from_settings(cls, settings: Any) -> InputLimits:
@@ -83,6 +92,7 @@ class InputLimits:
             chars_per_token=settings.max_prompt_chars_per_token,
             default_context_tokens=settings.max_prompt_tokens,
             max_json_values=settings.max_json_values,
+            max_json_depth=settings.max_json_depth,
         )
 
 
@@ -281,16 +291,43 @@ def _invalid_json(msg: str) -> RequestValidationError:
     return RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": msg, "input": None}])
 
 
-def parse_json(raw: bytes, model: type[_M]) -> tuple[_M, Any]:
-    """Parse ``raw`` with orjson and validate it against ``model``; returns (validated model, parsed JSON).
+def check_depth(raw: bytes, data: Any, limit: int) -> None:
+    """Refuse ``data`` (parsed from ``raw``) when it nests more than ``limit`` levels. A body with at most
+    ``limit`` brackets cannot, so most bodies are not walked at all.
+
+    Raises:
+        LimitExceeded: 400 ``json_too_deep``.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            raise LimitExceeded(
+                400,
+                "json_too_deep",
+                f"request body is nested more than {limit} levels deep (max_json_depth)",
+                "body",
+            )
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+
+
+def parse_json(raw: bytes, model: type[_M], max_depth: int | None = None) -> tuple[_M, Any]:
+    """Parse ``raw`` with orjson, check its depth (``max_depth`` levels; None: unchecked) and validate it against
+    ``model``; returns (validated model, parsed JSON).
 
     Raises:
         RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
+        LimitExceeded: nested deeper than ``max_depth``.
     """
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise _invalid_json(str(exc)) from None
+    if max_depth is not None and isinstance(data, dict | list):
+        check_depth(raw, data, max_depth)
     try:
         return model.model_validate(data), data
     except ValidationError as exc:
@@ -317,7 +354,7 @@ def scan_and_parse(
         raise exc.with_traceback(None) from None
     finally:
         del doc
-    return parse_json(raw, model)
+    return parse_json(raw, model, limits.max_json_depth)
 
 
 class Intake:
@@ -328,9 +365,16 @@ class Intake:
         contexts: returns ``model_contexts`` of the fleet now (called on the event loop).
     """
 
-    def __init__(self, limits: InputLimits, contexts: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self,
+        limits: InputLimits,
+        contexts: Callable[[], dict[str, int]],
+        fields: ClientFields | None = None,
+    ) -> None:
         self.limits = limits
         self.contexts = contexts
+        #: strips router-controlled fields from the bodies that go on (router/client_fields.py); None: kept
+        self.fields = fields
 
     async def parse(self, raw: bytes, model: type[_M]) -> tuple[_M, Any]:
         """Validate ``raw`` against ``model``: inline when small, shape-checked in a worker thread when large.
@@ -340,7 +384,7 @@ class Intake:
             RequestValidationError: invalid JSON (400) or fields (422).
         """
         if len(raw) < SCAN_MIN_BYTES:
-            return parse_json(raw, model)
+            return parse_json(raw, model, self.limits.max_json_depth)
         return await asyncio.to_thread(scan_and_parse, raw, model, self.limits, self.contexts())
 
 

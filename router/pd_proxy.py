@@ -9,9 +9,15 @@ plans go through the proxy's ordinary attempts. Per request:
 2. the legs run by protocol (``pd_protocol``; ``auto``: by the prefill replica's dialect):
    * ``vllm`` (router/pd_vllm.py): sequential relay. The prefill leg (not streamed, one token) must answer
      before the decode leg is sent with the returned ``kv_transfer_params``, relayed opaquely;
-   * ``mooncake`` (router/pd_vllm.py): concurrent, the router mints ``transfer_id``;
-   * ``sglang`` (router/pd_sglang.py): concurrent, both legs carry the bootstrap host / port / room;
+   * ``mooncake`` (router/pd_vllm.py): concurrent, the router mints ``transfer_id`` and names the prefill
+     engine by the id its bootstrap server lists (router/pd_mooncake.py); an id the router cannot learn means no
+     Mooncake parameters are sent at all (the plan's next prefill replica, else served in place; counted in
+     ``kvroute_pd_mooncake_engine_unknown_total{replica}``, logged once per replica), never a made-up id;
+   * ``sglang`` (router/pd_sglang.py): concurrent, both legs carry the bootstrap host / port / room (scalars);
      the prefill answer is drained and discarded;
+   a prefill answer is read once, bounded (``pd_max_prefill_answer_bytes``; 64 KiB or more off the event loop),
+   and its ``kv_transfer_params`` relayed as the bytes the engine sent, at most ``pd_max_transfer_params_bytes``
+   (an answer over either bound is a failed prefill leg);
 3. both legs carry the same ``X-Request-Id``; a plan's ``dp_rank`` pins the decode leg with
    ``X-data-parallel-rank``;
 4. the decode leg's first byte commits the answer through the proxy's own commit path (headers, stream relay,
@@ -24,7 +30,11 @@ plans go through the proxy's ordinary attempts. Per request:
    a failed decode leg re-runs both legs on the next plan's pair with an untried decode replica (``max_retries``,
    counted in ``kvroute_retries_total{reason="pd_decode_failed"}``: SGLang rooms and Mooncake transfer ids bind a
    prefill leg to one decode leg, and a NIXL prefill's blocks may be freed), then is served in place without that
-   replica. Every fallback is counted
+   replica. With a concurrent protocol, a decode leg that fails before its first byte while its prefill leg
+   failed too (or its prefill replica is no longer routable) failed because of the transfer: both legs are re-run,
+   with fresh bootstrap fields / transfer id, on the plan's next prefill replica with the same decode replica
+   (``kvroute_retries_total{reason="pd_transfer_failed"}``; the same ``max_retries`` budget as failed prefill
+   legs). Every fallback is counted
    (``kvroute_pd_fallbacks_total{reason}``) and logged, never silent;
 6. every prefill leg that answers is an observation of its prefill replica for the PD policy
    (``Router.observe_pd``: prompt tokens, the leg's reported cached tokens else the router's estimate, the leg's
@@ -61,10 +71,12 @@ from membership.replicas import Replica
 from policies.base import Observation
 from policies.pd_base import Plan
 from policies.pd_link import TransferTotals
-from router import pd_sglang, pd_vllm
-from router.engine_client import EngineError, EngineResponse
-from router.proxy import _ERR_BODY_BYTES, _AttemptFailed, _cached_tokens, _Hold, error_response
+from router import pd_mooncake, pd_sglang, pd_vllm
+from router.engine_client import EngineError, EngineResponse, EngineResponseTooLarge
+from router.pd_mooncake import MooncakeIds
+from router.proxy import _AttemptFailed, _cached_tokens, _Hold, error_response
 from router.routing import Routed, serves_alone
+from router.scrape_client import PooledScrapeClient
 from router.token_ids import IdsPrompt
 
 if TYPE_CHECKING:
@@ -100,10 +112,18 @@ class PdConfig:
     Attributes:
         protocol: ``auto``, ``vllm``, ``mooncake`` or ``sglang``.
         default_bootstrap_port: SGLang / Mooncake bootstrap port of prefill replicas that name none.
+        max_prefill_answer_bytes: largest prefill-leg answer read, bytes.
+        max_transfer_params_bytes: largest ``kv_transfer_params`` relayed to a decode leg, bytes.
+        mooncake_query_timeout_s: timeout of one bootstrap ``/query``, seconds.
+        mooncake_ids_ttl_s: discovered Mooncake engine ids are asked again after this long, seconds.
     """
 
     protocol: str
     default_bootstrap_port: int
+    max_prefill_answer_bytes: int
+    max_transfer_params_bytes: int
+    mooncake_query_timeout_s: float
+    mooncake_ids_ttl_s: float
 
 
 class PdMetrics:
@@ -140,9 +160,22 @@ class PdMetrics:
         )
         self.fallbacks = Counter(
             "kvroute_pd_fallbacks",
-            "disaggregated plans served in place instead, by "
-            "reason (prefill_failed, decode_failed, replica_gone, bad_body)",
+            "disaggregated plans served in place instead, by reason (prefill_failed, decode_failed, "
+            "transfer_failed, engine_id_unknown, replica_gone, bad_body)",
             ["reason"],
+            registry=registry,
+        )
+        self.mooncake_unknown = Counter(
+            "kvroute_pd_mooncake_engine_unknown",
+            "Mooncake plans whose prefill replica's engine id the router could not learn from its bootstrap "
+            "server (GET /query): no Mooncake parameters sent, by prefill replica",
+            ["replica"],
+            registry=registry,
+        )
+        self.mooncake_queries = Counter(
+            "kvroute_pd_mooncake_queries",
+            "bootstrap /query requests for Mooncake engine ids, by outcome (ok, failed)",
+            ["outcome"],
             registry=registry,
         )
         self.link_bandwidth = Gauge(
@@ -162,13 +195,22 @@ class PdMetrics:
         )
 
 
-class _LegFailed(Exception):
-    """A leg failed before the decode leg's first byte; ``reason`` names it for the fallback metric."""
+#: prefill answers at least this large are read in a worker thread, bytes
+_THREAD_MIN_BYTES = 64 * 1024
+#: failures that re-run both legs with another prefill replica and the same decode replica
+_PREFILL_SIDE = ("prefill_failed", "transfer_failed", "engine_id_unknown")
 
-    def __init__(self, reason: str, message: str) -> None:
+
+class _LegFailed(Exception):
+    """A leg failed before the decode leg's first byte; ``reason`` names it for the retry and fallback metrics
+    (``prefill_failed``, ``decode_failed``, ``transfer_failed``, ``engine_id_unknown``)."""
+
+    def __init__(self, reason: str, message: str, *, connection: bool = False) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        #: the leg's replica could not be reached or dropped the connection (rather than answering an error)
+        self.connection = connection
 
 
 class PdLegs:
@@ -186,6 +228,17 @@ class PdLegs:
         self.metrics.link_bandwidth.set(proxy.router.pd_link.bandwidth_bytes_per_s)
         #: prefill legs still draining after the decode leg committed (SGLang / Mooncake), kept referenced
         self._draining: set[asyncio.Task[None]] = set()
+        #: the Mooncake engine ids of prefill replicas, from their bootstrap servers
+        self.mooncake = MooncakeIds(
+            PooledScrapeClient(lambda: proxy.pool(), 1 << 20).get,
+            config.mooncake_query_timeout_s,
+            config.mooncake_ids_ttl_s,
+            lambda outcome: self.metrics.mooncake_queries.labels(outcome).inc(),
+        )
+        #: prefill replicas whose unknown Mooncake engine id was logged (once each)
+        self._unknown_logged: set[str] = set()
+        #: replica index -> its engine's last scraped process start time, epoch seconds (a change = a restart)
+        self._started: dict[int, float] = {}
 
     def count_plan(self, routed: Routed) -> None:
         """Count the plan of a request about to be served (in place or disaggregated)."""
@@ -233,54 +286,67 @@ class PdLegs:
         deadline = time.monotonic() + self.proxy.cfg.total_timeout_s
         tried: list[int] = []
         tried_decode = [d_rep.index]
+        transfer_failed_on: set[int] = (
+            set()
+        )  # decode replicas a transfer failed on (twice: the decode's fault)
         while True:
             tried.append(p_rep.index)
             try:
                 return await self._pair(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
             except _LegFailed as exc:
-                if exc.reason == "prefill_failed" and len(tried) <= self.proxy.cfg.max_retries:
-                    other = self._other_prefill(routed, plan, tried)
-                    if (
-                        other is not None
-                    ):  # retry the prefill leg on the next pair with the same decode replica
-                        self.proxy.telemetry.retries.labels("pd_prefill_failed").inc()
-                        log.warning(
-                            "prefill leg failed, trying another prefill replica",
-                            extra={"request_id": request_id, "replica": p_rep.name, "error": exc.message},
-                        )
-                        plan, p_rep = other
-                        continue
-                if exc.reason == "decode_failed" and len(tried_decode) <= self.proxy.cfg.max_retries:
-                    pair = self._other_decode(routed, plan, tried_decode)
-                    if (
-                        pair is not None
-                    ):  # re-run both legs on the next plan's pair with another decode replica
-                        self.proxy.telemetry.retries.labels("pd_decode_failed").inc()
-                        log.warning(
-                            "decode leg failed, trying another decode replica",
-                            extra={"request_id": request_id, "replica": d_rep.name, "error": exc.message},
-                        )
-                        plan, p_rep, d_rep = pair
-                        tried_decode.append(d_rep.index)
-                        continue
-                failed = d_rep if exc.reason == "decode_failed" else None
+                failed = exc
+            if failed.reason == "transfer_failed":
+                if d_rep.index in transfer_failed_on:
+                    failed = _LegFailed("decode_failed", failed.message)
+                transfer_failed_on.add(d_rep.index)
+            retry = self._retry(routed, plan, failed, tried, tried_decode)
+            if retry is None:
+                gone = d_rep if failed.reason == "decode_failed" else None
                 return await self._fallback(
                     routed,
-                    failed,
-                    exc.reason,
-                    exc.message,
+                    gone,
+                    failed.reason,
+                    failed.message,
                     path,
                     body,
                     stream,
                     request_id,
-                    first=d_rep if failed is None else None,
+                    first=d_rep if gone is None else None,
                 )
+            self.proxy.telemetry.retries.labels(f"pd_{failed.reason}").inc()
+            log.warning(
+                f"{failed.reason.replace('_', ' ')}: re-running both legs on another pair",
+                extra={"request_id": request_id, "replica": p_rep.name, "error": failed.message},
+            )
+            plan, p_rep, d_rep = retry
+            if d_rep.index not in tried_decode:
+                tried_decode.append(d_rep.index)
+
+    def _retry(
+        self, routed: Routed, plan: Plan, exc: _LegFailed, tried: list[int], tried_decode: list[int]
+    ) -> tuple[Plan, Replica, Replica] | None:
+        """The pair to try after ``exc`` (``max_retries`` per side), or None to fall back in place: a failure on the
+        prefill side (a failed prefill leg, a transfer that failed with it, an unknown Mooncake engine id) takes
+        the next plan's prefill replica with the same decode replica; a failed decode leg the next plan's pair
+        with an untried decode replica."""
+        limit = self.proxy.cfg.max_retries
+        if exc.reason in _PREFILL_SIDE and len(tried) <= limit:
+            other = self._other_prefill(routed, plan, tried)
+            d_rep = self.proxy.router.table.by_index(plan.decode)
+            if other is not None and d_rep is not None:
+                return other[0], other[1], d_rep
+        if exc.reason in ("decode_failed", "transfer_failed") and len(tried_decode) <= limit:
+            return self._other_decode(
+                routed, plan, tried_decode, avoid_prefill=exc.reason == "transfer_failed"
+            )
+        return None
 
     def _other_decode(
-        self, routed: Routed, plan: Plan, tried: list[int]
+        self, routed: Routed, plan: Plan, tried: list[int], *, avoid_prefill: bool = False
     ) -> tuple[Plan, Replica, Replica] | None:
         """The best remaining disaggregated plan whose decode replica is untried and routable (its prefill
-        replica routable; ``plan``'s prefill replica preferred), with its DP rank pinned, or None.
+        replica routable; ``plan``'s prefill replica preferred, or last with ``avoid_prefill``: a transfer from it
+        failed), with its DP rank pinned, or None.
 
         Both legs are re-run for the new pair: the SGLang bootstrap room and the Mooncake ``transfer_id`` bind
         the prefill leg to one decode leg, and a vLLM NIXL prefill's blocks may already be freed once a decode
@@ -292,7 +358,10 @@ class PdLegs:
             for p in routed.plan.plans
             if p.kind == "disaggregated" and p.prefill is not None and p.decode not in tried
         ]
-        options.sort(key=lambda p: p.prefill != plan.prefill)  # stable: the policy's order within each group
+        # stable: the policy's order within each group
+        options.sort(
+            key=lambda p: (p.prefill == plan.prefill) if avoid_prefill else (p.prefill != plan.prefill)
+        )
         for other in options:
             p_rep, d_rep = table.by_index(other.prefill or 0), table.by_index(other.decode)
             if p_rep is not None and d_rep is not None and p_rep.routable and d_rep.routable:
@@ -445,6 +514,16 @@ class PdLegs:
         self.metrics.link_samples.labels("accepted" if accepted else "rejected").inc()
         self.metrics.link_bandwidth.set(router.pd_link.bandwidth_bytes_per_s)
 
+    def observe_engine_start(self, rep: Replica, snap: EngineSnapshot) -> None:
+        """A scrape of ``rep``: an engine whose process start time changed restarted, and a restarted vLLM engine
+        has a new Mooncake engine id: its discovered ids are asked again at its next use."""
+        started = snap.process_start_time_s
+        if started is None:
+            return
+        if self._started.setdefault(rep.index, started) != started:
+            self._started[rep.index] = started
+            self.mooncake.forget(rep.index)
+
     def observe_engine_transfers(self, rep: Replica, snap: EngineSnapshot) -> None:
         """A scrape of ``rep`` (any role, any protocol): the KV transfers it reports (vLLM's NIXL histograms on
         the pulling engine) feed the link estimator through ``Router.observe_engine_transfers``; an engine
@@ -462,6 +541,17 @@ class PdLegs:
             return
         self.metrics.link_samples.labels("engine_accepted" if outcome else "engine_rejected").inc()
         self.metrics.link_bandwidth.set(router.pd_link.bandwidth_bytes_per_s)
+
+    def engine_id_unknown(self, rep: Replica, address: str) -> None:
+        """Count (and log once per replica) a Mooncake plan whose prefill engine id is unknown."""
+        self.metrics.mooncake_unknown.labels(rep.name).inc()
+        if rep.name not in self._unknown_logged:
+            self._unknown_logged.add(rep.name)
+            log.warning(
+                "Mooncake engine id unknown: its bootstrap server listed none; no Mooncake parameters sent "
+                "(logged once per replica)",
+                extra={"replica": rep.name, "url": f"http://{address}/query"},
+            )
 
     def keep_draining(self, task: asyncio.Task[None]) -> None:
         """Keep a prefill leg that still drains after the decode leg committed referenced until it ends."""
@@ -498,9 +588,14 @@ class _Legs:
 
     # -- protocols ---------------------------------------------------------------------------------------------
     async def sequential(self, hp: _Hold, hd: _Hold) -> Response:
-        """vLLM NIXL relay: prefill leg, then the decode leg with the returned ``kv_transfer_params``."""
+        """vLLM NIXL relay: prefill leg, then the decode leg with the returned ``kv_transfer_params`` (the bytes
+        the prefill engine sent, relayed as they are)."""
         answer = await self._prefill(hp, pd_vllm.nixl_prefill_body(self.obj))
-        params = pd_vllm.returned_params(answer)
+        if answer.problem is not None:
+            raise _LegFailed(
+                "prefill_failed", f"prefill leg on {self.p_rep.name}: its answer {answer.problem}"
+            )
+        params = answer.params
         if params is None:
             log.warning(
                 "prefill answer without kv_transfer_params: the decode engine recomputes",
@@ -518,19 +613,16 @@ class _Legs:
         """SGLang bootstrap / Mooncake push: both legs at once; the decode leg's answer goes to the client."""
         host = urlsplit(self.p_rep.url).hostname or ""
         port = self.p_rep.bootstrap_port or self.owner.cfg.default_bootstrap_port
-        d_rank = self.plan.dp_rank
-        p_rank = self._pin_prefill_rank()
         if protocol == "sglang":
             p_body, d_body, _ = pd_sglang.bodies(
-                self.obj, host, port, prefill_dp_rank=p_rank, decode_dp_rank=d_rank
+                self.obj,
+                host,
+                port,
+                prefill_dp_rank=self._pin_prefill_rank(),
+                decode_dp_rank=self.plan.dp_rank,
             )
         else:
-            # with DP the Mooncake engine id names the rank ("{base}_dp{rank}"): the prefill leg is pinned to it
-            engine_id = pd_vllm.mooncake_engine_id(
-                self.p_rep.labels.get("engine_id", self.p_rep.name), p_rank
-            )
-            addr = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-            p_body, d_body = pd_vllm.mooncake_bodies(self.obj, pd_vllm.new_transfer_id(), engine_id, addr)
+            p_body, d_body = await self._mooncake_bodies(host, port)
         prefill = asyncio.ensure_future(self._drain_prefill(hp, p_body))
         decode = asyncio.ensure_future(self._open_decode(d_body))
         try:
@@ -538,12 +630,17 @@ class _Legs:
             failed = prefill.exception() if prefill.done() else None
             if failed is not None and not decode.done():
                 raise failed  # the decode leg would wait for a room nobody fills
-            resp, first = await decode
-        except BaseException:
+            try:
+                resp, first = await decode
+            except _LegFailed as exc:
+                raise self._transfer_failed(exc, prefill) from None
+        except BaseException as exc:
             for task in (prefill, decode):
                 task.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.gather(prefill, decode, return_exceptions=True)
+            if protocol == "mooncake" and isinstance(exc, _LegFailed):
+                self.owner.mooncake.forget(self.p_rep.index)  # restarted (a new id) or the id was rejected
             raise
         if not prefill.done():
             hp.hand_over()  # the draining prefill leg releases P when it ends
@@ -559,6 +656,38 @@ class _Legs:
             )
         return await self._commit(hd, resp, first)
 
+    def _transfer_failed(self, exc: _LegFailed, prefill: asyncio.Future[None]) -> _LegFailed:
+        """A decode leg that failed before its first byte. The decode engine answered an error while its prefill
+        leg had not answered (failed, or still waiting: a prefill pod that died without closing its connections
+        hangs): the transfer failed (``transfer_failed``: re-run with fresh bootstrap fields on another prefill
+        replica). The decode replica unreachable, or its prefill leg answered (the KV was sent): the decode
+        replica's own failure (``exc``)."""
+        prefill_answered = prefill.done() and not prefill.cancelled() and prefill.exception() is None
+        if exc.reason != "decode_failed" or exc.connection or prefill_answered:
+            return exc
+        return _LegFailed(
+            "transfer_failed", f"{exc.message} (its prefill leg on {self.p_rep.name} had not answered)"
+        )
+
+    async def _mooncake_bodies(self, host: str, port: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The Mooncake legs, naming the prefill engine by an id its bootstrap server lists (the prefill leg pinned
+        to that id's rank when the server lists several). Raises _LegFailed(``engine_id_unknown``) when the id
+        cannot be learned: no Mooncake parameters are sent then, never a made-up id."""
+        address = f"{host if ':' not in host else f'[{host}]'}:{port}"
+        ids = await self.owner.mooncake.ids(self.p_rep.index, address)
+        if not ids:
+            self.owner.engine_id_unknown(self.p_rep, address)
+            raise _LegFailed(
+                "engine_id_unknown",
+                f"the Mooncake engine id of {self.p_rep.name} is unknown (GET http://{address}/query listed "
+                "none): no Mooncake parameters sent",
+            )
+        keys = self.routed.inp.keys
+        rank, engine_id = pd_mooncake.pick_engine(ids, keys[0] if keys else 0)
+        if rank is not None:
+            self.headers = dict(self.headers, **{"x-data-parallel-rank": str(rank)})
+        return pd_vllm.mooncake_bodies(self.obj, pd_vllm.new_transfer_id(), engine_id, f"http://{address}")
+
     def _pin_prefill_rank(self) -> int | None:
         """A DP rank for the prefill leg of a concurrent protocol when the prefill replica has several (by the
         prompt's first block, like the decode rank), sent as ``X-data-parallel-rank``; None otherwise."""
@@ -570,18 +699,21 @@ class _Legs:
         return rank
 
     # -- legs --------------------------------------------------------------------------------------------------
-    async def _prefill(self, hp: _Hold, body: dict[str, Any]) -> Any:
-        """Send the prefill leg and read its whole answer (parsed JSON); releases ``hp``. Raises _LegFailed."""
-        content = await self._prefill_bytes(hp, body)
-        try:
-            return orjson.loads(content)
-        except orjson.JSONDecodeError:
-            raise _LegFailed(
-                "prefill_failed", f"prefill leg on {self.p_rep.name} answered a body that is not JSON"
-            ) from None
+    async def _prefill(self, hp: _Hold, body: dict[str, Any]) -> pd_vllm.PrefillAnswer:
+        """Send the prefill leg and read its whole answer, once (``pd_vllm.read_prefill_answer``; in a worker
+        thread from ``_THREAD_MIN_BYTES`` on); releases ``hp``. Raises _LegFailed."""
+        content, leg_s = await self._prefill_bytes(hp, body)
+        limit = self.owner.cfg.max_transfer_params_bytes
+        if len(content) >= _THREAD_MIN_BYTES:
+            answer = await asyncio.to_thread(pd_vllm.read_prefill_answer, content, limit)
+        else:
+            answer = pd_vllm.read_prefill_answer(content, limit)
+        self._observe_prefill(answer.usage, leg_s)
+        return answer
 
-    async def _prefill_bytes(self, hp: _Hold, body: dict[str, Any]) -> bytes:
-        """Send the prefill leg and read its whole answer; releases ``hp``. Raises _LegFailed (also on >= 400)."""
+    async def _prefill_bytes(self, hp: _Hold, body: dict[str, Any]) -> tuple[bytes, float]:
+        """Send the prefill leg and read its whole answer (bounded); releases ``hp``. Returns the answer and the
+        leg's seconds. Raises _LegFailed (also on >= 400)."""
         self.metrics.legs.labels(self.p_rep.name, "prefill").inc()
         t0 = time.monotonic()
         try:
@@ -603,18 +735,13 @@ class _Legs:
                 f"prefill leg on {self.p_rep.name} answered {resp.status}: "
                 f"{content[:300].decode(errors='replace')}",
             )
-        self._observe_prefill(content, leg_s)
-        return content
+        return content, leg_s
 
-    def _observe_prefill(self, content: bytes, leg_s: float) -> None:
+    def _observe_prefill(self, usage: dict[str, Any] | None, leg_s: float) -> None:
         """Calibrate the PD policy with this prefill leg: the prefill replica's observation (prompt tokens;
         cached tokens from the leg's ``usage`` when reported, else the router's estimate; ``leg_s`` seconds of
         the prefill leg as its TTFT)."""
-        usage: Any = None
-        with contextlib.suppress(orjson.JSONDecodeError):
-            answer = orjson.loads(content)
-            usage = answer.get("usage") if isinstance(answer, dict) else None
-        reported = _cached_tokens(usage if isinstance(usage, dict) else None)
+        reported = _cached_tokens(usage)
         router = self.proxy.router
         q = float(self.plan.terms.get("Q_p", 0.0) or 0.0)
         router.observe_pd(
@@ -631,20 +758,26 @@ class _Legs:
     async def _drain_prefill(self, hp: _Hold, body: dict[str, Any]) -> None:
         """A concurrent prefill leg: send it, drain and discard its answer; releases ``hp``. Raises _LegFailed."""
         try:
-            await self._prefill_bytes(hp, body)  # drained and discarded (SGLang / Mooncake: nothing to relay)
+            await self._prefill(
+                hp, body
+            )  # read for its usage, else discarded (SGLang / Mooncake: nothing to relay)
         finally:
             hp.release()
 
     async def _read(self, resp: EngineResponse, first: bytes, rep: Replica) -> bytes:
         """The whole (bounded) body of a leg's answer; the connection goes back to the pool. Raises _LegFailed."""
         cfg = self.proxy.cfg
+        limit = self.owner.cfg.max_prefill_answer_bytes
         try:
             content = await resp.read_body(
-                first,
-                max_bytes=max(cfg.max_body_bytes, _ERR_BODY_BYTES),
-                idle_timeout_s=cfg.body_idle_timeout_s,
-                deadline=self.deadline,
+                first, max_bytes=limit, idle_timeout_s=cfg.body_idle_timeout_s, deadline=self.deadline
             )
+        except EngineResponseTooLarge:
+            resp.close()
+            raise _LegFailed(
+                "prefill_failed",
+                f"prefill leg on {rep.name}: answer over {limit} bytes (pd_max_prefill_answer_bytes)",
+            ) from None
         except (TimeoutError, EngineError) as exc:
             resp.close()
             raise _LegFailed(
@@ -659,7 +792,9 @@ class _Legs:
     async def _open_decode(self, body: dict[str, Any]) -> tuple[EngineResponse, bytes]:
         """Send the decode leg and wait for its first byte. Raises _LegFailed."""
         self.metrics.legs.labels(self.d_rep.name, "decode").inc()
-        payload, self.strip_usage = self.proxy._payload(self.d_rep, orjson.dumps(body), self.stream, None)
+        if self.stream and self.proxy.cfg.stream_usage:
+            body, self.strip_usage = pd_vllm.with_stream_usage(body)
+        payload = orjson.dumps(body)  # serialized once: relayed parameters are inserted as the engine's bytes
         t0 = time.monotonic()
         try:
             resp, first = await self.proxy._open(
@@ -667,7 +802,9 @@ class _Legs:
             )
         except _AttemptFailed as exc:
             self._connection_failed(self.d_rep, exc)
-            raise _LegFailed("decode_failed", f"decode leg on {self.d_rep.name}: {exc.message}") from None
+            raise _LegFailed(
+                "decode_failed", f"decode leg on {self.d_rep.name}: {exc.message}", connection=exc.connection
+            ) from None
         self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - t0)
         return resp, first
 

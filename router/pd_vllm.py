@@ -12,8 +12,16 @@ Exact facts from ``shared/reference/pd-and-epp-wire.md`` §1.1:
 * decode leg: the original body (its ``stream``, ``stream_options`` and limits) plus those params;
 * Mooncake: the router mints ``transfer_id``; prefill gets ``{do_remote_decode: true, do_remote_prefill: false,
   transfer_id}``, decode ``{do_remote_decode: false, do_remote_prefill: true, transfer_id, remote_engine_id,
-  remote_bootstrap_addr: "http://<prefill-host>:<port>"}``; with data parallelism the engine id is
-  ``"{base}_dp{rank}"``.
+  remote_bootstrap_addr: "http://<prefill-host>:<port>"}``; the engine id is the one the prefill's bootstrap server
+  lists for the rank that serves the prefill leg (``"{base}_dp{rank}"`` with data parallelism).
+
+The prefill answer is read once (``read_prefill_answer``: simdjson's tape, no Python object per value) for its
+``kv_transfer_params``, kept as the bytes the engine sent and relayed verbatim within a size bound (so their size and
+depth never cost the router more than copying bytes), and its ``usage``.
+
+The Mooncake wire is vLLM 0.32.0's (``MooncakeConnector``: ``transfer_id``, ``remote_engine_id``,
+``remote_bootstrap_addr``; older releases used other fields); the engine id comes from the prefill's bootstrap
+server (router/pd_mooncake.py).
 
 Pure functions over parsed JSON bodies (dicts); they never change their argument.
 """
@@ -21,7 +29,11 @@ Pure functions over parsed JSON bodies (dicts); they never change their argument
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
+
+import orjson
+import simdjson
 
 #: the prefill leg's ``kv_transfer_params`` (what llm-d / production-stack send; SMG sends the first two keys)
 NIXL_PREFILL_PARAMS: dict[str, Any] = {
@@ -72,25 +84,86 @@ def returned_params(answer: Any) -> dict[str, Any] | None:
     return None
 
 
-def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decode leg: the original ``body`` plus the relayed ``params`` (as is; without them the decode engine
-    recomputes the prompt)."""
+@dataclass(frozen=True, slots=True)
+class PrefillAnswer:
+    """What the router reads of a prefill leg's answer.
+
+    Attributes:
+        params: the answer's ``kv_transfer_params`` (top level, else ``choices[0]``) as the JSON bytes the engine
+            sent, or None when it has none.
+        problem: why the answer cannot be used (not a JSON object; parameters over the size bound), or None.
+        usage: the answer's ``usage`` object, or None.
+    """
+
+    params: bytes | None = None
+    problem: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+def _object(value: Any) -> Any:
+    return value if isinstance(value, simdjson.Object) else None
+
+
+def read_prefill_answer(content: bytes, max_params_bytes: int) -> PrefillAnswer:
+    """Read a prefill answer once: its ``kv_transfer_params`` (bytes, at most ``max_params_bytes``) and ``usage``.
+
+    Only the parameters' bytes and the usage object become Python values, whatever the answer's size, nesting or
+    number of keys (the caller runs large answers in a worker thread: simdjson holds the GIL ~4 ms per MB)."""
+    try:
+        doc = simdjson.Parser().parse(content)
+    except (
+        ValueError,
+        RuntimeError,
+    ) as exc:  # not UTF-8 / JSON, or nested deeper than simdjson's 1024 levels
+        return PrefillAnswer(problem=f"is not JSON ({str(exc).split(':')[0]})")
+    if not isinstance(doc, simdjson.Object):
+        return PrefillAnswer(problem="is not a JSON object")
+    usage = _object(doc.get("usage"))
+    params = _object(doc.get("kv_transfer_params"))
+    if params is None:
+        choices = doc.get("choices")
+        if isinstance(choices, simdjson.Array) and len(choices) and isinstance(choices[0], simdjson.Object):
+            params = _object(choices[0].get("kv_transfer_params"))
+    raw = params.mini if params is not None else None
+    usage_dict = usage.as_dict() if usage is not None and len(usage) <= 64 else None
+    if raw is not None and len(raw) > max_params_bytes:
+        return PrefillAnswer(
+            problem=f"carries kv_transfer_params of {len(raw)} bytes, over {max_params_bytes} "
+            "(pd_max_transfer_params_bytes)",
+            usage=usage_dict,
+        )
+    return PrefillAnswer(params=raw, usage=usage_dict)
+
+
+def decode_body(body: dict[str, Any], params: bytes | dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg: the original ``body`` plus the relayed ``params`` (as is: JSON bytes are inserted
+    verbatim; without them the decode engine recomputes the prompt)."""
     out = dict(body)
-    if params is not None:
+    if isinstance(params, bytes):
+        out["kv_transfer_params"] = orjson.Fragment(params)
+    elif params is not None:
         out["kv_transfer_params"] = params
     else:
         out.pop("kv_transfer_params", None)
     return out
 
 
+def with_stream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A streamed leg's ``body`` asking for usage (``stream_options.include_usage``), and whether the router added
+    it (the client did not ask: its usage chunk is removed again), as ``router.proxy.ask_for_usage`` does for
+    bytes; on the dict, so relayed parameters are never parsed again."""
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return body, False
+    return {
+        **body,
+        "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True},
+    }, True
+
+
 def new_transfer_id() -> str:
     """A Mooncake transfer id minted by the router (unique per request)."""
     return uuid.uuid4().hex
-
-
-def mooncake_engine_id(base: str, dp_rank: int | None) -> str:
-    """The Mooncake ``remote_engine_id`` of a prefill engine (``{base}_dp{rank}`` when a DP rank is pinned)."""
-    return base if dp_rank is None else f"{base}_dp{dp_rank}"
 
 
 def mooncake_bodies(

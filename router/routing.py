@@ -36,6 +36,7 @@ from policies.base import (
 )
 from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (re-exported)
 from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision, Role
+from policies.pd_common import plan_request
 from policies.pd_link import LinkEstimator, TransferTotals, transfer_sample
 
 log = logging.getLogger("kvroute.routing")
@@ -570,9 +571,10 @@ class Router:
             objective=self.objective,  # type: ignore[arg-type]
             expected_output_tokens=inp.expected_output_tokens,
             request_id=inp.request_id,
+            sequences=inp.copies,
         )
         try:
-            plan = self.pd_policy().choose_plan(req, pd_cands, self.pd_link)
+            plan = plan_request(self.pd_policy(), req, pd_cands, self.pd_link)
         except ValueError as exc:  # no feasible plan (e.g. only prefill replicas are routable)
             raise NoReplica(f"no feasible prefill/decode plan for model {inp.model!r}: {exc}") from None
         self.pin_dp_rank(plan.chosen, inp)

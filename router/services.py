@@ -37,6 +37,7 @@ from policies.pd_base import HandoffLink, make_pd_policy
 from policies.pd_link import LinkEstimator
 from router import signals
 from router.admission import Admission, admission_gauges
+from router.client_fields import ClientFields
 from router.config import Settings
 from router.dispatch import DispatchGate, dispatch_gauges
 from router.guard import Auth, Guard
@@ -146,6 +147,15 @@ def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixInde
     return membership
 
 
+def _build_intake(settings: Settings, table: ReplicaTable, telemetry: Telemetry) -> Intake:
+    """The request front door: input limits, and router-controlled fields stripped (router/client_fields.py)."""
+    return Intake(
+        InputLimits.from_settings(settings),
+        lambda: model_contexts(table.all()),
+        ClientFields(telemetry.registry),
+    )
+
+
 def _probe_over_pool(membership: Membership, client: PooledScrapeClient) -> None:
     """Health probes through the proxy's engine pool (``router/scrape_client.py``), not httpx (issue 23: the
     event-loop profile; the pool sends the same engine API key and TLS context the probes would)."""
@@ -191,8 +201,10 @@ def _configure_pd(settings: Settings, router: Router) -> None:
 
 
 def _observe_transfers(proxy: Proxy, rep: Replica, snap: EngineSnapshot) -> None:
-    """A scrape's KV-transfer totals to the PD legs' link learning (``PdLegs.observe_engine_transfers``)."""
+    """A scrape's KV-transfer totals to the PD legs' link learning (``PdLegs.observe_engine_transfers``), and its
+    engine start time to their restart detection (``PdLegs.observe_engine_start``)."""
     if isinstance(proxy.pd, PdLegs):
+        proxy.pd.observe_engine_start(rep, snap)
         proxy.pd.observe_engine_transfers(rep, snap)
 
 
@@ -213,7 +225,14 @@ def _build_proxy(
     proxy.gate = gate
     proxy.pd = PdLegs(
         proxy,
-        PdConfig(protocol=settings.pd_protocol, default_bootstrap_port=settings.pd_default_bootstrap_port),
+        PdConfig(
+            protocol=settings.pd_protocol,
+            default_bootstrap_port=settings.pd_default_bootstrap_port,
+            max_prefill_answer_bytes=settings.pd_max_prefill_answer_bytes,
+            max_transfer_params_bytes=settings.pd_max_transfer_params_bytes,
+            mooncake_query_timeout_s=settings.pd_mooncake_query_timeout_s,
+            mooncake_ids_ttl_s=settings.pd_mooncake_ids_ttl_s,
+        ),
     )
     return proxy
 
@@ -385,7 +404,7 @@ def build_services(settings: Settings) -> Services:
         settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry
     )
     guard = _build_guard(settings, telemetry, loop_lag)
-    intake = Intake(InputLimits.from_settings(settings), lambda: model_contexts(table.all()))
+    intake = _build_intake(settings, table, telemetry)
     tenants = _build_tenants(settings, membership, admission, telemetry, router)
     _keep_index_honest(table, index, kv_events)
     svc = Services(

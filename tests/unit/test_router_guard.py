@@ -11,9 +11,18 @@ import httpx
 import orjson
 import pytest
 import simdjson
+from pydantic import BaseModel, ConfigDict
 
 from router.guard import Auth
-from router.intake import InputLimits, LimitExceeded, check_body, model_contexts, sequences
+from router.intake import (
+    InputLimits,
+    LimitExceeded,
+    check_body,
+    model_contexts,
+    parse_json,
+    scan_and_parse,
+    sequences,
+)
 from router.loop_lag import LoopLag
 from tests.unit.test_router_proxy import (
     BODY,
@@ -26,7 +35,12 @@ from tests.unit.test_router_proxy import (
 )
 
 LIMITS = InputLimits(
-    max_messages=10, max_batch_prompts=4, chars_per_token=2.0, default_context_tokens=100, max_json_values=50
+    max_messages=10,
+    max_batch_prompts=4,
+    chars_per_token=2.0,
+    default_context_tokens=100,
+    max_json_values=50,
+    max_json_depth=16,
 )
 
 
@@ -118,6 +132,42 @@ def test_input_limits_on_both_parsers() -> None:
     ):
         exc = _both(hidden)
         assert exc is not None and exc.code == "too_many_json_values", hidden
+
+
+class CompletionLike(BaseModel):
+    """Any object body (the depth check runs before validation)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    """A body whose field ``x`` makes it ``levels`` levels deep (the body is level 1)."""
+    inner: Any = 1
+    for _ in range(levels - 1):
+        inner = {"a": inner}
+    return {"model": "m", "prompt": "p", "x": inner}
+
+
+def test_json_depth_refused_alike_by_both_parse_paths() -> None:
+    """16 levels pass, 17 are refused with 400 json_too_deep, small bodies (inline) and large ones (the worker
+    thread's simdjson path) alike; a shallow body with many brackets is walked and passes."""
+    for levels, ok in ((16, True), (17, False)):
+        body = _nested(levels)
+        small = orjson.dumps(body)
+        large = orjson.dumps({**body, "pad": "p" * 70_000})
+        assert len(large) >= 64 * 1024
+        for raw, parse in (
+            (small, lambda r: parse_json(r, CompletionLike, LIMITS.max_json_depth)),
+            (large, lambda r: scan_and_parse(r, CompletionLike, LIMITS, {})),
+        ):
+            if ok:
+                parse(raw)
+            else:
+                with pytest.raises(LimitExceeded) as info:
+                    parse(raw)
+                assert (info.value.status, info.value.code) == (400, "json_too_deep")
+    flat = orjson.dumps({"model": "m", "prompt": "p", "tools": [{"a": [1]}] * 40})
+    parse_json(flat, CompletionLike, 4)  # 4 levels, 81 brackets: walked, passes
 
 
 def test_model_contexts_unknown_wins() -> None:

@@ -25,6 +25,7 @@ def test_limit_exceeded_does_not_keep_the_parsed_document() -> None:
         chars_per_token=2.0,
         default_context_tokens=100,
         max_json_values=1000,
+        max_json_depth=128,
     )
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 50})
     with pytest.raises(LimitExceeded) as info:
