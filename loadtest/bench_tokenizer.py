@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.replay import percentile
-from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
 from router.tokenizer import HfTokenizer
+from sim.replay import percentile
+from sim.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
 
 
 def bpe_model_dir(prompts: list[str], root: Path) -> Path:

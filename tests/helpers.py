@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import orjson
 
-from loadtest.ports import free_port as free_port  # re-exported: the tests take it from here
-from loadtest.workload import TRACE_NAME, find_trace, trace_dirs
+from fakes.ports import free_port as free_port  # re-exported: the tests take it from here
+from sim.workload import TRACE_NAME, find_trace, trace_dirs
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -300,7 +300,7 @@ def start_fake_engine(*args: str, attempts: int = 3, timeout: float = 30.0) -> t
 
 def shared_trace(name: str = TRACE_NAME) -> Path:
     """The shared real trace, read in place (never copied into the repo; where it is looked for:
-    ``loadtest.workload.trace_dirs``).
+    ``sim.workload.trace_dirs``).
 
     The trace is public data the repository may not carry (the README's demo falls back to a generated workload
     without it), so a test that needs it is skipped, naming where it looked, on a checkout without it; CI and

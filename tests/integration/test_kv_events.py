@@ -14,10 +14,8 @@ from dataclasses import dataclass
 import msgpack
 import pytest
 
-from index.hashing import block_keys, root_seed
-from index.prefix_index import PrefixIndex
-from loadtest.engine_model import engine_block_hashes
-from loadtest.kv_publisher import (
+from fakes.engine_model import engine_block_hashes
+from fakes.kv_publisher import (
     Faults,
     KVEventPublisher,
     PubCleared,
@@ -26,6 +24,8 @@ from loadtest.kv_publisher import (
     PubStored,
     encode_batch,
 )
+from index.hashing import block_keys, root_seed
+from index.prefix_index import PrefixIndex
 from membership.kv_events import FeedSpec, KVEventsConfig, KVEventSubscriber
 from tests.helpers import PageServer, free_port
 

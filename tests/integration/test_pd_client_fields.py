@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from fakes.fleet import EngineOptions, Fleet, pd_roles
 from loadtest.epp_gateway import GatewayStream, stub_for
-from loadtest.fleet import EngineOptions, Fleet, pd_roles
 from tests.helpers import Proc, free_port, metric, start_fake_engine, wait_http_ok
 from tests.integration.test_epp_protocol import MODEL, start_epp
 

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.fleet import EngineOptions, Fleet, pd_roles
+from fakes.fleet import EngineOptions, Fleet, pd_roles
 from tests.helpers import metric, wait_until
 
 PROMPT = [1000 + (i * 7) % 5000 for i in range(600)]

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.fleet import EngineHandle, EngineOptions, Fleet, ManagedProcess, pd_roles, wait_ready
+from fakes.fleet import EngineHandle, EngineOptions, Fleet, ManagedProcess, pd_roles, wait_ready
 from tests.helpers import metric, wait_until
 
 

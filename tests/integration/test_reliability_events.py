@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from loadtest.kv_publisher import PubStored, encode_batch
+from fakes.kv_publisher import PubStored, encode_batch
 from tests.helpers import Proc, free_port, metric, wait_until
 from tests.integration.test_reliability_support import MODEL, Eng, engines, router
 

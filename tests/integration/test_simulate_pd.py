@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.pd_simulator import PdFleetConfig, main, simulate_pd
-from loadtest.simulator import FleetConfig
-from loadtest.traces import Request
 from policies.pd_base import HandoffLink
+from sim.pd_simulator import PdFleetConfig, main, simulate_pd
+from sim.simulator import FleetConfig
+from sim.traces import Request
 from tests.helpers import shared_trace
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from loadtest.fleet import scrape_samples
+from fakes.fleet import scrape_samples
 from loadtest.real_vllm import MODEL, RealFleet, engine_tokenize, reset_prefix_cache
 from tests.helpers import http_chunks, metric, wait_until
 from tests.real.support import (

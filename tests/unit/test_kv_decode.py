@@ -457,7 +457,7 @@ def _fuzz(n: int) -> settings:
 
 
 def _valid_payloads() -> list[bytes]:
-    from loadtest.kv_publisher import PubCleared, PubRemoved, PubStored, encode_batch
+    from fakes.kv_publisher import PubCleared, PubRemoved, PubStored, encode_batch
 
     evs = [
         PubStored([2**64 - 5, 7], None, TOKS * 2, 16, "gpu", "lora-a", "salt"),

@@ -184,7 +184,7 @@ def test_accounting_before_dispatch_steers_the_next_decision() -> None:
 
 
 def test_builtin_profiles_match_the_engine_model() -> None:
-    from loadtest.engine_model import PROFILES
+    from fakes.engine_model import PROFILES
 
     for name, hw in PROFILES.items():
         want = hw.replica_profile()

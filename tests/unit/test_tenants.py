@@ -434,8 +434,8 @@ def test_isolated_tenants_never_share_a_prefix() -> None:
 
 
 def test_simulator_quota_and_slo_rejection_use_the_admission_code() -> None:
-    from loadtest.simulator import FleetConfig, SimTenancy, simulate
-    from loadtest.traces import make_workload
+    from sim.simulator import FleetConfig, SimTenancy, simulate
+    from sim.traces import make_workload
 
     reqs = sorted(make_workload("shared-prefix")[:120], key=lambda r: r.arrival_s)
     cfg = FleetConfig(profiles=["a100"] * 2)

@@ -233,7 +233,7 @@ def test_a_tokenizer_that_fails_the_gates_never_splits(tmp_path: Path) -> None:
 
 
 def e2e_prompts(n: int) -> list[str]:
-    from loadtest.workload import WorkloadOptions, build_workload
+    from sim.workload import WorkloadOptions, build_workload
     from tests.helpers import shared_trace
 
     reqs = build_workload(WorkloadOptions(trace=shared_trace(), duration_s=80.0))
@@ -256,7 +256,7 @@ def estimate_errors(tok: HfTokenizer, prompts: Sequence[str], lookahead: int) ->
 
 
 def test_estimate_within_a_few_percent_on_the_e2e_word_vocabulary() -> None:
-    from loadtest.workload import ensure_model_dir
+    from sim.workload import ensure_model_dir
 
     prompts = e2e_prompts(30)
     assert len(prompts) >= 20

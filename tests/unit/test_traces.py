@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from index.hashing import block_keys, root_seed
-from loadtest.traces import (
+from sim.traces import (
     WORKLOADS,
     BlockKeyCache,
     Request,

@@ -1,6 +1,6 @@
 """Discrete-event simulation of a prefill/decode (PD) disaggregated fleet, driven by the PD plan policies.
 
-The same router code path as ``loadtest.simulator`` (block keys, ``PrefixIndex.match`` -> ``PrefixHit``, load
+The same router code path as ``sim.simulator`` (block keys, ``PrefixIndex.match`` -> ``PrefixHit``, load
 views from scraped engine metrics plus the router's in-flight counters, KV events into the index), but the
 policy is a ``policies.pd_base.PdPolicy`` and a request follows its plan:
 
@@ -46,9 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from index.hashing import root_seed
-from index.prefix_index import PrefixIndex
-from loadtest.engine_model import (
+from fakes.engine_model import (
     BlockStored,
     EngineModel,
     EngineRequest,
@@ -56,18 +54,8 @@ from loadtest.engine_model import (
     FirstToken,
     get_profile,
 )
-from loadtest.simulator import (
-    _FINISH,
-    _FIRST,
-    _KV,
-    CAPACITY_DECODE_BATCH,
-    EventFleet,
-    FleetConfig,
-    SimResult,
-    percentile,
-)
-from loadtest.simulator import main as simulator_main
-from loadtest.traces import BlockKeyCache, Request
+from index.hashing import root_seed
+from index.prefix_index import PrefixIndex
 from policies.base import Candidate, Observation, ReplicaProfile, RouteRequest
 from policies.hits import hit_from_match
 from policies.pd_base import (
@@ -79,6 +67,18 @@ from policies.pd_base import (
     pd_policy_names,
     plan_charges,
 )
+from sim.simulator import (
+    _FINISH,
+    _FIRST,
+    _KV,
+    CAPACITY_DECODE_BATCH,
+    EventFleet,
+    FleetConfig,
+    SimResult,
+    percentile,
+)
+from sim.simulator import main as simulator_main
+from sim.traces import BlockKeyCache, Request
 
 _HANDOFF = 3
 
@@ -617,7 +617,7 @@ def run_pd(
 
 
 class PdHooks:
-    """The PD part of ``kvroute simulate`` (``loadtest.simulator.RunHooks``): the flags, the ``pd_*`` policies,
+    """The PD part of ``kvroute simulate`` (``sim.simulator.RunHooks``): the flags, the ``pd_*`` policies,
     and their runs on the PD fleet (``--prefill/--decode``) or on the same GPUs all ``both``."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -655,7 +655,7 @@ class PdHooks:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``kvroute simulate`` with PD fleets: ``loadtest.simulator.main`` plus ``PdHooks``; the exit code."""
+    """``kvroute simulate`` with PD fleets: ``sim.simulator.main`` plus ``PdHooks``; the exit code."""
     return simulator_main(argv, hooks=PdHooks())
 
 

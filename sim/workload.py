@@ -1,6 +1,6 @@
 """Benchmark workloads as ``ReplayRequest`` lists, and the local model directory the fake fleet uses.
 
-Requests come from ``loadtest.traces`` (Mooncake JSONL, or a generated workload); each request's token ids become prompt *text* through a word-level vocabulary (token id ``i`` is the
+Requests come from ``sim.traces`` (Mooncake JSONL, or a generated workload); each request's token ids become prompt *text* through a word-level vocabulary (token id ``i`` is the
 word ``t<i>``), and ``ensure_model_dir`` writes the matching ``tokenizer.json`` (HF ``tokenizers`` WordLevel,
 whitespace split, no special tokens) into a local directory. Engines, kvroute (``--tokenizer-path``) and
 sglang-router all read that directory, so text -> ids is exact everywhere and nothing is downloaded.
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest import traces
-from loadtest.replay import ReplayRequest
+from sim import traces
+from sim.replay import ReplayRequest
 
-#: distinct words of the benchmark vocabulary (= the range of ``loadtest.traces`` token ids)
+#: distinct words of the benchmark vocabulary (= the range of ``sim.traces`` token ids)
 VOCAB_SIZE = 1 << traces.TOKEN_BITS
 
 _WORDS = [f"t{i}" for i in range(VOCAB_SIZE)]
@@ -136,7 +136,7 @@ class WorkloadOptions:
 
     Attributes:
         trace: Mooncake-format JSONL path, or None for a generated workload.
-        workload: generated workload name (``loadtest.traces.WORKLOADS``: shared-prefix, llmd-precise,
+        workload: generated workload name (``sim.traces.WORKLOADS``: shared-prefix, llmd-precise,
             chapter8, agent).
         time_scale: wall seconds per trace second (arrival offsets are multiplied by it).
         start_s: first trace second of the slice.
@@ -157,7 +157,7 @@ class WorkloadOptions:
 
 
 def _segment_text(seg: tuple[int, int], cache: dict[tuple[int, int], str]) -> str:
-    """Prompt text of one ``loadtest.traces`` segment (memoised: segments repeat across requests)."""
+    """Prompt text of one ``sim.traces`` segment (memoised: segments repeat across requests)."""
     text = cache.get(seg)
     if text is None:
         ids = array("I")
@@ -169,7 +169,7 @@ def _segment_text(seg: tuple[int, int], cache: dict[tuple[int, int], str]) -> st
 def to_replay(
     requests: Sequence[traces.Request], time_scale: float = 1.0, max_output_tokens: int | None = None
 ) -> list[ReplayRequest]:
-    """``loadtest.traces`` requests -> replay requests with text prompts; arrivals multiplied by ``time_scale``."""
+    """``sim.traces`` requests -> replay requests with text prompts; arrivals multiplied by ``time_scale``."""
     cache: dict[tuple[int, int], str] = {}
     out = []
     for r in requests:

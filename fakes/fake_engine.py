@@ -1,4 +1,4 @@
-"""``kvroute fake-engine``: a stand-in vLLM / SGLang engine process (no GPU) built on ``loadtest.engine_model``.
+"""``kvroute fake-engine``: a stand-in vLLM / SGLang engine process (no GPU) built on ``fakes.engine_model``.
 
 It speaks the engines' HTTP API, metric names and KV-event wire formats, and simulates a paged prefix cache with
 realistic prefill / decode timing; real sleeps are the model's times multiplied by ``--time-scale`` (0 = as fast as
@@ -21,7 +21,7 @@ HTTP (FastAPI on uvicorn):
 * What sglang-router (0.3.x) probes when a worker is added: ``GET /health``, ``/server_info`` and ``/model_info``
   (older releases: ``/get_server_info``, ``/get_model_info``), plus ``/get_load`` for its load monitor; all served.
 * ``POST /generate`` (SGLang native, minimal: ``text`` or ``input_ids`` + ``sampling_params.max_new_tokens``).
-* Fault injection: ``GET/POST /admin/faults`` (JSON, keys of ``HttpFaults`` and ``loadtest.kv_publisher.Faults``),
+* Fault injection: ``GET/POST /admin/faults`` (JSON, keys of ``HttpFaults`` and ``fakes.kv_publisher.Faults``),
   ``POST /admin/restart`` (cache dropped silently, event sequence restarts at 0, like a process restart).
 
 Block sizes: ``--device gpu`` (default) takes any ``--block-size`` (default 16); ``--device cpu`` emulates vLLM's
@@ -56,7 +56,7 @@ import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from loadtest.engine_model import (
+from fakes.engine_model import (
     PROFILES,
     AllBlocksCleared,
     BlockRemoved,
@@ -69,8 +69,8 @@ from loadtest.engine_model import (
     engine_block_hashes,
     get_profile,
 )
-from loadtest.fake_pd import PdSide, TransferFailed, add_pd_args
-from loadtest.kv_publisher import (
+from fakes.fake_pd import PdSide, TransferFailed, add_pd_args
+from fakes.kv_publisher import (
     FORMATS,
     FaultKnobs,
     Faults,
@@ -336,7 +336,7 @@ class FakeEngine:
         self.requests_running_http = 0
         self.started_at = time.time()
         self.exporter = MetricsExporter(self)
-        #: prefill/decode disaggregation roles and data-parallel ranks (loadtest/fake_pd.py)
+        #: prefill/decode disaggregation roles and data-parallel ranks (fakes/fake_pd.py)
         self.pd = PdSide(opts, float(self.model.profile.kv_bytes_per_token), self.scale)
 
     # -- time ----------------------------------------------------------------------------------------------

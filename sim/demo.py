@@ -7,7 +7,7 @@ What it does, in under 3 minutes on 2 cores:
 
 1. finds the workload: ``--trace PATH``, else ``$TRACE``, else the Mooncake conversation trace in
    ``$KVROUTE_TRACE_DIR`` or ``../shared/traces/`` beside the checkout; without one, the generated multi-turn
-   chat workload with shared system prompts (``loadtest.traces``, ``agent``);
+   chat workload with shared system prompts (``sim.traces``, ``agent``);
 2. starts 4 ``kvroute fake-engine`` processes (vLLM dialect, KV events on, realistic A100 timing multiplied by
    ``--time-scale``) and ``kvroute serve --policy ttft`` in front of them, and replays a time-compressed slice of
    the workload (``--window`` trace seconds, ``--sample`` of the conversations, arrivals compressed into
@@ -43,11 +43,11 @@ from typing import Any
 import httpx
 import orjson
 
-from loadtest import traces
-from loadtest.fleet import EngineOptions, Fleet, exit_on_sigterm
-from loadtest.replay import ReplayRequest, percentile
-from loadtest.simulator import fleet_hit_rate_bound
-from loadtest.workload import (
+from fakes.fleet import EngineOptions, Fleet, exit_on_sigterm
+from sim import traces
+from sim.replay import ReplayRequest, percentile
+from sim.simulator import fleet_hit_rate_bound
+from sim.workload import (
     WorkloadOptions,
     default_trace_path,
     ensure_model_dir,
@@ -365,7 +365,7 @@ def to_replay_requests(
 ) -> list[ReplayRequest]:
     """``reqs`` as replay requests, the first arriving at 0 and the window compressed into ``wall_s`` seconds.
 
-    Prompts are token ids (``loadtest.traces`` ids, the local tokenizer's vocabulary) unless ``text_prompts``:
+    Prompts are token ids (``sim.traces`` ids, the local tokenizer's vocabulary) unless ``text_prompts``:
     sending ids skips tokenizing ~12k-token texts in the router and every engine, which on 2 shared cores would
     cost more CPU than the routing being compared.
     """

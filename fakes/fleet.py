@@ -38,8 +38,8 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.engine_model import get_profile
-from loadtest.ports import free_port, unused_port
+from fakes.engine_model import get_profile
+from fakes.ports import free_port, unused_port
 from policies.base import policy_factory
 
 HOST = "127.0.0.1"

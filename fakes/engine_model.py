@@ -1,7 +1,7 @@
 """One model of an LLM engine replica (vLLM / SGLang-like), driven by an external clock.
 
 The same model runs inside the fleet simulator (virtual time) and inside the stand-in engine process
-``loadtest/fake_engine.py`` (real time, from an asyncio loop). It never reads a clock: every call receives the
+``fakes/fake_engine.py`` (real time, from an asyncio loop). It never reads a clock: every call receives the
 caller's time in seconds.
 
 What it models

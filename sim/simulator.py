@@ -1,10 +1,10 @@
 """Discrete-event fleet simulator: a trace through ``index/`` + ``policies/`` (unchanged) onto engine models.
 
-``kvroute simulate`` (``main(argv)``) replays a workload on N simulated replicas (``loadtest.engine_model``) and
+``kvroute simulate`` (``main(argv)``) replays a workload on N simulated replicas (``fakes.engine_model``) and
 routes every request with the same code path the router service uses:
 
 1. the prompt's router block keys (``index.hashing`` chaining, memoised per segment by
-   ``loadtest.traces.BlockKeyCache``),
+   ``sim.traces.BlockKeyCache``),
 2. ``PrefixIndex.match`` -> per replica ``PrefixHit`` in tokens (capped at what an engine can reuse: the last
    prompt token is always recomputed; predicted blocks count as GPU, as in ``policies.hits.hit_from_match``),
 3. ``Candidate(load=LoadView, hit=PrefixHit, profile=ReplicaProfile)`` -> ``policy.choose``,
@@ -49,9 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from index.hashing import root_seed
-from index.prefix_index import PrefixIndex
-from loadtest.engine_model import (
+from fakes.engine_model import (
     BlockRemoved,
     BlockStored,
     EngineMetrics,
@@ -62,7 +60,14 @@ from loadtest.engine_model import (
     default_gpu_blocks,
     get_profile,
 )
-from loadtest.traces import (
+from index.hashing import root_seed
+from index.prefix_index import PrefixIndex
+from policies.admission_fair import BucketState, take
+from policies.admission_slo import best_predicted_ttft_s, slo_unattainable
+from policies.base import Candidate, LoadView, Observation, RouteRequest, make_policy, policy_names
+from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
+from policies.hits import hit_from_match
+from sim.traces import (
     WORKLOADS,
     BlockKeyCache,
     Request,
@@ -71,11 +76,6 @@ from loadtest.traces import (
     scale_rate,
     slice_time,
 )
-from policies.admission_fair import BucketState, take
-from policies.admission_slo import best_predicted_ttft_s, slo_unattainable
-from policies.base import Candidate, LoadView, Observation, RouteRequest, make_policy, policy_names
-from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
-from policies.hits import hit_from_match
 
 _KV = 0
 _FIRST = 1
@@ -848,7 +848,7 @@ def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute simulate",
         description="Simulate a fleet of LLM engine replicas on a trace and compare routing policies. The router "
-        "side is index/ + policies/ unchanged; engines are loadtest.engine_model (paged prefix cache, "
+        "side is index/ + policies/ unchanged; engines are fakes.engine_model (paged prefix cache, "
         "chunked continuous batching, prefill timing of the A100 / H20 / RTX PRO 6000 profiles).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -1093,7 +1093,7 @@ def plot_results(rows: list[dict[str, Any]], path: str, title: str | None = None
             {"linewidth": 2.6, "color": "black"} if pol in ("ttft", "pd_ttft") else {"linewidth": 1.2}
         )
         if pol.startswith("pd_"):
-            style["linestyle"] = "--"  # PD plan policies (loadtest.pd_simulator), dashed
+            style["linestyle"] = "--"  # PD plan policies (sim.pd_simulator), dashed
         axes[0].plot(xs, [r["ttft_p50_s"] for r in pts], marker="o", label=pol, **style)
         axes[1].plot(xs, [r["ttft_p99_s"] for r in pts], marker="o", label=pol, **style)
         axes[2].plot(xs, [100 * r["hit_rate"] for r in pts], marker="o", label=pol, **style)
@@ -1116,7 +1116,7 @@ def plot_results(rows: list[dict[str, Any]], path: str, title: str | None = None
 
 class RunHooks(Protocol):
     """Runs a wrapper module plugs into ``main``: its flags, its policies and how to simulate them (the PD
-    simulator, ``loadtest.pd_simulator``, which imports this module; this module never imports it)."""
+    simulator, ``sim.pd_simulator``, which imports this module; this module never imports it)."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add the wrapper's flags."""
