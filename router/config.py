@@ -639,15 +639,30 @@ class Settings(BaseSettings):
     event_loop_lag_window_s: float = Field(
         default=1.0,
         gt=0,
-        description="the router's current lag is the largest probe delay measured this long back (or the "
-        "probe's own overdue time), s",
+        description="kvroute_event_loop_lag_recent_seconds is the largest probe delay measured this long back "
+        "(or the probe's own overdue time), s",
     )
     max_event_loop_lag_s: float = Field(
         default=1.0,
         ge=0,
-        description="when the event loop lags more than this (s), new /v1/* and /route requests are shed with "
-        "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
-        "never are); 0 = never shed",
+        description="a probe of the event loop later than this is a lagging one (s); new /v1/* and /route "
+        "requests are shed with 503 event_loop_lag + Retry-After before their bodies are read only when the "
+        "router's own work overloads it (event_loop_lag_sustain_s); /healthz, /readyz, /metrics never are; "
+        "0 = never shed",
+    )
+    event_loop_lag_sustain_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="the router sheds only after every probe for this long (at least 2) was late by more than "
+        "max_event_loop_lag_s from its own work (the delay less the time the loop waited for a CPU, at most "
+        "the CPU time it used: never from starvation by other processes, a CPU quota or a stop) and its request "
+        "work did not shrink, s",
+    )
+    event_loop_lag_max_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="a request arriving while the event loop lags, without an overload of the router's own, "
+        "waits for the lag to pass at most this long and is then admitted, s",
     )
 
     # --- tenants, priorities, SLOs (issue 20) ---

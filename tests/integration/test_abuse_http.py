@@ -1,8 +1,9 @@
 """Client abuse against a real ``kvroute serve`` process (loopback, bounded loops; issue 24 items 1-4, issue 23's
 overload shedding): huge bodies rejected by cheap limits while ``/healthz`` keeps answering within 0.5 s, RSS growth
 bounded; authentication from the headers before any body byte; head size / count limits; slow heads and slow
-bodies cut; a non-ASCII bearer token gets a 401; new work shed with 503 while the event loop lags (the router is
-frozen with SIGSTOP, so the lag is real and measured), never /healthz or /metrics."""
+bodies cut; a non-ASCII bearer token gets a 401; a stall of the event loop from outside (the router frozen with
+SIGSTOP, so the lag is real and measured) makes new work wait, never shed (overload by the router's own traffic:
+``test_reliability_shedding.py``)."""
 
 from __future__ import annotations
 
@@ -273,7 +274,10 @@ def _wait(seconds: float) -> None:
     threading.Event().wait(seconds)
 
 
-def test_event_loop_lag_sheds_new_work_never_probes() -> None:
+def test_event_loop_stall_makes_new_work_wait_never_shed() -> None:
+    """A stall of the router's loop from outside (the process frozen with SIGSTOP for 1.2 s: the loop lags 1.2 s, 4x
+    ``max_event_loop_lag_s``) is not an overload of its own: the requests that arrive during it wait for the lag to
+    pass and are served (main: all four answered 503 event_loop_lag)."""
     with (
         engines(("e0", [])) as engs,
         router(
@@ -331,21 +335,14 @@ def test_event_loop_lag_sheds_new_work_never_probes() -> None:
             r.proc.popen.send_signal(signal.SIGCONT)
         for th in threads:
             th.join(timeout=30)
-        for name in ("c0", "c1", "c2", "route"):
-            resp = results[name]
-            assert isinstance(resp, httpx.Response) and resp.status_code == 503, (name, resp)
-            assert resp.headers["retry-after"] == "2" and resp.json()["error"]["code"] == "event_loop_lag"
-        for name in ("healthz", "metrics"):
+        for name in ("c0", "c1", "c2", "route", "healthz", "metrics"):
             resp = results[name]
             assert isinstance(resp, httpx.Response) and resp.status_code == 200, (name, resp)
-        assert metric(r.url, "kvroute_rejected_total", reason="event_loop_lag") == 4
-        assert metric(r.url, "kvroute_event_loop_lag_max_seconds") >= 1.0
-        # once the lag has left the window, work is admitted again
-        wait_until(
-            lambda: httpx.post(r.url + "/v1/completions", json=completion(), timeout=30).status_code == 200,
-            timeout=15,
-            what="admitted again",
-        )
+        assert metric(r.url, "kvroute_rejected_total", reason="event_loop_lag") == 0
+        assert metric(r.url, "kvroute_event_loop_lag_max_seconds") >= 1.0  # the loop did lag past the limit
+        assert (
+            metric(r.url, "kvroute_event_loop_own_lag_max_seconds") < 0.3
+        )  # none of it the router's own work
 
 
 # ---------------------------------------------------------------------------------------------------------
