@@ -479,10 +479,12 @@ class Settings(BaseSettings):
         "fails, the replica is cleared and degraded)",
     )
     kv_replay_max_bytes: int = Field(
-        default=256 << 20,
+        default=64 << 20,
         ge=1,
-        description="KV events: most payload bytes accepted from one replay (more: the "
-        "replay fails, counted as replays{trigger:too_large}, logged)",
+        description="KV events: the byte budget of one event source: most payload bytes accepted from one "
+        "replay (more: the replay fails, counted as replays{trigger:too_large}, logged; the replica is cleared "
+        "and degraded), and most bytes a batch may take decoded next to the raw payloads still held (more: "
+        "dropped{decoded_too_large}; a replay's rest is dropped, cleared, degraded)",
     )
     kv_max_message_bytes: int = Field(
         default=64 << 20,
