@@ -610,6 +610,12 @@ class Settings(BaseSettings):
         description="most JSON values in a request body outside prompt text, token ids and message text (extra "
         "fields, tools, content parts); more -> 413 too_many_json_values",
     )
+    max_sequences_per_request: int = Field(
+        default=16384,
+        ge=1,
+        description="most sequences one request may ask for in n or best_of (vLLM's own limit, "
+        "VLLM_MAX_N_SEQUENCES; SGLang sets none); more -> 400 too_many_sequences naming the field",
+    )
     max_header_bytes: int = Field(
         default=32768,
         ge=1024,
@@ -632,6 +638,18 @@ class Settings(BaseSettings):
         gt=0,
         description="longest silence while a client sends a request body, s; longer -> 408 and the connection "
         "is closed",
+    )
+    client_body_min_rate_bytes_s: float = Field(
+        default=1024.0,
+        ge=0,
+        description="slowest a client may send a request body, bytes/s, measured over every "
+        "client_body_rate_window_s (a body trickled a byte at a time never goes silent); slower -> 408 "
+        "body_too_slow and the connection is closed; 0 = no minimum",
+    )
+    client_body_rate_window_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="window over which client_body_min_rate_bytes_s is measured, s",
     )
     event_loop_lag_interval_s: float = Field(
         default=0.1,

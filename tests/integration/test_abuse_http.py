@@ -269,6 +269,74 @@ def test_slow_heads_and_bodies_are_cut() -> None:
         assert httpx.get(r.url + "/healthz", timeout=5).status_code == 200
 
 
+def test_body_trickled_a_byte_every_2s_is_cut() -> None:
+    """Each byte resets the idle timeout (30 s), so only the minimum body rate cuts it (defaults: 1024 bytes/s
+    over 10 s windows): 408 ``body_too_slow`` within one window, closed (main: held for as long as the client
+    likes)."""
+    with engines(("e0", [])) as engs, router(engs) as r:
+        s = _connect(r)
+        s.sendall(_head("/v1/completions", length=1000) + b'{"model": "m", ')
+        t0 = time.monotonic()
+        raw, closed = b"", False
+        while not closed and time.monotonic() - t0 < 25:
+            try:
+                s.send(b" ")
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            s.settimeout(2)  # the client's pace: a byte every 2 s, reading whatever comes meanwhile
+            try:
+                chunk = s.recv(65536)
+                raw += chunk
+                closed = not chunk
+            except TimeoutError:
+                pass
+            except ConnectionResetError:
+                closed = True
+        if not closed:
+            more, closed = _read_all(s, 3)
+            raw += more
+        s.close()
+        took = time.monotonic() - t0
+        assert closed and _status(raw) == 408, (raw[:300], took)
+        assert _json_body(raw)["error"]["code"] == "body_too_slow", raw[:300]  # type: ignore[index]
+        assert b"client_body_min_rate_bytes_s" in raw and took < 15, took
+        assert metric(r.url, "kvroute_client_connections_cut_total", reason="body_too_slow") == 1
+        assert httpx.post(r.url + "/v1/completions", json=completion(), timeout=30).status_code == 200
+
+
+def test_n_and_best_of_are_bounded_at_intake() -> None:
+    """``n`` / ``best_of`` over ``max_sequences_per_request`` (default vLLM's own limit, 16384) -> 400
+    ``too_many_sequences`` naming the field, on small and large bodies and both chat and completions (main: a
+    request with ``n: 2**62`` was counted as 4.6e18 requests in flight on its replica)."""
+    huge = 2**62
+    with engines(("e0", [])) as engs, router(engs) as r:
+        for path, body, field in (
+            ("/v1/completions", {**completion(), "n": huge}, "n"),
+            ("/v1/completions", {**completion(), "best_of": 20_000}, "best_of"),
+            (
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": huge},
+                "n",
+            ),
+            ("/v1/completions", {**completion("long " * 20_000), "n": huge}, "n"),  # > 64 KiB: the scan path
+        ):
+            resp = httpx.post(r.url + path, json=body, timeout=30)
+            assert resp.status_code == 400, (path, field, resp.text[:300])
+            err = resp.json()["error"]
+            assert err["code"] == "too_many_sequences" and err["param"] == field, err
+            assert "max_sequences_per_request" in err["message"], err
+        rep = httpx.get(r.url + "/replicas", timeout=5).json()["replicas"][0]
+        assert rep["load"]["inflight_requests"] == 0, rep["load"]
+    with engines(("e0", [])) as engs, router(engs, "--max-sequences-per-request", "4") as r:
+        assert (
+            httpx.post(r.url + "/v1/completions", json={**completion(), "n": 4}, timeout=30).status_code
+            == 200
+        )
+        resp = httpx.post(r.url + "/v1/completions", json={**completion(), "n": 5}, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", resp.text
+
+
 def _wait(seconds: float) -> None:
     """Pace a slow client (the test IS the slow client: this is its send rate, not a wait for the server)."""
     threading.Event().wait(seconds)
