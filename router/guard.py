@@ -11,11 +11,12 @@ fast path and of FastAPI:
   value, ASCII or not, gets a 401, never a 500.
 * **overload shedding** (``Shedder``, on ``router.loop_lag``'s probes): new ``/v1/*`` POSTs and ``/route`` get
   ``503 event_loop_lag`` with ``Retry-After`` (counted in ``kvroute_rejected_total{reason="event_loop_lag"}``) only
-  while the router's own work overloads it: the loop's lag stayed over ``max_event_loop_lag_s`` for
-  ``event_loop_lag_sustain_s``, the process used the CPU it had (not starved by other processes, a CPU quota or a
-  stop), and its request work did not shrink. A request arriving while the loop lags otherwise waits for the lag to
-  pass, at most ``event_loop_lag_max_wait_s``, and is admitted. ``/healthz``, ``/readyz``, ``/metrics`` and the
-  admin views are never shed.
+  while the router's own work overloads it: over the last ``event_loop_lag_sustain_s`` the probes kept finding the
+  loop late by more than ``max_event_loop_lag_s`` from its own work (the delay less the time it waited for a CPU),
+  the process used the CPU time it could have (not starved by other processes, throttled by a CPU quota or
+  stopped), and its request work did not shrink. A request arriving while the loop lags otherwise waits for an
+  on-time probe, at most ``event_loop_lag_max_wait_s``, and is admitted. ``/healthz``, ``/readyz``, ``/metrics``
+  and the admin views are never shed or held.
 
 ``Auth`` also says who may see replica URLs (``is_admin``) and scopes idempotency keys by client (``principal``).
 """
