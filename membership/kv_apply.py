@@ -151,18 +151,23 @@ class BatchApplier:
                 return exc
         return None
 
-    def apply_item(self, item: Item, count: bool = True) -> Generator[None, None, ApplyResult]:
+    def apply_item(
+        self, item: Item, count: bool = True, limits: DecodeLimits | None = None
+    ) -> Generator[None, None, ApplyResult]:
         """Decode ``item``'s payload (when deferred) and apply its events; yields between slices of both.
 
-        An undecodable payload applies nothing: ``ApplyResult.undecodable`` names the reason (counted in
-        ``dropped`` when ``count``).
+        ``limits``: the decoder bounds for this item (default: the applier's). An undecodable payload applies
+        nothing: ``ApplyResult.undecodable`` names the reason (counted in ``dropped`` when ``count``).
         """
         batch = item.batch
         reason = item.failure or "bad_payload"
         if batch is None and item.payload is not None:
             small = len(item.payload) < self.slice_blocks * 64  # decodes in well under a slice's time
             res = yield from decode_payload_steps(
-                item.payload, seq=item.seq, limits=self.limits, slice_units=0 if small else self.slice_blocks
+                item.payload,
+                seq=item.seq,
+                limits=self.limits if limits is None else limits,
+                slice_units=0 if small else self.slice_blocks,
             )
             if isinstance(res, DecodedBatch):
                 batch = res

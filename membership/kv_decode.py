@@ -77,6 +77,9 @@ class DecodeLimits:
             ``skip`` drops the event (counted as ``bigram_tokens``).
         group_idx: the KV-cache group whose events are used (hybrid models announce one event per group);
             events of other groups are dropped and counted as ``other_kv_group``. None accepts every group.
+        max_decoded_bytes: most memory the decoded batch may take, bytes, estimated as it is decoded
+            (``decoded_cost``; one msgpack array may hold at most this / ``HASH_COST`` elements, which bounds
+            what the parser itself allocates); more -> ``decoded_too_large``.
     """
 
     max_payload_bytes: int = 64 << 20
@@ -86,9 +89,16 @@ class DecodeLimits:
     max_block_size: int = 1 << 16
     bigram: Literal["first", "skip"] = "first"
     group_idx: int | None = 0
+    max_decoded_bytes: int = 1 << 62
 
 
 DEFAULT_LIMITS = DecodeLimits()
+
+#: estimated memory of a decoded batch, bytes: per event, per block hash (a Python int in a list), per token id
+#: (``array('I')``); also the most a parsed msgpack element may cost (a list slot and an int)
+EVENT_COST = 128
+HASH_COST = 40
+TOKEN_COST = 4
 
 
 @dataclass(slots=True)
@@ -365,16 +375,34 @@ class _BadBatch(Exception):
         self.detail = detail
 
 
-def _open_batch(payload: bytes) -> _Parse:
+def _open_batch(payload: bytes, max_decoded_bytes: int) -> _Parse:
     """Start parsing a batch. Large arrays (every released engine sends arrays) are parsed incrementally, one
-    event at a time, so the caller can yield between events; smaller payloads and maps are parsed whole.
+    event at a time, so the caller can yield between events; smaller payloads and maps are parsed whole. No
+    msgpack array or map may hold more than ``max_decoded_bytes / HASH_COST`` elements.
 
     Raises:
         _BadBatch: the envelope is not a usable batch. msgpack errors propagate (``bad_msgpack``).
     """
+    most = max(16, min(len(payload), max_decoded_bytes // HASH_COST))  # elements of one array or map
     if len(payload) < _INCREMENTAL_BYTES or payload[0] not in _ARRAY_HEADS:
-        return _whole_batch(msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True))
-    up = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True, max_buffer_size=len(payload))
+        return _whole_batch(
+            msgpack.unpackb(
+                payload,
+                raw=False,
+                strict_map_key=False,
+                use_list=True,
+                max_array_len=most,
+                max_map_len=most,
+            )
+        )
+    up = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=False,
+        use_list=True,
+        max_buffer_size=len(payload),
+        max_array_len=most,
+        max_map_len=most,
+    )
     up.feed(payload)
     n = up.read_array_header()
     if n < 2:
@@ -415,8 +443,23 @@ def _whole_batch(obj: object) -> _Parse:
     return _Parse(ts_raw, len(events), iter(events).__next__, lambda: rank)
 
 
-def _bad_msgpack(exc: Exception, seq: int) -> DecodeFailure:
-    return DecodeFailure("bad_msgpack", f"{type(exc).__name__}: {str(exc)[:120]}", seq)
+def _bad_msgpack(exc: Exception, seq: int, budget_bound: bool = False) -> DecodeFailure:
+    """``bad_msgpack``, or ``decoded_too_large`` when an array or map was longer than the decoded-bytes budget
+    allows (``budget_bound``: that bound is tighter than the payload's own length)."""
+    detail = f"{type(exc).__name__}: {str(exc)[:120]}"
+    if budget_bound and isinstance(exc, ValueError) and "exceeds max_" in str(exc):
+        return DecodeFailure("decoded_too_large", detail, seq)
+    return DecodeFailure("bad_msgpack", detail, seq)
+
+
+def decoded_cost(ev: Event) -> int:
+    """Estimated memory of one decoded event, bytes (``EVENT_COST``, ``HASH_COST``, ``TOKEN_COST``)."""
+    if isinstance(ev, ClearedEvent):
+        return EVENT_COST
+    cost = EVENT_COST + HASH_COST * len(ev.hashes)
+    if isinstance(ev, StoredEvent):
+        cost += TOKEN_COST * len(ev.token_ids)
+    return cost
 
 
 def _decode_payload(
@@ -427,13 +470,13 @@ def _decode_payload(
     if len(payload) > limits.max_payload_bytes:
         return DecodeFailure("payload_too_large", f"{len(payload)} bytes", seq)
     try:
-        parse = _open_batch(payload)
+        parse = _open_batch(payload, limits.max_decoded_bytes)
     except _BadBatch as bad:
         return DecodeFailure(bad.reason, bad.detail, seq)
     except (
         Exception
     ) as exc:  # ExtraData, OutOfData, FormatError, StackError, ValueError, UnicodeDecodeError, ...
-        return _bad_msgpack(exc, seq)
+        return _bad_msgpack(exc, seq, limits.max_decoded_bytes // HASH_COST < len(payload))
     if parse.n_events > limits.max_events:
         return DecodeFailure("too_many_events", f"{parse.n_events} events", seq)
     ts_raw = parse.ts_raw
@@ -443,14 +486,16 @@ def _decode_payload(
     )
     if ts is None:
         batch.notes["missing_ts"] += 1
-    units = 0
+    units = cost = 0  # cost: the decoded batch's estimated memory, bytes
     events = batch.events
     run: RemovedEvent | None = None  # the last event appended, when a fast-path removal (it may grow)
     for _ in range(parse.n_events):
+        if cost > limits.max_decoded_bytes:
+            return DecodeFailure("decoded_too_large", f"over {limits.max_decoded_bytes} bytes decoded", seq)
         try:
             raw = parse.next_event()
         except Exception as exc:
-            return _bad_msgpack(exc, seq)
+            return _bad_msgpack(exc, seq, limits.max_decoded_bytes // HASH_COST < len(payload))
         units += 8
         # vLLM's one-block BlockRemoved maps (most events under cache pressure) in a few checks, appended to the
         # run of removals before them when that has the same tier; anything else, or anything the checks are
@@ -464,7 +509,9 @@ def _decode_payload(
                 else:
                     run = RemovedEvent(list(raw["block_hashes"]), tier)
                     events.append(run)
+                    cost += EVENT_COST
                 units += len(raw["block_hashes"])
+                cost += HASH_COST * len(raw["block_hashes"])
                 if slice_units and units >= slice_units:
                     units = 0
                     yield
@@ -479,6 +526,7 @@ def _decode_payload(
             continue
         if ev is not None:
             events.append(ev)
+            cost += decoded_cost(ev)
             if slice_units and not isinstance(ev, ClearedEvent):
                 units += len(ev.hashes)
                 if isinstance(ev, StoredEvent):
@@ -486,6 +534,8 @@ def _decode_payload(
         if slice_units and units >= slice_units:
             units = 0
             yield
+    if cost > limits.max_decoded_bytes:
+        return DecodeFailure("decoded_too_large", f"over {limits.max_decoded_bytes} bytes decoded", seq)
     try:
         rank_raw = parse.finish()
     except Exception as exc:

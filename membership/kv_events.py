@@ -25,11 +25,15 @@ Three parts, one per module:
 - this module: the sockets. Per replica one task reads the SUB socket and its ZMQ socket monitor (connects,
   disconnects), feeds the sequencer, executes its actions in order, and fetches replays over a DEALER.
 
-Byte budgets (issue 24): ``max_message_bytes`` is ZMQ ``MAXMSGSIZE`` on both sockets (a larger frame makes ZMQ
-drop the connection; the feed sees a disconnect and a gap) and the decoder's payload limit; ``sub_rcvhwm`` /
-``replay_rcvhwm`` bound both receive queues (messages); one replay may bring at most ``replay_max_bytes`` of
-payload and ``max_replay_batches`` batches (more: the replay fails, counted as ``replays{trigger:too_large}``,
-logged, and the replica is cleared and degraded like after any failed replay).
+Byte budgets: ``max_message_bytes`` is ZMQ ``MAXMSGSIZE`` on the SUB socket (a larger frame makes ZMQ drop the
+connection; the feed sees a disconnect and a gap) and the decoder's payload limit; ``sub_rcvhwm`` /
+``replay_rcvhwm`` bound both receive queues (messages). ``replay_max_bytes`` is what one event source may hold
+in memory at once: a replay may bring at most that much payload (and ``max_replay_batches`` batches; more: the
+replay fails, counted as ``replays{trigger:too_large}``, logged, the replica cleared and degraded like after any
+failed replay; no replay frame may be larger, ``MAXMSGSIZE``), and decoding a batch may take at most what is
+left of it next to the raw payloads still held (the batch's own for a live one, the rest of the replay's for a
+replayed one; over it: ``dropped{decoded_too_large}``; for a replay the rest of it is dropped, the replica
+cleared and degraded, ``notes{replay_over_budget}``).
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ class KVEventsConfig:
         replay_idle_timeout_s: longest wait for the next replay message before the replay counts as failed.
         replay_total_timeout_s: longest time one replay may take in total.
         max_replay_batches: most batches accepted from one replay (more -> the replay counts as failed).
-        replay_max_bytes: most payload bytes accepted from one replay (more -> the replay counts as failed).
+        replay_max_bytes: the byte budget of one event source: most payload bytes accepted from one replay (more
+            -> the replay counts as failed) and most bytes of raw payloads held plus the decoded batch.
         max_message_bytes: largest ZMQ frame accepted on the SUB and replay sockets (``MAXMSGSIZE``) and largest
             payload the decoder accepts, bytes.
         sub_rcvhwm: receive high-water mark of each SUB socket, messages (ZMQ drops beyond it: a gap follows).
@@ -106,7 +111,7 @@ class KVEventsConfig:
     replay_idle_timeout_s: float = 2.0
     replay_total_timeout_s: float = 15.0
     max_replay_batches: int = 200_000
-    replay_max_bytes: int = 256 << 20
+    replay_max_bytes: int = 64 << 20
     max_message_bytes: int = 64 << 20
     sub_rcvhwm: int = 10_000
     replay_rcvhwm: int = 20_000
@@ -186,6 +191,13 @@ async def _wait_or_timer(wake: asyncio.Event, timeout_s: float) -> None:
         timer.cancel()
 
 
+def _held_bytes(action: Action) -> int:
+    """Raw payload bytes a replayed ``Apply`` holds until it is applied (0 for any other action)."""
+    if isinstance(action, Apply) and action.replayed and action.item.payload is not None:
+        return len(action.item.payload)
+    return 0
+
+
 class _Feed:
     """The socket side of one replica's subscription: reads, hands inputs to its sequencer, runs the actions."""
 
@@ -205,6 +217,8 @@ class _Feed:
             self.cfg.apply_slice_blocks,
             owner.index_lock,
         )
+        self._held = 0  # raw payload bytes of replayed batches not applied yet
+        self._over_budget = False  # the last batch applied was over the byte budget when decoded
         self.inbox: deque[Callable[[float], list[Action]]] = deque()  # inputs from other tasks
         self.last_message_at: float | None = None
         self.last_lag_s: float | None = None
@@ -393,29 +407,45 @@ class _Feed:
         while queue:
             action = queue.popleft()
             if isinstance(action, Apply):
-                queue.extendleft(reversed(await self._apply(action)))
+                follow = await self._apply(action)
+                if action.replayed and self._over_budget:
+                    follow += self._drop_replay(queue)
+                queue.extendleft(reversed(follow))
             elif isinstance(action, Clear):
                 exc = self.applier.clear()
                 if exc is not None:
                     self._warn("index_error", "index.clear failed: %r", exc)
             elif isinstance(action, Replay):
                 answer = await self.fetch_replay(action.start, action.trigger)
-                queue.extend(self.sequencer.on_replay(answer, self.owner.clock()))
+                follow = self.sequencer.on_replay(answer, self.owner.clock())
+                self._held += sum(_held_bytes(a) for a in follow)
+                queue.extend(follow)
             elif isinstance(action, SetDegraded):
                 self._notify_degraded()
             elif isinstance(action, Warn):
                 self._warn(action.reason, "%s", action.message)
 
     async def _apply(self, action: Apply) -> list[Action]:
-        """Decode and apply one batch, yielding to the loop between slices; the sequencer's follow-up actions."""
-        steps = self.applier.apply_item(action.item, action.count)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                result: ApplyResult = stop.value
-                break
-            await asyncio.sleep(0)  # a large batch: let requests run between slices
+        """Decode and apply one batch, yielding to the loop between slices; the sequencer's follow-up actions.
+
+        Decoding may take what is left of ``replay_max_bytes`` next to the raw payloads held (module docstring).
+        """
+        size = _held_bytes(action)
+        held = self._held if action.replayed else size
+        limits = replace(self.limits, max_decoded_bytes=max(0, self.cfg.replay_max_bytes - held))
+        steps = self.applier.apply_item(action.item, action.count, limits)
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    result: ApplyResult = stop.value
+                    break
+                await asyncio.sleep(0)  # a large batch: let requests run between slices
+        finally:
+            if action.replayed:
+                self._held = max(0, self._held - size)
+        self._over_budget = result.undecodable == "decoded_too_large"
         if not action.replayed and result.ts is not None:
             self.last_lag_s = time.time() - result.ts  # engine wall clock -> our wall clock, seconds
         if result.index_errors:
@@ -423,6 +453,18 @@ class _Feed:
                 "index_error", "index rejected %d event(s) of batch %d", result.index_errors, action.item.seq
             )
         return self.sequencer.on_applied(action, result, self.owner.clock())
+
+    def _drop_replay(self, queue: deque[Action]) -> list[Action]:
+        """A replayed batch was over the byte budget: drop the rest of the replay from ``queue``; the sequencer's
+        answer (clear, degraded)."""
+        kept = [a for a in queue if not (isinstance(a, Apply) and a.replayed)]
+        dropped = len(queue) - len(kept)
+        queue.clear()
+        queue.extend(kept)
+        self._held = 0
+        self._over_budget = False
+        self.stats.dropped["replay_over_budget"] += dropped
+        return self.sequencer.on_replay_over_budget(self.owner.clock())
 
     def _notify_degraded(self) -> None:
         """Tell ``on_degraded`` the sequencer's current flag when it differs from what it was told last (a
@@ -453,7 +495,7 @@ class _Feed:
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, self.cfg.replay_rcvhwm)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
+            dealer.setsockopt(zmq.MAXMSGSIZE, min(self.cfg.max_message_bytes, self.cfg.replay_max_bytes))
             dealer.connect(endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             await self._receive_replay(dealer, answer)
@@ -507,10 +549,11 @@ class _Feed:
                     self.stats.dropped["replay_" + parts.reason] += 1
                     continue
                 seq, _topic, payload = parts
-                answer.nbytes += len(payload)
-                if answer.nbytes > cfg.replay_max_bytes:
+                if answer.nbytes + len(payload) > cfg.replay_max_bytes:
+                    answer.nbytes += len(payload)
                     answer.outcome = "too_large"
                     return
+                answer.nbytes += len(payload)
                 items.append(Item(seq, payload_digest(payload), payload=payload))
                 if len(items) > cfg.max_replay_batches:
                     answer.outcome = "too_long"

@@ -417,8 +417,17 @@ class _KvrouteApp(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: the data-plane routes directly, everything else through FastAPI."""
         guard = self.guard  # router/guard.py: auth and shedding from the headers, before any body
-        if guard is not None and scope["type"] == "http" and not await guard.admit(scope, send):
-            return
+        if guard is not None and scope["type"] == "http":
+            if not await guard.admit(scope, send):
+                return
+            if guard.counts(scope):
+                with guard.working():  # the router's request work, which the shedding decision watches
+                    await self._route(scope, receive, send)
+                return
+        await self._route(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The data-plane routes directly, everything else through FastAPI."""
         routes = self._fast_routes
         if routes and scope["type"] == "http" and scope.get("method") == "POST" and scope["path"] in routes:
             await self._fast(scope, receive, send)

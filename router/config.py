@@ -479,10 +479,12 @@ class Settings(BaseSettings):
         "fails, the replica is cleared and degraded)",
     )
     kv_replay_max_bytes: int = Field(
-        default=256 << 20,
+        default=64 << 20,
         ge=1,
-        description="KV events: most payload bytes accepted from one replay (more: the "
-        "replay fails, counted as replays{trigger:too_large}, logged)",
+        description="KV events: the byte budget of one event source: most payload bytes accepted from one "
+        "replay (more: the replay fails, counted as replays{trigger:too_large}, logged; the replica is cleared "
+        "and degraded), and most bytes a batch may take decoded next to the raw payloads still held (more: "
+        "dropped{decoded_too_large}; a replay's rest is dropped, cleared, degraded)",
     )
     kv_max_message_bytes: int = Field(
         default=64 << 20,
@@ -616,6 +618,12 @@ class Settings(BaseSettings):
         "json_too_deep on every door (bodies are re-serialized for prefill/decode legs, whose serializer stops "
         "at 254 levels)",
     )
+    max_sequences_per_request: int = Field(
+        default=16384,
+        ge=1,
+        description="most sequences one request may ask for in n or best_of (vLLM's own limit, "
+        "VLLM_MAX_N_SEQUENCES; SGLang sets none); more -> 400 too_many_sequences naming the field",
+    )
     max_header_bytes: int = Field(
         default=32768,
         ge=1024,
@@ -639,6 +647,18 @@ class Settings(BaseSettings):
         description="longest silence while a client sends a request body, s; longer -> 408 and the connection "
         "is closed",
     )
+    client_body_min_rate_bytes_s: float = Field(
+        default=1024.0,
+        ge=0,
+        description="slowest a client may send a request body, bytes/s, measured over every "
+        "client_body_rate_window_s (a body trickled a byte at a time never goes silent); slower -> 408 "
+        "body_too_slow and the connection is closed; 0 = no minimum",
+    )
+    client_body_rate_window_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="window over which client_body_min_rate_bytes_s is measured, s",
+    )
     event_loop_lag_interval_s: float = Field(
         default=0.1,
         gt=0,
@@ -647,15 +667,30 @@ class Settings(BaseSettings):
     event_loop_lag_window_s: float = Field(
         default=1.0,
         gt=0,
-        description="the router's current lag is the largest probe delay measured this long back (or the "
-        "probe's own overdue time), s",
+        description="kvroute_event_loop_lag_recent_seconds is the largest probe delay measured this long back "
+        "(or the probe's own overdue time), s",
     )
     max_event_loop_lag_s: float = Field(
         default=1.0,
         ge=0,
-        description="when the event loop lags more than this (s), new /v1/* and /route requests are shed with "
-        "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
-        "never are); 0 = never shed",
+        description="a probe of the event loop later than this is a lagging one (s); new /v1/* and /route "
+        "requests are shed with 503 event_loop_lag + Retry-After before their bodies are read only when the "
+        "router's own work overloads it (event_loop_lag_sustain_s); /healthz, /readyz, /metrics never are; "
+        "0 = never shed",
+    )
+    event_loop_lag_sustain_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="the router sheds only after every probe for this long (at least 2) was late by more than "
+        "max_event_loop_lag_s from its own work (the delay less the time the loop waited for a CPU, at most "
+        "the CPU time it used: never from starvation by other processes, a CPU quota or a stop) and its request "
+        "work did not shrink, s",
+    )
+    event_loop_lag_max_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="a request arriving while the event loop lags, without an overload of the router's own, "
+        "waits for the lag to pass at most this long and is then admitted, s",
     )
 
     # --- tenants, priorities, SLOs (issue 20) ---

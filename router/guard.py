@@ -13,19 +13,27 @@ fast path and of FastAPI:
   before a byte of the body is read, with ``connection: close`` when a large body was announced, so an
   unauthenticated client cannot make the router buffer (or even read) bodies. Tokens are compared as bytes (constant time), so any header
   value, ASCII or not, gets a 401, never a 500.
-* **overload shedding** (``router.loop_lag``): while the event loop's measured lag is over ``max_event_loop_lag_s``,
-  new ``/v1/*`` POSTs and ``/route`` get ``503 event_loop_lag`` with ``Retry-After`` (counted in
-  ``kvroute_rejected_total{reason="event_loop_lag"}``). ``/healthz``, ``/readyz``, ``/metrics`` and the admin
-  views are never shed.
+* **overload shedding** (``Shedder``, on ``router.loop_lag``'s probes): new ``/v1/*`` POSTs and ``/route`` get
+  ``503 event_loop_lag`` with ``Retry-After`` (counted in ``kvroute_rejected_total{reason="event_loop_lag"}``) only
+  while the router's own work overloads it: over the last ``event_loop_lag_sustain_s`` the probes kept finding the
+  loop late by more than ``max_event_loop_lag_s`` from its own work (the delay less the time it waited for a CPU),
+  the process used the CPU time it could have (not starved by other processes, throttled by a CPU quota or
+  stopped), and its request work did not shrink. A request arriving while the loop lags otherwise waits for an
+  on-time probe, at most ``event_loop_lag_max_wait_s``, and is admitted. ``/healthz``, ``/readyz``, ``/metrics``
+  and the admin views are never shed or held.
 
 ``Auth`` also says who may see replica URLs (``is_admin``) and scopes idempotency keys by client (``principal``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
+import enum
 import hashlib
 import hmac
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -33,7 +41,7 @@ from urllib.parse import unquote
 
 from starlette.types import Scope, Send
 
-from router.loop_lag import LoopLag
+from router.loop_lag import LoopLag, Probe
 from router.proxy import error_response
 
 #: routes counted under their own name in kvroute_requests_total (others: "other")
@@ -244,21 +252,19 @@ class Guard:
 
     Args:
         auth: the keys.
-        lag: the loop-lag probe (None: never shed).
-        max_lag_s: shed new work while ``lag.lag_s()`` is over this, seconds (0: never).
+        shedder: the overload decision (None: never shed).
         retry_after_s: ``Retry-After`` of a shed request, seconds.
         telemetry: the router's ``Telemetry`` (requests and rejected counters).
     """
 
-    def __init__(
-        self, auth: Auth, lag: LoopLag | None, max_lag_s: float, retry_after_s: int, telemetry: Any
-    ) -> None:
+    def __init__(self, auth: Auth, shedder: Shedder | None, retry_after_s: int, telemetry: Any) -> None:
         self.auth = auth
-        self.lag = lag
-        self.max_lag_s = max_lag_s
+        self.shedder = shedder
         self.retry_after_s = retry_after_s
         self.telemetry = telemetry
         self.shed = 0
+        #: HTTP data-plane requests admitted here and not answered yet (``working``); part of the router's work
+        self.in_progress = 0
 
     async def admit(self, scope: Scope, send: Send) -> bool:
         """Check an HTTP request's headers; False when it was answered here (the app must not run)."""
@@ -272,25 +278,43 @@ class Guard:
         if path in _DATA_ROUTES or path.startswith("/v1/"):
             if (
                 path in _SHED_ROUTES
-                and self.max_lag_s > 0
-                and self.lag is not None
                 and scope.get("method") == "POST"
+                and not await self._shed_check(scope, send)
             ):
-                lag = self.lag.lag_s()
-                if lag > self.max_lag_s:
-                    self.shed += 1
-                    self.telemetry.rejected.labels("event_loop_lag").inc()
-                    await self._reject(
-                        scope,
-                        send,
-                        503,
-                        f"router overloaded: its event loop lags {lag:.3f}s "
-                        f"(max_event_loop_lag_s {self.max_lag_s:g}s); retry shortly",
-                        "event_loop_lag",
-                        {"retry-after": str(self.retry_after_s)},
-                    )
-                    return False
+                return False
         return True
+
+    async def _shed_check(self, scope: Scope, send: Send) -> bool:
+        """False when the request was shed here (503 ``event_loop_lag``); may wait while the loop lags."""
+        shedder = self.shedder
+        if shedder is None or await shedder.admit():
+            return True
+        self.shed += 1
+        self.telemetry.rejected.labels("event_loop_lag").inc()
+        await self._reject(
+            scope,
+            send,
+            503,
+            f"router overloaded by its own work: its event loop lags {shedder.lag_now_s():.3f}s "
+            f"(max_event_loop_lag_s {shedder.max_lag_s:g}s) for over {shedder.sustain_s:g}s "
+            "(event_loop_lag_sustain_s); retry shortly",
+            "event_loop_lag",
+            {"retry-after": str(self.retry_after_s)},
+        )
+        return False
+
+    def counts(self, scope: Scope) -> bool:
+        """True for the requests counted in ``in_progress`` (the data-plane POSTs that can be shed)."""
+        return scope.get("method") == "POST" and scope.get("path", "") in _SHED_ROUTES
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        """Count one request in ``in_progress`` while the block runs."""
+        self.in_progress += 1
+        try:
+            yield
+        finally:
+            self.in_progress -= 1
 
     async def _reject(
         self, scope: Scope, send: Send, status: int, message: str, code: str, headers: dict[str, str]
@@ -304,3 +328,144 @@ class Guard:
         self.telemetry.requests.labels(
             path if path in _DATA_ROUTES | _ADMIN_ROUTES else "other", str(status)
         ).inc()
+
+
+#: probes covering the window whose own lag is over ``max_lag_s`` before an overload counts: one stall never sheds
+SUSTAINED_MIN_PROBES = 2
+#: the router's own work saturates it when, over the window, the process used at least this share of the time it
+#: could run (wall time less the loop thread's run-queue wait): its loop never idled (fraction)
+OWN_WORK_MIN_BUSY = 0.9
+
+
+class Verdict(enum.Enum):
+    """What the shedding decision says about a new request now."""
+
+    ADMIT = "admit"  # the loop is on time
+    WAIT = "wait"  # the loop lags, not from an overload of the router's own work
+    SHED = "shed"  # the router's own work overloads it
+
+
+class Shedder:
+    """The overload decision: shed new work only while the router's own work overloads its event loop.
+
+    Fed by every probe of ``lag`` (``on_probe``), it keeps the probes that cover the last ``sustain_s`` (the
+    window: the probes in it and the last one before it, the baseline). While the loop lags (the last probe, or the
+    next one overdue, later than ``max_lag_s``), a new request is shed when (1) the last probe and at least
+    ``SUSTAINED_MIN_PROBES`` of the window's had an *own* lag over ``max_lag_s`` (``router.loop_lag``: the delay
+    less the time the loop waited for a CPU, at most the CPU time used), (2) over the window the process used at
+    least ``OWN_WORK_MIN_BUSY`` of the time it could run (wall time less the run-queue wait: a process starved by
+    others, throttled or stopped idles through part of it), and (3) the request work (``work()``) is not below its
+    baseline. Otherwise (one stall, starvation from outside, a backlog that drains) it waits for the next on-time
+    probe, at most ``max_wait_s``, and is admitted.
+
+    Args:
+        lag: the loop-lag probe.
+        max_lag_s: a probe later than this is a lagging one, s (0: never shed, never wait).
+        sustain_s: the window, s.
+        max_wait_s: longest wait of a request arriving while the loop lags, s.
+        work: the router's request work now (requests in progress, queued or waiting; only its trend counts).
+    """
+
+    def __init__(
+        self, lag: LoopLag, max_lag_s: float, sustain_s: float, max_wait_s: float, work: Callable[[], int]
+    ) -> None:
+        self.lag = lag
+        self.max_lag_s = max_lag_s
+        self.sustain_s = sustain_s
+        self.max_wait_s = max_wait_s
+        self.work = work
+        self.waiting = 0  # requests waiting here for the lag to pass
+        self.waited_total = 0
+        #: the probes covering the window with the request work at each (history[0]: the baseline)
+        self._history: collections.deque[tuple[Probe, int]] = collections.deque()
+        self._tick: asyncio.Event | None = None  # set (and replaced) at every probe while someone waits
+        if max_lag_s > 0:
+            lag.listeners.append(self.on_probe)
+
+    @property
+    def _last(self) -> Probe | None:
+        return self._history[-1][0] if self._history else None
+
+    def on_probe(self, probe: Probe) -> None:
+        """Keep the window's probes; wake the waiting requests."""
+        history = self._history
+        history.append((probe, self.work()))
+        while len(history) > 2 and probe.at - history[1][0].at >= self.sustain_s:
+            history.popleft()  # history[0] stays the last probe at or before the window's start
+        tick, self._tick = self._tick, None
+        if tick is not None:
+            tick.set()
+
+    def lag_now_s(self) -> float:
+        """The loop's lag now: the last probe's delay, or how overdue the next one is (s)."""
+        last = self._last.lag if self._last is not None else 0.0
+        return max(last, self.lag.overdue_s())
+
+    def verdict(self) -> Verdict:
+        """What to do with a new request now."""
+        if self.max_lag_s <= 0 or self.lag_now_s() <= self.max_lag_s:
+            return Verdict.ADMIT
+        return Verdict.SHED if self._own_overload() else Verdict.WAIT
+
+    def _own_overload(self) -> bool:
+        """True when the router's own work keeps its loop late and busy and the request work holds (the class)."""
+        now = self._last
+        if now is None or now.own_lag <= self.max_lag_s:
+            return False
+        history = self._history
+        if sum(1 for probe, _ in history if probe.own_lag > self.max_lag_s) < SUSTAINED_MIN_PROBES:
+            return False
+        base, base_work = history[0]
+        span = now.at - base.at
+        if span < self.sustain_s:
+            return False  # not a whole window yet
+        could_run = span - (now.wait_s - base.wait_s)
+        if now.cpu_s - base.cpu_s < OWN_WORK_MIN_BUSY * could_run:
+            return (
+                False  # the loop idled through part of the time it could run: starved, throttled or stopped
+            )
+        work = self.work()
+        return work > 0 and work >= base_work
+
+    async def admit(self) -> bool:
+        """True when a new request may go on (at once, or after the lag passed); False: shed it."""
+        verdict = self.verdict()
+        if verdict is Verdict.WAIT:
+            verdict = await self._wait_out()
+        return verdict is not Verdict.SHED
+
+    async def _wait_out(self) -> Verdict:
+        """Wait for an on-time probe (or an overload verdict), at most ``max_wait_s``; ADMIT after that."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_s
+        self.waiting += 1
+        self.waited_total += 1
+        try:
+            verdict = Verdict.WAIT
+            while verdict is Verdict.WAIT and (left := deadline - loop.time()) > 0:
+                if self._tick is None:
+                    self._tick = asyncio.Event()
+                try:
+                    await asyncio.wait_for(self._tick.wait(), left)
+                except TimeoutError:
+                    return Verdict.ADMIT
+                verdict = self.verdict()
+            return Verdict.ADMIT if verdict is Verdict.WAIT else verdict
+        finally:
+            self.waiting -= 1
+
+
+def shedder_gauges(shedder: Shedder) -> Iterable[Any]:
+    """Gauge families of the requests held while the loop lags (collected at scrape time)."""
+    from router.telemetry import gauge
+
+    yield gauge(
+        "kvroute_lag_waiting_requests",
+        "new requests waiting for the event loop's lag to pass (not an overload of the router's own)",
+        float(shedder.waiting),
+    )
+    yield gauge(
+        "kvroute_lag_waited_requests",
+        "new requests that waited for the event loop's lag to pass (cumulative)",
+        float(shedder.waited_total),
+    )

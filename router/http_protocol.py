@@ -12,9 +12,13 @@ or keep thousands of connections half-sent (slowloris). This subclass adds, per 
 * **body idle timeout**: while a body is being received, no byte for ``body_idle_timeout_s`` -> ``408`` (JSON) if
   no response started, and the connection is closed. Time the router itself is not reading (flow control paused
   it: the app has not consumed what came) does not count.
+* **body minimum rate**: while a body is being received, fewer than ``body_min_rate_bytes_s x body_rate_window_s``
+  bytes in a window of ``body_rate_window_s`` -> ``408`` and closed, so a body trickled a byte at a time (each
+  byte resetting the idle timeout) cannot hold a connection and a request for ever. A window in which the router
+  paused reading does not count; ``body_min_rate_bytes_s`` 0 turns it off.
 
 Each cut is reported to ``on_cut(reason)`` (``head_too_large``, ``too_many_headers``, ``head_timeout``,
-``body_idle_timeout``), which the server counts in ``kvroute_client_connections_cut_total{reason}``.
+``body_idle_timeout``, ``body_too_slow``), which the server counts in ``kvroute_client_connections_cut_total{reason}``.
 Units: bytes, seconds.
 """
 
@@ -33,12 +37,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 @dataclass(frozen=True, slots=True)
 class ConnLimits:
     """Per-connection limits (from ``Settings``: ``max_header_bytes``, ``max_header_count``,
-    ``client_header_timeout_s``, ``client_body_idle_timeout_s``)."""
+    ``client_header_timeout_s``, ``client_body_idle_timeout_s``, ``client_body_min_rate_bytes_s``,
+    ``client_body_rate_window_s``)."""
 
     max_header_bytes: int
     max_header_count: int
     header_timeout_s: float
     body_idle_timeout_s: float
+    body_min_rate_bytes_s: float = 1024.0
+    body_rate_window_s: float = 10.0
 
     @classmethod
     def from_settings(cls, settings: Any) -> ConnLimits:
@@ -48,6 +55,8 @@ class ConnLimits:
             max_header_count=settings.max_header_count,
             header_timeout_s=settings.client_header_timeout_s,
             body_idle_timeout_s=settings.client_body_idle_timeout_s,
+            body_min_rate_bytes_s=settings.client_body_min_rate_bytes_s,
+            body_rate_window_s=settings.client_body_rate_window_s,
         )
 
 
@@ -71,7 +80,8 @@ def cut_counter(registry: Any) -> Callable[[str], None]:
     counter = Counter(
         "kvroute_client_connections_cut",
         "client connections closed by the router for a request "
-        "head over max_header_bytes / max_header_count or a head or body timeout, by reason",
+        "head over max_header_bytes / max_header_count, a head or body timeout or a body under "
+        "client_body_min_rate_bytes_s, by reason",
         ["reason"],
         registry=registry,
     )
@@ -106,6 +116,8 @@ class _LimitedHttpTools(HttpToolsProtocol):
         self._rejection: tuple[int, str, str, str, str] | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._rate_timer: asyncio.TimerHandle | None = None
+        self._window_bytes = 0  # body bytes received in the current rate window
 
     # -- connection ------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -122,6 +134,7 @@ class _LimitedHttpTools(HttpToolsProtocol):
                 self._arm_head_timer()
             self._head_received += len(data)
         elif self._in_body:
+            self._window_bytes += len(data)
             self._arm_body_timer()
         self._unset_keepalive_if_required()
         try:
@@ -180,6 +193,7 @@ class _LimitedHttpTools(HttpToolsProtocol):
         self._in_body = True
         self._cancel_head_timer()
         self._arm_body_timer()
+        self._arm_rate_timer()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -187,6 +201,7 @@ class _LimitedHttpTools(HttpToolsProtocol):
         self._in_head = True  # the next request's head (pipelined or after keep-alive) starts fresh
         self._head_received = 0
         self._cancel_body_timer()
+        self._cancel_rate_timer()
         super().on_message_complete()
 
     def _grow_head(self, n: int) -> None:
@@ -220,9 +235,21 @@ class _LimitedHttpTools(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
 
+    def _arm_rate_timer(self) -> None:
+        self._cancel_rate_timer()
+        self._window_bytes = 0
+        if self._limits.body_min_rate_bytes_s > 0:
+            self._rate_timer = self.loop.call_later(self._limits.body_rate_window_s, self._rate_check)
+
+    def _cancel_rate_timer(self) -> None:
+        if self._rate_timer is not None:
+            self._rate_timer.cancel()
+            self._rate_timer = None
+
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
         self._cancel_body_timer()
+        self._cancel_rate_timer()
 
     def _head_timeout(self) -> None:
         self._head_timer = None
@@ -237,23 +264,43 @@ class _LimitedHttpTools(HttpToolsProtocol):
         if self.flow is not None and self.flow.read_paused:
             self._arm_body_timer()  # the router is not reading (the app has not consumed the body yet)
             return
-        self._on_cut("body_idle_timeout")
+        self._cut_body(
+            "body_idle_timeout",
+            f"no request body bytes for {self._limits.body_idle_timeout_s:g}s (client_body_idle_timeout_s)",
+            "body_timeout",
+        )
+
+    def _rate_check(self) -> None:
+        """End of a rate window: too few body bytes in it -> 408 and closed (a paused window does not count)."""
+        self._rate_timer = None
+        if not self._in_body or self.transport is None or self.transport.is_closing():
+            return
+        lim = self._limits
+        need = lim.body_min_rate_bytes_s * lim.body_rate_window_s
+        if self._window_bytes >= need or (self.flow is not None and self.flow.read_paused):
+            self._arm_rate_timer()
+            return
+        self._cut_body(
+            "body_too_slow",
+            f"request body arriving at {self._window_bytes / lim.body_rate_window_s:.1f} bytes/s over "
+            f"{lim.body_rate_window_s:g}s, under {lim.body_min_rate_bytes_s:g} bytes/s "
+            "(client_body_min_rate_bytes_s)",
+            "body_too_slow",
+        )
+
+    def _cut_body(self, reason: str, message: str, code: str) -> None:
+        """Close a connection whose body is too slow: ``408`` (JSON) unless a response started; ``on_cut``."""
+        self._cancel_timers()
+        self._on_cut(reason)
         cycle = self.cycle
         started = cycle is not None and cycle.response_started
         if cycle is not None:
             cycle.disconnected = True  # the app's receive() now says http.disconnect; its sends are dropped
             cycle.message_event.set()
-        if not started:
-            self.transport.write(
-                _raw_error(
-                    408,
-                    "Request Timeout",
-                    f"no request body bytes for "
-                    f"{self._limits.body_idle_timeout_s:g}s (client_body_idle_timeout_s)",
-                    "body_timeout",
-                )
-            )
-        self.transport.close()
+        if not started and self.transport is not None:
+            self.transport.write(_raw_error(408, "Request Timeout", message, code))
+        if self.transport is not None:
+            self.transport.close()
 
     def _reject(self, status: int, phrase: str, message: str, code: str, reason: str) -> None:
         self._cancel_timers()

@@ -17,6 +17,9 @@ its own tape (no Python object per value; ~50 ms for 16 MiB) and its shape check
 Every body, small or large, is nested at most ``max_json_depth`` levels (400 ``json_too_deep``), checked on the
 parsed value when the body has that many brackets at all: the prefill/decode legs re-serialize the body, and the
 serializer stops at 254 levels, so every door refuses absurd depth alike instead of one path failing later.
+Every body, small or large, is also refused when it asks for more than ``max_sequences`` sequences in its ``n``
+or (vLLM) ``best_of`` (400 ``too_many_sequences``, ``param`` naming the field): a request counts as that many in
+flight on its replica, so an absurd ``n`` would block the replica's accounting.
 
 Only a body that passes is given to orjson and pydantic, and all of it runs in a worker thread: the bounded C
 parts hold the GIL for tens of milliseconds at most, the Python parts let the loop in every switch interval.
@@ -74,6 +77,7 @@ class InputLimits:
         default_context_tokens: the context of a model none of whose replicas reports one, tokens.
         max_json_values: JSON values outside prompt text, token ids and message text.
         max_json_depth: nesting levels of the body (the body itself is level 1).
+        max_sequences: sequences one request may ask for (``n``, ``best_of``).
     """
 
     max_messages: int
@@ -82,6 +86,7 @@ class InputLimits:
     default_context_tokens: int
     max_json_values: int
     max_json_depth: int
+    max_sequences: int
 
     @classmethod
     def from_settings(cls, settings: Any) -> InputLimits:
@@ -93,6 +98,7 @@ class InputLimits:
             default_context_tokens=settings.max_prompt_tokens,
             max_json_values=settings.max_json_values,
             max_json_depth=settings.max_json_depth,
+            max_sequences=settings.max_sequences_per_request,
         )
 
 
@@ -384,8 +390,11 @@ class Intake:
             RequestValidationError: invalid JSON (400) or fields (422).
         """
         if len(raw) < SCAN_MIN_BYTES:
-            return parse_json(raw, model, self.limits.max_json_depth)
-        return await asyncio.to_thread(scan_and_parse, raw, model, self.limits, self.contexts())
+            parsed = parse_json(raw, model, self.limits.max_json_depth)
+        else:
+            parsed = await asyncio.to_thread(scan_and_parse, raw, model, self.limits, self.contexts())
+        check_sequences(parsed[1], self.limits.max_sequences)
+        return parsed
 
 
 async def dump_messages(messages: Sequence[BaseModel]) -> list[dict[str, Any]]:
@@ -411,6 +420,26 @@ def is_large_chat(messages: Sequence[Any], min_chars: int) -> bool:
                 if isinstance(p, dict) and isinstance(p.get("text"), str)
             )
     return chars >= min_chars
+
+
+def check_sequences(body: Any, max_sequences: int) -> None:
+    """Refuse a body whose ``n`` or ``best_of`` asks for more than ``max_sequences`` sequences (other values,
+    e.g. 0 or a fraction, are the engine's to refuse).
+
+    Raises:
+        LimitExceeded: 400 ``too_many_sequences`` naming the field.
+    """
+    if not isinstance(body, dict):
+        return
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > max_sequences:
+            raise LimitExceeded(
+                400,
+                "too_many_sequences",
+                f"{key} = {value} asks for more than {max_sequences} sequences (max_sequences_per_request)",
+                key,
+            )
 
 
 def sequences(extra: dict[str, Any] | None) -> int:

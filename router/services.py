@@ -40,7 +40,7 @@ from router.admission import Admission, admission_gauges
 from router.client_fields import ClientFields
 from router.config import Settings
 from router.dispatch import DispatchGate, dispatch_gauges
-from router.guard import Auth, Guard
+from router.guard import Auth, Guard, Shedder, shedder_gauges
 from router.idempotency import IdempotencyGuard
 from router.intake import InputLimits, Intake, model_contexts
 from router.loop_lag import LoopLag, lag_gauges
@@ -245,14 +245,34 @@ def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> 
     return DispatchGate(settings.dispatch(), index, settings.block_size, routable=routable)
 
 
-def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag) -> Guard:
+def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag, admission: Admission) -> Guard:
     """The front gate (``router.guard``): auth and loop-lag shedding from the headers, before any body."""
     keys = [k.get_secret_value() for k in settings.api_keys]
     if keys:  # keys that name a tenant, or may name any tenant, are client keys too
         keys += [e.get_secret_value().partition("=")[2].strip() for e in settings.tenant_api_keys]
         keys += [k.get_secret_value() for k in settings.tenant_header_keys]
     auth = Auth(keys, settings.admin_token.get_secret_value() if settings.admin_token else None)
-    return Guard(auth, loop_lag, settings.max_event_loop_lag_s, settings.retry_after_s, telemetry)
+    guard = Guard(auth, None, settings.retry_after_s, telemetry)
+    guard.shedder = _build_shedder(settings, loop_lag, admission, guard)
+    return guard
+
+
+def _build_shedder(settings: Settings, loop_lag: LoopLag, admission: Admission, guard: Guard) -> Shedder:
+    """The overload decision: the router's request work is its HTTP data-plane requests in progress, the
+    requests holding or queued for an in-flight slot (either door) and those waiting at the gate (an HTTP request
+    holding a slot counts twice: only whether the sum shrinks matters)."""
+
+    def work() -> int:
+        return guard.in_progress + admission.inflight + admission.waiting + shedder.waiting
+
+    shedder = Shedder(
+        loop_lag,
+        settings.max_event_loop_lag_s,
+        settings.event_loop_lag_sustain_s,
+        settings.event_loop_lag_max_wait_s,
+        work,
+    )
+    return shedder
 
 
 def _build_tenants(
@@ -299,6 +319,9 @@ def _register_metrics(svc: Services) -> None:
     t.add_gauges(lambda: admission_gauges(svc.admission))
     t.add_gauges(lambda: budget_gauges(svc.tenants.budget))
     t.add_gauges(lambda: lag_gauges(svc.loop_lag))
+    if svc.guard.shedder is not None:
+        shedder = svc.guard.shedder
+        t.add_gauges(lambda: shedder_gauges(shedder))
     if svc.membership.shared is not None:
         svc.membership.shared.register_metrics(t.registry)
     if svc.kv_events is not None:
@@ -403,7 +426,7 @@ def build_services(settings: Settings) -> Services:
     loop_lag = LoopLag(
         settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry
     )
-    guard = _build_guard(settings, telemetry, loop_lag)
+    guard = _build_guard(settings, telemetry, loop_lag, admission)
     intake = _build_intake(settings, table, telemetry)
     tenants = _build_tenants(settings, membership, admission, telemetry, router)
     _keep_index_honest(table, index, kv_events)

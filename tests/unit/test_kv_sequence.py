@@ -241,6 +241,26 @@ def test_failed_history_replay_degrades_and_is_retried() -> None:
     assert d.replays[-1] == Replay(0, "degraded_retry") and not d.seq.degraded and d.blocks() == 2
 
 
+def test_replay_over_the_byte_budget_clears_degrades_and_the_stream_goes_on() -> None:
+    d = Driver()
+    d.publish(item(0, [stored([1], None, TOKS[:16])]), live=False)
+    d.publish(item(1, [stored([2], 1, TOKS[16:])]), live=False)
+    follow = d.seq.on_connected(0.0)
+    assert follow == [Replay(0, "connect")]
+    applies = d.seq.on_replay(list(d.engine), 0.0)
+    assert [a.item.seq for a in applies if isinstance(a, Apply)] == [0, 1] and d.seq.last_seq == 1
+    d.run(applies[:1])  # the first replayed batch applied; the feed finds the second over the budget
+    assert d.blocks() == 1
+    out = d.seq.on_replay_over_budget(1.0)
+    assert [type(a) for a in out] == [Warn, Clear, SetDegraded] and out[-1] == SetDegraded(True)
+    d.run(out)
+    assert d.blocks() == 0 and d.seq.degraded and d.seq.stats.notes["replay_over_budget"] == 1
+    assert d.seq.last_seq == 1  # the replay's batches are consumed: the live stream goes on after them
+    n = len(d.replays)
+    d.publish(item(2, [stored([1], None, TOKS[:16])]))
+    assert len(d.replays) == n and d.seq.last_seq == 2 and d.blocks() == 1  # applied in sequence, no replay
+
+
 def test_engine_start_time_change_clears_and_rebuilds() -> None:
     d = Driver()
     d.run(d.seq.on_engine_started(1000.0, 0.0))  # first sight: nothing to compare with
@@ -391,3 +411,25 @@ def test_real_vllm_metrics_page_gives_the_process_start_time() -> None:
 
     snap = parse_metrics((REAL / "vllm-0.32.0-cpu-metrics.txt").read_text())
     assert snap.process_start_time_s == 1.79616634352e09
+
+
+def test_decoding_is_bounded_by_the_byte_budget() -> None:
+    from dataclasses import replace
+
+    from membership.kv_decode import DecodedBatch, DecodeFailure, decode_payload
+
+    events = [stored([i * 2 + 1, i * 2 + 2], None, TOKS) for i in range(100)]
+    payload = msgpack.packb([1.0, events, 0])
+    whole = decode_payload(payload)
+    assert isinstance(whole, DecodedBatch) and len(whole.events) == 100
+    cost = 100 * (128 + 2 * 40 + 32 * 4)  # EVENT_COST + 2 x HASH_COST + 32 x TOKEN_COST per event
+    assert isinstance(
+        decode_payload(payload, limits=replace(DEFAULT_LIMITS, max_decoded_bytes=cost)), DecodedBatch
+    )
+    over = decode_payload(payload, limits=replace(DEFAULT_LIMITS, max_decoded_bytes=cost // 2))
+    assert isinstance(over, DecodeFailure) and over.reason == "decoded_too_large"
+    # one array longer than the budget allows is refused by the parser before it builds the list
+    long = msgpack.packb([1.0, [stored([1], None, [1] * 200_000)], 0])
+    res = decode_payload(long, limits=replace(DEFAULT_LIMITS, max_decoded_bytes=1 << 20))
+    assert isinstance(res, DecodeFailure) and res.reason == "decoded_too_large"
+    assert isinstance(decode_payload(long), DecodedBatch)  # within the default budget
