@@ -42,6 +42,7 @@ LIMITS = InputLimits(
     default_context_tokens=100,
     max_json_values=50,
     max_json_depth=16,
+    max_sequences=16,
 )
 
 

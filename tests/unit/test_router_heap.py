@@ -26,6 +26,7 @@ def test_limit_exceeded_does_not_keep_the_parsed_document() -> None:
         default_context_tokens=100,
         max_json_values=1000,
         max_json_depth=128,
+        max_sequences=16,
     )
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 50})
     with pytest.raises(LimitExceeded) as info:
