@@ -146,6 +146,8 @@ class AbuseOptions:
     url: str
     model: str
     api_key: str | None = None
+    #: a key that may name tenants (the router's tenant_header_keys), for requests that carry a tenant header
+    edge_key: str | None = None
     huge_count: int = 6
     slow_sockets: int = 3
     slow_rounds: int = 2

@@ -74,6 +74,8 @@ from loadtest.abuse_surfaces import HostilePrefill, SurfaceAbuse, SurfaceOptions
 MODEL = "soak-model"
 FAULT_KINDS = ("engine_restart", "kv_drop", "redis_restart", "watch_cut")
 ABUSE_API_KEY = "soak-abuse-key"
+#: the key of an edge gateway that may name tenants (tenant_header_keys): the tenant abuse cases send it
+ABUSE_EDGE_KEY = "soak-edge-key"
 #: router timeouts for slow clients in --abuse mode (s): short, so slowloris clients are cut within a short soak
 ABUSE_CLIENT_TIMEOUT_S = "2"
 #: --abuse: a model served by a prefill and a decode engine, and one whose prefill engine answers 14 MB
@@ -314,6 +316,7 @@ class Soak:
         if self.args.abuse:
             self.epp_port = free_port()
             cmd += ["--grpc-port", str(self.epp_port), "--api-key", ABUSE_API_KEY]
+            cmd += ["--tenant-header-keys", ABUSE_EDGE_KEY]
             cmd += ["--pd-policy", "pd_smg"]  # every PD request disaggregated: the PD abuse reaches both legs
             cmd += ["--client-header-timeout-s", ABUSE_CLIENT_TIMEOUT_S]
             cmd += ["--client-body-idle-timeout-s", ABUSE_CLIENT_TIMEOUT_S]
@@ -625,7 +628,9 @@ class Soak:
     def _abuse_clients(self) -> AbuseClients:
         """The abuse clients of ``--abuse``: the base kinds and the picker, tenant and PD ones."""
         surfaces = SurfaceOptions(epp_port=self.epp_port, pd_model=PD_MODEL, pd_huge_model=PD_HUGE_MODEL)
-        return SurfaceAbuse(AbuseOptions(self.router_url, MODEL, ABUSE_API_KEY), surfaces)
+        return SurfaceAbuse(
+            AbuseOptions(self.router_url, MODEL, ABUSE_API_KEY, edge_key=ABUSE_EDGE_KEY), surfaces
+        )
 
     async def _pd_facts(self, client: httpx.AsyncClient) -> dict[str, Any]:
         """--abuse: the PD plans the router dispatched, its fallbacks, and what the hostile prefill engine got
