@@ -36,7 +36,7 @@ from policies.base import (
     make_policy,
 )
 from policies.ttft import PrunedTTFTPolicy, TTFTPolicy
-from policies.ttft_bounds import worst_known
+from policies.ttft_bounds import Bounds, bound_pass, migration_bound, worst_known
 from tests.helpers import shared_trace
 
 BS = 16
@@ -293,6 +293,58 @@ def test_pruning_excludes_exactly_the_candidates_full_scoring_excludes(
             victim.profile, prefill_tokens_per_s=data.draw(st.sampled_from([0.0, -1.0, math.nan, 1e-12]))
         )
     twins.choose(request, cands)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(params=policy_params(), data=st.data())
+def test_every_bound_is_at_most_what_it_bounds(params: dict[str, Any], data: st.DataObject) -> None:
+    """Candidate by candidate: the bound (with the migration floor) is at most the full score, ``bound_E`` at most
+    E[T] and the tail, and a candidate without a bound is one full scoring may exclude or that the bounds do not
+    cover; the pass finds the worst known gauges and the deepest match as full scoring does."""
+    request, cands = data.draw(fleets())
+    params = {**params, "prune": False}
+    full = TTFTPolicy(**params).choose(request, cands)
+    deepest = TTFTPolicy(**params)._deepest_to_keep(request, cands)
+    policy = TTFTPolicy(**params)
+    terms = policy._bound_terms(request, need_e=True)
+    if terms is None:
+        return
+    b = Bounds.sized(len(cands), need_e=True)
+    bound_pass(cands, terms, b)
+    assert (b.wq, b.wr, b.wk) == worst_known(cands, terms.mean_tokens)
+    assert b.gmax == max(c.hit.gpu for c in cands)
+    floor = policy._migration_floor(deepest)
+    for pos, score in enumerate(full.scores):
+        if pos in b.must:
+            continue
+        bound = b.lb[pos] + (migration_bound(b, pos, deepest, *floor) if floor else 0.0)
+        assert math.isfinite(score.score) and bound <= score.score
+        assert b.lbe[pos] <= score.parts["E"] and b.lbe[pos] <= score.parts["tail"]
+    assert b.top == sorted((b.lb[p], p) for p in range(len(cands)) if p not in b.must)[: terms.seeds + 1]
+
+
+def test_the_lowest_predicted_ttft_is_exact_under_a_target() -> None:
+    """With a TTFT target, SLO admission reads the lowest predicted TTFT (E) over the decision's scores: an idle
+    replica that holds nothing has the lowest E but, with the work term and the migration penalty, not the lowest
+    score (the holder wins); it must still be scored. Targets below every E leave nothing meeting them."""
+    prof = ReplicaProfile(prefill_tokens_per_s=8_000.0, fixed_overhead_s=0.01)
+
+    def cand(i: int, queued: int, gpu: int = 0) -> Candidate:
+        load = LoadView(queued_requests=0, running_requests=0, queued_prefill_tokens=queued, kv_usage=0.1)
+        return Candidate(index=i, name=f"r{i}", load=load, hit=PrefixHit(gpu=gpu, age_s=5.0), profile=prof)
+
+    # the holders (positions 0..5) queue 1.05-1.3 s but reuse 7,680 of 8,000 tokens; the idle one waits for nothing
+    cands = [cand(i, 8_400 + 400 * i, gpu=7_680) for i in range(6)] + [cand(6, 0)]
+    cands += [cand(i, 40_000 + 1_000 * i) for i in range(7, 40)]
+    req = RouteRequest(model="m", prompt_tokens=8_000, block_keys=list(range(500)), ttft_target_s=0.2)
+    d = make_policy("ttft").choose(req, cands)
+    f = TTFTPolicy().choose(req, cands)
+    assert_same_decision(d, f, 3, 0.2)
+    best = min(f.scores, key=predicted_ttft_s)
+    assert best.index == 6 and f.ranking.index(6) >= 3  # the lowest E is not in the head of the ranking
+    assert best_predicted_ttft_s(d.scores, d.ranking) == predicted_ttft_s(best) > 0.2
 
 
 def test_the_registered_policy_prunes_and_the_model_class_does_not() -> None:
