@@ -65,6 +65,7 @@ from policies.ttft_bounds import (
     BIG,
     MAX_TOKENS,
     MAX_WORK_WEIGHT,
+    SAFE,
     Bounds,
     BoundTerms,
     bound_pass,
@@ -630,12 +631,12 @@ class TTFTPolicy:
         terms = self._bound_terms(request, slo is not None or request.ttft_target_s is not None)
         if terms is None:
             return None
-        b = Bounds.sized(len(candidates), terms.need_e)
+        b = Bounds.sized(len(candidates), terms.need_e, terms.seeds)
         bound_pass(candidates, terms, b)
         deepest = self._deepest_to_keep(request, candidates, b.gmax)
         worst = (b.wq, b.wr, b.wk)
         first = set(b.must)
-        first.update(p for _, p in b.top[: terms.seeds])
+        first.update(p for _, p in b.top[: terms.seeds] if p >= 0)
         acc = _Scored()
         if deepest and self.tight_migration_weight and self.survival_check:
             holder = b.gpos if b.gmax <= request.prompt_tokens else holder_position(candidates, deepest)
@@ -643,7 +644,7 @@ class TTFTPolicy:
                 acc.holder = holder
                 first.add(holder)
         self._score_some(request, candidates, sorted(first), tail, deepest, worst, acc)
-        rest = self._unpruned(request, b, terms, acc, slo, deepest)
+        rest = self._unpruned(request, candidates, b, acc, slo, deepest)
         if rest:
             self._score_some(request, candidates, rest, tail, deepest, worst, acc)
         decision = self._rank_scored(candidates, b, acc, slo)
@@ -720,8 +721,8 @@ class TTFTPolicy:
     def _unpruned(
         self,
         request: RouteRequest,
+        candidates: Sequence[Candidate],
         b: Bounds,
-        terms: BoundTerms,
         acc: _Scored,
         slo: float | None,
         deepest: int,
@@ -731,7 +732,8 @@ class TTFTPolicy:
         Ruled out: a bound (migration floor included) above the ``exact_ranks``-th best rank key scored so far;
         with a TTFT target, also a ``bound_E`` above max(target, the lowest E scored), so every candidate that
         may meet the target or have the lowest predicted TTFT is scored; with an SLO under ``tail``, rank keys
-        are (misses the SLO, key) pairs and a bound's is (``bound_E`` > SLO, bound)."""
+        are (misses the SLO, key) pairs and a bound's is (``bound_E`` > SLO, bound). Thresholds are divided by
+        ``SAFE`` (bounds are unscaled)."""
         scored = acc.scores
         ok = [p for p in scored if p not in acc.excluded]
         k = self.exact_ranks
@@ -740,31 +742,32 @@ class TTFTPolicy:
         lb = b.lb
         target = request.ttft_target_s
         mig = self._migration_floor(deepest)
+        n, rates = request.prompt_tokens, self._rates
+
+        def within(p: int, x: float, v: float) -> bool:
+            return mig is None or x + migration_bound(candidates[p], n, rates, deepest, *mig) <= v
+
         if slo is None:
-            v = sorted(acc.keys[p] for p in ok)[k - 1]
-            if target is None and len(b.top) > terms.seeds and v < b.cut:
+            v = sorted(acc.keys[p] for p in ok)[k - 1] / SAFE
+            if target is None and v < b.cut:
                 return []  # every candidate not scored has a bound of at least ``cut``
-            maybe = [p for p, x in enumerate(lb) if x <= v and p not in scored]
-            if mig is not None:
-                maybe = [p for p in maybe if lb[p] + migration_bound(b, p, deepest, *mig) <= v]
+            maybe = [p for p, x in enumerate(lb) if x <= v and p not in scored and within(p, x, v)]
             if target is None:
                 return maybe
-            ethr = max(target, min(scored[p].parts["E"] for p in ok))
-            lbe = b.lbe
-            return sorted({*maybe, *(p for p, x in enumerate(lbe) if x <= ethr and p not in scored)})
+            ethr = max(target, min(scored[p].parts["E"] for p in ok)) / SAFE
+            return sorted({*maybe, *(p for p, x in enumerate(b.lbe) if x <= ethr and p not in scored)})
         g, v = sorted(_slo_key(scored[p], slo) for p in ok)[k - 1]
+        v /= SAFE
         lbe = b.lbe
-        ethr = _NEG if target is None else max(target, min(scored[p].parts["E"] for p in ok))
+        ethr = _NEG if target is None else max(target, min(scored[p].parts["E"] for p in ok)) / SAFE
+        slo_s = slo / SAFE
         out = []
         for p, x in enumerate(lb):
             if p in scored:
                 continue
-            meets = lbe[p] <= slo  # may meet the SLO (rank group 0)
-            if lbe[p] <= ethr or (g and meets):
+            meets = lbe[p] <= slo_s  # may meet the SLO (rank group 0)
+            if lbe[p] <= ethr or (g and meets) or ((meets or g) and x <= v and within(p, x, v)):
                 out.append(p)
-            elif (meets or g) and x <= v:
-                if mig is None or x + migration_bound(b, p, deepest, *mig) <= v:
-                    out.append(p)
         return out
 
     def _rank_scored(

@@ -91,24 +91,25 @@ class BoundTerms:
 class Bounds:
     """The bound pass's results, per candidate position (lists of the decision's length).
 
+    Bounds are kept unscaled: a candidate is ruled out by a threshold ``v`` when ``bound * SAFE > v``, i.e. when
+    ``bound > v / SAFE`` (one division per decision instead of a product per candidate).
+
     Attributes:
         lb: lower bound of each candidate's score without the migration penalty, s (``-inf``: no bound, always
-            scored); ``migration_bound`` adds the penalty's bound once the deepest match is known.
+            scored); ``migration_bound`` gives the penalty's bound once the deepest match is known.
         lbe: lower bound of each candidate's expected TTFT and tail, s (only with ``need_e``).
-        used: ``u`` (matched tokens, at most the prompt) and ``rates``: prefill rate (tokens/s) of each bounded
-            candidate, for ``migration_bound``.
         index: each candidate's replica index.
         must: positions with no bound (scored in full whatever the others score).
-        top: ``(bound, position)`` of the ``seeds + 1`` smallest finite bounds, ascending.
-        cut: the largest bound in ``top`` once it is full (every other candidate's bound is at least this).
+        top: ``(bound, position)`` of the ``seeds + 1`` smallest finite bounds, ascending; ``(inf, -1)``
+            fills the places of a decision with fewer bounded candidates.
+        cut: the largest bound in ``top`` (every candidate not among the first ``seeds`` has a bound of at least
+            this; infinite when fewer than ``seeds + 1`` candidates have a bound).
         wq, wr, wk: the worst known backlog (tokens), running requests and KV usage (``worst_known``).
         gmax, gpos: the deepest GPU match (tokens) and the first position holding it.
     """
 
     lb: list[float]
     lbe: list[float]
-    used: list[int]
-    rates: list[float]
     index: list[int]
     must: list[int] = field(default_factory=list)
     top: list[tuple[float, int]] = field(default_factory=list)
@@ -120,14 +121,13 @@ class Bounds:
     gpos: int = 0
 
     @classmethod
-    def sized(cls, n: int, need_e: bool) -> Bounds:
-        """Empty results for ``n`` candidates."""
+    def sized(cls, n: int, need_e: bool, seeds: int) -> Bounds:
+        """Empty results for ``n`` candidates, keeping the ``seeds + 1`` smallest bounds."""
         return cls(
             lb=[0.0] * n,
             lbe=[_NEG] * n if need_e else [],
-            used=[0] * n,
-            rates=[1.0] * n,
             index=[0] * n,
+            top=[(_INF, -1)] * (seeds + 1),
         )
 
 
@@ -171,43 +171,60 @@ def worst_known(candidates: Sequence[Candidate], mean_tokens: float) -> tuple[fl
     return wq, wr, wk
 
 
-def migration_bound(b: Bounds, pos: int, deepest: int, weight: float, cap: float) -> float:
-    """Lower bound of the migration penalty of the candidate at ``pos`` (seconds, already scaled by ``SAFE``):
-    ``min(weight * (deepest - u) / rate, cap)`` when ``deepest > u``, else 0 (``weight``, ``cap`` > 0: the least
-    any tightness gives)."""
-    u = b.used[pos]
+def migration_bound(
+    cand: Candidate, n: int, rates: dict[int, float], deepest: int, weight: float, cap: float
+) -> float:
+    """Lower bound of the candidate's migration penalty, seconds (unscaled, as ``Bounds.lb``):
+    ``min(weight * (deepest - u) / rate, cap)`` when ``deepest > u`` (``u``: its matched tokens of every tier, at
+    most the prompt's ``n``), else 0. ``weight``, ``cap`` > 0: the least any tightness gives. Only for candidates
+    the pass bounded (valid counts and rate)."""
+    hit = cand.hit
+    u = hit.gpu + hit.cpu + hit.disk + hit.remote
+    if u > n:
+        u = n
     if deepest <= u:
         return 0.0
-    m = weight * (deepest - u) / b.rates[pos]
-    return (m if m < cap else cap) * SAFE
+    prof = cand.profile
+    rate = rates.get(cand.index, prof.prefill_tokens_per_s) if rates else prof.prefill_tokens_per_s
+    m = weight * (deepest - u) / rate
+    return m if m < cap else cap
 
 
 def bound_pass(candidates: Sequence[Candidate], t: BoundTerms, out: Bounds) -> None:
-    """Bound every candidate into ``out`` (``out = Bounds.sized(len(candidates), t.need_e)``), in one pass.
+    """Bound every candidate into ``out`` (``Bounds.sized(len(candidates), t.need_e, t.seeds)``), in one pass.
 
-    An unknown gauge is filled as full scoring fills it, with the worst known value *so far* (at most the
-    decision's worst known, which full scoring uses): the score grows with each of them (backlog, running
-    requests with a non-negative decode interference, KV usage), so the bound stays a lower bound. The pass also
-    finds the worst known gauges, the deepest GPU match and the replica indices (each candidate is read once: at
-    thousands of candidates the objects do not stay in the CPU caches between passes).
+    The bound is ``(backlog + in-flight + (1 + work_weight) * (N - u)) / rate + overhead + decode interference
+    + KV penalty + (1 + work_weight) * attention term``: the module docstring's ``bound`` without the migration
+    penalty, in few operations. An unknown gauge is filled as full scoring fills it, with the worst known value
+    *so far* (at most the decision's worst known, which full scoring uses): the score grows with each of them
+    (backlog, running requests with a non-negative decode interference, KV usage), so the bound stays a lower
+    bound. The pass also finds the worst known gauges, the deepest GPU match and the replica indices, so each
+    candidate is read once.
 
-    Long because: it is the hot loop of a pruned decision (every request, every candidate), kept whole on locals:
-    a call per candidate costs as much as the bound itself (measured: ``python -m loadtest.bench_policies``).
+    Long because: it is the hot loop of a pruned decision (every request, every candidate), kept whole on locals
+    with same-type comparisons (an int against a float costs twice an int against an int): a call per candidate
+    costs as much as the bound itself (measured: ``python -m loadtest.bench_policies``).
     """
     n = t.n
     mean_tokens = t.mean_tokens
     k0, kw, ww = t.k0, t.kw, t.ww
     drain = t.drain
     rates, overheads, attention = t.rates, t.overheads, t.attention
-    lb_out, used_out, rate_out, index_out = out.lb, out.used, out.rates, out.index
+    lb_out, index_out = out.lb, out.index
     lbe_out = out.lbe if t.need_e else None
     must = out.must.append
     top = out.top
-    keep = t.seeds + 1
-    cut = out.cut
-    wq, wr, wk = out.wq, out.wr, out.wk
+    cut = top[-1][0]
+    wq: float = 0  # the worst known gauges so far, as the gauges' own values (same-type comparisons)
+    wr: float = 0
+    wk = 0.0
     gmax, gpos = candidates[0].hit.gpu, 0
-    for pos, cand in enumerate(candidates):
+    inf, neg, big, min_rate, max_tokens = _INF, _NEG, BIG, MIN_RATE, MAX_TOKENS
+    c1 = 1.0 + ww
+    c1n = c1 * n
+    pos = -1
+    for cand in candidates:
+        pos += 1
         load = cand.load
         hit = cand.hit
         idx = cand.index
@@ -219,17 +236,21 @@ def bound_pass(candidates: Sequence[Candidate], t: BoundTerms, out: Bounds) -> N
         qt: float | None = load.queued_prefill_tokens
         running: float | None = load.running_requests
         kv: float | None = load.kv_usage
+        prof = cand.profile
         try:
-            filled = False  # running requests filled: needs a non-negative decode interference
+            dis = prof.decode_interference_s
             if running is None:
                 running = wr if wr > load.inflight_requests else load.inflight_requests
-                filled = True
-            elif running > wr:
-                wr = _larger(running, wr)
+                if not dis >= 0.0:  # the fill is a lower bound only if running requests add time
+                    must(pos)
+                    lb_out[pos] = neg
+                    continue
+            elif running > wr and as_float(running) < inf:
+                wr = running
             if kv is None:
                 kv = wk
-            elif kv > wk:
-                wk = _larger(kv, wk)
+            elif kv > wk and as_float(kv) < inf:
+                wk = kv
             if qt is None:
                 qr = load.queued_requests
                 if qr is None:
@@ -238,74 +259,90 @@ def bound_pass(candidates: Sequence[Candidate], t: BoundTerms, out: Bounds) -> N
                     qt = qr * mean_tokens
                     if wq < qt:  # a new largest backlog: as ``worst_known`` computes it
                         b = as_float(qr) * mean_tokens
-                        if wq < b < _INF:
+                        if wq < b < inf:
                             wq = b
-            elif qt > wq:
-                wq = _larger(qt, wq)
+            elif qt > wq and as_float(qt) < inf:
+                wq = qt
             inflight = load.inflight_prefill_tokens
-            prof = cand.profile
             if rates:
                 rate = rates.get(idx, prof.prefill_tokens_per_s)
                 ov = overheads.get(idx, prof.fixed_overhead_s)
             else:
                 rate = prof.prefill_tokens_per_s
                 ov = prof.fixed_overhead_s
-            if not (qt >= 0.0 and running >= 0.0 and kv >= 0.0 and inflight >= 0 and rate >= MIN_RATE):
+            if not (qt >= 0 and running >= 0 and kv >= 0.0 and inflight >= 0 and rate >= min_rate):
                 must(pos)  # full scoring excludes it (or, for a rate <= 0, raises)
-                lb_out[pos] = _NEG
+                lb_out[pos] = neg
                 continue
             att = prof.attention_s_per_token2
-            if att:
-                attention[idx] = att
             if drain and load.age_s:
                 qt = max(0.0, qt - rate * load.age_s)
-            dis = prof.decode_interference_s
-            q = (qt + inflight) / rate + dis * running
-            pen = 0.0 if kv <= k0 else kw * (kv - k0) / (1.0 - kv if kv < 0.999 else 1e-3)
-            u = g
             if hit.cpu or hit.disk or hit.remote:
                 cp, dk, rm = hit.cpu, hit.disk, hit.remote
                 if not prof.fetch_overlaps_queue or g < 0 or cp < 0 or dk < 0 or rm < 0:
                     must(pos)
-                    lb_out[pos] = _NEG
+                    lb_out[pos] = neg
                     continue
-                u += cp + dk + rm
-            if u:
-                if not 0 < u <= MAX_TOKENS or hit.age_s > BIG:
+                g += cp + dk + rm
+            if g:
+                if not 0 < g <= max_tokens or hit.age_s > big:
                     must(pos)
-                    lb_out[pos] = _NEG
+                    lb_out[pos] = neg
                     continue
-                if u > n:
-                    u = n
-            new = n - u
-            comp = new / rate
+                if g > n:
+                    g = n
+                x = (qt + inflight + c1 * (n - g)) / rate + ov
+            else:
+                x = (qt + inflight + c1n) / rate + ov
+            if running:
+                x += dis * running
+            if kv > k0:
+                x += kw * (kv - k0) / (1.0 - kv if kv < 0.999 else 1e-3)
             if att:
+                attention[idx] = att
                 if not 0.0 < att <= 1.0:
                     must(pos)
-                    lb_out[pos] = _NEG
+                    lb_out[pos] = neg
                     continue
-                comp += att * (new * (n + u + 1) / 2)
-            e = q + pen + ov + comp
-            x = e + ww * comp
-            if not (ov >= 0.0 and x < BIG) or (filled and not dis >= 0.0):
+                x += c1 * att * ((n - g) * (n + g + 1) / 2)
+            if not (ov >= 0.0 and x < big):
                 must(pos)
-                lb_out[pos] = _NEG
+                lb_out[pos] = neg
                 continue
-            x *= SAFE
             lb_out[pos] = x
-            used_out[pos] = u
-            rate_out[pos] = rate
             if lbe_out is not None:
-                lbe_out[pos] = e * SAFE
+                lbe_out[pos] = _bound_e(qt, inflight, running, kv, n, g, rate, ov, dis, att, k0, kw)
             if x < cut:
                 insort(top, (x, pos))
-                if len(top) >= keep:
-                    if len(top) > keep:
-                        top.pop()
-                    cut = top[-1][0]
+                top.pop()
+                cut = top[-1][0]
         except (ArithmeticError, ValueError, TypeError):
             must(pos)
-            lb_out[pos] = _NEG
+            lb_out[pos] = neg
     out.cut = cut
-    out.wq, out.wr, out.wk = wq, wr, wk
+    out.wq, out.wr, out.wk = float(wq), float(wr), float(wk)
     out.gmax, out.gpos = gmax, gpos
+
+
+def _bound_e(
+    qt: float,
+    inflight: float,
+    running: float,
+    kv: float,
+    n: int,
+    u: int,
+    rate: float,
+    ov: float,
+    dis: float,
+    att: float,
+    k0: float,
+    kw: float,
+) -> float:
+    """``bound_E`` of one candidate (unscaled, seconds): queue, overhead, KV penalty and the least compute,
+    from the values the pass validated (``u``: reused tokens at most)."""
+    e = (qt + inflight + (n - u)) / rate + ov + dis * running
+    if kv > k0:
+        e += kw * (kv - k0) / (1.0 - kv if kv < 0.999 else 1e-3)
+    if att:
+        e += att * ((n - u) * (n + u + 1) / 2)
+    return e

@@ -26,6 +26,7 @@ from loadtest.traces import BlockKeyCache, load_mooncake, scale_rate
 from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from policies.base import (
     Candidate,
+    CandidateScore,
     Decision,
     LoadView,
     Observation,
@@ -35,8 +36,8 @@ from policies.base import (
     TierLink,
     make_policy,
 )
-from policies.ttft import PrunedTTFTPolicy, TTFTPolicy
-from policies.ttft_bounds import Bounds, bound_pass, migration_bound, worst_known
+from policies.ttft import PrunedTTFTPolicy, TTFTPolicy, _Scored
+from policies.ttft_bounds import SAFE, Bounds, bound_pass, migration_bound, worst_known
 from tests.helpers import shared_trace
 
 BS = 16
@@ -311,18 +312,36 @@ def test_every_bound_is_at_most_what_it_bounds(params: dict[str, Any], data: st.
     terms = policy._bound_terms(request, need_e=True)
     if terms is None:
         return
-    b = Bounds.sized(len(cands), need_e=True)
+    b = Bounds.sized(len(cands), True, terms.seeds)
     bound_pass(cands, terms, b)
     assert (b.wq, b.wr, b.wk) == worst_known(cands, terms.mean_tokens)
-    assert b.gmax == max(c.hit.gpu for c in cands)
+    assert b.gmax == max(c.hit.gpu for c in cands) and b.index == [c.index for c in cands]
     floor = policy._migration_floor(deepest)
+    n, rates = request.prompt_tokens, policy._rates
     for pos, score in enumerate(full.scores):
         if pos in b.must:
             continue
-        bound = b.lb[pos] + (migration_bound(b, pos, deepest, *floor) if floor else 0.0)
-        assert math.isfinite(score.score) and bound <= score.score
-        assert b.lbe[pos] <= score.parts["E"] and b.lbe[pos] <= score.parts["tail"]
-    assert b.top == sorted((b.lb[p], p) for p in range(len(cands)) if p not in b.must)[: terms.seeds + 1]
+        mig = migration_bound(cands[pos], n, rates, deepest, *floor) if floor else 0.0
+        assert math.isfinite(score.score) and (b.lb[pos] + mig) * SAFE <= score.score
+        assert b.lbe[pos] * SAFE <= score.parts["E"] and b.lbe[pos] * SAFE <= score.parts["tail"]
+    bounded = sorted((b.lb[p], p) for p in range(len(cands)) if p not in b.must)
+    assert [e for e in b.top if e[1] >= 0] == bounded[: terms.seeds + 1]
+
+
+def test_a_bound_within_rounding_of_the_threshold_is_never_ruled_out() -> None:
+    """A bound is computed in fewer operations than the score it bounds, so it can exceed it by a few ulps
+    (``test_every_bound_is_at_most_what_it_bounds`` checks the ``SAFE`` margin covers that): a bound at the
+    threshold times (1 + 1e-13) must still be scored, one at (1 + 1e-9) is ruled out."""
+    policy = TTFTPolicy(prune=True, exact_ranks=1, migration_weight=0.0)
+    cands = [Candidate(i, f"r{i}") for i in range(4)]
+    req = RouteRequest(model="m", prompt_tokens=100, block_keys=[])
+    b = Bounds.sized(4, False, 1)
+    acc = _Scored()
+    acc.scores[0] = CandidateScore(0, "r0", 0.5, {})
+    acc.keys[0] = 0.5
+    b.lb[:] = [0.25, 0.5 * (1 + 1e-13), 0.5 * (1 + 1e-9), 0.5]
+    b.cut = 0.5  # the smallest bound not scored
+    assert policy._unpruned(req, cands, b, acc, None, 0) == [1, 3]
 
 
 def test_the_lowest_predicted_ttft_is_exact_under_a_target() -> None:
