@@ -39,6 +39,29 @@ Ties are broken by candidate order (deterministic). The decision's parts per can
 ``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``W`` (seconds / probability),
 ``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). The score is ``E + W`` (mean) or ``tail + W`` (tail).
 ``calibrated(index)`` gives the rate in use.
+
+Pruning (``prune``; on for the registered ``ttft`` policy, off for ``TTFTPolicy`` itself). Scoring a candidate in
+full costs ~1.5 µs (its parts, the hit paths, a ``CandidateScore``); a lower bound of its score costs a few
+hundred ns (``policies.ttft_bounds``: queue, overhead, KV penalty and the least compute any outcome needs, with
+the work term and the least migration penalty). A pruned decision bounds every candidate, scores in full the
+``exact_ranks + 2`` smallest bounds and every candidate it cannot bound (bad gauges, unusual profiles: these are
+exactly the ones full scoring may exclude), then every other candidate whose bound does not exceed the
+``exact_ranks``-th best score found (ties included, with a rounding margin). What that changes, and what not:
+
+* ``chosen``, ``branch`` and the first ``exact_ranks`` places of ``ranking`` (default 3: the choice and the
+  router's two retries) are exactly full scoring's, ties broken by candidate order as full scoring breaks them;
+  so is the ranking's membership (every candidate but the excluded ones) and the exclusion counters.
+* the rest of ``ranking``: the other scored candidates by score, then the pruned ones in candidate order (full
+  scoring would rank those by score; a retry walks that far only past ``exact_ranks`` failures).
+* ``scores`` holds the candidates scored in full (at least the first ``exact_ranks`` places, and the chosen),
+  in candidate order, each exactly as full scoring computes it; a pruned candidate has no entry. So the
+  router's ``/route`` lists the contenders, not every replica, and ``pruned_candidates`` counts the others.
+* with a TTFT target (``RouteRequest.ttft_target_s``), every candidate that may meet it and the one with the
+  lowest predicted TTFT are scored, so the SLO pick and the router's early ``slo_unattainable`` check read
+  exactly what full scoring gives them; under ``tail`` with ``slo_ttft_s``, ranking by (meets the SLO, key)
+  is bounded the same way.
+* state (popularity counts, reuse ages, calibration inputs, exclusion counters) evolves exactly as with full
+  scoring, so later decisions are the same too.
 """
 
 from __future__ import annotations
@@ -418,7 +441,7 @@ class TTFTPolicy:
                         running = worst[1] if worst[1] > load.inflight_requests else load.inflight_requests
                     if kv is None:
                         kv = worst[2]
-                if not (qt >= 0.0 and running >= 0.0 and kv >= 0.0 and load.inflight_prefill_tokens >= 0):
+                if not (qt >= 0 and running >= 0 and kv >= 0.0 and load.inflight_prefill_tokens >= 0):
                     raise ArithmeticError(
                         f"negative or NaN load (backlog {qt!r} tokens, {running!r} running, KV usage {kv!r})"
                     )

@@ -22,7 +22,8 @@ Why each is a lower bound (``a`` = attention seconds per token pair >= 0):
   and lost seconds at least ``(deepest - u) / rate``. With the survival check the penalty may be dropped for all,
   so ``mig = 0``.
 * Rounding: every term is non-negative (a candidate with a negative overhead gets no bound), so the float score
-  differs from the real one by a few ulps of itself; bounds are multiplied by ``1 - 1e-12``.
+  and the float bound differ from the real ones by a few ulps of themselves; a bound is compared as ``bound x
+  SAFE`` (``1 - 1e-12``), far below the score whatever the order of operations.
 
 A candidate gets no bound (it is always scored in full, so its exclusion or error is exactly full scoring's) when a
 load gauge is not a finite non-negative number, its rate is below ``MIN_RATE`` or not a number, its overhead is
