@@ -223,9 +223,7 @@ def bound_pass(candidates: Sequence[Candidate], t: BoundTerms, out: Bounds) -> N
     inf, neg, big, min_rate, max_tokens = _INF, _NEG, BIG, MIN_RATE, MAX_TOKENS
     c1 = 1.0 + ww
     c1n = c1 * n
-    pos = -1
-    for cand in candidates:
-        pos += 1
+    for pos, cand in enumerate(candidates):
         load = cand.load
         hit = cand.hit
         idx = cand.index
