@@ -40,7 +40,8 @@ Ties are broken by candidate order (deterministic). The decision's parts per can
 ``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). The score is ``E + W`` (mean) or ``tail + W`` (tail).
 ``calibrated(index)`` gives the rate in use.
 
-Pruning (``prune``; on for the registered ``ttft`` policy, off for ``TTFTPolicy`` itself). Scoring a candidate in
+Pruning (``prune``; on for the registered ``ttft`` policy, off for ``TTFTPolicy`` itself; decisions with at least
+``prune_min_candidates`` candidates, default 32). Scoring a candidate in
 full costs ~1.5 µs (its parts, the hit paths, a ``CandidateScore``); a lower bound of its score costs a few
 hundred ns (``policies.ttft_bounds``: queue, overhead, KV penalty and the least compute any outcome needs, with
 the work term and the least migration penalty). A pruned decision bounds every candidate, scores in full the
@@ -200,6 +201,10 @@ class TTFTPolicy:
             ``pd_ttft`` uses as its prefill model and which must give every candidate's terms).
         exact_ranks: places at the head of the ranking that are exactly full scoring's, each with its full terms
             (default 3: the choice and the router's default two retries, ``max_retries``); at least 1.
+        prune_min_candidates: prune only decisions with at least this many candidates (and more than
+            ``exact_ranks``). Default 32: below it, scoring everyone costs less than bounding first (measured
+            with ``python -m loadtest.bench_policies``: pruned and full scoring break even near 24-32
+            candidates, pruning halves the time at 64); 0 prunes every decision it can.
     """
 
     name = "ttft"
@@ -240,10 +245,11 @@ class TTFTPolicy:
         slo_fast_priority: int = 1,
         prune: bool | None = None,
         exact_ranks: int = 3,
+        prune_min_candidates: int = 32,
     ) -> None:
         """Check and store the parameters (documented in the class docstring).
 
-        Long because: 29 keyword parameters, one line each; they stay flat (not grouped) because
+        Long because: 30 keyword parameters, one line each; they stay flat (not grouped) because
         ``make_policy(name, **params)`` builds every policy from ``Settings.policy_params``, and the body only
         checks them (``_check_params``) and stores them.
         """
@@ -301,6 +307,7 @@ class TTFTPolicy:
             raise ValueError(f"exact_ranks must be >= 1, got {exact_ranks!r}")
         self.prune = type(self).prune_default if prune is None else prune
         self.exact_ranks = exact_ranks
+        self.prune_min_candidates = prune_min_candidates
         #: candidates a pruned decision did not score in full (cumulative)
         self.pruned_candidates = 0
         #: replica -> [decayed sum of uncached tokens written (tokens), time of the last update (s),
@@ -321,12 +328,14 @@ class TTFTPolicy:
 
         Steps: the deepest GPU match a move would throw away (``_deepest_to_keep``), every candidate's score
         (``_score``, the hot loop), the migration penalty (``_charge_migration``), the ranking (``_pick``). With
-        pruning on (``prune``) and more candidates than ``exact_ranks``, ``_choose_pruned`` bounds every
-        candidate first and scores only those that can reach the head of the ranking.
+        pruning on (``prune``) and at least ``prune_min_candidates`` candidates (more than ``exact_ranks``),
+        ``_choose_pruned`` bounds every candidate first and scores only those that can reach the head of the
+        ranking.
         """
         require_candidates(candidates)
         tail = (self.objective or request.objective) == "tail"
-        if self.prune and len(candidates) > self.exact_ranks:
+        n = len(candidates)
+        if self.prune and n > self.exact_ranks and n >= self.prune_min_candidates:
             pruned = self._choose_pruned(request, candidates, tail)
             if pruned is not None:
                 return pruned

@@ -26,7 +26,7 @@ PRUNE = pytest.mark.parametrize("prune", [False, True], ids=["full", "pruned"])
 
 
 def _policy(prune: bool) -> TTFTPolicy:
-    return TTFTPolicy(prune=prune, exact_ranks=1)
+    return TTFTPolicy(prune=prune, exact_ranks=1, prune_min_candidates=0)
 
 
 @pytest.mark.parametrize(

@@ -361,7 +361,8 @@ def test_decision_shape_and_determinism() -> None:
     assert sorted(d1.ranking) == list(range(16)) and d1.ranking[0] == d1.chosen
     assert [s.index for s in d1.scores] == list(range(16))
     # pruned (the default): the same choice and ranking head, scores for the contenders only, in candidate order
-    d3 = make_policy("ttft").choose(req, cands)
+    d3 = make_policy("ttft", prune_min_candidates=0).choose(req, cands)
+    assert make_policy("ttft").choose(req, cands) == d1  # below prune_min_candidates: every candidate scored
     assert (d3.chosen, d3.branch, d3.ranking[:3]) == (d1.chosen, d1.branch, d1.ranking[:3])
     assert sorted(d3.ranking) == list(range(16)) and len(d3.scores) < 16
     assert [s.index for s in d3.scores] == sorted(s.index for s in d3.scores)

@@ -87,7 +87,7 @@ class Twins:
     """A pruned and a full-scoring ``ttft`` policy fed the same decisions and observations, compared each time."""
 
     def __init__(self, **params: Any) -> None:
-        self.pruned = TTFTPolicy(prune=True, **params)
+        self.pruned = TTFTPolicy(prune=True, prune_min_candidates=0, **params)
         self.full = TTFTPolicy(prune=False, **params)
         self.decisions = 0
         self.pruned_before = 0
@@ -332,7 +332,7 @@ def test_a_bound_within_rounding_of_the_threshold_is_never_ruled_out() -> None:
     """A bound is computed in fewer operations than the score it bounds, so it can exceed it by a few ulps
     (``test_every_bound_is_at_most_what_it_bounds`` checks the ``SAFE`` margin covers that): a bound at the
     threshold times (1 + 1e-13) must still be scored, one at (1 + 1e-9) is ruled out."""
-    policy = TTFTPolicy(prune=True, exact_ranks=1, migration_weight=0.0)
+    policy = TTFTPolicy(prune=True, exact_ranks=1, migration_weight=0.0, prune_min_candidates=0)
     cands = [Candidate(i, f"r{i}") for i in range(4)]
     req = RouteRequest(model="m", prompt_tokens=100, block_keys=[])
     b = Bounds.sized(4, False, 1)
