@@ -230,9 +230,11 @@ def reuse_of(chosen: int, candidates: Sequence[Candidate]) -> Reuse:
     """The ``Reuse`` of choosing replica ``chosen`` among ``candidates`` (matched prompt tokens, every tier)."""
     available = 0
     achieved = 0
-    for c in candidates:
-        total = c.hit.total
-        available = max(available, total)
+    for c in candidates:  # every decision, every candidate: attributes, no property or ``max`` call
+        hit = c.hit
+        total = hit.gpu + hit.cpu + hit.disk + hit.remote
+        if total > available:
+            available = total
         if c.index == chosen:
             achieved = total
     return Reuse(available_tokens=available, achieved_tokens=achieved)
@@ -245,7 +247,9 @@ class Decision:
     Attributes:
         chosen: index of the chosen replica.
         ranking: replica indices, best first (the chosen one first); retries walk it in order.
-        scores: one entry per candidate, in the order the candidates were given.
+        scores: one entry per candidate, in the order the candidates were given; a policy that prunes (``ttft``)
+            gives entries for the candidates it scored in full only (the chosen one and the head of the ranking
+            among them), still in candidate order.
         policy: name of the policy that decided.
         branch: which branch of the policy decided (e.g. ``cache_hit``, ``shortest_queue``), for metrics.
         reuse: available vs achieved cached tokens (``reuse_of``), set by whoever holds the candidates after

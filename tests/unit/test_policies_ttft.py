@@ -355,11 +355,18 @@ def test_decision_shape_and_determinism() -> None:
         for i in range(16)
     ]
     req = RouteRequest(model="m", prompt_tokens=3000, block_keys=list(range(187)))
-    d1 = make_policy("ttft").choose(req, cands)
-    d2 = make_policy("ttft").choose(req, cands)
+    d1 = make_policy("ttft", prune=False).choose(req, cands)
+    d2 = make_policy("ttft", prune=False).choose(req, cands)
     assert d1 == d2
     assert sorted(d1.ranking) == list(range(16)) and d1.ranking[0] == d1.chosen
     assert [s.index for s in d1.scores] == list(range(16))
+    # pruned (the default): the same choice and ranking head, scores for the contenders only, in candidate order
+    d3 = make_policy("ttft", prune_min_candidates=0).choose(req, cands)
+    assert make_policy("ttft").choose(req, cands) == d1  # below prune_min_candidates: every candidate scored
+    assert (d3.chosen, d3.branch, d3.ranking[:3]) == (d1.chosen, d1.branch, d1.ranking[:3])
+    assert sorted(d3.ranking) == list(range(16)) and len(d3.scores) < 16
+    assert [s.index for s in d3.scores] == sorted(s.index for s in d3.scores)
+    assert all(s == d1.scores[s.index] for s in d3.scores)
     for s in d1.scores:
         for k in (
             "Q",
