@@ -21,8 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from index.hashing import root_seed
-from loadtest.simulator import Fleet, FleetConfig, _Rec
-from loadtest.traces import BlockKeyCache, load_mooncake, scale_rate
 from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from policies.base import (
     Candidate,
@@ -38,6 +36,8 @@ from policies.base import (
 )
 from policies.ttft import PrunedTTFTPolicy, TTFTPolicy, _Scored
 from policies.ttft_bounds import SAFE, Bounds, bound_pass, migration_bound, worst_known
+from sim.simulator import Fleet, FleetConfig, _Rec
+from sim.traces import BlockKeyCache, load_mooncake, scale_rate
 from tests.helpers import shared_trace
 
 BS = 16
