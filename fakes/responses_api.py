@@ -27,6 +27,8 @@ Streams are vLLM's event sequence, one SSE event (``event: <type>`` + ``data:``)
 and its usage. A stored response is stored when it completes; a background one at once with status ``queued``
 (kept until it completes: vLLM never shows ``in_progress``), ``cancelled`` after a cancel.
 
+Served on both dialects with vLLM's semantics (SGLang's own ``/v1/responses`` store is not modelled).
+
 Differences from vLLM, on purpose: a background stream whose response was cancelled ends (vLLM's stays open
 forever), and ``GET ...?stream=true`` of a response that has no stream answers 400 (vLLM fails inside the
 stream after its 200).
