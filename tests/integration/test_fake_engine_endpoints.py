@@ -1,7 +1,7 @@
 """The stand-in engine's other endpoints, as real processes: pooling endpoints only on a pooling runner (which
 serves no generation endpoint), speech-to-text over multipart bodies with vLLM's limits and errors, SGLang's
 native ``/generate`` on the SGLang dialect only, and each dialect's error shape. The shapes follow what vLLM 0.32
-answered here (``tests/real/test_responses_pooling_parity.py`` compares the two live)."""
+answered here (``tests/real/test_whole_api_parity.py`` compares the two live)."""
 
 from __future__ import annotations
 

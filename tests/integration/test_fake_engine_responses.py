@@ -1,5 +1,5 @@
 """The stand-in engine's Responses API behaves like vLLM 0.32's (``fakes/responses_api.py``; real vLLM's side:
-``tests/real/test_responses_pooling_parity.py``): stored responses live in one engine process only, chains render
+``tests/real/test_whole_api_parity.py``): stored responses live in one engine process only, chains render
 their earlier turns (so a follow-up hits the cache where its chain lives), ``store`` needs the store switch
 (``VLLM_ENABLE_RESPONSES_API_STORE=1`` or ``--enable-responses-store``), background responses are polled and
 cancelled, streams carry vLLM's event sequence, and bad requests get vLLM's error bodies."""

@@ -2,7 +2,7 @@
 streaming with usage, a Responses chain (streamed, stored, background + cancel), embeddings from a pooling engine
 (the client asks for base64 by default and decodes it), and errors mapped to the client's exception classes with
 vLLM's ``type`` / ``param``. A client that parses the stand-in like this parses vLLM (the shapes are checked against
-vLLM itself in ``tests/real/test_responses_pooling_parity.py``)."""
+vLLM itself in ``tests/real/test_whole_api_parity.py``)."""
 
 from __future__ import annotations
 

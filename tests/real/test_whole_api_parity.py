@@ -9,7 +9,8 @@ bodies (``fakes/responses_api.py``, ``fakes/pooling_api.py`` copy vLLM 0.32; thi
 * Pooling (``-k pooling``): one extra engine, ``--runner pooling --convert embed`` over the same tiny model (started
   for this module, ~1.5-3 min, 3.4 GB, stopped at its end), against a stand-in ``--runner pooling``.
 
-Text differs (random weights vs the stand-in's words), so answers are compared by shape (keys and value types,
+The file sorts after the other real-engine tests, so they keep their order and fresh engines; tests are named
+``test_responses_*`` / ``test_pooling_*`` for ``-k``. Text differs (random weights vs the stand-in's words), so answers are compared by shape (keys and value types,
 recursively), counts and errors, never by text or vector values.
 """
 
