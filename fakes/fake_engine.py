@@ -20,9 +20,19 @@ HTTP (FastAPI on uvicorn):
   for the old convenience). An idle engine publishes nothing.
 * What sglang-router (0.3.x) probes when a worker is added: ``GET /health``, ``/server_info`` and ``/model_info``
   (older releases: ``/get_server_info``, ``/get_model_info``), plus ``/get_load`` for its load monitor; all served.
-* ``POST /generate`` (SGLang native, minimal: ``text`` or ``input_ids`` + ``sampling_params.max_new_tokens``).
+* ``POST /v1/responses``, ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: the Responses API with
+  vLLM's store semantics (stored responses in this process's memory only; ``store`` honoured only with
+  ``--enable-responses-store`` or ``VLLM_ENABLE_RESPONSES_API_STORE=1``): ``fakes.responses_api``.
+* ``--runner pooling``: ``/pooling``, ``/v1/embeddings`` or ``/classify``, ``/score`` (+ ``/v1``), ``/rerank``
+  (+ ``/v1``, ``/v2``), and no generation endpoint: ``fakes.pooling_api``.
+* ``--speech-to-text``: ``/v1/audio/transcriptions`` and ``/v1/audio/translations`` (multipart): ``fakes.audio_api``.
+* ``POST /generate``: SGLang's native API on the SGLang dialect only (vLLM has none): ``fakes.sglang_native``.
+* Errors in the dialect's shape (``fakes.engine_api``): vLLM 0.32's ``{"error": {"message", "type", "param",
+  "code"}}``, SGLang's flat ``{"object": "error", "message", "type", "param", "code"}``; an unknown path FastAPI's
+  ``{"detail": "Not Found"}`` like both engines.
 * Fault injection: ``GET/POST /admin/faults`` (JSON, keys of ``HttpFaults`` and ``fakes.kv_publisher.Faults``),
-  ``POST /admin/restart`` (cache dropped silently, event sequence restarts at 0, like a process restart).
+  ``POST /admin/restart`` (cache and stored responses dropped silently, event sequence restarts at 0, like a
+  process restart).
 
 Block sizes: ``--device gpu`` (default) takes any ``--block-size`` (default 16); ``--device cpu`` emulates vLLM's
 CPU build: multiples of 32 only (default 128), anything else is refused at start like vLLM does.
@@ -56,6 +66,18 @@ import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from fakes.audio_api import SpeechToTextApi, add_speech_to_text_routes
+from fakes.engine_api import (
+    BadRequest,
+    error_response,
+    json_object,
+    message_text,
+    resolve_model,
+    sse_data,
+    until_disconnected,
+    validation_error,
+    vllm_validation,
+)
 from fakes.engine_model import (
     PROFILES,
     AllBlocksCleared,
@@ -80,6 +102,9 @@ from fakes.kv_publisher import (
     PubRemoved,
     PubStored,
 )
+from fakes.pooling_api import POOLING_TASKS, PoolingApi, add_pooling_routes
+from fakes.responses_api import ResponsesApi, add_responses_routes
+from fakes.sglang_native import SGLangGenerate, add_sglang_generate_route
 
 log = logging.getLogger("kvroute.fake_engine")
 
@@ -196,14 +221,6 @@ def _compile(source: str) -> Any:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
     return env.from_string(source)
-
-
-def _message_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return "" if content is None else str(content)
 
 
 # -- faults ------------------------------------------------------------------------------------------------------
@@ -838,57 +855,12 @@ class MetricsExporter:
 # -- HTTP app ----------------------------------------------------------------------------------------------------
 
 
-class BadRequest(Exception):
-    """A client error with an HTTP status and message (rendered like vLLM's ErrorResponse)."""
-
-    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.err_type = err_type
-
-
-def _error(message: str, status: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
-    """A client or server error in vLLM's ErrorResponse shape (HTTP ``status``)."""
-    return JSONResponse(
-        {
-            "object": "error",
-            "message": message,
-            "type": err_type,
-            "param": None,
-            "code": status,
-            "error": {"message": message, "type": err_type, "code": status},
-        },
-        status_code=status,
-    )
-
-
-async def _body_of(request: Request) -> dict[str, Any]:
-    """The request's JSON object body; ``BadRequest`` when it is not JSON or not an object."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"null")
-    except ValueError as exc:
-        raise BadRequest(f"invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
-
-
 def _salt_of(body: dict[str, Any]) -> str | None:
     """vLLM's ``cache_salt`` of a request (None when absent or empty)."""
     s = body.get("cache_salt")
     if s is not None and not isinstance(s, str):
         raise BadRequest("cache_salt must be a string")
     return s or None
-
-
-async def _until_disconnected(request: Request) -> None:
-    """Return once the client has closed its connection (the body was read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 class EngineHttp:
@@ -907,24 +879,23 @@ class EngineHttp:
         self.dialect: str = engine.opts.dialect
         #: reported as ``model_path`` / ``root``
         self.model_path: str = engine.opts.model_path or engine.opts.model
+        #: run by ``POST /admin/restart``: state a real restart loses (stored responses)
+        self.on_restart: list[Callable[[], None]] = []
 
     # -- request parsing -----------------------------------------------------------------------------------
     def resolve_model(self, body: dict[str, Any]) -> str | None:
-        """The LoRA adapter named by ``model`` (None for the base model); 404 for unknown names."""
-        name = body.get("model")
-        if name is None or name in self.engine.served:
-            return None
-        if isinstance(name, str) and name in self.engine.loras:
-            return name
-        raise BadRequest(f"The model `{name}` does not exist.", 404, "NotFoundError")
+        """The LoRA adapter named by ``model`` (None for the base model); vLLM's 404 for unknown names."""
+        return resolve_model(self.engine, body.get("model"))
 
     def max_tokens_of(self, body: dict[str, Any], prompt_len: int) -> int:
         """Output tokens asked for (``max_tokens`` / ``max_completion_tokens``), checked against the context."""
         mt = body.get("max_tokens", body.get("max_completion_tokens"))
         if mt is None:
             mt = self.opts.default_max_tokens
-        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
-            raise BadRequest("max_tokens must be a positive integer")
+        if not isinstance(mt, int) or isinstance(mt, bool):
+            raise validation_error("max_tokens", "Input should be a valid integer", "int_type", body)
+        if mt < 1:
+            raise vllm_validation(f"max_tokens must be at least 1, got {mt}.", "max_tokens", mt)
         if prompt_len < 1:
             raise BadRequest("the prompt must contain at least one token")
         max_len = self.opts.max_model_len
@@ -956,7 +927,7 @@ class EngineHttp:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise BadRequest("'messages' must be a non-empty list of message objects")
-        norm = [{**m, "content": _message_text(m.get("content"))} for m in msgs]
+        norm = [{**m, "content": message_text(m.get("content"))} for m in msgs]
         try:
             return self.engine.tokenizer.encode_chat(norm, bool(body.get("add_generation_prompt", True)))
         except Exception as exc:
@@ -977,7 +948,7 @@ class EngineHttp:
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.opts.tokenizer_path or self.model_path,
-            "is_generation": True,
+            "is_generation": self.opts.runner == "generate",
             "preferred_sampling_params": None,
             "weight_version": "default",
             "has_image_understanding": False,
@@ -998,7 +969,7 @@ class EngineHttp:
             await asyncio.sleep(f.stall_s)
         if f.error_every and n % f.error_every == 0:
             engine.requests_total += 1
-            return _error("fault injection: internal error", 500, "InternalServerError")
+            return error_response(self.dialect, "fault injection: internal error", 500, "InternalServerError")
         if f.garbage_every and n % f.garbage_every == 0:
             engine.requests_total += 1
             return Response(b"\x00\xffnot json{{{", media_type="application/json")
@@ -1007,7 +978,7 @@ class EngineHttp:
     async def generated_or_abort(self, st: _Req, request: Request) -> int | None:
         """Wait for a non-streamed generation; abort it and return None when the client goes away first."""
         gen = asyncio.ensure_future(st.generated())
-        gone = asyncio.ensure_future(_until_disconnected(request))
+        gone = asyncio.ensure_future(until_disconnected(request))
         try:
             await asyncio.wait({gen, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -1032,11 +1003,11 @@ class EngineHttp:
         )
         pd = self.engine.pd
         try:
-            leg = await pd.leg_of(body, len(ids), request.headers, lambda: _until_disconnected(request))
+            leg = await pd.leg_of(body, len(ids), request.headers, lambda: until_disconnected(request))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         except TransferFailed as exc:  # SGLang aborts the request (500); vLLM's Mooncake pull fails it
-            return _error(str(exc), 500, "InternalServerError")
+            return error_response(self.dialect, str(exc), 500, "InternalServerError")
         if leg is None:  # the client left while the decode leg waited for its KV
             return Response(status_code=499)
         st = self.engine.submit(ids, leg.max_tokens or mt, lora, salt, remote_kv_tokens=leg.remote_kv_tokens)
@@ -1122,7 +1093,7 @@ class EngineHttp:
                     n += 1
                     fin = "length" if n >= st.max_tokens else None
                     if chat and n == 1:
-                        yield _sse(
+                        yield sse_data(
                             {
                                 "id": rid,
                                 "object": obj,
@@ -1138,7 +1109,7 @@ class EngineHttp:
                                 ],
                             }
                         )
-                    yield _sse(
+                    yield sse_data(
                         {
                             "id": rid,
                             "object": obj,
@@ -1153,7 +1124,7 @@ class EngineHttp:
                 elif kind == "done":
                     break
             if include_usage:
-                yield _sse(
+                yield sse_data(
                     {
                         "id": rid,
                         "object": obj,
@@ -1176,36 +1147,6 @@ class EngineHttp:
         elif stall > 0:
             await asyncio.sleep(stall)
 
-    async def sglang_generate(self, body: dict[str, Any]) -> Response:
-        """SGLang's native ``/generate`` (minimal): ``text`` or ``input_ids``, ``max_new_tokens``."""
-        engine = self.engine
-        if isinstance(body.get("input_ids"), list):
-            ids = self.prompt_ids({"prompt": body["input_ids"]})
-        elif isinstance(body.get("text"), str):
-            ids = engine.tokenizer.encode(body["text"])
-        else:
-            raise BadRequest("'text' or 'input_ids' is required")
-        sp = body.get("sampling_params") or {}
-        default = self.opts.default_max_tokens
-        mt = sp.get("max_new_tokens", default) if isinstance(sp, dict) else default
-        faulty = await self.faults_before()
-        if faulty is not None:
-            return faulty
-        st = engine.submit(ids, self.max_tokens_of({"max_tokens": mt}, len(ids)))
-        n = await st.generated()
-        return JSONResponse(
-            {
-                "text": "".join(engine.word(i) for i in range(n)),
-                "meta_info": {
-                    "id": uuid.uuid4().hex,
-                    "prompt_tokens": st.prompt_tokens,
-                    "completion_tokens": n,
-                    "cached_tokens": st.cached_tokens,
-                    "finish_reason": {"type": "length", "length": n},
-                },
-            }
-        )
-
 
 def build_app(engine: FakeEngine) -> FastAPI:
     """The FastAPI application of one fake engine: its route groups over one ``EngineHttp``."""
@@ -1221,7 +1162,19 @@ def build_app(engine: FakeEngine) -> FastAPI:
     app = FastAPI(title="kvroute fake engine", lifespan=lifespan)
     http = EngineHttp(engine)
     _add_errors_and_auth(app, http)
-    _add_generation_routes(app, http)
+    if engine.opts.runner == "pooling":  # like vLLM: a pooling runner serves no generation endpoint
+        add_pooling_routes(
+            app, PoolingApi(engine, engine.opts.convert, engine.opts.hidden_size, engine.opts.num_labels)
+        )
+    else:
+        _add_generation_routes(app, http)
+        responses = ResponsesApi(engine, http.faults_before)
+        http.on_restart.append(responses.forget_all)
+        add_responses_routes(app, responses)
+        if engine.opts.speech_to_text:
+            add_speech_to_text_routes(app, SpeechToTextApi(engine))
+        if http.dialect == "sglang":
+            add_sglang_generate_route(app, SGLangGenerate(engine, http.faults_before))
     _add_tokenizer_routes(app, http)
     _add_info_routes(app, http)
     _add_metrics_route(app, http)
@@ -1261,7 +1214,7 @@ def _add_errors_and_auth(app: FastAPI, http: EngineHttp) -> None:
 
     @app.exception_handler(BadRequest)
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
-        return _error(exc.message, exc.status, exc.err_type)
+        return error_response(http.dialect, exc.message, exc.status, exc.err_type, exc.param)
 
     api_key = http.opts.api_key
     if api_key:  # like vLLM --api-key: every /v1 route needs "Authorization: Bearer <key>"
@@ -1277,21 +1230,17 @@ def _add_errors_and_auth(app: FastAPI, http: EngineHttp) -> None:
 
 
 def _add_generation_routes(app: FastAPI, http: EngineHttp) -> None:
-    """OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE), SGLang ``/generate``."""
+    """OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE)."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _body_of(request)
+        body = await json_object(request)
         return await http.generate(body, http.prompt_ids(body), chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _body_of(request)
+        body = await json_object(request)
         return await http.generate(body, http.chat_ids(body), chat=True, request=request)
-
-    @app.post("/generate")
-    async def sglang_generate(request: Request) -> Response:
-        return await http.sglang_generate(await _body_of(request))
 
 
 def _add_tokenizer_routes(app: FastAPI, http: EngineHttp) -> None:
@@ -1301,12 +1250,12 @@ def _add_tokenizer_routes(app: FastAPI, http: EngineHttp) -> None:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = await _body_of(request)
+        body = await json_object(request)
         if "messages" in body:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
                 raise BadRequest("'messages' must be a list of message objects")
-            norm = [{**m, "content": _message_text(m.get("content"))} for m in msgs]
+            norm = [{**m, "content": message_text(m.get("content"))} for m in msgs]
             try:
                 text = tokenizer.render_chat(norm, bool(body.get("add_generation_prompt", True)))
             except Exception as exc:
@@ -1325,7 +1274,7 @@ def _add_tokenizer_routes(app: FastAPI, http: EngineHttp) -> None:
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request) -> Response:
-        body = await _body_of(request)
+        body = await json_object(request)
         toks = body.get("tokens")
         if not isinstance(toks, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in toks
@@ -1476,12 +1425,14 @@ def _add_admin_routes(app: FastAPI, http: EngineHttp) -> None:
 
     @app.post("/admin/faults")
     async def set_faults(request: Request) -> Response:
-        _set_faults(engine, await _body_of(request))
+        _set_faults(engine, await json_object(request))
         return JSONResponse({"http": engine.http_faults.as_dict(), "kv": engine.kv_faults.as_dict()})
 
     @app.post("/admin/restart")
     async def restart() -> Response:
         engine.restart()
+        for hook in http.on_restart:
+            hook()
         return JSONResponse(
             {"restarted": True, "next_seq": engine.publisher.next_seq if engine.publisher else None}
         )
@@ -1534,10 +1485,6 @@ def _set_faults(engine: FakeEngine, body: dict[str, Any]) -> None:
         raise BadRequest(str(exc)) from None
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
 # -- command line ------------------------------------------------------------------------------------------------
 
 
@@ -1551,6 +1498,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_server_args(p)
+    _add_api_args(p)
     _add_engine_model_args(p)
     _add_kv_event_args(p)
     _add_fault_args(p)
@@ -1627,6 +1575,40 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer <key>' on /v1 routes (like vLLM --api-key); 401 otherwise",
+    )
+
+
+def _add_api_args(p: argparse.ArgumentParser) -> None:
+    """What the served model does, hence which endpoints it serves (vLLM decides it from the model and its flags)."""
+    g = p.add_argument_group("served API")
+    g.add_argument(
+        "--runner",
+        choices=("generate", "pooling"),
+        default="generate",
+        help="vLLM's --runner: generate (completions, chat, responses) or pooling (embeddings, pooling, "
+        "classify, score, rerank; no generation endpoint)",
+    )
+    g.add_argument(
+        "--convert",
+        choices=POOLING_TASKS,
+        default="embed",
+        help="vLLM's --convert, with --runner pooling: the pooling model's task (embed: /v1/embeddings + "
+        "bi-encoder scoring; classify: /classify + cross-encoder scoring when --num-labels is 1)",
+    )
+    g.add_argument(
+        "--hidden-size", type=int, default=512, help="floats per pooled vector (the model's width)"
+    )
+    g.add_argument("--num-labels", type=int, default=2, help="classes of a --convert classify model")
+    g.add_argument(
+        "--enable-responses-store",
+        action="store_true",
+        help="honour store: true in /v1/responses (vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1 in the environment, "
+        "also read here); without it store is silently ignored and background answers 400",
+    )
+    g.add_argument(
+        "--speech-to-text",
+        action="store_true",
+        help="the model transcribes (like Whisper): serve /v1/audio/transcriptions and /v1/audio/translations",
     )
 
 
@@ -1745,6 +1727,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--kv-replay-port needs --kv-events-port")
     if opts.time_scale < 0:
         p.error("--time-scale must be >= 0")
+    if opts.hidden_size < 1 or opts.num_labels < 1:
+        p.error("--hidden-size and --num-labels must be positive")
+    if opts.runner == "pooling" and opts.speech_to_text:
+        p.error("--speech-to-text needs --runner generate")
     return opts
 
 

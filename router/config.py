@@ -1036,6 +1036,21 @@ class Settings(BaseSettings):
         "quarter of this at the end of the text to estimate the length. Larger: exact ids for more "
         "prompts, more router CPU on new long prompts",
     )
+    # --- Responses API chains: the response id -> replica map (membership/shared_state.py ResponseMap) ---
+    response_map_ttl_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="how long a Responses API response id stays mapped to the replica holding it after its last "
+        "use, so a follow-up (previous_response_id, GET / cancel of a background response) reaches that "
+        "replica; shared by router replicas through Redis (redis_url), else kept by each router (s). "
+        "Engines keep stored responses for their process's life",
+    )
+    response_map_local_entries: int = Field(
+        default=100_000,
+        ge=1,
+        description="response ids each router keeps in memory (least recently used dropped first): the whole map "
+        "without Redis, the fallback while Redis is down; ~200 bytes each",
+    )
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")

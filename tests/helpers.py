@@ -254,9 +254,11 @@ class PageServer:
         self.srv.server_close()
 
 
-def start_fake_engine(*args: str, attempts: int = 3, timeout: float = 30.0) -> tuple[Proc, int, int, int]:
-    """Start ``kvroute fake-engine`` on three free ports (HTTP, KV events, replay) plus ``args`` and wait until it
-    answers ``/health``. ``free_port`` cannot reserve a port: when another process takes one first, the engine exits
+def start_fake_engine(
+    *args: str, attempts: int = 3, timeout: float = 30.0, env: dict[str, str] | None = None
+) -> tuple[Proc, int, int, int]:
+    """Start ``kvroute fake-engine`` on three free ports (HTTP, KV events, replay) plus ``args`` (and ``env`` added to
+    its environment) and wait until it answers ``/health``. ``free_port`` cannot reserve a port: when another process takes one first, the engine exits
     ('address already in use') and is started again on new ports (at most ``attempts`` times).
 
     Returns the process and its HTTP, events and replay ports.
@@ -274,6 +276,7 @@ def start_fake_engine(*args: str, attempts: int = 3, timeout: float = 30.0) -> t
             "--kv-replay-port",
             str(rp),
             *args,
+            env=env,
         )
         url = f"http://127.0.0.1:{port}/health"
 

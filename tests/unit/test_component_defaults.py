@@ -18,7 +18,7 @@ from membership.health import HealthChecker
 from membership.kubernetes import KubernetesOptions
 from membership.kv_events import KVEventsConfig
 from membership.replicas import RedisIndexAllocator
-from membership.shared_state import SharedState
+from membership.shared_state import ResponseMap, SharedState
 from policies.dispatch import DispatchSettings
 from router.admission import Admission
 from router.config import Settings
@@ -78,6 +78,7 @@ CONFIGURED: list[tuple[Callable[..., Any], dict[str, str]]] = [
             "broadcast": "broadcast_decisions",
         },
     ),
+    (ResponseMap, {"ttl_s": "response_map_ttl_s", "local_max": "response_map_local_entries"}),
     (MetricsScraper, {"interval_s": "scrape_interval_s", "timeout_s": "scrape_timeout_s"}),
     (
         Router,
