@@ -19,7 +19,6 @@ from membership.kv_decode import (
     DEFAULT_LIMITS,
     MEDIUM_TO_TIER,
     DecodedBatch,
-    DecodeLimits,
     LocatedEvent,
     RemovedEvent,
     StoredEvent,
