@@ -509,6 +509,15 @@ def decoded_cost(ev: Event) -> int:
     return cost
 
 
+def _count_drop(batch: DecodedBatch, bad: _Bad) -> None:
+    """Count one dropped event in ``batch`` (its reason, its filtered hashes, an unknown medium's spelling)."""
+    batch.dropped[bad.reason] += 1
+    if bad.hashes:
+        batch.filtered_hashes.extend(bad.hashes)
+    if bad.medium:
+        batch.unknown_media[bad.medium] += 1
+
+
 def _decode_payload(
     payload: bytes, seq: int, topic: bytes, limits: DecodeLimits, slice_units: int
 ) -> Generator[None, None, DecodedBatch | DecodeFailure]:
@@ -568,11 +577,7 @@ def _decode_payload(
         try:
             ev = _decode_event(raw, limits, batch.notes)
         except _Bad as bad:
-            batch.dropped[bad.reason] += 1
-            if bad.hashes:
-                batch.filtered_hashes.extend(bad.hashes)
-            if bad.medium:
-                batch.unknown_media[bad.medium] += 1
+            _count_drop(batch, bad)
             continue
         if ev is not None:
             events.append(ev)

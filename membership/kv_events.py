@@ -812,6 +812,37 @@ class _Collector:
     def describe(self) -> list[Any]:
         return []
 
+    def _media_families(self, feeds: list[_Feed]) -> Iterator[Any]:
+        """Unknown media (bounded labels), engine pages per medium and tier, image-bearing pages."""
+        from prometheus_client.core import CounterMetricFamily
+
+        um = CounterMetricFamily(
+            "kvroute_kv_unknown_medium",
+            "KV events dropped because their medium is not in kv_medium_tiers (a miss), by spelling (bounded: the "
+            "first 16 spellings, then other)",
+            labels=["medium"],
+        )
+        for spelling, c in self.sub.unknown_medium_counts().items():
+            um.add_metric([spelling], c)
+        mb = CounterMetricFamily(
+            "kvroute_kv_event_medium_blocks",
+            "Engine pages announced per medium (kv_medium_tiers key, none = no medium) and tier, by operation "
+            "(stored, removed, located: a location-only store resolved against known pages)",
+            labels=["replica", "medium", "tier", "op"],
+        )
+        im = CounterMetricFamily(
+            "kvroute_kv_image_blocks",
+            "Engine pages with multimodal keys: indexed (keyed exactly) or dropped (keys unusable)",
+            labels=["replica", "outcome"],
+        )
+        for f in feeds:
+            for key, c in f.stats.media_blocks.items():
+                medium, tier, op = key.split("|", 2)
+                mb.add_metric([f.spec.name, medium, tier, op], c)
+            for outcome in ("indexed", "dropped"):
+                im.add_metric([f.spec.name, outcome], f.stats.notes.get(f"image_pages_{outcome}", 0))
+        yield from (um, mb, im)
+
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -858,32 +889,7 @@ class _Collector:
             "1 while the replica's event stream lost events it could not recover",
             labels=["replica"],
         )
-        um = CounterMetricFamily(
-            "kvroute_kv_unknown_medium",
-            "KV events dropped because their medium is not in kv_medium_tiers (a miss), by spelling (bounded: the "
-            "first 16 spellings, then other)",
-            labels=["medium"],
-        )
-        for spelling, c in self.sub.unknown_medium_counts().items():
-            um.add_metric([spelling], c)
-        mb = CounterMetricFamily(
-            "kvroute_kv_event_medium_blocks",
-            "Engine pages announced per medium (kv_medium_tiers key, none = no medium) and tier, by operation "
-            "(stored, removed, located: a location-only store resolved against known pages)",
-            labels=["replica", "medium", "tier", "op"],
-        )
-        im = CounterMetricFamily(
-            "kvroute_kv_image_blocks",
-            "Engine pages with multimodal keys: indexed (keyed exactly) or dropped (keys unusable)",
-            labels=["replica", "outcome"],
-        )
-        for f in feeds:
-            for key, c in f.stats.media_blocks.items():
-                medium, tier, op = key.split("|", 2)
-                mb.add_metric([f.spec.name, medium, tier, op], c)
-            for outcome in ("indexed", "dropped"):
-                im.add_metric([f.spec.name, outcome], f.stats.notes.get(f"image_pages_{outcome}", 0))
-        yield from (um, mb, im)
+        yield from self._media_families(feeds)
         for f in feeds:
             n, s = f.spec.name, f.stats
             for t in EVENT_TYPES:

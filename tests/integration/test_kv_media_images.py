@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from fakes.fake_engine import EngineTokenizer
 from fakes.mm import expand_chat_images
@@ -106,6 +107,15 @@ def test_image_chat_blocks_land_under_the_routers_own_keys(fmt: str) -> None:
             totals = sub.stats()["totals"]
             assert totals["notes"]["image_pages_indexed"] >= 2 * (IMAGE_TOKENS // BS)
             assert not totals["dropped"]
+            registry = CollectorRegistry()
+            sub.register_metrics(registry)
+            page = generate_latest(registry).decode()
+            n = totals["notes"]["image_pages_indexed"]
+            assert f'kvroute_kv_image_blocks_total{{outcome="indexed",replica="r0"}} {float(n)}' in page
+            assert (
+                'kvroute_kv_event_medium_blocks_total{medium="GPU",op="stored",replica="r0",tier="gpu"}'
+                in page
+            )
         finally:
             await sub.stop()
 
