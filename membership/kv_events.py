@@ -837,7 +837,7 @@ class _Collector:
         )
         for f in feeds:
             for key, c in f.stats.media_blocks.items():
-                medium, tier, op = key.split("|", 2)
+                medium, tier, op = key.rsplit("|", 2)
                 mb.add_metric([f.spec.name, medium, tier, op], c)
             for outcome in ("indexed", "dropped"):
                 im.add_metric([f.spec.name, outcome], f.stats.notes.get(f"image_pages_{outcome}", 0))

@@ -440,3 +440,47 @@ def test_store_only_pages_count_in_the_memory_budget() -> None:
     st = index.stats()
     assert st["estimated_bytes"] <= 100_000 and 0 < st["ttl_pages"] < 400
     assert st["ttl_pages"] <= st["engine_entries"] + 1
+
+
+# -- the stand-in engine's publisher ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "vllm-legacy", "sglang"])
+@pytest.mark.parametrize(("medium", "locality", "tier"), [m for m in MEDIA if m[0] is not None])
+def test_stand_in_announces_any_medium(fmt: str, medium: str, locality: str | None, tier: str) -> None:
+    """``--kv-medium cpu=MEDIUM[/LOCALITY]``: the engine's CPU tier announced in any spelling decodes to the
+    tier the table gives it (SGLang has no locality field: it is dropped there)."""
+    from fakes.kv_publisher import PubRemoved, PubStored, encode_batch, parse_media
+
+    spec = f"cpu={medium}" + (f"/{locality}" if locality else "")
+    media = parse_media([spec])
+    payload = encode_batch(
+        [PubStored([1, 2], None, TOKS, 16, "cpu"), PubRemoved([1], "cpu")], fmt, 1.0, media=media
+    )
+    b = decode_payload(payload)
+    assert isinstance(b, DecodedBatch) and not b.dropped
+    want = tier if (fmt != "sglang" or locality is None) else medium_to_tier(medium)
+    assert [e.tier for e in b.events] == [want, want]
+    store_only = encode_batch([PubRemoved([1], "cpu"), PubRemoved([2], "gpu")], fmt, 1.0, store_only=True)
+    b2 = decode_payload(store_only)
+    assert isinstance(b2, DecodedBatch) and [e.tier for e in b2.events] == ["gpu"]
+    with pytest.raises(ValueError, match="TIER=MEDIUM"):
+        parse_media(["cpu"])
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "vllm-legacy"])
+def test_stand_in_image_blocks_carry_vllms_extra_keys(fmt: str) -> None:
+    from fakes.kv_publisher import PubStored, encode_batch
+    from index.hashing import MmItem, vllm_block_extra_keys
+
+    items = [MmItem("img", 5, 20)]
+    mm = [
+        [(k[0], k[1]) for k in e if isinstance(k, tuple)] or None
+        for e in vllm_block_extra_keys(32, 16, items)
+    ]
+    payload = encode_batch([PubStored([1, 2], None, TOKS, 16, "gpu", "ad", "s", mm)], fmt, 1.0)
+    b = decode_payload(payload)
+    assert isinstance(b, DecodedBatch) and not b.dropped
+    ev = b.events[0]
+    assert isinstance(ev, StoredEvent)
+    assert (ev.mm, ev.mm_pages, ev.lora_name, ev.cache_salt) == ([(5, "img")], 2, "ad", "s")
