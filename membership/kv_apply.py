@@ -367,7 +367,7 @@ class BatchApplier:
     def _orphan(self, ev: StoredEvent, count: bool, result: ApplyResult) -> None:
         """A ``BlockStored`` whose parent the index does not know."""
         if ev.parent is not None and ev.parent in self.dropped_hashes:
-            # its parent was dropped by our own filters (multimodal, other KV group, unknown medium): a replay
+            # its parent was dropped by our own filters (unusable extra keys, other KV group, unknown medium): a replay
             # cannot bring it; the chain stays dropped
             if count:
                 self.stats.notes["orphan_parent_dropped"] += 1

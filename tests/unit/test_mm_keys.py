@@ -13,6 +13,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from index.hashing import MmItem, block_keys, mm_block_keys, root_seed, vllm_block_extra_keys
 from index.prefix_index import PrefixIndex
@@ -275,3 +277,43 @@ def test_lora_and_salt_extra_keys_give_the_request_side_seed() -> None:
     assert not stats.dropped
     assert index.match(block_keys(TOKS, 16, root_seed(MODEL, "sql-lora", "tenant-a")))[0].blocks == 2
     assert 0 not in index.match(block_keys(TOKS, 16, root_seed(MODEL, "sql-lora", "tenant-b")))
+
+
+_leaf = st.one_of(
+    st.none(), st.integers(-40, 40), st.text(max_size=6), st.binary(max_size=4), st.booleans(), st.floats()
+)
+_key = st.one_of(_leaf, st.lists(_leaf, max_size=4), st.dictionaries(st.text(max_size=3), _leaf, max_size=2))
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    extra=st.one_of(_leaf, st.lists(st.one_of(st.none(), st.lists(_key, max_size=4), _leaf), max_size=4)),
+    parent=st.sampled_from([None, 1]),
+    locality=_leaf,
+    tokens=st.sampled_from([TOKS, [], TOKS[:16]]),
+    block_size=st.sampled_from([16, 0, 8]),
+)
+def test_fuzz_extra_keys_locality_and_placeholders(
+    extra: object, parent: int | None, locality: object, tokens: list[int], block_size: int
+) -> None:
+    """Any shape of extra keys, locality, token list and block size: decoded or dropped with a reason, applied
+    without an exception, never an index error."""
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+        "extra_keys": extra,
+        "locality": locality,
+    }
+    b = decode_payload(msgpack.packb([0.0, [ev], 0]))
+    assert isinstance(b, DecodedBatch)
+    assert len(b.events) + sum(b.dropped.values()) == 1
+    index = PrefixIndex(block_size=16)
+    stats = FeedStats()
+    run_to_end(BatchApplier(index, 0, MODEL, stats, DEFAULT_LIMITS, 8192).apply(b))
+    assert "index_error" not in stats.dropped and "index_rejected" not in stats.dropped
