@@ -101,10 +101,13 @@ from fakes.kv_publisher import (
     PubEvent,
     PubRemoved,
     PubStored,
+    parse_media,
 )
+from fakes.mm import expand_chat_images, has_images, mm_block_hashes
 from fakes.pooling_api import POOLING_TASKS, PoolingApi, add_pooling_routes
 from fakes.responses_api import ResponsesApi, add_responses_routes
 from fakes.sglang_native import SGLangGenerate, add_sglang_generate_route
+from index.hashing import MmItem
 
 log = logging.getLogger("kvroute.fake_engine")
 
@@ -337,11 +340,14 @@ class FakeEngine:
                 dp_rank=opts.dp_rank,
                 hash_bytes=opts.kv_hash_bytes,
                 faults=self.kv_faults,
+                media=parse_media(opts.kv_medium or []),
+                store_only=opts.kv_store_only,
             )
         self.tokenizer = EngineTokenizer(opts.tokenizer_path or _tokenizer_dir(opts.model_path))
         self.loras: set[str] = set(opts.lora or [])
         self.served: list[str] = [opts.model, *(opts.served_model_name or [])]
         self._meta: dict[int, tuple[str | None, str | None]] = {}
+        self._mm_meta: dict[int, list[tuple[str, int]]] = {}  # engine hash -> its block's multimodal keys
         self._real0 = time.monotonic()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -416,16 +422,22 @@ class FakeEngine:
         lora: str | None = None,
         salt: str | None = None,
         remote_kv_tokens: int = 0,
+        mm: list[MmItem] | None = None,
     ) -> _Req:
         """Queue a request in the model now; returns its state (events arrive on ``state.queue``).
-        ``remote_kv_tokens``: prompt tokens whose KV a prefill engine handed over (PD decode legs)."""
+        ``remote_kv_tokens``: prompt tokens whose KV a prefill engine handed over (PD decode legs);
+        ``mm``: the prompt's images (their blocks hash and announce the items, as vLLM's do)."""
         now = self.now()
         self._dispatch(self.model.advance(now))
         self._counter += 1
         self.requests_total += 1
         state = _Req(prompt_tokens=len(token_ids), max_tokens=max_tokens, arrival_s=now)
         bs = self.model.block_size
-        hashes = engine_block_hashes(token_ids, bs, self._chain_seed(lora, salt))
+        if mm:
+            hashes, mm_keys = mm_block_hashes(token_ids, bs, self._chain_seed(lora, salt), mm)
+            self._mm_meta.update((h, k) for h, k in zip(hashes, mm_keys, strict=True) if k)
+        else:
+            hashes = engine_block_hashes(token_ids, bs, self._chain_seed(lora, salt))
         if lora is not None or salt is not None:
             for h in hashes:
                 self._meta[h] = (lora, salt)
@@ -496,6 +508,7 @@ class FakeEngine:
                 if ev.token_ids is None:
                     continue
                 lora, salt = self._meta.get(ev.block_hashes[0], (None, None))
+                mmk = self._mm_meta
                 kv.append(
                     PubStored(
                         list(ev.block_hashes),
@@ -505,17 +518,20 @@ class FakeEngine:
                         ev.tier,
                         lora,
                         salt,
+                        [mmk.get(h) for h in ev.block_hashes] if mmk else None,
                     )
                 )
             elif isinstance(ev, BlockRemoved):
                 kv.append(PubRemoved(list(ev.block_hashes), ev.tier))
-                if self._meta:
+                if self._meta or self._mm_meta:
                     for h in ev.block_hashes:
-                        if h in self._meta and self.model.lookup([h]) == (0, 0):
-                            del self._meta[h]
+                        if (h in self._meta or h in self._mm_meta) and self.model.lookup([h]) == (0, 0):
+                            self._meta.pop(h, None)
+                            self._mm_meta.pop(h, None)
             elif isinstance(ev, AllBlocksCleared):
                 kv.append(PubCleared())
                 self._meta.clear()
+                self._mm_meta.clear()
         if self._deferred_kv and (stepped or kv):  # a reset's events ride on the engine's next step
             kv = self._deferred_kv + kv
             self._deferred_kv = []
@@ -933,6 +949,19 @@ class EngineHttp:
         except Exception as exc:
             raise BadRequest(f"chat template failed: {exc}") from None
 
+    def chat_images(self, body: dict[str, Any]) -> tuple[list[int], list[MmItem]]:
+        """Token ids of a chat with image parts (``--image-tokens`` placeholders per image) and its images."""
+        if self.opts.kv_events_format == "sglang":
+            raise BadRequest("this stand-in serves image chats in the vLLM formats only")
+        tok = self.engine.tokenizer
+        agp = bool(body.get("add_generation_prompt", True))
+        return expand_chat_images(
+            body["messages"],
+            lambda msgs: tok.render_chat(msgs, agp),
+            lambda text: tok.encode(text, add_special_tokens=False),
+            self.opts.image_tokens,
+        )
+
     def usage(self, st: _Req, completion: int) -> dict[str, Any]:
         """The OpenAI ``usage`` object of a request that produced ``completion`` tokens."""
         details = {"cached_tokens": st.cached_tokens} if self.opts.enable_prompt_tokens_details else None
@@ -1010,7 +1039,12 @@ class EngineHttp:
             return error_response(self.dialect, str(exc), 500, "InternalServerError")
         if leg is None:  # the client left while the decode leg waited for its KV
             return Response(status_code=499)
-        st = self.engine.submit(ids, leg.max_tokens or mt, lora, salt, remote_kv_tokens=leg.remote_kv_tokens)
+        mm = None
+        if chat and has_images(body.get("messages")):
+            ids, mm = self.chat_images(body)
+        st = self.engine.submit(
+            ids, leg.max_tokens or mt, lora, salt, remote_kv_tokens=leg.remote_kv_tokens, mm=mm
+        )
         key = leg.handoff_key
         if key is not None:
             st.on_first = lambda: pd.prefilled(key, len(ids))
@@ -1673,6 +1707,25 @@ def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
         help="vLLM formats: send hashes as 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
     )
     g.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank reported in vLLM batches")
+    g.add_argument(
+        "--kv-medium",
+        action="append",
+        metavar="TIER=MEDIUM[/LOCALITY]",
+        help="announce a tier's blocks in this medium (repeatable), e.g. cpu=STORAGE/REMOTE, cpu=SHARED_STORAGE, "
+        "cpu=cpu (LMCache); default: the engine's own (GPU; CPU or SGLang CPU_PINNED)",
+    )
+    g.add_argument(
+        "--kv-store-only",
+        action="store_true",
+        help="never announce a removal from a non-GPU tier (LMCache's connector announces stores only)",
+    )
+    g.add_argument(
+        "--image-tokens",
+        type=int,
+        default=64,
+        help="placeholder tokens per image of a chat (images keyed by their uuid, else a hash of the URL; their "
+        "blocks carry vLLM's extra_keys)",
+    )
 
 
 def _add_fault_args(p: argparse.ArgumentParser) -> None:

@@ -141,6 +141,8 @@ CONFIGURED: list[tuple[Callable[..., Any], dict[str, str]]] = [
             "orphan_replay_interval_s": "kv_orphan_replay_interval_s",
             "degraded_retry_s": "kv_degraded_retry_s",
             "degraded_hold_s": "kv_degraded_hold_s",
+            "medium_tiers": "kv_medium_tiers",  # default_factory: equality in tests/unit/test_kv_media.py
+            "tier_ttl_s": "kv_tier_ttl_s",
         },
     ),
 ]
