@@ -16,14 +16,15 @@ The TTFT term of a request for adapter ``a`` on replica ``r`` (``AdapterCost``, 
 * ``a`` is in the CPU cache: ``activate_s`` (size / host-to-GPU bandwidth);
 * ``a`` is only in storage: ``load_s + activate_s`` (size / storage bandwidth + a fixed latency, or the load time
   measured on ``r``: llm-d measured ~0.4 s per GB; a rank-16 Qwen3-8B q/v adapter is 14.6 MiB);
-* every batch slot is held by another adapter with requests in flight on ``r``: plus ``slot_wait_s``, the time
-  until the first of them drains (``AdapterResidency.cost``);
-* and what the request imposes on others: the batch it joins waits for the fetch, and the adapter it evicts
-  (LRU) pays a reload on its next request if it was used recently (``evict_s``).
+* every batch slot is held by other adapters with requests in flight on ``r``: plus ``slot_wait_s``, the time
+  until a slot is free for ``a`` (the first holder drains, then one slot release per adapter queued ahead);
+* and what the request imposes on others: the batch it joins waits for the fetch, the adapter it evicts (LRU)
+  pays a reload on its next request if it was used recently (``evict_s``), and an adapter new to a replica whose
+  slots are all taken holds one more slot, which every adapter queued after it waits for (``occupy_s``).
 
 ``adapter_delay_s`` (the request's own wait: slot wait + fetch) enters ``ttft``'s predicted TTFT; the imposed
-seconds (fetch + eviction) enter its work term ``W`` with ``work_weight``, as the prefill it imposes on the queue
-does. One prediction in seconds, no separate weight.
+seconds (fetch + eviction + occupation) enter its work term ``W`` with ``work_weight``, as the prefill it imposes
+on the queue does. One prediction in seconds, no separate weight.
 
 ``AdapterResidency`` is the router's model of every replica's adapters, pure (no I/O, no clock): what the router
 sent (its dispatches replayed through the engine's two LRUs), corrected by what the engines report (residency
@@ -34,7 +35,7 @@ seconds, bytes, bytes per second.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -67,6 +68,8 @@ class AdapterSlots:
         gpu: adapters in GPU slots, least recently used first (a residency report, or the router's prediction);
             None when unknown.
         cpu: adapters in the CPU cache, least recently used first; None when unknown.
+        requests_info: whether ``running`` / ``waiting`` come from an exported ``vllm:lora_requests_info`` (vLLM
+            exports it once the engine has loaded an adapter; before that the peers read nothing).
     """
 
     max_loras: int | None = None
@@ -75,6 +78,7 @@ class AdapterSlots:
     deferred_requests: int | None = None
     gpu: tuple[str, ...] | None = None
     cpu: tuple[str, ...] | None = None
+    requests_info: bool = False
 
 
 @dataclass(slots=True)
@@ -89,6 +93,8 @@ class AdapterCost:
             first of them drains; 0 otherwise.
         evict_s: seconds of reload the adapter this one evicts (LRU) costs its next request; 0 when nothing
             recently used is evicted.
+        occupy_s: seconds the adapter's batch slot takes from adapters that need one after it: when it adds an
+            adapter to a replica whose slots are all taken, one slot time over ``max_loras``; 0 otherwise.
     """
 
     tier: AdapterTier = "gpu"
@@ -96,6 +102,7 @@ class AdapterCost:
     activate_s: float = 0.0
     slot_wait_s: float = 0.0
     evict_s: float = 0.0
+    occupy_s: float = 0.0
 
 
 def fetch_s(cost: AdapterCost) -> float:
@@ -109,7 +116,7 @@ def fetch_s(cost: AdapterCost) -> float:
 
 def _check(cost: AdapterCost) -> None:
     """Raise ``ArithmeticError`` unless every term of ``cost`` is a finite non-negative number of seconds."""
-    for name in ("load_s", "activate_s", "slot_wait_s", "evict_s"):
+    for name in ("load_s", "activate_s", "slot_wait_s", "evict_s", "occupy_s"):
         v = getattr(cost, name)
         if not 0.0 <= v < math.inf:
             raise ArithmeticError(f"adapter {name} {v!r} is not a finite non-negative number of seconds")
@@ -126,13 +133,14 @@ def adapter_delay_s(cost: AdapterCost) -> float:
 
 
 def adapter_imposed_s(cost: AdapterCost) -> float:
-    """Seconds the request's adapter costs others: the batch waits for the fetch, the evicted adapter reloads.
+    """Seconds the request's adapter costs others: the batch waits for the fetch, the evicted adapter reloads, a
+    new adapter on a full batch takes a slot from the adapters waiting after it.
 
     Raises:
         ArithmeticError: when a term is negative or not finite.
     """
     _check(cost)
-    return fetch_s(cost) + (cost.evict_s if cost.tier != "gpu" else 0.0)
+    return fetch_s(cost) + (cost.evict_s if cost.tier != "gpu" else 0.0) + cost.occupy_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +152,7 @@ class AdapterLinks:
         load_latency_s: fixed cost of a load, seconds.
         activate_bytes_per_s: CPU -> GPU bandwidth of an activation, bytes per second.
         default_bytes: size of an adapter whose size is unknown, bytes.
-        default_service_s: seconds a request holds its adapter's batch slot (dispatch to finish) before any
+        default_service_s: seconds a request holds its adapter's batch slot (first token to end) before any
             finish was observed on the replica.
         service_samples: the mean service time is an exponential moving average over about this many samples.
         reuse_window_s: an evicted adapter used within this many seconds is charged its reload (``evict_s``).
@@ -176,10 +184,12 @@ class _Replica:
     gpu: OrderedDict[str, None] = field(default_factory=OrderedDict)
     cpu: OrderedDict[str, None] = field(default_factory=OrderedDict)
     inflight: dict[str, int] = field(default_factory=dict)
+    since: dict[str, deque[float]] = field(default_factory=dict)
     last_used: dict[str, float] = field(default_factory=dict)
     running: tuple[str, ...] = ()
     waiting: tuple[str, ...] = ()
     deferred: int | None = None
+    info: bool = False
     service_s: float | None = None
     service_n: int = 0
     load_s_per_byte: float | None = None
@@ -237,18 +247,25 @@ class AdapterResidency:
         """The router sent a request for ``adapter`` to ``replica`` at ``now`` (seconds)."""
         rep = self._rep(replica)
         rep.inflight[adapter] = rep.inflight.get(adapter, 0) + 1
+        rep.since.setdefault(adapter, deque()).append(now)
         rep.last_used[adapter] = now
         _touch(rep.cpu, adapter, rep.max_cpu_loras, rep.inflight, rep.gpu)
         _touch(rep.gpu, adapter, rep.max_loras, rep.inflight, None)
 
     def finished(self, replica: int, adapter: str, service_s: float | None = None) -> None:
-        """A request for ``adapter`` on ``replica`` ended; ``service_s``: its dispatch-to-finish time, seconds."""
+        """A request for ``adapter`` on ``replica`` ended; ``service_s``: how long it held its batch slot (its
+        first token to its end, seconds), for the slot-wait estimate."""
         rep = self._rep(replica)
         k = rep.inflight.get(adapter, 0) - 1
         if k > 0:
             rep.inflight[adapter] = k
         else:
             rep.inflight.pop(adapter, None)
+        since = rep.since.get(adapter)
+        if since:
+            since.popleft()  # requests of one adapter end about in dispatch order
+            if not since:
+                del rep.since[adapter]
         if service_s is not None and 0.0 <= service_s < math.inf:
             rep.service_n += 1
             alpha = 1.0 / min(rep.service_n, self.links.service_samples)
@@ -269,6 +286,7 @@ class AdapterResidency:
         rep.running = tuple(sorted(set(running)))
         rep.waiting = tuple(sorted(set(waiting)))
         rep.deferred = deferred_requests
+        rep.info = True
         if max_loras is not None and max_loras >= 1 and max_loras != rep.max_loras:
             self.configure(replica, max_loras, rep.max_cpu_loras)
 
@@ -304,6 +322,7 @@ class AdapterResidency:
             deferred_requests=rep.deferred,
             gpu=tuple(rep.gpu),
             cpu=tuple(rep.cpu),
+            requests_info=rep.info,
         )
 
     def resident(self, replica: int) -> set[str]:
@@ -323,9 +342,7 @@ class AdapterResidency:
         load = rep.load_s_per_byte * size if rep.load_s_per_byte is not None else links.load_s(size)
         tier: AdapterTier = "gpu" if adapter in rep.gpu else ("cpu" if adapter in rep.cpu else "storage")
         cost = AdapterCost(tier=tier, load_s=load, activate_s=links.activate_s(size))
-        busy = self._busy(rep)
-        if adapter not in busy and len(busy) >= rep.max_loras:
-            cost.slot_wait_s = self._slot_wait(rep, busy)
+        cost.slot_wait_s, cost.occupy_s = self._slot_wait(rep, adapter)
         if tier != "gpu":
             cost.evict_s = self._evict_s(rep, adapter, tier, now)
         return cost
@@ -338,21 +355,35 @@ class AdapterResidency:
             rep = self._replicas[replica] = _Replica(1, 1)
         return rep
 
-    @staticmethod
-    def _busy(rep: _Replica) -> dict[str, int]:
-        """Adapters holding (or about to hold) a batch slot: requests in flight from this router, or running
-        per the last scrape (another router's traffic), with their request counts (at least 1)."""
-        busy = {a: k for a, k in rep.inflight.items() if k > 0}
-        for a in rep.running:
-            busy.setdefault(a, 1)
-        return busy
+    def _slot_wait(self, rep: _Replica, adapter: str) -> tuple[float, float]:
+        """(Seconds until ``adapter`` gets a batch slot on the replica, seconds its slot takes from others).
 
-    def _slot_wait(self, rep: _Replica, busy: dict[str, int]) -> float:
-        """Seconds until the first busy adapter drains: its ``k`` requests' remaining times are about uniform
-        over one service time ``S``, so the last of them ends after ``S * k / (k + 1)``; the soonest adapter."""
+        Busy adapters are those with requests in flight from this router (oldest dispatch first) and those the
+        last scrape shows running (another router's traffic, counted as oldest). The ``max_loras`` oldest hold
+        the slots; the others wait in dispatch order (vLLM keeps deferred requests in place). An adapter holding
+        a slot, or arriving while one is free, waits 0. Otherwise it waits for the first holder to drain, then
+        for one more slot release per adapter queued ahead of it: a holder with ``k`` requests left, each
+        about uniform over one slot time ``S`` (the mean first-token-to-end time seen on the replica), drains
+        after ``S k / (k + 1)``, and slots free about every ``S / max_loras`` after that. An adapter new to a
+        replica whose slots are all taken holds one more slot for about ``S``: every adapter needing one after
+        it waits ``S / max_loras`` longer (its imposed seconds).
+        """
+        busy: dict[str, tuple[int, float]] = {a: (len(ts), ts[0]) for a, ts in rep.since.items() if ts}
+        for a in rep.running:
+            busy.setdefault(a, (1, -math.inf))
+        n = rep.max_loras
         s = rep.service_s if rep.service_s is not None else self.links.default_service_s
-        k = min(busy.values())
-        return s * k / (k + 1)
+        occupy = s / n if adapter not in busy and len(busy) >= n else 0.0
+        if len(busy) < n:
+            return 0.0, 0.0
+        order = sorted(busy, key=lambda a: (busy[a][1], a))
+        holders = order[:n]
+        if adapter in holders:
+            return 0.0, 0.0
+        mine = busy[adapter][1] if adapter in busy else math.inf
+        ahead = sum(1 for a in order[n:] if busy[a][1] < mine)
+        k = min(busy[a][0] for a in holders)
+        return s * k / (k + 1) + ahead * s / n, occupy
 
     def _evict_s(self, rep: _Replica, adapter: str, tier: AdapterTier, now: float) -> float:
         """Reload seconds the LRU victims of this fetch cost their next requests: the GPU slot's victim

@@ -32,7 +32,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from index.hashing import block_keys_packed
+import xxhash
+
+from index.hashing import block_keys_packed, root_seed
 
 #: Tokens per ``hash_id`` in Mooncake traces.
 MOONCAKE_BLOCK_TOKENS = 512
@@ -54,6 +56,8 @@ class Request:
         segments: the prompt as ``(segment_id, tokens)`` pieces (see the module docstring).
         session_id: conversation / agent session the request belongs to, if any.
         group: workload-specific group label (shared-prefix group, request class), if any.
+        lora: the LoRA adapter the request names, or None for the base model.
+        lora_bytes: the adapter's size, bytes (0: unknown or no adapter).
     """
 
     request_id: str
@@ -63,6 +67,8 @@ class Request:
     segments: tuple[Segment, ...]
     session_id: str | None = None
     group: str | None = None
+    lora: str | None = None
+    lora_bytes: int = 0
 
 
 # ------------------------------------------------------------------------------------------------- tokens
@@ -110,18 +116,24 @@ class BlockKeyCache:
         block_size: tokens per block (``index.hashing`` semantics: full blocks only).
         seed: the root seed (``index.hashing.root_seed``).
         salt: token-stream salt (0 = the canonical synthesised tokens).
+        model: the model id ``seed`` was made from; a request naming a LoRA adapter is keyed from
+            ``root_seed(model, lora)`` (the adapter is folded into the root, as the router and vLLM key
+            adapter KV). None: from a root derived from ``seed`` and the adapter name.
 
     ``keys(request)`` returns ``array('Q')`` equal to ``block_keys(prompt_token_ids(request), block_size,
-    seed)``. Each distinct (prefix, segment) pair is hashed once; its keys, last key and unhashed leftover
-    tokens (when the prefix does not end on a block boundary) are kept, ~8 bytes per block.
+    seed)`` (the adapter's root for a LoRA request). Each distinct (prefix, segment) pair is hashed once; its
+    keys, last key and unhashed leftover tokens (when the prefix does not end on a block boundary) are kept, ~8
+    bytes per block.
     """
 
-    def __init__(self, block_size: int = 16, seed: int = 0, salt: int = 0) -> None:
+    def __init__(self, block_size: int = 16, seed: int = 0, salt: int = 0, model: str | None = None) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
         self.seed = seed
         self.salt = salt
+        self.model = model
+        self._by_adapter: dict[str, BlockKeyCache] = {}
         self._child: dict[tuple[int, int, int], int] = {}
         # per node: packed keys (8 bytes each), last key, leftover packed tokens
         self._keys: list[bytes] = [b""]
@@ -150,11 +162,27 @@ class BlockKeyCache:
         self.hashed_blocks += len(ks)
         return nid
 
+    def adapter_root(self, lora: str) -> int:
+        """The root seed of ``lora``'s key chains (see ``model``)."""
+        if self.model is not None:
+            return root_seed(self.model, lora)
+        return xxhash.xxh3_64_intdigest(lora.encode(), self.seed)
+
     def keys(self, request: Request) -> array[int]:
-        """Router keys of the request's full blocks."""
+        """Router keys of the request's full blocks (from its adapter's root for a LoRA request)."""
+        if request.lora is not None:
+            sub = self._by_adapter.get(request.lora)
+            if sub is None:
+                sub = BlockKeyCache(self.block_size, self.adapter_root(request.lora), self.salt)
+                self._by_adapter[request.lora] = sub
+            return sub.segment_keys(request.segments)
+        return self.segment_keys(request.segments)
+
+    def segment_keys(self, segments: Sequence[Segment]) -> array[int]:
+        """Keys of the full blocks of the prompt made of ``segments``, from this cache's root."""
         node = 0
         parts: list[bytes] = []
-        for seg in request.segments:
+        for seg in segments:
             node = self._node(node, seg)
             parts.append(self._keys[node])
         out = array("Q")
@@ -411,6 +439,13 @@ def agent_sessions(
     return out
 
 
+def _lora_sessions(**params: Any) -> list[Request]:
+    """``sim.lora_workload.lora_sessions`` (imported on use: that module builds on this one)."""
+    from sim.lora_workload import lora_sessions
+
+    return lora_sessions(**params)
+
+
 #: Generated workloads by name: name -> (generator, one-line description).
 WORKLOADS: dict[str, tuple[Callable[..., list[Request]], str]] = {
     "shared-prefix": (
@@ -428,6 +463,10 @@ WORKLOADS: dict[str, tuple[Callable[..., list[Request]], str]] = {
     "agent": (
         agent_sessions,
         "multi-turn agent sessions: each turn extends the previous context after a 10 s tool wait",
+    ),
+    "lora": (
+        _lora_sessions,
+        "multi-turn chats on LoRA adapters (--adapters, Zipf popularity, seeds' sizes), shared prefixes per adapter",
     ),
 }
 

@@ -35,7 +35,7 @@ def test_the_term_by_residency() -> None:
 
 
 @pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf])
-@pytest.mark.parametrize("name", ["load_s", "activate_s", "slot_wait_s", "evict_s"])
+@pytest.mark.parametrize("name", ["load_s", "activate_s", "slot_wait_s", "evict_s", "occupy_s"])
 def test_a_bad_term_is_an_error_not_a_guess(name: str, bad: float) -> None:
     cost = AdapterCost("storage", 0.1, 0.01)
     setattr(cost, name, bad)
@@ -137,6 +137,23 @@ def test_busy_adapters_are_never_evicted_and_make_others_wait() -> None:
     res.dispatched(0, "e", 0.0)
     res.dispatched(0, "e", 0.0)
     assert res.cost(0, "d", 0.0).slot_wait_s == pytest.approx(2.0 * 2 / 3)  # b (2 left) drains first
+
+
+def test_adapters_queued_for_slots_wait_in_dispatch_order_and_a_new_one_imposes_a_slot() -> None:
+    """One slot, slot time S = 3 s: ``a`` holds it (oldest), ``b`` (dispatched next) waits for a to drain
+    (S/2), ``c`` after it one more slot release (S/2 + S); a request for ``b`` itself waits like b; an adapter
+    new to the full replica imposes S / max_loras on the adapters after it, one already queued does not."""
+    res = AdapterResidency(AdapterLinks(default_service_s=3.0))
+    res.configure(0, max_loras=1)
+    res.dispatched(0, "a", 0.0)
+    res.dispatched(0, "b", 1.0)
+    res.dispatched(0, "c", 2.0)
+    assert res.cost(0, "a", 3.0).slot_wait_s == 0.0
+    b, c, d = (res.cost(0, x, 3.0) for x in ("b", "c", "d"))
+    assert b.slot_wait_s == pytest.approx(1.5) and c.slot_wait_s == pytest.approx(4.5)
+    assert d.slot_wait_s == pytest.approx(1.5 + 2 * 3.0)
+    assert (b.occupy_s, c.occupy_s, d.occupy_s) == (0.0, 0.0, pytest.approx(3.0))
+    assert adapter_imposed_s(d) == pytest.approx(fetch_s(d) + d.evict_s + 3.0)
 
 
 def test_another_routers_running_adapters_hold_slots_too() -> None:

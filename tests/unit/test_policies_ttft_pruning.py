@@ -197,10 +197,13 @@ def adapter_costs(draw: st.DrawFn, absurd: bool) -> AdapterCost | None:
         activate_s=draw(secs),
         slot_wait_s=draw(st.sampled_from([0.0, 0.0, 0.5, 6.0])),
         evict_s=draw(st.sampled_from([0.0, 0.0, 0.0006, 0.05])),
+        occupy_s=draw(st.sampled_from([0.0, 0.0, 1.5])),
     )
     if absurd and draw(st.integers(0, 5)) == 0:
         bad = draw(st.sampled_from([-1.0, math.nan, math.inf, 1e308]))
-        setattr(cost, draw(st.sampled_from(["load_s", "activate_s", "slot_wait_s", "evict_s"])), bad)
+        setattr(
+            cost, draw(st.sampled_from(["load_s", "activate_s", "slot_wait_s", "evict_s", "occupy_s"])), bad
+        )
     return cost
 
 
