@@ -777,8 +777,7 @@ def simulate(
             "cpu_s": time.process_time() - cpu0,
             "index_nodes": len(fleet.index),
             "observations": fleet.observations,
-            **_tenancy_extra(all_recs, rejected, config.slo_ttft_s),
-            **(fleet.lora.summary(fleet.engines) if fleet.lora is not None else {}),
+            **_tenancy_extra(all_recs, rejected, config.slo_ttft_s, fleet.lora, fleet.engines),
         },
     )
 
@@ -795,9 +794,17 @@ def _quota_admits(tenancy: SimTenancy, buckets: dict[str, BucketState], tenant: 
     return out.admitted
 
 
-def _tenancy_extra(recs: Sequence[_Rec], rejected: Sequence[_Rec], slo_s: float) -> dict[str, Any]:
+def _tenancy_extra(
+    recs: Sequence[_Rec],
+    rejected: Sequence[_Rec],
+    slo_s: float,
+    lora: LoraRouter | None = None,
+    engines: Sequence[EngineModel] = (),
+) -> dict[str, Any]:
     """``rejected`` by reason and ``goodput_all``: requests meeting the TTFT SLO / all requests (rejected ones
-    miss it)."""
+    miss it); with adapters (``lora``), the run's adapter counters (``LoraRouter.summary``) too."""
+    if lora is not None:
+        return {**lora.summary(engines), **_tenancy_extra(recs, rejected, slo_s)}
     if not rejected:
         return {}
     reasons: dict[str, int] = {}

@@ -9,7 +9,8 @@ segments, so reuse is whatever the workload says it is, at any block size.
   ``input_length``), as the traces README prescribes: prompts share exactly the trace's prefixes at any block
   size dividing 512.
 * Generated workloads (``WORKLOADS`` / ``make_workload``): SGLang generated-shared-prefix, the llm-d
-  precise-prefix-cache-routing guide, the seeds' chapter-8 mix, multi-turn agent sessions.
+  precise-prefix-cache-routing guide, the seeds' chapter-8 mix, multi-turn agent sessions, multi-turn chats on LoRA
+  adapters (``lora_sessions``; adapter names and sizes in ``sim.lora_workload``).
 * Transformations: ``scale_rate`` (time compression), ``slice_time``, ``limit``.
 
 Router block keys are computed by :class:`BlockKeyCache`, which memoises the keys contributed by each segment
@@ -29,12 +30,14 @@ import random
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from index.hashing import block_keys_packed, root_seed
+from sim.lora_workload import adapter_names, adapter_sizes
 
 #: Tokens per ``hash_id`` in Mooncake traces.
 MOONCAKE_BLOCK_TOKENS = 512
@@ -296,6 +299,7 @@ _NS_GSP = 1 << 40
 _NS_LLMD = 2 << 40
 _NS_CH8 = 3 << 40
 _NS_AGENT = 4 << 40
+_NS_LORA = 5 << 40
 
 
 def _poisson_times(n: int, rate: float, rnd: random.Random) -> list[float]:
@@ -439,11 +443,108 @@ def agent_sessions(
     return out
 
 
-def _lora_sessions(**params: Any) -> list[Request]:
-    """``sim.lora_workload.lora_sessions`` (imported on use: that module builds on this one)."""
-    from sim.lora_workload import lora_sessions
+def lora_sessions(
+    *,
+    adapters: int = 32,
+    zipf_s: float = 1.0,
+    num_sessions: int = 600,
+    session_rate: float = 5.0,
+    max_turns: int = 6,
+    prompts_per_adapter: int = 2,
+    system_tokens: tuple[int, int] = (1024, 3072),
+    user_tokens: tuple[int, int] = (64, 512),
+    output_tokens: tuple[int, int] = (64, 384),
+    think_s: tuple[float, float] = (5.0, 20.0),
+    base_fraction: float = 0.0,
+    seed: int = 0,
+) -> list[Request]:
+    """Multi-turn conversations on ``adapters`` LoRA adapters (see the module docstring), sorted by arrival.
 
-    return lora_sessions(**params)
+    ``base_fraction`` of the conversations use the base model (no adapter).
+
+    Raises:
+        ValueError: for a parameter out of range.
+    """
+    if adapters < 1 or num_sessions < 0 or max_turns < 1 or prompts_per_adapter < 1 or session_rate <= 0:
+        raise ValueError("adapters, max_turns, prompts_per_adapter >= 1; num_sessions >= 0; session_rate > 0")
+    rnd = random.Random(seed)
+    names = adapter_names(adapters)
+    sizes = adapter_sizes(adapters, rnd)
+    cum = list(accumulate(1.0 / (k + 1) ** zipf_s for k in range(adapters)))
+    base = _NS_LORA + (seed << 24)
+    out: list[Request] = []
+    t = 0.0
+    for s in range(num_sessions):
+        t += rnd.expovariate(session_rate)
+        a = -1 if rnd.random() < base_fraction else rnd.choices(range(adapters), cum_weights=cum)[0]
+        out += _lora_session(
+            rnd,
+            s,
+            t,
+            a,
+            names,
+            sizes,
+            base,
+            max_turns,
+            prompts_per_adapter,
+            system_tokens,
+            user_tokens,
+            output_tokens,
+            think_s,
+        )
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def _span(rnd: random.Random, lo_hi: tuple[int, int]) -> int:
+    return max(16, (rnd.randint(*lo_hi) // 16) * 16)
+
+
+def _lora_session(
+    rnd: random.Random,
+    s: int,
+    t0: float,
+    a: int,
+    names: list[str],
+    sizes: list[int],
+    base: int,
+    max_turns: int,
+    prompts_per_adapter: int,
+    system_tokens: tuple[int, int],
+    user_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    think_s: tuple[float, float],
+) -> list[Request]:
+    """One conversation on adapter ``a`` (-1: the base model) starting at ``t0`` seconds."""
+    p = rnd.randrange(prompts_per_adapter)
+    sys_id = base + (a + 1) * 64 + p
+    # a system prompt's length is a property of the prompt: seeded by its id, not by the conversation
+    sys_len = _span(random.Random(sys_id), system_tokens)
+    own = base + (1 << 20) + s * 1000
+    segs: list[Segment] = [(sys_id, sys_len), (own, _span(rnd, user_tokens))]
+    lora, nbytes = (names[a], sizes[a]) if a >= 0 else (None, 0)
+    out = []
+    t = t0
+    for k in range(rnd.randint(1, max_turns)):
+        n_out = _span(rnd, output_tokens)
+        prompt = sum(n for _, n in segs)
+        out.append(
+            Request(
+                f"lora{s}-{k}",
+                t,
+                prompt,
+                n_out,
+                tuple(segs),
+                session_id=f"s{s}",
+                group=lora,
+                lora=lora,
+                lora_bytes=nbytes,
+            )
+        )
+        segs.append((own + 2 * k + 1, n_out))
+        segs.append((own + 2 * k + 2, _span(rnd, user_tokens)))
+        t += rnd.uniform(*think_s)
+    return out
 
 
 #: Generated workloads by name: name -> (generator, one-line description).
@@ -465,7 +566,7 @@ WORKLOADS: dict[str, tuple[Callable[..., list[Request]], str]] = {
         "multi-turn agent sessions: each turn extends the previous context after a 10 s tool wait",
     ),
     "lora": (
-        _lora_sessions,
+        lora_sessions,
         "multi-turn chats on LoRA adapters (--adapters, Zipf popularity, seeds' sizes), shared prefixes per adapter",
     ),
 }

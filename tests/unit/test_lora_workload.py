@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from index.hashing import block_keys, root_seed
-from sim.lora_workload import RANK16_QV_BYTES, adapter_bytes, adapter_names, lora_sessions
-from sim.traces import BlockKeyCache, Request, make_workload, prompt_token_ids
+from sim.lora_workload import RANK16_QV_BYTES, adapter_bytes, adapter_names
+from sim.traces import BlockKeyCache, Request, lora_sessions, make_workload, prompt_token_ids
 
 
 def test_deterministic_from_the_seed() -> None:
