@@ -396,27 +396,19 @@ class AdapterResidency:
             if victim is not None and now - rep.last_used.get(victim, -math.inf) <= window:
                 out += self.links.activate_s(self.size_of(victim))
         if tier == "storage" and len(rep.cpu) >= rep.max_cpu_loras:
-            victim = _victim(rep.cpu, rep.inflight, adapter, protect=rep.gpu)
+            victim = _victim(rep.cpu, rep.inflight, adapter)
             if victim is not None and now - rep.last_used.get(victim, -math.inf) <= window:
                 size = self.size_of(victim)
                 out += self.links.load_s(size) + self.links.activate_s(size)
         return out
 
 
-def _victim(
-    lru: OrderedDict[str, None],
-    inflight: dict[str, int],
-    incoming: str,
-    protect: OrderedDict[str, None] | None = None,
-) -> str | None:
-    """The least recently used adapter of ``lru`` that an ``incoming`` fetch evicts: not busy, not the incoming
-    one, and (for the CPU cache) not in a GPU slot that is busy; None when every entry is protected."""
+def _victim(lru: OrderedDict[str, None], inflight: dict[str, int], incoming: str) -> str | None:
+    """The least recently used adapter of ``lru`` that an ``incoming`` fetch evicts: neither busy (requests in
+    flight) nor the incoming one; None when every entry is busy."""
     for a in lru:
-        if a == incoming or inflight.get(a, 0) > 0:
-            continue
-        if protect is not None and a in protect and inflight.get(a, 0) > 0:
-            continue
-        return a
+        if a != incoming and inflight.get(a, 0) <= 0:
+            return a
     return None
 
 
