@@ -28,7 +28,6 @@ PENDING: set[tuple[str, str]] = {
     ("loadtest/e2e.py", "main"),
     ("loadtest/e2e.py", "run_one"),
     ("fakes/fake_engine.py", "MetricsExporter.collect"),
-    ("fakes/fake_engine.py", "_add_info_routes"),
     ("fakes/kv_publisher.py", "encode_event"),
     ("sim/simulator.py", "build_parser"),
     ("loadtest/soak.py", "Soak._inject"),
