@@ -11,7 +11,7 @@
     -> index hygiene hooks and scrape-time gauges
 
 Nothing is started here: ``run(services)`` (the app's lifespan) starts the background parts and stops them in
-reverse order. Every later reader (the HTTP routes in ``router.app``, tests) reads typed fields; there is no
+reverse order. Every later reader (the HTTP routes in ``router.http.app``, tests) reads typed fields; there is no
 string-keyed bag and no object is looked up late.
 """
 
@@ -36,18 +36,21 @@ from policies.base import Policy, ReplicaProfile, make_policy
 from policies.pd_base import HandoffLink, make_pd_policy
 from policies.pd_link import LinkEstimator
 from router import signals
-from router.admission import Admission, admission_gauges
-from router.client_fields import ClientFields
 from router.config import Settings
-from router.dispatch import DispatchGate, dispatch_gauges
-from router.guard import Auth, Guard, Shedder, shedder_gauges
-from router.idempotency import IdempotencyGuard
-from router.intake import InputLimits, Intake, model_contexts
-from router.loop_lag import LoopLag, lag_gauges
-from router.pd_proxy import PdConfig, PdLegs
-from router.proxy import Proxy
-from router.routing import Router, build_profile
-from router.scrape_client import PooledScrapeClient
+from router.core.admission import Admission, admission_gauges
+from router.core.dispatch import DispatchGate, dispatch_gauges
+from router.core.routing import Router, build_profile
+from router.core.tenant_admission import TenantAdmission
+from router.core.tenant_metrics import TenantMetrics, budget_gauges
+from router.core.tenants import TenancyConfig
+from router.engine.proxy import Proxy
+from router.engine.scrape import PooledScrapeClient
+from router.pd.legs import PdConfig, PdLegs
+from router.serve.client_fields import ClientFields
+from router.serve.guard import Auth, Guard, Shedder, shedder_gauges
+from router.serve.idempotency import IdempotencyGuard
+from router.serve.intake import InputLimits, Intake, model_contexts
+from router.serve.loop_lag import LoopLag, lag_gauges
 from router.telemetry import (
     Telemetry,
     gauge,
@@ -56,11 +59,8 @@ from router.telemetry import (
     replica_gauges,
     tokenizer_cache_gauges,
 )
-from router.tenant_admission import TenantAdmission
-from router.tenant_metrics import TenantMetrics, budget_gauges
-from router.tenants import TenancyConfig
-from router.token_ids import TokenIdsCheck
-from router.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
+from router.tokens.token_ids import TokenIdsCheck
+from router.tokens.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
 
 log = logging.getLogger("kvroute.services")
 
@@ -148,7 +148,7 @@ def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixInde
 
 
 def _build_intake(settings: Settings, table: ReplicaTable, telemetry: Telemetry) -> Intake:
-    """The request front door: input limits, and router-controlled fields stripped (router/client_fields.py)."""
+    """The request front door: input limits, and router-controlled fields stripped (router/serve/client_fields.py)."""
     return Intake(
         InputLimits.from_settings(settings),
         lambda: model_contexts(table.all()),
@@ -157,7 +157,7 @@ def _build_intake(settings: Settings, table: ReplicaTable, telemetry: Telemetry)
 
 
 def _probe_over_pool(membership: Membership, client: PooledScrapeClient) -> None:
-    """Health probes through the proxy's engine pool (``router/scrape_client.py``), not httpx (issue 23: the
+    """Health probes through the proxy's engine pool (``router/engine/scrape.py``), not httpx (issue 23: the
     event-loop profile; the pool sends the same engine API key and TLS context the probes would)."""
     for checker in (membership.static.health, membership.discovered_health):
         if checker is not None:
@@ -246,7 +246,7 @@ def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> 
 
 
 def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag, admission: Admission) -> Guard:
-    """The front gate (``router.guard``): auth and loop-lag shedding from the headers, before any body."""
+    """The front gate (``router.serve.guard``): auth and loop-lag shedding from the headers, before any body."""
     keys = [k.get_secret_value() for k in settings.api_keys]
     if keys:  # keys that name a tenant, or may name any tenant, are client keys too
         keys += [e.get_secret_value().partition("=")[2].strip() for e in settings.tenant_api_keys]
@@ -396,7 +396,7 @@ def build_services(settings: Settings) -> Services:
     tokenizer = _build_tokenizer(settings)
     membership = _build_membership(settings, table, index)
     kv_events = signals.build_kv_events(settings, index)
-    # scrapes through the proxy's engine pool (router/scrape_client.py: issue 23's profile); the pool is the
+    # scrapes through the proxy's engine pool (router/engine/scrape.py: issue 23's profile); the pool is the
     # proxy's, created in the event loop when first used
     engine_client = PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes)
     engine_metrics = signals.build_engine_metrics(

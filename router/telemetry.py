@@ -8,10 +8,10 @@ Metric names (all prefixed ``kvroute_``):
 * ``ttft_seconds{replica}``: router-measured time to first byte of the response body, seconds (histogram).
 * ``retries_total{reason}``, ``upstream_errors_total{reason}``: failed attempts, and requests that failed for good.
 * ``relayed_pieces_total{path}``: pieces of engine event streams relayed to clients, ``direct`` from the engine
-  connection's read callback or by the request's ``task`` (``router.proxy._Relay``).
+  connection's read callback or by the request's ``task`` (``router.engine.proxy._Relay``).
 * ``tokenize_tokens_total{kind}``: prompt tokens the router tokenized (``tokenized``) or, past the fleet's cache
   frontier, only estimated (``estimated``); ``partial_ids_requests_total``: requests routed on a prefix of their
-  ids (``router.tokenize_frontier``).
+  ids (``router.tokens.frontier``).
 * ``prompt_tokens_total``, ``predicted_cached_tokens_total``, ``engine_cached_tokens_total``: for requests where
   the engine reported cached tokens, the router's prediction vs the engine's report, tokens.
 * ``cached_tokens_match_total{result}``: per request, ``exact`` when the prediction equals the engine's report,
@@ -32,7 +32,7 @@ Metric names (all prefixed ``kvroute_``):
   their collectors on this registry.
 * ``pd_plans_total{policy,kind}``, ``pd_legs_total{replica,leg}``, ``pd_leg_seconds{leg}``, ``pd_handoff_seconds``,
   ``pd_fallbacks_total{reason}``, ``pd_link_bandwidth_bytes_per_second``, ``pd_link_samples_total{outcome}``:
-  prefill/decode plans, their legs and the learned P->D link, owned by ``router.pd_proxy.PdMetrics`` on this
+  prefill/decode plans, their legs and the learned P->D link, owned by ``router.pd.legs.PdMetrics`` on this
   registry.
 
 One style: components expose ``stats()`` (or plain counters); the functions below render them, and

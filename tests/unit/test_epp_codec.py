@@ -1,4 +1,4 @@
-"""router/epp_codec.py: the endpoint-picker protocol's wire vocabulary (built from Envoy's own protos)."""
+"""router/epp/codec.py: the endpoint-picker protocol's wire vocabulary (built from Envoy's own protos)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from router import epp_codec as codec
+from router.epp import codec
 
 
 def _meta(value: object) -> base_pb2.Metadata:

@@ -15,7 +15,7 @@ from membership.replicas import ReplicaState, ReplicaTable
 from policies.base import Observation, RouteRequest, make_policy
 from policies.pd_base import HandoffLink, PdCandidate, Plan, PlanDecision, make_pd_policy, register_pd
 from router.config import ReplicaSpec
-from router.routing import NoReplica, Router, build_profile, decision_json, plan_json
+from router.core.routing import NoReplica, Router, build_profile, decision_json, plan_json
 from tests.helpers import FakeClock
 
 BS = 16

@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from router.app import create_app
 from router.config import load_settings
+from router.http.app import create_app
 from tests.helpers import LoopServer, free_port, wait_until
 
 
@@ -475,7 +475,7 @@ def test_panic_routing_serves_when_every_replica_looks_unhealthy(
 
 
 def test_ask_for_usage_adds_the_option_only_when_the_client_did_not_ask() -> None:
-    from router.proxy import ask_for_usage
+    from router.engine.proxy import ask_for_usage
 
     body, added = ask_for_usage(b'{"model": "m", "stream": true}  ')
     assert added and json.loads(body) == {
@@ -501,7 +501,7 @@ def test_ask_for_usage_adds_the_option_only_when_the_client_did_not_ask() -> Non
 
 
 def test_sse_validator_passes_vllm_streams_and_strips_usage() -> None:
-    from router.proxy import SSEValidator
+    from router.engine.proxy import SSEValidator
 
     chunk = b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n'
@@ -531,7 +531,7 @@ def test_sse_validator_passes_vllm_streams_and_strips_usage() -> None:
     ],
 )
 def test_sse_validator_rejects_garbage(stream: bytes) -> None:
-    from router.proxy import BadStream, SSEValidator
+    from router.engine.proxy import BadStream, SSEValidator
 
     v = SSEValidator(strip_usage=False, max_event_bytes=4096)
     with pytest.raises(BadStream):
@@ -581,8 +581,8 @@ def test_attempt_hold_releases_once_whatever_the_path() -> None:
     from index.prefix_index import PrefixIndex
     from membership.replicas import ReplicaState, ReplicaTable
     from policies.base import make_policy
-    from router.proxy import _AttemptFailed, _Hold
-    from router.routing import Router
+    from router.core.routing import Router
+    from router.engine.proxy import _AttemptFailed, _Hold
 
     table = ReplicaTable()
     rep = table.upsert("r0", "http://127.0.0.1:1", models=["m"])
@@ -630,7 +630,7 @@ def test_attempt_hold_releases_once_whatever_the_path() -> None:
 
 
 def test_sse_validator_joins_events_split_anywhere_without_quadratic_copies() -> None:
-    from router.proxy import SSEValidator
+    from router.engine.proxy import SSEValidator
 
     stream = (
         b'data: {"choices":[{"text":"'
@@ -678,7 +678,7 @@ def test_sse_validator_one_event_fast_path_equals_the_general_path(seed: int, st
     raises where it raises, on random piece sequences (pending halves, CR line ends, [DONE], usage, garbage)."""
     import random
 
-    from router.proxy import BadStream, SSEValidator
+    from router.engine.proxy import BadStream, SSEValidator
 
     rng = random.Random(seed)
     pieces = [_PIECES[0]] + [rng.choice(_PIECES) for _ in range(12)]

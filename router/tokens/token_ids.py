@@ -35,7 +35,7 @@ import orjson
 
 from membership.replicas import Replica, ReplicaTable
 from membership.tasks import cancel_and_wait, run_every
-from router.tokenizer import EngineTokenizer, Tokenizer, TokenizerError, TokenizeUnsupported
+from router.tokens.tokenizer import EngineTokenizer, Tokenizer, TokenizerError, TokenizeUnsupported
 
 log = logging.getLogger("kvroute.token_ids")
 

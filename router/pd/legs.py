@@ -1,4 +1,4 @@
-"""The two-leg orchestrator: serves a disaggregated plan (prefill on P, decode on D) for ``router.proxy.Proxy``.
+"""The two-leg orchestrator: serves a disaggregated plan (prefill on P, decode on D) for ``router.engine.proxy.Proxy``.
 
 The proxy calls ``PdLegs.serve`` for a ``Routed`` whose plan is disaggregated (``Routed.disaggregated``); in-place
 plans go through the proxy's ordinary attempts. Per request:
@@ -7,13 +7,13 @@ plans go through the proxy's ordinary attempts. Per request:
    D: the request). Charging the decode leg only when it returns is the bug class that sends every request to
    prefill #0 (sglang #27547, smg #1714);
 2. the legs run by protocol (``pd_protocol``; ``auto``: by the prefill replica's dialect):
-   * ``vllm`` (router/pd_vllm.py): sequential relay. The prefill leg (not streamed, one token) must answer
+   * ``vllm`` (router/pd/vllm.py): sequential relay. The prefill leg (not streamed, one token) must answer
      before the decode leg is sent with the returned ``kv_transfer_params``, relayed opaquely;
-   * ``mooncake`` (router/pd_vllm.py): concurrent, the router mints ``transfer_id`` and names the prefill
-     engine by the id its bootstrap server lists (router/pd_mooncake.py); an id the router cannot learn means no
+   * ``mooncake`` (router/pd/vllm.py): concurrent, the router mints ``transfer_id`` and names the prefill
+     engine by the id its bootstrap server lists (router/pd/mooncake.py); an id the router cannot learn means no
      Mooncake parameters are sent at all (the plan's next prefill replica, else served in place; counted in
      ``kvroute_pd_mooncake_engine_unknown_total{replica}``, logged once per replica), never a made-up id;
-   * ``sglang`` (router/pd_sglang.py): concurrent, both legs carry the bootstrap host / port / room (scalars);
+   * ``sglang`` (router/pd/sglang.py): concurrent, both legs carry the bootstrap host / port / room (scalars);
      the prefill answer is drained and discarded;
    a prefill answer is read once, bounded (``pd_max_prefill_answer_bytes``; 64 KiB or more off the event loop),
    and its ``kv_transfer_params`` relayed as the bytes the engine sent, at most ``pd_max_transfer_params_bytes``
@@ -71,16 +71,19 @@ from membership.replicas import Replica
 from policies.base import Observation
 from policies.pd_base import Plan
 from policies.pd_link import TransferTotals
-from router import pd_mooncake, pd_sglang, pd_vllm
-from router.engine_client import EngineError, EngineResponse, EngineResponseTooLarge
-from router.pd_mooncake import MooncakeIds
-from router.proxy import _AttemptFailed, _cached_tokens, _Hold, error_response
-from router.routing import Routed, serves_alone
-from router.scrape_client import PooledScrapeClient
-from router.token_ids import IdsPrompt
+from router.core.routing import Routed, serves_alone
+from router.engine.client import EngineError, EngineResponse, EngineResponseTooLarge
+from router.engine.proxy import _AttemptFailed, _cached_tokens, _Hold
+from router.engine.scrape import PooledScrapeClient
+from router.errors import error_response
+from router.pd import mooncake as pd_mooncake
+from router.pd import sglang as pd_sglang
+from router.pd import vllm as pd_vllm
+from router.pd.mooncake import MooncakeIds
+from router.tokens.token_ids import IdsPrompt
 
 if TYPE_CHECKING:
-    from router.proxy import Proxy
+    from router.engine.proxy import Proxy
 
 log = logging.getLogger("kvroute.pd")
 
@@ -455,7 +458,7 @@ class PdLegs:
         first: Replica | None = None,
     ) -> Response:
         """Serve in place through the proxy's attempts (``first`` tried first, ``exclude`` never), counted; only
-        on replicas that serve a request alone (``router.routing.serves_alone``), else 503."""
+        on replicas that serve a request alone (``router.core.routing.serves_alone``), else 503."""
         ranking = [i for i in routed.decision.ranking if exclude is None or i != exclude.index]
         if first is not None:
             ranking = [first.index, *[i for i in ranking if i != first.index]]

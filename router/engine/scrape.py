@@ -1,5 +1,5 @@
 """Engine ``/metrics`` scrapes and health probes through the proxy's own engine connection pool
-(``router.engine_client``).
+(``router.engine.client``).
 
 ``membership.engine_metrics.MetricsScraper`` takes any client with httpx's ``get(url, timeout=, headers=)``; this
 one answers it with a pooled keep-alive GET on raw asyncio protocols instead of httpx. The router profile of the
@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from router.engine_client import EngineError, EnginePool, EngineResponseTooLarge
+from router.engine.client import EngineError, EnginePool, EngineResponseTooLarge
 
 
 @dataclass(frozen=True, slots=True)

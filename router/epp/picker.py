@@ -2,12 +2,12 @@
 
 A Gateway API Inference Extension gateway (Istio, kgateway, Envoy AI Gateway, ...) opens one
 ``envoy.service.ext_proc.v3.ExternalProcessor/Process`` stream per HTTP request and asks where it goes. The
-gateway carries the bytes; kvroute only decides. It serves TLS (``router.epp_tls``: self-signed by default, a
+gateway carries the bytes; kvroute only decides. It serves TLS (``router.epp.tls``: self-signed by default, a
 mounted certificate when given), plaintext only with ``epp_grpc_insecure``. Per stream (``_Stream``), one
 request and one pick::
 
     request_headers -> checked (size, count, Latin-1) and authorized at once on the normalized request
-                       (``router.guard.authorize``: key, route, method), before any body is held
+                       (``router.serve.guard.authorize``: key, route, method), before any body is held
                      ─┬─ end_of_stream (no body): pick now
                       └─ request_body chunks, buffered until end_of_stream or the trailers (bounded by
                          max_request_bytes, epp_request_timeout_s and epp_min_body_rate_bytes_per_s)
@@ -55,19 +55,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
-from router import epp_codec as codec
-from router.admission import Rejected
-from router.app import ChatRequest, CompletionRequest, _Auth, _BadTokens, _DataPlane, _parse
-from router.epp_tls import server_credentials
-from router.guard import PICKER_ROUTES, authorize, normalize_path
-from router.intake import LimitExceeded
-from router.proxy import _Hold, _usage_from_json, _usage_from_sse, ask_for_usage, error_body, new_request_id
-from router.routing import NoReplica, Routed, RoutingError, RoutingInput
+from router.core.admission import Rejected
+from router.core.routing import NoReplica, Routed, RoutingError, RoutingInput
+from router.core.tenant_admission import Ticket, bad_identity_response, rejection_response
+from router.core.tenants import BadIdentity
+from router.engine.proxy import _Hold, _usage_from_json, _usage_from_sse, ask_for_usage, new_request_id
+from router.epp import codec
+from router.epp.tls import server_credentials
+from router.errors import error_body
+from router.http.app import ChatRequest, CompletionRequest, _Auth, _BadTokens, _DataPlane, _parse
+from router.serve.guard import PICKER_ROUTES, authorize, normalize_path
+from router.serve.intake import LimitExceeded
 from router.services import Services
 from router.telemetry import gauge
-from router.tenant_admission import Ticket, bad_identity_response, rejection_response
-from router.tenants import BadIdentity
-from router.tokenizer import TokenizerError
+from router.tokens.tokenizer import TokenizerError
 
 log = logging.getLogger("kvroute.epp")
 
@@ -208,12 +209,14 @@ class _Stream:
         self.response_mode = codec.FULL_DUPLEX_STREAMED
         self.configured = False
         self.headers: dict[str, str] = {}
-        self.path = "/"  # the normalized :path (router.guard.normalize_path)
+        self.path = "/"  # the normalized :path (router.serve.guard.normalize_path)
         self.subset: list[str] | None = None
         self.body = bytearray()  # the request body so far (one buffer: tiny messages cost their size)
         self.trailers_due = False  # trailers may follow the pick (BUFFERED body without end_of_stream, NONE)
         self.closed = False
-        self.ticket: Ticket | None = None  # the admission slot (router/tenant_admission.py), held to the end
+        self.ticket: Ticket | None = (
+            None  # the admission slot (router/core/tenant_admission.py), held to the end
+        )
         self.hold: _Hold | None = None
         self.routed: Routed | None = None
         self.request_id = ""
@@ -296,7 +299,7 @@ class _Stream:
         return []
 
     def _authorize(self) -> _Refused | None:
-        """The front doors' one authorization decision (``router.guard.authorize``) on the normalized request."""
+        """The front doors' one authorization decision (``router.serve.guard.authorize``) on the normalized request."""
         raw = self.headers.get(":path")
         if not raw:
             self.svc.telemetry.rejected.labels("missing_path").inc()
@@ -549,7 +552,7 @@ class _Stream:
             inp = await dp.routing_input(request, comp, prompt=comp.prompt)
             self.stream = comp.stream
         inp.request_id = self.request_id
-        payload = request._body  # the body without router-controlled fields (router/client_fields.py)
+        payload = request._body  # the body without router-controlled fields (router/serve/client_fields.py)
         if self.stream and self.settings.engine_stream_usage:
             payload, self.strip_usage = ask_for_usage(payload)
         return inp, payload
@@ -594,9 +597,9 @@ class _Stream:
         return [r.index for r in reps if codec.endpoint_of(r.url) not in allowed]
 
     async def _admit_and_decide(self, inp: RoutingInput, exclude: Sequence[int]) -> Routed:
-        """Admission then the decision, in the HTTP data plane's order (``router.app._DataPlane._serve``): a
+        """Admission then the decision, in the HTTP data plane's order (``router.http.app._DataPlane._serve``): a
         request with a TTFT target is priced first (an unattainable target is refused, not queued); the tenant's
-        quota and the fair in-flight queue (``router.tenant_admission``) give a slot held until the stream ends;
+        quota and the fair in-flight queue (``router.core.tenant_admission``) give a slot held until the stream ends;
         the decision is taken (again) after any wait."""
         svc, dp = self.svc, self.picker.dp
         ident = inp.identity if inp.identity is not None else svc.tenants.identify(self.headers)
@@ -876,7 +879,7 @@ class EppServer:
     """
 
     def __init__(self, svc: Services) -> None:
-        """Raises ValueError when the configured certificate and key do not load (``router.epp_tls``)."""
+        """Raises ValueError when the configured certificate and key do not load (``router.epp.tls``)."""
         self.svc = svc
         self.picker = EndpointPicker(svc)
         self.health = health.aio.HealthServicer()

@@ -21,7 +21,7 @@ depth never cost the router more than copying bytes), and its ``usage``.
 
 The Mooncake wire is vLLM 0.32.0's (``MooncakeConnector``: ``transfer_id``, ``remote_engine_id``,
 ``remote_bootstrap_addr``; older releases used other fields); the engine id comes from the prefill's bootstrap
-server (router/pd_mooncake.py).
+server (router/pd/mooncake.py).
 
 Pure functions over parsed JSON bodies (dicts); they never change their argument.
 """
@@ -150,7 +150,7 @@ def decode_body(body: dict[str, Any], params: bytes | dict[str, Any] | None) -> 
 
 def with_stream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """A streamed leg's ``body`` asking for usage (``stream_options.include_usage``), and whether the router added
-    it (the client did not ask: its usage chunk is removed again), as ``router.proxy.ask_for_usage`` does for
+    it (the client did not ask: its usage chunk is removed again), as ``router.engine.proxy.ask_for_usage`` does for
     bytes; on the dict, so relayed parameters are never parsed again."""
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:

@@ -33,7 +33,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from router.client_fields import ROUTER_HEADERS
+from router.serve.client_fields import ROUTER_HEADERS
 
 #: request header (and ``envoy.lb`` metadata key) naming the picked endpoint, ``ip:port``
 DESTINATION_HEADER = "x-gateway-destination-endpoint"

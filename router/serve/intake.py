@@ -40,15 +40,15 @@ import simdjson
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from router.tokens.tokenizer import THREAD_MIN_MESSAGES
+
 if TYPE_CHECKING:
-    from router.client_fields import ClientFields
+    from router.serve.client_fields import ClientFields
 
 _M = TypeVar("_M", bound=BaseModel)
 
 #: bodies at least this large are shape-checked with simdjson and parsed in a worker thread, bytes
 SCAN_MIN_BYTES = 64 * 1024
-#: chat requests with more messages than this are dumped and rendered in a worker thread
-THREAD_MIN_MESSAGES = 256
 
 _OBJ = (dict, simdjson.Object)
 _ARR = (list, simdjson.Array)
@@ -379,7 +379,7 @@ class Intake:
     ) -> None:
         self.limits = limits
         self.contexts = contexts
-        #: strips router-controlled fields from the bodies that go on (router/client_fields.py); None: kept
+        #: strips router-controlled fields from the bodies that go on (router/serve/client_fields.py); None: kept
         self.fields = fields
 
     async def parse(self, raw: bytes, model: type[_M]) -> tuple[_M, Any]:
@@ -402,24 +402,6 @@ async def dump_messages(messages: Sequence[BaseModel]) -> list[dict[str, Any]]:
     if len(messages) <= THREAD_MIN_MESSAGES:
         return [m.model_dump(exclude_none=True) for m in messages]
     return await asyncio.to_thread(lambda: [m.model_dump(exclude_none=True) for m in messages])
-
-
-def is_large_chat(messages: Sequence[Any], min_chars: int) -> bool:
-    """True when rendering ``messages`` is worth a worker thread (many messages, or ``min_chars`` of text)."""
-    if len(messages) > THREAD_MIN_MESSAGES:
-        return True
-    chars = 0
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            chars += sum(
-                len(p.get("text", ""))
-                for p in content
-                if isinstance(p, dict) and isinstance(p.get("text"), str)
-            )
-    return chars >= min_chars
 
 
 def check_sequences(body: Any, max_sequences: int) -> None:

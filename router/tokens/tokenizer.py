@@ -32,12 +32,13 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from membership import engine_tls
-from router.intake import is_large_chat
-from router.token_cache import batch_encoder, cache_for
+from router.tokens.token_cache import batch_encoder, cache_for
 
 #: texts at least this long (characters) are tokenized, and chats with this much text (or more than
-#: ``router.intake.THREAD_MIN_MESSAGES`` messages) rendered, in a worker thread, so the event loop keeps serving
+#: ``THREAD_MIN_MESSAGES`` messages) rendered, in a worker thread, so the event loop keeps serving
 THREAD_MIN_CHARS = 16384
+#: chat requests with more messages than this are dumped and rendered in a worker thread
+THREAD_MIN_MESSAGES = 256
 #: bytes per token id in ``bytes`` mode (about the average characters per BPE token of English text)
 BYTES_PER_TOKEN = 4
 
@@ -279,7 +280,7 @@ class HfTokenizer:
             source = raw if isinstance(raw, str) else None
         self.chat_template = ChatTemplate(source, special) if source else None
         self.special_tokens = special
-        #: prefix tokenization cache (``router.token_cache``); off when ``cache_bytes`` is 0
+        #: prefix tokenization cache (``router.tokens.token_cache``); off when ``cache_bytes`` is 0
         self.cache = cache_for(self._tok, cache_bytes, cache_verify_every)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -295,7 +296,7 @@ class HfTokenizer:
         return list(self._batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def splits_exactly(self, add_special_tokens: bool) -> bool:
-        """True when texts may be tokenized in prefixes ending at safe cuts (``router.token_cache`` gates passed;
+        """True when texts may be tokenized in prefixes ending at safe cuts (``router.tokens.token_cache`` gates passed;
         with special tokens: they go in front only), as the cache-frontier tokenization does."""
         return self.cache.splits_exactly(add_special_tokens)
 
@@ -385,7 +386,7 @@ class HfTokenizer:
 
 
 async def _render(render: Callable[..., str], messages: Sequence[Any], *args: Any) -> str:
-    """``render(messages, *args)``; in a worker thread when the chat is large (``router.intake.is_large_chat``)."""
+    """``render(messages, *args)``; in a worker thread when the chat is large (``is_large_chat``)."""
     if is_large_chat(messages, THREAD_MIN_CHARS):
         return await asyncio.to_thread(render, messages, *args)
     return render(messages, *args)
@@ -516,7 +517,7 @@ def make_tokenizer(
     """Build the tokenizer for ``mode`` (``auto`` = ``hf`` when ``path`` is set, else ``bytes``).
 
     ``cache_bytes`` / ``cache_verify_every``: the ``hf`` mode's prefix tokenization cache (bytes, 0 = off) and
-    its audit period (``router.token_cache``).
+    its audit period (``router.tokens.token_cache``).
 
     Raises:
         TokenizerError: ``hf`` without a usable ``path``, or an unknown mode.
@@ -536,3 +537,21 @@ def make_tokenizer(
     if mode == "engine":
         return EngineTokenizer(timeout_s, headers)
     raise TokenizerError(f"unknown tokenizer_mode {mode!r} (hf|engine|bytes|auto)")
+
+
+def is_large_chat(messages: Sequence[Any], min_chars: int) -> bool:
+    """True when rendering ``messages`` is worth a worker thread (many messages, or ``min_chars`` of text)."""
+    if len(messages) > THREAD_MIN_MESSAGES:
+        return True
+    chars = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(
+                len(p.get("text", ""))
+                for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+    return chars >= min_chars

@@ -1,9 +1,9 @@
 """The identity-and-admission step of the routing core (issue 20), callable by every front door.
 
-A front door (the HTTP proxy in ``router.app``, ``/route``, the gRPC endpoint picker) calls, with plain values
+A front door (the HTTP proxy in ``router.http.app``, ``/route``, the gRPC endpoint picker) calls, with plain values
 and no HTTP objects:
 
-1. ``identify(headers, body_priority) -> Identity`` (``router.tenants``; ``BadIdentity`` -> 400);
+1. ``identify(headers, body_priority) -> Identity`` (``router.core.tenants``; ``BadIdentity`` -> 400);
 2. ``check_slo(identity, best_predicted_s)`` when the request has a TTFT target and a decision was priced
    (``Rejected`` 429 ``slo_unattainable``: refused before it queues);
 3. ``await admit(identity, prompt_tokens, max_output_tokens) -> Ticket``: the tenant's token quota
@@ -11,7 +11,7 @@ and no HTTP objects:
    seconds until the bucket refills), the tenant's share of the top priority class (a tenant already holding
    ``TenancyConfig.top_class_cap()`` top-class requests, in flight or queued, has the next one served at the
    class below, counted ``top_share``: one tenant flooding the top class cannot starve the others), then a slot
-   of the router's in-flight limit (``router.admission``: the queue ordered by priority then weighted fair share;
+   of the router's in-flight limit (``router.core.admission``: the queue ordered by priority then weighted fair share;
    429 ``queue_full``, 503 ``queue_timeout`` / ``preempted``);
 4. ``ticket.release()`` exactly once when the response is over (idempotent).
 
@@ -37,9 +37,9 @@ from starlette.responses import Response
 from membership.tenant_budget import TenantBudget
 from policies.admission_slo import slo_unattainable
 from policies.base import Observation
-from router.admission import Admission, Rejected
-from router.tenant_metrics import TenantMetrics
-from router.tenants import BadIdentity, Identity, TenancyConfig, parse_identity, request_cost
+from router.core.admission import Admission, Rejected
+from router.core.tenant_metrics import TenantMetrics
+from router.core.tenants import BadIdentity, Identity, TenancyConfig, parse_identity, request_cost
 
 #: response header naming why a request was refused (llm-d sends ``x-llm-d-request-dropped-reason``)
 REASON_HEADER = "x-kvroute-rejected-reason"

@@ -40,7 +40,7 @@ from typing import Any
 from starlette.responses import Response, StreamingResponse
 
 from membership.shared_state import SharedState, SharedStateUnavailable
-from router.proxy import error_response
+from router.errors import error_response
 
 log = logging.getLogger("kvroute.idempotency")
 
@@ -92,7 +92,7 @@ class IdempotencyGuard:
     ) -> Response:
         """Serve a request with ``Idempotency-Key: key`` through ``serve()`` at most once per key and client.
 
-        ``principal``: who is calling (``router.guard.Auth.principal``: a hash of the client's API key, "" without
+        ``principal``: who is calling (``router.serve.guard.Auth.principal``: a hash of the client's API key, "" without
         keys). Keys are scoped by it: another client's identical key and body neither gets this answer nor
         blocks this request.
         """

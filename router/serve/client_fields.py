@@ -5,7 +5,7 @@ same fields in a client's body would let the client steer the engine: vLLM opens
 Mooncake KV from, the host and port named in ``kv_transfer_params`` (server-side requests into the cluster, KV
 injection); SGLang joins the bootstrap server that ``bootstrap_host`` / ``bootstrap_port`` name and serves the rank
 ``routed_dp_rank`` names. So at intake, on every front door (the HTTP proxy and the endpoint picker: both parse
-bodies through ``router.app._parse``), these top-level fields are **stripped** from the body that goes on:
+bodies through ``router.http.app._parse``), these top-level fields are **stripped** from the body that goes on:
 
 * vLLM: ``kv_transfer_params``;
 * SGLang: ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``, ``bootstrap_pair_key``, ``decode_tp_size``,
@@ -16,7 +16,7 @@ keeps working, and nothing it sends can reach an engine. Each stripped field is 
 ``kvroute_client_fields_stripped_total{field}`` and logged once per field and process. The header
 ``X-data-parallel-rank`` (read by vLLM and SGLang) never reaches an engine either: the HTTP proxy builds the
 engine request's headers itself, and the picker removes it with its header mutation (``ROUTER_HEADERS``). The
-router sets these fields itself on the legs it builds (router/pd_vllm.py, router/pd_sglang.py).
+router sets these fields itself on the legs it builds (router/pd/vllm.py, router/pd/sglang.py).
 
 Units: bytes.
 """

@@ -16,7 +16,7 @@ Ids are cached per replica and address; asked again after ``ttl_s`` and at once 
 forget a replica whose leg failed: a restarted engine has a new id, a rejected id fails the decode leg). One query
 per replica runs at a time (concurrent requests wait for it); a failed query leaves the replica's ids unknown for
 ``timeout_s``, so a dead bootstrap server costs at most one wait per that long. Unknown ids are the caller's to
-handle (router/pd_proxy.py sends no Mooncake parameters then: never a made-up id).
+handle (router/pd/legs.py sends no Mooncake parameters then: never a made-up id).
 
 Units: seconds.
 """
@@ -40,7 +40,7 @@ _MAX_RANKS = 1024
 
 
 class _Page(Protocol):
-    """What a GET answers (``router.scrape_client.ScrapedPage``, ``httpx.Response``)."""
+    """What a GET answers (``router.engine.scrape.ScrapedPage``, ``httpx.Response``)."""
 
     @property
     def status_code(self) -> int: ...
@@ -49,7 +49,7 @@ class _Page(Protocol):
     def text(self) -> str: ...
 
 
-#: GET ``url`` within ``timeout`` seconds (``router.scrape_client.PooledScrapeClient.get``)
+#: GET ``url`` within ``timeout`` seconds (``router.engine.scrape.PooledScrapeClient.get``)
 Getter = Callable[..., Awaitable[_Page]]
 
 

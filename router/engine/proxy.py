@@ -45,7 +45,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -57,8 +56,9 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpTo
 
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from policies.base import Observation
-from router.dispatch import DispatchGate, ReplicaGone
-from router.engine_client import (
+from router.core.dispatch import DispatchGate, ReplicaGone
+from router.core.routing import Routed, Router, RoutingError
+from router.engine.client import (
     EngineConnectError,
     EngineConnectionLost,
     EngineConnectTimeout,
@@ -68,15 +68,16 @@ from router.engine_client import (
     EngineResponseTooLarge,
     EngineTLSError,
 )
-from router.routing import Routed, Router, RoutingError
+from router.engine.config import ProxyConfig
+from router.errors import error_body, error_response
 from router.telemetry import Telemetry
-from router.token_ids import IdsPrompt, TokenIdsCheck
+from router.tokens.token_ids import IdsPrompt, TokenIdsCheck
 
 log = logging.getLogger("kvroute.proxy")
 
 
 class PlanServer(Protocol):
-    """Serves requests routed with a prefill/decode plan (``router.pd_proxy.PdLegs``, issue 19)."""
+    """Serves requests routed with a prefill/decode plan (``router.pd.legs.PdLegs``, issue 19)."""
 
     async def serve_plan(
         self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str, ids: IdsPrompt | None
@@ -89,27 +90,6 @@ class PlanServer(Protocol):
 _TAIL_BYTES = 16384
 #: largest error body read from an engine 5xx (bytes)
 _ERR_BODY_BYTES = 2048
-
-
-def error_body(
-    status: int, message: str, code: str, param: str | None = None, err_type: str | None = None
-) -> bytes:
-    """OpenAI-style error JSON bytes."""
-    if err_type is None:
-        err_type = "invalid_request_error" if status < 500 else "server_error"
-    return orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": param}})
-
-
-def error_response(
-    status: int, message: str, code: str, param: str | None = None, headers: dict[str, str] | None = None
-) -> Response:
-    """An OpenAI-style JSON error response."""
-    return Response(
-        error_body(status, message, code, param),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )
 
 
 def new_request_id(given: str | None) -> str:
@@ -272,26 +252,6 @@ class _Hold:
         return self
 
 
-@dataclass(slots=True)
-class ProxyConfig:
-    """Proxy knobs (``Settings.proxy()``; the defaults live in Settings only). Seconds, bytes."""
-
-    connect_timeout_s: float
-    first_byte_timeout_s: float
-    total_timeout_s: float
-    idle_timeout_s: float
-    max_retries: int
-    max_connections: int
-    keepalive_timeout_s: float
-    engine_api_key: str | None
-    retry_after_s: int
-    max_header_bytes: int
-    max_headers: int
-    max_body_bytes: int
-    body_idle_timeout_s: float
-    stream_usage: bool
-
-
 class Proxy:
     """Forwards requests to engines for a ``Router``.
 
@@ -315,15 +275,15 @@ class Proxy:
         self.telemetry = telemetry
         self.cfg = config
         self.on_connection_failure = on_connection_failure or (lambda rep, err: None)
-        #: which replicas take prompts as token ids (router/token_ids.py); None: none
+        #: which replicas take prompts as token ids (router/tokens/token_ids.py); None: none
         self.token_ids = token_ids
         self._headers: dict[str, str] = {}
         if config.engine_api_key:
             self._headers["authorization"] = f"Bearer {config.engine_api_key}"
         self._pool: EnginePool | None = None
-        #: the cache-first dispatch gate (router/dispatch.py); None: every request is sent when routed
+        #: the cache-first dispatch gate (router/core/dispatch.py); None: every request is sent when routed
         self.gate: DispatchGate | None = None
-        #: serves prefill/decode plans (router/pd_proxy.py, issue 19); None: no PD fleets
+        #: serves prefill/decode plans (router/pd/legs.py, issue 19); None: no PD fleets
         self.pd: PlanServer | None = None
         self.usage_missing = Counter(
             "kvroute_engine_usage_missing",
@@ -389,7 +349,7 @@ class Proxy:
 
         Returns the response for the client; never raises for engine or network failures. ``on_done`` is
         called exactly once when the response is over (for a stream: when it ended or the client left).
-        ``ids``: set when the body's text prompt may be replaced by the router's token ids (router/token_ids.py);
+        ``ids``: set when the body's text prompt may be replaced by the router's token ids (router/tokens/token_ids.py);
         each attempt sends ``ids.body()`` to replicas that take ids and ``body`` to the others.
         """
         try:
@@ -417,7 +377,7 @@ class Proxy:
     ) -> Response:
         watch = _ClientWatch(request.receive)
         try:
-            if routed.plan is not None and self.pd is not None:  # a prefill/decode fleet (router/pd_proxy.py)
+            if routed.plan is not None and self.pd is not None:  # a prefill/decode fleet (router/pd/legs.py)
                 resp = await self.pd.serve_plan(routed, path, body, stream, request_id, ids)
             else:
                 resp = await self._attempts(routed, path, body, stream, request_id, ids)

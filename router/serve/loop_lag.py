@@ -11,7 +11,7 @@ it was runnable but had no CPU: ``/proc/thread-self/schedstat``; 0 where the ker
 of a delay the router's own work explains is ``min(delay - run-queue wait, CPU time used)`` over the probe's
 period, at least 0: the time waiting for a CPU is someone else's, and the process cannot have worked longer than
 the CPU time it used (a stopped or throttled process uses none). A loop late by 1 s while it waited 0.8 s for a CPU
-has an own lag of 0.2 s. ``router.guard.Shedder`` sheds on own lag only.
+has an own lag of 0.2 s. ``router.serve.guard.Shedder`` sheds on own lag only.
 
 ``lag_s()`` is the largest delay measured within the last ``window_s``, or the probe's own overdue time when it
 is late right now (a loop that is blocked has not run its probe yet).

@@ -7,7 +7,7 @@ mostly new text (the e2e conversation slice reuses ~4 % of prompt tokens) tokeni
 the router's CPU, and the engine tokenizes it again anyway.
 
 So a text longer than ``lookahead_chars`` is tokenized in growing prefixes, each ending at a safe cut
-(``router.token_cache.safe_cut``: the prefix's ids are exactly the leading ids of the whole text, which the
+(``router.tokens.token_cache.safe_cut``: the prefix's ids are exactly the leading ids of the whole text, which the
 tokenizer's start-up gates prove): the first about ``lookahead_chars`` long, each next one about twice the last.
 After each prefix its full blocks are hashed and the index is asked how deep the deepest replica's match goes.
 When the match reaches the last tokenized full block the next prefix is tokenized; otherwise the walk stops and
@@ -33,9 +33,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from index.hashing import extend_keys
-from router.routing import Router
-from router.token_cache import safe_cut
-from router.tokenizer import HfTokenizer, Tokenizer
+from router.core.routing import Router
+from router.tokens.token_cache import safe_cut
+from router.tokens.tokenizer import HfTokenizer, Tokenizer
 
 #: ``encode(text, end, prev_ids, prev_end) -> ids of text[:end]`` (given the ids of ``text[:prev_end]``)
 EncodePrefix = Callable[[str, int, list[int], int], Awaitable[list[int]]]
@@ -171,7 +171,7 @@ async def walk(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the request path's glue (tokenizer + router + index; called by router/app.py)
+# the request path's glue (tokenizer + router + index; called by router/http/app.py)
 # ---------------------------------------------------------------------------------------------------------
 
 

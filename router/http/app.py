@@ -2,8 +2,8 @@
 
 Routes (OpenAPI at ``/openapi.json``):
 
-* ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI-compatible; routed by ``router.routing`` and
-  forwarded by ``router.proxy`` (streaming SSE and not).
+* ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI-compatible; routed by ``router.core.routing`` and
+  forwarded by ``router.engine.proxy`` (streaming SSE and not).
 * ``GET /v1/models``: the union of the replicas' models and LoRA adapters.
 * ``POST /route``: the same body as completions or chat, or ``{"model": ..., "token_ids": [...]}``; returns the
   decision (chosen replica name and URL; every candidate's predicted TTFT with Q, R, C, p and matched tokens per
@@ -42,20 +42,21 @@ from membership.replicas import Replica
 from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from policies.base import Reuse
 from router import signals
-from router.admission import Rejected
 from router.config import Settings
-from router.guard import Guard
-from router.idempotency import HEADER as IDEMPOTENCY_HEADER
-from router.intake import Intake, LimitExceeded, dump_messages, not_a_bool, sequences
-from router.proxy import error_response, new_request_id
-from router.routing import Routed, RoutingError, RoutingInput, decision_json
+from router.core.admission import Rejected
+from router.core.routing import Routed, RoutingError, RoutingInput, decision_json
+from router.core.tenant_admission import Ticket, bad_identity_response, rejection_response
+from router.core.tenants import BadIdentity, Identity
+from router.engine.proxy import new_request_id
+from router.errors import error_response
+from router.serve.guard import Guard
+from router.serve.idempotency import HEADER as IDEMPOTENCY_HEADER
+from router.serve.intake import Intake, LimitExceeded, dump_messages, not_a_bool, sequences
 from router.services import Services, build_services, run
 from router.telemetry import CONTENT_TYPE, Telemetry
-from router.tenant_admission import Ticket, bad_identity_response, rejection_response
-from router.tenants import BadIdentity, Identity
-from router.token_ids import IdsPrompt, ids_prompt
-from router.tokenize_frontier import FrontierIds, frontier_ids, frontier_tokenizer
-from router.tokenizer import HfTokenizer, TokenizerError
+from router.tokens.frontier import FrontierIds, frontier_ids, frontier_tokenizer
+from router.tokens.token_ids import IdsPrompt, ids_prompt
+from router.tokens.tokenizer import HfTokenizer, TokenizerError
 
 log = logging.getLogger("kvroute.app")
 _M = TypeVar("_M", bound=BaseModel)
@@ -401,7 +402,7 @@ class _KvrouteApp(FastAPI):
     unhandled is logged and answered 500 in JSON. With CORS configured every request takes the normal path.
     """
 
-    #: the front gate (router/guard.py: auth and shedding from the headers), set by ``create_app``
+    #: the front gate (router/serve/guard.py: auth and shedding from the headers), set by ``create_app``
     guard: Guard | None = None
     #: path -> endpoint served directly (empty until ``enable_fast_path``; never mutated in place)
     _fast_routes: Mapping[str, Callable[[Request], Awaitable[Response]]] = MappingProxyType({})
@@ -416,7 +417,7 @@ class _KvrouteApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: the data-plane routes directly, everything else through FastAPI."""
-        guard = self.guard  # router/guard.py: auth and shedding from the headers, before any body
+        guard = self.guard  # router/serve/guard.py: auth and shedding from the headers, before any body
         if guard is not None and scope["type"] == "http":
             if not await guard.admit(scope, send):
                 return
@@ -524,7 +525,7 @@ def _new_app(svc: Services) -> _KvrouteApp:
         description="Cache-aware router for LLM inference fleets (OpenAI-compatible).",
     )
     app.state.services = svc
-    app.guard = svc.guard  # router/guard.py: auth before the body, loop-lag shedding
+    app.guard = svc.guard  # router/serve/guard.py: auth before the body, loop-lag shedding
     return app
 
 
@@ -542,7 +543,7 @@ def _add_error_handlers(app: FastAPI, svc: Services) -> None:
     settings = svc.settings
 
     @app.exception_handler(LimitExceeded)
-    async def _limit(request: Request, exc: LimitExceeded) -> Response:  # router/intake.py input limits
+    async def _limit(request: Request, exc: LimitExceeded) -> Response:  # router/serve/intake.py input limits
         svc.telemetry.rejected.labels(exc.code).inc()
         return error_response(exc.status, exc.message, exc.code, exc.param)
 
@@ -570,12 +571,14 @@ def _add_error_handlers(app: FastAPI, svc: Services) -> None:
         return error_response(exc.status, exc.message, exc.code, exc.param, headers=headers)
 
     @app.exception_handler(BadIdentity)
-    async def _bad_identity(request: Request, exc: BadIdentity) -> Response:  # router/tenants.py headers
+    async def _bad_identity(request: Request, exc: BadIdentity) -> Response:  # router/core/tenants.py headers
         svc.telemetry.rejected.labels("bad_identity").inc()
         return bad_identity_response(exc)
 
     @app.exception_handler(Rejected)
-    async def _rejected(request: Request, exc: Rejected) -> Response:  # router/tenant_admission.py precheck
+    async def _rejected(
+        request: Request, exc: Rejected
+    ) -> Response:  # router/core/tenant_admission.py precheck
         svc.telemetry.rejected.labels(exc.reason).inc()
         return rejection_response(exc, settings.retry_after_s)
 
@@ -598,7 +601,7 @@ def _add_error_handlers(app: FastAPI, svc: Services) -> None:
 
 
 class _Auth:
-    """Client API keys (data plane) and the admin token (control plane), checked by ``router.guard.Auth``."""
+    """Client API keys (data plane) and the admin token (control plane), checked by ``router.serve.guard.Auth``."""
 
     def __init__(self, guard: Guard) -> None:
         self.guard = guard.auth
@@ -640,7 +643,7 @@ class _DataPlane:
     ) -> RoutingInput:
         """Tokenize (unless ids were given), hash and bundle what the request contributes to a decision."""
         svc = self.svc
-        # identity first (router/tenants.py): a bad tenant / priority / TTFT-target header is a 400 before any work
+        # identity first (router/core/tenants.py): a bad tenant / priority / TTFT-target header is a 400 before any work
         ident = svc.tenants.identify(
             request.headers, (body.model_extra or {}).get(svc.tenants.cfg.priority_body_field)
         )
@@ -716,7 +719,7 @@ class _DataPlane:
         return inp
 
     def _frontier_scope(self, model: str, lora: str | None, add_special_tokens: bool) -> HfTokenizer | None:
-        """The tokenizer for cache-frontier tokenization of this request's text (router/tokenize_frontier.py), or
+        """The tokenizer for cache-frontier tokenization of this request's text (router/tokens/frontier.py), or
         None to tokenize it whole (``tokenize_scope=prompt``, or the tokenizer / fleet does not allow it)."""
         if self.settings.tokenize_scope != "cached_prefix":
             return None
@@ -745,7 +748,7 @@ class _DataPlane:
     async def serve(
         self, request: Request, inp: RoutingInput, path: str, stream: bool, ids: IdsPrompt | None = None
     ) -> Response:
-        """Serve once per Idempotency-Key (router/idempotency.py), else serve."""
+        """Serve once per Idempotency-Key (router/serve/idempotency.py), else serve."""
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is not None:
             return await self.svc.idempotency.handle(
@@ -762,7 +765,7 @@ class _DataPlane:
     async def _serve(
         self, request: Request, inp: RoutingInput, path: str, stream: bool, ids: IdsPrompt | None
     ) -> Response:
-        """Admission (router/tenant_admission.py: SLO check, tenant quota, the fair queue of the in-flight limit),
+        """Admission (router/core/tenant_admission.py: SLO check, tenant quota, the fair queue of the in-flight limit),
         decision, then the proxy."""
         svc = self.svc
         ident: Identity = inp.identity if inp.identity is not None else svc.tenants.identify({})
@@ -853,7 +856,7 @@ class _DataPlane:
         self.auth.check_client(request)
         body, data = await _parse(self.svc.intake, request, CompletionRequest)
         inp = await self.routing_input(request, body, prompt=body.prompt)
-        # a text prompt may reach the engine as the ids just computed (router/token_ids.py decides per replica)
+        # a text prompt may reach the engine as the ids just computed (router/tokens/token_ids.py decides per replica)
         check = self.svc.proxy.token_ids
         # ... only when they are all of the prompt's ids (cache-frontier tokenization may stop early: text then)
         ids = (
@@ -1072,15 +1075,17 @@ def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
 
 async def _parse(intake: Intake, request: Request, model: type[_M]) -> tuple[_M, Any]:
     """Parse the request body as JSON (whatever the content type) and validate it against ``model``; returns the
-    validated model and the parsed JSON it came from. Router-controlled fields (router/client_fields.py) are
+    validated model and the parsed JSON it came from. Router-controlled fields (router/serve/client_fields.py) are
     removed from both and from the body that goes on (``request.body()`` then returns the body without them).
 
     Raises:
         RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
-        LimitExceeded: an input limit (router/intake.py).
+        LimitExceeded: an input limit (router/serve/intake.py).
     """
     raw = await request.body()
-    parsed, data = await intake.parse(raw, model)  # router/intake.py: limits first, large bodies off the loop
+    parsed, data = await intake.parse(
+        raw, model
+    )  # router/serve/intake.py: limits first, large bodies off the loop
     if intake.fields is not None and (clean := await intake.fields.strip(raw, data)) is not None:
         request._body = clean  # what Request.body() returns from now on: the proxy and the picker forward it
     return parsed, data

@@ -161,9 +161,9 @@ class RoutingInput:
         copies: sequences the engine generates for it (OpenAI ``n`` / vLLM ``best_of``, at least 1): it counts
             as this many requests in flight on its replica.
         ttft_target_s: the request's TTFT target, seconds (None: none); priority: its class priority;
-            identity: its ``router.tenants.Identity`` (issue 20).
+            identity: its ``router.core.tenants.Identity`` (issue 20).
         estimated_tokens: set when ``token_ids`` are only a prefix of the prompt's ids (cache-frontier
-            tokenization, ``router.tokenize_frontier``): the estimated length of the whole prompt, tokens; None
+            tokenization, ``router.tokens.frontier``): the estimated length of the whole prompt, tokens; None
             when the ids are complete.
     """
 
@@ -178,7 +178,7 @@ class RoutingInput:
     copies: int = 1
     ttft_target_s: float | None = None
     priority: int = 0
-    identity: Any = None  # router.tenants.Identity of the request (set by the front door)
+    identity: Any = None  # router.core.tenants.Identity of the request (set by the front door)
     estimated_tokens: int | None = None
 
     @property

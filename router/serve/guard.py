@@ -1,10 +1,10 @@
 """The router's front gate: what is decided from a request's headers alone, before its body is read.
 
-``Guard.admit`` runs first for every HTTP request (``router.app._KvrouteApp.__call__``), ahead of the data-plane
+``Guard.admit`` runs first for every HTTP request (``router.http.app._KvrouteApp.__call__``), ahead of the data-plane
 fast path and of FastAPI:
 
 * **authorization** (``authorize``, the one decision every front door takes: the HTTP app here, the endpoint
-  picker ``router.epp`` on the gateway's request headers), made on the *normalized* request (``request_path``:
+  picker ``router.epp.picker`` on the gateway's request headers), made on the *normalized* request (``request_path``:
   percent-decoded once, as the engines decode, dot-segments resolved): ``/v1/*`` and ``/route`` need one of
   ``api_keys`` when any is configured (401 ``unauthorized``); ``/replicas`` and ``/index/stats`` need
   ``admin_token`` when it is configured (401 without a bearer token, 403 ``forbidden`` with another), else one of
@@ -13,7 +13,7 @@ fast path and of FastAPI:
   before a byte of the body is read, with ``connection: close`` when a large body was announced, so an
   unauthenticated client cannot make the router buffer (or even read) bodies. Tokens are compared as bytes (constant time), so any header
   value, ASCII or not, gets a 401, never a 500.
-* **overload shedding** (``Shedder``, on ``router.loop_lag``'s probes): new ``/v1/*`` POSTs and ``/route`` get
+* **overload shedding** (``Shedder``, on ``router.serve.loop_lag``'s probes): new ``/v1/*`` POSTs and ``/route`` get
   ``503 event_loop_lag`` with ``Retry-After`` (counted in ``kvroute_rejected_total{reason="event_loop_lag"}``) only
   while the router's own work overloads it: over the last ``event_loop_lag_sustain_s`` the probes kept finding the
   loop late by more than ``max_event_loop_lag_s`` from its own work (the delay less the time it waited for a CPU),
@@ -41,8 +41,8 @@ from urllib.parse import unquote
 
 from starlette.types import Scope, Send
 
-from router.loop_lag import LoopLag, Probe
-from router.proxy import error_response
+from router.errors import error_response
+from router.serve.loop_lag import LoopLag, Probe
 
 #: routes counted under their own name in kvroute_requests_total (others: "other")
 _DATA_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/route"})
@@ -351,7 +351,7 @@ class Shedder:
     Fed by every probe of ``lag`` (``on_probe``), it keeps the probes that cover the last ``sustain_s`` (the
     window: the probes in it and the last one before it, the baseline). While the loop lags (the last probe, or the
     next one overdue, later than ``max_lag_s``), a new request is shed when (1) the last probe and at least
-    ``SUSTAINED_MIN_PROBES`` of the window's had an *own* lag over ``max_lag_s`` (``router.loop_lag``: the delay
+    ``SUSTAINED_MIN_PROBES`` of the window's had an *own* lag over ``max_lag_s`` (``router.serve.loop_lag``: the delay
     less the time the loop waited for a CPU, at most the CPU time used), (2) over the window the process used at
     least ``OWN_WORK_MIN_BUSY`` of the time it could run (wall time less the run-queue wait: a process starved by
     others, throttled or stopped idles through part of it), and (3) the request work (``work()``) is not below its
