@@ -77,13 +77,11 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     import uvicorn
 
     from router.http.app import create_app
+    from router.services import build_services
 
     try:
-        app = create_app(settings)
-        if epp:
-            from router.epp.picker import add_epp
-
-            add_epp(app.state.services)  # started and stopped with the app's lifespan, in uvicorn's loop
+        # with ``epp``: the picker is started and stopped with the app's lifespan, in uvicorn's loop
+        app = create_app(settings, build_services(settings, epp=epp))
     except (ValueError, KeyError, OSError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"{cmd}: cannot start: {msg}", file=sys.stderr)

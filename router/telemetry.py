@@ -8,7 +8,7 @@ Metric names (all prefixed ``kvroute_``):
 * ``ttft_seconds{replica}``: router-measured time to first byte of the response body, seconds (histogram).
 * ``retries_total{reason}``, ``upstream_errors_total{reason}``: failed attempts, and requests that failed for good.
 * ``relayed_pieces_total{path}``: pieces of engine event streams relayed to clients, ``direct`` from the engine
-  connection's read callback or by the request's ``task`` (``router.engine.proxy._Relay``).
+  connection's read callback or by the request's ``task`` (``router.engine.relay.Relay``).
 * ``tokenize_tokens_total{kind}``: prompt tokens the router tokenized (``tokenized``) or, past the fleet's cache
   frontier, only estimated (``estimated``); ``partial_ids_requests_total``: requests routed on a prefix of their
   ids (``router.tokens.frontier``).

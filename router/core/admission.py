@@ -24,10 +24,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from policies.admission_fair import FairQueue, QueueEntry
+from router.errors import KvrouteError
 
 
-class Rejected(Exception):
-    """A request is not admitted. ``status`` (429 / 503), ``code`` and ``reason`` (metric label) say why."""
+class Rejected(KvrouteError):
+    """A request is not admitted. ``status`` (429 / 503), ``code`` and ``reason`` (metric label) say why; answered
+    with ``Retry-After`` and the reason told to the client (``wire_reason``)."""
+
+    retry = True
 
     def __init__(
         self,
@@ -39,16 +43,20 @@ class Rejected(Exception):
         wire_reason: str | None = None,
         retry_after_s: float | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
+        # wire_reason: told to the client (JSON ``error.reason`` and the ``x-kvroute-rejected-reason`` header):
+        # ``quota``, ``queue_full``, ``queue_timeout``, ``preempted``, ``slo_unattainable``; retry_after_s: seconds
+        # the client should wait (None: the configured ``retry_after_s``)
+        super().__init__(
+            message,
+            status=status,
+            code=code,
+            wire_reason=wire_reason or reason,
+            retry_after_s=retry_after_s,
+            counted_as=reason,
+        )
+        #: the metric label (``kvroute_rejected_total{reason}``)
         self.reason = reason
-        self.message = message
-        #: the reason told to the client (JSON ``error.reason`` and the ``x-kvroute-rejected-reason`` header):
-        #: ``quota``, ``queue_full``, ``queue_timeout``, ``preempted``, ``slo_unattainable``
-        self.wire_reason = wire_reason or reason
-        #: seconds the client should wait (None: the configured ``retry_after_s``)
-        self.retry_after_s = retry_after_s
+        self.wire_reason: str = wire_reason or reason
 
 
 class Admission:

@@ -34,10 +34,12 @@ from policies.base import (
     TierLink,
     reuse_of,
 )
+from policies.candidates import ReplicaFacts, build_candidates, build_pd_candidates
 from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (re-exported)
-from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision, Role
+from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision
 from policies.pd_common import plan_request
 from policies.pd_link import LinkEstimator, TransferTotals, transfer_sample
+from router.errors import KvrouteError
 
 log = logging.getLogger("kvroute.routing")
 
@@ -97,20 +99,20 @@ def build_profile(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# errors the HTTP layer maps to responses
+# errors (the kvroute family: router/errors.py)
 # ---------------------------------------------------------------------------------------------------------
 
 
-class RoutingError(Exception):
-    """A request cannot be routed. ``status`` is the HTTP status, ``code`` a stable machine-readable reason."""
+class RoutingError(KvrouteError):
+    """A request cannot be routed. ``status`` is the HTTP status, ``code`` a stable machine-readable reason;
+    503 and 429 are answered with ``Retry-After``."""
 
     status = 503
     code = "routing_error"
+    retry = True
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+        super().__init__(message, param=param)
 
 
 class UnknownModel(RoutingError):
@@ -118,6 +120,7 @@ class UnknownModel(RoutingError):
 
     status = 404
     code = "model_not_found"
+    retry = False
 
 
 class NoReplica(RoutingError):
@@ -139,6 +142,7 @@ class BadRequest(RoutingError):
 
     status = 400
     code = "invalid_request"
+    retry = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -454,30 +458,49 @@ class Router:
         if self.pd_policy_factory is not None and self.is_disaggregated(inp):
             return self.decide_plan(inp, exclude)
         t0 = time.perf_counter()
-        reps = self.candidates_for(inp, exclude)
-        bs = self.block_size
-        n = inp.prompt_tokens
-        matches = self.index.match(inp.keys, {r.index for r in reps}) if inp.keys else {}
-        cands: list[Candidate] = []
-        cached: dict[int, int] = {}
-        for r in reps:
-            hit = hit_from_match(matches.get(r.index), n, bs, r.load.engine_block_size)
-            cached[r.index] = hit.total
-            cands.append(
-                Candidate(
-                    index=r.index,
-                    name=r.name,
-                    load=self.load_view(r),
-                    hit=hit,
-                    profile=r.profile,
-                    state=r.state.value,
-                )
-            )
-        req = RouteRequest(
+        facts = [self.facts(r) for r in self.candidates_for(inp, exclude)]
+        cands = self.build_candidates(inp, facts)
+        req = self.route_request(inp)
+        decision = self.policy.choose(req, cands)
+        decision.reuse = reuse_of(decision.chosen, cands)  # available vs achieved cached tokens
+        return Routed(
+            inp=inp,
+            decision=decision,
+            candidates=cands,
+            cached_tokens={c.index: c.hit.total for c in cands},
+            decision_s=time.perf_counter() - t0,
+        )
+
+    def facts(self, rep: Replica) -> ReplicaFacts:
+        """What a policy may know about ``rep``: its load view (this router's in-flight counts included), profile,
+        state, engine block size, role, DP ranks, link backlog."""
+        return ReplicaFacts(
+            index=rep.index,
+            name=rep.name,
+            load=self.load_view(rep),
+            profile=rep.profile,
+            state=rep.state.value,
+            engine_block_size=rep.load.engine_block_size,
+            role=rep.role if rep.role in ROLES else "both",
+            dp_rank_count=max(1, rep.dp_size),
+            link_busy_s=self.link_busy_s(rep.index),
+            serves_alone=serves_alone(rep),
+        )
+
+    def build_candidates(self, inp: RoutingInput, facts: Sequence[ReplicaFacts]) -> list[Candidate]:
+        """The candidates for ``inp``: the prompt matched in the index over ``facts``' replicas
+        (``policies.candidates.build_candidates``)."""
+        matches = self.index.match(inp.keys, {f.index for f in facts}) if inp.keys else {}
+        return build_candidates(facts, matches, inp.prompt_tokens, self.block_size)
+
+    def route_request(self, inp: RoutingInput) -> RouteRequest:
+        """The request as every policy sees it, co-located or PD: one builder, so no field is dropped on one
+        path (the SLO target, the priority and the sequences reach PD plans too)."""
+        return RouteRequest(
             model=inp.model,
-            prompt_tokens=n,
+            prompt_tokens=inp.prompt_tokens,
             block_keys=inp.keys,
-            block_size=bs,
+            block_size=self.block_size,
             now=self.clock(),
             lora=inp.lora,
             session_id=inp.session_id,
@@ -486,15 +509,7 @@ class Router:
             request_id=inp.request_id,
             ttft_target_s=inp.ttft_target_s,
             priority=inp.priority,
-        )
-        decision = self.policy.choose(req, cands)
-        decision.reuse = reuse_of(decision.chosen, cands)  # available vs achieved cached tokens
-        return Routed(
-            inp=inp,
-            decision=decision,
-            candidates=cands,
-            cached_tokens=cached,
-            decision_s=time.perf_counter() - t0,
+            sequences=inp.copies,
         )
 
     # -- prefill/decode disaggregation ----------------------------------------------------------------
@@ -532,47 +547,10 @@ class Router:
             RoutingError subclasses (see ``candidates_for``); NoReplica when no plan is feasible.
         """
         t0 = time.perf_counter()
-        reps = self.candidates_for(inp, exclude)
-        n = inp.prompt_tokens
-        matches = self.index.match(inp.keys, {r.index for r in reps}) if inp.keys else {}
-        cands: list[Candidate] = []
-        pd_cands: list[PdCandidate] = []
-        cached: dict[int, int] = {}
-        for r in reps:
-            hit = hit_from_match(matches.get(r.index), n, self.block_size, r.load.engine_block_size)
-            cached[r.index] = hit.total
-            cand = Candidate(
-                index=r.index,
-                name=r.name,
-                load=self.load_view(r),
-                hit=hit,
-                profile=r.profile,
-                state=r.state.value,
-            )
-            cands.append(cand)
-            role: Role = r.role if r.role in ROLES else "both"
-            pd_cands.append(
-                PdCandidate(
-                    candidate=cand,
-                    role=role,
-                    dp_rank_count=max(1, r.dp_size),
-                    link_busy_s=self.link_busy_s(r.index),
-                    serves_alone=serves_alone(r),
-                )
-            )
-        req = RouteRequest(
-            model=inp.model,
-            prompt_tokens=n,
-            block_keys=inp.keys,
-            block_size=self.block_size,
-            now=self.clock(),
-            lora=inp.lora,
-            session_id=inp.session_id,
-            objective=self.objective,  # type: ignore[arg-type]
-            expected_output_tokens=inp.expected_output_tokens,
-            request_id=inp.request_id,
-            sequences=inp.copies,
-        )
+        facts = [self.facts(r) for r in self.candidates_for(inp, exclude)]
+        cands = self.build_candidates(inp, facts)
+        pd_cands = build_pd_candidates(facts, cands)
+        req = self.route_request(inp)
         try:
             plan = plan_request(self.pd_policy(), req, pd_cands, self.pd_link)
         except ValueError as exc:  # no feasible plan (e.g. only prefill replicas are routable)
@@ -585,7 +563,7 @@ class Router:
             inp=inp,
             decision=decision,
             candidates=cands,
-            cached_tokens=cached,
+            cached_tokens={c.index: c.hit.total for c in cands},
             decision_s=time.perf_counter() - t0,
             plan=plan,
         )

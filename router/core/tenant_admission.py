@@ -16,8 +16,8 @@ and no HTTP objects:
 4. ``ticket.release()`` exactly once when the response is over (idempotent).
 
 ``admit_request(headers, summary)`` runs 1 and 3 in one call for doors that do not price a decision first.
-``rejection_response`` renders a ``Rejected`` as the HTTP answer: OpenAI-style JSON with ``error.reason``, a
-``Retry-After`` header and ``x-kvroute-rejected-reason``.
+A ``Rejected`` is a member of the kvroute error family (``router.errors``): the doors render it (JSON with
+``error.reason``, a ``Retry-After`` header and ``x-kvroute-rejected-reason``).
 
 Units: tokens, seconds.
 """
@@ -31,18 +31,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-from starlette.responses import Response
-
 from membership.tenant_budget import TenantBudget
 from policies.admission_slo import slo_unattainable
 from policies.base import Observation
 from router.core.admission import Admission, Rejected
 from router.core.tenant_metrics import TenantMetrics
 from router.core.tenants import BadIdentity, Identity, TenancyConfig, parse_identity, request_cost
-
-#: response header naming why a request was refused (llm-d sends ``x-llm-d-request-dropped-reason``)
-REASON_HEADER = "x-kvroute-rejected-reason"
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,43 +280,3 @@ class TenantAdmission:
                 "tenant quota (tenant_expected_routers) until it is back"
             )
         return out
-
-
-def rejection_response(exc: Rejected, default_retry_after_s: int) -> Response:
-    """The HTTP answer to a refused request: JSON with ``error.reason``, ``Retry-After`` and the reason header."""
-    retry = default_retry_after_s if exc.retry_after_s is None else max(1, math.ceil(exc.retry_after_s))
-    err_type = "invalid_request_error" if exc.status < 500 else "server_error"
-    body = orjson.dumps(
-        {
-            "error": {
-                "message": exc.message,
-                "type": err_type,
-                "code": exc.code,
-                "param": None,
-                "reason": exc.wire_reason,
-            }
-        }
-    )
-    return Response(
-        body,
-        status_code=exc.status,
-        media_type="application/json",
-        headers={"retry-after": str(retry), REASON_HEADER: exc.wire_reason},
-    )
-
-
-def bad_identity_response(exc: BadIdentity) -> Response:
-    """The answer to a malformed tenant / priority / TTFT-target header (400), or to a tenant header the caller may
-    not send (403): JSON naming the header."""
-    body = orjson.dumps(
-        {
-            "error": {
-                "message": exc.message,
-                "type": "invalid_request_error" if exc.status == 400 else "permission_error",
-                "code": exc.code,
-                "param": exc.param,
-                "reason": exc.reason,
-            }
-        }
-    )
-    return Response(body, status_code=exc.status, media_type="application/json")

@@ -36,24 +36,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.errors import KvrouteError
+
 _NAME = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
 #: largest TTFT target accepted, ms (a day): larger values are typos
 _MAX_TARGET_MS = 86_400_000.0
 
 
-class BadIdentity(ValueError):
+class BadIdentity(KvrouteError, ValueError):
     """A tenant / priority / TTFT-target header (or body field) is malformed; ``param`` names it.
 
-    ``status`` / ``code`` / ``reason``: the HTTP answer (400 ``invalid_identity`` ``bad_header``)."""
+    ``status`` / ``code`` / ``reason``: the answer (400 ``invalid_identity`` ``bad_header``), counted as
+    ``bad_identity``."""
 
     status = 400
     code = "invalid_identity"
     reason = "bad_header"
+    counted_as = "bad_identity"
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+        super().__init__(
+            message,
+            param=param,
+            wire_reason=self.reason,
+            err_type="invalid_request_error" if self.status == 400 else "permission_error",
+        )
 
 
 class TenantNotAllowed(BadIdentity):

@@ -33,6 +33,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from router.errors import KvrouteError
 from router.serve.client_fields import ROUTER_HEADERS
 
 #: request header (and ``envoy.lb`` metadata key) naming the picked endpoint, ``ip:port``
@@ -44,8 +45,7 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 #: largest body chunk sent back in one message (Envoy's per-message limit is ~64 KiB), bytes
 BODY_CHUNK_BYTES = 62_000
-#: response header of an ImmediateResponse saying why the request was not routed (a stable code)
-REASON_HEADER = "x-kvroute-rejected-reason"
+#: response header of an ImmediateResponse saying why the request was not routed: ``REASON_HEADER`` (router.errors)
 #: response header naming the replica that served the request (as the proxy sets it)
 REPLICA_HEADER = "x-kvroute-replica"
 
@@ -82,12 +82,11 @@ def body_modes(msg: Any) -> tuple[int, int] | None:
     return int(cfg.request_body_mode), int(cfg.response_body_mode)
 
 
-class HeaderError(ValueError):
-    """Request headers the picker refuses: HTTP status, stable code, message."""
+class HeaderError(KvrouteError, ValueError):
+    """Request headers the picker refuses: HTTP status, stable code, message (counted under the code)."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        super().__init__(message, status=status, code=code, counted_as=code)
 
 
 def headers_of(

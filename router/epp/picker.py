@@ -11,10 +11,15 @@ request and one pick::
                      ─┬─ end_of_stream (no body): pick now
                       └─ request_body chunks, buffered until end_of_stream or the trailers (bounded by
                          max_request_bytes, epp_request_timeout_s and epp_min_body_rate_bytes_per_s)
-    -> guard (loop-lag shedding) -> parse + tokenize + hash (the HTTP routes' own code) -> admission
-    -> decision (the HTTP routes' own ``decide``: session affinity, subset hint as excluded replicas; the hint
-       is read from the headers and from the final body message)
+    -> the serving pipeline (``router.serve.pipeline``, the HTTP door's steps): guard (loop-lag shedding),
+       parse + identify + tokenize + hash, admission, decision (session affinity, subset hint as excluded
+       replicas; the hint is read from the headers and from the final body message)
     -> in-flight accounting on the replica (acquired now, released when the response ends or the stream dies)
+    -> a disaggregated PD plan: the prefill side run here, on the planned prefill replica, with the protocol
+       runners the HTTP door uses (``router.pd.legs.PdLegs.handoff``: vLLM NIXL relay, Mooncake, SGLang
+       bootstrap); the decode replica is the destination and gets the decode request (the prefill's
+       ``kv_transfer_params``, or the bootstrap fields; ``X-data-parallel-rank`` when pinned), so it serves it
+       without recomputing; a failed prefill side is served in place (counted)
     <- request_headers answer: x-gateway-destination-endpoint + envoy.lb metadata (same value), clear_route_cache
     <- the body re-streamed in <= 62,000-byte chunks (with stream usage asked for, as the proxy asks)
     response_headers / response_body (passed through; usage parsed, the usage event the client did not ask for
@@ -25,7 +30,8 @@ for the headers' answer before it sends the whole body): the headers are answere
 comes on the body's answer; ``NONE``: the pick on the headers; other modes are refused at once (500
 ``unsupported_body_mode``), never a stall.
 
-Errors are ``ImmediateResponse`` s with the same statuses and OpenAI-style bodies as the HTTP routes: 400
+Errors are the kvroute error family (``router.errors``) rendered as ``ImmediateResponse`` s, with the same
+statuses, OpenAI-style bodies and headers as the HTTP door: 400
 malformed JSON / header / protocol error, 401 without a key, 404 / 405 outside the picker's routes, 408 a
 request too slow, 413 over a limit, 422 invalid fields, 429 shed / overloaded, 431 headers over the limits, 503
 no ready replica (or none in the subset hint, or over ``epp_max_streams``). Every replica of kvroute answers
@@ -46,32 +52,30 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
-import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from fastapi.exceptions import RequestValidationError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
-from starlette.requests import Request
-from starlette.responses import Response
+from starlette.datastructures import Headers
 
-from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
-from router.core.admission import Rejected
-from router.core.routing import NoReplica, Routed, RoutingError, RoutingInput
-from router.core.tenant_admission import Ticket, bad_identity_response, rejection_response
-from router.core.tenants import BadIdentity
-from router.engine.proxy import _Hold, _usage_from_json, _usage_from_sse, ask_for_usage, new_request_id
+from router.core.routing import NoReplica, Routed
+from router.core.tenant_admission import Ticket
+from router.engine.feedback import Feedback, usage_from_json, usage_from_sse
+from router.engine.hold import Hold
+from router.engine.sse import ask_for_usage
 from router.epp import codec
 from router.epp.tls import server_credentials
-from router.errors import error_body
-from router.http.app import ChatRequest, CompletionRequest, _Auth, _BadTokens, _DataPlane, _parse
+from router.errors import REASON_HEADER, KvrouteError, as_error, error_body
+from router.pd.legs import Handoff
 from router.serve.guard import PICKER_ROUTES, authorize, normalize_path
-from router.serve.intake import LimitExceeded
-from router.services import Services
+from router.serve.pipeline import Pipeline, Prepared
+from router.serve.requests import new_request_id
 from router.telemetry import gauge
-from router.tokens.tokenizer import TokenizerError
 
 log = logging.getLogger("kvroute.epp")
 
+#: response headers naming a disaggregated plan's prefill replica and the plan (as the HTTP door names them)
+PREFILL_REPLICA_HEADER = "x-kvroute-prefill-replica"
+PLAN_HEADER = "x-kvroute-plan"
 #: the gRPC service names the gateway's health checks may ask for
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 LIVENESS_SERVICE = "liveness"
@@ -82,52 +86,40 @@ _TAIL_BYTES = 16384
 _MESSAGE_HEADROOM_BYTES = 1 << 20
 
 
-class _Refused(Exception):
-    """A request answered with an ImmediateResponse (status, stable code, message, extra headers; ``body``: the
-    JSON to send when another module already built it, else an OpenAI-style error from the message)."""
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        headers: dict[str, str] | None = None,
-        body: bytes | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.headers = status, code, message, headers or {}
-        self.body = body
-
-    @classmethod
-    def of_response(cls, response: Response, code: str) -> _Refused:
-        """The refusal answering like an HTTP ``response`` (status, body, headers but the framing ones)."""
-        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
-        body = bytes(response.body)
-        return cls(response.status_code, code, body.decode("utf-8", "replace"), headers, body)
-
-
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """The ``ExternalProcessor`` servicer: one ``_Stream`` per gateway stream, all on the shared ``Services``."""
+    """The ``ExternalProcessor`` servicer: one ``_Stream`` per gateway stream, all on the serving pipeline.
 
-    def __init__(self, svc: Services) -> None:
-        self.svc = svc
-        #: the HTTP routes' own parsing, tokenizing and deciding (never a second copy of the decision logic)
-        self.dp = _DataPlane(svc, _Auth(svc.guard))
+    Args:
+        pipeline: the serving pipeline (the same steps as the HTTP door's: never a second copy of the logic).
+        feedback: usage and TTFT feedback when a response has passed through.
+    """
+
+    def __init__(self, pipeline: Pipeline, feedback: Feedback) -> None:
+        self.pipeline = pipeline
+        self.feedback = feedback
+        #: the prefill/decode legs (the picker runs a disaggregated plan's prefill side itself)
+        self.pd = pipeline.dispatcher.pd
+        self.settings = pipeline.settings
+        self.telemetry = pipeline.telemetry
+        self.table = pipeline.table
+        self.router = pipeline.router
+        self.auth = pipeline.gate.auth
+        telemetry = self.telemetry
         self.streams = Counter(
             "kvroute_epp_requests",
             "endpoint-picker streams by outcome (HTTP status of the answer: 200 = routed)",
             ["status"],
-            registry=svc.telemetry.registry,
+            registry=telemetry.registry,
         )
         self.protocol_errors = Counter(
             "kvroute_epp_protocol_errors",
             "ext_proc messages out of the protocol (answered 400 protocol_error, the stream ended), by reason",
             ["reason"],
-            registry=svc.telemetry.registry,
+            registry=telemetry.registry,
         )
         #: gateway streams open now (one per HTTP request the gateway is processing)
         self.active = 0
-        svc.telemetry.add_gauges(
+        telemetry.add_gauges(
             lambda: [
                 gauge(
                     "kvroute_epp_streams_active",
@@ -144,7 +136,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[Any]:
         """One HTTP request's ext_proc stream: answers each message as the protocol requires; a request that does
         not arrive in time (``_Stream.read_timeout``) is answered 408."""
-        if self.active >= self.svc.settings.epp_max_streams:
+        if self.active >= self.settings.epp_max_streams:
             yield self._over_capacity()
             return
         stream = _Stream(self)
@@ -172,13 +164,13 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _over_capacity(self) -> Any:
         """The answer to a stream over ``epp_max_streams``: 503 with Retry-After, before reading anything."""
-        settings = self.svc.settings
+        settings = self.settings
         self.streams.labels("503").inc()
-        self.svc.telemetry.rejected.labels("too_many_streams").inc()
+        self.telemetry.rejected.labels("too_many_streams").inc()
         message = f"the endpoint picker has {self.active} streams open (epp_max_streams); retry shortly"
         headers = {
             "content-type": "application/json",
-            codec.REASON_HEADER: "too_many_streams",
+            REASON_HEADER: "too_many_streams",
             "retry-after": str(settings.retry_after_s),
         }
         return codec.immediate(
@@ -200,8 +192,8 @@ class _Stream:
 
     def __init__(self, picker: EndpointPicker) -> None:
         self.picker = picker
-        self.svc = picker.svc
-        self.settings = picker.svc.settings
+        self.pipeline = picker.pipeline
+        self.settings = picker.settings
         self.phase = _START
         self.started = time.monotonic()
         # body send modes: from the gateway's protocol_config, when it sends one
@@ -217,8 +209,12 @@ class _Stream:
         self.ticket: Ticket | None = (
             None  # the admission slot (router/core/tenant_admission.py), held to the end
         )
-        self.hold: _Hold | None = None
+        self.hold: Hold | None = None
         self.routed: Routed | None = None
+        #: prompt tokens the served replica was expected to reuse (feedback), tokens
+        self.predicted_cached = 0
+        #: response headers naming how the request was served (replica, prefill replica, plan)
+        self.served_headers: dict[str, str] = {}
         self.request_id = ""
         self.stream = False  # the client asked for a streamed answer
         self.strip_usage = False  # the picker asked for stream usage the client did not ask for
@@ -266,7 +262,9 @@ class _Stream:
         """Answer a message out of the protocol with 400 ``protocol_error`` and end the stream (counted)."""
         self.picker.protocol_errors.labels(reason).inc()
         log.warning("endpoint picker: protocol error", extra={"reason": reason, "detail": message})
-        return self._refuse(_Refused(400, "protocol_error", f"ext_proc protocol error: {message}"))
+        return self._refuse(
+            KvrouteError(f"ext_proc protocol error: {message}", status=400, code="protocol_error")
+        )
 
     # -- the request ---------------------------------------------------------------------------------------
     async def _on_request_headers(self, msg: Any) -> list[Any]:
@@ -284,8 +282,7 @@ class _Stream:
                 max_count=settings.max_header_count,
             )
         except codec.HeaderError as exc:
-            self.svc.telemetry.rejected.labels(exc.code).inc()
-            return self._refuse(_Refused(exc.status, exc.code, exc.message))
+            return self._refuse(exc)
         self._take_subset(msg.metadata_context)
         refusal = self._authorize() or self._mode_refusal()
         if refusal is not None:
@@ -298,37 +295,37 @@ class _Stream:
             return [codec.continue_headers()]
         return []
 
-    def _authorize(self) -> _Refused | None:
+    def _authorize(self) -> KvrouteError | None:
         """The front doors' one authorization decision (``router.serve.guard.authorize``) on the normalized request."""
         raw = self.headers.get(":path")
         if not raw:
-            self.svc.telemetry.rejected.labels("missing_path").inc()
-            return _Refused(400, "missing_path", "the request has no :path")
+            return KvrouteError(
+                "the request has no :path", status=400, code="missing_path", counted_as="missing_path"
+            )
         self.path = normalize_path(raw)
         denial = authorize(
-            self.svc.guard.auth,
+            self.picker.auth,
             self.headers.get(":method", ""),
             self.path,
             self.headers.get("authorization"),
             PICKER_ROUTES,
         )
-        if denial is None:
-            return None
-        self.svc.telemetry.rejected.labels(denial.code).inc()
-        return _Refused(denial.status, denial.code, denial.message, dict(denial.headers))
+        if denial is not None:
+            denial.counted_as = denial.code
+        return denial
 
-    def _mode_refusal(self) -> _Refused | None:
+    def _mode_refusal(self) -> KvrouteError | None:
         """A request body mode the picker cannot answer in without stalling the gateway (STREAMED: Envoy sends
         the headers upstream once answered, before any body; partial modes) -> 500 at once, naming the modes."""
         if self.request_mode in (codec.FULL_DUPLEX_STREAMED, codec.BUFFERED, codec.NONE):
             return None
         name = codec.mode_name(self.request_mode)
         self.picker.protocol_errors.labels("unsupported_body_mode").inc()
-        return _Refused(
-            500,
-            "unsupported_body_mode",
+        return KvrouteError(
             f"the gateway sends request bodies in {name} mode; the endpoint picker needs FULL_DUPLEX_STREAMED "
             "or BUFFERED (ext_proc processing_mode.request_body_mode)",
+            status=500,
+            code="unsupported_body_mode",
         )
 
     def _take_subset(self, metadata_context: Any) -> None:
@@ -349,9 +346,13 @@ class _Stream:
         if chunk:
             limit = self.settings.max_request_bytes
             if len(self.body) + len(chunk) > limit:
-                self.svc.telemetry.rejected.labels("body_too_large").inc()
                 return self._refuse(
-                    _Refused(413, "request_too_large", f"request body over {limit} bytes (max_request_bytes)")
+                    KvrouteError(
+                        f"request body over {limit} bytes (max_request_bytes)",
+                        status=413,
+                        code="request_too_large",
+                        counted_as="body_too_large",
+                    )
                 )
             self.body += chunk
         buffered = self.request_mode == codec.BUFFERED
@@ -377,8 +378,10 @@ class _Stream:
             return [codec.trailers(request=True)]
         if self.request_mode == codec.BUFFERED:  # trailers and no body: the headers went on unrouted
             return self._refuse(
-                _Refused(
-                    400, "invalid_request", "a request with trailers and no body cannot be routed (BUFFERED)"
+                KvrouteError(
+                    "a request with trailers and no body cannot be routed (BUFFERED)",
+                    status=400,
+                    code="invalid_request",
                 )
             )
         self._take_subset(msg.metadata_context)
@@ -426,42 +429,113 @@ class _Stream:
                 f"({len(self.body)} bytes in {time.monotonic() - self.started:.1f}s; "
                 "epp_min_body_rate_bytes_per_s)"
             )
-        self.svc.telemetry.rejected.labels(code).inc()
-        return self._refuse(_Refused(408, code, message))
+        return self._refuse(KvrouteError(message, status=408, code=code, counted_as=code))
 
     # -- the decision --------------------------------------------------------------------------------------
     async def _pick(self, body: bytes | None, *, trailers: bool = False) -> list[Any]:
-        """Route the request (``body`` None: headers only) and answer with the destination and the body."""
+        """Route the request (``body`` None: headers only) through the serving pipeline and answer with the
+        destination and the body."""
         self.phase = _PICKED
+        pipeline = self.pipeline
+        self.request_id = new_request_id(self.headers.get("x-request-id"))
         try:
-            await self._guard()
-            request = self._request(body or b"")
-            inp, payload = await self._input(request, body)
-            routed = await self._admit_and_decide(inp, self._outside_subset())
+            await pipeline.guard(
+                self.headers.get(":method", "POST"), self.path, self.headers.get("authorization")
+            )
+            prepared = await self._prepare(body)
+            admitted = await pipeline.admit(prepared.inp, self._outside_subset())
         except Exception as exc:  # every failure is an ImmediateResponse, never a broken stream
             return self._refuse(self._refusal(exc))
-        return self._routed(routed, body, payload, trailers)
+        self.ticket = admitted.ticket
+        routed = admitted.routed
+        pd = self.picker.pd
+        if (
+            pd is not None and routed.plan is not None
+        ):  # a prefill/decode fleet: dispatch chosen from the plan
+            if not routed.disaggregated:
+                pd.count_in_place(routed)
+            else:
+                try:
+                    return await self._disaggregated(routed, body, prepared.body, trailers)
+                except Exception as exc:  # a bug: answered, never a broken stream
+                    return self._refuse(self._refusal(exc))
+        return self._in_place(routed, routed.decision.chosen, body, prepared.body, trailers)
 
-    def _routed(self, routed: Routed, body: bytes | None, payload: bytes | None, trailers: bool) -> list[Any]:
-        """Hold the replica, remember what the response path needs, and build the answers (in the request body
-        mode: full duplex re-streams the body after the headers' answer; BUFFERED answers the body message)."""
-        svc = self.svc
-        rep = svc.table.by_index(routed.decision.chosen)
+    async def _disaggregated(
+        self, routed: Routed, body: bytes | None, clean: bytes, trailers: bool
+    ) -> list[Any]:
+        """A disaggregated plan: the picker runs its prefill side (``router.pd.legs.PdLegs.handoff``, the same
+        protocol runners the HTTP door uses) and hands the gateway the decode request: the decode replica as the
+        destination, the decode leg's body (the prefill's ``kv_transfer_params``, or the bootstrap fields) and
+        headers. A failed prefill side (after retries) or a request without a body is served in place."""
+        pd = self.picker.pd
+        assert pd is not None
+        if body is None:  # headers only: nothing to hand over
+            ranking = pd.fall_back(
+                routed, None, "no_body", "a request without a body cannot be disaggregated", self.request_id
+            )
+        else:
+            out = await pd.handoff(routed, self.path, clean, self.stream, self.request_id)
+            if isinstance(out, Handoff):
+                return self._handed_over(routed, out, body, trailers)
+            ranking = out
+        if not ranking:
+            return self._refuse(NoReplica("the disaggregated plan failed and no replica can serve in place"))
+        return self._in_place(routed, ranking[0], body, clean, trailers)
+
+    def _handed_over(self, routed: Routed, h: Handoff, body: bytes, trailers: bool) -> list[Any]:
+        """Answer with the decode request: destination the decode replica, its body and headers; D's hold
+        (handed over by the legs) released when the response ends."""
+        self.routed, self.hold = routed, h.hold
+        self.predicted_cached, self.strip_usage = h.cached_p, h.strip_usage
+        self.served_headers = {
+            codec.REPLICA_HEADER: h.decode.name,
+            PREFILL_REPLICA_HEADER: h.prefill.name,
+            PLAN_HEADER: "disaggregated",
+        }
+        extra = {"x-request-id": routed.inp.request_id, **h.headers}
+        return self._answer(codec.endpoint_of(h.decode.url), extra, body, h.body, trailers)
+
+    def _in_place(
+        self, routed: Routed, index: int, body: bytes | None, clean: bytes, trailers: bool
+    ) -> list[Any]:
+        """Serve on replica ``index`` in place: hold it, and answer with it as the destination (the body with
+        stream usage asked for, as the proxy asks)."""
+        router = self.picker.router
+        rep = self.picker.table.by_index(index)
         if rep is None:  # the replica left between the decision and now
-            return self._refuse(_Refused(503, NoReplica.code, "the chosen replica left; retry"))
+            return self._refuse(NoReplica("the chosen replica left; retry"))
         inp = routed.inp
         self.routed = routed
-        # the proxy's own hold (no dispatch gate here): counted in flight now, released by ``finish()``
-        self.hold = (
-            _Hold(
-                svc.router, None, rep, inp.prompt_tokens - routed.cached_tokens.get(rep.index, 0), inp.copies
-            )
-            .__enter__()
-            .hand_over()
-        )
-        svc.router.record_prediction(rep, inp.keys)
+        self.predicted_cached = routed.cached_tokens.get(rep.index, 0)
+        # the attempt's hold (no dispatch gate here): counted in flight now, released by ``finish()``
+        self.hold = Hold(router, None, rep, inp.prompt_tokens - self.predicted_cached, inp.copies)
+        self.hold.__enter__().hand_over()
+        router.record_prediction(rep, inp.keys)
+        self.served_headers = {codec.REPLICA_HEADER: rep.name}
+        payload = None if body is None else clean
+        if payload is not None and self.stream and self.settings.engine_stream_usage:
+            payload, self.strip_usage = ask_for_usage(payload)
         extra = {"x-request-id": inp.request_id}
-        endpoint = codec.endpoint_of(rep.url)
+        return self._answer(codec.endpoint_of(rep.url), extra, body, payload, trailers)
+
+    async def _prepare(self, body: bytes | None) -> Prepared:
+        """Parse, identify and tokenize as the HTTP door does for the path (headers only: routed by load)."""
+        headers = Headers(headers={k: v for k, v in self.headers.items() if not k.startswith(":")})
+        if body is None:
+            prepared = self.pipeline.prepare_headers_only(headers)
+        else:
+            prepared = await self.pipeline.prepare(self.path, headers, body)
+        prepared.inp.request_id = self.request_id
+        self.stream = prepared.stream
+        return prepared
+
+    def _answer(
+        self, endpoint: str, extra: dict[str, str], body: bytes | None, payload: bytes | None, trailers: bool
+    ) -> list[Any]:
+        """The answers naming ``endpoint`` (with ``extra`` request headers), in the request body mode: full duplex
+        re-streams the body (``payload`` when it changed) after the headers' answer; BUFFERED answers the body
+        message."""
         changed = payload is not None and payload is not body
         self.sent_at = time.monotonic()
         self.picker.streams.labels("200").inc()
@@ -477,190 +551,50 @@ class _Stream:
             answers.append(codec.trailers(request=True))
         return answers
 
-    async def _guard(self) -> None:
-        """The HTTP front gate on the headers (authorization again, loop-lag shedding): its answer becomes the
-        refusal."""
-        h = self.headers
-        scope = {
-            "type": "http",
-            "method": h.get(":method", "POST"),
-            "path": self.path,
-            "raw_path": self.path.encode("latin-1", "replace"),
-            "headers": [
-                (k.encode("latin-1"), v.encode("latin-1")) for k, v in h.items() if not k.startswith(":")
-            ],
-        }
-        sent: list[dict[str, Any]] = []
-
-        async def capture(message: Any) -> None:
-            sent.append(message)
-
-        if await self.svc.guard.admit(scope, capture):
-            return
-        status = int(sent[0]["status"]) if sent else 503
-        headers = {k.decode(): v.decode() for k, v in sent[0].get("headers", [])} if sent else {}
-        body = sent[1].get("body", b"") if len(sent) > 1 else b""
-        try:
-            err = orjson.loads(body)["error"]
-            code, message = str(err.get("code")), str(err.get("message"))
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            code, message = "rejected", body.decode("utf-8", "replace")
-        headers.pop("content-length", None)
-        headers.pop("content-type", None)
-        raise _Refused(status, code, message, headers)
-
-    def _request(self, body: bytes) -> Request:
-        """A Starlette request carrying the gateway's headers and the body, for the HTTP routes' own code."""
-        h = self.headers
-        scope = {
-            "type": "http",
-            "method": h.get(":method", "POST"),
-            "path": self.path,
-            "query_string": b"",
-            "headers": [
-                (k.encode("latin-1"), v.encode("latin-1")) for k, v in h.items() if not k.startswith(":")
-            ],
-        }
-        request = Request(scope)
-        request._body = body  # what Request.body() returns
-        return request
-
-    async def _input(self, request: Request, body: bytes | None) -> tuple[RoutingInput, bytes | None]:
-        """Parse, tokenize and hash as the HTTP route for the path does; returns the routing input and the body
-        to forward (with stream usage asked for, as the proxy asks; None: headers only)."""
-        dp = self.picker.dp
-        self.request_id = new_request_id(self.headers.get("x-request-id"))
-        if body is None:
-            return self._headers_only_input(request), None
-        data_model = _model_for(self.path, body)
-        if data_model is ChatRequest:
-            chat, _ = await _parse(self.svc.intake, request, ChatRequest)
-            inp = await dp.routing_input(
-                request,
-                chat,
-                messages=chat.messages,
-                chat={
-                    "add_generation_prompt": chat.add_generation_prompt,
-                    "tools": chat.tools,
-                    "chat_template_kwargs": chat.chat_template_kwargs,
-                },
-                max_out=chat.max_completion_tokens,
-            )
-            self.stream = chat.stream
-        else:
-            comp, _ = await _parse(self.svc.intake, request, CompletionRequest)
-            inp = await dp.routing_input(request, comp, prompt=comp.prompt)
-            self.stream = comp.stream
-        inp.request_id = self.request_id
-        payload = request._body  # the body without router-controlled fields (router/serve/client_fields.py)
-        if self.stream and self.settings.engine_stream_usage:
-            payload, self.strip_usage = ask_for_usage(payload)
-        return inp, payload
-
-    def _headers_only_input(self, request: Request) -> RoutingInput:
-        """A request without a body (no prompt): routed by load among the replicas of the model named by
-        ``x-gateway-model-name`` (set by body-based routing), else of any routable replica's first model."""
-        router = self.svc.router
-        model = self.headers.get("x-gateway-model-name") or next(
-            (r.models[0] for r in self.svc.table.all() if r.routable and r.models), None
-        )
-        if model is None:
-            raise NoReplica("no routable replica")
-        model, lora, base = router.resolve_model(model)
-        return router.make_input(
-            model,
-            lora,
-            [],
-            base_model=base,
-            session_id=request.headers.get(self.svc.settings.session_header),
-            request_id=self.request_id,
-        )
-
     def _outside_subset(self) -> Sequence[int]:
         """Replica indexes the subset hint rules out (none without a hint).
 
         Raises:
-            _Refused: 503 when the hint is empty or names no known replica.
+            KvrouteError: 503 when the hint is empty or names no known replica.
         """
         if self.subset is None:
             return ()
         allowed = set(self.subset)
-        reps = self.svc.table.all()
+        reps = self.picker.table.all()
         inside = [r for r in reps if codec.endpoint_of(r.url) in allowed]
         if not inside:
-            raise _Refused(
-                503,
-                "no_endpoint_in_subset",
+            raise KvrouteError(
                 f"no replica is among the gateway's subset hint ({len(allowed)} endpoints)",
-                {"retry-after": str(self.svc.settings.retry_after_s)},
+                status=503,
+                code="no_endpoint_in_subset",
+                retry=True,
             )
         return [r.index for r in reps if codec.endpoint_of(r.url) not in allowed]
 
-    async def _admit_and_decide(self, inp: RoutingInput, exclude: Sequence[int]) -> Routed:
-        """Admission then the decision, in the HTTP data plane's order (``router.http.app._DataPlane._serve``): a
-        request with a TTFT target is priced first (an unattainable target is refused, not queued); the tenant's
-        quota and the fair in-flight queue (``router.core.tenant_admission``) give a slot held until the stream ends;
-        the decision is taken (again) after any wait."""
-        svc, dp = self.svc, self.picker.dp
-        ident = inp.identity if inp.identity is not None else svc.tenants.identify(self.headers)
-        routed: Routed | None = None
-        if ident.ttft_target_s is not None:
-            routed = await dp.decide(inp, exclude)
-            svc.tenants.check_slo(
-                ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking)
-            )
-        self.ticket = await svc.tenants.admit(ident, inp.prompt_tokens, inp.expected_output_tokens or None)
-        if routed is None or self.ticket.waited_s > 0:
-            routed = await dp.decide(inp, exclude)
-        chosen = routed.decision.chosen
-        score = next((sc for sc in routed.decision.scores if sc.index == chosen), None)
-        svc.tenants.serving(
-            ident, predicted_ttft_s(score) if score is not None else None, routed.cached_tokens.get(chosen, 0)
-        )
-        return routed
-
     # -- refusals ------------------------------------------------------------------------------------------
-    def _refusal(self, exc: Exception) -> _Refused:
-        """The ImmediateResponse for a failure, with the status and code the HTTP routes answer."""
-        retry = {"retry-after": str(self.svc.settings.retry_after_s)}
-        telemetry = self.svc.telemetry
-        if isinstance(exc, _Refused):
-            return exc
-        if isinstance(exc, Rejected):
-            telemetry.rejected.labels(exc.reason).inc()
-            return _Refused.of_response(
-                rejection_response(exc, self.svc.settings.retry_after_s), exc.wire_reason
-            )
-        if isinstance(exc, BadIdentity):
-            telemetry.rejected.labels("bad_identity").inc()
-            return _Refused.of_response(bad_identity_response(exc), "invalid_identity")
-        if isinstance(exc, RoutingError):
-            return _Refused(exc.status, exc.code, exc.message, retry if exc.status in (429, 503) else None)
-        if isinstance(exc, LimitExceeded):
-            telemetry.rejected.labels(exc.code).inc()
-            return _Refused(exc.status, exc.code, exc.message)
-        if isinstance(exc, RequestValidationError):
-            return _validation_refusal(exc)
-        if isinstance(exc, TokenizerError):
-            return _Refused(400, "tokenization_failed", str(exc))
-        if isinstance(exc, _BadTokens):
-            return _Refused(422, "invalid_request", "token ids must be integers in [0, 2**32)")
-        log.exception("endpoint picker failed", exc_info=exc)
-        return _Refused(500, "internal_error", f"internal error: {type(exc).__name__}")
+    def _refusal(self, exc: Exception) -> KvrouteError:
+        """A failure as a member of the kvroute error family (the one table, ``router.errors.as_error``); a bug is
+        logged and answered 500."""
+        err = as_error(exc)
+        if not isinstance(exc, KvrouteError):
+            log.exception("endpoint picker failed", exc_info=exc)
+        return err
 
-    def _refuse(self, refusal: _Refused) -> list[Any]:
-        """Answer with an ImmediateResponse and end the stream."""
+    def _refuse(self, err: KvrouteError) -> list[Any]:
+        """Answer ``err`` with an ImmediateResponse (the HTTP answer's status, body and headers, plus the reason
+        header) and end the stream; counted."""
         self.closed = True
-        self.picker.streams.labels(str(refusal.status)).inc()
-        headers = {"content-type": "application/json", codec.REASON_HEADER: refusal.code, **refusal.headers}
+        self.picker.streams.labels(str(err.status)).inc()
+        if err.counted_as is not None:
+            self.picker.telemetry.rejected.labels(err.counted_as).inc()
+        headers = {
+            "content-type": "application/json",
+            REASON_HEADER: err.details,
+            **err.answer_headers(self.settings.retry_after_s),
+        }
         if self.request_id:
             headers["x-request-id"] = self.request_id
-        body = (
-            refusal.body
-            if refusal.body is not None
-            else error_body(refusal.status, refusal.message, refusal.code)
-        )
-        return [codec.immediate(refusal.status, body, headers.items(), refusal.code)]
+        return [codec.immediate(err.status, err.body(), headers.items(), err.details)]
 
     # -- the response path ---------------------------------------------------------------------------------
     def _on_response_headers(self, msg: Any) -> list[Any]:
@@ -675,7 +609,7 @@ class _Stream:
         self.event_stream = h.get("content-type", "").startswith("text/event-stream")
         self.content_length = h.get("content-length")
         self._strip_if_asked()
-        extra = {codec.REPLICA_HEADER: self.hold.rep.name} if self.hold is not None else {}
+        extra = self.served_headers
         if msg.end_of_stream:
             self.response_over = True
             self._first_byte()
@@ -738,7 +672,7 @@ class _Stream:
         self.ttft = time.monotonic() - self.sent_at
         self.hold.first_byte()
         if 0 < self.status < 400:
-            self.svc.telemetry.ttft.labels(self.hold.rep.name).observe(self.ttft)
+            self.picker.telemetry.ttft.labels(self.hold.rep.name).observe(self.ttft)
 
     def _complete(self) -> None:
         """The response is over: usage -> cached-token feedback and calibration, then release (as the proxy)."""
@@ -753,17 +687,17 @@ class _Stream:
         finally:
             self.finish()
 
-    def _feedback(self, hold: _Hold, routed: Routed) -> None:
-        proxy = self.svc.proxy
-        cached = routed.cached_tokens.get(hold.rep.index, 0)
+    def _feedback(self, hold: Hold, routed: Routed) -> None:
+        feedback = self.picker.feedback
+        cached = self.predicted_cached
         if self.event_stream:
-            usage = _usage_from_sse(bytes(self.tail))
-            proxy._check_usage(hold.rep, usage, streamed=True)
-            proxy._feedback(hold.rep, routed, usage, self.ttft or 0.0, cached, single_chunk=False)
+            usage = usage_from_sse(bytes(self.tail))
+            feedback.check_usage(hold.rep, usage, streamed=True)
+            feedback.observe(hold.rep, routed, usage, self.ttft or 0.0, cached, single_chunk=False)
         elif self.body_size <= self.settings.engine_max_body_bytes:
-            usage = _usage_from_json(b"".join(self.body_parts))
-            proxy._check_usage(hold.rep, usage, streamed=False)
-            proxy._feedback(hold.rep, routed, usage, self.ttft or 0.0, cached, single_chunk=not self.stream)
+            usage = usage_from_json(b"".join(self.body_parts))
+            feedback.check_usage(hold.rep, usage, streamed=False)
+            feedback.observe(hold.rep, routed, usage, self.ttft or 0.0, cached, single_chunk=not self.stream)
 
     def finish(self) -> None:
         """Release the replica's in-flight count and the admission slot (idempotent; stream end or cancel)."""
@@ -835,28 +769,6 @@ def _status_of(value: str) -> int:
     return 0
 
 
-def _model_for(path: str, body: bytes) -> type[ChatRequest] | type[CompletionRequest]:
-    """Which OpenAI request a body is, from the normalized path (a body with ``messages`` elsewhere is chat)."""
-    if path.endswith("/chat/completions"):
-        return ChatRequest
-    if path.endswith("/completions"):
-        return CompletionRequest
-    return ChatRequest if b'"messages"' in body else CompletionRequest
-
-
-def _validation_refusal(exc: RequestValidationError) -> _Refused:
-    """Invalid JSON -> 400 invalid_json; invalid fields -> 422 naming them (as the HTTP routes answer)."""
-    errors = exc.errors()
-    if any(e.get("type") in ("json_invalid", "json_type") for e in errors):
-        msg = next((str(e.get("msg")) for e in errors if e.get("type") == "json_invalid"), "invalid JSON")
-        return _Refused(400, "invalid_json", f"request body is not valid JSON: {msg}")
-    parts = [
-        f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-        for e in errors
-    ]
-    return _Refused(422, "invalid_request", "; ".join(parts))
-
-
 def _strip_usage_events(chunk: bytes) -> bytes:
     """``chunk`` without the usage-only SSE events (``"choices":[]`` with ``usage``) the picker asked for."""
     kept = []
@@ -878,22 +790,23 @@ class EppServer:
     ``start`` / ``stop`` are a background pair of ``router.services`` (started after membership, stopped first).
     """
 
-    def __init__(self, svc: Services) -> None:
+    def __init__(self, pipeline: Pipeline, feedback: Feedback) -> None:
         """Raises ValueError when the configured certificate and key do not load (``router.epp.tls``)."""
-        self.svc = svc
-        self.picker = EndpointPicker(svc)
+        self.settings = pipeline.settings
+        self.table = pipeline.table
+        self.picker = EndpointPicker(pipeline, feedback)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._ready_task: asyncio.Task[None] | None = None
-        settings = svc.settings
+        settings = self.settings
         self.credentials = server_credentials(
             settings.epp_grpc_insecure, settings.epp_tls_cert_file, settings.epp_tls_key_file
         )
 
     async def start(self) -> None:
         """Bind (TLS unless ``epp_grpc_insecure``), start serving and keep the readiness services current."""
-        settings = self.svc.settings
+        settings = self.settings
         server = grpc.aio.server(
             options=[
                 ("grpc.max_concurrent_streams", settings.epp_max_streams_per_connection),
@@ -931,12 +844,12 @@ class EppServer:
                 await self._ready_task
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
-            await self.server.stop(self.svc.settings.shutdown_grace_s)
+            await self.server.stop(self.settings.shutdown_grace_s)
             self.server = None
 
     def ready(self) -> bool:
         """At least one replica is routable (every EPP replica answers: no leader election)."""
-        return any(r.routable for r in self.svc.table.all())
+        return any(r.routable for r in self.table.all())
 
     async def _update_readiness(self) -> None:
         status = (
@@ -949,15 +862,8 @@ class EppServer:
 
     async def _readiness_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.svc.settings.probe_interval_s)
+            await asyncio.sleep(self.settings.probe_interval_s)
             try:
                 await self._update_readiness()
             except Exception:
                 log.exception("endpoint picker readiness update failed")
-
-
-def add_epp(svc: Services) -> EppServer:
-    """Build the endpoint picker on ``svc`` and start it with the other background parts."""
-    server = EppServer(svc)
-    svc.background.append((server.start, server.stop))
-    return server

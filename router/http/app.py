@@ -1,19 +1,21 @@
-"""The kvroute HTTP service: FastAPI app, request models, routes and the wiring of every component.
+"""The HTTP front door: a translator between ASGI and the serving pipeline (``router.serve.pipeline``), plus the
+introspection routes.
 
 Routes (OpenAPI at ``/openapi.json``):
 
-* ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI-compatible; routed by ``router.core.routing`` and
-  forwarded by ``router.engine.proxy`` (streaming SSE and not).
+* ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI-compatible; prepared, admitted, decided and
+  dispatched by the pipeline (streaming SSE and not), once per ``Idempotency-Key``.
 * ``GET /v1/models``: the union of the replicas' models and LoRA adapters.
 * ``POST /route``: the same body as completions or chat, or ``{"model": ..., "token_ids": [...]}``; returns the
   decision (chosen replica name and URL; every candidate's predicted TTFT with Q, R, C, p and matched tokens per
-  tier) without forwarding.
+  tier; a PD fleet's plan) without forwarding.
 * ``GET /replicas``, ``GET /index/stats``, ``GET /metrics``, ``GET /healthz`` (alive), ``GET /readyz`` (at least
   one replica routable).
 
-Errors are OpenAI-style JSON ``{"error": {"message", "type", "code", "param"}}``: invalid JSON -> 400, missing or
-invalid fields -> 422 naming the field, unknown model -> 404, body over ``max_request_bytes`` -> 413, router
-at its in-flight limit -> 429 with ``Retry-After``, no routable replica -> 503 with the reason.
+Errors are the kvroute error family (``router.errors``) rendered as OpenAI-style JSON ``{"error": {"message",
+"type", "code", "param"}}``: invalid JSON -> 400, missing or invalid fields -> 422 naming the field, unknown model
+-> 404, body over ``max_request_bytes`` -> 413, router at its in-flight limit -> 429 with ``Retry-After``, no
+routable replica -> 503 with the reason.
 """
 
 from __future__ import annotations
@@ -21,42 +23,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import MappingProxyType
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from membership.replicas import Replica
-from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from policies.base import Reuse
 from router import signals
 from router.config import Settings
-from router.core.admission import Rejected
-from router.core.routing import Routed, RoutingError, RoutingInput, decision_json
-from router.core.tenant_admission import Ticket, bad_identity_response, rejection_response
-from router.core.tenants import BadIdentity, Identity
-from router.engine.proxy import new_request_id
-from router.errors import error_response
-from router.serve.guard import Guard
+from router.core.routing import decision_json
+from router.errors import (
+    KvrouteError,
+    as_error,
+    error_response,
+    forbidden,
+    refusal_response,
+    unauthorized,
+)
+from router.serve.guard import Guard, request_path, route_label
 from router.serve.idempotency import HEADER as IDEMPOTENCY_HEADER
-from router.serve.intake import Intake, LimitExceeded, dump_messages, not_a_bool, sequences
+from router.serve.pipeline import GENERATION_ROUTES, chat_input
+from router.serve.requests import ChatRequest, CompletionRequest, RouteBody
 from router.services import Services, build_services, run
 from router.telemetry import CONTENT_TYPE, Telemetry
-from router.tokens.frontier import FrontierIds, frontier_ids, frontier_tokenizer
-from router.tokens.token_ids import IdsPrompt, ids_prompt
-from router.tokens.tokenizer import HfTokenizer, TokenizerError
 
 log = logging.getLogger("kvroute.app")
 _M = TypeVar("_M", bound=BaseModel)
@@ -64,89 +66,6 @@ _M = TypeVar("_M", bound=BaseModel)
 # ---------------------------------------------------------------------------------------------------------
 # request models (documented in OpenAPI; unknown fields are kept and forwarded to the engine)
 # ---------------------------------------------------------------------------------------------------------
-
-#: largest max_tokens accepted (engines cap it by their context length anyway), tokens
-_MAX_TOKENS = (1 << 31) - 1
-#: a token id as the engines take it (uint32); the schema says so, so clients and fuzzers know the bounds
-TokenId = Annotated[int, Field(ge=0, lt=1 << 32), BeforeValidator(not_a_bool)]  # true is not 1
-PromptT = str | list[TokenId] | list[str] | list[list[TokenId]]
-
-
-class ChatMessage(BaseModel):
-    """One chat message (``content`` is text or a list of ``{"type": "text", "text": ...}`` parts)."""
-
-    model_config = ConfigDict(extra="allow")
-    role: str = Field(description="system | user | assistant | tool | ...")
-    content: str | list[dict[str, Any]] | None = Field(default=None, description="message text or parts")
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1, description="model id (or LoRA adapter name) to serve the request")
-    stream: bool = Field(default=False, description="stream the answer as server-sent events")
-    max_tokens: int | None = Field(
-        default=None, ge=0, le=_MAX_TOKENS, description="maximum tokens to generate"
-    )
-    cache_salt: str | None = Field(default=None, description="isolates the prefix cache (vLLM cache_salt)")
-
-
-class CompletionRequest(_Common):
-    """``POST /v1/completions`` body (OpenAI completions; extra fields are forwarded unchanged)."""
-
-    prompt: PromptT = Field(description="prompt text or token ids (a batch is routed by its first prompt)")
-
-
-class ChatRequest(_Common):
-    """``POST /v1/chat/completions`` body (OpenAI chat; extra fields are forwarded unchanged)."""
-
-    messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
-    max_completion_tokens: int | None = Field(
-        default=None, ge=0, le=_MAX_TOKENS, description="maximum tokens to generate"
-    )
-    add_generation_prompt: bool = Field(default=True, description="append the assistant turn header")
-    tools: list[dict[str, Any]] | None = Field(default=None, description="tool definitions for the template")
-    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="extra template variables")
-
-
-def _one_input_schema(schema: dict[str, Any]) -> None:
-    """OpenAPI of RouteBody: exactly one of prompt / messages / token_ids, none of them null."""
-    props = schema.get("properties", {})
-    for key in _ROUTE_INPUTS:
-        prop = props.get(key, {})
-        options = [o for o in prop.pop("anyOf", []) if o.get("type") != "null"]
-        if len(options) == 1:
-            prop.update(options[0])
-        elif options:
-            prop["anyOf"] = options
-        prop.pop("default", None)
-    schema["oneOf"] = [{"required": [key]} for key in _ROUTE_INPUTS]
-
-
-_ROUTE_INPUTS = ("prompt", "messages", "token_ids")
-
-
-class RouteBody(_Common):
-    """``POST /route`` body: a completions body (``prompt``), a chat body (``messages``) or ``token_ids``."""
-
-    model_config = ConfigDict(extra="allow", json_schema_extra=_one_input_schema)
-    prompt: PromptT | None = Field(default=None, description="completions prompt")
-    messages: list[ChatMessage] | None = Field(default=None, description="chat messages")
-    token_ids: list[TokenId] | None = Field(default=None, description="prompt token ids (already tokenized)")
-    add_generation_prompt: bool = Field(default=True, description="chat: append the assistant turn header")
-    tools: list[dict[str, Any]] | None = Field(default=None, description="chat: tool definitions")
-    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="chat: template variables")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_input(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            given = [k for k in _ROUTE_INPUTS if k in data]
-            if len(given) != 1 or data[given[0]] is None:
-                raise ValueError(
-                    "exactly one of 'prompt', 'messages' or 'token_ids' is required (not null)"
-                    + (f" (got {', '.join(given)})" if given else "")
-                )
-        return data
 
 
 class ErrorDetail(BaseModel):
@@ -374,6 +293,30 @@ class _Edge:
         self.telemetry.requests.labels(route, str(status["code"])).inc()
 
 
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lowercase bytes) of an ASGI request, or None."""
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return bytes(value)
+    return None
+
+
+#: a rejected request announcing a larger body than this (bytes; uvicorn's read buffer) gets ``connection: close``
+_DRAIN_MAX_BYTES = 64 * 1024
+
+
+def _large_body(scope: Scope) -> bool:
+    """True when the request announces a body over ``_DRAIN_MAX_BYTES`` or of unknown length (chunked).
+
+    A rejected request with a small body keeps its connection (uvicorn reads and drops the rest of the body, so a
+    client that sent it at once reads its answer instead of a reset); a large one is closed, not read.
+    """
+    if _header(scope, b"transfer-encoding") is not None:
+        return True
+    length = _header(scope, b"content-length")
+    return length is not None and (not length.strip().isdigit() or int(length) > _DRAIN_MAX_BYTES)
+
+
 class _BodyTooLarge(Exception):
     """The request body grew past ``max_request_bytes`` while it was read."""
 
@@ -390,6 +333,10 @@ async def _send_too_large(send: Send, limit: int) -> None:
     await _send_error(send, 413, f"request body over {limit} bytes (max_request_bytes)", "body_too_large")
 
 
+#: a data-plane endpoint served on the direct path: the request and its body (already read)
+FastEndpoint = Callable[[Request, bytes], Awaitable[Response]]
+
+
 class _KvrouteApp(FastAPI):
     """The FastAPI app with a direct path for the data-plane routes.
 
@@ -404,28 +351,48 @@ class _KvrouteApp(FastAPI):
 
     #: the front gate (router/serve/guard.py: auth and shedding from the headers), set by ``create_app``
     guard: Guard | None = None
+    #: the router's metrics (requests, rejected) and the ``Retry-After`` of refusals, s; set by ``create_app``
+    telemetry: Telemetry
+    retry_after_s: int
     #: path -> endpoint served directly (empty until ``enable_fast_path``; never mutated in place)
-    _fast_routes: Mapping[str, Callable[[Request], Awaitable[Response]]] = MappingProxyType({})
+    _fast_routes: Mapping[str, FastEndpoint] = MappingProxyType({})
 
-    def enable_fast_path(
-        self, routes: dict[str, Callable[[Request], Awaitable[Response]]], telemetry: Telemetry, max_body: int
-    ) -> None:
-        """Serve ``routes`` (path -> endpoint taking the Request) directly for POST requests."""
+    def enable_fast_path(self, routes: dict[str, FastEndpoint], max_body: int) -> None:
+        """Serve ``routes`` (path -> endpoint taking the Request and its body, read here) directly for POST
+        requests."""
         self._fast_routes = routes
-        self._fast_telemetry = telemetry
         self._fast_max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: the data-plane routes directly, everything else through FastAPI."""
         guard = self.guard  # router/serve/guard.py: auth and shedding from the headers, before any body
         if guard is not None and scope["type"] == "http":
-            if not await guard.admit(scope, send):
+            method = str(scope.get("method", ""))
+            refusal = await guard.check(method, request_path(scope), _header(scope, b"authorization"))
+            if refusal is not None:
+                await self._refuse_early(scope, send, refusal)
                 return
-            if guard.counts(scope):
+            if guard.counts(method, scope.get("path", "")):
                 with guard.working():  # the router's request work, which the shedding decision watches
                     await self._route(scope, receive, send)
                 return
         await self._route(scope, receive, send)
+
+    async def _refuse_early(self, scope: Scope, send: Send, err: KvrouteError) -> None:
+        """Answer the guard's refusal before any body is read (``connection: close`` when a large body was
+        announced: it is not read), counted."""
+        if _large_body(scope):
+            err.headers["connection"] = "close"
+        resp = self.render(err)
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
+        await send({"type": "http.response.body", "body": resp.body})
+        self.telemetry.requests.labels(route_label(scope.get("path", "")), str(resp.status_code)).inc()
+
+    def render(self, err: KvrouteError) -> Response:
+        """The JSON answer to a refusal, counted in ``kvroute_rejected_total`` when it names a reason."""
+        if err.counted_as is not None:
+            self.telemetry.rejected.labels(err.counted_as).inc()
+        return refusal_response(err, self.retry_after_s)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The data-plane routes directly, everything else through FastAPI."""
@@ -460,9 +427,9 @@ class _KvrouteApp(FastAPI):
                 if not message.get("more_body", False):
                     break
             request = Request(scope, receive, send)
-            request._body = parts[0] if len(parts) == 1 else b"".join(parts)  # what Request.body() caches
+            body = parts[0] if len(parts) == 1 else b"".join(parts)
             try:
-                response = await self._fast_routes[path](request)
+                response = await self._fast_routes[path](request, body)
             except (asyncio.CancelledError, ClientDisconnect):
                 raise
             except Exception as exc:
@@ -472,7 +439,7 @@ class _KvrouteApp(FastAPI):
                 )
                 if handler is None:
                     log.exception("unhandled error", extra={"path": path})
-                    response = error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+                    response = self.render(as_error(exc))
                 else:
                     response = await handler(request, exc)  # type: ignore[misc]  # async handlers only
             status = response.status_code
@@ -483,7 +450,7 @@ class _KvrouteApp(FastAPI):
         except ClientDisconnect:
             status = 499
         finally:
-            self._fast_telemetry.requests.labels(path, str(status)).inc()
+            self.telemetry.requests.labels(path, str(status)).inc()
 
 
 async def _send_error(send: Send, status: int, message: str, code: str) -> None:
@@ -526,6 +493,8 @@ def _new_app(svc: Services) -> _KvrouteApp:
     )
     app.state.services = svc
     app.guard = svc.guard  # router/serve/guard.py: auth before the body, loop-lag shedding
+    app.telemetry = svc.telemetry
+    app.retry_after_s = svc.settings.retry_after_s
     return app
 
 
@@ -538,66 +507,15 @@ def _add_middleware(app: FastAPI, svc: Services) -> None:
     app.add_middleware(_Edge, telemetry=svc.telemetry, max_body=settings.max_request_bytes)
 
 
-def _add_error_handlers(app: FastAPI, svc: Services) -> None:
-    """Map the exceptions of the routes to OpenAI-style JSON errors."""
-    settings = svc.settings
+def _add_error_handlers(app: _KvrouteApp, svc: Services) -> None:
+    """Every refusal of the routes (the kvroute error family, ``router.errors``; the framework's validation
+    errors through the same table) answered as OpenAI-style JSON, counted when it names a reason."""
 
-    @app.exception_handler(LimitExceeded)
-    async def _limit(request: Request, exc: LimitExceeded) -> Response:  # router/serve/intake.py input limits
-        svc.telemetry.rejected.labels(exc.code).inc()
-        return error_response(exc.status, exc.message, exc.code, exc.param)
+    async def refused(request: Request, exc: Exception) -> Response:
+        return app.render(as_error(exc))
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        if any(e.get("type") in ("json_invalid", "json_type") for e in errors):
-            msg = next((str(e.get("msg")) for e in errors if e.get("type") == "json_invalid"), "invalid JSON")
-            return error_response(400, f"request body is not valid JSON: {msg}", "invalid_json")
-        parts, first_param = [], None
-        for e in errors:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-            name = ".".join(loc) or "body"
-            first_param = first_param or name
-            parts.append(f"{name}: {e.get('msg')}")
-        body = orjson.loads(error_response(422, "; ".join(parts), "invalid_request", first_param).body)
-        body["detail"] = [
-            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg")), "type": e.get("type")} for e in errors
-        ]
-        return JSONResponse(body, status_code=422)
-
-    @app.exception_handler(RoutingError)
-    async def _routing(request: Request, exc: RoutingError) -> Response:
-        headers = {"retry-after": str(settings.retry_after_s)} if exc.status in (429, 503) else None
-        return error_response(exc.status, exc.message, exc.code, exc.param, headers=headers)
-
-    @app.exception_handler(BadIdentity)
-    async def _bad_identity(request: Request, exc: BadIdentity) -> Response:  # router/core/tenants.py headers
-        svc.telemetry.rejected.labels("bad_identity").inc()
-        return bad_identity_response(exc)
-
-    @app.exception_handler(Rejected)
-    async def _rejected(
-        request: Request, exc: Rejected
-    ) -> Response:  # router/core/tenant_admission.py precheck
-        svc.telemetry.rejected.labels(exc.reason).inc()
-        return rejection_response(exc, settings.retry_after_s)
-
-    @app.exception_handler(TokenizerError)
-    async def _tok(request: Request, exc: TokenizerError) -> Response:
-        return error_response(400, str(exc), "tokenization_failed")
-
-    @app.exception_handler(_Forbidden)
-    async def _forbidden(request: Request, exc: _Forbidden) -> Response:
-        return error_response(403, str(exc), "forbidden")
-
-    @app.exception_handler(_AuthError)
-    async def _auth(request: Request, exc: _AuthError) -> Response:
-        msg = str(exc) or "missing or invalid API key (Authorization: Bearer <key>)"
-        return error_response(401, msg, "unauthorized", headers={"www-authenticate": "Bearer"})
-
-    @app.exception_handler(_BadTokens)
-    async def _bad_tokens(request: Request, exc: _BadTokens) -> Response:
-        return error_response(422, "token ids must be integers in [0, 2**32)", "invalid_request", "token_ids")
+    app.add_exception_handler(KvrouteError, refused)
+    app.add_exception_handler(RequestValidationError, refused)
 
 
 class _Auth:
@@ -607,15 +525,15 @@ class _Auth:
         self.guard = guard.auth
 
     def check_client(self, request: Request) -> None:
-        """Raises _AuthError unless the request carries one of the API keys (when any is configured)."""
+        """Raises 401 unless the request carries one of the API keys (when any is configured)."""
         if not self.guard.client_ok(request.headers.get("authorization")):
-            raise _AuthError()
+            raise unauthorized()
 
     def check_admin(self, request: Request) -> None:
         """Admin / introspection endpoints: the admin token when configured, else an API key when configured."""
         status, message = self.guard.admin_status(request.headers.get("authorization"))
         if status:
-            raise _AuthError(message) if status == 401 else _Forbidden(message)
+            raise unauthorized(message) if status == 401 else forbidden(message)
 
     def is_admin(self, request: Request) -> bool:
         """May the caller see replica URLs (internal addresses)?"""
@@ -623,265 +541,39 @@ class _Auth:
 
 
 class _DataPlane:
-    """The routed requests: body -> routing input -> admission -> decision -> proxy."""
+    """The routed requests, translated between ASGI and the serving pipeline (``router.serve.pipeline``)."""
 
     def __init__(self, svc: Services, auth: _Auth) -> None:
         self.svc = svc
+        self.pipeline = svc.pipeline
         self.auth = auth
         self.settings = svc.settings
 
-    async def routing_input(
-        self,
-        request: Request,
-        body: _Common,
-        *,
-        prompt: Any = None,
-        messages: list[ChatMessage] | None = None,
-        token_ids: list[int] | None = None,
-        chat: dict[str, Any] | None = None,
-        max_out: int | None = None,
-    ) -> RoutingInput:
-        """Tokenize (unless ids were given), hash and bundle what the request contributes to a decision."""
-        svc = self.svc
-        # identity first (router/core/tenants.py): a bad tenant / priority / TTFT-target header is a 400 before any work
-        ident = svc.tenants.identify(
-            request.headers, (body.model_extra or {}).get(svc.tenants.cfg.priority_body_field)
-        )
-        await svc.tenants.precheck(
-            ident, max_out or body.max_tokens
-        )  # an empty bucket: 429 before tokenizing
-        model, lora, base = svc.router.resolve_model(body.model)
-        namespace = ident.tenant if ident.policy.isolate_cache else None
-        # ids from the request body were validated by the schema (TokenId: 0 <= id < 2**32): no second pass
-        in_range = token_ids is not None
-        walked: FrontierIds | None = None
-        if token_ids is None:
-            url = _tokenize_url(svc, model, lora)
-            scope = self._frontier_scope(model, lora, messages is None)
-            seed = svc.router.seed_for(base, lora, body.cache_salt, namespace) if scope is not None else 0
-            if messages is not None:
-                chat = chat or {}
-                msgs = await dump_messages(messages)
-                chat_args = (
-                    chat.get("add_generation_prompt", True),
-                    chat.get("tools"),
-                    chat.get("chat_template_kwargs"),
-                )
-                if scope is not None:  # cache-frontier tokenization of the rendered template text
-                    token_ids, walked = await self._frontier_ids(
-                        scope, await scope.render(msgs, *chat_args), False, seed
-                    )
-                else:
-                    token_ids = await svc.tokenizer.encode_chat(
-                        msgs,
-                        model=body.model,
-                        url=url,
-                        add_generation_prompt=chat_args[0],
-                        tools=chat_args[1],
-                        template_kwargs=chat_args[2],
-                    )
-            else:
-                first = (
-                    prompt[0]
-                    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-                    else prompt
-                )
-                if isinstance(first, list):
-                    token_ids = list(first)  # already ints (validated as list[TokenId])
-                    in_range = True
-                elif isinstance(first, str) and scope is not None:
-                    token_ids, walked = await self._frontier_ids(scope, first, True, seed)
-                elif isinstance(first, str):
-                    token_ids = await svc.tokenizer.encode_prompt(first, model=body.model, url=url)
-                else:
-                    token_ids = list(first or [])
-        if not in_range and token_ids and (min(token_ids) < 0 or max(token_ids) >= 1 << 32):
-            raise _BadTokens()  # e.g. an engine /tokenize answer out of range
-        if not in_range:
-            self._count_tokenized(len(token_ids), walked)
-        inp = svc.router.make_input(
-            model,
-            lora,
-            token_ids,
-            base_model=base,
-            cache_salt=body.cache_salt,
-            session_id=request.headers.get(self.settings.session_header),
-            request_id=new_request_id(request.headers.get("x-request-id")),
-            expected_output_tokens=max_out or body.max_tokens or 0,
-            copies=sequences(body.model_extra),
-            namespace=namespace,
-            ttft_target_s=ident.ttft_target_s,
-            priority=ident.priority,
-            keys=walked.keys if walked is not None else None,
-            estimated_tokens=None if walked is None or walked.complete else walked.estimated_tokens,
-        )
-        inp.identity = ident
-        return inp
-
-    def _frontier_scope(self, model: str, lora: str | None, add_special_tokens: bool) -> HfTokenizer | None:
-        """The tokenizer for cache-frontier tokenization of this request's text (router/tokens/frontier.py), or
-        None to tokenize it whole (``tokenize_scope=prompt``, or the tokenizer / fleet does not allow it)."""
-        if self.settings.tokenize_scope != "cached_prefix":
-            return None
-        return frontier_tokenizer(self.svc.tokenizer, self.svc.router, model, lora, add_special_tokens)
-
-    async def _frontier_ids(
-        self, tok: HfTokenizer, text: str, add_special_tokens: bool, seed: int
-    ) -> tuple[list[int], FrontierIds | None]:
-        """Ids of ``text``: whole when it is no longer than the lookahead (as without the frontier: exact ids),
-        else only as deep as the fleet's cache (with the walk's ``FrontierIds``)."""
-        if len(text) <= self.settings.tokenize_lookahead_chars:
-            return await tok.encode_prefix(text, len(text), [], 0, add_special_tokens), None
-        walked = await frontier_ids(
-            tok, text, add_special_tokens, self.settings.tokenize_lookahead_chars, self.svc.router, seed
-        )
-        return walked.token_ids, walked
-
-    def _count_tokenized(self, tokenized: int, walked: FrontierIds | None) -> None:
-        """Metrics of a prompt the router tokenized: its tokenized tokens, and for partial ids the estimated rest."""
-        tel = self.svc.telemetry
-        tel.tokenize_tokens.labels("tokenized").inc(tokenized)
-        if walked is not None and not walked.complete:
-            tel.tokenize_tokens.labels("estimated").inc(walked.estimated_tokens - tokenized)
-            tel.partial_ids.inc()
-
-    async def serve(
-        self, request: Request, inp: RoutingInput, path: str, stream: bool, ids: IdsPrompt | None = None
-    ) -> Response:
-        """Serve once per Idempotency-Key (router/serve/idempotency.py), else serve."""
-        key = request.headers.get(IDEMPOTENCY_HEADER)
-        if key is not None:
-            return await self.svc.idempotency.handle(
-                key,
-                path,
-                await request.body(),
-                stream,
-                inp.request_id,
-                lambda: self._serve(request, inp, path, stream, ids),
-                principal=self.auth.guard.principal(request.headers.get("authorization")),
-            )
-        return await self._serve(request, inp, path, stream, ids)
-
-    async def _serve(
-        self, request: Request, inp: RoutingInput, path: str, stream: bool, ids: IdsPrompt | None
-    ) -> Response:
-        """Admission (router/core/tenant_admission.py: SLO check, tenant quota, the fair queue of the in-flight limit),
-        decision, then the proxy."""
-        svc = self.svc
-        ident: Identity = inp.identity if inp.identity is not None else svc.tenants.identify({})
-        routed: Routed | None = None
-        try:
-            if (
-                ident.ttft_target_s is not None
-            ):  # price it first: an unattainable target is refused, not queued
-                routed = await self.decide(inp)
-                svc.tenants.check_slo(
-                    ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking)
-                )
-            ticket: Ticket = await svc.tenants.admit(
-                ident, inp.prompt_tokens, inp.expected_output_tokens or None
-            )
-        except Rejected as exc:
-            svc.telemetry.rejected.labels(exc.reason).inc()
-            return rejection_response(exc, self.settings.retry_after_s)
-        try:
-            if routed is None or ticket.waited_s > 0:  # decided after any wait: the fleet moved meanwhile
-                routed = await self.decide(inp)
-            body = await request.body()
-        except BaseException:
-            ticket.release()
-            raise
-        chosen = routed.decision.chosen
-        score = next((s for s in routed.decision.scores if s.index == chosen), None)
-        svc.tenants.serving(
-            ident, predicted_ttft_s(score) if score is not None else None, routed.cached_tokens.get(chosen, 0)
-        )
-        return await svc.proxy.forward(
-            request,
-            routed,
-            path,
-            body,
-            stream=stream,
-            request_id=inp.request_id,
-            on_done=ticket.release,
-            ids=ids,
-        )
-
-    async def decide(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
-        """The decision for a request to forward (session affinity first, when on), counted and logged;
-        ``exclude``: replica indexes that may not be picked (the endpoint picker's subset hint)."""
-        svc = self.svc
-        # --- membership: session affinity (opt-in; X-Session-Id pinned through Redis while routable) ---
-        mem = svc.membership if self.settings.session_affinity and inp.session_id else None
-        pinned = await mem.session_replica(inp.session_id) if mem is not None else None
-        if pinned is not None and pinned.index in exclude:
-            pinned = None
-        try:
-            routed = svc.router.decide(
-                inp,
-                exclude=[r.index for r in svc.table.all() if r is not pinned]
-                if pinned is not None
-                else exclude,
-            )
-        except RoutingError:
-            if pinned is None:
-                raise
-            routed = svc.router.decide(inp, exclude)  # pinned replica cannot take it now: route normally
-        svc.telemetry.decision_seconds.observe(routed.decision_s)
-        if routed.decision.reuse is not None:
-            svc.telemetry.observe_reuse(routed.decision.reuse)
-        chosen = svc.table.by_index(routed.decision.chosen)
-        if mem is not None and chosen is not None:
-            await mem.remember_session(inp.session_id, chosen)
-        svc.telemetry.routed.labels(
-            routed.decision.policy, routed.decision.branch, chosen.name if chosen else "?"
-        ).inc()
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "routed",
-                extra={
-                    "request_id": inp.request_id,
-                    "model": inp.model,
-                    "prompt_tokens": inp.prompt_tokens,
-                    "replica": chosen.name if chosen else None,
-                    "branch": routed.decision.branch,
-                    "cached_tokens": routed.cached_tokens.get(routed.decision.chosen, 0),
-                    "decision_s": round(routed.decision_s, 6),
-                },
-            )
-        return routed
-
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
-        self.auth.check_client(request)
-        body, data = await _parse(self.svc.intake, request, CompletionRequest)
-        inp = await self.routing_input(request, body, prompt=body.prompt)
-        # a text prompt may reach the engine as the ids just computed (router/tokens/token_ids.py decides per replica)
-        check = self.svc.proxy.token_ids
-        # ... only when they are all of the prompt's ids (cache-frontier tokenization may stop early: text then)
-        ids = (
-            ids_prompt(data, inp.token_ids)
-            if check and check.mode != "off" and inp.lora is None and not inp.ids_partial
-            else None
-        )
-        return await self.serve(request, inp, "/v1/completions", body.stream, ids)
+        return await self.generate(request, await request.body(), "/v1/completions")
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
+        return await self.generate(request, await request.body(), "/v1/chat/completions")
+
+    async def generate(self, request: Request, raw: bytes, path: str) -> Response:
+        """A generation request (``raw``: its body): prepared and served by the pipeline, once per
+        Idempotency-Key (router/serve/idempotency.py)."""
         self.auth.check_client(request)
-        body, _ = await _parse(self.svc.intake, request, ChatRequest)
-        inp = await self.routing_input(
-            request,
-            body,
-            messages=body.messages,
-            chat={
-                "add_generation_prompt": body.add_generation_prompt,
-                "tools": body.tools,
-                "chat_template_kwargs": body.chat_template_kwargs,
-            },
-            max_out=body.max_completion_tokens,
+        prepared = await self.pipeline.prepare(path, request.headers, raw)
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if key is None:
+            return await self.pipeline.serve(prepared, request.receive)
+        return await self.svc.idempotency.handle(
+            key,
+            path,
+            prepared.body,
+            prepared.stream,
+            prepared.inp.request_id,
+            lambda: self.pipeline.serve(prepared, request.receive),
+            principal=self.auth.guard.principal(request.headers.get("authorization")),
         )
-        return await self.serve(request, inp, "/v1/chat/completions", body.stream)
 
     async def models(self, request: Request) -> Any:
         """``GET /v1/models``."""
@@ -891,26 +583,29 @@ class _DataPlane:
     async def route(self, request: Request) -> Any:
         """``POST /route``: the decision, not forwarded."""
         self.auth.check_client(request)
-        body, _ = await _parse(self.svc.intake, request, RouteBody)
-        inp = await self.routing_input(
-            request,
+        pipeline = self.pipeline
+        parsed = await pipeline.parse(await request.body(), RouteBody)
+        body = parsed.model
+        ident = await pipeline.identify(request.headers, body, None)
+        inp = await pipeline.tokenize(
+            request.headers,
             body,
+            ident,
             prompt=body.prompt,
-            messages=body.messages,
+            chat=chat_input(body),
             token_ids=body.token_ids,
-            chat={
-                "add_generation_prompt": body.add_generation_prompt,
-                "tools": body.tools,
-                "chat_template_kwargs": body.chat_template_kwargs,
-            },
         )
-        routed = self.svc.router.decide(inp)
-        self.svc.telemetry.decision_seconds.observe(routed.decision_s)
+        routed = pipeline.explain(inp)
         out = decision_json(
             routed, self.svc.table, self.settings.block_size, show_urls=self.auth.is_admin(request)
         )
         out["reuse"] = _reuse_json(routed.decision.reuse)
         return out
+
+
+async def _generate_at(dp: _DataPlane, request: Request, raw: bytes, *, path: str) -> Response:
+    """The direct path's endpoint for the generation route ``path``."""
+    return await dp.generate(request, raw, path)
 
 
 def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
@@ -933,8 +628,7 @@ def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
         not dp.settings.cors_origins
     ):  # CORS headers come from a middleware: keep those requests on the normal path
         app.enable_fast_path(
-            {"/v1/completions": dp.completions, "/v1/chat/completions": dp.chat_completions},
-            dp.svc.telemetry,
+            {path: functools.partial(_generate_at, dp, path=path) for path in GENERATION_ROUTES},
             dp.settings.max_request_bytes,
         )
     app.get(
@@ -1071,43 +765,3 @@ def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
         }
     }
-
-
-async def _parse(intake: Intake, request: Request, model: type[_M]) -> tuple[_M, Any]:
-    """Parse the request body as JSON (whatever the content type) and validate it against ``model``; returns the
-    validated model and the parsed JSON it came from. Router-controlled fields (router/serve/client_fields.py) are
-    removed from both and from the body that goes on (``request.body()`` then returns the body without them).
-
-    Raises:
-        RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
-        LimitExceeded: an input limit (router/serve/intake.py).
-    """
-    raw = await request.body()
-    parsed, data = await intake.parse(
-        raw, model
-    )  # router/serve/intake.py: limits first, large bodies off the loop
-    if intake.fields is not None and (clean := await intake.fields.strip(raw, data)) is not None:
-        request._body = clean  # what Request.body() returns from now on: the proxy and the picker forward it
-    return parsed, data
-
-
-class _AuthError(Exception):
-    """Missing or invalid client API key (answered 401)."""
-
-
-class _Forbidden(Exception):
-    """An admin route without the admin token (answered 403)."""
-
-
-class _BadTokens(Exception):
-    """Token ids outside [0, 2**32) (answered 422)."""
-
-
-def _tokenize_url(svc: Services, model: str, lora: str | None) -> str | None:
-    """For ``engine`` tokenizer mode: the URL of a routable replica serving the model (fewest in flight)."""
-    if svc.tokenizer.mode != "engine":
-        return None
-    reps = svc.table.routable(None if lora else model, lora)
-    if not reps:
-        return None
-    return min(reps, key=lambda r: r.load.inflight_requests).url

@@ -1,12 +1,14 @@
-"""The two-leg orchestrator: serves a disaggregated plan (prefill on P, decode on D) for ``router.engine.proxy.Proxy``.
+"""The two-leg orchestrator: serves a disaggregated plan (prefill on P, decode on D).
 
-The proxy calls ``PdLegs.serve`` for a ``Routed`` whose plan is disaggregated (``Routed.disaggregated``); in-place
-plans go through the proxy's ordinary attempts. Per request:
+The serving pipeline's dispatch (``router.serve.dispatch``) calls ``PdLegs.serve`` for a ``Routed`` whose plan is
+disaggregated (``Routed.disaggregated``); in-place plans go through the in-place attempts
+(``router.engine.proxy``), which a failed plan falls back to as well. Per request:
 
 1. both legs are charged BEFORE anything is sent (``_Hold`` on P: the request and its uncached prompt tokens; on
    D: the request). Charging the decode leg only when it returns is the bug class that sends every request to
    prefill #0 (sglang #27547, smg #1714);
-2. the legs run by protocol (``pd_protocol``; ``auto``: by the prefill replica's dialect):
+2. the legs run by protocol (``pd_protocol``; ``auto``: by the prefill replica's dialect), one protocol runner per
+   wire (``router.pd.runners``):
    * ``vllm`` (router/pd/vllm.py): sequential relay. The prefill leg (not streamed, one token) must answer
      before the decode leg is sent with the returned ``kv_transfer_params``, relayed opaquely;
    * ``mooncake`` (router/pd/vllm.py): concurrent, the router mints ``transfer_id`` and names the prefill
@@ -55,191 +57,96 @@ Units: seconds, tokens.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from typing import Any
 
 import orjson
-from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
 
 from membership.engine_metrics import EngineSnapshot
 from membership.replicas import Replica
-from policies.base import Observation
 from policies.pd_base import Plan
 from policies.pd_link import TransferTotals
-from router.core.routing import Routed, serves_alone
-from router.engine.client import EngineError, EngineResponse, EngineResponseTooLarge
-from router.engine.proxy import _AttemptFailed, _cached_tokens, _Hold
+from router.core.routing import Routed, Router, serves_alone
+from router.engine.attempt import EngineEdge
+from router.engine.hold import Hold
+from router.engine.proxy import Proxy
 from router.engine.scrape import PooledScrapeClient
 from router.errors import error_response
-from router.pd import mooncake as pd_mooncake
-from router.pd import sglang as pd_sglang
 from router.pd import vllm as pd_vllm
+from router.pd.leg import LegFailed, PdConfig, PdMetrics, TwoLegs
 from router.pd.mooncake import MooncakeIds
-from router.tokens.token_ids import IdsPrompt
-
-if TYPE_CHECKING:
-    from router.engine.proxy import Proxy
+from router.pd.runners import MooncakePush, NixlRelay, ProtocolRunner, SglangBootstrap
+from router.telemetry import Telemetry
 
 log = logging.getLogger("kvroute.pd")
 
-_LEG_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.2,
-    0.35,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-)
 
-
-@dataclass(frozen=True, slots=True)
-class PdConfig:
-    """PD wire settings (from ``Settings``; no defaults here).
+@dataclass(slots=True)
+class Handoff:
+    """A disaggregated plan whose prefill side the router ran: the decode leg for another to send.
 
     Attributes:
-        protocol: ``auto``, ``vllm``, ``mooncake`` or ``sglang``.
-        default_bootstrap_port: SGLang / Mooncake bootstrap port of prefill replicas that name none.
-        max_prefill_answer_bytes: largest prefill-leg answer read, bytes.
-        max_transfer_params_bytes: largest ``kv_transfer_params`` relayed to a decode leg, bytes.
-        mooncake_query_timeout_s: timeout of one bootstrap ``/query``, seconds.
-        mooncake_ids_ttl_s: discovered Mooncake engine ids are asked again after this long, seconds.
+        prefill: the prefill replica (its leg done, or draining for a concurrent protocol).
+        decode: the decode replica to send ``body`` to.
+        body: the decode leg's body (the prefill's ``kv_transfer_params``, or the bootstrap fields), bytes.
+        headers: request headers the decode leg needs (``x-data-parallel-rank`` when a rank is pinned).
+        hold: the decode replica's hold, handed over: the caller releases it when the response ends.
+        strip_usage: stream usage was asked for on the client's behalf (remove it from what the client gets).
+        cached_p: prompt tokens the router expected the prefill replica to reuse, tokens.
     """
 
-    protocol: str
-    default_bootstrap_port: int
-    max_prefill_answer_bytes: int
-    max_transfer_params_bytes: int
-    mooncake_query_timeout_s: float
-    mooncake_ids_ttl_s: float
+    prefill: Replica
+    decode: Replica
+    body: bytes
+    headers: dict[str, str]
+    hold: Hold
+    strip_usage: bool
+    cached_p: int
 
 
-class PdMetrics:
-    """The PD metrics, registered on the router's registry."""
-
-    def __init__(self, registry: Any) -> None:
-        self.plans = Counter(
-            "kvroute_pd_plans",
-            "PD plans dispatched, by policy and kind (in_place, disaggregated)",
-            ["policy", "kind"],
-            registry=registry,
-        )
-        self.legs = Counter(
-            "kvroute_pd_legs",
-            "PD legs sent, by replica and leg (prefill, decode; in_place: "
-            "in-place plans, by the planned replica)",
-            ["replica", "leg"],
-            registry=registry,
-        )
-        self.leg_seconds = Histogram(
-            "kvroute_pd_leg_seconds",
-            "PD leg latency: prefill leg until its answer, decode leg until its first byte (s)",
-            ["leg"],
-            buckets=_LEG_BUCKETS,
-            registry=registry,
-        )
-        self.handoff_seconds = Histogram(
-            "kvroute_pd_handoff_seconds",
-            "sequential relay: from the prefill "
-            "answer to the decode leg's first byte (KV transfer + first decode "
-            "step), s",
-            buckets=_LEG_BUCKETS,
-            registry=registry,
-        )
-        self.fallbacks = Counter(
-            "kvroute_pd_fallbacks",
-            "disaggregated plans served in place instead, by reason (prefill_failed, decode_failed, "
-            "transfer_failed, engine_id_unknown, replica_gone, bad_body)",
-            ["reason"],
-            registry=registry,
-        )
-        self.mooncake_unknown = Counter(
-            "kvroute_pd_mooncake_engine_unknown",
-            "Mooncake plans whose prefill replica's engine id the router could not learn from its bootstrap "
-            "server (GET /query): no Mooncake parameters sent, by prefill replica",
-            ["replica"],
-            registry=registry,
-        )
-        self.mooncake_queries = Counter(
-            "kvroute_pd_mooncake_queries",
-            "bootstrap /query requests for Mooncake engine ids, by outcome (ok, failed)",
-            ["outcome"],
-            registry=registry,
-        )
-        self.link_bandwidth = Gauge(
-            "kvroute_pd_link_bandwidth_bytes_per_second",
-            "P->D link bandwidth the PD plans use: configured, then learned from observed handoffs (bytes/s)",
-            registry=registry,
-        )
-        self.link_samples = Counter(
-            "kvroute_pd_link_samples",
-            "observed handoffs fed to the P->D link estimator, "
-            "by outcome: accepted / rejected (the relay's own timing; rejected: "
-            "non-positive or non-finite transfer time or size), engine_accepted / "
-            "engine_rejected (transfers the engines reported in /metrics, e.g. vLLM's "
-            "NIXL histograms), superseded (relay timing not fed: engines report)",
-            ["outcome"],
-            registry=registry,
-        )
-
-
-#: prefill answers at least this large are read in a worker thread, bytes
-_THREAD_MIN_BYTES = 64 * 1024
 #: failures that re-run both legs with another prefill replica and the same decode replica
 _PREFILL_SIDE = ("prefill_failed", "transfer_failed", "engine_id_unknown")
 
 
-class _LegFailed(Exception):
-    """A leg failed before the decode leg's first byte; ``reason`` names it for the retry and fallback metrics
-    (``prefill_failed``, ``decode_failed``, ``transfer_failed``, ``engine_id_unknown``)."""
-
-    def __init__(self, reason: str, message: str, *, connection: bool = False) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        #: the leg's replica could not be reached or dropped the connection (rather than answering an error)
-        self.connection = connection
-
-
 class PdLegs:
-    """Serves disaggregated plans for ``proxy`` (see the module docstring).
+    """Serves disaggregated plans (see the module docstring).
 
     Args:
-        proxy: the proxy whose connection pool, attempt and commit machinery the legs use.
+        router: decisions, accounting, the PD policy's calibration and the P->D link.
+        edge: the engine edge (pool, open / commit of a leg).
+        in_place: the in-place attempts a failed plan falls back to.
+        telemetry: the router's metrics (retries; the PD metrics are registered on its registry).
         config: the PD wire settings.
     """
 
-    def __init__(self, proxy: Proxy, config: PdConfig) -> None:
-        self.proxy = proxy
+    def __init__(
+        self, router: Router, edge: EngineEdge, in_place: Proxy, telemetry: Telemetry, config: PdConfig
+    ) -> None:
+        self.router = router
+        self.edge = edge
+        self.in_place = in_place
+        self.telemetry = telemetry
         self.cfg = config
-        self.metrics = PdMetrics(proxy.telemetry.registry)
-        self.metrics.link_bandwidth.set(proxy.router.pd_link.bandwidth_bytes_per_s)
+        self.metrics = PdMetrics(telemetry.registry)
+        self.metrics.link_bandwidth.set(router.pd_link.bandwidth_bytes_per_s)
         #: prefill legs still draining after the decode leg committed (SGLang / Mooncake), kept referenced
         self._draining: set[asyncio.Task[None]] = set()
         #: the Mooncake engine ids of prefill replicas, from their bootstrap servers
         self.mooncake = MooncakeIds(
-            PooledScrapeClient(lambda: proxy.pool(), 1 << 20).get,
+            PooledScrapeClient(lambda: edge.pool(), 1 << 20).get,
             config.mooncake_query_timeout_s,
             config.mooncake_ids_ttl_s,
             lambda outcome: self.metrics.mooncake_queries.labels(outcome).inc(),
         )
-        #: prefill replicas whose unknown Mooncake engine id was logged (once each)
-        self._unknown_logged: set[str] = set()
+        #: one runner per wire protocol
+        self.runners: dict[str, ProtocolRunner] = {
+            "vllm": NixlRelay(),
+            "mooncake": MooncakePush(self.mooncake, self.metrics, config.default_bootstrap_port),
+            "sglang": SglangBootstrap(config.default_bootstrap_port),
+        }
         #: replica index -> its engine's last scraped process start time, epoch seconds (a change = a restart)
         self._started: dict[int, float] = {}
 
@@ -248,29 +155,26 @@ class PdLegs:
         if routed.plan is not None:
             self.metrics.plans.labels(routed.plan.policy, routed.plan.chosen.kind).inc()
 
-    def protocol_for(self, prefill: Replica) -> str:
-        """The wire protocol for a plan whose prefill replica is ``prefill``."""
-        if self.cfg.protocol != "auto":
-            return self.cfg.protocol
-        return "sglang" if prefill.dialect == "sglang" else "vllm"
+    def runner_for(self, prefill: Replica) -> ProtocolRunner:
+        """The protocol runner for a plan whose prefill replica is ``prefill`` (``pd_protocol``; ``auto``: SGLang
+        for an SGLang prefill replica, else the vLLM NIXL relay)."""
+        protocol = self.cfg.protocol
+        if protocol == "auto":
+            protocol = "sglang" if prefill.dialect == "sglang" else "vllm"
+        return self.runners[protocol]
+
+    def count_in_place(self, routed: Routed) -> None:
+        """Count a PD fleet's in-place plan about to be served (by the planned replica)."""
+        self.count_plan(routed)
+        rep = self.router.table.by_index(routed.decision.chosen)
+        self.metrics.legs.labels(rep.name if rep else "?", "in_place").inc()
 
     # -- entry point -------------------------------------------------------------------------------------------
-    async def serve_plan(
-        self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str, ids: IdsPrompt | None
-    ) -> Response:
-        """Serve a PD plan: disaggregated through ``serve``; in place through the proxy's attempts."""
-        if not routed.disaggregated:
-            self.count_plan(routed)
-            rep = self.proxy.router.table.by_index(routed.decision.chosen)
-            self.metrics.legs.labels(rep.name if rep else "?", "in_place").inc()
-            return await self.proxy._attempts(routed, path, body, stream, request_id, ids)
-        return await self.serve(routed, path, body, stream, request_id)
-
     async def serve(self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str) -> Response:
         """Serve ``routed``'s disaggregated plan; never raises for engine or network failures."""
         assert routed.plan is not None
         plan = routed.plan.chosen
-        router = self.proxy.router
+        router = self.router
         p_rep = router.table.by_index(plan.prefill) if plan.prefill is not None else None
         d_rep = router.table.by_index(plan.decode)
         if p_rep is None or d_rep is None or not p_rep.routable or not d_rep.routable:
@@ -286,7 +190,7 @@ class PdLegs:
                 routed, d_rep, "bad_body", "the body is not a JSON object", path, body, stream, request_id
             )
         self.count_plan(routed)
-        deadline = time.monotonic() + self.proxy.cfg.total_timeout_s
+        deadline = time.monotonic() + self.edge.cfg.total_timeout_s
         tried: list[int] = []
         tried_decode = [d_rep.index]
         transfer_failed_on: set[int] = (
@@ -296,11 +200,11 @@ class PdLegs:
             tried.append(p_rep.index)
             try:
                 return await self._pair(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
-            except _LegFailed as exc:
+            except LegFailed as exc:
                 failed = exc
             if failed.reason == "transfer_failed":
                 if d_rep.index in transfer_failed_on:
-                    failed = _LegFailed("decode_failed", failed.message)
+                    failed = LegFailed("decode_failed", failed.message)
                 transfer_failed_on.add(d_rep.index)
             retry = self._retry(routed, plan, failed, tried, tried_decode)
             if retry is None:
@@ -316,7 +220,7 @@ class PdLegs:
                     request_id,
                     first=d_rep if gone is None else None,
                 )
-            self.proxy.telemetry.retries.labels(f"pd_{failed.reason}").inc()
+            self.telemetry.retries.labels(f"pd_{failed.reason}").inc()
             log.warning(
                 f"{failed.reason.replace('_', ' ')}: re-running both legs on another pair",
                 extra={"request_id": request_id, "replica": p_rep.name, "error": failed.message},
@@ -326,16 +230,16 @@ class PdLegs:
                 tried_decode.append(d_rep.index)
 
     def _retry(
-        self, routed: Routed, plan: Plan, exc: _LegFailed, tried: list[int], tried_decode: list[int]
+        self, routed: Routed, plan: Plan, exc: LegFailed, tried: list[int], tried_decode: list[int]
     ) -> tuple[Plan, Replica, Replica] | None:
         """The pair to try after ``exc`` (``max_retries`` per side), or None to fall back in place: a failure on the
         prefill side (a failed prefill leg, a transfer that failed with it, an unknown Mooncake engine id) takes
         the next plan's prefill replica with the same decode replica; a failed decode leg the next plan's pair
         with an untried decode replica."""
-        limit = self.proxy.cfg.max_retries
+        limit = self.edge.cfg.max_retries
         if exc.reason in _PREFILL_SIDE and len(tried) <= limit:
             other = self._other_prefill(routed, plan, tried)
-            d_rep = self.proxy.router.table.by_index(plan.decode)
+            d_rep = self.router.table.by_index(plan.decode)
             if other is not None and d_rep is not None:
                 return other[0], other[1], d_rep
         if exc.reason in ("decode_failed", "transfer_failed") and len(tried_decode) <= limit:
@@ -355,7 +259,7 @@ class PdLegs:
         the prefill leg to one decode leg, and a vLLM NIXL prefill's blocks may already be freed once a decode
         engine failed (the re-run prefill leg mostly hits the prefix it just cached)."""
         assert routed.plan is not None
-        table = self.proxy.router.table
+        table = self.router.table
         options = [
             p
             for p in routed.plan.plans
@@ -369,7 +273,7 @@ class PdLegs:
             p_rep, d_rep = table.by_index(other.prefill or 0), table.by_index(other.decode)
             if p_rep is not None and d_rep is not None and p_rep.routable and d_rep.routable:
                 chosen = replace(other)
-                self.proxy.router.pin_dp_rank(chosen, routed.inp)
+                self.router.pin_dp_rank(chosen, routed.inp)
                 return chosen, p_rep, d_rep
         return None
 
@@ -385,7 +289,7 @@ class PdLegs:
                 or other.prefill in tried
             ):
                 continue
-            rep = self.proxy.router.table.by_index(other.prefill)
+            rep = self.router.table.by_index(other.prefill)
             if rep is not None and rep.routable:
                 return replace(other, dp_rank=plan.dp_rank), rep
         return None
@@ -403,12 +307,36 @@ class PdLegs:
         deadline: float,
     ) -> Response:
         """One try of ``plan`` on ``p_rep`` -> ``d_rep``: both legs charged before dispatch, released on every
-        path (a committed stream releases D when it ends). Raises _LegFailed before the decode leg's first byte."""
-        router = self.proxy.router
+        path (a committed stream releases D when it ends). Raises LegFailed before the decode leg's first byte."""
+        router = self.router
         inp = routed.inp
         cached_p = routed.cached_tokens.get(p_rep.index, 0)
+        legs = self._two_legs(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
         # P's charge: the uncached tokens the policy predicted it computes (else the router's own estimate)
         p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - cached_p
+        with (
+            Hold(router, None, p_rep, p_tokens, inp.copies) as hp,
+            Hold(router, None, d_rep, 0, inp.copies) as hd,
+        ):
+            router.note_handoff(plan)
+            router.record_prediction(p_rep, inp.keys)
+            router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
+            return await self.runner_for(p_rep).serve(legs, hp, hd)
+
+    def _two_legs(
+        self,
+        routed: Routed,
+        plan: Plan,
+        p_rep: Replica,
+        d_rep: Replica,
+        path: str,
+        obj: dict[str, Any],
+        stream: bool,
+        request_id: str,
+        deadline: float,
+    ) -> TwoLegs:
+        """The state of one try: both legs carry the request's id; the decode leg the client's ``accept`` and the
+        plan's pinned DP rank."""
         headers = {
             "content-type": "application/json",
             "x-request-id": request_id,
@@ -417,7 +345,7 @@ class PdLegs:
         d_headers = dict(headers, accept="text/event-stream" if stream else "application/json")
         if plan.dp_rank is not None:
             d_headers["x-data-parallel-rank"] = str(plan.dp_rank)
-        legs = _Legs(
+        return TwoLegs(
             self,
             routed,
             plan,
@@ -430,19 +358,8 @@ class PdLegs:
             headers,
             d_headers,
             deadline,
-            cached_p,
+            routed.cached_tokens.get(p_rep.index, 0),
         )
-        with (
-            _Hold(router, None, p_rep, p_tokens, inp.copies) as hp,
-            _Hold(router, None, d_rep, 0, inp.copies) as hd,
-        ):
-            router.note_handoff(plan)
-            router.record_prediction(p_rep, inp.keys)
-            router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
-            protocol = self.protocol_for(p_rep)
-            if protocol == "vllm":
-                return await legs.sequential(hp, hd)
-            return await legs.concurrent(hp, hd, protocol)
 
     async def _fallback(
         self,
@@ -459,29 +376,14 @@ class PdLegs:
     ) -> Response:
         """Serve in place through the proxy's attempts (``first`` tried first, ``exclude`` never), counted; only
         on replicas that serve a request alone (``router.core.routing.serves_alone``), else 503."""
-        ranking = [i for i in routed.decision.ranking if exclude is None or i != exclude.index]
-        if first is not None:
-            ranking = [first.index, *[i for i in ranking if i != first.index]]
-        table = self.proxy.router.table
-        ranking = [i for i in ranking if (rep := table.by_index(i)) is not None and serves_alone(rep)]
+        ranking = self.fall_back(routed, exclude, reason, message, request_id, first=first)
         if not ranking:
-            log.warning(
-                "disaggregated plan failed, no replica serves in place",
-                extra={"request_id": request_id, "reason": reason, "error": message},
-            )
             return error_response(
                 503,
                 f"disaggregated plan failed ({message}) and no replica can serve in place",
                 "no_routable_replica",
                 headers={"x-request-id": request_id},
             )
-        self.metrics.fallbacks.labels(reason).inc()
-        if first is not None and first.index == ranking[0]:
-            self.metrics.legs.labels(first.name, "in_place").inc()
-        log.warning(
-            "disaggregated plan served in place",
-            extra={"request_id": request_id, "reason": reason, "error": message},
-        )
         in_place = Routed(
             inp=routed.inp,
             decision=routed.decision,
@@ -497,7 +399,121 @@ class PdLegs:
             policy=routed.decision.policy,
             branch="pd_fallback",
         )
-        return await self.proxy._attempts(in_place, path, body, stream, request_id)
+        return await self.in_place.attempts(in_place, path, body, stream, request_id)
+
+    def fall_back(
+        self,
+        routed: Routed,
+        exclude: Replica | None,
+        reason: str,
+        message: str,
+        request_id: str,
+        *,
+        first: Replica | None = None,
+    ) -> list[int]:
+        """The ranking a failed disaggregated plan is served in place on (``first`` first, ``exclude`` never; only
+        replicas that serve a request alone, ``router.core.routing.serves_alone``), counted and logged; empty: no
+        replica can (the caller answers 503)."""
+        ranking = [i for i in routed.decision.ranking if exclude is None or i != exclude.index]
+        if first is not None:
+            ranking = [first.index, *[i for i in ranking if i != first.index]]
+        table = self.router.table
+        ranking = [i for i in ranking if (rep := table.by_index(i)) is not None and serves_alone(rep)]
+        if not ranking:
+            log.warning(
+                "disaggregated plan failed, no replica serves in place",
+                extra={"request_id": request_id, "reason": reason, "error": message},
+            )
+            return ranking
+        self.metrics.fallbacks.labels(reason).inc()
+        if first is not None and first.index == ranking[0]:
+            self.metrics.legs.labels(first.name, "in_place").inc()
+        log.warning(
+            "disaggregated plan served in place",
+            extra={"request_id": request_id, "reason": reason, "error": message},
+        )
+        return ranking
+
+    # -- the prefill side only: the decode request handed to someone else (the endpoint picker's gateway) -------
+    async def handoff(
+        self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str
+    ) -> Handoff | list[int]:
+        """Run ``routed``'s disaggregated plan up to its decode leg and return that leg (``Handoff``: the decode
+        replica, the body and headers it needs, its hold) for another to send; never raises for engine or network
+        failures. A failed prefill side is retried on the plan's next prefill replica with the same decode
+        replica (``max_retries``), then falls back: the in-place ranking is returned (``fall_back``, counted;
+        empty: no replica can serve in place)."""
+        assert routed.plan is not None
+        plan = routed.plan.chosen
+        table = self.router.table
+        p_rep = table.by_index(plan.prefill) if plan.prefill is not None else None
+        d_rep = table.by_index(plan.decode)
+        if p_rep is None or d_rep is None or not p_rep.routable or not d_rep.routable:
+            return self.fall_back(routed, None, "replica_gone", "a replica of the plan left", request_id)
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            return self.fall_back(routed, d_rep, "bad_body", "the body is not a JSON object", request_id)
+        self.count_plan(routed)
+        deadline = time.monotonic() + self.edge.cfg.total_timeout_s
+        tried: list[int] = []
+        while True:
+            tried.append(p_rep.index)
+            try:
+                return await self._handoff_pair(
+                    routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline
+                )
+            except LegFailed as exc:
+                failed = exc
+            other = (
+                self._other_prefill(routed, plan, tried) if len(tried) <= self.edge.cfg.max_retries else None
+            )
+            if other is None:
+                return self.fall_back(routed, None, failed.reason, failed.message, request_id, first=d_rep)
+            self.telemetry.retries.labels(f"pd_{failed.reason}").inc()
+            log.warning(
+                f"{failed.reason.replace('_', ' ')}: running the prefill leg on another replica",
+                extra={"request_id": request_id, "replica": p_rep.name, "error": failed.message},
+            )
+            plan, p_rep = other
+
+    async def _handoff_pair(
+        self,
+        routed: Routed,
+        plan: Plan,
+        p_rep: Replica,
+        d_rep: Replica,
+        path: str,
+        obj: dict[str, Any],
+        stream: bool,
+        request_id: str,
+        deadline: float,
+    ) -> Handoff:
+        """One try of the prefill side of ``plan`` on ``p_rep`` for ``d_rep``: both legs charged now (D's hold is
+        handed to the caller with the decode leg), the prefill leg run by the plan's protocol runner. Raises
+        LegFailed (nothing held then)."""
+        router = self.router
+        inp = routed.inp
+        legs = self._two_legs(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
+        p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - legs.cached_p
+        with Hold(router, None, p_rep, p_tokens, inp.copies) as hp:
+            hd = Hold(router, None, d_rep, 0, inp.copies).__enter__()
+            try:
+                router.note_handoff(plan)
+                router.record_prediction(p_rep, inp.keys)
+                router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
+                d_body = await self.runner_for(p_rep).handoff(legs, hp)
+                if stream and self.edge.cfg.stream_usage:
+                    d_body, legs.strip_usage = pd_vllm.with_stream_usage(d_body)
+                payload = orjson.dumps(d_body)
+            except BaseException:
+                hd.release()
+                raise
+        self.metrics.legs.labels(d_rep.name, "decode").inc()  # sent by the gateway
+        headers = {k: v for k, v in legs.d_headers.items() if k == "x-data-parallel-rank"}
+        return Handoff(p_rep, d_rep, payload, headers, hd.hand_over(), legs.strip_usage, legs.cached_p)
 
     def observe_handoff(self, routed: Routed, plan: Plan, handoff_s: float) -> None:
         """Feed the link estimator one sequential-relay handoff: ``handoff_s`` seconds from the prefill answer
@@ -508,7 +524,7 @@ class PdLegs:
         cand = next((c for c in routed.candidates if c.index == plan.prefill), None)
         if cand is None:
             return
-        router = self.proxy.router
+        router = self.router
         if router.link_from_engines:  # the engines' own transfer times are exact: the relay's are not needed
             self.metrics.link_samples.labels("superseded").inc()
             return
@@ -538,309 +554,14 @@ class PdLegs:
             if size is None or took is None
             else TransferTotals(size.sum, took.sum, took.count)
         )
-        router = self.proxy.router
+        router = self.router
         outcome = router.observe_engine_transfers(rep.index, totals)
         if outcome is None:
             return
         self.metrics.link_samples.labels("engine_accepted" if outcome else "engine_rejected").inc()
         self.metrics.link_bandwidth.set(router.pd_link.bandwidth_bytes_per_s)
 
-    def engine_id_unknown(self, rep: Replica, address: str) -> None:
-        """Count (and log once per replica) a Mooncake plan whose prefill engine id is unknown."""
-        self.metrics.mooncake_unknown.labels(rep.name).inc()
-        if rep.name not in self._unknown_logged:
-            self._unknown_logged.add(rep.name)
-            log.warning(
-                "Mooncake engine id unknown: its bootstrap server listed none; no Mooncake parameters sent "
-                "(logged once per replica)",
-                extra={"replica": rep.name, "url": f"http://{address}/query"},
-            )
-
     def keep_draining(self, task: asyncio.Task[None]) -> None:
         """Keep a prefill leg that still drains after the decode leg committed referenced until it ends."""
         self._draining.add(task)
         task.add_done_callback(self._draining.discard)
-
-
-class _Legs:
-    """One request's two legs (state shared by the protocol runners)."""
-
-    def __init__(
-        self,
-        owner: PdLegs,
-        routed: Routed,
-        plan: Plan,
-        p_rep: Replica,
-        d_rep: Replica,
-        path: str,
-        obj: dict[str, Any],
-        stream: bool,
-        request_id: str,
-        headers: dict[str, str],
-        d_headers: dict[str, str],
-        deadline: float,
-        cached_p: int,
-    ) -> None:
-        self.owner, self.proxy, self.metrics, self.plan = owner, owner.proxy, owner.metrics, plan
-        self.routed, self.p_rep, self.d_rep, self.path, self.obj = routed, p_rep, d_rep, path, obj
-        self.stream, self.request_id, self.headers, self.d_headers = stream, request_id, headers, d_headers
-        self.deadline, self.cached_p = deadline, cached_p
-        self.t0 = time.monotonic()
-        #: the router asked the decode engine for stream usage the client did not ask for (removed again)
-        self.strip_usage = False
-
-    # -- protocols ---------------------------------------------------------------------------------------------
-    async def sequential(self, hp: _Hold, hd: _Hold) -> Response:
-        """vLLM NIXL relay: prefill leg, then the decode leg with the returned ``kv_transfer_params`` (the bytes
-        the prefill engine sent, relayed as they are)."""
-        answer = await self._prefill(hp, pd_vllm.nixl_prefill_body(self.obj))
-        if answer.problem is not None:
-            raise _LegFailed(
-                "prefill_failed", f"prefill leg on {self.p_rep.name}: its answer {answer.problem}"
-            )
-        params = answer.params
-        if params is None:
-            log.warning(
-                "prefill answer without kv_transfer_params: the decode engine recomputes",
-                extra={"request_id": self.request_id, "replica": self.p_rep.name},
-            )
-        t_handoff = time.monotonic()
-        resp, first = await self._open_decode(pd_vllm.decode_body(self.obj, params))
-        handoff_s = time.monotonic() - t_handoff
-        self.metrics.handoff_seconds.observe(handoff_s)
-        if params is not None:  # without parameters the decode engine recomputes: no handoff to learn from
-            self.owner.observe_handoff(self.routed, self.plan, handoff_s)
-        return await self._commit(hd, resp, first)
-
-    async def concurrent(self, hp: _Hold, hd: _Hold, protocol: str) -> Response:
-        """SGLang bootstrap / Mooncake push: both legs at once; the decode leg's answer goes to the client."""
-        host = urlsplit(self.p_rep.url).hostname or ""
-        port = self.p_rep.bootstrap_port or self.owner.cfg.default_bootstrap_port
-        if protocol == "sglang":
-            p_body, d_body, _ = pd_sglang.bodies(
-                self.obj,
-                host,
-                port,
-                prefill_dp_rank=self._pin_prefill_rank(),
-                decode_dp_rank=self.plan.dp_rank,
-            )
-        else:
-            p_body, d_body = await self._mooncake_bodies(host, port)
-        prefill = asyncio.ensure_future(self._drain_prefill(hp, p_body))
-        decode = asyncio.ensure_future(self._open_decode(d_body))
-        try:
-            await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
-            failed = prefill.exception() if prefill.done() else None
-            if failed is not None and not decode.done():
-                raise failed  # the decode leg would wait for a room nobody fills
-            try:
-                resp, first = await decode
-            except _LegFailed as exc:
-                raise self._transfer_failed(exc, prefill) from None
-        except BaseException as exc:
-            for task in (prefill, decode):
-                task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(prefill, decode, return_exceptions=True)
-            if protocol == "mooncake" and isinstance(exc, _LegFailed):
-                self.owner.mooncake.forget(self.p_rep.index)  # restarted (a new id) or the id was rejected
-            raise
-        if not prefill.done():
-            hp.hand_over()  # the draining prefill leg releases P when it ends
-            self.owner.keep_draining(prefill)
-        elif prefill.exception() is not None:
-            log.warning(
-                "prefill leg failed after the decode leg answered",
-                extra={
-                    "request_id": self.request_id,
-                    "replica": self.p_rep.name,
-                    "error": str(prefill.exception()),
-                },
-            )
-        return await self._commit(hd, resp, first)
-
-    def _transfer_failed(self, exc: _LegFailed, prefill: asyncio.Future[None]) -> _LegFailed:
-        """A decode leg that failed before its first byte. The decode engine answered an error while its prefill
-        leg had not answered (failed, or still waiting: a prefill pod that died without closing its connections
-        hangs): the transfer failed (``transfer_failed``: re-run with fresh bootstrap fields on another prefill
-        replica). The decode replica unreachable, or its prefill leg answered (the KV was sent): the decode
-        replica's own failure (``exc``)."""
-        prefill_answered = prefill.done() and not prefill.cancelled() and prefill.exception() is None
-        if exc.reason != "decode_failed" or exc.connection or prefill_answered:
-            return exc
-        return _LegFailed(
-            "transfer_failed", f"{exc.message} (its prefill leg on {self.p_rep.name} had not answered)"
-        )
-
-    async def _mooncake_bodies(self, host: str, port: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The Mooncake legs, naming the prefill engine by an id its bootstrap server lists (the prefill leg pinned
-        to that id's rank when the server lists several). Raises _LegFailed(``engine_id_unknown``) when the id
-        cannot be learned: no Mooncake parameters are sent then, never a made-up id."""
-        address = f"{host if ':' not in host else f'[{host}]'}:{port}"
-        ids = await self.owner.mooncake.ids(self.p_rep.index, address)
-        if not ids:
-            self.owner.engine_id_unknown(self.p_rep, address)
-            raise _LegFailed(
-                "engine_id_unknown",
-                f"the Mooncake engine id of {self.p_rep.name} is unknown (GET http://{address}/query listed "
-                "none): no Mooncake parameters sent",
-            )
-        keys = self.routed.inp.keys
-        rank, engine_id = pd_mooncake.pick_engine(ids, keys[0] if keys else 0)
-        if rank is not None:
-            self.headers = dict(self.headers, **{"x-data-parallel-rank": str(rank)})
-        return pd_vllm.mooncake_bodies(self.obj, pd_vllm.new_transfer_id(), engine_id, f"http://{address}")
-
-    def _pin_prefill_rank(self) -> int | None:
-        """A DP rank for the prefill leg of a concurrent protocol when the prefill replica has several (by the
-        prompt's first block, like the decode rank), sent as ``X-data-parallel-rank``; None otherwise."""
-        if self.p_rep.dp_size <= 1:
-            return None
-        keys = self.routed.inp.keys
-        rank = (keys[0] if keys else 0) % self.p_rep.dp_size
-        self.headers = dict(self.headers, **{"x-data-parallel-rank": str(rank)})
-        return rank
-
-    # -- legs --------------------------------------------------------------------------------------------------
-    async def _prefill(self, hp: _Hold, body: dict[str, Any]) -> pd_vllm.PrefillAnswer:
-        """Send the prefill leg and read its whole answer, once (``pd_vllm.read_prefill_answer``; in a worker
-        thread from ``_THREAD_MIN_BYTES`` on); releases ``hp``. Raises _LegFailed."""
-        content, leg_s = await self._prefill_bytes(hp, body)
-        limit = self.owner.cfg.max_transfer_params_bytes
-        if len(content) >= _THREAD_MIN_BYTES:
-            answer = await asyncio.to_thread(pd_vllm.read_prefill_answer, content, limit)
-        else:
-            answer = pd_vllm.read_prefill_answer(content, limit)
-        self._observe_prefill(answer.usage, leg_s)
-        return answer
-
-    async def _prefill_bytes(self, hp: _Hold, body: dict[str, Any]) -> tuple[bytes, float]:
-        """Send the prefill leg and read its whole answer (bounded); releases ``hp``. Returns the answer and the
-        leg's seconds. Raises _LegFailed (also on >= 400)."""
-        self.metrics.legs.labels(self.p_rep.name, "prefill").inc()
-        t0 = time.monotonic()
-        try:
-            resp, first = await self.proxy._open(
-                self.p_rep, self.path, orjson.dumps(body), self.headers, self.deadline
-            )
-        except _AttemptFailed as exc:
-            self._connection_failed(self.p_rep, exc)
-            raise _LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name}: {exc.message}") from None
-        finally:
-            hp.first_byte()
-        content = await self._read(resp, first, self.p_rep)
-        hp.release()
-        leg_s = time.monotonic() - t0
-        self.metrics.leg_seconds.labels("prefill").observe(leg_s)
-        if resp.status >= 400:
-            raise _LegFailed(
-                "prefill_failed",
-                f"prefill leg on {self.p_rep.name} answered {resp.status}: "
-                f"{content[:300].decode(errors='replace')}",
-            )
-        return content, leg_s
-
-    def _observe_prefill(self, usage: dict[str, Any] | None, leg_s: float) -> None:
-        """Calibrate the PD policy with this prefill leg: the prefill replica's observation (prompt tokens;
-        cached tokens from the leg's ``usage`` when reported, else the router's estimate; ``leg_s`` seconds of
-        the prefill leg as its TTFT)."""
-        reported = _cached_tokens(usage)
-        router = self.proxy.router
-        q = float(self.plan.terms.get("Q_p", 0.0) or 0.0)
-        router.observe_pd(
-            Observation(
-                index=self.p_rep.index,
-                prompt_tokens=self.routed.inp.prompt_tokens,
-                cached_tokens=reported if reported is not None else self.cached_p,
-                queue_wait_s=q,
-                ttft_s=leg_s,
-                now=router.clock(),
-            )
-        )
-
-    async def _drain_prefill(self, hp: _Hold, body: dict[str, Any]) -> None:
-        """A concurrent prefill leg: send it, drain and discard its answer; releases ``hp``. Raises _LegFailed."""
-        try:
-            await self._prefill(
-                hp, body
-            )  # read for its usage, else discarded (SGLang / Mooncake: nothing to relay)
-        finally:
-            hp.release()
-
-    async def _read(self, resp: EngineResponse, first: bytes, rep: Replica) -> bytes:
-        """The whole (bounded) body of a leg's answer; the connection goes back to the pool. Raises _LegFailed."""
-        cfg = self.proxy.cfg
-        limit = self.owner.cfg.max_prefill_answer_bytes
-        try:
-            content = await resp.read_body(
-                first, max_bytes=limit, idle_timeout_s=cfg.body_idle_timeout_s, deadline=self.deadline
-            )
-        except EngineResponseTooLarge:
-            resp.close()
-            raise _LegFailed(
-                "prefill_failed",
-                f"prefill leg on {rep.name}: answer over {limit} bytes (pd_max_prefill_answer_bytes)",
-            ) from None
-        except (TimeoutError, EngineError) as exc:
-            resp.close()
-            raise _LegFailed(
-                "prefill_failed", f"prefill leg on {rep.name}: answer unreadable ({type(exc).__name__})"
-            ) from None
-        except BaseException:
-            resp.close()
-            raise
-        resp.release()
-        return content
-
-    async def _open_decode(self, body: dict[str, Any]) -> tuple[EngineResponse, bytes]:
-        """Send the decode leg and wait for its first byte. Raises _LegFailed."""
-        self.metrics.legs.labels(self.d_rep.name, "decode").inc()
-        if self.stream and self.proxy.cfg.stream_usage:
-            body, self.strip_usage = pd_vllm.with_stream_usage(body)
-        payload = orjson.dumps(body)  # serialized once: relayed parameters are inserted as the engine's bytes
-        t0 = time.monotonic()
-        try:
-            resp, first = await self.proxy._open(
-                self.d_rep, self.path, payload, self.d_headers, self.deadline
-            )
-        except _AttemptFailed as exc:
-            self._connection_failed(self.d_rep, exc)
-            raise _LegFailed(
-                "decode_failed", f"decode leg on {self.d_rep.name}: {exc.message}", connection=exc.connection
-            ) from None
-        self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - t0)
-        return resp, first
-
-    async def _commit(self, hd: _Hold, resp: EngineResponse, first: bytes) -> Response:
-        """The client's answer from the decode leg (the proxy's commit path; it takes over ``hd`` for streams)."""
-        hd.first_byte()
-        ttft = time.monotonic() - self.t0
-        out = await self.proxy._commit(
-            hd,
-            self.routed,
-            resp,
-            first,
-            ttft,
-            self.deadline,
-            self.stream,
-            self.request_id,
-            self.cached_p,
-            self.strip_usage,
-        )
-        out.headers["x-kvroute-prefill-replica"] = self.p_rep.name
-        out.headers["x-kvroute-plan"] = "disaggregated"
-        return out
-
-    def _connection_failed(self, rep: Replica, exc: _AttemptFailed) -> None:
-        """Log a failed leg; a connection failure is the replica's passive health signal."""
-        log.warning(
-            "PD leg failed",
-            extra={
-                "request_id": self.request_id,
-                "replica": rep.name,
-                "reason": exc.reason,
-                "error": exc.message,
-            },
-        )
-        if exc.connection:
-            self.proxy.on_connection_failure(rep, exc.message)

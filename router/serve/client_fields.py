@@ -5,7 +5,7 @@ same fields in a client's body would let the client steer the engine: vLLM opens
 Mooncake KV from, the host and port named in ``kv_transfer_params`` (server-side requests into the cluster, KV
 injection); SGLang joins the bootstrap server that ``bootstrap_host`` / ``bootstrap_port`` name and serves the rank
 ``routed_dp_rank`` names. So at intake, on every front door (the HTTP proxy and the endpoint picker: both parse
-bodies through ``router.http.app._parse``), these top-level fields are **stripped** from the body that goes on:
+bodies through the pipeline's ``parse`` step, ``router.serve.pipeline``), these top-level fields are **stripped** from the body that goes on:
 
 * vLLM: ``kv_transfer_params``;
 * SGLang: ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``, ``bootstrap_pair_key``, ``decode_tp_size``,

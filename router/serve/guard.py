@@ -1,7 +1,8 @@
 """The router's front gate: what is decided from a request's headers alone, before its body is read.
 
-``Guard.admit`` runs first for every HTTP request (``router.http.app._KvrouteApp.__call__``), ahead of the data-plane
-fast path and of FastAPI:
+``Guard.check`` runs first for every request: the HTTP door calls it ahead of the data-plane fast path and of
+FastAPI, the endpoint picker before it picks. It returns the refusal (a ``router.errors.KvrouteError``) and renders
+nothing: each door answers it in its own protocol.
 
 * **authorization** (``authorize``, the one decision every front door takes: the HTTP app here, the endpoint
   picker ``router.epp.picker`` on the gateway's request headers), made on the *normalized* request (``request_path``:
@@ -10,9 +11,9 @@ fast path and of FastAPI:
   ``admin_token`` when it is configured (401 without a bearer token, 403 ``forbidden`` with another), else one of
   ``api_keys`` when those are configured. A door that forwards to engines (the picker) passes its route table:
   every request then needs a key, and a path or method outside the table is 404 / 405. Rejected
-  before a byte of the body is read, with ``connection: close`` when a large body was announced, so an
-  unauthenticated client cannot make the router buffer (or even read) bodies. Tokens are compared as bytes (constant time), so any header
-  value, ASCII or not, gets a 401, never a 500.
+  before a byte of the body is read (the HTTP door closes the connection when a large body was announced), so an
+  unauthenticated client cannot make the router buffer (or even read) bodies. Tokens are compared as bytes
+  (constant time), so any header value, ASCII or not, gets a 401, never a 500.
 * **overload shedding** (``Shedder``, on ``router.serve.loop_lag``'s probes): new ``/v1/*`` POSTs and ``/route`` get
   ``503 event_loop_lag`` with ``Retry-After`` (counted in ``kvroute_rejected_total{reason="event_loop_lag"}``) only
   while the router's own work overloads it: over the last ``event_loop_lag_sustain_s`` the probes kept finding the
@@ -34,17 +35,13 @@ import enum
 import hashlib
 import hmac
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 from urllib.parse import unquote
 
-from starlette.types import Scope, Send
-
-from router.errors import error_response
+from router.errors import KvrouteError, forbidden, unauthorized
 from router.serve.loop_lag import LoopLag, Probe
 
-#: routes counted under their own name in kvroute_requests_total (others: "other")
 _DATA_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/route"})
 _ADMIN_ROUTES = frozenset({"/replicas", "/index/stats"})
 #: data-plane routes that are shed under event-loop lag (they do the work; /v1/models is a cheap read)
@@ -132,16 +129,6 @@ class Auth:
         return hashlib.sha256(_bearer(authorization) or b"").hexdigest()[:24]
 
 
-@dataclass(frozen=True)
-class Denial:
-    """A request the authorization decision refuses: HTTP status, stable code, message, extra response headers."""
-
-    status: int
-    code: str
-    message: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-
-
 def resolve_dots(path: str) -> str:
     """``path`` with its dot-segments resolved (RFC 3986 section 5.2.4: ``/a/./b`` -> ``/a/b``, ``/a/../b`` ->
     ``/b``, never above the root); runs of ``/`` are kept (``//v1`` is not ``/v1``)."""
@@ -172,7 +159,13 @@ def normalize_path(raw: str | bytes) -> str:
     return resolve_dots(text)
 
 
-def request_path(scope: Scope) -> str:
+def route_label(path: str) -> str:
+    """The ``route`` label of ``kvroute_requests_total`` for a request path: the router's own routes by name,
+    anything else ``other``."""
+    return path if path in _DATA_ROUTES or path in _ADMIN_ROUTES else "other"
+
+
+def request_path(scope: Mapping[str, Any]) -> str:
     """The normalized path of an ASGI request (from ``raw_path`` when the server gave it, decoded once)."""
     raw = scope.get("raw_path")
     if raw is not None:
@@ -186,7 +179,7 @@ def authorize(
     path: str,
     authorization: Header,
     routes: Mapping[str, frozenset[str]] | None = None,
-) -> Denial | None:
+) -> KvrouteError | None:
     """The authorization decision on a normalized request (``path`` from ``normalize_path``); None = allowed.
 
     Without ``routes`` (the HTTP app, which serves its own routes): ``/v1/*`` and ``/route`` need a client key,
@@ -196,55 +189,30 @@ def authorize(
     """
     if routes is not None:
         if not auth.client_ok(authorization):
-            return _unauthorized()
+            return unauthorized()
         methods = routes.get(path)
         if methods is None:
-            return Denial(404, "not_found", f"no route {path!r} (routed: {', '.join(sorted(routes))})")
+            return KvrouteError(
+                f"no route {path!r} (routed: {', '.join(sorted(routes))})", status=404, code="not_found"
+            )
         if method not in methods:
             allow = ", ".join(sorted(methods))
-            return Denial(405, "method_not_allowed", f"{method} is not allowed on {path}", {"allow": allow})
+            return KvrouteError(
+                f"{method} is not allowed on {path}",
+                status=405,
+                code="method_not_allowed",
+                headers={"allow": allow},
+            )
         return None
     if path in _DATA_ROUTES or path.startswith("/v1/"):
-        return None if auth.client_ok(authorization) else _unauthorized()
+        return None if auth.client_ok(authorization) else unauthorized()
     if path in _ADMIN_ROUTES:
         status, message = auth.admin_status(authorization)
         if status == 401:
-            return Denial(401, "unauthorized", message, {"www-authenticate": "Bearer"})
+            return unauthorized(message)
         if status:
-            return Denial(status, "forbidden", message)
+            return forbidden(message)
     return None
-
-
-def _unauthorized() -> Denial:
-    return Denial(
-        401,
-        "unauthorized",
-        "missing or invalid API key (Authorization: Bearer <key>)",
-        {"www-authenticate": "Bearer"},
-    )
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope.get("headers", ()):
-        if key == name:
-            return bytes(value)
-    return None
-
-
-#: a rejected request announcing a larger body than this (bytes; uvicorn's read buffer) gets ``connection: close``
-_DRAIN_MAX_BYTES = 64 * 1024
-
-
-def _large_body(scope: Scope) -> bool:
-    """True when the request announces a body over ``_DRAIN_MAX_BYTES`` or of unknown length (chunked).
-
-    A rejected request with a small body keeps its connection (uvicorn reads and drops the rest of the body, so a
-    client that sent it at once reads its answer instead of a reset); a large one is closed, not read.
-    """
-    if _header(scope, b"transfer-encoding") is not None:
-        return True
-    length = _header(scope, b"content-length")
-    return length is not None and (not length.strip().isdigit() or int(length) > _DRAIN_MAX_BYTES)
 
 
 class Guard:
@@ -253,59 +221,46 @@ class Guard:
     Args:
         auth: the keys.
         shedder: the overload decision (None: never shed).
-        retry_after_s: ``Retry-After`` of a shed request, seconds.
-        telemetry: the router's ``Telemetry`` (requests and rejected counters).
     """
 
-    def __init__(self, auth: Auth, shedder: Shedder | None, retry_after_s: int, telemetry: Any) -> None:
+    def __init__(self, auth: Auth, shedder: Shedder | None) -> None:
         self.auth = auth
         self.shedder = shedder
-        self.retry_after_s = retry_after_s
-        self.telemetry = telemetry
         self.shed = 0
         #: HTTP data-plane requests admitted here and not answered yet (``working``); part of the router's work
         self.in_progress = 0
 
-    async def admit(self, scope: Scope, send: Send) -> bool:
-        """Check an HTTP request's headers; False when it was answered here (the app must not run)."""
-        if scope.get("method") == "OPTIONS":
-            return True  # CORS preflights carry no credentials (the CORS middleware answers them)
-        path = request_path(scope)
-        denial = authorize(self.auth, str(scope.get("method", "")), path, _header(scope, b"authorization"))
+    async def check(self, method: str, path: str, authorization: Header) -> KvrouteError | None:
+        """The refusal of a request from its method, normalized path (``normalize_path``) and ``Authorization``
+        header (None: it may go on, maybe after waiting out a lag from outside). Renders nothing: the door does."""
+        if method == "OPTIONS":
+            return None  # CORS preflights carry no credentials (the CORS middleware answers them)
+        denial = authorize(self.auth, method, path, authorization)
         if denial is not None:
-            await self._reject(scope, send, denial.status, denial.message, denial.code, dict(denial.headers))
-            return False
-        if path in _DATA_ROUTES or path.startswith("/v1/"):
-            if (
-                path in _SHED_ROUTES
-                and scope.get("method") == "POST"
-                and not await self._shed_check(scope, send)
-            ):
-                return False
-        return True
+            return denial
+        if method == "POST" and path in _SHED_ROUTES:
+            return await self._shed_check()
+        return None
 
-    async def _shed_check(self, scope: Scope, send: Send) -> bool:
-        """False when the request was shed here (503 ``event_loop_lag``); may wait while the loop lags."""
+    async def _shed_check(self) -> KvrouteError | None:
+        """The 503 ``event_loop_lag`` refusal when the request is shed here; may wait while the loop lags."""
         shedder = self.shedder
         if shedder is None or await shedder.admit():
-            return True
+            return None
         self.shed += 1
-        self.telemetry.rejected.labels("event_loop_lag").inc()
-        await self._reject(
-            scope,
-            send,
-            503,
+        return KvrouteError(
             f"router overloaded by its own work: its event loop lags {shedder.lag_now_s():.3f}s "
             f"(max_event_loop_lag_s {shedder.max_lag_s:g}s) for over {shedder.sustain_s:g}s "
             "(event_loop_lag_sustain_s); retry shortly",
-            "event_loop_lag",
-            {"retry-after": str(self.retry_after_s)},
+            status=503,
+            code="event_loop_lag",
+            retry=True,
+            counted_as="event_loop_lag",
         )
-        return False
 
-    def counts(self, scope: Scope) -> bool:
+    def counts(self, method: str, path: str) -> bool:
         """True for the requests counted in ``in_progress`` (the data-plane POSTs that can be shed)."""
-        return scope.get("method") == "POST" and scope.get("path", "") in _SHED_ROUTES
+        return method == "POST" and path in _SHED_ROUTES
 
     @contextlib.contextmanager
     def working(self) -> Iterator[None]:
@@ -315,19 +270,6 @@ class Guard:
             yield
         finally:
             self.in_progress -= 1
-
-    async def _reject(
-        self, scope: Scope, send: Send, status: int, message: str, code: str, headers: dict[str, str]
-    ) -> None:
-        if _large_body(scope):
-            headers = {**headers, "connection": "close"}  # do not read what was announced
-        resp = error_response(status, message, code, headers=headers)
-        await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
-        await send({"type": "http.response.body", "body": resp.body})
-        path = scope.get("path", "")
-        self.telemetry.requests.labels(
-            path if path in _DATA_ROUTES | _ADMIN_ROUTES else "other", str(status)
-        ).inc()
 
 
 #: probes covering the window whose own lag is over ``max_lag_s`` before an overload counts: one stall never sheds

@@ -40,6 +40,7 @@ import simdjson
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from router.errors import KvrouteError
 from router.tokens.tokenizer import THREAD_MIN_MESSAGES
 
 if TYPE_CHECKING:
@@ -55,15 +56,12 @@ _ARR = (list, simdjson.Array)
 _CONTAINER = _OBJ + _ARR
 
 
-class LimitExceeded(Exception):
-    """A request over one of the input limits: answered ``status`` with ``code``, ``message`` and ``param``."""
+class LimitExceeded(KvrouteError):
+    """A request over one of the input limits: answered ``status`` with ``code``, ``message`` and ``param``
+    (counted in ``kvroute_rejected_total`` under its code)."""
 
     def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
+        super().__init__(message, status=status, code=code, param=param, counted_as=code)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from membership import engine_tls
+from router.errors import KvrouteError
 from router.tokens.token_cache import batch_encoder, cache_for
 
 #: texts at least this long (characters) are tokenized, and chats with this much text (or more than
@@ -43,8 +44,12 @@ THREAD_MIN_MESSAGES = 256
 BYTES_PER_TOKEN = 4
 
 
-class TokenizerError(Exception):
-    """The prompt or messages could not be turned into token ids (bad input or a broken tokenizer)."""
+class TokenizerError(KvrouteError):
+    """The prompt or messages could not be turned into token ids (bad input or a broken tokenizer): 400
+    ``tokenization_failed``."""
+
+    status = 400
+    code = "tokenization_failed"
 
 
 class TokenizeUnsupported(TokenizerError):

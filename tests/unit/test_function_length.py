@@ -32,9 +32,8 @@ PENDING: set[tuple[str, str]] = {
     ("fakes/kv_publisher.py", "encode_event"),
     ("sim/simulator.py", "build_parser"),
     ("loadtest/soak.py", "Soak._inject"),
-    ("router/http/app.py", "_DataPlane.routing_input"),
     ("router/serve/idempotency.py", "IdempotencyGuard.handle"),
-    ("router/engine/proxy.py", "_Relay.body"),
+    ("router/engine/relay.py", "Relay.body"),
     ("router/server.py", "main"),
     ("router/telemetry.py", "Telemetry.__init__"),
 }

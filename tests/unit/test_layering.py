@@ -70,16 +70,7 @@ ROUTER_PARTS: dict[str, set[str]] = {
     "router.cli": {"router.server"},
 }
 #: (importing module, imported part) allowed against the router's arrows, with the reason
-ROUTER_EXCEPTIONS: dict[tuple[str, str], str] = {
-    (
-        "router.epp.picker",
-        "router.http",
-    ): "the picker borrows the HTTP routes' data plane until the pipeline lands",
-    (
-        "router.epp.picker",
-        "router.services",
-    ): "the picker takes Services until the composition root builds it",
-}
+ROUTER_EXCEPTIONS: dict[tuple[str, str], str] = {}
 #: most modules one folder of router/ may hold
 MAX_MODULES_PER_FOLDER = 15
 
