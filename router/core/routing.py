@@ -471,21 +471,20 @@ class Router:
             decision_s=time.perf_counter() - t0,
         )
 
-    def facts(self, rep: Replica) -> ReplicaFacts:
+    def facts(self, rep: Replica, *, pd: bool = False) -> ReplicaFacts:
         """What a policy may know about ``rep``: its load view (this router's in-flight counts included), profile,
-        state, engine block size, role, DP ranks, link backlog."""
-        return ReplicaFacts(
-            index=rep.index,
-            name=rep.name,
-            load=self.load_view(rep),
-            profile=rep.profile,
-            state=rep.state.value,
-            engine_block_size=rep.load.engine_block_size,
-            role=rep.role if rep.role in ROLES else "both",
-            dp_rank_count=max(1, rep.dp_size),
-            link_busy_s=self.link_busy_s(rep.index),
-            serves_alone=serves_alone(rep),
+        state and engine block size; with ``pd`` also its role, DP ranks, link backlog and whether it serves
+        alone (a co-located decision does not need them: not computed on that hot path)."""
+        load = rep.load
+        facts = ReplicaFacts(
+            rep.index, rep.name, self.load_view(rep), rep.profile, rep.state.value, load.engine_block_size
         )
+        if pd:
+            facts.role = rep.role if rep.role in ROLES else "both"
+            facts.dp_rank_count = max(1, rep.dp_size)
+            facts.link_busy_s = self.link_busy_s(rep.index)
+            facts.serves_alone = serves_alone(rep)
+        return facts
 
     def build_candidates(self, inp: RoutingInput, facts: Sequence[ReplicaFacts]) -> list[Candidate]:
         """The candidates for ``inp``: the prompt matched in the index over ``facts``' replicas
@@ -547,7 +546,7 @@ class Router:
             RoutingError subclasses (see ``candidates_for``); NoReplica when no plan is feasible.
         """
         t0 = time.perf_counter()
-        facts = [self.facts(r) for r in self.candidates_for(inp, exclude)]
+        facts = [self.facts(r, pd=True) for r in self.candidates_for(inp, exclude)]
         cands = self.build_candidates(inp, facts)
         pd_cands = build_pd_candidates(facts, cands)
         req = self.route_request(inp)
