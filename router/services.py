@@ -39,11 +39,11 @@ from policies.pd_base import HandoffLink, make_pd_policy
 from policies.pd_link import LinkEstimator
 from router import signals
 from router.config import Settings
-from router.core.admission import Admission, admission_gauges
-from router.core.dispatch import DispatchGate, dispatch_gauges
+from router.core.admission import Admission
+from router.core.dispatch import DispatchGate
 from router.core.routing import Router, build_profile
 from router.core.tenant_admission import TenantAdmission
-from router.core.tenant_metrics import TenantMetrics, budget_gauges
+from router.core.tenant_metrics import TenantMetrics
 from router.core.tenants import TenancyConfig
 from router.engine.attempt import EngineEdge
 from router.engine.feedback import Feedback
@@ -54,17 +54,23 @@ from router.pd.leg import PdConfig
 from router.pd.legs import PdLegs
 from router.serve.client_fields import ClientFields
 from router.serve.dispatch import Dispatcher
-from router.serve.guard import Auth, Guard, Shedder, shedder_gauges
+from router.serve.guard import Auth, Guard, Shedder
 from router.serve.idempotency import IdempotencyGuard
 from router.serve.intake import InputLimits, Intake, model_contexts
-from router.serve.loop_lag import LoopLag, lag_gauges
+from router.serve.loop_lag import LoopLag
 from router.serve.pipeline import Pipeline
 from router.telemetry import (
     Telemetry,
-    gauge,
+    admission_gauges,
+    budget_gauges,
+    dispatch_gauges,
+    epp_gauges,
     index_gauges,
     kubernetes_metrics,
+    lag_gauges,
     replica_gauges,
+    router_gauges,
+    shedder_gauges,
     tokenizer_cache_gauges,
 )
 from router.tokens.token_ids import TokenIdsCheck
@@ -374,34 +380,20 @@ def _register_metrics(svc: Services) -> None:
     if svc.kv_events is not None:
         svc.kv_events.register_metrics(t.registry)
     svc.engine_metrics.register_metrics(t.registry)
+    if svc.epp is not None:
+        picker = svc.epp.picker
+        t.add_gauges(lambda: epp_gauges(picker.active))
 
 
 def _router_gauges(svc: Services) -> Iterator[Metric]:
-    """The router's own scrape-time values: in flight, candidates the policy could not score, panic decisions,
-    token-id audits."""
-    yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
+    """The router's own scrape-time values (rendered by ``router.telemetry.router_gauges``)."""
     excluded = getattr(svc.router.policy, "excluded_candidates", None)
-    if isinstance(excluded, int):
-        yield gauge(
-            "kvroute_policy_excluded_candidates",
-            "candidates left out of routing decisions because their score could not be computed (not finite or "
-            "negative: broken load values; cumulative)",
-            float(excluded),
-        )
-    yield gauge(
-        "kvroute_panic_decisions",
-        "decisions made among unhealthy replicas because none was ready (cumulative)",
-        float(svc.router.panic_decisions),
-    )
-    yield gauge(
-        "kvroute_token_id_audits",
-        "prompts sent as ids re-checked against the replica's /tokenize (cumulative)",
-        float(svc.token_ids.audited),
-    )
-    yield gauge(
-        "kvroute_token_id_audit_mismatches",
-        "audited prompts the replica tokenized differently: it gets text from then on (cumulative)",
-        float(svc.token_ids.audit_mismatches),
+    return router_gauges(
+        svc.inflight,
+        excluded if isinstance(excluded, int) else None,
+        svc.router.panic_decisions,
+        svc.token_ids.audited,
+        svc.token_ids.audit_mismatches,
     )
 
 

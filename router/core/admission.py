@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
-from typing import Any
 
 from policies.admission_fair import FairQueue, QueueEntry
 from router.errors import KvrouteError
@@ -170,24 +168,3 @@ class Admission:
                 entry.item.set_result(None)  # the slot passes to the waiter (inflight unchanged)
                 return
         self.inflight = max(0, self.inflight - 1)
-
-
-def admission_gauges(adm: Admission) -> Iterable[Any]:
-    """Gauge families of the router queue (collected at scrape time)."""
-    from router.telemetry import gauge
-
-    yield gauge(
-        "kvroute_queued_requests",
-        "requests waiting in the router queue for an in-flight slot",
-        float(adm.waiting),
-    )
-    yield gauge(
-        "kvroute_queue_waited_requests",
-        "requests that waited in the router queue (cumulative)",
-        float(adm.queued_total),
-    )
-    yield gauge(
-        "kvroute_queue_wait_seconds",
-        "total time requests waited in the router queue (cumulative, s)",
-        adm.queue_wait_s_total,
-    )

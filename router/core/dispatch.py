@@ -16,9 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from index.prefix_index import PrefixIndex
 from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
@@ -153,45 +152,3 @@ class DispatchGate:
             for w in self.queues.forget(r):
                 if not w.item.fut.done():
                     w.item.fut.set_exception(ReplicaGone("the router is stopping"))
-
-
-def dispatch_gauges(gate: DispatchGate) -> Iterable[Any]:
-    """Gauge families of the dispatch gate (collected at scrape time)."""
-    from router.telemetry import gauge
-
-    q = gate.queues
-    yield gauge(
-        "kvroute_dispatch_waiting_requests",
-        "requests waiting in the router for their replica (cache-first dispatch gate)",
-        float(q.waiting()),
-    )
-    yield gauge(
-        "kvroute_dispatch_queued_requests",
-        "requests that waited for their replica (cumulative)",
-        float(q.queued_total),
-    )
-    yield gauge(
-        "kvroute_dispatch_reordered_requests",
-        "requests sent ahead of older ones because more of their prompt is cached (cumulative)",
-        float(q.reordered_total),
-    )
-    yield gauge(
-        "kvroute_dispatch_expired_requests",
-        "requests sent after waiting dispatch_max_wait_s (cumulative)",
-        float(q.expired_total),
-    )
-    yield gauge(
-        "kvroute_dispatch_failed_over_requests",
-        "waiting requests moved to another replica because theirs stopped being routable (cumulative)",
-        float(gate.gone_total),
-    )
-    yield gauge(
-        "kvroute_dispatch_wait_seconds",
-        "total time requests waited for their replica (cumulative, s)",
-        q.wait_s_total,
-    )
-    yield gauge(
-        "kvroute_dispatch_sent_prefill_tokens",
-        "uncached prompt tokens sent to replicas whose first token is pending (gate's count)",
-        float(sum(q.queue(r).sent_tokens for r in q.replicas())),
-    )

@@ -40,9 +40,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-from membership.tenant_budget import TenantBudget
 
 _TTFT_BUCKETS = (
     0.005,
@@ -277,23 +274,3 @@ _FAMILIES: tuple[tuple[str, str, str, Callable[[_Series], Iterator[str]]], ...] 
         _reused,
     ),
 )
-
-
-def budget_gauges(budget: TenantBudget) -> Iterator[Metric]:
-    """The quota mode and the takes per mode (collected at scrape time)."""
-    mode = GaugeMetricFamily(
-        "kvroute_tenant_budget_mode",
-        "1 for the current tenant-quota mode: shared "
-        "(Redis), local_fallback (Redis unreachable: quota / tenant_expected_routers per "
-        "router), local (no Redis)",
-        labels=["mode"],
-    )
-    for name in ("shared", "local_fallback", "local"):
-        mode.add_metric([name], 1.0 if budget.mode == name else 0.0)
-    yield mode
-    takes = CounterMetricFamily("kvroute_tenant_budget_takes", "quota takes by mode", labels=["mode"])
-    st = budget.stats
-    takes.add_metric(["shared"], float(st.shared_takes))
-    takes.add_metric(["local_fallback"], float(st.fallback_takes))
-    takes.add_metric(["local"], float(st.local_takes))
-    yield takes

@@ -69,7 +69,6 @@ from router.pd.legs import Handoff
 from router.serve.guard import PICKER_ROUTES, authorize, normalize_path
 from router.serve.pipeline import Pipeline, Prepared
 from router.serve.requests import new_request_id
-from router.telemetry import gauge
 
 log = logging.getLogger("kvroute.epp")
 
@@ -117,17 +116,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             ["reason"],
             registry=telemetry.registry,
         )
-        #: gateway streams open now (one per HTTP request the gateway is processing)
+        #: gateway streams open now (one per HTTP request the gateway is processing; rendered by telemetry)
         self.active = 0
-        telemetry.add_gauges(
-            lambda: [
-                gauge(
-                    "kvroute_epp_streams_active",
-                    "endpoint-picker streams open now (one per request the gateway is processing)",
-                    float(self.active),
-                )
-            ]
-        )
 
     async def Process(
         self,

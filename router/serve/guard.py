@@ -395,19 +395,3 @@ class Shedder:
             return Verdict.ADMIT if verdict is Verdict.WAIT else verdict
         finally:
             self.waiting -= 1
-
-
-def shedder_gauges(shedder: Shedder) -> Iterable[Any]:
-    """Gauge families of the requests held while the loop lags (collected at scrape time)."""
-    from router.telemetry import gauge
-
-    yield gauge(
-        "kvroute_lag_waiting_requests",
-        "new requests waiting for the event loop's lag to pass (not an overload of the router's own)",
-        float(shedder.waiting),
-    )
-    yield gauge(
-        "kvroute_lag_waited_requests",
-        "new requests that waited for the event loop's lag to pass (cumulative)",
-        float(shedder.waited_total),
-    )

@@ -29,9 +29,8 @@ import collections
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -221,23 +220,3 @@ class LoopLag:
         measured = recent[0][1] if recent else 0.0
         overdue = now - self._due if self._due is not None and not self._resumed else 0.0
         return max(measured, overdue, 0.0)
-
-
-def lag_gauges(lag: LoopLag) -> Iterable[Any]:
-    """Gauge families of the loop lag (collected at scrape time)."""
-    from router.telemetry import gauge
-
-    yield gauge(
-        "kvroute_event_loop_lag_recent_seconds",
-        "the event loop's current lag: largest probe delay within "
-        "event_loop_lag_window_s, or the probe's overdue time (s)",
-        lag.lag_s(),
-    )
-    yield gauge(
-        "kvroute_event_loop_lag_max_seconds", "largest event-loop probe delay since start (s)", lag.max_seen_s
-    )
-    yield gauge(
-        "kvroute_event_loop_own_lag_max_seconds",
-        "largest part of an event-loop probe delay the router's own work explained, since start (s)",
-        lag.own_max_seen_s,
-    )

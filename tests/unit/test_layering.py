@@ -201,3 +201,16 @@ def test_router_folders_stay_small() -> None:
         if len(modules) > MAX_MODULES_PER_FOLDER:
             big[folder.name] = len(modules)
     assert not big, big
+
+
+def test_telemetry_alone_renders_scrape_time_families() -> None:
+    """Metrics in one style: components expose their counters, ``router/telemetry.py`` renders the scrape-time
+    families: no other router module builds a metric family."""
+    builders = ("GaugeMetricFamily", "CounterMetricFamily", "HistogramMetricFamily", "gauge(")
+    allowed = {ROOT / "router" / "telemetry.py"}
+    found = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "router").rglob("*.py")
+        if p not in allowed and any(b in p.read_text(encoding="utf-8") for b in builders)
+    ]
+    assert not found, found
