@@ -172,18 +172,23 @@ def endpoint_of(url: str) -> str:
     return f"{host}:{port}"
 
 
-def _header(key: str, value: str) -> Any:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+def _header(key: str, value: str, *, overwrite: bool = False) -> Any:
+    header = base_pb2.HeaderValue(key=key, raw_value=value.encode())
+    if overwrite:  # replaces what the client sent (the default appends)
+        return base_pb2.HeaderValueOption(
+            header=header, append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+        )
+    return base_pb2.HeaderValueOption(header=header)
 
 
 def _routed_common(endpoint: str, extra: Mapping[str, str], body_length: int | None) -> Any:
     sets = [_header(DESTINATION_HEADER, endpoint)]
-    sets.extend(_header(k, v) for k, v in extra.items())
+    sets.extend(_header(k, v, overwrite=k in ROUTER_HEADERS) for k, v in extra.items())
     if body_length is not None:
         sets.append(_header("content-length", str(body_length)))
-    mutation = pb.HeaderMutation(
-        set_headers=sets, remove_headers=ROUTER_HEADERS
-    )  # only the router sets those
+    # only the router sets those: a client's are removed, or replaced when the router sets one (a pinned DP rank)
+    removes = [h for h in ROUTER_HEADERS if h not in extra]
+    mutation = pb.HeaderMutation(set_headers=sets, remove_headers=removes)
     return pb.CommonResponse(clear_route_cache=True, header_mutation=mutation)
 
 

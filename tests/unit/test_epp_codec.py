@@ -130,3 +130,18 @@ def test_buffered_answers_and_body_modes() -> None:
     cfg = pb.ProtocolConfiguration(request_body_mode=codec.BUFFERED, response_body_mode=codec.STREAMED)
     assert codec.body_modes(pb.ProcessingRequest(protocol_config=cfg)) == (codec.BUFFERED, codec.STREAMED)
     assert codec.mode_name(codec.FULL_DUPLEX_STREAMED) == "FULL_DUPLEX_STREAMED"
+
+
+def test_a_router_header_the_picker_sets_replaces_the_clients() -> None:
+    """``X-data-parallel-rank`` is the router's: removed from what a client sent, or (a PD plan's pinned rank)
+    set over it, never appended to it."""
+    plain = codec.routed_headers("10.0.0.1:8000", {"x-request-id": "r"}, None).request_headers.response
+    assert list(plain.header_mutation.remove_headers) == ["x-data-parallel-rank"]
+    pinned = codec.routed_headers(
+        "10.0.0.1:8000", {"x-data-parallel-rank": "1"}, None
+    ).request_headers.response
+    mutation = pinned.header_mutation
+    assert list(mutation.remove_headers) == []
+    rank = next(h for h in mutation.set_headers if h.header.key == "x-data-parallel-rank")
+    assert rank.header.raw_value == b"1"
+    assert rank.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
