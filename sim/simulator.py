@@ -64,9 +64,9 @@ from index.hashing import root_seed
 from index.prefix_index import PrefixIndex
 from policies.admission_fair import BucketState, take
 from policies.admission_slo import best_predicted_ttft_s, slo_unattainable
-from policies.base import Candidate, LoadView, Observation, RouteRequest, make_policy, policy_names
+from policies.base import LoadView, Observation, RouteRequest, make_policy, policy_names
+from policies.candidates import ReplicaFacts, build_candidates
 from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
-from policies.hits import hit_from_match
 from sim.lora_sim import LoraFleet, LoraRouter, add_lora_arguments, lora_fleet_of
 from sim.traces import (
     WORKLOADS,
@@ -575,17 +575,11 @@ class Fleet(EventFleet):
         keys = self.keys.keys(req)
         n = req.prompt_tokens
         matches = self.index.match(keys) if len(keys) else {}
-        cands = []
-        for i in range(self.cfg.replicas):
-            cands.append(
-                Candidate(
-                    index=i,
-                    name=self.names[i],
-                    load=self._load(i, t),
-                    hit=hit_from_match(matches.get(i), n, bs),
-                    profile=self.profiles[i],
-                )
-            )
+        facts = [
+            ReplicaFacts(i, self.names[i], self._load(i, t), self.profiles[i])
+            for i in range(self.cfg.replicas)
+        ]
+        cands = build_candidates(facts, matches, n, bs)
         if self.lora is not None:
             self.lora.annotate(cands, req, t, self.snap)
         target = tenancy.ttft_target_s if tenancy is not None else None
