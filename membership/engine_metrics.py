@@ -49,8 +49,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from membership import engine_tls
+from membership.metrics import register_families
 from membership.tasks import cancel_and_wait, run_every
 
 log = logging.getLogger("kvroute.engine_metrics")
@@ -853,68 +855,60 @@ class MetricsScraper:
 
     def register_metrics(self, registry: Any) -> None:
         """Export scrape counters on a ``prometheus_client`` registry (collected at scrape time)."""
-        registry.register(_Collector(self))
+        register_families(registry, lambda: _scrape_families(self))
 
 
-class _Collector:
-    def __init__(self, scraper: MetricsScraper) -> None:
-        self.scraper = scraper
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        names = {r.index: r.name for r in self.scraper.table.all()}
-        ok = CounterMetricFamily(
-            "kvroute_engine_scrapes", "Successful engine /metrics scrapes", labels=["replica"]
-        )
-        err = CounterMetricFamily(
-            "kvroute_engine_scrape_errors",
-            "Failed engine /metrics scrapes by reason",
-            labels=["replica", "reason"],
-        )
-        age = GaugeMetricFamily(
-            "kvroute_engine_metrics_age_seconds",
-            "Seconds since the last successful scrape",
-            labels=["replica"],
-        )
-        rejected = CounterMetricFamily(
-            "kvroute_engine_gauge_rejected",
-            "Scraped engine values out of range (not finite, negative, absurdly large) "
-            "and treated as unknown, by replica and field",
-            labels=["replica", "gauge"],
-        )
-        bsize = GaugeMetricFamily(
-            "kvroute_engine_block_size",
-            "The engine's KV block size (cache_config_info), tokens",
-            labels=["replica"],
-        )
-        mismatch = GaugeMetricFamily(
-            "kvroute_engine_block_size_mismatch",
-            "1 when the engine's KV block size "
-            "differs from the router's block_size (predictions are rounded to the "
-            "engine's blocks)",
-            labels=["replica", "engine_block_size", "router_block_size"],
-        )
-        rbs = self.scraper.router_block_size
-        for idx, st in self.scraper._state.items():
-            name = names.get(idx, str(idx))
-            ok.add_metric([name], st.ok)
-            for reason, c in st.errors.items():
-                err.add_metric([name, reason], c)
-            for gauge_name, c in st.rejected.items():
-                rejected.add_metric([name, gauge_name], c)
-            a = self.scraper.age_s(idx)
-            if a is not None:
-                age.add_metric([name], a)
-            ebs = st.snapshot.block_size if st.snapshot is not None else None
-            if ebs is not None:
-                bsize.add_metric([name], ebs)
-                if rbs is not None:
-                    mismatch.add_metric([name, str(ebs), str(rbs)], 1.0 if ebs != rbs else 0.0)
-        yield from (ok, err, age, rejected, bsize, mismatch)
+def _scrape_families(scraper: MetricsScraper) -> Iterator[Metric]:
+    """The scraper's per-replica counters, ages and engine block sizes as metric families (built at scrape time)."""
+    names = {r.index: r.name for r in scraper.table.all()}
+    ok = CounterMetricFamily(
+        "kvroute_engine_scrapes", "Successful engine /metrics scrapes", labels=["replica"]
+    )
+    err = CounterMetricFamily(
+        "kvroute_engine_scrape_errors",
+        "Failed engine /metrics scrapes by reason",
+        labels=["replica", "reason"],
+    )
+    age = GaugeMetricFamily(
+        "kvroute_engine_metrics_age_seconds",
+        "Seconds since the last successful scrape",
+        labels=["replica"],
+    )
+    rejected = CounterMetricFamily(
+        "kvroute_engine_gauge_rejected",
+        "Scraped engine values out of range (not finite, negative, absurdly large) "
+        "and treated as unknown, by replica and field",
+        labels=["replica", "gauge"],
+    )
+    bsize = GaugeMetricFamily(
+        "kvroute_engine_block_size",
+        "The engine's KV block size (cache_config_info), tokens",
+        labels=["replica"],
+    )
+    mismatch = GaugeMetricFamily(
+        "kvroute_engine_block_size_mismatch",
+        "1 when the engine's KV block size "
+        "differs from the router's block_size (predictions are rounded to the "
+        "engine's blocks)",
+        labels=["replica", "engine_block_size", "router_block_size"],
+    )
+    rbs = scraper.router_block_size
+    for idx, st in scraper._state.items():
+        name = names.get(idx, str(idx))
+        ok.add_metric([name], st.ok)
+        for reason, c in st.errors.items():
+            err.add_metric([name, reason], c)
+        for gauge_name, c in st.rejected.items():
+            rejected.add_metric([name, gauge_name], c)
+        a = scraper.age_s(idx)
+        if a is not None:
+            age.add_metric([name], a)
+        ebs = st.snapshot.block_size if st.snapshot is not None else None
+        if ebs is not None:
+            bsize.add_metric([name], ebs)
+            if rbs is not None:
+                mismatch.add_metric([name, str(ebs), str(rbs)], 1.0 if ebs != rbs else 0.0)
+    yield from (ok, err, age, rejected, bsize, mismatch)
 
 
 #: the name ``router.signals`` looks up

@@ -51,6 +51,7 @@ from typing import Any, cast
 
 import zmq
 import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from membership.kv_apply import BatchApplier, IndexSink
 from membership.kv_decode import (
@@ -76,6 +77,7 @@ from membership.kv_sequencer import (
     SetDegraded,
     Warn,
 )
+from membership.metrics import register_families
 
 __all__ = ["EVENT_TYPES", "FeedSpec", "FeedStats", "IndexSink", "KVEventSubscriber", "KVEventsConfig"]
 
@@ -800,113 +802,100 @@ class KVEventSubscriber:
 
     def register_metrics(self, registry: Any) -> None:
         """Export the counters on a ``prometheus_client`` registry (collected at scrape time)."""
-        registry.register(_Collector(self))
+        register_families(registry, lambda: _kv_event_families(self))
 
 
-class _Collector:
-    """prometheus_client custom collector over ``KVEventSubscriber`` counters."""
+def _media_families(sub: KVEventSubscriber, feeds: list[_Feed]) -> Iterator[Metric]:
+    """Unknown media (bounded labels), engine pages per medium and tier, image-bearing pages."""
+    um = CounterMetricFamily(
+        "kvroute_kv_unknown_medium",
+        "KV events dropped because their medium is not in kv_medium_tiers (a miss), by spelling (bounded: the "
+        "first 16 spellings, then other)",
+        labels=["medium"],
+    )
+    for spelling, c in sub.unknown_medium_counts().items():
+        um.add_metric([spelling], c)
+    mb = CounterMetricFamily(
+        "kvroute_kv_event_medium_blocks",
+        "Engine pages announced per medium (kv_medium_tiers key, none = no medium) and tier, by operation "
+        "(stored, removed, located: a location-only store resolved against known pages)",
+        labels=["replica", "medium", "tier", "op"],
+    )
+    im = CounterMetricFamily(
+        "kvroute_kv_image_blocks",
+        "Engine pages with multimodal keys: indexed (keyed exactly) or dropped (keys unusable)",
+        labels=["replica", "outcome"],
+    )
+    for f in feeds:
+        for key, c in f.stats.media_blocks.items():
+            medium, tier, op = key.rsplit("|", 2)
+            mb.add_metric([f.spec.name, medium, tier, op], c)
+        for outcome in ("indexed", "dropped"):
+            im.add_metric([f.spec.name, outcome], f.stats.notes.get(f"image_pages_{outcome}", 0))
+    yield from (um, mb, im)
 
-    def __init__(self, sub: KVEventSubscriber) -> None:
-        self.sub = sub
 
-    def describe(self) -> list[Any]:
-        return []
-
-    def _media_families(self, feeds: list[_Feed]) -> Iterator[Any]:
-        """Unknown media (bounded labels), engine pages per medium and tier, image-bearing pages."""
-        from prometheus_client.core import CounterMetricFamily
-
-        um = CounterMetricFamily(
-            "kvroute_kv_unknown_medium",
-            "KV events dropped because their medium is not in kv_medium_tiers (a miss), by spelling (bounded: the "
-            "first 16 spellings, then other)",
-            labels=["medium"],
-        )
-        for spelling, c in self.sub.unknown_medium_counts().items():
-            um.add_metric([spelling], c)
-        mb = CounterMetricFamily(
-            "kvroute_kv_event_medium_blocks",
-            "Engine pages announced per medium (kv_medium_tiers key, none = no medium) and tier, by operation "
-            "(stored, removed, located: a location-only store resolved against known pages)",
-            labels=["replica", "medium", "tier", "op"],
-        )
-        im = CounterMetricFamily(
-            "kvroute_kv_image_blocks",
-            "Engine pages with multimodal keys: indexed (keyed exactly) or dropped (keys unusable)",
-            labels=["replica", "outcome"],
-        )
-        for f in feeds:
-            for key, c in f.stats.media_blocks.items():
-                medium, tier, op = key.rsplit("|", 2)
-                mb.add_metric([f.spec.name, medium, tier, op], c)
-            for outcome in ("indexed", "dropped"):
-                im.add_metric([f.spec.name, outcome], f.stats.notes.get(f"image_pages_{outcome}", 0))
-        yield from (um, mb, im)
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        feeds = list(self.sub._feeds.values())
-        ev = CounterMetricFamily(
-            "kvroute_kv_events_ingested",
-            "KV events applied to the index, by type",
-            labels=["replica", "type"],
-        )
-        dr = CounterMetricFamily(
-            "kvroute_kv_events_dropped",
-            "KV event batches/events dropped, by reason (malformed, unknown, filtered)",
-            labels=["replica", "reason"],
-        )
-        ba = CounterMetricFamily("kvroute_kv_event_batches", "KV event batches applied", labels=["replica"])
-        gp = CounterMetricFamily("kvroute_kv_event_gaps", "Sequence gaps seen", labels=["replica"])
-        ms = CounterMetricFamily(
-            "kvroute_kv_event_missing_batches", "Batches missing in sequence gaps", labels=["replica"]
-        )
-        du = CounterMetricFamily(
-            "kvroute_kv_event_duplicates", "Duplicate batches dropped", labels=["replica"]
-        )
-        rs = CounterMetricFamily(
-            "kvroute_kv_event_restarts", "Engine restarts detected (sequence reset)", labels=["replica"]
-        )
-        orp = CounterMetricFamily(
-            "kvroute_kv_event_orphans", "BlockStored events with an unknown parent", labels=["replica"]
-        )
-        rp = CounterMetricFamily(
-            "kvroute_kv_event_replays",
-            "Replay requests by trigger and outcome",
-            labels=["replica", "trigger", "outcome"],
-        )
-        sb = CounterMetricFamily(
-            "kvroute_kv_event_stored_blocks", "Router blocks stored from engine events", labels=["replica"]
-        )
-        lag = GaugeMetricFamily(
-            "kvroute_kv_event_lag_seconds",
-            "Seconds between the engine stamping the last live batch and the router receiving it",
-            labels=["replica"],
-        )
-        dg = GaugeMetricFamily(
-            "kvroute_kv_events_degraded",
-            "1 while the replica's event stream lost events it could not recover",
-            labels=["replica"],
-        )
-        yield from self._media_families(feeds)
-        for f in feeds:
-            n, s = f.spec.name, f.stats
-            for t in EVENT_TYPES:
-                ev.add_metric([n, t], s.events.get(t, 0))
-            for reason, c in s.dropped.items():
-                dr.add_metric([n, reason], c)
-            ba.add_metric([n], s.batches)
-            gp.add_metric([n], s.gaps)
-            ms.add_metric([n], s.missing_batches)
-            du.add_metric([n], s.duplicates)
-            rs.add_metric([n], s.restarts)
-            orp.add_metric([n], s.orphans)
-            for key, c in s.replays.items():
-                trig, _, outcome = key.partition(":")
-                rp.add_metric([n, trig, outcome], c)
-            sb.add_metric([n], s.stored_blocks)
-            dg.add_metric([n], 1.0 if f.degraded else 0.0)
-            if f.last_lag_s is not None:
-                lag.add_metric([n], f.last_lag_s)
-        yield from (ev, dr, ba, gp, ms, du, rs, orp, rp, sb, dg, lag)
+def _kv_event_families(sub: KVEventSubscriber) -> Iterator[Metric]:
+    """The subscriber's per-feed counters, lags and degraded flags as metric families (built at scrape time)."""
+    feeds = list(sub._feeds.values())
+    ev = CounterMetricFamily(
+        "kvroute_kv_events_ingested",
+        "KV events applied to the index, by type",
+        labels=["replica", "type"],
+    )
+    dr = CounterMetricFamily(
+        "kvroute_kv_events_dropped",
+        "KV event batches/events dropped, by reason (malformed, unknown, filtered)",
+        labels=["replica", "reason"],
+    )
+    ba = CounterMetricFamily("kvroute_kv_event_batches", "KV event batches applied", labels=["replica"])
+    gp = CounterMetricFamily("kvroute_kv_event_gaps", "Sequence gaps seen", labels=["replica"])
+    ms = CounterMetricFamily(
+        "kvroute_kv_event_missing_batches", "Batches missing in sequence gaps", labels=["replica"]
+    )
+    du = CounterMetricFamily("kvroute_kv_event_duplicates", "Duplicate batches dropped", labels=["replica"])
+    rs = CounterMetricFamily(
+        "kvroute_kv_event_restarts", "Engine restarts detected (sequence reset)", labels=["replica"]
+    )
+    orp = CounterMetricFamily(
+        "kvroute_kv_event_orphans", "BlockStored events with an unknown parent", labels=["replica"]
+    )
+    rp = CounterMetricFamily(
+        "kvroute_kv_event_replays",
+        "Replay requests by trigger and outcome",
+        labels=["replica", "trigger", "outcome"],
+    )
+    sb = CounterMetricFamily(
+        "kvroute_kv_event_stored_blocks", "Router blocks stored from engine events", labels=["replica"]
+    )
+    lag = GaugeMetricFamily(
+        "kvroute_kv_event_lag_seconds",
+        "Seconds between the engine stamping the last live batch and the router receiving it",
+        labels=["replica"],
+    )
+    dg = GaugeMetricFamily(
+        "kvroute_kv_events_degraded",
+        "1 while the replica's event stream lost events it could not recover",
+        labels=["replica"],
+    )
+    yield from _media_families(sub, feeds)
+    for f in feeds:
+        n, s = f.spec.name, f.stats
+        for t in EVENT_TYPES:
+            ev.add_metric([n, t], s.events.get(t, 0))
+        for reason, c in s.dropped.items():
+            dr.add_metric([n, reason], c)
+        ba.add_metric([n], s.batches)
+        gp.add_metric([n], s.gaps)
+        ms.add_metric([n], s.missing_batches)
+        du.add_metric([n], s.duplicates)
+        rs.add_metric([n], s.restarts)
+        orp.add_metric([n], s.orphans)
+        for key, c in s.replays.items():
+            trig, _, outcome = key.partition(":")
+            rp.add_metric([n, trig, outcome], c)
+        sb.add_metric([n], s.stored_blocks)
+        dg.add_metric([n], 1.0 if f.degraded else 0.0)
+        if f.last_lag_s is not None:
+            lag.add_metric([n], f.last_lag_s)
+    yield from (ev, dr, ba, gp, ms, du, rs, orp, rp, sb, dg, lag)

@@ -40,12 +40,14 @@ import struct
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import msgpack
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from membership.metrics import register_families
 from membership.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.membership.shared_state")
@@ -593,7 +595,7 @@ class SharedState:
 
     def register_metrics(self, registry: Any) -> None:
         """Export availability and counters on a ``prometheus_client`` registry (collected at scrape time)."""
-        registry.register(_Collector(self))
+        register_families(registry, lambda: _redis_families(self.stats))
 
 
 #: longest response id the map accepts (vLLM's are ``resp_`` + 32 hex digits; a longer one is not an engine's)
@@ -788,38 +790,27 @@ class ResponseMap:
         return out
 
 
-class _Collector:
-    """prometheus_client custom collector over ``SharedState`` counters."""
-
-    def __init__(self, state: SharedState) -> None:
-        self._s = state
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Any:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        st = self._s.stats
-        yield GaugeMetricFamily(
-            "kvroute_redis_available",
-            "1 when Redis (shared state) is reachable",
-            value=1.0 if st.available else 0.0,
-        )
-        for name, value, doc in (
-            ("kvroute_redis_errors", st.errors, "failed Redis operations"),
-            ("kvroute_redis_reconnects", st.reconnects, "times Redis became reachable again after an outage"),
-            (
-                "kvroute_shared_decisions_published",
-                st.published,
-                "routing decisions broadcast to peer routers",
-            ),
-            (
-                "kvroute_shared_decisions_skipped",
-                st.publish_skipped + st.publish_dropped,
-                "decision broadcasts skipped (Redis down or queue full)",
-            ),
-            ("kvroute_shared_decisions_received", st.received, "decisions received from peer routers"),
-            ("kvroute_shared_bad_messages", st.bad_messages, "malformed messages on the decisions channel"),
-        ):
-            yield CounterMetricFamily(name, doc, value=float(value))
+def _redis_families(st: SharedStateStats) -> Iterator[Metric]:
+    """``SharedState``'s availability and counters as metric families (built at scrape time)."""
+    yield GaugeMetricFamily(
+        "kvroute_redis_available",
+        "1 when Redis (shared state) is reachable",
+        value=1.0 if st.available else 0.0,
+    )
+    for name, value, doc in (
+        ("kvroute_redis_errors", st.errors, "failed Redis operations"),
+        ("kvroute_redis_reconnects", st.reconnects, "times Redis became reachable again after an outage"),
+        (
+            "kvroute_shared_decisions_published",
+            st.published,
+            "routing decisions broadcast to peer routers",
+        ),
+        (
+            "kvroute_shared_decisions_skipped",
+            st.publish_skipped + st.publish_dropped,
+            "decision broadcasts skipped (Redis down or queue full)",
+        ),
+        ("kvroute_shared_decisions_received", st.received, "decisions received from peer routers"),
+        ("kvroute_shared_bad_messages", st.bad_messages, "malformed messages on the decisions channel"),
+    ):
+        yield CounterMetricFamily(name, doc, value=float(value))

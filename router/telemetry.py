@@ -29,7 +29,7 @@ Metric names (all prefixed ``kvroute_``):
   (``kubernetes_metrics``).
 * ``tokenizer_cache_*``: the prefix tokenization cache's ``stats()`` (``tokenizer_cache_gauges``).
 * KV-event and scrape counters are owned by ``membership.kv_events`` / ``membership.engine_metrics``; they register
-  their collectors on this registry.
+  their collectors (``membership.metrics.FamiliesCollector``) on this registry.
 * ``pd_plans_total{policy,kind}``, ``pd_legs_total{replica,leg}``, ``pd_leg_seconds{leg}``, ``pd_handoff_seconds``,
   ``pd_fallbacks_total{reason}``, ``pd_link_bandwidth_bytes_per_second``, ``pd_link_samples_total{outcome}``:
   prefill/decode plans, their legs and the learned P->D link, owned by ``router.pd.leg.PdMetrics`` on this
