@@ -21,6 +21,8 @@ Pure data structure: no I/O.
 
 from __future__ import annotations
 
+import math
+import sys
 from array import array
 from itertools import compress
 
@@ -102,6 +104,31 @@ class NodeTable:
     def __contains__(self, key: object) -> bool:
         """Whether block ``key`` is held by at least one replica entry (confirmed or predicted)."""
         return isinstance(key, int) and key in self._ids[key & _SHARD_MASK]
+
+    def object_bytes(self) -> dict[str, int]:
+        """The node table measured by object sizes (``sys.getsizeof``), for benchmarks and diagnostics (O(nodes)).
+
+        * ``node_id_slots``: the length of the per-id arrays (live nodes, holes and reserved room), a count;
+        * ``structure_bytes``: the key -> node id shards (dicts and their list), the per-id key and state-id
+          lists, the time array, and the node-id ints above CPython's small-int cache (each rounded up to the
+          allocator's 16 bytes); the run-hint array is not counted;
+        * ``key_int_bytes``: the block-key ints the shards hold (rounded up to 16 bytes each), bytes.
+        """
+        shards = self._ids
+        base = (
+            sum(map(sys.getsizeof, shards))
+            + sys.getsizeof(shards)
+            + sys.getsizeof(self._keys)
+            + sys.getsizeof(self._sidl)
+            + self._ts.buffer_info()[1] * self._ts.itemsize
+        )
+        id_ints = sum(16 * math.ceil(sys.getsizeof(v) / 16) for d in shards for v in d.values() if v > 256)
+        key_ints = sum(16 * math.ceil(sys.getsizeof(k) / 16) for d in shards for k in d)
+        return {
+            "node_id_slots": len(self._keys),
+            "structure_bytes": base + id_ints,
+            "key_int_bytes": key_ints,
+        }
 
     def _node_ids(self) -> list[int]:
         """Every live node id (in no particular order)."""
