@@ -119,50 +119,84 @@ def run_one(
     load_before = os.getloadavg()[0]
     if fresh_engines:
         fleet.restart_engines() if fleet.engines else fleet.start_engines()
-    root = cfg.baseline_root if name == BASELINE_RUN else None
-    router: RouterHandle = (
-        fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args, root=root)
-        if kind == "kvroute"
-        else fleet.start_sglang_router(policy=policy, extra_args=cfg.sglang_args)
-    )
+    router = _start_router(fleet, name, cfg)
     try:
-        h0, q0 = fleet.prefix_cache_counters()
-        cpu0 = router.proc.cpu_seconds()
-        last = max((r.arrival_s for r in workload), default=0.0)
-        spy = _start_profile(cfg, name, router) if kind == "kvroute" else None
-        threads0 = thread_cpu_s(router.proc.pid)
-
-        async def go() -> tuple[list[Any], float]:
-            async with make_client() as client:
-                return await replay(
-                    router.url,
-                    workload,
-                    model=cfg.model,
-                    endpoint=cfg.endpoint,  # type: ignore[arg-type]
-                    client=client,
-                    deadline_s=last + cfg.drain_timeout_s,
-                )
-
-        hogs = start_cpu_hogs(cfg.cpu_hogs, fleet)
-        try:
-            results, wall = asyncio.run(go())
-        finally:
-            for hog in hogs:
-                hog.stop()
-            if spy is not None:
-                spy.stop()
-        cpu1 = router.proc.cpu_seconds()
-        threads = main_thread_split(router.proc.pid, threads0, thread_cpu_s(router.proc.pid))
-        h1, q1 = fleet.prefix_cache_counters()
-        gate = dispatch_counters(router.url) if kind == "kvroute" else None
-        if not router.proc.alive():
-            raise RuntimeError(f"{name}: router died during the run:\n{router.proc.tail()}")
+        m = _measure(fleet, name, router, workload, cfg)
     finally:
         fleet.stop_router()
-    s = summarize(results, wall)
-    hits, queries = h1 - h0, q1 - q0
+    return _result(m, kind, policy, load_before, cfg)
+
+
+@dataclass(slots=True)
+class _Measured:
+    """What one run measured: the replay's results and wall seconds, the router's CPU seconds (process and per
+    thread group), the engines' prefix-cache hit and query tokens, the dispatch gate's counters, the profiler."""
+
+    results: list[Any]
+    wall_s: float
+    cpu_s: float
+    threads: dict[str, float]
+    hits: float
+    queries: float
+    gate: dict[str, float] | None
+    spy: PySpy | None
+
+
+def _start_router(fleet: Fleet, name: str, cfg: RunConfig) -> RouterHandle:
+    """The run's router: kvroute (from the baseline checkout for ``kvroute_ttft_baseline``) or sglang-router."""
+    kind, policy = RUNS[name]
+    root = cfg.baseline_root if name == BASELINE_RUN else None
+    if kind == "kvroute":
+        return fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args, root=root)
+    return fleet.start_sglang_router(policy=policy, extra_args=cfg.sglang_args)
+
+
+def _measure(
+    fleet: Fleet, name: str, router: RouterHandle, workload: Sequence[ReplayRequest], cfg: RunConfig
+) -> _Measured:
+    """Replay ``workload`` through ``router`` (with the contention hogs and the profiler when asked) and read
+    the counters around it; raises when the router died during the run."""
+    kind = RUNS[name][0]
+    h0, q0 = fleet.prefix_cache_counters()
+    cpu0 = router.proc.cpu_seconds()
+    last = max((r.arrival_s for r in workload), default=0.0)
+    spy = _start_profile(cfg, name, router) if kind == "kvroute" else None
+    threads0 = thread_cpu_s(router.proc.pid)
+
+    async def go() -> tuple[list[Any], float]:
+        async with make_client() as client:
+            return await replay(
+                router.url,
+                workload,
+                model=cfg.model,
+                endpoint=cfg.endpoint,  # type: ignore[arg-type]
+                client=client,
+                deadline_s=last + cfg.drain_timeout_s,
+            )
+
+    hogs = start_cpu_hogs(cfg.cpu_hogs, fleet)
+    try:
+        results, wall = asyncio.run(go())
+    finally:
+        for hog in hogs:
+            hog.stop()
+        if spy is not None:
+            spy.stop()
+    cpu1 = router.proc.cpu_seconds()
+    threads = main_thread_split(router.proc.pid, threads0, thread_cpu_s(router.proc.pid))
+    h1, q1 = fleet.prefix_cache_counters()
+    gate = dispatch_counters(router.url) if kind == "kvroute" else None
+    if not router.proc.alive():
+        raise RuntimeError(f"{name}: router died during the run:\n{router.proc.tail()}")
+    return _Measured(results, wall, cpu1 - cpu0, threads, h1 - h0, q1 - q0, gate, spy)
+
+
+def _result(m: _Measured, kind: str, policy: str, load_before: float, cfg: RunConfig) -> dict[str, Any]:
+    """The run's result object (latencies in seconds, router CPU seconds per 1k requests, hit rate in tokens)."""
+    s = summarize(m.results, m.wall_s)
+    results = m.results
     out: dict[str, Any] = {
-        "hit_rate": round(hits / queries, 6) if queries > 0 else None,
+        "hit_rate": round(m.hits / m.queries, 6) if m.queries > 0 else None,
         "ttft_p50_s": s.ttft_p50_s,
         "ttft_p99_s": s.ttft_p99_s,
         "ttft_mean_s": s.ttft_mean_s,
@@ -170,13 +204,13 @@ def run_one(
         "e2e_p99_s": s.e2e_p99_s,
         "throughput_rps": round(s.throughput_rps, 4),
         "errors": s.errors,
-        "router_cpu_s_per_1k": round((cpu1 - cpu0) / len(results) * 1000.0, 4) if results else None,
+        "router_cpu_s_per_1k": round(m.cpu_s / len(results) * 1000.0, 4) if results else None,
         "requests": s.requests,
         "completed": s.completed,
-        "wall_s": round(wall, 3),
+        "wall_s": round(m.wall_s, 3),
         "max_client_lag_s": round(s.max_lag_s, 4),
-        "prefix_hit_tokens": hits,
-        "prefix_query_tokens": queries,
+        "prefix_hit_tokens": m.hits,
+        "prefix_query_tokens": m.queries,
         "router": kind,
         "policy": policy,
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -184,26 +218,31 @@ def run_one(
     }
     if results:
         out["router_cpu_split_s_per_1k"] = {
-            k: round(v / len(results) * 1000.0, 3) for k, v in threads.items()
+            k: round(v / len(results) * 1000.0, 3) for k, v in m.threads.items()
         }
-    if gate:
-        out["dispatch"] = gate
-    if spy is not None and spy.out_path.exists() and out["router_cpu_s_per_1k"]:
-        shares = breakdown(spy.out_path)
-        out["cpu_profile_ms_per_request"] = per_request_ms(shares, out["router_cpu_s_per_1k"])
-        loop_s = out.get("router_cpu_split_s_per_1k", {}).get("event_loop_threads_s")
-        if loop_s:  # the event-loop threads' CPU (from /proc) split by their own samples
-            out["cpu_profile_loop_ms_per_request"] = per_request_ms(
-                breakdown(spy.out_path, loop_only=True), loop_s
-            )
-        out["cpu_profile_top_functions"] = top_functions(spy.out_path, 20)
-        out["cpu_profile_raw"] = str(spy.out_path)
+    if m.gate:
+        out["dispatch"] = m.gate
+    if m.spy is not None and m.spy.out_path.exists() and out["router_cpu_s_per_1k"]:
+        _add_profile(out, m.spy)
     if s.error_samples:
         out["error_samples"] = s.error_samples
     for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "e2e_p50_s", "e2e_p99_s"):
         if out[k] is not None:
             out[k] = round(out[k], 6)
     return out
+
+
+def _add_profile(out: dict[str, Any], spy: PySpy) -> None:
+    """The py-spy profile's CPU breakdown per request (ms, by category; the event-loop threads' own too), its
+    top functions and the raw file, into the result ``out``."""
+    out["cpu_profile_ms_per_request"] = per_request_ms(breakdown(spy.out_path), out["router_cpu_s_per_1k"])
+    loop_s = out.get("router_cpu_split_s_per_1k", {}).get("event_loop_threads_s")
+    if loop_s:  # the event-loop threads' CPU (from /proc) split by their own samples
+        out["cpu_profile_loop_ms_per_request"] = per_request_ms(
+            breakdown(spy.out_path, loop_only=True), loop_s
+        )
+    out["cpu_profile_top_functions"] = top_functions(spy.out_path, 20)
+    out["cpu_profile_raw"] = str(spy.out_path)
 
 
 #: one busy loop on one core, for ``--cpu-hog``
@@ -292,6 +331,16 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags of ``python -m loadtest.e2e``."""
     p = argparse.ArgumentParser(prog="python -m loadtest.e2e", description=__doc__.split("\n\n")[0])
+    _add_workload_args(p)
+    _add_run_args(p)
+    _add_engine_args(p)
+    _add_router_args(p)
+    add_harness_args(p)
+    return p
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload: trace or generated workload, the slice, its pace and the request caps."""
     p.add_argument(
         "--trace",
         default=None,
@@ -327,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap each request's output length, tokens (0 = as in the trace; routing is about the "
         "prefill, and long decodes only stretch the run)",
     )
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """Which routers run, and how many times."""
     p.add_argument(
         "--routers",
         default=",".join(n for n in RUNS if n != BASELINE_RUN),
@@ -342,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
         "deviations (<key>_sd) and every run (runs); one run of a load-aware policy on a small "
         "slice is not a measurement",
     )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The fake engines, the requests sent to them and how long to wait for their answers."""
     p.add_argument("--profile", default="a100", help="fake engine timing profile")
     p.add_argument("--gpu-blocks", type=int, default=0, help="KV blocks per engine (0 = engine default)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -354,6 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="after the last arrival, wait at most this long for answers (s)",
     )
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    """The routers' own flags, the contention run, the baseline checkout and the profiler."""
     p.add_argument(
         "--kvroute-arg",
         action="append",
@@ -397,8 +458,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample each kvroute run with py-spy (files in DIR) and add the CPU breakdown per request "
         "(cpu_profile_ms_per_request, by category: loadtest/router_profile.py) to its result",
     )
-    add_harness_args(p)
-    return p
 
 
 def load_workload(args: argparse.Namespace) -> tuple[Path | None, list[Request], list[ReplayRequest]] | None:
@@ -427,6 +486,60 @@ def load_workload(args: argparse.Namespace) -> tuple[Path | None, list[Request],
     return trace, selection, workload
 
 
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The per-run settings from the command line."""
+    return RunConfig(
+        replicas=args.replicas,
+        time_scale=args.time_scale,
+        load_scale=args.load_scale,
+        drain_timeout_s=args.drain_timeout_s,
+        model=args.model,
+        endpoint=args.endpoint,
+        kvroute_args=tuple(args.kvroute_arg),
+        sglang_args=tuple(args.sglang_arg),
+        profile_dir=Path(args.profile_router).resolve() if args.profile_router else None,
+        baseline_root=Path(args.baseline_root).resolve() if args.baseline_root else None,
+        cpu_hogs=max(0, args.cpu_hog),
+    )
+
+
+def engine_options(args: argparse.Namespace, model_dir: Path) -> EngineOptions:
+    """The fake engines' options from the command line (the tokenizer files in ``model_dir``)."""
+    return EngineOptions(
+        model=args.model,
+        dialect=args.dialect,
+        time_scale=args.time_scale,
+        profile=args.profile,
+        gpu_blocks=args.gpu_blocks or None,
+        block_size=args.block_size,
+        model_path=str(model_dir),
+        kv_events_format="vllm" if args.dialect == "vllm" else "sglang",
+    )
+
+
+def run_all(
+    fleet: Fleet, runs: Sequence[str], workload: Sequence[ReplayRequest], cfg: RunConfig, repeat: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Every run ``repeat`` times, interleaved, on fresh engines each time; the fleet is stopped at the end.
+    Progress on stderr; returns each run's results in order."""
+    per_run: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    try:
+        for rep in range(repeat):
+            for name in runs:
+                t = time.monotonic()
+                r = run_one(fleet, name, workload, cfg, fresh_engines=True)
+                per_run[name].append(r)
+                tag = f" (repeat {rep + 1}/{repeat})" if repeat > 1 else ""
+                print(
+                    f"  {name}{tag}: done in {time.monotonic() - t:.1f} s: hit_rate {r['hit_rate']}, ttft p50 "
+                    f"{r['ttft_p50_s']} s, p99 {r['ttft_p99_s']} s, errors {r['errors']}",
+                    file=sys.stderr,
+                )
+    finally:
+        fleet.stop()
+    return per_run
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit code (0 when every run completed, even with request errors)."""
     args = build_parser().parse_args(argv)
@@ -444,30 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if loaded is None:
         return 2
     trace, selection, workload = loaded
-    model_dir = ensure_model_dir()
-    cfg = RunConfig(
-        replicas=args.replicas,
-        time_scale=args.time_scale,
-        load_scale=args.load_scale,
-        drain_timeout_s=args.drain_timeout_s,
-        model=args.model,
-        endpoint=args.endpoint,
-        kvroute_args=tuple(args.kvroute_arg),
-        sglang_args=tuple(args.sglang_arg),
-        profile_dir=Path(args.profile_router).resolve() if args.profile_router else None,
-        baseline_root=Path(args.baseline_root).resolve() if args.baseline_root else None,
-        cpu_hogs=max(0, args.cpu_hog),
-    )
-    engine = EngineOptions(
-        model=args.model,
-        dialect=args.dialect,
-        time_scale=args.time_scale,
-        profile=args.profile,
-        gpu_blocks=args.gpu_blocks or None,
-        block_size=args.block_size,
-        model_path=str(model_dir),
-        kv_events_format="vllm" if args.dialect == "vllm" else "sglang",
-    )
+    cfg = run_config(args)
+    engine = engine_options(args, ensure_model_dir())
     bound = fleet_hit_rate_bound(
         selection, args.replicas, engine.gpu_blocks, engine.profile, engine.block_size, engine.model
     )
@@ -486,21 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep_logs=args.log_dir is not None,
         scale_router_times=not args.no_scale_router_times,
     )
-    per_run: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
-    try:
-        for rep in range(args.repeat):
-            for name in runs:
-                t = time.monotonic()
-                r = run_one(fleet, name, workload, cfg, fresh_engines=True)
-                per_run[name].append(r)
-                tag = f" (repeat {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
-                print(
-                    f"  {name}{tag}: done in {time.monotonic() - t:.1f} s: hit_rate {r['hit_rate']}, ttft p50 "
-                    f"{r['ttft_p50_s']} s, p99 {r['ttft_p99_s']} s, errors {r['errors']}",
-                    file=sys.stderr,
-                )
-    finally:
-        fleet.stop()
+    per_run = run_all(fleet, runs, workload, cfg, args.repeat)
     for name, rs in per_run.items():
         results[name] = rs[0] if len(rs) == 1 else combine_runs(rs)
         results[name]["hit_rate_bound"] = round(bound, 6)

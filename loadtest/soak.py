@@ -475,80 +475,96 @@ class Soak:
         client: httpx.AsyncClient,
         t_fault: float,
     ) -> None:
+        """Inject one fault of ``kind`` (on engine ``eh``, the ``i``-th, when it targets one) and record its
+        detection and recovery in ``rec`` (seconds from ``t_fault``, or from the end of a drop period)."""
         if kind == "engine_restart":
             assert eh is not None
-            eh.proc.popen.send_signal(signal.SIGKILL)
-            eh.proc.popen.wait(timeout=10)
-            detect = await self._until(self._state_is(client, eh.name, ("unhealthy",)), 20.0)
-            rec.window["detect_s"] = None if detect is None else round(detect, 3)
-            await asyncio.sleep(2.0)
-            gen = f"{eh.name}-r{len(self.faults)}"
-            eh.proc.stop()
-            eh.proc = ManagedProcess(
-                self.fleet.engine_args(i, eh.port, eh.events_port, eh.replay_port), gen, self.fleet.log_dir
-            )
-            await asyncio.to_thread(wait_ready, eh.url + "/health", eh.proc, 60.0)
-            back = await self._until(self._state_is(client, eh.name, ("ready",)), 60.0)
-            rec.window["rejoin_s"] = None if back is None else round(back, 3)  # engine healthy -> routable
-            rec.recovery_s = None if back is None else time.monotonic() - t_fault
-            rec.window["note"] = (
-                "recovery = kill to routable again, including 2 s down and the engine's start"
-            )
+            await self._restart_engine(rec, i, eh, client, t_fault)
         elif kind == "kv_drop":
             assert eh is not None
-            r = await client.post(eh.url + "/admin/faults", json={"drop_every": 2}, timeout=5)
-            r.raise_for_status()
-            before = (await self._replicas(client)).get(eh.name, {}).get("kv_events") or {}
-            replays0 = (
-                await self._metric(
-                    client, "kvroute_kv_event_replays_total", {"replica": eh.name, "outcome": "ok"}
-                )
-                or 0.0
-            )
-            await asyncio.sleep(10.0)
-            (
-                await client.post(eh.url + "/admin/faults", json={"drop_every": 0}, timeout=5)
-            ).raise_for_status()
-            after = (await self._replicas(client)).get(eh.name, {}).get("kv_events") or {}
-            rec.window["gaps_during_drop"] = (after.get("gaps") or 0) - (before.get("gaps") or 0)
-            t_off = time.monotonic()
-            name = eh.name
-
-            async def repaired() -> bool:
-                a = (await self._replicas(client)).get(name, {}).get("kv_events") or {}
-                await asyncio.sleep(1.0)
-                b = (await self._replicas(client)).get(name, {}).get("kv_events") or {}
-                return bool(b) and a.get("gaps") == b.get("gaps") and not b.get("degraded")
-
-            back = await self._until(repaired, 60.0)
-            rec.recovery_s = None if back is None else time.monotonic() - t_off
-            rec.window["replays_ok"] = (
-                await self._metric(
-                    client, "kvroute_kv_event_replays_total", {"replica": name, "outcome": "ok"}
-                )
-                or 0.0
-            ) - replays0
-            rec.window["note"] = "recovery measured from the end of the 10 s drop period"
+            await self._drop_kv_events(rec, eh, client)
         elif kind == "redis_restart":
-            self.redis.kill()
-            await asyncio.sleep(3.0)
-            await asyncio.to_thread(self.redis.start)
-
-            async def redis_up() -> bool:
-                return await self._metric(client, "kvroute_redis_available") == 1.0
-
-            back = await self._until(redis_up, 60.0)
-            rec.recovery_s = None if back is None else time.monotonic() - t_fault
-            rec.window["note"] = "includes 3 s with Redis down"
+            await self._restart_redis(rec, client, t_fault)
         elif kind == "watch_cut":
-            before = await self._metric(client, "kvroute_kubernetes_watches_total") or 0.0
-            self.api.cut_watches()
+            await self._cut_watches(rec, client, t_fault)
 
-            async def rewatched() -> bool:
-                return (await self._metric(client, "kvroute_kubernetes_watches_total") or 0.0) > before
+    async def _restart_engine(
+        self, rec: FaultRecord, i: int, eh: EngineHandle, client: httpx.AsyncClient, t_fault: float
+    ) -> None:
+        """SIGKILL the engine, wait until the router sees it unhealthy, start it again 2 s later, wait until it is
+        routable."""
+        eh.proc.popen.send_signal(signal.SIGKILL)
+        eh.proc.popen.wait(timeout=10)
+        detect = await self._until(self._state_is(client, eh.name, ("unhealthy",)), 20.0)
+        rec.window["detect_s"] = None if detect is None else round(detect, 3)
+        await asyncio.sleep(2.0)
+        gen = f"{eh.name}-r{len(self.faults)}"
+        eh.proc.stop()
+        eh.proc = ManagedProcess(
+            self.fleet.engine_args(i, eh.port, eh.events_port, eh.replay_port), gen, self.fleet.log_dir
+        )
+        await asyncio.to_thread(wait_ready, eh.url + "/health", eh.proc, 60.0)
+        back = await self._until(self._state_is(client, eh.name, ("ready",)), 60.0)
+        rec.window["rejoin_s"] = None if back is None else round(back, 3)  # engine healthy -> routable
+        rec.recovery_s = None if back is None else time.monotonic() - t_fault
+        rec.window["note"] = "recovery = kill to routable again, including 2 s down and the engine's start"
 
-            back = await self._until(rewatched, 60.0)
-            rec.recovery_s = None if back is None else time.monotonic() - t_fault
+    async def _drop_kv_events(self, rec: FaultRecord, eh: EngineHandle, client: httpx.AsyncClient) -> None:
+        """Make the engine skip every 2nd KV-event batch live (kept for replay) for 10 s; recovery: until the
+        replica's feed has no new gap and is not degraded, from the end of the drop period."""
+        r = await client.post(eh.url + "/admin/faults", json={"drop_every": 2}, timeout=5)
+        r.raise_for_status()
+        before = (await self._replicas(client)).get(eh.name, {}).get("kv_events") or {}
+        replays0 = (
+            await self._metric(
+                client, "kvroute_kv_event_replays_total", {"replica": eh.name, "outcome": "ok"}
+            )
+            or 0.0
+        )
+        await asyncio.sleep(10.0)
+        (await client.post(eh.url + "/admin/faults", json={"drop_every": 0}, timeout=5)).raise_for_status()
+        after = (await self._replicas(client)).get(eh.name, {}).get("kv_events") or {}
+        rec.window["gaps_during_drop"] = (after.get("gaps") or 0) - (before.get("gaps") or 0)
+        t_off = time.monotonic()
+        name = eh.name
+
+        async def repaired() -> bool:
+            a = (await self._replicas(client)).get(name, {}).get("kv_events") or {}
+            await asyncio.sleep(1.0)
+            b = (await self._replicas(client)).get(name, {}).get("kv_events") or {}
+            return bool(b) and a.get("gaps") == b.get("gaps") and not b.get("degraded")
+
+        back = await self._until(repaired, 60.0)
+        rec.recovery_s = None if back is None else time.monotonic() - t_off
+        rec.window["replays_ok"] = (
+            await self._metric(client, "kvroute_kv_event_replays_total", {"replica": name, "outcome": "ok"})
+            or 0.0
+        ) - replays0
+        rec.window["note"] = "recovery measured from the end of the 10 s drop period"
+
+    async def _restart_redis(self, rec: FaultRecord, client: httpx.AsyncClient, t_fault: float) -> None:
+        """Kill Redis, start it again 3 s later; recovery: until the router reports Redis available."""
+        self.redis.kill()
+        await asyncio.sleep(3.0)
+        await asyncio.to_thread(self.redis.start)
+
+        async def redis_up() -> bool:
+            return await self._metric(client, "kvroute_redis_available") == 1.0
+
+        back = await self._until(redis_up, 60.0)
+        rec.recovery_s = None if back is None else time.monotonic() - t_fault
+        rec.window["note"] = "includes 3 s with Redis down"
+
+    async def _cut_watches(self, rec: FaultRecord, client: httpx.AsyncClient, t_fault: float) -> None:
+        """Cut the Kubernetes API's pod watches; recovery: until the router's watcher watches again."""
+        before = await self._metric(client, "kvroute_kubernetes_watches_total") or 0.0
+        self.api.cut_watches()
+
+        async def rewatched() -> bool:
+            return (await self._metric(client, "kvroute_kubernetes_watches_total") or 0.0) > before
+
+        back = await self._until(rewatched, 60.0)
+        rec.recovery_s = None if back is None else time.monotonic() - t_fault
 
     def _state_is(self, client: httpx.AsyncClient, name: str, states: Sequence[str]) -> Callable[[], Any]:
         async def cond() -> bool:

@@ -110,7 +110,14 @@ class Telemetry:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._texts: list[Callable[[], Iterator[bytes]]] = []
-        r = self.registry
+        # registered in this order: the exposition lists the families in it
+        self._define_request_metrics(self.registry)
+        self._define_engine_hop_metrics(self.registry)
+        self._define_token_metrics(self.registry)
+        self._define_reuse_metrics(self.registry)
+
+    def _define_request_metrics(self, r: CollectorRegistry) -> None:
+        """Requests answered, routing decisions (count and time), router-measured TTFT."""
         self.requests = Counter(
             "kvroute_requests", "HTTP requests answered by route and status", ["route", "status"], registry=r
         )
@@ -133,6 +140,9 @@ class Telemetry:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+
+    def _define_engine_hop_metrics(self, r: CollectorRegistry) -> None:
+        """Retries, failed requests, relayed stream pieces, prompts sent as token ids."""
         self.retries = Counter(
             "kvroute_retries", "attempts retried on another replica, by reason", ["reason"], registry=r
         )
@@ -156,6 +166,9 @@ class Telemetry:
             "engine requests (attempts) whose prompt was sent as the router's token ids (forward_token_ids)",
             registry=r,
         )
+
+    def _define_token_metrics(self, r: CollectorRegistry) -> None:
+        """Prompt tokens tokenized or estimated, partial-id routing, predicted vs engine-reported cached tokens."""
         self.tokenize_tokens = Counter(
             "kvroute_tokenize_tokens",
             "prompt tokens of text prompts the router "
@@ -192,6 +205,9 @@ class Telemetry:
             ["result"],
             registry=r,
         )
+
+    def _define_reuse_metrics(self, r: CollectorRegistry) -> None:
+        """Requests rejected before routing; per decision, the cached prompt tokens available vs achieved."""
         self.rejected = Counter(
             "kvroute_rejected", "requests rejected before routing, by reason", ["reason"], registry=r
         )
