@@ -998,6 +998,14 @@ def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
         help="plot TTFT p50/p99 and hit rate against load, one line per policy",
     )
     p.add_argument("--title", default=None, help="plot title")
+    p.add_argument(
+        "--regions",
+        default=None,
+        metavar="FILE",
+        help="simulate a fleet over regions (sim.regions): a YAML file of regions, engines per region, "
+        "round trips, client mix, outages and residency (e.g. sim/data/regions-3-outage.yaml); --policies "
+        "then takes region_local, region_nearest and ttft (kvroute's ladder); engines come from the file",
+    )
     if hooks is not None:
         hooks.add_arguments(p)
     return p
@@ -1212,6 +1220,10 @@ def _rates(args: argparse.Namespace, base_rate: float, cap: float) -> list[tuple
 def main(argv: Sequence[str] | None = None, hooks: RunHooks | None = None) -> int:
     """``kvroute simulate``: returns the exit code (0 ok, 2 bad arguments or input)."""
     args = build_parser(hooks).parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.regions is not None:
+        from sim.regions import regions_main  # imports this module: imported only when asked for
+
+        return regions_main(args)
     try:
         profiles, names = _check_args(args, hooks)
         pparams = _policy_params(args.policy_param, names)
