@@ -84,7 +84,8 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 
 @dataclass(frozen=True, slots=True)
 class Outage:
-    """A region's engines down from ``start_s`` to ``end_s`` (seconds of the workload, scaled with its arrivals)."""
+    """A region's engines down from ``start_s`` to ``end_s``: seconds of the workload as given (a trace's own
+    clock), moved with its arrivals by ``--start`` and rate scaling."""
 
     region: str
     start_s: float
@@ -546,16 +547,47 @@ def simulate_regions(
     params: Mapping[str, Any] | None = None,
     load: float | None = None,
     time_scale: float = 1.0,
+    time_offset: float = 0.0,
 ) -> SimResult:
     """Simulate ``requests`` (sorted by arrival) from their clients (``assign_clients``) through the regional
-    policy ``label`` on the fleet of ``spec``; outage times are divided by ``time_scale`` (the arrivals' rate
-    scale).
+    policy ``label`` on the fleet of ``spec`` (``run_regions``) and summarise the run.
 
     Raises:
         RuntimeError: when a request did not end exactly once (conservation).
     """
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    scaled = _scaled_outages(spec, time_scale)
+    fleet, recs = run_regions(
+        requests,
+        label,
+        spec,
+        config,
+        keys=keys,
+        params=params,
+        time_scale=time_scale,
+        time_offset=time_offset,
+    )
+    return _result(label, load, recs, fleet, time.perf_counter() - wall0, time.process_time() - cpu0)
+
+
+def run_regions(
+    requests: Sequence[Request],
+    label: str,
+    spec: RegionsSpec,
+    config: FleetConfig,
+    *,
+    keys: BlockKeyCache,
+    params: Mapping[str, Any] | None = None,
+    time_scale: float = 1.0,
+    time_offset: float = 0.0,
+) -> tuple[RegionFleet, list[RegionRec]]:
+    """The regional run behind ``simulate_regions``: the fleet afterwards and one record per request. Outage
+    times are moved to the requests' timeline: minus ``time_offset`` (the workload slice's start, ``--start``),
+    divided by ``time_scale`` (the arrivals' rate scale).
+
+    Raises:
+        RuntimeError: when a request did not end exactly once (conservation).
+    """
+    scaled = _scaled_outages(spec, time_scale, time_offset)
     policy, lag = make_region_policy(label, scaled, params or {})
     fleet = RegionFleet(config, scaled, policy, lag, keys)
     clients = assign_clients(requests, spec)
@@ -571,17 +603,19 @@ def simulate_regions(
         fleet.route_region(req, rec)
     _apply_outages(fleet, events, math.inf, recs)
     fleet.drain()
-    _check_conservation(recs)
-    return _result(label, load, recs, fleet, scaled, time.perf_counter() - wall0, time.process_time() - cpu0)
+    _check_conservation(recs, fleet)
+    return fleet, recs
 
 
-def _scaled_outages(spec: RegionsSpec, time_scale: float) -> RegionsSpec:
-    """``spec`` with its outage windows on the scaled timeline (divided by ``time_scale``)."""
-    if time_scale == 1.0:
+def _scaled_outages(spec: RegionsSpec, time_scale: float, time_offset: float) -> RegionsSpec:
+    """``spec`` with its outage windows on the requests' timeline (``(t - time_offset) / time_scale``)."""
+    if time_scale == 1.0 and time_offset == 0.0:
         return spec
-    return replace(
-        spec, outages=[Outage(o.region, o.start_s / time_scale, o.end_s / time_scale) for o in spec.outages]
-    )
+
+    def moved(t: float) -> float:
+        return (t - time_offset) / time_scale
+
+    return replace(spec, outages=[Outage(o.region, moved(o.start_s), moved(o.end_s)) for o in spec.outages])
 
 
 def _outage_events(spec: RegionsSpec) -> list[tuple[float, int, str]]:
@@ -604,10 +638,11 @@ def _apply_outages(
             fleet.forget(region)
 
 
-def _check_conservation(recs: Sequence[RegionRec]) -> None:
-    """Every request ended exactly once: failed, or served (first token, then finished or interrupted)."""
+def _check_conservation(recs: Sequence[RegionRec], fleet: RegionFleet) -> None:
+    """Every request ended exactly once: failed, or served (first token, then finished or interrupted), and
+    every engine is idle."""
     bad = [k for k, r in enumerate(recs) if not r.failed and (r.ttft < 0 or r.finish < 0 or r.replica < 0)]
-    if bad:
+    if bad or any(not e.idle for e in fleet.engines):
         raise RuntimeError(f"conservation violated: {len(bad)} requests did not end (first: {bad[:5]})")
 
 
@@ -616,7 +651,6 @@ def _result(
     load: float | None,
     recs: Sequence[RegionRec],
     fleet: RegionFleet,
-    spec: RegionsSpec,
     wall_s: float,
     cpu_s: float,
 ) -> SimResult:
@@ -775,6 +809,7 @@ def regions_main(args: argparse.Namespace) -> int:
                 params=params.get(label),
                 load=round(load, 4),
                 time_scale=scale,
+                time_offset=args.start,
             )
             row = res.summary()
             row["rate_scale"] = scale
