@@ -44,7 +44,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -1217,13 +1217,19 @@ def _rates(args: argparse.Namespace, base_rate: float, cap: float) -> list[tuple
     return [(base_rate / cap, 1.0)]
 
 
-def main(argv: Sequence[str] | None = None, hooks: RunHooks | None = None) -> int:
-    """``kvroute simulate``: returns the exit code (0 ok, 2 bad arguments or input)."""
+def main(
+    argv: Sequence[str] | None = None,
+    hooks: RunHooks | None = None,
+    regions: Callable[[argparse.Namespace], int] | None = None,
+) -> int:
+    """``kvroute simulate``: returns the exit code (0 ok, 2 bad arguments or input). ``regions`` runs
+    ``--regions FILE`` (``sim.regions.regions_main``, which imports this module, so it is handed in)."""
     args = build_parser(hooks).parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.regions is not None:
-        from sim.regions import regions_main  # imports this module: imported only when asked for
-
-        return regions_main(args)
+        if regions is None:
+            print("kvroute simulate: --regions is run by `kvroute simulate` (sim.regions)", file=sys.stderr)
+            return 2
+        return regions(args)
     try:
         profiles, names = _check_args(args, hooks)
         pparams = _policy_params(args.policy_param, names)

@@ -248,3 +248,12 @@ def test_region_outage_times_follow_the_slice_and_the_rate() -> None:
     assert fleet.spec.outages == [Outage("a", 1.0, 5.0)]
     assert all(r.failed for r in recs if 2.0 <= r.arrival < 5.0)
     assert not any(r.failed for r in recs if r.arrival >= 6.0)
+
+
+def test_region_flag_needs_the_kvroute_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
+    """``sim.simulator.main`` alone has no regional runner (``sim.regions`` imports it); ``kvroute simulate``
+    (``sim.pd_simulator.main``) hands it in."""
+    from sim.simulator import main
+
+    assert main(["--workload", "chapter8", "--regions", str(EXAMPLE)]) == 2
+    assert "--regions is run by" in capsys.readouterr().err
