@@ -28,8 +28,9 @@ What is modelled:
 
 Every row has ``failed`` (refused, or every attempt failed), ``residency_violations`` (requests served outside their
 allowed set), ``cross_region_fraction`` (served requests served outside the client's region), ``interrupted``,
-``refused`` by reason and a per-client-region breakdown, besides the usual keys. TTFT percentiles are over the
-requests that got a first token.
+``refused`` by reason and a per-client-region breakdown, besides the usual keys. The usual TTFT percentiles are
+over the requests that got a first token; ``ttft_p99_all_s`` and ``goodput_all`` count a failed request as never
+answered (``all_requests_view``).
 """
 
 from __future__ import annotations
@@ -679,11 +680,28 @@ def _result(
         wall_s=wall_s,
         slo_ttft_s=fleet.cfg.slo_ttft_s,
     )
-    res.extra = {"cpu_s": cpu_s, **region_counters(recs, fleet.region_of)}
+    res.extra = {
+        "cpu_s": cpu_s,
+        **region_counters(recs, fleet.region_of),
+        **all_requests_view(recs, res.slo_ttft_s),
+    }
     counts = getattr(fleet.policy, "counts", None)
     if counts is not None:
         res.extra["ladder"] = dict(sorted(counts.items()))
     return res
+
+
+def all_requests_view(recs: Sequence[RegionRec], slo_ttft_s: float) -> dict[str, Any]:
+    """The TTFT over every request, a failed one counting as never answered (the usual keys count the served
+    ones only, so a policy that refuses its slowest requests would look faster): ``ttft_p99_all_s`` (None when
+    more than 1 % failed: unbounded) and ``goodput_all`` (requests answered within the SLO / all requests)."""
+    tt = sorted(r.ttft + r.net_s if not r.failed else math.inf for r in recs)
+    p99 = percentile(tt, 99)
+    ok = sum(1 for x in tt if x <= slo_ttft_s)
+    return {
+        "ttft_p99_all_s": p99 if p99 is not None and math.isfinite(p99) else None,
+        "goodput_all": ok / len(tt) if tt else None,
+    }
 
 
 def region_counters(recs: Sequence[RegionRec], region_of: Sequence[str]) -> dict[str, Any]:

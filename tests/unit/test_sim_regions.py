@@ -15,9 +15,12 @@ from index.hashing import root_seed
 from policies.regions import LadderParams, LatencyMatrix
 from sim.regions import (
     DATA_DIR,
+    Client,
     Outage,
+    RegionRec,
     RegionsSpec,
     ResidencyRule,
+    all_requests_view,
     assign_clients,
     conversation_key,
     load_regions_file,
@@ -257,3 +260,20 @@ def test_region_flag_needs_the_kvroute_entry_point(capsys: pytest.CaptureFixture
 
     assert main(["--workload", "chapter8", "--regions", str(EXAMPLE)]) == 2
     assert "--regions is run by" in capsys.readouterr().err
+
+
+def test_region_all_requests_view_counts_a_failure_as_never_answered() -> None:
+    """Served TTFTs 1..98 s plus two failures: the p99 over all 100 requests is a failure (unbounded); 1,000
+    requests with 5 failures: the p99 over all is the 990th value, 5 ranks deeper into the served ones than their
+    own p99. Goodput over all counts failures as misses."""
+
+    def recs(served: int, failed: int) -> list[RegionRec]:
+        out = [RegionRec(0.0, 1, 1, Client("a", None), ttft=float(i + 1)) for i in range(served)]
+        return out + [
+            RegionRec(0.0, 1, 1, Client("a", None), failed="no_allowed_region_up") for _ in range(failed)
+        ]
+
+    assert all_requests_view(recs(98, 2), 2.0) == {"ttft_p99_all_s": None, "goodput_all": 0.02}
+    view = all_requests_view(recs(995, 5), 10.0)
+    assert view["ttft_p99_all_s"] == 990.0 and view["goodput_all"] == 0.01
+    assert all_requests_view(recs(1000, 0), 10.0)["ttft_p99_all_s"] == 990.0
