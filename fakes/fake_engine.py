@@ -12,8 +12,10 @@ HTTP (FastAPI on uvicorn):
   prompt tokens reused from the prefix cache), and a stream carries its usage chunk only when the client sets
   ``stream_options.include_usage`` or the engine runs ``--enable-force-include-usage``. A client that
   disconnects aborts its generation (its blocks are unpinned at once). ``cache_salt`` (vLLM) is honoured.
-  ``model`` may name a ``--lora`` adapter.
-* ``POST /tokenize``, ``POST /detokenize`` (vLLM API), ``GET /v1/models`` (``root`` = the local model path),
+  ``model`` may name a LoRA adapter (``--lora``, ``--lora-modules``, ``/v1/load_lora_adapter``: ``fakes.lora_api``;
+  ``--max-loras`` adapters per batch, the others deferred, loads priced by size, as vLLM).
+* ``POST /tokenize``, ``POST /detokenize`` (vLLM API), ``GET /v1/models`` (``root`` = the local model path; adapters
+  with ``parent``), ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (with runtime LoRA updating),
   ``GET /health``, ``GET /health_generate``, ``GET /version``, ``GET /metrics`` (in ``--dialect``'s names),
   ``POST /reset_prefix_cache`` (vLLM) / ``POST /flush_cache`` (SGLang): drop the prefix cache; like vLLM, its
   events (``AllBlocksCleared``) are published with the engine's next step, not at once (``--kv-publish-reset-now``
@@ -101,10 +103,14 @@ from fakes.kv_publisher import (
     PubEvent,
     PubRemoved,
     PubStored,
+    parse_media,
 )
+from fakes.lora_api import LoraApi, add_lora_args, add_lora_routes, lora_settings
+from fakes.mm import expand_chat_images, has_images, mm_block_hashes
 from fakes.pooling_api import POOLING_TASKS, PoolingApi, add_pooling_routes
 from fakes.responses_api import ResponsesApi, add_responses_routes
 from fakes.sglang_native import SGLangGenerate, add_sglang_generate_route
+from index.hashing import MmItem
 
 log = logging.getLogger("kvroute.fake_engine")
 
@@ -310,6 +316,7 @@ class FakeEngine:
             emit_kv_events=opts.kv_events_port is not None,
             hash_seed=self.hash_seed,
             name=opts.model,
+            lora=lora_settings(opts),
         )
         self.kv_faults = Faults(
             drop_every=opts.fault_drop_every,
@@ -337,11 +344,19 @@ class FakeEngine:
                 dp_rank=opts.dp_rank,
                 hash_bytes=opts.kv_hash_bytes,
                 faults=self.kv_faults,
+                media=parse_media(opts.kv_medium or []),
+                store_only=opts.kv_store_only,
             )
         self.tokenizer = EngineTokenizer(opts.tokenizer_path or _tokenizer_dir(opts.model_path))
-        self.loras: set[str] = set(opts.lora or [])
+        self.loras: set[str] = set()
+        #: LoRA adapters: loads, unloads, /v1/models cards, metrics (fakes.lora_api)
+        self.lora_api = LoraApi(
+            self.model, self.loras, opts.model, self.scale, opts.allow_runtime_lora_updating
+        )
+        self.lora_api.load_static(opts.lora or [], opts.lora_modules)
         self.served: list[str] = [opts.model, *(opts.served_model_name or [])]
         self._meta: dict[int, tuple[str | None, str | None]] = {}
+        self._mm_meta: dict[int, list[tuple[str, int]]] = {}  # engine hash -> its block's multimodal keys
         self._real0 = time.monotonic()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -416,16 +431,22 @@ class FakeEngine:
         lora: str | None = None,
         salt: str | None = None,
         remote_kv_tokens: int = 0,
+        mm: list[MmItem] | None = None,
     ) -> _Req:
         """Queue a request in the model now; returns its state (events arrive on ``state.queue``).
-        ``remote_kv_tokens``: prompt tokens whose KV a prefill engine handed over (PD decode legs)."""
+        ``remote_kv_tokens``: prompt tokens whose KV a prefill engine handed over (PD decode legs);
+        ``mm``: the prompt's images (their blocks hash and announce the items, as vLLM's do)."""
         now = self.now()
         self._dispatch(self.model.advance(now))
         self._counter += 1
         self.requests_total += 1
         state = _Req(prompt_tokens=len(token_ids), max_tokens=max_tokens, arrival_s=now)
         bs = self.model.block_size
-        hashes = engine_block_hashes(token_ids, bs, self._chain_seed(lora, salt))
+        if mm:
+            hashes, mm_keys = mm_block_hashes(token_ids, bs, self._chain_seed(lora, salt), mm)
+            self._mm_meta.update((h, k) for h, k in zip(hashes, mm_keys, strict=True) if k)
+        else:
+            hashes = engine_block_hashes(token_ids, bs, self._chain_seed(lora, salt))
         if lora is not None or salt is not None:
             for h in hashes:
                 self._meta[h] = (lora, salt)
@@ -437,6 +458,7 @@ class FakeEngine:
             token_ids=token_ids,
             tag=state,
             remote_kv_tokens=remote_kv_tokens,
+            lora=lora,
         )
         state.engine_request = req
         self.model.submit(req, now)
@@ -496,6 +518,7 @@ class FakeEngine:
                 if ev.token_ids is None:
                     continue
                 lora, salt = self._meta.get(ev.block_hashes[0], (None, None))
+                mmk = self._mm_meta
                 kv.append(
                     PubStored(
                         list(ev.block_hashes),
@@ -505,17 +528,20 @@ class FakeEngine:
                         ev.tier,
                         lora,
                         salt,
+                        [mmk.get(h) for h in ev.block_hashes] if mmk else None,
                     )
                 )
             elif isinstance(ev, BlockRemoved):
                 kv.append(PubRemoved(list(ev.block_hashes), ev.tier))
-                if self._meta:
+                if self._meta or self._mm_meta:
                     for h in ev.block_hashes:
-                        if h in self._meta and self.model.lookup([h]) == (0, 0):
-                            del self._meta[h]
+                        if (h in self._meta or h in self._mm_meta) and self.model.lookup([h]) == (0, 0):
+                            self._meta.pop(h, None)
+                            self._mm_meta.pop(h, None)
             elif isinstance(ev, AllBlocksCleared):
                 kv.append(PubCleared())
                 self._meta.clear()
+                self._mm_meta.clear()
         if self._deferred_kv and (stepped or kv):  # a reset's events ride on the engine's next step
             kv = self._deferred_kv + kv
             self._deferred_kv = []
@@ -806,6 +832,7 @@ class MetricsExporter:
                 1.0,
             )
             yield info
+            yield from self.engine.lora_api.metric_families(m, self.labels)
         else:
             cap_tokens = m.num_gpu_blocks * m.block_size
             yield gauge("num_running_reqs", "The number of running requests.", m.num_requests_running)
@@ -933,6 +960,19 @@ class EngineHttp:
         except Exception as exc:
             raise BadRequest(f"chat template failed: {exc}") from None
 
+    def chat_images(self, body: dict[str, Any]) -> tuple[list[int], list[MmItem]]:
+        """Token ids of a chat with image parts (``--image-tokens`` placeholders per image) and its images."""
+        if self.opts.kv_events_format == "sglang":
+            raise BadRequest("this stand-in serves image chats in the vLLM formats only")
+        tok = self.engine.tokenizer
+        agp = bool(body.get("add_generation_prompt", True))
+        return expand_chat_images(
+            body["messages"],
+            lambda msgs: tok.render_chat(msgs, agp),
+            lambda text: tok.encode(text, add_special_tokens=False),
+            self.opts.image_tokens,
+        )
+
     def usage(self, st: _Req, completion: int) -> dict[str, Any]:
         """The OpenAI ``usage`` object of a request that produced ``completion`` tokens."""
         details = {"cached_tokens": st.cached_tokens} if self.opts.enable_prompt_tokens_details else None
@@ -1010,7 +1050,12 @@ class EngineHttp:
             return error_response(self.dialect, str(exc), 500, "InternalServerError")
         if leg is None:  # the client left while the decode leg waited for its KV
             return Response(status_code=499)
-        st = self.engine.submit(ids, leg.max_tokens or mt, lora, salt, remote_kv_tokens=leg.remote_kv_tokens)
+        mm = None
+        if chat and has_images(body.get("messages")):
+            ids, mm = self.chat_images(body)
+        st = self.engine.submit(
+            ids, leg.max_tokens or mt, lora, salt, remote_kv_tokens=leg.remote_kv_tokens, mm=mm
+        )
         key = leg.handoff_key
         if key is not None:
             st.on_first = lambda: pd.prefilled(key, len(ids))
@@ -1171,6 +1216,7 @@ def build_app(engine: FakeEngine) -> FastAPI:
         responses = ResponsesApi(engine, http.faults_before)
         http.on_restart.append(responses.forget_all)
         add_responses_routes(app, responses)
+        add_lora_routes(app, engine.lora_api)
         if engine.opts.speech_to_text:
             add_speech_to_text_routes(app, SpeechToTextApi(engine))
         if http.dialect == "sglang":
@@ -1310,19 +1356,7 @@ def _add_info_routes(app: FastAPI, http: EngineHttp) -> None:
             }
             for name in engine.served
         ]
-        data += [
-            {
-                "id": name,
-                "object": "model",
-                "created": int(engine.started_at),
-                "owned_by": dialect,
-                "root": name,
-                "parent": opts.model,
-                "max_model_len": opts.max_model_len,
-                "permission": [],
-            }
-            for name in sorted(engine.loras)
-        ]
+        data += engine.lora_api.model_cards(int(engine.started_at), opts.max_model_len, dialect)
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
@@ -1503,6 +1537,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_event_args(p)
     _add_fault_args(p)
     add_pd_args(p)
+    add_lora_args(p)
     return p
 
 
@@ -1673,6 +1708,25 @@ def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
         help="vLLM formats: send hashes as 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
     )
     g.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank reported in vLLM batches")
+    g.add_argument(
+        "--kv-medium",
+        action="append",
+        metavar="TIER=MEDIUM[/LOCALITY]",
+        help="announce a tier's blocks in this medium (repeatable), e.g. cpu=STORAGE/REMOTE, cpu=SHARED_STORAGE, "
+        "cpu=cpu (LMCache); default: the engine's own (GPU; CPU or SGLang CPU_PINNED)",
+    )
+    g.add_argument(
+        "--kv-store-only",
+        action="store_true",
+        help="never announce a removal from a non-GPU tier (LMCache's connector announces stores only)",
+    )
+    g.add_argument(
+        "--image-tokens",
+        type=int,
+        default=64,
+        help="placeholder tokens per image of a chat (images keyed by their uuid, else a hash of the URL; their "
+        "blocks carry vLLM's extra_keys)",
+    )
 
 
 def _add_fault_args(p: argparse.ArgumentParser) -> None:
@@ -1731,6 +1785,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--hidden-size and --num-labels must be positive")
     if opts.runner == "pooling" and opts.speech_to_text:
         p.error("--speech-to-text needs --runner generate")
+    try:
+        lora_settings(opts)
+    except ValueError as exc:
+        p.error(str(exc))
     return opts
 
 

@@ -18,6 +18,13 @@ Formats (``../shared/reference/engine-wire-facts.md``, byte-for-byte where it ma
     coalesced into one multi-page event; consecutive ``BlockRemoved`` with the same medium are merged.
     Replay like ``vllm``.
 
+Media (``media``, the engine's ``--kv-medium``): the wire ``medium`` (and vLLM ``locality``) announced for each of
+the engine's tiers can be set to any spelling an engine sends (``cpu=STORAGE/REMOTE``, ``cpu=SHARED_STORAGE``,
+``cpu=cpu`` for LMCache, ...); ``store_only`` (``--kv-store-only``) never announces a removal from a non-GPU tier
+(LMCache's connector announces what it stores, never what it evicts). Image-bearing blocks carry vLLM's
+``extra_keys`` (``[identifier, offset of the item relative to the block]`` per item the block overlaps, after the
+LoRA name, before the cache salt) in both vLLM formats.
+
 Live messages are ``[topic, seq (8-byte big-endian, from 0), payload]``. The ROUTER answers
 ``[id, b"", start_seq]`` with every buffered batch whose seq >= start (each its own message) and the end marker.
 
@@ -35,7 +42,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -61,6 +68,8 @@ class PubStored:
         tier: ``gpu`` or ``cpu``.
         lora_name: LoRA adapter, or None.
         cache_salt: request cache salt, or None.
+        mm_keys: per block, the ``(identifier, offset relative to the block)`` of every multimodal item it
+            overlaps (vLLM's order), or None for a block without; None when no block has any.
     """
 
     hashes: list[int]
@@ -70,6 +79,7 @@ class PubStored:
     tier: str = "gpu"
     lora_name: str | None = None
     cache_salt: str | None = None
+    mm_keys: list[list[tuple[str, int]] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -131,20 +141,51 @@ def wire_hash(h: int, fmt: str, hash_bytes: bool = False) -> int | bytes:
     return h
 
 
-def _medium(tier: str, fmt: str) -> str:
+#: tier -> (medium, locality) announced for it: ``media`` overrides of a publisher
+Media = Mapping[str, tuple[str, str | None]]
+
+
+def parse_media(specs: Sequence[str]) -> dict[str, tuple[str, str | None]]:
+    """``["cpu=STORAGE/REMOTE", "gpu=GPU"]`` -> ``{"cpu": ("STORAGE", "REMOTE"), "gpu": ("GPU", None)}``.
+
+    Raises ValueError for a spec without ``=``, an unknown tier or an empty medium.
+    """
+    out: dict[str, tuple[str, str | None]] = {}
+    for spec in specs:
+        tier, sep, value = spec.partition("=")
+        tier = tier.strip().lower()
+        medium, _, locality = value.strip().partition("/")
+        if not sep or tier not in ("gpu", "cpu", "disk", "remote") or not medium:
+            raise ValueError(
+                f"--kv-medium: expected TIER=MEDIUM[/LOCALITY] (tier gpu|cpu|disk|remote), got {spec!r}"
+            )
+        out[tier] = (medium, locality or None)
+    return out
+
+
+def _medium(tier: str, fmt: str, media: Media | None = None) -> tuple[str, str | None]:
+    """The (medium, locality) announced for ``tier``: the override, else the engine's own spelling."""
+    if media and tier in media:
+        return media[tier]
     if tier == "cpu":
-        return "CPU_PINNED" if fmt == "sglang" else "CPU"
+        return ("CPU_PINNED" if fmt == "sglang" else "CPU"), None
     if tier == "disk":
-        return "DISK" if fmt == "sglang" else "STORAGE"
-    return "GPU"
+        return ("DISK" if fmt == "sglang" else "STORAGE"), None
+    if tier == "remote":
+        return ("EXTERNAL" if fmt == "sglang" else "STORAGE"), (None if fmt == "sglang" else "REMOTE")
+    return "GPU", None
 
 
-def _extra_keys(ev: PubStored) -> list[list[str] | None]:
-    out: list[list[str] | None] = []
+def _extra_keys(ev: PubStored) -> list[list[object] | None]:
+    """vLLM's per-block ``extra_keys``: LoRA name, multimodal ``[identifier, offset]`` pairs, cache salt."""
+    out: list[list[object] | None] = []
     for i in range(len(ev.hashes)):
-        keys: list[str] = []
+        keys: list[object] = []
         if ev.lora_name:
             keys.append(ev.lora_name)
+        mm = ev.mm_keys[i] if ev.mm_keys is not None and i < len(ev.mm_keys) else None
+        if mm:
+            keys.extend([ident, off] for ident, off in mm)
         if i == 0 and ev.parent is None and ev.cache_salt:
             keys.append(ev.cache_salt)
         out.append(keys or None)
@@ -172,6 +213,7 @@ def _coalesce_sglang(events: Sequence[PubEvent]) -> list[PubEvent]:
                 prev.tier,
                 prev.lora_name,
                 prev.cache_salt,
+                None if prev.mm_keys is None and ev.mm_keys is None else _pages_mm(prev) + _pages_mm(ev),
             )
         elif isinstance(ev, PubRemoved) and isinstance(prev, PubRemoved) and prev.tier == ev.tier:
             out[-1] = PubRemoved(prev.hashes + ev.hashes, prev.tier)
@@ -180,8 +222,15 @@ def _coalesce_sglang(events: Sequence[PubEvent]) -> list[PubEvent]:
     return out
 
 
-def encode_event(ev: PubEvent, fmt: str, hash_bytes: bool = False) -> list[bytes]:
-    """msgpack bytes of one event in ``fmt`` (a list: vLLM sends one ``BlockRemoved`` per block)."""
+def _pages_mm(ev: PubStored) -> list[list[tuple[str, int]] | None]:
+    return list(ev.mm_keys) if ev.mm_keys is not None else [None] * len(ev.hashes)
+
+
+def encode_event(
+    ev: PubEvent, fmt: str, hash_bytes: bool = False, media: Media | None = None, store_only: bool = False
+) -> list[bytes]:
+    """msgpack bytes of one event in ``fmt`` (a list: vLLM sends one ``BlockRemoved`` per block; a store-only
+    source sends none for a non-GPU tier). ``media``: (medium, locality) overrides per tier."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown KV event format {fmt!r}; known: {', '.join(FORMATS)}")
 
@@ -193,7 +242,9 @@ def encode_event(ev: PubEvent, fmt: str, hash_bytes: bool = False) -> list[bytes
             [_pack(["AllBlocksCleared"])] if fmt == "vllm-legacy" else [_map([("type", "AllBlocksCleared")])]
         )
     if isinstance(ev, PubRemoved):
-        med = _medium(ev.tier, fmt)
+        if store_only and ev.tier != "gpu":
+            return []
+        med, loc = _medium(ev.tier, fmt, media)
         if fmt == "sglang":
             return [
                 _map(
@@ -201,14 +252,23 @@ def encode_event(ev: PubEvent, fmt: str, hash_bytes: bool = False) -> list[bytes
                 )
             ]
         if fmt == "vllm-legacy":
-            return [_pack(["BlockRemoved", [wh(h)], med, 0]) for h in ev.hashes]
+            return [_pack(["BlockRemoved", [wh(h)], med, 0, *([loc] if loc else [])]) for h in ev.hashes]
+        tail: list[tuple[str, object]] = [("locality", loc)] if loc else []
         return [
-            _map([("type", "BlockRemoved"), ("block_hashes", [wh(h)]), ("medium", med), ("group_idx", 0)])
+            _map(
+                [
+                    ("type", "BlockRemoved"),
+                    ("block_hashes", [wh(h)]),
+                    ("medium", med),
+                    ("group_idx", 0),
+                    *tail,
+                ]
+            )
             for h in ev.hashes
         ]
     hashes = [wh(h) for h in ev.hashes]
     parent = None if ev.parent is None else wh(ev.parent)
-    med = _medium(ev.tier, fmt)
+    med, loc = _medium(ev.tier, fmt, media)
     tokens = list(ev.token_ids)
     if fmt == "sglang":
         items: list[tuple[str, object]] = [
@@ -242,6 +302,7 @@ def encode_event(ev: PubEvent, fmt: str, hash_bytes: bool = False) -> list[bytes
                     0,
                     "full_attention",
                     None,
+                    *([loc] if loc else []),
                 ]
             )
         ]
@@ -259,6 +320,7 @@ def encode_event(ev: PubEvent, fmt: str, hash_bytes: bool = False) -> list[bytes
                 ("extra_keys", extra),
                 ("group_idx", 0),
                 ("kv_cache_spec_kind", "full_attention"),
+                *([("locality", loc)] if loc else []),
             ],
             force16=True,
         )
@@ -266,14 +328,20 @@ def encode_event(ev: PubEvent, fmt: str, hash_bytes: bool = False) -> list[bytes
 
 
 def encode_batch(
-    events: Sequence[PubEvent], fmt: str, ts: float, dp_rank: int = 0, hash_bytes: bool = False
+    events: Sequence[PubEvent],
+    fmt: str,
+    ts: float,
+    dp_rank: int = 0,
+    hash_bytes: bool = False,
+    media: Media | None = None,
+    store_only: bool = False,
 ) -> bytes:
     """The msgpack payload of one event batch in ``fmt`` (``ts`` in seconds since the epoch)."""
     if fmt == "sglang":
         events = _coalesce_sglang(events)
     encoded: list[bytes] = []
     for ev in events:
-        encoded.extend(encode_event(ev, fmt, hash_bytes))
+        encoded.extend(encode_event(ev, fmt, hash_bytes, media, store_only))
     rank: int | None = None if fmt == "sglang" else dp_rank
     return b"\x93" + _pack(float(ts)) + _array_header(len(encoded)) + b"".join(encoded) + _pack(rank)
 
@@ -366,6 +434,8 @@ class KVEventPublisher:
         dp_rank: data-parallel rank reported in vLLM batches.
         hash_bytes: send vLLM hashes as raw 32-byte digests instead of uint64.
         faults: fault injection settings (shared, mutable).
+        media: (medium, locality) announced per tier, overriding the engine's own spellings.
+        store_only: never announce a removal from a non-GPU tier (LMCache's connector).
     """
 
     def __init__(
@@ -378,6 +448,8 @@ class KVEventPublisher:
         dp_rank: int = 0,
         hash_bytes: bool = False,
         faults: Faults | None = None,
+        media: Media | None = None,
+        store_only: bool = False,
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown KV event format {fmt!r}; known: {', '.join(FORMATS)}")
@@ -387,6 +459,8 @@ class KVEventPublisher:
         self.topic = topic.encode()
         self.dp_rank = dp_rank
         self.hash_bytes = hash_bytes
+        self.media = dict(media or {})
+        self.store_only = store_only
         self.faults = faults or Faults()
         self.stats = PublisherStats()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(1, buffer_steps))
@@ -444,7 +518,13 @@ class KVEventPublisher:
         if not events:
             return None
         payload = encode_batch(
-            events, self.fmt, time.time() if ts is None else ts, self.dp_rank, self.hash_bytes
+            events,
+            self.fmt,
+            time.time() if ts is None else ts,
+            self.dp_rank,
+            self.hash_bytes,
+            self.media,
+            self.store_only,
         )
         for ev in events:
             name = type(ev).__name__

@@ -44,8 +44,9 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, cast
 
 import zmq
@@ -54,6 +55,7 @@ import zmq.asyncio
 from membership.kv_apply import BatchApplier, IndexSink
 from membership.kv_decode import (
     DEFAULT_LIMITS,
+    MEDIUM_TO_TIER,
     DecodeFailure,
     DecodeLimits,
     ReplayEnd,
@@ -81,6 +83,11 @@ log = logging.getLogger("kvroute.kv_events")
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
+#: default of Settings ``kv_tier_ttl_s``: seconds a store-only source's page is believed after its last store
+DEFAULT_TIER_TTL_S: Mapping[str, float] = MappingProxyType({"cpu": 600.0, "disk": 3600.0, "remote": 3600.0})
+#: distinct unknown medium spellings exported as their own label value (the rest: ``other``)
+MAX_MEDIUM_LABELS = 16
+
 
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
@@ -105,7 +112,11 @@ class KVEventsConfig:
         poll_interval_s: how often a feed task wakes up when no message arrives (timers, stop).
         recent_digests: how many applied (seq, payload digest) pairs are remembered to recognise duplicates.
         limits: decoder bounds (payload size, list lengths, bigram handling, KV group); its payload bound is
-            replaced by ``max_message_bytes``.
+            replaced by ``max_message_bytes`` and its medium table by ``medium_tiers``.
+        medium_tiers: engine ``medium`` (upper-cased, optionally ``MEDIUM/LOCALITY``) -> tier; events in a medium
+            it does not know are dropped (a miss) and reported once per spelling.
+        tier_ttl_s: per tier, seconds after its last store that a page of a store-only source is forgotten
+            (absent or 0: never; see ``membership.kv_apply``).
     """
 
     replay_idle_timeout_s: float = 2.0
@@ -123,12 +134,15 @@ class KVEventsConfig:
     poll_interval_s: float = 0.25
     recent_digests: int = 50_000
     limits: DecodeLimits = DEFAULT_LIMITS
+    medium_tiers: Mapping[str, str] = field(default_factory=lambda: MEDIUM_TO_TIER)
+    tier_ttl_s: Mapping[str, float] = field(default_factory=lambda: DEFAULT_TIER_TTL_S)
 
     def decode_limits(self) -> DecodeLimits:
-        """The decoder bounds, with the payload bound of this config."""
-        if self.limits.max_payload_bytes == self.max_message_bytes:
+        """The decoder bounds, with the payload bound and the medium table of this config."""
+        media = {k.strip().upper(): v for k, v in self.medium_tiers.items()}
+        if self.limits.max_payload_bytes == self.max_message_bytes and self.limits.media == media:
             return self.limits
-        return replace(self.limits, max_payload_bytes=self.max_message_bytes)
+        return replace(self.limits, max_payload_bytes=self.max_message_bytes, media=MappingProxyType(media))
 
     def sequencer_config(self) -> SequencerConfig:
         """The part of this config the sequencer uses."""
@@ -216,6 +230,8 @@ class _Feed:
             self.limits,
             self.cfg.apply_slice_blocks,
             owner.index_lock,
+            tier_ttl_s=self.cfg.tier_ttl_s,
+            on_unknown_medium=lambda spelling: owner.unknown_medium(spec.name, spelling),
         )
         self._held = 0  # raw payload bytes of replayed batches not applied yet
         self._over_budget = False  # the last batch applied was over the byte budget when decoded
@@ -594,6 +610,7 @@ class KVEventSubscriber:
         self.clock = clock
         self._feeds: dict[int, _Feed] = {}
         self._retired = FeedStats()  # counters of feeds that were removed (totals stay monotonic)
+        self._unknown_media: set[str] = set()  # spellings already logged (bounded)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
 
@@ -729,6 +746,31 @@ class KVEventSubscriber:
         if start is not None:
             self.engine_started(replica.index, start)
 
+    def unknown_medium(self, replica_name: str, spelling: str) -> None:
+        """A feed saw a medium the table does not know (its events are dropped: a miss): log it once."""
+        if spelling in self._unknown_media or len(self._unknown_media) >= 4 * MAX_MEDIUM_LABELS:
+            return
+        self._unknown_media.add(spelling)
+        log.warning(
+            "kv events %s: unknown medium %r: its events are dropped (a cache miss, never a GPU hit); map it to a "
+            "tier in kv_medium_tiers if it is a real KV tier",
+            replica_name,
+            spelling,
+        )
+
+    def unknown_medium_counts(self) -> dict[str, int]:
+        """Events dropped for an unknown medium, by spelling: the first ``MAX_MEDIUM_LABELS`` spellings (in sorted
+        order) by name, the rest summed as ``other`` (a bounded label set)."""
+        total = FeedStats()
+        for feed in self._feeds.values():
+            total.unknown_media.update(feed.stats.unknown_media)
+        total.unknown_media.update(self._retired.unknown_media)
+        out: dict[str, int] = {}
+        for i, (spelling, n) in enumerate(sorted(total.unknown_media.items())):
+            key = spelling if i < MAX_MEDIUM_LABELS else "other"
+            out[key] = out.get(key, 0) + n
+        return out
+
     def replicas(self) -> list[int]:
         """Replica indices with a feed."""
         return sorted(self._feeds)
@@ -769,6 +811,37 @@ class _Collector:
 
     def describe(self) -> list[Any]:
         return []
+
+    def _media_families(self, feeds: list[_Feed]) -> Iterator[Any]:
+        """Unknown media (bounded labels), engine pages per medium and tier, image-bearing pages."""
+        from prometheus_client.core import CounterMetricFamily
+
+        um = CounterMetricFamily(
+            "kvroute_kv_unknown_medium",
+            "KV events dropped because their medium is not in kv_medium_tiers (a miss), by spelling (bounded: the "
+            "first 16 spellings, then other)",
+            labels=["medium"],
+        )
+        for spelling, c in self.sub.unknown_medium_counts().items():
+            um.add_metric([spelling], c)
+        mb = CounterMetricFamily(
+            "kvroute_kv_event_medium_blocks",
+            "Engine pages announced per medium (kv_medium_tiers key, none = no medium) and tier, by operation "
+            "(stored, removed, located: a location-only store resolved against known pages)",
+            labels=["replica", "medium", "tier", "op"],
+        )
+        im = CounterMetricFamily(
+            "kvroute_kv_image_blocks",
+            "Engine pages with multimodal keys: indexed (keyed exactly) or dropped (keys unusable)",
+            labels=["replica", "outcome"],
+        )
+        for f in feeds:
+            for key, c in f.stats.media_blocks.items():
+                medium, tier, op = key.rsplit("|", 2)
+                mb.add_metric([f.spec.name, medium, tier, op], c)
+            for outcome in ("indexed", "dropped"):
+                im.add_metric([f.spec.name, outcome], f.stats.notes.get(f"image_pages_{outcome}", 0))
+        yield from (um, mb, im)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -816,6 +889,7 @@ class _Collector:
             "1 while the replica's event stream lost events it could not recover",
             labels=["replica"],
         )
+        yield from self._media_families(feeds)
         for f in feeds:
             n, s = f.spec.name, f.stats
             for t in EVENT_TYPES:

@@ -87,6 +87,10 @@ class FeedStats:
     replayed_batches: int = 0
     replay_bytes: int = 0
     degraded_episodes: int = 0
+    #: engine pages by ``"<medium>|<tier>|<op>"`` (op: stored, removed, located)
+    media_blocks: Counter[str] = field(default_factory=Counter)
+    #: events with a medium the table does not know, by spelling (bounded length)
+    unknown_media: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain-dict view (JSON-serialisable)."""
@@ -107,6 +111,8 @@ class FeedStats:
             "replayed_batches": self.replayed_batches,
             "replay_bytes": self.replay_bytes,
             "degraded_episodes": self.degraded_episodes,
+            "media_blocks": dict(self.media_blocks),
+            "unknown_media": dict(self.unknown_media),
         }
 
     def add(self, other: FeedStats) -> None:
@@ -127,6 +133,8 @@ class FeedStats:
         self.replayed_batches += other.replayed_batches
         self.replay_bytes += other.replay_bytes
         self.degraded_episodes += other.degraded_episodes
+        self.media_blocks.update(other.media_blocks)
+        self.unknown_media.update(other.unknown_media)
 
 
 @dataclass(frozen=True, slots=True)

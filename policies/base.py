@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from policies.adapters import AdapterCost, AdapterSlots
+
 Objective = Literal["mean", "tail"]
 
 #: Tier names, fastest first. ``gpu`` is the engine's HBM prefix cache (L1), ``cpu`` host memory (L2),
@@ -88,6 +90,9 @@ class LoadView:
             prefill-leg response) this router saw from the replica; 0 when unknown. Lets a policy age the
             in-flight backlog (``pd_ttft``: minus rate x elapsed) so that, among replicas with equal backlogs,
             the one that started first is seen to finish first.
+        adapters: the replica's LoRA adapters (GPU slots, running / waiting / resident adapters, the deferred
+            gauge: ``policies.adapters.AdapterSlots``); None when the replica serves no adapters or nothing is
+            known.
     """
 
     queued_requests: int | None = None
@@ -101,6 +106,7 @@ class LoadView:
     total_kv_blocks: int | None = None
     engine_block_size: int | None = None
     inflight_prefill_elapsed_s: float = 0.0
+    adapters: AdapterSlots | None = None
 
 
 @dataclass(slots=True)
@@ -192,6 +198,8 @@ class Candidate:
             ``ttft`` adds it to the candidate's predicted TTFT (``E`` and the tail, so its score); it is set by
             ``policies.regions`` from the latency matrix. The replica's cache is its own region's: no cross-region
             KV fetch is ever assumed.
+        adapter: the request's LoRA adapter on this replica, priced in seconds (``policies.adapters``: GPU-resident,
+            CPU-resident, loadable, or waiting for a batch slot); None for a base-model request.
     """
 
     index: int
@@ -202,6 +210,7 @@ class Candidate:
     state: str = "ready"
     region: str = ""
     rtt_s: float = 0.0
+    adapter: AdapterCost | None = None
 
 
 @dataclass(slots=True)

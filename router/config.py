@@ -28,15 +28,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from membership.config import AllocatorConfig, HealthConfig, MembershipConfig, RedisConfig
 from membership.kubernetes import KubernetesOptions
+from membership.kv_decode import MEDIUM_TO_TIER
+from membership.kv_events import DEFAULT_TIER_TTL_S
 from policies.dispatch import DispatchSettings
 from policies.pd_link import LinkLearning
-from router.proxy import ProxyConfig
+from router.engine.config import ProxyConfig
 
 ENV_PREFIX = "KVROUTE_"
 _GATE = DispatchSettings()  # the dispatch gate's defaults live with its logic
@@ -428,7 +430,7 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="how long an Idempotency-Key and its stored response are kept (s)"
     )
 
-    # --- reliability: bounded admission queue (router/admission.py) ---
+    # --- reliability: bounded admission queue (router/core/admission.py) ---
     max_queued_requests: int = Field(
         default=0,
         ge=0,
@@ -439,7 +441,7 @@ class Settings(BaseSettings):
         default=2.0, gt=0, description="longest time a request waits in the router's queue (s); longer -> 503"
     )
 
-    # --- routing: cache-first dispatch gate (policies/dispatch.py, router/dispatch.py) ---
+    # --- routing: cache-first dispatch gate (policies/dispatch.py, router/core/dispatch.py) ---
     dispatch_limit_tokens: int = Field(
         default=_GATE.limit_tokens,
         ge=0,
@@ -536,8 +538,8 @@ class Settings(BaseSettings):
         description="KV events: how long a replica without a replay endpoint stays "
         "degraded after its last loss (s)",
     )
-    # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine_client.py,
-    # router/proxy.py, membership/engine_tls.py) ---
+    # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine/client.py,
+    # router/engine/proxy.py, membership/engine_tls.py) ---
     engine_max_header_bytes: int = Field(
         default=65536,
         ge=1024,
@@ -579,8 +581,8 @@ class Settings(BaseSettings):
         "feedback and calibration work with a default vLLM; the usage chunk is removed from what the "
         "client receives unless the client asked for it",
     )
-    # --- httpedge: client-facing limits, timeouts and overload shedding (router/intake.py, router/guard.py,
-    # router/http_protocol.py, router/loop_lag.py; the Limits table in docs/reliability.md) ---
+    # --- httpedge: client-facing limits, timeouts and overload shedding (router/serve/intake.py, router/serve/guard.py,
+    # router/http/protocol.py, router/serve/loop_lag.py; the Limits table in docs/reliability.md) ---
     max_chat_messages: int = Field(
         default=16384,
         ge=1,
@@ -1051,6 +1053,65 @@ class Settings(BaseSettings):
         description="response ids each router keeps in memory (least recently used dropped first): the whole map "
         "without Redis, the fallback while Redis is down; ~200 bytes each",
     )
+
+    # --- KV tiers and media (membership/kv_decode.py, kv_apply.py; docs/signals.md "Media and tiers") ---
+    kv_medium_tiers: dict[str, str] = Field(
+        default=dict(MEDIUM_TO_TIER),
+        description="engine KV-event medium -> tier (gpu|cpu|disk|remote); keys upper-case, MEDIUM or "
+        "MEDIUM/LOCALITY (LOCAL|REMOTE; tried first). Entries given are merged over these defaults (value "
+        "miss: drop a default); events in a medium not listed are dropped (a miss, never a GPU hit), logged "
+        "once and counted in kvroute_kv_unknown_medium_total{medium}",
+    )
+    kv_tier_ttl_s: dict[str, float] = Field(
+        default=dict(DEFAULT_TIER_TTL_S),
+        description="per tier, seconds a page of a store-only KV source (one that has never announced a removal "
+        "in that tier, e.g. LMCache) is believed after its last store; 0 = forever. Merged over these defaults",
+    )
+    kv_tier_bandwidth_gbps: dict[str, float] = Field(
+        default={"cpu": 25.0, "disk": 7.1, "remote": 12.5},
+        description="per non-GPU tier, the bandwidth a replica fetches reused KV at, GB/s (1e9 bytes/s): cpu = "
+        "PCIe 4.0 x16 host->GPU, disk = a local NVMe read (7.1 GB/s), remote = a 25 GB/s NIC then PCIe, serial. "
+        "Merged over these defaults; a profile's own tiers win",
+    )
+    kv_tier_latency_s: dict[str, float] = Field(
+        default={"cpu": 0.0, "disk": 0.0005, "remote": 0.010},
+        description="per non-GPU tier, the fixed cost of one fetch (lookup, setup), s. Merged over these defaults",
+    )
+
+    @field_validator("kv_medium_tiers", mode="before")
+    @classmethod
+    def _merge_medium_tiers(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip() else {}
+        if not isinstance(v, dict):
+            return v
+        out = dict(MEDIUM_TO_TIER)
+        for key, tier in v.items():
+            k = str(key).strip().upper()
+            if str(tier).strip().lower() == "miss":
+                out.pop(k, None)
+            else:
+                out[k] = str(tier).strip().lower()
+        bad = {k: t for k, t in out.items() if t not in ("gpu", "cpu", "disk", "remote")}
+        if bad:
+            raise ValueError(f"kv_medium_tiers: tiers must be gpu|cpu|disk|remote (or miss), got {bad}")
+        return out
+
+    @field_validator("kv_tier_ttl_s", "kv_tier_bandwidth_gbps", "kv_tier_latency_s", mode="before")
+    @classmethod
+    def _merge_tier_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip() else {}
+        if not isinstance(v, dict):
+            return v
+        field = cls.model_fields[str(info.field_name)]
+        out = {**field.default, **{str(k).strip().lower(): float(x) for k, x in v.items()}}
+        bad = {k: x for k, x in out.items() if k not in ("gpu", "cpu", "disk", "remote") or not x >= 0}
+        if bad:
+            raise ValueError(
+                f"{info.field_name}: keys must be tiers (gpu|cpu|disk|remote), values >= 0: {bad}"
+            )
+        return out
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")

@@ -508,18 +508,29 @@ async def test_parent_dropped_by_the_kv_group_filter_triggers_no_replay(rigs: li
     assert not any(k.startswith("orphan:") for k in t["replays"]), t["replays"]
 
 
-async def test_multimodal_drop_is_counted_once_when_a_replay_reapplies_its_batch(rigs: list[Rig]) -> None:
-    """Issue 22 defect: re-applying batches after a replay does not count their multimodal drops again."""
+@pytest.mark.parametrize(
+    ("extra", "counter"),
+    [
+        ([[b"\x01" * 32]], ("dropped", "prompt_embeds_blocks")),
+        ([[["image-hash", 0]]], ("notes", "image_pages_indexed")),
+    ],
+    ids=["unkeyable", "image"],
+)
+async def test_extra_keys_are_counted_once_when_a_replay_reapplies_their_batch(
+    rigs: list[Rig], extra: list, counter: tuple[str, str]
+) -> None:
+    """Re-applying batches after a replay does not count their drops (prompt embeddings) or their indexed image
+    pages again."""
     rig = await connected_rig(rigs, "vllm")
     toks, hs, keys = chain(2)
-    mm = _raw_stored([777], None, list(range(50, 66)), extra=[[["image-hash", 0]]])
+    mm = _raw_stored([777], None, list(range(50, 66)), extra=extra)
     rig.pub.publish_payload(_raw_batch(mm, _raw_stored(hs[:1], None, toks[:16])))
     await until(lambda: matched(rig.index, keys) == 1, what="root stored")
     rig.index.clear(0)  # the index forgot the parent: the next event is an orphan -> replay from 0
     rig.pub.publish([PubStored(hs[1:], hs[0], toks[16:], BS)])
     await until(lambda: rig.totals()["replays"].get("orphan:ok") == 1, what="orphan replay")
     await until(lambda: matched(rig.index, keys) == 2, what="parent re-applied")
-    assert rig.totals()["dropped"].get("multimodal_blocks") == 1
+    assert rig.totals()[counter[0]].get(counter[1]) == 1
 
 
 async def test_absurd_sequence_jump_is_bounded_in_the_counters(rigs: list[Rig]) -> None:

@@ -152,12 +152,12 @@ def test_orphan_counts_and_requests_one_replay_that_finds_the_parent() -> None:
     assert d.seq.stats.orphans == 1 and d.seq.stats.events["BlockStored"] == 2  # re-applied, counted once
 
 
-def test_multimodal_parent_dropped_on_purpose_is_not_replayed() -> None:
+def test_unkeyable_parent_dropped_on_purpose_is_not_replayed() -> None:
     d = Driver()
-    mm = ["BlockStored", [1], None, TOKS[:16], 16, None, "GPU", None, [[["image-1", 0]]], 0]
-    d.publish(item(0, [mm, stored([2], 1, TOKS[16:])]))
+    embeds = ["BlockStored", [1], None, TOKS[:16], 16, None, "GPU", None, [[b"\x01" * 32]], 0]
+    d.publish(item(0, [embeds, stored([2], 1, TOKS[16:])]))
     st = d.seq.stats
-    assert st.dropped["multimodal_blocks"] == 1 and st.notes["orphan_parent_dropped"] == 1
+    assert st.dropped["prompt_embeds_blocks"] == 1 and st.notes["orphan_parent_dropped"] == 1
     assert st.orphans == 0 and not d.seq.orphan_pending
 
 
@@ -173,11 +173,11 @@ def test_parent_dropped_by_the_kv_group_filter_is_not_an_orphan() -> None:
     assert d.replays == []
 
 
-def test_multimodal_drops_are_counted_once_when_a_replay_reapplies_the_batch() -> None:
-    """Issue 22 defect 2: re-applying batches after a replay does not count their drops again."""
+def test_unkeyable_drops_are_counted_once_when_a_replay_reapplies_the_batch() -> None:
+    """Re-applying batches after a replay does not count their drops again."""
     d = Driver()
-    mm = ["BlockStored", [5], None, TOKS[:16], 16, None, "GPU", None, [[["image-1", 0]]], 0]
-    d.publish(item(0, [mm, stored([1], None, TOKS[:16])]))
+    embeds = ["BlockStored", [5], None, TOKS[:16], 16, None, "GPU", None, [[b"\x01" * 32]], 0]
+    d.publish(item(0, [embeds, stored([1], None, TOKS[:16])]))
     d.applier.clear()
     d.publish(item(1, [stored([2], 1, TOKS[16:])]))  # orphan -> replay from 0 re-applies batch 0
     d.now = 11.0
@@ -185,7 +185,7 @@ def test_multimodal_drops_are_counted_once_when_a_replay_reapplies_the_batch() -
     d.run(d.seq.on_connected(d.now))  # and a resync after a reconnect would re-apply it too
     assert d.blocks() == 2
     st = d.seq.stats
-    assert st.dropped["multimodal_blocks"] == 1 and st.events["BlockStored"] == 2 and st.batches == 2
+    assert st.dropped["prompt_embeds_blocks"] == 1 and st.events["BlockStored"] == 2 and st.batches == 2
 
 
 def test_connect_requests_history_and_applies_it() -> None:
