@@ -50,9 +50,9 @@ import yaml
 
 from fakes.engine_model import EngineModel, EngineRequest
 from index.hashing import root_seed
-from policies.base import Candidate, Policy, RouteRequest
+from policies.base import Policy, RouteRequest
+from policies.candidates import ReplicaFacts, build_candidates
 from policies.dispatch import DispatchSettings
-from policies.hits import hit_from_match
 from policies.regions import (
     LadderParams,
     LatencyMatrix,
@@ -429,23 +429,14 @@ class RegionFleet(Fleet):
         keys = self.keys.keys(req)
         n = req.prompt_tokens
         matches = self.index.match(keys) if len(keys) else {}
-        cands = []
-        for i in range(self.cfg.replicas):
-            region = self.region_of[i]
-            if self.down(region, t, self.view_lag_s):
-                continue
-            hit = hit_from_match(matches.get(i), n, bs)
-            rec.matched[i] = hit.total
-            cands.append(
-                Candidate(
-                    index=i,
-                    name=self.names[i],
-                    load=self._load(i, t),
-                    hit=hit,
-                    profile=self.profiles[i],
-                    region=region,
-                )
-            )
+        facts = [
+            ReplicaFacts(i, self.names[i], self._load(i, t), self.profiles[i], region=self.region_of[i])
+            for i in range(self.cfg.replicas)
+            if not self.down(self.region_of[i], t, self.view_lag_s)
+        ]
+        cands = build_candidates(facts, matches, n, bs)  # the router's own builder (policies.candidates)
+        for c in cands:
+            rec.matched[c.index] = c.hit.total
         rr = RouteRequest(
             model=self.cfg.model,
             prompt_tokens=n,
