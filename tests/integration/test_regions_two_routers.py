@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import redis
 
 from tests.helpers import LoopServer, Proc, free_port, metric, start_fake_engine, wait_until
 from tests.redis_server import RedisServer
@@ -80,6 +81,17 @@ class Region:
     port: int
     engines: dict[str, tuple[Proc, int]] = field(default_factory=dict)
     router: Proc | None = None
+    redis_url: str = ""
+
+    def session_replica(self, session_id: str) -> str | None:
+        """The replica this region's router pinned ``session_id`` to (its Redis), None when not pinned."""
+        client = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        try:
+            keys = [k for k in client.scan_iter(match="*session:" + session_id)]
+            value = client.get(keys[0]) if keys else None
+            return str(value) if value is not None else None
+        finally:
+            client.close()
 
     @property
     def url(self) -> str:
@@ -169,6 +181,7 @@ def two_regions(
             more: tuple[str, ...] = ()
             if redis:
                 server = stack.enter_context(RedisServer())
+                region.redis_url = server.url
                 more = ("--redis-url", server.url, "--session-affinity")
             region.router = stack.enter_context(
                 Proc.kvroute(*_router_args(region, peer, relay, extra + more))
@@ -322,11 +335,13 @@ def test_region_session_stays_pinned_across_the_hop() -> None:
             for i in range(2, 6):
                 r = complete(us.url, f"turn {i}", headers=session)
                 assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
-            # in eu the session is pinned to the engine that served its first turn
+            # in eu the session is pinned (the hop carried its id) to the engine that served its first turn
             after = {n: eu.routed(n) for n in eu.engines}
             moved = [n for n in eu.engines if after[n] != served[n]]
             first = [n for n in eu.engines if served[n] > 0]
             assert moved == first and len(first) == 1, (served, after)
+            assert eu.session_replica("conversation-1") == first[0]
+            assert us.session_replica("conversation-1") == "region-eu"
             r = complete(us.url, "another conversation", headers={"x-session-id": "conversation-2"})
             assert r.headers["x-kvroute-replica"] in us.engines
         finally:
