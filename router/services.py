@@ -491,6 +491,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     )
     _probe_over_pool(membership, engine_client)
     router = _build_router(settings, table, index, policy, kv_events, membership)
+    router.home_region = settings.region
     token_ids = _build_token_ids(settings, tokenizer, table)
     gate = _build_gate(settings, table, index)
     edge = _build_edge(settings, router, telemetry, token_ids, membership)

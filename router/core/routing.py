@@ -320,6 +320,9 @@ class Router:
         self._transfer_totals: dict[int, TransferTotals] = {}
         #: True once an engine-reported transfer was accepted: the relay's own samples are then not fed
         self.link_from_engines = False
+        #: this router's region (``Settings.region``): the region of a replica without a region label (Kubernetes
+        #: puts the topology labels on nodes, so a region's own pods often carry none); "" = regions off
+        self.home_region = ""
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -510,7 +513,7 @@ class Router:
             rep.profile,
             rep.state.value,
             load.engine_block_size,
-            region=rep.region,
+            region=rep.region or self.home_region,
         )
         if pd:
             facts.role = rep.role if rep.role in ROLES else "both"

@@ -155,7 +155,9 @@ def _router_args(region: Region, peer: str, relay_port: int, extra: tuple[str, .
         json.dumps({"us-only": {"allowed_regions": ["us"]}, "eu-only": {"allowed_regions": ["eu"]}}),
     ]
     for name, (_, port) in region.engines.items():
-        args += ["--replica", f"name={name},url=http://127.0.0.1:{port},model={MODEL},region={region.name}"]
+        # us names its engines' region; eu's engines carry none: a replica without a region is the router's own
+        where = f",region={region.name}" if region.name == "us" else ""
+        args += ["--replica", f"name={name},url=http://127.0.0.1:{port},model={MODEL}{where}"]
     return [*args, *extra]
 
 
