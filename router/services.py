@@ -183,6 +183,24 @@ def _build_policy(settings: Settings) -> Policy:
     return RegionLadderPolicy(policy, matrix, settings.region, params)
 
 
+def _peer_round_trips(settings: Settings, ladder: RegionLadderPolicy) -> dict[str, float]:
+    """Round trip to each peer region's router, seconds.
+
+    Raises:
+        ValueError: a peer region without a round trip to this router's region in ``region_rtt_ms`` (it could
+            never be on a ladder).
+    """
+    out: dict[str, float] = {}
+    for region in settings.region_peers:
+        rtt = ladder.matrix.rtt_s(settings.region, region)
+        if rtt is None:
+            raise ValueError(
+                f"region_peers: {region!r} has no round trip to {settings.region!r} in region_rtt_ms"
+            )
+        out[region] = rtt
+    return out
+
+
 def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> Membership:
     membership = Membership(
         settings.membership(),
@@ -492,6 +510,8 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     _probe_over_pool(membership, engine_client)
     router = _build_router(settings, table, index, policy, kv_events, membership)
     router.home_region = settings.region
+    if isinstance(policy, RegionLadderPolicy):
+        router.peer_rtt_s = _peer_round_trips(settings, policy)
     token_ids = _build_token_ids(settings, tokenizer, table)
     gate = _build_gate(settings, table, index)
     edge = _build_edge(settings, router, telemetry, token_ids, membership)

@@ -323,6 +323,9 @@ class Router:
         #: this router's region (``Settings.region``): the region of a replica without a region label (Kubernetes
         #: puts the topology labels on nodes, so a region's own pods often carry none); "" = regions off
         self.home_region = ""
+        #: round trip to each peer region's router, seconds (``region_rtt_ms``): taken out of a TTFT observed
+        #: through a peer, so the calibration sees the peer's own time (the ladder adds the round trip again)
+        self.peer_rtt_s: dict[str, float] = {}
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -726,7 +729,11 @@ class Router:
             log.exception("pd_policy.observe failed")
 
     def observe(self, obs: Observation) -> None:
-        """Feed an observation to the policy (never raises)."""
+        """Feed an observation to the policy (never raises). Through another region's router, the round trip to
+        it is taken out of the TTFT first (``peer_rtt_s``)."""
+        rep = self.table.by_index(obs.index) if self.peer_rtt_s else None
+        if rep is not None and rep.is_peer:
+            obs = replace(obs, ttft_s=max(0.0, obs.ttft_s - self.peer_rtt_s.get(rep.region, 0.0)))
         try:
             self.policy.observe(obs)
         except Exception:

@@ -1,10 +1,16 @@
 """The router's regional helpers (router/core/regions.py): residency from the tenant narrowed by a header, the hop
-headers, the matrix from milliseconds, peer replicas; tenants' ``allowed_regions``; a ladder refusal as an error."""
+headers, the matrix from milliseconds, peer replicas; tenants' ``allowed_regions``; a ladder refusal as an error;
+the round trip taken out of a TTFT observed through a peer; a peer without a round trip refused at start."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
+from index.prefix_index import PrefixIndex
+from membership.replicas import PEER_LABEL, REGION_LABEL, ReplicaTable
+from policies.base import Candidate, Decision, Observation, RouteRequest
 from policies.regions import RegionRefused
 from router.config import Settings
 from router.core.regions import (
@@ -16,8 +22,9 @@ from router.core.regions import (
     parse_regions,
     peer_specs,
 )
-from router.core.routing import RegionUnavailable
+from router.core.routing import RegionUnavailable, Router
 from router.core.tenants import TenancyConfig
+from router.services import build_services
 
 
 def test_region_allowed_header_only_narrows_the_tenants_list() -> None:
@@ -70,3 +77,48 @@ def test_region_refusal_is_503_with_retry_after_and_the_reason() -> None:
     assert err.details == "region_beyond_ladder"
     bad = RegionUnavailable(RegionRefused("unknown_client_region", "who?", 5.0))
     assert bad.status == 400 and not bad.retry
+
+
+class _Recorder:
+    """A policy that records what it observes (the observation path only)."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.seen: list[Observation] = []
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        return Decision(chosen=candidates[0].index, ranking=[c.index for c in candidates], policy=self.name)
+
+    def observe(self, observation: Observation) -> None:
+        self.seen.append(observation)
+
+
+def test_region_peer_round_trip_is_taken_out_of_observed_ttft() -> None:
+    table = ReplicaTable()
+    local = table.upsert("e0", "http://127.0.0.1:9000")
+    peer = table.upsert("region-eu", "http://127.0.0.1:9001", labels={REGION_LABEL: "eu", PEER_LABEL: "true"})
+    rec = _Recorder()
+    router = Router(table, PrefixIndex(block_size=16), rec)
+    router.peer_rtt_s = {"eu": 0.08}
+    router.observe(
+        Observation(index=peer.index, prompt_tokens=10, cached_tokens=0, queue_wait_s=0.0, ttft_s=0.5)
+    )
+    router.observe(
+        Observation(index=local.index, prompt_tokens=10, cached_tokens=0, queue_wait_s=0.0, ttft_s=0.5)
+    )
+    router.observe(
+        Observation(index=peer.index, prompt_tokens=10, cached_tokens=0, queue_wait_s=0.0, ttft_s=0.05)
+    )
+    assert [o.ttft_s for o in rec.seen] == [pytest.approx(0.42), 0.5, 0.0]
+
+
+def test_region_peer_without_round_trip_is_a_configuration_error() -> None:
+    settings = Settings(
+        tokenizer_mode="bytes",
+        region="us",
+        region_rtt_ms={"us": {"eu": 80}},
+        region_peers={"ap": "http://ap:8080"},
+    )
+    with pytest.raises(ValueError, match="region_peers: 'ap'"):
+        build_services(settings)
