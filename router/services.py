@@ -255,6 +255,9 @@ def _build_router(
     )
     router.on_prediction.append(membership.publish_prediction)  # predicted entries reach peer routers
     _configure_pd(settings, router)
+    router.home_region = settings.region
+    if isinstance(policy, RegionLadderPolicy):
+        router.peer_rtt_s = _peer_round_trips(settings, policy)
     return router
 
 
@@ -509,9 +512,6 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     )
     _probe_over_pool(membership, engine_client)
     router = _build_router(settings, table, index, policy, kv_events, membership)
-    router.home_region = settings.region
-    if isinstance(policy, RegionLadderPolicy):
-        router.peer_rtt_s = _peer_round_trips(settings, policy)
     token_ids = _build_token_ids(settings, tokenizer, table)
     gate = _build_gate(settings, table, index)
     edge = _build_edge(settings, router, telemetry, token_ids, membership)
