@@ -9,6 +9,8 @@ simulator runs; this module only says what the router feeds it and what it adds 
 * Residency: a tenant's ``allowed_regions`` (configuration, the source of truth), narrowed by the
   ``x-kvroute-allowed-regions`` header (an edge or the origin router of a hop sets it). A header can only narrow:
   it is intersected with the tenant's list, so a spoofed one never lets a request out of its regions.
+* The client's region: ``x-kvroute-client-region`` from an edge (``client_region_trusted``), else the router's own;
+  the ladder's home is the nearest allowed region to it. A region the matrix does not know is a 400.
 * The hop: a request forwarded to a peer carries ``x-kvroute-hop`` (the origin region), the allowed regions and
   the session id; a request with a hop header is never forwarded to a peer again (hop limit 1), so two routers
   cannot pass a request back and forth: the second one serves it with its own engines or refuses it.
@@ -22,11 +24,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from policies.regions import LatencyMatrix
+from router.core.tenants import bearer_key
 
 #: the header of a forwarded request: the region it came from (its presence stops any further hop)
 HOP_HEADER = "x-kvroute-hop"
 #: the header narrowing the regions a request may be processed in (comma-separated)
 ALLOWED_REGIONS_HEADER = "x-kvroute-allowed-regions"
+#: the header an edge sets to the client's region (trusted from edge keys only: ``client_region_trusted``)
+CLIENT_REGION_HEADER = "x-kvroute-client-region"
 
 
 def peer_name(region: str) -> str:
@@ -76,6 +81,16 @@ def hop_headers(
     if session_id:
         out[session_header.lower()] = session_id
     return out
+
+
+def client_region_trusted(authorization: str | None, edge_keys: frozenset[str], keys_required: bool) -> bool:
+    """True when the caller may name the client's region: an edge key (``tenant_header_keys``, the keys edges that
+    authenticate clients themselves use), or any caller when no client keys are required (as for the tenant
+    header). A client with its own key cannot move itself to another region's capacity."""
+    if not keys_required:
+        return True
+    key = bearer_key(authorization)
+    return key is not None and key in edge_keys
 
 
 def latency_matrix(rtt_ms: Mapping[str, Mapping[str, float]], intra_ms: float, home: str) -> LatencyMatrix:

@@ -188,6 +188,7 @@ class RoutingInput:
         hop: the request came from another region's router (``router.core.regions``): it is served by this
             region's engines or refused, never forwarded to a peer region again.
         allowed_regions: data residency, the regions allowed to process it (None = any; ``router.core.regions``).
+        client_region: the client's region named by an edge (None: the router's own region).
     """
 
     model: str
@@ -205,6 +206,7 @@ class RoutingInput:
     estimated_tokens: int | None = None
     hop: bool = False
     allowed_regions: frozenset[str] | None = None
+    client_region: str | None = None
 
     @property
     def ids_partial(self) -> bool:
@@ -549,6 +551,7 @@ class Router:
             priority=inp.priority,
             sequences=inp.copies,
             allowed_regions=inp.allowed_regions,
+            client_region=inp.client_region,
         )
 
     # -- prefill/decode disaggregation ----------------------------------------------------------------

@@ -267,6 +267,12 @@ def test_region_eu_only_tenant_never_served_in_us_while_us_is_up() -> None:
             r = complete(us.url, f"narrowed by the edge {i}", headers={"x-kvroute-allowed-regions": "eu"})
             assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
         assert sum(us.routed(n) for n in us.engines) == 0
+        # a client the edge places in eu is served there (its home region); a region nobody knows is a 400
+        r = complete(us.url, "from a client in eu", headers={"x-kvroute-client-region": "eu"})
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+        r = complete(us.url, "from mars", headers={"x-kvroute-client-region": "mars"})
+        assert r.status_code == 400 and "unknown_client_region" in r.text, r.text
+        assert sum(us.routed(n) for n in us.engines) == 0
 
 
 def test_region_ladder_bound_refuses_with_retry_after() -> None:

@@ -17,6 +17,7 @@ from router.core.regions import (
     ALLOWED_REGIONS_HEADER,
     HOP_HEADER,
     allowed_regions,
+    client_region_trusted,
     hop_headers,
     latency_matrix,
     parse_regions,
@@ -122,3 +123,11 @@ def test_region_peer_without_round_trip_is_a_configuration_error() -> None:
     )
     with pytest.raises(ValueError, match="region_peers: 'ap'"):
         build_services(settings)
+
+
+def test_region_client_header_trusted_from_edge_keys_only() -> None:
+    edge = frozenset({"edge-key"})
+    assert client_region_trusted(None, edge, keys_required=False)  # no keys at all: as the tenant header
+    assert client_region_trusted("Bearer edge-key", edge, keys_required=True)
+    assert not client_region_trusted("Bearer client-key", edge, keys_required=True)
+    assert not client_region_trusted(None, edge, keys_required=True)
