@@ -310,13 +310,22 @@ def test_region_hop_header_prevents_loops() -> None:
         assert eu.routed("region-us") == 0
 
 
-def test_region_session_stays_pinned_across_the_hop() -> None:
+def test_region_session_and_idempotency_across_the_hop() -> None:
     with two_regions(redis=True) as (us, eu):
         us.kill_engines()
         _wait_local_down(us)
         session = {"x-session-id": "conversation-1"}
         r = complete(us.url, "turn 1", headers=session)
         assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+        # an idempotent request served across the hop: its duplicate is answered from the origin's store
+        key = {"idempotency-key": "once-only"}
+        first = complete(us.url, "charge the card", headers=key)
+        assert first.status_code == 200 and first.headers["x-kvroute-replica"] == "region-eu", first.text
+        hops = metric(eu.url, "kvroute_requests_total", route="/v1/completions")
+        again = complete(us.url, "charge the card", headers=key)
+        assert again.status_code == 200 and again.headers.get("idempotent-replayed") == "true", again.headers
+        assert again.json() == first.json()
+        assert metric(eu.url, "kvroute_requests_total", route="/v1/completions") == hops  # not run twice
         served = {n: eu.routed(n) for n in eu.engines}
         # the us engines come back: the session stays where it is (its cache is there), new sessions stay home
         for name, (_, port) in list(us.engines.items()):
