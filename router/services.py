@@ -428,7 +428,10 @@ def _register_metrics(svc: Services) -> None:
 
 def _router_gauges(svc: Services) -> Iterator[Metric]:
     """The router's own scrape-time values (rendered by ``router.telemetry.router_gauges``)."""
-    excluded = getattr(svc.router.policy, "excluded_candidates", None)
+    policy = svc.router.policy
+    if isinstance(policy, RegionLadderPolicy):  # the ladder decides around the configured policy
+        policy = policy.inner
+    excluded = getattr(policy, "excluded_candidates", None)
     return router_gauges(
         svc.inflight,
         excluded if isinstance(excluded, int) else None,

@@ -226,6 +226,9 @@ def test_region_local_routing_while_local_engines_are_up() -> None:
             assert r.headers["x-kvroute-replica"] in us.engines, r.headers
         assert us.routed("region-eu") == 0
         assert sum(eu.routed(n) for n in eu.engines) == 0  # nothing reached the other region
+        # the ladder's decisions are counted by branch; the inner policy's gauges are still exported
+        assert metric(us.url, "kvroute_routed_total", policy="region_ladder", branch="home") == 8
+        assert "kvroute_policy_excluded_candidates" in httpx.get(us.url + "/metrics", timeout=5).text
 
 
 def test_region_failover_when_local_engines_are_killed() -> None:
