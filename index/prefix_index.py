@@ -1105,3 +1105,37 @@ class PrefixIndex(NodeTable):
             "states": self._states.in_use(),
             "replicas": len(self._slot_of),
         }
+
+    # ------------------------------------------------------------------ export
+
+    def held_keys(
+        self, tiers: Sequence[str] = ("gpu",), replicas: AbstractSet[int] | None = None
+    ) -> list[BlockKey]:
+        """Every block key that a live replica (of ``replicas``; None = any) holds, confirmed by an engine, in one
+        of ``tiers``: what a region publishes about its cache (``index.summary``). One pass over the node table,
+        O(nodes); node-id order.
+
+        Raises:
+            KeyError: an unknown tier name.
+        """
+        want = [TIER_INDEX[t] for t in tiers]
+        live = self._active
+        if replicas is not None:
+            live = 0
+            for r in replicas:
+                s = self._slot_of.get(r)
+                if s is not None:
+                    live |= 1 << s
+        states = self._states.states
+        held: dict[int, bool] = {}
+        out: list[BlockKey] = []
+        for key, sid in zip(self._keys, self._sidl, strict=True):
+            if key is None:
+                continue
+            ok = held.get(sid)
+            if ok is None:
+                st = states[sid]
+                ok = held[sid] = any(st[t] & live for t in want)
+            if ok:
+                out.append(key)
+        return out

@@ -695,7 +695,12 @@ class MetricsScraper:
         await run_every(self.scrape_all, lambda: self.interval_s, "scrape", log, self.clock)
 
     def _replicas(self) -> list[Any]:
-        return [r for r in self.table.all() if getattr(getattr(r, "state", None), "value", "") != "gone"]
+        # another region's router is not an engine: it has no engine metrics (its load is this router's in-flight)
+        return [
+            r
+            for r in self.table.all()
+            if getattr(getattr(r, "state", None), "value", "") != "gone" and not getattr(r, "is_peer", False)
+        ]
 
     async def scrape_all(self) -> None:
         """One round: scrape every replica concurrently, then refresh every load view's age."""

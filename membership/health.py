@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import httpx
 
 from membership import engine_tls
-from membership.replicas import Replica, ReplicaState, ReplicaTable
+from membership.replicas import HEALTH_PATH_LABEL, Replica, ReplicaState, ReplicaTable
 from membership.tasks import cancel_and_wait
 
 log = logging.getLogger("kvroute.membership.health")
@@ -311,7 +311,7 @@ class HealthChecker:
         self.track(rep.name).probes += 1
         reason = ""
         try:
-            resp = await self._get(rep.url + self.path)
+            resp = await self._get(rep.url + (rep.labels.get(HEALTH_PATH_LABEL) or self.path))
             if not 200 <= resp.status_code < 300:
                 reason = f"HTTP {resp.status_code}"
             elif self.on_ok is not None:

@@ -38,6 +38,12 @@ class ReplicaState(StrEnum):
 
 
 ROUTABLE_STATES = frozenset({ReplicaState.READY})
+#: the replica label naming its region (Kubernetes' well-known topology label; ``region=`` of a static replica)
+REGION_LABEL = "topology.kubernetes.io/region"
+#: the label (value ``true``) of a replica that is another region's router (``Settings.region_peers``)
+PEER_LABEL = "kvroute.io/peer"
+#: the label naming a replica's own health probe path (a peer router's readiness of its own engines)
+HEALTH_PATH_LABEL = "kvroute.io/health-path"
 
 
 @dataclass(slots=True)
@@ -81,6 +87,16 @@ class Replica:
     labels: dict[str, str] = field(default_factory=dict)
     bootstrap_port: int | None = None
     dp_size: int = 1
+
+    @property
+    def region(self) -> str:
+        """The region the replica runs in (its ``REGION_LABEL``), "" when unknown."""
+        return self.labels.get(REGION_LABEL, "")
+
+    @property
+    def is_peer(self) -> bool:
+        """True when the replica is another region's router (requests to it are hops)."""
+        return self.labels.get(PEER_LABEL) == "true"
 
     @property
     def routable(self) -> bool:

@@ -9,7 +9,8 @@ adapters and ``max_model_len`` the engine serves). A replica becomes ``ready`` a
 
 Specs are plain mappings (the router passes ``ReplicaSpec.model_dump()``) so this module does not import the
 router: keys ``name``, ``url``, ``events``, ``replay``, ``dialect``, ``model`` (list), ``topic``, ``profile``,
-``loras``, ``role``, ``metrics_path``, ``bootstrap_port``, ``dp_size`` (prefill/decode disaggregation).
+``loras``, ``role``, ``metrics_path``, ``bootstrap_port``, ``dp_size`` (prefill/decode disaggregation), ``region``;
+another region's router (``Settings.region_peers``) also has ``peer`` (true) and ``health_path`` (its probe).
 
 Units: seconds.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 from membership.config import HealthConfig
 from membership.health import HealthChecker, HookClient, is_static
-from membership.replicas import Replica, ReplicaTable
+from membership.replicas import HEALTH_PATH_LABEL, PEER_LABEL, REGION_LABEL, Replica, ReplicaTable
 from policies.base import ReplicaProfile
 
 ProfileFactory = Callable[[str | None], ReplicaProfile]
@@ -92,7 +93,7 @@ class StaticMembership:
                 kv_replay_endpoint=s.get("replay"),
                 kv_events_topic=s.get("topic") or "",
                 profile=self.profile_for(s.get("profile")),
-                labels={"source": "static"},
+                labels=_labels(s),
                 bootstrap_port=s.get("bootstrap_port"),
                 dp_size=max(1, int(s.get("dp_size") or 1)),
             )
@@ -155,3 +156,15 @@ class StaticMembership:
     def health_of(self, name: str) -> dict[str, Any]:
         """Probe bookkeeping of ``name`` for ``GET /replicas``."""
         return self.health.health_of(name)
+
+
+def _labels(spec: Mapping[str, Any]) -> dict[str, str]:
+    """A static replica's labels: its source, region, and for a peer region's router the peer mark and probe."""
+    labels = {"source": "static"}
+    if spec.get("region"):
+        labels[REGION_LABEL] = str(spec["region"])
+    if spec.get("peer"):
+        labels[PEER_LABEL] = "true"
+    if spec.get("health_path"):
+        labels[HEALTH_PATH_LABEL] = str(spec["health_path"])
+    return labels

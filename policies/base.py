@@ -42,6 +42,10 @@ class RouteRequest:
             meeting the target and packs the rest onto the replica with the least slack).
         sequences: sequences the engine generates for it (OpenAI ``n`` / vLLM ``best_of``, at least 1); PD plans
             serve parallel sampling in place (``policies.pd_common.plan_request``).
+        client_region: the region the client is in (an edge header verified by the router, else the router's own
+            region); None when regions are not configured. Read by ``policies.regions``.
+        allowed_regions: data residency, the regions allowed to process this request; None = any region, an
+            empty set = none (refused). ``policies.regions`` never picks a replica outside it.
     """
 
     model: str
@@ -57,6 +61,8 @@ class RouteRequest:
     ttft_target_s: float | None = None
     priority: int = 0
     sequences: int = 1
+    client_region: str | None = None
+    allowed_regions: frozenset[str] | None = None
 
 
 @dataclass(slots=True)
@@ -186,6 +192,12 @@ class Candidate:
         load: the replica's load view.
         hit: the prompt prefix the replica holds, per tier.
         profile: the replica's performance profile.
+        region: the region the replica runs in (``topology.kubernetes.io/region`` or static config); "" when
+            unknown. Read by ``policies.regions`` (residency, the failover ladder).
+        rtt_s: network round trip between the client's region and this replica's, seconds (0 in one region).
+            ``ttft`` adds it to the candidate's predicted TTFT (``E`` and the tail, so its score); it is set by
+            ``policies.regions`` from the latency matrix. The replica's cache is its own region's: no cross-region
+            KV fetch is ever assumed.
         adapter: the request's LoRA adapter on this replica, priced in seconds (``policies.adapters``: GPU-resident,
             CPU-resident, loadable, or waiting for a batch slot); None for a base-model request.
     """
@@ -196,6 +208,8 @@ class Candidate:
     hit: PrefixHit = field(default_factory=PrefixHit)
     profile: ReplicaProfile = field(default_factory=ReplicaProfile)
     state: str = "ready"
+    region: str = ""
+    rtt_s: float = 0.0
     adapter: AdapterCost | None = None
 
 

@@ -32,6 +32,7 @@ class ReplicaFacts:
         dp_rank_count: data-parallel ranks the engine exposes (PD plans may pin one).
         link_busy_s: seconds until the replica's outgoing KV link is free (PD handoffs), seconds.
         serves_alone: the engine answers a request without a KV handoff (PD fleets).
+        region: the region the replica runs in ("" when unknown; ``policies.regions``).
     """
 
     index: int
@@ -44,6 +45,7 @@ class ReplicaFacts:
     dp_rank_count: int = 1
     link_busy_s: float = 0.0
     serves_alone: bool = True
+    region: str = ""
 
 
 def build_candidates(
@@ -62,6 +64,7 @@ def build_candidates(
             hit=hit_from_match(matches.get(r.index), prompt_tokens, block_size, r.engine_block_size),
             profile=r.profile,
             state=r.state,
+            region=r.region,
         )
         for r in replicas
     ]

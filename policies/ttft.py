@@ -41,10 +41,17 @@ a GPU slot) is part of every outcome's TTFT (``T``, ``T_miss``, ``E``, ``tail``)
 (the batch waits for the fetch; the adapter it evicts reloads) joins ``W`` with ``work_weight``.
 
 Ties are broken by candidate order (deterministic). The decision's parts per candidate: ``Q``, ``R``, ``C``,
-``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``W`` (seconds / probability), ``A``
+``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``W``, ``RTT`` (seconds / probability), ``A``
 (seconds, only for adapter requests), ``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). The score is ``E +
 W`` (mean) or ``tail + W`` (tail).
 ``calibrated(index)`` gives the rate in use.
+
+Distance: ``RTT`` is the candidate's ``rtt_s``, the network round trip between the client's region and the
+replica's (``policies.regions`` sets it from the latency matrix; 0 within one region). It is part of the TTFT the
+client sees, so it is added to ``E`` and to the tail (and with them to the score, the SLO checks and the lowest
+predicted TTFT), never to ``T`` / ``T_miss`` (the engine's side) or to ``W`` (the work term prices the engine's
+compute). A candidate whose ``rtt_s`` is not a finite non-negative number of seconds is excluded. The match a
+candidate carries is its own cache's, so a replica in another region than a cached copy gets no reuse from it.
 
 Pruning (``prune``; on for the registered ``ttft`` policy, off for ``TTFTPolicy`` itself; decisions with at least
 ``prune_min_candidates`` candidates, default 32). Scoring a candidate in
@@ -135,6 +142,7 @@ _MISS_PARTS: dict[str, float] = {
     "matched_remote": 0.0,
     "usable": 0.0,
     "W": 0.0,
+    "RTT": 0.0,
 }
 
 
@@ -571,6 +579,14 @@ class TTFTPolicy:
                     parts["E"] += a_s
                     parts["tail"] += a_s
                     parts["W"] += wa
+                rtt = cand.rtt_s  # the client <-> replica round trip: part of the TTFT the client sees
+                if rtt:
+                    if not 0.0 <= rtt < _INF:
+                        raise ArithmeticError(f"round trip {rtt!r} s is not a finite non-negative number")
+                    score += rtt
+                    parts["E"] += rtt
+                    parts["tail"] += rtt
+                parts["RTT"] = rtt
                 if not 0.0 <= score < _INF:
                     raise ArithmeticError(f"score {score!r} is not a finite non-negative number of seconds")
             except _ProfileError:

@@ -6,7 +6,7 @@ queue wait ``Q``, KV-pressure penalty ``pen``, prefill rate and fixed overhead e
 
     u        = min(N, M)                                    the most tokens any outcome reuses
     comp     = (N - u) / rate + a * (N - u) * (N + u + 1) / 2     the least compute of any outcome, s
-    bound_E  = Q + pen + overhead + comp + A                <= E[T] and <= the tail quantile, s
+    bound_E  = Q + pen + overhead + comp + rtt + A          <= E[T] and <= the tail quantile, s
     bound    = bound_E + work_weight * (comp + A_imp) + mig <= the score (E + W, or tail + W), s
     mig      = min(w_lo * (deepest - u) / rate, cap_lo)     when deepest > u, else 0
     A, A_imp = the LoRA adapter's delay and imposed seconds (``policies.adapters``), 0 without an adapter
@@ -16,7 +16,8 @@ Why each is a lower bound (``a`` = attention seconds per token pair >= 0):
 * Every outcome (hit, confirmed-only, miss) reuses ``v <= u`` tokens and computes ``overhead + (N - v) / rate +
   a * (N - v) * (N + v + 1) / 2``, which decreases in ``v``; its time is ``max(Q, R) + C >= Q + C`` (the fetch
   overlaps the queue; a candidate with non-GPU matches on a profile that fetches after queueing gets no bound).
-  ``E[T]`` is a mean of outcomes and the tail quantile is one of them; both add ``pen``.
+  ``E[T]`` is a mean of outcomes and the tail quantile is one of them; both add ``pen`` and the candidate's round
+  trip ``rtt`` (``Candidate.rtt_s``, the same in every outcome).
 * The adapter term is the same in every outcome: its delay ``A`` is added to each outcome's time, and ``work_weight
   * A_imp`` to ``W``, exactly as full scoring adds them (a term that is negative or not finite: no bound).
 * ``W`` is ``work_weight`` times the expected compute without the overhead (``>= comp``), plus the migration
@@ -29,7 +30,7 @@ Why each is a lower bound (``a`` = attention seconds per token pair >= 0):
   SAFE`` (``1 - 1e-12``), far below the score whatever the order of operations.
 
 A candidate gets no bound (it is always scored in full, so its exclusion or error is exactly full scoring's) when a
-load gauge is not a finite non-negative number, its rate is below ``MIN_RATE`` or not a number, its overhead is
+load gauge or its round trip is not a finite non-negative number, its rate is below ``MIN_RATE`` or not a number, its overhead is
 negative, its attention coefficient is outside ``(0, 1]`` s/token², a matched-token count is negative or above
 ``MAX_TOKENS``, a match's age is above ``BIG``, the arithmetic fails, or the bound reaches ``BIG`` seconds. Below
 those limits the full score is finite whenever the bound is (no overflow), so a pruned candidate is never one that
@@ -199,7 +200,7 @@ def bound_pass(candidates: Sequence[Candidate], t: BoundTerms, out: Bounds) -> N
     """Bound every candidate into ``out`` (``Bounds.sized(len(candidates), t.need_e, t.seeds)``), in one pass.
 
     The bound is ``(backlog + in-flight + (1 + work_weight) * (N - u)) / rate + overhead + decode interference
-    + KV penalty + (1 + work_weight) * attention term``: the module docstring's ``bound`` without the migration
+    + round trip + KV penalty + (1 + work_weight) * attention term``: the module docstring's ``bound`` without the migration
     penalty, in few operations. An unknown gauge is filled as full scoring fills it, with the worst known value
     *so far* (at most the decision's worst known, which full scoring uses): the score grows with each of them
     (backlog, running requests with a non-negative decode interference, KV usage), so the bound stays a lower
@@ -299,6 +300,14 @@ def bound_pass(candidates: Sequence[Candidate], t: BoundTerms, out: Bounds) -> N
                 x = (qt + inflight + c1n) / rate + ov
             if running:
                 x += dis * running
+            rtt = cand.rtt_s
+            # the round trip is in every outcome (full scoring excludes what is not a finite rtt >= 0)
+            if rtt:
+                if not 0.0 <= rtt < big:
+                    must(pos)
+                    lb_out[pos] = neg
+                    continue
+                x += rtt
             if kv > k0:
                 x += kw * (kv - k0) / (1.0 - kv if kv < 0.999 else 1e-3)
             if att:
@@ -319,7 +328,9 @@ def bound_pass(candidates: Sequence[Candidate], t: BoundTerms, out: Bounds) -> N
                 continue
             lb_out[pos] = x
             if lbe_out is not None:
-                lbe_out[pos] = _bound_e(qt, inflight, running, kv, n, g, rate, ov, dis, att, k0, kw) + a_s
+                lbe_out[pos] = (
+                    _bound_e(qt, inflight, running, kv, n, g, rate, ov, dis, att, k0, kw) + rtt + a_s
+                )
             if x < cut:
                 insort(top, (x, pos))
                 top.pop()

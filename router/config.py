@@ -61,6 +61,7 @@ _SPEC_KEYS = {
     "metrics_path": "metrics_path",
     "bootstrap_port": "bootstrap_port",
     "dp_size": "dp_size",
+    "region": "region",
 }
 
 
@@ -69,7 +70,7 @@ class ReplicaSpec(BaseModel):
 
     As a string (``--replica`` flag, ``KVROUTE_REPLICAS``): comma-separated ``key=value`` pairs, e.g.
     ``name=r0,url=http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,dialect=vllm,model=m``
-    with optional ``topic=``, ``profile=``, ``lora=a|b``, ``role=``, ``metrics=/metrics``. Several models or LoRA
+    with optional ``topic=``, ``profile=``, ``lora=a|b``, ``role=``, ``metrics=/metrics``, ``region=``. Several models or LoRA
     adapters are separated by ``|``. In YAML / JSON it is a mapping with the same keys.
     """
 
@@ -99,6 +100,10 @@ class ReplicaSpec(BaseModel):
     )
     dp_size: int = Field(default=1, ge=1, description="data-parallel ranks behind the replica's URL")
     metrics_path: str = Field(default="/metrics", description="path of the engine's Prometheus endpoint")
+    region: str = Field(
+        default="",
+        description="the region the engine runs in (topology.kubernetes.io/region); empty = unknown",
+    )
 
     @field_validator("model", "loras", mode="before")
     @classmethod
@@ -426,6 +431,51 @@ class Settings(BaseSettings):
         default=True,
         description="publish routing decisions to peer routers (Redis pub/sub) so predictions agree",
     )
+    region: str = Field(
+        default="",
+        description="this router's region (e.g. the topology.kubernetes.io/region of its node); empty = regions "
+        "off: replicas' regions are ignored and no request is handed to another region (docs/regions.md)",
+    )
+    region_rtt_ms: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="round trips between regions {a: {b: ms}} (either order of a pair; every region of a replica "
+        "or peer must be in it): the ladder prices a replica's distance from the client in seconds of TTFT",
+    )
+    region_intra_rtt_ms: float = Field(
+        default=0.0, ge=0, description="round trip within one region (ms), the matrix's diagonal"
+    )
+    region_peers: dict[str, str] = Field(
+        default_factory=dict,
+        description="the kvroute of each other region {region: base URL}: a request the ladder sends to that "
+        "region is forwarded to its router (same OpenAI API, with the hop header), which routes it among its own "
+        "engines and never forwards it again",
+    )
+    region_peer_health_path: str = Field(
+        default="/region/ready",
+        description="path probed on a peer region's router: 2xx while it has a routable engine of its own",
+    )
+    region_margin_s: float = Field(
+        default=0.1,
+        ge=0,
+        description="while this region has a routable replica, another region is chosen only when its predicted "
+        "TTFT (round trip included) is lower by more than this (s)",
+    )
+    region_max_regions: int = Field(default=2, ge=1, description="most regions on one request's ladder")
+    region_max_extra_rtt_s: float = Field(
+        default=0.3,
+        ge=0,
+        description="a region is on the ladder only if its round trip exceeds the home region's by at most this "
+        "(s); beyond it a request is refused (503 with Retry-After) rather than sent that far",
+    )
+    region_attempts_per_region: int = Field(
+        default=2,
+        ge=1,
+        description="consecutive places a region gets in a decision's ranking before the next region's best "
+        "(retries after connection failures step down the ladder)",
+    )
+    region_retry_after_s: int = Field(
+        default=5, ge=0, description="Retry-After of a request no allowed region on the ladder can serve (s)"
+    )
     idempotency_ttl_s: float = Field(
         default=600.0, gt=0, description="how long an Idempotency-Key and its stored response are kept (s)"
     )
@@ -724,10 +774,11 @@ class Settings(BaseSettings):
     default_tenant: str = Field(default="default", description="tenant of requests that name none")
     tenants: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
-        description="per-tenant settings {name: {tokens_per_s, burst_tokens, weight, isolate_cache, max_class}}: "
-        "token quota (prompt + max output tokens per s; 0 = none), burst (tokens), fair-share weight, own "
-        "prefix-cache namespace (true: never shares cached prefixes with other tenants), highest priority class "
-        "the tenant may use (a request above it is served at it, counted)",
+        description="per-tenant settings {name: {tokens_per_s, burst_tokens, weight, isolate_cache, max_class, "
+        "allowed_regions}}: token quota (prompt + max output tokens per s; 0 = none), burst (tokens), fair-share "
+        "weight, own prefix-cache namespace (true: never shares cached prefixes with other tenants), highest "
+        "priority class the tenant may use (a request above it is served at it, counted), the regions allowed to "
+        "process its requests (data residency, with region set; absent = any)",
     )
     tenant_max_priority_class: str = Field(
         default="",
@@ -1240,6 +1291,8 @@ class Settings(BaseSettings):
             max_body_bytes=self.engine_max_body_bytes,
             body_idle_timeout_s=self.engine_body_idle_timeout_s,
             stream_usage=self.engine_stream_usage,
+            region=self.region,
+            session_header=self.session_header,
         )
 
     def dispatch(self) -> DispatchSettings:

@@ -37,10 +37,12 @@ from membership.tenant_budget import TenantBudget
 from policies.base import Policy, ReplicaProfile, make_policy
 from policies.pd_base import HandoffLink, make_pd_policy
 from policies.pd_link import LinkEstimator
+from policies.regions import LadderParams, RegionLadderPolicy
 from router import signals
 from router.config import Settings
 from router.core.admission import Admission
 from router.core.dispatch import DispatchGate
+from router.core.regions import latency_matrix, peer_specs
 from router.core.routing import Router, build_profile
 from router.core.tenant_admission import TenantAdmission
 from router.core.tenant_metrics import TenantMetrics
@@ -164,12 +166,48 @@ def _profile_factory(settings: Settings) -> Callable[[str | None], ReplicaProfil
     return profile_for
 
 
+def _build_policy(settings: Settings) -> Policy:
+    """The configured policy; with a region set, inside the failover ladder (``policies.regions``, the same code
+    the simulator runs: distance priced in seconds, residency as a hard filter, bounded failover)."""
+    policy = make_policy(settings.policy, **settings.policy_params)
+    if not settings.region:
+        return policy
+    matrix = latency_matrix(settings.region_rtt_ms, settings.region_intra_rtt_ms, settings.region)
+    params = LadderParams(
+        margin_s=settings.region_margin_s,
+        max_regions=settings.region_max_regions,
+        max_extra_rtt_s=settings.region_max_extra_rtt_s,
+        attempts_per_region=settings.region_attempts_per_region,
+        retry_after_s=float(settings.region_retry_after_s),
+    )
+    return RegionLadderPolicy(policy, matrix, settings.region, params)
+
+
+def _peer_round_trips(settings: Settings, ladder: RegionLadderPolicy) -> dict[str, float]:
+    """Round trip to each peer region's router, seconds.
+
+    Raises:
+        ValueError: a peer region without a round trip to this router's region in ``region_rtt_ms`` (it could
+            never be on a ladder).
+    """
+    out: dict[str, float] = {}
+    for region in settings.region_peers:
+        rtt = ladder.matrix.rtt_s(settings.region, region)
+        if rtt is None:
+            raise ValueError(
+                f"region_peers: {region!r} has no round trip to {settings.region!r} in region_rtt_ms"
+            )
+        out[region] = rtt
+    return out
+
+
 def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> Membership:
     membership = Membership(
         settings.membership(),
         table,
         index,
-        specs=settings.static_replicas(),
+        specs=settings.static_replicas()
+        + peer_specs(settings.region_peers, settings.region_peer_health_path),
         profile_for=_profile_factory(settings),
         headers=settings.engine_headers(),
     )
@@ -217,6 +255,9 @@ def _build_router(
     )
     router.on_prediction.append(membership.publish_prediction)  # predicted entries reach peer routers
     _configure_pd(settings, router)
+    router.home_region = settings.region
+    if isinstance(policy, RegionLadderPolicy):
+        router.peer_rtt_s = _peer_round_trips(settings, policy)
     return router
 
 
@@ -387,7 +428,10 @@ def _register_metrics(svc: Services) -> None:
 
 def _router_gauges(svc: Services) -> Iterator[Metric]:
     """The router's own scrape-time values (rendered by ``router.telemetry.router_gauges``)."""
-    excluded = getattr(svc.router.policy, "excluded_candidates", None)
+    policy = svc.router.policy
+    if isinstance(policy, RegionLadderPolicy):  # the ladder decides around the configured policy
+        policy = policy.inner
+    excluded = getattr(policy, "excluded_candidates", None)
     return router_gauges(
         svc.inflight,
         excluded if isinstance(excluded, int) else None,
@@ -454,7 +498,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     _configure_engine_tls(settings)
     table = ReplicaTable(make_allocator(settings.membership()))  # ordinals / Redis registry / grace
     index = _build_index(settings)
-    policy = make_policy(settings.policy, **settings.policy_params)
+    policy = _build_policy(settings)
     tokenizer = _build_tokenizer(settings)
     membership = _build_membership(settings, table, index)
     kv_events = signals.build_kv_events(settings, index)

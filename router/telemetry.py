@@ -133,6 +133,13 @@ class Telemetry:
             ["policy", "branch", "replica"],
             registry=r,
         )
+        self.region_headers_ignored = Counter(
+            "kvroute_region_headers_ignored",
+            "regional headers ignored because the caller may not set them (x-kvroute-client-region from a key "
+            "that is not an edge key of tenant_header_keys), by header",
+            ["header"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvroute_ttft_seconds",
             "router-measured time to first response byte (s)",

@@ -652,8 +652,11 @@ class PdHooks:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``kvroute simulate`` with PD fleets: ``sim.simulator.main`` plus ``PdHooks``; the exit code."""
-    return simulator_main(argv, hooks=PdHooks())
+    """``kvroute simulate`` with PD fleets: ``sim.simulator.main`` plus ``PdHooks`` (and ``--regions``, run by
+    ``sim.regions``); the exit code."""
+    from sim.regions import regions_main  # the regional fleet (imports sim.simulator, never this module)
+
+    return simulator_main(argv, hooks=PdHooks(), regions=regions_main)
 
 
 def pd_capacity_note(

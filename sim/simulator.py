@@ -44,7 +44,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -1017,6 +1017,14 @@ def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
         help="plot TTFT p50/p99 and hit rate against load, one line per policy",
     )
     p.add_argument("--title", default=None, help="plot title")
+    p.add_argument(
+        "--regions",
+        default=None,
+        metavar="FILE",
+        help="simulate a fleet over regions (sim.regions): a YAML file of regions, engines per region, "
+        "round trips, client mix, outages and residency (e.g. sim/data/regions-3-outage.yaml); --policies "
+        "then takes region_local, region_nearest and ttft (kvroute's ladder); engines come from the file",
+    )
     add_lora_arguments(p)
     if hooks is not None:
         hooks.add_arguments(p)
@@ -1237,9 +1245,19 @@ def _rates(args: argparse.Namespace, base_rate: float, cap: float) -> list[tuple
     return [(base_rate / cap, 1.0)]
 
 
-def main(argv: Sequence[str] | None = None, hooks: RunHooks | None = None) -> int:
-    """``kvroute simulate``: returns the exit code (0 ok, 2 bad arguments or input)."""
+def main(
+    argv: Sequence[str] | None = None,
+    hooks: RunHooks | None = None,
+    regions: Callable[[argparse.Namespace], int] | None = None,
+) -> int:
+    """``kvroute simulate``: returns the exit code (0 ok, 2 bad arguments or input). ``regions`` runs
+    ``--regions FILE`` (``sim.regions.regions_main``, which imports this module, so it is handed in)."""
     args = build_parser(hooks).parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.regions is not None:
+        if regions is None:
+            print("kvroute simulate: --regions is run by `kvroute simulate` (sim.regions)", file=sys.stderr)
+            return 2
+        return regions(args)
     try:
         profiles, names = _check_args(args, hooks)
         pparams = _policy_params(args.policy_param, names)

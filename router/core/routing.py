@@ -39,6 +39,7 @@ from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (r
 from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision
 from policies.pd_common import plan_request
 from policies.pd_link import LinkEstimator, TransferTotals, transfer_sample
+from policies.regions import RegionRefused
 from router.errors import KvrouteError
 
 log = logging.getLogger("kvroute.routing")
@@ -130,6 +131,21 @@ class NoReplica(RoutingError):
     code = "no_routable_replica"
 
 
+class RegionUnavailable(RoutingError):
+    """No region the request may use can serve it within the failover ladder's bounds (``policies.regions``
+    ``RegionRefused``): 503 with the ladder's ``Retry-After`` (400 for a client region the matrix does not know)."""
+
+    status = 503
+    code = "region_unavailable"
+
+    def __init__(self, refusal: RegionRefused) -> None:
+        super().__init__(str(refusal))
+        self.wire_reason = f"region_{refusal.reason}"
+        self.retry_after_s = refusal.retry_after_s
+        if refusal.reason == "unknown_client_region":
+            self.status, self.retry = 400, False
+
+
 class Overloaded(RoutingError):
     """Every candidate (or the router) is at its in-flight limit (429, with Retry-After)."""
 
@@ -169,6 +185,10 @@ class RoutingInput:
         estimated_tokens: set when ``token_ids`` are only a prefix of the prompt's ids (cache-frontier
             tokenization, ``router.tokens.frontier``): the estimated length of the whole prompt, tokens; None
             when the ids are complete.
+        hop: the request came from another region's router (``router.core.regions``): it is served by this
+            region's engines or refused, never forwarded to a peer region again.
+        allowed_regions: data residency, the regions allowed to process it (None = any; ``router.core.regions``).
+        client_region: the client's region named by an edge (None: the router's own region).
     """
 
     model: str
@@ -184,6 +204,9 @@ class RoutingInput:
     priority: int = 0
     identity: Any = None  # router.core.tenants.Identity of the request (set by the front door)
     estimated_tokens: int | None = None
+    hop: bool = False
+    allowed_regions: frozenset[str] | None = None
+    client_region: str | None = None
 
     @property
     def ids_partial(self) -> bool:
@@ -299,6 +322,12 @@ class Router:
         self._transfer_totals: dict[int, TransferTotals] = {}
         #: True once an engine-reported transfer was accepted: the relay's own samples are then not fed
         self.link_from_engines = False
+        #: this router's region (``Settings.region``): the region of a replica without a region label (Kubernetes
+        #: puts the topology labels on nodes, so a region's own pods often carry none); "" = regions off
+        self.home_region = ""
+        #: round trip to each peer region's router, seconds (``region_rtt_ms``): taken out of a TTFT observed
+        #: through a peer, so the calibration sees the peer's own time (the ladder adds the round trip again)
+        self.peer_rtt_s: dict[str, float] = {}
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -408,6 +437,8 @@ class Router:
             BadRequest: the prompt exceeds every candidate's context length.
         """
         reps = self.table.routable(None if inp.lora else inp.model, inp.lora, exclude)
+        if inp.hop:  # hop limit 1: a request from another region's router is never handed to a peer again
+            reps = [r for r in reps if not r.is_peer]
         if not reps and self.panic_routing:
             # every replica failed its health checks: rather than refusing all traffic on what may be false
             # positives (overloaded engines answer probes late), try the unhealthy ones (Envoy's panic mode)
@@ -417,6 +448,7 @@ class Router:
                 for r in self.table.all()
                 if r.state == ReplicaState.UNHEALTHY
                 and r.index not in ex
+                and not r.is_peer
                 and r.serves(None if inp.lora else inp.model, inp.lora)
             ]
             if reps:
@@ -461,7 +493,10 @@ class Router:
         facts = [self.facts(r) for r in self.candidates_for(inp, exclude)]
         cands = self.build_candidates(inp, facts)
         req = self.route_request(inp)
-        decision = self.policy.choose(req, cands)
+        try:
+            decision = self.policy.choose(req, cands)
+        except RegionRefused as refusal:
+            raise RegionUnavailable(refusal) from None
         decision.reuse = reuse_of(decision.chosen, cands)  # available vs achieved cached tokens
         return Routed(
             inp=inp,
@@ -477,7 +512,13 @@ class Router:
         alone (a co-located decision does not need them: not computed on that hot path)."""
         load = rep.load
         facts = ReplicaFacts(
-            rep.index, rep.name, self.load_view(rep), rep.profile, rep.state.value, load.engine_block_size
+            rep.index,
+            rep.name,
+            self.load_view(rep),
+            rep.profile,
+            rep.state.value,
+            load.engine_block_size,
+            region=rep.region or self.home_region,
         )
         if pd:
             facts.role = rep.role if rep.role in ROLES else "both"
@@ -509,6 +550,8 @@ class Router:
             ttft_target_s=inp.ttft_target_s,
             priority=inp.priority,
             sequences=inp.copies,
+            allowed_regions=inp.allowed_regions,
+            client_region=inp.client_region,
         )
 
     # -- prefill/decode disaggregation ----------------------------------------------------------------
@@ -689,7 +732,11 @@ class Router:
             log.exception("pd_policy.observe failed")
 
     def observe(self, obs: Observation) -> None:
-        """Feed an observation to the policy (never raises)."""
+        """Feed an observation to the policy (never raises). Through another region's router, the round trip to
+        it is taken out of the TTFT first (``peer_rtt_s``)."""
+        rep = self.table.by_index(obs.index) if self.peer_rtt_s else None
+        if rep is not None and rep.is_peer:
+            obs = replace(obs, ttft_s=max(0.0, obs.ttft_s - self.peer_rtt_s.get(rep.region, 0.0)))
         try:
             self.policy.observe(obs)
         except Exception:

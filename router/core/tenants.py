@@ -98,6 +98,8 @@ class TenantPolicy:
         weight: fair-share weight (> 0).
         isolate_cache: the tenant has its own prefix-cache namespace (folded into the block-key root seed).
         max_class: the highest priority class the tenant may use (None: the highest class).
+        allowed_regions: data residency, the regions allowed to process the tenant's requests (None: any;
+            ``router.core.regions``).
     """
 
     tokens_per_s: float
@@ -105,6 +107,7 @@ class TenantPolicy:
     weight: float
     isolate_cache: bool
     max_class: str | None
+    allowed_regions: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +303,14 @@ def _tenant_policy(
 ) -> TenantPolicy:
     if not isinstance(spec, Mapping):
         raise ValueError(f"tenants[{name!r}] must be a mapping")
-    unknown = set(spec) - {"tokens_per_s", "burst_tokens", "weight", "isolate_cache", "max_class"}
+    unknown = set(spec) - {
+        "tokens_per_s",
+        "burst_tokens",
+        "weight",
+        "isolate_cache",
+        "max_class",
+        "allowed_regions",
+    }
     if unknown:
         raise ValueError(f"tenants[{name!r}]: unknown fields {sorted(unknown)}")
     rate = float(spec.get("tokens_per_s", 0.0))
@@ -309,7 +319,11 @@ def _tenant_policy(
     if rate < 0 or burst < 0 or weight <= 0:
         raise ValueError(f"tenants[{name!r}]: tokens_per_s and burst_tokens must be >= 0, weight > 0")
     max_class = _class_name(spec.get("max_class", default_max), classes, f"tenants[{name!r}].max_class")
-    return TenantPolicy(rate, burst, weight, bool(spec.get("isolate_cache", False)), max_class)
+    regions = spec.get("allowed_regions")
+    if regions is not None and not (isinstance(regions, list) and all(isinstance(r, str) for r in regions)):
+        raise ValueError(f"tenants[{name!r}].allowed_regions must be a list of region names")
+    allowed = frozenset(regions) if regions is not None else None
+    return TenantPolicy(rate, burst, weight, bool(spec.get("isolate_cache", False)), max_class, allowed)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,3 +26,7 @@ class ProxyConfig:
     max_body_bytes: int
     body_idle_timeout_s: float
     stream_usage: bool
+    #: this router's region (the hop header of a request forwarded to another region's router)
+    region: str
+    #: the session header forwarded with a hop (so the peer region pins the session too)
+    session_header: str

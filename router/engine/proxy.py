@@ -48,6 +48,7 @@ from starlette.responses import Response
 
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from router.core.dispatch import DispatchGate
+from router.core.regions import hop_headers
 from router.core.routing import Routed, Router, RoutingError
 from router.engine.attempt import EngineEdge
 from router.engine.config import ProxyConfig
@@ -211,7 +212,12 @@ class Proxy:
             payload, strip_usage = self.edge.payload(rep, body, stream, ids)
             t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)
             await hold.admit(inp.keys, inp.prompt_tokens, stream)
-            resp, first = await self.edge.open(rep, path, payload, run.headers, run.deadline)
+            headers = run.headers
+            if rep.is_peer:  # another region's router: it serves the request in its region, never hops on
+                cfg = self.cfg
+                hop = hop_headers(cfg.region, inp.allowed_regions, cfg.session_header, inp.session_id)
+                headers = {**headers, **hop}
+            resp, first = await self.edge.open(rep, path, payload, headers, run.deadline)
             ttft = time.monotonic() - t0
             hold.first_byte()
             return await self.edge.commit(

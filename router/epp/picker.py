@@ -57,6 +57,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 from starlette.datastructures import Headers
 
+from router.core.regions import hop_headers
 from router.core.routing import NoReplica, Routed
 from router.core.tenant_admission import Ticket
 from router.engine.feedback import Feedback, usage_from_json, usage_from_sse
@@ -507,6 +508,9 @@ class _Stream:
         if payload is not None and self.stream and self.settings.engine_stream_usage:
             payload, self.strip_usage = ask_for_usage(payload)
         extra = {"x-request-id": inp.request_id}
+        if rep.is_peer:  # another region's router: the hop (never forwarded again), residency and session
+            st = self.settings
+            extra.update(hop_headers(st.region, inp.allowed_regions, st.session_header, inp.session_id))
         return self._answer(codec.endpoint_of(rep.url), extra, body, payload, trailers)
 
     async def _prepare(self, body: bytes | None) -> Prepared:

@@ -9,7 +9,8 @@ Routes (OpenAPI at ``/openapi.json``):
 * ``POST /route``: the same body as completions or chat, or ``{"model": ..., "token_ids": [...]}``; returns the
   decision (chosen replica name and URL; every candidate's predicted TTFT with Q, R, C, p and matched tokens per
   tier; a PD fleet's plan) without forwarding.
-* ``GET /replicas``, ``GET /index/stats``, ``GET /metrics``, ``GET /healthz`` (alive), ``GET /readyz`` (at least
+* ``GET /replicas``, ``GET /index/stats``, ``GET /metrics``, ``GET /healthz`` (alive), ``GET /region/ready`` (another region's router probes it: 2xx while one of this region's
+  own engines is routable), ``GET /readyz`` (at least
   one replica routable).
 
 Errors are the kvroute error family (``router.errors``) rendered as OpenAI-style JSON ``{"error": {"message",
@@ -241,6 +242,7 @@ _KNOWN_ROUTES = (
     "/metrics",
     "/healthz",
     "/readyz",
+    "/region/ready",
     "/openapi.json",
     "/docs",
 )
@@ -687,6 +689,20 @@ def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
     @app.get("/healthz", response_model=Status, summary="liveness")
     async def healthz() -> Any:
         return {"status": "ok"}
+
+    @app.get(
+        "/region/ready",
+        response_model=Status,
+        responses={503: {"model": Status}},
+        summary="readiness for other regions' routers: at least one of this region's own engines is routable",
+    )
+    async def region_ready() -> Any:
+        n = sum(1 for r in svc.table.all() if r.routable and not r.is_peer)
+        if n:
+            return {"status": "ready", "routable_replicas": n}
+        return JSONResponse(
+            {"status": "not ready", "reason": "no routable engine in this region"}, status_code=503
+        )
 
     @app.get(
         "/readyz",

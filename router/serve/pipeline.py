@@ -36,6 +36,13 @@ from membership.replicas import ReplicaTable
 from membership.runtime import Membership
 from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from router.config import Settings
+from router.core.regions import (
+    ALLOWED_REGIONS_HEADER,
+    CLIENT_REGION_HEADER,
+    HOP_HEADER,
+    allowed_regions,
+    client_region_trusted,
+)
 from router.core.routing import NoReplica, Routed, Router, RoutingError, RoutingInput
 from router.core.tenant_admission import TenantAdmission, Ticket
 from router.core.tenants import Identity
@@ -231,7 +238,27 @@ class Pipeline:
             estimated_tokens=None if walked is None or walked.complete else walked.estimated_tokens,
         )
         inp.identity = ident
+        self._regional(inp, headers, ident)
         return inp
+
+    def _regional(self, inp: RoutingInput, headers: Mapping[str, str], ident: Identity) -> None:
+        """Where the request may go (router/core/regions.py): a hop from another region's router is never
+        forwarded again; with regions on, the regions allowed to process it (the tenant's list, narrowed by the
+        header) and the client's region (an edge's header; ignored and counted from other callers)."""
+        inp.hop = HOP_HEADER in headers
+        if not self.settings.region:
+            return
+        inp.allowed_regions = allowed_regions(
+            ident.policy.allowed_regions, headers.get(ALLOWED_REGIONS_HEADER)
+        )
+        client = headers.get(CLIENT_REGION_HEADER)
+        if client is None or inp.hop:  # a hop is served in this region whatever the client's region
+            return
+        cfg = self.tenants.cfg
+        if client_region_trusted(headers.get("authorization"), cfg.header_keys, cfg.client_keys_required):
+            inp.client_region = client.strip()
+        else:
+            self.telemetry.region_headers_ignored.labels(CLIENT_REGION_HEADER).inc()
 
     async def _token_ids(
         self,
@@ -353,6 +380,7 @@ class Pipeline:
             request_id=new_request_id(headers.get("x-request-id")),
         )
         inp.identity = self.tenants.identify(headers)
+        self._regional(inp, headers, inp.identity)
         return Prepared("", inp, b"", False)
 
     # -- 5. admit ------------------------------------------------------------------------------------------

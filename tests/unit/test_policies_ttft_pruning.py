@@ -1,8 +1,8 @@
 """Exact pruning in ``ttft``: a pruned decision is the decision full scoring makes.
 
-Property tests over random fleets (loads with unknown and absurd gauges, tiers, matches, predicted entries,
-LoRA adapter states (GPU-, CPU-resident, loadable, waiting for a slot, absurd terms), heterogeneous profiles with
-attention and tier links, calibration, SLO targets and priorities, objectives, the
+Property tests over random fleets (loads with unknown and absurd gauges, round trips to the client's region,
+tiers, matches, predicted entries, LoRA adapter states (GPU-, CPU-resident, loadable, waiting for a slot, absurd
+terms), heterogeneous profiles with attention and tier links, calibration, SLO targets and priorities, objectives, the
 migration penalty with its tight-cache and survival variants, exact ties) and over the decisions of a simulated
 fleet replaying the Mooncake conversation trace: the pruned and the full-scoring policy (same parameters, same
 observations) agree on the choice, the branch, the first ``exact_ranks`` places of the ranking, every score the
@@ -184,6 +184,15 @@ def hits(draw: st.DrawFn, prompt: int) -> PrefixHit:
     )
 
 
+def rtts(absurd: bool) -> st.SearchStrategy[float]:
+    """A candidate's round trip to the client (``Candidate.rtt_s``): mostly one region (0) or a few regions away
+    (a few equal values, so ties stay common); with ``absurd``, sometimes negative, NaN, infinite or huge."""
+    ok = st.sampled_from([0.0, 0.0, 0.0, 0.002, 0.075, 0.16, 0.22, 1.5])
+    if not absurd:
+        return ok
+    return st.one_of(ok, ok, ok, st.sampled_from([-0.01, math.nan, math.inf, 1e299, 1e308]))
+
+
 @st.composite
 def adapter_costs(draw: st.DrawFn, absurd: bool) -> AdapterCost | None:
     """The request's LoRA adapter on a replica: GPU-resident, CPU-resident, loadable or waiting for a batch slot,
@@ -209,7 +218,8 @@ def adapter_costs(draw: st.DrawFn, absurd: bool) -> AdapterCost | None:
 
 @st.composite
 def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Candidate]]:
-    """A request and its candidates. Candidates are drawn from a few templates, so exact ties are common."""
+    """A request and its candidates. Candidates are drawn from a few templates, so exact ties are common; each
+    has a round trip to the client (``rtts``)."""
     prompt = draw(st.integers(1, 12_000))
     nblocks = prompt // BS
     profs = draw(st.lists(profiles(), min_size=1, max_size=3))
@@ -229,6 +239,7 @@ def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Ca
                 load=replace(load),
                 hit=replace(hit),
                 profile=prof,
+                rtt_s=draw(rtts(absurd)),
                 adapter=draw(adapter_costs(absurd)) if lora else None,
             )
         )

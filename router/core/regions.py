@@ -1,0 +1,105 @@
+"""Regions in the live router: where a replica is, which regions a request may use, and the hop to another
+region's router (docs/regions.md). The decision itself is the pure ``policies.regions`` ladder, the same code the
+simulator runs; this module only says what the router feeds it and what it adds to a forwarded request.
+
+* A replica's region is its ``topology.kubernetes.io/region`` label (``Replica.region``: a pod label in Kubernetes,
+  ``region=`` of a static replica). Another region's router is a replica too (a *peer*: ``Settings.region_peers``,
+  ``Replica.is_peer``), labelled with its region; the ladder prices it like an engine there, with the round trip
+  to it, and it is probed on its own readiness path (2xx while it has a routable engine of its own).
+* Residency: a tenant's ``allowed_regions`` (configuration, the source of truth), narrowed by the
+  ``x-kvroute-allowed-regions`` header (an edge or the origin router of a hop sets it). A header can only narrow:
+  it is intersected with the tenant's list, so a spoofed one never lets a request out of its regions.
+* The client's region: ``x-kvroute-client-region`` from an edge (``client_region_trusted``), else the router's own;
+  the ladder's home is the nearest allowed region to it. A region the matrix does not know is a 400.
+* The hop: a request forwarded to a peer carries ``x-kvroute-hop`` (the origin region), the allowed regions and
+  the session id; a request with a hop header is never forwarded to a peer again (hop limit 1), so two routers
+  cannot pass a request back and forth: the second one serves it with its own engines or refuses it.
+
+Units: seconds (milliseconds only in the ``Settings`` matrix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from policies.regions import LatencyMatrix
+from router.core.tenants import bearer_key
+
+#: the header of a forwarded request: the region it came from (its presence stops any further hop)
+HOP_HEADER = "x-kvroute-hop"
+#: the header narrowing the regions a request may be processed in (comma-separated)
+ALLOWED_REGIONS_HEADER = "x-kvroute-allowed-regions"
+#: the header an edge sets to the client's region (trusted from edge keys only: ``client_region_trusted``)
+CLIENT_REGION_HEADER = "x-kvroute-client-region"
+
+
+def peer_name(region: str) -> str:
+    """The replica name of region ``region``'s router."""
+    return f"region-{region}"
+
+
+def peer_specs(peers: Mapping[str, str], health_path: str) -> list[dict[str, Any]]:
+    """Static replica specs of the peer regions' routers (``membership.static`` mappings)."""
+    return [
+        {
+            "name": peer_name(region),
+            "url": url.rstrip("/"),
+            "region": region,
+            "peer": True,
+            "health_path": health_path,
+        }
+        for region, url in sorted(peers.items())
+    ]
+
+
+def parse_regions(value: str | None) -> frozenset[str] | None:
+    """A comma-separated region list (None when absent; an empty set when it names none)."""
+    if value is None:
+        return None
+    return frozenset(p.strip() for p in value.split(",") if p.strip())
+
+
+def allowed_regions(tenant_allowed: Iterable[str] | None, header: str | None) -> frozenset[str] | None:
+    """The regions a request may use: the tenant's list (None = any) intersected with the header's (which can
+    only narrow it). None when neither restricts."""
+    narrowed = parse_regions(header)
+    tenant = frozenset(tenant_allowed) if tenant_allowed is not None else None
+    if tenant is None:
+        return narrowed
+    return tenant if narrowed is None else tenant & narrowed
+
+
+def hop_headers(
+    origin_region: str, allowed: frozenset[str] | None, session_header: str, session_id: str | None
+) -> dict[str, str]:
+    """Headers of a request forwarded to a peer region's router: the hop (never forwarded again), the regions it
+    may use (so the peer enforces the same residency) and its session (so the peer pins it there too)."""
+    out = {HOP_HEADER: origin_region or "?"}
+    if allowed is not None:
+        out[ALLOWED_REGIONS_HEADER] = ",".join(sorted(allowed))
+    if session_id:
+        out[session_header.lower()] = session_id
+    return out
+
+
+def client_region_trusted(authorization: str | None, edge_keys: frozenset[str], keys_required: bool) -> bool:
+    """True when the caller may name the client's region: an edge key (``tenant_header_keys``, the keys edges that
+    authenticate clients themselves use), or any caller when no client keys are required (as for the tenant
+    header). A client with its own key cannot move itself to another region's capacity."""
+    if not keys_required:
+        return True
+    key = bearer_key(authorization)
+    return key is not None and key in edge_keys
+
+
+def latency_matrix(rtt_ms: Mapping[str, Mapping[str, float]], intra_ms: float, home: str) -> LatencyMatrix:
+    """The ``LatencyMatrix`` (seconds) of the configured round trips (ms); the router's own region is in it even
+    when no pair names it.
+
+    Raises:
+        ValueError: a round trip that is not a finite number >= 0, or a pair given twice differently.
+    """
+    pairs = {a: {b: v / 1000.0 for b, v in row.items()} for a, row in rtt_ms.items()}
+    pairs.setdefault(home, {})
+    return LatencyMatrix.from_pairs(pairs, intra_ms / 1000.0)

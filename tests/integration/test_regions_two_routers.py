@@ -1,0 +1,369 @@
+"""Two regions on loopback: two ``kvroute serve`` processes (``us`` and ``eu``), each with its own stand-in engines
+(``kvroute fake-engine``), each naming the other as its peer region through a TCP relay that adds an inter-region
+delay (40 ms each way: the configured 80 ms round trip). The routers run the failover ladder of
+``policies.regions`` in their decisions and hand requests to each other with the hop header (docs/regions.md).
+
+What is checked: local routing while the local engines are up; failover to the other region when they are killed,
+with every request answered and a residency-bound tenant never served outside its regions (refused instead); the
+ladder's bound (a region beyond ``region_max_extra_rtt_s`` is never used: 503 with Retry-After); the hop header
+(a forwarded request is never forwarded again, so two routers whose engines are all dead do not pass it back and
+forth); a session that hopped stays pinned in the other region and is pinned there too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import redis
+
+from tests.helpers import LoopServer, Proc, free_port, metric, start_fake_engine, wait_until
+from tests.redis_server import RedisServer
+
+ONE_WAY_S = 0.04  # injected delay between the regions, each way
+RTT_MS = 80  # the configured round trip between the regions (= 2 x ONE_WAY_S)
+MODEL = "m"
+ENGINES_PER_REGION = 2
+
+
+def delayed_relay(target_port: int, one_way_s: float) -> Any:
+    """A connection handler relaying bytes to 127.0.0.1:``target_port`` and back, each chunk delivered
+    ``one_way_s`` after it arrived (a fixed latency in each direction, not a bandwidth limit)."""
+
+    async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                due, data = await queue.get()
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                if not data:
+                    with contextlib.suppress(Exception):
+                        dst.write_eof()
+                    return
+                dst.write(data)
+                await dst.drain()
+
+        sender = asyncio.create_task(deliver())
+        try:
+            while data := await src.read(65536):
+                queue.put_nowait((loop.time() + one_way_s, data))
+        finally:
+            queue.put_nowait((loop.time() + one_way_s, b""))
+            with contextlib.suppress(Exception):
+                await sender
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target_port)
+        except OSError:
+            return  # the router behind the relay is not up (yet): the connection is closed, like a refusal
+        try:
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True)
+        finally:
+            up_writer.close()
+
+    return handle
+
+
+@dataclass
+class Region:
+    """One region: its engines (name -> process, port) and its router."""
+
+    name: str
+    port: int
+    engines: dict[str, tuple[Proc, int]] = field(default_factory=dict)
+    router: Proc | None = None
+    redis_url: str = ""
+
+    def session_replica(self, session_id: str) -> str | None:
+        """The replica this region's router pinned ``session_id`` to (its Redis), None when not pinned."""
+        client = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        try:
+            keys = [k for k in client.scan_iter(match="*session:" + session_id)]
+            value = client.get(keys[0]) if keys else None
+            return str(value) if value is not None else None
+        finally:
+            client.close()
+
+    @property
+    def url(self) -> str:
+        """The router's base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill_engines(self) -> None:
+        """SIGKILL every engine of the region (a region outage)."""
+        for proc, _ in self.engines.values():
+            proc.kill()
+
+    def states(self) -> dict[str, str]:
+        """The router's replicas and their states."""
+        data = httpx.get(self.url + "/replicas", timeout=5).json()
+        reps = data["replicas"] if isinstance(data, dict) else data
+        return {r["name"]: r["state"] for r in reps}
+
+    def routed(self, replica: str) -> float:
+        """Requests this router routed to ``replica``."""
+        return metric(self.url, "kvroute_routed_total", replica=replica)
+
+
+def complete(url: str, prompt: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    """One non-streamed completion through the router at ``url``."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+    return httpx.post(url + "/v1/completions", json=body, headers=headers or {}, timeout=30)
+
+
+def _router_args(region: Region, peer: str, relay_port: int, extra: tuple[str, ...]) -> list[str]:
+    args = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(region.port),
+        "--policy",
+        "ttft",
+        "--tokenizer-mode",
+        "bytes",
+        "--probe-interval-s",
+        "0.2",
+        "--scrape-interval-s",
+        "0.2",
+        "--unhealthy-after",
+        "1",
+        "--max-retries",
+        "2",
+        "--log-format",
+        "text",
+        "--log-level",
+        "warning",
+        "--region",
+        region.name,
+        "--region-rtt-ms",
+        json.dumps({"us": {"eu": RTT_MS}}),
+        "--region-intra-rtt-ms",
+        "1",
+        "--region-peers",
+        f"{peer}=http://127.0.0.1:{relay_port}",
+        "--tenants",
+        json.dumps({"us-only": {"allowed_regions": ["us"]}, "eu-only": {"allowed_regions": ["eu"]}}),
+    ]
+    for name, (_, port) in region.engines.items():
+        # us names its engines' region; eu's engines carry none: a replica without a region is the router's own
+        where = f",region={region.name}" if region.name == "us" else ""
+        args += ["--replica", f"name={name},url=http://127.0.0.1:{port},model={MODEL}{where}"]
+    return [*args, *extra]
+
+
+@contextmanager
+def two_regions(
+    us_extra: tuple[str, ...] = (), eu_extra: tuple[str, ...] = (), redis: bool = False
+) -> Iterator[tuple[Region, Region]]:
+    """Regions ``us`` and ``eu``, each with its engines and router, linked through delayed relays; every process
+    and relay is stopped on exit, even on failure."""
+    with ExitStack() as stack:
+        us, eu = Region("us", free_port()), Region("eu", free_port())
+        for region in (us, eu):
+            for i in range(ENGINES_PER_REGION):
+                proc, port, _, _ = start_fake_engine(
+                    "--model", MODEL, "--dialect", "vllm", "--time-scale", "0.02"
+                )
+                stack.callback(proc.stop)
+                region.engines[f"{region.name}-{i}"] = (proc, port)
+        to_us, to_eu = free_port(), free_port()
+        stack.enter_context(LoopServer(delayed_relay(us.port, ONE_WAY_S), to_us))
+        stack.enter_context(LoopServer(delayed_relay(eu.port, ONE_WAY_S), to_eu))
+        for region, peer, relay, extra in ((us, "eu", to_eu, us_extra), (eu, "us", to_us, eu_extra)):
+            more: tuple[str, ...] = ()
+            if redis:
+                server = stack.enter_context(RedisServer())
+                region.redis_url = server.url
+                more = ("--redis-url", server.url, "--session-affinity")
+            region.router = stack.enter_context(
+                Proc.kvroute(*_router_args(region, peer, relay, extra + more))
+            )
+        for region in (us, eu):
+            want = ENGINES_PER_REGION + 1  # its engines and the peer region's router
+
+            def ready_or_exited(region: Region = region, want: int = want) -> bool:
+                if region.router is None or not region.router.alive():
+                    return True
+                r = httpx.get(region.url + "/readyz", timeout=1)
+                return r.status_code == 200 and r.json().get("routable_replicas") == want
+
+            wait_until(ready_or_exited, timeout=40, what=f"region {region.name}: engines and peer ready")
+            assert region.router is not None and region.router.alive(), (
+                region.router and region.router.output()
+            )
+        try:
+            yield us, eu
+        finally:
+            for region in (us, eu):
+                assert region.router is not None
+                out = region.router.stop()
+                assert "Traceback" not in out, out[-3000:]
+
+
+def _wait_local_down(region: Region) -> None:
+    wait_until(
+        lambda: all(region.states()[n] != "ready" for n in region.engines),
+        timeout=20,
+        what=f"region {region.name}'s router sees its engines down",
+    )
+
+
+def test_region_local_routing_while_local_engines_are_up() -> None:
+    with two_regions() as (us, eu):
+        for i in range(8):
+            r = complete(us.url, f"local request {i} " + "x" * 200)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-replica"] in us.engines, r.headers
+        assert us.routed("region-eu") == 0
+        assert sum(eu.routed(n) for n in eu.engines) == 0  # nothing reached the other region
+        # the ladder's decisions are counted by branch; the inner policy's gauges are still exported
+        assert metric(us.url, "kvroute_routed_total", policy="region_ladder", branch="home") == 8
+        assert "kvroute_policy_excluded_candidates" in httpx.get(us.url + "/metrics", timeout=5).text
+
+
+def test_region_failover_when_local_engines_are_killed() -> None:
+    with two_regions() as (us, eu):
+        assert complete(us.url, "warm up").status_code == 200
+        us.kill_engines()
+        # at once (before the health probes notice) and after: every request is answered by the other region
+        answered = []
+        for i in range(10):
+            r = complete(us.url, f"after the outage {i} " + "y" * 100)
+            assert r.status_code == 200, r.text
+            answered.append(r.headers["x-kvroute-replica"])
+        assert set(answered) == {"region-eu"}
+        assert sum(eu.routed(n) for n in eu.engines) >= 10  # the eu router served them on its own engines
+        # residency: a us-only tenant is refused, never sent to eu
+        _wait_local_down(us)
+        before = sum(eu.routed(n) for n in eu.engines)
+        r = complete(us.url, "resident data", headers={"x-kvroute-tenant": "us-only"})
+        assert r.status_code == 503, r.text
+        assert r.headers.get("retry-after") == "5"
+        assert "no_allowed_region_up" in r.text
+        # a header can only narrow: it cannot widen the tenant's regions
+        r = complete(
+            us.url, "spoofed", headers={"x-kvroute-tenant": "us-only", "x-kvroute-allowed-regions": "us,eu"}
+        )
+        assert r.status_code == 503, r.text
+        assert sum(eu.routed(n) for n in eu.engines) == before
+        # an eu-only tenant is served in eu, even from us with us up or not
+        r = complete(us.url, "eu data", headers={"x-kvroute-tenant": "eu-only"})
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+
+
+def test_region_eu_only_tenant_never_served_in_us_while_us_is_up() -> None:
+    with two_regions() as (us, eu):
+        for i in range(4):
+            r = complete(us.url, f"eu resident {i}", headers={"x-kvroute-tenant": "eu-only"})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-replica"] == "region-eu"
+            r = complete(us.url, f"narrowed by the edge {i}", headers={"x-kvroute-allowed-regions": "eu"})
+            assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+        assert sum(us.routed(n) for n in us.engines) == 0
+        # a client the edge places in eu is served there (its home region); a region nobody knows is a 400
+        r = complete(us.url, "from a client in eu", headers={"x-kvroute-client-region": "eu"})
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+        r = complete(us.url, "from mars", headers={"x-kvroute-client-region": "mars"})
+        assert r.status_code == 400 and "unknown_client_region" in r.text, r.text
+        assert sum(us.routed(n) for n in us.engines) == 0
+
+
+def test_region_ladder_bound_refuses_with_retry_after() -> None:
+    # the other region is 80 ms away, beyond a 50 ms ladder: never used, even with every local engine down
+    with two_regions(us_extra=("--region-max-extra-rtt-s", "0.05", "--region-retry-after-s", "7")) as (
+        us,
+        eu,
+    ):
+        assert complete(us.url, "local").headers["x-kvroute-replica"] in us.engines
+        us.kill_engines()
+        _wait_local_down(us)
+        r = complete(us.url, "beyond the ladder")
+        assert r.status_code == 503, r.text
+        assert r.headers.get("retry-after") == "7"
+        assert "beyond_ladder" in r.text
+        assert sum(eu.routed(n) for n in eu.engines) == 0
+
+
+def test_region_hop_header_prevents_loops() -> None:
+    # slow probes: both routers still believe every engine and the peer are up when the request arrives
+    slow = ("--probe-interval-s", "3", "--unhealthy-after", "5")
+    with two_regions(us_extra=slow, eu_extra=slow) as (us, eu):
+        us.kill_engines()
+        eu.kill_engines()
+        r = complete(us.url, "nobody can serve this")
+        assert r.status_code >= 500, r.text
+        # us tried its engines, then eu (one hop); eu tried its engines and never handed it back to us: each
+        # router received the request exactly once
+        assert metric(us.url, "kvroute_requests_total", route="/v1/completions") == 1
+        assert metric(eu.url, "kvroute_requests_total", route="/v1/completions") == 1
+        assert eu.routed("region-us") == 0
+        # a request that already hopped is never forwarded, whatever the state of the peer
+        r = complete(eu.url, "already hopped", headers={"x-kvroute-hop": "us"})
+        assert r.status_code >= 500, r.text
+        assert eu.routed("region-us") == 0
+
+
+def test_region_session_and_idempotency_across_the_hop() -> None:
+    with two_regions(redis=True) as (us, eu):
+        us.kill_engines()
+        _wait_local_down(us)
+        session = {"x-session-id": "conversation-1"}
+        r = complete(us.url, "turn 1", headers=session)
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+        # an idempotent request served across the hop: its duplicate is answered from the origin's store
+        key = {"idempotency-key": "once-only"}
+        first = complete(us.url, "charge the card", headers=key)
+        assert first.status_code == 200 and first.headers["x-kvroute-replica"] == "region-eu", first.text
+        hops = metric(eu.url, "kvroute_requests_total", route="/v1/completions")
+        again = complete(us.url, "charge the card", headers=key)
+        assert again.status_code == 200 and again.headers.get("idempotent-replayed") == "true", again.headers
+        assert again.json() == first.json()
+        assert metric(eu.url, "kvroute_requests_total", route="/v1/completions") == hops  # not run twice
+        served = {n: eu.routed(n) for n in eu.engines}
+        # the us engines come back: the session stays where it is (its cache is there), new sessions stay home
+        for name, (_, port) in list(us.engines.items()):
+            proc = Proc.kvroute(
+                "fake-engine",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--kv-events-port",
+                str(free_port()),
+                "--kv-replay-port",
+                str(free_port()),
+                "--model",
+                MODEL,
+                "--dialect",
+                "vllm",
+                "--time-scale",
+                "0.02",
+            )
+            us.engines[name] = (proc, port)
+        try:
+            wait_until(lambda: all(us.states()[n] == "ready" for n in us.engines), timeout=30, what="us back")
+            for i in range(2, 6):
+                r = complete(us.url, f"turn {i}", headers=session)
+                assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+            # in eu the session is pinned (the hop carried its id) to the engine that served its first turn
+            after = {n: eu.routed(n) for n in eu.engines}
+            moved = [n for n in eu.engines if after[n] != served[n]]
+            first = [n for n in eu.engines if served[n] > 0]
+            assert moved == first and len(first) == 1, (served, after)
+            assert eu.session_replica("conversation-1") == first[0]
+            assert us.session_replica("conversation-1") == "region-eu"
+            r = complete(us.url, "another conversation", headers={"x-session-id": "conversation-2"})
+            assert r.headers["x-kvroute-replica"] in us.engines
+        finally:
+            for proc, _ in us.engines.values():
+                proc.stop()

@@ -1,0 +1,133 @@
+"""The router's regional helpers (router/core/regions.py): residency from the tenant narrowed by a header, the hop
+headers, the matrix from milliseconds, peer replicas; tenants' ``allowed_regions``; a ladder refusal as an error;
+the round trip taken out of a TTFT observed through a peer; a peer without a round trip refused at start."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from index.prefix_index import PrefixIndex
+from membership.replicas import PEER_LABEL, REGION_LABEL, ReplicaTable
+from policies.base import Candidate, Decision, Observation, RouteRequest
+from policies.regions import RegionRefused
+from router.config import Settings
+from router.core.regions import (
+    ALLOWED_REGIONS_HEADER,
+    HOP_HEADER,
+    allowed_regions,
+    client_region_trusted,
+    hop_headers,
+    latency_matrix,
+    parse_regions,
+    peer_specs,
+)
+from router.core.routing import RegionUnavailable, Router
+from router.core.tenants import TenancyConfig
+from router.services import build_services
+
+
+def test_region_allowed_header_only_narrows_the_tenants_list() -> None:
+    assert allowed_regions(None, None) is None
+    assert allowed_regions(["eu"], None) == {"eu"}
+    assert allowed_regions(None, "eu, us") == {"eu", "us"}
+    assert allowed_regions(["eu"], "eu,us") == {"eu"}  # a header cannot widen
+    assert allowed_regions(["eu"], "us") == frozenset()  # nothing left: refused by the ladder
+    assert parse_regions(" , ") == frozenset()
+
+
+def test_region_hop_headers_carry_origin_residency_and_session() -> None:
+    h = hop_headers("us", frozenset({"eu", "us"}), "X-Session-Id", "s1")
+    assert h == {HOP_HEADER: "us", ALLOWED_REGIONS_HEADER: "eu,us", "x-session-id": "s1"}
+    assert hop_headers("us", None, "x-session-id", None) == {HOP_HEADER: "us"}
+
+
+def test_region_matrix_from_milliseconds_includes_home() -> None:
+    m = latency_matrix({"us": {"eu": 80}}, 1.0, "us")
+    assert m.rtt_s("eu", "us") == pytest.approx(0.08)
+    assert m.rtt_s("us", "us") == pytest.approx(0.001)
+    assert latency_matrix({}, 0.0, "ap").regions == {"ap"}
+    with pytest.raises(ValueError):
+        latency_matrix({"us": {"eu": -1}}, 0.0, "us")
+
+
+def test_region_peer_specs_are_labelled_replicas() -> None:
+    (spec,) = peer_specs({"eu": "http://eu.example:8080/"}, "/region/ready")
+    assert spec == {
+        "name": "region-eu",
+        "url": "http://eu.example:8080",
+        "region": "eu",
+        "peer": True,
+        "health_path": "/region/ready",
+    }
+
+
+def test_region_tenant_allowed_regions_parsed_and_checked() -> None:
+    cfg = TenancyConfig.from_settings(Settings(tenants={"t": {"allowed_regions": ["eu"]}}))
+    assert cfg.tenants["t"].allowed_regions == {"eu"}
+    assert cfg.default_policy.allowed_regions is None
+    with pytest.raises(ValueError, match="allowed_regions"):
+        TenancyConfig.from_settings(Settings(tenants={"t": {"allowed_regions": "eu"}}))
+
+
+def test_region_refusal_is_503_with_retry_after_and_the_reason() -> None:
+    err = RegionUnavailable(RegionRefused("beyond_ladder", "too far", 7.0))
+    assert err.status == 503 and err.retry
+    assert err.answer_headers(1)["retry-after"] == "7"
+    assert err.details == "region_beyond_ladder"
+    bad = RegionUnavailable(RegionRefused("unknown_client_region", "who?", 5.0))
+    assert bad.status == 400 and not bad.retry
+
+
+class _Recorder:
+    """A policy that records what it observes (the observation path only)."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.seen: list[Observation] = []
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        return Decision(chosen=candidates[0].index, ranking=[c.index for c in candidates], policy=self.name)
+
+    def observe(self, observation: Observation) -> None:
+        self.seen.append(observation)
+
+
+def test_region_peer_round_trip_is_taken_out_of_observed_ttft() -> None:
+    table = ReplicaTable()
+    local = table.upsert("e0", "http://127.0.0.1:9000")
+    peer = table.upsert("region-eu", "http://127.0.0.1:9001", labels={REGION_LABEL: "eu", PEER_LABEL: "true"})
+    rec = _Recorder()
+    router = Router(table, PrefixIndex(block_size=16), rec)
+    router.peer_rtt_s = {"eu": 0.08}
+    router.observe(
+        Observation(index=peer.index, prompt_tokens=10, cached_tokens=0, queue_wait_s=0.0, ttft_s=0.5)
+    )
+    router.observe(
+        Observation(index=local.index, prompt_tokens=10, cached_tokens=0, queue_wait_s=0.0, ttft_s=0.5)
+    )
+    router.observe(
+        Observation(index=peer.index, prompt_tokens=10, cached_tokens=0, queue_wait_s=0.0, ttft_s=0.05)
+    )
+    assert [o.ttft_s for o in rec.seen] == [pytest.approx(0.42), 0.5, 0.0]
+
+
+def test_region_peer_without_round_trip_is_a_configuration_error() -> None:
+    settings = Settings(
+        tokenizer_mode="bytes",
+        region="us",
+        region_rtt_ms={"us": {"eu": 80}},
+        region_peers={"ap": "http://ap:8080"},
+    )
+    with pytest.raises(ValueError, match="region_peers: 'ap'"):
+        build_services(settings)
+
+
+def test_region_client_header_trusted_from_edge_keys_only() -> None:
+    edge = frozenset({"edge-key"})
+    assert client_region_trusted(None, edge, keys_required=False)  # no keys at all: as the tenant header
+    assert client_region_trusted("Bearer edge-key", edge, keys_required=True)
+    assert not client_region_trusted("Bearer client-key", edge, keys_required=True)
+    assert not client_region_trusted(None, edge, keys_required=True)
