@@ -41,7 +41,7 @@ from router import signals
 from router.config import Settings
 from router.core.admission import Admission
 from router.core.dispatch import DispatchGate
-from router.core.routing import Router, build_profile
+from router.core.routing import Router, build_profile, tier_links_of
 from router.core.tenant_admission import TenantAdmission
 from router.core.tenant_metrics import TenantMetrics
 from router.core.tenants import TenancyConfig
@@ -158,8 +158,10 @@ def _build_tokenizer(settings: Settings) -> Tokenizer:
 
 
 def _profile_factory(settings: Settings) -> Callable[[str | None], ReplicaProfile]:
+    links = tier_links_of(settings.kv_tier_bandwidth_gbps, settings.kv_tier_latency_s)
+
     def profile_for(name: str | None) -> ReplicaProfile:
-        return build_profile(name, settings.profiles, settings.default_profile)
+        return build_profile(name, settings.profiles, settings.default_profile, links)
 
     return profile_for
 

@@ -73,9 +73,14 @@ _PROFILE_FIELDS = {f.name for f in fields(ReplicaProfile)}
 
 
 def build_profile(
-    name: str | None, overrides: dict[str, dict[str, Any]] | None = None, default: str = "a100"
+    name: str | None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    default: str = "a100",
+    tier_links: dict[str, TierLink] | None = None,
 ) -> ReplicaProfile:
     """The ReplicaProfile called ``name`` (built-in, updated by ``overrides[name]``; ``default`` when None).
+    ``tier_links``: the fleet's fetch link per non-GPU tier (Settings ``kv_tier_bandwidth_gbps`` /
+    ``kv_tier_latency_s``: ``tier_links_of``), the default of every profile's ``tiers`` (a profile's own win).
 
     Raises:
         ValueError: unknown profile name or unknown profile field (message lists the known ones).
@@ -94,8 +99,19 @@ def build_profile(
         )
     tiers = params.pop("tiers", {}) or {}
     prof = ReplicaProfile(**params)
-    prof.tiers = {t: v if isinstance(v, TierLink) else TierLink(**v) for t, v in tiers.items()}
+    own = {t: v if isinstance(v, TierLink) else TierLink(**v) for t, v in tiers.items()}
+    prof.tiers = {**{t: replace(link) for t, link in (tier_links or {}).items()}, **own}
     return prof
+
+
+def tier_links_of(bandwidth_gbps: dict[str, float], latency_s: dict[str, float]) -> dict[str, TierLink]:
+    """The fetch link per non-GPU tier from the Settings tier table: bandwidth in GB/s (1e9 bytes/s), latency in
+    seconds (absent: 0). A tier of bandwidth 0 has no link (its matched tokens are not reused)."""
+    return {
+        t: TierLink(bandwidth_bytes_per_s=gbps * 1e9, lookup_latency_s=latency_s.get(t, 0.0))
+        for t, gbps in bandwidth_gbps.items()
+        if t != "gpu" and gbps > 0
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
