@@ -581,6 +581,37 @@ def epp_gauges(active: int) -> Iterator[Metric]:
     )
 
 
+def adapter_gauges(
+    deferred: Mapping[str, int], dispatches: Mapping[str, int], resident: Mapping[str, int]
+) -> Iterator[Metric]:
+    """LoRA adapters: per replica, the requests its engine last reported waiting for an adapter slot
+    (``deferred``, by replica name) and the adapters the router's model holds resident there (``resident``);
+    LoRA requests dispatched by the adapter's predicted tier on the chosen replica (``dispatches``: gpu = resident
+    in a batch slot, cpu = to activate, storage = to load)."""
+    yield gauge(
+        "kvroute_replica_lora_deferred_requests",
+        "requests the replica's engine reports waiting for a LoRA adapter slot "
+        '(vllm:num_requests_waiting_by_reason{reason="deferred"}, last scrape)',
+        labels=["replica"],
+        samples=[([name], float(n)) for name, n in sorted(deferred.items())],
+    )
+    yield gauge(
+        "kvroute_replica_lora_adapters_resident",
+        "LoRA adapters the router's adapter model holds in the replica's GPU slots or CPU cache",
+        labels=["replica"],
+        samples=[([name], float(n)) for name, n in sorted(resident.items())],
+    )
+    c = CounterMetricFamily(
+        "kvroute_lora_dispatches",
+        "LoRA requests dispatched, by the adapter's predicted tier on the chosen replica (gpu: in a batch slot, "
+        "cpu: to activate, storage: to load)",
+        labels=["tier"],
+    )
+    for tier, n in sorted(dispatches.items()):
+        c.add_metric([tier], float(n))
+    yield c
+
+
 def router_gauges(
     inflight: int,
     excluded_candidates: int | None,

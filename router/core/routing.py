@@ -20,7 +20,9 @@ from typing import Any
 
 from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
+from membership.engine_metrics import EngineSnapshot
 from membership.replicas import Replica, ReplicaState, ReplicaTable
+from policies.adapters import AdapterResidency
 from policies.base import (
     Candidate,
     CandidateScore,
@@ -315,6 +317,14 @@ class Router:
         self._transfer_totals: dict[int, TransferTotals] = {}
         #: True once an engine-reported transfer was accepted: the relay's own samples are then not fed
         self.link_from_engines = False
+        #: every replica's LoRA adapters: residency predicted from this router's dispatches, corrected by the
+        #: engines' ``vllm:lora_requests_info`` and deferred gauge (``observe_adapters``); prices a LoRA
+        #: request's adapter on each candidate (``Candidate.adapter``)
+        self.adapters = AdapterResidency()
+        #: replica index -> requests the engine last reported waiting for an adapter slot (its deferred gauge)
+        self.adapter_deferred: dict[int, int] = {}
+        #: LoRA requests dispatched, by the adapter's predicted tier on the chosen replica (gpu, cpu, storage)
+        self.adapter_dispatches: dict[str, int] = {"gpu": 0, "cpu": 0, "storage": 0}
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -474,7 +484,7 @@ class Router:
         if self.pd_policy_factory is not None and self.is_disaggregated(inp):
             return self.decide_plan(inp, exclude)
         t0 = time.perf_counter()
-        facts = [self.facts(r) for r in self.candidates_for(inp, exclude)]
+        facts = [self.facts(r, lora=inp.lora) for r in self.candidates_for(inp, exclude)]
         cands = self.build_candidates(inp, facts)
         req = self.route_request(inp)
         decision = self.policy.choose(req, cands)
@@ -487,13 +497,19 @@ class Router:
             decision_s=time.perf_counter() - t0,
         )
 
-    def facts(self, rep: Replica, *, pd: bool = False) -> ReplicaFacts:
+    def facts(self, rep: Replica, *, pd: bool = False, lora: str | None = None) -> ReplicaFacts:
         """What a policy may know about ``rep``: its load view (this router's in-flight counts included), profile,
         state and engine block size; with ``pd`` also its role, DP ranks, link backlog and whether it serves
-        alone (a co-located decision does not need them: not computed on that hot path)."""
+        alone (a co-located decision does not need them: not computed on that hot path); for a request for LoRA
+        adapter ``lora``, the replica's adapters (``LoadView.adapters``) and the adapter's cost there."""
         load = rep.load
+        view = self.load_view(rep)
+        cost = None
+        if lora is not None:
+            view = replace(view, adapters=self.adapters.slots(rep.index))
+            cost = self.adapters.cost(rep.index, lora, self.clock())
         facts = ReplicaFacts(
-            rep.index, rep.name, self.load_view(rep), rep.profile, rep.state.value, load.engine_block_size
+            rep.index, rep.name, view, rep.profile, rep.state.value, load.engine_block_size, adapter=cost
         )
         if pd:
             facts.role = rep.role if rep.role in ROLES else "both"
@@ -562,7 +578,7 @@ class Router:
             RoutingError subclasses (see ``candidates_for``); NoReplica when no plan is feasible.
         """
         t0 = time.perf_counter()
-        facts = [self.facts(r, pd=True) for r in self.candidates_for(inp, exclude)]
+        facts = [self.facts(r, pd=True, lora=inp.lora) for r in self.candidates_for(inp, exclude)]
         cands = self.build_candidates(inp, facts)
         pd_cands = build_pd_candidates(facts, cands)
         req = self.route_request(inp)
@@ -640,14 +656,36 @@ class Router:
         if rep is not None and rep.dp_size > 1:
             plan.dp_rank = (inp.keys[0] if inp.keys else 0) % rep.dp_size
 
+    # -- LoRA adapters ---------------------------------------------------------------------------------
+    def observe_adapters(self, rep: Replica, snap: EngineSnapshot) -> None:
+        """A scrape of ``rep``: its ``vllm:lora_requests_info`` (adapters per batch, the adapters with requests)
+        corrects the adapter model; its deferred gauge is kept for ``kvroute_replica_lora_deferred_requests``."""
+        if snap.lora_deferred is not None:
+            self.adapter_deferred[rep.index] = snap.lora_deferred
+        if snap.lora_running is None:
+            return
+        self.adapters.scraped(
+            rep.index, snap.lora_running, snap.lora_waiting or (), snap.lora_max, snap.lora_deferred
+        )
+
+    def forget_adapters(self, rep: Replica) -> None:
+        """``rep`` left the fleet: forget its adapters."""
+        self.adapters.forget(rep.index)
+        self.adapter_deferred.pop(rep.index, None)
+
     # -- accounting ------------------------------------------------------------------------------------
-    def acquire(self, rep: Replica, uncached_tokens: int, copies: int = 1) -> None:
+    def acquire(self, rep: Replica, uncached_tokens: int, copies: int = 1, lora: str | None = None) -> None:
         """Count a request as in flight on ``rep`` BEFORE it is dispatched (uncached prefill tokens; ``copies``
-        sequences, each counted as a request: the prompt is prefilled once)."""
+        sequences, each counted as a request: the prompt is prefilled once; ``lora``: its adapter, which the
+        adapter model makes the replica's most recently used)."""
         tokens = max(0, uncached_tokens)
         rep.load.inflight_requests += max(1, copies)
         rep.load.inflight_prefill_tokens += tokens
         self._pending[rep.index] = self._pending.get(rep.index, 0) + tokens
+        if lora is not None:
+            tier = self.adapters.cost(rep.index, lora, self.clock()).tier
+            self.adapter_dispatches[tier] = self.adapter_dispatches.get(tier, 0) + 1
+            self.adapters.dispatched(rep.index, lora, self.clock())
 
     def prefill_done(self, rep: Replica, uncached_tokens: int) -> None:
         """The request's prefill finished (first byte) or failed: stop counting its prefill tokens."""
@@ -675,9 +713,14 @@ class Router:
             return replace(load, queued_prefill_tokens=pending, inflight_prefill_tokens=0)
         return load
 
-    def release(self, rep: Replica, copies: int = 1) -> None:
-        """The request (of ``copies`` sequences, as acquired) finished on ``rep`` (any outcome)."""
+    def release(
+        self, rep: Replica, copies: int = 1, lora: str | None = None, service_s: float | None = None
+    ) -> None:
+        """The request (of ``copies`` sequences, as acquired) finished on ``rep`` (any outcome); ``lora``: its
+        adapter, ``service_s``: how long it held its adapter's batch slot (first byte to end), seconds."""
         rep.load.inflight_requests = max(0, rep.load.inflight_requests - max(1, copies))
+        if lora is not None:
+            self.adapters.finished(rep.index, lora, service_s)
 
     def wants_prediction(self, rep: Replica) -> bool:
         """True when routing to ``rep`` should record predicted index entries."""
