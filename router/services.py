@@ -74,6 +74,7 @@ from router.telemetry import (
     shedder_gauges,
     tokenizer_cache_gauges,
 )
+from router.tokens.images import ImageRenderer
 from router.tokens.token_ids import TokenIdsCheck
 from router.tokens.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
 
@@ -508,6 +509,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         guard,
         token_ids,
         dispatcher,
+        ImageRenderer(settings.tokenize_timeout_s, headers),
     )
     _keep_index_honest(table, index, kv_events, router)
     svc = Services(
@@ -567,6 +569,8 @@ async def run(svc: Services) -> AsyncIterator[None]:
         await svc.gate.aclose()
         await svc.edge.aclose()
         await svc.tokenizer.aclose()
+        if svc.pipeline.images is not None:
+            await svc.pipeline.images.aclose()
 
 
 async def _expire_loop(svc: Services) -> None:

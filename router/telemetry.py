@@ -164,6 +164,14 @@ class Telemetry:
             ["kind"],
             registry=r,
         )
+        self.image_prompts = Counter(
+            "kvroute_image_prompts",
+            "image chats by how their block keys were made: rendered (the engine's render endpoint gave the "
+            "images' identifiers and placeholders: keyed exactly) or unkeyed (routed by load, never keyed on "
+            "text alone); client uuids rewritten per tenant (scoped_uuids)",
+            ["outcome"],
+            registry=r,
+        )
         self.partial_ids = Counter(
             "kvroute_partial_ids_requests",
             "requests routed on a prefix of their prompt's "
