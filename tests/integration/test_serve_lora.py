@@ -41,6 +41,7 @@ def adapter_dir(root: Path, name: str, nbytes: int) -> Path:
 class Fleet:
     url: str
     engines: list[tuple[str, str]]  # (name, url)
+    adapters: Path  # where the adapters' directories are
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             proc, port, ev, rp = start_fake_engine(
                 "--model", BASE, "--time-scale", "0.2", "--gpu-blocks", "4096", "--enable-prompt-tokens-details",
                 "--enable-lora", "--max-loras", "1", *lora, "--seed", str(i),
+                env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
             )  # fmt: skip
             procs.append(proc)
             url = f"http://127.0.0.1:{port}"
@@ -80,7 +82,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             timeout=20,
             what="both replicas ready with their KV-event feeds",
         )
-        yield Fleet(url, engines)
+        yield Fleet(url, engines, root)
     finally:
         if router is not None:
             out = router.stop()
@@ -157,3 +159,19 @@ def test_each_adapter_keeps_to_one_replica_while_both_are_busy(fleet: Fleet) -> 
             what=f"the deferred gauge of {name}",
         )
     assert metric(fleet.url, "kvroute_lora_dispatches_total", tier="gpu") >= 6
+
+
+def test_an_adapter_loaded_at_run_time_is_learned_and_routed_to_its_replica(fleet: Fleet) -> None:
+    """``POST /v1/load_lora_adapter`` on r1's engine: the router reads the engine's adapters again (every
+    ``ADAPTER_REFRESH_S``), lists the new adapter and routes its requests to r1, the only replica holding it."""
+    name, url = fleet.engines[1]
+    path = adapter_dir(fleet.adapters, "c", MB)
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(path)}, timeout=10)
+    assert r.status_code == 200, r.text
+    wait_until(
+        lambda: "c" in {m["id"] for m in httpx.get(fleet.url + "/v1/models").json()["data"]},
+        timeout=20,
+        what="the runtime-loaded adapter learned",
+    )
+    served = complete(fleet, {"model": "c", "prompt": [1, 2, 3, 4], "max_tokens": 2})
+    assert served.headers["x-kvroute-replica"] == name
