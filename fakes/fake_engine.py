@@ -960,6 +960,30 @@ class EngineHttp:
         except Exception as exc:
             raise BadRequest(f"chat template failed: {exc}") from None
 
+    def render_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``POST /v1/chat/completions/render`` answer (``GenerateRequest``): the chat's token ids (image
+        placeholders expanded) and, for image chats, ``features`` with each image's hash (the part's uuid, else
+        the stand-in's content hash: the identifier its KV events carry) and placeholder range. The processed
+        pixels vLLM adds (``kwargs_data``) are left out: the stand-in has none."""
+        features = None
+        if has_images(body.get("messages")):
+            ids, items = self.chat_images(body)
+            features = {
+                "mm_hashes": {"image": [it.identifier for it in items]},
+                "mm_placeholders": {"image": [{"offset": it.offset, "length": it.length} for it in items]},
+                "kwargs_data": None,
+                "mm_metadata": None,
+            }
+        else:
+            ids = self.chat_ids(body)
+        return {
+            "request_id": uuid.uuid4().hex,
+            "token_ids": ids,
+            "features": features,
+            "model": body.get("model"),
+            "stream": bool(body.get("stream", False)),
+        }
+
     def chat_images(self, body: dict[str, Any]) -> tuple[list[int], list[MmItem]]:
         """Token ids of a chat with image parts (``--image-tokens`` placeholders per image) and its images."""
         if self.opts.kv_events_format == "sglang":
@@ -1316,6 +1340,13 @@ def _add_tokenizer_routes(app: FastAPI, http: EngineHttp) -> None:
         return JSONResponse(
             {"count": len(ids), "max_model_len": http.opts.max_model_len, "tokens": ids, "token_strs": None}
         )
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: Request) -> Response:
+        body = await json_object(request)
+        if not http.opts.enable_scale_out:  # vLLM 0.32 serves render only with --enable-scale-out
+            return error_response(http.dialect, "Render API requires --enable-scale-out", 403, "Forbidden")
+        return JSONResponse(http.render_chat(body))
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
@@ -1719,6 +1750,12 @@ def _add_kv_event_args(p: argparse.ArgumentParser) -> None:
         "--kv-store-only",
         action="store_true",
         help="never announce a removal from a non-GPU tier (LMCache's connector announces stores only)",
+    )
+    g.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve POST /v1/chat/completions/render (token ids with image placeholders, image hashes and "
+        "placeholder ranges), as vLLM does with --enable-scale-out; 403 without",
     )
     g.add_argument(
         "--image-tokens",

@@ -129,6 +129,11 @@ class EngineSnapshot:
             pulled (bytes per transfer; seconds per transfer), cumulative; None when the engine exports none.
         process_start_time_s: the serving process's start time (``process_start_time_seconds``), epoch seconds;
             a change means the engine restarted.
+        lora_max: adapters per batch (``max_lora`` of ``vllm:lora_requests_info``), None when not exported.
+        lora_running / lora_waiting: the adapters of the current ``vllm:lora_requests_info`` label set (the one
+            with the latest timestamp value; vLLM keeps stale label sets), None when not exported.
+        lora_deferred: requests waiting for an adapter slot
+            (``vllm:num_requests_waiting_by_reason{reason="deferred"}``), requests; None when not exported.
         families: every family on the page (``# TYPE`` names; every sample name when the page has no ``# TYPE``
             line or none of the families read), for diagnostics.
         rejected: names of the fields whose exported value was out of range (not finite, negative, above
@@ -155,6 +160,10 @@ class EngineSnapshot:
     kv_transfer_bytes: Histogram | None = None
     kv_transfer_time: Histogram | None = None
     process_start_time_s: float | None = None
+    lora_max: int | None = None
+    lora_running: tuple[str, ...] | None = None
+    lora_waiting: tuple[str, ...] | None = None
+    lora_deferred: int | None = None
     families: frozenset[str] = field(default_factory=frozenset)
     rejected: tuple[str, ...] = ()
 
@@ -177,10 +186,12 @@ GAUGE_BOUNDS: dict[str, float] = {
     "generation_tokens_total": 1e18,
     "preemptions_total": 1e15,
     "queued_prefill_tokens": 1e12,
+    "lora_max": 1e6,
+    "lora_deferred": 1e7,
 }
 
 #: Fields that must be at least 1 when known (a block of 0 tokens, a cache of 0 blocks: unknown).
-_POSITIVE = frozenset({"block_size", "num_gpu_blocks"})
+_POSITIVE = frozenset({"block_size", "num_gpu_blocks", "lora_max"})
 
 #: Histogram fields checked as a whole (finite, non-negative sums and counts; a bad one is dropped).
 _HISTOGRAM_FIELDS = (
@@ -513,7 +524,34 @@ def _read_common(s: Samples, snap: EngineSnapshot) -> None:
     snap.process_start_time_s = _mean(s, "process_start_time_seconds")
 
 
+def _adapter_list(raw: str | None) -> tuple[str, ...]:
+    """A comma-separated adapter list label (``running_lora_adapters``) as names, sorted and unique."""
+    return tuple(sorted({a.strip() for a in (raw or "").split(",") if a.strip()}))
+
+
+def _read_lora(s: Samples, snap: EngineSnapshot) -> None:
+    """vLLM's adapter signals: the current ``lora_requests_info`` label set (the latest timestamp value) and the
+    deferred-waiting gauge."""
+    p = "vllm:"
+    info = s.get(p + "lora_requests_info")
+    if info:
+        labels, _ = max(info, key=lambda lv: lv[1] if math.isfinite(lv[1]) else -math.inf)
+        snap.lora_max = _int(_label_number(labels.get("max_lora")))
+        snap.lora_running = _adapter_list(labels.get("running_lora_adapters"))
+        snap.lora_waiting = _adapter_list(labels.get("waiting_lora_adapters"))
+    by_reason = s.get(p + "num_requests_waiting_by_reason")
+    if by_reason:
+        deferred = [v for labels, v in by_reason if labels.get("reason") == "deferred"]
+        snap.lora_deferred = _int(sum(deferred)) if deferred else None
+
+
 def _parse_vllm(s: Samples) -> EngineSnapshot:
+    snap = _parse_vllm_load(s)
+    _read_lora(s, snap)
+    return snap
+
+
+def _parse_vllm_load(s: Samples) -> EngineSnapshot:
     p = "vllm:"
     return EngineSnapshot(
         queued_requests=_int(_sum(s, p + "num_requests_waiting")),

@@ -3,7 +3,8 @@
 ``StaticMembership.load`` puts every configured replica into the table as ``joining``; ``start`` probes each one
 at once and then every ``probe_interval_s`` with ``membership.health.HealthChecker`` (the one health state machine,
 here in its ``admit_joining`` mode): ``GET <health_probe_path>`` (2xx) and ``GET /v1/models`` (to learn the model ids, LoRA
-adapters and ``max_model_len`` the engine serves). A replica becomes ``ready`` after its first successful probe,
+adapters and ``max_model_len`` the engine serves; the adapters of a replica whose configuration lists none are read
+again every ``ADAPTER_REFRESH_S``: engines load and unload them at run time). A replica becomes ``ready`` after its first successful probe,
 ``unhealthy`` after ``unhealthy_after`` consecutive failures (probe or proxy connection failures reported with
 ``report_failure``), and ``ready`` again after ``healthy_after`` consecutive successes.
 
@@ -17,6 +18,8 @@ Units: seconds.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -24,6 +27,10 @@ from membership.config import HealthConfig
 from membership.health import HealthChecker, HookClient, is_static
 from membership.replicas import HEALTH_PATH_LABEL, PEER_LABEL, REGION_LABEL, Replica, ReplicaTable
 from policies.base import ReplicaProfile
+
+#: seconds between two reads of a replica's LoRA adapters from ``/v1/models`` (engines with runtime LoRA updating
+#: load and unload adapters; only replicas whose configuration lists no adapters)
+ADAPTER_REFRESH_S = 10.0
 
 ProfileFactory = Callable[[str | None], ReplicaProfile]
 
@@ -53,6 +60,9 @@ class StaticMembership:
         self.profile_for = profile_for
         self._names: set[str] = set()
         self._models_known: dict[str, bool] = {}
+        #: replica name -> when its LoRA adapters were last read from ``/v1/models`` (monotonic seconds), for
+        #: replicas whose adapters the configuration does not list (an engine may load and unload them at run time)
+        self._adapters_read_at: dict[str, float] = {}
         self.health = HealthChecker(
             table,
             interval_s=health.interval_s,
@@ -99,6 +109,8 @@ class StaticMembership:
             )
             self._names.add(rep.name)
             self._models_known[rep.name] = bool(s.get("model"))
+            if not s.get("loras"):
+                self._adapters_read_at[rep.name] = -math.inf
             self.health.track(rep.name)
             out.append(rep)
         return out
@@ -124,9 +136,11 @@ class StaticMembership:
         """``on_ok`` hook: read ``/v1/models`` on a replica's first successful probe and then until its served
         models are known (a failure here fails the probe)."""
         name = rep.name
-        if self._models_known.get(name) and self.health.track(name).ever_ok:
+        if self._models_known.get(name) and self.health.track(name).ever_ok and not self._adapters_due(name):
             return
         resp = await client.get(rep.url + "/v1/models")
+        if name in self._adapters_read_at:
+            self._adapters_read_at[name] = time.monotonic()
         if resp.status_code != 200:
             return  # models are optional: the replica then accepts any model
         data = resp.json().get("data") or []
@@ -143,8 +157,17 @@ class StaticMembership:
         if models and not self._models_known.get(name):
             self.table.upsert(rep.name, rep.url, models=models)
             self._models_known[name] = True
-        if loras and not rep.loras:
+        if name in self._adapters_read_at:  # adapters not configured: the engine's list (runtime loads)
+            if loras != rep.loras:
+                self.table.upsert(rep.name, rep.url, loras=loras)
+        elif loras and not rep.loras:
             self.table.upsert(rep.name, rep.url, loras=loras)
+
+    def _adapters_due(self, name: str) -> bool:
+        """True when replica ``name``'s adapters come from its engine and were read ``ADAPTER_REFRESH_S`` ago or
+        more (an engine with runtime LoRA updating loads and unloads adapters: ``/v1/load_lora_adapter``)."""
+        at = self._adapters_read_at.get(name)
+        return at is not None and time.monotonic() - at >= ADAPTER_REFRESH_S
 
     def report_failure(self, name: str, error: str = "connection failed") -> None:
         """Passive signal from the proxy: a connection to replica ``name`` failed (counts like a failed probe).

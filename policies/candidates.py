@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from index.prefix_index import ReplicaMatch
+from policies.adapters import AdapterCost
 from policies.base import Candidate, LoadView, ReplicaProfile
 from policies.hits import hit_from_match
 from policies.pd_base import PdCandidate, Role
@@ -33,6 +34,8 @@ class ReplicaFacts:
         link_busy_s: seconds until the replica's outgoing KV link is free (PD handoffs), seconds.
         serves_alone: the engine answers a request without a KV handoff (PD fleets).
         region: the region the replica runs in ("" when unknown; ``policies.regions``).
+        adapter: the request's LoRA adapter on this replica, priced in seconds (``policies.adapters``); None for
+            a base-model request.
     """
 
     index: int
@@ -46,6 +49,7 @@ class ReplicaFacts:
     link_busy_s: float = 0.0
     serves_alone: bool = True
     region: str = ""
+    adapter: AdapterCost | None = None
 
 
 def build_candidates(
@@ -55,7 +59,8 @@ def build_candidates(
     block_size: int,
 ) -> list[Candidate]:
     """One ``Candidate`` per replica, in order: its load view, profile and the prompt prefix it holds
-    (``matches``: the index match by replica index, blocks -> ``PrefixHit`` tokens via ``hit_from_match``)."""
+    (``matches``: the index match by replica index, blocks -> ``PrefixHit`` tokens via ``hit_from_match``) and,
+    for a LoRA request, its adapter's cost there."""
     return [
         Candidate(
             index=r.index,
@@ -65,6 +70,7 @@ def build_candidates(
             profile=r.profile,
             state=r.state,
             region=r.region,
+            adapter=r.adapter,
         )
         for r in replicas
     ]

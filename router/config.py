@@ -229,7 +229,9 @@ class Settings(BaseSettings):
         default=None, description="jinja2 chat template file overriding tokenizer_config.json's chat_template"
     )
     tokenize_timeout_s: float = Field(
-        default=2.0, gt=0, description="timeout of an engine /tokenize call (s)"
+        default=2.0,
+        gt=0,
+        description="timeout of an engine /tokenize call, and of a chat render call for an image chat (s)",
     )
     tokenizer_cache_mb: float = Field(
         default=64.0,

@@ -43,7 +43,7 @@ from router.config import Settings
 from router.core.admission import Admission
 from router.core.dispatch import DispatchGate
 from router.core.regions import latency_matrix, peer_specs
-from router.core.routing import Router, build_profile
+from router.core.routing import Router, build_profile, tier_links_of
 from router.core.tenant_admission import TenantAdmission
 from router.core.tenant_metrics import TenantMetrics
 from router.core.tenants import TenancyConfig
@@ -63,6 +63,7 @@ from router.serve.loop_lag import LoopLag
 from router.serve.pipeline import Pipeline
 from router.telemetry import (
     Telemetry,
+    adapter_gauges,
     admission_gauges,
     budget_gauges,
     dispatch_gauges,
@@ -75,6 +76,7 @@ from router.telemetry import (
     shedder_gauges,
     tokenizer_cache_gauges,
 )
+from router.tokens.images import ImageRenderer
 from router.tokens.token_ids import TokenIdsCheck
 from router.tokens.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
 
@@ -160,8 +162,10 @@ def _build_tokenizer(settings: Settings) -> Tokenizer:
 
 
 def _profile_factory(settings: Settings) -> Callable[[str | None], ReplicaProfile]:
+    links = tier_links_of(settings.kv_tier_bandwidth_gbps, settings.kv_tier_latency_s)
+
     def profile_for(name: str | None) -> ReplicaProfile:
-        return build_profile(name, settings.profiles, settings.default_profile)
+        return build_profile(name, settings.profiles, settings.default_profile, links)
 
     return profile_for
 
@@ -271,9 +275,11 @@ def _configure_pd(settings: Settings, router: Router) -> None:
     router.pd_link_estimator = LinkEstimator(router.pd_link, settings.pd_link_learning())
 
 
-def _observe_transfers(dispatcher: Dispatcher, rep: Replica, snap: EngineSnapshot) -> None:
-    """A scrape's KV-transfer totals to the PD legs' link learning (``PdLegs.observe_engine_transfers``), and its
-    engine start time to their restart detection (``PdLegs.observe_engine_start``)."""
+def _observe_snapshot(router: Router, dispatcher: Dispatcher, rep: Replica, snap: EngineSnapshot) -> None:
+    """A scrape's LoRA adapter signals to the router's adapter model (``Router.observe_adapters``); its KV-transfer
+    totals to the PD legs' link learning (``PdLegs.observe_engine_transfers``), and its engine start time to their
+    restart detection (``PdLegs.observe_engine_start``)."""
+    router.observe_adapters(rep, snap)
     if dispatcher.pd is not None:
         dispatcher.pd.observe_engine_start(rep, snap)
         dispatcher.pd.observe_engine_transfers(rep, snap)
@@ -386,9 +392,11 @@ def _build_tenants(
     return tenants
 
 
-def _keep_index_honest(table: ReplicaTable, index: PrefixIndex, kv_events: KVEventSubscriber | None) -> None:
-    """A replica that leaves is cleared from the index; so is one that turns unhealthy without KV events (its
-    predicted entries would be stale when it comes back)."""
+def _keep_index_honest(
+    table: ReplicaTable, index: PrefixIndex, kv_events: KVEventSubscriber | None, router: Router
+) -> None:
+    """A replica that leaves is cleared from the index (and from the router's adapter model); so is one that turns
+    unhealthy without KV events (its predicted entries would be stale when it comes back)."""
 
     def on_change(rep: Replica) -> None:
         if rep.state == ReplicaState.UNHEALTHY and not signals.events_healthy(kv_events, rep):
@@ -396,6 +404,7 @@ def _keep_index_honest(table: ReplicaTable, index: PrefixIndex, kv_events: KVEve
 
     table.on_change(on_change)
     table.on_remove(lambda rep: index.clear(rep.index))
+    table.on_remove(router.forget_adapters)
 
 
 def _register_metrics(svc: Services) -> None:
@@ -405,6 +414,7 @@ def _register_metrics(svc: Services) -> None:
     t.add_gauges(lambda: index_gauges(svc.index.stats()))
     t.add_gauges(lambda: replica_gauges(svc.table.all(), svc.token_ids.accepts))
     t.add_gauges(lambda: _router_gauges(svc))
+    t.add_gauges(lambda: _adapter_gauges(svc))
     if isinstance(svc.tokenizer, HfTokenizer):
         cache = svc.tokenizer.cache
         t.add_gauges(lambda: tokenizer_cache_gauges(cache.stats()))
@@ -439,6 +449,15 @@ def _router_gauges(svc: Services) -> Iterator[Metric]:
         svc.token_ids.audited,
         svc.token_ids.audit_mismatches,
     )
+
+
+def _adapter_gauges(svc: Services) -> Iterator[Metric]:
+    """The router's LoRA adapter values (rendered by ``router.telemetry.adapter_gauges``)."""
+    r = svc.router
+    reps = svc.table.all()
+    deferred = {rep.name: r.adapter_deferred[rep.index] for rep in reps if rep.index in r.adapter_deferred}
+    resident = {rep.name: len(r.adapters.resident(rep.index)) for rep in reps if rep.loras}
+    return adapter_gauges(deferred, r.adapter_dispatches, resident)
 
 
 def _background(svc: Services) -> list[StartStop]:
@@ -511,7 +530,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         headers,
         kv_events,
         client=engine_client,
-        also_on_snapshot=lambda rep, snap: _observe_transfers(dispatcher, rep, snap),
+        also_on_snapshot=lambda rep, snap: _observe_snapshot(router, dispatcher, rep, snap),
     )
     _probe_over_pool(membership, engine_client)
     router = _build_router(settings, table, index, policy, kv_events, membership)
@@ -534,8 +553,9 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         guard,
         token_ids,
         dispatcher,
+        ImageRenderer(settings.tokenize_timeout_s, headers),
     )
-    _keep_index_honest(table, index, kv_events)
+    _keep_index_honest(table, index, kv_events, router)
     svc = Services(
         settings=settings,
         telemetry=telemetry,
@@ -593,6 +613,8 @@ async def run(svc: Services) -> AsyncIterator[None]:
         await svc.gate.aclose()
         await svc.edge.aclose()
         await svc.tokenizer.aclose()
+        if svc.pipeline.images is not None:
+            await svc.pipeline.images.aclose()
 
 
 async def _expire_loop(svc: Services) -> None:

@@ -90,6 +90,8 @@ def kv_events_config(settings: Settings) -> KVEventsConfig:
         orphan_replay_interval_s=st.kv_orphan_replay_interval_s,
         degraded_retry_s=st.kv_degraded_retry_s,
         degraded_hold_s=st.kv_degraded_hold_s,
+        medium_tiers=st.kv_medium_tiers,
+        tier_ttl_s=st.kv_tier_ttl_s,
     )
 
 

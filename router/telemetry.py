@@ -184,6 +184,14 @@ class Telemetry:
             ["kind"],
             registry=r,
         )
+        self.image_prompts = Counter(
+            "kvroute_image_prompts",
+            "image chats by how their block keys were made: rendered (the engine's render endpoint gave the "
+            "images' identifiers and placeholders: keyed exactly) or unkeyed (routed by load, never keyed on "
+            "text alone); client uuids rewritten per tenant (scoped_uuids)",
+            ["outcome"],
+            registry=r,
+        )
         self.partial_ids = Counter(
             "kvroute_partial_ids_requests",
             "requests routed on a prefix of their prompt's "
@@ -602,6 +610,37 @@ def epp_gauges(active: int) -> Iterator[Metric]:
         "endpoint-picker streams open now (one per request the gateway is processing)",
         float(active),
     )
+
+
+def adapter_gauges(
+    deferred: Mapping[str, int], dispatches: Mapping[str, int], resident: Mapping[str, int]
+) -> Iterator[Metric]:
+    """LoRA adapters: per replica, the requests its engine last reported waiting for an adapter slot
+    (``deferred``, by replica name) and the adapters the router's model holds resident there (``resident``);
+    LoRA requests dispatched by the adapter's predicted tier on the chosen replica (``dispatches``: gpu = resident
+    in a batch slot, cpu = to activate, storage = to load)."""
+    yield gauge(
+        "kvroute_replica_lora_deferred_requests",
+        "requests the replica's engine reports waiting for a LoRA adapter slot "
+        '(vllm:num_requests_waiting_by_reason{reason="deferred"}, last scrape)',
+        labels=["replica"],
+        samples=[([name], float(n)) for name, n in sorted(deferred.items())],
+    )
+    yield gauge(
+        "kvroute_replica_lora_adapters_resident",
+        "LoRA adapters the router's adapter model holds in the replica's GPU slots or CPU cache",
+        labels=["replica"],
+        samples=[([name], float(n)) for name, n in sorted(resident.items())],
+    )
+    c = CounterMetricFamily(
+        "kvroute_lora_dispatches",
+        "LoRA requests dispatched, by the adapter's predicted tier on the chosen replica (gpu: in a batch slot, "
+        "cpu: to activate, storage: to load)",
+        labels=["tier"],
+    )
+    for tier, n in sorted(dispatches.items()):
+        c.add_metric([tier], float(n))
+    yield c
 
 
 def router_gauges(

@@ -20,7 +20,9 @@ from typing import Any
 
 from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
+from membership.engine_metrics import EngineSnapshot
 from membership.replicas import Replica, ReplicaState, ReplicaTable
+from policies.adapters import AdapterResidency
 from policies.base import (
     Candidate,
     CandidateScore,
@@ -74,9 +76,14 @@ _PROFILE_FIELDS = {f.name for f in fields(ReplicaProfile)}
 
 
 def build_profile(
-    name: str | None, overrides: dict[str, dict[str, Any]] | None = None, default: str = "a100"
+    name: str | None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    default: str = "a100",
+    tier_links: dict[str, TierLink] | None = None,
 ) -> ReplicaProfile:
     """The ReplicaProfile called ``name`` (built-in, updated by ``overrides[name]``; ``default`` when None).
+    ``tier_links``: the fleet's fetch link per non-GPU tier (Settings ``kv_tier_bandwidth_gbps`` /
+    ``kv_tier_latency_s``: ``tier_links_of``), the default of every profile's ``tiers`` (a profile's own win).
 
     Raises:
         ValueError: unknown profile name or unknown profile field (message lists the known ones).
@@ -95,8 +102,19 @@ def build_profile(
         )
     tiers = params.pop("tiers", {}) or {}
     prof = ReplicaProfile(**params)
-    prof.tiers = {t: v if isinstance(v, TierLink) else TierLink(**v) for t, v in tiers.items()}
+    own = {t: v if isinstance(v, TierLink) else TierLink(**v) for t, v in tiers.items()}
+    prof.tiers = {**{t: replace(link) for t, link in (tier_links or {}).items()}, **own}
     return prof
+
+
+def tier_links_of(bandwidth_gbps: dict[str, float], latency_s: dict[str, float]) -> dict[str, TierLink]:
+    """The fetch link per non-GPU tier from the Settings tier table: bandwidth in GB/s (1e9 bytes/s), latency in
+    seconds (absent: 0). A tier of bandwidth 0 has no link (its matched tokens are not reused)."""
+    return {
+        t: TierLink(bandwidth_bytes_per_s=gbps * 1e9, lookup_latency_s=latency_s.get(t, 0.0))
+        for t, gbps in bandwidth_gbps.items()
+        if t != "gpu" and gbps > 0
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -328,6 +346,14 @@ class Router:
         #: round trip to each peer region's router, seconds (``region_rtt_ms``): taken out of a TTFT observed
         #: through a peer, so the calibration sees the peer's own time (the ladder adds the round trip again)
         self.peer_rtt_s: dict[str, float] = {}
+        #: every replica's LoRA adapters: residency predicted from this router's dispatches, corrected by the
+        #: engines' ``vllm:lora_requests_info`` and deferred gauge (``observe_adapters``); prices a LoRA
+        #: request's adapter on each candidate (``Candidate.adapter``)
+        self.adapters = AdapterResidency()
+        #: replica index -> requests the engine last reported waiting for an adapter slot (its deferred gauge)
+        self.adapter_deferred: dict[int, int] = {}
+        #: LoRA requests dispatched, by the adapter's predicted tier on the chosen replica (gpu, cpu, storage)
+        self.adapter_dispatches: dict[str, int] = {"gpu": 0, "cpu": 0, "storage": 0}
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -490,7 +516,7 @@ class Router:
         if self.pd_policy_factory is not None and self.is_disaggregated(inp):
             return self.decide_plan(inp, exclude)
         t0 = time.perf_counter()
-        facts = [self.facts(r) for r in self.candidates_for(inp, exclude)]
+        facts = [self.facts(r, lora=inp.lora) for r in self.candidates_for(inp, exclude)]
         cands = self.build_candidates(inp, facts)
         req = self.route_request(inp)
         try:
@@ -506,19 +532,26 @@ class Router:
             decision_s=time.perf_counter() - t0,
         )
 
-    def facts(self, rep: Replica, *, pd: bool = False) -> ReplicaFacts:
+    def facts(self, rep: Replica, *, pd: bool = False, lora: str | None = None) -> ReplicaFacts:
         """What a policy may know about ``rep``: its load view (this router's in-flight counts included), profile,
         state and engine block size; with ``pd`` also its role, DP ranks, link backlog and whether it serves
-        alone (a co-located decision does not need them: not computed on that hot path)."""
+        alone (a co-located decision does not need them: not computed on that hot path); for a request for LoRA
+        adapter ``lora``, the replica's adapters (``LoadView.adapters``) and the adapter's cost there."""
         load = rep.load
+        view = self.load_view(rep)
+        cost = None
+        if lora is not None:
+            view = replace(view, adapters=self.adapters.slots(rep.index))
+            cost = self.adapters.cost(rep.index, lora, self.clock())
         facts = ReplicaFacts(
             rep.index,
             rep.name,
-            self.load_view(rep),
+            view,
             rep.profile,
             rep.state.value,
             load.engine_block_size,
             region=rep.region or self.home_region,
+            adapter=cost,
         )
         if pd:
             facts.role = rep.role if rep.role in ROLES else "both"
@@ -589,7 +622,7 @@ class Router:
             RoutingError subclasses (see ``candidates_for``); NoReplica when no plan is feasible.
         """
         t0 = time.perf_counter()
-        facts = [self.facts(r, pd=True) for r in self.candidates_for(inp, exclude)]
+        facts = [self.facts(r, pd=True, lora=inp.lora) for r in self.candidates_for(inp, exclude)]
         cands = self.build_candidates(inp, facts)
         pd_cands = build_pd_candidates(facts, cands)
         req = self.route_request(inp)
@@ -667,14 +700,36 @@ class Router:
         if rep is not None and rep.dp_size > 1:
             plan.dp_rank = (inp.keys[0] if inp.keys else 0) % rep.dp_size
 
+    # -- LoRA adapters ---------------------------------------------------------------------------------
+    def observe_adapters(self, rep: Replica, snap: EngineSnapshot) -> None:
+        """A scrape of ``rep``: its ``vllm:lora_requests_info`` (adapters per batch, the adapters with requests)
+        corrects the adapter model; its deferred gauge is kept for ``kvroute_replica_lora_deferred_requests``."""
+        if snap.lora_deferred is not None:
+            self.adapter_deferred[rep.index] = snap.lora_deferred
+        if snap.lora_running is None:
+            return
+        self.adapters.scraped(
+            rep.index, snap.lora_running, snap.lora_waiting or (), snap.lora_max, snap.lora_deferred
+        )
+
+    def forget_adapters(self, rep: Replica) -> None:
+        """``rep`` left the fleet: forget its adapters."""
+        self.adapters.forget(rep.index)
+        self.adapter_deferred.pop(rep.index, None)
+
     # -- accounting ------------------------------------------------------------------------------------
-    def acquire(self, rep: Replica, uncached_tokens: int, copies: int = 1) -> None:
+    def acquire(self, rep: Replica, uncached_tokens: int, copies: int = 1, lora: str | None = None) -> None:
         """Count a request as in flight on ``rep`` BEFORE it is dispatched (uncached prefill tokens; ``copies``
-        sequences, each counted as a request: the prompt is prefilled once)."""
+        sequences, each counted as a request: the prompt is prefilled once; ``lora``: its adapter, which the
+        adapter model makes the replica's most recently used)."""
         tokens = max(0, uncached_tokens)
         rep.load.inflight_requests += max(1, copies)
         rep.load.inflight_prefill_tokens += tokens
         self._pending[rep.index] = self._pending.get(rep.index, 0) + tokens
+        if lora is not None:
+            tier = self.adapters.cost(rep.index, lora, self.clock()).tier
+            self.adapter_dispatches[tier] = self.adapter_dispatches.get(tier, 0) + 1
+            self.adapters.dispatched(rep.index, lora, self.clock())
 
     def prefill_done(self, rep: Replica, uncached_tokens: int) -> None:
         """The request's prefill finished (first byte) or failed: stop counting its prefill tokens."""
@@ -702,9 +757,14 @@ class Router:
             return replace(load, queued_prefill_tokens=pending, inflight_prefill_tokens=0)
         return load
 
-    def release(self, rep: Replica, copies: int = 1) -> None:
-        """The request (of ``copies`` sequences, as acquired) finished on ``rep`` (any outcome)."""
+    def release(
+        self, rep: Replica, copies: int = 1, lora: str | None = None, service_s: float | None = None
+    ) -> None:
+        """The request (of ``copies`` sequences, as acquired) finished on ``rep`` (any outcome); ``lora``: its
+        adapter, ``service_s``: how long it held its adapter's batch slot (first byte to end), seconds."""
         rep.load.inflight_requests = max(0, rep.load.inflight_requests - max(1, copies))
+        if lora is not None:
+            self.adapters.finished(rep.index, lora, service_s)
 
     def wants_prediction(self, rep: Replica) -> bool:
         """True when routing to ``rep`` should record predicted index entries."""

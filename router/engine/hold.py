@@ -53,10 +53,28 @@ class Hold:
     Units: tokens.
     """
 
-    __slots__ = ("router", "gate", "rep", "uncached", "copies", "_permit", "_prefilling", "_held", "_owned")
+    __slots__ = (
+        "router",
+        "gate",
+        "rep",
+        "uncached",
+        "copies",
+        "lora",
+        "_permit",
+        "_prefilling",
+        "_held",
+        "_owned",
+        "_first_byte_at",
+    )
 
     def __init__(
-        self, router: Router, gate: DispatchGate | None, rep: Replica, uncached: int, copies: int
+        self,
+        router: Router,
+        gate: DispatchGate | None,
+        rep: Replica,
+        uncached: int,
+        copies: int,
+        lora: str | None = None,
     ) -> None:
         self.router = router
         self.gate = gate
@@ -65,13 +83,16 @@ class Hold:
         self.uncached = uncached
         #: sequences requested (n / best_of), each counted as a request
         self.copies = copies
+        #: the request's LoRA adapter (None: the base model): held in the router's adapter model until release
+        self.lora = lora
+        self._first_byte_at: float | None = None  # router clock at the first byte (the adapter's slot time)
         self._permit: int | None = None  # what gate.wait returned (None: no permit counted)
         self._prefilling = False
         self._held = False
         self._owned = True
 
     def __enter__(self) -> Hold:
-        self.router.acquire(self.rep, self.uncached, self.copies)
+        self.router.acquire(self.rep, self.uncached, self.copies, self.lora)
         self._prefilling = self._held = True
         return self
 
@@ -94,6 +115,8 @@ class Hold:
         if not self._prefilling:
             return
         self._prefilling = False
+        if self.lora is not None:
+            self._first_byte_at = self.router.clock()
         if self.gate is not None:
             self.gate.done(self.rep.index, self._permit)
         self.router.prefill_done(self.rep, self.uncached)
@@ -103,7 +126,12 @@ class Hold:
         self.first_byte()
         if self._held:
             self._held = False
-            self.router.release(self.rep, self.copies)
+            if self.lora is None:
+                self.router.release(self.rep, self.copies)
+                return
+            start = self._first_byte_at
+            service = self.router.clock() - start if start is not None else None
+            self.router.release(self.rep, self.copies, self.lora, service)
 
     def hand_over(self) -> Hold:
         """The caller no longer releases on leaving the ``with`` block: a relayed stream will. Returns self."""

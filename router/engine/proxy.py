@@ -207,7 +207,9 @@ class Proxy:
         byte, commit the answer. Raises ``AttemptFailed`` before the first byte (the hold is released)."""
         inp = run.routed.inp
         predicted_cached = run.cached.get(rep.index, 0)
-        with Hold(self.router, self.gate, rep, inp.prompt_tokens - predicted_cached, inp.copies) as hold:
+        with Hold(
+            self.router, self.gate, rep, inp.prompt_tokens - predicted_cached, inp.copies, inp.lora
+        ) as hold:
             self.router.record_prediction(rep, inp.keys)
             payload, strip_usage = self.edge.payload(rep, body, stream, ids)
             t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)

@@ -500,7 +500,7 @@ class _Stream:
         self.routed = routed
         self.predicted_cached = routed.cached_tokens.get(rep.index, 0)
         # the attempt's hold (no dispatch gate here): counted in flight now, released by ``finish()``
-        self.hold = Hold(router, None, rep, inp.prompt_tokens - self.predicted_cached, inp.copies)
+        self.hold = Hold(router, None, rep, inp.prompt_tokens - self.predicted_cached, inp.copies, inp.lora)
         self.hold.__enter__().hand_over()
         router.record_prediction(rep, inp.keys)
         self.served_headers = {codec.REPLICA_HEADER: rep.name}

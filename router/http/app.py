@@ -589,13 +589,15 @@ class _DataPlane:
         parsed = await pipeline.parse(await request.body(), RouteBody)
         body = parsed.model
         ident = await pipeline.identify(request.headers, body, None)
+        chat = chat_input(body)
         inp = await pipeline.tokenize(
             request.headers,
             body,
             ident,
             prompt=body.prompt,
-            chat=chat_input(body),
+            chat=chat,
             token_ids=body.token_ids,
+            image_chat=pipeline.scope_images(parsed, ident) if chat is not None else None,
         )
         routed = pipeline.explain(inp)
         out = decision_json(

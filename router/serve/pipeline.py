@@ -24,6 +24,7 @@ Units: tokens, seconds.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel
 from starlette.responses import Response
 
+from index.hashing import mm_block_keys
 from membership.replicas import ReplicaTable
 from membership.runtime import Membership
 from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
@@ -53,6 +55,7 @@ from router.serve.intake import Intake, dump_messages, sequences
 from router.serve.requests import ChatMessage, ChatRequest, CompletionRequest, RequestCommon, new_request_id
 from router.telemetry import Telemetry
 from router.tokens.frontier import FrontierIds, frontier_ids, frontier_tokenizer
+from router.tokens.images import ImageRenderer, has_image_parts, scope_image_uuids, tenant_scope, text_parts
 from router.tokens.token_ids import IdsPrompt, TokenIdsCheck, ids_prompt
 from router.tokens.tokenizer import HfTokenizer, Tokenizer
 
@@ -136,6 +139,8 @@ class Pipeline:
         guard: authorization and shedding from the headers.
         token_ids: which replicas take prompts as token ids.
         dispatcher: dispatch (in place or by the plan).
+        images: renders image chats on an engine (``router.tokens.images``); None: image chats are routed
+            unkeyed.
     """
 
     def __init__(
@@ -151,8 +156,10 @@ class Pipeline:
         guard: Guard,
         token_ids: TokenIdsCheck,
         dispatcher: Dispatcher,
+        images: ImageRenderer | None = None,
     ) -> None:
         self.settings = settings
+        self.images = images
         self.telemetry = telemetry
         self.table = table
         self.router = router
@@ -207,11 +214,17 @@ class Pipeline:
         chat: ChatInput | None = None,
         token_ids: list[int] | None = None,
         max_out: int | None = None,
+        image_chat: dict[str, Any] | None = None,
     ) -> RoutingInput:
-        """Tokenize (unless ids were given), hash and bundle what the request contributes to a decision."""
+        """Tokenize (unless ids were given), hash and bundle what the request contributes to a decision.
+        ``image_chat``: the body of a chat with images (its uuids scoped): its ids and images come from an
+        engine's render endpoint, else it is routed unkeyed."""
         model, lora, base = self.router.resolve_model(body.model)
         namespace = ident.tenant if ident.policy.isolate_cache else None
         walked: FrontierIds | None = None
+        keys: list[int] | None = None
+        if image_chat is not None:
+            token_ids, keys = await self._image_ids(image_chat, body, model, lora, base, namespace, chat)
         # ids from the request body were validated by the schema (TokenId: 0 <= id < 2**32): no second pass
         if token_ids is None:
             token_ids, walked, checked = await self._token_ids(
@@ -234,7 +247,7 @@ class Pipeline:
             namespace=namespace,
             ttft_target_s=ident.ttft_target_s,
             priority=ident.priority,
-            keys=walked.keys if walked is not None else None,
+            keys=walked.keys if walked is not None else keys,
             estimated_tokens=None if walked is None or walked.complete else walked.estimated_tokens,
         )
         inp.identity = ident
@@ -259,6 +272,46 @@ class Pipeline:
             inp.client_region = client.strip()
         else:
             self.telemetry.region_headers_ignored.labels(CLIENT_REGION_HEADER).inc()
+
+    async def _image_ids(
+        self,
+        data: dict[str, Any],
+        body: RequestCommon,
+        model: str,
+        lora: str | None,
+        base: str,
+        namespace: str | None,
+        chat: ChatInput | None,
+    ) -> tuple[list[int], list[int]]:
+        """An image chat's ids and block keys: rendered by a replica serving the model (the images folded into
+        the keys exactly as the engine's events fold them), else the text's ids and no keys (routed by load)."""
+        rendered = None
+        url = self._render_url(model, lora)
+        if url is not None and self.images is not None:
+            rendered = await self.images.render(url, data)
+        if rendered is not None:
+            self.telemetry.image_prompts.labels("rendered").inc()
+            seed = self.router.seed_for(base, lora, body.cache_salt, namespace)
+            ids = rendered.token_ids
+            return ids, mm_block_keys(ids, self.router.block_size, seed, rendered.items)
+        self.telemetry.image_prompts.labels("unkeyed").inc()
+        text_only = None
+        if chat is not None:
+            msgs = [ChatMessage.model_validate(m) for m in text_parts(data)]
+            text_only = ChatInput(msgs, chat.add_generation_prompt, chat.tools, chat.template_kwargs)
+        ids, _, _ = await self._token_ids(body, model, lora, base, namespace, None, text_only)
+        return (
+            ids,
+            [],
+        )  # the text's ids (the prompt's size, images left out); no keys: never a hit on text alone
+
+    def _render_url(self, model: str, lora: str | None) -> str | None:
+        """A routable replica serving the model that may render chats (fewest in flight), or None."""
+        images = self.images
+        if images is None:
+            return None
+        reps = [r for r in self.table.routable(None if lora else model, lora) if images.supported(r.url)]
+        return min(reps, key=lambda r: r.load.inflight_requests).url if reps else None
 
     async def _token_ids(
         self,
@@ -348,8 +401,24 @@ class Pipeline:
         max_out = body.max_completion_tokens if isinstance(body, ChatRequest) else None
         ident = await self.identify(headers, body, max_out)
         prompt = body.prompt if isinstance(body, CompletionRequest) else None
-        inp = await self.tokenize(headers, body, ident, prompt=prompt, chat=chat, max_out=max_out)
+        image_chat = self.scope_images(parsed, ident) if chat is not None else None
+        inp = await self.tokenize(
+            headers, body, ident, prompt=prompt, chat=chat, max_out=max_out, image_chat=image_chat
+        )
         return Prepared(path, inp, parsed.body, body.stream, self._ids(parsed, inp))
+
+    def scope_images(self, parsed: Parsed[Any], ident: Identity) -> dict[str, Any] | None:
+        """For a chat with image parts: its client uuids rewritten per tenant (``router.tokens.images``: one
+        tenant's uuid never names another tenant's image) in the JSON and the body that goes on; returns the
+        JSON (None for a chat without images)."""
+        data = parsed.data
+        if not isinstance(data, dict) or not has_image_parts(data):
+            return None
+        scoped = scope_image_uuids(data, tenant_scope(ident.tenant))
+        if scoped:
+            self.telemetry.image_prompts.labels("scoped_uuids").inc()
+        parsed.body = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        return data
 
     def _ids(self, parsed: Parsed[Any], inp: RoutingInput) -> IdsPrompt | None:
         """A completions prompt as the router's ids, for replicas that take them (router/tokens/token_ids.py):
