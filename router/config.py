@@ -306,6 +306,13 @@ class Settings(BaseSettings):
         le=10,
         description="extra attempts on other replicas after a failure before the first byte",
     )
+    migration_limit: int = Field(
+        default=3,
+        ge=0,
+        le=10,
+        description="continuations on other replicas of a stream whose engine failed after the first byte "
+        "(0: such a stream ends with an SSE error event)",
+    )
     max_request_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="largest accepted request body (bytes); larger -> 413"
     )

@@ -6,6 +6,9 @@ client's answer.
 * disaggregated plan: the two legs through the plan's protocol runner (``router.pd.legs.PdLegs``), which falls
   back to the in-place attempts when a leg fails.
 
+A relayed stream is armed for mid-stream migration (``migration_limit`` > 0, ``router.serve.migration``): when its
+engine fails after the first byte, the answer continues on another replica, dispatched by the same plan step.
+
 Whatever the path, a client that disconnects before the answer starts cancels the upstream request (answered
 499, counted ``client_disconnected``); once a stream is relayed it keeps watching the client itself; ``on_done``
 runs exactly once when the answer is over.
@@ -23,6 +26,7 @@ from router.core.routing import Routed
 from router.engine.proxy import Proxy
 from router.engine.relay import ClientWatch, RelayedStream
 from router.pd.legs import PdLegs
+from router.serve.migration import Migration
 from router.telemetry import Telemetry
 from router.tokens.token_ids import IdsPrompt
 
@@ -34,12 +38,16 @@ class Dispatcher:
         in_place: the in-place attempts.
         pd: the prefill/decode legs (None: every plan is served in place).
         telemetry: metrics (``client_disconnected``).
+        migration_limit: continuations of a stream whose engine failed after the first byte (0: none).
     """
 
-    def __init__(self, in_place: Proxy, pd: PdLegs | None, telemetry: Telemetry) -> None:
+    def __init__(
+        self, in_place: Proxy, pd: PdLegs | None, telemetry: Telemetry, migration_limit: int
+    ) -> None:
         self.in_place = in_place
         self.pd = pd
         self.telemetry = telemetry
+        self.migration_limit = migration_limit
 
     async def forward(
         self,
@@ -63,12 +71,28 @@ class Dispatcher:
             if on_done is not None:
                 on_done()
             raise
+        if isinstance(resp, RelayedStream) and self.migration_limit > 0:
+            migration = Migration(
+                self.in_place.router,
+                self._continue,
+                self.telemetry,
+                self.migration_limit,
+                routed,
+                path,
+                body,
+                request_id,
+            )
+            resp.relay.arm(migration.resume)
         if on_done is not None:
             if isinstance(resp, RelayedStream):
                 resp.relay.on_done = on_done
             else:
                 on_done()
         return resp
+
+    async def _continue(self, routed: Routed, path: str, body: bytes, request_id: str) -> Response:
+        """Dispatch a stream's continuation by its plan (``router.serve.migration``)."""
+        return await self.by_plan(routed, path, body, True, request_id, None)
 
     async def _watched(
         self,

@@ -32,7 +32,6 @@ PENDING: set[tuple[str, str]] = {
     ("sim/simulator.py", "build_parser"),
     ("loadtest/soak.py", "Soak._inject"),
     ("router/serve/idempotency.py", "IdempotencyGuard.handle"),
-    ("router/engine/relay.py", "Relay.body"),
     ("router/server.py", "main"),
     ("router/telemetry.py", "Telemetry.__init__"),
 }
