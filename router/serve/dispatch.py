@@ -20,13 +20,14 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from starlette.responses import Response
 
 from router.core.routing import Routed
 from router.engine.proxy import Proxy
 from router.engine.relay import ClientWatch, RelayedStream
 from router.pd.legs import PdLegs
-from router.serve.migration import Migration
+from router.serve.migration import Migration, as_stream, assembled
 from router.telemetry import Telemetry
 from router.tokens.token_ids import IdsPrompt
 
@@ -64,7 +65,15 @@ class Dispatcher:
         """Send ``body`` to ``path`` by ``routed``'s plan and return the client's answer; never raises for engine
         or network failures. ``on_done`` is called exactly once when the answer is over (for a stream: when it
         ended or the client left). ``ids``: the prompt as the router's token ids, for replicas that take them
-        (router/tokens/token_ids.py). ``receive``: the client's ASGI receive (its disconnect is watched)."""
+        (router/tokens/token_ids.py). ``receive``: the client's ASGI receive (its disconnect is watched).
+
+        With migration on, a plain non-streamed generation request is streamed from the engine and its answer
+        assembled by the router (``router.serve.migration.as_stream``), so that it too survives its engine."""
+        streamed = as_stream(path, body) if not stream and self.migration_limit > 0 else None
+        if streamed is not None:
+            body, stream = streamed, True
+            if ids is not None:
+                ids = IdsPrompt(ids.text, ids.token_ids, orjson.loads(streamed))
         try:
             resp = await self._watched(receive, routed, path, body, stream, request_id, ids)
         except BaseException:
@@ -88,7 +97,32 @@ class Dispatcher:
                 resp.relay.on_done = on_done
             else:
                 on_done()
+        if streamed is not None and isinstance(resp, RelayedStream):
+            return await self._assemble(resp, path)
         return resp
+
+    async def _assemble(self, resp: RelayedStream, path: str) -> Response:
+        """The non-streamed answer of a request the router streamed (``as_stream``): the relayed stream read
+        whole (continued elsewhere if its engine fails), then assembled; the client leaving cancels it (499)."""
+        relay, watch = resp.relay, resp.watch
+        if watch is not None:
+            watch.arm()
+        chunks: list[bytes] = []
+        try:
+            async for chunk in relay.body():
+                chunks.append(chunk)
+        except asyncio.CancelledError:
+            if watch is None or not watch.left or not watch.uncancel():
+                raise
+            self.telemetry.upstream_errors.labels("client_disconnected").inc()
+            return Response(status_code=499)
+        finally:
+            if watch is not None:
+                watch.stop()
+            await relay.finish()
+        status, content = assembled(b"".join(chunks), path.endswith("/chat/completions"))
+        headers = {k: v for k, v in resp.headers.items() if k.startswith("x-")}
+        return Response(content, status_code=status, media_type="application/json", headers=headers)
 
     async def _continue(self, routed: Routed, path: str, body: bytes, request_id: str) -> Response:
         """Dispatch a stream's continuation by its plan (``router.serve.migration``)."""

@@ -40,7 +40,7 @@ from index.hashing import block_keys
 from router.core.routing import Routed, Router, RoutingError, RoutingInput
 from router.engine.relay import Relay, RelayedStream
 from router.engine.sse import sse_error
-from router.engine.transcript import Emitted, Splice
+from router.engine.transcript import Emitted, Splice, events_of
 from router.telemetry import Telemetry
 
 log = logging.getLogger("kvroute.migration")
@@ -223,3 +223,75 @@ class Migration:
 
     def _count(self, reason: str, outcome: str) -> None:
         self.telemetry.migrations.labels(reason, outcome).inc()
+
+
+# -- non-streamed answers: streamed from the engine, assembled by the router ----------------------------------
+
+#: request fields whose answer the router does not assemble from a stream (sent on unchanged, not migrated)
+_NOT_ASSEMBLED = (
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "tools",
+    "return_token_ids",
+    "suffix",
+)
+
+#: the generation routes whose non-streamed answers are assembled from a stream
+ASSEMBLED_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def as_stream(path: str, body: bytes) -> bytes | None:
+    """A non-streamed generation request as the streamed request the router sends instead (usage asked for), so
+    that its answer can be continued elsewhere; None when it is sent as it is (another route, ``n`` > 1,
+    logprobs, echo, tools, token ids asked for: the assembled answer could differ)."""
+    if path not in ASSEMBLED_PATHS:
+        return None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or data.get("stream"):
+        return None
+    if data.get("n", 1) not in (None, 1) or data.get("best_of", 1) not in (None, 1):
+        return None
+    if any(data.get(k) for k in _NOT_ASSEMBLED):
+        return None
+    data.update(stream=True, stream_options={"include_usage": True})
+    return orjson.dumps(data)
+
+
+def assembled(events: bytes, chat: bool) -> tuple[int, bytes]:
+    """The non-streamed answer (status, JSON body) of a complete relayed stream ``events``: the text joined,
+    the last finish reason, the usage chunk; a stream that ended with an SSE error event answers its error."""
+    if b"event: error" in events:
+        err = events[events.rindex(b"event: error") :]
+        data = err.split(b"data: ", 1)[1].split(b"\n", 1)[0] if b"data: " in err else b"{}"
+        return 502, data
+    emitted = Emitted()
+    finish: Any = None
+    stop: Any = None
+    usage: Any = None
+    for obj in events_of(events):
+        emitted.add(obj)
+        usage = obj.get("usage") or usage
+        for part in obj.get("choices") or ():
+            finish = part.get("finish_reason") or finish
+            stop = part.get("stop_reason", stop) if part.get("finish_reason") else stop
+    meta = emitted.meta
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": emitted.joined}
+    else:
+        choice["text"] = emitted.joined
+    choice.update(logprobs=None, finish_reason=finish, stop_reason=stop)
+    obj = {
+        "id": meta.get("id", ""),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": meta.get("created", int(time.time())),
+        "model": meta.get("model", ""),
+        "choices": [choice],
+        "usage": usage,
+    }
+    return 200, orjson.dumps(obj)

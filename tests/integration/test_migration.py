@@ -151,3 +151,52 @@ def test_migration_limit_ends_with_a_clear_error() -> None:
         assert len(text) == 6  # 3 tokens of each engine, then the limit
         assert metric(r.url, "kvroute_migrations_total", reason="stream_broken", outcome="limit") == 1
         assert metric(r.url, "kvroute_streams_lost_total", reason="stream_broken") == 1
+
+
+def test_chat_and_non_streamed_answers_continue_on_another_replica() -> None:
+    """A chat stream continues as the partial assistant message (``continue_final_message``); non-streamed
+    completions and chats are streamed from the engine and assembled whole, so they continue too."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 25}
+    with _fleet(2) as (engs, r):
+        e0, e1 = engs
+        want_chat = httpx.post(e1.url + "/v1/chat/completions", json=chat, timeout=30).json()
+        want = _direct(e1, _body(max_tokens=25))
+        _faults(e0, mid_stream_after_tokens=6, reset_mid_stream=True)
+        started_on_e0 = 0
+        for _ in range(2):
+            resp = httpx.post(
+                r.url + "/v1/chat/completions",
+                json={**chat, "stream": True, "stream_options": {"include_usage": True}},
+                timeout=60,
+            )
+            events = _events(resp.text)
+            started_on_e0 += resp.headers["x-kvroute-replica"] == "e0"
+            assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+            chunks = [e for e in events if isinstance(e, dict)]
+            assert len({e["id"] for e in chunks}) == 1
+            roles = [c["delta"]["role"] for e in chunks for c in e["choices"] if "role" in c["delta"]]
+            assert roles == ["assistant"]
+            content = "".join(c["delta"].get("content") or "" for e in chunks for c in e["choices"])
+            assert content == want_chat["choices"][0]["message"]["content"]
+            usage = [e["usage"] for e in chunks if e.get("usage")][0]
+            assert usage["prompt_tokens"] == want_chat["usage"]["prompt_tokens"]
+            assert usage["completion_tokens"] == 25
+        for _ in range(2):
+            plain = httpx.post(r.url + "/v1/completions", json={**_body(max_tokens=25), "stream": False})
+            assert plain.status_code == 200, plain.text
+            started_on_e0 += plain.headers["x-kvroute-replica"] == "e0"
+            got = plain.json()
+            assert got["object"] == "text_completion"
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["choices"][0]["finish_reason"] == "length"
+            assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+            assert got["usage"]["completion_tokens"] == 25
+            assert got["usage"]["total_tokens"] == want["usage"]["total_tokens"]
+            whole = httpx.post(r.url + "/v1/chat/completions", json=chat, timeout=60)
+            assert whole.status_code == 200, whole.text
+            started_on_e0 += whole.headers["x-kvroute-replica"] == "e0"
+            assert whole.json()["choices"][0]["message"] == {"role": "assistant", "content": content}
+        assert started_on_e0 >= 3
+        migrated = metric(r.url, "kvroute_migrations_total", reason="stream_broken", outcome="continued")
+        assert migrated == started_on_e0
+    assert "Traceback" not in r.proc.output()
