@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import orjson
 
+from fakes.fleet import EngineOptions, Fleet, pd_roles
 from tests.helpers import metric
 from tests.integration.test_reliability_support import MODEL, Eng, Router, engines, router
 
@@ -200,3 +201,38 @@ def test_chat_and_non_streamed_answers_continue_on_another_replica() -> None:
         migrated = metric(r.url, "kvroute_migrations_total", reason="stream_broken", outcome="continued")
         assert migrated == started_on_e0
     assert "Traceback" not in r.proc.output()
+
+
+def test_pd_decode_leg_failure_continues_on_the_other_decode_replica() -> None:
+    """A disaggregated stream (prefill on P, decode on D0) whose decode engine cuts the stream mid-way continues
+    on a new plan without D0 (prefill of prompt + emitted tokens, decode on D1): one exact answer."""
+    opts = EngineOptions(
+        model=MODEL,
+        time_scale=0.01,
+        pd_protocol="vllm",
+        kv_events_format=None,
+        force_include_usage=False,
+        extra_args=list(SAME),
+    )
+    fleet = Fleet(3, opts, roles=pd_roles(1, 2))
+    try:
+        fleet.start_engines()
+        router_args = ["--pd-policy", "pd_ttft", "--pd-policy-params", "decode_prefills=false"]
+        fleet.start_kvroute("ttft", extra_args=[*router_args, "--tokenizer-mode", "bytes"])
+        assert fleet.router is not None
+        url = fleet.router.url
+        d0, d1 = fleet.engines[1], fleet.engines[2]
+        want = _direct(d1, _body(max_tokens=20))
+        _faults(d0, mid_stream_after_tokens=5, reset_mid_stream=True)
+        on_d0 = 0
+        for i in range(6):
+            resp = httpx.post(url + "/v1/completions", json=_body(max_tokens=20), timeout=60)
+            assert resp.headers.get("x-kvroute-plan") == "disaggregated", resp.headers
+            on_d0 += resp.headers["x-kvroute-replica"] == d0.name
+            _check_one_answer(_events(resp.text), want, 20)
+            if on_d0 >= 2:
+                break
+        assert on_d0 >= 1
+        assert metric(url, "kvroute_migrations_total", reason="stream_broken", outcome="continued") == on_d0
+    finally:
+        fleet.stop()
