@@ -225,7 +225,7 @@ def test_pd_decode_leg_failure_continues_on_the_other_decode_replica() -> None:
         want = _direct(d1, _body(max_tokens=20))
         _faults(d0, mid_stream_after_tokens=5, reset_mid_stream=True)
         on_d0 = 0
-        for i in range(6):
+        for _ in range(6):
             resp = httpx.post(url + "/v1/completions", json=_body(max_tokens=20), timeout=60)
             assert resp.headers.get("x-kvroute-plan") == "disaggregated", resp.headers
             on_d0 += resp.headers["x-kvroute-replica"] == d0.name
