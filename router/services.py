@@ -275,7 +275,7 @@ def _build_dispatcher(
             mooncake_ids_ttl_s=settings.pd_mooncake_ids_ttl_s,
         ),
     )
-    return Dispatcher(proxy, pd, telemetry, settings.migration_limit)
+    return Dispatcher(proxy, pd, telemetry, settings.migration_limit, settings.migrate_non_streamed)
 
 
 def _build_token_ids(settings: Settings, tokenizer: Tokenizer, table: ReplicaTable) -> TokenIdsCheck:

@@ -40,15 +40,23 @@ class Dispatcher:
         pd: the prefill/decode legs (None: every plan is served in place).
         telemetry: metrics (``client_disconnected``).
         migration_limit: continuations of a stream whose engine failed after the first byte (0: none).
+        migrate_non_streamed: plain non-streamed generation requests are streamed and assembled (``as_stream``)
+            so that they are continued too.
     """
 
     def __init__(
-        self, in_place: Proxy, pd: PdLegs | None, telemetry: Telemetry, migration_limit: int
+        self,
+        in_place: Proxy,
+        pd: PdLegs | None,
+        telemetry: Telemetry,
+        migration_limit: int,
+        migrate_non_streamed: bool,
     ) -> None:
         self.in_place = in_place
         self.pd = pd
         self.telemetry = telemetry
         self.migration_limit = migration_limit
+        self.migrate_non_streamed = migrate_non_streamed and migration_limit > 0
 
     async def forward(
         self,
@@ -67,9 +75,9 @@ class Dispatcher:
         ended or the client left). ``ids``: the prompt as the router's token ids, for replicas that take them
         (router/tokens/token_ids.py). ``receive``: the client's ASGI receive (its disconnect is watched).
 
-        With migration on, a plain non-streamed generation request is streamed from the engine and its answer
+        With ``migrate_non_streamed``, a plain non-streamed generation request is streamed from the engine and its answer
         assembled by the router (``router.serve.migration.as_stream``), so that it too survives its engine."""
-        streamed = as_stream(path, body) if not stream and self.migration_limit > 0 else None
+        streamed = as_stream(path, body) if not stream and self.migrate_non_streamed else None
         if streamed is not None:
             body, stream = streamed, True
             if ids is not None:

@@ -155,10 +155,11 @@ def test_migration_limit_ends_with_a_clear_error() -> None:
 
 
 def test_chat_and_non_streamed_answers_continue_on_another_replica() -> None:
-    """A chat stream continues as the partial assistant message (``continue_final_message``); non-streamed
-    completions and chats are streamed from the engine and assembled whole, so they continue too."""
+    """A chat stream continues as the partial assistant message (``continue_final_message``); with
+    ``migrate_non_streamed``, non-streamed completions and chats are streamed from the engine and assembled whole,
+    so they continue too."""
     chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 25}
-    with _fleet(2) as (engs, r):
+    with _fleet(2, "--migrate-non-streamed") as (engs, r):
         e0, e1 = engs
         want_chat = httpx.post(e1.url + "/v1/chat/completions", json=chat, timeout=30).json()
         want = _direct(e1, _body(max_tokens=25))

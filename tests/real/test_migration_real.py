@@ -126,7 +126,7 @@ def _check_chat_stream(r: Router, r1: str, events: list[Any], messages: list[dic
 def test_engine_killed_mid_stream_the_answers_complete_on_the_other(
     real_fleet: RealFleet, router: Callable[..., Router]
 ) -> None:
-    r = router(("r0", "r1"), "--policy", "round_robin")
+    r = router(("r0", "r1"), "--policy", "round_robin", "--migrate-non-streamed")
     rnd = random.Random(36)
     prompt_a, prompt_b = words(rnd, 60), words(rnd, 60)
     messages = [{"role": "user", "content": words(rnd, 60)}]
