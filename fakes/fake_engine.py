@@ -639,10 +639,11 @@ class FakeEngine:
         return self.tokenizer.decode([st.out_ids[i]]) if len(st.out_ids) > i else ""
 
     def output_ids(self, st: _Req, i: int, text: str) -> list[int]:
-        """The token ids of output token ``i`` (text ``text``), for vLLM's ``return_token_ids``."""
+        """The id of output token ``i`` (text ``text``) as a one-id list, for vLLM's ``return_token_ids`` (one id
+        per generated token, like vLLM; without ``--context-text`` the first id of the word's text)."""
         if st.context is not None:
             return [st.out_ids[i]]
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)[:1] or [0]
 
 
 def _tokenizer_dir(model_path: str | None) -> str | None:
