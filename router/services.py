@@ -475,6 +475,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     gate = _build_gate(settings, table, index)
     edge = _build_edge(settings, router, telemetry, token_ids, membership)
     dispatcher = _build_dispatcher(settings, router, edge, telemetry, gate)
+    dispatcher.exact_prompt_counts = tokenizer.mode in ("hf", "engine")
     admission, idempotency, loop_lag, guard, intake, tenants = _build_front(
         settings, telemetry, table, membership, router
     )

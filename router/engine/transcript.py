@@ -162,15 +162,19 @@ class Splice:
     Args:
         emitted: what the client was sent before the cut (its ``meta`` and token count).
         strip_usage: the client did not ask for usage (the usage-only chunk is dropped).
+        prompt_tokens: the original prompt's tokens when known exactly (the engine's prompt ids, or the router's
+            count when its tokenizer is the engines'); None: the continuation's prompt tokens less the emitted
+            tokens (exact when the continuation's prompt was token ids).
     """
 
-    __slots__ = ("meta", "before", "strip_usage")
+    __slots__ = ("meta", "before", "strip_usage", "prompt_tokens")
 
-    def __init__(self, emitted: Emitted, *, strip_usage: bool) -> None:
+    def __init__(self, emitted: Emitted, *, strip_usage: bool, prompt_tokens: int | None = None) -> None:
         self.meta = emitted.meta
         #: output tokens the client got before this continuation (they are part of its prompt)
         self.before = emitted.tokens
         self.strip_usage = strip_usage
+        self.prompt_tokens = prompt_tokens
 
     def feed(self, chunk: bytes) -> bytes:
         """The client's bytes for complete events ``chunk`` of the continuation."""
@@ -221,9 +225,11 @@ class Splice:
         return obj
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        """The continuation's usage as the whole answer's: its prompt minus the tokens emitted before (= the
-        original prompt), the completion tokens of every part."""
-        prompt = max(0, int(usage.get("prompt_tokens") or 0) - self.before)
+        """The continuation's usage as the whole answer's: the original prompt's tokens (``prompt_tokens``, else
+        the continuation's prompt less the tokens emitted before), the completion tokens of every part."""
+        prompt = self.prompt_tokens
+        if prompt is None:
+            prompt = max(0, int(usage.get("prompt_tokens") or 0) - self.before)
         completion = int(usage.get("completion_tokens") or 0) + self.before
         out = {**usage, "prompt_tokens": prompt, "completion_tokens": completion}
         out["total_tokens"] = prompt + completion

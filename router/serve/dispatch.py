@@ -57,6 +57,9 @@ class Dispatcher:
         self.telemetry = telemetry
         self.migration_limit = migration_limit
         self.migrate_non_streamed = migrate_non_streamed and migration_limit > 0
+        #: the router's prompt token counts equal the engines' (a local HF tokenizer or the engines' own
+        #: /tokenize): a migrated answer's usage then reports the router's count of the original prompt
+        self.exact_prompt_counts = False
 
     async def forward(
         self,
@@ -99,6 +102,8 @@ class Dispatcher:
                 body,
                 request_id,
             )
+            if self.exact_prompt_counts and not routed.inp.ids_partial:
+                migration.prompt_tokens = routed.inp.prompt_tokens
             resp.relay.arm(migration.resume)
         if on_done is not None:
             if isinstance(resp, RelayedStream):

@@ -124,6 +124,9 @@ class Migration:
         self.body = body
         self.request_id = request_id
         self.count = 0
+        #: the original prompt's tokens when the router's count equals the engines' (None: the continuation's
+        #: prompt tokens less the emitted tokens are reported)
+        self.prompt_tokens: int | None = None
         #: replicas whose stream failed (never chosen again for this request)
         self.failed: list[int] = []
 
@@ -147,7 +150,12 @@ class Migration:
                 yield refusal
                 return
             relay.inner = inner
-            splice = Splice(emitted, strip_usage=False)
+            known = emitted.prompt_token_ids
+            splice = Splice(
+                emitted,
+                strip_usage=False,
+                prompt_tokens=len(known) if known is not None else self.prompt_tokens,
+            )
             async for chunk in inner.body():
                 out = splice.feed(chunk)
                 if inner.ok:
