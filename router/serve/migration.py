@@ -213,7 +213,7 @@ class Migration:
                 "reason": reason,
                 "from": relay.rep.name if relay.inner is None else relay.inner.rep.name,
                 "replica": inner.rep.name,
-                "emitted_tokens": emitted.tokens,
+                "emitted": emitted.tokens,  # output tokens sent before the cut
             },
         )
         return inner, b""

@@ -53,7 +53,7 @@ def _migrated_at(r: Router, rid: str) -> int:
     """The output tokens sent before the cut, from the router's log line for request ``rid``."""
     for line in r.proc.output().splitlines():
         if '"stream migrated"' in line and rid in line:
-            return int(json.loads(line[line.index("{") :])["emitted_tokens"])
+            return int(json.loads(line[line.index("{") :])["emitted"])
     raise AssertionError(f"no migration logged for {rid}")
 
 
