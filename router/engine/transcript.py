@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 #: recorded bytes past which the transcript folds its events into the running totals
-FOLD_BYTES = 1 << 20
+FOLD_BYTES = 256 << 10
 
 #: delta keys of a chat chunk that a text continuation reproduces (anything else: not migratable)
 _PLAIN_DELTA = frozenset(("role", "content"))
