@@ -241,7 +241,13 @@ class HttpFaults(FaultKnobs):
         error_every: every Nth generation request answers 500.
         garbage_every: every Nth generation request answers 200 with a body that is not JSON / not SSE.
         die_after_tokens: the process exits (``os._exit(1)``) after streaming this many tokens in total.
-        stall_mid_stream_s: a stream goes silent for this long after its first token, seconds (< 0: forever).
+        stall_mid_stream_s: a stream goes silent for this long after its first token (or after
+            ``mid_stream_after_tokens``), seconds (< 0: forever).
+        reset_mid_stream: a stream's connection is cut (no end of the chunked body) after
+            ``mid_stream_after_tokens`` tokens (at least 1); the process lives on.
+        error_event_mid_stream: a stream sends vLLM's mid-stream error event (``data: {"error": ...}``, then
+            ``[DONE]``) after ``mid_stream_after_tokens`` tokens (at least 1).
+        mid_stream_after_tokens: the tokens of a stream after which the mid-stream faults strike (0: 1).
         health_fail: ``/health`` answers 503.
         pd_params_nesting: a vLLM prefill answer's ``kv_transfer_params`` carry an extra field nested this many
             levels deep.
@@ -258,6 +264,9 @@ class HttpFaults(FaultKnobs):
     die_after_tokens: int = 0
     health_fail: bool = False
     stall_mid_stream_s: float = 0.0
+    reset_mid_stream: bool = False
+    error_event_mid_stream: bool = False
+    mid_stream_after_tokens: int = 0
     pd_params_nesting: int = 0
     pd_params_pad_keys: int = 0
     pd_bootstrap_down: bool = False
@@ -279,6 +288,10 @@ class _Req:
     engine_request: EngineRequest | None = None
     done: bool = False  # finished or aborted
     on_first: Callable[[], None] | None = None  # called when the first token came out (PD: the KV is ready)
+    #: ``--context-text``: the context (prompt ids, then the output ids so far) each output token is made from
+    context: list[int] | None = None
+    #: ``--context-text``: the output ids so far
+    out_ids: list[int] = field(default_factory=list)
 
     async def generated(self) -> int:
         """Wait until the request is done (non-streaming answers); the number of tokens it generated."""
@@ -364,6 +377,7 @@ class FakeEngine:
         self._streamed_tokens = 0
         self.requests_total = 0
         self.requests_aborted = 0
+        self._letter_ids: dict[str, list[int]] = {}
         self._deferred_kv: list[PubEvent] = []
         self.requests_running_http = 0
         self.started_at = time.time()
@@ -441,6 +455,8 @@ class FakeEngine:
         self._counter += 1
         self.requests_total += 1
         state = _Req(prompt_tokens=len(token_ids), max_tokens=max_tokens, arrival_s=now)
+        if self.opts.context_text:
+            state.context = list(token_ids)
         bs = self.model.block_size
         if mm:
             hashes, mm_keys = mm_block_hashes(token_ids, bs, self._chain_seed(lora, salt), mm)
@@ -604,6 +620,30 @@ class FakeEngine:
     def word(self, i: int) -> str:
         """The text of output token ``i``."""
         return _WORDS[(i + self.opts.seed) % len(_WORDS)]
+
+    def output(self, st: _Req, i: int) -> str:
+        """The text of ``st``'s output token ``i``: ``word(i)``, or with ``--context-text`` one letter made from
+        the context (prompt + output so far, like a greedy model: the prompt plus the first K output tokens
+        makes the same token K + 1)."""
+        ctx = st.context
+        if ctx is None:
+            return self.word(i)
+        while len(st.out_ids) <= i:
+            h = xxhash.xxh3_64_intdigest(repr(ctx[-8:]).encode(), self.opts.seed)
+            letter = chr(97 + h % 26)
+            ids = self._letter_ids.get(letter)
+            if ids is None:
+                ids = self._letter_ids[letter] = self.tokenizer.encode(letter, add_special_tokens=False)
+            ctx.extend(ids)
+            st.out_ids.extend(ids)
+        return self.tokenizer.decode([st.out_ids[i]]) if len(st.out_ids) > i else ""
+
+    def output_ids(self, st: _Req, i: int, text: str) -> list[int]:
+        """The id of output token ``i`` (text ``text``) as a one-id list, for vLLM's ``return_token_ids`` (one id
+        per generated token, like vLLM; without ``--context-text`` the first id of the word's text)."""
+        if st.context is not None:
+            return [st.out_ids[i]]
+        return self.tokenizer.encode(text, add_special_tokens=False)[:1] or [0]
 
 
 def _tokenizer_dir(model_path: str | None) -> str | None:
@@ -955,6 +995,14 @@ class EngineHttp:
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise BadRequest("'messages' must be a non-empty list of message objects")
         norm = [{**m, "content": message_text(m.get("content"))} for m in msgs]
+        if body.get("continue_final_message"):  # vLLM: the final (assistant) message is left open to continue
+            if body.get("add_generation_prompt", True):
+                raise BadRequest(
+                    "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+                )
+            tok = self.engine.tokenizer
+            head = tok.render_chat(norm[:-1], True) if len(norm) > 1 else ""
+            return tok.encode(head + str(norm[-1]["content"]), add_special_tokens=False)
         try:
             return self.engine.tokenizer.encode_chat(norm, bool(body.get("add_generation_prompt", True)))
         except Exception as exc:
@@ -1087,7 +1135,16 @@ class EngineHttp:
         created = int(time.time())
         if bool(body.get("stream", False)):
             return StreamingResponse(
-                self.stream(st, rid, created, model_name, chat, include_usage), media_type="text/event-stream"
+                self.stream(
+                    st,
+                    rid,
+                    created,
+                    model_name,
+                    chat,
+                    include_usage,
+                    list(ids) if body.get("return_token_ids") else None,
+                ),
+                media_type="text/event-stream",
             )
         self.engine.requests_running_http += 1
         try:
@@ -1108,7 +1165,7 @@ class EngineHttp:
         self, st: _Req, n: int, rid: str, created: int, model_name: str, chat: bool
     ) -> dict[str, Any]:
         """The JSON body of a non-streamed completion that produced ``n`` tokens."""
-        text = "".join(self.engine.word(i) for i in range(n))
+        text = "".join(self.engine.output(st, i) for i in range(n))
         if chat:
             choice: dict[str, Any] = {
                 "index": 0,
@@ -1145,68 +1202,80 @@ class EngineHttp:
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": fin, "stop_reason": None}
 
     async def stream(
-        self, st: _Req, rid: str, created: int, model_name: str, chat: bool, include_usage: bool
+        self,
+        st: _Req,
+        rid: str,
+        created: int,
+        model_name: str,
+        chat: bool,
+        include_usage: bool,
+        prompt_ids: list[int] | None = None,
     ) -> AsyncIterator[bytes]:
         """The SSE body of a streamed completion: one event per token, each in its own HTTP chunk, the usage event
         if asked, ``[DONE]``. A chat stream opens, like vLLM's, with an event naming the role (empty content), sent
-        with the first token (vLLM 0.32 on the wire: its own HTTP chunk, then the token's)."""
+        with the first token (vLLM 0.32 on the wire: its own HTTP chunk, then the token's). ``prompt_ids``: the
+        client asked for ``return_token_ids`` (the first chunk carries the prompt's ids, every chunk its output
+        ids, as vLLM's)."""
         engine = self.engine
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+        }
+        head["model"] = model_name
         n = 0
         engine.requests_running_http += 1
         try:
             while True:
                 kind, _ = await st.queue.get()
                 if kind == "token":
-                    text = engine.word(n)
+                    text = engine.output(st, n)
                     n += 1
                     fin = "length" if n >= st.max_tokens else None
                     if chat and n == 1:
+                        role = {"role": "assistant", "content": ""}
                         yield sse_data(
                             {
-                                "id": rid,
-                                "object": obj,
-                                "created": created,
-                                "model": model_name,
+                                **head,
                                 "choices": [
-                                    {
-                                        "index": 0,
-                                        "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None,
-                                        "finish_reason": None,
-                                    }
+                                    {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
                                 ],
                             }
                         )
-                    yield sse_data(
-                        {
-                            "id": rid,
-                            "object": obj,
-                            "created": created,
-                            "model": model_name,
-                            "choices": [self.stream_choice(text, chat, fin)],
-                        }
-                    )
+                    choice = self.stream_choice(text, chat, fin)
+                    if prompt_ids is not None:
+                        choice["token_ids"] = engine.output_ids(st, n - 1, text)
+                        if n == 1:
+                            choice["prompt_token_ids"] = prompt_ids
+                    yield sse_data({**head, "choices": [choice]})
                     engine.note_streamed_token()
-                    if n == 1:
-                        await self.stall_mid_stream()
+                    if n == max(1, engine.http_faults.mid_stream_after_tokens):
+                        fault = await self.mid_stream_fault()
+                        if fault:
+                            yield fault
+                            return
                 elif kind == "done":
                     break
             if include_usage:
-                yield sse_data(
-                    {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": model_name,
-                        "choices": [],
-                        "usage": self.usage(st, n),
-                    }
-                )
+                yield sse_data({**head, "choices": [], "usage": self.usage(st, n)})
             yield b"data: [DONE]\n\n"
         finally:  # also when the client disconnected mid-stream (the generator is closed / cancelled)
             engine.requests_running_http -= 1
             engine.abort(st)
+
+    async def mid_stream_fault(self) -> bytes:
+        """The mid-stream faults, after the stream's ``mid_stream_after_tokens``-th token: a stall (returns b""),
+        a cut connection (raises: the server drops the connection without ending the chunked body), or vLLM's
+        error event followed by ``[DONE]`` (returned: the stream ends with it)."""
+        f = self.engine.http_faults
+        await self.stall_mid_stream()
+        if f.reset_mid_stream:
+            log.error("fault injection: cutting a stream's connection")
+            raise ConnectionResetError("fault injection: stream reset")
+        if f.error_event_mid_stream:
+            err = {"message": "fault injection: engine error mid-stream", "type": "InternalServerError"}
+            return sse_data({"error": {**err, "param": None, "code": 500}}) + b"data: [DONE]\n\n"
+        return b""
 
     async def stall_mid_stream(self) -> None:
         """The ``stall_mid_stream_s`` fault, applied after a stream's first token (< 0: silent forever)."""
@@ -1703,6 +1772,12 @@ def _add_engine_model_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="seed of the output text (and of hashes with --deterministic-hashes)",
+    )
+    g.add_argument(
+        "--context-text",
+        action="store_true",
+        help="each output token is one letter made from the context (prompt + output so far), like a greedy "
+        "model: a continuation from the prompt plus K output tokens generates what the uninterrupted run would",
     )
     g.add_argument(
         "--deterministic-hashes",

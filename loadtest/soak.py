@@ -9,8 +9,8 @@ checkout, the repository's fake Kubernetes API server (pods LIST + WATCH over re
 discovers the engines. Open-loop streaming load at ``--rps`` (multi-turn conversations sharing system prompts,
 prompts sent as token ids), and every ``--fault-every-s`` seconds one fault, in rotation:
 
-* ``engine_restart``: SIGKILL one engine (streams on it end with an SSE ``error`` event, queued requests are
-  retried elsewhere), start it again on the same ports 2 s later (cold cache, event sequence from 0);
+* ``engine_restart``: SIGKILL one engine (streams on it continue on another replica: mid-stream migration;
+  queued requests are retried elsewhere), start it again on the same ports 2 s later (cold cache, event sequence from 0);
   recovered when the router lists it ``ready`` again;
 * ``kv_drop``: one engine stops sending every 3rd KV-event batch live for 10 s (``/admin/faults``); the router
   repairs the gaps by replay; recovered when the replica's gap counter stops moving and it is not degraded;
@@ -22,7 +22,10 @@ prompts sent as token ids), and every ``--fault-every-s`` seconds one fault, in 
 Output (``--json``: one JSON object on stdout; a human summary on stderr): ``sent``, ``completed`` (2xx and a
 complete stream), ``client_errors`` (4xx), ``server_errors`` (5xx or a stream ended by an ``error`` event: an
 answer, but a failed one), ``lost`` (accepted but never answered: the connection dropped, the client timed out,
-or a stream ended with neither ``[DONE]`` nor an ``error`` event; must be 0), ``rss_start_mb`` /
+or a stream ended with neither ``[DONE]`` nor an ``error`` event; must be 0), ``streams_lost_mid_way`` (streams
+that had sent tokens and ended with an ``error`` event: 0 while a replica is left to continue on),
+``migrations`` (streams the router continued on another replica; ``migrations_by_outcome``: the router's
+``kvroute_migrations_total`` by outcome), ``rss_start_mb`` /
 ``rss_end_mb`` (router RSS after warm-up and at the end), ``ttft_p50_s`` / ``ttft_p99_s`` (client time to the
 first streamed chunk of completed requests), ``baseline_ttft_p99_s`` (requests sent outside every fault window),
 and per fault: kind, target, start time, ``recovery_s`` and the TTFT p50 / p99 and errors of requests sent in
@@ -162,6 +165,8 @@ class Outcome:
     status: int = 0
     ttft_s: float | None = None
     detail: str = ""
+    #: the stream had sent tokens when it ended with an error event (lost mid-way)
+    mid_way: bool = False
 
 
 class Workload:
@@ -186,7 +191,13 @@ async def one_request(
     client: httpx.AsyncClient, url: str, prompt: list[int], out: Outcome, timeout_s: float
 ) -> None:
     """Send one streamed completion and classify its outcome into ``out``."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": random.choice((8, 32, 128)), "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": random.choice((8, 32, 128)),
+        "stream": True,
+        "return_token_ids": True,  # (vLLM) the prompt is token ids: a stream cut mid-way continues from ids
+    }
     t0 = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
@@ -198,12 +209,15 @@ async def one_request(
                     out.detail = data[:200].decode(errors="replace")
                     return
                 buf = b""
+                tokens = False
                 async for chunk in resp.aiter_raw():
                     if out.ttft_s is None and chunk:
                         out.ttft_s = time.monotonic() - t0
                     buf = (buf + chunk)[-4096:]
+                    tokens = tokens or b'"text"' in buf
                 if b"event: error" in buf:
                     out.kind = "server_error"
+                    out.mid_way = tokens
                     out.detail = buf[buf.find(b"event: error") :][:200].decode(errors="replace")
                 elif b"data: [DONE]" in buf:
                     out.kind = "completed"
@@ -625,10 +639,16 @@ class Soak:
             rss_end = psutil.Process(self.router.pid).memory_info().rss / 2**20
             router_500s = await self._metric(client, "kvroute_requests_total", {"status": "500"}) or 0.0
             loop_lag_max = await self._metric(client, "kvroute_event_loop_lag_max_seconds")
+            migrations = {
+                outcome: await self._metric(client, "kvroute_migrations_total", {"outcome": outcome}) or 0.0
+                for outcome in ("continued", "completed", "limit", "not_migratable", "no_replica", "failed")
+            }
             leaks = await self._leaks_after_drain(client)
             pd = await self._pd_facts(client) if args.abuse else None
         result = self.summary(rss_start, rss_end, time.monotonic() - self.t0)
         result["leaked_after_drain"] = leaks
+        result["migrations"] = int(migrations["continued"])
+        result["migrations_by_outcome"] = {k: int(v) for k, v in migrations.items() if v}
         result["pd"] = pd
         abused = abuse.result() if abuse is not None else None
         # the router counts every 500 it answered, the abuse clients' among them: the larger of the two counts
@@ -710,6 +730,7 @@ class Soak:
                     "server_errors": sum(1 for o in w if o.kind == "server_error"),
                     "client_errors": sum(1 for o in w if o.kind == "client_error"),
                     "lost": sum(1 for o in w if o.kind == "lost"),
+                    "streams_lost_mid_way": sum(1 for o in w if o.mid_way),
                 }
             )
         by_kind: dict[str, Any] = {}
@@ -726,6 +747,7 @@ class Soak:
                         (f.window.get("ttft_p99_s") or 0.0 for f in fs), default=None
                     ),
                     "window_server_errors": sum(f.window.get("server_errors", 0) for f in fs),
+                    "window_streams_lost_mid_way": sum(f.window.get("streams_lost_mid_way", 0) for f in fs),
                 }
         errors: dict[str, int] = {}
         for o in outs:
@@ -743,6 +765,7 @@ class Soak:
             "client_errors": count["client_error"],
             "server_errors": count["server_error"],
             "lost": count["lost"],
+            "streams_lost_mid_way": sum(1 for o in outs if o.mid_way),
             "rss_start_mb": round(rss_start, 1),
             "rss_end_mb": round(rss_end, 1),
             "ttft_p50_s": _pct(ttfts, 50),

@@ -313,6 +313,19 @@ class Settings(BaseSettings):
         le=10,
         description="extra attempts on other replicas after a failure before the first byte",
     )
+    migration_limit: int = Field(
+        default=3,
+        ge=0,
+        le=10,
+        description="continuations on other replicas of a stream whose engine failed after the first byte "
+        "(0: such a stream ends with an SSE error event)",
+    )
+    migrate_non_streamed: bool = Field(
+        default=False,
+        description="with migration_limit > 0, plain non-streamed completions and chats are streamed from the "
+        "engine and assembled by the router, so that they continue on another replica too (the answer is the "
+        "router's assembly: text / content, finish reason, usage)",
+    )
     max_request_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="largest accepted request body (bytes); larger -> 413"
     )

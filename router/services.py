@@ -322,7 +322,7 @@ def _build_dispatcher(
             mooncake_ids_ttl_s=settings.pd_mooncake_ids_ttl_s,
         ),
     )
-    return Dispatcher(proxy, pd, telemetry)
+    return Dispatcher(proxy, pd, telemetry, settings.migration_limit, settings.migrate_non_streamed)
 
 
 def _build_token_ids(settings: Settings, tokenizer: Tokenizer, table: ReplicaTable) -> TokenIdsCheck:
@@ -521,8 +521,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     tokenizer = _build_tokenizer(settings)
     membership = _build_membership(settings, table, index)
     kv_events = signals.build_kv_events(settings, index)
-    # scrapes through the proxy's engine pool (router/engine/scrape.py: issue 23's profile); the pool is the
-    # proxy's, created in the event loop when first used
+    # scrapes through the proxy's engine pool (created in the event loop when first used)
     engine_client = PooledScrapeClient(lambda: edge.pool(), settings.engine_max_body_bytes)
     engine_metrics = signals.build_engine_metrics(
         settings,
@@ -538,6 +537,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     gate = _build_gate(settings, table, index)
     edge = _build_edge(settings, router, telemetry, token_ids, membership)
     dispatcher = _build_dispatcher(settings, router, edge, telemetry, gate)
+    dispatcher.exact_prompt_counts = tokenizer.mode in ("hf", "engine")
     admission, idempotency, loop_lag, guard, intake, tenants = _build_front(
         settings, telemetry, table, membership, router
     )

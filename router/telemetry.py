@@ -7,6 +7,8 @@ Metric names (all prefixed ``kvroute_``):
 * ``routed_total{policy,branch,replica}``: decisions by policy branch and chosen replica.
 * ``ttft_seconds{replica}``: router-measured time to first byte of the response body, seconds (histogram).
 * ``retries_total{reason}``, ``upstream_errors_total{reason}``: failed attempts, and requests that failed for good.
+* ``migrations_total{reason,outcome}``, ``streams_lost_total{reason}``, ``migration_reprefill_tokens_total``,
+  ``migration_seconds``: mid-stream migration (``router.serve.migration``).
 * ``relayed_pieces_total{path}``: pieces of engine event streams relayed to clients, ``direct`` from the engine
   connection's read callback or by the request's ``task`` (``router.engine.relay.Relay``).
 * ``tokenize_tokens_total{kind}``: prompt tokens the router tokenized (``tokenized``) or, past the fleet's cache
@@ -157,6 +159,32 @@ class Telemetry:
             "kvroute_upstream_errors",
             "requests that failed after all attempts, by reason",
             ["reason"],
+            registry=r,
+        )
+        self.migrations = Counter(
+            "kvroute_migrations",
+            "streams whose engine failed after the first byte, by failure reason and outcome: continued (on "
+            "another replica), completed (the answer was already whole), limit (migration_limit reached), "
+            "not_migratable, no_replica, failed (the continuation could not start)",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.streams_lost = Counter(
+            "kvroute_streams_lost",
+            "client streams that ended mid-way with an error event, by the last failure's reason",
+            ["reason"],
+            registry=r,
+        )
+        self.migration_tokens = Counter(
+            "kvroute_migration_reprefill_tokens",
+            "prompt tokens (original prompt + tokens already streamed) of continuations, minus those the router "
+            "predicted cached where they went",
+            registry=r,
+        )
+        self.migration_seconds = Histogram(
+            "kvroute_migration_seconds",
+            "from a stream's failure to its continuation's first byte (s)",
+            buckets=_TTFT_BUCKETS,
             registry=r,
         )
         self.relayed_pieces = Counter(

@@ -23,6 +23,7 @@ from router.engine.client import EngineError, EngineResponse
 from router.engine.feedback import Feedback, usage_from_sse
 from router.engine.hold import Hold
 from router.engine.sse import BadStream, SSEValidator, sse_error
+from router.engine.transcript import Transcript, error_event_at
 from router.telemetry import Telemetry
 
 log = logging.getLogger("kvroute.proxy")
@@ -75,6 +76,54 @@ class Relay:
         self.last_at = time.monotonic()
         self.direct_pieces = 0  # pieces relayed by ``_sink`` / by the loop (``kvroute_relayed_pieces_total``)
         self.task_pieces = 1 if first else 0
+        #: a failure after the first byte is recorded in ``failure`` instead of ending the client's stream with
+        #: an error event (mid-stream migration: ``resume`` or the caller continues the answer elsewhere)
+        self.migrating = False
+        #: the failure that ended the engine's stream: (reason, the SSE error event the client would get)
+        self.failure: tuple[str, bytes] | None = None
+        #: the events sent to the client (kept when the answer can be continued elsewhere)
+        self.transcript: Transcript | None = None
+        #: continues a failed stream: ``resume(relay)`` yields the client's remaining bytes (the continuation,
+        #: or the final error event); None: the failure's own error event ends the stream
+        self.resume: Callable[[Relay], AsyncIterator[bytes]] | None = None
+        #: the relay of the continuation being streamed (finished with this one)
+        self.inner: Relay | None = None
+
+    def arm(self, resume: Callable[[Relay], AsyncIterator[bytes]] | None) -> None:
+        """Record failures instead of ending the stream with an error; with ``resume``, also keep the transcript
+        and let ``resume`` continue the answer (see the attributes)."""
+        self.migrating = True
+        self.resume = resume
+        if resume is not None:
+            self.transcript = Transcript()
+
+    def _fail(self, reason: str, err: bytes) -> bytes | None:
+        """A failure after the first byte: the error event to send now, or None when the failure is recorded
+        for the continuation (``migrating``)."""
+        if not self.migrating:
+            self.telemetry.streams_lost.labels(reason).inc()
+            return err
+        self.failure = (reason, err)
+        return None
+
+    def _cut_error_event(self, out: bytes) -> tuple[bytes, bool]:
+        """``out`` up to an engine error event (vLLM's ``{"error": ...}`` mid-stream) when the stream may be
+        continued elsewhere, and whether there was one (then recorded as the failure)."""
+        if not self.migrating:
+            return out, False
+        at = error_event_at(out)
+        if at < 0:
+            return out, False
+        self.telemetry.upstream_errors.labels("error_event").inc()
+        log.warning("engine sent an error event mid-stream", extra={"request_id": self.request_id})
+        self.failure = ("error_event", out[at:])
+        return out[:at], True
+
+    def _sent(self, out: bytes) -> bytes:
+        """``out`` is going to the client: recorded in the transcript (when kept)."""
+        if self.transcript is not None and out:
+            self.transcript.feed(out)
+        return out
 
     def _bad(self, exc: BadStream) -> bytes:
         """Count and log an invalid event stream; the SSE error event that ends the client's stream."""
@@ -94,88 +143,113 @@ class Relay:
         return None
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The chunks for the client; a failure after the first byte ends with an SSE error event.
+        """The chunks for the client; a failure after the first byte ends with an SSE error event, or (armed for
+        migration, ``resume``) with the continuation of the answer on another replica.
 
         ``ok`` turns True before the last chunk is yielded when the engine's answer is already complete (no
         further read), so ``RelayedStream`` can send it as the end of the response (one write, not two).
         """
-        telemetry = self.telemetry
-        resp = self.resp
-        events = self.events
         try:
-            if resp.at_end:  # the whole answer came with the headers
-                err = self._end()
-                if err is None:
-                    self.ok = True
-                    yield self.first
-                else:
-                    yield self.first + err
-                return
-            if self.first:
-                yield self.first
-            idle = self.idle_timeout_s
-            while not self.ok:
-                wait, expired = self._next_wait(idle)
-                if expired is not None:
-                    yield expired
-                    break
-                if self.direct is not None:
-                    resp.attach(
-                        self._sink
-                    )  # pieces go to the client from the read callback until one is declined
-                try:
-                    chunk = await resp.read_chunk(wait)
-                except TimeoutError:
-                    continue  # the checks above tell which limit passed (pieces may have flowed through the sink)
-                except EngineError as exc:
-                    reason = "stream_broken"
-                    telemetry.upstream_errors.labels(reason).inc()
-                    log.warning(
-                        "stream failed",
-                        extra={
-                            "request_id": self.request_id,
-                            "replica": self.rep.name,
-                            "error": f"{type(exc).__name__}: {exc}",
-                        },
-                    )
-                    yield sse_error(
-                        502, f"engine {self.rep.name} failed mid-stream: {type(exc).__name__}", reason
-                    )
-                    break
-                finally:
-                    resp.attach(None)
-                if self.bad is not None:
-                    yield self._bad(self.bad)
-                    break
-                if not chunk:
-                    err = self._end()
-                    if err is not None:
-                        yield err
-                        break
-                    self.ok = True
-                    break
-                self.last_at = time.monotonic()
-                self.task_pieces += 1
-                self._keep_tail(chunk)
-                try:
-                    out = events.feed(chunk)
-                except BadStream as exc:
-                    yield self._bad(exc)
-                    break
-                if resp.at_end:
-                    err = self._end()
-                    if err is not None:
-                        yield out + err
-                        break
-                    self.ok = True
-                    yield out
-                elif out:
-                    yield out
+            async for out in self._engine_chunks():
+                yield self._sent(out)
+            if self.failure is not None and self.resume is not None:
+                self.resp.close()  # the engine sees the connection close and aborts what is left of it
+                self.hold.release()
+                async for out in self.resume(self):
+                    yield self._sent(out)
         finally:
             # a complete stream is finished by RelayedStream after the client got its last byte (the feedback
             # and policy update are then off the client's latency); failures and cancellations clean up here
             if not self.ok:
                 await self.finish()
+
+    async def _engine_chunks(self) -> AsyncIterator[bytes]:
+        """The engine's validated chunks; a failure yields its error event, or records it (``_fail``)."""
+        resp = self.resp
+        if resp.at_end:  # the whole answer came with the headers
+            first, cut = self._cut_error_event(self.first)
+            err = None if cut else self._end()
+            if not cut and err is None:
+                self.ok = True
+            yield first + (self._fail("bad_stream", err) or b"" if err is not None else b"")
+            return
+        first, cut = self._cut_error_event(self.first)
+        if first:
+            yield first
+        if cut:
+            return
+        while not self.ok:
+            wait, expired = self._next_wait(self.idle_timeout_s)
+            if expired is not None:
+                err = self._fail(*expired)
+                if err is not None:
+                    yield err
+                return
+            chunk, err = await self._read(wait)
+            if err is not None:
+                if err:
+                    yield err
+                return
+            if chunk is None:
+                continue
+            try:
+                out = self.events.feed(chunk)
+            except BadStream as exc:
+                yield self._fail("bad_stream", self._bad(exc)) or b""
+                return
+            out, cut = self._cut_error_event(out)
+            if cut:
+                if out:
+                    yield out
+                return
+            if resp.at_end:
+                err = self._end()
+                if err is not None:
+                    yield out + (self._fail("bad_stream", err) or b"")
+                    return
+                self.ok = True
+                yield out
+            elif out:
+                yield out
+
+    async def _read(self, wait: float) -> tuple[bytes | None, bytes | None]:
+        """The next raw chunk (None: nothing within ``wait``, look at the limits again), or the failure: its
+        error event to send (empty bytes when recorded for the continuation). The end of a complete stream sets
+        ``ok``."""
+        resp = self.resp
+        if self.direct is not None:
+            resp.attach(self._sink)  # pieces go to the client from the read callback until one is declined
+        try:
+            chunk = await resp.read_chunk(wait)
+        except TimeoutError:
+            return None, None  # the checks tell which limit passed (pieces may have flowed through the sink)
+        except EngineError as exc:
+            reason = "stream_broken"
+            self.telemetry.upstream_errors.labels(reason).inc()
+            log.warning(
+                "stream failed",
+                extra={
+                    "request_id": self.request_id,
+                    "replica": self.rep.name,
+                    "error": f"{type(exc).__name__}: {exc}",
+                },
+            )
+            err = sse_error(502, f"engine {self.rep.name} failed mid-stream: {type(exc).__name__}", reason)
+            return None, self._fail(reason, err) or b""
+        finally:
+            resp.attach(None)
+        if self.bad is not None:
+            return None, self._fail("bad_stream", self._bad(self.bad)) or b""
+        if not chunk:
+            end = self._end()
+            if end is not None:
+                return None, self._fail("stream_broken", end) or b""
+            self.ok = True
+            return None, b""
+        self.last_at = time.monotonic()
+        self.task_pieces += 1
+        self._keep_tail(chunk)
+        return chunk, None
 
     def _keep_tail(self, piece: bytes) -> None:
         """Append ``piece`` to the end of the raw stream kept for the final usage chunk (bounded)."""
@@ -184,18 +258,19 @@ class Relay:
         if len(tail) > 2 * TAIL_BYTES:
             del tail[:-TAIL_BYTES]
 
-    def _next_wait(self, idle: float) -> tuple[float, bytes | None]:
+    def _next_wait(self, idle: float) -> tuple[float, tuple[str, bytes] | None]:
         """How long the next read may wait (seconds: until ``total_timeout_s`` or ``idle`` seconds after the last
-        piece, whichever comes first), or the SSE error event (counted) when one of them has passed."""
+        piece, whichever comes first), or the reason and SSE error event (counted) when one of them has passed."""
         now = time.monotonic()
         remaining = self.deadline - now
         if remaining <= 0:
             self.telemetry.upstream_errors.labels("total_timeout").inc()
-            return 0.0, sse_error(504, "stream exceeded total_timeout_s", "total_timeout")
+            return 0.0, ("total_timeout", sse_error(504, "stream exceeded total_timeout_s", "total_timeout"))
         idle_left = idle - (now - self.last_at)
         if idle_left <= 0:
             self.telemetry.upstream_errors.labels("idle_timeout").inc()
-            return 0.0, sse_error(504, f"engine sent nothing for {idle:g}s (idle_timeout_s)", "idle_timeout")
+            msg = f"engine {self.rep.name} sent nothing for {idle:g}s (idle_timeout_s)"
+            return 0.0, ("idle_timeout", sse_error(504, msg, "idle_timeout"))
         return (remaining if remaining < idle_left else idle_left), None
 
     def _sink(self, piece: bytes) -> bool:
@@ -204,14 +279,14 @@ class Relay:
         (the relay loop takes the piece) when the client's connection is paused or closing, or the piece is not
         a valid event stream (``bad``). Never raises."""
         write = self.direct
-        if write is None or not write.ready():
-            return False
+        if write is None or not write.ready() or (self.migrating and b'"error"' in piece):
+            return False  # (an error event the continuation replaces is the loop's to handle)
         self.last_at = time.monotonic()
         self._keep_tail(piece)
         try:
             out = self.events.feed(piece)
             if out:
-                write(out)
+                write(self._sent(out))
         except BadStream as exc:
             self.bad = exc
             return False
@@ -234,11 +309,14 @@ class Relay:
             if self.task_pieces:
                 pieces.labels("task").inc(self.task_pieces)
             self.hold.release()
-            # usage is fed back even when the client left right after the last chunk
-            usage = usage_from_sse(bytes(self.tail))
-            if self.ok:
+            if self.inner is not None:
+                await self.inner.finish()
+            # usage is fed back even when the client left right after the last chunk (a migrated stream's
+            # continuation fed back its own)
+            usage = usage_from_sse(bytes(self.tail)) if self.failure is None else None
+            if self.ok and self.failure is None:
                 self.feedback.check_usage(self.rep, usage, streamed=True)
-            if self.ok or usage:
+            if (self.ok and self.failure is None) or usage:
                 self.feedback.observe(
                     self.rep, self.routed, usage, self.ttft, self.predicted_cached, single_chunk=False
                 )
@@ -247,7 +325,7 @@ class Relay:
         finally:
             if self.on_done is not None:
                 self.on_done()
-            if self.ok:
+            if self.ok and self.failure is None:
                 self.resp.release()  # fully read: the connection goes back to the pool
             else:
                 self.resp.close()  # the engine sees the connection close and aborts the request

@@ -36,6 +36,8 @@ def test_engine_faults_end_in_clear_errors_and_are_counted() -> None:
             "2",
             "--unhealthy-after",
             "2",
+            "--migration-limit",
+            "0",  # the stream failures below end the client's stream (test_migration.py: continued elsewhere)
         ) as r,
     ):
         u = r.url
