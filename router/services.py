@@ -33,6 +33,7 @@ from membership.engine_metrics import EngineSnapshot, MetricsScraper
 from membership.kv_events import KVEventSubscriber
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
+from membership.shared_state import ResponseMap
 from membership.tenant_budget import TenantBudget
 from policies.base import Policy, ReplicaProfile, make_policy
 from policies.pd_base import HandoffLink, make_pd_policy
@@ -59,6 +60,7 @@ from router.serve.idempotency import IdempotencyGuard
 from router.serve.intake import InputLimits, Intake, model_contexts
 from router.serve.loop_lag import LoopLag
 from router.serve.pipeline import Pipeline
+from router.serve.responses import ResponseChains
 from router.telemetry import (
     Telemetry,
     admission_gauges,
@@ -424,6 +426,22 @@ def _background(svc: Services) -> list[StartStop]:
     return out
 
 
+def _build_chains(settings: Settings, membership: Membership) -> ResponseChains:
+    """The Responses API's response id -> replica and conversation maps (shared through Redis when configured)."""
+    owners = ResponseMap(
+        membership.shared,
+        ttl_s=settings.response_map_ttl_s,
+        local_max=settings.response_map_local_entries,
+    )
+    conversations = ResponseMap(
+        membership.shared,
+        ttl_s=settings.response_map_ttl_s,
+        local_max=settings.response_history_local_entries,
+        namespace="resp-conv",
+    )
+    return ResponseChains(owners, conversations, settings.response_history_max_bytes)
+
+
 def _build_front(
     settings: Settings, telemetry: Telemetry, table: ReplicaTable, membership: Membership, router: Router
 ) -> tuple[Admission, IdempotencyGuard, LoopLag, Guard, Intake, TenantAdmission]:
@@ -490,6 +508,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         guard,
         token_ids,
         dispatcher,
+        _build_chains(settings, membership),
     )
     _keep_index_honest(table, index, kv_events)
     svc = Services(

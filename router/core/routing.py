@@ -169,6 +169,7 @@ class RoutingInput:
         estimated_tokens: set when ``token_ids`` are only a prefix of the prompt's ids (cache-frontier
             tokenization, ``router.tokens.frontier``): the estimated length of the whole prompt, tokens; None
             when the ids are complete.
+        pinned_to: the only replica that may serve it (no retry elsewhere, no re-decision); None: any.
     """
 
     model: str
@@ -184,6 +185,8 @@ class RoutingInput:
     priority: int = 0
     identity: Any = None  # router.core.tenants.Identity of the request (set by the front door)
     estimated_tokens: int | None = None
+    #: the index of the only replica that may serve it (it holds the request's state: a Responses API chain)
+    pinned_to: int | None = None
 
     @property
     def ids_partial(self) -> bool:

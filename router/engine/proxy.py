@@ -49,7 +49,7 @@ from starlette.responses import Response
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from router.core.dispatch import DispatchGate
 from router.core.routing import Routed, Router, RoutingError
-from router.engine.attempt import EngineEdge
+from router.engine.attempt import OPENAI, EngineEdge, Wire
 from router.engine.config import ProxyConfig
 from router.engine.hold import AttemptFailed, Hold
 from router.errors import error_response
@@ -141,6 +141,7 @@ class Proxy:
         stream: bool,
         request_id: str,
         ids: IdsPrompt | None = None,
+        wire: Wire = OPENAI,
     ) -> Response:
         """Try the decision's replicas in ranking order until one answers (module docstring, steps 1-4).
 
@@ -151,7 +152,7 @@ class Proxy:
             routed,
             deadline=time.monotonic() + self.cfg.total_timeout_s,
             headers={
-                "content-type": "application/json",
+                "content-type": wire.content_type,
                 "x-request-id": request_id,
                 "accept": "text/event-stream" if stream else "application/json",
             },
@@ -166,7 +167,7 @@ class Proxy:
                 self.telemetry.retries.labels(run.last.reason if run.last else "unknown").inc()
             run.attempts += 1
             try:
-                return await self._attempt(run, rep, path, body, stream, request_id, ids)
+                return await self._attempt(run, rep, path, body, stream, request_id, ids, wire)
             except AttemptFailed as exc:
                 self._attempt_failed(run, rep, exc, request_id)
                 if not exc.retry:
@@ -184,6 +185,8 @@ class Proxy:
                 rep = run.pick(router.table, panic=True)
             if rep is not None:
                 return rep
+            if run.routed.inp.pinned_to is not None:
+                return None  # only the pinned replica may serve it (it holds the request's state)
             try:
                 again = router.decide(run.routed.inp, exclude=run.tried)
             except RoutingError:
@@ -201,6 +204,7 @@ class Proxy:
         stream: bool,
         request_id: str,
         ids: IdsPrompt | None,
+        wire: Wire,
     ) -> Response:
         """One attempt on ``rep``: hold its in-flight slot (and dispatch-gate permit), send, wait for the first
         byte, commit the answer. Raises ``AttemptFailed`` before the first byte (the hold is released)."""
@@ -208,10 +212,10 @@ class Proxy:
         predicted_cached = run.cached.get(rep.index, 0)
         with Hold(self.router, self.gate, rep, inp.prompt_tokens - predicted_cached, inp.copies) as hold:
             self.router.record_prediction(rep, inp.keys)
-            payload, strip_usage = self.edge.payload(rep, body, stream, ids)
+            payload, strip_usage = self.edge.payload(rep, body, stream, ids, wire)
             t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)
             await hold.admit(inp.keys, inp.prompt_tokens, stream)
-            resp, first = await self.edge.open(rep, path, payload, run.headers, run.deadline)
+            resp, first = await self.edge.open(rep, path, payload, run.headers, run.deadline, wire.method)
             ttft = time.monotonic() - t0
             hold.first_byte()
             return await self.edge.commit(
@@ -225,6 +229,7 @@ class Proxy:
                 request_id,
                 predicted_cached,
                 strip_usage,
+                wire,
             )
 
     def _attempt_failed(self, run: _Run, rep: Replica, exc: AttemptFailed, request_id: str) -> None:

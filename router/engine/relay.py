@@ -73,6 +73,8 @@ class Relay:
         self.bad: BadStream | None = None
         #: ``time.monotonic()`` of the last piece the engine sent (seconds): the idle timeout counts from it
         self.last_at = time.monotonic()
+        #: reads the answer as it passes (``router.engine.attempt.AnswerWatch``; None: nothing reads it)
+        self.watch: Any = None
         self.direct_pieces = 0  # pieces relayed by ``_sink`` / by the loop (``kvroute_relayed_pieces_total``)
         self.task_pieces = 1 if first else 0
 
@@ -157,6 +159,8 @@ class Relay:
                 self.last_at = time.monotonic()
                 self.task_pieces += 1
                 self._keep_tail(chunk)
+                if self.watch is not None:
+                    self.watch.feed(self.rep, chunk)
                 try:
                     out = events.feed(chunk)
                 except BadStream as exc:
@@ -208,6 +212,8 @@ class Relay:
             return False
         self.last_at = time.monotonic()
         self._keep_tail(piece)
+        if self.watch is not None:
+            self.watch.feed(self.rep, piece)
         try:
             out = self.events.feed(piece)
             if out:
@@ -242,6 +248,8 @@ class Relay:
                 self.feedback.observe(
                     self.rep, self.routed, usage, self.ttft, self.predicted_cached, single_chunk=False
                 )
+            if self.ok and self.watch is not None:
+                await self.watch.complete(self.rep)
         except Exception:
             log.exception("stream cleanup failed")
         finally:

@@ -36,6 +36,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -53,6 +54,7 @@ from router.errors import (
     refusal_response,
     unauthorized,
 )
+from router.serve.endpoints import ENGINE_POST_ROUTES, RESPONSE_CANCEL, RESPONSE_RETRIEVE
 from router.serve.guard import Guard, request_path, route_label
 from router.serve.idempotency import HEADER as IDEMPOTENCY_HEADER
 from router.serve.pipeline import GENERATION_ROUTES, chat_input
@@ -259,7 +261,7 @@ class _Edge:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        route = path if path in _KNOWN_ROUTES else "other"
+        route = path if path in _KNOWN_ROUTES else route_label(path)
         status = {"code": 500}
         if _declared_too_big(scope, self.max_body):
             await _send_too_large(send, self.max_body)
@@ -514,8 +516,20 @@ def _add_error_handlers(app: _KvrouteApp, svc: Services) -> None:
     async def refused(request: Request, exc: Exception) -> Response:
         return app.render(as_error(exc))
 
+    async def framework(request: Request, exc: Exception) -> Response:
+        """The framework's own refusals (an unknown path, a method a route does not take) in the same shape."""
+        assert isinstance(exc, StarletteHTTPException)
+        status = exc.status_code
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if status == 404:
+            message = f"no route {request.url.path!r}: kvroute serves the engines' API (docs/service.md)"
+        headers = dict(exc.headers or {})
+        return app.render(KvrouteError(message, status=status, code=code, headers=headers))
+
     app.add_exception_handler(KvrouteError, refused)
     app.add_exception_handler(RequestValidationError, refused)
+    app.add_exception_handler(StarletteHTTPException, framework)
 
 
 class _Auth:
@@ -575,6 +589,25 @@ class _DataPlane:
             principal=self.auth.guard.principal(request.headers.get("authorization")),
         )
 
+    async def engine(self, request: Request, raw: bytes | None = None) -> Response:
+        """One of the engines' other endpoints (router/serve/endpoints.py): prepared and served by the pipeline
+        (``raw``: the body, when the direct path has read it)."""
+        self.auth.check_client(request)
+        body = await request.body() if raw is None else raw
+        prepared = await self.pipeline.prepare_engine(
+            request.method,
+            request_path(request.scope),
+            request.headers,
+            body,
+            query=request.url.query,
+            content_type=request.headers.get("content-type"),
+        )
+        return await self.pipeline.serve(prepared, request.receive)
+
+    async def engine_route(self, request: Request) -> Response:
+        """``engine`` as a FastAPI route (the body read here)."""
+        return await self.engine(request)
+
     async def models(self, request: Request) -> Any:
         """``GET /v1/models``."""
         self.auth.check_client(request)
@@ -608,6 +641,38 @@ async def _generate_at(dp: _DataPlane, request: Request, raw: bytes, *, path: st
     return await dp.generate(request, raw, path)
 
 
+async def _engine_at(dp: _DataPlane, request: Request, raw: bytes) -> Response:
+    """The direct path's endpoint for the engines' other POST routes."""
+    return await dp.engine(request, raw)
+
+
+def _add_engine_routes(app: _KvrouteApp, dp: _DataPlane) -> None:
+    """The engines' other endpoints (router/serve/endpoints.py), relayed through the pipeline."""
+    for path in ENGINE_POST_ROUTES:
+        app.add_api_route(
+            path,
+            dp.engine_route,
+            methods=["POST"],
+            responses=_ROUTE_ERRORS,
+            response_model=None,
+            summary=f"the engines' {path}, routed (docs/service.md)",
+        )
+    for pattern, method, name in (
+        (RESPONSE_RETRIEVE, "GET", "retrieve_response"),
+        (RESPONSE_RETRIEVE, "DELETE", "delete_response"),
+        (RESPONSE_CANCEL, "POST", "cancel_response"),
+    ):
+        app.add_api_route(
+            pattern.replace("{id}", "{response_id}"),
+            dp.engine_route,
+            methods=[method],
+            operation_id=name,
+            responses=_ROUTE_ERRORS,
+            response_model=None,
+            summary="a stored response, on the replica holding it",
+        )
+
+
 def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
     """The OpenAI-compatible routes, ``/v1/models`` and ``/route``."""
     app.post(
@@ -627,10 +692,12 @@ def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
     if (
         not dp.settings.cors_origins
     ):  # CORS headers come from a middleware: keep those requests on the normal path
-        app.enable_fast_path(
-            {path: functools.partial(_generate_at, dp, path=path) for path in GENERATION_ROUTES},
-            dp.settings.max_request_bytes,
-        )
+        fast: dict[str, FastEndpoint] = {
+            path: functools.partial(_generate_at, dp, path=path) for path in GENERATION_ROUTES
+        }
+        fast.update({path: functools.partial(_engine_at, dp) for path in ENGINE_POST_ROUTES})
+        app.enable_fast_path(fast, dp.settings.max_request_bytes)
+    _add_engine_routes(app, dp)
     app.get(
         "/v1/models",
         response_model=ModelList,
