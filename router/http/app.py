@@ -6,6 +6,9 @@ Routes (OpenAPI at ``/openapi.json``):
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI-compatible; prepared, admitted, decided and
   dispatched by the pipeline (streaming SSE and not), once per ``Idempotency-Key``.
 * ``GET /v1/models``: the union of the replicas' models and LoRA adapters.
+* the engines' other endpoints (``router.serve.endpoints``): ``POST /v1/responses`` (chains pinned to the
+  replica holding them), ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, the pooling
+  endpoints, ``/tokenize``, ``/detokenize``, audio (multipart) and SGLang's ``/generate``, through the pipeline.
 * ``POST /route``: the same body as completions or chat, or ``{"model": ..., "token_ids": [...]}``; returns the
   decision (chosen replica name and URL; every candidate's predicted TTFT with Q, R, C, p and matched tokens per
   tier; a PD fleet's plan) without forwarding.
@@ -14,8 +17,8 @@ Routes (OpenAPI at ``/openapi.json``):
 
 Errors are the kvroute error family (``router.errors``) rendered as OpenAI-style JSON ``{"error": {"message",
 "type", "code", "param"}}``: invalid JSON -> 400, missing or invalid fields -> 422 naming the field, unknown model
--> 404, body over ``max_request_bytes`` -> 413, router at its in-flight limit -> 429 with ``Retry-After``, no
-routable replica -> 503 with the reason.
+-> 404, an unknown path -> 404 (405 for a method a route does not take), body over ``max_request_bytes`` -> 413,
+router at its in-flight limit -> 429 with ``Retry-After``, no routable replica -> 503 with the reason.
 """
 
 from __future__ import annotations
