@@ -1053,6 +1053,14 @@ class Settings(BaseSettings):
         description="response ids each router keeps in memory (least recently used dropped first): the whole map "
         "without Redis, the fallback while Redis is down; ~200 bytes each",
     )
+    endpoint_gap_ttl_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="a replica that answered a path with its framework's bare 404 (it does not serve it: a pooling "
+        "engine asked to generate, a generating one to embed) is left out of that path's decisions this long; "
+        "the attempt is retried on another replica, and a path no routable replica serves answers 404 "
+        "endpoint_not_served at once (s)",
+    )
     response_history_max_bytes: int = Field(
         default=65536,
         ge=0,

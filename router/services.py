@@ -48,6 +48,7 @@ from router.core.tenant_metrics import TenantMetrics
 from router.core.tenants import TenancyConfig
 from router.engine.attempt import EngineEdge
 from router.engine.feedback import Feedback
+from router.engine.gaps import EndpointGaps
 from router.engine.proxy import Proxy
 from router.engine.scrape import PooledScrapeClient
 from router.epp.picker import EppServer
@@ -261,7 +262,7 @@ def _build_dispatcher(
     settings: Settings, router: Router, edge: EngineEdge, telemetry: Telemetry, gate: DispatchGate
 ) -> Dispatcher:
     """Dispatch chosen from the plan: the in-place attempts (behind the cache-first gate) and the PD legs."""
-    proxy = Proxy(router, edge, telemetry, settings.proxy())
+    proxy = Proxy(router, edge, telemetry, settings.proxy(), EndpointGaps(settings.endpoint_gap_ttl_s))
     proxy.gate = gate
     pd = PdLegs(
         router,

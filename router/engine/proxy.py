@@ -51,6 +51,7 @@ from router.core.dispatch import DispatchGate
 from router.core.routing import Routed, Router, RoutingError
 from router.engine.attempt import OPENAI, EngineEdge, Wire
 from router.engine.config import ProxyConfig
+from router.engine.gaps import FRAMEWORK_NOT_ALLOWED, FRAMEWORK_NOT_FOUND, EndpointGaps
 from router.engine.hold import AttemptFailed, Hold
 from router.errors import error_response
 from router.telemetry import Telemetry
@@ -125,11 +126,20 @@ class Proxy:
         config: retries and the total deadline.
     """
 
-    def __init__(self, router: Router, edge: EngineEdge, telemetry: Telemetry, config: ProxyConfig) -> None:
+    def __init__(
+        self,
+        router: Router,
+        edge: EngineEdge,
+        telemetry: Telemetry,
+        config: ProxyConfig,
+        gaps: EndpointGaps | None = None,
+    ) -> None:
         self.router = router
         self.edge = edge
         self.telemetry = telemetry
         self.cfg = config
+        #: endpoints replicas do not serve, learned from their answers (None: not learned)
+        self.gaps = gaps
         #: the cache-first dispatch gate (router/core/dispatch.py); None: every request is sent when routed
         self.gate: DispatchGate | None = None
 
@@ -218,7 +228,7 @@ class Proxy:
             resp, first = await self.edge.open(rep, path, payload, run.headers, run.deadline, wire.method)
             ttft = time.monotonic() - t0
             hold.first_byte()
-            return await self.edge.commit(
+            answer = await self.edge.commit(
                 hold,
                 run.routed,
                 resp,
@@ -231,6 +241,33 @@ class Proxy:
                 strip_usage,
                 wire,
             )
+        return self._framework_answer(rep, path, wire, answer)
+
+    def _framework_answer(self, rep: Replica, path: str, wire: Wire, answer: Response) -> Response:
+        """An engine's framework 404 for the path (the replica does not serve it): learned, and the attempt retried
+        elsewhere (``AttemptFailed`` 404 ``endpoint_not_served``); its framework 405 (the method is not served
+        there): answered in the OpenAI error shape. Any other answer unchanged."""
+        status = answer.status_code
+        if status not in (404, 405) or not isinstance(answer.body, bytes):
+            return answer
+        body = answer.body.strip()
+        if status == 404 and body in FRAMEWORK_NOT_FOUND:
+            if self.gaps is not None:
+                self.gaps.learn(rep.name, path)
+            raise AttemptFailed(
+                "endpoint_not_served", f"does not serve {path.partition('?')[0]}", retry=True, status=404
+            )
+        if status == 405 and body in FRAMEWORK_NOT_ALLOWED:
+            headers = {k: v for k, v in answer.headers.items() if k.startswith("x-")}
+            if "allow" in answer.headers:
+                headers["allow"] = answer.headers["allow"]
+            return error_response(
+                405,
+                f"replica {rep.name} does not allow {wire.method} {path.partition('?')[0]}",
+                "method_not_allowed",
+                headers=headers,
+            )
+        return answer
 
     def _attempt_failed(self, run: _Run, rep: Replica, exc: AttemptFailed, request_id: str) -> None:
         """Record a failed attempt (its error for the final message, the passive health signal)."""

@@ -451,7 +451,8 @@ class _Stream:
                 self.headers.get(":method", "POST"), self.path, self.headers.get("authorization")
             )
             prepared = await self._prepare(body)
-            admitted = await pipeline.admit(prepared.inp, self._outside_subset())
+            excluded = [*self._outside_subset(), *pipeline.not_serving(prepared.path)]
+            admitted = await pipeline.admit(prepared.inp, excluded)
         except Exception as exc:  # every failure is an ImmediateResponse, never a broken stream
             return self._refuse(self._refusal(exc))
         self.ticket = admitted.ticket

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
@@ -45,6 +45,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from membership.replicas import Replica
+from membership.shared_state import MAX_RESPONSE_ID_CHARS
 from policies.base import Reuse
 from router import signals
 from router.config import Settings
@@ -57,11 +58,11 @@ from router.errors import (
     refusal_response,
     unauthorized,
 )
-from router.serve.endpoints import ENGINE_POST_ROUTES, RESPONSE_CANCEL, RESPONSE_RETRIEVE
+from router.serve.endpoints import ENGINE_POST_ROUTES, RESPONSE_CANCEL, RESPONSE_RETRIEVE, Kind
 from router.serve.guard import Guard, request_path, route_label
 from router.serve.idempotency import HEADER as IDEMPOTENCY_HEADER
 from router.serve.pipeline import GENERATION_ROUTES, chat_input
-from router.serve.requests import ChatRequest, CompletionRequest, RouteBody
+from router.serve.requests import ChatRequest, CompletionRequest, EngineBody, ResponsesRequest, RouteBody
 from router.services import Services, build_services, run
 from router.telemetry import CONTENT_TYPE, Telemetry
 
@@ -611,6 +612,12 @@ class _DataPlane:
         """``engine`` as a FastAPI route (the body read here)."""
         return await self.engine(request)
 
+    async def stored_response(
+        self, request: Request, response_id: str = Path(min_length=1, max_length=MAX_RESPONSE_ID_CHARS)
+    ) -> Response:
+        """A stored response (``GET`` / ``DELETE /v1/responses/{id}``, ``POST .../cancel``), on its replica."""
+        return await self.engine(request)
+
     async def models(self, request: Request) -> Any:
         """``GET /v1/models``."""
         self.auth.check_client(request)
@@ -651,13 +658,16 @@ async def _engine_at(dp: _DataPlane, request: Request, raw: bytes) -> Response:
 
 def _add_engine_routes(app: _KvrouteApp, dp: _DataPlane) -> None:
     """The engines' other endpoints (router/serve/endpoints.py), relayed through the pipeline."""
-    for path in ENGINE_POST_ROUTES:
+    for path, kind in ENGINE_POST_ROUTES.items():
         app.add_api_route(
             path,
             dp.engine_route,
             methods=["POST"],
             responses=_ROUTE_ERRORS,
             response_model=None,
+            openapi_extra=_MULTIPART_DOC
+            if kind is Kind.MULTIPART
+            else _body_doc(ResponsesRequest if kind is Kind.RESPONSES else EngineBody),
             summary=f"the engines' {path}, routed (docs/service.md)",
         )
     for pattern, method, name in (
@@ -667,7 +677,7 @@ def _add_engine_routes(app: _KvrouteApp, dp: _DataPlane) -> None:
     ):
         app.add_api_route(
             pattern.replace("{id}", "{response_id}"),
-            dp.engine_route,
+            dp.stored_response,
             methods=[method],
             operation_id=name,
             responses=_ROUTE_ERRORS,
@@ -824,7 +834,33 @@ def _install_openapi(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-_BODY_MODELS: list[type[BaseModel]] = [CompletionRequest, ChatRequest, RouteBody]
+_BODY_MODELS: list[type[BaseModel]] = [
+    CompletionRequest,
+    ChatRequest,
+    RouteBody,
+    ResponsesRequest,
+    EngineBody,
+]
+
+#: OpenAPI requestBody of the audio routes (multipart: a ``file`` and text fields, forwarded as sent)
+_MULTIPART_DOC: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "model": {"type": "string"},
+                        "stream": {"type": "string", "enum": ["true", "false"]},
+                    },
+                }
+            }
+        },
+    }
+}
 
 
 def _body_doc(model: type[BaseModel]) -> dict[str, Any]:

@@ -674,4 +674,25 @@ class Pipeline:
 
     async def serve(self, prepared: Prepared, receive: Callable[[], Any]) -> Response:
         """Admit, decide and dispatch a prepared request (steps 5-8)."""
-        return await self.dispatch(prepared, await self.admit(prepared.inp), receive)
+        exclude = self.not_serving(prepared.path)
+        return await self.dispatch(prepared, await self.admit(prepared.inp, exclude), receive)
+
+    def not_serving(self, path: str) -> list[int]:
+        """Replicas known not to serve ``path`` (they answered it with their framework's 404:
+        ``router.engine.gaps``), left out of the decision.
+
+        Raises:
+            KvrouteError: 404 ``endpoint_not_served`` when that is every routable replica.
+        """
+        gaps = self.dispatcher.in_place.gaps
+        if gaps is None:
+            return []
+        lacking = [r for r in self.table.all() if gaps.lacks(r.name, path)]
+        if lacking and all(r in lacking for r in self.table.all() if r.routable):
+            names = ", ".join(sorted(r.name for r in lacking))
+            raise KvrouteError(
+                f"no replica serves {path.partition('?')[0]} (each answered it 404 Not Found: {names})",
+                status=404,
+                code="endpoint_not_served",
+            )
+        return [r.index for r in lacking]

@@ -341,20 +341,31 @@ def test_the_chains_replica_killed_gets_a_clear_error_and_full_context_routes_fr
         assert fresh.headers["x-kvroute-replica"] != owner.name
 
 
+@dataclass
+class EndpointsFleet:
+    mixed: str  # kvroute in front of a pooling and a generating stand-in
+    engines: dict[str, Engine]
+    audio: str  # kvroute in front of a speech-to-text stand-in, 256 KiB body limit
+
+
 @pytest.fixture(scope="module")
-def endpoints_fleet(model_dir: Path) -> Iterator[tuple[str, Engine, str, Engine]]:
-    """A pooling stand-in and a speech-to-text stand-in, each behind its own ``kvroute serve`` (the audio one with
-    a 256 KiB body limit)."""
+def endpoints_fleet(model_dir: Path) -> Iterator[EndpointsFleet]:
+    """A pooling stand-in and a generating one behind one ``kvroute serve``; a speech-to-text stand-in behind
+    another (with a 256 KiB body limit)."""
     with ExitStack() as stack:
-        pool = start_engine("p", model_dir, "--runner", "pooling", "--hidden-size", "32")
-        stack.callback(pool.proc.stop)
-        audio = start_engine("s", model_dir, "--speech-to-text")
-        stack.callback(audio.proc.stop)
+        engines = {}
+        for name, extra in (
+            ("p", ("--runner", "pooling", "--hidden-size", "32")),
+            ("g", ("--time-scale", "0")),
+            ("s", ("--speech-to-text",)),
+        ):
+            engines[name] = start_engine(name, model_dir, *extra)
+            stack.callback(engines[name].proc.stop)
         first = len(started)
         stack.callback(lambda: [p.stop() for p in started[first:]])
-        pool_url = start_router([pool], model_dir)
-        audio_url = start_router([audio], model_dir, "--max-request-bytes", str(256 * 1024))
-        yield pool_url, pool, audio_url, audio
+        mixed = start_router([engines["p"], engines["g"]], model_dir)
+        audio = start_router([engines["s"]], model_dir, "--max-request-bytes", str(256 * 1024))
+        yield EndpointsFleet(mixed, engines, audio)
 
 
 @pytest.mark.parametrize(
@@ -367,14 +378,14 @@ def endpoints_fleet(model_dir: Path) -> Iterator[tuple[str, Engine, str, Engine]
     ],
 )
 def test_pooling_and_tokenizer_endpoints_answer_as_the_engine_does(
-    endpoints_fleet: tuple[str, Engine, str, Engine], path: str, body: dict[str, Any]
+    endpoints_fleet: EndpointsFleet, path: str, body: dict[str, Any]
 ) -> None:
-    url, engine, _, _ = endpoints_fleet
     full = {"model": MODEL, **body}
+    url = endpoints_fleet.mixed
     routed = httpx.post(url + path, json=full, headers=AUTH, timeout=10)
+    engine = endpoints_fleet.engines[routed.headers["x-kvroute-replica"]]
     direct = httpx.post(engine.url + path, json=full, timeout=10)
     assert routed.status_code == direct.status_code == 200, routed.text
-    assert routed.headers["x-kvroute-replica"] == "p"
     strip = ("id", "created")
     assert {k: v for k, v in routed.json().items() if k not in strip} == {
         k: v for k, v in direct.json().items() if k not in strip
@@ -393,10 +404,38 @@ def wav(seconds: float, rate: int = 8000) -> bytes:
     return header + data
 
 
-def test_audio_multipart_is_relayed_and_oversized_bodies_are_413(
-    endpoints_fleet: tuple[str, Engine, str, Engine],
-) -> None:
-    _, _, url, _ = endpoints_fleet
+def test_a_replica_that_lacks_an_endpoint_is_not_sent_it(endpoints_fleet: EndpointsFleet) -> None:
+    """In a fleet of a pooling and a generating engine, embeddings reach only the pooling one and generation only
+    the generating one (a replica's bare framework 404 is retried elsewhere and learned); a path no replica
+    serves is a 404 in the OpenAI shape, at once once learned."""
+    url = endpoints_fleet.mixed
+    for i in range(6):
+        emb = httpx.post(
+            url + "/v1/embeddings", json={"model": MODEL, "input": f"t{i}"}, headers=AUTH, timeout=10
+        )
+        assert emb.status_code == 200 and emb.headers["x-kvroute-replica"] == "p", emb.text
+        gen = respond(url, {"input": f"generate {i}", "max_output_tokens": 2})
+        assert gen.status_code == 200 and gen.headers["x-kvroute-replica"] == "g", gen.text
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2},
+            headers=AUTH,
+            timeout=10,
+        )
+        assert chat.status_code == 200 and chat.headers["x-kvroute-replica"] == "g", chat.text
+    files = {"file": ("a.wav", wav(1.0), "audio/wav")}
+    for _ in range(2):
+        r = httpx.post(
+            url + "/v1/audio/transcriptions", data={"model": MODEL}, files=files, headers=AUTH, timeout=10
+        )
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"}
+        assert err["code"] == "endpoint_not_served" and "/v1/audio/transcriptions" in err["message"]
+
+
+def test_audio_multipart_is_relayed_and_oversized_bodies_are_413(endpoints_fleet: EndpointsFleet) -> None:
+    url = endpoints_fleet.audio
     files = {"file": ("a.wav", wav(2.0), "audio/wav")}
     r = httpx.post(
         url + "/v1/audio/transcriptions", data={"model": MODEL}, files=files, headers=AUTH, timeout=20
