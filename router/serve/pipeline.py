@@ -7,7 +7,9 @@ these steps in this order; a rule added here reaches every door:
 2. ``parse``: body limits, JSON, the request model, router-controlled fields stripped (``router.serve.intake``);
 3. ``identify``: tenant, priority class, TTFT target; the tenant's quota precheck, before any tokenizing;
 4. ``tokenize``: the prompt's token ids (the cache frontier or the whole prompt) and block keys ->
-   ``RoutingInput``; ``prepare`` runs 2-4 for a generation request (``Prepared``);
+   ``RoutingInput``; ``prepare`` runs 2-4 for a generation request (``Prepared``), ``prepare_engine`` for the
+   engines' other endpoints (``router.serve.endpoints``: the Responses API with its chains pinned to the replica
+   holding them, ``router.serve.responses``; pooling, tokenize, audio, SGLang's ``/generate``);
 5. ``admit``: a request with a TTFT target is priced first (refused when unattainable), then the tenant's quota
    and a slot of the in-flight limit (a ``Ticket``, released exactly once);
 6. ``decide``: session affinity, then ``Router.decide`` (co-located) or ``Router.decide_plan`` (PD), counted
