@@ -61,6 +61,7 @@ from router.core.routing import NoReplica, Routed
 from router.core.tenant_admission import Ticket
 from router.engine.attempt import OPENAI
 from router.engine.feedback import Feedback, usage_from_json, usage_from_sse
+from router.engine.gaps import FRAMEWORK_NOT_FOUND
 from router.engine.hold import Hold
 from router.engine.sse import ask_for_usage
 from router.epp import codec
@@ -712,10 +713,19 @@ class _Stream:
             if 0 < self.status < 400:
                 self._feedback(hold, routed)
                 self._read_answer(hold)
+            elif self.status == 404:
+                self._learn_gap(hold)
         except Exception:
             log.exception("endpoint picker feedback failed")
         finally:
             self.finish()
+
+    def _learn_gap(self, hold: Hold) -> None:
+        """The engine answered its framework's bare 404: it does not serve the path (``router.engine.gaps``); the
+        next requests for it are decided without that replica (this one's answer has gone to the client)."""
+        gaps = self.picker.pipeline.dispatcher.in_place.gaps
+        if gaps is not None and b"".join(self.body_parts).strip() in FRAMEWORK_NOT_FOUND:
+            gaps.learn(hold.rep.name, self.path)
 
     def _read_answer(self, hold: Hold) -> None:
         """The request's answer reader (a Responses API answer: the chain's maps) gets a non-streamed body whole,

@@ -346,6 +346,7 @@ class EndpointsFleet:
     mixed: str  # kvroute in front of a pooling and a generating stand-in
     engines: dict[str, Engine]
     audio: str  # kvroute in front of a speech-to-text stand-in, 256 KiB body limit
+    picker_port: int  # kvroute epp (plaintext gRPC) in front of the pooling and the generating stand-in
 
 
 @pytest.fixture(scope="module")
@@ -365,7 +366,9 @@ def endpoints_fleet(model_dir: Path) -> Iterator[EndpointsFleet]:
         stack.callback(lambda: [p.stop() for p in started[first:]])
         mixed = start_router([engines["p"], engines["g"]], model_dir)
         audio = start_router([engines["s"]], model_dir, "--max-request-bytes", str(256 * 1024))
-        yield EndpointsFleet(mixed, engines, audio)
+        grpc_port = free_port()
+        start_router([engines["p"], engines["g"]], model_dir, command="epp", grpc_port=grpc_port)
+        yield EndpointsFleet(mixed, engines, audio, grpc_port)
 
 
 @pytest.mark.parametrize(
@@ -459,3 +462,34 @@ def test_audio_multipart_is_relayed_and_oversized_bodies_are_413(endpoints_fleet
     assert time.monotonic() - t0 < 10
     plain = httpx.post(url + "/v1/audio/transcriptions", json={"model": MODEL}, headers=AUTH, timeout=10)
     assert plain.status_code == 400 and plain.json()["error"]["code"] == "invalid_content_type"
+
+
+def test_the_picker_learns_which_replica_lacks_an_endpoint(endpoints_fleet: EndpointsFleet) -> None:
+    """Through the endpoint picker the gateway carries the bytes: a replica's bare 404 reaches the client once
+    (here the gateway's subset hint allows only the generating replica), and the picker never sends that path there
+    again: the same hint is then refused at once, and without it the pooling replica serves."""
+    _, stub = stub_for(endpoints_fleet.picker_port, tls=False)
+    pool = f"127.0.0.1:{endpoints_fleet.engines['p'].port}"
+    gen = f"127.0.0.1:{endpoints_fleet.engines['g'].port}"
+    body = json.dumps({"model": MODEL, "input": "embed me"}).encode()
+    s = GatewayStream(stub, 20)
+    picked = s.request("/v1/embeddings", body, headers=AUTH, subset=[gen])
+    assert picked.immediate is None and picked.endpoint == gen, picked.immediate
+    assert json.loads(s.relay_response(gen, "/v1/embeddings", picked.body)) == {"detail": "Not Found"}
+    s.close()
+
+    def refused_at_once() -> bool:
+        s = GatewayStream(stub, 20)
+        again = s.request("/v1/embeddings", body, headers=AUTH, subset=[gen])
+        s.cancel()
+        return again.immediate is not None and again.endpoint is None
+
+    wait_until(
+        refused_at_once, timeout=5, what="the picker learned the generating replica lacks /v1/embeddings"
+    )
+    for _ in range(3):
+        s = GatewayStream(stub, 20)
+        picked = s.request("/v1/embeddings", body, headers=AUTH)
+        assert picked.immediate is None and picked.endpoint == pool, picked.immediate
+        assert json.loads(s.relay_response(pool, "/v1/embeddings", picked.body))["data"]
+        s.close()
