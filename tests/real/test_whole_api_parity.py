@@ -320,6 +320,22 @@ class _Pooled:
         return f"name=pool0,url={self.url},dialect=vllm,model={MODEL}"
 
 
+def _close(a: Any, b: Any) -> bool:
+    """Equal JSON values, floats within 1e-3 relative (the second request of the same input may be served from the
+    engine's prefix cache: another kernel, other low bits)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) or isinstance(b, float):
+        return (
+            isinstance(a, int | float)
+            and isinstance(b, int | float)
+            and abs(a - b) <= 1e-3 * max(1.0, abs(b))
+        )
+    return bool(a == b)
+
+
 def test_pooling_through_kvroute_is_the_engines_answer(
     pooling_pair: tuple[str, str], model_dir: Path
 ) -> None:
@@ -337,9 +353,10 @@ def test_pooling_through_kvroute_is_the_engines_answer(
             routed, direct = (_pool(u, path, body) for u in (r.url, real))
             assert routed.status_code == direct.status_code == 200, routed.text[:300]
             drop = ("id", "created")
-            assert {k: v for k, v in routed.json().items() if k not in drop} == {
-                k: v for k, v in direct.json().items() if k not in drop
-            }, path
+            assert _close(
+                {k: v for k, v in routed.json().items() if k not in drop},
+                {k: v for k, v in direct.json().items() if k not in drop},
+            ), (path, routed.text[:300], direct.text[:300])
             assert routed.headers["x-kvroute-replica"] == "pool0"
     finally:
         r.stop()
