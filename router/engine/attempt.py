@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import orjson
 from starlette.responses import Response
@@ -33,7 +32,7 @@ from router.engine.client import (
 from router.engine.config import ProxyConfig
 from router.engine.feedback import Feedback, openai_usage
 from router.engine.hold import AttemptFailed, Hold
-from router.engine.relay import TAIL_BYTES, Relay, RelayedStream
+from router.engine.relay import TAIL_BYTES, AnswerWatch, Relay, RelayedStream
 from router.engine.sse import BadStream, SSEValidator, ask_for_usage
 from router.errors import error_response
 from router.telemetry import Telemetry
@@ -43,19 +42,6 @@ log = logging.getLogger("kvroute.proxy")
 
 #: largest error body read from an engine 5xx (bytes)
 ERR_BODY_BYTES = 2048
-
-
-class AnswerWatch(Protocol):
-    """Reads a successful engine answer as it passes (e.g. the Responses API's response id and output text).
-
-    ``feed`` gets every raw piece of the answer in order (a non-streamed answer: its whole body at once); it must
-    be cheap and never raise. ``complete`` is awaited once when the answer ended whole (not after a failure)."""
-
-    def feed(self, rep: Replica, piece: bytes) -> None:
-        """One piece of the answer from ``rep``."""
-
-    async def complete(self, rep: Replica) -> None:
-        """The answer from ``rep`` ended whole."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpToolsCycle
 
+from membership.replicas import Replica
 from router.core.routing import Routed
 from router.engine.client import EngineError, EngineResponse
 from router.engine.feedback import Feedback, usage_from_sse
@@ -29,6 +30,19 @@ log = logging.getLogger("kvroute.proxy")
 
 #: bytes of the end of a stream kept to find the final ``usage`` chunk
 TAIL_BYTES = 16384
+
+
+class AnswerWatch(Protocol):
+    """Reads a successful engine answer as it passes (e.g. the Responses API's response id and output text).
+
+    ``feed`` gets every raw piece of the answer in order (a non-streamed answer: its whole body at once); it must
+    be cheap and never raise. ``complete`` is awaited once when the answer ended whole (not after a failure)."""
+
+    def feed(self, rep: Replica, piece: bytes) -> None:
+        """One piece of the answer from ``rep``."""
+
+    async def complete(self, rep: Replica) -> None:
+        """The answer from ``rep`` ended whole."""
 
 
 class Relay:
@@ -74,7 +88,7 @@ class Relay:
         #: ``time.monotonic()`` of the last piece the engine sent (seconds): the idle timeout counts from it
         self.last_at = time.monotonic()
         #: reads the answer as it passes (``router.engine.attempt.AnswerWatch``; None: nothing reads it)
-        self.watch: Any = None
+        self.watch: AnswerWatch | None = None
         self.direct_pieces = 0  # pieces relayed by ``_sink`` / by the loop (``kvroute_relayed_pieces_total``)
         self.task_pieces = 1 if first else 0
 
