@@ -32,6 +32,11 @@ class EndpointGaps:
         self._clock = clock
         self._until: dict[tuple[str, str], float] = {}
 
+    def __bool__(self) -> bool:
+        """True when any gap is known (expired ones included until looked up): the common case, none, costs
+        nothing per request."""
+        return bool(self._until)
+
     def learn(self, replica: str, path: str) -> None:
         """``replica`` does not serve ``path`` (its query string ignored)."""
         self._until[(replica, path.partition("?")[0])] = self._clock() + self.ttl_s

@@ -687,7 +687,7 @@ class Pipeline:
             KvrouteError: 404 ``endpoint_not_served`` when that is every routable replica.
         """
         gaps = self.dispatcher.in_place.gaps
-        if gaps is None:
+        if not gaps:  # None, or no gap known: nothing to look up per replica
             return []
         lacking = [r for r in self.table.all() if gaps.lacks(r.name, path)]
         if lacking and all(r in lacking for r in self.table.all() if r.routable):
