@@ -55,12 +55,16 @@ class Wire:
             stream must end with ``data: [DONE]`` (False for the Responses API's event streams, which end with
             their ``response.completed`` event, and for endpoints whose usage the router does not read).
         watch: reads the successful answer as it passes (None: nothing to read).
+        feedback: the answer is a generation whose usage and TTFT feed the cached-token telemetry and the policy's
+            calibration (False for pooling, tokenize, audio, a stored response, SGLang's native answer: their
+            timing is not a prefill's, and they carry no OpenAI usage).
     """
 
     method: str = "POST"
     content_type: str = "application/json"
     openai_stream: bool = True
     watch: AnswerWatch | None = None
+    feedback: bool = True
 
 
 #: the OpenAI generation routes' wire
@@ -275,10 +279,11 @@ class EngineEdge:
                     "upstream_bad_body",
                     headers=out_headers,
                 )
-            usage = obj.get("usage") if isinstance(obj, dict) else None
-            usage = openai_usage(usage) if isinstance(usage, dict) else None
-            self.feedback.check_usage(rep, usage, streamed=False)
-            self.feedback.observe(rep, routed, usage, ttft, predicted_cached, single_chunk=not stream)
+            if wire.feedback:
+                usage = obj.get("usage") if isinstance(obj, dict) else None
+                usage = openai_usage(usage) if isinstance(usage, dict) else None
+                self.feedback.check_usage(rep, usage, streamed=False)
+                self.feedback.observe(rep, routed, usage, ttft, predicted_cached, single_chunk=not stream)
             if wire.watch is not None:
                 wire.watch.feed(rep, content)
                 await wire.watch.complete(rep)
@@ -338,6 +343,7 @@ class EngineEdge:
             idle_timeout_s=self.cfg.idle_timeout_s,
         )
         relay.tail = bytearray(first[-TAIL_BYTES:])
+        relay.fed_back = wire.feedback
         if wire.watch is not None:
             relay.watch = wire.watch
             wire.watch.feed(rep, first)

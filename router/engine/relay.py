@@ -89,6 +89,8 @@ class Relay:
         self.last_at = time.monotonic()
         #: reads the answer as it passes (``router.engine.attempt.AnswerWatch``; None: nothing reads it)
         self.watch: AnswerWatch | None = None
+        #: the answer's usage and TTFT are fed back (a generation's; ``router.engine.attempt.Wire.feedback``)
+        self.fed_back = True
         self.direct_pieces = 0  # pieces relayed by ``_sink`` / by the loop (``kvroute_relayed_pieces_total``)
         self.task_pieces = 1 if first else 0
 
@@ -255,10 +257,10 @@ class Relay:
                 pieces.labels("task").inc(self.task_pieces)
             self.hold.release()
             # usage is fed back even when the client left right after the last chunk
-            usage = usage_from_sse(bytes(self.tail))
-            if self.ok:
+            usage = usage_from_sse(bytes(self.tail)) if self.fed_back else None
+            if self.ok and self.fed_back:
                 self.feedback.check_usage(self.rep, usage, streamed=True)
-            if self.ok or usage:
+            if self.fed_back and (self.ok or usage):
                 self.feedback.observe(
                     self.rep, self.routed, usage, self.ttft, self.predicted_cached, single_chunk=False
                 )

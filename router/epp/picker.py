@@ -711,7 +711,8 @@ class _Stream:
             return
         try:
             if 0 < self.status < 400:
-                self._feedback(hold, routed)
+                if self.wire.feedback:
+                    self._feedback(hold, routed)
                 self._read_answer(hold)
             elif self.status == 404:
                 self._learn_gap(hold)

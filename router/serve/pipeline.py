@@ -411,7 +411,7 @@ class Pipeline:
             return await self._prepare_sglang_generate(headers, raw)
         parsed = await self.parse(raw, EngineBody)
         inp = await self._engine_input(headers, parsed.model.model, [], parsed.model.model_extra)
-        return Prepared(path, inp, parsed.body, False, None, Wire(openai_stream=False))
+        return Prepared(path, inp, parsed.body, False, None, Wire(openai_stream=False, feedback=False))
 
     async def _engine_input(
         self,
@@ -498,7 +498,9 @@ class Pipeline:
         rep = await self.owner(response_id, "response_id")
         inp = await self._engine_input(headers, rep.models[0] if rep.models else None, [], None)
         inp.pinned_to = rep.index
-        return Prepared(target, inp, b"", stream, None, Wire(method=method, openai_stream=False))
+        return Prepared(
+            target, inp, b"", stream, None, Wire(method=method, openai_stream=False, feedback=False)
+        )
 
     async def _prepare_responses(self, headers: Mapping[str, str], raw: bytes) -> Prepared:
         """``POST /v1/responses``: the conversation the engine will render tokenized and routed like a chat
@@ -551,7 +553,9 @@ class Pipeline:
             )
         stream = (multipart_field(raw, "stream") or "").lower() == "true"
         inp = await self._engine_input(headers, multipart_field(raw, "model"), [], None)
-        return Prepared(path, inp, raw, stream, None, Wire(content_type=content_type, openai_stream=False))
+        return Prepared(
+            path, inp, raw, stream, None, Wire(content_type=content_type, openai_stream=False, feedback=False)
+        )
 
     async def _prepare_sglang_generate(self, headers: Mapping[str, str], raw: bytes) -> Prepared:
         """SGLang's ``/generate``: its ``text`` or ``input_ids`` (the first of a batch) tokenized and routed by
@@ -573,7 +577,9 @@ class Pipeline:
             headers, model, ids, None, max_out=max_out if isinstance(max_out, int) else None
         )
         stream = data.get("stream") is True
-        return Prepared("/generate", inp, parsed.body, stream, None, Wire(openai_stream=False))
+        return Prepared(
+            "/generate", inp, parsed.body, stream, None, Wire(openai_stream=False, feedback=False)
+        )
 
     # -- 5. admit ------------------------------------------------------------------------------------------
     async def admit(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Admitted:

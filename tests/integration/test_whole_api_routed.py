@@ -389,6 +389,8 @@ def test_pooling_and_tokenizer_endpoints_answer_as_the_engine_does(
     engine = endpoints_fleet.engines[routed.headers["x-kvroute-replica"]]
     direct = httpx.post(engine.url + path, json=full, timeout=10)
     assert routed.status_code == direct.status_code == 200, routed.text
+    # not a generation: no cached-token feedback, so no "usage missing" warning about the engine's flags
+    assert metric(url, "kvroute_engine_usage_missing_total") == 0
     strip = ("id", "created")
     assert {k: v for k, v in routed.json().items() if k not in strip} == {
         k: v for k, v in direct.json().items() if k not in strip
