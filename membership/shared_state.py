@@ -638,6 +638,8 @@ class ResponseMap:
         ttl_s: lifetime of an entry after its last use, seconds.
         local_max: size bound of the local map (least recently used entries go first).
         clock: monotonic clock, seconds (tests pass a fake one).
+        namespace: the key namespace (``<prefix><namespace>:<id>``); a second map keyed by response id keeps
+            another value per response (the router's record of a chain's conversation uses ``resp-conv``).
     """
 
     def __init__(
@@ -647,12 +649,14 @@ class ResponseMap:
         ttl_s: float,
         local_max: int,
         clock: Callable[[], float] = time.monotonic,
+        namespace: str = "resp",
     ) -> None:
         if ttl_s <= 0 or local_max < 1:
             raise ValueError("ResponseMap needs ttl_s > 0 and local_max >= 1")
         self.shared = shared
         self.ttl_s = ttl_s
         self.local_max = local_max
+        self.namespace = namespace
         self.stats = ResponseMapStats()
         self._clock = clock
         self._local: OrderedDict[str, tuple[str, float]] = OrderedDict()
@@ -671,7 +675,7 @@ class ResponseMap:
 
     def _key(self, response_id: str) -> str:
         assert self.shared is not None
-        return self.shared.key(f"resp:{response_id}")
+        return self.shared.key(f"{self.namespace}:{response_id}")
 
     def _shared_up(self) -> bool:
         return self.shared is not None and self.shared.available

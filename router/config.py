@@ -1119,6 +1119,28 @@ class Settings(BaseSettings):
         description="response ids each router keeps in memory (least recently used dropped first): the whole map "
         "without Redis, the fallback while Redis is down; ~200 bytes each",
     )
+    endpoint_gap_ttl_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="a replica that answered a path with its framework's bare 404 (it does not serve it: a pooling "
+        "engine asked to generate, a generating one to embed) is left out of that path's decisions this long; "
+        "the attempt is retried on another replica, and a path no routable replica serves answers 404 "
+        "endpoint_not_served at once (s)",
+    )
+    response_history_max_bytes: int = Field(
+        default=65536,
+        ge=0,
+        description="largest conversation (JSON) the router keeps per stored response, so that a follow-up "
+        "(previous_response_id) is tokenized with the chain's earlier turns, as the engine renders it, and its "
+        "cached prefix is predicted; a longer chain's follow-ups are still sent to the chain's replica, routed "
+        "on their own input (bytes; 0: none kept). Shared through Redis like the response ids",
+    )
+    response_history_local_entries: int = Field(
+        default=4096,
+        ge=1,
+        description="conversations each router keeps in memory (least recently used dropped first; each at most "
+        "response_history_max_bytes)",
+    )
 
     # --- KV tiers and media (membership/kv_decode.py, kv_apply.py; docs/signals.md "Media and tiers") ---
     kv_medium_tiers: dict[str, str] = Field(

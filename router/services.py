@@ -33,6 +33,7 @@ from membership.engine_metrics import EngineSnapshot, MetricsScraper
 from membership.kv_events import KVEventSubscriber
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
+from membership.shared_state import ResponseMap
 from membership.tenant_budget import TenantBudget
 from policies.base import Policy, ReplicaProfile, make_policy
 from policies.pd_base import HandoffLink, make_pd_policy
@@ -49,6 +50,7 @@ from router.core.tenant_metrics import TenantMetrics
 from router.core.tenants import TenancyConfig
 from router.engine.attempt import EngineEdge
 from router.engine.feedback import Feedback
+from router.engine.gaps import EndpointGaps
 from router.engine.proxy import Proxy
 from router.engine.scrape import PooledScrapeClient
 from router.epp.picker import EppServer
@@ -61,6 +63,7 @@ from router.serve.idempotency import IdempotencyGuard
 from router.serve.intake import InputLimits, Intake, model_contexts
 from router.serve.loop_lag import LoopLag
 from router.serve.pipeline import Pipeline
+from router.serve.responses import ResponseChains
 from router.telemetry import (
     Telemetry,
     adapter_gauges,
@@ -306,7 +309,7 @@ def _build_dispatcher(
     settings: Settings, router: Router, edge: EngineEdge, telemetry: Telemetry, gate: DispatchGate
 ) -> Dispatcher:
     """Dispatch chosen from the plan: the in-place attempts (behind the cache-first gate) and the PD legs."""
-    proxy = Proxy(router, edge, telemetry, settings.proxy())
+    proxy = Proxy(router, edge, telemetry, settings.proxy(), EndpointGaps(settings.endpoint_gap_ttl_s))
     proxy.gate = gate
     pd = PdLegs(
         router,
@@ -487,6 +490,22 @@ def _background(svc: Services) -> list[StartStop]:
     return out
 
 
+def _build_chains(settings: Settings, membership: Membership) -> ResponseChains:
+    """The Responses API's response id -> replica and conversation maps (shared through Redis when configured)."""
+    owners = ResponseMap(
+        membership.shared,
+        ttl_s=settings.response_map_ttl_s,
+        local_max=settings.response_map_local_entries,
+    )
+    conversations = ResponseMap(
+        membership.shared,
+        ttl_s=settings.response_map_ttl_s,
+        local_max=settings.response_history_local_entries,
+        namespace="resp-conv",
+    )
+    return ResponseChains(owners, conversations, settings.response_history_max_bytes)
+
+
 def _build_front(
     settings: Settings, telemetry: Telemetry, table: ReplicaTable, membership: Membership, router: Router
 ) -> tuple[Admission, IdempotencyGuard, LoopLag, Guard, Intake, TenantAdmission]:
@@ -553,6 +572,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         guard,
         token_ids,
         dispatcher,
+        _build_chains(settings, membership),
         ImageRenderer(settings.tokenize_timeout_s, headers),
     )
     _keep_index_honest(table, index, kv_events, router)
@@ -579,12 +599,18 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         tenants=tenants,
         pipeline=pipeline,
     )
-    svc.background = _background(svc)
-    if epp:
-        svc.epp = EppServer(pipeline, edge.feedback)
-        svc.background.append((svc.epp.start, svc.epp.stop))
+    _plan_background(svc, epp)
     _register_metrics(svc)
     return svc
+
+
+def _plan_background(svc: Services, epp: bool) -> None:
+    """The background parts ``run`` starts in order (and stops in reverse); with ``epp`` the endpoint picker's gRPC
+    server last (started after membership, stopped first)."""
+    svc.background = _background(svc)
+    if epp:
+        svc.epp = EppServer(svc.pipeline, svc.edge.feedback)
+        svc.background.append((svc.epp.start, svc.epp.stop))
 
 
 # ---------------------------------------------------------------------------------------------------------

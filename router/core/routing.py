@@ -207,6 +207,7 @@ class RoutingInput:
             region's engines or refused, never forwarded to a peer region again.
         allowed_regions: data residency, the regions allowed to process it (None = any; ``router.core.regions``).
         client_region: the client's region named by an edge (None: the router's own region).
+        pinned_to: the only replica that may serve it (no retry elsewhere, no re-decision); None: any.
     """
 
     model: str
@@ -225,6 +226,8 @@ class RoutingInput:
     hop: bool = False
     allowed_regions: frozenset[str] | None = None
     client_region: str | None = None
+    #: the index of the only replica that may serve it (it holds the request's state: a Responses API chain)
+    pinned_to: int | None = None
 
     @property
     def ids_partial(self) -> bool:

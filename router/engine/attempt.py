@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 from starlette.responses import Response
@@ -29,9 +30,9 @@ from router.engine.client import (
     EngineTLSError,
 )
 from router.engine.config import ProxyConfig
-from router.engine.feedback import Feedback
+from router.engine.feedback import Feedback, openai_usage
 from router.engine.hold import AttemptFailed, Hold
-from router.engine.relay import TAIL_BYTES, Relay, RelayedStream
+from router.engine.relay import TAIL_BYTES, AnswerWatch, Relay, RelayedStream
 from router.engine.sse import BadStream, SSEValidator, ask_for_usage
 from router.errors import error_response
 from router.telemetry import Telemetry
@@ -41,6 +42,33 @@ log = logging.getLogger("kvroute.proxy")
 
 #: largest error body read from an engine 5xx (bytes)
 ERR_BODY_BYTES = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """How a request goes to an engine beyond the OpenAI generation routes' defaults.
+
+    Attributes:
+        method: the HTTP method (``GET`` / ``DELETE`` for a stored response, ``POST`` otherwise).
+        content_type: the request body's type (a multipart body keeps the client's, boundary included).
+        openai_stream: a streamed answer is an OpenAI completions stream: stream usage is asked for and the
+            stream must end with ``data: [DONE]`` (False for the Responses API's event streams, which end with
+            their ``response.completed`` event, and for endpoints whose usage the router does not read).
+        watch: reads the successful answer as it passes (None: nothing to read).
+        feedback: the answer is a generation whose usage and TTFT feed the cached-token telemetry and the policy's
+            calibration (False for pooling, tokenize, audio, a stored response, SGLang's native answer: their
+            timing is not a prefill's, and they carry no OpenAI usage).
+    """
+
+    method: str = "POST"
+    content_type: str = "application/json"
+    openai_stream: bool = True
+    watch: AnswerWatch | None = None
+    feedback: bool = True
+
+
+#: the OpenAI generation routes' wire
+OPENAI = Wire()
 
 
 class EngineEdge:
@@ -95,9 +123,13 @@ class EngineEdge:
 
     # -- entry point -----------------------------------------------------------------------------------
 
-    def payload(self, rep: Replica, body: bytes, stream: bool, ids: IdsPrompt | None) -> tuple[bytes, bool]:
+    def payload(
+        self, rep: Replica, body: bytes, stream: bool, ids: IdsPrompt | None, wire: Wire = OPENAI
+    ) -> tuple[bytes, bool]:
         """The body for ``rep`` (token ids when it takes them) and whether the router asked for stream usage
         the client did not ask for (then it is removed from what the client receives)."""
+        if not wire.openai_stream:
+            return body, False
         payload = body
         check = self.token_ids
         if check is not None and ids is not None and check.accepts(rep):
@@ -109,14 +141,23 @@ class EngineEdge:
         return payload, False
 
     async def open(
-        self, rep: Replica, path: str, body: bytes, headers: dict[str, str], deadline: float
+        self,
+        rep: Replica,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        deadline: float,
+        method: str = "POST",
     ) -> tuple[EngineResponse, bytes]:
         """Send the request and wait for headers + the first body chunk. Raises AttemptFailed."""
         budget = min(self.cfg.first_byte_timeout_s, deadline - time.monotonic())
         resp: EngineResponse | None = None
         try:
             async with asyncio.timeout(max(0.001, budget)):
-                resp = await self.pool().post(rep.url, path, body, headers)
+                if method == "POST":
+                    resp = await self.pool().post(rep.url, path, body, headers)
+                else:
+                    resp = await self.pool().request(method, rep.url, path, body, headers)
                 if resp.status >= 500:
                     data = await resp.read_all(ERR_BODY_BYTES)
                     resp.close()
@@ -179,6 +220,7 @@ class EngineEdge:
         request_id: str,
         predicted_cached: int,
         strip_usage: bool = False,
+        wire: Wire = OPENAI,
     ) -> Response:
         """The client's answer once the first byte arrived: a relayed stream (which takes over ``hold``) or the
         whole body read now (``hold`` is released when it was read)."""
@@ -205,6 +247,7 @@ class EngineEdge:
                 strip_usage,
                 ctype,
                 out_headers,
+                wire,
             )
         # non-streaming: read the rest now, bounded in size and in silence
         try:
@@ -236,10 +279,14 @@ class EngineEdge:
                     "upstream_bad_body",
                     headers=out_headers,
                 )
-            usage = obj.get("usage") if isinstance(obj, dict) else None
-            usage = usage if isinstance(usage, dict) else None
-            self.feedback.check_usage(rep, usage, streamed=False)
-            self.feedback.observe(rep, routed, usage, ttft, predicted_cached, single_chunk=not stream)
+            if wire.feedback:
+                usage = obj.get("usage") if isinstance(obj, dict) else None
+                usage = openai_usage(usage) if isinstance(usage, dict) else None
+                self.feedback.check_usage(rep, usage, streamed=False)
+                self.feedback.observe(rep, routed, usage, ttft, predicted_cached, single_chunk=not stream)
+            if wire.watch is not None:
+                wire.watch.feed(rep, content)
+                await wire.watch.complete(rep)
         return Response(content, status_code=status, media_type=ctype, headers=out_headers)
 
     def _commit_stream(
@@ -255,11 +302,16 @@ class EngineEdge:
         strip_usage: bool,
         ctype: str,
         out_headers: dict[str, str],
+        wire: Wire,
     ) -> Response:
         """A relayed event stream (the relay releases ``hold`` when it ends), or a clean 502 when the first
         chunk is already not a valid event stream (nothing was sent to the client yet)."""
         rep = hold.rep
-        events = SSEValidator(strip_usage=strip_usage, max_event_bytes=self.cfg.max_body_bytes)
+        events = SSEValidator(
+            strip_usage=strip_usage,
+            max_event_bytes=self.cfg.max_body_bytes,
+            require_done=wire.openai_stream,
+        )
         try:
             out = events.feed(first)
         except BadStream as exc:
@@ -291,6 +343,10 @@ class EngineEdge:
             idle_timeout_s=self.cfg.idle_timeout_s,
         )
         relay.tail = bytearray(first[-TAIL_BYTES:])
+        relay.fed_back = wire.feedback
+        if wire.watch is not None:
+            relay.watch = wire.watch
+            wire.watch.feed(rep, first)
         response = RelayedStream(relay, status_code=resp.status, media_type=ctype, headers=out_headers)
         hold.hand_over()
         return response

@@ -509,6 +509,13 @@ class EnginePool:
         """
         return await self._request(b"POST", base_url, path, body, headers)
 
+    async def request(
+        self, method: str, base_url: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> EngineResponse:
+        """``method`` (``POST``, ``GET``, ``DELETE``, ...) ``base_url + path`` (a query string included) with
+        ``body``; like ``post`` otherwise."""
+        return await self._request(method.encode("ascii"), base_url, path, body, headers)
+
     async def get(self, base_url: str, path: str, headers: Mapping[str, str]) -> EngineResponse:
         """GET ``base_url + path`` (e.g. an engine's ``/metrics``); like ``post`` otherwise."""
         return await self._request(b"GET", base_url, path, b"", headers)

@@ -22,12 +22,34 @@ log = logging.getLogger("kvroute.proxy")
 
 
 def usage_from_json(content: bytes) -> dict[str, Any] | None:
+    """The ``usage`` of an engine's JSON answer (a Responses API object's, or the ``response`` of one of its
+    stream events, in the completions form: ``openai_usage``), or None."""
     try:
         obj = orjson.loads(content)
     except orjson.JSONDecodeError:
         return None
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    return usage if isinstance(usage, dict) else None
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if usage is None and isinstance(obj.get("response"), dict):
+        usage = obj["response"].get("usage")  # a Responses stream event (response.completed)
+    return openai_usage(usage) if isinstance(usage, dict) else None
+
+
+def openai_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """``usage`` in the completions form (``prompt_tokens``, ``prompt_tokens_details.cached_tokens``): a
+    Responses API usage (``input_tokens``, ``input_tokens_details``) is translated, any other returned as is."""
+    if "input_tokens" not in usage or "prompt_tokens" in usage:
+        return usage
+    details = usage.get("input_tokens_details")
+    out: dict[str, Any] = {
+        "prompt_tokens": usage.get("input_tokens"),
+        "completion_tokens": usage.get("output_tokens"),
+        "total_tokens": usage.get("total_tokens"),
+    }
+    if isinstance(details, dict) and "cached_tokens" in details:
+        out["prompt_tokens_details"] = {"cached_tokens": details["cached_tokens"]}
+    return out
 
 
 def usage_from_sse(tail: bytes) -> dict[str, Any] | None:

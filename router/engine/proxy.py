@@ -50,8 +50,9 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 from router.core.dispatch import DispatchGate
 from router.core.regions import hop_headers
 from router.core.routing import Routed, Router, RoutingError
-from router.engine.attempt import EngineEdge
+from router.engine.attempt import OPENAI, EngineEdge, Wire
 from router.engine.config import ProxyConfig
+from router.engine.gaps import FRAMEWORK_NOT_ALLOWED, FRAMEWORK_NOT_FOUND, EndpointGaps
 from router.engine.hold import AttemptFailed, Hold
 from router.errors import error_response
 from router.telemetry import Telemetry
@@ -126,11 +127,20 @@ class Proxy:
         config: retries and the total deadline.
     """
 
-    def __init__(self, router: Router, edge: EngineEdge, telemetry: Telemetry, config: ProxyConfig) -> None:
+    def __init__(
+        self,
+        router: Router,
+        edge: EngineEdge,
+        telemetry: Telemetry,
+        config: ProxyConfig,
+        gaps: EndpointGaps | None = None,
+    ) -> None:
         self.router = router
         self.edge = edge
         self.telemetry = telemetry
         self.cfg = config
+        #: endpoints replicas do not serve, learned from their answers (None: not learned)
+        self.gaps = gaps
         #: the cache-first dispatch gate (router/core/dispatch.py); None: every request is sent when routed
         self.gate: DispatchGate | None = None
 
@@ -142,6 +152,7 @@ class Proxy:
         stream: bool,
         request_id: str,
         ids: IdsPrompt | None = None,
+        wire: Wire = OPENAI,
     ) -> Response:
         """Try the decision's replicas in ranking order until one answers (module docstring, steps 1-4).
 
@@ -152,7 +163,7 @@ class Proxy:
             routed,
             deadline=time.monotonic() + self.cfg.total_timeout_s,
             headers={
-                "content-type": "application/json",
+                "content-type": wire.content_type,
                 "x-request-id": request_id,
                 "accept": "text/event-stream" if stream else "application/json",
             },
@@ -167,7 +178,7 @@ class Proxy:
                 self.telemetry.retries.labels(run.last.reason if run.last else "unknown").inc()
             run.attempts += 1
             try:
-                return await self._attempt(run, rep, path, body, stream, request_id, ids)
+                return await self._attempt(run, rep, path, body, stream, request_id, ids, wire)
             except AttemptFailed as exc:
                 self._attempt_failed(run, rep, exc, request_id)
                 if not exc.retry:
@@ -185,6 +196,8 @@ class Proxy:
                 rep = run.pick(router.table, panic=True)
             if rep is not None:
                 return rep
+            if run.routed.inp.pinned_to is not None:
+                return None  # only the pinned replica may serve it (it holds the request's state)
             try:
                 again = router.decide(run.routed.inp, exclude=run.tried)
             except RoutingError:
@@ -202,6 +215,7 @@ class Proxy:
         stream: bool,
         request_id: str,
         ids: IdsPrompt | None,
+        wire: Wire,
     ) -> Response:
         """One attempt on ``rep``: hold its in-flight slot (and dispatch-gate permit), send, wait for the first
         byte, commit the answer. Raises ``AttemptFailed`` before the first byte (the hold is released)."""
@@ -211,7 +225,7 @@ class Proxy:
             self.router, self.gate, rep, inp.prompt_tokens - predicted_cached, inp.copies, inp.lora
         ) as hold:
             self.router.record_prediction(rep, inp.keys)
-            payload, strip_usage = self.edge.payload(rep, body, stream, ids)
+            payload, strip_usage = self.edge.payload(rep, body, stream, ids, wire)
             t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)
             await hold.admit(inp.keys, inp.prompt_tokens, stream)
             headers = run.headers
@@ -219,10 +233,10 @@ class Proxy:
                 cfg = self.cfg
                 hop = hop_headers(cfg.region, inp.allowed_regions, cfg.session_header, inp.session_id)
                 headers = {**headers, **hop}
-            resp, first = await self.edge.open(rep, path, payload, headers, run.deadline)
+            resp, first = await self.edge.open(rep, path, payload, headers, run.deadline, wire.method)
             ttft = time.monotonic() - t0
             hold.first_byte()
-            return await self.edge.commit(
+            answer = await self.edge.commit(
                 hold,
                 run.routed,
                 resp,
@@ -233,7 +247,35 @@ class Proxy:
                 request_id,
                 predicted_cached,
                 strip_usage,
+                wire,
             )
+        return self._framework_answer(rep, path, wire, answer)
+
+    def _framework_answer(self, rep: Replica, path: str, wire: Wire, answer: Response) -> Response:
+        """An engine's framework 404 for the path (the replica does not serve it): learned, and the attempt retried
+        elsewhere (``AttemptFailed`` 404 ``endpoint_not_served``); its framework 405 (the method is not served
+        there): answered in the OpenAI error shape. Any other answer unchanged."""
+        status = answer.status_code
+        if status not in (404, 405) or not isinstance(answer.body, bytes):
+            return answer
+        body = answer.body.strip()
+        if status == 404 and body in FRAMEWORK_NOT_FOUND:
+            if self.gaps is not None:
+                self.gaps.learn(rep.name, path)
+            raise AttemptFailed(
+                "endpoint_not_served", f"does not serve {path.partition('?')[0]}", retry=True, status=404
+            )
+        if status == 405 and body in FRAMEWORK_NOT_ALLOWED:
+            headers = {k: v for k, v in answer.headers.items() if k.startswith("x-")}
+            if "allow" in answer.headers:
+                headers["allow"] = answer.headers["allow"]
+            return error_response(
+                405,
+                f"replica {rep.name} does not allow {wire.method} {path.partition('?')[0]}",
+                "method_not_allowed",
+                headers=headers,
+            )
+        return answer
 
     def _attempt_failed(self, run: _Run, rep: Replica, exc: AttemptFailed, request_id: str) -> None:
         """Record a failed attempt (its error for the final message, the passive health signal)."""

@@ -11,13 +11,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpToolsCycle
 
+from membership.replicas import Replica
 from router.core.routing import Routed
 from router.engine.client import EngineError, EngineResponse
 from router.engine.feedback import Feedback, usage_from_sse
@@ -30,6 +31,19 @@ log = logging.getLogger("kvroute.proxy")
 
 #: bytes of the end of a stream kept to find the final ``usage`` chunk
 TAIL_BYTES = 16384
+
+
+class AnswerWatch(Protocol):
+    """Reads a successful engine answer as it passes (e.g. the Responses API's response id and output text).
+
+    ``feed`` gets every raw piece of the answer in order (a non-streamed answer: its whole body at once); it must
+    be cheap and never raise. ``complete`` is awaited once when the answer ended whole (not after a failure)."""
+
+    def feed(self, rep: Replica, piece: bytes) -> None:
+        """One piece of the answer from ``rep``."""
+
+    async def complete(self, rep: Replica) -> None:
+        """The answer from ``rep`` ended whole."""
 
 
 class Relay:
@@ -74,6 +88,10 @@ class Relay:
         self.bad: BadStream | None = None
         #: ``time.monotonic()`` of the last piece the engine sent (seconds): the idle timeout counts from it
         self.last_at = time.monotonic()
+        #: reads the answer as it passes (``router.engine.attempt.AnswerWatch``; None: nothing reads it)
+        self.watch: AnswerWatch | None = None
+        #: the answer's usage and TTFT are fed back (a generation's; ``router.engine.attempt.Wire.feedback``)
+        self.fed_back = True
         self.direct_pieces = 0  # pieces relayed by ``_sink`` / by the loop (``kvroute_relayed_pieces_total``)
         self.task_pieces = 1 if first else 0
         #: a failure after the first byte is recorded in ``failure`` instead of ending the client's stream with
@@ -253,6 +271,8 @@ class Relay:
 
     def _keep_tail(self, piece: bytes) -> None:
         """Append ``piece`` to the end of the raw stream kept for the final usage chunk (bounded)."""
+        if self.watch is not None:
+            self.watch.feed(self.rep, piece)
         tail = self.tail
         tail += piece
         if len(tail) > 2 * TAIL_BYTES:
@@ -313,13 +333,15 @@ class Relay:
                 await self.inner.finish()
             # usage is fed back even when the client left right after the last chunk (a migrated stream's
             # continuation fed back its own)
-            usage = usage_from_sse(bytes(self.tail)) if self.failure is None else None
-            if self.ok and self.failure is None:
+            usage = usage_from_sse(bytes(self.tail)) if self.failure is None and self.fed_back else None
+            if self.ok and self.failure is None and self.fed_back:
                 self.feedback.check_usage(self.rep, usage, streamed=True)
-            if (self.ok and self.failure is None) or usage:
+            if self.fed_back and ((self.ok and self.failure is None) or usage):
                 self.feedback.observe(
                     self.rep, self.routed, usage, self.ttft, self.predicted_cached, single_chunk=False
                 )
+            if self.ok and self.failure is None and self.watch is not None:
+                await self.watch.complete(self.rep)
         except Exception:
             log.exception("stream cleanup failed")
         finally:

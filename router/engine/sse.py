@@ -55,7 +55,7 @@ class SSEValidator:
     blank line arrives; none may exceed ``max_event_bytes``); ``end()`` checks the stream ended properly. Both
     raise ``BadStream``. Valid: lines that are empty, comments (``:``) or SSE fields (``data``, ``event``, ``id``,
     ``retry``); each event's data a JSON object (the first one is parsed, later ones are checked for their braces:
-    this runs for every token) or ``[DONE]``; the stream ends with ``data: [DONE]`` and no unfinished event.
+    this runs for every token) or ``[DONE]``; the stream ends with ``data: [DONE]`` (unless ``require_done`` is off) and no unfinished event.
 
     With ``strip_usage`` (the router asked for usage, the client did not), events whose JSON is a usage-only
     chunk (``"choices": []`` with ``usage``) are dropped and ``usage`` fields of other events removed.
@@ -63,10 +63,21 @@ class SSEValidator:
     Units: bytes.
     """
 
-    __slots__ = ("strip_usage", "max_event_bytes", "pending", "pending_bytes", "carry_cr", "done", "checked")
+    __slots__ = (
+        "strip_usage",
+        "max_event_bytes",
+        "pending",
+        "pending_bytes",
+        "carry_cr",
+        "done",
+        "checked",
+        "require_done",
+    )
 
-    def __init__(self, *, strip_usage: bool, max_event_bytes: int) -> None:
+    def __init__(self, *, strip_usage: bool, max_event_bytes: int, require_done: bool = True) -> None:
         self.strip_usage = strip_usage
+        #: the stream must end with ``data: [DONE]`` (False: a Responses API stream, which has none)
+        self.require_done = require_done
         self.max_event_bytes = max_event_bytes
         #: pieces of an unfinished event (joined only once its blank line arrives: no quadratic copying)
         self.pending: list[bytes] = []
@@ -192,7 +203,7 @@ class SSEValidator:
         rest = b"".join(self.pending).strip()
         if rest:
             raise BadStream(f"the stream ended inside an event: {rest[:60]!r}")
-        if not self.done:
+        if not self.done and self.require_done:
             # (worded without the marker itself: the idempotency guard looks for the last "data: [DONE]")
             raise BadStream("the stream ended without its final DONE event")
 

@@ -48,7 +48,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -60,13 +60,16 @@ from starlette.datastructures import Headers
 from router.core.regions import hop_headers
 from router.core.routing import NoReplica, Routed
 from router.core.tenant_admission import Ticket
+from router.engine.attempt import OPENAI
 from router.engine.feedback import Feedback, usage_from_json, usage_from_sse
+from router.engine.gaps import FRAMEWORK_NOT_FOUND
 from router.engine.hold import Hold
 from router.engine.sse import ask_for_usage
 from router.epp import codec
 from router.epp.tls import server_credentials
 from router.errors import REASON_HEADER, KvrouteError, as_error, error_body
 from router.pd.legs import Handoff
+from router.serve.endpoints import ENGINE_POST_ROUTES, response_route
 from router.serve.guard import PICKER_ROUTES, authorize, normalize_path
 from router.serve.pipeline import Pipeline, Prepared
 from router.serve.requests import new_request_id
@@ -119,6 +122,20 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         )
         #: gateway streams open now (one per HTTP request the gateway is processing; rendered by telemetry)
         self.active = 0
+        #: work started when a response ended (the Responses API's map writes), kept until done
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` on its own (a reference kept until it is done; a failure is logged)."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("endpoint picker: background work failed", exc_info=t.exception())
+
+        task.add_done_callback(done)
 
     async def Process(
         self,
@@ -221,6 +238,8 @@ class _Stream:
         self.body_parts: list[bytes] = []
         self.body_size = 0
         self.finished = False
+        #: how the request goes to the engine (``router.engine.attempt.Wire``: its answer's reader, if any)
+        self.wire = OPENAI
 
     # -- dispatch ------------------------------------------------------------------------------------------
     async def on(self, msg: Any) -> list[Any]:
@@ -434,7 +453,8 @@ class _Stream:
                 self.headers.get(":method", "POST"), self.path, self.headers.get("authorization")
             )
             prepared = await self._prepare(body)
-            admitted = await pipeline.admit(prepared.inp, self._outside_subset())
+            excluded = [*self._outside_subset(), *pipeline.not_serving(prepared.path)]
+            admitted = await pipeline.admit(prepared.inp, excluded)
         except Exception as exc:  # every failure is an ImmediateResponse, never a broken stream
             return self._refuse(self._refusal(exc))
         self.ticket = admitted.ticket
@@ -505,7 +525,12 @@ class _Stream:
         router.record_prediction(rep, inp.keys)
         self.served_headers = {codec.REPLICA_HEADER: rep.name}
         payload = None if body is None else clean
-        if payload is not None and self.stream and self.settings.engine_stream_usage:
+        if (
+            payload is not None
+            and self.stream
+            and self.settings.engine_stream_usage
+            and self.wire.openai_stream
+        ):
             payload, self.strip_usage = ask_for_usage(payload)
         extra = {"x-request-id": inp.request_id}
         if rep.is_peer:  # another region's router: the hop (never forwarded again), residency and session
@@ -514,14 +539,26 @@ class _Stream:
         return self._answer(codec.endpoint_of(rep.url), extra, body, payload, trailers)
 
     async def _prepare(self, body: bytes | None) -> Prepared:
-        """Parse, identify and tokenize as the HTTP door does for the path (headers only: routed by load)."""
+        """Parse, identify and tokenize as the HTTP door does for the path (headers only: routed by load; the
+        engines' other endpoints as ``Pipeline.prepare_engine`` prepares them)."""
         headers = Headers(headers={k: v for k, v in self.headers.items() if not k.startswith(":")})
-        if body is None:
+        if self.path in ENGINE_POST_ROUTES or response_route(self.path) is not None:
+            raw_path = self.headers.get(":path", "")
+            prepared = await self.pipeline.prepare_engine(
+                self.headers.get(":method", "POST"),
+                self.path,
+                headers,
+                body or b"",
+                query=raw_path.partition("?")[2],
+                content_type=self.headers.get("content-type"),
+            )
+        elif body is None:
             prepared = self.pipeline.prepare_headers_only(headers)
         else:
             prepared = await self.pipeline.prepare(self.path, headers, body)
         prepared.inp.request_id = self.request_id
         self.stream = prepared.stream
+        self.wire = prepared.wire
         return prepared
 
     def _answer(
@@ -626,6 +663,9 @@ class _Stream:
             self.tail += chunk
             if len(self.tail) > 2 * _TAIL_BYTES:
                 del self.tail[:-_TAIL_BYTES]
+            watch = self.wire.watch
+            if watch is not None and 0 < self.status < 400 and self.hold is not None:
+                watch.feed(self.hold.rep, chunk)
         elif self.body_size <= self.settings.engine_max_body_bytes:
             self.body_parts.append(chunk)
             self.body_size += len(chunk)
@@ -675,11 +715,32 @@ class _Stream:
             return
         try:
             if 0 < self.status < 400:
-                self._feedback(hold, routed)
+                if self.wire.feedback:
+                    self._feedback(hold, routed)
+                self._read_answer(hold)
+            elif self.status == 404:
+                self._learn_gap(hold)
         except Exception:
             log.exception("endpoint picker feedback failed")
         finally:
             self.finish()
+
+    def _learn_gap(self, hold: Hold) -> None:
+        """The engine answered its framework's bare 404: it does not serve the path (``router.engine.gaps``); the
+        next requests for it are decided without that replica (this one's answer has gone to the client)."""
+        gaps = self.picker.pipeline.dispatcher.in_place.gaps
+        if gaps is not None and b"".join(self.body_parts).strip() in FRAMEWORK_NOT_FOUND:
+            gaps.learn(hold.rep.name, self.path)
+
+    def _read_answer(self, hold: Hold) -> None:
+        """The request's answer reader (a Responses API answer: the chain's maps) gets a non-streamed body whole,
+        then the end of the answer (the map writes run on their own)."""
+        watch = self.wire.watch
+        if watch is None:
+            return
+        if not self.event_stream and self.body_size <= self.settings.engine_max_body_bytes:
+            watch.feed(hold.rep, b"".join(self.body_parts))
+        self.picker.spawn(watch.complete(hold.rep))
 
     def _feedback(self, hold: Hold, routed: Routed) -> None:
         feedback = self.picker.feedback

@@ -6,6 +6,9 @@ Routes (OpenAPI at ``/openapi.json``):
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI-compatible; prepared, admitted, decided and
   dispatched by the pipeline (streaming SSE and not), once per ``Idempotency-Key``.
 * ``GET /v1/models``: the union of the replicas' models and LoRA adapters.
+* the engines' other endpoints (``router.serve.endpoints``): ``POST /v1/responses`` (chains pinned to the
+  replica holding them), ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, the pooling
+  endpoints, ``/tokenize``, ``/detokenize``, audio (multipart) and SGLang's ``/generate``, through the pipeline.
 * ``POST /route``: the same body as completions or chat, or ``{"model": ..., "token_ids": [...]}``; returns the
   decision (chosen replica name and URL; every candidate's predicted TTFT with Q, R, C, p and matched tokens per
   tier; a PD fleet's plan) without forwarding.
@@ -15,8 +18,8 @@ Routes (OpenAPI at ``/openapi.json``):
 
 Errors are the kvroute error family (``router.errors``) rendered as OpenAI-style JSON ``{"error": {"message",
 "type", "code", "param"}}``: invalid JSON -> 400, missing or invalid fields -> 422 naming the field, unknown model
--> 404, body over ``max_request_bytes`` -> 413, router at its in-flight limit -> 429 with ``Retry-After``, no
-routable replica -> 503 with the reason.
+-> 404, an unknown path -> 404 (405 for a method a route does not take), body over ``max_request_bytes`` -> 413,
+router at its in-flight limit -> 429 with ``Retry-After``, no routable replica -> 503 with the reason.
 """
 
 from __future__ import annotations
@@ -30,18 +33,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from membership.replicas import Replica
+from membership.shared_state import MAX_RESPONSE_ID_CHARS
 from policies.base import Reuse
 from router import signals
 from router.config import Settings
@@ -54,10 +59,11 @@ from router.errors import (
     refusal_response,
     unauthorized,
 )
+from router.serve.endpoints import ENGINE_POST_ROUTES, RESPONSE_CANCEL, RESPONSE_RETRIEVE, Kind
 from router.serve.guard import Guard, request_path, route_label
 from router.serve.idempotency import HEADER as IDEMPOTENCY_HEADER
 from router.serve.pipeline import GENERATION_ROUTES, chat_input
-from router.serve.requests import ChatRequest, CompletionRequest, RouteBody
+from router.serve.requests import ChatRequest, CompletionRequest, EngineBody, ResponsesRequest, RouteBody
 from router.services import Services, build_services, run
 from router.telemetry import CONTENT_TYPE, Telemetry
 
@@ -261,7 +267,7 @@ class _Edge:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        route = path if path in _KNOWN_ROUTES else "other"
+        route = path if path in _KNOWN_ROUTES else route_label(path)
         status = {"code": 500}
         if _declared_too_big(scope, self.max_body):
             await _send_too_large(send, self.max_body)
@@ -516,8 +522,20 @@ def _add_error_handlers(app: _KvrouteApp, svc: Services) -> None:
     async def refused(request: Request, exc: Exception) -> Response:
         return app.render(as_error(exc))
 
+    async def framework(request: Request, exc: Exception) -> Response:
+        """The framework's own refusals (an unknown path, a method a route does not take) in the same shape."""
+        assert isinstance(exc, StarletteHTTPException)
+        status = exc.status_code
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if status == 404:
+            message = f"no route {request.url.path!r}: kvroute serves the engines' API (docs/service.md)"
+        headers = dict(exc.headers or {})
+        return app.render(KvrouteError(message, status=status, code=code, headers=headers))
+
     app.add_exception_handler(KvrouteError, refused)
     app.add_exception_handler(RequestValidationError, refused)
+    app.add_exception_handler(StarletteHTTPException, framework)
 
 
 class _Auth:
@@ -577,6 +595,31 @@ class _DataPlane:
             principal=self.auth.guard.principal(request.headers.get("authorization")),
         )
 
+    async def engine(self, request: Request, raw: bytes | None = None) -> Response:
+        """One of the engines' other endpoints (router/serve/endpoints.py): prepared and served by the pipeline
+        (``raw``: the body, when the direct path has read it)."""
+        self.auth.check_client(request)
+        body = await request.body() if raw is None else raw
+        prepared = await self.pipeline.prepare_engine(
+            request.method,
+            request_path(request.scope),
+            request.headers,
+            body,
+            query=request.url.query,
+            content_type=request.headers.get("content-type"),
+        )
+        return await self.pipeline.serve(prepared, request.receive)
+
+    async def engine_route(self, request: Request) -> Response:
+        """``engine`` as a FastAPI route (the body read here)."""
+        return await self.engine(request)
+
+    async def stored_response(
+        self, request: Request, response_id: str = Path(min_length=1, max_length=MAX_RESPONSE_ID_CHARS)
+    ) -> Response:
+        """A stored response (``GET`` / ``DELETE /v1/responses/{id}``, ``POST .../cancel``), on its replica."""
+        return await self.engine(request)
+
     async def models(self, request: Request) -> Any:
         """``GET /v1/models``."""
         self.auth.check_client(request)
@@ -612,6 +655,41 @@ async def _generate_at(dp: _DataPlane, request: Request, raw: bytes, *, path: st
     return await dp.generate(request, raw, path)
 
 
+async def _engine_at(dp: _DataPlane, request: Request, raw: bytes) -> Response:
+    """The direct path's endpoint for the engines' other POST routes."""
+    return await dp.engine(request, raw)
+
+
+def _add_engine_routes(app: _KvrouteApp, dp: _DataPlane) -> None:
+    """The engines' other endpoints (router/serve/endpoints.py), relayed through the pipeline."""
+    for path, kind in ENGINE_POST_ROUTES.items():
+        app.add_api_route(
+            path,
+            dp.engine_route,
+            methods=["POST"],
+            responses=_ROUTE_ERRORS,
+            response_model=None,
+            openapi_extra=_MULTIPART_DOC
+            if kind is Kind.MULTIPART
+            else _body_doc(ResponsesRequest if kind is Kind.RESPONSES else EngineBody),
+            summary=f"the engines' {path}, routed (docs/service.md)",
+        )
+    for pattern, method, name in (
+        (RESPONSE_RETRIEVE, "GET", "retrieve_response"),
+        (RESPONSE_RETRIEVE, "DELETE", "delete_response"),
+        (RESPONSE_CANCEL, "POST", "cancel_response"),
+    ):
+        app.add_api_route(
+            pattern.replace("{id}", "{response_id}"),
+            dp.stored_response,
+            methods=[method],
+            operation_id=name,
+            responses=_ROUTE_ERRORS,
+            response_model=None,
+            summary="a stored response, on the replica holding it",
+        )
+
+
 def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
     """The OpenAI-compatible routes, ``/v1/models`` and ``/route``."""
     app.post(
@@ -631,10 +709,12 @@ def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
     if (
         not dp.settings.cors_origins
     ):  # CORS headers come from a middleware: keep those requests on the normal path
-        app.enable_fast_path(
-            {path: functools.partial(_generate_at, dp, path=path) for path in GENERATION_ROUTES},
-            dp.settings.max_request_bytes,
-        )
+        fast: dict[str, FastEndpoint] = {
+            path: functools.partial(_generate_at, dp, path=path) for path in GENERATION_ROUTES
+        }
+        fast.update({path: functools.partial(_engine_at, dp) for path in ENGINE_POST_ROUTES})
+        app.enable_fast_path(fast, dp.settings.max_request_bytes)
+    _add_engine_routes(app, dp)
     app.get(
         "/v1/models",
         response_model=ModelList,
@@ -772,7 +852,33 @@ def _install_openapi(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-_BODY_MODELS: list[type[BaseModel]] = [CompletionRequest, ChatRequest, RouteBody]
+_BODY_MODELS: list[type[BaseModel]] = [
+    CompletionRequest,
+    ChatRequest,
+    RouteBody,
+    ResponsesRequest,
+    EngineBody,
+]
+
+#: OpenAPI requestBody of the audio routes (multipart: a ``file`` and text fields, forwarded as sent)
+_MULTIPART_DOC: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "model": {"type": "string"},
+                        "stream": {"type": "string", "enum": ["true", "false"]},
+                    },
+                }
+            }
+        },
+    }
+}
 
 
 def _body_doc(model: type[BaseModel]) -> dict[str, Any]:

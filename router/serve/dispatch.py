@@ -24,6 +24,7 @@ import orjson
 from starlette.responses import Response
 
 from router.core.routing import Routed
+from router.engine.attempt import OPENAI, Wire
 from router.engine.proxy import Proxy
 from router.engine.relay import ClientWatch, RelayedStream
 from router.pd.legs import PdLegs
@@ -72,6 +73,7 @@ class Dispatcher:
         request_id: str,
         on_done: Callable[[], None] | None = None,
         ids: IdsPrompt | None = None,
+        wire: Wire = OPENAI,
     ) -> Response:
         """Send ``body`` to ``path`` by ``routed``'s plan and return the client's answer; never raises for engine
         or network failures. ``on_done`` is called exactly once when the answer is over (for a stream: when it
@@ -86,7 +88,7 @@ class Dispatcher:
             if ids is not None:
                 ids = IdsPrompt(ids.text, ids.token_ids, orjson.loads(streamed))
         try:
-            resp = await self._watched(receive, routed, path, body, stream, request_id, ids)
+            resp = await self._watched(receive, routed, path, body, stream, request_id, ids, wire)
         except BaseException:
             if on_done is not None:
                 on_done()
@@ -150,11 +152,12 @@ class Dispatcher:
         stream: bool,
         request_id: str,
         ids: IdsPrompt | None,
+        wire: Wire,
     ) -> Response:
         """``by_plan`` while one small task watches for the client leaving (it cancels this one)."""
         watch = ClientWatch(receive)
         try:
-            resp = await self.by_plan(routed, path, body, stream, request_id, ids)
+            resp = await self.by_plan(routed, path, body, stream, request_id, ids, wire)
         except asyncio.CancelledError:
             watch.stop()
             if not watch.left or not watch.uncancel():
@@ -172,12 +175,20 @@ class Dispatcher:
         return resp
 
     async def by_plan(
-        self, routed: Routed, path: str, body: bytes, stream: bool, request_id: str, ids: IdsPrompt | None
+        self,
+        routed: Routed,
+        path: str,
+        body: bytes,
+        stream: bool,
+        request_id: str,
+        ids: IdsPrompt | None,
+        wire: Wire = OPENAI,
     ) -> Response:
-        """In place, or disaggregated through the plan's protocol runner."""
+        """In place, or disaggregated through the plan's protocol runner (the OpenAI generation routes only:
+        every other endpoint is served in place)."""
         pd = self.pd
         if pd is not None and routed.plan is not None:
-            if routed.disaggregated:
+            if routed.disaggregated and wire is OPENAI:
                 return await pd.serve(routed, path, body, stream, request_id)
             pd.count_in_place(routed)
-        return await self.in_place.attempts(routed, path, body, stream, request_id, ids)
+        return await self.in_place.attempts(routed, path, body, stream, request_id, ids, wire)

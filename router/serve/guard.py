@@ -6,7 +6,8 @@ nothing: each door answers it in its own protocol.
 
 * **authorization** (``authorize``, the one decision every front door takes: the HTTP app here, the endpoint
   picker ``router.epp.picker`` on the gateway's request headers), made on the *normalized* request (``request_path``:
-  percent-decoded once, as the engines decode, dot-segments resolved): ``/v1/*`` and ``/route`` need one of
+  percent-decoded once, as the engines decode, dot-segments resolved): ``/v1/*``, ``/route`` and the engines' other
+  endpoints (``router.serve.endpoints``: ``/tokenize``, ``/pooling``, ``/generate``, ...) need one of
   ``api_keys`` when any is configured (401 ``unauthorized``); ``/replicas`` and ``/index/stats`` need
   ``admin_token`` when it is configured (401 without a bearer token, 403 ``forbidden`` with another), else one of
   ``api_keys`` when those are configured. A door that forwards to engines (the picker) passes its route table:
@@ -40,12 +41,15 @@ from typing import Any
 from urllib.parse import unquote
 
 from router.errors import KvrouteError, forbidden, unauthorized
+from router.serve.endpoints import ENGINE_POST_ROUTES, RESPONSE_ROUTES, route_key
 from router.serve.loop_lag import LoopLag, Probe
 
-_DATA_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/route"})
+_DATA_ROUTES = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/route", *ENGINE_POST_ROUTES, *RESPONSE_ROUTES}
+)
 _ADMIN_ROUTES = frozenset({"/replicas", "/index/stats"})
 #: data-plane routes that are shed under event-loop lag (they do the work; /v1/models is a cheap read)
-_SHED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/route"})
+_SHED_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/route", *ENGINE_POST_ROUTES})
 
 Header = bytes | str | None
 
@@ -55,6 +59,8 @@ PICKER_ROUTES: Mapping[str, frozenset[str]] = MappingProxyType(
         "/v1/completions": frozenset({"POST"}),
         "/v1/chat/completions": frozenset({"POST"}),
         "/v1/models": frozenset({"GET"}),
+        **{path: frozenset({"POST"}) for path in ENGINE_POST_ROUTES},
+        **RESPONSE_ROUTES,
     }
 )
 
@@ -162,7 +168,8 @@ def normalize_path(raw: str | bytes) -> str:
 def route_label(path: str) -> str:
     """The ``route`` label of ``kvroute_requests_total`` for a request path: the router's own routes by name,
     anything else ``other``."""
-    return path if path in _DATA_ROUTES or path in _ADMIN_ROUTES else "other"
+    key = route_key(path)
+    return key if key in _DATA_ROUTES or key in _ADMIN_ROUTES else "other"
 
 
 def request_path(scope: Mapping[str, Any]) -> str:
@@ -190,7 +197,7 @@ def authorize(
     if routes is not None:
         if not auth.client_ok(authorization):
             return unauthorized()
-        methods = routes.get(path)
+        methods = routes.get(route_key(path))
         if methods is None:
             return KvrouteError(
                 f"no route {path!r} (routed: {', '.join(sorted(routes))})", status=404, code="not_found"
@@ -204,7 +211,7 @@ def authorize(
                 headers={"allow": allow},
             )
         return None
-    if path in _DATA_ROUTES or path.startswith("/v1/"):
+    if path in _DATA_ROUTES or path.startswith("/v1/") or route_key(path) in _DATA_ROUTES:
         return None if auth.client_ok(authorization) else unauthorized()
     if path in _ADMIN_ROUTES:
         status, message = auth.admin_status(authorization)

@@ -7,7 +7,9 @@ these steps in this order; a rule added here reaches every door:
 2. ``parse``: body limits, JSON, the request model, router-controlled fields stripped (``router.serve.intake``);
 3. ``identify``: tenant, priority class, TTFT target; the tenant's quota precheck, before any tokenizing;
 4. ``tokenize``: the prompt's token ids (the cache frontier or the whole prompt) and block keys ->
-   ``RoutingInput``; ``prepare`` runs 2-4 for a generation request (``Prepared``);
+   ``RoutingInput``; ``prepare`` runs 2-4 for a generation request (``Prepared``), ``prepare_engine`` for the
+   engines' other endpoints (``router.serve.endpoints``: the Responses API with its chains pinned to the replica
+   holding them, ``router.serve.responses``; pooling, tokenize, audio, SGLang's ``/generate``);
 5. ``admit``: a request with a TTFT target is priced first (refused when unattainable), then the tenant's quota
    and a slot of the in-flight limit (a ``Ticket``, released exactly once);
 6. ``decide``: session affinity, then ``Router.decide`` (co-located) or ``Router.decide_plan`` (PD), counted
@@ -34,7 +36,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from index.hashing import mm_block_keys
-from membership.replicas import ReplicaTable
+from membership.replicas import Replica, ReplicaTable
 from membership.runtime import Membership
 from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from router.config import Settings
@@ -48,11 +50,22 @@ from router.core.regions import (
 from router.core.routing import NoReplica, Routed, Router, RoutingError, RoutingInput
 from router.core.tenant_admission import TenantAdmission, Ticket
 from router.core.tenants import Identity
-from router.errors import BadTokenIds
+from router.engine.attempt import OPENAI, Wire
+from router.errors import BadTokenIds, KvrouteError
 from router.serve.dispatch import Dispatcher
+from router.serve.endpoints import ENGINE_POST_ROUTES, Kind, multipart_field, response_route
 from router.serve.guard import Guard
 from router.serve.intake import Intake, dump_messages, sequences
-from router.serve.requests import ChatMessage, ChatRequest, CompletionRequest, RequestCommon, new_request_id
+from router.serve.requests import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    EngineBody,
+    RequestCommon,
+    ResponsesRequest,
+    new_request_id,
+)
+from router.serve.responses import ResponseChains, conversation
 from router.telemetry import Telemetry
 from router.tokens.frontier import FrontierIds, frontier_ids, frontier_tokenizer
 from router.tokens.images import ImageRenderer, has_image_parts, scope_image_uuids, tenant_scope, text_parts
@@ -89,6 +102,7 @@ class Prepared:
         body: the body that goes on to the engine (bytes).
         stream: the client asked for a streamed answer.
         ids: the prompt as the router's token ids, for replicas that take them (None: the text goes).
+        wire: the request's wire beyond the OpenAI generation default (``router.engine.attempt.Wire``).
     """
 
     path: str
@@ -96,6 +110,8 @@ class Prepared:
     body: bytes
     stream: bool
     ids: IdsPrompt | None = None
+    #: how it goes to the engine (method, content type, stream kind, the answer's reader)
+    wire: Wire = OPENAI
 
 
 @dataclass(slots=True)
@@ -141,6 +157,7 @@ class Pipeline:
         dispatcher: dispatch (in place or by the plan).
         images: renders image chats on an engine (``router.tokens.images``); None: image chats are routed
             unkeyed.
+        chains: the Responses API's response id -> replica and conversation maps.
     """
 
     def __init__(
@@ -156,6 +173,7 @@ class Pipeline:
         guard: Guard,
         token_ids: TokenIdsCheck,
         dispatcher: Dispatcher,
+        chains: ResponseChains,
         images: ImageRenderer | None = None,
     ) -> None:
         self.settings = settings
@@ -170,6 +188,7 @@ class Pipeline:
         self.gate = guard
         self.token_ids = token_ids
         self.dispatcher = dispatcher
+        self.chains = chains
 
     # -- 1. guard ------------------------------------------------------------------------------------------
     async def guard(self, method: str, path: str, authorization: str | None) -> None:
@@ -394,6 +413,8 @@ class Pipeline:
     async def prepare(self, path: str, headers: Mapping[str, str], raw: bytes) -> Prepared:
         """Parse, identify and tokenize a generation request for ``path`` (any other path: a body with
         ``messages`` is a chat request, else a completions one)."""
+        if path in ENGINE_POST_ROUTES:
+            return await self.prepare_engine("POST", path, headers, raw)
         kind = GENERATION_ROUTES.get(path) or (ChatRequest if b'"messages"' in raw else CompletionRequest)
         parsed = await self.parse(raw, kind)
         body = parsed.model
@@ -452,6 +473,211 @@ class Pipeline:
         self._regional(inp, headers, inp.identity)
         return Prepared("", inp, b"", False)
 
+    # -- 2 to 4 for the engines' other endpoints (router/serve/endpoints.py) -------------------------------
+    async def prepare_engine(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        raw: bytes,
+        *,
+        query: str = "",
+        content_type: str | None = None,
+    ) -> Prepared:
+        """Parse, identify and tokenize a request to one of the engines' other endpoints (``path`` normalized,
+        ``query`` the query string without ``?``; see router/serve/endpoints.py for how each is routed).
+
+        Raises:
+            KvrouteError: 404 for a path that is none of them; the refusals of ``parse`` and ``identify``;
+            a stored response the router cannot reach (``owner``).
+        """
+        found = response_route(path)
+        if found is not None:
+            target = path + ("?" + query if query else "")
+            return await self._prepare_stored_response(
+                method, found[1], target, headers, "stream=true" in query
+            )
+        kind = ENGINE_POST_ROUTES.get(path)
+        if kind is None:
+            raise KvrouteError(f"no route {path!r}", status=404, code="not_found")
+        if kind is Kind.RESPONSES:
+            return await self._prepare_responses(headers, raw)
+        if kind is Kind.MULTIPART:
+            return await self._prepare_multipart(path, headers, raw, content_type or "")
+        if kind is Kind.SGLANG_GENERATE:
+            return await self._prepare_sglang_generate(headers, raw)
+        parsed = await self.parse(raw, EngineBody)
+        inp = await self._engine_input(headers, parsed.model.model, [], parsed.model.model_extra)
+        return Prepared(path, inp, parsed.body, False, None, Wire(openai_stream=False, feedback=False))
+
+    async def _engine_input(
+        self,
+        headers: Mapping[str, str],
+        model: str | None,
+        token_ids: list[int],
+        extra: Mapping[str, Any] | None,
+        *,
+        max_out: int | None = None,
+        cache_salt: str | None = None,
+    ) -> RoutingInput:
+        """Identity (and the tenant's quota precheck) and the routing input of an engine endpoint's request
+        (``model`` None: the fleet's first model; ``token_ids`` empty: routed by load)."""
+        tenants = self.tenants
+        ident = tenants.identify(headers, (extra or {}).get(tenants.cfg.priority_body_field))
+        await tenants.precheck(ident, max_out)
+        name = model or self._default_model()
+        resolved, lora, base = self.router.resolve_model(name)
+        namespace = ident.tenant if ident.policy.isolate_cache else None
+        inp = self.router.make_input(
+            resolved,
+            lora,
+            token_ids,
+            base_model=base,
+            cache_salt=cache_salt,
+            request_id=new_request_id(headers.get("x-request-id")),
+            expected_output_tokens=max_out or 0,
+            namespace=namespace,
+            ttft_target_s=ident.ttft_target_s,
+            priority=ident.priority,
+        )
+        inp.identity = ident
+        return inp
+
+    def _default_model(self) -> str:
+        """The first model of a routable replica (a request that names none). Raises NoReplica."""
+        model = next((r.models[0] for r in self.table.all() if r.routable and r.models), None)
+        if model is None:
+            raise NoReplica("no routable replica")
+        return model
+
+    async def owner(self, response_id: str, param: str) -> Replica:
+        """The replica holding stored response ``response_id`` (``param``: the field that named it).
+
+        Raises:
+            KvrouteError: 404 ``response_not_found`` when no replica is known to hold it; 410
+            ``response_replica_gone`` when its replica left the fleet (the engine kept the response in its memory:
+            it is lost); 503 ``response_replica_unavailable`` while its replica cannot take requests.
+        """
+        name = await self.chains.owner(response_id)
+        if name is None:
+            raise KvrouteError(
+                f"Response with id '{response_id}' not found: no replica is known to hold it",
+                status=404,
+                code="response_not_found",
+                param=param,
+            )
+        rep = self.table.get(name)
+        if rep is None:
+            raise KvrouteError(
+                f"response '{response_id}' was stored on replica {name}, which has left the fleet; an engine keeps "
+                "stored responses in its own memory, so the chain cannot continue: start a new one (send the "
+                "whole conversation as input)",
+                status=410,
+                code="response_replica_gone",
+                param=param,
+            )
+        if not rep.routable:
+            raise KvrouteError(
+                f"response '{response_id}' is stored on replica {name}, which is {rep.state.value}: only that "
+                "replica holds it (an engine keeps stored responses in its own memory); retry later, or start a "
+                "new chain (send the whole conversation as input)",
+                status=503,
+                code="response_replica_unavailable",
+                param=param,
+                retry=True,
+            )
+        return rep
+
+    async def _prepare_stored_response(
+        self, method: str, response_id: str, target: str, headers: Mapping[str, str], stream: bool
+    ) -> Prepared:
+        """``GET`` / ``DELETE /v1/responses/{id}``, ``POST .../cancel``: pinned to the replica holding it."""
+        rep = await self.owner(response_id, "response_id")
+        inp = await self._engine_input(headers, rep.models[0] if rep.models else None, [], None)
+        inp.pinned_to = rep.index
+        return Prepared(
+            target, inp, b"", stream, None, Wire(method=method, openai_stream=False, feedback=False)
+        )
+
+    async def _prepare_responses(self, headers: Mapping[str, str], raw: bytes) -> Prepared:
+        """``POST /v1/responses``: the conversation the engine will render tokenized and routed like a chat
+        request; a follow-up (``previous_response_id``) pinned to the replica holding its chain."""
+        parsed = await self.parse(raw, ResponsesRequest)
+        body = parsed.model
+        chains = self.chains
+        pin: Replica | None = None
+        history = None
+        if body.previous_response_id is not None:
+            pin = await self.owner(body.previous_response_id, "previous_response_id")
+            history = await chains.history(body.previous_response_id)
+        msgs = conversation(parsed.data, history)
+        model = body.model or self._default_model()
+        ids = await self._responses_ids(model, msgs)
+        inp = await self._engine_input(
+            headers,
+            model,
+            ids,
+            body.model_extra,
+            max_out=body.max_output_tokens,
+            cache_salt=body.cache_salt,
+        )
+        inp.pinned_to = pin.index if pin is not None else None
+        watch = chains.watch(msgs, body.store is not False)
+        return Prepared(
+            "/v1/responses", inp, parsed.body, body.stream, None, Wire(openai_stream=False, watch=watch)
+        )
+
+    async def _responses_ids(self, model: str, msgs: list[dict[str, Any]]) -> list[int]:
+        """The token ids of a Responses conversation as vLLM makes them: the chat template rendered, then
+        tokenized with the special tokens (a local tokenizer); an engine tokenizer renders it itself."""
+        tok = self.tokenizer
+        resolved, lora, _ = self.router.resolve_model(model)
+        url = self._tokenize_url(resolved, lora)
+        if isinstance(tok, HfTokenizer):
+            return await tok.encode_prompt(await tok.render(msgs, True), model=model)
+        return await tok.encode_chat(msgs, model=model, url=url)
+
+    async def _prepare_multipart(
+        self, path: str, headers: Mapping[str, str], raw: bytes, content_type: str
+    ) -> Prepared:
+        """An audio request: a multipart body (bounded by ``max_request_bytes`` at the door) routed by load, its
+        ``model`` field naming the replicas; relayed with the client's content type."""
+        if not content_type.startswith("multipart/form-data"):
+            raise KvrouteError(
+                f"{path} takes a multipart/form-data body (got {content_type or 'none'!r})",
+                status=400,
+                code="invalid_content_type",
+            )
+        stream = (multipart_field(raw, "stream") or "").lower() == "true"
+        inp = await self._engine_input(headers, multipart_field(raw, "model"), [], None)
+        return Prepared(
+            path, inp, raw, stream, None, Wire(content_type=content_type, openai_stream=False, feedback=False)
+        )
+
+    async def _prepare_sglang_generate(self, headers: Mapping[str, str], raw: bytes) -> Prepared:
+        """SGLang's ``/generate``: its ``text`` or ``input_ids`` (the first of a batch) tokenized and routed by
+        the cost model."""
+        parsed = await self.parse(raw, EngineBody)
+        data = parsed.data if isinstance(parsed.data, dict) else {}
+        model = parsed.model.model or self._default_model()
+        text, given = data.get("text"), data.get("input_ids")
+        text = text[0] if isinstance(text, list) and text else text
+        given = given[0] if isinstance(given, list) and given and isinstance(given[0], list) else given
+        ids: list[int] = []
+        if isinstance(given, list) and all(isinstance(t, int) and 0 <= t < 1 << 32 for t in given):
+            ids = list(given)
+        elif isinstance(text, str):
+            ids = await self.tokenizer.encode_prompt(text, model=model, url=self._tokenize_url(model, None))
+        params = data.get("sampling_params")
+        max_out = params.get("max_new_tokens") if isinstance(params, dict) else None
+        inp = await self._engine_input(
+            headers, model, ids, None, max_out=max_out if isinstance(max_out, int) else None
+        )
+        stream = data.get("stream") is True
+        return Prepared(
+            "/generate", inp, parsed.body, stream, None, Wire(openai_stream=False, feedback=False)
+        )
+
     # -- 5. admit ------------------------------------------------------------------------------------------
     async def admit(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Admitted:
         """Admission and the decision: a request with a TTFT target is priced first (an unattainable target is
@@ -482,7 +708,15 @@ class Pipeline:
     async def decide(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
         """The decision for a request to serve (session affinity first, when on), counted and logged."""
         # session affinity (opt-in; X-Session-Id pinned through Redis while routable)
-        mem = self.membership if self.settings.session_affinity and inp.session_id else None
+        if inp.pinned_to is not None:  # only that replica holds the request's state
+            if inp.pinned_to in exclude:
+                raise NoReplica("the replica holding the request's state is not among the allowed replicas")
+            exclude = [r.index for r in self.table.all() if r.index != inp.pinned_to]
+        mem = (
+            self.membership
+            if self.settings.session_affinity and inp.session_id and inp.pinned_to is None
+            else None
+        )
         pinned = await mem.session_replica(inp.session_id) if mem is not None else None
         if pinned is not None and pinned.index in exclude:
             pinned = None
@@ -540,8 +774,30 @@ class Pipeline:
             request_id=prepared.inp.request_id,
             on_done=admitted.ticket.release,
             ids=prepared.ids,
+            wire=prepared.wire,
         )
 
     async def serve(self, prepared: Prepared, receive: Callable[[], Any]) -> Response:
         """Admit, decide and dispatch a prepared request (steps 5-8)."""
-        return await self.dispatch(prepared, await self.admit(prepared.inp), receive)
+        exclude = self.not_serving(prepared.path)
+        return await self.dispatch(prepared, await self.admit(prepared.inp, exclude), receive)
+
+    def not_serving(self, path: str) -> list[int]:
+        """Replicas known not to serve ``path`` (they answered it with their framework's 404:
+        ``router.engine.gaps``), left out of the decision.
+
+        Raises:
+            KvrouteError: 404 ``endpoint_not_served`` when that is every routable replica.
+        """
+        gaps = self.dispatcher.in_place.gaps
+        if not gaps:  # None, or no gap known: nothing to look up per replica
+            return []
+        lacking = [r for r in self.table.all() if gaps.lacks(r.name, path)]
+        if lacking and all(r in lacking for r in self.table.all() if r.routable):
+            names = ", ".join(sorted(r.name for r in lacking))
+            raise KvrouteError(
+                f"no replica serves {path.partition('?')[0]} (each answered it 404 Not Found: {names})",
+                status=404,
+                code="endpoint_not_served",
+            )
+        return [r.index for r in lacking]

@@ -105,3 +105,30 @@ class RouteBody(RequestCommon):
                     + (f" (got {', '.join(given)})" if given else "")
                 )
         return data
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses`` body (the Responses API; the fields the router routes by, every other one forwarded
+    unchanged)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = Field(default=None, min_length=1, description="model id (default: the fleet's model)")
+    input: str | list[Any] = Field(description="the new input: text, or input items")
+    instructions: str | None = Field(default=None, description="the system message of this turn")
+    previous_response_id: str | None = Field(
+        default=None, description="continue this stored response's chain (routed to the replica holding it)"
+    )
+    store: bool | None = Field(default=None, description="keep the response on its engine (default true)")
+    stream: bool = Field(default=False, description="stream the answer as server-sent events")
+    max_output_tokens: int | None = Field(
+        default=None, ge=0, le=_MAX_TOKENS, description="maximum tokens to generate"
+    )
+    cache_salt: str | None = Field(default=None, description="isolates the prefix cache (vLLM cache_salt)")
+
+
+class EngineBody(BaseModel):
+    """A JSON body for an engine endpoint the router routes by load (pooling, ``/tokenize``, ...): a JSON object
+    whose ``model`` (optional) picks the replicas; forwarded unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = Field(default=None, description="model id (default: the fleet's model)")

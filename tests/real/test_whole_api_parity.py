@@ -20,6 +20,7 @@ import json
 import os
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import pytest
 
 from loadtest.real_vllm import MODEL, RealFleet, pooling_spec
 from tests.helpers import Proc, start_fake_engine, wait_until
-from tests.real.support import BLOCK, engine_url, words
+from tests.real.support import BLOCK, engine_url, start_router, words
 
 #: the stand-in's flags matching the real engines of ``loadtest.real_vllm`` (same model directory and limits)
 #: (time at half the A100 profile: a 2,000-token background job is still running when it is cancelled)
@@ -307,3 +308,55 @@ def test_pooling_engine_serves_no_generation(pooling_pair: tuple[str, str]) -> N
         )
     real, fake = (_pool(u, "/tokenize", {"prompt": "hello world the cache"}) for u in pooling_pair)
     assert real.json()["tokens"] == fake.json()["tokens"]
+
+
+@dataclass
+class _Pooled:
+    """The real pooling engine as ``tests.real.support.start_router`` takes it (no KV-event feed)."""
+
+    url: str
+
+    def replica_spec(self) -> str:
+        return f"name=pool0,url={self.url},dialect=vllm,model={MODEL}"
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Equal JSON values, floats within 1e-3 relative (the second request of the same input may be served from the
+    engine's prefix cache: another kernel, other low bits)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) or isinstance(b, float):
+        return (
+            isinstance(a, int | float)
+            and isinstance(b, int | float)
+            and abs(a - b) <= 1e-3 * max(1.0, abs(b))
+        )
+    return bool(a == b)
+
+
+def test_pooling_through_kvroute_is_the_engines_answer(
+    pooling_pair: tuple[str, str], model_dir: Path
+) -> None:
+    """``/v1/embeddings``, ``/pooling``, ``/score``, ``/tokenize`` through ``kvroute serve`` in front of the real
+    pooling engine: the engine's own answers (ids and timestamps aside)."""
+    real = pooling_pair[0]
+    r = start_router([_Pooled(real)], model_dir, wait_feeds=False)  # type: ignore[list-item]
+    try:
+        for path, body in [
+            ("/v1/embeddings", {"input": ["hello world the cache", "engine queue"]}),
+            ("/pooling", {"input": "hello world"}),
+            ("/score", {"text_1": "hello world", "text_2": "hello there"}),
+            ("/tokenize", {"prompt": "hello world the cache"}),
+        ]:
+            routed, direct = (_pool(u, path, body) for u in (r.url, real))
+            assert routed.status_code == direct.status_code == 200, routed.text[:300]
+            drop = ("id", "created")
+            assert _close(
+                {k: v for k, v in routed.json().items() if k not in drop},
+                {k: v for k, v in direct.json().items() if k not in drop},
+            ), (path, routed.text[:300], direct.text[:300])
+            assert routed.headers["x-kvroute-replica"] == "pool0"
+    finally:
+        r.stop()

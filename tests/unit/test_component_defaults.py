@@ -24,7 +24,9 @@ from router.config import Settings
 from router.core.admission import Admission
 from router.core.routing import Router
 from router.engine.config import ProxyConfig
+from router.engine.gaps import EndpointGaps
 from router.serve.idempotency import IdempotencyGuard
+from router.serve.responses import ResponseChains
 from router.tokens.token_ids import TokenIdsCheck
 from router.tokens.tokenizer import make_tokenizer
 
@@ -79,6 +81,8 @@ CONFIGURED: list[tuple[Callable[..., Any], dict[str, str]]] = [
         },
     ),
     (ResponseMap, {"ttl_s": "response_map_ttl_s", "local_max": "response_map_local_entries"}),
+    (EndpointGaps, {"ttl_s": "endpoint_gap_ttl_s"}),
+    (ResponseChains, {"max_history_bytes": "response_history_max_bytes"}),
     (MetricsScraper, {"interval_s": "scrape_interval_s", "timeout_s": "scrape_timeout_s"}),
     (
         Router,

@@ -46,7 +46,8 @@ def test_the_picker_needs_a_key_a_route_and_its_method() -> None:
         ("POST", "/v1/completions", "Bearer nope", 401),
         ("OPTIONS", "/v1/completions", None, 401),
         ("POST", "/tokenize", None, 401),
-        ("POST", "/v1/embeddings", key, 404),
+        ("POST", "/v1/files", key, 404),
+        ("GET", "/v1/responses/resp_1/cancel", key, 405),
         ("OPTIONS", "/v1/completions", key, 405),
         ("GET", "/v1/chat/completions", key, 405),
     ]:
@@ -55,12 +56,18 @@ def test_the_picker_needs_a_key_a_route_and_its_method() -> None:
     assert authorize(auth, "POST", "/v1/completions", key, PICKER_ROUTES) is None
     assert authorize(auth, "POST", "/v1/chat/completions", "Bearer adm", PICKER_ROUTES) is None
     assert authorize(auth, "GET", "/v1/models", key, PICKER_ROUTES) is None
+    for method, path in [
+        ("POST", "/v1/embeddings"),
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/resp_1"),
+    ]:
+        assert authorize(auth, method, path, key, PICKER_ROUTES) is None, (method, path)
     denial = authorize(auth, "DELETE", "/v1/models", key, PICKER_ROUTES)
     assert denial is not None and denial.headers == {"allow": "GET"}
     # no keys configured: no key needed, but the routes still are the only ones
     open_ = Auth([], admin_token=None)
     assert authorize(open_, "POST", "/v1/completions", None, PICKER_ROUTES) is None
-    assert authorize(open_, "POST", "/v1/embeddings", None, PICKER_ROUTES).status == 404  # type: ignore[union-attr]
+    assert authorize(open_, "POST", "/v1/files", None, PICKER_ROUTES).status == 404  # type: ignore[union-attr]
 
 
 def test_the_http_door_checks_keys_and_admin_and_leaves_routing_to_the_app() -> None:
