@@ -9,7 +9,8 @@
     -> token_ids, gate, edge (the engine hop; reports connection failures to membership)
     -> dispatcher (in place: the attempts behind the gate; disaggregated: the PD legs)
     -> admission, idempotency, loop-lag probe, guard, intake, tenants (the request front)
-    -> pipeline (the steps every front door calls), and with ``epp`` the endpoint picker's server
+    -> tracing (only with ``otlp_traces_endpoint``), pipeline (the steps every front door calls), and with
+       ``epp`` the endpoint picker's server
     -> index hygiene hooks and scrape-time gauges
 
 Nothing is started here: ``run(services)`` (the app's lifespan) starts the background parts and stops them in
@@ -75,6 +76,7 @@ from router.telemetry import (
 )
 from router.tokens.token_ids import TokenIdsCheck
 from router.tokens.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
+from router.tracing import Tracing, TracingConfig, build_tracing
 
 log = logging.getLogger("kvroute.services")
 
@@ -398,8 +400,11 @@ def _router_gauges(svc: Services) -> Iterator[Metric]:
 
 
 def _background(svc: Services) -> list[StartStop]:
-    """The start/stop pairs of the background parts, in start order."""
-    out: list[StartStop] = [
+    """The start/stop pairs of the background parts, in start order (tracing first: stopped last, the spans
+    of the last requests leave)."""
+    tracing = svc.pipeline.tracing
+    out: list[StartStop] = [] if tracing is None else [_tracing_pair(tracing)]
+    out += [
         (svc.membership.start, svc.membership.stop),  # static, kubernetes, health, redis
         (svc.token_ids.start, svc.token_ids.stop),
     ]  # which replicas take token ids
@@ -442,6 +447,30 @@ def _build_front(
     return admission, idempotency, loop_lag, guard, intake, tenants
 
 
+def _tracing_pair(tracing: Tracing) -> StartStop:
+    """Tracing's start/stop pair: nothing to start; stopping exports what is buffered (off the event loop)."""
+
+    async def no_start() -> None:
+        return None
+
+    async def stop_tracing() -> None:
+        await asyncio.to_thread(tracing.shutdown)
+
+    return no_start, stop_tracing
+
+
+def _tracing_config(settings: Settings) -> TracingConfig | None:
+    """The tracing settings (None: ``otlp_traces_endpoint`` unset, tracing off)."""
+    if not settings.otlp_traces_endpoint:
+        return None
+    return TracingConfig(
+        endpoint=settings.otlp_traces_endpoint,
+        protocol=settings.otlp_traces_protocol,
+        sample_ratio=settings.trace_sample_ratio,
+        service_name=settings.otel_service_name,
+    )
+
+
 def build_services(settings: Settings, *, epp: bool = False) -> Services:
     """Build every component from ``settings`` (nothing is started; see ``run``); with ``epp`` also the endpoint
     picker's gRPC server (started after membership, stopped first).
@@ -458,8 +487,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     tokenizer = _build_tokenizer(settings)
     membership = _build_membership(settings, table, index)
     kv_events = signals.build_kv_events(settings, index)
-    # scrapes through the proxy's engine pool (router/engine/scrape.py: issue 23's profile); the pool is the
-    # proxy's, created in the event loop when first used
+    # scrapes through the proxy's engine pool (router/engine/scrape.py), created in the event loop when first used
     engine_client = PooledScrapeClient(lambda: edge.pool(), settings.engine_max_body_bytes)
     engine_metrics = signals.build_engine_metrics(
         settings,
@@ -490,6 +518,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         guard,
         token_ids,
         dispatcher,
+        build_tracing(_tracing_config(settings)),
     )
     _keep_index_honest(table, index, kv_events)
     svc = Services(

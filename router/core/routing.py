@@ -166,6 +166,7 @@ class RoutingInput:
             as this many requests in flight on its replica.
         ttft_target_s: the request's TTFT target, seconds (None: none); priority: its class priority;
             identity: its ``router.core.tenants.Identity`` (issue 20).
+        trace: its ``router.tracing.RequestTrace`` (set by the pipeline; None when tracing is off).
         estimated_tokens: set when ``token_ids`` are only a prefix of the prompt's ids (cache-frontier
             tokenization, ``router.tokens.frontier``): the estimated length of the whole prompt, tokens; None
             when the ids are complete.
@@ -184,6 +185,8 @@ class RoutingInput:
     priority: int = 0
     identity: Any = None  # router.core.tenants.Identity of the request (set by the front door)
     estimated_tokens: int | None = None
+    #: the request's ``router.tracing.RequestTrace`` (None: tracing off, or not a served request)
+    trace: Any = None
 
     @property
     def ids_partial(self) -> bool:

@@ -8,6 +8,7 @@ Units: tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from membership.replicas import Replica
 from router.core.dispatch import DispatchGate, ReplicaGone
@@ -45,6 +46,7 @@ class Hold:
     tokens) BEFORE anything is sent; ``admit`` waits for the dispatch gate's permit; ``first_byte`` gives the
     permit and the prefill tokens back (the prefill is over); ``release`` ends the in-flight count (and does
     ``first_byte`` first if it has not happened). Each step happens at most once however often it is called.
+    A traced attempt's span (``span``) ends with the release: it covers the whole request on the replica.
 
     Leaving the ``with`` block releases everything (failure before the first byte, retry, cancellation, client
     disconnect, a non-streamed answer read whole) unless the hold was handed over to a relayed stream
@@ -53,7 +55,18 @@ class Hold:
     Units: tokens.
     """
 
-    __slots__ = ("router", "gate", "rep", "uncached", "copies", "_permit", "_prefilling", "_held", "_owned")
+    __slots__ = (
+        "router",
+        "gate",
+        "rep",
+        "uncached",
+        "copies",
+        "span",
+        "_permit",
+        "_prefilling",
+        "_held",
+        "_owned",
+    )
 
     def __init__(
         self, router: Router, gate: DispatchGate | None, rep: Replica, uncached: int, copies: int
@@ -65,6 +78,8 @@ class Hold:
         self.uncached = uncached
         #: sequences requested (n / best_of), each counted as a request
         self.copies = copies
+        #: the attempt's (or leg's) span (``router.tracing``), ended on release; None: not traced
+        self.span: Any = None
         self._permit: int | None = None  # what gate.wait returned (None: no permit counted)
         self._prefilling = False
         self._held = False
@@ -104,6 +119,8 @@ class Hold:
         if self._held:
             self._held = False
             self.router.release(self.rep, self.copies)
+            if self.span is not None:
+                self.span.end()
 
     def hand_over(self) -> Hold:
         """The caller no longer releases on leaving the ``with`` block: a relayed stream will. Returns self."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from starlette.responses import Response
 
@@ -55,6 +56,7 @@ from router.engine.hold import AttemptFailed, Hold
 from router.errors import error_response
 from router.telemetry import Telemetry
 from router.tokens.token_ids import IdsPrompt
+from router.tracing import attempt_failed, first_byte
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -206,14 +208,29 @@ class Proxy:
         byte, commit the answer. Raises ``AttemptFailed`` before the first byte (the hold is released)."""
         inp = run.routed.inp
         predicted_cached = run.cached.get(rep.index, 0)
+        trace = inp.trace
+        span: Any = None
+        headers = run.headers
+        if trace is not None:  # the attempt's span; the engine's traceparent names it as the parent
+            span = trace.child(
+                "kvroute.attempt", self._attempt_attributes(run, rep, predicted_cached), client=True
+            )
+            headers = {**headers, **trace.headers(span)}
         with Hold(self.router, self.gate, rep, inp.prompt_tokens - predicted_cached, inp.copies) as hold:
+            hold.span = span
             self.router.record_prediction(rep, inp.keys)
             payload, strip_usage = self.edge.payload(rep, body, stream, ids)
             t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)
-            await hold.admit(inp.keys, inp.prompt_tokens, stream)
-            resp, first = await self.edge.open(rep, path, payload, run.headers, run.deadline)
+            try:
+                await hold.admit(inp.keys, inp.prompt_tokens, stream)
+                resp, first = await self.edge.open(rep, path, payload, headers, run.deadline)
+            except AttemptFailed as exc:
+                attempt_failed(span, exc.reason, exc.message)
+                raise
             ttft = time.monotonic() - t0
             hold.first_byte()
+            if span is not None:
+                first_byte(span, resp.status, ttft)
             return await self.edge.commit(
                 hold,
                 run.routed,
@@ -226,6 +243,20 @@ class Proxy:
                 predicted_cached,
                 strip_usage,
             )
+
+    @staticmethod
+    def _attempt_attributes(run: _Run, rep: Replica, predicted_cached: int) -> dict[str, Any]:
+        """An attempt span's attributes: the replica, the attempt's number (1 = first), the previous attempt's
+        failure, the prompt tokens the router expects the replica to reuse."""
+        attrs: dict[str, Any] = {
+            "kvroute.replica": rep.name,
+            "server.address": rep.url,
+            "kvroute.attempt": run.attempts,
+            "kvroute.predicted.cached_tokens": predicted_cached,
+        }
+        if run.last is not None:
+            attrs["kvroute.retry_reason"] = run.last.reason
+        return attrs
 
     def _attempt_failed(self, run: _Run, rep: Replica, exc: AttemptFailed, request_id: str) -> None:
         """Record a failed attempt (its error for the final message, the passive health signal)."""

@@ -69,6 +69,7 @@ from router.pd.legs import Handoff
 from router.serve.guard import PICKER_ROUTES, authorize, normalize_path
 from router.serve.pipeline import Pipeline, Prepared
 from router.serve.requests import new_request_id
+from router.tracing import RequestTrace, first_byte
 
 log = logging.getLogger("kvroute.epp")
 
@@ -201,6 +202,8 @@ class _Stream:
         )
         self.hold: Hold | None = None
         self.routed: Routed | None = None
+        #: the request's trace (``router.tracing``; None: tracing off, or not prepared)
+        self.trace: RequestTrace | None = None
         #: prompt tokens the served replica was expected to reuse (feedback), tokens
         self.predicted_cached = 0
         #: response headers naming how the request was served (replica, prefill replica, plan)
@@ -433,6 +436,7 @@ class _Stream:
                 self.headers.get(":method", "POST"), self.path, self.headers.get("authorization")
             )
             prepared = await self._prepare(body)
+            self.trace = prepared.inp.trace
             admitted = await pipeline.admit(prepared.inp, self._outside_subset())
         except Exception as exc:  # every failure is an ImmediateResponse, never a broken stream
             return self._refuse(self._refusal(exc))
@@ -507,6 +511,19 @@ class _Stream:
         if payload is not None and self.stream and self.settings.engine_stream_usage:
             payload, self.strip_usage = ask_for_usage(payload)
         extra = {"x-request-id": inp.request_id}
+        trace = self.trace
+        if trace is not None:  # the attempt's span, ended with the hold; the engine's traceparent names it
+            self.hold.span = trace.child(
+                "kvroute.attempt",
+                {
+                    "kvroute.replica": rep.name,
+                    "server.address": rep.url,
+                    "kvroute.attempt": 1,
+                    "kvroute.predicted.cached_tokens": self.predicted_cached,
+                },
+                client=True,
+            )
+            extra.update(trace.headers(self.hold.span))
         return self._answer(codec.endpoint_of(rep.url), extra, body, payload, trailers)
 
     async def _prepare(self, body: bytes | None) -> Prepared:
@@ -517,6 +534,8 @@ class _Stream:
         else:
             prepared = await self.pipeline.prepare(self.path, headers, body)
         prepared.inp.request_id = self.request_id
+        if prepared.inp.trace is not None:
+            prepared.inp.trace.set("kvroute.request_id", self.request_id)
         self.stream = prepared.stream
         return prepared
 
@@ -575,6 +594,8 @@ class _Stream:
         header) and end the stream; counted."""
         self.closed = True
         self.picker.streams.labels(str(err.status)).inc()
+        if self.trace is not None:
+            self.trace.fail(err)
         if err.counted_as is not None:
             self.picker.telemetry.rejected.labels(err.counted_as).inc()
         headers = {
@@ -661,6 +682,8 @@ class _Stream:
             return
         self.ttft = time.monotonic() - self.sent_at
         self.hold.first_byte()
+        if self.hold.span is not None:
+            first_byte(self.hold.span, self.status, self.ttft)
         if 0 < self.status < 400:
             self.picker.telemetry.ttft.labels(self.hold.rep.name).observe(self.ttft)
 
@@ -699,6 +722,11 @@ class _Stream:
             self.hold.release()
         if self.ticket is not None:
             self.ticket.release()
+        trace = self.trace
+        if trace is not None:
+            if self.status:
+                trace.respond(self.status)
+            trace.close()
 
 
 class _UsageStripper:

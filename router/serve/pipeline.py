@@ -25,7 +25,9 @@ Units: tokens, seconds.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -48,9 +50,18 @@ from router.telemetry import Telemetry
 from router.tokens.frontier import FrontierIds, frontier_ids, frontier_tokenizer
 from router.tokens.token_ids import IdsPrompt, TokenIdsCheck, ids_prompt
 from router.tokens.tokenizer import HfTokenizer, Tokenizer
+from router.tracing import RequestTrace, Tracing
 
 log = logging.getLogger("kvroute.app")
 _M = TypeVar("_M", bound=BaseModel)
+#: the step of a request that is not traced (reusable: nothing is allocated per request)
+_UNTRACED: AbstractContextManager[Any] = nullcontext()
+
+
+def _step(trace: RequestTrace | None, name: str) -> AbstractContextManager[Any]:
+    """A traced step's child span (``RequestTrace.step``), or nothing when the request is not traced."""
+    return _UNTRACED if trace is None else trace.step(name)
+
 
 #: the generation routes and the body each takes
 GENERATION_ROUTES: Mapping[str, type[CompletionRequest] | type[ChatRequest]] = {
@@ -129,6 +140,7 @@ class Pipeline:
         guard: authorization and shedding from the headers.
         token_ids: which replicas take prompts as token ids.
         dispatcher: dispatch (in place or by the plan).
+        tracing: spans of the steps and trace context to the engines (router/tracing.py); None: off.
     """
 
     def __init__(
@@ -144,6 +156,7 @@ class Pipeline:
         guard: Guard,
         token_ids: TokenIdsCheck,
         dispatcher: Dispatcher,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.telemetry = telemetry
@@ -156,6 +169,7 @@ class Pipeline:
         self.gate = guard
         self.token_ids = token_ids
         self.dispatcher = dispatcher
+        self.tracing = tracing
 
     # -- 1. guard ------------------------------------------------------------------------------------------
     async def guard(self, method: str, path: str, authorization: str | None) -> None:
@@ -313,16 +327,48 @@ class Pipeline:
     # -- 2 to 4 for a generation request -------------------------------------------------------------------
     async def prepare(self, path: str, headers: Mapping[str, str], raw: bytes) -> Prepared:
         """Parse, identify and tokenize a generation request for ``path`` (any other path: a body with
-        ``messages`` is a chat request, else a completions one)."""
+        ``messages`` is a chat request, else a completions one). With tracing on, the request's trace starts
+        here (its caller's ``traceparent`` continued); a refusal ends it."""
+        tracing = self.tracing
+        if tracing is None:
+            return await self._prepare(path, headers, raw, None)
+        trace = tracing.request(headers, path)
+        try:
+            prepared = await self._prepare(path, headers, raw, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+        prepared.inp.trace = trace
+        return prepared
+
+    async def _prepare(
+        self, path: str, headers: Mapping[str, str], raw: bytes, trace: RequestTrace | None
+    ) -> Prepared:
+        """``prepare``'s steps, each a child span of ``trace`` when there is one."""
         kind = GENERATION_ROUTES.get(path) or (ChatRequest if b'"messages"' in raw else CompletionRequest)
-        parsed = await self.parse(raw, kind)
-        body = parsed.model
-        chat = chat_input(body)
-        max_out = body.max_completion_tokens if isinstance(body, ChatRequest) else None
-        ident = await self.identify(headers, body, max_out)
+        with _step(trace, "kvroute.intake"):
+            parsed = await self.parse(raw, kind)
+            body = parsed.model
+            chat = chat_input(body)
+            max_out = body.max_completion_tokens if isinstance(body, ChatRequest) else None
+            ident = await self.identify(headers, body, max_out)
         prompt = body.prompt if isinstance(body, CompletionRequest) else None
-        inp = await self.tokenize(headers, body, ident, prompt=prompt, chat=chat, max_out=max_out)
+        with _step(trace, "kvroute.tokenize") as span:
+            inp = await self.tokenize(headers, body, ident, prompt=prompt, chat=chat, max_out=max_out)
+            if span is not None:
+                self._tokenize_attributes(span, inp)
+        if trace is not None and trace.recording:
+            _request_attributes(trace, inp, body.stream)
         return Prepared(path, inp, parsed.body, body.stream, self._ids(parsed, inp))
+
+    def _tokenize_attributes(self, span: Any, inp: RoutingInput) -> None:
+        """The tokenize span's attributes: mode, scope, prompt tokens (estimated or not), tokens tokenized."""
+        span.set_attribute("kvroute.tokenize.mode", self.tokenizer.mode)
+        span.set_attribute("kvroute.tokenize.scope", self.settings.tokenize_scope)
+        span.set_attribute("kvroute.prompt_tokens", inp.prompt_tokens)
+        span.set_attribute("kvroute.tokenize.tokens", len(inp.token_ids))
+        span.set_attribute("kvroute.tokenize.estimated", inp.ids_partial)
+        span.set_attribute("kvroute.blocks", len(inp.keys))
 
     def _ids(self, parsed: Parsed[Any], inp: RoutingInput) -> IdsPrompt | None:
         """A completions prompt as the router's ids, for replicas that take them (router/tokens/token_ids.py):
@@ -353,6 +399,9 @@ class Pipeline:
             request_id=new_request_id(headers.get("x-request-id")),
         )
         inp.identity = self.tenants.identify(headers)
+        if self.tracing is not None:
+            inp.trace = self.tracing.request(headers, "")
+            _request_attributes(inp.trace, inp, False)
         return Prepared("", inp, b"", False)
 
     # -- 5. admit ------------------------------------------------------------------------------------------
@@ -360,14 +409,32 @@ class Pipeline:
         """Admission and the decision: a request with a TTFT target is priced first (an unattainable target is
         refused, not queued); the tenant's quota and the fair in-flight queue give a slot held until the
         response ends; the decision is taken (again) after any wait. ``exclude``: replicas that may not be
-        picked (the picker's subset hint)."""
+        picked (the picker's subset hint). A refusal ends the request's trace."""
+        trace = inp.trace
+        if trace is None:
+            return await self._admit(inp, exclude, None)
+        try:
+            return await self._admit(inp, exclude, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+
+    async def _admit(self, inp: RoutingInput, exclude: Sequence[int], trace: RequestTrace | None) -> Admitted:
+        """``admit``'s steps (the admission wait a child span of ``trace`` when there is one)."""
         tenants = self.tenants
         ident: Identity = inp.identity if inp.identity is not None else tenants.identify({})
         routed: Routed | None = None
         if ident.ttft_target_s is not None:
             routed = await self.decide(inp, exclude)
-            tenants.check_slo(ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking))
-        ticket = await tenants.admit(ident, inp.prompt_tokens, inp.expected_output_tokens or None)
+        with _step(trace, "kvroute.admission") as span:
+            if routed is not None:
+                tenants.check_slo(
+                    ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking)
+                )
+            ticket = await tenants.admit(ident, inp.prompt_tokens, inp.expected_output_tokens or None)
+            if span is not None:
+                span.set_attribute("kvroute.admission.wait_s", ticket.waited_s)
+                span.set_attribute("kvroute.tenant", ident.tenant)
         try:
             if routed is None or ticket.waited_s > 0:  # decided after any wait: the fleet moved meanwhile
                 routed = await self.decide(inp, exclude)
@@ -389,13 +456,20 @@ class Pipeline:
         pinned = await mem.session_replica(inp.session_id) if mem is not None else None
         if pinned is not None and pinned.index in exclude:
             pinned = None
-        try:
-            pin = [r.index for r in self.table.all() if r is not pinned] if pinned is not None else exclude
-            routed = self.router.decide(inp, exclude=pin)
-        except RoutingError:
-            if pinned is None:
-                raise
-            routed = self.router.decide(inp, exclude)  # the pinned replica cannot take it now: route normally
+        with _step(inp.trace, "kvroute.decide") as span:
+            try:
+                pin = (
+                    [r.index for r in self.table.all() if r is not pinned] if pinned is not None else exclude
+                )
+                routed = self.router.decide(inp, exclude=pin)
+            except RoutingError:
+                if pinned is None:
+                    raise
+                routed = self.router.decide(
+                    inp, exclude
+                )  # the pinned replica cannot take it now: route normally
+            if span is not None:
+                _decision_attributes(span, routed, self.table, pinned is not None)
         self._count_decision(routed)
         chosen = self.table.by_index(routed.decision.chosen)
         if mem is not None and chosen is not None:
@@ -433,18 +507,103 @@ class Pipeline:
     async def dispatch(self, prepared: Prepared, admitted: Admitted, receive: Callable[[], Any]) -> Response:
         """Send the request to the decision's replicas (in place, or by the plan) and return the client's answer;
         the ticket is released when the answer ends. ``receive``: the client's ASGI receive (a disconnect
-        cancels the upstream request)."""
-        return await self.dispatcher.forward(
-            receive,
-            admitted.routed,
-            prepared.path,
-            prepared.body,
-            stream=prepared.stream,
-            request_id=prepared.inp.request_id,
-            on_done=admitted.ticket.release,
-            ids=prepared.ids,
-        )
+        cancels the upstream request). The request's trace ends with the answer."""
+        trace = prepared.inp.trace
+        ticket = admitted.ticket
+        on_done: Callable[[], None] = ticket.release
+        if trace is not None:
+
+            def on_done() -> None:
+                ticket.release()
+                trace.done()
+
+        try:
+            resp = await self.dispatcher.forward(
+                receive,
+                admitted.routed,
+                prepared.path,
+                prepared.body,
+                stream=prepared.stream,
+                request_id=prepared.inp.request_id,
+                on_done=on_done,
+                ids=prepared.ids,
+            )
+        except BaseException as exc:
+            if trace is not None:
+                trace.fail(exc)
+            raise
+        if trace is not None:
+            trace.respond(resp.status_code)
+        return resp
 
     async def serve(self, prepared: Prepared, receive: Callable[[], Any]) -> Response:
         """Admit, decide and dispatch a prepared request (steps 5-8)."""
         return await self.dispatch(prepared, await self.admit(prepared.inp), receive)
+
+
+def _request_attributes(trace: RequestTrace, inp: RoutingInput, stream: bool) -> None:
+    """The request span's attributes known once it is prepared: model, adapter, request id, tenant, priority,
+    prompt tokens, stream (OpenTelemetry GenAI names where they fit)."""
+    trace.set("gen_ai.request.model", inp.model)
+    trace.set("kvroute.request_id", inp.request_id)
+    trace.set("kvroute.stream", stream)
+    trace.set("kvroute.prompt_tokens", inp.prompt_tokens)
+    trace.set("kvroute.priority", inp.priority)
+    if inp.lora is not None:
+        trace.set("kvroute.lora", inp.lora)
+    ident = inp.identity
+    if ident is not None:
+        trace.set("kvroute.tenant", ident.tenant)
+
+
+def _decision_attributes(span: Any, routed: Routed, table: ReplicaTable, pinned: bool) -> None:
+    """The decide span's attributes: policy and branch; the chosen replica, its predicted cached tokens and
+    TTFT terms (Q queue, R fetch, C compute, s; p hit probability; the predicted TTFT, s); the best
+    alternative's predicted TTFT; candidates; reuse available vs achieved (tokens); a PD plan's kind, pair and
+    handoff terms."""
+    decision = routed.decision
+    chosen = decision.chosen
+    rep = table.by_index(chosen)
+    span.set_attribute("kvroute.policy", decision.policy)
+    span.set_attribute("kvroute.branch", decision.branch)
+    span.set_attribute("kvroute.replica", rep.name if rep is not None else str(chosen))
+    span.set_attribute("kvroute.candidates", len(routed.candidates))
+    span.set_attribute("kvroute.session_pinned", pinned)
+    span.set_attribute("kvroute.predicted.cached_tokens", routed.cached_tokens.get(chosen, 0))
+    span.set_attribute("kvroute.decision_s", routed.decision_s)
+    alternative = math.inf
+    for score in decision.scores:
+        if score.index == chosen:
+            for term, value in score.parts.items():
+                if term in ("Q", "R", "C", "p", "T", "E"):
+                    span.set_attribute(f"kvroute.predicted.{term}", float(value))
+            span.set_attribute("kvroute.predicted.ttft_s", predicted_ttft_s(score))
+        else:
+            value = predicted_ttft_s(score)
+            if math.isfinite(value) and value < alternative:
+                alternative = value
+    if math.isfinite(alternative):
+        span.set_attribute("kvroute.alternative.predicted_ttft_s", alternative)
+    if decision.reuse is not None:
+        span.set_attribute("kvroute.reuse.available_tokens", decision.reuse.available_tokens)
+        span.set_attribute("kvroute.reuse.achieved_tokens", decision.reuse.achieved_tokens)
+    if routed.plan is not None:
+        _plan_attributes(span, routed, table)
+
+
+def _plan_attributes(span: Any, routed: Routed, table: ReplicaTable) -> None:
+    """A PD plan's attributes on the decide span: kind, policy, the pair, its predicted TTFT and terms (s)."""
+    assert routed.plan is not None
+    plan = routed.plan.chosen
+    span.set_attribute("kvroute.plan.kind", plan.kind)
+    span.set_attribute("kvroute.plan.policy", routed.plan.policy)
+    span.set_attribute("kvroute.plan.predicted_ttft_s", plan.predicted_ttft_s)
+    decode = table.by_index(plan.decode)
+    span.set_attribute("kvroute.plan.decode_replica", decode.name if decode is not None else str(plan.decode))
+    if plan.prefill is not None:
+        prefill = table.by_index(plan.prefill)
+        span.set_attribute(
+            "kvroute.plan.prefill_replica", prefill.name if prefill is not None else str(plan.prefill)
+        )
+    for term, value in plan.terms.items():
+        span.set_attribute(f"kvroute.plan.{term}", float(value))
