@@ -1117,7 +1117,7 @@ class Settings(BaseSettings):
     otlp_traces_endpoint: str | None = Field(
         default=None,
         description="OTLP collector the router exports its spans to (gRPC: http://otel-collector:4317; "
-        "http/protobuf: http://otel-collector:4318/v1/traces); unset: tracing off (nothing imported, nothing "
+        "http/protobuf: http://otel-collector:4318/v1/traces); unset: tracing off (no OpenTelemetry SDK imported, nothing "
         "done per request). Engines get a traceparent naming the router's attempt span (docs/observability.md)",
     )
     otlp_traces_protocol: Literal["grpc", "http/protobuf"] = Field(

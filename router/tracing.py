@@ -1,7 +1,8 @@
 """Distributed tracing: OpenTelemetry spans of the serving pipeline's steps, and W3C trace context to the engines.
 
-Off unless ``otlp_traces_endpoint`` is set: then nothing of OpenTelemetry is imported, ``Pipeline.tracing`` is
-None and no request carries a trace (one attribute test per step, no object allocated per request).
+Off unless ``otlp_traces_endpoint`` is set: then no OpenTelemetry SDK or exporter is imported,
+``Pipeline.tracing`` is None and no request carries a trace (one attribute test per step, no object allocated per
+request).
 
 On, each request the pipeline prepares gets a ``RequestTrace``: its span ``kvroute.request`` (SERVER) continues
 the caller's W3C ``traceparent`` / ``tracestate`` (from the client on the HTTP door, from the gateway on the
@@ -269,7 +270,7 @@ def first_byte(span: Any, status: int, ttft_s: float) -> None:
 
 
 def build_tracing(cfg: TracingConfig | None) -> Tracing | None:
-    """The tracing of the router (None: off, nothing imported)."""
+    """The tracing of the router (None: off, no SDK imported)."""
     if cfg is None:
         return None
     tracing = Tracing(cfg)
