@@ -198,6 +198,11 @@ class RequestTrace:
         if self.recording and not self._ended:
             self.span.set_attribute(key, value)
 
+    def set_many(self, attributes: Mapping[str, Any]) -> None:
+        """Attributes of the request's span, at once."""
+        if self.recording and not self._ended:
+            self.span.set_attributes(attributes)
+
     def respond(self, status: int) -> None:
         """The answer's HTTP status (an error status >= 500 marks the span); ends the span if the request is
         already over."""

@@ -363,12 +363,16 @@ class Pipeline:
 
     def _tokenize_attributes(self, span: Any, inp: RoutingInput) -> None:
         """The tokenize span's attributes: mode, scope, prompt tokens (estimated or not), tokens tokenized."""
-        span.set_attribute("kvroute.tokenize.mode", self.tokenizer.mode)
-        span.set_attribute("kvroute.tokenize.scope", self.settings.tokenize_scope)
-        span.set_attribute("kvroute.prompt_tokens", inp.prompt_tokens)
-        span.set_attribute("kvroute.tokenize.tokens", len(inp.token_ids))
-        span.set_attribute("kvroute.tokenize.estimated", inp.ids_partial)
-        span.set_attribute("kvroute.blocks", len(inp.keys))
+        span.set_attributes(
+            {
+                "kvroute.tokenize.mode": self.tokenizer.mode,
+                "kvroute.tokenize.scope": self.settings.tokenize_scope,
+                "kvroute.prompt_tokens": inp.prompt_tokens,
+                "kvroute.tokenize.tokens": len(inp.token_ids),
+                "kvroute.tokenize.estimated": inp.ids_partial,
+                "kvroute.blocks": len(inp.keys),
+            }
+        )
 
     def _ids(self, parsed: Parsed[Any], inp: RoutingInput) -> IdsPrompt | None:
         """A completions prompt as the router's ids, for replicas that take them (router/tokens/token_ids.py):
@@ -544,66 +548,69 @@ class Pipeline:
 def _request_attributes(trace: RequestTrace, inp: RoutingInput, stream: bool) -> None:
     """The request span's attributes known once it is prepared: model, adapter, request id, tenant, priority,
     prompt tokens, stream (OpenTelemetry GenAI names where they fit)."""
-    trace.set("gen_ai.request.model", inp.model)
-    trace.set("kvroute.request_id", inp.request_id)
-    trace.set("kvroute.stream", stream)
-    trace.set("kvroute.prompt_tokens", inp.prompt_tokens)
-    trace.set("kvroute.priority", inp.priority)
+    attrs: dict[str, Any] = {
+        "gen_ai.request.model": inp.model,
+        "kvroute.request_id": inp.request_id,
+        "kvroute.stream": stream,
+        "kvroute.prompt_tokens": inp.prompt_tokens,
+        "kvroute.priority": inp.priority,
+    }
     if inp.lora is not None:
-        trace.set("kvroute.lora", inp.lora)
-    ident = inp.identity
-    if ident is not None:
-        trace.set("kvroute.tenant", ident.tenant)
+        attrs["kvroute.lora"] = inp.lora
+    if inp.identity is not None:
+        attrs["kvroute.tenant"] = inp.identity.tenant
+    trace.set_many(attrs)
 
 
 def _decision_attributes(span: Any, routed: Routed, table: ReplicaTable, pinned: bool) -> None:
     """The decide span's attributes: policy and branch; the chosen replica, its predicted cached tokens and
     TTFT terms (Q queue, R fetch, C compute, s; p hit probability; the predicted TTFT, s); the best
     alternative's predicted TTFT; candidates; reuse available vs achieved (tokens); a PD plan's kind, pair and
-    handoff terms."""
+    handoff terms. Set at once (one lock of the span)."""
     decision = routed.decision
     chosen = decision.chosen
     rep = table.by_index(chosen)
-    span.set_attribute("kvroute.policy", decision.policy)
-    span.set_attribute("kvroute.branch", decision.branch)
-    span.set_attribute("kvroute.replica", rep.name if rep is not None else str(chosen))
-    span.set_attribute("kvroute.candidates", len(routed.candidates))
-    span.set_attribute("kvroute.session_pinned", pinned)
-    span.set_attribute("kvroute.predicted.cached_tokens", routed.cached_tokens.get(chosen, 0))
-    span.set_attribute("kvroute.decision_s", routed.decision_s)
+    attrs: dict[str, Any] = {
+        "kvroute.policy": decision.policy,
+        "kvroute.branch": decision.branch,
+        "kvroute.replica": rep.name if rep is not None else str(chosen),
+        "kvroute.candidates": len(routed.candidates),
+        "kvroute.session_pinned": pinned,
+        "kvroute.predicted.cached_tokens": routed.cached_tokens.get(chosen, 0),
+        "kvroute.decision_s": routed.decision_s,
+    }
     alternative = math.inf
     for score in decision.scores:
         if score.index == chosen:
             for term, value in score.parts.items():
                 if term in ("Q", "R", "C", "p", "T", "E"):
-                    span.set_attribute(f"kvroute.predicted.{term}", float(value))
-            span.set_attribute("kvroute.predicted.ttft_s", predicted_ttft_s(score))
+                    attrs[f"kvroute.predicted.{term}"] = float(value)
+            attrs["kvroute.predicted.ttft_s"] = predicted_ttft_s(score)
         else:
             value = predicted_ttft_s(score)
             if math.isfinite(value) and value < alternative:
                 alternative = value
     if math.isfinite(alternative):
-        span.set_attribute("kvroute.alternative.predicted_ttft_s", alternative)
+        attrs["kvroute.alternative.predicted_ttft_s"] = alternative
     if decision.reuse is not None:
-        span.set_attribute("kvroute.reuse.available_tokens", decision.reuse.available_tokens)
-        span.set_attribute("kvroute.reuse.achieved_tokens", decision.reuse.achieved_tokens)
+        attrs["kvroute.reuse.available_tokens"] = decision.reuse.available_tokens
+        attrs["kvroute.reuse.achieved_tokens"] = decision.reuse.achieved_tokens
     if routed.plan is not None:
-        _plan_attributes(span, routed, table)
+        _plan_attributes(attrs, routed, table)
+    span.set_attributes(attrs)
 
 
-def _plan_attributes(span: Any, routed: Routed, table: ReplicaTable) -> None:
-    """A PD plan's attributes on the decide span: kind, policy, the pair, its predicted TTFT and terms (s)."""
+def _plan_attributes(attrs: dict[str, Any], routed: Routed, table: ReplicaTable) -> None:
+    """A PD plan's attributes of the decide span: kind, policy, the pair, its predicted TTFT and terms (s)."""
     assert routed.plan is not None
     plan = routed.plan.chosen
-    span.set_attribute("kvroute.plan.kind", plan.kind)
-    span.set_attribute("kvroute.plan.policy", routed.plan.policy)
-    span.set_attribute("kvroute.plan.predicted_ttft_s", plan.predicted_ttft_s)
     decode = table.by_index(plan.decode)
-    span.set_attribute("kvroute.plan.decode_replica", decode.name if decode is not None else str(plan.decode))
+    attrs["kvroute.plan.kind"] = plan.kind
+    attrs["kvroute.plan.policy"] = routed.plan.policy
+    attrs["kvroute.plan.predicted_ttft_s"] = plan.predicted_ttft_s
+    attrs["kvroute.plan.decode_replica"] = decode.name if decode is not None else str(plan.decode)
     if plan.prefill is not None:
         prefill = table.by_index(plan.prefill)
-        span.set_attribute(
-            "kvroute.plan.prefill_replica", prefill.name if prefill is not None else str(plan.prefill)
-        )
+        attrs["kvroute.plan.prefill_replica"] = prefill.name if prefill is not None else str(plan.prefill)
     for term, value in plan.terms.items():
-        span.set_attribute(f"kvroute.plan.{term}", float(value))
+        attrs[f"kvroute.plan.{term}"] = float(value)
