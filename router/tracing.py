@@ -275,11 +275,6 @@ class RequestTrace:
         self._status: int | None = None
         self._done = False
 
-    @property
-    def trace_hex(self) -> str:
-        """The trace id, 32 hex digits."""
-        return f"{self.trace_id:032x}"
-
     def child(
         self, name: str, attributes: Mapping[str, Any] | None = None, *, client: bool = False
     ) -> Span | None:
