@@ -93,6 +93,7 @@ from fakes.engine_model import (
     engine_block_hashes,
     get_profile,
 )
+from fakes.engine_tracing import EngineTracing, add_trace_routes
 from fakes.fake_pd import PdSide, TransferFailed, add_pd_args
 from fakes.kv_publisher import (
     FORMATS,
@@ -384,6 +385,8 @@ class FakeEngine:
         self.exporter = MetricsExporter(self)
         #: prefill/decode disaggregation roles and data-parallel ranks (fakes/fake_pd.py)
         self.pd = PdSide(opts, float(self.model.profile.kv_bytes_per_token), self.scale)
+        #: received trace contexts; ``llm_request`` spans with --otlp-traces-endpoint (fakes/engine_tracing.py)
+        self.tracing = EngineTracing(opts.otlp_traces_endpoint)
 
     # -- time ----------------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -410,6 +413,7 @@ class FakeEngine:
         if self.publisher is not None:
             self.publisher.stop()
         await self.pd.aclose()
+        await asyncio.to_thread(self.tracing.shutdown)  # the spans still buffered leave now
 
     async def _drive(self) -> None:
         model = self.model
@@ -1318,6 +1322,7 @@ def build_app(engine: FakeEngine) -> FastAPI:
     _add_info_routes(app, http)
     _add_metrics_route(app, http)
     _add_admin_routes(app, http)
+    add_trace_routes(app, engine.tracing)
     _add_pd_routes(app, http)
     return app
 
@@ -1371,15 +1376,21 @@ def _add_errors_and_auth(app: FastAPI, http: EngineHttp) -> None:
 def _add_generation_routes(app: FastAPI, http: EngineHttp) -> None:
     """OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE)."""
 
+    tracing = http.engine.tracing
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await json_object(request)
-        return await http.generate(body, http.prompt_ids(body), chat=False, request=request)
+        span = tracing.start(request.headers, "/v1/completions")
+        resp = await http.generate(body, http.prompt_ids(body), chat=False, request=request)
+        return tracing.ended_with(resp, span)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await json_object(request)
-        return await http.generate(body, http.chat_ids(body), chat=True, request=request)
+        span = tracing.start(request.headers, "/v1/chat/completions")
+        resp = await http.generate(body, http.chat_ids(body), chat=True, request=request)
+        return tracing.ended_with(resp, span)
 
 
 def _add_tokenizer_routes(app: FastAPI, http: EngineHttp) -> None:
@@ -1705,6 +1716,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds an idle HTTP keep-alive connection stays open (vLLM's default is 5; clients "
         "pooling connections longer than this race with the close)",
+    )
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export an llm_request span per generation request, child of its traceparent (vLLM's flag; "
+        "OTLP/gRPC, or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf)",
     )
     g.add_argument(
         "--api-key",

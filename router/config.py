@@ -1201,6 +1201,27 @@ class Settings(BaseSettings):
             )
         return out
 
+    # --- tracing: OpenTelemetry spans of the pipeline's steps, W3C trace context to engines (router/tracing.py) ---
+    otlp_traces_endpoint: str | None = Field(
+        default=None,
+        description="OTLP collector the router exports its spans to (gRPC: http://otel-collector:4317; "
+        "http/protobuf: http://otel-collector:4318/v1/traces); unset: tracing off (no OpenTelemetry SDK imported, nothing "
+        "done per request). Engines get a traceparent naming the router's attempt span (docs/observability.md)",
+    )
+    otlp_traces_protocol: Literal["grpc", "http/protobuf"] = Field(
+        default="grpc", description="OTLP transport of the spans: grpc or http/protobuf"
+    )
+    trace_sample_ratio: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="probability a request is traced when its caller did not decide (parent-based: a "
+        "traceparent's sampled flag is followed); 0 = only requests whose caller sampled them",
+    )
+    otel_service_name: str = Field(
+        default="kvroute", min_length=1, description="service.name of the router's spans"
+    )
+
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")
     @classmethod

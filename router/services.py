@@ -9,7 +9,8 @@
     -> token_ids, gate, edge (the engine hop; reports connection failures to membership)
     -> dispatcher (in place: the attempts behind the gate; disaggregated: the PD legs)
     -> admission, idempotency, loop-lag probe, guard, intake, tenants (the request front)
-    -> pipeline (the steps every front door calls), and with ``epp`` the endpoint picker's server
+    -> tracing (only with ``otlp_traces_endpoint``), pipeline (the steps every front door calls), and with
+       ``epp`` the endpoint picker's server
     -> index hygiene hooks and scrape-time gauges
 
 Nothing is started here: ``run(services)`` (the app's lifespan) starts the background parts and stops them in
@@ -82,6 +83,7 @@ from router.telemetry import (
 from router.tokens.images import ImageRenderer
 from router.tokens.token_ids import TokenIdsCheck
 from router.tokens.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
+from router.tracing import Tracing, TracingConfig, build_tracing
 
 log = logging.getLogger("kvroute.services")
 
@@ -464,8 +466,11 @@ def _adapter_gauges(svc: Services) -> Iterator[Metric]:
 
 
 def _background(svc: Services) -> list[StartStop]:
-    """The start/stop pairs of the background parts, in start order."""
-    out: list[StartStop] = [
+    """The start/stop pairs of the background parts, in start order (tracing first: stopped last, the spans
+    of the last requests leave)."""
+    tracing = svc.pipeline.tracing
+    out: list[StartStop] = [] if tracing is None else [_tracing_pair(tracing)]
+    out += [
         (svc.membership.start, svc.membership.stop),  # static, kubernetes, health, redis
         (svc.token_ids.start, svc.token_ids.stop),
     ]  # which replicas take token ids
@@ -524,6 +529,30 @@ def _build_front(
     return admission, idempotency, loop_lag, guard, intake, tenants
 
 
+def _tracing_pair(tracing: Tracing) -> StartStop:
+    """Tracing's start/stop pair: nothing to start; stopping exports what is buffered (off the event loop)."""
+
+    async def no_start() -> None:
+        return None
+
+    async def stop_tracing() -> None:
+        await asyncio.to_thread(tracing.shutdown)
+
+    return no_start, stop_tracing
+
+
+def _tracing_config(settings: Settings) -> TracingConfig | None:
+    """The tracing settings (None: ``otlp_traces_endpoint`` unset, tracing off)."""
+    if not settings.otlp_traces_endpoint:
+        return None
+    return TracingConfig(
+        endpoint=settings.otlp_traces_endpoint,
+        protocol=settings.otlp_traces_protocol,
+        sample_ratio=settings.trace_sample_ratio,
+        service_name=settings.otel_service_name,
+    )
+
+
 def build_services(settings: Settings, *, epp: bool = False) -> Services:
     """Build every component from ``settings`` (nothing is started; see ``run``); with ``epp`` also the endpoint
     picker's gRPC server (started after membership, stopped first).
@@ -574,6 +603,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         dispatcher,
         _build_chains(settings, membership),
         ImageRenderer(settings.tokenize_timeout_s, headers),
+        build_tracing(_tracing_config(settings)),
     )
     _keep_index_honest(table, index, kv_events, router)
     svc = Services(

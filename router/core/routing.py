@@ -200,6 +200,7 @@ class RoutingInput:
             as this many requests in flight on its replica.
         ttft_target_s: the request's TTFT target, seconds (None: none); priority: its class priority;
             identity: its ``router.core.tenants.Identity`` (issue 20).
+        trace: its ``router.tracing.RequestTrace`` (set by the pipeline; None when tracing is off).
         estimated_tokens: set when ``token_ids`` are only a prefix of the prompt's ids (cache-frontier
             tokenization, ``router.tokens.frontier``): the estimated length of the whole prompt, tokens; None
             when the ids are complete.
@@ -228,6 +229,8 @@ class RoutingInput:
     client_region: str | None = None
     #: the index of the only replica that may serve it (it holds the request's state: a Responses API chain)
     pinned_to: int | None = None
+    #: the request's ``router.tracing.RequestTrace`` (None: tracing off, or not a served request)
+    trace: Any = None
 
     @property
     def ids_partial(self) -> bool:

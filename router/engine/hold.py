@@ -8,6 +8,7 @@ Units: tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from membership.replicas import Replica
 from router.core.dispatch import DispatchGate, ReplicaGone
@@ -45,6 +46,7 @@ class Hold:
     tokens) BEFORE anything is sent; ``admit`` waits for the dispatch gate's permit; ``first_byte`` gives the
     permit and the prefill tokens back (the prefill is over); ``release`` ends the in-flight count (and does
     ``first_byte`` first if it has not happened). Each step happens at most once however often it is called.
+    A traced attempt's span (``span``) ends with the release: it covers the whole request on the replica.
 
     Leaving the ``with`` block releases everything (failure before the first byte, retry, cancellation, client
     disconnect, a non-streamed answer read whole) unless the hold was handed over to a relayed stream
@@ -60,6 +62,7 @@ class Hold:
         "uncached",
         "copies",
         "lora",
+        "span",
         "_permit",
         "_prefilling",
         "_held",
@@ -86,6 +89,8 @@ class Hold:
         #: the request's LoRA adapter (None: the base model): held in the router's adapter model until release
         self.lora = lora
         self._first_byte_at: float | None = None  # router clock at the first byte (the adapter's slot time)
+        #: the attempt's (or leg's) span (``router.tracing``), ended on release; None: not traced
+        self.span: Any = None
         self._permit: int | None = None  # what gate.wait returned (None: no permit counted)
         self._prefilling = False
         self._held = False
@@ -128,10 +133,12 @@ class Hold:
             self._held = False
             if self.lora is None:
                 self.router.release(self.rep, self.copies)
-                return
-            start = self._first_byte_at
-            service = self.router.clock() - start if start is not None else None
-            self.router.release(self.rep, self.copies, self.lora, service)
+            else:
+                start = self._first_byte_at
+                service = self.router.clock() - start if start is not None else None
+                self.router.release(self.rep, self.copies, self.lora, service)
+            if self.span is not None:
+                self.span.end()
 
     def hand_over(self) -> Hold:
         """The caller no longer releases on leaving the ``with`` block: a relayed stream will. Returns self."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from starlette.responses import Response
 
@@ -57,6 +58,7 @@ from router.engine.hold import AttemptFailed, Hold
 from router.errors import error_response
 from router.telemetry import Telemetry
 from router.tokens.token_ids import IdsPrompt
+from router.tracing import attempt_failed, first_byte
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -221,21 +223,36 @@ class Proxy:
         byte, commit the answer. Raises ``AttemptFailed`` before the first byte (the hold is released)."""
         inp = run.routed.inp
         predicted_cached = run.cached.get(rep.index, 0)
-        with Hold(
-            self.router, self.gate, rep, inp.prompt_tokens - predicted_cached, inp.copies, inp.lora
-        ) as hold:
+        trace = inp.trace
+        span: Any = None
+        headers = run.headers
+        if trace is not None:  # the attempt's span; the engine's traceparent names it as the parent
+            span = trace.child(
+                "kvroute.attempt", self._attempt_attributes(run, rep, predicted_cached), client=True
+            )
+            headers = {**headers, **trace.headers(span)}
+        if rep.is_peer:  # another region's router: it serves the request in its region, never hops on
+            cfg = self.cfg
+            headers = {
+                **headers,
+                **hop_headers(cfg.region, inp.allowed_regions, cfg.session_header, inp.session_id),
+            }
+        uncached = inp.prompt_tokens - predicted_cached
+        with Hold(self.router, self.gate, rep, uncached, inp.copies, inp.lora) as hold:
+            hold.span = span
             self.router.record_prediction(rep, inp.keys)
             payload, strip_usage = self.edge.payload(rep, body, stream, ids, wire)
             t0 = time.monotonic()  # TTFT includes the wait at the dispatch gate (what the client sees)
-            await hold.admit(inp.keys, inp.prompt_tokens, stream)
-            headers = run.headers
-            if rep.is_peer:  # another region's router: it serves the request in its region, never hops on
-                cfg = self.cfg
-                hop = hop_headers(cfg.region, inp.allowed_regions, cfg.session_header, inp.session_id)
-                headers = {**headers, **hop}
-            resp, first = await self.edge.open(rep, path, payload, headers, run.deadline, wire.method)
+            try:
+                await hold.admit(inp.keys, inp.prompt_tokens, stream)
+                resp, first = await self.edge.open(rep, path, payload, headers, run.deadline, wire.method)
+            except AttemptFailed as exc:
+                attempt_failed(span, exc.reason, exc.message)
+                raise
             ttft = time.monotonic() - t0
             hold.first_byte()
+            if span is not None:
+                first_byte(span, resp.status, ttft)
             answer = await self.edge.commit(
                 hold,
                 run.routed,
@@ -276,6 +293,20 @@ class Proxy:
                 headers=headers,
             )
         return answer
+
+    @staticmethod
+    def _attempt_attributes(run: _Run, rep: Replica, predicted_cached: int) -> dict[str, Any]:
+        """An attempt span's attributes: the replica, the attempt's number (1 = first), the previous attempt's
+        failure, the prompt tokens the router expects the replica to reuse."""
+        attrs: dict[str, Any] = {
+            "kvroute.replica": rep.name,
+            "server.address": rep.url,
+            "kvroute.attempt": run.attempts,
+            "kvroute.predicted.cached_tokens": predicted_cached,
+        }
+        if run.last is not None:
+            attrs["kvroute.retry_reason"] = run.last.reason
+        return attrs
 
     def _attempt_failed(self, run: _Run, rep: Replica, exc: AttemptFailed, request_id: str) -> None:
         """Record a failed attempt (its error for the final message, the passive health signal)."""

@@ -35,6 +35,7 @@ from google.protobuf import struct_pb2
 
 from router.errors import KvrouteError
 from router.serve.client_fields import ROUTER_HEADERS
+from router.tracing import TRACE_HEADERS
 
 #: request header (and ``envoy.lb`` metadata key) naming the picked endpoint, ``ip:port``
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -183,7 +184,8 @@ def _header(key: str, value: str, *, overwrite: bool = False) -> Any:
 
 def _routed_common(endpoint: str, extra: Mapping[str, str], body_length: int | None) -> Any:
     sets = [_header(DESTINATION_HEADER, endpoint)]
-    sets.extend(_header(k, v, overwrite=k in ROUTER_HEADERS) for k, v in extra.items())
+    # the router's own headers replace a client's: the DP rank it pinned, the trace context naming its span
+    sets.extend(_header(k, v, overwrite=k in ROUTER_HEADERS or k in TRACE_HEADERS) for k, v in extra.items())
     if body_length is not None:
         sets.append(_header("content-length", str(body_length)))
     # only the router sets those: a client's are removed, or replaced when the router sets one (a pinned DP rank)

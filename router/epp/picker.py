@@ -73,6 +73,7 @@ from router.serve.endpoints import ENGINE_POST_ROUTES, response_route
 from router.serve.guard import PICKER_ROUTES, authorize, normalize_path
 from router.serve.pipeline import Pipeline, Prepared
 from router.serve.requests import new_request_id
+from router.tracing import RequestTrace, first_byte
 
 log = logging.getLogger("kvroute.epp")
 
@@ -219,6 +220,8 @@ class _Stream:
         )
         self.hold: Hold | None = None
         self.routed: Routed | None = None
+        #: the request's trace (``router.tracing``; None: tracing off, or not prepared)
+        self.trace: RequestTrace | None = None
         #: prompt tokens the served replica was expected to reuse (feedback), tokens
         self.predicted_cached = 0
         #: response headers naming how the request was served (replica, prefill replica, plan)
@@ -453,6 +456,7 @@ class _Stream:
                 self.headers.get(":method", "POST"), self.path, self.headers.get("authorization")
             )
             prepared = await self._prepare(body)
+            self.trace = prepared.inp.trace
             excluded = [*self._outside_subset(), *pipeline.not_serving(prepared.path)]
             admitted = await pipeline.admit(prepared.inp, excluded)
         except Exception as exc:  # every failure is an ImmediateResponse, never a broken stream
@@ -536,6 +540,19 @@ class _Stream:
         if rep.is_peer:  # another region's router: the hop (never forwarded again), residency and session
             st = self.settings
             extra.update(hop_headers(st.region, inp.allowed_regions, st.session_header, inp.session_id))
+        trace = self.trace
+        if trace is not None:  # the attempt's span, ended with the hold; the engine's traceparent names it
+            self.hold.span = trace.child(
+                "kvroute.attempt",
+                {
+                    "kvroute.replica": rep.name,
+                    "server.address": rep.url,
+                    "kvroute.attempt": 1,
+                    "kvroute.predicted.cached_tokens": self.predicted_cached,
+                },
+                client=True,
+            )
+            extra.update(trace.headers(self.hold.span))
         return self._answer(codec.endpoint_of(rep.url), extra, body, payload, trailers)
 
     async def _prepare(self, body: bytes | None) -> Prepared:
@@ -557,6 +574,8 @@ class _Stream:
         else:
             prepared = await self.pipeline.prepare(self.path, headers, body)
         prepared.inp.request_id = self.request_id
+        if prepared.inp.trace is not None:
+            prepared.inp.trace.set("kvroute.request_id", self.request_id)
         self.stream = prepared.stream
         self.wire = prepared.wire
         return prepared
@@ -616,6 +635,8 @@ class _Stream:
         header) and end the stream; counted."""
         self.closed = True
         self.picker.streams.labels(str(err.status)).inc()
+        if self.trace is not None:
+            self.trace.fail(err)
         if err.counted_as is not None:
             self.picker.telemetry.rejected.labels(err.counted_as).inc()
         headers = {
@@ -705,6 +726,8 @@ class _Stream:
             return
         self.ttft = time.monotonic() - self.sent_at
         self.hold.first_byte()
+        if self.hold.span is not None:
+            first_byte(self.hold.span, self.status, self.ttft)
         if 0 < self.status < 400:
             self.picker.telemetry.ttft.labels(self.hold.rep.name).observe(self.ttft)
 
@@ -764,6 +787,11 @@ class _Stream:
             self.hold.release()
         if self.ticket is not None:
             self.ticket.release()
+        trace = self.trace
+        if trace is not None:
+            if self.status:
+                trace.respond(self.status)
+            trace.close()
 
 
 class _UsageStripper:

@@ -585,15 +585,32 @@ class _DataPlane:
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is None:
             return await self.pipeline.serve(prepared, request.receive)
-        return await self.svc.idempotency.handle(
-            key,
-            path,
-            prepared.body,
-            prepared.stream,
-            prepared.inp.request_id,
-            lambda: self.pipeline.serve(prepared, request.receive),
-            principal=self.auth.guard.principal(request.headers.get("authorization")),
-        )
+        served = False
+
+        async def serve() -> Response:
+            nonlocal served
+            served = True
+            return await self.pipeline.serve(prepared, request.receive)
+
+        trace = prepared.inp.trace
+        try:
+            resp = await self.svc.idempotency.handle(
+                key,
+                path,
+                prepared.body,
+                prepared.stream,
+                prepared.inp.request_id,
+                serve,
+                principal=self.auth.guard.principal(request.headers.get("authorization")),
+            )
+        except BaseException as exc:
+            if trace is not None and not served:
+                trace.fail(exc)
+            raise
+        if trace is not None and not served:  # answered from the key's record (or refused): never dispatched
+            trace.respond(resp.status_code)
+            trace.close()
+        return resp
 
     async def engine(self, request: Request, raw: bytes | None = None) -> Response:
         """One of the engines' other endpoints (router/serve/endpoints.py): prepared and served by the pipeline

@@ -26,6 +26,7 @@ from router.engine.client import EngineError, EngineResponse, EngineResponseTooL
 from router.engine.feedback import cached_tokens
 from router.engine.hold import AttemptFailed, Hold
 from router.pd import vllm as pd_vllm
+from router.tracing import attempt_failed, first_byte
 
 log = logging.getLogger("kvroute.pd")
 
@@ -202,6 +203,9 @@ class TwoLegs:
         self.strip_usage = False
         #: the decode leg carries the prefill's ``kv_transfer_params`` (sequential relay)
         self.params_relayed = False
+        #: the legs' spans (``router.tracing``; ended when their holds are released); None: not traced
+        self.p_span: Any = None
+        self.d_span: Any = None
 
     def pin_prefill_rank(self) -> int | None:
         """A DP rank for the prefill leg of a concurrent protocol when the prefill replica has several (by the
@@ -236,20 +240,31 @@ class TwoLegs:
                 self.p_rep, self.path, orjson.dumps(body), self.headers, self.deadline
             )
         except AttemptFailed as exc:
+            attempt_failed(self.p_span, exc.reason, exc.message)
             self.connection_failed(self.p_rep, exc)
             raise LegFailed("prefill_failed", f"prefill leg on {self.p_rep.name}: {exc.message}") from None
         finally:
             hp.first_byte()
-        content = await self.read(resp, first, self.p_rep)
-        hp.release()
+        if self.p_span is not None:
+            first_byte(self.p_span, resp.status, time.monotonic() - t0)
+        try:
+            content = await self.read(resp, first, self.p_rep)
+        except LegFailed as exc:
+            attempt_failed(self.p_span, exc.reason, exc.message)
+            raise
         leg_s = time.monotonic() - t0
-        self.metrics.leg_seconds.labels("prefill").observe(leg_s)
         if resp.status >= 400:
-            raise LegFailed(
+            failed = LegFailed(
                 "prefill_failed",
                 f"prefill leg on {self.p_rep.name} answered {resp.status}: "
                 f"{content[:300].decode(errors='replace')}",
             )
+            attempt_failed(self.p_span, failed.reason, failed.message)
+            hp.release()
+            self.metrics.leg_seconds.labels("prefill").observe(leg_s)
+            raise failed
+        hp.release()
+        self.metrics.leg_seconds.labels("prefill").observe(leg_s)
         return content, leg_s
 
     def observe_prefill(self, usage: dict[str, Any] | None, leg_s: float) -> None:
@@ -314,11 +329,15 @@ class TwoLegs:
         try:
             resp, first = await self.edge.open(self.d_rep, self.path, payload, self.d_headers, self.deadline)
         except AttemptFailed as exc:
+            attempt_failed(self.d_span, exc.reason, exc.message)
             self.connection_failed(self.d_rep, exc)
             raise LegFailed(
                 "decode_failed", f"decode leg on {self.d_rep.name}: {exc.message}", connection=exc.connection
             ) from None
-        self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - t0)
+        leg_s = time.monotonic() - t0
+        self.metrics.leg_seconds.labels("decode").observe(leg_s)
+        if self.d_span is not None:
+            first_byte(self.d_span, resp.status, leg_s)
         return resp, first
 
     async def commit(self, hd: Hold, resp: EngineResponse, first: bytes) -> Response:

@@ -80,6 +80,7 @@ from router.pd.leg import LegFailed, PdConfig, PdMetrics, TwoLegs
 from router.pd.mooncake import MooncakeIds
 from router.pd.runners import MooncakePush, NixlRelay, ProtocolRunner, SglangBootstrap
 from router.telemetry import Telemetry
+from router.tracing import TRACE_HEADERS
 
 log = logging.getLogger("kvroute.pd")
 
@@ -92,7 +93,8 @@ class Handoff:
         prefill: the prefill replica (its leg done, or draining for a concurrent protocol).
         decode: the decode replica to send ``body`` to.
         body: the decode leg's body (the prefill's ``kv_transfer_params``, or the bootstrap fields), bytes.
-        headers: request headers the decode leg needs (``x-data-parallel-rank`` when a rank is pinned).
+        headers: request headers the decode leg needs (``x-data-parallel-rank`` when a rank is pinned; with
+            tracing on, the ``traceparent`` naming the decode leg's span).
         hold: the decode replica's hold, handed over: the caller releases it when the response ends.
         strip_usage: stream usage was asked for on the client's behalf (remove it from what the client gets).
         cached_p: prompt tokens the router expected the prefill replica to reuse, tokens.
@@ -318,6 +320,7 @@ class PdLegs:
             Hold(router, None, p_rep, p_tokens, inp.copies) as hp,
             Hold(router, None, d_rep, 0, inp.copies) as hd,
         ):
+            hp.span, hd.span = legs.p_span, legs.d_span  # each leg's span ends when its hold is released
             router.note_handoff(plan)
             router.record_prediction(p_rep, inp.keys)
             router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
@@ -345,7 +348,7 @@ class PdLegs:
         d_headers = dict(headers, accept="text/event-stream" if stream else "application/json")
         if plan.dp_rank is not None:
             d_headers["x-data-parallel-rank"] = str(plan.dp_rank)
-        return TwoLegs(
+        legs = TwoLegs(
             self,
             routed,
             plan,
@@ -360,6 +363,18 @@ class PdLegs:
             deadline,
             routed.cached_tokens.get(p_rep.index, 0),
         )
+        trace = routed.inp.trace
+        if trace is not None:  # one span per leg; each engine's traceparent names its leg's span
+            protocol = self.runner_for(p_rep).name
+            legs.p_span = trace.child(
+                "kvroute.pd.prefill", _leg_attributes(p_rep, "prefill", protocol), client=True
+            )
+            legs.d_span = trace.child(
+                "kvroute.pd.decode", _leg_attributes(d_rep, "decode", protocol), client=True
+            )
+            legs.headers = {**headers, **trace.headers(legs.p_span)}
+            legs.d_headers = {**d_headers, **trace.headers(legs.d_span)}
+        return legs
 
     async def _fallback(
         self,
@@ -500,6 +515,10 @@ class PdLegs:
         p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - legs.cached_p
         with Hold(router, None, p_rep, p_tokens, inp.copies) as hp:
             hd = Hold(router, None, d_rep, 0, inp.copies).__enter__()
+            hp.span, hd.span = (
+                legs.p_span,
+                legs.d_span,
+            )  # the decode leg's span ends with the gateway's answer
             try:
                 router.note_handoff(plan)
                 router.record_prediction(p_rep, inp.keys)
@@ -512,7 +531,9 @@ class PdLegs:
                 hd.release()
                 raise
         self.metrics.legs.labels(d_rep.name, "decode").inc()  # sent by the gateway
-        headers = {k: v for k, v in legs.d_headers.items() if k == "x-data-parallel-rank"}
+        headers = {
+            k: v for k, v in legs.d_headers.items() if k == "x-data-parallel-rank" or k in TRACE_HEADERS
+        }
         return Handoff(p_rep, d_rep, payload, headers, hd.hand_over(), legs.strip_usage, legs.cached_p)
 
     def observe_handoff(self, routed: Routed, plan: Plan, handoff_s: float) -> None:
@@ -565,3 +586,13 @@ class PdLegs:
         """Keep a prefill leg that still drains after the decode leg committed referenced until it ends."""
         self._draining.add(task)
         task.add_done_callback(self._draining.discard)
+
+
+def _leg_attributes(rep: Replica, leg: str, protocol: str) -> dict[str, Any]:
+    """A PD leg span's attributes: the replica, the leg (prefill, decode), the wire protocol."""
+    return {
+        "kvroute.replica": rep.name,
+        "server.address": rep.url,
+        "kvroute.pd.leg": leg,
+        "kvroute.pd.protocol": protocol,
+    }

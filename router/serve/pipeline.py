@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -71,9 +73,18 @@ from router.tokens.frontier import FrontierIds, frontier_ids, frontier_tokenizer
 from router.tokens.images import ImageRenderer, has_image_parts, scope_image_uuids, tenant_scope, text_parts
 from router.tokens.token_ids import IdsPrompt, TokenIdsCheck, ids_prompt
 from router.tokens.tokenizer import HfTokenizer, Tokenizer
+from router.tracing import RequestTrace, Tracing
 
 log = logging.getLogger("kvroute.app")
 _M = TypeVar("_M", bound=BaseModel)
+#: the step of a request that is not traced (reusable: nothing is allocated per request)
+_UNTRACED: AbstractContextManager[Any] = nullcontext()
+
+
+def _step(trace: RequestTrace | None, name: str) -> AbstractContextManager[Any]:
+    """A traced step's child span (``RequestTrace.step``), or nothing when the request is not traced."""
+    return _UNTRACED if trace is None else trace.step(name)
+
 
 #: the generation routes and the body each takes
 GENERATION_ROUTES: Mapping[str, type[CompletionRequest] | type[ChatRequest]] = {
@@ -158,6 +169,7 @@ class Pipeline:
         images: renders image chats on an engine (``router.tokens.images``); None: image chats are routed
             unkeyed.
         chains: the Responses API's response id -> replica and conversation maps.
+        tracing: spans of the steps and trace context to the engines (router/tracing.py); None: off.
     """
 
     def __init__(
@@ -175,6 +187,7 @@ class Pipeline:
         dispatcher: Dispatcher,
         chains: ResponseChains,
         images: ImageRenderer | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.images = images
@@ -189,6 +202,7 @@ class Pipeline:
         self.token_ids = token_ids
         self.dispatcher = dispatcher
         self.chains = chains
+        self.tracing = tracing
 
     # -- 1. guard ------------------------------------------------------------------------------------------
     async def guard(self, method: str, path: str, authorization: str | None) -> None:
@@ -412,20 +426,43 @@ class Pipeline:
     # -- 2 to 4 for a generation request -------------------------------------------------------------------
     async def prepare(self, path: str, headers: Mapping[str, str], raw: bytes) -> Prepared:
         """Parse, identify and tokenize a generation request for ``path`` (any other path: a body with
-        ``messages`` is a chat request, else a completions one)."""
+        ``messages`` is a chat request, else a completions one). With tracing on, the request's trace starts
+        here (its caller's ``traceparent`` continued); a refusal ends it."""
         if path in ENGINE_POST_ROUTES:
             return await self.prepare_engine("POST", path, headers, raw)
+        tracing = self.tracing
+        if tracing is None:
+            return await self._prepare(path, headers, raw, None)
+        trace = tracing.request(headers, path)
+        try:
+            prepared = await self._prepare(path, headers, raw, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+        prepared.inp.trace = trace
+        return prepared
+
+    async def _prepare(
+        self, path: str, headers: Mapping[str, str], raw: bytes, trace: RequestTrace | None
+    ) -> Prepared:
+        """``prepare``'s steps, each a child span of ``trace`` when there is one."""
         kind = GENERATION_ROUTES.get(path) or (ChatRequest if b'"messages"' in raw else CompletionRequest)
-        parsed = await self.parse(raw, kind)
-        body = parsed.model
-        chat = chat_input(body)
-        max_out = body.max_completion_tokens if isinstance(body, ChatRequest) else None
-        ident = await self.identify(headers, body, max_out)
+        with _step(trace, "kvroute.intake"):
+            parsed = await self.parse(raw, kind)
+            body = parsed.model
+            chat = chat_input(body)
+            max_out = body.max_completion_tokens if isinstance(body, ChatRequest) else None
+            ident = await self.identify(headers, body, max_out)
         prompt = body.prompt if isinstance(body, CompletionRequest) else None
         image_chat = self.scope_images(parsed, ident) if chat is not None else None
-        inp = await self.tokenize(
-            headers, body, ident, prompt=prompt, chat=chat, max_out=max_out, image_chat=image_chat
-        )
+        with _step(trace, "kvroute.tokenize") as span:
+            inp = await self.tokenize(
+                headers, body, ident, prompt=prompt, chat=chat, max_out=max_out, image_chat=image_chat
+            )
+            if span is not None:
+                self._tokenize_attributes(span, inp)
+        if trace is not None and trace.recording:
+            _request_attributes(trace, inp, body.stream)
         return Prepared(path, inp, parsed.body, body.stream, self._ids(parsed, inp))
 
     def scope_images(self, parsed: Parsed[Any], ident: Identity) -> dict[str, Any] | None:
@@ -440,6 +477,18 @@ class Pipeline:
             self.telemetry.image_prompts.labels("scoped_uuids").inc()
         parsed.body = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         return data
+
+    def _tokenize_attributes(self, span: Any, inp: RoutingInput) -> None:
+        """The tokenize span's attributes: mode, prompt tokens (estimated or not), tokens tokenized (each
+        attribute costs the exporter ~2 us: only what explains the step)."""
+        span.set_attributes(
+            {
+                "kvroute.tokenize.mode": self.tokenizer.mode,
+                "kvroute.prompt_tokens": inp.prompt_tokens,
+                "kvroute.tokenize.tokens": len(inp.token_ids),
+                "kvroute.tokenize.estimated": inp.ids_partial,
+            }
+        )
 
     def _ids(self, parsed: Parsed[Any], inp: RoutingInput) -> IdsPrompt | None:
         """A completions prompt as the router's ids, for replicas that take them (router/tokens/token_ids.py):
@@ -471,6 +520,9 @@ class Pipeline:
         )
         inp.identity = self.tenants.identify(headers)
         self._regional(inp, headers, inp.identity)
+        if self.tracing is not None:
+            inp.trace = self.tracing.request(headers, "")
+            _request_attributes(inp.trace, inp, False)
         return Prepared("", inp, b"", False)
 
     # -- 2 to 4 for the engines' other endpoints (router/serve/endpoints.py) -------------------------------
@@ -683,14 +735,32 @@ class Pipeline:
         """Admission and the decision: a request with a TTFT target is priced first (an unattainable target is
         refused, not queued); the tenant's quota and the fair in-flight queue give a slot held until the
         response ends; the decision is taken (again) after any wait. ``exclude``: replicas that may not be
-        picked (the picker's subset hint)."""
+        picked (the picker's subset hint). A refusal ends the request's trace."""
+        trace = inp.trace
+        if trace is None:
+            return await self._admit(inp, exclude, None)
+        try:
+            return await self._admit(inp, exclude, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+
+    async def _admit(self, inp: RoutingInput, exclude: Sequence[int], trace: RequestTrace | None) -> Admitted:
+        """``admit``'s steps (the admission wait a child span of ``trace`` when there is one)."""
         tenants = self.tenants
         ident: Identity = inp.identity if inp.identity is not None else tenants.identify({})
         routed: Routed | None = None
         if ident.ttft_target_s is not None:
             routed = await self.decide(inp, exclude)
-            tenants.check_slo(ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking))
-        ticket = await tenants.admit(ident, inp.prompt_tokens, inp.expected_output_tokens or None)
+        with _step(trace, "kvroute.admission") as span:
+            if routed is not None:
+                tenants.check_slo(
+                    ident, best_predicted_ttft_s(routed.decision.scores, routed.decision.ranking)
+                )
+            ticket = await tenants.admit(ident, inp.prompt_tokens, inp.expected_output_tokens or None)
+            if span is not None:
+                span.set_attribute("kvroute.admission.wait_s", ticket.waited_s)
+                span.set_attribute("kvroute.tenant", ident.tenant)
         try:
             if routed is None or ticket.waited_s > 0:  # decided after any wait: the fleet moved meanwhile
                 routed = await self.decide(inp, exclude)
@@ -720,13 +790,20 @@ class Pipeline:
         pinned = await mem.session_replica(inp.session_id) if mem is not None else None
         if pinned is not None and pinned.index in exclude:
             pinned = None
-        try:
-            pin = [r.index for r in self.table.all() if r is not pinned] if pinned is not None else exclude
-            routed = self.router.decide(inp, exclude=pin)
-        except RoutingError:
-            if pinned is None:
-                raise
-            routed = self.router.decide(inp, exclude)  # the pinned replica cannot take it now: route normally
+        with _step(inp.trace, "kvroute.decide") as span:
+            try:
+                pin = (
+                    [r.index for r in self.table.all() if r is not pinned] if pinned is not None else exclude
+                )
+                routed = self.router.decide(inp, exclude=pin)
+            except RoutingError:
+                if pinned is None:
+                    raise
+                routed = self.router.decide(
+                    inp, exclude
+                )  # the pinned replica cannot take it now: route normally
+            if span is not None:
+                _decision_attributes(span, routed, self.table, pinned is not None)
         self._count_decision(routed)
         chosen = self.table.by_index(routed.decision.chosen)
         if mem is not None and chosen is not None:
@@ -764,18 +841,35 @@ class Pipeline:
     async def dispatch(self, prepared: Prepared, admitted: Admitted, receive: Callable[[], Any]) -> Response:
         """Send the request to the decision's replicas (in place, or by the plan) and return the client's answer;
         the ticket is released when the answer ends. ``receive``: the client's ASGI receive (a disconnect
-        cancels the upstream request)."""
-        return await self.dispatcher.forward(
-            receive,
-            admitted.routed,
-            prepared.path,
-            prepared.body,
-            stream=prepared.stream,
-            request_id=prepared.inp.request_id,
-            on_done=admitted.ticket.release,
-            ids=prepared.ids,
-            wire=prepared.wire,
-        )
+        cancels the upstream request). The request's trace ends with the answer."""
+        trace = prepared.inp.trace
+        ticket = admitted.ticket
+        on_done: Callable[[], None] = ticket.release
+        if trace is not None:
+
+            def on_done() -> None:
+                ticket.release()
+                trace.done()
+
+        try:
+            resp = await self.dispatcher.forward(
+                receive,
+                admitted.routed,
+                prepared.path,
+                prepared.body,
+                stream=prepared.stream,
+                request_id=prepared.inp.request_id,
+                on_done=on_done,
+                ids=prepared.ids,
+                wire=prepared.wire,
+            )
+        except BaseException as exc:
+            if trace is not None:
+                trace.fail(exc)
+            raise
+        if trace is not None:
+            trace.respond(resp.status_code)
+        return resp
 
     async def serve(self, prepared: Prepared, receive: Callable[[], Any]) -> Response:
         """Admit, decide and dispatch a prepared request (steps 5-8)."""
@@ -801,3 +895,75 @@ class Pipeline:
                 code="endpoint_not_served",
             )
         return [r.index for r in lacking]
+
+
+def _request_attributes(trace: RequestTrace, inp: RoutingInput, stream: bool) -> None:
+    """The request span's attributes known once it is prepared: model, adapter, request id, tenant, priority
+    (when not 0), stream (OpenTelemetry GenAI names where they fit)."""
+    attrs: dict[str, Any] = {
+        "gen_ai.request.model": inp.model,
+        "kvroute.request_id": inp.request_id,
+        "kvroute.stream": stream,
+    }
+    if inp.priority:
+        attrs["kvroute.priority"] = inp.priority
+    if inp.lora is not None:
+        attrs["kvroute.lora"] = inp.lora
+    if inp.identity is not None:
+        attrs["kvroute.tenant"] = inp.identity.tenant
+    trace.set_many(attrs)
+
+
+def _decision_attributes(span: Any, routed: Routed, table: ReplicaTable, pinned: bool) -> None:
+    """The decide span's attributes: policy and branch; the chosen replica, its predicted cached tokens and
+    TTFT terms (Q queue, R fetch, C compute, s; p hit probability; the predicted TTFT ``E``, else ``T``, s); the best
+    alternative's predicted TTFT; candidates; reuse available vs achieved (tokens); a PD plan's kind, pair and
+    handoff terms. Set at once (one lock of the span)."""
+    decision = routed.decision
+    chosen = decision.chosen
+    rep = table.by_index(chosen)
+    attrs: dict[str, Any] = {
+        "kvroute.policy": decision.policy,
+        "kvroute.branch": decision.branch,
+        "kvroute.replica": rep.name if rep is not None else str(chosen),
+        "kvroute.candidates": len(routed.candidates),
+        "kvroute.predicted.cached_tokens": routed.cached_tokens.get(chosen, 0),
+        "kvroute.decision_s": routed.decision_s,
+    }
+    if pinned:
+        attrs["kvroute.session_pinned"] = True
+    alternative = math.inf
+    for score in decision.scores:
+        if score.index == chosen:
+            for term, value in score.parts.items():
+                if term in ("Q", "R", "C", "p"):
+                    attrs[f"kvroute.predicted.{term}"] = float(value)
+            attrs["kvroute.predicted.ttft_s"] = predicted_ttft_s(score)
+        else:
+            value = predicted_ttft_s(score)
+            if math.isfinite(value) and value < alternative:
+                alternative = value
+    if math.isfinite(alternative):
+        attrs["kvroute.alternative.predicted_ttft_s"] = alternative
+    if decision.reuse is not None:
+        attrs["kvroute.reuse.available_tokens"] = decision.reuse.available_tokens
+        attrs["kvroute.reuse.achieved_tokens"] = decision.reuse.achieved_tokens
+    if routed.plan is not None:
+        _plan_attributes(attrs, routed, table)
+    span.set_attributes(attrs)
+
+
+def _plan_attributes(attrs: dict[str, Any], routed: Routed, table: ReplicaTable) -> None:
+    """A PD plan's attributes of the decide span: kind, policy, the pair, its predicted TTFT and terms (s)."""
+    assert routed.plan is not None
+    plan = routed.plan.chosen
+    decode = table.by_index(plan.decode)
+    attrs["kvroute.plan.kind"] = plan.kind
+    attrs["kvroute.plan.policy"] = routed.plan.policy
+    attrs["kvroute.plan.predicted_ttft_s"] = plan.predicted_ttft_s
+    attrs["kvroute.plan.decode_replica"] = decode.name if decode is not None else str(plan.decode)
+    if plan.prefill is not None:
+        prefill = table.by_index(plan.prefill)
+        attrs["kvroute.plan.prefill_replica"] = prefill.name if prefill is not None else str(plan.prefill)
+    for term, value in plan.terms.items():
+        attrs[f"kvroute.plan.{term}"] = float(value)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from loadtest.real_vllm import RESPONSES_STORE_ENV, EngineSpec, RealFleet, build_model_dir, ensure_vllm
-from tests.real.support import Router, start_router
+from tests.otlp_receiver import Receiver, grpc_receiver
+from tests.real.support import Router, start_router, traced
 
 #: first-test budget: install (when cold, minutes) + two engines starting together (~2 min, more under load)
 SESSION_TIMEOUT_S = 1800
@@ -41,14 +42,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def otlp() -> Iterator[Receiver]:
+    """An OTLP/gRPC receiver (tests/otlp_receiver.py) the engines started with tracing export their spans to."""
+    yield from grpc_receiver()
+
+
+@pytest.fixture(scope="session")
 def real_fleet(
-    vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory, otlp: Receiver
 ) -> Iterator[RealFleet]:
     """Two real engines: r0 (400 blocks of 32 tokens) on CPU 0, r1 (128 blocks, for eviction) on CPU 1; both keep
-    Responses API responses (``VLLM_ENABLE_RESPONSES_API_STORE=1``)."""
+    Responses API responses (``VLLM_ENABLE_RESPONSES_API_STORE=1``); r0 exports its request spans to ``otlp``."""
     cpus = sorted(os.sched_getaffinity(0))
     specs = [
-        EngineSpec("r0", cpu=cpus[0], gpu_blocks=400, env=dict(RESPONSES_STORE_ENV)),
+        traced(EngineSpec("r0", cpu=cpus[0], gpu_blocks=400, env=dict(RESPONSES_STORE_ENV)), otlp.endpoint),
         EngineSpec("r1", cpu=cpus[-1], gpu_blocks=128, max_model_len=2048, env=dict(RESPONSES_STORE_ENV)),
     ]
     fleet = RealFleet(vllm_python, model_dir, specs, tmp_path_factory.mktemp("engine-logs"))

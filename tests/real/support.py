@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import zmq
 
-from loadtest.real_vllm import MODEL, WORDS, RealEngine, RealFleet
+from loadtest.real_vllm import MODEL, WORDS, EngineSpec, RealEngine, RealFleet
 from membership.kv_decode import DecodedBatch, RemovedEvent, StoredEvent, decode_live_frames
 from tests.helpers import Proc, free_port, wait_http_ok, wait_until
 
@@ -109,6 +109,18 @@ def start_router(
         print(proc.stop()[-4000:])
         raise
     return router
+
+
+#: engines started with tracing export their spans every half second (vLLM's default batch delay: 5 s)
+TRACING_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "500"}
+
+
+def traced(spec: EngineSpec, endpoint: str) -> EngineSpec:
+    """``spec`` exporting vLLM's request spans (``llm_request``) to the OTLP/gRPC collector at ``endpoint``, as
+    service ``vllm-<name>``."""
+    spec.extra_args = [*spec.extra_args, "--otlp-traces-endpoint", endpoint]
+    spec.env = {**spec.env, **TRACING_ENV, "OTEL_SERVICE_NAME": f"vllm-{spec.name}"}
+    return spec
 
 
 def engine_url(fleet: RealFleet, name: str) -> str:

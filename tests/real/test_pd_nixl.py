@@ -12,7 +12,9 @@ wire contract the stand-in's PD roles imitate, checked against vLLM itself:
 * the answer is right: both engines load the same dummy weights, so greedy text disaggregated P -> D equals p0's
   own answer in place only when d0 decoded from p0's KV;
 * streaming chat, a client that leaves mid-stream (both engines drain, the router's in-flight count returns to
-  0), and a dead prefill engine (served in place on d0, counted as a fallback, never silent).
+  0), and a dead prefill engine (served in place on d0, counted as a fallback, never silent);
+* tracing: both engines export their request spans (``--otlp-traces-endpoint``); p0's and d0's ``llm_request``
+  land in the caller's trace under kvroute's prefill and decode leg spans.
 
 The engines start once for the module (~80-120 s, 3.4 GB each) and are stopped at its end, also on failure.
 """
@@ -32,7 +34,9 @@ import pytest
 from loadtest.epp_gateway import GatewayStream, stub_for
 from loadtest.real_vllm import MODEL, RealFleet, nixl_pd_specs
 from tests.helpers import free_port, metric, wait_until
-from tests.real.support import Router, start_router, words
+from tests.otlp_receiver import Receiver
+from tests.real.support import Router, start_router, traced, words
+from tests.real.test_tracing_real import caller_trace, one, wait_trace
 
 #: force every request onto a P -> D plan (a decode replica may not prefill a request in place)
 FORCE_PD = ["--pd-policy", "pd_ttft", "--pd-policy-params", json.dumps({"decode_prefills": False})]
@@ -42,11 +46,12 @@ PROMPT_WORDS = 160
 
 @pytest.fixture(scope="module")
 def pd_fleet(
-    vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory, otlp: Receiver
 ) -> Iterator[RealFleet]:
-    """p0 (prefill) on the first CPU, d0 (decode) on the last, both with the NixlConnector."""
+    """p0 (prefill) on the first CPU, d0 (decode) on the last, both with the NixlConnector, both exporting their
+    request spans to ``otlp``."""
     cpus = sorted(os.sched_getaffinity(0))
-    specs = nixl_pd_specs(cpus[0], cpus[-1], (free_port(), free_port()))
+    specs = [traced(s, otlp.endpoint) for s in nixl_pd_specs(cpus[0], cpus[-1], (free_port(), free_port()))]
     fleet = RealFleet(vllm_python, model_dir, specs, tmp_path_factory.mktemp("pd-engine-logs"))
     with fleet:
         fleet.start()
@@ -237,6 +242,31 @@ def test_nixl_pd_through_the_endpoint_picker(pd_fleet: RealFleet, model_dir: Pat
         assert metric(router.url, "kvroute_pd_fallbacks_total") == 0
     finally:
         router.stop()
+
+
+def test_both_nixl_legs_are_traced_into_the_engines(
+    pd_router: Callable[..., Router], otlp: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """p0's and d0's own ``llm_request`` spans land in the caller's trace, each under kvroute's span of its leg."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    router = pd_router("--otlp-traces-endpoint", otlp.endpoint)
+    trace_id, parent = caller_trace()
+    body = {"model": MODEL, "prompt": words(random.Random(5), PROMPT_WORDS), "max_tokens": 4}
+    r = httpx.post(
+        router.url + "/v1/completions",
+        json=body,
+        headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.headers["x-kvroute-prefill-replica"] == "p0", r.text
+    spans = wait_trace(otlp, trace_id, {"kvroute.request", "kvroute.pd.prefill", "kvroute.pd.decode"}, 2)
+    request = one(spans, "kvroute.request")
+    assert request.parent_id == parent
+    for leg, service in (("kvroute.pd.prefill", "vllm-p0"), ("kvroute.pd.decode", "vllm-d0")):
+        span = one(spans, leg)
+        assert span.parent_id == request.span_id
+        engine = [s for s in spans if s.name == "llm_request" and s.parent_id == span.span_id]
+        assert [s.service for s in engine] == [service], (leg, spans)
 
 
 def test_nixl_dead_prefill_engine_served_in_place_and_counted(

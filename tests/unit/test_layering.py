@@ -40,6 +40,7 @@ EXCEPTIONS = {
 _BELOW_SERVE = {
     "router.errors",
     "router.telemetry",
+    "router.tracing",
     "router.core",
     "router.tokens",
     "router.engine",
@@ -52,10 +53,13 @@ _BELOW_SERVE = {
 ROUTER_PARTS: dict[str, set[str]] = {
     "router.errors": set(),
     "router.telemetry": set(),
+    # spans and W3C trace context (OpenTelemetry): a foundation like telemetry, used from the engine hop up
+    "router.tracing": set(),
     "router.core": {"router.errors", "router.telemetry"},
     "router.tokens": {"router.errors", "router.telemetry", "router.core"},
-    "router.engine": {"router.errors", "router.telemetry", "router.core", "router.tokens"},
-    "router.pd": {"router.errors", "router.telemetry", "router.core", "router.tokens", "router.engine"},
+    "router.engine": {"router.errors", "router.telemetry", "router.tracing", "router.core", "router.tokens"},
+    "router.pd": {"router.errors", "router.telemetry", "router.tracing", "router.core", "router.tokens"}
+    | {"router.engine"},
     # Settings hands out the typed sub-configs of the parts below it
     "router.config": {"router.engine"},
     "router.signals": {"router.config"},

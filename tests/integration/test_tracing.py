@@ -1,0 +1,351 @@
+"""Distributed tracing through the router into the engines, end to end over real processes.
+
+A real OTLP receiver (``tests/otlp_receiver.py``: gRPC ``TraceService`` and OTLP/HTTP, protobuf decoded with the
+OpenTelemetry proto package) collects what ``kvroute serve`` / ``kvroute epp`` (started with
+``--otlp-traces-endpoint``) and the stand-in engines (``kvroute fake-engine --otlp-traces-endpoint``, which
+continue the ``traceparent`` they receive as vLLM does and export an ``llm_request`` span) export. A request that
+carries a caller's ``traceparent`` must give one trace: ``kvroute.request`` parented on the caller's span, the
+pipeline's steps under it, and each engine's ``llm_request`` parented on kvroute's attempt span (or on the PD leg's
+span), through the HTTP door, through the endpoint picker (``loadtest/epp_gateway.py`` plays the gateway and
+forwards the headers the picker hands back) and across both PD legs. Sampling ratio 0 exports nothing of requests
+whose caller did not sample them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from fakes.fleet import EngineOptions, Fleet, pd_roles, scaled_profile_args
+from loadtest.epp_gateway import GatewayStream, stub_for
+from tests.helpers import Proc, free_port, wait_until
+from tests.otlp_receiver import Receiver, Span, grpc_receiver, http_receiver
+
+MODEL = "kvroute-fake"
+PROMPT = [1000 + (i * 7) % 5000 for i in range(600)]  # token ids: no tokenizer involved
+#: the steps every served request has as children of ``kvroute.request``
+STEPS = {"kvroute.intake", "kvroute.tokenize", "kvroute.admission", "kvroute.decide"}
+#: spans leave in batches every 100 ms here (OpenTelemetry's OTEL_BSP_SCHEDULE_DELAY; 5 s by default)
+FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+SERVER, CLIENT = 2, 3  # OTLP span kinds
+
+
+@dataclass
+class Caller:
+    """The caller's own span: the trace a request joins."""
+
+    trace_id: str
+    span_id: str
+
+    @classmethod
+    def new(cls) -> Caller:
+        return cls(secrets.token_hex(16), secrets.token_hex(8))
+
+    def traceparent(self, sampled: bool = True) -> str:
+        return f"00-{self.trace_id}-{self.span_id}-{'01' if sampled else '00'}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_export() -> Iterator[None]:
+    """Every process started here exports its spans within 100 ms (inherited environment)."""
+    old = {k: os.environ.get(k) for k in FAST_EXPORT}
+    os.environ.update(FAST_EXPORT)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    yield from grpc_receiver()
+
+
+@pytest.fixture(scope="module")
+def http_collector() -> Iterator[Receiver]:
+    yield from http_receiver()
+
+
+def _fleet(receiver: Receiver, roles: list[str] | None) -> Iterator[Fleet]:
+    opts = EngineOptions(time_scale=0.02, extra_args=["--otlp-traces-endpoint", receiver.endpoint])
+    fleet = Fleet(2, opts, roles=roles)
+    try:
+        fleet.start_engines()
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(receiver: Receiver, fast_export: None) -> Iterator[Fleet]:
+    yield from _fleet(receiver, None)
+
+
+@pytest.fixture(scope="module")
+def pd_fleet(receiver: Receiver, fast_export: None) -> Iterator[Fleet]:
+    yield from _fleet(receiver, pd_roles(1, 1))
+
+
+@dataclass
+class Router:
+    proc: Proc
+    url: str
+    grpc_port: int = 0
+
+
+def _router(fleet: Fleet, kind: str, *extra: str) -> Iterator[Router]:
+    """``kvroute serve`` / ``kvroute epp`` in front of ``fleet``, ready when every replica is."""
+    port, gport = free_port(), free_port()
+    args = [kind, "--host", "127.0.0.1", "--port", str(port), "--tokenizer-mode", "bytes"]
+    args += ["--block-size", str(fleet.engine.block_size), "--log-level", "warning"]
+    args += scaled_profile_args(fleet.engine.profile, fleet.engine.time_scale)
+    if kind == "epp":
+        args += ["--grpc-port", str(gport)]
+    if fleet.roles is not None:  # plans forced to disaggregate
+        args += ["--pd-policy", "pd_ttft", "--pd-policy-params", "decode_prefills=false"]
+    for eh in fleet.engines:
+        args += ["--replica", fleet.replica_spec(eh)]
+    proc = Proc.kvroute(*args, *extra)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def all_ready() -> bool:
+            try:
+                reps = httpx.get(url + "/replicas", timeout=2).json()["replicas"]
+            except httpx.HTTPError:
+                return False
+            return len(reps) == 2 and all(
+                r["state"] == "ready" and r["load"]["age_s"] is not None for r in reps
+            )
+
+        wait_until(all_ready, timeout=40, what=f"kvroute {kind} with both replicas ready")
+        yield Router(proc, url, gport)
+    finally:
+        print(proc.stop()[-3000:])
+
+
+@pytest.fixture(scope="module")
+def traced_serve(colocated: Fleet, receiver: Receiver) -> Iterator[Router]:
+    yield from _router(colocated, "serve", "--otlp-traces-endpoint", receiver.endpoint)
+
+
+@pytest.fixture(scope="module")
+def traced_epp(colocated: Fleet, receiver: Receiver) -> Iterator[Router]:
+    yield from _router(colocated, "epp", "--otlp-traces-endpoint", receiver.endpoint, "--grpc-insecure")
+
+
+# -- what the spans must say -------------------------------------------------------------------------------------
+def _trace(
+    receiver: Receiver, caller: Caller, engine_spans: int, *, extra: set[str] = frozenset()
+) -> list[Span]:
+    """The caller's trace once kvroute's request span, its steps (+ ``extra``) and ``engine_spans`` engine spans
+    arrived."""
+    want = {"kvroute.request", *STEPS, *extra}
+
+    def complete(spans: list[Span]) -> bool:
+        mine = [s for s in spans if s.trace_id == caller.trace_id]
+        names = {s.name for s in mine}
+        return want <= names and sum(s.name == "llm_request" for s in mine) >= engine_spans
+
+    receiver.wait_for(f"the spans of trace {caller.trace_id}", complete)
+    return receiver.in_trace(caller.trace_id)
+
+
+def _one(spans: list[Span], name: str) -> Span:
+    found = [s for s in spans if s.name == name]
+    assert len(found) == 1, (name, found)
+    return found[0]
+
+
+def _check_request(spans: list[Span], caller: Caller) -> Span:
+    """kvroute's request span continues the caller's span; every step is its child."""
+    request = _one(spans, "kvroute.request")
+    assert request.parent_id == caller.span_id and request.kind == SERVER and request.service == "kvroute"
+    for name in STEPS:
+        assert _one(spans, name).parent_id == request.span_id, name
+    return request
+
+
+def _engine_span_under(spans: list[Span], parent: Span) -> Span:
+    under = [s for s in spans if s.name == "llm_request" and s.parent_id == parent.span_id]
+    assert len(under) == 1, (parent, [s for s in spans if s.name == "llm_request"])
+    return under[0]
+
+
+def _received_parent(engine_url: str, caller: Caller) -> list[str]:
+    """The parent span ids of the caller's trace that ``engine_url`` received in ``traceparent``."""
+    got = httpx.get(engine_url + "/admin/traces", timeout=5).json()["received"]
+    return [t["traceparent"].split("-")[2] for t in got if t["traceparent"].split("-")[1] == caller.trace_id]
+
+
+# -- the HTTP door ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_with_traceparent_gives_one_trace_into_the_engine(
+    traced_serve: Router, colocated: Fleet, receiver: Receiver, stream: bool
+) -> None:
+    caller = Caller.new()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": stream}
+    r = httpx.post(
+        traced_serve.url + "/v1/completions",
+        json=body,
+        headers={"traceparent": caller.traceparent(), "tracestate": "vendor=on"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    served_by = r.headers["x-kvroute-replica"]
+    spans = _trace(receiver, caller, 1, extra={"kvroute.attempt"})
+    request = _check_request(spans, caller)
+    assert (
+        request.attributes["gen_ai.request.model"] == MODEL and request.attributes["kvroute.stream"] == stream
+    )
+    assert request.attributes["http.response.status_code"] == 200
+    decide = _one(spans, "kvroute.decide")
+    assert decide.attributes["kvroute.replica"] == served_by
+    assert decide.attributes["kvroute.predicted.cached_tokens"] == int(
+        r.headers["x-kvroute-predicted-cached-tokens"]
+    )
+    assert {"kvroute.predicted.Q", "kvroute.predicted.C", "kvroute.predicted.ttft_s"} <= set(
+        decide.attributes
+    )
+    attempt = _one(spans, "kvroute.attempt")
+    assert attempt.parent_id == request.span_id and attempt.kind == CLIENT
+    assert attempt.attributes["kvroute.replica"] == served_by and attempt.attributes["kvroute.ttft_s"] > 0
+    engine = _engine_span_under(spans, attempt)  # the engine continued kvroute's attempt span
+    assert engine.kind == SERVER and engine.service == "fake-engine"
+    url = next(e.url for e in colocated.engines if e.name == served_by)
+    assert _received_parent(url, caller) == [attempt.span_id]  # what the engine received on the wire
+    got = httpx.get(url + "/admin/traces", timeout=5).json()["received"]
+    assert any(t["tracestate"] == "vendor=on" for t in got)  # the caller's tracestate goes on
+
+
+def test_unsampled_caller_and_ratio_zero_export_nothing_over_http_protobuf(
+    colocated: Fleet, http_collector: Receiver
+) -> None:
+    """Sampling ratio 0 over OTLP/HTTP: requests without a caller's decision and a caller's unsampled
+    traceparent export nothing (the engine is told not to sample either); a caller's sampled one still does."""
+    router = _router(
+        colocated,
+        "serve",
+        "--otlp-traces-endpoint",
+        http_collector.endpoint,
+        "--otlp-traces-protocol",
+        "http/protobuf",
+        "--trace-sample-ratio",
+        "0",
+    )
+    routed = next(router)
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+        unsampled = Caller.new()
+        for headers in ({}, {}, {"traceparent": unsampled.traceparent(sampled=False)}):
+            r = httpx.post(routed.url + "/v1/completions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+        flags = [
+            t["traceparent"].split("-")[3]
+            for e in colocated.engines
+            for t in httpx.get(e.url + "/admin/traces", timeout=5).json()["received"]
+            if t["traceparent"].split("-")[1] == unsampled.trace_id
+        ]
+        assert flags == ["00"]  # the engine got the trace context, marked not sampled
+        sampled = Caller.new()  # the caller decides: exported even at ratio 0 (parent-based)
+        r = httpx.post(
+            routed.url + "/v1/completions",
+            json=body,
+            headers={"traceparent": sampled.traceparent()},
+            timeout=30,
+        )
+        assert r.status_code == 200
+        _trace(http_collector, sampled, 0, extra={"kvroute.attempt"})  # the exporter works and has flushed
+        assert {s.trace_id for s in http_collector.spans()} == {sampled.trace_id}
+    finally:
+        next(router, None)
+
+
+# -- the endpoint picker ----------------------------------------------------------------------------------------
+def _through_gateway(router: Router, body: dict[str, Any], caller: Caller) -> tuple[Any, bytes]:
+    """One request through the gateway stand-in with the caller's traceparent: the picker's answer, and what the
+    client receives from the endpoint it picked (sent with the headers the picker set)."""
+    _, stub = stub_for(router.grpc_port, tls=False)
+    s = GatewayStream(stub, timeout=30.0)
+    try:
+        picked = s.request(
+            "/v1/completions", json.dumps(body).encode(), headers={"traceparent": caller.traceparent()}
+        )
+        assert picked.status is None, picked.immediate
+        headers = {k: v for k, v in picked.set_headers.items() if k.lower() != "content-length"}
+        assert picked.endpoint is not None
+        out = s.relay_response(picked.endpoint, "/v1/completions", picked.body, headers)
+    finally:
+        s.close()
+    return picked, out
+
+
+def test_picker_hands_the_gateway_a_traceparent_naming_its_attempt(
+    traced_epp: Router, receiver: Receiver
+) -> None:
+    caller = Caller.new()
+    picked, out = _through_gateway(traced_epp, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}, caller)
+    assert json.loads(out)["choices"], out
+    spans = _trace(receiver, caller, 1, extra={"kvroute.attempt"})
+    request = _check_request(spans, caller)
+    attempt = _one(spans, "kvroute.attempt")
+    assert attempt.parent_id == request.span_id
+    assert picked.set_headers["traceparent"].split("-")[1:3] == [caller.trace_id, attempt.span_id]
+    _engine_span_under(spans, attempt)
+    assert request.attributes["http.response.status_code"] == 200
+
+
+# -- both PD legs -----------------------------------------------------------------------------------------------
+def _check_legs(spans: list[Span], fleet: Fleet) -> None:
+    """Each PD leg is a child of the request span, and each engine's span a child of its leg's span."""
+    request = _one(spans, "kvroute.request")
+    for leg, role in (("kvroute.pd.prefill", "prefill"), ("kvroute.pd.decode", "decode")):
+        span = _one(spans, leg)
+        assert span.parent_id == request.span_id and span.kind == CLIENT, leg
+        engine = next(e for e in fleet.engines if e.role == role)
+        assert span.attributes["kvroute.replica"] == engine.name
+        _engine_span_under(spans, span)
+    assert _one(spans, "kvroute.decide").attributes["kvroute.plan.kind"] == "disaggregated"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_both_pd_legs_continue_the_trace_through_the_http_door(
+    pd_fleet: Fleet, receiver: Receiver, stream: bool
+) -> None:
+    for router in _router(pd_fleet, "serve", "--otlp-traces-endpoint", receiver.endpoint):
+        caller = Caller.new()
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": stream}
+        r = httpx.post(
+            router.url + "/v1/completions",
+            json=body,
+            headers={"traceparent": caller.traceparent()},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.headers["x-kvroute-plan"] == "disaggregated", r.text
+        spans = _trace(receiver, caller, 2, extra={"kvroute.pd.prefill", "kvroute.pd.decode"})
+        _check_request(spans, caller)
+        _check_legs(spans, pd_fleet)
+
+
+def test_both_pd_legs_continue_the_trace_through_the_picker(pd_fleet: Fleet, receiver: Receiver) -> None:
+    extra = ("--otlp-traces-endpoint", receiver.endpoint, "--grpc-insecure")
+    for router in _router(pd_fleet, "epp", *extra):
+        caller = Caller.new()
+        picked, out = _through_gateway(router, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}, caller)
+        assert json.loads(out)["choices"], out
+        spans = _trace(receiver, caller, 2, extra={"kvroute.pd.prefill", "kvroute.pd.decode"})
+        _check_request(spans, caller)
+        _check_legs(spans, pd_fleet)
+        decode = _one(spans, "kvroute.pd.decode")
+        assert picked.set_headers["traceparent"].split("-")[2] == decode.span_id  # the gateway's decode leg
