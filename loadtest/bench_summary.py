@@ -4,7 +4,8 @@ A region's index is built from the workload of ``reference/bench-workload.md`` (
 system prompts, multi-turn conversations over 64 replicas, ``--target-nodes`` distinct blocks). For each
 (bits per key, sample_every) the summary is built from ``PrefixIndex.held_keys()`` and measured:
 
-* ``size_bytes`` (wire form) and ``bytes_per_node`` (over the region's index nodes);
+* ``size_bytes`` (wire form), ``bytes_per_node`` (over the region's index nodes) and ``body_bytes`` (the JSON body of
+  ``GET /region/summary`` with one model's load: the filter in base64);
 * ``fpr``: the share of random absent keys the filter accepts (``--absent`` of them), next to ``fpr_expected``;
 * accuracy of ``matched_blocks`` on the benchmark's 1k / 8k / 32k-token queries (a cached prefix of known length
   plus a random tail) against the exact index (``deepest_match``): ``exact`` share, ``over`` share (a false
@@ -35,6 +36,8 @@ from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
 from index.summary import PrefixSummary, SummaryParams
 from loadtest.bench_index import BLOCK, build_events, build_workload, draw_queries, query_tokens
+from policies.peer_summary import summary_json
+from policies.regions import RegionLoad
 
 
 def build_region(target_nodes: int, queries: int) -> tuple[PrefixIndex, list[list[int]], dict[str, Any]]:
@@ -79,6 +82,8 @@ def measure(
         "sample_every": params.sample_every,
         "kept_keys": f.keys,
         "size_bytes": summary.size_bytes,
+        # what GET /region/summary sends (one model's load + the filter in base64), bytes
+        "body_bytes": len(json.dumps(summary_json("r", {"m": RegionLoad(4, 0.5, 1.0, 0.3)}, BLOCK, summary))),
         "bytes_per_node": round(summary.size_bytes / max(1, len(idx)), 3),
         "fpr": fpr,
         "fpr_expected": round(f.expected_fpr(), 5),
@@ -126,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _line(r: dict[str, Any]) -> str:
     return (
         f"bits {r['bits_per_key']:>4} sample {r['sample_every']:>3}: {r['size_bytes'] / 1024:8.1f} KiB "
-        f"({r['bytes_per_node']} B/node)  fpr {r['fpr']:.4f} (expected {r['fpr_expected']:.4f})  exact "
+        f"({r['bytes_per_node']} B/node, body {r['body_bytes'] / 1024:.1f} KiB)  fpr {r['fpr']:.4f} (expected {r['fpr_expected']:.4f})  exact "
         f"{r['exact']:.3f} over {r['over']:.3f} err {r['mean_abs_error_blocks']} blocks  build "
         f"{r['build_ms']} ms  query {r['query_us_p50']} us"
     )

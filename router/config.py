@@ -491,6 +491,41 @@ class Settings(BaseSettings):
     region_retry_after_s: int = Field(
         default=5, ge=0, description="Retry-After of a request no allowed region on the ladder can serve (s)"
     )
+    region_summary_refresh_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="how long this router reuses the summary it publishes on GET /region/summary before building "
+        "it again (queue seconds per model, free capacity, the prefix filter of its engines' cached blocks), s",
+    )
+    region_summary_bits_per_key: float = Field(
+        default=10.0,
+        ge=1,
+        description="bits per block key of the published prefix filter (false-positive rate ~0.6185^bits: 10 "
+        "bits ~0.8 %)",
+    )
+    region_summary_sample_every: int = Field(
+        default=4,
+        ge=1,
+        description="the published prefix filter keeps one block key in this many (content-defined: ~4x smaller, "
+        "a match known to within ~this many blocks)",
+    )
+    region_summary_stale_after_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a peer region's summary (fetched every probe_interval_s) older than this is not used: its "
+        "router is then priced from this router's own requests to it (counted), s",
+    )
+    region_rtt_ewma_alpha: float = Field(
+        default=0.3,
+        gt=0,
+        le=1,
+        description="weight of a new probe's round trip in the measured round trip to a peer region's router",
+    )
+    region_rtt_min_samples: int = Field(
+        default=3,
+        ge=1,
+        description="probes of a peer region's router before its measured round trip replaces region_rtt_ms's",
+    )
     idempotency_ttl_s: float = Field(
         default=600.0, gt=0, description="how long an Idempotency-Key and its stored response are kept (s)"
     )

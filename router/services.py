@@ -23,12 +23,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.core import Metric
 
 from index.prefix_index import PrefixIndex
+from index.summary import PrefixSummary, SummaryParams
 from membership import engine_tls
 from membership.engine_metrics import EngineSnapshot, MetricsScraper
 from membership.kv_events import KVEventSubscriber
@@ -36,15 +39,17 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
 from membership.shared_state import ResponseMap
 from membership.tenant_budget import TenantBudget
-from policies.base import Policy, ReplicaProfile, make_policy
+from policies.base import Candidate, Policy, ReplicaProfile, make_policy
+from policies.candidates import build_candidates
 from policies.pd_base import HandoffLink, make_pd_policy
 from policies.pd_link import LinkEstimator
-from policies.regions import LadderParams, RegionLadderPolicy
+from policies.peer_summary import summary_json, with_round_trip
+from policies.regions import LadderParams, RegionLadderPolicy, region_load
 from router import signals
 from router.config import Settings
 from router.core.admission import Admission
 from router.core.dispatch import DispatchGate
-from router.core.regions import latency_matrix, peer_specs
+from router.core.regions import PeerViews, latency_matrix, peer_specs
 from router.core.routing import Router, build_profile, tier_links_of
 from router.core.tenant_admission import TenantAdmission
 from router.core.tenant_metrics import TenantMetrics
@@ -52,6 +57,7 @@ from router.core.tenants import TenancyConfig
 from router.engine.attempt import EngineEdge
 from router.engine.feedback import Feedback
 from router.engine.gaps import EndpointGaps
+from router.engine.peer_feed import PeerFeed
 from router.engine.proxy import Proxy
 from router.engine.scrape import PooledScrapeClient
 from router.epp.picker import EppServer
@@ -122,6 +128,8 @@ class Services:
     pipeline: Pipeline
     #: the endpoint picker (gRPC ext_proc front door, ``kvroute epp``); None: not served
     epp: EppServer | None = None
+    #: the summary last published on ``GET /region/summary``: (monotonic time built, body)
+    summary_cache: tuple[float, dict[str, Any]] | None = None
     #: started in this order by ``run`` and stopped in reverse
     background: list[StartStop] = field(default_factory=list)
 
@@ -465,6 +473,72 @@ def _adapter_gauges(svc: Services) -> Iterator[Metric]:
     return adapter_gauges(deferred, r.adapter_dispatches, resident)
 
 
+def _build_peer_feed(
+    settings: Settings, telemetry: Telemetry, router: Router, policy: Policy
+) -> PeerFeed | None:
+    """With peer regions: their summaries and measured round trips (``PeerViews``), fed every probe interval;
+    a measured round trip replaces the configured one in the ladder's matrix and in ``peer_rtt_s``."""
+    if not (settings.region_peers and isinstance(policy, RegionLadderPolicy)):
+        return None
+    views = PeerViews(
+        settings.region_summary_stale_after_s,
+        settings.region_rtt_ewma_alpha,
+        settings.region_rtt_min_samples,
+        time.monotonic,
+    )
+    views.on_fallback.append(lambda peer, why: telemetry.region_summary_fallbacks.labels(peer, why).inc())
+    router.peer_views = views
+    home = settings.region
+
+    def measured(peer: str, rtt_s: float) -> None:
+        policy.matrix = with_round_trip(policy.matrix, home, peer, rtt_s)
+        router.peer_rtt_s[peer] = rtt_s
+        telemetry.region_rtt.labels(peer).set(rtt_s)
+
+    return PeerFeed(
+        views,
+        settings.region_peers,
+        settings.region_peer_health_path,
+        settings.probe_interval_s,
+        settings.engine_headers(),
+        settings.probe_timeout_s,
+        measured,
+        lambda peer, what: telemetry.region_feed_errors.labels(peer, what).inc(),
+    )
+
+
+def region_summary(svc: Services) -> dict[str, Any]:
+    """What this router publishes on ``GET /region/summary`` (``policies.peer_summary.summary_json``): per model
+    its own routable engines' load (peers left out) and the prefix filter of the blocks they hold (GPU tier),
+    rebuilt at most every ``region_summary_refresh_s``."""
+    s = svc.settings
+    now = time.monotonic()
+    cached = svc.summary_cache
+    if cached is not None and now - cached[0] < s.region_summary_refresh_s:
+        return cached[1]
+    own = [r for r in svc.table.all() if r.routable and not r.is_peer]
+    cands = build_candidates([svc.router.facts(r) for r in own], {}, 0, s.block_size)
+    by_model: dict[str, list[Candidate]] = {}
+    for rep, cand in zip(own, cands, strict=True):
+        for model in rep.models:
+            by_model.setdefault(model, []).append(cand)
+    mean_tokens = _mean_prefill_tokens(svc.policy)
+    loads = {m: region_load(cs, mean_tokens) for m, cs in by_model.items()}
+    params = SummaryParams(s.region_summary_bits_per_key, s.region_summary_sample_every)
+    keys = svc.index.held_keys(params.tiers, {r.index for r in own})
+    body = summary_json(s.region, loads, s.block_size, PrefixSummary.from_keys(keys, params))
+    svc.summary_cache = (now, body)
+    return body
+
+
+def _mean_prefill_tokens(policy: Policy) -> float:
+    """Uncached tokens per queued request when an engine reports only a request count: the ``ttft`` policy's
+    (learned) mean, inside the ladder or not; 0 for a policy without one."""
+    inner = getattr(policy, "inner", policy)
+    mean = getattr(inner, "mean_uncached_tokens", None)
+    return float(mean()) if callable(mean) else 0.0
+
+
 def _background(svc: Services) -> list[StartStop]:
     """The start/stop pairs of the background parts, in start order (tracing first: stopped last, the spans
     of the last requests leave)."""
@@ -492,6 +566,9 @@ def _background(svc: Services) -> list[StartStop]:
         lag.stop()
 
     out.append((start_lag, stop_lag))  # the event-loop lag probe the guard sheds on
+    feed = _build_peer_feed(svc.settings, svc.telemetry, svc.router, svc.policy)
+    if feed is not None:
+        out.append((feed.start, feed.stop))  # peer regions' summaries and round trips
     return out
 
 

@@ -58,7 +58,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -140,6 +140,26 @@ class Telemetry:
             "regional headers ignored because the caller may not set them (x-kvroute-client-region from a key "
             "that is not an edge key of tenant_header_keys), by header",
             ["header"],
+            registry=r,
+        )
+        self.region_rtt = Gauge(
+            "kvroute_region_rtt_seconds",
+            "round trip to a peer region's router measured from its probes (EWMA), s; the configured "
+            "region_rtt_ms is used until region_rtt_min_samples probes answered",
+            ["peer"],
+            registry=r,
+        )
+        self.region_summary_fallbacks = Counter(
+            "kvroute_region_summary_fallbacks",
+            "peer candidates priced from this router's own view because the peer's summary was missing, stale or "
+            "did not name the model, by peer region and reason",
+            ["peer", "reason"],
+            registry=r,
+        )
+        self.region_feed_errors = Counter(
+            "kvroute_region_feed_errors",
+            "failed probes / summary fetches of a peer region's router, by peer region and what failed",
+            ["peer", "what"],
             registry=r,
         )
         self.ttft = Histogram(

@@ -20,9 +20,11 @@ Units: seconds (milliseconds only in the ``Settings`` matrix).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from policies.base import Candidate
+from policies.peer_summary import PeerSummary, RttEstimator, price_peer
 from policies.regions import LatencyMatrix
 from router.core.tenants import bearer_key
 
@@ -103,3 +105,64 @@ def latency_matrix(rtt_ms: Mapping[str, Mapping[str, float]], intra_ms: float, h
     pairs = {a: {b: v / 1000.0 for b, v in row.items()} for a, row in rtt_ms.items()}
     pairs.setdefault(home, {})
     return LatencyMatrix.from_pairs(pairs, intra_ms / 1000.0)
+
+
+class PeerViews:
+    """What this router knows of each peer region from its published summary and its probes (no I/O: the feed
+    in ``router.engine.peer_feed`` fills it, ``Router.build_candidates`` reads it).
+
+    A summary is used while younger than ``stale_after_s``; otherwise (or none yet, or a model it does not name)
+    the peer candidate stays as this router knows it, and ``on_fallback(region, reason)`` is called (``stale``,
+    ``missing``, ``model``). The round trip to each peer is its probes' EWMA (``RttEstimator``) once
+    ``min_samples`` answered; the configured matrix is the prior.
+
+    Args:
+        stale_after_s: the age at which a summary is no longer used, seconds.
+        rtt_alpha: the EWMA weight of a new probe's round trip.
+        rtt_min_samples: probes before the measured round trip replaces the configured one.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self, stale_after_s: float, rtt_alpha: float, rtt_min_samples: int, clock: Callable[[], float]
+    ) -> None:
+        self.stale_after_s = stale_after_s
+        self.clock = clock
+        self.rtt_alpha = rtt_alpha
+        self.rtt_min_samples = rtt_min_samples
+        self.summaries: dict[str, tuple[PeerSummary, float]] = {}
+        self.rtts: dict[str, RttEstimator] = {}
+        self.on_fallback: list[Callable[[str, str], None]] = []
+
+    def store(self, region: str, summary: PeerSummary) -> None:
+        """A summary fetched now from ``region``'s router."""
+        self.summaries[region] = (summary, self.clock())
+
+    def observe_rtt(self, region: str, rtt_s: float) -> float | None:
+        """One probe's round trip to ``region``'s router; the measured value once it counts, else None."""
+        est = self.rtts.setdefault(region, RttEstimator(self.rtt_alpha, self.rtt_min_samples))
+        est.observe(rtt_s)
+        return est.ewma_s if est.samples >= est.min_samples else None
+
+    def age_s(self, region: str) -> float | None:
+        """Seconds since ``region``'s last summary arrived (None: none yet)."""
+        got = self.summaries.get(region)
+        return None if got is None else self.clock() - got[1]
+
+    def price(
+        self, cand: Candidate, model: str, keys: Sequence[int], block_size: int, prompt_tokens: int
+    ) -> Candidate:
+        """The peer candidate ``cand`` priced from its region's fresh summary, else unchanged (counted)."""
+        got = self.summaries.get(cand.region)
+        reason = "missing"
+        if got is not None:
+            summary, at = got
+            reason = "stale"
+            if self.clock() - at <= self.stale_after_s:
+                priced = price_peer(cand, summary, model, keys, block_size, prompt_tokens)
+                if priced is not None:
+                    return priced
+                reason = "model"
+        for listener in self.on_fallback:
+            listener(cand.region, reason)
+        return cand

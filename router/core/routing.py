@@ -42,6 +42,7 @@ from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, Pl
 from policies.pd_common import plan_request
 from policies.pd_link import LinkEstimator, TransferTotals, transfer_sample
 from policies.regions import RegionRefused
+from router.core.regions import PeerViews
 from router.errors import KvrouteError
 
 log = logging.getLogger("kvroute.routing")
@@ -360,6 +361,9 @@ class Router:
         self.adapter_deferred: dict[int, int] = {}
         #: LoRA requests dispatched, by the adapter's predicted tier on the chosen replica (gpu, cpu, storage)
         self.adapter_dispatches: dict[str, int] = {"gpu": 0, "cpu": 0, "storage": 0}
+        #: the peer regions' published summaries (queue seconds, prefix filter) and measured round trips; None
+        #: without peers (a peer candidate is then only what this router sent it)
+        self.peer_views: PeerViews | None = None
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -570,7 +574,18 @@ class Router:
         """The candidates for ``inp``: the prompt matched in the index over ``facts``' replicas
         (``policies.candidates.build_candidates``)."""
         matches = self.index.match(inp.keys, {f.index for f in facts}) if inp.keys else {}
-        return build_candidates(facts, matches, inp.prompt_tokens, self.block_size)
+        cands = build_candidates(facts, matches, inp.prompt_tokens, self.block_size)
+        views = self.peer_views
+        if views is None:
+            return cands
+        return [self._priced_peer(views, c, inp) for c in cands]
+
+    def _priced_peer(self, views: PeerViews, cand: Candidate, inp: RoutingInput) -> Candidate:
+        """A peer region's router priced from its published summary (``PeerViews.price``); others unchanged."""
+        rep = self.table.by_index(cand.index)
+        if rep is None or not rep.is_peer:
+            return cand
+        return views.price(cand, inp.model, inp.keys, self.block_size, inp.prompt_tokens)
 
     def route_request(self, inp: RoutingInput) -> RouteRequest:
         """The request as every policy sees it, co-located or PD: one builder, so no field is dropped on one

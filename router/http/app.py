@@ -64,7 +64,7 @@ from router.serve.guard import Guard, request_path, route_label
 from router.serve.idempotency import HEADER as IDEMPOTENCY_HEADER
 from router.serve.pipeline import GENERATION_ROUTES, chat_input
 from router.serve.requests import ChatRequest, CompletionRequest, EngineBody, ResponsesRequest, RouteBody
-from router.services import Services, build_services, run
+from router.services import Services, build_services, region_summary, run
 from router.telemetry import CONTENT_TYPE, Telemetry
 
 log = logging.getLogger("kvroute.app")
@@ -249,6 +249,7 @@ _KNOWN_ROUTES = (
     "/healthz",
     "/readyz",
     "/region/ready",
+    "/region/summary",
     "/openapi.json",
     "/docs",
 )
@@ -481,6 +482,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     auth = _Auth(svc.guard)
     _add_data_plane(app, _DataPlane(svc, auth))
     _add_control_plane(app, svc, auth)
+    _add_region_routes(app, svc, auth)
     _install_openapi(app)
     return app
 
@@ -747,6 +749,34 @@ def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
     )(dp.route)
 
 
+def _add_region_routes(app: FastAPI, svc: Services, auth: _Auth) -> None:
+    """What other regions' routers read: readiness of this region's own engines and the region's summary."""
+
+    @app.get(
+        "/region/ready",
+        response_model=Status,
+        responses={503: {"model": Status}},
+        summary="readiness for other regions' routers: at least one of this region's own engines is routable",
+    )
+    async def region_ready() -> Any:
+        n = sum(1 for r in svc.table.all() if r.routable and not r.is_peer)
+        if n:
+            return {"status": "ready", "routable_replicas": n}
+        return JSONResponse(
+            {"status": "not ready", "reason": "no routable engine in this region"}, status_code=503
+        )
+
+    @app.get(
+        "/region/summary",
+        responses={401: _ERR},
+        summary="what this region publishes for other regions' routers: queue seconds and free capacity per "
+        "model, and a Bloom filter of the prompt prefixes its engines hold (docs/regions.md)",
+    )
+    async def region_summary_route(request: Request) -> Any:
+        auth.check_client(request)
+        return region_summary(svc)
+
+
 def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
     """Introspection (``/replicas``, ``/index/stats``, ``/metrics``) and probes (``/healthz``, ``/readyz``)."""
 
@@ -788,20 +818,6 @@ def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:
     @app.get("/healthz", response_model=Status, summary="liveness")
     async def healthz() -> Any:
         return {"status": "ok"}
-
-    @app.get(
-        "/region/ready",
-        response_model=Status,
-        responses={503: {"model": Status}},
-        summary="readiness for other regions' routers: at least one of this region's own engines is routable",
-    )
-    async def region_ready() -> Any:
-        n = sum(1 for r in svc.table.all() if r.routable and not r.is_peer)
-        if n:
-            return {"status": "ready", "routable_replicas": n}
-        return JSONResponse(
-            {"status": "not ready", "reason": "no routable engine in this region"}, status_code=503
-        )
 
     @app.get(
         "/readyz",

@@ -80,6 +80,8 @@ class Region:
     name: str
     port: int
     engines: dict[str, tuple[Proc, int]] = field(default_factory=dict)
+    #: engine name -> its KV-events port, when the router subscribes to them (``two_regions(events=True)``)
+    events: dict[str, int] = field(default_factory=dict)
     router: Proc | None = None
     redis_url: str = ""
 
@@ -157,25 +159,35 @@ def _router_args(region: Region, peer: str, relay_port: int, extra: tuple[str, .
     for name, (_, port) in region.engines.items():
         # us names its engines' region; eu's engines carry none: a replica without a region is the router's own
         where = f",region={region.name}" if region.name == "us" else ""
+        if name in region.events:
+            where += f",events=tcp://127.0.0.1:{region.events[name]}"
         args += ["--replica", f"name={name},url=http://127.0.0.1:{port},model={MODEL}{where}"]
     return [*args, *extra]
 
 
 @contextmanager
 def two_regions(
-    us_extra: tuple[str, ...] = (), eu_extra: tuple[str, ...] = (), redis: bool = False
+    us_extra: tuple[str, ...] = (),
+    eu_extra: tuple[str, ...] = (),
+    redis: bool = False,
+    events: bool = False,
+    eu_engine_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[Region, Region]]:
     """Regions ``us`` and ``eu``, each with its engines and router, linked through delayed relays; every process
-    and relay is stopped on exit, even on failure."""
+    and relay is stopped on exit, even on failure. ``events``: the routers subscribe to their engines' KV events
+    (what a region's published prefix filter is built from); ``eu_engine_args``: more flags for eu's engines."""
     with ExitStack() as stack:
         us, eu = Region("us", free_port()), Region("eu", free_port())
         for region in (us, eu):
+            more_engine = eu_engine_args if region is eu else ()
             for i in range(ENGINES_PER_REGION):
-                proc, port, _, _ = start_fake_engine(
-                    "--model", MODEL, "--dialect", "vllm", "--time-scale", "0.02"
+                proc, port, ev, _ = start_fake_engine(
+                    "--model", MODEL, "--dialect", "vllm", "--time-scale", "0.02", *more_engine
                 )
                 stack.callback(proc.stop)
                 region.engines[f"{region.name}-{i}"] = (proc, port)
+                if events:
+                    region.events[f"{region.name}-{i}"] = ev
         to_us, to_eu = free_port(), free_port()
         stack.enter_context(LoopServer(delayed_relay(us.port, ONE_WAY_S), to_us))
         stack.enter_context(LoopServer(delayed_relay(eu.port, ONE_WAY_S), to_eu))
@@ -367,3 +379,93 @@ def test_region_session_and_idempotency_across_the_hop() -> None:
         finally:
             for proc, _ in us.engines.values():
                 proc.stop()
+
+
+# -- the summary a region publishes, and the measured round trip ---------------------------------------------
+
+#: prompts long enough that their prefill (3000 tokens at the routers' profile of 5000 tokens/s: 0.6 s) outweighs
+#: the round trip and the margin: cached in eu, eu is faster by the margin; uncached, home is
+LONG = 3000
+SUMMARY_ARGS = (
+    "--region-summary-refresh-s",
+    "0.2",
+    "--region-summary-sample-every",
+    "1",
+    # the engines' own tokens (/tokenize), so prompt keys are the keys of the engines' KV events
+    "--tokenizer-mode",
+    "engine",
+    "--profiles",
+    json.dumps({"slow": {"prefill_tokens_per_s": 5000}}),
+    "--default-profile",
+    "slow",
+)
+
+
+def route_to(url: str, prompt: str) -> str:
+    """The replica the router at ``url`` would choose for ``prompt`` (``POST /route``: nothing is served)."""
+    r = httpx.post(url + "/route", json={"model": MODEL, "prompt": prompt}, timeout=10)
+    assert r.status_code == 200, r.text
+    return str(r.json()["chosen"]["name"])
+
+
+def _cached_in_eu(eu: Region, prompt: str) -> None:
+    """Serve ``prompt`` in eu (its own client), so eu's engines hold it and eu's index has it confirmed."""
+    r = complete(eu.url, prompt)
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] in eu.engines, r.text
+    wait_until(
+        lambda: httpx.get(eu.url + "/region/summary", timeout=5).json()["prefix_bytes"] > 0,
+        timeout=10,
+        what="eu publishes a prefix filter",
+    )
+
+
+def test_region_peer_summary_prefix_attracts() -> None:
+    """A prompt eu holds goes to eu (its published filter says so; home is slower by the margin for a prompt it
+    must prefill); a prompt eu does not hold stays home. (The published queue's effect is proven by the unit
+    tests of ``price_peer``; through two processes it is not yet: see docs/regions.md section 7.)
+    Fails without the summary: us knows only what it sent eu, so it never hops while home is up."""
+    held = "held in eu " + "h" * LONG
+    fresh = "held nowhere " + "f" * LONG
+    with ExitStack() as stack:
+        us, eu = stack.enter_context(
+            two_regions(
+                us_extra=SUMMARY_ARGS,
+                eu_extra=SUMMARY_ARGS,
+                events=True,
+                eu_engine_args=("--max-running", "1", "--time-scale", "1"),
+            )
+        )
+        assert route_to(us.url, held) in us.engines  # eu holds nothing yet: home
+        _cached_in_eu(eu, held)
+        wait_until(lambda: route_to(us.url, held) == "region-eu", timeout=10, what="us prices eu's prefix")
+        r = complete(us.url, held)
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.headers
+        assert metric(us.url, "kvroute_routed_total", policy="region_ladder", branch="faster_region") >= 1
+        assert route_to(us.url, fresh) in us.engines
+        # the round trip measured from the probes reflects the injected delay (80 ms through the relays)
+        rtt = metric(us.url, "kvroute_region_rtt_seconds", peer="eu")
+        assert 2 * ONE_WAY_S <= rtt <= 2 * ONE_WAY_S + 0.07, rtt
+        eu.kill_engines()  # the long generations end here, not at the fixture's stop
+
+
+def test_region_stale_summary_falls_back_to_what_the_router_knows() -> None:
+    """A summary older than region_summary_stale_after_s is not used: the prompt eu holds stays home (as before
+    summaries existed) and every fallback is counted."""
+    held = "held in eu " + "s" * LONG
+    stale = ("--region-summary-stale-after-s", "0.001")
+    with two_regions(us_extra=SUMMARY_ARGS + stale, eu_extra=SUMMARY_ARGS, events=True) as (us, eu):
+        _cached_in_eu(eu, held)
+        counted = ("kvroute_region_summary_fallbacks_total",)
+
+        def stale_count() -> float:
+            return metric(us.url, *counted, peer="eu", reason="stale")
+
+        wait_until(
+            lambda: route_to(us.url, held) in us.engines and stale_count() >= 1,
+            timeout=10,
+            what="us fetched eu's summary (and found it stale)",
+        )
+        before = stale_count()
+        for _ in range(3):
+            assert route_to(us.url, held) in us.engines
+        assert stale_count() == before + 3
