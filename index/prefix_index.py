@@ -513,6 +513,11 @@ class PrefixIndex(NodeTable):
         per-call parts (leading blocks that exist: ``_stretch`` / ``_bulk``; closing a streak:
         ``_close_streak``) are methods of their own.
         """
+        if op == OP_REMOVE and len(keys) > 1:
+            ordered = self._removal_order(keys)
+            if ordered is None:
+                return self._remove_nodes(slot, keys, tier)
+            keys = ordered
         ids = self._ids
         sidl = self._sidl
         ts = self._ts
@@ -633,6 +638,45 @@ class PrefixIndex(NodeTable):
         refs[fresh] += created
         self._nodes += created
         return changed + created
+
+    def _removal_order(self, keys: Sequence[BlockKey]) -> Sequence[BlockKey] | None:
+        """The order in which ``_apply`` removes ``keys``: as given when they start root to leaf (the stretch walk
+        takes whole runs), reversed when they start leaf to root, None (``_remove_nodes``) otherwise.
+
+        A removal's outcome does not depend on the order of its keys. vLLM frees a request's blocks tail first, so
+        its evictions name paths leaf to root, which the stretch walk (made for root-to-leaf paths) would take one
+        block at a time, each verified against the rest of its streak: quadratic in the path's length.
+        """
+        ids = self._ids
+        a, b = keys[0], keys[1]
+        na = ids[a & _SHARD_MASK].get(a)
+        nb = ids[b & _SHARD_MASK].get(b)
+        if na is None or nb is None:
+            return None
+        if nb == na + 1:
+            return keys
+        if nb == na - 1:
+            return keys[::-1]
+        return None
+
+    def _remove_nodes(self, slot: int, keys: Sequence[BlockKey], tier: int) -> int:
+        """``_apply`` of ``OP_REMOVE`` for keys in no path order: the nodes of ``keys`` (unknown keys skipped, each
+        node once) in node-id order, a run of consecutive ids at a time; returns how many changed state."""
+        ids = self._ids
+        found = [ids[k & _SHARD_MASK].get(k) for k in keys]
+        nids = sorted({nid for nid in found if nid is not None})
+        if not nids:
+            return 0
+        table = self._states.table(OP_REMOVE, slot, tier)
+        bulk = self._bulk
+        changed = 0
+        start = prev = nids[0]
+        for nid in nids:
+            if nid > prev + 1:
+                changed += bulk(start, prev + 1 - start, table, OP_REMOVE, slot, tier, None, 0.0, 0.0, False)
+                start = nid
+            prev = nid
+        return changed + bulk(start, prev + 1 - start, table, OP_REMOVE, slot, tier, None, 0.0, 0.0, False)
 
     def _bulk(
         self,
