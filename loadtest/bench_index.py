@@ -8,16 +8,20 @@ length is known, and finally removes every stored block.
 Usage::
 
     python -m loadtest.bench_index --json [--target-nodes N] [--queries-1k N] [--queries-8k N] [--queries-32k N]
-    python -m loadtest.bench_index --json --mode replica-sets [--replicas 64,4096] [--target-nodes N]
+    python -m loadtest.bench_index --json --mode scale [--replicas 64,512,4096] [--target-nodes 1000000,10000000]
     python -m loadtest.bench_index --json --mode memory [--chains N] [--chain-tokens N] [--replicas-per-chain N]
 
-``--mode replica-sets`` builds the workload over each fleet size into two indexes that differ only in the type
-of their interned replica sets (Python-int bitmasks, as the index has them, vs ``pyroaring.FrozenBitMap``) and
-prints one object per fleet size (store rate, match p50, bytes per node, state-table bytes). ``--mode memory``
-feeds long distinct chains through ``apply_stored`` as engine events and prints the RSS growth per node of
-everything the router holds (nodes, key ints, engine-hash maps).
+``--mode scale`` draws the same workload over each fleet size (the replicas a conversation sticks to are drawn
+from that many) up to each index size, each point in a fresh process, and prints one object per point: bytes per
+node (RSS growth, and the structures' own sizes from ``PrefixIndex.layout_stats``), interned states, and match
+p50 / p99 (hashing included, and the walk alone) at 1k / 8k / 32k tokens; a point that does not fit in memory is
+reported with its error. ``--mode memory`` feeds long distinct chains through ``apply_stored`` as engine events
+and prints the RSS growth per node of everything the router holds (nodes, key ints, engine-hash maps). (The
+comparison of interned ``pyroaring`` sets with interned int masks, ``docs/architecture.md`` "Replica sets", ran
+as ``--mode replica-sets`` until commit 8949496; concluded, it was removed with the private index access it
+needed.)
 
-One JSON object on stdout (a list of objects in replica-sets mode); a human table on stderr. Times in microseconds, rates in blocks per second, sizes in
+One JSON object on stdout (a list of objects in scale mode); a human table on stderr. Times in microseconds, rates in blocks per second, sizes in
 bytes. Not part of the test suite (timings on shared machines are noisy).
 """
 
@@ -31,14 +35,12 @@ import random
 import sys
 import time
 from array import array
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import groupby
 from typing import Any
 
 from index.hashing import block_keys, block_keys_packed, pack_tokens, root_seed
-from index.prefix_index import PrefixIndex, ReplicaMatch
+from index.prefix_index import PrefixIndex
 
 SEED = 20250101
 BLOCK = 16
@@ -219,21 +221,13 @@ def pct(values: Sequence[float], p: float) -> float:
 
 
 def deep_bytes_per_node(idx: PrefixIndex) -> dict[str, float]:
-    """Structure bytes per node computed from object sizes (dict, lists, arrays, node-id ints, key ints)."""
-    n = max(len(idx), 1)
-    shards = idx._ids  # the key -> node id map, in shards
-    base = (
-        sum(map(sys.getsizeof, shards))
-        + sys.getsizeof(shards)
-        + sys.getsizeof(idx._keys)
-        + sys.getsizeof(idx._sidl)
-        + idx._ts.buffer_info()[1] * idx._ts.itemsize
-    )
-    id_ints = sum(16 * math.ceil(sys.getsizeof(v) / 16) for d in shards for v in d.values() if v > 256)
-    key_ints = sum(16 * math.ceil(sys.getsizeof(k) / 16) for d in shards for k in d)
+    """Structure bytes per node from object sizes (``PrefixIndex.layout_stats``): the key -> node id dicts, the
+    per-id keys, state ids and times, the node-id ints; and the key ints."""
+    lay = idx.layout_stats()
+    n = max(lay["nodes"], 1)
     return {
-        "struct_bytes_per_node": round((base + id_ints) / n, 1),
-        "key_int_bytes_per_node": round(key_ints / n, 1),
+        "struct_bytes_per_node": round((lay["map_bytes"] + lay["array_bytes"] + lay["id_int_bytes"]) / n, 1),
+        "key_int_bytes_per_node": round(lay["key_int_bytes"] / n, 1),
     }
 
 
@@ -479,249 +473,86 @@ def _time_under_budget(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# --mode replica-sets: interned int masks (the index) vs interned roaring bitmaps, at 64 and 4,096 replicas
+# --mode scale: index memory and match time by fleet size and index size
 # ---------------------------------------------------------------------------------------------------------
 
-_RoaringState = tuple[Any, Any, Any, Any, Any]
 
-
-class RoaringStates:
-    """A drop-in for ``index.states.StateTable`` whose masks are interned ``pyroaring.FrozenBitMap`` sets.
-
-    Enough of the table for ``PrefixIndex.store`` / ``remove`` without predictions (what the workload's event
-    stream does): the index's node layout, memo tables and interning are unchanged, only the set type differs.
-    """
-
-    def __init__(self) -> None:
-        from pyroaring import FrozenBitMap  # not a dependency of kvroute (the index kept int masks)
-
-        self._fb = FrozenBitMap
-        self.states: list[_RoaringState] = []
-        self.all: list[Any] = []
-        self.confirmed: list[Any] = []
-        self.special: list[tuple[tuple[Any, int], ...]] = []
-        self.refs: list[int] = []
-        self._intern: dict[_RoaringState, int] = {}
-        self._trans: dict[tuple[int, int, int], dict[int, int]] = {}
-        e = FrozenBitMap()
-        self.intern((e, e, e, e, e))
-
-    def __len__(self) -> int:
-        """States in the table."""
-        return len(self.states)
-
-    def in_use(self) -> int:
-        """States at least one node is in."""
-        return sum(1 for r in self.refs if r > 0)
-
-    def intern(self, st: _RoaringState) -> int:
-        """The id of state ``st`` (same derived masks as ``StateTable.intern``, with set operations)."""
-        sid = self._intern.get(st)
-        if sid is not None:
-            return sid
-        sid = len(self.states)
-        g, c, d, r, p = st
-        confirmed = g if not (c or d or r) else g | c | d | r  # shared objects, as in StateTable.intern
-        special: list[tuple[Any, int]] = []
-        seen = g
-        for cat, m in ((1, c), (2, d), (3, r)):
-            if not m:
-                continue
-            x = m - seen
-            if x:
-                special.append((x if x != m else m, cat))
-            seen = seen | m
-        px = p - confirmed if confirmed else p
-        if px:
-            special.append((px, 4))
-        self.states.append(st)
-        self.all.append(confirmed | p if p else confirmed)
-        self.confirmed.append(confirmed)
-        self.special.append(tuple(special))
-        self.refs.append(0)
-        self._intern[st] = sid
-        return sid
-
-    def table(self, op: int, slot: int, tier: int) -> dict[int, int]:
-        """The memo of transitions for one (operation, slot, tier)."""
-        key = (op, slot, tier)
-        t = self._trans.get(key)
-        if t is None:
-            t = self._trans[key] = {}
-        return t
-
-    def transition(self, sid: int, op: int, slot: int, tier: int) -> int:
-        """Store (op 0) or remove (op 1) ``slot`` in ``tier``."""
-        m = list(self.states[sid])
-        bit = self._fb([slot])
-        if op == 0:
-            m[tier] = m[tier] | bit
-            m[4] = m[4] - bit
-        elif op == 1:
-            m[tier] = m[tier] - bit
-        else:
-            raise ValueError(
-                f"op {op}: the replica-set comparison stores (0) and removes (1) confirmed entries only"
-            )
-        return self.intern((m[0], m[1], m[2], m[3], m[4]))
-
-
-def roaring_match(idx: PrefixIndex, keys: list[int], live: Any) -> dict[int, ReplicaMatch]:
-    """``PrefixIndex.match`` for an index whose state table is :class:`RoaringStates` (same walk, same
-    answers; the live replica set is a FrozenBitMap of slots)."""
-    now = idx._clock()
-    sidl = idx._sidl
-    ts = idx._ts
-    st = idx._states
-    allm = st.all
-    special = st.special
-    n = len(keys)
-    i = 0
-    seg_depth: list[int] = []
-    seg_nid: list[int] = []
-    drops: list[tuple[Any, int]] = []
-    counts: dict[int, list[int]] | None = None
-    prev = -1
-    sp: tuple[tuple[Any, int], ...] = ()
-    stretch = idx._stretch
-    while i < n:
-        start_nid, m = stretch(keys, i)  # type: ignore[arg-type]
-        if start_nid < 0:
-            break
-        start_i = i
-        i += m
-        seg_depth.append(start_i)
-        seg_nid.append(start_nid)
-        seg = sidl[start_nid : start_nid + m]
-        groups = ((seg[0], m),) if seg.count(seg[0]) == m else [(s, len(list(g))) for s, g in groupby(seg)]
-        depth = start_i
-        for sid, run in groups:
-            if sid != prev:
-                prev = sid
-                nl = live & allm[sid]
-                if nl != live:
-                    drops.append((live - nl, depth))
-                    live = nl
-                    if not live:
-                        break
-                sp = special[sid]
-            if sp:
-                if counts is None:
-                    counts = {}
-                for mask, cat in sp:
-                    for s in mask & live:
-                        c = counts.get(s)
-                        if c is None:
-                            c = counts[s] = [0, 0, 0, 0, 0]
-                        c[cat] += run
-            depth += run
-        if not live:
-            break
-    if live:
-        drops.append((live, i))
-    rep = idx._replica_of_slot
-    out: dict[int, ReplicaMatch] = {}
-    for mask, d in drops:
-        if d <= 0:
-            continue
-        j = bisect_right(seg_depth, d - 1) - 1
-        age = now - ts[seg_nid[j] + d - 1 - seg_depth[j]]
-        for s in mask:
-            c = counts.get(s) if counts is not None else None
-            if c is None:
-                out[rep[s]] = ReplicaMatch(d, d, 0, 0, 0, 0, age)
-            else:
-                out[rep[s]] = ReplicaMatch(d, d - c[1] - c[2] - c[3] - c[4], c[1], c[2], c[3], c[4], age)
-    return out
-
-
-def _state_table_bytes(states: Any) -> int:
-    """Bytes of a state table's masks: Python ints by ``sys.getsizeof``; roaring sets by their container
-    bytes (``sys.getsizeof`` of a FrozenBitMap = its serialized size) plus 64 B per set (Python object and
-    ``roaring_bitmap_t`` header, an estimate)."""
-    total = 0
-    seen: set[int] = set()
-    for row in (*states.states, [m for sp in states.special for m, _ in sp], states.all, states.confirmed):
-        for m in row:
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            total += sys.getsizeof(m) + (0 if isinstance(m, int) else 64)
-    return total
-
-
-def replica_sets(
-    replicas: int, target_nodes: int, queries: dict[int, int], log: Callable[[str], None]
-) -> dict[str, Any]:
-    """Build the workload over ``replicas`` replicas into two indexes (int masks, roaring sets); measure store
-    rate (CPU time), match p50 (keys precomputed, calls interleaved) and bytes per node.
-
-    The two indexes share everything but the set type, so their bytes per node differ only by the state
-    table: ``<kind>_bytes_per_node`` = the node structures and key ints (``deep_bytes_per_node``, identical for
-    both) + the state table's bytes / nodes (RSS growth is too coarse to separate a few kB).
-    """
+def _scale_one(replicas: int, target_nodes: int, counts: dict[int, int]) -> dict[str, Any]:
+    """One ``scale`` point, in a fresh process (forked: the RSS growth is this index's alone)."""
     seed_key = root_seed("bench-model")
-    sys_prompts, convs, _, _ = build_workload(target_nodes, seed_key, replicas)
+    t0 = time.perf_counter()
+    sys_prompts, convs, expected, _ = build_workload(target_nodes, seed_key, replicas)
     events = build_events(convs)
-    qs = draw_queries(convs, queries)
-    entries = sum(len(k) for _, _, k in events)
-    res: dict[str, Any] = {"replicas": replicas, "stored_block_entries": entries}
-    built: dict[str, PrefixIndex] = {}
+    queries = draw_queries(convs, counts)
+    build_s = time.perf_counter() - t0
     gc.collect()
+    gc.freeze()
     gc.disable()
-    best: dict[str, float] = {}
-    for kind in ("int_mask", "roaring", "roaring", "int_mask"):  # each twice, in both orders: the best counts
-        built.pop(kind, None)
-        gc.collect()
-        idx = PrefixIndex(block_size=BLOCK)
-        if kind == "roaring":
-            idx._states = RoaringStates()  # type: ignore[assignment]
-        store = idx.store
-        c0 = time.process_time()
-        for w, parent, keys in events:
-            store(w, parent, keys)
-        cpu = best[kind] = min(time.process_time() - c0, best.get(kind, float("inf")))
-        built[kind] = idx
-        nodes = max(len(idx), 1)
-        deep = deep_bytes_per_node(idx)
-        table_bytes = _state_table_bytes(idx._states)
-        res[f"{kind}_store_blocks_per_s_cpu"] = round(entries / cpu)
-        res[f"{kind}_state_table_bytes"] = table_bytes
-        res[f"{kind}_states"] = idx._states.in_use()
-        res[f"{kind}_bytes_per_state"] = round(table_bytes / max(len(idx._states), 1), 1)
-        res[f"{kind}_bytes_per_node"] = round(
-            deep["struct_bytes_per_node"] + deep["key_int_bytes_per_node"] + table_bytes / nodes, 1
-        )
-        log(f"{replicas} replicas, {kind}: stored {len(idx)} nodes")
-    res["nodes"] = len(built["int_mask"])
-    mask_idx, roar_idx = built["int_mask"], built["roaring"]
-    from pyroaring import FrozenBitMap
-
-    live = FrozenBitMap(range(roar_idx._next_slot))
-    failures = 0
-    clk = time.perf_counter_ns
-    for length, ql in qs.items():
-        if not ql:
-            continue
-        t_mask: list[float] = []
-        t_roar: list[float] = []
-        for n, q in enumerate(ql):
-            keys = block_keys(query_tokens(q, sys_prompts, convs), BLOCK, seed_key)
-            for first in (0, 1) if n % 2 else (1, 0):
-                t0 = clk()
-                if first:
-                    a = mask_idx.match(keys)
-                else:
-                    b = roaring_match(roar_idx, keys, live)
-                (t_mask if first else t_roar).append((clk() - t0) / 1000)
-            if {r: (m.blocks, m.gpu) for r, m in a.items()} != {r: (m.blocks, m.gpu) for r, m in b.items()}:
-                failures += 1
-        tag = f"{length // 1024}k"
-        res[f"int_mask_match_{tag}_p50_us"] = round(pct(t_mask, 50), 2)
-        res[f"roaring_match_{tag}_p50_us"] = round(pct(t_roar, 50), 2)
-    res["match_check_failures"] = failures
+    idx, store_s, store_cpu_s, rss_growth = _time_store(events, lambda _: None)
+    entries = sum(len(k) for _, _, k in events)
+    lay = idx.layout_stats()
+    nodes = max(lay["nodes"], 1)
+    res: dict[str, Any] = {
+        "replicas": replicas,
+        "target_nodes": target_nodes,
+        "nodes": lay["nodes"],
+        "stored_block_entries": entries,
+        "replicas_holding": len(idx.stats()["blocks"]),
+        "workload_build_s": round(build_s, 1),
+        "store_blocks_per_s_cpu": round(entries / store_cpu_s),
+        "bytes_per_node": round(rss_growth / nodes, 1),
+        "estimated_bytes_per_node": round(idx.estimated_bytes() / nodes, 1),
+        "states": lay["states"],
+        "state_mask_bytes": lay["state_mask_bytes"],
+        "node_ids_per_node": round(lay["node_ids"] / nodes, 3),
+        "index_rss_mb": round(rss_growth / 2**20),
+        "process_peak_rss_mb": round(_peak_rss_bytes() / 2**20),
+    }
+    res.update(deep_bytes_per_node(idx))
+    failures = _time_matches(idx, queries, sys_prompts, convs, seed_key, res)
+    res["match_check_failures"] = failures + (0 if lay["nodes"] == expected else 1)
+    for name in list(res):  # keep match (hash + walk; wall and CPU time) and find (the walk alone)
+        if name.startswith(("fused_", "hash_")):
+            del res[name]
     gc.enable()
+    gc.unfreeze()
     return res
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status")
+
+
+def scale(
+    replicas: Sequence[int], targets: Sequence[int], counts: dict[int, int], log: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Index memory and match time for every (fleet size, index size): the reference workload drawn over
+    ``replicas`` replicas up to ``target`` nodes, stored, then queried (1k / 8k / 32k tokens, hashing included).
+
+    Each point runs in a fresh process; a point that cannot run (out of memory: the process is killed) is
+    reported with its ``error`` instead of figures.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    out: list[dict[str, Any]] = []
+    for target in targets:
+        for r in replicas:
+            log(f"scale: {r} replicas, {target} nodes ...")
+            try:
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+                    one = pool.submit(_scale_one, r, target, counts).result()
+            except (BrokenProcessPool, MemoryError) as exc:
+                one = {"replicas": r, "target_nodes": target, "error": f"{type(exc).__name__}: {exc}"}
+            log(f"  {json.dumps(one)}")
+            out.append(one)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -771,7 +602,7 @@ def _chain_memory_one(
         f"{path}_nodes": len(idx),
         f"{path}_bytes_per_node": round((rss1 - rss0) / nodes, 1),
         f"{path}_estimated_bytes_per_node": round(idx.estimated_bytes() / nodes, 1),
-        f"{path}_node_ids_per_node": round(len(idx._keys) / nodes, 3),
+        f"{path}_node_ids_per_node": round(idx.layout_stats()["node_ids"] / nodes, 3),
         f"{path}_engine_entries": st["engine_entries"],
         f"{path}_peak_bytes_per_budget_node": round((peak - rss0) / budget_nodes, 1)
         if budget_nodes
@@ -908,21 +739,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the result object as JSON on stdout")
     ap.add_argument(
         "--mode",
-        choices=("index", "replica-sets", "memory"),
+        choices=("index", "scale", "memory"),
         default="index",
-        help="index: the reference workload (default); replica-sets: interned int masks vs interned "
-        "roaring sets at --replicas; memory: bytes per node with long chains as engine events",
+        help="index: the reference workload (default); scale: memory and match time at each of --replicas x "
+        "--target-nodes; memory: bytes per node with long chains as engine events",
     )
     ap.add_argument(
         "--target-nodes",
-        type=int,
         default=None,
-        help="stop drawing conversations here (default 1M; 300k in replica-sets mode)",
+        help="stop drawing conversations here (default 1M; scale mode: a comma-separated list, default "
+        "1000000,10000000)",
     )
     ap.add_argument("--queries-1k", type=int, default=2000)
     ap.add_argument("--queries-8k", type=int, default=1000)
     ap.add_argument("--queries-32k", type=int, default=400)
-    ap.add_argument("--replicas", default="64,4096", help="replica-sets mode: comma-separated fleet sizes")
+    ap.add_argument("--replicas", default="64,512,4096", help="scale mode: comma-separated fleet sizes")
     ap.add_argument("--chains", type=int, default=100, help="memory mode: distinct long chains")
     ap.add_argument("--chain-tokens", type=int, default=32768, help="memory mode: tokens per chain")
     ap.add_argument(
@@ -943,25 +774,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     counts = {1024: args.queries_1k, 8192: args.queries_8k, 32768: args.queries_32k}
     result: dict[str, Any] | list[dict[str, Any]]
-    if args.mode == "replica-sets":
-        try:
-            import pyroaring  # noqa: F401
-        except ImportError:
-            log(
-                "--mode replica-sets compares against pyroaring, which kvroute does not depend on: "
-                "pip install 'pyroaring>=1.0,<2.0' first"
-            )
-            return 2
-        target = args.target_nodes or 300_000
-        result = [replica_sets(int(r), target, counts, log) for r in args.replicas.split(",")]
-        failures = sum(r["match_check_failures"] for r in result)
+    if args.mode == "scale":
+        targets = [int(x) for x in (args.target_nodes or "1000000,10000000").split(",")]
+        result = scale([int(r) for r in args.replicas.split(",")], targets, counts, log)
+        failures = sum(r.get("match_check_failures", 0) for r in result)
     elif args.mode == "memory":
         result = long_chain_memory(
             args.chains, args.chain_tokens, args.replicas_per_chain, args.page_blocks, args.budget_nodes, log
         )
         failures = 0
     else:
-        result = run(args.target_nodes or 1_000_000, counts, log)
+        result = run(int(args.target_nodes or 1_000_000), counts, log)
         log(table(result))
         failures = result["match_check_failures"]
     if args.json:
