@@ -427,6 +427,9 @@ class _Feed:
                 if action.replayed and self._over_budget:
                     follow += self._drop_replay(queue)
                 queue.extendleft(reversed(follow))
+                # one batch at a time: requests (and the other feeds) run between two batches of a backlog or a
+                # replay, which would otherwise be applied back to back (only slices of one batch yielded)
+                await asyncio.sleep(0)
             elif isinstance(action, Clear):
                 exc = self.applier.clear()
                 if exc is not None:

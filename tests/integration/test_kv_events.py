@@ -687,3 +687,31 @@ async def test_engine_restart_seen_only_in_its_metrics_clears_the_replica(rigs: 
     t = rig.totals()
     assert t["restarts"] == 1 and t["notes"].get("restart_detected_by_start_time") == 1
     assert t["replays"].get("restart:ok") == 1 and t["degraded_replicas"] == 0
+
+
+async def test_a_replayed_backlog_is_applied_one_batch_at_a_time(rigs: list[Rig]) -> None:
+    """A replay of many batches (a gap, a router restart) is applied with the event loop free between two
+    batches: another coroutine runs between them (before, the whole backlog was applied back to back)."""
+    rig = await connected_rig(rigs, "vllm")
+    toks, hs, keys = chain(41)
+    publish_unseen(rig, [PubStored(hs[:1], None, toks[:16], BS)])
+    for i in range(1, 40):  # a backlog the feed only gets by replay
+        publish_unseen(rig, [PubStored(hs[i : i + 1], hs[i - 1], toks[16 * i : 16 * i + 16], BS)])
+    seen: list[int] = []
+    done = asyncio.Event()
+
+    async def observe() -> None:
+        while not done.is_set():
+            seen.append(rig.totals()["batches"])
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(observe())
+    try:
+        rig.pub.publish([PubStored(hs[40:], hs[39], toks[640:], BS)])  # the gap shows: replay
+        await until(lambda: matched(rig.index, keys) == 41, what="backlog applied")
+    finally:
+        done.set()
+        await watcher
+    steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if b != a]
+    assert rig.totals()["replays"].get("gap:ok") == 1
+    assert steps and max(steps) <= 2, steps
