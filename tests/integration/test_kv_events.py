@@ -731,9 +731,9 @@ async def test_feeds_take_turns_one_batch_at_a_time(rigs: list[Rig]) -> None:
         await rig.sub.add_replica(
             FeedSpec(i, f"r{i}", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}", "kv", MODEL)
         )
-    for i, pub in enumerate(pubs[1:], 1):  # joined: each new feed's first batch arrives live or by replay
+    for name in ("r1", "r2"):  # joined (the new feeds' sockets connected)
         await until(
-            lambda: rig.sub.stats()["replicas"].get(f"r{i}", {}).get("connected"), what=f"r{i} connected"
+            lambda n=name: rig.sub.stats()["replicas"].get(n, {}).get("connected"), what=f"{name} connected"
         )
     chains = [chain(21, base=1000 + 10_000 * i) for i in range(3)]
     for pub, (toks, hs, _) in zip(pubs, chains, strict=True):
