@@ -443,6 +443,8 @@ class KVEventPublisher:
         faults: fault injection settings (shared, mutable).
         media: (medium, locality) announced per tier, overriding the engine's own spellings.
         store_only: never announce a removal from a non-GPU tier (LMCache's connector).
+        send_hwm: the PUB socket's send high-water mark, messages (vLLM's default 100,000; beyond it a batch is
+            dropped, counted in ``stats.dropped``).
     """
 
     def __init__(
@@ -457,6 +459,7 @@ class KVEventPublisher:
         faults: Faults | None = None,
         media: Media | None = None,
         store_only: bool = False,
+        send_hwm: int = 100_000,
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown KV event format {fmt!r}; known: {', '.join(FORMATS)}")
@@ -468,6 +471,7 @@ class KVEventPublisher:
         self.hash_bytes = hash_bytes
         self.media = dict(media or {})
         self.store_only = store_only
+        self.send_hwm = send_hwm
         self.faults = faults or Faults()
         self.stats = PublisherStats()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(1, buffer_steps))
@@ -499,7 +503,7 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, 100_000)
+        pub.setsockopt(zmq.SNDHWM, self.send_hwm)
         pub.bind(self.endpoint)
         self._pub = pub
         replay_bound: str | None = None

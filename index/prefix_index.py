@@ -248,6 +248,7 @@ class PrefixIndex(NodeTable):
         kl[start:end] = [None] * run
         self._sidl[start:end] = [0] * run
         self._dead_nodes += run
+        self._free_extent(start, run)
 
     def _gc_states(self) -> None:
         """Rebuild the state table from the states nodes are in (states of churned replica sets pile up)."""
@@ -581,6 +582,10 @@ class PrefixIndex(NodeTable):
                     else:
                         place = -1
                         cap = tip[1] if tip is not None else 0
+                        room = self._take_extent(len(keys)) if self._n_extents else None
+                        if room is not None:  # the room of an evicted path (at most len(keys) new nodes)
+                            place, place_end = room
+                            cap = place_end - place
                 if place >= 0:
                     nid = place
                     place += 1

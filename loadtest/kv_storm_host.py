@@ -272,7 +272,15 @@ class Engine:
     def __init__(self, shape: StormShape, index: int, metrics_page: bytes) -> None:
         self.index = index
         self.stream = engine_stream(shape, index)
-        self.publisher = KVEventPublisher("vllm", f"tcp://{HOST}:*", f"tcp://{HOST}:*", buffer_steps=4096)
+        # a replay buffer for the warm-up (the router asks for history when it connects) and a send queue of
+        # ~15 s of this engine's batches: beyond, the router is not keeping up and batches are dropped (counted)
+        self.publisher = KVEventPublisher(
+            "vllm",
+            f"tcp://{HOST}:*",
+            f"tcp://{HOST}:*",
+            buffer_steps=len(self.stream.warm) + 64,
+            send_hwm=64,
+        )
         self.metrics = metrics_page
         self.models = json.dumps(
             {"object": "list", "data": [{"id": shape.model, "object": "model", "max_model_len": 131072}]}

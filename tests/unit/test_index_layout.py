@@ -24,3 +24,28 @@ def test_layout_stats_follow_the_nodes_holes_and_states() -> None:
     idx.remove(0, paths[0])
     after = idx.layout_stats()
     assert after["nodes"] == 1000 and after["dead_ids"] + after["reserved_ids"] >= lay["reserved_ids"]
+
+
+def test_an_evicted_paths_room_takes_the_next_path_instead_of_growing_the_arrays() -> None:
+    """An engine cache under churn evicts as much as it stores: each new path moves into the node ids of a path
+    evicted before it, so the per-id arrays stop growing (before, every path was appended and the holes waited for
+    a compaction that moved every live node)."""
+    idx = PrefixIndex(block_size=16)
+    rng = random.Random(4)
+    live: list[list[int]] = []
+    for _ in range(8):
+        live.append([rng.getrandbits(64) for _ in range(512)])
+        idx.store(0, None, live[-1])
+    ids_before = idx.layout_stats()["node_ids"]
+    for _ in range(40):
+        old = live.pop(0)
+        idx.remove(0, old[::-1])  # vLLM's order: a request's blocks tail first
+        live.append([rng.getrandbits(64) for _ in range(512)])
+        idx.store(0, None, live[-1])
+        idx._check_layout()
+    lay = idx.layout_stats()
+    assert lay["nodes"] == 8 * 512
+    assert lay["node_ids"] == ids_before
+    assert idx.stats()["compactions"] == 0
+    for path in live:  # and every path is one stretch of ids again
+        assert idx.match(path)[0].blocks == 512
