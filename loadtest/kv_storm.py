@@ -10,24 +10,28 @@ For each rung N of the ladder, on loopback:
    answers ``/health``, ``/v1/models`` and ``/metrics`` with a real vLLM page on an HTTP port of its own).
 2. A real ``kvroute serve`` process (policy ``ttft``, default settings) gets the N engines as static replicas
    (events + replay endpoints) and, once every replica is ready, the engines' warm-up pass (their caches fill).
-3. Idle window (``--idle-s``): no events; a client asks ``POST /route`` (``token_ids`` of prompts the engines
-   hold, ``--route-tokens`` long) at ``--route-rate`` per second from ``--route-clients`` keep-alive
-   connections, and the latency of each answer is measured from the moment it was due (a late start counts).
-   The router's CPU (psutil: the whole process and its event-loop thread) is read before and after.
-4. Storm window (``--storm-s``, after ``--ramp-s``): every engine publishes its busy stream (a batch per
-   scheduler step: ~512 ``BlockRemoved`` + one 512-block ``BlockStored``, 1,875 stored and as many evicted
-   blocks per second at the default 30k prefill tokens/s; ``loadtest.kv_storm_host`` says where the rates come
-   from) while the same client measures ``/route`` again. Blocks applied are read from the router's own counters
+3. Idle windows: no events; a client asks ``POST /route`` (``token_ids`` of prompts the engines hold,
+   ``--route-tokens`` long) at ``--route-rate`` per second from ``--route-clients`` keep-alive connections, and
+   the latency of each answer is measured from the moment it was due (a late start counts). The router's CPU
+   (psutil: the whole process and its event-loop thread) is read before and after.
+4. Storm windows (after ``--ramp-s``): every engine publishes its busy stream (a batch per scheduler step: ~512
+   ``BlockRemoved`` + one 512-block ``BlockStored``, 1,875 stored and as many evicted blocks per second at the
+   default 30k prefill tokens/s; ``loadtest.kv_storm_host`` says where the rates come from) while the same
+   client measures ``/route`` again. Blocks applied are read from the router's own counters
    (``kvroute_kv_event_stored_blocks_total`` + ``kvroute_kv_events_ingested_total{type="BlockRemoved"}``: vLLM
    sends one removal event per block).
 
+Idle and storm windows alternate ``--rounds`` times (``--idle-s`` and ``--storm-s`` in all, split evenly), so
+that load from elsewhere on the machine falls on both alike; latencies and CPU are pooled per kind.
+
 Per rung: offered and applied blocks per second, router CPU cores (process and event-loop thread) idle and under
 the storm, ``/route`` p50 / p99 idle and under the storm, the router's event lag and any gaps, replays or drops,
-``kept_up`` (applied what was sent, lag under a second, nothing lost) and ``flat`` (kept up and p99 under the storm
-within ``--flat-ms`` of the idle p99). ``events_per_s_per_core`` = blocks applied per second per router CPU
-second the events cost (storm CPU minus idle CPU: routing, probes and scrapes are paid either way);
-``events_per_s_per_core_gross`` divides by all of the router's CPU. The top-level figures are those of the
-largest flat rung; the ladder stops at the first rung that does not keep up (the router is saturated).
+``kept_up`` (applied what was sent, lag under a second, nothing lost) and ``flat`` (kept up, and the p99 under the
+storm within ``--flat-ms`` or ``--flat-factor`` times the idle p99, whichever allows more). ``events_per_s_per_core``
+= blocks applied per second per router CPU second the events cost (storm CPU minus idle CPU: routing, probes and
+scrapes are paid either way); ``events_per_s_per_core_gross`` divides by all of the router's CPU. The top-level
+figures are those of the largest flat rung; the ladder stops at the first rung that does not keep up (the router
+is saturated).
 
 On a machine shared with other work the router may not get a whole core: read ``loadavg`` with the results.
 The per-core figure (blocks per CPU second) is what carries over; the rung where latency stops being flat
@@ -48,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,12 +84,14 @@ class StormOptions:
 
     idle_s: float = 10.0
     storm_s: float = 20.0
-    ramp_s: float = 3.0
+    ramp_s: float = 2.0
     route_rate: float = 40.0
     route_clients: int = 4
     route_tokens: int = 2048
     engines_per_process: int = 16
     flat_ms: float = 5.0
+    flat_factor: float = 1.5
+    rounds: int = 3
     ready_timeout_s: float = 120.0
     router_args: tuple[str, ...] = ()
     profile_dir: str | None = None
@@ -306,6 +312,7 @@ async def route_window(
         "p99_ms": round(_pct(lat, 99), 2),
         "answers": len(lat),
         "errors": sum(errs),
+        "latencies_ms": lat,
     }
 
 
@@ -321,33 +328,60 @@ def _pct(values: list[float], p: float) -> float:
 
 
 @dataclass(slots=True)
-class Window:
-    """What one measured window saw: route latency, router CPU, counters before and after, host stats after."""
+class Tally:
+    """What the windows of one kind (idle or storm) saw, summed: route latencies (ms) and errors, wall seconds,
+    router CPU seconds (process, event-loop thread), engine blocks applied by the router and sent by the engines."""
 
-    route: dict[str, Any]
-    wall_s: float
-    cpu_s: float
-    loop_cpu_s: float
-    before: dict[str, float]
-    after: dict[str, float]
-    hosts_before: list[dict[str, Any]]
-    hosts_after: list[dict[str, Any]]
+    latencies_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    loop_cpu_s: float = 0.0
+    applied: float = 0.0
+    sent: float = 0.0
+
+    def cores(self) -> float:
+        """Router CPU cores busy (CPU seconds per wall second)."""
+        return self.cpu_s / self.wall_s if self.wall_s else 0.0
+
+    def pct(self, p: float) -> float:
+        """Latency percentile, ms."""
+        return round(_pct(self.latencies_ms, p), 2)
+
+
+def _sent(hosts: list[HostProc]) -> float:
+    """Engine blocks the hosts have sent in storms so far (stored + removed)."""
+    stats = [h.get("/stats") for h in hosts]
+    return _host_sum(stats, "stored_blocks") + _host_sum(stats, "removed_blocks")
 
 
 def measure(
-    pid: int, url: str, hosts: list[HostProc], bodies: list[bytes], opts: StormOptions, seconds: float
-) -> Window:
-    """Run the route client for ``seconds`` with every reading taken around it."""
-    hb = [h.get("/stats") for h in hosts]
+    pid: int,
+    url: str,
+    hosts: list[HostProc],
+    bodies: list[bytes],
+    opts: StormOptions,
+    seconds: float,
+    into: Tally,
+) -> tuple[dict[str, float], float]:
+    """Run the route client for ``seconds`` with the readings taken around it, added to ``into``; the router's
+    counters and the engines' sent blocks at the end."""
+    sent0 = _sent(hosts)
     before = router_counters(url)
     c0, l0 = cpu_times(pid)
     t0 = time.monotonic()
     route = asyncio.run(route_window(url, bodies, opts.route_rate, opts.route_clients, seconds))
-    wall = time.monotonic() - t0
+    into.wall_s += time.monotonic() - t0
     c1, l1 = cpu_times(pid)
     after = router_counters(url)
-    ha = [h.get("/stats") for h in hosts]
-    return Window(route, wall, c1 - c0, l1 - l0, before, after, hb, ha)
+    sent1 = _sent(hosts)
+    into.cpu_s += c1 - c0
+    into.loop_cpu_s += l1 - l0
+    into.latencies_ms += route["latencies_ms"]
+    into.errors += route["errors"]
+    into.applied += applied_blocks(after) - applied_blocks(before)
+    into.sent += sent1 - sent0
+    return after, sent1
 
 
 def _host_sum(stats: list[dict[str, Any]], key: str) -> float:
@@ -355,70 +389,75 @@ def _host_sum(stats: list[dict[str, Any]], key: str) -> float:
 
 
 def wait_applied(url: str, want_blocks: float, timeout_s: float) -> float:
-    """Wait until the router has stored ``want_blocks`` blocks (the warm-up); returns the seconds it took."""
+    """Wait until the router has applied ``want_blocks`` engine blocks in all; returns the seconds it took."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        if router_counters(url)["kvroute_kv_event_stored_blocks_total"] >= want_blocks:
+        if applied_blocks(router_counters(url)) >= want_blocks:
             return time.monotonic() - t0
         time.sleep(0.2)
-    raise FleetError(f"the router did not apply the warm-up ({want_blocks:.0f} blocks) in {timeout_s}s")
+    raise FleetError(f"the router did not apply {want_blocks:.0f} blocks in {timeout_s}s")
 
 
-def rung_result(n: int, shape: StormShape, opts: StormOptions, idle: Window, storm: Window) -> dict[str, Any]:
+@dataclass(slots=True)
+class RungState:
+    """One rung's readings: the two tallies, the router's counters at the start, the worst backlog and lag seen
+    at the end of a storm window."""
+
+    start: dict[str, float]
+    idle: Tally = field(default_factory=Tally)
+    storm: Tally = field(default_factory=Tally)
+    backlog: float = 0.0
+    lag_s: float = 0.0
+    end: dict[str, float] = field(default_factory=dict)
+
+
+_LOSS_KEYS = (
+    "kvroute_kv_event_gaps_total",
+    "kvroute_kv_event_missing_batches_total",
+    "kvroute_kv_events_dropped_total",
+    "kvroute_kv_event_orphans_total",
+    "replays",
+)
+
+
+def rung_result(
+    n: int, shape: StormShape, opts: StormOptions, st: RungState, hosts: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The figures of one rung (see the module docstring)."""
-    sent_blocks = _host_sum(storm.hosts_after, "stored_blocks") + _host_sum(
-        storm.hosts_after, "removed_blocks"
-    )
-    sent_in = (
-        sent_blocks
-        - _host_sum(storm.hosts_before, "stored_blocks")
-        - _host_sum(storm.hosts_before, "removed_blocks")
-    )
-    applied_in = applied_blocks(storm.after) - applied_blocks(storm.before)
-    backlog = sent_blocks - (applied_blocks(storm.after) - _host_sum(storm.hosts_after, "warm_stored_blocks"))
-    idle_cores = idle.cpu_s / idle.wall_s
-    storm_cores = storm.cpu_s / storm.wall_s
-    applied_per_s = applied_in / storm.wall_s
-    lost = {
-        k: storm.after[k] - idle.before[k]
-        for k in (
-            "kvroute_kv_event_gaps_total",
-            "kvroute_kv_event_missing_batches_total",
-            "kvroute_kv_events_dropped_total",
-            "kvroute_kv_event_orphans_total",
-            "replays",
-        )
-    }
-    drops = _host_sum(storm.hosts_after, "hwm_drops")
+    idle, storm = st.idle, st.storm
+    lost = {k: st.end[k] - st.start[k] for k in _LOSS_KEYS}
+    drops = _host_sum(hosts, "hwm_drops")
     kept_up = (
-        backlog <= 2 * n * 2 * shape.step_blocks
-        and storm.after["lag_max_s"] < 1.0
+        st.backlog <= 2 * n * 2 * shape.step_blocks
+        and st.lag_s < 1.0
         and not any(lost.values())
         and not drops
-        and storm.route["errors"] == 0
+        and storm.errors == 0
     )
-    extra = storm_cores - idle_cores
-    p99_idle, p99_storm = idle.route["p99_ms"], storm.route["p99_ms"]
+    extra = storm.cores() - idle.cores()
+    applied_per_s = storm.applied / storm.wall_s
+    p99_idle, p99_storm = idle.pct(99), storm.pct(99)
+    flat = kept_up and p99_storm <= max(p99_idle + opts.flat_ms, p99_idle * opts.flat_factor)
     return {
         "engines": n,
-        "offered_blocks_per_s": round(sent_in / storm.wall_s),
+        "offered_blocks_per_s": round(storm.sent / storm.wall_s),
         "applied_blocks_per_s": round(applied_per_s),
-        "backlog_blocks": round(backlog),
-        "router_cpu_cores_idle": round(idle_cores, 3),
-        "router_cpu_cores_storm": round(storm_cores, 3),
+        "backlog_blocks": round(st.backlog),
+        "router_cpu_cores_idle": round(idle.cores(), 3),
+        "router_cpu_cores_storm": round(storm.cores(), 3),
         "router_loop_cpu_cores_idle": round(idle.loop_cpu_s / idle.wall_s, 3),
         "router_loop_cpu_cores_storm": round(storm.loop_cpu_s / storm.wall_s, 3),
         "events_per_s_per_core": round(applied_per_s / extra) if extra > 0.01 else None,
-        "events_per_s_per_core_gross": round(applied_per_s / storm_cores) if storm_cores > 0 else None,
-        "route_p50_ms_idle": idle.route["p50_ms"],
+        "events_per_s_per_core_gross": round(applied_per_s / storm.cores()) if storm.cpu_s > 0 else None,
+        "route_p50_ms_idle": idle.pct(50),
         "route_p99_ms_idle": p99_idle,
-        "route_p50_ms_under_storm": storm.route["p50_ms"],
+        "route_p50_ms_under_storm": storm.pct(50),
         "route_p99_ms_under_storm": p99_storm,
-        "route_answers": [idle.route["answers"], storm.route["answers"]],
-        "route_errors": [idle.route["errors"], storm.route["errors"]],
-        "lag_max_s": round(storm.after["lag_max_s"], 3),
+        "route_answers": [len(idle.latencies_ms), len(storm.latencies_ms)],
+        "route_errors": [idle.errors, storm.errors],
+        "lag_max_s": round(st.lag_s, 3),
         "publisher_hwm_drops": int(drops),
-        "late_sends": int(_host_sum(storm.hosts_after, "late_sends")),
+        "late_sends": int(_host_sum(hosts, "late_sends")),
         **{
             k.removeprefix("kvroute_kv_event_")
             .removeprefix("kvroute_kv_events_")
@@ -426,43 +465,68 @@ def rung_result(n: int, shape: StormShape, opts: StormOptions, idle: Window, sto
             for k, v in lost.items()
         },
         "kept_up": kept_up,
-        "flat": kept_up and p99_storm <= p99_idle + opts.flat_ms,
+        "flat": flat,
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 
 
+def _phase(hosts: list[HostProc], phase: str) -> None:
+    for h in hosts:
+        h.get(f"/phase/{phase}")
+
+
+def _rounds(
+    n: int,
+    router: ManagedProcess,
+    url: str,
+    hosts: list[HostProc],
+    bodies: list[bytes],
+    opts: StormOptions,
+    st: RungState,
+    warm: float,
+) -> None:
+    """The rung's alternating windows: idle, then storm (after the ramp), ``opts.rounds`` times; after each
+    storm the router is given time to apply what was sent before the next idle window."""
+    rounds = max(1, opts.rounds)
+    for r in range(rounds):
+        measure(router.pid, url, hosts, bodies, opts, opts.idle_s / rounds, st.idle)
+        _phase(hosts, "storm")
+        time.sleep(opts.ramp_s)  # the engines' first batches and the router's first slices settle
+        spy = None
+        if opts.profile_dir and r == 0:
+            spy = PySpy.start(router.pid, Path(opts.profile_dir) / f"storm-{n}.txt", 100)
+        try:
+            after, sent = measure(router.pid, url, hosts, bodies, opts, opts.storm_s / rounds, st.storm)
+        finally:
+            if spy is not None:
+                spy.stop()
+        _phase(hosts, "idle")
+        st.backlog = max(st.backlog, sent - (applied_blocks(after) - warm))
+        st.lag_s = max(st.lag_s, after["lag_max_s"])
+        try:
+            wait_applied(url, warm + _sent(hosts), 10.0)
+        except FleetError:
+            break  # not keeping up: the backlog shows it
+
+
 def run_rung(n: int, shape: StormShape, opts: StormOptions, log_dir: Path, log: Any) -> dict[str, Any]:
-    """Start N engines and a router, measure idle then storm, stop everything."""
+    """Start N engines and a router, measure alternating idle and storm windows, stop everything."""
     hosts = start_hosts(n, shape, opts, log_dir)
     router: ManagedProcess | None = None
     try:
         router, url = start_router(hosts, shape, opts, log_dir, f"{n}")
-        for h in hosts:
-            h.get("/phase/warm")
-        warm = sum(e["warm_stored"] for h in hosts for e in h.engines)
+        _phase(hosts, "warm")
+        warm = float(sum(e["warm_stored"] for h in hosts for e in h.engines))
         took = wait_applied(url, warm, opts.ready_timeout_s)
-        log(f"  {n} engines: router ready, warm-up of {warm} blocks applied in {took:.1f}s")
+        log(f"  {n} engines: router ready, warm-up of {warm:.0f} blocks applied in {took:.1f}s")
         bodies = route_bodies(shape, n, opts.route_tokens)
         asyncio.run(
             route_window(url, bodies, opts.route_rate, opts.route_clients, 1.0)
         )  # warm the client path
-        idle = measure(router.pid, url, hosts, bodies, opts, opts.idle_s)
-        for h in hosts:
-            h.get("/phase/storm")
-        time.sleep(opts.ramp_s)  # the engines' first batches and the router's first slices settle
-        spy = (
-            PySpy.start(router.pid, Path(opts.profile_dir) / f"storm-{n}.txt", 100)
-            if opts.profile_dir
-            else None
-        )
-        try:
-            storm = measure(router.pid, url, hosts, bodies, opts, opts.storm_s)
-        finally:
-            if spy is not None:
-                spy.stop()
-        for h in hosts:
-            h.get("/phase/idle")
-        return rung_result(n, shape, opts, idle, storm)
+        st = RungState(router_counters(url))
+        _rounds(n, router, url, hosts, bodies, opts, st, warm)
+        st.end = router_counters(url)
+        return rung_result(n, shape, opts, st, [h.get("/stats") for h in hosts])
     finally:
         if router is not None:
             router.stop()
@@ -499,6 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--route-tokens", type=int, default=d.route_tokens, help="token ids per /route request")
     p.add_argument("--engines-per-process", type=int, default=d.engines_per_process)
     p.add_argument("--flat-ms", type=float, default=d.flat_ms, help="p99 rise still called flat, ms")
+    p.add_argument(
+        "--flat-factor", type=float, default=d.flat_factor, help="p99 ratio (storm / idle) still called flat"
+    )
+    p.add_argument("--rounds", type=int, default=d.rounds, help="idle / storm window pairs per rung")
     p.add_argument("--router-arg", action="append", default=[], help="extra kvroute serve flag (repeatable)")
     p.add_argument("--log-dir", default=None, help="keep process logs here (default: temporary, removed)")
     p.add_argument(
@@ -523,6 +591,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.route_tokens,
         args.engines_per_process,
         args.flat_ms,
+        args.flat_factor,
+        args.rounds,
         router_args=tuple(args.router_arg),
         profile_dir=args.profile_dir,
     )
