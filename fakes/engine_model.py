@@ -80,6 +80,7 @@ from typing import Any
 
 import xxhash
 
+from fakes.engine_lora import AdapterCache, LoraSettings
 from policies.base import ReplicaProfile, TierLink
 
 #: Qwen3-8B (the seeds' model): non-embedding parameters, layers, attention width, KV bytes per token.
@@ -273,6 +274,8 @@ class EngineRequest:
         remote_kv_tokens: prompt tokens whose KV another replica computed and handed over (prefill/decode
             disaggregation): at admission they count as computed and their full blocks are cached here, so only
             the rest (at least the last prompt token, as vLLM's decode side recomputes it) is prefilled, tokens.
+        lora: the LoRA adapter the request runs with, or None (an engine built with ``lora`` settings holds it
+            to ``max_loras`` adapters per batch and loads it; ``fakes.engine_lora``).
     """
 
     request_id: str
@@ -282,6 +285,7 @@ class EngineRequest:
     token_ids: bytes | Sequence[int] | None = None
     tag: Any = None
     remote_kv_tokens: int = 0
+    lora: str | None = None
     # engine-internal state below
     arrival: float = 0.0
     est_uncached: int = 0
@@ -296,6 +300,7 @@ class EngineRequest:
     first_token_at: float = -1.0
     generated: int = 0
     seq: int = 0
+    deferred: bool = False
 
 
 @dataclass(slots=True)
@@ -389,6 +394,13 @@ class EngineMetrics:
         prompt_tokens_total / generation_tokens_total: tokens processed, tokens.
         requests_finished: completed requests. ttft_count / ttft_sum_s: first tokens and their TTFT sum.
         preempted: always 0 (no preemption modelled).
+        max_loras: adapters per batch (0: the engine serves no adapters).
+        lora_running / lora_waiting: adapters with requests running / waiting, sorted.
+        lora_gpu / lora_cpu: adapters in GPU slots / the CPU cache, least recently used first.
+        lora_deferred: waiting requests deferred for an adapter slot now (vLLM's ``num_requests_waiting_by_reason
+            {reason="deferred"}``). lora_deferred_total: requests deferred at least once.
+        lora_loads / lora_activations / lora_evictions: adapters loaded from storage / activated into a GPU slot /
+            evicted from either. lora_fetch_s: seconds the engine spent loading and activating adapters.
     """
 
     time: float
@@ -411,6 +423,17 @@ class EngineMetrics:
     ttft_sum_s: float
     preempted: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    max_loras: int = 0
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    lora_gpu: tuple[str, ...] = ()
+    lora_cpu: tuple[str, ...] = ()
+    lora_deferred: int = 0
+    lora_deferred_total: int = 0
+    lora_loads: int = 0
+    lora_activations: int = 0
+    lora_evictions: int = 0
+    lora_fetch_s: float = 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -434,6 +457,7 @@ class EngineModel:
         emit_kv_events: bool = True,
         hash_seed: int = 0x5EED_E9E1,
         name: str = "",
+        lora: LoraSettings | None = None,
     ) -> None:
         """Build an idle engine with an empty cache.
 
@@ -449,6 +473,8 @@ class EngineModel:
             emit_kv_events: emit ``BlockStored`` / ``BlockRemoved`` events.
             hash_seed: seed of the engine's own block hashes.
             name: label for logs.
+            lora: LoRA settings (``fakes.engine_lora``: ``max_loras`` per batch, the CPU cache, load bandwidth);
+                None serves no adapters (a request's ``lora`` is then ignored).
         """
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
         if block_size <= 0:
@@ -467,6 +493,8 @@ class EngineModel:
         self.emit_kv_events = emit_kv_events
         self.hash_seed = hash_seed
         self.name = name
+        #: the engine's adapters (None: LoRA off)
+        self.adapters: AdapterCache | None = AdapterCache(lora) if lora is not None else None
 
         self._init_cache_state()
         self._init_scheduling_state()
@@ -693,7 +721,7 @@ class EngineModel:
     def metrics(self) -> EngineMetrics:
         """A snapshot of the engine's counters and gauges."""
         held = len(self._ref) - len(self._free) + self._private
-        return EngineMetrics(
+        m = EngineMetrics(
             time=self._now,
             num_requests_waiting=len(self._waiting) + len(self._loading),
             num_requests_running=len(self._prefilling) + len(self._decoding),
@@ -713,6 +741,27 @@ class EngineModel:
             ttft_count=self._ttft_count,
             ttft_sum_s=self._ttft_sum,
         )
+        if self.adapters is not None:
+            self._lora_metrics(m, self.adapters)
+        return m
+
+    def _lora_metrics(self, m: EngineMetrics, ad: AdapterCache) -> None:
+        """Fill ``m``'s LoRA fields: adapters running / waiting, resident, deferred requests, counters."""
+        waiting = {r.lora for r in self._waiting if r.lora is not None}
+        full = len(ad.running) >= ad.settings.max_loras
+        m.max_loras = ad.settings.max_loras
+        m.lora_running = tuple(sorted(ad.running))
+        m.lora_waiting = tuple(sorted(waiting))
+        m.lora_gpu = tuple(ad.gpu)
+        m.lora_cpu = tuple(ad.cpu)
+        m.lora_deferred = (
+            sum(1 for r in self._waiting if r.lora is not None and r.lora not in ad.running) if full else 0
+        )
+        m.lora_deferred_total = ad.deferred_total
+        m.lora_loads = ad.loads
+        m.lora_activations = ad.activations
+        m.lora_evictions = ad.evictions
+        m.lora_fetch_s = ad.fetch_s_total
 
     def clear_cache(self, now: float) -> list[EngineEvent]:
         """Drop every evictable cached block (GPU and CPU) at ``now``; like vLLM's ``reset_prefix_cache``."""
@@ -777,23 +826,7 @@ class EngineModel:
                 continue
             chunks.append((r, c))
             budget -= c
-        # admit waiting requests FCFS
-        while (
-            budget > 0
-            and self._waiting
-            and len(self._prefilling) + len(self._decoding) + len(self._loading) < self.max_running
-        ):
-            r = self._waiting[0]
-            if not self._admit(r, t):
-                break
-            self._waiting.popleft()
-            if r.cpu_hit_blocks:
-                self._loading.append(r)
-                continue
-            self._prefilling.append(r)
-            c = min(r.prompt_tokens - r.computed, budget)
-            chunks.append((r, c))
-            budget -= c
+        fetch_s = self._admit_waiting(t, budget, chunks)
         for r, c in chunks:  # the step's prefill work: new tokens, attention pairs, context read (tokens)
             h = r.computed
             new_tokens += c
@@ -805,7 +838,45 @@ class EngineModel:
             return
         self._step_chunks = chunks
         self._step_decodes = n_dec
-        self._step_end = t + self.profile.step_time(new_tokens, pairs, ctx_read)
+        self._step_end = t + self.profile.step_time(new_tokens, pairs, ctx_read) + fetch_s
+
+    def _admit_waiting(self, t: float, budget: int, chunks: list[tuple[EngineRequest, int]]) -> float:
+        """Admit waiting requests FCFS into the step starting at ``t`` (prefill chunks appended to ``chunks``
+        within ``budget`` tokens); returns the seconds the step takes longer for adapter loads.
+
+        With LoRA on, a request whose adapter would make more than ``max_loras`` adapters run is skipped (vLLM:
+        deferred; it keeps its place) and later ones are still considered; the KV cache still blocks the head."""
+        ad = self.adapters
+        waiting = self._waiting
+        skipped: list[EngineRequest] = []
+        fetch_s = 0.0
+        while (
+            budget > 0
+            and waiting
+            and len(self._prefilling) + len(self._decoding) + len(self._loading) < self.max_running
+        ):
+            r = waiting[0]
+            if ad is not None and r.lora is not None and not ad.has_slot(r.lora):
+                skipped.append(waiting.popleft())
+                if not r.deferred:
+                    r.deferred = True
+                    ad.deferred_total += 1
+                continue
+            if not self._admit(r, t):
+                break
+            waiting.popleft()
+            if ad is not None and r.lora is not None:
+                fetch_s += ad.admit(r.lora)
+            if r.cpu_hit_blocks:
+                self._loading.append(r)
+                continue
+            self._prefilling.append(r)
+            c = min(r.prompt_tokens - r.computed, budget)
+            chunks.append((r, c))
+            budget -= c
+        if skipped:
+            waiting.extendleft(reversed(skipped))
+        return fetch_s
 
     def _admit(self, r: EngineRequest, t: float) -> bool:
         """Look up the prefix, reserve blocks; False when the KV cache cannot hold the request now."""
@@ -1001,6 +1072,8 @@ class EngineModel:
         """Request finished (or aborted): unpin its cached blocks (tail first) and free its private blocks."""
         if finished:
             self._finished += 1
+        if self.adapters is not None and r.lora is not None:
+            self.adapters.release(r.lora)
         hashes = r.block_hashes or []
         ref = self._ref
         held = r.held_blocks

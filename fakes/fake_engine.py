@@ -12,8 +12,10 @@ HTTP (FastAPI on uvicorn):
   prompt tokens reused from the prefix cache), and a stream carries its usage chunk only when the client sets
   ``stream_options.include_usage`` or the engine runs ``--enable-force-include-usage``. A client that
   disconnects aborts its generation (its blocks are unpinned at once). ``cache_salt`` (vLLM) is honoured.
-  ``model`` may name a ``--lora`` adapter.
-* ``POST /tokenize``, ``POST /detokenize`` (vLLM API), ``GET /v1/models`` (``root`` = the local model path),
+  ``model`` may name a LoRA adapter (``--lora``, ``--lora-modules``, ``/v1/load_lora_adapter``: ``fakes.lora_api``;
+  ``--max-loras`` adapters per batch, the others deferred, loads priced by size, as vLLM).
+* ``POST /tokenize``, ``POST /detokenize`` (vLLM API), ``GET /v1/models`` (``root`` = the local model path; adapters
+  with ``parent``), ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (with runtime LoRA updating),
   ``GET /health``, ``GET /health_generate``, ``GET /version``, ``GET /metrics`` (in ``--dialect``'s names),
   ``POST /reset_prefix_cache`` (vLLM) / ``POST /flush_cache`` (SGLang): drop the prefix cache; like vLLM, its
   events (``AllBlocksCleared``) are published with the engine's next step, not at once (``--kv-publish-reset-now``
@@ -103,6 +105,7 @@ from fakes.kv_publisher import (
     PubStored,
     parse_media,
 )
+from fakes.lora_api import LoraApi, add_lora_args, add_lora_routes, lora_settings
 from fakes.mm import expand_chat_images, has_images, mm_block_hashes
 from fakes.pooling_api import POOLING_TASKS, PoolingApi, add_pooling_routes
 from fakes.responses_api import ResponsesApi, add_responses_routes
@@ -313,6 +316,7 @@ class FakeEngine:
             emit_kv_events=opts.kv_events_port is not None,
             hash_seed=self.hash_seed,
             name=opts.model,
+            lora=lora_settings(opts),
         )
         self.kv_faults = Faults(
             drop_every=opts.fault_drop_every,
@@ -344,7 +348,12 @@ class FakeEngine:
                 store_only=opts.kv_store_only,
             )
         self.tokenizer = EngineTokenizer(opts.tokenizer_path or _tokenizer_dir(opts.model_path))
-        self.loras: set[str] = set(opts.lora or [])
+        self.loras: set[str] = set()
+        #: LoRA adapters: loads, unloads, /v1/models cards, metrics (fakes.lora_api)
+        self.lora_api = LoraApi(
+            self.model, self.loras, opts.model, self.scale, opts.allow_runtime_lora_updating
+        )
+        self.lora_api.load_static(opts.lora or [], opts.lora_modules)
         self.served: list[str] = [opts.model, *(opts.served_model_name or [])]
         self._meta: dict[int, tuple[str | None, str | None]] = {}
         self._mm_meta: dict[int, list[tuple[str, int]]] = {}  # engine hash -> its block's multimodal keys
@@ -449,6 +458,7 @@ class FakeEngine:
             token_ids=token_ids,
             tag=state,
             remote_kv_tokens=remote_kv_tokens,
+            lora=lora,
         )
         state.engine_request = req
         self.model.submit(req, now)
@@ -822,6 +832,7 @@ class MetricsExporter:
                 1.0,
             )
             yield info
+            yield from self.engine.lora_api.metric_families(m, self.labels)
         else:
             cap_tokens = m.num_gpu_blocks * m.block_size
             yield gauge("num_running_reqs", "The number of running requests.", m.num_requests_running)
@@ -1205,6 +1216,7 @@ def build_app(engine: FakeEngine) -> FastAPI:
         responses = ResponsesApi(engine, http.faults_before)
         http.on_restart.append(responses.forget_all)
         add_responses_routes(app, responses)
+        add_lora_routes(app, engine.lora_api)
         if engine.opts.speech_to_text:
             add_speech_to_text_routes(app, SpeechToTextApi(engine))
         if http.dialect == "sglang":
@@ -1344,19 +1356,7 @@ def _add_info_routes(app: FastAPI, http: EngineHttp) -> None:
             }
             for name in engine.served
         ]
-        data += [
-            {
-                "id": name,
-                "object": "model",
-                "created": int(engine.started_at),
-                "owned_by": dialect,
-                "root": name,
-                "parent": opts.model,
-                "max_model_len": opts.max_model_len,
-                "permission": [],
-            }
-            for name in sorted(engine.loras)
-        ]
+        data += engine.lora_api.model_cards(int(engine.started_at), opts.max_model_len, dialect)
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
@@ -1537,6 +1537,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_event_args(p)
     _add_fault_args(p)
     add_pd_args(p)
+    add_lora_args(p)
     return p
 
 
@@ -1784,6 +1785,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--hidden-size and --num-labels must be positive")
     if opts.runner == "pooling" and opts.speech_to_text:
         p.error("--speech-to-text needs --runner generate")
+    try:
+        lora_settings(opts)
+    except ValueError as exc:
+        p.error(str(exc))
     return opts
 
 

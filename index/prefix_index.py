@@ -299,7 +299,7 @@ class PrefixIndex(NodeTable):
     def deepest_match(self, keys: Sequence[int], replicas: AbstractSet[int] | None = None) -> int:
         """Leading blocks of ``keys`` held by the replica that holds the most of them (any tier, confirmed or
         predicted), blocks; 0 when none holds the first. Keys are chained, so no replica holds any block past
-        this depth: the cache *frontier* of the prompt (``router.tokenize_frontier``)."""
+        this depth: the cache *frontier* of the prompt (``router.tokens.frontier``)."""
         return max((m.blocks for m in self.match(keys, replicas).values()), default=0)
 
     def _walk(self, keys: list[BlockKey], live: int, now: float) -> dict[int, ReplicaMatch]:

@@ -1,7 +1,7 @@
 """Pure admission math shared by the router and the simulator: per-tenant token buckets and a fair queue.
 
 Nothing here does I/O or reads a clock: time arrives as an argument (seconds). The router
-(``router/tenant_admission.py``, ``router/admission.py``) and the simulator (``sim/simulator.py``) call the
+(``router/core/tenant_admission.py``, ``router/core/admission.py``) and the simulator (``sim/simulator.py``) call the
 same functions, so a benchmark measures the code the service runs. The Redis script of
 ``membership/tenant_budget.py`` is the same bucket arithmetic, written in Lua.
 

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from policies.adapters import AdapterCost, AdapterSlots
+
 Objective = Literal["mean", "tail"]
 
 #: Tier names, fastest first. ``gpu`` is the engine's HBM prefix cache (L1), ``cpu`` host memory (L2),
@@ -82,6 +84,9 @@ class LoadView:
             prefill-leg response) this router saw from the replica; 0 when unknown. Lets a policy age the
             in-flight backlog (``pd_ttft``: minus rate x elapsed) so that, among replicas with equal backlogs,
             the one that started first is seen to finish first.
+        adapters: the replica's LoRA adapters (GPU slots, running / waiting / resident adapters, the deferred
+            gauge: ``policies.adapters.AdapterSlots``); None when the replica serves no adapters or nothing is
+            known.
     """
 
     queued_requests: int | None = None
@@ -95,6 +100,7 @@ class LoadView:
     total_kv_blocks: int | None = None
     engine_block_size: int | None = None
     inflight_prefill_elapsed_s: float = 0.0
+    adapters: AdapterSlots | None = None
 
 
 @dataclass(slots=True)
@@ -180,6 +186,8 @@ class Candidate:
         load: the replica's load view.
         hit: the prompt prefix the replica holds, per tier.
         profile: the replica's performance profile.
+        adapter: the request's LoRA adapter on this replica, priced in seconds (``policies.adapters``: GPU-resident,
+            CPU-resident, loadable, or waiting for a batch slot); None for a base-model request.
     """
 
     index: int
@@ -188,6 +196,7 @@ class Candidate:
     hit: PrefixHit = field(default_factory=PrefixHit)
     profile: ReplicaProfile = field(default_factory=ReplicaProfile)
     state: str = "ready"
+    adapter: AdapterCost | None = None
 
 
 @dataclass(slots=True)

@@ -35,9 +35,15 @@ decision is made among the others (when none is left, by fewest in-flight reques
 replica's broken metrics never fail a request. A profile without a positive prefill rate is a configuration
 error and raises.
 
+LoRA adapters (``Candidate.adapter``, ``policies.adapters``): the request's own wait for its adapter ``A`` (a
+batch slot held by other adapters, then the load from storage or the activation from the CPU cache; 0 when it is in
+a GPU slot) is part of every outcome's TTFT (``T``, ``T_miss``, ``E``, ``tail``), and what it imposes on others
+(the batch waits for the fetch; the adapter it evicts reloads) joins ``W`` with ``work_weight``.
+
 Ties are broken by candidate order (deterministic). The decision's parts per candidate: ``Q``, ``R``, ``C``,
-``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``W`` (seconds / probability),
-``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). The score is ``E + W`` (mean) or ``tail + W`` (tail).
+``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``W`` (seconds / probability), ``A``
+(seconds, only for adapter requests), ``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). The score is ``E +
+W`` (mean) or ``tail + W`` (tail).
 ``calibrated(index)`` gives the rate in use.
 
 Pruning (``prune``; on for the registered ``ttft`` policy, off for ``TTFTPolicy`` itself; decisions with at least
@@ -69,9 +75,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from math import exp
+from math import exp, expm1
 from typing import ClassVar
 
+from policies.adapters import adapter_delay_s, adapter_imposed_s
 from policies.admission_slo import slo_order
 from policies.base import (
     Candidate,
@@ -553,6 +560,17 @@ class TTFTPolicy:
                         "usable": float(usable),
                         "W": w,
                     }
+                ad = cand.adapter
+                if ad is not None:  # the LoRA adapter: the request's own wait, and what it imposes (W)
+                    a_s = adapter_delay_s(ad)
+                    wa = ww * adapter_imposed_s(ad) if ww else 0.0
+                    score += a_s + wa
+                    parts["A"] = a_s
+                    parts["T"] += a_s
+                    parts["T_miss"] += a_s
+                    parts["E"] += a_s
+                    parts["tail"] += a_s
+                    parts["W"] += wa
                 if not 0.0 <= score < _INF:
                     raise ArithmeticError(f"score {score!r} is not a finite non-negative number of seconds")
             except _ProfileError:
@@ -936,7 +954,7 @@ class TTFTPolicy:
             return None
         if now > last:
             total *= exp(-(now - last) / tau)
-        return total / (tau * (1.0 - exp(-elapsed / tau)))
+        return total / (tau * -expm1(-elapsed / tau))  # expm1: no 0 denominator for a tiny elapsed time
 
     def cache_lifetime_s(self, candidate: Candidate, request: RouteRequest) -> float | None:
         """Seconds a block survives in the candidate's LRU cache at its current write rate, or None if unknown.

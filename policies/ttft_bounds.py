@@ -6,9 +6,10 @@ queue wait ``Q``, KV-pressure penalty ``pen``, prefill rate and fixed overhead e
 
     u        = min(N, M)                                    the most tokens any outcome reuses
     comp     = (N - u) / rate + a * (N - u) * (N + u + 1) / 2     the least compute of any outcome, s
-    bound_E  = Q + pen + overhead + comp                    <= E[T] and <= the tail quantile, s
-    bound    = bound_E + work_weight * comp + mig           <= the score (E + W, or tail + W), s
+    bound_E  = Q + pen + overhead + comp + A                <= E[T] and <= the tail quantile, s
+    bound    = bound_E + work_weight * (comp + A_imp) + mig <= the score (E + W, or tail + W), s
     mig      = min(w_lo * (deepest - u) / rate, cap_lo)     when deepest > u, else 0
+    A, A_imp = the LoRA adapter's delay and imposed seconds (``policies.adapters``), 0 without an adapter
 
 Why each is a lower bound (``a`` = attention seconds per token pair >= 0):
 
@@ -16,6 +17,8 @@ Why each is a lower bound (``a`` = attention seconds per token pair >= 0):
   a * (N - v) * (N + v + 1) / 2``, which decreases in ``v``; its time is ``max(Q, R) + C >= Q + C`` (the fetch
   overlaps the queue; a candidate with non-GPU matches on a profile that fetches after queueing gets no bound).
   ``E[T]`` is a mean of outcomes and the tail quantile is one of them; both add ``pen``.
+* The adapter term is the same in every outcome: its delay ``A`` is added to each outcome's time, and ``work_weight
+  * A_imp`` to ``W``, exactly as full scoring adds them (a term that is negative or not finite: no bound).
 * ``W`` is ``work_weight`` times the expected compute without the overhead (``>= comp``), plus the migration
   penalty: charged when the deepest GPU match exceeds what the candidate reuses, ``min(weight x lost seconds,
   cap)`` with weight and cap between their loose and tight values (``w_lo``, ``cap_lo``: the smaller of each),
@@ -42,6 +45,7 @@ from bisect import insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from policies.adapters import adapter_delay_s, adapter_imposed_s
 from policies.base import Candidate
 
 _INF = float("inf")
@@ -304,13 +308,18 @@ def bound_pass(candidates: Sequence[Candidate], t: BoundTerms, out: Bounds) -> N
                     lb_out[pos] = neg
                     continue
                 x += c1 * att * ((n - g) * (n + g + 1) / 2)
+            a_s = 0.0
+            ad = cand.adapter
+            if ad is not None:  # exact, as full scoring adds it (raises for a bad term: no bound)
+                a_s = adapter_delay_s(ad)
+                x += a_s + ww * adapter_imposed_s(ad)
             if not (ov >= 0.0 and x < big):
                 must(pos)
                 lb_out[pos] = neg
                 continue
             lb_out[pos] = x
             if lbe_out is not None:
-                lbe_out[pos] = _bound_e(qt, inflight, running, kv, n, g, rate, ov, dis, att, k0, kw)
+                lbe_out[pos] = _bound_e(qt, inflight, running, kv, n, g, rate, ov, dis, att, k0, kw) + a_s
             if x < cut:
                 insort(top, (x, pos))
                 top.pop()

@@ -1,7 +1,7 @@
 """`kvroute` command line: one subcommand per job, each implemented by the module that owns it.
 
 kvroute serve        the router service            (router.server)
-kvroute epp          the router service + the Gateway endpoint picker (gRPC ext_proc; router.epp)
+kvroute epp          the router service + the Gateway endpoint picker (gRPC ext_proc; router.epp.picker)
 kvroute fake-engine  one stand-in vLLM/SGLang engine (fakes.fake_engine)
 kvroute simulate     discrete-event fleet simulation (sim.simulator)
 kvroute demo         4 fake engines + the router, ttft vs round_robin (sim.demo)

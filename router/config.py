@@ -38,7 +38,7 @@ from membership.kv_decode import MEDIUM_TO_TIER
 from membership.kv_events import DEFAULT_TIER_TTL_S
 from policies.dispatch import DispatchSettings
 from policies.pd_link import LinkLearning
-from router.proxy import ProxyConfig
+from router.engine.config import ProxyConfig
 
 ENV_PREFIX = "KVROUTE_"
 _GATE = DispatchSettings()  # the dispatch gate's defaults live with its logic
@@ -430,7 +430,7 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="how long an Idempotency-Key and its stored response are kept (s)"
     )
 
-    # --- reliability: bounded admission queue (router/admission.py) ---
+    # --- reliability: bounded admission queue (router/core/admission.py) ---
     max_queued_requests: int = Field(
         default=0,
         ge=0,
@@ -441,7 +441,7 @@ class Settings(BaseSettings):
         default=2.0, gt=0, description="longest time a request waits in the router's queue (s); longer -> 503"
     )
 
-    # --- routing: cache-first dispatch gate (policies/dispatch.py, router/dispatch.py) ---
+    # --- routing: cache-first dispatch gate (policies/dispatch.py, router/core/dispatch.py) ---
     dispatch_limit_tokens: int = Field(
         default=_GATE.limit_tokens,
         ge=0,
@@ -538,8 +538,8 @@ class Settings(BaseSettings):
         description="KV events: how long a replica without a replay endpoint stays "
         "degraded after its last loss (s)",
     )
-    # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine_client.py,
-    # router/proxy.py, membership/engine_tls.py) ---
+    # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine/client.py,
+    # router/engine/proxy.py, membership/engine_tls.py) ---
     engine_max_header_bytes: int = Field(
         default=65536,
         ge=1024,
@@ -581,8 +581,8 @@ class Settings(BaseSettings):
         "feedback and calibration work with a default vLLM; the usage chunk is removed from what the "
         "client receives unless the client asked for it",
     )
-    # --- httpedge: client-facing limits, timeouts and overload shedding (router/intake.py, router/guard.py,
-    # router/http_protocol.py, router/loop_lag.py; the Limits table in docs/reliability.md) ---
+    # --- httpedge: client-facing limits, timeouts and overload shedding (router/serve/intake.py, router/serve/guard.py,
+    # router/http/protocol.py, router/serve/loop_lag.py; the Limits table in docs/reliability.md) ---
     max_chat_messages: int = Field(
         default=16384,
         ge=1,

@@ -1,7 +1,7 @@
 """``kvroute serve``: parse Settings (flags > env > YAML > defaults), build the app, run uvicorn.
 
 With ``workers`` > 1 the process is a supervisor of that many worker processes, each a whole router listening on
-the same port (``router.workers``). uvicorn runs with ``loop="uvloop"`` and the httptools protocol of ``router.http_protocol`` (head size / count
+the same port (``router.workers``). uvicorn runs with ``loop="uvloop"`` and the httptools protocol of ``router.http.protocol`` (head size / count
 limits, head and body-idle timeouts; uvicorn's defaults when those extras are missing). SIGTERM stops accepting connections and lets in-flight requests finish for
 ``shutdown_grace_s`` seconds.
 """
@@ -39,7 +39,7 @@ _GC_OLDER_EVERY = 100
 def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     """Run the router until SIGINT / SIGTERM. Returns the process exit code (2 = bad configuration).
 
-    ``epp``: also run the endpoint picker (gRPC ext_proc on ``epp_grpc_port``, ``router.epp``) in the same
+    ``epp``: also run the endpoint picker (gRPC ext_proc on ``epp_grpc_port``, ``router.epp.picker``) in the same
     process and event loop, on the same services (``kvroute epp``).
     """
     cmd = "kvroute epp" if epp else "kvroute serve"
@@ -76,14 +76,12 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
 
     import uvicorn
 
-    from router.app import create_app
+    from router.http.app import create_app
+    from router.services import build_services
 
     try:
-        app = create_app(settings)
-        if epp:
-            from router.epp import add_epp
-
-            add_epp(app.state.services)  # started and stopped with the app's lifespan, in uvicorn's loop
+        # with ``epp``: the picker is started and stopped with the app's lifespan, in uvicorn's loop
+        app = create_app(settings, build_services(settings, epp=epp))
     except (ValueError, KeyError, OSError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"{cmd}: cannot start: {msg}", file=sys.stderr)
@@ -134,7 +132,7 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
 def _share_self_signed(directory: Path) -> None:
     """One self-signed endpoint-picker certificate for every worker of the pod (they share the gRPC port): made
     here, written to the supervisor's private directory and handed to the workers as mounted files."""
-    from router.epp_tls import self_signed, write_pair
+    from router.epp.tls import self_signed, write_pair
 
     cert, key = write_pair(self_signed(), directory)
     os.environ[ENV_PREFIX + "EPP_TLS_CERT_FILE"] = str(cert)
@@ -142,12 +140,12 @@ def _share_self_signed(directory: Path) -> None:
 
 
 def _http_protocol(settings: Settings, app: Any) -> Any:
-    """uvicorn's httptools protocol with the router's head / body limits and timeouts (``router.http_protocol``);
+    """uvicorn's httptools protocol with the router's head / body limits and timeouts (``router.http.protocol``);
     h11 (which bounds the head with ``h11_max_incomplete_event_size`` only) when httptools is not installed."""
     if not importlib.util.find_spec("httptools"):
         log.warning("httptools is not installed: client head and body timeouts are off (h11)")
         return "h11"
-    from router.http_protocol import ConnLimits, cut_counter, protocol_class
+    from router.http.protocol import ConnLimits, cut_counter, protocol_class
 
     return protocol_class(
         ConnLimits.from_settings(settings), cut_counter(app.state.services.telemetry.registry)

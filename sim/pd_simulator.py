@@ -56,11 +56,10 @@ from fakes.engine_model import (
 )
 from index.hashing import root_seed
 from index.prefix_index import PrefixIndex
-from policies.base import Candidate, Observation, ReplicaProfile, RouteRequest
-from policies.hits import hit_from_match
+from policies.base import Observation, ReplicaProfile, RouteRequest
+from policies.candidates import ReplicaFacts, build_candidates, build_pd_candidates
 from policies.pd_base import (
     HandoffLink,
-    PdCandidate,
     Plan,
     Role,
     make_pd_policy,
@@ -325,20 +324,18 @@ class PdFleet(EventFleet):
         keys = rec.keys
         n = req.prompt_tokens
         matches = self.index.match(keys) if len(keys) else {}
-        cands = [
-            PdCandidate(
-                Candidate(
-                    index=i,
-                    name=self.names[i],
-                    load=self._load(i, t, self._elapsed(i, t)),
-                    hit=hit_from_match(matches.get(i), n, bs),
-                    profile=self.profiles[i],
-                ),
+        facts = [
+            ReplicaFacts(
+                i,
+                self.names[i],
+                self._load(i, t, self._elapsed(i, t)),
+                self.profiles[i],
                 role=self.cfg.roles[i],
                 link_busy_s=max(0.0, self.link_free_at[i] - t),
             )
             for i in range(self.fc.replicas)
         ]
+        cands = build_pd_candidates(facts, build_candidates(facts, matches, n, bs))
         rr = RouteRequest(
             model=self.fc.model,
             prompt_tokens=n,

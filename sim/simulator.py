@@ -64,9 +64,10 @@ from index.hashing import root_seed
 from index.prefix_index import PrefixIndex
 from policies.admission_fair import BucketState, take
 from policies.admission_slo import best_predicted_ttft_s, slo_unattainable
-from policies.base import Candidate, LoadView, Observation, RouteRequest, make_policy, policy_names
+from policies.base import LoadView, Observation, RouteRequest, make_policy, policy_names
+from policies.candidates import ReplicaFacts, build_candidates
 from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
-from policies.hits import hit_from_match
+from sim.lora_sim import LoraFleet, LoraRouter, add_lora_arguments, lora_fleet_of
 from sim.traces import (
     WORKLOADS,
     BlockKeyCache,
@@ -103,6 +104,7 @@ class FleetConfig:
         predicted_ttl_s: lifetime of predicted index entries, seconds.
         dispatch: the router's cache-first dispatch gate (``policies.dispatch``); None or a limit of 0 = every
             request is sent to its engine when routed (the tables in docs/results.md before the gate).
+        lora: the engines' LoRA settings and the router's adapter model (``sim.lora_sim``); None = no adapters.
     """
 
     profiles: list[str] = field(default_factory=lambda: ["a100"] * 8)
@@ -120,6 +122,7 @@ class FleetConfig:
     model: str = "sim-model"
     predicted_ttl_s: float = 120.0
     dispatch: DispatchSettings | None = None
+    lora: LoraFleet | None = None
 
     @property
     def replicas(self) -> int:
@@ -478,9 +481,11 @@ class Fleet(EventFleet):
                 emit_tokens=False,
                 emit_kv_events=config.events_delay_s is not None,
                 name=f"r{i}",
+                lora=config.lora.engine_settings() if config.lora is not None else None,
             )
             for i in range(n)
         ]
+        self.lora = LoraRouter(config.lora, n) if config.lora is not None else None
         cpu_bw = None
         if config.cpu_blocks:
             cpu_bw = config.cpu_bytes_per_s or get_profile(config.profiles[0]).cpu_link_bytes_per_s
@@ -556,6 +561,8 @@ class Fleet(EventFleet):
                 rec = ev.request.tag
                 self.inflight[i] = max(0, self.inflight[i] - 1)
                 rec.finish = te
+                if self.lora is not None:
+                    self.lora.finished(i, ev.request.lora, te - rec.arrival - rec.ttft)
         self.now = max(self.now, t)
 
     # -- routing -----------------------------------------------------------------------------------
@@ -568,17 +575,13 @@ class Fleet(EventFleet):
         keys = self.keys.keys(req)
         n = req.prompt_tokens
         matches = self.index.match(keys) if len(keys) else {}
-        cands = []
-        for i in range(self.cfg.replicas):
-            cands.append(
-                Candidate(
-                    index=i,
-                    name=self.names[i],
-                    load=self._load(i, t),
-                    hit=hit_from_match(matches.get(i), n, bs),
-                    profile=self.profiles[i],
-                )
-            )
+        facts = [
+            ReplicaFacts(i, self.names[i], self._load(i, t), self.profiles[i])
+            for i in range(self.cfg.replicas)
+        ]
+        cands = build_candidates(facts, matches, n, bs)
+        if self.lora is not None:
+            self.lora.annotate(cands, req, t, self.snap)
         target = tenancy.ttft_target_s if tenancy is not None else None
         rr = RouteRequest(
             model=self.cfg.model,
@@ -590,6 +593,7 @@ class Fleet(EventFleet):
             request_id=req.request_id,
             ttft_target_s=target,
             priority=rec.priority,
+            lora=req.lora,
         )
         decision = self.policy.choose(rr, cands)
         if tenancy is not None and slo_unattainable(
@@ -604,6 +608,8 @@ class Fleet(EventFleet):
         self.inflight_prefill[i] += rec.uncached_est
         if self.predict and len(keys):
             self.index.predict(i, keys)
+        if self.lora is not None:
+            self.lora.dispatched(i, req, self.engines[i], t)
         sent = _Sent(req, rec, keys)
         if self.dispatch is None or self.dispatch.offer(i, sent, rec.uncached_est, t):
             rec.uncached_sent = rec.uncached_est
@@ -626,7 +632,12 @@ class Fleet(EventFleet):
         rec.wait = t - req.arrival_s
         self.engines[i].submit(
             EngineRequest(
-                req.request_id, req.prompt_tokens, req.output_tokens, block_hashes=sent.keys, tag=rec
+                req.request_id,
+                req.prompt_tokens,
+                req.output_tokens,
+                block_hashes=sent.keys,
+                tag=rec,
+                lora=req.lora,
             ),
             t,
         )
@@ -704,7 +715,7 @@ def simulate(
     wall0 = time.perf_counter()
     cpu0 = time.process_time()
     if keys is None:
-        keys = BlockKeyCache(config.block_size, root_seed(config.model))
+        keys = BlockKeyCache(config.block_size, root_seed(config.model), model=config.model)
     fleet = Fleet(config, policy, keys, policy_params, seed)
     recs: list[_Rec] = []
     if requests:
@@ -760,7 +771,7 @@ def simulate(
             "cpu_s": time.process_time() - cpu0,
             "index_nodes": len(fleet.index),
             "observations": fleet.observations,
-            **_tenancy_extra(all_recs, rejected, config.slo_ttft_s),
+            **_tenancy_extra(all_recs, rejected, config.slo_ttft_s, fleet.lora, fleet.engines),
         },
     )
 
@@ -777,9 +788,17 @@ def _quota_admits(tenancy: SimTenancy, buckets: dict[str, BucketState], tenant: 
     return out.admitted
 
 
-def _tenancy_extra(recs: Sequence[_Rec], rejected: Sequence[_Rec], slo_s: float) -> dict[str, Any]:
+def _tenancy_extra(
+    recs: Sequence[_Rec],
+    rejected: Sequence[_Rec],
+    slo_s: float,
+    lora: LoraRouter | None = None,
+    engines: Sequence[EngineModel] = (),
+) -> dict[str, Any]:
     """``rejected`` by reason and ``goodput_all``: requests meeting the TTFT SLO / all requests (rejected ones
-    miss it)."""
+    miss it); with adapters (``lora``), the run's adapter counters (``LoraRouter.summary``) too."""
+    if lora is not None:
+        return {**lora.summary(engines), **_tenancy_extra(recs, rejected, slo_s)}
     if not rejected:
         return {}
     reasons: dict[str, int] = {}
@@ -998,6 +1017,7 @@ def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
         help="plot TTFT p50/p99 and hit rate against load, one line per policy",
     )
     p.add_argument("--title", default=None, help="plot title")
+    add_lora_arguments(p)
     if hooks is not None:
         hooks.add_arguments(p)
     return p
@@ -1029,6 +1049,8 @@ def load_requests(args: argparse.Namespace) -> list[Request]:
             if not sep:
                 raise ValueError(f"--workload-param wants KEY=VALUE, got {item!r}")
             params[k] = _param_value(v)
+        if args.workload == "lora" and getattr(args, "adapters", None) is not None:
+            params.setdefault("adapters", args.adapters)
         reqs = make_workload(args.workload, seed=args.seed, **params)
     if args.start or args.duration is not None:
         reqs = slice_time(reqs, args.start, None if args.duration is None else args.start + args.duration)
@@ -1058,6 +1080,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
         ("max/mean", "{:.2f}", 8),
         ("wall_s", "{:.1f}", 7),
     ]
+    if any("adapter_loads" in r for r in rows):
+        cols[-1:-1] = [("loads", "{}", 6), ("deferred", "{}", 8)]
     keys = {
         "hit": "hit_rate",
         "bound": "hit_rate_bound",
@@ -1066,6 +1090,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
         "p90": "ttft_p90_s",
         "p99": "ttft_p99_s",
         "max/mean": "max_over_mean_load",
+        "loads": "adapter_loads",
+        "deferred": "deferred_requests",
     }
     lines = ["  ".join(f"{c:>{w}}" for c, _, w in cols)]
     for r in rows:
@@ -1173,6 +1199,7 @@ def _check_args(args: argparse.Namespace, hooks: RunHooks | None) -> tuple[list[
         raise ValueError("--events-delay must be >= 0 or 'none'")
     if args.block_size <= 0 or (args.gpu_blocks is not None and args.gpu_blocks <= 0):
         raise ValueError("--block-size and --gpu-blocks must be positive")
+    lora_fleet_of(args)  # raises for bad LoRA flags
     if hooks is not None:
         hooks.check(args, profiles)
     return profiles, names
@@ -1197,6 +1224,7 @@ def _fleet_config(args: argparse.Namespace, profiles: list[str]) -> FleetConfig:
             patience_s=args.dispatch_patience,
             max_wait_s=args.dispatch_max_wait,
         ),
+        lora=lora_fleet_of(args),
     )
 
 
@@ -1220,7 +1248,7 @@ def main(argv: Sequence[str] | None = None, hooks: RunHooks | None = None) -> in
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2
     cfg = _fleet_config(args, profiles)
-    keys = BlockKeyCache(cfg.block_size, root_seed(cfg.model))
+    keys = BlockKeyCache(cfg.block_size, root_seed(cfg.model), model=cfg.model)
     base_rate = arrival_rate_rps(reqs)
     cap = fleet_capacity_rps(reqs, profiles)
     print(

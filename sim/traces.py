@@ -9,7 +9,8 @@ segments, so reuse is whatever the workload says it is, at any block size.
   ``input_length``), as the traces README prescribes: prompts share exactly the trace's prefixes at any block
   size dividing 512.
 * Generated workloads (``WORKLOADS`` / ``make_workload``): SGLang generated-shared-prefix, the llm-d
-  precise-prefix-cache-routing guide, the seeds' chapter-8 mix, multi-turn agent sessions.
+  precise-prefix-cache-routing guide, the seeds' chapter-8 mix, multi-turn agent sessions, multi-turn chats on LoRA
+  adapters (``lora_sessions``; adapter names and sizes in ``sim.lora_workload``).
 * Transformations: ``scale_rate`` (time compression), ``slice_time``, ``limit``.
 
 Router block keys are computed by :class:`BlockKeyCache`, which memoises the keys contributed by each segment
@@ -29,10 +30,14 @@ import random
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from index.hashing import block_keys_packed
+import xxhash
+
+from index.hashing import block_keys_packed, root_seed
+from sim.lora_workload import adapter_names, adapter_sizes
 
 #: Tokens per ``hash_id`` in Mooncake traces.
 MOONCAKE_BLOCK_TOKENS = 512
@@ -54,6 +59,8 @@ class Request:
         segments: the prompt as ``(segment_id, tokens)`` pieces (see the module docstring).
         session_id: conversation / agent session the request belongs to, if any.
         group: workload-specific group label (shared-prefix group, request class), if any.
+        lora: the LoRA adapter the request names, or None for the base model.
+        lora_bytes: the adapter's size, bytes (0: unknown or no adapter).
     """
 
     request_id: str
@@ -63,6 +70,8 @@ class Request:
     segments: tuple[Segment, ...]
     session_id: str | None = None
     group: str | None = None
+    lora: str | None = None
+    lora_bytes: int = 0
 
 
 # ------------------------------------------------------------------------------------------------- tokens
@@ -110,18 +119,24 @@ class BlockKeyCache:
         block_size: tokens per block (``index.hashing`` semantics: full blocks only).
         seed: the root seed (``index.hashing.root_seed``).
         salt: token-stream salt (0 = the canonical synthesised tokens).
+        model: the model id ``seed`` was made from; a request naming a LoRA adapter is keyed from
+            ``root_seed(model, lora)`` (the adapter is folded into the root, as the router and vLLM key
+            adapter KV). None: from a root derived from ``seed`` and the adapter name.
 
     ``keys(request)`` returns ``array('Q')`` equal to ``block_keys(prompt_token_ids(request), block_size,
-    seed)``. Each distinct (prefix, segment) pair is hashed once; its keys, last key and unhashed leftover
-    tokens (when the prefix does not end on a block boundary) are kept, ~8 bytes per block.
+    seed)`` (the adapter's root for a LoRA request). Each distinct (prefix, segment) pair is hashed once; its
+    keys, last key and unhashed leftover tokens (when the prefix does not end on a block boundary) are kept, ~8
+    bytes per block.
     """
 
-    def __init__(self, block_size: int = 16, seed: int = 0, salt: int = 0) -> None:
+    def __init__(self, block_size: int = 16, seed: int = 0, salt: int = 0, model: str | None = None) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
         self.seed = seed
         self.salt = salt
+        self.model = model
+        self._by_adapter: dict[str, BlockKeyCache] = {}
         self._child: dict[tuple[int, int, int], int] = {}
         # per node: packed keys (8 bytes each), last key, leftover packed tokens
         self._keys: list[bytes] = [b""]
@@ -150,11 +165,27 @@ class BlockKeyCache:
         self.hashed_blocks += len(ks)
         return nid
 
+    def adapter_root(self, lora: str) -> int:
+        """The root seed of ``lora``'s key chains (see ``model``)."""
+        if self.model is not None:
+            return root_seed(self.model, lora)
+        return xxhash.xxh3_64_intdigest(lora.encode(), self.seed)
+
     def keys(self, request: Request) -> array[int]:
-        """Router keys of the request's full blocks."""
+        """Router keys of the request's full blocks (from its adapter's root for a LoRA request)."""
+        if request.lora is not None:
+            sub = self._by_adapter.get(request.lora)
+            if sub is None:
+                sub = BlockKeyCache(self.block_size, self.adapter_root(request.lora), self.salt)
+                self._by_adapter[request.lora] = sub
+            return sub.segment_keys(request.segments)
+        return self.segment_keys(request.segments)
+
+    def segment_keys(self, segments: Sequence[Segment]) -> array[int]:
+        """Keys of the full blocks of the prompt made of ``segments``, from this cache's root."""
         node = 0
         parts: list[bytes] = []
-        for seg in request.segments:
+        for seg in segments:
             node = self._node(node, seg)
             parts.append(self._keys[node])
         out = array("Q")
@@ -268,6 +299,7 @@ _NS_GSP = 1 << 40
 _NS_LLMD = 2 << 40
 _NS_CH8 = 3 << 40
 _NS_AGENT = 4 << 40
+_NS_LORA = 5 << 40
 
 
 def _poisson_times(n: int, rate: float, rnd: random.Random) -> list[float]:
@@ -411,6 +443,110 @@ def agent_sessions(
     return out
 
 
+def lora_sessions(
+    *,
+    adapters: int = 32,
+    zipf_s: float = 1.0,
+    num_sessions: int = 600,
+    session_rate: float = 5.0,
+    max_turns: int = 6,
+    prompts_per_adapter: int = 2,
+    system_tokens: tuple[int, int] = (1024, 3072),
+    user_tokens: tuple[int, int] = (64, 512),
+    output_tokens: tuple[int, int] = (64, 384),
+    think_s: tuple[float, float] = (5.0, 20.0),
+    base_fraction: float = 0.0,
+    seed: int = 0,
+) -> list[Request]:
+    """Multi-turn conversations on ``adapters`` LoRA adapters (see the module docstring), sorted by arrival.
+
+    ``base_fraction`` of the conversations use the base model (no adapter).
+
+    Raises:
+        ValueError: for a parameter out of range.
+    """
+    if adapters < 1 or num_sessions < 0 or max_turns < 1 or prompts_per_adapter < 1 or session_rate <= 0:
+        raise ValueError("adapters, max_turns, prompts_per_adapter >= 1; num_sessions >= 0; session_rate > 0")
+    rnd = random.Random(seed)
+    names = adapter_names(adapters)
+    sizes = adapter_sizes(adapters, rnd)
+    cum = list(accumulate(1.0 / (k + 1) ** zipf_s for k in range(adapters)))
+    base = _NS_LORA + (seed << 24)
+    out: list[Request] = []
+    t = 0.0
+    for s in range(num_sessions):
+        t += rnd.expovariate(session_rate)
+        a = -1 if rnd.random() < base_fraction else rnd.choices(range(adapters), cum_weights=cum)[0]
+        out += _lora_session(
+            rnd,
+            s,
+            t,
+            a,
+            names,
+            sizes,
+            base,
+            max_turns,
+            prompts_per_adapter,
+            system_tokens,
+            user_tokens,
+            output_tokens,
+            think_s,
+        )
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def _span(rnd: random.Random, lo_hi: tuple[int, int]) -> int:
+    return max(16, (rnd.randint(*lo_hi) // 16) * 16)
+
+
+def _lora_session(
+    rnd: random.Random,
+    s: int,
+    t0: float,
+    a: int,
+    names: list[str],
+    sizes: list[int],
+    base: int,
+    max_turns: int,
+    prompts_per_adapter: int,
+    system_tokens: tuple[int, int],
+    user_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    think_s: tuple[float, float],
+) -> list[Request]:
+    """One conversation on adapter ``a`` (-1: the base model) starting at ``t0`` seconds."""
+    p = rnd.randrange(prompts_per_adapter)
+    sys_id = base + (a + 1) * 64 + p
+    # a system prompt's length is a property of the prompt: seeded by its id, not by the conversation
+    sys_len = _span(random.Random(sys_id), system_tokens)
+    own = base + (1 << 20) + s * 1000
+    segs: list[Segment] = [(sys_id, sys_len), (own, _span(rnd, user_tokens))]
+    lora, nbytes = (names[a], sizes[a]) if a >= 0 else (None, 0)
+    out = []
+    t = t0
+    for k in range(rnd.randint(1, max_turns)):
+        n_out = _span(rnd, output_tokens)
+        prompt = sum(n for _, n in segs)
+        out.append(
+            Request(
+                f"lora{s}-{k}",
+                t,
+                prompt,
+                n_out,
+                tuple(segs),
+                session_id=f"s{s}",
+                group=lora,
+                lora=lora,
+                lora_bytes=nbytes,
+            )
+        )
+        segs.append((own + 2 * k + 1, n_out))
+        segs.append((own + 2 * k + 2, _span(rnd, user_tokens)))
+        t += rnd.uniform(*think_s)
+    return out
+
+
 #: Generated workloads by name: name -> (generator, one-line description).
 WORKLOADS: dict[str, tuple[Callable[..., list[Request]], str]] = {
     "shared-prefix": (
@@ -428,6 +564,10 @@ WORKLOADS: dict[str, tuple[Callable[..., list[Request]], str]] = {
     "agent": (
         agent_sessions,
         "multi-turn agent sessions: each turn extends the previous context after a 10 s tool wait",
+    ),
+    "lora": (
+        lora_sessions,
+        "multi-turn chats on LoRA adapters (--adapters, Zipf popularity, seeds' sizes), shared prefixes per adapter",
     ),
 }
 

@@ -305,7 +305,7 @@ def test_no_ready_replica_is_503_and_shedding_is_429() -> None:
 
 
 def test_tenant_identity_quota_and_slo_through_the_picker() -> None:
-    """The picker admits like the HTTP front door (router/tenant_admission.py): a malformed identity header is a
+    """The picker admits like the HTTP front door (router/core/tenant_admission.py): a malformed identity header is a
     400 naming it, a tenant over its quota a 429 ``quota``, an unattainable TTFT target a 429
     ``slo_unattainable``, and an admitted request is counted for its tenant and class."""
     engine, port = _engine(4)

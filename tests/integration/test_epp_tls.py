@@ -18,7 +18,7 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadtest.epp_gateway import GatewayStream, channel_for, fetch_certificate, stub_for
-from router.epp_tls import KeyPair, self_signed, write_pair
+from router.epp.tls import KeyPair, self_signed, write_pair
 from tests.helpers import Proc, free_port, wait_until
 from tests.integration.test_epp_protocol import MODEL, Fleet, _engine, start_epp
 

@@ -1,4 +1,4 @@
-"""Router-controlled fields a client sends never reach an engine (router/client_fields.py), on every door.
+"""Router-controlled fields a client sends never reach an engine (router/serve/client_fields.py), on every door.
 
 A client body carrying ``kv_transfer_params`` (pointing the engine's KV pull at a host of its choosing), SGLang's
 ``bootstrap_*`` and data-parallel fields, and the header ``X-data-parallel-rank``: through ``kvroute serve``

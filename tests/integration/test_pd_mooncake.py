@@ -1,4 +1,4 @@
-"""Mooncake engine ids through ``kvroute serve`` in front of Mooncake-mode stand-ins (router/pd_mooncake.py).
+"""Mooncake engine ids through ``kvroute serve`` in front of Mooncake-mode stand-ins (router/pd/mooncake.py).
 
 The stand-ins follow vLLM 0.32's MooncakeConnector: each process has a random engine id (``<id>_dp<rank>`` per
 rank), lists them on its bootstrap server (``GET /query``), a decode engine fails the request for an id that

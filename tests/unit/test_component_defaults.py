@@ -20,13 +20,13 @@ from membership.kv_events import KVEventsConfig
 from membership.replicas import RedisIndexAllocator
 from membership.shared_state import ResponseMap, SharedState
 from policies.dispatch import DispatchSettings
-from router.admission import Admission
 from router.config import Settings
-from router.idempotency import IdempotencyGuard
-from router.proxy import ProxyConfig
-from router.routing import Router
-from router.token_ids import TokenIdsCheck
-from router.tokenizer import make_tokenizer
+from router.core.admission import Admission
+from router.core.routing import Router
+from router.engine.config import ProxyConfig
+from router.serve.idempotency import IdempotencyGuard
+from router.tokens.token_ids import TokenIdsCheck
+from router.tokens.tokenizer import make_tokenizer
 
 #: component -> {its parameter: the Settings field that configures it}
 CONFIGURED: list[tuple[Callable[..., Any], dict[str, str]]] = [

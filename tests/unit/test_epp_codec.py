@@ -1,4 +1,4 @@
-"""router/epp_codec.py: the endpoint-picker protocol's wire vocabulary (built from Envoy's own protos)."""
+"""router/epp/codec.py: the endpoint-picker protocol's wire vocabulary (built from Envoy's own protos)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from router import epp_codec as codec
+from router.epp import codec
 
 
 def _meta(value: object) -> base_pb2.Metadata:
@@ -130,3 +130,18 @@ def test_buffered_answers_and_body_modes() -> None:
     cfg = pb.ProtocolConfiguration(request_body_mode=codec.BUFFERED, response_body_mode=codec.STREAMED)
     assert codec.body_modes(pb.ProcessingRequest(protocol_config=cfg)) == (codec.BUFFERED, codec.STREAMED)
     assert codec.mode_name(codec.FULL_DUPLEX_STREAMED) == "FULL_DUPLEX_STREAMED"
+
+
+def test_a_router_header_the_picker_sets_replaces_the_clients() -> None:
+    """``X-data-parallel-rank`` is the router's: removed from what a client sent, or (a PD plan's pinned rank)
+    set over it, never appended to it."""
+    plain = codec.routed_headers("10.0.0.1:8000", {"x-request-id": "r"}, None).request_headers.response
+    assert list(plain.header_mutation.remove_headers) == ["x-data-parallel-rank"]
+    pinned = codec.routed_headers(
+        "10.0.0.1:8000", {"x-data-parallel-rank": "1"}, None
+    ).request_headers.response
+    mutation = pinned.header_mutation
+    assert list(mutation.remove_headers) == []
+    rank = next(h for h in mutation.set_headers if h.header.key == "x-data-parallel-rank")
+    assert rank.header.raw_value == b"1"
+    assert rank.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD

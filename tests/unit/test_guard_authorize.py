@@ -1,4 +1,4 @@
-"""``router.guard``'s one authorization decision (``authorize`` on the path ``normalize_path`` gives), shared by the
+"""``router.serve.guard``'s one authorization decision (``authorize`` on the path ``normalize_path`` gives), shared by the
 HTTP app and the endpoint picker: decoded once, dot-segments resolved, route and method checked for a door that
 forwards everything to engines."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.guard import PICKER_ROUTES, Auth, authorize, normalize_path, resolve_dots
+from router.serve.guard import PICKER_ROUTES, Auth, authorize, normalize_path, resolve_dots
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The PD wire legs' bodies (router/pd_vllm.py, router/pd_sglang.py, router/pd_mooncake.py): exact fields from the
+"""The PD wire legs' bodies (router/pd/vllm.py, router/pd/sglang.py, router/pd/mooncake.py): exact fields from the
 reference (§1.1, §1.2) and the engines' sources (vLLM 0.32.0, SGLang)."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from typing import Any
 import httpx
 import orjson
 
-from router import pd_mooncake, pd_sglang, pd_vllm
+from router.pd import mooncake as pd_mooncake
+from router.pd import sglang as pd_sglang
+from router.pd import vllm as pd_vllm
 
 
 def test_nixl_prefill_leg_caps_tokens_and_turns_stream_off() -> None:
@@ -73,7 +75,7 @@ def test_mooncake_bodies_carry_the_router_minted_transfer_id() -> None:
     pre, dec = pd_vllm.mooncake_bodies(
         {"prompt": "p", "max_tokens": 8, "stream": True},
         tid,
-        "p0_dp3",  # as the prefill's bootstrap server lists it (router/pd_mooncake.py)
+        "p0_dp3",  # as the prefill's bootstrap server lists it (router/pd/mooncake.py)
         "http://10.0.0.1:8998",
     )
     assert pre["kv_transfer_params"] == {

@@ -637,6 +637,15 @@ def test_write_rate_and_cache_lifetime_are_learned_from_observations() -> None:
     assert policy.write_rate(0, 300.0) is None
 
 
+def test_write_rate_a_moment_after_the_first_write_is_finite() -> None:
+    """A decision a few ulps after the first write (1e-97 s) divides by the window the decayed sum covers,
+    ``tau * (1 - exp(-elapsed / tau))``; in floats ``1 - exp(-1e-99)`` is 0 (ZeroDivisionError before)."""
+    policy = TTFTPolicy(tight_migration_weight=1000.0, calibrate=False, lifetime_window_s=30.0)
+    policy.observe(Observation(index=0, prompt_tokens=1000, cached_tokens=0, queue_wait_s=0.0, ttft_s=0.1))
+    rate = policy.write_rate(0, 1.16e-97)
+    assert rate is not None and math.isfinite(rate) and rate > 0.0
+
+
 def test_short_cache_lifetime_keeps_a_conversation_on_its_busy_holder() -> None:
     # the default leaves a holder 3 s behind: the migration penalty is capped at 1 s
     assert not _stays_with_holder(TTFTPolicy(p_confirmed=1.0), 5000)

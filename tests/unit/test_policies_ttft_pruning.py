@@ -1,7 +1,8 @@
 """Exact pruning in ``ttft``: a pruned decision is the decision full scoring makes.
 
 Property tests over random fleets (loads with unknown and absurd gauges, tiers, matches, predicted entries,
-heterogeneous profiles with attention and tier links, calibration, SLO targets and priorities, objectives, the
+LoRA adapter states (GPU-, CPU-resident, loadable, waiting for a slot, absurd terms), heterogeneous profiles with
+attention and tier links, calibration, SLO targets and priorities, objectives, the
 migration penalty with its tight-cache and survival variants, exact ties) and over the decisions of a simulated
 fleet replaying the Mooncake conversation trace: the pruned and the full-scoring policy (same parameters, same
 observations) agree on the choice, the branch, the first ``exact_ranks`` places of the ranking, every score the
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from index.hashing import root_seed
+from policies.adapters import AdapterCost
 from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from policies.base import (
     Candidate,
@@ -183,6 +185,29 @@ def hits(draw: st.DrawFn, prompt: int) -> PrefixHit:
 
 
 @st.composite
+def adapter_costs(draw: st.DrawFn, absurd: bool) -> AdapterCost | None:
+    """The request's LoRA adapter on a replica: GPU-resident, CPU-resident, loadable or waiting for a batch slot,
+    with an eviction cost; with ``absurd``, sometimes a negative, NaN or infinite term."""
+    if draw(st.integers(0, 2)) == 0:
+        return None
+    secs = st.sampled_from([0.0, 0.0006, 0.016, 0.4, 2.0, 30.0])
+    cost = AdapterCost(
+        tier=draw(st.sampled_from(["gpu", "cpu", "storage"])),
+        load_s=draw(secs),
+        activate_s=draw(secs),
+        slot_wait_s=draw(st.sampled_from([0.0, 0.0, 0.5, 6.0])),
+        evict_s=draw(st.sampled_from([0.0, 0.0, 0.0006, 0.05])),
+        occupy_s=draw(st.sampled_from([0.0, 0.0, 1.5])),
+    )
+    if absurd and draw(st.integers(0, 5)) == 0:
+        bad = draw(st.sampled_from([-1.0, math.nan, math.inf, 1e308]))
+        setattr(
+            cost, draw(st.sampled_from(["load_s", "activate_s", "slot_wait_s", "evict_s", "occupy_s"])), bad
+        )
+    return cost
+
+
+@st.composite
 def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Candidate]]:
     """A request and its candidates. Candidates are drawn from a few templates, so exact ties are common."""
     prompt = draw(st.integers(1, 12_000))
@@ -190,6 +215,7 @@ def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Ca
     profs = draw(st.lists(profiles(), min_size=1, max_size=3))
     templates = draw(st.lists(st.tuples(loads(absurd), hits(prompt)), min_size=1, max_size=6))
     n = draw(st.integers(1, 48))
+    lora = draw(st.booleans())  # a LoRA request: candidates carry the adapter's state (some do not know it)
     cands = []
     for i in range(n):
         load, hit = templates[draw(st.integers(0, len(templates) - 1))]
@@ -203,6 +229,7 @@ def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Ca
                 load=replace(load),
                 hit=replace(hit),
                 profile=prof,
+                adapter=draw(adapter_costs(absurd)) if lora else None,
             )
         )
     first_key = draw(st.integers(0, 3)) * 10_000  # a few prompts, so some prefixes become popular
@@ -215,6 +242,7 @@ def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Ca
         objective=draw(st.sampled_from(["mean", "tail"])),
         ttft_target_s=draw(st.sampled_from([None, None, 0.05, 0.5, 2.0, 20.0])),
         priority=draw(st.integers(0, 2)),
+        lora="adapter-1" if lora else None,
     )
     return request, cands
 

@@ -1,5 +1,5 @@
-"""The front gate's parts: ``router.guard.Auth`` (bytes comparison, admin rules, client scope),
-``router.intake`` (shape limits on simdjson and plain JSON alike, sequences), ``router.loop_lag`` (window maximum,
+"""The front gate's parts: ``router.serve.guard.Auth`` (bytes comparison, admin rules, client scope),
+``router.serve.intake`` (shape limits on simdjson and plain JSON alike, sequences), ``router.serve.loop_lag`` (window maximum,
 overdue probe, own lag), the shedding decision (``Shedder``: only a sustained overload of the router's own work
 sheds; a lag from outside waits), ``Router`` accounting of n sequences, and unhandled errors counted as 500s."""
 
@@ -14,8 +14,8 @@ import pytest
 import simdjson
 from pydantic import BaseModel, ConfigDict
 
-from router.guard import Auth, Shedder, Verdict
-from router.intake import (
+from router.serve.guard import Auth, Shedder, Verdict
+from router.serve.intake import (
     InputLimits,
     LimitExceeded,
     check_body,
@@ -24,7 +24,7 @@ from router.intake import (
     scan_and_parse,
     sequences,
 )
-from router.loop_lag import LoopLag, Probe, own_lag_s
+from router.serve.loop_lag import LoopLag, Probe, own_lag_s
 from tests.unit.test_router_proxy import (
     BODY,
     EngineState,

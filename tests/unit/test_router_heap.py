@@ -10,7 +10,7 @@ import pytest
 import simdjson
 
 from router.heap import pin_mmap_threshold
-from router.intake import InputLimits, LimitExceeded, scan_and_parse
+from router.serve.intake import InputLimits, LimitExceeded, scan_and_parse
 
 
 def test_mmap_threshold_is_pinned_on_glibc() -> None:

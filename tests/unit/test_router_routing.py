@@ -8,7 +8,7 @@ from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
 from membership.replicas import ReplicaState, ReplicaTable
 from policies.base import make_policy
-from router.routing import (
+from router.core.routing import (
     BUILTIN_PROFILES,
     BadRequest,
     NoReplica,

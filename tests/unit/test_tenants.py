@@ -24,12 +24,12 @@ from policies.base import (
     RouteRequest,
     make_policy,
 )
-from router.admission import Admission, Rejected
 from router.config import Settings
-from router.routing import Router, build_profile
-from router.tenant_admission import TenantAdmission
-from router.tenant_metrics import TenantMetrics
-from router.tenants import BadIdentity, TenancyConfig, parse_identity, request_cost
+from router.core.admission import Admission, Rejected
+from router.core.routing import Router, build_profile
+from router.core.tenant_admission import TenantAdmission
+from router.core.tenant_metrics import TenantMetrics
+from router.core.tenants import BadIdentity, TenancyConfig, parse_identity, request_cost
 from tests.helpers import FakeClock
 
 

@@ -118,7 +118,7 @@ def test_generators_have_the_published_shapes() -> None:
         for prev, nxt in zip(turns, turns[1:], strict=False):
             assert nxt.segments[: len(prev.segments)] == prev.segments  # extends the previous context
             assert nxt.arrival_s - prev.arrival_s >= 10.0
-    assert set(WORKLOADS) == {"shared-prefix", "llmd-precise", "chapter8", "agent"}
+    assert set(WORKLOADS) == {"shared-prefix", "llmd-precise", "chapter8", "agent", "lora"}
     with pytest.raises(KeyError, match="known"):
         make_workload("nope")
 
