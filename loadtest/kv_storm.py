@@ -30,8 +30,8 @@ the storm, ``/route`` p50 / p99 idle and under the storm, the router's event lag
 storm within ``--flat-ms`` or ``--flat-factor`` times the idle p99, whichever allows more). ``events_per_s_per_core``
 = blocks applied per second per router CPU second the events cost (storm CPU minus idle CPU: routing, probes and
 scrapes are paid either way); ``events_per_s_per_core_gross`` divides by all of the router's CPU. The top-level
-figures are those of the largest flat rung; the ladder stops at the first rung that does not keep up (the router
-is saturated).
+figures are those of the largest flat rung (none flat: the largest that kept up; ``headline_engines`` and
+``headline_flat`` say which); the ladder stops at the first rung that does not keep up (the router is saturated).
 
 On a machine shared with other work the router may not get a whole core: read ``loadavg`` with the results.
 The per-core figure (blocks per CPU second) is what carries over; the rung where latency stops being flat
@@ -535,16 +535,20 @@ def run_rung(n: int, shape: StormShape, opts: StormOptions, log_dir: Path, log: 
 
 
 def headline(ladder: list[dict[str, Any]]) -> dict[str, Any]:
-    """The top-level figures: those of the largest flat rung, and where the router stopped keeping up."""
+    """The top-level figures: those of the largest flat rung (else of the largest rung that kept up, else of the
+    first; ``headline_engines`` and ``headline_flat`` say which), and where the router stopped keeping up."""
     flat = [r for r in ladder if r["flat"]]
-    best = flat[-1] if flat else None
+    kept = [r for r in ladder if r["kept_up"]]
+    best = flat[-1] if flat else kept[-1] if kept else ladder[0] if ladder else None
     saturated = next((r["engines"] for r in ladder if not r["kept_up"]), None)
     return {
         "events_per_s_per_core": best["events_per_s_per_core"] if best else None,
         "events_per_s_per_core_gross": best["events_per_s_per_core_gross"] if best else None,
         "route_p99_ms_under_storm": best["route_p99_ms_under_storm"] if best else None,
         "route_p99_ms_idle": best["route_p99_ms_idle"] if best else None,
-        "max_flat_engines": best["engines"] if best else 0,
+        "headline_engines": best["engines"] if best else None,
+        "headline_flat": bool(best and best["flat"]),
+        "max_flat_engines": flat[-1]["engines"] if flat else 0,
         "saturated_at_engines": saturated,
     }
 
