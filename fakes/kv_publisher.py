@@ -405,6 +405,12 @@ class Faults(FaultKnobs):
 # -- publisher ---------------------------------------------------------------------------------------------------
 
 
+def _last_endpoint(sock: zmq.Socket[bytes]) -> str:
+    """The endpoint ``sock`` was last bound to, with the port ZMQ chose for a ``*`` port."""
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 @dataclass(slots=True)
 class PublisherStats:
     """What the publisher did (counters)."""
@@ -427,8 +433,9 @@ class KVEventPublisher:
 
     Args:
         fmt: ``vllm``, ``vllm-legacy`` or ``sglang``.
-        endpoint: PUB endpoint to bind, e.g. ``tcp://127.0.0.1:5557``.
-        replay_endpoint: ROUTER endpoint to bind, or None for no replay.
+        endpoint: PUB endpoint to bind, e.g. ``tcp://127.0.0.1:5557`` (port ``*``: a free port, see
+            ``bound_endpoint``).
+        replay_endpoint: ROUTER endpoint to bind, or None for no replay (port ``*`` as for ``endpoint``).
         topic: topic frame of every live message.
         buffer_steps: batches kept for replay.
         dp_rank: data-parallel rank reported in vLLM batches.
@@ -436,6 +443,8 @@ class KVEventPublisher:
         faults: fault injection settings (shared, mutable).
         media: (medium, locality) announced per tier, overriding the engine's own spellings.
         store_only: never announce a removal from a non-GPU tier (LMCache's connector).
+        send_hwm: the PUB socket's send high-water mark, messages (vLLM's default 100,000; beyond it a batch is
+            dropped, counted in ``stats.dropped``).
     """
 
     def __init__(
@@ -450,6 +459,7 @@ class KVEventPublisher:
         faults: Faults | None = None,
         media: Media | None = None,
         store_only: bool = False,
+        send_hwm: int = 100_000,
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown KV event format {fmt!r}; known: {', '.join(FORMATS)}")
@@ -461,6 +471,7 @@ class KVEventPublisher:
         self.hash_bytes = hash_bytes
         self.media = dict(media or {})
         self.store_only = store_only
+        self.send_hwm = send_hwm
         self.faults = faults or Faults()
         self.stats = PublisherStats()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(1, buffer_steps))
@@ -470,6 +481,17 @@ class KVEventPublisher:
         self._pub: zmq.Socket[bytes] | None = None
         self._router_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._bound: tuple[str, str | None] | None = None  # (PUB, ROUTER) endpoints as bound by ``start``
+
+    @property
+    def bound_endpoint(self) -> str:
+        """The PUB endpoint as bound (the port ZMQ chose for a ``*`` port); ``endpoint`` before ``start``."""
+        return self._bound[0] if self._bound is not None else self.endpoint
+
+    @property
+    def bound_replay_endpoint(self) -> str | None:
+        """The replay ROUTER endpoint as bound (see ``bound_endpoint``); None without replay."""
+        return self._bound[1] if self._bound is not None else self.replay_endpoint
 
     @property
     def next_seq(self) -> int:
@@ -481,17 +503,20 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, 100_000)
+        pub.setsockopt(zmq.SNDHWM, self.send_hwm)
         pub.bind(self.endpoint)
         self._pub = pub
+        replay_bound: str | None = None
         if self.replay_endpoint:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.bind(self.replay_endpoint)
+            replay_bound = _last_endpoint(router)
             self._router_thread = threading.Thread(
                 target=self._serve_replay, args=(router,), daemon=True, name="kv-replay"
             )
             self._router_thread.start()
+        self._bound = (_last_endpoint(pub), replay_bound)
 
     def stop(self) -> None:
         """Stop the ROUTER thread and close every socket."""

@@ -12,7 +12,11 @@ of node ids (what makes ``match`` fast in pure Python and keeps every call's pau
   created (reservations grow geometrically, up to ``MAX_RESERVE``), so a multi-turn conversation's path
   occupies a few contiguous *extents*. ``_run`` holds, per node id, how many ids of its streak follow it: a hint
   that ``_stretch`` verifies against ``_keys`` with a C-level list comparison (exact whatever the layout).
-* Deleted node ids are holes until an incremental *compaction* (started once half of the ids are dead or
+* A run of at least ``EXTENT_MIN`` node ids deleted together (a path an engine evicted) is kept as a free
+  *extent*: the next new streak at least that long is placed there instead of at the end of the arrays. Under
+  an engine cache's churn (it evicts as much as it stores) paths then move into the room of the paths evicted
+  before them, and the arrays stop growing between compactions.
+* Other deleted node ids are holes until an incremental *compaction* (started once half of the ids are dead or
   reserved) moves the live nodes down over them, at most ``COMPACT_CHUNK`` ids per call, and truncates the
   arrays.
 
@@ -30,6 +34,7 @@ from .types import BlockKey
 
 __all__ = [
     "COMPACT_CHUNK",
+    "EXTENT_MIN",
     "COMPACT_MIN_DEAD",
     "COMPACT_SHARE_DIV",
     "ID_SHARDS",
@@ -62,6 +67,10 @@ SHARD_MASK = ID_SHARDS - 1
 _SHARD_MASK = SHARD_MASK
 #: Node ids one step of an incremental compaction processes (bounds the pause of one index call).
 COMPACT_CHUNK = 16384
+#: Shortest run of node ids deleted together that is kept as a free extent for a new streak.
+EXTENT_MIN = 32
+#: Most free extents kept (the others stay holes until a compaction).
+MAX_EXTENTS = 4096
 
 
 class NodeTable:
@@ -86,6 +95,9 @@ class NodeTable:
         self._reserved = 0  # node ids reserved for paths to grow into (not yet used)
         # last node id of an extent -> (end of its reservation, exclusive; capacity of the extent)
         self._tips: dict[int, tuple[int, int]] = {}
+        # free extents (runs of ids deleted together), by the bit length of their size: [(first id, size)]
+        self._extents: dict[int, list[tuple[int, int]]] = {}
+        self._n_extents = 0
         self._compact_min = COMPACT_MIN_DEAD
         self._compactions = 0  # node-id compactions started (each one renumbers the live nodes, in steps)
         self._compacted_ids = 0  # node-id slots those compactions walked (their total work)
@@ -191,6 +203,41 @@ class NodeTable:
         self._reserved += room
         tips[end - 1] = (end + room, length + room)
 
+    def _free_extent(self, start: int, size: int) -> None:
+        """Ids ``start .. start+size-1`` were just deleted together: keep them as a free extent when long enough
+        (and no compaction is moving ids)."""
+        if size < EXTENT_MIN or self._cmp_src >= 0 or self._n_extents >= MAX_EXTENTS:
+            return
+        self._extents.setdefault(size.bit_length(), []).append((start, size))
+        self._n_extents += 1
+
+    def _take_extent(self, need: int) -> tuple[int, int] | None:
+        """The shortest free extent of at least ``need`` ids, turned into reserved room for a new streak:
+        ``(first id, end id)``; None when there is none (or a compaction is moving ids)."""
+        if not self._n_extents or need < EXTENT_MIN or self._cmp_src >= 0:
+            return None
+        extents = self._extents
+        for bucket in range(need.bit_length(), 1 + max(extents)):
+            found = extents.get(bucket)
+            if not found:
+                continue
+            best = -1
+            for j, (_, size) in enumerate(found):
+                if size >= need and (best < 0 or size < found[best][1]):
+                    best = j
+            if best < 0:
+                continue
+            start, size = found[best]
+            found[best] = found[-1]
+            found.pop()
+            if not found:
+                del extents[bucket]
+            self._n_extents -= 1
+            self._dead_nodes -= size  # the extent's holes become room reserved for the streak
+            self._reserved += size
+            return start, start + size
+        return None
+
     def _maybe_compact(self, *, force: bool = False) -> None:
         """Start a node-id compaction once ``1 / COMPACT_SHARE_DIV`` of the ids are dead or reserved, and advance
         the one in progress.
@@ -207,9 +254,11 @@ class NodeTable:
                     return
             elif dead < self._compact_min or (dead + self._reserved) * COMPACT_SHARE_DIV < len(self._keys):
                 return
-            # reservations are given up (their ids are holes like the dead ones) and none are made until the
-            # compaction ends: ``_tips`` would otherwise point at ids the compaction moves
+            # reservations and free extents are given up (their ids are holes like the dead ones) and none are
+            # made until the compaction ends: they would otherwise point at ids the compaction moves
             self._tips.clear()
+            self._extents.clear()
+            self._n_extents = 0
             self._dead_nodes = dead + self._reserved
             self._reserved = 0
             keys = self._keys

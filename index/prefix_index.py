@@ -34,6 +34,7 @@ Units: depths and counts are in blocks, times in seconds of the injected clock, 
 
 from __future__ import annotations
 
+import sys
 import time
 from array import array
 from bisect import bisect_right
@@ -247,6 +248,7 @@ class PrefixIndex(NodeTable):
         kl[start:end] = [None] * run
         self._sidl[start:end] = [0] * run
         self._dead_nodes += run
+        self._free_extent(start, run)
 
     def _gc_states(self) -> None:
         """Rebuild the state table from the states nodes are in (states of churned replica sets pile up)."""
@@ -513,6 +515,11 @@ class PrefixIndex(NodeTable):
         per-call parts (leading blocks that exist: ``_stretch`` / ``_bulk``; closing a streak:
         ``_close_streak``) are methods of their own.
         """
+        if op == OP_REMOVE and len(keys) > 1:
+            ordered = self._removal_order(keys)
+            if ordered is None:
+                return self._remove_nodes(slot, keys, tier)
+            keys = ordered
         ids = self._ids
         sidl = self._sidl
         ts = self._ts
@@ -575,6 +582,10 @@ class PrefixIndex(NodeTable):
                     else:
                         place = -1
                         cap = tip[1] if tip is not None else 0
+                        room = self._take_extent(len(keys)) if self._n_extents else None
+                        if room is not None:  # the room of an evicted path (at most len(keys) new nodes)
+                            place, place_end = room
+                            cap = place_end - place
                 if place >= 0:
                     nid = place
                     place += 1
@@ -633,6 +644,45 @@ class PrefixIndex(NodeTable):
         refs[fresh] += created
         self._nodes += created
         return changed + created
+
+    def _removal_order(self, keys: Sequence[BlockKey]) -> Sequence[BlockKey] | None:
+        """The order in which ``_apply`` removes ``keys``: as given when they start root to leaf (the stretch walk
+        takes whole runs), reversed when they start leaf to root, None (``_remove_nodes``) otherwise.
+
+        A removal's outcome does not depend on the order of its keys. vLLM frees a request's blocks tail first, so
+        its evictions name paths leaf to root, which the stretch walk (made for root-to-leaf paths) would take one
+        block at a time, each verified against the rest of its streak: quadratic in the path's length.
+        """
+        ids = self._ids
+        a, b = keys[0], keys[1]
+        na = ids[a & _SHARD_MASK].get(a)
+        nb = ids[b & _SHARD_MASK].get(b)
+        if na is None or nb is None:
+            return None
+        if nb == na + 1:
+            return keys
+        if nb == na - 1:
+            return keys[::-1]
+        return None
+
+    def _remove_nodes(self, slot: int, keys: Sequence[BlockKey], tier: int) -> int:
+        """``_apply`` of ``OP_REMOVE`` for keys in no path order: the nodes of ``keys`` (unknown keys skipped, each
+        node once) in node-id order, a run of consecutive ids at a time; returns how many changed state."""
+        ids = self._ids
+        found = [ids[k & _SHARD_MASK].get(k) for k in keys]
+        nids = sorted({nid for nid in found if nid is not None})
+        if not nids:
+            return 0
+        table = self._states.table(OP_REMOVE, slot, tier)
+        bulk = self._bulk
+        changed = 0
+        start = prev = nids[0]
+        for nid in nids:
+            if nid > prev + 1:
+                changed += bulk(start, prev + 1 - start, table, OP_REMOVE, slot, tier, None, 0.0, 0.0, False)
+                start = nid
+            prev = nid
+        return changed + bulk(start, prev + 1 - start, table, OP_REMOVE, slot, tier, None, 0.0, 0.0, False)
 
     def _bulk(
         self,
@@ -1066,6 +1116,47 @@ class PrefixIndex(NodeTable):
         self._maybe_compact(force=True)  # one step (or the start) of the compaction the deletions call for
 
     # ------------------------------------------------------------------ stats
+
+    def layout_stats(self) -> dict[str, int]:
+        """Sizes of the index's own structures, bytes and counts (for benchmarks: O(nodes), it visits every key).
+
+        ``nodes``; ``node_ids`` (ids in the per-id arrays: nodes, holes and reserved room), ``dead_ids`` and
+        ``reserved_ids``; ``map_bytes`` (the key -> node id dicts), ``array_bytes`` (the per-id keys, state ids
+        and times), ``run_hint_bytes``, ``id_int_bytes`` (node-id ints above CPython's small-int cache) and
+        ``key_int_bytes`` (the key ints, rounded up to the allocator's 16 bytes); ``states`` (in use),
+        ``state_table`` (states kept, used or not) and ``state_mask_bytes`` (their distinct mask ints).
+        """
+        shards = self._ids
+        map_bytes = sum(map(sys.getsizeof, shards)) + sys.getsizeof(shards)
+        arrays = sys.getsizeof(self._keys) + sys.getsizeof(self._sidl) + self._ts.buffer_info()[1] * 8
+        id_ints = sum(16 * -(-sys.getsizeof(v) // 16) for d in shards for v in d.values() if v > 256)
+        key_ints = sum(16 * -(-sys.getsizeof(k) // 16) for d in shards for k in d)
+        st = self._states
+        seen: set[int] = set()
+        mask_bytes = 0
+        masks = (
+            m
+            for row in (*st.states, st.all, st.confirmed, [m for sp in st.special for m, _ in sp])
+            for m in row
+        )
+        for m in masks:
+            if id(m) not in seen:
+                seen.add(id(m))
+                mask_bytes += sys.getsizeof(m)
+        return {
+            "nodes": self._nodes,
+            "node_ids": len(self._keys),
+            "dead_ids": self._dead_nodes,
+            "reserved_ids": self._reserved,
+            "map_bytes": map_bytes,
+            "array_bytes": arrays,
+            "run_hint_bytes": self._run.buffer_info()[1] * self._run.itemsize,
+            "id_int_bytes": id_ints,
+            "key_int_bytes": key_ints,
+            "states": st.in_use(),
+            "state_table": len(st),
+            "state_mask_bytes": mask_bytes,
+        }
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes: nodes, estimated_bytes, blocks per replica and tier, evictions, orphans, ..."""

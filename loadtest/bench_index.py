@@ -8,17 +8,20 @@ length is known, and finally removes every stored block.
 Usage::
 
     python -m loadtest.bench_index --json [--target-nodes N] [--queries-1k N] [--queries-8k N] [--queries-32k N]
+    python -m loadtest.bench_index --json --mode scale [--replicas 64,512,4096] [--target-nodes 1000000,10000000]
     python -m loadtest.bench_index --json --mode memory [--chains N] [--chain-tokens N] [--replicas-per-chain N]
 
-``--mode memory`` feeds long distinct chains through ``apply_stored`` as engine events and prints the RSS growth
-per node of everything the router holds (nodes, key ints, engine-hash maps).
+``--mode scale`` draws the same workload over each fleet size (the replicas a conversation sticks to are drawn
+from that many) up to each index size, each point in a fresh process, and prints one object per point: bytes per
+node (RSS growth, and the structures' own sizes from ``PrefixIndex.layout_stats``), interned states, and match
+p50 / p99 (hashing included, and the walk alone) at 1k / 8k / 32k tokens; a point that does not fit in memory is
+reported with its error. ``--mode memory`` feeds long distinct chains through ``apply_stored`` as engine events
+and prints the RSS growth per node of everything the router holds (nodes, key ints, engine-hash maps). (The
+comparison of interned ``pyroaring`` sets with interned int masks, ``docs/benchmarks.md`` "Replica sets", ran
+as ``--mode replica-sets`` until commit 8949496; concluded, it was removed with the private index access it
+needed.)
 
-The index is read through its public API only (``len``, ``match``, ``stats``, ``estimated_bytes``, the node
-table's ``object_bytes``). The comparison of interned int masks with roaring bitmaps (``docs/benchmarks.md``,
-"Replica sets") swapped a roaring state table into the index's internals; its harness is kept in history
-(``git show 1fdb628:loadtest/bench_index.py``, ``--mode replica-sets``), not here.
-
-One JSON object on stdout; a human table on stderr. Times in microseconds, rates in blocks per second, sizes in
+One JSON object on stdout (a list of objects in scale mode); a human table on stderr. Times in microseconds, rates in blocks per second, sizes in
 bytes. Not part of the test suite (timings on shared machines are noisy).
 """
 
@@ -80,7 +83,7 @@ def build_workload(
 ) -> tuple[list[list[int]], list[Conversation], int, float]:
     """Draw system prompts and conversations; return (sys prompts, conversations, nodes, hash seconds).
 
-    ``replicas`` other than the workload's 64 changes the draws (the replica-set comparison, kept in history, used 4,096).
+    ``replicas`` other than the workload's 64 changes the draws (the replica-set comparison uses 4,096).
     """
     rng = random.Random(SEED)
     sys_prompts = [u16(rng.randbytes(2 * SYS_LEN)) for _ in range(SYS_PROMPTS)]
@@ -218,12 +221,13 @@ def pct(values: Sequence[float], p: float) -> float:
 
 
 def deep_bytes_per_node(idx: PrefixIndex) -> dict[str, float]:
-    """Structure bytes per node computed from object sizes (dict, lists, arrays, node-id ints, key ints)."""
-    n = max(len(idx), 1)
-    sizes = idx.object_bytes()
+    """Structure bytes per node from object sizes (``PrefixIndex.layout_stats``): the key -> node id dicts, the
+    per-id keys, state ids and times, the node-id ints; and the key ints."""
+    lay = idx.layout_stats()
+    n = max(lay["nodes"], 1)
     return {
-        "struct_bytes_per_node": round(sizes["structure_bytes"] / n, 1),
-        "key_int_bytes_per_node": round(sizes["key_int_bytes"] / n, 1),
+        "struct_bytes_per_node": round((lay["map_bytes"] + lay["array_bytes"] + lay["id_int_bytes"]) / n, 1),
+        "key_int_bytes_per_node": round(lay["key_int_bytes"] / n, 1),
     }
 
 
@@ -443,9 +447,7 @@ def _time_under_budget(
     store = idx.store
     clock = time.perf_counter
     over = 0
-    worst = (
-        0.0  # the longest single call: the eviction it runs (bounded per call: the index evicts in rounds)
-    )
+    worst = 0.0  # the longest single call: the eviction it runs (bounded per call, see PrefixIndex._evict)
     t0 = clock()
     for w, parent, keys in events:
         c0 = clock()
@@ -468,6 +470,89 @@ def _time_under_budget(
     missing = sum(1 for k in recent if k not in idx)
     result["budget_recent_missing"] = missing
     return over + missing
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --mode scale: index memory and match time by fleet size and index size
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _scale_one(replicas: int, target_nodes: int, counts: dict[int, int]) -> dict[str, Any]:
+    """One ``scale`` point, in a fresh process (forked: the RSS growth is this index's alone)."""
+    seed_key = root_seed("bench-model")
+    t0 = time.perf_counter()
+    sys_prompts, convs, expected, _ = build_workload(target_nodes, seed_key, replicas)
+    events = build_events(convs)
+    queries = draw_queries(convs, counts)
+    build_s = time.perf_counter() - t0
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    idx, store_s, store_cpu_s, rss_growth = _time_store(events, lambda _: None)
+    entries = sum(len(k) for _, _, k in events)
+    lay = idx.layout_stats()
+    nodes = max(lay["nodes"], 1)
+    res: dict[str, Any] = {
+        "replicas": replicas,
+        "target_nodes": target_nodes,
+        "nodes": lay["nodes"],
+        "stored_block_entries": entries,
+        "replicas_holding": len(idx.stats()["blocks"]),
+        "workload_build_s": round(build_s, 1),
+        "store_blocks_per_s_cpu": round(entries / store_cpu_s),
+        "bytes_per_node": round(rss_growth / nodes, 1),
+        "estimated_bytes_per_node": round(idx.estimated_bytes() / nodes, 1),
+        "states": lay["states"],
+        "state_mask_bytes": lay["state_mask_bytes"],
+        "node_ids_per_node": round(lay["node_ids"] / nodes, 3),
+        "index_rss_mb": round(rss_growth / 2**20),
+        "process_peak_rss_mb": round(_peak_rss_bytes() / 2**20),
+    }
+    res.update(deep_bytes_per_node(idx))
+    failures = _time_matches(idx, queries, sys_prompts, convs, seed_key, res)
+    res["match_check_failures"] = failures + (0 if lay["nodes"] == expected else 1)
+    for name in list(res):  # keep match (hash + walk; wall and CPU time) and find (the walk alone)
+        if name.startswith(("fused_", "hash_")):
+            del res[name]
+    gc.enable()
+    gc.unfreeze()
+    return res
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status")
+
+
+def scale(
+    replicas: Sequence[int], targets: Sequence[int], counts: dict[int, int], log: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Index memory and match time for every (fleet size, index size): the reference workload drawn over
+    ``replicas`` replicas up to ``target`` nodes, stored, then queried (1k / 8k / 32k tokens, hashing included).
+
+    Each point runs in a fresh process; a point that cannot run (out of memory: the process is killed) is
+    reported with its ``error`` instead of figures.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    out: list[dict[str, Any]] = []
+    for target in targets:
+        for r in replicas:
+            log(f"scale: {r} replicas, {target} nodes ...")
+            try:
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+                    one = pool.submit(_scale_one, r, target, counts).result()
+            except (BrokenProcessPool, MemoryError) as exc:
+                one = {"replicas": r, "target_nodes": target, "error": f"{type(exc).__name__}: {exc}"}
+            log(f"  {json.dumps(one)}")
+            out.append(one)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -517,7 +602,7 @@ def _chain_memory_one(
         f"{path}_nodes": len(idx),
         f"{path}_bytes_per_node": round((rss1 - rss0) / nodes, 1),
         f"{path}_estimated_bytes_per_node": round(idx.estimated_bytes() / nodes, 1),
-        f"{path}_node_ids_per_node": round(idx.object_bytes()["node_id_slots"] / nodes, 3),
+        f"{path}_node_ids_per_node": round(idx.layout_stats()["node_ids"] / nodes, 3),
         f"{path}_engine_entries": st["engine_entries"],
         f"{path}_peak_bytes_per_budget_node": round((peak - rss0) / budget_nodes, 1)
         if budget_nodes
@@ -654,19 +739,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the result object as JSON on stdout")
     ap.add_argument(
         "--mode",
-        choices=("index", "memory"),
+        choices=("index", "scale", "memory"),
         default="index",
-        help="index: the reference workload (default); memory: bytes per node with long chains as engine events",
+        help="index: the reference workload (default); scale: memory and match time at each of --replicas x "
+        "--target-nodes; memory: bytes per node with long chains as engine events",
     )
     ap.add_argument(
         "--target-nodes",
-        type=int,
         default=None,
-        help="stop drawing conversations here (default 1M)",
+        help="stop drawing conversations here (default 1M; scale mode: a comma-separated list, default "
+        "1000000,10000000)",
     )
     ap.add_argument("--queries-1k", type=int, default=2000)
     ap.add_argument("--queries-8k", type=int, default=1000)
     ap.add_argument("--queries-32k", type=int, default=400)
+    ap.add_argument("--replicas", default="64,512,4096", help="scale mode: comma-separated fleet sizes")
     ap.add_argument("--chains", type=int, default=100, help="memory mode: distinct long chains")
     ap.add_argument("--chain-tokens", type=int, default=32768, help="memory mode: tokens per chain")
     ap.add_argument(
@@ -686,14 +773,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     counts = {1024: args.queries_1k, 8192: args.queries_8k, 32768: args.queries_32k}
-    result: dict[str, Any]
-    if args.mode == "memory":
+    result: dict[str, Any] | list[dict[str, Any]]
+    if args.mode == "scale":
+        targets = [int(x) for x in (args.target_nodes or "1000000,10000000").split(",")]
+        result = scale([int(r) for r in args.replicas.split(",")], targets, counts, log)
+        failures = sum(r.get("match_check_failures", 0) for r in result)
+    elif args.mode == "memory":
         result = long_chain_memory(
             args.chains, args.chain_tokens, args.replicas_per_chain, args.page_blocks, args.budget_nodes, log
         )
         failures = 0
     else:
-        result = run(args.target_nodes or 1_000_000, counts, log)
+        result = run(int(args.target_nodes or 1_000_000), counts, log)
         log(table(result))
         failures = result["match_check_failures"]
     if args.json:

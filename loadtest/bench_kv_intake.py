@@ -10,38 +10,56 @@ encoded with ``fakes.kv_publisher.encode_batch`` in vLLM's wire format. It then 
 those payloads: ``membership.kv_decode.decode_payload`` and ``membership.kv_apply.BatchApplier`` into a
 ``PrefixIndex`` configured as the router's (``block_size`` 16, 4M-node budget).
 
+``--leaf-first`` announces evictions in vLLM's order instead: a finished request frees its blocks tail first
+(``KVCacheManager.free``), its evictions follow in that order, one ``BlockRemoved`` per block, so a path's
+blocks are removed leaf to root.
+
 Usage::
 
-    python -m loadtest.bench_kv_intake --json [--requests N] [--repeat N]
+    python -m loadtest.bench_kv_intake --json [--requests N] [--repeat N] [--leaf-first]
+    python -m loadtest.bench_kv_intake --json --ab OLD_TREE [--repeat N] [--leaf-first]
+    python -m loadtest.bench_kv_intake --json --storm [flags of loadtest.kv_storm]
 
-One JSON object on stdout: microseconds per request (decode, apply, total: the best of ``--repeat`` runs),
-blocks stored / removed per request, and ``digest``: a hash of the index's final content (every node's key and
-replica state) and the feeds' counters, equal across trees that apply events identically. Not part of the test
-suite (timings on shared machines are noisy).
+One JSON object on stdout: CPU microseconds per request (decode, apply, total: the best of ``--repeat`` runs),
+blocks stored / removed per request, and ``digest``: a hash of the index's final content and the feeds'
+counters, read through the index's public API only (for every block key of the workload that the index holds,
+which replicas hold it in which tier, from ``match([key])``; ``stats()``), so it is equal across trees that apply
+events identically, whatever their internals. ``--ab OLD_TREE`` runs this benchmark ``--repeat`` times with this
+tree's ``index`` and ``membership`` and as many times with OLD_TREE's, alternating, each run in a fresh process;
+it prints both sides' figures (median, min, max) and whether every run's digest is the same. ``--storm`` runs
+``loadtest.kv_storm`` (the event storm against a real router process). Not part of the test suite (timings on
+shared machines are noisy).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from fakes.kv_publisher import PubEvent, PubRemoved, PubStored, encode_batch
+from index.hashing import block_keys
 from index.prefix_index import PrefixIndex
-from membership.kv_apply import BatchApplier, run_to_end
+from membership.kv_apply import BatchApplier, chain_seed, run_to_end
 from membership.kv_decode import DEFAULT_LIMITS, DecodedBatch, decode_payload
 from membership.kv_sequencer import FeedStats
 
 BLOCK = 16
 MODEL = "kvroute-fake"
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +75,16 @@ class Workload:
     turns: int = 2
     step_blocks: int = 512  # one engine step (8192 tokens) = one event batch
     seed: int = 23
+    leaf_first: bool = False  # evictions announced in vLLM's order (a finished request's blocks tail first)
 
 
 def _engine_hash(parent: int, tokens: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(b"".join(t.to_bytes(4, "little") for t in tokens), parent)
 
 
-def build_payloads(w: Workload) -> tuple[list[tuple[int, bytes]], int]:
-    """``(engine, msgpack payload)`` of every event batch the fleet publishes, in publication order, and how
-    many of them belong to the warm-up requests."""
+def build_payloads(w: Workload) -> tuple[list[tuple[int, bytes]], int, list[list[int]]]:
+    """``(engine, msgpack payload)`` of every event batch the fleet publishes, in publication order, how many of
+    them belong to the warm-up requests, and every conversation's tokens (its last turn's prompt)."""
     rng = random.Random(w.seed)
     caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(w.engines)]
     out: list[tuple[int, bytes]] = []
@@ -83,72 +102,88 @@ def build_payloads(w: Workload) -> tuple[list[tuple[int, bytes]], int]:
         toks = conv_tokens[conv]
         toks += [rng.randrange(50_000) for _ in range(need - len(toks))]
         eng = conv % w.engines
-        cache = caches[eng]
-        hashes: list[int] = []
-        parent = 0
-        for b in range(need // BLOCK):
-            parent = _engine_hash(parent, toks[b * BLOCK : (b + 1) * BLOCK])
-            hashes.append(parent)
-        hit = 0
-        while hit < len(hashes) and hashes[hit] in cache:
-            cache.move_to_end(hashes[hit])
-            hit += 1
-        for lo in range(hit, len(hashes), w.step_blocks):
-            hi = min(len(hashes), lo + w.step_blocks)
-            events: list[PubEvent] = []
-            evicted: list[int] = []
-            while len(cache) + (hi - lo) > w.gpu_blocks:
-                evicted.append(cache.popitem(last=False)[0])
-            if evicted:
-                events.append(PubRemoved(evicted))
-            for h in hashes[lo:hi]:
-                cache[h] = None
-            events.append(
-                PubStored(
-                    hashes[lo:hi],
-                    hashes[lo - 1] if lo else None,
-                    toks[lo * BLOCK : hi * BLOCK],
-                    BLOCK,
-                    "gpu",
-                    None,
-                    None,
-                )
+        ts = _serve(w, caches[eng], toks, need, eng, ts, out)
+    return out, warm, conv_tokens
+
+
+def _serve(
+    w: Workload,
+    cache: OrderedDict[int, None],
+    toks: list[int],
+    need: int,
+    eng: int,
+    ts: float,
+    out: list[tuple[int, bytes]],
+) -> float:
+    """One request on engine ``eng``: its cached prefix is reused, the rest stored step by step, each step's
+    evictions (LRU: oldest first) announced before its store; returns the next batch timestamp."""
+    hashes: list[int] = []
+    parent = 0
+    for b in range(need // BLOCK):
+        parent = _engine_hash(parent, toks[b * BLOCK : (b + 1) * BLOCK])
+        hashes.append(parent)
+    hit = 0
+    while hit < len(hashes) and hashes[hit] in cache:
+        cache.move_to_end(hashes[hit])
+        hit += 1
+    for lo in range(hit, len(hashes), w.step_blocks):
+        hi = min(len(hashes), lo + w.step_blocks)
+        events: list[PubEvent] = []
+        evicted: list[int] = []
+        while len(cache) + (hi - lo) > w.gpu_blocks:
+            evicted.append(cache.popitem(last=False)[0])
+        if evicted:
+            events.append(PubRemoved(evicted))
+        for h in hashes[lo:hi]:
+            cache[h] = None
+        events.append(
+            PubStored(
+                hashes[lo:hi], hashes[lo - 1] if lo else None, toks[lo * BLOCK : hi * BLOCK], BLOCK, "gpu"
             )
-            ts += 0.01
-            out.append((eng, encode_batch(events, "vllm", ts)))
-    return out, warm
+        )
+        ts += 0.01
+        out.append((eng, encode_batch(events, "vllm", ts)))
+    if w.leaf_first:  # the request ends: its blocks join the eviction queue tail first
+        for h in reversed(hashes):
+            cache.move_to_end(h)
+    return ts
 
 
 def run_intake(
     payloads: list[tuple[int, bytes]], engines: int, warm: int
 ) -> tuple[float, float, PrefixIndex, list[FeedStats]]:
-    """Decode and apply every payload in order; (decode seconds, apply seconds of the payloads from ``warm`` on,
-    the index, per-engine stats)."""
+    """Decode and apply every payload in order; (decode CPU seconds, apply CPU seconds of the payloads from
+    ``warm`` on, the index, per-engine stats)."""
     index = PrefixIndex(block_size=BLOCK, max_nodes=4_000_000)
     stats = [FeedStats() for _ in range(engines)]
     appliers = [BatchApplier(index, e, MODEL, stats[e], DEFAULT_LIMITS, 8192) for e in range(engines)]
     dec = app = 0.0
+    clock = time.thread_time  # CPU time of this thread: what the work costs, however busy the machine is
     for seq, (eng, payload) in enumerate(payloads):
-        t0 = time.perf_counter()
+        t0 = clock()
         batch = decode_payload(payload, seq=seq)
-        t1 = time.perf_counter()
+        t1 = clock()
         assert isinstance(batch, DecodedBatch), batch
         run_to_end(appliers[eng].apply(batch))
-        t2 = time.perf_counter()
+        t2 = clock()
         if seq >= warm:
             dec += t1 - t0
             app += t2 - t1
     return dec, app, index, stats
 
 
-def digest(index: PrefixIndex, stats: list[FeedStats]) -> str:
-    """A hash of the index's content (each node's key and its replica state) and the feeds' counters."""
+def digest(index: PrefixIndex, stats: list[FeedStats], conversations: list[list[int]]) -> str:
+    """A hash of the index's content and the feeds' counters, through the public API: for every block key of
+    the workload the index holds (in key order), which replicas hold it in which tier (``match([key])``), then
+    the index's counters and blocks per replica and tier (``stats()``) and each feed's counters."""
+    seed = chain_seed(MODEL, None, None)
+    keys = sorted({k for toks in conversations for k in block_keys(toks, BLOCK, seed)})
     h = xxhash.xxh3_64()
-    states = (
-        index._states.states
-    )  # the bench reads the index's internals: it compares trees, it tests nothing
-    for key, nid in sorted((k, n) for shard in index._ids for k, n in shard.items()):
-        h.update(f"{key}:{states[index._sidl[nid]]};".encode())
+    for key in keys:
+        if key not in index:
+            continue
+        held = sorted((r, m.gpu, m.cpu, m.disk, m.remote, m.predicted) for r, m in index.match([key]).items())
+        h.update(f"{key}:{held};".encode())
     counters = index.stats()
     for name in (
         "nodes",
@@ -159,23 +194,18 @@ def digest(index: PrefixIndex, stats: list[FeedStats]) -> str:
         "invalid_events",
     ):
         h.update(f"{name}={counters[name]};".encode())
+    h.update(json.dumps(counters["blocks"], sort_keys=True).encode())
     for st in stats:
         h.update(json.dumps(st.as_dict(), sort_keys=True).encode())
     return h.hexdigest()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark; print one JSON object (``--json``) or a line of text."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--json", action="store_true", help="print the result object as JSON on stdout")
-    ap.add_argument("--requests", type=int, default=224, help="requests (the e2e slice: 224)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs; the fastest is reported")
-    args = ap.parse_args(argv)
-    w = Workload(requests=args.requests)
-    payloads, warm = build_payloads(w)
+def measure(w: Workload, repeat: int) -> dict[str, Any]:
+    """Build the payloads once, run the intake ``repeat`` times; the fastest run's figures and the digest."""
+    payloads, warm, conversations = build_payloads(w)
     best: tuple[float, float] | None = None
     result: dict[str, Any] = {}
-    for _ in range(max(1, args.repeat)):
+    for _ in range(max(1, repeat)):
         dec, app, index, stats = run_intake(payloads, w.engines, warm)
         if best is None or dec + app < sum(best):
             best = (dec, app)
@@ -185,11 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = {
             "requests": w.requests,
             "warmup_requests": w.warmup,
+            "leaf_first": w.leaf_first,
             "batches": len(payloads) - warm,
             "payload_mb": round(sum(len(p) for _, p in payloads[warm:]) / 1e6, 2),
             "stored_blocks_per_request": round(stored / n, 1),
             "removed_blocks_per_request": round(removed / n, 1),
-            "digest": digest(index, stats),
+            "digest": digest(index, stats, conversations),
+            "index_module": sys.modules[PrefixIndex.__module__].__file__,
         }
     assert best is not None
     result.update(
@@ -197,6 +229,81 @@ def main(argv: Sequence[str] | None = None) -> int:
         apply_us_per_request=round(best[1] / w.requests * 1e6, 1),
         total_us_per_request=round(sum(best) / w.requests * 1e6, 1),
     )
+    return result
+
+
+_AB_KEYS = ("decode_us_per_request", "apply_us_per_request", "total_us_per_request")
+
+
+def ab_compare(old_tree: Path, w: Workload, repeat: int, log: Any) -> dict[str, Any]:
+    """This tree's ``index`` + ``membership`` against ``old_tree``'s, ``repeat`` fresh processes each, alternating
+    which goes first; per side the median, min and max of each figure, and whether every digest agreed."""
+    shadow = Path(tempfile.mkdtemp(prefix="kvroute-ab-"))
+    for pkg in ("index", "membership"):
+        (shadow / pkg).symlink_to((old_tree / pkg).resolve(), target_is_directory=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "loadtest.bench_kv_intake",
+        "--json",
+        "--repeat",
+        "1",
+        f"--requests={w.requests}",
+    ]
+    if w.leaf_first:
+        argv.append("--leaf-first")
+    runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    for i in range(max(1, repeat)):
+        for side in ("old", "new") if i % 2 == 0 else ("new", "old"):
+            # ``-m`` puts the working directory first on sys.path: the shadow's packages win for the old side
+            cwd = shadow if side == "old" else REPO
+            env = {**os.environ, "PYTHONPATH": str(REPO)}
+            out = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, check=True).stdout
+            run = json.loads(out)
+            if run.get("index_module", "").startswith(str(REPO / "index")) != (side == "new"):
+                raise RuntimeError(f"the {side} side imported the wrong index: {run.get('index_module')}")
+            runs[side].append(run)
+            log(f"  {side}: {runs[side][-1]['total_us_per_request']} us per request")
+    result: dict[str, Any] = {"old_tree": str(old_tree), "repeat": repeat, "leaf_first": w.leaf_first}
+    for side, rs in runs.items():
+        for key in _AB_KEYS:
+            vals = [r[key] for r in rs]
+            result[f"{side}_{key}"] = {
+                "median": round(statistics.median(vals), 1),
+                "min": min(vals),
+                "max": max(vals),
+            }
+    digests = {r["digest"] for rs in runs.values() for r in rs}
+    result["digests_equal"] = len(digests) == 1
+    result["digest"] = sorted(digests)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; print one JSON object (``--json``) or a line of text."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if "--storm" in args_in:
+        from loadtest.kv_storm import main as storm_main
+
+        args_in.remove("--storm")
+        return storm_main(args_in)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--json", action="store_true", help="print the result object as JSON on stdout")
+    ap.add_argument("--requests", type=int, default=224, help="requests (the e2e slice: 224)")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="runs; the fastest is reported (--ab: runs per side)"
+    )
+    ap.add_argument(
+        "--leaf-first", action="store_true", help="announce evictions in vLLM's order (leaf first)"
+    )
+    ap.add_argument("--ab", metavar="OLD_TREE", default=None, help="compare with another checkout's index")
+    args = ap.parse_args(args_in)
+    w = Workload(requests=args.requests, leaf_first=args.leaf_first)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    result = ab_compare(Path(args.ab), w, args.repeat, log) if args.ab else measure(w, args.repeat)
     if args.json:
         print(json.dumps(result))
     else:

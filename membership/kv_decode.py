@@ -33,7 +33,10 @@ Units: ``block_size`` is tokens per engine block (page); hashes are engine block
 
 from __future__ import annotations
 
+import functools
 import math
+import re
+import struct
 from array import array
 from collections import Counter
 from collections.abc import Callable, Generator, Mapping
@@ -400,17 +403,91 @@ _INCREMENTAL_BYTES = 1 << 20
 
 
 class _Parse:
-    """A batch being parsed: ``ts``, the events one at a time, then ``dp_rank`` (see :func:`_open_batch`)."""
+    """A batch being parsed: ``ts``, the events one at a time, then ``dp_rank`` (see :func:`_open_batch`).
 
-    __slots__ = ("ts_raw", "n_events", "next_event", "finish")
+    ``tell`` / ``skip`` exist when the events are parsed from the payload's bytes one at a time (an Unpacker):
+    ``tell()`` is the offset of the next event in the payload, ``skip(n)`` moves past ``n`` bytes of whole events
+    without building them (``_RemovalForm``); both are None for a batch parsed whole.
+    """
+
+    __slots__ = ("ts_raw", "n_events", "next_event", "finish", "tell", "skip")
 
     def __init__(
-        self, ts_raw: object, n_events: int, next_event: Callable[[], object], finish: Callable[[], object]
+        self,
+        ts_raw: object,
+        n_events: int,
+        next_event: Callable[[], object],
+        finish: Callable[[], object],
+        tell: Callable[[], int] | None = None,
+        skip: Callable[[int], object] | None = None,
     ) -> None:
         self.ts_raw = ts_raw
         self.n_events = n_events
         self.next_event = next_event  # raises on malformed msgpack
         self.finish = finish  # the rank; raises on malformed msgpack or trailing bytes
+        self.tell = tell
+        self.skip = skip
+
+
+#: the ``type`` value of a ``BlockRemoved`` map as msgpack writes it (fixstr of 12 bytes)
+_REMOVED_TAG = b"\xacBlockRemoved"
+#: the one-hash list of a ``BlockRemoved`` in vLLM's common form: fixarray of 1, uint64 marker
+_ONE_U64 = b"\x91\xcf"
+
+
+@dataclass(frozen=True, slots=True)
+class _RemovalForm:
+    """The bytes of one ``BlockRemoved`` map whose only variable part is its one uint64 hash, learnt from the
+    batch's first such event: ``prefix`` + 8 hash bytes + ``suffix``.
+
+    Every event whose bytes match the form decodes, byte for byte, to the map the form was learnt from with another
+    uint64 in ``block_hashes`` (the 8 bytes after a ``0xcf`` marker are a whole uint64, whatever they are), so it is
+    the same ``RemovedEvent`` (``medium``, ``tier``) with that hash: a run of them is read with one regular
+    expression over the payload and one ``struct`` call, instead of building a dict, a list and four strings per
+    block (vLLM announces every evicted block in a map of its own: hundreds per batch under cache pressure).
+    """
+
+    prefix: bytes
+    suffix: bytes
+    run: re.Pattern[bytes]  # one or more whole events of the form
+    hash_of: re.Pattern[bytes]  # the 8 hash bytes of each event of a run
+    medium: str
+    tier: str
+
+    @property
+    def size(self) -> int:
+        """Bytes of one event of the form."""
+        return len(self.prefix) + 8 + len(self.suffix)
+
+    @staticmethod
+    def learn(payload: bytes, start: int, end: int, h: int, medium: str, tier: str) -> _RemovalForm | None:
+        """The form of the event at ``payload[start:end]`` (a one-hash removal of hash ``h``), or None when its
+        hash is not written as a uint64 exactly once in it."""
+        span = payload[start:end]
+        mark = _ONE_U64 + h.to_bytes(8, "big")
+        at = span.find(mark)
+        if at < 0 or span.find(mark, at + 1) >= 0:
+            return None
+        prefix, suffix = span[: at + len(_ONE_U64)], span[at + len(mark) :]
+        return _removal_form(prefix, suffix, medium, tier)
+
+    def count(self, payload: bytes, pos: int, most: int) -> int:
+        """How many consecutive events of the form start at ``pos`` (at most ``most``)."""
+        m = self.run.match(payload, pos, pos + most * self.size)
+        return 0 if m is None else (m.end() - pos) // self.size
+
+    def hashes(self, payload: bytes, pos: int, k: int) -> list[int]:
+        """The hashes of the ``k`` events of the form at ``pos``."""
+        raw = self.hash_of.findall(payload, pos, pos + k * self.size)
+        return list(struct.unpack(f">{k}Q", b"".join(raw)))
+
+
+@functools.lru_cache(maxsize=64)
+def _removal_form(prefix: bytes, suffix: bytes, medium: str, tier: str) -> _RemovalForm:
+    """A :class:`_RemovalForm` with its compiled patterns (cached: a fleet's engines send a handful of forms)."""
+    one = re.escape(prefix) + b"(.{8})" + re.escape(suffix)
+    run = re.compile(b"(?:" + re.escape(prefix) + b".{8}" + re.escape(suffix) + b")+", re.DOTALL)
+    return _RemovalForm(prefix, suffix, run, re.compile(one, re.DOTALL), medium, tier)
 
 
 class _BadBatch(Exception):
@@ -423,15 +500,16 @@ class _BadBatch(Exception):
 
 
 def _open_batch(payload: bytes, max_decoded_bytes: int) -> _Parse:
-    """Start parsing a batch. Large arrays (every released engine sends arrays) are parsed incrementally, one
-    event at a time, so the caller can yield between events; smaller payloads and maps are parsed whole. No
-    msgpack array or map may hold more than ``max_decoded_bytes / HASH_COST`` elements.
+    """Start parsing a batch. Arrays (every released engine sends arrays) that are large or hold removals are
+    parsed incrementally, one event at a time, so the caller can yield between events and read runs of removals
+    from the bytes (``_RemovalForm``); other payloads and maps are parsed whole. No msgpack array or map may hold
+    more than ``max_decoded_bytes / HASH_COST`` elements.
 
     Raises:
         _BadBatch: the envelope is not a usable batch. msgpack errors propagate (``bad_msgpack``).
     """
     most = max(16, min(len(payload), max_decoded_bytes // HASH_COST))  # elements of one array or map
-    if len(payload) < _INCREMENTAL_BYTES or payload[0] not in _ARRAY_HEADS:
+    if payload[0] not in _ARRAY_HEADS or (len(payload) < _INCREMENTAL_BYTES and _REMOVED_TAG not in payload):
         return _whole_batch(
             msgpack.unpackb(
                 payload,
@@ -468,7 +546,7 @@ def _open_batch(payload: bytes, max_decoded_bytes: int) -> _Parse:
             raise msgpack.ExtraData(None, None)
         return rank
 
-    return _Parse(ts_raw, n_events, up.unpack, finish)
+    return _Parse(ts_raw, n_events, up.unpack, finish, up.tell, up.read_bytes)
 
 
 def _whole_batch(obj: object) -> _Parse:
@@ -542,54 +620,11 @@ def _decode_payload(
     )
     if ts is None:
         batch.notes["missing_ts"] += 1
-    units = cost = 0  # cost: the decoded batch's estimated memory, bytes
-    events = batch.events
-    run: RemovedEvent | None = None  # the last event appended, when a fast-path removal (it may grow)
-    for _ in range(parse.n_events):
-        if cost > limits.max_decoded_bytes:
-            return DecodeFailure("decoded_too_large", f"over {limits.max_decoded_bytes} bytes decoded", seq)
-        try:
-            raw = parse.next_event()
-        except Exception as exc:
-            return _bad_msgpack(exc, seq, limits.max_decoded_bytes // HASH_COST < len(payload))
-        units += 8
-        # vLLM's one-block BlockRemoved maps (most events under cache pressure) in a few checks, appended to the
-        # run of removals before them when that has the same tier; anything else, or anything the checks are
-        # unsure of, goes the general way (same result, ``_removed_tier``)
-        if type(raw) is dict and raw.get("type") == REMOVED:
-            medium = _removed_medium(raw, limits)
-            if medium is not None:
-                if run is not None and run.medium == medium:
-                    run.hashes += raw["block_hashes"]
-                    run.count += 1
-                else:
-                    tier = limits.media[medium] if medium is not NO_MEDIUM else "gpu"
-                    run = RemovedEvent(list(raw["block_hashes"]), tier, 1, medium)
-                    events.append(run)
-                    cost += EVENT_COST
-                units += len(raw["block_hashes"])
-                cost += HASH_COST * len(raw["block_hashes"])
-                if slice_units and units >= slice_units:
-                    units = 0
-                    yield
-                continue
-        run = None
-        try:
-            ev = _decode_event(raw, limits, batch.notes)
-        except _Bad as bad:
-            _count_drop(batch, bad)
-            continue
-        if ev is not None:
-            events.append(ev)
-            cost += decoded_cost(ev)
-            if slice_units and not isinstance(ev, ClearedEvent):
-                units += len(ev.hashes)
-                if isinstance(ev, StoredEvent):
-                    units += len(ev.token_ids) >> 4
-        if slice_units and units >= slice_units:
-            units = 0
-            yield
-    if cost > limits.max_decoded_bytes:
+    reader = _Events(payload, parse, batch, limits, slice_units)
+    failure = yield from reader.read_all()
+    if failure is not None:
+        return failure
+    if reader.cost > limits.max_decoded_bytes:
         return DecodeFailure("decoded_too_large", f"over {limits.max_decoded_bytes} bytes decoded", seq)
     try:
         rank_raw = parse.finish()
@@ -597,6 +632,123 @@ def _decode_payload(
         return _bad_msgpack(exc, seq)
     batch.dp_rank = rank_raw if isinstance(rank_raw, int) and not isinstance(rank_raw, bool) else None
     return batch
+
+
+class _Events:
+    """The events of one batch, decoded in order into ``batch`` (the loop of :func:`_decode_payload`).
+
+    vLLM's one-block ``BlockRemoved`` maps (most events under cache pressure) take a short way: the first one is
+    checked in a few steps (``_removed_medium``) and appended to the run of removals before it when that has the
+    same medium; its bytes then give the batch's ``_RemovalForm``, and the removals after it that match the form
+    are read as runs straight from the payload. Anything else, or anything the checks are unsure of, goes the
+    general way (``_decode_event``): the same events either way.
+
+    ``units`` counts the work since the last yield (an event 8, a hash 1, 16 tokens 1); ``cost`` the decoded
+    batch's estimated memory, bytes.
+    """
+
+    __slots__ = ("payload", "parse", "batch", "limits", "slice_units", "units", "cost", "run", "form")
+
+    def __init__(
+        self, payload: bytes, parse: _Parse, batch: DecodedBatch, limits: DecodeLimits, slice_units: int
+    ) -> None:
+        self.payload = payload
+        self.parse = parse
+        self.batch = batch
+        self.limits = limits
+        self.slice_units = slice_units
+        self.units = 0
+        self.cost = 0
+        self.run: RemovedEvent | None = (
+            None  # the last event appended, when a short-way removal (it may grow)
+        )
+        self.form: _RemovalForm | None = None
+
+    def read_all(self) -> Generator[None, None, DecodeFailure | None]:
+        """Decode every event, yielding after every ``slice_units`` units of work; a failure, or None."""
+        parse, limits, seq = self.parse, self.limits, self.batch.seq
+        left = parse.n_events
+        while left > 0:
+            if self.cost > limits.max_decoded_bytes:
+                return DecodeFailure(
+                    "decoded_too_large", f"over {limits.max_decoded_bytes} bytes decoded", seq
+                )
+            k = self._removal_run(left) if self.form is not None else 0
+            if k:
+                left -= k
+            else:
+                start = parse.tell() if self.form is None and parse.tell is not None else -1
+                try:
+                    raw = parse.next_event()
+                except Exception as exc:
+                    return _bad_msgpack(exc, seq, limits.max_decoded_bytes // HASH_COST < len(self.payload))
+                left -= 1
+                self._one(raw, start)
+            if self.slice_units and self.units >= self.slice_units:
+                self.units = 0
+                yield
+        return None
+
+    def _removal_run(self, left: int) -> int:
+        """Read the run of removals of the batch's form at the parse position (at most ``left`` events, and no
+        more than the slice and the memory budget allow); how many were read (0: the next event is another)."""
+        form, parse, limits = self.form, self.parse, self.limits
+        assert form is not None and parse.tell is not None and parse.skip is not None
+        most = min(left, (limits.max_decoded_bytes - self.cost) // HASH_COST + 1)
+        if self.slice_units:
+            most = min(most, max(1, (self.slice_units - self.units) // 9))
+        pos = parse.tell()
+        k = form.count(self.payload, pos, most)
+        if k:
+            hashes = form.hashes(self.payload, pos, k)
+            parse.skip(k * form.size)
+            self.units += 8 * k
+            self._add_removal(hashes, form.medium, form.tier, k)
+        return k
+
+    def _one(self, raw: object, start: int) -> None:
+        """Decode one parsed event (``start``: its offset in the payload when the batch's form is still to learn,
+        else -1)."""
+        self.units += 8
+        limits = self.limits
+        if type(raw) is dict and raw.get("type") == REMOVED:
+            medium = _removed_medium(raw, limits)
+            if medium is not None:
+                hashes = raw["block_hashes"]
+                tier = limits.media[medium] if medium is not NO_MEDIUM else "gpu"
+                if start >= 0 and len(hashes) == 1 and self.parse.tell is not None:
+                    self.form = _RemovalForm.learn(
+                        self.payload, start, self.parse.tell(), hashes[0], medium, tier
+                    )
+                self._add_removal(list(hashes), medium, tier, 1)
+                return
+        self.run = None
+        batch = self.batch
+        try:
+            ev = _decode_event(raw, limits, batch.notes)
+        except _Bad as bad:
+            _count_drop(batch, bad)
+            return
+        if ev is not None:
+            batch.events.append(ev)
+            self.cost += decoded_cost(ev)
+            if self.slice_units and not isinstance(ev, ClearedEvent):
+                self.units += len(ev.hashes)
+                if isinstance(ev, StoredEvent):
+                    self.units += len(ev.token_ids) >> 4
+
+    def _add_removal(self, hashes: list[int], medium: str, tier: str, count: int) -> None:
+        """Append ``count`` one-block removals (their ``hashes``) to the run before them, or start a run."""
+        run = self.run
+        if run is not None and run.medium == medium:
+            run.hashes += hashes
+            run.count += count
+        else:
+            self.run = RemovedEvent(hashes, tier, count, medium)
+            self.batch.events.append(self.run)
+            self.cost += EVENT_COST
+        self.units += len(hashes)
+        self.cost += HASH_COST * len(hashes)
 
 
 def _removed_medium(m: dict[Any, Any], limits: DecodeLimits) -> str | None:

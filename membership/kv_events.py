@@ -25,6 +25,11 @@ Three parts, one per module:
 - this module: the sockets. Per replica one task reads the SUB socket and its ZMQ socket monitor (connects,
   disconnects), feeds the sequencer, executes its actions in order, and fetches replays over a DEALER.
 
+Feeds take turns (``KVEventSubscriber.apply_turn``): one batch at a time over all feeds, with a pass of the event
+loop after each, so a request waits for at most one batch (or one slice of a large one) however many feeds have
+a backlog. Under more events than the process can apply, the feeds fall behind (lag, then the SUB queue's
+high-water mark, a gap, a replay) before routing does.
+
 Byte budgets: ``max_message_bytes`` is ZMQ ``MAXMSGSIZE`` on the SUB socket (a larger frame makes ZMQ drop the
 connection; the feed sees a disconnect and a gap) and the decoder's payload limit; ``sub_rcvhwm`` /
 ``replay_rcvhwm`` bound both receive queues (messages). ``replay_max_bytes`` is what one event source may hold
@@ -425,7 +430,12 @@ class _Feed:
         while queue:
             action = queue.popleft()
             if isinstance(action, Apply):
-                follow = await self._apply(action)
+                # one batch at a time over all feeds: the turn is held across a pass of the event loop after the
+                # batch, so the requests that arrived meanwhile run between any two batches, however many feeds
+                # have a backlog
+                async with self.owner.apply_turn:
+                    follow = await self._apply(action)
+                    await asyncio.sleep(0)
                 if action.replayed and self._over_budget:
                     follow += self._drop_replay(queue)
                 queue.extendleft(reversed(follow))
@@ -611,6 +621,8 @@ class KVEventSubscriber:
         self.on_degraded = on_degraded
         self.clock = clock
         self._feeds: dict[int, _Feed] = {}
+        # held by the feed applying a batch: feeds take turns, one batch each, with the loop's other work between
+        self.apply_turn = asyncio.Lock()
         self._retired = FeedStats()  # counters of feeds that were removed (totals stay monotonic)
         self._unknown_media: set[str] = set()  # spellings already logged (bounded)
         self._loop: asyncio.AbstractEventLoop | None = None

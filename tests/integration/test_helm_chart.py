@@ -109,19 +109,19 @@ def one(objects: Iterable[dict[str, Any]], kind: str, name: str | None = None) -
     return found[0]
 
 
-def router_container(objects: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """The router container of the router Deployment."""
-    dep = one(objects, "Deployment", FULLNAME)
+def router_container(objects: Iterable[dict[str, Any]], fullname: str = FULLNAME) -> dict[str, Any]:
+    """The router container of the router Deployment (of the release whose fullname is ``fullname``)."""
+    dep = one(objects, "Deployment", fullname)
     containers = dep["spec"]["template"]["spec"]["containers"]
     return next(c for c in containers if c["name"] == "router")
 
 
-def settings_env(objects: Sequence[dict[str, Any]]) -> dict[str, str]:
+def settings_env(objects: Sequence[dict[str, Any]], fullname: str = FULLNAME) -> dict[str, str]:
     """The KVROUTE_* variables the router container gets: ConfigMap + chart Secret (envFrom), then explicit env.
 
     Mirrors Kubernetes precedence: explicit ``env`` entries override ``envFrom`` sources.
     """
-    container = router_container(objects)
+    container = router_container(objects, fullname)
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         if "configMapRef" in source:

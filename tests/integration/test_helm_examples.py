@@ -9,17 +9,29 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from membership.kubernetes import KubernetesOptions, PodWatcher
 from membership.replicas import ReplicaTable
 from router.config import ENV_PREFIX, Settings
 from tests.fakes.k8s_api import FakeKubeAPI
 from tests.helpers import Proc, free_port, wait_http_ok, wait_until
-from tests.integration.test_helm_chart import CHART, FULLNAME, NAMESPACE, one, render, settings_env
+from tests.integration.test_helm_chart import (
+    CHART,
+    FULLNAME,
+    KUBE_VERSION,
+    NAMESPACE,
+    _StrictLoader,
+    one,
+    render,
+    run_helm,
+    settings_env,
+)
 
 EXAMPLES = CHART / "examples"
 
@@ -30,12 +42,14 @@ def api() -> Iterator[FakeKubeAPI]:
         yield server
 
 
-def chart_settings(objects: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> Settings:
+def chart_settings(
+    objects: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, fullname: str = FULLNAME
+) -> Settings:
     """The router's Settings built from exactly the KVROUTE_* env the chart gives the router container."""
     for key in list(os.environ):
         if key.upper().startswith(ENV_PREFIX):
             monkeypatch.delenv(key)
-    for key, value in settings_env(objects).items():
+    for key, value in settings_env(objects, fullname).items():
         monkeypatch.setenv(key, value)
     return Settings()
 
@@ -375,3 +389,59 @@ def test_nixl_pd_example_engines_announce_their_pod_ip_as_the_side_channel(
         ]
     finally:
         watcher.stop()
+
+
+def render_release(release: str, values: Path, sets: dict[str, str]) -> list[dict[str, Any]]:
+    """``helm template <release>`` of the chart with ``values`` and ``--set-string`` pairs; the parsed objects."""
+    args = ["template", release, str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION]
+    args += ["-f", str(values)]
+    for key, value in sets.items():
+        args += ["--set-string", f"{key}={value}"]
+    proc = run_helm(args)
+    assert proc.returncode == 0, proc.stderr
+    return [doc for doc in yaml.load_all(proc.stdout, Loader=_StrictLoader) if doc]
+
+
+def test_sharded_pools_example_runs_one_router_release_per_pool(
+    api: FakeKubeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sharded-pools.yaml installed once per pool (as its comments say): the two releases share no object name
+    (they install side by side in one namespace), each has its own routers and Redis, and each release's router,
+    configured only by the env its chart renders, discovers exactly its own pool's engine pods."""
+    pools = {"chat": {}, "code": {"config.kubernetes_label_selector": "kvroute.io/pool=code"}}
+    renders = {
+        pool: render_release(pool, EXAMPLES / "sharded-pools.yaml", sets) for pool, sets in pools.items()
+    }
+    names = {pool: {(o["kind"], o["metadata"]["name"]) for o in objs} for pool, objs in renders.items()}
+    assert not names["chat"] & names["code"]
+    annotations = {"kvroute.io/engine": "vllm", "kvroute.io/model": "m", "kvroute.io/kv-events-port": "5557"}
+    for i, pool in enumerate(["chat", "chat", "chat", "code", "code"]):
+        api.add_pod(
+            f"{pool}-engine-{i}",
+            NAMESPACE,
+            labels={"kvroute.io/pool": pool},
+            annotations=annotations,
+            ip=f"10.4.0.{i + 1}",
+        )
+    api.add_pod("unpooled-0", NAMESPACE, labels={"kvroute.io/engine": "vllm"}, ip="10.4.0.99")
+    for pool, objs in renders.items():
+        dep = one(objs, "Deployment", f"{pool}-kvroute")
+        assert dep["spec"]["replicas"] == 2
+        settings = chart_settings(objs, monkeypatch, f"{pool}-kvroute")
+        assert settings.kubernetes_label_selector == f"kvroute.io/pool={pool}"
+        assert settings.redis_url is not None and f"{pool}-kvroute-redis" in settings.redis_url
+        table = ReplicaTable()
+        watcher = PodWatcher(table, options_from(settings, api.url)).start()
+        want = {
+            f"{pool}-engine-{i}" for i, p in enumerate(["chat", "chat", "chat", "code", "code"]) if p == pool
+        }
+        try:
+            wait_until(
+                lambda t=table, w=want: {r.name for r in t.all() if r.routable} == w,
+                timeout=20.0,
+                what=f"the {pool} pool's engines",
+            )
+            assert {r.name for r in table.all()} == want
+            assert all(r.kv_events_endpoint and r.kv_events_endpoint.endswith(":5557") for r in table.all())
+        finally:
+            watcher.stop()

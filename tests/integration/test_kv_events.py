@@ -687,3 +687,79 @@ async def test_engine_restart_seen_only_in_its_metrics_clears_the_replica(rigs: 
     t = rig.totals()
     assert t["restarts"] == 1 and t["notes"].get("restart_detected_by_start_time") == 1
     assert t["replays"].get("restart:ok") == 1 and t["degraded_replicas"] == 0
+
+
+async def test_a_replayed_backlog_is_applied_one_batch_at_a_time(rigs: list[Rig]) -> None:
+    """A replay of many batches (a gap, a router restart) is applied with the event loop free between two
+    batches: another coroutine runs between them (before, the whole backlog was applied back to back)."""
+    rig = await connected_rig(rigs, "vllm")
+    toks, hs, keys = chain(41)
+    publish_unseen(rig, [PubStored(hs[:1], None, toks[:16], BS)])
+    for i in range(1, 40):  # a backlog the feed only gets by replay
+        publish_unseen(rig, [PubStored(hs[i : i + 1], hs[i - 1], toks[16 * i : 16 * i + 16], BS)])
+    seen: list[int] = []
+    done = asyncio.Event()
+
+    async def observe() -> None:
+        while not done.is_set():
+            seen.append(rig.totals()["batches"])
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(observe())
+    try:
+        rig.pub.publish([PubStored(hs[40:], hs[39], toks[640:], BS)])  # the gap shows: replay
+        await until(lambda: matched(rig.index, keys) == 41, what="backlog applied")
+    finally:
+        done.set()
+        await watcher
+    steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if b != a]
+    assert rig.totals()["replays"].get("gap:ok") == 1
+    assert steps and max(steps) <= 2, steps
+
+
+async def test_feeds_take_turns_one_batch_at_a_time(rigs: list[Rig]) -> None:
+    """Three feeds with a backlog each (replays): between any two batches applied, whichever feed they come from,
+    the event loop runs other work (a request waits for one batch, not one per busy feed)."""
+    rig = await connected_rig(rigs, "vllm")
+    pubs = [rig.pub]
+    for i in (1, 2):
+        p, r = free_port(), free_port()
+        pub = KVEventPublisher("vllm", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}", topic="kv")
+        pub.start()
+        rigs.append(Rig(pub, rig.sub, rig.index))
+        pubs.append(pub)
+        await rig.sub.add_replica(
+            FeedSpec(i, f"r{i}", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}", "kv", MODEL)
+        )
+    for name in ("r1", "r2"):  # joined (the new feeds' sockets connected)
+        await until(
+            lambda n=name: rig.sub.stats()["replicas"].get(n, {}).get("connected"), what=f"{name} connected"
+        )
+    chains = [chain(21, base=1000 + 10_000 * i) for i in range(3)]
+    for pub, (toks, hs, _) in zip(pubs, chains, strict=True):
+        pub.faults.drop_every = 1  # buffered for replay only: a backlog each feed fetches at once
+        pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
+        for j in range(1, 20):
+            pub.publish([PubStored(hs[j : j + 1], hs[j - 1], toks[16 * j : 16 * j + 16], BS)])
+        pub.faults.drop_every = 0
+    seen: list[int] = []
+    done = asyncio.Event()
+
+    async def observe() -> None:
+        while not done.is_set():
+            seen.append(rig.totals()["batches"])
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(observe())
+    try:
+        for pub, (toks, hs, _) in zip(pubs, chains, strict=True):  # the gaps show: three replays at once
+            pub.publish([PubStored(hs[20:], hs[19], toks[320:], BS)])
+        await until(
+            lambda: all(matched(rig.index, keys, r) == 21 for r, (_, _, keys) in enumerate(chains)),
+            what="three backlogs applied",
+        )
+    finally:
+        done.set()
+        await watcher
+    steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if b != a]
+    assert sum(steps) >= 60 and max(steps) == 1, steps  # every backlog batch, one per pass of the loop

@@ -79,3 +79,37 @@ def test_batches_round_trip_through_the_decoder() -> None:
                 assert s.hashes[0] & (2**64 - 1) == BIG and s.hashes[0] > 2**64  # full 32-byte digest
             else:
                 assert s.hashes == [BIG, 3]
+
+
+def test_publisher_binds_free_ports_and_names_them() -> None:
+    """``tcp://127.0.0.1:*``: ZMQ picks free ports; ``bound_endpoint`` / ``bound_replay_endpoint`` name them and a
+    subscriber connected there receives the batches."""
+    import zmq
+
+    from fakes.kv_publisher import KVEventPublisher
+
+    pub = KVEventPublisher("vllm", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    assert pub.bound_endpoint == "tcp://127.0.0.1:*"
+    pub.start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        ev, rp = pub.bound_endpoint, pub.bound_replay_endpoint
+        assert ev.startswith("tcp://127.0.0.1:") and rp is not None and rp.startswith("tcp://127.0.0.1:")
+        assert int(ev.rsplit(":", 1)[1]) > 0 and ev != rp
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 200)
+        sub.connect(ev)
+        got = None
+        for _ in range(50):  # a SUB joins asynchronously: publish until one arrives
+            pub.publish([PubCleared()], ts=1.0)
+            try:
+                got = sub.recv_multipart()
+                break
+            except zmq.Again:
+                continue
+        assert got is not None and len(got) == 3
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        pub.stop()
