@@ -71,6 +71,7 @@ from loadtest.traces import BlockKeyCache, Request
 from policies.base import Candidate, Observation, ReplicaProfile, RouteRequest
 from policies.hits import hit_from_match
 from policies.pd_base import (
+    DecodeLeg,
     HandoffLink,
     PdCandidate,
     Plan,
@@ -219,6 +220,9 @@ class PdFleet(EventFleet):
         self.busy_since = [0.0] * n
         self.plans: dict[str, int] = {"in_place": 0, "disaggregated": 0}
         self.moved_bytes = 0.0
+        #: per replica, the disaggregated requests planned onto it as decode leg and not started there:
+        #: request id -> (time its KV is expected there, seconds; its prompt tokens)
+        self.decode_legs: list[dict[str, tuple[float, int]]] = [{} for _ in range(n)]
 
     # -- time --------------------------------------------------------------------------------------
 
@@ -259,6 +263,7 @@ class PdFleet(EventFleet):
         rec = tag.rec
         if tag.leg == "decode":
             rec.ttft = te - rec.arrival
+            self.decode_legs[i].pop(rec.request_id, None)
             return
         plan = rec.plan
         assert plan is not None
@@ -292,6 +297,7 @@ class PdFleet(EventFleet):
         self.inflight[plan.prefill] = max(0, self.inflight[plan.prefill] - 1)
         rec.handoff_s = te - rec.prefill_done
         d = plan.decode
+        self.decode_legs[d][rec.request_id] = (te, rec.prompt)
         eng = self.engines[d]
         eng.receive_blocks(rec.keys, te)
         eng.submit(
@@ -336,6 +342,7 @@ class PdFleet(EventFleet):
                 ),
                 role=self.cfg.roles[i],
                 link_busy_s=max(0.0, self.link_free_at[i] - t),
+                decode_legs=tuple(DecodeLeg(max(0.0, at - t), tok) for at, tok in self.decode_legs[i].values()),
             )
             for i in range(self.fc.replicas)
         ]
@@ -351,6 +358,8 @@ class PdFleet(EventFleet):
         plan = self.policy.choose_plan(rr, cands, self.cfg.link).chosen
         rec.plan = plan
         self.plans[plan.kind] += 1
+        if plan.kind == "disaggregated":
+            self.decode_legs[plan.decode][req.request_id] = (t + handoff_end_s(plan), n)
         for charge in plan_charges(plan):
             if charge.prefill_tokens and self.inflight_prefill[charge.index] <= 0:
                 self.busy_since[charge.index] = t  # an idle replica starts on this request now
@@ -374,6 +383,14 @@ class PdFleet(EventFleet):
             if nxt is None:
                 break
             self.run_until(nxt)
+
+
+def handoff_end_s(plan: Plan) -> float:
+    """Seconds from dispatch until a disaggregated ``plan``'s KV is predicted on its decode replica: its prefill's
+    queue, fetch and compute plus the handoff (the router's ``note_handoff`` uses the same sum); 0 for a policy
+    that predicts nothing."""
+    t = plan.terms
+    return sum(max(0.0, t.get(k, 0.0)) for k in ("Q_p", "R_p", "C_p", "handoff"))
 
 
 def pd_replica_profile(name: str) -> ReplicaProfile:

@@ -54,6 +54,7 @@ from typing import Any
 from policies.base import Candidate, Observation, RouteRequest
 from policies.cost_model import kv_penalty_s
 from policies.pd_base import HandoffLink, PdCandidate, Plan, PlanDecision, register_pd
+from policies.pd_decode import DecodeSide, decode_side
 from policies.pd_common import (
     Loads,
     RoleRules,
@@ -121,11 +122,17 @@ class PdTtftPolicy:
         decode_prefills: bool = True,
         both_can_pair: bool = False,
         age_inflight: bool = False,
+        decode_cost_weight: float = 1.0,
+        mean_output_tokens: int = 256,
         seed: int = 0,
         **ttft_params: Any,
     ) -> None:
         self.rules = RoleRules(decode_prefills=decode_prefills, both_can_pair=both_can_pair)
         self.age_inflight = age_inflight
+        if decode_cost_weight < 0 or mean_output_tokens < 1:
+            raise ValueError("decode_cost_weight must be >= 0 and mean_output_tokens >= 1")
+        self.decode_cost_weight = decode_cost_weight
+        self.mean_output_tokens = mean_output_tokens
         self.model = TTFTPolicy(seed=seed, **ttft_params)
         #: mean uncached prompt tokens per request (exponential moving average over ``observe``), tokens
         self._mean_uncached = float(self.model.params.mean_prefill_tokens)
@@ -139,8 +146,11 @@ class PdTtftPolicy:
         tail = (self.model.objective or request.objective) == "tail"
         loads = read_loads(candidates, self.params.mean_prefill_tokens)
         prefill = self._prefill(request, candidates, tail)
-        ranked = self._in_place_plans(request, candidates, prefill)
-        ranked += self._pd_plans(request, candidates, prefill, loads, link)
+        sides = [
+            decode_side(request, c, loads.running[i], self.mean_output_tokens) for i, c in enumerate(candidates)
+        ]
+        ranked = self._in_place_plans(request, candidates, prefill, sides)
+        ranked += self._pd_plans(request, candidates, prefill, loads, link, sides)
         if not ranked:
             raise no_feasible_plan(candidates)
         ranked.sort(key=lambda kp: kp[0])  # stable: in place first on ties
@@ -214,14 +224,25 @@ class PdTtftPolicy:
         return replace(cand, load=replace(load, inflight_prefill_tokens=left, queued_prefill_tokens=excess))
 
     def _in_place_plans(
-        self, request: RouteRequest, cands: Sequence[PdCandidate], prefill: list[_Prefill | None]
+        self,
+        request: RouteRequest,
+        cands: Sequence[PdCandidate],
+        prefill: list[_Prefill | None],
+        sides: list[DecodeSide],
     ) -> list[tuple[float, Plan]]:
-        """(rank key, plan): one ``in_place`` plan per replica allowed to serve alone."""
+        """(rank key, plan): one ``in_place`` plan per replica allowed to serve alone. On a ``decode`` replica the
+        plan also waits for its KV to fit (``kv_wait``) and is charged what its prefill takes from the requests
+        decoding and queued there (``decode_cost``, ranked like ``W``)."""
         out = []
+        need = request.prompt_tokens + (request.expected_output_tokens or self.mean_output_tokens)
         for i in in_place_positions(cands, self.rules):
             e = prefill[i]
             if e is None:
                 continue
+            wait = cost = 0.0
+            if cands[i].role == "decode":
+                wait = sides[i].kv_wait_s(need)
+                cost = self.decode_cost_weight * sides[i].in_place_cost_s(e.c, e.ttft + wait, need)
             terms = {
                 "Q": e.q,
                 "R": e.r,
@@ -229,15 +250,17 @@ class PdTtftPolicy:
                 "kv_penalty": e.kv_penalty,
                 "W": e.extra,
                 "usable": float(e.usable),
+                "kv_wait": wait,
+                "decode_cost": cost,
             }
             plan = Plan(
                 kind="in_place",
                 decode=cands[i].index,
-                predicted_ttft_s=e.ttft,
+                predicted_ttft_s=e.ttft + wait,
                 terms=terms,
                 prefill_tokens=request.prompt_tokens - e.usable,
             )
-            out.append((e.ttft + e.extra, plan))
+            out.append((e.ttft + wait + e.extra + cost, plan))
         return out
 
     def _pd_plans(
@@ -247,13 +270,16 @@ class PdTtftPolicy:
         prefill: list[_Prefill | None],
         loads: Loads,
         link: HandoffLink,
+        sides: list[DecodeSide],
     ) -> list[tuple[float, Plan]]:
-        """(rank key, plan): one ``disaggregated`` plan per (prefill-capable, decode-capable) pair."""
+        """(rank key, plan): one ``disaggregated`` plan per (prefill-capable, decode-capable) pair; the first
+        decode round waits for D's own prefill work and for its KV to fit, whichever is later."""
         ps = positions(cands, self.rules.can_prefill_leg)
         ds = positions(cands, self.rules.can_decode_leg)
         if not ps or not ds:
             return []
         n = request.prompt_tokens
+        need = n + (request.expected_output_tokens or self.mean_output_tokens)
         decode_side = [self._decode_side(request, cands[d], loads, d) for d in ds]
         out = []
         for p in ps:
@@ -268,7 +294,8 @@ class PdTtftPolicy:
                 wait = pc.link_busy_s - e.ttft if pc.link_busy_s > e.ttft else 0.0
                 handoff = wait + link.transfer_s(moved * bpt)
                 arrive = e.ttft + handoff
-                first = (ready - arrive if ready > arrive else 0.0) + step + pen
+                kv_wait = sides[d].kv_wait_s(need, arrive)
+                first = max(ready - arrive, kv_wait, 0.0) + step + pen
                 terms = {
                     "Q_p": e.q,
                     "R_p": e.r,
@@ -276,6 +303,7 @@ class PdTtftPolicy:
                     "handoff": handoff,
                     "link_wait": wait,
                     "D_ready": ready,
+                    "kv_wait": kv_wait,
                     "decode_step": step,
                     "decode_first": first,
                     "kv_penalty": pen,
