@@ -85,10 +85,12 @@ class DecodeSide:
         wait = deficit / self.drain_tokens_per_s
         return wait - after_s if wait > after_s else 0.0
 
-    def in_place_cost_s(self, compute_s: float, ttft_s: float, need_tokens: float) -> float:
+    def in_place_cost_s(
+        self, compute_s: float, ttft_s: float, need_tokens: float, batch_weight: float = 1.0
+    ) -> float:
         """Seconds the requests on the replica lose to an in-place request there that computes ``compute_s``
         seconds of prefill ending ``ttft_s`` seconds from now and holds ``need_tokens`` of KV (module docstring)."""
-        stalled = self.running + self.waiting + self.legs_before(ttft_s)[0]
+        stalled = batch_weight * self.running + self.waiting + self.legs_before(ttft_s)[0]
         cost = compute_s * stalled
         if self.kv_capacity is None:
             return cost

@@ -54,7 +54,6 @@ from typing import Any
 from policies.base import Candidate, Observation, RouteRequest
 from policies.cost_model import kv_penalty_s
 from policies.pd_base import HandoffLink, PdCandidate, Plan, PlanDecision, register_pd
-from policies.pd_decode import DecodeSide, decode_side
 from policies.pd_common import (
     Loads,
     RoleRules,
@@ -66,6 +65,7 @@ from policies.pd_common import (
     read_loads,
     require_pd_candidates,
 )
+from policies.pd_decode import DecodeSide, decode_side
 from policies.ttft import TTFTPolicy
 
 #: weight of one observation in the moving average of uncached tokens per request
@@ -124,6 +124,7 @@ class PdTtftPolicy:
         age_inflight: bool = False,
         decode_cost_weight: float = 1.0,
         mean_output_tokens: int = 256,
+        batch_weight: float = 1.0,
         seed: int = 0,
         **ttft_params: Any,
     ) -> None:
@@ -133,6 +134,7 @@ class PdTtftPolicy:
             raise ValueError("decode_cost_weight must be >= 0 and mean_output_tokens >= 1")
         self.decode_cost_weight = decode_cost_weight
         self.mean_output_tokens = mean_output_tokens
+        self.batch_weight = batch_weight
         self.model = TTFTPolicy(seed=seed, **ttft_params)
         #: mean uncached prompt tokens per request (exponential moving average over ``observe``), tokens
         self._mean_uncached = float(self.model.params.mean_prefill_tokens)
@@ -147,7 +149,8 @@ class PdTtftPolicy:
         loads = read_loads(candidates, self.params.mean_prefill_tokens)
         prefill = self._prefill(request, candidates, tail)
         sides = [
-            decode_side(request, c, loads.running[i], self.mean_output_tokens) for i, c in enumerate(candidates)
+            decode_side(request, c, loads.running[i], self.mean_output_tokens)
+            for i, c in enumerate(candidates)
         ]
         ranked = self._in_place_plans(request, candidates, prefill, sides)
         ranked += self._pd_plans(request, candidates, prefill, loads, link, sides)
@@ -242,7 +245,9 @@ class PdTtftPolicy:
             wait = cost = 0.0
             if cands[i].role == "decode":
                 wait = sides[i].kv_wait_s(need)
-                cost = self.decode_cost_weight * sides[i].in_place_cost_s(e.c, e.ttft + wait, need)
+                cost = self.decode_cost_weight * sides[i].in_place_cost_s(
+                    e.c, e.ttft + wait, need, self.batch_weight
+                )
             terms = {
                 "Q": e.q,
                 "R": e.r,
