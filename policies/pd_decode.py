@@ -3,28 +3,35 @@
 A decode replica D serves two streams: disaggregated requests whose KV arrives from a prefill replica (their first
 token is D's next decode round), and requests it serves in place (it prefills them itself). Both need D's KV
 cache for the prompt and the output, and an engine admits a request only when its KV fits (FCFS, head-of-line
-blocking). Past capacity that, not compute, is what D runs out of first: its running batch holds the cache, and
-the disaggregated requests handed to it wait. An in-place plan takes more from D than its own TTFT shows: while D
-prefills it (``C`` seconds of compute, chunk by chunk) D's decode rounds stretch from milliseconds to the chunk's
-compute time, so every request in D's batch finishes ``C`` seconds later and every request queued for D waits
-``C`` longer; and its KV, held from its admission to its last token, is KV the disaggregated requests arriving
-meanwhile cannot have.
+blocking). An in-place plan takes more from D than its own TTFT shows: while D prefills it (``C`` seconds of
+compute, chunk by chunk) D's decode rounds stretch from milliseconds to the chunk's compute time, so every
+request queued for D (waiting in its engine, or handed over and waiting for its first round) and every
+disaggregated request reaching D before that prefill ends gets its first token ``C`` seconds later; D's running
+batch loses ``C`` seconds of decode progress (inter-token latency, not TTFT).
 
 Per decode-capable candidate (pure; units tokens, seconds):
 
+* ``legs``: the disaggregated requests planned onto D whose first token has not come, each with the seconds
+  until its KV is expected there (0: handed over, waiting) and its KV tokens (``PdCandidate.decode_legs``);
 * ``kv_capacity`` = ``total_kv_blocks`` x block size; ``kv_held`` = ``kv_usage`` x capacity (scraped);
   ``kv_in_place`` = ``inflight_prefill_tokens`` (in-place requests sent to D that have not started);
-* ``legs``: the disaggregated requests planned onto D whose first token has not come, each with the seconds
-  until its KV is expected there (0: handed over, waiting) and its tokens (``PdCandidate.decode_legs``);
-* ``residence`` = ``mean_output_tokens`` x one decode round at D's batch (seconds a request holds its KV after its
-  first token); ``drain`` = ``kv_held`` / ``residence`` (KV tokens D's running batch releases per second);
+* ``residence`` = ``mean_output_tokens`` (or the request's ``expected_output_tokens``) x one decode round at D's
+  batch: seconds a request holds its KV after its first token; ``drain`` = ``kv_held`` / ``residence``: KV
+  tokens D's running batch releases per second;
 * ``kv_wait(need, after)``: seconds a request needing ``need`` KV tokens and reaching D ``after`` seconds from now
   waits to be admitted: (``kv_held`` + ``kv_in_place`` + the legs reaching D before it + ``need`` - capacity) /
-  ``drain`` - ``after``, at least 0 (0 when the capacity is unknown: no admission model);
-* ``in_place_cost(C, ttft, need)``: seconds the requests on D lose to an in-place request there whose prefill
-  computes ``C`` seconds and ends ``ttft`` seconds from now: ``C`` x (running + waiting + the legs reaching D
-  before its prefill ends), plus, when its ``need`` KV tokens do not fit beside the legs reaching D while it holds
-  them (until ``ttft + residence``), each such leg's wait for it to leave.
+  ``drain`` - ``after``, at least 0 (0 when the capacity is unknown: no admission model). ``pd_ttft`` adds it to
+  both kinds of plan (``kv_wait`` term);
+* ``in_place_cost(C, ttft)``: seconds of TTFT the requests on D lose to an in-place request there whose prefill
+  computes ``C`` seconds and ends ``ttft`` seconds from now: ``C`` x (max(waiting, legs already there) + legs
+  reaching D before ``ttft``), + ``batch_weight`` x ``C`` x running (``pd_ttft``'s ``decode_cost`` term, ranked
+  like ``ttft``'s work term ``W``: a cost to others, not part of the plan's own predicted TTFT).
+
+Measured before settling on these terms (``docs/results.md``, PD under overload): charging the running batch's
+lost decode progress at the weight of TTFT (``batch_weight`` 0.25 or 1), or charging an in-place request for the
+KV it would hold while disaggregated requests arrive, keeps long prompts off the decode replicas, and the prefill
+replicas' queue then sets the TTFT p99 past capacity: on the first 1800 s of the conversation trace at load 1.2,
+772-881 s with those charges against 370 s without.
 """
 
 from __future__ import annotations
@@ -85,21 +92,22 @@ class DecodeSide:
         wait = deficit / self.drain_tokens_per_s
         return wait - after_s if wait > after_s else 0.0
 
-    def in_place_cost_s(
-        self, compute_s: float, ttft_s: float, need_tokens: float, batch_weight: float = 1.0
-    ) -> float:
-        """Seconds the requests on the replica lose to an in-place request there that computes ``compute_s``
-        seconds of prefill ending ``ttft_s`` seconds from now and holds ``need_tokens`` of KV (module docstring)."""
-        stalled = batch_weight * self.running + self.waiting + self.legs_before(ttft_s)[0]
-        cost = compute_s * stalled
-        if self.kv_capacity is None:
-            return cost
-        leave = ttft_s + self.residence_s
-        arriving = [leg for leg in self.legs if leg.eta_s <= leave]
-        total = self.kv_held + self.kv_in_place + need_tokens + sum(leg.tokens for leg in arriving)
-        if total > self.kv_capacity:
-            cost += sum(leave - leg.eta_s for leg in arriving)
-        return cost
+    def in_place_cost_s(self, compute_s: float, ttft_s: float, batch_weight: float = 0.0) -> float:
+        """Seconds of TTFT the requests queued on the replica lose to an in-place request there whose prefill
+        computes ``compute_s`` seconds and ends ``ttft_s`` seconds from now: ``compute_s`` x (the requests
+        waiting there, or the legs already there if more, + the legs reaching it before that prefill ends);
+        plus ``batch_weight`` x ``compute_s`` x running (the decode progress its running batch loses)."""
+        there = 0
+        during = 0
+        for leg in self.legs:
+            if leg.eta_s > ttft_s:
+                break
+            if leg.eta_s <= 0.0:
+                there += 1
+            else:
+                during += 1
+        queued = max(self.waiting, float(there)) + during
+        return compute_s * (queued + batch_weight * self.running)
 
 
 def decode_side(
@@ -111,7 +119,7 @@ def decode_side(
     load = cand.candidate.load
     prof = cand.candidate.profile
     step = prof.decode_step_s + prof.decode_step_s_per_request * (running + 1.0)
-    waiting = float(load.queued_requests) if load.queued_requests is not None else 0.0
+    waiting = float(max(0, load.queued_requests)) if load.queued_requests is not None else 0.0
     legs = sorted(cand.decode_legs, key=lambda leg: leg.eta_s)
     residence = max(1, request.expected_output_tokens or mean_output_tokens) * step
     blocks = load.total_kv_blocks

@@ -7,7 +7,13 @@ For a prompt of ``N`` tokens (seeds 000 §9.2, TV-14; 002 item 1.2; DESIGN §4, 
       TTFT = Q_X + R_X + C_X        (or max(Q, R) + C: ``policies.cost_model``, exactly ``ttft``'s estimate)
 
   The first token comes out of X's own prefill; X's running decode batch slows it through
-  ``decode_interference_s`` per running request (in ``Q``).
+  ``decode_interference_s`` per running request (in ``Q``). On a ``decode`` replica two decode-side terms
+  (``policies.pd_decode``) are added: ``kv_wait``, the wait for its KV cache to admit the request (prompt +
+  expected output beside what it holds, the in-place requests sent to it and the disaggregated requests reaching
+  it first), in the TTFT; and ``decode_cost`` = ``decode_cost_weight`` x ``C_X`` x (the requests queued there +
+  the disaggregated requests reaching it before X's prefill ends), in the rank only, like ``W``: every one of
+  them gets its first token ``C_X`` later, because X's prefill chunks stretch D's rounds. Past capacity this
+  is what keeps in-place plans from piling on a decode replica whose own disaggregated requests wait there.
 
 * **disaggregated**, prefill on P, decode on D::
 
@@ -16,8 +22,9 @@ For a prompt of ``N`` tokens (seeds 000 §9.2, TV-14; 002 item 1.2; DESIGN §4, 
       moved    = N - (prompt tokens D already holds in GPU)       (the whole prompt's KV, TV-14: 1.125 GiB,
                                                                    even when P had most of it cached)
       D_ready  = backlog_D / rate_D                               (prefill work D itself has queued, FCFS)
-      decode_first = max(0, D_ready - (T_p + handoff)) + decode_step_s + decode_step_s_per_request
-                     * (running_D + 1) + kv_penalty(D)
+      kv_wait  = the wait for D's KV cache to admit the request, reaching D at T_p + handoff
+      decode_first = max(0, D_ready - (T_p + handoff), kv_wait) + decode_step_s
+                     + decode_step_s_per_request * (running_D + 1) + kv_penalty(D)
       TTFT     = T_p + handoff + decode_first
 
   ``decode_step_s + decode_step_s_per_request * (running_D + 1)`` is one decode round of D's running batch
@@ -40,9 +47,10 @@ that prefills (P, or X in place). P's prefill tokens end at its first token, its
 charge on P before dispatch, a burst sees every prefill replica idle and picks prefill #0 every time (sglang
 #27547, smg #1714).
 
-Terms per plan (seconds unless named tokens): in place ``Q``, ``R``, ``C``, ``kv_penalty``, ``W``; disaggregated
-``Q_p``, ``R_p``, ``C_p``, ``handoff``, ``link_wait``, ``D_ready``, ``decode_step``, ``decode_first``,
-``kv_penalty``, ``W``, ``moved_tokens``; both carry ``usable`` (reused tokens on the prefilling replica).
+Terms per plan (seconds unless named tokens): in place ``Q``, ``R``, ``C``, ``kv_penalty``, ``W``, ``kv_wait``,
+``decode_cost``; disaggregated ``Q_p``, ``R_p``, ``C_p``, ``handoff``, ``link_wait``, ``D_ready``, ``kv_wait``,
+``decode_step``, ``decode_first``, ``kv_penalty``, ``W``, ``moved_tokens``; both carry ``usable`` (reused tokens
+on the prefilling replica).
 """
 
 from __future__ import annotations
@@ -109,6 +117,15 @@ class PdTtftPolicy:
             on the seeds' 8192-in / 1025-out condition it lowers TTFT p99 (1.551 -> 1.274 s at load 0.5, 1.784
             -> 1.667 s at 0.9, 4 A100 + 4 H20), on the first 600 s of the conversation trace it raises p99
             (25.1 -> 27.9 s at 0.5, 28.4 -> 29.1 s at 0.9); docs/results.md, PD section.
+        decode_cost_weight: weight of the ``decode_cost`` term of an in-place plan on a ``decode`` replica
+            (seconds of TTFT the requests queued there lose to its prefill; ``policies.pd_decode``); 0 turns it
+            off (``kv_wait`` stays: it is a prediction, not a cost).
+        mean_output_tokens: output tokens assumed when the request does not say (``expected_output_tokens``):
+            the KV a request needs on its decode replica and how long it holds it there, tokens.
+        batch_weight: weight, relative to a queued request's TTFT, of the decode progress the running batch of a
+            decode replica loses to an in-place prefill there (inter-token latency). 0 (default): measured past
+            capacity, 0.25 or 1 keep long prompts off the decode replicas and roughly double the TTFT p99
+            (docs/results.md, PD under overload).
         seed: seeds the inner ``ttft`` model (deterministic).
         **ttft_params: parameters of the inner ``ttft`` model (``objective``, ``work_weight``,
             ``migration_weight``, ``p_predicted``, ...; see ``policies.ttft.TTFTPolicy``).
@@ -124,14 +141,14 @@ class PdTtftPolicy:
         age_inflight: bool = False,
         decode_cost_weight: float = 1.0,
         mean_output_tokens: int = 256,
-        batch_weight: float = 1.0,
+        batch_weight: float = 0.0,
         seed: int = 0,
         **ttft_params: Any,
     ) -> None:
         self.rules = RoleRules(decode_prefills=decode_prefills, both_can_pair=both_can_pair)
         self.age_inflight = age_inflight
-        if decode_cost_weight < 0 or mean_output_tokens < 1:
-            raise ValueError("decode_cost_weight must be >= 0 and mean_output_tokens >= 1")
+        if not (decode_cost_weight >= 0 and batch_weight >= 0) or mean_output_tokens < 1:
+            raise ValueError("decode_cost_weight, batch_weight must be >= 0 and mean_output_tokens >= 1")
         self.decode_cost_weight = decode_cost_weight
         self.mean_output_tokens = mean_output_tokens
         self.batch_weight = batch_weight
@@ -234,8 +251,8 @@ class PdTtftPolicy:
         sides: list[DecodeSide],
     ) -> list[tuple[float, Plan]]:
         """(rank key, plan): one ``in_place`` plan per replica allowed to serve alone. On a ``decode`` replica the
-        plan also waits for its KV to fit (``kv_wait``) and is charged what its prefill takes from the requests
-        decoding and queued there (``decode_cost``, ranked like ``W``)."""
+        plan also waits for its KV to fit (``kv_wait``) and is charged the TTFT its prefill takes from the requests
+        queued there and arriving before it ends (``decode_cost``, ranked like ``W``)."""
         out = []
         need = request.prompt_tokens + (request.expected_output_tokens or self.mean_output_tokens)
         for i in in_place_positions(cands, self.rules):
@@ -246,7 +263,7 @@ class PdTtftPolicy:
             if cands[i].role == "decode":
                 wait = sides[i].kv_wait_s(need)
                 cost = self.decode_cost_weight * sides[i].in_place_cost_s(
-                    e.c, e.ttft + wait, need, self.batch_weight
+                    e.c, e.ttft + wait, self.batch_weight
                 )
             terms = {
                 "Q": e.q,

@@ -76,18 +76,17 @@ def test_kv_wait_is_the_deficit_over_the_drain_less_the_time_to_arrive() -> None
     assert side(kv_capacity=None).kv_wait_s(10**9) == 0.0  # unknown capacity: no admission model
 
 
-def test_in_place_cost_stalls_the_batch_the_queue_and_the_legs_arriving_during_its_prefill() -> None:
-    s = side(waiting=2.0, legs=(DecodeLeg(0.5, 1_000), DecodeLeg(5.0, 1_000), DecodeLeg(50.0, 1_000)))
-    # 2 s of prefill ending in 3 s: 10 running + 2 waiting + the leg due at 0.5 s; its KV fits beside all
-    assert s.in_place_cost_s(2.0, 3.0, 10_000) == pytest.approx(2.0 * 13)
-    assert s.legs_before(5.0) == (2, 2_000.0)
-
-
-def test_in_place_cost_adds_the_wait_of_the_legs_whose_kv_it_takes() -> None:
-    """Its 46k KV tokens do not fit beside the legs arriving while it holds them (until 3 + 10 s): those legs
-    wait for it to leave (13 - 0.5 and 13 - 5 s); the one due in 50 s does not."""
-    s = side(legs=(DecodeLeg(0.5, 1_000), DecodeLeg(5.0, 4_000), DecodeLeg(50.0, 1_000)))
-    assert s.in_place_cost_s(2.0, 3.0, 46_000) == pytest.approx(2.0 * 11 + (13 - 0.5) + (13 - 5.0))
+def test_in_place_cost_delays_the_queued_requests_and_the_legs_arriving_during_its_prefill() -> None:
+    """2 s of prefill ending in 3 s: the 3 requests waiting there (2 of them handed over: the scraped queue is
+    larger, so it counts) and the leg due at 0.5 s each get their first token 2 s later; the leg due at 50 s does
+    not. The running batch counts only with ``batch_weight`` (its inter-token latency, not a TTFT)."""
+    legs = (DecodeLeg(0.0, 1_000), DecodeLeg(0.0, 1_000), DecodeLeg(0.5, 1_000), DecodeLeg(50.0, 1_000))
+    s = side(waiting=3.0, legs=legs)
+    assert s.in_place_cost_s(2.0, 3.0) == pytest.approx(2.0 * (3 + 1))
+    assert s.in_place_cost_s(2.0, 3.0, batch_weight=0.5) == pytest.approx(2.0 * (3 + 1 + 0.5 * 10))
+    # more legs handed over than the (stale) scrape shows waiting: the legs count
+    assert side(waiting=1.0, legs=legs).in_place_cost_s(2.0, 3.0) == pytest.approx(2.0 * (2 + 1))
+    assert s.legs_before(5.0) == (3, 3_000.0)
 
 
 def test_decode_side_reads_the_load_view() -> None:
@@ -105,31 +104,53 @@ def test_decode_side_reads_the_load_view() -> None:
 
 
 def test_a_saturated_decode_replica_no_longer_takes_the_request_in_place() -> None:
-    """The prefill replica has ~20 s of work queued; the decode replica's batch is full (60 running, 10 waiting,
-    KV 98 % used). In place there the ``ttft`` model sees ~2 s (its own queue is empty), so the policy used to
-    prefill 8192 tokens there, stalling 70 requests for ~0.86 s each; now it disaggregates."""
-    fleet = [cand(0, "prefill", backlog=190_000), cand(1, "decode", running=60, waiting=10, kv=0.98)]
+    """The prefill replica has ~6 s of work queued; on the decode replica 12 disaggregated requests wait (handed
+    over, KV 95 % used) behind a batch of 40. In place there the ``ttft`` model sees ~2 s (its own prefill queue
+    is empty), so the policy used to prefill 8192 tokens there, and each of the 12 got its first token ~0.86 s
+    later; now it disaggregates."""
+    fleet = [cand(0, "prefill", backlog=57_000), cand(1, "decode", running=40, waiting=12, kv=0.95)]
     d = make_pd_policy("pd_ttft").choose_plan(req(8192), fleet, LINK)
     assert d.chosen.kind == "disaggregated" and d.chosen.decode == 1
     in_place = next(p for p in d.plans if p.kind == "in_place")
-    assert in_place.terms["decode_cost"] == pytest.approx(in_place.terms["C"] * 70)
+    assert in_place.terms["decode_cost"] == pytest.approx(in_place.terms["C"] * 12)
     # the same fleet with an idle decode replica: in place is still the fastest plan
-    idle = [cand(0, "prefill", backlog=190_000), cand(1, "decode", running=2, kv=0.1)]
+    idle = [cand(0, "prefill", backlog=57_000), cand(1, "decode", running=2, kv=0.1)]
     assert make_pd_policy("pd_ttft").choose_plan(req(8192), idle, LINK).chosen.kind == "in_place"
-    # weight 0 turns the cost off (KV admission is still priced)
+    # weight 0 turns the cost off
     off = make_pd_policy("pd_ttft", decode_cost_weight=0.0).choose_plan(req(8192), fleet, LINK)
     assert off.chosen.kind == "in_place"
 
 
-def test_legs_on_their_way_keep_a_long_prompt_off_a_decode_replica_whose_kv_they_need() -> None:
-    """Eight 40k-token disaggregated requests reach the decode replica within 5 s; a 40k-token prompt served in
-    place there would hold 40k KV tokens for its prefill and decode, which the cache cannot spare."""
-    legs = tuple(DecodeLeg(0.5 * k, 40_000) for k in range(8))
-    fleet = [cand(0, "prefill", backlog=300_000), cand(1, "decode", running=2, kv=0.1, legs=legs)]
-    d = make_pd_policy("pd_ttft").choose_plan(req(40_000), fleet, LINK)
+def test_legs_on_their_way_count_when_they_arrive_before_the_prefill_ends() -> None:
+    """Ten disaggregated requests reach the decode replica within 1 s: an 8192-token prefill there (~0.86 s of
+    compute after a short queue) delays most of them, so the request goes to the prefill replica; the same ten
+    due in 60 s do not count."""
+    soon = tuple(DecodeLeg(0.1 * k, 8_000) for k in range(10))
+    later = tuple(DecodeLeg(60.0 + k, 8_000) for k in range(10))
+    fleet = [cand(0, "prefill", backlog=30_000), cand(1, "decode", running=4, kv=0.1, legs=soon)]
+    d = make_pd_policy("pd_ttft").choose_plan(req(8192), fleet, LINK)
     assert d.chosen.kind == "disaggregated"
-    bare = [cand(0, "prefill", backlog=300_000), cand(1, "decode", running=2, kv=0.1)]
-    assert make_pd_policy("pd_ttft").choose_plan(req(40_000), bare, LINK).chosen.kind == "in_place"
+    assert next(p for p in d.plans if p.kind == "in_place").terms["decode_cost"] > 0
+    fleet = [cand(0, "prefill", backlog=30_000), cand(1, "decode", running=4, kv=0.1, legs=later)]
+    d = make_pd_policy("pd_ttft").choose_plan(req(8192), fleet, LINK)
+    assert d.chosen.kind == "in_place" and d.chosen.terms["decode_cost"] == 0.0
+
+
+def test_a_full_decode_cache_delays_the_decode_leg() -> None:
+    """A decode replica whose cache is full, with three 30k-token requests handed over and waiting for room: the
+    disaggregated plan's first decode round there waits for the KV to fit (``kv_wait`` in ``decode_first``), so
+    the plan pairs with the decode replica that has room."""
+    waiting = tuple(DecodeLeg(0.0, 30_000) for _ in range(3))
+    fleet = [
+        cand(0, "prefill"),
+        cand(1, "decode", running=40, kv=0.99, legs=waiting),
+        cand(2, "decode", running=40, kv=0.5),
+    ]
+    d = make_pd_policy("pd_ttft", decode_prefills=False).choose_plan(req(8192), fleet, LINK)
+    assert d.chosen.decode == 2
+    full = next(p for p in d.plans if p.decode == 1)
+    assert full.terms["kv_wait"] > 0 and full.terms["decode_first"] >= full.terms["kv_wait"]
+    assert d.chosen.terms["kv_wait"] == 0.0
 
 
 def test_bad_decode_parameters_are_refused() -> None:
@@ -137,3 +158,5 @@ def test_bad_decode_parameters_are_refused() -> None:
         make_pd_policy("pd_ttft", decode_cost_weight=-1.0)
     with pytest.raises(ValueError, match="mean_output_tokens"):
         make_pd_policy("pd_ttft", mean_output_tokens=0)
+    with pytest.raises(ValueError, match="batch_weight"):
+        make_pd_policy("pd_ttft", batch_weight=-0.5)
