@@ -17,7 +17,8 @@ COPY router ./router
 COPY index ./index
 COPY membership ./membership
 COPY policies ./policies
-COPY loadtest ./loadtest
+COPY sim ./sim
+COPY fakes ./fakes
 RUN pip wheel --no-deps --wheel-dir /dist . \
  && pip wheel --wheel-dir /wheels /dist/kvroute-*.whl
 

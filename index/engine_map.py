@@ -6,8 +6,10 @@ for the event's parent page, and every page is recorded here so that a later ``B
 event naming the page as its parent) can be translated back to router keys.
 
 An engine page need not be a router block: its size may differ from ``block_size``. A page's entry is then
-``(last router key before its end, leftover tokens after that key, router keys it completed)``; when a page is
-exactly one router block (the common case) the entry is just that block's key.
+``(last router key before its end, leftover tokens after that key, router keys it completed)``, plus, when a
+multimodal item starts in the leftover tokens, a fourth element: those item starts (positions counted from the
+first leftover token; ``index.hashing`` folds an item into the block where it starts, which the next event
+completes); when a page is exactly one router block (the common case) the entry is just that block's key.
 
 **Copies.** vLLM does not de-duplicate its cache (``vllm/v1/core/block_pool.py``, NOTE #1): when two requests
 with a common prefix are scheduled before either has cached that prefix's blocks (same step, or a chunked
@@ -25,14 +27,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import islice
 
-from .hashing import block_keys, block_keys_array, pack_array
+from .hashing import MmStart, block_keys, block_keys_array, block_keys_mm, pack_array
 from .types import BlockKey, EngineHash
 
-__all__ = ["EngineEntry", "EngineHashMap", "entry_keys"]
+__all__ = ["ChainState", "EngineEntry", "EngineHashMap", "entry_keys"]
 
 #: One page's record: its router key when the page is exactly one block, else
-#: ``(last router key before the page's end, leftover tokens after it, router keys the page completed)``.
-EngineEntry = BlockKey | tuple[BlockKey, tuple[int, ...], tuple[BlockKey, ...]]
+#: ``(last router key before the page's end, leftover tokens after it, router keys the page completed)``, with a
+#: fourth element (the item starts in the leftover tokens) when a multimodal item starts there.
+EngineEntry = (
+    BlockKey
+    | tuple[BlockKey, tuple[int, ...], tuple[BlockKey, ...]]
+    | tuple[BlockKey, tuple[int, ...], tuple[BlockKey, ...], tuple[MmStart, ...]]
+)
+#: The router's chain state after a page: (last router key, leftover tokens, item starts in the leftover).
+ChainState = tuple[BlockKey, tuple[int, ...], tuple[MmStart, ...]]
 
 
 def entry_keys(entry: EngineEntry) -> tuple[BlockKey, ...]:
@@ -63,15 +72,16 @@ class EngineHashMap:
         """The replica's map, or None when it has none."""
         return self._maps.get(replica)
 
-    def parent_state(self, replica: int, parent: EngineHash) -> tuple[BlockKey, tuple[int, ...]] | None:
-        """Router chain state after page ``parent``: (last router key, leftover tokens); None when unknown."""
+    def parent_state(self, replica: int, parent: EngineHash) -> ChainState | None:
+        """Router chain state after page ``parent``: (last router key, leftover tokens, item starts in them);
+        None when unknown."""
         emap = self._maps.get(replica)
         e = emap.get(parent) if emap is not None else None
         if e is None:
             return None
         if isinstance(e, int):
-            return e, ()
-        return e[0], e[1]
+            return e, (), ()
+        return e[0], e[1], e[3] if len(e) == 4 else ()
 
     def __len__(self) -> int:
         """Total entries over all replicas."""
@@ -93,11 +103,13 @@ class EngineHashMap:
         engine_hashes: Sequence[EngineHash],
         token_ids: Sequence[int],
         page: int,
-        last: int,
-        left: tuple[int, ...],
+        state: ChainState,
         block_size: int,
+        mm: Sequence[MmStart] = (),
     ) -> tuple[list[BlockKey], int]:
-        """Map the event's pages to router keys chained from ``last`` (+ ``left`` leftover tokens).
+        """Map the event's pages to router keys chained from ``state`` (the parent's chain state).
+
+        ``mm``: multimodal item starts in the event, positions counted from ``token_ids[0]``, ordered.
 
         Returns:
             (the router keys of every block the event completed, in order; how many of the event's engine
@@ -109,25 +121,37 @@ class EngineHashMap:
             emap = self._maps[replica] = {}
         before = len(emap)
         n = len(engine_hashes)
+        last, left, left_mm = state
+        keys: list[BlockKey]
         if not left and page == block_size:
-            keys: list[BlockKey] = block_keys_array(pack_array(token_ids), block_size, last)  # type: ignore[assignment]
+            if mm:
+                keys = block_keys_mm(pack_array(token_ids), block_size, last, mm)  # type: ignore[assignment]
+            else:
+                keys = block_keys_array(pack_array(token_ids), block_size, last)  # type: ignore[assignment]
             emap.update(zip(engine_hashes, keys, strict=True))
             return keys, before + n - len(emap)
         toks = list(left)
         toks.extend(token_ids)
-        keys = block_keys(toks, block_size, last)  # type: ignore[assignment]
         nleft = len(left)
+        starts = [*left_mm, *(MmStart(p + nleft, i) for p, i in mm)]
+        if starts:
+            keys = block_keys_mm(pack_array(toks), block_size, last, starts)  # type: ignore[assignment]
+        else:
+            keys = block_keys(toks, block_size, last)  # type: ignore[assignment]
         j = 0
         for i, eh in enumerate(engine_hashes):
             end = nleft + (i + 1) * page
             nfull = end // block_size
             covered = tuple(keys[j:nfull])
             j = nfull
-            leftover = tuple(toks[nfull * block_size : end])
+            cut = nfull * block_size
+            leftover = tuple(toks[cut:end])
             if not leftover and len(covered) == 1:
                 emap[eh] = covered[0]
-            else:
-                emap[eh] = (keys[nfull - 1] if nfull else BlockKey(last), leftover, covered)
+                continue
+            head = keys[nfull - 1] if nfull else BlockKey(last)
+            lmm = tuple(MmStart(p - cut, x) for p, x in starts if cut <= p < end) if starts else ()
+            emap[eh] = (head, leftover, covered, lmm) if lmm else (head, leftover, covered)
         return keys, before + n - len(emap)
 
     def add_copies(self, replica: int, tier: int, keys: Sequence[BlockKey]) -> None:

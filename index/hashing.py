@@ -12,6 +12,22 @@ token path from the root, so the index needs no child maps: walking a prompt is 
 ``root`` comes from :func:`root_seed` and folds in everything that makes the KV cache differ for identical
 tokens: the model id, the LoRA adapter, the request's ``cache_salt`` and the tenant namespace.
 
+**Multimodal items** (images, audio, ...): a prompt's placeholder tokens do not identify the item that fills them
+(every image of the same size expands to the same placeholder ids), so a block's key must fold in the item too.
+vLLM folds, into every block an item overlaps, ``(identifier, offset of the item's start relative to the block's
+first token)`` (negative for blocks that continue an item); :func:`vllm_block_extra_keys` computes exactly what
+vLLM publishes (``extra_keys`` of ``BlockStored``). Our keys fold each item once, into the block where it *starts*
+(:func:`mm_block_keys`)::
+
+    k_i = xxh3_64(bytes(block_i) + item_tag(starts in block_i), seed=k_{i-1})
+
+Because keys are chained, key ``k_i`` then covers every item that overlaps blocks ``0..i`` (an item overlapping
+block ``i`` starts in some block ``<= i``) with its absolute start, which is the same information vLLM's keys
+carry (the same identifier means the same item and so the same length). Unlike vLLM's per-block keys, the item
+starts do not depend on the block size: they can be recovered from an engine's events whatever its page size
+(engine pages of 16, 128 or 256 tokens against router blocks of 16), and computed on the request side from the
+items' placeholder offsets alone. Blocks without an item starting in them hash exactly as before.
+
 Nothing here depends on the process (no ``hash()``, no random seeds): two processes hashing the same prompt with
 the same root get the same keys.
 """
@@ -21,12 +37,19 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import xxhash
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "MmItem",
+    "MmStart",
     "block_keys",
+    "block_keys_mm",
+    "mm_block_keys",
+    "mm_starts",
+    "vllm_block_extra_keys",
     "MAX_SLICE_CACHE_BLOCKS",
     "block_keys_array",
     "block_keys_packed",
@@ -179,3 +202,138 @@ def extend_keys(
     done = len(keys)
     rest = block_keys(token_ids[done * block_size :], block_size, keys[-1] if done else seed)
     return [*keys, *rest]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# multimodal items
+
+
+class MmItem(NamedTuple):
+    """One multimodal item of a prompt, as the engine places it.
+
+    Attributes:
+        identifier: the engine's identifier of the item (vLLM: the client's uuid, else the content hash; with
+            tower-connector LoRA prefixed by the adapter name), the string vLLM publishes in ``extra_keys``.
+        offset: index of the item's first placeholder token in the prompt, tokens.
+        length: placeholder tokens of the item, tokens.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+
+class MmStart(NamedTuple):
+    """Where an item starts: ``position`` (tokens from the start of the token sequence being hashed) and its
+    ``identifier``. What the router's keys fold in (see the module docstring)."""
+
+    position: int
+    identifier: str
+
+
+_MM_TAG = b"kvroute/mm/v1"
+
+
+def mm_starts(items: Sequence[MmItem]) -> list[MmStart]:
+    """The items' starts, ordered by position (the input need not be sorted)."""
+    return sorted(MmStart(it.offset, it.identifier) for it in items)
+
+
+def _mm_suffix(starts: Sequence[MmStart], block_start: int) -> bytes:
+    """The bytes folded into a block for the items starting in it: per item, its offset in the block (4-byte LE)
+    and its identifier (length-prefixed UTF-8), after a tag; unambiguous for any number of items."""
+    out = bytearray(_MM_TAG)
+    for pos, ident in starts:
+        data = ident.encode("utf-8")
+        out += (pos - block_start).to_bytes(4, "little") + len(data).to_bytes(4, "little") + data
+    return bytes(out)
+
+
+def block_keys_mm(
+    packed: array[int], block_size: int, seed: int, starts: Sequence[MmStart], first_position: int = 0
+) -> list[int]:
+    """Chained keys of the full blocks of ``packed`` (:func:`pack_array`), folding in the items of ``starts``.
+
+    Args:
+        packed: the token ids, packed.
+        block_size: tokens per block (> 0).
+        seed: the key before the first block (:func:`root_seed`, or the parent block's key).
+        starts: item starts, ordered, with positions counted from ``first_position`` (the first packed token);
+            starts outside the full blocks are ignored.
+        first_position: the position of ``packed[0]`` in the numbering of ``starts``.
+
+    Returns:
+        One key per full block; equal to :func:`block_keys_array` when no item starts in a full block.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n = len(packed) // block_size
+    h = _xxh3
+    k = seed
+    keys: list[int] = []
+    j = 0
+    ns = len(starts)
+    while j < ns and starts[j].position < first_position:
+        j += 1
+    for b in range(n):
+        lo = b * block_size
+        data = packed[lo : lo + block_size].tobytes()
+        if j < ns and starts[j].position < first_position + lo + block_size:
+            first = j
+            while j < ns and starts[j].position < first_position + lo + block_size:
+                j += 1
+            data += _mm_suffix(starts[first:j], first_position + lo)
+        k = h(data, k)
+        keys.append(k)
+    return keys
+
+
+def mm_block_keys(token_ids: Sequence[int], block_size: int, seed: int, items: Sequence[MmItem]) -> list[int]:
+    """Chained keys of a prompt's full blocks with its multimodal ``items`` folded in (the request side).
+
+    Equal to the keys the router computes from the engine's ``BlockStored`` events of the same prompt (their
+    ``extra_keys`` give the same item starts), whatever the engine's page size. Without items: :func:`block_keys`.
+    """
+    if not items:
+        return block_keys(token_ids, block_size, seed)
+    return block_keys_mm(pack_array(token_ids), block_size, seed, mm_starts(items))
+
+
+def vllm_block_extra_keys(
+    num_tokens: int,
+    block_size: int,
+    items: Sequence[MmItem],
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+) -> list[tuple[object, ...] | None]:
+    """The per-block ``extra_keys`` vLLM publishes on ``BlockStored`` for a prompt (one entry per full block).
+
+    vLLM 0.32 (``vllm/v1/core/kv_cache_utils.py``: ``generate_block_hash_extra_keys``, ``_gen_mm_extra_hash_keys``,
+    ``to_event_extra_keys``): per block ``[start, start + block_size)``, in order, the LoRA name (when a LoRA is
+    used), ``(identifier, item offset - start)`` for every item the block overlaps (items sorted by offset), the
+    cache salt (first block only), then prompt-embedding digests (not modelled here); None when the block has
+    none. Used by the stand-in engine to publish what vLLM publishes, and by tests as the reference.
+
+    Args:
+        num_tokens: prompt tokens; only full blocks get an entry.
+        block_size: tokens per engine block (page).
+        items: the prompt's multimodal items (any order; they must not overlap).
+        lora_name: the request's LoRA adapter name, or None.
+        cache_salt: the request's cache salt, or None (an empty salt counts as none, as in vLLM).
+    """
+    ordered = sorted(items, key=lambda it: it.offset)
+    out: list[tuple[object, ...] | None] = []
+    for b in range(num_tokens // block_size):
+        start, end = b * block_size, (b + 1) * block_size
+        keys: list[object] = []
+        if lora_name:
+            keys.append(lora_name)
+        for it in ordered:
+            if it.offset >= end:
+                break
+            if start < it.offset + it.length:
+                keys.append((it.identifier, it.offset - start))
+        if start == 0 and cache_salt:
+            keys.append(cache_salt)
+        out.append(tuple(keys) if keys else None)
+    return out

@@ -56,10 +56,12 @@ from .budget import (
     Budget,
     LruEvictor,
 )
-from .engine_map import EngineHashMap, entry_keys
+from .engine_map import ChainState, EngineHashMap, entry_keys
+from .expiry import TTL_ENTRY_BYTES, StoreOnlyExpiry
 from .hashing import (
     DEFAULT_BLOCK_SIZE,
     MAX_SLICE_CACHE_BLOCKS,
+    MmStart,
     block_keys_array,
     block_slices,
     pack_array,
@@ -160,6 +162,8 @@ class PrefixIndex(NodeTable):
         self._next_expiry = float("inf")
         # engine hash maps (per replica) and extra copies of blocks
         self._emap = EngineHashMap()
+        # pages of store-only sources, forgotten a TTL after their last store
+        self._ttl = StoreOnlyExpiry()
         # budget eviction (LRU, bounded per call)
         self._evictor = LruEvictor()
         self._view = _Nodes(self)
@@ -293,7 +297,7 @@ class PrefixIndex(NodeTable):
     def deepest_match(self, keys: Sequence[int], replicas: AbstractSet[int] | None = None) -> int:
         """Leading blocks of ``keys`` held by the replica that holds the most of them (any tier, confirmed or
         predicted), blocks; 0 when none holds the first. Keys are chained, so no replica holds any block past
-        this depth: the cache *frontier* of the prompt (``router.tokenize_frontier``)."""
+        this depth: the cache *frontier* of the prompt (``router.tokens.frontier``)."""
         return max((m.blocks for m in self.match(keys, replicas).values()), default=0)
 
     def _walk(self, keys: list[BlockKey], live: int, now: float) -> dict[int, ReplicaMatch]:
@@ -696,6 +700,7 @@ class PrefixIndex(NodeTable):
         """Forget everything ``replica`` holds (engine restart, replica left). O(1): its slot is retired."""
         slot = self._slot_of.pop(replica, None)
         self._emap.drop(replica)
+        self._ttl.drop(replica)
         if slot is None:
             return
         self._replica_of_slot[slot] = -1
@@ -708,12 +713,16 @@ class PrefixIndex(NodeTable):
         """Drop predicted entries whose TTL has passed; also advance the sweep of cleared replicas.
 
         Call it periodically (e.g. every second): ``match`` drops expired predictions by itself, but only
-        ``expire`` advances the sweep of cleared replicas and the compaction of node ids.
+        ``expire`` advances the sweep of cleared replicas and the compaction of node ids, and forgets the pages of
+        store-only sources whose TTL has passed (``apply_stored(..., ttl_s=)``; ``stats()['ttl_expired_pages']``).
 
         Returns:
             the number of predicted entries dropped.
         """
-        dropped = self._expire_predicted(self._clock())
+        now = self._clock()
+        dropped = self._expire_predicted(now)
+        for replica, tier, hashes in list(self._ttl.due(now)):
+            self._remove_pages(replica, hashes, tier, count_unknown=False)
         if self._dead or self._sweeping:
             self._sweep(SWEEP_CHUNK)
         self._maybe_compact()
@@ -807,17 +816,24 @@ class PrefixIndex(NodeTable):
         tier: str = "gpu",
         *,
         replayed: bool = False,
+        mm_starts: Sequence[MmStart] = (),
+        ttl_s: float | None = None,
     ) -> StoreResult:
         """Apply an engine ``BlockStored`` event (engine pages identified by the engine's own hashes).
 
         ``token_ids`` covers all pages of the event and is split evenly over ``engine_hashes`` (the engine's
         page size may differ from ``block_size``). Router keys chain from the router state recorded for
         ``engine_parent`` (from ``seed`` when it is None); every router block completed along the way is stored.
+        ``mm_starts``: the multimodal items starting in the event (positions from ``token_ids[0]``, ordered),
+        folded into the keys as ``index.hashing.block_keys_mm`` does.
 
         A page the replica already holds in ``tier`` (same engine hash, re-sent) is one more *copy* of it: vLLM
         caches a block once per request that computed it (``index.engine_map``), and removes copies one by one.
         ``replayed=True`` says the event was applied before (a replay re-applied over the current state): a
         page already held is then not counted again.
+
+        ``ttl_s``: the source is store-only (it never announces removals): the pages are forgotten ``ttl_s``
+        seconds after their last store (by ``expire``), and a re-store refreshes them instead of adding a copy.
 
         Returns:
             StoreResult: ``orphan=True`` (nothing stored, counted) when ``engine_parent`` is unknown;
@@ -834,35 +850,66 @@ class PrefixIndex(NodeTable):
         if ntok == 0 or ntok % n:
             self._invalid += 1
             return StoreResult(0, False, f"{ntok} token ids do not split evenly over {n} engine pages")
-        page = ntok // n
         emaps = self._emap
-        last: int
+        state: ChainState | None
         if engine_parent is None:
-            last = seed
-            left: tuple[int, ...] = ()
+            state = (seed, (), ())  # type: ignore[assignment]  # the root seed is where keys chain from
         else:
             state = emaps.parent_state(replica, engine_parent)  # type: ignore[arg-type]  # an EngineHash
             if state is None:
                 self._orphans += 1
                 return StoreResult(0, True)
-            last, left = state
+        assert state is not None
+        hashes = cast(_Hashes, engine_hashes)
         keys, resent = emaps.record_pages(
-            replica,
-            engine_hashes,  # type: ignore[arg-type]
-            token_ids,
-            page,
-            last,
-            left,
-            self.block_size,
+            replica, hashes, token_ids, ntok // n, state, self.block_size, mm_starts
         )
+        if ttl_s is not None:
+            self._ttl.track(replica, t, hashes, self._clock() + ttl_s)
+            replayed = True  # a store-only source re-announces what it still holds: a refresh, not a copy
         if keys:
             copies = self._held_in_tier(replica, keys, t) if resent and not replayed else None
-            self.store(replica, last if engine_parent is not None else None, keys, tier)
+            self.store(replica, state[0] if engine_parent is not None else None, keys, tier)
             if copies:
                 emaps.add_copies(replica, t, copies)
         else:
             self._check_budget()
         return StoreResult(len(keys), False)
+
+    def apply_located(
+        self, replica: int, engine_hashes: Sequence[int], tier: str, *, ttl_s: float | None = None
+    ) -> tuple[int, int]:
+        """Apply a location-only ``BlockStored`` (no token ids: offloading connectors' placeholder events): the
+        pages this replica announced before (known engine hashes) are now held in ``tier`` as well; unknown
+        pages are ignored (their content cannot be known, and nothing is ever guessed).
+
+        ``ttl_s``: as for ``apply_stored`` (a store-only source).
+
+        Returns:
+            (pages resolved, router blocks stored).
+        """
+        t = TIER_INDEX.get(tier)
+        emap = self._emap.of(replica)
+        if t is None or emap is None:
+            return 0, 0
+        keys: list[BlockKey] = []
+        known: list[EngineHash] = []
+        for eh in cast(_Hashes, engine_hashes):
+            e = emap.get(eh)
+            if e is not None:
+                known.append(eh)
+                keys += entry_keys(e)
+        if ttl_s is not None and known:
+            self._ttl.track(replica, t, known, self._clock() + ttl_s)
+        if keys:
+            self.store(replica, None, keys, tier)
+        return len(known), len(keys)
+
+    def end_ttl(self, replica: int, tier: str) -> int:
+        """The source of ``replica``'s ``tier`` announces removals after all: stop expiring its pages (the ones
+        stored so far stay until the engine removes them); returns how many pages were waiting to expire."""
+        t = TIER_INDEX.get(tier)
+        return 0 if t is None else self._ttl.end(replica, t)
 
     def apply_removed(self, replica: int, engine_hashes: Sequence[int], tier: str = "gpu") -> int:
         """Apply an engine ``BlockRemoved`` event; return how many router blocks the replica stopped holding.
@@ -875,10 +922,19 @@ class PrefixIndex(NodeTable):
         if t is None:
             self._invalid += 1
             return 0
+        if self._ttl.tracked(replica, t):
+            self._ttl.forget(replica, t, cast(_Hashes, engine_hashes))
+        return self._remove_pages(replica, engine_hashes, t)
+
+    def _remove_pages(
+        self, replica: int, engine_hashes: Sequence[int], t: int, *, count_unknown: bool = True
+    ) -> int:
+        """Remove engine pages from ``replica``'s tier ``t`` (``apply_removed``, expiry); router blocks removed."""
         emaps = self._emap
         emap = emaps.of(replica)
         if emap is None:
-            self._unknown_removed += len(engine_hashes)
+            if count_unknown:
+                self._unknown_removed += len(engine_hashes)
             return 0
         slot = self._slot_of.get(replica)
         removed = 0
@@ -896,7 +952,8 @@ class PrefixIndex(NodeTable):
                 covered = entry_keys(e)
                 keys += covered
                 known.append((eh, covered[-1] if covered else None))
-        self._unknown_removed += unknown
+        if count_unknown:
+            self._unknown_removed += unknown
         if keys and emaps.has_copies:
             keys = emaps.take_copies(replica, t, keys)
         if keys and slot is not None:
@@ -961,6 +1018,7 @@ class PrefixIndex(NodeTable):
             + len(self._emap) * ENGINE_ENTRY_BYTES
             + self._emap.copy_entries() * COPY_ENTRY_BYTES
             + self._pred_entries() * PRED_ENTRY_BYTES
+            + len(self._ttl) * TTL_ENTRY_BYTES
         )
 
     def _check_budget(self) -> None:
@@ -1002,6 +1060,8 @@ class PrefixIndex(NodeTable):
             quota = min(need, max(EVICT_CHUNK if guard == 1 else 0, must))
             share = quota / need if need else 1.0
             self._emap.evict_oldest(frac * share)
+            for replica, tier, hashes in list(self._ttl.pop_oldest(frac * share)):
+                self._remove_pages(replica, hashes, tier, count_unknown=False)
             self._evictor.evict(self._view, quota, need, must)
         self._maybe_compact(force=True)  # one step (or the start) of the compaction the deletions call for
 
@@ -1037,6 +1097,8 @@ class PrefixIndex(NodeTable):
             "invalid_events": self._invalid,
             "unknown_removed": self._unknown_removed,
             "expired": self._expired,
+            "ttl_pages": len(self._ttl),
+            "ttl_expired_pages": self._ttl.expired_pages,
             "compactions": self._compactions,
             "compacted_ids": self._compacted_ids,
             "dead_ids": self._dead_nodes,

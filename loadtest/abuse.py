@@ -8,6 +8,7 @@ router closing the connection (a slow head cut by ``client_header_timeout_s``): 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -145,6 +146,8 @@ class AbuseOptions:
     url: str
     model: str
     api_key: str | None = None
+    #: a key that may name tenants (the router's tenant_header_keys), for requests that carry a tenant header
+    edge_key: str | None = None
     huge_count: int = 6
     slow_sockets: int = 3
     slow_rounds: int = 2
@@ -187,9 +190,8 @@ class AbuseClients:
         self._auth = {"authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def start(self) -> AbuseClients:
-        """Start the poller and every abuse client."""
-        self.healthz.start()
+    def kinds(self) -> list[tuple[str, Callable[[], None]]]:
+        """The clients to run: (thread name, the client); the kind is the name up to its first ``-``."""
         kinds: list[tuple[str, Callable[[], None]]] = [
             ("huge_body", self._huge_bodies),
             ("bad_input", self._bad_input),
@@ -197,7 +199,16 @@ class AbuseClients:
         kinds += [(f"slowloris-{i}", self._slowloris) for i in range(self.o.slow_sockets)]
         if self.o.api_key:
             kinds.append(("bad_auth", self._bad_auth))
-        for name, fn in kinds:
+        return kinds
+
+    def designed(self, kind: str) -> frozenset[str]:
+        """The answers ``kind`` may get by design (others count as ``unexpected``)."""
+        return ABUSE_OK_STATUSES
+
+    def start(self) -> AbuseClients:
+        """Start the poller and every abuse client."""
+        self.healthz.start()
+        for name, fn in self.kinds():
             th = threading.Thread(target=self._guarded, args=(name, fn), daemon=True, name=f"abuse-{name}")
             th.start()
             self._threads.append(th)
@@ -212,8 +223,8 @@ class AbuseClients:
         self.healthz.stop()
 
     def result(self) -> dict[str, Any]:
-        """``{kind: {"count", "statuses", "errors"}}`` plus ``unexpected`` (statuses outside
-        :data:`ABUSE_OK_STATUSES`), ``server_errors`` (5xx answers), ``answered_500``, ``healthz_max_s``, ``healthz_polls``,
+        """``{kind: {"count", "statuses", "errors"}}`` plus ``unexpected`` (statuses outside what the kind may get
+        by design: :meth:`designed`), ``server_errors`` (5xx answers), ``answered_500``, ``healthz_max_s``, ``healthz_polls``,
         ``healthz_slowest`` and ``healthz_failures``."""
         out: dict[str, Any] = {}
         unexpected, fives, five_hundreds = 0, 0, 0
@@ -224,7 +235,8 @@ class AbuseClients:
                     "statuses": dict(sorted(t.statuses.items())),
                     "errors": t.errors[:5],
                 }
-                unexpected += sum(n for s, n in t.statuses.items() if s not in ABUSE_OK_STATUSES)
+                ok = self.designed(kind)
+                unexpected += sum(n for s, n in t.statuses.items() if s not in ok)
                 fives += sum(n for s, n in t.statuses.items() if s.isdigit() and int(s) >= 500)
                 five_hundreds += t.statuses.get("500", 0)
         lat = self.healthz.max_latency_s()
@@ -374,3 +386,100 @@ class AbuseClients:
                 path, body = bodies[i % len(bodies)]
                 self._post(c, "bad_input", path, body, self._auth)
                 self._stop.wait(self.o.pause_s)
+
+
+# -- a flood of the router's own traffic (overload shedding) --------------------------------------------------------
+
+
+@dataclass
+class FloodResult:
+    """What a :class:`Flood` got: ``statuses`` (status -> count; ``error``: connection failed or cut without an
+    answer) and ``codes`` (error code of the JSON answers -> count)."""
+
+    statuses: dict[str, int] = field(default_factory=dict)
+    codes: dict[str, int] = field(default_factory=dict)
+    retry_after: set[str] = field(default_factory=set)
+
+    def add(self, status: int | str, code: str | None = None, retry_after: str | None = None) -> None:
+        """Count one answer."""
+        self.statuses[str(status)] = self.statuses.get(str(status), 0) + 1
+        if code:
+            self.codes[code] = self.codes.get(code, 0) + 1
+        if retry_after is not None:
+            self.retry_after.add(retry_after)
+
+
+class Flood:
+    """``connections`` closed-loop clients sending one prepared request again and again over keep-alive
+    connections (raw HTTP/1.1 on an asyncio loop in a thread: cheap for the client, so the router's CPU is what
+    runs out). Bounded: stops on :meth:`stop` or after ``max_s`` seconds."""
+
+    def __init__(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        connections: int,
+        max_s: float = 60.0,
+        headers: tuple[str, ...] = (),
+    ) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self._addr = (host, int(port))
+        self._request = request_head(path, *headers, length=len(body)) + body
+        self._connections = connections
+        self._max_s = max_s
+        self.result = FloodResult()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="flood")
+
+    def start(self) -> Flood:
+        """Start the clients."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> FloodResult:
+        """Stop after the requests in progress (at most ~30 s) and return the counts."""
+        self._stop.set()
+        self._thread.join(timeout=40)
+        return self.result
+
+    def _run(self) -> None:
+        async def main() -> None:
+            deadline = time.monotonic() + self._max_s
+            await asyncio.gather(*(self._client(deadline) for _ in range(self._connections)))
+
+        asyncio.run(main())
+
+    async def _client(self, deadline: float) -> None:
+        conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                if conn is None:
+                    conn = await asyncio.wait_for(asyncio.open_connection(*self._addr), 10)
+                reader, writer = conn
+                writer.write(self._request)
+                keep = await asyncio.wait_for(self._answer(reader), 30)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+                self.result.add("error")
+                keep = False
+            if not keep and conn is not None:
+                conn[1].close()
+                conn = None
+        if conn is not None:
+            conn[1].close()
+
+    async def _answer(self, reader: asyncio.StreamReader) -> bool:
+        """Read one answer (content-length bodies only); True when the connection may be reused."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+        body = await reader.readexactly(int(fields.get("content-length", "0")))
+        code = None
+        if status >= 400:
+            try:
+                code = str(orjson.loads(body)["error"]["code"])
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                code = "not_json"
+        self.result.add(status, code, fields.get("retry-after"))
+        return fields.get("connection", "").lower() != "close"

@@ -50,8 +50,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.epp_gateway import GatewayStream, stub_for
-from loadtest.fleet import (
+from fakes.fleet import (
     HOST,
     EngineOptions,
     Fleet,
@@ -61,9 +60,10 @@ from loadtest.fleet import (
     scaled_profile_args,
     wait_ready,
 )
-from loadtest.ports import free_port
-from loadtest.replay import ReplayRequest
-from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
+from fakes.ports import free_port
+from loadtest.epp_gateway import GatewayStream, stub_for
+from sim.replay import ReplayRequest
+from sim.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
 
 RESULT_KEYS = (
     "requests",

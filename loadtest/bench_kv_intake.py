@@ -6,7 +6,7 @@ per request on KV events: each request stores ~900 new blocks and evicts as many
 benchmark builds that stream without processes or sockets: engines with an LRU cache of ``--gpu-blocks`` blocks
 serve multi-turn conversations (sticky to one engine; turn ``k`` extends the conversation's prompt), each step
 of ``--step-blocks`` blocks is one batch (the step's evictions, one event per block, then one ``BlockStored``),
-encoded with ``loadtest.kv_publisher.encode_batch`` in vLLM's wire format. It then times the router's intake on
+encoded with ``fakes.kv_publisher.encode_batch`` in vLLM's wire format. It then times the router's intake on
 those payloads: ``membership.kv_decode.decode_payload`` and ``membership.kv_apply.BatchApplier`` into a
 ``PrefixIndex`` configured as the router's (``block_size`` 16, 4M-node budget).
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import xxhash
 
+from fakes.kv_publisher import PubEvent, PubRemoved, PubStored, encode_batch
 from index.prefix_index import PrefixIndex
-from loadtest.kv_publisher import PubEvent, PubRemoved, PubStored, encode_batch
 from membership.kv_apply import BatchApplier, run_to_end
 from membership.kv_decode import DEFAULT_LIMITS, DecodedBatch, decode_payload
 from membership.kv_sequencer import FeedStats
@@ -49,7 +49,7 @@ class Workload:
     """The simulated fleet and conversations (blocks of ``BLOCK`` tokens)."""
 
     engines: int = 4
-    gpu_blocks: int = 23_312  # the a100 profile's default (``loadtest.engine_model.default_gpu_blocks``)
+    gpu_blocks: int = 23_312  # the a100 profile's default (``fakes.engine_model.default_gpu_blocks``)
     requests: int = 224
     warmup: int = 150  # requests before the timed ones (they fill the caches: evictions from then on)
     first_blocks: int = 850  # first turn of a conversation (~13.6k tokens)

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.fleet import (
+from fakes.fleet import (
     HOST,
     EngineOptions,
     Fleet,
@@ -54,9 +54,9 @@ from loadtest.fleet import (
     run_harness,
     wait_ready,
 )
-from loadtest.ports import free_port
-from loadtest.replay import ReplayRequest, ReplayResult, closed_loop, make_client, percentile, send_one
-from loadtest.workload import VOCAB_SIZE, ensure_model_dir, token_text
+from fakes.ports import free_port
+from sim.replay import ReplayRequest, ReplayResult, closed_loop, make_client, percentile, send_one
+from sim.workload import VOCAB_SIZE, ensure_model_dir, token_text
 
 TARGETS = ("direct", "kvroute", "sglang_cache_aware")
 #: the extra target of ``--baseline-root``: the same kvroute command run from another checkout

@@ -39,8 +39,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from loadtest.bench_proxy import make_requests, run_level
-from loadtest.fleet import (
+from fakes.fleet import (
     EngineOptions,
     Fleet,
     ManagedProcess,
@@ -48,8 +47,9 @@ from loadtest.fleet import (
     exit_on_sigterm,
     run_harness,
 )
-from loadtest.replay import ReplayRequest
-from loadtest.workload import ensure_model_dir
+from loadtest.bench_proxy import make_requests, run_level
+from sim.replay import ReplayRequest
+from sim.workload import ensure_model_dir
 
 #: the Content-Length header of an HTTP answer head
 _CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")

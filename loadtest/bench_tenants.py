@@ -25,7 +25,7 @@ Per setting the JSON object has the quiet tenants' ``ttft_p50_s`` / ``ttft_p99_s
 and the 1-minute load average before and after. The target: with admission on, the quiet tenants' TTFT p99
 stays within 20 % of solo (``quiet_p99_vs_solo``).
 
-``goodput``: from the simulator (``loadtest.simulator``, the same ``policies/`` code the router runs) on the same
+``goodput``: from the simulator (``sim.simulator``, the same ``policies/`` code the router runs) on the same
 trace, one row per load 0.7..1.2: the share of all requests (rejected ones count as misses) whose TTFT meets
 ``--slo-ttft-s``, with SLO-aware routing off (``slo_aware_off``: ``ttft``) and on (``slo_aware_on``: every
 request's TTFT target = the SLO, class ``standard`` (the fastest replica meeting it), early rejection of requests
@@ -51,11 +51,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtest.fleet import EngineOptions, Fleet, RouterHandle, add_harness_args, exit_on_sigterm, run_harness
-from loadtest.replay import ReplayRequest, ReplayResult, make_client, percentile, replay
-from loadtest.simulator import FleetConfig, SimTenancy, arrival_rate_rps, fleet_capacity_rps, simulate
-from loadtest.traces import BlockKeyCache, Request, load_mooncake, scale_rate, slice_time
-from loadtest.workload import (
+from fakes.fleet import EngineOptions, Fleet, RouterHandle, add_harness_args, exit_on_sigterm, run_harness
+from sim.replay import ReplayRequest, ReplayResult, make_client, percentile, replay
+from sim.simulator import FleetConfig, SimTenancy, arrival_rate_rps, fleet_capacity_rps, simulate
+from sim.traces import BlockKeyCache, Request, load_mooncake, scale_rate, slice_time
+from sim.workload import (
     VOCAB_SIZE,
     WorkloadOptions,
     default_trace_path,

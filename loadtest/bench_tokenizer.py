@@ -4,7 +4,7 @@
 
 Builds the prompts the e2e benchmark sends (the Mooncake conversation trace by default, in arrival order; a
 generated workload when no trace is found) and tokenizes each one through the router's own code
-(``router.tokenizer.HfTokenizer.encode_text``) twice, interleaved request by request: once with the cache off,
+(``router.tokens.tokenizer.HfTokenizer.encode_text``) twice, interleaved request by request: once with the cache off,
 once with it on (``tokenizer_cache_mb``). Every pair of results must be equal (``mismatches``, which fails the
 run). Reports wall time per request (mean, p50, p99, milliseconds; the tokenizers library spreads one batch over
 its threads), the process's CPU time per request, the share of ids the cache supplied, and its
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.replay import percentile
-from loadtest.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
-from router.tokenizer import HfTokenizer
+from router.tokens.tokenizer import HfTokenizer
+from sim.replay import percentile
+from sim.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
 
 
 def bpe_model_dir(prompts: list[str], root: Path) -> Path:

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.fleet import (
+from fakes.fleet import (
     COMPARED_RUNS,
     EngineOptions,
     Fleet,
@@ -49,7 +49,6 @@ from loadtest.fleet import (
     run_harness,
     scrape_samples,
 )
-from loadtest.replay import ReplayRequest, make_client, replay, summarize
 from loadtest.router_profile import (
     PySpy,
     breakdown,
@@ -58,9 +57,10 @@ from loadtest.router_profile import (
     thread_cpu_s,
     top_functions,
 )
-from loadtest.simulator import fleet_hit_rate_bound
-from loadtest.traces import Request
-from loadtest.workload import (
+from sim.replay import ReplayRequest, make_client, replay, summarize
+from sim.simulator import fleet_hit_rate_bound
+from sim.traces import Request
+from sim.workload import (
     WorkloadOptions,
     default_trace_path,
     ensure_model_dir,
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workload",
         default="agent",
-        help="generated workload name (loadtest.traces.WORKLOADS) when no trace is used",
+        help="generated workload name (sim.traces.WORKLOADS) when no trace is used",
     )
     p.add_argument("--replicas", type=int, default=4, help="fake engines")
     p.add_argument("--duration", type=float, default=150.0, help="wall seconds of arrivals per run")

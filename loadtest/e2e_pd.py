@@ -6,7 +6,7 @@ other PD baselines and sglang-router's own PD mode (PyPI, ``--pd-disaggregation`
                               [--routers kvroute_pd_ttft,kvroute_pd_smg] [--protocol vllm|mooncake|sglang] [--json]
 
 Per run, on cold engines (restarted), one router in front of P prefill + D decode stand-in engines that speak the
-PD protocol (loadtest/fake_pd.py), the same open-loop replay of a conversation-trace slice (read from
+PD protocol (fakes/fake_pd.py), the same open-loop replay of a conversation-trace slice (read from
 ``../shared/traces``, never copied) as ``loadtest.e2e``; results per run:
 
 * ``ttft_p50_s`` / ``ttft_p99_s`` / ``ttft_mean_s``, ``throughput_rps``, ``errors``, ``requests``: client side;
@@ -34,8 +34,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.e2e import load_workload
-from loadtest.fleet import (
+from fakes.fleet import (
     EngineOptions,
     Fleet,
     RouterHandle,
@@ -45,8 +44,9 @@ from loadtest.fleet import (
     pd_roles,
     run_harness,
 )
-from loadtest.replay import make_client, replay, summarize
-from loadtest.workload import ensure_model_dir
+from loadtest.e2e import load_workload
+from sim.replay import make_client, replay, summarize
+from sim.workload import ensure_model_dir
 
 #: run name -> (router kind, PD policy)
 RUNS: dict[str, tuple[str, str]] = {

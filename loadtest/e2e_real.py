@@ -47,8 +47,7 @@ from typing import Any
 import httpx
 import zmq
 
-from index.hashing import block_keys, root_seed
-from loadtest.fleet import (
+from fakes.fleet import (
     COMPARED_RUNS,
     HOST,
     ManagedProcess,
@@ -58,7 +57,8 @@ from loadtest.fleet import (
     scrape_samples,
     wait_ready,
 )
-from loadtest.ports import free_port
+from fakes.ports import free_port
+from index.hashing import block_keys, root_seed
 from loadtest.real_vllm import (
     MODEL,
     WORDS,
@@ -69,9 +69,9 @@ from loadtest.real_vllm import (
     ensure_vllm,
     reset_prefix_cache,
 )
-from loadtest.replay import percentile
-from loadtest.simulator import lru_block_hit_rate
 from membership.kv_decode import DecodedBatch, RemovedEvent, decode_live_frames
+from sim.replay import percentile
+from sim.simulator import lru_block_hit_rate
 
 #: run name -> (router kind, policy)
 RUNS = COMPARED_RUNS
@@ -183,7 +183,7 @@ def workload_hit_rate_bounds(
 ) -> tuple[float, float]:
     """(``hit_rate_bound``, ``hit_rate_bound_unlimited``) of the workload, computed without engines.
 
-    Like the stand-in e2e (``loadtest.simulator.lru_hit_rate``): ONE shared LRU cache of blocks of
+    Like the stand-in e2e (``sim.simulator.lru_hit_rate``): ONE shared LRU cache of blocks of
     ``BLOCK_SIZE`` tokens with the whole fleet's capacity (``engines`` x ``gpu_blocks`` blocks; None for the
     unlimited bound), the prompts in ``issue_order`` (an approximation of the real interleaving), each reusing
     its longest cached leading run of full blocks but at most ``(prompt_tokens - 1) // BLOCK_SIZE`` blocks (the

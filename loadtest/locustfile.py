@@ -7,7 +7,7 @@ Run locust as its own process (it monkey-patches with gevent; never import it ne
         --replay-csv results/replay.csv --csv results/locust
 
 or ``make loadtest HOST=http://127.0.0.1:8080 TRACE=path/to/trace.jsonl``. Without ``--trace`` a
-generated workload (``--workload``, see ``loadtest.traces.WORKLOADS``) is used.
+generated workload (``--workload``, see ``sim.traces.WORKLOADS``) is used.
 
 One locust user is the dispatcher: it walks the workload and sends every request at ``arrival_s`` (trace time
 multiplied by ``--time-scale``), each on its own greenlet, whatever happened to earlier ones (open loop). Every
@@ -38,7 +38,7 @@ from locust import User, constant, events, task
 from locust import stats as locust_stats
 from locust.exception import StopUser
 
-from loadtest.replay import (
+from sim.replay import (
     ENDPOINT_PATHS,
     ReplayRequest,
     ReplayResult,
@@ -47,7 +47,7 @@ from loadtest.replay import (
     request_headers,
     summarize,
 )
-from loadtest.workload import WorkloadOptions, build_workload
+from sim.workload import WorkloadOptions, build_workload
 
 _started = False  # only the first user replays: the workload is sent once whatever -u says
 

@@ -36,28 +36,31 @@ from pathlib import Path
 CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (name, re.compile(pat))
     for name, pat in (
-        ("tokenization", r"router/tokenizer\.py|router/token_cache\.py|tokenizers/"),
-        ("token ids forwarding", r"router/token_ids\.py"),
+        ("tokenization", r"router/tokens/(tokenizer|token_cache|frontier)\.py|tokenizers/"),
+        ("token ids forwarding", r"router/tokens/token_ids\.py"),
         ("hashing (block keys)", r"index/hashing\.py|block_keys|chain_hash"),
         ("KV-event intake (ZMQ, decode, apply)", r"membership/kv_|zmq/|msgspec|msgpack"),
         ("index (match, insert, evict)", r"index/"),
-        ("routing policy", r"policies/|router/routing\.py|router/dispatch\.py"),
+        ("routing policy", r"policies/|router/core/(routing|dispatch)\.py"),
         (
             "load scraping, health",
             r"membership/engine_metrics\.py|membership/health\.py|membership/tasks\.py",
         ),
-        ("SSE relay + validator", r"_Relay|SSEValidator|_ProxyStream|_DirectWrite|_usage_from_sse"),
-        ("idempotency guard", r"router/idempotency\.py"),
+        (
+            "SSE relay + validator",
+            r"router/engine/(relay|sse)\.py|_Relay|SSEValidator|_ProxyStream|_DirectWrite|_usage_from_sse",
+        ),
+        ("idempotency guard", r"router/serve/idempotency\.py"),
         (
             "request JSON parse / serialise",
-            r"orjson|json/|simdjson|pydantic|router/intake\.py|ask_for_usage|_payload",
+            r"orjson|json/|simdjson|pydantic|router/serve/intake\.py|ask_for_usage|_payload",
         ),
-        ("engine client (HTTP to engines)", r"router/engine_client\.py|httptools"),
-        ("proxy (attempts, feedback)", r"router/proxy\.py"),
+        ("engine client (HTTP to engines)", r"router/engine/client\.py|httptools"),
+        ("proxy (attempts, feedback)", r"router/engine/|router/serve/dispatch\.py|router/pd/"),
         ("logging", r"logging/|router/telemetry\.py.*(format|emit)"),
         ("telemetry (metrics)", r"prometheus_client|router/telemetry\.py"),
         ("event loop outside Python frames (uvloop, syscalls; see module doc)", r"asyncio/runners\.py"),
-        ("HTTP server (uvicorn, starlette)", r"uvicorn/|starlette/|router/http_protocol\.py|h11/"),
+        ("HTTP server (uvicorn, starlette)", r"uvicorn/|starlette/|router/http/protocol\.py|h11/"),
         ("router app (admission, guard, rest)", r"router/"),
         ("event loop, GC, other", r"."),
     )

@@ -3,7 +3,7 @@
     python -m loadtest.soak --minutes M [--replicas 4] [--rps 6] [--time-scale 0.05] [--fault-every-s 20]
                             [--static] [--seed 0] [--abuse] [--json]
 
-A fake fleet on loopback (``loadtest.fleet``: K ``kvroute fake-engine`` processes with KV events + replay), a real
+A fake fleet on loopback (``fakes.fleet``: K ``kvroute fake-engine`` processes with KV events + replay), a real
 ``redis-server`` (shared state), and, unless ``--static`` or when ``tests/fakes/k8s_api.py`` is not in the
 checkout, the repository's fake Kubernetes API server (pods LIST + WATCH over real HTTP) from which the router
 discovers the engines. Open-loop streaming load at ``--rps`` (multi-turn conversations sharing system prompts,
@@ -32,9 +32,16 @@ the ``--window-s`` seconds after it started (``faults``; ``fault_summary`` aggre
 timeouts, and bounded abuse clients (``loadtest.abuse``) run next to the load against the same router: huge
 bodies (16 MiB chat of tiny messages, 16 MiB text prompt, 1M token ids), slowloris heads and stalled bodies, bad
 authentication (no key announcing 16 MiB, a wrong key, a non-ASCII key), bad input (booleans as token ids,
-malformed JSON), and a /healthz poller. Extra output: ``abuse`` (counts and HTTP statuses per kind, "closed" when
-the router cut the connection), ``healthz_max_s`` (longest /healthz answer during the run), ``rss_growth_mb``.
-Always: ``unhandled_500s`` (the router's ``kvroute_requests_total{status="500"}`` or the 500s the abuse clients got, the larger).
+malformed JSON), and a /healthz poller. The router then runs as ``kvroute epp`` (the HTTP service and the endpoint
+picker in one process) in front of two more models: a prefill + a decode engine (``PD_MODEL``), and a decode engine
+with a hostile prefill engine answering 14 MB (``PD_HUGE_MODEL``), with ``--pd-policy pd_smg`` (every PD request
+disaggregated); ``loadtest.abuse_surfaces`` adds the picker, tenant and PD abuse (its module docstring). Extra
+output: ``abuse`` (counts and answers per kind, "closed" when the router cut the connection; ``unexpected``:
+answers a kind may not get by design), ``healthz_max_s`` (longest /healthz answer during the run),
+``rss_growth_mb``, ``pd`` (PD plans by kind, fallbacks, requests the hostile prefill engine got).
+Always: ``unhandled_500s`` (the router's ``kvroute_requests_total{status="500"}`` or the 500s the abuse clients
+got, the larger) and ``leaked_after_drain`` (requests in flight, on the router and summed over replicas, and open
+picker streams, once the load and the abuse ended: must come back to 0 within 15 s).
 
 Everything runs on 127.0.0.1 and is stopped at the end (also on errors and Ctrl-C).
 """
@@ -59,15 +66,21 @@ from typing import Any
 import httpx
 import psutil
 
+from fakes.fleet import HOST, EngineHandle, EngineOptions, Fleet, ManagedProcess, wait_ready
+from fakes.ports import free_port
 from loadtest.abuse import AbuseClients, AbuseOptions
-from loadtest.fleet import HOST, EngineHandle, EngineOptions, Fleet, ManagedProcess, wait_ready
-from loadtest.ports import free_port
+from loadtest.abuse_surfaces import HostilePrefill, SurfaceAbuse, SurfaceOptions
 
 MODEL = "soak-model"
 FAULT_KINDS = ("engine_restart", "kv_drop", "redis_restart", "watch_cut")
 ABUSE_API_KEY = "soak-abuse-key"
+#: the key of an edge gateway that may name tenants (tenant_header_keys): the tenant abuse cases send it
+ABUSE_EDGE_KEY = "soak-edge-key"
 #: router timeouts for slow clients in --abuse mode (s): short, so slowloris clients are cut within a short soak
 ABUSE_CLIENT_TIMEOUT_S = "2"
+#: --abuse: a model served by a prefill and a decode engine, and one whose prefill engine answers 14 MB
+PD_MODEL = "soak-pd-model"
+PD_HUGE_MODEL = "soak-pd-huge"
 
 
 # -- redis ---------------------------------------------------------------------------------------------------------
@@ -238,12 +251,21 @@ class Soak:
         self.faults: list[FaultRecord] = []
         self.t0 = 0.0
         self.busy: set[str] = set()  # engines with a fault in progress (never two faults on one engine)
+        #: --abuse: the PD engines (prefill + decode of PD_MODEL; the decode engine of PD_HUGE_MODEL), the hostile
+        #: prefill engine of PD_HUGE_MODEL, the picker's gRPC port
+        self.pd_fleets: list[Fleet] = []
+        self.hostile: HostilePrefill | None = None
+        self.epp_port: int | None = None
 
     # -- setup -------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start Redis, the engines, the fake Kubernetes API (unless static) and the router."""
+        """Start Redis, the engines (with ``--abuse`` the PD ones too), the fake Kubernetes API (unless static)
+        and the router (``kvroute epp`` with ``--abuse``: the HTTP service and the picker in one process)."""
         self.redis.start()
         self.fleet.start_engines()
+        if self.args.abuse:
+            self._start_pd()
+        pods = self._pods()
         if not self.args.static:
             try:
                 from tests.fakes.k8s_api import FakeKubeAPI  # the repository's fake API server
@@ -254,53 +276,19 @@ class Soak:
                 self.args.static = True
             else:
                 self.api = FakeKubeAPI().start()
-                for eh in self.fleet.engines:
+                for name, annotations, _ in pods:
                     self.api.add_pod(
-                        eh.name,
+                        name,
                         labels={"kvroute.io/engine": "vllm", "app": "soak"},
                         ip=HOST,
-                        annotations=self._annotations(eh),
+                        annotations=annotations,
                     )
         port = free_port()
         self.router_url = f"http://{HOST}:{port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "router.cli",
-            "serve",
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--policy",
-            "ttft",
-            "--tokenizer-mode",
-            "bytes",
-            "--redis-url",
-            self.redis.url,
-            "--probe-interval-s",
-            "0.5",
-            "--unhealthy-after",
-            "2",
-            "--max-retries",
-            "3",
-            "--redis-retry-max-s",
-            "1",
-            "--log-level",
-            "warning",
-        ]
-        if self.args.abuse:
-            cmd += [
-                "--api-key",
-                ABUSE_API_KEY,
-                "--client-header-timeout-s",
-                ABUSE_CLIENT_TIMEOUT_S,
-                "--client-body-idle-timeout-s",
-                ABUSE_CLIENT_TIMEOUT_S,
-            ]
+        cmd = self._router_cmd(port)
         if self.args.static:
-            for eh in self.fleet.engines:
-                cmd += ["--replica", self.fleet.replica_spec(eh)]
+            for _, _, spec in pods:
+                cmd += ["--replica", spec]
         else:
             cmd += [
                 "--kubernetes-enabled",
@@ -314,10 +302,56 @@ class Soak:
                 "5",
             ]
         self.router = ManagedProcess(cmd, "router-soak", self.fleet.log_dir)
-        n = len(self.fleet.engines)
+        n = len(pods)
         wait_ready(
             self.router_url + "/readyz", self.router, 60.0, lambda r: r.json().get("routable_replicas") == n
         )
+
+    def _router_cmd(self, port: int) -> list[str]:
+        """The router's command line (without its replicas)."""
+        cmd = [sys.executable, "-m", "router.cli", "epp" if self.args.abuse else "serve"]
+        cmd += ["--host", HOST, "--port", str(port), "--policy", "ttft", "--tokenizer-mode", "bytes"]
+        cmd += ["--redis-url", self.redis.url, "--probe-interval-s", "0.5", "--unhealthy-after", "2"]
+        cmd += ["--max-retries", "3", "--redis-retry-max-s", "1", "--log-level", "warning"]
+        if self.args.abuse:
+            self.epp_port = free_port()
+            cmd += ["--grpc-port", str(self.epp_port), "--api-key", ABUSE_API_KEY]
+            cmd += ["--tenant-header-keys", ABUSE_EDGE_KEY]
+            cmd += ["--pd-policy", "pd_smg"]  # every PD request disaggregated: the PD abuse reaches both legs
+            cmd += ["--client-header-timeout-s", ABUSE_CLIENT_TIMEOUT_S]
+            cmd += ["--client-body-idle-timeout-s", ABUSE_CLIENT_TIMEOUT_S]
+        return cmd
+
+    def _start_pd(self) -> None:
+        """--abuse: a prefill and a decode engine for ``PD_MODEL``; for ``PD_HUGE_MODEL`` a decode engine and the
+        hostile prefill engine (``loadtest.abuse_surfaces.HostilePrefill``)."""
+        for model, roles in ((PD_MODEL, ["prefill", "decode"]), (PD_HUGE_MODEL, ["decode"])):
+            opts = EngineOptions(
+                model=model,
+                time_scale=self.args.time_scale,
+                gpu_blocks=self.args.gpu_blocks,
+                seed=self.args.seed,
+            )
+            fleet = Fleet(len(roles), opts, roles=roles)
+            self.pd_fleets.append(fleet)
+            fleet.start_engines()
+        self.hostile = HostilePrefill(PD_HUGE_MODEL, free_port()).start()
+
+    def _pods(self) -> list[tuple[str, dict[str, str], str]]:
+        """Every engine as (pod name, pod annotations, ``--replica`` spec)."""
+        out = [(eh.name, self._annotations(eh), self.fleet.replica_spec(eh)) for eh in self.fleet.engines]
+        for k, fleet in enumerate(self.pd_fleets):
+            model = fleet.engine.model
+            for eh in fleet.engines:
+                notes = {**self._annotations(eh), "kvroute.io/model": model, "kvroute.io/role": eh.role}
+                out.append((f"pd{k}-{eh.name}", notes, fleet.replica_spec(eh)))
+        if self.hostile is not None:
+            url = f"http://{HOST}:{self.hostile.port}"
+            notes = {"kvroute.io/port": str(self.hostile.port), "kvroute.io/model": PD_HUGE_MODEL}
+            notes["kvroute.io/role"] = "prefill"
+            spec = f"name=pd-hostile,url={url},dialect=vllm,model={PD_HUGE_MODEL},role=prefill"
+            out.append(("pd-hostile", notes, spec))
+        return out
 
     @staticmethod
     def _annotations(eh: EngineHandle) -> dict[str, str]:
@@ -336,6 +370,11 @@ class Soak:
         finally:
             try:
                 self.fleet.stop()
+                for fleet in self.pd_fleets:
+                    fleet.stop()
+                if self.hostile is not None:
+                    self.hostile.close()
+                    self.hostile = None
             finally:
                 self.redis.stop()
                 if self.api is not None:
@@ -524,7 +563,7 @@ class Soak:
         work = Workload(args.seed)
         limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
         headers = {"authorization": f"Bearer {ABUSE_API_KEY}"} if args.abuse else {}
-        abuse = AbuseClients(AbuseOptions(self.router_url, MODEL, ABUSE_API_KEY)) if args.abuse else None
+        abuse = self._abuse_clients() if args.abuse else None
         async with httpx.AsyncClient(
             timeout=httpx.Timeout(args.request_timeout_s), limits=limits, headers=headers
         ) as client:
@@ -570,7 +609,11 @@ class Soak:
             rss_end = psutil.Process(self.router.pid).memory_info().rss / 2**20
             router_500s = await self._metric(client, "kvroute_requests_total", {"status": "500"}) or 0.0
             loop_lag_max = await self._metric(client, "kvroute_event_loop_lag_max_seconds")
+            leaks = await self._leaks_after_drain(client)
+            pd = await self._pd_facts(client) if args.abuse else None
         result = self.summary(rss_start, rss_end, time.monotonic() - self.t0)
+        result["leaked_after_drain"] = leaks
+        result["pd"] = pd
         abused = abuse.result() if abuse is not None else None
         # the router counts every 500 it answered, the abuse clients' among them: the larger of the two counts
         result["unhandled_500s"] = max(int(router_500s), abused["answered_500"] if abused else 0)
@@ -581,6 +624,48 @@ class Soak:
         result["rss_timeline"] = rss_samples
         result["router_loop_lag_max_s"] = loop_lag_max  # the router's own measure of its longest stall
         return result
+
+    def _abuse_clients(self) -> AbuseClients:
+        """The abuse clients of ``--abuse``: the base kinds and the picker, tenant and PD ones."""
+        surfaces = SurfaceOptions(epp_port=self.epp_port, pd_model=PD_MODEL, pd_huge_model=PD_HUGE_MODEL)
+        return SurfaceAbuse(
+            AbuseOptions(self.router_url, MODEL, ABUSE_API_KEY, edge_key=ABUSE_EDGE_KEY), surfaces
+        )
+
+    async def _pd_facts(self, client: httpx.AsyncClient) -> dict[str, Any]:
+        """--abuse: the PD plans the router dispatched, its fallbacks, and what the hostile prefill engine got
+        (the PD abuse proves something only when its requests were disaggregated)."""
+        kinds = {}
+        for kind in ("disaggregated", "in_place"):
+            kinds[kind] = await self._metric(client, "kvroute_pd_plans_total", {"kind": kind}) or 0.0
+        return {
+            "plans": kinds,
+            "fallbacks": await self._metric(client, "kvroute_pd_fallbacks_total") or 0.0,
+            "hostile_prefill_requests": self.hostile.completions if self.hostile is not None else 0,
+        }
+
+    async def _leaks_after_drain(
+        self, client: httpx.AsyncClient, timeout_s: float = 15.0
+    ) -> dict[str, float]:
+        """What is still held once every request has ended: requests in flight (the router's gauge and the sum
+        over replicas) and open picker streams; each must come back to 0 within ``timeout_s``."""
+
+        async def held() -> dict[str, float]:
+            reps = await self._replicas(client)
+            return {
+                "router_inflight": await self._metric(client, "kvroute_inflight_requests") or 0.0,
+                "replica_inflight": float(
+                    sum((r.get("load") or {}).get("inflight_requests") or 0 for r in reps.values())
+                ),
+                "epp_streams": await self._metric(client, "kvroute_epp_streams_active") or 0.0,
+            }
+
+        now = await held()
+        deadline = time.monotonic() + timeout_s
+        while any(now.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)  # the poll period
+            now = await held()
+        return now
 
     def summary(self, rss_start: float, rss_end: float, elapsed: float) -> dict[str, Any]:
         """The result object (see the module docstring)."""
@@ -733,7 +818,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  unhandled 500s: {result['unhandled_500s']}", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
-    ok = result["lost"] == 0 and (ab is None or (result["unhandled_500s"] == 0 and ab["unexpected"] == 0))
+    print(f"  held after drain: {result['leaked_after_drain']}; pd: {result['pd']}", file=sys.stderr)
+    leaked = any(result["leaked_after_drain"].values())
+    ok = (
+        result["lost"] == 0
+        and not leaked
+        and (ab is None or (result["unhandled_500s"] == 0 and ab["unexpected"] == 0))
+    )
     return 0 if ok else 1
 
 

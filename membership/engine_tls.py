@@ -2,8 +2,8 @@
 
 An engine URL may be ``https://`` (a replica spec's ``url=``, or the ``kvroute.io/scheme: https`` pod
 annotation). Everything that talks to engines must then agree on how the engine's certificate is verified: the
-proxy's engine client (``router.engine_client``), health probes (``membership.health``), ``/metrics`` scrapes
-(``membership.engine_metrics``) and ``/tokenize`` calls (``router.tokenizer``). They all take their context from
+proxy's engine client (``router.engine.client``), health probes (``membership.health``), ``/metrics`` scrapes
+(``membership.engine_metrics``) and ``/tokenize`` calls (``router.tokens.tokenizer``). They all take their context from
 here, so one setting changes all of them.
 
 Verification is always on: the engine's certificate must chain to a trusted CA and name the host of the URL.

@@ -18,7 +18,7 @@ again after ``success_threshold`` (2) consecutive successes. Unhealthy replicas 
   successful probe (as does any replica on its first success ever) and stays ``joining`` while it fails.
 
 Probes (and the ``on_ok`` hook's reads) go through the checker's own httpx client unless a client is injected
-with ``use_client`` (the router injects the one over its engine connection pool, ``router.scrape_client``).
+with ``use_client`` (the router injects the one over its engine connection pool, ``router.engine.scrape``).
 
 ``select`` says which replicas a checker owns; by default statically configured replicas
 (``labels["source"] == "static"``) are left out: ``membership.static`` runs its own checker for them.
@@ -61,7 +61,7 @@ class ProbeResponse(Protocol):
 class ProbeClient(Protocol):
     """An HTTP client for probes: httpx's ``get(url, timeout=, headers=)`` shape.
 
-    The router injects one over its own engine connection pool (``router.scrape_client``, issue 23: httpx costs
+    The router injects one over its own engine connection pool (``router.engine.scrape``, issue 23: httpx costs
     ~1.2 ms of CPU per probe, the pool a fraction of that); failures must be raised as exceptions (any type:
     each one counts as a failed probe, its type and text become ``last_error``).
     """

@@ -9,6 +9,12 @@ applies its batches one after another), so slicing changes when the work is done
 is piece ``k``'s last hash), which the index applies exactly like the whole event.
 
 The index lock (when one is given) is held per slice, never across a yield.
+
+Store-only sources: a non-GPU tier of a replica that has never announced a removal in that tier is taken to be
+store-only (LMCache announces what it stores, never what it evicts): its pages are stored with the tier's TTL
+(``tier_ttl_s``) and the index forgets them that long after their last store. The first removal the replica
+announces in that tier proves that its source tracks evictions: the TTL ends for the tier (pages stay until the
+engine removes them; counted as ``notes{store_only_ended}``).
 """
 
 from __future__ import annotations
@@ -16,15 +22,16 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import OrderedDict
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from index.hashing import root_seed
+from index.hashing import MmStart, root_seed
 from membership.kv_decode import (
     ClearedEvent,
     DecodedBatch,
     DecodeLimits,
+    LocatedEvent,
     RemovedEvent,
     StoredEvent,
     decode_payload_steps,
@@ -45,9 +52,22 @@ class IndexSink(Protocol):
         tier: str = "gpu",
         *,
         replayed: bool = False,
+        mm_starts: Sequence[MmStart] = (),
+        ttl_s: float | None = None,
     ) -> Any:
         """Store an engine ``BlockStored`` (returns a StoreResult with ``stored_blocks`` and ``orphan``);
-        ``replayed``: applied before (a page already held is then not one more cached copy)."""
+        ``replayed``: applied before (a page already held is then not one more cached copy); ``mm_starts``:
+        multimodal items starting in the event; ``ttl_s``: the source is store-only (pages expire)."""
+        ...
+
+    def apply_located(
+        self, replica: int, engine_hashes: Sequence[int], tier: str, *, ttl_s: float | None = None
+    ) -> tuple[int, int]:
+        """A location-only ``BlockStored``: known pages now held in ``tier`` too; (pages resolved, blocks)."""
+        ...
+
+    def end_ttl(self, replica: int, tier: str) -> int:
+        """Stop expiring ``replica``'s pages in ``tier``; returns the pages that were waiting to expire."""
         ...
 
     def apply_removed(self, replica: int, engine_hashes: Sequence[int], tier: str = "gpu") -> int:
@@ -66,7 +86,7 @@ def chain_seed(model: str, lora: str | None, salt: str | None) -> int:
 
 
 def merge_removals(events: Sequence[object]) -> list[object]:
-    """The batch's events with each run of consecutive same-tier removals merged into one ``RemovedEvent``
+    """The batch's events with each run of consecutive same-medium removals merged into one ``RemovedEvent``
     (its ``count``: the events merged; the decoder already merges the runs of vLLM's common form, this the rest).
 
     vLLM publishes one ``BlockRemoved`` per evicted block (hundreds per batch under cache pressure); removing
@@ -77,9 +97,9 @@ def merge_removals(events: Sequence[object]) -> list[object]:
     merged = False  # ``last`` is this function's own (a merge), not one of the batch's events
     for ev in events:
         if isinstance(ev, RemovedEvent):
-            if last is not None and last.tier == ev.tier:
+            if last is not None and last.tier == ev.tier and last.medium == ev.medium:
                 if not merged:  # the batch's events stay as decoded: merge into a copy
-                    last = out[-1] = RemovedEvent(list(last.hashes), last.tier, last.count)
+                    last = out[-1] = RemovedEvent(list(last.hashes), last.tier, last.count, last.medium)
                     merged = True
                 last.hashes += ev.hashes
                 last.count += ev.count
@@ -91,17 +111,23 @@ def merge_removals(events: Sequence[object]) -> list[object]:
     return out
 
 
-def stored_pieces(ev: StoredEvent, max_pages: int) -> Iterator[tuple[list[int], int | None, Sequence[int]]]:
-    """``(hashes, parent, token_ids)`` pieces of at most ``max_pages`` pages, chained by engine hashes."""
+#: one piece of a long ``BlockStored``: (hashes, parent, token ids, item starts from the piece's first token)
+Piece = tuple[list[int], int | None, Sequence[int], Sequence[MmStart]]
+
+
+def stored_pieces(ev: StoredEvent, max_pages: int) -> Iterator[Piece]:
+    """``(hashes, parent, token_ids, mm)`` pieces of at most ``max_pages`` pages, chained by engine hashes."""
     n = len(ev.hashes)
     if n <= max_pages:
-        yield ev.hashes, ev.parent, ev.token_ids
+        yield ev.hashes, ev.parent, ev.token_ids, ev.mm
         return
     page = len(ev.token_ids) // n
     parent = ev.parent
     for i in range(0, n, max_pages):
         hashes = ev.hashes[i : i + max_pages]
-        yield hashes, parent, ev.token_ids[i * page : (i + len(hashes)) * page]
+        lo, hi = i * page, (i + len(hashes)) * page
+        mm = [MmStart(p - lo, x) for p, x in ev.mm if lo <= p < hi] if ev.mm else ev.mm
+        yield hashes, parent, ev.token_ids[lo:hi], mm
         parent = hashes[-1]
 
 
@@ -117,6 +143,9 @@ class BatchApplier:
         slice_blocks: engine blocks applied between two yields.
         lock: a lock held around every index mutation (when other threads read the index), or None.
         dropped_memory: how many hashes dropped by our filters are remembered (parents of later events).
+        tier_ttl_s: per tier, seconds after its last store that a page of a store-only source is forgotten
+            (absent or 0: never); see the module docstring.
+        on_unknown_medium: called once per unknown medium spelling this feed sees (logging, a bounded metric).
     """
 
     def __init__(
@@ -129,6 +158,8 @@ class BatchApplier:
         slice_blocks: int,
         lock: AbstractContextManager[Any] | None = None,
         dropped_memory: int = 100_000,
+        tier_ttl_s: Mapping[str, float] | None = None,
+        on_unknown_medium: Callable[[str], None] | None = None,
     ) -> None:
         self.index = index
         self.replica = replica
@@ -139,6 +170,10 @@ class BatchApplier:
         self.lock: AbstractContextManager[Any] = contextlib.nullcontext() if lock is None else lock
         self.dropped_memory = dropped_memory
         self.dropped_hashes: OrderedDict[int, None] = OrderedDict()
+        self.tier_ttl_s = {t: v for t, v in (tier_ttl_s or {}).items() if v and v > 0}
+        self.removal_tiers: set[str] = set()  # tiers in which this replica has announced a removal
+        self.on_unknown_medium = on_unknown_medium
+        self._media_seen: set[str] = set()
 
     def clear(self) -> Exception | None:
         """Forget the replica's index entries and the dropped hashes; the index's exception when it raised."""
@@ -151,18 +186,23 @@ class BatchApplier:
                 return exc
         return None
 
-    def apply_item(self, item: Item, count: bool = True) -> Generator[None, None, ApplyResult]:
+    def apply_item(
+        self, item: Item, count: bool = True, limits: DecodeLimits | None = None
+    ) -> Generator[None, None, ApplyResult]:
         """Decode ``item``'s payload (when deferred) and apply its events; yields between slices of both.
 
-        An undecodable payload applies nothing: ``ApplyResult.undecodable`` names the reason (counted in
-        ``dropped`` when ``count``).
+        ``limits``: the decoder bounds for this item (default: the applier's). An undecodable payload applies
+        nothing: ``ApplyResult.undecodable`` names the reason (counted in ``dropped`` when ``count``).
         """
         batch = item.batch
         reason = item.failure or "bad_payload"
         if batch is None and item.payload is not None:
             small = len(item.payload) < self.slice_blocks * 64  # decodes in well under a slice's time
             res = yield from decode_payload_steps(
-                item.payload, seq=item.seq, limits=self.limits, slice_units=0 if small else self.slice_blocks
+                item.payload,
+                seq=item.seq,
+                limits=self.limits if limits is None else limits,
+                slice_units=0 if small else self.slice_blocks,
             )
             if isinstance(res, DecodedBatch):
                 batch = res
@@ -186,6 +226,8 @@ class BatchApplier:
                 st.dropped.update(batch.dropped)
             if batch.notes:
                 st.notes.update(batch.notes)
+            if batch.unknown_media:
+                self._count_unknown_media(batch)
         if batch.filtered_hashes:
             self._remember_dropped(batch.filtered_hashes)
         result = ApplyResult(ts=batch.ts)
@@ -193,7 +235,9 @@ class BatchApplier:
         for ev in merge_removals(batch.events) if len(batch.events) > 1 else batch.events:
             if type(ev) is StoredEvent:
                 if len(ev.hashes) <= budget:  # the common case: one index call, no generator
-                    budget -= self._stored(ev, count, result, ev.hashes, ev.parent, ev.token_ids, True)
+                    budget -= self._stored(
+                        ev, count, result, (ev.hashes, ev.parent, ev.token_ids, ev.mm), True
+                    )
                     if budget <= 0:
                         yield
                         budget = self.slice_blocks
@@ -212,6 +256,13 @@ class BatchApplier:
                         budget = self.slice_blocks
                 if count:
                     st.events["BlockRemoved"] += ev.count
+                    st.media_blocks[f"{ev.medium}|{ev.tier}|removed"] += len(ev.hashes)
+            elif isinstance(ev, LocatedEvent):
+                self._located(ev, count)
+                budget -= len(ev.hashes)
+                if budget <= 0:
+                    yield
+                    budget = self.slice_blocks
             elif isinstance(ev, ClearedEvent):
                 self.clear()
                 result.saw_clear = True
@@ -222,29 +273,23 @@ class BatchApplier:
     def _stored_pieces(self, ev: StoredEvent, count: bool, result: ApplyResult) -> Iterator[int]:
         """Apply a long ``BlockStored`` in chained pieces; yields the pages of each piece applied."""
         first = True
-        for hashes, parent, tokens in stored_pieces(ev, self.slice_blocks):
-            done = self._stored(ev, count, result, hashes, parent, tokens, first)
+        for piece in stored_pieces(ev, self.slice_blocks):
+            done = self._stored(ev, count, result, piece, first)
             if done <= 0:
                 return
             first = False
             yield done
 
-    def _stored(
-        self,
-        ev: StoredEvent,
-        count: bool,
-        result: ApplyResult,
-        hashes: list[int],
-        parent: int | None,
-        tokens: Sequence[int],
-        first: bool,
-    ) -> int:
+    def _stored(self, ev: StoredEvent, count: bool, result: ApplyResult, piece: Piece, first: bool) -> int:
         """Apply one ``BlockStored`` (or a piece of it: ``first`` for the first); the pages applied (0: none)."""
         st = self.stats
+        hashes, parent, tokens, mm = piece
         if first:
-            if ev.multimodal:
+            if ev.unkeyable is not None:
                 if count:
-                    st.dropped["multimodal_blocks"] += 1
+                    st.dropped[f"{ev.unkeyable}_blocks"] += 1
+                    if ev.mm_pages:
+                        st.notes["image_pages_dropped"] += ev.mm_pages
                 self._remember_dropped(ev.hashes)
                 return 0
             if count:
@@ -253,10 +298,19 @@ class BatchApplier:
         if lora is None and ev.lora_id is not None:
             lora = f"lora_id:{ev.lora_id}"
         seed = chain_seed(self.model, lora, ev.cache_salt)
+        ttl = self._ttl_for(ev.tier)
         with self.lock:
             try:
                 res = self.index.apply_stored(
-                    self.replica, hashes, parent, tokens, seed, ev.tier, replayed=not count
+                    self.replica,
+                    hashes,
+                    parent,
+                    tokens,
+                    seed,
+                    ev.tier,
+                    replayed=not count,
+                    mm_starts=mm,
+                    ttl_s=ttl,
                 )
             except Exception:
                 st.dropped["index_error"] += 1
@@ -270,12 +324,50 @@ class BatchApplier:
             result.index_errors += 1
             return 0
         st.stored_blocks += res.stored_blocks
+        if count:
+            st.media_blocks[f"{ev.medium}|{ev.tier}|stored"] += len(hashes)
+            if first and ev.mm_pages:
+                st.notes["image_pages_indexed"] += ev.mm_pages
         return len(hashes)
+
+    def _ttl_for(self, tier: str) -> float | None:
+        """The TTL of a store in ``tier`` when its source is (still taken to be) store-only, else None."""
+        if tier == "gpu" or tier in self.removal_tiers:
+            return None
+        return self.tier_ttl_s.get(tier)
+
+    def _located(self, ev: LocatedEvent, count: bool) -> None:
+        """A location-only ``BlockStored``: the pages this replica announced before are now in ``ev.tier``."""
+        with self.lock:
+            try:
+                pages, _ = self.index.apply_located(
+                    self.replica, ev.hashes, ev.tier, ttl_s=self._ttl_for(ev.tier)
+                )
+            except Exception:
+                self.stats.dropped["index_error"] += 1
+                return
+        if count:
+            st = self.stats
+            st.events["BlockStored"] += 1
+            st.media_blocks[f"{ev.medium}|{ev.tier}|located"] += pages
+            if pages < len(ev.hashes):
+                st.notes["placeholder_pages_unknown"] += len(ev.hashes) - pages
+            if not pages:
+                st.dropped["placeholder_events"] += 1
+
+    def _count_unknown_media(self, batch: DecodedBatch) -> None:
+        """Count the batch's unknown media; report each spelling once per feed."""
+        self.stats.unknown_media.update(batch.unknown_media)
+        for spelling in batch.unknown_media:
+            if spelling not in self._media_seen and len(self._media_seen) < 64:
+                self._media_seen.add(spelling)
+                if self.on_unknown_medium is not None:
+                    self.on_unknown_medium(spelling)
 
     def _orphan(self, ev: StoredEvent, count: bool, result: ApplyResult) -> None:
         """A ``BlockStored`` whose parent the index does not know."""
         if ev.parent is not None and ev.parent in self.dropped_hashes:
-            # its parent was dropped by our own filters (multimodal, other KV group, unknown medium): a replay
+            # its parent was dropped by our own filters (unusable extra keys, other KV group, unknown medium): a replay
             # cannot bring it; the chain stays dropped
             if count:
                 self.stats.notes["orphan_parent_dropped"] += 1
@@ -287,6 +379,8 @@ class BatchApplier:
 
     def _removed(self, run: RemovedEvent, result: ApplyResult) -> Iterator[int]:
         """Apply a run of removals in pieces; yields the hashes of each piece applied."""
+        if run.tier not in self.removal_tiers:
+            self._source_removes(run.tier)
         step = self.slice_blocks
         hashes = run.hashes
         for i in range(0, len(hashes), step):
@@ -301,6 +395,20 @@ class BatchApplier:
                     result.index_errors += 1
                     return
             yield len(piece)
+
+    def _source_removes(self, tier: str) -> None:
+        """The replica announced its first removal in ``tier``: its source is not store-only."""
+        self.removal_tiers.add(tier)
+        if tier == "gpu" or tier not in self.tier_ttl_s:
+            return
+        with self.lock:
+            try:
+                pending = self.index.end_ttl(self.replica, tier)
+            except Exception:
+                self.stats.dropped["index_error"] += 1
+                return
+        if pending:
+            self.stats.notes["store_only_ended"] += 1
 
     def _remember_dropped(self, hashes: Sequence[int]) -> None:
         d = self.dropped_hashes

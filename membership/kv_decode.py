@@ -16,8 +16,14 @@ Wire forms accepted (see ``../shared/reference/engine-wire-facts.md``):
   old SGLang), with any number of trailing fields;
 - block hashes as uint64, negative int64 (-> two's complement uint64) or bytes (-> the full digest as a
   big-endian int, so different digests never collide);
-- ``medium`` case-insensitively: GPU -> gpu; CPU, CPU_PINNED -> cpu; DISK, STORAGE -> disk; EXTERNAL -> remote;
-  absent or nil -> gpu;
+- ``medium`` (+ ``locality``) case-insensitively through a table (``DecodeLimits.media``, from Settings
+  ``kv_medium_tiers``): ``MEDIUM/LOCALITY`` first, then ``MEDIUM``; absent or nil -> gpu; a medium the table does
+  not know drops the event (``unknown_medium``: a miss, never a guess) and is reported with its spelling;
+- location-only ``BlockStored`` (offloading connectors' placeholders: no token ids, block size 0) -> a
+  :class:`LocatedEvent` (the pages are resolved against what the replica announced before, never guessed);
+- ``extra_keys`` (vLLM): LoRA name, cache salt and multimodal ``(identifier, offset)`` pairs, untagged or tagged
+  (``("mm", identifier, offset)``): the items' starts are kept (``StoredEvent.mm``) and folded into the keys;
+- events pre-packed as msgpack ``bin`` inside the batch (llm-d's file-system connector) are unpacked;
 - SGLang multi-page ``BlockStored`` (several hashes, ``block_size`` = page size, ``token_ids`` covering all
   pages); EAGLE bigram token pairs ``[[a, b], ...]`` (first element of each pair kept, or the event skipped,
   see ``DecodeLimits.bigram``).
@@ -30,12 +36,15 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import msgpack
 import xxhash
+
+from index.hashing import MmStart
 
 #: the replay end marker's sequence frame (seq = -1 as a signed 8-byte big-endian int)
 END_SEQ_FRAME = b"\xff" * 8
@@ -43,20 +52,26 @@ END_SEQ = (1 << 64) - 1
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
 
-#: engine medium names (upper-cased) -> our tier names
-MEDIUM_TO_TIER: dict[str, str] = {
-    "GPU": "gpu",
-    "HBM": "gpu",
-    "DEVICE": "gpu",
-    "CPU": "cpu",
-    "CPU_PINNED": "cpu",
-    "HOST": "cpu",
-    "DISK": "disk",
-    "STORAGE": "disk",
-    "SSD": "disk",
-    "EXTERNAL": "remote",
-    "REMOTE": "remote",
-}
+#: engine ``medium`` (upper-cased), optionally ``/LOCALITY``, -> our tier; the default of Settings
+#: ``kv_medium_tiers`` (every spelling checked in the engines' sources, docs/signals.md "Media and tiers")
+MEDIUM_TO_TIER: Mapping[str, str] = MappingProxyType(
+    {
+        "GPU": "gpu",  # vLLM, SGLang (L1)
+        "CPU": "cpu",  # vLLM offloading connectors (also "cpu": LMCache, Mooncake store connector)
+        "CPU/LOCAL": "cpu",
+        "CPU/REMOTE": "remote",  # another host's memory
+        "CPU_PINNED": "cpu",  # SGLang HiCache L2 (host memory)
+        "STORAGE": "disk",  # vLLM offloading to files (llm-d fs backend through vLLM, simple offload to disk)
+        "STORAGE/LOCAL": "disk",
+        "STORAGE/REMOTE": "remote",
+        "DISK": "disk",  # SGLang
+        "EXTERNAL": "remote",  # SGLang HiCache L3 (storage backends)
+        "SHARED_STORAGE": "remote",  # llm-d fs backend's own publisher: a file system shared by the pods
+        "OBJECT_STORE": "remote",  # llm-d fs backend on an object store
+    }
+)
+#: the ``medium`` label of an event that names none (the engine's GPU cache)
+NO_MEDIUM = "none"
 
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
@@ -77,6 +92,11 @@ class DecodeLimits:
             ``skip`` drops the event (counted as ``bigram_tokens``).
         group_idx: the KV-cache group whose events are used (hybrid models announce one event per group);
             events of other groups are dropped and counted as ``other_kv_group``. None accepts every group.
+        max_decoded_bytes: most memory the decoded batch may take, bytes, estimated as it is decoded
+            (``decoded_cost``; one msgpack array may hold at most this / ``HASH_COST`` elements, which bounds
+            what the parser itself allocates); more -> ``decoded_too_large``.
+        media: engine medium (upper-cased, optionally ``MEDIUM/LOCALITY``) -> tier; a medium it does not know
+            drops the event (``unknown_medium``).
     """
 
     max_payload_bytes: int = 64 << 20
@@ -86,9 +106,17 @@ class DecodeLimits:
     max_block_size: int = 1 << 16
     bigram: Literal["first", "skip"] = "first"
     group_idx: int | None = 0
+    max_decoded_bytes: int = 1 << 62
+    media: Mapping[str, str] = field(default_factory=lambda: MEDIUM_TO_TIER)
 
 
 DEFAULT_LIMITS = DecodeLimits()
+
+#: estimated memory of a decoded batch, bytes: per event, per block hash (a Python int in a list), per token id
+#: (``array('I')``); also the most a parsed msgpack element may cost (a list slot and an int)
+EVENT_COST = 128
+HASH_COST = 40
+TOKEN_COST = 4
 
 
 @dataclass(slots=True)
@@ -105,8 +133,13 @@ class StoredEvent:
         lora_id: deprecated integer LoRA id (vLLM), or None.
         cache_salt: the request's cache salt when the event carries it (vLLM ``extra_keys`` of the first block,
             SGLang ``cache_salt`` / ``metadata.cache_salt``), else None.
-        multimodal: True when ``extra_keys`` show multimodal or prompt-embedding content (token ids alone do not
-            identify such blocks).
+        mm: the multimodal items that start in the event (from ``extra_keys``), positions counted from the
+            event's first token, ordered; empty when none.
+        mm_pages: how many of the event's pages carry multimodal keys (items starting in or continuing into them).
+        unkeyable: why the blocks cannot be keyed from the event (``prompt_embeds``: prompt-embedding content;
+            ``mm_without_offset``: item identifiers without their offsets), else None: such an event is not
+            stored (counted) and its pages are remembered as filtered.
+        medium: the medium table key that gave ``tier`` (``STORAGE/REMOTE``, ``GPU``, ...; ``none`` when absent).
     """
 
     hashes: list[int]
@@ -117,7 +150,10 @@ class StoredEvent:
     lora_name: str | None = None
     lora_id: int | None = None
     cache_salt: str | None = None
-    multimodal: bool = False
+    mm: list[MmStart] = field(default_factory=list)
+    mm_pages: int = 0
+    unkeyable: str | None = None
+    medium: str = NO_MEDIUM
 
 
 @dataclass(slots=True)
@@ -131,9 +167,27 @@ class RemovedEvent:
 
     hashes: list[int]
     tier: str = "gpu"
-    #: ``BlockRemoved`` events of the batch this one stands for (consecutive same-tier removals in their common
-    #: form are decoded into one: ``hashes`` holds theirs in order)
+    #: ``BlockRemoved`` events of the batch this one stands for (consecutive same-tier, same-medium removals in
+    #: their common form are decoded into one: ``hashes`` holds theirs in order)
     count: int = 1
+    #: the medium table key that gave ``tier`` (``none`` when the event names no medium)
+    medium: str = NO_MEDIUM
+
+
+@dataclass(slots=True)
+class LocatedEvent:
+    """A location-only ``BlockStored`` (no token ids; vLLM's offloading placeholders, llm-d's storage publisher):
+    the engine says it holds pages ``hashes`` in ``tier`` but not what they contain.
+
+    Attributes:
+        hashes: engine block hashes (the same hashes the engine announced the pages with before).
+        tier: ``gpu``, ``cpu``, ``disk`` or ``remote``.
+        medium: the medium table key that gave ``tier``.
+    """
+
+    hashes: list[int]
+    tier: str = "cpu"
+    medium: str = NO_MEDIUM
 
 
 @dataclass(slots=True)
@@ -141,7 +195,7 @@ class ClearedEvent:
     """``AllBlocksCleared``: the engine dropped its whole prefix cache."""
 
 
-Event = StoredEvent | RemovedEvent | ClearedEvent
+Event = StoredEvent | RemovedEvent | LocatedEvent | ClearedEvent
 
 
 @dataclass(slots=True)
@@ -160,6 +214,7 @@ class DecodedBatch:
         filtered_hashes: engine hashes of well-formed ``BlockStored`` events dropped on purpose by our filters
             (another KV-cache group, an unknown medium, skipped bigram tokens): a later event whose parent is
             one of them is not an orphan worth a replay.
+        unknown_media: spellings of the media the table does not know -> events (bounded length each).
     """
 
     seq: int
@@ -171,6 +226,7 @@ class DecodedBatch:
     notes: Counter[str] = field(default_factory=Counter)
     payload_digest: int = 0
     filtered_hashes: list[int] = field(default_factory=list)
+    unknown_media: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,14 +255,15 @@ class _Bad(Exception):
     ``hashes``: the engine hashes of a well-formed event dropped on purpose (see ``FILTER_REASONS``), else empty.
     """
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, medium: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
         self.hashes: list[int] = []
+        self.medium = medium  # the unknown medium's spelling (``unknown_medium``)
 
 
 #: drop reasons of well-formed events that our own filters drop (their hashes are reported as filtered)
-FILTER_REASONS = frozenset({"other_kv_group", "unknown_medium", "bigram_tokens"})
+FILTER_REASONS = frozenset({"other_kv_group", "unknown_medium", "bigram_tokens", "bad_extra_keys"})
 
 
 # -- envelopes --------------------------------------------------------------------------------------------------
@@ -365,16 +422,34 @@ class _BadBatch(Exception):
         self.detail = detail
 
 
-def _open_batch(payload: bytes) -> _Parse:
+def _open_batch(payload: bytes, max_decoded_bytes: int) -> _Parse:
     """Start parsing a batch. Large arrays (every released engine sends arrays) are parsed incrementally, one
-    event at a time, so the caller can yield between events; smaller payloads and maps are parsed whole.
+    event at a time, so the caller can yield between events; smaller payloads and maps are parsed whole. No
+    msgpack array or map may hold more than ``max_decoded_bytes / HASH_COST`` elements.
 
     Raises:
         _BadBatch: the envelope is not a usable batch. msgpack errors propagate (``bad_msgpack``).
     """
+    most = max(16, min(len(payload), max_decoded_bytes // HASH_COST))  # elements of one array or map
     if len(payload) < _INCREMENTAL_BYTES or payload[0] not in _ARRAY_HEADS:
-        return _whole_batch(msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True))
-    up = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True, max_buffer_size=len(payload))
+        return _whole_batch(
+            msgpack.unpackb(
+                payload,
+                raw=False,
+                strict_map_key=False,
+                use_list=True,
+                max_array_len=most,
+                max_map_len=most,
+            )
+        )
+    up = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=False,
+        use_list=True,
+        max_buffer_size=len(payload),
+        max_array_len=most,
+        max_map_len=most,
+    )
     up.feed(payload)
     n = up.read_array_header()
     if n < 2:
@@ -415,8 +490,32 @@ def _whole_batch(obj: object) -> _Parse:
     return _Parse(ts_raw, len(events), iter(events).__next__, lambda: rank)
 
 
-def _bad_msgpack(exc: Exception, seq: int) -> DecodeFailure:
-    return DecodeFailure("bad_msgpack", f"{type(exc).__name__}: {str(exc)[:120]}", seq)
+def _bad_msgpack(exc: Exception, seq: int, budget_bound: bool = False) -> DecodeFailure:
+    """``bad_msgpack``, or ``decoded_too_large`` when an array or map was longer than the decoded-bytes budget
+    allows (``budget_bound``: that bound is tighter than the payload's own length)."""
+    detail = f"{type(exc).__name__}: {str(exc)[:120]}"
+    if budget_bound and isinstance(exc, ValueError) and "exceeds max_" in str(exc):
+        return DecodeFailure("decoded_too_large", detail, seq)
+    return DecodeFailure("bad_msgpack", detail, seq)
+
+
+def decoded_cost(ev: Event) -> int:
+    """Estimated memory of one decoded event, bytes (``EVENT_COST``, ``HASH_COST``, ``TOKEN_COST``)."""
+    if isinstance(ev, ClearedEvent):
+        return EVENT_COST
+    cost = EVENT_COST + HASH_COST * len(ev.hashes)
+    if isinstance(ev, StoredEvent):
+        cost += TOKEN_COST * len(ev.token_ids)
+    return cost
+
+
+def _count_drop(batch: DecodedBatch, bad: _Bad) -> None:
+    """Count one dropped event in ``batch`` (its reason, its filtered hashes, an unknown medium's spelling)."""
+    batch.dropped[bad.reason] += 1
+    if bad.hashes:
+        batch.filtered_hashes.extend(bad.hashes)
+    if bad.medium:
+        batch.unknown_media[bad.medium] += 1
 
 
 def _decode_payload(
@@ -427,13 +526,13 @@ def _decode_payload(
     if len(payload) > limits.max_payload_bytes:
         return DecodeFailure("payload_too_large", f"{len(payload)} bytes", seq)
     try:
-        parse = _open_batch(payload)
+        parse = _open_batch(payload, limits.max_decoded_bytes)
     except _BadBatch as bad:
         return DecodeFailure(bad.reason, bad.detail, seq)
     except (
         Exception
     ) as exc:  # ExtraData, OutOfData, FormatError, StackError, ValueError, UnicodeDecodeError, ...
-        return _bad_msgpack(exc, seq)
+        return _bad_msgpack(exc, seq, limits.max_decoded_bytes // HASH_COST < len(payload))
     if parse.n_events > limits.max_events:
         return DecodeFailure("too_many_events", f"{parse.n_events} events", seq)
     ts_raw = parse.ts_raw
@@ -443,28 +542,33 @@ def _decode_payload(
     )
     if ts is None:
         batch.notes["missing_ts"] += 1
-    units = 0
+    units = cost = 0  # cost: the decoded batch's estimated memory, bytes
     events = batch.events
     run: RemovedEvent | None = None  # the last event appended, when a fast-path removal (it may grow)
     for _ in range(parse.n_events):
+        if cost > limits.max_decoded_bytes:
+            return DecodeFailure("decoded_too_large", f"over {limits.max_decoded_bytes} bytes decoded", seq)
         try:
             raw = parse.next_event()
         except Exception as exc:
-            return _bad_msgpack(exc, seq)
+            return _bad_msgpack(exc, seq, limits.max_decoded_bytes // HASH_COST < len(payload))
         units += 8
         # vLLM's one-block BlockRemoved maps (most events under cache pressure) in a few checks, appended to the
         # run of removals before them when that has the same tier; anything else, or anything the checks are
         # unsure of, goes the general way (same result, ``_removed_tier``)
         if type(raw) is dict and raw.get("type") == REMOVED:
-            tier = _removed_tier(raw, limits)
-            if tier is not None:
-                if run is not None and run.tier == tier:
+            medium = _removed_medium(raw, limits)
+            if medium is not None:
+                if run is not None and run.medium == medium:
                     run.hashes += raw["block_hashes"]
                     run.count += 1
                 else:
-                    run = RemovedEvent(list(raw["block_hashes"]), tier)
+                    tier = limits.media[medium] if medium is not NO_MEDIUM else "gpu"
+                    run = RemovedEvent(list(raw["block_hashes"]), tier, 1, medium)
                     events.append(run)
+                    cost += EVENT_COST
                 units += len(raw["block_hashes"])
+                cost += HASH_COST * len(raw["block_hashes"])
                 if slice_units and units >= slice_units:
                     units = 0
                     yield
@@ -473,12 +577,11 @@ def _decode_payload(
         try:
             ev = _decode_event(raw, limits, batch.notes)
         except _Bad as bad:
-            batch.dropped[bad.reason] += 1
-            if bad.hashes:
-                batch.filtered_hashes.extend(bad.hashes)
+            _count_drop(batch, bad)
             continue
         if ev is not None:
             events.append(ev)
+            cost += decoded_cost(ev)
             if slice_units and not isinstance(ev, ClearedEvent):
                 units += len(ev.hashes)
                 if isinstance(ev, StoredEvent):
@@ -486,6 +589,8 @@ def _decode_payload(
         if slice_units and units >= slice_units:
             units = 0
             yield
+    if cost > limits.max_decoded_bytes:
+        return DecodeFailure("decoded_too_large", f"over {limits.max_decoded_bytes} bytes decoded", seq)
     try:
         rank_raw = parse.finish()
     except Exception as exc:
@@ -494,18 +599,15 @@ def _decode_payload(
     return batch
 
 
-#: exact ``medium`` strings -> tier, for ``_removed_tier`` (``medium_to_tier`` handles every other spelling)
-_FAST_TIERS: dict[str, str] = {**MEDIUM_TO_TIER, **{k.lower(): v for k, v in MEDIUM_TO_TIER.items()}}
+def _removed_medium(m: dict[Any, Any], limits: DecodeLimits) -> str | None:
+    """The medium key of a ``BlockRemoved`` map in its common form (block hashes a non-empty list of in-range
+    ints, no medium or one the table knows spelled exactly, no locality, an accepted ``group_idx``), checked without
+    the general validation; None for any other form, which ``_decode_event`` then decodes (or drops, with its
+    reason). For such a map the event is ``RemovedEvent(list(m["block_hashes"]), tier, 1, medium)``, the same as
+    the general path's.
 
-
-def _removed_tier(m: dict[Any, Any], limits: DecodeLimits) -> str | None:
-    """The tier of a ``BlockRemoved`` map in its common form (block hashes a non-empty list of in-range ints, a
-    known ``medium`` spelled exactly, an accepted ``group_idx``), checked without the general validation; None for
-    any other form, which ``_decode_event`` then decodes (or drops, with its reason). For such a map the event is
-    ``RemovedEvent(list(m["block_hashes"]), tier)``, the same as the general path's.
-
-    (issue 23: vLLM announces every evicted block in an event of its own, ~900 of them per request on the e2e
-    slice; the general path costs about five times more per event.)
+    (vLLM announces every evicted block in an event of its own, ~900 of them per request on the e2e slice; the
+    general path costs about five times more per event.)
     """
     hashes = m.get("block_hashes")
     if type(hashes) is not list or not hashes or len(hashes) > limits.max_hashes:
@@ -515,17 +617,21 @@ def _removed_tier(m: dict[Any, Any], limits: DecodeLimits) -> str | None:
             return None
     medium = m.get("medium")
     if medium is None:
-        tier = "gpu"
-    elif type(medium) is str and medium in _FAST_TIERS:
-        tier = _FAST_TIERS[medium]
+        key = NO_MEDIUM
+    elif type(medium) is str and "/" not in medium:
+        key = medium if medium in limits.media else medium.upper()
+        if key not in limits.media:
+            return None
     else:
+        return None
+    if m.get("locality") is not None:
         return None
     want = limits.group_idx
     if want is not None:
         g = m.get("group_idx")
         if g is not None and (type(g) is not int or g != want):
             return None
-    return tier
+    return key
 
 
 def _is_number(x: object) -> bool:
@@ -533,6 +639,11 @@ def _is_number(x: object) -> bool:
 
 
 def _tag_of(raw: object) -> tuple[str, dict[str, Any] | None, list[Any] | None]:
+    if isinstance(raw, bytes):  # an event pre-packed as msgpack inside the batch (llm-d's storage publisher)
+        try:
+            raw = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True)
+        except Exception:
+            raise _Bad("bad_packed_event") from None
     if isinstance(raw, dict):
         tag = raw.get("type")
         if isinstance(tag, bytes):
@@ -565,8 +676,12 @@ _STORED_POS = (
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
 )
-_REMOVED_POS = ("block_hashes", "medium", "group_idx")
+_REMOVED_POS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 _POS: dict[tuple[str, ...], dict[str, int]] = {
     names: {n: i + 1 for i, n in enumerate(names)} for names in (_STORED_POS, _REMOVED_POS)
 }
@@ -608,7 +723,7 @@ def _check_group(
 
 def _decode_stored(
     m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits, notes: Counter[str]
-) -> StoredEvent:
+) -> StoredEvent | LocatedEvent:
     names = _STORED_POS
     hashes = _hashes(_field(m, a, names, "block_hashes"), limits)
     if not hashes:
@@ -621,14 +736,27 @@ def _decode_stored(
         raise
 
 
+def _decode_located(
+    m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits, hashes: list[int]
+) -> LocatedEvent:
+    """A ``BlockStored`` without token ids: where the pages are, not what they hold (its parent is ignored)."""
+    names = _STORED_POS
+    _check_group(m, a, names, limits)
+    key, tier = _medium(m, a, names, limits)
+    return LocatedEvent(hashes=hashes, tier=tier, medium=key)
+
+
 def _decode_stored_fields(
     m: dict[str, Any] | None,
     a: list[Any] | None,
     limits: DecodeLimits,
     notes: Counter[str],
     hashes: list[int],
-) -> StoredEvent:
+) -> StoredEvent | LocatedEvent:
     names = _STORED_POS
+    raw_tokens = _field(m, a, names, "token_ids")
+    if type(raw_tokens) is list and not raw_tokens:
+        return _decode_located(m, a, limits, hashes)
     parent_raw = _field(m, a, names, "parent_block_hash")
     parent = None if parent_raw is _MISSING or parent_raw is None else _hash(parent_raw)
     block_size = _field(m, a, names, "block_size")
@@ -638,11 +766,11 @@ def _decode_stored_fields(
         or not 0 < block_size <= limits.max_block_size
     ):
         raise _Bad("bad_block_size")
-    tokens = _tokens(_field(m, a, names, "token_ids"), limits, notes)
+    tokens = _tokens(raw_tokens, limits, notes)
     if len(tokens) != len(hashes) * block_size:
         raise _Bad("token_count_mismatch")
     _check_group(m, a, names, limits)
-    tier = _tier(_field(m, a, names, "medium"))
+    key, tier = _medium(m, a, names, limits)
     lora_name = _opt_str(_field(m, a, names, "lora_name"), "bad_lora_name")
     lora_id_raw = _field(m, a, names, "lora_id")
     lora_id = None
@@ -650,19 +778,7 @@ def _decode_stored_fields(
         if not isinstance(lora_id_raw, int) or isinstance(lora_id_raw, bool):
             raise _Bad("bad_lora_id")
         lora_id = lora_id_raw
-    salt: str | None = None
-    multimodal = False
-    extra = _field(m, a, names, "extra_keys")
-    if extra is not _MISSING and extra is not None:
-        salt, multimodal = _extra_keys(extra, lora_name, parent is None)
-    if m is not None:
-        s = m.get("cache_salt")
-        if s is None:
-            meta = m.get("metadata")
-            s = meta.get("cache_salt") if isinstance(meta, dict) else None
-        if s is not None:
-            salt = _opt_str(s, "bad_cache_salt")
-    return StoredEvent(
+    ev = StoredEvent(
         hashes=hashes,
         parent=parent,
         token_ids=tokens,
@@ -670,9 +786,19 @@ def _decode_stored_fields(
         tier=tier,
         lora_name=lora_name,
         lora_id=lora_id,
-        cache_salt=salt,
-        multimodal=multimodal,
+        medium=key,
     )
+    extra = _field(m, a, names, "extra_keys")
+    if extra is not _MISSING and extra is not None:
+        _extra_keys(ev, extra)
+    if m is not None:
+        salt = m.get("cache_salt")
+        if salt is None:
+            meta = m.get("metadata")
+            salt = meta.get("cache_salt") if isinstance(meta, dict) else None
+        if salt is not None:
+            ev.cache_salt = _opt_str(salt, "bad_cache_salt")
+    return ev
 
 
 def _decode_removed(m: dict[str, Any] | None, a: list[Any] | None, limits: DecodeLimits) -> RemovedEvent:
@@ -681,7 +807,8 @@ def _decode_removed(m: dict[str, Any] | None, a: list[Any] | None, limits: Decod
     if not hashes:
         raise _Bad("empty_block_hashes")
     _check_group(m, a, names, limits)
-    return RemovedEvent(hashes=hashes, tier=_tier(_field(m, a, names, "medium")))
+    key, tier = _medium(m, a, names, limits)
+    return RemovedEvent(hashes=hashes, tier=tier, medium=key)
 
 
 def _hash(h: object) -> int:
@@ -736,26 +863,59 @@ def _tokens(raw: object, limits: DecodeLimits, notes: Counter[str]) -> Any:
     raise _Bad("bad_token_ids")
 
 
-def medium_to_tier(medium: object) -> str | None:
-    """Our tier for an engine ``medium`` value (None/absent -> ``gpu``); None when the value is unknown."""
+def medium_key(
+    medium: object, locality: object = None, media: Mapping[str, str] = MEDIUM_TO_TIER
+) -> str | None:
+    """The ``media`` table key for an engine ``medium`` (+ ``locality``): ``MEDIUM/LOCALITY`` when the table has
+    it, else ``MEDIUM`` (upper-cased, stripped); ``NO_MEDIUM`` when the medium is absent; None when unknown."""
     if medium is None or medium is _MISSING:
-        return "gpu"
+        return NO_MEDIUM
     if isinstance(medium, bytes):
         medium = medium.decode("utf-8", "replace")
     if not isinstance(medium, str):
         return None
     key = medium.strip().upper()
-    tier = MEDIUM_TO_TIER.get(key)
-    if tier is None and key.startswith("CPU"):
-        tier = "cpu"
-    return tier
+    if not key or "/" in key:
+        return None
+    if isinstance(locality, bytes):
+        locality = locality.decode("utf-8", "replace")
+    if isinstance(locality, str) and locality.strip():
+        full = key + "/" + locality.strip().upper()
+        if full in media:
+            return full
+    return key if key in media else None
 
 
-def _tier(medium: object) -> str:
-    tier = medium_to_tier(medium)
-    if tier is None:
-        raise _Bad("unknown_medium")
-    return tier
+def medium_to_tier(
+    medium: object, locality: object = None, media: Mapping[str, str] = MEDIUM_TO_TIER
+) -> str | None:
+    """Our tier for an engine ``medium`` (+ ``locality``) (None/absent -> ``gpu``); None when unknown."""
+    key = medium_key(medium, locality, media)
+    if key is None:
+        return None
+    return "gpu" if key is NO_MEDIUM else media[key]
+
+
+def _spelling(medium: object) -> str:
+    """A bounded, printable form of an unknown medium value (a metric label and a log field)."""
+    if isinstance(medium, bytes):
+        medium = medium.decode("utf-8", "replace")
+    if not isinstance(medium, str):
+        return f"<{type(medium).__name__}>"
+    text = "".join(c if c.isprintable() else "?" for c in medium.strip()[:32])
+    return text or "<empty>"
+
+
+def _medium(
+    m: dict[str, Any] | None, a: list[Any] | None, names: tuple[str, ...], limits: DecodeLimits
+) -> tuple[str, str]:
+    """``(medium key, tier)`` of an event; raises ``unknown_medium`` (with the spelling) for an unknown one."""
+    medium = _field(m, a, names, "medium")
+    locality = _field(m, a, names, "locality")
+    key = medium_key(medium, None if locality is _MISSING else locality, limits.media)
+    if key is None:
+        raise _Bad("unknown_medium", _spelling(medium))
+    return key, "gpu" if key is NO_MEDIUM else limits.media[key]
 
 
 def _opt_str(v: object, reason: str) -> str | None:
@@ -768,35 +928,92 @@ def _opt_str(v: object, reason: str) -> str | None:
     return v
 
 
-def _extra_keys(extra: object, lora_name: str | None, starts_at_root: bool) -> tuple[str | None, bool]:
-    """(cache_salt, multimodal) from vLLM ``extra_keys`` (one entry per block: a tuple/list or None).
+#: tags of vLLM's tagged extra keys (``generate_block_hash_extra_keys``; events carry them untagged today)
+_MM_TAG = "mm"
+_STR_TAGS = frozenset({"lora", "cache_salt"})
+_EMBEDS_TAG = "prompt_embeds"
 
-    Per block, vLLM concatenates ``[lora_name] + mm keys (tuples, or bare strings in some releases) +
-    [cache_salt] (first block only) + prompt-embedding digests (bytes)``. Any tuple/list or bytes element means
-    the block's content is not identified by its token ids alone (``multimodal``). The salt is read from the
-    first block of an event that starts at the root: its last string element that is not the LoRA name.
+
+def _extra_keys(ev: StoredEvent, extra: object) -> None:
+    """Read vLLM ``extra_keys`` (one entry per page: None or a list) into ``ev``: cache salt, multimodal item starts,
+    or why the pages cannot be keyed.
+
+    Per page vLLM publishes, in order, the LoRA name, ``(identifier, offset)`` per item the page overlaps (offset of
+    the item's start relative to the page's first token; negative when the page continues an item), the cache
+    salt (the request's first page only) and prompt-embedding digests (bytes); the tagged forms
+    (``("mm", identifier, offset)``, ``("lora", name, path)``, ``("cache_salt", salt)``, ``("prompt_embeds",
+    digest)``) are accepted too. An item start is kept with its position from the event's first token; an item
+    that continues into a page must have started in an earlier page of the event, or before the event (then the
+    event must have a parent). Raises ``bad_extra_keys`` for anything else.
     """
-    if not isinstance(extra, list):
+    if not isinstance(extra, list) or len(extra) != len(ev.hashes):
         raise _Bad("bad_extra_keys")
-    salt: str | None = None
-    multimodal = False
+    bs = ev.block_size
+    starts: set[tuple[int, str]] = set()
     for i, keys in enumerate(extra):
         if keys is None:
             continue
         if not isinstance(keys, list):
             raise _Bad("bad_extra_keys")
-        strs = []
+        strs: list[str] = []
+        mm_page = False
         for k in keys:
-            if isinstance(k, list | dict | bytes):
-                multimodal = True
-            elif isinstance(k, str):
+            if isinstance(k, str):
                 strs.append(k)
-        if i == 0 and starts_at_root:
-            rest = [s for s in strs if s != lora_name]
-            if len(rest) == 1:
-                salt = rest[0]
-            elif len(rest) > 1:  # bare-string mm hashes plus a salt: ambiguous
-                multimodal = True
-        elif any(s != lora_name for s in strs):
-            multimodal = True
-    return salt, multimodal
+            elif isinstance(k, bytes):
+                ev.unkeyable = ev.unkeyable or "prompt_embeds"
+            elif isinstance(k, list):
+                mm_page |= _tagged_or_mm(ev, k, i, bs, starts, strs)
+            else:
+                raise _Bad("bad_extra_keys")
+        ev.mm_pages += mm_page
+        _page_strings(ev, strs, i)
+    if starts:
+        ev.mm = sorted(MmStart(p, x) for p, x in starts)
+
+
+def _tagged_or_mm(
+    ev: StoredEvent, k: list[Any], page: int, bs: int, starts: set[tuple[int, str]], strs: list[str]
+) -> bool:
+    """One list element of a page's extra keys; True when it is a multimodal key."""
+    if len(k) == 3 and k[0] == _MM_TAG:
+        k = k[1:]
+    elif len(k) == 3 and k[0] == "lora" and isinstance(k[1], str):
+        strs.append(k[1])
+        return False
+    elif len(k) == 2 and k[0] in _STR_TAGS and isinstance(k[1], str):
+        strs.append(k[1])
+        return False
+    elif len(k) == 2 and k[0] == _EMBEDS_TAG and isinstance(k[1], bytes):
+        ev.unkeyable = ev.unkeyable or "prompt_embeds"
+        return False
+    if len(k) != 2 or not isinstance(k[0], str) or type(k[1]) is not int:
+        raise _Bad("bad_extra_keys")
+    ident, off = k
+    pos = page * bs + off
+    if off >= 0:
+        if off >= bs:
+            raise _Bad("bad_extra_keys")
+        starts.add((pos, ident))
+    elif pos >= 0:
+        if (pos, ident) not in starts:  # continues an item that did not start where the event says
+            raise _Bad("bad_extra_keys")
+    elif ev.parent is None:  # continues an item that started before the first block
+        raise _Bad("bad_extra_keys")
+    return True
+
+
+def _page_strings(ev: StoredEvent, strs: list[str], page: int) -> None:
+    """The string keys of one page: the LoRA name (every page), the cache salt (the request's first page); any
+    other string is an item identifier without its offset (some releases): the pages cannot be keyed."""
+    if not strs:
+        return
+    rest = list(strs)
+    if ev.lora_name is not None and ev.lora_name in rest:
+        rest.remove(ev.lora_name)
+    if not rest:
+        return
+    if page == 0 and ev.parent is None and len(rest) == 1:
+        ev.cache_salt = rest[0]
+        return
+    ev.unkeyable = ev.unkeyable or "mm_without_offset"

@@ -25,11 +25,15 @@ Three parts, one per module:
 - this module: the sockets. Per replica one task reads the SUB socket and its ZMQ socket monitor (connects,
   disconnects), feeds the sequencer, executes its actions in order, and fetches replays over a DEALER.
 
-Byte budgets (issue 24): ``max_message_bytes`` is ZMQ ``MAXMSGSIZE`` on both sockets (a larger frame makes ZMQ
-drop the connection; the feed sees a disconnect and a gap) and the decoder's payload limit; ``sub_rcvhwm`` /
-``replay_rcvhwm`` bound both receive queues (messages); one replay may bring at most ``replay_max_bytes`` of
-payload and ``max_replay_batches`` batches (more: the replay fails, counted as ``replays{trigger:too_large}``,
-logged, and the replica is cleared and degraded like after any failed replay).
+Byte budgets: ``max_message_bytes`` is ZMQ ``MAXMSGSIZE`` on the SUB socket (a larger frame makes ZMQ drop the
+connection; the feed sees a disconnect and a gap) and the decoder's payload limit; ``sub_rcvhwm`` /
+``replay_rcvhwm`` bound both receive queues (messages). ``replay_max_bytes`` is what one event source may hold
+in memory at once: a replay may bring at most that much payload (and ``max_replay_batches`` batches; more: the
+replay fails, counted as ``replays{trigger:too_large}``, logged, the replica cleared and degraded like after any
+failed replay; no replay frame may be larger, ``MAXMSGSIZE``), and decoding a batch may take at most what is
+left of it next to the raw payloads still held (the batch's own for a live one, the rest of the replay's for a
+replayed one; over it: ``dropped{decoded_too_large}``; for a replay the rest of it is dropped, the replica
+cleared and degraded, ``notes{replay_over_budget}``).
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, cast
 
 import zmq
@@ -50,6 +55,7 @@ import zmq.asyncio
 from membership.kv_apply import BatchApplier, IndexSink
 from membership.kv_decode import (
     DEFAULT_LIMITS,
+    MEDIUM_TO_TIER,
     DecodeFailure,
     DecodeLimits,
     ReplayEnd,
@@ -77,6 +83,11 @@ log = logging.getLogger("kvroute.kv_events")
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
+#: default of Settings ``kv_tier_ttl_s``: seconds a store-only source's page is believed after its last store
+DEFAULT_TIER_TTL_S: Mapping[str, float] = MappingProxyType({"cpu": 600.0, "disk": 3600.0, "remote": 3600.0})
+#: distinct unknown medium spellings exported as their own label value (the rest: ``other``)
+MAX_MEDIUM_LABELS = 16
+
 
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
@@ -87,7 +98,8 @@ class KVEventsConfig:
         replay_idle_timeout_s: longest wait for the next replay message before the replay counts as failed.
         replay_total_timeout_s: longest time one replay may take in total.
         max_replay_batches: most batches accepted from one replay (more -> the replay counts as failed).
-        replay_max_bytes: most payload bytes accepted from one replay (more -> the replay counts as failed).
+        replay_max_bytes: the byte budget of one event source: most payload bytes accepted from one replay (more
+            -> the replay counts as failed) and most bytes of raw payloads held plus the decoded batch.
         max_message_bytes: largest ZMQ frame accepted on the SUB and replay sockets (``MAXMSGSIZE``) and largest
             payload the decoder accepts, bytes.
         sub_rcvhwm: receive high-water mark of each SUB socket, messages (ZMQ drops beyond it: a gap follows).
@@ -100,13 +112,17 @@ class KVEventsConfig:
         poll_interval_s: how often a feed task wakes up when no message arrives (timers, stop).
         recent_digests: how many applied (seq, payload digest) pairs are remembered to recognise duplicates.
         limits: decoder bounds (payload size, list lengths, bigram handling, KV group); its payload bound is
-            replaced by ``max_message_bytes``.
+            replaced by ``max_message_bytes`` and its medium table by ``medium_tiers``.
+        medium_tiers: engine ``medium`` (upper-cased, optionally ``MEDIUM/LOCALITY``) -> tier; events in a medium
+            it does not know are dropped (a miss) and reported once per spelling.
+        tier_ttl_s: per tier, seconds after its last store that a page of a store-only source is forgotten
+            (absent or 0: never; see ``membership.kv_apply``).
     """
 
     replay_idle_timeout_s: float = 2.0
     replay_total_timeout_s: float = 15.0
     max_replay_batches: int = 200_000
-    replay_max_bytes: int = 256 << 20
+    replay_max_bytes: int = 64 << 20
     max_message_bytes: int = 64 << 20
     sub_rcvhwm: int = 10_000
     replay_rcvhwm: int = 20_000
@@ -118,12 +134,15 @@ class KVEventsConfig:
     poll_interval_s: float = 0.25
     recent_digests: int = 50_000
     limits: DecodeLimits = DEFAULT_LIMITS
+    medium_tiers: Mapping[str, str] = field(default_factory=lambda: MEDIUM_TO_TIER)
+    tier_ttl_s: Mapping[str, float] = field(default_factory=lambda: DEFAULT_TIER_TTL_S)
 
     def decode_limits(self) -> DecodeLimits:
-        """The decoder bounds, with the payload bound of this config."""
-        if self.limits.max_payload_bytes == self.max_message_bytes:
+        """The decoder bounds, with the payload bound and the medium table of this config."""
+        media = {k.strip().upper(): v for k, v in self.medium_tiers.items()}
+        if self.limits.max_payload_bytes == self.max_message_bytes and self.limits.media == media:
             return self.limits
-        return replace(self.limits, max_payload_bytes=self.max_message_bytes)
+        return replace(self.limits, max_payload_bytes=self.max_message_bytes, media=MappingProxyType(media))
 
     def sequencer_config(self) -> SequencerConfig:
         """The part of this config the sequencer uses."""
@@ -186,6 +205,13 @@ async def _wait_or_timer(wake: asyncio.Event, timeout_s: float) -> None:
         timer.cancel()
 
 
+def _held_bytes(action: Action) -> int:
+    """Raw payload bytes a replayed ``Apply`` holds until it is applied (0 for any other action)."""
+    if isinstance(action, Apply) and action.replayed and action.item.payload is not None:
+        return len(action.item.payload)
+    return 0
+
+
 class _Feed:
     """The socket side of one replica's subscription: reads, hands inputs to its sequencer, runs the actions."""
 
@@ -204,7 +230,11 @@ class _Feed:
             self.limits,
             self.cfg.apply_slice_blocks,
             owner.index_lock,
+            tier_ttl_s=self.cfg.tier_ttl_s,
+            on_unknown_medium=lambda spelling: owner.unknown_medium(spec.name, spelling),
         )
+        self._held = 0  # raw payload bytes of replayed batches not applied yet
+        self._over_budget = False  # the last batch applied was over the byte budget when decoded
         self.inbox: deque[Callable[[float], list[Action]]] = deque()  # inputs from other tasks
         self.last_message_at: float | None = None
         self.last_lag_s: float | None = None
@@ -393,29 +423,45 @@ class _Feed:
         while queue:
             action = queue.popleft()
             if isinstance(action, Apply):
-                queue.extendleft(reversed(await self._apply(action)))
+                follow = await self._apply(action)
+                if action.replayed and self._over_budget:
+                    follow += self._drop_replay(queue)
+                queue.extendleft(reversed(follow))
             elif isinstance(action, Clear):
                 exc = self.applier.clear()
                 if exc is not None:
                     self._warn("index_error", "index.clear failed: %r", exc)
             elif isinstance(action, Replay):
                 answer = await self.fetch_replay(action.start, action.trigger)
-                queue.extend(self.sequencer.on_replay(answer, self.owner.clock()))
+                follow = self.sequencer.on_replay(answer, self.owner.clock())
+                self._held += sum(_held_bytes(a) for a in follow)
+                queue.extend(follow)
             elif isinstance(action, SetDegraded):
                 self._notify_degraded()
             elif isinstance(action, Warn):
                 self._warn(action.reason, "%s", action.message)
 
     async def _apply(self, action: Apply) -> list[Action]:
-        """Decode and apply one batch, yielding to the loop between slices; the sequencer's follow-up actions."""
-        steps = self.applier.apply_item(action.item, action.count)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                result: ApplyResult = stop.value
-                break
-            await asyncio.sleep(0)  # a large batch: let requests run between slices
+        """Decode and apply one batch, yielding to the loop between slices; the sequencer's follow-up actions.
+
+        Decoding may take what is left of ``replay_max_bytes`` next to the raw payloads held (module docstring).
+        """
+        size = _held_bytes(action)
+        held = self._held if action.replayed else size
+        limits = replace(self.limits, max_decoded_bytes=max(0, self.cfg.replay_max_bytes - held))
+        steps = self.applier.apply_item(action.item, action.count, limits)
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    result: ApplyResult = stop.value
+                    break
+                await asyncio.sleep(0)  # a large batch: let requests run between slices
+        finally:
+            if action.replayed:
+                self._held = max(0, self._held - size)
+        self._over_budget = result.undecodable == "decoded_too_large"
         if not action.replayed and result.ts is not None:
             self.last_lag_s = time.time() - result.ts  # engine wall clock -> our wall clock, seconds
         if result.index_errors:
@@ -423,6 +469,18 @@ class _Feed:
                 "index_error", "index rejected %d event(s) of batch %d", result.index_errors, action.item.seq
             )
         return self.sequencer.on_applied(action, result, self.owner.clock())
+
+    def _drop_replay(self, queue: deque[Action]) -> list[Action]:
+        """A replayed batch was over the byte budget: drop the rest of the replay from ``queue``; the sequencer's
+        answer (clear, degraded)."""
+        kept = [a for a in queue if not (isinstance(a, Apply) and a.replayed)]
+        dropped = len(queue) - len(kept)
+        queue.clear()
+        queue.extend(kept)
+        self._held = 0
+        self._over_budget = False
+        self.stats.dropped["replay_over_budget"] += dropped
+        return self.sequencer.on_replay_over_budget(self.owner.clock())
 
     def _notify_degraded(self) -> None:
         """Tell ``on_degraded`` the sequencer's current flag when it differs from what it was told last (a
@@ -453,7 +511,7 @@ class _Feed:
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, self.cfg.replay_rcvhwm)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
+            dealer.setsockopt(zmq.MAXMSGSIZE, min(self.cfg.max_message_bytes, self.cfg.replay_max_bytes))
             dealer.connect(endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             await self._receive_replay(dealer, answer)
@@ -507,10 +565,11 @@ class _Feed:
                     self.stats.dropped["replay_" + parts.reason] += 1
                     continue
                 seq, _topic, payload = parts
-                answer.nbytes += len(payload)
-                if answer.nbytes > cfg.replay_max_bytes:
+                if answer.nbytes + len(payload) > cfg.replay_max_bytes:
+                    answer.nbytes += len(payload)
                     answer.outcome = "too_large"
                     return
+                answer.nbytes += len(payload)
                 items.append(Item(seq, payload_digest(payload), payload=payload))
                 if len(items) > cfg.max_replay_batches:
                     answer.outcome = "too_long"
@@ -551,6 +610,7 @@ class KVEventSubscriber:
         self.clock = clock
         self._feeds: dict[int, _Feed] = {}
         self._retired = FeedStats()  # counters of feeds that were removed (totals stay monotonic)
+        self._unknown_media: set[str] = set()  # spellings already logged (bounded)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
 
@@ -686,6 +746,31 @@ class KVEventSubscriber:
         if start is not None:
             self.engine_started(replica.index, start)
 
+    def unknown_medium(self, replica_name: str, spelling: str) -> None:
+        """A feed saw a medium the table does not know (its events are dropped: a miss): log it once."""
+        if spelling in self._unknown_media or len(self._unknown_media) >= 4 * MAX_MEDIUM_LABELS:
+            return
+        self._unknown_media.add(spelling)
+        log.warning(
+            "kv events %s: unknown medium %r: its events are dropped (a cache miss, never a GPU hit); map it to a "
+            "tier in kv_medium_tiers if it is a real KV tier",
+            replica_name,
+            spelling,
+        )
+
+    def unknown_medium_counts(self) -> dict[str, int]:
+        """Events dropped for an unknown medium, by spelling: the first ``MAX_MEDIUM_LABELS`` spellings (in sorted
+        order) by name, the rest summed as ``other`` (a bounded label set)."""
+        total = FeedStats()
+        for feed in self._feeds.values():
+            total.unknown_media.update(feed.stats.unknown_media)
+        total.unknown_media.update(self._retired.unknown_media)
+        out: dict[str, int] = {}
+        for i, (spelling, n) in enumerate(sorted(total.unknown_media.items())):
+            key = spelling if i < MAX_MEDIUM_LABELS else "other"
+            out[key] = out.get(key, 0) + n
+        return out
+
     def replicas(self) -> list[int]:
         """Replica indices with a feed."""
         return sorted(self._feeds)
@@ -726,6 +811,37 @@ class _Collector:
 
     def describe(self) -> list[Any]:
         return []
+
+    def _media_families(self, feeds: list[_Feed]) -> Iterator[Any]:
+        """Unknown media (bounded labels), engine pages per medium and tier, image-bearing pages."""
+        from prometheus_client.core import CounterMetricFamily
+
+        um = CounterMetricFamily(
+            "kvroute_kv_unknown_medium",
+            "KV events dropped because their medium is not in kv_medium_tiers (a miss), by spelling (bounded: the "
+            "first 16 spellings, then other)",
+            labels=["medium"],
+        )
+        for spelling, c in self.sub.unknown_medium_counts().items():
+            um.add_metric([spelling], c)
+        mb = CounterMetricFamily(
+            "kvroute_kv_event_medium_blocks",
+            "Engine pages announced per medium (kv_medium_tiers key, none = no medium) and tier, by operation "
+            "(stored, removed, located: a location-only store resolved against known pages)",
+            labels=["replica", "medium", "tier", "op"],
+        )
+        im = CounterMetricFamily(
+            "kvroute_kv_image_blocks",
+            "Engine pages with multimodal keys: indexed (keyed exactly) or dropped (keys unusable)",
+            labels=["replica", "outcome"],
+        )
+        for f in feeds:
+            for key, c in f.stats.media_blocks.items():
+                medium, tier, op = key.rsplit("|", 2)
+                mb.add_metric([f.spec.name, medium, tier, op], c)
+            for outcome in ("indexed", "dropped"):
+                im.add_metric([f.spec.name, outcome], f.stats.notes.get(f"image_pages_{outcome}", 0))
+        yield from (um, mb, im)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -773,6 +889,7 @@ class _Collector:
             "1 while the replica's event stream lost events it could not recover",
             labels=["replica"],
         )
+        yield from self._media_families(feeds)
         for f in feeds:
             n, s = f.spec.name, f.stats
             for t in EVENT_TYPES:

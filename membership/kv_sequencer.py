@@ -30,6 +30,8 @@ Rules (seq from 0 per engine process; see docs/signals.md for the table):
 - a jump larger than ``max_sequence_jump``: not a gap but a new (or broken) sequence: counted once, clear,
   resynchronised like a restart.
 - replay failed: clear, degraded; retried every ``degraded_retry_s`` as a full resync (clear + replay from 0).
+- a replayed batch over the byte budget when decoded (``on_replay_over_budget``): the rest of the replay is
+  dropped, clear, degraded; the stream goes on after the replay's last batch.
 - orphan ``BlockStored`` (parent unknown, not dropped by our own filters): replay from 0 re-applied on top, at
   most once per ``orphan_replay_interval_s`` (doubling while orphans keep coming).
 - per-batch content counters (events, drops, notes) are counted once per seq and engine process, however often
@@ -85,6 +87,10 @@ class FeedStats:
     replayed_batches: int = 0
     replay_bytes: int = 0
     degraded_episodes: int = 0
+    #: engine pages by ``"<medium>|<tier>|<op>"`` (op: stored, removed, located)
+    media_blocks: Counter[str] = field(default_factory=Counter)
+    #: events with a medium the table does not know, by spelling (bounded length)
+    unknown_media: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain-dict view (JSON-serialisable)."""
@@ -105,6 +111,8 @@ class FeedStats:
             "replayed_batches": self.replayed_batches,
             "replay_bytes": self.replay_bytes,
             "degraded_episodes": self.degraded_episodes,
+            "media_blocks": dict(self.media_blocks),
+            "unknown_media": dict(self.unknown_media),
         }
 
     def add(self, other: FeedStats) -> None:
@@ -125,6 +133,8 @@ class FeedStats:
         self.replayed_batches += other.replayed_batches
         self.replay_bytes += other.replay_bytes
         self.degraded_episodes += other.degraded_episodes
+        self.media_blocks.update(other.media_blocks)
+        self.unknown_media.update(other.unknown_media)
 
 
 @dataclass(frozen=True, slots=True)
@@ -502,6 +512,19 @@ class Sequencer:
         if result.saw_clear and self.degraded:  # the engine's state is fully known again: empty
             out += self._set_degraded(False, now)
         return out
+
+    def on_replay_over_budget(self, now: float) -> list[Action]:
+        """Decoding the replay's batches would exceed the byte budget: the feed drops the rest of the replay. The
+        replica is cleared (its state is incomplete, never stale) and degraded; the stream goes on after the
+        replay's last batch (consumed), and the degraded retries resync it when the engine allows."""
+        self.stats.notes["replay_over_budget"] += 1
+        last_seq, last_digest = self.last_seq, self.last_digest
+        out: list[Action] = [Warn("replay_over_budget", "replay over the byte budget: clearing, degraded")]
+        out += self._clear("replay_over_budget")
+        if last_seq is not None and last_digest is not None:
+            self.last_seq, self.last_digest = last_seq, last_digest
+            self.recent[last_seq] = last_digest
+        return out + self._set_degraded(True, now)
 
     # -- other signals ---------------------------------------------------------------------------------------
     def on_engine_started(self, start_time: float, now: float) -> list[Action]:

@@ -13,12 +13,15 @@ Every router replica keeps its own prefix index. What must agree between them:
   ``session_replica`` drops a mapping whose replica is no longer routable.
 - **Idempotency**: ``Idempotency-Key`` -> in-flight marker or stored response (10 min TTL,
   ``<prefix>idem:<key>``), used by the reliability layer.
+- **Responses API chains**: ``ResponseMap``, a response id -> the replica holding the stored response (engines keep
+  Responses state in their own process memory), with a TTL refreshed on use (``<prefix>resp:<id>``), so a follow-up
+  with ``previous_response_id`` reaches the chain's replica whichever router replica it lands on.
 
 Redis down: routing never waits for it or fails because of it. Operations fall back to local state (sessions
-in a bounded local map, broadcasts skipped and counted), a warning is logged at most once per
+in a bounded local map, response ids likewise, broadcasts skipped and counted), a warning is logged at most once per
 ``warn_interval_s``, ``available`` is False (exported as ``kvroute_redis_available``), and a supervisor task
 reconnects with exponential backoff (up to ``retry_max_s``) and runs the ``on_reconnect`` callbacks (index
-registry reconciliation, session re-publication) when Redis is back. Idempotency alone cannot work without
+registry reconciliation, session and response-id re-publication) when Redis is back. Idempotency alone cannot work without
 Redis: it raises ``SharedStateUnavailable`` with a clear message so the caller can answer 503.
 
 Wire format of a decision message (msgpack array): ``[1, origin_router_id, replica_name, keys, ts]`` where
@@ -525,6 +528,62 @@ class SharedState:
             self._down(exc, "script")
             raise SharedStateUnavailable(f"Redis script failed: {exc}") from exc
 
+    # -- plain keys with a lifetime (response ids: ResponseMap) ------------------------------------------
+    def _live_client(self) -> Any:
+        if self._client is None or not self.stats.available:
+            raise SharedStateUnavailable("Redis is unreachable right now")
+        return self._client
+
+    async def get_refreshed(self, key: str, ttl_s: float) -> str | None:
+        """The value of ``key`` (None when absent), its lifetime reset to ``ttl_s`` seconds (GETEX).
+
+        Raises:
+            SharedStateUnavailable: Redis not started, known down, or the call failed (then marked down).
+        """
+        client = self._live_client()
+        try:
+            raw = await client.getex(key, ex=max(1, int(ttl_s)))
+        except Exception as exc:
+            self._down(exc, "get")
+            raise SharedStateUnavailable(f"Redis GET failed: {exc}") from exc
+        if raw is None:
+            return None
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    async def set_with_ttl(
+        self, entries: Sequence[tuple[str, str, float]], *, only_new: bool = False
+    ) -> None:
+        """Store each ``(key, value, ttl_s)`` for ``ttl_s`` seconds (at least 1) in one pipeline; ``only_new``: keep
+        keys that exist already (SET NX).
+
+        Raises:
+            SharedStateUnavailable: Redis not started, known down, or the call failed (then marked down).
+        """
+        client = self._live_client()
+        if not entries:
+            return
+        try:
+            pipe = client.pipeline(transaction=False)
+            for key, value, ttl_s in entries:
+                pipe.set(key, value, ex=max(1, int(ttl_s)), nx=only_new)
+            await pipe.execute()
+        except Exception as exc:
+            self._down(exc, "set")
+            raise SharedStateUnavailable(f"Redis SET failed: {exc}") from exc
+
+    async def delete_key(self, key: str) -> None:
+        """Delete ``key``.
+
+        Raises:
+            SharedStateUnavailable: Redis not started, known down, or the call failed (then marked down).
+        """
+        client = self._live_client()
+        try:
+            await client.delete(key)
+        except Exception as exc:
+            self._down(exc, "delete")
+            raise SharedStateUnavailable(f"Redis DEL failed: {exc}") from exc
+
     def snapshot(self) -> dict[str, Any]:
         """Counters and flags as a plain dict (for /replicas-style views and tests)."""
         out = asdict(self.stats)
@@ -535,6 +594,198 @@ class SharedState:
     def register_metrics(self, registry: Any) -> None:
         """Export availability and counters on a ``prometheus_client`` registry (collected at scrape time)."""
         registry.register(_Collector(self))
+
+
+#: longest response id the map accepts (vLLM's are ``resp_`` + 32 hex digits; a longer one is not an engine's)
+MAX_RESPONSE_ID_CHARS = 256
+
+
+@dataclass
+class ResponseMapStats:
+    """Counters of a ``ResponseMap`` (monotonic since start)."""
+
+    remembered: int = 0
+    rejected_ids: int = 0
+    lookups: int = 0
+    hits_shared: int = 0
+    hits_local: int = 0
+    misses: int = 0
+    local_fallbacks: int = 0
+    repaired: int = 0
+    republished: int = 0
+    evicted: int = 0
+
+
+class ResponseMap:
+    """Response id -> name of the replica that holds the stored response (Responses API chains).
+
+    An engine keeps a stored response (``store: true``) in its own process memory, so a follow-up naming it in
+    ``previous_response_id`` must reach that replica. Router replicas share the map through Redis
+    (``<prefix>resp:<id>``, lifetime ``ttl_s`` refreshed on every use); every router also keeps the entries it
+    wrote or read in a bounded local map (LRU, ``local_max`` entries, same lifetime), which answers alone when no
+    Redis is configured or while Redis is down. A response lives on one replica for good, so a local entry is never
+    wrong, only possibly expired.
+
+    Redis down: ``remember`` keeps the entry locally, ``lookup`` answers from the local map (counted in
+    ``local_fallbacks``); nothing raises or waits beyond ``SharedState``'s command timeout. When Redis is back the
+    local entries are re-published (``SET NX`` with their remaining lifetime), like sessions; a Redis miss for an
+    id known locally (a Redis restart lost it) re-writes it (``repaired``).
+
+    Args:
+        shared: the router fleet's Redis state, or None (this router alone: local map only).
+        ttl_s: lifetime of an entry after its last use, seconds.
+        local_max: size bound of the local map (least recently used entries go first).
+        clock: monotonic clock, seconds (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        shared: SharedState | None,
+        *,
+        ttl_s: float,
+        local_max: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s <= 0 or local_max < 1:
+            raise ValueError("ResponseMap needs ttl_s > 0 and local_max >= 1")
+        self.shared = shared
+        self.ttl_s = ttl_s
+        self.local_max = local_max
+        self.stats = ResponseMapStats()
+        self._clock = clock
+        self._local: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        if shared is not None:
+            shared.on_reconnect(self._republish)
+
+    @staticmethod
+    def acceptable(response_id: str) -> bool:
+        """True when ``response_id`` can be a key: non-empty, at most ``MAX_RESPONSE_ID_CHARS``, printable ASCII."""
+        return (
+            0 < len(response_id) <= MAX_RESPONSE_ID_CHARS
+            and response_id.isascii()
+            and response_id.isprintable()
+            and " " not in response_id
+        )
+
+    def _key(self, response_id: str) -> str:
+        assert self.shared is not None
+        return self.shared.key(f"resp:{response_id}")
+
+    def _shared_up(self) -> bool:
+        return self.shared is not None and self.shared.available
+
+    # -- local map ---------------------------------------------------------------------------------------
+    def _local_get(self, response_id: str) -> str | None:
+        hit = self._local.get(response_id)
+        if hit is None:
+            return None
+        replica, expires = hit
+        now = self._clock()
+        if expires <= now:
+            del self._local[response_id]
+            return None
+        self._local[response_id] = (replica, now + self.ttl_s)
+        self._local.move_to_end(response_id)
+        return replica
+
+    def _local_set(self, response_id: str, replica: str) -> None:
+        self._local[response_id] = (replica, self._clock() + self.ttl_s)
+        self._local.move_to_end(response_id)
+        while len(self._local) > self.local_max:
+            self._local.popitem(last=False)
+            self.stats.evicted += 1
+
+    # -- the map -----------------------------------------------------------------------------------------
+    async def remember(self, response_id: str, replica: str) -> bool:
+        """Record that ``replica`` holds ``response_id`` (locally at least; never raises). False when the id is
+        not acceptable (counted in ``rejected_ids``, nothing stored)."""
+        if not self.acceptable(response_id):
+            self.stats.rejected_ids += 1
+            return False
+        self.stats.remembered += 1
+        self._local_set(response_id, replica)
+        if self._shared_up():
+            assert self.shared is not None
+            with contextlib.suppress(SharedStateUnavailable):  # kept locally, re-published on reconnect
+                await self.shared.set_with_ttl([(self._key(response_id), replica, self.ttl_s)])
+        return True
+
+    async def lookup(self, response_id: str) -> str | None:
+        """The replica holding ``response_id`` (its lifetime refreshed), or None when unknown or expired.
+
+        Asks Redis first when it is up (another router replica may have written the id), else the local map.
+        Never raises.
+        """
+        if not self.acceptable(response_id):
+            self.stats.rejected_ids += 1
+            return None
+        self.stats.lookups += 1
+        if self._shared_up():
+            assert self.shared is not None
+            try:
+                replica = await self.shared.get_refreshed(self._key(response_id), self.ttl_s)
+            except SharedStateUnavailable:
+                replica = None
+                self.stats.local_fallbacks += 1
+            else:
+                if replica is not None:
+                    self.stats.hits_shared += 1
+                    self._local_set(response_id, replica)
+                    return replica
+                return await self._local_after_shared_miss(response_id)
+        elif self.shared is not None:
+            self.stats.local_fallbacks += 1
+        replica = self._local_get(response_id)
+        self._count_local(replica)
+        return replica
+
+    async def _local_after_shared_miss(self, response_id: str) -> str | None:
+        """Redis does not know ``response_id``: a local entry (written while Redis was down, or lost by a Redis
+        restart) answers and is written back."""
+        replica = self._local_get(response_id)
+        self._count_local(replica)
+        if replica is not None and self.shared is not None:
+            with contextlib.suppress(SharedStateUnavailable):
+                await self.shared.set_with_ttl([(self._key(response_id), replica, self.ttl_s)], only_new=True)
+                self.stats.repaired += 1
+        return replica
+
+    def _count_local(self, replica: str | None) -> None:
+        if replica is None:
+            self.stats.misses += 1
+        else:
+            self.stats.hits_local += 1
+
+    async def forget(self, response_id: str) -> None:
+        """Drop ``response_id`` everywhere (e.g. its replica is gone for good; never raises)."""
+        self._local.pop(response_id, None)
+        if self._shared_up() and self.acceptable(response_id):
+            assert self.shared is not None
+            with contextlib.suppress(SharedStateUnavailable):
+                await self.shared.delete_key(self._key(response_id))
+
+    async def _republish(self) -> None:
+        """Redis is back: write the live local entries that it lacks (their remaining lifetime), in chunks."""
+        if self.shared is None:
+            return
+        now = self._clock()
+        live = [(rid, rep, exp - now) for rid, (rep, exp) in list(self._local.items()) if exp > now]
+        for start in range(0, len(live), 1000):
+            chunk = live[start : start + 1000]
+            try:
+                await self.shared.set_with_ttl(
+                    [(self._key(r), rep, ttl) for r, rep, ttl in chunk], only_new=True
+                )
+            except SharedStateUnavailable:
+                return  # down again: the next reconnect tries again
+            self.stats.republished += len(chunk)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters, the local map's size and whether Redis shares the map, as a plain dict."""
+        out = asdict(self.stats)
+        out["local_entries"] = len(self._local)
+        out["shared"] = self._shared_up()
+        return out
 
 
 class _Collector:

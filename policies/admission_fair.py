@@ -1,7 +1,7 @@
 """Pure admission math shared by the router and the simulator: per-tenant token buckets and a fair queue.
 
 Nothing here does I/O or reads a clock: time arrives as an argument (seconds). The router
-(``router/tenant_admission.py``, ``router/admission.py``) and the simulator (``loadtest/simulator.py``) call the
+(``router/core/tenant_admission.py``, ``router/core/admission.py``) and the simulator (``sim/simulator.py``) call the
 same functions, so a benchmark measures the code the service runs. The Redis script of
 ``membership/tenant_budget.py`` is the same bucket arithmetic, written in Lua.
 
@@ -13,7 +13,10 @@ same functions, so a benchmark measures the code the service runs. The Redis scr
   request gets the finish tag ``max(V, tenant's last finish) + cost / weight`` and the smallest tag leaves first;
   ``V`` is the tag of the request that left last. One tenant flooding the queue therefore cannot push another
   tenant's request further back than its weighted share; equal tags leave in arrival order (FIFO for one
-  tenant).
+  tenant). Each priority has its own virtual time and its own last finish per tenant: a tenant's requests in
+  one class never push back its (or anyone's) requests in another (with one clock, a high-priority request
+  leaving first moved ``V`` past every tag of the class below, and the next arrival there queued behind all of
+  them).
 
 Units: tokens, seconds, tokens per second.
 """
@@ -107,8 +110,10 @@ class FairQueue(Generic[T]):
     def __init__(self) -> None:
         self._heap: list[QueueEntry[T]] = []
         self._seq = itertools.count()
-        self._last_finish: dict[str, float] = {}
-        self.virtual_time = 0.0
+        #: (tenant, priority) -> finish tag of its last queued request
+        self._last_finish: dict[tuple[str, int], float] = {}
+        #: priority -> the tag of the request of that priority that left last
+        self.virtual_time: dict[int, float] = {}
         self._live = 0
 
     def __len__(self) -> int:
@@ -116,22 +121,23 @@ class FairQueue(Generic[T]):
 
     def push(self, item: T, tenant: str, priority: int, cost: float, weight: float) -> QueueEntry[T]:
         """Queue ``item`` for ``tenant`` (``cost`` tokens, share ``weight`` > 0); returns its entry."""
-        start = max(self.virtual_time, self._last_finish.get(tenant, 0.0))
+        start = max(self.virtual_time.get(priority, 0.0), self._last_finish.get((tenant, priority), 0.0))
         finish = start + max(0.0, cost) / max(weight, 1e-9)
-        self._last_finish[tenant] = finish
+        self._last_finish[(tenant, priority)] = finish
         entry = QueueEntry(-priority, finish, next(self._seq), tenant, item)
         heapq.heappush(self._heap, entry)
         self._live += 1
         return entry
 
     def pop(self) -> QueueEntry[T] | None:
-        """The next entry to leave (None when empty); advances the virtual time to its tag."""
+        """The next entry to leave (None when empty); advances its priority's virtual time to its tag."""
         while self._heap:
             entry = heapq.heappop(self._heap)
             if entry.removed:
                 continue
             self._live -= 1
-            self.virtual_time = max(self.virtual_time, entry.finish)
+            prio = entry.priority
+            self.virtual_time[prio] = max(self.virtual_time.get(prio, 0.0), entry.finish)
             self._forget_idle()
             return entry
         return None
@@ -153,4 +159,4 @@ class FairQueue(Generic[T]):
         """Drop finish tags behind the virtual time (those tenants start from V again): bounded memory."""
         if len(self._last_finish) > 4096:
             v = self.virtual_time
-            self._last_finish = {t: f for t, f in self._last_finish.items() if f > v}
+            self._last_finish = {k: f for k, f in self._last_finish.items() if f > v.get(k[1], 0.0)}

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from policies.adapters import AdapterCost, AdapterSlots
+
 Objective = Literal["mean", "tail"]
 
 #: Tier names, fastest first. ``gpu`` is the engine's HBM prefix cache (L1), ``cpu`` host memory (L2),
@@ -38,6 +40,8 @@ class RouteRequest:
         ttft_target_s: the request's TTFT target, seconds (None: no target; ``ttft`` then decides as always).
         priority: the request's priority (higher is more urgent; ``ttft`` gives urgent work the fastest replica
             meeting the target and packs the rest onto the replica with the least slack).
+        sequences: sequences the engine generates for it (OpenAI ``n`` / vLLM ``best_of``, at least 1); PD plans
+            serve parallel sampling in place (``policies.pd_common.plan_request``).
     """
 
     model: str
@@ -52,6 +56,7 @@ class RouteRequest:
     request_id: str = ""
     ttft_target_s: float | None = None
     priority: int = 0
+    sequences: int = 1
 
 
 @dataclass(slots=True)
@@ -79,6 +84,9 @@ class LoadView:
             prefill-leg response) this router saw from the replica; 0 when unknown. Lets a policy age the
             in-flight backlog (``pd_ttft``: minus rate x elapsed) so that, among replicas with equal backlogs,
             the one that started first is seen to finish first.
+        adapters: the replica's LoRA adapters (GPU slots, running / waiting / resident adapters, the deferred
+            gauge: ``policies.adapters.AdapterSlots``); None when the replica serves no adapters or nothing is
+            known.
     """
 
     queued_requests: int | None = None
@@ -92,6 +100,7 @@ class LoadView:
     total_kv_blocks: int | None = None
     engine_block_size: int | None = None
     inflight_prefill_elapsed_s: float = 0.0
+    adapters: AdapterSlots | None = None
 
 
 @dataclass(slots=True)
@@ -177,6 +186,8 @@ class Candidate:
         load: the replica's load view.
         hit: the prompt prefix the replica holds, per tier.
         profile: the replica's performance profile.
+        adapter: the request's LoRA adapter on this replica, priced in seconds (``policies.adapters``: GPU-resident,
+            CPU-resident, loadable, or waiting for a batch slot); None for a base-model request.
     """
 
     index: int
@@ -185,6 +196,7 @@ class Candidate:
     hit: PrefixHit = field(default_factory=PrefixHit)
     profile: ReplicaProfile = field(default_factory=ReplicaProfile)
     state: str = "ready"
+    adapter: AdapterCost | None = None
 
 
 @dataclass(slots=True)
@@ -227,9 +239,11 @@ def reuse_of(chosen: int, candidates: Sequence[Candidate]) -> Reuse:
     """The ``Reuse`` of choosing replica ``chosen`` among ``candidates`` (matched prompt tokens, every tier)."""
     available = 0
     achieved = 0
-    for c in candidates:
-        total = c.hit.total
-        available = max(available, total)
+    for c in candidates:  # every decision, every candidate: attributes, no property or ``max`` call
+        hit = c.hit
+        total = hit.gpu + hit.cpu + hit.disk + hit.remote
+        if total > available:
+            available = total
         if c.index == chosen:
             achieved = total
     return Reuse(available_tokens=available, achieved_tokens=achieved)
@@ -242,7 +256,9 @@ class Decision:
     Attributes:
         chosen: index of the chosen replica.
         ranking: replica indices, best first (the chosen one first); retries walk it in order.
-        scores: one entry per candidate, in the order the candidates were given.
+        scores: one entry per candidate, in the order the candidates were given; a policy that prunes (``ttft``)
+            gives entries for the candidates it scored in full only (the chosen one and the head of the ranking
+            among them), still in candidate order.
         policy: name of the policy that decided.
         branch: which branch of the policy decided (e.g. ``cache_hit``, ``shortest_queue``), for metrics.
         reuse: available vs achieved cached tokens (``reuse_of``), set by whoever holds the candidates after

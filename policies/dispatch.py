@@ -14,7 +14,7 @@ The dispatch gate keeps the engine's queue short and holds the rest in the route
   oldest request has waited ``patience_s`` seconds or more, which then goes first (no starvation);
 * a request never waits more than ``max_wait_s`` seconds: then it is sent whatever the gate says.
 
-Pure: no I/O, no clock (time comes in as ``now``, seconds), no asyncio. The service (router/dispatch.py) wraps it
+Pure: no I/O, no clock (time comes in as ``now``, seconds), no asyncio. The service (router/core/dispatch.py) wraps it
 with futures; the simulator calls it directly, so both dispatch in the same order. Units: tokens, blocks, seconds.
 """
 

@@ -1,6 +1,6 @@
 """From an index match (blocks) to the ``PrefixHit`` (tokens) a policy sees.
 
-Shared by the router service (``router.routing``) and the simulator (``loadtest.simulator``) so both feed
+Shared by the router service (``router.core.routing``) and the simulator (``sim.simulator``) so both feed
 policies exactly the same candidate view.
 """
 

@@ -13,11 +13,11 @@ Roles (``policies.pd_base.Role``):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.base import Candidate, LoadView, Policy, RouteRequest
 from policies.hits import usable_cached_tokens
-from policies.pd_base import PdCandidate, Plan, PlanDecision, Role
+from policies.pd_base import HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision, Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,3 +229,29 @@ def two_pool_plan(
         raise no_feasible_plan(cands)
     x = pick_in_pool(prefill, request, cands, places)
     return decision_of(name, [in_place_plan(cands, x, n, bs)], "in_place")
+
+
+def plan_request(
+    policy: PdPolicy, request: RouteRequest, cands: Sequence[PdCandidate], link: HandoffLink
+) -> PlanDecision:
+    """The plan for ``request``: ``policy``'s, except that parallel sampling (``request.sequences > 1``: OpenAI
+    ``n``, vLLM ``best_of``) is served in place. vLLM's prefill/decode disaggregation does not support it (the
+    prefill's other samples hold their blocks until the abort timeout), so such a request is planned by ``policy``
+    among the ``both`` and ``decode`` replicas that serve a request alone, all offered as ``both`` (in place
+    only). Without any (an SGLang fleet, whose decode servers wait for a handoff) it is ``policy``'s own plan:
+    SGLang expands a scalar bootstrap room to one room per sample. The router calls this for every request, so the
+    plan is the same whichever front door or ``/route`` asks.
+    """
+    if request.sequences <= 1:
+        return policy.choose_plan(request, cands, link)
+    alone = [replace(c, role="both") for c in cands if c.serves_alone and c.role in ("both", "decode")]
+    if not alone:
+        return policy.choose_plan(request, cands, link)
+    decision = policy.choose_plan(request, alone, link)
+    plans = [p for p in decision.plans if p.kind == "in_place"]
+    if not plans:  # the policy paired two of them (both_can_pair): serve in place where it would decode
+        pos = next(i for i, c in enumerate(alone) if c.index == decision.chosen.decode)
+        plans = [in_place_plan(alone, pos, request.prompt_tokens, request.block_size)]
+    return PlanDecision(
+        chosen=plans[0], plans=plans, policy=decision.policy, branch="parallel_sampling_in_place"
+    )

@@ -43,7 +43,7 @@ prefill replica when its prefill plus the handoff beat the in-place prefill on t
 **What the caller must charge** (``policies.pd_base.plan_charges``): at dispatch, before either leg runs,
 ``inflight_requests += 1`` on P and on D, and ``inflight_prefill_tokens += plan.prefill_tokens`` on the replica
 that prefills (P, or X in place). P's prefill tokens end at its first token, its request with the prefill leg
-(the handoff), D's with the request. The simulator (``loadtest.pd_simulator``) does exactly this. Without the
+(the handoff), D's with the request. The simulator (``sim.pd_simulator``) does exactly this. Without the
 charge on P before dispatch, a burst sees every prefill replica idle and picks prefill #0 every time (sglang
 #27547, smg #1714).
 

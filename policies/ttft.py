@@ -35,17 +35,50 @@ decision is made among the others (when none is left, by fewest in-flight reques
 replica's broken metrics never fail a request. A profile without a positive prefill rate is a configuration
 error and raises.
 
+LoRA adapters (``Candidate.adapter``, ``policies.adapters``): the request's own wait for its adapter ``A`` (a
+batch slot held by other adapters, then the load from storage or the activation from the CPU cache; 0 when it is in
+a GPU slot) is part of every outcome's TTFT (``T``, ``T_miss``, ``E``, ``tail``), and what it imposes on others
+(the batch waits for the fetch; the adapter it evicts reloads) joins ``W`` with ``work_weight``.
+
 Ties are broken by candidate order (deterministic). The decision's parts per candidate: ``Q``, ``R``, ``C``,
-``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``W`` (seconds / probability),
-``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). The score is ``E + W`` (mean) or ``tail + W`` (tail).
+``p``, ``T`` (hit path), ``T_miss``, ``E``, ``tail``, ``kv_penalty``, ``W`` (seconds / probability), ``A``
+(seconds, only for adapter requests), ``matched_gpu/cpu/disk/remote`` and ``usable`` (tokens). The score is ``E +
+W`` (mean) or ``tail + W`` (tail).
 ``calibrated(index)`` gives the rate in use.
+
+Pruning (``prune``; on for the registered ``ttft`` policy, off for ``TTFTPolicy`` itself; decisions with at least
+``prune_min_candidates`` candidates, default 32). Scoring a candidate in
+full costs ~1.5 µs (its parts, the hit paths, a ``CandidateScore``); a lower bound of its score costs a few
+hundred ns (``policies.ttft_bounds``: queue, overhead, KV penalty and the least compute any outcome needs, with
+the work term and the least migration penalty). A pruned decision bounds every candidate, scores in full the
+``exact_ranks + 2`` smallest bounds and every candidate it cannot bound (bad gauges, unusual profiles: these are
+exactly the ones full scoring may exclude), then every other candidate whose bound does not exceed the
+``exact_ranks``-th best score found (ties included, with a rounding margin). What that changes, and what not:
+
+* ``chosen``, ``branch`` and the first ``exact_ranks`` places of ``ranking`` (default 3: the choice and the
+  router's two retries) are exactly full scoring's, ties broken by candidate order as full scoring breaks them;
+  so is the ranking's membership (every candidate but the excluded ones) and the exclusion counters.
+* the rest of ``ranking``: the other scored candidates by score, then the pruned ones in candidate order (full
+  scoring would rank those by score; a retry walks that far only past ``exact_ranks`` failures).
+* ``scores`` holds the candidates scored in full (at least the first ``exact_ranks`` places, and the chosen),
+  in candidate order, each exactly as full scoring computes it; a pruned candidate has no entry. So the
+  router's ``/route`` lists the contenders, not every replica, and ``pruned_candidates`` counts the others.
+* with a TTFT target (``RouteRequest.ttft_target_s``), every candidate that may meet it and the one with the
+  lowest predicted TTFT are scored, so the SLO pick and the router's early ``slo_unattainable`` check read
+  exactly what full scoring gives them; under ``tail`` with ``slo_ttft_s``, ranking by (meets the SLO, key)
+  is bounded the same way.
+* state (popularity counts, reuse ages, calibration inputs, exclusion counters) evolves exactly as with full
+  scoring, so later decisions are the same too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from math import exp
+from dataclasses import dataclass, field
+from math import exp, expm1
+from typing import ClassVar
 
+from policies.adapters import adapter_delay_s, adapter_imposed_s
 from policies.admission_slo import slo_order
 from policies.base import (
     Candidate,
@@ -59,8 +92,23 @@ from policies.base import (
 from policies.calibration import PrefillCalibrator
 from policies.common import require_candidates
 from policies.cost_model import CostParams, estimate, recompute_s
+from policies.ttft_bounds import (
+    BIG,
+    MAX_TOKENS,
+    MAX_WORK_WEIGHT,
+    SAFE,
+    Bounds,
+    BoundTerms,
+    bound_pass,
+    migration_bound,
+    worst_known,
+)
 
 _INF = float("inf")
+_NEG = float("-inf")
+#: candidates scored in the first round beyond ``exact_ranks`` (the smallest bounds): enough that the others'
+#: bounds usually exceed the ``exact_ranks``-th score found, so no second look at the bounds is needed
+_EXTRA_SEEDS = 2
 
 
 class _ProfileError(ValueError):
@@ -90,7 +138,6 @@ _MISS_PARTS: dict[str, float] = {
 }
 
 
-@register("ttft")
 class TTFTPolicy:
     """Lowest estimated TTFT (seconds), tier-, freshness- and load-aware, with online calibration.
 
@@ -154,9 +201,22 @@ class TTFTPolicy:
         slo_fast_priority: with a TTFT target (``RouteRequest.ttft_target_s``), requests of at least this
             priority take the fastest candidate meeting it, others the one with the least slack (default 1:
             ``standard`` and ``critical`` classes take the fastest, ``sheddable`` packs).
+        prune: score in full only the candidates whose lower bound (``policies.ttft_bounds``) can still reach
+            the first ``exact_ranks`` places; the decision is the same as scoring every candidate (see
+            "Pruning" in the module docstring for what a pruned ``Decision`` carries). None: the class's
+            ``prune_default`` (on for the registered ``ttft`` policy, off for ``TTFTPolicy`` itself, which
+            ``pd_ttft`` uses as its prefill model and which must give every candidate's terms).
+        exact_ranks: places at the head of the ranking that are exactly full scoring's, each with its full terms
+            (default 3: the choice and the router's default two retries, ``max_retries``); at least 1.
+        prune_min_candidates: prune only decisions with at least this many candidates (and more than
+            ``exact_ranks``). Default 32: below it, scoring everyone costs less than bounding first (measured
+            with ``python -m loadtest.bench_policies``: pruned and full scoring break even near 24-32
+            candidates, pruning halves the time at 64); 0 prunes every decision it can.
     """
 
     name = "ttft"
+    #: whether ``choose`` prunes when the constructor's ``prune`` is None
+    prune_default: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -190,10 +250,13 @@ class TTFTPolicy:
         reuse_age_samples: int = 64,
         survival_check: bool = False,
         slo_fast_priority: int = 1,
+        prune: bool | None = None,
+        exact_ranks: int = 3,
+        prune_min_candidates: int = 32,
     ) -> None:
         """Check and store the parameters (documented in the class docstring).
 
-        Long because: 27 keyword parameters, one line each; they stay flat (not grouped) because
+        Long because: 30 keyword parameters, one line each; they stay flat (not grouped) because
         ``make_policy(name, **params)`` builds every policy from ``Settings.policy_params``, and the body only
         checks them (``_check_params``) and stores them.
         """
@@ -247,6 +310,13 @@ class TTFTPolicy:
         self.lifetime_window_s = lifetime_window_s
         self.reuse_age_samples = reuse_age_samples
         self.slo_fast_priority = slo_fast_priority
+        if exact_ranks < 1:
+            raise ValueError(f"exact_ranks must be >= 1, got {exact_ranks!r}")
+        self.prune = type(self).prune_default if prune is None else prune
+        self.exact_ranks = exact_ranks
+        self.prune_min_candidates = prune_min_candidates
+        #: candidates a pruned decision did not score in full (cumulative)
+        self.pruned_candidates = 0
         #: replica -> [decayed sum of uncached tokens written (tokens), time of the last update (s),
         #: time of the first write (s)]: the write rate that sets the replica's cache lifetime
         self._written: dict[int, list[float]] = {}
@@ -261,21 +331,36 @@ class TTFTPolicy:
     # ------------------------------------------------------------------ decision
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        """Estimate every candidate's TTFT and pick the lowest (see the module docstring).
+        """Estimate the candidates' TTFT and pick the lowest (see the module docstring).
 
         Steps: the deepest GPU match a move would throw away (``_deepest_to_keep``), every candidate's score
-        (``_score``, the hot loop), the migration penalty (``_charge_migration``), the ranking (``_pick``).
+        (``_score``, the hot loop), the migration penalty (``_charge_migration``), the ranking (``_pick``). With
+        pruning on (``prune``) and at least ``prune_min_candidates`` candidates (more than ``exact_ranks``),
+        ``_choose_pruned`` bounds every candidate first and scores only those that can reach the head of the
+        ranking.
         """
         require_candidates(candidates)
         tail = (self.objective or request.objective) == "tail"
+        n = len(candidates)
+        if self.prune and n > self.exact_ranks and n >= self.prune_min_candidates:
+            pruned = self._choose_pruned(request, candidates, tail)
+            if pruned is not None:
+                return pruned
         deepest = self._deepest_to_keep(request, candidates)
         scores, keys, excluded, moved = self._score(request, candidates, tail, deepest)
         if moved:
-            self._charge_migration(request, candidates, scores, keys, moved, deepest)
+            doomed = self._doomed(request, candidates, scores, deepest)
+            self._charge_migration(request, candidates, scores, keys, moved, doomed)
         decision = self._pick(candidates, scores, keys, excluded, self.params.slo_ttft_s if tail else None)
         if request.ttft_target_s is not None:
             self._slo_pick(request, decision)
         return decision
+
+    def mean_uncached_tokens(self) -> float:
+        """Uncached tokens per queued request when only the request count is scraped: the mean learned from
+        ``observe`` once ``calibration_min_samples`` observations arrived, else ``mean_prefill_tokens``."""
+        mean_tokens = self._mean_uncached if self._mean_samples >= self.calibrator.min_samples else None
+        return mean_tokens or self.params.mean_prefill_tokens
 
     def _slo_pick(self, request: RouteRequest, decision: Decision) -> None:
         """The final pick under a TTFT target (``policies.admission_slo.slo_order``): among candidates predicted
@@ -292,14 +377,17 @@ class TTFTPolicy:
         decision.ranking = order
         decision.chosen = order[0]
 
-    def _deepest_to_keep(self, request: RouteRequest, candidates: Sequence[Candidate]) -> int:
+    def _deepest_to_keep(
+        self, request: RouteRequest, candidates: Sequence[Candidate], gmax: int | None = None
+    ) -> int:
         """The deepest GPU match among the candidates (tokens, at most the prompt) that a move away from its
         holder throws away; 0 when the migration penalty is off or that prefix is popular right now (replicate
-        it, do not pin it). Counts the decision for the popularity guard and the reuse-age mean."""
+        it, do not pin it). Counts the decision for the popularity guard and the reuse-age mean. ``gmax``: the
+        candidates' deepest GPU match when already known."""
         if not self.migration_weight:
             return 0
         n = request.prompt_tokens
-        deepest = max([c.hit.gpu for c in candidates])
+        deepest = max([c.hit.gpu for c in candidates]) if gmax is None else gmax
         if deepest > n:
             deepest = n
         if deepest and self._popular(request, deepest):
@@ -309,12 +397,20 @@ class TTFTPolicy:
         return deepest
 
     def _score(
-        self, request: RouteRequest, candidates: Sequence[Candidate], tail: bool, deepest: int
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        tail: bool,
+        deepest: int,
+        worst: tuple[float, float, float] | None = None,
     ) -> tuple[list[CandidateScore], list[float], list[int], list[tuple[int, float]]]:
         """Every candidate's score and parts (seconds), in candidate order.
 
         Returns (scores, their score values, positions of the excluded candidates, moves: (position, seconds of
-        recompute a move there throws away) for the migration penalty).
+        recompute a move there throws away) for the migration penalty). ``worst``: the worst known (backlog,
+        running, KV usage) of the decision's candidates (``ttft_bounds.worst_known``), the stand-ins for
+        unknown gauges; None computes it from ``candidates`` when a gauge is unknown (a pruned decision scores a
+        subset and passes the whole decision's).
 
         Long because: it is the hot loop (every request, every candidate): the load gaps are filled, Q, the
         KV-pressure penalty, the miss path and the hit path are computed inline on locals. Helpers per candidate
@@ -337,9 +433,7 @@ class TTFTPolicy:
         drain = self.drain_stale_queue
         ww = self.work_weight
         moved: list[tuple[int, float]] = []  # (position, seconds of recompute a move there throws away)
-        mean_tokens = self._mean_uncached if self._mean_samples >= self.calibrator.min_samples else None
-        mean_tokens = mean_tokens or params.mean_prefill_tokens
-        worst: tuple[float, float, float] | None = None  # conservative stand-ins for unknown gauges, lazily
+        mean_tokens = self.mean_uncached_tokens()
 
         scores: list[CandidateScore] = []
         keys: list[float] = []
@@ -355,7 +449,7 @@ class TTFTPolicy:
                 kv: float | None = load.kv_usage
                 if qt is None or running is None or kv is None:
                     if worst is None:
-                        worst = _worst_known(candidates, mean_tokens)
+                        worst = worst_known(candidates, mean_tokens)
                     if qt is None:
                         qr = load.queued_requests
                         qt = worst[0] if qr is None else qr * mean_tokens
@@ -363,7 +457,7 @@ class TTFTPolicy:
                         running = worst[1] if worst[1] > load.inflight_requests else load.inflight_requests
                     if kv is None:
                         kv = worst[2]
-                if not (qt >= 0.0 and running >= 0.0 and kv >= 0.0 and load.inflight_prefill_tokens >= 0):
+                if not (qt >= 0 and running >= 0 and kv >= 0.0 and load.inflight_prefill_tokens >= 0):
                     raise ArithmeticError(
                         f"negative or NaN load (backlog {qt!r} tokens, {running!r} running, KV usage {kv!r})"
                     )
@@ -466,6 +560,17 @@ class TTFTPolicy:
                         "usable": float(usable),
                         "W": w,
                     }
+                ad = cand.adapter
+                if ad is not None:  # the LoRA adapter: the request's own wait, and what it imposes (W)
+                    a_s = adapter_delay_s(ad)
+                    wa = ww * adapter_imposed_s(ad) if ww else 0.0
+                    score += a_s + wa
+                    parts["A"] = a_s
+                    parts["T"] += a_s
+                    parts["T_miss"] += a_s
+                    parts["E"] += a_s
+                    parts["tail"] += a_s
+                    parts["W"] += wa
                 if not 0.0 <= score < _INF:
                     raise ArithmeticError(f"score {score!r} is not a finite non-negative number of seconds")
             except _ProfileError:
@@ -491,13 +596,14 @@ class TTFTPolicy:
         scores: list[CandidateScore],
         keys: list[float],
         moved: list[tuple[int, float]],
-        deepest: int,
+        doomed: bool,
     ) -> None:
-        """Add the migration penalty (seconds, capped: see the class docstring) to the scores of the moves."""
+        """Add the migration penalty (seconds, capped: see the class docstring) to the scores of the moves
+        (positions in ``candidates``); none when the holder's copy is ``doomed`` (``_doomed``)."""
         tw = self.tight_migration_weight
         mw = self.migration_weight
         mcap = self.migration_cap_s
-        if tw and self.survival_check and self._holder_copy_doomed(candidates, scores, deepest, request):
+        if doomed:
             return  # the holder's copy is evicted before this request would run there: a move loses nothing
         for pos, lost_s in moved:
             if tw:
@@ -558,6 +664,196 @@ class TTFTPolicy:
             branch=branch,
         )
 
+    # ------------------------------------------------------------------ pruning
+
+    def _choose_pruned(
+        self, request: RouteRequest, candidates: Sequence[Candidate], tail: bool
+    ) -> Decision | None:
+        """The decision scoring in full only the candidates that can reach the head of the ranking (the module
+        docstring, "Pruning"); None when this policy's parameters or the request leave nothing to bound safely
+        (the caller then scores every candidate).
+
+        Steps: bound every candidate (``ttft_bounds.bound_pass``), the deepest GPU match to keep, score the
+        unbounded candidates and the few smallest bounds (``_score_some``), score every other candidate whose
+        bound does not rule it out of the first ``exact_ranks`` places (``_unpruned``), rank (``_rank_scored``).
+        """
+        slo = self.params.slo_ttft_s if tail else None
+        terms = self._bound_terms(request, slo is not None or request.ttft_target_s is not None)
+        if terms is None:
+            return None
+        b = Bounds.sized(len(candidates), terms.need_e, terms.seeds)
+        bound_pass(candidates, terms, b)
+        deepest = self._deepest_to_keep(request, candidates, b.gmax)
+        worst = (b.wq, b.wr, b.wk)
+        first = set(b.must)
+        first.update(p for _, p in b.top[: terms.seeds] if p >= 0)
+        acc = _Scored()
+        if deepest and self.tight_migration_weight and self.survival_check:
+            holder = b.gpos if b.gmax <= request.prompt_tokens else holder_position(candidates, deepest)
+            if holder is not None:
+                acc.holder = holder
+                first.add(holder)
+        self._score_some(request, candidates, sorted(first), tail, deepest, worst, acc)
+        rest = self._unpruned(request, candidates, b, acc, slo, deepest)
+        if rest:
+            self._score_some(request, candidates, rest, tail, deepest, worst, acc)
+        decision = self._rank_scored(candidates, b, acc, slo)
+        if request.ttft_target_s is not None:
+            self._slo_pick(request, decision)
+        return decision
+
+    def _bound_terms(self, request: RouteRequest, need_e: bool) -> BoundTerms | None:
+        """The bound pass's constants for this decision, or None when a parameter is outside what the bounds
+        cover: ``work_weight`` outside [0, ``MAX_WORK_WEIGHT``], a negative KV-pressure weight, a prompt over
+        ``MAX_TOKENS``, or a migration cap that is not a number below ``BIG`` seconds."""
+        params = self.params
+        ww = self.work_weight
+        n = request.prompt_tokens
+        caps = (self.migration_cap_s, self.tight_migration_cap_s) if self.tight_migration_weight else ()
+        if not (0.0 <= ww <= MAX_WORK_WEIGHT and params.kv_pressure_weight_s >= 0.0 and 0 <= n <= MAX_TOKENS):
+            return None
+        if not all(-BIG < c < BIG for c in (self.migration_cap_s, *caps)):
+            return None
+        return BoundTerms(
+            n=n,
+            mean_tokens=self.mean_uncached_tokens(),
+            k0=params.kv_pressure_threshold,
+            kw=params.kv_pressure_weight_s,
+            ww=ww,
+            drain=self.drain_stale_queue,
+            rates=self._rates,
+            overheads=self._overheads,
+            attention=self._attention,
+            need_e=need_e,
+            seeds=self.exact_ranks + _EXTRA_SEEDS,
+        )
+
+    def _migration_floor(self, deepest: int) -> tuple[float, float] | None:
+        """(weight, cap seconds): the least migration penalty any tightness charges a move this decision, or
+        None when it may be nothing (no deepest match, a weight or cap that is not positive, or the survival
+        check, which may drop every move's penalty)."""
+        if not deepest:
+            return None
+        tw = self.tight_migration_weight
+        weights = (self.migration_weight, tw) if tw else (self.migration_weight,)
+        caps = (self.migration_cap_s, self.tight_migration_cap_s) if tw else (self.migration_cap_s,)
+        if not (all(w > 0.0 for w in weights) and all(c > 0.0 for c in caps)) or (tw and self.survival_check):
+            return None
+        return min(weights), min(caps)
+
+    def _score_some(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        positions: list[int],
+        tail: bool,
+        deepest: int,
+        worst: tuple[float, float, float],
+        acc: _Scored,
+    ) -> None:
+        """Score the candidates at ``positions`` (ascending) in full, migration penalty included, into ``acc``.
+
+        The holder's copy is judged (survival check) in the first call, which scores the holder."""
+        sub = [candidates[p] for p in positions]
+        scores, keys, excluded, moved = self._score(request, sub, tail, deepest, worst)
+        if acc.doomed is None:
+            h = acc.holder
+            acc.doomed = h is not None and self.holder_copy_doomed(
+                candidates[h], scores[positions.index(h)], request
+            )
+        if moved:
+            self._charge_migration(request, sub, scores, keys, moved, acc.doomed)
+        for i, p in enumerate(positions):
+            acc.scores[p] = scores[i]
+            acc.keys[p] = keys[i]
+        acc.excluded.update(positions[i] for i in excluded)
+
+    def _unpruned(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        b: Bounds,
+        acc: _Scored,
+        slo: float | None,
+        deepest: int,
+    ) -> list[int]:
+        """Positions not scored yet that their bounds do not rule out (ascending).
+
+        Ruled out: a bound (migration floor included) above the ``exact_ranks``-th best rank key scored so far;
+        with a TTFT target, also a ``bound_E`` above max(target, the lowest E scored), so every candidate that
+        may meet the target or have the lowest predicted TTFT is scored; with an SLO under ``tail``, rank keys
+        are (misses the SLO, key) pairs and a bound's is (``bound_E`` > SLO, bound). Thresholds are divided by
+        ``SAFE`` (bounds are unscaled)."""
+        scored = acc.scores
+        ok = [p for p in scored if p not in acc.excluded]
+        k = self.exact_ranks
+        if len(ok) < k:  # too few scoreable: nothing can be ruled out
+            return [p for p in range(len(b.lb)) if p not in scored]
+        lb = b.lb
+        target = request.ttft_target_s
+        mig = self._migration_floor(deepest)
+        n, rates = request.prompt_tokens, self._rates
+
+        def within(p: int, x: float, v: float) -> bool:
+            return mig is None or x + migration_bound(candidates[p], n, rates, deepest, *mig) <= v
+
+        if slo is None:
+            v = sorted(acc.keys[p] for p in ok)[k - 1] / SAFE
+            if target is None and v < b.cut:
+                return []  # every candidate not scored has a bound of at least ``cut``
+            maybe = [p for p, x in enumerate(lb) if x <= v and p not in scored and within(p, x, v)]
+            if target is None:
+                return maybe
+            ethr = max(target, min(scored[p].parts["E"] for p in ok)) / SAFE
+            return sorted({*maybe, *(p for p, x in enumerate(b.lbe) if x <= ethr and p not in scored)})
+        g, v = sorted(_slo_key(scored[p], slo) for p in ok)[k - 1]
+        v /= SAFE
+        lbe = b.lbe
+        ethr = _NEG if target is None else max(target, min(scored[p].parts["E"] for p in ok)) / SAFE
+        slo_s = slo / SAFE
+        out = []
+        for p, x in enumerate(lb):
+            if p in scored:
+                continue
+            meets = lbe[p] <= slo_s  # may meet the SLO (rank group 0)
+            if lbe[p] <= ethr or (g and meets) or ((meets or g) and x <= v and within(p, x, v)):
+                out.append(p)
+        return out
+
+    def _rank_scored(
+        self, candidates: Sequence[Candidate], b: Bounds, acc: _Scored, slo: float | None
+    ) -> Decision:
+        """The pruned decision: the scored candidates ranked by their keys (exactly as full scoring ranks them),
+        then the pruned ones in candidate order; ``scores`` holds the scored ones in candidate order. When
+        nothing was pruned, exactly full scoring's ``_pick``."""
+        positions = sorted(acc.scores)
+        scores = [acc.scores[p] for p in positions]
+        n = len(candidates)
+        if len(positions) == n:
+            keys = [acc.keys[p] for p in positions]
+            return self._pick(candidates, scores, keys, sorted(acc.excluded), slo)
+        self.pruned_candidates += n - len(positions)
+        ok = [p for p in positions if p not in acc.excluded]
+        if slo is None:
+            ok.sort(key=acc.keys.__getitem__)
+        else:
+            ok.sort(key=lambda p: _slo_key(acc.scores[p], slo))
+        index = b.index
+        ranking = [index[p] for p in ok]
+        prev = 0
+        for p in positions:  # the pruned ones, in candidate order, between the scored positions
+            ranking += index[prev:p]
+            prev = p + 1
+        ranking += index[prev:]
+        best = ok[0]
+        return Decision(
+            chosen=index[best],
+            ranking=ranking,
+            scores=scores,
+            policy=self.name,
+            branch="cache_hit" if acc.scores[best].parts["usable"] > 0 else "cost",
+        )
+
     def _popular(self, request: RouteRequest, deepest: int) -> bool:
         """Count this decision against its deepest GPU match; True when that prefix is popular right now.
 
@@ -615,25 +911,30 @@ class TTFTPolicy:
                 self._reuse_age += alpha * (age - self._reuse_age)
                 return
 
-    def _holder_copy_doomed(
+    def _doomed(
         self,
+        request: RouteRequest,
         candidates: Sequence[Candidate],
         scores: Sequence[CandidateScore],
         deepest: int,
-        request: RouteRequest,
     ) -> bool:
+        """With the survival check on, True when the holder's copy of the deepest GPU match is evicted before
+        this request could use it there (``holder_copy_doomed``); ``scores`` in candidate order."""
+        if not (self.tight_migration_weight and self.survival_check):
+            return False
+        pos = holder_position(candidates, deepest)
+        return pos is not None and self.holder_copy_doomed(candidates[pos], scores[pos], request)
+
+    def holder_copy_doomed(self, holder: Candidate, score: CandidateScore, request: RouteRequest) -> bool:
         """True when the deepest GPU match will be evicted before this request could use it on its holder.
 
-        The holder is the first candidate holding ``deepest`` GPU tokens. An LRU keeps an unused block for one
-        cache lifetime; the prefix was last stored ``hit.age_s`` seconds ago and the request would wait ``Q``
-        seconds (its score's queue estimate) before its prefill starts, so the copy is lost when
+        The holder is the first candidate holding the deepest GPU match (``holder_position``). An LRU keeps an
+        unused block for one cache lifetime; the prefix was last stored ``hit.age_s`` seconds ago and the request
+        would wait ``Q`` seconds (its score's queue estimate) before its prefill starts, so the copy is lost when
         ``age_s + Q > cache_lifetime_s`` of the holder. False when the lifetime is unknown.
         """
-        for pos, c in enumerate(candidates):
-            if c.hit.gpu >= deepest:
-                life = self.cache_lifetime_s(c, request)
-                return life is not None and c.hit.age_s + scores[pos].parts["Q"] > life
-        return False
+        life = self.cache_lifetime_s(holder, request)
+        return life is not None and holder.hit.age_s + score.parts["Q"] > life
 
     def write_rate(self, index: int, now: float) -> float | None:
         """Uncached tokens per second written to replica ``index``'s cache lately, or None when unknown.
@@ -653,7 +954,7 @@ class TTFTPolicy:
             return None
         if now > last:
             total *= exp(-(now - last) / tau)
-        return total / (tau * (1.0 - exp(-elapsed / tau)))
+        return total / (tau * -expm1(-elapsed / tau))  # expm1: no 0 denominator for a tiny elapsed time
 
     def cache_lifetime_s(self, candidate: Candidate, request: RouteRequest) -> float | None:
         """Seconds a block survives in the candidate's LRU cache at its current write rate, or None if unknown.
@@ -742,6 +1043,15 @@ class TTFTPolicy:
         return self._rates[index], self._overheads.get(index, 0.0)
 
 
+@register("ttft")
+class PrunedTTFTPolicy(TTFTPolicy):
+    """The registered ``ttft`` policy (what the router and the simulator run): ``TTFTPolicy`` with pruning on
+    unless ``prune=False`` is given. Same parameters, same decisions; a pruned ``Decision`` carries the scored
+    candidates' terms only (module docstring, "Pruning")."""
+
+    prune_default: ClassVar[bool] = True
+
+
 def _check_params(
     objective: Objective | None,
     p_confirmed: float,
@@ -770,31 +1080,36 @@ def _check_params(
         raise ValueError(f"reuse_age_samples must be >= 1, got {reuse_age_samples!r}")
 
 
-def _worst_known(candidates: Sequence[Candidate], mean_tokens: float) -> tuple[float, float, float]:
-    """Largest known (backlog tokens, running requests, KV usage) among ``candidates``; 0 when none is known.
+def holder_position(candidates: Sequence[Candidate], deepest: int) -> int | None:
+    """Position of the first candidate holding ``deepest`` GPU tokens (the holder a move leaves), or None."""
+    for pos, c in enumerate(candidates):
+        if c.hit.gpu >= deepest:
+            return pos
+    return None
 
-    Backlog: ``queued_prefill_tokens``, else ``queued_requests * mean_tokens``. Values that are not finite and
-    non-negative are ignored (that candidate is excluded from the decision by ``choose``).
+
+@dataclass(slots=True)
+class _Scored:
+    """The candidates a pruned decision scored in full, by position.
+
+    Attributes:
+        scores, keys: score (with parts) and score value of each scored position.
+        excluded: scored positions whose scoring failed.
+        holder: position of the deepest GPU match's holder when the survival check needs it, else None.
+        doomed: whether the holder's copy is evicted first (None until the holder is scored).
     """
-    loads = [c.load for c in candidates]
-    backlog = [
-        _as_float(x.queued_prefill_tokens)
-        if x.queued_prefill_tokens is not None
-        else (_as_float(x.queued_requests) * mean_tokens if x.queued_requests is not None else -1.0)
-        for x in loads
-    ]
-    running = [_as_float(x.running_requests) for x in loads if x.running_requests is not None]
-    kv = [_as_float(x.kv_usage) for x in loads if x.kv_usage is not None]
-    # a value that is not a finite non-negative number (one engine's broken gauge) is no stand-in for the others
-    backlog = [b for b in backlog if 0.0 <= b < _INF] or [0.0]
-    running = [r for r in running if 0.0 <= r < _INF]
-    kv = [k for k in kv if 0.0 <= k < _INF]
-    return max(backlog), max(running) if running else 0.0, max(kv) if kv else 0.0
+
+    scores: dict[int, CandidateScore] = field(default_factory=dict)
+    keys: dict[int, float] = field(default_factory=dict)
+    excluded: set[int] = field(default_factory=set)
+    holder: int | None = None
+    doomed: bool | None = None
 
 
-def _as_float(value: float) -> float:
-    """``value`` as a float; an integer too large for a float is infinity (never an ``OverflowError``)."""
-    try:
-        return float(value)
-    except OverflowError:
-        return _INF
+def _slo_key(score: CandidateScore, slo: float) -> tuple[int, float]:
+    """A candidate's rank key under the ``tail`` objective with an SLO (``_pick``): those whose tail meets it
+    first, by ``E + W``; the others by their score."""
+    parts = score.parts
+    if parts["tail"] <= slo:
+        return 0, parts["E"] + parts["W"]
+    return 1, score.score

@@ -1,10 +1,10 @@
 """`kvroute` command line: one subcommand per job, each implemented by the module that owns it.
 
 kvroute serve        the router service            (router.server)
-kvroute epp          the router service + the Gateway endpoint picker (gRPC ext_proc; router.epp)
-kvroute fake-engine  one stand-in vLLM/SGLang engine (loadtest.fake_engine)
-kvroute simulate     discrete-event fleet simulation (loadtest.simulator)
-kvroute demo         4 fake engines + the router, ttft vs round_robin (loadtest.demo)
+kvroute epp          the router service + the Gateway endpoint picker (gRPC ext_proc; router.epp.picker)
+kvroute fake-engine  one stand-in vLLM/SGLang engine (fakes.fake_engine)
+kvroute simulate     discrete-event fleet simulation (sim.simulator)
+kvroute demo         4 fake engines + the router, ttft vs round_robin (sim.demo)
 """
 
 from __future__ import annotations
@@ -19,35 +19,40 @@ def _serve(argv: list[str]) -> int:
     return main(argv)
 
 
+#: ``kvroute epp``'s short flags -> the Settings flags they stand for (Settings.epp_grpc_port, epp_grpc_insecure)
+_EPP_SHORT_FLAGS = {
+    "--grpc-port": "--epp-grpc-port",
+    "--grpc-insecure": "--epp-grpc-insecure",
+    "--no-grpc-insecure": "--no-epp-grpc-insecure",
+}
+
+
+def _epp_flag(arg: str) -> str:
+    """``arg`` with a short flag name replaced by its Settings flag (``--grpc-port=9002`` too)."""
+    name, eq, value = arg.partition("=")
+    return _EPP_SHORT_FLAGS[name] + eq + value if name in _EPP_SHORT_FLAGS else arg
+
+
 def _epp(argv: list[str]) -> int:
     from router.server import main
 
-    # ``--grpc-port N`` is the short name of ``--epp-grpc-port N`` (Settings.epp_grpc_port)
-    args = [
-        "--epp-grpc-port"
-        if a == "--grpc-port"
-        else "--epp-grpc-port=" + a.split("=", 1)[1]
-        if a.startswith("--grpc-port=")
-        else a
-        for a in argv
-    ]
-    return main(args, epp=True)
+    return main([_epp_flag(a) for a in argv], epp=True)
 
 
 def _fake_engine(argv: list[str]) -> int:
-    from loadtest.fake_engine import main
+    from fakes.fake_engine import main
 
     return main(argv)
 
 
 def _simulate(argv: list[str]) -> int:
-    from loadtest.pd_simulator import main  # the simulator plus PD fleets (--prefill/--decode)
+    from sim.pd_simulator import main  # the simulator plus PD fleets (--prefill/--decode)
 
     return main(argv)
 
 
 def _demo(argv: list[str]) -> int:
-    from loadtest.demo import main
+    from sim.demo import main
 
     return main(argv)
 

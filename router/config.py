@@ -28,15 +28,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from membership.config import AllocatorConfig, HealthConfig, MembershipConfig, RedisConfig
 from membership.kubernetes import KubernetesOptions
+from membership.kv_decode import MEDIUM_TO_TIER
+from membership.kv_events import DEFAULT_TIER_TTL_S
 from policies.dispatch import DispatchSettings
 from policies.pd_link import LinkLearning
-from router.proxy import ProxyConfig
+from router.engine.config import ProxyConfig
 
 ENV_PREFIX = "KVROUTE_"
 _GATE = DispatchSettings()  # the dispatch gate's defaults live with its logic
@@ -428,7 +430,7 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="how long an Idempotency-Key and its stored response are kept (s)"
     )
 
-    # --- reliability: bounded admission queue (router/admission.py) ---
+    # --- reliability: bounded admission queue (router/core/admission.py) ---
     max_queued_requests: int = Field(
         default=0,
         ge=0,
@@ -439,7 +441,7 @@ class Settings(BaseSettings):
         default=2.0, gt=0, description="longest time a request waits in the router's queue (s); longer -> 503"
     )
 
-    # --- routing: cache-first dispatch gate (policies/dispatch.py, router/dispatch.py) ---
+    # --- routing: cache-first dispatch gate (policies/dispatch.py, router/core/dispatch.py) ---
     dispatch_limit_tokens: int = Field(
         default=_GATE.limit_tokens,
         ge=0,
@@ -479,10 +481,12 @@ class Settings(BaseSettings):
         "fails, the replica is cleared and degraded)",
     )
     kv_replay_max_bytes: int = Field(
-        default=256 << 20,
+        default=64 << 20,
         ge=1,
-        description="KV events: most payload bytes accepted from one replay (more: the "
-        "replay fails, counted as replays{trigger:too_large}, logged)",
+        description="KV events: the byte budget of one event source: most payload bytes accepted from one "
+        "replay (more: the replay fails, counted as replays{trigger:too_large}, logged; the replica is cleared "
+        "and degraded), and most bytes a batch may take decoded next to the raw payloads still held (more: "
+        "dropped{decoded_too_large}; a replay's rest is dropped, cleared, degraded)",
     )
     kv_max_message_bytes: int = Field(
         default=64 << 20,
@@ -534,8 +538,8 @@ class Settings(BaseSettings):
         description="KV events: how long a replica without a replay endpoint stays "
         "degraded after its last loss (s)",
     )
-    # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine_client.py,
-    # router/proxy.py, membership/engine_tls.py) ---
+    # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine/client.py,
+    # router/engine/proxy.py, membership/engine_tls.py) ---
     engine_max_header_bytes: int = Field(
         default=65536,
         ge=1024,
@@ -577,8 +581,8 @@ class Settings(BaseSettings):
         "feedback and calibration work with a default vLLM; the usage chunk is removed from what the "
         "client receives unless the client asked for it",
     )
-    # --- httpedge: client-facing limits, timeouts and overload shedding (router/intake.py, router/guard.py,
-    # router/http_protocol.py, router/loop_lag.py; the Limits table in docs/reliability.md) ---
+    # --- httpedge: client-facing limits, timeouts and overload shedding (router/serve/intake.py, router/serve/guard.py,
+    # router/http/protocol.py, router/serve/loop_lag.py; the Limits table in docs/reliability.md) ---
     max_chat_messages: int = Field(
         default=16384,
         ge=1,
@@ -608,6 +612,20 @@ class Settings(BaseSettings):
         description="most JSON values in a request body outside prompt text, token ids and message text (extra "
         "fields, tools, content parts); more -> 413 too_many_json_values",
     )
+    max_json_depth: int = Field(
+        default=128,
+        ge=8,
+        le=200,
+        description="most nesting levels of a request body (the body object is level 1); deeper -> 400 "
+        "json_too_deep on every door (bodies are re-serialized for prefill/decode legs, whose serializer stops "
+        "at 254 levels)",
+    )
+    max_sequences_per_request: int = Field(
+        default=16384,
+        ge=1,
+        description="most sequences one request may ask for in n or best_of (vLLM's own limit, "
+        "VLLM_MAX_N_SEQUENCES; SGLang sets none); more -> 400 too_many_sequences naming the field",
+    )
     max_header_bytes: int = Field(
         default=32768,
         ge=1024,
@@ -631,6 +649,18 @@ class Settings(BaseSettings):
         description="longest silence while a client sends a request body, s; longer -> 408 and the connection "
         "is closed",
     )
+    client_body_min_rate_bytes_s: float = Field(
+        default=1024.0,
+        ge=0,
+        description="slowest a client may send a request body, bytes/s, measured over every "
+        "client_body_rate_window_s (a body trickled a byte at a time never goes silent); slower -> 408 "
+        "body_too_slow and the connection is closed; 0 = no minimum",
+    )
+    client_body_rate_window_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="window over which client_body_min_rate_bytes_s is measured, s",
+    )
     event_loop_lag_interval_s: float = Field(
         default=0.1,
         gt=0,
@@ -639,15 +669,30 @@ class Settings(BaseSettings):
     event_loop_lag_window_s: float = Field(
         default=1.0,
         gt=0,
-        description="the router's current lag is the largest probe delay measured this long back (or the "
-        "probe's own overdue time), s",
+        description="kvroute_event_loop_lag_recent_seconds is the largest probe delay measured this long back "
+        "(or the probe's own overdue time), s",
     )
     max_event_loop_lag_s: float = Field(
         default=1.0,
         ge=0,
-        description="when the event loop lags more than this (s), new /v1/* and /route requests are shed with "
-        "503 event_loop_lag + Retry-After before their bodies are read (/healthz, /readyz, /metrics "
-        "never are); 0 = never shed",
+        description="a probe of the event loop later than this is a lagging one (s); new /v1/* and /route "
+        "requests are shed with 503 event_loop_lag + Retry-After before their bodies are read only when the "
+        "router's own work overloads it (event_loop_lag_sustain_s); /healthz, /readyz, /metrics never are; "
+        "0 = never shed",
+    )
+    event_loop_lag_sustain_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="the router sheds only after every probe for this long (at least 2) was late by more than "
+        "max_event_loop_lag_s from its own work (the delay less the time the loop waited for a CPU, at most "
+        "the CPU time it used: never from starvation by other processes, a CPU quota or a stop) and its request "
+        "work did not shrink, s",
+    )
+    event_loop_lag_max_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="a request arriving while the event loop lags, without an overload of the router's own, "
+        "waits for the lag to pass at most this long and is then admitted, s",
     )
 
     # --- tenants, priorities, SLOs (issue 20) ---
@@ -668,12 +713,46 @@ class Settings(BaseSettings):
         description="API keys that name a tenant, as TENANT=KEY entries ('Authorization: Bearer KEY' -> TENANT; "
         "these keys are accepted as client keys too); env: comma-separated",
     )
+    tenant_header_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="API keys allowed to name any tenant in a tenant header (edge gateways that authenticate "
+        "clients themselves); accepted as client keys too. A tenant's own key may name only its tenant (400 "
+        "otherwise). When api_keys is set, a tenant header with any other key (a plain key, the admin token "
+        "unless listed here) is refused with 403 tenant_not_allowed; without api_keys, a header may name any "
+        "tenant not bound to a key in tenant_api_keys; env: comma-separated",
+    )
     default_tenant: str = Field(default="default", description="tenant of requests that name none")
     tenants: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
-        description="per-tenant settings {name: {tokens_per_s, burst_tokens, weight, isolate_cache}}: token "
-        "quota (prompt + max output tokens per s; 0 = none), burst (tokens), fair-share weight, own "
-        "prefix-cache namespace (true: never shares cached prefixes with other tenants)",
+        description="per-tenant settings {name: {tokens_per_s, burst_tokens, weight, isolate_cache, max_class}}: "
+        "token quota (prompt + max output tokens per s; 0 = none), burst (tokens), fair-share weight, own "
+        "prefix-cache namespace (true: never shares cached prefixes with other tenants), highest priority class "
+        "the tenant may use (a request above it is served at it, counted)",
+    )
+    tenant_max_priority_class: str = Field(
+        default="",
+        description="highest priority class of tenants not listed in tenants (or listed without max_class); "
+        "empty = the highest class. A request above it is served at it (kvroute_tenant_demoted_total"
+        "{reason=max_class})",
+    )
+    priority_top_class_max_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="a tenant's requests in the top priority class, in flight or queued, may hold at most this "
+        "share of max_inflight_total (at least 1 request); beyond it they are served at the next class down "
+        "(kvroute_tenant_demoted_total{reason=top_share}); per router process; 1 = no cap",
+    )
+    tenant_metrics_max_labels: int = Field(
+        default=1000,
+        ge=1,
+        description="distinct tenant label values in the kvroute_tenant_* metrics per router process; "
+        'further tenants are counted under tenant="other" until an idle one expires',
+    )
+    tenant_metrics_idle_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="a tenant's kvroute_tenant_* series are dropped after this long without a request (s)",
     )
     tenant_tokens_per_s: float = Field(
         default=0.0, ge=0, description="token quota of tenants not listed in tenants (tokens/s; 0 = no quota)"
@@ -703,7 +782,9 @@ class Settings(BaseSettings):
             "x-gateway-inference-objective",
             "x-dynamo-meta-policy-class",
         ],
-        description="other headers read as the priority when priority_header is absent (SMG, llm-d, Dynamo)",
+        description="peers' headers read as the priority when priority_header is absent (SMG, GIE / llm-d "
+        "objective names, Dynamo's policy class); their values go through priority_class_aliases and an unknown "
+        "one is served at default_priority_class, counted, never refused",
     )
     priority_body_field: str = Field(
         default="priority_class",
@@ -724,8 +805,20 @@ class Settings(BaseSettings):
             "interactive": "standard",
             "default": "standard",
             "bulk": "sheddable",
+            "latency": "critical",
+            "agents": "standard",
+            "throughput": "sheddable",
         },
-        description="other class names accepted (SMG's system|interactive|default|bulk) -> a priority_classes name",
+        description="peers' class names -> a priority_classes name (SMG's system|interactive|default|bulk, "
+        "Dynamo's latency|agents|throughput; case-insensitive). In the alias headers an unknown value is served "
+        "at default_priority_class (kvroute_priority_unknown_total{header}); priority_header and the body field "
+        "stay strict (400)",
+    )
+    priority_objectives: dict[str, str] = Field(
+        default_factory=dict,
+        description="InferenceObjective names (the value of x-gateway-inference-objective / "
+        "x-llm-d-inference-objective, e.g. food-review) -> a priority_classes name; read before "
+        "priority_class_aliases; an objective not listed gets default_priority_class, as upstream",
     )
     default_priority_class: str = Field(default="standard", description="class of requests that name none")
     ttft_target_header: str = Field(
@@ -745,6 +838,7 @@ class Settings(BaseSettings):
     @field_validator(
         "tenant_header_aliases",
         "tenant_api_keys",
+        "tenant_header_keys",
         "priority_header_aliases",
         "ttft_target_header_aliases",
         mode="before",
@@ -753,7 +847,9 @@ class Settings(BaseSettings):
     def _parse_tenant_lists(cls, v: Any) -> Any:
         return _split_list(v)
 
-    @field_validator("tenants", "priority_classes", "priority_class_aliases", mode="before")
+    @field_validator(
+        "tenants", "priority_classes", "priority_class_aliases", "priority_objectives", mode="before"
+    )
     @classmethod
     def _parse_tenant_dicts(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -773,6 +869,51 @@ class Settings(BaseSettings):
         description="name of an InferencePool (inference.networking.k8s.io/v1) in kubernetes_namespace whose "
         "spec.selector and spec.targetPorts define the replicas (pods are then watched with that "
         "selector, one replica per target port); empty = off (kubernetes_label_selector is used)",
+    )
+    epp_grpc_insecure: bool = Field(
+        default=False,
+        description="kvroute epp: serve the endpoint picker's gRPC in plaintext (h2c) instead of TLS, for a "
+        "gateway that dials it without TLS (flag --grpc-insecure). By default it serves TLS, like the Gateway "
+        "API Inference Extension's reference picker (kgateway and Envoy AI Gateway dial TLS; docs/deploy.md)",
+    )
+    epp_tls_cert_file: str = Field(
+        default="",
+        description="kvroute epp: PEM certificate (chain) the picker serves, e.g. a mounted Secret's tls.crt; "
+        "read again when the file changes (new connections get the new one). Empty = a self-signed "
+        "certificate made at start (gateways skip verifying the picker's certificate)",
+    )
+    epp_tls_key_file: str = Field(
+        default="", description="kvroute epp: PEM private key of epp_tls_cert_file (both or neither)"
+    )
+    epp_request_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="kvroute epp: longest time from a gateway stream's start to the end of its request "
+        "(headers, body, trailers), s; later -> 408 request_timeout",
+    )
+    epp_min_body_rate_bytes_per_s: float = Field(
+        default=1024.0,
+        ge=0,
+        description="kvroute epp: slowest average rate of a request body streamed in pieces, bytes/s since "
+        "the stream's start, enforced after epp_body_rate_grace_s; slower -> 408 body_too_slow (0 = off)",
+    )
+    epp_body_rate_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="kvroute epp: time a request body may take before epp_min_body_rate_bytes_per_s "
+        "applies, s",
+    )
+    epp_max_streams: int = Field(
+        default=16384,
+        ge=1,
+        description="kvroute epp: most gateway streams open at once (one per request the gateway "
+        "processes); more -> 503 too_many_streams + Retry-After",
+    )
+    epp_max_streams_per_connection: int = Field(
+        default=1024,
+        ge=1,
+        description="kvroute epp: most concurrent streams on one gateway connection (HTTP/2 "
+        "SETTINGS_MAX_CONCURRENT_STREAMS; a gateway opens more connections, others wait)",
     )
     # --- PD disaggregation (issue 19, pdwire): plan policy, P->D link, wire protocol, roles from pods ---
     pd_policy: str = Field(
@@ -807,7 +948,31 @@ class Settings(BaseSettings):
         default=8998,
         ge=1,
         le=65535,
-        description="SGLang bootstrap port of prefill pods / replicas that name none",
+        description="SGLang / Mooncake bootstrap port of prefill pods / replicas that name none",
+    )
+    pd_max_prefill_answer_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=4096,
+        description="largest prefill-leg answer the router reads, bytes; larger -> the prefill leg failed "
+        "(another prefill replica, else served in place); answers of 64 KiB or more are parsed off the event loop",
+    )
+    pd_max_transfer_params_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="largest kv_transfer_params a prefill answer may carry to relay to the decode leg, bytes "
+        "(serialized); larger -> the prefill leg failed, nothing is relayed",
+    )
+    pd_mooncake_query_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="timeout of one GET <prefill host>:<bootstrap port>/query (the Mooncake engine ids of a "
+        "prefill replica), s",
+    )
+    pd_mooncake_ids_ttl_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a prefill replica's discovered Mooncake engine ids are asked again after this long (and at "
+        "once after a failed leg on it), s",
     )
     # --- router CPU (issue 23) ---
     workers: int = Field(
@@ -818,6 +983,20 @@ class Settings(BaseSettings):
         "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
         "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
         "answers every worker's metrics labelled worker. Give the pod about this many cores",
+    )
+    worker_heartbeat_timeout_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="with workers > 1: a worker whose event loop has not beaten its heartbeat for this long "
+        "(hung, or stopped with SIGSTOP) is killed and started again (kvroute_worker_restarts_total"
+        "{reason=hung}); a starting worker gets max(this, 120 s) for its first beat; 0 = never (s)",
+    )
+    worker_metrics_max_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=65536,
+        description="with workers > 1: the largest metrics exposition read from one worker when /metrics merges "
+        "them (in the supervisor, off every serving loop); a larger one is cut after its last whole metric "
+        "family (kvroute_worker_metrics_truncated_total), bytes",
     )
     # --- PD link learning (issue 19) ---
     pd_link_learn: bool = Field(
@@ -859,6 +1038,80 @@ class Settings(BaseSettings):
         "quarter of this at the end of the text to estimate the length. Larger: exact ids for more "
         "prompts, more router CPU on new long prompts",
     )
+    # --- Responses API chains: the response id -> replica map (membership/shared_state.py ResponseMap) ---
+    response_map_ttl_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="how long a Responses API response id stays mapped to the replica holding it after its last "
+        "use, so a follow-up (previous_response_id, GET / cancel of a background response) reaches that "
+        "replica; shared by router replicas through Redis (redis_url), else kept by each router (s). "
+        "Engines keep stored responses for their process's life",
+    )
+    response_map_local_entries: int = Field(
+        default=100_000,
+        ge=1,
+        description="response ids each router keeps in memory (least recently used dropped first): the whole map "
+        "without Redis, the fallback while Redis is down; ~200 bytes each",
+    )
+
+    # --- KV tiers and media (membership/kv_decode.py, kv_apply.py; docs/signals.md "Media and tiers") ---
+    kv_medium_tiers: dict[str, str] = Field(
+        default=dict(MEDIUM_TO_TIER),
+        description="engine KV-event medium -> tier (gpu|cpu|disk|remote); keys upper-case, MEDIUM or "
+        "MEDIUM/LOCALITY (LOCAL|REMOTE; tried first). Entries given are merged over these defaults (value "
+        "miss: drop a default); events in a medium not listed are dropped (a miss, never a GPU hit), logged "
+        "once and counted in kvroute_kv_unknown_medium_total{medium}",
+    )
+    kv_tier_ttl_s: dict[str, float] = Field(
+        default=dict(DEFAULT_TIER_TTL_S),
+        description="per tier, seconds a page of a store-only KV source (one that has never announced a removal "
+        "in that tier, e.g. LMCache) is believed after its last store; 0 = forever. Merged over these defaults",
+    )
+    kv_tier_bandwidth_gbps: dict[str, float] = Field(
+        default={"cpu": 25.0, "disk": 7.1, "remote": 12.5},
+        description="per non-GPU tier, the bandwidth a replica fetches reused KV at, GB/s (1e9 bytes/s): cpu = "
+        "PCIe 4.0 x16 host->GPU, disk = a local NVMe read (7.1 GB/s), remote = a 25 GB/s NIC then PCIe, serial. "
+        "Merged over these defaults; a profile's own tiers win",
+    )
+    kv_tier_latency_s: dict[str, float] = Field(
+        default={"cpu": 0.0, "disk": 0.0005, "remote": 0.010},
+        description="per non-GPU tier, the fixed cost of one fetch (lookup, setup), s. Merged over these defaults",
+    )
+
+    @field_validator("kv_medium_tiers", mode="before")
+    @classmethod
+    def _merge_medium_tiers(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip() else {}
+        if not isinstance(v, dict):
+            return v
+        out = dict(MEDIUM_TO_TIER)
+        for key, tier in v.items():
+            k = str(key).strip().upper()
+            if str(tier).strip().lower() == "miss":
+                out.pop(k, None)
+            else:
+                out[k] = str(tier).strip().lower()
+        bad = {k: t for k, t in out.items() if t not in ("gpu", "cpu", "disk", "remote")}
+        if bad:
+            raise ValueError(f"kv_medium_tiers: tiers must be gpu|cpu|disk|remote (or miss), got {bad}")
+        return out
+
+    @field_validator("kv_tier_ttl_s", "kv_tier_bandwidth_gbps", "kv_tier_latency_s", mode="before")
+    @classmethod
+    def _merge_tier_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip() else {}
+        if not isinstance(v, dict):
+            return v
+        field = cls.model_fields[str(info.field_name)]
+        out = {**field.default, **{str(k).strip().lower(): float(x) for k, x in v.items()}}
+        bad = {k: x for k, x in out.items() if k not in ("gpu", "cpu", "disk", "remote") or not x >= 0}
+        if bad:
+            raise ValueError(
+                f"{info.field_name}: keys must be tiers (gpu|cpu|disk|remote), values >= 0: {bad}"
+            )
+        return out
 
     # -- validators ------------------------------------------------------------------------------------
     @field_validator("replicas", mode="before")

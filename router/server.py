@@ -1,7 +1,7 @@
 """``kvroute serve``: parse Settings (flags > env > YAML > defaults), build the app, run uvicorn.
 
 With ``workers`` > 1 the process is a supervisor of that many worker processes, each a whole router listening on
-the same port (``router.workers``). uvicorn runs with ``loop="uvloop"`` and the httptools protocol of ``router.http_protocol`` (head size / count
+the same port (``router.workers``). uvicorn runs with ``loop="uvloop"`` and the httptools protocol of ``router.http.protocol`` (head size / count
 limits, head and body-idle timeouts; uvicorn's defaults when those extras are missing). SIGTERM stops accepting connections and lets in-flight requests finish for
 ``shutdown_grace_s`` seconds.
 """
@@ -13,16 +13,18 @@ import gc
 import importlib.util
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from router.config import Settings, flag_name, load_settings
+from router.config import ENV_PREFIX, Settings, flag_name, load_settings
 from router.heap import pin_mmap_threshold
 from router.telemetry import setup_logging
-from router.workers import Supervisor, WorkerApp, current_worker, worker_socket
+from router.workers import Supervisor, WorkerApp, become_worker, current_worker, worker_socket
 
 log = logging.getLogger("kvroute.server")
 
@@ -37,7 +39,7 @@ _GC_OLDER_EVERY = 100
 def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     """Run the router until SIGINT / SIGTERM. Returns the process exit code (2 = bad configuration).
 
-    ``epp``: also run the endpoint picker (gRPC ext_proc on ``epp_grpc_port``, ``router.epp``) in the same
+    ``epp``: also run the endpoint picker (gRPC ext_proc on ``epp_grpc_port``, ``router.epp.picker``) in the same
     process and event loop, on the same services (``kvroute epp``).
     """
     cmd = "kvroute epp" if epp else "kvroute serve"
@@ -51,6 +53,8 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
         return 2
     setup_logging(settings.log_level, settings.log_format)
     worker = current_worker()
+    if worker is not None:
+        become_worker(worker)
     if settings.workers > 1 and worker is None:
         try:
             supervisor = Supervisor(
@@ -60,22 +64,24 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
                 workers=settings.workers,
                 shutdown_grace_s=settings.shutdown_grace_s,
                 command="epp" if epp else "serve",
+                heartbeat_timeout_s=settings.worker_heartbeat_timeout_s,
+                metrics_max_bytes=settings.worker_metrics_max_bytes,
             )
         except OSError as exc:
             print(f"{cmd}: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
             return 1
+        if epp and not settings.epp_grpc_insecure and not settings.epp_tls_cert_file:
+            _share_self_signed(supervisor.directory)
         return supervisor.run()
 
     import uvicorn
 
-    from router.app import create_app
+    from router.http.app import create_app
+    from router.services import build_services
 
     try:
-        app = create_app(settings)
-        if epp:
-            from router.epp import add_epp
-
-            add_epp(app.state.services)  # started and stopped with the app's lifespan, in uvicorn's loop
+        # with ``epp``: the picker is started and stopped with the app's lifespan, in uvicorn's loop
+        app = create_app(settings, build_services(settings, epp=epp))
     except (ValueError, KeyError, OSError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"{cmd}: cannot start: {msg}", file=sys.stderr)
@@ -94,7 +100,12 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     pin_mmap_threshold()  # large bodies' buffers go back to the OS when freed (router/heap.py)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "auto"
     http = _http_protocol(settings, app)
-    served = app if worker is None else WorkerApp(app, worker, app.state.services.telemetry.render)
+    services = app.state.services
+    served = (
+        app
+        if worker is None
+        else WorkerApp(app, worker, services.telemetry.render_stream, services.loop_lag.note_resumed)
+    )
     config = uvicorn.Config(
         served,
         host=settings.host,
@@ -118,13 +129,23 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     return 0 if server.started else _STARTUP_FAILURE
 
 
+def _share_self_signed(directory: Path) -> None:
+    """One self-signed endpoint-picker certificate for every worker of the pod (they share the gRPC port): made
+    here, written to the supervisor's private directory and handed to the workers as mounted files."""
+    from router.epp.tls import self_signed, write_pair
+
+    cert, key = write_pair(self_signed(), directory)
+    os.environ[ENV_PREFIX + "EPP_TLS_CERT_FILE"] = str(cert)
+    os.environ[ENV_PREFIX + "EPP_TLS_KEY_FILE"] = str(key)
+
+
 def _http_protocol(settings: Settings, app: Any) -> Any:
-    """uvicorn's httptools protocol with the router's head / body limits and timeouts (``router.http_protocol``);
+    """uvicorn's httptools protocol with the router's head / body limits and timeouts (``router.http.protocol``);
     h11 (which bounds the head with ``h11_max_incomplete_event_size`` only) when httptools is not installed."""
     if not importlib.util.find_spec("httptools"):
         log.warning("httptools is not installed: client head and body timeouts are off (h11)")
         return "h11"
-    from router.http_protocol import ConnLimits, cut_counter, protocol_class
+    from router.http.protocol import ConnLimits, cut_counter, protocol_class
 
     return protocol_class(
         ConnLimits.from_settings(settings), cut_counter(app.state.services.telemetry.registry)

@@ -6,12 +6,14 @@
     -> membership (static replicas + Kubernetes discovery + health + Redis shared state)
     -> kv_events (subscriber feeding the index), engine_metrics (load views)
     -> router (decisions; asks kv_events whether a replica's events are healthy)
-    -> token_ids, gate, proxy (forwarding; reports connection failures to membership)
-    -> admission, idempotency, loop-lag probe, guard, intake (the request front door)
+    -> token_ids, gate, edge (the engine hop; reports connection failures to membership)
+    -> dispatcher (in place: the attempts behind the gate; disaggregated: the PD legs)
+    -> admission, idempotency, loop-lag probe, guard, intake, tenants (the request front)
+    -> pipeline (the steps every front door calls), and with ``epp`` the endpoint picker's server
     -> index hygiene hooks and scrape-time gauges
 
 Nothing is started here: ``run(services)`` (the app's lifespan) starts the background parts and stops them in
-reverse order. Every later reader (the HTTP routes in ``router.app``, tests) reads typed fields; there is no
+reverse order. Every later reader (the HTTP door in ``router.http.app``, tests) reads typed fields; there is no
 string-keyed bag and no object is looked up late.
 """
 
@@ -36,30 +38,43 @@ from policies.base import Policy, ReplicaProfile, make_policy
 from policies.pd_base import HandoffLink, make_pd_policy
 from policies.pd_link import LinkEstimator
 from router import signals
-from router.admission import Admission, admission_gauges
 from router.config import Settings
-from router.dispatch import DispatchGate, dispatch_gauges
-from router.guard import Auth, Guard
-from router.idempotency import IdempotencyGuard
-from router.intake import InputLimits, Intake, model_contexts
-from router.loop_lag import LoopLag, lag_gauges
-from router.pd_proxy import PdConfig, PdLegs
-from router.proxy import Proxy
-from router.routing import Router, build_profile
-from router.scrape_client import PooledScrapeClient
+from router.core.admission import Admission
+from router.core.dispatch import DispatchGate
+from router.core.routing import Router, build_profile
+from router.core.tenant_admission import TenantAdmission
+from router.core.tenant_metrics import TenantMetrics
+from router.core.tenants import TenancyConfig
+from router.engine.attempt import EngineEdge
+from router.engine.feedback import Feedback
+from router.engine.proxy import Proxy
+from router.engine.scrape import PooledScrapeClient
+from router.epp.picker import EppServer
+from router.pd.leg import PdConfig
+from router.pd.legs import PdLegs
+from router.serve.client_fields import ClientFields
+from router.serve.dispatch import Dispatcher
+from router.serve.guard import Auth, Guard, Shedder
+from router.serve.idempotency import IdempotencyGuard
+from router.serve.intake import InputLimits, Intake, model_contexts
+from router.serve.loop_lag import LoopLag
+from router.serve.pipeline import Pipeline
 from router.telemetry import (
     Telemetry,
-    gauge,
+    admission_gauges,
+    budget_gauges,
+    dispatch_gauges,
+    epp_gauges,
     index_gauges,
     kubernetes_metrics,
+    lag_gauges,
     replica_gauges,
+    router_gauges,
+    shedder_gauges,
     tokenizer_cache_gauges,
 )
-from router.tenant_admission import TenantAdmission
-from router.tenant_metrics import TenantMetrics, budget_gauges
-from router.tenants import TenancyConfig
-from router.token_ids import TokenIdsCheck
-from router.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
+from router.tokens.token_ids import TokenIdsCheck
+from router.tokens.tokenizer import HfTokenizer, Tokenizer, make_tokenizer
 
 log = logging.getLogger("kvroute.services")
 
@@ -82,15 +97,22 @@ class Services:
     engine_metrics: MetricsScraper
     router: Router
     token_ids: TokenIdsCheck
+    #: the engine edge: the pool, open / payload / commit of one attempt, usage and TTFT feedback
+    edge: EngineEdge
     gate: DispatchGate
-    proxy: Proxy
+    #: dispatch chosen from the plan: in place (the attempts) or through the PD legs
+    dispatcher: Dispatcher
     admission: Admission
     idempotency: IdempotencyGuard
     loop_lag: LoopLag
     guard: Guard
     intake: Intake
-    #: identity, tenant quotas, the fair queue and SLO rejection (issue 20; wraps ``admission``)
+    #: identity, tenant quotas, the fair queue and SLO rejection (wraps ``admission``)
     tenants: TenantAdmission
+    #: the serving pipeline every front door calls (router/serve/pipeline.py)
+    pipeline: Pipeline
+    #: the endpoint picker (gRPC ext_proc front door, ``kvroute epp``); None: not served
+    epp: EppServer | None = None
     #: started in this order by ``run`` and stopped in reverse
     background: list[StartStop] = field(default_factory=list)
 
@@ -103,6 +125,15 @@ class Services:
 # ---------------------------------------------------------------------------------------------------------
 # the steps
 # ---------------------------------------------------------------------------------------------------------
+
+
+def _configure_engine_tls(settings: Settings) -> None:
+    """TLS to https:// engines (proxy, probes, scrapes, /tokenize): one verified context from Settings."""
+    engine_tls.configure(
+        engine_tls.EngineTLS(
+            settings.engine_ca_bundle, settings.engine_client_cert, settings.engine_client_key
+        )
+    )
 
 
 def _build_index(settings: Settings) -> PrefixIndex:
@@ -146,8 +177,17 @@ def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixInde
     return membership
 
 
+def _build_intake(settings: Settings, table: ReplicaTable, telemetry: Telemetry) -> Intake:
+    """The request front door: input limits, and router-controlled fields stripped (router/serve/client_fields.py)."""
+    return Intake(
+        InputLimits.from_settings(settings),
+        lambda: model_contexts(table.all()),
+        ClientFields(telemetry.registry),
+    )
+
+
 def _probe_over_pool(membership: Membership, client: PooledScrapeClient) -> None:
-    """Health probes through the proxy's engine pool (``router/scrape_client.py``), not httpx (issue 23: the
+    """Health probes through the proxy's engine pool (``router/engine/scrape.py``), not httpx (issue 23: the
     event-loop profile; the pool sends the same engine API key and TLS context the probes would)."""
     for checker in (membership.static.health, membership.discovered_health):
         if checker is not None:
@@ -190,32 +230,64 @@ def _configure_pd(settings: Settings, router: Router) -> None:
     router.pd_link_estimator = LinkEstimator(router.pd_link, settings.pd_link_learning())
 
 
-def _observe_transfers(proxy: Proxy, rep: Replica, snap: EngineSnapshot) -> None:
-    """A scrape's KV-transfer totals to the PD legs' link learning (``PdLegs.observe_engine_transfers``)."""
-    if isinstance(proxy.pd, PdLegs):
-        proxy.pd.observe_engine_transfers(rep, snap)
+def _observe_transfers(dispatcher: Dispatcher, rep: Replica, snap: EngineSnapshot) -> None:
+    """A scrape's KV-transfer totals to the PD legs' link learning (``PdLegs.observe_engine_transfers``), and its
+    engine start time to their restart detection (``PdLegs.observe_engine_start``)."""
+    if dispatcher.pd is not None:
+        dispatcher.pd.observe_engine_start(rep, snap)
+        dispatcher.pd.observe_engine_transfers(rep, snap)
 
 
-def _build_proxy(
-    settings: Settings,
-    router: Router,
-    telemetry: Telemetry,
-    token_ids: TokenIdsCheck,
-    gate: DispatchGate,
-    membership: Membership,
-) -> Proxy:
+def _build_edge(
+    settings: Settings, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck, membership: Membership
+) -> EngineEdge:
+    """The engine edge (pool, open / payload / commit), reporting connection failures to membership."""
+
     def on_connection_failure(rep: Replica, err: str) -> None:  # passive health
         membership.record_failure(rep.name, err)
 
-    proxy = Proxy(
-        router, telemetry, settings.proxy(), on_connection_failure=on_connection_failure, token_ids=token_ids
+    return EngineEdge(
+        telemetry,
+        settings.proxy(),
+        Feedback(router, telemetry),
+        token_ids=token_ids,
+        on_connection_failure=on_connection_failure,
     )
+
+
+def _build_dispatcher(
+    settings: Settings, router: Router, edge: EngineEdge, telemetry: Telemetry, gate: DispatchGate
+) -> Dispatcher:
+    """Dispatch chosen from the plan: the in-place attempts (behind the cache-first gate) and the PD legs."""
+    proxy = Proxy(router, edge, telemetry, settings.proxy())
     proxy.gate = gate
-    proxy.pd = PdLegs(
+    pd = PdLegs(
+        router,
+        edge,
         proxy,
-        PdConfig(protocol=settings.pd_protocol, default_bootstrap_port=settings.pd_default_bootstrap_port),
+        telemetry,
+        PdConfig(
+            protocol=settings.pd_protocol,
+            default_bootstrap_port=settings.pd_default_bootstrap_port,
+            max_prefill_answer_bytes=settings.pd_max_prefill_answer_bytes,
+            max_transfer_params_bytes=settings.pd_max_transfer_params_bytes,
+            mooncake_query_timeout_s=settings.pd_mooncake_query_timeout_s,
+            mooncake_ids_ttl_s=settings.pd_mooncake_ids_ttl_s,
+        ),
     )
-    return proxy
+    return Dispatcher(proxy, pd, telemetry)
+
+
+def _build_token_ids(settings: Settings, tokenizer: Tokenizer, table: ReplicaTable) -> TokenIdsCheck:
+    """Which replicas take prompts as the router's token ids (router/tokens/token_ids.py)."""
+    return TokenIdsCheck(
+        tokenizer,
+        table,
+        enabled=settings.forward_token_ids,
+        timeout_s=settings.tokenize_timeout_s,
+        interval_s=settings.probe_interval_s,
+        headers=settings.engine_headers(),
+    )
 
 
 def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> DispatchGate:
@@ -226,13 +298,34 @@ def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> 
     return DispatchGate(settings.dispatch(), index, settings.block_size, routable=routable)
 
 
-def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag) -> Guard:
-    """The front gate (``router.guard``): auth and loop-lag shedding from the headers, before any body."""
+def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag, admission: Admission) -> Guard:
+    """The front gate (``router.serve.guard``): auth and loop-lag shedding from the headers, before any body."""
     keys = [k.get_secret_value() for k in settings.api_keys]
-    if keys:  # keys that name a tenant are client keys too
+    if keys:  # keys that name a tenant, or may name any tenant, are client keys too
         keys += [e.get_secret_value().partition("=")[2].strip() for e in settings.tenant_api_keys]
+        keys += [k.get_secret_value() for k in settings.tenant_header_keys]
     auth = Auth(keys, settings.admin_token.get_secret_value() if settings.admin_token else None)
-    return Guard(auth, loop_lag, settings.max_event_loop_lag_s, settings.retry_after_s, telemetry)
+    guard = Guard(auth, None)
+    guard.shedder = _build_shedder(settings, loop_lag, admission, guard)
+    return guard
+
+
+def _build_shedder(settings: Settings, loop_lag: LoopLag, admission: Admission, guard: Guard) -> Shedder:
+    """The overload decision: the router's request work is its HTTP data-plane requests in progress, the
+    requests holding or queued for an in-flight slot (either door) and those waiting at the gate (an HTTP request
+    holding a slot counts twice: only whether the sum shrinks matters)."""
+
+    def work() -> int:
+        return guard.in_progress + admission.inflight + admission.waiting + shedder.waiting
+
+    shedder = Shedder(
+        loop_lag,
+        settings.max_event_loop_lag_s,
+        settings.event_loop_lag_sustain_s,
+        settings.event_loop_lag_max_wait_s,
+        work,
+    )
+    return shedder
 
 
 def _build_tenants(
@@ -245,8 +338,9 @@ def _build_tenants(
         TenancyConfig.from_settings(settings),
         budget,
         admission,
-        TenantMetrics(telemetry.registry, max_tenant_labels=1000),
+        TenantMetrics(telemetry.registry, settings.tenant_metrics_max_labels, settings.tenant_metrics_idle_s),
     )
+    telemetry.add_text(tenants.metrics.render_chunks)
     router.on_observation.append(tenants.observe)
     return tenants
 
@@ -278,30 +372,28 @@ def _register_metrics(svc: Services) -> None:
     t.add_gauges(lambda: admission_gauges(svc.admission))
     t.add_gauges(lambda: budget_gauges(svc.tenants.budget))
     t.add_gauges(lambda: lag_gauges(svc.loop_lag))
+    if svc.guard.shedder is not None:
+        shedder = svc.guard.shedder
+        t.add_gauges(lambda: shedder_gauges(shedder))
     if svc.membership.shared is not None:
         svc.membership.shared.register_metrics(t.registry)
     if svc.kv_events is not None:
         svc.kv_events.register_metrics(t.registry)
     svc.engine_metrics.register_metrics(t.registry)
+    if svc.epp is not None:
+        picker = svc.epp.picker
+        t.add_gauges(lambda: epp_gauges(picker.active))
 
 
 def _router_gauges(svc: Services) -> Iterator[Metric]:
-    """The router's own scrape-time values: in flight, panic decisions, token-id audits."""
-    yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(svc.inflight))
-    yield gauge(
-        "kvroute_panic_decisions",
-        "decisions made among unhealthy replicas because none was ready (cumulative)",
-        float(svc.router.panic_decisions),
-    )
-    yield gauge(
-        "kvroute_token_id_audits",
-        "prompts sent as ids re-checked against the replica's /tokenize (cumulative)",
-        float(svc.token_ids.audited),
-    )
-    yield gauge(
-        "kvroute_token_id_audit_mismatches",
-        "audited prompts the replica tokenized differently: it gets text from then on (cumulative)",
-        float(svc.token_ids.audit_mismatches),
+    """The router's own scrape-time values (rendered by ``router.telemetry.router_gauges``)."""
+    excluded = getattr(svc.router.policy, "excluded_candidates", None)
+    return router_gauges(
+        svc.inflight,
+        excluded if isinstance(excluded, int) else None,
+        svc.router.panic_decisions,
+        svc.token_ids.audited,
+        svc.token_ids.audit_mismatches,
     )
 
 
@@ -332,49 +424,11 @@ def _background(svc: Services) -> list[StartStop]:
     return out
 
 
-def build_services(settings: Settings) -> Services:
-    """Build every component from ``settings`` (nothing is started; see ``run``).
-
-    Raises:
-        ValueError / KeyError / TokenizerError: invalid configuration (message names the option).
-    """
-    headers = settings.engine_headers()
-    telemetry = Telemetry()
-    # TLS to https:// engines (proxy, probes, scrapes, /tokenize): one verified context from Settings
-    engine_tls.configure(
-        engine_tls.EngineTLS(
-            settings.engine_ca_bundle, settings.engine_client_cert, settings.engine_client_key
-        )
-    )
-    table = ReplicaTable(make_allocator(settings.membership()))  # ordinals / Redis registry / grace
-    index = _build_index(settings)
-    policy = make_policy(settings.policy, **settings.policy_params)
-    tokenizer = _build_tokenizer(settings)
-    membership = _build_membership(settings, table, index)
-    kv_events = signals.build_kv_events(settings, index)
-    # scrapes through the proxy's engine pool (router/scrape_client.py: issue 23's profile); the pool is the
-    # proxy's, created in the event loop when first used
-    engine_client = PooledScrapeClient(lambda: proxy.pool(), settings.engine_max_body_bytes)
-    engine_metrics = signals.build_engine_metrics(
-        settings,
-        table,
-        headers,
-        kv_events,
-        client=engine_client,
-        also_on_snapshot=lambda rep, snap: _observe_transfers(proxy, rep, snap),
-    )
-    _probe_over_pool(membership, engine_client)
-    router = _build_router(settings, table, index, policy, kv_events, membership)
-    token_ids = TokenIdsCheck(
-        tokenizer,
-        table,
-        enabled=settings.forward_token_ids,
-        timeout_s=settings.tokenize_timeout_s,
-        interval_s=settings.probe_interval_s,
-        headers=headers,
-    )
-    gate = _build_gate(settings, table, index)
-    proxy = _build_proxy(settings, router, telemetry, token_ids, gate, membership)
+def _build_front(
+    settings: Settings, telemetry: Telemetry, table: ReplicaTable, membership: Membership, router: Router
+) -> tuple[Admission, IdempotencyGuard, LoopLag, Guard, Intake, TenantAdmission]:
+    """The request front: the in-flight limit, idempotency keys, the loop-lag probe and the guard on it, body
+    intake, identity and tenant admission."""
     admission = Admission(
         settings.max_inflight_total, settings.max_queued_requests, settings.max_queue_wait_s
     )
@@ -382,9 +436,61 @@ def build_services(settings: Settings) -> Services:
     loop_lag = LoopLag(
         settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry
     )
-    guard = _build_guard(settings, telemetry, loop_lag)
-    intake = Intake(InputLimits.from_settings(settings), lambda: model_contexts(table.all()))
+    guard = _build_guard(settings, telemetry, loop_lag, admission)
+    intake = _build_intake(settings, table, telemetry)
     tenants = _build_tenants(settings, membership, admission, telemetry, router)
+    return admission, idempotency, loop_lag, guard, intake, tenants
+
+
+def build_services(settings: Settings, *, epp: bool = False) -> Services:
+    """Build every component from ``settings`` (nothing is started; see ``run``); with ``epp`` also the endpoint
+    picker's gRPC server (started after membership, stopped first).
+
+    Raises:
+        ValueError / KeyError / TokenizerError: invalid configuration (message names the option).
+    """
+    headers = settings.engine_headers()
+    telemetry = Telemetry()
+    _configure_engine_tls(settings)
+    table = ReplicaTable(make_allocator(settings.membership()))  # ordinals / Redis registry / grace
+    index = _build_index(settings)
+    policy = make_policy(settings.policy, **settings.policy_params)
+    tokenizer = _build_tokenizer(settings)
+    membership = _build_membership(settings, table, index)
+    kv_events = signals.build_kv_events(settings, index)
+    # scrapes through the proxy's engine pool (router/engine/scrape.py: issue 23's profile); the pool is the
+    # proxy's, created in the event loop when first used
+    engine_client = PooledScrapeClient(lambda: edge.pool(), settings.engine_max_body_bytes)
+    engine_metrics = signals.build_engine_metrics(
+        settings,
+        table,
+        headers,
+        kv_events,
+        client=engine_client,
+        also_on_snapshot=lambda rep, snap: _observe_transfers(dispatcher, rep, snap),
+    )
+    _probe_over_pool(membership, engine_client)
+    router = _build_router(settings, table, index, policy, kv_events, membership)
+    token_ids = _build_token_ids(settings, tokenizer, table)
+    gate = _build_gate(settings, table, index)
+    edge = _build_edge(settings, router, telemetry, token_ids, membership)
+    dispatcher = _build_dispatcher(settings, router, edge, telemetry, gate)
+    admission, idempotency, loop_lag, guard, intake, tenants = _build_front(
+        settings, telemetry, table, membership, router
+    )
+    pipeline = Pipeline(
+        settings,
+        telemetry,
+        table,
+        router,
+        tokenizer,
+        tenants,
+        intake,
+        membership,
+        guard,
+        token_ids,
+        dispatcher,
+    )
     _keep_index_honest(table, index, kv_events)
     svc = Services(
         settings=settings,
@@ -398,16 +504,21 @@ def build_services(settings: Settings) -> Services:
         engine_metrics=engine_metrics,
         router=router,
         token_ids=token_ids,
+        edge=edge,
         gate=gate,
-        proxy=proxy,
+        dispatcher=dispatcher,
         admission=admission,
         idempotency=idempotency,
         loop_lag=loop_lag,
         guard=guard,
         intake=intake,
         tenants=tenants,
+        pipeline=pipeline,
     )
     svc.background = _background(svc)
+    if epp:
+        svc.epp = EppServer(pipeline, edge.feedback)
+        svc.background.append((svc.epp.start, svc.epp.stop))
     _register_metrics(svc)
     return svc
 
@@ -436,7 +547,7 @@ async def run(svc: Services) -> AsyncIterator[None]:
             with contextlib.suppress(Exception):
                 await stop()
         await svc.gate.aclose()
-        await svc.proxy.aclose()
+        await svc.edge.aclose()
         await svc.tokenizer.aclose()
 
 

@@ -8,10 +8,10 @@ Metric names (all prefixed ``kvroute_``):
 * ``ttft_seconds{replica}``: router-measured time to first byte of the response body, seconds (histogram).
 * ``retries_total{reason}``, ``upstream_errors_total{reason}``: failed attempts, and requests that failed for good.
 * ``relayed_pieces_total{path}``: pieces of engine event streams relayed to clients, ``direct`` from the engine
-  connection's read callback or by the request's ``task`` (``router.proxy._Relay``).
+  connection's read callback or by the request's ``task`` (``router.engine.relay.Relay``).
 * ``tokenize_tokens_total{kind}``: prompt tokens the router tokenized (``tokenized``) or, past the fleet's cache
   frontier, only estimated (``estimated``); ``partial_ids_requests_total``: requests routed on a prefix of their
-  ids (``router.tokenize_frontier``).
+  ids (``router.tokens.frontier``).
 * ``prompt_tokens_total``, ``predicted_cached_tokens_total``, ``engine_cached_tokens_total``: for requests where
   the engine reported cached tokens, the router's prediction vs the engine's report, tokens.
 * ``cached_tokens_match_total{result}``: per request, ``exact`` when the prediction equals the engine's report,
@@ -32,11 +32,15 @@ Metric names (all prefixed ``kvroute_``):
   their collectors on this registry.
 * ``pd_plans_total{policy,kind}``, ``pd_legs_total{replica,leg}``, ``pd_leg_seconds{leg}``, ``pd_handoff_seconds``,
   ``pd_fallbacks_total{reason}``, ``pd_link_bandwidth_bytes_per_second``, ``pd_link_samples_total{outcome}``:
-  prefill/decode plans, their legs and the learned P->D link, owned by ``router.pd_proxy.PdMetrics`` on this
+  prefill/decode plans, their legs and the learned P->D link, owned by ``router.pd.leg.PdMetrics`` on this
   registry.
+* the router queue (``admission_gauges``), the dispatch gate (``dispatch_gauges``), the loop lag (``lag_gauges``,
+  ``shedder_gauges``), tenant quotas (``budget_gauges``), the endpoint picker's streams (``epp_gauges``), the
+  router's own values (``router_gauges``).
 
-One style: components expose ``stats()`` (or plain counters); the functions below render them, and
-``router.services`` registers each with ``Telemetry.add_gauges``.
+One style: components expose ``stats()`` or plain counters and never build a metric family; the functions here
+render them at scrape time (typed by what they read, so this module imports no component), and
+``router.services`` registers each with ``Telemetry.add_gauges`` (``tests/unit/test_layering.py`` checks it).
 
 Logs: one JSON object per line (``log_format=json``) via ``setup_logging``; secrets are never logged (settings are
 logged through ``Settings.safe_dict``).
@@ -44,12 +48,13 @@ logged through ``Settings.safe_dict``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -104,6 +109,7 @@ class Telemetry:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._texts: list[Callable[[], Iterator[bytes]]] = []
         r = self.registry
         self.requests = Counter(
             "kvroute_requests", "HTTP requests answered by route and status", ["route", "status"], registry=r
@@ -214,6 +220,12 @@ class Telemetry:
             registry=r,
         )
 
+    def add_text(self, chunks: Callable[[], Iterator[bytes]]) -> None:
+        """Register a source of exposition text appended after the registry's (whole metric families, in slices:
+        ``render_stream`` yields to the event loop between them). For families with many series (per tenant),
+        where prometheus_client's generic exposition is too slow for the event loop."""
+        self._texts.append(chunks)
+
     def add_gauges(self, fn: Callable[[], Iterable[Metric]]) -> None:
         """Register ``fn`` to produce gauge families at every scrape (index size, replica states, ...)."""
         self.registry.register(_FnCollector(fn))
@@ -241,7 +253,16 @@ class Telemetry:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        return b"".join([generate_latest(self.registry), *(c for source in self._texts for c in source())])
+
+    async def render_stream(self) -> AsyncIterator[bytes]:
+        """``render`` in pieces, yielding to the event loop between them (a scrape never holds the loop for the
+        whole exposition)."""
+        yield generate_latest(self.registry)
+        for source in self._texts:
+            for chunk in source():
+                await asyncio.sleep(0)
+                yield chunk
 
 
 def gauge(
@@ -389,3 +410,206 @@ def setup_logging(level: str = "info", fmt: str = "json") -> None:
 def monotonic() -> float:
     """The router's clock for latencies, seconds."""
     return time.monotonic()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scrape-time families: the components expose their counters (plain attributes), telemetry renders them here
+# (typed by what it reads, so telemetry imports no component)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class QueueCounts(Protocol):
+    """The router queue's counters (``router.core.admission.Admission``)."""
+
+    @property
+    def waiting(self) -> int: ...
+
+    queued_total: int
+    queue_wait_s_total: float
+
+
+class GateCounts(Protocol):
+    """The cache-first dispatch gate's counters (``router.core.dispatch.DispatchGate``)."""
+
+    queues: Any
+    gone_total: int
+
+
+class LagCounts(Protocol):
+    """The event-loop lag probe's readings (``router.serve.loop_lag.LoopLag``)."""
+
+    max_seen_s: float
+    own_max_seen_s: float
+
+    def lag_s(self) -> float: ...
+
+
+class WaitCounts(Protocol):
+    """Requests held while the loop lags (``router.serve.guard.Shedder``)."""
+
+    waiting: int
+    waited_total: int
+
+
+class BudgetCounts(Protocol):
+    """The tenant quotas' mode and takes (``membership.tenant_budget.TenantBudget``)."""
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def stats(self) -> Any: ...
+
+
+def admission_gauges(adm: QueueCounts) -> Iterator[Metric]:
+    """Gauge families of the router queue (collected at scrape time)."""
+    yield gauge(
+        "kvroute_queued_requests",
+        "requests waiting in the router queue for an in-flight slot",
+        float(adm.waiting),
+    )
+    yield gauge(
+        "kvroute_queue_waited_requests",
+        "requests that waited in the router queue (cumulative)",
+        float(adm.queued_total),
+    )
+    yield gauge(
+        "kvroute_queue_wait_seconds",
+        "total time requests waited in the router queue (cumulative, s)",
+        adm.queue_wait_s_total,
+    )
+
+
+def dispatch_gauges(gate: GateCounts) -> Iterator[Metric]:
+    """Gauge families of the dispatch gate (collected at scrape time)."""
+    q = gate.queues
+    yield gauge(
+        "kvroute_dispatch_waiting_requests",
+        "requests waiting in the router for their replica (cache-first dispatch gate)",
+        float(q.waiting()),
+    )
+    yield gauge(
+        "kvroute_dispatch_queued_requests",
+        "requests that waited for their replica (cumulative)",
+        float(q.queued_total),
+    )
+    yield gauge(
+        "kvroute_dispatch_reordered_requests",
+        "requests sent ahead of older ones because more of their prompt is cached (cumulative)",
+        float(q.reordered_total),
+    )
+    yield gauge(
+        "kvroute_dispatch_expired_requests",
+        "requests sent after waiting dispatch_max_wait_s (cumulative)",
+        float(q.expired_total),
+    )
+    yield gauge(
+        "kvroute_dispatch_failed_over_requests",
+        "waiting requests moved to another replica because theirs stopped being routable (cumulative)",
+        float(gate.gone_total),
+    )
+    yield gauge(
+        "kvroute_dispatch_wait_seconds",
+        "total time requests waited for their replica (cumulative, s)",
+        q.wait_s_total,
+    )
+    yield gauge(
+        "kvroute_dispatch_sent_prefill_tokens",
+        "uncached prompt tokens sent to replicas whose first token is pending (gate's count)",
+        float(sum(q.queue(r).sent_tokens for r in q.replicas())),
+    )
+
+
+def lag_gauges(lag: LagCounts) -> Iterator[Metric]:
+    """Gauge families of the loop lag (collected at scrape time)."""
+    yield gauge(
+        "kvroute_event_loop_lag_recent_seconds",
+        "the event loop's current lag: largest probe delay within "
+        "event_loop_lag_window_s, or the probe's overdue time (s)",
+        lag.lag_s(),
+    )
+    yield gauge(
+        "kvroute_event_loop_lag_max_seconds", "largest event-loop probe delay since start (s)", lag.max_seen_s
+    )
+    yield gauge(
+        "kvroute_event_loop_own_lag_max_seconds",
+        "largest part of an event-loop probe delay the router's own work explained, since start (s)",
+        lag.own_max_seen_s,
+    )
+
+
+def shedder_gauges(shedder: WaitCounts) -> Iterator[Metric]:
+    """Gauge families of the requests held while the loop lags (collected at scrape time)."""
+    yield gauge(
+        "kvroute_lag_waiting_requests",
+        "new requests waiting for the event loop's lag to pass (not an overload of the router's own)",
+        float(shedder.waiting),
+    )
+    yield gauge(
+        "kvroute_lag_waited_requests",
+        "new requests that waited for the event loop's lag to pass (cumulative)",
+        float(shedder.waited_total),
+    )
+
+
+def budget_gauges(budget: BudgetCounts) -> Iterator[Metric]:
+    """The quota mode and the takes per mode (collected at scrape time)."""
+    mode = GaugeMetricFamily(
+        "kvroute_tenant_budget_mode",
+        "1 for the current tenant-quota mode: shared "
+        "(Redis), local_fallback (Redis unreachable: quota / tenant_expected_routers per "
+        "router), local (no Redis)",
+        labels=["mode"],
+    )
+    for name in ("shared", "local_fallback", "local"):
+        mode.add_metric([name], 1.0 if budget.mode == name else 0.0)
+    yield mode
+    takes = CounterMetricFamily("kvroute_tenant_budget_takes", "quota takes by mode", labels=["mode"])
+    st = budget.stats
+    takes.add_metric(["shared"], float(st.shared_takes))
+    takes.add_metric(["local_fallback"], float(st.fallback_takes))
+    takes.add_metric(["local"], float(st.local_takes))
+    yield takes
+
+
+def epp_gauges(active: int) -> Iterator[Metric]:
+    """The endpoint picker's open streams."""
+    yield gauge(
+        "kvroute_epp_streams_active",
+        "endpoint-picker streams open now (one per request the gateway is processing)",
+        float(active),
+    )
+
+
+def router_gauges(
+    inflight: int,
+    excluded_candidates: int | None,
+    panic_decisions: int,
+    token_id_audits: int,
+    token_id_mismatches: int,
+) -> Iterator[Metric]:
+    """The router's own scrape-time values: in flight, candidates the policy could not score (None: the policy
+    does not count them), panic decisions, token-id audits."""
+    yield gauge("kvroute_inflight_requests", "requests in flight through the router", float(inflight))
+    if excluded_candidates is not None:
+        yield gauge(
+            "kvroute_policy_excluded_candidates",
+            "candidates left out of routing decisions because their score could not be computed (not finite or "
+            "negative: broken load values; cumulative)",
+            float(excluded_candidates),
+        )
+    yield gauge(
+        "kvroute_panic_decisions",
+        "decisions made among unhealthy replicas because none was ready (cumulative)",
+        float(panic_decisions),
+    )
+    yield gauge(
+        "kvroute_token_id_audits",
+        "prompts sent as ids re-checked against the replica's /tokenize (cumulative)",
+        float(token_id_audits),
+    )
+    yield gauge(
+        "kvroute_token_id_audit_mismatches",
+        "audited prompts the replica tokenized differently: it gets text from then on (cumulative)",
+        float(token_id_mismatches),
+    )

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import orjson
 
-from loadtest.ports import free_port as free_port  # re-exported: the tests take it from here
-from loadtest.workload import TRACE_NAME, find_trace, trace_dirs
+from fakes.ports import free_port as free_port  # re-exported: the tests take it from here
+from sim.workload import TRACE_NAME, find_trace, trace_dirs
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -254,9 +254,11 @@ class PageServer:
         self.srv.server_close()
 
 
-def start_fake_engine(*args: str, attempts: int = 3, timeout: float = 30.0) -> tuple[Proc, int, int, int]:
-    """Start ``kvroute fake-engine`` on three free ports (HTTP, KV events, replay) plus ``args`` and wait until it
-    answers ``/health``. ``free_port`` cannot reserve a port: when another process takes one first, the engine exits
+def start_fake_engine(
+    *args: str, attempts: int = 3, timeout: float = 30.0, env: dict[str, str] | None = None
+) -> tuple[Proc, int, int, int]:
+    """Start ``kvroute fake-engine`` on three free ports (HTTP, KV events, replay) plus ``args`` (and ``env`` added to
+    its environment) and wait until it answers ``/health``. ``free_port`` cannot reserve a port: when another process takes one first, the engine exits
     ('address already in use') and is started again on new ports (at most ``attempts`` times).
 
     Returns the process and its HTTP, events and replay ports.
@@ -274,6 +276,7 @@ def start_fake_engine(*args: str, attempts: int = 3, timeout: float = 30.0) -> t
             "--kv-replay-port",
             str(rp),
             *args,
+            env=env,
         )
         url = f"http://127.0.0.1:{port}/health"
 
@@ -300,7 +303,7 @@ def start_fake_engine(*args: str, attempts: int = 3, timeout: float = 30.0) -> t
 
 def shared_trace(name: str = TRACE_NAME) -> Path:
     """The shared real trace, read in place (never copied into the repo; where it is looked for:
-    ``loadtest.workload.trace_dirs``).
+    ``sim.workload.trace_dirs``).
 
     The trace is public data the repository may not carry (the README's demo falls back to a generated workload
     without it), so a test that needs it is skipped, naming where it looked, on a checkout without it; CI and

@@ -1,4 +1,4 @@
-"""loadtest.fleet: real fake-engine processes on loopback are always stopped, also when things fail."""
+"""fakes.fleet: real fake-engine processes on loopback are always stopped, also when things fail."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from loadtest.fleet import EngineOptions, Fleet, FleetError, prefix_counters
+from fakes.fleet import EngineOptions, Fleet, FleetError, prefix_counters
 
 
 def _gone(pid: int) -> bool:

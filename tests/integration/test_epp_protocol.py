@@ -1,5 +1,6 @@
 """``kvroute epp`` as a real process between a gateway stand-in (a real gRPC client built from Envoy's ext_proc
-protos, ``tests/integration/epp_gateway.py``) and real ``kvroute fake-engine`` processes on loopback.
+protos, ``loadtest/epp_gateway.py``, dialing TLS as gateways do) and real ``kvroute fake-engine`` processes on
+loopback.
 
 Covers the endpoint-picker protocol: destination header and ``envoy.lb`` metadata (identical), route-cache
 clearing, bodies re-streamed within Envoy's message limit (also bodies larger than one message), headers-only
@@ -20,7 +21,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loadtest.epp_gateway import GatewayStream, stub_for
+from loadtest.epp_gateway import FULL_DUPLEX, GatewayStream, channel_for, stub_for
 from tests.helpers import Proc, free_port, metric, start_fake_engine, wait_until
 
 MODEL = "m"
@@ -32,10 +33,16 @@ class Fleet:
     grpc_port: int
     engines: list[str]  # ip:port
     router: Proc
+    tls: bool = True  # the picker serves TLS (the default); False: started with --grpc-insecure
 
-    def stream(self) -> GatewayStream:
-        _, stub = stub_for(self.grpc_port)
-        return GatewayStream(stub)
+    def stream(
+        self, mode: int = FULL_DUPLEX, response_mode: int | None = None, timeout: float = 20.0
+    ) -> GatewayStream:
+        _, stub = stub_for(self.grpc_port, tls=self.tls)
+        return GatewayStream(stub, timeout, mode=mode, response_mode=response_mode)
+
+    def channel(self) -> grpc.Channel:
+        return channel_for(self.grpc_port, tls=self.tls)
 
     def inflight(self) -> int:
         reps = httpx.get(self.http + "/replicas", timeout=5).json()["replicas"]
@@ -60,7 +67,9 @@ def _engine(seed: int) -> tuple[Proc, int]:
     return proc, port
 
 
-def start_epp(replicas: list[str], *extra: str, ready: int | None = None) -> Fleet:
+def start_epp(replicas: list[str], *extra: str, ready: int | None = None, tls: bool = True) -> Fleet:
+    """``kvroute epp`` on ``replicas`` (serving TLS unless ``tls`` is False: ``--grpc-insecure``), up (and with
+    ``ready`` routable replicas)."""
     port, gport = free_port(), free_port()
     args = [
         "epp",
@@ -78,6 +87,7 @@ def start_epp(replicas: list[str], *extra: str, ready: int | None = None) -> Fle
         "0.5",
         "--log-level",
         "warning",
+        *([] if tls else ["--grpc-insecure"]),
         *extra,
     ]
     for i, url in enumerate(replicas):
@@ -95,7 +105,7 @@ def start_epp(replicas: list[str], *extra: str, ready: int | None = None) -> Fle
     except BaseException:
         router.stop()
         raise
-    return Fleet(http, gport, [u.removeprefix("http://") for u in replicas], router)
+    return Fleet(http, gport, [u.removeprefix("http://") for u in replicas], router, tls)
 
 
 def _get_ok(url: str) -> bool:
@@ -239,7 +249,7 @@ def test_http_service_and_grpc_health_in_epp_mode(fleet: Fleet) -> None:
     assert metric(fleet.http, "kvroute_epp_streams_active") == 1
     s.cancel()
     wait_until(lambda: metric(fleet.http, "kvroute_epp_streams_active") == 0, timeout=5, what="stream closed")
-    channel = grpc.insecure_channel(f"127.0.0.1:{fleet.grpc_port}")
+    channel = fleet.channel()
     stub = health_pb2_grpc.HealthStub(channel)
     for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
         resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
@@ -248,14 +258,15 @@ def test_http_service_and_grpc_health_in_epp_mode(fleet: Fleet) -> None:
 
 
 def test_no_ready_replica_is_503_and_shedding_is_429() -> None:
+    """(In plaintext: ``--grpc-insecure``, for gateways that dial h2c.)"""
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: never ready
-    f = start_epp([dead], "--no-panic-routing")
+    f = start_epp([dead], "--no-panic-routing", tls=False)
     try:
         s = f.stream()
         picked = s.request("/v1/completions", _body("nobody home"))
         assert picked.status == 503
         assert picked.immediate_headers()["x-kvroute-rejected-reason"] == "no_routable_replica"
-        channel = grpc.insecure_channel(f"127.0.0.1:{f.grpc_port}")
+        channel = f.channel()
         resp = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="readiness"), timeout=5
         )
@@ -267,7 +278,13 @@ def test_no_ready_replica_is_503_and_shedding_is_429() -> None:
     g: Fleet | None = None
     try:
         g = start_epp(
-            [f"http://127.0.0.1:{port}"], "--max-inflight-total", "1", "--max-queued-requests", "0", ready=1
+            [f"http://127.0.0.1:{port}"],
+            "--max-inflight-total",
+            "1",
+            "--max-queued-requests",
+            "0",
+            ready=1,
+            tls=False,
         )
         first = g.stream()
         assert first.request("/v1/completions", _body("one")).immediate is None  # holds the only slot
@@ -288,7 +305,7 @@ def test_no_ready_replica_is_503_and_shedding_is_429() -> None:
 
 
 def test_tenant_identity_quota_and_slo_through_the_picker() -> None:
-    """The picker admits like the HTTP front door (router/tenant_admission.py): a malformed identity header is a
+    """The picker admits like the HTTP front door (router/core/tenant_admission.py): a malformed identity header is a
     400 naming it, a tenant over its quota a 429 ``quota``, an unattainable TTFT target a 429
     ``slo_unattainable``, and an admitted request is counted for its tenant and class."""
     engine, port = _engine(4)

@@ -161,7 +161,7 @@ def test_bad_requests_get_clear_errors(vllm_engine: Engine, body: bytes, status:
     r = httpx.post(
         vllm_engine.url + "/v1/completions", content=body, headers={"content-type": "application/json"}
     )
-    assert r.status_code == status and needle in r.json()["message"]
+    assert r.status_code == status and needle in r.json()["error"]["message"]
 
 
 def test_vllm_metrics_parse(vllm_engine: Engine) -> None:

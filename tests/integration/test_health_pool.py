@@ -1,5 +1,5 @@
 """Health probes over the router's own engine pool (issue 23, the event-loop cut): ``HealthChecker.use_client``
-with ``router.scrape_client.PooledScrapeClient``, against real loopback HTTP servers; and the router process
+with ``router.engine.scrape.PooledScrapeClient``, against real loopback HTTP servers; and the router process
 probing its engines through that pool (not httpx), with the engine API key."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import httpx
 
 from membership.health import HealthChecker, HookClient
 from membership.replicas import Replica, ReplicaState, ReplicaTable
-from router.engine_client import EnginePool
-from router.scrape_client import PooledScrapeClient
+from router.engine.client import EnginePool
+from router.engine.scrape import PooledScrapeClient
 from tests.helpers import free_port, wait_until
 from tests.integration.engine_standins import RawEngine, vllm_like
 from tests.integration.test_abuse_engine import serve

@@ -156,8 +156,8 @@ def explicit_settings_env(objects: Sequence[dict[str, Any]]) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------------------
 
 #: kinds from CRDs that kubernetes-validate has no schema for; everything else must validate (InferencePool is
-#: validated against its vendored CRD schema in test_helm_epp.py)
-CRD_KINDS = {"ServiceMonitor", "InferencePool"}
+#: validated against its vendored CRD schema in test_helm_epp.py, which also checks Istio's DestinationRule)
+CRD_KINDS = {"ServiceMonitor", "InferencePool", "DestinationRule"}
 #: every optional feature on, so validation covers every template
 ALL_FEATURES = {
     "redis.enabled": "false",

@@ -90,7 +90,7 @@ def test_epp_example_renders_a_valid_pool_pointing_at_the_grpc_service(
     svc = one(objects, "Service", ref["name"])
     port = next(p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"])
     assert ref["kind"] == "Service" and ref["failureMode"] == "FailClose"
-    assert port["appProtocol"] == "kubernetes.io/h2c"
+    assert port["appProtocol"] == "http2"  # gRPC over TLS (the picker's default)
     container = router_container(objects)
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert named[port["targetPort"]] == chart_settings(objects, monkeypatch).epp_grpc_port
@@ -185,3 +185,58 @@ def test_rendered_pool_drives_discovery_configured_by_the_chart(
     finally:
         pools.stop()
         pods.stop()
+
+
+def _destination_rule(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    rules = [o for o in objects if o["kind"] == "DestinationRule"]
+    assert len(rules) == 1, [o["metadata"]["name"] for o in rules]
+    return rules[0]
+
+
+def test_istio_gets_a_destination_rule_for_the_pickers_tls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Istio dials the picker's TLS port with tls.mode SIMPLE + insecureSkipVerify (as GIE's chart renders): the
+    rule's host is the EPP Service the pool points at, and the picker serves TLS (not --grpc-insecure)."""
+    objects = render([EXAMPLE])
+    rule = _destination_rule(objects)
+    assert rule["apiVersion"] == "networking.istio.io/v1" and rule["metadata"]["namespace"] == NAMESPACE
+    ref = one(objects, "InferencePool", FULLNAME)["spec"]["endpointPickerRef"]
+    assert rule["spec"]["host"] == f"{ref['name']}.{NAMESPACE}.svc.cluster.local"
+    assert rule["spec"]["trafficPolicy"] == {"tls": {"mode": "SIMPLE", "insecureSkipVerify": True}}
+    settings = chart_settings(objects, monkeypatch)
+    assert not settings.epp_grpc_insecure and not settings.epp_tls_cert_file  # TLS, self-signed
+    # plaintext on request: the Service says h2c and Istio turns TLS off toward it
+    plain = render([EXAMPLE], {"config.epp_grpc_insecure": "true"})
+    svc = one(plain, "Service", ref["name"])
+    assert svc["spec"]["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
+    assert _destination_rule(plain)["spec"]["trafficPolicy"] == {"tls": {"mode": "DISABLE"}}
+    assert chart_settings(plain, monkeypatch).epp_grpc_insecure
+    # other gateways (kgateway, Envoy AI Gateway) dial TLS by themselves: no rule, no Istio CRD needed
+    others = render([EXAMPLE], {"epp.istio.destinationRule": "false"})
+    assert not [o for o in others if o["kind"] == "DestinationRule"]
+
+
+def test_a_tls_secret_is_mounted_and_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    objects = render([EXAMPLE], {"epp.tls.secretName": "epp-cert"})
+    dep = one(objects, "Deployment", FULLNAME)
+    volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v.get("secret"))
+    assert volume["secret"] == {"secretName": "epp-cert"}
+    mount = next(m for m in router_container(objects)["volumeMounts"] if m["name"] == volume["name"])
+    assert mount["readOnly"] is True
+    settings = chart_settings(objects, monkeypatch)
+    assert settings.epp_tls_cert_file == f"{mount['mountPath']}/tls.crt"  # a kubernetes.io/tls Secret's keys
+    assert settings.epp_tls_key_file == f"{mount['mountPath']}/tls.key"
+    assert not [
+        v
+        for v in one(render([EXAMPLE]), "Deployment", FULLNAME)["spec"]["template"]["spec"]["volumes"]
+        if v.get("secret")
+    ]
+
+
+def test_pool_annotations_for_envoy_ai_gateways_buffered_mode() -> None:
+    key = "aigateway.envoyproxy.io/processing-body-mode"
+    objects = render(
+        [EXAMPLE], {f"epp.inferencePool.annotations.{key.replace('.', chr(92) + '.')}": "buffered"}
+    )
+    pool = one(objects, "InferencePool", FULLNAME)
+    assert pool["metadata"]["annotations"] == {key: "buffered"}
+    validate_pool(pool)

@@ -328,3 +328,50 @@ def test_pd_example_discovers_roles_and_bootstrap_ports(
         }
     finally:
         watcher.stop()
+
+
+def test_nixl_pd_example_engines_announce_their_pod_ip_as_the_side_channel(
+    api: FakeKubeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-nixl-pd.yaml renders a prefill and a decode StatefulSet whose vLLM runs the NIXL connector with
+    VLLM_NIXL_SIDE_CHANNEL_HOST from the downward API's pod IP (its default, localhost, makes a decode engine in
+    another pod handshake with itself) and a declared side-channel port; their pods are discovered by the router
+    configured from the same render, with the roles the example labels them with."""
+    objects = render([EXAMPLES / "vllm-nixl-pd.yaml"])
+    settings = chart_settings(objects, monkeypatch)
+    engines = [o for o in objects if o["kind"] == "StatefulSet" and "vllm" in o["metadata"]["name"]]
+    roles = {s["spec"]["template"]["metadata"]["labels"]["llm-d.ai/role"]: s for s in engines}
+    assert set(roles) == {"prefill", "decode"}
+    for sts in engines:
+        container = sts["spec"]["template"]["spec"]["containers"][0]
+        args = container["args"]
+        transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert transfer["kv_connector"] == "NixlConnector" and transfer["kv_role"] == "kv_both"
+        env = {e["name"]: e for e in container["env"]}
+        host = env["VLLM_NIXL_SIDE_CHANNEL_HOST"]
+        assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP" and "value" not in host
+        ports = {p["containerPort"] for p in container["ports"]}
+        assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"]) in ports
+        assert f"--block-size={settings.block_size}" in args
+    opts = options_from(settings, api.url)
+    opts.role_label = settings.pd_role_label
+    for role, sts in roles.items():
+        template = sts["spec"]["template"]
+        api.add_pod(
+            f"{sts['metadata']['name']}-0",
+            NAMESPACE,
+            labels=template["metadata"]["labels"],
+            annotations=template["metadata"]["annotations"],
+            ip="10.5.0.1" if role == "prefill" else "10.5.0.2",
+            container_port=8000,
+        )
+    table = ReplicaTable()
+    watcher = PodWatcher(table, opts).start()
+    try:
+        wait_until(lambda: len([r for r in table.all() if r.routable]) == 2, timeout=20.0, what="2 replicas")
+        assert sorted((r.role, r.dialect, r.url) for r in table.all()) == [
+            ("decode", "vllm", "http://10.5.0.2:8000"),
+            ("prefill", "vllm", "http://10.5.0.1:8000"),
+        ]
+    finally:
+        watcher.stop()

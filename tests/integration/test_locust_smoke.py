@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadtest.fleet import EngineOptions, Fleet
-from loadtest.workload import ensure_model_dir
+from fakes.fleet import EngineOptions, Fleet
+from sim.workload import ensure_model_dir
 from tests.helpers import REPO
 
 

@@ -8,7 +8,7 @@ import json
 
 import httpx
 
-from loadtest.fleet import EngineOptions, Fleet, pd_roles, scaled_profile_args
+from fakes.fleet import EngineOptions, Fleet, pd_roles, scaled_profile_args
 
 
 def _prefill_terms(router: str, prompt: list[int]) -> float:

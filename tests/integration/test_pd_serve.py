@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation end to end: ``kvroute serve`` in front of PD stand-in engines (issue 19).
 
-The stand-in engines speak the PD protocols (loadtest/fake_pd.py): a decode engine that gets no or wrong hand-off
+The stand-in engines speak the PD protocols (fakes/fake_pd.py): a decode engine that gets no or wrong hand-off
 parameters recomputes and counts it, a vLLM prefill leg that is streamed or asks for more than one token is
 counted, DP ranks are counted per rank, aborts are counted. So every test here fails when the router gets the
 protocol wrong. Every request is compared with the plan ``POST /route`` predicted for it just before.
@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.fleet import EngineOptions, Fleet, pd_roles
+from fakes.fleet import EngineOptions, Fleet, pd_roles
 from tests.helpers import metric, wait_until
 
 PROMPT = [1000 + (i * 7) % 5000 for i in range(600)]  # token ids: no tokenizer involved

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from membership.shared_state import SharedState, SharedStateUnavailable
+from membership.shared_state import ResponseMap, SharedState, SharedStateUnavailable
 from tests.redis_server import RedisServer
 
 
@@ -144,6 +144,60 @@ async def test_redis_killed_and_restarted(server: RedisServer) -> None:
                 break
         assert ("vllm-2", [42]) in got_b
         assert (await a.idempotency_begin("k-after")).state == "new"
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_response_ids_shared_by_router_replicas_with_ttl(server: RedisServer) -> None:
+    a, b = await _pair(server.url)
+    map_a = ResponseMap(a, ttl_s=120, local_max=100)
+    map_b = ResponseMap(b, ttl_s=120, local_max=100)
+    try:
+        assert await map_a.remember("resp_0123abcd", "vllm-1")
+        assert await map_b.lookup("resp_0123abcd") == "vllm-1"  # written by a, read by b through Redis
+        assert map_b.stats.hits_shared == 1
+        raw = redis.Redis.from_url(server.url)
+        key = f"{a.prefix}resp:resp_0123abcd"
+        assert raw.get(key) == b"vllm-1" and 100 < raw.ttl(key) <= 120
+        raw.expire(key, 5)
+        assert await map_b.lookup("resp_0123abcd") == "vllm-1"
+        assert raw.ttl(key) > 100  # a lookup refreshes the lifetime for every router
+        assert await map_b.lookup("resp_unknown") is None and map_b.stats.misses == 1
+        await map_b.forget("resp_0123abcd")
+        assert raw.get(key) is None
+        assert await map_a.lookup("resp_0123abcd") == "vllm-1"  # a's own local copy (never wrong, only stale)
+        assert map_a.stats.repaired == 1 and raw.get(key) == b"vllm-1"  # and written back
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_response_ids_survive_a_redis_outage(server: RedisServer) -> None:
+    a, b = await _pair(server.url)
+    map_a = ResponseMap(a, ttl_s=300, local_max=1000)
+    map_b = ResponseMap(b, ttl_s=300, local_max=1000)
+    try:
+        await map_a.remember("resp_before", "vllm-0")
+        server.stop()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i in range(20):  # never raises, never waits long
+            assert await map_a.remember(f"resp_{i}", "vllm-2")
+            assert await map_a.lookup(f"resp_{i}") == "vllm-2"
+        assert loop.time() - t0 < 3.0
+        await _wait(lambda: not a.available and not b.available, 5.0, "outage detected")
+        assert await map_a.lookup("resp_before") == "vllm-0"
+        assert await map_b.lookup("resp_7") is None  # b never saw it: nothing shared while Redis is down
+        assert map_a.stats.local_fallbacks >= 1
+        server.start()  # same port, empty data
+        await _wait(lambda: a.available and b.available, 10.0, "reconnected")
+        raw = redis.Redis.from_url(server.url)
+        await _wait(
+            lambda: raw.get(f"{a.prefix}resp:resp_7") == b"vllm-2", 5.0, "local response ids re-published"
+        )
+        assert await map_b.lookup("resp_7") == "vllm-2" and await map_b.lookup("resp_before") == "vllm-0"
+        assert map_a.stats.republished == 21 and 0 < raw.ttl(f"{a.prefix}resp:resp_7") <= 300
     finally:
         await a.stop()
         await b.stop()

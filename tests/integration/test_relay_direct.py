@@ -1,5 +1,5 @@
 """The direct stream relay (issue 23): engine pieces are written to the client from the engine connection's read
-callback (``router.proxy._Relay._sink``), through the real router process (``kvroute serve``) and raw loopback
+callback (``router.engine.relay.Relay._sink``), through the real router process (``kvroute serve``) and raw loopback
 engines. What must hold on that path, each checked here:
 
 * every byte arrives, in order, and the pieces are counted by path (``kvroute_relayed_pieces_total``);

@@ -7,6 +7,7 @@ falls back to predicted entries. The decoder itself is fuzzed in tests/unit/test
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +17,7 @@ import msgpack
 import pytest
 import zmq
 
-from loadtest.kv_publisher import PubStored, encode_batch
+from fakes.kv_publisher import PubStored, encode_batch
 from tests.helpers import Proc, free_port, metric, wait_until
 from tests.integration.test_reliability_support import MODEL, Eng, engines, router
 
@@ -185,3 +186,179 @@ def test_idle_engine_restart_clears_its_stale_entries_in_the_router() -> None:
             finally:
                 new.stop()
         assert "Traceback" not in r.proc.output()
+
+
+# -- a hostile replay: one event source adds at most ~100 MB, whatever it sends ---------------------------------
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+class HostileReplay:
+    """An engine's replay ROUTER (and an idle PUB) that, once ``armed`` is set, answers every replay request with
+    ``payload`` batches (seq from the requested start) at about ``rate_bytes_s``, with an end marker after
+    ``batches`` of them or never (None); requests before that go unanswered. Bounded: at most ``max_bytes`` and
+    ``max_s`` seconds in all; stopped on exit."""
+
+    def __init__(
+        self, payload: bytes, batches: int | None, rate_bytes_s: float, max_bytes: int, max_s: float
+    ) -> None:
+        self.payload, self.batches, self.rate = payload, batches, rate_bytes_s
+        self.max_bytes, self.max_s = max_bytes, max_s
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        for s in (self.pub, self.router):
+            s.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.SNDHWM, 1_000_000)
+        self.pub_port, self.replay_port = free_port(), free_port()
+        self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
+        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.sent = 0
+        self.requests = 0
+        self.armed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HostileReplay:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.pub.close(0)
+        self.router.close(0)
+        self.ctx.term()
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.max_s + 60  # until armed; then max_s from the first answer
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            if not self.router.poll(100):
+                continue
+            ident, _, start = self.router.recv_multipart()
+            if not self.armed.is_set():
+                continue  # the router's replay times out; its degraded retry asks again
+            if self.requests == 0:
+                t0 = time.monotonic()
+                deadline = t0 + self.max_s
+            self.requests += 1
+            seq, n = int.from_bytes(start, "big"), 0
+            while not self._stop.is_set() and time.monotonic() < deadline and self.sent < self.max_bytes:
+                if self.batches is not None and n >= self.batches:
+                    self.router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+                    break
+                self.router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), self.payload])
+                seq, n, self.sent = seq + 1, n + 1, self.sent + len(self.payload)
+                ahead = self.sent / self.rate - (time.monotonic() - t0)
+                if ahead > 0:
+                    self._stop.wait(ahead)  # the engine's send rate
+                if self.router.poll(0):
+                    break  # a new request: answer it from its start
+
+
+def _big_batch(events: int, blocks: int, first_hash: int) -> bytes:
+    """A vLLM batch of ``events`` BlockStored events of ``blocks`` blocks each (token ids 1: one byte each in
+    msgpack, four decoded)."""
+    evs = [
+        PubStored(
+            hashes=[first_hash + e * blocks + k for k in range(blocks)],
+            parent=None,
+            token_ids=[1] * (blocks * BS),
+            block_size=BS,
+        )
+        for e in range(events)
+    ]
+    return encode_batch(evs, "vllm", time.time())
+
+
+def _serve_hostile(e: Eng, hostile: HostileReplay, *args: str) -> Proc:
+    spec = (
+        f"name=e0,url={e.url},dialect=vllm,model={MODEL},events=tcp://127.0.0.1:{hostile.pub_port},"
+        f"replay=tcp://127.0.0.1:{hostile.replay_port}"
+    )
+    port = free_port()
+    proc = Proc.kvroute(
+        *("serve", "--host", "127.0.0.1", "--port", str(port), "--tokenizer-mode", "bytes"),
+        *("--replica", spec, "--log-level", "warning", "--index-max-nodes", "250000"),
+        *("--kv-replay-idle-timeout-s", "1", "--kv-degraded-retry-s", "1", *args),
+    )
+    proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return proc
+
+
+def test_endless_replay_costs_the_router_under_100_mb() -> None:
+    """Big batches with no end marker, 1 GiB within 20 s (main: +255 MB, the whole 256 MiB replay budget held
+    raw): the replay is cut at ``kv_replay_max_bytes`` (64 MiB), counted, logged, the replica cleared and
+    degraded; the router's RSS grows less than 100 MB throughout."""
+    payload = _big_batch(16, 256, 1)  # ~1.3 MB
+    with (
+        engines(("e0", [])) as engs,
+        HostileReplay(payload, None, rate_bytes_s=60 << 20, max_bytes=1 << 30, max_s=20) as hostile,
+    ):
+        proc = _serve_hostile(engs[0], hostile)
+        try:
+            u = proc.url  # type: ignore[attr-defined]
+            wait_until(lambda: httpx.get(u + "/healthz", timeout=1).status_code == 200, timeout=30)
+            wait_until(lambda: _events(u)["degraded"], timeout=15, what="the unanswered replay failed")
+            rss0 = _rss_mb(proc.popen.pid)
+            peak = rss0
+            hostile.armed.set()
+            deadline = time.monotonic() + 25
+            while time.monotonic() < deadline and hostile.sent < (1 << 30):
+                peak = max(peak, _rss_mb(proc.popen.pid))
+                time.sleep(0.2)  # the RSS sampling period
+            peak = max(peak, _rss_mb(proc.popen.pid))
+            assert hostile.sent > 256 << 20, hostile.sent  # the engine did send far more than the budget
+            assert metric(u, "kvroute_kv_event_replays_total", outcome="too_large") >= 1
+            assert _events(u)["degraded"] is True
+            assert peak - rss0 < 100, f"router RSS {rss0:.0f} -> peak {peak:.0f} MB"
+            print(
+                f"endless replay: {hostile.sent >> 20} MiB sent, router RSS {rss0:.0f} -> peak {peak:.0f} MB"
+            )
+            assert httpx.get(u + "/healthz", timeout=5).status_code == 200
+        finally:
+            out = proc.stop()
+    assert "from seq 0: too_large" in out, out[-2000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_replay_over_the_budget_when_decoded_is_dropped_cleared_and_degraded() -> None:
+    """A replay that ends, but whose batches take 4x their size decoded (60 MB of payloads, ~27 MB decoded per
+    batch): decoding is bounded by the same 64 MiB budget as receiving, so the replay is dropped
+    (``dropped{decoded_too_large}``, the rest ``dropped{replay_over_budget}``), the replica cleared and degraded, and the
+    router's RSS grows less than 100 MB."""
+    payload = _big_batch(64, 4096, 1)  # ~5.2 MB raw
+    batches = (60 << 20) // len(payload)
+    with (
+        engines(("e0", [])) as engs,
+        HostileReplay(payload, batches, rate_bytes_s=200 << 20, max_bytes=1 << 30, max_s=20) as hostile,
+    ):
+        proc = _serve_hostile(engs[0], hostile)
+        try:
+            u = proc.url  # type: ignore[attr-defined]
+            wait_until(lambda: httpx.get(u + "/healthz", timeout=1).status_code == 200, timeout=30)
+            wait_until(lambda: _events(u)["degraded"], timeout=15, what="the unanswered replay failed")
+            rss0 = _rss_mb(proc.popen.pid)
+            peak = rss0
+            hostile.armed.set()
+
+            def dropped() -> bool:
+                nonlocal peak
+                peak = max(peak, _rss_mb(proc.popen.pid))
+                return metric(u, "kvroute_kv_events_dropped_total", reason="decoded_too_large") >= 1
+
+            wait_until(dropped, timeout=30, interval=0.2, what="the replay dropped over the budget")
+            assert metric(u, "kvroute_kv_events_dropped_total", reason="replay_over_budget") >= 1
+            assert _events(u)["degraded"] is True
+            assert peak - rss0 < 100, f"router RSS {rss0:.0f} -> peak {peak:.0f} MB"
+            print(f"replay over budget decoded: router RSS {rss0:.0f} -> peak {peak:.0f} MB")
+        finally:
+            out = proc.stop()
+    assert "Traceback" not in out, out[-3000:]

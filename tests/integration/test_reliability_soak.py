@@ -60,10 +60,13 @@ def test_soak_smoke_loses_nothing() -> None:
 
 
 def test_soak_with_abuse_loses_nothing_and_answers_abuse_by_design() -> None:
-    """Issue 24's "Done when" under load: ``--abuse`` runs huge bodies, slowloris heads / stalled bodies, bad
-    authentication and bad input next to the faulted streaming load: nothing lost, no 500, every abuse request
-    answered 4xx or cut by design, /healthz answering within 0.5 s throughout, router RSS growth under 100 MB (at the
-    end and at its peak)."""
+    """The abuse soak's "Done when" under load: ``--abuse`` runs huge bodies, slowloris heads / stalled bodies, bad
+    authentication and bad input, and the newer surfaces' abuse (``loadtest/abuse_surfaces.py``: keyless, double-
+    picked, trickled and split-usage picker streams; a tenant flooding the top priority and many tenant names;
+    client-supplied KV-transfer / bootstrap fields, deep JSON and a 14 MB prefill answer on disaggregated requests)
+    next to the faulted streaming load, against one ``kvroute epp`` process: nothing lost, no 500, every abuse
+    request answered as designed, nothing held once the load drained, /healthz answering within 0.5 s throughout,
+    router RSS growth under 100 MB (at the end and at its peak)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -93,6 +96,12 @@ def test_soak_with_abuse_loses_nothing_and_answers_abuse_by_design() -> None:
     assert res["completed"] >= 0.8 * res["sent"], res["error_kinds"]
     kinds = {k: v for k, v in ab.items() if isinstance(v, dict)}
     assert {"huge_body", "slow_head", "slow_body", "bad_auth", "bad_input"} <= kinds.keys(), ab
+    newer = {"picker_keyless", "picker_double_pick", "picker_trickle", "picker_split_usage"}
+    newer |= {"tenant_flood_critical"}
+    newer |= {"tenant_standard", "tenant_many_names", "pd_client_transfer", "pd_deep_json", "pd_huge_prefill"}
+    assert newer <= kinds.keys(), ab
+    assert res["pd"]["plans"]["disaggregated"] > 0 and res["pd"]["hostile_prefill_requests"] > 0, res["pd"]
+    assert not any(res["leaked_after_drain"].values()), res["leaked_after_drain"]
     assert all(v["count"] > 0 for v in kinds.values()), ab
     assert ab["unexpected"] == 0 and ab["server_errors"] == 0, ab  # 4xx or closed by design, never a 5xx
     assert set(kinds["huge_body"]["statuses"]) <= {"400", "413"}, ab

@@ -1,4 +1,4 @@
-"""router/scrape_client.py: the engine /metrics GET over the proxy's engine pool, with httpx's failure types."""
+"""router/engine/scrape.py: the engine /metrics GET over the proxy's engine pool, with httpx's failure types."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 import httpx
 import pytest
 
-from router.engine_client import EnginePool
-from router.scrape_client import PooledScrapeClient
+from router.engine.client import EnginePool
+from router.engine.scrape import PooledScrapeClient
 from tests.helpers import free_port
 
 PAGE = b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 3.0\n"

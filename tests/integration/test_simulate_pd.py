@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from index.hashing import root_seed
-from loadtest.pd_simulator import PdFleet, PdFleetConfig, _PdRec, main, simulate_pd
-from loadtest.simulator import FleetConfig
-from loadtest.traces import BlockKeyCache, Request
 from policies.pd_base import HandoffLink
+from sim.pd_simulator import PdFleet, PdFleetConfig, _PdRec, main, simulate_pd
+from sim.simulator import FleetConfig
+from sim.traces import BlockKeyCache, Request
 from tests.helpers import shared_trace
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from index.hashing import root_seed
-from loadtest.simulator import FleetConfig, lru_hit_rate, main, parse_profiles, simulate
-from loadtest.traces import BlockKeyCache, Request, load_mooncake, make_workload, scale_rate
+from sim.simulator import FleetConfig, lru_hit_rate, main, parse_profiles, simulate
+from sim.traces import BlockKeyCache, Request, load_mooncake, make_workload, scale_rate
 from tests.helpers import shared_trace
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,12 +7,19 @@ loopback, a real redis-server.
 * SLO rejection (429 ``slo_unattainable`` before queueing) and predicted-vs-observed TTFT per class;
 * Redis down then up during admission: per-router share (neither open nor closed), ``/readyz`` and metrics say so,
   shared again after recovery;
-* a request that has started streaming is never preempted.
+* a request that has started streaming is never preempted;
+* peers' priority headers (objective names, SMG / Dynamo classes) are mapped, unknown values served at the
+  default class and counted, never refused;
+* a tenant header is honoured only for keys allowed to act for tenants (403 otherwise);
+* priority entitlement: a tenant's highest class, and its share of the top class (a flood of ``critical`` no
+  longer starves a ``standard`` tenant);
+* tenant metric series are capped and expire when idle.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -96,7 +103,7 @@ def test_bad_identity_headers_get_400_with_a_json_reason() -> None:
     with engines(("e0", [])) as engs, router(engs, "--tenant-api-keys", "acme=sk-acme") as r:
         cases = [
             ({"x-kvroute-tenant": "no spaces allowed"}, "x-kvroute-tenant"),
-            ({"x-smg-priority": "whenever"}, "x-smg-priority"),
+            ({"x-kvroute-priority": "whenever"}, "x-kvroute-priority"),
             ({"x-llm-d-slo-ttft-ms": "-1"}, "x-llm-d-slo-ttft-ms"),
             ({"authorization": "Bearer sk-acme", "x-kvroute-tenant": "globex"}, "x-kvroute-tenant"),
         ]
@@ -356,3 +363,127 @@ def test_isolated_tenants_never_share_a_cached_prefix() -> None:
         assert cached("b") == 0 and cached(None) == 0  # same tokens, other namespaces: no shared match
         assert post(r.url, body).status_code == 200  # the shared namespace
         assert cached(None) >= 600 and cached("b") == 0
+
+
+def test_peer_priority_headers_are_mapped_and_unknown_values_get_the_default_class() -> None:
+    objectives = json.dumps({"food-review": "critical"})
+    with engines(("e0", [])) as engs, router(engs, "--priority-objectives", objectives) as r:
+        cases = [
+            ({"x-gateway-inference-objective": "food-review"}, "critical"),  # an InferenceObjective name
+            ({"x-llm-d-inference-objective": "translation"}, "standard"),  # unknown objective: the default
+            ({"x-smg-priority": "whenever"}, "standard"),  # unknown SMG value: the default, as SMG does
+            ({"x-smg-priority": "bulk"}, "sheddable"),
+            ({"x-dynamo-meta-policy-class": "latency"}, "critical"),  # Dynamo's class names, built in
+            ({"x-dynamo-meta-policy-class": "agents"}, "standard"),
+        ]
+        for i, (headers, klass) in enumerate(cases):
+            tenant = f"p{i}"
+            resp = post(r.url, ids_body(), headers | {"x-kvroute-tenant": tenant})
+            assert resp.status_code == 200, (headers, resp.text)
+            assert metric(r.url, "kvroute_tenant_requests_total", tenant=tenant, **{"class": klass}) == 1
+            route = httpx.post(
+                r.url + "/route", json={"model": MODEL, "token_ids": IDS}, headers=headers, timeout=10
+            )
+            assert route.status_code == 200, route.text
+        unknown = {"header": "x-llm-d-inference-objective"}
+        assert metric(r.url, "kvroute_priority_unknown_total", **unknown) == 2  # completion + /route
+        assert metric(r.url, "kvroute_priority_unknown_total", header="x-smg-priority") == 2
+        strict = post(r.url, ids_body(), {"x-kvroute-priority": "food-review-2"})  # our own header: strict
+        assert strict.status_code == 400 and strict.json()["error"]["param"] == "x-kvroute-priority"
+
+
+def test_a_tenant_header_needs_a_key_allowed_to_act_for_tenants() -> None:
+    args = ("--api-key", "sk-plain", "--admin-token", "sk-admin", "--tenant-header-keys", "sk-edge")
+    args += ("--tenant-api-keys", "acme=sk-acme")
+    with engines(("e0", [])) as engs, router(engs, *args) as r:
+        for key in ("sk-plain", "sk-admin"):  # a key without a tenant, the admin token: not for acme
+            for header in ("x-kvroute-tenant", "x-gateway-inference-fairness-id"):
+                resp = post(r.url, ids_body(), {"authorization": f"Bearer {key}", header: "acme"})
+                assert resp.status_code == 403, resp.text
+                err = resp.json()["error"]
+                assert (err["code"], err["param"]) == ("tenant_not_allowed", header), err
+        assert metric(r.url, "kvroute_tenant_requests_total", tenant="acme") == 0  # nothing charged to acme
+        edge = post(r.url, ids_body(), {"authorization": "Bearer sk-edge", "x-kvroute-tenant": "acme"})
+        assert edge.status_code == 200, edge.text  # the edge gateway's key acts for any tenant
+        own = post(r.url, ids_body(), {"authorization": "Bearer sk-acme"})
+        assert own.status_code == 200
+        assert metric(r.url, "kvroute_tenant_requests_total", tenant="acme") == 2
+        plain = post(r.url, ids_body(), {"authorization": "Bearer sk-plain"})  # no header: the default tenant
+        assert plain.status_code == 200
+        assert metric(r.url, "kvroute_tenant_requests_total", tenant="default") == 1
+        assert metric(r.url, "kvroute_tenant_rejected_total", reason="tenant_not_allowed") == 4
+
+
+def _flood(url: str, seconds: float, flooders: int) -> dict[str, dict[str, int]]:
+    """Tenant ``a`` sends ``critical`` requests from ``flooders`` threads, tenant ``b`` ``standard`` ones from one,
+    each back to back for ``seconds``; the answers' status codes counted per tenant."""
+    counts: dict[str, dict[str, int]] = {"a": {}, "b": {}}
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def loop(tenant: str, klass: str) -> None:
+        headers = {"x-kvroute-tenant": tenant, "x-kvroute-priority": klass}
+        with httpx.Client(timeout=30) as c:
+            while time.monotonic() < deadline:
+                resp = c.post(url + "/v1/completions", json=ids_body(max_tokens=2), headers=headers)
+                outcome = str(resp.status_code)
+                if resp.status_code != 200:
+                    outcome += ":" + str(resp.json()["error"].get("reason"))
+                with lock:
+                    counts[tenant][outcome] = counts[tenant].get(outcome, 0) + 1
+
+    threads = [threading.Thread(target=loop, args=("a", "critical")) for _ in range(flooders)]
+    threads.append(threading.Thread(target=loop, args=("b", "standard")))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=seconds + 60)
+    return counts
+
+
+def test_a_tenant_flooding_the_top_class_no_longer_starves_a_standard_tenant() -> None:
+    # 2 slots, every engine request takes >= 0.1 s: ~20 answers/s for everyone; tenant a keeps 12 critical
+    # requests in the router's queue at all times, tenant b one standard request
+    args = ("--max-inflight-total", "2", "--max-queued-requests", "64", "--max-queue-wait-s", "2")
+    with engines(("e0", [])) as engs, router(engs, *args) as r:
+        assert httpx.post(engs[0].url + "/admin/faults", json={"stall_s": 0.1}, timeout=5).status_code == 200
+        counts = _flood(r.url, 6.0, flooders=12)
+        print("successes and failures per tenant:", counts)
+        ok_a, ok_b = counts["a"].get("200", 0), counts["b"].get("200", 0)
+        # b is served about every other free slot (fair share within the standard class), never times out
+        assert ok_b >= max(5, (ok_a + ok_b) // 10) and set(counts["b"]) == {"200"}, counts
+        assert ok_a > ok_b  # a still gets its critical share and more
+        demoted = metric(r.url, "kvroute_tenant_demoted_total", tenant="a", reason="top_share")
+        assert demoted > 0 and metric(r.url, "kvroute_tenant_demoted_total", tenant="b") == 0
+
+
+def test_a_tenants_max_class_caps_its_priority() -> None:
+    tenants = json.dumps({"vip": {"max_class": "critical"}})
+    with (
+        engines(("e0", [])) as engs,
+        router(engs, "--tenants", tenants, "--tenant-max-priority-class", "standard") as r,
+    ):
+        for tenant in ("vip", "anyone"):
+            resp = post(r.url, ids_body(), {"x-kvroute-tenant": tenant, "x-kvroute-priority": "critical"})
+            assert resp.status_code == 200
+        assert metric(r.url, "kvroute_tenant_requests_total", tenant="vip", **{"class": "critical"}) == 1
+        assert metric(r.url, "kvroute_tenant_requests_total", tenant="anyone", **{"class": "standard"}) == 1
+        assert metric(r.url, "kvroute_tenant_demoted_total", tenant="anyone", reason="max_class") == 1
+
+
+def test_tenant_metric_series_are_capped_and_expire_when_idle() -> None:
+    args = ("--tenant-metrics-max-labels", "3", "--tenant-metrics-idle-s", "1")
+    with engines(("e0", [])) as engs, router(engs, *args) as r:
+
+        def labelled() -> set[str]:
+            text = httpx.get(r.url + "/metrics", timeout=5).text
+            return set(re.findall(r'kvroute_tenant_requests_total\{tenant="([^"]+)"', text))
+
+        for i in range(6):
+            assert post(r.url, ids_body(), {"x-kvroute-tenant": f"t{i}"}).status_code == 200
+        assert labelled() == {"t0", "t1", "t2", "other"}  # t3..t5 share one label
+        assert metric(r.url, "kvroute_tenant_requests_total", tenant="other") == 3
+        wait_until(lambda: not labelled(), timeout=10, interval=0.2, what="idle tenants' series dropped")
+        assert metric(r.url, "kvroute_tenant_label_sets_expired_total") == 4
+        assert post(r.url, ids_body(), {"x-kvroute-tenant": "t5"}).status_code == 200
+        assert labelled() == {"t5"}  # a place freed: t5 has its own series now

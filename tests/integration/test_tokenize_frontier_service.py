@@ -229,7 +229,7 @@ def test_prompt_scope_tokenizes_whole_and_forwards_ids(tmp_path: Path) -> None:
 
 @pytest.mark.trace
 def test_decisions_agree_with_whole_prompt_tokenization_on_a_trace_slice(tmp_path: Path) -> None:
-    from loadtest.workload import WorkloadOptions, build_workload, ensure_model_dir
+    from sim.workload import WorkloadOptions, build_workload, ensure_model_dir
 
     model_dir = ensure_model_dir(tmp_path / "bench-model")
     reqs = build_workload(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.real_vllm import EngineSpec, RealFleet, build_model_dir, ensure_vllm
+from loadtest.real_vllm import RESPONSES_STORE_ENV, EngineSpec, RealFleet, build_model_dir, ensure_vllm
 from tests.real.support import Router, start_router
 
 #: first-test budget: install (when cold, minutes) + two engines starting together (~2 min, more under load)
@@ -44,11 +44,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def real_fleet(
     vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RealFleet]:
-    """Two real engines: r0 (400 blocks of 32 tokens) on CPU 0, r1 (128 blocks, for eviction) on CPU 1."""
+    """Two real engines: r0 (400 blocks of 32 tokens) on CPU 0, r1 (128 blocks, for eviction) on CPU 1; both keep
+    Responses API responses (``VLLM_ENABLE_RESPONSES_API_STORE=1``)."""
     cpus = sorted(os.sched_getaffinity(0))
     specs = [
-        EngineSpec("r0", cpu=cpus[0], gpu_blocks=400),
-        EngineSpec("r1", cpu=cpus[-1], gpu_blocks=128, max_model_len=2048),
+        EngineSpec("r0", cpu=cpus[0], gpu_blocks=400, env=dict(RESPONSES_STORE_ENV)),
+        EngineSpec("r1", cpu=cpus[-1], gpu_blocks=128, max_model_len=2048, env=dict(RESPONSES_STORE_ENV)),
     ]
     fleet = RealFleet(vllm_python, model_dir, specs, tmp_path_factory.mktemp("engine-logs"))
     with fleet:

@@ -50,13 +50,18 @@ class Router:
 
 
 def start_router(
-    engines: Sequence[RealEngine], model_dir: Path, *extra: str, wait_feeds: bool = True
+    engines: Sequence[RealEngine],
+    model_dir: Path,
+    *extra: str,
+    wait_feeds: bool = True,
+    command: str = "serve",
 ) -> Router:
-    """Start ``kvroute serve`` (ttft, hf tokenizer, block size 32 unless ``extra`` says otherwise) in front of
-    ``engines``; wait until every replica is routable and (``wait_feeds``) every KV feed is connected."""
+    """Start ``kvroute serve`` (or ``command``: ``epp``; ttft, hf tokenizer, block size 32 unless ``extra`` says
+    otherwise) in front of ``engines``; wait until every replica is routable and (``wait_feeds``) every KV feed is
+    connected."""
     port = free_port()
     args = [
-        "serve",
+        command,
         "--host",
         "127.0.0.1",
         "--port",

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from loadtest.fleet import scrape_samples
+from fakes.fleet import scrape_samples
 from loadtest.real_vllm import MODEL, RealFleet, engine_tokenize, reset_prefix_cache
 from tests.helpers import http_chunks, metric, wait_until
 from tests.real.support import (
@@ -145,7 +145,7 @@ def test_streaming_through_the_router(router: Callable[..., Router]) -> None:
             what="streamed prompt in the index",
         )
     assert usage["prompt_tokens_details"]["cached_tokens"] == full_hit(usage["prompt_tokens"])
-    # real vLLM's token events went to the client from the engine connection's read callback (router.proxy)
+    # real vLLM's token events went to the client from the engine connection's read callback (router.engine.proxy)
     assert metric(r.url, "kvroute_relayed_pieces_total", path="direct") > 0
 
 

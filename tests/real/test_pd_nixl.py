@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
+from loadtest.epp_gateway import GatewayStream, stub_for
 from loadtest.real_vllm import MODEL, RealFleet, nixl_pd_specs
 from tests.helpers import free_port, metric, wait_until
 from tests.real.support import Router, start_router, words
@@ -193,6 +194,49 @@ def test_nixl_client_leaving_mid_stream_frees_both_engines(
     )
     # d0 stopped decoding when the client left (it would otherwise have generated all 2000 tokens)
     assert metric(d_url, "vllm:generation_tokens_total") - generated < 2000
+
+
+def test_nixl_pd_through_the_endpoint_picker(pd_fleet: RealFleet, model_dir: Path) -> None:
+    """``kvroute epp`` on the same pair, behind the gateway stand-in: the picker runs the prefill leg on p0 itself
+    and hands the gateway the decode request for d0 with p0's ``kv_transfer_params``; d0 pulls the blocks over
+    NIXL instead of computing the prompt, and the greedy text equals p0's own answer in place. ``/route`` on the
+    picker's HTTP port names the same pair."""
+    gport = free_port()
+    router = start_router(
+        pd_fleet.engines, model_dir, *FORCE_PD, "--grpc-port", str(gport), "--grpc-insecure", command="epp"
+    )
+    try:
+        p_url, d_url = _engine(pd_fleet, "p0"), _engine(pd_fleet, "d0")
+        body = {"prompt": words(random.Random(15), PROMPT_WORDS), "max_tokens": 8}
+        plan = _plan(router, body)
+        assert plan["kind"] == "disaggregated" and (plan["prefill"]["name"], plan["decode"]["name"]) == (
+            "p0",
+            "d0",
+        )
+        xfers, external = _transfers(d_url)
+        prefills = metric(p_url, "vllm:request_success_total")
+        _, stub = stub_for(gport, tls=False)
+        s = GatewayStream(stub, timeout=120)
+        try:
+            picked = s.request(
+                "/v1/completions", json.dumps({"model": MODEL, "temperature": 0.0, **body}).encode()
+            )
+            assert picked.status is None and picked.endpoint == d_url.removeprefix("http://"), (
+                picked.immediate
+            )
+            headers = {k: v for k, v in picked.set_headers.items() if k != "content-length"}
+            out = json.loads(s.relay_response(picked.endpoint, "/v1/completions", picked.body, headers))
+        finally:
+            s.close()
+        assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 8
+        assert metric(p_url, "vllm:request_success_total") == prefills + 1  # the prefill leg ran on p0
+        after = _transfers(d_url)
+        assert after[0] == xfers + 1 and after[1] > external  # d0 pulled p0's blocks over NIXL
+        alone = _post(p_url, "/v1/completions", body).json()
+        assert out["choices"][0]["text"] == alone["choices"][0]["text"]
+        assert metric(router.url, "kvroute_pd_fallbacks_total") == 0
+    finally:
+        router.stop()
 
 
 def test_nixl_dead_prefill_engine_served_in_place_and_counted(

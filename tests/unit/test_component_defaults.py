@@ -18,15 +18,15 @@ from membership.health import HealthChecker
 from membership.kubernetes import KubernetesOptions
 from membership.kv_events import KVEventsConfig
 from membership.replicas import RedisIndexAllocator
-from membership.shared_state import SharedState
+from membership.shared_state import ResponseMap, SharedState
 from policies.dispatch import DispatchSettings
-from router.admission import Admission
 from router.config import Settings
-from router.idempotency import IdempotencyGuard
-from router.proxy import ProxyConfig
-from router.routing import Router
-from router.token_ids import TokenIdsCheck
-from router.tokenizer import make_tokenizer
+from router.core.admission import Admission
+from router.core.routing import Router
+from router.engine.config import ProxyConfig
+from router.serve.idempotency import IdempotencyGuard
+from router.tokens.token_ids import TokenIdsCheck
+from router.tokens.tokenizer import make_tokenizer
 
 #: component -> {its parameter: the Settings field that configures it}
 CONFIGURED: list[tuple[Callable[..., Any], dict[str, str]]] = [
@@ -78,6 +78,7 @@ CONFIGURED: list[tuple[Callable[..., Any], dict[str, str]]] = [
             "broadcast": "broadcast_decisions",
         },
     ),
+    (ResponseMap, {"ttl_s": "response_map_ttl_s", "local_max": "response_map_local_entries"}),
     (MetricsScraper, {"interval_s": "scrape_interval_s", "timeout_s": "scrape_timeout_s"}),
     (
         Router,
@@ -140,6 +141,8 @@ CONFIGURED: list[tuple[Callable[..., Any], dict[str, str]]] = [
             "orphan_replay_interval_s": "kv_orphan_replay_interval_s",
             "degraded_retry_s": "kv_degraded_retry_s",
             "degraded_hold_s": "kv_degraded_hold_s",
+            "medium_tiers": "kv_medium_tiers",  # default_factory: equality in tests/unit/test_kv_media.py
+            "tier_ttl_s": "kv_tier_ttl_s",
         },
     ),
 ]

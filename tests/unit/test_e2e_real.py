@@ -33,8 +33,8 @@ def test_default_runs_are_the_three_routers_of_the_issue() -> None:
 
 
 def test_both_benchmarks_compare_the_same_routers_and_parse_runs_alike() -> None:
+    from fakes.fleet import COMPARED_RUNS, parse_runs
     from loadtest.e2e import RUNS as E2E_RUNS
-    from loadtest.fleet import COMPARED_RUNS, parse_runs
 
     assert RUNS == COMPARED_RUNS and E2E_RUNS.items() >= COMPARED_RUNS.items()
     assert parse_runs(" kvroute_ttft, sglang_cache_aware ,", list(RUNS)) == [

@@ -17,7 +17,7 @@ from loadtest.e2e_real import (
     workload_hit_rate_bounds,
 )
 from loadtest.real_vllm import build_model_dir
-from router.tokenizer import HfTokenizer
+from router.tokens.tokenizer import HfTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_issue_order_interleaves_in_flight_conversations_with_growing_history() 
 
 
 def test_chat_tokens_equal_the_router_hf_tokenizer(model_dir: Path) -> None:
-    """The render + encode kept in loadtest gives the ids of router.tokenizer's hf mode (checked against the
+    """The render + encode kept in loadtest gives the ids of router.tokens.tokenizer's hf mode (checked against the
     real engine's /tokenize in tests/real)."""
     messages = issue_order(make_conversations(2, 2, 1, 30, 8, seed=3), 2)[-1]
     ids = ChatTokens(model_dir).encode(messages)

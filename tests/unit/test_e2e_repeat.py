@@ -12,8 +12,8 @@ from loadtest.e2e import (
     format_table,
     main,
 )
-from loadtest.simulator import fleet_hit_rate_bound
-from loadtest.traces import Request
+from sim.simulator import fleet_hit_rate_bound
+from sim.traces import Request
 
 
 def _run(hit: float, p99: float, errors: int) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""router/engine_client.py against real loopback servers speaking raw HTTP/1.1 (every framing the engines use)."""
+"""router/engine/client.py against real loopback servers speaking raw HTTP/1.1 (every framing the engines use)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from router.engine_client import (
+from router.engine.client import (
     EngineConnectError,
     EngineConnectionLost,
     EngineConnectTimeout,

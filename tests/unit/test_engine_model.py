@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from loadtest.engine_model import (
+from fakes.engine_model import (
     PROFILES,
     BlockRemoved,
     BlockStored,

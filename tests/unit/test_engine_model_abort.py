@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtest.engine_model import EngineModel, EngineRequest, Finished, FirstToken
+from fakes.engine_model import EngineModel, EngineRequest, Finished, FirstToken
 
 BS = 16
 

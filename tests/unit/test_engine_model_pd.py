@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from loadtest.engine_model import BlockStored, EngineModel, EngineRequest, FirstToken, get_profile
+from fakes.engine_model import BlockStored, EngineModel, EngineRequest, FirstToken, get_profile
 
 BS = 16
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import cast
 
-from loadtest.fleet import HOST, EngineEndpoints, EngineHandle, ManagedProcess
+from fakes.fleet import HOST, EngineEndpoints, EngineHandle, ManagedProcess
 from loadtest.real_vllm import EngineSpec, RealEngine
 
 NO_PROC = cast(ManagedProcess, None)  # the endpoints are computed from the ports alone

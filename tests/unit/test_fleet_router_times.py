@@ -1,10 +1,10 @@
-"""loadtest.fleet.scaled_router_time_args: kvroute's routing time constants follow time-scaled fake engines."""
+"""fakes.fleet.scaled_router_time_args: kvroute's routing time constants follow time-scaled fake engines."""
 
 from __future__ import annotations
 
 import inspect
 
-from loadtest.fleet import scaled_router_time_args
+from fakes.fleet import scaled_router_time_args
 from policies.base import policy_factory
 from router.config import Settings
 

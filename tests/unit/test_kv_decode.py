@@ -80,7 +80,7 @@ def test_vllm_033_map_events_with_map16_header_and_uint64_hashes() -> None:
     s = b.events[0]
     assert isinstance(s, StoredEvent)
     assert s.hashes == [h] and s.parent is None and list(s.token_ids) == TOKS and s.block_size == 16
-    assert s.tier == "gpu" and s.lora_name is None and s.cache_salt is None and not s.multimodal
+    assert s.tier == "gpu" and s.lora_name is None and s.cache_salt is None and not s.mm
     assert isinstance(b.events[1], RemovedEvent) and b.events[1].hashes == [h]
     assert isinstance(b.events[2], ClearedEvent)
 
@@ -230,7 +230,7 @@ def test_lora_and_cache_salt() -> None:
     ]
     s = _ok(decode_payload(msgpack.packb([0.0, [ev], 0]))).events[0]
     assert isinstance(s, StoredEvent)
-    assert (s.lora_name, s.lora_id, s.cache_salt, s.multimodal) == ("sql-lora", 3, "salt-1", False)
+    assert (s.lora_name, s.lora_id, s.cache_salt, s.mm, s.unkeyable) == ("sql-lora", 3, "salt-1", [], None)
     # sglang: cache_salt field or metadata map
     m = {
         "type": "BlockStored",
@@ -247,10 +247,12 @@ def test_lora_and_cache_salt() -> None:
     assert _ok(decode_payload(msgpack.packb([0.0, [m2], 0]))).events[0].cache_salt == "s3"  # type: ignore[union-attr]
 
 
-def test_multimodal_extra_keys_are_flagged() -> None:
-    ev = ["BlockStored", [1], 5, TOKS, 16, None, "GPU", None, [[["img-hash", 0]]], 0]
+def test_multimodal_extra_keys_give_the_item_starts() -> None:
+    ev = ["BlockStored", [1], 5, TOKS, 16, None, "GPU", None, [[["img-hash", 3]]], 0]
     s = _ok(decode_payload(msgpack.packb([0.0, [ev], 0]))).events[0]
-    assert isinstance(s, StoredEvent) and s.multimodal
+    assert (
+        isinstance(s, StoredEvent) and s.mm == [(3, "img-hash")] and s.mm_pages == 1 and s.unkeyable is None
+    )
 
 
 def test_other_kv_group_is_filtered() -> None:
@@ -457,7 +459,7 @@ def _fuzz(n: int) -> settings:
 
 
 def _valid_payloads() -> list[bytes]:
-    from loadtest.kv_publisher import PubCleared, PubRemoved, PubStored, encode_batch
+    from fakes.kv_publisher import PubCleared, PubRemoved, PubStored, encode_batch
 
     evs = [
         PubStored([2**64 - 5, 7], None, TOKS * 2, 16, "gpu", "lora-a", "salt"),

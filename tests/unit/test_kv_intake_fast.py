@@ -1,5 +1,5 @@
 """The event-loop cuts of issue 23 on the KV-event path give the results of the general code they bypass:
-``kv_decode._removed_tier`` (one-block ``BlockRemoved`` maps) and, in the index, ``_delete_run`` (a run of
+``kv_decode._removed_medium`` (one-block ``BlockRemoved`` maps) and, in the index, ``_delete_run`` (a run of
 evicted nodes deleted at once) and ``_forget_pages`` (the engine-map upkeep of a removal batch); the feed's wait
 (``kv_events._wait_or_timer``)."""
 
@@ -21,7 +21,7 @@ from membership.kv_decode import (
     RemovedEvent,
     _Bad,
     _decode_event,
-    _removed_tier,
+    _removed_medium,
 )
 from membership.kv_events import _wait_or_timer
 
@@ -29,9 +29,12 @@ U64 = 1 << 64
 
 
 def _removed_fast(m: dict[object, object], limits: DecodeLimits) -> RemovedEvent | None:
-    """What the decoder makes of a removal map on its fast path (``_removed_tier``); None: the general way."""
-    tier = _removed_tier(m, limits)
-    return None if tier is None else RemovedEvent(list(m["block_hashes"]), tier)  # type: ignore[call-overload]
+    """What the decoder makes of a removal map on its fast path (``_removed_medium``); None: the general way."""
+    medium = _removed_medium(m, limits)
+    if medium is None:
+        return None
+    tier = limits.media.get(medium, "gpu")
+    return RemovedEvent(list(m["block_hashes"]), tier, 1, medium)  # type: ignore[call-overload]
 
 
 def _general(m: dict[object, object], limits: DecodeLimits) -> RemovedEvent | str:
@@ -50,9 +53,16 @@ def test_vllm_removed_map_takes_the_fast_path() -> None:
         "medium": "GPU",
         "group_idx": 0,
     }
-    assert _removed_fast(m, DEFAULT_LIMITS) == RemovedEvent([U64 - 1], "gpu") == _general(m, DEFAULT_LIMITS)
-    sglang: dict[object, object] = {"type": "BlockRemoved", "block_hashes": [1, 2, 3], "medium": "cpu"}
-    assert _removed_fast(sglang, DEFAULT_LIMITS) == RemovedEvent([1, 2, 3], "cpu")
+    want = RemovedEvent([U64 - 1], "gpu", 1, "GPU")
+    assert _removed_fast(m, DEFAULT_LIMITS) == want == _general(m, DEFAULT_LIMITS)
+    sglang: dict[object, object] = {"type": "BlockRemoved", "block_hashes": [1, 2, 3], "medium": "CPU_PINNED"}
+    assert _removed_fast(sglang, DEFAULT_LIMITS) == RemovedEvent([1, 2, 3], "cpu", 1, "CPU_PINNED")
+    lower: dict[object, object] = {"type": "BlockRemoved", "block_hashes": [1], "medium": "cpu"}
+    assert (
+        _removed_fast(lower, DEFAULT_LIMITS)
+        == RemovedEvent([1], "cpu", 1, "CPU")
+        == _general(lower, DEFAULT_LIMITS)
+    )
 
 
 @pytest.mark.parametrize(

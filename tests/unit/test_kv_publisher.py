@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 
-from loadtest.kv_publisher import PubCleared, PubRemoved, PubStored, encode_batch, encode_event, wire_hash
+from fakes.kv_publisher import PubCleared, PubRemoved, PubStored, encode_batch, encode_event, wire_hash
 from membership.kv_decode import DecodedBatch, RemovedEvent, StoredEvent, decode_payload
 
 TOKS = list(range(16))

@@ -152,12 +152,12 @@ def test_orphan_counts_and_requests_one_replay_that_finds_the_parent() -> None:
     assert d.seq.stats.orphans == 1 and d.seq.stats.events["BlockStored"] == 2  # re-applied, counted once
 
 
-def test_multimodal_parent_dropped_on_purpose_is_not_replayed() -> None:
+def test_unkeyable_parent_dropped_on_purpose_is_not_replayed() -> None:
     d = Driver()
-    mm = ["BlockStored", [1], None, TOKS[:16], 16, None, "GPU", None, [[["image-1", 0]]], 0]
-    d.publish(item(0, [mm, stored([2], 1, TOKS[16:])]))
+    embeds = ["BlockStored", [1], None, TOKS[:16], 16, None, "GPU", None, [[b"\x01" * 32]], 0]
+    d.publish(item(0, [embeds, stored([2], 1, TOKS[16:])]))
     st = d.seq.stats
-    assert st.dropped["multimodal_blocks"] == 1 and st.notes["orphan_parent_dropped"] == 1
+    assert st.dropped["prompt_embeds_blocks"] == 1 and st.notes["orphan_parent_dropped"] == 1
     assert st.orphans == 0 and not d.seq.orphan_pending
 
 
@@ -173,11 +173,11 @@ def test_parent_dropped_by_the_kv_group_filter_is_not_an_orphan() -> None:
     assert d.replays == []
 
 
-def test_multimodal_drops_are_counted_once_when_a_replay_reapplies_the_batch() -> None:
-    """Issue 22 defect 2: re-applying batches after a replay does not count their drops again."""
+def test_unkeyable_drops_are_counted_once_when_a_replay_reapplies_the_batch() -> None:
+    """Re-applying batches after a replay does not count their drops again."""
     d = Driver()
-    mm = ["BlockStored", [5], None, TOKS[:16], 16, None, "GPU", None, [[["image-1", 0]]], 0]
-    d.publish(item(0, [mm, stored([1], None, TOKS[:16])]))
+    embeds = ["BlockStored", [5], None, TOKS[:16], 16, None, "GPU", None, [[b"\x01" * 32]], 0]
+    d.publish(item(0, [embeds, stored([1], None, TOKS[:16])]))
     d.applier.clear()
     d.publish(item(1, [stored([2], 1, TOKS[16:])]))  # orphan -> replay from 0 re-applies batch 0
     d.now = 11.0
@@ -185,7 +185,7 @@ def test_multimodal_drops_are_counted_once_when_a_replay_reapplies_the_batch() -
     d.run(d.seq.on_connected(d.now))  # and a resync after a reconnect would re-apply it too
     assert d.blocks() == 2
     st = d.seq.stats
-    assert st.dropped["multimodal_blocks"] == 1 and st.events["BlockStored"] == 2 and st.batches == 2
+    assert st.dropped["prompt_embeds_blocks"] == 1 and st.events["BlockStored"] == 2 and st.batches == 2
 
 
 def test_connect_requests_history_and_applies_it() -> None:
@@ -239,6 +239,26 @@ def test_failed_history_replay_degrades_and_is_retried() -> None:
     d.now = CFG.degraded_retry_s + 1
     d.run(d.seq.tick(d.now))
     assert d.replays[-1] == Replay(0, "degraded_retry") and not d.seq.degraded and d.blocks() == 2
+
+
+def test_replay_over_the_byte_budget_clears_degrades_and_the_stream_goes_on() -> None:
+    d = Driver()
+    d.publish(item(0, [stored([1], None, TOKS[:16])]), live=False)
+    d.publish(item(1, [stored([2], 1, TOKS[16:])]), live=False)
+    follow = d.seq.on_connected(0.0)
+    assert follow == [Replay(0, "connect")]
+    applies = d.seq.on_replay(list(d.engine), 0.0)
+    assert [a.item.seq for a in applies if isinstance(a, Apply)] == [0, 1] and d.seq.last_seq == 1
+    d.run(applies[:1])  # the first replayed batch applied; the feed finds the second over the budget
+    assert d.blocks() == 1
+    out = d.seq.on_replay_over_budget(1.0)
+    assert [type(a) for a in out] == [Warn, Clear, SetDegraded] and out[-1] == SetDegraded(True)
+    d.run(out)
+    assert d.blocks() == 0 and d.seq.degraded and d.seq.stats.notes["replay_over_budget"] == 1
+    assert d.seq.last_seq == 1  # the replay's batches are consumed: the live stream goes on after them
+    n = len(d.replays)
+    d.publish(item(2, [stored([1], None, TOKS[:16])]))
+    assert len(d.replays) == n and d.seq.last_seq == 2 and d.blocks() == 1  # applied in sequence, no replay
 
 
 def test_engine_start_time_change_clears_and_rebuilds() -> None:
@@ -391,3 +411,25 @@ def test_real_vllm_metrics_page_gives_the_process_start_time() -> None:
 
     snap = parse_metrics((REAL / "vllm-0.32.0-cpu-metrics.txt").read_text())
     assert snap.process_start_time_s == 1.79616634352e09
+
+
+def test_decoding_is_bounded_by_the_byte_budget() -> None:
+    from dataclasses import replace
+
+    from membership.kv_decode import DecodedBatch, DecodeFailure, decode_payload
+
+    events = [stored([i * 2 + 1, i * 2 + 2], None, TOKS) for i in range(100)]
+    payload = msgpack.packb([1.0, events, 0])
+    whole = decode_payload(payload)
+    assert isinstance(whole, DecodedBatch) and len(whole.events) == 100
+    cost = 100 * (128 + 2 * 40 + 32 * 4)  # EVENT_COST + 2 x HASH_COST + 32 x TOKEN_COST per event
+    assert isinstance(
+        decode_payload(payload, limits=replace(DEFAULT_LIMITS, max_decoded_bytes=cost)), DecodedBatch
+    )
+    over = decode_payload(payload, limits=replace(DEFAULT_LIMITS, max_decoded_bytes=cost // 2))
+    assert isinstance(over, DecodeFailure) and over.reason == "decoded_too_large"
+    # one array longer than the budget allows is refused by the parser before it builds the list
+    long = msgpack.packb([1.0, [stored([1], None, [1] * 200_000)], 0])
+    res = decode_payload(long, limits=replace(DEFAULT_LIMITS, max_decoded_bytes=1 << 20))
+    assert isinstance(res, DecodeFailure) and res.reason == "decoded_too_large"
+    assert isinstance(decode_payload(long), DecodedBatch)  # within the default budget

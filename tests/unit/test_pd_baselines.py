@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import policies  # noqa: F401  (registers the policies)
 from policies.base import Candidate, LoadView, PrefixHit, ReplicaProfile, RouteRequest
 from policies.pd_base import HandoffLink, PdCandidate, Role, make_pd_policy
+from policies.pd_common import plan_request
 
 PROF = ReplicaProfile(prefill_tokens_per_s=10_000.0)
 LINK = HandoffLink(25e9)
@@ -99,3 +102,21 @@ def test_no_feasible_plan_is_a_clear_error(name: str) -> None:
         make_pd_policy(name).choose_plan(req(64), [cand(0, "prefill"), cand(1, "prefill")], LINK)
     with pytest.raises(ValueError):
         make_pd_policy(name).choose_plan(req(64), [], LINK)
+
+
+@pytest.mark.parametrize("name", BASELINES + ["pd_ttft"])
+def test_parallel_sampling_is_served_in_place_by_every_policy(name: str) -> None:
+    """n > 1 / best_of > 1 (``RouteRequest.sequences``): in place on a decode / both replica that serves alone,
+    whatever the policy would otherwise pair (pd_smg always pairs; pd_ttft with decode_prefills=false never serves
+    in place on a decode replica); with no such replica (an SGLang fleet) the policy's own plan stands."""
+    params = {"decode_prefills": False} if name == "pd_ttft" else {}
+    pol = make_pd_policy(name, **params)
+    long = replace(req(8192, 5), sequences=2)
+    d = plan_request(pol, long, pd_fleet(), LINK)
+    assert d.chosen.kind == "in_place" and d.chosen.decode in (2, 3) and d.chosen.prefill is None
+    assert all(p.kind == "in_place" for p in d.plans) and d.branch == "parallel_sampling_in_place"
+    assert plan_request(pol, req(8192, 5), pd_fleet(), LINK).chosen.kind == "disaggregated"
+    sglang = [cand(0, "prefill"), cand(1, "prefill"), cand(2, "decode"), cand(3, "decode")]
+    for c in sglang[2:]:
+        c.serves_alone = False
+    assert plan_request(pol, long, sglang, LINK).chosen.kind == "disaggregated"

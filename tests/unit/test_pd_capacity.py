@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.pd_simulator import best_pd_split, pd_capacity_rps, pd_replica_profile
-from loadtest.simulator import fleet_capacity_rps
-from loadtest.traces import Request
+from sim.pd_simulator import best_pd_split, pd_capacity_rps, pd_replica_profile
+from sim.simulator import fleet_capacity_rps
+from sim.traces import Request
 
 GIB_8192 = 8192 * 147_456  # the KV of one 8192-token Qwen3-8B prompt: 1.125 GiB
 

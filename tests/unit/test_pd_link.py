@@ -92,7 +92,7 @@ def test_router_uses_the_estimators_link_after_observations() -> None:
     from index.prefix_index import PrefixIndex
     from membership.replicas import ReplicaTable
     from policies.base import make_policy
-    from router.routing import Router
+    from router.core.routing import Router
     from tests.helpers import FakeClock
 
     router = Router(

@@ -1,12 +1,18 @@
-"""The PD wire legs' bodies (router/pd_vllm.py, router/pd_sglang.py): exact fields from the reference (§1.1, §1.2)."""
+"""The PD wire legs' bodies (router/pd/vllm.py, router/pd/sglang.py, router/pd/mooncake.py): exact fields from the
+reference (§1.1, §1.2) and the engines' sources (vLLM 0.32.0, SGLang)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from typing import Any
 
-import pytest
+import httpx
+import orjson
 
-from router import pd_sglang, pd_vllm
+from router.pd import mooncake as pd_mooncake
+from router.pd import sglang as pd_sglang
+from router.pd import vllm as pd_vllm
 
 
 def test_nixl_prefill_leg_caps_tokens_and_turns_stream_off() -> None:
@@ -69,7 +75,7 @@ def test_mooncake_bodies_carry_the_router_minted_transfer_id() -> None:
     pre, dec = pd_vllm.mooncake_bodies(
         {"prompt": "p", "max_tokens": 8, "stream": True},
         tid,
-        pd_vllm.mooncake_engine_id("p0", 3),
+        "p0_dp3",  # as the prefill's bootstrap server lists it (router/pd/mooncake.py)
         "http://10.0.0.1:8998",
     )
     assert pre["kv_transfer_params"] == {
@@ -86,12 +92,11 @@ def test_mooncake_bodies_carry_the_router_minted_transfer_id() -> None:
         "remote_bootstrap_addr": "http://10.0.0.1:8998",
     }
     assert dec["max_tokens"] == 8 and dec["stream"] is True
-    assert pd_vllm.mooncake_engine_id("p0", None) == "p0"
 
 
 def test_sglang_bootstrap_fields_on_both_legs() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    pre, dec, rooms = pd_sglang.bodies(body, "[fd00::1]", 8998, rooms=[7])
+    pre, dec, room = pd_sglang.bodies(body, "[fd00::1]", 8998, room=7)
     for leg in (pre, dec):
         assert (
             leg["bootstrap_host"] == "fd00::1"
@@ -99,24 +104,106 @@ def test_sglang_bootstrap_fields_on_both_legs() -> None:
             and leg["bootstrap_room"] == 7
         )
         assert leg["stream"] is True and leg["messages"] == body["messages"]
-    assert rooms == [7] and "bootstrap_room" not in body
+    assert room == 7 and "bootstrap_room" not in body
     _, _, fresh = pd_sglang.bodies(body, "10.0.0.1", 8998)
-    assert 0 <= fresh[0] < 2**63
+    assert 0 <= fresh and fresh + 2**32 < 2**63  # SGLang's room + i stays a valid room
 
 
-def test_sglang_batches_get_per_item_arrays_and_dp_fields() -> None:
-    pre, dec, rooms = pd_sglang.bodies(
-        {"prompt": ["a", "b", "c"]}, "10.0.0.1", 9000, prefill_dp_rank=1, decode_dp_rank=2
-    )
-    assert len(set(rooms)) == 3
-    for leg in (pre, dec):
-        assert leg["bootstrap_host"] == ["10.0.0.1"] * 3 and leg["bootstrap_port"] == [9000] * 3
-        assert leg["bootstrap_room"] == rooms
-    assert pre["routed_dp_rank"] == 1 and "disagg_prefill_dp_rank" not in pre
-    assert dec["routed_dp_rank"] == 2 and dec["disagg_prefill_dp_rank"] == 1
-    assert pd_sglang.batch_size({"prompt": [[1, 2], [3]]}) == 2
-    assert (
-        pd_sglang.batch_size({"prompt": [1, 2, 3]}) is None and pd_sglang.batch_size({"prompt": "x"}) is None
-    )
-    with pytest.raises(ValueError, match="3 bootstrap rooms needed"):
-        pd_sglang.bodies({"prompt": ["a", "b", "c"]}, "h", 1, rooms=[1])
+def test_sglang_batches_and_parallel_samples_get_one_scalar_room_and_dp_fields() -> None:
+    """SGLang expands a scalar room to room + i per request of a batch x samples (unique rooms); a list of rooms
+    would be repeated once per sample (n > 1: two samples in one room). So every request gets scalars."""
+    for body in ({"prompt": ["a", "b", "c"]}, {"prompt": "a", "n": 3}, {"prompt": [[1, 2], [3]], "n": 2}):
+        pre, dec, room = pd_sglang.bodies(body, "10.0.0.1", 9000, prefill_dp_rank=1, decode_dp_rank=2)
+        for leg in (pre, dec):
+            assert leg["bootstrap_host"] == "10.0.0.1" and leg["bootstrap_port"] == 9000
+            assert leg["bootstrap_room"] == room and isinstance(room, int)
+        assert pre["routed_dp_rank"] == 1 and "disagg_prefill_dp_rank" not in pre
+        assert dec["routed_dp_rank"] == 2 and dec["disagg_prefill_dp_rank"] == 1
+
+
+def test_prefill_answer_read_once_params_as_bytes_and_bounded() -> None:
+    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_host": "10.0.0.1"}
+    usage = {"prompt_tokens": 600, "prompt_tokens_details": {"cached_tokens": 32}}
+    top = orjson.dumps({"choices": [{"text": "a"}], "usage": usage, "kv_transfer_params": params})
+    ans = pd_vllm.read_prefill_answer(top, 1024)
+    assert ans.problem is None and orjson.loads(ans.params or b"") == params and ans.usage == usage
+    in_choice = orjson.dumps({"choices": [{"text": "a", "kv_transfer_params": params}]})
+    assert orjson.loads(pd_vllm.read_prefill_answer(in_choice, 1024).params or b"") == params
+    none = pd_vllm.read_prefill_answer(orjson.dumps({"choices": [], "kv_transfer_params": None}), 1024)
+    assert none.params is None and none.problem is None
+    big = pd_vllm.read_prefill_answer(top, 20)
+    assert big.params is None and "pd_max_transfer_params_bytes" in (big.problem or "")
+    assert pd_vllm.read_prefill_answer(b"[1]", 10).problem == "is not a JSON object"
+    assert (pd_vllm.read_prefill_answer(b"{nope", 10).problem or "").startswith("is not JSON")
+    # nested deeper than the serializer's 254 levels: relayed verbatim (a Fragment), never re-serialized
+    deep = b'{"x":' * 300 + b"1" + b"}" * 300
+    ans = pd_vllm.read_prefill_answer(b'{"kv_transfer_params":' + deep + b"}", 1 << 20)
+    out = orjson.dumps(pd_vllm.decode_body({"model": "m"}, ans.params))
+    assert out == b'{"model":"m","kv_transfer_params":' + deep + b"}"
+
+
+def test_mooncake_query_answer_and_engine_pick() -> None:
+    """vLLM 0.32's bootstrap /query answer: {"<dp rank>": {"engine_id", "worker_addr"}}; invalid entries dropped."""
+    text = orjson.dumps(
+        {
+            "0": {"engine_id": "u_dp0", "worker_addr": {"0": {"0": "10.0.0.1:17000"}}},
+            "1": {"engine_id": "u_dp1", "worker_addr": {}},
+            "x": {"engine_id": "bad"},
+            "2": {"engine_id": ""},
+        }
+    ).decode()
+    ids = pd_mooncake.parse_query(text)
+    assert ids == {0: "u_dp0", 1: "u_dp1"}
+    assert pd_mooncake.parse_query("[]") is None and pd_mooncake.parse_query("{}") is None
+    assert pd_mooncake.parse_query("nope") is None
+    assert pd_mooncake.pick_engine({3: "only_dp3"}, 12345) == (None, "only_dp3")  # one rank: not pinned
+    assert pd_mooncake.pick_engine(ids, 7) == (1, "u_dp1") and pd_mooncake.pick_engine(ids, 8) == (0, "u_dp0")
+
+
+def test_mooncake_ids_cached_one_query_at_a_time_forgotten_and_failures_retried_later() -> None:
+    """One /query per replica however many requests ask at once; cached until ``ttl_s``; ``forget`` (a restart,
+    a failed leg) asks again at once; a failed query is remembered for ``timeout_s`` only; a new address (the
+    pod moved) is asked at once."""
+    now = [0.0]
+    calls: list[str] = []
+    answers: list[Any] = []
+    outcomes: list[str] = []
+
+    class Page:
+        def __init__(self, status: int, text: str) -> None:
+            self.status_code, self.text = status, text
+
+    async def get(url: str, *, timeout: float) -> Page:
+        calls.append(url)
+        await asyncio.sleep(0)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return Page(200, orjson.dumps(answer).decode())
+
+    ids = pd_mooncake.MooncakeIds(get, 2.0, 60.0, outcomes.append, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        answers.append({"0": {"engine_id": "a"}})
+        got = await asyncio.gather(*(ids.ids(0, "10.0.0.1:8998") for _ in range(5)))
+        assert got == [{0: "a"}] * 5 and calls == ["http://10.0.0.1:8998/query"]
+        now[0] = 59.0
+        assert await ids.ids(0, "10.0.0.1:8998") == {0: "a"} and len(calls) == 1  # cached
+        ids.forget(0)
+        answers.append({"0": {"engine_id": "b"}})
+        assert await ids.ids(0, "10.0.0.1:8998") == {0: "b"} and len(calls) == 2  # restarted: asked again
+        answers.append({"0": {"engine_id": "c"}})
+        assert await ids.ids(0, "10.0.0.9:8998") == {0: "c"} and len(calls) == 3  # a new address
+        answers.append(httpx.ConnectError("refused"))
+        assert await ids.ids(1, "10.0.0.2:8998") is None
+        now[0] = 60.5
+        assert await ids.ids(1, "10.0.0.2:8998") is None and len(calls) == 4  # failure remembered briefly
+        now[0] = 61.5
+        answers.append({"0": {"engine_id": "d"}})
+        assert await ids.ids(1, "10.0.0.2:8998") == {0: "d"} and len(calls) == 5
+        now[0] = 200.0
+        answers.append({"0": {"engine_id": "e"}})
+        assert await ids.ids(1, "10.0.0.2:8998") == {0: "e"}  # past the ttl: asked again
+
+    asyncio.run(scenario())
+    assert outcomes == ["ok", "ok", "ok", "failed", "ok", "ok"]

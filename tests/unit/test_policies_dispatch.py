@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from loadtest.simulator import FleetConfig, simulate
-from loadtest.traces import Request
 from policies.dispatch import DispatchQueues, DispatchSettings
+from sim.simulator import FleetConfig, simulate
+from sim.traces import Request
 
 
 def queues(

@@ -21,6 +21,13 @@ def _cands(bad: LoadView) -> list[Candidate]:
 
 REQ = RouteRequest(model="m", prompt_tokens=1024, block_keys=list(range(64)), block_size=16)
 
+#: full scoring, and pruning with one exact place (so three candidates are already pruned)
+PRUNE = pytest.mark.parametrize("prune", [False, True], ids=["full", "pruned"])
+
+
+def _policy(prune: bool) -> TTFTPolicy:
+    return TTFTPolicy(prune=prune, exact_ranks=1, prune_min_candidates=0)
+
 
 @pytest.mark.parametrize(
     "bad",
@@ -34,8 +41,9 @@ REQ = RouteRequest(model="m", prompt_tokens=1024, block_keys=list(range(64)), bl
         LoadView(queued_prefill_tokens=math.inf, running_requests=0, kv_usage=0.0),
     ],
 )
-def test_a_candidate_with_absurd_load_is_excluded_not_chosen(bad: LoadView) -> None:
-    policy = TTFTPolicy()
+@PRUNE
+def test_a_candidate_with_absurd_load_is_excluded_not_chosen(bad: LoadView, prune: bool) -> None:
+    policy = _policy(prune)
     d = policy.choose(REQ, _cands(bad))
     assert d.chosen != 7 and 7 not in d.ranking and sorted(d.ranking) == [0, 1]
     assert policy.excluded_candidates == 1 and "bad" in policy.last_exclusion
@@ -44,10 +52,11 @@ def test_a_candidate_with_absurd_load_is_excluded_not_chosen(bad: LoadView) -> N
     assert all(math.isfinite(s.score) and s.score >= 0 for s in d.scores if s.index != 7)
 
 
-def test_unknown_loads_do_not_inherit_an_absurd_worst_value() -> None:
+@PRUNE
+def test_unknown_loads_do_not_inherit_an_absurd_worst_value(prune: bool) -> None:
     """A replica with unknown gauges is scored with the worst *sane* value of the others, so one broken
     replica does not take the blind ones out with it."""
-    policy = TTFTPolicy()
+    policy = _policy(prune)
     cands = [
         Candidate(index=0, name="bad", load=LoadView(queued_requests=10**400)),
         Candidate(index=1, name="blind", load=LoadView()),
@@ -58,8 +67,9 @@ def test_unknown_loads_do_not_inherit_an_absurd_worst_value() -> None:
     assert policy.excluded_candidates == 1
 
 
-def test_when_nothing_can_be_scored_the_least_loaded_is_chosen() -> None:
-    policy = TTFTPolicy()
+@PRUNE
+def test_when_nothing_can_be_scored_the_least_loaded_is_chosen(prune: bool) -> None:
+    policy = _policy(prune)
     cands = [
         Candidate(index=i, name=f"r{i}", load=LoadView(queued_requests=-1, inflight_requests=5 - i))
         for i in range(3)

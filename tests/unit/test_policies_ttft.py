@@ -355,11 +355,18 @@ def test_decision_shape_and_determinism() -> None:
         for i in range(16)
     ]
     req = RouteRequest(model="m", prompt_tokens=3000, block_keys=list(range(187)))
-    d1 = make_policy("ttft").choose(req, cands)
-    d2 = make_policy("ttft").choose(req, cands)
+    d1 = make_policy("ttft", prune=False).choose(req, cands)
+    d2 = make_policy("ttft", prune=False).choose(req, cands)
     assert d1 == d2
     assert sorted(d1.ranking) == list(range(16)) and d1.ranking[0] == d1.chosen
     assert [s.index for s in d1.scores] == list(range(16))
+    # pruned (the default): the same choice and ranking head, scores for the contenders only, in candidate order
+    d3 = make_policy("ttft", prune_min_candidates=0).choose(req, cands)
+    assert make_policy("ttft").choose(req, cands) == d1  # below prune_min_candidates: every candidate scored
+    assert (d3.chosen, d3.branch, d3.ranking[:3]) == (d1.chosen, d1.branch, d1.ranking[:3])
+    assert sorted(d3.ranking) == list(range(16)) and len(d3.scores) < 16
+    assert [s.index for s in d3.scores] == sorted(s.index for s in d3.scores)
+    assert all(s == d1.scores[s.index] for s in d3.scores)
     for s in d1.scores:
         for k in (
             "Q",
@@ -628,6 +635,15 @@ def test_write_rate_and_cache_lifetime_are_learned_from_observations() -> None:
     assert policy.cache_lifetime_s(Candidate(0, "r0", LoadView()), req) is None  # capacity unknown
     policy.forget(0)
     assert policy.write_rate(0, 300.0) is None
+
+
+def test_write_rate_a_moment_after_the_first_write_is_finite() -> None:
+    """A decision a few ulps after the first write (1e-97 s) divides by the window the decayed sum covers,
+    ``tau * (1 - exp(-elapsed / tau))``; in floats ``1 - exp(-1e-99)`` is 0 (ZeroDivisionError before)."""
+    policy = TTFTPolicy(tight_migration_weight=1000.0, calibrate=False, lifetime_window_s=30.0)
+    policy.observe(Observation(index=0, prompt_tokens=1000, cached_tokens=0, queue_wait_s=0.0, ttft_s=0.1))
+    rate = policy.write_rate(0, 1.16e-97)
+    assert rate is not None and math.isfinite(rate) and rate > 0.0
 
 
 def test_short_cache_lifetime_keeps_a_conversation_on_its_busy_holder() -> None:

@@ -1,4 +1,4 @@
-"""Ports handed to started processes come from outside the kernel's ephemeral range (see loadtest/ports.py)."""
+"""Ports handed to started processes come from outside the kernel's ephemeral range (see fakes/ports.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import ports
+from fakes import ports
 
 
 def test_free_port_is_outside_the_ephemeral_range_and_bindable() -> None:

@@ -30,8 +30,8 @@ def test_merged_metrics_label_every_sample_with_its_worker_and_parse() -> None:
 
 def test_profile_categories_take_the_innermost_matching_frame() -> None:
     stack = (
-        "run (uvicorn/main.py:1);_DataPlane.routing_input (router/app.py:583);"
-        "HfTokenizer.encode_text (router/tokenizer.py:251)"
+        "run (uvicorn/main.py:1);_DataPlane.routing_input (router/http/app.py:583);"
+        "HfTokenizer.encode_text (router/tokens/tokenizer.py:251)"
     )
     assert categorize(stack) == "tokenization"
     assert categorize("run (uvicorn/main.py:1);Runner.run (asyncio/runners.py:118)").startswith(

@@ -1,4 +1,4 @@
-"""router/dispatch.py: the async side of the gate (futures, cancellation, expiry, replicas leaving, shutdown)."""
+"""router/core/dispatch.py: the async side of the gate (futures, cancellation, expiry, replicas leaving, shutdown)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from index.hashing import block_keys
 from index.prefix_index import PrefixIndex
 from policies.dispatch import DispatchSettings
-from router.dispatch import DispatchGate, ReplicaGone
+from router.core.dispatch import DispatchGate, ReplicaGone
 from tests.helpers import FakeClock
 
 BS = 16

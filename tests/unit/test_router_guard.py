@@ -1,6 +1,7 @@
-"""The front gate's parts: ``router.guard.Auth`` (bytes comparison, admin rules, client scope),
-``router.intake`` (shape limits on simdjson and plain JSON alike, sequences), ``router.loop_lag`` (window maximum,
-overdue probe), ``Router`` accounting of n sequences, and unhandled errors counted as 500s."""
+"""The front gate's parts: ``router.serve.guard.Auth`` (bytes comparison, admin rules, client scope),
+``router.serve.intake`` (shape limits on simdjson and plain JSON alike, sequences), ``router.serve.loop_lag`` (window maximum,
+overdue probe, own lag), the shedding decision (``Shedder``: only a sustained overload of the router's own work
+sheds; a lag from outside waits), ``Router`` accounting of n sequences, and unhandled errors counted as 500s."""
 
 from __future__ import annotations
 
@@ -11,10 +12,19 @@ import httpx
 import orjson
 import pytest
 import simdjson
+from pydantic import BaseModel, ConfigDict
 
-from router.guard import Auth
-from router.intake import InputLimits, LimitExceeded, check_body, model_contexts, sequences
-from router.loop_lag import LoopLag
+from router.serve.guard import Auth, Shedder, Verdict
+from router.serve.intake import (
+    InputLimits,
+    LimitExceeded,
+    check_body,
+    model_contexts,
+    parse_json,
+    scan_and_parse,
+    sequences,
+)
+from router.serve.loop_lag import LoopLag, Probe, own_lag_s
 from tests.unit.test_router_proxy import (
     BODY,
     EngineState,
@@ -26,7 +36,13 @@ from tests.unit.test_router_proxy import (
 )
 
 LIMITS = InputLimits(
-    max_messages=10, max_batch_prompts=4, chars_per_token=2.0, default_context_tokens=100, max_json_values=50
+    max_messages=10,
+    max_batch_prompts=4,
+    chars_per_token=2.0,
+    default_context_tokens=100,
+    max_json_values=50,
+    max_json_depth=16,
+    max_sequences=16,
 )
 
 
@@ -120,6 +136,42 @@ def test_input_limits_on_both_parsers() -> None:
         assert exc is not None and exc.code == "too_many_json_values", hidden
 
 
+class CompletionLike(BaseModel):
+    """Any object body (the depth check runs before validation)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    """A body whose field ``x`` makes it ``levels`` levels deep (the body is level 1)."""
+    inner: Any = 1
+    for _ in range(levels - 1):
+        inner = {"a": inner}
+    return {"model": "m", "prompt": "p", "x": inner}
+
+
+def test_json_depth_refused_alike_by_both_parse_paths() -> None:
+    """16 levels pass, 17 are refused with 400 json_too_deep, small bodies (inline) and large ones (the worker
+    thread's simdjson path) alike; a shallow body with many brackets is walked and passes."""
+    for levels, ok in ((16, True), (17, False)):
+        body = _nested(levels)
+        small = orjson.dumps(body)
+        large = orjson.dumps({**body, "pad": "p" * 70_000})
+        assert len(large) >= 64 * 1024
+        for raw, parse in (
+            (small, lambda r: parse_json(r, CompletionLike, LIMITS.max_json_depth)),
+            (large, lambda r: scan_and_parse(r, CompletionLike, LIMITS, {})),
+        ):
+            if ok:
+                parse(raw)
+            else:
+                with pytest.raises(LimitExceeded) as info:
+                    parse(raw)
+                assert (info.value.status, info.value.code) == (400, "json_too_deep")
+    flat = orjson.dumps({"model": "m", "prompt": "p", "tools": [{"a": [1]}] * 40})
+    parse_json(flat, CompletionLike, 4)  # 4 levels, 81 brackets: walked, passes
+
+
 def test_model_contexts_unknown_wins() -> None:
     class P:
         def __init__(self, ctx: int) -> None:
@@ -187,3 +239,114 @@ def test_n_sequences_counted_in_flight_and_unhandled_errors_counted() -> None:
         r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
         assert r.status_code == 500
         assert metric(router, "kvroute_requests_total", {"route": "/v1/completions", "status": "500"}) == 1
+
+
+def test_own_lag_is_the_delay_less_cpu_waits_at_most_the_cpu_used() -> None:
+    prev = Probe(at=10.0, lag=0.0, own_lag=0.0, cpu_s=5.0, wait_s=2.0)
+    # starved: 1 s late, 0.8 s of it waiting for a CPU -> 0.2 s its own
+    assert own_lag_s(1.0, prev, cpu_s=5.3, wait_s=2.8) == pytest.approx(0.2)
+    # stopped (SIGSTOP, a frozen cgroup): no CPU used, no run-queue wait either -> none of it its own
+    assert own_lag_s(1.2, prev, cpu_s=5.001, wait_s=2.0) == pytest.approx(0.001)
+    # throttled by a CPU quota: the kernel counts the throttled time as run-queue wait
+    assert own_lag_s(0.25, prev, cpu_s=5.01, wait_s=2.26) == 0.0
+    # its own work: computing all along
+    assert own_lag_s(0.5, prev, cpu_s=5.52, wait_s=2.0) == pytest.approx(0.5)
+    assert own_lag_s(0.5, prev, cpu_s=7.0, wait_s=2.0) == pytest.approx(0.5)  # never more than the delay
+    assert own_lag_s(0.7, None, cpu_s=0.0, wait_s=0.0) == 0.7  # no previous sample: all of it
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.n = 5
+
+    def __call__(self) -> int:
+        return self.n
+
+
+class _Feed:
+    """Probes fed by hand to a Shedder, every ``step_s`` of loop time, with the CPU time and run-queue wait
+    accumulated as told (s)."""
+
+    def __init__(self, lag: LoopLag, shed: Shedder, step_s: float = 0.5) -> None:
+        self.lag, self.shed, self.step_s = lag, shed, step_s
+        self.at = lag.now() - 10.0
+        self.cpu = self.wait = 0.0
+
+    def __call__(self, delay: float, own: float, cpu: float, wait: float = 0.0, n: int = 1) -> None:
+        for _ in range(n):
+            self.at += self.step_s
+            self.cpu += cpu
+            self.wait += wait
+            self.shed.on_probe(Probe(self.at, delay, own, self.cpu, self.wait))
+
+
+def test_shedder_sheds_only_a_sustained_overload_of_its_own_work() -> None:
+    async def go() -> None:
+        lag = LoopLag(interval_s=3600.0, window_s=1.0)  # started for its clock; its own probe never fires
+        lag.start()
+        work = _Work()
+        shed = Shedder(lag, max_lag_s=0.1, sustain_s=2.0, max_wait_s=1.0, work=work)
+        feed = _Feed(lag, shed)
+        assert shed.verdict() is Verdict.ADMIT
+        feed(0.0, 0.0, cpu=0.01, n=5)  # on time, nearly idle
+        assert shed.verdict() is Verdict.ADMIT
+        # starved from outside for 2.5 s: late by far more than the limit, waiting for a CPU most of the time
+        feed(0.4, 0.01, cpu=0.05, wait=0.4, n=5)
+        assert shed.verdict() is Verdict.WAIT
+        # one stall of its own (a long callback), after being idle: waits, is not shed
+        feed(0.0, 0.0, cpu=0.01, n=5)
+        feed(1.0, 1.0, cpu=0.5)
+        assert shed.verdict() is Verdict.WAIT
+        # late from its own work probe after probe but stopped part of the time (SIGSTOP, a frozen cgroup): waits
+        feed(0.4, 0.35, cpu=0.2, n=5)
+        assert shed.verdict() is Verdict.WAIT
+        # its own work, busy all along for the window, the work not shrinking: shed
+        for _ in range(5):
+            work.n += 1
+            feed(0.4, 0.35, cpu=0.5)
+        assert shed.verdict() is Verdict.SHED
+        # the same under a CPU share of one half: busy whenever it has a CPU, so still its own overload
+        feed(0.4, 0.2, cpu=0.25, wait=0.25, n=5)
+        assert shed.verdict() is Verdict.SHED
+        work.n = 3  # the backlog drains below where it was at the window's start: no more shedding
+        assert shed.verdict() is Verdict.WAIT
+        work.n = 12
+        assert shed.verdict() is Verdict.SHED
+        feed(
+            0.0, 0.0, cpu=0.5
+        )  # this probe on time: admit (the overload is judged again at the next late one)
+        assert shed.verdict() is Verdict.ADMIT
+        feed(0.4, 0.35, cpu=0.5)
+        assert shed.verdict() is Verdict.SHED
+        lag.stop()
+
+    asyncio.run(go())
+
+
+def test_shedder_admits_waiting_requests_when_the_lag_passes_or_after_max_wait() -> None:
+    async def go() -> None:
+        lag = LoopLag(interval_s=3600.0, window_s=1.0)
+        lag.start()
+        shed = Shedder(lag, max_lag_s=0.1, sustain_s=1.0, max_wait_s=0.3, work=_Work())
+        feed = _Feed(lag, shed)
+        feed(0.0, 0.0, cpu=0.01, n=4)
+        feed(0.5, 0.0, cpu=0.0, wait=0.5)  # lagging, not its own work
+        waiter = asyncio.ensure_future(shed.admit())
+        await asyncio.sleep(0)
+        assert not waiter.done() and shed.waiting == 1
+        feed(0.0, 0.0, cpu=0.01)  # the next probe is on time
+        assert await asyncio.wait_for(waiter, 5) is True and shed.waiting == 0
+        feed(0.5, 0.0, cpu=0.0, wait=0.5)
+        t0 = lag.now()
+        assert await shed.admit() is True  # still lagging from outside: admitted after max_wait_s
+        assert lag.now() - t0 >= 0.29 and shed.waited_total == 2
+        # waiting, then the overload turns out to be its own: shed
+        feed(0.4, 0.4, cpu=0.5)
+        waiter = asyncio.ensure_future(shed.admit())
+        await asyncio.sleep(0)
+        assert not waiter.done()  # one late probe of its own: not yet sustained
+        feed(0.4, 0.4, cpu=0.5)
+        assert await asyncio.wait_for(waiter, 5) is False
+        lag.stop()
+
+    asyncio.run(go())

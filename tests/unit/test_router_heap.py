@@ -10,7 +10,7 @@ import pytest
 import simdjson
 
 from router.heap import pin_mmap_threshold
-from router.intake import InputLimits, LimitExceeded, scan_and_parse
+from router.serve.intake import InputLimits, LimitExceeded, scan_and_parse
 
 
 def test_mmap_threshold_is_pinned_on_glibc() -> None:
@@ -25,6 +25,8 @@ def test_limit_exceeded_does_not_keep_the_parsed_document() -> None:
         chars_per_token=2.0,
         default_context_tokens=100,
         max_json_values=1000,
+        max_json_depth=128,
+        max_sequences=16,
     )
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 50})
     with pytest.raises(LimitExceeded) as info:

@@ -15,7 +15,7 @@ from membership.replicas import ReplicaState, ReplicaTable
 from policies.base import Observation, RouteRequest, make_policy
 from policies.pd_base import HandoffLink, PdCandidate, Plan, PlanDecision, make_pd_policy, register_pd
 from router.config import ReplicaSpec
-from router.routing import NoReplica, Router, build_profile, decision_json, plan_json
+from router.core.routing import NoReplica, Router, build_profile, decision_json, plan_json
 from tests.helpers import FakeClock
 
 BS = 16
@@ -24,6 +24,7 @@ BS = 16
 class _Seen:
     candidates: list[PdCandidate] = []
     link: HandoffLink | None = None
+    request: RouteRequest | None = None
 
 
 @register_pd("pd_test_first_pair")
@@ -35,7 +36,7 @@ class FirstPair:
     def choose_plan(
         self, request: RouteRequest, candidates: Sequence[PdCandidate], link: HandoffLink
     ) -> PlanDecision:
-        _Seen.candidates, _Seen.link = list(candidates), link
+        _Seen.candidates, _Seen.link, _Seen.request = list(candidates), link, request
         pre = [c for c in candidates if c.role == "prefill"]
         dec = [c for c in candidates if c.role in ("decode", "both")]
         if not dec:
@@ -115,6 +116,20 @@ def test_pd_fleet_gets_a_plan_with_roles_and_link() -> None:
     }
     assert [p["kind"] for p in plan["plans"]] == ["disaggregated", "in_place", "in_place"]
     assert plan["plans"][1]["terms"] == {"Q": 0.5, "R": 0.0, "C": 0.5}
+
+
+def test_pd_plans_see_the_slo_target_and_priority() -> None:
+    """The PD plan policy gets the request as a co-located policy does: its TTFT target and priority included
+    (one builder of the policy's request for both paths), so SLO-aware routing applies on PD fleets too."""
+    router = make_router(["prefill", "decode"])
+    inp = router.make_input(
+        "m", None, list(range(1, 300)), ttft_target_s=0.25, priority=3, expected_output_tokens=7, copies=2
+    )
+    router.decide(inp)
+    seen = _Seen.request
+    assert seen is not None
+    assert (seen.ttft_target_s, seen.priority) == (0.25, 3)
+    assert (seen.sequences, seen.expected_output_tokens, seen.prompt_tokens) == (2, 14, 299)
 
 
 def test_colocated_fleet_never_plans() -> None:

@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from router.app import create_app
 from router.config import load_settings
+from router.http.app import create_app
 from tests.helpers import LoopServer, free_port, wait_until
 
 
@@ -475,7 +475,7 @@ def test_panic_routing_serves_when_every_replica_looks_unhealthy(
 
 
 def test_ask_for_usage_adds_the_option_only_when_the_client_did_not_ask() -> None:
-    from router.proxy import ask_for_usage
+    from router.engine.sse import ask_for_usage
 
     body, added = ask_for_usage(b'{"model": "m", "stream": true}  ')
     assert added and json.loads(body) == {
@@ -501,7 +501,7 @@ def test_ask_for_usage_adds_the_option_only_when_the_client_did_not_ask() -> Non
 
 
 def test_sse_validator_passes_vllm_streams_and_strips_usage() -> None:
-    from router.proxy import SSEValidator
+    from router.engine.sse import SSEValidator
 
     chunk = b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n'
@@ -531,7 +531,7 @@ def test_sse_validator_passes_vllm_streams_and_strips_usage() -> None:
     ],
 )
 def test_sse_validator_rejects_garbage(stream: bytes) -> None:
-    from router.proxy import BadStream, SSEValidator
+    from router.engine.sse import BadStream, SSEValidator
 
     v = SSEValidator(strip_usage=False, max_event_bytes=4096)
     with pytest.raises(BadStream):
@@ -575,14 +575,14 @@ def test_invalid_first_stream_chunk_releases_every_copy_in_flight() -> None:
 
 
 def test_attempt_hold_releases_once_whatever_the_path() -> None:
-    """``_Hold`` counts the request in flight on entry and gives the slot, the prefill tokens and the gate's
+    """``Hold`` counts the request in flight on entry and gives the slot, the prefill tokens and the gate's
     permit back exactly once: on leaving the block, after an explicit release, or (handed over) only when the
     new owner releases."""
     from index.prefix_index import PrefixIndex
     from membership.replicas import ReplicaState, ReplicaTable
     from policies.base import make_policy
-    from router.proxy import _AttemptFailed, _Hold
-    from router.routing import Router
+    from router.core.routing import Router
+    from router.engine.hold import AttemptFailed, Hold
 
     table = ReplicaTable()
     rep = table.upsert("r0", "http://127.0.0.1:1", models=["m"])
@@ -592,22 +592,22 @@ def test_attempt_hold_releases_once_whatever_the_path() -> None:
     def counts() -> tuple[int, int, int]:
         return rep.load.inflight_requests, rep.load.inflight_prefill_tokens, router.pending_prefill_tokens(0)
 
-    with _Hold(router, None, rep, 100, 3):
+    with Hold(router, None, rep, 100, 3):
         assert counts() == (3, 100, 100)
     assert counts() == (0, 0, 0)
 
-    with pytest.raises(_AttemptFailed):  # a failure before the first byte
-        with _Hold(router, None, rep, 100, 2) as hold:
+    with pytest.raises(AttemptFailed):  # a failure before the first byte
+        with Hold(router, None, rep, 100, 2) as hold:
             hold.first_byte()
             assert counts() == (2, 0, 0)
-            raise _AttemptFailed("x", "boom", retry=True)
+            raise AttemptFailed("x", "boom", retry=True)
     assert counts() == (0, 0, 0)
 
-    with _Hold(router, None, rep, 50, 1) as hold:
+    with Hold(router, None, rep, 50, 1) as hold:
         hold.release()
         hold.release()
     rep.load.inflight_requests = 5  # other requests: a second release would eat one of theirs
-    with _Hold(router, None, rep, 50, 1) as hold:
+    with Hold(router, None, rep, 50, 1) as hold:
         hold.hand_over()
     assert rep.load.inflight_requests == 6  # the new owner holds it
     hold.release()
@@ -615,7 +615,7 @@ def test_attempt_hold_releases_once_whatever_the_path() -> None:
     assert rep.load.inflight_requests == 5
 
     async def cancelled() -> None:
-        with _Hold(router, None, rep, 10, 1):
+        with Hold(router, None, rep, 10, 1):
             await asyncio.sleep(30)
 
     async def cancel_it() -> None:
@@ -630,7 +630,7 @@ def test_attempt_hold_releases_once_whatever_the_path() -> None:
 
 
 def test_sse_validator_joins_events_split_anywhere_without_quadratic_copies() -> None:
-    from router.proxy import SSEValidator
+    from router.engine.sse import SSEValidator
 
     stream = (
         b'data: {"choices":[{"text":"'
@@ -678,7 +678,7 @@ def test_sse_validator_one_event_fast_path_equals_the_general_path(seed: int, st
     raises where it raises, on random piece sequences (pending halves, CR line ends, [DONE], usage, garbage)."""
     import random
 
-    from router.proxy import BadStream, SSEValidator
+    from router.engine.sse import BadStream, SSEValidator
 
     rng = random.Random(seed)
     pieces = [_PIECES[0]] + [rng.choice(_PIECES) for _ in range(12)]

@@ -8,7 +8,7 @@ from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
 from membership.replicas import ReplicaState, ReplicaTable
 from policies.base import make_policy
-from router.routing import (
+from router.core.routing import (
     BUILTIN_PROFILES,
     BadRequest,
     NoReplica,
@@ -184,7 +184,7 @@ def test_accounting_before_dispatch_steers_the_next_decision() -> None:
 
 
 def test_builtin_profiles_match_the_engine_model() -> None:
-    from loadtest.engine_model import PROFILES
+    from fakes.engine_model import PROFILES
 
     for name, hw in PROFILES.items():
         want = hw.replica_profile()

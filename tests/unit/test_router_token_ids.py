@@ -1,4 +1,4 @@
-"""router/token_ids.py: which replicas take prompts as token ids, and the rewritten body (real loopback engines)."""
+"""router/tokens/token_ids.py: which replicas take prompts as token ids, and the rewritten body (real loopback engines)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from membership.replicas import Replica, ReplicaState, ReplicaTable
-from router.app import create_app
 from router.config import load_settings
-from router.token_ids import PROBES, TokenIdsCheck, ids_prompt
-from router.tokenizer import HfTokenizer, make_tokenizer
+from router.http.app import create_app
+from router.tokens.token_ids import PROBES, TokenIdsCheck, ids_prompt
+from router.tokens.tokenizer import HfTokenizer, make_tokenizer
 from tests.helpers import wait_until
 from tests.integration.test_router_fleet import build_model_dir
 from tests.unit.test_router_proxy import EngineState, ServerThread, metric, ready, tiny_engine

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router.tokenizer import (
+from router.tokens.tokenizer import (
     BytesTokenizer,
     HfTokenizer,
     TokenizerError,

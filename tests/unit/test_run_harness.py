@@ -1,10 +1,10 @@
-"""``loadtest.fleet.run_harness``: the harnesses' shared ``__main__`` exit (main's code; 130 on Ctrl-C)."""
+"""``fakes.fleet.run_harness``: the harnesses' shared ``__main__`` exit (main's code; 130 on Ctrl-C)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtest.fleet import run_harness
+from fakes.fleet import run_harness
 
 
 def test_exits_with_the_code_of_main() -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from index.prefix_index import PrefixIndex
 from membership.replicas import ReplicaState, ReplicaTable
@@ -22,10 +24,12 @@ from policies.base import (
     RouteRequest,
     make_policy,
 )
-from router.admission import Admission, Rejected
 from router.config import Settings
-from router.routing import Router, build_profile
-from router.tenants import BadIdentity, TenancyConfig, parse_identity, request_cost
+from router.core.admission import Admission, Rejected
+from router.core.routing import Router, build_profile
+from router.core.tenant_admission import TenantAdmission
+from router.core.tenant_metrics import TenantMetrics
+from router.core.tenants import BadIdentity, TenancyConfig, parse_identity, request_cost
 from tests.helpers import FakeClock
 
 
@@ -96,6 +100,148 @@ def test_bad_identity_names_the_header(headers: dict[str, str], body: object, pa
     assert err.value.param == param
 
 
+def test_peer_priority_headers_map_through_the_table_and_unknown_values_get_the_default() -> None:
+    c = cfg(priority_objectives={"food-review": "critical"})
+    for header in ("x-gateway-inference-objective", "x-llm-d-inference-objective"):
+        known = parse_identity({header: "food-review"}, None, c)  # an InferenceObjective name from the table
+        assert (known.klass.name, known.unknown_priority_header) == ("critical", "")
+        unknown = parse_identity({header: "translation"}, None, c)  # upstream: the default priority
+        assert (unknown.klass.name, unknown.unknown_priority_header) == ("standard", header)
+    assert parse_identity({"x-smg-priority": "BULK"}, None, c).klass.name == "sheddable"  # case-insensitive
+    assert parse_identity({"x-smg-priority": "whenever"}, None, c).unknown_priority_header == "x-smg-priority"
+    assert parse_identity({"x-smg-priority": ""}, None, c).klass.name == "standard"
+    assert parse_identity({"x-dynamo-meta-policy-class": "latency"}, None, c).klass.name == "critical"
+    # the built-in table knows Dynamo's and SMG's names
+    d = cfg()
+    assert [
+        parse_identity({"x-dynamo-meta-policy-class": v}, None, d).klass.name
+        for v in ("latency", "agents", "throughput")
+    ] == ["critical", "standard", "sheddable"]
+    assert parse_identity({"x-smg-priority": "system"}, None, d).klass.name == "critical"
+    # our own header and the body field stay strict
+    with pytest.raises(BadIdentity) as err:
+        parse_identity({"x-kvroute-priority": "food-review"}, None, d)
+    assert err.value.param == "x-kvroute-priority" and err.value.status == 400
+    with pytest.raises(BadIdentity):
+        parse_identity({}, "whenever", d)
+
+
+@pytest.mark.parametrize(
+    ("settings", "auth", "tenant", "expect"),
+    [
+        # client keys configured: only tenant_header_keys may name a tenant
+        ({"api_keys": ["sk-plain"]}, "sk-plain", "acme", 403),
+        ({"api_keys": ["sk-plain"]}, "sk-admin", "acme", 403),  # the admin token is no tenant key
+        ({"api_keys": ["sk-plain"]}, None, "zeta", 403),
+        ({"api_keys": ["sk-plain"], "tenant_header_keys": ["sk-edge"]}, "sk-edge", "acme", "acme"),
+        ({"api_keys": ["sk-plain"], "tenant_header_keys": ["sk-admin"]}, "sk-admin", "zeta", "zeta"),
+        ({"api_keys": ["sk-plain"]}, "sk-acme", "acme", "acme"),  # a tenant's key names its own tenant
+        ({"api_keys": ["sk-plain"]}, "sk-acme", "zeta", 400),  # ... never another one
+        # no client keys (a trusted network): any tenant not bound to a key
+        ({}, None, "zeta", "zeta"),
+        ({}, "sk-admin", "zeta", "zeta"),
+        ({}, None, "acme", 403),
+        ({}, "sk-acme", "acme", "acme"),
+    ],
+)
+def test_a_tenant_header_is_honoured_only_for_keys_that_may_act_for_tenants(
+    settings: dict[str, object], auth: str | None, tenant: str, expect: object
+) -> None:
+    c = cfg(tenant_api_keys=["acme=sk-acme"], admin_token="sk-admin", **settings)
+    for header in ("x-kvroute-tenant", "x-gateway-inference-fairness-id", "x-smg-tenant-id"):
+        headers = {header: tenant} | ({"authorization": f"Bearer {auth}"} if auth else {})
+        if isinstance(expect, int):
+            with pytest.raises(BadIdentity) as err:
+                parse_identity(headers, None, c)
+            assert (err.value.status, err.value.param) == (expect, header)
+            assert (err.value.code == "tenant_not_allowed") == (expect == 403)
+        else:
+            assert parse_identity(headers, None, c).tenant == expect
+    # without a header, a plain key is the default tenant, a tenant key its tenant
+    assert parse_identity({"authorization": "Bearer sk-plain"}, None, c).tenant == "default"
+    assert parse_identity({"authorization": "Bearer sk-acme"}, None, c).tenant == "acme"
+
+
+def test_max_class_caps_the_class_a_tenant_asks_for() -> None:
+    c = cfg(
+        tenants={"gold": {"max_class": "critical"}, "bronze": {"max_class": "sheddable"}, "plain": {}},
+        tenant_max_priority_class="standard",
+    )
+
+    def klass(tenant: str, prio: str) -> tuple[str, str]:
+        ident = parse_identity({"x-kvroute-tenant": tenant, "x-kvroute-priority": prio}, None, c)
+        return ident.klass.name, ident.demoted
+
+    assert klass("gold", "critical") == ("critical", "")
+    assert klass("plain", "critical") == ("standard", "max_class")  # listed without max_class: the default
+    assert klass("other", "critical") == ("standard", "max_class")
+    assert klass("other", "99") == ("standard", "max_class")  # an integer priority too
+    assert klass("bronze", "standard") == ("sheddable", "max_class")
+    assert klass("bronze", "sheddable") == ("sheddable", "")
+    assert cfg().policy_of("x").max_class is None  # default: no cap below the top class
+    with pytest.raises(ValueError, match="max_class"):
+        cfg(tenants={"a": {"max_class": "gold"}})
+    with pytest.raises(ValueError, match="priority_objectives"):
+        cfg(priority_objectives={"food-review": "gold"})
+    with pytest.raises(ValueError, match="tenant_max_priority_class"):
+        cfg(tenant_max_priority_class="gold")
+
+
+def test_a_tenant_holds_at_most_its_share_of_the_top_class() -> None:
+    c = cfg(max_inflight_total=4, priority_top_class_max_share=0.5)
+    assert c.top_class_cap() == 2 and cfg(priority_top_class_max_share=1.0).top_class_cap() is None
+    metrics = TenantMetrics(CollectorRegistry(), 100, 600.0)
+    adm = TenantAdmission(c, TenantBudget(None, 1), Admission(4, 16, 5.0), metrics)
+    crit = {"x-kvroute-tenant": "f", "x-kvroute-priority": "critical"}
+
+    async def scenario() -> None:
+        tickets = [await adm.admit(adm.identify(crit), 10, 10) for _ in range(3)]
+        assert [t.identity.klass.name for t in tickets] == ["critical", "critical", "standard"]
+        assert tickets[2].identity.demoted == "top_share" and adm.top_held == {"f": 2}
+        other = await adm.admit(
+            adm.identify({"x-kvroute-tenant": "g", "x-kvroute-priority": "critical"}), 1, 1
+        )
+        assert other.identity.klass.name == "critical"  # the cap is per tenant
+        tickets[0].release()
+        tickets[0].release()  # idempotent: gives its place back once
+        assert adm.top_held == {"f": 1, "g": 1}
+        again = await adm.admit(adm.identify(crit), 10, 10)
+        assert again.identity.klass.name == "critical"
+        for t in (*tickets, other, again):
+            t.release()
+        assert adm.top_held == {} and adm.slots.inflight == 0
+
+    asyncio.run(scenario())
+    assert (
+        'kvroute_tenant_demoted_total{tenant="f",reason="top_share"} 1.0'
+        in b"".join(metrics.render_chunks()).decode()
+    )
+
+
+def test_tenant_series_expire_when_idle_and_are_capped() -> None:
+    clock = FakeClock(0.0)
+    m = TenantMetrics(CollectorRegistry(), max_labels=3, idle_s=60.0, clock=clock)
+    for t in ("a", "b", "c", "d", "e"):
+        m.admitted(t, "standard", 10)
+    m.ttft("a", 0.3)
+
+    def tenants() -> set[str]:
+        text = b"".join(m.render_chunks()).decode()
+        return set(re.findall(r'kvroute_tenant_requests_total\{tenant="([^"]+)"', text))
+
+    assert tenants() == {"a", "b", "c", "other"} and m.label_sets == 4  # d and e share "other"
+    clock.now += 45
+    m.admitted("a", "standard", 10)  # a stays busy
+    clock.now += 30
+    assert tenants() == {"a"} and m.expired == 3  # b, c and other were idle for 75 s
+    m.admitted("d", "standard", 10)  # a place freed: d has its own series again, from 0
+    text = b"".join(m.render_chunks()).decode()
+    assert 'kvroute_tenant_requests_total{tenant="d",class="standard"} 1.0' in text
+    assert 'kvroute_tenant_ttft_seconds_bucket{tenant="a",le="0.35"} 1' in text
+    assert 'kvroute_tenant_ttft_seconds_bucket{tenant="a",le="0.2"} 0' in text
+    assert "kvroute_tenant_label_sets 2" in text and "kvroute_tenant_label_sets_expired_total 3" in text
+
+
 def test_tenancy_config_rejects_malformed_entries() -> None:
     with pytest.raises(ValueError, match="TENANT=KEY"):
         cfg(tenant_api_keys=["nokey"])
@@ -136,6 +282,17 @@ def test_fair_queue_priority_then_weighted_fair_share() -> None:
     # the quiet tenant's two requests interleave with the flood instead of waiting behind all ten
     assert order.index("quiet0") <= 2 and order.index("quiet1") <= 4
     assert [x for x in order if x.startswith("flood")] == [f"flood{i}" for i in range(10)]  # FIFO per tenant
+
+
+def test_fair_queue_keeps_fair_shares_within_a_class_when_a_higher_class_leaves_first() -> None:
+    q: FairQueue[str] = FairQueue()
+    for i in range(6):
+        q.push(f"a{i}", "a", 1, 100, 1.0)  # tenant a queues six standard requests
+    q.push("a-crit", "a", 2, 100, 1.0)  # and one critical (its tag is past all of them)
+    assert q.pop().item == "a-crit"  # type: ignore[union-attr]
+    q.push("b0", "b", 1, 100, 1.0)  # b's first standard request arrives now
+    order = [e.item for e in iter(q.pop, None)]
+    assert order.index("b0") <= 1, order  # not behind a's whole backlog (one shared clock put it last)
 
 
 def test_fair_queue_weights_split_service() -> None:
@@ -277,8 +434,8 @@ def test_isolated_tenants_never_share_a_prefix() -> None:
 
 
 def test_simulator_quota_and_slo_rejection_use_the_admission_code() -> None:
-    from loadtest.simulator import FleetConfig, SimTenancy, simulate
-    from loadtest.traces import make_workload
+    from sim.simulator import FleetConfig, SimTenancy, simulate
+    from sim.traces import make_workload
 
     reqs = sorted(make_workload("shared-prefix")[:120], key=lambda r: r.arrival_s)
     cfg = FleetConfig(profiles=["a100"] * 2)

@@ -1,4 +1,4 @@
-"""Prefix tokenization cache (router/token_cache.py): exact ids on real tokenizers of the usual families.
+"""Prefix tokenization cache (router/tokens/token_cache.py): exact ids on real tokenizers of the usual families.
 
 Every tokenizer is built here with the ``tokenizers`` library (nothing downloaded): GPT-2 style byte-level BPE,
 Llama-3 / Qwen style (NFC + regex split + byte-level), SentencePiece style (metaspace + unigram), the benchmark's
@@ -28,8 +28,8 @@ from tokenizers import (
     trainers,
 )
 
-from router.token_cache import PrefixTokenCache, cache_for, check_structure, safe_cut, self_test
-from router.tokenizer import HfTokenizer
+from router.tokens.token_cache import PrefixTokenCache, cache_for, check_structure, safe_cut, self_test
+from router.tokens.tokenizer import HfTokenizer
 
 WORDS = (
     "the quick brown fox jumps over lazy dog route replica cache prefix token block engine request user "

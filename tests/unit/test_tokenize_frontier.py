@@ -1,4 +1,4 @@
-"""Cache-frontier tokenization (router/tokenize_frontier.py): the walk's pure steps, the walk against a real index
+"""Cache-frontier tokenization (router/tokens/frontier.py): the walk's pure steps, the walk against a real index
 and real tokenizers (ids exact, stops one prefix past the deepest match), and the length estimate on the e2e
 slice's prompts (word vocabulary and the byte-level BPE ``loadtest.bench_tokenizer`` trains on them)."""
 
@@ -15,9 +15,8 @@ from tokenizers import Tokenizer
 from index.hashing import block_keys, extend_keys
 from index.prefix_index import PrefixIndex
 from router.config import Settings
-from router.routing import RoutingInput
-from router.token_cache import safe_cut
-from router.tokenize_frontier import (
+from router.core.routing import RoutingInput
+from router.tokens.frontier import (
     FrontierIds,
     estimate_tokens,
     first_end,
@@ -27,7 +26,8 @@ from router.tokenize_frontier import (
     tail_start,
     walk,
 )
-from router.tokenizer import HfTokenizer
+from router.tokens.token_cache import safe_cut
+from router.tokens.tokenizer import HfTokenizer
 from tests.unit.test_token_cache import FAMILIES, ODD, WORDS, family
 
 BS = 16
@@ -233,7 +233,7 @@ def test_a_tokenizer_that_fails_the_gates_never_splits(tmp_path: Path) -> None:
 
 
 def e2e_prompts(n: int) -> list[str]:
-    from loadtest.workload import WorkloadOptions, build_workload
+    from sim.workload import WorkloadOptions, build_workload
     from tests.helpers import shared_trace
 
     reqs = build_workload(WorkloadOptions(trace=shared_trace(), duration_s=80.0))
@@ -256,7 +256,7 @@ def estimate_errors(tok: HfTokenizer, prompts: Sequence[str], lookahead: int) ->
 
 
 def test_estimate_within_a_few_percent_on_the_e2e_word_vocabulary() -> None:
-    from loadtest.workload import ensure_model_dir
+    from sim.workload import ensure_model_dir
 
     prompts = e2e_prompts(30)
     assert len(prompts) >= 20

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import workload
+from sim import workload
 
 
 def _git(*args: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from index.hashing import block_keys, root_seed
-from loadtest.traces import (
+from sim.traces import (
     WORKLOADS,
     BlockKeyCache,
     Request,
@@ -118,7 +118,7 @@ def test_generators_have_the_published_shapes() -> None:
         for prev, nxt in zip(turns, turns[1:], strict=False):
             assert nxt.segments[: len(prev.segments)] == prev.segments  # extends the previous context
             assert nxt.arrival_s - prev.arrival_s >= 10.0
-    assert set(WORKLOADS) == {"shared-prefix", "llmd-precise", "chapter8", "agent", "long-context"}
+    assert set(WORKLOADS) == {"shared-prefix", "llmd-precise", "chapter8", "agent", "lora", "long-context"}
     with pytest.raises(KeyError, match="known"):
         make_workload("nope")
 

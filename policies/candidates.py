@@ -1,0 +1,88 @@
+"""From what a caller knows about its replicas to the candidates a policy sees: one pure builder for the router
+(``router.core.routing``: co-located decisions and PD plans) and both simulators (``sim.simulator``,
+``sim.pd_simulator``), so every caller feeds the policies exactly the same view.
+
+Units: tokens, blocks (``block_size`` tokens), seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from index.prefix_index import ReplicaMatch
+from policies.base import Candidate, LoadView, ReplicaProfile
+from policies.hits import hit_from_match
+from policies.pd_base import DecodeLeg, PdCandidate, Role
+
+
+@dataclass(slots=True)
+class ReplicaFacts:
+    """What the caller knows about one replica that may serve a request.
+
+    Attributes:
+        index: the replica's stable small integer index (its key in the index match).
+        name: the replica's name.
+        load: the load view the policy sees.
+        profile: the replica's performance profile.
+        state: membership state (``ready``, ...).
+        engine_block_size: the engine's own block size when it differs from the router's (None: the same),
+            tokens: an engine reuses whole engine blocks only (``policies.hits.usable_cached_tokens``).
+        role: ``both``, ``prefill`` or ``decode`` (PD fleets).
+        dp_rank_count: data-parallel ranks the engine exposes (PD plans may pin one).
+        link_busy_s: seconds until the replica's outgoing KV link is free (PD handoffs), seconds.
+        serves_alone: the engine answers a request without a KV handoff (PD fleets).
+        decode_legs: the disaggregated requests planned onto the replica as their decode leg and not started
+            there (PD fleets; ``PdCandidate.decode_legs``).
+    """
+
+    index: int
+    name: str
+    load: LoadView = field(default_factory=LoadView)
+    profile: ReplicaProfile = field(default_factory=ReplicaProfile)
+    state: str = "ready"
+    engine_block_size: int | None = None
+    role: Role = "both"
+    dp_rank_count: int = 1
+    link_busy_s: float = 0.0
+    serves_alone: bool = True
+    decode_legs: tuple[DecodeLeg, ...] = ()
+
+
+def build_candidates(
+    replicas: Sequence[ReplicaFacts],
+    matches: Mapping[int, ReplicaMatch],
+    prompt_tokens: int,
+    block_size: int,
+) -> list[Candidate]:
+    """One ``Candidate`` per replica, in order: its load view, profile and the prompt prefix it holds
+    (``matches``: the index match by replica index, blocks -> ``PrefixHit`` tokens via ``hit_from_match``)."""
+    return [
+        Candidate(
+            index=r.index,
+            name=r.name,
+            load=r.load,
+            hit=hit_from_match(matches.get(r.index), prompt_tokens, block_size, r.engine_block_size),
+            profile=r.profile,
+            state=r.state,
+        )
+        for r in replicas
+    ]
+
+
+def build_pd_candidates(
+    replicas: Sequence[ReplicaFacts], candidates: Sequence[Candidate]
+) -> list[PdCandidate]:
+    """The PD view of ``candidates`` (built from the same ``replicas``, in the same order): each with its role,
+    DP ranks, link backlog, whether it serves alone and the decode legs heading to it."""
+    return [
+        PdCandidate(
+            candidate=c,
+            role=r.role,
+            dp_rank_count=r.dp_rank_count,
+            link_busy_s=r.link_busy_s,
+            serves_alone=r.serves_alone,
+            decode_legs=r.decode_legs,
+        )
+        for r, c in zip(replicas, candidates, strict=True)
+    ]

@@ -1,0 +1,859 @@
+"""The routing glue: request -> token ids -> block keys -> index match -> candidates -> policy -> Decision.
+
+Also owns what the proxy needs around a decision: in-flight accounting on ``Replica.load`` (taken BEFORE the
+request is dispatched, released at the end), predicted index entries for replicas without KV events, the
+replica profiles used by the cost model, and the errors the HTTP layer turns into 4xx / 5xx answers.
+
+Everything here runs on the event loop thread; the index and the replica table are only mutated from it (or
+under their own locks).
+
+Units: tokens, blocks (``block_size`` tokens), seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from index.hashing import block_keys, root_seed
+from index.prefix_index import PrefixIndex
+from membership.replicas import Replica, ReplicaState, ReplicaTable
+from policies.base import (
+    Candidate,
+    CandidateScore,
+    Decision,
+    LoadView,
+    Observation,
+    Policy,
+    PrefixHit,
+    ReplicaProfile,
+    RouteRequest,
+    TierLink,
+    reuse_of,
+)
+from policies.candidates import ReplicaFacts, build_candidates, build_pd_candidates
+from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (re-exported)
+from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision
+from policies.pd_common import plan_request
+from policies.pd_link import LinkEstimator, TransferTotals, transfer_sample
+from router.errors import KvrouteError
+
+log = logging.getLogger("kvroute.routing")
+
+#: Built-in replica profiles by name, matching the stand-in engine's hardware profiles
+#: (``fakes.engine_model.PROFILES[name].replica_profile()``; a unit test checks they agree).
+BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
+    "a100": {
+        "prefill_tokens_per_s": 11231.10151187905,
+        "fixed_overhead_s": 0.0,
+        "attention_s_per_token2": 3.780923076923077e-09,
+        "bytes_per_token": 147456.0,
+        "decode_interference_s": 8.903846153846154e-05,
+    },
+    "h20": {
+        "prefill_tokens_per_s": 5327.573794096472,
+        "fixed_overhead_s": 0.0,
+        "attention_s_per_token2": 7.970594594594595e-09,
+        "bytes_per_token": 147456.0,
+        "decode_interference_s": 0.0001877027027027027,
+    },
+    "rtx6000": {
+        "prefill_tokens_per_s": 32894.73684210526,
+        "fixed_overhead_s": 0.02622,
+        "attention_s_per_token2": 3e-09,
+        "bytes_per_token": 147456.0,
+        "decode_interference_s": 3.04e-05,
+    },
+}
+
+_PROFILE_FIELDS = {f.name for f in fields(ReplicaProfile)}
+
+
+def build_profile(
+    name: str | None, overrides: dict[str, dict[str, Any]] | None = None, default: str = "a100"
+) -> ReplicaProfile:
+    """The ReplicaProfile called ``name`` (built-in, updated by ``overrides[name]``; ``default`` when None).
+
+    Raises:
+        ValueError: unknown profile name or unknown profile field (message lists the known ones).
+    """
+    name = (name or default).lower()
+    overrides = overrides or {}
+    if name not in BUILTIN_PROFILES and name not in overrides:
+        known = sorted(set(BUILTIN_PROFILES) | set(overrides))
+        raise ValueError(f"unknown replica profile {name!r}; known: {', '.join(known)}")
+    params: dict[str, Any] = dict(BUILTIN_PROFILES.get(name, {}))
+    params.update(overrides.get(name, {}))
+    unknown = set(params) - _PROFILE_FIELDS
+    if unknown:
+        raise ValueError(
+            f"profile {name!r}: unknown fields {sorted(unknown)}; known: {sorted(_PROFILE_FIELDS)}"
+        )
+    tiers = params.pop("tiers", {}) or {}
+    prof = ReplicaProfile(**params)
+    prof.tiers = {t: v if isinstance(v, TierLink) else TierLink(**v) for t, v in tiers.items()}
+    return prof
+
+
+# ---------------------------------------------------------------------------------------------------------
+# errors (the kvroute family: router/errors.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class RoutingError(KvrouteError):
+    """A request cannot be routed. ``status`` is the HTTP status, ``code`` a stable machine-readable reason;
+    503 and 429 are answered with ``Retry-After``."""
+
+    status = 503
+    code = "routing_error"
+    retry = True
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+
+
+class UnknownModel(RoutingError):
+    """No known replica serves the requested model / LoRA adapter (404)."""
+
+    status = 404
+    code = "model_not_found"
+    retry = False
+
+
+class NoReplica(RoutingError):
+    """Replicas serve the model but none is routable right now (503)."""
+
+    status = 503
+    code = "no_routable_replica"
+
+
+class Overloaded(RoutingError):
+    """Every candidate (or the router) is at its in-flight limit (429, with Retry-After)."""
+
+    status = 429
+    code = "overloaded"
+
+
+class BadRequest(RoutingError):
+    """The request is well-formed JSON but cannot be served (400), e.g. a prompt longer than any context."""
+
+    status = 400
+    code = "invalid_request"
+    retry = False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decisions
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RoutingInput:
+    """What a request contributes to a decision.
+
+    Attributes:
+        model: the model id as requested (a LoRA adapter name when ``lora`` is set).
+        lora: the LoRA adapter requested, or None.
+        token_ids: the prompt's token ids.
+        keys: chained block keys of the prompt's full blocks.
+        seed: the root seed used for ``keys``.
+        session_id, request_id: from headers.
+        expected_output_tokens: ``max_tokens`` when given, else 0, times ``copies``, tokens.
+        copies: sequences the engine generates for it (OpenAI ``n`` / vLLM ``best_of``, at least 1): it counts
+            as this many requests in flight on its replica.
+        ttft_target_s: the request's TTFT target, seconds (None: none); priority: its class priority;
+            identity: its ``router.core.tenants.Identity`` (issue 20).
+        estimated_tokens: set when ``token_ids`` are only a prefix of the prompt's ids (cache-frontier
+            tokenization, ``router.tokens.frontier``): the estimated length of the whole prompt, tokens; None
+            when the ids are complete.
+    """
+
+    model: str
+    lora: str | None
+    token_ids: list[int]
+    keys: list[int]
+    seed: int
+    session_id: str | None = None
+    request_id: str = ""
+    expected_output_tokens: int = 0
+    copies: int = 1
+    ttft_target_s: float | None = None
+    priority: int = 0
+    identity: Any = None  # router.core.tenants.Identity of the request (set by the front door)
+    estimated_tokens: int | None = None
+
+    @property
+    def ids_partial(self) -> bool:
+        """True when ``token_ids`` hold only a prefix of the prompt (never forward them to an engine)."""
+        return self.estimated_tokens is not None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length, tokens: ``len(token_ids)``, or the estimate when the ids are partial."""
+        return len(self.token_ids) if self.estimated_tokens is None else self.estimated_tokens
+
+
+@dataclass(slots=True)
+class Routed:
+    """A decision plus what the proxy and /route need to act on it and explain it.
+
+    Attributes:
+        inp: the routing input.
+        decision: the policy's decision.
+        candidates: the candidates given to the policy (routable replicas serving the model).
+        cached_tokens: per candidate index, prompt tokens the engine is expected to reuse there, tokens.
+        decision_s: time spent tokenizing + hashing + matching + choosing, seconds.
+    """
+
+    inp: RoutingInput
+    decision: Decision
+    candidates: list[Candidate]
+    cached_tokens: dict[int, int]
+    decision_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: the PD plan decision on a prefill/decode fleet (``Router.decide_plan``); None on co-located fleets
+    plan: PlanDecision | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when the chosen plan prefills on one replica and decodes on another."""
+        return (
+            self.plan is not None
+            and self.plan.chosen.kind == "disaggregated"
+            and self.plan.chosen.prefill is not None
+        )
+
+
+class Router:
+    """Makes routing decisions and keeps the per-replica accounting around them.
+
+    Args:
+        table: the replica table (membership).
+        index: the prefix index.
+        policy: the routing policy.
+        block_size: tokens per block.
+        seed_model: model id folded into the root seed instead of the request's (None = the request's).
+        seed_include_lora: fold the LoRA adapter into the root seed.
+        objective: ``mean`` or ``tail``.
+        predict_mode: ``auto`` (predicted entries only for replicas without healthy events), ``always``, ``never``.
+        events_healthy: ``f(replica) -> bool``: True when the replica's KV events feed the index reliably.
+        max_inflight_per_replica: replicas at this many in-flight requests are skipped.
+        panic_routing: when no replica is ready, route to the unhealthy ones instead of answering 503.
+        clock: seconds (monotonic) for ``RouteRequest.now``.
+    """
+
+    def __init__(
+        self,
+        table: ReplicaTable,
+        index: PrefixIndex,
+        policy: Policy,
+        *,
+        block_size: int = 16,
+        seed_model: str | None = None,
+        seed_include_lora: bool = True,
+        objective: str = "mean",
+        predict_mode: str = "auto",
+        events_healthy: Callable[[Replica], bool] | None = None,
+        max_inflight_per_replica: int = 512,
+        panic_routing: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.table = table
+        self.index = index
+        self.policy = policy
+        self.block_size = block_size
+        self.seed_model = seed_model
+        self.seed_include_lora = seed_include_lora
+        self.objective = objective
+        self.predict_mode = predict_mode
+        self.events_healthy = events_healthy or (lambda rep: False)
+        self.max_inflight_per_replica = max_inflight_per_replica
+        self.clock = clock
+        self._seed_cache: dict[tuple[str, str | None, str | None], int] = {}
+        self._pending: dict[int, int] = {}  # replica index -> prefill tokens dispatched, first byte pending
+        #: True: a request's prefill tokens stop counting at its first byte. False when an engine-metrics
+        #: scraper owns ``inflight_prefill_tokens`` (it subtracts what was dispatched before each scrape).
+        self.prefill_release_on_first_byte = True
+        #: route to unhealthy replicas when none is ready (counted in ``panic_decisions``)
+        self.panic_routing = panic_routing
+        self.panic_decisions = 0
+        #: called with (replica, keys) after predicted entries are recorded (membership broadcasts them to peers)
+        self.on_prediction: list[Callable[[Replica, Sequence[int]], None]] = []
+        #: called with every observation after the policy (per-tenant / per-class TTFT metrics)
+        self.on_observation: list[Callable[[Observation], None]] = []
+        #: prefill/decode disaggregation (issue 19): builds the PD plan policy on first use (``router.services``
+        #: sets it from ``Settings.pd_policy``); None: every fleet is routed co-located
+        self.pd_policy_factory: Callable[[], PdPolicy] | None = None
+        self._pd_policy: PdPolicy | None = None
+        #: the P->D KV link of the fleet (``Settings.pd_link_bandwidth_gbps`` / ``pd_link_latency_s``)
+        self.pd_link = HandoffLink(bandwidth_bytes_per_s=25e9)
+        #: learns ``pd_link``'s bandwidth from observed handoffs (``Settings.pd_link_learn``); None: fixed link
+        self.pd_link_estimator: LinkEstimator | None = None
+        #: prefill replica index -> when (``clock``) the last handoff dispatched from it is predicted to have
+        #: left its link: handoffs from one replica are serialised on its NIC (``PdCandidate.link_busy_s``)
+        self._link_free_at: dict[int, float] = {}
+        #: replica index -> its last reported cumulative KV transfers (``observe_engine_transfers``)
+        self._transfer_totals: dict[int, TransferTotals] = {}
+        #: True once an engine-reported transfer was accepted: the relay's own samples are then not fed
+        self.link_from_engines = False
+
+    # -- models ----------------------------------------------------------------------------------------
+    def resolve_model(self, model: str) -> tuple[str, str | None, str]:
+        """Split a requested model id into (model, lora, base model).
+
+        A name listed only as a LoRA adapter is a LoRA request; its base model (the first model of a replica
+        holding the adapter) is what the root seed uses, as the KV-event side does.
+
+        Raises:
+            UnknownModel: no known replica (any state) serves ``model``.
+        """
+        reps = self.table.all()
+        if not reps:
+            raise NoReplica("no replicas are configured")
+        if any(model in r.models for r in reps):
+            return model, None, model
+        holders = [r for r in reps if model in r.loras]
+        if holders:
+            base = next((r.models[0] for r in holders if r.models), model)
+            return model, model, base
+        if any(not r.models for r in reps):  # a replica whose models are unknown may serve it
+            return model, None, model
+        known = sorted({m for r in reps for m in (*r.models, *r.loras)})
+        raise UnknownModel(
+            f"model {model!r} is not served by any replica; known: {', '.join(known)}", param="model"
+        )
+
+    def served_models(self) -> list[dict[str, Any]]:
+        """The union of the replicas' models and LoRA adapters, OpenAI ``/v1/models`` entries."""
+        seen: dict[str, dict[str, Any]] = {}
+        for r in self.table.all():
+            for m in r.models:
+                seen.setdefault(
+                    m, {"id": m, "object": "model", "owned_by": "kvroute", "root": m, "parent": None}
+                )
+            for lo in r.loras:
+                parent = r.models[0] if r.models else None
+                seen.setdefault(
+                    lo, {"id": lo, "object": "model", "owned_by": "kvroute", "root": lo, "parent": parent}
+                )
+        return list(seen.values())
+
+    # -- keys ------------------------------------------------------------------------------------------
+    def seed_for(
+        self, model: str, lora: str | None = None, cache_salt: str | None = None, namespace: str | None = None
+    ) -> int:
+        """The root seed of prompts for ``model`` / ``lora`` / ``cache_salt`` (cached). ``namespace`` (a tenant
+        with its own cache namespace) folds into the salt, so its prompts never match another namespace's."""
+        if namespace is not None:
+            cache_salt = f"{cache_salt or ''}\x1fkvroute-tenant={namespace}"
+        key = (model, lora, cache_salt)
+        seed = self._seed_cache.get(key)
+        if seed is None:
+            if len(self._seed_cache) > 10_000:
+                self._seed_cache.clear()
+            seed = root_seed(self.seed_model or model, lora if self.seed_include_lora else None, cache_salt)
+            self._seed_cache[key] = seed
+        return seed
+
+    def make_input(
+        self,
+        model: str,
+        lora: str | None,
+        token_ids: list[int],
+        *,
+        base_model: str | None = None,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+        request_id: str = "",
+        expected_output_tokens: int = 0,
+        copies: int = 1,
+        namespace: str | None = None,
+        ttft_target_s: float | None = None,
+        priority: int = 0,
+        keys: list[int] | None = None,
+        estimated_tokens: int | None = None,
+    ) -> RoutingInput:
+        """Hash ``token_ids`` into block keys and bundle the routing input (``copies``: see ``RoutingInput``;
+        ``expected_output_tokens`` is per sequence; ``namespace``: see ``seed_for``). ``keys``: the ids' block
+        keys when the caller hashed them already (with ``seed_for`` of the same arguments); ``estimated_tokens``:
+        the ids are a prefix of the prompt, whose length is estimated at this many tokens (``RoutingInput``)."""
+        seed = self.seed_for(base_model or model, lora, cache_salt, namespace)
+        if keys is None:
+            keys = block_keys(token_ids, self.block_size, seed)
+        copies = max(1, copies)
+        return RoutingInput(
+            model=model,
+            lora=lora,
+            token_ids=token_ids,
+            keys=keys,
+            seed=seed,
+            session_id=session_id,
+            request_id=request_id,
+            expected_output_tokens=expected_output_tokens * copies,
+            copies=copies,
+            ttft_target_s=ttft_target_s,
+            priority=priority,
+            estimated_tokens=estimated_tokens,
+        )
+
+    # -- decisions -------------------------------------------------------------------------------------
+    def candidates_for(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> list[Replica]:
+        """Routable replicas serving the request's model / LoRA, minus ``exclude``.
+
+        Raises:
+            NoReplica: none is routable; Overloaded: all are at their in-flight limit;
+            BadRequest: the prompt exceeds every candidate's context length.
+        """
+        reps = self.table.routable(None if inp.lora else inp.model, inp.lora, exclude)
+        if not reps and self.panic_routing:
+            # every replica failed its health checks: rather than refusing all traffic on what may be false
+            # positives (overloaded engines answer probes late), try the unhealthy ones (Envoy's panic mode)
+            ex = set(exclude)
+            reps = [
+                r
+                for r in self.table.all()
+                if r.state == ReplicaState.UNHEALTHY
+                and r.index not in ex
+                and r.serves(None if inp.lora else inp.model, inp.lora)
+            ]
+            if reps:
+                self.panic_decisions += 1
+        if not reps:
+            states = {
+                r.name: r.state.value
+                for r in self.table.all()
+                if r.serves(None if inp.lora else inp.model, inp.lora)
+            }
+            raise NoReplica(
+                f"no routable replica for model {inp.model!r} (replica states: {states or 'none'})"
+            )
+        fits = [
+            r
+            for r in reps
+            if not r.profile.max_context_tokens or inp.prompt_tokens <= r.profile.max_context_tokens
+        ]
+        if not fits:
+            longest = max(r.profile.max_context_tokens for r in reps)
+            raise BadRequest(
+                f"prompt of {inp.prompt_tokens} tokens is longer than any replica's context "
+                f"({longest} tokens)",
+                param="prompt",
+            )
+        limit = self.max_inflight_per_replica
+        free = [r for r in fits if r.load.inflight_requests < limit]
+        if not free:
+            raise Overloaded(f"every replica for model {inp.model!r} has {limit} requests in flight")
+        return free
+
+    def decide(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
+        """Match the prompt in the index, build candidates and ask the policy (the PD plan policy when the
+        model's replicas have prefill/decode roles: ``decide_plan``).
+
+        Raises:
+            RoutingError subclasses (see ``candidates_for``).
+        """
+        if self.pd_policy_factory is not None and self.is_disaggregated(inp):
+            return self.decide_plan(inp, exclude)
+        t0 = time.perf_counter()
+        facts = [self.facts(r) for r in self.candidates_for(inp, exclude)]
+        cands = self.build_candidates(inp, facts)
+        req = self.route_request(inp)
+        decision = self.policy.choose(req, cands)
+        decision.reuse = reuse_of(decision.chosen, cands)  # available vs achieved cached tokens
+        return Routed(
+            inp=inp,
+            decision=decision,
+            candidates=cands,
+            cached_tokens={c.index: c.hit.total for c in cands},
+            decision_s=time.perf_counter() - t0,
+        )
+
+    def facts(self, rep: Replica, *, pd: bool = False) -> ReplicaFacts:
+        """What a policy may know about ``rep``: its load view (this router's in-flight counts included), profile,
+        state and engine block size; with ``pd`` also its role, DP ranks, link backlog and whether it serves
+        alone (a co-located decision does not need them: not computed on that hot path)."""
+        load = rep.load
+        facts = ReplicaFacts(
+            rep.index, rep.name, self.load_view(rep), rep.profile, rep.state.value, load.engine_block_size
+        )
+        if pd:
+            facts.role = rep.role if rep.role in ROLES else "both"
+            facts.dp_rank_count = max(1, rep.dp_size)
+            facts.link_busy_s = self.link_busy_s(rep.index)
+            facts.serves_alone = serves_alone(rep)
+        return facts
+
+    def build_candidates(self, inp: RoutingInput, facts: Sequence[ReplicaFacts]) -> list[Candidate]:
+        """The candidates for ``inp``: the prompt matched in the index over ``facts``' replicas
+        (``policies.candidates.build_candidates``)."""
+        matches = self.index.match(inp.keys, {f.index for f in facts}) if inp.keys else {}
+        return build_candidates(facts, matches, inp.prompt_tokens, self.block_size)
+
+    def route_request(self, inp: RoutingInput) -> RouteRequest:
+        """The request as every policy sees it, co-located or PD: one builder, so no field is dropped on one
+        path (the SLO target, the priority and the sequences reach PD plans too)."""
+        return RouteRequest(
+            model=inp.model,
+            prompt_tokens=inp.prompt_tokens,
+            block_keys=inp.keys,
+            block_size=self.block_size,
+            now=self.clock(),
+            lora=inp.lora,
+            session_id=inp.session_id,
+            objective=self.objective,  # type: ignore[arg-type]
+            expected_output_tokens=inp.expected_output_tokens,
+            request_id=inp.request_id,
+            ttft_target_s=inp.ttft_target_s,
+            priority=inp.priority,
+            sequences=inp.copies,
+        )
+
+    # -- prefill/decode disaggregation ----------------------------------------------------------------
+    def is_disaggregated(self, inp: RoutingInput) -> bool:
+        """True when a replica serving the request's model (any state) has the ``prefill`` or ``decode`` role:
+        the model's requests are then planned by the PD plan policy. Co-located fleets never are."""
+        model = None if inp.lora else inp.model
+        return any(r.role in ("prefill", "decode") and r.serves(model, inp.lora) for r in self.table.all())
+
+    def pd_policy(self) -> PdPolicy:
+        """The PD plan policy (built on first use).
+
+        Raises:
+            NoReplica: no PD policy is configured, or its name is unknown (the message says which).
+        """
+        if self._pd_policy is None:
+            if self.pd_policy_factory is None:
+                raise NoReplica("prefill/decode replicas are configured but no PD plan policy is")
+            try:
+                self._pd_policy = self.pd_policy_factory()
+            except (KeyError, TypeError, ValueError) as exc:
+                raise NoReplica(f"cannot build the PD plan policy: {exc}") from None
+        return self._pd_policy
+
+    def decide_plan(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
+        """The PD plan for a request: in place on one replica, or prefill on P and decode on D.
+
+        Candidates are the routable replicas serving the model (every role), each with its prefix hit, load
+        view (this router's in-flight counts included: both legs of earlier plans are charged at dispatch) and
+        role. The returned ``Routed`` carries the plan decision (``plan``) and, for the proxy's attempt
+        machinery, a co-located ``Decision`` over the replicas that can serve in place (``both`` / ``decode``),
+        best plan first.
+
+        Raises:
+            RoutingError subclasses (see ``candidates_for``); NoReplica when no plan is feasible.
+        """
+        t0 = time.perf_counter()
+        facts = [self.facts(r, pd=True) for r in self.candidates_for(inp, exclude)]
+        cands = self.build_candidates(inp, facts)
+        pd_cands = build_pd_candidates(facts, cands)
+        req = self.route_request(inp)
+        try:
+            plan = plan_request(self.pd_policy(), req, pd_cands, self.pd_link)
+        except ValueError as exc:  # no feasible plan (e.g. only prefill replicas are routable)
+            raise NoReplica(f"no feasible prefill/decode plan for model {inp.model!r}: {exc}") from None
+        self.pin_dp_rank(plan.chosen, inp)
+        decision = plan_as_decision(plan, pd_cands)
+        prefiller = plan.chosen.prefill if plan.chosen.prefill is not None else plan.chosen.decode
+        plan.reuse = decision.reuse = reuse_of(prefiller, cands)
+        return Routed(
+            inp=inp,
+            decision=decision,
+            candidates=cands,
+            cached_tokens={c.index: c.hit.total for c in cands},
+            decision_s=time.perf_counter() - t0,
+            plan=plan,
+        )
+
+    def link_busy_s(self, index: int) -> float:
+        """Seconds until replica ``index``'s outgoing KV link has sent the handoffs this router dispatched."""
+        free_at = self._link_free_at.get(index)
+        if free_at is None:
+            return 0.0
+        busy = free_at - self.clock()
+        if busy <= 0:
+            del self._link_free_at[index]
+            return 0.0
+        return busy
+
+    def note_handoff(self, plan: Plan) -> None:
+        """A disaggregated ``plan`` is being dispatched: its prefill replica's link is busy until the predicted
+        end of this handoff (now + the prefill's predicted time + the handoff term, which includes the wait for
+        earlier handoffs)."""
+        if plan.kind != "disaggregated" or plan.prefill is None:
+            return
+        t = plan.terms
+        end = self.clock() + sum(max(0.0, t.get(k, 0.0)) for k in ("Q_p", "R_p", "C_p", "handoff"))
+        if end > self._link_free_at.get(plan.prefill, 0.0):
+            self._link_free_at[plan.prefill] = end
+
+    def observe_handoff(self, handoff_bytes: float, transfer_s: float) -> bool:
+        """A disaggregated request's observed handoff: ``handoff_bytes`` of KV moved in ``transfer_s`` seconds
+        (measured handoff minus the plan's predicted ``decode_first``; see ``policies.pd_link``). Feeds the link
+        estimator; the next decisions use its link. Returns whether the sample was accepted."""
+        est = self.pd_link_estimator
+        if est is None:
+            return False
+        accepted = est.observe(handoff_bytes, transfer_s)
+        self.pd_link = est.link()
+        return accepted
+
+    def observe_engine_transfers(self, index: int, totals: TransferTotals) -> bool | None:
+        """Replica ``index`` reported its cumulative KV transfers (its NIXL histograms, at a scrape): the
+        transfers since its previous report feed the link estimator (``policies.pd_link.transfer_sample``).
+        Returns whether that sample was accepted, or None when there was none (first report, nothing new,
+        an engine restart)."""
+        prev = self._transfer_totals.get(index)
+        self._transfer_totals[index] = totals
+        sample = transfer_sample(prev, totals)
+        if sample is None:
+            return None
+        accepted = self.observe_handoff(*sample)
+        self.link_from_engines = self.link_from_engines or accepted
+        return accepted
+
+    def pin_dp_rank(self, plan: Plan, inp: RoutingInput) -> None:
+        """Pin a data-parallel rank on a disaggregated plan's decode replica when the policy left it open and
+        the replica has several ranks (each rank owns its own KV cache): the prompt's first block key modulo the
+        rank count, so a prefix keeps meeting the same rank and ``/route`` predicts what the request gets."""
+        if plan.dp_rank is not None or plan.kind != "disaggregated":
+            return
+        rep = self.table.by_index(plan.decode)
+        if rep is not None and rep.dp_size > 1:
+            plan.dp_rank = (inp.keys[0] if inp.keys else 0) % rep.dp_size
+
+    # -- accounting ------------------------------------------------------------------------------------
+    def acquire(self, rep: Replica, uncached_tokens: int, copies: int = 1) -> None:
+        """Count a request as in flight on ``rep`` BEFORE it is dispatched (uncached prefill tokens; ``copies``
+        sequences, each counted as a request: the prompt is prefilled once)."""
+        tokens = max(0, uncached_tokens)
+        rep.load.inflight_requests += max(1, copies)
+        rep.load.inflight_prefill_tokens += tokens
+        self._pending[rep.index] = self._pending.get(rep.index, 0) + tokens
+
+    def prefill_done(self, rep: Replica, uncached_tokens: int) -> None:
+        """The request's prefill finished (first byte) or failed: stop counting its prefill tokens."""
+        tokens = max(0, uncached_tokens)
+        self._pending[rep.index] = max(0, self._pending.get(rep.index, 0) - tokens)
+        if not self.prefill_release_on_first_byte:
+            return
+        rep.load.inflight_prefill_tokens = max(0, rep.load.inflight_prefill_tokens - tokens)
+
+    def pending_prefill_tokens(self, index: int) -> int:
+        """Uncached prompt tokens this router sent to replica ``index`` whose first byte has not come back yet
+        (exact, whatever the scrapes say), tokens."""
+        return self._pending.get(index, 0)
+
+    def load_view(self, rep: Replica) -> LoadView:
+        """The load view a policy sees for ``rep``.
+
+        The queue is never smaller than this router's own exact count of prefill tokens still pending on the
+        replica: scraped engine queues are estimates (and arrive late), and an under-estimate makes a cache
+        holder look idle while requests pile up on it (the "death spiral" peers suffered).
+        """
+        load = rep.load
+        pending = self._pending.get(rep.index, 0)
+        if pending and pending > (load.queued_prefill_tokens or 0) + load.inflight_prefill_tokens:
+            return replace(load, queued_prefill_tokens=pending, inflight_prefill_tokens=0)
+        return load
+
+    def release(self, rep: Replica, copies: int = 1) -> None:
+        """The request (of ``copies`` sequences, as acquired) finished on ``rep`` (any outcome)."""
+        rep.load.inflight_requests = max(0, rep.load.inflight_requests - max(1, copies))
+
+    def wants_prediction(self, rep: Replica) -> bool:
+        """True when routing to ``rep`` should record predicted index entries."""
+        if self.predict_mode == "always":
+            return True
+        if self.predict_mode == "never":
+            return False
+        return not self.events_healthy(rep)
+
+    def record_prediction(self, rep: Replica, keys: Sequence[int]) -> None:
+        """Record that ``rep`` will hold ``keys`` (predicted entries, expire after the TTL unless confirmed)."""
+        if keys and self.wants_prediction(rep):
+            self.index.predict(rep.index, keys)
+            for listener in self.on_prediction:
+                listener(rep, keys)
+
+    def observe_pd(self, obs: Observation) -> None:
+        """Feed a PD plan's prefill observation to the PD policy (never raises): a disaggregated request's
+        prefill leg on its prefill replica, or an in-place plan's answer. No-op before a PD policy exists."""
+        if self._pd_policy is None:
+            return
+        try:
+            self._pd_policy.observe(obs)
+        except Exception:
+            log.exception("pd_policy.observe failed")
+
+    def observe(self, obs: Observation) -> None:
+        """Feed an observation to the policy (never raises)."""
+        try:
+            self.policy.observe(obs)
+        except Exception:
+            log.exception("policy.observe failed")
+        for listener in self.on_observation:
+            try:
+                listener(obs)
+            except Exception:
+                log.exception("observation listener failed")
+
+
+def serves_alone(rep: Replica) -> bool:
+    """Does ``rep``'s engine answer a request without a KV handoff? Not an SGLang server in
+    ``--disaggregation-mode decode``: it waits for the KV of the request's bootstrap room from a prefill server
+    (a request without one is not served), so no plan or fallback serves in place there."""
+    return not (rep.role == "decode" and rep.dialect == "sglang")
+
+
+def plan_as_decision(plan: PlanDecision, candidates: Sequence[PdCandidate]) -> Decision:
+    """The co-located view of a PD plan decision, for what walks a ``Decision`` (the proxy's retries, session
+    affinity, metrics): chosen = the chosen plan's decode replica; ranking = every replica that can serve in place
+    (``both`` / ``decode``) in the order of the plans it appears in; one score per candidate = its best plan's
+    predicted TTFT as decode replica (inf when it is in none, e.g. a prefill-only replica)."""
+    in_place_ok = {c.index for c in candidates if c.role in ("both", "decode")}
+    ranking: list[int] = []
+    best: dict[int, Plan] = {}
+    for p in [plan.chosen, *plan.plans]:
+        if p.decode in in_place_ok and p.decode not in ranking:
+            ranking.append(p.decode)
+        if p.decode not in best or p.predicted_ttft_s < best[p.decode].predicted_ttft_s:
+            best[p.decode] = p
+    ranking.extend(i for i in sorted(in_place_ok) if i not in ranking)
+    scores = []
+    for c in candidates:
+        top = best.get(c.index)
+        parts = dict(top.terms) if top else {}
+        if top:
+            parts["T"] = top.predicted_ttft_s
+        scores.append(
+            CandidateScore(
+                index=c.index, name=c.name, score=top.predicted_ttft_s if top else float("inf"), parts=parts
+            )
+        )
+    return Decision(
+        chosen=plan.chosen.decode,
+        ranking=ranking or [plan.chosen.decode],
+        scores=scores,
+        policy=plan.policy,
+        branch=plan.branch,
+    )
+
+
+def plan_json(routed: Routed, table: ReplicaTable, *, show_urls: bool = True) -> dict[str, Any] | None:
+    """The JSON form of a PD plan decision for ``POST /route`` (None on co-located fleets): the chosen plan
+    (kind, prefill and decode replicas, pinned DP rank, predicted TTFT) and every candidate plan's predicted TTFT
+    broken into its terms (seconds; ``Q_p``/``R_p``/``C_p``, ``handoff``, ``decode_first`` for disaggregated
+    plans, ``Q``/``R``/``C`` in place)."""
+    if routed.plan is None:
+        return None
+
+    def rep_json(index: int | None) -> dict[str, Any] | None:
+        if index is None:
+            return None
+        rep = table.by_index(index)
+        return {
+            "name": rep.name if rep else str(index),
+            "index": index,
+            "role": rep.role if rep else None,
+            "url": rep.url if rep and show_urls else None,
+        }
+
+    def one(p: Plan) -> dict[str, Any]:
+        return {
+            "kind": p.kind,
+            "prefill": rep_json(p.prefill),
+            "decode": rep_json(p.decode),
+            "dp_rank": p.dp_rank,
+            "predicted_ttft_s": _finite(p.predicted_ttft_s),
+            "terms": {k: _finite(v) for k, v in p.terms.items()},
+        }
+
+    d = routed.plan
+    return {
+        "policy": d.policy,
+        "branch": d.branch,
+        "chosen": one(d.chosen),
+        "plans": [one(p) for p in d.plans],
+    }
+
+
+def decision_json(
+    routed: Routed, table: ReplicaTable, block_size: int, *, show_urls: bool = True
+) -> dict[str, Any]:
+    """The JSON form of a decision for ``POST /route``: chosen replica, ranking, every candidate's parts.
+
+    ``show_urls``: include the replicas' URLs (internal addresses: the router shows them to admins only); else
+    every ``url`` is None.
+    """
+    d = routed.decision
+    chosen = table.by_index(d.chosen)
+    by_index = {c.index: c for c in routed.candidates}
+    cands = []
+    for s in d.scores:
+        c = by_index.get(s.index)
+        rep = table.by_index(s.index)
+        hit = c.hit if c else PrefixHit()
+        cands.append(
+            {
+                "name": s.name,
+                "index": s.index,
+                "url": rep.url if rep and show_urls else None,
+                "score": _finite(s.score),
+                # the expected TTFT (hit and miss paths weighted by p) when the policy models it, else its T / score
+                "predicted_ttft_s": _finite(s.parts.get("E", s.parts.get("T", s.score))),
+                "Q": _finite(s.parts.get("Q")),
+                "R": _finite(s.parts.get("R")),
+                "C": _finite(s.parts.get("C")),
+                "p": _finite(s.parts.get("p")),
+                "parts": {k: _finite(v) for k, v in s.parts.items()},
+                "matched_tokens": {
+                    "gpu": hit.gpu,
+                    "cpu": hit.cpu,
+                    "disk": hit.disk,
+                    "remote": hit.remote,
+                    "predicted": hit.predicted,
+                    "total": hit.total,
+                },
+                "cached_tokens": routed.cached_tokens.get(s.index, 0),
+                "load": _load_json(c.load) if c else None,
+            }
+        )
+    return {
+        "chosen": {
+            "name": chosen.name if chosen else None,
+            "index": d.chosen,
+            "url": chosen.url if chosen and show_urls else None,
+        },
+        "policy": d.policy,
+        "branch": d.branch,
+        "ranking": [_name(table, i) for i in d.ranking],
+        "model": routed.inp.model,
+        "lora": routed.inp.lora,
+        "prompt_tokens": routed.inp.prompt_tokens,
+        "blocks": len(routed.inp.keys),
+        "prompt_tokens_estimated": routed.inp.ids_partial,
+        "tokenized_tokens": len(routed.inp.token_ids),
+        "block_size": block_size,
+        "decision_s": routed.decision_s,
+        "candidates": cands,
+        "plan": plan_json(routed, table, show_urls=show_urls),
+    }
+
+
+def _name(table: ReplicaTable, index: int) -> str:
+    rep = table.by_index(index)
+    return rep.name if rep else str(index)
+
+
+def _finite(v: float | None) -> float | None:
+    if v is None:
+        return None
+    v = float(v)
+    return v if v == v and v not in (float("inf"), float("-inf")) else None
+
+
+def _load_json(load: Any) -> dict[str, Any]:
+    return {f.name: getattr(load, f.name) for f in fields(load)}

@@ -1,0 +1,28 @@
+"""The engine edge's typed settings (``Settings.proxy()`` hands them out; the defaults live in Settings only).
+
+A leaf module: ``router.config`` imports it without pulling in the proxy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ProxyConfig:
+    """Proxy knobs (``Settings.proxy()``; the defaults live in Settings only). Seconds, bytes."""
+
+    connect_timeout_s: float
+    first_byte_timeout_s: float
+    total_timeout_s: float
+    idle_timeout_s: float
+    max_retries: int
+    max_connections: int
+    keepalive_timeout_s: float
+    engine_api_key: str | None
+    retry_after_s: int
+    max_header_bytes: int
+    max_headers: int
+    max_body_bytes: int
+    body_idle_timeout_s: float
+    stream_usage: bool

@@ -1,0 +1,202 @@
+"""Engine event streams: asking for stream usage, and checking an OpenAI-style SSE stream event by event.
+
+Units: bytes.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from router.errors import error_body
+
+_USAGE_OPTION = b'"stream_options":{"include_usage":true}'
+
+
+def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
+    """The streamed request ``body`` with ``stream_options.include_usage`` true, and whether the router added it
+    (then the client did not ask for usage, and the usage chunk is removed from what it receives).
+
+    The common case (no ``stream_options`` at all) appends the option without parsing the body; a body that
+    mentions ``stream_options`` is parsed and the option set inside it. A body that is not a JSON object is
+    returned unchanged (the engine will reject it).
+    """
+    if b'"stream_options"' not in body:
+        head = body.rstrip()
+        if not head.endswith(b"}"):
+            return body, False
+        inner = head[:-1].rstrip()
+        sep = b"" if inner.endswith(b"{") else b","
+        return inner + sep + _USAGE_OPTION + b"}", True
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body, False
+    if not isinstance(obj, dict):
+        return body, False
+    options = obj.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return body, False  # the client asked: relay its usage as is
+    obj["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return orjson.dumps(obj), True
+
+
+class BadStream(Exception):
+    """An engine's event stream is not a valid OpenAI-style SSE stream (message says why)."""
+
+
+#: SSE field names (``name:`` lines); anything else on a non-comment line is garbage
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:")
+
+
+class SSEValidator:
+    """Checks an engine's event stream event by event, and removes usage the client did not ask for.
+
+    ``feed(chunk)`` returns the complete events of what arrived so far (an unfinished event is held until its
+    blank line arrives; none may exceed ``max_event_bytes``); ``end()`` checks the stream ended properly. Both
+    raise ``BadStream``. Valid: lines that are empty, comments (``:``) or SSE fields (``data``, ``event``, ``id``,
+    ``retry``); each event's data a JSON object (the first one is parsed, later ones are checked for their braces:
+    this runs for every token) or ``[DONE]``; the stream ends with ``data: [DONE]`` and no unfinished event.
+
+    With ``strip_usage`` (the router asked for usage, the client did not), events whose JSON is a usage-only
+    chunk (``"choices": []`` with ``usage``) are dropped and ``usage`` fields of other events removed.
+
+    Units: bytes.
+    """
+
+    __slots__ = ("strip_usage", "max_event_bytes", "pending", "pending_bytes", "carry_cr", "done", "checked")
+
+    def __init__(self, *, strip_usage: bool, max_event_bytes: int) -> None:
+        self.strip_usage = strip_usage
+        self.max_event_bytes = max_event_bytes
+        #: pieces of an unfinished event (joined only once its blank line arrives: no quadratic copying)
+        self.pending: list[bytes] = []
+        self.pending_bytes = 0
+        self.carry_cr = False  # the last chunk ended with "\r" (maybe the first half of a "\r\n")
+        self.done = False  # ``data: [DONE]`` seen
+        self.checked = False  # the first data event was parsed as JSON
+
+    def _normalize(self, chunk: bytes) -> bytes:
+        """CRLF and CR line ends as LF. A chunk ending in CR counts it as a line end at once and drops a LF that
+        starts the next chunk (the two halves of one CRLF)."""
+        if self.carry_cr:
+            self.carry_cr = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        if b"\r" not in chunk:
+            return chunk
+        self.carry_cr = chunk.endswith(b"\r")
+        return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete, valid (and filtered) events of ``chunk`` plus what was pending."""
+        # the common piece, one per token: exactly one whole ``data: {...}`` event after the first was parsed,
+        # nothing pending, nothing to strip -> passed on as it is (what ``_feed`` returns for it, without its
+        # splitting; issue 23)
+        if (
+            chunk[:7] == b"data: {"
+            and chunk[-3:] == b"}\n\n"
+            and self.checked
+            and not self.pending
+            and not self.carry_cr
+            and not self.done
+            and chunk.count(b"\n") == 2
+            and b"\r" not in chunk
+            and len(chunk) - 2 <= self.max_event_bytes
+            and not (self.strip_usage and b'"usage"' in chunk)
+        ):
+            return chunk
+        return self._feed(chunk)
+
+    def _feed(self, chunk: bytes) -> bytes:
+        """``feed`` for any chunk."""
+        chunk = self._normalize(chunk)
+        if self.pending:
+            last = self.pending[-1]
+            if b"\n\n" not in chunk and not (last.endswith(b"\n") and chunk.startswith(b"\n")):
+                self._hold(chunk)  # still inside the same event
+                return b""
+            data = b"".join(self.pending) + chunk
+            self.pending.clear()
+            self.pending_bytes = 0
+        else:
+            data = chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._hold(data)
+            return b""
+        complete = data[: cut + 2]
+        if cut + 2 < len(data):
+            self._hold(data[cut + 2 :])
+        events = complete.split(b"\n\n")
+        events.pop()  # after the last blank line
+        changed = False
+        kept: list[bytes] = []
+        for event in events:
+            out = self._event(event)
+            if out is not event:
+                changed = True
+            if out is not None:
+                kept.append(out)
+        if not changed:
+            return complete
+        return b"".join(e + b"\n\n" for e in kept)
+
+    def _event(self, event: bytes) -> bytes | None:
+        """One event (without its blank line): itself when valid and kept, a rewritten copy, or None to drop."""
+        if len(event) > self.max_event_bytes:
+            raise BadStream(f"an event over {self.max_event_bytes} bytes (engine_max_body_bytes)")
+        data: list[bytes] = []
+        for line in event.split(b"\n"):
+            if not line or line[:1] == b":":
+                continue
+            if line.startswith(b"data:"):
+                data.append(line[6:] if line[5:6] == b" " else line[5:])
+            elif not line.startswith(_SSE_FIELDS):
+                raise BadStream(f"not an SSE line: {line[:60]!r}")
+        if not data:
+            return event
+        payload = data[0] if len(data) == 1 else b"\n".join(data)
+        if self.done:
+            return None  # nothing follows [DONE]: dropped
+        if payload == b"[DONE]":
+            self.done = True
+            return event
+        body = payload.strip()
+        if body[:1] != b"{" or body[-1:] != b"}":
+            raise BadStream(f"event data is not a JSON object: {payload[:60]!r}")
+        if not self.checked or (self.strip_usage and b'"usage"' in body):
+            try:
+                obj = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise BadStream(f"event data is not JSON ({exc}): {payload[:60]!r}") from None
+            if not isinstance(obj, dict):
+                raise BadStream(f"event data is not a JSON object: {payload[:60]!r}")
+            self.checked = True
+            if self.strip_usage and "usage" in obj:
+                if obj.get("choices") == [] and obj["usage"] is not None:
+                    return None  # the usage-only chunk the router asked for
+                del obj["usage"]
+                return b"data: " + orjson.dumps(obj)
+        return event
+
+    def _hold(self, piece: bytes) -> None:
+        """Keep ``piece`` of an unfinished event; an event over ``max_event_bytes`` is garbage."""
+        if piece:
+            self.pending.append(piece)
+            self.pending_bytes += len(piece)
+            if self.pending_bytes > self.max_event_bytes:
+                raise BadStream(f"an event over {self.max_event_bytes} bytes (engine_max_body_bytes)")
+
+    def end(self) -> None:
+        """The engine's stream is over: it must have ended with ``data: [DONE]`` and no unfinished event."""
+        rest = b"".join(self.pending).strip()
+        if rest:
+            raise BadStream(f"the stream ended inside an event: {rest[:60]!r}")
+        if not self.done:
+            # (worded without the marker itself: the idempotency guard looks for the last "data: [DONE]")
+            raise BadStream("the stream ended without its final DONE event")
+
+
+def sse_error(status: int, message: str, code: str) -> bytes:
+    """A terminal SSE error event (``event: error`` with an OpenAI-style error as data)."""
+    return b"event: error\ndata: " + error_body(status, message, code) + b"\n\n"

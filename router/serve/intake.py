@@ -1,0 +1,446 @@
+"""Request bodies in: cheap limits before expensive work, and the expensive work off the event loop.
+
+A 16 MiB body costs little to receive and a lot to turn into Python objects: ~620k tiny chat messages took
+orjson ~0.3-4 s, pydantic 12 s and ``model_dump`` 6 s on this machine, all holding the GIL, so one request froze
+every other one and the liveness probe. So a body of ``SCAN_MIN_BYTES`` or more is first parsed by simdjson into
+its own tape (no Python object per value; ~50 ms for 16 MiB) and its shape checked against ``InputLimits``:
+
+* ``messages``: at most ``max_messages`` (413 ``too_many_messages``);
+* ``prompt`` batches: at most ``max_batch_prompts`` prompts (413 ``too_many_prompts``);
+* the routed prompt: its characters (a text prompt, or all the text of the chat messages) at most
+  ``context x chars_per_token`` and its token ids at most ``context`` (400 ``context_length_exceeded``), where
+  ``context`` is the longest context of the model's replicas (``max_model_len``), or ``default_context_tokens``
+  when one of them reports none;
+* every other JSON value (extra fields, tools, content parts, further prompts of a batch) counts against
+  ``max_json_values`` (413 ``too_many_json_values``).
+
+Every body, small or large, is nested at most ``max_json_depth`` levels (400 ``json_too_deep``), checked on the
+parsed value when the body has that many brackets at all: the prefill/decode legs re-serialize the body, and the
+serializer stops at 254 levels, so every door refuses absurd depth alike instead of one path failing later.
+Every body, small or large, is also refused when it asks for more than ``max_sequences`` sequences in its ``n``
+or (vLLM) ``best_of`` (400 ``too_many_sequences``, ``param`` naming the field): a request counts as that many in
+flight on its replica, so an absurd ``n`` would block the replica's accounting.
+
+Only a body that passes is given to orjson and pydantic, and all of it runs in a worker thread: the bounded C
+parts hold the GIL for tens of milliseconds at most, the Python parts let the loop in every switch interval.
+Smaller bodies cannot exceed the limits by much and are parsed inline, as before (no cost on the hot path).
+
+Units: bytes, characters, tokens, JSON values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import orjson
+import simdjson
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from router.errors import KvrouteError
+from router.tokens.tokenizer import THREAD_MIN_MESSAGES
+
+if TYPE_CHECKING:
+    from router.serve.client_fields import ClientFields
+
+_M = TypeVar("_M", bound=BaseModel)
+
+#: bodies at least this large are shape-checked with simdjson and parsed in a worker thread, bytes
+SCAN_MIN_BYTES = 64 * 1024
+
+_OBJ = (dict, simdjson.Object)
+_ARR = (list, simdjson.Array)
+_CONTAINER = _OBJ + _ARR
+
+
+class LimitExceeded(KvrouteError):
+    """A request over one of the input limits: answered ``status`` with ``code``, ``message`` and ``param``
+    (counted in ``kvroute_rejected_total`` under its code)."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message, status=status, code=code, param=param, counted_as=code)
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    """The input limits (from ``Settings``; see the module docstring).
+
+    Attributes:
+        max_messages: chat messages per request.
+        max_batch_prompts: prompts per batched completions request.
+        chars_per_token: characters allowed per token of context.
+        default_context_tokens: the context of a model none of whose replicas reports one, tokens.
+        max_json_values: JSON values outside prompt text, token ids and message text.
+        max_json_depth: nesting levels of the body (the body itself is level 1).
+        max_sequences: sequences one request may ask for (``n``, ``best_of``).
+    """
+
+    max_messages: int
+    max_batch_prompts: int
+    chars_per_token: float
+    default_context_tokens: int
+    max_json_values: int
+    max_json_depth: int
+    max_sequences: int
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> InputLimits:
+        """The limits configured in ``router.config.Settings``."""
+        return cls(
+            max_messages=settings.max_chat_messages,
+            max_batch_prompts=settings.max_batch_prompts,
+            chars_per_token=settings.max_prompt_chars_per_token,
+            default_context_tokens=settings.max_prompt_tokens,
+            max_json_values=settings.max_json_values,
+            max_json_depth=settings.max_json_depth,
+            max_sequences=settings.max_sequences_per_request,
+        )
+
+
+def model_contexts(replicas: Iterable[Any]) -> dict[str, int]:
+    """``{model or LoRA name: longest context of the replicas serving it}`` (0 when one of them reports none),
+    from replicas with ``models``, ``loras`` and ``profile.max_context_tokens`` (tokens)."""
+    out: dict[str, int] = {}
+    unknown: set[str] = set()
+    for rep in replicas:
+        ctx = int(getattr(rep.profile, "max_context_tokens", 0) or 0)
+        for name in (*rep.models, *rep.loras):
+            if ctx <= 0:
+                unknown.add(name)
+            out[name] = max(out.get(name, 0), ctx)
+    for name in unknown:
+        out[name] = 0
+    return out
+
+
+class _Budget:
+    """Counts JSON values against ``max_json_values`` (raises ``LimitExceeded`` once over)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int, where: str) -> None:
+        self.used += n
+        if self.used > self.limit:
+            raise LimitExceeded(
+                413,
+                "too_many_json_values",
+                f"request body has more than {self.limit} JSON values outside the prompt text and "
+                f"token ids (max_json_values; over at {where!r})",
+                where,
+            )
+
+    def walk(self, value: Any, where: str) -> None:
+        """Count ``value`` and everything inside it."""
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            self.take(1, where)
+            if isinstance(v, _ARR):
+                self.take(len(v), where)
+                stack.extend(e for e in v if isinstance(e, _CONTAINER))
+            elif isinstance(v, _OBJ):
+                self.take(2 * len(v), where)
+                stack.extend(e for e in v.values() if isinstance(e, _CONTAINER))
+
+
+def check_body(doc: Any, limits: InputLimits, contexts: dict[str, int]) -> None:
+    """Check a parsed request body (a dict, or a simdjson Object) against ``limits``.
+
+    ``contexts``: ``model_contexts`` of the fleet. A body that is not a JSON object passes (validation answers it).
+
+    Raises:
+        LimitExceeded: the first limit exceeded.
+    """
+    if not isinstance(doc, _OBJ):
+        if isinstance(doc, _ARR):
+            _Budget(limits.max_json_values).walk(doc, "body")  # refused by validation, but parsed first
+        return
+    model = doc.get("model")
+    ctx = contexts.get(model, 0) if isinstance(model, str) else 0
+    ctx = ctx or limits.default_context_tokens
+    max_chars = int(ctx * limits.chars_per_token)
+    budget = _Budget(limits.max_json_values)
+    for key in list(doc.keys()):
+        value = doc[key]
+        if key == "messages" and isinstance(value, _ARR):
+            _check_messages(value, limits, max_chars, ctx, budget)
+        elif key == "prompt":
+            _check_prompt(value, limits, max_chars, ctx, budget)
+        elif key == "token_ids" and isinstance(value, _ARR):
+            _check_ids(value, ctx, "token_ids", budget)
+        elif isinstance(value, _CONTAINER):
+            budget.walk(value, key)
+
+
+def _too_long(what: str, size: int, limit: int, unit: str, ctx: int, param: str) -> LimitExceeded:
+    return LimitExceeded(
+        400,
+        "context_length_exceeded",
+        f"{what} has {size} {unit}, more than the model's context of {ctx} tokens allows "
+        f"({limit} {unit}; max_prompt_chars_per_token / max_model_len)",
+        param,
+    )
+
+
+def _all_numbers(ids: Any) -> bool:
+    """True when every element of the simdjson array is a number (checked at C speed by ``as_buffer``)."""
+    try:
+        ids.as_buffer(of_type="d")
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _check_ids(ids: Any, ctx: int, param: str, budget: _Budget) -> None:
+    """A token-id prompt: at most ``ctx`` ids; anything but numbers inside it counts as JSON values."""
+    if len(ids) > ctx:
+        raise _too_long("prompt", len(ids), ctx, "token ids", ctx, param)
+    if isinstance(ids, simdjson.Array) and _all_numbers(ids):
+        return
+    for e in ids:
+        if isinstance(e, _CONTAINER):
+            budget.walk(e, param)
+
+
+def _check_prompt(prompt: Any, limits: InputLimits, max_chars: int, ctx: int, budget: _Budget) -> None:
+    """A completions prompt: text, token ids, or a batch of either (routed by its first prompt)."""
+    if isinstance(prompt, str):
+        if len(prompt) > max_chars:
+            raise _too_long("prompt", len(prompt), max_chars, "characters", ctx, "prompt")
+        return
+    if isinstance(prompt, _OBJ):
+        budget.walk(prompt, "prompt")  # not a prompt (validation refuses it), but it must be parsed first
+        return
+    if not isinstance(prompt, _ARR) or len(prompt) == 0:
+        return
+    first = prompt[0]
+    if not isinstance(first, (str, *_ARR)):
+        _check_ids(prompt, ctx, "prompt", budget)
+        return
+    if len(prompt) > limits.max_batch_prompts:
+        raise LimitExceeded(
+            413,
+            "too_many_prompts",
+            f"batch of {len(prompt)} prompts is over {limits.max_batch_prompts} (max_batch_prompts)",
+            "prompt",
+        )
+    for i, item in enumerate(prompt):
+        if i == 0 and isinstance(item, str):
+            if len(item) > max_chars:
+                raise _too_long("prompt[0]", len(item), max_chars, "characters", ctx, "prompt")
+        elif i == 0 and isinstance(item, _ARR):
+            _check_ids(item, ctx, "prompt", budget)
+        elif isinstance(item, _ARR):
+            budget.take(len(item), "prompt")  # further prompts of a batch are not tokenized, only parsed
+            if len(item) > ctx:
+                raise _too_long(f"prompt[{i}]", len(item), ctx, "token ids", ctx, "prompt")
+        elif isinstance(item, _OBJ):
+            budget.walk(item, "prompt")
+        else:
+            budget.take(1, "prompt")
+
+
+def _check_messages(messages: Any, limits: InputLimits, max_chars: int, ctx: int, budget: _Budget) -> None:
+    """Chat messages: at most ``max_messages``; all their text at most ``max_chars``; the rest in the budget."""
+    n = len(messages)
+    if n > limits.max_messages:
+        raise LimitExceeded(
+            413,
+            "too_many_messages",
+            f"{n} messages are over {limits.max_messages} (max_chat_messages)",
+            "messages",
+        )
+    chars = 0
+    for msg in messages:
+        budget.take(1, "messages")
+        if isinstance(msg, _ARR):
+            budget.walk(msg, "messages")
+        if not isinstance(msg, _OBJ):
+            continue
+        for key, value in msg.items():
+            budget.take(1, "messages")
+            if isinstance(value, str):
+                chars += len(value)
+            elif key == "content" and isinstance(value, _ARR):
+                budget.take(len(value), "messages")
+                for part in value:
+                    if isinstance(part, str):
+                        chars += len(part)
+                    elif isinstance(part, _ARR):
+                        budget.walk(part, "messages")
+                    elif isinstance(part, _OBJ):
+                        for pv in part.values():
+                            budget.take(2, "messages")
+                            if isinstance(pv, str):
+                                chars += len(pv)
+                            elif isinstance(pv, _CONTAINER):
+                                budget.walk(pv, "messages")
+            elif isinstance(value, _CONTAINER):
+                budget.walk(value, "messages")
+    if chars > max_chars:
+        raise _too_long("the messages' text", chars, max_chars, "characters", ctx, "messages")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# parsing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _invalid_json(msg: str) -> RequestValidationError:
+    return RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": msg, "input": None}])
+
+
+def check_depth(raw: bytes, data: Any, limit: int) -> None:
+    """Refuse ``data`` (parsed from ``raw``) when it nests more than ``limit`` levels. A body with at most
+    ``limit`` brackets cannot, so most bodies are not walked at all.
+
+    Raises:
+        LimitExceeded: 400 ``json_too_deep``.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            raise LimitExceeded(
+                400,
+                "json_too_deep",
+                f"request body is nested more than {limit} levels deep (max_json_depth)",
+                "body",
+            )
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+
+
+def parse_json(raw: bytes, model: type[_M], max_depth: int | None = None) -> tuple[_M, Any]:
+    """Parse ``raw`` with orjson, check its depth (``max_depth`` levels; None: unchecked) and validate it against
+    ``model``; returns (validated model, parsed JSON).
+
+    Raises:
+        RequestValidationError: invalid JSON (``json_invalid``, answered 400) or invalid fields (422).
+        LimitExceeded: nested deeper than ``max_depth``.
+    """
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _invalid_json(str(exc)) from None
+    if max_depth is not None and isinstance(data, dict | list):
+        check_depth(raw, data, max_depth)
+    try:
+        return model.model_validate(data), data
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+
+def scan_and_parse(
+    raw: bytes, model: type[_M], limits: InputLimits, contexts: dict[str, int]
+) -> tuple[_M, Any]:
+    """``check_body`` on simdjson's view of ``raw``, then ``parse_json`` (synchronous; run it in a thread).
+
+    Raises:
+        LimitExceeded, RequestValidationError.
+    """
+    try:
+        doc = simdjson.Parser().parse(raw)
+    except (ValueError, RuntimeError) as exc:  # invalid UTF-8 / JSON, nesting too deep
+        raise _invalid_json(str(exc).split(":  ")[0]) from None
+    try:
+        check_body(doc, limits, contexts)
+    except LimitExceeded as exc:
+        # without check_body's frames: they hold the simdjson document (several times the body's size), and the
+        # exception -> traceback -> frames references would keep it until a garbage collection happens to run
+        raise exc.with_traceback(None) from None
+    finally:
+        del doc
+    return parse_json(raw, model, limits.max_json_depth)
+
+
+class Intake:
+    """Turns request bodies into validated models under ``limits``.
+
+    Args:
+        limits: the input limits.
+        contexts: returns ``model_contexts`` of the fleet now (called on the event loop).
+    """
+
+    def __init__(
+        self,
+        limits: InputLimits,
+        contexts: Callable[[], dict[str, int]],
+        fields: ClientFields | None = None,
+    ) -> None:
+        self.limits = limits
+        self.contexts = contexts
+        #: strips router-controlled fields from the bodies that go on (router/serve/client_fields.py); None: kept
+        self.fields = fields
+
+    async def parse(self, raw: bytes, model: type[_M]) -> tuple[_M, Any]:
+        """Validate ``raw`` against ``model``: inline when small, shape-checked in a worker thread when large.
+
+        Raises:
+            LimitExceeded: a limit is exceeded (nothing was validated).
+            RequestValidationError: invalid JSON (400) or fields (422).
+        """
+        if len(raw) < SCAN_MIN_BYTES:
+            parsed = parse_json(raw, model, self.limits.max_json_depth)
+        else:
+            parsed = await asyncio.to_thread(scan_and_parse, raw, model, self.limits, self.contexts())
+        check_sequences(parsed[1], self.limits.max_sequences)
+        return parsed
+
+
+async def dump_messages(messages: Sequence[BaseModel]) -> list[dict[str, Any]]:
+    """``model_dump(exclude_none=True)`` of chat messages; a long conversation is dumped in a worker thread."""
+    if len(messages) <= THREAD_MIN_MESSAGES:
+        return [m.model_dump(exclude_none=True) for m in messages]
+    return await asyncio.to_thread(lambda: [m.model_dump(exclude_none=True) for m in messages])
+
+
+def check_sequences(body: Any, max_sequences: int) -> None:
+    """Refuse a body whose ``n`` or ``best_of`` asks for more than ``max_sequences`` sequences (other values,
+    e.g. 0 or a fraction, are the engine's to refuse).
+
+    Raises:
+        LimitExceeded: 400 ``too_many_sequences`` naming the field.
+    """
+    if not isinstance(body, dict):
+        return
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > max_sequences:
+            raise LimitExceeded(
+                400,
+                "too_many_sequences",
+                f"{key} = {value} asks for more than {max_sequences} sequences (max_sequences_per_request)",
+                key,
+            )
+
+
+def sequences(extra: dict[str, Any] | None) -> int:
+    """Sequences a request asks the engine for: the larger of its ``n`` and ``best_of`` (vLLM) when they are
+    integers >= 1, else 1 (the engine validates them)."""
+    count = 1
+    for key in ("n", "best_of"):
+        value = (extra or {}).get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > count:
+            count = value
+    return count
+
+
+def not_a_bool(value: Any) -> Any:
+    """Validator of token ids: a JSON boolean is not an integer (pydantic would read ``true`` as 1). Integral
+    numbers written as ``2.0`` stay accepted: JSON has one number type and the OpenAPI ``integer`` includes them;
+    fractions are refused by the ``int`` type itself.
+
+    Raises:
+        ValueError: ``value`` is a boolean.
+    """
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a token id")
+    return value

@@ -1,0 +1,2 @@
+"""The fleet simulator (``kvroute simulate``), traces and workloads, the HTTP replay and ``kvroute demo``.
+Packaged with kvroute."""
