@@ -632,7 +632,7 @@ WORKLOADS: dict[str, tuple[Callable[..., list[Request]], str]] = {
     ),
     "long-context": (
         long_context_sessions,
-        "conversations over long documents (8k-64k tokens, 10 % shared), 1-3 turns, 32-1024 out",
+        "conversations over long documents (8k-64k tokens, a tenth shared), 1-3 turns, 32-1024 out",
     ),
 }
 

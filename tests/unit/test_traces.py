@@ -147,6 +147,17 @@ def test_long_context_workload_has_long_prompts_and_multi_turn_reuse() -> None:
     assert 0.05 * len(sessions) < shared < 0.2 * len(sessions)
 
 
+def test_simulate_help_shows_every_workload_description() -> None:
+    """``kvroute simulate --help`` prints each workload's description as written (argparse formats help with
+    ``%``: a literal percent sign in a description garbles the help)."""
+    from sim.simulator import build_parser
+
+    text = "".join(build_parser().format_help().split())  # wrapping may break a line at any space or hyphen
+    for name, (_, description) in WORKLOADS.items():
+        assert text.count("".join(f"{name}: {description}".split())) == 1
+    assert "option_strings" not in text
+
+
 def test_generators_are_seeded() -> None:
     assert make_workload("chapter8", seed=1) == make_workload("chapter8", seed=1)
     assert make_workload("chapter8", seed=1) != make_workload("chapter8", seed=2)
