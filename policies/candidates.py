@@ -14,7 +14,7 @@ from index.prefix_index import ReplicaMatch
 from policies.adapters import AdapterCost
 from policies.base import Candidate, LoadView, ReplicaProfile
 from policies.hits import hit_from_match
-from policies.pd_base import PdCandidate, Role
+from policies.pd_base import DecodeLeg, PdCandidate, Role
 
 
 @dataclass(slots=True)
@@ -36,6 +36,8 @@ class ReplicaFacts:
         region: the region the replica runs in ("" when unknown; ``policies.regions``).
         adapter: the request's LoRA adapter on this replica, priced in seconds (``policies.adapters``); None for
             a base-model request.
+        decode_legs: the disaggregated requests planned onto the replica as their decode leg and not started
+            there (PD fleets; ``PdCandidate.decode_legs``).
     """
 
     index: int
@@ -50,6 +52,7 @@ class ReplicaFacts:
     serves_alone: bool = True
     region: str = ""
     adapter: AdapterCost | None = None
+    decode_legs: tuple[DecodeLeg, ...] = ()
 
 
 def build_candidates(
@@ -80,7 +83,7 @@ def build_pd_candidates(
     replicas: Sequence[ReplicaFacts], candidates: Sequence[Candidate]
 ) -> list[PdCandidate]:
     """The PD view of ``candidates`` (built from the same ``replicas``, in the same order): each with its role,
-    DP ranks, link backlog and whether it serves alone."""
+    DP ranks, link backlog, whether it serves alone and the decode legs heading to it."""
     return [
         PdCandidate(
             candidate=c,
@@ -88,6 +91,7 @@ def build_pd_candidates(
             dp_rank_count=r.dp_rank_count,
             link_busy_s=r.link_busy_s,
             serves_alone=r.serves_alone,
+            decode_legs=r.decode_legs,
         )
         for r, c in zip(replicas, candidates, strict=True)
     ]

@@ -46,6 +46,21 @@ class HandoffLink:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeLeg:
+    """A disaggregated request planned onto a decode replica whose first token has not come from it yet.
+
+    Attributes:
+        eta_s: seconds until its KV is expected on the decode replica: the plan's predicted prefill end plus
+            handoff, counted from now; 0 once handed over (waiting there to be admitted or for its first round),
+            or when the prediction has passed.
+        tokens: KV tokens it will hold there (its prompt), tokens.
+    """
+
+    eta_s: float
+    tokens: int
+
+
 @dataclass(slots=True)
 class PdCandidate:
     """One replica on a PD fleet: the co-located ``Candidate`` plus its role.
@@ -59,6 +74,9 @@ class PdCandidate:
             one prefill replica are serialised on its link (seeds 000 §9.2: one NIC carries ~20.7 states/s).
         serves_alone: the engine answers a request without a handoff (False for an SGLang server in
             ``--disaggregation-mode decode``, which waits for the KV of its bootstrap room): no in-place plan.
+        decode_legs: the disaggregated requests this router planned onto the replica as their decode leg whose
+            first token has not come from it yet (the router's own record, like ``link_busy_s``; empty when
+            unknown). What a plan waits for and takes on a decode replica (``policies.pd_decode``) reads them.
     """
 
     candidate: Candidate
@@ -66,6 +84,7 @@ class PdCandidate:
     dp_rank_count: int = 1
     link_busy_s: float = 0.0
     serves_alone: bool = True
+    decode_legs: tuple[DecodeLeg, ...] = ()
 
     @property
     def index(self) -> int:

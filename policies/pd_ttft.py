@@ -7,7 +7,13 @@ For a prompt of ``N`` tokens (seeds 000 §9.2, TV-14; 002 item 1.2; DESIGN §4, 
       TTFT = Q_X + R_X + C_X        (or max(Q, R) + C: ``policies.cost_model``, exactly ``ttft``'s estimate)
 
   The first token comes out of X's own prefill; X's running decode batch slows it through
-  ``decode_interference_s`` per running request (in ``Q``).
+  ``decode_interference_s`` per running request (in ``Q``). On a ``decode`` replica two decode-side terms
+  (``policies.pd_decode``) are added: ``kv_wait``, the wait for its KV cache to admit the request (prompt +
+  expected output beside what it holds, the in-place requests sent to it and the disaggregated requests reaching
+  it first), in the TTFT; and ``decode_cost`` = ``decode_cost_weight`` x ``C_X`` x (the requests queued there +
+  the disaggregated requests reaching it before X's prefill ends), in the rank only, like ``W``: every one of
+  them gets its first token ``C_X`` later, because X's prefill chunks stretch D's rounds. Past capacity this
+  is what keeps in-place plans from piling on a decode replica whose own disaggregated requests wait there.
 
 * **disaggregated**, prefill on P, decode on D::
 
@@ -16,8 +22,9 @@ For a prompt of ``N`` tokens (seeds 000 §9.2, TV-14; 002 item 1.2; DESIGN §4, 
       moved    = N - (prompt tokens D already holds in GPU)       (the whole prompt's KV, TV-14: 1.125 GiB,
                                                                    even when P had most of it cached)
       D_ready  = backlog_D / rate_D                               (prefill work D itself has queued, FCFS)
-      decode_first = max(0, D_ready - (T_p + handoff)) + decode_step_s + decode_step_s_per_request
-                     * (running_D + 1) + kv_penalty(D)
+      kv_wait  = the wait for D's KV cache to admit the request, reaching D at T_p + handoff
+      decode_first = max(0, D_ready - (T_p + handoff), kv_wait) + decode_step_s
+                     + decode_step_s_per_request * (running_D + 1) + kv_penalty(D)
       TTFT     = T_p + handoff + decode_first
 
   ``decode_step_s + decode_step_s_per_request * (running_D + 1)`` is one decode round of D's running batch
@@ -40,9 +47,10 @@ that prefills (P, or X in place). P's prefill tokens end at its first token, its
 charge on P before dispatch, a burst sees every prefill replica idle and picks prefill #0 every time (sglang
 #27547, smg #1714).
 
-Terms per plan (seconds unless named tokens): in place ``Q``, ``R``, ``C``, ``kv_penalty``, ``W``; disaggregated
-``Q_p``, ``R_p``, ``C_p``, ``handoff``, ``link_wait``, ``D_ready``, ``decode_step``, ``decode_first``,
-``kv_penalty``, ``W``, ``moved_tokens``; both carry ``usable`` (reused tokens on the prefilling replica).
+Terms per plan (seconds unless named tokens): in place ``Q``, ``R``, ``C``, ``kv_penalty``, ``W``, ``kv_wait``,
+``decode_cost``; disaggregated ``Q_p``, ``R_p``, ``C_p``, ``handoff``, ``link_wait``, ``D_ready``, ``kv_wait``,
+``decode_step``, ``decode_first``, ``kv_penalty``, ``W``, ``moved_tokens``; both carry ``usable`` (reused tokens
+on the prefilling replica).
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from policies.pd_common import (
     read_loads,
     require_pd_candidates,
 )
+from policies.pd_decode import DecodeSide, decode_side
 from policies.ttft import TTFTPolicy
 
 #: weight of one observation in the moving average of uncached tokens per request
@@ -108,6 +117,15 @@ class PdTtftPolicy:
             on the seeds' 8192-in / 1025-out condition it lowers TTFT p99 (1.551 -> 1.274 s at load 0.5, 1.784
             -> 1.667 s at 0.9, 4 A100 + 4 H20), on the first 600 s of the conversation trace it raises p99
             (25.1 -> 27.9 s at 0.5, 28.4 -> 29.1 s at 0.9); docs/results.md, PD section.
+        decode_cost_weight: weight of the ``decode_cost`` term of an in-place plan on a ``decode`` replica
+            (seconds of TTFT the requests queued there lose to its prefill; ``policies.pd_decode``); 0 turns it
+            off (``kv_wait`` stays: it is a prediction, not a cost).
+        mean_output_tokens: output tokens assumed when the request does not say (``expected_output_tokens``):
+            the KV a request needs on its decode replica and how long it holds it there, tokens.
+        batch_weight: weight, relative to a queued request's TTFT, of the decode progress the running batch of a
+            decode replica loses to an in-place prefill there (inter-token latency). 0 (default): measured past
+            capacity, 0.25 or 1 keep long prompts off the decode replicas and roughly double the TTFT p99
+            (docs/results.md, PD under overload).
         seed: seeds the inner ``ttft`` model (deterministic).
         **ttft_params: parameters of the inner ``ttft`` model (``objective``, ``work_weight``,
             ``migration_weight``, ``p_predicted``, ...; see ``policies.ttft.TTFTPolicy``).
@@ -121,11 +139,19 @@ class PdTtftPolicy:
         decode_prefills: bool = True,
         both_can_pair: bool = False,
         age_inflight: bool = False,
+        decode_cost_weight: float = 1.0,
+        mean_output_tokens: int = 256,
+        batch_weight: float = 0.0,
         seed: int = 0,
         **ttft_params: Any,
     ) -> None:
         self.rules = RoleRules(decode_prefills=decode_prefills, both_can_pair=both_can_pair)
         self.age_inflight = age_inflight
+        if not (decode_cost_weight >= 0 and batch_weight >= 0) or mean_output_tokens < 1:
+            raise ValueError("decode_cost_weight, batch_weight must be >= 0 and mean_output_tokens >= 1")
+        self.decode_cost_weight = decode_cost_weight
+        self.mean_output_tokens = mean_output_tokens
+        self.batch_weight = batch_weight
         self.model = TTFTPolicy(seed=seed, **ttft_params)
         #: mean uncached prompt tokens per request (exponential moving average over ``observe``), tokens
         self._mean_uncached = float(self.model.params.mean_prefill_tokens)
@@ -139,8 +165,12 @@ class PdTtftPolicy:
         tail = (self.model.objective or request.objective) == "tail"
         loads = read_loads(candidates, self.params.mean_prefill_tokens)
         prefill = self._prefill(request, candidates, tail)
-        ranked = self._in_place_plans(request, candidates, prefill)
-        ranked += self._pd_plans(request, candidates, prefill, loads, link)
+        sides = [
+            decode_side(request, c, loads.running[i], self.mean_output_tokens)
+            for i, c in enumerate(candidates)
+        ]
+        ranked = self._in_place_plans(request, candidates, prefill, sides)
+        ranked += self._pd_plans(request, candidates, prefill, loads, link, sides)
         if not ranked:
             raise no_feasible_plan(candidates)
         ranked.sort(key=lambda kp: kp[0])  # stable: in place first on ties
@@ -214,14 +244,27 @@ class PdTtftPolicy:
         return replace(cand, load=replace(load, inflight_prefill_tokens=left, queued_prefill_tokens=excess))
 
     def _in_place_plans(
-        self, request: RouteRequest, cands: Sequence[PdCandidate], prefill: list[_Prefill | None]
+        self,
+        request: RouteRequest,
+        cands: Sequence[PdCandidate],
+        prefill: list[_Prefill | None],
+        sides: list[DecodeSide],
     ) -> list[tuple[float, Plan]]:
-        """(rank key, plan): one ``in_place`` plan per replica allowed to serve alone."""
+        """(rank key, plan): one ``in_place`` plan per replica allowed to serve alone. On a ``decode`` replica the
+        plan also waits for its KV to fit (``kv_wait``) and is charged the TTFT its prefill takes from the requests
+        queued there and arriving before it ends (``decode_cost``, ranked like ``W``)."""
         out = []
+        need = request.prompt_tokens + (request.expected_output_tokens or self.mean_output_tokens)
         for i in in_place_positions(cands, self.rules):
             e = prefill[i]
             if e is None:
                 continue
+            wait = cost = 0.0
+            if cands[i].role == "decode":
+                wait = sides[i].kv_wait_s(need)
+                cost = self.decode_cost_weight * sides[i].in_place_cost_s(
+                    e.c, e.ttft + wait, self.batch_weight
+                )
             terms = {
                 "Q": e.q,
                 "R": e.r,
@@ -229,15 +272,17 @@ class PdTtftPolicy:
                 "kv_penalty": e.kv_penalty,
                 "W": e.extra,
                 "usable": float(e.usable),
+                "kv_wait": wait,
+                "decode_cost": cost,
             }
             plan = Plan(
                 kind="in_place",
                 decode=cands[i].index,
-                predicted_ttft_s=e.ttft,
+                predicted_ttft_s=e.ttft + wait,
                 terms=terms,
                 prefill_tokens=request.prompt_tokens - e.usable,
             )
-            out.append((e.ttft + e.extra, plan))
+            out.append((e.ttft + wait + e.extra + cost, plan))
         return out
 
     def _pd_plans(
@@ -247,13 +292,16 @@ class PdTtftPolicy:
         prefill: list[_Prefill | None],
         loads: Loads,
         link: HandoffLink,
+        sides: list[DecodeSide],
     ) -> list[tuple[float, Plan]]:
-        """(rank key, plan): one ``disaggregated`` plan per (prefill-capable, decode-capable) pair."""
+        """(rank key, plan): one ``disaggregated`` plan per (prefill-capable, decode-capable) pair; the first
+        decode round waits for D's own prefill work and for its KV to fit, whichever is later."""
         ps = positions(cands, self.rules.can_prefill_leg)
         ds = positions(cands, self.rules.can_decode_leg)
         if not ps or not ds:
             return []
         n = request.prompt_tokens
+        need = n + (request.expected_output_tokens or self.mean_output_tokens)
         decode_side = [self._decode_side(request, cands[d], loads, d) for d in ds]
         out = []
         for p in ps:
@@ -268,7 +316,8 @@ class PdTtftPolicy:
                 wait = pc.link_busy_s - e.ttft if pc.link_busy_s > e.ttft else 0.0
                 handoff = wait + link.transfer_s(moved * bpt)
                 arrive = e.ttft + handoff
-                first = (ready - arrive if ready > arrive else 0.0) + step + pen
+                kv_wait = sides[d].kv_wait_s(need, arrive)
+                first = max(ready - arrive, kv_wait, 0.0) + step + pen
                 terms = {
                     "Q_p": e.q,
                     "R_p": e.r,
@@ -276,6 +325,7 @@ class PdTtftPolicy:
                     "handoff": handoff,
                     "link_wait": wait,
                     "D_ready": ready,
+                    "kv_wait": kv_wait,
                     "decode_step": step,
                     "decode_first": first,
                     "kv_penalty": pen,

@@ -44,7 +44,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fakes.engine_model import (
     BlockStored,
@@ -59,6 +59,7 @@ from index.prefix_index import PrefixIndex
 from policies.base import Observation, ReplicaProfile, RouteRequest
 from policies.candidates import ReplicaFacts, build_candidates, build_pd_candidates
 from policies.pd_base import (
+    DecodeLeg,
     HandoffLink,
     Plan,
     Role,
@@ -80,6 +81,10 @@ from sim.simulator import main as simulator_main
 from sim.traces import BlockKeyCache, Request
 
 _HANDOFF = 3
+
+#: Where a handed-over prompt's KV waits for its decode replica to admit the request (``PdFleetConfig.handoff_kv``).
+HandoffKv = Literal["pinned", "cached"]
+HANDOFF_KV: tuple[HandoffKv, ...] = ("pinned", "cached")
 
 #: Default P->D link: 25 GB/s (a 200 Gbit NIC; seeds TV-14: 1.125 GiB in 48.3 ms).
 DEFAULT_LINK_BYTES_PER_S = 25e9
@@ -122,6 +127,36 @@ class KvReceivingEngine(EngineModel):
         self._evict_to_capacity(now)
         return len(new)
 
+    def pin_blocks(self, block_hashes: Sequence[int]) -> list[int]:
+        """Hold the leading blocks of ``block_hashes`` (parent first) that are still cached, as a running request
+        holds its blocks: not evictable, counted in ``kv_usage``. A prefill replica holds a handed-over prompt's
+        KV so until the decode replica has it. Returns the hashes held (stops at the first block not cached)."""
+        ref = self._ref
+        free = self._free
+        held: list[int] = []
+        for h in block_hashes:
+            c = ref.get(h)
+            if c is None:
+                break
+            if c == 0:
+                del free[h]
+            ref[h] = c + 1
+            held.append(h)
+        return held
+
+    def unpin_blocks(self, held: Sequence[int], now: float) -> None:
+        """Release blocks held by ``pin_blocks`` at ``now`` (tail first into the LRU, like a finished request's);
+        a request waiting for KV space may start."""
+        ref = self._ref
+        free = self._free
+        for h in reversed(held):
+            c = ref[h] - 1
+            ref[h] = c
+            if c == 0:
+                free[h] = None
+        if self._step_end is None and self._kick_at is None and not self.idle:
+            self._kick_at = max(now, self._now)
+
 
 @dataclass(slots=True)
 class PdFleetConfig:
@@ -131,11 +166,18 @@ class PdFleetConfig:
         fleet: engines, cache sizes, router view (as for co-located runs).
         roles: one role per replica (``prefill``, ``decode``, ``both``).
         link: the P->D link of every prefill replica (each has its own, handoffs serialised on it).
+        handoff_kv: where a handed-over prompt's KV waits until its decode replica admits the request
+            (``HANDOFF_KV``): ``pinned`` (default) on the prefill replica, held there until the decode leg's
+            first token, and imported by the decode replica at admission, as vLLM's NIXL connector and SGLang's
+            pre-allocation do; ``cached`` in the decode replica's prefix cache, evictable until admitted (a
+            request waiting for KV space there can lose it and recompute the whole prompt: the model of the
+            first PD results, kept to reproduce them).
     """
 
     fleet: FleetConfig
     roles: list[Role]
     link: HandoffLink = field(default_factory=lambda: HandoffLink(DEFAULT_LINK_BYTES_PER_S))
+    handoff_kv: HandoffKv = "pinned"
 
     def __post_init__(self) -> None:
         if len(self.roles) != self.fleet.replicas:
@@ -158,6 +200,7 @@ class _PdRec:
     finish: float = -1.0
     prefill_done: float = -1.0
     handoff_s: float = -1.0
+    pinned: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -218,6 +261,9 @@ class PdFleet(EventFleet):
         self.busy_since = [0.0] * n
         self.plans: dict[str, int] = {"in_place": 0, "disaggregated": 0}
         self.moved_bytes = 0.0
+        #: per replica, the disaggregated requests planned onto it as decode leg and not started there:
+        #: request id -> (time its KV is expected there, seconds; its prompt tokens)
+        self.decode_legs: list[dict[str, tuple[float, int]]] = [{} for _ in range(n)]
 
     # -- time --------------------------------------------------------------------------------------
 
@@ -258,6 +304,10 @@ class PdFleet(EventFleet):
         rec = tag.rec
         if tag.leg == "decode":
             rec.ttft = te - rec.arrival
+            self.decode_legs[i].pop(rec.request_id, None)
+            if rec.pinned:
+                self.engines[rec.prefiller].unpin_blocks(rec.pinned, te)
+                rec.pinned = []
             return
         plan = rec.plan
         assert plan is not None
@@ -278,6 +328,8 @@ class PdFleet(EventFleet):
             rec.ttft = te - rec.arrival
             return
         rec.prefill_done = te
+        if self.cfg.handoff_kv == "pinned":
+            rec.pinned = self.engines[i].pin_blocks(rec.keys)
         nbytes = plan.handoff_tokens * self.profiles[i].bytes_per_token
         start = max(te, self.link_free_at[i])
         end = start + self.cfg.link.transfer_s(nbytes)
@@ -291,8 +343,11 @@ class PdFleet(EventFleet):
         self.inflight[plan.prefill] = max(0, self.inflight[plan.prefill] - 1)
         rec.handoff_s = te - rec.prefill_done
         d = plan.decode
+        self.decode_legs[d][rec.request_id] = (te, rec.prompt)
         eng = self.engines[d]
-        eng.receive_blocks(rec.keys, te)
+        pinned = self.cfg.handoff_kv == "pinned"
+        if not pinned:
+            eng.receive_blocks(rec.keys, te)
         eng.submit(
             EngineRequest(
                 f"{rec.request_id}-decode",
@@ -300,6 +355,7 @@ class PdFleet(EventFleet):
                 rec.output,
                 block_hashes=rec.keys,
                 tag=_Leg(rec, "decode"),
+                remote_kv_tokens=rec.prompt if pinned else 0,
             ),
             te,
         )
@@ -332,6 +388,9 @@ class PdFleet(EventFleet):
                 self.profiles[i],
                 role=self.cfg.roles[i],
                 link_busy_s=max(0.0, self.link_free_at[i] - t),
+                decode_legs=tuple(
+                    DecodeLeg(max(0.0, at - t), tok) for at, tok in self.decode_legs[i].values()
+                ),
             )
             for i in range(self.fc.replicas)
         ]
@@ -348,6 +407,8 @@ class PdFleet(EventFleet):
         plan = self.policy.choose_plan(rr, cands, self.cfg.link).chosen
         rec.plan = plan
         self.plans[plan.kind] += 1
+        if plan.kind == "disaggregated":
+            self.decode_legs[plan.decode][req.request_id] = (t + handoff_end_s(plan), n)
         for charge in plan_charges(plan):
             if charge.prefill_tokens and self.inflight_prefill[charge.index] <= 0:
                 self.busy_since[charge.index] = t  # an idle replica starts on this request now
@@ -371,6 +432,14 @@ class PdFleet(EventFleet):
             if nxt is None:
                 break
             self.run_until(nxt)
+
+
+def handoff_end_s(plan: Plan) -> float:
+    """Seconds from dispatch until a disaggregated ``plan``'s KV is predicted on its decode replica: its prefill's
+    queue, fetch and compute plus the handoff (the router's ``note_handoff`` uses the same sum); 0 for a policy
+    that predicts nothing."""
+    t = plan.terms
+    return sum(max(0.0, t.get(k, 0.0)) for k in ("Q_p", "R_p", "C_p", "handoff"))
 
 
 def pd_replica_profile(name: str) -> ReplicaProfile:
@@ -569,6 +638,14 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--link-latency-ms", type=float, default=0.0, help="fixed cost of one handoff, milliseconds"
     )
+    g.add_argument(
+        "--handoff-kv",
+        choices=HANDOFF_KV,
+        default="pinned",
+        help="where a handed-over prompt's KV waits until the decode replica admits the request: pinned = "
+        "held on the prefill replica, imported at admission (vLLM NIXL, SGLang); cached = in the decode "
+        "replica's prefix cache, evictable until admitted (the first PD results' model)",
+    )
 
 
 def pd_roles(args: argparse.Namespace, replicas: int) -> list[Role] | None:
@@ -607,7 +684,9 @@ def run_pd(
 ) -> SimResult:
     """One ``kvroute simulate`` row of a PD policy: on the PD fleet, or on the same GPUs all ``both``."""
     link = HandoffLink(args.link_gbps * 1e9, args.link_latency_ms / 1e3)
-    cfg = PdFleetConfig(fleet=fleet, roles=roles or ["both"] * fleet.replicas, link=link)
+    cfg = PdFleetConfig(
+        fleet=fleet, roles=roles or ["both"] * fleet.replicas, link=link, handoff_kv=args.handoff_kv
+    )
     res = simulate_pd(requests, base, cfg, **kw)
     res.policy = policy
     return res

@@ -118,9 +118,44 @@ def test_generators_have_the_published_shapes() -> None:
         for prev, nxt in zip(turns, turns[1:], strict=False):
             assert nxt.segments[: len(prev.segments)] == prev.segments  # extends the previous context
             assert nxt.arrival_s - prev.arrival_s >= 10.0
-    assert set(WORKLOADS) == {"shared-prefix", "llmd-precise", "chapter8", "agent", "lora"}
+    assert set(WORKLOADS) == {"shared-prefix", "llmd-precise", "chapter8", "agent", "lora", "long-context"}
     with pytest.raises(KeyError, match="known"):
         make_workload("nope")
+
+
+def test_long_context_workload_has_long_prompts_and_multi_turn_reuse() -> None:
+    """The long-prompt workload: 2,423 requests, prompts ~2.5x the conversation trace's mean (30 k tokens), each
+    later turn extends its session's previous prompt, a tenth of the sessions share documents; deterministic."""
+    reqs = make_workload("long-context")
+    assert len(reqs) == 2423 and reqs == make_workload("long-context")
+    assert reqs != make_workload("long-context", seed=1)
+    prompts = sorted(r.prompt_tokens for r in reqs)
+    assert 29_000 < sum(prompts) / len(prompts) < 31_500 and prompts[len(prompts) // 2] > 20_000
+    assert all(16 <= r.output_tokens <= 1024 for r in reqs)
+    assert all(r.prompt_tokens == sum(n for _, n in r.segments) for r in reqs)
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    sessions: dict[str, list[Request]] = {}
+    for r in reqs:
+        sessions.setdefault(r.session_id or "", []).append(r)
+    assert max(len(t) for t in sessions.values()) == 3
+    for turns in sessions.values():
+        for prev, nxt in zip(turns, turns[1:], strict=False):
+            assert nxt.segments[: len(prev.segments)] == prev.segments
+            assert 60.0 <= nxt.arrival_s - prev.arrival_s <= 600.0
+    docs = [t[0].segments[0] for t in sessions.values()]
+    shared = len(docs) - len(set(docs)) + len({d for d in docs if docs.count(d) > 1})
+    assert 0.05 * len(sessions) < shared < 0.2 * len(sessions)
+
+
+def test_simulate_help_shows_every_workload_description() -> None:
+    """``kvroute simulate --help`` prints each workload's description as written (argparse formats help with
+    ``%``: a literal percent sign in a description garbles the help)."""
+    from sim.simulator import build_parser
+
+    text = "".join(build_parser().format_help().split())  # wrapping may break a line at any space or hyphen
+    for name, (_, description) in WORKLOADS.items():
+        assert text.count("".join(f"{name}: {description}".split())) == 1
+    assert "option_strings" not in text
 
 
 def test_generators_are_seeded() -> None:
