@@ -99,7 +99,7 @@ def test_other_methods_paths_a_missing_path_and_a_body_first_are_refused(keyed: 
         ("/v1/completions", "OPTIONS", {}, 401, "unauthorized"),
         ("/v1/completions", "OPTIONS", AUTH, 405, "method_not_allowed"),
         ("/v1/completions", "GET", AUTH, 405, "method_not_allowed"),
-        ("/v1/embeddings", "POST", AUTH, 404, "not_found"),
+        ("/v1/files", "POST", AUTH, 404, "not_found"),
         ("/tokenize", "POST", {}, 401, "unauthorized"),
         (None, "POST", {}, 400, "missing_path"),
         (None, "POST", AUTH, 400, "missing_path"),
