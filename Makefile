@@ -16,6 +16,9 @@ help:  ## list targets
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[test,loadtest]'
+	# xds-protos (the test gateway's Envoy protos) ships an old copy of opentelemetry/proto/ that may overwrite
+	# opentelemetry-proto's files depending on install order: put the pinned package's files back
+	$(BIN)/pip install -q --force-reinstall --no-deps 'opentelemetry-proto>=1.45.2,<1.46'
 	touch $(STAMP)
 
 venv: $(STAMP)  ## create .venv and install kvroute with test + loadtest extras (idempotent)
