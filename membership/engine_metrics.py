@@ -648,7 +648,7 @@ _WANTED_FAMILIES = _wanted_families()
 
 
 @dataclass(slots=True)
-class _ReplicaScrape:
+class ReplicaScrape:
     snapshot: EngineSnapshot | None = None
     scraped_at: float | None = None
     ok: int = 0
@@ -706,7 +706,7 @@ class MetricsScraper:
         self.headers = headers or {}
         self.clock = clock
         self.on_snapshot = on_snapshot
-        self._state: dict[int, _ReplicaScrape] = {}
+        self._state: dict[int, ReplicaScrape] = {}
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0
 
@@ -761,7 +761,7 @@ class MetricsScraper:
 
     async def scrape_replica(self, replica: Any) -> EngineSnapshot | None:
         """Scrape one replica now and update its load view; None (counted) on failure."""
-        st = self._state.setdefault(replica.index, _ReplicaScrape())
+        st = self._state.setdefault(replica.index, ReplicaScrape())
         client = self._client
         if client is None:
             client = self._client = self._new_client()
@@ -816,7 +816,7 @@ class MetricsScraper:
                 log.exception("on_snapshot callback failed")
         return snap
 
-    def _note_rejected(self, replica: Any, st: _ReplicaScrape, snap: EngineSnapshot) -> None:
+    def _note_rejected(self, replica: Any, st: ReplicaScrape, snap: EngineSnapshot) -> None:
         """Count the snapshot's out-of-range fields; warn once per replica and field."""
         for name in snap.rejected:
             st.rejected[name] += 1
@@ -830,7 +830,7 @@ class MetricsScraper:
                     GAUGE_BOUNDS.get(name, float("nan")),
                 )
 
-    def _check_block_size(self, replica: Any, st: _ReplicaScrape, snap: EngineSnapshot) -> None:
+    def _check_block_size(self, replica: Any, st: ReplicaScrape, snap: EngineSnapshot) -> None:
         """Warn once per replica and value when the engine's block size differs from the router's."""
         ebs, rbs = snap.block_size, self.router_block_size
         if ebs is None or rbs is None or ebs == rbs or st.warned_block_size == ebs:
