@@ -225,25 +225,33 @@ def test_huge_prefill_answer_holds_no_loop_and_reaches_no_decode(
 ) -> None:
     """A prefill answer with ``pad_keys`` extra keys in its kv_transfer_params: /healthz stays under 0.1 s while the
     router reads it, the decode engine never receives those parameters (the plan falls back in place, counted),
-    and the client gets its answer."""
+    and the client gets its answer.
+
+    A loop held by the parse stalls every attempt; a noisy neighbour on a shared 2-core machine stalls one: up to
+    three attempts are made and the best one must stay under the bound (CI once saw a single 0.25 s spike)."""
     url, p_url, d_url = _url(vllm_fleet), _prefill(vllm_fleet), _decode(vllm_fleet)
     _all_ready(vllm_fleet)
     _faults(p_url, pd_params_pad_keys=pad_keys)
-    rid = f"huge-{pad_keys}"
     before = metric(url, "kvroute_pd_fallbacks_total", reason="prefill_failed")
+    worst: list[float] = []
     try:
-        with _HealthProbe(url) as probe:
-            r = httpx.post(
-                url + "/v1/completions",
-                json=_body([11 + (i * 3) % 7000 for i in range(600)]),
-                headers={"x-request-id": rid},
-                timeout=60,
-            )
-        assert r.status_code == 200, r.text
-        assert probe.worst < 0.1, f"{size}: /healthz took {probe.worst:.3f} s while the answer was read"
-        assert metric(url, "kvroute_pd_fallbacks_total", reason="prefill_failed") == before + 1
-        for leg in _legs(d_url, rid):
-            assert "k0000001" not in json.dumps(leg["fields"]), "the padding reached the decode engine"
+        for attempt in range(3):
+            rid = f"huge-{pad_keys}-{attempt}"
+            with _HealthProbe(url) as probe:
+                r = httpx.post(
+                    url + "/v1/completions",
+                    json=_body([11 + (i * 3) % 7000 for i in range(600)]),
+                    headers={"x-request-id": rid},
+                    timeout=60,
+                )
+            assert r.status_code == 200, r.text
+            worst.append(probe.worst)
+            assert metric(url, "kvroute_pd_fallbacks_total", reason="prefill_failed") == before + attempt + 1
+            for leg in _legs(d_url, rid):
+                assert "k0000001" not in json.dumps(leg["fields"]), "the padding reached the decode engine"
+            if probe.worst < 0.1:
+                break
+        assert min(worst) < 0.1, f"{size}: /healthz took {worst} s (each attempt) while the answer was read"
     finally:
         _faults(p_url, pd_params_pad_keys=0)
 
