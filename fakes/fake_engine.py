@@ -85,6 +85,7 @@ from fakes.engine_model import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineMetrics,
     EngineModel,
     EngineRequest,
     Finished,
@@ -785,136 +786,151 @@ class MetricsExporter:
         """Nothing to pre-describe (collected at scrape time)."""
         return []
 
+    def _gauge(self, name: str, doc: str, v: float) -> Any:
+        """One labelled sample of the gauge ``prefix + name``."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        g = GaugeMetricFamily(self.prefix + name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), v)
+        return g
+
+    def _counter(self, name: str, doc: str, v: float) -> Any:
+        """One labelled sample of the counter ``prefix + name``."""
+        from prometheus_client.core import CounterMetricFamily
+
+        c = CounterMetricFamily(self.prefix + name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), v)
+        return c
+
     def collect(self) -> Any:
         """Gauges and counters from the engine model's current snapshot."""
+        m = self.engine.model.metrics()
+        if self.dialect == "vllm":
+            yield from self._vllm_families(m)
+        else:
+            yield from self._sglang_families(m)
+        if self.engine.pd.enabled:
+            yield from self.engine.pd.collect(self.engine.requests_aborted)
+
+    def _vllm_families(self, m: EngineMetrics) -> Any:
+        """vLLM v1's gauges, counters and cache-config info (and the LoRA families) for snapshot ``m``."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        m = self.engine.model.metrics()
         lab = list(self.labels)
         val = list(self.labels.values())
-
-        def gauge(name: str, doc: str, v: float) -> Any:
-            g = GaugeMetricFamily(self.prefix + name, doc, labels=lab)
-            g.add_metric(val, v)
-            return g
-
-        def counter(name: str, doc: str, v: float) -> Any:
-            c = CounterMetricFamily(self.prefix + name, doc, labels=lab)
-            c.add_metric(val, v)
-            return c
-
-        if self.dialect == "vllm":
-            yield gauge(
-                "num_requests_running",
-                "Number of requests in model execution batches.",
-                m.num_requests_running,
-            )
-            yield gauge(
-                "num_requests_waiting", "Number of requests waiting to be processed.", m.num_requests_waiting
-            )
-            yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage)
+        gauge, counter = self._gauge, self._counter
+        yield gauge(
+            "num_requests_running",
+            "Number of requests in model execution batches.",
+            m.num_requests_running,
+        )
+        yield gauge(
+            "num_requests_waiting", "Number of requests waiting to be processed.", m.num_requests_waiting
+        )
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m.kv_usage)
+        yield counter(
+            "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            m.prefix_cache_queries,
+        )
+        yield counter(
+            "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            m.prefix_cache_hits,
+        )
+        if m.num_cpu_blocks:
             yield counter(
-                "prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
+                "external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, in "
+                "terms of number of queried tokens.",
                 m.prefix_cache_queries,
             )
             yield counter(
-                "prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.",
-                m.prefix_cache_hits,
+                "external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, in "
+                "terms of number of cached tokens.",
+                m.cpu_cache_hits,
             )
-            if m.num_cpu_blocks:
-                yield counter(
-                    "external_prefix_cache_queries",
-                    "External prefix cache queries from KV connector cross-instance cache sharing, in "
-                    "terms of number of queried tokens.",
-                    m.prefix_cache_queries,
-                )
-                yield counter(
-                    "external_prefix_cache_hits",
-                    "External prefix cache hits from KV connector cross-instance cache sharing, in "
-                    "terms of number of cached tokens.",
-                    m.cpu_cache_hits,
-                )
-            yield counter("num_preemptions", "Cumulative number of preemption from the engine.", m.preempted)
-            yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens_total)
-            yield counter(
-                "generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total
-            )
-            rs = CounterMetricFamily(
-                "vllm:request_success",
-                "Count of successfully processed requests.",
-                labels=[*lab, "finished_reason"],
-            )
-            rs.add_metric([*val, "length"], m.requests_finished)
-            yield rs
-            info = GaugeMetricFamily(
-                "vllm:cache_config_info",
-                "Information of the LLMEngine CacheConfig",
-                labels=[
-                    "block_size",
-                    "cache_dtype",
-                    "enable_prefix_caching",
-                    "engine",
-                    "gpu_memory_utilization",
-                    "num_cpu_blocks",
-                    "num_gpu_blocks",
-                    "prefix_caching_hash_algo",
-                ],
-            )
-            info.add_metric(
-                [
-                    str(m.block_size),
-                    "auto",
-                    "True",
-                    "0",
-                    "0.9",
-                    str(m.num_cpu_blocks) if m.num_cpu_blocks else "None",
-                    str(m.num_gpu_blocks),
-                    "sha256",
-                ],
-                1.0,
-            )
-            yield info
-            yield from self.engine.lora_api.metric_families(m, self.labels)
-        else:
-            cap_tokens = m.num_gpu_blocks * m.block_size
-            yield gauge("num_running_reqs", "The number of running requests.", m.num_requests_running)
-            yield gauge(
-                "num_queue_reqs", "The number of requests in the waiting queue.", m.num_requests_waiting
-            )
-            yield gauge("num_used_tokens", "The number of used tokens.", round(m.kv_usage * cap_tokens))
-            yield gauge(
-                "max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", cap_tokens
-            )
-            yield gauge("token_usage", "The token usage.", m.kv_usage)
-            hit = (
-                (m.prefix_cache_hits + m.cpu_cache_hits) / m.prefix_cache_queries
-                if m.prefix_cache_queries
-                else 0.0
-            )
-            yield gauge("cache_hit_rate", "The prefix cache hit rate.", hit)
-            yield gauge("gen_throughput", "The generation throughput (token/s).", 0.0)
-            # SGLang counts every prompt token here (cached ones too), next to cached_tokens_total
-            yield counter(
-                "prompt_tokens",
-                "Number of prefill tokens processed.",
-                m.prompt_tokens_total + m.prefix_cache_hits + m.cpu_cache_hits,
-            )
-            yield counter(
-                "generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total
-            )
-            yield counter(
-                "cached_tokens", "Number of cached prompt tokens.", m.prefix_cache_hits + m.cpu_cache_hits
-            )
-            yield counter("num_requests", "Number of requests processed.", m.requests_finished)
-            info = GaugeMetricFamily(
-                self.prefix + "cache_config_info", "Cache configuration", labels=["page_size", "num_pages"]
-            )
-            info.add_metric([str(m.block_size), str(m.num_gpu_blocks)], 1.0)
-            yield info
-        if self.engine.pd.enabled:
-            yield from self.engine.pd.collect(self.engine.requests_aborted)
+        yield counter("num_preemptions", "Cumulative number of preemption from the engine.", m.preempted)
+        yield counter("prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens_total)
+        yield counter(
+            "generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total
+        )
+        rs = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*lab, "finished_reason"],
+        )
+        rs.add_metric([*val, "length"], m.requests_finished)
+        yield rs
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=[
+                "block_size",
+                "cache_dtype",
+                "enable_prefix_caching",
+                "engine",
+                "gpu_memory_utilization",
+                "num_cpu_blocks",
+                "num_gpu_blocks",
+                "prefix_caching_hash_algo",
+            ],
+        )
+        info.add_metric(
+            [
+                str(m.block_size),
+                "auto",
+                "True",
+                "0",
+                "0.9",
+                str(m.num_cpu_blocks) if m.num_cpu_blocks else "None",
+                str(m.num_gpu_blocks),
+                "sha256",
+            ],
+            1.0,
+        )
+        yield info
+        yield from self.engine.lora_api.metric_families(m, self.labels)
+
+    def _sglang_families(self, m: EngineMetrics) -> Any:
+        """SGLang's gauges, counters and cache-config info for snapshot ``m``."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        gauge, counter = self._gauge, self._counter
+        cap_tokens = m.num_gpu_blocks * m.block_size
+        yield gauge("num_running_reqs", "The number of running requests.", m.num_requests_running)
+        yield gauge("num_queue_reqs", "The number of requests in the waiting queue.", m.num_requests_waiting)
+        yield gauge("num_used_tokens", "The number of used tokens.", round(m.kv_usage * cap_tokens))
+        yield gauge(
+            "max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", cap_tokens
+        )
+        yield gauge("token_usage", "The token usage.", m.kv_usage)
+        hit = (
+            (m.prefix_cache_hits + m.cpu_cache_hits) / m.prefix_cache_queries
+            if m.prefix_cache_queries
+            else 0.0
+        )
+        yield gauge("cache_hit_rate", "The prefix cache hit rate.", hit)
+        yield gauge("gen_throughput", "The generation throughput (token/s).", 0.0)
+        # SGLang counts every prompt token here (cached ones too), next to cached_tokens_total
+        yield counter(
+            "prompt_tokens",
+            "Number of prefill tokens processed.",
+            m.prompt_tokens_total + m.prefix_cache_hits + m.cpu_cache_hits,
+        )
+        yield counter(
+            "generation_tokens", "Number of generation tokens processed.", m.generation_tokens_total
+        )
+        yield counter(
+            "cached_tokens", "Number of cached prompt tokens.", m.prefix_cache_hits + m.cpu_cache_hits
+        )
+        yield counter("num_requests", "Number of requests processed.", m.requests_finished)
+        info = GaugeMetricFamily(
+            self.prefix + "cache_config_info", "Cache configuration", labels=["page_size", "num_pages"]
+        )
+        info.add_metric([str(m.block_size), str(m.num_gpu_blocks)], 1.0)
+        yield info
 
     def render(self) -> bytes:
         """The exposition text."""

@@ -226,46 +226,50 @@ def _pages_mm(ev: PubStored) -> list[list[tuple[str, int]] | None]:
     return list(ev.mm_keys) if ev.mm_keys is not None else [None] * len(ev.hashes)
 
 
-def encode_event(
-    ev: PubEvent, fmt: str, hash_bytes: bool = False, media: Media | None = None, store_only: bool = False
+def _encode_removed(
+    ev: PubRemoved, fmt: str, hash_bytes: bool, media: Media | None, store_only: bool
 ) -> list[bytes]:
-    """msgpack bytes of one event in ``fmt`` (a list: vLLM sends one ``BlockRemoved`` per block; a store-only
-    source sends none for a non-GPU tier). ``media``: (medium, locality) overrides per tier."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown KV event format {fmt!r}; known: {', '.join(FORMATS)}")
-
-    def wh(h: int) -> int | bytes:
-        return wire_hash(h, fmt, hash_bytes)
-
-    if isinstance(ev, PubCleared):
-        return (
-            [_pack(["AllBlocksCleared"])] if fmt == "vllm-legacy" else [_map([("type", "AllBlocksCleared")])]
-        )
-    if isinstance(ev, PubRemoved):
-        if store_only and ev.tier != "gpu":
-            return []
-        med, loc = _medium(ev.tier, fmt, media)
-        if fmt == "sglang":
-            return [
-                _map(
-                    [("type", "BlockRemoved"), ("block_hashes", [wh(h) for h in ev.hashes]), ("medium", med)]
-                )
-            ]
-        if fmt == "vllm-legacy":
-            return [_pack(["BlockRemoved", [wh(h)], med, 0, *([loc] if loc else [])]) for h in ev.hashes]
-        tail: list[tuple[str, object]] = [("locality", loc)] if loc else []
+    """``ev`` in ``fmt``: one message for SGLang, one per block for vLLM; none from a store-only source's
+    non-GPU tier."""
+    if store_only and ev.tier != "gpu":
+        return []
+    med, loc = _medium(ev.tier, fmt, media)
+    if fmt == "sglang":
         return [
             _map(
                 [
                     ("type", "BlockRemoved"),
-                    ("block_hashes", [wh(h)]),
+                    ("block_hashes", [wire_hash(h, fmt, hash_bytes) for h in ev.hashes]),
                     ("medium", med),
-                    ("group_idx", 0),
-                    *tail,
                 ]
             )
+        ]
+    if fmt == "vllm-legacy":
+        return [
+            _pack(["BlockRemoved", [wire_hash(h, fmt, hash_bytes)], med, 0, *([loc] if loc else [])])
             for h in ev.hashes
         ]
+    tail: list[tuple[str, object]] = [("locality", loc)] if loc else []
+    return [
+        _map(
+            [
+                ("type", "BlockRemoved"),
+                ("block_hashes", [wire_hash(h, fmt, hash_bytes)]),
+                ("medium", med),
+                ("group_idx", 0),
+                *tail,
+            ]
+        )
+        for h in ev.hashes
+    ]
+
+
+def _encode_stored(ev: PubStored, fmt: str, hash_bytes: bool, media: Media | None) -> list[bytes]:
+    """``ev`` as one ``BlockStored`` message in ``fmt``."""
+
+    def wh(h: int) -> int | bytes:
+        return wire_hash(h, fmt, hash_bytes)
+
     hashes = [wh(h) for h in ev.hashes]
     parent = None if ev.parent is None else wh(ev.parent)
     med, loc = _medium(ev.tier, fmt, media)
@@ -325,6 +329,22 @@ def encode_event(
             force16=True,
         )
     ]
+
+
+def encode_event(
+    ev: PubEvent, fmt: str, hash_bytes: bool = False, media: Media | None = None, store_only: bool = False
+) -> list[bytes]:
+    """msgpack bytes of one event in ``fmt`` (a list: vLLM sends one ``BlockRemoved`` per block; a store-only
+    source sends none for a non-GPU tier). ``media``: (medium, locality) overrides per tier."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown KV event format {fmt!r}; known: {', '.join(FORMATS)}")
+    if isinstance(ev, PubCleared):
+        return (
+            [_pack(["AllBlocksCleared"])] if fmt == "vllm-legacy" else [_map([("type", "AllBlocksCleared")])]
+        )
+    if isinstance(ev, PubRemoved):
+        return _encode_removed(ev, fmt, hash_bytes, media, store_only)
+    return _encode_stored(ev, fmt, hash_bytes, media)
 
 
 def encode_batch(

@@ -56,24 +56,7 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     if worker is not None:
         become_worker(worker)
     if settings.workers > 1 and worker is None:
-        try:
-            supervisor = Supervisor(
-                list(sys.argv[1:] if argv is None else argv),
-                host=settings.host,
-                port=settings.port,
-                workers=settings.workers,
-                shutdown_grace_s=settings.shutdown_grace_s,
-                command="epp" if epp else "serve",
-                heartbeat_timeout_s=settings.worker_heartbeat_timeout_s,
-                metrics_max_bytes=settings.worker_metrics_max_bytes,
-            )
-        except OSError as exc:
-            print(f"{cmd}: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
-            return 1
-        if epp and not settings.epp_grpc_insecure and not settings.epp_tls_cert_file:
-            _share_self_signed(supervisor.directory)
-        return supervisor.run()
-
+        return _run_supervisor(settings, argv, epp=epp, cmd=cmd)
     import uvicorn
 
     from router.http.app import create_app
@@ -89,6 +72,46 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     except Exception as exc:  # e.g. TokenizerError
         print(f"{cmd}: cannot start: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    _tune_gc()
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "auto"
+    http = _http_protocol(settings, app)
+    services = app.state.services
+    served = (
+        app
+        if worker is None
+        else WorkerApp(app, worker, services.telemetry.render_stream, services.loop_lag.note_resumed)
+    )
+    config = _uvicorn_config(settings, served, loop=loop, http=http)
+    server = uvicorn.Server(config)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn already shut down gracefully
+        server.run(sockets=None if worker is None else [worker_socket(settings.host, worker.port)])
+    return 0 if server.started else _STARTUP_FAILURE
+
+
+def _run_supervisor(settings: Settings, argv: Sequence[str] | None, *, epp: bool, cmd: str) -> int:
+    """Run ``settings.workers`` worker processes behind one listening socket until they stop; the exit code."""
+    try:
+        supervisor = Supervisor(
+            list(sys.argv[1:] if argv is None else argv),
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            shutdown_grace_s=settings.shutdown_grace_s,
+            command="epp" if epp else "serve",
+            heartbeat_timeout_s=settings.worker_heartbeat_timeout_s,
+            metrics_max_bytes=settings.worker_metrics_max_bytes,
+        )
+    except OSError as exc:
+        print(f"{cmd}: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        return 1
+    if epp and not settings.epp_grpc_insecure and not settings.epp_tls_cert_file:
+        _share_self_signed(supervisor.directory)
+    return supervisor.run()
+
+
+def _tune_gc() -> None:
+    """Freeze what lives as long as the process and make the older collections rarer (and large buffers go back
+    to the OS when freed)."""
     # the imports and the app (modules, schemas, routes: most of the heap) live as long as the process: keep them
     # out of the cyclic collector, so its full collections walk only what requests and the index allocate
     gc.freeze()
@@ -98,15 +121,13 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     # collector's; cyclic garbage that reached the old generation waits longer, bounded: ~10k young collections)
     gc.set_threshold(700, _GC_OLDER_EVERY, _GC_OLDER_EVERY)
     pin_mmap_threshold()  # large bodies' buffers go back to the OS when freed (router/heap.py)
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "auto"
-    http = _http_protocol(settings, app)
-    services = app.state.services
-    served = (
-        app
-        if worker is None
-        else WorkerApp(app, worker, services.telemetry.render_stream, services.loop_lag.note_resumed)
-    )
-    config = uvicorn.Config(
+
+
+def _uvicorn_config(settings: Settings, served: Any, *, loop: str, http: Any) -> Any:
+    """uvicorn's configuration of the served app (``served``: the app, or its worker wrapper)."""
+    import uvicorn
+
+    return uvicorn.Config(
         served,
         host=settings.host,
         port=settings.port,
@@ -123,10 +144,6 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
         backlog=2048,
         log_config=None,
     )
-    server = uvicorn.Server(config)
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn already shut down gracefully
-        server.run(sockets=None if worker is None else [worker_socket(settings.host, worker.port)])
-    return 0 if server.started else _STARTUP_FAILURE
 
 
 def _share_self_signed(directory: Path) -> None:

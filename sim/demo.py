@@ -38,7 +38,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 import orjson
@@ -416,9 +416,8 @@ def _resolve_trace(arg: str | None) -> Path | None:
     return default_trace_path()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the demo; returns the exit code (0 = both runs completed)."""
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
+def _args_error(args: argparse.Namespace) -> str | None:
+    """The usage error of out-of-range numeric options, or ``None`` when they are all in range."""
     if (
         args.duration <= 0
         or args.time_scale <= 0
@@ -426,21 +425,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         or not 0 < args.sample <= 1
         or args.replicas < 1
     ):
-        print(
-            "kvroute demo: --duration, --time-scale, --window must be > 0, 0 < --sample <= 1, --replicas >= 1",
-            file=sys.stderr,
-        )
-        return 2
-    exit_on_sigterm()
-    signal.signal(
-        signal.SIGINT, signal.default_int_handler
-    )  # Ctrl-C works even if started with SIGINT ignored
-    log = sys.stderr if args.json else sys.stdout
-    try:
-        trace = _resolve_trace(args.trace)
-    except FileNotFoundError as exc:
-        print(f"kvroute demo: {exc}", file=sys.stderr)
-        return 2
+        return "--duration, --time-scale, --window must be > 0, 0 < --sample <= 1, --replicas >= 1"
+    return None
+
+
+def _select_workload(
+    args: argparse.Namespace, trace: Path | None
+) -> tuple[list[traces.Request], list[ReplayRequest]]:
+    """The trace slice the options select and its replay requests (arrival times scaled to ``--duration``)."""
     selection = demo_requests(
         trace,
         workload=args.workload,
@@ -456,6 +448,78 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_output_tokens=args.max_output_tokens or None,
         text_prompts=args.text_prompts,
     )
+    return selection, workload
+
+
+def _replay_each_policy(
+    args: argparse.Namespace, engine: EngineOptions, workload: list[ReplayRequest], bound: float, log: TextIO
+) -> dict[str, dict[str, Any]]:
+    """Replay ``workload`` through a router of each policy of ``RUNS`` over one fake fleet (engines restarted
+    between runs so every run starts cold); the per-policy summaries."""
+    last = workload[-1].arrival_s
+    results: dict[str, dict[str, Any]] = {}
+    with Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=bool(args.log_dir)) as fleet:
+        for name, policy in RUNS.items():
+            fleet.restart_engines() if fleet.engines else fleet.start_engines()
+            router = fleet.start_kvroute(policy=policy, extra_args=ROUTER_ARGS)
+            print(f"  {name}: router ({policy}) at {router.url}, replaying ...", file=log, flush=True)
+            h0, q0 = fleet.prefix_cache_counters()
+            outs, wall = asyncio.run(_replay(router.url, workload, args.model, last + args.drain_timeout_s))
+            h1, q1 = fleet.prefix_cache_counters()
+            fleet.stop_router()
+            results[name] = _summary(outs, wall, h1 - h0, q1 - q0)
+            results[name]["policy"] = policy
+            results[name]["hit_rate_bound"] = round(bound, 6)
+    return results
+
+
+def _report(
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    trace: Path | None,
+    n_requests: int,
+    bound: float,
+    log: TextIO,
+    t_start: float,
+) -> None:
+    """Write the plot, print the comparison table (and the JSON summary with ``--json``)."""
+    plot = Path(args.plot) if args.plot else Path(tempfile.gettempdir()) / "kvroute-demo.png"
+    title = (
+        f"kvroute demo: {n_requests} requests ({args.window:g} trace s, {args.sample:.0%} of conversations), "
+        f"{Path(str(trace)).name if trace else args.workload}, {args.replicas} fake engines, "
+        f"time-scale {args.time_scale}"
+    )
+    write_plot(results, plot, title)
+    for r in results.values():
+        r.pop("_ttfts", None)
+    print(format_table(results), file=log)
+    print(
+        f"hit-rate bound of this slice (one shared LRU cache with the fleet's GPU capacity): {bound:.1%}",
+        file=log,
+    )
+    print(f"plot: {plot}   (total {time.monotonic() - t_start:.0f} s)", file=log, flush=True)
+    if args.json:
+        print(json.dumps(results, indent=2))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; returns the exit code (0 = both runs completed)."""
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    error = _args_error(args)
+    if error:
+        print(f"kvroute demo: {error}", file=sys.stderr)
+        return 2
+    exit_on_sigterm()
+    signal.signal(
+        signal.SIGINT, signal.default_int_handler
+    )  # Ctrl-C works even if started with SIGINT ignored
+    log = sys.stderr if args.json else sys.stdout
+    try:
+        trace = _resolve_trace(args.trace)
+    except FileNotFoundError as exc:
+        print(f"kvroute demo: {exc}", file=sys.stderr)
+        return 2
+    selection, workload = _select_workload(args, trace)
     if not workload:
         print("kvroute demo: the workload slice is empty", file=sys.stderr)
         return 2
@@ -478,44 +542,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     bound = fleet_hit_rate_bound(
         selection, args.replicas, engine.gpu_blocks, engine.profile, engine.block_size, args.model
     )
-    last = workload[-1].arrival_s
-    results: dict[str, dict[str, Any]] = {}
     t_start = time.monotonic()
     try:
-        with Fleet(args.replicas, engine, log_dir=args.log_dir, keep_logs=bool(args.log_dir)) as fleet:
-            for name, policy in RUNS.items():
-                fleet.restart_engines() if fleet.engines else fleet.start_engines()
-                router = fleet.start_kvroute(policy=policy, extra_args=ROUTER_ARGS)
-                print(f"  {name}: router ({policy}) at {router.url}, replaying ...", file=log, flush=True)
-                h0, q0 = fleet.prefix_cache_counters()
-                outs, wall = asyncio.run(
-                    _replay(router.url, workload, args.model, last + args.drain_timeout_s)
-                )
-                h1, q1 = fleet.prefix_cache_counters()
-                fleet.stop_router()
-                results[name] = _summary(outs, wall, h1 - h0, q1 - q0)
-                results[name]["policy"] = policy
-                results[name]["hit_rate_bound"] = round(bound, 6)
+        results = _replay_each_policy(args, engine, workload, bound, log)
     except KeyboardInterrupt:
         print("kvroute demo: interrupted; every process was stopped", file=sys.stderr)
         return 130
-    plot = Path(args.plot) if args.plot else Path(tempfile.gettempdir()) / "kvroute-demo.png"
-    title = (
-        f"kvroute demo: {len(workload)} requests ({args.window:g} trace s, {args.sample:.0%} of conversations), "
-        f"{Path(str(trace)).name if trace else args.workload}, {args.replicas} fake engines, "
-        f"time-scale {args.time_scale}"
-    )
-    write_plot(results, plot, title)
-    for r in results.values():
-        r.pop("_ttfts", None)
-    print(format_table(results), file=log)
-    print(
-        f"hit-rate bound of this slice (one shared LRU cache with the fleet's GPU capacity): {bound:.1%}",
-        file=log,
-    )
-    print(f"plot: {plot}   (total {time.monotonic() - t_start:.0f} s)", file=log, flush=True)
-    if args.json:
-        print(json.dumps(results, indent=2))
+    _report(args, results, trace, len(workload), bound, log, t_start)
     return 0
 
 

@@ -862,15 +862,8 @@ def _param_value(v: str) -> Any:
     return v
 
 
-def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
-    """The ``kvroute simulate`` argument parser (plus the ``hooks``' own flags)."""
-    p = argparse.ArgumentParser(
-        prog="kvroute simulate",
-        description="Simulate a fleet of LLM engine replicas on a trace and compare routing policies. The router "
-        "side is index/ + policies/ unchanged; engines are fakes.engine_model (paged prefix cache, "
-        "chunked continuous batching, prefill timing of the A100 / H20 / RTX PRO 6000 profiles).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvroute simulate``'s request source: a trace file or a generated workload and its parameters."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--trace",
@@ -889,6 +882,10 @@ def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="generator parameter for --workload (repeatable), e.g. rate=20",
     )
+
+
+def _add_fleet_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvroute simulate``'s fleet (replicas, profiles, KV capacity), policies and arrival rate."""
     p.add_argument(
         "--replicas", type=int, default=None, help="number of replicas (default 8, or from --profiles)"
     )
@@ -947,6 +944,10 @@ def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block / router block")
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="engine token budget per step")
+
+
+def _add_router_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvroute simulate``'s router side: SLO, KV-event delay, predicted entries, scrapes, dispatch gate."""
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO for goodput, seconds")
     p.add_argument(
         "--events-delay",
@@ -991,6 +992,10 @@ def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
         default=gate.max_wait_s,
         help="seconds after which a waiting request is sent regardless of the gate",
     )
+
+
+def _add_selection_and_output_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvroute simulate``'s request selection (seed, limit, window) and outputs (JSON, plot, regions)."""
     p.add_argument("--seed", type=int, default=0, help="seed of generated workloads and random policies")
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
     p.add_argument(
@@ -1025,6 +1030,21 @@ def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
         "round trips, client mix, outages and residency (e.g. sim/data/regions-3-outage.yaml); --policies "
         "then takes region_local, region_nearest and ttft (kvroute's ladder); engines come from the file",
     )
+
+
+def build_parser(hooks: RunHooks | None = None) -> argparse.ArgumentParser:
+    """The ``kvroute simulate`` argument parser (plus the ``hooks``' own flags)."""
+    p = argparse.ArgumentParser(
+        prog="kvroute simulate",
+        description="Simulate a fleet of LLM engine replicas on a trace and compare routing policies. The router "
+        "side is index/ + policies/ unchanged; engines are fakes.engine_model (paged prefix cache, "
+        "chunked continuous batching, prefill timing of the A100 / H20 / RTX PRO 6000 profiles).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_workload_arguments(p)
+    _add_fleet_arguments(p)
+    _add_router_arguments(p)
+    _add_selection_and_output_arguments(p)
     add_lora_arguments(p)
     if hooks is not None:
         hooks.add_arguments(p)

@@ -39,7 +39,7 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from membership.shared_state import SharedState, SharedStateUnavailable
+from membership.shared_state import IdempotencyEntry, SharedState, SharedStateUnavailable
 from router.errors import error_response
 
 log = logging.getLogger("kvroute.idempotency")
@@ -127,41 +127,54 @@ class IdempotencyGuard:
                 headers=retry,
             )
         if entry.state != "new":
-            if entry.fingerprint and entry.fingerprint != fp:
-                self.conflicts += 1
-                return error_response(
-                    422,
-                    "this Idempotency-Key was used with a different request body or route",
-                    "idempotency_key_reused",
-                    "Idempotency-Key",
-                    headers=rid,
-                )
-            if entry.state == "in_flight":
-                self.conflicts += 1
-                return error_response(
-                    409,
-                    "a request with this Idempotency-Key is still being served",
-                    "idempotency_in_flight",
-                    "Idempotency-Key",
-                    headers=retry,
-                )
-            stored = entry.response or {}
-            if stored.get("streamed") and "body_b64" not in stored:
-                self.conflicts += 1
-                return error_response(
-                    409,
-                    "the request with this Idempotency-Key was streamed; streamed answers are not stored",
-                    "idempotency_stream_not_stored",
-                    "Idempotency-Key",
-                    headers=rid,
-                )
-            self.replayed += 1
-            return _stored_response(stored, request_id)
+            return self._answer_known_key(entry, fp, request_id)
         try:
             resp = await serve()
         except BaseException:
             self._release(key)
             raise
+        return await self._keep_answer(self.shared, key, fp, resp, request_id)
+
+    def _answer_known_key(self, entry: IdempotencyEntry, fp: str, request_id: str) -> Response:
+        """The answer to a key already begun: its stored response, or why it cannot be replayed (another body
+        or route, still in flight, streamed and not stored)."""
+        rid = {"x-request-id": request_id}
+        if entry.fingerprint and entry.fingerprint != fp:
+            self.conflicts += 1
+            return error_response(
+                422,
+                "this Idempotency-Key was used with a different request body or route",
+                "idempotency_key_reused",
+                "Idempotency-Key",
+                headers=rid,
+            )
+        if entry.state == "in_flight":
+            self.conflicts += 1
+            return error_response(
+                409,
+                "a request with this Idempotency-Key is still being served",
+                "idempotency_in_flight",
+                "Idempotency-Key",
+                headers={**rid, "retry-after": str(self.retry_after_s)},
+            )
+        stored = entry.response or {}
+        if stored.get("streamed") and "body_b64" not in stored:
+            self.conflicts += 1
+            return error_response(
+                409,
+                "the request with this Idempotency-Key was streamed; streamed answers are not stored",
+                "idempotency_stream_not_stored",
+                "Idempotency-Key",
+                headers=rid,
+            )
+        self.replayed += 1
+        return _stored_response(stored, request_id)
+
+    async def _keep_answer(
+        self, shared: SharedState, key: str, fp: str, resp: Response, request_id: str
+    ) -> Response:
+        """Store ``resp`` under ``key`` (a stream: when it ends whole) so a retry replays it; an error or an answer
+        over ``MAX_STORED_BYTES`` releases the key instead. Returns ``resp`` (a stream wrapped to be watched)."""
         if isinstance(resp, StreamingResponse):
             if resp.status_code >= 300:
                 self._release(key)
@@ -185,7 +198,7 @@ class IdempotencyGuard:
                 "body_b64": base64.b64encode(bytes(resp.body)).decode(),
             }
             try:
-                await self.shared.idempotency_finish(key, doc, fp)
+                await shared.idempotency_finish(key, doc, fp)
             except SharedStateUnavailable as exc:
                 log.warning("could not store the answer of Idempotency-Key request %s: %s", request_id, exc)
         else:
