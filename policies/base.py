@@ -9,7 +9,10 @@ Units: tokens are counts of prompt tokens, times are seconds, sizes are bytes, r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -354,6 +357,54 @@ def policy_factory(name: str) -> PolicyFactory:
         KeyError: when ``name`` is unknown.
     """
     return _REGISTRY[name]
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` has the type ``hint`` names: int, float (an int too), bool, str, ``X | None``, a
+    ``Literal``; any other hint accepts every value (the constructor checks those)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arm) for arm in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def factory_param_names(factory: Callable[..., Any]) -> list[str]:
+    """The keyword parameters a policy factory names (without a ``**kwargs`` catch-all), in order."""
+    sig = inspect.signature(factory)
+    return [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def check_factory_params(name: str, factory: Callable[..., Any], params: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first of ``params`` that the policy factory ``name`` does not accept, or
+    whose value does not have the type of its annotation, with the parameters the policy accepts."""
+    known = factory_param_names(factory)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(factory).parameters.values())
+    names = ", ".join(known) or "no parameters"
+    try:
+        hints = typing.get_type_hints(factory.__init__ if isinstance(factory, type) else factory)
+    except Exception:  # an annotation that does not resolve: leave the types to the constructor
+        hints = {}
+    for key, value in params.items():
+        if key not in known and not takes_any:
+            raise ValueError(f"policy {name!r} has no parameter {key!r}; it accepts: {names}")
+        if key in hints and not _fits(value, hints[key]):
+            hint = hints[key].__name__ if isinstance(hints[key], type) else str(hints[key])
+            raise ValueError(
+                f"policy {name!r} parameter {key!r} wants {hint.replace('typing.', '')}, got {value!r}; "
+                f"it accepts: {names}"
+            )
 
 
 def make_policy(name: str, **params: Any) -> Policy:

@@ -218,6 +218,15 @@ def pd_policy_names() -> list[str]:
     return sorted(_PD_REGISTRY)
 
 
+def pd_policy_factory(name: str) -> PdPolicyFactory:
+    """The factory (class) registered as PD plan policy ``name`` (to read its parameters).
+
+    Raises:
+        KeyError: when ``name`` is unknown.
+    """
+    return _PD_REGISTRY[name]
+
+
 def make_pd_policy(name: str, **params: Any) -> PdPolicy:
     """Build the PD plan policy registered as ``name`` with keyword ``params``.
 

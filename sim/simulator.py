@@ -44,7 +44,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,9 +64,19 @@ from index.hashing import root_seed
 from index.prefix_index import PrefixIndex
 from policies.admission_fair import BucketState, take
 from policies.admission_slo import best_predicted_ttft_s, slo_unattainable
-from policies.base import LoadView, Observation, RouteRequest, make_policy, policy_names
+from policies.base import (
+    LoadView,
+    Observation,
+    RouteRequest,
+    check_factory_params,
+    factory_param_names,
+    make_policy,
+    policy_factory,
+    policy_names,
+)
 from policies.candidates import ReplicaFacts, build_candidates
 from policies.dispatch import DispatchQueues, DispatchSettings, IndexQuestions
+from policies.pd_base import make_pd_policy, pd_policy_factory, pd_policy_names
 from sim.lora_sim import LoraFleet, LoraRouter, add_lora_arguments, lora_fleet_of
 from sim.traces import (
     WORKLOADS,
@@ -1066,6 +1076,32 @@ def _policy_params(items: Sequence[str], names: Sequence[str]) -> dict[str, dict
     return out
 
 
+def check_policy_params(names: Sequence[str], params: Mapping[str, dict[str, Any]]) -> None:
+    """Raise ``ValueError`` when a run label's ``--policy-param`` is not one its policy accepts, has the wrong
+    type or is out of range (each policy is built once with its parameters); the message names the parameter
+    and the policy's accepted ones."""
+    for label in names:
+        base, given = policy_of(label), params.get(label, {})
+        if base in policy_names():
+            factory, make = policy_factory(base), make_policy
+        elif base in pd_policy_names():
+            factory, make = pd_policy_factory(base), make_pd_policy
+        else:  # a hook's own policy: its runner checks its parameters
+            continue
+        check_factory_params(base, factory, given)
+        try:
+            make(base, **given)
+        except (TypeError, ValueError) as exc:
+            accepted = ", ".join(factory_param_names(factory))
+            raise ValueError(
+                f"--policy-param of {label} ({_joined(given)}): {exc}; {base} accepts: {accepted}"
+            ) from None
+
+
+def _joined(params: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in params.items()) or "no parameters"
+
+
 def load_requests(args: argparse.Namespace) -> list[Request]:
     """The workload selected by the CLI arguments (before rate scaling)."""
     if args.trace:
@@ -1281,6 +1317,7 @@ def main(
     try:
         profiles, names = _check_args(args, hooks)
         pparams = _policy_params(args.policy_param, names)
+        check_policy_params(names, pparams)
         reqs = load_requests(args)
     except (ValueError, KeyError, OSError) as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)

@@ -222,9 +222,9 @@ def test_cli_labels_run_one_policy_with_two_settings(capsys: pytest.CaptureFixtu
     assert {k: v for k, v in alone.items() if k not in ("wall_s", "cpu_s")} == {
         k: v for k, v in rows["ttft"].items() if k not in ("wall_s", "cpu_s")
     }
-    # a label's parameters reach its own policy: an invalid one fails that run's construction
-    with pytest.raises(ValueError, match="objective"):
-        main([*base, "--policies", "ttft@bad", "--policy-param", "ttft@bad.objective=nope"])
+    # a label's parameters reach its own policy: an invalid one is a usage error naming it, before any run
+    assert main([*base, "--policies", "ttft@bad", "--policy-param", "ttft@bad.objective=nope"]) == 2
+    assert "'objective'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -243,6 +243,42 @@ def test_cli_labels_run_one_policy_with_two_settings(capsys: pytest.CaptureFixtu
 def test_cli_rejects_bad_input(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "policy,param,needles",
+    [
+        ("ttft", "ttft.bogus=1", ["'bogus'", "accepts: objective, p_confirmed"]),  # unknown
+        ("ttft", "ttft.p_confirmed=abc", ["'p_confirmed'", "wants float", "accepts: objective"]),  # ill-typed
+        ("ttft", "ttft.prune=3", ["'prune'", "wants bool"]),
+        ("ttft", "ttft.p_confirmed=2", ["p_confirmed", "ttft accepts: objective"]),  # out of range
+        ("random", "random.seed=x", ["'seed'", "wants int", "accepts: seed"]),
+    ],
+)
+def test_cli_rejects_a_bad_policy_param_naming_it(
+    policy: str, param: str, needles: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unknown or ill-typed ``--policy-param`` is a usage error (exit 2) that names the parameter and the
+    policy's accepted ones, never a TypeError traceback."""
+    argv = ["--workload", "chapter8", "--workload-param", "num_requests=10", "--replicas", "2", "--no-bound"]
+    assert main([*argv, "--policies", policy, "--policy-param", param]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvroute simulate: ") and "Traceback" not in err
+    for needle in needles:
+        assert needle in err
+
+
+def test_cli_rejects_a_bad_pd_policy_param(capsys: pytest.CaptureFixture[str]) -> None:
+    """A PD plan policy's parameters are checked the same way (``pd_ttft`` hands unknown names to ``ttft``)."""
+    from sim.pd_simulator import main as pd_main  # kvroute simulate with the PD flags
+
+    argv = ["--workload", "chapter8", "--workload-param", "num_requests=10", "--replicas", "2", "--no-bound"]
+    pd = ["--prefill", "1", "--decode", "1", "--policies", "pd_ttft"]
+    assert pd_main([*argv, *pd, "--policy-param", "pd_ttft.bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and "pd_ttft accepts: decode_prefills" in err
+    assert pd_main([*argv, *pd, "--policy-param", "pd_ttft.decode_prefills=maybe"]) == 2
+    assert "'decode_prefills' wants bool" in capsys.readouterr().err
 
 
 def test_parse_profiles() -> None:
