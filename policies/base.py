@@ -380,6 +380,13 @@ def _fits(value: Any, hint: Any) -> bool:
     return True
 
 
+def _constructor(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """The function whose annotations type a factory's parameters: a class's ``__init__``, else the factory."""
+    if isinstance(factory, type):
+        return next(c.__dict__["__init__"] for c in factory.__mro__ if "__init__" in c.__dict__)  # type: ignore[no-any-return]
+    return factory
+
+
 def factory_param_names(factory: Callable[..., Any]) -> list[str]:
     """The keyword parameters a policy factory names (without a ``**kwargs`` catch-all), in order."""
     sig = inspect.signature(factory)
@@ -393,7 +400,7 @@ def check_factory_params(name: str, factory: Callable[..., Any], params: Mapping
     takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(factory).parameters.values())
     names = ", ".join(known) or "no parameters"
     try:
-        hints = typing.get_type_hints(factory.__init__ if isinstance(factory, type) else factory)
+        hints = typing.get_type_hints(_constructor(factory))
     except Exception:  # an annotation that does not resolve: leave the types to the constructor
         hints = {}
     for key, value in params.items():

@@ -1082,6 +1082,8 @@ def check_policy_params(names: Sequence[str], params: Mapping[str, dict[str, Any
     and the policy's accepted ones."""
     for label in names:
         base, given = policy_of(label), params.get(label, {})
+        factory: Callable[..., object]
+        make: Callable[..., object]
         if base in policy_names():
             factory, make = policy_factory(base), make_policy
         elif base in pd_policy_names():
