@@ -45,7 +45,8 @@ render them at scrape time (typed by what they read, so this module imports no c
 ``router.services`` registers each with ``Telemetry.add_gauges`` (``tests/unit/test_layering.py`` checks it).
 
 Logs: one JSON object per line (``log_format=json``) via ``setup_logging``; secrets are never logged (settings are
-logged through ``Settings.safe_dict``).
+logged through ``Settings.safe_dict``; an ``extra`` field that names a credential is masked, ``is_secret_field``,
+while token counts such as ``prompt_tokens`` stay visible).
 """
 
 from __future__ import annotations
@@ -446,7 +447,28 @@ def kubernetes_metrics(watcher: PodWatcher | None) -> Iterator[Metric]:
 # logs
 # ---------------------------------------------------------------------------------------------------------
 
-_SECRET_KEYS = ("token", "api_key", "authorization", "password", "secret")
+#: parts of a log field's name that make it a credential (``x-api-key``, ``redis_password``, ``client_secret``)
+_SECRET_PARTS = ("api_key", "apikey", "authorization", "password", "passwd", "secret", "credential", "cookie")
+#: last words of a name that is a credential: ``admin_token``, ``access_token``, ``hf_token``, ``token``, a
+#: ``bearer``; never the plural, so ``prompt_tokens`` / ``cached_tokens`` (counts) stay visible
+_SECRET_LAST_WORDS = ("token", "bearer", "key", "keys")
+#: words before a trailing ``key`` / ``keys`` that make it a credential (``api_keys``, ``tenant_header_keys``)
+_KEY_OWNERS = ("api", "engine", "tenant", "header", "private", "signing", "access", "admin", "secret")
+
+
+def is_secret_field(name: str) -> bool:
+    """Whether a log field named ``name`` holds a credential to mask: API keys, bearer / admin / access tokens,
+    passwords, secrets, authorization headers. Counts of tokens (``prompt_tokens``, ``cached_tokens``,
+    ``token_ids``) and other fields that merely mention tokens are not secrets."""
+    low = name.lower().replace("-", "_")
+    if any(part in low for part in _SECRET_PARTS):
+        return True
+    words = [w for w in low.split("_") if w]
+    if not words or words[-1] not in _SECRET_LAST_WORDS:
+        return False
+    if words[-1] in ("key", "keys"):
+        return len(words) > 1 and words[-2] in _KEY_OWNERS
+    return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -464,7 +486,7 @@ class JsonFormatter(logging.Formatter):
         for key, value in record.__dict__.items():
             if key in self._std or key.startswith("_"):
                 continue
-            out[key] = "***" if any(s in key.lower() for s in _SECRET_KEYS) else value
+            out[key] = "***" if is_secret_field(key) else value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
