@@ -19,7 +19,10 @@ request and one pick::
        runners the HTTP door uses (``router.pd.legs.PdLegs.handoff``: vLLM NIXL relay, Mooncake, SGLang
        bootstrap); the decode replica is the destination and gets the decode request (the prefill's
        ``kv_transfer_params``, or the bootstrap fields; ``X-data-parallel-rank`` when pinned), so it serves it
-       without recomputing; a failed prefill side is served in place (counted)
+       without recomputing; a failed prefill side is served in place (counted). llm-d's
+       ``x-prefiller-host-port`` is never handed on: a client's is removed (it would steer llm-d's decode-side
+       sidecar's prefill to a host of the client's choosing), and the picker does not set it (the prefill leg
+       has run here; a sidecar would run a second one: ``router.serve.client_fields.PREFILLER_HEADER``)
     <- request_headers answer: x-gateway-destination-endpoint + envoy.lb metadata (same value), clear_route_cache
     <- the body re-streamed in <= 62,000-byte chunks (with stream usage asked for, as the proxy asks)
     response_headers / response_body (passed through; usage parsed, the usage event the client did not ask for

@@ -14,8 +14,9 @@ bodies through the pipeline's ``parse`` step, ``router.serve.pipeline``), these 
 Stripped rather than refused: a client that echoes an engine's fields (or an SDK that sends ``null`` for them)
 keeps working, and nothing it sends can reach an engine. Each stripped field is counted in
 ``kvroute_client_fields_stripped_total{field}`` and logged once per field and process. The header
-``X-data-parallel-rank`` (read by vLLM and SGLang) never reaches an engine either: the HTTP proxy builds the
-engine request's headers itself, and the picker removes it with its header mutation (``ROUTER_HEADERS``). The
+``X-data-parallel-rank`` (read by vLLM and SGLang) never reaches an engine either, nor llm-d's
+``x-prefiller-host-port``: the HTTP proxy builds the engine request's headers itself, and the picker removes them
+with its header mutation, or replaces them with its own (``ROUTER_HEADERS``). The
 router sets these fields itself on the legs it builds (router/pd/vllm.py, router/pd/sglang.py).
 
 Units: bytes.
@@ -47,8 +48,14 @@ ROUTER_FIELDS: frozenset[str] = frozenset(
         "kv_router_hint",
     }
 )
-#: request headers only the router sets (lower case)
-ROUTER_HEADERS: tuple[str, ...] = ("x-data-parallel-rank",)
+#: llm-d's header naming a disaggregated plan's prefill endpoint (``ip:port``) for its decode-side sidecar, which
+#: then runs the prefill leg there itself (absent: it serves the request on the decode pod as it comes). The
+#: endpoint picker runs the prefill leg itself and hands the decode pod a request it serves without recomputing,
+#: so it never names one: a sidecar would run a second prefill and leave the first one's KV held on the prefill pod
+PREFILLER_HEADER = "x-prefiller-host-port"
+#: request headers only the router sets (lower case): a client's are removed, so none can steer a sidecar's
+#: prefill to a host of its choosing
+ROUTER_HEADERS: tuple[str, ...] = ("x-data-parallel-rank", PREFILLER_HEADER)
 #: bodies at least this large are re-serialized in a worker thread, bytes
 _THREAD_MIN_BYTES = 64 * 1024
 

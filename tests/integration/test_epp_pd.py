@@ -122,12 +122,14 @@ def _plan(picker: PdPicker, body: dict[str, Any]) -> dict[str, Any]:
     return dict(chosen)
 
 
-def _through_gateway(picker: PdPicker, body: dict[str, Any]) -> tuple[Any, bytes]:
+def _through_gateway(
+    picker: PdPicker, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[Any, bytes]:
     """One request through the gateway stand-in: the picker's answer, and what the client receives from the
     endpoint it picked (sent with the body and the request headers the picker handed back)."""
     s = picker.stream()
     try:
-        picked = s.request("/v1/completions", json.dumps(body).encode())
+        picked = s.request("/v1/completions", json.dumps(body).encode(), headers=headers)
         assert picked.status is None, picked.immediate  # routed, not refused
         headers = {k: v for k, v in picked.set_headers.items() if k.lower() not in ("content-length",)}
         assert picked.endpoint is not None
@@ -185,4 +187,27 @@ def test_vllm_nixl_pd_fleet_behind_the_picker_relays_the_transfer_params(vllm_pd
     assert json.loads(out)["choices"], out
     assert _counts(vllm_pd, plan) == (prefills + 1, handoffs + 1)  # D pulled P's KV instead of recomputing
     _wire_clean(vllm_pd)
+    _quiet(vllm_pd)
+
+
+def test_a_clients_prefiller_header_never_reaches_the_decode_pod(vllm_pd: PdPicker) -> None:
+    """A client cannot steer llm-d's decode-side sidecar to a prefill host of its choosing: the picker removes a
+    client's ``x-prefiller-host-port`` on a disaggregated plan (whose prefill leg it ran itself) and in place."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+    _plan(vllm_pd, body)
+    steer = {"x-prefiller-host-port": "10.9.9.9:8000"}
+    picked, out = _through_gateway(vllm_pd, body, headers=steer)
+    assert json.loads(picked.body)["kv_transfer_params"]["do_remote_prefill"] is True  # disaggregated
+    assert "x-prefiller-host-port" not in picked.set_headers
+    assert "x-prefiller-host-port" in picked.removed_headers
+    assert json.loads(out)["choices"], out
+    _quiet(vllm_pd)
+    s = vllm_pd.stream()
+    try:  # headers only: nothing to hand over, so the plan is served in place
+        picked = s.request("/v1/completions", None, headers=steer)
+    finally:
+        s.close()
+    assert picked.status is None, picked.immediate
+    assert "x-prefiller-host-port" not in picked.set_headers
+    assert "x-prefiller-host-port" in picked.removed_headers
     _quiet(vllm_pd)
