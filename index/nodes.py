@@ -313,8 +313,21 @@ class NodeTable:
             self._cmp_src = end
             self._cmp_dst = top
 
-    def _check_layout(self) -> None:
-        """Assert the node-id bookkeeping is consistent (tests call this; O(nodes))."""
+    def set_compaction(self, *, min_dead: int, chunk: int) -> None:
+        """Compact node ids once ``min_dead`` ids are dead (and past the share threshold), ``chunk`` ids a step
+        (defaults ``COMPACT_MIN_DEAD`` / ``COMPACT_CHUNK``; small values exercise compaction on tiny tables)."""
+        if min_dead < 1 or chunk < 1:
+            raise ValueError(f"min_dead and chunk must be >= 1, got {min_dead}, {chunk}")
+        self._compact_min = min_dead
+        self._compact_chunk = chunk
+
+    @property
+    def compacting(self) -> bool:
+        """True while an incremental node-id compaction is part way done."""
+        return self._cmp_src >= 0
+
+    def check_layout(self) -> None:
+        """Assert the node-id bookkeeping is consistent (a self-check for tests and debugging; O(nodes))."""
         kl = self._keys
         assert len(kl) == len(self._sidl) == len(self._ts) == len(self._run)
         for s, shard in enumerate(self._ids):

@@ -250,14 +250,16 @@ class PrefixIndex(NodeTable):
         self._dead_nodes += run
         self._free_extent(start, run)
 
-    def _gc_states(self) -> None:
-        """Rebuild the state table from the states nodes are in (states of churned replica sets pile up)."""
+    def gc_states(self) -> None:
+        """Rebuild the state table from the states nodes are in (states of churned replica sets pile up; run
+        periodically by ``expire``); answers are unchanged."""
         self._sidl = self._states.collect(self._sidl)
         self._bits_cache.clear()
 
-    def _check_layout(self) -> None:
-        """Assert the node-id bookkeeping is consistent, predicted entries included (tests call this)."""
-        super()._check_layout()
+    def check_layout(self) -> None:
+        """Assert the node-id bookkeeping is consistent, predicted entries included (a self-check for tests and
+        debugging; O(nodes))."""
+        super().check_layout()
         for pd in self._pred.values():
             for key in pd:
                 assert key in self, key
@@ -777,7 +779,7 @@ class PrefixIndex(NodeTable):
             self._sweep(SWEEP_CHUNK)
         self._maybe_compact()
         if len(self._states) > 1024 and len(self._states) > 4 * sum(1 for r in self._states.refs if r > 0):
-            self._gc_states()
+            self.gc_states()
         return dropped
 
     def _expire_predicted(self, now: float) -> int:

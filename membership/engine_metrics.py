@@ -759,9 +759,19 @@ class MetricsScraper:
             if st is not None and st.scraped_at is not None:
                 r.load.age_s = now - st.scraped_at
 
+    def scrape_record(self, replica_index: int) -> ReplicaScrape:
+        """The replica's scrape record (created empty when it has none): its last snapshot and when it was taken,
+        and its counters. The scraper updates it in place on every scrape of the replica, and drops it when the
+        replica leaves; ``stats()``, ``engine_info`` and the metric families read it."""
+        return self._state.setdefault(replica_index, ReplicaScrape())
+
+    def scrape_records(self) -> dict[int, ReplicaScrape]:
+        """Every replica's scrape record, by replica index (a copy of the mapping; the records are live)."""
+        return dict(self._state)
+
     async def scrape_replica(self, replica: Any) -> EngineSnapshot | None:
         """Scrape one replica now and update its load view; None (counted) on failure."""
-        st = self._state.setdefault(replica.index, ReplicaScrape())
+        st = self.scrape_record(replica.index)
         client = self._client
         if client is None:
             client = self._client = self._new_client()
@@ -936,7 +946,7 @@ def _scrape_families(scraper: MetricsScraper) -> Iterator[Metric]:
         labels=["replica", "engine_block_size", "router_block_size"],
     )
     rbs = scraper.router_block_size
-    for idx, st in scraper._state.items():
+    for idx, st in scraper.scrape_records().items():
         name = names.get(idx, str(idx))
         ok.add_metric([name], st.ok)
         for reason, c in st.errors.items():

@@ -42,7 +42,7 @@ def test_an_evicted_paths_room_takes_the_next_path_instead_of_growing_the_arrays
         idx.remove(0, old[::-1])  # vLLM's order: a request's blocks tail first
         live.append([rng.getrandbits(64) for _ in range(512)])
         idx.store(0, None, live[-1])
-        idx._check_layout()
+        idx.check_layout()
     lay = idx.layout_stats()
     assert lay["nodes"] == 8 * 512
     assert lay["node_ids"] == ids_before

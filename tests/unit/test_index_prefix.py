@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index.hashing import block_keys, root_seed
+from index.nodes import COMPACT_CHUNK
 from index.prefix_index import TIERS, PrefixIndex, ReplicaMatch
 
 SEED = root_seed("test-model")
@@ -265,7 +266,7 @@ def test_stats_shape() -> None:
 def test_compactions_are_counted_and_keep_every_match() -> None:
     """Compaction (a pause of its caller) shows in stats; it renumbers node ids without changing any answer."""
     idx = PrefixIndex()
-    idx._compact_min = 8
+    idx.set_compaction(min_dead=8, chunk=COMPACT_CHUNK)
     chains = [[(c << 20) + i for i in range(1, 21)] for c in range(40)]
     for c, keys in enumerate(chains):
         idx.store(c % 3, None, keys)
@@ -286,8 +287,7 @@ def test_compactions_are_counted_and_keep_every_match() -> None:
 def test_compaction_runs_in_bounded_steps_while_the_index_keeps_changing() -> None:
     """No index call renumbers more than one chunk of ids; answers stay exact mid-compaction; the arrays shrink."""
     idx = PrefixIndex(clock=FakeClock())
-    idx._compact_min = 8
-    idx._compact_chunk = 50
+    idx.set_compaction(min_dead=8, chunk=50)
     chains = {c: [(c << 20) + i for i in range(1, 31)] for c in range(120)}
     for c, keys in chains.items():
         idx.store(c % 4, None, keys)
@@ -307,8 +307,8 @@ def test_compaction_runs_in_bounded_steps_while_the_index_keeps_changing() -> No
         held[1000 + c] = new
         chains[1000 + c] = new
         walked += [mid - before, idx.stats()["compacted_ids"] - mid]
-        saw_in_progress |= idx._cmp_src >= 0
-        idx._check_layout()
+        saw_in_progress |= idx.compacting
+        idx.check_layout()
         for d, keys in held.items():
             owner = d % 4 if d < 1000 else (d - 1000) % 3
             got = idx.match(keys)
@@ -316,9 +316,9 @@ def test_compaction_runs_in_bounded_steps_while_the_index_keeps_changing() -> No
         for d in range(0, c + 1, 2):
             got = idx.match(chains[d])
             assert d % 4 not in got or got[d % 4].blocks == got[d % 4].predicted, (d, got)
-    while idx._cmp_src >= 0:  # the periodic expire() finishes a compaction left half done
+    while idx.compacting:  # the periodic expire() finishes a compaction left half done
         idx.expire()
-    idx._check_layout()
+    idx.check_layout()
     st = idx.stats()
     assert saw_in_progress and st["compactions"] >= 1
     assert max(walked) <= 50  # one chunk per call: the pause is bounded, however large the index
@@ -387,7 +387,7 @@ def test_budget_eviction_of_a_large_index_is_spread_over_calls(monkeypatch: pyte
             idx.predict(1, hot)  # routing decisions keep the hot prefix recent
             per_call.append(idx.stats()["evictions"] - before)
         assert len(idx) <= budget  # the budget holds after every call
-        idx._check_layout()
+        idx.check_layout()
     assert max(per_call) <= 300 + 50  # one chunk plus what the call itself added: no whole-index pause
     assert sum(per_call) >= 400 * 50 + 20 - budget  # everything above the budget went
     assert idx.match(hot)[1].blocks == 20  # recently touched survives
@@ -463,7 +463,7 @@ def test_state_table_is_garbage_collected() -> None:
         idx.remove(r, keys)
     before = {r: m.blocks for r, m in idx.match(keys).items()}
     n_states = len(idx._states)
-    idx._gc_states()
+    idx.gc_states()
     assert len(idx._states) < n_states // 10
     assert {r: m.blocks for r, m in idx.match(keys).items()} == before == {60: 4, 61: 4, 62: 4, 63: 4}
     idx.store(5, None, keys[:2])
@@ -474,16 +474,15 @@ def test_a_compaction_in_progress_advances_with_stores() -> None:
     """Holes left by removals are given back while only stores arrive (under churn a compaction that waited for
     the next eviction or ``expire()`` let dead ids, ~28 B each, pile up)."""
     idx = PrefixIndex(clock=FakeClock())
-    idx._compact_min = 8
-    idx._compact_chunk = 50
+    idx.set_compaction(min_dead=8, chunk=50)
     for c in range(40):
         idx.store(0, None, [(c << 20) + i for i in range(1, 31)])
     for c in range(40):
         if c % 4:  # three of every four: over the share of dead ids that starts a compaction
             idx.remove(0, [(c << 20) + i for i in range(1, 31)])
-    assert idx._cmp_src >= 0  # started, one step done
+    assert idx.compacting  # started, one step done
     for c in range(100, 140):
         idx.store(1, None, [(c << 20) + i for i in range(1, 31)])
-    assert idx._cmp_src < 0  # finished without another removal or expire()
-    idx._check_layout()
+    assert not idx.compacting  # finished without another removal or expire()
+    idx.check_layout()
     assert idx.stats()["dead_ids"] == 0

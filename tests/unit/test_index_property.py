@@ -133,7 +133,7 @@ def apply_op(idx: PrefixIndex, ref: Reference, clock: FakeClock, op: tuple[objec
     elif kind == "expire":
         idx.expire()
     elif kind == "gc":
-        idx._gc_states()  # state-table garbage collection must not change any answer
+        idx.gc_states()  # state-table garbage collection must not change any answer
     else:
         return False
     return True
@@ -151,8 +151,8 @@ def test_matches_reference(
 ) -> None:
     clock = FakeClock()
     idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock)
-    idx._compact_min = compact_min  # exercise node-id compaction on tiny indexes too
-    idx._compact_chunk = compact_chunk  # small steps: operations interleave with a compaction in progress
+    # compaction on tiny indexes too, in small steps: operations interleave with a compaction in progress
+    idx.set_compaction(min_dead=compact_min, chunk=compact_chunk)
     ref = Reference(clock)
 
     def check(toks: list[int], replicas: set[int] | None) -> None:
@@ -169,7 +169,7 @@ def test_matches_reference(
         if not apply_op(idx, ref, clock, op):
             _, toks, reps = op
             check(toks, reps)  # type: ignore[arg-type]
-        idx._check_layout()
+        idx.check_layout()
         for toks in probes:
             check(toks, None)
     for toks in probes:
@@ -209,13 +209,12 @@ def test_budget_eviction_keeps_a_subset_of_the_reference(
     try:
         clock = FakeClock()
         idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock, max_nodes=budget)
-        idx._compact_min = 1
-        idx._compact_chunk = chunk
+        idx.set_compaction(min_dead=1, chunk=chunk)
         ref = Reference(clock)
         for op in program:
             apply_op(idx, ref, clock, op)
             assert len(idx) <= budget
-            idx._check_layout()
+            idx.check_layout()
             for toks in probes + ([op[1]] if op[0] == "match" else []):  # type: ignore[list-item]
                 keys = block_keys(toks, BS, 7)
                 got = idx.match(keys)

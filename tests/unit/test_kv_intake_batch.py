@@ -204,8 +204,8 @@ def test_removing_blocks_in_any_order_leaves_the_same_index(seed: int, order: st
             shuffled = list(keys)
         a.remove(r, keys, tier)
         b.remove(r, shuffled + shuffled[:2], tier)  # a block named twice is removed once
-        a._check_layout()
-        b._check_layout()
+        a.check_layout()
+        b.check_layout()
         assert _content(a, every) == _content(b, every)
 
 

@@ -162,8 +162,8 @@ def test_bulk_removals_leave_the_index_as_node_by_node_deletes_would(seed: int) 
         lo = rng.randrange(len(hashes))
         piece = hashes[lo : lo + rng.randint(1, len(hashes))] + [rng.randrange(10**9, 10**10)]
         assert a.apply_removed(r, piece) == b.apply_removed(r, piece)
-    a._check_layout()
-    b._check_layout()
+    a.check_layout()
+    b.check_layout()
     assert a.stats() == b.stats()
     for r in {r for r, _ in stored}:
         emap_a, emap_b = a._emap.of(r), b._emap.of(r)

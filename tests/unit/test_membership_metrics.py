@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from index.prefix_index import PrefixIndex
-from membership.engine_metrics import EngineSnapshot, MetricsScraper, ReplicaScrape
+from membership.engine_metrics import EngineSnapshot, MetricsScraper
 from membership.kv_events import FeedSpec, KVEventSubscriber
 from membership.metrics import FamiliesCollector, register_families
 from membership.replicas import ReplicaTable
@@ -56,16 +56,17 @@ def _scraper_text() -> bytes:
         table.upsert(name, f"http://{name}:8000")
     scraper = MetricsScraper(table, clock=lambda: 50.0, router_block_size=16)
     idx = {r.name: r.index for r in table.all()}
-    scraper._state[idx["engine-a"]] = ReplicaScrape(
-        snapshot=EngineSnapshot(block_size=16), scraped_at=48.5, ok=9, rejected=Counter({"kv_usage": 2})
+    a = scraper.scrape_record(idx["engine-a"])
+    a.snapshot, a.scraped_at, a.ok, a.rejected = (
+        EngineSnapshot(block_size=16),
+        48.5,
+        9,
+        Counter({"kv_usage": 2}),
     )
-    scraper._state[idx["engine-b"]] = ReplicaScrape(
-        snapshot=EngineSnapshot(block_size=32),
-        scraped_at=20.0,
-        ok=3,
-        errors=Counter({"timeout": 4, "http_503": 1}),
-    )
-    scraper._state[idx["engine-c"]] = ReplicaScrape(errors=Counter({"connect": 6}))
+    b = scraper.scrape_record(idx["engine-b"])
+    b.snapshot, b.scraped_at, b.ok = EngineSnapshot(block_size=32), 20.0, 3
+    b.errors = Counter({"timeout": 4, "http_503": 1})
+    scraper.scrape_record(idx["engine-c"]).errors = Counter({"connect": 6})
     return _render(scraper.register_metrics)
 
 
