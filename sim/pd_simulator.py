@@ -238,21 +238,7 @@ class PdFleet(EventFleet):
         params.setdefault("seed", seed)
         self.policy = make_pd_policy(policy, **params)
         n = fc.replicas
-        self.engines = [
-            KvReceivingEngine(
-                fc.profiles[i],
-                num_gpu_blocks=fc.gpu_blocks_of(i),
-                block_size=fc.block_size,
-                cpu_blocks=fc.cpu_blocks,
-                cpu_bytes_per_s=fc.cpu_bytes_per_s,
-                max_batch_tokens=fc.max_batch_tokens,
-                max_running=fc.max_running,
-                emit_tokens=False,
-                emit_kv_events=fc.events_delay_s is not None,
-                name=f"r{i}",
-            )
-            for i in range(n)
-        ]
+        self.engines = [KvReceivingEngine(fc.profiles[i], **fc.engine_kwargs(i)) for i in range(n)]
         self.profiles = [pd_replica_profile(p) for p in fc.profiles]
         self.names = [f"r{i}" for i in range(n)]
         self._init_router_state(fc)

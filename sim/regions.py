@@ -52,7 +52,6 @@ from fakes.engine_model import EngineModel, EngineRequest
 from index.hashing import root_seed
 from policies.base import Policy, RouteRequest
 from policies.candidates import ReplicaFacts, build_candidates
-from policies.dispatch import DispatchSettings
 from policies.regions import (
     LadderParams,
     LatencyMatrix,
@@ -67,6 +66,7 @@ from sim.simulator import (
     FleetConfig,
     SimResult,
     arrival_rate_rps,
+    engine_fleet_config,
     fleet_capacity_rps,
     load_requests,
     parse_profiles,
@@ -407,18 +407,7 @@ class RegionFleet(Fleet):
 
     def _fresh_engine(self, i: int) -> EngineModel:
         cfg = self.cfg
-        return EngineModel(
-            cfg.profiles[i],
-            num_gpu_blocks=cfg.gpu_blocks_of(i),
-            block_size=cfg.block_size,
-            cpu_blocks=cfg.cpu_blocks,
-            cpu_bytes_per_s=cfg.cpu_bytes_per_s,
-            max_batch_tokens=cfg.max_batch_tokens,
-            max_running=cfg.max_running,
-            emit_tokens=False,
-            emit_kv_events=cfg.events_delay_s is not None,
-            name=f"r{i}",
-        )
+        return EngineModel(cfg.profiles[i], **cfg.engine_kwargs(i))
 
     # -- routing -----------------------------------------------------------------------------------
 
@@ -735,25 +724,6 @@ def region_counters(recs: Sequence[RegionRec], region_of: Sequence[str]) -> dict
 # ------------------------------------------------------------------------------------------------ CLI
 
 
-def region_fleet_config(args: argparse.Namespace, profiles: list[str]) -> FleetConfig:
-    """The simulated fleet from the file's engines and the simulator's flags (no dispatch gate: requests are
-    sent when routed, the service's default)."""
-    return FleetConfig(
-        profiles=profiles,
-        gpu_blocks=args.gpu_blocks,
-        cpu_blocks=args.cpu_blocks,
-        cpu_bytes_per_s=args.cpu_gbps * 1e9 if args.cpu_gbps else None,
-        block_size=args.block_size,
-        max_batch_tokens=args.max_batch_tokens,
-        events_delay_s=None if args.events_delay.lower() == "none" else float(args.events_delay),
-        predict=args.predict,
-        scrape_interval_s=args.scrape_interval,
-        scrape_fields=args.scrape_fields,
-        slo_ttft_s=args.slo_ttft,
-        dispatch=DispatchSettings(limit_tokens=0),
-    )
-
-
 def _labels_and_params(args: argparse.Namespace) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """Run labels from ``--policies`` (default: the three regional ones) and ``--policy-param`` per label."""
     names = (
@@ -790,7 +760,7 @@ def regions_main(args: argparse.Namespace) -> int:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2
     profiles = spec.profiles()
-    cfg = region_fleet_config(args, profiles)
+    cfg = engine_fleet_config(args, profiles)  # the file's engines; no dispatch gate, as the service
     keys = BlockKeyCache(cfg.block_size, root_seed(cfg.model))
     base = arrival_rate_rps(reqs)
     cap = fleet_capacity_rps(reqs, profiles)

@@ -149,6 +149,21 @@ class FleetConfig:
         """GPU + CPU blocks of the whole fleet."""
         return sum(self.gpu_blocks_of(i) + self.cpu_blocks for i in range(self.replicas))
 
+    def engine_kwargs(self, i: int) -> dict[str, Any]:
+        """Keyword arguments of replica ``i``'s engine model (``EngineModel`` or a subclass; after its profile):
+        its KV capacity and tiers, batch limits, KV events when the router receives them; no token output."""
+        return {
+            "num_gpu_blocks": self.gpu_blocks_of(i),
+            "block_size": self.block_size,
+            "cpu_blocks": self.cpu_blocks,
+            "cpu_bytes_per_s": self.cpu_bytes_per_s,
+            "max_batch_tokens": self.max_batch_tokens,
+            "max_running": self.max_running,
+            "emit_tokens": False,
+            "emit_kv_events": self.events_delay_s is not None,
+            "name": f"r{i}",
+        }
+
 
 @dataclass(slots=True)
 class SimTenancy:
@@ -482,15 +497,7 @@ class Fleet(EventFleet):
         self.engines = [
             EngineModel(
                 config.profiles[i],
-                num_gpu_blocks=config.gpu_blocks_of(i),
-                block_size=config.block_size,
-                cpu_blocks=config.cpu_blocks,
-                cpu_bytes_per_s=config.cpu_bytes_per_s,
-                max_batch_tokens=config.max_batch_tokens,
-                max_running=config.max_running,
-                emit_tokens=False,
-                emit_kv_events=config.events_delay_s is not None,
-                name=f"r{i}",
+                **config.engine_kwargs(i),
                 lora=config.lora.engine_settings() if config.lora is not None else None,
             )
             for i in range(n)
@@ -1271,8 +1278,9 @@ def _check_args(args: argparse.Namespace, hooks: RunHooks | None) -> tuple[list[
     return profiles, names
 
 
-def _fleet_config(args: argparse.Namespace, profiles: list[str]) -> FleetConfig:
-    """The simulated fleet the arguments describe."""
+def engine_fleet_config(args: argparse.Namespace, profiles: list[str]) -> FleetConfig:
+    """The simulated engines and the router's view of them that the flags describe: no dispatch gate (requests
+    sent when routed, the service's default), no adapters."""
     return FleetConfig(
         profiles=profiles,
         gpu_blocks=args.gpu_blocks,
@@ -1285,13 +1293,18 @@ def _fleet_config(args: argparse.Namespace, profiles: list[str]) -> FleetConfig:
         scrape_interval_s=args.scrape_interval,
         scrape_fields=args.scrape_fields,
         slo_ttft_s=args.slo_ttft,
-        dispatch=DispatchSettings(
-            limit_tokens=args.dispatch_limit_tokens,
-            patience_s=args.dispatch_patience,
-            max_wait_s=args.dispatch_max_wait,
-        ),
-        lora=lora_fleet_of(args),
+        dispatch=DispatchSettings(limit_tokens=0),
     )
+
+
+def _fleet_config(args: argparse.Namespace, profiles: list[str]) -> FleetConfig:
+    """The simulated fleet the arguments describe: the engines, the dispatch gate and the adapters."""
+    gate = DispatchSettings(
+        limit_tokens=args.dispatch_limit_tokens,
+        patience_s=args.dispatch_patience,
+        max_wait_s=args.dispatch_max_wait,
+    )
+    return dataclasses.replace(engine_fleet_config(args, profiles), dispatch=gate, lora=lora_fleet_of(args))
 
 
 def _rates(args: argparse.Namespace, base_rate: float, cap: float) -> list[tuple[float | None, float]]:

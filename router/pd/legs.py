@@ -201,7 +201,8 @@ class PdLegs:
         while True:
             tried.append(p_rep.index)
             try:
-                return await self._pair(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
+                legs = self._two_legs(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
+                return await self._pair(legs)
             except LegFailed as exc:
                 failed = exc
             if failed.reason == "transfer_failed":
@@ -296,26 +297,14 @@ class PdLegs:
                 return replace(other, dp_rank=plan.dp_rank), rep
         return None
 
-    async def _pair(
-        self,
-        routed: Routed,
-        plan: Plan,
-        p_rep: Replica,
-        d_rep: Replica,
-        path: str,
-        obj: dict[str, Any],
-        stream: bool,
-        request_id: str,
-        deadline: float,
-    ) -> Response:
-        """One try of ``plan`` on ``p_rep`` -> ``d_rep``: both legs charged before dispatch, released on every
-        path (a committed stream releases D when it ends). Raises LegFailed before the decode leg's first byte."""
-        router = self.router
-        inp = routed.inp
-        cached_p = routed.cached_tokens.get(p_rep.index, 0)
-        legs = self._two_legs(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
+    async def _pair(self, legs: TwoLegs) -> Response:
+        """One try of ``legs.plan`` on its prefill -> decode replicas: both legs charged before dispatch, released
+        on every path (a committed stream releases D when it ends). Raises LegFailed before the decode leg's first
+        byte."""
+        router, inp, plan = self.router, legs.routed.inp, legs.plan
+        p_rep, d_rep = legs.p_rep, legs.d_rep
         # P's charge: the uncached tokens the policy predicted it computes (else the router's own estimate)
-        p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - cached_p
+        p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - legs.cached_p
         with (
             Hold(router, None, p_rep, p_tokens, inp.copies) as hp,
             Hold(router, None, d_rep, 0, inp.copies) as hd,
@@ -477,9 +466,8 @@ class PdLegs:
         while True:
             tried.append(p_rep.index)
             try:
-                return await self._handoff_pair(
-                    routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline
-                )
+                legs = self._two_legs(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
+                return await self._handoff_pair(legs)
             except LegFailed as exc:
                 failed = exc
             other = (
@@ -494,24 +482,12 @@ class PdLegs:
             )
             plan, p_rep = other
 
-    async def _handoff_pair(
-        self,
-        routed: Routed,
-        plan: Plan,
-        p_rep: Replica,
-        d_rep: Replica,
-        path: str,
-        obj: dict[str, Any],
-        stream: bool,
-        request_id: str,
-        deadline: float,
-    ) -> Handoff:
-        """One try of the prefill side of ``plan`` on ``p_rep`` for ``d_rep``: both legs charged now (D's hold is
-        handed to the caller with the decode leg), the prefill leg run by the plan's protocol runner. Raises
-        LegFailed (nothing held then)."""
-        router = self.router
-        inp = routed.inp
-        legs = self._two_legs(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
+    async def _handoff_pair(self, legs: TwoLegs) -> Handoff:
+        """One try of the prefill side of ``legs.plan`` on its prefill replica for its decode replica: both legs
+        charged now (D's hold is handed to the caller with the decode leg), the prefill leg run by the plan's
+        protocol runner. Raises LegFailed (nothing held then)."""
+        router, inp, plan = self.router, legs.routed.inp, legs.plan
+        p_rep, d_rep, stream = legs.p_rep, legs.d_rep, legs.stream
         p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - legs.cached_p
         with Hold(router, None, p_rep, p_tokens, inp.copies) as hp:
             hd = Hold(router, None, d_rep, 0, inp.copies).__enter__()
