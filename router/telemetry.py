@@ -34,15 +34,21 @@ Metric names (all prefixed ``kvroute_``):
   their collectors (``membership.metrics.FamiliesCollector``) on this registry.
 * ``pd_plans_total{policy,kind}``, ``pd_legs_total{replica,leg}``, ``pd_leg_seconds{leg}``, ``pd_handoff_seconds``,
   ``pd_fallbacks_total{reason}``, ``pd_link_bandwidth_bytes_per_second``, ``pd_link_samples_total{outcome}``:
-  prefill/decode plans, their legs and the learned P->D link, owned by ``router.pd.leg.PdMetrics`` on this
-  registry.
+  prefill/decode plans, their legs and the learned P->D link (``PdMetrics``, created by ``router.pd.legs.PdLegs``).
+* components' own counters, declared below and created by their component on this registry (a family exists only
+  where its component does): ``class_{predicted,observed}_ttft_seconds{class}``, ``priority_unknown_total``
+  (``ClassMetrics``), ``epp_requests_total{status}``, ``epp_protocol_errors_total{reason}`` (``EppMetrics``),
+  ``engine_usage_missing_total``, ``client_fields_stripped_total``, ``client_connections_cut_total``,
+  ``event_loop_lag_seconds``, ``event_loop_own_lag_seconds``.
 * the router queue (``admission_gauges``), the dispatch gate (``dispatch_gauges``), the loop lag (``lag_gauges``,
   ``shedder_gauges``), tenant quotas (``budget_gauges``), the endpoint picker's streams (``epp_gauges``), the
   router's own values (``router_gauges``).
 
-One style: components expose ``stats()`` or plain counters and never build a metric family; the functions here
-render them at scrape time (typed by what they read, so this module imports no component), and
-``router.services`` registers each with ``Telemetry.add_gauges`` (``tests/unit/test_layering.py`` checks it).
+One style: every router metric is declared here. Components count the counters declared here (``Telemetry``'s,
+or their own created from a declaration below) or expose ``stats()`` / plain counters, and never build a metric
+family; the functions here render those at scrape time (typed by what they read, so this module imports no
+component), and ``router.services`` registers each with ``Telemetry.add_gauges`` (``tests/unit/test_layering.py``
+checks both).
 
 Logs: one JSON object per line (``log_format=json``) via ``setup_logging``; secrets are never logged (settings are
 logged through ``Settings.safe_dict``; an ``extra`` field that names a credential is masked, ``is_secret_field``,
@@ -69,7 +75,8 @@ from policies.base import Reuse
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_TTFT_BUCKETS = (
+#: histogram buckets of time-to-first-token families (router-measured, per tenant, per class), seconds
+TTFT_BUCKETS = (
     0.005,
     0.01,
     0.025,
@@ -90,6 +97,10 @@ _TTFT_BUCKETS = (
     40.0,
     80.0,
 )
+#: histogram buckets of the PD legs and handoffs: the TTFT buckets but 7.5 and 80 s, seconds
+_PD_LEG_BUCKETS = tuple(b for b in TTFT_BUCKETS if b not in (7.5, 80.0))
+#: histogram buckets of the event-loop lag probe, seconds
+_LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MISSED_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -167,7 +178,7 @@ class Telemetry:
             "kvroute_ttft_seconds",
             "router-measured time to first response byte (s)",
             ["replica"],
-            buckets=_TTFT_BUCKETS,
+            buckets=TTFT_BUCKETS,
             registry=r,
         )
 
@@ -205,7 +216,7 @@ class Telemetry:
         self.migration_seconds = Histogram(
             "kvroute_migration_seconds",
             "from a stream's failure to its continuation's first byte (s)",
-            buckets=_TTFT_BUCKETS,
+            buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.relayed_pieces = Counter(
@@ -343,6 +354,182 @@ class Telemetry:
             for chunk in source():
                 await asyncio.sleep(0)
                 yield chunk
+
+
+# ---------------------------------------------------------------------------------------------------------
+# components' counters: declared here, created by their component on the router's registry (so a family exists
+# only where its component does, e.g. the PD families on a PD fleet) and counted by it
+# ---------------------------------------------------------------------------------------------------------
+
+
+class PdMetrics:
+    """The PD metrics (``router.pd.legs.PdLegs``): plans, legs, their latencies, fallbacks, the learned link."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.plans = Counter(
+            "kvroute_pd_plans",
+            "PD plans dispatched, by policy and kind (in_place, disaggregated)",
+            ["policy", "kind"],
+            registry=registry,
+        )
+        self.legs = Counter(
+            "kvroute_pd_legs",
+            "PD legs sent, by replica and leg (prefill, decode; in_place: "
+            "in-place plans, by the planned replica)",
+            ["replica", "leg"],
+            registry=registry,
+        )
+        self.leg_seconds = Histogram(
+            "kvroute_pd_leg_seconds",
+            "PD leg latency: prefill leg until its answer, decode leg until its first byte (s)",
+            ["leg"],
+            buckets=_PD_LEG_BUCKETS,
+            registry=registry,
+        )
+        self.handoff_seconds = Histogram(
+            "kvroute_pd_handoff_seconds",
+            "sequential relay: from the prefill "
+            "answer to the decode leg's first byte (KV transfer + first decode "
+            "step), s",
+            buckets=_PD_LEG_BUCKETS,
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "kvroute_pd_fallbacks",
+            "disaggregated plans served in place instead, by reason (prefill_failed, decode_failed, "
+            "transfer_failed, engine_id_unknown, replica_gone, bad_body; the endpoint picker: no_body)",
+            ["reason"],
+            registry=registry,
+        )
+        self.mooncake_unknown = Counter(
+            "kvroute_pd_mooncake_engine_unknown",
+            "Mooncake plans whose prefill replica's engine id the router could not learn from its bootstrap "
+            "server (GET /query): no Mooncake parameters sent, by prefill replica",
+            ["replica"],
+            registry=registry,
+        )
+        self.mooncake_queries = Counter(
+            "kvroute_pd_mooncake_queries",
+            "bootstrap /query requests for Mooncake engine ids, by outcome (ok, failed)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.link_bandwidth = Gauge(
+            "kvroute_pd_link_bandwidth_bytes_per_second",
+            "P->D link bandwidth the PD plans use: configured, then learned from observed handoffs (bytes/s)",
+            registry=registry,
+        )
+        self.link_samples = Counter(
+            "kvroute_pd_link_samples",
+            "observed handoffs fed to the P->D link estimator, "
+            "by outcome: accepted / rejected (the relay's own timing; rejected: "
+            "non-positive or non-finite transfer time or size), engine_accepted / "
+            "engine_rejected (transfers the engines reported in /metrics, e.g. vLLM's "
+            "NIXL histograms), superseded (relay timing not fed: engines report)",
+            ["outcome"],
+            registry=registry,
+        )
+
+
+class ClassMetrics:
+    """Per priority class (``router.core.tenant_metrics.TenantMetrics``): the cost model's predicted TTFT vs the
+    observed one, and peers' priority values no table maps."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.predicted = Histogram(
+            "kvroute_class_predicted_ttft_seconds",
+            "predicted TTFT of the chosen replica, by priority class (s)",
+            ["class"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.observed = Histogram(
+            "kvroute_class_observed_ttft_seconds",
+            "observed TTFT of requests with a prediction, by priority class (s)",
+            ["class"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.unknown_priority = Counter(
+            "kvroute_priority_unknown",
+            "requests whose peer priority header named no known class or objective (served at "
+            "default_priority_class), by header",
+            ["header"],
+            registry=registry,
+        )
+
+
+class EppMetrics:
+    """The endpoint picker's streams by outcome and its protocol errors (``router.epp.picker``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.streams = Counter(
+            "kvroute_epp_requests",
+            "endpoint-picker streams by outcome (HTTP status of the answer: 200 = routed)",
+            ["status"],
+            registry=registry,
+        )
+        self.protocol_errors = Counter(
+            "kvroute_epp_protocol_errors",
+            "ext_proc messages out of the protocol (answered 400 protocol_error, the stream ended), by reason",
+            ["reason"],
+            registry=registry,
+        )
+
+
+def usage_missing_counter(registry: CollectorRegistry) -> Counter:
+    """``kvroute_engine_usage_missing_total{replica,what}`` (``router.engine.feedback.Feedback``)."""
+    return Counter(
+        "kvroute_engine_usage_missing",
+        "successful engine answers without the usage the router needs for "
+        "cached-token feedback, by replica and what was missing (prompt_tokens_details: vLLM without "
+        "--enable-prompt-tokens-details, SGLang without --enable-cache-report; stream_usage: a stream that "
+        "carried no usage although it was asked for)",
+        ["replica", "what"],
+        registry=registry,
+    )
+
+
+def fields_stripped_counter(registry: CollectorRegistry) -> Counter:
+    """``kvroute_client_fields_stripped_total{field}`` (``router.serve.client_fields.ClientFields``)."""
+    return Counter(
+        "kvroute_client_fields_stripped",
+        "router-controlled fields (kv_transfer_params, bootstrap_*, DP ranks) removed from client request "
+        "bodies at intake, by field",
+        ["field"],
+        registry=registry,
+    )
+
+
+def connections_cut_counter(registry: CollectorRegistry) -> Counter:
+    """``kvroute_client_connections_cut_total{reason}`` (``router.http.protocol``)."""
+    return Counter(
+        "kvroute_client_connections_cut",
+        "client connections closed by the router for a request "
+        "head over max_header_bytes / max_header_count, a head or body timeout or a body under "
+        "client_body_min_rate_bytes_s, by reason",
+        ["reason"],
+        registry=registry,
+    )
+
+
+def loop_lag_histograms(registry: CollectorRegistry | None) -> tuple[Histogram, Histogram]:
+    """The event-loop lag probe's delays and the part of them the router's own work explains
+    (``router.serve.loop_lag.LoopLag``; ``registry`` None: not exported), seconds."""
+    lag = Histogram(
+        "kvroute_event_loop_lag_seconds",
+        "delay of the event-loop lag probe past its due time (s)",
+        buckets=_LOOP_LAG_BUCKETS,
+        registry=registry,
+    )
+    own = Histogram(
+        "kvroute_event_loop_own_lag_seconds",
+        "the part of each event-loop probe delay the router's own work explains: the delay less the time the "
+        "loop thread waited for a CPU, at most the CPU time the process used (s)",
+        buckets=_LOOP_LAG_BUCKETS,
+        registry=registry,
+    )
+    return lag, own
 
 
 def gauge(

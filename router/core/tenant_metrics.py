@@ -39,30 +39,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
-_TTFT_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.2,
-    0.35,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_LE = (*(repr(b) for b in _TTFT_BUCKETS), "+Inf")
+from router.telemetry import TTFT_BUCKETS, ClassMetrics
+
+_LE = (*(repr(b) for b in TTFT_BUCKETS), "+Inf")
 #: the label value of tenants beyond ``max_labels``
 OTHER = "other"
 #: series rendered per slice of ``render_chunks``
@@ -85,7 +66,7 @@ class _Series:
     demoted: dict[str, float] = field(default_factory=dict)
     tokens: float = 0.0
     reused: float = 0.0
-    ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(_TTFT_BUCKETS) + 1))
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
     ttft_sum: float = 0.0
     ttft_count: int = 0
 
@@ -113,27 +94,9 @@ class TenantMetrics:
         self._series: dict[str, _Series] = {}
         self._next_sweep = clock() + idle_s / 4
         self.expired = 0
-        self.predicted = Histogram(
-            "kvroute_class_predicted_ttft_seconds",
-            "predicted TTFT of the chosen replica, by priority class (s)",
-            ["class"],
-            buckets=_TTFT_BUCKETS,
-            registry=registry,
-        )
-        self.observed = Histogram(
-            "kvroute_class_observed_ttft_seconds",
-            "observed TTFT of requests with a prediction, by priority class (s)",
-            ["class"],
-            buckets=_TTFT_BUCKETS,
-            registry=registry,
-        )
-        self.unknown_priority = Counter(
-            "kvroute_priority_unknown",
-            "requests whose peer priority header named no known class or objective (served at "
-            "default_priority_class), by header",
-            ["header"],
-            registry=registry,
-        )
+        classes = ClassMetrics(registry)
+        self.predicted, self.observed = classes.predicted, classes.observed
+        self.unknown_priority = classes.unknown_priority
 
     # -- counting --------------------------------------------------------------------------------------
     def _get(self, tenant: str) -> _Series:
@@ -172,7 +135,7 @@ class TenantMetrics:
     def ttft(self, tenant: str, seconds: float) -> None:
         """A router-observed TTFT of a request of ``tenant``, seconds."""
         s = self._get(tenant)
-        s.ttft_buckets[bisect.bisect_left(_TTFT_BUCKETS, seconds)] += 1
+        s.ttft_buckets[bisect.bisect_left(TTFT_BUCKETS, seconds)] += 1
         s.ttft_sum += seconds
         s.ttft_count += 1
 

@@ -11,12 +11,11 @@ import logging
 from typing import Any
 
 import orjson
-from prometheus_client import Counter
 
 from membership.replicas import Replica
 from policies.base import Observation
 from router.core.routing import Routed, Router
-from router.telemetry import Telemetry
+from router.telemetry import Telemetry, usage_missing_counter
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -87,15 +86,7 @@ class Feedback:
     def __init__(self, router: Router, telemetry: Telemetry) -> None:
         self.router = router
         self.telemetry = telemetry
-        self.usage_missing = Counter(
-            "kvroute_engine_usage_missing",
-            "successful engine answers without the usage the router needs for "
-            "cached-token feedback, by replica and what was missing (prompt_tokens_details: vLLM without "
-            "--enable-prompt-tokens-details, SGLang without --enable-cache-report; stream_usage: a stream that "
-            "carried no usage although it was asked for)",
-            ["replica", "what"],
-            registry=telemetry.registry,
-        )
+        self.usage_missing = usage_missing_counter(telemetry.registry)
         #: (replica name, what) already logged as missing usage: one warning per replica
         self._usage_warned: set[tuple[str, str]] = set()
 

@@ -57,7 +57,6 @@ from typing import Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import Counter
 from starlette.datastructures import Headers
 
 from router.core.regions import hop_headers
@@ -76,6 +75,7 @@ from router.serve.endpoints import ENGINE_POST_ROUTES, response_route
 from router.serve.guard import PICKER_ROUTES, authorize, normalize_path
 from router.serve.pipeline import Pipeline, Prepared
 from router.serve.requests import new_request_id
+from router.telemetry import EppMetrics
 from router.tracing import RequestTrace, first_byte
 
 log = logging.getLogger("kvroute.epp")
@@ -111,19 +111,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.table = pipeline.table
         self.router = pipeline.router
         self.auth = pipeline.gate.auth
-        telemetry = self.telemetry
-        self.streams = Counter(
-            "kvroute_epp_requests",
-            "endpoint-picker streams by outcome (HTTP status of the answer: 200 = routed)",
-            ["status"],
-            registry=telemetry.registry,
-        )
-        self.protocol_errors = Counter(
-            "kvroute_epp_protocol_errors",
-            "ext_proc messages out of the protocol (answered 400 protocol_error, the stream ended), by reason",
-            ["reason"],
-            registry=telemetry.registry,
-        )
+        metrics = EppMetrics(self.telemetry.registry)
+        self.streams, self.protocol_errors = metrics.streams, metrics.protocol_errors
         #: gateway streams open now (one per HTTP request the gateway is processing; rendered by telemetry)
         self.active = 0
         #: work started when a response ended (the Responses API's map writes), kept until done

@@ -33,6 +33,8 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from router.telemetry import connections_cut_counter
+
 
 @dataclass(frozen=True, slots=True)
 class ConnLimits:
@@ -75,16 +77,7 @@ def _raw_error(status: int, phrase: str, message: str, code: str) -> bytes:
 
 def cut_counter(registry: Any) -> Callable[[str], None]:
     """``on_cut`` counting ``kvroute_client_connections_cut_total{reason}`` in ``registry``."""
-    from prometheus_client import Counter
-
-    counter = Counter(
-        "kvroute_client_connections_cut",
-        "client connections closed by the router for a request "
-        "head over max_header_bytes / max_header_count, a head or body timeout or a body under "
-        "client_body_min_rate_bytes_s, by reason",
-        ["reason"],
-        registry=registry,
-    )
+    counter = connections_cut_counter(registry)
     return lambda reason: counter.labels(reason).inc()
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
-from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
 
 from membership.replicas import Replica
@@ -26,29 +25,10 @@ from router.engine.client import EngineError, EngineResponse, EngineResponseTooL
 from router.engine.feedback import cached_tokens
 from router.engine.hold import AttemptFailed, Hold
 from router.pd import vllm as pd_vllm
+from router.telemetry import PdMetrics
 from router.tracing import attempt_failed, first_byte
 
 log = logging.getLogger("kvroute.pd")
-
-_LEG_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.2,
-    0.35,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,75 +50,6 @@ class PdConfig:
     max_transfer_params_bytes: int
     mooncake_query_timeout_s: float
     mooncake_ids_ttl_s: float
-
-
-class PdMetrics:
-    """The PD metrics, registered on the router's registry."""
-
-    def __init__(self, registry: Any) -> None:
-        self.plans = Counter(
-            "kvroute_pd_plans",
-            "PD plans dispatched, by policy and kind (in_place, disaggregated)",
-            ["policy", "kind"],
-            registry=registry,
-        )
-        self.legs = Counter(
-            "kvroute_pd_legs",
-            "PD legs sent, by replica and leg (prefill, decode; in_place: "
-            "in-place plans, by the planned replica)",
-            ["replica", "leg"],
-            registry=registry,
-        )
-        self.leg_seconds = Histogram(
-            "kvroute_pd_leg_seconds",
-            "PD leg latency: prefill leg until its answer, decode leg until its first byte (s)",
-            ["leg"],
-            buckets=_LEG_BUCKETS,
-            registry=registry,
-        )
-        self.handoff_seconds = Histogram(
-            "kvroute_pd_handoff_seconds",
-            "sequential relay: from the prefill "
-            "answer to the decode leg's first byte (KV transfer + first decode "
-            "step), s",
-            buckets=_LEG_BUCKETS,
-            registry=registry,
-        )
-        self.fallbacks = Counter(
-            "kvroute_pd_fallbacks",
-            "disaggregated plans served in place instead, by reason (prefill_failed, decode_failed, "
-            "transfer_failed, engine_id_unknown, replica_gone, bad_body; the endpoint picker: no_body)",
-            ["reason"],
-            registry=registry,
-        )
-        self.mooncake_unknown = Counter(
-            "kvroute_pd_mooncake_engine_unknown",
-            "Mooncake plans whose prefill replica's engine id the router could not learn from its bootstrap "
-            "server (GET /query): no Mooncake parameters sent, by prefill replica",
-            ["replica"],
-            registry=registry,
-        )
-        self.mooncake_queries = Counter(
-            "kvroute_pd_mooncake_queries",
-            "bootstrap /query requests for Mooncake engine ids, by outcome (ok, failed)",
-            ["outcome"],
-            registry=registry,
-        )
-        self.link_bandwidth = Gauge(
-            "kvroute_pd_link_bandwidth_bytes_per_second",
-            "P->D link bandwidth the PD plans use: configured, then learned from observed handoffs (bytes/s)",
-            registry=registry,
-        )
-        self.link_samples = Counter(
-            "kvroute_pd_link_samples",
-            "observed handoffs fed to the P->D link estimator, "
-            "by outcome: accepted / rejected (the relay's own timing; rejected: "
-            "non-positive or non-finite transfer time or size), engine_accepted / "
-            "engine_rejected (transfers the engines reported in /metrics, e.g. vLLM's "
-            "NIXL histograms), superseded (relay timing not fed: engines report)",
-            ["outcome"],
-            registry=registry,
-        )
 
 
 #: prefill answers at least this large are read in a worker thread, bytes

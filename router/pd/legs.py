@@ -76,10 +76,10 @@ from router.engine.proxy import Proxy
 from router.engine.scrape import PooledScrapeClient
 from router.errors import error_response
 from router.pd import vllm as pd_vllm
-from router.pd.leg import LegFailed, PdConfig, PdMetrics, TwoLegs
+from router.pd.leg import LegFailed, PdConfig, TwoLegs
 from router.pd.mooncake import MooncakeIds
 from router.pd.runners import MooncakePush, NixlRelay, ProtocolRunner, SglangBootstrap
-from router.telemetry import Telemetry
+from router.telemetry import PdMetrics, Telemetry
 from router.tracing import TRACE_HEADERS
 
 log = logging.getLogger("kvroute.pd")

@@ -35,8 +35,9 @@ from router.engine.hold import Hold
 from router.pd import mooncake as pd_mooncake
 from router.pd import sglang as pd_sglang
 from router.pd import vllm as pd_vllm
-from router.pd.leg import LegFailed, PdMetrics, TwoLegs
+from router.pd.leg import LegFailed, TwoLegs
 from router.pd.mooncake import MooncakeIds
+from router.telemetry import PdMetrics
 
 log = logging.getLogger("kvroute.pd")
 

@@ -29,7 +29,8 @@ import logging
 from typing import Any
 
 import orjson
-from prometheus_client import Counter
+
+from router.telemetry import fields_stripped_counter
 
 log = logging.getLogger("kvroute.intake")
 
@@ -84,13 +85,7 @@ class ClientFields:
     """
 
     def __init__(self, registry: Any) -> None:
-        self.stripped = Counter(
-            "kvroute_client_fields_stripped",
-            "router-controlled fields (kv_transfer_params, bootstrap_*, DP ranks) removed from client request "
-            "bodies at intake, by field",
-            ["field"],
-            registry=registry,
-        )
+        self.stripped = fields_stripped_counter(registry)
         self._logged: set[str] = set()
 
     async def strip(self, raw: bytes, data: Any) -> bytes | None:

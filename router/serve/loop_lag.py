@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from router.telemetry import loop_lag_histograms
 
 #: the loop thread's scheduler statistics: "<on-CPU ns> <run-queue wait ns> <timeslices>"
 _SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -107,19 +107,7 @@ class LoopLag:
     def __init__(self, interval_s: float, window_s: float, registry: CollectorRegistry | None = None) -> None:
         self.interval_s = interval_s
         self.window_s = window_s
-        self.histogram = Histogram(
-            "kvroute_event_loop_lag_seconds",
-            "delay of the event-loop lag probe past its due time (s)",
-            buckets=_BUCKETS,
-            registry=registry,
-        )
-        self.own_histogram = Histogram(
-            "kvroute_event_loop_own_lag_seconds",
-            "the part of each event-loop probe delay the router's own work explains: the delay less the time the "
-            "loop thread waited for a CPU, at most the CPU time the process used (s)",
-            buckets=_BUCKETS,
-            registry=registry,
-        )
+        self.histogram, self.own_histogram = loop_lag_histograms(registry)
         self._recent: collections.deque[tuple[float, float]] = collections.deque()  # (measured at, lag)
         self._due: float | None = None
         self._handle: asyncio.TimerHandle | None = None

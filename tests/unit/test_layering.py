@@ -218,3 +218,18 @@ def test_telemetry_alone_renders_scrape_time_families() -> None:
         if p not in allowed and any(b in p.read_text(encoding="utf-8") for b in builders)
     ]
     assert not found, found
+
+
+def test_telemetry_alone_declares_the_router_metrics() -> None:
+    """Metrics in one style: every metric of the router is declared in ``router/telemetry.py`` (a component
+    creates its counters there, on the router's registry, and counts them); no other router module imports a
+    metric type of prometheus_client."""
+    kinds = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"}
+    found = []
+    for path in sorted((ROOT / "router").rglob("*.py")):
+        if path == ROOT / "router" / "telemetry.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("prometheus_client"):
+                found += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if a.name in kinds]
+    assert not found, found
