@@ -219,7 +219,7 @@ def _held_bytes(action: Action) -> int:
     return 0
 
 
-class _Feed:
+class ReplicaFeed:
     """The socket side of one replica's subscription: reads, hands inputs to its sequencer, runs the actions."""
 
     def __init__(self, owner: KVEventSubscriber, spec: FeedSpec) -> None:
@@ -620,7 +620,7 @@ class KVEventSubscriber:
         self.index_lock = index_lock
         self.on_degraded = on_degraded
         self.clock = clock
-        self._feeds: dict[int, _Feed] = {}
+        self._feeds: dict[int, ReplicaFeed] = {}
         # held by the feed applying a batch: feeds take turns, one batch each, with the loop's other work between
         self.apply_turn = asyncio.Lock()
         self._retired = FeedStats()  # counters of feeds that were removed (totals stay monotonic)
@@ -668,7 +668,7 @@ class KVEventSubscriber:
             if old.spec == spec:
                 return
             await self.remove_replica(spec.index, clear=old.spec.endpoint != spec.endpoint)
-        feed = _Feed(self, spec)
+        feed = ReplicaFeed(self, spec)
         self._feeds[spec.index] = feed
         if self._running:
             feed.task = asyncio.ensure_future(feed.run())
@@ -789,6 +789,14 @@ class KVEventSubscriber:
         """Replica indices with a feed."""
         return sorted(self._feeds)
 
+    def feed(self, replica_index: int) -> ReplicaFeed | None:
+        """The replica's feed (its counters ``stats``, its ``sequencer``, the last measured lag), or None."""
+        return self._feeds.get(replica_index)
+
+    def feeds(self) -> list[ReplicaFeed]:
+        """Every replica's feed."""
+        return list(self._feeds.values())
+
     def stats(self) -> dict[str, Any]:
         """Counters per replica (by name) and totals, as plain dicts."""
         now = self.clock()
@@ -817,7 +825,7 @@ class KVEventSubscriber:
         register_families(registry, lambda: _kv_event_families(self))
 
 
-def _media_families(sub: KVEventSubscriber, feeds: list[_Feed]) -> Iterator[Metric]:
+def _media_families(sub: KVEventSubscriber, feeds: list[ReplicaFeed]) -> Iterator[Metric]:
     """Unknown media (bounded labels), engine pages per medium and tier, image-bearing pages."""
     um = CounterMetricFamily(
         "kvroute_kv_unknown_medium",
@@ -849,7 +857,7 @@ def _media_families(sub: KVEventSubscriber, feeds: list[_Feed]) -> Iterator[Metr
 
 def _kv_event_families(sub: KVEventSubscriber) -> Iterator[Metric]:
     """The subscriber's per-feed counters, lags and degraded flags as metric families (built at scrape time)."""
-    feeds = list(sub._feeds.values())
+    feeds = sub.feeds()
     ev = CounterMetricFamily(
         "kvroute_kv_events_ingested",
         "KV events applied to the index, by type",

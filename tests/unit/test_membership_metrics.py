@@ -33,7 +33,8 @@ def _kv_events_text() -> bytes:
         await sub.add_replica(FeedSpec(index=1, name="engine-b", endpoint="tcp://127.0.0.1:2"))
 
     asyncio.run(add())
-    a, b = sub._feeds[0], sub._feeds[1]
+    a, b = sub.feed(0), sub.feed(1)
+    assert a is not None and b is not None
     a.stats.batches, a.stats.gaps, a.stats.missing_batches, a.stats.duplicates = 7, 2, 5, 1
     a.stats.restarts, a.stats.orphans, a.stats.stored_blocks = 1, 3, 640
     a.stats.events.update({"BlockStored": 12, "BlockRemoved": 4, "AllBlocksCleared": 1})
