@@ -165,6 +165,11 @@ class TokenIdsCheck:
                     self._audit_one(rep, rep.url, prompt), name=f"kvroute-token-id-audit-{rep.name}"
                 )
 
+    async def audits_settled(self) -> None:
+        """Wait until the audits running now have ended (their verdicts applied)."""
+        for task in list(self._audits.values()):
+            await task
+
     async def _audit_one(self, rep: Replica, url: str, prompt: IdsPrompt) -> None:
         try:
             theirs = await self._engine_ids(rep, prompt.text)

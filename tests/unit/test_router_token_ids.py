@@ -167,9 +167,7 @@ async def test_live_prompts_are_audited_and_a_disagreement_stops_ids(
     sent = ids_prompt({"model": "m", "prompt": prompt}, tokenizer.encode_text(prompt))
     assert sent is not None
 
-    async def settle() -> None:
-        for t in list(check._audits.values()):
-            await t
+    settle = check.audits_settled
 
     try:
         await check.check_due()
