@@ -54,9 +54,11 @@ ROUTER_FIELDS: frozenset[str] = frozenset(
 #: endpoint picker runs the prefill leg itself and hands the decode pod a request it serves without recomputing,
 #: so it never names one: a sidecar would run a second prefill and leave the first one's KV held on the prefill pod
 PREFILLER_HEADER = "x-prefiller-host-port"
+#: the sidecar's older spelling of ``PREFILLER_HEADER`` (a URL), still read when that one is absent
+PREFILLER_URL_HEADER = "x-prefiller-url"
 #: request headers only the router sets (lower case): a client's are removed, so none can steer a sidecar's
 #: prefill to a host of its choosing
-ROUTER_HEADERS: tuple[str, ...] = ("x-data-parallel-rank", PREFILLER_HEADER)
+ROUTER_HEADERS: tuple[str, ...] = ("x-data-parallel-rank", PREFILLER_HEADER, PREFILLER_URL_HEADER)
 #: bodies at least this large are re-serialized in a worker thread, bytes
 _THREAD_MIN_BYTES = 64 * 1024
 

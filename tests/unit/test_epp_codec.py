@@ -136,12 +136,16 @@ def test_a_router_header_the_picker_sets_replaces_the_clients() -> None:
     """``X-data-parallel-rank`` and llm-d's ``x-prefiller-host-port`` are the router's: removed from what a
     client sent, or (a PD plan's pinned rank) set over it, never appended to it."""
     plain = codec.routed_headers("10.0.0.1:8000", {"x-request-id": "r"}, None).request_headers.response
-    assert list(plain.header_mutation.remove_headers) == ["x-data-parallel-rank", "x-prefiller-host-port"]
+    assert list(plain.header_mutation.remove_headers) == [
+        "x-data-parallel-rank",
+        "x-prefiller-host-port",
+        "x-prefiller-url",
+    ]
     pinned = codec.routed_headers(
         "10.0.0.1:8000", {"x-data-parallel-rank": "1", "x-prefiller-host-port": "10.0.0.2:8000"}, None
     ).request_headers.response
     mutation = pinned.header_mutation
-    assert list(mutation.remove_headers) == []
+    assert list(mutation.remove_headers) == ["x-prefiller-url"]  # the ones it does not set
     prefiller = next(h for h in mutation.set_headers if h.header.key == "x-prefiller-host-port")
     assert prefiller.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
     rank = next(h for h in mutation.set_headers if h.header.key == "x-data-parallel-rank")
