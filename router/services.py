@@ -220,7 +220,7 @@ def _peer_round_trips(settings: Settings, ladder: RegionLadderPolicy) -> dict[st
 
 def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> Membership:
     membership = Membership(
-        settings.membership(),
+        settings.membership_config(),
         table,
         index,
         specs=settings.static_replicas()
@@ -640,7 +640,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     headers = settings.engine_headers()
     telemetry = Telemetry()
     _configure_engine_tls(settings)
-    table = ReplicaTable(make_allocator(settings.membership()))  # ordinals / Redis registry / grace
+    table = ReplicaTable(make_allocator(settings.membership_config()))  # ordinals / Redis registry / grace
     index = _build_index(settings)
     policy = _build_policy(settings)
     tokenizer = _build_tokenizer(settings)
