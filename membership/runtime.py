@@ -147,7 +147,9 @@ class Membership:
             _discovery_health(table, config.health, headers) if config.kubernetes is not None else None
         )
         self.watcher: PodWatcher | None = None
-        self.pool_watcher: InferencePoolWatcher | None = None  # membership from an InferencePool (issue 21)
+        self.pool_watcher: InferencePoolWatcher | None = (
+            None  # membership from an InferencePool (Gateway API)
+        )
         self.shared: SharedState | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self.reindexed = 0

@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
     gc.freeze()
     # young collections as usual (700 allocations), older ones 10x rarer than the default (10, 10): every full
     # collection walks the whole index (~17 ms each on the e2e slice, 5 a run) and the middle one ~1.4 ms, while
-    # what a request allocates is freed by reference counting (issue 23: ~3 % of the router's CPU was the
+    # what a request allocates is freed by reference counting (measured: ~3 % of the router's CPU was the
     # collector's; cyclic garbage that reached the old generation waits longer, bounded: ~10k young collections)
     gc.set_threshold(700, _GC_OLDER_EVERY, _GC_OLDER_EVERY)
     pin_mmap_threshold()  # large bodies' buffers go back to the OS when freed (router/heap.py)

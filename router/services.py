@@ -242,8 +242,8 @@ def _build_intake(settings: Settings, table: ReplicaTable, telemetry: Telemetry)
 
 
 def _probe_over_pool(membership: Membership, client: PooledScrapeClient) -> None:
-    """Health probes through the proxy's engine pool (``router/engine/scrape.py``), not httpx (issue 23: the
-    event-loop profile; the pool sends the same engine API key and TLS context the probes would)."""
+    """Health probes through the proxy's engine pool (``router/engine/scrape.py``), not httpx (cheaper on
+    the event loop; the pool sends the same engine API key and TLS context the probes would)."""
     for checker in (membership.static.health, membership.discovered_health):
         if checker is not None:
             checker.use_client(client)
@@ -279,7 +279,7 @@ def _build_router(
 
 
 def _configure_pd(settings: Settings, router: Router) -> None:
-    """Prefill/decode disaggregation (issue 19): the PD plan policy (built on the first PD decision, so a
+    """Prefill/decode disaggregation : the PD plan policy (built on the first PD decision, so a
     co-located fleet never needs one) and the fleet's P->D link."""
     router.pd_policy_factory = lambda: make_pd_policy(settings.pd_policy, **settings.pd_policy_params)
     router.pd_link = HandoffLink(
@@ -391,7 +391,7 @@ def _build_shedder(settings: Settings, loop_lag: LoopLag, admission: Admission, 
 def _build_tenants(
     settings: Settings, membership: Membership, admission: Admission, telemetry: Telemetry, router: Router
 ) -> TenantAdmission:
-    """Identity and admission (issue 20): quotas in Redis when configured (else in memory), the fair queue of
+    """Identity and admission: quotas in Redis when configured (else in memory), the fair queue of
     ``admission``, per-tenant metrics fed by the router's observations."""
     budget = TenantBudget(membership.shared, settings.tenant_expected_routers)
     tenants = TenantAdmission(
