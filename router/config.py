@@ -177,14 +177,19 @@ def _merge_over_default(cls: type[BaseModel], v: Any, info: ValidationInfo) -> A
     return out
 
 
-#: every concern class: frozen once built (a component cannot change its own configuration), no unknown keys
+#: a concern's fields and validators (``Settings`` inherits them flat; its sub-config class adds the builders)
+_FIELDS_CONFIG = ConfigDict(extra="forbid", validate_default=True)
+#: a concern's sub-config: frozen once built (a component cannot change its own configuration)
 _CONCERN_CONFIG = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-class ServerSettings(BaseModel):
-    """HTTP server and process: Where the router listens, how it logs, its worker processes and its shutdown."""
+class _ServerFields(BaseModel):
+    """HTTP server and process: where the router listens, how it logs, its worker processes and its shutdown.
 
-    model_config = _CONCERN_CONFIG
+    The fields of ``ServerSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "HTTP server and process"
 
     host: str = Field(default="0.0.0.0", description="address the router listens on")
@@ -229,10 +234,20 @@ class ServerSettings(BaseModel):
     )
 
 
-class RoutingSettings(BaseModel):
-    """Routing: The routing policy and its cost model (profiles, KV tiers), block keys, session header, per-replica limit and the cache-first dispatch gate."""
+class ServerSettings(_ServerFields):
+    """HTTP server and process: the frozen sub-config handed to its components (``Settings.server``)."""
 
     model_config = _CONCERN_CONFIG
+
+
+class _RoutingFields(BaseModel):
+    """Routing: the routing policy and its cost model (profiles, KV tiers), block keys, session header,
+    per-replica limit and the cache-first dispatch gate.
+
+    The fields of ``RoutingSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Routing"
 
     policy: str = Field(
@@ -322,6 +337,12 @@ class RoutingSettings(BaseModel):
     def _merge_tier_numbers(cls, v: Any, info: ValidationInfo) -> Any:
         return _merge_over_default(cls, v, info)
 
+
+class RoutingSettings(_RoutingFields):
+    """Routing: the frozen sub-config handed to its components (``Settings.routing``)."""
+
+    model_config = _CONCERN_CONFIG
+
     def dispatch(self) -> DispatchSettings:
         """The cache-first dispatch gate."""
         return DispatchSettings(
@@ -331,10 +352,14 @@ class RoutingSettings(BaseModel):
         )
 
 
-class TokenizerSettings(BaseModel):
-    """Tokenizer: Prompt -> token ids: the mode, the local tokenizer and its cache, the cache frontier, token-id forwarding."""
+class _TokenizerFields(BaseModel):
+    """Tokenizer: prompt -> token ids: the mode, the local tokenizer and its cache, the cache frontier, token-id
+    forwarding.
 
-    model_config = _CONCERN_CONFIG
+    The fields of ``TokenizerSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Tokenizer"
 
     tokenizer_mode: Literal["auto", "hf", "engine", "bytes"] = Field(
@@ -395,10 +420,20 @@ class TokenizerSettings(BaseModel):
     )
 
 
-class MembershipSettings(BaseModel):
-    """Membership: Which replicas exist and whether they are healthy: static replicas, Kubernetes discovery, health probes, metrics scrapes, stable replica indices."""
+class TokenizerSettings(_TokenizerFields):
+    """Tokenizer: the frozen sub-config handed to its components (``Settings.tokenizer``)."""
 
     model_config = _CONCERN_CONFIG
+
+
+class _MembershipFields(BaseModel):
+    """Membership: which replicas exist and whether they are healthy: static replicas, Kubernetes discovery,
+    health probes, metrics scrapes, stable replica indices.
+
+    The fields of ``MembershipSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Membership"
 
     replicas: Annotated[list[ReplicaSpec], NoDecode] = Field(
@@ -487,6 +522,12 @@ class MembershipSettings(BaseModel):
             return [ReplicaSpec.parse(x) if isinstance(x, str) else x for x in v]
         return v
 
+
+class MembershipSettings(_MembershipFields):
+    """Membership: the frozen sub-config handed to its components (``Settings.membership``)."""
+
+    model_config = _CONCERN_CONFIG
+
     def health(self) -> HealthConfig:
         """Health checks of every replica (static and discovered)."""
         return HealthConfig(
@@ -511,10 +552,14 @@ class MembershipSettings(BaseModel):
         return [s.model_dump() for s in self.replicas]
 
 
-class SharedStateSettings(BaseModel):
-    """Shared state: State shared by router replicas through Redis: sessions, idempotency keys, decisions, Responses API chains."""
+class _SharedStateFields(BaseModel):
+    """Shared state: state shared by router replicas through Redis: sessions, idempotency keys, decisions,
+    Responses API chains.
 
-    model_config = _CONCERN_CONFIG
+    The fields of ``SharedStateSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Shared state"
 
     redis_url: str | None = Field(
@@ -569,6 +614,12 @@ class SharedStateSettings(BaseModel):
         "response_history_max_bytes)",
     )
 
+
+class SharedStateSettings(_SharedStateFields):
+    """Shared state: the frozen sub-config handed to its components (``Settings.shared_state``)."""
+
+    model_config = _CONCERN_CONFIG
+
     def redis(self) -> RedisConfig | None:
         """State shared by router replicas (None without ``redis_url``)."""
         if not self.redis_url:
@@ -584,10 +635,14 @@ class SharedStateSettings(BaseModel):
         )
 
 
-class KvEventSettings(BaseModel):
-    """KV events and the index: The engines' KV-event feeds (timing, byte budgets, media and tiers) and the prefix index they feed."""
+class _KvEventFields(BaseModel):
+    """KV events and the index: the engines' KV-event feeds (timing, byte budgets, media and tiers) and the
+    prefix index they feed.
 
-    model_config = _CONCERN_CONFIG
+    The fields of ``KvEventSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "KV events and the index"
 
     kv_events: bool = Field(
@@ -721,10 +776,20 @@ class KvEventSettings(BaseModel):
         return _merge_over_default(cls, v, info)
 
 
-class EngineEdgeSettings(BaseModel):
-    """Engine edge: The hop to the engines: timeouts, retries, migration, the connection pool, response limits, TLS, API key."""
+class KvEventSettings(_KvEventFields):
+    """KV events and the index: the frozen sub-config handed to its components (``Settings.kv``)."""
 
     model_config = _CONCERN_CONFIG
+
+
+class _EngineEdgeFields(BaseModel):
+    """Engine edge: the hop to the engines: timeouts, retries, migration, the connection pool, response limits,
+    TLS, API key.
+
+    The fields of ``EngineEdgeSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Engine edge"
 
     connect_timeout_s: float = Field(default=2.0, gt=0, description="engine TCP connect timeout (s)")
@@ -813,16 +878,26 @@ class EngineEdgeSettings(BaseModel):
         "endpoint_not_served at once (s)",
     )
 
+
+class EngineEdgeSettings(_EngineEdgeFields):
+    """Engine edge: the frozen sub-config handed to its components (``Settings.engine_edge``)."""
+
+    model_config = _CONCERN_CONFIG
+
     def engine_headers(self) -> dict[str, str]:
         """Headers sent to engines (probes, scrapes, /tokenize): the engine API key as a bearer token, if any."""
         key = self.engine_api_key
         return {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
 
-class ClientEdgeSettings(BaseModel):
-    """Client edge: What clients may send and how the router sheds overload: auth, CORS, input limits, slow clients, the in-flight limit and its queue, event-loop lag shedding."""
+class _ClientEdgeFields(BaseModel):
+    """Client edge: what clients may send and how the router sheds overload: auth, CORS, input limits, slow
+    clients, the in-flight limit and its queue, event-loop lag shedding.
 
-    model_config = _CONCERN_CONFIG
+    The fields of ``ClientEdgeSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Client edge"
 
     max_request_bytes: int = Field(
@@ -970,10 +1045,20 @@ class ClientEdgeSettings(BaseModel):
         return _split_list(v)
 
 
-class TenancySettings(BaseModel):
-    """Tenancy, priorities and SLOs: Who a request belongs to, its quota and fair share, its priority class and TTFT target."""
+class ClientEdgeSettings(_ClientEdgeFields):
+    """Client edge: the frozen sub-config handed to its components (``Settings.client_edge``)."""
 
     model_config = _CONCERN_CONFIG
+
+
+class _TenancyFields(BaseModel):
+    """Tenancy, priorities and SLOs: who a request belongs to, its quota and fair share, its priority class and
+    TTFT target.
+
+    The fields of ``TenancySettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Tenancy, priorities and SLOs"
 
     tenant_header: str = Field(
@@ -1136,10 +1221,20 @@ class TenancySettings(BaseModel):
         return _json_dict(v)
 
 
-class PdSettings(BaseModel):
-    """Prefill/decode disaggregation: The PD plan policy, the P->D link and how it is learned, the KV handoff wire, roles read from pods."""
+class TenancySettings(_TenancyFields):
+    """Tenancy, priorities and SLOs: the frozen sub-config handed to its components (``Settings.tenancy``)."""
 
     model_config = _CONCERN_CONFIG
+
+
+class _PdFields(BaseModel):
+    """Prefill/decode disaggregation: the PD plan policy, the P->D link and how it is learned, the KV handoff
+    wire, roles read from pods.
+
+    The fields of ``PdSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Prefill/decode disaggregation"
 
     pd_policy: str = Field(
@@ -1224,6 +1319,12 @@ class PdSettings(BaseModel):
     def _parse_pd_dicts(cls, v: Any) -> Any:
         return _json_dict(v)
 
+
+class PdSettings(_PdFields):
+    """Prefill/decode disaggregation: the frozen sub-config handed to its components (``Settings.pd``)."""
+
+    model_config = _CONCERN_CONFIG
+
     def pd_link_learning(self) -> LinkLearning:
         """How the P->D link bandwidth is learned from observed handoffs."""
         return LinkLearning(
@@ -1233,10 +1334,14 @@ class PdSettings(BaseModel):
         )
 
 
-class PickerSettings(BaseModel):
-    """Endpoint picker: ``kvroute epp``: the Gateway API endpoint picker's gRPC server, its TLS, its stream limits, the InferencePool it serves."""
+class _PickerFields(BaseModel):
+    """Endpoint picker: ``kvroute epp``: the Gateway API endpoint picker's gRPC server, its TLS, its stream
+    limits, the InferencePool it serves.
 
-    model_config = _CONCERN_CONFIG
+    The fields of ``PickerSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Endpoint picker"
 
     epp_grpc_port: int = Field(
@@ -1299,10 +1404,20 @@ class PickerSettings(BaseModel):
     )
 
 
-class RegionSettings(BaseModel):
-    """Regions: This router's region, the round trips between regions, peer regions' routers and the failover ladder (docs/regions.md)."""
+class PickerSettings(_PickerFields):
+    """Endpoint picker: the frozen sub-config handed to its components (``Settings.picker``)."""
 
     model_config = _CONCERN_CONFIG
+
+
+class _RegionFields(BaseModel):
+    """Regions: this router's region, the round trips between regions, peer regions' routers and the failover
+    ladder (docs/regions.md).
+
+    The fields of ``RegionSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Regions"
 
     region: str = Field(
@@ -1387,10 +1502,20 @@ class RegionSettings(BaseModel):
     )
 
 
-class TracingSettings(BaseModel):
-    """Tracing: OpenTelemetry spans of the pipeline's steps and the W3C trace context sent to engines (router/tracing.py)."""
+class RegionSettings(_RegionFields):
+    """Regions: the frozen sub-config handed to its components (``Settings.regions``)."""
 
     model_config = _CONCERN_CONFIG
+
+
+class _TracingFields(BaseModel):
+    """Tracing: OpenTelemetry spans of the pipeline's steps and the W3C trace context sent to engines
+    (router/tracing.py).
+
+    The fields of ``TracingSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
     heading: ClassVar[str] = "Tracing"
 
     otlp_traces_endpoint: str | None = Field(
@@ -1414,6 +1539,12 @@ class TracingSettings(BaseModel):
     )
 
 
+class TracingSettings(_TracingFields):
+    """Tracing: the frozen sub-config handed to its components (``Settings.tracing``)."""
+
+    model_config = _CONCERN_CONFIG
+
+
 #: the concerns in documentation order (docs/service.md, the Helm values, ``kvroute serve --help`` group by them)
 CONCERNS: tuple[type[BaseModel], ...] = (
     ServerSettings,
@@ -1434,27 +1565,30 @@ CONCERNS: tuple[type[BaseModel], ...] = (
 _C = TypeVar("_C", bound=BaseModel)
 
 
-class Settings(  # pydantic orders fields from the last base to the first: the bases are CONCERNS reversed
-    TracingSettings,
-    RegionSettings,
-    PickerSettings,
-    PdSettings,
-    TenancySettings,
-    ClientEdgeSettings,
-    EngineEdgeSettings,
-    KvEventSettings,
-    SharedStateSettings,
-    MembershipSettings,
-    TokenizerSettings,
-    RoutingSettings,
-    ServerSettings,
+#: pydantic orders fields from the last base to the first: the bases are the concerns' fields classes, reversed
+class Settings(
+    _TracingFields,
+    _RegionFields,
+    _PickerFields,
+    _PdFields,
+    _TenancyFields,
+    _ClientEdgeFields,
+    _EngineEdgeFields,
+    _KvEventFields,
+    _SharedStateFields,
+    _MembershipFields,
+    _TokenizerFields,
+    _RoutingFields,
+    _ServerFields,
     BaseSettings,
 ):
     """Every option of the kvroute router: the fields of every concern class, flat (their names are the wire).
 
     The composition root (``router.services``) hands each component its concern's frozen sub-config through the
-    accessors below (``settings.pd`` -> ``PdSettings``); no component receives the whole ``Settings``. Builders
-    and validators that span concerns live here.
+    accessors below (``settings.pd`` -> ``PdSettings``, which also carries that concern's builders, e.g.
+    ``settings.membership.health()``); no component receives the whole ``Settings``, and a ``Settings`` is not a
+    sub-config (mypy rejects one where a ``PdSettings`` is expected). Builders and validators that span concerns
+    live here.
     """
 
     model_config = SettingsConfigDict(
@@ -1569,7 +1703,10 @@ class Settings(  # pydantic orders fields from the last base to the first: the b
     def membership_config(self) -> MembershipConfig:
         """Everything the membership front door needs (health, indices, Redis, discovery)."""
         return MembershipConfig(
-            health=self.health(), allocator=self.allocator(), redis=self.redis(), kubernetes=self.kubernetes()
+            health=self.membership.health(),
+            allocator=self.membership.allocator(),
+            redis=self.shared_state.redis(),
+            kubernetes=self.kubernetes(),
         )
 
     def proxy(self) -> ProxyConfig:

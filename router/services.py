@@ -168,7 +168,7 @@ def _build_tokenizer(settings: Settings) -> Tokenizer:
         settings.tokenizer_path,
         settings.chat_template_path,
         settings.tokenize_timeout_s,
-        settings.engine_headers(),
+        settings.engine_edge.engine_headers(),
         cache_bytes=int(settings.tokenizer_cache_mb * (1 << 20)),
         cache_verify_every=settings.tokenizer_cache_verify_every,
     )
@@ -223,10 +223,10 @@ def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixInde
         settings.membership_config(),
         table,
         index,
-        specs=settings.static_replicas()
+        specs=settings.membership.static_replicas()
         + peer_specs(settings.region_peers, settings.region_peer_health_path),
         profile_for=_profile_factory(settings),
-        headers=settings.engine_headers(),
+        headers=settings.engine_edge.engine_headers(),
     )
     membership.load()  # static replicas, joining until their first probe
     return membership
@@ -285,7 +285,7 @@ def _configure_pd(settings: Settings, router: Router) -> None:
     router.pd_link = HandoffLink(
         bandwidth_bytes_per_s=settings.pd_link_bandwidth_gbps * 1e9, latency_s=settings.pd_link_latency_s
     )
-    router.pd_link_estimator = LinkEstimator(router.pd_link, settings.pd_link_learning())
+    router.pd_link_estimator = LinkEstimator(router.pd_link, settings.pd.pd_link_learning())
 
 
 def _observe_snapshot(router: Router, dispatcher: Dispatcher, rep: Replica, snap: EngineSnapshot) -> None:
@@ -346,7 +346,7 @@ def _build_token_ids(settings: Settings, tokenizer: Tokenizer, table: ReplicaTab
         enabled=settings.forward_token_ids,
         timeout_s=settings.tokenize_timeout_s,
         interval_s=settings.probe_interval_s,
-        headers=settings.engine_headers(),
+        headers=settings.engine_edge.engine_headers(),
     )
 
 
@@ -355,7 +355,7 @@ def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> 
         rep = table.by_index(i)
         return rep is not None and rep.routable
 
-    return DispatchGate(settings.dispatch(), index, settings.block_size, routable=routable)
+    return DispatchGate(settings.routing.dispatch(), index, settings.block_size, routable=routable)
 
 
 def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag, admission: Admission) -> Guard:
@@ -500,7 +500,7 @@ def _build_peer_feed(
         settings.region_peers,
         settings.region_peer_health_path,
         settings.probe_interval_s,
-        settings.engine_headers(),
+        settings.engine_edge.engine_headers(),
         settings.probe_timeout_s,
         measured,
         lambda peer, what: telemetry.region_feed_errors.labels(peer, what).inc(),
@@ -637,7 +637,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     Raises:
         ValueError / KeyError / TokenizerError: invalid configuration (message names the option).
     """
-    headers = settings.engine_headers()
+    headers = settings.engine_edge.engine_headers()
     telemetry = Telemetry()
     _configure_engine_tls(settings)
     table = ReplicaTable(make_allocator(settings.membership_config()))  # ordinals / Redis registry / grace

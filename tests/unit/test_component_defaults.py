@@ -204,4 +204,4 @@ def test_settings_hand_out_every_sub_config() -> None:
     off = Settings().membership_config()
     assert off.redis is None and off.kubernetes is None
     assert Settings(max_retries=5).proxy().max_retries == 5
-    assert Settings(dispatch_limit_tokens=8192).dispatch().limit_tokens == 8192
+    assert Settings(dispatch_limit_tokens=8192).routing.dispatch().limit_tokens == 8192
