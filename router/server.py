@@ -148,7 +148,7 @@ def _http_protocol(settings: Settings, app: Any) -> Any:
     from router.http.protocol import ConnLimits, cut_counter, protocol_class
 
     return protocol_class(
-        ConnLimits.from_settings(settings), cut_counter(app.state.services.telemetry.registry)
+        ConnLimits.from_settings(settings.client_edge), cut_counter(app.state.services.telemetry.registry)
     )
 
 
