@@ -1871,7 +1871,11 @@ def build_arg_parser(
         default=argparse.SUPPRESS,
         help=f"YAML config file (keys = option names) (env: {ENV_PREFIX}CONFIG)",
     )
+    headings = concern_headings(settings_cls)
+    groups: dict[str, Any] = {}  # one help section per concern
     for name, info in settings_cls.model_fields.items():
+        heading = headings[name] or "other options"
+        group = groups.get(heading) or groups.setdefault(heading, parser.add_argument_group(heading))
         flag = flag_name(name)
         kind = _kind(info.annotation)
         default = _default_of(info)
@@ -1882,10 +1886,10 @@ def build_arg_parser(
         kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         inner, optional = _strip_optional(info.annotation)
         if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif kind == "literal":
             choices = [str(c) for c in typing.get_args(inner)]
-            parser.add_argument(flag, choices=choices, metavar="{" + "|".join(choices) + "}", **kw)
+            group.add_argument(flag, choices=choices, metavar="{" + "|".join(choices) + "}", **kw)
         elif kind in ("int", "float"):
             conv = int if kind == "int" else float
 
@@ -1894,13 +1898,13 @@ def build_arg_parser(
                     return None
                 return conv(text)
 
-            parser.add_argument(flag, type=_num, metavar=kind.upper(), **kw)
+            group.add_argument(flag, type=_num, metavar=kind.upper(), **kw)
         elif kind == "list":
-            parser.add_argument(flag, action="append", metavar="VALUE", **kw)
+            group.add_argument(flag, action="append", metavar="VALUE", **kw)
         elif kind == "dict":
-            parser.add_argument(flag, action="append", metavar="KEY=VALUE", **kw)
+            group.add_argument(flag, action="append", metavar="KEY=VALUE", **kw)
         else:
-            parser.add_argument(flag, type=_parse_none if optional else str, metavar="TEXT", **kw)
+            group.add_argument(flag, type=_parse_none if optional else str, metavar="TEXT", **kw)
     return parser
 
 

@@ -277,3 +277,5 @@ def test_docs_and_helm_values_group_fields_by_concern() -> None:
     assert headings == [c.heading for c in CONCERNS]  # type: ignore[attr-defined]
     rows = [line for line in md.splitlines() if line.startswith("| `")]
     assert len(rows) == len(Settings.model_fields)
+    help_sections = [g.title for g in build_arg_parser()._action_groups][2:]  # after positionals / options
+    assert help_sections == headings  # kvroute serve --help: one section per concern
