@@ -56,7 +56,7 @@ _ONES = array("I", [1])
 COMPACT_MIN_DEAD = 4096
 #: A compaction starts once ``1 / COMPACT_SHARE_DIV`` of the node ids are dead or reserved. Each compaction moves
 #: every live node (a dict store each), so its work per evicted block is ``live / dead``: 3 moves at a quarter,
-#: 1 at half (issue 23: under an LRU engine cache that evicts as much as it stores, the quarter cost a third of
+#: 1 at half (measured: under an LRU engine cache that evicts as much as it stores, the quarter cost a third of
 #: the KV-event apply; ``bench_kv_intake`` apply 2.74 -> 1.91 ms per request). The price: up to one hole per
 #: live node between compactions (~28 B each; ``bench_index`` bytes per node stays under its 200 B target).
 COMPACT_SHARE_DIV = 2

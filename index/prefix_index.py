@@ -227,7 +227,7 @@ class PrefixIndex(NodeTable):
 
     def _delete_run(self, start: int, end: int, sid: int) -> None:
         """Delete the live nodes ``start .. end-1``, all in state ``sid``: ``_delete_node`` for each, with the
-        per-run parts done once (issue 23: evictions delete whole stretches of a path)."""
+        per-run parts done once (evictions delete whole stretches of a path)."""
         kl = self._keys
         dead = kl[start:end]
         run = end - start

@@ -1,4 +1,4 @@
-"""Noisy-neighbour benchmark (issue 20): one tenant floods at ``--flood-factor`` x its share while quiet tenants
+"""Noisy-neighbour benchmark (tenant fairness and quotas): one tenant floods at ``--flood-factor`` x its share while quiet tenants
 replay the conversation trace, against fake engines.
 
     python -m loadtest.bench_tenants [--trace PATH] [--replicas 4] [--duration 40] [--time-scale 0.25]

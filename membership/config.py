@@ -1,5 +1,6 @@
-"""Typed configuration of the membership parts, handed out by the router's ``Settings`` (``settings.health()``,
-``settings.allocator()``, ``settings.redis()``, ``settings.kubernetes()``, ``settings.membership()``).
+"""Typed configuration of the membership parts, handed out by the router's ``Settings``
+(``settings.membership.health()``, ``settings.membership.allocator()``, ``settings.shared_state.redis()``,
+``settings.kubernetes()``, ``settings.membership_config()``).
 
 The values and their defaults live in ``router.config.Settings`` only: these classes have no defaults, so a part
 built from Settings cannot silently use a second copy. (This module does not import the router: the arrow runs

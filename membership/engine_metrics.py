@@ -171,7 +171,7 @@ class EngineSnapshot:
 #: Largest value accepted per snapshot field (inclusive); a value that is not finite, negative or above its bound
 #: is out of range: the field stays unknown (``None``) and the name is listed in ``EngineSnapshot.rejected``.
 #: One engine exporting ``num_requests_waiting 1e308`` or a negative gauge must not break or win every routing
-#: decision for its model (issue 24, item 8). The bounds are far above any real engine (requests, tokens,
+#: decision for its model. The bounds are far above any real engine (requests, tokens,
 #: blocks, fractions).
 GAUGE_BOUNDS: dict[str, float] = {
     "queued_requests": 1e7,
@@ -268,7 +268,7 @@ def _labels(body: str) -> dict[str, str] | None:
 
 
 #: label bodies (the text between the braces) -> their parsed pairs: a page repeats the same series, with new
-#: values, every scrape of every replica (issue 23: parsing the pairs was most of a scrape's CPU). Read-only
+#: values, every scrape of every replica (measured: parsing the pairs was most of a scrape's CPU). Read-only
 #: dicts shared between samples; cleared when it reaches ``_LABEL_CACHE_MAX`` entries.
 _LABEL_CACHE: dict[str, dict[str, str] | None] = {}
 _LABEL_CACHE_MAX = 1 << 14
@@ -353,7 +353,7 @@ def _wanted_families() -> frozenset[str]:
 
 
 #: Families the snapshot reads (set at the end of the module). A page carries many more (vLLM 0.32: 659 lines,
-#: the stand-in 171, most of them histogram buckets): the scraper parses only these (issue 23: a full parse of
+#: the stand-in 171, most of them histogram buckets): the scraper parses only these (measured: a full parse of
 #: the stand-in's page cost 0.72 ms of the event loop, and the e2e scrapes 8 pages a second).
 _WANTED_FAMILIES: frozenset[str] = frozenset()
 #: a ``Samples`` value standing for "bucket lines not parsed" (``_hist`` then builds a histogram of sum and count)

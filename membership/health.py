@@ -61,7 +61,7 @@ class ProbeResponse(Protocol):
 class ProbeClient(Protocol):
     """An HTTP client for probes: httpx's ``get(url, timeout=, headers=)`` shape.
 
-    The router injects one over its own engine connection pool (``router.engine.scrape``, issue 23: httpx costs
+    The router injects one over its own engine connection pool (``router.engine.scrape``: httpx costs
     ~1.2 ms of CPU per probe, the pool a fraction of that); failures must be raised as exceptions (any type:
     each one counts as a failed probe, its type and text become ``last_error``).
     """

@@ -5,7 +5,7 @@ predictions broadcast to peer routers).
 The router builds its ``ReplicaTable`` with ``make_allocator(config)`` and one ``Membership`` whose ``start`` /
 ``stop`` run with its lifespan::
 
-    config = settings.membership()
+    config = settings.membership_config()
     table = ReplicaTable(make_allocator(config))
     mem = Membership(config, table, index, specs=..., profile_for=profile_for, headers=engine_headers)
     mem.load()                                                 # static replicas into the table (joining)
@@ -118,7 +118,7 @@ class Membership:
     """Static replicas + Kubernetes watcher + health checks + Redis shared state around one ReplicaTable.
 
     Args:
-        config: typed configuration (``Settings.membership()``).
+        config: typed configuration (``Settings.membership_config()``).
         table: the replica table (built with ``make_allocator(config)``).
         index: the prefix index (``predict``); touched only on the event loop thread.
         specs: static replica specs (mappings, see ``membership.static``).
@@ -147,7 +147,9 @@ class Membership:
             _discovery_health(table, config.health, headers) if config.kubernetes is not None else None
         )
         self.watcher: PodWatcher | None = None
-        self.pool_watcher: InferencePoolWatcher | None = None  # membership from an InferencePool (issue 21)
+        self.pool_watcher: InferencePoolWatcher | None = (
+            None  # membership from an InferencePool (Gateway API)
+        )
         self.shared: SharedState | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self.reindexed = 0

@@ -1,4 +1,4 @@
-"""Learns the fleet's P->D link bandwidth online from observed handoffs (issue 19).
+"""Learns the fleet's P->D link bandwidth online from observed handoffs (prefill/decode disaggregation).
 
 The router starts from the configured ``HandoffLink`` (``Settings.pd_link_bandwidth_gbps`` /
 ``pd_link_latency_s``). For each disaggregated request served by the sequential relay (vLLM NIXL: the router

@@ -11,8 +11,12 @@ Precedence, highest first: CLI flags > environment > YAML file > defaults (``loa
 
 Units are in the field names: ``_s`` seconds, ``_bytes`` bytes, ``_tokens`` tokens.
 
-Other helpers add their options as fields at the end of the class, in the clearly commented section, each with a
-default and ``Field(description=...)``.
+The options are grouped by concern (``CONCERNS``: server, routing, tokenizer, membership, shared state, KV events,
+engine edge, client edge, tenancy, PD, endpoint picker, regions, tracing): each concern is a frozen pydantic model
+declaring its fields, and ``Settings`` inherits them all, so every field stays flat (its name is the flag, the
+environment variable, the YAML and Helm key). The composition root hands each component its concern's sub-config
+(``settings.pd`` -> ``PdSettings``). A new option goes into the concern class it belongs to, with a default and
+``Field(description=...)``; the docs and the Helm values list it under that concern's heading.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import typing
 from collections.abc import Sequence
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
@@ -152,14 +156,42 @@ def _split_list(v: Any) -> Any:
 _yaml_path: ContextVar[str | None] = ContextVar("kvroute_yaml_path", default=None)
 
 
-class Settings(BaseSettings):
-    """Every option of the kvroute router. See the module docstring for how flags, env and YAML derive."""
+def _json_dict(v: Any) -> Any:
+    """Env / CLI helper: a JSON object string becomes a dict ('' = empty)."""
+    if isinstance(v, str):
+        return json.loads(v) if v.strip() else {}
+    return v
 
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, case_sensitive=False
-    )
 
-    # -- HTTP server -----------------------------------------------------------------------------------
+def _merge_over_default(cls: type[BaseModel], v: Any, info: ValidationInfo) -> Any:
+    """A per-tier number mapping merged over the field's default (keys gpu|cpu|disk|remote, values >= 0)."""
+    if isinstance(v, str):
+        v = json.loads(v) if v.strip() else {}
+    if not isinstance(v, dict):
+        return v
+    field = cls.model_fields[str(info.field_name)]
+    out = {**field.default, **{str(k).strip().lower(): float(x) for k, x in v.items()}}
+    bad = {k: x for k, x in out.items() if k not in ("gpu", "cpu", "disk", "remote") or not x >= 0}
+    if bad:
+        raise ValueError(f"{info.field_name}: keys must be tiers (gpu|cpu|disk|remote), values >= 0: {bad}")
+    return out
+
+
+#: a concern's fields and validators (``Settings`` inherits them flat; its sub-config class adds the builders)
+_FIELDS_CONFIG = ConfigDict(extra="forbid", validate_default=True)
+#: a concern's sub-config: frozen once built (a component cannot change its own configuration)
+_CONCERN_CONFIG = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class _ServerFields(BaseModel):
+    """HTTP server and process: where the router listens, how it logs, its worker processes and its shutdown.
+
+    The fields of ``ServerSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "HTTP server and process"
+
     host: str = Field(default="0.0.0.0", description="address the router listens on")
     port: int = Field(default=8080, ge=0, le=65535, description="TCP port the router listens on")
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
@@ -174,8 +206,50 @@ class Settings(BaseSettings):
         "sits in front (AWS ALB 60 s, nginx 60 s, httpx 5 s): a client that reuses a connection the "
         "router is closing at that instant sees a reset request (uvicorn's own default is 5 s)",
     )
+    shutdown_grace_s: float = Field(
+        default=30.0, ge=0, description="on SIGTERM, time to finish in-flight requests (s)"
+    )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="router worker processes per pod: above 1, kvroute serve supervises this many copies of the "
+        "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
+        "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
+        "answers every worker's metrics labelled worker. Give the pod about this many cores",
+    )
+    worker_heartbeat_timeout_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="with workers > 1: a worker whose event loop has not beaten its heartbeat for this long "
+        "(hung, or stopped with SIGSTOP) is killed and started again (kvroute_worker_restarts_total"
+        "{reason=hung}); a starting worker gets max(this, 120 s) for its first beat; 0 = never (s)",
+    )
+    worker_metrics_max_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=65536,
+        description="with workers > 1: the largest metrics exposition read from one worker when /metrics merges "
+        "them (in the supervisor, off every serving loop); a larger one is cut after its last whole metric "
+        "family (kvroute_worker_metrics_truncated_total), bytes",
+    )
 
-    # -- routing ---------------------------------------------------------------------------------------
+
+class ServerSettings(_ServerFields):
+    """HTTP server and process: the frozen sub-config handed to its components (``Settings.server``)."""
+
+    model_config = _CONCERN_CONFIG
+
+
+class _RoutingFields(BaseModel):
+    """Routing: the routing policy and its cost model (profiles, KV tiers), block keys, session header,
+    per-replica limit and the cache-first dispatch gate.
+
+    The fields of ``RoutingSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Routing"
+
     policy: str = Field(
         default="ttft",
         description=(
@@ -208,15 +282,86 @@ class Settings(BaseSettings):
     session_header: str = Field(
         default="x-session-id", description="HTTP header carrying a client session id"
     )
-
-    # -- block-key root seed ---------------------------------------------------------------------------
     seed_model: str | None = Field(
         default=None,
         description="model id folded into the block-key root seed (default: the request's model)",
     )
     seed_include_lora: bool = Field(default=True, description="fold the LoRA adapter name into the root seed")
+    max_inflight_per_replica: int = Field(
+        default=512, ge=1, description="requests in flight per replica; over it -> next replica"
+    )
+    panic_routing: bool = Field(
+        default=True,
+        description="when no replica is ready, route to unhealthy ones instead of answering 503 "
+        "(health checks of overloaded engines give false positives)",
+    )
+    dispatch_limit_tokens: int = Field(
+        default=_GATE.limit_tokens,
+        ge=0,
+        description="cache-first dispatch: uncached prompt tokens a replica may have been sent and not started "
+        "(first streamed token pending) before further streamed requests for it wait in the router; "
+        "a replica that frees then gets the waiting request with the deepest prefix cached on it "
+        "first, so prefixes are used before the engine's LRU evicts them; 0 = off (the default): send "
+        "every request when routed. Measured setting: 8192, about one engine step's prefill budget "
+        "(vLLM max_num_batched_tokens); see docs/results.md",
+    )
+    dispatch_patience_s: float = Field(
+        default=_GATE.patience_s,
+        ge=0,
+        description="cache-first dispatch: once the oldest request waiting for a replica has waited this long "
+        "it goes next, whatever is cached (s)",
+    )
+    dispatch_max_wait_s: float = Field(
+        default=_GATE.max_wait_s,
+        gt=0,
+        description="cache-first dispatch: a request waiting this long is sent regardless of the gate (s)",
+    )
+    kv_tier_bandwidth_gbps: dict[str, float] = Field(
+        default={"cpu": 25.0, "disk": 7.1, "remote": 12.5},
+        description="per non-GPU tier, the bandwidth a replica fetches reused KV at, GB/s (1e9 bytes/s): cpu = "
+        "PCIe 4.0 x16 host->GPU, disk = a local NVMe read (7.1 GB/s), remote = a 25 GB/s NIC then PCIe, serial. "
+        "Merged over these defaults; a profile's own tiers win",
+    )
+    kv_tier_latency_s: dict[str, float] = Field(
+        default={"cpu": 0.0, "disk": 0.0005, "remote": 0.010},
+        description="per non-GPU tier, the fixed cost of one fetch (lookup, setup), s. Merged over these defaults",
+    )
 
-    # -- tokenizer -------------------------------------------------------------------------------------
+    @field_validator("policy_params", "profiles", mode="before")
+    @classmethod
+    def _parse_routing_dicts(cls, v: Any) -> Any:
+        return _json_dict(v)
+
+    @field_validator("kv_tier_bandwidth_gbps", "kv_tier_latency_s", mode="before")
+    @classmethod
+    def _merge_tier_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        return _merge_over_default(cls, v, info)
+
+
+class RoutingSettings(_RoutingFields):
+    """Routing: the frozen sub-config handed to its components (``Settings.routing``)."""
+
+    model_config = _CONCERN_CONFIG
+
+    def dispatch(self) -> DispatchSettings:
+        """The cache-first dispatch gate."""
+        return DispatchSettings(
+            limit_tokens=self.dispatch_limit_tokens,
+            patience_s=self.dispatch_patience_s,
+            max_wait_s=self.dispatch_max_wait_s,
+        )
+
+
+class _TokenizerFields(BaseModel):
+    """Tokenizer: prompt -> token ids: the mode, the local tokenizer and its cache, the cache frontier, token-id
+    forwarding.
+
+    The fields of ``TokenizerSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Tokenizer"
+
     tokenizer_mode: Literal["auto", "hf", "engine", "bytes"] = Field(
         default="auto",
         description="prompt -> token ids: hf (local tokenizer.json + chat template), engine (replica's "
@@ -253,8 +398,44 @@ class Settings(BaseSettings):
         "to replicas whose /tokenize returned the router's ids for the probe texts (checked when they "
         "join); engine mode: always; bytes mode: never. Chat, echo and LoRA requests go as sent",
     )
+    tokenize_scope: Literal["prompt", "cached_prefix"] = Field(
+        default="cached_prefix",
+        description="how much of a long text prompt (completions string, rendered chat) the router tokenizes: "
+        "prompt = all of it (exact prompt length; completions ids forwarded to the engine); "
+        "cached_prefix = in growing prefixes only as deep as some replica's cache holds it (no replica "
+        "can match past the first block none holds), which spares the router most of its CPU on long "
+        "new prompts; the rest of the prompt's length is then estimated (tokens per character of the "
+        "tokenized part and of a sample of its end), and the text, not ids, goes to the engine. hf mode "
+        "with an exact-splitting tokenizer only, and only while no routable replica depends on this "
+        "router's predicted entries (its KV-event feed down); else the whole prompt",
+    )
+    tokenize_lookahead_chars: int = Field(
+        default=4096,
+        ge=256,
+        description="cached_prefix: texts up to this many characters (1.5x, so that no small rest is left) are "
+        "tokenized whole (exact ids, as with tokenize_scope=prompt); longer ones start with a prefix of "
+        "about this length, each next prefix doubles it, and a walk that stops early also tokenizes a "
+        "quarter of this at the end of the text to estimate the length. Larger: exact ids for more "
+        "prompts, more router CPU on new long prompts",
+    )
 
-    # -- static replicas / membership ------------------------------------------------------------------
+
+class TokenizerSettings(_TokenizerFields):
+    """Tokenizer: the frozen sub-config handed to its components (``Settings.tokenizer``)."""
+
+    model_config = _CONCERN_CONFIG
+
+
+class _MembershipFields(BaseModel):
+    """Membership: which replicas exist and whether they are healthy: static replicas, Kubernetes discovery,
+    health probes, metrics scrapes, stable replica indices.
+
+    The fields of ``MembershipSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Membership"
+
     replicas: Annotated[list[ReplicaSpec], NoDecode] = Field(
         default_factory=list,
         description="static replicas; CLI: --replica 'name=r0,url=http://h:p,events=tcp://h:z,replay=tcp://h:r,"
@@ -268,107 +449,8 @@ class Settings(BaseSettings):
     healthy_after: int = Field(
         default=2, ge=1, description="consecutive successful probes before an unhealthy replica is ready"
     )
-    panic_routing: bool = Field(
-        default=True,
-        description="when no replica is ready, route to unhealthy ones instead of answering 503 "
-        "(health checks of overloaded engines give false positives)",
-    )
     scrape_interval_s: float = Field(default=2.0, gt=0, description="engine /metrics scrape period (s)")
     scrape_timeout_s: float = Field(default=1.0, gt=0, description="timeout of one /metrics scrape (s)")
-
-    # -- KV events and the index -----------------------------------------------------------------------
-    kv_events: bool = Field(
-        default=True, description="subscribe to replicas' KV events (ZMQ) when configured"
-    )
-    predict_mode: Literal["auto", "always", "never"] = Field(
-        default="auto",
-        description="record predicted index entries after routing: auto = only for replicas without healthy "
-        "KV events, always, or never",
-    )
-    predicted_ttl_s: float = Field(
-        default=120.0, gt=0, description="lifetime of a predicted (unconfirmed) index entry (s)"
-    )
-    index_max_nodes: int | None = Field(
-        default=4_000_000, ge=1, description="global index budget in nodes (None = unlimited)"
-    )
-    index_max_bytes: int | None = Field(
-        default=None, ge=1, description="global index budget in bytes (None = unlimited)"
-    )
-    index_expire_interval_s: float = Field(
-        default=5.0, gt=0, description="period of expiring stale predicted entries (s)"
-    )
-
-    # -- proxy -----------------------------------------------------------------------------------------
-    connect_timeout_s: float = Field(default=2.0, gt=0, description="engine TCP connect timeout (s)")
-    first_byte_timeout_s: float = Field(
-        default=120.0, gt=0, description="max wait for the engine's response headers (s)"
-    )
-    total_timeout_s: float = Field(default=600.0, gt=0, description="max duration of one proxied request (s)")
-    idle_timeout_s: float = Field(
-        default=60.0, gt=0, description="max silence between two chunks of a streamed response (s)"
-    )
-    max_retries: int = Field(
-        default=2,
-        ge=0,
-        le=10,
-        description="extra attempts on other replicas after a failure before the first byte",
-    )
-    migration_limit: int = Field(
-        default=3,
-        ge=0,
-        le=10,
-        description="continuations on other replicas of a stream whose engine failed after the first byte "
-        "(0: such a stream ends with an SSE error event)",
-    )
-    migrate_non_streamed: bool = Field(
-        default=False,
-        description="with migration_limit > 0, plain non-streamed completions and chats are streamed from the "
-        "engine and assembled by the router, so that they continue on another replica too (the answer is the "
-        "router's assembly: text / content, finish reason, usage)",
-    )
-    max_request_bytes: int = Field(
-        default=16 * 1024 * 1024, ge=1024, description="largest accepted request body (bytes); larger -> 413"
-    )
-    max_connections: int = Field(default=1000, ge=1, description="pooled connections to all engines")
-    keepalive_timeout_s: float = Field(
-        default=4.0,
-        gt=0,
-        description="close pooled idle engine connections after this long (s); keep it below the engines' own keep-alive (uvicorn/vLLM: 5 s) so a reused connection is never one the engine is closing",
-    )
-
-    # -- backpressure ----------------------------------------------------------------------------------
-    max_inflight_per_replica: int = Field(
-        default=512, ge=1, description="requests in flight per replica; over it -> next replica"
-    )
-    max_inflight_total: int = Field(
-        default=8192, ge=1, description="requests in flight through the router; over it -> 429"
-    )
-    retry_after_s: int = Field(default=1, ge=0, description="Retry-After header value on 429 / 503 (s)")
-    shutdown_grace_s: float = Field(
-        default=30.0, ge=0, description="on SIGTERM, time to finish in-flight requests (s)"
-    )
-
-    # -- security --------------------------------------------------------------------------------------
-    admin_token: SecretStr | None = Field(
-        default=None, description="bearer token required on admin / mutating endpoints (None = open)"
-    )
-    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list,
-        description="client API keys accepted as 'Authorization: Bearer <key>' (empty = no auth); "
-        "env: comma-separated",
-    )
-    engine_api_key: SecretStr | None = Field(
-        default=None, description="API key sent to engines as a bearer token"
-    )
-    cors_origins: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="allowed CORS origins (empty = CORS off)"
-    )
-
-    # ===================================================================================================
-    # Options added by other components (each: default + Field(description=...)). Keep additions below.
-    # ===================================================================================================
-
-    # --- membership: kubernetes / health / redis ---
     kubernetes_enabled: bool = Field(
         default=False,
         description="discover engine pods with the Kubernetes API (LIST + WATCH by label selector)",
@@ -426,6 +508,60 @@ class Settings(BaseSettings):
         ge=0,
         description="Redis registry names no router refreshed for this long are freed (s)",
     )
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _parse_replicas(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            s = v.strip()
+            if s.startswith("["):
+                v = json.loads(s)
+            else:
+                v = [p for p in s.replace("\n", ";").split(";") if p.strip()]
+        if isinstance(v, list):
+            return [ReplicaSpec.parse(x) if isinstance(x, str) else x for x in v]
+        return v
+
+
+class MembershipSettings(_MembershipFields):
+    """Membership: the frozen sub-config handed to its components (``Settings.membership``)."""
+
+    model_config = _CONCERN_CONFIG
+
+    def health(self) -> HealthConfig:
+        """Health checks of every replica (static and discovered)."""
+        return HealthConfig(
+            interval_s=self.probe_interval_s,
+            timeout_s=self.probe_timeout_s,
+            path=self.health_probe_path,
+            unhealthy_after=self.unhealthy_after,
+            healthy_after=self.healthy_after,
+        )
+
+    def allocator(self) -> AllocatorConfig:
+        """Stable replica indices."""
+        return AllocatorConfig(
+            ordinal_regex=self.index_ordinal_regex,
+            dynamic_base=self.index_dynamic_base,
+            release_grace_s=self.index_release_grace_s,
+            stale_s=self.index_stale_s,
+        )
+
+    def static_replicas(self) -> list[dict[str, Any]]:
+        """The static replica specs as plain mappings (``membership.static`` does not import the router)."""
+        return [s.model_dump() for s in self.replicas]
+
+
+class _SharedStateFields(BaseModel):
+    """Shared state: state shared by router replicas through Redis: sessions, idempotency keys, decisions,
+    Responses API chains.
+
+    The fields of ``SharedStateSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Shared state"
+
     redis_url: str | None = Field(
         default=None,
         description="Redis URL for state shared by router replicas (indices, sessions, decisions)",
@@ -446,125 +582,89 @@ class Settings(BaseSettings):
         default=True,
         description="publish routing decisions to peer routers (Redis pub/sub) so predictions agree",
     )
-    region: str = Field(
-        default="",
-        description="this router's region (e.g. the topology.kubernetes.io/region of its node); empty = regions "
-        "off: replicas' regions are ignored and no request is handed to another region (docs/regions.md)",
-    )
-    region_rtt_ms: dict[str, dict[str, float]] = Field(
-        default_factory=dict,
-        description="round trips between regions {a: {b: ms}} (either order of a pair; every region of a replica "
-        "or peer must be in it): the ladder prices a replica's distance from the client in seconds of TTFT",
-    )
-    region_intra_rtt_ms: float = Field(
-        default=0.0, ge=0, description="round trip within one region (ms), the matrix's diagonal"
-    )
-    region_peers: dict[str, str] = Field(
-        default_factory=dict,
-        description="the kvroute of each other region {region: base URL}: a request the ladder sends to that "
-        "region is forwarded to its router (same OpenAI API, with the hop header), which routes it among its own "
-        "engines and never forwards it again",
-    )
-    region_peer_health_path: str = Field(
-        default="/region/ready",
-        description="path probed on a peer region's router: 2xx while it has a routable engine of its own",
-    )
-    region_margin_s: float = Field(
-        default=0.1,
-        ge=0,
-        description="while this region has a routable replica, another region is chosen only when its predicted "
-        "TTFT (round trip included) is lower by more than this (s)",
-    )
-    region_max_regions: int = Field(default=2, ge=1, description="most regions on one request's ladder")
-    region_max_extra_rtt_s: float = Field(
-        default=0.3,
-        ge=0,
-        description="a region is on the ladder only if its round trip exceeds the home region's by at most this "
-        "(s); beyond it a request is refused (503 with Retry-After) rather than sent that far",
-    )
-    region_attempts_per_region: int = Field(
-        default=2,
-        ge=1,
-        description="consecutive places a region gets in a decision's ranking before the next region's best "
-        "(retries after connection failures step down the ladder)",
-    )
-    region_retry_after_s: int = Field(
-        default=5, ge=0, description="Retry-After of a request no allowed region on the ladder can serve (s)"
-    )
-    region_summary_refresh_s: float = Field(
-        default=5.0,
-        gt=0,
-        description="how long this router reuses the summary it publishes on GET /region/summary before building "
-        "it again (queue seconds per model, free capacity, the prefix filter of its engines' cached blocks), s",
-    )
-    region_summary_bits_per_key: float = Field(
-        default=10.0,
-        ge=1,
-        description="bits per block key of the published prefix filter (false-positive rate ~0.6185^bits: 10 "
-        "bits ~0.8 %)",
-    )
-    region_summary_sample_every: int = Field(
-        default=4,
-        ge=1,
-        description="the published prefix filter keeps one block key in this many (content-defined: ~4x smaller, "
-        "a match known to within ~this many blocks)",
-    )
-    region_summary_stale_after_s: float = Field(
-        default=15.0,
-        gt=0,
-        description="a peer region's summary (fetched every probe_interval_s) older than this is not used: its "
-        "router is then priced from this router's own requests to it (counted), s",
-    )
-    region_rtt_ewma_alpha: float = Field(
-        default=0.3,
-        gt=0,
-        le=1,
-        description="weight of a new probe's round trip in the measured round trip to a peer region's router",
-    )
-    region_rtt_min_samples: int = Field(
-        default=3,
-        ge=1,
-        description="probes of a peer region's router before its measured round trip replaces region_rtt_ms's",
-    )
     idempotency_ttl_s: float = Field(
         default=600.0, gt=0, description="how long an Idempotency-Key and its stored response are kept (s)"
     )
-
-    # --- reliability: bounded admission queue (router/core/admission.py) ---
-    max_queued_requests: int = Field(
-        default=0,
-        ge=0,
-        description="requests that may wait for a slot when max_inflight_total is reached "
-        "(0 = no queue: reject at once with 429); a full queue -> 429",
-    )
-    max_queue_wait_s: float = Field(
-        default=2.0, gt=0, description="longest time a request waits in the router's queue (s); longer -> 503"
-    )
-
-    # --- routing: cache-first dispatch gate (policies/dispatch.py, router/core/dispatch.py) ---
-    dispatch_limit_tokens: int = Field(
-        default=_GATE.limit_tokens,
-        ge=0,
-        description="cache-first dispatch: uncached prompt tokens a replica may have been sent and not started "
-        "(first streamed token pending) before further streamed requests for it wait in the router; "
-        "a replica that frees then gets the waiting request with the deepest prefix cached on it "
-        "first, so prefixes are used before the engine's LRU evicts them; 0 = off (the default): send "
-        "every request when routed. Measured setting: 8192, about one engine step's prefill budget "
-        "(vLLM max_num_batched_tokens); see docs/results.md",
-    )
-    dispatch_patience_s: float = Field(
-        default=_GATE.patience_s,
-        ge=0,
-        description="cache-first dispatch: once the oldest request waiting for a replica has waited this long "
-        "it goes next, whatever is cached (s)",
-    )
-    dispatch_max_wait_s: float = Field(
-        default=_GATE.max_wait_s,
+    response_map_ttl_s: float = Field(
+        default=86400.0,
         gt=0,
-        description="cache-first dispatch: a request waiting this long is sent regardless of the gate (s)",
+        description="how long a Responses API response id stays mapped to the replica holding it after its last "
+        "use, so a follow-up (previous_response_id, GET / cancel of a background response) reaches that "
+        "replica; shared by router replicas through Redis (redis_url), else kept by each router (s). "
+        "Engines keep stored responses for their process's life",
+    )
+    response_map_local_entries: int = Field(
+        default=100_000,
+        ge=1,
+        description="response ids each router keeps in memory (least recently used dropped first): the whole map "
+        "without Redis, the fallback while Redis is down; ~200 bytes each",
+    )
+    response_history_max_bytes: int = Field(
+        default=65536,
+        ge=0,
+        description="largest conversation (JSON) the router keeps per stored response, so that a follow-up "
+        "(previous_response_id) is tokenized with the chain's earlier turns, as the engine renders it, and its "
+        "cached prefix is predicted; a longer chain's follow-ups are still sent to the chain's replica, routed "
+        "on their own input (bytes; 0: none kept). Shared through Redis like the response ids",
+    )
+    response_history_local_entries: int = Field(
+        default=4096,
+        ge=1,
+        description="conversations each router keeps in memory (least recently used dropped first; each at most "
+        "response_history_max_bytes)",
     )
 
-    # --- KV events: feed timing and byte budgets (membership/kv_events.py; the "events" helper's block) ---
+
+class SharedStateSettings(_SharedStateFields):
+    """Shared state: the frozen sub-config handed to its components (``Settings.shared_state``)."""
+
+    model_config = _CONCERN_CONFIG
+
+    def redis(self) -> RedisConfig | None:
+        """State shared by router replicas (None without ``redis_url``)."""
+        if not self.redis_url:
+            return None
+        return RedisConfig(
+            url=self.redis_url,
+            key_prefix=self.redis_key_prefix,
+            timeout_s=self.redis_timeout_s,
+            retry_max_s=self.redis_retry_max_s,
+            session_ttl_s=self.session_ttl_s,
+            idempotency_ttl_s=self.idempotency_ttl_s,
+            broadcast_decisions=self.broadcast_decisions,
+        )
+
+
+class _KvEventFields(BaseModel):
+    """KV events and the index: the engines' KV-event feeds (timing, byte budgets, media and tiers) and the
+    prefix index they feed.
+
+    The fields of ``KvEventSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "KV events and the index"
+
+    kv_events: bool = Field(
+        default=True, description="subscribe to replicas' KV events (ZMQ) when configured"
+    )
+    predict_mode: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="record predicted index entries after routing: auto = only for replicas without healthy "
+        "KV events, always, or never",
+    )
+    predicted_ttl_s: float = Field(
+        default=120.0, gt=0, description="lifetime of a predicted (unconfirmed) index entry (s)"
+    )
+    index_max_nodes: int | None = Field(
+        default=4_000_000, ge=1, description="global index budget in nodes (None = unlimited)"
+    )
+    index_max_bytes: int | None = Field(
+        default=None, ge=1, description="global index budget in bytes (None = unlimited)"
+    )
+    index_expire_interval_s: float = Field(
+        default=5.0, gt=0, description="period of expiring stale predicted entries (s)"
+    )
     kv_replay_idle_timeout_s: float = Field(
         default=2.0,
         gt=0,
@@ -638,8 +738,96 @@ class Settings(BaseSettings):
         description="KV events: how long a replica without a replay endpoint stays "
         "degraded after its last loss (s)",
     )
-    # --- engine edge: engine response limits, TLS to engines, usage feedback (router/engine/client.py,
-    # router/engine/proxy.py, membership/engine_tls.py) ---
+    kv_medium_tiers: dict[str, str] = Field(
+        default=dict(MEDIUM_TO_TIER),
+        description="engine KV-event medium -> tier (gpu|cpu|disk|remote); keys upper-case, MEDIUM or "
+        "MEDIUM/LOCALITY (LOCAL|REMOTE; tried first). Entries given are merged over these defaults (value "
+        "miss: drop a default); events in a medium not listed are dropped (a miss, never a GPU hit), logged "
+        "once and counted in kvroute_kv_unknown_medium_total{medium}",
+    )
+    kv_tier_ttl_s: dict[str, float] = Field(
+        default=dict(DEFAULT_TIER_TTL_S),
+        description="per tier, seconds a page of a store-only KV source (one that has never announced a removal "
+        "in that tier, e.g. LMCache) is believed after its last store; 0 = forever. Merged over these defaults",
+    )
+
+    @field_validator("kv_medium_tiers", mode="before")
+    @classmethod
+    def _merge_medium_tiers(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip() else {}
+        if not isinstance(v, dict):
+            return v
+        out = dict(MEDIUM_TO_TIER)
+        for key, tier in v.items():
+            k = str(key).strip().upper()
+            if str(tier).strip().lower() == "miss":
+                out.pop(k, None)
+            else:
+                out[k] = str(tier).strip().lower()
+        bad = {k: t for k, t in out.items() if t not in ("gpu", "cpu", "disk", "remote")}
+        if bad:
+            raise ValueError(f"kv_medium_tiers: tiers must be gpu|cpu|disk|remote (or miss), got {bad}")
+        return out
+
+    @field_validator("kv_tier_ttl_s", mode="before")
+    @classmethod
+    def _merge_tier_ttls(cls, v: Any, info: ValidationInfo) -> Any:
+        return _merge_over_default(cls, v, info)
+
+
+class KvEventSettings(_KvEventFields):
+    """KV events and the index: the frozen sub-config handed to its components (``Settings.kv``)."""
+
+    model_config = _CONCERN_CONFIG
+
+
+class _EngineEdgeFields(BaseModel):
+    """Engine edge: the hop to the engines: timeouts, retries, migration, the connection pool, response limits,
+    TLS, API key.
+
+    The fields of ``EngineEdgeSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Engine edge"
+
+    connect_timeout_s: float = Field(default=2.0, gt=0, description="engine TCP connect timeout (s)")
+    first_byte_timeout_s: float = Field(
+        default=120.0, gt=0, description="max wait for the engine's response headers (s)"
+    )
+    total_timeout_s: float = Field(default=600.0, gt=0, description="max duration of one proxied request (s)")
+    idle_timeout_s: float = Field(
+        default=60.0, gt=0, description="max silence between two chunks of a streamed response (s)"
+    )
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        le=10,
+        description="extra attempts on other replicas after a failure before the first byte",
+    )
+    migration_limit: int = Field(
+        default=3,
+        ge=0,
+        le=10,
+        description="continuations on other replicas of a stream whose engine failed after the first byte "
+        "(0: such a stream ends with an SSE error event)",
+    )
+    migrate_non_streamed: bool = Field(
+        default=False,
+        description="with migration_limit > 0, plain non-streamed completions and chats are streamed from the "
+        "engine and assembled by the router, so that they continue on another replica too (the answer is the "
+        "router's assembly: text / content, finish reason, usage)",
+    )
+    max_connections: int = Field(default=1000, ge=1, description="pooled connections to all engines")
+    keepalive_timeout_s: float = Field(
+        default=4.0,
+        gt=0,
+        description="close pooled idle engine connections after this long (s); keep it below the engines' own keep-alive (uvicorn/vLLM: 5 s) so a reused connection is never one the engine is closing",
+    )
+    engine_api_key: SecretStr | None = Field(
+        default=None, description="API key sent to engines as a bearer token"
+    )
     engine_max_header_bytes: int = Field(
         default=65536,
         ge=1024,
@@ -681,8 +869,64 @@ class Settings(BaseSettings):
         "feedback and calibration work with a default vLLM; the usage chunk is removed from what the "
         "client receives unless the client asked for it",
     )
-    # --- httpedge: client-facing limits, timeouts and overload shedding (router/serve/intake.py, router/serve/guard.py,
-    # router/http/protocol.py, router/serve/loop_lag.py; the Limits table in docs/reliability.md) ---
+    endpoint_gap_ttl_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="a replica that answered a path with its framework's bare 404 (it does not serve it: a pooling "
+        "engine asked to generate, a generating one to embed) is left out of that path's decisions this long; "
+        "the attempt is retried on another replica, and a path no routable replica serves answers 404 "
+        "endpoint_not_served at once (s)",
+    )
+
+
+class EngineEdgeSettings(_EngineEdgeFields):
+    """Engine edge: the frozen sub-config handed to its components (``Settings.engine_edge``)."""
+
+    model_config = _CONCERN_CONFIG
+
+    def engine_headers(self) -> dict[str, str]:
+        """Headers sent to engines (probes, scrapes, /tokenize): the engine API key as a bearer token, if any."""
+        key = self.engine_api_key
+        return {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+
+
+class _ClientEdgeFields(BaseModel):
+    """Client edge: what clients may send and how the router sheds overload: auth, CORS, input limits, slow
+    clients, the in-flight limit and its queue, event-loop lag shedding.
+
+    The fields of ``ClientEdgeSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Client edge"
+
+    max_request_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="largest accepted request body (bytes); larger -> 413"
+    )
+    max_inflight_total: int = Field(
+        default=8192, ge=1, description="requests in flight through the router; over it -> 429"
+    )
+    retry_after_s: int = Field(default=1, ge=0, description="Retry-After header value on 429 / 503 (s)")
+    max_queued_requests: int = Field(
+        default=0,
+        ge=0,
+        description="requests that may wait for a slot when max_inflight_total is reached "
+        "(0 = no queue: reject at once with 429); a full queue -> 429",
+    )
+    max_queue_wait_s: float = Field(
+        default=2.0, gt=0, description="longest time a request waits in the router's queue (s); longer -> 503"
+    )
+    admin_token: SecretStr | None = Field(
+        default=None, description="bearer token required on admin / mutating endpoints (None = open)"
+    )
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="client API keys accepted as 'Authorization: Bearer <key>' (empty = no auth); "
+        "env: comma-separated",
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="allowed CORS origins (empty = CORS off)"
+    )
     max_chat_messages: int = Field(
         default=16384,
         ge=1,
@@ -795,7 +1039,28 @@ class Settings(BaseSettings):
         "waits for the lag to pass at most this long and is then admitted, s",
     )
 
-    # --- tenants, priorities, SLOs (issue 20) ---
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _parse_lists(cls, v: Any) -> Any:
+        return _split_list(v)
+
+
+class ClientEdgeSettings(_ClientEdgeFields):
+    """Client edge: the frozen sub-config handed to its components (``Settings.client_edge``)."""
+
+    model_config = _CONCERN_CONFIG
+
+
+class _TenancyFields(BaseModel):
+    """Tenancy, priorities and SLOs: who a request belongs to, its quota and fair share, its priority class and
+    TTFT target.
+
+    The fields of ``TenancySettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Tenancy, priorities and SLOs"
+
     tenant_header: str = Field(
         default="x-kvroute-tenant",
         description="HTTP header naming the request's tenant (fairness and quota key)",
@@ -953,11 +1218,132 @@ class Settings(BaseSettings):
     )
     @classmethod
     def _parse_tenant_dicts(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return json.loads(v) if v.strip() else {}
-        return v
+        return _json_dict(v)
 
-    # --- endpoint picker (issue 21) ---
+
+class TenancySettings(_TenancyFields):
+    """Tenancy, priorities and SLOs: the frozen sub-config handed to its components (``Settings.tenancy``)."""
+
+    model_config = _CONCERN_CONFIG
+
+
+class _PdFields(BaseModel):
+    """Prefill/decode disaggregation: the PD plan policy, the P->D link and how it is learned, the KV handoff
+    wire, roles read from pods.
+
+    The fields of ``PdSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Prefill/decode disaggregation"
+
+    pd_policy: str = Field(
+        default="pd_ttft",
+        description="prefill/decode plan policy for models whose replicas have prefill/decode roles: pd_ttft "
+        "(lowest predicted TTFT of serving in place or P->D with the handoff), or a baseline "
+        "(pd_smg, pd_llmd, pd_dynamo, pd_random); co-located fleets use `policy`",
+    )
+    pd_policy_params: dict[str, Any] = Field(
+        default_factory=dict, description="keyword parameters for the PD plan policy (as policy_params)"
+    )
+    pd_link_bandwidth_gbps: float = Field(
+        default=25.0, gt=0, description="P->D KV transfer bandwidth of the fleet, GB/s (1e9 bytes/s)"
+    )
+    pd_link_latency_s: float = Field(default=0.0, ge=0, description="fixed cost of one P->D KV handoff, s")
+    pd_link_learn: bool = Field(
+        default=True,
+        description="learn the P->D link bandwidth online from observed handoffs (sequential vLLM relay: the "
+        "prefill answer -> decode first byte time minus the plan's predicted decode_first term); the "
+        "learned value stays within [pd_link_bandwidth_gbps / 4, x 4]; false = always the configured "
+        "bandwidth",
+    )
+    pd_link_learn_min_samples: int = Field(
+        default=8,
+        ge=1,
+        description="observed handoffs before the learned P->D bandwidth replaces the configured one, count",
+    )
+    pd_link_learn_alpha: float = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="EMA weight of one observed handoff in the learned P->D bandwidth (bytes/s), in (0, 1]",
+    )
+    pd_protocol: Literal["auto", "vllm", "mooncake", "sglang"] = Field(
+        default="auto",
+        description="KV handoff wire protocol: vllm (sequential kv_transfer_params relay, NIXL), mooncake "
+        "(router-minted transfer_id), sglang (concurrent bootstrap rooms); auto = by the prefill "
+        "replica's dialect (vllm -> vllm, sglang -> sglang)",
+    )
+    pd_role_label: str = Field(
+        default="llm-d.ai/role",
+        description="pod label (or annotation) naming a pod's role with llm-d's values: prefill, decode, "
+        "prefill-decode / both, encode (not routed); kvroute.io/role is read when it is absent",
+    )
+    pd_bootstrap_port_annotation: str = Field(
+        default="sglang.ai/bootstrap-port",
+        description="pod annotation (or label) with an SGLang prefill pod's bootstrap port",
+    )
+    pd_default_bootstrap_port: int = Field(
+        default=8998,
+        ge=1,
+        le=65535,
+        description="SGLang / Mooncake bootstrap port of prefill pods / replicas that name none",
+    )
+    pd_max_prefill_answer_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=4096,
+        description="largest prefill-leg answer the router reads, bytes; larger -> the prefill leg failed "
+        "(another prefill replica, else served in place); answers of 64 KiB or more are parsed off the event loop",
+    )
+    pd_max_transfer_params_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="largest kv_transfer_params a prefill answer may carry to relay to the decode leg, bytes "
+        "(serialized); larger -> the prefill leg failed, nothing is relayed",
+    )
+    pd_mooncake_query_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="timeout of one GET <prefill host>:<bootstrap port>/query (the Mooncake engine ids of a "
+        "prefill replica), s",
+    )
+    pd_mooncake_ids_ttl_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a prefill replica's discovered Mooncake engine ids are asked again after this long (and at "
+        "once after a failed leg on it), s",
+    )
+
+    @field_validator("pd_policy_params", mode="before")
+    @classmethod
+    def _parse_pd_dicts(cls, v: Any) -> Any:
+        return _json_dict(v)
+
+
+class PdSettings(_PdFields):
+    """Prefill/decode disaggregation: the frozen sub-config handed to its components (``Settings.pd``)."""
+
+    model_config = _CONCERN_CONFIG
+
+    def pd_link_learning(self) -> LinkLearning:
+        """How the P->D link bandwidth is learned from observed handoffs."""
+        return LinkLearning(
+            enabled=self.pd_link_learn,
+            min_samples=self.pd_link_learn_min_samples,
+            alpha=self.pd_link_learn_alpha,
+        )
+
+
+class _PickerFields(BaseModel):
+    """Endpoint picker: ``kvroute epp``: the Gateway API endpoint picker's gRPC server, its TLS, its stream
+    limits, the InferencePool it serves.
+
+    The fields of ``PickerSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Endpoint picker"
+
     epp_grpc_port: int = Field(
         default=9002,
         ge=0,
@@ -1016,227 +1402,122 @@ class Settings(BaseSettings):
         description="kvroute epp: most concurrent streams on one gateway connection (HTTP/2 "
         "SETTINGS_MAX_CONCURRENT_STREAMS; a gateway opens more connections, others wait)",
     )
-    # --- PD disaggregation (issue 19, pdwire): plan policy, P->D link, wire protocol, roles from pods ---
-    pd_policy: str = Field(
-        default="pd_ttft",
-        description="prefill/decode plan policy for models whose replicas have prefill/decode roles: pd_ttft "
-        "(lowest predicted TTFT of serving in place or P->D with the handoff), or a baseline "
-        "(pd_smg, pd_llmd, pd_dynamo, pd_random); co-located fleets use `policy`",
+
+
+class PickerSettings(_PickerFields):
+    """Endpoint picker: the frozen sub-config handed to its components (``Settings.picker``)."""
+
+    model_config = _CONCERN_CONFIG
+
+
+class _RegionFields(BaseModel):
+    """Regions: this router's region, the round trips between regions, peer regions' routers and the failover
+    ladder (docs/regions.md).
+
+    The fields of ``RegionSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Regions"
+
+    region: str = Field(
+        default="",
+        description="this router's region (e.g. the topology.kubernetes.io/region of its node); empty = regions "
+        "off: replicas' regions are ignored and no request is handed to another region (docs/regions.md)",
     )
-    pd_policy_params: dict[str, Any] = Field(
-        default_factory=dict, description="keyword parameters for the PD plan policy (as policy_params)"
+    region_rtt_ms: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="round trips between regions {a: {b: ms}} (either order of a pair; every region of a replica "
+        "or peer must be in it): the ladder prices a replica's distance from the client in seconds of TTFT",
     )
-    pd_link_bandwidth_gbps: float = Field(
-        default=25.0, gt=0, description="P->D KV transfer bandwidth of the fleet, GB/s (1e9 bytes/s)"
+    region_intra_rtt_ms: float = Field(
+        default=0.0, ge=0, description="round trip within one region (ms), the matrix's diagonal"
     )
-    pd_link_latency_s: float = Field(default=0.0, ge=0, description="fixed cost of one P->D KV handoff, s")
-    pd_protocol: Literal["auto", "vllm", "mooncake", "sglang"] = Field(
-        default="auto",
-        description="KV handoff wire protocol: vllm (sequential kv_transfer_params relay, NIXL), mooncake "
-        "(router-minted transfer_id), sglang (concurrent bootstrap rooms); auto = by the prefill "
-        "replica's dialect (vllm -> vllm, sglang -> sglang)",
+    region_peers: dict[str, str] = Field(
+        default_factory=dict,
+        description="the kvroute of each other region {region: base URL}: a request the ladder sends to that "
+        "region is forwarded to its router (same OpenAI API, with the hop header), which routes it among its own "
+        "engines and never forwards it again",
     )
-    pd_role_label: str = Field(
-        default="llm-d.ai/role",
-        description="pod label (or annotation) naming a pod's role with llm-d's values: prefill, decode, "
-        "prefill-decode / both, encode (not routed); kvroute.io/role is read when it is absent",
+    region_peer_health_path: str = Field(
+        default="/region/ready",
+        description="path probed on a peer region's router: 2xx while it has a routable engine of its own",
     )
-    pd_bootstrap_port_annotation: str = Field(
-        default="sglang.ai/bootstrap-port",
-        description="pod annotation (or label) with an SGLang prefill pod's bootstrap port",
-    )
-    pd_default_bootstrap_port: int = Field(
-        default=8998,
-        ge=1,
-        le=65535,
-        description="SGLang / Mooncake bootstrap port of prefill pods / replicas that name none",
-    )
-    pd_max_prefill_answer_bytes: int = Field(
-        default=4 * 1024 * 1024,
-        ge=4096,
-        description="largest prefill-leg answer the router reads, bytes; larger -> the prefill leg failed "
-        "(another prefill replica, else served in place); answers of 64 KiB or more are parsed off the event loop",
-    )
-    pd_max_transfer_params_bytes: int = Field(
-        default=1024 * 1024,
-        ge=1024,
-        description="largest kv_transfer_params a prefill answer may carry to relay to the decode leg, bytes "
-        "(serialized); larger -> the prefill leg failed, nothing is relayed",
-    )
-    pd_mooncake_query_timeout_s: float = Field(
-        default=2.0,
-        gt=0,
-        description="timeout of one GET <prefill host>:<bootstrap port>/query (the Mooncake engine ids of a "
-        "prefill replica), s",
-    )
-    pd_mooncake_ids_ttl_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="a prefill replica's discovered Mooncake engine ids are asked again after this long (and at "
-        "once after a failed leg on it), s",
-    )
-    # --- router CPU (issue 23) ---
-    workers: int = Field(
-        default=1,
-        ge=1,
-        le=64,
-        description="router worker processes per pod: above 1, kvroute serve supervises this many copies of the "
-        "router on the same port (SO_REUSEPORT), each with its own event loop, index and KV-event "
-        "subscriptions (Redis shares predicted entries and sessions when redis_url is set); /metrics "
-        "answers every worker's metrics labelled worker. Give the pod about this many cores",
-    )
-    worker_heartbeat_timeout_s: float = Field(
-        default=10.0,
+    region_margin_s: float = Field(
+        default=0.1,
         ge=0,
-        description="with workers > 1: a worker whose event loop has not beaten its heartbeat for this long "
-        "(hung, or stopped with SIGSTOP) is killed and started again (kvroute_worker_restarts_total"
-        "{reason=hung}); a starting worker gets max(this, 120 s) for its first beat; 0 = never (s)",
+        description="while this region has a routable replica, another region is chosen only when its predicted "
+        "TTFT (round trip included) is lower by more than this (s)",
     )
-    worker_metrics_max_bytes: int = Field(
-        default=32 * 1024 * 1024,
-        ge=65536,
-        description="with workers > 1: the largest metrics exposition read from one worker when /metrics merges "
-        "them (in the supervisor, off every serving loop); a larger one is cut after its last whole metric "
-        "family (kvroute_worker_metrics_truncated_total), bytes",
+    region_max_regions: int = Field(default=2, ge=1, description="most regions on one request's ladder")
+    region_max_extra_rtt_s: float = Field(
+        default=0.3,
+        ge=0,
+        description="a region is on the ladder only if its round trip exceeds the home region's by at most this "
+        "(s); beyond it a request is refused (503 with Retry-After) rather than sent that far",
     )
-    # --- PD link learning (issue 19) ---
-    pd_link_learn: bool = Field(
-        default=True,
-        description="learn the P->D link bandwidth online from observed handoffs (sequential vLLM relay: the "
-        "prefill answer -> decode first byte time minus the plan's predicted decode_first term); the "
-        "learned value stays within [pd_link_bandwidth_gbps / 4, x 4]; false = always the configured "
-        "bandwidth",
-    )
-    pd_link_learn_min_samples: int = Field(
-        default=8,
+    region_attempts_per_region: int = Field(
+        default=2,
         ge=1,
-        description="observed handoffs before the learned P->D bandwidth replaces the configured one, count",
+        description="consecutive places a region gets in a decision's ranking before the next region's best "
+        "(retries after connection failures step down the ladder)",
     )
-    pd_link_learn_alpha: float = Field(
-        default=0.2,
+    region_retry_after_s: int = Field(
+        default=5, ge=0, description="Retry-After of a request no allowed region on the ladder can serve (s)"
+    )
+    region_summary_refresh_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="how long this router reuses the summary it publishes on GET /region/summary before building "
+        "it again (queue seconds per model, free capacity, the prefix filter of its engines' cached blocks), s",
+    )
+    region_summary_bits_per_key: float = Field(
+        default=10.0,
+        ge=1,
+        description="bits per block key of the published prefix filter (false-positive rate ~0.6185^bits: 10 "
+        "bits ~0.8 %)",
+    )
+    region_summary_sample_every: int = Field(
+        default=4,
+        ge=1,
+        description="the published prefix filter keeps one block key in this many (content-defined: ~4x smaller, "
+        "a match known to within ~this many blocks)",
+    )
+    region_summary_stale_after_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a peer region's summary (fetched every probe_interval_s) older than this is not used: its "
+        "router is then priced from this router's own requests to it (counted), s",
+    )
+    region_rtt_ewma_alpha: float = Field(
+        default=0.3,
         gt=0,
         le=1,
-        description="EMA weight of one observed handoff in the learned P->D bandwidth (bytes/s), in (0, 1]",
+        description="weight of a new probe's round trip in the measured round trip to a peer region's router",
     )
-    # cache-frontier tokenization (issue 23)
-    tokenize_scope: Literal["prompt", "cached_prefix"] = Field(
-        default="cached_prefix",
-        description="how much of a long text prompt (completions string, rendered chat) the router tokenizes: "
-        "prompt = all of it (exact prompt length; completions ids forwarded to the engine); "
-        "cached_prefix = in growing prefixes only as deep as some replica's cache holds it (no replica "
-        "can match past the first block none holds), which spares the router most of its CPU on long "
-        "new prompts; the rest of the prompt's length is then estimated (tokens per character of the "
-        "tokenized part and of a sample of its end), and the text, not ids, goes to the engine. hf mode "
-        "with an exact-splitting tokenizer only, and only while no routable replica depends on this "
-        "router's predicted entries (its KV-event feed down); else the whole prompt",
-    )
-    tokenize_lookahead_chars: int = Field(
-        default=4096,
-        ge=256,
-        description="cached_prefix: texts up to this many characters (1.5x, so that no small rest is left) are "
-        "tokenized whole (exact ids, as with tokenize_scope=prompt); longer ones start with a prefix of "
-        "about this length, each next prefix doubles it, and a walk that stops early also tokenizes a "
-        "quarter of this at the end of the text to estimate the length. Larger: exact ids for more "
-        "prompts, more router CPU on new long prompts",
-    )
-    # --- Responses API chains: the response id -> replica map (membership/shared_state.py ResponseMap) ---
-    response_map_ttl_s: float = Field(
-        default=86400.0,
-        gt=0,
-        description="how long a Responses API response id stays mapped to the replica holding it after its last "
-        "use, so a follow-up (previous_response_id, GET / cancel of a background response) reaches that "
-        "replica; shared by router replicas through Redis (redis_url), else kept by each router (s). "
-        "Engines keep stored responses for their process's life",
-    )
-    response_map_local_entries: int = Field(
-        default=100_000,
+    region_rtt_min_samples: int = Field(
+        default=3,
         ge=1,
-        description="response ids each router keeps in memory (least recently used dropped first): the whole map "
-        "without Redis, the fallback while Redis is down; ~200 bytes each",
-    )
-    endpoint_gap_ttl_s: float = Field(
-        default=300.0,
-        gt=0,
-        description="a replica that answered a path with its framework's bare 404 (it does not serve it: a pooling "
-        "engine asked to generate, a generating one to embed) is left out of that path's decisions this long; "
-        "the attempt is retried on another replica, and a path no routable replica serves answers 404 "
-        "endpoint_not_served at once (s)",
-    )
-    response_history_max_bytes: int = Field(
-        default=65536,
-        ge=0,
-        description="largest conversation (JSON) the router keeps per stored response, so that a follow-up "
-        "(previous_response_id) is tokenized with the chain's earlier turns, as the engine renders it, and its "
-        "cached prefix is predicted; a longer chain's follow-ups are still sent to the chain's replica, routed "
-        "on their own input (bytes; 0: none kept). Shared through Redis like the response ids",
-    )
-    response_history_local_entries: int = Field(
-        default=4096,
-        ge=1,
-        description="conversations each router keeps in memory (least recently used dropped first; each at most "
-        "response_history_max_bytes)",
+        description="probes of a peer region's router before its measured round trip replaces region_rtt_ms's",
     )
 
-    # --- KV tiers and media (membership/kv_decode.py, kv_apply.py; docs/signals.md "Media and tiers") ---
-    kv_medium_tiers: dict[str, str] = Field(
-        default=dict(MEDIUM_TO_TIER),
-        description="engine KV-event medium -> tier (gpu|cpu|disk|remote); keys upper-case, MEDIUM or "
-        "MEDIUM/LOCALITY (LOCAL|REMOTE; tried first). Entries given are merged over these defaults (value "
-        "miss: drop a default); events in a medium not listed are dropped (a miss, never a GPU hit), logged "
-        "once and counted in kvroute_kv_unknown_medium_total{medium}",
-    )
-    kv_tier_ttl_s: dict[str, float] = Field(
-        default=dict(DEFAULT_TIER_TTL_S),
-        description="per tier, seconds a page of a store-only KV source (one that has never announced a removal "
-        "in that tier, e.g. LMCache) is believed after its last store; 0 = forever. Merged over these defaults",
-    )
-    kv_tier_bandwidth_gbps: dict[str, float] = Field(
-        default={"cpu": 25.0, "disk": 7.1, "remote": 12.5},
-        description="per non-GPU tier, the bandwidth a replica fetches reused KV at, GB/s (1e9 bytes/s): cpu = "
-        "PCIe 4.0 x16 host->GPU, disk = a local NVMe read (7.1 GB/s), remote = a 25 GB/s NIC then PCIe, serial. "
-        "Merged over these defaults; a profile's own tiers win",
-    )
-    kv_tier_latency_s: dict[str, float] = Field(
-        default={"cpu": 0.0, "disk": 0.0005, "remote": 0.010},
-        description="per non-GPU tier, the fixed cost of one fetch (lookup, setup), s. Merged over these defaults",
-    )
 
-    @field_validator("kv_medium_tiers", mode="before")
-    @classmethod
-    def _merge_medium_tiers(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            v = json.loads(v) if v.strip() else {}
-        if not isinstance(v, dict):
-            return v
-        out = dict(MEDIUM_TO_TIER)
-        for key, tier in v.items():
-            k = str(key).strip().upper()
-            if str(tier).strip().lower() == "miss":
-                out.pop(k, None)
-            else:
-                out[k] = str(tier).strip().lower()
-        bad = {k: t for k, t in out.items() if t not in ("gpu", "cpu", "disk", "remote")}
-        if bad:
-            raise ValueError(f"kv_medium_tiers: tiers must be gpu|cpu|disk|remote (or miss), got {bad}")
-        return out
+class RegionSettings(_RegionFields):
+    """Regions: the frozen sub-config handed to its components (``Settings.regions``)."""
 
-    @field_validator("kv_tier_ttl_s", "kv_tier_bandwidth_gbps", "kv_tier_latency_s", mode="before")
-    @classmethod
-    def _merge_tier_numbers(cls, v: Any, info: ValidationInfo) -> Any:
-        if isinstance(v, str):
-            v = json.loads(v) if v.strip() else {}
-        if not isinstance(v, dict):
-            return v
-        field = cls.model_fields[str(info.field_name)]
-        out = {**field.default, **{str(k).strip().lower(): float(x) for k, x in v.items()}}
-        bad = {k: x for k, x in out.items() if k not in ("gpu", "cpu", "disk", "remote") or not x >= 0}
-        if bad:
-            raise ValueError(
-                f"{info.field_name}: keys must be tiers (gpu|cpu|disk|remote), values >= 0: {bad}"
-            )
-        return out
+    model_config = _CONCERN_CONFIG
 
-    # --- tracing: OpenTelemetry spans of the pipeline's steps, W3C trace context to engines (router/tracing.py) ---
+
+class _TracingFields(BaseModel):
+    """Tracing: OpenTelemetry spans of the pipeline's steps and the W3C trace context sent to engines
+    (router/tracing.py).
+
+    The fields of ``TracingSettings`` (flat in ``Settings``), with their validators.
+    """
+
+    model_config = _FIELDS_CONFIG
+    heading: ClassVar[str] = "Tracing"
+
     otlp_traces_endpoint: str | None = Field(
         default=None,
         description="OTLP collector the router exports its spans to (gRPC: http://otel-collector:4317; "
@@ -1257,31 +1538,62 @@ class Settings(BaseSettings):
         default="kvroute", min_length=1, description="service.name of the router's spans"
     )
 
-    # -- validators ------------------------------------------------------------------------------------
-    @field_validator("replicas", mode="before")
-    @classmethod
-    def _parse_replicas(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            s = v.strip()
-            if s.startswith("["):
-                v = json.loads(s)
-            else:
-                v = [p for p in s.replace("\n", ";").split(";") if p.strip()]
-        if isinstance(v, list):
-            return [ReplicaSpec.parse(x) if isinstance(x, str) else x for x in v]
-        return v
 
-    @field_validator("api_keys", "cors_origins", mode="before")
-    @classmethod
-    def _parse_lists(cls, v: Any) -> Any:
-        return _split_list(v)
+class TracingSettings(_TracingFields):
+    """Tracing: the frozen sub-config handed to its components (``Settings.tracing``)."""
 
-    @field_validator("policy_params", "profiles", "pd_policy_params", mode="before")
-    @classmethod
-    def _parse_dicts(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return json.loads(v) if v.strip() else {}
-        return v
+    model_config = _CONCERN_CONFIG
+
+
+#: the concerns in documentation order (docs/service.md, the Helm values, ``kvroute serve --help`` group by them)
+CONCERNS: tuple[type[BaseModel], ...] = (
+    ServerSettings,
+    RoutingSettings,
+    TokenizerSettings,
+    MembershipSettings,
+    SharedStateSettings,
+    KvEventSettings,
+    EngineEdgeSettings,
+    ClientEdgeSettings,
+    TenancySettings,
+    PdSettings,
+    PickerSettings,
+    RegionSettings,
+    TracingSettings,
+)
+
+_C = TypeVar("_C", bound=BaseModel)
+
+
+#: pydantic orders fields from the last base to the first: the bases are the concerns' fields classes, reversed
+class Settings(
+    _TracingFields,
+    _RegionFields,
+    _PickerFields,
+    _PdFields,
+    _TenancyFields,
+    _ClientEdgeFields,
+    _EngineEdgeFields,
+    _KvEventFields,
+    _SharedStateFields,
+    _MembershipFields,
+    _TokenizerFields,
+    _RoutingFields,
+    _ServerFields,
+    BaseSettings,
+):
+    """Every option of the kvroute router: the fields of every concern class, flat (their names are the wire).
+
+    The composition root (``router.services``) hands each component its concern's frozen sub-config through the
+    accessors below (``settings.pd`` -> ``PdSettings``, which also carries that concern's builders, e.g.
+    ``settings.membership.health()``); no component receives the whole ``Settings``, and a ``Settings`` is not a
+    sub-config (mypy rejects one where a ``PdSettings`` is expected). Builders and validators that span concerns
+    live here.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, case_sensitive=False, frozen=False
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -1295,42 +1607,81 @@ class Settings(BaseSettings):
         """Precedence: init kwargs (= CLI flags) > environment > YAML config file > defaults."""
         return (init_settings, env_settings, _YamlSource(settings_cls))
 
-    # -- typed sub-configs (components keep no defaults of their own) -----------------------------------
-    def health(self) -> HealthConfig:
-        """Health checks of every replica (static and discovered)."""
-        return HealthConfig(
-            interval_s=self.probe_interval_s,
-            timeout_s=self.probe_timeout_s,
-            path=self.health_probe_path,
-            unhealthy_after=self.unhealthy_after,
-            healthy_after=self.healthy_after,
-        )
+    # -- the concerns' sub-configs (frozen copies of this object's values) ----------------------------------
+    def concern(self, cls: type[_C]) -> _C:
+        """This object's values of concern ``cls``'s fields, as a frozen ``cls`` (already validated here)."""
+        values = {name: getattr(self, name) for name in cls.model_fields}
+        return cls.model_construct(_fields_set=set(values) & self.model_fields_set, **values)
 
-    def allocator(self) -> AllocatorConfig:
-        """Stable replica indices."""
-        return AllocatorConfig(
-            ordinal_regex=self.index_ordinal_regex,
-            dynamic_base=self.index_dynamic_base,
-            release_grace_s=self.index_release_grace_s,
-            stale_s=self.index_stale_s,
-        )
+    @property
+    def server(self) -> ServerSettings:
+        """The HTTP server and the router process."""
+        return self.concern(ServerSettings)
 
-    def redis(self) -> RedisConfig | None:
-        """State shared by router replicas (None without ``redis_url``)."""
-        if not self.redis_url:
-            return None
-        return RedisConfig(
-            url=self.redis_url,
-            key_prefix=self.redis_key_prefix,
-            timeout_s=self.redis_timeout_s,
-            retry_max_s=self.redis_retry_max_s,
-            session_ttl_s=self.session_ttl_s,
-            idempotency_ttl_s=self.idempotency_ttl_s,
-            broadcast_decisions=self.broadcast_decisions,
-        )
+    @property
+    def routing(self) -> RoutingSettings:
+        """The routing policy, its cost model and the dispatch gate."""
+        return self.concern(RoutingSettings)
 
+    @property
+    def tokenizer(self) -> TokenizerSettings:
+        """Prompt -> token ids."""
+        return self.concern(TokenizerSettings)
+
+    @property
+    def membership(self) -> MembershipSettings:
+        """Replicas: static, discovered, probed, scraped, indexed."""
+        return self.concern(MembershipSettings)
+
+    @property
+    def shared_state(self) -> SharedStateSettings:
+        """State shared by router replicas (Redis)."""
+        return self.concern(SharedStateSettings)
+
+    @property
+    def kv(self) -> KvEventSettings:
+        """KV-event feeds and the prefix index."""
+        return self.concern(KvEventSettings)
+
+    @property
+    def engine_edge(self) -> EngineEdgeSettings:
+        """The hop to the engines."""
+        return self.concern(EngineEdgeSettings)
+
+    @property
+    def client_edge(self) -> ClientEdgeSettings:
+        """What clients may send; overload shedding."""
+        return self.concern(ClientEdgeSettings)
+
+    @property
+    def tenancy(self) -> TenancySettings:
+        """Tenants, priority classes, SLOs."""
+        return self.concern(TenancySettings)
+
+    @property
+    def pd(self) -> PdSettings:
+        """Prefill/decode disaggregation."""
+        return self.concern(PdSettings)
+
+    @property
+    def picker(self) -> PickerSettings:
+        """The endpoint picker (``kvroute epp``)."""
+        return self.concern(PickerSettings)
+
+    @property
+    def regions(self) -> RegionSettings:
+        """Regions and the failover ladder."""
+        return self.concern(RegionSettings)
+
+    @property
+    def tracing(self) -> TracingSettings:
+        """OpenTelemetry tracing."""
+        return self.concern(TracingSettings)
+
+    # -- typed configs that span concerns (components keep no defaults of their own) -----------------------
     def kubernetes(self) -> KubernetesOptions | None:
-        """Pod discovery (None unless ``kubernetes_enabled``)."""
+        """Pod discovery (None unless ``kubernetes_enabled`` or an ``inference_pool``): membership's discovery
+        fields, the picker's InferencePool, the PD roles and bootstrap ports read from pods."""
         if not self.kubernetes_enabled and not self.inference_pool:  # a pool implies discovery
             return None
         return KubernetesOptions(
@@ -1349,26 +1700,18 @@ class Settings(BaseSettings):
             default_bootstrap_port=self.pd_default_bootstrap_port,
         )
 
-    def membership(self) -> MembershipConfig:
-        """Everything the membership front door needs."""
+    def membership_config(self) -> MembershipConfig:
+        """Everything the membership front door needs (health, indices, Redis, discovery)."""
         return MembershipConfig(
-            health=self.health(), allocator=self.allocator(), redis=self.redis(), kubernetes=self.kubernetes()
-        )
-
-    def static_replicas(self) -> list[dict[str, Any]]:
-        """The static replica specs as plain mappings (``membership.static`` does not import the router)."""
-        return [s.model_dump() for s in self.replicas]
-
-    def pd_link_learning(self) -> LinkLearning:
-        """How the P->D link bandwidth is learned from observed handoffs (issue 19)."""
-        return LinkLearning(
-            enabled=self.pd_link_learn,
-            min_samples=self.pd_link_learn_min_samples,
-            alpha=self.pd_link_learn_alpha,
+            health=self.membership.health(),
+            allocator=self.membership.allocator(),
+            redis=self.shared_state.redis(),
+            kubernetes=self.kubernetes(),
         )
 
     def proxy(self) -> ProxyConfig:
-        """Forwarding: timeouts, retries, pool, engine API key."""
+        """Forwarding: the engine edge's timeouts, retries, pool and limits, with the client edge's Retry-After,
+        this router's region and the routing session header."""
         return ProxyConfig(
             connect_timeout_s=self.connect_timeout_s,
             first_byte_timeout_s=self.first_byte_timeout_s,
@@ -1387,19 +1730,6 @@ class Settings(BaseSettings):
             region=self.region,
             session_header=self.session_header,
         )
-
-    def dispatch(self) -> DispatchSettings:
-        """The cache-first dispatch gate."""
-        return DispatchSettings(
-            limit_tokens=self.dispatch_limit_tokens,
-            patience_s=self.dispatch_patience_s,
-            max_wait_s=self.dispatch_max_wait_s,
-        )
-
-    def engine_headers(self) -> dict[str, str]:
-        """Headers sent to engines (probes, scrapes, /tokenize): the engine API key as a bearer token, if any."""
-        key = self.engine_api_key
-        return {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
     # -- helpers ---------------------------------------------------------------------------------------
     def safe_dict(self) -> dict[str, Any]:
@@ -1541,7 +1871,11 @@ def build_arg_parser(
         default=argparse.SUPPRESS,
         help=f"YAML config file (keys = option names) (env: {ENV_PREFIX}CONFIG)",
     )
+    headings = concern_headings(settings_cls)
+    groups: dict[str, Any] = {}  # one help section per concern
     for name, info in settings_cls.model_fields.items():
+        heading = headings[name] or "other options"
+        group = groups.get(heading) or groups.setdefault(heading, parser.add_argument_group(heading))
         flag = flag_name(name)
         kind = _kind(info.annotation)
         default = _default_of(info)
@@ -1552,10 +1886,10 @@ def build_arg_parser(
         kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         inner, optional = _strip_optional(info.annotation)
         if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif kind == "literal":
             choices = [str(c) for c in typing.get_args(inner)]
-            parser.add_argument(flag, choices=choices, metavar="{" + "|".join(choices) + "}", **kw)
+            group.add_argument(flag, choices=choices, metavar="{" + "|".join(choices) + "}", **kw)
         elif kind in ("int", "float"):
             conv = int if kind == "int" else float
 
@@ -1564,13 +1898,13 @@ def build_arg_parser(
                     return None
                 return conv(text)
 
-            parser.add_argument(flag, type=_num, metavar=kind.upper(), **kw)
+            group.add_argument(flag, type=_num, metavar=kind.upper(), **kw)
         elif kind == "list":
-            parser.add_argument(flag, action="append", metavar="VALUE", **kw)
+            group.add_argument(flag, action="append", metavar="VALUE", **kw)
         elif kind == "dict":
-            parser.add_argument(flag, action="append", metavar="KEY=VALUE", **kw)
+            group.add_argument(flag, action="append", metavar="KEY=VALUE", **kw)
         else:
-            parser.add_argument(flag, type=_parse_none if optional else str, metavar="TEXT", **kw)
+            group.add_argument(flag, type=_parse_none if optional else str, metavar="TEXT", **kw)
     return parser
 
 
@@ -1674,14 +2008,36 @@ DOC_BEGIN = "<!-- settings:begin (generated by: python -m router.config --update
 DOC_END = "<!-- settings:end -->"
 
 
+def concern_headings(settings_cls: type[Settings] = Settings) -> dict[str, str]:
+    """Field name -> the heading of the concern declaring it (``''`` for a field outside ``CONCERNS``)."""
+    return {
+        name: next((c.heading for c in CONCERNS if name in c.model_fields), "")  # type: ignore[attr-defined]
+        for name in settings_cls.model_fields
+    }
+
+
 def settings_markdown(settings_cls: type[Settings] = Settings) -> str:
-    """The configuration reference as a Markdown table (option, flag, env, type, default, description)."""
+    """The configuration reference: per concern, a heading and a Markdown table (option, flag, env, type, default,
+    description) of its fields."""
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
-    lines = ["| option | flag | env | type | default | description |", "|---|---|---|---|---|---|"]
+    headings = concern_headings(settings_cls)
+    lines: list[str] = []
+    last: str | None = None
     for f in settings_fields(settings_cls):
+        heading = headings[f["name"]]
+        if heading != last:
+            if lines:
+                lines.append("")
+            lines += [
+                f"### {heading}",
+                "",
+                "| option | flag | env | type | default | description |",
+                "|---|---|---|---|---|---|",
+            ]
+            last = heading
         default = "***" if f["name"] in ("admin_token", "engine_api_key") and f["default"] else f["default"]
         lines.append(
             f"| `{f['name']}` | `{f['flag']}` | `{f['env']}` | {cell(f['type'])} | "

@@ -117,7 +117,7 @@ def _tune_gc() -> None:
     gc.freeze()
     # young collections as usual (700 allocations), older ones 10x rarer than the default (10, 10): every full
     # collection walks the whole index (~17 ms each on the e2e slice, 5 a run) and the middle one ~1.4 ms, while
-    # what a request allocates is freed by reference counting (issue 23: ~3 % of the router's CPU was the
+    # what a request allocates is freed by reference counting (measured: ~3 % of the router's CPU was the
     # collector's; cyclic garbage that reached the old generation waits longer, bounded: ~10k young collections)
     gc.set_threshold(700, _GC_OLDER_EVERY, _GC_OLDER_EVERY)
     pin_mmap_threshold()  # large bodies' buffers go back to the OS when freed (router/heap.py)
@@ -165,7 +165,7 @@ def _http_protocol(settings: Settings, app: Any) -> Any:
     from router.http.protocol import ConnLimits, cut_counter, protocol_class
 
     return protocol_class(
-        ConnLimits.from_settings(settings), cut_counter(app.state.services.telemetry.registry)
+        ConnLimits.from_settings(settings.client_edge), cut_counter(app.state.services.telemetry.registry)
     )
 
 

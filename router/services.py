@@ -13,6 +13,11 @@
        ``epp`` the endpoint picker's server
     -> index hygiene hooks and scrape-time gauges
 
+Every step receives its concern's frozen sub-config (``settings.routing``, ``settings.pd``, ... from
+``router.config``), or a component config the root assembles from several (``Settings.proxy``,
+``_pipeline_config``, ``_epp_config``); no component receives the whole ``Settings``
+(tests/unit/test_config_handout.py).
+
 Nothing is started here: ``run(services)`` (the app's lifespan) starts the background parts and stops them in
 reverse order. Every later reader (the HTTP door in ``router.http.app``, tests) reads typed fields; there is no
 string-keyed bag and no object is looked up late.
@@ -33,6 +38,7 @@ from prometheus_client.core import Metric
 from index.prefix_index import PrefixIndex
 from index.summary import PrefixSummary, SummaryParams
 from membership import engine_tls
+from membership.config import MembershipConfig
 from membership.engine_metrics import EngineSnapshot, MetricsScraper
 from membership.kv_events import KVEventSubscriber
 from membership.replicas import Replica, ReplicaState, ReplicaTable
@@ -46,7 +52,20 @@ from policies.pd_link import LinkEstimator
 from policies.peer_summary import summary_json, with_round_trip
 from policies.regions import LadderParams, RegionLadderPolicy, region_load
 from router import signals
-from router.config import Settings
+from router.config import (
+    ClientEdgeSettings,
+    EngineEdgeSettings,
+    KvEventSettings,
+    MembershipSettings,
+    PdSettings,
+    RegionSettings,
+    RoutingSettings,
+    Settings,
+    SharedStateSettings,
+    TenancySettings,
+    TokenizerSettings,
+    TracingSettings,
+)
 from router.core.admission import Admission
 from router.core.dispatch import DispatchGate
 from router.core.regions import PeerViews, latency_matrix, peer_specs
@@ -55,12 +74,13 @@ from router.core.tenant_admission import TenantAdmission
 from router.core.tenant_metrics import TenantMetrics
 from router.core.tenants import TenancyConfig
 from router.engine.attempt import EngineEdge
+from router.engine.config import ProxyConfig
 from router.engine.feedback import Feedback
 from router.engine.gaps import EndpointGaps
 from router.engine.peer_feed import PeerFeed
 from router.engine.proxy import Proxy
 from router.engine.scrape import PooledScrapeClient
-from router.epp.picker import EppServer
+from router.epp.picker import EppConfig, EppServer
 from router.pd.leg import PdConfig
 from router.pd.legs import PdLegs
 from router.serve.client_fields import ClientFields
@@ -69,7 +89,7 @@ from router.serve.guard import Auth, Guard, Shedder
 from router.serve.idempotency import IdempotencyGuard
 from router.serve.intake import InputLimits, Intake, model_contexts
 from router.serve.loop_lag import LoopLag
-from router.serve.pipeline import Pipeline
+from router.serve.pipeline import Pipeline, PipelineConfig
 from router.serve.responses import ResponseChains
 from router.telemetry import (
     Telemetry,
@@ -144,63 +164,61 @@ class Services:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _configure_engine_tls(settings: Settings) -> None:
-    """TLS to https:// engines (proxy, probes, scrapes, /tokenize): one verified context from Settings."""
+def _configure_engine_tls(engine: EngineEdgeSettings) -> None:
+    """TLS to https:// engines (proxy, probes, scrapes, /tokenize): one verified context from the engine edge."""
     engine_tls.configure(
-        engine_tls.EngineTLS(
-            settings.engine_ca_bundle, settings.engine_client_cert, settings.engine_client_key
-        )
+        engine_tls.EngineTLS(engine.engine_ca_bundle, engine.engine_client_cert, engine.engine_client_key)
     )
 
 
-def _build_index(settings: Settings) -> PrefixIndex:
+def _build_index(kv: KvEventSettings, block_size: int) -> PrefixIndex:
     return PrefixIndex(
-        block_size=settings.block_size,
-        max_nodes=settings.index_max_nodes,
-        max_bytes=settings.index_max_bytes,
-        predicted_ttl_s=settings.predicted_ttl_s,
+        block_size=block_size,
+        max_nodes=kv.index_max_nodes,
+        max_bytes=kv.index_max_bytes,
+        predicted_ttl_s=kv.predicted_ttl_s,
     )
 
 
-def _build_tokenizer(settings: Settings) -> Tokenizer:
+def _build_tokenizer(tok: TokenizerSettings, headers: dict[str, str]) -> Tokenizer:
     return make_tokenizer(
-        settings.tokenizer_mode,
-        settings.tokenizer_path,
-        settings.chat_template_path,
-        settings.tokenize_timeout_s,
-        settings.engine_headers(),
-        cache_bytes=int(settings.tokenizer_cache_mb * (1 << 20)),
-        cache_verify_every=settings.tokenizer_cache_verify_every,
+        tok.tokenizer_mode,
+        tok.tokenizer_path,
+        tok.chat_template_path,
+        tok.tokenize_timeout_s,
+        headers,
+        cache_bytes=int(tok.tokenizer_cache_mb * (1 << 20)),
+        cache_verify_every=tok.tokenizer_cache_verify_every,
     )
 
 
-def _profile_factory(settings: Settings) -> Callable[[str | None], ReplicaProfile]:
-    links = tier_links_of(settings.kv_tier_bandwidth_gbps, settings.kv_tier_latency_s)
+def _profile_factory(routing: RoutingSettings) -> Callable[[str | None], ReplicaProfile]:
+    links = tier_links_of(routing.kv_tier_bandwidth_gbps, routing.kv_tier_latency_s)
 
     def profile_for(name: str | None) -> ReplicaProfile:
-        return build_profile(name, settings.profiles, settings.default_profile, links)
+        return build_profile(name, routing.profiles, routing.default_profile, links)
 
     return profile_for
 
 
-def _build_policy(settings: Settings) -> Policy:
+def _build_policy(routing: RoutingSettings, regions: RegionSettings) -> Policy:
     """The configured policy; with a region set, inside the failover ladder (``policies.regions``, the same code
     the simulator runs: distance priced in seconds, residency as a hard filter, bounded failover)."""
-    policy = make_policy(settings.policy, **settings.policy_params)
-    if not settings.region:
+    policy = make_policy(routing.policy, **routing.policy_params)
+    if not regions.region:
         return policy
-    matrix = latency_matrix(settings.region_rtt_ms, settings.region_intra_rtt_ms, settings.region)
+    matrix = latency_matrix(regions.region_rtt_ms, regions.region_intra_rtt_ms, regions.region)
     params = LadderParams(
-        margin_s=settings.region_margin_s,
-        max_regions=settings.region_max_regions,
-        max_extra_rtt_s=settings.region_max_extra_rtt_s,
-        attempts_per_region=settings.region_attempts_per_region,
-        retry_after_s=float(settings.region_retry_after_s),
+        margin_s=regions.region_margin_s,
+        max_regions=regions.region_max_regions,
+        max_extra_rtt_s=regions.region_max_extra_rtt_s,
+        attempts_per_region=regions.region_attempts_per_region,
+        retry_after_s=float(regions.region_retry_after_s),
     )
-    return RegionLadderPolicy(policy, matrix, settings.region, params)
+    return RegionLadderPolicy(policy, matrix, regions.region, params)
 
 
-def _peer_round_trips(settings: Settings, ladder: RegionLadderPolicy) -> dict[str, float]:
+def _peer_round_trips(regions: RegionSettings, ladder: RegionLadderPolicy) -> dict[str, float]:
     """Round trip to each peer region's router, seconds.
 
     Raises:
@@ -208,84 +226,97 @@ def _peer_round_trips(settings: Settings, ladder: RegionLadderPolicy) -> dict[st
             never be on a ladder).
     """
     out: dict[str, float] = {}
-    for region in settings.region_peers:
-        rtt = ladder.matrix.rtt_s(settings.region, region)
+    for region in regions.region_peers:
+        rtt = ladder.matrix.rtt_s(regions.region, region)
         if rtt is None:
             raise ValueError(
-                f"region_peers: {region!r} has no round trip to {settings.region!r} in region_rtt_ms"
+                f"region_peers: {region!r} has no round trip to {regions.region!r} in region_rtt_ms"
             )
         out[region] = rtt
     return out
 
 
-def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> Membership:
+def _build_membership(
+    config: MembershipConfig,
+    members: MembershipSettings,
+    regions: RegionSettings,
+    routing: RoutingSettings,
+    table: ReplicaTable,
+    index: PrefixIndex,
+    headers: dict[str, str],
+) -> Membership:
+    """Membership (``config`` spans concerns: ``Settings.membership_config``): static replicas and peer regions'
+    routers as specs, priced with routing's profiles."""
     membership = Membership(
-        settings.membership(),
+        config,
         table,
         index,
-        specs=settings.static_replicas()
-        + peer_specs(settings.region_peers, settings.region_peer_health_path),
-        profile_for=_profile_factory(settings),
-        headers=settings.engine_headers(),
+        specs=members.static_replicas() + peer_specs(regions.region_peers, regions.region_peer_health_path),
+        profile_for=_profile_factory(routing),
+        headers=headers,
     )
     membership.load()  # static replicas, joining until their first probe
     return membership
 
 
-def _build_intake(settings: Settings, table: ReplicaTable, telemetry: Telemetry) -> Intake:
+def _build_intake(client: ClientEdgeSettings, table: ReplicaTable, telemetry: Telemetry) -> Intake:
     """The request front door: input limits, and router-controlled fields stripped (router/serve/client_fields.py)."""
     return Intake(
-        InputLimits.from_settings(settings),
+        InputLimits.from_settings(client),
         lambda: model_contexts(table.all()),
         ClientFields(telemetry.registry),
     )
 
 
 def _probe_over_pool(membership: Membership, client: PooledScrapeClient) -> None:
-    """Health probes through the proxy's engine pool (``router/engine/scrape.py``), not httpx (issue 23: the
-    event-loop profile; the pool sends the same engine API key and TLS context the probes would)."""
+    """Health probes through the proxy's engine pool (``router/engine/scrape.py``), not httpx (cheaper on
+    the event loop; the pool sends the same engine API key and TLS context the probes would)."""
     for checker in (membership.static.health, membership.discovered_health):
         if checker is not None:
             checker.use_client(client)
 
 
 def _build_router(
-    settings: Settings,
+    routing: RoutingSettings,
+    predict_mode: str,
+    regions: RegionSettings,
+    pd: PdSettings,
     table: ReplicaTable,
     index: PrefixIndex,
     policy: Policy,
     kv_events: KVEventSubscriber | None,
     membership: Membership,
 ) -> Router:
+    """Decisions: routing's knobs, the KV events' ``predict_mode``, the PD plan and link, this router's region."""
     router = Router(
         table,
         index,
         policy,
-        block_size=settings.block_size,
-        seed_model=settings.seed_model,
-        seed_include_lora=settings.seed_include_lora,
-        objective=settings.objective,
-        predict_mode=settings.predict_mode,
+        block_size=routing.block_size,
+        seed_model=routing.seed_model,
+        seed_include_lora=routing.seed_include_lora,
+        objective=routing.objective,
+        predict_mode=predict_mode,
         events_healthy=lambda rep: signals.events_healthy(kv_events, rep),
-        max_inflight_per_replica=settings.max_inflight_per_replica,
-        panic_routing=settings.panic_routing,
+        max_inflight_per_replica=routing.max_inflight_per_replica,
+        panic_routing=routing.panic_routing,
     )
     router.on_prediction.append(membership.publish_prediction)  # predicted entries reach peer routers
-    _configure_pd(settings, router)
-    router.home_region = settings.region
+    _configure_pd(pd, router)
+    router.home_region = regions.region
     if isinstance(policy, RegionLadderPolicy):
-        router.peer_rtt_s = _peer_round_trips(settings, policy)
+        router.peer_rtt_s = _peer_round_trips(regions, policy)
     return router
 
 
-def _configure_pd(settings: Settings, router: Router) -> None:
-    """Prefill/decode disaggregation (issue 19): the PD plan policy (built on the first PD decision, so a
+def _configure_pd(pd: PdSettings, router: Router) -> None:
+    """Prefill/decode disaggregation: the PD plan policy (built on the first PD decision, so a
     co-located fleet never needs one) and the fleet's P->D link."""
-    router.pd_policy_factory = lambda: make_pd_policy(settings.pd_policy, **settings.pd_policy_params)
+    router.pd_policy_factory = lambda: make_pd_policy(pd.pd_policy, **pd.pd_policy_params)
     router.pd_link = HandoffLink(
-        bandwidth_bytes_per_s=settings.pd_link_bandwidth_gbps * 1e9, latency_s=settings.pd_link_latency_s
+        bandwidth_bytes_per_s=pd.pd_link_bandwidth_gbps * 1e9, latency_s=pd.pd_link_latency_s
     )
-    router.pd_link_estimator = LinkEstimator(router.pd_link, settings.pd_link_learning())
+    router.pd_link_estimator = LinkEstimator(router.pd_link, pd.pd_link_learning())
 
 
 def _observe_snapshot(router: Router, dispatcher: Dispatcher, rep: Replica, snap: EngineSnapshot) -> None:
@@ -299,7 +330,7 @@ def _observe_snapshot(router: Router, dispatcher: Dispatcher, rep: Replica, snap
 
 
 def _build_edge(
-    settings: Settings, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck, membership: Membership
+    proxy: ProxyConfig, router: Router, telemetry: Telemetry, token_ids: TokenIdsCheck, membership: Membership
 ) -> EngineEdge:
     """The engine edge (pool, open / payload / commit), reporting connection failures to membership."""
 
@@ -308,7 +339,7 @@ def _build_edge(
 
     return EngineEdge(
         telemetry,
-        settings.proxy(),
+        proxy,
         Feedback(router, telemetry),
         token_ids=token_ids,
         on_connection_failure=on_connection_failure,
@@ -316,10 +347,16 @@ def _build_edge(
 
 
 def _build_dispatcher(
-    settings: Settings, router: Router, edge: EngineEdge, telemetry: Telemetry, gate: DispatchGate
+    config: ProxyConfig,
+    engine: EngineEdgeSettings,
+    pd_settings: PdSettings,
+    router: Router,
+    edge: EngineEdge,
+    telemetry: Telemetry,
+    gate: DispatchGate,
 ) -> Dispatcher:
     """Dispatch chosen from the plan: the in-place attempts (behind the cache-first gate) and the PD legs."""
-    proxy = Proxy(router, edge, telemetry, settings.proxy(), EndpointGaps(settings.endpoint_gap_ttl_s))
+    proxy = Proxy(router, edge, telemetry, config, EndpointGaps(engine.endpoint_gap_ttl_s))
     proxy.gate = gate
     pd = PdLegs(
         router,
@@ -327,50 +364,64 @@ def _build_dispatcher(
         proxy,
         telemetry,
         PdConfig(
-            protocol=settings.pd_protocol,
-            default_bootstrap_port=settings.pd_default_bootstrap_port,
-            max_prefill_answer_bytes=settings.pd_max_prefill_answer_bytes,
-            max_transfer_params_bytes=settings.pd_max_transfer_params_bytes,
-            mooncake_query_timeout_s=settings.pd_mooncake_query_timeout_s,
-            mooncake_ids_ttl_s=settings.pd_mooncake_ids_ttl_s,
+            protocol=pd_settings.pd_protocol,
+            default_bootstrap_port=pd_settings.pd_default_bootstrap_port,
+            max_prefill_answer_bytes=pd_settings.pd_max_prefill_answer_bytes,
+            max_transfer_params_bytes=pd_settings.pd_max_transfer_params_bytes,
+            mooncake_query_timeout_s=pd_settings.pd_mooncake_query_timeout_s,
+            mooncake_ids_ttl_s=pd_settings.pd_mooncake_ids_ttl_s,
         ),
     )
-    return Dispatcher(proxy, pd, telemetry, settings.migration_limit, settings.migrate_non_streamed)
+    return Dispatcher(proxy, pd, telemetry, engine.migration_limit, engine.migrate_non_streamed)
 
 
-def _build_token_ids(settings: Settings, tokenizer: Tokenizer, table: ReplicaTable) -> TokenIdsCheck:
-    """Which replicas take prompts as the router's token ids (router/tokens/token_ids.py)."""
+def _build_token_ids(
+    tok: TokenizerSettings,
+    probe_interval_s: float,
+    headers: dict[str, str],
+    tokenizer: Tokenizer,
+    table: ReplicaTable,
+) -> TokenIdsCheck:
+    """Which replicas take prompts as the router's token ids (router/tokens/token_ids.py), checked when they join
+    and every probe interval (membership's ``probe_interval_s``)."""
     return TokenIdsCheck(
         tokenizer,
         table,
-        enabled=settings.forward_token_ids,
-        timeout_s=settings.tokenize_timeout_s,
-        interval_s=settings.probe_interval_s,
-        headers=settings.engine_headers(),
+        enabled=tok.forward_token_ids,
+        timeout_s=tok.tokenize_timeout_s,
+        interval_s=probe_interval_s,
+        headers=headers,
     )
 
 
-def _build_gate(settings: Settings, table: ReplicaTable, index: PrefixIndex) -> DispatchGate:
+def _build_gate(routing: RoutingSettings, table: ReplicaTable, index: PrefixIndex) -> DispatchGate:
     def routable(i: int) -> bool:
         rep = table.by_index(i)
         return rep is not None and rep.routable
 
-    return DispatchGate(settings.dispatch(), index, settings.block_size, routable=routable)
+    return DispatchGate(routing.dispatch(), index, routing.block_size, routable=routable)
 
 
-def _build_guard(settings: Settings, telemetry: Telemetry, loop_lag: LoopLag, admission: Admission) -> Guard:
+def _build_guard(
+    client: ClientEdgeSettings,
+    tenancy: TenancySettings,
+    loop_lag: LoopLag,
+    admission: Admission,
+) -> Guard:
     """The front gate (``router.serve.guard``): auth and loop-lag shedding from the headers, before any body."""
-    keys = [k.get_secret_value() for k in settings.api_keys]
+    keys = [k.get_secret_value() for k in client.api_keys]
     if keys:  # keys that name a tenant, or may name any tenant, are client keys too
-        keys += [e.get_secret_value().partition("=")[2].strip() for e in settings.tenant_api_keys]
-        keys += [k.get_secret_value() for k in settings.tenant_header_keys]
-    auth = Auth(keys, settings.admin_token.get_secret_value() if settings.admin_token else None)
+        keys += [e.get_secret_value().partition("=")[2].strip() for e in tenancy.tenant_api_keys]
+        keys += [k.get_secret_value() for k in tenancy.tenant_header_keys]
+    auth = Auth(keys, client.admin_token.get_secret_value() if client.admin_token else None)
     guard = Guard(auth, None)
-    guard.shedder = _build_shedder(settings, loop_lag, admission, guard)
+    guard.shedder = _build_shedder(client, loop_lag, admission, guard)
     return guard
 
 
-def _build_shedder(settings: Settings, loop_lag: LoopLag, admission: Admission, guard: Guard) -> Shedder:
+def _build_shedder(
+    client: ClientEdgeSettings, loop_lag: LoopLag, admission: Admission, guard: Guard
+) -> Shedder:
     """The overload decision: the router's request work is its HTTP data-plane requests in progress, the
     requests holding or queued for an in-flight slot (either door) and those waiting at the gate (an HTTP request
     holding a slot counts twice: only whether the sum shrinks matters)."""
@@ -380,25 +431,33 @@ def _build_shedder(settings: Settings, loop_lag: LoopLag, admission: Admission, 
 
     shedder = Shedder(
         loop_lag,
-        settings.max_event_loop_lag_s,
-        settings.event_loop_lag_sustain_s,
-        settings.event_loop_lag_max_wait_s,
+        client.max_event_loop_lag_s,
+        client.event_loop_lag_sustain_s,
+        client.event_loop_lag_max_wait_s,
         work,
     )
     return shedder
 
 
 def _build_tenants(
-    settings: Settings, membership: Membership, admission: Admission, telemetry: Telemetry, router: Router
+    tenancy: TenancySettings,
+    client: ClientEdgeSettings,
+    membership: Membership,
+    admission: Admission,
+    telemetry: Telemetry,
+    router: Router,
 ) -> TenantAdmission:
-    """Identity and admission (issue 20): quotas in Redis when configured (else in memory), the fair queue of
+    """Identity and admission: quotas in Redis when configured (else in memory), the fair queue of
     ``admission``, per-tenant metrics fed by the router's observations."""
-    budget = TenantBudget(membership.shared, settings.tenant_expected_routers)
+    budget = TenantBudget(membership.shared, tenancy.tenant_expected_routers)
+    config = TenancyConfig.from_settings(
+        tenancy, client_keys_required=bool(client.api_keys), inflight_limit=client.max_inflight_total
+    )
     tenants = TenantAdmission(
-        TenancyConfig.from_settings(settings),
+        config,
         budget,
         admission,
-        TenantMetrics(telemetry.registry, settings.tenant_metrics_max_labels, settings.tenant_metrics_idle_s),
+        TenantMetrics(telemetry.registry, tenancy.tenant_metrics_max_labels, tenancy.tenant_metrics_idle_s),
     )
     telemetry.add_text(tenants.metrics.render_chunks)
     router.on_observation.append(tenants.observe)
@@ -474,21 +533,27 @@ def _adapter_gauges(svc: Services) -> Iterator[Metric]:
 
 
 def _build_peer_feed(
-    settings: Settings, telemetry: Telemetry, router: Router, policy: Policy
+    regions: RegionSettings,
+    members: MembershipSettings,
+    headers: dict[str, str],
+    telemetry: Telemetry,
+    router: Router,
+    policy: Policy,
 ) -> PeerFeed | None:
-    """With peer regions: their summaries and measured round trips (``PeerViews``), fed every probe interval;
-    a measured round trip replaces the configured one in the ladder's matrix and in ``peer_rtt_s``."""
-    if not (settings.region_peers and isinstance(policy, RegionLadderPolicy)):
+    """With peer regions: their summaries and measured round trips (``PeerViews``), fed every probe interval
+    (membership's probe period and timeout); a measured round trip replaces the configured one in the ladder's
+    matrix and in ``peer_rtt_s``."""
+    if not (regions.region_peers and isinstance(policy, RegionLadderPolicy)):
         return None
     views = PeerViews(
-        settings.region_summary_stale_after_s,
-        settings.region_rtt_ewma_alpha,
-        settings.region_rtt_min_samples,
+        regions.region_summary_stale_after_s,
+        regions.region_rtt_ewma_alpha,
+        regions.region_rtt_min_samples,
         time.monotonic,
     )
     views.on_fallback.append(lambda peer, why: telemetry.region_summary_fallbacks.labels(peer, why).inc())
     router.peer_views = views
-    home = settings.region
+    home = regions.region
 
     def measured(peer: str, rtt_s: float) -> None:
         policy.matrix = with_round_trip(policy.matrix, home, peer, rtt_s)
@@ -497,11 +562,11 @@ def _build_peer_feed(
 
     return PeerFeed(
         views,
-        settings.region_peers,
-        settings.region_peer_health_path,
-        settings.probe_interval_s,
-        settings.engine_headers(),
-        settings.probe_timeout_s,
+        regions.region_peers,
+        regions.region_peer_health_path,
+        members.probe_interval_s,
+        headers,
+        members.probe_timeout_s,
         measured,
         lambda peer, what: telemetry.region_feed_errors.labels(peer, what).inc(),
     )
@@ -511,13 +576,13 @@ def region_summary(svc: Services) -> dict[str, Any]:
     """What this router publishes on ``GET /region/summary`` (``policies.peer_summary.summary_json``): per model
     its own routable engines' load (peers left out) and the prefix filter of the blocks they hold (GPU tier),
     rebuilt at most every ``region_summary_refresh_s``."""
-    s = svc.settings
+    s, block_size = svc.settings.regions, svc.settings.routing.block_size
     now = time.monotonic()
     cached = svc.summary_cache
     if cached is not None and now - cached[0] < s.region_summary_refresh_s:
         return cached[1]
     own = [r for r in svc.table.all() if r.routable and not r.is_peer]
-    cands = build_candidates([svc.router.facts(r) for r in own], {}, 0, s.block_size)
+    cands = build_candidates([svc.router.facts(r) for r in own], {}, 0, block_size)
     by_model: dict[str, list[Candidate]] = {}
     for rep, cand in zip(own, cands, strict=True):
         for model in rep.models:
@@ -526,7 +591,7 @@ def region_summary(svc: Services) -> dict[str, Any]:
     loads = {m: region_load(cs, mean_tokens) for m, cs in by_model.items()}
     params = SummaryParams(s.region_summary_bits_per_key, s.region_summary_sample_every)
     keys = svc.index.held_keys(params.tiers, {r.index for r in own})
-    body = summary_json(s.region, loads, s.block_size, PrefixSummary.from_keys(keys, params))
+    body = summary_json(s.region, loads, block_size, PrefixSummary.from_keys(keys, params))
     svc.summary_cache = (now, body)
     return body
 
@@ -566,43 +631,47 @@ def _background(svc: Services) -> list[StartStop]:
         lag.stop()
 
     out.append((start_lag, stop_lag))  # the event-loop lag probe the guard sheds on
-    feed = _build_peer_feed(svc.settings, svc.telemetry, svc.router, svc.policy)
+    s = svc.settings
+    feed = _build_peer_feed(
+        s.regions, s.membership, s.engine_edge.engine_headers(), svc.telemetry, svc.router, svc.policy
+    )
     if feed is not None:
         out.append((feed.start, feed.stop))  # peer regions' summaries and round trips
     return out
 
 
-def _build_chains(settings: Settings, membership: Membership) -> ResponseChains:
+def _build_chains(shared: SharedStateSettings, membership: Membership) -> ResponseChains:
     """The Responses API's response id -> replica and conversation maps (shared through Redis when configured)."""
     owners = ResponseMap(
         membership.shared,
-        ttl_s=settings.response_map_ttl_s,
-        local_max=settings.response_map_local_entries,
+        ttl_s=shared.response_map_ttl_s,
+        local_max=shared.response_map_local_entries,
     )
     conversations = ResponseMap(
         membership.shared,
-        ttl_s=settings.response_map_ttl_s,
-        local_max=settings.response_history_local_entries,
+        ttl_s=shared.response_map_ttl_s,
+        local_max=shared.response_history_local_entries,
         namespace="resp-conv",
     )
-    return ResponseChains(owners, conversations, settings.response_history_max_bytes)
+    return ResponseChains(owners, conversations, shared.response_history_max_bytes)
 
 
 def _build_front(
-    settings: Settings, telemetry: Telemetry, table: ReplicaTable, membership: Membership, router: Router
+    client: ClientEdgeSettings,
+    tenancy: TenancySettings,
+    telemetry: Telemetry,
+    table: ReplicaTable,
+    membership: Membership,
+    router: Router,
 ) -> tuple[Admission, IdempotencyGuard, LoopLag, Guard, Intake, TenantAdmission]:
     """The request front: the in-flight limit, idempotency keys, the loop-lag probe and the guard on it, body
     intake, identity and tenant admission."""
-    admission = Admission(
-        settings.max_inflight_total, settings.max_queued_requests, settings.max_queue_wait_s
-    )
-    idempotency = IdempotencyGuard(membership.shared, settings.retry_after_s)
-    loop_lag = LoopLag(
-        settings.event_loop_lag_interval_s, settings.event_loop_lag_window_s, telemetry.registry
-    )
-    guard = _build_guard(settings, telemetry, loop_lag, admission)
-    intake = _build_intake(settings, table, telemetry)
-    tenants = _build_tenants(settings, membership, admission, telemetry, router)
+    admission = Admission(client.max_inflight_total, client.max_queued_requests, client.max_queue_wait_s)
+    idempotency = IdempotencyGuard(membership.shared, client.retry_after_s)
+    loop_lag = LoopLag(client.event_loop_lag_interval_s, client.event_loop_lag_window_s, telemetry.registry)
+    guard = _build_guard(client, tenancy, loop_lag, admission)
+    intake = _build_intake(client, table, telemetry)
+    tenants = _build_tenants(tenancy, client, membership, admission, telemetry, router)
     return admission, idempotency, loop_lag, guard, intake, tenants
 
 
@@ -618,38 +687,88 @@ def _tracing_pair(tracing: Tracing) -> StartStop:
     return no_start, stop_tracing
 
 
-def _tracing_config(settings: Settings) -> TracingConfig | None:
+def _tracing_config(tracing: TracingSettings) -> TracingConfig | None:
     """The tracing settings (None: ``otlp_traces_endpoint`` unset, tracing off)."""
-    if not settings.otlp_traces_endpoint:
+    if not tracing.otlp_traces_endpoint:
         return None
     return TracingConfig(
-        endpoint=settings.otlp_traces_endpoint,
-        protocol=settings.otlp_traces_protocol,
-        sample_ratio=settings.trace_sample_ratio,
-        service_name=settings.otel_service_name,
+        endpoint=tracing.otlp_traces_endpoint,
+        protocol=tracing.otlp_traces_protocol,
+        sample_ratio=tracing.trace_sample_ratio,
+        service_name=tracing.otel_service_name,
     )
 
 
-def build_services(settings: Settings, *, epp: bool = False) -> Services:
-    """Build every component from ``settings`` (nothing is started; see ``run``); with ``epp`` also the endpoint
-    picker's gRPC server (started after membership, stopped first).
+def _pipeline_config(settings: Settings) -> PipelineConfig:
+    """What the pipeline's steps read, from the routing, shared-state, regions and tokenizer sub-configs."""
+    routing, tok = settings.routing, settings.tokenizer
+    return PipelineConfig(
+        session_header=routing.session_header,
+        session_affinity=settings.shared_state.session_affinity,
+        region=settings.regions.region,
+        tokenize_scope=tok.tokenize_scope,
+        tokenize_lookahead_chars=tok.tokenize_lookahead_chars,
+    )
 
-    Raises:
-        ValueError / KeyError / TokenizerError: invalid configuration (message names the option).
-    """
-    headers = settings.engine_headers()
+
+def _epp_config(settings: Settings) -> EppConfig:
+    """What the endpoint picker reads, from the picker, client-edge, engine-edge, server and membership
+    sub-configs."""
+    picker, client, engine = settings.picker, settings.client_edge, settings.engine_edge
+    return EppConfig(
+        host=settings.server.host,
+        epp_grpc_port=picker.epp_grpc_port,
+        epp_grpc_insecure=picker.epp_grpc_insecure,
+        epp_tls_cert_file=picker.epp_tls_cert_file,
+        epp_tls_key_file=picker.epp_tls_key_file,
+        epp_max_streams_per_connection=picker.epp_max_streams_per_connection,
+        epp_max_streams=picker.epp_max_streams,
+        epp_request_timeout_s=picker.epp_request_timeout_s,
+        epp_min_body_rate_bytes_per_s=picker.epp_min_body_rate_bytes_per_s,
+        epp_body_rate_grace_s=picker.epp_body_rate_grace_s,
+        max_request_bytes=client.max_request_bytes,
+        max_header_bytes=client.max_header_bytes,
+        max_header_count=client.max_header_count,
+        retry_after_s=client.retry_after_s,
+        engine_stream_usage=engine.engine_stream_usage,
+        engine_max_body_bytes=engine.engine_max_body_bytes,
+        shutdown_grace_s=settings.server.shutdown_grace_s,
+        probe_interval_s=settings.membership.probe_interval_s,
+    )
+
+
+def _replicas_and_index(
+    settings: Settings, headers: dict[str, str]
+) -> tuple[ReplicaTable, PrefixIndex, Membership, KVEventSubscriber | None]:
+    """The replica table (stable indices: ordinals, Redis registry, grace), the prefix index, membership and the
+    KV-event subscriber feeding the index (a root helper: it hands each its concern's sub-config)."""
+    routing, kv, members = settings.routing, settings.kv, settings.membership
+    table = ReplicaTable(make_allocator(settings.membership_config()))
+    index = _build_index(kv, routing.block_size)
+    membership = _build_membership(
+        settings.membership_config(), members, settings.regions, routing, table, index, headers
+    )
+    kv_events = signals.build_kv_events(kv, members, routing.seed_model, index)
+    return table, index, membership, kv_events
+
+
+def build_services(settings: Settings, *, epp: bool = False) -> Services:
+    """Build every component from ``settings`` (nothing is started; see ``run``), each from its concern's
+    sub-config, never the whole settings; with ``epp`` also the endpoint picker's gRPC server. Raises ValueError /
+    KeyError / TokenizerError on invalid configuration (the message names the option)."""
+    routing, kv, members = settings.routing, settings.kv, settings.membership
+    engine, regions = settings.engine_edge, settings.regions
+    headers = engine.engine_headers()
     telemetry = Telemetry()
-    _configure_engine_tls(settings)
-    table = ReplicaTable(make_allocator(settings.membership()))  # ordinals / Redis registry / grace
-    index = _build_index(settings)
-    policy = _build_policy(settings)
-    tokenizer = _build_tokenizer(settings)
-    membership = _build_membership(settings, table, index)
-    kv_events = signals.build_kv_events(settings, index)
+    _configure_engine_tls(engine)
+    table, index, membership, kv_events = _replicas_and_index(settings, headers)
+    policy = _build_policy(routing, regions)
+    tokenizer = _build_tokenizer(settings.tokenizer, headers)
     # scrapes through the proxy's engine pool (created in the event loop when first used)
-    engine_client = PooledScrapeClient(lambda: edge.pool(), settings.engine_max_body_bytes)
+    engine_client = PooledScrapeClient(lambda: edge.pool(), engine.engine_max_body_bytes)
     engine_metrics = signals.build_engine_metrics(
-        settings,
+        members,
+        routing.block_size,
         table,
         headers,
         kv_events,
@@ -657,17 +776,20 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         also_on_snapshot=lambda rep, snap: _observe_snapshot(router, dispatcher, rep, snap),
     )
     _probe_over_pool(membership, engine_client)
-    router = _build_router(settings, table, index, policy, kv_events, membership)
-    token_ids = _build_token_ids(settings, tokenizer, table)
-    gate = _build_gate(settings, table, index)
-    edge = _build_edge(settings, router, telemetry, token_ids, membership)
-    dispatcher = _build_dispatcher(settings, router, edge, telemetry, gate)
+    router = _build_router(
+        routing, kv.predict_mode, regions, settings.pd, table, index, policy, kv_events, membership
+    )
+    token_ids = _build_token_ids(settings.tokenizer, members.probe_interval_s, headers, tokenizer, table)
+    gate = _build_gate(routing, table, index)
+    proxy = settings.proxy()
+    edge = _build_edge(proxy, router, telemetry, token_ids, membership)
+    dispatcher = _build_dispatcher(proxy, engine, settings.pd, router, edge, telemetry, gate)
     dispatcher.exact_prompt_counts = tokenizer.mode in ("hf", "engine")
     admission, idempotency, loop_lag, guard, intake, tenants = _build_front(
-        settings, telemetry, table, membership, router
+        settings.client_edge, settings.tenancy, telemetry, table, membership, router
     )
     pipeline = Pipeline(
-        settings,
+        _pipeline_config(settings),
         telemetry,
         table,
         router,
@@ -678,9 +800,9 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         guard,
         token_ids,
         dispatcher,
-        _build_chains(settings, membership),
-        ImageRenderer(settings.tokenize_timeout_s, headers),
-        build_tracing(_tracing_config(settings)),
+        _build_chains(settings.shared_state, membership),
+        ImageRenderer(settings.tokenizer.tokenize_timeout_s, headers),
+        build_tracing(_tracing_config(settings.tracing)),
     )
     _keep_index_honest(table, index, kv_events, router)
     svc = Services(
@@ -716,7 +838,7 @@ def _plan_background(svc: Services, epp: bool) -> None:
     server last (started after membership, stopped first)."""
     svc.background = _background(svc)
     if epp:
-        svc.epp = EppServer(svc.pipeline, svc.edge.feedback)
+        svc.epp = EppServer(svc.pipeline, svc.edge.feedback, _epp_config(svc.settings))
         svc.background.append((svc.epp.start, svc.epp.stop))
 
 
@@ -753,7 +875,7 @@ async def run(svc: Services) -> AsyncIterator[None]:
 async def _expire_loop(svc: Services) -> None:
     """Expire stale predicted entries periodically (match() also expires lazily)."""
     while True:
-        await asyncio.sleep(svc.settings.index_expire_interval_s)
+        await asyncio.sleep(svc.settings.kv.index_expire_interval_s)
         try:
             svc.index.expire()
         except Exception:

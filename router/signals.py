@@ -17,7 +17,7 @@ from index.prefix_index import PrefixIndex
 from membership.engine_metrics import EngineSnapshot, MetricsScraper
 from membership.kv_events import FeedSpec, KVEventsConfig, KVEventSubscriber
 from membership.replicas import Replica, ReplicaTable
-from router.config import Settings
+from router.config import KvEventSettings, MembershipSettings
 
 log = logging.getLogger("kvroute.signals")
 
@@ -59,24 +59,27 @@ class _SeededSubscriber(KVEventSubscriber):
         )
 
 
-def wants_kv_events(settings: Settings) -> bool:
+def wants_kv_events(kv: KvEventSettings, members: MembershipSettings) -> bool:
     """True when KV events are on and some replica may publish them (a configured endpoint, or discovery)."""
-    return settings.kv_events and (settings.kubernetes_enabled or any(s.events for s in settings.replicas))
+    return kv.kv_events and (members.kubernetes_enabled or any(s.events for s in members.replicas))
 
 
-def build_kv_events(settings: Settings, index: PrefixIndex) -> KVEventSubscriber | None:
-    """The KV-event subscriber feeding ``index`` (not started), or None when no replica can publish events."""
-    if not wants_kv_events(settings):
+def build_kv_events(
+    kv: KvEventSettings, members: MembershipSettings, seed_model: str | None, index: PrefixIndex
+) -> KVEventSubscriber | None:
+    """The KV-event subscriber feeding ``index`` (not started), or None when no replica can publish events;
+    ``seed_model``: the model folded into block keys' root seed (routing's ``seed_model``; None: the event's)."""
+    if not wants_kv_events(kv, members):
         return None
-    config = kv_events_config(settings)
-    if settings.seed_model:
-        return _SeededSubscriber(index, settings.seed_model, config)
+    config = kv_events_config(kv)
+    if seed_model:
+        return _SeededSubscriber(index, seed_model, config)
     return KVEventSubscriber(index, config=config)
 
 
-def kv_events_config(settings: Settings) -> KVEventsConfig:
-    """The subscriber's tuning from the ``kv_*`` Settings fields."""
-    st = settings
+def kv_events_config(kv: KvEventSettings) -> KVEventsConfig:
+    """The subscriber's tuning from the KV-event sub-config's ``kv_*`` fields."""
+    st = kv
     return KVEventsConfig(
         replay_idle_timeout_s=st.kv_replay_idle_timeout_s,
         replay_total_timeout_s=st.kv_replay_total_timeout_s,
@@ -122,7 +125,8 @@ def feed_status(sub: KVEventSubscriber | None, rep: Replica) -> dict[str, Any] |
 
 
 def build_engine_metrics(
-    settings: Settings,
+    members: MembershipSettings,
+    block_size: int,
     table: ReplicaTable,
     headers: dict[str, str],
     kv_events: KVEventSubscriber | None,
@@ -151,10 +155,10 @@ def build_engine_metrics(
 
     return MetricsScraper(
         table,
-        interval_s=settings.scrape_interval_s,
-        timeout_s=settings.scrape_timeout_s,
+        interval_s=members.scrape_interval_s,
+        timeout_s=members.scrape_timeout_s,
         client=client,
         headers=headers or None,
-        router_block_size=settings.block_size,
+        router_block_size=block_size,
         on_snapshot=on_snapshot if hooks else None,
     )

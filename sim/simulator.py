@@ -167,7 +167,7 @@ class FleetConfig:
 
 @dataclass(slots=True)
 class SimTenancy:
-    """Tenant hooks (issue 20), decided by the same pure code as the router (``policies.admission_fair``,
+    """Tenant hooks (quotas, fair share, priority classes), decided by the same pure code as the router (``policies.admission_fair``,
     ``policies.admission_slo``).
 
     Attributes:

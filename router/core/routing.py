@@ -200,7 +200,7 @@ class RoutingInput:
         copies: sequences the engine generates for it (OpenAI ``n`` / vLLM ``best_of``, at least 1): it counts
             as this many requests in flight on its replica.
         ttft_target_s: the request's TTFT target, seconds (None: none); priority: its class priority;
-            identity: its ``router.core.tenants.Identity`` (issue 20).
+            identity: its ``router.core.tenants.Identity``.
         trace: its ``router.tracing.RequestTrace`` (set by the pipeline; None when tracing is off).
         estimated_tokens: set when ``token_ids`` are only a prefix of the prompt's ids (cache-frontier
             tokenization, ``router.tokens.frontier``): the estimated length of the whole prompt, tokens; None
@@ -332,7 +332,7 @@ class Router:
         self.on_prediction: list[Callable[[Replica, Sequence[int]], None]] = []
         #: called with every observation after the policy (per-tenant / per-class TTFT metrics)
         self.on_observation: list[Callable[[Observation], None]] = []
-        #: prefill/decode disaggregation (issue 19): builds the PD plan policy on first use (``router.services``
+        #: prefill/decode disaggregation: builds the PD plan policy on first use (``router.services``
         #: sets it from ``Settings.pd_policy``); None: every fleet is routed co-located
         self.pd_policy_factory: Callable[[], PdPolicy] | None = None
         self._pd_policy: PdPolicy | None = None

@@ -1,4 +1,4 @@
-"""The identity-and-admission step of the routing core (issue 20), callable by every front door.
+"""The identity-and-admission step of the routing core (tenants, quotas, priority classes, SLOs), callable by every front door.
 
 A front door (the HTTP proxy in ``router.http.app``, ``/route``, the gRPC endpoint picker) calls, with plain values
 and no HTTP objects:

@@ -138,8 +138,9 @@ class TenancyConfig:
     inflight_limit: int
 
     @classmethod
-    def from_settings(cls, s: Any) -> TenancyConfig:
-        """Build from a ``router.config.Settings``.
+    def from_settings(cls, s: Any, *, client_keys_required: bool, inflight_limit: int) -> TenancyConfig:
+        """Build from the tenancy sub-config (``router.config.TenancySettings``), whether the client edge requires
+        API keys (``api_keys`` set) and its in-flight limit (``max_inflight_total``, requests).
 
         Raises:
             ValueError: a malformed tenant / class entry (the message names it).
@@ -168,7 +169,7 @@ class TenancyConfig:
             tenant_header_aliases=tuple(h.lower() for h in s.tenant_header_aliases),
             key_tenants=parse_key_tenants([k.get_secret_value() for k in s.tenant_api_keys]),
             header_keys=frozenset(k.get_secret_value() for k in s.tenant_header_keys),
-            client_keys_required=bool(s.api_keys),
+            client_keys_required=client_keys_required,
             default_tenant=s.default_tenant,
             tenants=tenants,
             default_policy=default_policy,
@@ -185,7 +186,7 @@ class TenancyConfig:
             expected_routers=s.tenant_expected_routers,
             slo_reject_factor=s.slo_reject_factor,
             top_class_max_share=s.priority_top_class_max_share,
-            inflight_limit=s.max_inflight_total,
+            inflight_limit=inflight_limit,
         )
 
     def policy_of(self, tenant: str) -> TenantPolicy:

@@ -334,7 +334,7 @@ class EngineResponse:
 
     def attach(self, sink: Callable[[bytes], bool] | None) -> None:
         """Hand body pieces to ``sink`` in the connection's read callback as they arrive, instead of buffering
-        them for ``read_chunk`` (a relay writes them on without a task switch per piece; issue 23).
+        them for ``read_chunk`` (a relay writes them on without a task switch per piece).
 
         ``sink(piece)`` runs inside the event loop's read callback: it must be quick and must not raise. It
         returns True when it took the piece; False keeps the piece buffered, detaches the sink and wakes a

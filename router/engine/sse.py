@@ -102,7 +102,7 @@ class SSEValidator:
         """The complete, valid (and filtered) events of ``chunk`` plus what was pending."""
         # the common piece, one per token: exactly one whole ``data: {...}`` event after the first was parsed,
         # nothing pending, nothing to strip -> passed on as it is (what ``_feed`` returns for it, without its
-        # splitting; issue 23)
+        # splitting: the hot path of a relayed stream)
         if (
             chunk[:7] == b"data: {"
             and chunk[-3:] == b"}\n\n"

@@ -52,6 +52,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -93,20 +94,51 @@ _TAIL_BYTES = 16384
 _MESSAGE_HEADROOM_BYTES = 1 << 20
 
 
+@dataclass(frozen=True, slots=True)
+class EppConfig:
+    """What the endpoint picker reads from the configuration, under the ``Settings`` field names; ``router.services``
+    builds it from the picker, client-edge, engine-edge, server and membership sub-configs (no defaults here)."""
+
+    #: the gRPC server: bind address (the server's ``host``), port, TLS or plaintext, streams per connection
+    host: str
+    epp_grpc_port: int
+    epp_grpc_insecure: bool
+    epp_tls_cert_file: str
+    epp_tls_key_file: str
+    epp_max_streams_per_connection: int
+    #: gateway streams open at once; a request's deadline and slowest body rate (s, bytes/s)
+    epp_max_streams: int
+    epp_request_timeout_s: float
+    epp_min_body_rate_bytes_per_s: float
+    epp_body_rate_grace_s: float
+    #: the client edge's limits (bytes, header count) and its Retry-After (s)
+    max_request_bytes: int
+    max_header_bytes: int
+    max_header_count: int
+    retry_after_s: int
+    #: the engine edge: ask engines for stream usage; largest response body or SSE event kept (bytes)
+    engine_stream_usage: bool
+    engine_max_body_bytes: int
+    #: stop: grace for streams in progress (s); readiness re-checked every probe interval (s)
+    shutdown_grace_s: float
+    probe_interval_s: float
+
+
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """The ``ExternalProcessor`` servicer: one ``_Stream`` per gateway stream, all on the serving pipeline.
 
     Args:
         pipeline: the serving pipeline (the same steps as the HTTP door's: never a second copy of the logic).
         feedback: usage and TTFT feedback when a response has passed through.
+        config: what the picker reads from the configuration.
     """
 
-    def __init__(self, pipeline: Pipeline, feedback: Feedback) -> None:
+    def __init__(self, pipeline: Pipeline, feedback: Feedback, config: EppConfig) -> None:
         self.pipeline = pipeline
         self.feedback = feedback
         #: the prefill/decode legs (the picker runs a disaggregated plan's prefill side itself)
         self.pd = pipeline.dispatcher.pd
-        self.settings = pipeline.settings
+        self.config = config
         self.telemetry = pipeline.telemetry
         self.table = pipeline.table
         self.router = pipeline.router
@@ -137,7 +169,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[Any]:
         """One HTTP request's ext_proc stream: answers each message as the protocol requires; a request that does
         not arrive in time (``_Stream.read_timeout``) is answered 408."""
-        if self.active >= self.settings.epp_max_streams:
+        if self.active >= self.config.epp_max_streams:
             yield self._over_capacity()
             return
         stream = _Stream(self)
@@ -165,14 +197,14 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _over_capacity(self) -> Any:
         """The answer to a stream over ``epp_max_streams``: 503 with Retry-After, before reading anything."""
-        settings = self.settings
+        config = self.config
         self.streams.labels("503").inc()
         self.telemetry.rejected.labels("too_many_streams").inc()
         message = f"the endpoint picker has {self.active} streams open (epp_max_streams); retry shortly"
         headers = {
             "content-type": "application/json",
             REASON_HEADER: "too_many_streams",
-            "retry-after": str(settings.retry_after_s),
+            "retry-after": str(config.retry_after_s),
         }
         return codec.immediate(
             503, error_body(503, message, "too_many_streams"), headers.items(), "too_many_streams"
@@ -194,7 +226,7 @@ class _Stream:
     def __init__(self, picker: EndpointPicker) -> None:
         self.picker = picker
         self.pipeline = picker.pipeline
-        self.settings = picker.settings
+        self.config = picker.config
         self.phase = _START
         self.started = time.monotonic()
         # body send modes: from the gateway's protocol_config, when it sends one
@@ -278,13 +310,13 @@ class _Stream:
         if self.phase != _START:
             return self._protocol_error("second_request", "request headers after the request's own")
         self.phase = _REQUEST
-        settings = self.settings
+        config = self.config
         try:
             self.headers = codec.headers_of(
                 msg.request_headers,
                 strict=True,
-                max_bytes=settings.max_header_bytes,
-                max_count=settings.max_header_count,
+                max_bytes=config.max_header_bytes,
+                max_count=config.max_header_count,
             )
         except codec.HeaderError as exc:
             return self._refuse(exc)
@@ -349,7 +381,7 @@ class _Stream:
         part = msg.request_body
         chunk, end = part.body, part.end_of_stream
         if chunk:
-            limit = self.settings.max_request_bytes
+            limit = self.config.max_request_bytes
             if len(self.body) + len(chunk) > limit:
                 return self._refuse(
                     KvrouteError(
@@ -404,33 +436,35 @@ class _Stream:
         ``epp_body_rate_grace_s`` have passed), whichever comes first."""
         if self.phase == _PICKED:
             return None
-        settings = self.settings
-        due = self.started + settings.epp_request_timeout_s
-        rate = settings.epp_min_body_rate_bytes_per_s
+        config = self.config
+        due = self.started + config.epp_request_timeout_s
+        rate = config.epp_min_body_rate_bytes_per_s
         if rate > 0 and self.phase == _REQUEST and self.request_mode == codec.FULL_DUPLEX_STREAMED:
-            due = min(due, self.started + max(settings.epp_body_rate_grace_s, len(self.body) / rate))
+            due = min(due, self.started + max(config.epp_body_rate_grace_s, len(self.body) / rate))
         return max(0.0, due - time.monotonic())
 
     def _rate_bound_first(self) -> bool:
         """Whether the minimum body rate, not the request deadline, set the wait that just ran out (decided from
         the deadlines themselves, not from the clock: a loop timer may fire a little early or late)."""
-        settings = self.settings
-        rate = settings.epp_min_body_rate_bytes_per_s
+        config = self.config
+        rate = config.epp_min_body_rate_bytes_per_s
         if rate <= 0 or self.phase != _REQUEST or self.request_mode != codec.FULL_DUPLEX_STREAMED:
             return False
-        return max(settings.epp_body_rate_grace_s, len(self.body) / rate) < settings.epp_request_timeout_s
+        return max(config.epp_body_rate_grace_s, len(self.body) / rate) < config.epp_request_timeout_s
 
     def timed_out(self) -> list[Any]:
         """The request did not arrive in time: 408 (``request_timeout`` past the deadline, else
         ``body_too_slow``), the stream ended."""
-        settings = self.settings
+        config = self.config
         if not self._rate_bound_first():
             code = "request_timeout"
-            message = f"the request did not arrive within {settings.epp_request_timeout_s:g}s (epp_request_timeout_s)"
+            message = (
+                f"the request did not arrive within {config.epp_request_timeout_s:g}s (epp_request_timeout_s)"
+            )
         else:
             code = "body_too_slow"
             message = (
-                f"the request body arrives at under {settings.epp_min_body_rate_bytes_per_s:g} bytes/s "
+                f"the request body arrives at under {config.epp_min_body_rate_bytes_per_s:g} bytes/s "
                 f"({len(self.body)} bytes in {time.monotonic() - self.started:.1f}s; "
                 "epp_min_body_rate_bytes_per_s)"
             )
@@ -524,13 +558,13 @@ class _Stream:
         if (
             payload is not None
             and self.stream
-            and self.settings.engine_stream_usage
+            and self.config.engine_stream_usage
             and self.wire.openai_stream
         ):
             payload, self.strip_usage = ask_for_usage(payload)
         extra = {"x-request-id": inp.request_id}
         if rep.is_peer:  # another region's router: the hop (never forwarded again), residency and session
-            st = self.settings
+            st = self.pipeline.config
             extra.update(hop_headers(st.region, inp.allowed_regions, st.session_header, inp.session_id))
         trace = self.trace
         if trace is not None:  # the attempt's span, ended with the hold; the engine's traceparent names it
@@ -634,7 +668,7 @@ class _Stream:
         headers = {
             "content-type": "application/json",
             REASON_HEADER: err.details,
-            **err.answer_headers(self.settings.retry_after_s),
+            **err.answer_headers(self.config.retry_after_s),
         }
         if self.request_id:
             headers["x-request-id"] = self.request_id
@@ -662,7 +696,7 @@ class _Stream:
 
     def _strip_if_asked(self) -> None:
         if self.event_stream and self.strip_usage and self.stripper is None:
-            self.stripper = _UsageStripper(self.settings.engine_max_body_bytes)
+            self.stripper = _UsageStripper(self.config.engine_max_body_bytes)
 
     def _on_response_body(self, chunk: bytes, end: bool) -> list[Any]:
         """Pass one response chunk through (removing usage the client did not ask for, an event split across
@@ -679,7 +713,7 @@ class _Stream:
             watch = self.wire.watch
             if watch is not None and 0 < self.status < 400 and self.hold is not None:
                 watch.feed(self.hold.rep, chunk)
-        elif self.body_size <= self.settings.engine_max_body_bytes:
+        elif self.body_size <= self.config.engine_max_body_bytes:
             self.body_parts.append(chunk)
             self.body_size += len(chunk)
         out = chunk
@@ -753,7 +787,7 @@ class _Stream:
         watch = self.wire.watch
         if watch is None:
             return
-        if not self.event_stream and self.body_size <= self.settings.engine_max_body_bytes:
+        if not self.event_stream and self.body_size <= self.config.engine_max_body_bytes:
             watch.feed(hold.rep, b"".join(self.body_parts))
         self.picker.spawn(watch.complete(hold.rep))
 
@@ -764,7 +798,7 @@ class _Stream:
             usage = usage_from_sse(bytes(self.tail))
             feedback.check_usage(hold.rep, usage, streamed=True)
             feedback.observe(hold.rep, routed, usage, self.ttft or 0.0, cached, single_chunk=False)
-        elif self.body_size <= self.settings.engine_max_body_bytes:
+        elif self.body_size <= self.config.engine_max_body_bytes:
             usage = usage_from_json(b"".join(self.body_parts))
             feedback.check_usage(hold.rep, usage, streamed=False)
             feedback.observe(hold.rep, routed, usage, self.ttft or 0.0, cached, single_chunk=not self.stream)
@@ -865,42 +899,40 @@ class EppServer:
     ``start`` / ``stop`` are a background pair of ``router.services`` (started after membership, stopped first).
     """
 
-    def __init__(self, pipeline: Pipeline, feedback: Feedback) -> None:
+    def __init__(self, pipeline: Pipeline, feedback: Feedback, config: EppConfig) -> None:
         """Raises ValueError when the configured certificate and key do not load (``router.epp.tls``)."""
-        self.settings = pipeline.settings
+        self.config = config
         self.table = pipeline.table
-        self.picker = EndpointPicker(pipeline, feedback)
+        self.picker = EndpointPicker(pipeline, feedback, config)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._ready_task: asyncio.Task[None] | None = None
-        settings = self.settings
+        config = self.config
         self.credentials = server_credentials(
-            settings.epp_grpc_insecure, settings.epp_tls_cert_file, settings.epp_tls_key_file
+            config.epp_grpc_insecure, config.epp_tls_cert_file, config.epp_tls_key_file
         )
 
     async def start(self) -> None:
         """Bind (TLS unless ``epp_grpc_insecure``), start serving and keep the readiness services current."""
-        settings = self.settings
+        config = self.config
         server = grpc.aio.server(
             options=[
-                ("grpc.max_concurrent_streams", settings.epp_max_streams_per_connection),
+                ("grpc.max_concurrent_streams", config.epp_max_streams_per_connection),
                 # a BUFFERED body comes whole in one message: room for the largest body plus its framing
-                ("grpc.max_receive_message_length", settings.max_request_bytes + _MESSAGE_HEADROOM_BYTES),
-                ("grpc.max_send_message_length", settings.max_request_bytes + _MESSAGE_HEADROOM_BYTES),
+                ("grpc.max_receive_message_length", config.max_request_bytes + _MESSAGE_HEADROOM_BYTES),
+                ("grpc.max_send_message_length", config.max_request_bytes + _MESSAGE_HEADROOM_BYTES),
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.picker, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        address = f"{settings.host}:{settings.epp_grpc_port}"
+        address = f"{config.host}:{config.epp_grpc_port}"
         if self.credentials is None:
             self.port = server.add_insecure_port(address)
         else:
             self.port = server.add_secure_port(address, self.credentials)
         if self.port == 0:
-            raise OSError(
-                f"cannot bind the endpoint picker's gRPC port {settings.host}:{settings.epp_grpc_port}"
-            )
+            raise OSError(f"cannot bind the endpoint picker's gRPC port {config.host}:{config.epp_grpc_port}")
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self._update_readiness()
         await server.start()
@@ -919,7 +951,7 @@ class EppServer:
                 await self._ready_task
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
-            await self.server.stop(self.settings.shutdown_grace_s)
+            await self.server.stop(self.config.shutdown_grace_s)
             self.server = None
 
     def ready(self) -> bool:
@@ -937,7 +969,7 @@ class EppServer:
 
     async def _readiness_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.probe_interval_s)
+            await asyncio.sleep(self.config.probe_interval_s)
             try:
                 await self._update_readiness()
             except Exception:

@@ -569,7 +569,9 @@ class _DataPlane:
         self.svc = svc
         self.pipeline = svc.pipeline
         self.auth = auth
-        self.settings = svc.settings
+        #: the client edge's sub-config (CORS, body limit) and the block size decisions are shown in
+        self.client_edge = svc.settings.client_edge
+        self.block_size = svc.settings.routing.block_size
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
@@ -662,9 +664,7 @@ class _DataPlane:
             image_chat=pipeline.scope_images(parsed, ident) if chat is not None else None,
         )
         routed = pipeline.explain(inp)
-        out = decision_json(
-            routed, self.svc.table, self.settings.block_size, show_urls=self.auth.is_admin(request)
-        )
+        out = decision_json(routed, self.svc.table, self.block_size, show_urls=self.auth.is_admin(request))
         out["reuse"] = _reuse_json(routed.decision.reuse)
         return out
 
@@ -726,13 +726,13 @@ def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
         summary="OpenAI chat completions, routed through the chat template",
     )(dp.chat_completions)
     if (
-        not dp.settings.cors_origins
+        not dp.client_edge.cors_origins
     ):  # CORS headers come from a middleware: keep those requests on the normal path
         fast: dict[str, FastEndpoint] = {
             path: functools.partial(_generate_at, dp, path=path) for path in GENERATION_ROUTES
         }
         fast.update({path: functools.partial(_engine_at, dp) for path in ENGINE_POST_ROUTES})
-        app.enable_fast_path(fast, dp.settings.max_request_bytes)
+        app.enable_fast_path(fast, dp.client_edge.max_request_bytes)
     _add_engine_routes(app, dp)
     app.get(
         "/v1/models",

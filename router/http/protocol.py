@@ -27,13 +27,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.telemetry import connections_cut_counter
+if TYPE_CHECKING:
+    from router.config import ClientEdgeSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,15 +52,15 @@ class ConnLimits:
     body_rate_window_s: float = 10.0
 
     @classmethod
-    def from_settings(cls, settings: Any) -> ConnLimits:
-        """The limits configured in ``router.config.Settings``."""
+    def from_settings(cls, edge: ClientEdgeSettings) -> ConnLimits:
+        """The limits configured in the client edge's sub-config (``Settings.client_edge``)."""
         return cls(
-            max_header_bytes=settings.max_header_bytes,
-            max_header_count=settings.max_header_count,
-            header_timeout_s=settings.client_header_timeout_s,
-            body_idle_timeout_s=settings.client_body_idle_timeout_s,
-            body_min_rate_bytes_s=settings.client_body_min_rate_bytes_s,
-            body_rate_window_s=settings.client_body_rate_window_s,
+            max_header_bytes=edge.max_header_bytes,
+            max_header_count=edge.max_header_count,
+            header_timeout_s=edge.client_header_timeout_s,
+            body_idle_timeout_s=edge.client_body_idle_timeout_s,
+            body_min_rate_bytes_s=edge.client_body_min_rate_bytes_s,
+            body_rate_window_s=edge.client_body_rate_window_s,
         )
 
 

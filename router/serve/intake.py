@@ -44,6 +44,7 @@ from router.errors import KvrouteError
 from router.tokens.tokenizer import THREAD_MIN_MESSAGES
 
 if TYPE_CHECKING:
+    from router.config import ClientEdgeSettings
     from router.serve.client_fields import ClientFields
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -87,16 +88,16 @@ class InputLimits:
     max_sequences: int
 
     @classmethod
-    def from_settings(cls, settings: Any) -> InputLimits:
-        """The limits configured in ``router.config.Settings``."""
+    def from_settings(cls, edge: ClientEdgeSettings) -> InputLimits:
+        """The limits configured in the client edge's sub-config (``Settings.client_edge``)."""
         return cls(
-            max_messages=settings.max_chat_messages,
-            max_batch_prompts=settings.max_batch_prompts,
-            chars_per_token=settings.max_prompt_chars_per_token,
-            default_context_tokens=settings.max_prompt_tokens,
-            max_json_values=settings.max_json_values,
-            max_json_depth=settings.max_json_depth,
-            max_sequences=settings.max_sequences_per_request,
+            max_messages=edge.max_chat_messages,
+            max_batch_prompts=edge.max_batch_prompts,
+            chars_per_token=edge.max_prompt_chars_per_token,
+            default_context_tokens=edge.max_prompt_tokens,
+            max_json_values=edge.max_json_values,
+            max_json_depth=edge.max_json_depth,
+            max_sequences=edge.max_sequences_per_request,
         )
 
 

@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel
 from starlette.responses import Response
@@ -41,7 +41,6 @@ from index.hashing import mm_block_keys
 from membership.replicas import Replica, ReplicaTable
 from membership.runtime import Membership
 from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
-from router.config import Settings
 from router.core.regions import (
     ALLOWED_REGIONS_HEADER,
     CLIENT_REGION_HEADER,
@@ -91,6 +90,23 @@ GENERATION_ROUTES: Mapping[str, type[CompletionRequest] | type[ChatRequest]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatRequest,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """What the pipeline's own steps read from the configuration; ``router.services`` builds it from the routing,
+    shared-state, regions and tokenizer sub-configs (no defaults here: they live in ``router.config`` only)."""
+
+    #: HTTP header carrying a client session id (routing's ``session_header``)
+    session_header: str
+    #: pin a session to its replica while routable (shared state's ``session_affinity``)
+    session_affinity: bool
+    #: this router's region; empty = regions off (``region``)
+    region: str
+    #: how much of a long text prompt is tokenized (tokenizer's ``tokenize_scope``)
+    tokenize_scope: Literal["prompt", "cached_prefix"]
+    #: texts up to this many characters are tokenized whole (``tokenize_lookahead_chars``), characters
+    tokenize_lookahead_chars: int
 
 
 @dataclass(slots=True)
@@ -155,7 +171,8 @@ class Pipeline:
     """The serving pipeline's steps (see the module docstring), on the components the composition root built.
 
     Args:
-        settings: the router's settings (session affinity, tokenize scope, ...).
+        config: what the steps read from the configuration (session header and affinity, region, tokenize
+            scope).
         telemetry: metrics.
         table: the replica table.
         router: decisions and accounting.
@@ -174,7 +191,7 @@ class Pipeline:
 
     def __init__(
         self,
-        settings: Settings,
+        config: PipelineConfig,
         telemetry: Telemetry,
         table: ReplicaTable,
         router: Router,
@@ -189,7 +206,7 @@ class Pipeline:
         images: ImageRenderer | None = None,
         tracing: Tracing | None = None,
     ) -> None:
-        self.settings = settings
+        self.config = config
         self.images = images
         self.telemetry = telemetry
         self.table = table
@@ -273,7 +290,7 @@ class Pipeline:
             token_ids,
             base_model=base,
             cache_salt=body.cache_salt,
-            session_id=headers.get(self.settings.session_header.lower()),
+            session_id=headers.get(self.config.session_header.lower()),
             request_id=new_request_id(headers.get("x-request-id")),
             expected_output_tokens=max_out or body.max_tokens or 0,
             copies=sequences(body.model_extra),
@@ -292,7 +309,7 @@ class Pipeline:
         forwarded again; with regions on, the regions allowed to process it (the tenant's list, narrowed by the
         header) and the client's region (an edge's header; ignored and counted from other callers)."""
         inp.hop = HOP_HEADER in headers
-        if not self.settings.region:
+        if not self.config.region:
             return
         inp.allowed_regions = allowed_regions(
             ident.policy.allowed_regions, headers.get(ALLOWED_REGIONS_HEADER)
@@ -400,7 +417,7 @@ class Pipeline:
     def _frontier_scope(self, model: str, lora: str | None, add_special_tokens: bool) -> HfTokenizer | None:
         """The tokenizer for cache-frontier tokenization of this request's text (router/tokens/frontier.py), or
         None to tokenize it whole (``tokenize_scope=prompt``, or the tokenizer / fleet does not allow it)."""
-        if self.settings.tokenize_scope != "cached_prefix":
+        if self.config.tokenize_scope != "cached_prefix":
             return None
         return frontier_tokenizer(self.tokenizer, self.router, model, lora, add_special_tokens)
 
@@ -409,7 +426,7 @@ class Pipeline:
     ) -> tuple[list[int], FrontierIds | None]:
         """Ids of ``text``: whole when it is no longer than the lookahead (as without the frontier: exact ids),
         else only as deep as the fleet's cache (with the walk's ``FrontierIds``)."""
-        lookahead = self.settings.tokenize_lookahead_chars
+        lookahead = self.config.tokenize_lookahead_chars
         if len(text) <= lookahead:
             return await tok.encode_prefix(text, len(text), [], 0, add_special_tokens), None
         walked = await frontier_ids(tok, text, add_special_tokens, lookahead, self.router, seed)
@@ -515,7 +532,7 @@ class Pipeline:
             lora,
             [],
             base_model=base,
-            session_id=headers.get(self.settings.session_header.lower()),
+            session_id=headers.get(self.config.session_header.lower()),
             request_id=new_request_id(headers.get("x-request-id")),
         )
         inp.identity = self.tenants.identify(headers)
@@ -784,7 +801,7 @@ class Pipeline:
             exclude = [r.index for r in self.table.all() if r.index != inp.pinned_to]
         mem = (
             self.membership
-            if self.settings.session_affinity and inp.session_id and inp.pinned_to is None
+            if self.config.session_affinity and inp.session_id and inp.pinned_to is None
             else None
         )
         pinned = await mem.session_replica(inp.session_id) if mem is not None else None

@@ -198,10 +198,10 @@ def test_sub_configs_keep_no_defaults(config: type) -> None:
 
 def test_settings_hand_out_every_sub_config() -> None:
     s = Settings(redis_url="redis://127.0.0.1:1", kubernetes_enabled=True, probe_interval_s=0.5)
-    mem = s.membership()
+    mem = s.membership_config()
     assert mem.health.interval_s == 0.5 and mem.redis is not None and mem.kubernetes is not None
     assert mem.redis.url == "redis://127.0.0.1:1" and mem.kubernetes.namespace == s.kubernetes_namespace
-    off = Settings().membership()
+    off = Settings().membership_config()
     assert off.redis is None and off.kubernetes is None
     assert Settings(max_retries=5).proxy().max_retries == 5
-    assert Settings(dispatch_limit_tokens=8192).dispatch().limit_tokens == 8192
+    assert Settings(dispatch_limit_tokens=8192).routing.dispatch().limit_tokens == 8192

@@ -10,7 +10,7 @@ from router.config import Settings
 
 
 def _membership(**settings: object) -> tuple[Membership, ReplicaTable]:
-    config = Settings(unhealthy_after=2, **settings).membership()  # type: ignore[arg-type]
+    config = Settings(unhealthy_after=2, **settings).membership_config()  # type: ignore[arg-type]
     table = ReplicaTable(make_allocator(config))
     mem = Membership(
         config,

@@ -178,7 +178,7 @@ def test_duplicate_names_rejected() -> None:
         ReplicaTable(),
         [{"name": "a", "url": "http://127.0.0.1:1"}, {"name": "a", "url": "http://127.0.0.1:2"}],
         lambda n: ReplicaProfile(),
-        health=Settings().health(),
+        health=Settings().membership.health(),
     )
     with pytest.raises(ValueError, match="duplicate replica names"):
         sm.load()

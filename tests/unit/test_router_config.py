@@ -213,3 +213,69 @@ def test_serve_reports_bad_configuration_clearly(capsys: pytest.CaptureFixture[s
     assert "unknown policy 'nope'" in err and "ttft" in err
     assert main(["--tokenizer-mode", "hf"]) == 2
     assert "needs tokenizer_path" in capsys.readouterr().err
+
+
+def test_every_field_belongs_to_exactly_one_concern() -> None:
+    from router.config import CONCERNS
+
+    owners: dict[str, list[str]] = {}
+    for concern in CONCERNS:
+        for name in concern.model_fields:
+            owners.setdefault(name, []).append(concern.__name__)
+    shared = {name: who for name, who in owners.items() if len(who) > 1}
+    assert not shared, f"fields declared by several concerns: {shared}"
+    assert set(owners) == set(Settings.model_fields), (
+        f"fields outside every concern: {sorted(set(Settings.model_fields) - set(owners))}"
+    )
+    assert list(Settings.model_fields) == list(owners), "Settings lists the fields in CONCERNS order"
+    # Settings inherits every concern's fields class: a validator name used twice would hide one of them
+    members = [
+        {
+            n
+            for n in vars(c.__mro__[1])
+            if not n.startswith("__") and n not in ("model_config", "heading", "_abc_impl")
+        }
+        for c in CONCERNS
+    ]
+    clashes = {n for i, a in enumerate(members) for b in members[i + 1 :] for n in a & b}
+    assert not clashes, f"concerns must not share a validator name (one hides the other): {clashes}"
+
+
+def test_concern_accessors_hand_out_frozen_sub_configs() -> None:
+    from router.config import CONCERNS, PdSettings
+
+    s = Settings(pd_link_bandwidth_gbps=50.0, max_retries=4, region="eu", tenants='{"t": {"weight": 2}}')
+    accessors = {
+        name: getattr(s, name)
+        for name, attr in vars(Settings).items()
+        if isinstance(attr, property) and name not in ("model_extra", "model_fields_set")
+    }
+    assert sorted(type(sub).__name__ for sub in accessors.values()) == sorted(c.__name__ for c in CONCERNS)
+    for name, sub in accessors.items():
+        assert type(sub) in CONCERNS, f"settings.{name} is a {type(sub).__name__}, not its concern"
+        assert not isinstance(sub, Settings)
+        assert sub.model_dump() == {f: getattr(s, f) for f in type(sub).model_fields}
+    pd = s.pd
+    assert type(pd) is PdSettings and pd.pd_link_bandwidth_gbps == 50.0
+    assert (
+        s.engine_edge.max_retries == 4
+        and s.regions.region == "eu"
+        and s.tenancy.tenants == {"t": {"weight": 2}}
+    )
+    with pytest.raises(ValidationError):
+        pd.pd_link_bandwidth_gbps = 1.0  # a component cannot change its configuration
+    assert (
+        PdSettings().pd_link_bandwidth_gbps == Settings().pd_link_bandwidth_gbps
+    )  # one default, in the concern
+
+
+def test_docs_and_helm_values_group_fields_by_concern() -> None:
+    from router.config import CONCERNS, settings_markdown
+
+    md = settings_markdown()
+    headings = [line[4:] for line in md.splitlines() if line.startswith("### ")]
+    assert headings == [c.heading for c in CONCERNS]  # type: ignore[attr-defined]
+    rows = [line for line in md.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(Settings.model_fields)
+    help_sections = [g.title for g in build_arg_parser()._action_groups][2:]  # after positionals / options
+    assert help_sections == headings  # kvroute serve --help: one section per concern

@@ -64,11 +64,19 @@ def test_region_peer_specs_are_labelled_replicas() -> None:
 
 
 def test_region_tenant_allowed_regions_parsed_and_checked() -> None:
-    cfg = TenancyConfig.from_settings(Settings(tenants={"t": {"allowed_regions": ["eu"]}}))
+    cfg = TenancyConfig.from_settings(
+        Settings(tenants={"t": {"allowed_regions": ["eu"]}}).tenancy,
+        client_keys_required=False,
+        inflight_limit=1,
+    )
     assert cfg.tenants["t"].allowed_regions == {"eu"}
     assert cfg.default_policy.allowed_regions is None
     with pytest.raises(ValueError, match="allowed_regions"):
-        TenancyConfig.from_settings(Settings(tenants={"t": {"allowed_regions": "eu"}}))
+        TenancyConfig.from_settings(
+            Settings(tenants={"t": {"allowed_regions": "eu"}}).tenancy,
+            client_keys_required=False,
+            inflight_limit=1,
+        )
 
 
 def test_region_refusal_is_503_with_retry_after_and_the_reason() -> None:

@@ -34,7 +34,10 @@ from tests.helpers import FakeClock
 
 
 def cfg(**kw: object) -> TenancyConfig:
-    return TenancyConfig.from_settings(Settings(**kw))  # type: ignore[arg-type]
+    s = Settings(**kw)  # type: ignore[arg-type]
+    return TenancyConfig.from_settings(
+        s.tenancy, client_keys_required=bool(s.api_keys), inflight_limit=s.max_inflight_total
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 {{/* Settings fields holding secrets (SecretStr): rendered into a Secret, never the ConfigMap. */}}
 {{- define "kvroute.secretSettings" -}}
-admin_token,api_keys,engine_api_key,tenant_api_keys,tenant_header_keys
+engine_api_key,admin_token,api_keys,tenant_api_keys,tenant_header_keys
 {{- end }}
 
 {{/* The Settings defaults as JSON (to tell an unchanged config value from a chosen one). */}}
