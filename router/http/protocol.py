@@ -34,6 +34,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.telemetry import connections_cut_counter
+
 if TYPE_CHECKING:
     from router.config import ClientEdgeSettings
 
