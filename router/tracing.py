@@ -1,8 +1,9 @@
 """Distributed tracing: OpenTelemetry spans of the serving pipeline's steps, and W3C trace context to the engines.
 
 Off unless ``otlp_traces_endpoint`` is set: then no OpenTelemetry SDK or exporter is imported,
-``Pipeline.tracing`` is None and no request carries a trace (one attribute test per step, no object allocated per
-request).
+``Pipeline.tracing`` is None and a request carries no trace (one attribute test per step, no object allocated per
+request), except a request that came with a caller's ``traceparent``: its ``PassedTrace`` hands the caller's trace
+context on to the engines unchanged (the router transparent), recording nothing.
 
 On, each request the pipeline prepares gets a ``RequestTrace``: its span ``kvroute.request`` (SERVER) continues
 the caller's W3C ``traceparent`` / ``tracestate`` (from the client on the HTTP door, from the gateway on the
@@ -57,6 +58,8 @@ TRACESTATE = "tracestate"
 BAGGAGE = "baggage"
 #: the headers the router sets on the requests it sends (a caller's own are replaced)
 TRACE_HEADERS: tuple[str, ...] = (TRACEPARENT, TRACESTATE)
+#: a caller's trace context, passed on unchanged when tracing is off
+TRACE_CONTEXT_HEADERS: tuple[str, ...] = (TRACEPARENT, TRACESTATE, BAGGAGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +363,41 @@ class RequestTrace:
     def _end(self) -> None:
         if self.root is not None:
             self.root.end()
+
+
+class PassedTrace(RequestTrace):
+    """Tracing off: a caller's W3C trace context (``traceparent``, ``tracestate``, ``baggage``) passed on unchanged
+    to every engine request of the request (the proxied one, both PD legs, retries, the engine ``/tokenize``
+    call), so the router is transparent to the caller's tracing. Records nothing: no span, no attribute.
+
+    Args:
+        headers: the request's headers (a ``traceparent`` among them).
+    """
+
+    __slots__ = ("_passed",)
+
+    def __init__(
+        self, headers: Mapping[str, str]
+    ) -> None:  # no Tracing: RequestTrace's span methods are unused
+        self.recording = False
+        self.root = None
+        self._status = None
+        self._done = False
+        self._passed = {k: v for k in TRACE_CONTEXT_HEADERS if (v := headers.get(k))}
+
+    def headers(self, span: Span | None) -> dict[str, str]:
+        """The caller's trace-context headers, as they came."""
+        return self._passed
+
+
+def request_trace(tracing: Tracing | None, headers: Mapping[str, str], route: str) -> RequestTrace | None:
+    """The trace of a request arriving with ``headers`` on ``route``: tracing on, its ``RequestTrace``; off, the
+    caller's trace context to pass on (``PassedTrace``), or None when it has none (nothing allocated)."""
+    if tracing is not None:
+        return tracing.request(headers, route)
+    if TRACEPARENT not in headers:
+        return None
+    return PassedTrace(headers)
 
 
 def failed(span: Span, exc: BaseException) -> None:
