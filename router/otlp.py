@@ -72,9 +72,15 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+def _ld(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field: its key (``tag``), the payload's length, the payload."""
+    n = len(payload)
+    return tag + (_SMALL[n] if n < 128 else varint(n)) + payload
+
+
 def field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field (wire type 2): a message, a string or bytes."""
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
+    """A length-delimited field (wire type 2) numbered ``number``: a message, a string or bytes."""
+    return _ld(varint(number << 3 | 2), payload)
 
 
 def string_field(number: int, text: str) -> bytes:
@@ -85,7 +91,7 @@ def any_value(value: Any) -> bytes:
     """An ``AnyValue`` message's body: a string, bool, int64, double, or an array of them (anything else: its
     ``str``)."""
     if isinstance(value, str):
-        return string_field(1, value)
+        return _ld(b"\x0a", value.encode("utf-8"))
     if isinstance(value, bool):
         return b"\x10\x01" if value else b"\x10\x00"
     if isinstance(value, int):
@@ -93,8 +99,15 @@ def any_value(value: Any) -> bytes:
     if isinstance(value, float):
         return b"\x21" + _PACK_F64(value)
     if isinstance(value, Sequence) and not isinstance(value, bytes | bytearray):
-        return field(5, b"".join(field(1, any_value(v)) for v in value))
-    return string_field(1, str(value))
+        return _ld(b"\x2a", b"".join(_ld(b"\x0a", any_value(v)) for v in value))
+    return _ld(b"\x0a", str(value).encode("utf-8"))
+
+
+#: encoded ``KeyValue`` s of string and bool attributes kept for reuse (model, replica, policy, route: few
+#: values); the cache is emptied when it reaches this many (a request id never repeats)
+PAIR_CACHE = 4096
+#: a span's fields, keys and tags (field number << 3 | wire type)
+_SPAN_ATTRIBUTE, _RESOURCE_ATTRIBUTE, _KV_VALUE = b"\x4a", b"\x0a", b"\x12"
 
 
 class Encoder:
@@ -106,10 +119,14 @@ class Encoder:
     """
 
     def __init__(self, resource: dict[str, Any], scope: str) -> None:
-        #: an attribute key's ``KeyValue.key`` field, cached (a fleet's spans use a few dozen keys)
+        #: an attribute key's ``KeyValue.key`` field (a fleet's spans use a few dozen keys)
         self._keys: dict[str, bytes] = {}
+        #: (key, str or bool value) -> its ``KeyValue`` body
+        self._pairs: dict[tuple[str, Any], bytes] = {}
+        #: a span name's ``Span.name`` field
+        self._names: dict[str, bytes] = {}
         #: ``ResourceSpans.resource`` (field 1), written once
-        self._resource = field(1, self.attributes(resource, 1))
+        self._resource = field(1, self.attributes(resource, _RESOURCE_ATTRIBUTE))
         #: ``ScopeSpans.scope`` (field 1), written once
         self._scope = field(1, string_field(1, scope))
 
@@ -117,15 +134,33 @@ class Encoder:
         """A ``KeyValue`` message's body."""
         head = self._keys.get(key)
         if head is None:
-            head = self._keys[key] = string_field(1, key)
-        return head + field(2, any_value(value))
+            head = self._keys[key] = _ld(b"\x0a", key.encode("utf-8"))
+        return head + _ld(_KV_VALUE, any_value(value))
 
-    def attributes(self, attributes: dict[str, Any], number: int) -> bytes:
-        """Repeated ``KeyValue`` fields numbered ``number`` (``None`` values left out, as the SDK drops them)."""
-        return b"".join(field(number, self.key_value(k, v)) for k, v in attributes.items() if v is not None)
+    def attributes(self, attributes: dict[str, Any], tag: bytes) -> bytes:
+        """Repeated ``KeyValue`` fields with key ``tag`` (``None`` values left out, as the SDK drops them)."""
+        pairs = self._pairs
+        out = []
+        for k, v in attributes.items():
+            kind = type(v)
+            if kind is str or kind is bool:
+                kv = pairs.get((k, v))
+                if kv is None:
+                    if len(pairs) >= PAIR_CACHE:
+                        pairs.clear()
+                    kv = pairs[(k, v)] = self.key_value(k, v)
+            elif v is None:
+                continue
+            else:
+                kv = self.key_value(k, v)
+            out.append(_ld(tag, kv))
+        return b"".join(out)
 
     def span(self, span: EncodedSpan) -> bytes:
         """A ``Span`` message's body."""
+        name = self._names.get(span.name)
+        if name is None:
+            name = self._names[span.name] = string_field(5, span.name)
         parts = [
             b"\x0a\x10" + span.trace_id.to_bytes(16, "big"),
             b"\x12\x08" + span.span_id.to_bytes(8, "big"),
@@ -133,14 +168,14 @@ class Encoder:
         if span.parent_id:
             parts.append(b"\x22\x08" + span.parent_id.to_bytes(8, "big"))
         parts += [
-            string_field(5, span.name),
+            name,
             b"\x30" + _SMALL[KINDS[span.kind]],
             b"\x39" + _PACK_U64(span.start_ns),
             b"\x41" + _PACK_U64(span.end_ns),
-            self.attributes(span.attributes, 9),
+            self.attributes(span.attributes, _SPAN_ATTRIBUTE),
         ]
-        for name, ns in span.events:
-            parts.append(field(11, b"\x09" + _PACK_U64(ns) + string_field(2, name)))
+        for event, ns in span.events:
+            parts.append(field(11, b"\x09" + _PACK_U64(ns) + string_field(2, event)))
         if span.error is not None:
             status = (
                 (string_field(2, span.error[:500]) if span.error else b"") + b"\x18" + _SMALL[STATUS_ERROR]
@@ -154,7 +189,7 @@ class Encoder:
 
     def request(self, spans: Iterable[EncodedSpan]) -> bytes:
         """The ``ExportTraceServiceRequest`` of ``spans`` (one resource, one scope; no span: an empty request)."""
-        body = b"".join(field(2, self.span(s)) for s in spans)
+        body = b"".join(_ld(b"\x12", self.span(s)) for s in spans)
         if not body:
             return b""
         scope_spans = field(2, self._scope + body)

@@ -117,3 +117,15 @@ def test_an_empty_batch_and_varints() -> None:
     assert varint(0) == b"\x00"
     assert varint(300) == b"\xac\x02"
     assert varint(-1) == b"\xff" * 9 + b"\x01"
+
+
+def test_cached_pairs_give_the_same_bytes(monkeypatch: Any) -> None:
+    """String and bool attributes are cached as encoded pairs: the bytes are the same on a cache hit, and after
+    the cache was emptied because it was full."""
+    encoder = Encoder({"service.name": "s"}, "kvroute")
+    spans = _spans(0x00F067AA0BA902B7)
+    first = encoder.request(spans)
+    assert encoder.request(spans) == first
+    monkeypatch.setattr("router.otlp.PAIR_CACHE", 2)
+    small = Encoder({"service.name": "s"}, "kvroute")
+    assert small.request(spans) == first and small.request(spans) == first
