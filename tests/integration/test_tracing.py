@@ -482,13 +482,27 @@ def test_tracing_off_the_http_door_passes_the_callers_trace_context_through(colo
             assert (t["traceparent"], t["tracestate"], t["baggage"]) == tuple(sent.values()), t
 
 
-def test_tracing_off_the_picker_passes_the_callers_trace_context_to_the_prefill_leg(pd_fleet: Fleet) -> None:
-    """Through the endpoint picker the gateway forwards the client's headers itself; the prefill leg of a
-    disaggregated plan is the picker's own request, and carries the caller's ``traceparent`` too."""
+def test_tracing_off_both_pd_legs_carry_the_callers_trace_context(pd_fleet: Fleet) -> None:
+    """A disaggregated plan with tracing off: through the HTTP door both legs carry the caller's ``traceparent``;
+    through the endpoint picker the gateway forwards the client's headers itself, and the prefill leg (the
+    picker's own request) carries it too."""
+    prefill = next(e for e in pd_fleet.engines if e.role == "prefill")
+    decode = next(e for e in pd_fleet.engines if e.role == "decode")
+    for router in _router(pd_fleet, "serve"):
+        caller = Caller.new()
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+        r = httpx.post(
+            router.url + "/v1/completions",
+            json=body,
+            headers={"traceparent": caller.traceparent()},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.headers["x-kvroute-plan"] == "disaggregated", r.text
+        for engine in (prefill, decode):
+            assert [t["traceparent"] for t in _received(engine.url, caller)] == [caller.traceparent()]
     for router in _router(pd_fleet, "epp", "--grpc-insecure"):
         caller = Caller.new()
         picked, out = _through_gateway(router, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}, caller)
         assert json.loads(out)["choices"], out
-        prefill = next(e for e in pd_fleet.engines if e.role == "prefill")
         assert [t["traceparent"] for t in _received(prefill.url, caller)] == [caller.traceparent()]
         assert picked.set_headers.get("traceparent", caller.traceparent()) == caller.traceparent()
