@@ -1,7 +1,7 @@
 """The stand-in engine's tracing, as vLLM does it: the W3C trace context of each generation request continued.
 
-* Every ``traceparent`` a generation request arrives with is kept (the last ``KEEP`` of them, with its
-  ``tracestate``, ``x-request-id`` and path) and listed by ``GET /admin/traces``: a test sees which span the
+* Every ``traceparent`` a request arrives with (any endpoint) is kept (the last ``KEEP`` of them, with its
+  ``tracestate``, ``baggage``, ``x-request-id`` and path) and listed by ``GET /admin/traces``: a test sees which span the
   caller named as the engine request's parent without any collector.
 * With ``--otlp-traces-endpoint`` (vLLM's flag) the engine exports a span ``llm_request`` (SERVER) per generation
   request, child of the caller's ``traceparent`` (a new trace without one), from its arrival to the end of its
@@ -62,19 +62,24 @@ class EngineTracing:
         self.tracer = self.provider.get_tracer("fake-engine")
         self.propagator = TraceContextTextMapPropagator()
 
-    def start(self, headers: Mapping[str, str], path: str) -> Any:
-        """A generation request arrived with ``headers``: its trace context kept; its ``llm_request`` span started
-        (None when no endpoint is configured)."""
+    def note(self, headers: Mapping[str, str], path: str) -> None:
+        """A request to ``path`` arrived with ``headers``: its trace context kept when it has one."""
         parent = headers.get("traceparent")
         if parent:
             self.received.append(
                 {
                     "traceparent": parent,
                     "tracestate": headers.get("tracestate") or "",
+                    "baggage": headers.get("baggage") or "",
                     "x-request-id": headers.get("x-request-id") or "",
                     "path": path,
                 }
             )
+
+    def start(self, headers: Mapping[str, str], path: str) -> Any:
+        """A generation request arrived with ``headers``: its ``llm_request`` span started (None when no endpoint
+        is configured; its trace context was kept by ``note``, as every request's)."""
+        parent = headers.get("traceparent")
         if self.tracer is None:
             return None
         from opentelemetry.trace import SpanKind
@@ -113,8 +118,26 @@ class EngineTracing:
             self.provider.shutdown()
 
 
+class _NoteTraceContext:
+    """ASGI middleware: every HTTP request's trace context noted (``EngineTracing.note``) before it is served."""
+
+    def __init__(self, app: Any, tracing: EngineTracing) -> None:
+        self.app = app
+        self.tracing = tracing
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            raw = scope["headers"]
+            if any(k == b"traceparent" for k, _ in raw):
+                headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+                self.tracing.note(headers, scope["path"])
+        await self.app(scope, receive, send)
+
+
 def add_trace_routes(app: FastAPI, tracing: EngineTracing) -> None:
-    """``GET /admin/traces``: the trace contexts received, oldest first."""
+    """``GET /admin/traces``: the trace contexts received (every endpoint's, generation or not: ``/tokenize``,
+    ``/v1/responses``, pooling, ...), oldest first."""
+    app.add_middleware(_NoteTraceContext, tracing=tracing)
 
     @app.get("/admin/traces")
     async def traces() -> Response:

@@ -1521,8 +1521,9 @@ class _TracingFields(BaseModel):
     otlp_traces_endpoint: str | None = Field(
         default=None,
         description="OTLP collector the router exports its spans to (gRPC: http://otel-collector:4317; "
-        "http/protobuf: http://otel-collector:4318/v1/traces); unset: tracing off (no OpenTelemetry SDK imported, nothing "
-        "done per request). Engines get a traceparent naming the router's attempt span (docs/observability.md)",
+        "http/protobuf: http://otel-collector:4318/v1/traces); unset: tracing off (no OpenTelemetry SDK imported, no span; "
+        "a caller's traceparent goes on to the engines unchanged). Engines get a traceparent naming the router's attempt "
+        "span (docs/observability.md)",
     )
     otlp_traces_protocol: Literal["grpc", "http/protobuf"] = Field(
         default="grpc", description="OTLP transport of the spans: grpc or http/protobuf"

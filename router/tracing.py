@@ -1,8 +1,9 @@
 """Distributed tracing: OpenTelemetry spans of the serving pipeline's steps, and W3C trace context to the engines.
 
 Off unless ``otlp_traces_endpoint`` is set: then no OpenTelemetry SDK or exporter is imported,
-``Pipeline.tracing`` is None and no request carries a trace (one attribute test per step, no object allocated per
-request).
+``Pipeline.tracing`` is None and a request carries no trace (one attribute test per step, no object allocated per
+request), except a request that came with a caller's ``traceparent``: its ``PassedTrace`` hands the caller's trace
+context on to the engines unchanged (the router transparent), recording nothing.
 
 On, each request the pipeline prepares gets a ``RequestTrace``: its span ``kvroute.request`` (SERVER) continues
 the caller's W3C ``traceparent`` / ``tracestate`` (from the client on the HTTP door, from the gateway on the
@@ -28,9 +29,9 @@ OTLP/gRPC (default) or OTLP/HTTP protobuf (``otlp_traces_protocol``); the export
 ``OTEL_EXPORTER_OTLP_*`` variables (headers, certificates, timeout, compression).
 
 Cost: a request's spans are recorded in plain objects (``Span``: ids, times, a dict of attributes) and handed to
-the batch processor as OpenTelemetry ``ReadableSpan`` s when each ends; the SDK's live spans (a lock, a sampler
-call, bounded and validated attributes per span) would cost several times more per request
-(docs/benchmarks.md "Tracing overhead"). Sampling is the SDK's ``ParentBased(TraceIdRatioBased(ratio))`` rule,
+the batch processor as they are when each ends; its thread writes them to OTLP protobuf with router/otlp.py's
+encoder (the SDK's live spans, and its encoder's one message per attribute, would cost several times more per
+request: docs/benchmarks.md "Tracing overhead"). Sampling is the SDK's ``ParentBased(TraceIdRatioBased(ratio))`` rule,
 applied here once per request; ``traceparent`` is parsed and written as the W3C format says.
 
 Units: seconds, tokens.
@@ -47,6 +48,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from router.otlp import Encoder, grpc_exporter, http_exporter
+
 log = logging.getLogger("kvroute.tracing")
 
 #: the W3C trace-context headers, lower case
@@ -55,6 +58,8 @@ TRACESTATE = "tracestate"
 BAGGAGE = "baggage"
 #: the headers the router sets on the requests it sends (a caller's own are replaced)
 TRACE_HEADERS: tuple[str, ...] = (TRACEPARENT, TRACESTATE)
+#: a caller's trace context, passed on unchanged when tracing is off
+TRACE_CONTEXT_HEADERS: tuple[str, ...] = (TRACEPARENT, TRACESTATE, BAGGAGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,22 +94,15 @@ class Tracing:
 
     def __init__(self, cfg: TracingConfig) -> None:
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import Event, ReadableSpan
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
         self.cfg = cfg
-        self.resource = Resource.create({"service.name": cfg.service_name})
-        self.processor: Any = BatchSpanProcessor(_exporter(cfg))
-        self.scope = InstrumentationScope("kvroute")
+        resource = Resource.create({"service.name": cfg.service_name})
+        self.encoder = Encoder(dict(resource.attributes), "kvroute")
+        #: OpenTelemetry's batch processor (its queue, thread and ``OTEL_BSP_*`` variables) over ``Span`` s
+        self.processor: Any = BatchSpanProcessor(_exporter(cfg, self.encoder))
         #: a trace id whose low 64 bits are under this is sampled (requests without a caller's decision)
         self.bound = round(cfg.sample_ratio * (_TRACE_ID_LIMIT + 1))
-        self._readable, self._event, self._context = ReadableSpan, Event, SpanContext
-        self._sampled = TraceFlags(TraceFlags.SAMPLED)
-        self._kinds = {"server": SpanKind.SERVER, "client": SpanKind.CLIENT, "internal": SpanKind.INTERNAL}
-        self._ok = Status(StatusCode.UNSET)
-        self._error: Any = lambda message: Status(StatusCode.ERROR, message[:500])
 
     def request(self, headers: Mapping[str, str], route: str) -> RequestTrace:
         """The trace of a request arriving with ``headers`` (its caller's trace context continued when valid) on
@@ -122,33 +120,9 @@ class Tracing:
             trace.root = Span(trace, "kvroute.request", "server", caller_span, {"http.route": route})
         return trace
 
-    def emit(self, trace: RequestTrace, span: Span, end_ns: int) -> None:
-        """Hand an ended span to the batch processor (as OpenTelemetry's ``ReadableSpan``)."""
-        context = self._context
-        sampled = self._sampled
-        parent = (
-            context(trace.trace_id, span.parent_id, span.parent_id == trace.caller_span, sampled)
-            if span.parent_id
-            else None
-        )
-        events = [self._event(name, None, ns) for name, ns in span.events] if span.events else ()
-        self.processor.on_end(
-            self._readable(
-                span.name,
-                context(trace.trace_id, span.span_id, False, sampled),
-                parent,
-                self.resource,
-                span.attributes,
-                events,
-                (),
-                self._kinds[span.kind],
-                None,
-                self._ok if span.error is None else self._error(span.error),
-                span.start_ns,
-                end_ns,
-                self.scope,
-            )
-        )
+    def emit(self, span: Span) -> None:
+        """Hand an ended span to the batch processor (the exporter's thread encodes it: router/otlp.py)."""
+        self.processor.on_end(span)
 
     def shutdown(self) -> None:
         """Export what is buffered and stop the exporter."""
@@ -175,15 +149,22 @@ def _caller(header: str | None) -> tuple[int, int, bool] | None:
     return trace_id, span_id, bool(int(flags, 16) & 1)
 
 
-def _exporter(cfg: TracingConfig) -> Any:
-    """The OTLP span exporter for ``cfg.protocol``."""
+def _exporter(cfg: TracingConfig, encoder: Encoder) -> Any:
+    """The OTLP span exporter for ``cfg.protocol``, writing spans with ``encoder``."""
     if cfg.protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+        return http_exporter(cfg.endpoint, encoder)
+    return grpc_exporter(cfg.endpoint, encoder)
 
-        return HttpExporter(endpoint=cfg.endpoint)
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
-    return GrpcExporter(endpoint=cfg.endpoint)
+class _Sampled:
+    """What OpenTelemetry's batch processor reads of an ended span before queueing it
+    (``span.context.trace_flags.sampled``): every recorded span is sampled."""
+
+    sampled = True
+
+    @property
+    def trace_flags(self) -> _Sampled:
+        return self
 
 
 class Span:
@@ -201,7 +182,11 @@ class Span:
         "events",
         "error",
         "ended",
+        "end_ns",
     )
+
+    #: for OpenTelemetry's batch processor (it queues sampled spans only)
+    context = _Sampled()
 
     def __init__(
         self, trace: RequestTrace, name: str, kind: str, parent_id: int, attributes: dict[str, Any] | None
@@ -217,6 +202,16 @@ class Span:
         self.events: list[tuple[str, int]] = []
         self.error: str | None = None
         self.ended = False
+        self.end_ns = 0
+
+    @property
+    def trace_id(self) -> int:
+        return self.trace.trace_id
+
+    @property
+    def remote_parent(self) -> bool:
+        """The span's parent is the caller's span (another process's)."""
+        return self.parent_id != 0 and self.parent_id == self.trace.caller_span
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attributes[key] = value
@@ -234,7 +229,8 @@ class Span:
     def end(self) -> None:
         if not self.ended:
             self.ended = True
-            self.trace.tracing.emit(self.trace, self, time.time_ns())
+            self.end_ns = time.time_ns()
+            self.trace.tracing.emit(self)
 
 
 class RequestTrace:
@@ -367,6 +363,41 @@ class RequestTrace:
     def _end(self) -> None:
         if self.root is not None:
             self.root.end()
+
+
+class PassedTrace(RequestTrace):
+    """Tracing off: a caller's W3C trace context (``traceparent``, ``tracestate``, ``baggage``) passed on unchanged
+    to every engine request of the request (the proxied one, both PD legs, retries, the engine ``/tokenize``
+    call), so the router is transparent to the caller's tracing. Records nothing: no span, no attribute.
+
+    Args:
+        headers: the request's headers (a ``traceparent`` among them).
+    """
+
+    __slots__ = ("_passed",)
+
+    def __init__(
+        self, headers: Mapping[str, str]
+    ) -> None:  # no Tracing: RequestTrace's span methods are unused
+        self.recording = False
+        self.root = None
+        self._status = None
+        self._done = False
+        self._passed = {k: v for k in TRACE_CONTEXT_HEADERS if (v := headers.get(k))}
+
+    def headers(self, span: Span | None) -> dict[str, str]:
+        """The caller's trace-context headers, as they came."""
+        return self._passed
+
+
+def request_trace(tracing: Tracing | None, headers: Mapping[str, str], route: str) -> RequestTrace | None:
+    """The trace of a request arriving with ``headers`` on ``route``: tracing on, its ``RequestTrace``; off, the
+    caller's trace context to pass on (``PassedTrace``), or None when it has none (nothing allocated)."""
+    if tracing is not None:
+        return tracing.request(headers, route)
+    if TRACEPARENT not in headers:
+        return None
+    return PassedTrace(headers)
 
 
 def failed(span: Span, exc: BaseException) -> None:

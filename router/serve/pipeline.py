@@ -54,7 +54,7 @@ from router.core.tenants import Identity
 from router.engine.attempt import OPENAI, Wire
 from router.errors import BadTokenIds, KvrouteError
 from router.serve.dispatch import Dispatcher
-from router.serve.endpoints import ENGINE_POST_ROUTES, Kind, multipart_field, response_route
+from router.serve.endpoints import ENGINE_POST_ROUTES, Kind, multipart_field, response_route, route_key
 from router.serve.guard import Guard
 from router.serve.intake import Intake, dump_messages, sequences
 from router.serve.requests import (
@@ -71,8 +71,8 @@ from router.telemetry import Telemetry
 from router.tokens.frontier import FrontierIds, frontier_ids, frontier_tokenizer
 from router.tokens.images import ImageRenderer, has_image_parts, scope_image_uuids, tenant_scope, text_parts
 from router.tokens.token_ids import IdsPrompt, TokenIdsCheck, ids_prompt
-from router.tokens.tokenizer import HfTokenizer, Tokenizer
-from router.tracing import RequestTrace, Tracing
+from router.tokens.tokenizer import HfTokenizer, Tokenizer, engine_call_headers
+from router.tracing import RequestTrace, Tracing, request_trace
 
 log = logging.getLogger("kvroute.app")
 _M = TypeVar("_M", bound=BaseModel)
@@ -447,10 +447,9 @@ class Pipeline:
         here (its caller's ``traceparent`` continued); a refusal ends it."""
         if path in ENGINE_POST_ROUTES:
             return await self.prepare_engine("POST", path, headers, raw)
-        tracing = self.tracing
-        if tracing is None:
+        trace = request_trace(self.tracing, headers, path)
+        if trace is None:
             return await self._prepare(path, headers, raw, None)
-        trace = tracing.request(headers, path)
         try:
             prepared = await self._prepare(path, headers, raw, trace)
         except BaseException as exc:
@@ -472,15 +471,22 @@ class Pipeline:
             ident = await self.identify(headers, body, max_out)
         prompt = body.prompt if isinstance(body, CompletionRequest) else None
         image_chat = self.scope_images(parsed, ident) if chat is not None else None
-        with _step(trace, "kvroute.tokenize") as span:
+        with _step(trace, "kvroute.tokenize") as span, self._engine_calls(trace, span):
             inp = await self.tokenize(
                 headers, body, ident, prompt=prompt, chat=chat, max_out=max_out, image_chat=image_chat
             )
             if span is not None:
-                self._tokenize_attributes(span, inp)
+                self._tokenize_attributes(span, inp.prompt_tokens, len(inp.token_ids), inp.ids_partial)
         if trace is not None and trace.recording:
             _request_attributes(trace, inp, body.stream)
         return Prepared(path, inp, parsed.body, body.stream, self._ids(parsed, inp))
+
+    def _engine_calls(self, trace: RequestTrace | None, span: Any) -> AbstractContextManager[Any]:
+        """The trace context the engine tokenizer's ``/tokenize`` calls carry within a step: ``span``'s (else the
+        request's, unsampled); nothing when the request is not traced or the tokenizer is a local one."""
+        if trace is None or self.tokenizer.mode != "engine":
+            return _UNTRACED
+        return engine_call_headers(trace.headers(span))
 
     def scope_images(self, parsed: Parsed[Any], ident: Identity) -> dict[str, Any] | None:
         """For a chat with image parts: its client uuids rewritten per tenant (``router.tokens.images``: one
@@ -495,15 +501,15 @@ class Pipeline:
         parsed.body = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         return data
 
-    def _tokenize_attributes(self, span: Any, inp: RoutingInput) -> None:
-        """The tokenize span's attributes: mode, prompt tokens (estimated or not), tokens tokenized (each
-        attribute costs the exporter ~2 us: only what explains the step)."""
+    def _tokenize_attributes(self, span: Any, prompt_tokens: int, tokens: int, estimated: bool) -> None:
+        """The tokenize span's attributes: mode, prompt tokens (estimated or not), tokens tokenized (only what
+        explains the step: each attribute costs the exporter)."""
         span.set_attributes(
             {
                 "kvroute.tokenize.mode": self.tokenizer.mode,
-                "kvroute.prompt_tokens": inp.prompt_tokens,
-                "kvroute.tokenize.tokens": len(inp.token_ids),
-                "kvroute.tokenize.estimated": inp.ids_partial,
+                "kvroute.prompt_tokens": prompt_tokens,
+                "kvroute.tokenize.tokens": tokens,
+                "kvroute.tokenize.estimated": estimated,
             }
         )
 
@@ -537,8 +543,8 @@ class Pipeline:
         )
         inp.identity = self.tenants.identify(headers)
         self._regional(inp, headers, inp.identity)
-        if self.tracing is not None:
-            inp.trace = self.tracing.request(headers, "")
+        inp.trace = request_trace(self.tracing, headers, "")
+        if inp.trace is not None and inp.trace.recording:
             _request_attributes(inp.trace, inp, False)
         return Prepared("", inp, b"", False)
 
@@ -554,29 +560,57 @@ class Pipeline:
         content_type: str | None = None,
     ) -> Prepared:
         """Parse, identify and tokenize a request to one of the engines' other endpoints (``path`` normalized,
-        ``query`` the query string without ``?``; see router/serve/endpoints.py for how each is routed).
+        ``query`` the query string without ``?``; see router/serve/endpoints.py for how each is routed). Its trace
+        starts here as a generation request's does (the same spans; a refusal ends it).
 
         Raises:
             KvrouteError: 404 for a path that is none of them; the refusals of ``parse`` and ``identify``;
             a stored response the router cannot reach (``owner``).
         """
+        trace = request_trace(self.tracing, headers, route_key(path))
+        if trace is None:
+            return await self._prepare_engine(method, path, headers, raw, query, content_type, None)
+        try:
+            prepared = await self._prepare_engine(method, path, headers, raw, query, content_type, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+        prepared.inp.trace = trace
+        if trace.recording:
+            _request_attributes(trace, prepared.inp, prepared.stream)
+        return prepared
+
+    async def _prepare_engine(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        raw: bytes,
+        query: str,
+        content_type: str | None,
+        trace: RequestTrace | None,
+    ) -> Prepared:
+        """``prepare_engine``'s steps, child spans of ``trace`` when there is one: the intake (parse, identity),
+        and the tokenization of the endpoints that have a prompt (Responses, SGLang's ``/generate``)."""
         found = response_route(path)
         if found is not None:
             target = path + ("?" + query if query else "")
-            return await self._prepare_stored_response(
-                method, found[1], target, headers, "stream=true" in query
-            )
+            with _step(trace, "kvroute.intake"):
+                return await self._prepare_stored_response(
+                    method, found[1], target, headers, "stream=true" in query
+                )
         kind = ENGINE_POST_ROUTES.get(path)
         if kind is None:
             raise KvrouteError(f"no route {path!r}", status=404, code="not_found")
         if kind is Kind.RESPONSES:
-            return await self._prepare_responses(headers, raw)
-        if kind is Kind.MULTIPART:
-            return await self._prepare_multipart(path, headers, raw, content_type or "")
+            return await self._prepare_responses(headers, raw, trace)
         if kind is Kind.SGLANG_GENERATE:
-            return await self._prepare_sglang_generate(headers, raw)
-        parsed = await self.parse(raw, EngineBody)
-        inp = await self._engine_input(headers, parsed.model.model, [], parsed.model.model_extra)
+            return await self._prepare_sglang_generate(headers, raw, trace)
+        with _step(trace, "kvroute.intake"):
+            if kind is Kind.MULTIPART:
+                return await self._prepare_multipart(path, headers, raw, content_type or "")
+            parsed = await self.parse(raw, EngineBody)
+            inp = await self._engine_input(headers, parsed.model.model, [], parsed.model.model_extra)
         return Prepared(path, inp, parsed.body, False, None, Wire(openai_stream=False, feedback=False))
 
     async def _engine_input(
@@ -588,12 +622,12 @@ class Pipeline:
         *,
         max_out: int | None = None,
         cache_salt: str | None = None,
+        ident: Identity | None = None,
     ) -> RoutingInput:
-        """Identity (and the tenant's quota precheck) and the routing input of an engine endpoint's request
-        (``model`` None: the fleet's first model; ``token_ids`` empty: routed by load)."""
-        tenants = self.tenants
-        ident = tenants.identify(headers, (extra or {}).get(tenants.cfg.priority_body_field))
-        await tenants.precheck(ident, max_out)
+        """Identity (and the tenant's quota precheck; ``ident``: done already) and the routing input of an engine
+        endpoint's request (``model`` None: the fleet's first model; ``token_ids`` empty: routed by load)."""
+        if ident is None:
+            ident = await self._engine_identity(headers, extra, max_out)
         name = model or self._default_model()
         resolved, lora, base = self.router.resolve_model(name)
         namespace = ident.tenant if ident.policy.isolate_cache else None
@@ -611,6 +645,15 @@ class Pipeline:
         )
         inp.identity = ident
         return inp
+
+    async def _engine_identity(
+        self, headers: Mapping[str, str], extra: Mapping[str, Any] | None, max_out: int | None
+    ) -> Identity:
+        """An engine endpoint's request's identity, its tenant's quota prechecked (``max_out`` tokens)."""
+        tenants = self.tenants
+        ident = tenants.identify(headers, (extra or {}).get(tenants.cfg.priority_body_field))
+        await tenants.precheck(ident, max_out)
+        return ident
 
     def _default_model(self) -> str:
         """The first model of a routable replica (a request that names none). Raises NoReplica."""
@@ -668,20 +711,28 @@ class Pipeline:
             target, inp, b"", stream, None, Wire(method=method, openai_stream=False, feedback=False)
         )
 
-    async def _prepare_responses(self, headers: Mapping[str, str], raw: bytes) -> Prepared:
+    async def _prepare_responses(
+        self, headers: Mapping[str, str], raw: bytes, trace: RequestTrace | None
+    ) -> Prepared:
         """``POST /v1/responses``: the conversation the engine will render tokenized and routed like a chat
-        request; a follow-up (``previous_response_id``) pinned to the replica holding its chain."""
-        parsed = await self.parse(raw, ResponsesRequest)
-        body = parsed.model
-        chains = self.chains
-        pin: Replica | None = None
-        history = None
-        if body.previous_response_id is not None:
-            pin = await self.owner(body.previous_response_id, "previous_response_id")
-            history = await chains.history(body.previous_response_id)
-        msgs = conversation(parsed.data, history)
-        model = body.model or self._default_model()
-        ids = await self._responses_ids(model, msgs)
+        request; a follow-up (``previous_response_id``) pinned to the replica holding its chain. Intake and
+        tokenization are child spans of ``trace`` (when there is one)."""
+        with _step(trace, "kvroute.intake"):
+            parsed = await self.parse(raw, ResponsesRequest)
+            body = parsed.model
+            chains = self.chains
+            pin: Replica | None = None
+            history = None
+            if body.previous_response_id is not None:
+                pin = await self.owner(body.previous_response_id, "previous_response_id")
+                history = await chains.history(body.previous_response_id)
+            msgs = conversation(parsed.data, history)
+            model = body.model or self._default_model()
+            ident = await self._engine_identity(headers, body.model_extra, body.max_output_tokens)
+        with _step(trace, "kvroute.tokenize") as span, self._engine_calls(trace, span):
+            ids = await self._responses_ids(model, msgs)
+            if span is not None:
+                self._tokenize_attributes(span, len(ids), len(ids), False)
         inp = await self._engine_input(
             headers,
             model,
@@ -689,6 +740,7 @@ class Pipeline:
             body.model_extra,
             max_out=body.max_output_tokens,
             cache_salt=body.cache_salt,
+            ident=ident,
         )
         inp.pinned_to = pin.index if pin is not None else None
         watch = chains.watch(msgs, body.store is not False)
@@ -723,25 +775,33 @@ class Pipeline:
             path, inp, raw, stream, None, Wire(content_type=content_type, openai_stream=False, feedback=False)
         )
 
-    async def _prepare_sglang_generate(self, headers: Mapping[str, str], raw: bytes) -> Prepared:
+    async def _prepare_sglang_generate(
+        self, headers: Mapping[str, str], raw: bytes, trace: RequestTrace | None
+    ) -> Prepared:
         """SGLang's ``/generate``: its ``text`` or ``input_ids`` (the first of a batch) tokenized and routed by
-        the cost model."""
-        parsed = await self.parse(raw, EngineBody)
-        data = parsed.data if isinstance(parsed.data, dict) else {}
-        model = parsed.model.model or self._default_model()
+        the cost model (intake and tokenization child spans of ``trace`` when there is one)."""
+        with _step(trace, "kvroute.intake"):
+            parsed = await self.parse(raw, EngineBody)
+            data = parsed.data if isinstance(parsed.data, dict) else {}
+            model = parsed.model.model or self._default_model()
+            params = data.get("sampling_params")
+            max_out = params.get("max_new_tokens") if isinstance(params, dict) else None
+            max_out = max_out if isinstance(max_out, int) else None
+            ident = await self._engine_identity(headers, None, max_out)
         text, given = data.get("text"), data.get("input_ids")
         text = text[0] if isinstance(text, list) and text else text
         given = given[0] if isinstance(given, list) and given and isinstance(given[0], list) else given
         ids: list[int] = []
-        if isinstance(given, list) and all(isinstance(t, int) and 0 <= t < 1 << 32 for t in given):
-            ids = list(given)
-        elif isinstance(text, str):
-            ids = await self.tokenizer.encode_prompt(text, model=model, url=self._tokenize_url(model, None))
-        params = data.get("sampling_params")
-        max_out = params.get("max_new_tokens") if isinstance(params, dict) else None
-        inp = await self._engine_input(
-            headers, model, ids, None, max_out=max_out if isinstance(max_out, int) else None
-        )
+        with _step(trace, "kvroute.tokenize") as span, self._engine_calls(trace, span):
+            if isinstance(given, list) and all(isinstance(t, int) and 0 <= t < 1 << 32 for t in given):
+                ids = list(given)
+            elif isinstance(text, str):
+                ids = await self.tokenizer.encode_prompt(
+                    text, model=model, url=self._tokenize_url(model, None)
+                )
+                if span is not None:
+                    self._tokenize_attributes(span, len(ids), len(ids), False)
+        inp = await self._engine_input(headers, model, ids, None, max_out=max_out, ident=ident)
         stream = data.get("stream") is True
         return Prepared(
             "/generate", inp, parsed.body, stream, None, Wire(openai_stream=False, feedback=False)
@@ -890,7 +950,12 @@ class Pipeline:
 
     async def serve(self, prepared: Prepared, receive: Callable[[], Any]) -> Response:
         """Admit, decide and dispatch a prepared request (steps 5-8)."""
-        exclude = self.not_serving(prepared.path)
+        try:
+            exclude = self.not_serving(prepared.path)
+        except KvrouteError as exc:
+            if prepared.inp.trace is not None:
+                prepared.inp.trace.fail(exc)
+            raise
         return await self.dispatch(prepared, await self.admit(prepared.inp, exclude), receive)
 
     def not_serving(self, path: str) -> list[int]:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,6 +44,21 @@ THREAD_MIN_CHARS = 16384
 THREAD_MIN_MESSAGES = 256
 #: bytes per token id in ``bytes`` mode (about the average characters per BPE token of English text)
 BYTES_PER_TOKEN = 4
+
+
+#: headers the engine ``/tokenize`` calls made in this context add (the pipeline's tokenize step sets the
+#: request's W3C trace context here, so the engine's call joins the request's trace); None: none
+_CALL_HEADERS: ContextVar[Mapping[str, str] | None] = ContextVar("engine_tokenize_headers", default=None)
+
+
+@contextmanager
+def engine_call_headers(headers: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, the engine tokenizer's calls (``EngineTokenizer``) also send ``headers``."""
+    token = _CALL_HEADERS.set(headers)
+    try:
+        yield
+    finally:
+        _CALL_HEADERS.reset(token)
 
 
 class TokenizerError(KvrouteError):
@@ -447,7 +464,8 @@ class BytesTokenizer:
 
 
 class EngineTokenizer:
-    """``engine`` mode: ask a replica's ``POST /tokenize`` (vLLM API).
+    """``engine`` mode: ask a replica's ``POST /tokenize`` (vLLM API), with the headers ``engine_call_headers``
+    set for the call (the request's trace context).
 
     Args:
         timeout_s: timeout of one call, seconds.
@@ -465,7 +483,9 @@ class EngineTokenizer:
         if not url:
             raise TokenizerError("engine tokenizer: no replica available to tokenize")
         try:
-            resp = await self._client.post(url.rstrip("/") + "/tokenize", json=body)
+            resp = await self._client.post(
+                url.rstrip("/") + "/tokenize", json=body, headers=_CALL_HEADERS.get()
+            )
         except httpx.HTTPError as exc:
             raise TokenizerError(f"engine /tokenize at {url} failed: {type(exc).__name__}: {exc}") from exc
         if resp.status_code in (404, 405):

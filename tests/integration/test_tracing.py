@@ -125,11 +125,11 @@ def _router(fleet: Fleet, kind: str, *extra: str) -> Iterator[Router]:
                 reps = httpx.get(url + "/replicas", timeout=2).json()["replicas"]
             except httpx.HTTPError:
                 return False
-            return len(reps) == 2 and all(
+            return len(reps) == len(fleet.engines) and all(
                 r["state"] == "ready" and r["load"]["age_s"] is not None for r in reps
             )
 
-        wait_until(all_ready, timeout=40, what=f"kvroute {kind} with both replicas ready")
+        wait_until(all_ready, timeout=40, what=f"kvroute {kind} with every replica ready")
         yield Router(proc, url, gport)
     finally:
         print(proc.stop()[-3000:])
@@ -183,10 +183,23 @@ def _engine_span_under(spans: list[Span], parent: Span) -> Span:
     return under[0]
 
 
+def _received(engine_url: str, caller: Caller) -> list[dict[str, str]]:
+    """The trace contexts of the caller's trace ``engine_url`` received (``traceparent``, ``tracestate``,
+    ``baggage``, ``path``), oldest first."""
+    got = httpx.get(engine_url + "/admin/traces", timeout=5).json()["received"]
+    return [t for t in got if t["traceparent"].split("-")[1] == caller.trace_id]
+
+
 def _received_parent(engine_url: str, caller: Caller) -> list[str]:
     """The parent span ids of the caller's trace that ``engine_url`` received in ``traceparent``."""
-    got = httpx.get(engine_url + "/admin/traces", timeout=5).json()["received"]
-    return [t["traceparent"].split("-")[2] for t in got if t["traceparent"].split("-")[1] == caller.trace_id]
+    return [t["traceparent"].split("-")[2] for t in _received(engine_url, caller)]
+
+
+def _fleet_received(fleet: Fleet, caller: Caller) -> list[tuple[str, str]]:
+    """(path, parent span id) of every engine request of the caller's trace, sorted."""
+    return sorted(
+        (t["path"], t["traceparent"].split("-")[2]) for e in fleet.engines for t in _received(e.url, caller)
+    )
 
 
 # -- the HTTP door ----------------------------------------------------------------------------------------------
@@ -349,3 +362,147 @@ def test_both_pd_legs_continue_the_trace_through_the_picker(pd_fleet: Fleet, rec
         _check_legs(spans, pd_fleet)
         decode = _one(spans, "kvroute.pd.decode")
         assert picked.set_headers["traceparent"].split("-")[2] == decode.span_id  # the gateway's decode leg
+
+
+# -- the engine /tokenize call, the engines' other endpoints ----------------------------------------------------
+def test_the_engine_tokenize_call_carries_the_tokenize_span(colocated: Fleet, receiver: Receiver) -> None:
+    """``--tokenizer-mode engine``: the router's own ``/tokenize`` call to a replica is a child of its
+    ``kvroute.tokenize`` span, as the generation request is of its attempt span."""
+    extra = ("--otlp-traces-endpoint", receiver.endpoint, "--tokenizer-mode", "engine")
+    for router in _router(colocated, "serve", *extra):
+        caller = Caller.new()
+        body = {"model": MODEL, "prompt": "a prompt the engine tokenizes " * 20, "max_tokens": 2}
+        r = httpx.post(
+            router.url + "/v1/completions",
+            json=body,
+            headers={"traceparent": caller.traceparent()},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        spans = _trace(receiver, caller, 1, extra={"kvroute.attempt"})
+        _check_request(spans, caller)
+        tokenize = _one(spans, "kvroute.tokenize")
+        assert tokenize.attributes["kvroute.tokenize.mode"] == "engine"
+        attempt = _one(spans, "kvroute.attempt")
+        assert _fleet_received(colocated, caller) == [
+            ("/tokenize", tokenize.span_id),
+            ("/v1/completions", attempt.span_id),
+        ]
+
+
+def _engine_endpoint_trace(receiver: Receiver, caller: Caller, route: str, steps: set[str]) -> Span:
+    """The checks every traced request to an engine endpoint passes: kvroute's request span continues the
+    caller's, on ``route``, answered 200; ``steps`` and one attempt its children. Returns the attempt span."""
+    want = {"kvroute.request", "kvroute.attempt", *steps}
+    receiver.wait_for(
+        f"the spans of trace {caller.trace_id}",
+        lambda spans: want <= {s.name for s in spans if s.trace_id == caller.trace_id},
+    )
+    spans = receiver.in_trace(caller.trace_id)
+    request = _one(spans, "kvroute.request")
+    assert request.parent_id == caller.span_id and request.kind == SERVER
+    assert request.attributes["http.route"] == route
+    assert request.attributes["http.response.status_code"] == 200
+    assert request.attributes["gen_ai.request.model"] == MODEL
+    for name in want - {"kvroute.request"}:
+        assert _one(spans, name).parent_id == request.span_id, name
+    attempt = _one(spans, "kvroute.attempt")
+    assert attempt.kind == CLIENT and attempt.attributes["http.response.status_code"] == 200
+    return attempt
+
+
+def test_a_responses_request_is_traced_like_a_completion(
+    traced_serve: Router, colocated: Fleet, receiver: Receiver
+) -> None:
+    caller = Caller.new()
+    body = {"model": MODEL, "input": "hello there, how are you", "max_output_tokens": 3}
+    r = httpx.post(
+        traced_serve.url + "/v1/responses",
+        json=body,
+        headers={"traceparent": caller.traceparent()},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    attempt = _engine_endpoint_trace(receiver, caller, "/v1/responses", STEPS)
+    tokenize = _one(receiver.in_trace(caller.trace_id), "kvroute.tokenize")
+    assert tokenize.attributes["kvroute.tokenize.tokens"] > 0
+    assert _fleet_received(colocated, caller) == [("/v1/responses", attempt.span_id)]
+
+
+@pytest.fixture(scope="module")
+def pooling(receiver: Receiver, fast_export: None) -> Iterator[Fleet]:
+    """One embedding engine (vLLM's pooling runner)."""
+    opts = EngineOptions(time_scale=0.02, extra_args=["--runner", "pooling", "--convert", "embed"])
+    fleet = Fleet(1, opts)
+    try:
+        fleet.start_engines()
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def test_an_embeddings_request_is_traced_like_a_completion(pooling: Fleet, receiver: Receiver) -> None:
+    for router in _router(pooling, "serve", "--otlp-traces-endpoint", receiver.endpoint):
+        caller = Caller.new()
+        r = httpx.post(
+            router.url + "/v1/embeddings",
+            json={"model": MODEL, "input": "embed me"},
+            headers={"traceparent": caller.traceparent()},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        steps = {"kvroute.intake", "kvroute.admission", "kvroute.decide"}  # routed by load: nothing tokenized
+        attempt = _engine_endpoint_trace(receiver, caller, "/v1/embeddings", steps)
+        assert _fleet_received(pooling, caller) == [("/v1/embeddings", attempt.span_id)]
+
+
+# -- tracing off: the caller's trace context passes through ------------------------------------------------------
+def test_tracing_off_the_http_door_passes_the_callers_trace_context_through(colocated: Fleet) -> None:
+    """Without ``--otlp-traces-endpoint`` the router is transparent: every engine request of a request (the
+    generation request, the engine ``/tokenize`` call, another endpoint's request) carries the caller's
+    ``traceparent``, ``tracestate`` and ``baggage`` unchanged."""
+    for router in _router(colocated, "serve", "--tokenizer-mode", "engine"):
+        caller = Caller.new()
+        sent = {"traceparent": caller.traceparent(), "tracestate": "vendor=passed", "baggage": "user=42"}
+        calls = [
+            ("/v1/completions", {"model": MODEL, "prompt": "tokenized by the engine " * 10, "max_tokens": 2}),
+            ("/v1/responses", {"model": MODEL, "input": "hello", "max_output_tokens": 2}),
+        ]
+        for path, body in calls:
+            r = httpx.post(router.url + path, json=body, headers=sent, timeout=30)
+            assert r.status_code == 200, r.text
+        got = [t for e in colocated.engines for t in _received(e.url, caller)]
+        assert sorted(t["path"] for t in got) == [
+            "/tokenize",
+            "/tokenize",
+            "/v1/completions",
+            "/v1/responses",
+        ]
+        for t in got:
+            assert (t["traceparent"], t["tracestate"], t["baggage"]) == tuple(sent.values()), t
+
+
+def test_tracing_off_both_pd_legs_carry_the_callers_trace_context(pd_fleet: Fleet) -> None:
+    """A disaggregated plan with tracing off: through the HTTP door both legs carry the caller's ``traceparent``;
+    through the endpoint picker the gateway forwards the client's headers itself, and the prefill leg (the
+    picker's own request) carries it too."""
+    prefill = next(e for e in pd_fleet.engines if e.role == "prefill")
+    decode = next(e for e in pd_fleet.engines if e.role == "decode")
+    for router in _router(pd_fleet, "serve"):
+        caller = Caller.new()
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+        r = httpx.post(
+            router.url + "/v1/completions",
+            json=body,
+            headers={"traceparent": caller.traceparent()},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.headers["x-kvroute-plan"] == "disaggregated", r.text
+        for engine in (prefill, decode):
+            assert [t["traceparent"] for t in _received(engine.url, caller)] == [caller.traceparent()]
+    for router in _router(pd_fleet, "epp", "--grpc-insecure"):
+        caller = Caller.new()
+        picked, out = _through_gateway(router, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}, caller)
+        assert json.loads(out)["choices"], out
+        assert [t["traceparent"] for t in _received(prefill.url, caller)] == [caller.traceparent()]
+        assert picked.set_headers.get("traceparent", caller.traceparent()) == caller.traceparent()

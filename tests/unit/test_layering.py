@@ -54,7 +54,9 @@ ROUTER_PARTS: dict[str, set[str]] = {
     "router.errors": set(),
     "router.telemetry": set(),
     # spans and W3C trace context (OpenTelemetry): a foundation like telemetry, used from the engine hop up
-    "router.tracing": set(),
+    "router.tracing": {"router.otlp"},
+    # the OTLP protobuf encoder of tracing's spans
+    "router.otlp": set(),
     "router.core": {"router.errors", "router.telemetry"},
     "router.tokens": {"router.errors", "router.telemetry", "router.core"},
     "router.engine": {"router.errors", "router.telemetry", "router.tracing", "router.core", "router.tokens"},
