@@ -36,6 +36,7 @@ from membership.config import AllocatorConfig, HealthConfig, MembershipConfig, R
 from membership.kubernetes import KubernetesOptions
 from membership.kv_decode import MEDIUM_TO_TIER
 from membership.kv_events import DEFAULT_TIER_TTL_S
+from policies.adapters import AdapterLinks
 from policies.dispatch import DispatchSettings
 from policies.pd_link import LinkLearning
 from router.engine.config import ProxyConfig
@@ -1030,6 +1031,34 @@ class Settings(BaseSettings):
         default=25.0, gt=0, description="P->D KV transfer bandwidth of the fleet, GB/s (1e9 bytes/s)"
     )
     pd_link_latency_s: float = Field(default=0.0, ge=0, description="fixed cost of one P->D KV handoff, s")
+    lora_storage_gbps: float = Field(
+        default=2.5,
+        gt=0,
+        description="storage -> CPU read bandwidth of a LoRA adapter load, GB/s (llm-d measured ~0.4 s per GB)",
+    )
+    lora_load_latency_s: float = Field(
+        default=0.01, ge=0, description="fixed cost of one LoRA adapter load (open, parse, build tensors), s"
+    )
+    lora_activate_gbps: float = Field(
+        default=25.0, gt=0, description="CPU -> GPU bandwidth of a LoRA adapter activation, GB/s"
+    )
+    lora_adapter_bytes: int = Field(
+        default=15_309_209,
+        gt=0,
+        description="size of a LoRA adapter whose size the router does not know, bytes (a rank-16 q/v adapter of "
+        "an 8B model: 14.6 MiB)",
+    )
+    lora_service_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds a request holds its adapter's batch slot before any finish was observed on the "
+        "replica (then learned)",
+    )
+    lora_reuse_window_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="an evicted LoRA adapter used within this many seconds is charged its reload, s",
+    )
     pd_protocol: Literal["auto", "vllm", "mooncake", "sglang"] = Field(
         default="auto",
         description="KV handoff wire protocol: vllm (sequential kv_transfer_params relay, NIXL), mooncake "
@@ -1358,6 +1387,17 @@ class Settings(BaseSettings):
     def static_replicas(self) -> list[dict[str, Any]]:
         """The static replica specs as plain mappings (``membership.static`` does not import the router)."""
         return [s.model_dump() for s in self.replicas]
+
+    def adapter_links(self) -> AdapterLinks:
+        """The LoRA adapter model's bandwidths and defaults (``policies.adapters.AdapterLinks``)."""
+        return AdapterLinks(
+            storage_bytes_per_s=self.lora_storage_gbps * 1e9,
+            load_latency_s=self.lora_load_latency_s,
+            activate_bytes_per_s=self.lora_activate_gbps * 1e9,
+            default_bytes=self.lora_adapter_bytes,
+            default_service_s=self.lora_service_s,
+            reuse_window_s=self.lora_reuse_window_s,
+        )
 
     def pd_link_learning(self) -> LinkLearning:
         """How the P->D link bandwidth is learned from observed handoffs (issue 19)."""

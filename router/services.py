@@ -39,6 +39,7 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
 from membership.shared_state import ResponseMap
 from membership.tenant_budget import TenantBudget
+from policies.adapters import AdapterResidency
 from policies.base import Candidate, Policy, ReplicaProfile, make_policy
 from policies.candidates import build_candidates
 from policies.pd_base import HandoffLink, make_pd_policy
@@ -271,6 +272,7 @@ def _build_router(
         panic_routing=settings.panic_routing,
     )
     router.on_prediction.append(membership.publish_prediction)  # predicted entries reach peer routers
+    router.adapters = AdapterResidency(settings.adapter_links())
     _configure_pd(settings, router)
     router.home_region = settings.region
     if isinstance(policy, RegionLadderPolicy):
