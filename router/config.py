@@ -234,6 +234,15 @@ class Settings(BaseSettings):
         gt=0,
         description="timeout of an engine /tokenize call, and of a chat render call for an image chat (s)",
     )
+    image_render_cache_entries: int = Field(
+        default=1024,
+        ge=0,
+        description="image-chat render answers kept (token ids and image placeholders, per tenant, model and "
+        "rendered body fields; least recently used out), count; 0 = every image chat is rendered again",
+    )
+    image_render_cache_ttl_s: float = Field(
+        default=600.0, gt=0, description="seconds a kept image-chat render answer is used for"
+    )
     tokenizer_cache_mb: float = Field(
         default=64.0,
         ge=0,

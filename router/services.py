@@ -79,6 +79,7 @@ from router.telemetry import (
     budget_gauges,
     dispatch_gauges,
     epp_gauges,
+    image_render_gauges,
     index_gauges,
     kubernetes_metrics,
     lag_gauges,
@@ -231,6 +232,16 @@ def _build_membership(settings: Settings, table: ReplicaTable, index: PrefixInde
     )
     membership.load()  # static replicas, joining until their first probe
     return membership
+
+
+def _build_images(settings: Settings, headers: dict[str, str]) -> ImageRenderer:
+    """Image chats rendered by engines, answers cached (router/tokens/images.py)."""
+    return ImageRenderer(
+        settings.tokenize_timeout_s,
+        settings.image_render_cache_entries,
+        settings.image_render_cache_ttl_s,
+        headers,
+    )
 
 
 def _build_intake(settings: Settings, table: ReplicaTable, telemetry: Telemetry) -> Intake:
@@ -430,6 +441,9 @@ def _register_metrics(svc: Services) -> None:
     t.add_gauges(lambda: replica_gauges(svc.table.all(), svc.token_ids.accepts))
     t.add_gauges(lambda: _router_gauges(svc))
     t.add_gauges(lambda: _adapter_gauges(svc))
+    images = svc.pipeline.images
+    if images is not None:
+        t.add_gauges(lambda: image_render_gauges(images.calls, images.cache.lookups, len(images.cache)))
     if isinstance(svc.tokenizer, HfTokenizer):
         cache = svc.tokenizer.cache
         t.add_gauges(lambda: tokenizer_cache_gauges(cache.stats()))
@@ -681,7 +695,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         token_ids,
         dispatcher,
         _build_chains(settings, membership),
-        ImageRenderer(settings.tokenize_timeout_s, headers),
+        _build_images(settings, headers),
         build_tracing(_tracing_config(settings)),
     )
     _keep_index_honest(table, index, kv_events, router)
