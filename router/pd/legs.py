@@ -308,8 +308,9 @@ class PdLegs:
         request_id: str,
         deadline: float,
     ) -> Response:
-        """One try of ``plan`` on ``p_rep`` -> ``d_rep``: both legs charged before dispatch, released on every
-        path (a committed stream releases D when it ends). Raises LegFailed before the decode leg's first byte."""
+        """One try of ``plan`` on ``p_rep`` -> ``d_rep``: both legs charged before dispatch (with the request's
+        LoRA adapter, as an in-place attempt: each engine loads it), released on every path (a committed stream
+        releases D when it ends). Raises LegFailed before the decode leg's first byte."""
         router = self.router
         inp = routed.inp
         cached_p = routed.cached_tokens.get(p_rep.index, 0)
@@ -317,8 +318,8 @@ class PdLegs:
         # P's charge: the uncached tokens the policy predicted it computes (else the router's own estimate)
         p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - cached_p
         with (
-            Hold(router, None, p_rep, p_tokens, inp.copies) as hp,
-            Hold(router, None, d_rep, 0, inp.copies) as hd,
+            Hold(router, None, p_rep, p_tokens, inp.copies, inp.lora) as hp,
+            Hold(router, None, d_rep, 0, inp.copies, inp.lora) as hd,
         ):
             hp.span, hd.span = legs.p_span, legs.d_span  # each leg's span ends when its hold is released
             router.note_handoff(plan)
@@ -513,8 +514,8 @@ class PdLegs:
         inp = routed.inp
         legs = self._two_legs(routed, plan, p_rep, d_rep, path, obj, stream, request_id, deadline)
         p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - legs.cached_p
-        with Hold(router, None, p_rep, p_tokens, inp.copies) as hp:
-            hd = Hold(router, None, d_rep, 0, inp.copies).__enter__()
+        with Hold(router, None, p_rep, p_tokens, inp.copies, inp.lora) as hp:
+            hd = Hold(router, None, d_rep, 0, inp.copies, inp.lora).__enter__()
             hp.span, hd.span = (
                 legs.p_span,
                 legs.d_span,
