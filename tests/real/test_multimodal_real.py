@@ -123,6 +123,8 @@ def test_multimodal_same_image_predicted_equals_engine_reported(vlm_router: Rout
     predicted, reported = send(vlm_router, follow, "alice")
     assert reported >= need  # the engine reused the image's blocks
     assert predicted == reported
+    # /route then the chat: one render call (the answer cached per tenant)
+    assert metric(vlm_router.url, "kvroute_image_render_cache_lookups_total", outcome="hit") >= 1
 
 
 def test_multimodal_another_image_with_the_same_text_is_no_hit_past_it(vlm_router: Router) -> None:
