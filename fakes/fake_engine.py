@@ -717,7 +717,7 @@ class MetricsExporter:
     """
 
     def __init__(self, engine: FakeEngine) -> None:
-        from prometheus_client import CollectorRegistry, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.engine = engine
         opts = engine.opts
@@ -761,6 +761,14 @@ class MetricsExporter:
         )
         self.h_e2e = hist("e2e", "Histogram of end to end request latency in seconds.", REQ_TIME_BUCKETS)
         self.h_prompt = hist("prompt", "Number of prefill tokens processed.", TOKEN_BUCKETS)
+        #: HTTP requests by handler, method and status class, as vLLM's API server counts them (only the routes
+        #: tests count are counted here: the render endpoint)
+        self.http_requests = Counter(
+            "http_requests",
+            "Total number of requests by method, status and handler.",
+            ["handler", "method", "status"],
+            registry=self.registry,
+        )
         self.registry.register(self)
 
     def _t(self, model_s: float) -> float:
@@ -1440,9 +1448,13 @@ def _add_tokenizer_routes(app: FastAPI, http: EngineHttp) -> None:
     @app.post("/v1/chat/completions/render")
     async def render_chat(request: Request) -> Response:
         body = await json_object(request)
+        counted = http.engine.exporter.http_requests
         if not http.opts.enable_scale_out:  # vLLM 0.32 serves render only with --enable-scale-out
+            counted.labels("/v1/chat/completions/render", "POST", "4xx").inc()
             return error_response(http.dialect, "Render API requires --enable-scale-out", 403, "Forbidden")
-        return JSONResponse(http.render_chat(body))
+        answer = http.render_chat(body)
+        counted.labels("/v1/chat/completions/render", "POST", "2xx").inc()
+        return JSONResponse(answer)
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")

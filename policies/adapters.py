@@ -145,7 +145,10 @@ def adapter_imposed_s(cost: AdapterCost) -> float:
 
 @dataclass(frozen=True, slots=True)
 class AdapterLinks:
-    """How fast a replica gets adapters, and the defaults of the router's adapter model.
+    """How fast a replica gets adapters, and the defaults of the router's adapter model. The router builds it
+    from ``Settings`` (``lora_storage_gbps``, ``lora_load_latency_s``, ``lora_activate_gbps``,
+    ``lora_adapter_bytes``, ``lora_service_s``, ``lora_reuse_window_s``: ``Settings.adapter_links``); the defaults
+    here equal those settings' (the simulator and the stand-in engine use them).
 
     Attributes:
         storage_bytes_per_s: storage -> CPU read bandwidth of a load, bytes per second.

@@ -40,6 +40,7 @@ from membership.config import AllocatorConfig, HealthConfig, MembershipConfig, R
 from membership.kubernetes import KubernetesOptions
 from membership.kv_decode import MEDIUM_TO_TIER
 from membership.kv_events import DEFAULT_TIER_TTL_S
+from policies.adapters import AdapterLinks
 from policies.dispatch import DispatchSettings
 from policies.pd_link import LinkLearning
 from router.engine.config import ProxyConfig
@@ -326,6 +327,34 @@ class _RoutingFields(BaseModel):
         default={"cpu": 0.0, "disk": 0.0005, "remote": 0.010},
         description="per non-GPU tier, the fixed cost of one fetch (lookup, setup), s. Merged over these defaults",
     )
+    lora_storage_gbps: float = Field(
+        default=2.5,
+        gt=0,
+        description="storage -> CPU read bandwidth of a LoRA adapter load, GB/s (llm-d measured ~0.4 s per GB)",
+    )
+    lora_load_latency_s: float = Field(
+        default=0.01, ge=0, description="fixed cost of one LoRA adapter load (open, parse, build tensors), s"
+    )
+    lora_activate_gbps: float = Field(
+        default=25.0, gt=0, description="CPU -> GPU bandwidth of a LoRA adapter activation, GB/s"
+    )
+    lora_adapter_bytes: int = Field(
+        default=15_309_209,
+        gt=0,
+        description="size of a LoRA adapter whose size the router does not know, bytes (a rank-16 q/v adapter of "
+        "an 8B model: 14.6 MiB)",
+    )
+    lora_service_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds a request holds its adapter's batch slot before any finish was observed on the "
+        "replica (then learned)",
+    )
+    lora_reuse_window_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="an evicted LoRA adapter used within this many seconds is charged its reload, s",
+    )
 
     @field_validator("policy_params", "profiles", mode="before")
     @classmethod
@@ -349,6 +378,17 @@ class RoutingSettings(_RoutingFields):
             limit_tokens=self.dispatch_limit_tokens,
             patience_s=self.dispatch_patience_s,
             max_wait_s=self.dispatch_max_wait_s,
+        )
+
+    def adapter_links(self) -> AdapterLinks:
+        """The LoRA adapter model's bandwidths and defaults (``policies.adapters.AdapterLinks``)."""
+        return AdapterLinks(
+            storage_bytes_per_s=self.lora_storage_gbps * 1e9,
+            load_latency_s=self.lora_load_latency_s,
+            activate_bytes_per_s=self.lora_activate_gbps * 1e9,
+            default_bytes=self.lora_adapter_bytes,
+            default_service_s=self.lora_service_s,
+            reuse_window_s=self.lora_reuse_window_s,
         )
 
 
@@ -377,6 +417,15 @@ class _TokenizerFields(BaseModel):
         default=2.0,
         gt=0,
         description="timeout of an engine /tokenize call, and of a chat render call for an image chat (s)",
+    )
+    image_render_cache_entries: int = Field(
+        default=1024,
+        ge=0,
+        description="image-chat render answers kept (token ids and image placeholders, per tenant, model and "
+        "rendered body fields; least recently used out), count; 0 = every image chat is rendered again",
+    )
+    image_render_cache_ttl_s: float = Field(
+        default=600.0, gt=0, description="seconds a kept image-chat render answer is used for"
     )
     tokenizer_cache_mb: float = Field(
         default=64.0,

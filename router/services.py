@@ -45,6 +45,7 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
 from membership.shared_state import ResponseMap
 from membership.tenant_budget import TenantBudget
+from policies.adapters import AdapterResidency
 from policies.base import Candidate, Policy, ReplicaProfile, make_policy
 from policies.candidates import build_candidates
 from policies.pd_base import HandoffLink, make_pd_policy
@@ -98,6 +99,7 @@ from router.telemetry import (
     budget_gauges,
     dispatch_gauges,
     epp_gauges,
+    image_render_gauges,
     index_gauges,
     kubernetes_metrics,
     lag_gauges,
@@ -259,6 +261,16 @@ def _build_membership(
     return membership
 
 
+def _build_images(tokenizer: TokenizerSettings, headers: dict[str, str]) -> ImageRenderer:
+    """Image chats rendered by engines, answers cached (router/tokens/images.py)."""
+    return ImageRenderer(
+        tokenizer.tokenize_timeout_s,
+        tokenizer.image_render_cache_entries,
+        tokenizer.image_render_cache_ttl_s,
+        headers,
+    )
+
+
 def _build_intake(client: ClientEdgeSettings, table: ReplicaTable, telemetry: Telemetry) -> Intake:
     """The request front door: input limits, and router-controlled fields stripped (router/serve/client_fields.py)."""
     return Intake(
@@ -302,6 +314,7 @@ def _build_router(
         panic_routing=routing.panic_routing,
     )
     router.on_prediction.append(membership.publish_prediction)  # predicted entries reach peer routers
+    router.adapters = AdapterResidency(routing.adapter_links())
     _configure_pd(pd, router)
     router.home_region = regions.region
     if isinstance(policy, RegionLadderPolicy):
@@ -487,6 +500,9 @@ def _register_metrics(svc: Services) -> None:
     t.add_gauges(lambda: replica_gauges(svc.table.all(), svc.token_ids.accepts))
     t.add_gauges(lambda: _router_gauges(svc))
     t.add_gauges(lambda: _adapter_gauges(svc))
+    images = svc.pipeline.images
+    if images is not None:
+        t.add_gauges(lambda: image_render_gauges(images.calls, images.cache.lookups, len(images.cache)))
     if isinstance(svc.tokenizer, HfTokenizer):
         cache = svc.tokenizer.cache
         t.add_gauges(lambda: tokenizer_cache_gauges(cache.stats()))
@@ -801,7 +817,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
         token_ids,
         dispatcher,
         _build_chains(settings.shared_state, membership),
-        ImageRenderer(settings.tokenizer.tokenize_timeout_s, headers),
+        _build_images(settings.tokenizer, headers),
         build_tracing(_tracing_config(settings.tracing)),
     )
     _keep_index_honest(table, index, kv_events, router)

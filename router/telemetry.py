@@ -869,6 +869,30 @@ def epp_gauges(active: int) -> Iterator[Metric]:
     )
 
 
+def image_render_gauges(
+    calls: Mapping[str, int], lookups: Mapping[str, int], entries: int
+) -> Iterator[Metric]:
+    """Image-chat render calls to engines by outcome (``calls``: rendered, unsupported, failed), render cache
+    lookups by outcome (``lookups``: hit, miss) and the answers kept now (``entries``)."""
+    c = CounterMetricFamily(
+        "kvroute_image_render_calls",
+        "image-chat render calls to engines (POST /v1/chat/completions/render), by outcome",
+        labels=["outcome"],
+    )
+    for outcome, n in sorted(calls.items()):
+        c.add_metric([outcome], float(n))
+    yield c
+    c = CounterMetricFamily(
+        "kvroute_image_render_cache_lookups",
+        "image-chat render cache lookups, by outcome (hit: no engine call)",
+        labels=["outcome"],
+    )
+    for outcome, n in sorted(lookups.items()):
+        c.add_metric([outcome], float(n))
+    yield c
+    yield gauge("kvroute_image_render_cache_entries", "image-chat render answers kept", value=float(entries))
+
+
 def adapter_gauges(
     deferred: Mapping[str, int], dispatches: Mapping[str, int], resident: Mapping[str, int]
 ) -> Iterator[Metric]:

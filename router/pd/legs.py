@@ -298,16 +298,16 @@ class PdLegs:
         return None
 
     async def _pair(self, legs: TwoLegs) -> Response:
-        """One try of ``legs.plan`` on its prefill -> decode replicas: both legs charged before dispatch, released
-        on every path (a committed stream releases D when it ends). Raises LegFailed before the decode leg's first
-        byte."""
+        """One try of ``legs.plan`` on its prefill -> decode replicas: both legs charged before dispatch (with the
+        request's LoRA adapter, as an in-place attempt: each engine loads it), released on every path (a committed
+        stream releases D when it ends). Raises LegFailed before the decode leg's first byte."""
         router, inp, plan = self.router, legs.routed.inp, legs.plan
         p_rep, d_rep = legs.p_rep, legs.d_rep
         # P's charge: the uncached tokens the policy predicted it computes (else the router's own estimate)
         p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - legs.cached_p
         with (
-            Hold(router, None, p_rep, p_tokens, inp.copies) as hp,
-            Hold(router, None, d_rep, 0, inp.copies) as hd,
+            Hold(router, None, p_rep, p_tokens, inp.copies, inp.lora) as hp,
+            Hold(router, None, d_rep, 0, inp.copies, inp.lora) as hd,
         ):
             hp.span, hd.span = legs.p_span, legs.d_span  # each leg's span ends when its hold is released
             router.note_handoff(plan)
@@ -489,8 +489,8 @@ class PdLegs:
         router, inp, plan = self.router, legs.routed.inp, legs.plan
         p_rep, d_rep, stream = legs.p_rep, legs.d_rep, legs.stream
         p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - legs.cached_p
-        with Hold(router, None, p_rep, p_tokens, inp.copies) as hp:
-            hd = Hold(router, None, d_rep, 0, inp.copies).__enter__()
+        with Hold(router, None, p_rep, p_tokens, inp.copies, inp.lora) as hp:
+            hd = Hold(router, None, d_rep, 0, inp.copies, inp.lora).__enter__()
             hp.span, hd.span = (
                 legs.p_span,
                 legs.d_span,

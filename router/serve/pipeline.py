@@ -69,7 +69,14 @@ from router.serve.requests import (
 from router.serve.responses import ResponseChains, conversation
 from router.telemetry import Telemetry
 from router.tokens.frontier import FrontierIds, frontier_ids, frontier_tokenizer
-from router.tokens.images import ImageRenderer, has_image_parts, scope_image_uuids, tenant_scope, text_parts
+from router.tokens.images import (
+    ImageRenderer,
+    has_image_parts,
+    render_key,
+    scope_image_uuids,
+    tenant_scope,
+    text_parts,
+)
 from router.tokens.token_ids import IdsPrompt, TokenIdsCheck, ids_prompt
 from router.tokens.tokenizer import HfTokenizer, Tokenizer, engine_call_headers
 from router.tracing import RequestTrace, Tracing, request_trace
@@ -274,7 +281,9 @@ class Pipeline:
         walked: FrontierIds | None = None
         keys: list[int] | None = None
         if image_chat is not None:
-            token_ids, keys = await self._image_ids(image_chat, body, model, lora, base, namespace, chat)
+            token_ids, keys = await self._image_ids(
+                image_chat, body, (model, lora, base), ident.tenant, namespace, chat
+            )
         # ids from the request body were validated by the schema (TokenId: 0 <= id < 2**32): no second pass
         if token_ids is None:
             token_ids, walked, checked = await self._token_ids(
@@ -327,18 +336,19 @@ class Pipeline:
         self,
         data: dict[str, Any],
         body: RequestCommon,
-        model: str,
-        lora: str | None,
-        base: str,
+        names: tuple[str, str | None, str],
+        tenant: str,
         namespace: str | None,
         chat: ChatInput | None,
     ) -> tuple[list[int], list[int]]:
         """An image chat's ids and block keys: rendered by a replica serving the model (the images folded into
-        the keys exactly as the engine's events fold them), else the text's ids and no keys (routed by load)."""
+        the keys exactly as the engine's events fold them; the answer cached per tenant, model and rendered
+        fields), else the text's ids and no keys (routed by load). ``names``: (model, adapter, base model)."""
+        model, lora, base = names
         rendered = None
-        url = self._render_url(model, lora)
-        if url is not None and self.images is not None:
-            rendered = await self.images.render(url, data)
+        if self.images is not None:
+            key = render_key(tenant, model, lora, data)
+            rendered = await self.images.render_cached(key, self._render_url(model, lora), data)
         if rendered is not None:
             self.telemetry.image_prompts.labels("rendered").inc()
             seed = self.router.seed_for(base, lora, body.cache_salt, namespace)

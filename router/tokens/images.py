@@ -14,6 +14,11 @@ the images exactly as the engine's KV events do (``index.hashing.mm_block_keys``
   serve it (403 / 404 / 405 / 501) is not asked again for ``UNSUPPORTED_RETRY_S``. Without an answer the image
   chat is routed unkeyed (by load; counted): never keyed on text alone, which would make two different images
   with the same text look like one prompt.
+* **Answers cached.** A render answer carries the processed pixels (~1 MB per image on real models) and costs an
+  engine call, so answers are kept (``RenderCache``: LRU, ``image_render_cache_entries``, each for
+  ``image_render_cache_ttl_s``) under a digest of the tenant, the model (adapter included) and every field of the
+  body that can change the rendering (sampling fields left out): a repeated chat, or ``/route`` then the chat,
+  costs one render, and one tenant's entry never answers another tenant's chat.
 
 Units: tokens, seconds.
 """
@@ -21,8 +26,11 @@ Units: tokens, seconds.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
+from array import array
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +42,9 @@ log = logging.getLogger("kvroute.images")
 
 __all__ = [
     "ImageRenderer",
+    "RenderCache",
     "RenderedChat",
+    "render_key",
     "has_image_parts",
     "scope_image_uuids",
     "tenant_scope",
@@ -147,21 +157,92 @@ def parse_render(answer: Any) -> RenderedChat:
     return RenderedChat(ids, items)
 
 
+#: chat body fields that never change how the engine renders the prompt (sampling and output options): left out
+#: of the render cache key, so the same chat with other sampling parameters is one entry
+_NOT_RENDERED = frozenset(
+    {
+        "max_tokens", "max_completion_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "n",
+        "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logprobs", "top_logprobs", "logit_bias", "ignore_eos", "stream", "stream_options", "user", "priority",
+        "request_id", "kv_transfer_params", "metadata", "store", "service_tier",
+    }
+)  # fmt: skip
+
+
+def render_key(tenant: str, model: str, lora: str | None, body: dict[str, Any]) -> bytes:
+    """The render cache key of a chat: SHA-256 over the tenant, the model, the adapter and the body's fields that
+    can change the rendering (canonical JSON: key order does not matter)."""
+    kept = {k: v for k, v in body.items() if k not in _NOT_RENDERED}
+    text = json.dumps([tenant, model, lora, kept], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+class RenderCache:
+    """Render answers by ``render_key``: least recently used first out beyond ``max_entries``, each kept for
+    ``ttl_s`` seconds (token ids stored packed, 4 bytes each). ``max_entries`` 0: nothing is kept.
+
+    Args:
+        max_entries: answers kept, count.
+        ttl_s: seconds an answer is used for.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, max_entries: int, ttl_s: float, clock: Any) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: OrderedDict[bytes, tuple[float, array[int], tuple[MmItem, ...]]] = OrderedDict()
+        #: lookups by outcome (``hit``, ``miss``)
+        self.lookups: dict[str, int] = {"hit": 0, "miss": 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> RenderedChat | None:
+        """The answer kept under ``key`` (None when absent or older than ``ttl_s``)."""
+        got = self._entries.get(key)
+        if got is None or self._clock() - got[0] > self.ttl_s:
+            if got is not None:
+                del self._entries[key]
+            self.lookups["miss"] += 1
+            return None
+        self._entries.move_to_end(key)
+        self.lookups["hit"] += 1
+        return RenderedChat(got[1].tolist(), list(got[2]))
+
+    def put(self, key: bytes, chat: RenderedChat) -> None:
+        """Keep ``chat`` under ``key`` (the least recently used answer leaves when full)."""
+        if self.max_entries <= 0:
+            return
+        self._entries[key] = (self._clock(), array("I", chat.token_ids), tuple(chat.items))
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
 class ImageRenderer:
-    """Asks engines to render image chats (``POST <replica>/v1/chat/completions/render``).
+    """Asks engines to render image chats (``POST <replica>/v1/chat/completions/render``), answers cached.
 
     Args:
         timeout_s: timeout of one render call, seconds.
+        cache_entries: render answers kept (``RenderCache``), count; 0 = none.
+        cache_ttl_s: seconds a kept answer is used for.
         headers: headers sent to engines (their API key).
         clock: monotonic seconds.
     """
 
     def __init__(
-        self, timeout_s: float, headers: dict[str, str] | None = None, clock: Any = time.monotonic
+        self,
+        timeout_s: float,
+        cache_entries: int,
+        cache_ttl_s: float,
+        headers: dict[str, str] | None = None,
+        clock: Any = time.monotonic,
     ) -> None:
         self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers or None)
         self._clock = clock
         self._unsupported: dict[str, float] = {}  # replica URL -> when it may be asked again
+        self.cache = RenderCache(cache_entries, cache_ttl_s, clock)
         #: render calls by outcome (``rendered``, ``unsupported``, ``failed``)
         self.calls: dict[str, int] = {"rendered": 0, "unsupported": 0, "failed": 0}
 
@@ -169,6 +250,17 @@ class ImageRenderer:
         """False while ``url`` is known not to serve the render endpoint."""
         until = self._unsupported.get(url)
         return until is None or self._clock() >= until
+
+    async def render_cached(self, key: bytes, url: str | None, body: dict[str, Any]) -> RenderedChat | None:
+        """The answer kept under ``key`` (``render_key``), else ``render`` on ``url`` (a successful answer is
+        kept); None when neither (no ``url``: no replica renders)."""
+        got = self.cache.get(key)
+        if got is not None or url is None:
+            return got
+        got = await self.render(url, body)
+        if got is not None:
+            self.cache.put(key, got)
+        return got
 
     async def render(self, url: str, body: dict[str, Any]) -> RenderedChat | None:
         """The chat ``body`` rendered by the engine at ``url``; None when it does not render (remembered) or the

@@ -6,6 +6,8 @@ images expand to placeholders, engine block hashes and KV events fold each image
   the cached tokens the engine reports, past the image for the same image, only the text before it for another.
 * Client uuids are scoped per tenant: a tenant sending another tenant's uuid with its own image gets no hit past
   the text (vLLM trusts uuids: unscoped, the engine would serve the first tenant's image).
+* Render answers are cached per tenant: the same chat again (other sampling parameters, or ``/route`` first) costs
+  no second render call on the engine; another tenant's identical chat is rendered for that tenant.
 * Without a render endpoint and without KV events (the router's own predictions): an image chat is routed
   unkeyed, so a second image with the same text is never predicted as a hit.
 """
@@ -24,6 +26,8 @@ from tests.helpers import Proc, free_port, metric, start_fake_engine, wait_http_
 
 MODEL = "m"
 IMAGE_TOKENS = 40
+#: router URL -> the URL of the stand-in engine behind it
+ENGINE_URLS: dict[str, str] = {}
 
 
 def chat(image: str, uuid: str | None, question: str) -> dict[str, Any]:
@@ -51,6 +55,8 @@ def image_span(body: dict[str, Any]) -> tuple[int, int]:
 
 
 def start(*engine_args: str, events: bool) -> tuple[Proc, Proc, str]:
+    """A stand-in engine and ``kvroute serve`` in front of it: (engine, router, router URL); the engine's URL is
+    ``ENGINE_URLS[router URL]``."""
     engine, port, ev, rp = start_fake_engine(
         "--model", MODEL, "--time-scale", "0", "--image-tokens", str(IMAGE_TOKENS),
         "--enable-prompt-tokens-details", *engine_args,
@@ -64,6 +70,7 @@ def start(*engine_args: str, events: bool) -> tuple[Proc, Proc, str]:
         "--log-level", "warning", "--replica", spec,
     )  # fmt: skip
     url = f"http://127.0.0.1:{rport}"
+    ENGINE_URLS[url] = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(url + "/readyz", timeout=30)
         if events:
@@ -152,3 +159,24 @@ def test_without_render_or_events_an_image_chat_is_never_a_predicted_hit() -> No
     finally:
         router.stop()
         engine.stop()
+
+
+def render_calls(router_url: str) -> float:
+    """Render calls the engine behind ``router_url`` answered (its ``http_requests_total``, as vLLM counts them)."""
+    return metric(ENGINE_URLS[router_url], "http_requests_total", handler="/v1/chat/completions/render")
+
+
+def test_a_repeated_image_chat_costs_one_render_per_tenant(rendered: str) -> None:
+    body = chat("UkVQRUFU", None, "What does it show?")
+    before = render_calls(rendered)
+    r = httpx.post(rendered + "/route", json=body, headers={"x-kvroute-tenant": "carol"}, timeout=10)
+    assert r.status_code == 200, r.text
+    send(rendered, body, "carol")
+    send(rendered, {**body, "max_tokens": 3, "temperature": 0.5}, "carol")  # sampling: the same rendering
+    assert render_calls(rendered) == before + 1
+    send(rendered, body, "dave")  # another tenant: its own render (entries are never shared across tenants)
+    send(rendered, body, "dave")
+    assert render_calls(rendered) == before + 2
+    send(rendered, chat("UkVQRUFU", None, "Anything else?"), "carol")  # another chat: rendered
+    assert render_calls(rendered) == before + 3
+    assert metric(rendered, "kvroute_image_render_cache_lookups_total", outcome="hit") >= 3

@@ -4,12 +4,17 @@ the ``ttft`` decision."""
 
 from __future__ import annotations
 
+import pytest
+
 from index.prefix_index import PrefixIndex
 from membership.engine_metrics import parse_metrics
 from membership.replicas import ReplicaState, ReplicaTable
+from policies.adapters import AdapterLinks
 from policies.base import make_policy
+from router.config import Settings
 from router.core.routing import Router, build_profile
 from router.engine.hold import Hold
+from router.services import build_services
 from tests.helpers import FakeClock
 
 BS = 16
@@ -96,3 +101,23 @@ def test_base_model_requests_carry_no_adapter_term() -> None:
     router, _, _ = make_router()
     routed = router.decide(router.make_input("m", None, list(range(64))))
     assert all(c.adapter is None and c.load.adapters is None for c in routed.candidates)
+
+
+def test_adapter_links_and_sizes_come_from_settings() -> None:
+    """The adapter model's bandwidths, load latency and unknown-adapter size are Settings (one source): the
+    policies' defaults equal the Settings defaults, and the router built from Settings prices a load with them."""
+    assert Settings().adapter_links() == AdapterLinks()
+    settings = Settings(
+        lora_storage_gbps=0.5,
+        lora_load_latency_s=0.2,
+        lora_activate_gbps=2.0,
+        lora_adapter_bytes=100_000_000,
+        lora_service_s=3.0,
+        lora_reuse_window_s=5.0,
+    )
+    router = build_services(settings).router
+    assert router.adapters.links == settings.adapter_links()
+    cost = router.adapters.cost(0, "never-seen", now=0.0)  # a replica the router knows nothing of: storage
+    assert cost.tier == "storage"
+    assert cost.load_s == pytest.approx(0.2 + 100e6 / 0.5e9)
+    assert cost.activate_s == pytest.approx(100e6 / 2e9)

@@ -9,7 +9,17 @@ from typing import Any
 import pytest
 
 from index.hashing import MmItem
-from router.tokens.images import has_image_parts, parse_render, scope_image_uuids, tenant_scope, text_parts
+from router.tokens.images import (
+    RenderCache,
+    RenderedChat,
+    has_image_parts,
+    parse_render,
+    render_key,
+    scope_image_uuids,
+    tenant_scope,
+    text_parts,
+)
+from tests.helpers import FakeClock
 
 BODY: dict[str, Any] = {
     "model": "m",
@@ -81,3 +91,35 @@ def test_render_answer_parsed() -> None:
 def test_bad_render_answers_are_refused(bad: Any) -> None:
     with pytest.raises(ValueError):
         parse_render(bad)
+
+
+def test_render_key_covers_tenant_model_adapter_and_rendered_fields_only() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    key = render_key("alice", "m", None, body)
+    assert (
+        render_key("alice", "m", None, {**body, "max_tokens": 9, "temperature": 1.0, "stream": True}) == key
+    )
+    assert render_key("alice", "m", None, dict(reversed(list(body.items())))) == key  # key order: no matter
+    assert render_key("bob", "m", None, body) != key
+    assert render_key("alice", "m2", None, body) != key
+    assert render_key("alice", "m", "ad", body) != key
+    assert render_key("alice", "m", None, {**body, "add_generation_prompt": False}) != key
+    assert render_key("alice", "m", None, {**body, "messages": [{"role": "user", "content": "ho"}]}) != key
+
+
+def test_render_cache_is_bounded_least_recently_used_and_expires() -> None:
+    clock = FakeClock()
+    cache = RenderCache(2, 10.0, clock)
+    chat = RenderedChat([1, 2, 3], [MmItem("x", 1, 2)])
+    cache.put(b"a", chat)
+    cache.put(b"b", chat)
+    got = cache.get(b"a")  # a is now the most recently used
+    assert got is not None and got.token_ids == [1, 2, 3] and got.items == [MmItem("x", 1, 2)]
+    cache.put(b"c", chat)
+    assert len(cache) == 2 and cache.get(b"b") is None and cache.get(b"a") is not None
+    clock.now += 10.5
+    assert cache.get(b"a") is None and len(cache) == 1  # expired and dropped
+    assert cache.lookups == {"hit": 2, "miss": 2}
+    off = RenderCache(0, 10.0, clock)
+    off.put(b"a", chat)
+    assert len(off) == 0
