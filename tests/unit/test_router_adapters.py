@@ -106,7 +106,7 @@ def test_base_model_requests_carry_no_adapter_term() -> None:
 def test_adapter_links_and_sizes_come_from_settings() -> None:
     """The adapter model's bandwidths, load latency and unknown-adapter size are Settings (one source): the
     policies' defaults equal the Settings defaults, and the router built from Settings prices a load with them."""
-    assert Settings().adapter_links() == AdapterLinks()
+    assert Settings().routing.adapter_links() == AdapterLinks()
     settings = Settings(
         lora_storage_gbps=0.5,
         lora_load_latency_s=0.2,
@@ -116,7 +116,7 @@ def test_adapter_links_and_sizes_come_from_settings() -> None:
         lora_reuse_window_s=5.0,
     )
     router = build_services(settings).router
-    assert router.adapters.links == settings.adapter_links()
+    assert router.adapters.links == settings.routing.adapter_links()
     cost = router.adapters.cost(0, "never-seen", now=0.0)  # a replica the router knows nothing of: storage
     assert cost.tier == "storage"
     assert cost.load_s == pytest.approx(0.2 + 100e6 / 0.5e9)
