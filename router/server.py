@@ -181,4 +181,4 @@ def _explain(exc: ValidationError) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -186,6 +186,17 @@ def test_help_shows_descriptions_and_defaults() -> None:
     assert "default: 'ttft'" in text
 
 
+def test_python_m_router_server_reads_its_command_line() -> None:
+    """``python -m router.server --help`` prints the help and exits (it used to ignore its arguments and serve)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "router.server", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "usage: kvroute serve" in out.stdout, out.stderr[-2000:]
+
+
 def test_safe_dict_masks_secrets() -> None:
     s = load_settings(["--admin-token", "s3cret", "--api-key", "k1", "--engine-api-key", "e2"])
     d = s.safe_dict()
