@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -419,11 +420,31 @@ def _cached_in_eu(eu: Region, prompt: str) -> None:
     )
 
 
-def test_region_peer_summary_prefix_attracts() -> None:
+def _load_eu(eu: Region, stack: ExitStack) -> None:
+    """Keep eu's engines busy: on each (one request running at a time), three long generations sent to the engine
+    directly, so two wait with 2000 prompt tokens each (what eu's router scrapes and publishes as queue seconds:
+    0.6-0.8 s at 5000 tokens/s, an estimate from the engines' prompt-length and prefix-hit counters). Sent past
+    eu's router, which would otherwise hand them to the idle us."""
+    client = httpx.Client(timeout=60)
+    stack.callback(client.close)
+
+    def long_generation(port: int, i: int) -> None:
+        body = {"model": MODEL, "prompt": f"busy {i} " + "z" * 2000, "max_tokens": 2000}
+        with contextlib.suppress(Exception):  # cut when the engines are killed or the client closed
+            client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+
+    for _, port in eu.engines.values():
+        for i in range(3):
+            threading.Thread(target=long_generation, args=(port, i), daemon=True).start()
+
+
+def test_region_peer_summary_prefix_attracts_and_load_repels() -> None:
     """A prompt eu holds goes to eu (its published filter says so; home is slower by the margin for a prompt it
-    must prefill); a prompt eu does not hold stays home. (The published queue's effect is proven by the unit
-    tests of ``price_peer``; through two processes it is not yet: see docs/regions.md section 7.)
-    Fails without the summary: us knows only what it sent eu, so it never hops while home is up."""
+    must prefill); a prompt eu does not hold stays home; once eu publishes a queue, the same prompt stays home
+    (us polls ``/route`` only: eu's summary alone carries its queue). Fails without the summary (us knows only
+    what it sent eu, so it never hops while home is up) and when the ladder ranks a region that holds the prompt
+    ahead of home on the score alone (eu's hit saves home's 0.6 s of prefill work, the work term, so eu's queue
+    never sent it home although eu's predicted TTFT was the higher)."""
     held = "held in eu " + "h" * LONG
     fresh = "held nowhere " + "f" * LONG
     with ExitStack() as stack:
@@ -442,6 +463,11 @@ def test_region_peer_summary_prefix_attracts() -> None:
         assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.headers
         assert metric(us.url, "kvroute_routed_total", policy="region_ladder", branch="faster_region") >= 1
         assert route_to(us.url, fresh) in us.engines
+        # eu gets busy: its published queue wait makes eu's predicted TTFT the higher, so the prompt stays home
+        _load_eu(eu, stack)
+        wait_until(lambda: route_to(us.url, held) in us.engines, timeout=15, what="us prices eu's queue")
+        r = complete(us.url, held)
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] in us.engines, r.headers
         # the round trip measured from the probes reflects the injected delay (80 ms through the relays)
         rtt = metric(us.url, "kvroute_region_rtt_seconds", peer="eu")
         assert 2 * ONE_WAY_S <= rtt <= 2 * ONE_WAY_S + 0.07, rtt
