@@ -125,15 +125,22 @@ def price_peer(
     keys: Sequence[int],
     block_size: int,
     prompt_tokens: int,
+    rate_tokens_per_s: float | None = None,
 ) -> Candidate | None:
     """``candidate`` (a peer router) as its region's summary describes it for this request: its queue from the
     model's shortest queue wait, its match from the prefix filter (GPU tokens of that region, at most the prompt;
     none when the block sizes differ). None when the summary does not name the model (the caller falls back to
-    what it knows)."""
+    what it knows).
+
+    The wait is handed over as queued prefill tokens at ``rate_tokens_per_s``: the prefill rate the policy will
+    divide them by (its calibrated rate for the peer once it learned one from requests served through it), so
+    the policy reads back the published seconds; None (or not > 0): the candidate's profile rate."""
     load = summary.loads.get(model)
     if load is None:
         return None
     rate = candidate.profile.prefill_tokens_per_s
+    if rate_tokens_per_s is not None and rate_tokens_per_s > 0.0 and math.isfinite(rate_tokens_per_s):
+        rate = rate_tokens_per_s
     queued = load.queue_s_min * rate if math.isfinite(load.queue_s_min) else math.inf
     view = replace(
         candidate.load,

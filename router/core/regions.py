@@ -150,16 +150,23 @@ class PeerViews:
         return None if got is None else self.clock() - got[1]
 
     def price(
-        self, cand: Candidate, model: str, keys: Sequence[int], block_size: int, prompt_tokens: int
+        self,
+        cand: Candidate,
+        model: str,
+        keys: Sequence[int],
+        block_size: int,
+        prompt_tokens: int,
+        rate_tokens_per_s: float | None = None,
     ) -> Candidate:
-        """The peer candidate ``cand`` priced from its region's fresh summary, else unchanged (counted)."""
+        """The peer candidate ``cand`` priced from its region's fresh summary, else unchanged (counted).
+        ``rate_tokens_per_s``: the prefill rate the policy prices ``cand`` at (``price_peer``)."""
         got = self.summaries.get(cand.region)
         reason = "missing"
         if got is not None:
             summary, at = got
             reason = "stale"
             if self.clock() - at <= self.stale_after_s:
-                priced = price_peer(cand, summary, model, keys, block_size, prompt_tokens)
+                priced = price_peer(cand, summary, model, keys, block_size, prompt_tokens, rate_tokens_per_s)
                 if priced is not None:
                     return priced
                 reason = "model"
