@@ -51,6 +51,7 @@ from policies.base import Reuse
 from router import signals
 from router.config import Settings
 from router.core.routing import decision_json
+from router.engine.peer_feed import PREFIX_ETAG_HEADER
 from router.errors import (
     KvrouteError,
     as_error,
@@ -774,7 +775,12 @@ def _add_region_routes(app: FastAPI, svc: Services, auth: _Auth) -> None:
     )
     async def region_summary_route(request: Request) -> Any:
         auth.check_client(request)
-        return region_summary(svc)
+        pub = await region_summary(svc)
+        status, body = pub.answer(
+            request.headers.get("if-none-match"), request.headers.get(PREFIX_ETAG_HEADER)
+        )
+        media = None if status == 304 else "application/json"
+        return Response(body, status_code=status, media_type=media, headers={"etag": f'"{pub.etag}"'})
 
 
 def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:

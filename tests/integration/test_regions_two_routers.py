@@ -495,3 +495,32 @@ def test_region_stale_summary_falls_back_to_what_the_router_knows() -> None:
         for _ in range(3):
             assert route_to(us.url, held) in us.engines
         assert stale_count() == before + 3
+
+
+def test_region_unchanged_summary_costs_no_body() -> None:
+    """A summary is fetched conditionally: its ETag back as If-None-Match gives 304 and no body while nothing
+    changed; naming the filter held (x-kvroute-prefix-etag) gives the body without the filter. Between the two
+    routers, while eu is idle, us's fetches are 304s: the body bytes it counts grow by less than one full body over
+    five fetches (every fetch was a full body before)."""
+    with two_regions(us_extra=SUMMARY_ARGS, eu_extra=SUMMARY_ARGS, events=True) as (us, eu):
+        _cached_in_eu(eu, "held in eu " + "e" * LONG)
+        full = httpx.get(eu.url + "/region/summary", timeout=5)
+        assert full.status_code == 200 and full.json()["prefix"], full.text
+        tag, prefix_tag = full.headers["etag"], full.json()["prefix_etag"]
+        again = httpx.get(eu.url + "/region/summary", headers={"if-none-match": tag}, timeout=5)
+        assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == tag
+        lean = httpx.get(eu.url + "/region/summary", headers={"x-kvroute-prefix-etag": prefix_tag}, timeout=5)
+        assert lean.status_code == 200 and lean.json()["prefix"] is None and lean.json()["prefix_unchanged"]
+        assert len(lean.content) < len(full.content) / 2
+
+        def fetched(outcome: str) -> float:
+            return metric(us.url, "kvroute_region_summary_fetches_total", peer="eu", outcome=outcome)
+
+        def body_bytes() -> float:
+            return metric(us.url, "kvroute_region_summary_bytes_total", peer="eu")
+
+        wait_until(lambda: fetched("unchanged") >= 1, timeout=10, what="us's first 304 from eu")
+        n0, b0 = fetched("unchanged"), body_bytes()
+        wait_until(lambda: fetched("unchanged") >= n0 + 5, timeout=10, what="five more 304s")
+        assert body_bytes() - b0 < len(full.content), (body_bytes() - b0, len(full.content))
+        assert fetched("full") >= 1
