@@ -465,6 +465,14 @@ class Settings(BaseSettings):
         "region is forwarded to its router (same OpenAI API, with the hop header), which routes it among its own "
         "engines and never forwards it again",
     )
+    peer_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="keys the routers of other regions present in x-kvroute-peer-key: when set, GET /region/summary "
+        "needs one (a client key or the admin token is 401), and a request carrying one is served only as a hop "
+        "(with x-kvroute-hop, in this region; without it 403: a peer key never routes a client's request); the "
+        "first is the key this router sends to its region_peers (summary fetches, probes, hops); distinct from "
+        "api_keys and admin_token; env: comma-separated",
+    )
     region_peer_health_path: str = Field(
         default="/region/ready",
         description="path probed on a peer region's router: 2xx while it has a routable engine of its own",
@@ -1271,7 +1279,7 @@ class Settings(BaseSettings):
             return [ReplicaSpec.parse(x) if isinstance(x, str) else x for x in v]
         return v
 
-    @field_validator("api_keys", "cors_origins", mode="before")
+    @field_validator("api_keys", "cors_origins", "peer_api_keys", mode="before")
     @classmethod
     def _parse_lists(cls, v: Any) -> Any:
         return _split_list(v)
@@ -1386,6 +1394,7 @@ class Settings(BaseSettings):
             stream_usage=self.engine_stream_usage,
             region=self.region,
             session_header=self.session_header,
+            peer_key=self.peer_api_keys[0].get_secret_value() if self.peer_api_keys else None,
         )
 
     def dispatch(self) -> DispatchSettings:
@@ -1400,6 +1409,14 @@ class Settings(BaseSettings):
         """Headers sent to engines (probes, scrapes, /tokenize): the engine API key as a bearer token, if any."""
         key = self.engine_api_key
         return {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+
+    def peer_headers(self) -> dict[str, str]:
+        """Headers sent to peer regions' routers (probes, summary fetches): the engine headers and the first peer
+        key (``x-kvroute-peer-key``), if any."""
+        out = self.engine_headers()
+        if self.peer_api_keys:
+            out["x-kvroute-peer-key"] = self.peer_api_keys[0].get_secret_value()
+        return out
 
     # -- helpers ---------------------------------------------------------------------------------------
     def safe_dict(self) -> dict[str, Any]:

@@ -500,7 +500,7 @@ def _build_peer_feed(
         settings.region_peers,
         settings.region_peer_health_path,
         settings.probe_interval_s,
-        settings.engine_headers(),
+        settings.peer_headers(),
         settings.probe_timeout_s,
         measured,
         lambda peer, what: telemetry.region_feed_errors.labels(peer, what).inc(),

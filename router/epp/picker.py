@@ -539,7 +539,8 @@ class _Stream:
         extra = {"x-request-id": inp.request_id}
         if rep.is_peer:  # another region's router: the hop (never forwarded again), residency and session
             st = self.settings
-            extra.update(hop_headers(st.region, inp.allowed_regions, st.session_header, inp.session_id))
+            key = st.peer_api_keys[0].get_secret_value() if st.peer_api_keys else None
+            extra.update(hop_headers(st.region, inp.allowed_regions, st.session_header, inp.session_id, key))
         trace = self.trace
         if trace is not None:  # the attempt's span, ended with the hold; the engine's traceparent names it
             self.hold.span = trace.child(

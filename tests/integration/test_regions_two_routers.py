@@ -524,3 +524,37 @@ def test_region_unchanged_summary_costs_no_body() -> None:
         wait_until(lambda: fetched("unchanged") >= n0 + 5, timeout=10, what="five more 304s")
         assert body_bytes() - b0 < len(full.content), (body_bytes() - b0, len(full.content))
         assert fetched("full") >= 1
+
+
+def test_region_peer_key_reads_the_summary_and_forwards_hops_only() -> None:
+    """With peer keys (x-kvroute-peer-key) and client API keys on both routers: a client key does not read a
+    region's summary (401), the peer key does, and us's feed reads eu's summary with it; the peer key does not
+    route a client's request (403 on /v1/completions and /route without the hop header); us's engines killed, a
+    client's request is forwarded to eu with the peer key (eu requires a key, the hop carries it) and served."""
+    keys = ("--api-key", "client-key", "--peer-api-keys", "peer-key")
+    client = {"authorization": "Bearer client-key"}
+    peer = {"x-kvroute-peer-key": "peer-key"}
+    with two_regions(us_extra=keys, eu_extra=keys) as (us, eu):
+        summary = eu.url + "/region/summary"
+        assert httpx.get(summary, headers=client, timeout=5).status_code == 401
+        assert httpx.get(summary, timeout=5).status_code == 401
+        assert httpx.get(summary, headers=peer, timeout=5).status_code == 200
+        wait_until(
+            lambda: (
+                metric(us.url, "kvroute_region_summary_fetches_total", client, peer="eu", outcome="full") >= 1
+            ),
+            timeout=10,
+            what="us reads eu's summary with the peer key",
+        )
+        assert metric(us.url, "kvroute_region_feed_errors_total", client, peer="eu", what="summary") == 0
+        r = complete(eu.url, "a peer key is not a client key", headers=peer)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
+        r = httpx.post(eu.url + "/route", json={"model": MODEL, "prompt": "x"}, headers=peer, timeout=5)
+        assert r.status_code == 403, r.text
+        wrong = complete(eu.url, "hop", headers={"x-kvroute-peer-key": "guess", "x-kvroute-hop": "us"})
+        assert wrong.status_code == 401, wrong.text
+        assert complete(us.url, "served at home", headers=client).headers["x-kvroute-replica"] in us.engines
+        us.kill_engines()
+        r = complete(us.url, "handed to eu with the peer key", headers=client)
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+        assert sum(eu.routed(n) for n in eu.engines) >= 1

@@ -17,6 +17,8 @@ from router.config import Settings
 from router.core.regions import (
     ALLOWED_REGIONS_HEADER,
     HOP_HEADER,
+    PEER_KEY_HEADER,
+    PeerKeys,
     PeerViews,
     allowed_regions,
     client_region_trusted,
@@ -162,3 +164,14 @@ def test_region_peer_queue_reads_back_at_the_calibrated_rate() -> None:
     inp = RoutingInput(model="m", lora=None, token_ids=list(range(64)), keys=[], seed=0)
     scores = {s.index: s for s in router.decide(inp).decision.scores}
     assert scores[peer.index].parts["Q"] == pytest.approx(1.0, rel=0.01)
+
+
+def test_region_peer_keys_are_distinct_from_client_keys_and_checked() -> None:
+    keys = PeerKeys(["peer-a", "peer-b"], ["client"], "admin")
+    assert keys.configured and keys.status("peer-b") == 0
+    assert keys.status("client") == 401 and keys.status(None) == 401
+    assert PeerKeys([], ["client"], None).status("anything") == -1  # no peer keys: the client keys apply
+    for clash in (["client"], ["admin"]):
+        with pytest.raises(ValueError, match="peer_api_keys"):
+            PeerKeys(clash, ["client"], "admin")
+    assert hop_headers("us", None, "x-session-id", None, "peer-a")[PEER_KEY_HEADER] == "peer-a"
