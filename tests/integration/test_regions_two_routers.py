@@ -558,3 +558,83 @@ def test_region_peer_key_reads_the_summary_and_forwards_hops_only() -> None:
         r = complete(us.url, "handed to eu with the peer key", headers=client)
         assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
         assert sum(eu.routed(n) for n in eu.engines) >= 1
+
+
+def _restart_engines(region: Region) -> None:
+    """Start the region's (killed) engines again on their ports and wait until its router has them ready."""
+    for name, (_, port) in list(region.engines.items()):
+        proc = Proc.kvroute(
+            "fake-engine",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-events-port",
+            str(free_port()),
+            "--kv-replay-port",
+            str(free_port()),
+            "--model",
+            MODEL,
+            "--dialect",
+            "vllm",
+            "--time-scale",
+            "0.02",
+        )
+        region.engines[name] = (proc, port)
+    wait_until(
+        lambda: all(region.states()[n] == "ready" for n in region.engines), timeout=30, what="engines back"
+    )
+
+
+def respond(url: str, body: dict[str, Any]) -> httpx.Response:
+    """One non-streamed ``POST /v1/responses`` through the router at ``url``."""
+    return httpx.post(url + "/v1/responses", json={"model": MODEL, **body}, timeout=30)
+
+
+def test_region_responses_chain_follows_its_region_across_the_hop() -> None:
+    """A stored response served in eu (us's engines down: the request hopped) keeps its chain there after us comes
+    back: a follow-up (previous_response_id) sent to us is forwarded to eu and served by the engine holding the
+    chain (eu's own map); GET of the stored response through us reaches it too; a follow-up whose residency
+    excludes eu is refused (503), never moved home."""
+    store = ("--enable-responses-store",)
+    with two_regions(eu_engine_args=store) as (us, eu):
+        # residency holds for /v1/responses too (it was applied to completions and chat only): eu-only goes to eu
+        eu_only = {"x-kvroute-allowed-regions": "eu"}
+        body = {"model": MODEL, "input": "eu only", "max_output_tokens": 4, "store": False}
+        r = httpx.post(us.url + "/v1/responses", json=body, headers=eu_only, timeout=30)
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+        us.kill_engines()
+        _wait_local_down(us)
+        before = {n: eu.routed(n) for n in eu.engines}
+        first = respond(us.url, {"input": "a chain started in eu", "max_output_tokens": 4})
+        assert first.status_code == 200 and first.headers["x-kvroute-replica"] == "region-eu", first.text
+        rid = first.json()["id"]
+        started = {n: eu.routed(n) for n in eu.engines}
+        owner = [n for n in eu.engines if started[n] > before[n]]
+        assert len(owner) == 1, (before, started)
+        _restart_engines(us)  # us comes back: new requests stay home, the chain does not
+        try:
+            assert complete(us.url, "a new request").headers["x-kvroute-replica"] in us.engines
+            prev = rid
+            for turn in range(2):
+                r = respond(
+                    us.url, {"input": f"turn {turn}", "previous_response_id": prev, "max_output_tokens": 4}
+                )
+                assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+                prev = r.json()["id"]
+            # the follow-ups were served by the engine holding the chain (eu's own map after the hop)
+            assert [n for n in eu.engines if eu.routed(n) > started[n]] == owner
+            got = httpx.get(f"{us.url}/v1/responses/{rid}", timeout=10)
+            assert got.status_code == 200 and got.json()["id"] == rid, got.text
+            home_only = {"x-kvroute-allowed-regions": "us"}
+            body = {
+                "model": MODEL,
+                "input": "stay home",
+                "previous_response_id": prev,
+                "max_output_tokens": 4,
+            }
+            r = httpx.post(us.url + "/v1/responses", json=body, headers=home_only, timeout=30)
+            assert r.status_code == 503, r.text
+        finally:
+            for proc, _ in us.engines.values():
+                proc.stop()
