@@ -413,10 +413,11 @@ def _cached_in_eu(eu: Region, prompt: str) -> None:
     """Serve ``prompt`` in eu (its own client), so eu's engines hold it and eu's index has it confirmed."""
     r = complete(eu.url, prompt)
     assert r.status_code == 200 and r.headers["x-kvroute-replica"] in eu.engines, r.text
+    # an empty filter is 36 bytes (header and one word); the prompt's ~190 blocks make ~260
     wait_until(
-        lambda: httpx.get(eu.url + "/region/summary", timeout=5).json()["prefix_bytes"] > 0,
+        lambda: httpx.get(eu.url + "/region/summary", timeout=5).json()["prefix_bytes"] > 128,
         timeout=10,
-        what="eu publishes a prefix filter",
+        what="eu publishes a prefix filter holding the prompt",
     )
 
 
