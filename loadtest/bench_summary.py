@@ -10,6 +10,8 @@ system prompts, multi-turn conversations over 64 replicas, ``--target-nodes`` di
 * accuracy of ``matched_blocks`` on the benchmark's 1k / 8k / 32k-token queries (a cached prefix of known length
   plus a random tail) against the exact index (``deepest_match``): ``exact`` share, ``over`` share (a false
   positive moved the answer deeper), mean absolute error in blocks;
+* ``served_bytes`` / ``lean_bytes``: the body as served (``publish_summary``) and without an unchanged filter (a
+  reader holding it); ``publish_ms``: the encoding of both;
 * ``build_ms`` (filter from the held keys; ``held_keys_ms`` is the index pass, once) and ``query_us_p50``.
 
 Usage::
@@ -36,7 +38,7 @@ from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
 from index.summary import PrefixSummary, SummaryParams
 from loadtest.bench_index import BLOCK, build_events, build_workload, draw_queries, query_tokens
-from policies.peer_summary import summary_json
+from policies.peer_summary import publish_summary, summary_json
 from policies.regions import RegionLoad
 
 
@@ -77,6 +79,9 @@ def measure(
         errors.append(abs(got - truth))
         over += got > truth
     n = len(prompts)
+    t2 = time.perf_counter()
+    published = publish_summary("r", {"m": RegionLoad(4, 0.5, 1.0, 0.3)}, BLOCK, summary)
+    publish_ms = (time.perf_counter() - t2) * 1000.0
     return {
         "bits_per_key": params.bits_per_key,
         "sample_every": params.sample_every,
@@ -84,6 +89,10 @@ def measure(
         "size_bytes": summary.size_bytes,
         # what GET /region/summary sends (one model's load + the filter in base64), bytes
         "body_bytes": len(json.dumps(summary_json("r", {"m": RegionLoad(4, 0.5, 1.0, 0.3)}, BLOCK, summary))),
+        # as served (compact JSON with the filter's tag), and without an unchanged filter; a 304 has no body
+        "served_bytes": len(published.full),
+        "lean_bytes": len(published.lean),
+        "publish_ms": round(publish_ms, 1),
         "bytes_per_node": round(summary.size_bytes / max(1, len(idx)), 3),
         "fpr": fpr,
         "fpr_expected": round(f.expected_fpr(), 5),

@@ -21,6 +21,8 @@ Units: seconds, tokens, blocks.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -30,7 +32,15 @@ from index.summary import PrefixSummary
 from policies.base import Candidate, PrefixHit
 from policies.regions import LatencyMatrix, RegionLoad
 
-__all__ = ["PeerSummary", "RttEstimator", "price_peer", "summary_json", "with_round_trip"]
+__all__ = [
+    "PeerSummary",
+    "PublishedSummary",
+    "RttEstimator",
+    "price_peer",
+    "publish_summary",
+    "summary_json",
+    "with_round_trip",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +58,9 @@ class PeerSummary:
     loads: Mapping[str, RegionLoad]
     block_size: int
     prefix: PrefixSummary | None = None
+    #: the publisher's tag of ``prefix`` (``PublishedSummary.prefix_etag``): sent back so an unchanged filter is
+    #: not sent again; "" when not published
+    prefix_etag: str = ""
 
     @property
     def size_bytes(self) -> int:
@@ -55,12 +68,20 @@ class PeerSummary:
         return self.prefix.size_bytes if self.prefix is not None else 0
 
     @classmethod
-    def from_json(cls, data: Any) -> PeerSummary:
-        """Read ``summary_json``'s form.
+    def from_json(cls, data: Any, previous: PeerSummary | None = None) -> PeerSummary:
+        """Read ``summary_json``'s form. A body saying ``prefix_unchanged`` keeps ``previous``'s filter (the
+        one the reader named in its request: ``PublishedSummary.answer``).
 
         Raises:
-            ValueError: a body that is not a summary (missing or mistyped fields, a bad filter).
+            ValueError: a body that is not a summary (missing or mistyped fields, a bad filter), or an unchanged
+                filter that is not the one ``previous`` holds.
         """
+        if isinstance(data, dict) and data.get("prefix_unchanged"):
+            tag = data.get("prefix_etag")
+            if previous is None or not tag or tag != previous.prefix_etag:
+                raise ValueError("not a region summary: an unchanged filter this reader does not hold")
+            lean = cls.from_json({**data, "prefix": None, "prefix_unchanged": False})
+            return replace(lean, prefix=previous.prefix, prefix_etag=previous.prefix_etag)
         try:
             loads = {
                 str(model): RegionLoad(
@@ -75,11 +96,12 @@ class PeerSummary:
             prefix = PrefixSummary.from_bytes(base64.b64decode(blob, validate=True)) if blob else None
             block_size = int(data["block_size"])
             region = str(data["region"])
+            tag = str(data.get("prefix_etag") or "") if prefix is not None else ""
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not a region summary: {exc}") from None
         if block_size < 1:
             raise ValueError("not a region summary: block_size must be >= 1")
-        return cls(region, loads, block_size, prefix)
+        return cls(region, loads, block_size, prefix, tag)
 
 
 def _seconds(value: Any) -> float:
@@ -118,6 +140,52 @@ def summary_json(
     }
 
 
+def _tag(data: bytes) -> str:
+    """A content tag: 16 bytes of BLAKE2b, hex."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedSummary:
+    """One build of ``GET /region/summary``, encoded once for every reader.
+
+    Attributes:
+        full: the JSON body with the filter (``summary_json`` plus ``prefix_etag``), bytes.
+        lean: the same without the filter (``prefix`` null, ``prefix_unchanged`` true), for a reader that holds
+            it already, bytes.
+        etag: the tag of ``full`` (an unchanged body has the same tag: 304 to a reader that holds it).
+        prefix_etag: the tag of the filter's wire form ("" without a filter).
+    """
+
+    full: bytes
+    lean: bytes
+    etag: str
+    prefix_etag: str
+
+    def answer(self, if_none_match: str | None, held_prefix_etag: str | None) -> tuple[int, bytes]:
+        """(HTTP status, body) for a reader that sent ``If-None-Match`` ``if_none_match`` and holds the filter
+        tagged ``held_prefix_etag``: 304 and nothing when it holds this body, the lean body when it holds this
+        filter, else the full body."""
+        if if_none_match is not None:
+            held = {t.strip().removeprefix("W/").strip('"') for t in if_none_match.split(",")}
+            if self.etag in held or "*" in held:
+                return 304, b""
+        if self.prefix_etag and held_prefix_etag == self.prefix_etag:
+            return 200, self.lean
+        return 200, self.full
+
+
+def publish_summary(
+    region: str, loads: Mapping[str, RegionLoad], block_size: int, prefix: PrefixSummary | None
+) -> PublishedSummary:
+    """Encode a build of the summary (pure CPU: the caller may run it off its event loop)."""
+    body = summary_json(region, loads, block_size, prefix)
+    body["prefix_etag"] = _tag(prefix.to_bytes()) if prefix is not None else ""
+    full = json.dumps(body, separators=(",", ":")).encode()
+    lean = json.dumps({**body, "prefix": None, "prefix_unchanged": True}, separators=(",", ":")).encode()
+    return PublishedSummary(full, lean, _tag(full), body["prefix_etag"])
+
+
 def price_peer(
     candidate: Candidate,
     summary: PeerSummary,
@@ -125,15 +193,22 @@ def price_peer(
     keys: Sequence[int],
     block_size: int,
     prompt_tokens: int,
+    rate_tokens_per_s: float | None = None,
 ) -> Candidate | None:
     """``candidate`` (a peer router) as its region's summary describes it for this request: its queue from the
     model's shortest queue wait, its match from the prefix filter (GPU tokens of that region, at most the prompt;
     none when the block sizes differ). None when the summary does not name the model (the caller falls back to
-    what it knows)."""
+    what it knows).
+
+    The wait is handed over as queued prefill tokens at ``rate_tokens_per_s``: the prefill rate the policy will
+    divide them by (its calibrated rate for the peer once it learned one from requests served through it), so
+    the policy reads back the published seconds; None (or not > 0): the candidate's profile rate."""
     load = summary.loads.get(model)
     if load is None:
         return None
     rate = candidate.profile.prefill_tokens_per_s
+    if rate_tokens_per_s is not None and rate_tokens_per_s > 0.0 and math.isfinite(rate_tokens_per_s):
+        rate = rate_tokens_per_s
     queued = load.queue_s_min * rate if math.isfinite(load.queue_s_min) else math.inf
     view = replace(
         candidate.load,

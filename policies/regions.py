@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from policies.admission_slo import best_predicted_ttft_s, predicted_ttft_s
 from policies.base import Candidate, Decision, Observation, Policy, RouteRequest
 from policies.ttft import TTFTPolicy
 
@@ -264,6 +265,12 @@ def ladder_ranking(
     outside the ``home`` region (None: no home region up, no margin), each region at most ``attempts_per_region``
     consecutive places before the next region's best.
 
+    While home is up, a replica elsewhere goes ahead of home's replicas only when it is also *faster*: its
+    predicted TTFT (``E``, round trip included) plus ``margin_s`` below the best home replica's. The score alone
+    would let the work term (the prefill seconds a candidate's cached prefix saves its engines) carry another
+    region whose predicted TTFT is the higher one (a busy region holding the prompt). A replica elsewhere that is
+    not faster follows the home replicas (it stays on the ladder for retries).
+
     Candidates the inner decision ranked but did not score (a pruned decision) follow the scored ones in the inner
     ranking's order; candidates it left out of its ranking (excluded) are left out here too.
     """
@@ -271,22 +278,34 @@ def ladder_ranking(
     score = {s.index: s.score for s in decision.scores}
     ranked = decision.ranking
     place = {idx: k for k, idx in enumerate(ranked)}
+    best_home = _best_home_ttft(decision, region, home)
+    ttft = {s.index: predicted_ttft_s(s) for s in decision.scores}
 
-    def key(idx: int) -> tuple[float, int]:
+    def key(idx: int) -> tuple[int, float, int]:
         s = score.get(idx)
         if s is None or not math.isfinite(s):
-            return math.inf, place[idx]
-        return (s + (margin_s if home is not None and region[idx] != home else 0.0), place[idx])
+            return 2, math.inf, place[idx]
+        if home is None or region[idx] == home:
+            return 0, s, place[idx]
+        faster = best_home is None or ttft.get(idx, math.inf) + margin_s < best_home
+        return (0 if faster else 1), s + margin_s, place[idx]
 
     order = sorted(ranked, key=key)
     seen: dict[str, int] = {}
-    rounds: list[tuple[int, tuple[float, int], int]] = []
+    rounds: list[tuple[int, tuple[int, float, int], int]] = []
     for idx in order:
         k = seen.get(region[idx], 0)
         seen[region[idx]] = k + 1
         rounds.append((k // attempts_per_region, key(idx), idx))
     rounds.sort()
     return [idx for _, _, idx in rounds]
+
+
+def _best_home_ttft(decision: Decision, region: Mapping[int, str], home: str | None) -> float | None:
+    """The lowest finite predicted TTFT among the home region's scored replicas, seconds (None: none)."""
+    if home is None:
+        return None
+    return best_predicted_ttft_s(decision.scores, [i for i in decision.ranking if region.get(i) == home])
 
 
 @dataclass(slots=True)

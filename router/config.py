@@ -1488,6 +1488,14 @@ class _RegionFields(BaseModel):
         "region is forwarded to its router (same OpenAI API, with the hop header), which routes it among its own "
         "engines and never forwards it again",
     )
+    peer_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="keys the routers of other regions present in x-kvroute-peer-key: when set, GET /region/summary "
+        "needs one (a client key or the admin token is 401), and a request carrying one is served only as a hop "
+        "(with x-kvroute-hop, in this region; without it 403: a peer key never routes a client's request); the "
+        "first is the key this router sends to its region_peers (summary fetches, probes, hops); distinct from "
+        "api_keys and admin_token; env: comma-separated",
+    )
     region_peer_health_path: str = Field(
         default="/region/ready",
         description="path probed on a peer region's router: 2xx while it has a routable engine of its own",
@@ -1549,6 +1557,11 @@ class _RegionFields(BaseModel):
         ge=1,
         description="probes of a peer region's router before its measured round trip replaces region_rtt_ms's",
     )
+
+    @field_validator("peer_api_keys", mode="before")
+    @classmethod
+    def _parse_peer_keys(cls, v: Any) -> Any:
+        return _split_list(v)
 
 
 class RegionSettings(_RegionFields):
@@ -1779,7 +1792,16 @@ class Settings(
             stream_usage=self.engine_stream_usage,
             region=self.region,
             session_header=self.session_header,
+            peer_key=self.peer_api_keys[0].get_secret_value() if self.peer_api_keys else None,
         )
+
+    def peer_headers(self) -> dict[str, str]:
+        """Headers sent to peer regions' routers (probes, summary fetches): the engine headers and the first peer
+        key (``x-kvroute-peer-key``), if any."""
+        out = self.engine_edge.engine_headers()
+        if self.peer_api_keys:
+            out["x-kvroute-peer-key"] = self.peer_api_keys[0].get_secret_value()
+        return out
 
     # -- helpers ---------------------------------------------------------------------------------------
     def safe_dict(self) -> dict[str, Any]:

@@ -31,12 +31,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client.core import Metric
 
 from index.prefix_index import PrefixIndex
 from index.summary import PrefixSummary, SummaryParams
+from index.types import BlockKey
 from membership import engine_tls
 from membership.config import MembershipConfig
 from membership.engine_metrics import EngineSnapshot, MetricsScraper
@@ -50,8 +50,8 @@ from policies.base import Candidate, Policy, ReplicaProfile, make_policy
 from policies.candidates import build_candidates
 from policies.pd_base import HandoffLink, make_pd_policy
 from policies.pd_link import LinkEstimator
-from policies.peer_summary import summary_json, with_round_trip
-from policies.regions import LadderParams, RegionLadderPolicy, region_load
+from policies.peer_summary import PublishedSummary, publish_summary, with_round_trip
+from policies.regions import LadderParams, RegionLadderPolicy, RegionLoad, region_load
 from router import signals
 from router.config import (
     ClientEdgeSettings,
@@ -78,7 +78,7 @@ from router.engine.attempt import EngineEdge
 from router.engine.config import ProxyConfig
 from router.engine.feedback import Feedback
 from router.engine.gaps import EndpointGaps
-from router.engine.peer_feed import PeerFeed
+from router.engine.peer_feed import PeerFeed, SummaryPublisher
 from router.engine.proxy import Proxy
 from router.engine.scrape import PooledScrapeClient
 from router.epp.picker import EppConfig, EppServer
@@ -150,8 +150,8 @@ class Services:
     pipeline: Pipeline
     #: the endpoint picker (gRPC ext_proc front door, ``kvroute epp``); None: not served
     epp: EppServer | None = None
-    #: the summary last published on ``GET /region/summary``: (monotonic time built, body)
-    summary_cache: tuple[float, dict[str, Any]] | None = None
+    #: what ``GET /region/summary`` serves (built on first use: ``region_summary``)
+    summary: SummaryPublisher | None = None
     #: started in this order by ``run`` and stopped in reverse
     background: list[StartStop] = field(default_factory=list)
 
@@ -585,31 +585,44 @@ def _build_peer_feed(
         members.probe_timeout_s,
         measured,
         lambda peer, what: telemetry.region_feed_errors.labels(peer, what).inc(),
+        lambda peer, outcome, size: _count_fetch(telemetry, peer, outcome, size),
     )
 
 
-def region_summary(svc: Services) -> dict[str, Any]:
-    """What this router publishes on ``GET /region/summary`` (``policies.peer_summary.summary_json``): per model
-    its own routable engines' load (peers left out) and the prefix filter of the blocks they hold (GPU tier),
-    rebuilt at most every ``region_summary_refresh_s``."""
-    s, block_size = svc.settings.regions, svc.settings.routing.block_size
-    now = time.monotonic()
-    cached = svc.summary_cache
-    if cached is not None and now - cached[0] < s.region_summary_refresh_s:
-        return cached[1]
+def _count_fetch(telemetry: Telemetry, peer: str, outcome: str, size: int) -> None:
+    """One summary fetch from ``peer``: its outcome and body bytes."""
+    telemetry.region_summary_fetches.labels(peer, outcome).inc()
+    telemetry.region_summary_bytes.labels(peer).inc(size)
+
+
+async def region_summary(svc: Services) -> PublishedSummary:
+    """What this router publishes on ``GET /region/summary`` (``policies.peer_summary.publish_summary``): per
+    model its own routable engines' load (peers left out) and the prefix filter of the blocks they hold (GPU tier),
+    rebuilt at most every ``region_summary_refresh_s``; the filter and the encoding off the event loop."""
+    if svc.summary is None:
+        s, block_size = svc.settings.regions, svc.settings.routing.block_size
+        params = SummaryParams(s.region_summary_bits_per_key, s.region_summary_sample_every)
+
+        def build(loads: dict[str, RegionLoad], keys: list[BlockKey]) -> PublishedSummary:
+            return publish_summary(s.region, loads, block_size, PrefixSummary.from_keys(keys, params))
+
+        svc.summary = SummaryPublisher(
+            lambda: _summary_snapshot(svc, params), build, s.region_summary_refresh_s, time.monotonic
+        )
+    return await svc.summary.current()
+
+
+def _summary_snapshot(svc: Services, params: SummaryParams) -> tuple[dict[str, RegionLoad], list[BlockKey]]:
+    """The loads of this region's own routable engines per model and the block keys they hold (on the loop)."""
     own = [r for r in svc.table.all() if r.routable and not r.is_peer]
-    cands = build_candidates([svc.router.facts(r) for r in own], {}, 0, block_size)
+    cands = build_candidates([svc.router.facts(r) for r in own], {}, 0, svc.settings.routing.block_size)
     by_model: dict[str, list[Candidate]] = {}
     for rep, cand in zip(own, cands, strict=True):
         for model in rep.models:
             by_model.setdefault(model, []).append(cand)
     mean_tokens = _mean_prefill_tokens(svc.policy)
     loads = {m: region_load(cs, mean_tokens) for m, cs in by_model.items()}
-    params = SummaryParams(s.region_summary_bits_per_key, s.region_summary_sample_every)
-    keys = svc.index.held_keys(params.tiers, {r.index for r in own})
-    body = summary_json(s.region, loads, block_size, PrefixSummary.from_keys(keys, params))
-    svc.summary_cache = (now, body)
-    return body
+    return loads, svc.index.held_keys(params.tiers, {r.index for r in own})
 
 
 def _mean_prefill_tokens(policy: Policy) -> float:
@@ -648,9 +661,7 @@ def _background(svc: Services) -> list[StartStop]:
 
     out.append((start_lag, stop_lag))  # the event-loop lag probe the guard sheds on
     s = svc.settings
-    feed = _build_peer_feed(
-        s.regions, s.membership, s.engine_edge.engine_headers(), svc.telemetry, svc.router, svc.policy
-    )
+    feed = _build_peer_feed(s.regions, s.membership, s.peer_headers(), svc.telemetry, svc.router, svc.policy)
     if feed is not None:
         out.append((feed.start, feed.stop))  # peer regions' summaries and round trips
     return out
@@ -750,6 +761,9 @@ def _epp_config(settings: Settings) -> EppConfig:
         engine_max_body_bytes=engine.engine_max_body_bytes,
         shutdown_grace_s=settings.server.shutdown_grace_s,
         probe_interval_s=settings.membership.probe_interval_s,
+        peer_key=settings.regions.peer_api_keys[0].get_secret_value()
+        if settings.regions.peer_api_keys
+        else None,
     )
 
 

@@ -174,6 +174,19 @@ class Telemetry:
             ["peer", "what"],
             registry=r,
         )
+        self.region_summary_fetches = Counter(
+            "kvroute_region_summary_fetches",
+            "summary fetches from a peer region's router, by peer region and outcome (full; lean: its filter "
+            "unchanged, left out; unchanged: 304, no body)",
+            ["peer", "outcome"],
+            registry=r,
+        )
+        self.region_summary_bytes = Counter(
+            "kvroute_region_summary_bytes",
+            "body bytes of the summaries fetched from a peer region's router, by peer region",
+            ["peer"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvroute_ttft_seconds",
             "router-measured time to first response byte (s)",

@@ -20,6 +20,7 @@ Units: seconds (milliseconds only in the ``Settings`` matrix).
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,9 @@ HOP_HEADER = "x-kvroute-hop"
 ALLOWED_REGIONS_HEADER = "x-kvroute-allowed-regions"
 #: the header an edge sets to the client's region (trusted from edge keys only: ``client_region_trusted``)
 CLIENT_REGION_HEADER = "x-kvroute-client-region"
+#: the header a peer region's router authenticates with (``Settings.peer_api_keys``; not ``Authorization``, which
+#: carries the engine key on the connections a router forwards on)
+PEER_KEY_HEADER = "x-kvroute-peer-key"
 
 
 def peer_name(region: str) -> str:
@@ -73,16 +77,58 @@ def allowed_regions(tenant_allowed: Iterable[str] | None, header: str | None) ->
 
 
 def hop_headers(
-    origin_region: str, allowed: frozenset[str] | None, session_header: str, session_id: str | None
+    origin_region: str,
+    allowed: frozenset[str] | None,
+    session_header: str,
+    session_id: str | None,
+    peer_key: str | None = None,
 ) -> dict[str, str]:
     """Headers of a request forwarded to a peer region's router: the hop (never forwarded again), the regions it
-    may use (so the peer enforces the same residency) and its session (so the peer pins it there too)."""
+    may use (so the peer enforces the same residency), its session (so the peer pins it there too) and the peer
+    key, if any."""
     out = {HOP_HEADER: origin_region or "?"}
     if allowed is not None:
         out[ALLOWED_REGIONS_HEADER] = ",".join(sorted(allowed))
     if session_id:
         out[session_header.lower()] = session_id
+    if peer_key:
+        out[PEER_KEY_HEADER] = peer_key
     return out
+
+
+class PeerKeys:
+    """The keys peer regions' routers authenticate with (``Settings.peer_api_keys``), compared in constant time.
+
+    Raises:
+        ValueError: a peer key that is also a client key or the admin token (a peer key must never route a
+            client's request, nor a client key read a region's summary).
+    """
+
+    def __init__(self, keys: Iterable[str], client_keys: Iterable[str], admin_token: str | None) -> None:
+        self.keys = [k.encode("utf-8") for k in keys]
+        others = {k.encode("utf-8") for k in client_keys} | (
+            {admin_token.encode("utf-8")} if admin_token else set()
+        )
+        if any(k in others for k in self.keys):
+            raise ValueError(
+                "peer_api_keys: a peer key must differ from every api_keys entry and the admin_token"
+            )
+
+    @property
+    def configured(self) -> bool:
+        """True when peers must present a key."""
+        return bool(self.keys)
+
+    def status(self, presented: str | None) -> int:
+        """0 when ``presented`` (the peer-key header) is a peer key, 401 when peers must present one and it is
+        missing or wrong, -1 when no peer keys are configured (the caller applies the client keys)."""
+        if not self.keys:
+            return -1
+        token = presented.encode("utf-8") if presented is not None else None
+        found = False
+        for key in self.keys:  # every key compared: the time does not say which one matched
+            found |= token is not None and hmac.compare_digest(token, key)
+        return 0 if found else 401
 
 
 def client_region_trusted(authorization: str | None, edge_keys: frozenset[str], keys_required: bool) -> bool:
@@ -150,16 +196,23 @@ class PeerViews:
         return None if got is None else self.clock() - got[1]
 
     def price(
-        self, cand: Candidate, model: str, keys: Sequence[int], block_size: int, prompt_tokens: int
+        self,
+        cand: Candidate,
+        model: str,
+        keys: Sequence[int],
+        block_size: int,
+        prompt_tokens: int,
+        rate_tokens_per_s: float | None = None,
     ) -> Candidate:
-        """The peer candidate ``cand`` priced from its region's fresh summary, else unchanged (counted)."""
+        """The peer candidate ``cand`` priced from its region's fresh summary, else unchanged (counted).
+        ``rate_tokens_per_s``: the prefill rate the policy prices ``cand`` at (``price_peer``)."""
         got = self.summaries.get(cand.region)
         reason = "missing"
         if got is not None:
             summary, at = got
             reason = "stale"
             if self.clock() - at <= self.stale_after_s:
-                priced = price_peer(cand, summary, model, keys, block_size, prompt_tokens)
+                priced = price_peer(cand, summary, model, keys, block_size, prompt_tokens, rate_tokens_per_s)
                 if priced is not None:
                     return priced
                 reason = "model"

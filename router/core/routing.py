@@ -585,7 +585,16 @@ class Router:
         rep = self.table.by_index(cand.index)
         if rep is None or not rep.is_peer:
             return cand
-        return views.price(cand, inp.model, inp.keys, self.block_size, inp.prompt_tokens)
+        rate = self._priced_rate(cand.index)
+        return views.price(cand, inp.model, inp.keys, self.block_size, inp.prompt_tokens, rate)
+
+    def _priced_rate(self, index: int) -> float | None:
+        """The prefill rate (tokens/s) the policy (inside the ladder or not) prices replica ``index`` at once it
+        calibrated one (``ttft``'s ``calibrated``); None: its profile's."""
+        inner = getattr(self.policy, "inner", self.policy)
+        calibrated = getattr(inner, "calibrated", None)
+        got = calibrated(index) if callable(calibrated) else None
+        return float(got[0]) if got else None
 
     def route_request(self, inp: RoutingInput) -> RouteRequest:
         """The request as every policy sees it, co-located or PD: one builder, so no field is dropped on one

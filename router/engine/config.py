@@ -30,3 +30,5 @@ class ProxyConfig:
     region: str
     #: the session header forwarded with a hop (so the peer region pins the session too)
     session_header: str
+    #: the key sent to peer regions' routers with a hop (``Settings.peer_api_keys``' first); None: none
+    peer_key: str | None

@@ -235,7 +235,9 @@ class Proxy:
             cfg = self.cfg
             headers = {
                 **headers,
-                **hop_headers(cfg.region, inp.allowed_regions, cfg.session_header, inp.session_id),
+                **hop_headers(
+                    cfg.region, inp.allowed_regions, cfg.session_header, inp.session_id, cfg.peer_key
+                ),
             }
         uncached = inp.prompt_tokens - predicted_cached
         with Hold(self.router, self.gate, rep, uncached, inp.copies, inp.lora) as hold:

@@ -122,6 +122,8 @@ class EppConfig:
     #: stop: grace for streams in progress (s); readiness re-checked every probe interval (s)
     shutdown_grace_s: float
     probe_interval_s: float
+    #: the key sent to peer regions' routers with a hop (``peer_api_keys``' first); None: none
+    peer_key: str | None
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -565,7 +567,11 @@ class _Stream:
         extra = {"x-request-id": inp.request_id}
         if rep.is_peer:  # another region's router: the hop (never forwarded again), residency and session
             st = self.pipeline.config
-            extra.update(hop_headers(st.region, inp.allowed_regions, st.session_header, inp.session_id))
+            extra.update(
+                hop_headers(
+                    st.region, inp.allowed_regions, st.session_header, inp.session_id, self.config.peer_key
+                )
+            )
         trace = self.trace
         if trace is not None:  # the attempt's span, ended with the hold; the engine's traceparent names it
             self.hold.span = trace.child(

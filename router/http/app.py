@@ -50,7 +50,9 @@ from membership.shared_state import MAX_RESPONSE_ID_CHARS
 from policies.base import Reuse
 from router import signals
 from router.config import Settings
+from router.core.regions import HOP_HEADER, PEER_KEY_HEADER, PeerKeys
 from router.core.routing import decision_json
+from router.engine.peer_feed import PREFIX_ETAG_HEADER
 from router.errors import (
     KvrouteError,
     as_error,
@@ -360,6 +362,8 @@ class _KvrouteApp(FastAPI):
 
     #: the front gate (router/serve/guard.py: auth and shedding from the headers), set by ``create_app``
     guard: Guard | None = None
+    #: the keys of peer regions' routers (``router.core.regions.PeerKeys``), set by ``create_app``
+    peers: PeerKeys | None = None
     #: the router's metrics (requests, rejected) and the ``Retry-After`` of refusals, s; set by ``create_app``
     telemetry: Telemetry
     retry_after_s: int
@@ -377,7 +381,10 @@ class _KvrouteApp(FastAPI):
         guard = self.guard  # router/serve/guard.py: auth and shedding from the headers, before any body
         if guard is not None and scope["type"] == "http":
             method = str(scope.get("method", ""))
-            refusal = await guard.check(method, request_path(scope), _header(scope, b"authorization"))
+            path = request_path(scope)
+            peer_hop, refusal = self._peer_gate(scope, path)
+            if refusal is None:
+                refusal = await guard.check(method, path, _header(scope, b"authorization"), peer_hop)
             if refusal is not None:
                 await self._refuse_early(scope, send, refusal)
                 return
@@ -386,6 +393,22 @@ class _KvrouteApp(FastAPI):
                     await self._route(scope, receive, send)
                 return
         await self._route(scope, receive, send)
+
+    def _peer_gate(self, scope: Scope, path: str) -> tuple[bool, KvrouteError | None]:
+        """(a request forwarded by a peer region's router, its refusal) from the peer-key header: a wrong key is
+        401; a right one only forwards a hop (``x-kvroute-hop``) on ``/v1/`` (403 otherwise: a peer key never
+        routes a client's request). The region routes check their own (``_Auth.check_peer``)."""
+        peers = self.peers
+        presented = _header(scope, PEER_KEY_HEADER.encode())
+        if peers is None or not peers.configured or presented is None or path.startswith("/region/"):
+            return False, None
+        if peers.status(presented.decode("latin-1")):
+            return False, unauthorized(f"the {PEER_KEY_HEADER} is not a peer key (peer_api_keys)")
+        if _header(scope, HOP_HEADER.encode()) is None or not path.startswith("/v1/"):
+            return False, forbidden(
+                f"a peer key only forwards a hopped request ({HOP_HEADER}); use a client key"
+            )
+        return True, None
 
     async def _refuse_early(self, scope: Scope, send: Send, err: KvrouteError) -> None:
         """Answer the guard's refusal before any body is read (``connection: close`` when a large body was
@@ -479,7 +502,7 @@ def create_app(settings: Settings, services: Services | None = None) -> FastAPI:
     app = _new_app(svc)
     _add_middleware(app, svc)
     _add_error_handlers(app, svc)
-    auth = _Auth(svc.guard)
+    auth = _Auth(svc.guard, _peer_keys(svc.settings))
     _add_data_plane(app, _DataPlane(svc, auth))
     _add_control_plane(app, svc, auth)
     _add_region_routes(app, svc, auth)
@@ -503,6 +526,7 @@ def _new_app(svc: Services) -> _KvrouteApp:
     )
     app.state.services = svc
     app.guard = svc.guard  # router/serve/guard.py: auth before the body, loop-lag shedding
+    app.peers = _peer_keys(svc.settings)
     app.telemetry = svc.telemetry
     app.retry_after_s = svc.settings.retry_after_s
     return app
@@ -540,16 +564,45 @@ def _add_error_handlers(app: _KvrouteApp, svc: Services) -> None:
     app.add_exception_handler(StarletteHTTPException, framework)
 
 
+def _peer_keys(settings: Settings) -> PeerKeys:
+    """The peer keys (``peer_api_keys``), checked against the client keys and the admin token."""
+    admin = settings.admin_token.get_secret_value() if settings.admin_token else None
+    return PeerKeys(
+        [k.get_secret_value() for k in settings.peer_api_keys],
+        [k.get_secret_value() for k in settings.api_keys],
+        admin,
+    )
+
+
 class _Auth:
-    """Client API keys (data plane) and the admin token (control plane), checked by ``router.serve.guard.Auth``."""
+    """Client API keys (data plane) and the admin token (control plane), checked by ``router.serve.guard.Auth``;
+    peer regions' keys (``router.core.regions.PeerKeys``)."""
 
-    def __init__(self, guard: Guard) -> None:
+    def __init__(self, guard: Guard, peers: PeerKeys) -> None:
         self.guard = guard.auth
+        self.peers = peers
 
-    def check_client(self, request: Request) -> None:
-        """Raises 401 unless the request carries one of the API keys (when any is configured)."""
+    def check_client(self, request: Request, hop_ok: bool = False) -> None:
+        """Raises 401 unless the request carries one of the API keys (when any is configured). A request with a
+        peer key is a peer's: accepted only where ``hop_ok`` (a hopped request), else 403; a wrong peer key 401."""
+        presented = request.headers.get(PEER_KEY_HEADER)
+        if presented is not None and self.peers.configured:
+            if self.peers.status(presented):
+                raise unauthorized(f"the {PEER_KEY_HEADER} is not a peer key (peer_api_keys)")
+            if not hop_ok:
+                raise forbidden(f"a peer key only forwards a hopped request ({HOP_HEADER}); use a client key")
+            return
         if not self.guard.client_ok(request.headers.get("authorization")):
             raise unauthorized()
+
+    def check_peer(self, request: Request) -> None:
+        """What other regions' routers read: a peer key when any is configured (a client key is not one: 401),
+        else as ``check_client``."""
+        status = self.peers.status(request.headers.get(PEER_KEY_HEADER))
+        if status < 0:
+            self.check_client(request)
+        elif status:
+            raise unauthorized(f"missing or wrong {PEER_KEY_HEADER} (peer_api_keys)")
 
     def check_admin(self, request: Request) -> None:
         """Admin / introspection endpoints: the admin token when configured, else an API key when configured."""
@@ -584,7 +637,7 @@ class _DataPlane:
     async def generate(self, request: Request, raw: bytes, path: str) -> Response:
         """A generation request (``raw``: its body): prepared and served by the pipeline, once per
         Idempotency-Key (router/serve/idempotency.py)."""
-        self.auth.check_client(request)
+        self.auth.check_client(request, hop_ok=HOP_HEADER in request.headers)
         prepared = await self.pipeline.prepare(path, request.headers, raw)
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is None:
@@ -619,7 +672,7 @@ class _DataPlane:
     async def engine(self, request: Request, raw: bytes | None = None) -> Response:
         """One of the engines' other endpoints (router/serve/endpoints.py): prepared and served by the pipeline
         (``raw``: the body, when the direct path has read it)."""
-        self.auth.check_client(request)
+        self.auth.check_client(request, hop_ok=HOP_HEADER in request.headers)
         body = await request.body() if raw is None else raw
         prepared = await self.pipeline.prepare_engine(
             request.method,
@@ -773,8 +826,13 @@ def _add_region_routes(app: FastAPI, svc: Services, auth: _Auth) -> None:
         "model, and a Bloom filter of the prompt prefixes its engines hold (docs/regions.md)",
     )
     async def region_summary_route(request: Request) -> Any:
-        auth.check_client(request)
-        return region_summary(svc)
+        auth.check_peer(request)
+        pub = await region_summary(svc)
+        status, body = pub.answer(
+            request.headers.get("if-none-match"), request.headers.get(PREFIX_ETAG_HEADER)
+        )
+        media = None if status == 304 else "application/json"
+        return Response(body, status_code=status, media_type=media, headers={"etag": f'"{pub.etag}"'})
 
 
 def _add_control_plane(app: FastAPI, svc: Services, auth: _Auth) -> None:

@@ -186,8 +186,10 @@ def authorize(
     path: str,
     authorization: Header,
     routes: Mapping[str, frozenset[str]] | None = None,
+    peer_hop: bool = False,
 ) -> KvrouteError | None:
     """The authorization decision on a normalized request (``path`` from ``normalize_path``); None = allowed.
+    ``peer_hop``: a request another region's router forwarded, its peer key verified by the door (no client key).
 
     Without ``routes`` (the HTTP app, which serves its own routes): ``/v1/*`` and ``/route`` need a client key,
     the admin views the admin token (see ``Auth``); other paths are the app's to answer. With ``routes`` (a door
@@ -212,7 +214,7 @@ def authorize(
             )
         return None
     if path in _DATA_ROUTES or path.startswith("/v1/") or route_key(path) in _DATA_ROUTES:
-        return None if auth.client_ok(authorization) else unauthorized()
+        return None if peer_hop or auth.client_ok(authorization) else unauthorized()
     if path in _ADMIN_ROUTES:
         status, message = auth.admin_status(authorization)
         if status == 401:
@@ -237,12 +239,15 @@ class Guard:
         #: HTTP data-plane requests admitted here and not answered yet (``working``); part of the router's work
         self.in_progress = 0
 
-    async def check(self, method: str, path: str, authorization: Header) -> KvrouteError | None:
+    async def check(
+        self, method: str, path: str, authorization: Header, peer_hop: bool = False
+    ) -> KvrouteError | None:
         """The refusal of a request from its method, normalized path (``normalize_path``) and ``Authorization``
-        header (None: it may go on, maybe after waiting out a lag from outside). Renders nothing: the door does."""
+        header (None: it may go on, maybe after waiting out a lag from outside). Renders nothing: the door does.
+        ``peer_hop``: as ``authorize``."""
         if method == "OPTIONS":
             return None  # CORS preflights carry no credentials (the CORS middleware answers them)
-        denial = authorize(self.auth, method, path, authorization)
+        denial = authorize(self.auth, method, path, authorization, peer_hop=peer_hop)
         if denial is not None:
             return denial
         if method == "POST" and path in _SHED_ROUTES:

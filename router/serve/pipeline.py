@@ -654,6 +654,9 @@ class Pipeline:
             priority=ident.priority,
         )
         inp.identity = ident
+        self._regional(
+            inp, headers, ident
+        )  # residency and the hop hold for every endpoint, not generation only
         return inp
 
     async def _engine_identity(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -412,18 +413,39 @@ def _cached_in_eu(eu: Region, prompt: str) -> None:
     """Serve ``prompt`` in eu (its own client), so eu's engines hold it and eu's index has it confirmed."""
     r = complete(eu.url, prompt)
     assert r.status_code == 200 and r.headers["x-kvroute-replica"] in eu.engines, r.text
+    # an empty filter is 36 bytes (header and one word); the prompt's ~190 blocks make ~260
     wait_until(
-        lambda: httpx.get(eu.url + "/region/summary", timeout=5).json()["prefix_bytes"] > 0,
+        lambda: httpx.get(eu.url + "/region/summary", timeout=5).json()["prefix_bytes"] > 128,
         timeout=10,
-        what="eu publishes a prefix filter",
+        what="eu publishes a prefix filter holding the prompt",
     )
 
 
-def test_region_peer_summary_prefix_attracts() -> None:
+def _load_eu(eu: Region, stack: ExitStack) -> None:
+    """Keep eu's engines busy: on each (one request running at a time), three long generations sent to the engine
+    directly, so two wait with 2000 prompt tokens each (what eu's router scrapes and publishes as queue seconds:
+    0.6-0.8 s at 5000 tokens/s, an estimate from the engines' prompt-length and prefix-hit counters). Sent past
+    eu's router, which would otherwise hand them to the idle us."""
+    client = httpx.Client(timeout=60)
+    stack.callback(client.close)
+
+    def long_generation(port: int, i: int) -> None:
+        body = {"model": MODEL, "prompt": f"busy {i} " + "z" * 2000, "max_tokens": 2000}
+        with contextlib.suppress(Exception):  # cut when the engines are killed or the client closed
+            client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+
+    for _, port in eu.engines.values():
+        for i in range(3):
+            threading.Thread(target=long_generation, args=(port, i), daemon=True).start()
+
+
+def test_region_peer_summary_prefix_attracts_and_load_repels() -> None:
     """A prompt eu holds goes to eu (its published filter says so; home is slower by the margin for a prompt it
-    must prefill); a prompt eu does not hold stays home. (The published queue's effect is proven by the unit
-    tests of ``price_peer``; through two processes it is not yet: see docs/regions.md section 7.)
-    Fails without the summary: us knows only what it sent eu, so it never hops while home is up."""
+    must prefill); a prompt eu does not hold stays home; once eu publishes a queue, the same prompt stays home
+    (us polls ``/route`` only: eu's summary alone carries its queue). Fails without the summary (us knows only
+    what it sent eu, so it never hops while home is up) and when the ladder ranks a region that holds the prompt
+    ahead of home on the score alone (eu's hit saves home's 0.6 s of prefill work, the work term, so eu's queue
+    never sent it home although eu's predicted TTFT was the higher)."""
     held = "held in eu " + "h" * LONG
     fresh = "held nowhere " + "f" * LONG
     with ExitStack() as stack:
@@ -442,6 +464,11 @@ def test_region_peer_summary_prefix_attracts() -> None:
         assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.headers
         assert metric(us.url, "kvroute_routed_total", policy="region_ladder", branch="faster_region") >= 1
         assert route_to(us.url, fresh) in us.engines
+        # eu gets busy: its published queue wait makes eu's predicted TTFT the higher, so the prompt stays home
+        _load_eu(eu, stack)
+        wait_until(lambda: route_to(us.url, held) in us.engines, timeout=15, what="us prices eu's queue")
+        r = complete(us.url, held)
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] in us.engines, r.headers
         # the round trip measured from the probes reflects the injected delay (80 ms through the relays)
         rtt = metric(us.url, "kvroute_region_rtt_seconds", peer="eu")
         assert 2 * ONE_WAY_S <= rtt <= 2 * ONE_WAY_S + 0.07, rtt
@@ -469,3 +496,166 @@ def test_region_stale_summary_falls_back_to_what_the_router_knows() -> None:
         for _ in range(3):
             assert route_to(us.url, held) in us.engines
         assert stale_count() == before + 3
+
+
+def test_region_unchanged_summary_costs_no_body() -> None:
+    """A summary is fetched conditionally: its ETag back as If-None-Match gives 304 and no body while nothing
+    changed; naming the filter held (x-kvroute-prefix-etag) gives the body without the filter. Between the two
+    routers, while eu is idle, us's fetches are 304s: five of them add no body bytes to what us counts (every fetch
+    was a full body before; a window in which eu's summary changed is measured again, at most three)."""
+    with two_regions(us_extra=SUMMARY_ARGS, eu_extra=SUMMARY_ARGS, events=True) as (us, eu):
+        _cached_in_eu(eu, "held in eu " + "e" * LONG)
+        pair: list[httpx.Response] = []
+
+        def unchanged_pair() -> bool:
+            """A full body, then its ETag back: 304 unless eu's summary changed in between (its last KV events
+            or scrape can land just after the filter first appears); retried until it did not."""
+            full = httpx.get(eu.url + "/region/summary", timeout=5)
+            again = httpx.get(
+                eu.url + "/region/summary", headers={"if-none-match": full.headers["etag"]}, timeout=5
+            )
+            pair[:] = [full, again]
+            return again.status_code == 304
+
+        wait_until(unchanged_pair, timeout=10, what="an unchanged summary answered 304")
+        full, again = pair
+        assert full.status_code == 200 and full.json()["prefix"], full.text
+        assert again.content == b"" and again.headers["etag"] == full.headers["etag"]
+        lean = httpx.get(
+            eu.url + "/region/summary",
+            headers={"x-kvroute-prefix-etag": full.json()["prefix_etag"]},
+            timeout=5,
+        )
+        assert lean.status_code == 200 and lean.json()["prefix"] is None and lean.json()["prefix_unchanged"]
+        assert len(lean.content) < len(full.content) / 2
+
+        def fetched(outcome: str) -> float:
+            return metric(us.url, "kvroute_region_summary_fetches_total", peer="eu", outcome=outcome)
+
+        def body_bytes() -> float:
+            return metric(us.url, "kvroute_region_summary_bytes_total", peer="eu")
+
+        wait_until(lambda: fetched("unchanged") >= 1, timeout=10, what="us's first 304 from eu")
+        windows = []
+        for _ in range(3):  # a window in which eu's summary changed (a full fetch) is measured again
+            n0, f0, b0 = fetched("unchanged"), fetched("full") + fetched("lean"), body_bytes()
+            wait_until(lambda n0=n0: fetched("unchanged") >= n0 + 5, timeout=10, what="five more 304s")
+            windows.append((fetched("full") + fetched("lean") - f0, body_bytes() - b0))
+            if windows[-1][0] == 0:
+                break
+        # five 304s and nothing else: no body bytes at all (each fetch was a full body before)
+        assert any(changed == 0 and grew == 0 for changed, grew in windows), (windows, len(full.content))
+
+
+def test_region_peer_key_reads_the_summary_and_forwards_hops_only() -> None:
+    """With peer keys (x-kvroute-peer-key) and client API keys on both routers: a client key does not read a
+    region's summary (401), the peer key does, and us's feed reads eu's summary with it; the peer key does not
+    route a client's request (403 on /v1/completions and /route without the hop header); us's engines killed, a
+    client's request is forwarded to eu with the peer key (eu requires a key, the hop carries it) and served."""
+    keys = ("--api-key", "client-key", "--peer-api-keys", "peer-key")
+    client = {"authorization": "Bearer client-key"}
+    peer = {"x-kvroute-peer-key": "peer-key"}
+    with two_regions(us_extra=keys, eu_extra=keys) as (us, eu):
+        summary = eu.url + "/region/summary"
+        assert httpx.get(summary, headers=client, timeout=5).status_code == 401
+        assert httpx.get(summary, timeout=5).status_code == 401
+        assert httpx.get(summary, headers=peer, timeout=5).status_code == 200
+        wait_until(
+            lambda: (
+                metric(us.url, "kvroute_region_summary_fetches_total", client, peer="eu", outcome="full") >= 1
+            ),
+            timeout=10,
+            what="us reads eu's summary with the peer key",
+        )
+        assert metric(us.url, "kvroute_region_feed_errors_total", client, peer="eu", what="summary") == 0
+        r = complete(eu.url, "a peer key is not a client key", headers=peer)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
+        r = httpx.post(eu.url + "/route", json={"model": MODEL, "prompt": "x"}, headers=peer, timeout=5)
+        assert r.status_code == 403, r.text
+        wrong = complete(eu.url, "hop", headers={"x-kvroute-peer-key": "guess", "x-kvroute-hop": "us"})
+        assert wrong.status_code == 401, wrong.text
+        assert complete(us.url, "served at home", headers=client).headers["x-kvroute-replica"] in us.engines
+        us.kill_engines()
+        r = complete(us.url, "handed to eu with the peer key", headers=client)
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+        assert sum(eu.routed(n) for n in eu.engines) >= 1
+
+
+def _restart_engines(region: Region) -> None:
+    """Start the region's (killed) engines again on their ports and wait until its router has them ready."""
+    for name, (_, port) in list(region.engines.items()):
+        proc = Proc.kvroute(
+            "fake-engine",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-events-port",
+            str(free_port()),
+            "--kv-replay-port",
+            str(free_port()),
+            "--model",
+            MODEL,
+            "--dialect",
+            "vllm",
+            "--time-scale",
+            "0.02",
+        )
+        region.engines[name] = (proc, port)
+    wait_until(
+        lambda: all(region.states()[n] == "ready" for n in region.engines), timeout=30, what="engines back"
+    )
+
+
+def respond(url: str, body: dict[str, Any]) -> httpx.Response:
+    """One non-streamed ``POST /v1/responses`` through the router at ``url``."""
+    return httpx.post(url + "/v1/responses", json={"model": MODEL, **body}, timeout=30)
+
+
+def test_region_responses_chain_follows_its_region_across_the_hop() -> None:
+    """A stored response served in eu (us's engines down: the request hopped) keeps its chain there after us comes
+    back: a follow-up (previous_response_id) sent to us is forwarded to eu and served by the engine holding the
+    chain (eu's own map); GET of the stored response through us reaches it too; a follow-up whose residency
+    excludes eu is refused (503), never moved home."""
+    store = ("--enable-responses-store",)
+    with two_regions(eu_engine_args=store) as (us, eu):
+        # residency holds for /v1/responses too (it was applied to completions and chat only): eu-only goes to eu
+        eu_only = {"x-kvroute-allowed-regions": "eu"}
+        body = {"model": MODEL, "input": "eu only", "max_output_tokens": 4, "store": False}
+        r = httpx.post(us.url + "/v1/responses", json=body, headers=eu_only, timeout=30)
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+        us.kill_engines()
+        _wait_local_down(us)
+        before = {n: eu.routed(n) for n in eu.engines}
+        first = respond(us.url, {"input": "a chain started in eu", "max_output_tokens": 4})
+        assert first.status_code == 200 and first.headers["x-kvroute-replica"] == "region-eu", first.text
+        rid = first.json()["id"]
+        started = {n: eu.routed(n) for n in eu.engines}
+        owner = [n for n in eu.engines if started[n] > before[n]]
+        assert len(owner) == 1, (before, started)
+        _restart_engines(us)  # us comes back: new requests stay home, the chain does not
+        try:
+            assert complete(us.url, "a new request").headers["x-kvroute-replica"] in us.engines
+            prev = rid
+            for turn in range(2):
+                r = respond(
+                    us.url, {"input": f"turn {turn}", "previous_response_id": prev, "max_output_tokens": 4}
+                )
+                assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "region-eu", r.text
+                prev = r.json()["id"]
+            # the follow-ups were served by the engine holding the chain (eu's own map after the hop)
+            assert [n for n in eu.engines if eu.routed(n) > started[n]] == owner
+            got = httpx.get(f"{us.url}/v1/responses/{rid}", timeout=10)
+            assert got.status_code == 200 and got.json()["id"] == rid, got.text
+            home_only = {"x-kvroute-allowed-regions": "us"}
+            body = {
+                "model": MODEL,
+                "input": "stay home",
+                "previous_response_id": prev,
+                "max_output_tokens": 4,
+            }
+            r = httpx.post(us.url + "/v1/responses", json=body, headers=home_only, timeout=30)
+            assert r.status_code == 503, r.text
+        finally:
+            for proc, _ in us.engines.values():
+                proc.stop()

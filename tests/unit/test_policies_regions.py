@@ -226,6 +226,22 @@ def test_region_ladder_stays_home_while_remote_is_not_faster_by_the_margin() -> 
     assert by[1].parts["RTT"] == 0.075 and by[0].parts["RTT"] == 0.005
 
 
+def test_region_ladder_does_not_hop_to_a_busy_region_because_it_holds_the_prompt() -> None:
+    """eu-west holds the whole 2000-token prompt but queues 0.25 s: predicted 0.33 s (queue + 75 ms) against
+    home's 0.21 s, so home, although eu-west's score is lower (its hit saves home's 0.2 s of prefill work, the
+    work term). Idle, the same hit is faster by more than the margin: eu-west. The busy region stays on the
+    ladder for retries, after home."""
+    busy = [cand(0, "us-east"), cand(1, "eu-west", queued=2_500, gpu=2000)]
+    d = ladder(margin_s=0.02).choose(req(), busy)
+    by = {s.index: s for s in d.scores}
+    assert by[1].score + 0.02 < by[0].score  # what the ranking followed before
+    assert by[1].parts["E"] > by[0].parts["E"]
+    assert (d.chosen, d.branch, d.ranking) == (0, "home", [0, 1])
+    idle = [cand(0, "us-east"), cand(1, "eu-west", gpu=2000)]
+    d = ladder(margin_s=0.02).choose(req(), idle)
+    assert (d.chosen, d.branch) == (1, "faster_region")
+
+
 def test_region_ladder_fails_over_when_home_is_down_and_picks_by_predicted_ttft() -> None:
     """ap-southeast down: eu-west (160 ms) is busy, us-east (220 ms) idle -> us-east; no margin among failover
     rungs."""

@@ -4,13 +4,21 @@ round trip (EWMA over probes, the configured value as the prior)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from index.summary import PrefixSummary, SummaryParams
 from policies.base import Candidate, LoadView, ReplicaProfile, RouteRequest
-from policies.peer_summary import PeerSummary, RttEstimator, price_peer, summary_json, with_round_trip
+from policies.peer_summary import (
+    PeerSummary,
+    RttEstimator,
+    price_peer,
+    publish_summary,
+    summary_json,
+    with_round_trip,
+)
 from policies.regions import LadderParams, LatencyMatrix, RegionLadderPolicy, RegionLoad
 from router.core.regions import PeerViews
 
@@ -129,3 +137,28 @@ def test_region_measured_round_trip_replaces_the_configured_pair() -> None:
     m2 = with_round_trip(m, "us", "eu", 0.05)
     assert m2.rtt_s("eu", "us") == m2.rtt_s("us", "eu") == 0.05
     assert m2.rtt_s("us", "ap") == 0.2 and m.rtt_s("us", "eu") == 0.08
+
+
+def test_region_published_summary_answers_304_lean_or_full() -> None:
+    """One build answers a reader holding it with 304 and no body, one holding its filter with the body without
+    the filter (read back with the filter it holds), anyone else with the full body; an unchanged filter the
+    reader does not hold is a ValueError (the feed then fetches in full)."""
+    prefix = PrefixSummary.from_keys(KEYS, SummaryParams(10.0, 1))
+    pub = publish_summary("eu", {"m": RegionLoad(2, 0.5, 0.7, 0.5)}, BS, prefix)
+    assert pub.answer(f'"{pub.etag}"', None) == (304, b"")
+    assert pub.answer(f'W/"x", "{pub.etag}"', None) == (304, b"")
+    status, body = pub.answer('"other"', pub.prefix_etag)
+    assert (
+        status == 200 and body == pub.lean and b'prefix":null' in pub.lean and len(pub.lean) < len(pub.full)
+    )
+    assert pub.answer(None, "other") == (200, pub.full)
+    held = PeerSummary.from_json(json.loads(pub.full))
+    assert held.prefix_etag == pub.prefix_etag and held.prefix is not None
+    lean = PeerSummary.from_json(json.loads(pub.lean), held)
+    assert lean.prefix is held.prefix and lean.loads["m"].queue_s_min == 0.5
+    with pytest.raises(ValueError):
+        PeerSummary.from_json(json.loads(pub.lean))
+    same = publish_summary("eu", {"m": RegionLoad(2, 0.5, 0.7, 0.5)}, BS, PrefixSummary.from_keys(KEYS[::-1]))
+    assert same.etag == pub.etag  # the same content, the same tag (304 across rebuilds)
+    busier = publish_summary("eu", {"m": RegionLoad(2, 0.9, 0.9, 0.5)}, BS, prefix)
+    assert busier.etag != pub.etag and busier.prefix_etag == pub.prefix_etag

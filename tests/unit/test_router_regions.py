@@ -9,13 +9,17 @@ from collections.abc import Sequence
 import pytest
 
 from index.prefix_index import PrefixIndex
-from membership.replicas import PEER_LABEL, REGION_LABEL, ReplicaTable
+from membership.replicas import PEER_LABEL, REGION_LABEL, ReplicaState, ReplicaTable
 from policies.base import Candidate, Decision, Observation, RouteRequest
-from policies.regions import RegionRefused
+from policies.peer_summary import PeerSummary
+from policies.regions import RegionLadderPolicy, RegionLoad, RegionRefused
 from router.config import Settings
 from router.core.regions import (
     ALLOWED_REGIONS_HEADER,
     HOP_HEADER,
+    PEER_KEY_HEADER,
+    PeerKeys,
+    PeerViews,
     allowed_regions,
     client_region_trusted,
     hop_headers,
@@ -23,7 +27,7 @@ from router.core.regions import (
     parse_regions,
     peer_specs,
 )
-from router.core.routing import RegionUnavailable, Router
+from router.core.routing import RegionUnavailable, Router, RoutingInput
 from router.core.tenants import TenancyConfig
 from router.services import build_services
 
@@ -139,3 +143,43 @@ def test_region_client_header_trusted_from_edge_keys_only() -> None:
     assert client_region_trusted("Bearer edge-key", edge, keys_required=True)
     assert not client_region_trusted("Bearer client-key", edge, keys_required=True)
     assert not client_region_trusted(None, edge, keys_required=True)
+
+
+def test_region_peer_queue_reads_back_at_the_calibrated_rate() -> None:
+    """Once the policy calibrated the peer's prefill rate from requests served through it (4x the profile's
+    here), the published queue wait still reads back as the published seconds: it is handed over as tokens at
+    the rate the policy divides by, not at the profile's (which read 1 s back as 0.25 s)."""
+    table = ReplicaTable()
+    local = table.upsert("e0", "http://127.0.0.1:9000")
+    peer = table.upsert("region-eu", "http://127.0.0.1:9001", labels={REGION_LABEL: "eu", PEER_LABEL: "true"})
+    for rep in (local, peer):
+        rep.models = {"m"}
+        table.set_state(rep.name, ReplicaState.READY)
+    matrix = latency_matrix({"us": {"eu": 80}}, 1.0, "us")
+    policy = RegionLadderPolicy.with_ttft(matrix, "us", calibration_min_samples=4)
+    router = Router(table, PrefixIndex(block_size=16), policy)
+    router.home_region = "us"
+    fast = 4 * peer.profile.prefill_tokens_per_s
+    for n in (1000, 4000, 2000, 8000, 3000, 6000):
+        router.observe(
+            Observation(index=peer.index, prompt_tokens=n, cached_tokens=0, queue_wait_s=0.0, ttft_s=n / fast)
+        )
+    calibrated = policy.inner.calibrated(peer.index)
+    assert calibrated is not None and calibrated[0] == pytest.approx(fast, rel=0.05)
+    views = PeerViews(15.0, 0.3, 3, lambda: 0.0)
+    views.store("eu", PeerSummary("eu", {"m": RegionLoad(2, 1.0, 1.0, 0.5)}, 16))
+    router.peer_views = views
+    inp = RoutingInput(model="m", lora=None, token_ids=list(range(64)), keys=[], seed=0)
+    scores = {s.index: s for s in router.decide(inp).decision.scores}
+    assert scores[peer.index].parts["Q"] == pytest.approx(1.0, rel=0.01)
+
+
+def test_region_peer_keys_are_distinct_from_client_keys_and_checked() -> None:
+    keys = PeerKeys(["peer-a", "peer-b"], ["client"], "admin")
+    assert keys.configured and keys.status("peer-b") == 0
+    assert keys.status("client") == 401 and keys.status(None) == 401
+    assert PeerKeys([], ["client"], None).status("anything") == -1  # no peer keys: the client keys apply
+    for clash in (["client"], ["admin"]):
+        with pytest.raises(ValueError, match="peer_api_keys"):
+            PeerKeys(clash, ["client"], "admin")
+    assert hop_headers("us", None, "x-session-id", None, "peer-a")[PEER_KEY_HEADER] == "peer-a"
