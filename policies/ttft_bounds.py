@@ -279,12 +279,8 @@ def bound_pass(candidates: Sequence[Candidate], t: BoundTerms, out: Bounds) -> N
                 lb_out[pos] = neg
                 continue
             att = prof.attention_s_per_token2
-            if drain:  # what the replica prefilled since the scrape, floored at 0 (inline: no max() call)
-                age = load.age_s
-                if age:
-                    qt -= rate * age
-                    if not qt > 0.0:
-                        qt = 0.0
+            if drain and load.age_s:
+                qt = max(0.0, qt - rate * load.age_s)
             if hit.cpu or hit.disk or hit.remote:
                 cp, dk, rm = hit.cpu, hit.disk, hit.remote
                 if not prof.fetch_overlaps_queue or g < 0 or cp < 0 or dk < 0 or rm < 0:
