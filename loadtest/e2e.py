@@ -61,6 +61,7 @@ from sim.replay import ReplayRequest, make_client, replay, summarize
 from sim.simulator import fleet_hit_rate_bound
 from sim.traces import Request
 from sim.workload import (
+    TRACE_NAME,
     WorkloadOptions,
     default_trace_path,
     ensure_model_dir,
@@ -345,7 +346,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         "--trace",
         default=None,
         help="Mooncake-format JSONL trace (default: ../shared/traces/mooncake_conversation_trace.jsonl "
-        "or $KVROUTE_TRACE_DIR; 'generated' or a missing file: a generated workload)",
+        "or $KVROUTE_TRACE_DIR, which must hold it when set; 'generated' or a missing file: a generated "
+        "workload)",
     )
     p.add_argument(
         "--workload",
@@ -460,11 +462,27 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def trace_dir_missing() -> str | None:
+    """Why ``$KVROUTE_TRACE_DIR`` cannot be used (it is set but holds no conversation trace: e.g. a relative path
+    that does not resolve from this process's working directory), or None when it is unset or holds the trace.
+    The benchmark then stops instead of quietly replaying the generated workload in the trace's place."""
+    env = os.environ.get("KVROUTE_TRACE_DIR")
+    if not env or (Path(env) / TRACE_NAME).exists():
+        return None
+    return (
+        f"KVROUTE_TRACE_DIR={env} (resolved to {Path(env).resolve()}) holds no {TRACE_NAME}: give the directory "
+        "as an absolute path, or unset it (--trace generated for the generated workload)"
+    )
+
+
 def load_workload(args: argparse.Namespace) -> tuple[Path | None, list[Request], list[ReplayRequest]] | None:
     """The harness's workload from ``--trace`` (the generated ``--workload`` when the trace is missing),
     ``--trace-start-s``, ``--duration`` (wall seconds), ``--time-scale`` / ``--load-scale`` and the request caps:
     (the trace path or None, the selected trace requests, the replay requests); None, after saying why on
-    stderr, when the slice is empty."""
+    stderr, when the slice is empty or ``$KVROUTE_TRACE_DIR`` is set without the trace (``trace_dir_missing``)."""
+    if args.trace is None and (missing := trace_dir_missing()) is not None:
+        print(missing, file=sys.stderr)
+        return None
     trace = None if args.trace == "generated" else (Path(args.trace) if args.trace else default_trace_path())
     if trace is not None and not trace.exists():
         print(f"trace {trace} not found: using the generated '{args.workload}' workload", file=sys.stderr)
