@@ -647,3 +647,35 @@ def test_picker_tracing_off_names_only_a_callers_trace(colocated: Fleet) -> None
         picked, _ = _gateway(router, "/v1/completions", b"{not json", {})
         assert picked.status == 400 and "trace_id" not in _immediate_error(picked)
         assert "x-kvroute-trace-id" not in picked.immediate_headers()
+
+
+# -- SGLang's native /generate -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sglang(fast_export: None) -> Iterator[Fleet]:
+    """One SGLang-dialect stand-in engine (its native ``/generate``)."""
+    fleet = Fleet(1, EngineOptions(dialect="sglang", kv_events_format="sglang", time_scale=0.02))
+    try:
+        fleet.start_engines()
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def test_an_sglang_generate_request_is_traced_like_a_completion(sglang: Fleet, receiver: Receiver) -> None:
+    """SGLang's ``/generate`` through ``kvroute serve``, streamed and not: kvroute's request span continues the
+    caller's, the steps and the attempt are its children, and the engine receives a ``traceparent`` naming the
+    attempt span."""
+    for router in _router(sglang, "serve", "--otlp-traces-endpoint", receiver.endpoint):
+        for stream in (False, True):
+            caller = Caller.new()
+            body = {"text": "route me to the cached prefix " * 8, "sampling_params": {"max_new_tokens": 3}}
+            r = httpx.post(
+                router.url + "/generate",
+                json={**body, "stream": stream},
+                headers={"traceparent": caller.traceparent()},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-trace-id"] == caller.trace_id
+            attempt = _engine_endpoint_trace(receiver, caller, "/generate", STEPS)
+            assert _fleet_received(sglang, caller) == [("/generate", attempt.span_id)], stream
