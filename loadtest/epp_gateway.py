@@ -182,6 +182,8 @@ class GatewayStream:
         self.mode = mode
         self.response_mode = mode if response_mode is None else response_mode
         self._configured = False
+        #: the headers the picker added to the client's response (its answer to the response headers)
+        self.response_set_headers: dict[str, str] = {}
 
     def send(self, msg: Any) -> None:
         """Send one ``ProcessingRequest`` (the first one carries ``protocol_config``, as Envoy sends it)."""
@@ -372,6 +374,7 @@ class GatewayStream:
         self.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=header_map(headers))))
         answer = self.recv()
         _expect(answer, "response_headers")
+        self.response_set_headers = _set_headers(answer.response_headers.response)
         return b""
 
     def _response_chunk(self, piece: bytes, *, end: bool) -> bytes:

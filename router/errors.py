@@ -9,7 +9,8 @@ on the way (the framework's validation error, a bug) onto the family: that is th
 transport errors to its own.
 
 The doors only render: the HTTP app as OpenAI-style JSON (``body()`` + ``answer_headers()``), the endpoint picker as
-an ext_proc ``ImmediateResponse`` with the same status, body and headers (``details`` names it).
+an ext_proc ``ImmediateResponse`` with the same status, body and headers (``details`` names it). The body names the
+request's trace in ``error.trace_id`` when it has one (the doors pass it: router/tracing.py).
 
 A leaf of the router: every layer may use it, it imports nothing of the router.
 """
@@ -26,23 +27,38 @@ from starlette.responses import Response
 
 #: response header naming why a request was refused (llm-d sends ``x-llm-d-request-dropped-reason``)
 REASON_HEADER = "x-kvroute-rejected-reason"
+#: response header naming the request's trace (on every answer of a request that has one: router/tracing.py)
+TRACE_ID_HEADER = "x-kvroute-trace-id"
 
 
 def error_body(
-    status: int, message: str, code: str, param: str | None = None, err_type: str | None = None
+    status: int,
+    message: str,
+    code: str,
+    param: str | None = None,
+    err_type: str | None = None,
+    trace_id: str | None = None,
 ) -> bytes:
-    """OpenAI-style error JSON bytes."""
+    """OpenAI-style error JSON bytes (``error.trace_id``: the request's trace, when it has one)."""
     if err_type is None:
         err_type = "invalid_request_error" if status < 500 else "server_error"
-    return orjson.dumps({"error": {"message": message, "type": err_type, "code": code, "param": param}})
+    err: dict[str, Any] = {"message": message, "type": err_type, "code": code, "param": param}
+    if trace_id:
+        err["trace_id"] = trace_id
+    return orjson.dumps({"error": err})
 
 
 def error_response(
-    status: int, message: str, code: str, param: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    code: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    trace_id: str | None = None,
 ) -> Response:
-    """An OpenAI-style JSON error response."""
+    """An OpenAI-style JSON error response (``error.trace_id``: the request's trace, when it has one)."""
     return Response(
-        error_body(status, message, code, param),
+        error_body(status, message, code, param, trace_id=trace_id),
         status_code=status,
         media_type="application/json",
         headers=headers,
@@ -108,8 +124,8 @@ class KvrouteError(Exception):
         """The short name of the refusal (the picker's ``ImmediateResponse.details`` and reason header)."""
         return self.wire_reason or self.code
 
-    def error_json(self) -> dict[str, Any]:
-        """The ``error`` object of the JSON body."""
+    def error_json(self, trace_id: str | None = None) -> dict[str, Any]:
+        """The ``error`` object of the JSON body (``trace_id``: the request's trace, when it has one)."""
         err_type = self.err_type or ("invalid_request_error" if self.status < 500 else "server_error")
         out: dict[str, Any] = {
             "message": self.message,
@@ -119,11 +135,14 @@ class KvrouteError(Exception):
         }
         if self.wire_reason is not None:
             out["reason"] = self.wire_reason
+        if trace_id:
+            out["trace_id"] = trace_id
         return out
 
-    def body(self) -> bytes:
-        """The OpenAI-style JSON body: ``{"error": {...}}`` plus ``extra``."""
-        return orjson.dumps({"error": self.error_json(), **self.extra})
+    def body(self, trace_id: str | None = None) -> bytes:
+        """The OpenAI-style JSON body: ``{"error": {...}}`` plus ``extra`` (``error.trace_id``: the request's
+        trace, when it has one)."""
+        return orjson.dumps({"error": self.error_json(trace_id), **self.extra})
 
     def answer_headers(self, default_retry_after_s: int) -> dict[str, str]:
         """The response headers: ``headers``, ``Retry-After`` when ``retry`` (the error's own seconds, rounded up,
@@ -184,10 +203,11 @@ def as_error(exc: BaseException) -> KvrouteError:
     return KvrouteError(f"internal error: {type(exc).__name__}")
 
 
-def refusal_response(err: KvrouteError, default_retry_after_s: int) -> Response:
-    """The HTTP answer to ``err``: its JSON body, status and headers."""
+def refusal_response(err: KvrouteError, default_retry_after_s: int, trace_id: str | None = None) -> Response:
+    """The HTTP answer to ``err``: its JSON body, status and headers (``trace_id``: the request's trace, in
+    ``error.trace_id``, when it has one)."""
     return Response(
-        err.body(),
+        err.body(trace_id),
         status_code=err.status,
         media_type="application/json",
         headers=err.answer_headers(default_retry_after_s),

@@ -52,7 +52,9 @@ checks both).
 
 Logs: one JSON object per line (``log_format=json``) via ``setup_logging``; secrets are never logged (settings are
 logged through ``Settings.safe_dict``; an ``extra`` field that names a credential is masked, ``is_secret_field``,
-while token counts such as ``prompt_tokens`` stay visible).
+while token counts such as ``prompt_tokens`` stay visible). A line logged while a request with a trace id is served
+(uvicorn's access line, the router's own lines) carries ``trace_id`` (``bind_trace_id``; JSON: a field, text: a
+``trace_id=`` suffix); a request without one adds nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -692,13 +695,46 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+#: the trace id (32 hex digits) of the request the current task serves; unset for a request without one
+_TRACE_ID: ContextVar[str | None] = ContextVar("kvroute_trace_id", default=None)
+
+
+def bind_trace_id(trace_id: str) -> None:
+    """Name ``trace_id`` (32 hex digits) as the trace of the request the current task serves: its log lines (and
+    the doors' answers) carry it from now on. Each request runs in its own task, so it never leaks to another."""
+    _TRACE_ID.set(trace_id)
+
+
+def current_trace_id() -> str | None:
+    """The trace id of the request the current task serves (``bind_trace_id``), or None."""
+    return _TRACE_ID.get()
+
+
+def _with_trace_id(record: logging.LogRecord) -> bool:
+    """Log filter: a record logged while a request with a trace id is served gets its ``trace_id``."""
+    trace_id = _TRACE_ID.get()
+    if trace_id is not None:
+        record.trace_id = trace_id
+    return True
+
+
+class _TextFormatter(logging.Formatter):
+    """Plain text lines; a request's ``trace_id`` appended when the line has one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        trace_id = getattr(record, "trace_id", None)
+        return line if trace_id is None else f"{line} trace_id={trace_id}"
+
+
 def setup_logging(level: str = "info", fmt: str = "json") -> None:
-    """Configure the root logger (stderr) once: JSON lines or plain text."""
+    """Configure the root logger (stderr) once: JSON lines or plain text, a request's trace id on its lines."""
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_with_trace_id)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(_TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

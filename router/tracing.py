@@ -20,6 +20,11 @@ The engine request of an attempt or a leg carries a ``traceparent`` whose parent
 an engine started with ``--otlp-traces-endpoint`` (vLLM's ``llm_request`` span) lands in the same trace under it;
 the client's ``baggage`` goes on unchanged.
 
+Trace ids to users: a request with a trace id (tracing on: its trace, sampled or not; off: the trace of a valid
+``traceparent`` its caller sent) names it in its log lines (``router.telemetry.bind_trace_id``: uvicorn's access line
+and the router's own), in the ``x-kvroute-trace-id`` response header and in ``error.trace_id`` of an error body, so
+a user's bug report leads to the trace. Off and without a caller's ``traceparent`` nothing is added.
+
 Sampling is parent-based: a caller's ``traceparent`` decides (sampled flag), a request without one is sampled
 with probability ``trace_sample_ratio``. An unsampled request allocates its root span only (a non-recording
 one): no child span is made, and the engines get the root's context (not sampled) so they do not sample either.
@@ -49,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.otlp import Encoder, grpc_exporter, http_exporter
+from router.telemetry import bind_trace_id
 
 log = logging.getLogger("kvroute.tracing")
 
@@ -114,6 +120,7 @@ class Tracing:
             trace_id = random.getrandbits(128) or 1
             caller_span, sampled = 0, (trace_id & _TRACE_ID_LIMIT) < self.bound
         trace = RequestTrace(self, trace_id, caller_span, sampled, headers.get(BAGGAGE))
+        bind_trace_id(trace.trace_hex)
         if parent is not None:
             trace.state = headers.get(TRACESTATE)
         if sampled:
@@ -130,6 +137,12 @@ class Tracing:
             self.processor.shutdown()
         except Exception:  # a collector gone at shutdown must not fail the router's stop
             log.warning("tracing: export at shutdown failed", exc_info=True)
+
+
+def caller_trace_id(header: str | None) -> str | None:
+    """The trace id (32 hex digits) of a caller's ``traceparent`` header; None when absent or invalid."""
+    parent = _caller(header)
+    return None if parent is None else f"{parent[0]:032x}"
 
 
 def _caller(header: str | None) -> tuple[int, int, bool] | None:
@@ -280,6 +293,11 @@ class RequestTrace:
             return None
         return Span(self, name, "client" if client else "internal", root.span_id, dict(attributes or {}))
 
+    @property
+    def trace_hex(self) -> str:
+        """The trace id as 32 hex digits (empty: none, a caller's invalid ``traceparent`` passed on)."""
+        return f"{self.trace_id:032x}" if self.trace_id else ""
+
     @contextmanager
     def step(self, name: str) -> Iterator[Span | None]:
         """A child span around a pipeline step (None inside when not sampled); an exception leaving the step is
@@ -384,6 +402,10 @@ class PassedTrace(RequestTrace):
         self._status = None
         self._done = False
         self._passed = {k: v for k in TRACE_CONTEXT_HEADERS if (v := headers.get(k))}
+        parent = _caller(headers.get(TRACEPARENT))
+        self.trace_id = 0 if parent is None else parent[0]
+        if parent is not None:
+            bind_trace_id(self.trace_hex)
 
     def headers(self, span: Span | None) -> dict[str, str]:
         """The caller's trace-context headers, as they came."""
@@ -392,7 +414,8 @@ class PassedTrace(RequestTrace):
 
 def request_trace(tracing: Tracing | None, headers: Mapping[str, str], route: str) -> RequestTrace | None:
     """The trace of a request arriving with ``headers`` on ``route``: tracing on, its ``RequestTrace``; off, the
-    caller's trace context to pass on (``PassedTrace``), or None when it has none (nothing allocated)."""
+    caller's trace context to pass on (``PassedTrace``), or None when it has none (nothing allocated). Its trace id,
+    when it has one, is bound to the task serving it (``router.telemetry.bind_trace_id``)."""
     if tracing is not None:
         return tracing.request(headers, route)
     if TRACEPARENT not in headers:

@@ -70,14 +70,14 @@ from router.engine.hold import Hold
 from router.engine.sse import ask_for_usage
 from router.epp import codec
 from router.epp.tls import server_credentials
-from router.errors import REASON_HEADER, KvrouteError, as_error, error_body
+from router.errors import REASON_HEADER, TRACE_ID_HEADER, KvrouteError, as_error, error_body
 from router.pd.legs import Handoff
 from router.serve.endpoints import ENGINE_POST_ROUTES, response_route
 from router.serve.guard import PICKER_ROUTES, authorize, normalize_path
 from router.serve.pipeline import Pipeline, Prepared
 from router.serve.requests import new_request_id
-from router.telemetry import EppMetrics
-from router.tracing import RequestTrace, first_byte
+from router.telemetry import EppMetrics, current_trace_id
+from router.tracing import TRACEPARENT, RequestTrace, caller_trace_id, first_byte
 
 log = logging.getLogger("kvroute.epp")
 
@@ -248,6 +248,9 @@ class _Stream:
         self.routed: Routed | None = None
         #: the request's trace (``router.tracing``; None: tracing off, or not prepared)
         self.trace: RequestTrace | None = None
+        #: the request's trace id (32 hex digits; tracing on: its trace's, off: a valid caller's ``traceparent``'s),
+        #: named in the client's answer (``x-kvroute-trace-id``, ``error.trace_id``); None: it has none
+        self.trace_id: str | None = None
         #: prompt tokens the served replica was expected to reuse (feedback), tokens
         self.predicted_cached = 0
         #: response headers naming how the request was served (replica, prefill replica, plan)
@@ -322,6 +325,8 @@ class _Stream:
             )
         except codec.HeaderError as exc:
             return self._refuse(exc)
+        if TRACEPARENT in self.headers:
+            self.trace_id = caller_trace_id(self.headers[TRACEPARENT])
         self._take_subset(msg.metadata_context)
         refusal = self._authorize() or self._mode_refusal()
         if refusal is not None:
@@ -488,6 +493,8 @@ class _Stream:
             excluded = [*self._outside_subset(), *pipeline.not_serving(prepared.path)]
             admitted = await pipeline.admit(prepared.inp, excluded)
         except Exception as exc:  # every failure is an ImmediateResponse, never a broken stream
+            if self.trace is None and pipeline.tracing is not None:  # refused while prepared: its trace's id
+                self.trace_id = current_trace_id() or self.trace_id
             return self._refuse(self._refusal(exc))
         self.ticket = admitted.ticket
         routed = admitted.routed
@@ -608,6 +615,7 @@ class _Stream:
         prepared.inp.request_id = self.request_id
         if prepared.inp.trace is not None:
             prepared.inp.trace.set("kvroute.request_id", self.request_id)
+            self.trace_id = prepared.inp.trace.trace_hex or None
         self.stream = prepared.stream
         self.wire = prepared.wire
         return prepared
@@ -678,7 +686,9 @@ class _Stream:
         }
         if self.request_id:
             headers["x-request-id"] = self.request_id
-        return [codec.immediate(err.status, err.body(), headers.items(), err.details)]
+        if self.trace_id is not None:
+            headers[TRACE_ID_HEADER] = self.trace_id
+        return [codec.immediate(err.status, err.body(self.trace_id), headers.items(), err.details)]
 
     # -- the response path ---------------------------------------------------------------------------------
     def _on_response_headers(self, msg: Any) -> list[Any]:
@@ -694,6 +704,8 @@ class _Stream:
         self.content_length = h.get("content-length")
         self._strip_if_asked()
         extra = self.served_headers
+        if self.trace_id is not None:
+            extra = {**extra, TRACE_ID_HEADER: self.trace_id}
         if msg.end_of_stream:
             self.response_over = True
             self._first_byte()

@@ -54,6 +54,7 @@ from router.core.regions import HOP_HEADER, PEER_KEY_HEADER, PeerKeys
 from router.core.routing import decision_json
 from router.engine.peer_feed import PREFIX_ETAG_HEADER
 from router.errors import (
+    TRACE_ID_HEADER,
     KvrouteError,
     as_error,
     error_response,
@@ -67,7 +68,8 @@ from router.serve.idempotency import HEADER as IDEMPOTENCY_HEADER
 from router.serve.pipeline import GENERATION_ROUTES, chat_input
 from router.serve.requests import ChatRequest, CompletionRequest, EngineBody, ResponsesRequest, RouteBody
 from router.services import Services, build_services, region_summary, run
-from router.telemetry import CONTENT_TYPE, Telemetry
+from router.telemetry import CONTENT_TYPE, Telemetry, bind_trace_id, current_trace_id
+from router.tracing import TRACEPARENT, caller_trace_id
 
 log = logging.getLogger("kvroute.app")
 _M = TypeVar("_M", bound=BaseModel)
@@ -84,6 +86,10 @@ class ErrorDetail(BaseModel):
     type: str
     code: str | int | None = None
     param: str | None = None
+    trace_id: str | None = Field(
+        default=None,
+        description="the request's trace id (32 hex digits), when it has one (docs/observability.md)",
+    )
 
 
 class ErrorResponse(BaseModel):
@@ -367,6 +373,8 @@ class _KvrouteApp(FastAPI):
     #: the router's metrics (requests, rejected) and the ``Retry-After`` of refusals, s; set by ``create_app``
     telemetry: Telemetry
     retry_after_s: int
+    #: tracing is on (every request gets a trace id, named in its answer's ``x-kvroute-trace-id``)
+    traced = False
     #: path -> endpoint served directly (empty until ``enable_fast_path``; never mutated in place)
     _fast_routes: Mapping[str, FastEndpoint] = MappingProxyType({})
 
@@ -377,7 +385,12 @@ class _KvrouteApp(FastAPI):
         self._fast_max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """ASGI entry: the data-plane routes directly, everything else through FastAPI."""
+        """ASGI entry: the data-plane routes directly, everything else through FastAPI. A request with a trace id
+        (tracing on, or a caller's ``traceparent``) names it in its answer's headers."""
+        if scope["type"] == "http":
+            traceparent = _header(scope, _TRACEPARENT)
+            if traceparent is not None or self.traced:
+                send = _naming_the_trace(send, traceparent)
         guard = self.guard  # router/serve/guard.py: auth and shedding from the headers, before any body
         if guard is not None and scope["type"] == "http":
             method = str(scope.get("method", ""))
@@ -424,7 +437,7 @@ class _KvrouteApp(FastAPI):
         """The JSON answer to a refusal, counted in ``kvroute_rejected_total`` when it names a reason."""
         if err.counted_as is not None:
             self.telemetry.rejected.labels(err.counted_as).inc()
-        return refusal_response(err, self.retry_after_s)
+        return refusal_response(err, self.retry_after_s, current_trace_id())
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The data-plane routes directly, everything else through FastAPI."""
@@ -485,8 +498,33 @@ class _KvrouteApp(FastAPI):
             self.telemetry.requests.labels(path, str(status)).inc()
 
 
+#: the W3C ``traceparent`` header's name in an ASGI scope
+_TRACEPARENT = TRACEPARENT.encode()
+_TRACE_ID_HEADER = TRACE_ID_HEADER.encode()
+
+
+def _naming_the_trace(send: Send, traceparent: bytes | None) -> Send:
+    """``send`` with the request's trace id (``router.telemetry.current_trace_id``, bound by the pipeline's
+    ``request_trace``) in the ``x-kvroute-trace-id`` header of its answer. A valid caller's ``traceparent`` is
+    bound at once, so a refusal before the pipeline (auth, shedding, body size) names it too."""
+    if traceparent is not None:
+        caller = caller_trace_id(traceparent.decode("latin-1"))
+        if caller is not None:
+            bind_trace_id(caller)
+
+    async def naming_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            trace_id = current_trace_id()
+            if trace_id is not None:
+                headers = [*message.get("headers", ()), (_TRACE_ID_HEADER, trace_id.encode())]
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return naming_send
+
+
 async def _send_error(send: Send, status: int, message: str, code: str) -> None:
-    resp = error_response(status, message, code)
+    resp = error_response(status, message, code, trace_id=current_trace_id())
     await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
     await send({"type": "http.response.body", "body": resp.body})
 
@@ -529,6 +567,7 @@ def _new_app(svc: Services) -> _KvrouteApp:
     app.peers = _peer_keys(svc.settings)
     app.telemetry = svc.telemetry
     app.retry_after_s = svc.settings.retry_after_s
+    app.traced = svc.pipeline.tracing is not None
     return app
 
 

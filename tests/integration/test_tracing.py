@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ STEPS = {"kvroute.intake", "kvroute.tokenize", "kvroute.admission", "kvroute.dec
 #: spans leave in batches every 100 ms here (OpenTelemetry's OTEL_BSP_SCHEDULE_DELAY; 5 s by default)
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
 SERVER, CLIENT = 2, 3  # OTLP span kinds
+STATUS_ERROR = 2  # OTLP status code
 
 
 @dataclass
@@ -506,3 +508,174 @@ def test_tracing_off_both_pd_legs_carry_the_callers_trace_context(pd_fleet: Flee
         assert json.loads(out)["choices"], out
         assert [t["traceparent"] for t in _received(prefill.url, caller)] == [caller.traceparent()]
         assert picked.set_headers.get("traceparent", caller.traceparent()) == caller.traceparent()
+
+
+# -- trace ids to users: the answer's header, error bodies, the access log ----------------------------------------
+TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _access_lines(router: Router) -> list[dict[str, Any]]:
+    """uvicorn's access lines the router logged so far (JSON logs)."""
+    lines = [json.loads(x) for x in router.proc.output().splitlines() if x.startswith("{")]
+    return [x for x in lines if x.get("logger") == "uvicorn.access"]
+
+
+def _wait_for_request_span(receiver: Receiver, trace_id: str) -> Span:
+    """kvroute's request span of trace ``trace_id``, once it arrived."""
+    receiver.wait_for(
+        f"kvroute.request of trace {trace_id}",
+        lambda spans: any(s.trace_id == trace_id and s.name == "kvroute.request" for s in spans),
+    )
+    return _one(receiver.in_trace(trace_id), "kvroute.request")
+
+
+def test_tracing_on_the_http_door_names_the_trace_in_answers_and_error_bodies(
+    traced_serve: Router, receiver: Receiver
+) -> None:
+    """Tracing on: a served answer names its trace (the caller's) in ``x-kvroute-trace-id``; a refused request
+    without a ``traceparent`` names the trace the router started, in the header and in ``error.trace_id``, and
+    that trace holds the request's span (the bug report leads to the trace)."""
+    caller = Caller.new()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    r = httpx.post(
+        traced_serve.url + "/v1/completions",
+        json=body,
+        headers={"traceparent": caller.traceparent()},
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.headers["x-kvroute-trace-id"] == caller.trace_id, r.text
+    bad = httpx.post(
+        traced_serve.url + "/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert bad.status_code == 400, bad.text
+    trace_id = bad.json()["error"]["trace_id"]
+    assert TRACE_ID.match(trace_id) and bad.headers["x-kvroute-trace-id"] == trace_id
+    request = _wait_for_request_span(receiver, trace_id)
+    assert request.kind == SERVER and request.status_code == STATUS_ERROR, request
+
+
+def test_tracing_off_the_callers_trace_id_names_answers_errors_and_access_lines(colocated: Fleet) -> None:
+    """Tracing off: a request with a valid ``traceparent`` gets its trace id back in ``x-kvroute-trace-id``, in
+    ``error.trace_id`` (a refusal of the pipeline, and the framework's 404 before it) and on its access log line;
+    a request without one gets none of them."""
+    for router in _router(colocated, "serve", "--access-log", "--log-level", "info", "--log-format", "json"):
+        caller = Caller.new()
+        traced = {"traceparent": caller.traceparent()}
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+        ok = httpx.post(router.url + "/v1/completions?as=traced", json=body, headers=traced, timeout=30)
+        assert ok.status_code == 200 and ok.headers["x-kvroute-trace-id"] == caller.trace_id, ok.text
+        for path, content, status in [("/v1/completions", b"{not json", 400), ("/v1/nowhere", b"{}", 404)]:
+            bad = httpx.post(router.url + path, content=content, headers=traced, timeout=30)
+            assert bad.status_code == status, bad.text
+            assert bad.json()["error"]["trace_id"] == caller.trace_id == bad.headers["x-kvroute-trace-id"]
+        plain = httpx.post(router.url + "/v1/completions?as=plain", json=body, timeout=30)
+        assert plain.status_code == 200 and "x-kvroute-trace-id" not in plain.headers
+        refused = httpx.post(router.url + "/v1/completions", content=b"{not json", timeout=30)
+        assert "trace_id" not in refused.json()["error"] and "x-kvroute-trace-id" not in refused.headers
+
+        wait_until(
+            lambda r=router: sum("/v1/completions?as=" in x["msg"] for x in _access_lines(r)) == 2,
+            timeout=10,
+            what="the access lines of both requests",
+        )
+        by_query = {
+            x["msg"].split("?as=")[1].split()[0]: x for x in _access_lines(router) if "?as=" in x["msg"]
+        }
+        assert by_query["traced"]["trace_id"] == caller.trace_id
+        assert "trace_id" not in by_query["plain"]
+
+
+def _gateway(router: Router, path: str, body: bytes, headers: dict[str, str]) -> tuple[Any, dict[str, str]]:
+    """One request through the gateway stand-in: the picker's answer, and (when it picked a replica) the headers
+    it added to the client's response."""
+    _, stub = stub_for(router.grpc_port, tls=False)
+    s = GatewayStream(stub, timeout=30.0)
+    try:
+        picked = s.request(path, body, headers=headers)
+        if picked.status is None:
+            sent = {k: v for k, v in picked.set_headers.items() if k.lower() != "content-length"}
+            assert picked.endpoint is not None
+            s.relay_response(picked.endpoint, path, picked.body, sent)
+    finally:
+        s.close()
+    return picked, s.response_set_headers
+
+
+def _immediate_error(picked: Any) -> dict[str, Any]:
+    error: dict[str, Any] = json.loads(picked.immediate.body)["error"]
+    return error
+
+
+def test_picker_names_the_trace_in_answers_and_immediate_responses(
+    traced_epp: Router, receiver: Receiver
+) -> None:
+    """Through the endpoint picker with tracing on: the client's answer names the caller's trace in
+    ``x-kvroute-trace-id``; an ImmediateResponse names it in ``error.trace_id`` and the header, and without a
+    ``traceparent`` the trace the router started, which holds the request's span."""
+    caller = Caller.new()
+    traced = {"traceparent": caller.traceparent()}
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+    picked, client = _gateway(traced_epp, "/v1/completions", body, traced)
+    assert picked.status is None and client["x-kvroute-trace-id"] == caller.trace_id, client
+    picked, _ = _gateway(traced_epp, "/v1/completions", b"{not json", traced)
+    assert picked.status == 400 and _immediate_error(picked)["trace_id"] == caller.trace_id
+    assert picked.immediate_headers()["x-kvroute-trace-id"] == caller.trace_id
+    picked, _ = _gateway(traced_epp, "/v1/completions", b"{not json", {})
+    trace_id = _immediate_error(picked)["trace_id"]
+    assert TRACE_ID.match(trace_id) and picked.immediate_headers()["x-kvroute-trace-id"] == trace_id
+    request = _wait_for_request_span(receiver, trace_id)
+    assert request.kind == SERVER and request.status_code == STATUS_ERROR, request
+
+
+def test_picker_tracing_off_names_only_a_callers_trace(colocated: Fleet) -> None:
+    """The endpoint picker with tracing off: a refusal (before the pipeline: an unauthorized request; in it: an
+    invalid body) and a served answer name the caller's trace; a request without ``traceparent`` names none."""
+    for router in _router(colocated, "epp", "--grpc-insecure"):
+        caller = Caller.new()
+        traced = {"traceparent": caller.traceparent()}
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+        picked, client = _gateway(router, "/v1/completions", body, traced)
+        assert picked.status is None and client["x-kvroute-trace-id"] == caller.trace_id, client
+        for path in ("/v1/completions", "/not/served"):
+            picked, _ = _gateway(router, path, b"{not json", traced)
+            assert picked.status in (400, 404) and _immediate_error(picked)["trace_id"] == caller.trace_id
+        picked, client = _gateway(router, "/v1/completions", body, {})
+        assert picked.status is None and "x-kvroute-trace-id" not in client
+        picked, _ = _gateway(router, "/v1/completions", b"{not json", {})
+        assert picked.status == 400 and "trace_id" not in _immediate_error(picked)
+        assert "x-kvroute-trace-id" not in picked.immediate_headers()
+
+
+# -- SGLang's native /generate -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sglang(fast_export: None) -> Iterator[Fleet]:
+    """One SGLang-dialect stand-in engine (its native ``/generate``)."""
+    fleet = Fleet(1, EngineOptions(dialect="sglang", kv_events_format="sglang", time_scale=0.02))
+    try:
+        fleet.start_engines()
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def test_an_sglang_generate_request_is_traced_like_a_completion(sglang: Fleet, receiver: Receiver) -> None:
+    """SGLang's ``/generate`` through ``kvroute serve``, streamed and not: kvroute's request span continues the
+    caller's, the steps and the attempt are its children, and the engine receives a ``traceparent`` naming the
+    attempt span."""
+    for router in _router(sglang, "serve", "--otlp-traces-endpoint", receiver.endpoint):
+        for stream in (False, True):
+            caller = Caller.new()
+            body = {"text": "route me to the cached prefix " * 8, "sampling_params": {"max_new_tokens": 3}}
+            r = httpx.post(
+                router.url + "/generate",
+                json={**body, "stream": stream},
+                headers={"traceparent": caller.traceparent()},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-trace-id"] == caller.trace_id
+            attempt = _engine_endpoint_trace(receiver, caller, "/generate", STEPS)
+            assert _fleet_received(sglang, caller) == [("/generate", attempt.span_id)], stream

@@ -54,7 +54,7 @@ ROUTER_PARTS: dict[str, set[str]] = {
     "router.errors": set(),
     "router.telemetry": set(),
     # spans and W3C trace context (OpenTelemetry): a foundation like telemetry, used from the engine hop up
-    "router.tracing": {"router.otlp"},
+    "router.tracing": {"router.otlp", "router.telemetry"},
     # the OTLP protobuf encoder of tracing's spans
     "router.otlp": set(),
     "router.core": {"router.errors", "router.telemetry"},
