@@ -203,6 +203,12 @@ def as_error(exc: BaseException) -> KvrouteError:
     return KvrouteError(f"internal error: {type(exc).__name__}")
 
 
+def as_refusal(exc: BaseException) -> BaseException:
+    """``exc`` as the client sees it: a body the framework refused becomes its kvroute refusal (400
+    ``invalid_body``); anything else as it is (a cancelled or failed request is not turned into a 500)."""
+    return invalid_body(exc) if isinstance(exc, RequestValidationError) else exc
+
+
 def refusal_response(err: KvrouteError, default_retry_after_s: int, trace_id: str | None = None) -> Response:
     """The HTTP answer to ``err``: its JSON body, status and headers (``trace_id``: the request's trace, in
     ``error.trace_id``, when it has one)."""

@@ -52,7 +52,7 @@ from router.core.routing import NoReplica, Routed, Router, RoutingError, Routing
 from router.core.tenant_admission import TenantAdmission, Ticket
 from router.core.tenants import Identity
 from router.engine.attempt import OPENAI, Wire
-from router.errors import BadTokenIds, KvrouteError
+from router.errors import BadTokenIds, KvrouteError, as_refusal
 from router.serve.dispatch import Dispatcher
 from router.serve.endpoints import ENGINE_POST_ROUTES, Kind, multipart_field, response_route, route_key
 from router.serve.guard import Guard
@@ -463,7 +463,7 @@ class Pipeline:
         try:
             prepared = await self._prepare(path, headers, raw, trace)
         except BaseException as exc:
-            trace.fail(exc)
+            trace.fail(as_refusal(exc))
             raise
         prepared.inp.trace = trace
         return prepared
@@ -583,7 +583,7 @@ class Pipeline:
         try:
             prepared = await self._prepare_engine(method, path, headers, raw, query, content_type, trace)
         except BaseException as exc:
-            trace.fail(exc)
+            trace.fail(as_refusal(exc))
             raise
         prepared.inp.trace = trace
         if trace.recording:
@@ -832,7 +832,7 @@ class Pipeline:
         try:
             return await self._admit(inp, exclude, trace)
         except BaseException as exc:
-            trace.fail(exc)
+            trace.fail(as_refusal(exc))
             raise
 
     async def _admit(self, inp: RoutingInput, exclude: Sequence[int], trace: RequestTrace | None) -> Admitted:
@@ -955,7 +955,7 @@ class Pipeline:
             )
         except BaseException as exc:
             if trace is not None:
-                trace.fail(exc)
+                trace.fail(as_refusal(exc))
             raise
         if trace is not None:
             trace.respond(resp.status_code)

@@ -555,6 +555,9 @@ def test_tracing_on_the_http_door_names_the_trace_in_answers_and_error_bodies(
     assert TRACE_ID.match(trace_id) and bad.headers["x-kvroute-trace-id"] == trace_id
     request = _wait_for_request_span(receiver, trace_id)
     assert request.kind == SERVER and request.status_code == STATUS_ERROR, request
+    # the span names the refusal the client got, not the framework's validation error
+    assert request.attributes["http.response.status_code"] == 400, request.attributes
+    assert request.attributes["kvroute.error.code"] == bad.json()["error"]["code"], request.attributes
 
 
 def test_tracing_off_the_callers_trace_id_names_answers_errors_and_access_lines(colocated: Fleet) -> None:
