@@ -68,10 +68,10 @@ from policies.pd_base import (
     plan_charges,
 )
 from sim.simulator import (
-    _FINISH,
-    _FIRST,
-    _KV,
     CAPACITY_DECODE_BATCH,
+    EV_FINISH,
+    EV_FIRST,
+    EV_KV,
     EventFleet,
     FleetConfig,
     SimResult,
@@ -272,15 +272,15 @@ class PdFleet(EventFleet):
         while heap and heap[0][0] <= t:
             te, _, kind, data = heapq.heappop(heap)
             self.now = max(self.now, te)
-            if kind == _KV:
+            if kind == EV_KV:
                 i, ev = data
                 if isinstance(ev, BlockStored):
                     self.index.store(i, ev.parent_block_hash, ev.block_hashes, ev.tier)
                 else:
                     self.index.remove(i, ev.block_hashes, ev.tier)
-            elif kind == _FIRST:
+            elif kind == EV_FIRST:
                 self._first_token(data[0], data[1], te)
-            elif kind == _FINISH:
+            elif kind == EV_FINISH:
                 self._finished(data[0], data[1], te)
             else:
                 self._handoff_done(data, te)

@@ -88,9 +88,11 @@ from sim.traces import (
     slice_time,
 )
 
-_KV = 0
-_FIRST = 1
-_FINISH = 2
+#: kinds of the simulators' engine events, in the order they are handled at one instant: a KV event reaches
+#: the router, a first token, a finish (shared by the PD and regional simulators)
+EV_KV = 0
+EV_FIRST = 1
+EV_FINISH = 2
 
 
 @dataclass(slots=True)
@@ -412,11 +414,11 @@ class EventFleet(ABC):
     def _collect(self, i: int, events: list[Any]) -> None:
         for ev in events:
             if isinstance(ev, FirstToken):
-                self._push(ev.time, _FIRST, (i, ev))
+                self._push(ev.time, EV_FIRST, (i, ev))
             elif isinstance(ev, Finished):
-                self._push(ev.time, _FINISH, (i, ev))
+                self._push(ev.time, EV_FINISH, (i, ev))
             elif isinstance(ev, BlockStored | BlockRemoved):
-                self._push(ev.time + self.delay, _KV, (i, ev))
+                self._push(ev.time + self.delay, EV_KV, (i, ev))
 
     def _next_time(self) -> float | None:
         """The earliest pending time: a router-side event or an engine's next event (None when all is idle)."""
@@ -549,12 +551,12 @@ class Fleet(EventFleet):
         while heap and heap[0][0] <= t:
             te, _, kind, (i, ev) = heapq.heappop(heap)
             self.now = max(self.now, te)
-            if kind == _KV:
+            if kind == EV_KV:
                 if isinstance(ev, BlockStored):
                     self.index.store(i, ev.parent_block_hash, ev.block_hashes, ev.tier)
                 else:
                     self.index.remove(i, ev.block_hashes, ev.tier)
-            elif kind == _FIRST:
+            elif kind == EV_FIRST:
                 rec: _Rec = ev.request.tag
                 self.inflight_prefill[i] = max(0, self.inflight_prefill[i] - rec.uncached_est)
                 rec.ttft = rec.wait + ev.ttft_s
