@@ -90,6 +90,32 @@ def training_corpus(n_lines: int = 400, seed: int = 0) -> list[str]:
     return [" ".join(rnd.choices(WORDS, k=40)) for _ in range(n_lines)]
 
 
+def train_tokenizer(specials: Sequence[str], vocab_size: int) -> tuple[Any, dict[str, int]]:
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``training_corpus()`` with ``specials`` (every one in
+    the vocabulary) and a post-processor adding BOS; returns it and the specials' ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(training_corpus(), trainer)
+    ids: dict[str, int] = {}
+    for name in specials:
+        got = tok.token_to_id(name)
+        assert got is not None, name  # every special is in the trained vocabulary
+        ids[name] = got
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, ids[BOS])]
+    )
+    return tok, ids
+
+
 def build_model_dir(d: Path, vocab_size: int = 2048) -> Path:
     """Write a tiny random-weight ``LlamaForCausalLM`` model directory into ``d`` (nothing downloaded).
 
@@ -99,23 +125,9 @@ def build_model_dir(d: Path, vocab_size: int = 2048) -> Path:
     specials, a post-processor adding BOS) and ``tokenizer_config.json`` with the chat template (it starts with
     ``{{ bos_token }}``, so chat prompts carry BOS once). Returns ``d``.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     d.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(training_corpus(), trainer)
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
-    )
+    tok, ids = train_tokenizer(SPECIALS, vocab_size)
+    bos_id = ids[BOS]
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(
         json.dumps(

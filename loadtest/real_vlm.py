@@ -20,7 +20,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from loadtest.real_vllm import BOS, EOS, SPECIALS, EngineSpec, training_corpus
+from loadtest.real_vllm import BOS, EOS, SPECIALS, EngineSpec, train_tokenizer
 
 #: the processor's image tokens (Idefics3Processor's names)
 IMAGE, FAKE, GLOBAL, END_OF_UTTERANCE = (
@@ -48,27 +48,7 @@ VLM_CHAT_TEMPLATE = (
 
 def _train_tokenizer(d: Path, vocab_size: int) -> dict[str, int]:
     """Train and save ``tokenizer.json`` (Llama-3 style and Idefics3 specials, BOS added); returns special ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    specials = [*SPECIALS, FAKE, IMAGE, END_OF_UTTERANCE, GLOBAL, *TILES]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(training_corpus(), trainer)
-    ids: dict[str, int] = {}
-    for s in specials:
-        got = tok.token_to_id(s)
-        assert got is not None, s  # every special is in the trained vocabulary
-        ids[s] = got
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, ids[BOS])]
-    )
+    tok, ids = train_tokenizer([*SPECIALS, FAKE, IMAGE, END_OF_UTTERANCE, GLOBAL, *TILES], vocab_size)
     tok.save(str(d / "tokenizer.json"))
     ids["<vocab>"] = tok.get_vocab_size()
     return ids
