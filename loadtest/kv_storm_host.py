@@ -328,7 +328,7 @@ async def serve_http(
             )
             await writer.drain()
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-        pass
+        return  # the client went away or sent a broken request: nothing to answer
     finally:
         writer.close()
 

@@ -128,7 +128,7 @@ def http_receiver() -> Iterator[Receiver]:
             self.wfile.write(answer)
 
         def log_message(self, *args: Any) -> None:
-            pass
+            """Silent: http.server would print one line per export to stderr."""
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
@@ -84,11 +85,8 @@ def _spans(caller_span: int) -> list[Span]:
     attempt.add_event("first_byte")
     attempt.set_error("connect refused " * 50)
     attempt.end()
-    try:
-        with trace.step("kvroute.admission"):
-            raise ValueError("")
-    except ValueError:
-        pass
+    with pytest.raises(ValueError), trace.step("kvroute.admission"):
+        raise ValueError("")
     failed(root, RuntimeError("boom"))
     trace.respond(503)
     trace.done()
