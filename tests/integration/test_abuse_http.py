@@ -60,9 +60,13 @@ def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> httpx
     )
 
 
-def _abuse(r: Router, body: bytes, path: str = "/v1/chat/completions") -> tuple[httpx.Response, float]:
-    """Send ``body`` while polling /healthz; returns the answer and the longest /healthz latency of the polls that
-    overlapped the request (s)."""
+#: the slowest /healthz answer allowed while an abusive request is rejected (s)
+HEALTHZ_BOUND_S = 0.5
+
+
+def _abuse_once(r: Router, body: bytes, path: str) -> tuple[httpx.Response, float]:
+    """Send ``body`` once while polling /healthz; returns the answer and the longest /healthz latency of the polls
+    that overlapped the request (s)."""
     with _healthz_watch(r.url) as polls:
         t0 = time.monotonic()
         resp = _post(r.url + path, body)
@@ -77,6 +81,23 @@ def _abuse(r: Router, body: bytes, path: str = "/v1/chat/completions") -> tuple[
     return resp, max(lat for lat, _ in during)
 
 
+def _abuse(r: Router, body: bytes, path: str = "/v1/chat/completions") -> tuple[httpx.Response, float]:
+    """Send ``body`` while polling /healthz, up to three times until one attempt's slowest /healthz is under
+    :data:`HEALTHZ_BOUND_S`; returns the last answer and the best attempt's latency (s). A loop held by the body
+    stalls every attempt; a noisy neighbour on a shared 2-core machine stalls one (CI once saw 0.52 s). Every
+    attempt must get the same status."""
+    best = float("inf")
+    statuses: set[int] = set()
+    for _ in range(3):
+        resp, lat = _abuse_once(r, body, path)
+        statuses.add(resp.status_code)
+        best = min(best, lat)
+        if best < HEALTHZ_BOUND_S:
+            break
+    assert len(statuses) == 1, f"the same body got different answers: {statuses}"
+    return resp, best
+
+
 def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:
     with engines(("e0", [])) as engs, router(engs) as r:  # the engine reports max_model_len 131072
         pid = r.proc.popen.pid
@@ -87,41 +108,41 @@ def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:
         resp, lat = _abuse(r, msgs)
         assert resp.status_code == 413, resp.text
         assert resp.json()["error"]["code"] == "too_many_messages" and "max_chat_messages" in resp.text
-        assert lat < 0.5, f"/healthz blocked {lat:.2f}s by the chat body"
+        assert lat < HEALTHZ_BOUND_S, f"/healthz blocked {lat:.2f}s by the chat body"
         # a 16 MiB text prompt: far more characters than a 131072-token context allows
         text = huge_text_body(MODEL)
         resp, lat = _abuse(r, text, "/v1/completions")
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", (
             resp.text
         )
-        assert lat < 0.5, f"/healthz blocked {lat:.2f}s by the text prompt"
+        assert lat < HEALTHZ_BOUND_S, f"/healthz blocked {lat:.2f}s by the text prompt"
         # chat text: 2,000 messages of 2,000 characters = 4M characters > 131072 x 16
         long_chat = orjson.dumps(
             {"model": MODEL, "messages": [{"role": "user", "content": "y" * 2000}] * 2000}
         )
         resp, lat = _abuse(r, long_chat)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
-        assert lat < 0.5, lat
+        assert lat < HEALTHZ_BOUND_S, lat
         # token ids: 1M of them (the context is 131072)
         ids = huge_ids_body(MODEL)
         resp, lat = _abuse(r, ids, "/v1/completions")
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", (
             resp.text
         )
-        assert lat < 0.5, lat
+        assert lat < HEALTHZ_BOUND_S, lat
         resp, lat = _abuse(r, orjson.dumps({"model": MODEL, "token_ids": [7] * 1_000_000}), "/route")
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "token_ids", resp.text
         # a batch of 300k prompts, 300k values in an extra field, a body that is one big array
         resp, lat = _abuse(r, orjson.dumps({"model": MODEL, "prompt": ["a"] * 300_000}), "/v1/completions")
         assert resp.status_code == 413 and resp.json()["error"]["code"] == "too_many_prompts", resp.text
-        assert lat < 0.5, lat
+        assert lat < HEALTHZ_BOUND_S, lat
         junk = orjson.dumps({"model": MODEL, "prompt": "hi", "junk": [[1]] * 300_000})
         resp, lat = _abuse(r, junk, "/v1/completions")
         assert resp.status_code == 413 and resp.json()["error"]["code"] == "too_many_json_values", resp.text
-        assert lat < 0.5, lat
+        assert lat < HEALTHZ_BOUND_S, lat
         resp, lat = _abuse(r, orjson.dumps([7] * 1_000_000), "/v1/completions")  # not even an object
         assert resp.status_code == 413 and resp.json()["error"]["param"] == "body", resp.text
-        assert lat < 0.5, lat
+        assert lat < HEALTHZ_BOUND_S, lat
         # large but legitimate requests still work (shape-checked, parsed and rendered off the loop; the stand-in
         # engine counts one token per byte, so they stay under its 131072 tokens)
         chat = {
@@ -135,7 +156,7 @@ def test_huge_bodies_rejected_cheaply_while_healthz_answers() -> None:
         assert len(orjson.dumps(chat)) > 64 * 1024
         resp, lat = _abuse(r, orjson.dumps(chat))
         assert resp.status_code == 200, resp.text
-        assert lat < 0.5, lat
+        assert lat < HEALTHZ_BOUND_S, lat
         resp = _post(r.url + "/v1/completions", orjson.dumps(completion("a fine prompt " * 6_000)))
         assert resp.status_code == 200, resp.text
         assert metric(r.url, "kvroute_rejected_total", reason="too_many_messages") == 1
