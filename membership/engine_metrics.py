@@ -24,7 +24,9 @@ KV transfer (P -> D)   ``vllm:nixl_bytes_transferred``, ``vllm:nixl_xfer_time_se
 =====================  ======================================================  ==========================================
 
 ``queued_prefill_tokens`` is not exported by either engine; it is *estimated* as ``queued_requests x mean prompt
-tokens x (1 - prefix hit ratio)`` when the prompt-length histogram is present, else None.
+tokens x (1 - prefix hit ratio)`` when the prompt-length histogram is present, else None: ``parse_metrics`` from the
+engine's lifetime counters, the scraper from its recent requests (the differences between scrapes, exponentially
+weighted: ``RecentPrompts``).
 
 The scraper (:class:`MetricsScraper`) polls every replica of a ``ReplicaTable`` every ``interval_s`` with httpx and
 updates ``Replica.load`` in place (``queued_requests``, ``running_requests``, ``queued_prefill_tokens``,
@@ -629,16 +631,89 @@ def _parse_sglang(s: Samples) -> EngineSnapshot:
 
 
 def _estimate_queued_prefill(snap: EngineSnapshot) -> int | None:
-    if snap.queued_requests is None or snap.prompt_tokens is None or snap.prompt_tokens.mean is None:
+    """The snapshot's queue estimate from the engine's lifetime counters (the prompt-length histogram's mean and
+    the prefix cache's hit ratio since it started); ``MetricsScraper`` replaces it with its recent requests'
+    (``RecentPrompts``) once it has seen two scrapes."""
+    if snap.prompt_tokens is None:
         return None
-    if not math.isfinite(snap.queued_requests * snap.prompt_tokens.mean):
-        return None
-    ratio = 0.0
+    return queued_prefill_estimate(snap.queued_requests, snap.prompt_tokens.mean, _hit_ratio(snap))
+
+
+def _hit_ratio(snap: EngineSnapshot) -> float:
+    """Lifetime prefix-cache hit ratio, 0..1 (from the token counters, else the engine's gauge; 0 when neither)."""
     if snap.prefix_cache_queries and snap.prefix_cache_hits is not None:
-        ratio = min(1.0, max(0.0, snap.prefix_cache_hits / snap.prefix_cache_queries))
-    elif snap.prefix_cache_hit_rate is not None:
-        ratio = min(1.0, max(0.0, snap.prefix_cache_hit_rate))
-    return int(snap.queued_requests * snap.prompt_tokens.mean * (1.0 - ratio))
+        return min(1.0, max(0.0, snap.prefix_cache_hits / snap.prefix_cache_queries))
+    if snap.prefix_cache_hit_rate is not None:
+        return min(1.0, max(0.0, snap.prefix_cache_hit_rate))
+    return 0.0
+
+
+def queued_prefill_estimate(queued: float | None, mean_prompt: float | None, hit_ratio: float) -> int | None:
+    """Uncached prompt tokens waiting: ``queued`` requests x ``mean_prompt`` tokens x (1 - ``hit_ratio``), tokens;
+    None when a factor is unknown or the product is not finite."""
+    if queued is None or mean_prompt is None:
+        return None
+    if not math.isfinite(queued * mean_prompt):
+        return None
+    return int(queued * mean_prompt * (1.0 - hit_ratio))
+
+
+@dataclass(slots=True)
+class RecentPrompts:
+    """What one engine's recent requests looked like, from the differences between its scrapes, each scrape's
+    window weighted down by half every ``half_life_s``: the queue estimate's mean prompt and hit ratio. The
+    engine's lifetime counters answer for its whole history: after a stretch of cache hits they make a queue of
+    misses look ten times shorter than it is.
+
+    Attributes:
+        count, tokens: weighted requests and their prompt tokens (the prompt-length histogram's differences).
+        queries, hits: weighted prefix-cache lookups and hits, tokens (the token counters' differences).
+        gauge: the engine's own hit-rate gauge at the last scrape (engines without the token counters), 0..1.
+    """
+
+    count: float = 0.0
+    tokens: float = 0.0
+    queries: float = 0.0
+    hits: float = 0.0
+    gauge: float | None = None
+
+    def add(self, older: EngineSnapshot, newer: EngineSnapshot, elapsed_s: float, half_life_s: float) -> None:
+        """Fold in the requests between two scrapes ``elapsed_s`` apart (s). A counter that went backwards (the
+        engine restarted) starts over from the newer scrape's lifetime values."""
+        h1, h0 = newer.prompt_tokens, older.prompt_tokens
+        q1, q0 = newer.prefix_cache_queries, older.prefix_cache_queries
+        k1, k0 = newer.prefix_cache_hits, older.prefix_cache_hits
+        self.gauge = newer.prefix_cache_hit_rate
+        restarted = (h1 is not None and h0 is not None and h1.count < h0.count) or (
+            q1 is not None and q0 is not None and q1 < q0
+        )
+        decay = 0.0 if restarted else 0.5 ** (max(0.0, elapsed_s) / half_life_s)
+        self.count *= decay
+        self.tokens *= decay
+        self.queries *= decay
+        self.hits *= decay
+        if h1 is not None:
+            old = h0 if h0 is not None and not restarted else None
+            self.count += h1.count - (old.count if old else 0.0)
+            self.tokens += h1.sum - (old.sum if old else 0.0)
+        if q1 is not None and k1 is not None:
+            if restarted or q0 is None or k0 is None:
+                self.queries += q1
+                self.hits += k1
+            else:
+                self.queries += q1 - q0
+                self.hits += k1 - k0
+
+    def mean_prompt(self) -> float | None:
+        """Weighted mean prompt length of the recent requests, tokens; None before any request."""
+        return self.tokens / self.count if self.count > 1e-9 and self.tokens >= 0.0 else None
+
+    def hit_ratio(self) -> float | None:
+        """Weighted share of the recent prompt tokens found in the prefix cache, 0..1; the engine's gauge without
+        the token counters; None when neither is known."""
+        if self.queries > 1e-9 and self.hits >= 0.0:
+            return min(1.0, self.hits / self.queries)
+        return None if self.gauge is None else min(1.0, max(0.0, self.gauge))
 
 
 _WANTED_FAMILIES = _wanted_families()
@@ -662,6 +737,8 @@ class ReplicaScrape:
     warned: set[str] = field(default_factory=set)
     #: engine block size a warning was logged for (one warning per replica and value)
     warned_block_size: int | None = None
+    #: the recent requests behind the queue estimate (``RecentPrompts``)
+    recent: RecentPrompts = field(default_factory=RecentPrompts)
 
 
 class MetricsScraper:
@@ -672,6 +749,8 @@ class MetricsScraper:
             ``name``, ``url``, ``dialect``, ``metrics_path``, ``state`` and ``load``).
         interval_s: seconds between scrape rounds.
         timeout_s: per-request timeout, seconds.
+        estimate_half_life_s: the queue estimate (``queued_prefill_tokens``) reads the mean prompt and hit ratio of
+            the engine's recent requests, whose weight halves every this many seconds (``RecentPrompts``).
         client: an ``httpx.AsyncClient`` to use (default: a private one, closed by ``stop``).
         headers: extra request headers (e.g. an engine API key).
         clock: monotonic time source, seconds.
@@ -689,6 +768,7 @@ class MetricsScraper:
         *,
         interval_s: float = 2.0,
         timeout_s: float = 1.0,
+        estimate_half_life_s: float = 20.0,
         client: httpx.AsyncClient | None = None,
         headers: dict[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -701,6 +781,7 @@ class MetricsScraper:
         self._verify = verify
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.estimate_half_life_s = estimate_half_life_s
         self._client = client
         self._own_client = client is None
         self.headers = headers or {}
@@ -804,6 +885,7 @@ class MetricsScraper:
             return None
         st.ok += 1
         st.consecutive_errors = 0
+        self._estimate_from_recent(st, snap, t0)
         st.snapshot = snap
         st.scraped_at = t0
         self._note_rejected(replica, st, snap)
@@ -825,6 +907,26 @@ class MetricsScraper:
             except Exception:
                 log.exception("on_snapshot callback failed")
         return snap
+
+    def _estimate_from_recent(self, st: ReplicaScrape, snap: EngineSnapshot, now: float) -> None:
+        """Fold the requests since the previous scrape into ``st.recent`` and re-estimate ``snap``'s queue from
+        them (its lifetime estimate stays when the recent requests tell nothing, or the queue was rejected)."""
+        prev, at = st.snapshot, st.scraped_at
+        if prev is None or at is None:
+            return
+        recent = st.recent
+        recent.add(prev, snap, now - at, self.estimate_half_life_s)
+        if snap.queued_prefill_tokens is None or "queued_prefill_tokens" in snap.rejected:
+            return
+        mean = recent.mean_prompt()
+        if mean is None:
+            return
+        ratio = recent.hit_ratio()
+        estimate = queued_prefill_estimate(
+            snap.queued_requests, mean, _hit_ratio(snap) if ratio is None else ratio
+        )
+        if estimate is not None and _in_range(estimate, GAUGE_BOUNDS["queued_prefill_tokens"]):
+            snap.queued_prefill_tokens = estimate
 
     def _note_rejected(self, replica: Any, st: ReplicaScrape, snap: EngineSnapshot) -> None:
         """Count the snapshot's out-of-range fields; warn once per replica and field."""

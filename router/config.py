@@ -500,6 +500,12 @@ class _MembershipFields(BaseModel):
     )
     scrape_interval_s: float = Field(default=2.0, gt=0, description="engine /metrics scrape period (s)")
     scrape_timeout_s: float = Field(default=1.0, gt=0, description="timeout of one /metrics scrape (s)")
+    queue_estimate_half_life_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="an engine's queued prefill tokens are estimated as waiting requests x mean prompt x (1 - hit "
+        "ratio) of its recent requests: the weight of what it reported earlier halves every this many seconds (s)",
+    )
     kubernetes_enabled: bool = Field(
         default=False,
         description="discover engine pods with the Kubernetes API (LIST + WATCH by label selector)",

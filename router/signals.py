@@ -157,6 +157,7 @@ def build_engine_metrics(
         table,
         interval_s=members.scrape_interval_s,
         timeout_s=members.scrape_timeout_s,
+        estimate_half_life_s=members.queue_estimate_half_life_s,
         client=client,
         headers=headers or None,
         router_block_size=block_size,

@@ -83,7 +83,14 @@ CONFIGURED: list[tuple[Callable[..., Any], dict[str, str]]] = [
     (ResponseMap, {"ttl_s": "response_map_ttl_s", "local_max": "response_map_local_entries"}),
     (EndpointGaps, {"ttl_s": "endpoint_gap_ttl_s"}),
     (ResponseChains, {"max_history_bytes": "response_history_max_bytes"}),
-    (MetricsScraper, {"interval_s": "scrape_interval_s", "timeout_s": "scrape_timeout_s"}),
+    (
+        MetricsScraper,
+        {
+            "interval_s": "scrape_interval_s",
+            "timeout_s": "scrape_timeout_s",
+            "estimate_half_life_s": "queue_estimate_half_life_s",
+        },
+    ),
     (
         Router,
         {
