@@ -35,7 +35,7 @@ from router.engine.hold import AttemptFailed, Hold
 from router.engine.relay import TAIL_BYTES, AnswerWatch, Relay, RelayedStream
 from router.engine.sse import BadStream, SSEValidator, ask_for_usage
 from router.errors import error_response
-from router.telemetry import Telemetry
+from router.telemetry import Telemetry, current_trace_id
 from router.tokens.token_ids import IdsPrompt, TokenIdsCheck
 
 log = logging.getLogger("kvroute.proxy")
@@ -278,6 +278,7 @@ class EngineEdge:
                     f"engine {rep.name} answered {status} with a body that is not JSON: {content[:80]!r}",
                     "upstream_bad_body",
                     headers=out_headers,
+                    trace_id=current_trace_id(),
                 )
             if wire.feedback:
                 usage = obj.get("usage") if isinstance(obj, dict) else None
@@ -327,6 +328,7 @@ class EngineEdge:
                 f"engine {rep.name} answered {resp.status} with an invalid event stream: {exc}",
                 "upstream_bad_stream",
                 headers=out_headers,
+                trace_id=current_trace_id(),
             )
         relay = Relay(
             hold,
@@ -376,4 +378,4 @@ class EngineEdge:
             "engine response body failed",
             extra={"replica": rep.name, "reason": reason, "request_id": out_headers.get("x-request-id")},
         )
-        return error_response(status, msg, code, headers=out_headers)
+        return error_response(status, msg, code, headers=out_headers, trace_id=current_trace_id())

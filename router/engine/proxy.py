@@ -56,7 +56,7 @@ from router.engine.config import ProxyConfig
 from router.engine.gaps import FRAMEWORK_NOT_ALLOWED, FRAMEWORK_NOT_FOUND, EndpointGaps
 from router.engine.hold import AttemptFailed, Hold
 from router.errors import error_response
-from router.telemetry import Telemetry
+from router.telemetry import Telemetry, current_trace_id
 from router.tokens.token_ids import IdsPrompt
 from router.tracing import attempt_failed, first_byte
 
@@ -293,6 +293,7 @@ class Proxy:
                 f"replica {rep.name} does not allow {wire.method} {path.partition('?')[0]}",
                 "method_not_allowed",
                 headers=headers,
+                trace_id=current_trace_id(),
             )
         return answer
 
@@ -335,7 +336,10 @@ class Proxy:
                 f"no routable replica left for model {run.routed.inp.model!r}",
                 "no_routable_replica",
                 headers={"retry-after": str(self.cfg.retry_after_s), "x-request-id": request_id},
+                trace_id=current_trace_id(),
             )
         self.telemetry.upstream_errors.labels(last.reason).inc()
         msg = f"request failed after {run.attempts} attempt(s): " + "; ".join(run.errors)
-        return error_response(last.status, msg, last.reason, headers={"x-request-id": request_id})
+        return error_response(
+            last.status, msg, last.reason, headers={"x-request-id": request_id}, trace_id=current_trace_id()
+        )

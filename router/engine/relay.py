@@ -25,7 +25,7 @@ from router.engine.feedback import Feedback, usage_from_sse
 from router.engine.hold import Hold
 from router.engine.sse import BadStream, SSEValidator, sse_error
 from router.engine.transcript import Transcript, error_event_at
-from router.telemetry import Telemetry
+from router.telemetry import Telemetry, current_trace_id
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -72,6 +72,10 @@ class Relay:
     ) -> None:
         self.hold, self.rep, self.routed, self.resp = hold, hold.rep, routed, resp
         self.first, self.ttft, self.deadline, self.request_id = first, ttft, deadline, request_id
+        #: the request's trace id, named in the error event that may end the stream (``error.trace_id``); taken
+        #: here, in the request's task: ``_sink`` runs in the engine connection's read callback, whose context
+        #: may be another request's
+        self.trace_id = current_trace_id()
         self.predicted_cached = predicted_cached
         #: validates (and filters) the engine's events; ``first`` has already been through it
         self.events = events
@@ -150,7 +154,9 @@ class Relay:
             "engine sent an invalid event stream",
             extra={"request_id": self.request_id, "replica": self.rep.name, "error": str(exc)},
         )
-        return sse_error(502, f"engine {self.rep.name} sent an invalid event stream: {exc}", "bad_stream")
+        return sse_error(
+            502, f"engine {self.rep.name} sent an invalid event stream: {exc}", "bad_stream", self.trace_id
+        )
 
     def _end(self) -> bytes | None:
         """The engine's stream is over: None when it ended properly, else the SSE error event to send."""
@@ -252,7 +258,9 @@ class Relay:
                     "error": f"{type(exc).__name__}: {exc}",
                 },
             )
-            err = sse_error(502, f"engine {self.rep.name} failed mid-stream: {type(exc).__name__}", reason)
+            err = sse_error(
+                502, f"engine {self.rep.name} failed mid-stream: {type(exc).__name__}", reason, self.trace_id
+            )
             return None, self._fail(reason, err) or b""
         finally:
             resp.attach(None)
@@ -285,12 +293,15 @@ class Relay:
         remaining = self.deadline - now
         if remaining <= 0:
             self.telemetry.upstream_errors.labels("total_timeout").inc()
-            return 0.0, ("total_timeout", sse_error(504, "stream exceeded total_timeout_s", "total_timeout"))
+            return 0.0, (
+                "total_timeout",
+                sse_error(504, "stream exceeded total_timeout_s", "total_timeout", self.trace_id),
+            )
         idle_left = idle - (now - self.last_at)
         if idle_left <= 0:
             self.telemetry.upstream_errors.labels("idle_timeout").inc()
             msg = f"engine {self.rep.name} sent nothing for {idle:g}s (idle_timeout_s)"
-            return 0.0, ("idle_timeout", sse_error(504, msg, "idle_timeout"))
+            return 0.0, ("idle_timeout", sse_error(504, msg, "idle_timeout", self.trace_id))
         return (remaining if remaining < idle_left else idle_left), None
 
     def _sink(self, piece: bytes) -> bool:

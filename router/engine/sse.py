@@ -208,6 +208,7 @@ class SSEValidator:
             raise BadStream("the stream ended without its final DONE event")
 
 
-def sse_error(status: int, message: str, code: str) -> bytes:
-    """A terminal SSE error event (``event: error`` with an OpenAI-style error as data)."""
-    return b"event: error\ndata: " + error_body(status, message, code) + b"\n\n"
+def sse_error(status: int, message: str, code: str, trace_id: str | None = None) -> bytes:
+    """A terminal SSE error event (``event: error`` with an OpenAI-style error as data; ``error.trace_id``: the
+    request's trace, when it has one)."""
+    return b"event: error\ndata: " + error_body(status, message, code, trace_id=trace_id) + b"\n\n"

@@ -79,7 +79,7 @@ from router.pd import vllm as pd_vllm
 from router.pd.leg import LegFailed, PdConfig, TwoLegs
 from router.pd.mooncake import MooncakeIds
 from router.pd.runners import MooncakePush, NixlRelay, ProtocolRunner, SglangBootstrap
-from router.telemetry import PdMetrics, Telemetry
+from router.telemetry import PdMetrics, Telemetry, current_trace_id
 from router.tracing import TRACE_HEADERS
 
 log = logging.getLogger("kvroute.pd")
@@ -387,6 +387,7 @@ class PdLegs:
                 f"disaggregated plan failed ({message}) and no replica can serve in place",
                 "no_routable_replica",
                 headers={"x-request-id": request_id},
+                trace_id=current_trace_id(),
             )
         in_place = Routed(
             inp=routed.inp,

@@ -41,6 +41,7 @@ from starlette.responses import Response, StreamingResponse
 
 from membership.shared_state import IdempotencyEntry, SharedState, SharedStateUnavailable
 from router.errors import error_response
+from router.telemetry import current_trace_id
 
 log = logging.getLogger("kvroute.idempotency")
 
@@ -104,6 +105,7 @@ class IdempotencyGuard:
                 "invalid_idempotency_key",
                 "Idempotency-Key",
                 headers=rid,
+                trace_id=current_trace_id(),
             )
         key = f"{principal}/{key}" if principal else key
         if self.shared is None:
@@ -113,6 +115,7 @@ class IdempotencyGuard:
                 "idempotency_unsupported",
                 "Idempotency-Key",
                 headers=rid,
+                trace_id=current_trace_id(),
             )
         fp = fingerprint(path, body)
         retry = {**rid, "retry-after": str(self.retry_after_s)}
@@ -125,6 +128,7 @@ class IdempotencyGuard:
                 "idempotency_unavailable",
                 "Idempotency-Key",
                 headers=retry,
+                trace_id=current_trace_id(),
             )
         if entry.state != "new":
             return self._answer_known_key(entry, fp, request_id)
@@ -147,6 +151,7 @@ class IdempotencyGuard:
                 "idempotency_key_reused",
                 "Idempotency-Key",
                 headers=rid,
+                trace_id=current_trace_id(),
             )
         if entry.state == "in_flight":
             self.conflicts += 1
@@ -156,6 +161,7 @@ class IdempotencyGuard:
                 "idempotency_in_flight",
                 "Idempotency-Key",
                 headers={**rid, "retry-after": str(self.retry_after_s)},
+                trace_id=current_trace_id(),
             )
         stored = entry.response or {}
         if stored.get("streamed") and "body_b64" not in stored:
@@ -166,6 +172,7 @@ class IdempotencyGuard:
                 "idempotency_stream_not_stored",
                 "Idempotency-Key",
                 headers=rid,
+                trace_id=current_trace_id(),
             )
         self.replayed += 1
         return _stored_response(stored, request_id)

@@ -41,7 +41,7 @@ from router.core.routing import Routed, Router, RoutingError, RoutingInput
 from router.engine.relay import Relay, RelayedStream
 from router.engine.sse import sse_error
 from router.engine.transcript import Emitted, Splice, events_of
-from router.telemetry import Telemetry
+from router.telemetry import Telemetry, current_trace_id
 
 log = logging.getLogger("kvroute.migration")
 
@@ -179,7 +179,7 @@ class Migration:
                 f"the engine stream failed mid-way ({reason}) and migration_limit={self.limit} continuation(s) "
                 "were used up"
             )
-            return None, sse_error(502, msg, "migration_limit_reached")
+            return None, sse_error(502, msg, "migration_limit_reached", current_trace_id())
         data = orjson.loads(self.body)
         body = continuation_body(data, emitted) if isinstance(data, dict) else None
         left = [body.get(k) for k in ("max_tokens", "max_completion_tokens")] if body is not None else []
@@ -197,7 +197,7 @@ class Migration:
             self._count(reason, "failed")
             detail = bytes(resp.body)[:300].decode(errors="replace") if hasattr(resp, "body") else ""
             msg = f"the engine stream failed mid-way ({reason}); its continuation failed: {detail}"
-            return None, sse_error(502, msg, "migration_failed")
+            return None, sse_error(502, msg, "migration_failed", current_trace_id())
         inner = resp.relay
         inner.arm(None)
         self._count(reason, "continued")

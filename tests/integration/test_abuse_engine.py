@@ -253,15 +253,20 @@ def test_garbage_event_streams_end_in_a_clean_error() -> None:
         ([FIRST, b"\x00\x01\x02 binary junk\n\n"], 200),
         ([FIRST], 200),
     ]  # the stream ends without data: [DONE]
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"  # the caller's: the error names it (``error.trace_id``)
+    traced = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
     for parts, status in cases:
         with _sse_answer(parts) as eng, serve([eng]) as (u, _):
-            r = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, timeout=10)
+            r = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, headers=traced, timeout=10)
             assert r.status_code == status, (parts, r.text)
             if status == 502:
                 assert r.json()["error"]["code"] == "upstream_bad_stream"
+                assert r.json()["error"]["trace_id"] == trace_id, r.text
             else:
                 assert r.text.startswith(FIRST.decode()) and "event: error" in r.text, r.text
                 assert "bad_stream" in r.text and "data: [DONE]" not in r.text
+                event = r.text.split("event: error\ndata: ", 1)[1].split("\n\n", 1)[0]
+                assert json.loads(event)["error"]["trace_id"] == trace_id, r.text
             assert metric(u, "kvroute_upstream_errors_total", reason="bad_stream") == 1
 
 
