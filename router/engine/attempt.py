@@ -271,15 +271,7 @@ class EngineEdge:
             try:
                 obj = orjson.loads(content)
             except orjson.JSONDecodeError:
-                self.telemetry.upstream_errors.labels("bad_body").inc()
-                log.warning("engine answered garbage", extra={"request_id": request_id, "replica": rep.name})
-                return error_response(
-                    502,
-                    f"engine {rep.name} answered {status} with a body that is not JSON: {content[:80]!r}",
-                    "upstream_bad_body",
-                    headers=out_headers,
-                    trace_id=current_trace_id(),
-                )
+                return self._not_json(rep, status, content, request_id, out_headers)
             if wire.feedback:
                 usage = obj.get("usage") if isinstance(obj, dict) else None
                 usage = openai_usage(usage) if isinstance(usage, dict) else None
@@ -289,6 +281,20 @@ class EngineEdge:
                 wire.watch.feed(rep, content)
                 await wire.watch.complete(rep)
         return Response(content, status_code=status, media_type=ctype, headers=out_headers)
+
+    def _not_json(
+        self, rep: Replica, status: int, content: bytes, request_id: str, out_headers: dict[str, str]
+    ) -> Response:
+        """The 502 for a successful answer whose body is not JSON (counted and logged)."""
+        self.telemetry.upstream_errors.labels("bad_body").inc()
+        log.warning("engine answered garbage", extra={"request_id": request_id, "replica": rep.name})
+        return error_response(
+            502,
+            f"engine {rep.name} answered {status} with a body that is not JSON: {content[:80]!r}",
+            "upstream_bad_body",
+            headers=out_headers,
+            trace_id=current_trace_id(),
+        )
 
     def _commit_stream(
         self,
