@@ -79,6 +79,8 @@ _Hashes = Sequence[EngineHash]
 
 __all__ = ["NODE_BYTES", "TIERS", "BlockKey", "EngineHash", "PrefixIndex", "ReplicaMatch", "StoreResult"]
 
+#: one run hint of 1 (``_run`` of a node appended alone), repeated for a run of appended nodes
+_ONE_RUN = array("I", [1])
 #: Nodes processed per ``expire()`` call by the incremental sweep of cleared replicas.
 SWEEP_CHUNK = 65536
 
@@ -546,7 +548,6 @@ class PrefixIndex(NodeTable):
         changed = 0
         created = 0
         kl = self._keys
-        runs = self._run
         tips = self._tips
         streak = -1  # first node id of the current streak (nodes created back to back), -1 = none
         place = -1  # next reserved node id to fill (placed streak), -1 = appending at the end
@@ -567,11 +568,14 @@ class PrefixIndex(NodeTable):
             pos += m
         if pos:
             keys = keys[pos:]
-        for k in keys:
-            shard = ids[k & _SHARD_MASK]
-            nid = shard.get(k)
+            nkeys -= pos
+        i = 0
+        while i < nkeys:
+            k = keys[i]
+            nid = ids[k & _SHARD_MASK].get(k)
             if nid is None:
                 if not create:
+                    i += 1
                     continue
                 if streak >= 0 and place >= 0 and place >= place_end:
                     # the reservation is full: close this streak, go on at the end of the arrays
@@ -584,31 +588,27 @@ class PrefixIndex(NodeTable):
                     else:
                         place = -1
                         cap = tip[1] if tip is not None else 0
-                        room = self._take_extent(len(keys)) if self._n_extents else None
-                        if room is not None:  # the room of an evicted path (at most len(keys) new nodes)
+                        room = self._take_extent(nkeys) if self._n_extents else None
+                        if room is not None:  # the room of an evicted path (at most nkeys new nodes)
                             place, place_end = room
                             cap = place_end - place
+                # this key and the absent keys right after it, as many as the reservation (or the end) holds, at
+                # consecutive ids: what creating them one at a time would do, with the arrays written per run
+                nid = place if place >= 0 else len(kl)
+                c = self._claim_ids(keys, i, nkeys if place < 0 else min(nkeys, i + place_end - place), nid)
+                self._fill_new(keys, i, c, nid, place >= 0, fresh, now)
+                if op == OP_PREDICT:
+                    for q in keys[i : i + c]:
+                        pd[q] = exp  # type: ignore[index]
                 if place >= 0:
-                    nid = place
-                    place += 1
-                    kl[nid] = k
-                    sidl[nid] = fresh
-                    ts[nid] = now
-                    self._reserved -= 1
-                else:
-                    nid = len(kl)
-                    kl.append(k)
-                    sidl.append(fresh)
-                    ts.append(now)
-                    runs.append(1)
-                shard[k] = nid
+                    place += c
                 if streak < 0:
                     streak = nid
-                created += 1
-                prev = nid
-                if op == OP_PREDICT:
-                    pd[k] = exp  # type: ignore[index]
+                created += c
+                prev = nid + c - 1
+                i += c
                 continue
+            i += 1
             if streak >= 0:
                 if place >= 0:
                     self._close_streak(streak, place, place_end, cap, placed=True)
@@ -646,6 +646,39 @@ class PrefixIndex(NodeTable):
         refs[fresh] += created
         self._nodes += created
         return changed + created
+
+    def _claim_ids(self, keys: list[BlockKey], i: int, stop: int, nid: int) -> int:
+        """Map ``keys[i]``, ``keys[i + 1]``, ... (up to ``stop``) to node ids ``nid``, ``nid + 1``, ... while they
+        are absent from the key -> id map; returns how many were mapped (>= 1 when ``keys[i]`` is absent).
+
+        One ``setdefault`` per key both checks and claims it (``nid`` is a free id: no key maps to it, so getting
+        it back means the key was absent); a key already present (one earlier in ``keys`` included) ends the run.
+        """
+        ids = self._ids
+        first = nid
+        for k in keys[i:stop]:
+            if ids[k & _SHARD_MASK].setdefault(k, nid) is not nid:
+                break
+            nid += 1
+        return nid - first
+
+    def _fill_new(
+        self, keys: list[BlockKey], i: int, c: int, nid: int, placed: bool, sid: int, now: float
+    ) -> None:
+        """Write the ``c`` new nodes ``keys[i : i + c]`` at ids ``nid ..`` in state ``sid``, stored at ``now``:
+        into reserved room (``placed``) or appended at the end of the arrays (``nid == len(self._keys)``)."""
+        new = keys[i : i + c]
+        if placed:
+            end = nid + c
+            self._keys[nid:end] = new
+            self._sidl[nid:end] = [sid] * c
+            self._ts[nid:end] = array("d", [now]) * c
+            self._reserved -= c
+        else:
+            self._keys += new
+            self._sidl += [sid] * c
+            self._ts += array("d", [now]) * c
+            self._run += _ONE_RUN * c
 
     def _removal_order(self, keys: Sequence[BlockKey]) -> Sequence[BlockKey] | None:
         """The order in which ``_apply`` removes ``keys``: as given when they start root to leaf (the stretch walk
