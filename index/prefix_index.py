@@ -57,7 +57,7 @@ from .budget import (
     Budget,
     LruEvictor,
 )
-from .engine_map import ChainState, EngineHashMap, entry_keys
+from .engine_map import ChainState, EngineEntry, EngineHashMap, entry_keys
 from .expiry import TTL_ENTRY_BYTES, StoreOnlyExpiry
 from .hashing import (
     DEFAULT_BLOCK_SIZE,
@@ -83,6 +83,34 @@ __all__ = ["NODE_BYTES", "TIERS", "BlockKey", "EngineHash", "PrefixIndex", "Repl
 _ONE_RUN = array("I", [1])
 #: Nodes processed per ``expire()`` call by the incremental sweep of cleared replicas.
 SWEEP_CHUNK = 65536
+
+
+_INT_ONLY = {int}
+
+
+def _page_keys(
+    hashes: Sequence[EngineHash], entries: list[EngineEntry | None]
+) -> tuple[list[BlockKey], list[EngineHash], list[BlockKey | None], int]:
+    """The router keys of removed pages (``entries``: each page's engine-map entry, None when unknown): every
+    key, the known pages' hashes, the last key of each known page (None when it completed none), and how many
+    pages were unknown."""
+    keys: list[BlockKey] = []
+    known: list[EngineHash] = []
+    lasts: list[BlockKey | None] = []
+    unknown = 0
+    for eh, e in zip(hashes, entries, strict=True):
+        if e is None:
+            unknown += 1
+        elif type(e) is int:  # a page that is exactly one block (``entry_keys`` inlined)
+            keys.append(e)
+            known.append(eh)
+            lasts.append(e)
+        else:
+            covered = entry_keys(e)
+            keys += covered
+            known.append(eh)
+            lasts.append(covered[-1] if covered else None)
+    return keys, known, lasts, unknown
 
 
 class _Nodes:
@@ -1023,43 +1051,45 @@ class PrefixIndex(NodeTable):
             return 0
         slot = self._slot_of.get(replica)
         removed = 0
-        keys: list[BlockKey] = []  # the router keys of every known page (all removed by one _apply call)
-        known: list[tuple[EngineHash, BlockKey | None]] = []  # (engine hash, its last router key or None)
-        unknown = 0
-        for eh in cast(_Hashes, engine_hashes):
-            e = emap.get(eh)
-            if e is None:
-                unknown += 1
-            elif type(e) is int:  # a page that is exactly one block (``entry_keys`` inlined: the common case)
-                keys.append(e)
-                known.append((eh, e))
-            else:
-                covered = entry_keys(e)
-                keys += covered
-                known.append((eh, covered[-1] if covered else None))
-        if count_unknown:
-            self._unknown_removed += unknown
+        hashes = cast(list[EngineHash], engine_hashes)
+        entries = list(map(emap.get, hashes))
+        if set(map(type, entries)) == _INT_ONLY:
+            # every page known and exactly one block (the common case): the entries are the pages' keys
+            keys: list[BlockKey] = entries  # type: ignore[assignment]
+            lasts: list[BlockKey | None] = entries  # type: ignore[assignment]
+        else:
+            keys, hashes, lasts, unknown = _page_keys(hashes, entries)
+            if count_unknown:
+                self._unknown_removed += unknown
+        every = True  # every key is removed (no extra copy of one kept it)
         if keys and emaps.has_copies:
+            n = len(keys)
             keys = emaps.take_copies(replica, t, keys)
+            every = len(keys) == n
         if keys and slot is not None:
             removed = self._apply(slot, keys, OP_REMOVE, t, 0.0, create=False)
-        self._forget_pages(emap, slot, known)
+        if slot is None or every and not self._states.may_hold_besides(slot, t):
+            for eh in hashes:  # the replica holds none of the pages' blocks in any confirmed tier now
+                emap.pop(eh, None)
+        else:
+            self._forget_pages(emap, slot, hashes, lasts)
         self._maybe_compact()
         return removed
 
     def _forget_pages(
-        self, emap: dict[EngineHash, Any], slot: int | None, known: list[tuple[EngineHash, BlockKey | None]]
+        self,
+        emap: dict[EngineHash, Any],
+        slot: int,
+        hashes: Sequence[EngineHash],
+        lasts: list[BlockKey | None],
     ) -> None:
-        """Drop the mapping of each removed page whose last block ``slot`` holds in no confirmed tier any more
+        """Drop the mapping of each removed page (``hashes``, with the last block of each: ``lasts``, None for a
+        page that completed none) whose last block ``slot`` holds in no confirmed tier any more
         (``_holds_confirmed`` inlined over the batch)."""
-        if slot is None:
-            for eh, _ in known:
-                emap.pop(eh, None)
-            return
         ids = self._ids
         sidl = self._sidl
         confirmed = self._states.confirmed
-        for eh, lastk in known:
+        for eh, lastk in zip(hashes, lasts, strict=True):
             if lastk is None:
                 emap.pop(eh, None)
                 continue
