@@ -1105,6 +1105,8 @@ def _extra_keys(ev: StoredEvent, extra: object) -> None:
     """
     if not isinstance(extra, list) or len(extra) != len(ev.hashes):
         raise _Bad("bad_extra_keys")
+    if extra.count(None) == len(extra):
+        return  # no page has extra keys (the common case), counted in C
     bs = ev.block_size
     starts: set[tuple[int, str]] = set()
     for i, keys in enumerate(extra):
