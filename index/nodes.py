@@ -73,6 +73,18 @@ EXTENT_MIN = 32
 MAX_EXTENTS = 4096
 
 
+#: ``[N, N - 1, ..., 1]`` for the longest streak closed so far (its tail is the run hints of any shorter one)
+_COUNTDOWN = [array("I")]
+
+
+def _countdown(n: int) -> array[int]:
+    """``array("I", [n, n - 1, ..., 1])``, copied from a cached countdown (no int object per hint)."""
+    desc = _COUNTDOWN[0]
+    if len(desc) < n:
+        desc = _COUNTDOWN[0] = array("I", range(max(n, 2 * len(desc), 1024), 0, -1))
+    return desc[len(desc) - n :]
+
+
 #: ``_compact_step`` copies live nodes span by span while the spans average at least this many ids
 _SPAN_MIN = 64
 
@@ -211,7 +223,7 @@ class NodeTable:
         """Finish a streak of new nodes at ids ``start..end-1``: run hints, and the extent's reservation."""
         length = end - start
         if length > 1:
-            self._run[start:end] = array("I", range(length, 0, -1))
+            self._run[start:end] = _countdown(length)
         tips = self._tips
         if len(tips) > max(4096, self._nodes // 4):
             tips.clear()  # bound the bookkeeping; orphaned reservations go at the next compaction

@@ -985,6 +985,8 @@ def _hash(h: object) -> int:
 
 
 _INT_ONLY = {int}
+#: ``array("Q")`` holds exactly the uint64 range (C ``unsigned long long`` is 64 bits on every CPython platform)
+_Q_IS_U64 = array("Q").itemsize == 8
 
 
 def _hashes(raw: object, limits: DecodeLimits) -> list[int]:
@@ -994,8 +996,13 @@ def _hashes(raw: object, limits: DecodeLimits) -> list[int]:
         raise _Bad("bad_block_hashes")
     if len(raw) > limits.max_hashes:
         raise _Bad("too_many_hashes")
-    if raw and set(map(type, raw)) == _INT_ONLY and min(raw) >= 0 and max(raw) < _U64:
-        return raw  # the common form (uint64s), checked by C loops: the parser's list, used as it is
+    if raw and _Q_IS_U64 and set(map(type, raw)) == _INT_ONLY:
+        try:
+            array("Q", raw)  # each in [0, 2**64), checked in C
+        except OverflowError:
+            pass
+        else:
+            return raw  # the common form (uint64s): the parser's list, used as it is
     return [h if type(h) is int and 0 <= h < _U64 else _hash(h) for h in raw]
 
 
