@@ -443,8 +443,9 @@ class _RemovalForm:
     Every event whose bytes match the form decodes, byte for byte, to the map the form was learnt from with another
     uint64 in ``block_hashes`` (the 8 bytes after a ``0xcf`` marker are a whole uint64, whatever they are), so it is
     the same ``RemovedEvent`` (``medium``, ``tier``) with that hash: a run of them is read with one regular
-    expression over the payload, eight strided slices and one ``struct`` call, instead of building a dict, a list and four strings per
-    block (vLLM announces every evicted block in a map of its own: hundreds per batch under cache pressure).
+    expression over the payload, eight strided slices and one ``struct`` call, instead of building a dict, a list
+    and four strings per block (vLLM announces every evicted block in a map of its own: hundreds per batch under
+    cache pressure).
     """
 
     prefix: bytes
