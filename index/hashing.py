@@ -118,13 +118,19 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
 
 
 def block_keys_array(packed: array[int], block_size: int, seed: int) -> list[int]:
-    """Chained keys of the full blocks of a prompt packed by :func:`pack_array` (no copy to ``bytes``)."""
+    """Chained keys of the full blocks of a prompt packed by :func:`pack_array`.
+
+    The blocks are hashed as slices of one ``bytes`` copy of the array: a ``bytes`` slice is cheaper to make than
+    an ``array`` slice (~20 % less time per block, more than the copy costs), and hashes the same bytes.
+    """
     n = len(packed) // block_size
+    data = packed.tobytes()
+    stride = packed.itemsize * block_size
     h = _xxh3
     k = seed
     if n <= MAX_SLICE_CACHE_BLOCKS:
-        return [k := h(packed[sl], k) for sl in block_slices(block_size, 0, n)]
-    return [k := h(packed[off : off + block_size], k) for off in range(0, n * block_size, block_size)]
+        return [k := h(data[sl], k) for sl in block_slices(stride, 0, n)]
+    return [k := h(data[off : off + stride], k) for off in range(0, n * stride, stride)]
 
 
 def block_keys_packed(packed: bytes | bytearray | memoryview, block_size: int, seed: int) -> list[int]:

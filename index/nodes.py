@@ -73,6 +73,44 @@ EXTENT_MIN = 32
 MAX_EXTENTS = 4096
 
 
+#: ``[N, N - 1, ..., 1]`` for the longest streak closed so far (its tail is the run hints of any shorter one)
+_COUNTDOWN = [array("I")]
+
+
+def _countdown(n: int) -> array[int]:
+    """``array("I", [n, n - 1, ..., 1])``, copied from a cached countdown (no int object per hint)."""
+    desc = _COUNTDOWN[0]
+    if len(desc) < n:
+        desc = _COUNTDOWN[0] = array("I", range(max(n, 2 * len(desc), 1024), 0, -1))
+    return desc[len(desc) - n :]
+
+
+#: ``_compact_step`` copies live nodes span by span while the spans average at least this many ids
+_SPAN_MIN = 64
+
+
+def _live_spans(live: list[bool], most: int) -> list[tuple[int, int]] | None:
+    """The spans ``(start, end)`` of consecutive True in ``live``, in order (found by C-level ``list.index``
+    scans); None as soon as there are more than ``most`` (then a per-item filter is cheaper)."""
+    spans: list[tuple[int, int]] = []
+    n = len(live)
+    find = live.index
+    pos = 0
+    while pos < n:
+        try:
+            a = find(True, pos)
+        except ValueError:
+            break
+        try:
+            pos = find(False, a)
+        except ValueError:
+            pos = n
+        if len(spans) >= most:
+            return None
+        spans.append((a, pos))
+    return spans
+
+
 class NodeTable:
     """Block key -> node id with parallel per-id arrays, streak placement and incremental compaction.
 
@@ -185,7 +223,7 @@ class NodeTable:
         """Finish a streak of new nodes at ids ``start..end-1``: run hints, and the extent's reservation."""
         length = end - start
         if length > 1:
-            self._run[start:end] = array("I", range(length, 0, -1))
+            self._run[start:end] = _countdown(length)
         tips = self._tips
         if len(tips) > max(4096, self._nodes // 4):
             tips.clear()  # bound the bookkeeping; orphaned reservations go at the next compaction
@@ -282,17 +320,16 @@ class NodeTable:
         src = self._cmp_src
         dst = self._cmp_dst
         end = min(len(kl), src + self._compact_chunk)
-        # C-level filtering (itertools.compress) over one liveness mask: this runs in the event loop
         seg = kl[src:end]
         live = [k is not None for k in seg]
-        moved: list[BlockKey | None] = list(compress(seg, live))
+        moved, sidl, ts, run = self._gather_live(seg, live, src)
         nl = len(moved)
         top = dst + nl
         if nl:
             kl[dst:top] = moved
-            self._sidl[dst:top] = list(compress(self._sidl[src:end], live))
-            self._ts[dst:top] = array("d", compress(self._ts[src:end], live))
-            self._run[dst:top] = array("I", compress(self._run[src:end], live))
+            self._sidl[dst:top] = sidl
+            self._ts[dst:top] = ts
+            self._run[dst:top] = run
             shards = self._ids
             for k, nid in zip(moved, range(dst, top), strict=True):
                 shards[k & _SHARD_MASK][k] = nid  # type: ignore[operator,index]  # moved keys are never None
@@ -312,6 +349,36 @@ class NodeTable:
         else:
             self._cmp_src = end
             self._cmp_dst = top
+
+    def _gather_live(
+        self, seg: list[BlockKey | None], live: list[bool], src: int
+    ) -> tuple[list[BlockKey | None], list[int], array[float], array[int]]:
+        """The live nodes of ids ``src .. src + len(seg)`` (``seg``: their keys, ``live``: which are live), in id
+        order: their keys, state ids, times and run hints.
+
+        Live ids come in long spans (paths stored and evicted together): each span is copied as four slices.
+        When the spans are short (more than one per ``_SPAN_MIN`` ids) the per-node C-level filter
+        (``itertools.compress``) is cheaper; both give the same lists. This runs in the event loop.
+        """
+        spans = _live_spans(live, len(live) // _SPAN_MIN)
+        sidl, ts, run = self._sidl, self._ts, self._run
+        if spans is None:
+            return (
+                list(compress(seg, live)),
+                list(compress(sidl[src : src + len(seg)], live)),
+                array("d", compress(ts[src : src + len(seg)], live)),
+                array("I", compress(run[src : src + len(seg)], live)),
+            )
+        keys: list[BlockKey | None] = []
+        sids: list[int] = []
+        times = array("d")
+        hints = array("I")
+        for a, b in spans:
+            keys += seg[a:b]
+            sids += sidl[src + a : src + b]
+            times += ts[src + a : src + b]
+            hints += run[src + a : src + b]
+        return keys, sids, times, hints
 
     def set_compaction(self, *, min_dead: int, chunk: int) -> None:
         """Compact node ids once ``min_dead`` ids are dead (and past the share threshold), ``chunk`` ids a step

@@ -57,7 +57,7 @@ from .budget import (
     Budget,
     LruEvictor,
 )
-from .engine_map import ChainState, EngineHashMap, entry_keys
+from .engine_map import ChainState, EngineEntry, EngineHashMap, entry_keys
 from .expiry import TTL_ENTRY_BYTES, StoreOnlyExpiry
 from .hashing import (
     DEFAULT_BLOCK_SIZE,
@@ -79,8 +79,38 @@ _Hashes = Sequence[EngineHash]
 
 __all__ = ["NODE_BYTES", "TIERS", "BlockKey", "EngineHash", "PrefixIndex", "ReplicaMatch", "StoreResult"]
 
+#: one run hint of 1 (``_run`` of a node appended alone), repeated for a run of appended nodes
+_ONE_RUN = array("I", [1])
 #: Nodes processed per ``expire()`` call by the incremental sweep of cleared replicas.
 SWEEP_CHUNK = 65536
+
+
+_INT_ONLY = {int}
+
+
+def _page_keys(
+    hashes: Sequence[EngineHash], entries: list[EngineEntry | None]
+) -> tuple[list[BlockKey], list[EngineHash], list[BlockKey | None], int]:
+    """The router keys of removed pages (``entries``: each page's engine-map entry, None when unknown): every
+    key, the known pages' hashes, the last key of each known page (None when it completed none), and how many
+    pages were unknown."""
+    keys: list[BlockKey] = []
+    known: list[EngineHash] = []
+    lasts: list[BlockKey | None] = []
+    unknown = 0
+    for eh, e in zip(hashes, entries, strict=True):
+        if e is None:
+            unknown += 1
+        elif type(e) is int:  # a page that is exactly one block (``entry_keys`` inlined)
+            keys.append(e)
+            known.append(eh)
+            lasts.append(e)
+        else:
+            covered = entry_keys(e)
+            keys += covered
+            known.append(eh)
+            lasts.append(covered[-1] if covered else None)
+    return keys, known, lasts, unknown
 
 
 class _Nodes:
@@ -546,7 +576,6 @@ class PrefixIndex(NodeTable):
         changed = 0
         created = 0
         kl = self._keys
-        runs = self._run
         tips = self._tips
         streak = -1  # first node id of the current streak (nodes created back to back), -1 = none
         place = -1  # next reserved node id to fill (placed streak), -1 = appending at the end
@@ -567,11 +596,14 @@ class PrefixIndex(NodeTable):
             pos += m
         if pos:
             keys = keys[pos:]
-        for k in keys:
-            shard = ids[k & _SHARD_MASK]
-            nid = shard.get(k)
+            nkeys -= pos
+        i = 0
+        while i < nkeys:
+            k = keys[i]
+            nid = ids[k & _SHARD_MASK].get(k)
             if nid is None:
                 if not create:
+                    i += 1
                     continue
                 if streak >= 0 and place >= 0 and place >= place_end:
                     # the reservation is full: close this streak, go on at the end of the arrays
@@ -584,31 +616,27 @@ class PrefixIndex(NodeTable):
                     else:
                         place = -1
                         cap = tip[1] if tip is not None else 0
-                        room = self._take_extent(len(keys)) if self._n_extents else None
-                        if room is not None:  # the room of an evicted path (at most len(keys) new nodes)
+                        room = self._take_extent(nkeys) if self._n_extents else None
+                        if room is not None:  # the room of an evicted path (at most nkeys new nodes)
                             place, place_end = room
                             cap = place_end - place
+                # this key and the absent keys right after it, as many as the reservation (or the end) holds, at
+                # consecutive ids: what creating them one at a time would do, with the arrays written per run
+                nid = place if place >= 0 else len(kl)
+                c = self._claim_ids(keys, i, nkeys if place < 0 else min(nkeys, i + place_end - place), nid)
+                self._fill_new(keys, i, c, nid, place >= 0, fresh, now)
+                if op == OP_PREDICT:
+                    for q in keys[i : i + c]:
+                        pd[q] = exp  # type: ignore[index]
                 if place >= 0:
-                    nid = place
-                    place += 1
-                    kl[nid] = k
-                    sidl[nid] = fresh
-                    ts[nid] = now
-                    self._reserved -= 1
-                else:
-                    nid = len(kl)
-                    kl.append(k)
-                    sidl.append(fresh)
-                    ts.append(now)
-                    runs.append(1)
-                shard[k] = nid
+                    place += c
                 if streak < 0:
                     streak = nid
-                created += 1
-                prev = nid
-                if op == OP_PREDICT:
-                    pd[k] = exp  # type: ignore[index]
+                created += c
+                prev = nid + c - 1
+                i += c
                 continue
+            i += 1
             if streak >= 0:
                 if place >= 0:
                     self._close_streak(streak, place, place_end, cap, placed=True)
@@ -646,6 +674,39 @@ class PrefixIndex(NodeTable):
         refs[fresh] += created
         self._nodes += created
         return changed + created
+
+    def _claim_ids(self, keys: list[BlockKey], i: int, stop: int, nid: int) -> int:
+        """Map ``keys[i]``, ``keys[i + 1]``, ... (up to ``stop``) to node ids ``nid``, ``nid + 1``, ... while they
+        are absent from the key -> id map; returns how many were mapped (>= 1 when ``keys[i]`` is absent).
+
+        One ``setdefault`` per key both checks and claims it (``nid`` is a free id: no key maps to it, so getting
+        it back means the key was absent); a key already present (one earlier in ``keys`` included) ends the run.
+        """
+        ids = self._ids
+        first = nid
+        for k in keys[i:stop]:
+            if ids[k & _SHARD_MASK].setdefault(k, nid) is not nid:
+                break
+            nid += 1
+        return nid - first
+
+    def _fill_new(
+        self, keys: list[BlockKey], i: int, c: int, nid: int, placed: bool, sid: int, now: float
+    ) -> None:
+        """Write the ``c`` new nodes ``keys[i : i + c]`` at ids ``nid ..`` in state ``sid``, stored at ``now``:
+        into reserved room (``placed``) or appended at the end of the arrays (``nid == len(self._keys)``)."""
+        new = keys[i : i + c]
+        if placed:
+            end = nid + c
+            self._keys[nid:end] = new
+            self._sidl[nid:end] = [sid] * c
+            self._ts[nid:end] = array("d", [now]) * c
+            self._reserved -= c
+        else:
+            self._keys += new
+            self._sidl += [sid] * c
+            self._ts += array("d", [now]) * c
+            self._run += _ONE_RUN * c
 
     def _removal_order(self, keys: Sequence[BlockKey]) -> Sequence[BlockKey] | None:
         """The order in which ``_apply`` removes ``keys``: as given when they start root to leaf (the stretch walk
@@ -990,43 +1051,45 @@ class PrefixIndex(NodeTable):
             return 0
         slot = self._slot_of.get(replica)
         removed = 0
-        keys: list[BlockKey] = []  # the router keys of every known page (all removed by one _apply call)
-        known: list[tuple[EngineHash, BlockKey | None]] = []  # (engine hash, its last router key or None)
-        unknown = 0
-        for eh in cast(_Hashes, engine_hashes):
-            e = emap.get(eh)
-            if e is None:
-                unknown += 1
-            elif type(e) is int:  # a page that is exactly one block (``entry_keys`` inlined: the common case)
-                keys.append(e)
-                known.append((eh, e))
-            else:
-                covered = entry_keys(e)
-                keys += covered
-                known.append((eh, covered[-1] if covered else None))
-        if count_unknown:
-            self._unknown_removed += unknown
+        hashes = cast(list[EngineHash], engine_hashes)
+        entries = list(map(emap.get, hashes))
+        if set(map(type, entries)) == _INT_ONLY:
+            # every page known and exactly one block (the common case): the entries are the pages' keys
+            keys: list[BlockKey] = entries  # type: ignore[assignment]
+            lasts: list[BlockKey | None] = entries  # type: ignore[assignment]
+        else:
+            keys, hashes, lasts, unknown = _page_keys(hashes, entries)
+            if count_unknown:
+                self._unknown_removed += unknown
+        every = True  # every key is removed (no extra copy of one kept it)
         if keys and emaps.has_copies:
+            n = len(keys)
             keys = emaps.take_copies(replica, t, keys)
+            every = len(keys) == n
         if keys and slot is not None:
             removed = self._apply(slot, keys, OP_REMOVE, t, 0.0, create=False)
-        self._forget_pages(emap, slot, known)
+        if slot is None or every and not self._states.may_hold_besides(slot, t):
+            for eh in hashes:  # the replica holds none of the pages' blocks in any confirmed tier now
+                emap.pop(eh, None)
+        else:
+            self._forget_pages(emap, slot, hashes, lasts)
         self._maybe_compact()
         return removed
 
     def _forget_pages(
-        self, emap: dict[EngineHash, Any], slot: int | None, known: list[tuple[EngineHash, BlockKey | None]]
+        self,
+        emap: dict[EngineHash, Any],
+        slot: int,
+        hashes: Sequence[EngineHash],
+        lasts: list[BlockKey | None],
     ) -> None:
-        """Drop the mapping of each removed page whose last block ``slot`` holds in no confirmed tier any more
+        """Drop the mapping of each removed page (``hashes``, with the last block of each: ``lasts``, None for a
+        page that completed none) whose last block ``slot`` holds in no confirmed tier any more
         (``_holds_confirmed`` inlined over the batch)."""
-        if slot is None:
-            for eh, _ in known:
-                emap.pop(eh, None)
-            return
         ids = self._ids
         sidl = self._sidl
         confirmed = self._states.confirmed
-        for eh, lastk in known:
+        for eh, lastk in zip(hashes, lasts, strict=True):
             if lastk is None:
                 emap.pop(eh, None)
                 continue

@@ -61,7 +61,7 @@ class StateTable:
         refs: per state, how many nodes are in it (maintained by the index).
     """
 
-    __slots__ = ("states", "all", "confirmed", "special", "refs", "_intern", "_trans")
+    __slots__ = ("states", "all", "confirmed", "special", "refs", "_intern", "_trans", "_tier_union")
 
     def __init__(self) -> None:
         self.states: list[State] = []
@@ -71,6 +71,8 @@ class StateTable:
         self.refs: list[int] = []
         self._intern: dict[State, int] = {}
         self._trans: dict[tuple[int, int, int], dict[int, int]] = {}
+        # per tier, the union of that tier's masks over every state in the table (used or not)
+        self._tier_union = [0, 0, 0, 0]
         self.intern(EMPTY)
 
     def __len__(self) -> int:
@@ -108,8 +110,17 @@ class StateTable:
         self.confirmed.append(confirmed)
         self.special.append(tuple(special))
         self.refs.append(0)
+        union = self._tier_union
+        for t, m in enumerate((g, c, d, r)):
+            if m & ~union[t]:
+                union[t] |= m
         self._intern[st] = sid
         return sid
+
+    def may_hold_besides(self, slot: int, tier: int) -> bool:
+        """False when no state of the table holds ``slot`` in a tier other than ``tier``: then no block is held by
+        that slot in another tier (a node is always in one of the table's states). True says only *maybe*."""
+        return any(m >> slot & 1 for t, m in enumerate(self._tier_union) if t != tier)
 
     def table(self, op: int, slot: int, tier: int) -> dict[int, int]:
         """The memo of transitions ``state id -> state id`` for one (operation, slot, tier); fill it with
@@ -165,6 +176,7 @@ class StateTable:
         self.refs = []
         self._intern = {}
         self._trans = {}
+        self._tier_union = [0, 0, 0, 0]
         for sid in keep:
             self.intern(old_states[sid])
         for new, old in enumerate(keep):
