@@ -360,34 +360,55 @@ _WANTED_FAMILIES: frozenset[str] = frozenset()
 _NO_BUCKETS: list[tuple[dict[str, str], float]] = []
 
 
+def _foreign_line(name: str) -> re.Pattern[str]:
+    """A finder of a line in family ``name``'s block that is neither its sample nor a comment nor blank: a newline
+    followed by anything but ``name``, ``#``, another newline or the block's end (compiled once per name)."""
+    got = _FOREIGN_LINE.get(name)
+    if got is None:
+        if len(_FOREIGN_LINE) >= _FOREIGN_LINE_MAX:
+            _FOREIGN_LINE.clear()  # names come from engines' pages: bounded
+        got = _FOREIGN_LINE[name] = re.compile(r"\n(?!" + re.escape(name) + r"|#|\n|\Z)")
+    return got
+
+
+#: family name -> its ``_foreign_line`` finder
+_FOREIGN_LINE: dict[str, re.Pattern[str]] = {}
+_FOREIGN_LINE_MAX = 1 << 12
+
+
 def _wanted_lines(text: str, buckets: bool = True) -> tuple[list[str], list[str]] | None:
     """The lines of ``text`` in the blocks of the families the snapshot reads (each family's samples follow its
     ``# TYPE`` line, as the exposition format requires), without histogram bucket lines unless ``buckets``, plus
     any line before the first ``# TYPE``; and the name of every family on the page. None when the page has no
-    ``# TYPE`` line, or a skipped family's block holds a line of another name (parse it whole)."""
+    ``# TYPE`` line, or a skipped family's block holds a line of another name (parse it whole).
+
+    A skipped block is checked with one compiled search in C (``_foreign_line``; on a real vLLM page, 77 of its 92
+    families are skipped and the check was most of the parse's CPU); only the read families' lines are split."""
     blocks = text.split("\n# TYPE ")
-    if len(blocks) == 1:
+    if text.startswith("# TYPE "):  # a page without HELP lines opens with its first family's block
+        blocks[0] = blocks[0][len("# TYPE ") :]
+        out: list[str] = []
+    elif len(blocks) == 1:
         return None
-    out = blocks[0].splitlines()
+    else:
+        out = blocks.pop(0).splitlines()  # the lines before the first # TYPE
     families: list[str] = []
     wanted = _WANTED_FAMILIES
-    for block in blocks[1:]:
+    for block in blocks:
         name = block[: block.find(" ")]
         families.append(name)
         if name not in wanted:
             # every line of a skipped block must be its family's sample or a comment: an untyped sample of
             # another family after it (the format allows untyped samples) would be lost -> parse the page whole
-            if block.count("\n") > block.count("\n" + name) + block.count("\n#") + block.count(
-                "\n\n"
-            ) + block.endswith("\n"):
+            if _foreign_line(name).search(block) is not None:
                 return None
             continue
         lines = block.splitlines()[1:]
-        if buckets:
+        skip = name + "_bucket"
+        if buckets or skip not in block:
             out.extend(lines)
         else:
-            skip = name + "_bucket"
-            out.extend(line for line in lines if not line.startswith(skip))
+            out.extend([line for line in lines if not line.startswith(skip)])
     return out, families
 
 
