@@ -41,6 +41,8 @@ dispatched when the scrape was sent (those tokens are now in the engine's own nu
 from __future__ import annotations
 
 import asyncio
+import copy
+import hashlib
 import logging
 import math
 import re
@@ -362,34 +364,55 @@ _WANTED_FAMILIES: frozenset[str] = frozenset()
 _NO_BUCKETS: list[tuple[dict[str, str], float]] = []
 
 
+def _foreign_line(name: str) -> re.Pattern[str]:
+    """A finder of a line in family ``name``'s block that is neither its sample nor a comment nor blank: a newline
+    followed by anything but ``name``, ``#``, another newline or the block's end (compiled once per name)."""
+    got = _FOREIGN_LINE.get(name)
+    if got is None:
+        if len(_FOREIGN_LINE) >= _FOREIGN_LINE_MAX:
+            _FOREIGN_LINE.clear()  # names come from engines' pages: bounded
+        got = _FOREIGN_LINE[name] = re.compile(r"\n(?!" + re.escape(name) + r"|#|\n|\Z)")
+    return got
+
+
+#: family name -> its ``_foreign_line`` finder
+_FOREIGN_LINE: dict[str, re.Pattern[str]] = {}
+_FOREIGN_LINE_MAX = 1 << 12
+
+
 def _wanted_lines(text: str, buckets: bool = True) -> tuple[list[str], list[str]] | None:
     """The lines of ``text`` in the blocks of the families the snapshot reads (each family's samples follow its
     ``# TYPE`` line, as the exposition format requires), without histogram bucket lines unless ``buckets``, plus
     any line before the first ``# TYPE``; and the name of every family on the page. None when the page has no
-    ``# TYPE`` line, or a skipped family's block holds a line of another name (parse it whole)."""
+    ``# TYPE`` line, or a skipped family's block holds a line of another name (parse it whole).
+
+    A skipped block is checked with one compiled search in C (``_foreign_line``; on a real vLLM page, 77 of its 92
+    families are skipped and the check was most of the parse's CPU); only the read families' lines are split."""
     blocks = text.split("\n# TYPE ")
-    if len(blocks) == 1:
+    if text.startswith("# TYPE "):  # a page without HELP lines opens with its first family's block
+        blocks[0] = blocks[0][len("# TYPE ") :]
+        out: list[str] = []
+    elif len(blocks) == 1:
         return None
-    out = blocks[0].splitlines()
+    else:
+        out = blocks.pop(0).splitlines()  # the lines before the first # TYPE
     families: list[str] = []
     wanted = _WANTED_FAMILIES
-    for block in blocks[1:]:
+    for block in blocks:
         name = block[: block.find(" ")]
         families.append(name)
         if name not in wanted:
             # every line of a skipped block must be its family's sample or a comment: an untyped sample of
             # another family after it (the format allows untyped samples) would be lost -> parse the page whole
-            if block.count("\n") > block.count("\n" + name) + block.count("\n#") + block.count(
-                "\n\n"
-            ) + block.endswith("\n"):
+            if _foreign_line(name).search(block) is not None:
                 return None
             continue
         lines = block.splitlines()[1:]
-        if buckets:
+        skip = name + "_bucket"
+        if buckets or skip not in block:
             out.extend(lines)
         else:
-            skip = name + "_bucket"
-            out.extend(line for line in lines if not line.startswith(skip))
+            out.extend([line for line in lines if not line.startswith(skip)])
     return out, families
 
 
@@ -739,6 +762,11 @@ class ReplicaScrape:
     warned_block_size: int | None = None
     #: the recent requests behind the queue estimate (``RecentPrompts``)
     recent: RecentPrompts = field(default_factory=RecentPrompts)
+    #: the SHA-1 digest and dialect of the last page parsed, and its snapshot: an unchanged page (an idle engine's
+    #: repeats byte for byte) is not parsed again
+    page_digest: bytes = b""
+    page_dialect: str | None = None
+    page_snapshot: EngineSnapshot | None = None
 
 
 class MetricsScraper:
@@ -865,7 +893,7 @@ class MetricsScraper:
             if resp.status_code != 200:
                 reason = f"http_{resp.status_code}"
             else:
-                snap = parse_metrics(resp.text, getattr(replica, "dialect", None) or None, buckets=False)
+                snap = self._parse_page(st, resp.text, getattr(replica, "dialect", None) or None)
         except httpx.TimeoutException:
             reason = "timeout"
         except httpx.HTTPError:
@@ -927,6 +955,21 @@ class MetricsScraper:
         )
         if estimate is not None and _in_range(estimate, GAUGE_BOUNDS["queued_prefill_tokens"]):
             snap.queued_prefill_tokens = estimate
+
+    @staticmethod
+    def _parse_page(st: ReplicaScrape, text: str, dialect: str | None) -> EngineSnapshot:
+        """The snapshot of ``text`` (histograms without buckets): a copy of the replica's last one when the page
+        is its last page unchanged (an idle engine's page repeats byte for byte), else parsed. The parse is a
+        function of the page and the dialect alone, so both give the same snapshot; the page is recognised by its
+        SHA-1 digest (~8 us for a 15 kB page, 28 us for a real vLLM page of 56 kB, against a parse of ~70 and
+        ~150 us; 20 bytes kept per replica)."""
+        digest = hashlib.sha1(text.encode("utf-8", "surrogatepass"), usedforsecurity=False).digest()
+        last = st.page_snapshot
+        if last is not None and digest == st.page_digest and dialect == st.page_dialect:
+            return copy.copy(last)
+        snap = parse_metrics(text, dialect, buckets=False)
+        st.page_digest, st.page_dialect, st.page_snapshot = digest, dialect, copy.copy(snap)
+        return snap
 
     def _note_rejected(self, replica: Any, st: ReplicaScrape, snap: EngineSnapshot) -> None:
         """Count the snapshot's out-of-range fields; warn once per replica and field."""

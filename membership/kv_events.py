@@ -116,7 +116,10 @@ class KVEventsConfig:
         orphan_replay_interval_s: least time between two orphan-triggered replays of one replica.
         degraded_retry_s: how often a degraded replica with a replay endpoint retries a full resync.
         degraded_hold_s: how long a replica without a replay endpoint stays degraded after its last loss.
-        poll_interval_s: how often a feed task wakes up when no message arrives (timers, stop).
+        poll_interval_s: how often a feed task wakes up when no message arrives while one of its timers may be
+            due (a degraded replica's retry or hold, an orphan replay, a dropped connection's reconnect check).
+        idle_poll_interval_s: how often a feed task with no timer pending wakes up when nothing arrives (its
+            sockets and posted inputs wake it at once; this is only a safety net).
         recent_digests: how many applied (seq, payload digest) pairs are remembered to recognise duplicates.
         limits: decoder bounds (payload size, list lengths, bigram handling, KV group); its payload bound is
             replaced by ``max_message_bytes`` and its medium table by ``medium_tiers``.
@@ -139,6 +142,7 @@ class KVEventsConfig:
     degraded_retry_s: float = 15.0
     degraded_hold_s: float = 60.0
     poll_interval_s: float = 0.25
+    idle_poll_interval_s: float = 5.0
     recent_digests: int = 50_000
     limits: DecodeLimits = DEFAULT_LIMITS
     medium_tiers: Mapping[str, str] = field(default_factory=lambda: MEDIUM_TO_TIER)
@@ -337,6 +341,7 @@ class ReplicaFeed:
     ) -> None:
         """Handle every queued input; sleep until the FDs signal, an input is posted or a timer is due."""
         poll_s = self.cfg.poll_interval_s
+        idle_s = max(poll_s, self.cfg.idle_poll_interval_s)
         noblock = zmq.NOBLOCK
         clock = self.owner.clock
         while True:
@@ -357,7 +362,7 @@ class ReplicaFeed:
                 wake.clear()
                 if _readable(live) or _readable(monitor) or self.inbox:
                     continue  # arrived while draining (the FD may not signal again)
-                await _wait_or_timer(wake, poll_s)
+                await _wait_or_timer(wake, poll_s if self._timer_pending() else idle_s)
             except asyncio.CancelledError:
                 raise
             except zmq.Again:
@@ -386,6 +391,12 @@ class ReplicaFeed:
         self._disconnected_at = None  # ZMQ is (re)connecting
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             await self.execute(self.sequencer.on_connected(self.owner.clock()))
+
+    def _timer_pending(self) -> bool:
+        """A timer of this feed may come due without a new input: one of the sequencer's (``tick``) or the
+        dropped connection's reconnect check (``_check_stalled``). Otherwise only the sockets or a posted input
+        can give the feed work, and they wake it."""
+        return self._disconnected_at is not None or self.sequencer.timer_pending()
 
     def _check_stalled(self, now: float) -> None:
         """Reconnect by hand when ZMQ dropped the connection and does not retry.

@@ -546,6 +546,11 @@ class Sequencer:
             return out + self._replay(0, "restart", None)
         return out
 
+    def timer_pending(self) -> bool:
+        """Whether ``tick`` may act later without a new input: a degraded replica's retry or hold expiry, or an
+        orphan replay waiting for its interval. False: ``tick`` does nothing until an input changes the state."""
+        return self.degraded or self.orphan_pending
+
     def tick(self, now: float) -> list[Action]:
         """Timers: degraded retries and hold expiry, orphan replays."""
         if self.pending is not None:

@@ -57,8 +57,6 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
         become_worker(worker)
     if settings.workers > 1 and worker is None:
         return _run_supervisor(settings, argv, epp=epp, cmd=cmd)
-    import uvicorn
-
     from router.http.app import create_app
     from router.services import build_services
 
@@ -82,7 +80,9 @@ def main(argv: Sequence[str] | None = None, *, epp: bool = False) -> int:
         else WorkerApp(app, worker, services.telemetry.render_stream, services.loop_lag.note_resumed)
     )
     config = _uvicorn_config(settings, served, loop=loop, http=http)
-    server = uvicorn.Server(config)
+    from router.http.server_loop import QuietServer
+
+    server = QuietServer(config)  # uvicorn's server, its main loop waking once a second instead of ten times
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn already shut down gracefully
         server.run(sockets=None if worker is None else [worker_socket(settings.host, worker.port)])
     return 0 if server.started else _STARTUP_FAILURE

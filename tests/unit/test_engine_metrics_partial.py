@@ -101,3 +101,50 @@ def test_wanted_families_cover_every_name_the_dialect_parsers_read() -> None:
         "process_start_time_seconds",
     ):
         assert name in fams
+
+
+@pytest.mark.parametrize(
+    ("tail", "fast"),
+    [
+        ("", True),  # the page ends in the skipped block, with its newline
+        ("\n\n", True),  # blank lines inside a skipped block are no foreign line
+        ("# a comment\n", True),
+        ('vllm:num_requests_waiting{engine="0"} 5.0', False),  # untyped, last line, no final newline
+        ('vllm:num_requests_waiting{engine="0"} 5.0\n', False),
+        (
+            ' python_gc_objects_collected_total{generation="1"} 1.0\n',
+            False,
+        ),  # indented: not the family's line
+    ],
+)
+def test_a_skipped_block_is_checked_to_its_last_line(tail: str, fast: bool) -> None:
+    """The check of a skipped family's block (one compiled search per block) finds an untyped sample of another
+    family wherever it is, also on the page's last line without a newline, and accepts comments and blank lines."""
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0"} 2.0\n'
+        "# HELP python_gc_objects_collected_total Objects collected.\n"
+        "# TYPE python_gc_objects_collected_total counter\n"
+        'python_gc_objects_collected_total{generation="0"} 12.0\n' + tail
+    )
+    assert (engine_metrics._wanted_lines(text, False) is not None) is fast
+    snap = parse_metrics(text, buckets=False)
+    assert snap.running_requests == 2
+    assert snap.queued_requests == (5 if "waiting" in tail else None)
+
+
+def test_real_vllm_capture_reads_the_same_as_a_whole_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scraper's parse of a real vLLM 0.32.0 page (the reference capture) takes the fast path and reads what
+    a parse of every line reads (histograms: sum, count and mean)."""
+    ref = Path("/work/shared/reference/real-vllm/vllm-0.32.0-cpu-metrics.txt")
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "real_vllm" / "vllm-0.32.0-cpu-metrics.txt"
+    text = (ref if ref.exists() else fixture).read_text()
+    assert engine_metrics._wanted_lines(text, False) is not None
+    whole = _whole(text, monkeypatch)
+    lean = parse_metrics(text, buckets=False)
+    assert _without(lean, "families", *HISTOGRAMS) == _without(whole, "families", *HISTOGRAMS)
+    for field in HISTOGRAMS:
+        full, got = getattr(whole, field), getattr(lean, field)
+        assert (full is None) == (got is None)
+        if full is not None:
+            assert (got.sum, got.count, got.mean) == (full.sum, full.count, full.mean)
