@@ -8,25 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-
-import pytest
 
 from fakes.kv_publisher import PubCleared, PubStored
 from membership.kv_events import KVEventsConfig, ReplicaFeed
 from tests.integration.test_kv_events import BS, Rig, chain, connected_rig, matched, publish_unseen, until
+from tests.integration.test_kv_events import rigs as rigs  # the fixture that stops every rig a test made
 
 #: the poll of a feed with a timer pending, short so that a feed still polling would tick often in the window
 _POLL_S = 0.02
-
-
-@pytest.fixture
-async def rigs() -> AsyncIterator[list[Rig]]:
-    made: list[Rig] = []
-    yield made
-    for rig in made:
-        await rig.sub.stop()
-        rig.pub.stop()
 
 
 def _count_ticks(feed: ReplicaFeed) -> list[int]:
