@@ -86,10 +86,10 @@ def _countdown(n: int) -> array[int]:
 
 
 #: ``_compact_step`` copies live nodes span by span while the spans average at least this many ids
-_SPAN_MIN = 64
+SPAN_MIN = 64
 
 
-def _live_spans(live: list[bool], most: int) -> list[tuple[int, int]] | None:
+def live_spans(live: list[bool], most: int) -> list[tuple[int, int]] | None:
     """The spans ``(start, end)`` of consecutive True in ``live``, in order (found by C-level ``list.index``
     scans); None as soon as there are more than ``most`` (then a per-item filter is cheaper)."""
     spans: list[tuple[int, int]] = []
@@ -357,10 +357,10 @@ class NodeTable:
         order: their keys, state ids, times and run hints.
 
         Live ids come in long spans (paths stored and evicted together): each span is copied as four slices.
-        When the spans are short (more than one per ``_SPAN_MIN`` ids) the per-node C-level filter
+        When the spans are short (more than one per ``SPAN_MIN`` ids) the per-node C-level filter
         (``itertools.compress``) is cheaper; both give the same lists. This runs in the event loop.
         """
-        spans = _live_spans(live, len(live) // _SPAN_MIN)
+        spans = live_spans(live, len(live) // SPAN_MIN)
         sidl, ts, run = self._sidl, self._ts, self._run
         if spans is None:
             return (

@@ -41,8 +41,6 @@ dispatched when the scrape was sent (those tokens are now in the engine's own nu
 from __future__ import annotations
 
 import asyncio
-import copy
-import hashlib
 import logging
 import math
 import re
@@ -762,11 +760,6 @@ class ReplicaScrape:
     warned_block_size: int | None = None
     #: the recent requests behind the queue estimate (``RecentPrompts``)
     recent: RecentPrompts = field(default_factory=RecentPrompts)
-    #: the SHA-1 digest and dialect of the last page parsed, and its snapshot: an unchanged page (an idle engine's
-    #: repeats byte for byte) is not parsed again
-    page_digest: bytes = b""
-    page_dialect: str | None = None
-    page_snapshot: EngineSnapshot | None = None
 
 
 class MetricsScraper:
@@ -893,7 +886,7 @@ class MetricsScraper:
             if resp.status_code != 200:
                 reason = f"http_{resp.status_code}"
             else:
-                snap = self._parse_page(st, resp.text, getattr(replica, "dialect", None) or None)
+                snap = parse_metrics(resp.text, getattr(replica, "dialect", None) or None, buckets=False)
         except httpx.TimeoutException:
             reason = "timeout"
         except httpx.HTTPError:
@@ -955,21 +948,6 @@ class MetricsScraper:
         )
         if estimate is not None and _in_range(estimate, GAUGE_BOUNDS["queued_prefill_tokens"]):
             snap.queued_prefill_tokens = estimate
-
-    @staticmethod
-    def _parse_page(st: ReplicaScrape, text: str, dialect: str | None) -> EngineSnapshot:
-        """The snapshot of ``text`` (histograms without buckets): a copy of the replica's last one when the page
-        is its last page unchanged (an idle engine's page repeats byte for byte), else parsed. The parse is a
-        function of the page and the dialect alone, so both give the same snapshot; the page is recognised by its
-        SHA-1 digest (~8 us for a 15 kB page, 28 us for a real vLLM page of 56 kB, against a parse of ~70 and
-        ~150 us; 20 bytes kept per replica)."""
-        digest = hashlib.sha1(text.encode("utf-8", "surrogatepass"), usedforsecurity=False).digest()
-        last = st.page_snapshot
-        if last is not None and digest == st.page_digest and dialect == st.page_dialect:
-            return copy.copy(last)
-        snap = parse_metrics(text, dialect, buckets=False)
-        st.page_digest, st.page_dialect, st.page_snapshot = digest, dialect, copy.copy(snap)
-        return snap
 
     def _note_rejected(self, replica: Any, st: ReplicaScrape, snap: EngineSnapshot) -> None:
         """Count the snapshot's out-of-range fields; warn once per replica and field."""

@@ -997,14 +997,21 @@ def _hashes(raw: object, limits: DecodeLimits) -> list[int]:
         raise _Bad("bad_block_hashes")
     if len(raw) > limits.max_hashes:
         raise _Bad("too_many_hashes")
-    if raw and _Q_IS_U64 and set(map(type, raw)) == _INT_ONLY:
-        try:
-            array("Q", raw)  # each in [0, 2**64), checked in C
-        except OverflowError:
-            pass
-        else:
-            return raw  # the common form (uint64s): the parser's list, used as it is
+    if raw and _all_u64(raw):
+        return raw  # the common form (uint64s): the parser's list, used as it is
     return [h if type(h) is int and 0 <= h < _U64 else _hash(h) for h in raw]
+
+
+def _all_u64(raw: list[Any]) -> bool:
+    """Every item of ``raw`` is an int in [0, 2**64), checked in C: the set of types, then the range by an
+    ``array("Q")`` conversion (which raises for an int outside it)."""
+    if not (_Q_IS_U64 and set(map(type, raw)) == _INT_ONLY):
+        return False
+    try:
+        array("Q", raw)
+    except OverflowError:
+        return False
+    return True
 
 
 def _tokens(raw: object, limits: DecodeLimits, notes: Counter[str]) -> Any:

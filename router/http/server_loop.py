@@ -52,9 +52,8 @@ class QuietServer(uvicorn.Server):
         counter = 0
         should_exit = await self.on_tick(counter)
         while not should_exit:
-            counter = (
-                counter + _TICKS_PER_REFRESH
-            ) % 864000  # each check is a whole second: refresh the date
+            # each check is a whole second: count it as uvicorn's ten ticks, so ``on_tick`` refreshes the date
+            counter = (counter + _TICKS_PER_REFRESH) % 864000
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), TICK_S)
             self.ticks += 1

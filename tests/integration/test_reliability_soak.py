@@ -114,7 +114,7 @@ def test_soak_with_abuse_loses_nothing_and_answers_abuse_by_design() -> None:
     assert set(kinds["bad_input"]["statuses"]) <= {"400", "413", "422"}, ab
     assert ab["healthz_failures"] == 0 and ab["healthz_polls"] > 50, ab
     # a loop held by an abuse kind stalls a poll every time that kind is sent (each is sent at least twice); a
-    # noisy neighbour on a shared 2-core machine stalls one poll (CI once saw 0.55 s): the second slowest must pass
+    # noisy neighbour on a shared 2-core machine stalls one poll (CI once saw 0.55 s): the second slowest is bounded
     slowest = ab["healthz_slowest"]
     assert len(slowest) >= 2 and slowest[1][1] < 0.5, f"/healthz blocked twice or more: {slowest}"
     assert res["healthz_max_s"] < 2.0, f"/healthz blocked {res['healthz_max_s']}s"

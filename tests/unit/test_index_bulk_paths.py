@@ -7,18 +7,18 @@ import random
 from array import array
 from itertools import compress
 
-from index.nodes import _SPAN_MIN, _live_spans
+from index.nodes import SPAN_MIN, live_spans
 from index.prefix_index import PrefixIndex
 
 
 def test_live_spans_finds_every_run_and_gives_up_past_the_limit() -> None:
-    assert _live_spans([], 4) == []
-    assert _live_spans([False] * 5, 4) == []
-    assert _live_spans([True] * 5, 4) == [(0, 5)]
+    assert live_spans([], 4) == []
+    assert live_spans([False] * 5, 4) == []
+    assert live_spans([True] * 5, 4) == [(0, 5)]
     flags = [True, True, False, True, False, False, True]
-    assert _live_spans(flags, 3) == [(0, 2), (3, 4), (6, 7)]
-    assert _live_spans(flags, 2) is None  # a third span: a per-item filter is cheaper
-    assert _live_spans([False, True, True, False], 1) == [(1, 3)]
+    assert live_spans(flags, 3) == [(0, 2), (3, 4), (6, 7)]
+    assert live_spans(flags, 2) is None  # a third span: a per-item filter is cheaper
+    assert live_spans([False, True, True, False], 1) == [(1, 3)]
 
 
 def _scattered_index(rng: random.Random) -> PrefixIndex:
@@ -39,7 +39,7 @@ def test_gather_live_equals_a_per_node_filter_for_long_and_short_spans() -> None
     idx = _scattered_index(rng)
     kl = idx._keys
     assert kl.count(None) > 100
-    for src, end in ((0, len(kl)), (5, 5 + 40 * _SPAN_MIN), (len(kl) // 3, len(kl) // 3 + 3 * _SPAN_MIN)):
+    for src, end in ((0, len(kl)), (5, 5 + 40 * SPAN_MIN), (len(kl) // 3, len(kl) // 3 + 3 * SPAN_MIN)):
         seg = kl[src:end]
         live = [k is not None for k in seg]
         keys, sids, times, hints = idx._gather_live(seg, live, src)
@@ -48,9 +48,9 @@ def test_gather_live_equals_a_per_node_filter_for_long_and_short_spans() -> None
         assert times == array("d", compress(idx._ts[src:end], live))
         assert hints == array("I", compress(idx._run[src:end], live))
     # every other id dead: more spans than the limit, the per-node filter answers
-    seg = [k if i % 2 else None for i, k in enumerate(k for k in kl if k is not None)][: 4 * _SPAN_MIN]
+    seg = [k if i % 2 else None for i, k in enumerate(k for k in kl if k is not None)][: 4 * SPAN_MIN]
     live = [k is not None for k in seg]
-    assert _live_spans(live, len(live) // _SPAN_MIN) is None
+    assert live_spans(live, len(live) // SPAN_MIN) is None
     keys, sids, _, _ = idx._gather_live(seg, live, 0)
     assert keys == list(compress(seg, live)) and sids == list(compress(idx._sidl[: len(seg)], live))
 
