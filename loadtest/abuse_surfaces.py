@@ -36,12 +36,14 @@ import orjson
 from loadtest.abuse import ABUSE_OK_STATUSES, AbuseClients, AbuseOptions
 
 #: the answers each new kind may get by design ("refused": an ImmediateResponse or the stream aborted; "cut":
-#: the stream ended before the body did)
+#: the stream ended before the body did; "engine_gone": the picked engine refused the connection, i.e. the soak's
+#: fault killed it between the pick and the gateway's connect, a race no picker can close (health probes notice a
+#: dead engine within their interval; a gateway retries such a connect failure on another pick))
 DESIGNED: dict[str, frozenset[str]] = {
     "picker_keyless": frozenset({"401", "403", "404"}),
     "picker_double_pick": frozenset({"refused"}),
     "picker_trickle": frozenset({"cut", "400", "408", "413"}),
-    "picker_split_usage": frozenset({"200"}),
+    "picker_split_usage": frozenset({"200", "engine_gone"}),
     "tenant_flood_critical": frozenset({"200", "400", "403", "429", "503"}),
     "tenant_standard": frozenset({"200", "429", "503"}),
     "tenant_many_names": frozenset({"200", "400", "401", "403", "429", "503"}),
@@ -214,14 +216,22 @@ class SurfaceAbuse(AbuseClients):
             self._stop.wait(self.o.pause_s)
 
     def _split_usage_once(self, st: Any) -> str:
-        from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-
-        from loadtest.epp_gateway import header_map
-
         picked = st.request("/v1/completions", self._completion(stream=True), headers=self._auth_header)
         if picked.immediate is not None or not picked.endpoint:
             return f"not_picked_{picked.status}"
         seen: list[bytes] = []
+        try:
+            return self._relay_split(st, picked, seen)
+        except httpx.ConnectError:
+            return "engine_gone"
+
+    def _relay_split(self, st: Any, picked: Any, seen: list[bytes]) -> str:
+        """Stream the picked engine's answer through the picker in 5-byte messages (``seen``: what it passed on);
+        the outcome."""
+        from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+        from loadtest.epp_gateway import header_map
+
         with httpx.stream(
             "POST",
             f"http://{picked.endpoint}/v1/completions",
