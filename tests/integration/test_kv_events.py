@@ -264,6 +264,42 @@ async def test_missing_replay_endpoint_marks_degraded_and_clears(rigs: list[Rig]
     assert matched(rig.index, keys) == 1 and matched(rig.index, keys2) == 1
 
 
+async def test_a_resync_lifts_degraded_only_once_its_history_is_applied(rigs: list[Rig]) -> None:
+    """A degraded replica's resync (replay from 0, applied one batch per pass of the event loop) leaves it
+    degraded until the last replayed batch is in the index: whoever reads ``degraded`` in between (the router,
+    for every decision) never sees a replica called complete whose index is still empty or partial."""
+    rig = await connected_rig(rigs, "vllm")
+    toks, hs, keys = chain(30)
+    rig.pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
+    for i in range(1, 30):  # a history of 30 batches: the resync applies them one at a time
+        rig.pub.publish([PubStored(hs[i : i + 1], hs[i - 1], toks[16 * i : 16 * i + 16], BS)])
+    await until(lambda: matched(rig.index, keys) == 30, what="history stored")
+    rig.pub.faults.replay_disabled = True
+    publish_unseen(rig, [PubRemoved([12345])])
+    rig.pub.publish([PubRemoved([456])])  # the gap shows, its replay fails: cleared, degraded
+    await until(lambda: rig.sub.degraded(0), what="degraded")
+    assert matched(rig.index, keys) == 0
+    seen: list[tuple[bool, int]] = []  # (degraded, blocks of the history in the index) at every loop pass
+    done = asyncio.Event()
+
+    async def observe() -> None:
+        while not done.is_set():
+            seen.append((rig.sub.degraded(0), matched(rig.index, keys)))
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(observe())
+    try:
+        rig.pub.faults.replay_disabled = False  # the next degraded retry resyncs the replica
+        await until(lambda: not rig.sub.degraded(0), what="recovered")
+    finally:
+        done.set()
+        await watcher
+    assert rig.totals()["replays"].get("degraded_retry:ok") == 1
+    partial = [blocks for degraded, blocks in seen if not degraded and blocks < 30]
+    assert not partial, f"called complete with {partial[0]} of 30 blocks applied"
+    assert matched(rig.index, keys) == 30
+
+
 async def test_slow_replay_counts_as_failed(rigs: list[Rig]) -> None:
     rig = await connected_rig(rigs, "vllm", faults=Faults(replay_delay_s=1.5))
     publish_unseen(rig, [PubRemoved([123])])
