@@ -1,7 +1,8 @@
 """KV-event subscription over real ZMQ sockets on 127.0.0.1: the fake engine's publisher -> subscriber -> PrefixIndex.
 
 Covers: every wire format end to end, replay after a forced gap, clear after a sequence reset, duplicates,
-garbage payloads, replay missing / slow -> degraded and cleared, late join, orphans.
+garbage payloads, replay missing / slow -> degraded and cleared, late join, orphans. Every feed here runs without
+the idle safety poll (``NO_SAFETY_POLL_S``): each of these sources of work must wake its feed by itself.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from tests.helpers import PageServer, free_port
 
 MODEL = "m"
 BS = 16
+#: ``idle_poll_interval_s`` of every feed in these tests: the idle safety poll never fires within a test, so a source
+#: of work that does not wake its feed (or count as a pending timer) fails the test instead of waiting 5 s
+NO_SAFETY_POLL_S = 3600.0
 
 
 @dataclass
@@ -82,6 +86,7 @@ async def make_rig(
             orphan_replay_interval_s=0.2,
             degraded_retry_s=0.3,
             poll_interval_s=0.02,
+            idle_poll_interval_s=NO_SAFETY_POLL_S,
         ),
     )
     await sub.start()
@@ -328,7 +333,9 @@ async def test_history_of_an_idle_engine_is_applied_on_connect(rigs: list[Rig]) 
     pub.publish([PubStored(hs[:2], None, toks[:32], BS)])  # nobody listens yet
     pub.publish([PubStored(hs[2:], hs[1], toks[32:], BS)])
     index = PrefixIndex(block_size=BS)
-    sub = KVEventSubscriber(index, config=KVEventsConfig(poll_interval_s=0.02))
+    sub = KVEventSubscriber(
+        index, config=KVEventsConfig(poll_interval_s=0.02, idle_poll_interval_s=NO_SAFETY_POLL_S)
+    )
     rig = Rig(pub, sub, index)
     rigs.append(rig)
     await sub.start()
@@ -347,7 +354,9 @@ async def test_late_join_live_batch_first_replays_from_zero(rigs: list[Rig]) -> 
     toks, hs, keys = chain(3)
     pub.publish([PubStored(hs[:2], None, toks[:32], BS)])
     index = PrefixIndex(block_size=BS)
-    sub = KVEventSubscriber(index, config=KVEventsConfig(poll_interval_s=0.02))
+    sub = KVEventSubscriber(
+        index, config=KVEventsConfig(poll_interval_s=0.02, idle_poll_interval_s=NO_SAFETY_POLL_S)
+    )
     rigs.append(Rig(pub, sub, index))
     await sub.start()
     await sub.add_replica(FeedSpec(0, "r0", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}", "", MODEL))
@@ -632,6 +641,7 @@ async def test_replay_over_its_byte_budget_fails_counted_and_degrades(rigs: list
         replay_total_timeout_s=2.0,
         degraded_retry_s=30.0,
         poll_interval_s=0.02,
+        idle_poll_interval_s=NO_SAFETY_POLL_S,
         replay_max_bytes=30_000,  # also the largest replay frame accepted (ZMQ MAXMSGSIZE)
     )
     rig = await connected_rig(rigs, "vllm", config=cfg)
@@ -657,6 +667,7 @@ async def test_message_over_the_size_limit_is_dropped_by_zmq_and_the_feed_goes_o
         replay_total_timeout_s=2.0,
         degraded_retry_s=30.0,
         poll_interval_s=0.02,
+        idle_poll_interval_s=NO_SAFETY_POLL_S,
         max_message_bytes=50_000,
     )
     rig = await connected_rig(rigs, "vllm", config=cfg)
