@@ -251,7 +251,7 @@ class ReplicaFeed:
         self.last_lag_s: float | None = None
         self.task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
-        self._told_degraded = False
+        self._told_degraded = False  # the flag as of the actions run so far (what ``on_degraded`` was told)
         self._sub: zmq.asyncio.Socket | None = None
         self._disconnected_at: float | None = None  # a disconnect not followed by any reconnect attempt yet
         self._stall_limit_s = 1.0
@@ -259,8 +259,13 @@ class ReplicaFeed:
 
     @property
     def degraded(self) -> bool:
-        """The replica's index contents are known to be incomplete."""
-        return self.sequencer.degraded
+        """The replica's index contents are known to be incomplete.
+
+        True from the moment the sequencer decides so until its ``SetDegraded(False)`` has run: the sequencer drops
+        its own flag when it plans a resync, and the replayed batches that make the contents complete again are
+        applied (one per pass of the event loop) before that action.
+        """
+        return self.sequencer.degraded or self._told_degraded
 
     @property
     def connected(self) -> bool:
@@ -372,11 +377,13 @@ class ReplicaFeed:
                     return
                 self._warn("zmq_error", "ZMQ error %r", exc)
                 self.stats.dropped["zmq_error"] += 1
+                self._notify_degraded()  # a list of actions cut short must not leave the flag stuck
                 await asyncio.sleep(poll_s)
             except Exception as exc:  # never let the feed die
                 self._warn("internal_error", "unexpected error %r", exc)
                 log.debug("kv events internal error", exc_info=True)
                 self.stats.dropped["internal_error"] += 1
+                self._notify_degraded()
                 await asyncio.sleep(0)
 
     async def _on_monitor(self, frames: list[bytes]) -> None:
@@ -507,7 +514,7 @@ class ReplicaFeed:
 
     def _notify_degraded(self) -> None:
         """Tell ``on_degraded`` the sequencer's current flag when it differs from what it was told last (a
-        ``SetDegraded`` queued before a later change is stale)."""
+        ``SetDegraded`` queued before a later change is stale); ``degraded`` follows what was told."""
         value = self.sequencer.degraded
         if value == self._told_degraded:
             return

@@ -1,7 +1,8 @@
 """KV-event subscription over real ZMQ sockets on 127.0.0.1: the fake engine's publisher -> subscriber -> PrefixIndex.
 
 Covers: every wire format end to end, replay after a forced gap, clear after a sequence reset, duplicates,
-garbage payloads, replay missing / slow -> degraded and cleared, late join, orphans.
+garbage payloads, replay missing / slow -> degraded and cleared, late join, orphans. Every feed here runs without
+the idle safety poll (``NO_SAFETY_POLL_S``): each of these sources of work must wake its feed by itself.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from tests.helpers import PageServer, free_port
 
 MODEL = "m"
 BS = 16
+#: ``idle_poll_interval_s`` of every feed in these tests: the idle safety poll never fires within a test, so a source
+#: of work that does not wake its feed (or count as a pending timer) fails the test instead of waiting 5 s
+NO_SAFETY_POLL_S = 3600.0
 
 
 @dataclass
@@ -82,6 +86,7 @@ async def make_rig(
             orphan_replay_interval_s=0.2,
             degraded_retry_s=0.3,
             poll_interval_s=0.02,
+            idle_poll_interval_s=NO_SAFETY_POLL_S,
         ),
     )
     await sub.start()
@@ -264,6 +269,42 @@ async def test_missing_replay_endpoint_marks_degraded_and_clears(rigs: list[Rig]
     assert matched(rig.index, keys) == 1 and matched(rig.index, keys2) == 1
 
 
+async def test_a_resync_lifts_degraded_only_once_its_history_is_applied(rigs: list[Rig]) -> None:
+    """A degraded replica's resync (replay from 0, applied one batch per pass of the event loop) leaves it
+    degraded until the last replayed batch is in the index: whoever reads ``degraded`` in between (the router,
+    for every decision) never sees a replica called complete whose index is still empty or partial."""
+    rig = await connected_rig(rigs, "vllm")
+    toks, hs, keys = chain(30)
+    rig.pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
+    for i in range(1, 30):  # a history of 30 batches: the resync applies them one at a time
+        rig.pub.publish([PubStored(hs[i : i + 1], hs[i - 1], toks[16 * i : 16 * i + 16], BS)])
+    await until(lambda: matched(rig.index, keys) == 30, what="history stored")
+    rig.pub.faults.replay_disabled = True
+    publish_unseen(rig, [PubRemoved([12345])])
+    rig.pub.publish([PubRemoved([456])])  # the gap shows, its replay fails: cleared, degraded
+    await until(lambda: rig.sub.degraded(0), what="degraded")
+    assert matched(rig.index, keys) == 0
+    seen: list[tuple[bool, int]] = []  # (degraded, blocks of the history in the index) at every loop pass
+    done = asyncio.Event()
+
+    async def observe() -> None:
+        while not done.is_set():
+            seen.append((rig.sub.degraded(0), matched(rig.index, keys)))
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(observe())
+    try:
+        rig.pub.faults.replay_disabled = False  # the next degraded retry resyncs the replica
+        await until(lambda: not rig.sub.degraded(0), what="recovered")
+    finally:
+        done.set()
+        await watcher
+    assert rig.totals()["replays"].get("degraded_retry:ok") == 1
+    partial = [blocks for degraded, blocks in seen if not degraded and blocks < 30]
+    assert not partial, f"called complete with {partial[0]} of 30 blocks applied"
+    assert matched(rig.index, keys) == 30
+
+
 async def test_slow_replay_counts_as_failed(rigs: list[Rig]) -> None:
     rig = await connected_rig(rigs, "vllm", faults=Faults(replay_delay_s=1.5))
     publish_unseen(rig, [PubRemoved([123])])
@@ -292,7 +333,9 @@ async def test_history_of_an_idle_engine_is_applied_on_connect(rigs: list[Rig]) 
     pub.publish([PubStored(hs[:2], None, toks[:32], BS)])  # nobody listens yet
     pub.publish([PubStored(hs[2:], hs[1], toks[32:], BS)])
     index = PrefixIndex(block_size=BS)
-    sub = KVEventSubscriber(index, config=KVEventsConfig(poll_interval_s=0.02))
+    sub = KVEventSubscriber(
+        index, config=KVEventsConfig(poll_interval_s=0.02, idle_poll_interval_s=NO_SAFETY_POLL_S)
+    )
     rig = Rig(pub, sub, index)
     rigs.append(rig)
     await sub.start()
@@ -311,7 +354,9 @@ async def test_late_join_live_batch_first_replays_from_zero(rigs: list[Rig]) -> 
     toks, hs, keys = chain(3)
     pub.publish([PubStored(hs[:2], None, toks[:32], BS)])
     index = PrefixIndex(block_size=BS)
-    sub = KVEventSubscriber(index, config=KVEventsConfig(poll_interval_s=0.02))
+    sub = KVEventSubscriber(
+        index, config=KVEventsConfig(poll_interval_s=0.02, idle_poll_interval_s=NO_SAFETY_POLL_S)
+    )
     rigs.append(Rig(pub, sub, index))
     await sub.start()
     await sub.add_replica(FeedSpec(0, "r0", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}", "", MODEL))
@@ -596,6 +641,7 @@ async def test_replay_over_its_byte_budget_fails_counted_and_degrades(rigs: list
         replay_total_timeout_s=2.0,
         degraded_retry_s=30.0,
         poll_interval_s=0.02,
+        idle_poll_interval_s=NO_SAFETY_POLL_S,
         replay_max_bytes=30_000,  # also the largest replay frame accepted (ZMQ MAXMSGSIZE)
     )
     rig = await connected_rig(rigs, "vllm", config=cfg)
@@ -621,6 +667,7 @@ async def test_message_over_the_size_limit_is_dropped_by_zmq_and_the_feed_goes_o
         replay_total_timeout_s=2.0,
         degraded_retry_s=30.0,
         poll_interval_s=0.02,
+        idle_poll_interval_s=NO_SAFETY_POLL_S,
         max_message_bytes=50_000,
     )
     rig = await connected_rig(rigs, "vllm", config=cfg)

@@ -11,7 +11,17 @@ import time
 
 from fakes.kv_publisher import PubCleared, PubStored
 from membership.kv_events import KVEventsConfig, ReplicaFeed
-from tests.integration.test_kv_events import BS, Rig, chain, connected_rig, matched, publish_unseen, until
+from tests.integration.test_kv_events import (
+    BS,
+    NO_SAFETY_POLL_S,
+    Rig,
+    chain,
+    connected_rig,
+    matched,
+    publish_unseen,
+    store_chain,
+    until,
+)
 from tests.integration.test_kv_events import rigs as rigs  # the fixture that stops every rig a test made
 
 #: the poll of a feed with a timer pending, short so that a feed still polling would tick often in the window
@@ -32,7 +42,9 @@ def _count_ticks(feed: ReplicaFeed) -> list[int]:
 
 
 async def test_idle_feed_sleeps_until_a_message_and_applies_it_at_once(rigs: list[Rig]) -> None:
-    rig = await connected_rig(rigs, config=KVEventsConfig(poll_interval_s=_POLL_S, idle_poll_interval_s=60.0))
+    rig = await connected_rig(
+        rigs, config=KVEventsConfig(poll_interval_s=_POLL_S, idle_poll_interval_s=NO_SAFETY_POLL_S)
+    )
     feed = rig.sub.feed(0)
     assert feed is not None and not feed.sequencer.timer_pending()
     ticks = _count_ticks(feed)
@@ -44,16 +56,36 @@ async def test_idle_feed_sleeps_until_a_message_and_applies_it_at_once(rigs: lis
     t0 = time.monotonic()
     rig.pub.publish([PubStored(hs, None, toks, BS)])
     await until(lambda: matched(rig.index, keys) == 3, timeout=2.0, what="the batch applied after silence")
-    assert time.monotonic() - t0 < 2.0  # woken by its socket, not by the 60 s safety poll
+    assert time.monotonic() - t0 < 2.0  # woken by its socket (the safety poll is an hour away)
 
 
 async def test_a_degraded_feed_polls_its_hold_timer_and_recovers_without_input(rigs: list[Rig]) -> None:
-    config = KVEventsConfig(poll_interval_s=_POLL_S, idle_poll_interval_s=60.0, degraded_hold_s=0.5)
+    config = KVEventsConfig(
+        poll_interval_s=_POLL_S, idle_poll_interval_s=NO_SAFETY_POLL_S, degraded_hold_s=0.5
+    )
     rig = await connected_rig(rigs, "vllm", replay=False, config=config)
     publish_unseen(rig, [PubCleared()])  # a gap the engine cannot replay (no replay endpoint): degraded, held
     toks, hs, keys = chain(1)
     rig.pub.publish([PubStored(hs, None, toks, BS)])
     await until(lambda: rig.sub.degraded(0), what="degraded")
     # nothing more arrives: only the feed's own poll (every poll_interval_s while degraded) ends the hold, long
-    # before the 60 s safety poll
+    # before the safety poll
     await until(lambda: not rig.sub.degraded(0), timeout=5.0, what="the hold expired")
+
+
+async def test_an_input_posted_to_an_idle_feed_is_handled_at_once(rigs: list[Rig]) -> None:
+    """The engine's process start time changes (an idle engine restarted behind the same sockets): the input posted
+    to the sleeping feed wakes it, the replica is cleared and the new engine's history asked for at once."""
+    config = KVEventsConfig(poll_interval_s=_POLL_S, idle_poll_interval_s=NO_SAFETY_POLL_S)
+    rig = await connected_rig(rigs, config=config)
+    feed = rig.sub.feed(0)
+    assert feed is not None
+    rig.sub.engine_started(0, 1.79e9)  # the first observation: nothing to compare with
+    _toks, _hs, keys = await store_chain(rig, 3)
+    await until(lambda: not feed.sequencer.timer_pending() and not feed.inbox, what="the feed idle")
+    rig.pub.restart()  # the engine process was replaced and stays idle: no message will wake the feed
+    t0 = time.monotonic()
+    rig.sub.engine_started(0, 1.79e9 + 60.0)
+    await until(lambda: rig.totals()["replays"].get("restart:ok") == 1, timeout=2.0, what="history asked")
+    assert matched(rig.index, keys) == 0 and time.monotonic() - t0 < 2.0
+    assert rig.totals()["notes"].get("restart_detected_by_start_time") == 1
