@@ -11,7 +11,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from membership.ticks import next_due, sleep_until
+from membership.ticks import sleep_to_next_due
 
 
 async def cancel_and_wait(task: asyncio.Future[Any] | None, *, recancel_s: float = 1.0) -> None:
@@ -44,8 +44,7 @@ async def run_every(
     ``min_sleep_s`` after it ends (missed rounds are skipped). A failing round is logged (``what`` round failed) and
     the loop goes on; only cancellation ends it. ``interval_s`` may be a callable, read after each round (a setting
     that can change)."""
-    loop = asyncio.get_running_loop()
-    due = loop.time()
+    due = asyncio.get_running_loop().time()
     while True:
         try:
             await round_fn()
@@ -54,5 +53,4 @@ async def run_every(
         except Exception:  # never let the loop die
             logger.exception("%s round failed", what)
         every = interval_s() if callable(interval_s) else interval_s
-        due = next_due(loop.time(), every, due, min_sleep_s)
-        await sleep_until(due)
+        due = await sleep_to_next_due(every, due, min_sleep_s)

@@ -73,3 +73,11 @@ async def sleep_until(due: float, wake: asyncio.Event | None = None) -> bool:
         timer.cancel()
         if waiter is not None and not waiter.done():
             waiter.cancel()
+
+
+async def sleep_to_next_due(period_s: float, prev_due: float | None = None, min_gap_s: float = 0.0) -> float:
+    """Sleep until the next due time of a task run every ``period_s`` (``next_due`` from now and its last due time
+    ``prev_due``) and return that due time (to pass back as ``prev_due`` next time), s (loop time)."""
+    due = next_due(asyncio.get_running_loop().time(), period_s, prev_due, min_gap_s)
+    await sleep_until(due)
+    return due

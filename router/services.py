@@ -45,6 +45,7 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
 from membership.shared_state import ResponseMap
 from membership.tenant_budget import TenantBudget
+from membership.ticks import sleep_to_next_due
 from policies.adapters import AdapterResidency
 from policies.base import Candidate, Policy, ReplicaProfile, make_policy
 from policies.candidates import build_candidates
@@ -917,9 +918,11 @@ async def run(svc: Services) -> AsyncIterator[None]:
 
 
 async def _expire_loop(svc: Services) -> None:
-    """Expire stale predicted entries periodically (match() also expires lazily)."""
+    """Expire stale predicted entries periodically (match() also expires lazily), at the whole multiples of the
+    period (``membership.ticks``: with the router's other periodic work)."""
+    due = None
     while True:
-        await asyncio.sleep(svc.settings.kv.index_expire_interval_s)
+        due = await sleep_to_next_due(svc.settings.kv.index_expire_interval_s, due)
         try:
             svc.index.expire()
         except Exception:
