@@ -2,8 +2,8 @@
 statically configured replicas (``membership.static``) and for discovered ones (``membership.runtime``).
 
 Active: ``GET <url><path>`` (default ``/health``) every ``interval_s`` seconds (1–2 s recommended; at its whole
-multiples on the event loop's clock, ``membership.ticks``, so the probes share wake-ups with the scrapes); a 2xx answer
-within ``timeout_s`` is a success (after the optional ``on_ok`` hook, e.g. learning the served models, also
+multiples on the event loop's clock, ``membership.ticks``, so the probes share wake-ups with the scrapes); a 2xx
+answer within ``timeout_s`` is a success (after the optional ``on_ok`` hook, e.g. learning the served models, also
 succeeded), anything else (connection refused, timeout, 5xx, an error in the hook) a failure. Passive: the proxy
 reports connection failures with ``record_failure(name)`` (which also wakes the probe loop, so the failure is
 confirmed or cleared at once) and completed requests with ``record_success(name)``.
@@ -349,10 +349,10 @@ class HealthChecker:
         loop = asyncio.get_running_loop()
         due = next_due(loop.time(), self.interval_s)  # start() has just probed
         while True:
-            await sleep_until(due, self._wake)
+            woken = await sleep_until(due, self._wake)
             self._wake.clear()
             now = loop.time()
-            if now >= due:  # a periodic round (not only a wake-up): the next one a period later
+            if not woken or now >= due:  # a periodic round (not only a wake-up): the next one a period later
                 due = next_due(now, self.interval_s, due)
             try:
                 await self.probe_all()

@@ -4,9 +4,9 @@
 every tenth check: ten event-loop wake-ups a second whatever the traffic (measured on an idle router: ~0.12 ms of
 CPU each, about 1.2 ms per second of its idle cost). ``QuietServer`` waits one second between checks (the date
 header's resolution, refreshed at each) or until ``should_exit`` is set: setting it (uvicorn's signal handler on
-SIGINT / SIGTERM, or code on the loop) wakes the main loop at once, so a stop starts no later than before. The checks are due
-on whole seconds of the loop's clock (``membership.ticks``), so they share their wake-ups with the router's other
-periodic work (health probes, scrapes, the loop-lag probe).
+SIGINT / SIGTERM, or code on the loop) wakes the main loop at once, so a stop starts no later than before. The
+checks are due on whole seconds of the loop's clock (``membership.ticks``), so they share their wake-ups with the
+router's other periodic work (health probes, scrapes, the loop-lag probe).
 
 Units: seconds.
 """

@@ -19,14 +19,14 @@ is late right now (a loop that is blocked has not run its probe yet).
 **Shared wake-ups.** The probe is due at the whole multiples of its period on the loop's clock
 (``membership.ticks``), as are the scrapes and the health probes: their due times coincide with probes, and the
 loop wakes once for all of them. **While the router is idle** (no request work: nothing in progress, queued or
-waiting at the gate, ``work``) and the last probe was on time (late by at most one period), the probe runs every
-``idle_interval_s`` instead (the router passes the shorter of the scrape and health-probe periods): on due times
-the scrapes or health probes wake the loop for anyway, so an idle router's loop does not wake for the probe alone
-(10 times a second at the default 0.1 s). It relaxes only after a whole idle period without request work; a new
-request (``hurry``, from the gate) or a late probe puts it back on its own period at once. What the readings mean is unchanged (how late a due probe ran); while idle there are fewer
-of them, so a stall of the idle loop shorter than ``idle_interval_s`` can go unseen, and the overdue time is counted
-from the idle due time. Under requests nothing changes: the probe keeps its period and the guard sheds on it as
-before.
+waiting at the gate, ``work``) for a whole ``idle_interval_s`` and its probes are on time (late by at most one
+period), the probe runs every ``idle_interval_s`` instead (the router passes the shorter of the scrape and
+health-probe periods): on due times the scrapes or health probes wake the loop for anyway, so an idle router's loop
+does not wake for the probe alone (10 times a second at the default 0.1 s). A new request at the gate (``hurry``)
+or a late probe puts it back on its own period at once. What a reading means is unchanged (how late a due probe
+ran); while idle there are fewer of them, so a stall of the idle loop shorter than ``idle_interval_s`` can go
+unseen, and the overdue time counts from the idle due time. Under requests nothing changes: the probe keeps its
+period and the guard sheds on it as before.
 
 Prometheus: ``kvroute_event_loop_lag_seconds`` (histogram of every probe delay),
 ``kvroute_event_loop_own_lag_seconds`` (histogram of their own parts), ``kvroute_event_loop_lag_recent_seconds``

@@ -10,6 +10,8 @@ import random
 
 import pytest
 
+from membership.health import HealthChecker
+from membership.replicas import ReplicaTable
 from membership.tasks import cancel_and_wait, run_every
 from membership.ticks import next_due, sleep_until
 from router.serve.loop_lag import LoopLag
@@ -139,3 +141,46 @@ async def _until(cond: object, timeout: float = 10.0) -> None:
     while not cond():  # type: ignore[operator]
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.005)
+
+
+class _Page:
+    status_code = 200
+
+    def json(self) -> object:
+        return {}
+
+
+class _RecordingClient:
+    """A probe client answering 200 at once and recording when each probe went out (loop time)."""
+
+    def __init__(self) -> None:
+        self.at: list[float] = []
+
+    async def get(self, url: str, *, timeout: float, headers: object = None) -> _Page:
+        self.at.append(asyncio.get_running_loop().time())
+        return _Page()
+
+
+async def test_health_rounds_on_the_periods_multiples_and_a_wake_keeps_them() -> None:
+    """One probe round per due time (a timer that fires a hair early does not run a second round), and a passive
+    failure's extra round at once leaves the periodic due times where they were."""
+    table = ReplicaTable()
+    table.upsert("r0", "http://127.0.0.1:9", labels={"source": "discovered"})
+    checker = HealthChecker(table, interval_s=0.05, timeout_s=1.0, admit_joining=True)
+    client = _RecordingClient()
+    checker.use_client(client)
+    await checker.start()
+    try:
+        await _until(lambda: len(client.at) >= 6)
+        checker.record_failure("r0")  # wakes the loop: one round at once
+        woke = asyncio.get_running_loop().time()
+        await _until(lambda: len(client.at) >= 12)
+    finally:
+        await checker.stop()
+    periodic = [t for t in client.at[1:] if abs(t - woke) > 0.01]  # the first: start(); one: the wake-up
+    assert len(client.at) - len(periodic) <= 3
+    for t in periodic:
+        past = (t / 0.05) % 1.0
+        assert past < 0.3 or past > 1 - 1e-6, (t, past)  # just after a multiple of the period
+    ks = [round(t / 0.05 - 0.3) for t in periodic]
+    assert len(set(ks)) == len(ks), ks  # never two rounds for one due time
