@@ -13,6 +13,8 @@ router's process CPU (user + system, its threads and child processes) is divided
 Part 0 (``--idle-s S``, off by default): each router idle for S seconds in front of ``--idle-engines`` fake
 engines at the e2e's time scale (0.25) with default intervals: ``idle_cpu_ms_per_s``, what a router spends per
 second whatever the traffic (probes, scrapes, timers); at the e2e's ~5 requests per second it counts per request.
+``idle_wakeups_per_s``: the router's voluntary context switches per second over the same window, all its threads
+(``/proc/<pid>/task/*/status``): how often it went to sleep and was woken (timers, answers).
 
 Part 2, scaling: kvroute with 1 and with N workers (``--workers``) side by side, each asked ``POST /route`` (the
 routing decision: tokenize, hash, match, choose; no engine in the loop) by ``--scaling-concurrency`` clients in
@@ -64,27 +66,49 @@ def _idle_for(seconds: float) -> None:
         time.sleep(min(1.0, left))
 
 
-def idle_cpu(engines: int, seconds: float, log_dir: str | None) -> dict[str, float]:
-    """Part 0: CPU milliseconds per second of each router while idle in front of ``engines`` fake engines."""
+def voluntary_switches(pid: int) -> int:
+    """The voluntary context switches of every thread of process ``pid`` so far (0 when it is gone)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total
+
+
+def idle_cpu(engines: int, seconds: float, log_dir: str | None) -> dict[str, dict[str, float]]:
+    """Part 0: CPU milliseconds per second and wake-ups per second of each router while idle in front of
+    ``engines`` fake engines (``{"cpu_ms_per_s": {router: ...}, "wakeups_per_s": {router: ...}}``)."""
     fleet = Fleet(
         engines,
         EngineOptions(time_scale=0.25, model_path=str(ensure_model_dir())),
         log_dir=log_dir,
         keep_logs=log_dir is not None,
     )
-    out: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    wakeups: dict[str, float] = {}
     try:
         fleet.start_engines()
         for name in ("kvroute", "sglang_cache_aware"):
             h = fleet.start_kvroute(policy="ttft") if name == "kvroute" else fleet.start_sglang_router()
             _idle_for(_SETTLE_S)  # start-up work (first probes, registration) is not idle cost
-            c0, t0 = h.proc.cpu_seconds(), time.monotonic()
+            c0, w0, t0 = h.proc.cpu_seconds(), voluntary_switches(h.proc.pid), time.monotonic()
             _idle_for(seconds)
-            out[name] = round((h.proc.cpu_seconds() - c0) / (time.monotonic() - t0) * 1000.0, 2)
+            took = time.monotonic() - t0
+            cpu[name] = round((h.proc.cpu_seconds() - c0) / took * 1000.0, 2)
+            wakeups[name] = round((voluntary_switches(h.proc.pid) - w0) / took, 1)
             fleet.stop_router()
     finally:
         fleet.stop()
-    return out
+    return {"cpu_ms_per_s": cpu, "wakeups_per_s": wakeups}
 
 
 def cpu_per_request(
@@ -257,8 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     fleet = Fleet(1, engine, log_dir=args.log_dir, keep_logs=args.log_dir is not None)
     out: dict[str, Any] = {"loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     if args.idle_s > 0:
-        out["idle_cpu_ms_per_s"] = idle_cpu(args.idle_engines, args.idle_s, args.log_dir)
-        print(f"  idle: {out['idle_cpu_ms_per_s']} CPU ms per s", file=sys.stderr)
+        idle = idle_cpu(args.idle_engines, args.idle_s, args.log_dir)
+        out["idle_cpu_ms_per_s"], out["idle_wakeups_per_s"] = idle["cpu_ms_per_s"], idle["wakeups_per_s"]
+        print(
+            f"  idle: {idle['cpu_ms_per_s']} CPU ms per s, {idle['wakeups_per_s']} wake-ups per s",
+            file=sys.stderr,
+        )
     try:
         fleet.start_engines()
         if not args.skip_cpu:

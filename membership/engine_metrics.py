@@ -832,7 +832,7 @@ class MetricsScraper:
             self._client = None
 
     async def _loop(self) -> None:
-        await run_every(self.scrape_all, lambda: self.interval_s, "scrape", log, self.clock)
+        await run_every(self.scrape_all, lambda: self.interval_s, "scrape", log)
 
     def _replicas(self) -> list[Any]:
         # another region's router is not an engine: it has no engine metrics (its load is this router's in-flight)

@@ -1,8 +1,9 @@
 """Active and passive health of replicas -> ReplicaTable states: THE one probe / threshold state machine, used for
 statically configured replicas (``membership.static``) and for discovered ones (``membership.runtime``).
 
-Active: ``GET <url><path>`` (default ``/health``) every ``interval_s`` seconds (1–2 s recommended); a 2xx answer
-within ``timeout_s`` is a success (after the optional ``on_ok`` hook, e.g. learning the served models, also
+Active: ``GET <url><path>`` (default ``/health``) every ``interval_s`` seconds (1–2 s recommended; at its whole
+multiples on the event loop's clock, ``membership.ticks``, so the probes share wake-ups with the scrapes); a 2xx
+answer within ``timeout_s`` is a success (after the optional ``on_ok`` hook, e.g. learning the served models, also
 succeeded), anything else (connection refused, timeout, 5xx, an error in the hook) a failure. Passive: the proxy
 reports connection failures with ``record_failure(name)`` (which also wakes the probe loop, so the failure is
 confirmed or cleared at once) and completed requests with ``record_success(name)``.
@@ -29,7 +30,6 @@ Units: seconds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -41,6 +41,7 @@ import httpx
 from membership import engine_tls
 from membership.replicas import HEALTH_PATH_LABEL, Replica, ReplicaState, ReplicaTable
 from membership.tasks import cancel_and_wait
+from membership.ticks import next_due, sleep_until
 
 log = logging.getLogger("kvroute.membership.health")
 
@@ -342,14 +343,17 @@ class HealthChecker:
             self._task = asyncio.create_task(self._loop(), name="kvroute-health-probes")
 
     async def _loop(self) -> None:
-        last = time.monotonic()  # start() has just probed
+        """A probe round at every due time of ``interval_s`` (``membership.ticks``: its whole multiples on the
+        loop's clock, shared with the scrapes and the loop-lag probe), and at once when a passive failure wakes it
+        (the periodic due times stay where they are)."""
+        loop = asyncio.get_running_loop()
+        due = next_due(loop.time(), self.interval_s)  # start() has just probed
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._wake.wait(), max(0.0, self.interval_s - (time.monotonic() - last))
-                )
+            woken = await sleep_until(due, self._wake)
             self._wake.clear()
-            last = time.monotonic()
+            now = loop.time()
+            if not woken or now >= due:  # a periodic round (not only a wake-up): the next one a period later
+                due = next_due(now, self.interval_s, due)
             try:
                 await self.probe_all()
             except asyncio.CancelledError:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from membership.ticks import sleep_to_next_due
 
 
 async def cancel_and_wait(task: asyncio.Future[Any] | None, *, recancel_s: float = 1.0) -> None:
@@ -34,14 +35,17 @@ async def run_every(
     interval_s: Callable[[], float] | float,
     what: str,
     logger: logging.Logger,
-    clock: Callable[[], float] = time.monotonic,
     min_sleep_s: float = 0.05,
 ) -> None:
-    """Run ``round_fn`` forever, one round every ``interval_s`` seconds (start to start, at least ``min_sleep_s``
-    between rounds). A failing round is logged (``what`` round failed) and the loop goes on; only cancellation
-    ends it. ``interval_s`` may be a callable, read before each sleep (a setting that can change)."""
+    """Run ``round_fn`` forever: one round at once, then one at every due time of its period
+    (``membership.ticks.next_due``: the whole multiples of ``interval_s`` on the event loop's clock, so that periodic
+    tasks whose periods are multiples of one another wake the loop together; start to start, a round every
+    ``interval_s``). A round that runs past its next due time is followed by the first due time at least
+    ``min_sleep_s`` after it ends (missed rounds are skipped). A failing round is logged (``what`` round failed) and
+    the loop goes on; only cancellation ends it. ``interval_s`` may be a callable, read after each round (a setting
+    that can change)."""
+    due = asyncio.get_running_loop().time()
     while True:
-        started = clock()
         try:
             await round_fn()
         except asyncio.CancelledError:
@@ -49,4 +53,4 @@ async def run_every(
         except Exception:  # never let the loop die
             logger.exception("%s round failed", what)
         every = interval_s() if callable(interval_s) else interval_s
-        await asyncio.sleep(max(min_sleep_s, every - (clock() - started)))
+        due = await sleep_to_next_due(every, due, min_sleep_s)

@@ -1063,7 +1063,8 @@ class _ClientEdgeFields(BaseModel):
     event_loop_lag_interval_s: float = Field(
         default=0.1,
         gt=0,
-        description="period of the event-loop lag probe (kvroute_event_loop_lag_seconds), s",
+        description="period of the event-loop lag probe (kvroute_event_loop_lag_seconds), s; after an idle period "
+        "without requests it runs every min(scrape_interval_s, probe_interval_s), at their due times",
     )
     event_loop_lag_window_s: float = Field(
         default=1.0,

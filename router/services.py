@@ -45,6 +45,7 @@ from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.runtime import Membership, make_allocator
 from membership.shared_state import ResponseMap
 from membership.tenant_budget import TenantBudget
+from membership.ticks import sleep_to_next_due
 from policies.adapters import AdapterResidency
 from policies.base import Candidate, Policy, ReplicaProfile, make_policy
 from policies.candidates import build_candidates
@@ -449,6 +450,7 @@ def _build_shedder(
         client.event_loop_lag_max_wait_s,
         work,
     )
+    loop_lag.work = work  # idle (no request work): the probe may wait for its idle period
     return shedder
 
 
@@ -683,6 +685,13 @@ def _build_chains(shared: SharedStateSettings, membership: Membership) -> Respon
     return ResponseChains(owners, conversations, shared.response_history_max_bytes)
 
 
+def lag_idle_interval_s(members: MembershipSettings) -> float:
+    """The loop-lag probe's period while the router is idle (``router.serve.loop_lag``): the shorter of the scrape
+    and health-probe periods, s. Its due times are then due times of that work too (``membership.ticks``), so an
+    idle loop does not wake for the probe alone."""
+    return min(members.scrape_interval_s, members.probe_interval_s)
+
+
 def _build_front(
     client: ClientEdgeSettings,
     tenancy: TenancySettings,
@@ -690,12 +699,18 @@ def _build_front(
     table: ReplicaTable,
     membership: Membership,
     router: Router,
+    members: MembershipSettings,
 ) -> tuple[Admission, IdempotencyGuard, LoopLag, Guard, Intake, TenantAdmission]:
     """The request front: the in-flight limit, idempotency keys, the loop-lag probe and the guard on it, body
     intake, identity and tenant admission."""
     admission = Admission(client.max_inflight_total, client.max_queued_requests, client.max_queue_wait_s)
     idempotency = IdempotencyGuard(membership.shared, client.retry_after_s)
-    loop_lag = LoopLag(client.event_loop_lag_interval_s, client.event_loop_lag_window_s, telemetry.registry)
+    loop_lag = LoopLag(
+        client.event_loop_lag_interval_s,
+        client.event_loop_lag_window_s,
+        telemetry.registry,
+        idle_interval_s=lag_idle_interval_s(members),
+    )
     guard = _build_guard(client, tenancy, loop_lag, admission)
     intake = _build_intake(client, table, telemetry)
     tenants = _build_tenants(tenancy, client, membership, admission, telemetry, router)
@@ -816,7 +831,7 @@ def build_services(settings: Settings, *, epp: bool = False) -> Services:
     dispatcher = _build_dispatcher(proxy, engine, settings.pd, router, edge, telemetry, gate)
     dispatcher.exact_prompt_counts = tokenizer.mode in ("hf", "engine")
     admission, idempotency, loop_lag, guard, intake, tenants = _build_front(
-        settings.client_edge, settings.tenancy, telemetry, table, membership, router
+        settings.client_edge, settings.tenancy, telemetry, table, membership, router, members
     )
     pipeline = Pipeline(
         _pipeline_config(settings),
@@ -903,9 +918,11 @@ async def run(svc: Services) -> AsyncIterator[None]:
 
 
 async def _expire_loop(svc: Services) -> None:
-    """Expire stale predicted entries periodically (match() also expires lazily)."""
+    """Expire stale predicted entries periodically (match() also expires lazily), at the whole multiples of the
+    period (``membership.ticks``: with the router's other periodic work)."""
+    due = None
     while True:
-        await asyncio.sleep(svc.settings.kv.index_expire_interval_s)
+        due = await sleep_to_next_due(svc.settings.kv.index_expire_interval_s, due)
         try:
             svc.index.expire()
         except Exception:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 
 import httpx
 
+from membership.ticks import sleep_to_next_due
 from policies.peer_summary import PeerSummary, PublishedSummary
 from router.core.regions import PeerViews
 
@@ -139,9 +140,11 @@ class PeerFeed:
             await self._client.aclose()
 
     async def _loop(self) -> None:
+        """A round every ``interval_s``, at its whole multiples (``membership.ticks``: with the health probes)."""
+        due = asyncio.get_running_loop().time()
         while True:
             await asyncio.gather(*(self.poll(r, u) for r, u in self.peers.items()))
-            await asyncio.sleep(self.interval_s)
+            due = await sleep_to_next_due(self.interval_s, due)
 
     async def poll(self, region: str, url: str) -> None:
         """One round for one peer: time its probe (any HTTP answer is a round trip), then fetch its summary."""

@@ -60,6 +60,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from starlette.datastructures import Headers
 
+from membership.ticks import sleep_to_next_due
 from router.core.regions import hop_headers
 from router.core.routing import NoReplica, Routed
 from router.core.tenant_admission import Ticket
@@ -986,8 +987,9 @@ class EppServer:
             await self.health.set(name, status)
 
     async def _readiness_loop(self) -> None:
+        due = None  # at the whole multiples of the period (membership.ticks: with the health probes)
         while True:
-            await asyncio.sleep(self.config.probe_interval_s)
+            due = await sleep_to_next_due(self.config.probe_interval_s, due)
             try:
                 await self._update_readiness()
             except Exception:

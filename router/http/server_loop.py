@@ -4,7 +4,9 @@
 every tenth check: ten event-loop wake-ups a second whatever the traffic (measured on an idle router: ~0.12 ms of
 CPU each, about 1.2 ms per second of its idle cost). ``QuietServer`` waits one second between checks (the date
 header's resolution, refreshed at each) or until ``should_exit`` is set: setting it (uvicorn's signal handler on
-SIGINT / SIGTERM, or code on the loop) wakes the main loop at once, so a stop starts no later than before.
+SIGINT / SIGTERM, or code on the loop) wakes the main loop at once, so a stop starts no later than before. The
+checks are due on whole seconds of the loop's clock (``membership.ticks``), so they share their wake-ups with the
+router's other periodic work (health probes, scrapes, the loop-lag probe).
 
 Units: seconds.
 """
@@ -12,9 +14,10 @@ Units: seconds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import uvicorn
+
+from membership.ticks import next_due, sleep_until
 
 #: seconds between two checks of the main loop when nothing asks it to stop (the date header is refreshed at each)
 TICK_S = 1.0
@@ -51,10 +54,11 @@ class QuietServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         counter = 0
         should_exit = await self.on_tick(counter)
+        due = self._loop.time()
         while not should_exit:
             # each check is a whole second: count it as uvicorn's ten ticks, so ``on_tick`` refreshes the date
             counter = (counter + _TICKS_PER_REFRESH) % 864000
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), TICK_S)
+            due = next_due(self._loop.time(), TICK_S, due)  # on whole seconds: shared with the other timers
+            await sleep_until(due, self._stop)
             self.ticks += 1
             should_exit = await self.on_tick(counter)

@@ -383,6 +383,7 @@ class Shedder:
 
     async def admit(self) -> bool:
         """True when a new request may go on (at once, or after the lag passed); False: shed it."""
+        self.lag.hurry()  # the lag probe back on its own period if it waited for the idle one
         verdict = self.verdict()
         if verdict is Verdict.WAIT:
             verdict = await self._wait_out()

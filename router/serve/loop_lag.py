@@ -16,6 +16,18 @@ has an own lag of 0.2 s. ``router.serve.guard.Shedder`` sheds on own lag only.
 ``lag_s()`` is the largest delay measured within the last ``window_s``, or the probe's own overdue time when it
 is late right now (a loop that is blocked has not run its probe yet).
 
+**Shared wake-ups.** The probe is due at the whole multiples of its period on the loop's clock
+(``membership.ticks``), as are the scrapes and the health probes: their due times coincide with probes, and the
+loop wakes once for all of them. **While the router is idle** (no request work: nothing in progress, queued or
+waiting at the gate, ``work``) for a whole ``idle_interval_s`` and its probes are on time (late by at most one
+period), the probe runs every ``idle_interval_s`` instead (the router passes the shorter of the scrape and
+health-probe periods): on due times the scrapes or health probes wake the loop for anyway, so an idle router's loop
+does not wake for the probe alone (10 times a second at the default 0.1 s). A new request at the gate (``hurry``)
+or a late probe puts it back on its own period at once. What a reading means is unchanged (how late a due probe
+ran); while idle there are fewer of them, so a stall of the idle loop shorter than ``idle_interval_s`` can go
+unseen, and the overdue time counts from the idle due time. Under requests nothing changes: the probe keeps its
+period and the guard sheds on it as before.
+
 Prometheus: ``kvroute_event_loop_lag_seconds`` (histogram of every probe delay),
 ``kvroute_event_loop_own_lag_seconds`` (histogram of their own parts), ``kvroute_event_loop_lag_recent_seconds``
 (gauge: ``lag_s()`` at scrape time), ``kvroute_event_loop_lag_max_seconds`` and
@@ -34,6 +46,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from membership.ticks import next_due
 from router.telemetry import loop_lag_histograms
 
 #: the loop thread's scheduler statistics: "<on-CPU ns> <run-queue wait ns> <timeslices>"
@@ -102,11 +115,26 @@ class LoopLag:
         interval_s: probe period, seconds.
         window_s: how long a measured delay counts for ``lag_s()``, seconds.
         registry: where the histogram is registered (None: not exported).
+        idle_interval_s: probe period while the router is idle (module docstring), seconds (None, or not longer
+            than ``interval_s``: always ``interval_s``).
     """
 
-    def __init__(self, interval_s: float, window_s: float, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        interval_s: float,
+        window_s: float,
+        registry: CollectorRegistry | None = None,
+        idle_interval_s: float | None = None,
+    ) -> None:
         self.interval_s = interval_s
         self.window_s = window_s
+        self.idle_interval_s = idle_interval_s if idle_interval_s and idle_interval_s > interval_s else None
+        #: the router's request work now (requests in progress, queued or waiting); None: never idle
+        self.work: Callable[[], int] | None = None
+        #: the pending probe is on the idle period
+        self.relaxed = False
+        self._ran_due: float | None = None  # the due time of the last probe that ran
+        self._busy_at: float | None = None  # loop time request work was last seen (a probe, ``hurry``)
         self.histogram, self.own_histogram = loop_lag_histograms(registry)
         self._recent: collections.deque[tuple[float, float]] = collections.deque()  # (measured at, lag)
         self._due: float | None = None
@@ -126,14 +154,15 @@ class LoopLag:
         """Schedule the first probe on the running loop (and open the loop thread's scheduler statistics)."""
         self._loop = asyncio.get_running_loop()
         self._clock = RunQueueClock()
-        self._schedule(self._loop.time())
+        self._schedule(self._loop.time(), 0.0)
 
     def stop(self) -> None:
         """Cancel the probe."""
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        self._due = None
+        self._due = self._ran_due = self._busy_at = None
+        self.relaxed = False
         self.last = None
         if self._clock is not None:
             self._clock.close()
@@ -145,10 +174,47 @@ class LoopLag:
         cpu = time.process_time()
         return Probe(now, lag, own_lag_s(lag, self.last, cpu, wait), cpu, wait)
 
-    def _schedule(self, now: float) -> None:
+    def _idle(self, now: float, lag: float) -> bool:
+        """The next probe may wait for the idle period: one is set, the last probe (``lag``, s) was on time and the
+        router has had no request work for an idle period (its requests came and went in less: e.g. a trickle of
+        short ones while it is starved of CPU, which the probe must keep measuring at its own period)."""
+        idle_s = self.idle_interval_s
+        if idle_s is None or lag > self.interval_s or self.work is None:
+            return False
+        if self.work() > 0:
+            self._busy_at = now
+            return False
+        return self._busy_at is None or now - self._busy_at >= idle_s
+
+    def _schedule(self, now: float, lag: float) -> None:
+        """Schedule the next probe at the next due time of its period (the idle one when idle), after ``now``."""
         assert self._loop is not None
-        self._due = now + self.interval_s
+        self.relaxed = self._idle(now, lag)
+        period = (
+            self.idle_interval_s if self.relaxed and self.idle_interval_s is not None else self.interval_s
+        )
+        self._due = next_due(now, period, self._ran_due)
         self._handle = self._loop.call_at(self._due, self._probe)
+
+    @property
+    def due(self) -> float | None:
+        """When the pending probe is due, loop time, s (None when stopped)."""
+        return self._due
+
+    def hurry(self) -> None:
+        """Back to the probe's own period at once (a request arrives while the probe waits for the idle period):
+        the pending probe moves to the next due time of ``interval_s``."""
+        if self._loop is None:
+            return
+        now = self._busy_at = self._loop.time()
+        if not self.relaxed or self._handle is None or self._due is None:
+            return
+        self.relaxed = False
+        due = next_due(now, self.interval_s, self._ran_due)
+        if due < self._due:
+            self._handle.cancel()
+            self._due = due
+            self._handle = self._loop.call_at(due, self._probe)
 
     def note_resumed(self) -> None:
         """The process was resumed after a stop (SIGCONT; called from the signal handler, so it only sets a flag):
@@ -158,6 +224,7 @@ class LoopLag:
     def _probe(self) -> None:
         assert self._loop is not None and self._due is not None
         now = self._loop.time()
+        self._ran_due = self._due
         if self._resumed:  # the process was stopped (note_resumed): the delay covering the stop is not lag
             self._resumed = False
             self._recent.clear()
@@ -169,7 +236,7 @@ class LoopLag:
         self.last = probe
         self.own_max_seen_s = max(self.own_max_seen_s, probe.own_lag)
         self.own_histogram.observe(probe.own_lag)
-        self._schedule(now)
+        self._schedule(now, lag)
         for listener in self.listeners:
             listener(probe)
 

@@ -15,6 +15,7 @@ import contextlib
 import json
 import ssl
 import subprocess
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ class Req:
     path: str
     headers: dict[str, str]
     body: bytes
+    #: when it was read, ``time.monotonic()`` s
+    at: float = field(default_factory=time.monotonic)
 
     def json(self) -> Any:
         """The body as JSON."""
