@@ -14,7 +14,10 @@ in front of them, replays the workload open loop with a streaming async client, 
 * ``router_cpu_s_per_1k``: router process CPU seconds (user + system, psutil) per 1000 requests,
 * ``loadavg_1m``: the machine's 1-minute load average before and after the run (shared machines are noisy),
 * ``hit_rate_bound``: the hit rate of one shared LRU cache with the whole fleet's GPU blocks on the same requests
-  (the simulator's bound): about the most reuse any router can get from these engines, the scale for ``hit_rate``.
+  (the simulator's bound): about the most reuse any router can get from these engines, the scale for ``hit_rate``,
+* ``dispatch`` (kvroute only): its dispatch gate's counters and its own reuse accounting, ``reuse_available_tokens``
+  / ``reuse_achieved_tokens`` (per decision, the cached prompt tokens of the best holder vs of the chosen replica,
+  as the router's index saw them) and ``reuse_decisions_best`` / ``_traded`` / ``_none`` (decisions by outcome).
 
 The workload is the first ``--duration x --load-scale / --time-scale`` trace seconds of the trace (from
 ``--trace-start-s``; the defaults give 300 s, 918 requests of the conversation trace), with arrivals at trace time
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from fakes.fleet import (
     COMPARED_RUNS,
@@ -47,7 +51,6 @@ from fakes.fleet import (
     exit_on_sigterm,
     parse_runs,
     run_harness,
-    scrape_samples,
 )
 from loadtest.router_profile import (
     PySpy,
@@ -131,7 +134,7 @@ def run_one(
 @dataclass(slots=True)
 class _Measured:
     """What one run measured: the replay's results and wall seconds, the router's CPU seconds (process and per
-    thread group), the engines' prefix-cache hit and query tokens, the dispatch gate's counters, the profiler."""
+    thread group), the engines' prefix-cache hit and query tokens, the dispatch gate's and reuse counters, the profiler."""
 
     results: list[Any]
     wall_s: float
@@ -264,17 +267,27 @@ def _start_profile(cfg: RunConfig, name: str, router: RouterHandle) -> PySpy | N
 
 
 def dispatch_counters(url: str) -> dict[str, float]:
-    """kvroute's cache-first dispatch counters (``kvroute_dispatch_*`` on its /metrics, prefix dropped);
-    empty when they cannot be read."""
+    """kvroute's cache-first dispatch counters (``kvroute_dispatch_*`` on its /metrics, prefix dropped) and its
+    reuse accounting (``kvroute_reuse_*``: per decision the cached prompt tokens available on the best holder vs
+    achieved on the chosen replica, and decisions by outcome, ``reuse_decisions_<outcome>``: best, traded,
+    none); empty when they cannot be read."""
     try:
-        samples = scrape_samples(url)
+        text = httpx.get(url + "/metrics", timeout=5.0).text
     except httpx.HTTPError:
         return {}
-    return {
-        k.removeprefix("kvroute_dispatch_"): round(v, 3)
-        for k, v in samples.items()
-        if k.startswith("kvroute_dispatch_")
-    }
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("kvroute_dispatch_"):
+                key = s.name.removeprefix("kvroute_dispatch_")
+            elif s.name in ("kvroute_reuse_available_tokens_total", "kvroute_reuse_achieved_tokens_total"):
+                key = s.name.removeprefix("kvroute_").removesuffix("_total")
+            elif s.name == "kvroute_reuse_decisions_total":
+                key = "reuse_decisions_" + s.labels.get("outcome", "")
+            else:
+                continue
+            out[key] = round(out.get(key, 0.0) + float(s.value), 3)
+    return out
 
 
 def combine_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

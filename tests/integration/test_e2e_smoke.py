@@ -56,6 +56,11 @@ def test_e2e_smoke_kvroute_only(tmp_path):
     assert 0.0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
     assert run["throughput_rps"] > 0.0
     assert run["router_cpu_s_per_1k"] > 0.0
+    # the router's own reuse accounting: one outcome per decision, never more achieved than available
+    reuse = run["dispatch"]
+    outcomes = sum(reuse.get(f"reuse_decisions_{o}", 0.0) for o in ("best", "traded", "none"))
+    assert outcomes >= run["requests"], reuse
+    assert 0.0 < reuse["reuse_achieved_tokens"] <= reuse["reuse_available_tokens"], reuse
     assert "kvroute_ttft" in proc.stderr  # the human table
 
 
