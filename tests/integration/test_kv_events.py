@@ -284,7 +284,8 @@ async def test_a_resync_lifts_degraded_only_once_its_history_is_applied(rigs: li
     rig.pub.publish([PubRemoved([456])])  # the gap shows, its replay fails: cleared, degraded
     await until(lambda: rig.sub.degraded(0), what="degraded")
     assert matched(rig.index, keys) == 0
-    seen: list[tuple[bool, int]] = []  # (degraded, blocks of the history in the index) each time the loop runs
+    # (degraded, blocks of the history in the index), each time the event loop runs the observer
+    seen: list[tuple[bool, int]] = []
     done = asyncio.Event()
 
     async def observe() -> None:
