@@ -45,7 +45,26 @@ def test_a_taken_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
         held.bind((ports.HOST, 0))
         held.listen()
         busy = held.getsockname()[1]
-        free = ports.free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((ports.HOST, 0))
+            free = probe.getsockname()[1]
         draws = iter([busy, busy, free])
         monkeypatch.setattr(ports._rng, "randint", lambda lo, hi: next(draws))
         assert ports.free_port() == free
+
+
+def test_a_port_is_never_handed_out_twice_before_it_is_bound() -> None:
+    """Picked ports are often all picked before any process binds one: none may repeat. 3,000 draws from the
+    ~22,000 ports below the ephemeral range would repeat one almost surely (birthday bound) without the memory."""
+    picked = [ports.free_port() for _ in range(3000)]
+    assert len(set(picked)) == len(picked)
+
+
+def test_a_handed_out_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = ports.free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((ports.HOST, 0))
+        other = probe.getsockname()[1]
+    draws = iter([first, first, other])
+    monkeypatch.setattr(ports._rng, "randint", lambda lo, hi: next(draws))
+    assert ports.free_port() == other
