@@ -188,6 +188,16 @@ class PrefixSummary:
             hi = missing  # a false positive led the search: the step is below the first covered block missing
         return 0
 
+    def frontier_depth(self, keys: Sequence[int]) -> int:
+        """How deep the summary could match a prompt that starts with ``keys`` (its first blocks; more may follow):
+        ``len(keys)`` when the match (``matched_blocks``) reaches the last block the summary covers among them, or
+        none of them is covered (the region may hold the blocks after them), else the match, blocks."""
+        pos = self.sampled_positions(keys)
+        if not pos:
+            return len(keys)
+        got = self.matched_blocks(keys)
+        return len(keys) if got > pos[-1] else got
+
     def to_bytes(self) -> bytes:
         """The wire form: a 28-byte header (magic, version, k, sample_every, bits, keys) and the bit array."""
         f = self.filter

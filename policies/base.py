@@ -326,6 +326,25 @@ class Policy(Protocol):
         ...
 
 
+def prompt_blocks_read(policy: object) -> int | None:
+    """Leading blocks of a prompt's ``block_keys`` that ``policy`` reads whatever the replicas hold: its optional
+    ``reads_prompt_blocks`` attribute, the largest along its ``inner`` wrappers' chain (``policies.regions``).
+    0 (the default: every cost-model, load and index-scoring policy) = only blocks some replica matches; N = the
+    first N blocks (``consistent_hash`` keys on them); None = every block (``sglang_cache_aware`` stores routed
+    prompts in its own tree). The router's cache-frontier tokenization (``router.tokens.frontier``) tokenizes a
+    long prompt at least that deep, and whole for None."""
+    need = 0
+    for _ in range(8):  # wrappers nest a level or two; the bound only guards against a cycle
+        got = getattr(policy, "reads_prompt_blocks", 0)
+        if got is None:
+            return None
+        need = max(need, int(got))
+        policy = getattr(policy, "inner", None)
+        if policy is None:
+            break
+    return need
+
+
 PolicyFactory = Callable[..., Policy]
 
 #: policy name -> factory. Full whenever this module is usable: importing ``policies.base`` imports the package

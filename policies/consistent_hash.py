@@ -71,6 +71,8 @@ class ConsistentHashPolicy:
         if prefix_blocks < 1 or virtual_nodes < 1 or load_factor < 1.0:
             raise ValueError("prefix_blocks >= 1, virtual_nodes >= 1 and load_factor >= 1.0 are required")
         self.prefix_blocks = prefix_blocks
+        #: the key is read from the first ``prefix_blocks`` blocks, held or not (``policies.base.prompt_blocks_read``)
+        self.reads_prompt_blocks: int | None = prefix_blocks
         self.virtual_nodes = virtual_nodes
         self.load_factor = load_factor
         self.use_session = use_session

@@ -43,6 +43,8 @@ class SGLangCacheAwarePolicy:
     """
 
     name = "sglang_cache_aware"
+    #: its tree stores every routed prompt whole, held by a replica or not (``policies.base.prompt_blocks_read``)
+    reads_prompt_blocks: int | None = None
 
     def __init__(
         self,

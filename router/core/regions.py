@@ -190,6 +190,22 @@ class PeerViews:
         est.observe(rtt_s)
         return est.ewma_s if est.samples >= est.min_samples else None
 
+    def frontier_depth(self, keys: Sequence[int], block_size: int) -> int:
+        """Leading blocks of ``keys`` (a prompt's first tokenized blocks) that the fresh summaries of ``block_size``
+        blocks say some region may hold: ``len(keys)`` when a region holds every block its summary covers among
+        them (``PrefixSummary.frontier_depth``: it may hold the next ones too), else the deepest match. Stale
+        summaries are left out, as ``price`` leaves them out."""
+        now = self.clock()
+        best = 0
+        for summary, at in self.summaries.values():
+            prefix = summary.prefix
+            if prefix is None or summary.block_size != block_size or now - at > self.stale_after_s:
+                continue
+            best = max(best, prefix.frontier_depth(keys))
+            if best >= len(keys):
+                break
+        return best
+
     def age_s(self, region: str) -> float | None:
         """Seconds since ``region``'s last summary arrived (None: none yet)."""
         got = self.summaries.get(region)

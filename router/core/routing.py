@@ -34,6 +34,7 @@ from policies.base import (
     ReplicaProfile,
     RouteRequest,
     TierLink,
+    prompt_blocks_read,
     reuse_of,
 )
 from policies.candidates import ReplicaFacts, build_candidates, build_pd_candidates
@@ -795,6 +796,27 @@ class Router:
         rep.load.inflight_requests = max(0, rep.load.inflight_requests - max(1, copies))
         if lora is not None:
             self.adapters.finished(rep.index, lora, service_s)
+
+    def frontier_floor_blocks(self) -> int | None:
+        """Leading prompt blocks the routing policies read whatever the replicas hold
+        (``policies.base.prompt_blocks_read`` of the policy and of the PD policy once made): the cache-frontier
+        walk's floor; None = every block (tokenize prompts whole)."""
+        need = prompt_blocks_read(self.policy)
+        if need is None or self._pd_policy is None:
+            return need
+        pd = prompt_blocks_read(self._pd_policy)
+        return None if pd is None else max(need, pd)
+
+    def deepest_held(self, keys: Sequence[int]) -> int:
+        """Leading blocks of ``keys`` that anything a decision matches prompts against may hold: the index (every
+        replica, every tier, predictions included) and the fresh summaries of the other regions
+        (``PeerViews.frontier_depth``), blocks. The cache-frontier walk tokenizes on while this reaches the last
+        tokenized block."""
+        held = self.index.deepest_match(keys)
+        views = self.peer_views
+        if views is not None and held < len(keys):
+            held = max(held, views.frontier_depth(keys, self.block_size))
+        return held
 
     def wants_prediction(self, rep: Replica) -> bool:
         """True when routing to ``rep`` should record predicted index entries."""

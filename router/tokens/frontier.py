@@ -11,7 +11,12 @@ So a text longer than ``lookahead_chars`` is tokenized in growing prefixes, each
 tokenizer's start-up gates prove): the first about ``lookahead_chars`` long, each next one about twice the last.
 After each prefix its full blocks are hashed and the index is asked how deep the deepest replica's match goes.
 When the match reaches the last tokenized full block the next prefix is tokenized; otherwise the walk stops and
-the request is routed on the ids it has: every replica's match is already exact. The prompt's length is then
+the request is routed on the ids it has: every replica's match is already exact. What counts as held is every
+source a decision matches the prompt against: the index (every tier, predicted entries included) and the other
+regions' published prefix summaries (``Router.deepest_held``). A policy that also reads the prompt's leading
+blocks whatever anyone holds (``consistent_hash`` keys on the first ``prefix_blocks``) sets a floor: the walk goes
+on until it has that many blocks (``Router.frontier_floor_blocks``); one that reads every block
+(``sglang_cache_aware``'s tree of routed prompts) gets whole prompts. The prompt's length is then
 *estimated* (``estimate_tokens``: the tokenized ids, plus a short sample at the end of the text tokenized
 exactly, plus the characters in between at the sample's tokens per character) and the ids are *partial*: they
 are never forwarded to an engine, which gets the text. When the prefix tokenization cache already holds the ids
@@ -100,9 +105,10 @@ def next_end(text: str, end: int, lookahead_chars: int) -> int:
     return cut if cut > end else len(text)
 
 
-def needs_more(held_blocks: int, tokenized_blocks: int) -> bool:
-    """True when some replica holds every tokenized full block (it may hold the next ones too): tokenize on."""
-    return held_blocks >= tokenized_blocks
+def needs_more(held_blocks: int, tokenized_blocks: int, min_blocks: int = 0) -> bool:
+    """True when some replica holds every tokenized full block (it may hold the next ones too), or fewer than
+    ``min_blocks`` full blocks are tokenized (the policy's floor): tokenize on."""
+    return held_blocks >= tokenized_blocks or tokenized_blocks < min_blocks
 
 
 def tail_start(text: str, end: int, lookahead_chars: int) -> int:
@@ -140,12 +146,14 @@ async def walk(
     held: HeldBlocks,
     count: CountTokens,
     known_chars: int = 0,
+    min_blocks: int = 0,
 ) -> FrontierIds:
-    """Tokenize ``text`` prefix by prefix until no replica holds the last tokenized full block (see the module
-    docstring). ``encode`` tokenizes a prefix (safe cuts: exact), ``extend`` hashes the ids' full blocks, ``held``
-    asks the index (a pure query, on the caller's thread), ``count`` tokenizes the tail sample of a walk that
-    stopped early (``tail_start``, ``estimate_tokens``); ``known_chars``: leading characters whose ids the prefix
-    cache holds (the first prefix reaches at least there: ``start_end``), 0 = none."""
+    """Tokenize ``text`` prefix by prefix until no replica holds the last tokenized full block and at least
+    ``min_blocks`` full blocks are tokenized (see the module docstring). ``encode`` tokenizes a prefix (safe cuts:
+    exact), ``extend`` hashes the ids' full blocks, ``held`` asks the index (a pure query, on the caller's
+    thread), ``count`` tokenizes the tail sample of a walk that stopped early (``tail_start``,
+    ``estimate_tokens``); ``known_chars``: leading characters whose ids the prefix cache holds (the first prefix
+    reaches at least there: ``start_end``), 0 = none."""
     ids: list[int] = []
     keys: list[int] = []
     end, prev_end, steps = start_end(text, lookahead_chars, known_chars), 0, 0
@@ -155,7 +163,7 @@ async def walk(
         steps += 1
         if end >= len(text):
             return FrontierIds(ids, keys, end, True, len(ids), steps)
-        if not needs_more(held(keys), len(keys)):
+        if not needs_more(held(keys), len(keys), min_blocks):
             tail = tail_start(text, end, lookahead_chars)
             tail_tokens = await count(text[tail:]) if tail > 0 else 0
             tail_chars = len(text) - tail if tail > 0 else 0
@@ -180,13 +188,15 @@ def frontier_tokenizer(
 ) -> HfTokenizer | None:
     """The tokenizer to walk a prompt of ``model`` with, or None to tokenize it whole.
 
-    Only the ``hf`` tokenizer whose start-up gates passed (``HfTokenizer.splits_exactly``), and only when every
-    routable replica of the model has its index entries from somewhere other than this router's own
-    predictions: a replica whose KV-event feed is down gets predicted entries (``Router.wants_prediction``), and
-    those would cover only the tokenized blocks, so the next turn of a conversation would match less than the
-    replica holds.
+    Only the ``hf`` tokenizer whose start-up gates passed (``HfTokenizer.splits_exactly``), only for policies that
+    do not read every block of the prompt (``Router.frontier_floor_blocks``), and only when every routable
+    replica of the model has its index entries from somewhere other than this router's own predictions: a
+    replica whose KV-event feed is down gets predicted entries (``Router.wants_prediction``), and those would
+    cover only the tokenized blocks, so the next turn of a conversation would match less than the replica holds.
     """
     if not isinstance(tokenizer, HfTokenizer) or not tokenizer.splits_exactly(add_special_tokens):
+        return None
+    if router.frontier_floor_blocks() is None:
         return None
     reps = router.table.routable(None if lora else model, lora)
     if any(router.wants_prediction(r) and not router.events_healthy(r) for r in reps):
@@ -203,7 +213,8 @@ async def frontier_ids(
     seed: int,
 ) -> FrontierIds:
     """``walk`` ``text`` with ``tokenizer``, keys chained from ``seed`` in ``router.block_size`` blocks, against
-    every replica in ``router.index``."""
+    everything the router matches prompts against (``Router.deepest_held``), to at least the policies' floor
+    (``Router.frontier_floor_blocks``)."""
     bs = router.block_size
 
     async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
@@ -217,7 +228,8 @@ async def frontier_ids(
         lookahead_chars,
         encode,
         extend,
-        router.index.deepest_match,
+        router.deepest_held,
         tokenizer.count_tokens,
         tokenizer.known_chars(text, add_special_tokens),
+        router.frontier_floor_blocks() or 0,
     )

@@ -227,6 +227,36 @@ def test_prompt_scope_tokenizes_whole_and_forwards_ids(tmp_path: Path) -> None:
         engine.proc.stop()
 
 
+def test_policies_reading_unheld_blocks_get_them_tokenized(tmp_path: Path) -> None:
+    """``consistent_hash`` keys on its first ``prefix_blocks`` blocks whether anyone holds them or not: a long new
+    prompt is tokenized at least that deep (else the walk's first ~2k characters would be keyed now and the
+    deeper prefix once the fleet holds it: one conversation, two keys). ``sglang_cache_aware`` stores routed
+    prompts whole in its tree: whole prompts."""
+    model_dir = build_model_dir(tmp_path / "model")
+    engine = start_engine("a", model_dir, 0)
+    p = " ".join(random.Random(7).choices(WORDS, k=3000))  # ~20k characters, ~3,000 tokens
+    n = len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(p).ids)
+    assert n > 2 * 64 * BS
+    try:
+        wait_http_ok(engine.url + "/health", timeout=30)
+        for policy, floor in (("consistent_hash", 64), ("sglang_cache_aware", None)):
+            extra = ["--policy-param", f"prefix_blocks={floor}"] if floor else []
+            router, url = start_router(
+                [engine], model_dir, "--policy", policy, *extra, "--tokenize-lookahead-chars", "2048"
+            )
+            try:
+                d = route(url, {"model": MODEL, "prompt": p})
+            finally:
+                router.stop()
+            if floor is None:
+                assert d["prompt_tokens_estimated"] is False and d["tokenized_tokens"] == n, policy
+            else:
+                assert d["prompt_tokens_estimated"] is True, policy  # still a partial walk, past the floor
+                assert floor * BS <= d["tokenized_tokens"] < n, policy
+    finally:
+        engine.proc.stop()
+
+
 @pytest.mark.trace
 def test_decisions_agree_with_whole_prompt_tokenization_on_a_trace_slice(tmp_path: Path) -> None:
     from sim.workload import WorkloadOptions, build_workload, ensure_model_dir

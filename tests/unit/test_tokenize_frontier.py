@@ -14,12 +14,20 @@ from tokenizers import Tokenizer
 
 from index.hashing import block_keys, extend_keys
 from index.prefix_index import PrefixIndex
+from index.summary import PrefixSummary, SummaryParams
+from membership.replicas import ReplicaTable
+from policies.base import make_policy
+from policies.peer_summary import PeerSummary, summary_json
+from policies.regions import RegionLoad
 from router.config import Settings
-from router.core.routing import RoutingInput
+from router.core.regions import PeerViews
+from router.core.routing import Router, RoutingInput
 from router.tokens.frontier import (
     FrontierIds,
     estimate_tokens,
     first_end,
+    frontier_ids,
+    frontier_tokenizer,
     needs_more,
     next_end,
     start_end,
@@ -305,3 +313,42 @@ def test_the_next_turn_starts_where_the_prefix_cache_knows_the_ids(tok: HfTokeni
 
     second = asyncio.run(walk(turn2, LOOKAHEAD, encode, extend, index.deepest_match, tok.count_tokens, known))
     assert second.complete and second.token_ids == whole2 and second.steps <= 2
+
+
+# -- what the request path walks against (router/tokens/frontier.py's glue) -----------------------------------
+
+
+def _router(policy: str, **params: int) -> Router:
+    return Router(ReplicaTable(), PrefixIndex(block_size=BS), make_policy(policy, **params), block_size=BS)
+
+
+def test_the_request_path_walks_to_a_prefix_hashing_policys_floor(tok: HfTokenizer) -> None:
+    """``consistent_hash`` with 150 keyed blocks (2,400 tokens): a long prompt nobody holds is tokenized at least
+    that deep, so it is keyed on the same blocks whatever the fleet holds; whole prompts for the tree policy."""
+    text = english(8000, seed=8)
+    plain = asyncio.run(frontier_ids(tok, text, True, LOOKAHEAD, _router("ttft"), SEED))
+    assert len(plain.keys) < 150
+    keyed = asyncio.run(
+        frontier_ids(tok, text, True, LOOKAHEAD, _router("consistent_hash", prefix_blocks=150), SEED)
+    )
+    whole = list(tok.encode_text(text, True))  # after the walks: the prefix cache would lend them its ids
+    assert len(whole) > 2 * 150 * BS and not keyed.complete
+    assert len(keyed.keys) >= 150 and keyed.token_ids == whole[: len(keyed.token_ids)]
+    assert frontier_tokenizer(tok, _router("consistent_hash"), "m", None, True) is tok
+    assert frontier_tokenizer(tok, _router("sglang_cache_aware"), "m", None, True) is None
+
+
+def test_the_request_path_walks_as_deep_as_a_peer_region_holds(tmp_path: Path) -> None:
+    """Another region's fresh summary holds the whole prompt and the local index nothing: the walk tokenizes it
+    all, so the peer is priced on its whole match (``price_peer`` reads the same keys)."""
+    tok = HfTokenizer(model_dir(tmp_path, "gpt2"), cache_bytes=1 << 22, cache_verify_every=1)
+    probe = HfTokenizer(model_dir(tmp_path / "probe", "gpt2"), cache_bytes=0, cache_verify_every=0)
+    text = english(6000, seed=9)
+    whole = list(probe.encode_text(text, True))  # the ids, without lending them to ``tok``'s prefix cache
+    router = _router("ttft")
+    router.peer_views = PeerViews(stale_after_s=3.0, rtt_alpha=0.5, rtt_min_samples=2, clock=lambda: 0.0)
+    prefix = PrefixSummary.from_keys(block_keys(whole, BS, SEED), SummaryParams(10.0, 1))
+    body = summary_json("eu", {"m": RegionLoad(1, 0.0, 0.0, 0.5)}, BS, prefix)
+    router.peer_views.store("eu", PeerSummary.from_json(body))
+    got = asyncio.run(frontier_ids(tok, text, True, LOOKAHEAD, router, SEED))
+    assert got.complete and got.token_ids == whole
