@@ -467,6 +467,15 @@ class _TokenizerFields(BaseModel):
         "quarter of this at the end of the text to estimate the length. Larger: exact ids for more "
         "prompts, more router CPU on new long prompts",
     )
+    tokenize_first_prefix_chars: int = Field(
+        default=1024,
+        ge=256,
+        description="cached_prefix: how long the first prefix of a longer text is, characters (a value above "
+        "tokenize_lookahead_chars acts as it); each next prefix doubles it while some replica holds "
+        "every tokenized block. A walk stops after its first prefix on a prompt no replica holds the "
+        "start of, so this is what such a prompt costs to tokenize (on the event loop); a prompt whose "
+        "start is held takes a few more, cheap steps",
+    )
 
 
 class TokenizerSettings(_TokenizerFields):

@@ -750,6 +750,7 @@ def _pipeline_config(settings: Settings) -> PipelineConfig:
         region=settings.regions.region,
         tokenize_scope=tok.tokenize_scope,
         tokenize_lookahead_chars=tok.tokenize_lookahead_chars,
+        tokenize_first_prefix_chars=tok.tokenize_first_prefix_chars,
     )
 
 

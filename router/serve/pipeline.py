@@ -114,6 +114,8 @@ class PipelineConfig:
     tokenize_scope: Literal["prompt", "cached_prefix"]
     #: texts up to this many characters are tokenized whole (``tokenize_lookahead_chars``), characters
     tokenize_lookahead_chars: int
+    #: the first prefix of a walk (``tokenize_first_prefix_chars``), characters
+    tokenize_first_prefix_chars: int
 
 
 @dataclass(slots=True)
@@ -439,7 +441,8 @@ class Pipeline:
         lookahead = self.config.tokenize_lookahead_chars
         if len(text) <= lookahead:
             return await tok.encode_prefix(text, len(text), [], 0, add_special_tokens), None
-        walked = await frontier_ids(tok, text, add_special_tokens, lookahead, self.router, seed)
+        first = self.config.tokenize_first_prefix_chars
+        walked = await frontier_ids(tok, text, add_special_tokens, lookahead, first, self.router, seed)
         return walked.token_ids, walked
 
     def _count_tokenized(self, tokenized: int, walked: FrontierIds | None) -> None:

@@ -8,7 +8,10 @@ the router's CPU, and the engine tokenizes it again anyway.
 
 So a text longer than ``lookahead_chars`` is tokenized in growing prefixes, each ending at a safe cut
 (``router.tokens.token_cache.safe_cut``: the prefix's ids are exactly the leading ids of the whole text, which the
-tokenizer's start-up gates prove): the first about ``lookahead_chars`` long, each next one about twice the last.
+tokenizer's start-up gates prove): the first about ``first_chars`` long (at most ``lookahead_chars``), each next
+one about twice the last. The first prefix is short because most long prompts on a fleet are new past their first
+blocks: their walk stops after it, and it is tokenized on the event loop (``THREAD_MIN_CHARS``); a prompt whose
+start some replica holds walks on, each step tokenizing only what it adds.
 After each prefix its full blocks are hashed and the index is asked how deep the deepest replica's match goes.
 When the match reaches the last tokenized full block the next prefix is tokenized; otherwise the walk stops and
 the request is routed on the ids it has: every replica's match is already exact. What counts as held is every
@@ -26,7 +29,7 @@ reaches that far at no tokenization cost.
 The step decisions (``first_end``, ``start_end``, ``next_end``, ``needs_more``, ``tail_start``,
 ``estimate_tokens``) are pure; ``walk`` drives them with the tokenizer and the index passed in as callables; ``frontier_tokenizer`` / ``frontier_ids`` bind
 them to the router's tokenizer and index for the request path. Settings: ``tokenize_scope``,
-``tokenize_lookahead_chars``.
+``tokenize_lookahead_chars``, ``tokenize_first_prefix_chars``.
 
 Units: characters (text offsets), tokens, blocks (``block_size`` tokens).
 """
@@ -74,21 +77,21 @@ class FrontierIds:
     steps: int
 
 
-def first_end(text: str, lookahead_chars: int) -> int:
-    """Where the first prefix ends: the last safe cut at or before ``lookahead_chars``, or ``len(text)`` (the whole
-    text) when less than half a lookahead would be left after it (texts up to 1.5 lookaheads) or the text has no
-    safe cut in it."""
+def first_end(text: str, lookahead_chars: int, first_chars: int) -> int:
+    """Where the first prefix ends: the last safe cut at or before ``min(first_chars, lookahead_chars)``, or
+    ``len(text)`` (the whole text) when less than half a lookahead would be left after a lookahead (texts up to 1.5
+    lookaheads are tokenized whole) or the text has no safe cut there."""
     if len(text) - lookahead_chars < lookahead_chars // 2:
         return len(text)
-    cut = safe_cut(text, lookahead_chars, 0)
+    cut = safe_cut(text, min(first_chars, lookahead_chars), 0)
     return cut if cut > 0 else len(text)
 
 
-def start_end(text: str, lookahead_chars: int, known_chars: int) -> int:
+def start_end(text: str, lookahead_chars: int, first_chars: int, known_chars: int) -> int:
     """Where the first prefix ends when the prefix cache already holds the ids of ``known_chars`` leading
     characters (a safe cut; 0 = none): ``first_end``, or the known cut when it is further (its ids cost nothing),
     or ``len(text)`` when less than half a lookahead would be left after it."""
-    end = first_end(text, lookahead_chars)
+    end = first_end(text, lookahead_chars, first_chars)
     if known_chars <= end:
         return end
     return len(text) if len(text) - known_chars < lookahead_chars // 2 else known_chars
@@ -141,6 +144,7 @@ def estimate_tokens(
 async def walk(
     text: str,
     lookahead_chars: int,
+    first_chars: int,
     encode: EncodePrefix,
     extend: ExtendKeys,
     held: HeldBlocks,
@@ -153,10 +157,11 @@ async def walk(
     exact), ``extend`` hashes the ids' full blocks, ``held`` asks the index (a pure query, on the caller's
     thread), ``count`` tokenizes the tail sample of a walk that stopped early (``tail_start``,
     ``estimate_tokens``); ``known_chars``: leading characters whose ids the prefix cache holds (the first prefix
-    reaches at least there: ``start_end``), 0 = none."""
+    reaches at least there: ``start_end``), 0 = none; ``first_chars``: the first prefix's length, characters
+    (``first_end``)."""
     ids: list[int] = []
     keys: list[int] = []
-    end, prev_end, steps = start_end(text, lookahead_chars, known_chars), 0, 0
+    end, prev_end, steps = start_end(text, lookahead_chars, first_chars, known_chars), 0, 0
     while True:
         ids = await encode(text, end, ids, prev_end)
         keys = extend(ids, keys)
@@ -209,6 +214,7 @@ async def frontier_ids(
     text: str,
     add_special_tokens: bool,
     lookahead_chars: int,
+    first_chars: int,
     router: Router,
     seed: int,
 ) -> FrontierIds:
@@ -226,6 +232,7 @@ async def frontier_ids(
     return await walk(
         text,
         lookahead_chars,
+        first_chars,
         encode,
         extend,
         router.deepest_held,

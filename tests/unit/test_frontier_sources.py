@@ -70,8 +70,8 @@ def test_a_walk_with_a_floor_tokenizes_at_least_that_many_blocks() -> None:
     def held(keys: object) -> int:
         return 0
 
-    plain = asyncio.run(walk(text, 1024, encode, extend, held, count))
-    floored = asyncio.run(walk(text, 1024, encode, extend, held, count, min_blocks=300))
+    plain = asyncio.run(walk(text, 1024, 1024, encode, extend, held, count))
+    floored = asyncio.run(walk(text, 1024, 1024, encode, extend, held, count, min_blocks=300))
     assert plain.steps == 1 and len(plain.keys) == 1023 // BS
     assert len(floored.keys) >= 300 and not floored.complete
     # prefixes end at 1,023 -> 2,043 -> 4,083 (255 blocks, under the floor) -> 8,163 characters
@@ -138,7 +138,7 @@ def test_a_walk_against_a_peer_goes_as_deep_as_the_peer_holds(held: int) -> None
     async def count(piece: str) -> int:
         return len(piece)
 
-    got = asyncio.run(walk(text, 256, encode, extend, router.deepest_held, count))
+    got = asyncio.run(walk(text, 256, 256, encode, extend, router.deepest_held, count))
     assert len(got.keys) > 120  # past the peer's depth: its priced match is what whole ids would give
-    alone = asyncio.run(walk(text, 256, encode, extend, index.deepest_match, count))
+    alone = asyncio.run(walk(text, 256, 256, encode, extend, index.deepest_match, count))
     assert len(alone.keys) <= max(2 * held, 16)  # the index alone stops one prefix past its own depth

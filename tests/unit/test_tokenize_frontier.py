@@ -41,6 +41,8 @@ from tests.unit.test_token_cache import FAMILIES, ODD, WORDS, family
 BS = 16
 SEED = 1234
 LOOKAHEAD = 2048
+#: the walk's first prefix in these tests (shorter than the lookahead, as the router's default is)
+FIRST = 512
 
 
 def english(n_words: int, seed: int = 0) -> str:
@@ -57,7 +59,12 @@ def model_dir(tmp_path: Path, name: str) -> Path:
 
 
 def run_walk(
-    tok: HfTokenizer, text: str, index: PrefixIndex, specials: bool = True, lookahead: int = LOOKAHEAD
+    tok: HfTokenizer,
+    text: str,
+    index: PrefixIndex,
+    specials: bool = True,
+    lookahead: int = LOOKAHEAD,
+    first: int = FIRST,
 ) -> FrontierIds:
     async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
         return await tok.encode_prefix(t, end, prev, prev_end, specials)
@@ -65,12 +72,12 @@ def run_walk(
     def extend(ids: list[int], keys: list[int]) -> list[int]:
         return extend_keys(ids, keys, BS, SEED)
 
-    return asyncio.run(walk(text, lookahead, encode, extend, index.deepest_match, tok.count_tokens))
+    return asyncio.run(walk(text, lookahead, first, encode, extend, index.deepest_match, tok.count_tokens))
 
 
-def ends(text: str, lookahead: int) -> list[int]:
+def ends(text: str, lookahead: int, first: int = FIRST) -> list[int]:
     """Every prefix end the walk can reach on ``text``, in order."""
-    out = [first_end(text, lookahead)]
+    out = [first_end(text, lookahead, first)]
     while out[-1] < len(text):
         out.append(next_end(text, out[-1], lookahead))
     return out
@@ -81,12 +88,16 @@ def ends(text: str, lookahead: int) -> list[int]:
 
 def test_short_texts_are_one_prefix_and_long_ones_start_at_a_safe_cut_within_the_lookahead() -> None:
     short = english(50)
-    assert first_end(short, len(short)) == len(short)
-    assert first_end(short, len(short) * 7 // 10) == len(short)  # up to 1.5 lookaheads: no small rest left
+    assert first_end(short, len(short), FIRST) == len(short)
+    # up to 1.5 lookaheads: no small rest left (whatever the first prefix)
+    assert first_end(short, len(short) * 7 // 10, FIRST) == len(short)
     long = english(3000)
-    end = first_end(long, LOOKAHEAD)
-    assert 0 < end <= LOOKAHEAD and safe_cut(long, end, end - 1) == end  # a safe cut: " " between words
-    assert first_end("x" * 5000, LOOKAHEAD) == 5000  # no safe cut at all: the whole text
+    end = first_end(long, LOOKAHEAD, FIRST)
+    assert 0 < end <= FIRST and safe_cut(long, end, end - 1) == end  # a safe cut: " " between words
+    assert FIRST - end < 40  # the last safe cut before it: a word away
+    assert first_end(long, LOOKAHEAD, LOOKAHEAD) > FIRST  # a first prefix as long as the lookahead
+    assert first_end(long, LOOKAHEAD, 4 * LOOKAHEAD) == first_end(long, LOOKAHEAD, LOOKAHEAD)  # at most that
+    assert first_end("x" * 5000, LOOKAHEAD, FIRST) == 5000  # no safe cut at all: the whole text
 
 
 def test_prefixes_double_end_at_safe_cuts_and_do_not_leave_a_small_tail() -> None:
@@ -135,7 +146,8 @@ def test_nothing_held_tokenizes_only_the_first_prefix(tok: HfTokenizer) -> None:
     text = english(4000, seed=1)
     whole = list(family_ids(tok, text))
     got = run_walk(tok, text, PrefixIndex(block_size=BS))
-    assert got.steps == 1 and not got.complete and got.chars == first_end(text, LOOKAHEAD)
+    assert got.steps == 1 and not got.complete and got.chars == first_end(text, LOOKAHEAD, FIRST)
+    assert got.chars <= FIRST  # a new prompt costs its first prefix (and the tail sample), not a lookahead
     assert got.token_ids == whole[: len(got.token_ids)]  # exact: the leading ids of the whole prompt
     assert got.keys == block_keys(got.token_ids, BS, SEED)
     assert len(got.token_ids) < len(whole) / 4
@@ -250,13 +262,14 @@ def e2e_prompts(n: int) -> list[str]:
 
 #: the router's default lookahead (the estimate tests hold at what ships)
 DEFAULT_LOOKAHEAD = int(Settings.model_fields["tokenize_lookahead_chars"].default)
+DEFAULT_FIRST = int(Settings.model_fields["tokenize_first_prefix_chars"].default)
 
 
-def estimate_errors(tok: HfTokenizer, prompts: Sequence[str], lookahead: int) -> list[float]:
+def estimate_errors(tok: HfTokenizer, prompts: Sequence[str], lookahead: int, first: int) -> list[float]:
     errs = []
     empty = PrefixIndex(block_size=BS)
     for p in prompts:
-        got = run_walk(tok, p, empty, lookahead=lookahead)
+        got = run_walk(tok, p, empty, lookahead=lookahead, first=first)
         assert not got.complete
         exact = len(tok.encode_text(p, True))
         errs.append(abs(got.estimated_tokens - exact) / exact)
@@ -269,7 +282,7 @@ def test_estimate_within_a_few_percent_on_the_e2e_word_vocabulary() -> None:
     prompts = e2e_prompts(30)
     assert len(prompts) >= 20
     tok = HfTokenizer(ensure_model_dir(), cache_bytes=0, cache_verify_every=0)
-    errs = estimate_errors(tok, prompts, DEFAULT_LOOKAHEAD)
+    errs = estimate_errors(tok, prompts, DEFAULT_LOOKAHEAD, DEFAULT_FIRST)
     assert max(errs) < 0.03 and sum(errs) / len(errs) < 0.015, errs
 
 
@@ -279,19 +292,19 @@ def test_estimate_within_a_few_percent_with_a_byte_level_bpe(tmp_path: Path) -> 
     prompts = e2e_prompts(30)
     tok = HfTokenizer(bpe_model_dir(prompts, tmp_path / "bpe"), cache_bytes=0, cache_verify_every=0)
     assert tok.splits_exactly(True), tok.cache.disabled_reason
-    errs = estimate_errors(tok, prompts, DEFAULT_LOOKAHEAD)
+    errs = estimate_errors(tok, prompts, DEFAULT_LOOKAHEAD, DEFAULT_FIRST)
     assert max(errs) < 0.05 and sum(errs) / len(errs) < 0.02, errs
 
 
 def test_start_end_jumps_to_what_the_prefix_cache_knows() -> None:
     text = english(6000, seed=8)
-    first = first_end(text, LOOKAHEAD)
-    assert start_end(text, LOOKAHEAD, 0) == first
-    assert start_end(text, LOOKAHEAD, first - 100) == first  # less than the first prefix: no change
+    first = first_end(text, LOOKAHEAD, FIRST)
+    assert start_end(text, LOOKAHEAD, FIRST, 0) == first
+    assert start_end(text, LOOKAHEAD, FIRST, first - 100) == first  # less than the first prefix: no change
     known = safe_cut(text, len(text) // 2, 0)
-    assert start_end(text, LOOKAHEAD, known) == known
+    assert start_end(text, LOOKAHEAD, FIRST, known) == known
     near_end = safe_cut(text, len(text) - LOOKAHEAD // 4, 0)
-    assert start_end(text, LOOKAHEAD, near_end) == len(text)  # no small rest left
+    assert start_end(text, LOOKAHEAD, FIRST, near_end) == len(text)  # no small rest left
 
 
 def test_the_next_turn_starts_where_the_prefix_cache_knows_the_ids(tok: HfTokenizer) -> None:
@@ -311,7 +324,9 @@ def test_the_next_turn_starts_where_the_prefix_cache_knows_the_ids(tok: HfTokeni
     def extend(ids: list[int], keys: list[int]) -> list[int]:
         return extend_keys(ids, keys, BS, SEED)
 
-    second = asyncio.run(walk(turn2, LOOKAHEAD, encode, extend, index.deepest_match, tok.count_tokens, known))
+    second = asyncio.run(
+        walk(turn2, LOOKAHEAD, FIRST, encode, extend, index.deepest_match, tok.count_tokens, known)
+    )
     assert second.complete and second.token_ids == whole2 and second.steps <= 2
 
 
@@ -326,10 +341,10 @@ def test_the_request_path_walks_to_a_prefix_hashing_policys_floor(tok: HfTokeniz
     """``consistent_hash`` with 150 keyed blocks (2,400 tokens): a long prompt nobody holds is tokenized at least
     that deep, so it is keyed on the same blocks whatever the fleet holds; whole prompts for the tree policy."""
     text = english(8000, seed=8)
-    plain = asyncio.run(frontier_ids(tok, text, True, LOOKAHEAD, _router("ttft"), SEED))
+    plain = asyncio.run(frontier_ids(tok, text, True, LOOKAHEAD, FIRST, _router("ttft"), SEED))
     assert len(plain.keys) < 150
     keyed = asyncio.run(
-        frontier_ids(tok, text, True, LOOKAHEAD, _router("consistent_hash", prefix_blocks=150), SEED)
+        frontier_ids(tok, text, True, LOOKAHEAD, FIRST, _router("consistent_hash", prefix_blocks=150), SEED)
     )
     whole = list(tok.encode_text(text, True))  # after the walks: the prefix cache would lend them its ids
     assert len(whole) > 2 * 150 * BS and not keyed.complete
@@ -350,5 +365,5 @@ def test_the_request_path_walks_as_deep_as_a_peer_region_holds(tmp_path: Path) -
     prefix = PrefixSummary.from_keys(block_keys(whole, BS, SEED), SummaryParams(10.0, 1))
     body = summary_json("eu", {"m": RegionLoad(1, 0.0, 0.0, 0.5)}, BS, prefix)
     router.peer_views.store("eu", PeerSummary.from_json(body))
-    got = asyncio.run(frontier_ids(tok, text, True, LOOKAHEAD, router, SEED))
+    got = asyncio.run(frontier_ids(tok, text, True, LOOKAHEAD, FIRST, router, SEED))
     assert got.complete and got.token_ids == whole
