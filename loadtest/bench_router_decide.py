@@ -1,0 +1,148 @@
+"""The router's whole co-located decision at 8 / 64 / 512 / 4,096 replicas: ``python -m loadtest.bench_router_decide
+--json``.
+
+``loadtest.bench_policies`` times a policy's ``choose`` on candidates built in advance. A router decision
+(``router.core.routing.Router.decide``) does more, per replica and per request: the routable replicas of the model
+(``candidates_for``), what a policy may know of each (``Router.facts``: the load view with this router's pending
+prefill, the profile), the prompt matched in the index and a ``Candidate`` per replica (``build_candidates``),
+the policy, and the reuse accounting. This benchmark builds a real ``ReplicaTable`` of ready replicas with
+scraped loads, a real ``PrefixIndex`` in which ~30 % of the replicas hold one of 8 shared system prompts, and
+times ``Router.decide`` on ~2k-token prompts (block keys of a system prompt and a unique suffix), call by call in
+this thread's CPU time, as ``bench_policies`` does. It also times the stages apart (the same calls
+``decide`` makes, one stage at a time), so a cut can be placed.
+
+Prints ``{"<replicas>": {"decide_us": p50, "replicas_us": ..., "candidates_us": ..., "policy_us": ...}}`` on
+stdout with ``--json`` (p50s in microseconds; ``--repeat R``: the median of R rounds) and a table on stderr.
+Compare numbers from one run: shared machines are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from index.hashing import root_seed
+from index.prefix_index import PrefixIndex
+from membership.replicas import ReplicaState, ReplicaTable
+from policies.base import LoadView, ReplicaProfile, TierLink, make_policy
+from router.core.routing import Router, RoutingInput
+
+SIZES = (8, 64, 512, 4096)
+BLOCK = 16
+MODEL = "m"
+
+
+def build_router(n: int, policy: str, seed: int) -> tuple[Router, list[RoutingInput]]:
+    """A router over ``n`` ready replicas (scraped loads, ~30 % holding a system prompt) and 16 requests."""
+    rng = random.Random(seed)
+    table = ReplicaTable()
+    index = PrefixIndex(block_size=BLOCK)
+    router = Router(table, index, make_policy(policy), block_size=BLOCK)
+    rseed = root_seed(MODEL)
+    systems = [[rng.getrandbits(64) for _ in range(rng.randint(16, 96))] for _ in range(8)]
+    profiles = [
+        ReplicaProfile(
+            prefill_tokens_per_s=rng.choice([8_000.0, 16_000.0]),
+            fixed_overhead_s=0.02,
+            tiers={"cpu": TierLink(25e9, 0.001), "remote": TierLink(6.25e9, 0.01)},
+            decode_interference_s=0.0005,
+        )
+        for _ in range(4)
+    ]
+    for r in range(n):
+        known = rng.random() > 0.05
+        rep = table.upsert(
+            f"r{r}",
+            f"http://10.0.{r // 250}.{r % 250}:8000",
+            models=[MODEL],
+            profile=profiles[r % len(profiles)],
+            load=LoadView(
+                queued_requests=rng.randint(0, 8) if known else None,
+                running_requests=rng.randint(0, 48) if known else None,
+                queued_prefill_tokens=rng.randint(0, 20_000) if known else None,
+                inflight_requests=rng.randint(0, 6),
+                inflight_prefill_tokens=rng.randint(0, 4000),
+                kv_usage=rng.uniform(0.1, 0.95) if known else None,
+                age_s=rng.uniform(0.0, 2.0),
+            ),
+        )
+        table.set_state(rep.name, ReplicaState.READY)
+        if rng.random() < 0.3:
+            system = systems[rng.randrange(len(systems))]
+            depth = rng.randint(1, len(system))
+            tier = "gpu" if rng.random() < 0.8 else "cpu"
+            index.store(rep.index, None, system[:depth], tier)
+    inputs = []
+    for i in range(16):
+        keys = systems[i % len(systems)] + [rng.getrandbits(64) for _ in range(rng.randint(8, 120))]
+        ids = [rng.randrange(50_000) for _ in range(len(keys) * BLOCK + rng.randint(0, 15))]
+        inputs.append(RoutingInput(MODEL, None, ids, keys, rseed, request_id=str(i)))
+    return router, inputs
+
+
+def stage_clocks(router: Router, inp: RoutingInput, clock: Callable[[], int]) -> tuple[int, int, int, int]:
+    """One decision's stages, ns: routable replicas, facts + candidates (index match included), the policy,
+    and the whole ``decide`` (called after, on the same input)."""
+    t0 = clock()
+    reps = router.candidates_for(inp)
+    t1 = clock()
+    cands = router.build_candidates(inp, [router.facts(r, lora=inp.lora) for r in reps])
+    t2 = clock()
+    router.policy.choose(router.route_request(inp), cands)
+    t3 = clock()
+    router.decide(inp)
+    t4 = clock()
+    return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
+
+def time_size(n: int, policy: str, calls: int, seed: int, clock: Callable[[], int]) -> dict[str, float]:
+    """p50s (µs) of the stages and the whole decision at ``n`` replicas over ``calls`` calls."""
+    router, inputs = build_router(n, policy, seed)
+    for inp in inputs[:4]:  # warm-up
+        router.decide(inp)
+    parts: list[list[float]] = [[], [], [], []]
+    for i in range(calls):
+        for k, ns in enumerate(stage_clocks(router, inputs[i % len(inputs)], clock)):
+            parts[k].append(ns / 1000.0)
+    keys = ("replicas_us", "candidates_us", "policy_us", "decide_us")
+    return {key: round(statistics.median(xs), 1) for key, xs in zip(keys, parts, strict=True)}
+
+
+def calls_for(n: int, calls: int) -> int:
+    """Timed calls at ``n`` replicas (``calls`` below 512, fewer above)."""
+    return calls if n < 512 else max(40, calls // (8 if n < 4096 else 40))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; JSON on stdout (``--json``), a table on stderr."""
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    ap.add_argument("--policy", default="ttft", help="routing policy (default ttft)")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="replica counts (comma-separated)")
+    ap.add_argument("--calls", type=int, default=1000, help="calls per size below 512 (fewer above)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds; the JSON holds the median p50s")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    rounds: dict[str, list[dict[str, float]]] = {str(n): [] for n in sizes}
+    for _ in range(max(1, args.repeat)):
+        for n in sizes:
+            got = time_size(n, args.policy, calls_for(n, args.calls), args.seed, time.thread_time_ns)
+            rounds[str(n)].append(got)
+    result = {n: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for n, runs in rounds.items()}
+    print(f"Router.decide CPU time per call, p50 µs ({args.policy})", file=sys.stderr)
+    print(f"{'replicas':>9}" + "".join(f"{k:>15}" for k in next(iter(result.values()))), file=sys.stderr)
+    for n, row in result.items():
+        print(f"{n:>9}" + "".join(f"{v:>15.1f}" for v in row.values()), file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
