@@ -137,8 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {n: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for n, runs in rounds.items()}
     print(f"Router.decide CPU time per call, p50 µs ({args.policy})", file=sys.stderr)
     print(f"{'replicas':>9}" + "".join(f"{k:>15}" for k in next(iter(result.values()))), file=sys.stderr)
-    for n, row in result.items():
-        print(f"{n:>9}" + "".join(f"{v:>15.1f}" for v in row.values()), file=sys.stderr)
+    for size, row in result.items():
+        print(f"{size:>9}" + "".join(f"{v:>15.1f}" for v in row.values()), file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     return 0
