@@ -91,7 +91,7 @@ def stage_clocks(router: Router, inp: RoutingInput, clock: Callable[[], int]) ->
     t0 = clock()
     reps = router.candidates_for(inp)
     t1 = clock()
-    cands = router.build_candidates(inp, [router.facts(r, lora=inp.lora) for r in reps])
+    cands = router.build_candidates(inp, router.fact_rows(inp, reps))
     t2 = clock()
     router.policy.choose(router.route_request(inp), cands)
     t3 = clock()

@@ -235,6 +235,8 @@ class ReplicaTable:
         self._allocator: IndexAllocator = allocator or InMemoryIndexAllocator()
         self._by_name: dict[str, Replica] = {}
         self._by_index: dict[int, Replica] = {}
+        #: every replica by index, ascending (None: to sort again; membership changed)
+        self._ordered: list[Replica] | None = None
         self._lock = threading.RLock()
         self._on_remove: list[RemovalListener] = []
         self._on_change: list[Callable[[Replica], None]] = []
@@ -271,6 +273,7 @@ class ReplicaTable:
                 rep = Replica(name=name, index=idx, url=url.rstrip("/"))
                 self._by_name[name] = rep
                 self._by_index[idx] = rep
+                self._ordered = None
                 changed = True
             elif rep.url != url.rstrip("/"):
                 rep.url = url.rstrip("/")
@@ -305,6 +308,7 @@ class ReplicaTable:
             if rep is None:
                 return None
             self._by_index.pop(rep.index, None)
+            self._ordered = None
             rep.state = ReplicaState.GONE
             self._allocator.release(name)
         for cb in self._on_remove:
@@ -348,20 +352,38 @@ class ReplicaTable:
         return self._by_index.get(index)
 
     def all(self) -> list[Replica]:
-        """Every known replica, ordered by index."""
+        """Every known replica, ordered by index (a new list)."""
         with self._lock:
-            return sorted(self._by_name.values(), key=lambda r: r.index)
+            return list(self._in_order())
+
+    def _in_order(self) -> list[Replica]:
+        """The kept list of every replica by index (sorted again after a membership change); hold the lock."""
+        ordered = self._ordered
+        if ordered is None:
+            ordered = self._ordered = sorted(self._by_name.values(), key=lambda r: r.index)
+        return ordered
 
     def routable(
         self, model: str | None = None, lora: str | None = None, exclude: Iterable[int] = ()
     ) -> list[Replica]:
-        """Replicas that may take a new request for ``model`` / ``lora``, minus indices in ``exclude``."""
+        """Replicas that may take a new request for ``model`` / ``lora``, minus indices in ``exclude``, by index.
+
+        Every routing decision calls this over the whole table: the order by index is kept between membership
+        changes, and a base-model request's check is inlined (``Replica.routable``, ``Replica.serves``)."""
         ex = set(exclude)
+        states = ROUTABLE_STATES
         with self._lock:
+            ordered = self._in_order()
+            if lora:
+                return [
+                    r for r in ordered if r.state in states and r.index not in ex and r.serves(model, lora)
+                ]
             return [
                 r
-                for r in sorted(self._by_name.values(), key=lambda r: r.index)
-                if r.routable and r.index not in ex and r.serves(model, lora)
+                for r in ordered
+                if r.state in states
+                and (not ex or r.index not in ex)
+                and (not model or not r.models or model in r.models)
             ]
 
     def __len__(self) -> int:

@@ -112,11 +112,12 @@ class LoadView:
     adapters: AdapterSlots | None = None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PrefixHit:
     """Leading prompt tokens a replica holds, split by tier (from ``PrefixIndex.match``).
 
-    Each matched block is counted once, in the fastest tier that holds it.
+    Each matched block is counted once, in the fastest tier that holds it. Immutable: the candidates of the
+    replicas that hold nothing of a prompt (most of a large fleet's) share one empty hit (``policies.hits.NO_HIT``).
 
     Attributes:
         gpu, cpu, disk, remote: matched leading tokens per tier, tokens.
@@ -136,6 +137,10 @@ class PrefixHit:
     def total(self) -> int:
         """All matched leading tokens, any tier."""
         return self.gpu + self.cpu + self.disk + self.remote
+
+
+#: the hit of a replica that holds none of the prompt, shared by every such candidate (``PrefixHit`` is immutable)
+NO_HIT = PrefixHit()
 
 
 @dataclass(slots=True)
@@ -256,8 +261,11 @@ def reuse_of(chosen: int, candidates: Sequence[Candidate]) -> Reuse:
     """The ``Reuse`` of choosing replica ``chosen`` among ``candidates`` (matched prompt tokens, every tier)."""
     available = 0
     achieved = 0
+    no_hit = NO_HIT
     for c in candidates:  # every decision, every candidate: attributes, no property or ``max`` call
         hit = c.hit
+        if hit is no_hit:  # most of a large fleet's candidates: nothing to count
+            continue
         total = hit.gpu + hit.cpu + hit.disk + hit.remote
         if total > available:
             available = total

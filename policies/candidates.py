@@ -7,12 +7,12 @@ Units: tokens, blocks (``block_size`` tokens), seconds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from index.prefix_index import ReplicaMatch
 from policies.adapters import AdapterCost
-from policies.base import Candidate, LoadView, ReplicaProfile
+from policies.base import NO_HIT, Candidate, LoadView, ReplicaProfile
 from policies.hits import hit_from_match
 from policies.pd_base import DecodeLeg, PdCandidate, Role
 
@@ -55,28 +55,44 @@ class ReplicaFacts:
     decode_legs: tuple[DecodeLeg, ...] = ()
 
 
+#: what ``candidates_from`` needs of one replica, in this order: index, name, load view, profile, state, region,
+#: engine block size (None: the router's), the request's adapter cost there (None: a base-model request). A
+#: tuple, not a ``ReplicaFacts``: the router builds one per routable replica for every decision.
+FactsRow = tuple[int, str, LoadView, ReplicaProfile, str, str, int | None, AdapterCost | None]
+
+
+def rows_of(replicas: Iterable[ReplicaFacts]) -> Iterable[FactsRow]:
+    """``replicas`` as ``FactsRow``s (lazily)."""
+    return (
+        (r.index, r.name, r.load, r.profile, r.state, r.region, r.engine_block_size, r.adapter)
+        for r in replicas
+    )
+
+
+def candidates_from(
+    rows: Iterable[FactsRow], matches: Mapping[int, ReplicaMatch], prompt_tokens: int, block_size: int
+) -> list[Candidate]:
+    """One ``Candidate`` per row, in order: its load view, profile, adapter cost and the prompt prefix it holds
+    (``matches``: the index match by replica index, blocks -> ``PrefixHit`` tokens via ``hit_from_match``). A
+    replica holding none of the prompt gets the shared ``NO_HIT`` (a large fleet's candidates mostly)."""
+    got = matches.get
+    out = []
+    for index, name, load, profile, state, region, engine_block_size, adapter in rows:
+        m = got(index)
+        hit = NO_HIT if m is None else hit_from_match(m, prompt_tokens, block_size, engine_block_size)
+        # positional, in ``Candidate``'s field order (keywords cost more, per replica and decision)
+        out.append(Candidate(index, name, load, hit, profile, state, region, 0.0, adapter))
+    return out
+
+
 def build_candidates(
     replicas: Sequence[ReplicaFacts],
     matches: Mapping[int, ReplicaMatch],
     prompt_tokens: int,
     block_size: int,
 ) -> list[Candidate]:
-    """One ``Candidate`` per replica, in order: its load view, profile and the prompt prefix it holds
-    (``matches``: the index match by replica index, blocks -> ``PrefixHit`` tokens via ``hit_from_match``) and,
-    for a LoRA request, its adapter's cost there."""
-    return [
-        Candidate(
-            index=r.index,
-            name=r.name,
-            load=r.load,
-            hit=hit_from_match(matches.get(r.index), prompt_tokens, block_size, r.engine_block_size),
-            profile=r.profile,
-            state=r.state,
-            region=r.region,
-            adapter=r.adapter,
-        )
-        for r in replicas
-    ]
+    """One ``Candidate`` per replica, in order (``candidates_from`` of their rows)."""
+    return candidates_from(rows_of(replicas), matches, prompt_tokens, block_size)
 
 
 def build_pd_candidates(

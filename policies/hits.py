@@ -7,7 +7,7 @@ policies exactly the same candidate view.
 from __future__ import annotations
 
 from index.prefix_index import ReplicaMatch
-from policies.base import PrefixHit
+from policies.base import NO_HIT, PrefixHit
 
 
 def usable_cached_tokens(
@@ -40,22 +40,16 @@ def hit_from_match(
     replica's ``engine_block_size`` is known) is taken from the slowest tiers first.
     """
     if m is None:
-        return PrefixHit()
+        return NO_HIT
     bs = block_size
-    hit = PrefixHit(
-        gpu=(m.gpu + m.predicted) * bs,
-        cpu=m.cpu * bs,
-        disk=m.disk * bs,
-        remote=m.remote * bs,
-        predicted=m.predicted * bs,
-        age_s=m.age_s,
-    )
-    excess = hit.total - usable_cached_tokens(hit.total, prompt_tokens, bs, engine_block_size)
-    for tier in ("remote", "disk", "cpu", "gpu"):
+    tiers = [(m.gpu + m.predicted) * bs, m.cpu * bs, m.disk * bs, m.remote * bs]
+    total = tiers[0] + tiers[1] + tiers[2] + tiers[3]
+    excess = total - usable_cached_tokens(total, prompt_tokens, bs, engine_block_size)
+    for i in (3, 2, 1, 0):  # remote, disk, cpu, gpu
         if excess <= 0:
             break
-        take = min(excess, getattr(hit, tier))
-        setattr(hit, tier, getattr(hit, tier) - take)
+        take = min(excess, tiers[i])
+        tiers[i] -= take
         excess -= take
-    hit.predicted = min(hit.predicted, hit.total)
-    return hit
+    kept = tiers[0] + tiers[1] + tiers[2] + tiers[3]
+    return PrefixHit(tiers[0], tiers[1], tiers[2], tiers[3], min(m.predicted * bs, kept), m.age_s)

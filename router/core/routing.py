@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
 from membership.engine_metrics import EngineSnapshot
-from membership.replicas import Replica, ReplicaState, ReplicaTable
+from membership.replicas import REGION_LABEL, Replica, ReplicaState, ReplicaTable
 from policies.adapters import AdapterResidency
 from policies.base import (
+    NO_HIT,
     Candidate,
     CandidateScore,
     Decision,
@@ -37,7 +38,7 @@ from policies.base import (
     prompt_blocks_read,
     reuse_of,
 )
-from policies.candidates import ReplicaFacts, build_candidates, build_pd_candidates
+from policies.candidates import FactsRow, ReplicaFacts, build_pd_candidates, candidates_from, rows_of
 from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (re-exported)
 from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision
 from policies.pd_common import plan_request
@@ -243,6 +244,13 @@ class RoutingInput:
     def prompt_tokens(self) -> int:
         """Prompt length, tokens: ``len(token_ids)``, or the estimate when the ids are partial."""
         return len(self.token_ids) if self.estimated_tokens is None else self.estimated_tokens
+
+
+def cached_tokens(cands: Sequence[Candidate]) -> dict[int, int]:
+    """``Routed.cached_tokens`` of ``cands``: every candidate's matched tokens (0 for the shared empty hit of
+    the candidates holding nothing, most of a large fleet's, without reading it)."""
+    no_hit = NO_HIT
+    return {c.index: 0 if (h := c.hit) is no_hit else h.total for c in cands}
 
 
 @dataclass(slots=True)
@@ -527,8 +535,7 @@ class Router:
         if self.pd_policy_factory is not None and self.is_disaggregated(inp):
             return self.decide_plan(inp, exclude)
         t0 = time.perf_counter()
-        facts = [self.facts(r, lora=inp.lora) for r in self.candidates_for(inp, exclude)]
-        cands = self.build_candidates(inp, facts)
+        cands = self.build_candidates(inp, self.fact_rows(inp, self.candidates_for(inp, exclude)))
         req = self.route_request(inp)
         try:
             decision = self.policy.choose(req, cands)
@@ -539,9 +546,37 @@ class Router:
             inp=inp,
             decision=decision,
             candidates=cands,
-            cached_tokens={c.index: c.hit.total for c in cands},
+            cached_tokens=cached_tokens(cands),
             decision_s=time.perf_counter() - t0,
         )
+
+    def fact_rows(self, inp: RoutingInput, reps: Sequence[Replica]) -> list[FactsRow]:
+        """What a policy may know of each of ``reps`` for a co-located decision on ``inp`` (``facts``, as the
+        builder's ``FactsRow``s); a base-model request's in one loop of tuples: every decision builds them for
+        every routable replica (at 4,096 replicas a ``ReplicaFacts`` per replica was ~1.7 ms of each decision,
+        ``python -m loadtest.bench_router_decide``)."""
+        if inp.lora:
+            return list(rows_of([self.facts(r, lora=inp.lora) for r in reps]))
+        pending = self._pending
+        home = self.home_region
+        out: list[FactsRow] = []
+        for rep in reps:
+            load = rep.load
+            view = self.load_view(rep) if pending and pending.get(rep.index) else load
+            region = (rep.labels.get(REGION_LABEL, "") if rep.labels else "") or home
+            out.append(
+                (
+                    rep.index,
+                    rep.name,
+                    view,
+                    rep.profile,
+                    rep.state.value,
+                    region,
+                    load.engine_block_size,
+                    None,
+                )
+            )
+        return out
 
     def facts(self, rep: Replica, *, pd: bool = False, lora: str | None = None) -> ReplicaFacts:
         """What a policy may know about ``rep``: its load view (this router's in-flight counts included), profile,
@@ -571,11 +606,13 @@ class Router:
             facts.serves_alone = serves_alone(rep)
         return facts
 
-    def build_candidates(self, inp: RoutingInput, facts: Sequence[ReplicaFacts]) -> list[Candidate]:
-        """The candidates for ``inp``: the prompt matched in the index over ``facts``' replicas
-        (``policies.candidates.build_candidates``)."""
-        matches = self.index.match(inp.keys, {f.index for f in facts}) if inp.keys else {}
-        cands = build_candidates(facts, matches, inp.prompt_tokens, self.block_size)
+    def build_candidates(self, inp: RoutingInput, rows: Iterable[FactsRow]) -> list[Candidate]:
+        """The candidates for ``inp``: the prompt matched in the index over the ``rows``' replicas
+        (``policies.candidates.candidates_from``)."""
+        # every replica's match (the index's own set): the builder reads those of ``rows`` only, and building
+        # the set of thousands of candidates' indices cost more than the few extra entries
+        matches = self.index.match(inp.keys) if inp.keys else {}
+        cands = candidates_from(rows, matches, inp.prompt_tokens, self.block_size)
         views = self.peer_views
         if views is None:
             return cands
@@ -654,7 +691,7 @@ class Router:
         """
         t0 = time.perf_counter()
         facts = [self.facts(r, pd=True, lora=inp.lora) for r in self.candidates_for(inp, exclude)]
-        cands = self.build_candidates(inp, facts)
+        cands = self.build_candidates(inp, rows_of(facts))
         pd_cands = build_pd_candidates(facts, cands)
         req = self.route_request(inp)
         try:
@@ -669,7 +706,7 @@ class Router:
             inp=inp,
             decision=decision,
             candidates=cands,
-            cached_tokens={c.index: c.hit.total for c in cands},
+            cached_tokens=cached_tokens(cands),
             decision_s=time.perf_counter() - t0,
             plan=plan,
         )

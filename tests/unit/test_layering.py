@@ -35,6 +35,11 @@ EXCEPTIONS = {
         "membership",
     ): "decodes real engines' KV events with the one wire decoder (kv_decode)",
     ("loadtest.bench_kv_intake", "membership"): "benchmarks the router's KV-event decoder and batch applier",
+    (
+        "loadtest.bench_router_decide",
+        "router",
+    ): "benchmarks the router's whole decision (Router.decide) in-process",
+    ("loadtest.bench_router_decide", "membership"): "the replica table Router.decide reads",
 }
 
 _BELOW_SERVE = {
