@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
-from membership.replicas import ReplicaState, ReplicaTable
-from policies.base import make_policy
+from membership.replicas import REGION_LABEL, ReplicaState, ReplicaTable
+from policies.base import NO_HIT, make_policy
+from policies.candidates import rows_of
 from router.core.routing import (
     BUILTIN_PROFILES,
     BadRequest,
@@ -244,3 +247,61 @@ def test_pending_prefill_is_a_floor_under_stale_scrapes() -> None:
         router.prefill_done(r0, 16_000)
     assert router.pending_prefill_tokens(0) == 0
     assert router.decide(inp).decision.chosen == 0
+
+
+def test_base_model_fact_rows_say_what_facts_says() -> None:
+    """``Router.fact_rows`` (one loop of tuples, every base-model decision) against ``Router.facts`` (one call
+    per replica): the same load view (this router's pending prefill included), profile, state, region (its label,
+    else the router's home region) and engine block size, for every replica."""
+    router = make_router(4)
+    router.home_region = "us"
+    table = router.table
+    table.upsert("r1", "http://127.0.0.1:9001", labels={REGION_LABEL: "eu"})
+    r2 = table.by_index(2)
+    assert r2 is not None
+    r2.load.engine_block_size = 32
+    r2.load.queued_prefill_tokens = 10
+    router.acquire(r2, 5_000)
+    r2.load.inflight_prefill_tokens = 0  # a scrape took it out: pending above the scraped queue, a replaced view
+    inp = router.make_input("m", None, prompt(200))
+    reps = router.candidates_for(inp)
+    rows = router.fact_rows(inp, reps)
+    assert rows == list(rows_of([router.facts(r) for r in reps]))
+    assert [row[5] for row in rows] == ["us", "eu", "us", "us"]
+    r0 = table.by_index(0)
+    assert r0 is not None and rows[0][2] is r0.load  # no pending prefill: the replica's own view
+    assert rows[2][2].queued_prefill_tokens == 5_000 and rows[2][2] is not r2.load
+    assert rows[2][6] == 32
+
+
+def test_candidates_holding_nothing_share_one_immutable_hit() -> None:
+    router = make_router(3)
+    inp = router.make_input("m", None, prompt(100))
+    router.index.store(1, None, inp.keys[:3])
+    routed = router.decide(inp)
+    hits = {c.index: c.hit for c in routed.candidates}
+    assert hits[0] is hits[2] is NO_HIT and hits[1].gpu == 48
+    assert routed.cached_tokens == {0: 0, 1: 48, 2: 0}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        NO_HIT.gpu = 16  # type: ignore[misc]
+
+
+def test_routable_replicas_follow_membership_and_state_changes_in_index_order() -> None:
+    """The table keeps its replicas in index order between membership changes; states are read each call."""
+    router = make_router(3)
+    table = router.table
+    assert [r.index for r in table.routable("m")] == [0, 1, 2]
+    table.remove("r0")
+    assert [r.name for r in table.routable("m")] == ["r1", "r2"]
+    table.upsert("late", "http://127.0.0.1:9100", models=["m"])  # takes the freed index 0
+    table.set_state("late", ReplicaState.READY)
+    assert [r.name for r in table.routable("m")] == ["late", "r1", "r2"]
+    assert [r.name for r in table.all()] == ["late", "r1", "r2"]
+    r1 = table.by_index(1)
+    assert r1 is not None
+    r1.state = ReplicaState.DRAINING  # a direct write, as the health loop may make
+    assert [r.name for r in table.routable("m")] == ["late", "r2"]
+    assert [r.name for r in table.routable("m", exclude=[2])] == ["late"]
+    assert table.routable("other") == []
+    table.upsert("r2", "http://127.0.0.1:9002", loras=["a"])
+    assert [r.name for r in table.routable(None, "a")] == ["r2"]
