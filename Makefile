@@ -43,6 +43,7 @@ demo: venv ## 4 fake engines + the router on loopback: kvroute (ttft) vs round_r
 bench: venv ## the benchmarks (JSON on stdout; several minutes)
 	$(BIN)/python -m loadtest.bench_index --json
 	$(BIN)/python -m loadtest.bench_policies --json
+	$(BIN)/python -m loadtest.bench_router_decide --json
 	$(BIN)/python -m loadtest.bench_proxy --json
 	$(BIN)/python -m loadtest.bench_tokenizer --json
 	$(BIN)/python -m loadtest.e2e --json
