@@ -107,11 +107,13 @@ def test_missed_delete_repaired_by_resync(api: FakeKubeAPI) -> None:
         api.reject_watches(True)
         api.cut_watches()
         api.delete_pod("vllm-1")
-        wait_until(lambda: table.get("vllm-1") is None, 10.0, what="re-list after reconnect removes vllm-1")
+        wait_until(lambda: table.get("vllm-1") is None, 10.0, what="a re-list removes vllm-1")
+        # the periodic re-list may remove it before the watcher's first reconnect: wait for a rejected watch
+        # (counted, not fatal) before letting watches through again
+        wait_until(lambda: w.stats.errors >= 1, 10.0, what="a rejected watch counted")
         api.reject_watches(False)
         api.add_pod("vllm-5", labels=SEL, ip="10.2.0.5")
         wait_until(lambda: _state(table, "vllm-5") == ReplicaState.READY, 10.0, what="watch resumed")
-        assert w.stats.errors >= 1  # the rejected watches were counted, not fatal
     finally:
         w.stop()
 

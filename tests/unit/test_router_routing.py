@@ -262,7 +262,8 @@ def test_base_model_fact_rows_say_what_facts_says() -> None:
     r2.load.engine_block_size = 32
     r2.load.queued_prefill_tokens = 10
     router.acquire(r2, 5_000)
-    r2.load.inflight_prefill_tokens = 0  # a scrape took it out: pending above the scraped queue, a replaced view
+    # a scrape took it out: pending above the scraped queue, a replaced view
+    r2.load.inflight_prefill_tokens = 0
     inp = router.make_input("m", None, prompt(200))
     reps = router.candidates_for(inp)
     rows = router.fact_rows(inp, reps)
