@@ -49,9 +49,10 @@ def calls_for(n: int, calls: int) -> int:
     return max(40, calls // 40)
 
 
-def build_scenarios(n: int, count: int, seed: int) -> list[tuple[RouteRequest, list[Candidate]]]:
-    """``count`` (request, candidates) pairs with ``n`` candidates each."""
-    rng = random.Random(seed)
+def systems_and_profiles(rng: random.Random) -> tuple[list[list[int]], list[ReplicaProfile]]:
+    """The block keys of 8 shared system prompts (16-96 blocks each) and 4 replica profiles (8k or 16k prefill
+    tokens/s, a PCIe CPU tier and a remote tier): the fleet both this benchmark and
+    ``loadtest.bench_router_decide`` draw from."""
     systems = [[rng.getrandbits(64) for _ in range(rng.randint(16, 96))] for _ in range(8)]
     profiles = [
         ReplicaProfile(
@@ -62,6 +63,27 @@ def build_scenarios(n: int, count: int, seed: int) -> list[tuple[RouteRequest, l
         )
         for _ in range(4)
     ]
+    return systems, profiles
+
+
+def scraped_load(rng: random.Random) -> LoadView:
+    """A replica's load view as scraped: 5 % of replicas with unknown gauges, KV usage 0.1-0.95."""
+    known = rng.random() > 0.05
+    return LoadView(
+        queued_requests=rng.randint(0, 8) if known else None,
+        running_requests=rng.randint(0, 48) if known else None,
+        queued_prefill_tokens=rng.randint(0, 20_000) if known else None,
+        inflight_requests=rng.randint(0, 6),
+        inflight_prefill_tokens=rng.randint(0, 4000),
+        kv_usage=rng.uniform(0.1, 0.95) if known else None,
+        age_s=rng.uniform(0.0, 2.0),
+    )
+
+
+def build_scenarios(n: int, count: int, seed: int) -> list[tuple[RouteRequest, list[Candidate]]]:
+    """``count`` (request, candidates) pairs with ``n`` candidates each."""
+    rng = random.Random(seed)
+    systems, profiles = systems_and_profiles(rng)
     out: list[tuple[RouteRequest, list[Candidate]]] = []
     for i in range(count):
         system = systems[rng.randrange(len(systems))]
@@ -70,16 +92,7 @@ def build_scenarios(n: int, count: int, seed: int) -> list[tuple[RouteRequest, l
         req = RouteRequest(model="m", prompt_tokens=prompt, block_keys=keys, now=i * 0.01, request_id=str(i))
         cands = []
         for r in range(n):
-            known = rng.random() > 0.05
-            load = LoadView(
-                queued_requests=rng.randint(0, 8) if known else None,
-                running_requests=rng.randint(0, 48) if known else None,
-                queued_prefill_tokens=rng.randint(0, 20_000) if known else None,
-                inflight_requests=rng.randint(0, 6),
-                inflight_prefill_tokens=rng.randint(0, 4000),
-                kv_usage=rng.uniform(0.1, 0.95) if known else None,
-                age_s=rng.uniform(0.0, 2.0),
-            )
+            load = scraped_load(rng)
             hit = PrefixHit()
             if rng.random() < 0.3:
                 matched = 16 * rng.randint(1, len(system))

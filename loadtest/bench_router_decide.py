@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 
 from index.hashing import root_seed
 from index.prefix_index import PrefixIndex
+from loadtest.bench_policies import scraped_load, systems_and_profiles
 from membership.replicas import ReplicaState, ReplicaTable
-from policies.base import LoadView, ReplicaProfile, TierLink, make_policy
+from policies.base import make_policy
 from router.core.routing import Router, RoutingInput
 
 SIZES = (8, 64, 512, 4096)
@@ -44,32 +45,14 @@ def build_router(n: int, policy: str, seed: int) -> tuple[Router, list[RoutingIn
     index = PrefixIndex(block_size=BLOCK)
     router = Router(table, index, make_policy(policy), block_size=BLOCK)
     rseed = root_seed(MODEL)
-    systems = [[rng.getrandbits(64) for _ in range(rng.randint(16, 96))] for _ in range(8)]
-    profiles = [
-        ReplicaProfile(
-            prefill_tokens_per_s=rng.choice([8_000.0, 16_000.0]),
-            fixed_overhead_s=0.02,
-            tiers={"cpu": TierLink(25e9, 0.001), "remote": TierLink(6.25e9, 0.01)},
-            decode_interference_s=0.0005,
-        )
-        for _ in range(4)
-    ]
+    systems, profiles = systems_and_profiles(rng)
     for r in range(n):
-        known = rng.random() > 0.05
         rep = table.upsert(
             f"r{r}",
             f"http://10.0.{r // 250}.{r % 250}:8000",
             models=[MODEL],
             profile=profiles[r % len(profiles)],
-            load=LoadView(
-                queued_requests=rng.randint(0, 8) if known else None,
-                running_requests=rng.randint(0, 48) if known else None,
-                queued_prefill_tokens=rng.randint(0, 20_000) if known else None,
-                inflight_requests=rng.randint(0, 6),
-                inflight_prefill_tokens=rng.randint(0, 4000),
-                kv_usage=rng.uniform(0.1, 0.95) if known else None,
-                age_s=rng.uniform(0.0, 2.0),
-            ),
+            load=scraped_load(rng),
         )
         table.set_state(rep.name, ReplicaState.READY)
         if rng.random() < 0.3:

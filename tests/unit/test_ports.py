@@ -45,12 +45,22 @@ def test_a_taken_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
         held.bind((ports.HOST, 0))
         held.listen()
         busy = held.getsockname()[1]
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((ports.HOST, 0))
-            free = probe.getsockname()[1]
-        draws = iter([busy, busy, free])
-        monkeypatch.setattr(ports._rng, "randint", lambda lo, hi: next(draws))
+        free = _unbound_port()
+        _draw(monkeypatch, [busy, busy, free])
         assert ports.free_port() == free
+
+
+def _unbound_port() -> int:
+    """A port nobody holds now and this process never handed out (the kernel's pick, released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((ports.HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+def _draw(monkeypatch: pytest.MonkeyPatch, picks: list[int]) -> None:
+    """``free_port``'s random draws return ``picks`` in order."""
+    draws = iter(picks)
+    monkeypatch.setattr(ports._rng, "randint", lambda lo, hi: next(draws))
 
 
 def test_a_port_is_never_handed_out_twice_before_it_is_bound() -> None:
@@ -62,9 +72,6 @@ def test_a_port_is_never_handed_out_twice_before_it_is_bound() -> None:
 
 def test_a_handed_out_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     first = ports.free_port()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((ports.HOST, 0))
-        other = probe.getsockname()[1]
-    draws = iter([first, first, other])
-    monkeypatch.setattr(ports._rng, "randint", lambda lo, hi: next(draws))
+    other = _unbound_port()
+    _draw(monkeypatch, [first, first, other])
     assert ports.free_port() == other
