@@ -214,7 +214,7 @@ def run_policy(router: Router, engines: list[str], seed: int) -> tuple[float, fl
     return ttfts[-1], sampler.total  # 16 samples: p99 is the slowest
 
 
-def test_lora_max_loras_1_ttft_defers_less_than_round_robin_and_llmd(
+def test_lora_max_loras_1_ttft_defers_least_with_the_shortest_tail(
     lora_fleet: RealFleet, lora_router: Callable[..., Router]
 ) -> None:
     urls = [e.url for e in lora_fleet.engines]
@@ -226,6 +226,9 @@ def test_lora_max_loras_1_ttft_defers_less_than_round_robin_and_llmd(
         router.stop()
     print("lora burst (ttft p99 s, deferred samples):", results)
     p99, deferred = results["ttft"]
+    # fewer deferrals than round robin; never more than llm-d's policy, which in some runs defers none either
+    # (a fresh-clone run: ttft 0 and lora_llmd 0 deferred samples, p99 0.105 vs 0.149 s): the tail decides there
+    assert deferred < results["round_robin"][1], results
+    assert deferred <= results["lora_llmd"][1], results
     for other in ("round_robin", "lora_llmd"):
-        assert deferred < results[other][1], results
         assert p99 < results[other][0], results
