@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 #: bodies / answers at least this large take the process's one large-scan slot (one is scanned at a time), bytes
 LARGE_PARSE_BYTES = 1 << 20
@@ -26,3 +30,12 @@ def large_parse_slot() -> asyncio.Semaphore:
     if slot is None:
         slot = _slots[loop] = asyncio.Semaphore(1)
     return slot
+
+
+async def scan_in_thread(nbytes: int, scan: Callable[..., _T], *args: object) -> _T:
+    """``scan(*args)`` in a worker thread; when its input is ``LARGE_PARSE_BYTES`` (``nbytes``) or more, inside the
+    loop's one large-scan slot."""
+    if nbytes < LARGE_PARSE_BYTES:
+        return await asyncio.to_thread(scan, *args)
+    async with large_parse_slot():
+        return await asyncio.to_thread(scan, *args)

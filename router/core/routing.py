@@ -21,7 +21,7 @@ from typing import Any
 from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
 from membership.engine_metrics import EngineSnapshot
-from membership.replicas import REGION_LABEL, Replica, ReplicaState, ReplicaTable
+from membership.replicas import Replica, ReplicaState, ReplicaTable
 from policies.adapters import AdapterResidency
 from policies.base import (
     NO_HIT,
@@ -563,7 +563,7 @@ class Router:
         for rep in reps:
             load = rep.load
             view = self.load_view(rep) if pending and pending.get(rep.index) else load
-            region = (rep.labels.get(REGION_LABEL, "") if rep.labels else "") or home
+            region = rep.region or home
             out.append(
                 (
                     rep.index,

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from membership.replicas import Replica
 from policies.base import Observation
 from policies.pd_base import Plan
-from router.core.large_parse import LARGE_PARSE_BYTES, large_parse_slot
+from router.core.large_parse import scan_in_thread
 from router.core.routing import Routed, Router
 from router.engine.attempt import EngineEdge
 from router.engine.client import EngineError, EngineResponse, EngineResponseTooLarge
@@ -135,11 +135,8 @@ class TwoLegs:
         thread from ``THREAD_MIN_BYTES`` on); releases ``hp``. Raises LegFailed."""
         content, leg_s = await self.prefill_bytes(hp, body)
         limit = self.owner.cfg.max_transfer_params_bytes
-        if len(content) >= LARGE_PARSE_BYTES:  # one large scan at a time (router.core.large_parse)
-            async with large_parse_slot():
-                answer = await asyncio.to_thread(pd_vllm.read_prefill_answer, content, limit)
-        elif len(content) >= THREAD_MIN_BYTES:
-            answer = await asyncio.to_thread(pd_vllm.read_prefill_answer, content, limit)
+        if len(content) >= THREAD_MIN_BYTES:  # one large scan at a time (router.core.large_parse)
+            answer = await scan_in_thread(len(content), pd_vllm.read_prefill_answer, content, limit)
         else:
             answer = pd_vllm.read_prefill_answer(content, limit)
         self.observe_prefill(answer.usage, leg_s)

@@ -40,7 +40,7 @@ import simdjson
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from router.core.large_parse import LARGE_PARSE_BYTES, large_parse_slot
+from router.core.large_parse import scan_in_thread
 from router.errors import KvrouteError
 from router.tokens.tokenizer import THREAD_MIN_MESSAGES
 
@@ -391,11 +391,8 @@ class Intake:
         """
         if len(raw) < SCAN_MIN_BYTES:
             parsed = parse_json(raw, model, self.limits.max_json_depth)
-        elif len(raw) < LARGE_PARSE_BYTES:
-            parsed = await asyncio.to_thread(scan_and_parse, raw, model, self.limits, self.contexts())
-        else:  # one large scan at a time (router.core.large_parse: its transient memory is ~7x the body)
-            async with large_parse_slot():
-                parsed = await asyncio.to_thread(scan_and_parse, raw, model, self.limits, self.contexts())
+        else:  # in a thread; one large scan at a time (router.core.large_parse: ~7x the body in memory)
+            parsed = await scan_in_thread(len(raw), scan_and_parse, raw, model, self.limits, self.contexts())
         check_sequences(parsed[1], self.limits.max_sequences)
         return parsed
 

@@ -4,6 +4,7 @@ and ``LimitExceeded`` leaves ``scan_and_parse`` without the frames that hold the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import traceback
 
 import orjson
@@ -22,14 +23,8 @@ def test_mmap_threshold_is_pinned_on_glibc() -> None:
 
 
 def test_limit_exceeded_does_not_keep_the_parsed_document() -> None:
-    limits = InputLimits(
-        max_messages=10,
-        max_batch_prompts=4,
-        chars_per_token=2.0,
-        default_context_tokens=100,
-        max_json_values=1000,
-        max_json_depth=128,
-        max_sequences=16,
+    limits = dataclasses.replace(
+        _limits(), max_messages=10, chars_per_token=2.0, default_context_tokens=100, max_json_values=1000
     )
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 50})
     with pytest.raises(LimitExceeded) as info:
