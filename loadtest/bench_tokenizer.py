@@ -1,6 +1,6 @@
 """Router tokenization cost with and without the prefix tokenization cache, on a trace's prompts.
 
-``python -m loadtest.bench_tokenizer [--trace PATH] [--requests N] [--tokenizer bench|bpe|DIR] [--json]``
+``python -m loadtest.bench_tokenizer [--trace PATH] [--requests N] [--tokenizer bench|bpe|DIR] [--frontier] [--json]``
 
 Builds the prompts the e2e benchmark sends (the Mooncake conversation trace by default, in arrival order; a
 generated workload when no trace is found) and tokenizes each one through the router's own code
@@ -11,11 +11,18 @@ its threads), the process's CPU time per request, the share of ids the cache sup
 memory. Tokenizers: ``bench`` (the benchmarks' word-level vocabulary), ``bpe`` (a byte-level BPE trained here on
 the prompts, GPT-2 style, closer to a real model's cost per character), or a directory with a ``tokenizer.json``.
 JSON on stdout, a table on stderr.
+
+``--frontier``: the cache-frontier walk instead (``router.tokens.frontier.walk`` with the router's tokenizer, prefix
+cache and default ``tokenize_*`` settings), what the request path does for a long text prompt: each prompt is walked
+with special tokens as for a completions prompt, against a fleet holding every block of every earlier prompt (the deepest walk a prompt can need), then its blocks
+join it. Reports CPU time per request (the process's, milliseconds), the characters the tokenizer was given per
+request, the walk's steps, and ``mismatches``: walks whose ids are not the leading ids of the whole prompt's.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -25,6 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from index.hashing import block_keys, extend_keys
+from router.config import Settings
+from router.tokens.frontier import walk
 from router.tokens.tokenizer import HfTokenizer
 from sim.replay import percentile
 from sim.workload import WorkloadOptions, build_workload, default_trace_path, ensure_model_dir
@@ -101,6 +111,92 @@ def run(prompts: list[str], model_dir: Path, cache_mb: float) -> dict[str, Any]:
     }
 
 
+def counting(tok: HfTokenizer) -> list[int]:
+    """Count the characters ``tok`` hands its tokenizer (``[calls, characters]``, updated in place)."""
+    seen = [0, 0]
+    batch = tok._batch
+
+    def counted(texts: list[str], **kw: Any) -> Any:
+        seen[0] += 1
+        seen[1] += sum(len(t) for t in texts)
+        return batch(texts, **kw)
+
+    tok._batch = counted
+    cache = tok.cache
+    if cache.enabled:
+        inner = cache._encode_batch
+
+        def counted_cache(texts: Any) -> list[list[int]]:
+            texts = list(texts)
+            seen[0] += 1
+            seen[1] += sum(len(t) for t in texts)
+            return inner(texts)
+
+        cache._encode_batch = counted_cache
+    return seen
+
+
+async def _walks(prompts: list[str], tok: HfTokenizer, whole: list[list[int]]) -> dict[str, Any]:
+    """Walk every prompt (arrival order) against the blocks of the earlier ones; CPU per request."""
+    s = Settings()
+    bs = s.block_size
+    held_keys: set[int] = set()
+
+    def held(keys: Any) -> int:
+        n = 0
+        for k in keys:
+            if k not in held_keys:
+                break
+            n += 1
+        return n
+
+    async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
+        return await tok.encode_prefix(t, end, prev, prev_end, True)
+
+    def extend(ids: list[int], keys: list[int]) -> list[int]:
+        return extend_keys(ids, keys, bs, 0)
+
+    seen = counting(tok)
+    cpu = 0.0
+    steps = mismatches = 0
+    for p, ids in zip(prompts, whole, strict=True):
+        c0 = time.process_time()
+        out = await walk(
+            p,
+            s.tokenize_lookahead_chars,
+            s.tokenize_first_prefix_chars,
+            encode,
+            extend,
+            held,
+            tok.count_tokens,
+            tok.known_chars(p, True),
+        )
+        cpu += time.process_time() - c0
+        steps += out.steps
+        mismatches += out.token_ids != ids[: len(out.token_ids)]
+        held_keys.update(block_keys(ids, bs, 0))
+    n = max(1, len(prompts))
+    return {
+        "requests": len(prompts),
+        "cpu_ms_mean": cpu * 1e3 / n,
+        "tokenized_chars_mean": seen[1] / n,
+        "tokenizer_calls_mean": seen[0] / n,
+        "steps_mean": steps / n,
+        "prompt_chars_mean": sum(len(p) for p in prompts) / n,
+        "mismatches": mismatches,
+    }
+
+
+def run_frontier(prompts: list[str], model_dir: Path, cache_mb: float) -> dict[str, Any]:
+    """``--frontier``: the walk of every prompt, with the router's prefix cache (``cache_mb``)."""
+    plain = HfTokenizer(model_dir)
+    whole = [plain.encode_text(p) for p in prompts]
+    tok = HfTokenizer(model_dir, cache_bytes=int(cache_mb * (1 << 20)), cache_verify_every=0)
+    if not tok.splits_exactly(True):
+        raise SystemExit(f"this tokenizer cannot be walked: {tok.cache.disabled_reason}")
+    return asyncio.run(_walks(prompts, tok, whole))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns 1 when any cached tokenization differed from the plain one."""
     ap = argparse.ArgumentParser(
@@ -122,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: bench, bpe, or directories holding a tokenizer.json",
     )
     ap.add_argument("--cache-mb", type=float, default=64.0, help="tokenizer_cache_mb of the cached run (MiB)")
+    ap.add_argument(
+        "--frontier",
+        action="store_true",
+        help="time the cache-frontier walk (the request path's tokenization of long text prompts) instead",
+    )
     ap.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     args = ap.parse_args(argv)
     trace = None if args.trace == "generated" else (Path(args.trace) if args.trace else default_trace_path())
@@ -139,6 +240,17 @@ def main(argv: list[str] | None = None) -> int:
                 model_dir = bpe_model_dir(prompts, Path(tmp) / "bpe")
             else:
                 model_dir = Path(name)
+            if args.frontier:
+                res = run_frontier(prompts, model_dir, args.cache_mb)
+                results[name] = res
+                print(
+                    f"{name:6s} {res['requests']} walks, {res['prompt_chars_mean']:.0f} chars mean: CPU "
+                    f"{res['cpu_ms_mean']:.3f} ms, tokenized {res['tokenized_chars_mean']:.0f} chars in "
+                    f"{res['tokenizer_calls_mean']:.2f} calls, {res['steps_mean']:.2f} steps, "
+                    f"mismatches {res['mismatches']}",
+                    file=sys.stderr,
+                )
+                continue
             res = run(prompts, model_dir, args.cache_mb)
             results[name] = res
             print(

@@ -50,8 +50,9 @@ _ALPHA = frozenset(string.ascii_letters)
 
 #: checkpoint spacing, characters
 CHUNK_CHARS = 1024
-#: texts shorter than this many checkpoints are tokenized whole: below ~4k characters tokenizing costs < 0.5 ms,
-#: and a miss through the cache (digests, pieces, bookkeeping) costs 30-45 % more than that
+#: texts shorter than this many checkpoints are never checkpointed: below ~4k characters tokenizing costs < 0.5 ms,
+#: and a miss through the cache (digests, pieces, bookkeeping) costs 30-45 % more than that; they only take the
+#: ids of a checkpoint a longer text left (a shared system prompt), else are tokenized whole
 MIN_CHUNKS = 4
 #: estimated bytes of one checkpoint (dict slot, 128-bit key int, value tuple, set slot) and of an entry's objects
 _POINT_BYTES = 200
@@ -155,8 +156,8 @@ class PrefixTokenCache:
             when it adds them elsewhere too (then ``add_special_tokens=True`` calls bypass the cache).
         max_bytes: memory for cached ids and checkpoints, bytes (0 disables the cache).
         verify_every: compare one in this many cached encodings with the whole tokenization (0 = never).
-        chunk_chars: checkpoint spacing, characters; texts shorter than ``MIN_CHUNKS`` of them are tokenized
-            whole.
+        chunk_chars: checkpoint spacing, characters; texts shorter than ``MIN_CHUNKS`` of them are only looked
+            up (``_short``), never checkpointed.
     """
 
     def __init__(
@@ -180,6 +181,8 @@ class PrefixTokenCache:
         self._lock = threading.Lock()
         self._key = os.urandom(16)
         self._since_verify = 0
+        #: the last text ``_digests`` digested and its keys (``_digests`` of a prefix of it reuses them)
+        self._last_digests: tuple[str, list[int]] = ("", [])
         #: counters (cumulative): encodings that reused ids of a cached prefix / that reused none; ids taken from the
         #: cache / ids tokenized; audits run; audits that disagreed (the cache is off after the first)
         self.hits = 0
@@ -225,8 +228,10 @@ class PrefixTokenCache:
         """
         if add_special_tokens and self.specials is None:
             raise ValueError("this tokenizer adds special tokens other than in front: tokenize whole")
-        if not self.enabled or len(text) < MIN_CHUNKS * self.chunk_chars:
+        if not self.enabled:
             return self._whole(text, add_special_tokens)
+        if len(text) < MIN_CHUNKS * self.chunk_chars:
+            return self._short(text, add_special_tokens)
         chunk = self.chunk_chars
         hashes = self._digests(text)
         known = self._lookup(hashes)
@@ -255,22 +260,17 @@ class PrefixTokenCache:
         out = list(ids)
         keep = True
         if self._count(n > 0, n, len(out) - n):  # this one is audited
-            whole = self._encode_batch([text])[0]
-            self.verified += 1
-            if whole != out:
-                self.mismatches += 1
-                self.disable("an audited encoding differed from the whole tokenization")
-                log.error(
-                    "prefix tokenization cache disabled: pieces of a %d-character text tokenized differently "
-                    "from the whole text (first difference at id %d); tokenizing whole from now on",
-                    len(text),
-                    _first_difference(whole, out),
-                )
-                keep, out = False, whole
+            checked = self._audit(text, out)
+            keep, out = checked is out, checked
         if keep:
             points = [(c, m) for _, c, m in known] + [(c, ends[c]) for c in point_cuts]
             self._register(ids, hashes, points)
         return self.specials + out if add_special_tokens and self.specials is not None else out
+
+    def keeps(self, chars: int) -> bool:
+        """True when ``encode`` of a text of ``chars`` characters checkpoints it (the cache is on and the text is
+        at least ``MIN_CHUNKS`` chunks long); a shorter text is only looked up."""
+        return self.enabled and chars >= MIN_CHUNKS * self.chunk_chars
 
     def known_chars(self, text: str) -> int:
         """Leading characters of ``text`` whose ids the cache holds (the cut of its deepest known checkpoint, a
@@ -278,7 +278,7 @@ class PrefixTokenCache:
         nothing."""
         if not self.enabled or len(text) < MIN_CHUNKS * self.chunk_chars:
             return 0
-        known = self._lookup(self._digests(text))
+        known = self._lookup(self._digests(text, to_unknown=True))
         return known[-1][1] if known else 0
 
     def stats(self) -> dict[str, float]:
@@ -297,15 +297,62 @@ class PrefixTokenCache:
 
     # -- internals ---------------------------------------------------------------------------------------
 
-    def _digests(self, text: str) -> list[int]:
-        """The checkpoint keys of ``text``: keyed digests of its first 1, 2, ... whole chunks."""
+    def _digests(self, text: str, to_unknown: bool = False) -> list[int]:
+        """The checkpoint keys of ``text``: keyed digests of its first 1, 2, ... whole chunks; with ``to_unknown``
+        only up to the first key the cache does not hold (a lookup needs no more: a long prompt that shares only a
+        system prompt with earlier ones costs a few digests, not one per chunk).
+
+        The last text digested is remembered: a prefix of it (the cache-frontier walk digests a prompt, then its
+        growing prefixes) takes the leading keys of its digests, which are the same (each key covers only the
+        chunks before it)."""
         chunk = self.chunk_chars
+        last_text, last_hashes = self._last_digests
+        whole = len(text) // chunk
+        if whole <= len(last_hashes) and last_text.startswith(text):
+            return last_hashes[:whole]
         hashes: list[int] = []
+        points = self._points
         digest = hashlib.blake2b(digest_size=16, key=self._key)
         for c in range(chunk, len(text) + 1, chunk):
             digest.update(text[c - chunk : c].encode("utf-8", "surrogatepass"))
-            hashes.append(int.from_bytes(digest.digest(), "little"))
+            h = int.from_bytes(digest.digest(), "little")
+            hashes.append(h)
+            if to_unknown and h not in points:  # (read without the lock: ``_lookup`` checks again under it)
+                break
+        self._last_digests = (text, hashes)  # one tuple: a reader in another thread sees a matching pair
         return hashes
+
+    def _short(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``encode`` of a text shorter than ``MIN_CHUNKS`` chunks: the ids of its deepest known checkpoint and the
+        rest tokenized (exact, as for a long text), else tokenized whole; never checkpointed (a miss costs only
+        the digests of at most ``MIN_CHUNKS - 1`` chunks)."""
+        known = self._lookup(self._digests(text)) if len(text) >= self.chunk_chars else []
+        if not known:
+            return self._whole(text, add_special_tokens)
+        owner, cut, n = known[-1]
+        out = owner.ids[:n].tolist()
+        rest = self._encode_batch([text[cut:]])[0] if cut < len(text) else []
+        out.extend(rest)
+        if self._count(True, n, len(rest)):  # this one is audited
+            out = self._audit(text, out)
+        return self.specials + out if add_special_tokens and self.specials is not None else out
+
+    def _audit(self, text: str, out: list[int]) -> list[int]:
+        """Compare a cached encoding of ``text`` with its whole tokenization; on a difference the cache turns
+        off for good (logged) and the whole ids are returned."""
+        whole = self._encode_batch([text])[0]
+        self.verified += 1
+        if whole == out:
+            return out
+        self.mismatches += 1
+        self.disable("an audited encoding differed from the whole tokenization")
+        log.error(
+            "prefix tokenization cache disabled: pieces of a %d-character text tokenized differently "
+            "from the whole text (first difference at id %d); tokenizing whole from now on",
+            len(text),
+            _first_difference(whole, out),
+        )
+        return whole
 
     def _whole(self, text: str, add_special_tokens: bool) -> list[int]:
         ids = self._encode_batch([text])[0]

@@ -329,8 +329,10 @@ class HfTokenizer:
         safe cuts or 0 / ``len(text)``; only when ``splits_exactly``). With the prefix cache on, it tokenizes
         ``text[:end]`` through the cache (which reuses the earlier prefix's ids and any earlier prompt's);
         otherwise only ``text[prev_end:end]`` and appends it. Either way equal to the leading ids of ``text``."""
-        if self.cache.serves(add_special_tokens):
-            return self.cache.encode(text[:end], add_special_tokens)
+        cache = self.cache
+        if cache.serves(add_special_tokens) and (prev_end == 0 or cache.keeps(end)):
+            return cache.encode(text[:end], add_special_tokens)
+        # the cache off, or a prefix too short for it to keep: only the new piece is tokenized
         piece = self._batch([text[prev_end:end]], add_special_tokens=add_special_tokens and prev_end == 0)[
             0
         ].ids

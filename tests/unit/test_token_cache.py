@@ -239,6 +239,78 @@ def test_short_texts_bypass_the_cache() -> None:
     assert cache.stats()["hits"] == 0 and cache.stats()["misses"] == 0 and cache.stats()["entries"] == 0
 
 
+def _recording(cache: PrefixTokenCache) -> list[str]:
+    """The texts ``cache`` hands its tokenizer from now on."""
+    given: list[str] = []
+    inner = cache._encode_batch
+
+    def encode_batch(texts: Any) -> list[list[int]]:
+        given.extend(texts)
+        return inner(texts)
+
+    cache._encode_batch = encode_batch
+    return given
+
+
+@pytest.mark.parametrize("specials", [False, True])
+def test_a_short_text_takes_the_ids_of_a_known_checkpoint(specials: bool) -> None:
+    """A text too short to be checkpointed (under 4 chunks) still takes the ids of the deepest checkpoint an earlier
+    text left (a shared system prompt, the walk's first prefix of the next turn): only the rest is tokenized."""
+    tok = family("gpt2")
+    cache = cache_for(tok, 1 << 22, 0, chunk_chars=64)
+    rnd = random.Random(11)
+    long = " ".join(rnd.choice(WORDS) for _ in range(200))
+    cache.encode(long)
+    entries = cache.stats()["entries"]
+    short = long[: safe_cut(long, 150, 0)] + " prefix request tail"
+    assert 128 <= len(short) < 4 * 64
+    given = _recording(cache)
+    before = cache.stats()
+    assert cache.encode(short, specials) == whole(tok, short, specials)
+    after = cache.stats()
+    assert after["hits"] == before["hits"] + 1 and after["reused_tokens"] > before["reused_tokens"]
+    assert after["entries"] == entries  # looked up, never checkpointed
+    assert len(given) == 1 and short.endswith(given[0]) and len(given[0]) < len(short) - 64
+    unknown = " ".join(rnd.choice(WORDS[::-1]) for _ in range(30))
+    given.clear()
+    assert cache.encode(unknown, specials) == whole(tok, unknown, specials)
+    assert given == [unknown] and cache.stats()["hits"] == after["hits"]  # nothing known: tokenized whole
+
+
+def test_digests_of_a_prefix_of_the_last_text_are_its_leading_keys() -> None:
+    cache = cache_for(family("wordlevel"), 1 << 22, 0, chunk_chars=64)
+    rnd = random.Random(12)
+    text = " ".join(rnd.choice(WORDS) for _ in range(300))
+    full = cache._digests(text)
+    for n in (0, 63, 64, 65, 640, len(text) - 1):
+        reused = cache._digests(text[:n])
+        cache._last_digests = ("", [])  # computed afresh
+        assert reused == cache._digests(text[:n]) == full[: n // 64]
+        cache._digests(text)
+    other = "other " + text
+    assert cache._digests(other[:200]) != full[:3]  # not a prefix of the last text: its own keys
+
+
+def test_a_lookup_digests_a_long_text_only_to_its_first_unknown_checkpoint() -> None:
+    """``known_chars`` of a long prompt that shares only its start with earlier ones digests a chunk past what the
+    cache knows, not the whole prompt; its prefixes are then digested in full, with the same keys."""
+    cache = cache_for(family("wordlevel"), 1 << 22, 0, chunk_chars=64)
+    rnd = random.Random(13)
+    system = " ".join(rnd.choice(WORDS) for _ in range(60))
+    cache.encode(system)
+    prompt = system + " " + " ".join(rnd.choice(WORDS) for _ in range(2000))
+    known = cache.known_chars(prompt)
+    assert 0 < known <= len(system)
+    partial = cache._last_digests[1]
+    assert len(partial) == len(cache._lookup(partial)) + 1  # the known checkpoints and the first unknown one
+    assert len(partial) <= len(system) // 64 + 1 < len(prompt) // 64 // 4
+    prefix = prompt[: safe_cut(prompt, 3000, 0)]
+    keys = cache._digests(prefix)
+    cache._last_digests = ("", [])
+    assert keys == cache._digests(prefix) and keys[: len(partial)] == partial
+    assert cache.encode(prefix) == whole(family("wordlevel"), prefix, False)
+
+
 def test_budget_evicts_least_recently_used_first() -> None:
     tok = family("wordlevel")
     rnd = random.Random(2)

@@ -330,6 +330,25 @@ def test_the_next_turn_starts_where_the_prefix_cache_knows_the_ids(tok: HfTokeni
     assert second.complete and second.token_ids == whole2 and second.steps <= 2
 
 
+def test_a_short_next_prefix_tokenizes_only_what_it_adds(tok: HfTokenizer) -> None:
+    """Below what the prefix cache checkpoints (4 chunks), the walk's next prefix costs only its new piece (it
+    used to be tokenized whole again through the cache); from there on the cache serves it."""
+    from loadtest.bench_tokenizer import counting
+
+    text = english(3000, seed=13)
+    whole = list(family_ids(tok, text))
+    a = safe_cut(text, 1000, 0)
+    b = safe_cut(text, 2000, a)
+    c = safe_cut(text, 6000, b)
+    assert not tok.cache.keeps(b) and tok.cache.keeps(c)
+    seen = counting(tok)
+    first = tok.encode_prefix_sync(text, a, [], 0, True)
+    second = tok.encode_prefix_sync(text, b, first, a, True)
+    assert second == whole[: len(second)] and seen == [2, b]  # the first piece, then only the second
+    third = tok.encode_prefix_sync(text, c, second, b, True)
+    assert third == whole[: len(third)] and len(third) > len(second)
+
+
 # -- what the request path walks against (router/tokens/frontier.py's glue) -----------------------------------
 
 
