@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from index.hashing import block_keys, extend_keys
-from router.config import Settings
+from router.config import RoutingSettings, TokenizerSettings
 from router.tokens.frontier import walk
 from router.tokens.tokenizer import HfTokenizer
 from sim.replay import percentile
@@ -138,8 +138,8 @@ def counting(tok: HfTokenizer) -> list[int]:
 
 async def _walks(prompts: list[str], tok: HfTokenizer, whole: list[list[int]]) -> dict[str, Any]:
     """Walk every prompt (arrival order) against the blocks of the earlier ones; CPU per request."""
-    s = Settings()
-    bs = s.block_size
+    s = TokenizerSettings()
+    bs = RoutingSettings().block_size
     held_keys: set[int] = set()
 
     def held(keys: Any) -> int:

@@ -481,6 +481,10 @@ class TTFTPolicy:
                 if drain and load.age_s:
                     qt = max(0.0, qt - rate * load.age_s)
                 q = (qt + load.inflight_prefill_tokens) / rate + prof.decode_interference_s * running
+                if not q >= 0.0:  # NaN (an infinite gauge times a zero interference): max(Q, R) would drop it
+                    raise ArithmeticError(
+                        f"queue wait {q!r} s is not a number (backlog {qt!r}, {running!r} running)"
+                    )
                 pen = 0.0 if kv <= k0 else kw * (kv - k0) / (1.0 - kv if kv < 0.999 else 1e-3)
                 t_miss = q + ov + (recompute_s(n, 0, rate, att) if att else n / rate)
                 g = hit.gpu

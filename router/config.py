@@ -474,7 +474,8 @@ class _TokenizerFields(BaseModel):
         "tokenize_lookahead_chars acts as it); each next prefix doubles it while some replica holds "
         "every tokenized block. A walk stops after its first prefix on a prompt no replica holds the "
         "start of, so this is what such a prompt costs to tokenize (on the event loop); a prompt whose "
-        "start is held takes a few more, cheap steps",
+        "start is held takes a few more, cheap steps. A walk that starts where the prefix tokenization cache "
+        "knows the text (a shared system prompt, the last turn) first adds this much past it",
     )
 
 

@@ -24,7 +24,9 @@ on until it has that many blocks (``Router.frontier_floor_blocks``); one that re
 exactly, plus the characters in between at the sample's tokens per character) and the ids are *partial*: they
 are never forwarded to an engine, which gets the text. When the prefix tokenization cache already holds the ids
 of a longer prefix of the text (the next turn of a conversation the router walked before), the first prefix
-reaches that far at no tokenization cost.
+reaches that far at no tokenization cost (``PrefixTokenCache.lent``), and the next prefix adds one first prefix's
+worth past it, not as much again: what follows a system prompt or the last turn the cache knows is mostly new text
+(``next_end``'s ``step_chars``; doubling resumes after that step).
 
 The step decisions (``first_end``, ``start_end``, ``next_end``, ``needs_more``, ``tail_start``,
 ``estimate_tokens``) are pure; ``walk`` drives them with the tokenizer and the index passed in as callables; ``frontier_tokenizer`` / ``frontier_ids`` bind
@@ -97,11 +99,12 @@ def start_end(text: str, lookahead_chars: int, first_chars: int, known_chars: in
     return len(text) if len(text) - known_chars < lookahead_chars // 2 else known_chars
 
 
-def next_end(text: str, end: int, lookahead_chars: int) -> int:
+def next_end(text: str, end: int, lookahead_chars: int, step_chars: int = 0) -> int:
     """Where the prefix after one ending at ``end`` ends: about twice as far (the last safe cut at or before
-    ``2 * end``), or ``len(text)`` when less than half a lookahead would be left after it or no safe cut is in
+    ``2 * end``), or ``step_chars`` further when that is given (the step after a start the prefix cache lent:
+    ``start_end``), or ``len(text)`` when less than half a lookahead would be left after it or no safe cut is in
     between."""
-    target = 2 * end
+    target = end + step_chars if step_chars > 0 else 2 * end
     if len(text) - target < lookahead_chars // 2:
         return len(text)
     cut = safe_cut(text, target, end)
@@ -162,6 +165,9 @@ async def walk(
     ids: list[int] = []
     keys: list[int] = []
     end, prev_end, steps = start_end(text, lookahead_chars, first_chars, known_chars), 0, 0
+    # after a start the prefix cache lent (its ids cost nothing) the next prefix adds a first prefix's worth of text,
+    # not as much again: what follows a shared system prompt or the last turn is mostly new text
+    step = min(first_chars, lookahead_chars) if 0 < known_chars == end else 0
     while True:
         ids = await encode(text, end, ids, prev_end)
         keys = extend(ids, keys)
@@ -180,7 +186,8 @@ async def walk(
                 estimate_tokens(len(ids), end, len(text), tail_tokens, tail_chars),
                 steps,
             )
-        prev_end, end = end, next_end(text, end, lookahead_chars)
+        prev_end, end = end, next_end(text, end, lookahead_chars, step)
+        step = 0
 
 
 # ---------------------------------------------------------------------------------------------------------

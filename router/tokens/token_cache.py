@@ -267,6 +267,24 @@ class PrefixTokenCache:
             self._register(ids, hashes, points)
         return self.specials + out if add_special_tokens and self.specials is not None else out
 
+    def lent(self, text: str, end: int, add_special_tokens: bool = False) -> list[int] | None:
+        """The ids of ``text[:end]`` when a known checkpoint of ``text`` is cut exactly at ``end`` (the cut
+        ``known_chars`` returned, where the cache-frontier walk starts), else None. ``encode(text[:end])`` could
+        not see that checkpoint: it is keyed by the chunk the cut lies in, which ``text[:end]`` ends inside of."""
+        if add_special_tokens and self.specials is None:
+            return None
+        if not self.enabled or len(text) < MIN_CHUNKS * self.chunk_chars:
+            return None
+        for owner, cut, n in reversed(self._lookup(self._digests(text, to_unknown=True))):
+            if cut < end:
+                return None
+            if cut == end:
+                out = owner.ids[:n].tolist()
+                if self._count(True, n, 0):  # this one is audited
+                    out = self._audit(text[:end], out)
+                return self.specials + out if add_special_tokens and self.specials is not None else out
+        return None
+
     def keeps(self, chars: int) -> bool:
         """True when ``encode`` of a text of ``chars`` characters checkpoints it (the cache is on and the text is
         at least ``MIN_CHUNKS`` chunks long); a shorter text is only looked up."""

@@ -331,7 +331,8 @@ class HfTokenizer:
         otherwise only ``text[prev_end:end]`` and appends it. Either way equal to the leading ids of ``text``."""
         cache = self.cache
         if cache.serves(add_special_tokens) and (prev_end == 0 or cache.keeps(end)):
-            return cache.encode(text[:end], add_special_tokens)
+            lent = cache.lent(text, end, add_special_tokens) if prev_end == 0 else None
+            return lent if lent is not None else cache.encode(text[:end], add_special_tokens)
         # the cache off, or a prefix too short for it to keep: only the new piece is tokenized
         piece = self._batch([text[prev_end:end]], add_special_tokens=add_special_tokens and prev_end == 0)[
             0

@@ -53,6 +53,21 @@ def test_a_candidate_with_absurd_load_is_excluded_not_chosen(bad: LoadView, prun
 
 
 @PRUNE
+def test_an_infinite_gauge_behind_a_tier_hit_is_excluded_not_chosen(prune: bool) -> None:
+    """Infinite running requests with no decode interference make the queue wait NaN (inf x 0); a candidate whose
+    match is in a lower tier combines it as ``max(Q, R)``, which dropped the NaN: the replica scored as idle and won
+    (found by the pruning property test)."""
+    bad = LoadView(queued_requests=math.inf, running_requests=math.inf, kv_usage=0.0)
+    cands = _cands(bad)
+    cands[0] = Candidate(index=7, name="bad", load=bad, hit=PrefixHit(disk=512))
+    assert cands[0].profile.decode_interference_s == 0.0
+    policy = _policy(prune)
+    d = policy.choose(REQ, cands)
+    assert d.chosen != 7 and 7 not in d.ranking and sorted(d.ranking) == [0, 1]
+    assert policy.excluded_candidates == 1 and "queue wait" in policy.last_exclusion
+
+
+@PRUNE
 def test_unknown_loads_do_not_inherit_an_absurd_worst_value(prune: bool) -> None:
     """A replica with unknown gauges is scored with the worst *sane* value of the others, so one broken
     replica does not take the blind ones out with it."""

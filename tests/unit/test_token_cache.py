@@ -291,6 +291,27 @@ def test_digests_of_a_prefix_of_the_last_text_are_its_leading_keys() -> None:
     assert cache._digests(other[:200]) != full[:3]  # not a prefix of the last text: its own keys
 
 
+@pytest.mark.parametrize("specials", [False, True])
+def test_the_ids_up_to_the_known_cut_are_lent_without_tokenizing(specials: bool) -> None:
+    """``lent(text, known_chars(text))``: the walk's first prefix of the next turn costs no tokenization (``encode``
+    of that prefix cannot see the checkpoint: the prefix ends inside the checkpoint's chunk)."""
+    tok = family("gpt2")
+    cache = cache_for(tok, 1 << 22, 1, chunk_chars=64)  # every hit audited
+    rnd = random.Random(14)
+    turn = " ".join(rnd.choice(WORDS) for _ in range(300))
+    cache.encode(turn)
+    nxt = turn + " " + " ".join(rnd.choice(WORDS) for _ in range(300))
+    known = cache.known_chars(nxt)
+    assert len(turn) - 64 < known <= len(turn)
+    given = _recording(cache)
+    audits = cache.stats()["verified"]
+    assert cache.lent(nxt, known, specials) == whole(tok, nxt[:known], specials)
+    assert given == [nxt[:known]] and cache.stats()["verified"] == audits + 1  # only the audit tokenized
+    given.clear()
+    assert cache.lent(nxt, known - 1, specials) is None and cache.lent(nxt, known + 5, specials) is None
+    assert cache.lent("other words " + nxt, known, specials) is None and given == []
+
+
 def test_a_lookup_digests_a_long_text_only_to_its_first_unknown_checkpoint() -> None:
     """``known_chars`` of a long prompt that shares only its start with earlier ones digests a chunk past what the
     cache knows, not the whole prompt; its prefixes are then digested in full, with the same keys."""

@@ -327,7 +327,56 @@ def test_the_next_turn_starts_where_the_prefix_cache_knows_the_ids(tok: HfTokeni
     second = asyncio.run(
         walk(turn2, LOOKAHEAD, FIRST, encode, extend, index.deepest_match, tok.count_tokens, known)
     )
-    assert second.complete and second.token_ids == whole2 and second.steps <= 2
+    # the cache lent the start; a first prefix's worth past it, then the rest
+    assert second.complete and second.token_ids == whole2 and second.steps <= 3
+
+
+def test_next_end_after_a_lent_start_adds_a_first_prefix_not_as_much_again() -> None:
+    text = english(6000, seed=14)
+    known = safe_cut(text, len(text) // 3, 0)
+    after = next_end(text, known, LOOKAHEAD, FIRST)
+    assert known < after <= known + FIRST and safe_cut(text, after, after - 1) == after
+    assert next_end(text, known, LOOKAHEAD) > 2 * known - 40  # without a step: twice as far
+    assert next_end(text, len(text) - LOOKAHEAD // 4, LOOKAHEAD, FIRST) == len(text)  # no small rest left
+
+
+@pytest.mark.parametrize("name", ["gpt2", "wordlevel"])
+def test_a_prompt_sharing_only_a_known_system_prompt_tokenizes_a_first_prefix_past_it(
+    tmp_path: Path, name: str
+) -> None:
+    """The prefix cache knows a system prompt from an earlier, longer prompt and the fleet holds only that: the walk
+    starts at the known cut and tokenizes one first prefix past it (plus the tail sample), not as much new text
+    again as the system prompt is long (it tokenized twice the known cut before)."""
+    from loadtest.bench_tokenizer import counting
+
+    tok = HfTokenizer(model_dir(tmp_path, name), cache_bytes=1 << 22, cache_verify_every=0)
+    plain = HfTokenizer(model_dir(tmp_path, name), cache_bytes=0, cache_verify_every=0)
+    words = english(900, seed=15)
+    system = words[: safe_cut(words, 4 * 1024 + 60, 4 * 1024)]  # a little past the cache's 4th checkpoint
+    tok.encode_text(
+        system + " " + english(600, seed=16), True
+    )  # an earlier prompt: checkpoints in the system part
+    prompt = system + " " + english(3000, seed=17)
+    known = tok.known_chars(prompt, True)
+    assert 2 * FIRST < known <= len(system)
+    whole = list(plain.encode_text(prompt, True))
+    index = PrefixIndex(block_size=BS)
+    n_system = len(plain.encode_text(system, True)) - 2  # its last ids may merge with what follows
+    index.store(0, None, block_keys(whole[:n_system], BS, SEED))
+    seen = counting(tok)
+
+    async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
+        return await tok.encode_prefix(t, end, prev, prev_end, True)
+
+    def extend(ids: list[int], keys: list[int]) -> list[int]:
+        return extend_keys(ids, keys, BS, SEED)
+
+    out = asyncio.run(
+        walk(prompt, LOOKAHEAD, FIRST, encode, extend, index.deepest_match, tok.count_tokens, known)
+    )
+    assert not out.complete and out.token_ids == whole[: len(out.token_ids)] and out.steps == 2
+    assert out.chars <= known + FIRST
+    assert seen[1] <= FIRST + LOOKAHEAD // 4 + 64  # the step and the tail sample, not ``known`` chars again
 
 
 def test_a_short_next_prefix_tokenizes_only_what_it_adds(tok: HfTokenizer) -> None:
