@@ -197,6 +197,24 @@ def run_frontier(prompts: list[str], model_dir: Path, cache_mb: float) -> dict[s
     return asyncio.run(_walks(prompts, tok, whole))
 
 
+def summary_line(name: str, res: dict[str, Any], frontier: bool) -> str:
+    """One tokenizer's result as a line for stderr."""
+    if frontier:
+        return (
+            f"{name:6s} {res['requests']} walks, {res['prompt_chars_mean']:.0f} chars mean: CPU "
+            f"{res['cpu_ms_mean']:.3f} ms, tokenized {res['tokenized_chars_mean']:.0f} chars in "
+            f"{res['tokenizer_calls_mean']:.2f} calls, {res['steps_mean']:.2f} steps, mismatches {res['mismatches']}"
+        )
+    return (
+        f"{name:6s} {res['requests']} requests, {res['prompt_tokens_mean']:.0f} tokens mean: "
+        f"whole {res['off_ms_mean']:.2f} ms (p50 {res['off_ms_p50']:.2f}, p99 {res['off_ms_p99']:.2f}) "
+        f"-> cached {res['on_ms_mean']:.2f} ms (p50 {res['on_ms_p50']:.2f}, p99 {res['on_ms_p99']:.2f}), "
+        f"x{res['speedup_mean']:.1f}; CPU {res['off_cpu_ms_mean']:.2f} -> {res['on_cpu_ms_mean']:.2f} ms; "
+        f"ids from the cache {res['reused_token_share']:.1%}, "
+        f"{res['cache_bytes'] / 2**20:.1f} MiB, mismatches {res['mismatches']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns 1 when any cached tokenization differed from the plain one."""
     ap = argparse.ArgumentParser(
@@ -240,28 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                 model_dir = bpe_model_dir(prompts, Path(tmp) / "bpe")
             else:
                 model_dir = Path(name)
-            if args.frontier:
-                res = run_frontier(prompts, model_dir, args.cache_mb)
-                results[name] = res
-                print(
-                    f"{name:6s} {res['requests']} walks, {res['prompt_chars_mean']:.0f} chars mean: CPU "
-                    f"{res['cpu_ms_mean']:.3f} ms, tokenized {res['tokenized_chars_mean']:.0f} chars in "
-                    f"{res['tokenizer_calls_mean']:.2f} calls, {res['steps_mean']:.2f} steps, "
-                    f"mismatches {res['mismatches']}",
-                    file=sys.stderr,
-                )
-                continue
-            res = run(prompts, model_dir, args.cache_mb)
+            res = (run_frontier if args.frontier else run)(prompts, model_dir, args.cache_mb)
             results[name] = res
-            print(
-                f"{name:6s} {res['requests']} requests, {res['prompt_tokens_mean']:.0f} tokens mean: "
-                f"whole {res['off_ms_mean']:.2f} ms (p50 {res['off_ms_p50']:.2f}, p99 {res['off_ms_p99']:.2f}) "
-                f"-> cached {res['on_ms_mean']:.2f} ms (p50 {res['on_ms_p50']:.2f}, p99 {res['on_ms_p99']:.2f}), "
-                f"x{res['speedup_mean']:.1f}; CPU {res['off_cpu_ms_mean']:.2f} -> {res['on_cpu_ms_mean']:.2f} ms; "
-                f"ids from the cache {res['reused_token_share']:.1%}, "
-                f"{res['cache_bytes'] / 2**20:.1f} MiB, mismatches {res['mismatches']}",
-                file=sys.stderr,
-            )
+            print(summary_line(name, res, args.frontier), file=sys.stderr)
     if args.json:
         print(json.dumps(results))
     return 1 if any(isinstance(v, dict) and v["mismatches"] for v in results.values()) else 0

@@ -65,6 +65,7 @@ def run_walk(
     specials: bool = True,
     lookahead: int = LOOKAHEAD,
     first: int = FIRST,
+    known: int = 0,
 ) -> FrontierIds:
     async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
         return await tok.encode_prefix(t, end, prev, prev_end, specials)
@@ -72,7 +73,9 @@ def run_walk(
     def extend(ids: list[int], keys: list[int]) -> list[int]:
         return extend_keys(ids, keys, BS, SEED)
 
-    return asyncio.run(walk(text, lookahead, first, encode, extend, index.deepest_match, tok.count_tokens))
+    return asyncio.run(
+        walk(text, lookahead, first, encode, extend, index.deepest_match, tok.count_tokens, known)
+    )
 
 
 def ends(text: str, lookahead: int, first: int = FIRST) -> list[int]:
@@ -317,16 +320,7 @@ def test_the_next_turn_starts_where_the_prefix_cache_knows_the_ids(tok: HfTokeni
     assert first.complete and first.steps > 2
     known = tok.known_chars(turn2, True)
     assert known > len(turn1) - 1100  # the cache holds turn 1's ids up to its last checkpoint
-
-    async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
-        return await tok.encode_prefix(t, end, prev, prev_end, True)
-
-    def extend(ids: list[int], keys: list[int]) -> list[int]:
-        return extend_keys(ids, keys, BS, SEED)
-
-    second = asyncio.run(
-        walk(turn2, LOOKAHEAD, FIRST, encode, extend, index.deepest_match, tok.count_tokens, known)
-    )
+    second = run_walk(tok, turn2, index, known=known)
     # the cache lent the start; a first prefix's worth past it, then the rest
     assert second.complete and second.token_ids == whole2 and second.steps <= 3
 
@@ -364,16 +358,7 @@ def test_a_prompt_sharing_only_a_known_system_prompt_tokenizes_a_first_prefix_pa
     n_system = len(plain.encode_text(system, True)) - 2  # its last ids may merge with what follows
     index.store(0, None, block_keys(whole[:n_system], BS, SEED))
     seen = counting(tok)
-
-    async def encode(t: str, end: int, prev: list[int], prev_end: int) -> list[int]:
-        return await tok.encode_prefix(t, end, prev, prev_end, True)
-
-    def extend(ids: list[int], keys: list[int]) -> list[int]:
-        return extend_keys(ids, keys, BS, SEED)
-
-    out = asyncio.run(
-        walk(prompt, LOOKAHEAD, FIRST, encode, extend, index.deepest_match, tok.count_tokens, known)
-    )
+    out = run_walk(tok, prompt, index, known=known)
     assert not out.complete and out.token_ids == whole[: len(out.token_ids)] and out.steps == 2
     assert out.chars <= known + FIRST
     assert seen[1] <= FIRST + LOOKAHEAD // 4 + 64  # the step and the tail sample, not ``known`` chars again
