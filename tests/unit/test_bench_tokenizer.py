@@ -41,3 +41,15 @@ def test_bench_tokenizer_reports_equal_ids_and_reuse(capsys: pytest.CaptureFixtu
         "cpu_ratio",
     ):
         assert res[key] > 0
+
+
+def test_bench_tokenizer_frontier_walks_exactly_and_tokenizes_less_than_the_prompts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["--trace", "generated", "--workload", "agent", "--requests", "60", "--tokenizer", "bench"]
+    assert main([*args, "--frontier", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["bench"]
+    assert res["requests"] == 60 and res["mismatches"] == 0
+    assert 1.0 <= res["steps_mean"] and res["tokenizer_calls_mean"] >= 1.0 and res["cpu_ms_mean"] > 0
+    # every earlier prompt held: agent loops walk deep, yet never tokenize more than their prompts hold
+    assert 0 < res["tokenized_chars_mean"] < res["prompt_chars_mean"]
