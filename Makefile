@@ -46,6 +46,7 @@ bench: venv ## the benchmarks (JSON on stdout; several minutes)
 	$(BIN)/python -m loadtest.bench_router_decide --json
 	$(BIN)/python -m loadtest.bench_proxy --json
 	$(BIN)/python -m loadtest.bench_tokenizer --json
+	$(BIN)/python -m loadtest.bench_tokenizer --frontier --json
 	$(BIN)/python -m loadtest.e2e --json
 
 bench-real: venv vllm ## real vLLM engines: kvroute ttft vs round_robin vs sglang-router cache_aware (JSON; ~10 min)
