@@ -292,8 +292,8 @@ class PrefixTokenCache:
 
     def known_chars(self, text: str) -> int:
         """Leading characters of ``text`` whose ids the cache holds (the cut of its deepest known checkpoint, a
-        safe cut of ``text``), 0 when none or the cache is off; ``encode`` of a prefix ending there tokenizes
-        nothing."""
+        safe cut of ``text``), 0 when none or the cache is off; ``lent`` hands over the ids of the prefix ending
+        there without tokenizing."""
         if not self.enabled or len(text) < MIN_CHUNKS * self.chunk_chars:
             return 0
         known = self._lookup(self._digests(text, to_unknown=True))
