@@ -279,10 +279,7 @@ class PrefixTokenCache:
             if cut < end:
                 return None
             if cut == end:
-                out = owner.ids[:n].tolist()
-                if self._count(True, n, 0):  # this one is audited
-                    out = self._audit(text[:end], out)
-                return self.specials + out if add_special_tokens and self.specials is not None else out
+                return self._from_checkpoint(text[:end], owner, cut, n, add_special_tokens)
         return None
 
     def keeps(self, chars: int) -> bool:
@@ -326,7 +323,10 @@ class PrefixTokenCache:
         chunk = self.chunk_chars
         last_text, last_hashes = self._last_digests
         whole = len(text) // chunk
-        if whole <= len(last_hashes) and last_text.startswith(text):
+        if (
+            whole <= len(last_hashes) or (to_unknown and len(last_hashes) < len(last_text) // chunk)
+        ) and last_text.startswith(text):
+            # (a lookup's keys that stopped at an unknown checkpoint serve the next lookup of the same text)
             return last_hashes[:whole]
         hashes: list[int] = []
         points = self._points
@@ -344,10 +344,16 @@ class PrefixTokenCache:
         """``encode`` of a text shorter than ``MIN_CHUNKS`` chunks: the ids of its deepest known checkpoint and the
         rest tokenized (exact, as for a long text), else tokenized whole; never checkpointed (a miss costs only
         the digests of at most ``MIN_CHUNKS - 1`` chunks)."""
-        known = self._lookup(self._digests(text)) if len(text) >= self.chunk_chars else []
+        known = self._lookup(self._digests(text, to_unknown=True)) if len(text) >= self.chunk_chars else []
         if not known:
             return self._whole(text, add_special_tokens)
-        owner, cut, n = known[-1]
+        return self._from_checkpoint(text, *known[-1], add_special_tokens)
+
+    def _from_checkpoint(
+        self, text: str, owner: _Entry, cut: int, n: int, add_special_tokens: bool
+    ) -> list[int]:
+        """The ids of ``text`` from a known checkpoint of it (``owner``'s first ``n`` ids encode ``text[:cut]``) and
+        the rest tokenized; counted as a hit (audited one in ``verify_every``), not checkpointed."""
         out = owner.ids[:n].tolist()
         rest = self._encode_batch([text[cut:]])[0] if cut < len(text) else []
         out.extend(rest)

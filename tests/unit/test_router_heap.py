@@ -11,6 +11,7 @@ import orjson
 import pytest
 import simdjson
 
+from router.config import ClientEdgeSettings
 from router.core.large_parse import LARGE_PARSE_BYTES, large_parse_slot
 from router.heap import pin_mmap_threshold
 from router.serve.intake import SCAN_MIN_BYTES, InputLimits, Intake, LimitExceeded, scan_and_parse
@@ -42,14 +43,12 @@ def test_limit_exceeded_does_not_keep_the_parsed_document() -> None:
 
 
 def _limits() -> InputLimits:
-    return InputLimits(
+    return dataclasses.replace(
+        InputLimits.from_settings(ClientEdgeSettings()),
         max_messages=100_000,
-        max_batch_prompts=4,
         chars_per_token=8.0,
         default_context_tokens=1_000_000,
         max_json_values=1_000_000,
-        max_json_depth=128,
-        max_sequences=16,
     )
 
 
