@@ -76,13 +76,22 @@ def candidates_from(
     (``matches``: the index match by replica index, blocks -> ``PrefixHit`` tokens via ``hit_from_match``). A
     replica holding none of the prompt gets the shared ``NO_HIT`` (a large fleet's candidates mostly)."""
     got = matches.get
-    out = []
-    for index, name, load, profile, state, region, engine_block_size, adapter in rows:
-        m = got(index)
-        hit = NO_HIT if m is None else hit_from_match(m, prompt_tokens, block_size, engine_block_size)
-        # positional, in ``Candidate``'s field order (keywords cost more, per replica and decision)
-        out.append(Candidate(index, name, load, hit, profile, state, region, 0.0, adapter))
-    return out
+    # positional, in ``Candidate``'s field order, in one comprehension (keywords and ``append`` calls cost more,
+    # per replica and decision)
+    return [
+        Candidate(
+            index,
+            name,
+            load,
+            NO_HIT if (m := got(index)) is None else hit_from_match(m, prompt_tokens, block_size, ebs),
+            profile,
+            state,
+            region,
+            0.0,
+            adapter,
+        )
+        for index, name, load, profile, state, region, ebs, adapter in rows
+    ]
 
 
 def build_candidates(

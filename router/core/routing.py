@@ -21,7 +21,7 @@ from typing import Any
 from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
 from membership.engine_metrics import EngineSnapshot
-from membership.replicas import Replica, ReplicaState, ReplicaTable
+from membership.replicas import REGION_LABEL, Replica, ReplicaState, ReplicaTable
 from policies.adapters import AdapterResidency
 from policies.base import (
     NO_HIT,
@@ -507,23 +507,23 @@ class Router:
             raise NoReplica(
                 f"no routable replica for model {inp.model!r} (replica states: {states or 'none'})"
             )
-        fits = [
+        n = inp.prompt_tokens
+        limit = self.max_inflight_per_replica
+        # one pass for both conditions (the errors tell them apart only when nothing is left)
+        free = [
             r
             for r in reps
-            if not r.profile.max_context_tokens or inp.prompt_tokens <= r.profile.max_context_tokens
+            if r.load.inflight_requests < limit and (not (mc := r.profile.max_context_tokens) or n <= mc)
         ]
-        if not fits:
+        if free:
+            return free
+        if not any(not r.profile.max_context_tokens or n <= r.profile.max_context_tokens for r in reps):
             longest = max(r.profile.max_context_tokens for r in reps)
             raise BadRequest(
-                f"prompt of {inp.prompt_tokens} tokens is longer than any replica's context "
-                f"({longest} tokens)",
+                f"prompt of {n} tokens is longer than any replica's context ({longest} tokens)",
                 param="prompt",
             )
-        limit = self.max_inflight_per_replica
-        free = [r for r in fits if r.load.inflight_requests < limit]
-        if not free:
-            raise Overloaded(f"every replica for model {inp.model!r} has {limit} requests in flight")
-        return free
+        raise Overloaded(f"every replica for model {inp.model!r} has {limit} requests in flight")
 
     def decide(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> Routed:
         """Match the prompt in the index, build candidates and ask the policy (the PD plan policy when the
@@ -559,24 +559,36 @@ class Router:
             return list(rows_of([self.facts(r, lora=inp.lora) for r in reps]))
         pending = self._pending
         home = self.home_region
-        out: list[FactsRow] = []
-        for rep in reps:
-            load = rep.load
-            view = self.load_view(rep) if pending and pending.get(rep.index) else load
-            region = rep.region or home
-            out.append(
+        label = REGION_LABEL
+        # ``rep.region`` inlined (a property call per replica) and the state's ``_value_`` (``Enum.value`` is a
+        # Python-level descriptor): together ~40 % of this step at 4,096 replicas
+        if not pending:
+            return [
                 (
                     rep.index,
                     rep.name,
-                    view,
+                    rep.load,
                     rep.profile,
-                    rep.state.value,
-                    region,
-                    load.engine_block_size,
+                    rep.state._value_,
+                    rep.labels.get(label, "") or home,
+                    rep.load.engine_block_size,
                     None,
                 )
+                for rep in reps
+            ]
+        return [
+            (
+                rep.index,
+                rep.name,
+                self.load_view(rep) if pending.get(rep.index) else rep.load,
+                rep.profile,
+                rep.state._value_,
+                rep.labels.get(label, "") or home,
+                rep.load.engine_block_size,
+                None,
             )
-        return out
+            for rep in reps
+        ]
 
     def facts(self, rep: Replica, *, pd: bool = False, lora: str | None = None) -> ReplicaFacts:
         """What a policy may know about ``rep``: its load view (this router's in-flight counts included), profile,
@@ -594,7 +606,7 @@ class Router:
             rep.name,
             view,
             rep.profile,
-            rep.state.value,
+            rep.state._value_,
             load.engine_block_size,
             region=rep.region or self.home_region,
             adapter=cost,

@@ -174,6 +174,28 @@ def test_no_routable_overloaded_and_too_long() -> None:
         router.decide(inp)
 
 
+def test_a_full_replica_that_fits_is_overloaded_and_a_free_one_too_short_is_no_candidate() -> None:
+    """The context and in-flight filters in one pass: a replica too short for the prompt never takes it even when
+    free; the error says the fleet is full (429) when one that fits exists, too long (400) only when none fits,
+    whatever the loads."""
+    router = make_router(2, max_inflight_per_replica=1, panic_routing=False)
+    inp = router.make_input("m", None, prompt(64))
+    r0, r1 = router.table.by_index(0), router.table.by_index(1)
+    assert r0 is not None and r1 is not None
+    r1.profile = dataclasses.replace(r1.profile, max_context_tokens=32)  # r1 is free but too short
+    assert router.decide(inp).decision.chosen == 0
+    router.acquire(r0, 64)  # r0 fits but is full
+    with pytest.raises(Overloaded):
+        router.decide(inp)
+    r0.profile = dataclasses.replace(
+        r0.profile, max_context_tokens=32
+    )  # now neither fits, and r0 is still full
+    with pytest.raises(
+        BadRequest, match="prompt of 64 tokens is longer than any replica's context \\(32 tokens\\)"
+    ):
+        router.decide(inp)
+
+
 def test_accounting_before_dispatch_steers_the_next_decision() -> None:
     router = make_router(2, policy="least_load")
     inp = router.make_input("m", None, prompt(64))
