@@ -247,10 +247,12 @@ class RoutingInput:
 
 
 def cached_tokens(cands: Sequence[Candidate]) -> dict[int, int]:
-    """``Routed.cached_tokens`` of ``cands``: every candidate's matched tokens (0 for the shared empty hit of
-    the candidates holding nothing, most of a large fleet's, without reading it)."""
+    """``Routed.cached_tokens`` of ``cands``: the matched tokens of every candidate holding part of the prompt;
+    the candidates with the shared empty hit (most of a large fleet's) are left out (0 tokens: read with
+    ``.get(index, 0)``), so neither this nor each request's copy of it (``router.engine.proxy``) grows with the
+    fleet."""
     no_hit = NO_HIT
-    return {c.index: 0 if (h := c.hit) is no_hit else h.total for c in cands}
+    return {c.index: h.total for c in cands if (h := c.hit) is not no_hit}
 
 
 @dataclass(slots=True)
@@ -261,7 +263,8 @@ class Routed:
         inp: the routing input.
         decision: the policy's decision.
         candidates: the candidates given to the policy (routable replicas serving the model).
-        cached_tokens: per candidate index, prompt tokens the engine is expected to reuse there, tokens.
+        cached_tokens: per candidate index, prompt tokens the engine is expected to reuse there, tokens; a
+            candidate holding nothing of the prompt may be absent (read with ``.get(index, 0)``).
         decision_s: time spent tokenizing + hashing + matching + choosing, seconds.
     """
 

@@ -115,7 +115,10 @@ class _Run:
         if not new:
             return False
         self.ranking.extend(new)
-        self.cached.update(again.cached_tokens)
+        cached = self.cached
+        for c in again.candidates:  # the new decision's view replaces the old for every replica it saw
+            cached.pop(c.index, None)
+        cached.update(again.cached_tokens)
         return True
 
 

@@ -23,6 +23,7 @@ from router.core.routing import (
     hit_from_match,
     usable_cached_tokens,
 )
+from router.engine.proxy import _Run
 from tests.helpers import FakeClock
 
 BS = 16
@@ -69,7 +70,7 @@ def test_prefix_holder_is_chosen_and_explained() -> None:
     router.index.store(1, None, inp.keys[:200])  # replica r1 holds 200 blocks (3200 tokens)
     routed = router.decide(inp)
     assert routed.decision.chosen == 1
-    assert routed.cached_tokens == {0: 0, 1: 3200, 2: 0}
+    assert routed.cached_tokens == {1: 3200}  # the replicas holding nothing are left out (0: ``.get``)
     c1 = next(c for c in routed.candidates if c.index == 1)
     assert c1.hit.gpu == 3200 and c1.hit.predicted == 0
     out = decision_json(routed, router.table, BS)
@@ -84,6 +85,23 @@ def test_prefix_holder_is_chosen_and_explained() -> None:
         assert c["predicted_ttft_s"] == pytest.approx(
             c["p"] * c["parts"]["T"] + (1 - c["p"]) * c["parts"]["T_miss"] + c["parts"]["kv_penalty"]
         )
+
+
+def test_a_re_decision_replaces_the_cached_tokens_of_every_replica_it_saw() -> None:
+    """A retry's new decision (``_Run.extend``) takes over the expected cached tokens of every replica it saw: one
+    that held the prompt then and nothing now expects 0, though the new decision's map leaves it out."""
+    router = make_router()
+    inp = router.make_input("m", None, prompt(64))
+    router.index.store(0, None, inp.keys)
+    first = router.decide(inp, exclude=[2])
+    run = _Run(first, deadline=0.0, headers={})
+    assert run.cached.get(0, 0) == 48
+    router.index.clear(0)
+    router.index.store(2, None, inp.keys)
+    again = router.decide(inp)
+    assert 0 not in again.cached_tokens and again.cached_tokens[2] == 48
+    assert run.extend(again)  # r2 is new to the ranking
+    assert run.cached.get(0, 0) == 0 and run.cached[2] == 48
 
 
 def test_full_match_is_capped_at_what_an_engine_reuses() -> None:
@@ -304,7 +322,7 @@ def test_candidates_holding_nothing_share_one_immutable_hit() -> None:
     routed = router.decide(inp)
     hits = {c.index: c.hit for c in routed.candidates}
     assert hits[0] is hits[2] is NO_HIT and hits[1].gpu == 48
-    assert routed.cached_tokens == {0: 0, 1: 48, 2: 0}
+    assert routed.cached_tokens == {1: 48}  # nothing held: left out, read as 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         NO_HIT.gpu = 16  # type: ignore[misc]
 

@@ -428,7 +428,9 @@ def test_isolated_tenants_never_share_a_prefix() -> None:
     )
     b = router.decide(router.make_input("m", None, toks, namespace="tenant-b"))
     shared = router.decide(router.make_input("m", None, toks))
-    assert max(b.cached_tokens.values()) == 0 and max(shared.cached_tokens.values()) == 0
+    assert (
+        max(b.cached_tokens.values(), default=0) == 0 and max(shared.cached_tokens.values(), default=0) == 0
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
