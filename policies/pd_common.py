@@ -82,36 +82,51 @@ class Loads:
     kv_usage: list[float]
 
 
+_INF = float("inf")
+
+
+def gauge(value: float | None) -> float | None:
+    """A scraped gauge as a float when it is a finite number >= 0, else None: a broken gauge (NaN, infinite,
+    negative, too large for a float) counts as unknown, filled like a missing one with the worst known value, so
+    it never makes a replica look idle (``max(0.0, nan)`` is 0.0) nor spreads to the replicas whose gauges are
+    unknown (``max`` of a list holding NaN or infinity)."""
+    if value is None:
+        return None
+    try:
+        f = float(value)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return f if 0.0 <= f < _INF else None
+
+
 def _scraped_backlog(load: LoadView, mean_prefill_tokens: int) -> float | None:
-    """Scraped queued prefill tokens, or queued requests x ``mean_prefill_tokens``; None when neither is known."""
-    if load.queued_prefill_tokens is not None:
-        return float(load.queued_prefill_tokens)
-    if load.queued_requests is not None:
-        return float(load.queued_requests) * mean_prefill_tokens
-    return None
+    """Scraped queued prefill tokens, or queued requests x ``mean_prefill_tokens``; None when neither is known
+    (``gauge``: a broken one is unknown)."""
+    queued = gauge(load.queued_prefill_tokens)
+    if queued is not None:
+        return queued
+    waiting = gauge(load.queued_requests)
+    return None if waiting is None else waiting * mean_prefill_tokens
 
 
 def read_loads(cands: Sequence[PdCandidate], mean_prefill_tokens: int) -> Loads:
-    """Fill the ``Loads`` of ``cands``; an unknown gauge becomes the largest known one (else 0)."""
+    """Fill the ``Loads`` of ``cands``; an unknown or broken gauge (``gauge``) becomes the largest valid known
+    one (else 0)."""
     loads = [c.candidate.load for c in cands]
     scraped = [_scraped_backlog(v, mean_prefill_tokens) for v in loads]
-    q_known = [q for q in scraped if q is not None]
-    r_known = [float(v.running_requests) for v in loads if v.running_requests is not None]
-    w_known = [float(v.queued_requests) for v in loads if v.queued_requests is not None]
-    k_known = [float(v.kv_usage) for v in loads if v.kv_usage is not None]
-    q_worst = max(q_known, default=0.0)
-    r_worst = max(r_known, default=0.0)
-    w_worst = max(w_known, default=0.0)
-    k_worst = max(k_known, default=0.0)
+    runs = [gauge(v.running_requests) for v in loads]
+    waits = [gauge(v.queued_requests) for v in loads]
+    kvs = [gauge(v.kv_usage) for v in loads]
+    q_worst = max((q for q in scraped if q is not None), default=0.0)
+    r_worst = max((r for r in runs if r is not None), default=0.0)
+    w_worst = max((w for w in waits if w is not None), default=0.0)
+    k_worst = max((k for k in kvs if k is not None), default=0.0)
     backlog, running, requests, kv = [], [], [], []
-    for v, sq in zip(loads, scraped, strict=True):
-        q = q_worst if sq is None else sq
-        backlog.append(max(0.0, q) + max(0, v.inflight_prefill_tokens))
-        run = r_worst if v.running_requests is None else float(v.running_requests)
-        running.append(max(run, float(v.inflight_requests)))
-        waiting = w_worst if v.queued_requests is None else float(v.queued_requests)
-        requests.append(float(v.inflight_requests) + waiting)
-        kv.append(k_worst if v.kv_usage is None else float(v.kv_usage))
+    for v, sq, sr, sw, sk in zip(loads, scraped, runs, waits, kvs, strict=True):
+        backlog.append((q_worst if sq is None else sq) + max(0, v.inflight_prefill_tokens))
+        running.append(max(r_worst if sr is None else sr, float(v.inflight_requests)))
+        requests.append(float(v.inflight_requests) + (w_worst if sw is None else sw))
+        kv.append(k_worst if sk is None else sk)
     return Loads(backlog, running, requests, kv)
 
 
