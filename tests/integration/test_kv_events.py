@@ -67,6 +67,26 @@ def matched(index: PrefixIndex, keys: list[int], replica: int = 0) -> int:
     return m.blocks if m else 0
 
 
+def rig_config(**overrides: float) -> KVEventsConfig:
+    """The rigs' subscriber tuning (short timeouts, so failures show fast), with ``overrides``."""
+    base: dict[str, float] = {
+        "replay_idle_timeout_s": 0.5,
+        "replay_total_timeout_s": 2.0,
+        "orphan_replay_interval_s": 0.2,
+        "degraded_retry_s": 0.3,
+        "poll_interval_s": 0.02,
+        "idle_poll_interval_s": NO_SAFETY_POLL_S,
+    }
+    return KVEventsConfig(**{**base, **overrides})  # type: ignore[arg-type]
+
+
+#: for the tests whose observer coroutine never blocks (``asyncio.sleep(0)`` in a loop): it holds the GIL but at
+#: the interpreter's switch interval, so the in-process publisher thread answers the replay slowly on a busy
+#: machine (CI: a 41-batch replay timed out after 10 batches at the rig's 0.5 s idle timeout). These tests are
+#: about scheduling, not timeouts.
+PATIENT_REPLAY = {"replay_idle_timeout_s": 10.0, "replay_total_timeout_s": 60.0}
+
+
 async def make_rig(
     fmt: str = "vllm", replay: bool = True, faults: Faults | None = None, config: KVEventsConfig | None = None
 ) -> Rig:
@@ -77,18 +97,7 @@ async def make_rig(
     )
     pub.start()
     index = PrefixIndex(block_size=BS)
-    sub = KVEventSubscriber(
-        index,
-        config=config
-        or KVEventsConfig(
-            replay_idle_timeout_s=0.5,
-            replay_total_timeout_s=2.0,
-            orphan_replay_interval_s=0.2,
-            degraded_retry_s=0.3,
-            poll_interval_s=0.02,
-            idle_poll_interval_s=NO_SAFETY_POLL_S,
-        ),
-    )
+    sub = KVEventSubscriber(index, config=config or rig_config())
     await sub.start()
     await sub.add_replica(
         FeedSpec(0, "r0", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}" if r else None, "kv", MODEL)
@@ -740,7 +749,7 @@ async def test_engine_restart_seen_only_in_its_metrics_clears_the_replica(rigs: 
 async def test_a_replayed_backlog_is_applied_one_batch_at_a_time(rigs: list[Rig]) -> None:
     """A replay of many batches (a gap, a router restart) is applied with the event loop free between two
     batches: another coroutine runs between them (before, the whole backlog was applied back to back)."""
-    rig = await connected_rig(rigs, "vllm")
+    rig = await connected_rig(rigs, "vllm", config=rig_config(**PATIENT_REPLAY))
     toks, hs, keys = chain(41)
     publish_unseen(rig, [PubStored(hs[:1], None, toks[:16], BS)])
     for i in range(1, 40):  # a backlog the feed only gets by replay
@@ -756,7 +765,7 @@ async def test_a_replayed_backlog_is_applied_one_batch_at_a_time(rigs: list[Rig]
     watcher = asyncio.create_task(observe())
     try:
         rig.pub.publish([PubStored(hs[40:], hs[39], toks[640:], BS)])  # the gap shows: replay
-        await until(lambda: matched(rig.index, keys) == 41, what="backlog applied")
+        await until(lambda: matched(rig.index, keys) == 41, timeout=60, what="backlog applied")
     finally:
         done.set()
         await watcher
@@ -768,7 +777,7 @@ async def test_a_replayed_backlog_is_applied_one_batch_at_a_time(rigs: list[Rig]
 async def test_feeds_take_turns_one_batch_at_a_time(rigs: list[Rig]) -> None:
     """Three feeds with a backlog each (replays): between any two batches applied, whichever feed they come from,
     the event loop runs other work (a request waits for one batch, not one per busy feed)."""
-    rig = await connected_rig(rigs, "vllm")
+    rig = await connected_rig(rigs, "vllm", config=rig_config(**PATIENT_REPLAY))
     pubs = [rig.pub]
     for i in (1, 2):
         p, r = free_port(), free_port()
@@ -804,6 +813,7 @@ async def test_feeds_take_turns_one_batch_at_a_time(rigs: list[Rig]) -> None:
             pub.publish([PubStored(hs[20:], hs[19], toks[320:], BS)])
         await until(
             lambda: all(matched(rig.index, keys, r) == 21 for r, (_, _, keys) in enumerate(chains)),
+            timeout=60,
             what="three backlogs applied",
         )
     finally:
