@@ -565,25 +565,11 @@ class Router:
         label = REGION_LABEL
         # ``rep.region`` inlined (a property call per replica) and the state's ``_value_`` (``Enum.value`` is a
         # Python-level descriptor): together ~40 % of this step at 4,096 replicas
-        if not pending:
-            return [
-                (
-                    rep.index,
-                    rep.name,
-                    rep.load,
-                    rep.profile,
-                    rep.state._value_,
-                    rep.labels.get(label, "") or home,
-                    rep.load.engine_block_size,
-                    None,
-                )
-                for rep in reps
-            ]
         return [
             (
                 rep.index,
                 rep.name,
-                self.load_view(rep) if pending.get(rep.index) else rep.load,
+                self.load_view(rep) if pending and pending.get(rep.index) else rep.load,
                 rep.profile,
                 rep.state._value_,
                 rep.labels.get(label, "") or home,
