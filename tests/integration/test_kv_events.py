@@ -282,7 +282,11 @@ async def test_a_resync_lifts_degraded_only_once_its_history_is_applied(rigs: li
     """A degraded replica's resync (replay from 0, applied one batch per pass of the event loop) leaves it
     degraded until the last replayed batch is in the index: whoever reads ``degraded`` in between (the router,
     for every decision) never sees a replica called complete whose index is still empty or partial."""
-    rig = await connected_rig(rigs, "vllm")
+    # the resync's replay runs under the spinning observer below (``PATIENT_REPLAY``); the first replay must still
+    # time out (the publisher ignores it), so the idle timeout stays short enough for that
+    rig = await connected_rig(
+        rigs, "vllm", config=rig_config(replay_idle_timeout_s=2.0, replay_total_timeout_s=30.0)
+    )
     toks, hs, keys = chain(30)
     rig.pub.publish([PubStored(hs[:1], None, toks[:16], BS)])
     for i in range(1, 30):  # a history of 30 batches: the resync applies them one at a time
@@ -291,7 +295,7 @@ async def test_a_resync_lifts_degraded_only_once_its_history_is_applied(rigs: li
     rig.pub.faults.replay_disabled = True
     publish_unseen(rig, [PubRemoved([12345])])
     rig.pub.publish([PubRemoved([456])])  # the gap shows, its replay fails: cleared, degraded
-    await until(lambda: rig.sub.degraded(0), what="degraded")
+    await until(lambda: rig.sub.degraded(0), timeout=30, what="degraded")
     assert matched(rig.index, keys) == 0
     # (degraded, blocks of the history in the index), each time the event loop runs the observer
     seen: list[tuple[bool, int]] = []
@@ -305,7 +309,7 @@ async def test_a_resync_lifts_degraded_only_once_its_history_is_applied(rigs: li
     watcher = asyncio.create_task(observe())
     try:
         rig.pub.faults.replay_disabled = False  # the next degraded retry resyncs the replica
-        await until(lambda: not rig.sub.degraded(0), what="recovered")
+        await until(lambda: not rig.sub.degraded(0), timeout=60, what="recovered")
     finally:
         done.set()
         await watcher
