@@ -67,7 +67,7 @@ log = logging.getLogger("kvroute.proxy")
 _MAX_SPINS = 64
 
 
-class _Run:
+class AttemptRun:
     """The state of one request's attempts: the ranking (grown by re-decisions), the predicted cached tokens
     per replica index, the replicas tried, the errors so far, counters."""
 
@@ -164,7 +164,7 @@ class Proxy:
         At most ``1 + max_retries`` attempts (an attempt whose replica left while it waited at the dispatch gate
         does not count); a failure that another replica cannot fix (``AttemptFailed.retry`` false) ends it.
         """
-        run = _Run(
+        run = AttemptRun(
             routed,
             deadline=time.monotonic() + self.cfg.total_timeout_s,
             headers={
@@ -190,7 +190,7 @@ class Proxy:
                     break
         return self._all_failed(run, request_id)
 
-    def _next_replica(self, run: _Run) -> Replica | None:
+    def _next_replica(self, run: AttemptRun) -> Replica | None:
         """The next replica of the ranking that is ready; when none is, an unhealthy one (panic routing, as in
         ``Router.decide``: health checks of overloaded engines give false positives); when the ranking is
         exhausted, decide again without the replicas tried (counted as a spin). None: nothing left to try."""
@@ -213,7 +213,7 @@ class Proxy:
 
     async def _attempt(
         self,
-        run: _Run,
+        run: AttemptRun,
         rep: Replica,
         path: str,
         body: bytes,
@@ -301,7 +301,7 @@ class Proxy:
         return answer
 
     @staticmethod
-    def _attempt_attributes(run: _Run, rep: Replica, predicted_cached: int) -> dict[str, Any]:
+    def _attempt_attributes(run: AttemptRun, rep: Replica, predicted_cached: int) -> dict[str, Any]:
         """An attempt span's attributes: the replica, the attempt's number (1 = first), the previous attempt's
         failure, the prompt tokens the router expects the replica to reuse."""
         attrs: dict[str, Any] = {
@@ -314,7 +314,7 @@ class Proxy:
             attrs["kvroute.retry_reason"] = run.last.reason
         return attrs
 
-    def _attempt_failed(self, run: _Run, rep: Replica, exc: AttemptFailed, request_id: str) -> None:
+    def _attempt_failed(self, run: AttemptRun, rep: Replica, exc: AttemptFailed, request_id: str) -> None:
         """Record a failed attempt (its error for the final message, the passive health signal)."""
         run.last = exc
         run.errors.append(f"{rep.name}: {exc.message}")
@@ -328,7 +328,7 @@ class Proxy:
         if exc.connection:
             self.edge.on_connection_failure(rep, exc.message)
 
-    def _all_failed(self, run: _Run, request_id: str) -> Response:
+    def _all_failed(self, run: AttemptRun, request_id: str) -> Response:
         """The error answer when no attempt succeeded: 503 when no replica could be tried, else the last
         failure's status with every attempt's error."""
         last = run.last

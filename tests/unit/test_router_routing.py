@@ -23,7 +23,7 @@ from router.core.routing import (
     hit_from_match,
     usable_cached_tokens,
 )
-from router.engine.proxy import _Run
+from router.engine.proxy import AttemptRun
 from tests.helpers import FakeClock
 
 BS = 16
@@ -88,13 +88,13 @@ def test_prefix_holder_is_chosen_and_explained() -> None:
 
 
 def test_a_re_decision_replaces_the_cached_tokens_of_every_replica_it_saw() -> None:
-    """A retry's new decision (``_Run.extend``) takes over the expected cached tokens of every replica it saw: one
+    """A retry's new decision (``AttemptRun.extend``) takes over the expected cached tokens of every replica it saw: one
     that held the prompt then and nothing now expects 0, though the new decision's map leaves it out."""
     router = make_router()
     inp = router.make_input("m", None, prompt(64))
     router.index.store(0, None, inp.keys)
     first = router.decide(inp, exclude=[2])
-    run = _Run(first, deadline=0.0, headers={})
+    run = AttemptRun(first, deadline=0.0, headers={})
     assert run.cached.get(0, 0) == 48
     router.index.clear(0)
     router.index.store(2, None, inp.keys)
