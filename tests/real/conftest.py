@@ -1,9 +1,10 @@
 """Session fixtures for the real-engine tests: vLLM's CPU build installed (cached), a tiny random-weight model,
 two real engines (one core each) shared by every test, and a factory starting ``kvroute serve`` in front of them.
 
-Engines take ~75-120 s to start and 3.4 GB each, so they are started once per session; tests that restart an
-engine replace its handle in ``RealFleet.engines`` (look engines up through the fleet, not by holding a handle).
-Every process is stopped at the end of the session, also when a test fails.
+Engines take ~25-40 s to start in eager mode (``tests.real.support.eager``; ~55-120 s compiled) and 3.4 GB each,
+so they are started once per session; tests that restart an engine replace its handle in ``RealFleet.engines``
+(look engines up through the fleet, not by holding a handle). Every process is stopped at the end of the session,
+also when a test fails.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from loadtest.real_vllm import RESPONSES_STORE_ENV, EngineSpec, RealFleet, build_model_dir, ensure_vllm
 from tests.otlp_receiver import Receiver, grpc_receiver
-from tests.real.support import Router, start_router, traced
+from tests.real.support import Router, eager, start_router, traced
 
 #: first-test budget: install (when cold, minutes) + two engines starting together (~2 min, more under load)
 SESSION_TIMEOUT_S = 1800
@@ -58,7 +59,7 @@ def real_fleet(
         traced(EngineSpec("r0", cpu=cpus[0], gpu_blocks=400, env=dict(RESPONSES_STORE_ENV)), otlp.endpoint),
         EngineSpec("r1", cpu=cpus[-1], gpu_blocks=128, max_model_len=2048, env=dict(RESPONSES_STORE_ENV)),
     ]
-    fleet = RealFleet(vllm_python, model_dir, specs, tmp_path_factory.mktemp("engine-logs"))
+    fleet = RealFleet(vllm_python, model_dir, eager(specs), tmp_path_factory.mktemp("engine-logs"))
     with fleet:
         fleet.start()
         yield fleet

@@ -30,7 +30,7 @@ import pytest
 
 from loadtest.real_vllm import EngineSpec, RealFleet
 from tests.helpers import wait_until
-from tests.real.support import Router, cached_of, predicted_of, start_router, token_prompt
+from tests.real.support import Router, cached_of, eager, predicted_of, start_router, token_prompt
 
 ADAPTERS = ("ad-a", "ad-b")
 RANK = 8
@@ -97,7 +97,7 @@ def lora_fleet(
         EngineSpec(f"l{i}", cpu=cpus[i % len(cpus)], gpu_blocks=400, extra_args=lora_args, env=env)
         for i in range(2)
     ]
-    fleet = RealFleet(vllm_python, model_dir, specs, tmp_path_factory.mktemp("lora-engine-logs"))
+    fleet = RealFleet(vllm_python, model_dir, eager(specs), tmp_path_factory.mktemp("lora-engine-logs"))
     with fleet:
         fleet.start()
         yield fleet

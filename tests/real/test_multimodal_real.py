@@ -25,7 +25,7 @@ import pytest
 from loadtest.real_vllm import MODEL, RealFleet
 from loadtest.real_vlm import IMAGE_TOKENS, build_vlm_model_dir, png_data_url, vlm_spec
 from tests.helpers import metric, wait_until
-from tests.real.support import BLOCK, Router, start_router
+from tests.real.support import BLOCK, Router, eager, start_router
 
 SYSTEM = "You are a careful assistant who looks at images and answers in short words. " * 4
 #: text after the image, the same in every chat: the block the image ends in is a full block of every prompt
@@ -44,7 +44,9 @@ def vlm_router(
 ) -> Iterator[Router]:
     """One Idefics3 engine (render endpoints on) and ``kvroute serve`` in front of it."""
     cpu = sorted(os.sched_getaffinity(0))[-1]
-    fleet = RealFleet(vllm_python, vlm_dir, [vlm_spec("v0", cpu)], tmp_path_factory.mktemp("vlm-engine-logs"))
+    fleet = RealFleet(
+        vllm_python, vlm_dir, eager([vlm_spec("v0", cpu)]), tmp_path_factory.mktemp("vlm-engine-logs")
+    )
     with fleet:
         fleet.start()
         router = start_router(fleet.engines, vlm_dir)

@@ -35,7 +35,7 @@ from loadtest.epp_gateway import GatewayStream, stub_for
 from loadtest.real_vllm import MODEL, RealFleet, nixl_pd_specs
 from tests.helpers import free_port, metric, wait_until
 from tests.otlp_receiver import Receiver
-from tests.real.support import Router, start_router, traced, words
+from tests.real.support import Router, eager, start_router, traced, words
 from tests.real.test_tracing_real import caller_trace, one, wait_trace
 
 #: force every request onto a P -> D plan (a decode replica may not prefill a request in place)
@@ -52,7 +52,7 @@ def pd_fleet(
     request spans to ``otlp``."""
     cpus = sorted(os.sched_getaffinity(0))
     specs = [traced(s, otlp.endpoint) for s in nixl_pd_specs(cpus[0], cpus[-1], (free_port(), free_port()))]
-    fleet = RealFleet(vllm_python, model_dir, specs, tmp_path_factory.mktemp("pd-engine-logs"))
+    fleet = RealFleet(vllm_python, model_dir, eager(specs), tmp_path_factory.mktemp("pd-engine-logs"))
     with fleet:
         fleet.start()
         yield fleet

@@ -29,7 +29,7 @@ import pytest
 
 from loadtest.real_vllm import MODEL, RealFleet, pooling_spec
 from tests.helpers import Proc, start_fake_engine, wait_until
-from tests.real.support import BLOCK, engine_url, start_router, words
+from tests.real.support import BLOCK, eager, engine_url, start_router, words
 
 #: the stand-in's flags matching the real engines of ``loadtest.real_vllm`` (same model directory and limits)
 #: (time at half the A100 profile: a 2,000-token background job is still running when it is cancelled)
@@ -225,7 +225,7 @@ def pooling_pair(
 ) -> Iterator[tuple[str, str]]:
     """A real pooling engine (on the last CPU) and a stand-in pooling engine: their URLs."""
     spec = pooling_spec("pool0", cpu=sorted(os.sched_getaffinity(0))[-1])
-    fleet = RealFleet(vllm_python, model_dir, [spec], tmp_path_factory.mktemp("pooling-engine-logs"))
+    fleet = RealFleet(vllm_python, model_dir, eager([spec]), tmp_path_factory.mktemp("pooling-engine-logs"))
     with fleet:
         fleet.start()
         fake = StandIn(model_dir, "--runner", "pooling", "--hidden-size", "512")

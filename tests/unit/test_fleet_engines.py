@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import cast
 
 from fakes.fleet import HOST, EngineEndpoints, EngineHandle, ManagedProcess
-from loadtest.real_vllm import EngineSpec, RealEngine
+from loadtest.real_vllm import EngineSpec, RealEngine, engine_args
 
 NO_PROC = cast(ManagedProcess, None)  # the endpoints are computed from the ports alone
 
@@ -22,3 +23,17 @@ def test_fake_and_real_engines_name_their_endpoints_alike() -> None:
         )
     assert real.name == "r0" and real.replica_spec().startswith(f"name=r0,url=http://{HOST}:8001,")
     assert f"events=tcp://{HOST}:5557,replay=tcp://{HOST}:5558" in real.replica_spec()
+
+
+def test_an_eager_engine_skips_the_compile_and_keeps_every_other_flag() -> None:
+    compiled = engine_args(
+        Path("/venv/bin/python"), Path("/m"), EngineSpec("r0", extra_args=["--x"]), 1, 2, 3
+    )
+    eager = engine_args(
+        Path("/venv/bin/python"), Path("/m"), EngineSpec("r0", extra_args=["--x"], eager=True), 1, 2, 3
+    )
+    assert (
+        "--enforce-eager" not in compiled
+    )  # vLLM's default (torch.compile), as the benchmarks and deployments run
+    assert [a for a in eager if a != "--enforce-eager"] == compiled
+    assert eager.count("--enforce-eager") == 1 and eager[-1] == "--x"  # the spec's own flags still come last
