@@ -116,8 +116,7 @@ TRACING_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "500"}
 
 
 def eager(specs: Sequence[EngineSpec]) -> list[EngineSpec]:
-    """``specs`` in eager PyTorch (``EngineSpec.eager``): the suite's engines start in ~25 s instead of ~55-75 s
-    (vLLM's compile of the tiny model) and answer the same on the wire."""
+    """``specs`` in eager PyTorch (``EngineSpec.eager``: faster starts, the same wire), as the suite runs them."""
     return [replace(s, eager=True) for s in specs]
 
 

@@ -26,14 +26,12 @@ def test_fake_and_real_engines_name_their_endpoints_alike() -> None:
 
 
 def test_an_eager_engine_skips_the_compile_and_keeps_every_other_flag() -> None:
-    compiled = engine_args(
-        Path("/venv/bin/python"), Path("/m"), EngineSpec("r0", extra_args=["--x"]), 1, 2, 3
-    )
-    eager = engine_args(
-        Path("/venv/bin/python"), Path("/m"), EngineSpec("r0", extra_args=["--x"], eager=True), 1, 2, 3
-    )
-    assert (
-        "--enforce-eager" not in compiled
-    )  # vLLM's default (torch.compile), as the benchmarks and deployments run
+    def args(eager: bool) -> list[str]:
+        spec = EngineSpec("r0", extra_args=["--x"], eager=eager)
+        return engine_args(Path("/venv/bin/python"), Path("/m"), spec, 1, 2, 3)
+
+    compiled, eager = args(False), args(True)
+    # vLLM's default (torch.compile), as the benchmarks and deployments run
+    assert "--enforce-eager" not in compiled
     assert [a for a in eager if a != "--enforce-eager"] == compiled
     assert eager.count("--enforce-eager") == 1 and eager[-1] == "--x"  # the spec's own flags still come last

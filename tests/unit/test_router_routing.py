@@ -88,8 +88,8 @@ def test_prefix_holder_is_chosen_and_explained() -> None:
 
 
 def test_a_re_decision_replaces_the_cached_tokens_of_every_replica_it_saw() -> None:
-    """A retry's new decision (``AttemptRun.extend``) takes over the expected cached tokens of every replica it saw: one
-    that held the prompt then and nothing now expects 0, though the new decision's map leaves it out."""
+    """A retry's new decision (``AttemptRun.extend``) takes over the expected cached tokens of every replica it
+    saw: one that held the prompt then and nothing now expects 0, though the new decision's map leaves it out."""
     router = make_router()
     inp = router.make_input("m", None, prompt(64))
     router.index.store(0, None, inp.keys)
