@@ -96,6 +96,8 @@ class Proc:
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self._log = tempfile.TemporaryFile()
+        #: what the process printed, kept once it is stopped (its log file is then closed)
+        self._final: str | None = None
         self.popen = subprocess.Popen(
             list(args),
             env=full_env,
@@ -115,7 +117,8 @@ class Proc:
         return self.popen.poll() is None
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> str:
-        """Stop the process (its whole session) and return what it printed."""
+        """Stop the process (its whole session) and return what it printed; its log file is closed (``output``
+        still answers)."""
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, sig)
@@ -126,10 +129,15 @@ class Proc:
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(timeout=5)
-        return self.output()
+        if self._final is None:
+            self._final = self.output()
+            self._log.close()
+        return self._final
 
     def output(self) -> str:
         """Everything the process printed so far (stdout and stderr)."""
+        if self._final is not None:
+            return self._final
         self._log.seek(0)
         return self._log.read().decode(errors="replace")
 
