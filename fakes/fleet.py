@@ -239,6 +239,30 @@ def scaled_router_time_args(policy: str, time_scale: float, extra_args: Sequence
     return out
 
 
+def sglang_router_command(port: int, policy: str, prometheus_port: int | None = None) -> list[str]:
+    """The command line starting sglang-router (PyPI, this interpreter) on ``HOST``:``port`` with ``policy``,
+    its metrics on ``prometheus_port`` (a free port when None) and warnings-only logs; the caller appends the
+    workers (``--worker-urls ...``, or the PD flags)."""
+    prom = free_port() if prometheus_port is None else prometheus_port
+    return [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--prometheus-host",
+        HOST,
+        "--prometheus-port",
+        str(prom),
+        "--log-level",
+        "warn",
+    ]
+
+
 @dataclass(slots=True)
 class EngineOptions:
     """How to start each fake engine (``kvroute fake-engine`` flags).
@@ -586,23 +610,9 @@ class Fleet:
         """Start sglang-router (PyPI) with ``policy`` and its default thresholds; wait until all workers are
         registered and healthy (its own /health answers before workers register, so GET /workers is polled)."""
         self._require_engines()
-        port, prom = free_port(), free_port()
+        port = free_port()
         args = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--policy",
-            policy,
-            "--prometheus-host",
-            HOST,
-            "--prometheus-port",
-            str(prom),
-            "--log-level",
-            "warn",
+            *sglang_router_command(port, policy),
             "--worker-urls",
             *[eh.url for eh in self.engines],
             *extra_args,
@@ -621,25 +631,8 @@ class Fleet:
         """Start sglang-router (PyPI) in its PD mode (``--pd-disaggregation``, ``--prefill URL BOOTSTRAP_PORT``,
         ``--decode URL``) in front of a PD fleet; wait until every worker is registered and healthy."""
         self._require_engines()
-        port, prom = free_port(), free_port()
-        args = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--policy",
-            policy,
-            "--prometheus-host",
-            HOST,
-            "--prometheus-port",
-            str(prom),
-            "--log-level",
-            "warn",
-            "--pd-disaggregation",
-        ]
+        port = free_port()
+        args = [*sglang_router_command(port, policy), "--pd-disaggregation"]
         for eh in self.engines:
             if eh.role == "prefill":
                 args += ["--prefill", eh.url, str(eh.bootstrap_port) if eh.bootstrap_port else "none"]

@@ -55,6 +55,7 @@ from fakes.fleet import (
     parse_runs,
     prefix_counters,
     scrape_samples,
+    sglang_router_command,
     wait_ready,
 )
 from fakes.ports import free_port
@@ -313,26 +314,7 @@ def start_router(
 
         wait_ready(url + "/readyz", proc, 120, routable)
     else:
-        prom = free_port()
-        args = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--policy",
-            policy,
-            "--prometheus-host",
-            HOST,
-            "--prometheus-port",
-            str(prom),
-            "--log-level",
-            "warn",
-            "--worker-urls",
-            *[e.url for e in engines],
-        ]
+        args = [*sglang_router_command(port, policy), "--worker-urls", *[e.url for e in engines]]
         proc = ManagedProcess(args, f"router-{tag}", log_dir)
 
         def all_workers(r: httpx.Response) -> bool:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 import time
 
 import httpx
 import pytest
 
+from fakes.fleet import sglang_router_command
 from tests.helpers import Proc, free_port, wait_http_ok
 
 pytestmark = pytest.mark.skipif(
@@ -48,26 +48,7 @@ def test_sglang_router_registers_and_routes_to_fake_engines() -> None:
             wait_http_ok(u + "/health", timeout=30)
         rport = free_port()
         router = Proc(
-            [
-                sys.executable,
-                "-m",
-                "sglang_router.launch_router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(rport),
-                "--policy",
-                "cache_aware",
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(free_port()),
-                "--log-level",
-                "warn",
-                "--worker-urls",
-                *urls,
-            ],
-            name="sglang-router",
+            [*sglang_router_command(rport, "cache_aware"), "--worker-urls", *urls], name="sglang-router"
         )
         procs.append(router)
         base = f"http://127.0.0.1:{rport}"
