@@ -285,8 +285,10 @@ async def test_at_end_only_once_the_whole_body_was_received_and_read(pool: Engin
     """``at_end`` (the relay ends the client's response with the last chunk when it is set) must never be set
     while the engine may still send more, nor while received data is unread."""
     more = asyncio.Event()
+    writers: list[asyncio.StreamWriter] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
         await reader.readuntil(b"\r\n\r\n")
         whole = chunked(b"data: 1\n\n", b"data: [DONE]\n\n")
         cut = whole.index(b"data: [DONE]") - 4  # the head and the first chunk only
@@ -316,6 +318,8 @@ async def test_at_end_only_once_the_whole_body_was_received_and_read(pool: Engin
         assert await r.read_chunk(5.0) == b""
         r.release()
     finally:
+        for w in writers:  # the handler waits for a close the pooled connection never sends
+            w.close()
         server.close()
         await server.wait_closed()
 
