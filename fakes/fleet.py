@@ -239,11 +239,10 @@ def scaled_router_time_args(policy: str, time_scale: float, extra_args: Sequence
     return out
 
 
-def sglang_router_command(port: int, policy: str, prometheus_port: int | None = None) -> list[str]:
+def sglang_router_command(port: int, policy: str) -> list[str]:
     """The command line starting sglang-router (PyPI, this interpreter) on ``HOST``:``port`` with ``policy``,
-    its metrics on ``prometheus_port`` (a free port when None) and warnings-only logs; the caller appends the
-    workers (``--worker-urls ...``, or the PD flags)."""
-    prom = free_port() if prometheus_port is None else prometheus_port
+    its metrics on a free port and warnings-only logs; the caller appends the workers (``--worker-urls ...``, or
+    the PD flags)."""
     return [
         sys.executable,
         "-m",
@@ -257,7 +256,7 @@ def sglang_router_command(port: int, policy: str, prometheus_port: int | None = 
         "--prometheus-host",
         HOST,
         "--prometheus-port",
-        str(prom),
+        str(free_port()),
         "--log-level",
         "warn",
     ]
