@@ -9,6 +9,12 @@ which on a shared machine also counts the time other processes hold the core, a 
 the p50 (and p90) in microseconds are reported. Prints ``{policy: {"8": p50_us, "64": ..., "512": ..., "4096":
 ...}}`` on stdout with ``--json`` and a human table on stderr.
 
+A policy that takes its candidates as columns (``ttft``: ``policies.ttft_columns.ColumnCandidates``) gets them
+so from ``--columns-min`` candidates on (default: the router's ``columns_min_candidates``), as the router gives
+them: the columns and the holders' ``Candidate``s made before the timer (the router keeps the columns between
+decisions; ``loadtest.bench_router_decide`` times its whole decision), every other ``Candidate`` built inside
+the call when the policy reads it. ``--columns-min 0`` gives every policy objects.
+
 Timings on a shared 2-core machine are noisy: compare numbers from one run. ``--repeat R`` runs every size R
 times, the policies taking turns within each round (so a burst of load from elsewhere hits them alike); the JSON
 then holds the median of the R p50s and the table shows their range.
@@ -25,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from policies.base import (
+    NO_HIT,
     Candidate,
     LoadView,
     PrefixHit,
@@ -34,6 +41,11 @@ from policies.base import (
     make_policy,
     policy_names,
 )
+from policies.ttft_columns import BoundColumns, ColumnCandidates
+from router.config import RoutingSettings
+
+#: the router's default for decisions on columns (``Settings.columns_min_candidates``)
+COLUMNS_MIN = RoutingSettings.model_fields["columns_min_candidates"].default
 
 SIZES = (8, 64, 512, 4096)
 #: decisions built per size (the policies cycle through them; ``consistent_hash`` keeps the rings of 8 sets)
@@ -123,22 +135,44 @@ def clock_overhead_ns(clock: Callable[[], int]) -> int:
     return best or 0
 
 
+def as_columns(cands: list[Candidate], columns: BoundColumns | None = None) -> ColumnCandidates:
+    """``cands`` as the router gives them on columns: their columns (``columns`` when made already), the holders
+    of the prompt as objects, any other candidate made when read (a new object, with the shared empty hit)."""
+    cols = columns if columns is not None else BoundColumns.of(cands)
+    holders = {p: c for p, c in enumerate(cands) if c.hit.total}
+
+    def build(p: int) -> Candidate:
+        c = cands[p]
+        return Candidate(c.index, c.name, c.load, NO_HIT, c.profile, c.state, c.region, c.rtt_s, c.adapter)
+
+    return ColumnCandidates(cols, holders, build)
+
+
 def time_policy(
     name: str,
     scenarios: Sequence[tuple[RouteRequest, list[Candidate]]],
     calls: int,
     clock: Callable[[], int] = time.thread_time_ns,
+    columns_min: int = COLUMNS_MIN,
 ) -> list[float]:
     """Per-call decision times in microseconds for ``calls`` calls cycling through ``scenarios`` (``clock``:
-    ns; its own overhead is subtracted)."""
+    ns; its own overhead is subtracted); on columns (fresh ``ColumnCandidates`` per call, made before the timer)
+    when the policy takes them and a decision has ``columns_min`` candidates or more (0: never)."""
     policy = make_policy(name)
-    for req, cands in scenarios[:4]:  # warm-up (caches, rings)
-        policy.choose(req, cands)
+    columnar = bool(getattr(policy, "accepts_columns", False)) and columns_min > 0
+    cols = [BoundColumns.of(c) if columnar and len(c) >= columns_min else None for _, c in scenarios]
+
+    def given(i: int) -> Sequence[Candidate]:
+        cands, col = scenarios[i][1], cols[i]
+        return cands if col is None else as_columns(cands, col)
+
+    for i in range(min(4, len(scenarios))):  # warm-up (caches, rings)
+        policy.choose(scenarios[i][0], given(i))
     times: list[float] = []
     overhead = clock_overhead_ns(clock)
     m = len(scenarios)
     for i in range(calls):
-        req, cands = scenarios[i % m]
+        req, cands = scenarios[i % m][0], given(i % m)
         t0 = clock()
         policy.choose(req, cands)
         times.append(max(0, clock() - t0 - overhead) / 1000.0)
@@ -158,6 +192,7 @@ def run_rounds(
     repeat: int,
     seed: int,
     clock: Callable[[], int] = time.thread_time_ns,
+    columns_min: int = COLUMNS_MIN,
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[float]]]]:
     """``repeat`` rounds of every size; within a round the policies take turns. Returns the p50s and p90s
     (µs) per policy and size, one per round."""
@@ -167,7 +202,7 @@ def run_rounds(
         scen = build_scenarios(n, SCENARIOS.get(n, 8), seed)
         for _ in range(repeat):
             for name in names:
-                times = time_policy(name, scen, calls_for(n, calls), clock)
+                times = time_policy(name, scen, calls_for(n, calls), clock, columns_min)
                 p50[name][str(n)].append(round(percentile(times, 0.5), 1))
                 p90[name][str(n)].append(round(percentile(times, 0.9), 1))
     return p50, p90
@@ -190,10 +225,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="cpu",
         help="cpu: the thread's CPU time per call (default); wall: elapsed time (counts other processes too)",
     )
+    ap.add_argument(
+        "--columns-min",
+        type=int,
+        default=COLUMNS_MIN,
+        help="policies that take columns (ttft) get them from this many candidates on, as the router gives them "
+        f"(default {COLUMNS_MIN}: the router's columns_min_candidates); 0: objects for every policy",
+    )
     args = ap.parse_args(argv)
     names = [p for p in args.policies.split(",") if p] or policy_names()
     sizes = [int(x) for x in args.sizes.split(",") if x]
-    p50, p90 = run_rounds(names, sizes, args.calls, max(1, args.repeat), args.seed, CLOCKS[args.clock])
+    p50, p90 = run_rounds(
+        names, sizes, args.calls, max(1, args.repeat), args.seed, CLOCKS[args.clock], args.columns_min
+    )
     result = {name: {k: statistics.median(v) for k, v in per.items()} for name, per in p50.items()}
     print(
         "decision time per call, µs: p50 (p90)"

@@ -11,6 +11,11 @@ times ``Router.decide`` on ~2k-token prompts (block keys of a system prompt and 
 this thread's CPU time, as ``bench_policies`` does. It also times the stages apart (the same calls
 ``decide`` makes, one stage at a time), so a cut can be placed.
 
+From ``--columns-min`` replicas on (default: the router's ``columns_min_candidates``) ``decide`` runs on the
+fleet's columns (``router.core.fleet_columns``) and builds a ``Candidate`` only for the replicas holding part of
+the prompt and those the policy scores; the stages are still timed on objects (what ``decide`` does below it,
+and with ``--columns-min 0``).
+
 Prints ``{"<replicas>": {"decide_us": p50, "replicas_us": ..., "candidates_us": ..., "policy_us": ...}}`` on
 stdout with ``--json`` (p50s in microseconds; ``--repeat R``: the median of R rounds) and a table on stderr.
 Compare numbers from one run: shared machines are noisy.
@@ -28,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from index.hashing import root_seed
 from index.prefix_index import PrefixIndex
-from loadtest.bench_policies import scraped_load, systems_and_profiles
+from loadtest.bench_policies import COLUMNS_MIN, scraped_load, systems_and_profiles
 from membership.replicas import ReplicaState, ReplicaTable
 from policies.base import make_policy
 from router.core.routing import Router, RoutingInput
@@ -38,12 +43,14 @@ BLOCK = 16
 MODEL = "m"
 
 
-def build_router(n: int, policy: str, seed: int) -> tuple[Router, list[RoutingInput]]:
+def build_router(
+    n: int, policy: str, seed: int, columns_min: int = COLUMNS_MIN
+) -> tuple[Router, list[RoutingInput]]:
     """A router over ``n`` ready replicas (scraped loads, ~30 % holding a system prompt) and 16 requests."""
     rng = random.Random(seed)
     table = ReplicaTable()
     index = PrefixIndex(block_size=BLOCK)
-    router = Router(table, index, make_policy(policy), block_size=BLOCK)
+    router = Router(table, index, make_policy(policy), block_size=BLOCK, columns_min_candidates=columns_min)
     rseed = root_seed(MODEL)
     systems, profiles = systems_and_profiles(rng)
     for r in range(n):
@@ -83,9 +90,11 @@ def stage_clocks(router: Router, inp: RoutingInput, clock: Callable[[], int]) ->
     return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
 
-def time_size(n: int, policy: str, calls: int, seed: int, clock: Callable[[], int]) -> dict[str, float]:
+def time_size(
+    n: int, policy: str, calls: int, seed: int, clock: Callable[[], int], columns_min: int = COLUMNS_MIN
+) -> dict[str, float]:
     """p50s (µs) of the stages and the whole decision at ``n`` replicas over ``calls`` calls."""
-    router, inputs = build_router(n, policy, seed)
+    router, inputs = build_router(n, policy, seed, columns_min)
     for inp in inputs[:4]:  # warm-up
         router.decide(inp)
     parts: list[list[float]] = [[], [], [], []]
@@ -110,12 +119,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=1000, help="calls per size below 512 (fewer above)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds; the JSON holds the median p50s")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--columns-min",
+        type=int,
+        default=COLUMNS_MIN,
+        help=f"decisions over this many replicas run on the fleet's columns (default {COLUMNS_MIN}, the router's "
+        "columns_min_candidates); 0: never",
+    )
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
     rounds: dict[str, list[dict[str, float]]] = {str(n): [] for n in sizes}
     for _ in range(max(1, args.repeat)):
         for n in sizes:
-            got = time_size(n, args.policy, calls_for(n, args.calls), args.seed, time.thread_time_ns)
+            got = time_size(
+                n, args.policy, calls_for(n, args.calls), args.seed, time.thread_time_ns, args.columns_min
+            )
             rounds[str(n)].append(got)
     result = {n: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for n, runs in rounds.items()}
     print(f"Router.decide CPU time per call, p50 µs ({args.policy})", file=sys.stderr)

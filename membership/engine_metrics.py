@@ -853,6 +853,12 @@ class MetricsScraper:
                 del self._state[idx]
         self.refresh_ages(reps)
 
+    def _touch(self, index: int | None) -> None:
+        """Tell the table that replica ``index``'s load changed in place (None: every replica's)."""
+        touch = getattr(self.table, "touch", None)
+        if touch is not None:
+            touch(index)
+
     def refresh_ages(self, replicas: Iterable[Any] | None = None) -> None:
         """Set ``load.age_s`` of every replica to the time since its last successful scrape."""
         now = self.clock()
@@ -860,6 +866,7 @@ class MetricsScraper:
             st = self._state.get(r.index)
             if st is not None and st.scraped_at is not None:
                 r.load.age_s = now - st.scraped_at
+        self._touch(None)
 
     def scrape_record(self, replica_index: int) -> ReplicaScrape:
         """The replica's scrape record (created empty when it has none): its last snapshot and when it was taken,
@@ -922,6 +929,7 @@ class MetricsScraper:
             load.engine_block_size = snap.block_size
         load.inflight_prefill_tokens = max(0, load.inflight_prefill_tokens - dispatched)
         load.age_s = 0.0
+        self._touch(replica.index)
         if self.on_snapshot is not None:
             try:
                 self.on_snapshot(replica, snap)

@@ -240,6 +240,7 @@ class ReplicaTable:
         self._lock = threading.RLock()
         self._on_remove: list[RemovalListener] = []
         self._on_change: list[Callable[[Replica], None]] = []
+        self._on_touch: list[Callable[[int | None], None]] = []
 
     # -- listeners -------------------------------------------------------------------------------------
     @property
@@ -254,6 +255,17 @@ class ReplicaTable:
     def on_change(self, listener: Callable[[Replica], None]) -> None:
         """Call ``listener(replica)`` after a replica is added or its address / state changes."""
         self._on_change.append(listener)
+
+    def on_touch(self, listener: Callable[[int | None], None]) -> None:
+        """Call ``listener(index)`` after a replica's load or profile changed in place (``touch``; None: every
+        replica's), e.g. to re-read a kept copy of it (``router.core.fleet_columns``)."""
+        self._on_touch.append(listener)
+
+    def touch(self, index: int | None = None) -> None:
+        """Replica ``index``'s load view or profile was changed in place (None: every replica's): tell the
+        touch listeners. Whoever writes a ``Replica``'s ``load`` or ``profile`` fields calls this."""
+        for cb in self._on_touch:
+            cb(index)
 
     # -- writes ----------------------------------------------------------------------------------------
     def upsert(self, name: str, url: str, **attrs: object) -> Replica:

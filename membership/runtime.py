@@ -85,11 +85,11 @@ def _discovery_health(
         failure_threshold=health.unhealthy_after,
         success_threshold=health.healthy_after,
         headers=headers,
-        on_ok=_context_learner(),
+        on_ok=_context_learner(table),
     )
 
 
-def _context_learner() -> Callable[[HookClient, Replica], Awaitable[None]]:
+def _context_learner(table: ReplicaTable) -> Callable[[HookClient, Replica], Awaitable[None]]:
     """An ``on_ok`` hook: until a replica's ``/v1/models`` answered 200 once, read it and set
     ``profile.max_context_tokens`` from vLLM's ``max_model_len`` (tokens) when the profile has none. The pods'
     annotations name the models but not the context; without it the router's cheap prompt-length checks assume
@@ -110,6 +110,7 @@ def _context_learner() -> Callable[[HookClient, Replica], Awaitable[None]]:
         lens = [n for n in raw if isinstance(n, int) and not isinstance(n, bool) and n > 0]
         if lens and not rep.profile.max_context_tokens:
             rep.profile.max_context_tokens = max(lens)
+            table.touch(rep.index)
 
     return learn
 

@@ -152,6 +152,7 @@ class StaticMembership:
             mml = entry.get("max_model_len")
             if isinstance(mml, int) and mml > 0 and not rep.profile.max_context_tokens:
                 rep.profile.max_context_tokens = mml  # vLLM reports its context length here
+                self.table.touch(rep.index)
             parent = entry.get("parent")
             (loras if parent and parent != entry["id"] else models).append(entry["id"])
         if models and not self._models_known.get(name):

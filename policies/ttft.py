@@ -81,9 +81,12 @@ exactly the ones full scoring may exclude), then every other candidate whose bou
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import exp, expm1
 from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
 
 from policies.adapters import adapter_delay_s, adapter_imposed_s
 from policies.admission_slo import slo_order
@@ -109,6 +112,14 @@ from policies.ttft_bounds import (
     bound_pass,
     migration_bound,
     worst_known,
+)
+from policies.ttft_columns import (
+    BoundColumns,
+    ColumnBounds,
+    ColumnCandidates,
+    IndexedFloats,
+    column_bounds,
+    migration_floor_bounds,
 )
 
 _INF = float("inf")
@@ -300,6 +311,9 @@ class TTFTPolicy:
         self.drain_stale_queue = drain_stale_queue
         self._rates: dict[int, float] = {}
         self._overheads: dict[int, float] = {}
+        #: ``_rates`` and ``_overheads`` as columns by replica index (the column pass reads them)
+        self._rate_col = IndexedFloats()
+        self._overhead_col = IndexedFloats()
         self._attention: dict[int, float] = {}
         self._mean_uncached = float(mean_prefill_tokens)
         self._mean_samples = 0
@@ -351,7 +365,10 @@ class TTFTPolicy:
         tail = (self.objective or request.objective) == "tail"
         n = len(candidates)
         if self.prune and n > self.exact_ranks and n >= self.prune_min_candidates:
-            pruned = self._choose_pruned(request, candidates, tail)
+            if isinstance(candidates, ColumnCandidates):
+                pruned = self._choose_columns(request, candidates, tail)
+            else:
+                pruned = self._choose_pruned(request, candidates, tail)
             if pruned is not None:
                 return pruned
         deepest = self._deepest_to_keep(request, candidates)
@@ -363,6 +380,12 @@ class TTFTPolicy:
         if request.ttft_target_s is not None:
             self._slo_pick(request, decision)
         return decision
+
+    @property
+    def accepts_columns(self) -> bool:
+        """Whether a caller may pass ``ColumnCandidates`` (``policies.ttft_columns``) for a cheaper decision:
+        a pruning policy bounds them as columns and builds only the candidates it scores."""
+        return self.prune
 
     def mean_uncached_tokens(self) -> float:
         """Uncached tokens per queued request when only the request count is scraped: the mean learned from
@@ -717,10 +740,95 @@ class TTFTPolicy:
         rest = self._unpruned(request, candidates, b, acc, slo, deepest)
         if rest:
             self._score_some(request, candidates, rest, tail, deepest, worst, acc)
-        decision = self._rank_scored(candidates, b, acc, slo)
+        decision = self._rank_scored(candidates, b.index, acc, slo)
         if request.ttft_target_s is not None:
             self._slo_pick(request, decision)
         return decision
+
+    def _choose_columns(
+        self, request: RouteRequest, candidates: ColumnCandidates, tail: bool
+    ) -> Decision | None:
+        """``_choose_pruned`` on the candidates' columns (``policies.ttft_columns``): the bounds are column
+        arithmetic, and a ``Candidate`` is built only for the positions scored in full. The same decision and the
+        same state afterwards as full scoring (the column bounds are lower bounds too)."""
+        slo = self.params.slo_ttft_s if tail else None
+        terms = self._bound_terms(request, slo is not None or request.ttft_target_s is not None)
+        if terms is None:
+            return None
+        cols = candidates.columns
+        if self._rates:  # the calibrated rates and overheads where known
+            cols = replace(
+                cols,
+                rate=self._rate_col.over(cols.index, cols.rate),
+                overhead=self._overhead_col.over(cols.index, cols.overhead),
+            )
+        cb = column_bounds(cols, terms)
+        seen = np.flatnonzero((cb.lb != _NEG) & (cols.att != 0.0))
+        if seen.size:  # the attention seen, as the pass over objects records it
+            self._attention.update(zip(cols.index[seen].tolist(), cols.att[seen].tolist(), strict=True))
+        n = request.prompt_tokens
+        # the first holder of the deepest match (at most the prompt): all ``_deepest_to_keep`` reads of the holders
+        at = cb.gpos if cb.gmax <= n else int(np.flatnonzero(cols.gpu >= n)[0])
+        deepest = self._deepest_to_keep(request, [candidates[at]], cb.gmax)
+        first = set(cb.must)
+        first.update(p for _, p in cb.top[: terms.seeds] if p >= 0)
+        acc = _Scored()
+        if deepest and self.tight_migration_weight and self.survival_check:
+            acc.holder = (
+                at  # ``holder_position``: the first candidate holding ``deepest`` (at most the prompt)
+            )
+            first.add(at)
+        worst = (cb.wq, cb.wr, cb.wk)
+        self._score_some(request, candidates, sorted(first), tail, deepest, worst, acc)
+        rest = self._unpruned_columns(request, cols, cb, acc, slo, deepest)
+        if rest:
+            self._score_some(request, candidates, rest, tail, deepest, worst, acc)
+        decision = self._rank_scored(candidates, cols.index.tolist(), acc, slo)
+        if request.ttft_target_s is not None:
+            self._slo_pick(request, decision)
+        return decision
+
+    def _unpruned_columns(
+        self,
+        request: RouteRequest,
+        cols: BoundColumns,
+        cb: ColumnBounds,
+        acc: _Scored,
+        slo: float | None,
+        deepest: int,
+    ) -> list[int]:
+        """``_unpruned`` over column bounds: the positions not scored yet that the bounds do not rule out."""
+        scored = acc.scores
+        ok = [p for p in scored if p not in acc.excluded]
+        k = self.exact_ranks
+        if len(ok) < k:  # too few scoreable: nothing can be ruled out
+            return [p for p in range(len(cols)) if p not in scored]
+        lb = cb.lb
+        target = request.ttft_target_s
+        mig = self._migration_floor(deepest)
+
+        def within(v: float) -> npt.NDArray[np.bool_]:
+            if mig is None:
+                return lb <= v
+            return (lb <= v) & (lb + migration_floor_bounds(cols, request.prompt_tokens, deepest, *mig) <= v)
+
+        if slo is None:
+            v = sorted(acc.keys[p] for p in ok)[k - 1] / SAFE
+            if target is None and v < cb.cut:
+                return []  # every candidate not scored has a bound of at least ``cut``
+            maybe = [p for p in np.flatnonzero(within(v)).tolist() if p not in scored]
+            if target is None:
+                return maybe
+            ethr = max(target, min(scored[p].parts["E"] for p in ok)) / SAFE
+            more = [p for p in np.flatnonzero(cb.lbe <= ethr).tolist() if p not in scored]
+            return sorted({*maybe, *more})
+        g, v = sorted(_slo_key(scored[p], slo) for p in ok)[k - 1]
+        v /= SAFE
+        lbe = cb.lbe
+        ethr = _NEG if target is None else max(target, min(scored[p].parts["E"] for p in ok)) / SAFE
+        meets = lbe <= slo / SAFE  # may meet the SLO (rank group 0)
+        keep = (lbe <= ethr) | (meets & bool(g)) | ((meets | bool(g)) & within(v))
+        return [p for p in np.flatnonzero(keep).tolist() if p not in scored]
 
     def _bound_terms(self, request: RouteRequest, need_e: bool) -> BoundTerms | None:
         """The bound pass's constants for this decision, or None when a parameter is outside what the bounds
@@ -841,7 +949,7 @@ class TTFTPolicy:
         return out
 
     def _rank_scored(
-        self, candidates: Sequence[Candidate], b: Bounds, acc: _Scored, slo: float | None
+        self, candidates: Sequence[Candidate], index: list[int], acc: _Scored, slo: float | None
     ) -> Decision:
         """The pruned decision: the scored candidates ranked by their keys (exactly as full scoring ranks them),
         then the pruned ones in candidate order; ``scores`` holds the scored ones in candidate order. When
@@ -858,7 +966,6 @@ class TTFTPolicy:
             ok.sort(key=acc.keys.__getitem__)
         else:
             ok.sort(key=lambda p: _slo_key(acc.scores[p], slo))
-        index = b.index
         ranking = [index[p] for p in ok]
         prev = 0
         for p in positions:  # the pruned ones, in candidate order, between the scored positions
@@ -1033,9 +1140,11 @@ class TTFTPolicy:
         rate = self.calibrator.rate(idx)
         if rate is not None:
             self._rates[idx] = rate
+            self._rate_col.set(idx, rate)
             ov = self.calibrator.overhead_s(idx)
             if ov is not None:
                 self._overheads[idx] = ov
+                self._overhead_col.set(idx, ov)
 
     def _note_write(self, index: int, tokens: int, now: float) -> None:
         """Add ``tokens`` uncached tokens written to replica ``index`` at ``now`` (seconds) to its decayed sum."""
@@ -1054,6 +1163,8 @@ class TTFTPolicy:
         self._written.pop(index, None)
         self._rates.pop(index, None)
         self._overheads.pop(index, None)
+        self._rate_col.drop(index)
+        self._overhead_col.drop(index)
         self._attention.pop(index, None)
 
     def calibrated(self, index: int) -> tuple[float, float] | None:

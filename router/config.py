@@ -296,6 +296,18 @@ class _RoutingFields(BaseModel):
         description="when no replica is ready, route to unhealthy ones instead of answering 503 "
         "(health checks of overloaded engines give false positives)",
     )
+    columns_min_candidates: int = Field(
+        default=256,
+        ge=0,
+        description="base-model decisions over at least this many routable replicas read the fleet's load as "
+        "columns kept between decisions and build a candidate only for the replicas the policy scores "
+        "(ttft only; docs/benchmarks.md); 0: never",
+    )
+    check_fleet_columns: bool = Field(
+        default=False,
+        description="compare the kept fleet columns with the replicas' own values at every decision and fail "
+        "the decision when they differ (a debugging aid: the test suite runs with it)",
+    )
     dispatch_limit_tokens: int = Field(
         default=_GATE.limit_tokens,
         ge=0,

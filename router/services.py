@@ -313,6 +313,8 @@ def _build_router(
         events_healthy=lambda rep: signals.events_healthy(kv_events, rep),
         max_inflight_per_replica=routing.max_inflight_per_replica,
         panic_routing=routing.panic_routing,
+        columns_min_candidates=routing.columns_min_candidates,
+        check_columns=routing.check_fleet_columns,
     )
     router.on_prediction.append(membership.publish_prediction)  # predicted entries reach peer routers
     router.adapters = AdapterResidency(routing.adapter_links())

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import numpy as np
+
 from index.hashing import block_keys, root_seed
 from index.prefix_index import PrefixIndex
 from membership.engine_metrics import EngineSnapshot
@@ -44,6 +46,8 @@ from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, Pl
 from policies.pd_common import plan_request
 from policies.pd_link import LinkEstimator, TransferTotals, transfer_sample
 from policies.regions import RegionRefused
+from policies.ttft_columns import ColumnCandidates
+from router.core.fleet_columns import FleetColumns
 from router.core.regions import PeerViews
 from router.errors import KvrouteError
 
@@ -174,6 +178,11 @@ class Overloaded(RoutingError):
     code = "overloaded"
 
 
+class FleetColumnsStale(AssertionError):
+    """``check_columns``: a kept fleet column differs from the replica it copies (a writer did not call
+    ``ReplicaTable.touch``). Never raised unless the check is on."""
+
+
 class BadRequest(RoutingError):
     """The request is well-formed JSON but cannot be served (400), e.g. a prompt longer than any context."""
 
@@ -246,6 +255,34 @@ class RoutingInput:
         return len(self.token_ids) if self.estimated_tokens is None else self.estimated_tokens
 
 
+def _position(idx: Any, index: int) -> int | None:
+    """Position of replica ``index`` in the ascending index array ``idx``, or None."""
+    p = int(idx.searchsorted(index))
+    return p if p < len(idx) and int(idx[p]) == index else None
+
+
+def candidate_indices(cands: Sequence[Candidate]) -> list[int]:
+    """The replica index of every candidate, in order (column candidates: without building them)."""
+    if isinstance(cands, ColumnCandidates):
+        out: list[int] = cands.columns.index.tolist()
+        return out
+    return [c.index for c in cands]
+
+
+def candidates_by_index(cands: Sequence[Candidate], wanted: Iterable[int]) -> dict[int, Candidate]:
+    """The candidates of replicas ``wanted`` (those among ``cands``) by replica index; column candidates build
+    only those."""
+    if isinstance(cands, ColumnCandidates):
+        out = {}
+        for i in wanted:
+            p = _position(cands.columns.index, i)
+            if p is not None:
+                out[i] = cands[p]
+        return out
+    want = set(wanted)
+    return {c.index: c for c in cands if c.index in want}
+
+
 def cached_tokens(cands: Sequence[Candidate]) -> dict[int, int]:
     """``Routed.cached_tokens`` of ``cands``: the matched tokens of every candidate holding part of the prompt;
     the candidates with the shared empty hit (most of a large fleet's) are left out (0 tokens: read with
@@ -270,7 +307,7 @@ class Routed:
 
     inp: RoutingInput
     decision: Decision
-    candidates: list[Candidate]
+    candidates: Sequence[Candidate]
     cached_tokens: dict[int, int]
     decision_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -302,6 +339,9 @@ class Router:
         events_healthy: ``f(replica) -> bool``: True when the replica's KV events feed the index reliably.
         max_inflight_per_replica: replicas at this many in-flight requests are skipped.
         panic_routing: when no replica is ready, route to the unhealthy ones instead of answering 503.
+        columns_min_candidates: base-model decisions over at least this many routable replicas run on the kept
+            fleet columns (``router.core.fleet_columns``) when the policy accepts columns; 0: never.
+        check_columns: compare the kept columns with the replicas at every decision (``FleetColumnsStale`` if stale).
         clock: seconds (monotonic) for ``RouteRequest.now``.
     """
 
@@ -319,6 +359,8 @@ class Router:
         events_healthy: Callable[[Replica], bool] | None = None,
         max_inflight_per_replica: int = 512,
         panic_routing: bool = True,
+        columns_min_candidates: int = 0,
+        check_columns: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.table = table
@@ -376,6 +418,10 @@ class Router:
         #: the peer regions' published summaries (queue seconds, prefix filter) and measured round trips; None
         #: without peers (a peer candidate is then only what this router sent it)
         self.peer_views: PeerViews | None = None
+        #: the fleet's load and profiles as columns by replica index, for decisions over many replicas
+        self.columns = FleetColumns(table, self.load_view)
+        self.columns_min_candidates = columns_min_candidates
+        self.check_columns = check_columns
 
     # -- models ----------------------------------------------------------------------------------------
     def resolve_model(self, model: str) -> tuple[str, str | None, str]:
@@ -538,20 +584,95 @@ class Router:
         if self.pd_policy_factory is not None and self.is_disaggregated(inp):
             return self.decide_plan(inp, exclude)
         t0 = time.perf_counter()
-        cands = self.build_candidates(inp, self.fact_rows(inp, self.candidates_for(inp, exclude)))
+        cc = self.column_candidates(inp, exclude) if self._columnar(inp) else None
+        cands: Sequence[Candidate]
+        if cc is not None:
+            cands = cc
+            held: Sequence[Candidate] = list(cc.holders.values())  # every other candidate holds nothing
+        else:
+            reps = self.candidates_for(inp, exclude)
+            if self.check_columns:
+                self._check_columns(reps)
+            cands = held = self.build_candidates(inp, self.fact_rows(inp, reps))
         req = self.route_request(inp)
         try:
             decision = self.policy.choose(req, cands)
         except RegionRefused as refusal:
             raise RegionUnavailable(refusal) from None
-        decision.reuse = reuse_of(decision.chosen, cands)  # available vs achieved cached tokens
+        decision.reuse = reuse_of(decision.chosen, held)  # available vs achieved cached tokens
         return Routed(
             inp=inp,
             decision=decision,
             candidates=cands,
-            cached_tokens=cached_tokens(cands),
+            cached_tokens=cached_tokens(held),
             decision_s=time.perf_counter() - t0,
         )
+
+    def _columnar(self, inp: RoutingInput) -> bool:
+        """Whether ``inp``'s decision may run on the fleet columns: a base-model request, a policy that takes
+        columns (``ttft``), no peer regions to price, and the columns switched on."""
+        return bool(
+            self.columns_min_candidates
+            and not inp.lora
+            and self.peer_views is None
+            and getattr(self.policy, "accepts_columns", False)
+        )
+
+    def column_candidates(self, inp: RoutingInput, exclude: Sequence[int] = ()) -> ColumnCandidates | None:
+        """The candidates of a base-model decision as the fleet's columns (``router.core.fleet_columns``): the
+        same replicas, in the same order, as ``candidates_for``; a ``Candidate`` built in advance for each replica
+        holding part of the prompt, any other only when the policy reads it. None when fewer than
+        ``columns_min_candidates`` are left (the object path then decides, or says why there is none)."""
+        cols = self.columns
+        cols.fresh()
+        n = inp.prompt_tokens
+        idx = cols.routable(inp.model, exclude, self.max_inflight_per_replica, n, inp.hop)
+        if len(idx) < max(1, self.columns_min_candidates):
+            return None
+        if self.check_columns:
+            self._check_columns(self.candidates_for(inp, exclude), idx.tolist())
+        bc = cols.gather(idx)
+        matches = self.index.match(inp.keys) if inp.keys else {}
+        holders: dict[int, Candidate] = {}
+        if matches:  # the holders' candidates as objects, their matches into the columns
+            held = np.fromiter(matches, dtype=np.int64, count=len(matches))
+            held.sort()
+            at = np.minimum(np.searchsorted(idx, held), len(idx) - 1)
+            ok = idx[at] == held
+            pos, held = at[ok].tolist(), held[ok].tolist()
+            by_index = self.table.by_index
+            reps = [by_index(i) for i in held]
+            pos = [p for p, r in zip(pos, reps, strict=True) if r is not None]
+            found = [r for r in reps if r is not None]
+            cands = candidates_from(self.fact_rows(inp, found), matches, n, self.block_size)
+            holders = dict(zip(pos, cands, strict=True))
+            hits = [c.hit for c in cands]
+            bc.gpu[pos] = [h.gpu for h in hits]
+            bc.other[pos] = [h.cpu + h.disk + h.remote for h in hits]
+            bc.hit_age[pos] = [h.age_s for h in hits]
+            bad = [p for p, h in zip(pos, hits, strict=True) if min(h.cpu, h.disk, h.remote) < 0]
+            if bad:
+                bc.plain[bad] = False
+        table, bs = self.table, self.block_size
+        index = idx.tolist()
+
+        def build(p: int) -> Candidate:
+            rep = table.by_index(index[p])
+            if rep is None:  # left the table since the filter: it is built from nothing known
+                raise NoReplica(f"replica {index[p]} left the fleet during the decision")
+            return candidates_from(self.fact_rows(inp, [rep]), {}, n, bs)[0]
+
+        return ColumnCandidates(bc, holders, build)
+
+    def _check_columns(self, reps: Sequence[Replica], selected: list[int] | None = None) -> None:
+        """``check_columns``: the kept columns equal the replicas' values (and the columns' filter selected
+        ``reps``); raises ``FleetColumnsStale`` otherwise."""
+        self.columns.fresh()
+        wrong = self.columns.stale_rows(reps)
+        if selected is not None and selected != [r.index for r in reps]:
+            wrong.append(f"the columns selected {selected}, the objects {[r.index for r in reps]}")
+        if wrong:
+            raise FleetColumnsStale("; ".join(wrong[:10]))
 
     def fact_rows(self, inp: RoutingInput, reps: Sequence[Replica]) -> list[FactsRow]:
         """What a policy may know of each of ``reps`` for a co-located decision on ``inp`` (``facts``, as the
@@ -795,6 +916,7 @@ class Router:
         rep.load.inflight_requests += max(1, copies)
         rep.load.inflight_prefill_tokens += tokens
         self._pending[rep.index] = self._pending.get(rep.index, 0) + tokens
+        self.table.touch(rep.index)
         if lora is not None:
             tier = self.adapters.cost(rep.index, lora, self.clock()).tier
             self.adapter_dispatches[tier] = self.adapter_dispatches.get(tier, 0) + 1
@@ -804,6 +926,7 @@ class Router:
         """The request's prefill finished (first byte) or failed: stop counting its prefill tokens."""
         tokens = max(0, uncached_tokens)
         self._pending[rep.index] = max(0, self._pending.get(rep.index, 0) - tokens)
+        self.table.touch(rep.index)
         if not self.prefill_release_on_first_byte:
             return
         rep.load.inflight_prefill_tokens = max(0, rep.load.inflight_prefill_tokens - tokens)
@@ -832,6 +955,7 @@ class Router:
         """The request (of ``copies`` sequences, as acquired) finished on ``rep`` (any outcome); ``lora``: its
         adapter, ``service_s``: how long it held its adapter's batch slot (first byte to end), seconds."""
         rep.load.inflight_requests = max(0, rep.load.inflight_requests - max(1, copies))
+        self.table.touch(rep.index)
         if lora is not None:
             self.adapters.finished(rep.index, lora, service_s)
 
@@ -987,7 +1111,7 @@ def decision_json(
     """
     d = routed.decision
     chosen = table.by_index(d.chosen)
-    by_index = {c.index: c for c in routed.candidates}
+    by_index = candidates_by_index(routed.candidates, (s.index for s in d.scores))
     cands = []
     for s in d.scores:
         c = by_index.get(s.index)

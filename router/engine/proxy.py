@@ -50,7 +50,7 @@ from starlette.responses import Response
 from membership.replicas import Replica, ReplicaState, ReplicaTable
 from router.core.dispatch import DispatchGate
 from router.core.regions import hop_headers
-from router.core.routing import Routed, Router, RoutingError
+from router.core.routing import Routed, Router, RoutingError, candidate_indices
 from router.engine.attempt import OPENAI, EngineEdge, Wire
 from router.engine.config import ProxyConfig
 from router.engine.gaps import FRAMEWORK_NOT_ALLOWED, FRAMEWORK_NOT_FOUND, EndpointGaps
@@ -116,8 +116,10 @@ class AttemptRun:
             return False
         self.ranking.extend(new)
         cached = self.cached
-        for c in again.candidates:  # the new decision's view replaces the old for every replica it saw
-            cached.pop(c.index, None)
+        for i in candidate_indices(
+            again.candidates
+        ):  # the new view replaces the old for every replica it saw
+            cached.pop(i, None)
         cached.update(again.cached_tokens)
         return True
 

@@ -40,6 +40,10 @@ EXCEPTIONS = {
         "router",
     ): "benchmarks the router's whole decision (Router.decide) in-process",
     ("loadtest.bench_router_decide", "membership"): "the replica table Router.decide reads",
+    (
+        "loadtest.bench_policies",
+        "router",
+    ): "gives ttft columns from the router's columns_min_candidates (Settings, the single source)",
 }
 
 _BELOW_SERVE = {
