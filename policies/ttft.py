@@ -114,6 +114,7 @@ from policies.ttft_bounds import (
     worst_known,
 )
 from policies.ttft_columns import (
+    MAX_COLUMN_INDEX,
     BoundColumns,
     ColumnBounds,
     ColumnCandidates,
@@ -756,6 +757,8 @@ class TTFTPolicy:
         if terms is None:
             return None
         cols = candidates.columns
+        if len(cols) and int(cols.index.max()) >= MAX_COLUMN_INDEX:
+            return None  # calibration is kept as columns below that index only: full scoring
         if self._rates:  # the calibrated rates and overheads where known
             cols = replace(
                 cols,

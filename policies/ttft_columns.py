@@ -40,6 +40,9 @@ BOOL = npt.NDArray[np.bool_]
 
 _NAN = float("nan")
 _INF = float("inf")
+#: replica indices the columns cover (arrays are sized by the largest index): a fleet holding a larger one (a pod
+#: name ending in a long number is taken as its StatefulSet ordinal) is decided on objects
+MAX_COLUMN_INDEX = 1 << 16
 
 
 def _gauge(value: float | None) -> float:
@@ -352,7 +355,10 @@ class IndexedFloats:
             self._values = grown
 
     def set(self, index: int, value: float) -> None:
-        """Replica ``index``'s value is ``value``."""
+        """Replica ``index``'s value is ``value`` (ignored from ``MAX_COLUMN_INDEX`` on: such a fleet is never
+        decided on columns)."""
+        if not 0 <= index < MAX_COLUMN_INDEX:
+            return
         self._fit(index)
         self._values[index] = value
 

@@ -25,7 +25,7 @@ import numpy.typing as npt
 from membership.replicas import ROUTABLE_STATES, Replica, ReplicaTable
 from policies.base import LoadView
 from policies.ttft_bounds import as_float
-from policies.ttft_columns import BoundColumns
+from policies.ttft_columns import MAX_COLUMN_INDEX, BoundColumns
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -157,7 +157,10 @@ class FleetColumns:
                     ready[i] = False  # gone unless its replica is still there (below)
         view = self._view
         for rep in reps:
-            self._write(rep.index, row(view(rep), rep))
+            if (
+                rep.index < MAX_COLUMN_INDEX
+            ):  # no row beyond (``routable`` then leaves the decision to objects)
+                self._write(rep.index, row(view(rep), rep))
 
     def _write(self, index: int, values: tuple[float | bool, ...]) -> None:
         self._grow(index + 1)
@@ -186,8 +189,8 @@ class FleetColumns:
         ``exclude``, below ``limit`` requests in flight, context long enough; with ``hop`` no peer region), as
         indices: the columns' filter. Empty when none is left (the caller's object path then says why)."""
         idx = self.members(model)
-        if not len(idx):
-            return idx
+        if not len(idx) or int(idx[-1]) >= MAX_COLUMN_INDEX:
+            return idx[:0]
         self._grow(int(idx.max()) + 1)
         f = self.floats
         ctx = f["max_context"][idx]
@@ -220,6 +223,8 @@ class FleetColumns:
         that did not ``touch`` leaves behind. Empty when the columns are right."""
         out = []
         for rep in reps:
+            if rep.index >= MAX_COLUMN_INDEX:
+                continue  # never kept (``MAX_COLUMN_INDEX``)
             want = row(self._view(rep), rep)
             i = rep.index
             if i >= self._cap:

@@ -10,7 +10,7 @@ import pytest
 
 from index.prefix_index import PrefixIndex
 from membership.replicas import ReplicaState, ReplicaTable
-from policies.base import Policy, make_policy
+from policies.base import Observation, Policy, make_policy
 from policies.ttft_columns import ColumnCandidates
 from router.core.routing import FleetColumnsStale, Router, build_profile
 from tests.helpers import FakeClock
@@ -128,3 +128,19 @@ def test_a_columnar_decision_builds_the_holders_and_few_others() -> None:
     assert set(cands.holders) == {5, 700, 1_500}  # positions = indices here
     assert len(cands._made) < 30, len(cands._made)
     assert routed.cached_tokens == {5: 1_600, 700: 1_600, 1_500: 1_600}
+
+
+def test_a_replica_index_beyond_the_columns_leaves_the_decision_to_objects() -> None:
+    """A pod name ending in a long number is its ordinal (index 10**9): the columns do not grow to it; the fleet
+    is decided on objects, with calibration too."""
+    router = fleet(300, 11)
+    router.table.upsert("odd-1000000000", "http://127.0.0.1:2", models=["m"], profile=build_profile("a100"))
+    router.table.set_state("odd-1000000000", ReplicaState.READY)
+    rep = router.table.get("odd-1000000000")
+    assert rep is not None and rep.index == 10**9
+    router.policy.observe(
+        Observation(index=10**9, prompt_tokens=900, cached_tokens=0, queue_wait_s=0.0, ttft_s=0.3)
+    )
+    routed = router.decide(router.make_input("m", None, list(range(1, 100 * BS))))
+    assert not isinstance(routed.candidates, ColumnCandidates) and len(routed.candidates) == 301
+    assert router.columns.floats["qt"].size < 1 << 17
