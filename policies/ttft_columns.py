@@ -45,7 +45,7 @@ _INF = float("inf")
 MAX_COLUMN_INDEX = 1 << 16
 
 
-def _gauge(value: float | None) -> float:
+def gauge_value(value: float | None) -> float:
     """A gauge as a float column value: NaN when unknown; ``inf`` when beyond the float range or known but not a
     number (never a stand-in for unknown ones, and the candidate is not ``plain``)."""
     if value is None:
@@ -117,12 +117,12 @@ class BoundColumns:
             plain = c.adapter is None and min(tiers) >= 0 and not any(g != g for g in gauges if g is not None)
             rows.append(
                 (
-                    _gauge(load.queued_prefill_tokens),
-                    _gauge(load.queued_requests),
-                    _gauge(load.running_requests),
-                    _gauge(load.kv_usage),
-                    _gauge(load.inflight_prefill_tokens),
-                    _gauge(load.inflight_requests),
+                    gauge_value(load.queued_prefill_tokens),
+                    gauge_value(load.queued_requests),
+                    gauge_value(load.running_requests),
+                    gauge_value(load.kv_usage),
+                    gauge_value(load.inflight_prefill_tokens),
+                    gauge_value(load.inflight_requests),
                     as_float(load.age_s or 0.0),
                     as_float(rates.get(c.index, prof.prefill_tokens_per_s)),
                     as_float(overheads.get(c.index, prof.fixed_overhead_s)),

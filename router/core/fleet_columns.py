@@ -25,7 +25,7 @@ import numpy.typing as npt
 from membership.replicas import ROUTABLE_STATES, Replica, ReplicaTable
 from policies.base import LoadView
 from policies.ttft_bounds import as_float
-from policies.ttft_columns import MAX_COLUMN_INDEX, BoundColumns
+from policies.ttft_columns import MAX_COLUMN_INDEX, BoundColumns, gauge_value
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -53,24 +53,15 @@ _BOUND_FLOATS = FLOATS[:-1]
 BOOLS = ("overlaps", "plain", "ready", "peer")
 
 
-def _as_column(value: float | None) -> float:
-    """A gauge as a column value: NaN when unknown; ``inf`` beyond the float range or known but not a number
-    (``policies.ttft_columns``: never a stand-in for unknown gauges)."""
-    if value is None:
-        return _NAN
-    f = as_float(value)
-    return math.inf if f != f else f
-
-
 def row(load: LoadView, rep: Replica) -> tuple[float | bool, ...]:
     """What the columns hold of ``rep`` whose load view (as the policy sees it) is ``load``: ``FLOATS`` then
     ``BOOLS``."""
     prof = rep.profile
     gauges = (load.queued_prefill_tokens, load.queued_requests, load.running_requests, load.kv_usage)
     return (
-        *(_as_column(g) for g in gauges),
-        _as_column(load.inflight_prefill_tokens),
-        _as_column(load.inflight_requests),
+        *(gauge_value(g) for g in gauges),
+        gauge_value(load.inflight_prefill_tokens),
+        gauge_value(load.inflight_requests),
         as_float(load.age_s or 0.0),
         as_float(prof.prefill_tokens_per_s),
         as_float(prof.fixed_overhead_s),
@@ -157,9 +148,8 @@ class FleetColumns:
                     ready[i] = False  # gone unless its replica is still there (below)
         view = self._view
         for rep in reps:
-            if (
-                rep.index < MAX_COLUMN_INDEX
-            ):  # no row beyond (``routable`` then leaves the decision to objects)
+            # no row beyond MAX_COLUMN_INDEX (``routable`` then leaves the decision to objects)
+            if rep.index < MAX_COLUMN_INDEX:
                 self._write(rep.index, row(view(rep), rep))
 
     def _write(self, index: int, values: tuple[float | bool, ...]) -> None:
