@@ -866,7 +866,11 @@ class MetricsScraper:
             st = self._state.get(r.index)
             if st is not None and st.scraped_at is not None:
                 r.load.age_s = now - st.scraped_at
-        self._touch(None)
+        touch_ages = getattr(self.table, "touch_ages", None)
+        if touch_ages is not None:
+            touch_ages()  # only the ages changed: a kept copy re-reads that column, not every row
+        else:
+            self._touch(None)
 
     def scrape_record(self, replica_index: int) -> ReplicaScrape:
         """The replica's scrape record (created empty when it has none): its last snapshot and when it was taken,

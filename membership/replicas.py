@@ -241,6 +241,7 @@ class ReplicaTable:
         self._on_remove: list[RemovalListener] = []
         self._on_change: list[Callable[[Replica], None]] = []
         self._on_touch: list[Callable[[int | None], None]] = []
+        self._on_ages: list[Callable[[], None]] = []
 
     # -- listeners -------------------------------------------------------------------------------------
     @property
@@ -266,6 +267,17 @@ class ReplicaTable:
         touch listeners. Whoever writes a ``Replica``'s ``load`` or ``profile`` fields calls this."""
         for cb in self._on_touch:
             cb(index)
+
+    def on_ages(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after every replica's ``load.age_s`` was rewritten in place (``touch_ages``)."""
+        self._on_ages.append(listener)
+
+    def touch_ages(self) -> None:
+        """Every replica's ``load.age_s`` was rewritten in place, and no other field (the load scraper's age
+        refresh after each round): tell the age listeners, so a kept copy re-reads one column rather than every
+        row. The touch listeners are not told: a listener that keeps ``age_s`` registers here too."""
+        for cb in self._on_ages:
+            cb()
 
     # -- writes ----------------------------------------------------------------------------------------
     def upsert(self, name: str, url: str, **attrs: object) -> Replica:

@@ -93,12 +93,17 @@ class FleetColumns:
         self._grow(64)
         self._stale: set[int] = set()
         self._all = True
+        #: every replica's ``load.age_s`` changed (``touch_ages``): re-read the age column only
+        self._ages = False
         self._lock = threading.Lock()
+        #: rows re-read from objects so far (whole rows; an age refresh re-reads one column and counts none)
+        self.rows_read = 0
         #: model (None: any) -> indices of the replicas serving it, ascending; emptied on membership changes
         self._members: dict[str | None, I64] = {}
         table.on_change(lambda rep: self.touch(rep.index, membership=True))
         table.on_remove(lambda rep: self.touch(rep.index, membership=True))
         table.on_touch(self.touch)
+        table.on_ages(self.touch_ages)
 
     def _grow(self, cap: int) -> None:
         """Room for replica indices below ``cap`` (new rows: not routable)."""
@@ -129,12 +134,23 @@ class FleetColumns:
             if membership:
                 self._members = {}
 
-    def fresh(self) -> None:
-        """Re-read every stale replica's row from its objects."""
+    def touch_ages(self) -> None:
+        """Every replica's ``load.age_s`` changed, and nothing else (the load scraper's age refresh)."""
         with self._lock:
-            every, stale = self._all, self._stale
-            self._all, self._stale = False, set()
+            self._ages = True
+
+    def fresh(self) -> None:
+        """Re-read every stale replica's row from its objects (and the age column of every replica after an age
+        refresh: ~0.3 us a replica, against ~3.5 us for a whole row)."""
+        with self._lock:
+            every, stale, ages = self._all, self._stale, self._ages
+            self._all, self._stale, self._ages = False, set(), False
         table = self._table
+        if ages and not every:
+            age, cap = self.floats["age"], self._cap
+            for rep in table.all():
+                if rep.index < cap:
+                    age[rep.index] = as_float(rep.load.age_s or 0.0)
         if every:
             for name in BOOLS:
                 self.bools[name][:] = False
@@ -151,6 +167,7 @@ class FleetColumns:
             # no row beyond MAX_COLUMN_INDEX (``routable`` then leaves the decision to objects)
             if rep.index < MAX_COLUMN_INDEX:
                 self._write(rep.index, row(view(rep), rep))
+                self.rows_read += 1
 
     def _write(self, index: int, values: tuple[float | bool, ...]) -> None:
         self._grow(index + 1)
