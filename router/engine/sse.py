@@ -10,6 +10,9 @@ import orjson
 from router.errors import error_body
 
 _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
+#: what ``bytes.strip`` strips (ASCII whitespace), as byte values
+_JSON_SPACE = frozenset(b" \t\n\r\x0b\x0c")
+_OPEN, _CLOSE = ord("{"), ord("}")
 
 
 def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
@@ -21,12 +24,18 @@ def ask_for_usage(body: bytes) -> tuple[bytes, bool]:
     returned unchanged (the engine will reject it).
     """
     if b'"stream_options"' not in body:
-        head = body.rstrip()
-        if not head.endswith(b"}"):
+        # the body's last "}" and what precedes it, found without copying it (a long prompt's body is ~100 KB):
+        # the answer is then built in one copy
+        end = len(body)
+        while end and body[end - 1] in _JSON_SPACE:
+            end -= 1
+        if not end or body[end - 1] != _CLOSE:
             return body, False
-        inner = head[:-1].rstrip()
-        sep = b"" if inner.endswith(b"{") else b","
-        return inner + sep + _USAGE_OPTION + b"}", True
+        inner = end - 1
+        while inner and body[inner - 1] in _JSON_SPACE:
+            inner -= 1
+        sep = b"" if inner and body[inner - 1] == _OPEN else b","
+        return b"".join((memoryview(body)[:inner], sep, _USAGE_OPTION, b"}")), True
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:

@@ -120,6 +120,22 @@ async def test_chunked_stream_is_decoded_and_the_connection_reused(pool: EngineP
         assert b"host: 127.0.0.1:" in req
 
 
+async def test_long_bodies_reach_the_engine_whole_after_their_head(pool: EnginePool) -> None:
+    """A long prompt's body is written after its head without being joined to it (``_JOIN_BELOW_BYTES``): the
+    engine reads the same request, and the connection serves the next one."""
+    async with RawServer(lambda req: (sized(b"{}"), False)) as srv:
+        bodies = [b'{"prompt": "%s"}' % (b"w%d " % i * n) for i, n in enumerate((10, 40_000, 5, 300_000))]
+        for body in bodies:
+            r = await pool.post(srv.url, "/v1/completions", body, {"x-request-id": "r"})
+            assert r.status == 200 and await r.read_all() == b"{}"
+            r.release()
+        assert srv.connections == 1
+        for body, req in zip(bodies, srv.requests, strict=True):
+            head = b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n" % srv.port
+            assert req.startswith(head) and b"x-request-id: r\r\n" in req
+            assert req.endswith(b"content-length: %d\r\n\r\n" % len(body) + body)
+
+
 async def test_content_length_body_and_default_headers() -> None:
     pool = EnginePool(headers={"authorization": "Bearer k"})
     try:

@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -498,6 +500,34 @@ def test_ask_for_usage_adds_the_option_only_when_the_client_did_not_ask() -> Non
     body, added = ask_for_usage(b'{"prompt": "say \\"stream_options\\"", "stream": true}')
     assert added and json.loads(body)["stream_options"] == {"include_usage": True}
     assert ask_for_usage(b"not json") == (b"not json", False)
+
+
+def _usage_reference(body: bytes) -> tuple[bytes, bool]:
+    """``ask_for_usage``'s common case as it was written first (strip, slice, concatenate: four copies)."""
+    head = body.rstrip()
+    if not head.endswith(b"}"):
+        return body, False
+    inner = head[:-1].rstrip()
+    sep = b"" if inner.endswith(b"{") else b","
+    return inner + sep + b'"stream_options":{"include_usage":true}' + b"}", True
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            [b"{", b"}", b" ", b"\t", b"\n", b"\r", b"\x0b", b"\x0c", b",", b'"a"', b":", b"1", b"\xa0"]
+        ),
+        max_size=12,
+    )
+)
+def test_ask_for_usage_builds_the_same_body_in_one_copy(parts: list[bytes]) -> None:
+    from router.engine.sse import ask_for_usage
+
+    body = b"".join(parts)
+    got = ask_for_usage(body)
+    assert got == _usage_reference(body)
+    assert type(got[0]) is bytes
 
 
 def test_sse_validator_passes_vllm_streams_and_strips_usage() -> None:
