@@ -55,6 +55,7 @@ from fakes.fleet import (
 from loadtest.router_profile import (
     PySpy,
     breakdown,
+    loop_wait_share,
     main_thread_split,
     per_request_ms,
     thread_cpu_s,
@@ -239,7 +240,9 @@ def _result(m: _Measured, kind: str, policy: str, load_before: float, cfg: RunCo
 def _add_profile(out: dict[str, Any], spy: PySpy) -> None:
     """The py-spy profile's CPU breakdown per request (ms, by category; the event-loop threads' own too), its
     top functions and the raw file, into the result ``out``."""
-    out["cpu_profile_ms_per_request"] = per_request_ms(breakdown(spy.out_path), out["router_cpu_s_per_1k"])
+    shares = breakdown(spy.out_path)
+    out["cpu_profile_ms_per_request"] = per_request_ms(shares, out["router_cpu_s_per_1k"])
+    out["cpu_profile_loop_wait_share"] = loop_wait_share(shares)
     loop_s = out.get("router_cpu_split_s_per_1k", {}).get("event_loop_threads_s")
     if loop_s:  # the event-loop threads' CPU (from /proc) split by their own samples
         out["cpu_profile_loop_ms_per_request"] = per_request_ms(
