@@ -35,6 +35,9 @@ def test_profile_categories_take_the_innermost_matching_frame() -> None:
     )
     assert categorize(stack) == "tokenization"
     assert categorize("run (uvicorn/main.py:1);Runner.run (asyncio/runners.py:118)") == LOOP_WAITS
+    idle = "Thread._bootstrap (threading.py:1);_worker (concurrent/futures/thread.py:81)"
+    assert categorize(idle) == LOOP_WAITS
+    assert categorize(idle + ";HfTokenizer.encode_text (router/tokens/tokenizer.py:251)") == "tokenization"
     assert not on_event_loop("Thread._bootstrap (threading.py:1);_worker (concurrent/futures/thread.py:83)")
 
 
