@@ -536,7 +536,7 @@ class EnginePool:
         conn._reset()
         fut = loop.create_future()
         conn.header_waiter = fut
-        head = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
+        fields = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
         assert conn.transport is not None
         head = b"%b %b%b HTTP/1.1\r\nhost: %b\r\n%b%bcontent-length: %d\r\n\r\n" % (
             method,
@@ -544,7 +544,7 @@ class EnginePool:
             path.encode(),
             host_header,
             self._extra,
-            head,
+            fields,
             len(body),
         )
         if len(body) < _JOIN_BELOW_BYTES:
