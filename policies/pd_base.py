@@ -145,6 +145,14 @@ class LegCharge:
     prefill_tokens: int
 
 
+def handoff_end_s(plan: Plan) -> float:
+    """Seconds from dispatch until a disaggregated ``plan``'s KV is predicted on its decode replica: its prefill's
+    queue, fetch and compute plus the handoff (``Q_p + R_p + C_p + handoff``, each at least 0); 0 for a policy
+    that predicts none of them. The router's link backlog and decode legs and the simulator's use this sum."""
+    t = plan.terms
+    return sum(max(0.0, t.get(k, 0.0)) for k in ("Q_p", "R_p", "C_p", "handoff"))
+
+
 def plan_charges(plan: Plan) -> list[LegCharge]:
     """The in-flight load to charge for ``plan`` at dispatch, one entry per replica the plan uses.
 

@@ -63,6 +63,7 @@ from policies.pd_base import (
     HandoffLink,
     Plan,
     Role,
+    handoff_end_s,
     make_pd_policy,
     pd_policy_names,
     plan_charges,
@@ -418,14 +419,6 @@ class PdFleet(EventFleet):
             if nxt is None:
                 break
             self.run_until(nxt)
-
-
-def handoff_end_s(plan: Plan) -> float:
-    """Seconds from dispatch until a disaggregated ``plan``'s KV is predicted on its decode replica: its prefill's
-    queue, fetch and compute plus the handoff (the router's ``note_handoff`` uses the same sum); 0 for a policy
-    that predicts nothing."""
-    t = plan.terms
-    return sum(max(0.0, t.get(k, 0.0)) for k in ("Q_p", "R_p", "C_p", "handoff"))
 
 
 def pd_replica_profile(name: str) -> ReplicaProfile:

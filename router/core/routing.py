@@ -12,6 +12,7 @@ Units: tokens, blocks (``block_size`` tokens), seconds.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,7 +43,16 @@ from policies.base import (
 )
 from policies.candidates import FactsRow, ReplicaFacts, build_pd_candidates, candidates_from, rows_of
 from policies.hits import hit_from_match, usable_cached_tokens  # noqa: F401  (re-exported)
-from policies.pd_base import ROLES, HandoffLink, PdCandidate, PdPolicy, Plan, PlanDecision
+from policies.pd_base import (
+    ROLES,
+    DecodeLeg,
+    HandoffLink,
+    PdCandidate,
+    PdPolicy,
+    Plan,
+    PlanDecision,
+    handoff_end_s,
+)
 from policies.pd_common import plan_request
 from policies.pd_link import LinkEstimator, TransferTotals, transfer_sample
 from policies.regions import RegionRefused
@@ -52,6 +62,8 @@ from router.core.regions import PeerViews
 from router.errors import KvrouteError
 
 log = logging.getLogger("kvroute.routing")
+#: handles of recorded decode legs (``Router.note_decode_leg``): unique in the process
+_LEG_HANDLES = itertools.count(1)
 
 #: Built-in replica profiles by name, matching the stand-in engine's hardware profiles
 #: (``fakes.engine_model.PROFILES[name].replica_profile()``; a unit test checks they agree).
@@ -397,6 +409,9 @@ class Router:
         #: prefill replica index -> when (``clock``) the last handoff dispatched from it is predicted to have
         #: left its link: handoffs from one replica are serialised on its NIC (``PdCandidate.link_busy_s``)
         self._link_free_at: dict[int, float] = {}
+        #: decode replica index -> leg handle -> (``clock`` time its KV is due there, prompt tokens): dispatched
+        #: decode legs without their first byte yet (``note_decode_leg``; ``PdCandidate.decode_legs``)
+        self._decode_legs: dict[int, dict[int, tuple[float, int]]] = {}
         #: replica index -> its last reported cumulative KV transfers (``observe_engine_transfers``)
         self._transfer_totals: dict[int, TransferTotals] = {}
         #: True once an engine-reported transfer was accepted: the relay's own samples are then not fed
@@ -725,6 +740,7 @@ class Router:
             facts.role = rep.role if rep.role in ROLES else "both"
             facts.dp_rank_count = max(1, rep.dp_size)
             facts.link_busy_s = self.link_busy_s(rep.index)
+            facts.decode_legs = self.decode_legs(rep.index)
             facts.serves_alone = serves_alone(rep)
         return facts
 
@@ -850,10 +866,48 @@ class Router:
         earlier handoffs)."""
         if plan.kind != "disaggregated" or plan.prefill is None:
             return
-        t = plan.terms
-        end = self.clock() + sum(max(0.0, t.get(k, 0.0)) for k in ("Q_p", "R_p", "C_p", "handoff"))
+        end = self.clock() + handoff_end_s(plan)
         if end > self._link_free_at.get(plan.prefill, 0.0):
             self._link_free_at[plan.prefill] = end
+
+    def note_decode_leg(self, plan: Plan, tokens: int) -> int | None:
+        """A disaggregated ``plan`` is being dispatched: its decode replica gets ``tokens`` of KV (the prompt) at
+        the predicted end of its handoff (``handoff_end_s``) and owes the request its first token. Returns the
+        leg's handle for ``decode_leg_started`` (None for an in-place plan: nothing recorded)."""
+        if plan.kind != "disaggregated" or plan.prefill is None:
+            return None
+        handle = next(_LEG_HANDLES)
+        self._decode_legs.setdefault(plan.decode, {})[handle] = (self.clock() + handoff_end_s(plan), tokens)
+        return handle
+
+    def decode_leg_started(self, index: int, handle: int | None) -> None:
+        """Decode leg ``handle`` (``note_decode_leg``) on replica ``index`` sent its first byte, or its try ended
+        without one: it no longer waits there."""
+        legs = self._decode_legs.get(index)
+        if legs is None or handle is None:
+            return
+        legs.pop(handle, None)
+        if not legs:
+            del self._decode_legs[index]
+
+    def pd_state(self, index: int) -> dict[str, float | int]:
+        """What this router's PD plans left on replica ``index`` (``GET /replicas``): seconds of handoffs still
+        queued on its link, and the decode legs waiting on it for their first byte (count, prompt tokens)."""
+        legs = self._decode_legs.get(index, {})
+        return {
+            "link_busy_s": round(self.link_busy_s(index), 3),
+            "decode_legs": len(legs),
+            "decode_leg_tokens": sum(tokens for _, tokens in legs.values()),
+        }
+
+    def decode_legs(self, index: int) -> tuple[DecodeLeg, ...]:
+        """The decode legs waiting on replica ``index`` (``PdCandidate.decode_legs``): each one's seconds until its
+        KV is predicted there (0 once that time has passed) and its tokens."""
+        legs = self._decode_legs.get(index)
+        if not legs:
+            return ()
+        now = self.clock()
+        return tuple(DecodeLeg(max(0.0, eta - now), tokens) for eta, tokens in legs.values())
 
     def observe_handoff(self, handoff_bytes: float, transfer_s: float) -> bool:
         """A disaggregated request's observed handoff: ``handoff_bytes`` of KV moved in ``transfer_s`` seconds

@@ -211,6 +211,12 @@ class ReplicaOut(BaseModel):
         description="do prompts go to it as the router's token ids? off | "
         "trusted | unchecked | verified | mismatch | unsupported | error (forward_token_ids)",
     )
+    pd: dict[str, float | int] = Field(
+        default_factory=dict,
+        description="what this router's PD plans left on it: link_busy_s (seconds of handoffs still queued on "
+        "its link), decode_legs / decode_leg_tokens (disaggregated requests waiting on it for their first "
+        "byte, and their prompt tokens)",
+    )
 
 
 class ReplicaList(BaseModel):
@@ -961,6 +967,7 @@ def _replica_json(svc: Services, r: Replica, show_url: bool) -> dict[str, Any]:
         "health": svc.membership.health_of(r.name),
         "token_ids": svc.token_ids.state(r),
         "engine": svc.engine_metrics.engine_info(r.index),
+        "pd": svc.router.pd_state(r.index),
     }
 
 

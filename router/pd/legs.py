@@ -311,9 +311,13 @@ class PdLegs:
         ):
             hp.span, hd.span = legs.p_span, legs.d_span  # each leg's span ends when its hold is released
             router.note_handoff(plan)
+            leg = router.note_decode_leg(plan, inp.prompt_tokens)
             router.record_prediction(p_rep, inp.keys)
             router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
-            return await self.runner_for(p_rep).serve(legs, hp, hd)
+            try:
+                return await self.runner_for(p_rep).serve(legs, hp, hd)
+            finally:  # the decode leg's first byte committed the answer, or this try failed
+                router.decode_leg_started(d_rep.index, leg)
 
     def _two_legs(
         self,

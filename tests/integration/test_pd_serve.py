@@ -522,3 +522,37 @@ def test_sglang_decode_servers_never_serve_in_place() -> None:
         assert metric(_url(fleet), "kvroute_pd_fallbacks_total") == 0
     finally:
         fleet.stop()
+
+
+def test_a_decode_leg_waits_on_its_replica_until_its_first_byte() -> None:
+    """While a disaggregated request's prefill leg runs, its decode replica lists the waiting decode leg (the
+    policy's ``decode_legs``, ``GET /replicas`` ``pd``); once the decode leg answered, it no longer does. The
+    prefill replica's link is busy meanwhile."""
+    fleet = _fleet("vllm", None, time_scale=1.0)
+    try:
+        prompt = [60_000 + t for t in range(24_000)]  # ~0.5 s of prefill on the stand-in's A100 timing
+        path, body = _body(False, True, prompt, max_tokens=2)
+        got: list[int] = []
+        sender = threading.Thread(
+            target=lambda: got.append(httpx.post(_url(fleet) + path, json=body, timeout=60).status_code)
+        )
+
+        def pd_states() -> dict[str, dict[str, Any]]:
+            reps = httpx.get(_url(fleet) + "/replicas", timeout=10).json()["replicas"]
+            return {r["role"]: r["pd"] for r in reps}
+
+        sender.start()
+        try:
+            waiting = wait_until(
+                lambda: (s := pd_states())["decode"]["decode_legs"] == 1 and s, timeout=30, interval=0.01
+            )
+            assert isinstance(waiting, dict) and waiting["decode"]["decode_leg_tokens"] == len(prompt)
+            assert waiting["prefill"]["decode_legs"] == 0 and waiting["prefill"]["link_busy_s"] >= 0.0
+        finally:
+            sender.join(60)
+        assert got == [200]
+        after = pd_states()
+        assert after["decode"]["decode_legs"] == 0 and after["decode"]["decode_leg_tokens"] == 0
+        _wire_clean(fleet)
+    finally:
+        fleet.stop()
