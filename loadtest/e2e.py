@@ -55,11 +55,11 @@ from fakes.fleet import (
 from loadtest.router_profile import (
     PySpy,
     breakdown,
-    loop_wait_share,
     main_thread_split,
     per_request_ms,
     thread_cpu_s,
     top_functions,
+    wait_share,
 )
 from sim.replay import ReplayRequest, make_client, replay, summarize
 from sim.simulator import fleet_hit_rate_bound
@@ -242,7 +242,7 @@ def _add_profile(out: dict[str, Any], spy: PySpy) -> None:
     top functions and the raw file, into the result ``out``."""
     shares = breakdown(spy.out_path)
     out["cpu_profile_ms_per_request"] = per_request_ms(shares, out["router_cpu_s_per_1k"])
-    out["cpu_profile_loop_wait_share"] = loop_wait_share(shares)
+    out["cpu_profile_wait_share"] = wait_share(shares)
     loop_s = out.get("router_cpu_split_s_per_1k", {}).get("event_loop_threads_s")
     if loop_s:  # the event-loop threads' CPU (from /proc) split by their own samples
         out["cpu_profile_loop_ms_per_request"] = per_request_ms(

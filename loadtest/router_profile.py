@@ -7,14 +7,14 @@
 
 py-spy samples only threads that are running (``--idle`` is off), so a sample is CPU time, and native frames of
 extensions (the HF tokenizers' Rust code, orjson) count for the Python frame that called them. One exception:
-samples whose innermost Python frame is the event loop's ``run`` (``LOOP_WAITS``: uvloop's C code, the socket
+samples whose innermost Python frame is the event loop's ``run`` (``WAITS``: uvloop's C code, the socket
 syscalls, and its ``epoll_pwait``) are mostly waits that py-spy takes for running, and so are those whose innermost
 frame is a thread waiting for work (the tokenizer pool's ``_worker`` in ``work_queue.get``: 45 of the 48 samples
 that fell to "event loop, GC, other" in the run below). Measured on the e2e slice
 (2026-12-06): the samples of a kvroute run came to 2.48 s at 200 Hz against 1.75 s of CPU measured in ``/proc``,
 and the excess was about the loop-only samples (0.79 s); ``py-spy --native`` put 296 of 338 such samples in
 ``epoll_pwait``. So ``per_request_ms`` leaves that category out and shares the measured CPU among the others
-(``loop_wait_share`` reports its share of the samples); uvloop's own few percent of CPU are then spread over the
+(``wait_share`` reports its share of the samples); uvloop's own few percent of CPU are then spread over the
 rest (``perf`` put the router's CPU at 62 % in the interpreter, 16 % kernel, 9 % libc and 4 % uvloop). Each sample
 goes to the first category (in ``CATEGORIES`` order) whose pattern matches any frame of its stack, innermost
 frame first, so a category names where the time is spent, not who asked for it: the JSON parsing inside the
@@ -38,7 +38,7 @@ from pathlib import Path
 
 #: the category of samples that are mostly waits py-spy counts as running (module doc): no Python frame below the
 #: event loop's ``run`` (``epoll_pwait``), or a thread blocked where it waits for work (``_IDLE_LEAF``)
-LOOP_WAITS = "waits (the loop's epoll, idle worker threads; not in the ms)"
+WAITS = "waits (the loop's epoll, idle worker threads; not in the ms)"
 #: an innermost frame that is a thread waiting: the thread pool's worker between work items (``work_queue.get``
 #: is its innermost Python frame), ``threading`` waits
 _IDLE_LEAF = re.compile(
@@ -73,7 +73,7 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("proxy (attempts, feedback)", r"router/engine/|router/serve/dispatch\.py|router/pd/"),
         ("logging", r"logging/|router/telemetry\.py.*(format|emit)"),
         ("telemetry (metrics)", r"prometheus_client|router/telemetry\.py"),
-        (LOOP_WAITS, r"asyncio/runners\.py"),
+        (WAITS, r"asyncio/runners\.py"),
         ("HTTP server (uvicorn, starlette)", r"uvicorn/|starlette/|router/http/protocol\.py|h11/"),
         ("router app (admission, guard, rest)", r"router/"),
         ("event loop, GC, other", r"."),
@@ -137,7 +137,7 @@ def categorize(stack: str) -> str:
     """The category of one collapsed stack (``outer;...;inner``)."""
     frames = stack.split(";")
     if _IDLE_LEAF.search(frames[-1]):
-        return LOOP_WAITS
+        return WAITS
     for frame in reversed(frames):
         for name, pat in CATEGORIES[:-1]:
             if pat.search(frame):
@@ -182,16 +182,16 @@ def top_functions(raw_path: Path, n: int = 25) -> list[tuple[str, float]]:
 
 def per_request_ms(shares: dict[str, float], cpu_s_per_1k: float) -> dict[str, float]:
     """Each category's CPU milliseconds per request, given the whole process's CPU seconds per 1,000 requests
-    (1 s / 1k = 1 ms per request), shared among the categories other than ``LOOP_WAITS`` (module doc)."""
-    placed = sum(v for k, v in shares.items() if k != LOOP_WAITS)
+    (1 s / 1k = 1 ms per request), shared among the categories other than ``WAITS`` (module doc)."""
+    placed = sum(v for k, v in shares.items() if k != WAITS)
     if placed <= 0:
         return {}
-    return {k: round(v / placed * cpu_s_per_1k, 2) for k, v in shares.items() if k != LOOP_WAITS}
+    return {k: round(v / placed * cpu_s_per_1k, 2) for k, v in shares.items() if k != WAITS}
 
 
-def loop_wait_share(shares: dict[str, float]) -> float:
-    """The share of the samples in ``LOOP_WAITS`` (left out of ``per_request_ms``)."""
-    return shares.get(LOOP_WAITS, 0.0)
+def wait_share(shares: dict[str, float]) -> float:
+    """The share of the samples in ``WAITS`` (left out of ``per_request_ms``)."""
+    return shares.get(WAITS, 0.0)
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:

@@ -62,7 +62,7 @@ from router.core.regions import PeerViews
 from router.errors import KvrouteError
 
 log = logging.getLogger("kvroute.routing")
-#: handles of recorded decode legs (``Router.note_decode_leg``): unique in the process
+#: handles of recorded decode legs (``Router.note_handoff``): unique in the process
 _LEG_HANDLES = itertools.count(1)
 
 #: Built-in replica profiles by name, matching the stand-in engine's hardware profiles
@@ -410,7 +410,7 @@ class Router:
         #: left its link: handoffs from one replica are serialised on its NIC (``PdCandidate.link_busy_s``)
         self._link_free_at: dict[int, float] = {}
         #: decode replica index -> leg handle -> (``clock`` time its KV is due there, prompt tokens): dispatched
-        #: decode legs without their first byte yet (``note_decode_leg``; ``PdCandidate.decode_legs``)
+        #: decode legs without their first byte yet (``note_handoff``; ``PdCandidate.decode_legs``)
         self._decode_legs: dict[int, dict[int, tuple[float, int]]] = {}
         #: replica index -> its last reported cumulative KV transfers (``observe_engine_transfers``)
         self._transfer_totals: dict[int, TransferTotals] = {}
@@ -860,28 +860,26 @@ class Router:
             return 0.0
         return busy
 
-    def note_handoff(self, plan: Plan) -> None:
+    def note_handoff(self, plan: Plan, decode_tokens: int | None = None) -> int | None:
         """A disaggregated ``plan`` is being dispatched: its prefill replica's link is busy until the predicted
         end of this handoff (now + the prefill's predicted time + the handoff term, which includes the wait for
-        earlier handoffs)."""
+        earlier handoffs: ``handoff_end_s``). With ``decode_tokens`` (the prompt, when this router sends the decode
+        leg itself) the decode leg waits on the decode replica from then on, its KV due at that end
+        (``decode_legs``), until ``decode_leg_started`` with the returned handle. None: nothing recorded for the
+        decode side (an in-place plan, or no ``decode_tokens``)."""
         if plan.kind != "disaggregated" or plan.prefill is None:
-            return
+            return None
         end = self.clock() + handoff_end_s(plan)
         if end > self._link_free_at.get(plan.prefill, 0.0):
             self._link_free_at[plan.prefill] = end
-
-    def note_decode_leg(self, plan: Plan, tokens: int) -> int | None:
-        """A disaggregated ``plan`` is being dispatched: its decode replica gets ``tokens`` of KV (the prompt) at
-        the predicted end of its handoff (``handoff_end_s``) and owes the request its first token. Returns the
-        leg's handle for ``decode_leg_started`` (None for an in-place plan: nothing recorded)."""
-        if plan.kind != "disaggregated" or plan.prefill is None:
+        if decode_tokens is None:
             return None
         handle = next(_LEG_HANDLES)
-        self._decode_legs.setdefault(plan.decode, {})[handle] = (self.clock() + handoff_end_s(plan), tokens)
+        self._decode_legs.setdefault(plan.decode, {})[handle] = (end, decode_tokens)
         return handle
 
     def decode_leg_started(self, index: int, handle: int | None) -> None:
-        """Decode leg ``handle`` (``note_decode_leg``) on replica ``index`` sent its first byte, or its try ended
+        """Decode leg ``handle`` (``note_handoff``) on replica ``index`` sent its first byte, or its try ended
         without one: it no longer waits there."""
         legs = self._decode_legs.get(index)
         if legs is None or handle is None:

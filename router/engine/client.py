@@ -45,9 +45,6 @@ from membership import engine_tls
 
 #: unread body bytes above which the connection stops reading from the socket (bytes)
 _HIGH_WATER = 1 << 20
-#: request bodies below this are joined to the head and written at once; larger ones are written after it
-#: without a copy (one vectored write on uvloop), bytes
-_JOIN_BELOW_BYTES = 16384
 
 
 class EngineError(Exception):
@@ -547,10 +544,8 @@ class EnginePool:
             fields,
             len(body),
         )
-        if len(body) < _JOIN_BELOW_BYTES:
-            conn.transport.write(head + body)
-        else:  # a long prompt's body (~100 KB) is not copied: the head and it go out in one vectored write
-            conn.transport.writelines((head, body))
+        # the body (a long prompt's: ~100 KB) is not copied onto the head: one vectored write on uvloop
+        conn.transport.writelines((head, body))
         try:
             await fut
         except BaseException:

@@ -310,8 +310,7 @@ class PdLegs:
             Hold(router, None, d_rep, 0, inp.copies, inp.lora) as hd,
         ):
             hp.span, hd.span = legs.p_span, legs.d_span  # each leg's span ends when its hold is released
-            router.note_handoff(plan)
-            leg = router.note_decode_leg(plan, inp.prompt_tokens)
+            leg = router.note_handoff(plan, decode_tokens=inp.prompt_tokens)
             router.record_prediction(p_rep, inp.keys)
             router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
             try:

@@ -121,7 +121,7 @@ async def test_chunked_stream_is_decoded_and_the_connection_reused(pool: EngineP
 
 
 async def test_long_bodies_reach_the_engine_whole_after_their_head(pool: EnginePool) -> None:
-    """A long prompt's body is written after its head without being joined to it (``_JOIN_BELOW_BYTES``): the
+    """A long prompt's body is written after its head without being joined to it: the
     engine reads the same request, and the connection serves the next one."""
     async with RawServer(lambda req: (sized(b"{}"), False)) as srv:
         bodies = [b'{"prompt": "%s"}' % (b"w%d " % i * n) for i, n in enumerate((10, 40_000, 5, 300_000))]

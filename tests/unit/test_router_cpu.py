@@ -7,7 +7,7 @@ import importlib.util
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.router_profile import LOOP_WAITS, categorize, loop_wait_share, on_event_loop, per_request_ms
+from loadtest.router_profile import WAITS, categorize, on_event_loop, per_request_ms, wait_share
 from router.workers import merge_expositions
 
 
@@ -34,9 +34,9 @@ def test_profile_categories_take_the_innermost_matching_frame() -> None:
         "HfTokenizer.encode_text (router/tokens/tokenizer.py:251)"
     )
     assert categorize(stack) == "tokenization"
-    assert categorize("run (uvicorn/main.py:1);Runner.run (asyncio/runners.py:118)") == LOOP_WAITS
+    assert categorize("run (uvicorn/main.py:1);Runner.run (asyncio/runners.py:118)") == WAITS
     idle = "Thread._bootstrap (threading.py:1);_worker (concurrent/futures/thread.py:81)"
-    assert categorize(idle) == LOOP_WAITS
+    assert categorize(idle) == WAITS
     assert categorize(idle + ";HfTokenizer.encode_text (router/tokens/tokenizer.py:251)") == "tokenization"
     assert not on_event_loop("Thread._bootstrap (threading.py:1);_worker (concurrent/futures/thread.py:83)")
 
@@ -44,10 +44,10 @@ def test_profile_categories_take_the_innermost_matching_frame() -> None:
 def test_the_loops_waits_are_left_out_of_the_ms_per_request() -> None:
     """Samples with no Python frame below the loop's run are mostly epoll waits: the measured CPU is shared among
     the other categories."""
-    shares = {"tokenization": 0.5, LOOP_WAITS: 0.25, "index (match, insert, evict)": 0.25}
+    shares = {"tokenization": 0.5, WAITS: 0.25, "index (match, insert, evict)": 0.25}
     assert per_request_ms(shares, 9.0) == {"tokenization": 6.0, "index (match, insert, evict)": 3.0}
-    assert loop_wait_share(shares) == 0.25
-    assert per_request_ms({LOOP_WAITS: 1.0}, 9.0) == {}
+    assert wait_share(shares) == 0.25
+    assert per_request_ms({WAITS: 1.0}, 9.0) == {}
 
 
 def test_sniffio_is_installed() -> None:

@@ -189,7 +189,7 @@ def test_link_busy_from_dispatched_handoffs_reaches_the_policy() -> None:
 
 def test_dispatched_decode_legs_reach_the_policy_until_their_first_byte() -> None:
     """A disaggregated plan's decode leg waits on its decode replica from dispatch until the leg's first byte
-    (``note_decode_leg`` / ``decode_leg_started``): the next decisions' candidate carries it as
+    (``note_handoff`` with its tokens / ``decode_leg_started``): the next decisions' candidate carries it as
     ``decode_legs`` (seconds until its KV is predicted there, its prompt tokens), as the simulator feeds them."""
     router = make_router(["prefill", "decode"])
     clock = router.clock
@@ -197,9 +197,9 @@ def test_dispatched_decode_legs_reach_the_policy_until_their_first_byte() -> Non
     inp = router.make_input("m", None, list(range(1, 300)))
     routed = router.decide(inp)
     assert routed.plan is not None and _Seen.candidates[1].decode_legs == ()
-    first = router.note_decode_leg(routed.plan.chosen, 299)  # KV predicted there in 0.35 s
+    first = router.note_handoff(routed.plan.chosen, decode_tokens=299)  # KV predicted there in 0.35 s
     clock.now += 0.1
-    second = router.note_decode_leg(routed.plan.chosen, 1_000)
+    second = router.note_handoff(routed.plan.chosen, decode_tokens=1_000)
     router.decide(inp)
     legs = sorted(_Seen.candidates[1].decode_legs, key=lambda leg: leg.eta_s)
     assert [leg.tokens for leg in legs] == [299, 1_000]
@@ -215,4 +215,4 @@ def test_dispatched_decode_legs_reach_the_policy_until_their_first_byte() -> Non
     router.decode_leg_started(1, second)  # twice (a try's end after its first byte): no error
     assert router.decode_legs(1) == ()
     in_place = Plan("in_place", 1, predicted_ttft_s=1.0, terms={"Q": 5.0})
-    assert router.note_decode_leg(in_place, 500) is None and router.decode_legs(1) == ()
+    assert router.note_handoff(in_place, decode_tokens=500) is None and router.decode_legs(1) == ()
