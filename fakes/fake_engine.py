@@ -11,7 +11,9 @@ HTTP (FastAPI on uvicorn):
   ``usage.prompt_tokens_details`` is null unless ``--enable-prompt-tokens-details`` (then ``cached_tokens`` =
   prompt tokens reused from the prefix cache), and a stream carries its usage chunk only when the client sets
   ``stream_options.include_usage`` or the engine runs ``--enable-force-include-usage``. A client that
-  disconnects aborts its generation (its blocks are unpinned at once). ``cache_salt`` (vLLM) is honoured.
+  disconnects aborts its generation (its blocks are unpinned at once). ``cache_salt`` (vLLM) is honoured. On the
+  SGLang dialect the stream chunks are SGLang's: ``matched_stop`` in each choice, and on ``/v1/completions`` a
+  ``"usage":null`` ending every token's event (its pydantic ``CompletionStreamResponse``).
   ``model`` may name a LoRA adapter (``--lora``, ``--lora-modules``, ``/v1/load_lora_adapter``: ``fakes.lora_api``;
   ``--max-loras`` adapters per batch, the others deferred, loads priced by size, as vLLM).
 * ``POST /tokenize``, ``POST /detokenize`` (vLLM API), ``GET /v1/models`` (``root`` = the local model path; adapters
@@ -139,6 +141,8 @@ _WORDS = (
     " then",
 )
 VERSION = {"vllm": "0.33.0", "sglang": "0.5.23"}
+#: the last member of an SGLang completions chunk (``CompletionStreamResponse.usage``, None until the usage chunk)
+_NULL_USAGE: dict[str, Any] = {"usage": None}
 
 
 # -- tokenizer ---------------------------------------------------------------------------------------------------
@@ -1222,12 +1226,19 @@ class EngineHttp:
             "usage": self.usage(st, n),
         }
 
-    @staticmethod
-    def stream_choice(text: str, chat: bool, fin: str | None) -> dict[str, Any]:
-        """The ``choices[0]`` of one streamed token's chunk."""
+    def stream_choice(self, text: str, chat: bool, fin: str | None) -> dict[str, Any]:
+        """The ``choices[0]`` of one streamed token's chunk: vLLM's, or SGLang's (``matched_stop``, no
+        ``stop_reason``) on the SGLang dialect."""
+        last: dict[str, Any] = {"matched_stop": None} if self.dialect == "sglang" else {"stop_reason": None}
         if chat:
-            return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": fin}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": fin, "stop_reason": None}
+            base: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": fin,
+            }
+            return base if self.dialect != "sglang" else {**base, **last}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": fin, **last}
 
     async def stream(
         self,
@@ -1261,21 +1272,18 @@ class EngineHttp:
                     n += 1
                     fin = "length" if n >= st.max_tokens else None
                     if chat and n == 1:
-                        role = {"role": "assistant", "content": ""}
-                        yield sse_data(
-                            {
-                                **head,
-                                "choices": [
-                                    {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
-                                ],
-                            }
-                        )
+                        opening = self.stream_choice("", chat, None)
+                        opening["delta"] = {"role": "assistant", "content": ""}
+                        yield sse_data({**head, "choices": [opening]})
                     choice = self.stream_choice(text, chat, fin)
                     if prompt_ids is not None:
                         choice["token_ids"] = engine.output_ids(st, n - 1, text)
                         if n == 1:
                             choice["prompt_token_ids"] = prompt_ids
-                    yield sse_data({**head, "choices": [choice]})
+                    # SGLang's completions chunks (pydantic ``model_dump_json``) carry a null usage in every
+                    # token's event; its chat chunks omit it, as vLLM's chunks do
+                    tail = _NULL_USAGE if self.dialect == "sglang" and not chat else {}
+                    yield sse_data({**head, "choices": [choice], **tail})
                     engine.note_streamed_token()
                     if n == max(1, engine.http_faults.mid_stream_after_tokens):
                         fault = await self.mid_stream_fault()

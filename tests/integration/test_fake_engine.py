@@ -257,6 +257,20 @@ async def test_sglang_dialect_and_other_wire_formats(fmt: str, prefix: str) -> N
         snap = parse_metrics(text)
         assert snap.dialect == "sglang" and snap.block_size == 16 and snap.num_gpu_blocks == 512
         assert snap.prefix_cache_hits is not None and snap.prefix_cache_hits >= 64
+        # SGLang's stream chunks: ``matched_stop`` in each choice; a null usage ending every completions token
+        # event (pydantic ``CompletionStreamResponse``), none in chat chunks
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}
+        events = [x for x in httpx.post(e.url + "/v1/completions", json=body).text.split("\n\n") if x]
+        assert events[-1] == "data: [DONE]" and len(events) == 3, events
+        assert all(x.endswith(',"usage":null}') and '"matched_stop":null' in x for x in events[:2]), events
+        chat = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "stream": True,
+        }
+        chunks = _sse(httpx.post(e.url + "/v1/chat/completions", json=chat).text)
+        assert all("usage" not in c and "matched_stop" in c["choices"][0] for c in chunks), chunks
     finally:
         out = e.proc.stop()
     assert e.proc.popen.returncode in (0, -signal.SIGTERM) and "Traceback" not in out, out

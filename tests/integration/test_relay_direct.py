@@ -70,6 +70,35 @@ def test_pieces_are_relayed_directly_in_order_and_counted() -> None:
         assert metric(u, "kvroute_upstream_errors_total") == 0
 
 
+def test_sglangs_null_usage_is_cut_from_the_engines_bytes_on_the_direct_path() -> None:
+    """SGLang's completions chunks end every token's event with ``"usage":null`` (json.dumps escapes the
+    non-ASCII text here, as an engine may): a client that did not ask for usage gets the engine's bytes without
+    that member, escapes and all, each piece written directly; one that asked gets them untouched."""
+    events = [
+        sse(
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "created": 1,
+                "model": "m",
+                "choices": [{"index": 0, "text": f"caf\u00e9 {i}", "logprobs": None, "matched_stop": None}],
+                "usage": None,
+            }
+        )
+        for i in range(120)
+    ]
+    assert b"\\u00e9" in events[0] and events[0].endswith(b',"usage":null}\n\n')
+    with _paced(events, 0.005) as eng, serve([eng]) as (u, _):
+        r = httpx.post(u + "/v1/completions", json={**BODY, "stream": True}, timeout=30)
+        assert r.status_code == 200
+        want = b"".join(e.replace(b',"usage":null}', b"}") for e in events) + b"data: [DONE]\n\n"
+        assert r.content == want
+        assert metric(u, "kvroute_relayed_pieces_total", path="direct") >= 100
+        asked = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+        r = httpx.post(u + "/v1/completions", json=asked, timeout=30)
+        assert r.content == b"".join(events) + b"data: [DONE]\n\n"
+
+
 def test_a_stream_flowing_longer_than_the_idle_timeout_is_not_cut() -> None:
     events = [_event(i, "x") for i in range(16)]  # one piece every 0.25 s: 4 s of stream, idle timeout 1 s
     with _paced(events, 0.25) as eng, serve([eng], "--idle-timeout-s", "1") as (u, _):

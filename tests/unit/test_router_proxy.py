@@ -548,6 +548,47 @@ def test_sse_validator_passes_vllm_streams_and_strips_usage() -> None:
     keep.end()
 
 
+def test_sse_validator_cuts_sglangs_null_usage_keeping_the_engines_bytes() -> None:
+    """SGLang's ``/v1/completions`` token chunks end with ``"usage":null`` (pydantic, compact): with usage stripped,
+    the member is cut from the engine's bytes (its escapes and number formats kept), on the per-token fast path
+    and on the general path (split pieces, the first event), and nothing else is touched."""
+    from router.engine.sse import SSEValidator
+
+    def chunk(text: bytes) -> bytes:
+        return (
+            b'data: {"id":"c1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"'
+            + text
+            + b'","logprobs":null,"finish_reason":null,"matched_stop":null}],"usage":null}\n\n'
+        )
+
+    tokens = [chunk(b"caf\\u00e9"), chunk(b" 1.0e-05"), chunk(b' \\"quoted\\"')]
+    want = [c.replace(b',"usage":null}', b"}") for c in tokens]
+    v = SSEValidator(strip_usage=True, max_event_bytes=1 << 20)
+    assert v.feed(tokens[0][:20]) == b""
+    assert v.feed(tokens[0][20:]) == want[0]  # the first event (parsed as JSON), whole once joined
+    assert [v.feed(c) for c in tokens[1:]] == want[1:]  # the per-token fast path
+    assert v.feed(tokens[1] + tokens[2]) == want[1] + want[2]  # two events in one piece: the general path
+    usage = b'data: {"id":"c1","object":"text_completion","choices":[],"usage":{"prompt_tokens":3}}\n\n'
+    assert v.feed(usage + b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+    v.end()
+    other = SSEValidator(strip_usage=True, max_event_bytes=1 << 20)
+    assert other.feed(chunk(b"x")) == want[0].replace(b"caf\\u00e9", b"x")
+    # escaped quotes in a token's text are not a member: still cut from the bytes
+    escaped = chunk(b'say \\"usage\\"')
+    assert other.feed(escaped) == escaped.replace(b',"usage":null}', b"}")
+    # "usage" named elsewhere (a token whose text is the word), or a null usage that is not the last member:
+    # the JSON round trip, as before
+    word = chunk(b"usage")
+    assert json.loads(other.feed(word)[6:]) == {k: v for k, v in json.loads(word[6:]).items() if k != "usage"}
+    inner = b'data: {"choices":[{"text":"a","usage":null}],"usage":null}\n\n'
+    assert other.feed(inner) == b'data: {"choices":[{"text":"a","usage":null}]}\n\n'
+    middle = b'data: {"usage":null,"choices":[{"text":"\\u00e9"}]}\n\n'
+    assert json.loads(other.feed(middle)[6:]) == {"choices": [{"text": "\u00e9"}]}
+    # a client that asked for usage gets every chunk as the engine sent it
+    keep = SSEValidator(strip_usage=False, max_event_bytes=1 << 20)
+    assert [keep.feed(c) for c in tokens] == tokens
+
+
 @pytest.mark.parametrize(
     "stream",
     [
@@ -684,6 +725,7 @@ def test_sse_validator_joins_events_split_anywhere_without_quadratic_copies() ->
 _PIECES = [
     b'data: {"choices":[{"text":"a"}]}\n\n',
     b'data: {"choices":[{"text":"b"}],"usage":null}\n\n',
+    b'data: {"choices":[{"text":"\\u00e9"}],"usage":null}\n\n',
     b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n',
     b'data: {"a":1}\r\n\r\n',
     b"data: [DONE]\n\n",
