@@ -246,6 +246,9 @@ class _Stream:
             None  # the admission slot (router/core/tenant_admission.py), held to the end
         )
         self.hold: Hold | None = None
+        #: a disaggregated plan's decode leg waiting on its decode replica until the response's first byte (or
+        #: its end): (replica index, ``Router.note_handoff`` handle)
+        self.decode_leg: tuple[int, int] | None = None
         self.routed: Routed | None = None
         #: the request's trace (``router.tracing``; None: tracing off, or not prepared)
         self.trace: RequestTrace | None = None
@@ -538,6 +541,8 @@ class _Stream:
         """Answer with the decode request: destination the decode replica, its body and headers; D's hold
         (handed over by the legs) released when the response ends."""
         self.routed, self.hold = routed, h.hold
+        if h.decode_leg is not None:
+            self.decode_leg = (h.decode.index, h.decode_leg)
         self.predicted_cached, self.strip_usage = h.cached_p, h.strip_usage
         self.served_headers = {
             codec.REPLICA_HEADER: h.decode.name,
@@ -766,7 +771,9 @@ class _Stream:
         return answers
 
     def _first_byte(self) -> None:
-        """The first response byte: TTFT (from the decision going back), prefill tokens released."""
+        """The first response byte: TTFT (from the decision going back), prefill tokens released, a decode leg
+        no longer waiting."""
+        self._decode_leg_over()
         if self.ttft is not None or self.hold is None:
             return
         self.ttft = time.monotonic() - self.sent_at
@@ -822,8 +829,15 @@ class _Stream:
             feedback.check_usage(hold.rep, usage, streamed=False)
             feedback.observe(hold.rep, routed, usage, self.ttft or 0.0, cached, single_chunk=not self.stream)
 
+    def _decode_leg_over(self) -> None:
+        """The decode leg the gateway sends no longer waits on its replica (idempotent)."""
+        if self.decode_leg is not None:
+            self.picker.router.decode_leg_started(*self.decode_leg)
+            self.decode_leg = None
+
     def finish(self) -> None:
         """Release the replica's in-flight count and the admission slot (idempotent; stream end or cancel)."""
+        self._decode_leg_over()  # (a gateway that sends no response phase: the leg waited until the end)
         if self.finished:
             return
         self.finished = True

@@ -98,6 +98,8 @@ class Handoff:
         hold: the decode replica's hold, handed over: the caller releases it when the response ends.
         strip_usage: stream usage was asked for on the client's behalf (remove it from what the client gets).
         cached_p: prompt tokens the router expected the prefill replica to reuse, tokens.
+        decode_leg: the decode leg waiting on ``decode`` (``Router.note_handoff``'s handle): whoever sends it calls
+            ``Router.decode_leg_started(decode.index, decode_leg)`` at its first byte or when it ends without one.
     """
 
     prefill: Replica
@@ -107,6 +109,7 @@ class Handoff:
     hold: Hold
     strip_usage: bool
     cached_p: int
+    decode_leg: int | None = None
 
 
 #: failures that re-run both legs with another prefill replica and the same decode replica
@@ -488,8 +491,9 @@ class PdLegs:
 
     async def _handoff_pair(self, legs: TwoLegs) -> Handoff:
         """One try of the prefill side of ``legs.plan`` on its prefill replica for its decode replica: both legs
-        charged now (D's hold is handed to the caller with the decode leg), the prefill leg run by the plan's
-        protocol runner. Raises LegFailed (nothing held then)."""
+        charged now (D's hold is handed to the caller with the decode leg, and so is the decode leg's wait on D:
+        ``Handoff.decode_leg``), the prefill leg run by the plan's protocol runner. Raises LegFailed (nothing held
+        or waiting then)."""
         router, inp, plan = self.router, legs.routed.inp, legs.plan
         p_rep, d_rep, stream = legs.p_rep, legs.d_rep, legs.stream
         p_tokens = plan.prefill_tokens if plan.prefill_tokens > 0 else inp.prompt_tokens - legs.cached_p
@@ -499,8 +503,10 @@ class PdLegs:
                 legs.p_span,
                 legs.d_span,
             )  # the decode leg's span ends with the gateway's answer
+            leg = router.note_handoff(
+                plan, decode_tokens=inp.prompt_tokens
+            )  # the gateway sends the decode leg
             try:
-                router.note_handoff(plan)
                 router.record_prediction(p_rep, inp.keys)
                 router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
                 d_body = await self.runner_for(p_rep).handoff(legs, hp)
@@ -508,13 +514,14 @@ class PdLegs:
                     d_body, legs.strip_usage = pd_vllm.with_stream_usage(d_body)
                 payload = orjson.dumps(d_body)
             except BaseException:
+                router.decode_leg_started(d_rep.index, leg)
                 hd.release()
                 raise
         self.metrics.legs.labels(d_rep.name, "decode").inc()  # sent by the gateway
         headers = {
             k: v for k, v in legs.d_headers.items() if k == "x-data-parallel-rank" or k in TRACE_HEADERS
         }
-        return Handoff(p_rep, d_rep, payload, headers, hd.hand_over(), legs.strip_usage, legs.cached_p)
+        return Handoff(p_rep, d_rep, payload, headers, hd.hand_over(), legs.strip_usage, legs.cached_p, leg)
 
     def observe_handoff(self, routed: Routed, plan: Plan, handoff_s: float) -> None:
         """Feed the link estimator one sequential-relay handoff: ``handoff_s`` seconds from the prefill answer

@@ -211,3 +211,37 @@ def test_a_clients_prefiller_header_never_reaches_the_decode_pod(vllm_pd: PdPick
     for name in steer:  # llm-d's sidecar reads either (the URL when the host-port header is absent)
         assert name not in picked.set_headers and name in picked.removed_headers
     _quiet(vllm_pd)
+
+
+def test_the_decode_leg_waits_on_its_replica_until_the_gateway_answers(sglang_pd: PdPicker) -> None:
+    """Behind a gateway too, ``pd_ttft`` sees the decode legs waiting on each decode replica (as behind the HTTP
+    door): from the picker's handoff (it ran the prefill leg; the gateway sends the decode leg) to the decode
+    response's first byte through the picker, or the end of the gateway's stream when no response comes."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    d_name = _plan(sglang_pd, body)["decode"]["name"]
+
+    def waiting() -> dict[str, tuple[int, int]]:
+        reps = httpx.get(sglang_pd.http + "/replicas", timeout=5).json()["replicas"]
+        return {r["name"]: (r["pd"]["decode_legs"], r["pd"]["decode_leg_tokens"]) for r in reps}
+
+    s = sglang_pd.stream()
+    try:
+        picked = s.request("/v1/completions", json.dumps(body).encode())
+        assert picked.status is None and picked.endpoint is not None, picked.immediate
+        assert waiting()[d_name] == (1, len(PROMPT))  # handed to the gateway, not answered yet
+        headers = {k: v for k, v in picked.set_headers.items() if k.lower() != "content-length"}
+        out = s.relay_response(picked.endpoint, "/v1/completions", picked.body, headers)
+        assert out.rstrip().endswith(b"data: [DONE]")
+        assert waiting()[d_name] == (0, 0)  # the first byte came back through the picker
+    finally:
+        s.close()
+    _quiet(sglang_pd)
+    s = sglang_pd.stream()  # a gateway that gives up before sending the decode leg
+    try:
+        picked = s.request("/v1/completions", json.dumps(body).encode())
+        assert picked.status is None, picked.immediate
+        assert waiting()[d_name] == (1, len(PROMPT))
+    finally:
+        s.cancel()
+    wait_until(lambda: waiting()[d_name] == (0, 0), timeout=10, what="the abandoned decode leg dropped")
+    _quiet(sglang_pd)
