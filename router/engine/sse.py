@@ -14,7 +14,7 @@ _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 _JSON_SPACE = frozenset(b" \t\n\r\x0b\x0c")
 _OPEN, _CLOSE = ord("{"), ord("}")
 #: the last member of a token chunk that carries a null ``usage``: SGLang's ``/v1/completions`` stream chunks
-#: (pydantic ``model_dump_json``, compact) and vLLM's before 0.1x (``exclude_unset=False``) end every event with it
+#: (pydantic ``model_dump_json``, compact) and older vLLM's (``exclude_unset=False``) end every event with it
 _NULL_USAGE_TAIL = b',"usage":null}'
 
 

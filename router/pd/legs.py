@@ -503,10 +503,10 @@ class PdLegs:
                 legs.p_span,
                 legs.d_span,
             )  # the decode leg's span ends with the gateway's answer
-            leg = router.note_handoff(
-                plan, decode_tokens=inp.prompt_tokens
-            )  # the gateway sends the decode leg
+            leg: int | None = None
             try:
+                # the gateway sends the decode leg: it waits on D until the picker sees its first byte
+                leg = router.note_handoff(plan, decode_tokens=inp.prompt_tokens)
                 router.record_prediction(p_rep, inp.keys)
                 router.record_prediction(d_rep, inp.keys)  # the handed-over KV lands in D's cache too
                 d_body = await self.runner_for(p_rep).handoff(legs, hp)
