@@ -130,7 +130,7 @@ class SSEValidator:
         ):
             if not (self.strip_usage and b'"usage"' in chunk):
                 return chunk
-            cut = _without_null_usage(chunk[:-2])
+            cut = without_null_usage(chunk[:-2])
             if cut is not None:
                 return cut + b"\n\n"
         return self._feed(chunk)
@@ -193,7 +193,7 @@ class SSEValidator:
         if body[:1] != b"{" or body[-1:] != b"}":
             raise BadStream(f"event data is not a JSON object: {payload[:60]!r}")
         if self.checked and self.strip_usage and b'"usage"' in body:
-            cut = _without_null_usage(event)
+            cut = without_null_usage(event)
             if cut is not None:
                 return cut
         if not self.checked or (self.strip_usage and b'"usage"' in body):
@@ -207,7 +207,7 @@ class SSEValidator:
             if self.strip_usage and "usage" in obj:
                 if obj.get("choices") == [] and obj["usage"] is not None:
                     return None  # the usage-only chunk the router asked for
-                cut = _without_null_usage(event)
+                cut = without_null_usage(event)
                 if cut is not None:
                     return cut
                 del obj["usage"]
@@ -232,7 +232,7 @@ class SSEValidator:
             raise BadStream("the stream ended without its final DONE event")
 
 
-def _without_null_usage(event: bytes) -> bytes | None:
+def without_null_usage(event: bytes) -> bytes | None:
     """``event`` (one ``data: {...}`` line, no blank line) without its trailing ``"usage":null`` member, the same
     engine bytes otherwise; None when it does not end with one or names ``"usage"`` anywhere else.
 

@@ -68,7 +68,7 @@ from router.engine.attempt import OPENAI
 from router.engine.feedback import Feedback, usage_from_json, usage_from_sse
 from router.engine.gaps import FRAMEWORK_NOT_FOUND
 from router.engine.hold import Hold
-from router.engine.sse import ask_for_usage
+from router.engine.sse import ask_for_usage, without_null_usage
 from router.epp import codec
 from router.epp.tls import server_credentials
 from router.errors import REASON_HEADER, TRACE_ID_HEADER, KvrouteError, as_error, error_body
@@ -854,11 +854,12 @@ class _Stream:
 
 
 class _UsageStripper:
-    """Removes the usage-only SSE events the picker asked for (``"choices":[]`` with ``usage``) from a response
-    body that passes through in pieces. The gateway may split one event across two body messages: the end of a
-    piece after its last complete event is held and goes out with the next piece, so the client receives the
-    unsplit stream minus those events, byte for byte, however it was split. An unfinished event longer than
-    ``max_event_bytes`` is let through unchanged, and stripping stops."""
+    """Removes the usage the picker asked for from a response body that passes through in pieces: the usage-only
+    SSE events (``"choices":[]`` with ``usage``) and a token event's trailing ``"usage":null``
+    (``_strip_usage_events``). The gateway may split one event across two body messages: the end of a piece after
+    its last complete event is held and goes out with the next piece, so the client receives the unsplit stream
+    minus that usage, byte for byte, however it was split. An unfinished event longer than ``max_event_bytes`` is
+    let through unchanged, and stripping stops."""
 
     __slots__ = ("held", "max_event_bytes", "active")
 
@@ -912,11 +913,15 @@ def _status_of(value: str) -> int:
 
 
 def _strip_usage_events(chunk: bytes) -> bytes:
-    """``chunk`` without the usage-only SSE events (``"choices":[]`` with ``usage``) the picker asked for."""
+    """``chunk`` without the usage-only SSE events (``"choices":[]`` with ``usage``) the picker asked for, and
+    without the trailing ``"usage":null`` of token events (SGLang's completions chunks), as the HTTP door's relay
+    removes them (``router.engine.sse.without_null_usage``)."""
     kept = []
     for event in chunk.split(b"\n\n"):
-        if b'"usage"' in event and b'"choices":[]' in event.replace(b" ", b""):
-            continue
+        if b'"usage"' in event:
+            if b'"choices":[]' in event.replace(b" ", b""):
+                continue
+            event = without_null_usage(event) or event
         kept.append(event)
     return b"\n\n".join(kept)
 
