@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from starlette.datastructures import Headers
@@ -913,17 +914,34 @@ def _status_of(value: str) -> int:
 
 
 def _strip_usage_events(chunk: bytes) -> bytes:
-    """``chunk`` without the usage-only SSE events (``"choices":[]`` with ``usage``) the picker asked for, and
-    without the trailing ``"usage":null`` of token events (SGLang's completions chunks), as the HTTP door's relay
-    removes them (``router.engine.sse.without_null_usage``)."""
+    """``chunk`` without the usage the picker asked for, as the HTTP door's relay removes it
+    (``router.engine.sse.SSEValidator``): the usage-only SSE events (``"choices":[]`` with ``usage``), the
+    trailing ``"usage":null`` of token events (SGLang's completions chunks: ``without_null_usage``, no JSON
+    round trip), and any other ``usage`` member of a one-line event (vLLM's per-token usage when the client set
+    ``continuous_usage_stats`` without ``include_usage``)."""
     kept = []
     for event in chunk.split(b"\n\n"):
         if b'"usage"' in event:
             if b'"choices":[]' in event.replace(b" ", b""):
                 continue
-            event = without_null_usage(event) or event
+            event = without_null_usage(event) or _without_usage(event)
         kept.append(event)
     return b"\n\n".join(kept)
+
+
+def _without_usage(event: bytes) -> bytes:
+    """A one-line ``data: {...}`` event without its top-level ``usage`` member (serialised again); any other event
+    (several lines, not a JSON object, no such member) unchanged: the picker passes on what it cannot edit."""
+    if not event.startswith(b"data:") or b"\n" in event:
+        return event
+    try:
+        obj = orjson.loads(event[5:])
+    except orjson.JSONDecodeError:
+        return event
+    if not isinstance(obj, dict) or "usage" not in obj:
+        return event
+    del obj["usage"]
+    return b"data: " + orjson.dumps(obj)
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ leaves the stream however the gateway splits it, and the rest passes byte for by
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -34,3 +35,23 @@ def test_usage_leaves_the_stream_however_it_is_split(seed: int) -> None:
     s = _UsageStripper(1 << 20)
     out = b"".join(s.feed(p) for p in pieces) + s.flush()
     assert out == WANT
+
+
+def test_per_token_usage_the_client_did_not_ask_for_is_removed() -> None:
+    """vLLM's per-token usage (``continuous_usage_stats``, which the client set without ``include_usage``: the
+    router's ask turned it on) leaves every token event, as the HTTP door's relay removes it; what cannot be
+    edited (not JSON, several lines) passes unchanged."""
+    tokens = [
+        b'data: {"id":"c","choices":[{"index":0,"text":"t%d"}],"usage":{"prompt_tokens":9,"completion_tokens":%d}}'
+        b"\n\n" % (i, i)
+        for i in range(1, 6)
+    ]
+    odd = [b'data: {"usage": not json}\n\n', b'event: x\ndata: {"usage":{"a":1}}\n\n']
+    stream = b"".join(tokens) + b"".join(odd) + b"data: [DONE]\n\n"
+    s = _UsageStripper(1 << 20)
+    out = s.feed(stream[:50]) + s.feed(stream[50:]) + s.flush()
+    events = out.split(b"\n\n")
+    assert [json.loads(e[6:]) for e in events[:5]] == [
+        {"id": "c", "choices": [{"index": 0, "text": f"t{i}"}]} for i in range(1, 6)
+    ]
+    assert out.endswith(b"".join(odd) + b"data: [DONE]\n\n")
