@@ -1229,16 +1229,17 @@ class EngineHttp:
     def stream_choice(self, text: str, chat: bool, fin: str | None) -> dict[str, Any]:
         """The ``choices[0]`` of one streamed token's chunk: vLLM's, or SGLang's (``matched_stop``, no
         ``stop_reason``) on the SGLang dialect."""
-        last: dict[str, Any] = {"matched_stop": None} if self.dialect == "sglang" else {"stop_reason": None}
+        sglang = self.dialect == "sglang"
         if chat:
-            base: dict[str, Any] = {
+            choice: dict[str, Any] = {
                 "index": 0,
                 "delta": {"content": text},
                 "logprobs": None,
                 "finish_reason": fin,
             }
-            return base if self.dialect != "sglang" else {**base, **last}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": fin, **last}
+            return {**choice, "matched_stop": None} if sglang else choice
+        last = "matched_stop" if sglang else "stop_reason"
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": fin, last: None}
 
     async def stream(
         self,

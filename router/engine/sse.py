@@ -1,9 +1,13 @@
-"""Engine event streams: asking for stream usage, and checking an OpenAI-style SSE stream event by event.
+"""Engine event streams: asking for stream usage, checking an OpenAI-style SSE stream event by event (the relay,
+``SSEValidator``), and removing the usage the router asked for from a stream passed through unchecked (the endpoint
+picker, ``UsageStripper``).
 
 Units: bytes.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import orjson
 
@@ -207,11 +211,7 @@ class SSEValidator:
             if self.strip_usage and "usage" in obj:
                 if obj.get("choices") == [] and obj["usage"] is not None:
                     return None  # the usage-only chunk the router asked for
-                cut = without_null_usage(event)
-                if cut is not None:
-                    return cut
-                del obj["usage"]
-                return b"data: " + orjson.dumps(obj)
+                return without_null_usage(event) or _data_without_usage(obj)
         return event
 
     def _hold(self, piece: bytes) -> None:
@@ -244,6 +244,93 @@ def without_null_usage(event: bytes) -> bytes | None:
     if not event.endswith(_NULL_USAGE_TAIL) or event.count(b'"usage"') != 1 or b"\n" in event:
         return None
     return event[: -len(_NULL_USAGE_TAIL)] + b"}"
+
+
+class UsageStripper:
+    """Removes the usage the router asked for on a client's behalf from a response body that passes through in
+    pieces without being validated (the endpoint picker's response path; the HTTP door's relay validates and
+    strips with ``SSEValidator``), as the validator removes it (``_usage_stripped``). The gateway may split one
+    event across two body messages: the end of a piece after its last complete event is held and goes out with
+    the next piece, so the client receives the unsplit stream minus that usage, byte for byte otherwise, however
+    it was split. An unfinished event longer than ``max_event_bytes`` is let through unchanged, and stripping
+    stops."""
+
+    __slots__ = ("held", "max_event_bytes", "active")
+
+    def __init__(self, max_event_bytes: int) -> None:
+        self.held = bytearray()
+        self.max_event_bytes = max_event_bytes
+        self.active = True
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of the stream so far can go out now (complete events, without the usage)."""
+        if not self.active:
+            return chunk
+        if not self.held:
+            if chunk.endswith(b"\n\n"):  # whole events (one per token, the common piece)
+                return _usage_stripped(chunk) if b'"usage"' in chunk else chunk
+            data = chunk
+        else:
+            boundary = bytes(self.held[-1:]) + chunk[:1]
+            if b"\n\n" not in chunk and boundary != b"\n\n":
+                self.held += chunk
+                return self._bounded()
+            data = bytes(self.held) + chunk
+            self.held = bytearray()
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self.held += data
+            return self._bounded()
+        complete, rest = data[: cut + 2], data[cut + 2 :]
+        self.held += rest
+        return _usage_stripped(complete) if b'"usage"' in complete else complete
+
+    def flush(self) -> bytes:
+        """The end of the stream: what was held (an unfinished last event, stripped like any other)."""
+        rest, self.held = bytes(self.held), bytearray()
+        return _usage_stripped(rest) if self.active and b'"usage"' in rest else rest
+
+    def _bounded(self) -> bytes:
+        if len(self.held) <= self.max_event_bytes:
+            return b""
+        self.active = False  # not an event stream that can be edited: pass everything on
+        out, self.held = bytes(self.held), bytearray()
+        return out
+
+
+def _usage_stripped(chunk: bytes) -> bytes:
+    """``chunk`` (whole events) without the usage the router asked for, as ``SSEValidator`` removes it: the
+    usage-only events (``"choices":[]`` with ``usage``), the trailing ``"usage":null`` of token events (SGLang's
+    completions chunks: ``without_null_usage``, no JSON round trip), and any other ``usage`` member of a one-line
+    event (vLLM's per-token usage when the client set ``continuous_usage_stats`` without ``include_usage``)."""
+    kept = []
+    for event in chunk.split(b"\n\n"):
+        if b'"usage"' in event:
+            if b'"choices":[]' in event.replace(b" ", b""):
+                continue
+            event = without_null_usage(event) or _without_usage(event)
+        kept.append(event)
+    return b"\n\n".join(kept)
+
+
+def _without_usage(event: bytes) -> bytes:
+    """A one-line ``data: {...}`` event without its top-level ``usage`` member (serialised again); any other event
+    (several lines, not a JSON object, no such member) unchanged: passed on as it is what cannot be edited."""
+    if not event.startswith(b"data:") or b"\n" in event:
+        return event
+    try:
+        obj = orjson.loads(event[5:])
+    except orjson.JSONDecodeError:
+        return event
+    if not isinstance(obj, dict) or "usage" not in obj:
+        return event
+    return _data_without_usage(obj)
+
+
+def _data_without_usage(obj: dict[str, Any]) -> bytes:
+    """The ``data:`` line of an event object without its ``usage`` member (``obj`` is changed)."""
+    del obj["usage"]
+    return b"data: " + orjson.dumps(obj)
 
 
 def sse_error(status: int, message: str, code: str, trace_id: str | None = None) -> bytes:

@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from starlette.datastructures import Headers
@@ -69,7 +68,7 @@ from router.engine.attempt import OPENAI
 from router.engine.feedback import Feedback, usage_from_json, usage_from_sse
 from router.engine.gaps import FRAMEWORK_NOT_FOUND
 from router.engine.hold import Hold
-from router.engine.sse import ask_for_usage, without_null_usage
+from router.engine.sse import UsageStripper, ask_for_usage
 from router.epp import codec
 from router.epp.tls import server_credentials
 from router.errors import REASON_HEADER, TRACE_ID_HEADER, KvrouteError, as_error, error_body
@@ -270,7 +269,7 @@ class _Stream:
         self.response_seen = False  # response headers (or, when the gateway skips them, body) arrived
         self.response_over = False
         self.content_length: str | None = None  # the engine's Content-Length (BUFFERED replacements reset it)
-        self.stripper: _UsageStripper | None = None
+        self.stripper: UsageStripper | None = None
         self.tail = bytearray()
         self.body_parts: list[bytes] = []
         self.body_size = 0
@@ -721,7 +720,7 @@ class _Stream:
 
     def _strip_if_asked(self) -> None:
         if self.event_stream and self.strip_usage and self.stripper is None:
-            self.stripper = _UsageStripper(self.config.engine_max_body_bytes)
+            self.stripper = UsageStripper(self.config.engine_max_body_bytes)
 
     def _on_response_body(self, chunk: bytes, end: bool) -> list[Any]:
         """Pass one response chunk through (removing usage the client did not ask for, an event split across
@@ -854,94 +853,12 @@ class _Stream:
             trace.close()
 
 
-class _UsageStripper:
-    """Removes the usage the picker asked for from a response body that passes through in pieces: the usage-only
-    SSE events (``"choices":[]`` with ``usage``) and a token event's trailing ``"usage":null``
-    (``_strip_usage_events``). The gateway may split one event across two body messages: the end of a piece after
-    its last complete event is held and goes out with the next piece, so the client receives the unsplit stream
-    minus that usage, byte for byte, however it was split. An unfinished event longer than ``max_event_bytes`` is
-    let through unchanged, and stripping stops."""
-
-    __slots__ = ("held", "max_event_bytes", "active")
-
-    def __init__(self, max_event_bytes: int) -> None:
-        self.held = bytearray()
-        self.max_event_bytes = max_event_bytes
-        self.active = True
-
-    def feed(self, chunk: bytes) -> bytes:
-        """What of the stream so far can go out now (complete events, usage-only ones removed)."""
-        if not self.active:
-            return chunk
-        if not self.held:
-            if chunk.endswith(b"\n\n"):  # whole events (one per token, the common piece)
-                return _strip_usage_events(chunk) if b'"usage"' in chunk else chunk
-            data = chunk
-        else:
-            boundary = bytes(self.held[-1:]) + chunk[:1]
-            if b"\n\n" not in chunk and boundary != b"\n\n":
-                self.held += chunk
-                return self._bounded()
-            data = bytes(self.held) + chunk
-            self.held = bytearray()
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self.held += data
-            return self._bounded()
-        complete, rest = data[: cut + 2], data[cut + 2 :]
-        self.held += rest
-        return _strip_usage_events(complete) if b'"usage"' in complete else complete
-
-    def flush(self) -> bytes:
-        """The end of the stream: what was held (an unfinished last event, stripped like any other)."""
-        rest, self.held = bytes(self.held), bytearray()
-        return _strip_usage_events(rest) if self.active and b'"usage"' in rest else rest
-
-    def _bounded(self) -> bytes:
-        if len(self.held) <= self.max_event_bytes:
-            return b""
-        self.active = False  # not an event stream the picker can edit: pass everything on
-        out, self.held = bytes(self.held), bytearray()
-        return out
-
-
 def _status_of(value: str) -> int:
     """An HTTP status from a ``:status`` header, 0 when it is not one (counted, never fatal)."""
     value = value.strip()
     if value.isdigit() and len(value) == 3:
         return int(value)
     return 0
-
-
-def _strip_usage_events(chunk: bytes) -> bytes:
-    """``chunk`` without the usage the picker asked for, as the HTTP door's relay removes it
-    (``router.engine.sse.SSEValidator``): the usage-only SSE events (``"choices":[]`` with ``usage``), the
-    trailing ``"usage":null`` of token events (SGLang's completions chunks: ``without_null_usage``, no JSON
-    round trip), and any other ``usage`` member of a one-line event (vLLM's per-token usage when the client set
-    ``continuous_usage_stats`` without ``include_usage``)."""
-    kept = []
-    for event in chunk.split(b"\n\n"):
-        if b'"usage"' in event:
-            if b'"choices":[]' in event.replace(b" ", b""):
-                continue
-            event = without_null_usage(event) or _without_usage(event)
-        kept.append(event)
-    return b"\n\n".join(kept)
-
-
-def _without_usage(event: bytes) -> bytes:
-    """A one-line ``data: {...}`` event without its top-level ``usage`` member (serialised again); any other event
-    (several lines, not a JSON object, no such member) unchanged: the picker passes on what it cannot edit."""
-    if not event.startswith(b"data:") or b"\n" in event:
-        return event
-    try:
-        obj = orjson.loads(event[5:])
-    except orjson.JSONDecodeError:
-        return event
-    if not isinstance(obj, dict) or "usage" not in obj:
-        return event
-    del obj["usage"]
-    return b"data: " + orjson.dumps(obj)
 
 
 # -------------------------------------------------------------------------------------------------------------

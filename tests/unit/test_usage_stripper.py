@@ -1,5 +1,5 @@
-"""The endpoint picker's usage stripper (``router.epp.picker._UsageStripper``): what the client did not ask for
-leaves the stream however the gateway splits it, and the rest passes byte for byte."""
+"""The usage stripper of the endpoint picker's response path (``router.engine.sse.UsageStripper``): what the client
+did not ask for leaves the stream however the gateway splits it, and the rest passes byte for byte."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from router.epp.picker import _UsageStripper
+from router.engine.sse import UsageStripper
 
 
 def _token(i: int) -> bytes:
@@ -32,7 +32,7 @@ def test_usage_leaves_the_stream_however_it_is_split(seed: int) -> None:
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, len(STREAM)), rng.randint(1, 40)))
     pieces = [STREAM[a:b] for a, b in zip([0, *cuts], [*cuts, len(STREAM)], strict=True)]
-    s = _UsageStripper(1 << 20)
+    s = UsageStripper(1 << 20)
     out = b"".join(s.feed(p) for p in pieces) + s.flush()
     assert out == WANT
 
@@ -48,7 +48,7 @@ def test_per_token_usage_the_client_did_not_ask_for_is_removed() -> None:
     ]
     odd = [b'data: {"usage": not json}\n\n', b'event: x\ndata: {"usage":{"a":1}}\n\n']
     stream = b"".join(tokens) + b"".join(odd) + b"data: [DONE]\n\n"
-    s = _UsageStripper(1 << 20)
+    s = UsageStripper(1 << 20)
     out = s.feed(stream[:50]) + s.feed(stream[50:]) + s.flush()
     events = out.split(b"\n\n")
     assert [json.loads(e[6:]) for e in events[:5]] == [
