@@ -58,7 +58,7 @@ async def test_large_bodies_are_scanned_one_at_a_time() -> None:
     milliseconds, so the half second it must wait here fails the test."""
     intake = Intake(_limits(), dict)
     big = orjson.dumps({"model": "m", "prompt": "word " * (LARGE_PARSE_BYTES // 5 + 1000)})
-    small = orjson.dumps({"model": "m", "prompt": "word " * 20_000})  # 100 KB: scanned in a thread, no slot
+    small = orjson.dumps({"model": "m", "prompt": "word " * 20_000})  # 100 KB: scanned, no slot
     assert SCAN_MIN_BYTES <= len(small) < LARGE_PARSE_BYTES <= len(big)
     slot = large_parse_slot()
     assert slot is large_parse_slot()  # one per loop
