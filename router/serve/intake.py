@@ -133,7 +133,7 @@ class _Heavy(Exception):
 
 class _Budget:
     """Counts JSON values against ``max_json_values`` (raises ``LimitExceeded`` once over); with a ``light``
-    cap below it, raises ``_Heavy`` once over the cap (token ids count against the cap too: ``ids``)."""
+    cap below it, raises ``_Heavy`` once over the cap (and early, for token ids or many messages: ``bulk``)."""
 
     def __init__(self, limit: int, light: int | None = None) -> None:
         self.limit = limit
@@ -146,8 +146,9 @@ class _Budget:
         if self.used > self.stop:
             self._over(where)
 
-    def ids(self, n: int) -> None:
-        """``n`` token ids (not JSON values of the limit: they are the prompt), against the light cap only."""
+    def bulk(self, n: int) -> None:
+        """Give up early (light cap only): ``n`` token ids (not JSON values of the limit: they are the prompt), or
+        about ``n`` values of messages still to walk."""
         if self.light is not None and n > self.light:
             raise _Heavy
 
@@ -234,7 +235,7 @@ def _check_ids(ids: Any, ctx: int, param: str, budget: _Budget) -> None:
     """A token-id prompt: at most ``ctx`` ids; anything but numbers inside it counts as JSON values."""
     if len(ids) > ctx:
         raise _too_long("prompt", len(ids), ctx, "token ids", ctx, param)
-    budget.ids(len(ids))
+    budget.bulk(len(ids))
     if isinstance(ids, simdjson.Array) and _all_numbers(ids):
         return
     for e in ids:
@@ -290,6 +291,7 @@ def _check_messages(messages: Any, limits: InputLimits, max_chars: int, ctx: int
             f"{n} messages are over {limits.max_messages} (max_chat_messages)",
             "messages",
         )
+    budget.bulk(3 * n)  # each message is at least itself, a role and a content
     chars = 0
     for msg in messages:
         budget.take(1, "messages")
@@ -389,40 +391,70 @@ def parse_json(raw: bytes, model: type[_M], max_depth: int | None = None) -> tup
 
 
 def scan_and_parse(
-    raw: bytes, model: type[_M], limits: InputLimits, contexts: dict[str, int]
+    raw: bytes, model: type[_M], limits: InputLimits, contexts: dict[str, int], heavy: HeavyBody | None = None
 ) -> tuple[_M, Any]:
     """``check_body`` on simdjson's view of ``raw``, then ``parse_json`` (synchronous; run it in a thread).
+    ``heavy``: what the light path gave up on, holding that view already (taken out of it here).
 
     Raises:
         LimitExceeded, RequestValidationError.
     """
-    _scan(raw, limits, contexts, None)
+    _scan(raw, limits, contexts, None, heavy.take() if heavy is not None else None)
     return parse_json(raw, model, limits.max_json_depth)
+
+
+class HeavyBody:
+    """The light path gave up on a body (more than ``LIGHT_MAX_VALUES``): its simdjson view, handed to the thread
+    (``take`` leaves nothing behind: no frame of the loop's keeps the view alive while or after it is used)."""
+
+    __slots__ = ("_doc",)
+
+    def __init__(self, doc: Any) -> None:
+        self._doc = doc
+
+    def take(self) -> Any:
+        """The view, once (None after)."""
+        doc, self._doc = self._doc, None
+        return doc
 
 
 def scan_and_parse_light(
     raw: bytes, model: type[_M], limits: InputLimits, contexts: dict[str, int]
-) -> tuple[_M, Any] | None:
-    """``scan_and_parse`` for a body whose bulk is text: None as soon as the scan finds more than
-    ``LIGHT_MAX_VALUES`` JSON values or token ids (then nothing else was done: parse it in a thread). Same
-    answers as ``scan_and_parse`` otherwise (a limit exceeded before that point is raised as there).
+) -> tuple[_M, Any] | HeavyBody:
+    """``scan_and_parse`` for a body whose bulk is text; a ``HeavyBody`` as soon as the scan finds more than
+    ``LIGHT_MAX_VALUES`` JSON values or token ids (nothing else was done: give it to ``scan_and_parse`` in a
+    thread). Same answers as ``scan_and_parse`` otherwise (a limit exceeded before that point is raised as there).
 
     Raises:
         LimitExceeded, RequestValidationError.
     """
+    doc = _parse_doc(raw)
     try:
-        _scan(raw, limits, contexts, LIGHT_MAX_VALUES)
+        _scan(raw, limits, contexts, LIGHT_MAX_VALUES, doc)
     except _Heavy:
-        return None
+        return HeavyBody(doc)
+    del doc
     return parse_json(raw, model, limits.max_json_depth)
 
 
-def _scan(raw: bytes, limits: InputLimits, contexts: dict[str, int], light_values: int | None) -> None:
-    """``check_body`` on simdjson's view of ``raw`` (``light_values``: see there)."""
+def _parse_doc(raw: bytes) -> Any:
+    """simdjson's view of ``raw``.
+
+    Raises:
+        RequestValidationError: invalid JSON or UTF-8.
+    """
     try:
-        doc = simdjson.Parser().parse(raw)
+        return simdjson.Parser().parse(raw)
     except (ValueError, RuntimeError) as exc:  # invalid UTF-8 / JSON, nesting too deep
         raise _invalid_json(str(exc).split(":  ")[0]) from None
+
+
+def _scan(
+    raw: bytes, limits: InputLimits, contexts: dict[str, int], light_values: int | None, doc: Any
+) -> None:
+    """``check_body`` on simdjson's view of ``raw`` (``doc``, parsed here when None; ``light_values``: see there)."""
+    if doc is None:
+        doc = _parse_doc(raw)
     try:
         check_body(doc, limits, contexts, light_values)
     except (LimitExceeded, _Heavy) as exc:
@@ -462,10 +494,16 @@ class Intake:
         n = len(raw)
         if n < SCAN_MIN_BYTES:
             parsed = parse_json(raw, model, self.limits.max_json_depth)
-        elif n < LIGHT_MAX_BYTES and (
-            (light := scan_and_parse_light(raw, model, self.limits, self.contexts())) is not None
-        ):
-            parsed = light  # a long prompt's text: scanned and parsed on the loop in well under a millisecond
+        elif n < LIGHT_MAX_BYTES:
+            # a long prompt's text is scanned and parsed on the loop in well under a millisecond; a body with many
+            # values goes on to a thread with its simdjson view
+            light = scan_and_parse_light(raw, model, self.limits, self.contexts())
+            if isinstance(light, HeavyBody):
+                parsed = await asyncio.to_thread(
+                    scan_and_parse, raw, model, self.limits, self.contexts(), light
+                )
+            else:
+                parsed = light
         else:  # in a thread; one large scan at a time (router.core.large_parse: ~7x the body in memory)
             parsed = await scan_in_thread(n, scan_and_parse, raw, model, self.limits, self.contexts())
         check_sequences(parsed[1], self.limits.max_sequences)

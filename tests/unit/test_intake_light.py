@@ -22,6 +22,7 @@ from router.serve.intake import (
     LIGHT_MAX_VALUES,
     SCAN_MIN_BYTES,
     WALK_MAX_LIST,
+    HeavyBody,
     InputLimits,
     Intake,
     LimitExceeded,
@@ -140,17 +141,23 @@ BODIES: dict[str, bytes] = {
 @pytest.mark.parametrize("name", sorted(BODIES))
 def test_the_light_scan_answers_as_the_threaded_one(name: str) -> None:
     """Every outcome of the light path (parsed, a limit, invalid JSON or fields) is the threaded path's; when it
-    gives up (more than ``LIGHT_MAX_VALUES``), the threaded path answers. Both kinds occur."""
+    gives up (more than ``LIGHT_MAX_VALUES``), the threaded path given what it gave up on answers as from scratch."""
     raw = BODIES[name]
     assert len(raw) >= SCAN_MIN_BYTES
     threaded = _outcome(lambda: scan_and_parse(raw, CompletionRequest, SMALL, {}))
-    light = _outcome(lambda: scan_and_parse_light(raw, CompletionRequest, SMALL, {}) or (None, "gave up"))
-    if light == ("ok", "gave up"):
-        assert name in ("values over the light cap", "over the cap, then over a limit", "ids too many") or (
-            name == "messages too many"
-        ), name
-        return
-    assert light == threaded, (name, light, threaded)
+    gave_up: list[HeavyBody] = []
+
+    def light() -> Any:
+        got = scan_and_parse_light(raw, CompletionRequest, SMALL, {})
+        if isinstance(got, HeavyBody):
+            gave_up.append(got)
+            return scan_and_parse(raw, CompletionRequest, SMALL, {}, got)
+        return got
+
+    assert _outcome(light) == threaded, name
+    heavy = ("values over the light cap", "over the cap, then over a limit")
+    assert bool(gave_up) == (name in heavy), name
+    assert all(h.take() is None for h in gave_up)  # the thread took the view: nothing left behind
     if name == "text":
         assert threaded[0] == "ok"
 
@@ -161,8 +168,13 @@ def test_the_light_scan_gives_up_only_past_its_cap() -> None:
     for n, light in ((LIGHT_MAX_VALUES - 2, True), (LIGHT_MAX_VALUES, False)):
         raw = orjson.dumps({"model": "m", "prompt": "p", "tools": [1] * n, "user": PAD})
         got = scan_and_parse_light(raw, CompletionRequest, limits, {})
-        assert (got is not None) == light, n
+        assert (not isinstance(got, HeavyBody)) == light, n
         assert scan_and_parse(raw, CompletionRequest, limits, {})[1]["tools"] == [1] * n
+    many = [{"role": "user", "content": "c"}] * (LIGHT_MAX_VALUES // 3 + 1)
+    raw = orjson.dumps({"model": "m", "messages": many, "user": PAD})
+    assert isinstance(
+        scan_and_parse_light(raw, ChatRequest, limits, {}), HeavyBody
+    )  # given up before the walk
 
 
 def _depth(value: Any) -> int:

@@ -36,6 +36,7 @@ EXCEPTIONS = {
     ): "decodes real engines' KV events with the one wire decoder (kv_decode)",
     ("loadtest.bench_kv_intake", "membership"): "benchmarks the router's KV-event decoder and batch applier",
     ("loadtest.bench_sse", "router"): "benchmarks the router's stream validator (SSEValidator) in-process",
+    ("loadtest.bench_intake", "router"): "benchmarks the router's request intake (Intake.parse) in-process",
     (
         "loadtest.bench_router_decide",
         "router",
