@@ -27,7 +27,8 @@ Smaller bodies cannot exceed the limits by much and are parsed inline, as before
 A scanned body whose bulk is text (a long prompt: under ``LIGHT_MAX_BYTES``, at most ``LIGHT_MAX_VALUES`` JSON
 values and token ids) is the common large body, and its whole intake costs less than the trip to a worker thread
 (an 85 KB prompt: ~45 us of CPU on the loop against ~70 us for the thread hand-off alone, measured): it is scanned
-on the loop, and the scan stops at that many values (the body then goes to the thread, where it starts again).
+on the loop; the scan stops at that many values (before walking a body of more messages or token ids than
+that) and the body goes on to the thread with its simdjson view (``HeavyBody``).
 
 Units: bytes, characters, tokens, JSON values.
 """
