@@ -452,6 +452,14 @@ class _TokenizerFields(BaseModel):
         description="hf mode: re-tokenize one in this many cached prompts whole and compare; a difference turns "
         "the cache off (logged, kvroute_tokenizer_cache_mismatches); 0 = never",
     )
+    tokenizer_parallel: bool = Field(
+        default=True,
+        description="hf mode: let the tokenizers library spread a call over its Rust thread pool "
+        "(TOKENIZERS_PARALLELISM, set by the router from this). On: a long prompt tokenized in pieces (through "
+        "the prefix cache) finishes sooner, e.g. a 14k-token prompt's p99 41 instead of 66 ms on 2 cores; off: "
+        "every call runs on its calling thread, 3-25 % less CPU per call (most for one short piece) for "
+        "routers short of CPU",
+    )
     forward_token_ids: bool = Field(
         default=True,
         description="send /v1/completions text prompts to the engine as the token ids the router routed on (no "

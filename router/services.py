@@ -192,6 +192,7 @@ def _build_tokenizer(tok: TokenizerSettings, headers: dict[str, str]) -> Tokeniz
         headers,
         cache_bytes=int(tok.tokenizer_cache_mb * (1 << 20)),
         cache_verify_every=tok.tokenizer_cache_verify_every,
+        parallel=tok.tokenizer_parallel,
     )
 
 

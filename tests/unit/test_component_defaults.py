@@ -109,7 +109,11 @@ CONFIGURED: list[tuple[Callable[..., Any], dict[str, str]]] = [
     ),
     (
         make_tokenizer,
-        {"timeout_s": "tokenize_timeout_s", "cache_verify_every": "tokenizer_cache_verify_every"},
+        {
+            "timeout_s": "tokenize_timeout_s",
+            "cache_verify_every": "tokenizer_cache_verify_every",
+            "parallel": "tokenizer_parallel",
+        },
     ),
     (
         PrefixIndex,

@@ -178,3 +178,39 @@ async def test_bytes_mode_is_deterministic_and_prefix_sharing() -> None:
     chat2 = await tok.encode_chat(MESSAGES + [{"role": "user", "content": "more"}], model="m")
     n = len(chat1) - 1  # the last chunk may straddle the boundary
     assert chat2[:n] == chat1[:n]
+
+
+_POOL_PROBE = """
+import os, sys
+from router.tokens.tokenizer import make_tokenizer
+before = len(os.listdir("/proc/self/task"))
+tok = make_tokenizer("hf", sys.argv[1], parallel=sys.argv[2] == "1")  # its start-up checks tokenize too
+ids = [tok.encode_text("the quick brown fox " * 200, add_special_tokens=False) for _ in range(3)]
+assert all(ids) and ids[0] == ids[1]
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tokenizer_parallel_decides_whether_the_library_starts_its_thread_pool(
+    model_dir: Path, parallel: bool
+) -> None:
+    """``tokenizer_parallel`` off: the tokenizers library runs every call on the calling thread and never starts
+    its Rust pool (no new OS thread, whatever TOKENIZERS_PARALLELISM the process was started with); on (the
+    default): its first call starts the pool. Each case in a fresh process (the pool, once started, stays)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false" if parallel else "true"}  # the setting wins
+    out = subprocess.run(
+        [sys.executable, "-c", _POOL_PROBE, str(model_dir), "1" if parallel else "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 0, out.stderr
+    new_threads = int(out.stdout.strip())
+    assert (new_threads > 0) == parallel, new_threads
