@@ -26,7 +26,6 @@ of the test suite (timings on shared machines are noisy).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -37,6 +36,7 @@ from typing import Any
 import orjson
 import uvloop
 
+from loadtest.ab_tree import load_tree_module
 from router.config import ClientEdgeSettings
 from router.serve import intake as this_intake
 from router.serve.requests import ChatRequest, CompletionRequest
@@ -84,15 +84,7 @@ def body_shapes() -> dict[str, tuple[bytes, str]]:
 
 def load_intake(tree: Path) -> ModuleType:
     """OLD_TREE's ``router/serve/intake.py`` as a module of its own (its imports resolve to this tree's)."""
-    path = tree / "router" / "serve" / "intake.py"
-    if not path.is_file():
-        raise SystemExit(f"--ab {tree}: no router/serve/intake.py there")
-    spec = importlib.util.spec_from_file_location("kvroute_old_intake", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tree_module(tree, "router/serve/intake.py", "kvroute_old_intake")
 
 
 def _intake(mod: ModuleType) -> Any:

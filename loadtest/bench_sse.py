@@ -26,7 +26,6 @@ One JSON object on stdout: microseconds per event by shape and ``strip_usage`` (
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -36,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from loadtest.ab_tree import load_tree_module
 from router.engine import sse as this_sse
 
 _HEAD: dict[str, Any] = {
@@ -115,14 +115,7 @@ def chunk_shapes() -> dict[str, tuple[bytes, bytes]]:
 
 def load_sse(tree: Path) -> ModuleType:
     """``router/engine/sse.py`` of another checkout, as a module of its own (its imports resolve in this tree)."""
-    path = tree / "router" / "engine" / "sse.py"
-    if not path.is_file():
-        raise SystemExit(f"--ab {tree}: no router/engine/sse.py there")
-    spec = importlib.util.spec_from_file_location("kvroute_ab_sse", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tree_module(tree, "router/engine/sse.py", "kvroute_ab_sse")
 
 
 def per_event_us(mod: ModuleType, first: bytes, token: bytes, strip: bool, events: int) -> float:
