@@ -434,6 +434,9 @@ def scan_and_parse_light(
         _scan(raw, limits, contexts, LIGHT_MAX_VALUES, doc)
     except _Heavy:
         return HeavyBody(doc)
+    except LimitExceeded:
+        del doc  # the exception's traceback keeps this frame: not the document (``_scan``)
+        raise
     del doc
     return parse_json(raw, model, limits.max_json_depth)
 

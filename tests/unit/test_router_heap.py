@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import traceback
+from typing import Any
 
 import orjson
 import pytest
@@ -14,7 +15,14 @@ import simdjson
 from router.config import ClientEdgeSettings
 from router.core.large_parse import LARGE_PARSE_BYTES, large_parse_slot
 from router.heap import pin_mmap_threshold
-from router.serve.intake import SCAN_MIN_BYTES, InputLimits, Intake, LimitExceeded, scan_and_parse
+from router.serve.intake import (
+    SCAN_MIN_BYTES,
+    InputLimits,
+    Intake,
+    LimitExceeded,
+    scan_and_parse,
+    scan_and_parse_light,
+)
 from router.serve.requests import CompletionRequest
 
 
@@ -23,13 +31,15 @@ def test_mmap_threshold_is_pinned_on_glibc() -> None:
     assert pin_mmap_threshold() is True
 
 
-def test_limit_exceeded_does_not_keep_the_parsed_document() -> None:
+@pytest.mark.parametrize("scan", [scan_and_parse, scan_and_parse_light])
+def test_limit_exceeded_does_not_keep_the_parsed_document(scan: Any) -> None:
+    """Both the threaded scan and the light one (on the loop)."""
     limits = dataclasses.replace(
         _limits(), max_messages=10, chars_per_token=2.0, default_context_tokens=100, max_json_values=1000
     )
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 50})
     with pytest.raises(LimitExceeded) as info:
-        scan_and_parse(body, object, limits, {})  # type: ignore[arg-type]
+        scan(body, object, limits, {})
     assert info.value.code == "too_many_messages"
     names = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
     assert "check_body" not in names and "_check_messages" not in names, names
