@@ -489,7 +489,8 @@ class Intake:
         self.fields = fields
 
     async def parse(self, raw: bytes, model: type[_M]) -> tuple[_M, Any]:
-        """Validate ``raw`` against ``model``: inline when small, shape-checked in a worker thread when large.
+        """Validate ``raw`` against ``model``: inline when small; when large, shape-checked first, on the loop when
+        its bulk is text (``scan_and_parse_light``), else in a worker thread.
 
         Raises:
             LimitExceeded: a limit is exceeded (nothing was validated).
