@@ -104,7 +104,8 @@ async def measure(parses: int, repeat: int, old: ModuleType | None) -> dict[str,
     sides = {"this": _intake(this_intake), **({"old": _intake(old)} if old is not None else {})}
     best: dict[str, dict[str, float]] = {side: {} for side in sides}
     same = True
-    for name, (raw, kind) in body_shapes().items():
+    shapes = body_shapes()
+    for name, (raw, kind) in shapes.items():
         model = ChatRequest if kind == "chat" else CompletionRequest
         if old is not None:
             same &= (await sides["this"].parse(raw, model))[1] == (await sides["old"].parse(raw, model))[1]
@@ -115,7 +116,7 @@ async def measure(parses: int, repeat: int, old: ModuleType | None) -> dict[str,
     out: dict[str, Any] = {
         "parses": parses,
         "repeat": repeat,
-        "body_bytes": {name: len(raw) for name, (raw, _) in body_shapes().items()},
+        "body_bytes": {name: len(raw) for name, (raw, _) in shapes.items()},
         "us_cpu_per_parse": best,
     }
     if old is not None:

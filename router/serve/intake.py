@@ -191,10 +191,8 @@ def check_body(
         LimitExceeded: the first limit exceeded.
     """
     if not isinstance(doc, _OBJ):
-        if isinstance(doc, _ARR):
-            _Budget(limits.max_json_values, light_values).walk(
-                doc, "body"
-            )  # refused by validation, parsed first
+        if isinstance(doc, _ARR):  # refused by validation, but parsed first
+            _Budget(limits.max_json_values, light_values).walk(doc, "body")
         return
     model = doc.get("model")
     ctx = contexts.get(model, 0) if isinstance(model, str) else 0
@@ -496,22 +494,21 @@ class Intake:
             LimitExceeded: a limit is exceeded (nothing was validated).
             RequestValidationError: invalid JSON (400) or fields (422).
         """
-        n = len(raw)
+        n, limits = len(raw), self.limits
         if n < SCAN_MIN_BYTES:
-            parsed = parse_json(raw, model, self.limits.max_json_depth)
+            parsed = parse_json(raw, model, limits.max_json_depth)
         elif n < LIGHT_MAX_BYTES:
             # a long prompt's text is scanned and parsed on the loop in well under a millisecond; a body with many
             # values goes on to a thread with its simdjson view
-            light = scan_and_parse_light(raw, model, self.limits, self.contexts())
+            contexts = self.contexts()
+            light = scan_and_parse_light(raw, model, limits, contexts)
             if isinstance(light, HeavyBody):
-                parsed = await asyncio.to_thread(
-                    scan_and_parse, raw, model, self.limits, self.contexts(), light
-                )
+                parsed = await asyncio.to_thread(scan_and_parse, raw, model, limits, contexts, light)
             else:
                 parsed = light
         else:  # in a thread; one large scan at a time (router.core.large_parse: ~7x the body in memory)
-            parsed = await scan_in_thread(n, scan_and_parse, raw, model, self.limits, self.contexts())
-        check_sequences(parsed[1], self.limits.max_sequences)
+            parsed = await scan_in_thread(n, scan_and_parse, raw, model, limits, self.contexts())
+        check_sequences(parsed[1], limits.max_sequences)
         return parsed
 
 
