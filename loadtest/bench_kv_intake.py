@@ -16,7 +16,7 @@ blocks are removed leaf to root.
 
 Usage::
 
-    python -m loadtest.bench_kv_intake --json [--requests N] [--repeat N] [--leaf-first]
+    python -m loadtest.bench_kv_intake --json [--requests N] [--repeat N] [--leaf-first] [--floor]
     python -m loadtest.bench_kv_intake --json --ab OLD_TREE [--repeat N] [--leaf-first]
     python -m loadtest.bench_kv_intake --json --storm [flags of loadtest.kv_storm]
 
@@ -26,7 +26,9 @@ counters, read through the index's public API only (for every block key of the w
 which replicas hold it in which tier, from ``match([key])``; ``stats()``), so it is equal across trees that apply
 events identically, whatever their internals. ``--ab OLD_TREE`` runs this benchmark ``--repeat`` times with this
 tree's ``index`` and ``membership`` and as many times with OLD_TREE's, alternating, each run in a fresh process;
-it prints both sides' figures (median, min, max) and whether every run's digest is the same. ``--storm`` runs
+it prints both sides' figures (median, min, max) and whether every run's digest is the same. ``--floor`` adds
+``floor_apply_us_per_request``: the same decoded batches applied to nothing but the two maps any block index keeps
+(``floor_apply``), the part of the apply no index layout written in Python gets under. ``--storm`` runs
 ``loadtest.kv_storm`` (the event storm against a real router process). Not part of the test suite (timings on
 shared machines are noisy).
 """
@@ -46,15 +48,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import xxhash
 
 from fakes.kv_publisher import PubEvent, PubRemoved, PubStored, encode_batch
-from index.hashing import block_keys
+from index.hashing import block_keys, block_keys_array, pack_array
 from index.prefix_index import PrefixIndex
+from index.types import BlockKey
 from membership.kv_apply import BatchApplier, chain_seed, run_to_end
-from membership.kv_decode import DEFAULT_LIMITS, DecodedBatch, decode_payload
+from membership.kv_decode import DEFAULT_LIMITS, DecodedBatch, RemovedEvent, StoredEvent, decode_payload
 from membership.kv_sequencer import FeedStats
 
 BLOCK = 16
@@ -172,6 +175,53 @@ def run_intake(
     return dec, app, index, stats
 
 
+def floor_apply(
+    payloads: list[tuple[int, bytes]], engines: int, warm: int
+) -> tuple[float, dict[BlockKey, int]]:
+    """The dict-only floor of the apply: the same decoded batches applied to the two maps any block index keeps
+    and nothing else (per engine, engine page hash -> router key; router key -> a node id), so what is left of
+    ``apply_us_per_request`` above it is the index's own bookkeeping (per-replica states and tiers, streaks,
+    node-id compaction, budget, copies). A store chains the keys from its parent's (the root seed when it has
+    none; an unknown parent drops the event, as the index does) and maps pages and keys with one C-level
+    ``update`` each; a removal pops its pages and their keys. Only what this workload sends is handled (one tier,
+    no LoRA, no media, pages of ``BLOCK`` tokens); no other replica shares a conversation, so a removal may drop
+    the key outright.
+
+    Returns:
+        (apply CPU seconds of the payloads from ``warm`` on, the key -> id map at the end).
+    """
+    batches = []
+    for seq, (eng, payload) in enumerate(payloads):
+        batch = decode_payload(payload, seq=seq)
+        assert isinstance(batch, DecodedBatch), batch
+        batches.append((eng, batch))
+    seed = chain_seed(MODEL, None, None)
+    emaps: list[dict[int, BlockKey]] = [{} for _ in range(engines)]
+    ids: dict[BlockKey, int] = {}
+    nid = 0
+    took = 0.0
+    clock = time.thread_time
+    for seq, (eng, batch) in enumerate(batches):
+        t0 = clock()
+        emap = emaps[eng]
+        for ev in batch.events:
+            if isinstance(ev, StoredEvent):
+                parent = seed if ev.parent is None else emap.get(ev.parent)
+                if parent is None:
+                    continue
+                keys = cast(list[BlockKey], block_keys_array(pack_array(ev.token_ids), BLOCK, parent))
+                emap.update(zip(ev.hashes, keys, strict=True))
+                ids.update(zip(keys, range(nid, nid + len(keys)), strict=True))
+                nid += len(keys)
+            elif isinstance(ev, RemovedEvent):
+                for key in map(emap.pop, ev.hashes, [None] * len(ev.hashes)):
+                    if key is not None:
+                        ids.pop(key, None)
+        if seq >= warm:
+            took += clock() - t0
+    return took, ids
+
+
 def digest(index: PrefixIndex, stats: list[FeedStats], conversations: list[list[int]]) -> str:
     """A hash of the index's content and the feeds' counters, through the public API: for every block key of
     the workload the index holds (in key order), which replicas hold it in which tier (``match([key])``), then
@@ -200,8 +250,9 @@ def digest(index: PrefixIndex, stats: list[FeedStats], conversations: list[list[
     return h.hexdigest()
 
 
-def measure(w: Workload, repeat: int) -> dict[str, Any]:
-    """Build the payloads once, run the intake ``repeat`` times; the fastest run's figures and the digest."""
+def measure(w: Workload, repeat: int, floor: bool = False) -> dict[str, Any]:
+    """Build the payloads once, run the intake ``repeat`` times; the fastest run's figures and the digest (and
+    with ``floor``, the fastest of ``repeat`` runs of ``floor_apply``)."""
     payloads, warm, conversations = build_payloads(w)
     best: tuple[float, float] | None = None
     result: dict[str, Any] = {}
@@ -224,6 +275,9 @@ def measure(w: Workload, repeat: int) -> dict[str, Any]:
             "index_module": sys.modules[PrefixIndex.__module__].__file__,
         }
     assert best is not None
+    if floor:
+        took = min(floor_apply(payloads, w.engines, warm)[0] for _ in range(max(1, repeat)))
+        result["floor_apply_us_per_request"] = round(took / w.requests * 1e6, 1)
     result.update(
         decode_us_per_request=round(best[0] / w.requests * 1e6, 1),
         apply_us_per_request=round(best[1] / w.requests * 1e6, 1),
@@ -296,6 +350,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--leaf-first", action="store_true", help="announce evictions in vLLM's order (leaf first)"
     )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the dict-only floor of the apply (floor_apply_us_per_request: the two maps any index keeps)",
+    )
     ap.add_argument("--ab", metavar="OLD_TREE", default=None, help="compare with another checkout's index")
     args = ap.parse_args(args_in)
     w = Workload(requests=args.requests, leaf_first=args.leaf_first)
@@ -303,7 +362,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    result = ab_compare(Path(args.ab), w, args.repeat, log) if args.ab else measure(w, args.repeat)
+    if args.ab and args.floor:
+        ap.error("--floor measures one tree: not with --ab")
+    result = (
+        ab_compare(Path(args.ab), w, args.repeat, log) if args.ab else measure(w, args.repeat, args.floor)
+    )
     if args.json:
         print(json.dumps(result))
     else:
