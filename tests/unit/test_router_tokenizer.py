@@ -103,9 +103,11 @@ async def test_hf_chat_ids_equal_template_applied_by_hand(model_dir: Path) -> No
         assert ids == expected
     # special tokens are single ids (not spelled out), and BOS is not added twice
     ids = await tok.encode_chat(MESSAGES, model="m")
-    assert ids[0] == raw.token_to_id("<s>") and ids[1] == raw.token_to_id("<|im_start|>")
-    assert ids.count(raw.token_to_id("<s>")) == 1
-    assert ids.count(raw.token_to_id("<|im_start|>")) == 3
+    bos, im_start = raw.token_to_id("<s>"), raw.token_to_id("<|im_start|>")
+    assert bos is not None and im_start is not None
+    assert ids[0] == bos and ids[1] == im_start
+    assert ids.count(bos) == 1
+    assert ids.count(im_start) == 3
 
 
 async def test_hf_rendering_matches_by_hand_text(model_dir: Path) -> None:
