@@ -32,7 +32,7 @@ vllm: ## install vLLM's CPU build into .cache/vllm-venv for the real-engine test
 lint: venv ## ruff format check + ruff check + mypy --strict on every package (per module in pyproject; tests non-strict)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
-	$(BIN)/mypy index policies router membership sim fakes loadtest
+	$(BIN)/mypy index policies router membership sim fakes loadtest tests
 
 test: venv tools vllm lint ## the whole suite incl. real vLLM engines (what CI runs)
 	$(BIN)/python -m pytest -q -p no:cacheprovider

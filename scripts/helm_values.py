@@ -200,7 +200,7 @@ def render_values(current: str, block: str) -> str:
 
 def render_schema(current: str, settings_cls: type[Settings] = Settings) -> str:
     """values.schema.json text with ``properties.config`` regenerated (the rest kept as it is)."""
-    data = (
+    data: dict[str, Any] = (
         json.loads(current)
         if current.strip()
         else {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {}}

@@ -152,7 +152,7 @@ class Proc:
         self.stop()
 
 
-def metric(url: str, name: str, headers: dict[str, str] | None = None, **labels: str) -> float:
+def metric(url: str, name: str, headers: dict[str, str] | None = None, /, **labels: str) -> float:
     """Sum of the samples called ``name`` whose labels include ``labels`` on ``url``/metrics (0 when none)."""
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -85,7 +85,7 @@ class Receiver:
         return self.spans()
 
 
-class _Service(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+class _Service(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, receiver: Receiver) -> None:
         self.receiver = receiver
 
@@ -98,7 +98,7 @@ def grpc_receiver() -> Iterator[Receiver]:
     """A gRPC OTLP receiver on a free loopback port (``endpoint``: ``http://127.0.0.1:PORT``), stopped after."""
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Service(receiver), server)
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Service(receiver), server)  # type: ignore[no-untyped-call]  # otel-proto's generated gRPC code is unannotated
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     receiver.endpoint = f"http://127.0.0.1:{port}"

@@ -247,6 +247,27 @@ _ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
     503: _ERR,
     504: _ERR,
 }
+#: one server-sent event as its fields (the schema of each event of a ``text/event-stream`` answer: the engines'
+#: ``data:`` lines carry their JSON chunks as text, the Responses API names its events with ``event:``)
+_SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+#: the routes that stream when the body asks (``"stream": true``): their answer is JSON, or server-sent events
+_STREAMED_ROUTES = frozenset({*GENERATION_ROUTES, "/v1/responses", "/generate"})
+#: what such a route documents: ``_ROUTE_ERRORS`` and a 200 in either content type
+_STREAMED_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_ROUTE_ERRORS,
+    200: {
+        "description": "the engine's answer: JSON, or server-sent events when the request asks to stream",
+        "content": {"application/json": {}, "text/event-stream": {"schema": _SSE_EVENT}},
+    },
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # middleware
@@ -784,7 +805,7 @@ def _add_engine_routes(app: _KvrouteApp, dp: _DataPlane) -> None:
             path,
             dp.engine_route,
             methods=["POST"],
-            responses=_ROUTE_ERRORS,
+            responses=_STREAMED_RESPONSES if path in _STREAMED_ROUTES else _ROUTE_ERRORS,
             response_model=None,
             openapi_extra=_MULTIPART_DOC
             if kind is Kind.MULTIPART
@@ -811,14 +832,14 @@ def _add_data_plane(app: _KvrouteApp, dp: _DataPlane) -> None:
     """The OpenAI-compatible routes, ``/v1/models`` and ``/route``."""
     app.post(
         "/v1/completions",
-        responses=_ROUTE_ERRORS,
+        responses=_STREAMED_RESPONSES,
         response_model=None,
         openapi_extra=_body_doc(CompletionRequest),
         summary="OpenAI completions, routed to the replica with the lowest expected TTFT",
     )(dp.completions)
     app.post(
         "/v1/chat/completions",
-        responses=_ROUTE_ERRORS,
+        responses=_STREAMED_RESPONSES,
         response_model=None,
         openapi_extra=_body_doc(ChatRequest),
         summary="OpenAI chat completions, routed through the chat template",

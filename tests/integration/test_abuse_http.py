@@ -215,7 +215,7 @@ def test_auth_before_body_and_head_limits() -> None:
         assert _json_body(raw)["error"]["code"] == "unauthorized"  # type: ignore[index]
         s.close()
         resp = httpx.get(
-            r.url + "/v1/models", headers={"authorization": "Bearer \u00e9t\u00e9".encode("utf-8")}
+            r.url + "/v1/models", headers={b"authorization": "Bearer \u00e9t\u00e9".encode("utf-8")}
         )
         assert resp.status_code == 401
         # an unfinished head growing past max_header_bytes: 431 and closed (main: buffered without end)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -15,12 +16,13 @@ from fakes.fleet import EngineOptions, Fleet, FleetError, prefix_counters
 
 def _gone(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        zombie: bool = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        return zombie
     except psutil.NoSuchProcess:
         return True
 
 
-def test_fleet_stops_engines_when_the_body_raises(tmp_path):
+def test_fleet_stops_engines_when_the_body_raises(tmp_path: Path) -> None:
     pids: list[int] = []
     with pytest.raises(RuntimeError, match="boom"):
         with Fleet(2, EngineOptions(time_scale=0.0, kv_events_format=None), log_dir=tmp_path) as fleet:
@@ -35,7 +37,7 @@ def test_fleet_stops_engines_when_the_body_raises(tmp_path):
     assert all(_gone(pid) for pid in pids)
 
 
-def test_engine_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path):
+def test_engine_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path: Path) -> None:
     fleet = Fleet(2, EngineOptions(time_scale=0.0, kv_events_format=None, gpu_blocks=-5), log_dir=tmp_path)
     with pytest.raises(FleetError, match="gpu-blocks"):
         fleet.start_engines()
@@ -43,7 +45,7 @@ def test_engine_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path):
     fleet.stop()
 
 
-def test_prefix_counters_reads_vllm_counter_samples():
+def test_prefix_counters_reads_vllm_counter_samples() -> None:
     samples = {
         "vllm:prefix_cache_hits_total": 30.0,
         "vllm:prefix_cache_queries_total": 120.0,
@@ -54,7 +56,7 @@ def test_prefix_counters_reads_vllm_counter_samples():
     assert prefix_counters({"x": 1.0}) == (0.0, 0.0)
 
 
-def test_prefix_counters_reads_sglang_counter_samples():
+def test_prefix_counters_reads_sglang_counter_samples() -> None:
     samples = {
         "sglang:cached_tokens_total": 40.0,
         "sglang:prompt_tokens_total": 160.0,
@@ -64,7 +66,7 @@ def test_prefix_counters_reads_sglang_counter_samples():
     assert prefix_counters(samples) == (40.0, 160.0)
 
 
-def test_start_kvroute_returns_when_the_router_knows_every_engine(tmp_path):
+def test_start_kvroute_returns_when_the_router_knows_every_engine(tmp_path: Path) -> None:
     """``/readyz`` answers once one replica is routable; ``start_kvroute`` waits for all of them (ready and
     scraped), so the first request or ``/route`` question is priced over the whole fleet. engine1's ``/health``
     fails until the router is already ready on engine0; the router must still list it ready on return."""

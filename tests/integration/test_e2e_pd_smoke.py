@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,7 @@ _DISAGG = ["--kvroute-arg=--pd-policy-params", '--kvroute-arg={"decode_prefills"
 
 
 @pytest.mark.parametrize("forced", [False, True], ids=["policy_plans", "forced_disaggregated"])
-def test_e2e_pd_smoke(tmp_path, forced):
+def test_e2e_pd_smoke(tmp_path: Path, forced: bool) -> None:
     cmd = [
         sys.executable,
         "-m",
@@ -62,7 +63,7 @@ def test_e2e_pd_smoke(tmp_path, forced):
     assert 0.0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
 
 
-def test_e2e_pd_rejects_sglang_router_on_vllm():
+def test_e2e_pd_rejects_sglang_router_on_vllm() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest.e2e_pd", "--routers", "sglang_router_pd"],
         cwd=REPO,

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from loadtest.e2e import RESULT_KEYS
 from tests.helpers import REPO
 
 
-def test_e2e_smoke_kvroute_only(tmp_path):
+def test_e2e_smoke_kvroute_only(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
@@ -64,7 +65,7 @@ def test_e2e_smoke_kvroute_only(tmp_path):
     assert "kvroute_ttft" in proc.stderr  # the human table
 
 
-def test_e2e_rejects_unknown_router():
+def test_e2e_rejects_unknown_router() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest.e2e", "--routers", "nope"],
         cwd=REPO,

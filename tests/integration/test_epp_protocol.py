@@ -191,6 +191,7 @@ def test_streamed_response_feeds_back_usage_and_releases(fleet: Fleet) -> None:
     assert sent["stream_options"] == {"include_usage": True}
     assert picked.set_headers["content-length"] == str(len(picked.body))
     assert fleet.inflight() == 1
+    assert picked.endpoint is not None  # an endpoint was picked (not answered immediately)
     out = s.relay_response(picked.endpoint, "/v1/completions", picked.body)
     s.close()
     assert out.rstrip().endswith(b"data: [DONE]")

@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -67,7 +68,7 @@ def vllm_engine() -> Iterator[Engine]:
         e.proc.stop()
 
 
-def _sse(text: str) -> list[dict]:
+def _sse(text: str) -> list[dict[str, Any]]:
     out = []
     for line in text.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":
@@ -384,7 +385,12 @@ async def test_cpu_tier_events_keep_the_index_equal_to_the_engine() -> None:
                 m.cpu > 0
                 and (m.gpu + m.cpu) * 16 == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             )
-            gpu_hits = parse_metrics(after).prefix_cache_hits - parse_metrics(before).prefix_cache_hits
+            hits_after, hits_before = (
+                parse_metrics(after).prefix_cache_hits,
+                parse_metrics(before).prefix_cache_hits,
+            )
+            assert hits_after is not None and hits_before is not None  # the engine exports the counter
+            gpu_hits = hits_after - hits_before
             assert gpu_hits == m.gpu * 16  # the engine's own GPU hits equal the index's GPU part
         finally:
             await sub.stop()

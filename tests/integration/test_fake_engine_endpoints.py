@@ -12,6 +12,7 @@ import math
 import struct
 import wave
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -32,7 +33,7 @@ class Engine:
         )
         self.url = f"http://127.0.0.1:{port}"
 
-    def post(self, path: str, body: dict) -> httpx.Response:
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         return httpx.post(self.url + path, json={"model": MODEL, **body}, timeout=30)
 
 
@@ -73,7 +74,7 @@ USAGE_KEYS = {
 }
 
 
-def vectors(body: dict) -> list[list[float]]:
+def vectors(body: dict[str, Any]) -> list[list[float]]:
     return [d["embedding"] for d in body["data"]]
 
 

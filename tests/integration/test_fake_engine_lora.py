@@ -7,7 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,6 +30,10 @@ def _adapter_dir(root: Path, name: str, nbytes: int) -> Path:
     return d
 
 
+def _exited(p: Proc) -> bool:
+    return not p.alive()
+
+
 class Engine:
     """A running stand-in with LoRA on."""
 
@@ -43,7 +49,7 @@ class Engine:
         )
         self.url = f"http://127.0.0.1:{port}"
 
-    def post(self, path: str, body: dict, timeout: float = 60.0) -> httpx.Response:
+    def post(self, path: str, body: dict[str, Any], timeout: float = 60.0) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=timeout)
 
     def complete(self, model: str, max_tokens: int, prompt: list[int] | None = None) -> httpx.Response:
@@ -177,5 +183,5 @@ def test_without_runtime_updating_the_routes_do_not_exist(tmp_path: Path) -> Non
 def test_bad_lora_flags_are_refused(tmp_path: Path) -> None:
     for args in (["--max-loras", "0", "--enable-lora"], ["--lora-modules", f"a={tmp_path / 'none'}"]):
         with Proc.kvroute("fake-engine", "--port", "1", *args) as p:
-            wait_until(lambda p=p: not p.alive(), timeout=20, what="the engine refuses to start")
+            wait_until(partial(_exited, p), timeout=20, what="the engine refuses to start")
             assert p.popen.returncode == 2

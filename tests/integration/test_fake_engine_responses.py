@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -31,7 +32,7 @@ class Engine:
         )
         self.url = f"http://127.0.0.1:{port}"
 
-    def post(self, path: str, body: dict, timeout: float = 30) -> httpx.Response:
+    def post(self, path: str, body: dict[str, Any], timeout: float = 30) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=timeout)
 
     def respond(self, **body: object) -> httpx.Response:
@@ -66,7 +67,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
-def not_found(rid: str) -> dict:
+def not_found(rid: str) -> dict[str, Any]:
     return {
         "error": {
             "message": f"Response with id '{rid}' not found.",
@@ -77,7 +78,7 @@ def not_found(rid: str) -> dict:
     }
 
 
-def sse_events(chunks: list[bytes]) -> list[tuple[str, dict]]:
+def sse_events(chunks: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
     """``(event name, data)`` of each chunk; asserts one SSE event per HTTP chunk (vLLM's framing)."""
     out = []
     for c in chunks:
@@ -205,7 +206,7 @@ def test_background_response_polled_and_cancelled(engines: Callable[..., Engine]
     assert httpx.post(f"{e.url}/v1/responses/resp_nope/cancel").json() == not_found("resp_nope")
     short = e.respond(input="short job", background=True, max_output_tokens=3).json()
 
-    def final() -> dict | None:
+    def final() -> dict[str, Any] | None:
         got = httpx.get(f"{e.url}/v1/responses/{short['id']}").json()
         return got if got["status"] not in ("queued", "in_progress") else None
 
@@ -277,7 +278,7 @@ def test_delete_is_not_served_like_vllm(shared_engine: Engine) -> None:
     ],
 )
 def test_bad_requests_get_vllms_errors(
-    shared_engine: Engine, body: dict, status: int, err_type: str, param: str, needle: str
+    shared_engine: Engine, body: dict[str, Any], status: int, err_type: str, param: str, needle: str
 ) -> None:
     r = shared_engine.post("/v1/responses", body)
     assert r.status_code == status, r.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -53,7 +54,7 @@ def test_sglang_router_registers_and_routes_to_fake_engines() -> None:
         procs.append(router)
         base = f"http://127.0.0.1:{rport}"
         deadline = time.monotonic() + 60
-        workers: list[dict] = []
+        workers: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
             try:
                 workers = httpx.get(base + "/workers", timeout=2).json().get("workers", [])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -49,7 +50,7 @@ def engine_factory() -> Iterator[type[Engine]]:
         e.stop()
 
 
-def sse(text: str) -> list[dict]:
+def sse(text: str) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
 
@@ -78,7 +79,7 @@ class Tap:
     """A SUB socket on an engine's events (connected before any traffic, so nothing is missed)."""
 
     def __init__(self, port: int) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(f"tcp://127.0.0.1:{port}")
 

@@ -9,7 +9,7 @@ drives the real discovery configured from the env the chart renders.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,12 +118,13 @@ def test_epp_example_renders_a_valid_pool_pointing_at_the_grpc_service(
 def test_the_crd_schema_rejects_what_the_api_server_would() -> None:
     """Control: the vendored schema really fails bad pools, so the validation above can fail."""
     pool = one(render([EXAMPLE]), "InferencePool", FULLNAME)
-    for mutate in (
+    mutations: tuple[Callable[[dict[str, Any]], object], ...] = (
         lambda p: p["spec"].update(targetPort=[{"number": 8000}]),  # misspelt field
         lambda p: p["spec"].update(targetPorts=[{"number": 70000}]),  # out of range
         lambda p: p["spec"]["selector"].update(matchLabels={}),  # selects nothing
         lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Sometimes"),
-    ):
+    )
+    for mutate in mutations:
         bad = copy.deepcopy(pool)
         mutate(bad)
         with pytest.raises(jsonschema.ValidationError):

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,11 @@ EXAMPLES = CHART / "examples"
 def api() -> Iterator[FakeKubeAPI]:
     with FakeKubeAPI() as server:
         yield server
+
+
+def _routable_are(table: ReplicaTable, names: set[str]) -> bool:
+    """The routable replicas of ``table`` are exactly ``names``."""
+    return {r.name for r in table.all() if r.routable} == names
 
 
 def chart_settings(
@@ -437,7 +443,7 @@ def test_sharded_pools_example_runs_one_router_release_per_pool(
         }
         try:
             wait_until(
-                lambda t=table, w=want: {r.name for r in t.all() if r.routable} == w,
+                partial(_routable_are, table, want),
                 timeout=20.0,
                 what=f"the {pool} pool's engines",
             )

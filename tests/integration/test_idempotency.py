@@ -89,9 +89,10 @@ def test_idempotency_keys_with_redis() -> None:
                     timeout=5,
                     what="stream stored",
                 )
-                assert s2.headers["idempotent-replayed"] == "true"  # type: ignore[union-attr]
-                assert s2.headers["content-type"].startswith("text/event-stream")  # type: ignore[union-attr]
-                assert s2.content == s1.content  # type: ignore[union-attr]  # the same events, byte for byte
+                assert isinstance(s2, httpx.Response)  # the condition's value: the replayed response
+                assert s2.headers["idempotent-replayed"] == "true"
+                assert s2.headers["content-type"].startswith("text/event-stream")
+                assert s2.content == s1.content  # the same events, byte for byte
                 assert _routed(u) == n
                 # the client leaves mid-stream: the generation ran (partly), so the key stays taken, not stored
                 assert c.post(eng.url + "/admin/faults", json={"stall_mid_stream_s": 30}).status_code == 200
@@ -129,7 +130,8 @@ def test_idempotency_keys_with_redis() -> None:
                     timeout=5,
                     what="key released after failure",
                 )
-                assert "idempotent-replayed" not in retry.headers  # type: ignore[union-attr]
+                assert isinstance(retry, httpx.Response)  # the condition's value: the retried response
+                assert "idempotent-replayed" not in retry.headers
 
                 # -- Redis down: keyed requests get a clear 503, the others are routed as usual --------------
                 server.stop()

@@ -4,6 +4,7 @@ real fake engines, real HTTP. Pods appear, serve traffic, fail health probes, an
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -46,7 +47,7 @@ def _engine(port: int, events: int) -> Proc:
     )
 
 
-def _replicas(url: str) -> dict[str, dict[str, object]]:
+def _replicas(url: str) -> dict[str, dict[str, Any]]:
     body = httpx.get(url + "/replicas", timeout=2).json()
     return {r["name"]: r for r in body["replicas"]}
 
@@ -96,7 +97,8 @@ def test_router_follows_pods(api: FakeKubeAPI) -> None:
         url = f"http://127.0.0.1:{rport}"
         wait_http_ok(url + "/readyz", timeout=30)
         reps = wait_until(lambda: len(_replicas(url)) == 2 and _replicas(url), 5.0, what="2 replicas")
-        assert {n: r["index"] for n, r in reps.items()} == {"vllm-0": 0, "vllm-1": 1}  # type: ignore[union-attr]
+        assert isinstance(reps, dict)  # the condition's value: the replicas
+        assert {n: r["index"] for n, r in reps.items()} == {"vllm-0": 0, "vllm-1": 1}
         r = httpx.post(
             url + "/v1/completions", json={"model": "m", "prompt": "hello " * 40, "max_tokens": 4}, timeout=30
         )
@@ -107,6 +109,7 @@ def test_router_follows_pods(api: FakeKubeAPI) -> None:
             5.0,
             what="vllm-0 health",
         )
+        assert isinstance(health, dict)  # the condition's value: the health record
         assert health == {
             "consecutive_failures": 0,
             "consecutive_successes": health["consecutive_successes"],
@@ -147,6 +150,6 @@ def test_router_follows_pods(api: FakeKubeAPI) -> None:
         assert "kvroute_kubernetes_lists_total" in metrics
     finally:
         out = router.stop() if router is not None else ""
-        for e in engines:
-            e.stop()
+        for eng in engines:
+            eng.stop()
     assert "Traceback" not in out, out[-3000:]

@@ -11,6 +11,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import msgpack
 import pytest
@@ -43,8 +45,9 @@ class Rig:
     sub: KVEventSubscriber
     index: PrefixIndex
 
-    def totals(self) -> dict:
-        return self.sub.stats()["totals"]
+    def totals(self) -> dict[str, Any]:
+        totals: dict[str, Any] = self.sub.stats()["totals"]
+        return totals
 
 
 async def until(cond: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
@@ -544,7 +547,8 @@ def _raw_stored(
 
 
 def _raw_batch(*events: dict[str, object]) -> bytes:
-    return msgpack.packb([time.time(), list(events), 0])
+    out: bytes = msgpack.packb([time.time(), list(events), 0])
+    return out
 
 
 async def test_parent_dropped_by_the_kv_group_filter_triggers_no_replay(rigs: list[Rig]) -> None:
@@ -576,7 +580,7 @@ async def test_parent_dropped_by_the_kv_group_filter_triggers_no_replay(rigs: li
     ids=["unkeyable", "image"],
 )
 async def test_extra_keys_are_counted_once_when_a_replay_reapplies_their_batch(
-    rigs: list[Rig], extra: list, counter: tuple[str, str]
+    rigs: list[Rig], extra: list[Any], counter: tuple[str, str]
 ) -> None:
     """Re-applying batches after a replay does not count their drops (prompt embeddings) or their indexed image
     pages again."""
@@ -792,10 +796,12 @@ async def test_feeds_take_turns_one_batch_at_a_time(rigs: list[Rig]) -> None:
         await rig.sub.add_replica(
             FeedSpec(i, f"r{i}", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}", "kv", MODEL)
         )
+
+    def connected(name: str) -> object:
+        return rig.sub.stats()["replicas"].get(name, {}).get("connected")
+
     for name in ("r1", "r2"):  # joined (the new feeds' sockets connected)
-        await until(
-            lambda n=name: rig.sub.stats()["replicas"].get(n, {}).get("connected"), what=f"{name} connected"
-        )
+        await until(partial(connected, name), what=f"{name} connected")
     chains = [chain(21, base=1000 + 10_000 * i) for i in range(3)]
     for pub, (toks, hs, _) in zip(pubs, chains, strict=True):
         pub.faults.drop_every = 1  # buffered for replay only: a backlog each feed fetches at once

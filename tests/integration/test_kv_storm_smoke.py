@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from tests.helpers import Proc, wait_until
 
@@ -29,7 +30,7 @@ LADDER_KEYS = {
 }
 
 
-def test_storm_benchmark_prints_the_envelope_json(tmp_path):
+def test_storm_benchmark_prints_the_envelope_json(tmp_path: Path) -> None:
     args = [
         sys.executable,
         "-m",

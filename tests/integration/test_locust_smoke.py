@@ -21,7 +21,7 @@ def _locust() -> list[str]:
     return [found] if found else [sys.executable, "-m", "locust"]
 
 
-def test_locust_replay_writes_ttft_csv(tmp_path):
+def test_locust_replay_writes_ttft_csv(tmp_path: Path) -> None:
     engine = EngineOptions(time_scale=0.05, model_path=str(ensure_model_dir()), kv_events_format=None)
     with Fleet(1, engine, log_dir=tmp_path / "logs", keep_logs=True) as fleet:
         fleet.start_engines()

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import orjson
 
-from fakes.fleet import EngineOptions, Fleet, pd_roles
+from fakes.fleet import EngineHandle, EngineOptions, Fleet, pd_roles
 from tests.helpers import metric
 from tests.integration.test_reliability_support import MODEL, Eng, Router, engines, router
 
@@ -23,7 +23,7 @@ SAME = ("--context-text", "--seed", "0")
 PROMPT = "the quick brown fox jumps over the lazy dog " * 4
 
 
-def _faults(eng: Eng, **faults: object) -> None:
+def _faults(eng: Eng | EngineHandle, **faults: object) -> None:
     r = httpx.post(eng.url + "/admin/faults", json=faults, timeout=5)
     assert r.status_code == 200, r.text
 
@@ -38,7 +38,7 @@ def _events(text: str) -> list[Any]:
     return out
 
 
-def _direct(eng: Eng, body: dict[str, Any]) -> dict[str, Any]:
+def _direct(eng: Eng | EngineHandle, body: dict[str, Any]) -> dict[str, Any]:
     """The uninterrupted answer of ``eng`` itself (not streamed)."""
     r = httpx.post(eng.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
     assert r.status_code == 200, r.text
@@ -92,7 +92,7 @@ def test_reset_stall_and_error_event_continue_on_another_replica() -> None:
     with _fleet(2) as (engs, r):
         e0, e1 = engs
         expected = _direct(e1, _body())
-        kinds = {
+        kinds: dict[str, dict[str, object]] = {
             "stream_broken": {"reset_mid_stream": True},
             "idle_timeout": {"stall_mid_stream_s": -1},
             "error_event": {"error_event_mid_stream": True},

@@ -51,7 +51,7 @@ def _body(model: str = "kvroute-fake", **extra: Any) -> dict[str, Any]:
 
 def _records(urls: list[str], request_id: str) -> list[dict[str, Any]]:
     """The legs every engine served for ``request_id``, as the engines recorded them."""
-    out = []
+    out: list[dict[str, Any]] = []
     for url in urls:
         legs = httpx.get(url + "/debug/pd_legs", timeout=5).json()
         out.extend(rec for rec in legs if rec["request_id"] == request_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -79,6 +80,11 @@ def sglang_fleet() -> Iterator[Fleet]:
         yield fleet
     finally:
         fleet.stop()
+
+
+def _engine_samples_at_least(router: str, n: int) -> bool:
+    """The router learned ``n`` engine-reported handoff samples."""
+    return metric(router, "kvroute_pd_link_samples_total", outcome="engine_accepted") >= n
 
 
 def _url(fleet: Fleet) -> str:
@@ -483,9 +489,7 @@ def test_link_learned_from_the_engines_transfer_metrics() -> None:
             assert r.headers.get("x-kvroute-prefill-replica"), "served disaggregated"
             if k >= 1:  # each later handoff lands in a scrape interval of its own
                 wait_until(
-                    lambda want=k: (
-                        metric(router, "kvroute_pd_link_samples_total", outcome="engine_accepted") >= want
-                    ),
+                    partial(_engine_samples_at_least, router, k),
                     10.0,
                     what=f"{k} engine-reported samples",
                 )

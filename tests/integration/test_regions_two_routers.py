@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import httpx
@@ -371,9 +372,9 @@ def test_region_session_and_idempotency_across_the_hop() -> None:
             # in eu the session is pinned (the hop carried its id) to the engine that served its first turn
             after = {n: eu.routed(n) for n in eu.engines}
             moved = [n for n in eu.engines if after[n] != served[n]]
-            first = [n for n in eu.engines if served[n] > 0]
-            assert moved == first and len(first) == 1, (served, after)
-            assert eu.session_replica("conversation-1") == first[0]
+            first_turn = [n for n in eu.engines if served[n] > 0]
+            assert moved == first_turn and len(first_turn) == 1, (served, after)
+            assert eu.session_replica("conversation-1") == first_turn[0]
             assert us.session_replica("conversation-1") == "region-eu"
             r = complete(us.url, "another conversation", headers={"x-session-id": "conversation-2"})
             assert r.headers["x-kvroute-replica"] in us.engines
@@ -535,11 +536,14 @@ def test_region_unchanged_summary_costs_no_body() -> None:
         def body_bytes() -> float:
             return metric(us.url, "kvroute_region_summary_bytes_total", peer="eu")
 
+        def more_304s(n0: float) -> bool:
+            return fetched("unchanged") >= n0 + 5
+
         wait_until(lambda: fetched("unchanged") >= 1, timeout=10, what="us's first 304 from eu")
         windows = []
         for _ in range(3):  # a window in which eu's summary changed (a full fetch) is measured again
             n0, f0, b0 = fetched("unchanged"), fetched("full") + fetched("lean"), body_bytes()
-            wait_until(lambda n0=n0: fetched("unchanged") >= n0 + 5, timeout=10, what="five more 304s")
+            wait_until(partial(more_304s, n0), timeout=10, what="five more 304s")
             windows.append((fetched("full") + fetched("lean") - f0, body_bytes() - b0))
             if windows[-1][0] == 0:
                 break

@@ -27,7 +27,7 @@ HASHES = [11, 12, 13, 14]
 
 
 @pytest.fixture
-def pub() -> Iterator[tuple[zmq.Socket, int]]:
+def pub() -> Iterator[tuple[zmq.Socket[bytes], int]]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUB)
     sock.setsockopt(zmq.LINGER, 0)
@@ -40,7 +40,7 @@ def pub() -> Iterator[tuple[zmq.Socket, int]]:
         ctx.term()
 
 
-def _send(sock: zmq.Socket, seq: int | bytes, payload: bytes) -> None:
+def _send(sock: zmq.Socket[bytes], seq: int | bytes, payload: bytes) -> None:
     seq_frame = seq if isinstance(seq, bytes) else seq.to_bytes(8, "big")
     sock.send_multipart([b"", seq_frame, payload])
 
@@ -52,10 +52,11 @@ def _events(url: str) -> dict[str, Any]:
 
 def _matched(url: str) -> dict[str, int]:
     d = httpx.post(url + "/route", json={"model": MODEL, "token_ids": TOKENS}, timeout=5).json()
-    return d["candidates"][0]["matched_tokens"]
+    matched: dict[str, int] = d["candidates"][0]["matched_tokens"]
+    return matched
 
 
-def test_event_faults_are_counted_dropped_and_degrade_the_replica(pub: tuple[zmq.Socket, int]) -> None:
+def test_event_faults_are_counted_dropped_and_degrade_the_replica(pub: tuple[zmq.Socket[bytes], int]) -> None:
     sock, port = pub
     with engines(("e0", [])) as engs:
         e = engs[0]
@@ -63,9 +64,14 @@ def test_event_faults_are_counted_dropped_and_degrade_the_replica(pub: tuple[zmq
         with router([eng], "--predict-mode", "auto") as r:
             u = r.url
             good = encode_batch([PubStored(HASHES, None, TOKENS, BS)], "vllm", time.time())
+
             # ZMQ slow joiner: repeat seq 0 until the router applied it (repeats are counted duplicates)
+            def resend_until_applied() -> bool:
+                _send(sock, 0, good)
+                return bool(_events(u).get("stored_blocks", 0) >= 4)
+
             wait_until(
-                lambda: (_send(sock, 0, good), _events(u).get("stored_blocks", 0) >= 4)[1],
+                resend_until_applied,
                 timeout=15,
                 interval=0.1,
                 what="first batch applied",

@@ -10,7 +10,9 @@ import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -183,21 +185,23 @@ def fleet(model_dir: Path) -> Iterator[Fleet]:
             e.proc.stop()
 
 
-def cached_of(resp_json: dict) -> int:
+def cached_of(resp_json: dict[str, Any]) -> int:
     return int(resp_json["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def route(fleet: Fleet, body: dict) -> dict:
+def route(fleet: Fleet, body: dict[str, Any]) -> dict[str, Any]:
     r = httpx.post(fleet.url + "/route", json=body, timeout=10)
     assert r.status_code == 200, r.text
-    return r.json()
+    decision: dict[str, Any] = r.json()
+    return decision
 
 
-def confirmed_on(fleet: Fleet, body: dict, replica: str, tokens: int) -> bool:
+def confirmed_on(fleet: Fleet, body: dict[str, Any], replica: str, tokens: int) -> bool:
     """True when /route sees ``tokens`` confirmed (event-fed, not predicted) GPU tokens on ``replica``."""
     d = route(fleet, body)
     c = next(c for c in d["candidates"] if c["name"] == replica)
-    return c["matched_tokens"]["gpu"] >= tokens and c["matched_tokens"]["predicted"] == 0
+    confirmed: bool = c["matched_tokens"]["gpu"] >= tokens and c["matched_tokens"]["predicted"] == 0
+    return confirmed
 
 
 def test_shared_prefix_goes_to_the_holder_and_route_explains(fleet: Fleet) -> None:
@@ -236,7 +240,7 @@ def test_streaming_end_to_end(fleet: Fleet) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    chunks: list[dict] = []
+    chunks: list[dict[str, Any]] = []
     with httpx.stream("POST", fleet.url + "/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -416,7 +420,7 @@ def test_engine_tokenizer_mode_matches_the_hf_mode(fleet: Fleet) -> None:
             # the second router's index (fed by the same engines' events, replayed from 0) matches the same
             # blocks: its token ids, hence its keys, equal the hf-mode ones
             wait_until(
-                lambda b=body, h=holder: _same_match(fleet, url, b, h),
+                partial(_same_match, fleet, url, body, holder),
                 timeout=15,
                 what="same matches in both routers",
             )
@@ -424,7 +428,7 @@ def test_engine_tokenizer_mode_matches_the_hf_mode(fleet: Fleet) -> None:
         router.stop()
 
 
-def _same_match(fleet: Fleet, other_url: str, body: dict, holder: str) -> bool:
+def _same_match(fleet: Fleet, other_url: str, body: dict[str, Any], holder: str) -> bool:
     """Both routers see the same prompt length and the same matched tokens per replica (holder > 0)."""
     a = route(fleet, body)
     b = httpx.post(other_url + "/route", json=body, timeout=10).json()

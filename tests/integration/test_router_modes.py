@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -58,7 +59,7 @@ def test_confirmed_and_predicted_entries_coexist(tmp_path: Path) -> None:
             served.add(r.headers["x-kvroute-replica"])
         assert served == {"ev", "noev"}
 
-        def candidates() -> dict[str, dict]:
+        def candidates() -> dict[str, dict[str, Any]]:
             d = httpx.post(url + "/route", json=body, timeout=10).json()
             return {c["name"]: c["matched_tokens"] for c in d["candidates"]}
 

@@ -16,6 +16,7 @@ import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,14 @@ def route(fleet: Fleet, body: dict[str, Any]) -> dict[str, Any]:
     return dict(r.json())
 
 
+def _metric_at_least(url: str, name: str, value: float) -> bool:
+    return metric(url, name) >= value
+
+
+def _no_deferred_requests(url: str, replica: str) -> bool:
+    return metric(url, "kvroute_replica_lora_deferred_requests", replica=replica) == 0
+
+
 def complete(fleet: Fleet, body: dict[str, Any]) -> httpx.Response:
     r = httpx.post(fleet.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
@@ -133,7 +142,7 @@ def test_each_adapter_keeps_to_one_replica_while_both_are_busy(fleet: Fleet) -> 
     slot is busy), so none waits for an adapter slot; ``kvroute_replica_lora_deferred_requests`` shows the
     engines' gauge."""
     rnd = random.Random(11)
-    bodies = [
+    bodies: list[dict[str, Any]] = [
         {"model": "ab"[i % 2], "prompt": [rnd.randrange(1, 30000) for _ in range(48)], "max_tokens": 1000}
         for i in range(8)
     ]
@@ -145,7 +154,9 @@ def test_each_adapter_keeps_to_one_replica_while_both_are_busy(fleet: Fleet) -> 
         for i, body in enumerate(bodies):
             futures.append(pool.submit(complete, fleet, body))
             wait_until(
-                lambda i=i: metric(fleet.url, routed) >= before + i + 1, timeout=10, what=f"{i + 1} routed"
+                partial(_metric_at_least, fleet.url, routed, before + i + 1),
+                timeout=10,
+                what=f"{i + 1} routed",
             )
         for body, fut in zip(bodies, futures, strict=True):
             served.append((body["model"], fut.result().headers["x-kvroute-replica"]))
@@ -154,7 +165,7 @@ def test_each_adapter_keeps_to_one_replica_while_both_are_busy(fleet: Fleet) -> 
     assert by_adapter["a"] != by_adapter["b"], served
     for name, _ in fleet.engines:
         wait_until(
-            lambda name=name: metric(fleet.url, "kvroute_replica_lora_deferred_requests", replica=name) == 0,
+            partial(_no_deferred_requests, fleet.url, name),
             timeout=10,
             what=f"the deferred gauge of {name}",
         )

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from index.hashing import root_seed
-from policies.pd_base import HandoffLink
+from policies.pd_base import HandoffLink, Role
 from sim.pd_simulator import PdFleet, PdFleetConfig, _PdRec, main, simulate_pd
 from sim.simulator import FleetConfig
 from sim.traces import BlockKeyCache, Request
@@ -102,9 +102,10 @@ def test_handoffs_from_one_prefill_replica_queue_on_its_link() -> None:
 
 def test_a_burst_spreads_over_prefill_replicas() -> None:
     """Both legs are charged at dispatch, so 8 simultaneous prompts spread 2 per prefill replica."""
+    roles: list[Role] = ["prefill", "prefill", "prefill", "prefill", "decode", "decode"]
     cfg = PdFleetConfig(
         FleetConfig(profiles=["a100"] * 4 + ["h20"] * 2, gpu_blocks=2000),
-        ["prefill"] * 4 + ["decode"] * 2,
+        roles,
         HandoffLink(25e9),
     )
     res = simulate_pd(_reqs(*[(0.0, 4096, 8)] * 8), "pd_ttft", cfg, policy_params={"decode_prefills": False})

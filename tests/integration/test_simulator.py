@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,7 @@ def _small() -> list[Request]:
     return make_workload("agent", num_sessions=12, turns=4, session_rate=2.0, seed=5) + []
 
 
-def _summary(reqs: list[Request], policy: str, cfg: FleetConfig, seed: int = 0) -> dict:
+def _summary(reqs: list[Request], policy: str, cfg: FleetConfig, seed: int = 0) -> dict[str, Any]:
     s = simulate(reqs, policy, cfg, seed=seed).summary()
     s.pop("wall_s")
     s.pop("cpu_s")

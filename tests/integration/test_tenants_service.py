@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -51,6 +52,14 @@ def post(
 
 def _queued(url: str) -> float:
     return metric(url, "kvroute_queued_requests")
+
+
+def _queued_is(url: str, n: int) -> bool:
+    return _queued(url) == n
+
+
+def _readyz_budget_mode_is(url: str, mode: str) -> bool:
+    return bool(httpx.get(url + "/readyz").json()["tenants"]["budget_mode"] == mode)
 
 
 @contextmanager
@@ -143,7 +152,7 @@ def test_quota_shared_by_three_routers_within_5_percent() -> None:
     ):
         for r in rs:
             wait_until(
-                lambda r=r: httpx.get(r.url + "/readyz").json()["tenants"]["budget_mode"] == "shared",
+                partial(_readyz_budget_mode_is, r.url, "shared"),
                 timeout=10,
                 what="shared budget",
             )
@@ -186,8 +195,8 @@ def test_priority_order_and_fair_shares_under_contention() -> None:
         ]
         for n, (key, tenant, klass) in enumerate(arrivals, start=1):
             headers = {"x-kvroute-tenant": tenant, "x-kvroute-priority": klass}
-            threads.append(_in_background(lambda h=headers: post(r.url, ids_body(), h), out, key))
-            wait_until(lambda n=n: _queued(r.url) == n, timeout=5, what=f"{n} queued")
+            threads.append(_in_background(partial(post, r.url, ids_body(), headers), out, key))
+            wait_until(partial(_queued_is, r.url, n), timeout=5, what=f"{n} queued")
         for t in threads:
             t.join(timeout=30)
         order = [k for k in out["_order"] if k != "hold"]
@@ -268,13 +277,16 @@ def test_redis_down_and_up_during_admission() -> None:
         def mode(r: Router) -> str:
             return str(httpx.get(r.url + "/readyz", timeout=2).json()["tenants"]["budget_mode"])
 
+        def mode_is(r: Router, want: str) -> bool:
+            return mode(r) == want
+
         for r in rs:
-            wait_until(lambda r=r: mode(r) == "shared", timeout=10, what="shared")
+            wait_until(partial(mode_is, r, "shared"), timeout=10, what="shared")
         first = [post(rs[i % 2].url, ids_body(), hdr).status_code for i in range(50)]
         assert first.count(200) == 40  # shared: one quota for both routers
         redis.stop()
         for r in rs:
-            wait_until(lambda r=r: mode(r) == "local_fallback", timeout=10, what="fallback")
+            wait_until(partial(mode_is, r, "local_fallback"), timeout=10, what="fallback")
         ready = httpx.get(rs[0].url + "/readyz").json()
         assert "1/2" in ready["tenants"]["detail"] and ready["status"] == "ready"
         down = [post(rs[0].url, ids_body(), hdr).status_code for _ in range(30)]
@@ -284,7 +296,7 @@ def test_redis_down_and_up_during_admission() -> None:
         assert metric(rs[0].url, "kvroute_tenant_budget_takes_total", mode="local_fallback") == 20
         redis.start()
         for r in rs:
-            wait_until(lambda r=r: mode(r) == "shared", timeout=15, what="shared again")
+            wait_until(partial(mode_is, r, "shared"), timeout=15, what="shared again")
         again = [post(rs[i % 2].url, ids_body(), hdr).status_code for i in range(50)]
         assert again.count(200) == 40  # a fresh shared bucket (the restarted Redis is empty)
         assert metric(rs[1].url, "kvroute_tenant_budget_mode", mode="shared") == 1
@@ -355,7 +367,8 @@ def test_isolated_tenants_never_share_a_cached_prefix() -> None:
             d = httpx.post(
                 r.url + "/route", json={"model": MODEL, "token_ids": prompt}, headers=headers
             ).json()
-            return max(c["cached_tokens"] for c in d["candidates"])
+            most: int = max(c["cached_tokens"] for c in d["candidates"])
+            return most
 
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
         assert post(r.url, body, {"x-kvroute-tenant": "a"}).status_code == 200
@@ -393,7 +406,14 @@ def test_peer_priority_headers_are_mapped_and_unknown_values_get_the_default_cla
 
 
 def test_a_tenant_header_needs_a_key_allowed_to_act_for_tenants() -> None:
-    args = ("--api-key", "sk-plain", "--admin-token", "sk-admin", "--tenant-header-keys", "sk-edge")
+    args: tuple[str, ...] = (
+        "--api-key",
+        "sk-plain",
+        "--admin-token",
+        "sk-admin",
+        "--tenant-header-keys",
+        "sk-edge",
+    )
     args += ("--tenant-api-keys", "acme=sk-acme")
     with engines(("e0", [])) as engs, router(engs, *args) as r:
         for key in ("sk-plain", "sk-admin"):  # a key without a tenant, the admin token: not for acme

@@ -18,7 +18,9 @@ import os
 import re
 import secrets
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -149,7 +151,7 @@ def traced_epp(colocated: Fleet, receiver: Receiver) -> Iterator[Router]:
 
 # -- what the spans must say -------------------------------------------------------------------------------------
 def _trace(
-    receiver: Receiver, caller: Caller, engine_spans: int, *, extra: set[str] = frozenset()
+    receiver: Receiver, caller: Caller, engine_spans: int, *, extra: AbstractSet[str] = frozenset()
 ) -> list[Span]:
     """The caller's trace once kvroute's request span, its steps (+ ``extra``) and ``engine_spans`` engine spans
     arrived."""
@@ -520,6 +522,11 @@ def _access_lines(router: Router) -> list[dict[str, Any]]:
     return [x for x in lines if x.get("logger") == "uvicorn.access"]
 
 
+def _access_lines_with_query(router: Router, n: int) -> bool:
+    """``n`` access lines of a ``/v1/completions?as=`` request so far."""
+    return sum("/v1/completions?as=" in x["msg"] for x in _access_lines(router)) == n
+
+
 def _wait_for_request_span(receiver: Receiver, trace_id: str) -> Span:
     """kvroute's request span of trace ``trace_id``, once it arrived."""
     receiver.wait_for(
@@ -580,7 +587,7 @@ def test_tracing_off_the_callers_trace_id_names_answers_errors_and_access_lines(
         assert "trace_id" not in refused.json()["error"] and "x-kvroute-trace-id" not in refused.headers
 
         wait_until(
-            lambda r=router: sum("/v1/completions?as=" in x["msg"] for x in _access_lines(r)) == 2,
+            partial(_access_lines_with_query, router, 2),
             timeout=10,
             what="the access lines of both requests",
         )

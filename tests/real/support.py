@@ -48,6 +48,10 @@ class Router:
         d = self.route(body)
         return int(next(c for c in d["candidates"] if c["name"] == replica)["cached_tokens"])
 
+    def confirms(self, body: dict[str, Any], replica: str, prompt_tokens: int) -> bool:
+        """``/route`` predicts ``replica`` serves the whole ``prompt_tokens``-token prompt from its cache."""
+        return self.predicted(body, replica) == full_hit(prompt_tokens)
+
 
 def start_router(
     engines: Sequence[RealEngine],
@@ -201,7 +205,7 @@ class EventTap:
 
     def start(self) -> EventTap:
         """Connect and start receiving (returns once the socket is connected)."""
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.RCVTIMEO, 100)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import httpx
 import orjson
@@ -49,7 +51,7 @@ def test_multi_turn_predictions_equal_engine_cached_tokens(router: Callable[...,
             prompt_tokens = int(resp.json()["usage"]["prompt_tokens"])
             # the engine's events for this request land in the index before the next turn is routed
             wait_until(
-                lambda b=body, rep=replica, n=prompt_tokens: r.predicted(b, rep) == full_hit(n),
+                partial(r.confirms, body, replica, prompt_tokens),
                 timeout=15,
                 what="the served prompt confirmed in the index",
             )
@@ -71,7 +73,7 @@ def test_metrics_scraped_under_vllms_real_names(real_fleet: RealFleet, router: C
         assert name in samples, f"{name} missing from vLLM's /metrics"
     r = router(("r0", "r1"))
 
-    def scraped() -> dict[str, dict]:
+    def scraped() -> dict[str, dict[str, Any]]:
         loads = {rep["name"]: rep["load"] for rep in r.replicas()}
         return loads if all(v["age_s"] is not None for v in loads.values()) else {}
 
@@ -102,7 +104,7 @@ def test_tokenize_and_chat_template_agree_with_the_engine(
         first = send(r.url, body)
         n = int(first.json()["usage"]["prompt_tokens"])
         wait_until(
-            lambda b=body, n=n: r.predicted(b, "r0") == full_hit(n),
+            partial(r.confirms, body, "r0", n),
             timeout=15,
             what="first request confirmed in the index",
         )
@@ -140,7 +142,7 @@ def test_streaming_through_the_router(router: Callable[..., Router]) -> None:
         )
         served_by, n = resp.headers["x-kvroute-replica"], int(usage["prompt_tokens"])
         wait_until(
-            lambda s=served_by, n=n: r.predicted({"messages": messages}, s) == full_hit(n),
+            partial(r.confirms, {"messages": messages}, served_by, n),
             timeout=15,
             what="streamed prompt in the index",
         )

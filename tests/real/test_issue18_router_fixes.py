@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import partial
 
 import httpx
 
@@ -31,6 +32,11 @@ from tests.real.support import (
     token_prompt,
     words,
 )
+
+
+def _tap_stored_block(tap: EventTap, block: list[int]) -> bool:
+    """The tap has seen a BlockStored event whose first block's tokens are ``block``."""
+    return any(list(ev.token_ids[:BLOCK]) == block for ev in tap.stored())
 
 
 def test_router_started_next_to_an_idle_engine_knows_its_cache(
@@ -138,7 +144,7 @@ def test_duplicate_block_copies_removed_once_stay_cached(
             y = token_prompt(rnd, BLOCK)
             complete(eng.url, {"prompt": y, "max_tokens": 1})
             wait_until(
-                lambda y=y: any(list(ev.token_ids[:BLOCK]) == y for ev in tap.stored()),
+                partial(_tap_stored_block, tap, y),
                 timeout=10,
                 interval=0.005,
                 what="the tap has seen this request's block",

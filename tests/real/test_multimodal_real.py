@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,10 @@ def send(router: Router, body: dict[str, Any], tenant: str) -> tuple[int, int]:
     )
 
 
+def _indexed_at_least(router: Router, body: dict[str, Any], n: int) -> bool:
+    return indexed(router, body, "alice") >= n
+
+
 def indexed(router: Router, body: dict[str, Any], tenant: str) -> int:
     """Prompt tokens of ``body`` the router holds from the engine's KV events (``/route``, nothing predicted)."""
     r = httpx.post(router.url + "/route", json=body, headers={"x-kvroute-tenant": tenant}, timeout=30)
@@ -135,9 +140,7 @@ def test_multimodal_another_image_with_the_same_text_is_no_hit_past_it(vlm_route
         start = image_start(vlm_router, base)
         send(vlm_router, base, "alice")
         need = past_image(vlm_router, base)
-        wait_until(
-            lambda b=base, n=need: indexed(vlm_router, b, "alice") >= n, timeout=20, what="the image indexed"
-        )
+        wait_until(partial(_indexed_at_least, vlm_router, base, need), timeout=20, what="the image indexed")
         other = image_chat((200, 200, 10), None if uuid is None else "yellow-square", "Which colour?")
         predicted, reported = send(vlm_router, other, "alice")
         assert predicted == reported

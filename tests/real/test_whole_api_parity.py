@@ -21,6 +21,7 @@ import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,16 @@ from tests.real.support import BLOCK, eager, engine_url, start_router, words
 
 #: the stand-in's flags matching the real engines of ``loadtest.real_vllm`` (same model directory and limits)
 #: (time at half the A100 profile: a 2,000-token background job is still running when it is cancelled)
-STANDIN_FLAGS = ("--model", MODEL, "--block-size", str(BLOCK), "--device", "cpu", "--max-model-len", "4096")
+STANDIN_FLAGS: tuple[str, ...] = (
+    "--model",
+    MODEL,
+    "--block-size",
+    str(BLOCK),
+    "--device",
+    "cpu",
+    "--max-model-len",
+    "4096",
+)
 STANDIN_FLAGS += ("--enable-prompt-tokens-details", "--time-scale", "0.5")
 
 
@@ -86,6 +96,12 @@ def not_found(rid: str) -> dict[str, Any]:
             "code": 404,
         }
     }
+
+
+def _finished_response(url: str, rid: str) -> dict[str, Any] | bool:
+    """The response object once it is neither queued nor in progress (False before)."""
+    g: dict[str, Any] = httpx.get(f"{url}/v1/responses/{rid}", timeout=30).json()
+    return g["status"] not in ("queued", "in_progress") and g
 
 
 def chain(url: str, turns: list[str]) -> list[dict[str, Any]]:
@@ -186,11 +202,7 @@ def test_responses_background_cancel_and_errors(
         gone = httpx.delete(f"{url}/v1/responses/{job['id']}", timeout=30)
         short = respond(url, input="bg2", background=True, max_output_tokens=3, ignore_eos=True).json()
         done = wait_until(
-            lambda u=url, i=short["id"]: (
-                (g := httpx.get(f"{u}/v1/responses/{i}", timeout=30).json())["status"]
-                not in ("queued", "in_progress")
-                and g
-            ),
+            partial(_finished_response, url, short["id"]),
             timeout=120,
             what="the background response finished",
         )
@@ -276,7 +288,7 @@ def test_pooling_base64_and_errors_match(pooling_pair: tuple[str, str]) -> None:
         for u in pooling_pair
     ]
     assert len(packed[0]["data"][0]["embedding"]) == len(packed[1]["data"][0]["embedding"])
-    exact = [
+    exact: list[tuple[str, dict[str, Any]]] = [
         ("/v1/embeddings", {"input": "hello", "dimensions": 8}),
         ("/v1/embeddings", {"model": "nope", "input": "x"}),
     ]
@@ -344,12 +356,13 @@ def test_pooling_through_kvroute_is_the_engines_answer(
     real = pooling_pair[0]
     r = start_router([_Pooled(real)], model_dir, wait_feeds=False)  # type: ignore[list-item]
     try:
-        for path, body in [
+        calls: list[tuple[str, dict[str, Any]]] = [
             ("/v1/embeddings", {"input": ["hello world the cache", "engine queue"]}),
             ("/pooling", {"input": "hello world"}),
             ("/score", {"text_1": "hello world", "text_2": "hello there"}),
             ("/tokenize", {"prompt": "hello world the cache"}),
-        ]:
+        ]
+        for path, body in calls:
             routed, direct = (_pool(u, path, body) for u in (r.url, real))
             assert routed.status_code == direct.status_code == 200, routed.text[:300]
             drop = ("id", "created")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import httpx
 from loadtest.real_vllm import MODEL, RealFleet
 from router.tokens.tokenizer import HfTokenizer
 from tests.helpers import wait_until
-from tests.real.support import Router, engine_url, full_hit, predicted_of, sse_events, words
+from tests.real.support import Router, engine_url, predicted_of, sse_events, words
 from tests.redis_server import RedisServer
 
 
@@ -74,7 +75,7 @@ def test_responses_chain_pinned_across_two_routers_sharing_redis(
             cached.append(engine_cached)
             nxt = routers[(turn + 1) % 2]  # the engine's events for this prompt reach the next router first
             wait_until(
-                lambda r=nxt, i=ids, rep=owner: r.predicted({"token_ids": i}, rep) == full_hit(len(i)),
+                partial(nxt.confirms, {"token_ids": ids}, owner, len(ids)),
                 timeout=15,
                 what="the served prompt confirmed in the next router's index",
             )

@@ -11,6 +11,7 @@ from fakes.engine_model import (
     PROFILES,
     BlockRemoved,
     BlockStored,
+    EngineEvent,
     EngineModel,
     EngineRequest,
     Finished,
@@ -28,11 +29,11 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rnd.randrange(50_000) for _ in range(n)]
 
 
-def _run(engine: EngineModel, until: float = math.inf) -> list:
+def _run(engine: EngineModel, until: float = math.inf) -> list[EngineEvent]:
     return engine.advance(until)
 
 
-def _first(events: list, rid: str) -> FirstToken:
+def _first(events: list[EngineEvent], rid: str) -> FirstToken:
     return next(e for e in events if isinstance(e, FirstToken) and e.request.request_id == rid)
 
 
@@ -169,7 +170,7 @@ def test_many_requests_all_complete_and_cache_stays_bounded() -> None:
     systems = [_prompt(100 + i, 2048) for i in range(4)]
     t = 0.0
     n = 120
-    events: list = []
+    events: list[EngineEvent] = []
     for i in range(n):
         t += rnd.expovariate(3.0)
         events += e.advance(t)
@@ -218,7 +219,7 @@ def test_decode_fast_path_matches_step_by_step() -> None:
     out = []
     for emit in (True, False):
         e = EngineModel("a100", num_gpu_blocks=5000, block_size=BS, emit_tokens=emit)
-        events: list = []
+        events: list[EngineEvent] = []
         for i, (t, p, o) in enumerate(reqs):
             events += e.advance(t)
             e.submit(EngineRequest(f"r{i}", p, o, token_ids=_prompt(500 + i, p)), t)

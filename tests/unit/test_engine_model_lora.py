@@ -8,7 +8,7 @@ import math
 import pytest
 
 from fakes.engine_lora import AdapterCache, LoraSettings
-from fakes.engine_model import EngineModel, EngineRequest, Finished, FirstToken
+from fakes.engine_model import EngineEvent, EngineModel, EngineRequest, Finished, FirstToken
 
 MB = 10**6
 
@@ -26,7 +26,7 @@ def _req(rid: str, lora: str | None, output: int = 50, prompt: int = 512) -> Eng
     return EngineRequest(rid, prompt, output, block_hashes=[], lora=lora)
 
 
-def _times(events: list, kind: type) -> dict[str, float]:
+def _times(events: list[EngineEvent], kind: type[FirstToken] | type[Finished]) -> dict[str, float]:
     return {e.request.request_id: e.time for e in events if isinstance(e, kind)}
 
 

@@ -10,7 +10,7 @@ from google.protobuf import struct_pb2
 from router.epp import codec
 
 
-def _meta(value: object) -> base_pb2.Metadata:
+def _meta(value: str | int | list[str]) -> base_pb2.Metadata:
     meta = base_pb2.Metadata()
     s = struct_pb2.Struct()
     s.update({codec.SUBSET_KEY: value})

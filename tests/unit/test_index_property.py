@@ -7,6 +7,8 @@ alphabets and 4 replicas must give identical match results, including tier split
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
+from unittest.mock import patch
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -114,7 +116,8 @@ def apply_op(idx: PrefixIndex, ref: Reference, clock: FakeClock, op: tuple[objec
     kind = op[0]
     if kind in ("store", "remove"):
         _, r, toks, t, skip = op
-        keys = block_keys(toks, BS, 7)[skip:]  # type: ignore[arg-type,misc]
+        # a store / remove op draws its tokens as a list of ints and its skip as an int
+        keys = block_keys(cast(list[int], toks), BS, 7)[cast(int, skip) :]
         if kind == "store":
             idx.store(r, None, keys, t)  # type: ignore[arg-type]
         else:
@@ -204,9 +207,11 @@ def test_budget_eviction_keeps_a_subset_of_the_reference(
     import index.budget as bu
     import index.prefix_index as pi
 
-    saved = (pi.EVICT_CHUNK, bu.EVICT_SAMPLE, bu.EVICT_WALK)
-    pi.EVICT_CHUNK, bu.EVICT_SAMPLE, bu.EVICT_WALK = 2, 4, 3
-    try:
+    with (
+        patch.object(pi, "EVICT_CHUNK", 2),
+        patch.object(bu, "EVICT_SAMPLE", 4),
+        patch.object(bu, "EVICT_WALK", 3),
+    ):
         clock = FakeClock()
         idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock, max_nodes=budget)
         idx.set_compaction(min_dead=1, chunk=chunk)
@@ -215,11 +220,11 @@ def test_budget_eviction_keeps_a_subset_of_the_reference(
             apply_op(idx, ref, clock, op)
             assert len(idx) <= budget
             idx.check_layout()
-            for toks in probes + ([op[1]] if op[0] == "match" else []):  # type: ignore[list-item]
+            # a match op's tokens (the shape the ops strategy draws)
+            matched: list[list[int]] = [cast(list[int], op[1])] if op[0] == "match" else []
+            for toks in probes + matched:
                 keys = block_keys(toks, BS, 7)
                 got = idx.match(keys)
                 want = ref.match(keys, None)
                 for r, m in got.items():
                     assert r in want and m.blocks <= want[r].blocks, (keys, got, want)
-    finally:
-        pi.EVICT_CHUNK, bu.EVICT_SAMPLE, bu.EVICT_WALK = saved

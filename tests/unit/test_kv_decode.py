@@ -37,13 +37,14 @@ def _map16(items: list[tuple[str, object]]) -> bytes:
 
 
 def _batch(events_bytes: list[bytes], ts: float = 1789095808.8378847, rank: object = 0) -> bytes:
-    return (
+    out: bytes = (
         b"\x93"
         + msgpack.packb(ts)
         + bytes([0x90 | len(events_bytes)])
         + b"".join(events_bytes)
         + msgpack.packb(rank)
     )
+    return out
 
 
 def _ok(res: object) -> DecodedBatch:
@@ -459,9 +460,9 @@ def _fuzz(n: int) -> settings:
 
 
 def _valid_payloads() -> list[bytes]:
-    from fakes.kv_publisher import PubCleared, PubRemoved, PubStored, encode_batch
+    from fakes.kv_publisher import PubCleared, PubEvent, PubRemoved, PubStored, encode_batch
 
-    evs = [
+    evs: list[PubEvent] = [
         PubStored([2**64 - 5, 7], None, TOKS * 2, 16, "gpu", "lora-a", "salt"),
         PubRemoved([7, 9], "cpu"),
         PubStored([11], 7, TOKS, 16, "cpu"),

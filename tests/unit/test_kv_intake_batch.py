@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import membership.kv_decode as kv_decode
-from fakes.kv_publisher import PubRemoved, PubStored, encode_batch
+from fakes.kv_publisher import PubEvent, PubRemoved, PubStored, encode_batch
 from index.prefix_index import PrefixIndex
 from membership.kv_decode import (
     DecodedBatch,
@@ -120,7 +120,7 @@ def test_the_publishers_vllm_batches_decode_as_one_at_a_time() -> None:
     """The stand-in's own vLLM 0.33 bytes (evictions one map per block, before the step's store)."""
     rng = random.Random(5)
     evicted = [rng.getrandbits(64) for _ in range(300)] + [7, 1 << 40]  # two written shorter than uint64
-    events = [
+    events: list[PubEvent] = [
         PubRemoved(evicted[:200]),
         PubRemoved(evicted[200:250], "cpu"),
         PubStored([11, 12], None, list(range(32)), 16),

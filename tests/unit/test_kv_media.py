@@ -18,7 +18,9 @@ from membership.kv_apply import BatchApplier, run_to_end
 from membership.kv_decode import (
     DEFAULT_LIMITS,
     MEDIUM_TO_TIER,
+    ClearedEvent,
     DecodedBatch,
+    Event,
     LocatedEvent,
     RemovedEvent,
     StoredEvent,
@@ -276,7 +278,13 @@ def llmd_storage_batch(stores: list[int], removes: list[int], medium: str = "SHA
         evs.append(msgpack.packb(["BlockStored", stores, 0, [], 0, None, medium], use_bin_type=True))
     if removes:
         evs.append(msgpack.packb(["BlockRemoved", removes, medium], use_bin_type=True))
-    return msgpack.packb([1.0, evs], use_bin_type=True)
+    out: bytes = msgpack.packb([1.0, evs], use_bin_type=True)
+    return out
+
+
+def _tier(e: Event) -> str | None:
+    """An event's tier (None for ``AllBlocksCleared``, which has none)."""
+    return None if isinstance(e, ClearedEvent) else e.tier
 
 
 def test_placeholder_events_are_decoded_as_location_only() -> None:
@@ -460,10 +468,10 @@ def test_stand_in_announces_any_medium(fmt: str, medium: str, locality: str | No
     b = decode_payload(payload)
     assert isinstance(b, DecodedBatch) and not b.dropped
     want = tier if (fmt != "sglang" or locality is None) else medium_to_tier(medium)
-    assert [e.tier for e in b.events] == [want, want]
+    assert [_tier(e) for e in b.events] == [want, want]
     store_only = encode_batch([PubRemoved([1], "cpu"), PubRemoved([2], "gpu")], fmt, 1.0, store_only=True)
     b2 = decode_payload(store_only)
-    assert isinstance(b2, DecodedBatch) and [e.tier for e in b2.events] == ["gpu"]
+    assert isinstance(b2, DecodedBatch) and [_tier(e) for e in b2.events] == ["gpu"]
     with pytest.raises(ValueError, match="TIER=MEDIUM"):
         parse_media(["cpu"])
 
@@ -474,10 +482,10 @@ def test_stand_in_image_blocks_carry_vllms_extra_keys(fmt: str) -> None:
     from index.hashing import MmItem, vllm_block_extra_keys
 
     items = [MmItem("img", 5, 20)]
-    mm = [
-        [(k[0], k[1]) for k in e if isinstance(k, tuple)] or None
-        for e in vllm_block_extra_keys(32, 16, items)
-    ]
+    mm = []
+    for e in vllm_block_extra_keys(32, 16, items):
+        assert e is not None  # the image covers both blocks
+        mm.append([(k[0], k[1]) for k in e if isinstance(k, tuple)] or None)
     payload = encode_batch([PubStored([1, 2], None, TOKS, 16, "gpu", "ad", "s", mm)], fmt, 1.0)
     b = decode_payload(payload)
     assert isinstance(b, DecodedBatch) and not b.dropped

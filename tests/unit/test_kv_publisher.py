@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import msgpack
 
-from fakes.kv_publisher import PubCleared, PubRemoved, PubStored, encode_batch, encode_event, wire_hash
+from fakes.kv_publisher import (
+    PubCleared,
+    PubEvent,
+    PubRemoved,
+    PubStored,
+    encode_batch,
+    encode_event,
+    wire_hash,
+)
 from membership.kv_decode import DecodedBatch, RemovedEvent, StoredEvent, decode_payload
 
 TOKS = list(range(16))
@@ -65,7 +73,10 @@ def test_sglang_int64_hashes_cpu_pinned_and_coalescing() -> None:
 
 
 def test_batches_round_trip_through_the_decoder() -> None:
-    evs = [PubStored([BIG, 3], None, TOKS * 2, 16, "gpu", "lora", "salt"), PubRemoved([3], "cpu")]
+    evs: list[PubEvent] = [
+        PubStored([BIG, 3], None, TOKS * 2, 16, "gpu", "lora", "salt"),
+        PubRemoved([3], "cpu"),
+    ]
     for fmt in ("vllm", "vllm-legacy", "sglang"):
         for hb in (False, True):
             b = decode_payload(encode_batch(evs, fmt, 2.5, 1, hb))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from typing import cast
 
 import msgpack
 import pytest
@@ -54,7 +55,7 @@ def test_the_stream_replays_onto_an_index_without_orphans_or_unknown_removals() 
     assert stats.events["BlockRemoved"] == s.cycle_removed * 2 + sum(
         len(e.hashes)
         for p in s.warm
-        for e in decode_payload(p).events  # type: ignore[union-attr]
+        for e in cast(DecodedBatch, decode_payload(p)).events  # every warm payload decoded to a batch above
         if isinstance(e, RemovedEvent)
     )
 

@@ -20,7 +20,7 @@ def test_zipf_popularity_sizes_and_conversations() -> None:
     reqs = lora_sessions(adapters=16, num_sessions=600, seed=1)
     assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
     sessions = Counter(r.session_id for r in reqs)
-    first = {}
+    first: dict[str | None, Request] = {}
     for r in reqs:
         first.setdefault(r.session_id, r)
     per_adapter = Counter(r.lora for r in first.values())

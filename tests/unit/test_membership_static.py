@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from membership.config import HealthConfig
-from membership.replicas import ReplicaState, ReplicaTable
+from membership.replicas import Replica, ReplicaState, ReplicaTable
 from membership.static import StaticMembership
 from policies.base import ReplicaProfile
 from router.config import Settings
@@ -129,6 +129,11 @@ async def test_never_up_stays_joining(refused_url: str) -> None:
         await sm.stop()
 
 
+def _state(rep: Replica) -> ReplicaState:
+    """The replica's state now (read through a call: an earlier assert on ``rep.state`` does not narrow it)."""
+    return rep.state
+
+
 async def test_unhealthy_after_failures_passive_included_then_back_after_successes(engine: Engine) -> None:
     table = ReplicaTable()
     sm = static(table, {"name": "e0", "url": engine.url})
@@ -141,14 +146,14 @@ async def test_unhealthy_after_failures_passive_included_then_back_after_success
         assert rep.state == ReplicaState.READY  # 2 failures < unhealthy_after
         assert sm.health_of("e0")["last_error"] == "HTTP 503"
         sm.report_failure("e0", "connection reset")  # the proxy's passive signal counts as the third
-        assert rep.state == ReplicaState.UNHEALTHY
+        assert _state(rep) == ReplicaState.UNHEALTHY
         assert sm.health_of("e0") == {
             "consecutive_failures": 3,
             "consecutive_successes": 0,
             "last_error": "connection reset",
         }
         engine.status = 200
-        assert await sm.probe(rep) and rep.state == ReplicaState.UNHEALTHY  # 1 success < healthy_after
+        assert await sm.probe(rep) and _state(rep) == ReplicaState.UNHEALTHY  # 1 success < healthy_after
         assert await sm.probe(rep) and rep.state == ReplicaState.READY
         sm.report_failure("unknown-replica")  # not ours: ignored
         assert table.get("unknown-replica") is None

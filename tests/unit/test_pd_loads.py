@@ -5,12 +5,13 @@ unknown."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
 import policies  # noqa: F401  (registers the policies)
 from policies.base import Candidate, LoadView, ReplicaProfile, RouteRequest
-from policies.pd_base import HandoffLink, PdCandidate, make_pd_policy
+from policies.pd_base import HandoffLink, PdCandidate, Role, make_pd_policy
 from policies.pd_common import gauge, read_loads
 
 PROFILE = ReplicaProfile(prefill_tokens_per_s=10_000.0, decode_step_s=0.02, decode_interference_s=0.001)
@@ -58,11 +59,18 @@ def test_pd_ttft_prices_a_broken_running_gauge_as_the_worst_known(bad: float) ->
     """A decode replica whose running-requests gauge is broken is priced as busy as the busiest known one (60
     running), and the plans stay sorted by predicted TTFT. Before: NaN gave a NaN plan that broke the ranking's
     order, infinity an infinite one, and -40 made the replica look less busy than one with 10 running."""
+    # Any: the broken gauge is a float where LoadView declares an int (what a bad scrape hands the policy)
+    rows: tuple[tuple[int, Role, Any], ...] = (
+        (0, "prefill", 0),
+        (1, "decode", bad),
+        (2, "decode", 10),
+        (3, "decode", 60),
+    )
     fleet = [
         PdCandidate(
             Candidate(i, f"r{i}", load=LoadView(0, running, 0, kv_usage=0.1), profile=DECODE), role=role
         )
-        for i, role, running in ((0, "prefill", 0), (1, "decode", bad), (2, "decode", 10), (3, "decode", 60))
+        for i, role, running in rows
     ]
     req = RouteRequest(model="m", prompt_tokens=4_000, block_keys=[], block_size=16)
     plans = make_pd_policy("pd_ttft").choose_plan(req, fleet, HandoffLink(25e9)).plans

@@ -119,9 +119,11 @@ def test_burst_spreads_over_prefill_replicas_when_both_legs_are_charged() -> Non
     and the 4 decode replicas; without the charge every one goes to prefill #0 (the sglang #27547 bug class)."""
     fleet = [cand(i, "prefill", A100) for i in range(4)] + [cand(4 + i, "decode", H20) for i in range(4)]
     pol = make_pd_policy("pd_ttft", decode_prefills=False)
-    prefills, decodes = [], []
+    prefills: list[int] = []
+    decodes = []
     for _ in range(8):
         plan = pol.choose_plan(req(4096), fleet, LINK).chosen
+        assert plan.prefill is not None  # every plan here has a prefill leg (the sort below relies on it)
         prefills.append(plan.prefill)
         decodes.append(plan.decode)
         for charge in plan_charges(plan):

@@ -61,7 +61,7 @@ def test_estimate_three_outcomes_for_a_partly_predicted_match() -> None:
     params = CostParams(p_confirmed=0.9, p_predicted=0.5, predicted_decay_s=0.0)
     est = estimate(2000, hit, 0.1, prof, 10_000.0, 0.0, params)
     t_all, t_conf, t_none = 0.1 + 0.1, 0.1 + 0.15, 0.1 + 0.2
-    assert (est.t_hit, est.t_miss) == (pytest.approx(t_all), pytest.approx(t_none))
+    assert est.t_hit == pytest.approx(t_all) and est.t_miss == pytest.approx(t_none)
     assert est.p == pytest.approx(0.45)
     assert est.expected == pytest.approx(0.45 * t_all + 0.45 * t_conf + 0.1 * t_none)
     assert est.tail == pytest.approx(t_none)  # p99: the 10 % "nothing left" outcome

@@ -4,6 +4,7 @@ impossible (overflow, negative, NaN) is excluded from the ranking and counted; t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,9 @@ REQ = RouteRequest(model="m", prompt_tokens=1024, block_keys=list(range(64)), bl
 #: full scoring, and pruning with one exact place (so three candidates are already pruned)
 PRUNE = pytest.mark.parametrize("prune", [False, True], ids=["full", "pruned"])
 
+#: an infinite gauge, where LoadView declares an int (Any: what a broken scrape hands the policy)
+INF: Any = math.inf
+
 
 def _policy(prune: bool) -> TTFTPolicy:
     return TTFTPolicy(prune=prune, exact_ranks=1, prune_min_candidates=0)
@@ -38,7 +42,7 @@ def _policy(prune: bool) -> TTFTPolicy:
         LoadView(queued_prefill_tokens=-(10**6), running_requests=0, kv_usage=0.0),
         LoadView(queued_requests=0, running_requests=-5, kv_usage=0.0),
         LoadView(queued_requests=0, running_requests=0, kv_usage=math.nan),
-        LoadView(queued_prefill_tokens=math.inf, running_requests=0, kv_usage=0.0),
+        LoadView(queued_prefill_tokens=INF, running_requests=0, kv_usage=0.0),
     ],
 )
 @PRUNE
@@ -57,7 +61,7 @@ def test_an_infinite_gauge_behind_a_tier_hit_is_excluded_not_chosen(prune: bool)
     """Infinite running requests with no decode interference make the queue wait NaN (inf x 0); a candidate whose
     match is in a lower tier combines it as ``max(Q, R)``, which dropped the NaN: the replica scored as idle and won
     (found by the pruning property test)."""
-    bad = LoadView(queued_requests=math.inf, running_requests=math.inf, kv_usage=0.0)
+    bad = LoadView(queued_requests=INF, running_requests=INF, kv_usage=0.0)
     cands = _cands(bad)
     cands[0] = Candidate(index=7, name="bad", load=bad, hit=PrefixHit(disk=512))
     assert cands[0].profile.decode_interference_s == 0.0

@@ -114,7 +114,7 @@ def test_tv2_overlap_rule() -> None:
             fetch_overlaps_queue=overlap,
         )
         t, r, c, usable = ttft_given(1100, 0, cpu_tokens, 0, 0, 0.080, prof, rate, 0.0)
-        assert (r, c, usable) == (pytest.approx(0.060), pytest.approx(0.010), 1000)
+        assert r == pytest.approx(0.060) and c == pytest.approx(0.010) and usable == 1000
         assert t == pytest.approx(expected)
 
 
@@ -425,10 +425,11 @@ def test_inline_fast_path_matches_the_reference_estimate() -> None:
         params = dict(p_confirmed=rng.choice([0.995, 0.9]), confirmed_decay_s=rng.choice([0.0, 300.0]))
         for objective in ("mean", "tail"):
             policy = TTFTPolicy(**params)  # type: ignore[arg-type]
-            req = RouteRequest(model="m", prompt_tokens=n, block_keys=[], objective=objective)  # type: ignore[arg-type]
+            req = RouteRequest(model="m", prompt_tokens=n, block_keys=[], objective=objective)
             s = policy.choose(req, [Candidate(0, "a", load, hit, prof)]).scores[0]
             pure = TTFTPolicy(work_weight=0.0, **params)  # type: ignore[arg-type]
             s0 = pure.choose(req, [Candidate(0, "a", load, hit, prof)]).scores[0]
+            assert load.queued_prefill_tokens is not None and load.running_requests is not None  # set above
             q = (load.queued_prefill_tokens + load.inflight_prefill_tokens) / prof.prefill_tokens_per_s + (
                 prof.decode_interference_s * load.running_requests
             )
@@ -719,7 +720,7 @@ def test_cache_first_policy_stays_with_the_holder_where_ttft_leaves_it() -> None
     assert isinstance(cache_first, TTFTPolicy) and cache_first.name == "ttft_cache_first"
     # a holder 3 s behind: ttft leaves it (its penalty is capped at 1 s), ttft_cache_first keeps every turn there
     assert set(_conversation(TTFTPolicy(p_confirmed=1.0), 30_000)) == {1}
-    assert _conversation(cache_first, 30_000) == [0] * 6  # type: ignore[arg-type]
+    assert _conversation(cache_first, 30_000) == [0] * 6
     # its decisions say which policy made them; a parameter given explicitly wins over its defaults
     req = RouteRequest(model="m", prompt_tokens=64, block_keys=[1, 2, 3, 4])
     assert cache_first.choose(req, [Candidate(0, "a"), Candidate(1, "b")]).policy == "ttft_cache_first"

@@ -47,7 +47,7 @@ def test_column_bounds_are_the_object_bounds_or_tighter_and_never_above_the_scor
 ) -> None:
     request, cands = data.draw(fleets(absurd=absurd))
     policy = TTFTPolicy(**{**params, "prune": False})
-    for obs in _observations(data.draw, cands, request.now):  # calibrated rates and overheads for some
+    for obs in _observations(data, cands, request.now):  # calibrated rates and overheads for some
         policy.observe(obs)
     terms = policy._bound_terms(request, need_e=True)
     if terms is None:
@@ -172,7 +172,7 @@ def test_decisions_on_columns_equal_full_scoring_on_random_fleets(
     for _ in range(data.draw(st.integers(1, 4))):
         request, cands = data.draw(fleets(absurd=absurd))
         twins.choose(request, cands)
-        for obs in _observations(data.draw, cands, request.now):
+        for obs in _observations(data, cands, request.now):
             twins.observe(obs)
 
 

@@ -287,17 +287,17 @@ def policy_params(draw: st.DrawFn) -> dict[str, Any]:
     return params
 
 
-def _observations(draw: st.DrawFn, cands: list[Candidate], now: float) -> list[Observation]:
+def _observations(data: st.DataObject, cands: list[Candidate], now: float) -> list[Observation]:
     return [
         Observation(
-            index=cands[draw(st.integers(0, len(cands) - 1))].index,
-            prompt_tokens=draw(st.integers(100, 8000)),
-            cached_tokens=draw(st.integers(0, 4000)),
-            queue_wait_s=draw(st.floats(0.0, 1.0)),
-            ttft_s=draw(st.floats(0.05, 5.0)),
+            index=cands[data.draw(st.integers(0, len(cands) - 1))].index,
+            prompt_tokens=data.draw(st.integers(100, 8000)),
+            cached_tokens=data.draw(st.integers(0, 4000)),
+            queue_wait_s=data.draw(st.floats(0.0, 1.0)),
+            ttft_s=data.draw(st.floats(0.05, 5.0)),
             now=now,
         )
-        for _ in range(draw(st.integers(0, 6)))
+        for _ in range(data.draw(st.integers(0, 6)))
     ]
 
 
@@ -312,7 +312,7 @@ def test_pruned_decisions_equal_full_scoring_on_random_fleets(
     for _ in range(data.draw(st.integers(1, 4))):
         request, cands = data.draw(fleets())
         twins.choose(request, cands)
-        for obs in _observations(data.draw, cands, request.now):
+        for obs in _observations(data, cands, request.now):
             twins.observe(obs)
 
 
@@ -408,8 +408,10 @@ def test_the_lowest_predicted_ttft_is_exact_under_a_target() -> None:
 def test_the_registered_policy_prunes_and_the_model_class_does_not() -> None:
     """``make_policy("ttft")`` (what the router and the simulator build) prunes; ``TTFTPolicy()`` (``pd_ttft``'s
     prefill model, which reads every candidate's terms) scores every candidate unless told otherwise."""
-    assert isinstance(make_policy("ttft"), PrunedTTFTPolicy) and make_policy("ttft").prune
-    assert make_policy("ttft", prune=False).prune is False
+    registered = make_policy("ttft")
+    assert isinstance(registered, PrunedTTFTPolicy) and registered.prune
+    unpruned = make_policy("ttft", prune=False)
+    assert isinstance(unpruned, TTFTPolicy) and unpruned.prune is False
     assert TTFTPolicy().prune is False and TTFTPolicy(prune=True).prune
     with pytest.raises(ValueError):
         TTFTPolicy(exact_ranks=0)
@@ -433,6 +435,7 @@ def test_a_pruned_decision_carries_the_contenders_and_the_whole_ranking() -> Non
     ]
     req = RouteRequest(model="m", prompt_tokens=4500, block_keys=list(range(281)))
     pruned = make_policy("ttft")
+    assert isinstance(pruned, TTFTPolicy)  # the registered ttft policy (the pruning counter is its own)
     d = pruned.choose(req, cands)
     f = TTFTPolicy().choose(req, cands)
     assert_same_decision(d, f, 3, None)
@@ -482,7 +485,7 @@ def test_pruned_decisions_equal_full_scoring_on_the_mooncake_trace(
             target = (None, 0.5, 3.0)[k % 3]
             return twins.choose(replace(request, ttft_target_s=target, priority=k % 2), candidates)
 
-    fleet.policy = _Policy(decide, twins.observe)  # type: ignore[assignment]
+    fleet.policy = _Policy(decide, twins.observe)
     fleet.next_scrape = reqs[0].arrival_s
     for req in reqs:
         fleet.run_until(req.arrival_s)

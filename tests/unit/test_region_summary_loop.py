@@ -14,7 +14,7 @@ import httpx
 import uvicorn
 
 from membership.replicas import ReplicaState
-from router.config import Settings
+from router.config import ReplicaSpec, Settings
 from router.http.app import create_app
 from router.services import Services, build_services
 from tests.helpers import wait_until
@@ -29,7 +29,7 @@ def _services() -> Services:
         tokenizer_mode="bytes",
         region="us",
         region_summary_refresh_s=0.001,  # every fetch rebuilds
-        replicas=[{"name": "e0", "url": "http://127.0.0.1:9", "model": "m"}],
+        replicas=[ReplicaSpec.model_validate({"name": "e0", "url": "http://127.0.0.1:9", "model": "m"})],
     )
     svc = build_services(settings)
     rep = svc.table.all()[0]

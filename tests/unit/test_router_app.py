@@ -4,6 +4,8 @@ OpenAPI. The router runs in-process on a real socket; engines are tiny real HTTP
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -52,7 +54,7 @@ def test_body_limit_413() -> None:
         r = httpx.post(router.url + "/v1/completions", json=big)
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
-        def chunks():  # no content-length: chunked transfer encoding
+        def chunks() -> Iterator[bytes]:  # no content-length: chunked transfer encoding
             for _ in range(10):
                 yield b" " * 500
 
@@ -148,6 +150,13 @@ def test_models_replicas_openapi() -> None:
         assert "DecisionOut" in schemas and "ErrorResponse" in schemas
         route_ok = spec["paths"]["/route"]["post"]["responses"]["200"]["content"]["application/json"]
         assert route_ok["schema"]["$ref"] == "#/components/schemas/DecisionOut"
+        # the routes that stream when asked document both answers (a streamed one is text/event-stream)
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate"):
+            ok = spec["paths"][path]["post"]["responses"]["200"]["content"]
+            assert set(ok) == {"application/json", "text/event-stream"}, path
+        assert set(spec["paths"]["/v1/embeddings"]["post"]["responses"]["200"]["content"]) == {
+            "application/json"
+        }
 
 
 def test_streams_count_against_the_router_limit_until_they_end() -> None:
@@ -189,7 +198,7 @@ def test_replicas_show_health_of_static_replicas() -> None:
     ):
         ready(router, 1)
 
-        def health() -> dict[str, dict[str, object]]:
+        def health() -> dict[str, dict[str, Any]]:
             reps = httpx.get(router.url + "/replicas").json()["replicas"]
             return {r["name"]: r["health"] for r in reps}
 

@@ -6,6 +6,7 @@ sheds; a lag from outside waits), ``Router`` accounting of n sequences, and unha
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -158,10 +159,11 @@ def test_json_depth_refused_alike_by_both_parse_paths() -> None:
         small = orjson.dumps(body)
         large = orjson.dumps({**body, "pad": "p" * 70_000})
         assert len(large) >= 64 * 1024
-        for raw, parse in (
+        paths: tuple[tuple[bytes, Callable[[bytes], object]], ...] = (
             (small, lambda r: parse_json(r, CompletionLike, LIMITS.max_json_depth)),
             (large, lambda r: scan_and_parse(r, CompletionLike, LIMITS, {})),
-        ):
+        )
+        for raw, parse in paths:
             if ok:
                 parse(raw)
             else:
@@ -216,7 +218,7 @@ def test_n_sequences_counted_in_flight_and_unhandled_errors_counted() -> None:
     st = EngineState()
     with ServerThread(tiny_engine(st)) as eng, router_for([eng.url]) as router:
         ready(router, 1)
-        svc = router.server.config.app.state.services
+        svc = router.app.state.services
         rep = svc.table.all()[0]
         inp = svc.router.make_input("m", None, [1] * 40, expected_output_tokens=10, copies=4)
         assert inp.copies == 4 and inp.expected_output_tokens == 40

@@ -13,7 +13,15 @@ import pytest
 from index.prefix_index import PrefixIndex
 from membership.replicas import ReplicaState, ReplicaTable
 from policies.base import Observation, RouteRequest, make_policy
-from policies.pd_base import HandoffLink, PdCandidate, Plan, PlanDecision, make_pd_policy, register_pd
+from policies.pd_base import (
+    DecodeLeg,
+    HandoffLink,
+    PdCandidate,
+    Plan,
+    PlanDecision,
+    make_pd_policy,
+    register_pd,
+)
 from router.config import ReplicaSpec
 from router.core.routing import NoReplica, Router, build_profile, decision_json, plan_json
 from tests.helpers import FakeClock
@@ -25,6 +33,12 @@ class _Seen:
     candidates: list[PdCandidate] = []
     link: HandoffLink | None = None
     request: RouteRequest | None = None
+
+
+def _legs(i: int) -> tuple[DecodeLeg, ...]:
+    """The decode legs the policy last saw on candidate ``i`` (read through a call: an earlier ``== ()`` assert
+    does not narrow the next decision's legs)."""
+    return _Seen.candidates[i].decode_legs
 
 
 @register_pd("pd_test_first_pair")
@@ -201,16 +215,16 @@ def test_dispatched_decode_legs_reach_the_policy_until_their_first_byte() -> Non
     clock.now += 0.1
     second = router.note_handoff(routed.plan.chosen, decode_tokens=1_000)
     router.decide(inp)
-    legs = sorted(_Seen.candidates[1].decode_legs, key=lambda leg: leg.eta_s)
+    legs = sorted(_legs(1), key=lambda leg: leg.eta_s)
     assert [leg.tokens for leg in legs] == [299, 1_000]
     assert [leg.eta_s for leg in legs] == pytest.approx([0.25, 0.35])
     assert _Seen.candidates[0].decode_legs == ()  # the prefill replica waits for none
     clock.now += 0.3  # the first leg's KV is due: handed over, waiting for its first round
     router.decide(inp)
-    assert sorted(leg.eta_s for leg in _Seen.candidates[1].decode_legs) == pytest.approx([0.0, 0.05])
+    assert sorted(leg.eta_s for leg in _legs(1)) == pytest.approx([0.0, 0.05])
     router.decode_leg_started(1, first)
     router.decide(inp)
-    assert [leg.tokens for leg in _Seen.candidates[1].decode_legs] == [1_000]
+    assert [leg.tokens for leg in _legs(1)] == [1_000]
     router.decode_leg_started(1, second)
     router.decode_leg_started(1, second)  # twice (a try's end after its first byte): no error
     assert router.decode_legs(1) == ()

@@ -50,6 +50,11 @@ class ServerThread:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def app(self) -> Any:
+        """The ASGI app being served, as given."""
+        return self.server.config.app
+
     def __enter__(self) -> ServerThread:
         self.thread.start()
         wait_until(lambda: self.server.started, timeout=10, what="server start")
@@ -346,7 +351,7 @@ def test_engine_4xx_is_passed_through_without_retry(good: tuple[EngineState, Ser
     bst = EngineState(mode="400")
     with ServerThread(tiny_engine(bst)) as bsrv, router_for([bsrv.url, gsrv.url]) as router:
         ready(router, 2)
-        codes = Counter()
+        codes: Counter[int] = Counter()
         for _ in range(2):
             r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
             codes[r.status_code] += 1
@@ -463,7 +468,7 @@ def test_panic_routing_serves_when_every_replica_looks_unhealthy(
     # probes every 60 s: the states set below stay as set during the test
     with router_for([refused, gsrv.url], "--probe-interval-s", "60") as router:
         wait_until(lambda: httpx.get(router.url + "/healthz").status_code == 200, timeout=10, what="up")
-        svc = router.server.config.app.state.services
+        svc = router.app.state.services
         svc.table.set_state("e0", ReplicaState.UNHEALTHY)  # really down
         svc.table.set_state("e1", ReplicaState.UNHEALTHY)  # a false positive
         for _ in range(3):
@@ -622,7 +627,7 @@ def test_tls_failure_to_a_ready_replica_is_a_clear_502(tmp_path: Any) -> None:
         router_for([eng.url], "--probe-interval-s", "60") as router,
     ):
         wait_until(lambda: httpx.get(router.url + "/healthz").status_code == 200, timeout=10, what="up")
-        svc = router.server.config.app.state.services
+        svc = router.app.state.services
         svc.table.set_state("e0", ReplicaState.READY)
         r = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
         assert r.status_code == 502, r.text

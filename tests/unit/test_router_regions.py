@@ -13,6 +13,7 @@ from membership.replicas import PEER_LABEL, REGION_LABEL, ReplicaState, ReplicaT
 from policies.base import Candidate, Decision, Observation, RouteRequest
 from policies.peer_summary import PeerSummary
 from policies.regions import RegionLadderPolicy, RegionLoad, RegionRefused
+from policies.ttft import TTFTPolicy
 from router.config import Settings
 from router.core.regions import (
     ALLOWED_REGIONS_HEADER,
@@ -34,9 +35,9 @@ from router.services import build_services
 
 def test_region_allowed_header_only_narrows_the_tenants_list() -> None:
     assert allowed_regions(None, None) is None
-    assert allowed_regions(["eu"], None) == {"eu"}
-    assert allowed_regions(None, "eu, us") == {"eu", "us"}
-    assert allowed_regions(["eu"], "eu,us") == {"eu"}  # a header cannot widen
+    assert allowed_regions(["eu"], None) == frozenset({"eu"})
+    assert allowed_regions(None, "eu, us") == frozenset({"eu", "us"})
+    assert allowed_regions(["eu"], "eu,us") == frozenset({"eu"})  # a header cannot widen
     assert allowed_regions(["eu"], "us") == frozenset()  # nothing left: refused by the ladder
     assert parse_regions(" , ") == frozenset()
 
@@ -73,7 +74,7 @@ def test_region_tenant_allowed_regions_parsed_and_checked() -> None:
         client_keys_required=False,
         inflight_limit=1,
     )
-    assert cfg.tenants["t"].allowed_regions == {"eu"}
+    assert cfg.tenants["t"].allowed_regions == frozenset({"eu"})
     assert cfg.default_policy.allowed_regions is None
     with pytest.raises(ValueError, match="allowed_regions"):
         TenancyConfig.from_settings(
@@ -101,7 +102,9 @@ class _Recorder:
         self.seen: list[Observation] = []
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        return Decision(chosen=candidates[0].index, ranking=[c.index for c in candidates], policy=self.name)
+        return Decision(
+            chosen=candidates[0].index, ranking=[c.index for c in candidates], scores=[], policy=self.name
+        )
 
     def observe(self, observation: Observation) -> None:
         self.seen.append(observation)
@@ -153,7 +156,7 @@ def test_region_peer_queue_reads_back_at_the_calibrated_rate() -> None:
     local = table.upsert("e0", "http://127.0.0.1:9000")
     peer = table.upsert("region-eu", "http://127.0.0.1:9001", labels={REGION_LABEL: "eu", PEER_LABEL: "true"})
     for rep in (local, peer):
-        rep.models = {"m"}
+        rep.models = ["m"]
         table.set_state(rep.name, ReplicaState.READY)
     matrix = latency_matrix({"us": {"eu": 80}}, 1.0, "us")
     policy = RegionLadderPolicy.with_ttft(matrix, "us", calibration_min_samples=4)
@@ -164,6 +167,7 @@ def test_region_peer_queue_reads_back_at_the_calibrated_rate() -> None:
         router.observe(
             Observation(index=peer.index, prompt_tokens=n, cached_tokens=0, queue_wait_s=0.0, ttft_s=n / fast)
         )
+    assert isinstance(policy.inner, TTFTPolicy)  # with_ttft: the ladder around a ttft policy
     calibrated = policy.inner.calibrated(peer.index)
     assert calibrated is not None and calibrated[0] == pytest.approx(fast, rel=0.05)
     views = PeerViews(15.0, 0.3, 3, lambda: 0.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -11,6 +12,7 @@ from index.prefix_index import PrefixIndex
 from membership.replicas import REGION_LABEL, ReplicaState, ReplicaTable
 from policies.base import NO_HIT, make_policy
 from policies.candidates import rows_of
+from policies.hits import hit_from_match, usable_cached_tokens
 from router.core.routing import (
     BUILTIN_PROFILES,
     BadRequest,
@@ -20,8 +22,6 @@ from router.core.routing import (
     UnknownModel,
     build_profile,
     decision_json,
-    hit_from_match,
-    usable_cached_tokens,
 )
 from router.engine.proxy import AttemptRun
 from tests.helpers import FakeClock
@@ -30,7 +30,7 @@ BS = 16
 
 
 def make_router(
-    n: int = 3, policy: str = "ttft", predict_mode: str = "auto", events: set[int] | None = None, **kw: object
+    n: int = 3, policy: str = "ttft", predict_mode: str = "auto", events: set[int] | None = None, **kw: Any
 ) -> Router:
     clock = FakeClock()
     table = ReplicaTable()
@@ -48,7 +48,7 @@ def make_router(
         events_healthy=lambda rep: rep.index in healthy,
         clock=clock,
         **kw,
-    )  # type: ignore[arg-type]
+    )
 
 
 def prompt(n: int, base: int = 1) -> list[int]:

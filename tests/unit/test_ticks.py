@@ -160,6 +160,9 @@ class _RecordingClient:
         self.at.append(asyncio.get_running_loop().time())
         return _Page()
 
+    async def aclose(self) -> None:
+        """Part of the probe-client shape; an injected client is never closed by the checker."""
+
 
 async def test_health_rounds_on_the_periods_multiples_and_a_wake_keeps_them() -> None:
     """One probe round per due time (a timer that fires a hair early does not run a second round), and a passive

@@ -372,7 +372,8 @@ def test_an_audit_that_disagrees_turns_the_cache_off_and_returns_the_whole_ids()
 
 
 def _json(tok: Tokenizer) -> dict[str, Any]:
-    return json.loads(tok.to_str())
+    out: dict[str, Any] = json.loads(tok.to_str())
+    return out
 
 
 def test_structure_check_refuses_non_local_tokenizers() -> None:

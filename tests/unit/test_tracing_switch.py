@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 from tests.helpers import REPO
 
@@ -22,7 +23,7 @@ print(json.dumps({
 """
 
 
-def _probe(**settings: object) -> dict[str, object]:
+def _probe(**settings: object) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(settings)],
         capture_output=True,
