@@ -258,9 +258,9 @@ _SSE_EVENT: dict[str, Any] = {
         "retry": {"type": "integer"},
     },
 }
-#: the routes that stream when the body asks (``"stream": true``): their answer is JSON, or server-sent events
-_STREAMED_ROUTES = frozenset({*GENERATION_ROUTES, "/v1/responses", "/generate"})
-#: what such a route documents: ``_ROUTE_ERRORS`` and a 200 in either content type
+#: the engine routes that stream when the body asks (``"stream": true``), besides the two generation routes
+_STREAMED_KINDS = frozenset({Kind.RESPONSES, Kind.SGLANG_GENERATE})
+#: what a route that streams documents: ``_ROUTE_ERRORS`` and a 200 as JSON or server-sent events
 _STREAMED_RESPONSES: dict[int | str, dict[str, Any]] = {
     **_ROUTE_ERRORS,
     200: {
@@ -805,7 +805,7 @@ def _add_engine_routes(app: _KvrouteApp, dp: _DataPlane) -> None:
             path,
             dp.engine_route,
             methods=["POST"],
-            responses=_STREAMED_RESPONSES if path in _STREAMED_ROUTES else _ROUTE_ERRORS,
+            responses=_STREAMED_RESPONSES if kind in _STREAMED_KINDS else _ROUTE_ERRORS,
             response_model=None,
             openapi_extra=_MULTIPART_DOC
             if kind is Kind.MULTIPART

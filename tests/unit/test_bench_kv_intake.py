@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from index.hashing import block_keys
-from loadtest.bench_kv_intake import BLOCK, MODEL, Workload, build_payloads, floor_apply, main, run_intake
+from loadtest.bench_kv_intake import (
+    BLOCK,
+    MODEL,
+    Workload,
+    build_payloads,
+    decode_all,
+    floor_apply,
+    main,
+    run_intake,
+)
 from membership.kv_apply import chain_seed
 
 #: a few conversations over two engines whose caches overflow (so removals are applied too)
@@ -20,7 +29,7 @@ def test_floor_holds_exactly_the_blocks_the_index_holds() -> None:
     assert (
         sum(s.removed_blocks for s in stats) > 0
     )  # the workload evicts: removals are part of the comparison
-    took, ids = floor_apply(payloads, SMALL.engines, warm)
+    took, ids = floor_apply(decode_all(payloads), SMALL.engines, warm)
     seed = chain_seed(MODEL, None, None)
     workload_keys = {k for toks in conversations for k in block_keys(toks, BLOCK, seed)}
     held = {k for k in workload_keys if k in index}
