@@ -28,7 +28,9 @@ events identically, whatever their internals. ``--ab OLD_TREE`` runs this benchm
 tree's ``index`` and ``membership`` and as many times with OLD_TREE's, alternating, each run in a fresh process;
 it prints both sides' figures (median, min, max) and whether every run's digest is the same. ``--floor`` adds
 ``floor_apply_us_per_request``: the same decoded batches applied to nothing but the two maps any block index keeps
-(``floor_apply``), the part of the apply no index layout written in Python gets under. ``--storm`` runs
+(``floor_apply``), the part of the apply no index layout written in Python gets under. With the compiled decoder
+built (``membership._kv_native``, which ``decode_us_per_request`` uses), ``decode_python_us_per_request`` is the
+Python decoder's time on the same payloads, for comparison in one run. ``--storm`` runs
 ``loadtest.kv_storm`` (the event storm against a real router process). Not part of the test suite (timings on
 shared machines are noisy).
 """
@@ -46,7 +48,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,7 +59,14 @@ from index.hashing import block_keys, block_keys_array, pack_array
 from index.prefix_index import PrefixIndex
 from index.types import BlockKey
 from membership.kv_apply import BatchApplier, chain_seed, run_to_end
-from membership.kv_decode import DEFAULT_LIMITS, DecodedBatch, RemovedEvent, StoredEvent, decode_payload
+from membership.kv_decode import (
+    DEFAULT_LIMITS,
+    DecodedBatch,
+    RemovedEvent,
+    StoredEvent,
+    decode_payload,
+    native_decoder,
+)
 from membership.kv_sequencer import FeedStats
 
 BLOCK = 16
@@ -175,6 +184,20 @@ def run_intake(
     return dec, app, index, stats
 
 
+def python_decode_cpu(payloads: list[tuple[int, bytes]], warm: int) -> float:
+    """CPU seconds of decoding the payloads from ``warm`` on with the Python decoder alone (``native=False``): the
+    figure the compiled decoder (``membership._kv_native``) is compared with, in the same run."""
+    limits = replace(DEFAULT_LIMITS, native=False)
+    clock = time.thread_time
+    took = 0.0
+    for seq, (_, payload) in enumerate(payloads[warm:], start=warm):
+        t0 = clock()
+        batch = decode_payload(payload, seq=seq, limits=limits)
+        took += clock() - t0
+        assert isinstance(batch, DecodedBatch), batch
+    return took
+
+
 def decode_all(payloads: list[tuple[int, bytes]]) -> list[tuple[int, DecodedBatch]]:
     """Every payload decoded, with its engine (the input of ``floor_apply``)."""
     out = []
@@ -280,6 +303,10 @@ def measure(w: Workload, repeat: int, floor: bool = False) -> dict[str, Any]:
             "index_module": sys.modules[PrefixIndex.__module__].__file__,
         }
     assert best is not None
+    if native_decoder():
+        took = min(python_decode_cpu(payloads, warm) for _ in range(max(1, repeat)))
+        result["decode_python_us_per_request"] = round(took / w.requests * 1e6, 1)
+    result["native_decoder"] = native_decoder()
     if floor:
         batches = decode_all(payloads)
         took = min(floor_apply(batches, w.engines, warm)[0] for _ in range(max(1, repeat)))

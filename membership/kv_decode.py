@@ -49,6 +49,11 @@ import xxhash
 
 from index.hashing import MmStart
 
+try:  # built by ``pip install -e .`` (setup.py) in ``make venv``; without a C compiler every batch decodes in Python
+    from membership import _kv_native
+except ImportError:  # pragma: no cover - an install without the compiled module
+    _kv_native = None  # type: ignore[assignment]
+
 #: the replay end marker's sequence frame (seq = -1 as a signed 8-byte big-endian int)
 END_SEQ_FRAME = b"\xff" * 8
 END_SEQ = (1 << 64) - 1
@@ -100,6 +105,9 @@ class DecodeLimits:
             what the parser itself allocates); more -> ``decoded_too_large``.
         media: engine medium (upper-cased, optionally ``MEDIUM/LOCALITY``) -> tier; a medium it does not know
             drops the event (``unknown_medium``).
+        native: decode batches in the engines' common form with the compiled ``membership._kv_native`` when it
+            is built (the same batches as the Python decoder's, ~4x less CPU: ``native_decoder``); False: always
+            in Python (tests compare the two).
     """
 
     max_payload_bytes: int = 64 << 20
@@ -111,6 +119,7 @@ class DecodeLimits:
     group_idx: int | None = 0
     max_decoded_bytes: int = 1 << 62
     media: Mapping[str, str] = field(default_factory=lambda: MEDIUM_TO_TIER)
+    native: bool = True
 
 
 DEFAULT_LIMITS = DecodeLimits()
@@ -610,6 +619,10 @@ def _decode_payload(
         return DecodeFailure("empty_payload", "", seq)
     if len(payload) > limits.max_payload_bytes:
         return DecodeFailure("payload_too_large", f"{len(payload)} bytes", seq)
+    if limits.native and _kv_native is not None and (not slice_units or len(payload) <= _INCREMENTAL_BYTES):
+        fast = _decode_native(payload, seq, topic, limits)
+        if fast is not None:
+            return fast
     try:
         parse = _open_batch(payload, limits.max_decoded_bytes)
     except _BadBatch as bad:
@@ -638,6 +651,80 @@ def _decode_payload(
     except Exception as exc:
         return _bad_msgpack(exc, seq)
     batch.dp_rank = rank_raw if isinstance(rank_raw, int) and not isinstance(rank_raw, bool) else None
+    return batch
+
+
+def native_decoder() -> bool:
+    """Whether the compiled decoder (``membership._kv_native``) is built: batches in the engines' common form
+    (maps of ``BlockStored`` with token ids, ``BlockRemoved``, ``AllBlocksCleared``; no extra keys, media the
+    table spells exactly, no locality) are then decoded in C, every other batch in Python, with the same result."""
+    return _kv_native is not None
+
+
+#: the ``(key, tier)`` of an event without a medium, for the compiled decoder
+_NO_MEDIUM_ENTRY = (NO_MEDIUM, "gpu")
+_I64_MAX = (1 << 63) - 1
+#: ``id(media)`` -> (that media table, its spellings for the compiled decoder); a fleet has one or two tables
+_NATIVE_MEDIA: dict[int, tuple[Mapping[str, str], dict[str, tuple[str, str]]]] = {}
+
+
+def _native_media(media: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The medium spellings the compiled decoder accepts (the table's keys that ``medium_key`` gives back as they
+    are: upper-case, stripped, no locality) -> ``(key, tier)``; any other spelling goes the Python way."""
+    hit = _NATIVE_MEDIA.get(id(media))
+    if hit is not None and hit[0] is media:
+        return hit[1]
+    table = {k: (k, t) for k, t in media.items() if "/" not in k and k.strip().upper() == k}
+    if len(_NATIVE_MEDIA) >= 16:
+        _NATIVE_MEDIA.clear()
+    _NATIVE_MEDIA[id(media)] = (media, table)
+    return table
+
+
+def _decode_native(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits) -> DecodedBatch | None:
+    """The batch decoded by ``membership._kv_native`` (see its C source's docstring), or None when the batch is
+    not in the common form (the Python decoder then decodes it: same result either way)."""
+    assert _kv_native is not None
+    most = max(16, min(len(payload), limits.max_decoded_bytes // HASH_COST))
+    out = _kv_native.decode(
+        payload,
+        min(most, _I64_MAX),
+        min(limits.max_events, _I64_MAX),
+        min(limits.max_hashes, _I64_MAX),
+        min(limits.max_tokens, _I64_MAX),
+        min(limits.max_block_size, _I64_MAX),
+        limits.group_idx,
+        _native_media(limits.media),
+        _NO_MEDIUM_ENTRY,
+        min(limits.max_decoded_bytes, _I64_MAX),
+    )
+    if out is None:
+        return None
+    ts_raw, raw_events, rank = out
+    events: list[Event] = []
+    for e in raw_events:
+        if e[0] == 0:
+            _, hashes, parent, tokens, block_size, key, tier, lora_name, lora_id = e
+            events.append(
+                StoredEvent(
+                    hashes, parent, array("I", tokens), block_size, tier, lora_name, lora_id, medium=key
+                )
+            )
+        elif e[0] == 1:
+            events.append(RemovedEvent(e[1], e[3], e[4], e[2]))
+        else:
+            events.append(ClearedEvent())
+    ts = float(ts_raw) if ts_raw is not None and math.isfinite(float(ts_raw)) else None
+    batch = DecodedBatch(
+        seq=seq,
+        topic=topic,
+        ts=ts,
+        dp_rank=rank if type(rank) is int else None,
+        events=events,
+        payload_digest=payload_digest(payload),
+    )
+    if ts is None:
+        batch.notes["missing_ts"] += 1
     return batch
 
 

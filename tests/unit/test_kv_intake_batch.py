@@ -5,6 +5,7 @@ payload's bytes (``kv_decode._RemovalForm``), and removals applied in whatever o
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -15,6 +16,7 @@ import membership.kv_decode as kv_decode
 from fakes.kv_publisher import PubEvent, PubRemoved, PubStored, encode_batch
 from index.prefix_index import PrefixIndex
 from membership.kv_decode import (
+    DEFAULT_LIMITS,
     DecodedBatch,
     DecodeFailure,
     DecodeLimits,
@@ -113,6 +115,8 @@ def test_removal_runs_read_from_the_bytes_decode_as_one_at_a_time(
     as_array = msgpack.packb([1.5, events, 3])
     as_map = msgpack.packb({"ts": 1.5, "events": events, "data_parallel_rank": 3})
     want = _view(decode_payload(as_map, limits=limits))
+    # the Python decoder's bytes path, and the compiled decoder where it takes the batch
+    assert _view(_run_steps(as_array, replace(limits, native=False), slice_units)) == want
     assert _view(_run_steps(as_array, limits, slice_units)) == want
 
 
@@ -152,10 +156,12 @@ def test_a_run_of_removals_is_checked_once_not_per_block(monkeypatch: Any) -> No
     monkeypatch.setattr(kv_decode, "_removed_medium", counting)
     rng = random.Random(1)
     hashes = [rng.getrandbits(64) | 1 << 63 for _ in range(500)]
-    got = decode_payload(encode_batch([PubRemoved(hashes)], "vllm", 1.0))
+    payload = encode_batch([PubRemoved(hashes)], "vllm", 1.0)
+    got = decode_payload(payload, limits=replace(DEFAULT_LIMITS, native=False))  # the Python decoder's way
     assert isinstance(got, DecodedBatch)
     assert [(e.hashes, e.count) for e in got.events] == [(hashes, 500)]  # type: ignore[union-attr]
     assert calls == 1
+    assert decode_payload(payload) == got  # the compiled decoder's, the same
 
 
 # -- the index: removals in any order --------------------------------------------------------------------------
