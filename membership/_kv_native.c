@@ -49,6 +49,10 @@ typedef struct {
     PyObject *media;     /* dict: medium spelling -> (key, tier) */
     PyObject *no_medium; /* (key, tier) of an event without a medium */
     long long max_cost;
+    /* the last medium spelling looked up (bytes in the payload) and its entry: a batch names one or two */
+    const char *last_medium;
+    Py_ssize_t last_medium_len;
+    PyObject *last_entry;
 } Limits;
 
 static int need(Cur *c, Py_ssize_t n) { return (c->end - c->p) >= n ? OK : DECLINE; }
@@ -247,17 +251,24 @@ decline:
 }
 
 /* A medium: nil -> no_medium; a spelling in the table -> its (key, tier); anything else DECLINE. Borrowed. */
-static int read_medium(Cur *c, const Limits *L, PyObject **entry) {
+static int read_medium(Cur *c, Limits *L, PyObject **entry) {
     if (is_nil(c)) { c->p += 1; *entry = L->no_medium; return OK; }
     const char *s;
     Py_ssize_t n;
     PyObject *o;
     int r;
     if ((r = read_str(c, &s, &n)) != OK) return r;
+    if (L->last_entry != NULL && n == L->last_medium_len && memcmp(s, L->last_medium, (size_t)n) == 0) {
+        *entry = L->last_entry;
+        return OK;
+    }
     if ((r = str_object(s, n, &o)) != OK) return r;
     PyObject *e = PyDict_GetItemWithError(L->media, o);
     Py_DECREF(o);
     if (e == NULL) return PyErr_Occurred() ? ERR : DECLINE;
+    L->last_medium = s;
+    L->last_medium_len = n;
+    L->last_entry = e;
     *entry = e;
     return OK;
 }
@@ -327,7 +338,7 @@ static int read_extra(Cur *c, Ev *e) {
 }
 
 /* One field of an event map (key already read). A field the kind does not read is skipped, as Python ignores it. */
-static int read_field(Cur *c, const Limits *L, Ev *e, const char *k, Py_ssize_t kn, int *seen) {
+static int read_field(Cur *c, Limits *L, Ev *e, const char *k, Py_ssize_t kn, int *seen) {
     int bit = 0, r;
     uint64_t v;
     int neg;
@@ -407,7 +418,7 @@ static int read_kind(Cur *c, int *kind) {
 
 /* One event map. Its "type" may come anywhere: the fields before it are read for a BlockStored (the widest set)
  * and the map is read again once the kind is known. */
-static int read_event(Cur *c, const Limits *L, Ev *e) {
+static int read_event(Cur *c, Limits *L, Ev *e) {
     Py_ssize_t n;
     int r;
     if ((r = container(c, 1, &n)) != OK) return r; /* positional arrays (vLLM <= 0.23): Python's way */
@@ -514,7 +525,7 @@ static int read_scalar(Cur *c, PyObject **out) {
     return *out == NULL ? ERR : OK;
 }
 
-static int read_events(Cur *c, const Limits *L, PyObject *events) {
+static int read_events(Cur *c, Limits *L, PyObject *events) {
     Py_ssize_t n;
     int r;
     if ((r = container(c, 0, &n)) != OK) return r;
@@ -530,7 +541,8 @@ static int read_events(Cur *c, const Limits *L, PyObject *events) {
             Py_ssize_t k = PyList_GET_SIZE(e.hashes);
             cost += (long long)HASH_COST * k;
             if (run != NULL && e.medium == run_medium) {
-                if (PyList_SetSlice(run, PyList_GET_SIZE(run), PyList_GET_SIZE(run), e.hashes) < 0) {
+                if (k == 1 ? PyList_Append(run, PyList_GET_ITEM(e.hashes, 0)) < 0
+                           : PyList_SetSlice(run, PyList_GET_SIZE(run), PyList_GET_SIZE(run), e.hashes) < 0) {
                     r = ERR;
                     goto fail;
                 }
@@ -577,6 +589,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     PyObject *result = NULL, *ts = NULL, *rank = NULL, *events = NULL;
     int r = DECLINE;
     if (PyTuple_GET_SIZE(L.no_medium) != 2) goto done;
+    L.last_medium = NULL;
+    L.last_medium_len = 0;
+    L.last_entry = NULL;
     L.has_group = group != Py_None;
     L.group_idx = 0;
     if (L.has_group) {
