@@ -65,6 +65,7 @@ from membership.kv_decode import (
     DecodeFailure,
     DecodeLimits,
     ReplayEnd,
+    native_decoder,
     payload_digest,
     split_live_frames,
     split_replay_frames,
@@ -656,6 +657,11 @@ class KVEventSubscriber:
 
     async def start(self) -> None:
         """Start (idempotent); feeds added before start begin now."""
+        if not self._running and not native_decoder():
+            log.warning(
+                "the compiled KV-event decoder (membership._kv_native) is not built: every batch is decoded in "
+                "Python (~3.5x its CPU); install kvroute where a C compiler and the Python headers are present"
+            )
         self._loop = asyncio.get_running_loop()
         self._running = True
         for feed in self._feeds.values():

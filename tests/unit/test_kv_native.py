@@ -403,3 +403,29 @@ def test_hash_extremes() -> None:
         res, took = same(body.replace(b"\xcf" + struct.pack(">Q", 12345678901), packed, 1))
         assert took and isinstance(res, DecodedBatch)
         assert 2**63 <= res.events[0].hashes[0] < 2**64  # type: ignore[union-attr]
+
+
+def test_a_router_without_the_compiled_decoder_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An install that could not build it (no C compiler) still decodes every batch, and logs why it costs more."""
+    import asyncio
+
+    from index.prefix_index import PrefixIndex
+    from membership.kv_events import KVEventSubscriber
+
+    async def start_stop() -> None:
+        sub = KVEventSubscriber(PrefixIndex(block_size=16))
+        await sub.start()
+        await sub.stop()
+
+    with caplog.at_level("WARNING", logger="kvroute.kv_events"):
+        asyncio.run(start_stop())
+    assert not [r for r in caplog.records if "_kv_native" in r.getMessage()]
+    monkeypatch.setattr(kd, "_kv_native", None)
+    assert not native_decoder()
+    with caplog.at_level("WARNING", logger="kvroute.kv_events"):
+        asyncio.run(start_stop())
+    assert [r for r in caplog.records if "_kv_native" in r.getMessage()]
+    res = decode_payload(_pack([_event()]))  # the Python decoder's, with native left on
+    assert isinstance(res, DecodedBatch) and len(res.events) == 1
