@@ -34,7 +34,7 @@ from membership.kv_decode import (
 
 TOKS = list(range(100, 116))  # one 16-token block
 REAL_FRAMES = (
-    Path(__file__).resolve().parents[3] / "shared/reference/real-vllm/vllm-0.32.0-cpu-kv-frames.jsonl"
+    Path(__file__).resolve().parents[1] / "fixtures" / "real_vllm" / "vllm-0.32.0-cpu-kv-frames.jsonl"
 )
 
 
