@@ -28,6 +28,11 @@ Wire forms accepted (see ``../shared/reference/engine-wire-facts.md``):
   pages); EAGLE bigram token pairs ``[[a, b], ...]`` (first element of each pair kept, or the event skipped,
   see ``DecodeLimits.bigram``).
 
+Batches in the engines' common form (maps of ``BlockStored`` with token ids, ``BlockRemoved``,
+``AllBlocksCleared``; see ``native_decoder``) are decoded by the compiled ``membership._kv_native`` when it is built
+(``setup.py``; ~3.5x less CPU, the token ids read straight into uint32s); it declines every other batch, which is
+decoded here, so the result is this module's in every case (``tests/unit/test_kv_native.py``).
+
 Units: ``block_size`` is tokens per engine block (page); hashes are engine block hashes (ints), never our keys.
 """
 
