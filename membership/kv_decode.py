@@ -111,7 +111,7 @@ class DecodeLimits:
         media: engine medium (upper-cased, optionally ``MEDIUM/LOCALITY``) -> tier; a medium it does not know
             drops the event (``unknown_medium``).
         native: decode batches in the engines' common form with the compiled ``membership._kv_native`` when it
-            is built (the same batches as the Python decoder's, ~4x less CPU: ``native_decoder``); False: always
+            is built (the same batches as the Python decoder's, ~3.5x less CPU: ``native_decoder``); False: always
             in Python (tests compare the two).
     """
 
@@ -661,8 +661,9 @@ def _decode_payload(
 
 def native_decoder() -> bool:
     """Whether the compiled decoder (``membership._kv_native``) is built: batches in the engines' common form
-    (maps of ``BlockStored`` with token ids, ``BlockRemoved``, ``AllBlocksCleared``; no extra keys, media the
-    table spells exactly, no locality) are then decoded in C, every other batch in Python, with the same result."""
+    (maps of ``BlockStored`` with token ids, ``BlockRemoved``, ``AllBlocksCleared``; extra keys none or the LoRA
+    adapter's name, media the table spells exactly, no locality) are then decoded in C, every other batch in
+    Python, with the same result."""
     return _kv_native is not None
 
 
