@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import orjson
+from hypothesis import settings
 
 from fakes.ports import free_port as free_port  # re-exported: the tests take it from here
 from sim.workload import TRACE_NAME, find_trace, trace_dirs
@@ -323,4 +324,34 @@ def shared_trace(name: str = TRACE_NAME) -> Path:
         return found
     pytest.skip(
         f"the trace {name} is not in {', '.join(str(d) for d in trace_dirs())} (set KVROUTE_TRACE_DIR)"
+    )
+
+
+def byte_flips(max_pos: int, max_size: int) -> Any:
+    """A hypothesis strategy of ``(position, byte)`` changes for ``flipped`` (decoder fuzzing)."""
+    from hypothesis import strategies as st
+
+    return st.lists(
+        st.tuples(st.integers(min_value=0, max_value=max_pos), st.integers(min_value=0, max_value=255)),
+        max_size=max_size,
+    )
+
+
+def flipped(payload: bytes, flips: Sequence[tuple[int, int]]) -> bytes:
+    """``payload`` with byte ``pos % len(payload)`` set to ``value`` for each ``(pos, value)`` of ``flips``."""
+    data = bytearray(payload)
+    for pos, val in flips:
+        data[pos % len(data)] = val
+    return bytes(data)
+
+
+def fuzz_settings(examples: int) -> settings:
+    """Hypothesis settings of the decoder fuzz tests: ``examples`` cases, no deadline, no example database."""
+    from hypothesis import HealthCheck
+
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )

@@ -6,7 +6,7 @@ import struct
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from membership.kv_decode import (
@@ -22,6 +22,7 @@ from membership.kv_decode import (
     decode_replay_frames,
     medium_to_tier,
 )
+from tests.helpers import byte_flips, flipped, fuzz_settings
 
 TOKS = list(range(100, 116))  # one 16-token block
 SEQ7 = struct.pack(">Q", 7)
@@ -450,13 +451,7 @@ _event = st.one_of(
 )
 
 
-def _fuzz(n: int) -> settings:
-    return settings(
-        max_examples=n,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+_fuzz = fuzz_settings
 
 
 def _valid_payloads() -> list[bytes]:
@@ -512,20 +507,11 @@ def test_fuzz_truncated_and_arbitrary_payloads(obj: object, cut: int) -> None:
 
 
 @_fuzz(5000)
-@given(
-    st.sampled_from(_VALID),
-    st.lists(
-        st.tuples(st.integers(min_value=0, max_value=1 << 12), st.integers(min_value=0, max_value=255)),
-        max_size=6,
-    ),
-    st.integers(min_value=0, max_value=1 << 12),
-)
+@given(st.sampled_from(_VALID), byte_flips(1 << 12, 6), st.integers(min_value=0, max_value=1 << 12))
 def test_fuzz_mutated_engine_payloads(payload: bytes, flips: list[tuple[int, int]], cut: int) -> None:
-    data = bytearray(payload)
-    for pos, val in flips:
-        data[pos % len(data)] = val
-    _check(decode_live_frames([b"topic", SEQ7, bytes(data)]))
-    _check(decode_payload(bytes(data[:cut])))
+    data = flipped(payload, flips)
+    _check(decode_live_frames([b"topic", SEQ7, data]))
+    _check(decode_payload(data[:cut]))
 
 
 def _same(a: object, b: object) -> None:

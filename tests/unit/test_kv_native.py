@@ -16,11 +16,11 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import membership.kv_decode as kd
-from fakes.kv_publisher import PubCleared, PubEvent, PubRemoved, PubStored, encode_batch
+from fakes.kv_publisher import PubCleared, PubEvent, PubRemoved, PubStored, encode_batch, encode_event
 from membership.kv_decode import (
     DEFAULT_LIMITS,
     ClearedEvent,
@@ -31,6 +31,7 @@ from membership.kv_decode import (
     decode_payload,
     native_decoder,
 )
+from tests.helpers import byte_flips, flipped, fuzz_settings
 
 TOKS = list(range(100, 116))  # one 16-token block
 REAL_FRAMES = (
@@ -48,19 +49,10 @@ def same(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> tuple[object,
 
 
 def _event(**fields: object) -> dict[str, object]:
-    base: dict[str, object] = {
-        "type": "BlockStored",
-        "block_hashes": [2**64 - 5],
-        "parent_block_hash": None,
-        "token_ids": TOKS,
-        "block_size": 16,
-        "lora_id": None,
-        "medium": "GPU",
-        "lora_name": None,
-        "extra_keys": [None],
-        "group_idx": 0,
-        "kv_cache_spec_kind": "full_attention",
-    }
+    """A one-page ``BlockStored`` as the stand-in engine writes it (vLLM 0.32's fields), with ``fields`` changed
+    (``_DROP``: removed)."""
+    (packed,) = encode_event(PubStored([2**64 - 5], None, TOKS, 16), "vllm", False, None, False)
+    base: dict[str, object] = msgpack.unpackb(packed)
     base.update(fields)
     return {k: v for k, v in base.items() if v is not _DROP}
 
@@ -295,13 +287,7 @@ def test_large_batches_in_slices_go_the_python_way() -> None:
 # -- fuzzing: any input, the same answer -------------------------------------------------------------------------
 
 
-def _fuzz(n: int) -> settings:
-    return settings(
-        max_examples=n,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+_fuzz = fuzz_settings
 
 
 def _valid() -> list[bytes]:
@@ -319,32 +305,22 @@ def _valid() -> list[bytes]:
 
 
 _VALID = _valid()
-_leaf = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+_scalars = (
+    st.integers(-(2**63), 2**64 - 1),
     st.floats(allow_nan=True),
     st.text(max_size=6),
     st.binary(max_size=6),
 )
+_leaf = st.one_of(st.none(), st.booleans(), *_scalars)
 _value = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=4), max_leaves=12)
 
 
 @_fuzz(3000)
-@given(
-    st.sampled_from(_VALID),
-    st.lists(
-        st.tuples(st.integers(min_value=0, max_value=1 << 14), st.integers(min_value=0, max_value=255)),
-        max_size=6,
-    ),
-    st.integers(min_value=0, max_value=1 << 14),
-)
+@given(st.sampled_from(_VALID), byte_flips(1 << 14, 6), st.integers(min_value=0, max_value=1 << 14))
 def test_fuzz_mutated_payloads(payload: bytes, flips: list[tuple[int, int]], cut: int) -> None:
-    data = bytearray(payload)
-    for pos, val in flips:
-        data[pos % len(data)] = val
-    same(bytes(data))
-    same(bytes(data[:cut]))
+    data = flipped(payload, flips)
+    same(data)
+    same(data[:cut])
 
 
 @_fuzz(1500)
@@ -353,23 +329,7 @@ def test_fuzz_mutated_payloads(payload: bytes, flips: list[tuple[int, int]], cut
         st.one_of(
             st.builds(
                 lambda k, v: _event(**{k: v}),
-                st.sampled_from(
-                    [
-                        "block_hashes",
-                        "parent_block_hash",
-                        "token_ids",
-                        "block_size",
-                        "lora_id",
-                        "medium",
-                        "lora_name",
-                        "extra_keys",
-                        "group_idx",
-                        "locality",
-                        "cache_salt",
-                        "type",
-                        "other",
-                    ]
-                ),
+                st.sampled_from([*kd._STORED_POS[:9], "locality", "cache_salt", "type", "other"]),
                 _value,
             ),
             st.builds(
