@@ -1,4 +1,4 @@
-"""Build of kvroute's one compiled module (``membership._kv_native``, the KV-event batch decoder's common form).
+"""Build of kvroute's one compiled module (``membership.kv_native``, the KV-event batch decoder's common form).
 
 Everything else is in pyproject.toml. The module is optional: when it cannot be built (no C compiler), the install
 goes on and ``membership.kv_decode`` decodes every batch in Python (same results, ~4x the CPU). ``make venv``
@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "membership._kv_native",
-            sources=["membership/_kv_native.c"],
+            "membership.kv_native",
+            sources=["membership/kv_native.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         )

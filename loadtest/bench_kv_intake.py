@@ -29,7 +29,7 @@ tree's ``index`` and ``membership`` and as many times with OLD_TREE's, alternati
 it prints both sides' figures (median, min, max) and whether every run's digest is the same. ``--floor`` adds
 ``floor_apply_us_per_request``: the same decoded batches applied to nothing but the two maps any block index keeps
 (``floor_apply``), the part of the apply no index layout written in Python gets under. With the compiled decoder
-built (``membership._kv_native``, which ``decode_us_per_request`` uses), ``decode_python_us_per_request`` is the
+built (``membership.kv_native``, which ``decode_us_per_request`` uses), ``decode_python_us_per_request`` is the
 Python decoder's time on the same payloads, for comparison in one run. ``--storm`` runs
 ``loadtest.kv_storm`` (the event storm against a real router process). Not part of the test suite (timings on
 shared machines are noisy).
@@ -186,7 +186,7 @@ def run_intake(
 
 def python_decode_cpu(payloads: list[tuple[int, bytes]], warm: int) -> float:
     """CPU seconds of decoding the payloads from ``warm`` on with the Python decoder alone (``native=False``): the
-    figure the compiled decoder (``membership._kv_native``) is compared with, in the same run."""
+    figure the compiled decoder (``membership.kv_native``) is compared with, in the same run."""
     limits = replace(DEFAULT_LIMITS, native=False)
     clock = time.thread_time
     took = 0.0

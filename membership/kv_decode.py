@@ -29,9 +29,9 @@ Wire forms accepted (see ``../shared/reference/engine-wire-facts.md``):
   see ``DecodeLimits.bigram``).
 
 Batches in the engines' common form (maps of ``BlockStored`` with token ids, ``BlockRemoved``,
-``AllBlocksCleared``; see ``native_decoder``) are decoded by the compiled ``membership._kv_native`` when it is built
+``AllBlocksCleared``; see ``native_decoder``) are decoded by the compiled ``membership.kv_native`` when it is built
 (``setup.py``; ~3.5x less CPU, the token ids read straight into uint32s); it declines every other batch, which is
-decoded here, so the result is this module's in every case (``tests/unit/test_kv_native.py``).
+decoded here, so the result is this module's in every case (``tests/unit/testkv_native.py``).
 
 Units: ``block_size`` is tokens per engine block (page); hashes are engine block hashes (ints), never our keys.
 """
@@ -55,9 +55,9 @@ import xxhash
 from index.hashing import MmStart
 
 try:  # built by ``pip install -e .`` (setup.py) in ``make venv``; without a C compiler every batch decodes in Python
-    from membership import _kv_native
+    from membership import kv_native
 except ImportError:  # pragma: no cover - an install without the compiled module
-    _kv_native = None  # type: ignore[assignment]
+    kv_native = None  # type: ignore[assignment]
 
 #: the replay end marker's sequence frame (seq = -1 as a signed 8-byte big-endian int)
 END_SEQ_FRAME = b"\xff" * 8
@@ -110,7 +110,7 @@ class DecodeLimits:
             what the parser itself allocates); more -> ``decoded_too_large``.
         media: engine medium (upper-cased, optionally ``MEDIUM/LOCALITY``) -> tier; a medium it does not know
             drops the event (``unknown_medium``).
-        native: decode batches in the engines' common form with the compiled ``membership._kv_native`` when it
+        native: decode batches in the engines' common form with the compiled ``membership.kv_native`` when it
             is built (the same batches as the Python decoder's, ~3.5x less CPU: ``native_decoder``); False: always
             in Python (tests compare the two).
     """
@@ -529,7 +529,7 @@ def _open_batch(payload: bytes, max_decoded_bytes: int) -> _Parse:
     Raises:
         _BadBatch: the envelope is not a usable batch. msgpack errors propagate (``bad_msgpack``).
     """
-    most = max(16, min(len(payload), max_decoded_bytes // HASH_COST))  # elements of one array or map
+    most = _element_bound(len(payload), max_decoded_bytes)
     if payload[0] not in _ARRAY_HEADS or (len(payload) < _INCREMENTAL_BYTES and _REMOVED_TAG not in payload):
         return _whole_batch(
             msgpack.unpackb(
@@ -568,6 +568,12 @@ def _open_batch(payload: bytes, max_decoded_bytes: int) -> _Parse:
         return rank
 
     return _Parse(ts_raw, n_events, up.unpack, finish, up.tell, up.read_bytes)
+
+
+def _element_bound(payload_bytes: int, max_decoded_bytes: int) -> int:
+    """The most elements one msgpack array or map of a payload may hold (the parser's bound, the compiled
+    decoder's too): the payload's length, and what the decoded-bytes budget allows."""
+    return max(16, min(payload_bytes, max_decoded_bytes // HASH_COST))
 
 
 def _whole_batch(obj: object) -> _Parse:
@@ -624,8 +630,8 @@ def _decode_payload(
         return DecodeFailure("empty_payload", "", seq)
     if len(payload) > limits.max_payload_bytes:
         return DecodeFailure("payload_too_large", f"{len(payload)} bytes", seq)
-    if limits.native and _kv_native is not None and (not slice_units or len(payload) <= _INCREMENTAL_BYTES):
-        fast = _decode_native(payload, seq, topic, limits)
+    if limits.native and kv_native is not None and (not slice_units or len(payload) <= _INCREMENTAL_BYTES):
+        fast = decode_native(payload, seq, topic, limits)
         if fast is not None:
             return fast
     try:
@@ -638,13 +644,7 @@ def _decode_payload(
         return _bad_msgpack(exc, seq, limits.max_decoded_bytes // HASH_COST < len(payload))
     if parse.n_events > limits.max_events:
         return DecodeFailure("too_many_events", f"{parse.n_events} events", seq)
-    ts_raw = parse.ts_raw
-    ts = float(ts_raw) if _is_number(ts_raw) and math.isfinite(float(ts_raw)) else None  # type: ignore[arg-type]
-    batch = DecodedBatch(
-        seq=seq, topic=topic, ts=ts, dp_rank=None, events=[], payload_digest=payload_digest(payload)
-    )
-    if ts is None:
-        batch.notes["missing_ts"] += 1
+    batch = _new_batch(payload, seq, topic, parse.ts_raw)
     reader = _Events(payload, parse, batch, limits, slice_units)
     failure = yield from reader.read_all()
     if failure is not None:
@@ -655,16 +655,32 @@ def _decode_payload(
         rank_raw = parse.finish()
     except Exception as exc:
         return _bad_msgpack(exc, seq)
-    batch.dp_rank = rank_raw if isinstance(rank_raw, int) and not isinstance(rank_raw, bool) else None
+    batch.dp_rank = _dp_rank(rank_raw)
     return batch
 
 
+def _new_batch(payload: bytes, seq: int, topic: bytes, ts_raw: object) -> DecodedBatch:
+    """An empty batch for ``payload`` with its timestamp (``missing_ts`` noted when it is not a finite number)."""
+    ts = float(ts_raw) if _is_number(ts_raw) and math.isfinite(float(ts_raw)) else None  # type: ignore[arg-type]
+    batch = DecodedBatch(
+        seq=seq, topic=topic, ts=ts, dp_rank=None, events=[], payload_digest=payload_digest(payload)
+    )
+    if ts is None:
+        batch.notes["missing_ts"] += 1
+    return batch
+
+
+def _dp_rank(raw: object) -> int | None:
+    """The batch's data-parallel rank: an int (not a bool), else None."""
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+
+
 def native_decoder() -> bool:
-    """Whether the compiled decoder (``membership._kv_native``) is built: batches in the engines' common form
+    """Whether the compiled decoder (``membership.kv_native``) is built: batches in the engines' common form
     (maps of ``BlockStored`` with token ids, ``BlockRemoved``, ``AllBlocksCleared``; extra keys none or the LoRA
     adapter's name, media the table spells exactly, no locality) are then decoded in C, every other batch in
     Python, with the same result."""
-    return _kv_native is not None
+    return kv_native is not None
 
 
 #: the ``(key, tier)`` of an event without a medium, for the compiled decoder
@@ -687,14 +703,13 @@ def _native_media(media: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     return table
 
 
-def _decode_native(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits) -> DecodedBatch | None:
-    """The batch decoded by ``membership._kv_native`` (see its C source's docstring), or None when the batch is
+def decode_native(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits) -> DecodedBatch | None:
+    """The batch decoded by ``membership.kv_native`` (see its C source's docstring), or None when the batch is
     not in the common form (the Python decoder then decodes it: same result either way)."""
-    assert _kv_native is not None
-    most = max(16, min(len(payload), limits.max_decoded_bytes // HASH_COST))
-    out = _kv_native.decode(
+    assert kv_native is not None
+    out = kv_native.decode(
         payload,
-        min(most, _I64_MAX),
+        _element_bound(len(payload), limits.max_decoded_bytes),  # <= len(payload): a Py_ssize_t
         min(limits.max_events, _I64_MAX),
         min(limits.max_hashes, _I64_MAX),
         min(limits.max_tokens, _I64_MAX),
@@ -720,17 +735,9 @@ def _decode_native(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits)
             events.append(RemovedEvent(e[1], e[3], e[4], e[2]))
         else:
             events.append(ClearedEvent())
-    ts = float(ts_raw) if ts_raw is not None and math.isfinite(float(ts_raw)) else None
-    batch = DecodedBatch(
-        seq=seq,
-        topic=topic,
-        ts=ts,
-        dp_rank=rank if type(rank) is int else None,
-        events=events,
-        payload_digest=payload_digest(payload),
-    )
-    if ts is None:
-        batch.notes["missing_ts"] += 1
+    batch = _new_batch(payload, seq, topic, ts_raw)
+    batch.events = events
+    batch.dp_rank = _dp_rank(rank)
     return batch
 
 

@@ -659,7 +659,7 @@ class KVEventSubscriber:
         """Start (idempotent); feeds added before start begin now."""
         if not self._running and not native_decoder():
             log.warning(
-                "the compiled KV-event decoder (membership._kv_native) is not built: every batch is decoded in "
+                "the compiled KV-event decoder (membership.kv_native) is not built: every batch is decoded in "
                 "Python (~3.5x its CPU); install kvroute where a C compiler and the Python headers are present"
             )
         self._loop = asyncio.get_running_loop()

@@ -520,5 +520,5 @@ def test_dockerfile_agrees_with_chart_and_project() -> None:
     # the compiled KV-event decoder: setup.py and a compiler in the build stage, and the wheel checked to hold it
     assert re.search(r"^COPY pyproject\.toml setup\.py ", text, re.M)
     build_stage = text.split("\nFROM ")[1]
-    assert "gcc" in build_stage and "_kv_native" in build_stage
+    assert "gcc" in build_stage and "kv_native" in build_stage
     assert {".venv", ".tools", ".git"} <= ignored

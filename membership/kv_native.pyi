@@ -1,4 +1,4 @@
-"""Types of the compiled decoder (membership/_kv_native.c)."""
+"""Types of the compiled decoder (membership/kv_native.c)."""
 
 from typing import Any
 

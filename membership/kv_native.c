@@ -1,5 +1,5 @@
 /*
- * membership._kv_native: the common form of an engine KV-event batch, decoded in C.
+ * membership.kv_native: the common form of an engine KV-event batch, decoded in C.
  *
  * One function, ``decode``, reads a msgpack batch ``[ts, [events...], dp_rank, ...]`` whose events are all in the
  * form today's engines send (vLLM >= 0.24 and SGLang maps; see membership/kv_decode.py): ``BlockStored`` with token
@@ -7,7 +7,7 @@
  * plain tuples, or None ("declined") for anything else: another form, a field the fast way does not read, a value the
  * Python decoder would drop, count or note, malformed msgpack, a bound exceeded. The caller then decodes the batch in
  * Python, so every answer of the fast way equals the Python decoder's and everything else is the Python decoder's
- * (tests/unit/test_kv_native.py checks both on the same payloads, valid, hand-made and fuzzed).
+ * (tests/unit/testkv_native.py checks both on the same payloads, valid, hand-made and fuzzed).
  *
  * What it saves: the token ids are read from the msgpack bytes straight into one buffer of uint32s (no Python int
  * per token, no list, no ``array`` conversion), and the events' maps, keys and strings are never built as objects.
@@ -632,14 +632,14 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(payload, most, max_events, max_hashes, max_tokens, max_block_size, group_idx, media, no_medium, "
      "max_cost) -> (ts, events, rank) | None\n\nThe common form of a KV-event batch (module docstring of "
-     "membership/_kv_native.c); None: not that form, the Python decoder decides."},
+     "membership/kv_native.c); None: not that form, the Python decoder decides."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_kv_native",
+    PyModuleDef_HEAD_INIT, "kv_native",
     "The common form of an engine KV-event batch decoded in C (membership/kv_decode.py uses it when built).", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__kv_native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_kv_native(void) { return PyModule_Create(&module); }
