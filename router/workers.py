@@ -51,6 +51,7 @@ import fcntl
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -229,9 +230,61 @@ def claim_directory() -> tuple[Path, int]:
 # ---------------------------------------------------------------------------------------------------------
 
 
+#: the signals the supervisor acts on: stop (SIGTERM, SIGINT) and a worker's exit (SIGCHLD)
+_SUPERVISOR_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+
+
+class _SignalWakeup:
+    """The supervisor's signals as bytes on a socket its main thread waits on (``signal.set_wakeup_fd``).
+
+    Handlers, not a blocked mask and ``sigtimedwait``: the kernel may deliver a process's signal to any of its
+    threads that does not block it, and threads started at import time (numpy's OpenBLAS pool) never blocked
+    anything, so SIGTERM arriving while the main thread was not inside ``sigtimedwait`` took its default action
+    there and killed the supervisor (exit -15, its workers and directory left to the parent-death signal). A
+    handler runs whichever thread the kernel picks, and the wake-up byte reaches the main thread's ``wait``."""
+
+    def __init__(self, signals: Sequence[signal.Signals]) -> None:
+        self.signals = tuple(signals)
+        self._read, self._write = socket.socketpair()
+        self._read.setblocking(False)
+        self._write.setblocking(False)
+        self._previous: dict[signal.Signals, Any] = {}
+        self._previous_fd = -1
+
+    def __enter__(self) -> _SignalWakeup:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, _note_signal)
+        self._previous_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._read.close()
+        self._write.close()
+
+    def wait(self, timeout_s: float) -> set[int]:
+        """The signals received within ``timeout_s`` seconds (empty when none): returns at the first one."""
+        ready, _, _ = select.select([self._read], [], [], timeout_s)
+        got: set[int] = set()
+        while ready:
+            try:
+                data = self._read.recv(256)
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            got.update(data)
+        return got
+
+
+def _note_signal(signum: int, frame: object) -> None:
+    """The supervisor's handler: nothing to do here, the wake-up byte carries the signal (``_SignalWakeup``)."""
+
+
 def become_worker(info: WorkerInfo) -> None:
-    """First thing in a worker process: take the signals the supervisor blocks (the mask survives ``exec``), ask
-    for SIGTERM when the supervisor dies, and exit at once if it already has. (Done here, not in a ``preexec_fn``:
+    """First thing in a worker process: unblock every signal (a blocked mask survives ``exec``), ask for SIGTERM when the supervisor dies, and exit at once if it already has. (Done here, not in a ``preexec_fn``:
     the supervisor has threads, and running Python between ``fork`` and ``exec`` of a threaded process can
     deadlock.)"""
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
@@ -331,38 +384,37 @@ class Supervisor:
     def run(self) -> int:
         """Run the workers until SIGTERM / SIGINT; the exit code (0, or 2 when a worker found the
         configuration invalid)."""
-        sigs = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
-        signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # before any thread: they all inherit the mask
-        try:
-            self.merger.start()
-            log.info(
-                "supervisor: %d workers listening on port %d (directory %s)",
-                self.workers,
-                self.port,
-                self.directory,
-            )
-            for i in range(self.workers):
-                self._start(i)
-            code = self._watch(sigs)
-            self._stop_all()
-            return code
-        finally:
-            self._kill_all()
-            self.merger.stop()
-            self._hold.close()
-            shutil.rmtree(self.directory, ignore_errors=True)
-            os.close(self._lock_fd)
+        with _SignalWakeup(_SUPERVISOR_SIGNALS) as wakeup:
+            try:
+                self.merger.start()
+                log.info(
+                    "supervisor: %d workers listening on port %d (directory %s)",
+                    self.workers,
+                    self.port,
+                    self.directory,
+                )
+                for i in range(self.workers):
+                    self._start(i)
+                code = self._watch(wakeup)
+                self._stop_all()
+                return code
+            finally:
+                self._kill_all()
+                self.merger.stop()
+                self._hold.close()
+                shutil.rmtree(self.directory, ignore_errors=True)
+                os.close(self._lock_fd)
 
-    def _watch(self, sigs: set[signal.Signals]) -> int:
+    def _watch(self, wakeup: _SignalWakeup) -> int:
         """Wait for signals: restart workers that exit or hang, return on SIGTERM / SIGINT (0) or a bad
         configuration."""
         while True:
             timeout = 1.0
             if self._restart_at:
                 timeout = min(timeout, max(0.0, min(self._restart_at.values()) - time.monotonic()))
-            info = signal.sigtimedwait(sigs, timeout)
-            if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
-                log.info("supervisor: signal %d, stopping %d workers", info.si_signo, self.workers)
+            stop = wakeup.wait(timeout) & {signal.SIGTERM, signal.SIGINT}
+            if stop:
+                log.info("supervisor: signal %d, stopping %d workers", min(stop), self.workers)
                 return 0
             if self._reap_exited():
                 return EXIT_BAD_CONFIG

@@ -4,7 +4,7 @@
   for every session's next turn; they choose the same replica and see the same cached prefix (each keeps its own
   index from the engines' KV events, like router replicas: tests/integration/test_multi_router.py);
 - ``/metrics`` on any worker answers every worker's metrics, labelled ``worker``;
-- SIGTERM to the supervisor stops every worker; a killed supervisor leaves no worker behind (and its directory is
+- SIGTERM to the supervisor stops every worker, whichever of its threads the kernel gives the signal; a killed supervisor leaves no worker behind (and its directory is
   removed by the next supervisor); a worker that dies is started again, one that hangs (SIGSTOP) too, and one
   stopped briefly then resumed does not shed requests for its stop;
 - a ``/metrics`` scrape with thousands of tenants holds no serving loop for long (the merge runs in the
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -323,6 +324,36 @@ def test_a_killed_supervisor_leaves_no_directory_behind(tmp_path: Path) -> None:
         os.kill(proc.popen.pid, signal.SIGTERM)
         assert proc.popen.wait(timeout=60) == 0
     assert dirs() == set()
+
+
+def _tgkill(pid: int, tid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to one thread ``tid`` of process ``pid`` (the kernel's ``tgkill``; ``os.kill`` lets the
+    kernel choose the thread)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, tid, int(sig)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def test_sigterm_taken_by_any_thread_of_the_supervisor_stops_it_cleanly() -> None:
+    """A process's SIGTERM may land on any of its threads that does not block it, and the supervisor has threads
+    it never started (numpy's OpenBLAS pool, at import): SIGTERM sent to each of its other threads in turn still
+    stops it the graceful way (exit 0, workers stopped, its directory removed), never by the signal's default
+    action (exit -15), and never stays pending on a thread nobody reads."""
+    with pod(None) as (proc, _):
+        pid = proc.popen.pid
+        workers = _workers_of(proc)
+        others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+        assert others, "the supervisor has its metrics thread at least"
+        directory = re.search(r"directory (\S+?)\)", proc.output())
+        assert directory is not None, proc.output()[-2000:]
+        for tid in others:
+            with contextlib.suppress(ProcessLookupError):  # it already stopped: the thread is gone
+                _tgkill(pid, tid, signal.SIGTERM)
+        assert proc.popen.wait(timeout=60) == 0, proc.output()[-2000:]
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive
+        assert not Path(directory.group(1)).exists()
 
 
 def _probe_healthz(url: str, worker: str, stop: threading.Event, out: list[float]) -> None:
