@@ -1,19 +1,26 @@
-"""Build of kvroute's one compiled module (``membership.kv_native``, the KV-event batch decoder's common form).
+"""Build of kvroute's compiled modules: ``membership.kv_native`` (the KV-event batch decoder's common form) and
+``index.id_map_native`` (the index's key -> node id map operations).
 
-Everything else is in pyproject.toml. The module is optional: when it cannot be built (no C compiler), the install
-goes on and ``membership.kv_decode`` decodes every batch in Python (same results, ~4x the CPU). ``make venv``
-builds it and checks that it imports (``scripts/check_native.py``).
+Everything else is in pyproject.toml. The modules are optional: when they cannot be built (no C compiler), the
+install goes on and the Python forms run (``membership.kv_decode`` decodes every batch in Python, ~4x the CPU;
+``index.id_map`` runs its loops in Python), with the same results. ``make venv`` builds them and checks that they
+import.
 """
 
 from setuptools import Extension, setup
+
+_FLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 
 setup(
     ext_modules=[
         Extension(
             "membership.kv_native",
             sources=["membership/kv_native.c"],
-            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_compile_args=_FLAGS,
             optional=True,
-        )
+        ),
+        Extension(
+            "index.id_map_native", sources=["index/id_map_native.c"], extra_compile_args=_FLAGS, optional=True
+        ),
     ]
 )

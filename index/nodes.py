@@ -30,6 +30,7 @@ import sys
 from array import array
 from itertools import compress
 
+from . import id_map
 from .types import BlockKey
 
 __all__ = [
@@ -118,10 +119,12 @@ class NodeTable:
     they may override :meth:`_compacted_below` to follow nodes that a compaction step moved.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, native: bool = True) -> None:
         # block key -> node id, sharded by the key's low bits: a CPython dict rebuilds its whole table when it
         # grows (122 ms for one insert into a 2.8M-entry dict), and 64 shards make each rebuild 64x smaller
         self._ids: list[dict[BlockKey, int]] = [{} for _ in range(ID_SHARDS)]
+        # the map's per-key loops (claim, look up, assign, forget): compiled when built, unless ``native`` is False
+        self._idops = id_map.ops(native)
         self._nodes = 0  # live nodes (sum of the shards' sizes)
         self._keys: list[BlockKey | None] = []
         self._sidl: list[int] = []
@@ -330,9 +333,7 @@ class NodeTable:
             self._sidl[dst:top] = sidl
             self._ts[dst:top] = ts
             self._run[dst:top] = run
-            shards = self._ids
-            for k, nid in zip(moved, range(dst, top), strict=True):
-                shards[k & _SHARD_MASK][k] = nid  # type: ignore[operator,index]  # moved keys are never None
+            self._idops.assign_run(self._ids, moved, dst)  # type: ignore[arg-type]  # moved keys are never None
         if top < end:  # the rest of the chunk joins the gap
             kl[top:end] = [None] * (end - top)
             self._sidl[top:end] = [0] * (end - top)

@@ -153,6 +153,8 @@ class PrefixIndex(NodeTable):
         max_bytes: high-water mark in estimated bytes, nodes + engine maps + predicted entries (None = unlimited).
         predicted_ttl_s: seconds a predicted entry lives unless an engine confirms it.
         clock: time source in seconds (injectable; tests pass a fake clock).
+        native: run the key -> node id map's per-key loops compiled (``index.id_map``) when built; False: in
+            Python (the same results; tests compare both).
 
     Block keys are :data:`~index.types.BlockKey` (plain ints are accepted: ``index.hashing`` returns them);
     engine hashes in ``apply_stored`` / ``apply_removed`` are :data:`~index.types.EngineHash`.
@@ -166,6 +168,7 @@ class PrefixIndex(NodeTable):
         max_bytes: int | None = None,
         predicted_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
+        native: bool = True,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -174,7 +177,8 @@ class PrefixIndex(NodeTable):
         self.block_size = block_size
         self.predicted_ttl_s = float(predicted_ttl_s)
         self._clock = clock
-        super().__init__()  # the node table: key -> node id -> state id, time, key, run hint
+        # the node table: key -> node id -> state id, time, key, run hint
+        super().__init__(native=native)
         # interned states (node -> state id in ``_sidl``)
         self._states = StateTable()
         # replicas <-> slots
@@ -271,9 +275,7 @@ class PrefixIndex(NodeTable):
         if self._emap.has_copies:
             for key in dead:
                 self._emap.forget_block(key)  # type: ignore[arg-type]
-        ids = self._ids
-        for key in dead:
-            del ids[key & _SHARD_MASK][key]  # type: ignore[operator,arg-type]
+        self._idops.forget(self._ids, dead)  # type: ignore[arg-type]  # live nodes: keys are never None
         self._nodes -= run
         kl[start:end] = [None] * run
         self._sidl[start:end] = [0] * run
@@ -623,7 +625,9 @@ class PrefixIndex(NodeTable):
                 # this key and the absent keys right after it, as many as the reservation (or the end) holds, at
                 # consecutive ids: what creating them one at a time would do, with the arrays written per run
                 nid = place if place >= 0 else len(kl)
-                c = self._claim_ids(keys, i, nkeys if place < 0 else min(nkeys, i + place_end - place), nid)
+                c = self._idops.claim_run(
+                    ids, keys, i, nkeys if place < 0 else min(nkeys, i + place_end - place), nid
+                )  # maps this key and the absent ones right after it (index.id_map.claim_run)
                 self._fill_new(keys, i, c, nid, place >= 0, fresh, now)
                 if op == OP_PREDICT:
                     for q in keys[i : i + c]:
@@ -675,21 +679,6 @@ class PrefixIndex(NodeTable):
         self._nodes += created
         return changed + created
 
-    def _claim_ids(self, keys: list[BlockKey], i: int, stop: int, nid: int) -> int:
-        """Map ``keys[i]``, ``keys[i + 1]``, ... (up to ``stop``) to node ids ``nid``, ``nid + 1``, ... while they
-        are absent from the key -> id map; returns how many were mapped (>= 1 when ``keys[i]`` is absent).
-
-        One ``setdefault`` per key both checks and claims it (``nid`` is a free id: no key maps to it, so getting
-        it back means the key was absent); a key already present (one earlier in ``keys`` included) ends the run.
-        """
-        ids = self._ids
-        first = nid
-        for k in keys[i:stop]:
-            if ids[k & _SHARD_MASK].setdefault(k, nid) is not nid:
-                break
-            nid += 1
-        return nid - first
-
     def _fill_new(
         self, keys: list[BlockKey], i: int, c: int, nid: int, placed: bool, sid: int, now: float
     ) -> None:
@@ -731,8 +720,7 @@ class PrefixIndex(NodeTable):
     def _remove_nodes(self, slot: int, keys: Sequence[BlockKey], tier: int) -> int:
         """``_apply`` of ``OP_REMOVE`` for keys in no path order: the nodes of ``keys`` (unknown keys skipped, each
         node once) in node-id order, a run of consecutive ids at a time; returns how many changed state."""
-        ids = self._ids
-        found = [ids[k & _SHARD_MASK].get(k) for k in keys]
+        found = self._idops.lookup(self._ids, keys if type(keys) is list else list(keys))
         nids = sorted({nid for nid in found if nid is not None})
         if not nids:
             return 0

@@ -517,8 +517,14 @@ def test_dockerfile_agrees_with_chart_and_project() -> None:
         if ln.strip() and not ln.startswith("#")
     }
     assert not ignored & (packages | {"pyproject.toml", "setup.py", "README.md"}), "the build needs these"
-    # the compiled KV-event decoder: setup.py and a compiler in the build stage, and the wheel checked to hold it
+    # the compiled modules: setup.py and a compiler in the build stage, and the wheel checked to hold each of them
     assert re.search(r"^COPY pyproject\.toml setup\.py ", text, re.M)
     build_stage = text.split("\nFROM ")[1]
-    assert "gcc" in build_stage and "kv_native" in build_stage
+    assert "gcc" in build_stage
+    compiled = re.findall(r'Extension\(\s*"([\w.]+)"', (REPO / "setup.py").read_text(encoding="utf-8"))
+    assert {"membership.kv_native", "index.id_map_native"} <= set(compiled), compiled
+    for name in compiled:
+        assert re.escape(name.replace(".", "/")) + r"\.[^ ]*\.so" in build_stage, (
+            f"{name} not checked in the wheel"
+        )
     assert {".venv", ".tools", ".git"} <= ignored

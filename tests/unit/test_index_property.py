@@ -148,12 +148,18 @@ def apply_op(idx: PrefixIndex, ref: Reference, clock: FakeClock, op: tuple[objec
     st.lists(tokens, min_size=1, max_size=6),
     st.sampled_from([1, 2, 1 << 30]),
     st.sampled_from([1, 2, 5, 1 << 20]),
+    st.booleans(),
 )
 def test_matches_reference(
-    program: list[tuple[object, ...]], probes: list[list[int]], compact_min: int, compact_chunk: int
+    program: list[tuple[object, ...]],
+    probes: list[list[int]],
+    compact_min: int,
+    compact_chunk: int,
+    native: bool,
 ) -> None:
     clock = FakeClock()
-    idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock)
+    # the key -> node id map's loops compiled or in Python (index.id_map): the same answers either way
+    idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock, native=native)
     # compaction on tiny indexes too, in small steps: operations interleave with a compaction in progress
     idx.set_compaction(min_dead=compact_min, chunk=compact_chunk)
     ref = Reference(clock)
@@ -195,9 +201,10 @@ def test_matches_reference(
     st.lists(tokens, min_size=1, max_size=4),
     st.integers(3, 14),
     st.sampled_from([1, 3, 1 << 20]),
+    st.booleans(),
 )
 def test_budget_eviction_keeps_a_subset_of_the_reference(
-    program: list[tuple[object, ...]], probes: list[list[int]], budget: int, chunk: int
+    program: list[tuple[object, ...]], probes: list[list[int]], budget: int, chunk: int, native: bool
 ) -> None:
     """Under a node budget (tiny eviction chunks, sampled thresholds) the index holds a subset of the reference.
 
@@ -213,7 +220,7 @@ def test_budget_eviction_keeps_a_subset_of_the_reference(
         patch.object(bu, "EVICT_WALK", 3),
     ):
         clock = FakeClock()
-        idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock, max_nodes=budget)
+        idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock, max_nodes=budget, native=native)
         idx.set_compaction(min_dead=1, chunk=chunk)
         ref = Reference(clock)
         for op in program:
