@@ -273,8 +273,7 @@ class PrefixIndex(NodeTable):
                     pd.pop(key, None)  # type: ignore[arg-type]  # live nodes: keys are never None
         self._states.refs[sid] -= run
         if self._emap.has_copies:
-            for key in dead:
-                self._emap.forget_block(key)  # type: ignore[arg-type]
+            self._emap.forget_blocks(dead)  # type: ignore[arg-type]
         self._idops.forget(self._ids, dead)  # type: ignore[arg-type]  # live nodes: keys are never None
         self._nodes -= run
         kl[start:end] = [None] * run
