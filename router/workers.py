@@ -284,8 +284,9 @@ def _note_signal(signum: int, frame: object) -> None:
 
 
 def become_worker(info: WorkerInfo) -> None:
-    """First thing in a worker process: unblock every signal (a blocked mask survives ``exec``), ask for SIGTERM when the supervisor dies, and exit at once if it already has. (Done here, not in a ``preexec_fn``:
-    the supervisor has threads, and running Python between ``fork`` and ``exec`` of a threaded process can
+    """First thing in a worker process: unblock every signal (a blocked mask survives ``exec``), ask for SIGTERM
+    when the supervisor dies, and exit at once if it already has. (Done here, not in a ``preexec_fn``: the
+    supervisor has threads, and running Python between ``fork`` and ``exec`` of a threaded process can
     deadlock.)"""
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     with contextlib.suppress(OSError, AttributeError):  # not Linux: no parent-death signal
