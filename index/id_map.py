@@ -47,6 +47,11 @@ def _mask(shards: Shards) -> int:
     return n - 1
 
 
+def _position(value: int, what: str) -> None:
+    if value < 0:
+        raise ValueError(f"{what} must not be negative")
+
+
 def claim_run(shards: Shards, keys: list[BlockKey], start: int, stop: int, nid: int) -> int:
     """Map ``keys[start]``, ``keys[start + 1]``, ... (before ``stop``) to ``nid``, ``nid + 1``, ... while they are
     absent; returns how many were mapped (>= 1 when ``keys[start]`` is absent).
@@ -55,8 +60,9 @@ def claim_run(shards: Shards, keys: list[BlockKey], start: int, stop: int, nid: 
     getting it back means the key was absent; a key already present (an earlier one of ``keys`` included) ends
     the run."""
     mask = _mask(shards)
-    if start < 0 or stop < 0 or nid < 0:
-        raise ValueError("start, stop and nid must not be negative")
+    _position(start, "start")
+    _position(stop, "stop")
+    _position(nid, "nid")
     first = nid
     for k in keys[start:stop]:
         if shards[k & mask].setdefault(k, nid) is not nid:
@@ -74,8 +80,7 @@ def lookup(shards: Shards, keys: list[BlockKey]) -> list[int | None]:
 def assign_run(shards: Shards, keys: list[BlockKey], nid: int) -> None:
     """Map ``keys[j]`` to ``nid + j``, whether present or not (a compaction moved them there)."""
     mask = _mask(shards)
-    if nid < 0:
-        raise ValueError("nid must not be negative")
+    _position(nid, "nid")
     for k, v in zip(keys, range(nid, nid + len(keys)), strict=True):
         shards[k & mask][k] = v
 

@@ -29,38 +29,47 @@ static PyObject *shard_of(PyObject *shards, Py_ssize_t mask, PyObject *key) {
     return shard;
 }
 
-/* Check ``shards`` (a non-empty list whose length is a power of two) and ``keys`` (a list); the shard mask or -1. */
-static Py_ssize_t check_args(PyObject *shards, PyObject *keys) {
-    if (!PyList_CheckExact(shards) || !PyList_CheckExact(keys)) {
+/* The call's shards, keys and shard mask (its first two arguments; ``nargs`` must be ``want``, ``usage`` names
+ * them): ``shards`` a non-empty list whose length is a power of two, ``keys`` a list. 0, or -1 with an exception. */
+static int head(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, PyObject **shards,
+                PyObject **keys, Py_ssize_t *mask) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", usage, want, nargs);
+        return -1;
+    }
+    *shards = args[0];
+    *keys = args[1];
+    if (!PyList_CheckExact(*shards) || !PyList_CheckExact(*keys)) {
         PyErr_SetString(PyExc_TypeError, "shards and keys must be lists");
         return -1;
     }
-    Py_ssize_t n = PyList_GET_SIZE(shards);
+    Py_ssize_t n = PyList_GET_SIZE(*shards);
     if (n <= 0 || (n & (n - 1)) != 0) {
         PyErr_Format(PyExc_ValueError, "the shard count must be a power of two, got %zd", n);
         return -1;
     }
-    return n - 1;
+    *mask = n - 1;
+    return 0;
+}
+
+/* A position or node id argument (an int >= 0). 0, or -1 with an exception. */
+static int position(PyObject *arg, const char *what, Py_ssize_t *out) {
+    *out = PyLong_AsSsize_t(arg);
+    if (*out == -1 && PyErr_Occurred()) return -1;
+    if (*out < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must not be negative", what);
+        return -1;
+    }
+    return 0;
 }
 
 static PyObject *claim_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "claim_run(shards, keys, start, stop, nid) takes 5 arguments");
+    PyObject *shards, *keys;
+    Py_ssize_t mask, start, stop, nid;
+    if (head(args, nargs, 5, "claim_run(shards, keys, start, stop, nid)", &shards, &keys, &mask) < 0 ||
+        position(args[2], "start", &start) < 0 || position(args[3], "stop", &stop) < 0 ||
+        position(args[4], "nid", &nid) < 0)
         return NULL;
-    }
-    PyObject *shards = args[0], *keys = args[1];
-    Py_ssize_t mask = check_args(shards, keys);
-    if (mask < 0) return NULL;
-    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
-    if (start == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t stop = PyLong_AsSsize_t(args[3]);
-    if (stop == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t nid = PyLong_AsSsize_t(args[4]);
-    if (nid == -1 && PyErr_Occurred()) return NULL;
-    if (start < 0 || stop < 0 || nid < 0) {
-        PyErr_SetString(PyExc_ValueError, "start, stop and nid must not be negative");
-        return NULL;
-    }
     Py_ssize_t first = nid;
     /* the list may shrink under a key's __eq__ (ints: never); its length is read on every step all the same */
     for (Py_ssize_t j = start; j < stop && j < PyList_GET_SIZE(keys); j++) {
@@ -88,13 +97,9 @@ static PyObject *claim_run(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 static PyObject *lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "lookup(shards, keys) takes 2 arguments");
-        return NULL;
-    }
-    PyObject *shards = args[0], *keys = args[1];
-    Py_ssize_t mask = check_args(shards, keys);
-    if (mask < 0) return NULL;
+    PyObject *shards, *keys;
+    Py_ssize_t mask;
+    if (head(args, nargs, 2, "lookup(shards, keys)", &shards, &keys, &mask) < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     PyObject *out = PyList_New(n);
     if (out == NULL) return NULL;
@@ -121,19 +126,11 @@ static PyObject *lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *assign_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "assign_run(shards, keys, nid) takes 3 arguments");
+    PyObject *shards, *keys;
+    Py_ssize_t mask, nid;
+    if (head(args, nargs, 3, "assign_run(shards, keys, nid)", &shards, &keys, &mask) < 0 ||
+        position(args[2], "nid", &nid) < 0)
         return NULL;
-    }
-    PyObject *shards = args[0], *keys = args[1];
-    Py_ssize_t mask = check_args(shards, keys);
-    if (mask < 0) return NULL;
-    Py_ssize_t nid = PyLong_AsSsize_t(args[2]);
-    if (nid == -1 && PyErr_Occurred()) return NULL;
-    if (nid < 0) {
-        PyErr_SetString(PyExc_ValueError, "nid must not be negative");
-        return NULL;
-    }
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(keys); j++, nid++) {
         PyObject *key = PyList_GET_ITEM(keys, j);
         Py_INCREF(key);
@@ -148,13 +145,9 @@ static PyObject *assign_run(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 static PyObject *forget(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "forget(shards, keys) takes 2 arguments");
-        return NULL;
-    }
-    PyObject *shards = args[0], *keys = args[1];
-    Py_ssize_t mask = check_args(shards, keys);
-    if (mask < 0) return NULL;
+    PyObject *shards, *keys;
+    Py_ssize_t mask;
+    if (head(args, nargs, 2, "forget(shards, keys)", &shards, &keys, &mask) < 0) return NULL;
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(keys); j++) {
         PyObject *key = PyList_GET_ITEM(keys, j);
         Py_INCREF(key);
