@@ -160,3 +160,28 @@ def test_an_index_ends_in_the_same_layout_either_way(
             idx.check_layout()
         a, b = both
         assert a._ids == b._ids and a._keys == b._keys and a._sidl == b._sidl and a._ts == b._ts
+
+
+def test_a_router_without_the_compiled_loops_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An install that could not build the module (no C compiler) runs the Python forms, and logs why the KV path
+    costs more: once, when the KV-event subscriber starts."""
+    import asyncio
+
+    from membership.kv_events import KVEventSubscriber
+
+    async def start_stop() -> None:
+        sub = KVEventSubscriber(PrefixIndex(block_size=16))
+        await sub.start()
+        await sub.stop()
+
+    with caplog.at_level("WARNING", logger="kvroute.kv_events"):
+        asyncio.run(start_stop())
+    assert not [r for r in caplog.records if "id_map_native" in r.getMessage()]
+    monkeypatch.setattr(id_map, "_NATIVE", None)
+    assert not id_map.native_built() and not id_map.ops().native
+    assert not PrefixIndex(block_size=16)._idops.native  # an index built now runs the Python forms
+    with caplog.at_level("WARNING", logger="kvroute.kv_events"):
+        asyncio.run(start_stop())
+    assert [r for r in caplog.records if "id_map_native" in r.getMessage()]
