@@ -355,3 +355,20 @@ def fuzz_settings(examples: int) -> settings:
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
+
+
+def kv_start_warnings(caplog: Any) -> list[str]:
+    """The warnings a KV-event subscriber logs when it starts (and stops again), over an empty index: how a router
+    tells that a compiled part of its KV path is not built. ``caplog``: pytest's log capture fixture."""
+    from index.prefix_index import PrefixIndex
+    from membership.kv_events import KVEventSubscriber
+
+    async def start_stop() -> None:
+        sub = KVEventSubscriber(PrefixIndex(block_size=16))
+        await sub.start()
+        await sub.stop()
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvroute.kv_events"):
+        asyncio.run(start_stop())
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

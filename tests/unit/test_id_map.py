@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from index import id_map
 from index.prefix_index import PrefixIndex
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, kv_start_warnings
 from tests.unit.test_index_property import BS, TTL, Reference, apply_op, ops
 
 #: a call of one implementation's operation on shards (untyped: the tests hand it wrong types on purpose)
@@ -167,21 +167,8 @@ def test_a_router_without_the_compiled_loops_says_so(
 ) -> None:
     """An install that could not build the module (no C compiler) runs the Python forms, and logs why the KV path
     costs more: once, when the KV-event subscriber starts."""
-    import asyncio
-
-    from membership.kv_events import KVEventSubscriber
-
-    async def start_stop() -> None:
-        sub = KVEventSubscriber(PrefixIndex(block_size=16))
-        await sub.start()
-        await sub.stop()
-
-    with caplog.at_level("WARNING", logger="kvroute.kv_events"):
-        asyncio.run(start_stop())
-    assert not [r for r in caplog.records if "id_map_native" in r.getMessage()]
+    assert not [m for m in kv_start_warnings(caplog) if "id_map_native" in m]
     monkeypatch.setattr(id_map, "_NATIVE", None)
     assert not id_map.native_built() and not id_map.ops().native
     assert not PrefixIndex(block_size=16)._idops.native  # an index built now runs the Python forms
-    with caplog.at_level("WARNING", logger="kvroute.kv_events"):
-        asyncio.run(start_stop())
-    assert [r for r in caplog.records if "id_map_native" in r.getMessage()]
+    assert [m for m in kv_start_warnings(caplog) if "id_map_native" in m]

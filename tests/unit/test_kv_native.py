@@ -31,7 +31,7 @@ from membership.kv_decode import (
     decode_payload,
     native_decoder,
 )
-from tests.helpers import byte_flips, flipped, fuzz_settings
+from tests.helpers import byte_flips, flipped, fuzz_settings, kv_start_warnings
 
 TOKS = list(range(100, 116))  # one 16-token block
 REAL_FRAMES = (
@@ -371,23 +371,9 @@ def test_a_router_without_the_compiled_decoder_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An install that could not build it (no C compiler) still decodes every batch, and logs why it costs more."""
-    import asyncio
-
-    from index.prefix_index import PrefixIndex
-    from membership.kv_events import KVEventSubscriber
-
-    async def start_stop() -> None:
-        sub = KVEventSubscriber(PrefixIndex(block_size=16))
-        await sub.start()
-        await sub.stop()
-
-    with caplog.at_level("WARNING", logger="kvroute.kv_events"):
-        asyncio.run(start_stop())
-    assert not [r for r in caplog.records if "kv_native" in r.getMessage()]
+    assert not [m for m in kv_start_warnings(caplog) if "kv_native" in m]
     monkeypatch.setattr(kd, "kv_native", None)
     assert not native_decoder()
-    with caplog.at_level("WARNING", logger="kvroute.kv_events"):
-        asyncio.run(start_stop())
-    assert [r for r in caplog.records if "kv_native" in r.getMessage()]
+    assert [m for m in kv_start_warnings(caplog) if "kv_native" in m]
     res = decode_payload(_pack([_event()]))  # the Python decoder's, with native left on
     assert isinstance(res, DecodedBatch) and len(res.events) == 1
