@@ -2,7 +2,7 @@
 ``index.id_map_native`` (the index's key -> node id map operations).
 
 Everything else is in pyproject.toml. The modules are optional: when they cannot be built (no C compiler), the
-install goes on and the Python forms run (``membership.kv_decode`` decodes every batch in Python, ~4x the CPU;
+install goes on and the Python forms run (``membership.kv_decode`` decodes every batch in Python, ~3.5x the CPU;
 ``index.id_map`` runs its loops in Python), with the same results. ``make venv`` builds them and checks that they
 import.
 """

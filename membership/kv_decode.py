@@ -31,7 +31,7 @@ Wire forms accepted (see ``../shared/reference/engine-wire-facts.md``):
 Batches in the engines' common form (maps of ``BlockStored`` with token ids, ``BlockRemoved``,
 ``AllBlocksCleared``; see ``native_decoder``) are decoded by the compiled ``membership.kv_native`` when it is built
 (``setup.py``; ~3.5x less CPU, the token ids read straight into uint32s); it declines every other batch, which is
-decoded here, so the result is this module's in every case (``tests/unit/testkv_native.py``).
+decoded here, so the result is this module's in every case (``tests/unit/test_kv_native.py``).
 
 Units: ``block_size`` is tokens per engine block (page); hashes are engine block hashes (ints), never our keys.
 """

@@ -7,7 +7,7 @@
  * plain tuples, or None ("declined") for anything else: another form, a field the fast way does not read, a value the
  * Python decoder would drop, count or note, malformed msgpack, a bound exceeded. The caller then decodes the batch in
  * Python, so every answer of the fast way equals the Python decoder's and everything else is the Python decoder's
- * (tests/unit/testkv_native.py checks both on the same payloads, valid, hand-made and fuzzed).
+ * (tests/unit/test_kv_native.py checks both on the same payloads, valid, hand-made and fuzzed).
  *
  * What it saves: the token ids are read from the msgpack bytes straight into one buffer of uint32s (no Python int
  * per token, no list, no ``array`` conversion), and the events' maps, keys and strings are never built as objects.

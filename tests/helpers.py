@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 import orjson
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 from fakes.ports import free_port as free_port  # re-exported: the tests take it from here
 from sim.workload import TRACE_NAME, find_trace, trace_dirs
@@ -329,8 +330,6 @@ def shared_trace(name: str = TRACE_NAME) -> Path:
 
 def byte_flips(max_pos: int, max_size: int) -> Any:
     """A hypothesis strategy of ``(position, byte)`` changes for ``flipped`` (decoder fuzzing)."""
-    from hypothesis import strategies as st
-
     return st.lists(
         st.tuples(st.integers(min_value=0, max_value=max_pos), st.integers(min_value=0, max_value=255)),
         max_size=max_size,
@@ -347,8 +346,6 @@ def flipped(payload: bytes, flips: Sequence[tuple[int, int]]) -> bytes:
 
 def fuzz_settings(examples: int) -> settings:
     """Hypothesis settings of the decoder fuzz tests: ``examples`` cases, no deadline, no example database."""
-    from hypothesis import HealthCheck
-
     return settings(
         max_examples=examples,
         deadline=None,

@@ -451,9 +451,6 @@ _event = st.one_of(
 )
 
 
-_fuzz = fuzz_settings
-
-
 def _valid_payloads() -> list[bytes]:
     from fakes.kv_publisher import PubCleared, PubEvent, PubRemoved, PubStored, encode_batch
 
@@ -484,21 +481,21 @@ def _check(res: object) -> None:
                 assert ev.hashes
 
 
-@_fuzz(3500)
+@fuzz_settings(3500)
 @given(st.lists(st.binary(max_size=64), max_size=5))
 def test_fuzz_raw_frames(frames: list[bytes]) -> None:
     _check(decode_live_frames(frames))
     _check(decode_replay_frames(frames))
 
 
-@_fuzz(1000)
+@fuzz_settings(1000)
 @given(st.floats(allow_nan=True), st.lists(_event, max_size=6), _leaf)
 def test_fuzz_structured_batches(ts: float, events: list[object], rank: object) -> None:
     payload = msgpack.packb([ts, events, rank], use_bin_type=True)
     _check(decode_live_frames([b"", SEQ7, payload]))
 
 
-@_fuzz(1000)
+@fuzz_settings(1000)
 @given(_obj, st.integers(min_value=0, max_value=200))
 def test_fuzz_truncated_and_arbitrary_payloads(obj: object, cut: int) -> None:
     payload = msgpack.packb(obj, use_bin_type=True)
@@ -506,7 +503,7 @@ def test_fuzz_truncated_and_arbitrary_payloads(obj: object, cut: int) -> None:
     _check(decode_payload(payload[:cut]))
 
 
-@_fuzz(5000)
+@fuzz_settings(5000)
 @given(st.sampled_from(_VALID), byte_flips(1 << 12, 6), st.integers(min_value=0, max_value=1 << 12))
 def test_fuzz_mutated_engine_payloads(payload: bytes, flips: list[tuple[int, int]], cut: int) -> None:
     data = flipped(payload, flips)
@@ -533,7 +530,7 @@ def _same(a: object, b: object) -> None:
     ]
 
 
-@_fuzz(1500)
+@fuzz_settings(1500)
 @given(
     st.sampled_from(_VALID),
     st.lists(

@@ -289,9 +289,6 @@ def test_large_batches_in_slices_go_the_python_way() -> None:
 # -- fuzzing: any input, the same answer -------------------------------------------------------------------------
 
 
-_fuzz = fuzz_settings
-
-
 def _valid() -> list[bytes]:
     evs: list[PubEvent] = [
         PubStored([2**64 - 5, 7], None, TOKS * 2, 16, "gpu"),
@@ -317,7 +314,7 @@ _leaf = st.one_of(st.none(), st.booleans(), *_scalars)
 _value = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=4), max_leaves=12)
 
 
-@_fuzz(3000)
+@fuzz_settings(3000)
 @given(st.sampled_from(_VALID), byte_flips(1 << 14, 6), st.integers(min_value=0, max_value=1 << 14))
 def test_fuzz_mutated_payloads(payload: bytes, flips: list[tuple[int, int]], cut: int) -> None:
     data = flipped(payload, flips)
@@ -325,7 +322,7 @@ def test_fuzz_mutated_payloads(payload: bytes, flips: list[tuple[int, int]], cut
     same(data[:cut])
 
 
-@_fuzz(1500)
+@fuzz_settings(1500)
 @given(
     st.lists(
         st.one_of(
