@@ -30,19 +30,32 @@ items' placeholder offsets alone. Blocks without an item starting in them hash e
 
 Nothing here depends on the process (no ``hash()``, no random seeds): two processes hashing the same prompt with
 the same root get the same keys.
+
+The chained loop itself (:func:`chain_keys`) runs in C when ``index.hash_native`` is built (the same XXH3 function
+the ``xxhash`` package calls, without a slice, a copy and a call of the interpreter per block); otherwise, or when
+the compiled loop does not give the Python form's keys on the check made at import, in Python. Same keys either
+way (``tests/unit/test_index_hashing.py`` runs both).
 """
 
 from __future__ import annotations
 
+import operator
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import xxhash
 
+try:
+    from . import hash_native as _native_module
+except ImportError:  # not built (no C compiler at install), or xxhash exports no XXH3_64bits_withSeed
+    _native_module = None  # type: ignore[assignment]
+
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "chain_keys",
+    "hash_native_built",
     "MmItem",
     "MmStart",
     "block_keys",
@@ -98,6 +111,66 @@ def root_seed(
     return _xxh3(data)
 
 
+def _chain_py(
+    data: bytes | bytearray | memoryview | array[int], stride: int, seed: int, start: int, stop: int
+) -> list[int]:
+    """:func:`chain_keys` in Python (what ``index.hash_native.chain`` computes, with the same exceptions)."""
+    stride, start, stop = operator.index(stride), operator.index(start), operator.index(stop)
+    if max(stride, start, stop) > sys.maxsize:
+        raise OverflowError("stride, start and stop must fit in a C ssize_t")
+    if stride <= 0:
+        raise ValueError(f"stride must be positive, got {stride}")
+    if start < 0 or stop < 0:
+        raise ValueError(f"start and stop must not be negative, got {start} and {stop}")
+    if not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    raw = memoryview(data).cast("B")
+    stop = min(stop, len(raw) // stride)
+    if stop <= start:
+        return []
+    buf = raw[
+        start * stride : stop * stride
+    ].tobytes()  # one copy of the blocks hashed, sliced as bytes below
+    n = stop - start
+    h = _xxh3
+    k = seed & _U64
+    if n <= MAX_SLICE_CACHE_BLOCKS:
+        return [k := h(buf[sl], k) for sl in block_slices(stride, 0, n)]
+    return [k := h(buf[off : off + stride], k) for off in range(0, n * stride, stride)]
+
+
+_U64 = (1 << 64) - 1
+
+
+def _native_agrees(native: Callable[..., list[int]]) -> bool:
+    """The compiled loop gives the Python form's keys on inputs that take each of XXH3's length paths (1-16,
+    17-128, 129-240 and over 240 bytes a block), seeds at both ends, ranges past the end and empty ones."""
+    data = bytes(range(256)) * 12
+    for stride in (4, 13, 64, 128, 200, 241, 1024):
+        for seed in (0, 1, _U64, 0x9E3779B97F4A7C15):
+            for start, stop in ((0, 1 << 20), (1, 3), (2, 2)):
+                if native(data, stride, seed, start, stop) != _chain_py(data, stride, seed, start, stop):
+                    return False
+    return True
+
+
+def hash_native_built() -> bool:
+    """Whether the chained loop runs compiled (``index.hash_native`` built, and agreeing with the Python form)."""
+    return _chain is not _chain_py
+
+
+def chain_keys(
+    data: bytes | bytearray | memoryview | array[int], stride: int, seed: int, start: int, stop: int
+) -> list[int]:
+    """Chained keys of the ``stride``-byte blocks ``start .. stop - 1`` of ``data`` (``stop`` past the last full
+    block stops there): block ``start`` is hashed with ``seed`` (masked to 64 bits, as ``xxhash`` does), each next
+    one with the key before it. ``stride`` is bytes (4 x tokens for packed token ids).
+
+    Raises ValueError (``stride`` <= 0, a negative ``start`` or ``stop``), TypeError (``data`` not a buffer, a
+    seed or bound not an int)."""
+    return _chain(data, stride, seed, start, stop)
+
+
 def pack_array(token_ids: Sequence[int]) -> array[int]:
     """Token ids as an array of little-endian uint32 (its buffer is what the keys hash).
 
@@ -120,17 +193,10 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
 def block_keys_array(packed: array[int], block_size: int, seed: int) -> list[int]:
     """Chained keys of the full blocks of a prompt packed by :func:`pack_array`.
 
-    The blocks are hashed as slices of one ``bytes`` copy of the array: a ``bytes`` slice is cheaper to make than
-    an ``array`` slice (~20 % less time per block, more than the copy costs), and hashes the same bytes.
+    The array's buffer is hashed in place (:func:`chain_keys`).
     """
-    n = len(packed) // block_size
-    data = packed.tobytes()
     stride = packed.itemsize * block_size
-    h = _xxh3
-    k = seed
-    if n <= MAX_SLICE_CACHE_BLOCKS:
-        return [k := h(data[sl], k) for sl in block_slices(stride, 0, n)]
-    return [k := h(data[off : off + stride], k) for off in range(0, n * stride, stride)]
+    return _chain(packed, stride, seed, 0, len(packed) // block_size)
 
 
 def block_keys_packed(packed: bytes | bytearray | memoryview, block_size: int, seed: int) -> list[int]:
@@ -147,16 +213,7 @@ def block_keys_packed(packed: bytes | bytearray | memoryview, block_size: int, s
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     stride = 4 * block_size
-    n = len(packed) // stride
-    if isinstance(packed, memoryview):
-        packed = packed.tobytes()
-    h = _xxh3
-    k = seed
-    # A comprehension over bytes slices taken with cached slice objects is the fastest pure-Python form of
-    # the chained loop (about 25 % faster than building each slice).
-    if n <= MAX_SLICE_CACHE_BLOCKS:
-        return [k := h(packed[sl], k) for sl in block_slices(stride, 0, n)]
-    return [k := h(packed[off : off + stride], k) for off in range(0, n * stride, stride)]
+    return _chain(packed, stride, seed, 0, len(packed) // stride)
 
 
 #: Longest prompt (in blocks) hashed with cached slice objects; longer ones build slices as they go.
@@ -176,6 +233,12 @@ def block_slices(stride: int, first: int, stop: int) -> list[slice]:
     if first == 0 and stop == len(cached):
         return cached
     return cached[first:stop]
+
+
+#: the chained loop :func:`chain_keys` runs (the compiled one when built and agreeing)
+_chain: Callable[[bytes | bytearray | memoryview | array[int], int, int, int, int], list[int]] = _chain_py
+if _native_module is not None and _native_agrees(_native_module.chain):
+    _chain = _native_module.chain
 
 
 def block_keys(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0) -> list[int]:

@@ -44,8 +44,6 @@ from collections.abc import Set as AbstractSet
 from itertools import groupby
 from typing import Any, cast
 
-import xxhash
-
 from .budget import (
     COPY_ENTRY_BYTES,
     ENGINE_ENTRY_BYTES,
@@ -59,20 +57,12 @@ from .budget import (
 )
 from .engine_map import ChainState, EngineEntry, EngineHashMap, entry_keys
 from .expiry import TTL_ENTRY_BYTES, StoreOnlyExpiry
-from .hashing import (
-    DEFAULT_BLOCK_SIZE,
-    MAX_SLICE_CACHE_BLOCKS,
-    MmStart,
-    block_keys_array,
-    block_slices,
-    pack_array,
-)
+from .hashing import DEFAULT_BLOCK_SIZE, MmStart, chain_keys, pack_array
 from .nodes import SHARD_MASK as _SHARD_MASK
 from .nodes import NodeTable
 from .states import OP_PREDICT, OP_REMOVE, OP_STORE, OP_UNPREDICT, PRED, StateTable, bits
 from .types import TIER_INDEX, TIERS, BlockKey, EngineHash, ReplicaMatch, StoreResult
 
-_xxh3 = xxhash.xxh3_64_intdigest
 # the public API takes plain ints (``index.hashing`` returns them); these name what they are inside
 _Keys = Sequence[BlockKey]
 _Hashes = Sequence[EngineHash]
@@ -464,17 +454,13 @@ class PrefixIndex(NodeTable):
         stride = self.block_size
         packed = pack_array(token_ids)  # one pass over the token list (touching each int object once)
         n = len(packed) // stride
-        if n > MAX_SLICE_CACHE_BLOCKS:
-            all_keys = block_keys_array(packed, stride, seed)
-            return self.match(all_keys, replicas), all_keys
         ids = self._ids
-        h = _xxh3
+        nbytes = packed.itemsize * stride
         keys: list[int] = []
         k = seed
         for start in range(0, n, chunk_blocks):
-            keys += [
-                k := h(packed[sl], k) for sl in block_slices(stride, start, min(start + chunk_blocks, n))
-            ]
+            keys += chain_keys(packed, nbytes, k, start, start + chunk_blocks)
+            k = keys[-1]
             if BlockKey(k) not in ids[k & _SHARD_MASK]:
                 break
         return self.match(keys, replicas), keys

@@ -58,7 +58,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from index import id_map
+from index import hashing, id_map
 from membership.kv_apply import BatchApplier, IndexSink
 from membership.kv_decode import (
     DEFAULT_LIMITS,
@@ -621,6 +621,7 @@ def _warn_unbuilt() -> None:
                 "the index's key -> node id loops (index.id_map_native: ~1.2x the apply's CPU)",
                 id_map.native_built(),
             ),
+            ("the block-key hashing (index.hash_native: ~5x its CPU)", hashing.hash_native_built()),
         )
         if not built
     ]
