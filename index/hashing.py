@@ -124,7 +124,10 @@ def _chain_py(
         raise ValueError(f"start and stop must not be negative, got {start} and {stop}")
     if not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    raw = memoryview(data).cast("B")
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise BufferError("the buffer is not C-contiguous")
+    raw = view.cast("B")
     stop = min(stop, len(raw) // stride)
     if stop <= start:
         return []
@@ -167,7 +170,7 @@ def chain_keys(
     one with the key before it. ``stride`` is bytes (4 x tokens for packed token ids).
 
     Raises ValueError (``stride`` <= 0, a negative ``start`` or ``stop``), TypeError (``data`` not a buffer, a
-    seed or bound not an int)."""
+    seed or bound not an int), BufferError (a buffer that is not contiguous)."""
     return _chain(data, stride, seed, start, stop)
 
 

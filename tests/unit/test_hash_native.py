@@ -116,6 +116,7 @@ def test_keys_past_the_small_int_cache_and_empty_ranges() -> None:
         (([1, 2, 3, 4], 4, 0, 0, 1), TypeError),
         ((b"abcd", 4, 0, 0), TypeError),  # a missing argument
         ((b"abcd", 2**80, 0, 0, 1), OverflowError),  # a stride beyond any buffer
+        ((memoryview(b"abcdefgh")[::2], 2, 0, 0, 2), BufferError),  # not contiguous
     ],
 )
 def test_bad_input_raises_the_same_exception_both_ways(args: tuple[Any, ...], exc: type[Exception]) -> None:
