@@ -235,12 +235,19 @@ PageAnswer = Callable[[str], tuple[int, str, bytes]]
 
 
 class PageServer:
-    """A real HTTP server on 127.0.0.1 (stdlib ``ThreadingHTTPServer`` in its own thread) answering every GET with
-    ``answer(path)``; on ``port`` (a free one when None: give the old port to come back after ``close``)."""
+    """A real HTTP server on 127.0.0.1 (stdlib ``ThreadingHTTPServer`` in its own thread) answering every GET and
+    POST with ``answer(path)`` (the POSTed bodies kept in ``posted``, in order); on ``port`` (a free one when None:
+    give the old port to come back after ``close``)."""
 
     def __init__(self, answer: PageAnswer, port: int | None = None) -> None:
+        posted: list[bytes] = []
+        self.posted = posted
 
         class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                posted.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                self.do_GET()
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 status, ctype, body = answer(self.path)
                 self.send_response(status)

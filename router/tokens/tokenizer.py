@@ -26,12 +26,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
+from itertools import repeat
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 import jinja2
 import jinja2.ext
+import orjson
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from membership import engine_tls
@@ -487,8 +489,11 @@ class EngineTokenizer:
         if not url:
             raise TokenizerError("engine tokenizer: no replica available to tokenize")
         try:
+            # orjson both ways: a long prompt's request and its answer (one int per token) are the bulk of the call
             resp = await self._client.post(
-                url.rstrip("/") + "/tokenize", json=body, headers=_CALL_HEADERS.get()
+                url.rstrip("/") + "/tokenize",
+                content=orjson.dumps(body),
+                headers={**(_CALL_HEADERS.get() or {}), "content-type": "application/json"},
             )
         except httpx.HTTPError as exc:
             raise TokenizerError(f"engine /tokenize at {url} failed: {type(exc).__name__}: {exc}") from exc
@@ -497,10 +502,10 @@ class EngineTokenizer:
         if resp.status_code != 200:
             raise TokenizerError(f"engine /tokenize at {url} answered {resp.status_code}: {resp.text[:200]}")
         try:
-            tokens = resp.json()["tokens"]
-        except (ValueError, KeyError, TypeError) as exc:
+            tokens = orjson.loads(resp.content)["tokens"]
+        except (ValueError, KeyError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
             raise TokenizerError(f"engine /tokenize at {url} returned no 'tokens' list") from exc
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        if not isinstance(tokens, list) or not all(map(isinstance, tokens, repeat(int))):
             raise TokenizerError(f"engine /tokenize at {url} returned a malformed 'tokens' list")
         return tokens
 
