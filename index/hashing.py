@@ -34,7 +34,7 @@ the same root get the same keys.
 The chained loop itself (:func:`chain_keys`) runs in C when ``index.hash_native`` is built (the same XXH3 function
 the ``xxhash`` package calls, without a slice, a copy and a call of the interpreter per block); otherwise, or when
 the compiled loop does not give the Python form's keys on the check made at import, in Python. Same keys either
-way (``tests/unit/test_index_hashing.py`` runs both).
+way (``tests/unit/test_hash_native.py`` runs both).
 """
 
 from __future__ import annotations
@@ -111,6 +111,10 @@ def root_seed(
     return _xxh3(data)
 
 
+#: seeds are taken modulo 2**64, as ``xxhash`` takes them
+_U64 = (1 << 64) - 1
+
+
 def _chain_py(
     data: bytes | bytearray | memoryview | array[int], stride: int, seed: int, start: int, stop: int
 ) -> list[int]:
@@ -131,18 +135,14 @@ def _chain_py(
     stop = min(stop, len(raw) // stride)
     if stop <= start:
         return []
-    buf = raw[
-        start * stride : stop * stride
-    ].tobytes()  # one copy of the blocks hashed, sliced as bytes below
+    # one copy of the blocks hashed, sliced as bytes below
+    buf = raw[start * stride : stop * stride].tobytes()
     n = stop - start
     h = _xxh3
     k = seed & _U64
     if n <= MAX_SLICE_CACHE_BLOCKS:
         return [k := h(buf[sl], k) for sl in block_slices(stride, 0, n)]
     return [k := h(buf[off : off + stride], k) for off in range(0, n * stride, stride)]
-
-
-_U64 = (1 << 64) - 1
 
 
 def _native_agrees(native: Callable[..., list[int]]) -> bool:
