@@ -71,7 +71,8 @@ static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         PyBuffer_Release(&view);
         return NULL;
     }
-    const char *p = (const char *)view.buf + start * stride;
+    /* only when there is a block to hash: then start < blocks, so start * stride < view.len (no overflow) */
+    const char *p = n > 0 ? (const char *)view.buf + start * stride : NULL;
     uint64_t k = (uint64_t)seed;
     for (Py_ssize_t i = 0; i < n; i++, p += stride) {
         k = xxh3_seeded(p, (size_t)stride, k);
