@@ -4,8 +4,8 @@ block-key loop).
 
 Everything else is in pyproject.toml. The modules are optional: when they cannot be built (no C compiler), the
 install goes on and the Python forms run (``membership.kv_decode`` decodes every batch in Python, ~3.5x the CPU;
-``index.id_map`` runs its loops in Python, ``index.hashing`` its chained loop), with the same results. ``make venv`` builds them and checks that they
-import.
+``index.id_map`` runs its loops in Python, ``index.hashing`` its chained loop), with the same results. ``make venv``
+builds them and checks that they import.
 """
 
 from setuptools import Extension, setup

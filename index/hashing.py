@@ -63,11 +63,9 @@ __all__ = [
     "mm_block_keys",
     "mm_starts",
     "vllm_block_extra_keys",
-    "MAX_SLICE_CACHE_BLOCKS",
     "block_keys_array",
     "block_keys_packed",
     "pack_array",
-    "block_slices",
     "extend_keys",
     "pack_tokens",
     "root_seed",
@@ -137,12 +135,9 @@ def _chain_py(
         return []
     # one copy of the blocks hashed, sliced as bytes below
     buf = raw[start * stride : stop * stride].tobytes()
-    n = stop - start
     h = _xxh3
     k = seed & _U64
-    if n <= MAX_SLICE_CACHE_BLOCKS:
-        return [k := h(buf[sl], k) for sl in block_slices(stride, 0, n)]
-    return [k := h(buf[off : off + stride], k) for off in range(0, n * stride, stride)]
+    return [k := h(buf[off : off + stride], k) for off in range(0, len(buf), stride)]
 
 
 def _native_agrees(native: Callable[..., list[int]]) -> bool:
@@ -217,25 +212,6 @@ def block_keys_packed(packed: bytes | bytearray | memoryview, block_size: int, s
         raise ValueError(f"block_size must be positive, got {block_size}")
     stride = 4 * block_size
     return _chain(packed, stride, seed, 0, len(packed) // stride)
-
-
-#: Longest prompt (in blocks) hashed with cached slice objects; longer ones build slices as they go.
-MAX_SLICE_CACHE_BLOCKS = 1 << 16
-_SLICES: dict[int, list[slice]] = {}
-
-
-def block_slices(stride: int, first: int, stop: int) -> list[slice]:
-    """Cached ``slice`` objects selecting blocks ``first..stop-1`` of ``stride`` items (bytes or tokens) each.
-
-    ``stop`` must be at most 65536 blocks; the cache per stride grows geometrically up to that.
-    """
-    cached = _SLICES.get(stride)
-    if cached is None or len(cached) < stop:
-        size = min(MAX_SLICE_CACHE_BLOCKS, max(stop, 2 * len(cached) if cached else 1024))
-        cached = _SLICES[stride] = [slice(o, o + stride) for o in range(0, size * stride, stride)]
-    if first == 0 and stop == len(cached):
-        return cached
-    return cached[first:stop]
 
 
 #: the chained loop :func:`chain_keys` runs (the compiled one when built and agreeing)
