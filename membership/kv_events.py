@@ -621,7 +621,7 @@ def _warn_unbuilt() -> None:
                 "the index's key -> node id loops (index.id_map_native: ~1.2x the apply's CPU)",
                 id_map.native_built(),
             ),
-            ("the block-key hashing (index.hash_native: ~5x its CPU)", hashing.hash_native_built()),
+            ("the block-key hashing (index.hash_native: ~7x its CPU)", hashing.hash_native_built()),
         )
         if not built
     ]
