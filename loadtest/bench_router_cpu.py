@@ -15,6 +15,11 @@ engines at the e2e's time scale (0.25) with default intervals: ``idle_cpu_ms_per
 second whatever the traffic (probes, scrapes, timers); at the e2e's ~5 requests per second it counts per request.
 ``idle_wakeups_per_s``: the router's voluntary context switches per second over the same window, all its threads
 (``/proc/<pid>/task/*/status``): how often it went to sleep and was woken (timers, answers).
+``machine_wake_charge_us``: what this machine charges a thread for sleeping and waking, per sleep of 1 ms, 10 ms,
+0.1 s and 0.5 s (``wake_charge_us``: the benchmark's own thread CPU over a ``time.sleep`` loop, which runs no
+code between sleeps): on bare metal a few microseconds whatever the length; on a virtual machine that halts an idle
+vCPU, the waking thread may be charged for the wake-up, more the longer it slept. Read ``idle_cpu_ms_per_s``
+against it: ~10 wake-ups a second at 0.1-0.5 s apart cost a few ms a second of nothing but wake-ups there.
 
 Part 2, scaling: kvroute with 1 and with N workers (``--workers``) side by side, each asked ``POST /route`` (the
 routing decision: tokenize, hash, match, choose; no engine in the loop) by ``--scaling-concurrency`` clients in
@@ -82,6 +87,29 @@ def voluntary_switches(pid: int) -> int:
         except (OSError, ValueError):
             continue  # a thread that ended meanwhile
     return total
+
+
+#: sleep lengths (s) of ``machine_wake_charge_us`` and how many sleeps of each are timed
+WAKE_CHARGE_SLEEPS: dict[float, int] = {0.001: 200, 0.01: 50, 0.1: 10, 0.5: 4}
+
+
+def wake_charge_us(sleeps: dict[float, int] | None = None) -> dict[str, float]:
+    """CPU microseconds this thread is charged per ``time.sleep(s)`` (sleep length ``s`` seconds -> the mean over
+    ``n`` sleeps, for each ``s: n`` of ``sleeps``; default ``WAKE_CHARGE_SLEEPS``). The loop runs no code of its
+    own between the sleeps, so what it is charged is the machine's price of going idle and waking up (a syscall
+    and a context switch on bare metal: a few microseconds). Keys are the lengths as ``str(s)``.
+
+    Raises ValueError for a sleep length <= 0 or a count < 1."""
+    plan = WAKE_CHARGE_SLEEPS if sleeps is None else sleeps
+    if any(s <= 0 or n < 1 for s, n in plan.items()):
+        raise ValueError(f"sleep lengths must be > 0 s and counts >= 1: {plan}")
+    out: dict[str, float] = {}
+    for s, n in plan.items():
+        c0 = time.thread_time()
+        for _ in range(n):
+            time.sleep(s)
+        out[str(s)] = round((time.thread_time() - c0) / n * 1e6, 1)
+    return out
 
 
 def idle_cpu(engines: int, seconds: float, log_dir: str | None) -> dict[str, dict[str, float]]:
@@ -283,8 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.idle_s > 0:
         idle = idle_cpu(args.idle_engines, args.idle_s, args.log_dir)
         out["idle_cpu_ms_per_s"], out["idle_wakeups_per_s"] = idle["cpu_ms_per_s"], idle["wakeups_per_s"]
+        out["machine_wake_charge_us"] = wake_charge_us()
         print(
-            f"  idle: {idle['cpu_ms_per_s']} CPU ms per s, {idle['wakeups_per_s']} wake-ups per s",
+            f"  idle: {idle['cpu_ms_per_s']} CPU ms per s, {idle['wakeups_per_s']} wake-ups per s; this machine "
+            f"charges {out['machine_wake_charge_us']} CPU us per sleep of that many seconds",
             file=sys.stderr,
         )
     try:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.bench_router_cpu import wake_charge_us
 from loadtest.router_profile import WAITS, categorize, on_event_loop, per_request_ms, wait_share
 from router.workers import merge_expositions
 
@@ -53,3 +55,14 @@ def test_the_loops_waits_are_left_out_of_the_ms_per_request() -> None:
 def test_sniffio_is_installed() -> None:
     # without it httpcore searches sys.path for it on every request (~0.5 ms of CPU per httpx request)
     assert importlib.util.find_spec("sniffio") is not None
+
+
+def test_wake_charge_times_each_sleep_length_and_refuses_bad_plans() -> None:
+    """``machine_wake_charge_us`` (bench_router_cpu part 0): one mean per sleep length, keyed by the length; a
+    thread that only sleeps is charged something, and less than the time it slept."""
+    out = wake_charge_us({0.001: 5, 0.002: 3})
+    assert list(out) == ["0.001", "0.002"]
+    assert all(0.0 <= us < 1000.0 for us in out.values())  # charged per 1-2 ms sleep: under the sleep itself
+    for bad in ({0.0: 1}, {-0.1: 1}, {0.001: 0}):
+        with pytest.raises(ValueError):
+            wake_charge_us(bad)
