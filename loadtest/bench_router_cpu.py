@@ -19,7 +19,7 @@ second whatever the traffic (probes, scrapes, timers); at the e2e's ~5 requests 
 0.1 s and 0.5 s (``wake_charge_us``: the benchmark's own thread CPU over a ``time.sleep`` loop, which runs no
 code between sleeps): on bare metal a few microseconds whatever the length; on a virtual machine that halts an idle
 vCPU, the waking thread may be charged for the wake-up, more the longer it slept. Read ``idle_cpu_ms_per_s``
-against it: ~10 wake-ups a second at 0.1-0.5 s apart cost a few ms a second of nothing but wake-ups there.
+against it: ~10 wake-ups a second at 0.1-0.5 s apart can cost up to a few ms a second there, of nothing but wake-ups.
 
 Part 2, scaling: kvroute with 1 and with N workers (``--workers``) side by side, each asked ``POST /route`` (the
 routing decision: tokenize, hash, match, choose; no engine in the loop) by ``--scaling-concurrency`` clients in

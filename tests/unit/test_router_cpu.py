@@ -59,7 +59,7 @@ def test_sniffio_is_installed() -> None:
 
 def test_wake_charge_times_each_sleep_length_and_refuses_bad_plans() -> None:
     """``machine_wake_charge_us`` (bench_router_cpu part 0): one mean per sleep length, keyed by the length; a
-    thread that only sleeps is charged something, and less than the time it slept."""
+    thread that only sleeps is charged less than the time it slept."""
     out = wake_charge_us({0.001: 5, 0.002: 3})
     assert list(out) == ["0.001", "0.002"]
     assert all(0.0 <= us < 1000.0 for us in out.values())  # charged per 1-2 ms sleep: under the sleep itself
