@@ -554,6 +554,7 @@ class Fleet:
         extra_args: Sequence[str] = (),
         tokenizer_path: str | None = None,
         root: Path | None = None,
+        launcher: Sequence[str] = ("router.cli",),
     ) -> RouterHandle:
         """Start ``kvroute serve`` in front of the engines and wait until it knows all of them.
 
@@ -562,13 +563,15 @@ class Fleet:
         ``/route`` question) sent while the others are still joining is priced over part of the fleet. Like
         ``start_sglang_router``, which waits for every worker. ``root``: run the ``router`` package of another
         checkout (e.g. the previous release, to compare two versions side by side in one run); default this one.
+        ``launcher``: the module run with ``-m`` and its arguments before kvroute's own (default ``router.cli``;
+        e.g. ``loadtest.call_costs --out F --``, which runs ``router.cli`` with functions timed per call).
         """
         self._require_engines()
         port = free_port()
         args = [
             sys.executable,
             "-m",
-            "router.cli",
+            *launcher,
             "serve",
             "--host",
             HOST,

@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -52,6 +53,7 @@ from fakes.fleet import (
     parse_runs,
     run_harness,
 )
+from loadtest.call_costs import per_request, read_snapshot
 from loadtest.router_profile import (
     PySpy,
     breakdown,
@@ -114,6 +116,9 @@ class RunConfig:
     baseline_root: Path | None = None
     #: write a py-spy profile of each kvroute run here and add its breakdown to the result (None: no profile)
     profile_dir: Path | None = None
+    #: run kvroute through ``loadtest.call_costs`` (accounts in this directory) and add ``call_costs`` to each
+    #: kvroute run's result (None: off)
+    call_costs_dir: Path | None = None
 
 
 def run_one(
@@ -145,6 +150,8 @@ class _Measured:
     queries: float
     gate: dict[str, float] | None
     spy: PySpy | None
+    #: the ``loadtest.call_costs`` accounts over the replay (``--call-costs``; None: off)
+    costs: dict[str, Any] | None = None
 
 
 def _start_router(fleet: Fleet, name: str, cfg: RunConfig) -> RouterHandle:
@@ -152,8 +159,37 @@ def _start_router(fleet: Fleet, name: str, cfg: RunConfig) -> RouterHandle:
     kind, policy = RUNS[name]
     root = cfg.baseline_root if name == BASELINE_RUN else None
     if kind == "kvroute":
-        return fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args, root=root)
+        launcher: tuple[str, ...] = ("router.cli",)
+        if _costed(cfg, name):
+            assert cfg.call_costs_dir is not None
+            cfg.call_costs_dir.mkdir(parents=True, exist_ok=True)
+            out = _call_costs_file(cfg, name)
+            out.unlink(missing_ok=True)
+            launcher = ("loadtest.call_costs", "--out", str(out), "--")
+        return fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args, root=root, launcher=launcher)
     return fleet.start_sglang_router(policy=policy, extra_args=cfg.sglang_args)
+
+
+def _costed(cfg: RunConfig, name: str) -> bool:
+    """Run ``name`` runs under ``loadtest.call_costs`` (``--call-costs``; kvroute from this checkout only)."""
+    return cfg.call_costs_dir is not None and RUNS[name][0] == "kvroute" and name != BASELINE_RUN
+
+
+def _call_costs_file(cfg: RunConfig, name: str) -> Path:
+    """Where the ``loadtest.call_costs`` accounts of run ``name`` go (``--call-costs``)."""
+    assert cfg.call_costs_dir is not None
+    return cfg.call_costs_dir / f"{name}.json"
+
+
+def _call_costs_signal(cfg: RunConfig, name: str, router: RouterHandle, sig: int) -> dict[str, Any] | None:
+    """Send ``sig`` (``SIGUSR2`` reset, ``SIGUSR1`` write) to a kvroute run under ``--call-costs`` and return
+    the accounts it writes in answer (None: the run is not under ``--call-costs``)."""
+    if not _costed(cfg, name):
+        return None
+    out = _call_costs_file(cfg, name)
+    before = read_snapshot(out, dumps=1, timeout_s=10.0)["dumps"]
+    os.kill(router.proc.pid, sig)
+    return read_snapshot(out, dumps=before + 1, timeout_s=10.0)
 
 
 def _measure(
@@ -166,6 +202,7 @@ def _measure(
     cpu0 = router.proc.cpu_seconds()
     last = max((r.arrival_s for r in workload), default=0.0)
     spy = _start_profile(cfg, name, router) if kind == "kvroute" else None
+    _call_costs_signal(cfg, name, router, signal.SIGUSR2)
     threads0 = thread_cpu_s(router.proc.pid)
 
     async def go() -> tuple[list[Any], float]:
@@ -189,11 +226,12 @@ def _measure(
             spy.stop()
     cpu1 = router.proc.cpu_seconds()
     threads = main_thread_split(router.proc.pid, threads0, thread_cpu_s(router.proc.pid))
+    costs = _call_costs_signal(cfg, name, router, signal.SIGUSR1)
     h1, q1 = fleet.prefix_cache_counters()
     gate = dispatch_counters(router.url) if kind == "kvroute" else None
     if not router.proc.alive():
         raise RuntimeError(f"{name}: router died during the run:\n{router.proc.tail()}")
-    return _Measured(results, wall, cpu1 - cpu0, threads, h1 - h0, q1 - q0, gate, spy)
+    return _Measured(results, wall, cpu1 - cpu0, threads, h1 - h0, q1 - q0, gate, spy, costs)
 
 
 def _result(m: _Measured, kind: str, policy: str, load_before: float, cfg: RunConfig) -> dict[str, Any]:
@@ -229,6 +267,8 @@ def _result(m: _Measured, kind: str, policy: str, load_before: float, cfg: RunCo
         out["dispatch"] = m.gate
     if m.spy is not None and m.spy.out_path.exists() and out["router_cpu_s_per_1k"]:
         _add_profile(out, m.spy)
+    if m.costs is not None and results:
+        out["call_costs"] = per_request(m.costs, len(results))
     if s.error_samples:
         out["error_samples"] = s.error_samples
     for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "e2e_p50_s", "e2e_p99_s"):
@@ -476,6 +516,14 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
         help="sample each kvroute run with py-spy (files in DIR) and add the CPU breakdown per request "
         "(cpu_profile_ms_per_request, by category: loadtest/router_profile.py) to its result",
     )
+    p.add_argument(
+        "--call-costs",
+        default=None,
+        metavar="DIR",
+        help="run kvroute with its hot functions timed per call in place (loadtest/call_costs.py; accounts in "
+        "DIR) and add call_costs to each kvroute run's result: per function, thread CPU microseconds per call, "
+        "calls and milliseconds per request over the replay (not for the baseline checkout's run)",
+    )
 
 
 def trace_dir_missing() -> str | None:
@@ -532,6 +580,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         kvroute_args=tuple(args.kvroute_arg),
         sglang_args=tuple(args.sglang_arg),
         profile_dir=Path(args.profile_router).resolve() if args.profile_router else None,
+        call_costs_dir=Path(args.call_costs).resolve() if args.call_costs else None,
         baseline_root=Path(args.baseline_root).resolve() if args.baseline_root else None,
         cpu_hogs=max(0, args.cpu_hog),
     )
