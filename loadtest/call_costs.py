@@ -16,8 +16,10 @@ the thread woke from a sleep of tens of milliseconds costs several times what th
 depends on how the function's calls are spread in time.
 
 The wrapper costs about a microsecond a call (counted in the account); a target called from inside another target
-counts in both (the accounts are inclusive). Only plain (not ``async``) functions and methods can be targets: the
-thread time of a coroutine would include whatever the loop ran while it waited.
+counts in both (the accounts are inclusive). A coroutine function can be a target too: its coroutine is timed step
+by step (from each resumption to its next suspension, so what the loop runs while it waits is not counted, but
+what it awaits runs inside its steps and is), and a call is one coroutine run to its end; generator and async
+generator functions cannot.
 
 Units: nanoseconds in the file; ``per_request`` gives microseconds per call, calls and milliseconds per request.
 """
@@ -25,6 +27,7 @@ Units: nanoseconds in the file; ``per_request`` gives microseconds per call, cal
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import functools
 import importlib
 import inspect
@@ -32,11 +35,11 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
-#: the router's hot plain functions, by what they do: the engine connection's read callback and the relay's
+#: the router's hot functions, by what they do: the engine connection's read callback and the relay's
 #: write per streamed piece; KV-event decode and index updates; prompt tokenization; the routing decision; the
 #: request body's parse; the load scrape's page parse; the event-loop lag probe
 DEFAULT_TARGETS: tuple[str, ...] = (
@@ -50,7 +53,64 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "router.serve.intake:parse_json",
     "membership.engine_metrics:parse_metrics",
     "router.serve.loop_lag:LoopLag._probe",
+    # coroutines: a request's phases before the answer streams, the engine call, the stream itself; a load
+    # scrape and a health probe of one replica; one KV-event batch handled
+    "router.serve.pipeline:Pipeline.prepare",
+    "router.serve.pipeline:Pipeline.admit",
+    "router.serve.pipeline:Pipeline.dispatch",
+    "router.engine.client:EnginePool._request",
+    "router.engine.relay:RelayedStream.__call__",
+    "membership.engine_metrics:MetricsScraper.scrape_replica",
+    "membership.health:HealthChecker.probe",
+    "membership.kv_events:ReplicaFeed.handle_live",
 )
+
+
+class _TimedCoroutine(collections.abc.Coroutine[Any, Any, Any]):
+    """A coroutine whose steps (``send`` / ``throw``: one resumption to the next suspension) add their thread CPU
+    time to ``account``; the call is counted when it ends. Runs as a task or awaited, like the one it wraps."""
+
+    __slots__ = ("_coro", "_account", "_ended")
+
+    def __init__(self, coro: collections.abc.Coroutine[Any, Any, Any], account: list[int]) -> None:
+        self._coro = coro
+        self._account = account
+        self._ended = False
+
+    def _step(self, step: Callable[[], Any]) -> Any:
+        t0 = time.thread_time_ns()
+        try:
+            return step()
+        except BaseException:  # StopIteration (the end), or the coroutine raised
+            if not self._ended:
+                self._ended = True
+                self._account[1] += 1
+            raise
+        finally:
+            self._account[0] += time.thread_time_ns() - t0
+
+    def send(self, value: Any) -> Any:
+        return self._step(lambda: self._coro.send(value))
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        exc = typ if val is None and isinstance(typ, BaseException) else (val if val is not None else typ())
+        return self._step(lambda: self._coro.throw(exc))
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        value: Any = None
+        exc: BaseException | None = None
+        while True:
+            try:
+                out = self.send(value) if exc is None else self.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+            try:
+                value, exc = (yield out), None
+            except BaseException as e:  # thrown into the awaiting coroutine: on into this one
+                value, exc = None, e
 
 
 class CallCosts:
@@ -67,9 +127,16 @@ class CallCosts:
         self._patched: list[tuple[Any, str, Any]] = []
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` with its calls counted under ``name``."""
+        """``fn`` with its calls counted under ``name`` (a coroutine function's coroutines timed step by step)."""
         account = self.accounts.setdefault(name, [0, 0])
         clock = time.thread_time_ns
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                return _TimedCoroutine(fn(*args, **kwargs), account)
+
+            return timed
 
         @functools.wraps(fn)
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -103,9 +170,9 @@ class CallCosts:
         kind: Callable[[Any], Any] | None = None
         if isinstance(fn, (staticmethod, classmethod)):
             kind, fn = type(fn), fn.__func__
-        if not callable(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        if not callable(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
             raise ValueError(
-                f"target {target!r} is not a plain function (coroutines cannot be timed per call)"
+                f"target {target!r} is not a function or coroutine function (generators are not timed)"
             )
         counted = self.wrap(qual, fn)
         self._replace(owner, attr, kind(counted) if kind is not None else counted)

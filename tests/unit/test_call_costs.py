@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +28,16 @@ def _module(name: str) -> types.ModuleType:
         "    def one():\n"
         "        return 1\n"
         "async def later():\n"
-        "    return 0\n",
+        "    return 0\n"
+        "async def work(n, pause):\n"
+        "    import asyncio\n"
+        "    total = sum(range(n))\n"
+        "    await asyncio.sleep(pause)\n"
+        "    return total + sum(range(n))\n"
+        "async def fail():\n"
+        "    raise KeyError('x')\n"
+        "def gen():\n"
+        "    yield 1\n",
         mod.__dict__,
     )
     sys.modules[name] = mod
@@ -80,7 +91,7 @@ def test_a_raising_call_is_counted_and_the_error_passes_through(
         ("cc_target:", "MODULE:QUALNAME"),
         ("cc_target:nothing", "no 'nothing'"),
         ("cc_target:Nope.twice", "no 'Nope'"),
-        ("cc_target:later", "not a plain function"),
+        ("cc_target:gen", "generators are not timed"),
     ],
 )
 def test_targets_it_cannot_time_are_refused_with_the_reason(
@@ -88,6 +99,39 @@ def test_targets_it_cannot_time_are_refused_with_the_reason(
 ) -> None:
     with pytest.raises(ValueError, match=reason):
         CallCosts().install(target)
+
+
+def test_a_coroutine_is_timed_by_its_steps_awaited_or_as_a_task_and_counted_once(
+    mods: tuple[types.ModuleType, types.ModuleType],
+) -> None:
+    """Its steps' CPU counts, not what the loop runs while it waits (0.1 s of CPU here), and a call is counted
+    when its coroutine ends: returned, raised or cancelled."""
+    target, _ = mods
+    costs = CallCosts()
+    for name in ("work", "fail", "later"):
+        costs.install(f"cc_target:{name}")
+
+    async def main() -> None:
+        assert await target.work(10, 0.2) == 90  # awaited
+        task = asyncio.create_task(target.work(10, 0.2))  # as a task
+        await asyncio.sleep(0)  # it runs its first step and sleeps
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.1:  # the loop's other work while it waits: not its cost
+            pass
+        assert await task == 90
+        with pytest.raises(KeyError):
+            await target.fail()
+        task = asyncio.create_task(target.work(10, 30.0))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await asyncio.wait_for(target.later(), 5) == 0
+
+    asyncio.run(main())
+    got = costs.snapshot()["targets"]
+    assert got["work"]["calls"] == 3 and got["fail"]["calls"] == 1 and got["later"]["calls"] == 1
+    assert 0 < got["work"]["thread_cpu_ns"] < 50_000_000  # its steps, not the 0.1 s spun while it slept
 
 
 def test_reset_zeroes_the_accounts_and_each_dump_is_counted_in_the_file(
