@@ -119,6 +119,8 @@ class RunConfig:
     #: run kvroute through ``loadtest.call_costs`` (accounts in this directory) and add ``call_costs`` to each
     #: kvroute run's result (None: off)
     call_costs_dir: Path | None = None
+    #: the functions ``--call-costs`` times (empty: ``loadtest.call_costs.DEFAULT_TARGETS``)
+    call_costs_targets: tuple[str, ...] = ()
 
 
 def run_one(
@@ -165,7 +167,8 @@ def _start_router(fleet: Fleet, name: str, cfg: RunConfig) -> RouterHandle:
             cfg.call_costs_dir.mkdir(parents=True, exist_ok=True)
             out = _call_costs_file(cfg, name)
             out.unlink(missing_ok=True)
-            launcher = ("loadtest.call_costs", "--out", str(out), "--")
+            targets = [a for t in cfg.call_costs_targets for a in ("--target", t)]
+            launcher = ("loadtest.call_costs", "--out", str(out), *targets, "--")
         return fleet.start_kvroute(policy=policy, extra_args=cfg.kvroute_args, root=root, launcher=launcher)
     return fleet.start_sglang_router(policy=policy, extra_args=cfg.sglang_args)
 
@@ -524,6 +527,14 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
         "DIR) and add call_costs to each kvroute run's result: per function, thread CPU microseconds per call, "
         "calls and milliseconds per request over the replay (not for the baseline checkout's run)",
     )
+    p.add_argument(
+        "--call-costs-target",
+        action="append",
+        default=[],
+        metavar="MODULE:QUALNAME",
+        help="with --call-costs: time this function or coroutine function instead of the default set "
+        "(repeatable; e.g. router.serve.pipeline:Pipeline.tokenize)",
+    )
 
 
 def trace_dir_missing() -> str | None:
@@ -581,6 +592,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         sglang_args=tuple(args.sglang_arg),
         profile_dir=Path(args.profile_router).resolve() if args.profile_router else None,
         call_costs_dir=Path(args.call_costs).resolve() if args.call_costs else None,
+        call_costs_targets=tuple(args.call_costs_target),
         baseline_root=Path(args.baseline_root).resolve() if args.baseline_root else None,
         cpu_hogs=max(0, args.cpu_hog),
     )
