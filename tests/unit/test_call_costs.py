@@ -55,14 +55,19 @@ def mods() -> Iterator[tuple[types.ModuleType, types.ModuleType]]:
     del sys.modules["cc_target"], sys.modules["cc_user"]
 
 
+def _costs(*names: str) -> CallCosts:
+    """A ``CallCosts`` with ``cc_target``'s ``names`` installed."""
+    costs = CallCosts()
+    for name in names:
+        costs.install(f"cc_target:{name}")
+    return costs
+
+
 def test_calls_and_thread_time_are_counted_where_defined_and_where_imported(
     mods: tuple[types.ModuleType, types.ModuleType],
 ) -> None:
     target, user = mods
-    costs = CallCosts()
-    costs.install("cc_target:spin")
-    costs.install("cc_target:Box.twice")
-    costs.install("cc_target:Box.one")
+    costs = _costs("spin", "Box.twice", "Box.one")
     assert target.spin(100_000) == sum(range(100_000))  # results pass through
     assert user.spin(10) == 45  # the importer's name is the counted one too
     box = target.Box()
@@ -76,11 +81,9 @@ def test_calls_and_thread_time_are_counted_where_defined_and_where_imported(
 def test_a_raising_call_is_counted_and_the_error_passes_through(
     mods: tuple[types.ModuleType, types.ModuleType],
 ) -> None:
-    target, _ = mods
-    costs = CallCosts()
-    costs.install("cc_target:spin")
+    costs = _costs("spin")
     with pytest.raises(TypeError):
-        target.spin("x")
+        mods[0].spin("x")
     assert costs.snapshot()["targets"]["spin"]["calls"] == 1
 
 
@@ -107,9 +110,7 @@ def test_a_coroutine_is_timed_by_its_steps_awaited_or_as_a_task_and_counted_once
     """Its steps' CPU counts, not what the loop runs while it waits (0.1 s of CPU here), and a call is counted
     when its coroutine ends: returned, raised or cancelled."""
     target, _ = mods
-    costs = CallCosts()
-    for name in ("work", "fail", "later"):
-        costs.install(f"cc_target:{name}")
+    costs = _costs("work", "fail", "later")
 
     async def main() -> None:
         assert await target.work(10, 0.2) == 90  # awaited
