@@ -140,8 +140,7 @@ def test_reset_zeroes_the_accounts_and_each_dump_is_counted_in_the_file(
 ) -> None:
     target, _ = mods
     out = tmp_path / "costs.json"
-    costs = CallCosts()
-    costs.install("cc_target:spin")
+    costs = _costs("spin")
     target.spin(1000)
     costs.dump(out)
     first = json.loads(out.read_text())
