@@ -17,7 +17,9 @@ in front of them, replays the workload open loop with a streaming async client, 
   (the simulator's bound): about the most reuse any router can get from these engines, the scale for ``hit_rate``,
 * ``dispatch`` (kvroute only): its dispatch gate's counters and its own reuse accounting, ``reuse_available_tokens``
   / ``reuse_achieved_tokens`` (per decision, the cached prompt tokens of the best holder vs of the chosen replica,
-  as the router's index saw them) and ``reuse_decisions_best`` / ``_traded`` / ``_none`` (decisions by outcome).
+  as the router's index saw them) and ``reuse_decisions_best`` / ``_traded`` / ``_none`` (decisions by outcome),
+* ``call_costs`` (kvroute, with ``--call-costs DIR``): the router's hot functions' thread CPU per call measured in
+  place over the replay, calls and milliseconds per request (``loadtest.call_costs``).
 
 The workload is the first ``--duration x --load-scale / --time-scale`` trace seconds of the trace (from
 ``--trace-start-s``; the defaults give 300 s, 918 requests of the conversation trace), with arrivals at trace time
@@ -174,7 +176,8 @@ def _start_router(fleet: Fleet, name: str, cfg: RunConfig) -> RouterHandle:
 
 
 def _costed(cfg: RunConfig, name: str) -> bool:
-    """Run ``name`` runs under ``loadtest.call_costs`` (``--call-costs``; kvroute from this checkout only)."""
+    """Whether run ``name``'s router runs under ``loadtest.call_costs`` (``--call-costs``; kvroute from this
+    checkout only: the baseline checkout may not have the module)."""
     return cfg.call_costs_dir is not None and RUNS[name][0] == "kvroute" and name != BASELINE_RUN
 
 
