@@ -5,8 +5,9 @@
 runs ``kvroute`` (``router.cli`` with the arguments after ``--``) with each target function wrapped: every call
 adds its thread CPU time (``time.thread_time_ns``, user + system of the calling thread, nanoseconds) and one call
 to the target's account. ``SIGUSR1`` writes the accounts to ``--out`` as JSON, ``SIGUSR2`` zeroes them (and the
-process CPU baseline) and writes the zeroed file; each write counts in the file's ``dumps`` (a reader waits for it). ``python -m loadtest.e2e --call-costs DIR`` starts kvroute this way, brackets each replay
-with the two signals and adds ``call_costs`` (``per_request``) to the run's result.
+process CPU baseline) and writes the zeroed file; each write counts in the file's ``dumps`` (a reader waits for
+it). ``python -m loadtest.e2e --call-costs DIR`` starts kvroute this way, brackets each replay with the two signals
+and adds ``call_costs`` (``per_request``) to the run's result.
 
 Why beside py-spy (``--profile-router``): a sampler says where the time goes by share; this says what one call of
 a named function costs where it really runs, which is what a change to that function moves. On this machine the
@@ -15,8 +16,8 @@ the thread woke from a sleep of tens of milliseconds costs several times what th
 (measured in ``docs/benchmarks.md``), so a microbenchmark's figure understates the in-place one, by a factor that
 depends on how the function's calls are spread in time.
 
-The wrapper costs about a microsecond a call, or a coroutine's step (counted in the account); a target called from inside another target
-counts in both (the accounts are inclusive). A coroutine function can be a target too: its coroutine is timed step
+The wrapper costs about a microsecond a call, or a coroutine's step (counted in the account); a target called from
+inside another target counts in both (the accounts are inclusive). A coroutine function can be a target too: its coroutine is timed step
 by step (from each resumption to its next suspension, so what the loop runs while it waits is not counted, but
 what it awaits runs inside its steps and is), and a call is one coroutine run to its end; generator and async
 generator functions cannot.
