@@ -17,10 +17,10 @@ the thread woke from a sleep of tens of milliseconds costs several times what th
 depends on how the function's calls are spread in time.
 
 The wrapper costs about a microsecond a call, or a coroutine's step (counted in the account); a target called from
-inside another target counts in both (the accounts are inclusive). A coroutine function can be a target too: its coroutine is timed step
-by step (from each resumption to its next suspension, so what the loop runs while it waits is not counted, but
-what it awaits runs inside its steps and is), and a call is one coroutine run to its end; generator and async
-generator functions cannot.
+inside another target counts in both (the accounts are inclusive). A coroutine function can be a target too: its
+coroutine is timed step by step (from each resumption to its next suspension, so what the loop runs while it waits
+is not counted, but what it awaits runs inside its steps and is), and a call is one coroutine run to its end;
+generator and async generator functions cannot.
 
 Units: nanoseconds in the file; ``per_request`` gives microseconds per call, calls and milliseconds per request.
 """
