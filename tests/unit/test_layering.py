@@ -38,6 +38,10 @@ EXCEPTIONS = {
     ("loadtest.bench_sse", "router"): "benchmarks the router's stream validator (SSEValidator) in-process",
     ("loadtest.bench_intake", "router"): "benchmarks the router's request intake (Intake.parse) in-process",
     (
+        "loadtest.call_costs",
+        "router",
+    ): "runs the router process (router.cli) with its hot functions timed per call",
+    (
         "loadtest.bench_router_decide",
         "router",
     ): "benchmarks the router's whole decision (Router.decide) in-process",
