@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections.abc
+import contextlib
 import functools
 import importlib
 import inspect
@@ -94,7 +95,8 @@ class _TimedCoroutine(collections.abc.Coroutine[Any, Any, Any]):
         return self._step(lambda: self._coro.send(value))
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        exc = typ if val is None and isinstance(typ, BaseException) else (val if val is not None else typ())
+        # asyncio throws an exception instance; the legacy (type, value, traceback) form is made one
+        exc = val if val is not None else (typ() if isinstance(typ, type) else typ)
         return self._step(lambda: self._coro.throw(exc))
 
     def close(self) -> None:
@@ -154,7 +156,7 @@ class CallCosts:
         """Wrap ``MODULE:QUALNAME`` where it is defined, and where a loaded module imported it by name.
 
         Raises:
-            ValueError: not ``MODULE:QUALNAME``, not found, or a coroutine function (module docstring).
+            ValueError: not ``MODULE:QUALNAME``, not found, or a generator / async generator function.
         """
         mod_name, sep, qual = target.partition(":")
         if not sep or not mod_name or not qual:
@@ -248,12 +250,11 @@ def read_snapshot(path: Path, *, dumps: int, timeout_s: float) -> dict[str, Any]
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
+        # not there yet (the router is starting) or not a snapshot: look again until the deadline
+        with contextlib.suppress(OSError, ValueError, KeyError):
             snap: dict[str, Any] = json.loads(path.read_text())
             if snap["dumps"] >= dumps:
                 return snap
-        except (OSError, ValueError, KeyError):
-            pass
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{path}: no dump {dumps} within {timeout_s}s")
         time.sleep(0.05)

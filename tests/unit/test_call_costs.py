@@ -55,6 +55,13 @@ def mods() -> Iterator[tuple[types.ModuleType, types.ModuleType]]:
     del sys.modules["cc_target"], sys.modules["cc_user"]
 
 
+def _spin_cpu(seconds: float) -> None:
+    """Use ``seconds`` of this thread's CPU (busy work on the event loop's thread)."""
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        sum(range(100))
+
+
 def _costs(*names: str) -> CallCosts:
     """A ``CallCosts`` with ``cc_target``'s ``names`` installed."""
     costs = CallCosts()
@@ -116,9 +123,7 @@ def test_a_coroutine_is_timed_by_its_steps_awaited_or_as_a_task_and_counted_once
         assert await target.work(10, 0.2) == 90  # awaited
         task = asyncio.create_task(target.work(10, 0.2))  # as a task
         await asyncio.sleep(0)  # it runs its first step and sleeps
-        t0 = time.thread_time()
-        while time.thread_time() - t0 < 0.1:  # the loop's other work while it waits: not its cost
-            pass
+        _spin_cpu(0.1)  # the loop's other work while it waits: not its cost
         assert await task == 90
         with pytest.raises(KeyError):
             await target.fail()
