@@ -134,10 +134,12 @@ class CallCosts:
         account = self.accounts.setdefault(name, [0, 0])
         clock = time.thread_time_ns
         if inspect.iscoroutinefunction(fn):
-
+            # an ``async def`` itself, so that callers which ask whether a callable is a coroutine function get
+            # the truth (uvicorn takes an app whose ``__call__`` is not one for an ASGI2 app); its own frame
+            # only passes the timed coroutine's steps through
             @functools.wraps(fn)
-            def timed(*args: Any, **kwargs: Any) -> Any:
-                return _TimedCoroutine(fn(*args, **kwargs), account)
+            async def timed(*args: Any, **kwargs: Any) -> Any:
+                return await _TimedCoroutine(fn(*args, **kwargs), account)
 
             return timed
 

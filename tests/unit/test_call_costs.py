@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import sys
 import time
@@ -27,6 +28,9 @@ def _module(name: str) -> types.ModuleType:
         "    @staticmethod\n"
         "    def one():\n"
         "        return 1\n"
+        "class App:\n"
+        "    async def __call__(self, scope, receive, send):\n"
+        "        return scope\n"
         "async def later():\n"
         "    return 0\n"
         "async def work(n, pause):\n"
@@ -138,6 +142,20 @@ def test_a_coroutine_is_timed_by_its_steps_awaited_or_as_a_task_and_counted_once
     got = costs.snapshot()["targets"]
     assert got["work"]["calls"] == 3 and got["fail"]["calls"] == 1 and got["later"]["calls"] == 1
     assert 0 < got["work"]["thread_cpu_ns"] < 50_000_000  # its steps, not the 0.1 s spun while it slept
+
+
+def test_a_timed_coroutine_function_is_still_one_to_whoever_asks(
+    mods: tuple[types.ModuleType, types.ModuleType],
+) -> None:
+    """Servers decide how to call an app by asking: uvicorn calls an app whose ``__call__`` is not a coroutine
+    function as an ASGI2 app (``app(scope)``), which fails. The wrapped ``App.__call__`` still answers yes, and its
+    calls are counted."""
+    target, _ = mods
+    costs = _costs("App.__call__")
+    app = target.App()
+    assert inspect.iscoroutinefunction(app.__call__) and asyncio.iscoroutinefunction(app.__call__)
+    assert asyncio.run(app({"type": "http"}, None, None)) == {"type": "http"}
+    assert costs.snapshot()["targets"]["App.__call__"]["calls"] == 1
 
 
 def test_reset_zeroes_the_accounts_and_each_dump_is_counted_in_the_file(
