@@ -28,6 +28,7 @@ Units: nanoseconds in the file; ``per_request`` gives microseconds per call, cal
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections.abc
 import contextlib
 import functools
@@ -116,6 +117,18 @@ class _TimedCoroutine(collections.abc.Coroutine[Any, Any, Any]):
                 value, exc = None, e
 
 
+def _mark_coroutine_function(fn: Callable[..., Any]) -> None:
+    """Make ``fn`` (a plain function that returns a coroutine) answer yes to ``asyncio.iscoroutinefunction``, as
+    the function it wraps does: servers ask before calling (uvicorn calls an app whose ``__call__`` is not one as
+    an ASGI2 app). Not an ``async def``: its call must raise at once on wrong arguments, as the original's does
+    (uvicorn calls the app with none to see whether it is a factory)."""
+    mark = getattr(inspect, "markcoroutinefunction", None)  # Python >= 3.12
+    if mark is not None:
+        mark(fn)
+    else:  # what asyncio.iscoroutinefunction reads on 3.11
+        fn._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
+
+
 class CallCosts:
     """The accounts: target name -> [thread CPU ns, calls]; wraps targets and writes the accounts as JSON."""
 
@@ -134,13 +147,12 @@ class CallCosts:
         account = self.accounts.setdefault(name, [0, 0])
         clock = time.thread_time_ns
         if inspect.iscoroutinefunction(fn):
-            # an ``async def`` itself, so that callers which ask whether a callable is a coroutine function get
-            # the truth (uvicorn takes an app whose ``__call__`` is not one for an ASGI2 app); its own frame
-            # only passes the timed coroutine's steps through
-            @functools.wraps(fn)
-            async def timed(*args: Any, **kwargs: Any) -> Any:
-                return await _TimedCoroutine(fn(*args, **kwargs), account)
 
+            @functools.wraps(fn)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                return _TimedCoroutine(fn(*args, **kwargs), account)
+
+            _mark_coroutine_function(timed)
             return timed
 
         @functools.wraps(fn)

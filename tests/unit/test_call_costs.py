@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import sys
 import time
@@ -148,12 +147,15 @@ def test_a_timed_coroutine_function_is_still_one_to_whoever_asks(
     mods: tuple[types.ModuleType, types.ModuleType],
 ) -> None:
     """Servers decide how to call an app by asking: uvicorn calls an app whose ``__call__`` is not a coroutine
-    function as an ASGI2 app (``app(scope)``), which fails. The wrapped ``App.__call__`` still answers yes, and its
+    function as an ASGI2 app (``app(scope)``), and first calls it with no arguments to see whether it is a
+    factory (a TypeError says it is not). The wrapped ``App.__call__`` answers both as the original does, and its
     calls are counted."""
     target, _ = mods
     costs = _costs("App.__call__")
     app = target.App()
-    assert inspect.iscoroutinefunction(app.__call__) and asyncio.iscoroutinefunction(app.__call__)
+    assert asyncio.iscoroutinefunction(app.__call__)
+    with pytest.raises(TypeError):
+        app()
     assert asyncio.run(app({"type": "http"}, None, None)) == {"type": "http"}
     assert costs.snapshot()["targets"]["App.__call__"]["calls"] == 1
 
