@@ -94,20 +94,27 @@ class ManagedProcess:
         ``children=False`` reads one ``/proc`` file; listing children scans every process on the machine, which is
         too heavy to do next to each measured request.
         """
+        user, system = self.cpu_split(children)
+        return user + system
+
+    def cpu_split(self, children: bool = True) -> tuple[float, float]:
+        """``cpu_seconds`` as (user, system) CPU seconds: the process's own code vs the kernel's work for it
+        (system calls, faults, wake-ups)."""
+        user = system = 0.0
         try:
             proc = self._ps
             if proc is None:
                 proc = self._ps = psutil.Process(self.pid)
-            total = 0.0
             for p in [proc, *proc.children(recursive=True)] if children else [proc]:
                 try:
                     t = p.cpu_times()
-                    total += t.user + t.system
+                    user += t.user
+                    system += t.system
                 except psutil.Error:
                     pass
-            return total
         except psutil.Error:
-            return 0.0
+            pass
+        return user, system
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``timeout_s`` seconds; idempotent."""

@@ -11,7 +11,8 @@ in front of them, replays the workload open loop with a streaming async client, 
   tokens (their own ``/metrics`` counters),
 * ``ttft_p50_s`` / ``ttft_p99_s``: client-side time to first streamed chunk, seconds,
 * ``throughput_rps``: completed requests per wall second, ``errors``: failed requests,
-* ``router_cpu_s_per_1k``: router process CPU seconds (user + system, psutil) per 1000 requests,
+* ``router_cpu_s_per_1k``: router process CPU seconds (user + system, psutil) per 1000 requests;
+  ``router_cpu_system_s_per_1k``: the system part of it (the kernel's work for the router: system calls, faults),
 * ``loadavg_1m``: the machine's 1-minute load average before and after the run (shared machines are noisy),
 * ``hit_rate_bound``: the hit rate of one shared LRU cache with the whole fleet's GPU blocks on the same requests
   (the simulator's bound): about the most reuse any router can get from these engines, the scale for ``hit_rate``,
@@ -96,6 +97,7 @@ RESULT_KEYS = (
     "throughput_rps",
     "errors",
     "router_cpu_s_per_1k",
+    "router_cpu_system_s_per_1k",
     "requests",
 )
 
@@ -149,6 +151,8 @@ class _Measured:
     results: list[Any]
     wall_s: float
     cpu_s: float
+    #: the system part of ``cpu_s``
+    cpu_system_s: float
     threads: dict[str, float]
     hits: float
     queries: float
@@ -205,7 +209,7 @@ def _measure(
     the counters around it; raises when the router died during the run."""
     kind = RUNS[name][0]
     h0, q0 = fleet.prefix_cache_counters()
-    cpu0 = router.proc.cpu_seconds()
+    user0, sys0 = router.proc.cpu_split()
     last = max((r.arrival_s for r in workload), default=0.0)
     spy = _start_profile(cfg, name, router) if kind == "kvroute" else None
     _call_costs_signal(cfg, name, router, signal.SIGUSR2)
@@ -230,14 +234,15 @@ def _measure(
             hog.stop()
         if spy is not None:
             spy.stop()
-    cpu1 = router.proc.cpu_seconds()
+    user1, sys1 = router.proc.cpu_split()
     threads = main_thread_split(router.proc.pid, threads0, thread_cpu_s(router.proc.pid))
     costs = _call_costs_signal(cfg, name, router, signal.SIGUSR1)
     h1, q1 = fleet.prefix_cache_counters()
     gate = dispatch_counters(router.url) if kind == "kvroute" else None
     if not router.proc.alive():
         raise RuntimeError(f"{name}: router died during the run:\n{router.proc.tail()}")
-    return _Measured(results, wall, cpu1 - cpu0, threads, h1 - h0, q1 - q0, gate, spy, costs)
+    cpu, cpu_system = (user1 + sys1) - (user0 + sys0), sys1 - sys0
+    return _Measured(results, wall, cpu, cpu_system, threads, h1 - h0, q1 - q0, gate, spy, costs)
 
 
 def _result(m: _Measured, kind: str, policy: str, load_before: float, cfg: RunConfig) -> dict[str, Any]:
@@ -254,6 +259,7 @@ def _result(m: _Measured, kind: str, policy: str, load_before: float, cfg: RunCo
         "throughput_rps": round(s.throughput_rps, 4),
         "errors": s.errors,
         "router_cpu_s_per_1k": round(m.cpu_s / len(results) * 1000.0, 4) if results else None,
+        "router_cpu_system_s_per_1k": round(m.cpu_system_s / len(results) * 1000.0, 4) if results else None,
         "requests": s.requests,
         "completed": s.completed,
         "wall_s": round(m.wall_s, 3),
