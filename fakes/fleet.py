@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import inspect
 import json
 import os
@@ -101,19 +102,15 @@ class ManagedProcess:
         """``cpu_seconds`` as (user, system) CPU seconds: the process's own code vs the kernel's work for it
         (system calls, faults, wake-ups)."""
         user = system = 0.0
-        try:
+        with contextlib.suppress(psutil.Error):  # the process is gone: nothing more to count
             proc = self._ps
             if proc is None:
                 proc = self._ps = psutil.Process(self.pid)
             for p in [proc, *proc.children(recursive=True)] if children else [proc]:
-                try:
+                with contextlib.suppress(psutil.Error):  # a child that exited meanwhile
                     t = p.cpu_times()
                     user += t.user
                     system += t.system
-                except psutil.Error:
-                    pass
-        except psutil.Error:
-            pass
         return user, system
 
     def stop(self, timeout_s: float = 10.0) -> None:
