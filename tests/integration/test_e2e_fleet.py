@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from fakes.fleet import EngineOptions, Fleet, FleetError, prefix_counters
+from fakes.fleet import EngineOptions, Fleet, FleetError, ManagedProcess, prefix_counters
 
 
 def _gone(pid: int) -> bool:
@@ -99,3 +100,36 @@ def test_start_kvroute_returns_when_the_router_knows_every_engine(tmp_path: Path
         finally:
             healed.set()
             t.join(timeout=10)
+
+
+def _split_after(proc: ManagedProcess, enough_s: float) -> tuple[float, float]:
+    """``proc``'s (user, system) CPU once their sum reaches ``enough_s`` (10 s deadline)."""
+    deadline = time.monotonic() + 10.0
+    split = proc.cpu_split(children=False)
+    while sum(split) < enough_s and time.monotonic() < deadline:
+        time.sleep(0.02)
+        split = proc.cpu_split(children=False)
+    return split
+
+
+def test_cpu_split_tells_user_work_from_the_kernels(tmp_path: Path) -> None:
+    """The e2e's ``router_cpu_system_s_per_1k`` reads this split: a process spinning in Python is charged user
+    time, one reading /dev/zero in large blocks mostly system time; the two parts sum to ``cpu_seconds``, and a
+    process that is gone reads (0, 0)."""
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 30: sum(range(1000))\n"
+    reads = "import os, time\nf = os.open('/dev/zero', os.O_RDONLY)\nt = time.time()\n"
+    reads += "while time.time() - t < 30: os.read(f, 1 << 20)\n"
+    procs = [
+        ManagedProcess([sys.executable, "-c", code], name, tmp_path)
+        for name, code in (("spin", spin), ("reads", reads))
+    ]
+    try:
+        user, system = _split_after(procs[0], 0.3)
+        assert user >= 0.25 and system < user / 2, (user, system)
+        user, system = _split_after(procs[1], 0.3)
+        assert system > user, (user, system)
+        assert abs(procs[1].cpu_seconds(children=False) - (user + system)) < 0.2
+    finally:
+        for p in procs:
+            p.stop()
+    assert procs[0].cpu_split() == (0.0, 0.0)

@@ -57,8 +57,9 @@ def test_e2e_smoke_kvroute_only(tmp_path: Path) -> None:
     assert 0.0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
     assert run["throughput_rps"] > 0.0
     assert run["router_cpu_s_per_1k"] > 0.0
-    # its system part: the kernel's share of the same CPU (socket reads and writes at least), never all of it
-    assert 0.0 < run["router_cpu_system_s_per_1k"] < run["router_cpu_s_per_1k"]
+    # its system part: a share of the same CPU, never all of it (the router's own code is user time). Not asserted
+    # above 0: this short run's kernel time is ~20 ms, two of the 10 ms ticks /proc counts in
+    assert 0.0 <= run["router_cpu_system_s_per_1k"] < run["router_cpu_s_per_1k"]
     # the router's own reuse accounting: one outcome per decision, never more achieved than available
     reuse = run["dispatch"]
     outcomes = sum(reuse.get(f"reuse_decisions_{o}", 0.0) for o in ("best", "traded", "none"))
