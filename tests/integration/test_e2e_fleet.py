@@ -7,12 +7,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import httpx
 import psutil
 import pytest
 
 from fakes.fleet import EngineOptions, Fleet, FleetError, ManagedProcess, prefix_counters
+from tests.helpers import wait_until
 
 
 def _gone(pid: int) -> bool:
@@ -103,13 +105,13 @@ def test_start_kvroute_returns_when_the_router_knows_every_engine(tmp_path: Path
 
 
 def _split_after(proc: ManagedProcess, enough_s: float) -> tuple[float, float]:
-    """``proc``'s (user, system) CPU once their sum reaches ``enough_s`` (10 s deadline)."""
-    deadline = time.monotonic() + 10.0
-    split = proc.cpu_split(children=False)
-    while sum(split) < enough_s and time.monotonic() < deadline:
-        time.sleep(0.02)
+    """``proc``'s (user, system) CPU once their sum reaches ``enough_s``."""
+
+    def enough() -> tuple[float, float] | None:
         split = proc.cpu_split(children=False)
-    return split
+        return split if sum(split) >= enough_s else None
+
+    return cast(tuple[float, float], wait_until(enough, what=f"{enough_s} s of CPU in {proc.name}"))
 
 
 def test_cpu_split_tells_user_work_from_the_kernels(tmp_path: Path) -> None:
