@@ -1,11 +1,11 @@
 """Build of kvroute's compiled modules: ``membership.kv_native`` (the KV-event batch decoder's common form),
-``index.id_map_native`` (the index's key -> node id map operations) and ``index.hash_native`` (the chained
-block-key loop).
+``index.key_table_native`` (the index's key -> node id table, keys and ids stored inline) and
+``index.hash_native`` (the chained block-key loop).
 
 Everything else is in pyproject.toml. The modules are optional: when they cannot be built (no C compiler), the
 install goes on and the Python forms run (``membership.kv_decode`` decodes every batch in Python, ~3.5x the CPU;
-``index.id_map`` runs its loops in Python, ``index.hashing`` its chained loop), with the same results. ``make venv``
-builds them and checks that they import.
+``index.key_table`` keeps the map in dicts with ``index.id_map``'s loops, ``index.hashing`` runs its chained
+loop), with the same results. ``make venv`` builds them and checks that they import.
 """
 
 from setuptools import Extension, setup
@@ -21,7 +21,10 @@ setup(
             optional=True,
         ),
         Extension(
-            "index.id_map_native", sources=["index/id_map_native.c"], extra_compile_args=_FLAGS, optional=True
+            "index.key_table_native",
+            sources=["index/key_table_native.c"],
+            extra_compile_args=_FLAGS,
+            optional=True,
         ),
         # XXH3 is found at import in the loaded xxhash package's module (dlsym): nothing of xxHash is built here
         Extension(

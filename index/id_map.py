@@ -1,43 +1,22 @@
-"""Bulk operations of the index's block key -> node id map, compiled (``index.id_map_native``) or in Python.
+"""The Python forms of the bulk operations of the index's block key -> node id map kept in dicts.
 
 The map is ``shards``: a list of dicts, a power-of-two count of them, a key living in ``shards[key & (len - 1)]``
-(``index.nodes.NodeTable._ids``). The index runs four loops over it per KV event and per compaction step, one
-dict operation per key: claiming ids for a run of new keys, looking keys up, giving moved keys their new ids and
-forgetting deleted keys. The compiled module runs the same loops in C on the same dicts (no interpreter work per
-key); when it is not built (no C compiler at install) the Python forms below run, with the same results and
-exceptions (``tests/unit/test_id_map.py`` runs both ways on the same inputs, random and hand-made).
-
-``ops(native)`` returns one implementation; ``NodeTable`` takes the compiled one when it is built unless told
-otherwise (tests build indexes both ways and compare them). ``native_built()`` says whether it is built.
+(``index.key_table.PyKeyTable``, the map's form when the compiled table is not built). The index runs four loops
+over it per KV event and per compaction step, one dict operation per key: claiming ids for a run of new keys,
+looking keys up, giving moved keys their new ids and forgetting deleted keys. The compiled table
+(``index.key_table_native.KeyTable``) runs the same operations on its own slots, with the same results
+(``tests/unit/test_key_table.py`` compares them).
 
 Pure data structure code: no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
-
 from .types import BlockKey
 
-try:
-    from . import id_map_native as _native
-except ImportError:  # not built: the Python forms
-    _native = None  # type: ignore[assignment]
-
-__all__ = ["IdMapOps", "native_built", "ops"]
+__all__ = ["assign_run", "claim_run", "forget", "lookup"]
 
 Shards = list[dict[BlockKey, int]]
-
-
-class IdMapOps(NamedTuple):
-    """One implementation of the map's bulk operations (see the Python forms for what each does)."""
-
-    claim_run: Callable[[Shards, list[BlockKey], int, int, int], int]
-    lookup: Callable[[Shards, list[BlockKey]], list[int | None]]
-    assign_run: Callable[[Shards, list[BlockKey], int], None]
-    forget: Callable[[Shards, list[BlockKey]], None]
-    native: bool
 
 
 def _mask(shards: Shards) -> int:
@@ -90,21 +69,3 @@ def forget(shards: Shards, keys: list[BlockKey]) -> None:
     mask = _mask(shards)
     for k in keys:
         del shards[k & mask][k]
-
-
-_PYTHON = IdMapOps(claim_run, lookup, assign_run, forget, native=False)
-_NATIVE = (
-    IdMapOps(_native.claim_run, _native.lookup, _native.assign_run, _native.forget, native=True)
-    if _native is not None
-    else None
-)
-
-
-def native_built() -> bool:
-    """Whether the compiled module is built (``setup.py``; ``make venv`` checks it)."""
-    return _NATIVE is not None
-
-
-def ops(native: bool = True) -> IdMapOps:
-    """The compiled operations when ``native`` and they are built, else the Python ones."""
-    return _NATIVE if native and _NATIVE is not None else _PYTHON

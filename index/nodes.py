@@ -3,8 +3,9 @@
 ``PrefixIndex`` extends this table with replica states, slots and predictions; this module owns only the layout
 of node ids (what makes ``match`` fast in pure Python and keeps every call's pause bounded):
 
-* ``_ids``: block key -> node id (a small int), in ``ID_SHARDS`` dicts chosen by the key's low bits (so that no
-  dict rebuild on growth is a whole-index pause). Per node id, parallel containers hold the node's *state id*
+* ``_ids``: block key -> node id, an ``index.key_table`` table: compiled (keys and ids stored inline, 64 shards
+  so that no growth is a whole-index pause) when built, else 64 dicts chosen by the key's low bits.
+  Per node id, parallel containers hold the node's *state id*
   (``_sidl``, an id in ``index.states.StateTable``), the time it was last stored / confirmed / predicted
   (``_ts``, seconds of the index's clock) and its key (``_keys``; None for a hole).
 * Nodes created back to back by one call (a *streak*: consecutive blocks of one path) get consecutive node ids,
@@ -30,7 +31,7 @@ import sys
 from array import array
 from itertools import compress
 
-from . import id_map
+from . import key_table
 from .types import BlockKey
 
 __all__ = [
@@ -38,9 +39,7 @@ __all__ = [
     "EXTENT_MIN",
     "COMPACT_MIN_DEAD",
     "COMPACT_SHARE_DIV",
-    "ID_SHARDS",
     "MAX_RESERVE",
-    "SHARD_MASK",
     "NodeTable",
 ]
 
@@ -61,11 +60,6 @@ COMPACT_MIN_DEAD = 4096
 #: the KV-event apply; ``bench_kv_intake`` apply 2.74 -> 1.91 ms per request). The price: up to one hole per
 #: live node between compactions (~28 B each; ``bench_index`` bytes per node stays under its 200 B target).
 COMPACT_SHARE_DIV = 2
-#: Shards of the key -> node id map (a power of two; a key's shard is its low bits).
-ID_SHARDS = 64
-#: A key's shard is ``key & SHARD_MASK``.
-SHARD_MASK = ID_SHARDS - 1
-_SHARD_MASK = SHARD_MASK
 #: Node ids one step of an incremental compaction processes (bounds the pause of one index call).
 COMPACT_CHUNK = 16384
 #: Shortest run of node ids deleted together that is kept as a free extent for a new streak.
@@ -120,11 +114,10 @@ class NodeTable:
     """
 
     def __init__(self, *, native: bool = True) -> None:
-        # block key -> node id, sharded by the key's low bits: a CPython dict rebuilds its whole table when it
-        # grows (122 ms for one insert into a 2.8M-entry dict), and 64 shards make each rebuild 64x smaller
-        self._ids: list[dict[BlockKey, int]] = [{} for _ in range(ID_SHARDS)]
-        # the map's per-key loops (claim, look up, assign, forget): compiled when built, unless ``native`` is False
-        self._idops = id_map.ops(native)
+        # block key -> node id with its per-key loops (claim, look up, assign, forget): the compiled table when
+        # built, unless ``native`` is False (then dict shards: a CPython dict rebuilds its whole table when it
+        # grows, 122 ms for one insert into a 2.8M-entry dict, and 64 shards make each rebuild 64x smaller)
+        self._ids: key_table.KeyTableLike = key_table.new_table(native)
         self._nodes = 0  # live nodes (sum of the shards' sizes)
         self._keys: list[BlockKey | None] = []
         self._sidl: list[int] = []
@@ -156,36 +149,33 @@ class NodeTable:
 
     def __contains__(self, key: object) -> bool:
         """Whether block ``key`` is held by at least one replica entry (confirmed or predicted)."""
-        return isinstance(key, int) and key in self._ids[key & _SHARD_MASK]
+        return key in self._ids
 
     def object_bytes(self) -> dict[str, int]:
         """The node table measured by object sizes (``sys.getsizeof``), for benchmarks and diagnostics (O(nodes)).
 
         * ``node_id_slots``: the length of the per-id arrays (live nodes, holes and reserved room), a count;
-        * ``structure_bytes``: the key -> node id shards (dicts and their list), the per-id key and state-id
-          lists, the time array, and the node-id ints above CPython's small-int cache (each rounded up to the
-          allocator's 16 bytes); the run-hint array is not counted;
-        * ``key_int_bytes``: the block-key ints the shards hold (rounded up to 16 bytes each), bytes.
+        * ``structure_bytes``: the key -> node id table (``KeyTableLike.nbytes``: the compiled table's slots, or
+          the dict shards with their node-id ints), the per-id key and state-id lists and the time array; the
+          run-hint array is not counted;
+        * ``key_int_bytes``: the block-key ints of the live nodes (``_keys``; rounded up to 16 bytes each), bytes.
         """
-        shards = self._ids
         base = (
-            sum(map(sys.getsizeof, shards))
-            + sys.getsizeof(shards)
+            self._ids.nbytes()
             + sys.getsizeof(self._keys)
             + sys.getsizeof(self._sidl)
             + self._ts.buffer_info()[1] * self._ts.itemsize
         )
-        id_ints = sum(16 * math.ceil(sys.getsizeof(v) / 16) for d in shards for v in d.values() if v > 256)
-        key_ints = sum(16 * math.ceil(sys.getsizeof(k) / 16) for d in shards for k in d)
+        key_ints = sum(16 * math.ceil(sys.getsizeof(k) / 16) for k in self._keys if k is not None)
         return {
             "node_id_slots": len(self._keys),
-            "structure_bytes": base + id_ints,
+            "structure_bytes": base,
             "key_int_bytes": key_ints,
         }
 
     def _node_ids(self) -> list[int]:
         """Every live node id (in no particular order)."""
-        return [nid for shard in self._ids for nid in shard.values()]
+        return self._ids.values()
 
     def _stretch(self, keys: list[BlockKey], i: int) -> tuple[int, int]:
         """The node id of ``keys[i]`` and how many of the following keys sit at the following node ids.
@@ -193,7 +183,7 @@ class NodeTable:
         Returns ``(-1, 0)`` when ``keys[i]`` is not in the index. Same verification as ``_walk``.
         """
         k0 = keys[i]
-        nid = self._ids[k0 & _SHARD_MASK].get(k0)
+        nid = self._ids.get(k0)
         if nid is None:
             return -1, 0
         kl = self._keys
@@ -333,7 +323,7 @@ class NodeTable:
             self._sidl[dst:top] = sidl
             self._ts[dst:top] = ts
             self._run[dst:top] = run
-            self._idops.assign_run(self._ids, moved, dst)  # type: ignore[arg-type]  # moved keys are never None
+            self._ids.assign_run(moved, dst)  # type: ignore[arg-type]  # moved keys are never None
         if top < end:  # the rest of the chunk joins the gap
             kl[top:end] = [None] * (end - top)
             self._sidl[top:end] = [0] * (end - top)
@@ -398,10 +388,9 @@ class NodeTable:
         """Assert the node-id bookkeeping is consistent (a self-check for tests and debugging; O(nodes))."""
         kl = self._keys
         assert len(kl) == len(self._sidl) == len(self._ts) == len(self._run)
-        for s, shard in enumerate(self._ids):
-            for key, nid in shard.items():
-                assert kl[nid] == key and key & _SHARD_MASK == s, (key, nid, kl[nid])
-        assert sum(1 for k in kl if k is not None) == self._nodes == sum(map(len, self._ids))
+        for key, nid in self._ids.items():
+            assert kl[nid] == key, (key, nid, kl[nid])
+        assert sum(1 for k in kl if k is not None) == self._nodes == len(self._ids)
         if self._cmp_src >= 0:
             assert all(k is None for k in kl[self._cmp_dst : self._cmp_src])
             holes = kl[: self._cmp_dst].count(None) + kl[self._cmp_src :].count(None)

@@ -58,7 +58,6 @@ from .budget import (
 from .engine_map import ChainState, EngineEntry, EngineHashMap, entry_keys
 from .expiry import TTL_ENTRY_BYTES, StoreOnlyExpiry
 from .hashing import DEFAULT_BLOCK_SIZE, MmStart, chain_keys, pack_array
-from .nodes import SHARD_MASK as _SHARD_MASK
 from .nodes import NodeTable
 from .states import OP_PREDICT, OP_REMOVE, OP_STORE, OP_UNPREDICT, PRED, StateTable, bits
 from .types import TIER_INDEX, TIERS, BlockKey, EngineHash, ReplicaMatch, StoreResult
@@ -143,8 +142,8 @@ class PrefixIndex(NodeTable):
         max_bytes: high-water mark in estimated bytes, nodes + engine maps + predicted entries (None = unlimited).
         predicted_ttl_s: seconds a predicted entry lives unless an engine confirms it.
         clock: time source in seconds (injectable; tests pass a fake clock).
-        native: run the key -> node id map's per-key loops compiled (``index.id_map``) when built; False: in
-            Python (the same results; tests compare both).
+        native: keep the key -> node id map in the compiled table (``index.key_table``) when built; False: in
+            Python dicts (the same results and node ids; tests compare both).
 
     Block keys are :data:`~index.types.BlockKey` (plain ints are accepted: ``index.hashing`` returns them);
     engine hashes in ``apply_stored`` / ``apply_removed`` are :data:`~index.types.EngineHash`.
@@ -243,7 +242,7 @@ class PrefixIndex(NodeTable):
         self._states.refs[sid] -= 1
         if self._emap.has_copies:
             self._emap.forget_block(key)
-        del self._ids[key & _SHARD_MASK][key]
+        del self._ids[key]
         self._nodes -= 1
         self._keys[nid] = None
         self._sidl[nid] = 0
@@ -264,7 +263,7 @@ class PrefixIndex(NodeTable):
         self._states.refs[sid] -= run
         if self._emap.has_copies:
             self._emap.forget_blocks(dead)  # type: ignore[arg-type]
-        self._idops.forget(self._ids, dead)  # type: ignore[arg-type]  # live nodes: keys are never None
+        self._ids.forget(dead)  # type: ignore[arg-type]  # live nodes: keys are never None
         self._nodes -= run
         kl[start:end] = [None] * run
         self._sidl[start:end] = [0] * run
@@ -461,7 +460,7 @@ class PrefixIndex(NodeTable):
         for start in range(0, n, chunk_blocks):
             keys += chain_keys(packed, nbytes, k, start, start + chunk_blocks)
             k = keys[-1]
-            if BlockKey(k) not in ids[k & _SHARD_MASK]:
+            if BlockKey(k) not in ids:
                 break
         return self.match(keys, replicas), keys
 
@@ -568,7 +567,7 @@ class PrefixIndex(NodeTable):
         place = -1  # next reserved node id to fill (placed streak), -1 = appending at the end
         place_end = 0  # end (exclusive) of the reservation being filled
         cap = 0  # capacity of the extent being filled / continued (reservations grow geometrically)
-        prev = ids[parent_key & _SHARD_MASK].get(parent_key) if create and parent_key is not None else None
+        prev = ids.get(parent_key) if create and parent_key is not None else None
         # Leading blocks that already exist are found stretch by stretch (as in ``match``) and updated in bulk.
         if type(keys) is not list:
             keys = list(keys)
@@ -587,7 +586,7 @@ class PrefixIndex(NodeTable):
         i = 0
         while i < nkeys:
             k = keys[i]
-            nid = ids[k & _SHARD_MASK].get(k)
+            nid = ids.get(k)
             if nid is None:
                 if not create:
                     i += 1
@@ -610,9 +609,9 @@ class PrefixIndex(NodeTable):
                 # this key and the absent keys right after it, as many as the reservation (or the end) holds, at
                 # consecutive ids: what creating them one at a time would do, with the arrays written per run
                 nid = place if place >= 0 else len(kl)
-                c = self._idops.claim_run(
-                    ids, keys, i, nkeys if place < 0 else min(nkeys, i + place_end - place), nid
-                )  # maps this key and the absent ones right after it (index.id_map.claim_run)
+                c = ids.claim_run(
+                    keys, i, nkeys if place < 0 else min(nkeys, i + place_end - place), nid
+                )  # maps this key and the absent ones right after it (``KeyTableLike.claim_run``)
                 self._fill_new(keys, i, c, nid, place >= 0, fresh, now)
                 if op == OP_PREDICT:
                     for q in keys[i : i + c]:
@@ -692,8 +691,8 @@ class PrefixIndex(NodeTable):
         """
         ids = self._ids
         a, b = keys[0], keys[1]
-        na = ids[a & _SHARD_MASK].get(a)
-        nb = ids[b & _SHARD_MASK].get(b)
+        na = ids.get(a)
+        nb = ids.get(b)
         if na is None or nb is None:
             return None
         if nb == na + 1:
@@ -705,7 +704,7 @@ class PrefixIndex(NodeTable):
     def _remove_nodes(self, slot: int, keys: Sequence[BlockKey], tier: int) -> int:
         """``_apply`` of ``OP_REMOVE`` for keys in no path order: the nodes of ``keys`` (unknown keys skipped, each
         node once) in node-id order, a run of consecutive ids at a time; returns how many changed state."""
-        found = self._idops.lookup(self._ids, keys if type(keys) is list else list(keys))
+        found = self._ids.lookup(keys if type(keys) is list else list(keys))
         nids = sorted({nid for nid in found if nid is not None})
         if not nids:
             return 0
@@ -833,7 +832,7 @@ class PrefixIndex(NodeTable):
                     break
                 pd.popitem(last=False)
                 dropped += 1
-                nid = ids[key & _SHARD_MASK][key]
+                nid = ids[key]
                 sid = sidl[nid]
                 nsid = table.get(sid)
                 if nsid is None:
@@ -1066,13 +1065,13 @@ class PrefixIndex(NodeTable):
             if lastk is None:
                 emap.pop(eh, None)
                 continue
-            nid = ids[lastk & _SHARD_MASK].get(lastk)
+            nid = ids.get(lastk)
             if nid is None or not confirmed[sidl[nid]] >> slot & 1:
                 emap.pop(eh, None)
 
     def _holds_confirmed(self, slot: int, key: BlockKey) -> bool:
         """Whether ``slot`` holds block ``key`` in any tier (confirmed, not just predicted)."""
-        nid = self._ids[key & _SHARD_MASK].get(key)
+        nid = self._ids.get(key)
         if nid is None:
             return False
         return bool(self._states.confirmed[self._sidl[nid]] >> slot & 1)
@@ -1087,7 +1086,7 @@ class PrefixIndex(NodeTable):
         states = self._states.states
         held: list[BlockKey] = []
         for k in keys:
-            nid = ids[k & _SHARD_MASK].get(k)
+            nid = ids.get(k)
             if nid is not None and states[sidl[nid]][tier] >> slot & 1:
                 held.append(k)
         return held
@@ -1159,16 +1158,15 @@ class PrefixIndex(NodeTable):
         """Sizes of the index's own structures, bytes and counts (for benchmarks: O(nodes), it visits every key).
 
         ``nodes``; ``node_ids`` (ids in the per-id arrays: nodes, holes and reserved room), ``dead_ids`` and
-        ``reserved_ids``; ``map_bytes`` (the key -> node id dicts), ``array_bytes`` (the per-id keys, state ids
-        and times), ``run_hint_bytes``, ``id_int_bytes`` (node-id ints above CPython's small-int cache) and
-        ``key_int_bytes`` (the key ints, rounded up to the allocator's 16 bytes); ``states`` (in use),
+        ``reserved_ids``; ``map_bytes`` (the key -> node id table, ``KeyTableLike.nbytes``: the compiled table's
+        slots, or the dict shards with their node-id ints), ``array_bytes`` (the per-id keys, state ids and
+        times), ``run_hint_bytes`` and ``key_int_bytes`` (the live nodes' key ints, rounded up to the allocator's
+        16 bytes); ``states`` (in use),
         ``state_table`` (states kept, used or not) and ``state_mask_bytes`` (their distinct mask ints).
         """
-        shards = self._ids
-        map_bytes = sum(map(sys.getsizeof, shards)) + sys.getsizeof(shards)
+        map_bytes = self._ids.nbytes()
         arrays = sys.getsizeof(self._keys) + sys.getsizeof(self._sidl) + self._ts.buffer_info()[1] * 8
-        id_ints = sum(16 * -(-sys.getsizeof(v) // 16) for d in shards for v in d.values() if v > 256)
-        key_ints = sum(16 * -(-sys.getsizeof(k) // 16) for d in shards for k in d)
+        key_ints = sum(16 * -(-sys.getsizeof(k) // 16) for k in self._keys if k is not None)
         st = self._states
         seen: set[int] = set()
         mask_bytes = 0
@@ -1189,7 +1187,6 @@ class PrefixIndex(NodeTable):
             "map_bytes": map_bytes,
             "array_bytes": arrays,
             "run_hint_bytes": self._run.buffer_info()[1] * self._run.itemsize,
-            "id_int_bytes": id_ints,
             "key_int_bytes": key_ints,
             "states": st.in_use(),
             "state_table": len(st),

@@ -221,12 +221,12 @@ def pct(values: Sequence[float], p: float) -> float:
 
 
 def deep_bytes_per_node(idx: PrefixIndex) -> dict[str, float]:
-    """Structure bytes per node from object sizes (``PrefixIndex.layout_stats``): the key -> node id dicts, the
-    per-id keys, state ids and times, the node-id ints; and the key ints."""
+    """Structure bytes per node from object sizes (``PrefixIndex.layout_stats``): the key -> node id table (with its
+    node-id ints when it is the Python form), the per-id keys, state ids and times; and the key ints."""
     lay = idx.layout_stats()
     n = max(lay["nodes"], 1)
     return {
-        "struct_bytes_per_node": round((lay["map_bytes"] + lay["array_bytes"] + lay["id_int_bytes"]) / n, 1),
+        "struct_bytes_per_node": round((lay["map_bytes"] + lay["array_bytes"]) / n, 1),
         "key_int_bytes_per_node": round(lay["key_int_bytes"] / n, 1),
     }
 

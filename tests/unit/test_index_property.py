@@ -158,7 +158,7 @@ def test_matches_reference(
     native: bool,
 ) -> None:
     clock = FakeClock()
-    # the key -> node id map's loops compiled or in Python (index.id_map): the same answers either way
+    # the key -> node id map in the compiled table or in dicts (index.key_table): the same answers either way
     idx = PrefixIndex(block_size=BS, predicted_ttl_s=TTL, clock=clock, native=native)
     # compaction on tiny indexes too, in small steps: operations interleave with a compaction in progress
     idx.set_compaction(min_dead=compact_min, chunk=compact_chunk)
