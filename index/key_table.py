@@ -35,7 +35,7 @@ import operator
 import sys
 from collections.abc import Iterator
 from itertools import chain
-from typing import Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, overload
 
 from . import id_map
 from .types import BlockKey
@@ -45,7 +45,10 @@ try:
 except ImportError:  # not built: PyKeyTable
     _native = None  # type: ignore[assignment]
 
-__all__ = ["KeyTableLike", "PyKeyTable", "native_built", "new_table"]
+if TYPE_CHECKING:
+    from .key_table_native import KeyTable
+
+__all__ = ["KeyTableLike", "PyKeyTable", "native_built", "new_table", "object_bytes"]
 
 _T = TypeVar("_T")
 
@@ -59,55 +62,8 @@ ID_END = 1 << 62
 #: int objects up to this are CPython's shared small ints (no memory of their own)
 _SMALL_INT_MAX = 256
 
-
-class KeyTableLike(Protocol):
-    """What ``KeyTable`` and ``PyKeyTable`` both do (see the module docstring for the exceptions)."""
-
-    def __len__(self) -> int: ...
-    def __contains__(self, key: object, /) -> bool: ...
-    def __iter__(self) -> Iterator[BlockKey]:
-        """The keys (a snapshot: the table may change during the loop)."""
-
-    @overload
-    def get(self, key: int, /) -> int | None: ...
-    @overload
-    def get(self, key: int, default: _T, /) -> int | _T: ...
-    def __getitem__(self, key: int, /) -> int: ...
-    def __setitem__(self, key: int, nid: int, /) -> None: ...
-    def __delitem__(self, key: int, /) -> None: ...
-    def keys(self) -> list[BlockKey]:
-        """Every key, in no particular order."""
-
-    def values(self) -> list[int]:
-        """Every node id, in ``keys()`` order."""
-
-    def items(self) -> list[tuple[BlockKey, int]]:
-        """Every ``(key, node id)``, in ``keys()`` order."""
-
-    def clear(self) -> None: ...
-    def nbytes(self) -> int:
-        """Bytes the table takes: ``KeyTable`` its object and slot arrays; ``PyKeyTable`` its object, list and
-        dicts plus its node-id int objects (not the keys': they are the callers' objects too)."""
-
-    def claim_run(self, keys: list[BlockKey], start: int, stop: int, nid: int, /) -> int:
-        """Map ``keys[start]``, ``keys[start + 1]``, ... (before ``stop``, clamped to ``len(keys)``) to ``nid``,
-        ``nid + 1``, ... while they are absent; returns how many were mapped. The first key already present (an
-        earlier one of the run included) ends the run.
-
-        The ids must be free (no key maps to one of them), as for ``index.id_map.claim_run``: ``PyKeyTable`` runs
-        that loop, which tells a key it claimed by the identity of the id ``setdefault`` returns, so a present key
-        already mapped to the id it would get (a small id: one shared int object) would count as claimed and not
-        end the run. ``KeyTable`` needs no such care."""
-
-    def lookup(self, keys: list[BlockKey], /) -> list[int | None]:
-        """Each key's node id, None for a key that is absent."""
-
-    def assign_run(self, keys: list[BlockKey], nid: int, /) -> None:
-        """Map ``keys[j]`` to ``nid + j``, whether present or not."""
-
-    def forget(self, keys: list[BlockKey], /) -> None:
-        """Remove every key (``KeyError`` at the first absent one, the keys before it removed, as ``del``
-        does)."""
+#: either form of the table (the same methods, documented on ``PyKeyTable``)
+KeyTableLike: TypeAlias = "KeyTable | PyKeyTable"
 
 
 def _key(key: object) -> BlockKey:
@@ -153,13 +109,14 @@ def _check_run(keys: list[BlockKey]) -> None:
         raise OverflowError("block keys are ints in [0, 2**64)")
 
 
-def _int_bytes(value: int) -> int:
-    """Bytes of an int object of ``value`` (allocations are 16-byte blocks); 0 for a shared small int."""
-    return 0 if value <= _SMALL_INT_MAX else (sys.getsizeof(value) + 15) & ~15
+def object_bytes(obj: object) -> int:
+    """Bytes ``obj`` takes on the heap: its size rounded up to the allocator's 16-byte blocks."""
+    return (sys.getsizeof(obj) + 15) & ~15
 
 
 class PyKeyTable:
-    """The block key -> node id map in 64 dicts (``KeyTableLike``; a key in ``shards[key & 63]``)."""
+    """The block key -> node id map in 64 dicts (a key in ``shards[key & 63]``); the compiled ``KeyTable`` has the
+    same methods (the module docstring says where their exceptions differ)."""
 
     __slots__ = ("shards",)
 
@@ -173,6 +130,7 @@ class PyKeyTable:
         return isinstance(key, int) and key in self.shards[key & _MASK]
 
     def __iter__(self) -> Iterator[BlockKey]:
+        """The keys (a snapshot: the table may change during the loop)."""
         return iter(self.keys())
 
     @overload
@@ -199,12 +157,15 @@ class PyKeyTable:
         del self.shards[key & _MASK][BlockKey(key)]
 
     def keys(self) -> list[BlockKey]:
+        """Every key, in no particular order."""
         return list(chain.from_iterable(self.shards))
 
     def values(self) -> list[int]:
+        """Every node id, in ``keys()`` order."""
         return list(chain.from_iterable(d.values() for d in self.shards))
 
     def items(self) -> list[tuple[BlockKey, int]]:
+        """Every ``(key, node id)``, in ``keys()`` order."""
         return list(chain.from_iterable(d.items() for d in self.shards))
 
     def clear(self) -> None:
@@ -212,11 +173,20 @@ class PyKeyTable:
             d.clear()
 
     def nbytes(self) -> int:
-        """The object, its list and dicts, and its node-id int objects (``KeyTableLike.nbytes``)."""
-        ids = sum(_int_bytes(v) for d in self.shards for v in d.values())
+        """Bytes the table takes: its object, list and dicts plus its node-id int objects (not the keys': they are
+        the callers' objects too). The compiled ``KeyTable``: its object and slot arrays."""
+        ids = sum(object_bytes(v) for d in self.shards for v in d.values() if v > _SMALL_INT_MAX)
         return sys.getsizeof(self) + sys.getsizeof(self.shards) + sum(map(sys.getsizeof, self.shards)) + ids
 
     def claim_run(self, keys: list[BlockKey], start: int, stop: int, nid: int, /) -> int:
+        """Map ``keys[start]``, ``keys[start + 1]``, ... (before ``stop``, clamped to ``len(keys)``) to ``nid``,
+        ``nid + 1``, ... while they are absent; returns how many were mapped. The first key already present (an
+        earlier one of the run included) ends the run.
+
+        The ids must be free (no key maps to one of them), as for ``index.id_map.claim_run``: this form runs that
+        loop, which tells a key it claimed by the identity of the id ``setdefault`` returns, so a present key
+        already mapped to the id it would get (a small id: one shared int object) would count as claimed and not
+        end the run. The compiled ``KeyTable`` needs no such care."""
         keys = _keys(keys)
         start, stop = _count(start, "start"), _count(stop, "stop")
         _node_id(nid, "nid")
@@ -226,15 +196,19 @@ class PyKeyTable:
         return id_map.claim_run(self.shards, run, 0, len(run), nid)
 
     def lookup(self, keys: list[BlockKey], /) -> list[int | None]:
+        """Each key's node id, None for a key that is absent."""
         return id_map.lookup(self.shards, _keys(keys))
 
     def assign_run(self, keys: list[BlockKey], nid: int, /) -> None:
+        """Map ``keys[j]`` to ``nid + j``, whether present or not."""
         keys = _keys(keys)
         _node_id(nid, "nid")
         _check_run(keys)
         id_map.assign_run(self.shards, keys, _node_id(nid, "nid", len(keys)))
 
     def forget(self, keys: list[BlockKey], /) -> None:
+        """Remove every key (``KeyError`` at the first absent one, the keys before it removed, as ``del``
+        does)."""
         id_map.forget(self.shards, _keys(keys))
 
 

@@ -1,5 +1,5 @@
-"""Types of the compiled block key -> node id table (index/key_table_native.c; its Python twin ``PyKeyTable`` and
-the protocol both satisfy, ``KeyTableLike``, in index/key_table.py)."""
+"""Types of the compiled block key -> node id table (index/key_table_native.c; its Python twin ``PyKeyTable``, where
+the methods are documented, and ``KeyTableLike``, either of the two, are in index/key_table.py)."""
 
 from collections.abc import Iterator
 from typing import TypeVar, final, overload

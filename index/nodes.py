@@ -26,7 +26,6 @@ Pure data structure: no I/O.
 
 from __future__ import annotations
 
-import math
 import sys
 from array import array
 from itertools import compress
@@ -155,7 +154,7 @@ class NodeTable:
         """The node table measured by object sizes (``sys.getsizeof``), for benchmarks and diagnostics (O(nodes)).
 
         * ``node_id_slots``: the length of the per-id arrays (live nodes, holes and reserved room), a count;
-        * ``structure_bytes``: the key -> node id table (``KeyTableLike.nbytes``: the compiled table's slots, or
+        * ``structure_bytes``: the key -> node id table (``PyKeyTable.nbytes``: the compiled table's slots, or
           the dict shards with their node-id ints), the per-id key and state-id lists and the time array; the
           run-hint array is not counted;
         * ``key_int_bytes``: the block-key ints of the live nodes (``_keys``; rounded up to 16 bytes each), bytes.
@@ -166,7 +165,7 @@ class NodeTable:
             + sys.getsizeof(self._sidl)
             + self._ts.buffer_info()[1] * self._ts.itemsize
         )
-        key_ints = sum(16 * math.ceil(sys.getsizeof(k) / 16) for k in self._keys if k is not None)
+        key_ints = sum(key_table.object_bytes(k) for k in self._keys if k is not None)
         return {
             "node_id_slots": len(self._keys),
             "structure_bytes": base,

@@ -58,6 +58,7 @@ from .budget import (
 from .engine_map import ChainState, EngineEntry, EngineHashMap, entry_keys
 from .expiry import TTL_ENTRY_BYTES, StoreOnlyExpiry
 from .hashing import DEFAULT_BLOCK_SIZE, MmStart, chain_keys, pack_array
+from .key_table import object_bytes
 from .nodes import NodeTable
 from .states import OP_PREDICT, OP_REMOVE, OP_STORE, OP_UNPREDICT, PRED, StateTable, bits
 from .types import TIER_INDEX, TIERS, BlockKey, EngineHash, ReplicaMatch, StoreResult
@@ -611,7 +612,7 @@ class PrefixIndex(NodeTable):
                 nid = place if place >= 0 else len(kl)
                 c = ids.claim_run(
                     keys, i, nkeys if place < 0 else min(nkeys, i + place_end - place), nid
-                )  # maps this key and the absent ones right after it (``KeyTableLike.claim_run``)
+                )  # maps this key and the absent ones right after it (``PyKeyTable.claim_run``)
                 self._fill_new(keys, i, c, nid, place >= 0, fresh, now)
                 if op == OP_PREDICT:
                     for q in keys[i : i + c]:
@@ -1158,7 +1159,7 @@ class PrefixIndex(NodeTable):
         """Sizes of the index's own structures, bytes and counts (for benchmarks: O(nodes), it visits every key).
 
         ``nodes``; ``node_ids`` (ids in the per-id arrays: nodes, holes and reserved room), ``dead_ids`` and
-        ``reserved_ids``; ``map_bytes`` (the key -> node id table, ``KeyTableLike.nbytes``: the compiled table's
+        ``reserved_ids``; ``map_bytes`` (the key -> node id table, ``PyKeyTable.nbytes``: the compiled table's
         slots, or the dict shards with their node-id ints), ``array_bytes`` (the per-id keys, state ids and
         times), ``run_hint_bytes`` and ``key_int_bytes`` (the live nodes' key ints, rounded up to the allocator's
         16 bytes); ``states`` (in use),
@@ -1166,7 +1167,7 @@ class PrefixIndex(NodeTable):
         """
         map_bytes = self._ids.nbytes()
         arrays = sys.getsizeof(self._keys) + sys.getsizeof(self._sidl) + self._ts.buffer_info()[1] * 8
-        key_ints = sum(16 * -(-sys.getsizeof(k) // 16) for k in self._keys if k is not None)
+        key_ints = sum(object_bytes(k) for k in self._keys if k is not None)
         st = self._states
         seen: set[int] = set()
         mask_bytes = 0

@@ -243,7 +243,7 @@ def _scenarios(draw: st.DrawFn) -> list[tuple[Any, ...]]:
 
 def _free_ids(op: tuple[Any, ...], model: Model) -> tuple[Any, ...]:
     """``op``, with a ``claim_run``'s ids moved past every id in use when one of them is taken (the ids it claims
-    must be free: ``KeyTableLike.claim_run``)."""
+    must be free: ``PyKeyTable.claim_run``)."""
     if op[0] != "claim_run" or not isinstance(op[4], int) or op[4] < 0 or not model.d:
         return op
     name, keys, start, stop, nid = op
