@@ -11,8 +11,8 @@ ARG PYTHON_IMAGE=python:3.11-slim
 # ---- build: the kvroute wheel plus wheels of every runtime dependency --------------------------------------
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# a C compiler for the compiled modules (membership/kv_native.c, index/key_table_native.c, index/hash_native.c;
-# setup.py); the image has the headers
+# a C compiler for the compiled modules (membership/kv_native.c, index/key_table_native.c,
+# index/engine_table_native.c, index/hash_native.c; setup.py); the image has the headers
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
@@ -27,6 +27,7 @@ COPY fakes ./fakes
 RUN pip wheel --no-deps --wheel-dir /dist . \
  && python -m zipfile -l /dist/kvroute-*.whl | grep -qE 'membership/kv_native\.[^ ]*\.so' \
  && python -m zipfile -l /dist/kvroute-*.whl | grep -qE 'index/key_table_native\.[^ ]*\.so' \
+ && python -m zipfile -l /dist/kvroute-*.whl | grep -qE 'index/engine_table_native\.[^ ]*\.so' \
  && python -m zipfile -l /dist/kvroute-*.whl | grep -qE 'index/hash_native\.[^ ]*\.so' \
  && pip wheel --wheel-dir /wheels /dist/kvroute-*.whl
 

@@ -13,12 +13,13 @@ export PATH := $(CURDIR)/$(TOOLS):$(PATH)
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
-$(STAMP): pyproject.toml setup.py membership/kv_native.c index/hash_native.c index/key_table_native.c
+$(STAMP): pyproject.toml setup.py membership/kv_native.c index/hash_native.c index/key_table_native.c index/engine_table_native.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[test,loadtest]'
 	# the compiled modules are optional for an install (setup.py), not here: fail when one did not build
 	$(BIN)/python -c 'from membership import kv_decode; assert kv_decode.native_decoder(), "membership.kv_native did not build (a C compiler and Python headers are needed)"'
 	$(BIN)/python -c 'from index import key_table; assert key_table.native_built(), "index.key_table_native did not build (a C compiler and Python headers are needed)"'
+	$(BIN)/python -c 'from index import engine_table; assert engine_table.native_built(), "index.engine_table_native did not build (a C compiler and Python headers are needed)"'
 	$(BIN)/python -c 'from index import hashing; assert hashing.hash_native_built(), "index.hash_native did not build or does not agree with xxhash (a C compiler and Python headers are needed)"'
 	# xds-protos (the test gateway's Envoy protos) ships an old copy of opentelemetry/proto/ that may overwrite
 	# opentelemetry-proto's files depending on install order: put the pinned package's files back

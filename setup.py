@@ -1,11 +1,12 @@
 """Build of kvroute's compiled modules: ``membership.kv_native`` (the KV-event batch decoder's common form),
-``index.key_table_native`` (the index's key -> node id table, keys and ids stored inline) and
-``index.hash_native`` (the chained block-key loop).
+``index.key_table_native`` (the index's key -> node id table, keys and ids stored inline),
+``index.engine_table_native`` (a replica's engine page hash -> router key table, in insertion order, hashes and
+keys stored inline) and ``index.hash_native`` (the chained block-key loop).
 
 Everything else is in pyproject.toml. The modules are optional: when they cannot be built (no C compiler), the
 install goes on and the Python forms run (``membership.kv_decode`` decodes every batch in Python, ~3.5x the CPU;
-``index.key_table`` keeps the map in dicts with ``index.id_map``'s loops, ``index.hashing`` runs its chained
-loop), with the same results. ``make venv`` builds them and checks that they import.
+``index.key_table`` keeps the map in dicts with ``index.id_map``'s loops, ``index.engine_table`` in a dict,
+``index.hashing`` runs its chained loop), with the same results. ``make venv`` builds them and checks that they import.
 """
 
 from setuptools import Extension, setup
@@ -23,6 +24,12 @@ setup(
         Extension(
             "index.key_table_native",
             sources=["index/key_table_native.c"],
+            extra_compile_args=_FLAGS,
+            optional=True,
+        ),
+        Extension(
+            "index.engine_table_native",
+            sources=["index/engine_table_native.c"],
             extra_compile_args=_FLAGS,
             optional=True,
         ),

@@ -19,15 +19,23 @@ once is still cached. The map counts the *extra* copies per (replica, tier, rout
 any (a small side dict; no cost per ordinary node), and a removal consumes an extra copy before it removes the
 block.
 
+**Storage.** Nearly every page is exactly one router block under a 64-bit engine hash: those entries live in the
+replica's ``index.engine_table`` table (hash and key inline, ~24-32 B a page compiled, where a dict entry with its
+hash's int object takes ~70); tuple entries and hashes beyond 64 bits (engines announcing byte digests) in a dict
+beside it.
+
 Pure data structure: no I/O.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from itertools import islice
 
+from .engine_table import EngineTableLike, new_engine_table
 from .hashing import MmStart, block_keys, block_keys_array, block_keys_mm, pack_array
+from .key_table import KEY_END
 from .types import BlockKey, EngineHash
 
 __all__ = ["ChainState", "EngineEntry", "EngineHashMap", "entry_keys"]
@@ -54,13 +62,23 @@ def entry_keys(entry: EngineEntry) -> tuple[BlockKey, ...]:
 class EngineHashMap:
     """Engine hash -> router keys, one map per replica, plus extra-copy counts.
 
-    Maps keep insertion order (oldest first): the memory budget evicts the oldest entries first.
+    A replica's map is two: its pages that are exactly one router block (nearly all of them) in an
+    ``index.engine_table`` table (hash and key inline: ``new_engine_table(native)``), every other entry (a tuple, or
+    a hash beyond 64 bits: engines that announce byte digests) in a dict. A hash is in at most one of the two. Both
+    keep insertion order (oldest first): the memory budget evicts the oldest entries first.
+
+    Args:
+        native: the compiled table when built (``index.engine_table``); False: its Python form (tests compare
+            both).
     """
 
-    __slots__ = ("_maps", "_copies", "evictions", "copies_seen")
+    __slots__ = ("_maps", "_odd", "_copies", "_native", "evictions", "copies_seen")
 
-    def __init__(self) -> None:
-        self._maps: dict[int, dict[EngineHash, EngineEntry]] = {}
+    def __init__(self, native: bool = True) -> None:
+        self._native = native
+        self._maps: dict[int, EngineTableLike] = {}
+        # replica -> entries that are not one block's key under a 64-bit hash (rare: unaligned pages, byte digests)
+        self._odd: dict[int, dict[EngineHash, EngineEntry]] = {}
         # (replica, tier) -> router key -> extra copies (>= 1); absent = one copy (or none)
         self._copies: dict[tuple[int, int], dict[BlockKey, int]] = {}
         self.evictions = 0  # entries dropped by the memory budget
@@ -68,15 +86,42 @@ class EngineHashMap:
 
     # ------------------------------------------------------------------ lookups
 
-    def of(self, replica: int) -> dict[EngineHash, EngineEntry] | None:
-        """The replica's map, or None when it has none."""
-        return self._maps.get(replica)
+    def holds(self, replica: int) -> bool:
+        """Whether the replica has a map (it announced a page since it was last dropped)."""
+        return replica in self._maps
+
+    def get(self, replica: int, eh: EngineHash) -> EngineEntry | None:
+        """Page ``eh``'s entry, or None."""
+        table = self._maps.get(replica)
+        e = table.get(eh) if table is not None else None
+        if e is None and self._odd:
+            odd = self._odd.get(replica)
+            if odd:
+                return odd.get(eh)
+        return e
+
+    def entries(self, replica: int, hashes: list[EngineHash]) -> list[EngineEntry | None]:
+        """Each page's entry (None when unknown), in order; every one None when the replica has no map."""
+        table = self._maps.get(replica)
+        if table is None:
+            return [None] * len(hashes)
+        got: list[EngineEntry | None] = table.lookup(hashes)  # type: ignore[assignment]
+        odd = self._odd.get(replica) if self._odd else None
+        if odd and None in got:
+            got = [odd.get(eh) if e is None else e for eh, e in zip(hashes, got, strict=True)]
+        return got
+
+    def snapshot(self, replica: int) -> dict[EngineHash, EngineEntry]:
+        """The replica's entries as one dict (a copy; tests and tools: O(entries))."""
+        table = self._maps.get(replica)
+        out: dict[EngineHash, EngineEntry] = dict(table.items()) if table is not None else {}
+        out.update(self._odd.get(replica, {}))
+        return out
 
     def parent_state(self, replica: int, parent: EngineHash) -> ChainState | None:
         """Router chain state after page ``parent``: (last router key, leftover tokens, item starts in them);
         None when unknown."""
-        emap = self._maps.get(replica)
-        e = emap.get(parent) if emap is not None else None
+        e = self.get(replica, parent)
         if e is None:
             return None
         if isinstance(e, int):
@@ -85,7 +130,7 @@ class EngineHashMap:
 
     def __len__(self) -> int:
         """Total entries over all replicas."""
-        return sum(len(m) for m in self._maps.values())
+        return sum(map(len, self._maps.values())) + sum(map(len, self._odd.values()))
 
     def extra_copies(self) -> int:
         """Total extra copies tracked (blocks cached more than once on one replica, beyond the first copy)."""
@@ -95,7 +140,32 @@ class EngineHashMap:
         """Number of (replica, tier, block) entries with extra copies (memory accounting)."""
         return sum(len(c) for c in self._copies.values())
 
+    def nbytes(self) -> int:
+        """Bytes of the replicas' tables and odd-entry dicts (not the entries' tuples, nor the copy counts)."""
+        return sum(t.nbytes() for t in self._maps.values()) + sum(map(sys.getsizeof, self._odd.values()))
+
     # ------------------------------------------------------------------ stores
+
+    def _table(self, replica: int) -> EngineTableLike:
+        table = self._maps.get(replica)
+        if table is None:
+            table = self._maps[replica] = new_engine_table(self._native)
+        return table
+
+    def _put(self, replica: int, table: EngineTableLike, eh: EngineHash, entry: EngineEntry) -> bool:
+        """Record one page's entry in the table or the odd dict (out of the other); True when it was new."""
+        odd = self._odd.get(replica)
+        if type(entry) is int and 0 <= eh < KEY_END:
+            new = eh not in table
+            table[eh] = entry
+            if odd and odd.pop(eh, None) is not None:
+                return False
+            return new
+        if odd is None:
+            odd = self._odd[replica] = {}
+        new = eh not in odd and table.pop(eh, None) is None
+        odd[eh] = entry
+        return new
 
     def record_pages(
         self,
@@ -116,11 +186,9 @@ class EngineHashMap:
             hashes were already mapped for this replica — re-sent pages, i.e. candidate extra copies).
         """
         # ``index.hashing`` returns plain ints: they are BlockKeys (annotations, not ``cast`` calls, on this path)
-        emap = self._maps.get(replica)
-        if emap is None:
-            emap = self._maps[replica] = {}
-        before = len(emap)
-        n = len(engine_hashes)
+        table = self._table(replica)
+        hashes = engine_hashes if type(engine_hashes) is list else list(engine_hashes)
+        n = len(hashes)
         last, left, left_mm = state
         keys: list[BlockKey]
         if not left and page == block_size:
@@ -128,8 +196,18 @@ class EngineHashMap:
                 keys = block_keys_mm(pack_array(token_ids), block_size, last, mm)  # type: ignore[assignment]
             else:
                 keys = block_keys_array(pack_array(token_ids), block_size, last)  # type: ignore[assignment]
-            emap.update(zip(engine_hashes, keys, strict=True))
-            return keys, before + n - len(emap)
+            if len(keys) != n:
+                raise ValueError(f"{n} engine pages for {len(keys)} router blocks")
+            odd = self._odd.get(replica) if self._odd else None
+            try:
+                new = table.update_pairs(hashes, keys)
+            except OverflowError:  # a hash beyond 64 bits (a byte digest): page by page
+                return keys, n - sum(
+                    self._put(replica, table, eh, k) for eh, k in zip(hashes, keys, strict=True)
+                )
+            if odd:  # a page recorded before as another kind of entry is now this one
+                new -= n - len([eh for eh in hashes if odd.pop(eh, None) is None])
+            return keys, n - new
         toks = list(left)
         toks.extend(token_ids)
         nleft = len(left)
@@ -139,7 +217,8 @@ class EngineHashMap:
         else:
             keys = block_keys(toks, block_size, last)  # type: ignore[assignment]
         j = 0
-        for i, eh in enumerate(engine_hashes):
+        new = 0
+        for i, eh in enumerate(hashes):
             end = nleft + (i + 1) * page
             nfull = end // block_size
             covered = tuple(keys[j:nfull])
@@ -147,12 +226,14 @@ class EngineHashMap:
             cut = nfull * block_size
             leftover = tuple(toks[cut:end])
             if not leftover and len(covered) == 1:
-                emap[eh] = covered[0]
+                new += self._put(replica, table, eh, covered[0])
                 continue
             head = keys[nfull - 1] if nfull else BlockKey(last)
             lmm = tuple(MmStart(p - cut, x) for p, x in starts if cut <= p < end) if starts else ()
-            emap[eh] = (head, leftover, covered, lmm) if lmm else (head, leftover, covered)
-        return keys, before + n - len(emap)
+            new += self._put(
+                replica, table, eh, (head, leftover, covered, lmm) if lmm else (head, leftover, covered)
+            )
+        return keys, n - new
 
     def add_copies(self, replica: int, tier: int, keys: Sequence[BlockKey]) -> None:
         """Count one more copy of each of ``keys`` (blocks the replica already held in ``tier``)."""
@@ -210,22 +291,33 @@ class EngineHashMap:
         """Whether any extra copy is tracked (fast check for the hot paths)."""
         return bool(self._copies)
 
+    def forget_pages(self, replica: int, hashes: list[EngineHash]) -> None:
+        """Drop the entries of pages ``hashes`` (those the replica has)."""
+        table = self._maps.get(replica)
+        if table is not None:
+            table.discard(hashes)
+        odd = self._odd.get(replica) if self._odd else None
+        if odd:
+            for eh in hashes:
+                odd.pop(eh, None)
+
     def drop(self, replica: int) -> None:
         """Forget the replica's map and copies (engine restart, replica left)."""
         self._maps.pop(replica, None)
+        self._odd.pop(replica, None)
         for key in [k for k in self._copies if k[0] == replica]:
             del self._copies[key]
 
     # ------------------------------------------------------------------ budget
 
     def evict_oldest(self, frac: float) -> None:
-        """Drop about ``frac`` of every replica's entries, oldest first (at least one from a non-empty map)."""
-        for replica, emap in list(self._maps.items()):
-            drop = int(len(emap) * frac) + (1 if emap else 0)
-            if drop >= len(emap):
-                self.evictions += len(emap)
-                self._maps[replica] = {}
-            elif drop:
-                for eh in list(islice(emap, drop)):  # oldest first: dicts keep insertion order
-                    del emap[eh]
+        """Drop about ``frac`` of every replica's entries, oldest first (at least one from a non-empty map): of its
+        table and of its odd entries each in that proportion."""
+        for replica, table in self._maps.items():
+            self.evictions += table.pop_oldest(int(len(table) * frac) + (1 if table else 0))
+            odd = self._odd.get(replica)
+            if odd:
+                drop = min(len(odd), int(len(odd) * frac) + 1)
+                for eh in list(islice(odd, drop)):  # oldest first: dicts keep insertion order
+                    del odd[eh]
                 self.evictions += drop

@@ -143,8 +143,9 @@ class PrefixIndex(NodeTable):
         max_bytes: high-water mark in estimated bytes, nodes + engine maps + predicted entries (None = unlimited).
         predicted_ttl_s: seconds a predicted entry lives unless an engine confirms it.
         clock: time source in seconds (injectable; tests pass a fake clock).
-        native: keep the key -> node id map in the compiled table (``index.key_table``) when built; False: in
-            Python dicts (the same results and node ids; tests compare both).
+        native: keep the key -> node id map and the engine-hash maps in the compiled tables (``index.key_table``,
+            ``index.engine_table``) when built; False: their Python forms (the same results and node ids; tests
+            compare both).
 
     Block keys are :data:`~index.types.BlockKey` (plain ints are accepted: ``index.hashing`` returns them);
     engine hashes in ``apply_stored`` / ``apply_removed`` are :data:`~index.types.EngineHash`.
@@ -186,7 +187,7 @@ class PrefixIndex(NodeTable):
         self._pred: dict[int, OrderedDict[BlockKey, float]] = {}
         self._next_expiry = float("inf")
         # engine hash maps (per replica) and extra copies of blocks
-        self._emap = EngineHashMap()
+        self._emap = EngineHashMap(native)
         # pages of store-only sources, forgotten a TTL after their last store
         self._ttl = StoreOnlyExpiry()
         # budget eviction (LRU, bounded per call)
@@ -975,13 +976,12 @@ class PrefixIndex(NodeTable):
             (pages resolved, router blocks stored).
         """
         t = TIER_INDEX.get(tier)
-        emap = self._emap.of(replica)
-        if t is None or emap is None:
+        if t is None or not self._emap.holds(replica):
             return 0, 0
         keys: list[BlockKey] = []
         known: list[EngineHash] = []
-        for eh in cast(_Hashes, engine_hashes):
-            e = emap.get(eh)
+        hashes = list(cast(_Hashes, engine_hashes))
+        for eh, e in zip(hashes, self._emap.entries(replica, hashes), strict=True):
             if e is not None:
                 known.append(eh)
                 keys += entry_keys(e)
@@ -1017,15 +1017,16 @@ class PrefixIndex(NodeTable):
     ) -> int:
         """Remove engine pages from ``replica``'s tier ``t`` (``apply_removed``, expiry); router blocks removed."""
         emaps = self._emap
-        emap = emaps.of(replica)
-        if emap is None:
+        if not emaps.holds(replica):
             if count_unknown:
                 self._unknown_removed += len(engine_hashes)
             return 0
         slot = self._slot_of.get(replica)
         removed = 0
         hashes = cast(list[EngineHash], engine_hashes)
-        entries = list(map(emap.get, hashes))
+        if type(hashes) is not list:
+            hashes = list(hashes)
+        entries = emaps.entries(replica, hashes)
         if set(map(type, entries)) == _INT_ONLY:
             # every page known and exactly one block (the common case): the entries are the pages' keys
             keys: list[BlockKey] = entries  # type: ignore[assignment]
@@ -1042,16 +1043,17 @@ class PrefixIndex(NodeTable):
         if keys and slot is not None:
             removed = self._apply(slot, keys, OP_REMOVE, t, 0.0, create=False)
         if slot is None or every and not self._states.may_hold_besides(slot, t):
-            for eh in hashes:  # the replica holds none of the pages' blocks in any confirmed tier now
-                emap.pop(eh, None)
+            emaps.forget_pages(
+                replica, hashes
+            )  # the replica holds none of the pages' blocks in any confirmed tier
         else:
-            self._forget_pages(emap, slot, hashes, lasts)
+            self._forget_pages(replica, slot, hashes, lasts)
         self._maybe_compact()
         return removed
 
     def _forget_pages(
         self,
-        emap: dict[EngineHash, Any],
+        replica: int,
         slot: int,
         hashes: Sequence[EngineHash],
         lasts: list[BlockKey | None],
@@ -1062,13 +1064,16 @@ class PrefixIndex(NodeTable):
         ids = self._ids
         sidl = self._sidl
         confirmed = self._states.confirmed
+        drop: list[EngineHash] = []
         for eh, lastk in zip(hashes, lasts, strict=True):
             if lastk is None:
-                emap.pop(eh, None)
+                drop.append(eh)
                 continue
             nid = ids.get(lastk)
             if nid is None or not confirmed[sidl[nid]] >> slot & 1:
-                emap.pop(eh, None)
+                drop.append(eh)
+        if drop:
+            self._emap.forget_pages(replica, drop)
 
     def _holds_confirmed(self, slot: int, key: BlockKey) -> bool:
         """Whether ``slot`` holds block ``key`` in any tier (confirmed, not just predicted)."""

@@ -58,7 +58,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from index import hashing, key_table
+from index import engine_table, hashing, key_table
 from membership.kv_apply import BatchApplier, IndexSink
 from membership.kv_decode import (
     DEFAULT_LIMITS,
@@ -621,6 +621,10 @@ def _warn_unbuilt() -> None:
                 "the index's key -> node id table (index.key_table_native: dict shards instead, ~45 more "
                 "bytes a node and slower inserts)",
                 key_table.native_built(),
+            ),
+            (
+                "the engine-hash maps (index.engine_table_native: dicts instead, ~40 more bytes a page)",
+                engine_table.native_built(),
             ),
             ("the block-key hashing (index.hash_native: ~7x its CPU)", hashing.hash_native_built()),
         )
