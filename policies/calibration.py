@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain
 from statistics import median
+
+import numpy as np
+import numpy.typing as npt
 
 
 @dataclass(slots=True)
@@ -38,19 +42,50 @@ class ReplicaFit:
     overhead_s: float | None = None
 
 
+def _pairs(n: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """The index pairs ``i < j`` of ``n`` points (cached: a calibrator's windows have a few sizes)."""
+    got = _PAIRS.get(n)
+    if got is None:
+        if len(_PAIRS) >= 256:
+            _PAIRS.clear()
+        got = _PAIRS[n] = np.triu_indices(n, 1)
+    return got
+
+
+_PAIRS: dict[int, tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]] = {}
+
+
+def _median(values: npt.NDArray[np.float64]) -> float:
+    """``statistics.median`` of a non-empty array, to the bit (the mean of the two middle values as
+    ``(lo + hi) / 2``)."""
+    n = len(values)
+    half = n // 2
+    if n % 2:
+        return float(np.partition(values, half)[half])
+    part = np.partition(values, (half - 1, half))
+    return (float(part[half - 1]) + float(part[half])) / 2
+
+
 def theil_sen(points: list[tuple[float, float]], min_dx: float) -> tuple[float, float] | None:
-    """Theil–Sen line ``y = a + b x`` over pairs whose x differ by more than ``min_dx``; None if too few pairs."""
+    """Theil–Sen line ``y = a + b x`` over pairs whose x differ by more than ``min_dx``; None if too few pairs.
+
+    Vectorised (a window of 64 points has 2,016 pairs): the same float operations per slope as
+    ``(yj - yi) / (xj - xi)`` in Python, and the medians as ``statistics.median`` takes them, so the same line to
+    the bit (``tests/unit/test_policies_calibration.py`` compares it with the textbook loop)."""
     n = len(points)
-    # pairs in x order: every dx is >= 0, so one comparison per pair (the same slopes as over all i < j pairs)
-    pts = sorted(points)
-    slopes = [
-        (yj - yi) / (xj - xi) for i, (xi, yi) in enumerate(pts) for xj, yj in pts[i + 1 :] if xj - xi > min_dx
-    ]
+    if n < 2:
+        return None
+    pts = np.fromiter(chain.from_iterable(points), np.float64, 2 * n).reshape(n, 2)
+    xs, ys = pts[:, 0], pts[:, 1]
+    i, j = _pairs(n)
+    dx = xs[j] - xs[i]
+    keep = np.abs(dx) > min_dx
+    # a pair's slope is the same either way round: (yi - yj) / (xi - xj) negates both exactly
+    slopes = (ys[j] - ys[i])[keep] / dx[keep]
     if len(slopes) < max(3, n // 2):
         return None
-    b = median(slopes)
-    a = median([y - b * x for x, y in points])
-    return a, b
+    b = _median(slopes)
+    return _median(ys - b * xs), b
 
 
 @dataclass(slots=True)
