@@ -24,11 +24,13 @@ from .types import BlockKey
 __all__ = [
     "COPY_ENTRY_BYTES",
     "ENGINE_ENTRY_BYTES",
+    "ENGINE_ENTRY_BYTES_PY",
     "EVICT_CHUNK",
     "EVICT_SAMPLE",
     "EVICT_WALK",
     "LOW_WATER",
     "NODE_BYTES",
+    "NODE_BYTES_PY",
     "PRED_ENTRY_BYTES",
     "RESERVED_SLOT_BYTES",
     "Budget",
@@ -36,10 +38,21 @@ __all__ = [
     "LruEvictor",
 ]
 
-#: Estimated bytes per node (dict slot + key int + id int + state/time/key cells), used for ``max_bytes``.
-NODE_BYTES = 176
-#: Estimated bytes per engine-hash map entry (dict slot + the engine hash int; the router key is shared).
-ENGINE_ENTRY_BYTES = 120
+# The two largest terms of the ``max_bytes`` estimate depend on the form of the index's tables (compiled, the
+# default, or their Python forms where no C compiler was at install). Each is the peak RSS growth per node or
+# engine entry of an index fed engine events under a byte budget, over 0.85 (so the peak stays below the budget):
+# ``python -m loadtest.bench_index --json --mode memory --budget-bytes 30000000 [--replicas-per-chain 4]
+# [--python-tables]`` (docs/scaling.md, "A byte budget, per form of the tables").
+#: Estimated bytes per node with the compiled key table (key, id, state/time/key cells, the key int, growth room).
+NODE_BYTES = 154
+#: Estimated bytes per node with the Python form of the key table (dict shards: a dict slot and an id int more).
+NODE_BYTES_PY = 238
+#: Estimated bytes per engine-hash map entry with the compiled engine table (entry, index, deleted and growth
+#: room under churn; the router key is shared).
+ENGINE_ENTRY_BYTES = 113
+#: Estimated bytes per engine-hash map entry with its Python form (a dict slot and the engine hash's int object,
+#: the dict's room after deletions).
+ENGINE_ENTRY_BYTES_PY = 301
 #: Estimated bytes per predicted entry (ordered dict slot + expiry float).
 PRED_ENTRY_BYTES = 110
 #: Estimated bytes per extra-copy count (small dict slot + count).

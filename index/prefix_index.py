@@ -44,12 +44,15 @@ from collections.abc import Set as AbstractSet
 from itertools import groupby
 from typing import Any, cast
 
+from . import engine_table
 from .budget import (
     COPY_ENTRY_BYTES,
     ENGINE_ENTRY_BYTES,
+    ENGINE_ENTRY_BYTES_PY,
     EVICT_CHUNK,
     LOW_WATER,
     NODE_BYTES,
+    NODE_BYTES_PY,
     PRED_ENTRY_BYTES,
     RESERVED_SLOT_BYTES,
     Budget,
@@ -58,7 +61,7 @@ from .budget import (
 from .engine_map import ChainState, EngineEntry, EngineHashMap, entry_keys
 from .expiry import TTL_ENTRY_BYTES, StoreOnlyExpiry
 from .hashing import DEFAULT_BLOCK_SIZE, MmStart, chain_keys, pack_array
-from .key_table import object_bytes
+from .key_table import PyKeyTable, object_bytes
 from .nodes import NodeTable
 from .states import OP_PREDICT, OP_REMOVE, OP_STORE, OP_UNPREDICT, PRED, StateTable, bits
 from .types import TIER_INDEX, TIERS, BlockKey, EngineHash, ReplicaMatch, StoreResult
@@ -188,6 +191,11 @@ class PrefixIndex(NodeTable):
         self._next_expiry = float("inf")
         # engine hash maps (per replica) and extra copies of blocks
         self._emap = EngineHashMap(native)
+        # the size estimate's terms for the forms of the tables in use (``index.budget``)
+        self._node_bytes = NODE_BYTES_PY if isinstance(self._ids, PyKeyTable) else NODE_BYTES
+        self._entry_bytes = (
+            ENGINE_ENTRY_BYTES if native and engine_table.native_built() else ENGINE_ENTRY_BYTES_PY
+        )
         # pages of store-only sources, forgotten a TTL after their last store
         self._ttl = StoreOnlyExpiry()
         # budget eviction (LRU, bounded per call)
@@ -1106,9 +1114,9 @@ class PrefixIndex(NodeTable):
     def estimated_bytes(self) -> int:
         """Estimated memory of the index in bytes (nodes + engine-hash maps + predicted entries + copies)."""
         return (
-            self._nodes * NODE_BYTES
+            self._nodes * self._node_bytes
             + self._reserved * RESERVED_SLOT_BYTES
-            + len(self._emap) * ENGINE_ENTRY_BYTES
+            + len(self._emap) * self._entry_bytes
             + self._emap.copy_entries() * COPY_ENTRY_BYTES
             + self._pred_entries() * PRED_ENTRY_BYTES
             + len(self._ttl) * TTL_ENTRY_BYTES

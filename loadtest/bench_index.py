@@ -567,6 +567,8 @@ def _chain_memory_one(
     replicas_per_chain: int,
     page_blocks: int,
     budget_nodes: int | None,
+    budget_bytes: int | None = None,
+    native: bool = True,
 ) -> dict[str, Any]:
     """One ``long_chain_memory`` measurement (run in a fresh process: freed memory of an earlier index would
     otherwise be reused and hide the growth)."""
@@ -576,7 +578,7 @@ def _chain_memory_one(
     gc.collect()
     gc.disable()
     rss0 = rss_bytes()
-    idx = PrefixIndex(block_size=BLOCK, max_nodes=budget_nodes)
+    idx = PrefixIndex(block_size=BLOCK, max_nodes=budget_nodes, max_bytes=budget_bytes, native=native)
     peak = 0
     for _ in range(chains):
         toks = u16(rng.randbytes(2 * chain_tokens))
@@ -607,6 +609,9 @@ def _chain_memory_one(
         f"{path}_peak_bytes_per_budget_node": round((peak - rss0) / budget_nodes, 1)
         if budget_nodes
         else None,
+        f"{path}_peak_rss_over_budget_bytes": round((peak - rss0) / budget_bytes, 3)
+        if budget_bytes
+        else None,
     }
 
 
@@ -617,6 +622,8 @@ def long_chain_memory(
     page_blocks: int,
     budget_nodes: int | None,
     log: Callable[[str], None],
+    budget_bytes: int | None = None,
+    native: bool = True,
 ) -> dict[str, Any]:
     """RSS growth per node of an index fed ``chains`` distinct long chains through ``apply_stored``.
 
@@ -626,7 +633,9 @@ def long_chain_memory(
     nodes, their key ints, and one engine-map entry per (replica, block). The same chains through ``store``
     (keys computed and dropped by the harness) give the index without engine maps. Each path runs in a fresh
     process (fork). With ``budget_nodes`` the index runs under that ``max_nodes`` budget, and the peak RSS
-    growth divided by the budget is what a deployment needs per node of ``index_max_nodes``.
+    growth divided by the budget is what a deployment needs per node of ``index_max_nodes``; with ``budget_bytes``
+    under that ``max_bytes`` budget, and the peak RSS growth over it says how closely the index's size estimate
+    follows its memory (at most 1: the budget holds). ``native`` False: the Python forms of the compiled tables.
     """
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -637,11 +646,21 @@ def long_chain_memory(
         "replicas_per_chain": replicas_per_chain,
         "page_blocks": page_blocks,
         "budget_nodes": budget_nodes,
+        "budget_bytes": budget_bytes,
+        "native_tables": native,
     }
     for path in ("apply_stored", "store"):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
             one = pool.submit(
-                _chain_memory_one, path, chains, chain_tokens, replicas_per_chain, page_blocks, budget_nodes
+                _chain_memory_one,
+                path,
+                chains,
+                chain_tokens,
+                replicas_per_chain,
+                page_blocks,
+                budget_nodes,
+                budget_bytes,
+                native,
             ).result()
         res.update(one)
         log(
@@ -766,6 +785,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="memory mode: run under this max_nodes budget (peak RSS growth per budgeted node)",
     )
+    ap.add_argument(
+        "--budget-bytes",
+        type=int,
+        default=None,
+        help="memory mode: run under this max_bytes budget (peak RSS growth over it: how closely the index's size "
+        "estimate follows its memory)",
+    )
+    ap.add_argument(
+        "--python-tables",
+        action="store_true",
+        help="memory mode: the Python forms of the index's compiled tables (an install without a C compiler)",
+    )
     args = ap.parse_args(argv)
 
     def log(msg: str) -> None:
@@ -780,7 +811,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         failures = sum(r.get("match_check_failures", 0) for r in result)
     elif args.mode == "memory":
         result = long_chain_memory(
-            args.chains, args.chain_tokens, args.replicas_per_chain, args.page_blocks, args.budget_nodes, log
+            args.chains,
+            args.chain_tokens,
+            args.replicas_per_chain,
+            args.page_blocks,
+            args.budget_nodes,
+            log,
+            args.budget_bytes,
+            not args.python_tables,
         )
         failures = 0
     else:

@@ -116,7 +116,9 @@ def test_both_forms_of_the_table_end_in_the_same_index() -> None:
         b = PrefixIndex(block_size=16, clock=lambda: 0.0, native=False)
         _random_program(a, random.Random(seed))
         _random_program(b, random.Random(seed))
-        assert a.stats() == b.stats()
+        sa, sb = a.stats(), b.stats()
+        assert sa.pop("estimated_bytes") < sb.pop("estimated_bytes")  # each form's own sizes (index.budget)
+        assert sa == sb
         for replica in range(3):
             assert a._emap.snapshot(replica) == b._emap.snapshot(replica)
         assert sorted(a._ids.keys()) == sorted(b._ids.keys())
@@ -134,3 +136,48 @@ def test_a_router_without_the_compiled_engine_table_says_so(
     idx.apply_stored(0, [1], None, tokens(16), SEED)
     assert type(idx._emap._maps[0]) is engine_table.PyEngineTable
     assert [m for m in kv_start_warnings(caplog) if "engine_table_native" in m]
+
+
+def _structure_bytes(idx: PrefixIndex) -> int:
+    """What the index's largest structures take by their objects' sizes (the key table, the per-id arrays with the
+    key ints, the engine-hash maps with their hash ints)."""
+    ls = idx.layout_stats()
+    return (
+        ls["map_bytes"] + ls["array_bytes"] + ls["run_hint_bytes"] + ls["key_int_bytes"] + idx._emap.nbytes()
+    )
+
+
+def _churn(idx: PrefixIndex, replicas_per_chain: int) -> None:
+    """Long chains stored as vLLM-like events (pages of one block, 64-bit hashes) on several replicas each, far
+    more than the budget holds: the budget evicts nodes and engine entries all along."""
+    rng = random.Random(11)
+    for _ in range(40):
+        toks = [rng.randrange(40_000) for _ in range(16 * 512)]
+        for r in rng.sample(range(16), replicas_per_chain):
+            parent = None
+            for a in range(0, 512, 64):
+                hashes = [rng.getrandbits(64) for _ in range(64)]
+                idx.apply_stored(r, hashes, parent, toks[a * 16 : (a + 64) * 16], SEED)
+                parent = hashes[-1]
+
+
+@pytest.mark.parametrize("native", BOTH)
+def test_a_byte_budget_bounds_the_tables_of_either_form(native: bool) -> None:
+    """The size estimate counts each form's own cost per node and engine entry (``index.budget``): the index's
+    structures stay within ``max_bytes`` with the Python forms too (whose dict slots and int objects the compiled
+    forms' estimate would undercount), and the compiled forms hold more nodes in the same budget."""
+    budget = 3_000_000
+    idx = PrefixIndex(block_size=16, max_bytes=budget, native=native)
+    _churn(idx, 4)
+    assert idx.stats()["evictions"] > 0 and idx.stats()["engine_evictions"] > 0
+    assert idx.estimated_bytes() <= budget
+    assert _structure_bytes(idx) <= budget
+
+
+def test_the_compiled_tables_hold_more_in_the_same_byte_budget() -> None:
+    held = []
+    for native in (True, False):
+        idx = PrefixIndex(block_size=16, max_bytes=3_000_000, native=native)
+        _churn(idx, 4)
+        held.append(len(idx))
+    assert held[0] > 2 * held[1], held
