@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(TOOLS):$(PATH)
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
-$(STAMP): pyproject.toml setup.py membership/kv_native.c index/hash_native.c index/key_table_native.c index/engine_table_native.c
+$(STAMP): pyproject.toml setup.py membership/kv_native.c index/hash_native.c index/key_table_native.c index/engine_table_native.c index/table_args.h
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[test,loadtest]'
 	# the compiled modules are optional for an install (setup.py), not here: fail when one did not build

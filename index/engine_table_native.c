@@ -29,8 +29,7 @@
  * allocation that fails raises MemoryError before anything is changed; the compactions deletions make never fail
  * (a smaller array that cannot be had: the larger one kept).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "table_args.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -58,12 +57,6 @@ typedef struct {
 
 static PyTypeObject EngineTableType;
 
-static inline uint64_t fmix64(uint64_t x) {
-    x = (x ^ (x >> 33)) * UINT64_C(0xff51afd7ed558ccd);
-    x = (x ^ (x >> 33)) * UINT64_C(0xc4ceb9fe1a85ec53);
-    return x ^ (x >> 33);
-}
-
 static inline uint64_t *dead_bits(const EngineTable *t) { return (uint64_t *)(t->entries + t->ecap); }
 
 static inline int is_dead(const uint64_t *bits, size_t i) { return (int)((bits[i >> 6] >> (i & 63)) & 1); }
@@ -71,7 +64,7 @@ static inline int is_dead(const uint64_t *bits, size_t i) { return (int)((bits[i
 /* The index slot holding hash's entry, or the empty slot that ends its probe (icap > 0). */
 static inline uint32_t *probe(const EngineTable *t, uint64_t hash) {
     size_t mask = t->icap - 1;
-    size_t i = (size_t)fmix64(hash) & mask;
+    size_t i = (size_t)mix64(hash) & mask;
     while (t->index[i] != 0 && t->entries[t->index[i] - 1].hash != hash) i = (i + 1) & mask;
     return &t->index[i];
 }
@@ -95,7 +88,7 @@ static void fill_index(EngineTable *t, uint32_t *index, size_t icap) {
     size_t mask = icap - 1;
     for (size_t e = t->head; e < t->used; e++) {
         if (is_dead(bits, e)) continue;
-        size_t i = (size_t)fmix64(t->entries[e].hash) & mask;
+        size_t i = (size_t)mix64(t->entries[e].hash) & mask;
         while (index[i]) i = (i + 1) & mask;
         index[i] = (uint32_t)(e + 1);
     }
@@ -196,7 +189,7 @@ static void unlink_slot(EngineTable *t, uint32_t *s) {
      * moves to j) when i lies cyclically in [home(j), j): a probe from its home would stop at the hole first */
     size_t i = (size_t)(s - t->index);
     for (size_t j = (i + 1) & mask; t->index[j]; j = (j + 1) & mask) {
-        size_t home = (size_t)fmix64(t->entries[t->index[j] - 1].hash) & mask;
+        size_t home = (size_t)mix64(t->entries[t->index[j] - 1].hash) & mask;
         if (((i - home) & mask) < ((j - home) & mask)) {
             t->index[i] = t->index[j];
             i = j;
@@ -234,38 +227,6 @@ static int put(EngineTable *t, uint64_t hash, uint64_t key) {
 
 /* ---- arguments ---- */
 
-/* o as a hash or key: 1 with *out for an int in [0, 2**64), 0 for an int outside, -1 for anything else (no
- * exception set). The 3.11 int's digits are read here: PyLong_AsUnsignedLongLong goes through a byte array and
- * raises (to be cleared) for a negative int. */
-static int u64_of(PyObject *o, uint64_t *out) {
-    if (!PyLong_Check(o)) return -1;
-#if PY_VERSION_HEX < 0x030C0000
-    enum { MOST = (64 + PyLong_SHIFT - 1) / PyLong_SHIFT }; /* digits of the largest value */
-    Py_ssize_t n = Py_SIZE(o);                              /* digits, least significant first; < 0: negative */
-    const digit *d = ((PyLongObject *)o)->ob_digit;
-    if (n < 0 || n > MOST || (n == MOST && (d[MOST - 1] >> (64 - (MOST - 1) * PyLong_SHIFT)) != 0)) return 0;
-    uint64_t v = 0;
-    while (n > 0) v = (v << PyLong_SHIFT) | d[--n];
-    *out = v;
-    return 1;
-#else
-    PyLongObject *l = (PyLongObject *)o;
-    if (PyUnstable_Long_IsCompact(l)) {
-        Py_ssize_t v = PyUnstable_Long_CompactValue(l);
-        *out = (uint64_t)v;
-        return v >= 0;
-    }
-    if (_PyLong_Sign(o) < 0) return 0;
-    size_t bits = _PyLong_NumBits(o);
-    if (bits > 64) {
-        if (bits == (size_t)-1) PyErr_Clear();
-        return 0;
-    }
-    *out = (uint64_t)PyLong_AsUnsignedLongLongMask(o);
-    return 1;
-#endif
-}
-
 static int store_error(PyObject *o, int r, const char *what) {
     if (r < 0)
         PyErr_Format(PyExc_TypeError, "%s are ints, got %.100s", what, Py_TYPE(o)->tp_name);
@@ -276,7 +237,7 @@ static int store_error(PyObject *o, int r, const char *what) {
 
 /* o as a value to store: 0 with *out, or -1 with TypeError (not an int) or OverflowError (out of range). */
 static int store_arg(PyObject *o, const char *what, uint64_t *out) {
-    int r = u64_of(o, out);
+    int r = u64_value(o, out);
     return r == 1 ? 0 : store_error(o, r, what);
 }
 
@@ -287,39 +248,17 @@ static int store_list(PyObject *list, Entry *out, int keys, const char *what) {
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(list); j++) {
         PyObject *o = PyList_GET_ITEM(list, j);
         uint64_t *v = keys ? &out[j].key : &out[j].hash;
-        int r = u64_of(o, v);
+        int r = u64_value(o, v);
         if (r < 0) return store_error(o, r, what);
         if (r == 0 && outside == NULL) outside = o;
     }
     return outside ? store_error(outside, 0, what) : 0;
 }
 
-/* 0 when lo <= nargs <= hi, else -1 with TypeError. */
-static int positional(const char *name, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi) {
-    if (lo <= nargs && nargs <= hi) return 0;
-    PyErr_Format(PyExc_TypeError, "%s() takes %zd to %zd positional arguments (%zd given)", name, lo, hi, nargs);
-    return -1;
-}
-
-static int list_arg(PyObject *o, const char *what) {
-    if (PyList_Check(o)) return 0;
-    PyErr_Format(PyExc_TypeError, "%s must be a list, got %.100s", what, Py_TYPE(o)->tp_name);
-    return -1;
-}
-
-static PyObject *key_error(PyObject *o) {
-    PyObject *args = PyTuple_Pack(1, o); /* a tuple must not become KeyError's arguments */
-    if (args != NULL) {
-        PyErr_SetObject(PyExc_KeyError, args);
-        Py_DECREF(args);
-    }
-    return NULL;
-}
-
 /* The slot of o's entry, or NULL (o not an int in range, or absent). */
 static uint32_t *slot_arg(EngineTable *t, PyObject *o) {
     uint64_t hash = 0;
-    return u64_of(o, &hash) == 1 ? slot_of(t, hash) : NULL;
+    return u64_value(o, &hash) == 1 ? slot_of(t, hash) : NULL;
 }
 
 static inline PyObject *key_at(EngineTable *t, const uint32_t *s) {
@@ -366,14 +305,14 @@ static int EngineTable_ass_subscript(EngineTable *t, PyObject *o, PyObject *valu
 }
 
 static PyObject *EngineTable_get(EngineTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (positional("get", nargs, 1, 2) < 0) return NULL;
+    if (arg_count("get", nargs, 1, 2) < 0) return NULL;
     uint32_t *s = slot_arg(t, args[0]);
     if (s) return key_at(t, s);
     return Py_NewRef(nargs > 1 ? args[1] : Py_None);
 }
 
 static PyObject *EngineTable_pop(EngineTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (positional("pop", nargs, 1, 2) < 0) return NULL;
+    if (arg_count("pop", nargs, 1, 2) < 0) return NULL;
     uint32_t *s = slot_arg(t, args[0]);
     if (s == NULL) return nargs > 1 ? Py_NewRef(args[1]) : key_error(args[0]);
     PyObject *key = key_at(t, s); /* before the removal: a MemoryError leaves the entry */
@@ -437,7 +376,7 @@ static PyObject *EngineTable_nbytes(EngineTable *t, PyObject *unused) {
 }
 
 static PyObject *EngineTable_update_pairs(EngineTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (positional("update_pairs", nargs, 2, 2) < 0 || list_arg(args[0], "hashes") < 0 ||
+    if (arg_count("update_pairs", nargs, 2, 2) < 0 || list_arg(args[0], "hashes") < 0 ||
         list_arg(args[1], "keys") < 0)
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(args[0]);

@@ -21,9 +21,7 @@
  * pointer: argument conversions (__index__) happen before, and results that allocate GC-tracked objects (items())
  * are built from a copy of the entries.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+#include "table_args.h"
 
 #define SHARD_BITS 6
 #define NSHARDS (1 << SHARD_BITS)
@@ -50,15 +48,6 @@ typedef struct {
 
 static PyTypeObject KeyTableType;
 
-static inline uint64_t mix(uint64_t k) {
-    k ^= k >> 33;
-    k *= UINT64_C(0xff51afd7ed558ccd);
-    k ^= k >> 33;
-    k *= UINT64_C(0xc4ceb9fe1a85ec53);
-    k ^= k >> 33;
-    return k;
-}
-
 static inline Shard *shard_of(KeyTable *t, uint64_t h) { return &t->shards[h & (NSHARDS - 1)]; }
 
 static inline size_t home_of(const Shard *s, uint64_t h) { return (size_t)(h >> SHARD_BITS) & (s->cap - 1); }
@@ -74,7 +63,7 @@ static inline Slot *probe(const Shard *s, uint64_t key, uint64_t h) {
 
 /* The slot holding key, or NULL. */
 static inline Slot *find(KeyTable *t, uint64_t key) {
-    uint64_t h = mix(key);
+    uint64_t h = mix64(key);
     Shard *s = shard_of(t, h);
     if (s->cap == 0) return NULL;
     Slot *slot = probe(s, key, h);
@@ -94,7 +83,7 @@ static int grow(Shard *s) {
         return -1;
     }
     for (size_t i = 0; i < s->cap; i++) {
-        if (s->slots[i].id1) *probe(&bigger, s->slots[i].key, mix(s->slots[i].key)) = s->slots[i];
+        if (s->slots[i].id1) *probe(&bigger, s->slots[i].key, mix64(s->slots[i].key)) = s->slots[i];
     }
     PyMem_Free(s->slots);
     *s = bigger;
@@ -104,7 +93,7 @@ static int grow(Shard *s) {
 /* Map key to nid (0 <= nid < ID_END). 1 when the key was absent, 0 when present (its id replaced when replace,
  * else left), -1 with MemoryError (nothing changed). */
 static int put(KeyTable *t, uint64_t key, int64_t nid, int replace) {
-    uint64_t h = mix(key);
+    uint64_t h = mix64(key);
     Shard *s = shard_of(t, h);
     Slot *slot = NULL;
     if (s->cap) {
@@ -132,7 +121,7 @@ static int put(KeyTable *t, uint64_t key, int64_t nid, int replace) {
 static void erase(KeyTable *t, Shard *s, size_t i) {
     size_t mask = s->cap - 1;
     for (size_t j = (i + 1) & mask; s->slots[j].id1; j = (j + 1) & mask) {
-        size_t home = home_of(s, mix(s->slots[j].key));
+        size_t home = home_of(s, mix64(s->slots[j].key));
         if (((i - home) & mask) < ((j - home) & mask)) {
             s->slots[i] = s->slots[j];
             i = j;
@@ -146,7 +135,7 @@ static void erase(KeyTable *t, Shard *s, size_t i) {
 
 /* Remove key: 1 when it was present, 0 when absent. */
 static int discard(KeyTable *t, uint64_t key) {
-    uint64_t h = mix(key);
+    uint64_t h = mix64(key);
     Shard *s = shard_of(t, h);
     if (s->cap == 0) return 0;
     Slot *slot = probe(s, key, h);
@@ -165,44 +154,9 @@ static void free_shards(KeyTable *t) {
 
 /* ---- arguments ---- */
 
-/* o as a block key: 1 with *out for an int in [0, 2**64), 0 for an int out of that range, -1 for anything else
- * (no exception set in any case). Not PyLong_AsUnsignedLongLong: it goes through a byte array and raises (to be
- * cleared) for a negative int; for a 64-bit key it took twice the time of the whole lookup that follows. */
-static int key_value(PyObject *o, uint64_t *out) {
-    if (!PyLong_Check(o)) return -1;
-#if PY_VERSION_HEX < 0x030C0000
-    /* 3.11: the digits (PyLong_SHIFT bits each, least significant first), the sign in ob_size */
-    Py_ssize_t size = Py_SIZE(o);
-    if (size < 0) return 0;
-    const digit *d = ((PyLongObject *)o)->ob_digit;
-    uint64_t v = 0;
-    for (Py_ssize_t i = size; i-- > 0;) {
-        if (v >> (64 - PyLong_SHIFT)) return 0; /* the next digit would push bits past 64 */
-        v = (v << PyLong_SHIFT) | d[i];
-    }
-    *out = v;
-    return 1;
-#else
-    PyLongObject *l = (PyLongObject *)o;
-    if (PyUnstable_Long_IsCompact(l)) {
-        Py_ssize_t v = PyUnstable_Long_CompactValue(l);
-        *out = (uint64_t)v;
-        return v >= 0;
-    }
-    if (_PyLong_Sign(o) < 0) return 0;
-    size_t bits = _PyLong_NumBits(o);
-    if (bits > 64) {
-        if (bits == (size_t)-1) PyErr_Clear(); /* more bits than a size_t counts */
-        return 0;
-    }
-    *out = (uint64_t)PyLong_AsUnsignedLongLongMask(o); /* no error: o is an int */
-    return 1;
-#endif
-}
-
 /* o as a key to store: 0 with *out, or -1 with TypeError (not an int) or OverflowError (out of [0, 2**64)). */
 static int key_arg(PyObject *o, uint64_t *out) {
-    int r = key_value(o, out);
+    int r = u64_value(o, out);
     if (r == 1) return 0;
     if (r < 0)
         PyErr_Format(PyExc_TypeError, "block keys are ints, got %.100s", Py_TYPE(o)->tp_name);
@@ -247,12 +201,6 @@ static int ids_fit(int64_t nid, Py_ssize_t n) {
     return 0;
 }
 
-static int keys_arg(PyObject *o) {
-    if (PyList_Check(o)) return 0;
-    PyErr_Format(PyExc_TypeError, "keys must be a list, got %.100s", Py_TYPE(o)->tp_name);
-    return -1;
-}
-
 /* The keys a run stores, keys[lo:hi], all checked before any is: TypeError at the first key that is not an int, else
  * OverflowError if one is out of [0, 2**64). 0 or -1. (No prefetching of their slots on the way: measured, the
  * out-of-order core already overlaps the misses of consecutive keys.) */
@@ -261,7 +209,7 @@ static int check_keys(PyObject *keys, Py_ssize_t lo, Py_ssize_t hi) {
     for (Py_ssize_t j = lo; j < hi; j++) {
         PyObject *o = PyList_GET_ITEM(keys, j);
         uint64_t key = 0;
-        int r = key_value(o, &key);
+        int r = u64_value(o, &key);
         if (r < 0) return key_arg(o, &key);
         if (r == 0) out_of_range = 1;
     }
@@ -270,24 +218,6 @@ static int check_keys(PyObject *keys, Py_ssize_t lo, Py_ssize_t hi) {
         return -1;
     }
     return 0;
-}
-
-static int arg_count(const char *name, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi) {
-    if (nargs >= lo && nargs <= hi) return 0;
-    if (lo == hi)
-        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, lo, nargs);
-    else
-        PyErr_Format(PyExc_TypeError, "%s() takes %zd to %zd arguments (%zd given)", name, lo, hi, nargs);
-    return -1;
-}
-
-static PyObject *key_error(PyObject *key) {
-    PyObject *args = PyTuple_Pack(1, key); /* a tuple key must not become KeyError's arguments */
-    if (args != NULL) {
-        PyErr_SetObject(PyExc_KeyError, args);
-        Py_DECREF(args);
-    }
-    return NULL;
 }
 
 /* ---- the type ---- */
@@ -309,12 +239,12 @@ static Py_ssize_t KeyTable_len(KeyTable *t) { return t->len; }
 
 static int KeyTable_contains(KeyTable *t, PyObject *o) {
     uint64_t key = 0;
-    return key_value(o, &key) == 1 && find(t, key) != NULL;
+    return u64_value(o, &key) == 1 && find(t, key) != NULL;
 }
 
 static PyObject *KeyTable_subscript(KeyTable *t, PyObject *o) {
     uint64_t key = 0;
-    Slot *slot = key_value(o, &key) == 1 ? find(t, key) : NULL;
+    Slot *slot = u64_value(o, &key) == 1 ? find(t, key) : NULL;
     if (slot == NULL) return key_error(o);
     return PyLong_FromLongLong(slot->id1 - 1);
 }
@@ -322,7 +252,7 @@ static PyObject *KeyTable_subscript(KeyTable *t, PyObject *o) {
 static int KeyTable_ass_subscript(KeyTable *t, PyObject *o, PyObject *value) {
     uint64_t key = 0;
     if (value == NULL) { /* del */
-        if (key_value(o, &key) == 1 && discard(t, key)) return 0;
+        if (u64_value(o, &key) == 1 && discard(t, key)) return 0;
         key_error(o);
         return -1;
     }
@@ -334,7 +264,7 @@ static int KeyTable_ass_subscript(KeyTable *t, PyObject *o, PyObject *value) {
 static PyObject *KeyTable_get(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
     if (arg_count("get", nargs, 1, 2) < 0) return NULL;
     uint64_t key = 0;
-    Slot *slot = key_value(args[0], &key) == 1 ? find(t, key) : NULL;
+    Slot *slot = u64_value(args[0], &key) == 1 ? find(t, key) : NULL;
     if (slot != NULL) return PyLong_FromLongLong(slot->id1 - 1);
     PyObject *dflt = nargs > 1 ? args[1] : Py_None;
     Py_INCREF(dflt);
@@ -409,7 +339,7 @@ static PyObject *KeyTable_nbytes(KeyTable *t, PyObject *unused) {
 
 static PyObject *KeyTable_claim_run(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
     int64_t start, stop, nid;
-    if (arg_count("claim_run", nargs, 4, 4) < 0 || keys_arg(args[0]) < 0 ||
+    if (arg_count("claim_run", nargs, 4, 4) < 0 || list_arg(args[0], "keys") < 0 ||
         count_arg(args[1], "start", &start) < 0 || count_arg(args[2], "stop", &stop) < 0 ||
         id_arg(args[3], "nid", &nid) < 0)
         return NULL;
@@ -422,7 +352,7 @@ static PyObject *KeyTable_claim_run(KeyTable *t, PyObject *const *args, Py_ssize
     Py_ssize_t j = lo;
     for (; j < hi; j++) {
         uint64_t key = 0;
-        key_value(PyList_GET_ITEM(keys, j), &key);
+        u64_value(PyList_GET_ITEM(keys, j), &key);
         int r = put(t, key, nid + (j - lo), 0);
         if (r < 0) return NULL;
         if (r == 0) break;
@@ -431,7 +361,7 @@ static PyObject *KeyTable_claim_run(KeyTable *t, PyObject *const *args, Py_ssize
 }
 
 static PyObject *KeyTable_lookup(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (arg_count("lookup", nargs, 1, 1) < 0 || keys_arg(args[0]) < 0) return NULL;
+    if (arg_count("lookup", nargs, 1, 1) < 0 || list_arg(args[0], "keys") < 0) return NULL;
     PyObject *keys = args[0];
     Py_ssize_t n = PyList_GET_SIZE(keys);
     PyObject *out = PyList_New(n); /* may run the GC: before anything is read */
@@ -440,7 +370,7 @@ static PyObject *KeyTable_lookup(KeyTable *t, PyObject *const *args, Py_ssize_t 
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *o = PyList_GET_ITEM(keys, j);
         uint64_t key = 0;
-        int r = key_value(o, &key);
+        int r = u64_value(o, &key);
         if (r < 0) { /* TypeError */
             key_arg(o, &key);
             Py_DECREF(out);
@@ -459,26 +389,26 @@ static PyObject *KeyTable_lookup(KeyTable *t, PyObject *const *args, Py_ssize_t 
 
 static PyObject *KeyTable_assign_run(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
     int64_t nid;
-    if (arg_count("assign_run", nargs, 2, 2) < 0 || keys_arg(args[0]) < 0 || id_arg(args[1], "nid", &nid) < 0)
+    if (arg_count("assign_run", nargs, 2, 2) < 0 || list_arg(args[0], "keys") < 0 || id_arg(args[1], "nid", &nid) < 0)
         return NULL;
     PyObject *keys = args[0];
     Py_ssize_t n = PyList_GET_SIZE(keys);
     if (check_keys(keys, 0, n) < 0 || ids_fit(nid, n) < 0) return NULL;
     for (Py_ssize_t j = 0; j < n; j++) {
         uint64_t key = 0;
-        key_value(PyList_GET_ITEM(keys, j), &key);
+        u64_value(PyList_GET_ITEM(keys, j), &key);
         if (put(t, key, nid + j, 1) < 0) return NULL;
     }
     Py_RETURN_NONE;
 }
 
 static PyObject *KeyTable_forget(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (arg_count("forget", nargs, 1, 1) < 0 || keys_arg(args[0]) < 0) return NULL;
+    if (arg_count("forget", nargs, 1, 1) < 0 || list_arg(args[0], "keys") < 0) return NULL;
     PyObject *keys = args[0];
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(keys); j++) {
         PyObject *o = PyList_GET_ITEM(keys, j);
         uint64_t key = 0;
-        int r = key_value(o, &key);
+        int r = u64_value(o, &key);
         if (r < 0) { /* TypeError, the keys before it removed (as KeyError below) */
             key_arg(o, &key);
             return NULL;

@@ -376,3 +376,63 @@ def kv_start_warnings(caplog: Any) -> list[str]:
     with caplog.at_level("WARNING", logger="kvroute.kv_events"):
         asyncio.run(start_stop())
     return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+#: the constants of murmur3's fmix64, the 64-bit mixer of the index's compiled tables (index/table_args.h)
+_FMIX_C1, _FMIX_C2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
+_U64 = (1 << 64) - 1
+
+
+def mix64(k: int) -> int:
+    """The compiled tables' key mixer (``mix64`` in index/table_args.h): where a key's probe starts."""
+    k ^= k >> 33
+    k = (k * _FMIX_C1) & _U64
+    k ^= k >> 33
+    k = (k * _FMIX_C2) & _U64
+    return k ^ (k >> 33)
+
+
+def unmix64(h: int) -> int:
+    """The key whose ``mix64`` is ``h``: keys placed at chosen slots of a compiled table (were its mixer to change,
+    they would be ordinary keys and the tests using them would still hold)."""
+    h ^= h >> 33
+    h = (h * pow(_FMIX_C2, -1, 1 << 64)) & _U64
+    h ^= h >> 33
+    h = (h * pow(_FMIX_C1, -1, 1 << 64)) & _U64
+    return h ^ (h >> 33)
+
+
+def table_outcome(target: Any, op: tuple[Any, ...], model: bool) -> tuple[str, Any]:
+    """Run ``op`` = ``(name, *args)`` on one of the index's tables, or on ``model`` (a dict-backed reference whose
+    methods ``getitem``, ``setitem``, ``delitem``, ``contains`` and ``iter`` stand for the table's ``[]``, ``[] =``,
+    ``del``, ``in`` and ``iter``; every other name is a method of both): ``("ok", result)`` (listings as lists) or
+    ``("raised", the exception's type)``, for tests that compare a compiled table with its Python form and a model."""
+    name, *args = op
+    try:
+        if model or name not in _TABLE_SYNTAX:
+            result = getattr(target, name)(*args)
+        else:
+            result = _TABLE_SYNTAX[name](target, *args)
+        if name in ("keys", "values", "items"):
+            result = list(result)
+    except Exception as exc:  # compared by type
+        return ("raised", type(exc))
+    return ("ok", result)
+
+
+def _set(t: Any, key: Any, value: Any) -> None:
+    t[key] = value
+
+
+def _del(t: Any, key: Any) -> None:
+    del t[key]
+
+
+#: the table syntax a model's methods of these names stand for (``table_outcome``)
+_TABLE_SYNTAX: dict[str, Callable[..., Any]] = {
+    "getitem": lambda t, key: t[key],
+    "setitem": _set,
+    "delitem": _del,
+    "contains": lambda t, key: key in t,
+    "iter": lambda t: list(iter(t)),
+}

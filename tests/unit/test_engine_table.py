@@ -16,45 +16,27 @@ from typing import Any
 import pytest
 
 from index import engine_table, engine_table_native
+from tests.helpers import mix64, table_outcome, unmix64
 
 TOP = (1 << 64) - 1
 FORMS = [
     pytest.param(engine_table_native.EngineTable, id="native"),
     pytest.param(engine_table.PyEngineTable, id="python"),
 ]
-_C1, _C2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
-
-
-def _mix(k: int) -> int:
-    """The compiled table's hash mixer (murmur3 fmix64; a hash's home index slot is ``mix & (slots - 1)``)."""
-    k ^= k >> 33
-    k = (k * _C1) & TOP
-    k ^= k >> 33
-    k = (k * _C2) & TOP
-    return k ^ (k >> 33)
-
-
-def _unmix(m: int) -> int:
-    """The hash whose mix is ``m``."""
-    m ^= m >> 33
-    m = (m * pow(_C2, -1, 1 << 64)) & TOP
-    m ^= m >> 33
-    m = (m * pow(_C1, -1, 1 << 64)) & TOP
-    return m ^ (m >> 33)
 
 
 #: hashes with the same low 10 bits of their mix, three each at homes 1023, 1022, 0, 1, 7, 6: long clusters of the
 #: compiled index at every size up to 1024 slots, wrapping around its end at 8 and 16 (if the mixer changed, these
 #: would be ordinary hashes and every test here would still hold)
-COLLIDING = [_unmix((tag << 20) | home) for home in (1023, 1022, 0, 1, 7, 6) for tag in range(3)]
+COLLIDING = [unmix64((tag << 20) | home) for home in (1023, 1022, 0, 1, 7, 6) for tag in range(3)]
 EXTREMES = [0, 1, TOP, TOP - 1, 1 << 63, (1 << 63) - 1, 1 << 32, (1 << 30) - 1, 1 << 30, 1 << 60]
 INVALID = [-1, -(1 << 70), 1 << 64, 1 << 100, "x", 1.5, 1.0, None, (1,), [1], b"\x01"]
 
 
 def test_the_helpers_invert_the_mixer() -> None:
     for m in (0, 1, 5, TOP, 1 << 63):
-        assert _mix(_unmix(m)) == m
-    assert {_mix(h) & 1023 for h in COLLIDING} == {1023, 1022, 0, 1, 7, 6}
+        assert mix64(unmix64(m)) == m
+    assert {mix64(h) & 1023 for h in COLLIDING} == {1023, 1022, 0, 1, 7, 6}
 
 
 def test_the_compiled_table_is_built_and_chosen() -> None:
@@ -155,6 +137,9 @@ class Model:
     def keys(self) -> list[int]:
         return list(self.d)
 
+    def iter(self) -> list[int]:
+        return list(self.d)
+
     def values(self) -> list[int]:
         return list(self.d.values())
 
@@ -162,31 +147,9 @@ class Model:
         return list(self.d.items())
 
 
-_LISTINGS = ("keys", "values", "items", "iter")
-
-
 def _apply(target: Any, op: tuple[Any, ...]) -> tuple[str, Any]:
     """Run ``op`` on a table or the model: ``("ok", result)`` or ``("raised", exception type)``."""
-    name, *args = op
-    model = isinstance(target, Model)
-    try:
-        if name == "getitem":
-            result = target.getitem(*args) if model else target[args[0]]
-        elif name == "setitem":
-            result = target.setitem(*args) if model else target.__setitem__(*args)
-        elif name == "delitem":
-            result = target.delitem(*args) if model else target.__delitem__(*args)
-        elif name == "contains":
-            result = target.contains(*args) if model else args[0] in target
-        elif name == "iter":
-            result = target.keys() if model else list(iter(target))
-        elif name in _LISTINGS:
-            result = list(getattr(target, name)())
-        else:  # get, pop, clear and the bulk methods: the same names
-            result = getattr(target, name)(*args)
-    except Exception as exc:  # compared by type below
-        return ("raised", type(exc))
-    return ("ok", result)
+    return table_outcome(target, op, isinstance(target, Model))
 
 
 def _state(target: Any) -> tuple[int, list[tuple[int, int]]]:
@@ -256,7 +219,7 @@ def _op(rnd: random.Random, pool: list[int]) -> tuple[Any, ...]:
         return ("pop_oldest", rnd.choice([0, 1, 1, 2, 3, 5, 40, 1 << 70, -1, True, 2.0, "1"]))
     if kind == "clear":
         return ("clear",)
-    return (rnd.choice(_LISTINGS),)
+    return (rnd.choice(("keys", "values", "items", "iter")),)
 
 
 _POOLS: dict[str, Callable[[random.Random], list[int]]] = {

@@ -17,40 +17,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from index import key_table
+from tests.helpers import mix64, table_outcome, unmix64
 
 TOP = (1 << 64) - 1
 ID_END = 1 << 62
 FORMS = [pytest.param(True, id="native"), pytest.param(False, id="python")]
-_C1, _C2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
 
 
 def _new(native: bool) -> Any:  # Any: the tests hand the tables wrong types on purpose
     return key_table.new_table(native)
 
 
-def _mix(k: int) -> int:
-    """The compiled table's key mixer (murmur3 fmix64; its shard is ``h & 63``, its home slot ``h >> 6``)."""
-    k ^= k >> 33
-    k = (k * _C1) & TOP
-    k ^= k >> 33
-    k = (k * _C2) & TOP
-    return k ^ (k >> 33)
-
-
-def _unmix(h: int) -> int:
-    """The key whose mix is ``h``: keys placed in chosen shards and home slots of the compiled table (were its
-    mixer to change, they would be ordinary keys and every test here would still hold)."""
-    h ^= h >> 33
-    h = (h * pow(_C2, -1, 1 << 64)) & TOP
-    h ^= h >> 33
-    h = (h * pow(_C1, -1, 1 << 64)) & TOP
-    return h ^ (h >> 33)
-
-
 def _placed(home: int, shard: int = 5, tag: int = 0) -> int:
     """A key in ``shard`` of the compiled table with home slot ``home`` (for any capacity above ``home``); ``tag``
     tells apart keys with the same home."""
-    return _unmix((tag << 40) | (home << 6) | shard)
+    return unmix64((tag << 40) | (home << 6) | shard)
 
 
 #: keys in one shard of the compiled table, three each at homes 0, 1, 2, 3, 7 and 15: long clusters, wrapping at
@@ -63,8 +44,8 @@ INVALID_KEYS = [-1, -(1 << 70), 1 << 64, 1 << 100, "x", 1.5, 1.0, None, (1,)]
 
 def test_the_helpers_invert_the_mixer() -> None:
     for h in (0, 1, 5, TOP, 1 << 63, 0x1234_5678_9ABC_DEF0):
-        assert _mix(_unmix(h)) == h
-    assert _mix(_placed(7, shard=5, tag=2)) & 63 == 5 and (_mix(_placed(7, shard=5, tag=2)) >> 6) & 15 == 7
+        assert mix64(unmix64(h)) == h
+    assert mix64(_placed(7, shard=5, tag=2)) & 63 == 5 and (mix64(_placed(7, shard=5, tag=2)) >> 6) & 15 == 7
 
 
 def test_the_compiled_table_is_built_and_chosen() -> None:
@@ -101,6 +82,9 @@ class Model:
 
     def __init__(self) -> None:
         self.d: dict[int, int] = {}
+
+    def clear(self) -> None:
+        self.d.clear()
 
     def setitem(self, k: Any, v: Any) -> None:
         _store_checks([k])
@@ -176,24 +160,7 @@ class Model:
 
 def _apply(target: Any, op: tuple[Any, ...]) -> tuple[str, Any]:
     """Run ``op`` on a table or the model: ``("ok", result)`` or ``("raised", exception type)``."""
-    name, *args = op
-    model = isinstance(target, Model)
-    try:
-        if name == "setitem":
-            result = target.setitem(*args) if model else target.__setitem__(*args)
-        elif name == "getitem":
-            result = target.getitem(*args) if model else target[args[0]]
-        elif name == "delitem":
-            result = target.delitem(*args) if model else target.__delitem__(*args)
-        elif name == "contains":
-            result = target.contains(*args) if model else args[0] in target
-        elif name == "clear":
-            result = target.d.clear() if model else target.clear()
-        else:  # get and the bulk operations: the same names
-            result = getattr(target, name)(*args)
-    except Exception as exc:  # compared by type below
-        return ("raised", type(exc))
-    return ("ok", result)
+    return table_outcome(target, op, isinstance(target, Model))
 
 
 def _state(target: Any) -> tuple[int, list[tuple[int, int]]]:
