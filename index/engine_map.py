@@ -30,8 +30,9 @@ Pure data structure: no I/O.
 from __future__ import annotations
 
 import sys
+from collections import deque
 from collections.abc import Sequence
-from itertools import islice
+from itertools import islice, repeat
 
 from .engine_table import EngineTableLike, new_engine_table
 from .hashing import MmStart, block_keys, block_keys_array, block_keys_mm, pack_array
@@ -107,8 +108,8 @@ class EngineHashMap:
             return [None] * len(hashes)
         got: list[EngineEntry | None] = table.lookup(hashes)  # type: ignore[assignment]
         odd = self._odd.get(replica) if self._odd else None
-        if odd and None in got:
-            got = [odd.get(eh) if e is None else e for eh, e in zip(hashes, got, strict=True)]
+        if odd and None in got:  # the odd dict's entry, else the table's (a hash is in one of them at most)
+            got = list(map(odd.get, hashes, got))
         return got
 
     def snapshot(self, replica: int) -> dict[EngineHash, EngineEntry]:
@@ -198,16 +199,7 @@ class EngineHashMap:
                 keys = block_keys_array(pack_array(token_ids), block_size, last)  # type: ignore[assignment]
             if len(keys) != n:
                 raise ValueError(f"{n} engine pages for {len(keys)} router blocks")
-            odd = self._odd.get(replica) if self._odd else None
-            try:
-                new = table.update_pairs(hashes, keys)
-            except OverflowError:  # a hash beyond 64 bits (a byte digest): page by page
-                return keys, n - sum(
-                    self._put(replica, table, eh, k) for eh, k in zip(hashes, keys, strict=True)
-                )
-            if odd:  # a page recorded before as another kind of entry is now this one
-                new -= n - len([eh for eh in hashes if odd.pop(eh, None) is None])
-            return keys, n - new
+            return keys, n - self._record_keys(replica, table, hashes, keys)
         toks = list(left)
         toks.extend(token_ids)
         nleft = len(left)
@@ -217,7 +209,15 @@ class EngineHashMap:
         else:
             keys = block_keys(toks, block_size, last)  # type: ignore[assignment]
         j = 0
-        new = 0
+        key_hashes: list[EngineHash] = []  # pages that are one block: their hashes and keys
+        key_pages: list[BlockKey] = []
+        odd_hashes: list[
+            EngineHash
+        ] = []  # the other pages' hashes (their entries go straight into the odd dict)
+        odd = self._odd.get(replica)
+        if odd is None:
+            odd = self._odd[replica] = {}
+        before = len(odd)
         for i, eh in enumerate(hashes):
             end = nleft + (i + 1) * page
             nfull = end // block_size
@@ -226,14 +226,35 @@ class EngineHashMap:
             cut = nfull * block_size
             leftover = tuple(toks[cut:end])
             if not leftover and len(covered) == 1:
-                new += self._put(replica, table, eh, covered[0])
+                key_hashes.append(eh)
+                key_pages.append(covered[0])
                 continue
             head = keys[nfull - 1] if nfull else BlockKey(last)
             lmm = tuple(MmStart(p - cut, x) for p, x in starts if cut <= p < end) if starts else ()
-            new += self._put(
-                replica, table, eh, (head, leftover, covered, lmm) if lmm else (head, leftover, covered)
-            )
+            odd_hashes.append(eh)
+            odd[eh] = (head, leftover, covered, lmm) if lmm else (head, leftover, covered)
+        new = len(odd) - before
+        if odd_hashes and table:  # pages recorded before as the other kind of entry: moved, not new
+            new -= table.discard(odd_hashes)
+        if key_hashes:
+            new += self._record_keys(replica, table, key_hashes, key_pages)
         return keys, n - new
+
+    def _record_keys(
+        self, replica: int, table: EngineTableLike, hashes: list[EngineHash], keys: list[BlockKey]
+    ) -> int:
+        """Record pages that are one block each (``hashes[j]`` -> ``keys[j]``); how many were new."""
+        try:
+            new = table.update_pairs(hashes, keys)
+        except OverflowError:  # a hash beyond 64 bits (a byte digest): page by page
+            return sum(self._put(replica, table, eh, k) for eh, k in zip(hashes, keys, strict=True))
+        odd = self._odd.get(replica) if self._odd else None
+        if odd:  # pages recorded before as the other kind of entry: moved, not new
+            moved = odd.keys() & hashes
+            for eh in moved:
+                del odd[eh]
+            new -= len(moved)
+        return new
 
     def add_copies(self, replica: int, tier: int, keys: Sequence[BlockKey]) -> None:
         """Count one more copy of each of ``keys`` (blocks the replica already held in ``tier``)."""
@@ -298,8 +319,7 @@ class EngineHashMap:
             table.discard(hashes)
         odd = self._odd.get(replica) if self._odd else None
         if odd:
-            for eh in hashes:
-                odd.pop(eh, None)
+            deque(map(odd.pop, hashes, repeat(None)), maxlen=0)  # pop(eh, None) of each, the loop in C
 
     def drop(self, replica: int) -> None:
         """Forget the replica's map and copies (engine restart, replica left)."""
