@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, overload
 
-from .key_table import KEY_END
+from .key_table import check_u64s, int_bytes
 from .types import BlockKey, EngineHash
 
 try:
@@ -48,15 +47,6 @@ _T = TypeVar("_T")
 
 #: either form of the table (the same methods, documented on ``PyEngineTable``)
 EngineTableLike: TypeAlias = "EngineTable | PyEngineTable"
-
-
-def _check_ints(values: Sequence[int], what: str) -> None:
-    """``TypeError`` if one of ``values`` is not an int, else ``OverflowError`` if one is out of [0, 2**64)."""
-    for kind in set(map(type, values)):
-        if not issubclass(kind, int):
-            raise TypeError(f"{what} are ints, got {kind.__name__}")
-    if values and (min(values) < 0 or max(values) >= KEY_END):
-        raise OverflowError(f"{what} are ints in [0, 2**64)")
 
 
 def _list(values: _L, what: str) -> _L:
@@ -113,8 +103,8 @@ class PyEngineTable(dict[EngineHash, BlockKey]):
         raise KeyError(key)
 
     def __setitem__(self, key: EngineHash, value: BlockKey, /) -> None:
-        _check_ints([key], "engine hashes")
-        _check_ints([value], "router keys")
+        check_u64s([key], "engine hashes")
+        check_u64s([value], "router keys")
         super().__setitem__(key, value)
 
     def update_pairs(self, hashes: list[EngineHash], keys: list[BlockKey], /) -> int:
@@ -123,8 +113,8 @@ class PyEngineTable(dict[EngineHash, BlockKey]):
         hashes, keys = _list(hashes, "hashes"), _list(keys, "keys")
         if len(hashes) != len(keys):
             raise ValueError(f"{len(hashes)} hashes for {len(keys)} keys")
-        _check_ints(hashes, "engine hashes")
-        _check_ints(keys, "router keys")
+        check_u64s(hashes, "engine hashes")
+        check_u64s(keys, "router keys")
         before = len(self)
         self.update(zip(hashes, keys, strict=True))
         return len(self) - before
@@ -161,7 +151,7 @@ class PyEngineTable(dict[EngineHash, BlockKey]):
     def nbytes(self) -> int:
         """Bytes the table takes: the dict and its hashes' int objects (not the keys': the index holds them
         too). The compiled ``EngineTable``: its object, entry array and index."""
-        return sys.getsizeof(self) + sum((sys.getsizeof(h) + 15) & ~15 for h in self if h > 256)
+        return sys.getsizeof(self) + sum(map(int_bytes, self))
 
 
 def native_built() -> bool:

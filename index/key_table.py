@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, TypeAlias, TypeVar, overload
 
@@ -48,7 +48,15 @@ except ImportError:  # not built: PyKeyTable
 if TYPE_CHECKING:
     from .key_table_native import KeyTable
 
-__all__ = ["KeyTableLike", "PyKeyTable", "native_built", "new_table", "object_bytes"]
+__all__ = [
+    "KeyTableLike",
+    "PyKeyTable",
+    "check_u64s",
+    "int_bytes",
+    "native_built",
+    "new_table",
+    "object_bytes",
+]
 
 _T = TypeVar("_T")
 
@@ -99,19 +107,29 @@ def _keys(keys: object) -> list[BlockKey]:
     return keys
 
 
-def _check_run(keys: list[BlockKey]) -> None:
-    """The keys a run stores: ``TypeError`` if one is not an int, else ``OverflowError`` if one is out of
-    range."""
-    for kind in set(map(type, keys)):
+def check_u64s(values: Sequence[int], what: str) -> None:
+    """Values to store, ``what`` naming them: ``TypeError`` if one is not an int, else ``OverflowError`` if one is out
+    of [0, 2**64) (``index.engine_table`` checks its hashes and keys with it too)."""
+    for kind in set(map(type, values)):
         if not issubclass(kind, int):
-            raise TypeError(f"block keys are ints, got {kind.__name__}")
-    if keys and (min(keys) < 0 or max(keys) >= KEY_END):
-        raise OverflowError("block keys are ints in [0, 2**64)")
+            raise TypeError(f"{what} are ints, got {kind.__name__}")
+    if values and (min(values) < 0 or max(values) >= KEY_END):
+        raise OverflowError(f"{what} are ints in [0, 2**64)")
+
+
+def _check_run(keys: list[BlockKey]) -> None:
+    """The keys a run stores (``check_u64s``)."""
+    check_u64s(keys, "block keys")
 
 
 def object_bytes(obj: object) -> int:
     """Bytes ``obj`` takes on the heap: its size rounded up to the allocator's 16-byte blocks."""
     return (sys.getsizeof(obj) + 15) & ~15
+
+
+def int_bytes(value: int) -> int:
+    """Bytes an int object of ``value`` takes of its own: 0 for CPython's shared small ints, else ``object_bytes``."""
+    return object_bytes(value) if value > _SMALL_INT_MAX else 0
 
 
 class PyKeyTable:
@@ -175,7 +193,7 @@ class PyKeyTable:
     def nbytes(self) -> int:
         """Bytes the table takes: its object, list and dicts plus its node-id int objects (not the keys': they are
         the callers' objects too). The compiled ``KeyTable``: its object and slot arrays."""
-        ids = sum(object_bytes(v) for d in self.shards for v in d.values() if v > _SMALL_INT_MAX)
+        ids = sum(int_bytes(v) for d in self.shards for v in d.values())
         return sys.getsizeof(self) + sys.getsizeof(self.shards) + sum(map(sys.getsizeof, self.shards)) + ids
 
     def claim_run(self, keys: list[BlockKey], start: int, stop: int, nid: int, /) -> int:
