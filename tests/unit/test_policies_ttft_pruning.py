@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -118,22 +118,31 @@ class Twins:
 _TOKENS = st.integers(min_value=0, max_value=40_000)
 
 
+#: the profile generator's strategies, built once (see ``_BAD`` below)
+_TIER_SETS = st.sets(st.sampled_from(["cpu", "disk", "remote"]))
+_LINK_BYTES = st.sampled_from([1e9, 6.25e9, 25e9, 200e9])
+_LINK_LATENCY = st.sampled_from([0.0, 0.001, 0.01])
+_RATES = st.sampled_from([1_000.0, 5_000.0, 8_000.0, 16_000.0, 60_000.0])
+_OVERHEADS = st.sampled_from([0.0, 0.005, 0.02, 0.3])
+_ATTENTION = st.sampled_from([0.0, 0.0, 1e-9, 3.5e-9, 1e-7])
+_BYTES_PER_TOKEN = st.sampled_from([32_768.0, 147_456.0])
+_INTERFERENCE = st.sampled_from([0.0, 0.0005, 0.01])
+
+
 @st.composite
 def profiles(draw: st.DrawFn) -> ReplicaProfile:
     """A replica profile: any rate, overhead, attention, tier links (some too slow to use), decode interference."""
     tiers: dict[str, TierLink] = {}
-    for tier in draw(st.sets(st.sampled_from(["cpu", "disk", "remote"]))):
-        tiers[tier] = TierLink(
-            draw(st.sampled_from([1e9, 6.25e9, 25e9, 200e9])), draw(st.sampled_from([0.0, 0.001, 0.01]))
-        )
+    for tier in draw(_TIER_SETS):
+        tiers[tier] = TierLink(draw(_LINK_BYTES), draw(_LINK_LATENCY))
     return ReplicaProfile(
-        prefill_tokens_per_s=draw(st.sampled_from([1_000.0, 5_000.0, 8_000.0, 16_000.0, 60_000.0])),
-        fixed_overhead_s=draw(st.sampled_from([0.0, 0.005, 0.02, 0.3])),
-        attention_s_per_token2=draw(st.sampled_from([0.0, 0.0, 1e-9, 3.5e-9, 1e-7])),
-        bytes_per_token=draw(st.sampled_from([32_768.0, 147_456.0])),
+        prefill_tokens_per_s=draw(_RATES),
+        fixed_overhead_s=draw(_OVERHEADS),
+        attention_s_per_token2=draw(_ATTENTION),
+        bytes_per_token=draw(_BYTES_PER_TOKEN),
         tiers=tiers,
         fetch_overlaps_queue=draw(st.booleans()),
-        decode_interference_s=draw(st.sampled_from([0.0, 0.0005, 0.01])),
+        decode_interference_s=draw(_INTERFERENCE),
     )
 
 
@@ -141,28 +150,47 @@ def _maybe(value: st.SearchStrategy[Any], none: float = 0.15) -> st.SearchStrate
     return st.one_of(st.none(), value) if none else value
 
 
+#: the strategies the generators below draw from, built once (a strategy built inside a draw is built and
+#: validated again for every draw: most of these tests' time went there); the draws are the same
+_BAD = st.sampled_from([-1, -5_000, math.nan, math.inf, 10**400, int(1e308)])
+_KV_BAD = st.sampled_from([-0.5, math.nan, math.inf, 1.5])
+_ONE_IN_TEN = st.integers(0, 9)
+_QUEUED = _maybe(st.integers(0, 60))
+_RUNNING = _maybe(st.integers(0, 300))
+_QUEUED_TOKENS = _maybe(st.one_of(_TOKENS, st.integers(0, 2_000_000)))
+_INFLIGHT = st.integers(0, 30)
+_MAYBE_TOKENS = _maybe(_TOKENS)
+_KV_USAGE = _maybe(st.sampled_from([0.0, 0.1, 0.5, 0.79, 0.8, 0.85, 0.95, 0.999, 1.0]))
+_AGE = st.one_of(st.none(), st.floats(0.0, 10.0))
+_TOTAL_BLOCKS = st.one_of(st.none(), st.integers(100, 100_000))
+_ENGINE_BS = st.sampled_from([None, 16, 32])
+
+
 @st.composite
 def loads(draw: st.DrawFn, absurd: bool) -> LoadView:
     """Scraped loads with unknown gauges; with ``absurd``, sometimes negative, NaN, infinite or huge ones."""
-    bad = st.sampled_from([-1, -5_000, math.nan, math.inf, 10**400, int(1e308)])
-    kv_bad = st.sampled_from([-0.5, math.nan, math.inf, 1.5])
 
     def gauge(ok: st.SearchStrategy[Any], wrong: st.SearchStrategy[Any]) -> Any:
-        if absurd and draw(st.integers(0, 9)) == 0:
+        if absurd and draw(_ONE_IN_TEN) == 0:
             return draw(wrong)
-        return draw(_maybe(ok))
+        return draw(ok)
 
     return LoadView(
-        queued_requests=gauge(st.integers(0, 60), bad),
-        running_requests=gauge(st.integers(0, 300), bad),
-        queued_prefill_tokens=gauge(st.one_of(_TOKENS, st.integers(0, 2_000_000)), bad),
-        inflight_requests=draw(st.integers(0, 30)),
-        inflight_prefill_tokens=gauge(_TOKENS, bad) if absurd else draw(_TOKENS),
-        kv_usage=gauge(st.sampled_from([0.0, 0.1, 0.5, 0.79, 0.8, 0.85, 0.95, 0.999, 1.0]), kv_bad),
-        age_s=draw(st.one_of(st.none(), st.floats(0.0, 10.0))),
-        total_kv_blocks=draw(st.one_of(st.none(), st.integers(100, 100_000))),
-        engine_block_size=draw(st.sampled_from([None, 16, 32])),
+        queued_requests=gauge(_QUEUED, _BAD),
+        running_requests=gauge(_RUNNING, _BAD),
+        queued_prefill_tokens=gauge(_QUEUED_TOKENS, _BAD),
+        inflight_requests=draw(_INFLIGHT),
+        inflight_prefill_tokens=gauge(_MAYBE_TOKENS, _BAD) if absurd else draw(_TOKENS),
+        kv_usage=gauge(_KV_USAGE, _KV_BAD),
+        age_s=draw(_AGE),
+        total_kv_blocks=draw(_TOTAL_BLOCKS),
+        engine_block_size=draw(_ENGINE_BS),
     )
+
+
+_ONE_IN_THREE = st.integers(0, 2)
+_BOOLS = st.booleans()
+_HIT_AGE = st.sampled_from([0.0, 1.0, 30.0, 400.0])
 
 
 @st.composite
@@ -170,9 +198,10 @@ def hits(draw: st.DrawFn, prompt: int) -> PrefixHit:
     """A match: GPU / CPU / disk / remote blocks, part of it predicted, any age (sometimes past the prompt)."""
     cap = max(0, prompt + 64) // BS
     gpu = BS * draw(st.integers(0, cap))
-    if draw(st.integers(0, 2)) == 0:
+    if draw(_ONE_IN_THREE) == 0:
         return PrefixHit()
-    tier = [BS * draw(st.integers(0, cap // 2)) if draw(st.booleans()) else 0 for _ in range(3)]
+    half = st.integers(0, cap // 2)
+    tier = [BS * draw(half) if draw(_BOOLS) else 0 for _ in range(3)]
     total = gpu + sum(tier)
     return PrefixHit(
         gpu=gpu,
@@ -180,40 +209,57 @@ def hits(draw: st.DrawFn, prompt: int) -> PrefixHit:
         disk=tier[1],
         remote=tier[2],
         predicted=draw(st.sampled_from([0, 0, total // 2, total, gpu])),
-        age_s=draw(st.sampled_from([0.0, 1.0, 30.0, 400.0])),
+        age_s=draw(_HIT_AGE),
     )
 
 
 def rtts(absurd: bool) -> st.SearchStrategy[float]:
     """A candidate's round trip to the client (``Candidate.rtt_s``): mostly one region (0) or a few regions away
     (a few equal values, so ties stay common); with ``absurd``, sometimes negative, NaN, infinite or huge."""
-    ok = st.sampled_from([0.0, 0.0, 0.0, 0.002, 0.075, 0.16, 0.22, 1.5])
-    if not absurd:
-        return ok
-    return st.one_of(ok, ok, ok, st.sampled_from([-0.01, math.nan, math.inf, 1e299, 1e308]))
+    return _RTTS[absurd]
+
+
+_RTT_OK = st.sampled_from([0.0, 0.0, 0.0, 0.002, 0.075, 0.16, 0.22, 1.5])
+_RTTS = {
+    False: _RTT_OK,
+    True: st.one_of(_RTT_OK, _RTT_OK, _RTT_OK, st.sampled_from([-0.01, math.nan, math.inf, 1e299, 1e308])),
+}
+_SECS = st.sampled_from([0.0, 0.0006, 0.016, 0.4, 2.0, 30.0])
+_ADAPTER_TIER: st.SearchStrategy[Literal["gpu", "cpu", "storage"]] = st.sampled_from(
+    ["gpu", "cpu", "storage"]
+)
+_SLOT_WAIT = st.sampled_from([0.0, 0.0, 0.5, 6.0])
+_EVICT = st.sampled_from([0.0, 0.0, 0.0006, 0.05])
+_OCCUPY = st.sampled_from([0.0, 0.0, 1.5])
+_ONE_IN_SIX = st.integers(0, 5)
+_BAD_SECS = st.sampled_from([-1.0, math.nan, math.inf, 1e308])
+_COST_FIELD = st.sampled_from(["load_s", "activate_s", "slot_wait_s", "evict_s", "occupy_s"])
 
 
 @st.composite
 def adapter_costs(draw: st.DrawFn, absurd: bool) -> AdapterCost | None:
     """The request's LoRA adapter on a replica: GPU-resident, CPU-resident, loadable or waiting for a batch slot,
     with an eviction cost; with ``absurd``, sometimes a negative, NaN or infinite term."""
-    if draw(st.integers(0, 2)) == 0:
+    if draw(_ONE_IN_THREE) == 0:
         return None
-    secs = st.sampled_from([0.0, 0.0006, 0.016, 0.4, 2.0, 30.0])
     cost = AdapterCost(
-        tier=draw(st.sampled_from(["gpu", "cpu", "storage"])),
-        load_s=draw(secs),
-        activate_s=draw(secs),
-        slot_wait_s=draw(st.sampled_from([0.0, 0.0, 0.5, 6.0])),
-        evict_s=draw(st.sampled_from([0.0, 0.0, 0.0006, 0.05])),
-        occupy_s=draw(st.sampled_from([0.0, 0.0, 1.5])),
+        tier=draw(_ADAPTER_TIER),
+        load_s=draw(_SECS),
+        activate_s=draw(_SECS),
+        slot_wait_s=draw(_SLOT_WAIT),
+        evict_s=draw(_EVICT),
+        occupy_s=draw(_OCCUPY),
     )
-    if absurd and draw(st.integers(0, 5)) == 0:
-        bad = draw(st.sampled_from([-1.0, math.nan, math.inf, 1e308]))
-        setattr(
-            cost, draw(st.sampled_from(["load_s", "activate_s", "slot_wait_s", "evict_s", "occupy_s"])), bad
-        )
+    if absurd and draw(_ONE_IN_SIX) == 0:
+        bad = draw(_BAD_SECS)
+        setattr(cost, draw(_COST_FIELD), bad)
     return cost
+
+
+_PROFILE_LISTS = st.lists(profiles(), min_size=1, max_size=3)
+_LOADS = {False: loads(False), True: loads(True)}
+_ADAPTERS = {False: adapter_costs(False), True: adapter_costs(True)}
+_ONE_IN_FOUR = st.integers(0, 3)
 
 
 @st.composite
@@ -222,28 +268,31 @@ def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Ca
     has a round trip to the client (``rtts``)."""
     prompt = draw(st.integers(1, 12_000))
     nblocks = prompt // BS
-    profs = draw(st.lists(profiles(), min_size=1, max_size=3))
-    templates = draw(st.lists(st.tuples(loads(absurd), hits(prompt)), min_size=1, max_size=6))
+    profs = draw(_PROFILE_LISTS)
+    load_s, hit_s = _LOADS[absurd], hits(prompt)
+    templates = draw(st.lists(st.tuples(load_s, hit_s), min_size=1, max_size=6))
     n = draw(st.integers(1, 48))
-    lora = draw(st.booleans())  # a LoRA request: candidates carry the adapter's state (some do not know it)
+    lora = draw(_BOOLS)  # a LoRA request: candidates carry the adapter's state (some do not know it)
+    template_s, profile_s = st.integers(0, len(templates) - 1), st.integers(0, len(profs) - 1)
+    rtt_s, adapter_s = rtts(absurd), _ADAPTERS[absurd]
     cands = []
     for i in range(n):
-        load, hit = templates[draw(st.integers(0, len(templates) - 1))]
-        if draw(st.integers(0, 3)) == 0:  # a fresh one now and then
-            load, hit = draw(loads(absurd)), draw(hits(prompt))
-        prof = profs[draw(st.integers(0, len(profs) - 1))]
+        load, hit = templates[draw(template_s)]
+        if draw(_ONE_IN_FOUR) == 0:  # a fresh one now and then
+            load, hit = draw(load_s), draw(hit_s)
+        prof = profs[draw(profile_s)]
         cands.append(
             Candidate(
-                index=draw(st.integers(0, 3)) * 64 + i,
+                index=draw(_ONE_IN_FOUR) * 64 + i,
                 name=f"r{i}",
                 load=replace(load),
                 hit=replace(hit),
                 profile=prof,
-                rtt_s=draw(rtts(absurd)),
-                adapter=draw(adapter_costs(absurd)) if lora else None,
+                rtt_s=draw(rtt_s),
+                adapter=draw(adapter_s) if lora else None,
             )
         )
-    first_key = draw(st.integers(0, 3)) * 10_000  # a few prompts, so some prefixes become popular
+    first_key = draw(_ONE_IN_FOUR) * 10_000  # a few prompts, so some prefixes become popular
     request = RouteRequest(
         model="m",
         prompt_tokens=prompt,
