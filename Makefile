@@ -39,7 +39,10 @@ lint: venv ## ruff format check + ruff check + mypy --strict on every package (p
 	$(BIN)/ruff check .
 	$(BIN)/mypy index policies router membership sim fakes loadtest tests
 
-test: venv tools vllm lint ## the whole suite incl. real vLLM engines (what CI runs)
+# the set-up steps run side by side (vLLM's venv is mostly downloads and unpacking while the router's venv, helm
+# and mypy use the CPU): minutes off every cold run; each step's output is printed whole when it ends (-O)
+test: ## the whole suite incl. real vLLM engines (what CI runs)
+	$(MAKE) --no-print-directory -j3 -O vllm tools lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo: venv ## 4 fake engines + the router on loopback: kvroute (ttft) vs round_robin on a trace slice
