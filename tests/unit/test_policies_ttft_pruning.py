@@ -154,7 +154,7 @@ def _maybe(value: st.SearchStrategy[Any], none: float = 0.15) -> st.SearchStrate
 #: validated again for every draw: most of these tests' time went there); the draws are the same
 _BAD = st.sampled_from([-1, -5_000, math.nan, math.inf, 10**400, int(1e308)])
 _KV_BAD = st.sampled_from([-0.5, math.nan, math.inf, 1.5])
-_ONE_IN_TEN = st.integers(0, 9)
+_UP_TO_9 = st.integers(0, 9)
 _QUEUED = _maybe(st.integers(0, 60))
 _RUNNING = _maybe(st.integers(0, 300))
 _QUEUED_TOKENS = _maybe(st.one_of(_TOKENS, st.integers(0, 2_000_000)))
@@ -171,7 +171,7 @@ def loads(draw: st.DrawFn, absurd: bool) -> LoadView:
     """Scraped loads with unknown gauges; with ``absurd``, sometimes negative, NaN, infinite or huge ones."""
 
     def gauge(ok: st.SearchStrategy[Any], wrong: st.SearchStrategy[Any]) -> Any:
-        if absurd and draw(_ONE_IN_TEN) == 0:
+        if absurd and draw(_UP_TO_9) == 0:
             return draw(wrong)
         return draw(ok)
 
@@ -188,7 +188,7 @@ def loads(draw: st.DrawFn, absurd: bool) -> LoadView:
     )
 
 
-_ONE_IN_THREE = st.integers(0, 2)
+_UP_TO_2 = st.integers(0, 2)
 _BOOLS = st.booleans()
 _HIT_AGE = st.sampled_from([0.0, 1.0, 30.0, 400.0])
 
@@ -198,7 +198,7 @@ def hits(draw: st.DrawFn, prompt: int) -> PrefixHit:
     """A match: GPU / CPU / disk / remote blocks, part of it predicted, any age (sometimes past the prompt)."""
     cap = max(0, prompt + 64) // BS
     gpu = BS * draw(st.integers(0, cap))
-    if draw(_ONE_IN_THREE) == 0:
+    if draw(_UP_TO_2) == 0:
         return PrefixHit()
     half = st.integers(0, cap // 2)
     tier = [BS * draw(half) if draw(_BOOLS) else 0 for _ in range(3)]
@@ -231,7 +231,7 @@ _ADAPTER_TIER: st.SearchStrategy[Literal["gpu", "cpu", "storage"]] = st.sampled_
 _SLOT_WAIT = st.sampled_from([0.0, 0.0, 0.5, 6.0])
 _EVICT = st.sampled_from([0.0, 0.0, 0.0006, 0.05])
 _OCCUPY = st.sampled_from([0.0, 0.0, 1.5])
-_ONE_IN_SIX = st.integers(0, 5)
+_UP_TO_5 = st.integers(0, 5)
 _BAD_SECS = st.sampled_from([-1.0, math.nan, math.inf, 1e308])
 _COST_FIELD = st.sampled_from(["load_s", "activate_s", "slot_wait_s", "evict_s", "occupy_s"])
 
@@ -240,7 +240,7 @@ _COST_FIELD = st.sampled_from(["load_s", "activate_s", "slot_wait_s", "evict_s",
 def adapter_costs(draw: st.DrawFn, absurd: bool) -> AdapterCost | None:
     """The request's LoRA adapter on a replica: GPU-resident, CPU-resident, loadable or waiting for a batch slot,
     with an eviction cost; with ``absurd``, sometimes a negative, NaN or infinite term."""
-    if draw(_ONE_IN_THREE) == 0:
+    if draw(_UP_TO_2) == 0:
         return None
     cost = AdapterCost(
         tier=draw(_ADAPTER_TIER),
@@ -250,7 +250,7 @@ def adapter_costs(draw: st.DrawFn, absurd: bool) -> AdapterCost | None:
         evict_s=draw(_EVICT),
         occupy_s=draw(_OCCUPY),
     )
-    if absurd and draw(_ONE_IN_SIX) == 0:
+    if absurd and draw(_UP_TO_5) == 0:
         bad = draw(_BAD_SECS)
         setattr(cost, draw(_COST_FIELD), bad)
     return cost
@@ -259,7 +259,7 @@ def adapter_costs(draw: st.DrawFn, absurd: bool) -> AdapterCost | None:
 _PROFILE_LISTS = st.lists(profiles(), min_size=1, max_size=3)
 _LOADS = {False: loads(False), True: loads(True)}
 _ADAPTERS = {False: adapter_costs(False), True: adapter_costs(True)}
-_ONE_IN_FOUR = st.integers(0, 3)
+_UP_TO_3 = st.integers(0, 3)
 
 
 @st.composite
@@ -278,12 +278,12 @@ def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Ca
     cands = []
     for i in range(n):
         load, hit = templates[draw(template_s)]
-        if draw(_ONE_IN_FOUR) == 0:  # a fresh one now and then
+        if draw(_UP_TO_3) == 0:  # a fresh one now and then
             load, hit = draw(load_s), draw(hit_s)
         prof = profs[draw(profile_s)]
         cands.append(
             Candidate(
-                index=draw(_ONE_IN_FOUR) * 64 + i,
+                index=draw(_UP_TO_3) * 64 + i,
                 name=f"r{i}",
                 load=replace(load),
                 hit=replace(hit),
@@ -292,7 +292,7 @@ def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Ca
                 adapter=draw(adapter_s) if lora else None,
             )
         )
-    first_key = draw(_ONE_IN_FOUR) * 10_000  # a few prompts, so some prefixes become popular
+    first_key = draw(_UP_TO_3) * 10_000  # a few prompts, so some prefixes become popular
     request = RouteRequest(
         model="m",
         prompt_tokens=prompt,
