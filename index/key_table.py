@@ -117,11 +117,6 @@ def check_u64s(values: Sequence[int], what: str) -> None:
         raise OverflowError(f"{what} are ints in [0, 2**64)")
 
 
-def _check_run(keys: list[BlockKey]) -> None:
-    """The keys a run stores (``check_u64s``)."""
-    check_u64s(keys, "block keys")
-
-
 def object_bytes(obj: object) -> int:
     """Bytes ``obj`` takes on the heap: its size rounded up to the allocator's 16-byte blocks."""
     return (sys.getsizeof(obj) + 15) & ~15
@@ -209,7 +204,7 @@ class PyKeyTable:
         start, stop = _count(start, "start"), _count(stop, "stop")
         _node_id(nid, "nid")
         run = keys[start:stop]
-        _check_run(run)
+        check_u64s(run, "block keys")
         nid = _node_id(nid, "nid", len(run))
         return id_map.claim_run(self.shards, run, 0, len(run), nid)
 
@@ -221,7 +216,7 @@ class PyKeyTable:
         """Map ``keys[j]`` to ``nid + j``, whether present or not."""
         keys = _keys(keys)
         _node_id(nid, "nid")
-        _check_run(keys)
+        check_u64s(keys, "block keys")
         id_map.assign_run(self.shards, keys, _node_id(nid, "nid", len(keys)))
 
     def forget(self, keys: list[BlockKey], /) -> None:

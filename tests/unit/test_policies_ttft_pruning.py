@@ -213,13 +213,9 @@ def hits(draw: st.DrawFn, prompt: int) -> PrefixHit:
     )
 
 
-def rtts(absurd: bool) -> st.SearchStrategy[float]:
-    """A candidate's round trip to the client (``Candidate.rtt_s``): mostly one region (0) or a few regions away
-    (a few equal values, so ties stay common); with ``absurd``, sometimes negative, NaN, infinite or huge."""
-    return _RTTS[absurd]
-
-
 _RTT_OK = st.sampled_from([0.0, 0.0, 0.0, 0.002, 0.075, 0.16, 0.22, 1.5])
+#: a candidate's round trip to the client (``Candidate.rtt_s``), by ``absurd``: mostly one region (0) or a few
+#: regions away (a few equal values, so ties stay common); with ``absurd``, sometimes negative, NaN, infinite or huge
 _RTTS = {
     False: _RTT_OK,
     True: st.one_of(_RTT_OK, _RTT_OK, _RTT_OK, st.sampled_from([-0.01, math.nan, math.inf, 1e299, 1e308])),
@@ -274,7 +270,7 @@ def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Ca
     n = draw(st.integers(1, 48))
     lora = draw(_BOOLS)  # a LoRA request: candidates carry the adapter's state (some do not know it)
     template_s, profile_s = st.integers(0, len(templates) - 1), st.integers(0, len(profs) - 1)
-    rtt_s, adapter_s = rtts(absurd), _ADAPTERS[absurd]
+    rtt_s, adapter_s = _RTTS[absurd], _ADAPTERS[absurd]
     cands = []
     for i in range(n):
         load, hit = templates[draw(template_s)]
