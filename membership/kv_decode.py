@@ -227,7 +227,6 @@ class DecodedBatch:
         events: the well-formed events, in order.
         dropped: per-event drop reasons -> count (events that were malformed, unknown or filtered).
         notes: non-fatal observations -> count (e.g. ``bigram_tokens_converted``).
-        payload_digest: a digest of the raw payload, used to recognise the same batch again in a replay.
         filtered_hashes: engine hashes of well-formed ``BlockStored`` events dropped on purpose by our filters
             (another KV-cache group, an unknown medium, skipped bigram tokens): a later event whose parent is
             one of them is not an orphan worth a replay.
@@ -241,7 +240,6 @@ class DecodedBatch:
     events: list[Event]
     dropped: Counter[str] = field(default_factory=Counter)
     notes: Counter[str] = field(default_factory=Counter)
-    payload_digest: int = 0
     filtered_hashes: list[int] = field(default_factory=list)
     unknown_media: Counter[str] = field(default_factory=Counter)
 
@@ -644,7 +642,7 @@ def _decode_payload(
         return _bad_msgpack(exc, seq, limits.max_decoded_bytes // HASH_COST < len(payload))
     if parse.n_events > limits.max_events:
         return DecodeFailure("too_many_events", f"{parse.n_events} events", seq)
-    batch = _new_batch(payload, seq, topic, parse.ts_raw)
+    batch = _new_batch(seq, topic, parse.ts_raw)
     reader = _Events(payload, parse, batch, limits, slice_units)
     failure = yield from reader.read_all()
     if failure is not None:
@@ -659,12 +657,10 @@ def _decode_payload(
     return batch
 
 
-def _new_batch(payload: bytes, seq: int, topic: bytes, ts_raw: object) -> DecodedBatch:
-    """An empty batch for ``payload`` with its timestamp (``missing_ts`` noted when it is not a finite number)."""
+def _new_batch(seq: int, topic: bytes, ts_raw: object) -> DecodedBatch:
+    """An empty batch with its timestamp (``missing_ts`` noted when it is not a finite number)."""
     ts = float(ts_raw) if _is_number(ts_raw) and math.isfinite(float(ts_raw)) else None  # type: ignore[arg-type]
-    batch = DecodedBatch(
-        seq=seq, topic=topic, ts=ts, dp_rank=None, events=[], payload_digest=payload_digest(payload)
-    )
+    batch = DecodedBatch(seq=seq, topic=topic, ts=ts, dp_rank=None, events=[])
     if ts is None:
         batch.notes["missing_ts"] += 1
     return batch
@@ -735,7 +731,7 @@ def decode_native(payload: bytes, seq: int, topic: bytes, limits: DecodeLimits) 
             events.append(RemovedEvent(e[1], e[3], e[4], e[2]))
         else:
             events.append(ClearedEvent())
-    batch = _new_batch(payload, seq, topic, ts_raw)
+    batch = _new_batch(seq, topic, ts_raw)
     batch.events = events
     batch.dp_rank = _dp_rank(rank)
     return batch
