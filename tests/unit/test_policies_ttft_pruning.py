@@ -261,7 +261,7 @@ _UP_TO_3 = st.integers(0, 3)
 @st.composite
 def fleets(draw: st.DrawFn, absurd: bool = False) -> tuple[RouteRequest, list[Candidate]]:
     """A request and its candidates. Candidates are drawn from a few templates, so exact ties are common; each
-    has a round trip to the client (``rtts``)."""
+    has a round trip to the client (``_RTTS``)."""
     prompt = draw(st.integers(1, 12_000))
     nblocks = prompt // BS
     profs = draw(_PROFILE_LISTS)
